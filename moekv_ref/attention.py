@@ -1,0 +1,56 @@
+"""The attention arithmetic every cache shares: rotary embeddings and causal attention by position.
+
+Caches differ only in where K/V live and how they are gathered; once gathered, every cache calls
+`attend_by_position`, so "paged = contiguous" tests the gathering, not two copies of the math.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate pairs of channels of x (..., heads, Dh) by angles position * theta^(-2i/Dh).
+
+    positions has x's leading shape (...,).
+
+    The position is the token's absolute position in its sequence, never its index inside an
+    expert's cache: an expert sees a gappy subset of the sequence, and relative distances between
+    the tokens it holds must stay the true ones.
+    """
+    head_dim = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=x.device) / head_dim)
+    angles = positions.to(torch.float64)[..., None] * inv_freq         # (..., Dh/2)
+    cos = torch.cos(angles).to(x.dtype)[..., None, :]                   # (..., 1, Dh/2)
+    sin = torch.sin(angles).to(x.dtype)[..., None, :]
+    x1, x2 = x[..., 0::2], x[..., 1::2]                                 # (..., heads, Dh/2) each
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out
+
+
+def attend_by_position(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of queries over keys of ONE sequence, masked by absolute position.
+
+    q: (n, H, Dh), k and v: (m, Hkv, Dh), q_positions: (n,), k_positions: (m,).
+    A query at position p sees the keys at positions <= p. Every query must see at least one key
+    (itself, which its cache wrote before attending). Returns (n, H, Dh).
+    """
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=1)                             # (m, H, Dh)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,mhd->hnm", q, k) / math.sqrt(q.shape[-1])  # (H, n, m)
+    visible = k_positions[None, :] <= q_positions[:, None]             # (n, m)
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return torch.einsum("hnm,mhd->nhd", weights, v)                    # (n, H, Dh)

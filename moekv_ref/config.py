@@ -1,0 +1,216 @@
+"""Model configuration: one dataclass, validated, with derived sizes and named presets.
+
+Field names follow the Hugging Face configs of the models the presets describe (Mixtral, Qwen3-MoE,
+DeepSeek-V3, JetMoE): `hidden_size`, `num_hidden_layers`, `num_attention_heads`,
+`num_key_value_heads`, `num_local_experts`, `num_experts_per_tok`, ... The attention-expert fields
+(`num_attention_experts`, `num_attention_experts_per_tok`, `attention_routing`) are ours: no mainstream
+model routes attention with per-expert K/V, which is the subject of this project (DESIGN.md §1).
+
+Only `tiny` is ever built as a model here; the other presets are sizing-only: they give real shapes to
+the memory benchmark, the simulator and the cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ATTENTION_MODES = ("expert", "dense")
+ROUTINGS = ("topk", "threshold")
+_BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8": 1}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of an MoE transformer whose attention may itself be a mixture of experts.
+
+    attention_mode:
+      "expert": each layer has `num_attention_experts` attention experts with their own W_q/W_k/W_v/W_o;
+                a token routed to expert e appends its K/V to e's cache and its query sees only
+                tokens earlier routed to e (and itself).
+      "dense":  ordinary multi-head / grouped-query attention: exactly the E=1, k=1 case of the above.
+
+    attention_routing (only for "expert"):
+      "topk":      exactly `num_attention_experts_per_tok` experts per token.
+      "threshold": experts in order of router probability until their mass reaches
+                   `routing_threshold`; at least 1 and at most `num_attention_experts_per_tok`.
+    """
+
+    name: str = "custom"
+    vocab_size: int = 256
+    hidden_size: int = 128                   # D
+    num_hidden_layers: int = 4               # L
+    num_attention_heads: int = 2             # H, per attention expert
+    num_key_value_heads: int = 2             # Hkv, per attention expert (GQA when < H)
+    head_dim: int = 32                       # Dh
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    # attention experts (our addition)
+    attention_mode: str = "expert"
+    num_attention_experts: int = 8           # E
+    num_attention_experts_per_tok: int = 2   # K (k_max under threshold routing)
+    attention_routing: str = "topk"
+    routing_threshold: float = 0.5
+    # feed-forward experts (Mixtral's names)
+    num_local_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 192
+    # Multi-head latent attention (DeepSeek-V3). When kv_lora_rank > 0 the cache holds one compressed
+    # latent of kv_lora_rank + qk_rope_head_dim values per token instead of K and V per head.
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    # storage type of the KV cache, for sizing
+    kv_cache_dtype: str = "float32"
+
+    def __post_init__(self):
+        positive = [
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "num_attention_experts",
+            "num_attention_experts_per_tok", "num_local_experts", "num_experts_per_tok",
+            "moe_intermediate_size",
+        ]
+        for field in positive:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{field}={value!r} is not allowed: it must be a positive integer")
+        if self.attention_mode not in ATTENTION_MODES:
+            raise ValueError(f"attention_mode={self.attention_mode!r} is not one of {ATTENTION_MODES}")
+        if self.attention_routing not in ROUTINGS:
+            raise ValueError(f"attention_routing={self.attention_routing!r} is not one of {ROUTINGS}")
+        if self.attention_mode == "dense" and (
+            self.num_attention_experts != 1 or self.num_attention_experts_per_tok != 1
+        ):
+            raise ValueError(
+                "attention_mode='dense' is the E=1, k=1 case: num_attention_experts and "
+                f"num_attention_experts_per_tok must be 1, got {self.num_attention_experts} and "
+                f"{self.num_attention_experts_per_tok} (use ModelConfig.dense(...) or attention_mode='expert')"
+            )
+        if self.num_attention_experts_per_tok > self.num_attention_experts:
+            raise ValueError(
+                f"num_attention_experts_per_tok={self.num_attention_experts_per_tok} is greater than "
+                f"num_attention_experts={self.num_attention_experts}: top-k needs k <= E"
+            )
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} is greater than "
+                f"num_local_experts={self.num_local_experts}: top-k needs k <= E"
+            )
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2 != 0 and self.kv_lora_rank == 0:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if not 0.0 < self.routing_threshold <= 1.0:
+            raise ValueError(f"routing_threshold={self.routing_threshold} must be in (0, 1]")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta={self.rope_theta} must be positive")
+        if self.kv_lora_rank < 0 or self.qk_rope_head_dim < 0:
+            raise ValueError("kv_lora_rank and qk_rope_head_dim must be >= 0")
+        if self.kv_cache_dtype not in _BYTES_PER_DTYPE:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {tuple(_BYTES_PER_DTYPE)}"
+            )
+
+    # ----- derived sizes --------------------------------------------------------------------------
+    @property
+    def kv_values_per_token(self) -> int:
+        """Numbers one token stores in one (layer, expert) cache: K and V for every KV head, or the
+        MLA latent."""
+        if self.kv_lora_rank > 0:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_key_value_heads * self.head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token adds to one (layer, expert) cache."""
+        return self.kv_values_per_token * _BYTES_PER_DTYPE[self.kv_cache_dtype]
+
+    @property
+    def max_kv_entries_per_token(self) -> int:
+        """Worst case of cache entries one token adds over all layers (k_max per layer)."""
+        return self.num_hidden_layers * self.num_attention_experts_per_tok
+
+    def with_routing(self, routing: str, threshold: float | None = None) -> "ModelConfig":
+        """The same architecture with another attention routing (routing is not part of the weights)."""
+        changes = {"attention_routing": routing}
+        if threshold is not None:
+            changes["routing_threshold"] = threshold
+        return dataclasses.replace(self, **changes)
+
+    def architecture(self) -> dict:
+        """The fields that decide the shapes of the weights; a checkpoint must match these."""
+        keys = [
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "attention_mode", "num_attention_experts",
+            "num_local_experts", "moe_intermediate_size",
+        ]
+        return {key: getattr(self, key) for key in keys}
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown config fields {unknown}; allowed: {sorted(known)}")
+        return cls(**values)
+
+
+# ----- presets ------------------------------------------------------------------------------------
+PRESETS: dict[str, ModelConfig] = {
+    # The embedded default: byte-level, small enough to train on two CPU cores in minutes
+    # (scripts/train_tiny.py) and to run every notebook in seconds.
+    "tiny": ModelConfig(name="tiny"),
+    # Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json; Jiang et al., arXiv 2401.04088):
+    # dense GQA attention (32 query heads, 8 KV heads of 128), 8 FFN experts, top-2.
+    "mixtral-8x7b": ModelConfig(
+        name="mixtral-8x7b", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+        rope_theta=1e6, attention_mode="dense", num_attention_experts=1,
+        num_attention_experts_per_tok=1, num_local_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=14336, kv_cache_dtype="bfloat16",
+    ),
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json; Qwen3 technical report, arXiv 2505.09388):
+    # 48 layers, 32 query heads / 4 KV heads of 128, 128 fine-grained FFN experts, top-8.
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1e6, attention_mode="dense", num_attention_experts=1,
+        num_attention_experts_per_tok=1, num_local_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, kv_cache_dtype="bfloat16",
+    ),
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json; arXiv 2412.19437): 61 layers, 128 heads,
+    # multi-head latent attention caching kv_lora_rank=512 + qk_rope_head_dim=64 values per token,
+    # 256 routed FFN experts, top-8 (the shared expert is not modelled: it holds no KV).
+    "deepseek-v3": ModelConfig(
+        name="deepseek-v3", vocab_size=129280, hidden_size=7168, num_hidden_layers=61,
+        num_attention_heads=128, num_key_value_heads=128, head_dim=128,
+        max_position_embeddings=163840, attention_mode="dense", num_attention_experts=1,
+        num_attention_experts_per_tok=1, num_local_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=2048, kv_lora_rank=512, qk_rope_head_dim=64,
+        kv_cache_dtype="bfloat16",
+    ),
+    # JetMoE-8B (jetmoe/jetmoe-8b config.json; Shen et al., arXiv 2404.07413): 24 layers,
+    # mixture-of-attention with 8 experts, top-2, 16 KV heads of kv_channels=128, and 8 FFN experts,
+    # top-2. Its attention experts route Q/O but share K/V, so the cache is per token, not per
+    # expert (DESIGN.md §1): we size it as the attention experts would be if each kept its own K/V.
+    "jetmoe-8b": ModelConfig(
+        name="jetmoe-8b", vocab_size=32000, hidden_size=2048, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=16, head_dim=128, max_position_embeddings=4096,
+        attention_mode="expert", num_attention_experts=8, num_attention_experts_per_tok=2,
+        num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=5632,
+        kv_cache_dtype="bfloat16",
+    ),
+}
+
+
+def get_config(name: str, **overrides) -> ModelConfig:
+    """A preset by name, with optional field overrides (validated like any config)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; allowed: {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides) if overrides else PRESETS[name]

@@ -1,0 +1,60 @@
+"""Token-choice routing: which experts each token goes to, and with what weight.
+
+Both rules are causal: a token's choice depends only on its own hidden state, so a decode step can
+route a new token without looking at the future, and a cached prefix never needs re-routing.
+
+    topk       exactly k experts per token          -> every layer caches exactly k*T entries
+    threshold  experts by falling probability until their mass reaches p, 1 <= count <= k_max
+               -> the cache size of a sequence depends on what the router decides
+(Dynamic "top-p" routing as in Huang et al., "Harder Tasks Need More Experts: Dynamic Routing in MoE
+Models", arXiv 2403.07652.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Routing:
+    """The router's decision for a set of tokens.
+
+    probs:    (..., E) softmax of the router logits
+    selected: (..., E) bool, True where the token goes to the expert
+    gates:    (..., E) weight of each selected expert (renormalised over the selection), 0 elsewhere
+    """
+
+    probs: torch.Tensor
+    selected: torch.Tensor
+    gates: torch.Tensor
+
+    @property
+    def experts_per_token(self) -> torch.Tensor:
+        return self.selected.sum(-1)
+
+
+def route(logits: torch.Tensor, rule: str, k: int, threshold: float = 0.5) -> Routing:
+    """Route tokens from router logits (..., E) by `rule` ("topk" or "threshold")."""
+    num_experts = logits.shape[-1]
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k={k} must be in [1, {num_experts}] (the number of experts)")
+    probs = torch.softmax(logits, dim=-1)                        # (..., E)
+    order = torch.argsort(probs, dim=-1, descending=True, stable=True)
+    sorted_probs = torch.gather(probs, -1, order)                # (..., E) largest first
+    rank = torch.arange(num_experts, device=logits.device)
+    if rule == "topk":
+        keep_sorted = rank < k                                   # (E,) broadcast
+        keep_sorted = keep_sorted.expand_as(sorted_probs)
+    elif rule == "threshold":
+        # keep expert j (in sorted order) while the mass of the experts before it is below p
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        keep_sorted = (mass_before < threshold) & (rank < k)
+        keep_sorted[..., 0] = True                               # at least one expert
+    else:
+        raise ValueError(f"unknown routing rule {rule!r}; allowed: ('topk', 'threshold')")
+    selected = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)  # back to expert order
+    gates = probs * selected
+    gates = gates / gates.sum(-1, keepdim=True)
+    return Routing(probs=probs, selected=selected, gates=gates)
