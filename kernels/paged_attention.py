@@ -1,0 +1,286 @@
+"""Paged decode attention over per-expert KV caches.
+
+What it computes
+----------------
+One decode step of attention for R rows. A row is one (sequence, layer, expert): the tokens that
+sequence routed to that expert of that layer, cached in a pool of fixed-size blocks shared by every
+row (DESIGN.md §2). For row r and query head h:
+
+    out[r, h] = softmax(q[r, h] . K_r^T / sqrt(Dh)) V_r
+
+where K_r, V_r are the context_lens[r] tokens of the row, found through its block table:
+
+    logical token t of row r  ->  block block_tables[r, t // P], offset t % P
+                              ->  slot  block * P + offset  in  key_cache.view(-1, Hkv, Dh)
+
+Every cached token is visible: the new token's K/V is stored (store_kv.py) before it attends.
+Grouped-query attention: query head h reads KV head h // (H // Hkv).
+
+Memory layout (the paged cache, moekv_ref/cache/paged.py, owns it):
+    key_cache, value_cache   (num_blocks, P, Hkv, Dh), contiguous, float32 / float16 / bfloat16
+    block_tables             (R, max_blocks_per_row) int32; entries past a row's used blocks are
+                             padding and are never read
+    context_lens             (R,) int32, each >= 1
+    q, out                   (R, H, Dh)
+
+How the kernel works
+--------------------
+One program per (row, KV head). It holds the whole query-head group of that KV head (GQA), so each
+K/V byte is read from memory once per row. It walks the row's tokens in tiles of TOKEN_TILE logical
+tokens (>= 16) and keeps an online softmax (running max, running sum, rescaled accumulator) in
+float32, as in FlashAttention. Each token of a tile finds its own slot through the block table, so a
+tile may span several blocks (P < TOKEN_TILE) or part of one (P > TOKEN_TILE): P need not divide
+the tile nor be a power of two.
+
+Why no tl.dot: decode has one query per head, so the products are matrix-vector; the kernel is
+bound by memory, not arithmetic. tl.dot needs at least 16 rows on a GPU, which would mean padding the
+query group (often 1 to 8 heads) to 16 and, for a float32 cache, choosing between TF32 (too coarse
+for a 1e-5 check) and slow IEEE products. Elementwise float32 products reduced with tl.sum are exact
+to float32 on every cache dtype, on a GPU and in the interpreter alike.
+
+The split-K (flash-decoding) variant for long rows is in paged_attention_split_k.py; it reuses
+`attend_token_range` below.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_device
+
+
+# ----- the kernel ---------------------------------------------------------------------------------
+@triton.jit
+def attend_token_range(
+    query,                  # (GROUP_TILE, HEAD_DIM_TILE) float32, already multiplied by 1/sqrt(Dh)
+    key_cache_ptr,          # key pool, (num_blocks, P, Hkv, Dh) contiguous
+    value_cache_ptr,        # value pool, same layout as the key pool
+    block_table_ptr,        # this row's block table: logical block i -> physical block id (int32)
+    kv_head,                # which KV head of the pool this program reads
+    token_start,            # first logical token of the row to attend over
+    token_end,              # one past the last (the row's context length, or a split's end)
+    stride_slot,            # elements between consecutive slots of the pool (Hkv * Dh)
+    stride_head,            # elements between consecutive KV heads of a slot (Dh)
+    head_dim,               # Dh, the real width; HEAD_DIM_TILE >= Dh is its power-of-two tile
+    BLOCK_SIZE: tl.constexpr,     # P, tokens per block
+    TOKEN_TILE: tl.constexpr,     # logical tokens per loop iteration (>= 16, a power of two)
+    GROUP_TILE: tl.constexpr,     # query heads in `query`, a power of two
+    HEAD_DIM_TILE: tl.constexpr,  # next power of two >= Dh
+):
+    """Online softmax of `query` over logical tokens [token_start, token_end) of one row.
+
+    Returns (accumulator, running_max, running_sum): the unnormalized output sum_t e^(s_t - m) v_t
+    (GROUP_TILE, HEAD_DIM_TILE), m = max_t s_t (GROUP_TILE,), and sum_t e^(s_t - m) (GROUP_TILE,).
+    An empty range returns zeros, -inf and zeros. Tokens at or past token_end are never loaded: the
+    block-table entry and the K/V of a masked token are not read, so padding is never touched.
+    """
+    dims = tl.arange(0, HEAD_DIM_TILE)
+    dim_valid = dims < head_dim
+    running_max = tl.full([GROUP_TILE], float("-inf"), tl.float32)
+    running_sum = tl.zeros([GROUP_TILE], tl.float32)
+    accumulator = tl.zeros([GROUP_TILE, HEAD_DIM_TILE], tl.float32)
+    for tile_start in range(token_start, token_end, TOKEN_TILE):
+        tokens = tile_start + tl.arange(0, TOKEN_TILE)                   # logical token indices
+        token_valid = tokens < token_end
+        block_ids = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=token_valid, other=0)
+        slots = block_ids.to(tl.int64) * BLOCK_SIZE + tokens % BLOCK_SIZE  # (TOKEN_TILE,)
+        offsets = slots[:, None] * stride_slot + kv_head * stride_head + dims[None, :]
+        load_mask = token_valid[:, None] & dim_valid[None, :]
+        keys = tl.load(key_cache_ptr + offsets, mask=load_mask, other=0.0).to(tl.float32)
+        values = tl.load(value_cache_ptr + offsets, mask=load_mask, other=0.0).to(tl.float32)
+        # scores s = q . k for every (query head, token): (GROUP_TILE, TOKEN_TILE)
+        scores = tl.sum(query[:, None, :] * keys[None, :, :], axis=2)
+        scores = tl.where(token_valid[None, :], scores, float("-inf"))
+        # every tile holds >= 1 valid token, so new_max is finite and no -inf - -inf appears
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        correction = tl.exp(running_max - new_max)                       # 0 on the first tile
+        weights = tl.exp(scores - new_max[:, None])                      # (GROUP_TILE, TOKEN_TILE)
+        running_sum = running_sum * correction + tl.sum(weights, axis=1)
+        accumulator = accumulator * correction[:, None] + tl.sum(weights[:, :, None] * values[None, :, :], axis=1)
+        running_max = new_max
+    return accumulator, running_max, running_sum
+
+
+@triton.jit
+def load_query_group(
+    q_ptr,                  # queries (R, H, Dh), contiguous
+    row,                    # which row
+    kv_head,                # which KV head; its query heads are kv_head * group ... + group - 1
+    num_heads,              # H
+    group,                  # H // Hkv, query heads per KV head
+    head_dim,               # Dh
+    scale,                  # 1 / sqrt(Dh), folded into the query once instead of into every score
+    GROUP_TILE: tl.constexpr,     # next power of two >= group
+    HEAD_DIM_TILE: tl.constexpr,  # next power of two >= Dh
+):
+    """The query heads of one KV head as a float32 (GROUP_TILE, HEAD_DIM_TILE) tile, zero-padded."""
+    heads = kv_head * group + tl.arange(0, GROUP_TILE)
+    dims = tl.arange(0, HEAD_DIM_TILE)
+    mask = (tl.arange(0, GROUP_TILE) < group)[:, None] & (dims < head_dim)[None, :]
+    offsets = (row * num_heads + heads)[:, None] * head_dim + dims[None, :]
+    return tl.load(q_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * scale
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr,                # output (R, H, Dh), contiguous, dtype of q
+    q_ptr,                  # queries (R, H, Dh), contiguous, one decode token per row
+    key_cache_ptr,          # key pool (num_blocks, P, Hkv, Dh), contiguous
+    value_cache_ptr,        # value pool, same layout
+    block_tables_ptr,       # (R, max_blocks_per_row) int32
+    context_lens_ptr,       # (R,) int32, tokens cached per row (>= 1)
+    max_blocks_per_row,     # row stride of block_tables
+    num_heads,              # H
+    group,                  # H // Hkv
+    head_dim,               # Dh
+    stride_slot,            # Hkv * Dh
+    stride_head,            # Dh
+    scale,                  # 1 / sqrt(Dh)
+    BLOCK_SIZE: tl.constexpr,     # P
+    TOKEN_TILE: tl.constexpr,     # tokens per loop iteration, >= 16
+    GROUP_TILE: tl.constexpr,     # next power of two >= group
+    HEAD_DIM_TILE: tl.constexpr,  # next power of two >= Dh
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + row)
+    query = load_query_group(q_ptr, row, kv_head, num_heads, group, head_dim, scale,
+                             GROUP_TILE, HEAD_DIM_TILE)
+    accumulator, _, running_sum = attend_token_range(
+        query, key_cache_ptr, value_cache_ptr, block_tables_ptr + row.to(tl.int64) * max_blocks_per_row,
+        kv_head, 0, context_len, stride_slot, stride_head, head_dim,
+        BLOCK_SIZE, TOKEN_TILE, GROUP_TILE, HEAD_DIM_TILE,
+    )
+    out = accumulator / running_sum[:, None]                             # context_len >= 1: sum > 0
+    heads = kv_head * group + tl.arange(0, GROUP_TILE)
+    dims = tl.arange(0, HEAD_DIM_TILE)
+    mask = (tl.arange(0, GROUP_TILE) < group)[:, None] & (dims < head_dim)[None, :]
+    offsets = (row * num_heads + heads)[:, None] * head_dim + dims[None, :]
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----- the launcher -------------------------------------------------------------------------------
+def check_paged_inputs(q, key_cache, value_cache, block_tables, context_lens) -> None:
+    """Shape, dtype and layout checks shared by both paged decode launchers."""
+    assert q.dim() == 3, f"q must be (R, H, Dh), got {tuple(q.shape)}"
+    assert key_cache.dim() == 4, f"key_cache must be (num_blocks, P, Hkv, Dh), got {tuple(key_cache.shape)}"
+    assert key_cache.shape == value_cache.shape and key_cache.dtype == value_cache.dtype
+    assert key_cache.is_contiguous() and value_cache.is_contiguous(), "the KV pools must be contiguous"
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[2]
+    assert key_cache.shape[3] == head_dim, f"Dh differs: q {head_dim}, cache {key_cache.shape[3]}"
+    assert num_heads % num_kv_heads == 0, f"H={num_heads} is not a multiple of Hkv={num_kv_heads}"
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == num_rows
+    assert block_tables.is_contiguous()
+    assert context_lens.dtype == torch.int32 and context_lens.shape == (num_rows,)
+    check_device(q, key_cache, value_cache, block_tables, context_lens)
+
+
+def default_token_tile(group_tile: int, head_dim_tile: int) -> int:
+    """Tokens per tile: >= 16 (a GPU's minimum tile), and about 8192 float32 products per step, so
+    that the (group, tokens, Dh) product fits in registers when the query group is large."""
+    return max(16, min(128, 8192 // (group_tile * head_dim_tile)))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    token_tile: int | None = None,
+) -> torch.Tensor:
+    """Decode attention of q (R, H, Dh) over each row's paged K/V. Returns (R, H, Dh), dtype of q."""
+    check_paged_inputs(q, key_cache, value_cache, block_tables, context_lens)
+    q = q.contiguous()
+    num_rows, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    group_tile, head_dim_tile = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
+    token_tile = token_tile or default_token_tile(group_tile, head_dim_tile)
+    assert token_tile >= 16 and token_tile & (token_tile - 1) == 0, "token_tile: a power of two >= 16"
+    out = torch.empty_like(q)
+    if num_rows == 0:
+        return out
+    paged_attention_kernel[(num_rows, num_kv_heads)](
+        out, q, key_cache, value_cache, block_tables, context_lens,
+        block_tables.shape[1], num_heads, group, head_dim,
+        num_kv_heads * head_dim, head_dim, 1.0 / math.sqrt(head_dim),
+        BLOCK_SIZE=block_size, TOKEN_TILE=token_tile, GROUP_TILE=group_tile, HEAD_DIM_TILE=head_dim_tile,
+    )
+    return out
+
+
+# ----- the reference it must equal ----------------------------------------------------------------
+def gather_row(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """The row's tokens in logical order: (context_len, Hkv, Dh). Only the used blocks are read."""
+    block_size = cache.shape[1]
+    num_blocks = -(-context_len // block_size)
+    blocks = cache[block_table[:num_blocks].long()]                      # (num_blocks, P, Hkv, Dh)
+    return blocks.flatten(0, 1)[:context_len]                            # (context_len, Hkv, Dh)
+
+
+def paged_attention_reference(q, key_cache, value_cache, block_tables, context_lens) -> torch.Tensor:
+    """The same attention in plain PyTorch: gather each row's blocks, then softmax attention in float32."""
+    num_rows, num_heads, head_dim = q.shape
+    group = num_heads // key_cache.shape[2]
+    out = torch.empty_like(q)
+    for row in range(num_rows):
+        context_len = int(context_lens[row])
+        keys = gather_row(key_cache, block_tables[row], context_len).float()      # (n, Hkv, Dh)
+        values = gather_row(value_cache, block_tables[row], context_len).float()
+        keys = keys.repeat_interleave(group, dim=1)                               # (n, H, Dh)
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[row].float(), keys) / math.sqrt(head_dim)  # (H, n)
+        out[row] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), values).to(q.dtype)
+    return out
+
+
+# ----- random inputs for tests, the notebook and the benchmark ------------------------------------
+def random_paged_inputs(
+    context_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    spare_blocks: int = 3,
+    seed: int = 0,
+):
+    """A pool whose blocks are handed to rows in a shuffled order (scattered block ids), plus the
+    queries, block tables (padded with -1, which the kernel must never read) and context lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_row = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_row) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(dtype)
+    value_cache = torch.randn(shape, generator=generator).to(dtype)
+    order = torch.randperm(num_blocks, generator=generator)
+    block_tables = torch.full((len(context_lens), max(blocks_per_row) + 1), -1, dtype=torch.int32)
+    used = 0
+    for row, count in enumerate(blocks_per_row):
+        block_tables[row, :count] = order[used:used + count].int()
+        used += count
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=generator).to(dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    return [t.to(device) for t in (q, key_cache, value_cache, block_tables, lens)]
+
+
+# ----- benchmark ----------------------------------------------------------------------------------
+if __name__ == "__main__":
+    from ._utils import max_relative_error
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs = random_paged_inputs([1, 37, 64, 200], 8, 2, 64, 16, torch.float16, device)
+    error = max_relative_error(paged_attention(*inputs), paged_attention_reference(*inputs))
+    print(f"paged_attention vs reference, float16: max relative error {error:.1e}")
+    if device == "cpu":
+        print("no GPU here: correctness checked in the interpreter, no timing (see kernels/bench.py)")
+    else:
+        from .bench import bench_paged_attention
+        print(bench_paged_attention(num_rows=64, context_len=4096, block_size=16))
