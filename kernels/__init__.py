@@ -1,0 +1,45 @@
+"""Triton kernels beside their PyTorch references (DESIGN.md §5).
+
+Each file reads like a Triton tutorial, top to bottom: what it computes, the @triton.jit kernel with
+a comment per argument, a thin launcher with asserts, the plain-PyTorch reference it must equal, and
+a small benchmark under `if __name__ == "__main__"` (`python -m kernels.paged_attention`).
+
+    paged_attention.py          decode attention over the paged per-expert cache: one query per
+                                row (sequence, layer, expert), online softmax in float32
+    paged_attention_split_k.py  the same, split along tokens (flash-decoding) plus its reduction,
+                                for few rows with long contexts
+    store_kv.py                 new tokens' K/V into their slots (slot_mapping)
+    expert_gemm.py              grouped GEMM: tokens sorted by expert times each expert's weight
+    bench.py                    GPU benchmark: time, bandwidth against a device copy, TFLOP/s against
+                                torch.matmul, speed-up over the references; table + JSON
+
+The memory layout they share is the paged cache's (moekv_ref/cache/paged.py): one pool per K and V,
+(num_blocks, P, Hkv, Dh), for all layers and experts; block_tables (rows, max_blocks_per_row) int32;
+context_lens (rows,) int32 >= 1; slot = block_id * P + offset.
+
+On a CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here when no GPU is
+visible, before triton is first imported). Three rules keep what passes there compiling on a GPU:
+tiles of 16 or more for tl.dot, no autotune (it needs a GPU; bench.py sweeps tile sizes instead),
+and no bfloat16 arithmetic in the interpreter (kernels convert tiles to float32; stores of new K/V
+are pure copies, converted by torch beforehand).
+
+The model uses them when its backend is "triton"; "torch" (the readable path) is the default.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .expert_gemm import expert_gemm, expert_gemm_reference  # noqa: E402
+from .paged_attention import paged_attention, paged_attention_reference  # noqa: E402
+from .paged_attention_split_k import paged_attention_split_k  # noqa: E402
+from .store_kv import store_kv, store_kv_reference  # noqa: E402
+
+__all__ = [
+    "expert_gemm", "expert_gemm_reference",
+    "paged_attention", "paged_attention_reference", "paged_attention_split_k",
+    "store_kv", "store_kv_reference",
+]

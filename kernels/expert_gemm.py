@@ -163,10 +163,10 @@ def random_gemm_inputs(
     seed: int = 0,
 ):
     """x (sum(counts), D), weights (E, D, F) scaled so outputs are O(1), counts (E,) int32."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(sum(counts), model_dim, generator=generator).to(dtype)
-    weights = (torch.randn(len(counts), model_dim, out_dim, generator=generator) * model_dim**-0.5).to(dtype)
-    return [t.to(device) for t in (x, weights, torch.tensor(counts, dtype=torch.int32))]
+    generator = torch.Generator(device).manual_seed(seed)   # drawn on the device: large pools are cheap
+    x = torch.randn(sum(counts), model_dim, generator=generator, device=device).to(dtype)
+    weights = (torch.randn(len(counts), model_dim, out_dim, generator=generator, device=device) * model_dim**-0.5).to(dtype)
+    return x, weights, torch.tensor(counts, dtype=torch.int32, device=device)
 
 
 # ----- benchmark ----------------------------------------------------------------------------------

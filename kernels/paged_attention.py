@@ -254,21 +254,21 @@ def random_paged_inputs(
 ):
     """A pool whose blocks are handed to rows in a shuffled order (scattered block ids), plus the
     queries, block tables (padded with -1, which the kernel must never read) and context lengths."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device).manual_seed(seed)   # drawn on the device: large pools are cheap
     blocks_per_row = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(blocks_per_row) + spare_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=generator).to(dtype)
-    value_cache = torch.randn(shape, generator=generator).to(dtype)
-    order = torch.randperm(num_blocks, generator=generator)
-    block_tables = torch.full((len(context_lens), max(blocks_per_row) + 1), -1, dtype=torch.int32)
+    key_cache = torch.randn(shape, generator=generator, device=device).to(dtype)
+    value_cache = torch.randn(shape, generator=generator, device=device).to(dtype)
+    order = torch.randperm(num_blocks, generator=generator, device=device)
+    block_tables = torch.full((len(context_lens), max(blocks_per_row) + 1), -1, dtype=torch.int32, device=device)
     used = 0
     for row, count in enumerate(blocks_per_row):
         block_tables[row, :count] = order[used:used + count].int()
         used += count
-    q = torch.randn(len(context_lens), num_heads, head_dim, generator=generator).to(dtype)
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-    return [t.to(device) for t in (q, key_cache, value_cache, block_tables, lens)]
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=generator, device=device).to(dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    return q, key_cache, value_cache, block_tables, lens
 
 
 # ----- benchmark ----------------------------------------------------------------------------------

@@ -96,17 +96,17 @@ def random_store_inputs(
     seed: int = 0,
 ):
     """New K/V in float32, pools of `dtype`, and distinct scattered slots; the last slot is -1."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device).manual_seed(seed)   # drawn on the device: large pools are cheap
     assert num_tokens <= num_blocks * block_size
-    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator)
-    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator, device=device)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator, device=device)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=generator).to(dtype)
-    value_cache = torch.randn(shape, generator=generator).to(dtype)
-    slot_mapping = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
+    key_cache = torch.randn(shape, generator=generator, device=device).to(dtype)
+    value_cache = torch.randn(shape, generator=generator, device=device).to(dtype)
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=generator, device=device)[:num_tokens]
     if num_tokens > 1:
         slot_mapping[-1] = -1
-    return [t.to(device) for t in (key, value, key_cache, value_cache, slot_mapping)]
+    return key, value, key_cache, value_cache, slot_mapping
 
 
 # ----- benchmark ----------------------------------------------------------------------------------

@@ -113,3 +113,12 @@ def test_expert_gemm_rejects_counts_that_do_not_cover_x():
     x, weights, counts = random_gemm_inputs([4, 4], 16, 16, torch.float32, DEVICE)
     with pytest.raises(AssertionError, match="counts sum"):
         expert_gemm(x, weights, counts + 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark runs for real")
+def test_bench_refuses_to_run_without_a_gpu():
+    """No fake numbers: on a CPU the benchmark says why it measured nothing, and exits non-zero."""
+    from kernels import bench
+
+    with pytest.raises(SystemExit, match="no CUDA device: nothing was measured"):
+        bench.main(["--out", "/nonexistent/never-written.json"])
