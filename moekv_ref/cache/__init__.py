@@ -9,6 +9,9 @@ Within a sequence the new tokens continue the positions the cache already holds.
 Caches also answer `token_counts(seq_ids)` -> (num_seqs, L, E) and `free(seq_id)`.
 """
 
+from .block_pool import BlockPool, OutOfBlocksError
 from .contiguous import ContiguousKVCache
+from .kv_cache_manager import KVCacheManager
+from .paged import PagedKVCache
 
-__all__ = ["ContiguousKVCache"]
+__all__ = ["BlockPool", "ContiguousKVCache", "KVCacheManager", "OutOfBlocksError", "PagedKVCache"]

@@ -1,0 +1,263 @@
+"""The KV cache manager: a block table and a token count per (sequence, layer, expert) row.
+
+A *row* is the cache of one sequence at one layer for one attention expert. Rows are numbered
+
+    row = seq_index * (L * E) + layer * E + expert
+
+where seq_index is a slot the manager gives a sequence id when it first appears (reused after
+`free`). Everything is a tensor over rows, so that one call serves a whole step: the model's attention
+(a few rows) and the cache-only simulator (tens of thousands of rows) use the same code.
+
+    num_computed_tokens  (num_rows,)             int64  tokens stored in the row
+    block_tables         (num_rows, max_blocks)  int32  block ids of the row, in token order
+
+Token j of a row lives in block block_tables[row, j // P] at offset j % P; its slot in the flat
+pool is `slot = block_id * P + offset`. Entries past a row's ceil(n / P) used blocks are padding
+(the value `num_blocks`, out of range on purpose) and are never read.
+
+    row with n = 11 tokens, P = 4:      block_table = [ 7, 2, 9, pad, pad ]
+        block 7: t0 t1 t2 t3
+        block 2: t4 t5 t6 t7
+        block 9: t8 t9 t10 --        <- the tail: P - n % P slots allocated but not yet used
+
+Invariants after every public call (checked by `assert_consistent`, driven by property tests):
+  * a row with n tokens owns exactly ceil(n / P) blocks, listed in block_tables[row, :ceil(n/P)];
+  * no block is owned by two rows; owned blocks have ref_cnt 1; free + owned = num_blocks;
+  * a call that raises leaves the manager and the pool unchanged.
+
+The scheduler's questions have methods of their own (`num_free_blocks`, `num_blocks_needed`,
+`can_allocate`, `blocks_of_sequence`, `free`), so it never reaches into these tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .block_pool import BlockPool, OutOfBlocksError
+
+
+def check_block_size(block_size) -> int:
+    """Block sizes are powers of two: a GPU kernel then splits a slot into block and offset with a
+    shift and a mask, and the sweeps of the memory benchmark go 1, 2, 4, ... 256."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0 or (
+        block_size & (block_size - 1)
+    ):
+        raise ValueError(
+            f"block_size={block_size!r} is not allowed: it must be a positive power of two "
+            "(1, 2, 4, ..., 256)"
+        )
+    return block_size
+
+
+def ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
+    return (a + b - 1) // b
+
+
+class KVCacheManager:
+    """Block tables and token counts for every (sequence, layer, expert) row over one BlockPool."""
+
+    def __init__(self, num_layers: int, num_experts: int, block_size: int, num_blocks: int,
+                 shuffle_seed: int | None = None, initial_num_seqs: int = 4,
+                 initial_blocks_per_row: int = 4):
+        for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} is not allowed: it must be a positive integer")
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.block_size = check_block_size(block_size)
+        self.pool = BlockPool(num_blocks, shuffle_seed)
+        self.rows_per_seq = num_layers * num_experts
+        self.pad = num_blocks                       # padding in block tables: never a real block
+        num_rows = initial_num_seqs * self.rows_per_seq
+        self.num_computed_tokens = torch.zeros(num_rows, dtype=torch.int64)          # (R,)
+        self.block_tables = torch.full((num_rows, initial_blocks_per_row), self.pad,
+                                       dtype=torch.int32)                          # (R, W)
+        self._seq_index: dict[int, int] = {}        # sequence id -> its slot of rows
+        self._free_seq_indices = list(range(initial_num_seqs - 1, -1, -1))
+
+    # ----- sequences and rows --------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def sequences(self) -> list[int]:
+        return list(self._seq_index)
+
+    def add_sequence(self, seq_id: int) -> int:
+        """Give a new sequence a slot of L * E empty rows; returns its seq_index."""
+        seq_id = int(seq_id)
+        if seq_id in self._seq_index:
+            raise ValueError(f"sequence {seq_id} is already in the cache")
+        if not self._free_seq_indices:
+            self._grow_rows()
+        index = self._free_seq_indices.pop()
+        self._seq_index[seq_id] = index
+        return index
+
+    def seq_index(self, seq_id: int) -> int:
+        if int(seq_id) not in self._seq_index:
+            raise KeyError(f"sequence {seq_id} is not in the cache (unknown, or already freed); "
+                           f"known: {sorted(self._seq_index)[:10]}")
+        return self._seq_index[int(seq_id)]
+
+    def rows(self, seq_ids, layer: int, expert: int, add_missing: bool = False) -> torch.Tensor:
+        """Row ids of (seq_id, layer, expert) for each seq_id: (m,) int64."""
+        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
+            raise ValueError(f"(layer, expert)=({layer}, {expert}) outside [0, {self.num_layers}) x "
+                             f"[0, {self.num_experts})")
+        indices = []
+        for seq_id in torch.as_tensor(seq_ids).reshape(-1).tolist():
+            if add_missing and seq_id not in self._seq_index:
+                self.add_sequence(seq_id)
+            indices.append(self.seq_index(seq_id))
+        return torch.tensor(indices, dtype=torch.int64) * self.rows_per_seq + layer * self.num_experts + expert
+
+    def sequence_rows(self, seq_index: torch.Tensor) -> torch.Tensor:
+        """All L * E rows of sequences given by seq_index (m,): (m, L * E) int64, layer-major."""
+        return seq_index[:, None] * self.rows_per_seq + torch.arange(self.rows_per_seq)
+
+    # ----- the scheduler's questions --------------------------------------------------------------
+    def num_blocks_needed(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> int:
+        """Blocks that appending num_new_tokens[i] tokens to rows[i] would take from the pool."""
+        old = self.num_computed_tokens[rows]
+        return int((ceil_div(old + num_new_tokens, self.block_size) - ceil_div(old, self.block_size)).sum())
+
+    def can_allocate(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> bool:
+        return self.num_blocks_needed(rows, num_new_tokens) <= self.num_free_blocks
+
+    def blocks_of_sequence(self, seq_id: int) -> torch.Tensor:
+        """Every block the sequence owns, row by row in token order: (b,) int64. What a swap to a
+        CPU pool copies, and what `free` returns to the pool."""
+        rows = self.sequence_rows(torch.tensor([self.seq_index(seq_id)]))[0]     # (L*E,)
+        num_used = ceil_div(self.num_computed_tokens[rows], self.block_size)      # (L*E,)
+        used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (L*E, W)
+        return self.block_tables[rows][used].to(torch.int64)
+
+    def token_counts(self, seq_ids) -> torch.Tensor:
+        """Tokens held per (sequence, layer, expert): (num_seqs, L, E) int64; zeros for a sequence
+        the cache does not hold."""
+        seq_ids = [int(s) for s in seq_ids]
+        counts = torch.zeros(len(seq_ids), self.num_layers, self.num_experts, dtype=torch.int64)
+        for i, seq_id in enumerate(seq_ids):
+            if seq_id in self._seq_index:
+                rows = self.sequence_rows(torch.tensor([self._seq_index[seq_id]]))[0]
+                counts[i] = self.num_computed_tokens[rows].view(self.num_layers, self.num_experts)
+        return counts
+
+    def context_lens(self, rows: torch.Tensor) -> torch.Tensor:
+        """Tokens of each row as int32, the layout a decode kernel reads: (m,)."""
+        return self.num_computed_tokens[rows].to(torch.int32)
+
+    # ----- allocate / slots / free ----------------------------------------------------------------
+    def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> None:
+        """Make room for num_new_tokens[i] more tokens in rows[i] and count them as stored.
+
+        rows: (m,) distinct row ids; num_new_tokens: (m,) >= 0. New blocks are appended to each
+        row's block table in token order. Raises OutOfBlocksError, changing nothing, when the pool is
+        short (a scheduler asks `can_allocate` first)."""
+        P = self.block_size
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        num_new_tokens = torch.as_tensor(num_new_tokens, dtype=torch.int64)
+        if rows.shape != num_new_tokens.shape or rows.dim() != 1:
+            raise ValueError(f"rows and num_new_tokens must be 1-D of equal length, got "
+                             f"{tuple(rows.shape)} and {tuple(num_new_tokens.shape)}")
+        if rows.numel() == 0:
+            return
+        if (num_new_tokens < 0).any():
+            raise ValueError("num_new_tokens must be >= 0")
+        if rows.unique().numel() != rows.numel():
+            raise ValueError("rows must be distinct within one allocate_slots call")
+        old = self.num_computed_tokens[rows]                                       # (m,)
+        new = old + num_new_tokens
+        old_blocks, new_blocks = ceil_div(old, P), ceil_div(new, P)               # (m,)
+        needed = new_blocks - old_blocks                                          # (m,)
+        total = int(needed.sum())
+        if total > self.pool.num_free_blocks:
+            raise OutOfBlocksError(f"appending {int(num_new_tokens.sum())} tokens to {rows.numel()} "
+                                   f"rows needs {total} blocks; {self.pool.num_free_blocks} are free")
+        widest = int(new_blocks.max())
+        if widest > self.block_tables.shape[1]:
+            self._grow_tables(widest)
+        block_ids = self.pool.allocate(total)                                      # (total,)
+        # the k-th new block of row i goes to column old_blocks[i] + k of its table
+        owner = torch.repeat_interleave(torch.arange(rows.numel()), needed)      # (total,)
+        first_new = torch.cumsum(needed, 0) - needed                              # (m,)
+        column = torch.arange(total) - first_new[owner] + old_blocks[owner]       # (total,)
+        self.block_tables[rows[owner], column] = block_ids.to(torch.int32)
+        self.num_computed_tokens[rows] = new
+
+    def slot_mapping(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
+        """Slots of the last num_new_tokens[i] tokens of each row (call after allocate_slots):
+        (sum(num_new_tokens),) int64, row by row, in token order. Indexes key_cache.view(-1, Hkv, Dh)."""
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        num_new_tokens = torch.as_tensor(num_new_tokens, dtype=torch.int64)
+        ends = self.num_computed_tokens[rows]                                      # (m,)
+        return self._slots(rows, ends - num_new_tokens, num_new_tokens)
+
+    def row_slots(self, row: int) -> torch.Tensor:
+        """Slots of every token of one row, in token order: (n,) int64. What paged attention gathers."""
+        rows = torch.tensor([int(row)])
+        return self._slots(rows, torch.zeros(1, dtype=torch.int64), self.num_computed_tokens[rows])
+
+    def _slots(self, rows, starts, counts) -> torch.Tensor:
+        P = self.block_size
+        total = int(counts.sum())
+        owner = torch.repeat_interleave(torch.arange(rows.numel()), counts)      # (t,)
+        first = torch.cumsum(counts, 0) - counts                                  # (m,)
+        token = torch.arange(total) - first[owner] + starts[owner]                # (t,) index in row
+        block = self.block_tables[rows[owner], token // P].to(torch.int64)        # (t,)
+        return block * P + token % P
+
+    def free(self, seq_id: int) -> None:
+        """Return every block of a finished (or preempted) sequence to the pool and forget it.
+        Raises KeyError, changing nothing, for a sequence the cache does not hold (or freed twice)."""
+        index = self.seq_index(seq_id)                       # KeyError before any change
+        self.pool.free(self.blocks_of_sequence(seq_id))
+        rows = self.sequence_rows(torch.tensor([index]))[0]
+        self.num_computed_tokens[rows] = 0
+        self.block_tables[rows] = self.pad
+        del self._seq_index[int(seq_id)]
+        self._free_seq_indices.append(index)
+
+    # ----- growth of the bookkeeping tensors ------------------------------------------------------
+    def _grow_rows(self) -> None:
+        """Double the number of sequence slots (bookkeeping only; the pool never grows)."""
+        num_seqs = self.num_computed_tokens.numel() // self.rows_per_seq
+        extra = num_seqs * self.rows_per_seq
+        self.num_computed_tokens = torch.cat([self.num_computed_tokens,
+                                              torch.zeros(extra, dtype=torch.int64)])
+        self.block_tables = torch.cat([self.block_tables, torch.full(
+            (extra, self.block_tables.shape[1]), self.pad, dtype=torch.int32)])
+        self._free_seq_indices = list(range(2 * num_seqs - 1, num_seqs - 1, -1)) + self._free_seq_indices
+
+    def _grow_tables(self, min_width: int) -> None:
+        width = self.block_tables.shape[1]
+        while width < min_width:
+            width *= 2
+        extra = torch.full((self.block_tables.shape[0], width - self.block_tables.shape[1]), self.pad,
+                           dtype=torch.int32)
+        self.block_tables = torch.cat([self.block_tables, extra], dim=1)
+
+    # ----- checking --------------------------------------------------------------------------------
+    def assert_consistent(self) -> None:
+        """Check the invariants in the module docstring; raise AssertionError naming the broken one."""
+        self.pool.assert_consistent()
+        P = self.block_size
+        num_used = ceil_div(self.num_computed_tokens, P)                           # (R,)
+        used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (R, W)
+        owned = self.block_tables[used].to(torch.int64)
+        assert (self.block_tables[~used] == self.pad).all(), "a table entry past a row's blocks is set"
+        assert (owned < self.num_blocks).all(), "a row's used table entry is padding"
+        assert owned.unique().numel() == owned.numel(), "a block is owned by two rows (or twice)"
+        owners = torch.bincount(owned, minlength=self.num_blocks)
+        assert torch.equal(owners.to(torch.int32), self.pool.ref_cnt), "ref_cnt != number of owners"
+        assert owned.numel() + self.pool.num_free_blocks == self.num_blocks, "free + owned != total"
+        live = torch.zeros(self.num_computed_tokens.numel() // self.rows_per_seq, dtype=torch.bool)
+        live[list(self._seq_index.values())] = True
+        idle_rows = (~live).repeat_interleave(self.rows_per_seq)
+        assert (self.num_computed_tokens[idle_rows] == 0).all(), "a free sequence slot holds tokens"

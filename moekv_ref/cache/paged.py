@@ -1,0 +1,146 @@
+"""The paged per-expert KV cache: one pool of K/V blocks for every (sequence, layer, expert).
+
+Memory layout (the Triton kernels read exactly this):
+
+    key_cache, value_cache   (N, P, Hkv, Dh)   one pool for all layers and experts, model dtype
+    block_tables             (num_rows, W)     int32, from the KVCacheManager
+    context_lens             (num_rows,)       int32
+    slot_mapping             (n,)              int64, slot = block_id * P + offset, indexes
+                                               key_cache.view(-1, Hkv, Dh)
+
+The pool tensors are allocated once; `layer_view`-style per-layer buffers do not exist because a
+block may serve any layer and expert. Attention is pure PyTorch: gather the row's K/V through its
+block table, then the same `attend_by_position` every cache uses, so "paged = contiguous" tests the
+gathering and not a second copy of the math.
+
+Causality inside a row: the model hands this cache the tokens routed to one expert in position order,
+and each row holds its tokens in the order they arrived, so a key's index in the row orders it like
+its position; the query at row index i sees keys 0..i. We check that positions increase, so a caller
+that breaks this gets an error rather than a silently wrong mask.
+
+Dimension legend: N blocks, P block size, H heads, Hkv key/value heads, Dh head width,
+n new tokens of this call, m cached tokens of one row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import attend_by_position
+from ..config import ModelConfig
+from .kv_cache_manager import KVCacheManager, check_block_size
+
+
+class PagedKVCache:
+    """The `attend` contract of moekv_ref.cache over a paged block pool.
+
+    num_blocks: blocks in the pool (each P slots of one expert's Hkv x Dh keys and values).
+    shuffle_seed: scatter the free block queue, so that consecutive blocks of a row are far apart.
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 shuffle_seed: int | None = None):
+        L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
+        # One token of one sequence needs a block in each of its k rows of every layer (k_max under
+        # threshold routing): a smaller pool cannot hold even one sequence.
+        minimum = L * K
+        if not isinstance(num_blocks, int) or num_blocks < minimum:
+            raise ValueError(
+                f"num_blocks={num_blocks!r} is too small for even one sequence: one token needs "
+                f"{minimum} blocks (num_hidden_layers={L} x num_attention_experts_per_tok={K}); "
+                f"allow at least {minimum}"
+            )
+        self.config = config
+        self.manager = KVCacheManager(L, E, block_size, num_blocks, shuffle_seed)
+        self.block_size = block_size
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.key_cache = torch.zeros(shape, dtype=dtype, device=device)     # (N, P, Hkv, Dh)
+        self.value_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self._last_position: dict[int, torch.Tensor] = {}   # row -> last cached position (checks)
+
+    @classmethod
+    def for_model(cls, model, block_size: int = 16, num_blocks: int | None = None,
+                  max_num_seqs: int = 8, shuffle_seed: int | None = None) -> "PagedKVCache":
+        """A cache in the model's dtype and device. Without num_blocks, the pool holds the worst case
+        of max_num_seqs sequences of max_position_embeddings tokens (every token in k_max experts)."""
+        config = model.config
+        if num_blocks is None:
+            blocks_per_row = -(-config.max_position_embeddings // check_block_size(block_size))
+            num_blocks = max_num_seqs * config.max_kv_entries_per_token * blocks_per_row
+        parameter = next(model.parameters())
+        return cls(config, num_blocks, block_size, parameter.dtype, parameter.device, shuffle_seed)
+
+    # ----- the contract -----------------------------------------------------------------------------
+    def attend(self, layer, expert, seq_ids, positions, q, k, v):
+        """Store k, v (n, Hkv, Dh) under (sequence, layer, expert), then attend each query q (n, H, Dh)
+        over its row's cached tokens at positions <= its own. Returns (n, H, Dh)."""
+        Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
+        if k.shape[1:] != (Hkv, Dh) or v.shape != k.shape or q.shape[0] != k.shape[0]:
+            raise ValueError(f"k, v must be (n, {Hkv}, {Dh}) and q (n, H, {Dh}); got "
+                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        seqs = seq_ids.unique().tolist()                                      # sorted
+        tokens = [(seq_ids == s).nonzero().squeeze(1) for s in seqs]        # indices into the n tokens
+        new_seqs = [s for s in seqs if s not in self.manager.sequences]
+        for s in new_seqs:
+            self.manager.add_sequence(s)
+        try:
+            rows = self.manager.rows(seqs, layer, expert)                     # (m,)
+            counts = torch.tensor([t.numel() for t in tokens], dtype=torch.int64)   # (m,)
+            for row, idx in zip(rows.tolist(), tokens):
+                self._check_positions(row, positions[idx])
+            self.manager.allocate_slots(rows, counts)                         # may raise: nothing stored yet
+        except Exception:
+            for s in new_seqs:                                                 # leave the cache as it was
+                self.manager.free(s)
+            raise
+        order = torch.cat(tokens)                                             # (n,) grouped by sequence
+        slots = self.manager.slot_mapping(rows, counts)                       # (n,)
+        self.key_cache.view(-1, Hkv, Dh)[slots] = k[order].to(self.key_cache.dtype)
+        self.value_cache.view(-1, Hkv, Dh)[slots] = v[order].to(self.value_cache.dtype)
+        out = torch.empty_like(q)
+        for row, idx in zip(rows.tolist(), tokens):
+            self._last_position[row] = positions[idx[-1]]
+            out[idx] = self.paged_attention(row, q[idx])
+        return out
+
+    def paged_attention(self, row: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of the row's newest q.shape[0] tokens' queries over the whole row.
+
+        q: (n, H, Dh). Gathers the row's K/V through its block table, then masks causally by index
+        in the row (equal to masking by position, see the module docstring). Returns (n, H, Dh)."""
+        Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
+        slots = self.manager.row_slots(row)                                   # (m,)
+        keys = self.key_cache.view(-1, Hkv, Dh)[slots]                        # (m, Hkv, Dh)
+        values = self.value_cache.view(-1, Hkv, Dh)[slots]
+        m, n = slots.numel(), q.shape[0]
+        key_index = torch.arange(m)                                           # (m,)
+        query_index = torch.arange(m - n, m)                                  # (n,)
+        return attend_by_position(q, keys.to(q.dtype), values.to(q.dtype), query_index, key_index)
+
+    def _check_positions(self, row: int, positions: torch.Tensor) -> None:
+        previous = self._last_position.get(row)
+        if (positions[1:] <= positions[:-1]).any() or (previous is not None and positions[0] <= previous):
+            raise ValueError(
+                f"row {row}: positions {positions.tolist()[:8]} do not increase from the cached ones "
+                f"(last {None if previous is None else int(previous)}): tokens must arrive in order"
+            )
+
+    def token_counts(self, seq_ids) -> torch.Tensor:
+        return self.manager.token_counts(seq_ids)
+
+    def free(self, seq_id: int) -> None:
+        index = self.manager.seq_index(seq_id)                               # KeyError if unknown
+        first = index * self.manager.rows_per_seq
+        for row in range(first, first + self.manager.rows_per_seq):
+            self._last_position.pop(row, None)
+        self.manager.free(seq_id)
+
+    # ----- for kernels and the scheduler ------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.manager.num_free_blocks
+
+    def kv_bytes(self) -> int:
+        """Bytes of the K and V pool tensors."""
+        return 2 * self.key_cache.numel() * self.key_cache.element_size()

@@ -1,0 +1,135 @@
+"""The paged cache equals the contiguous cache and full recompute (issue 3).
+
+Equivalence: the same prompts and sampling through `generate` with cache="paged" (block sizes 1, 4,
+16, 64, free queue shuffled so that a row's blocks are scattered over the pool) and cache="contiguous"
+give the same tokens and token counts, and logits within the foundation's tolerances of each other and
+of full recompute. Scenarios: exact block ids and slots; bad input raises before anything changes.
+"""
+
+import pytest
+import torch
+
+from moekv_ref.cache import KVCacheManager, OutOfBlocksError, PagedKVCache
+from moekv_ref.generate import generate
+from moekv_ref.sampling import SamplingParams
+
+from helpers import max_logit_error, random_model, random_prompts, small_config
+
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
+
+
+def _run(model, cache, **options):
+    prompts = random_prompts([3, 8], model.config.vocab_size, seed=5)
+    params = [SamplingParams(max_new_tokens=n, temperature=1.0, seed=i) for i, n in enumerate([4, 3])]
+    return generate(model, prompts, params, cache=cache, record_logits=True, **options)
+
+
+@pytest.mark.parametrize("mode,routing", [("expert", "topk"), ("expert", "threshold"),
+                                          ("dense", "topk"), ("dense", "threshold")])
+def test_paged_equals_contiguous_and_recompute(mode, routing):
+    dtype = torch.float32
+    model = random_model(small_config(mode, routing), seed=1, dtype=dtype)
+    reference = _run(model, "contiguous")
+    for block_size in (1, 4, 16, 64):
+        paged = _run(model, "paged", block_size=block_size, shuffle_seed=block_size)
+        assert paged.tokens == reference.tokens
+        assert torch.equal(paged.cache_counts, reference.cache_counts)
+        for a, b in zip(paged.logits, reference.logits):
+            assert (a - b).abs().max().item() <= TOLERANCE[dtype]
+        assert max_logit_error(model, paged) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_paged_equals_recompute_float64(block_size):
+    model = random_model(small_config("expert", "threshold"), seed=2, dtype=torch.float64)
+    paged = _run(model, "paged", block_size=block_size, shuffle_seed=0)
+    assert max_logit_error(model, paged) <= TOLERANCE[torch.float64]
+
+
+def test_blocks_are_scattered_and_slots_follow_tables():
+    """With a shuffled free queue a row's blocks are not adjacent; each token's slot is
+    block_table[row, j // P] * P + j % P."""
+    manager = KVCacheManager(num_layers=1, num_experts=2, block_size=4, num_blocks=32, shuffle_seed=0)
+    manager.add_sequence(7)
+    rows = manager.rows([7], 0, 1)
+    manager.allocate_slots(rows, torch.tensor([10]))
+    table = manager.block_tables[rows[0], :3].to(torch.int64)
+    assert (table.diff().abs() != 1).any()
+    expected = torch.cat([table[j // 4:j // 4 + 1] * 4 + j % 4 for j in range(10)])
+    assert torch.equal(manager.row_slots(int(rows[0])), expected)
+    assert torch.equal(manager.slot_mapping(rows, torch.tensor([3])), expected[7:])
+
+
+def test_exact_block_ids_unshuffled():
+    """Blocks are handed out 0, 1, 2, ... and the last freed is the first reused (LIFO)."""
+    manager = KVCacheManager(num_layers=1, num_experts=2, block_size=2, num_blocks=8)
+    manager.add_sequence(0)
+    manager.add_sequence(1)
+    a, b = manager.rows([0], 0, 0), manager.rows([1], 0, 1)
+    manager.allocate_slots(a, torch.tensor([3]))          # blocks 0, 1
+    manager.allocate_slots(b, torch.tensor([1]))          # block 2
+    manager.allocate_slots(a, torch.tensor([1]))          # fills block 1: no new block
+    manager.allocate_slots(a, torch.tensor([1]))          # block 3
+    assert manager.blocks_of_sequence(0).tolist() == [0, 1, 3]
+    assert manager.blocks_of_sequence(1).tolist() == [2]
+    manager.free(0)
+    manager.allocate_slots(b, torch.tensor([5]))          # 6 tokens -> 3 blocks: 2 new ones
+    assert manager.blocks_of_sequence(1).tolist() == [2, 3, 1]
+    manager.assert_consistent()
+
+
+def test_bad_input_leaves_everything_unchanged():
+    config = small_config("expert", "topk")
+    L, K = config.num_hidden_layers, config.num_attention_experts_per_tok
+    for bad in (0, -4, 3, 12):
+        with pytest.raises(ValueError, match="block_size"):
+            PagedKVCache(config, num_blocks=64, block_size=bad)
+    with pytest.raises(ValueError, match=f"at least {L * K}"):
+        PagedKVCache(config, num_blocks=L * K - 1, block_size=4)
+
+    manager = KVCacheManager(num_layers=2, num_experts=3, block_size=4, num_blocks=6)
+    manager.add_sequence(0)
+    manager.allocate_slots(manager.rows([0], 0, 0), torch.tensor([9]))   # 3 blocks
+    before = (manager.pool.free_block_ids(), manager.pool.ref_cnt.clone(),
+              manager.block_tables.clone(), manager.num_computed_tokens.clone())
+
+    def unchanged():
+        after = (manager.pool.free_block_ids(), manager.pool.ref_cnt,
+                 manager.block_tables, manager.num_computed_tokens)
+        return all(torch.equal(x, y) for x, y in zip(before, after))
+
+    with pytest.raises(KeyError, match="sequence 5"):
+        manager.free(5)
+    assert unchanged()
+    rows = manager.rows([0], 1, 2)
+    assert manager.num_blocks_needed(rows, torch.tensor([16])) == 4 and not manager.can_allocate(rows, torch.tensor([16]))
+    with pytest.raises(OutOfBlocksError, match="needs 4 blocks; 3 are free"):
+        manager.allocate_slots(rows, torch.tensor([16]))
+    assert unchanged()
+    with pytest.raises(ValueError, match="distinct"):
+        manager.allocate_slots(torch.cat([rows, rows]), torch.tensor([1, 1]))
+    assert unchanged()
+    with pytest.raises(ValueError, match="double free"):
+        manager.pool.free(torch.tensor([5]))            # block 5 is free
+    assert unchanged()
+    manager.free(0)
+    with pytest.raises(KeyError, match="already freed"):
+        manager.free(0)
+    assert manager.num_free_blocks == 6
+    manager.assert_consistent()
+
+
+def test_paged_attend_rejects_out_of_order_positions_without_storing():
+    config = small_config("dense", "topk")
+    cache = PagedKVCache(config, num_blocks=16, block_size=4)
+    H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    q, k = torch.randn(2, H, Dh), torch.randn(2, Hkv, Dh)
+    cache.attend(0, 0, torch.tensor([3, 3]), torch.tensor([0, 1]), q, k, k)
+    with pytest.raises(ValueError, match="do not increase"):
+        cache.attend(0, 0, torch.tensor([3]), torch.tensor([1]), q[:1], k[:1], k[:1])
+    assert cache.token_counts([3])[0, 0, 0] == 2
+    with pytest.raises(ValueError, match="do not increase"):
+        cache.attend(0, 0, torch.tensor([4, 4]), torch.tensor([2, 2]), q, k, k)
+    assert 4 not in cache.manager.sequences
+    cache.free(3)
+    assert cache.num_free_blocks == 16
