@@ -30,17 +30,26 @@ from ..attention import attend_by_position
 from ..config import ModelConfig
 from .kv_cache_manager import KVCacheManager, check_block_size
 
+BACKENDS = ("torch", "triton")
+
 
 class PagedKVCache:
     """The `attend` contract of moekv_ref.cache over a paged block pool.
 
     num_blocks: blocks in the pool (each P slots of one expert's Hkv x Dh keys and values).
     shuffle_seed: scatter the free block queue, so that consecutive blocks of a row are far apart.
+    backend: "torch" (the readable gather above, the default) or "triton": a decode call (one new
+             token per row) then stores with kernels.store_kv and attends with kernels.paged_attention
+             over all its rows in one launch; prefill calls keep the torch path. On a CPU the kernels
+             run in Triton's interpreter. Tests: tests/test_kernels_integration.py.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 shuffle_seed: int | None = None):
+                 shuffle_seed: int | None = None, backend: str = "torch"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        self.backend = backend
         L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
         # One token of one sequence needs a block in each of its k rows of every layer (k_max under
         # threshold routing): a smaller pool cannot hold even one sequence.
@@ -61,7 +70,8 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, model, block_size: int = 16, num_blocks: int | None = None,
-                  max_num_seqs: int = 8, shuffle_seed: int | None = None) -> "PagedKVCache":
+                  max_num_seqs: int = 8, shuffle_seed: int | None = None,
+                  backend: str = "torch") -> "PagedKVCache":
         """A cache in the model's dtype and device. Without num_blocks, the pool holds the worst case
         of max_num_seqs sequences of max_position_embeddings tokens (every token in k_max experts)."""
         config = model.config
@@ -69,7 +79,7 @@ class PagedKVCache:
             blocks_per_row = -(-config.max_position_embeddings // check_block_size(block_size))
             num_blocks = max_num_seqs * config.max_kv_entries_per_token * blocks_per_row
         parameter = next(model.parameters())
-        return cls(config, num_blocks, block_size, parameter.dtype, parameter.device, shuffle_seed)
+        return cls(config, num_blocks, block_size, parameter.dtype, parameter.device, shuffle_seed, backend)
 
     # ----- the contract -----------------------------------------------------------------------------
     def attend(self, layer, expert, seq_ids, positions, q, k, v):
@@ -96,6 +106,10 @@ class PagedKVCache:
             raise
         order = torch.cat(tokens)                                             # (n,) grouped by sequence
         slots = self.manager.slot_mapping(rows, counts)                       # (n,)
+        if self.backend == "triton" and bool((counts == 1).all()):
+            for row, idx in zip(rows.tolist(), tokens):
+                self._last_position[row] = positions[idx[-1]]
+            return self._decode_with_kernels(rows, order, slots, q, k, v)
         self.key_cache.view(-1, Hkv, Dh)[slots] = k[order].to(self.key_cache.dtype)
         self.value_cache.view(-1, Hkv, Dh)[slots] = v[order].to(self.value_cache.dtype)
         out = torch.empty_like(q)
@@ -117,6 +131,19 @@ class PagedKVCache:
         key_index = torch.arange(m)                                           # (m,)
         query_index = torch.arange(m - n, m)                                  # (n,)
         return attend_by_position(q, keys.to(q.dtype), values.to(q.dtype), query_index, key_index)
+
+    def _decode_with_kernels(self, rows, order, slots, q, k, v):
+        """The decode step on the Triton kernels: token order[i] is row rows[i]'s one new token."""
+        import kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
+
+        device = self.key_cache.device
+        kernels.store_kv(k[order], v[order], self.key_cache, self.value_cache, slots.to(device))
+        block_tables = self.manager.block_tables[rows].to(device)             # (m, W) int32
+        context_lens = self.manager.context_lens(rows).to(device)             # (m,) int32
+        out = torch.empty_like(q)
+        out[order] = kernels.paged_attention(q[order], self.key_cache, self.value_cache,
+                                             block_tables, context_lens)
+        return out
 
     def _check_positions(self, row: int, positions: torch.Tensor) -> None:
         previous = self._last_position.get(row)
