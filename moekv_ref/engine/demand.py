@@ -1,0 +1,120 @@
+"""How many blocks a sequence needs: the worst case of one step, the worst case of a lifetime, and a
+prediction from what the routers have been doing.
+
+Under threshold routing a token goes to 1..k_max experts per layer, and which ones is decided only when
+the router sees it. So the cache a request will need is not known when it arrives:
+
+    prediction (admission)   k_avg entries per token per layer, from running statistics, plus the
+                             bound on partly filled blocks: each (sequence, layer, expert) row wastes
+                             at most P - 1 slots in its last block
+    worst case (one step)    every new token could go to k_max experts and each could open a block;
+                             reserved before the step runs, so that no layer of a forward ever finds
+                             the pool empty (a forward cannot be stopped half-way through its layers)
+    worst case (lifetime)    the most blocks any routing could make a request hold; a request whose
+                             worst case exceeds the whole pool is refused at add_request, because an
+                             admitted request must be able to finish alone
+
+All functions are integer arithmetic on tensors: no model, testable on their own.
+
+The worst number of blocks n new tokens can open in one layer of one sequence, whose E rows hold
+c_e tokens (P slots per block, k_max experts per token, at most n tokens per expert):
+
+    bound A: every expert receives all n tokens      sum_e ceil((c_e + n) / P) - ceil(c_e / P)
+    bound B: k_max * n entries spread over m rows    m + (k_max * n - m) // P,  m = min(E, k_max * n)
+             (a touched row opens at most one block for its first token and one per P more)
+
+and the step's worst case is min(A, B). For a decode token (n = 1) that is min(k_max, number of rows
+whose last block is exactly full): most decode steps need far fewer than k_max blocks per layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def worst_case_step_blocks(token_counts: torch.Tensor, num_new_tokens: torch.Tensor, k_max: int,
+                           block_size: int) -> torch.Tensor:
+    """The most blocks each sequence's next `num_new_tokens` tokens could take from the pool.
+
+    token_counts: (m, L, E) tokens each (sequence, layer, expert) row holds now.
+    num_new_tokens: (m,). Returns (m,) int64: min(bound A, bound B) summed over layers.
+    """
+    m, _, E = token_counts.shape
+    n = num_new_tokens.to(torch.int64).view(m, 1, 1)                              # (m, 1, 1)
+    held = ceil_div(token_counts, block_size)                                      # (m, L, E)
+    bound_a = (ceil_div(token_counts + n, block_size) - held).sum(-1)              # (m, L)
+    entries = k_max * num_new_tokens.to(torch.int64)                               # (m,)
+    rows = torch.clamp(entries, max=E)                                             # (m,)
+    bound_b = rows + (entries - rows) // block_size                                # (m,)
+    return torch.minimum(bound_a, bound_b[:, None]).sum(-1)                        # (m,)
+
+
+def worst_case_lifetime_blocks(num_tokens: int, num_layers: int, num_experts: int, k_max: int,
+                               block_size: int) -> int:
+    """The most blocks a sequence of `num_tokens` cached tokens can hold under any routing.
+
+    Per layer: k_max * T entries over E rows of at most T tokens each, so at most
+    min(E * ceil(T / P), m + (k_max * T - m) // P) blocks with m = min(E, k_max * T).
+    """
+    entries = k_max * num_tokens
+    rows = min(num_experts, entries)
+    per_layer = min(num_experts * ceil_div(num_tokens, block_size), rows + (entries - rows) // block_size)
+    return num_layers * per_layer
+
+
+def min_lifetime_blocks(num_tokens: int, num_layers: int, k_min: int, block_size: int) -> int:
+    """The fewest blocks a sequence of `num_tokens` cached tokens can hold: k_min entries per token
+    per layer, packed into full blocks."""
+    return num_layers * ceil_div(k_min * num_tokens, block_size)
+
+
+def reserved_blocks(num_tokens: int, num_layers: int, num_experts: int, block_size: int) -> int:
+    """What a per-expert contiguous reservation sets aside: every (layer, expert) row of the
+    sequence reserves room for all of its tokens, since the router may send every token there."""
+    return num_layers * num_experts * ceil_div(num_tokens, block_size)
+
+
+class DemandPredictor:
+    """Predicts a request's blocks from running statistics of experts per token.
+
+    k_avg[l] is the mean number of experts per token at layer l over every token the engine has run
+    (before any token: k_max, the safe prior). The prediction for T cached tokens is, per layer,
+
+        entries = k_avg[l] * T
+        blocks  = ceil(entries / P + rows * (P - 1) / P),   rows = min(E, entries)
+
+    i.e. the blocks the entries fill, plus at most P - 1 wasted slots in the last block of every row
+    the sequence touches (the bound on partly filled blocks). Under top-k routing k_avg = k exactly,
+    and only the split across experts, hence the tail, is unknown.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, k_max: int, block_size: int):
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.k_max, self.block_size = k_max, block_size
+        self.num_entries = torch.zeros(num_layers, dtype=torch.float64)   # (L,) routed (token, expert)
+        self.num_tokens = 0
+
+    def observe(self, entries_per_layer: torch.Tensor, num_tokens: int) -> None:
+        """Add a step's routing: entries_per_layer (L,) = sum of experts per token over its tokens."""
+        self.num_entries += entries_per_layer.to(torch.float64)
+        self.num_tokens += int(num_tokens)
+
+    @property
+    def k_avg(self) -> torch.Tensor:
+        """(L,) experts per token per layer so far; k_max before anything was observed."""
+        if self.num_tokens == 0:
+            return torch.full((self.num_layers,), float(self.k_max), dtype=torch.float64)
+        return self.num_entries / self.num_tokens
+
+    def predict(self, num_tokens: int) -> int:
+        P = self.block_size
+        entries = self.k_avg * num_tokens                                        # (L,)
+        rows = torch.clamp(entries, max=self.num_experts)
+        per_layer = entries / P + rows * (P - 1) / P
+        return int(sum(math.ceil(x - 1e-9) for x in per_layer.tolist()))

@@ -1,0 +1,105 @@
+"""A request and the states it moves through.
+
+    add_request ──> WAITING ──admit──> RUNNING ──last token──> FINISHED
+                       ^                  │
+                       └──── PREEMPTED <──┘ preempt (recompute: blocks freed; swap: blocks copied
+                              (resume)               to the CPU swap space, then freed)
+
+Token bookkeeping (vLLM v1's): `all_token_ids` = prompt + generated tokens; `num_computed_tokens`
+of them have K/V in the cache. A step runs the next `all_token_ids[num_computed_tokens:]` (the whole
+prompt, a chunk of it, a single decode token, or, after a preemption by recompute, everything so far)
+and, once every token is computed, samples one more from the last logits.
+
+    prompt  p0 p1 p2 p3 | generated g0 g1 g2
+            |<--- num_computed_tokens --->|   g2 pending: the next step feeds it
+
+A request owns its `torch.Generator`, seeded from its SamplingParams: sampling does not depend on
+the batch, and preemption never resamples a token (recompute re-feeds the tokens it already has), so a
+preempted request produces exactly what it would have produced alone.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_step: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # static batching pads a batch to its longest output: the extra tokens are run and thrown away
+    num_padding_tokens: int = 0
+    swapped: bool = False                 # preempted by swap (its blocks wait in the swap space)
+    # statistics
+    predicted_blocks: int | None = None   # the admission prediction, made when first admitted
+    actual_blocks: int | None = None      # blocks it held when it finished
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    first_scheduled_step: int | None = None
+    finished_step: int | None = None
+
+    def __post_init__(self):
+        self.generator: torch.Generator = self.sampling_params.generator()
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens the next steps must run before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens + self.num_padding_tokens
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """Tokens the cache holds at the end: the last sampled token is never fed back."""
+        return len(self.prompt_token_ids) + self.max_new_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """What the user asked for: the output without static batching's padding."""
+        return self.output_token_ids[: self.sampling_params.max_new_tokens]
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    num_preemptions: int
+    predicted_blocks: int | None
+    actual_blocks: int | None
+
+    @classmethod
+    def from_request(cls, request: Request) -> "RequestOutput":
+        return cls(request.request_id, request.prompt_token_ids, request.generated_token_ids,
+                   request.num_preemptions, request.predicted_blocks, request.actual_blocks)
