@@ -96,25 +96,25 @@ class BlockPool:
         block_ids = self._checked_ids(block_ids)
         if block_ids.numel() == 0:
             return
-        drops = torch.bincount(block_ids, minlength=self.num_blocks).to(torch.int32)   # (N,)
-        over = (drops > self.ref_cnt).nonzero().squeeze(1)
+        # work over the distinct blocks given, not over the whole pool: freeing a sequence touches
+        # a few thousand blocks of a pool that may hold millions
+        unique_ids, inverse, drops = torch.unique(block_ids, return_inverse=True, return_counts=True)
+        owners = self.ref_cnt[unique_ids]                                             # (u,)
+        over = (drops > owners).nonzero().squeeze(1)
         if over.numel():
-            block = int(over[0])
+            i = int(over[0])
             raise ValueError(
-                f"block {block} is freed {int(drops[block])} time(s) but has ref_cnt "
-                f"{int(self.ref_cnt[block])}: a double free (pool unchanged)"
+                f"block {int(unique_ids[i])} is freed {int(drops[i])} time(s) but has ref_cnt "
+                f"{int(owners[i])}: a double free (pool unchanged)"
             )
-        was_used = self.ref_cnt > 0
-        self.ref_cnt -= drops
-        is_released = was_used & (self.ref_cnt == 0)                                  # (N,)
+        remaining = owners - drops.to(torch.int32)
+        self.ref_cnt[unique_ids] = remaining
         # Push the released blocks in the order given (first occurrence), so that the block freed
         # last is the first handed out again.
-        candidates = block_ids[is_released[block_ids]]                                # (c,)
-        unique_ids, inverse = torch.unique(candidates, return_inverse=True)
-        positions = torch.arange(candidates.numel())
-        first = torch.full((unique_ids.numel(),), candidates.numel(), dtype=torch.int64)
-        first = first.scatter_reduce(0, inverse, positions, reduce="amin")
-        released = candidates[first.sort().values]                                    # (r,)
+        first = torch.full((unique_ids.numel(),), block_ids.numel(), dtype=torch.int64)
+        first = first.scatter_reduce(0, inverse, torch.arange(block_ids.numel()), reduce="amin")
+        released = (remaining == 0).nonzero().squeeze(1)                              # (r,)
+        released = unique_ids[released[first[released].argsort()]]
         top = self._num_free
         self._free_stack[top: top + released.numel()] = released
         self._num_free = top + released.numel()

@@ -154,12 +154,14 @@ class KVCacheManager:
         return self.num_computed_tokens[rows].to(torch.int32)
 
     # ----- allocate / slots / free ----------------------------------------------------------------
-    def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> None:
+    def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor,
+                       rows_are_distinct: bool = False) -> None:
         """Make room for num_new_tokens[i] more tokens in rows[i] and count them as stored.
 
         rows: (m,) distinct row ids; num_new_tokens: (m,) >= 0. New blocks are appended to each
         row's block table in token order. Raises OutOfBlocksError, changing nothing, when the pool is
-        short (a scheduler asks `can_allocate` first)."""
+        short (a scheduler asks `can_allocate` first). rows_are_distinct=True skips the check that
+        rows are distinct (the simulator builds them distinct; the check is a sort)."""
         P = self.block_size
         rows = torch.as_tensor(rows, dtype=torch.int64)
         num_new_tokens = torch.as_tensor(num_new_tokens, dtype=torch.int64)
@@ -170,7 +172,7 @@ class KVCacheManager:
             return
         if (num_new_tokens < 0).any():
             raise ValueError("num_new_tokens must be >= 0")
-        if rows.unique().numel() != rows.numel():
+        if not rows_are_distinct and rows.unique().numel() != rows.numel():
             raise ValueError("rows must be distinct within one allocate_slots call")
         old = self.num_computed_tokens[rows]                                       # (m,)
         new = old + num_new_tokens

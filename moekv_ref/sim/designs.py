@@ -1,0 +1,184 @@
+"""Paged memory designs for the simulator, all answering the same five calls:
+
+    admit(seqs, final_lens)        sequences enter (final_lens: their total tokens, known to a trace;
+                                   only the `reserved` baseline uses it, as an oracle)
+    append(rows, num_new)          rows (a,) distinct, row = seq * (L * E) + layer * E + expert,
+                                   gain num_new (a,) slots each
+    release(seqs)                  sequences finish; their memory returns
+    allocated_slots()              KV slots taken from memory now (used or not)
+    metadata_bytes()               bytes of block tables, counts, ref counts ... a real system keeps
+    reads(rows)                    contiguous runs a decode step must read from these rows
+
+Rows are passed sparsely (only the rows a step touches) because a decode step of 64 sequences at
+E = 64, top-8, 16 layers touches 8,192 of 65,536 rows.
+
+Metadata is counted as a compact (CSR) layout would hold it, 4 bytes per integer: per block-table
+entry, per row in use (its token count), per allocated block (its ref_cnt). Our KVCacheManager keeps
+dense (rows x max_blocks) tables for readability; what we count is what a design *needs*.
+
+Three paged designs:
+
+  ManagerPagedDesign   the real KVCacheManager and BlockPool (what the model uses): the simulator's
+                       speed is this code's speed.
+  CountingPagedDesign  the same accounting from token counts alone (a row of n tokens owns
+                       ceil(n / P) blocks), cheap enough to sweep block sizes; a test checks it equals
+                       the manager-driven design step by step.
+  SharedTailDesign     full blocks stay private to their row, but the partly filled *tail* of every
+                       row of a sequence lives in tail blocks shared by all that sequence's
+                       (layer, expert) rows, at token granularity:
+
+        row (s, l, e) with n = 37, P = 16:  body blocks [12, 40] (32 tokens, contiguous runs)
+                                            tail: 5 slots in the tail blocks of sequence s
+        sequence s's tail blocks:  [ e3 e3 e7 e3 e1 e7 e7 -- ... ]  slots of many rows, interleaved
+
+     When a row's tail reaches P tokens they are copied into a fresh private block (one extra write
+     per token, amortized) and their tail slots become free for the next tail tokens. A sequence's
+     tail blocks are ceil(peak tail tokens / P): any free tail slot serves any row, so only the
+     current last tail block is partly empty. Waste per sequence is < P slots instead of < P per
+     row, at the cost of a tail slot index per tail token (metadata) and of reading up to P - 1
+     scattered slots per row in decode (`reads`). Freeing a sequence frees whole blocks, because tail
+     blocks are never shared across sequences. This design exists in the simulator only; the model's
+     PagedKVCache uses plain per-row pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.kv_cache_manager import KVCacheManager, ceil_div, check_block_size
+
+BYTES_PER_INDEX = 4
+
+
+class CountingPagedDesign:
+    """Plain per-row pages, accounted from token counts: row of n tokens owns ceil(n / P) blocks."""
+
+    def __init__(self, num_sequences: int, num_layers: int, num_experts: int, block_size: int):
+        self.name = f"paged(P={block_size})"
+        self.block_size = check_block_size(block_size)
+        self.rows_per_seq = num_layers * num_experts
+        self.tokens = torch.zeros(num_sequences * self.rows_per_seq, dtype=torch.int64)  # (S*L*E,)
+        self._num_blocks = 0
+        self._num_rows_in_use = 0
+
+    def admit(self, seqs, final_lens) -> None:
+        pass
+
+    def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
+        old = self.tokens[rows]                                                    # (a,)
+        new = old + num_new
+        self._num_blocks += int((ceil_div(new, self.block_size) - ceil_div(old, self.block_size)).sum())
+        self._num_rows_in_use += int((old == 0).sum())
+        self.tokens[rows] = new
+
+    def _sequence_tokens(self, seqs) -> torch.Tensor:
+        return self.tokens.view(-1, self.rows_per_seq)[seqs]                      # (m, L*E)
+
+    def release(self, seqs) -> None:
+        old = self._sequence_tokens(seqs)
+        self._num_blocks -= int(ceil_div(old, self.block_size).sum())
+        self._num_rows_in_use -= int((old > 0).sum())
+        self.tokens.view(-1, self.rows_per_seq)[seqs] = 0
+
+    def live_slots_of(self, seqs) -> int:
+        return int(self._sequence_tokens(seqs).sum())
+
+    def allocated_slots(self) -> int:
+        return self._num_blocks * self.block_size
+
+    def metadata_bytes(self) -> int:
+        # a table entry and a ref_cnt per block, a token count per row in use
+        return BYTES_PER_INDEX * (2 * self._num_blocks + self._num_rows_in_use)
+
+    def reads(self, rows) -> int:
+        return int(ceil_div(self.tokens[rows], self.block_size).sum())
+
+
+class ManagerPagedDesign:
+    """Plain per-row pages through the real KVCacheManager: every step is one `allocate_slots` over
+    all the rows it touches, with real block ids from the real free block queue."""
+
+    def __init__(self, num_sequences: int, num_layers: int, num_experts: int, block_size: int,
+                 num_blocks: int, shuffle_seed: int | None = None):
+        self.name = f"paged-manager(P={block_size})"
+        self.block_size = block_size
+        self.rows_per_seq = num_layers * num_experts
+        self.manager = KVCacheManager(num_layers, num_experts, block_size, num_blocks, shuffle_seed,
+                                      initial_num_seqs=max(1, num_sequences))
+        self._row_base = torch.zeros(num_sequences, dtype=torch.int64)  # trace seq -> first manager row
+
+    def admit(self, seqs, final_lens) -> None:
+        for seq in torch.as_tensor(seqs).tolist():
+            self._row_base[seq] = self.manager.add_sequence(seq) * self.rows_per_seq
+
+    def _manager_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._row_base[rows // self.rows_per_seq] + rows % self.rows_per_seq
+
+    def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
+        self.manager.allocate_slots(self._manager_rows(rows), num_new, rows_are_distinct=True)
+
+    def release(self, seqs) -> None:
+        for seq in torch.as_tensor(seqs).reshape(-1).tolist():
+            self.manager.free(seq)
+
+    def live_slots_of(self, seqs) -> int:
+        return int(self.manager.token_counts(torch.as_tensor(seqs).reshape(-1).tolist()).sum())
+
+    def allocated_slots(self) -> int:
+        return self.manager.pool.num_used_blocks * self.block_size
+
+    def metadata_bytes(self) -> int:
+        num_blocks = self.manager.pool.num_used_blocks
+        num_rows_in_use = int((self.manager.num_computed_tokens > 0).sum())
+        return BYTES_PER_INDEX * (2 * num_blocks + num_rows_in_use)
+
+    def reads(self, rows) -> int:
+        tokens = self.manager.num_computed_tokens[self._manager_rows(rows)]
+        return int(ceil_div(tokens, self.block_size).sum())
+
+
+class SharedTailDesign(CountingPagedDesign):
+    """Private full blocks, plus per-sequence tail blocks shared by the sequence's rows at token
+    granularity (module docstring)."""
+
+    def __init__(self, num_sequences: int, num_layers: int, num_experts: int, block_size: int):
+        super().__init__(num_sequences, num_layers, num_experts, block_size)
+        self.name = f"paged-shared-tail(P={block_size})"
+        self.tail_tokens = torch.zeros(num_sequences, dtype=torch.int64)          # (S,) now
+        self.tail_blocks = torch.zeros(num_sequences, dtype=torch.int64)          # (S,) held
+        self._num_body_blocks = 0
+
+    def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
+        P = self.block_size
+        old = self.tokens[rows]                                                    # (a,)
+        new = old + num_new
+        self._num_body_blocks += int((new // P - old // P).sum())
+        self.tail_tokens.index_add_(0, rows // self.rows_per_seq, new % P - old % P)
+        # a sequence holds enough tail blocks for the most tail tokens it ever had at once
+        self.tail_blocks = torch.maximum(self.tail_blocks, ceil_div(self.tail_tokens, P))
+        self._num_rows_in_use += int((old == 0).sum())
+        self.tokens[rows] = new
+
+    def release(self, seqs) -> None:
+        old = self._sequence_tokens(seqs)
+        self._num_body_blocks -= int((old // self.block_size).sum())
+        self._num_rows_in_use -= int((old > 0).sum())
+        self.tail_tokens[seqs] = 0
+        self.tail_blocks[seqs] = 0
+        self.tokens.view(-1, self.rows_per_seq)[seqs] = 0
+
+    def allocated_slots(self) -> int:
+        return (self._num_body_blocks + int(self.tail_blocks.sum())) * self.block_size
+
+    def metadata_bytes(self) -> int:
+        # body table entries and a ref_cnt per body block, a slot index per tail token, the
+        # sequence's list of tail blocks and their ref_cnt, a token count per row in use
+        num_tail_blocks = int(self.tail_blocks.sum())
+        num_tail_tokens = int(self.tail_tokens.sum())
+        return BYTES_PER_INDEX * (2 * self._num_body_blocks + num_tail_tokens + 2 * num_tail_blocks
+                                  + self._num_rows_in_use)
+
+    def reads(self, rows) -> int:
+        tokens = self.tokens[rows]
+        # each body block is one run; in the worst case every tail slot is a run of its own
+        return int((tokens // self.block_size + tokens % self.block_size).sum())

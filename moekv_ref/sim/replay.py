@@ -1,0 +1,118 @@
+"""Replaying a routing trace through a memory design.
+
+The schedule is a static batch in lock step: every sequence of the trace is admitted at step 0 and
+prefilled (its whole prompt at once); then each step appends one decode token to every sequence that
+is still running; a sequence is released at the end of the step that stored its last token. After
+every step we read the design's allocated slots and metadata bytes.
+
+    utilization            = sum over steps of live KV bytes / sum of allocated KV bytes
+    effective_utilization  = sum of live KV bytes / sum of (allocated KV bytes + metadata bytes)
+
+(time-averaged as ratios of integrals, so a step weighs by how much memory it holds). Every design
+sees the same steps, so the differences are the designs'.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .traces import RoutingTrace
+
+
+@dataclass
+class ReplayStats:
+    design: str
+    num_sequences: int
+    num_steps: int
+    slot_appends: int
+    live_bytes_time_sum: int          # sum over steps of live KV bytes
+    allocated_bytes_time_sum: int     # sum over steps of allocated KV bytes
+    metadata_bytes_time_sum: int
+    peak_bytes: int                   # max over steps of allocated + metadata bytes
+    decode_reads: int                 # contiguous runs read by all decode steps
+    decode_tokens: int                # decode tokens (one per running sequence per step)
+    seconds: float                    # wall time of the replay, trace lookups included
+
+    @property
+    def utilization(self) -> float:
+        return self.live_bytes_time_sum / max(1, self.allocated_bytes_time_sum)
+
+    @property
+    def effective_utilization(self) -> float:
+        return self.live_bytes_time_sum / max(1, self.allocated_bytes_time_sum + self.metadata_bytes_time_sum)
+
+    @property
+    def reads_per_decode_token(self) -> float:
+        """Contiguous runs (blocks) one decode token's attention reads, over all layers."""
+        return self.decode_reads / max(1, self.decode_tokens)
+
+    def summary(self) -> dict:
+        return {"utilization": self.utilization, "effective_utilization": self.effective_utilization,
+                "peak_bytes": self.peak_bytes, "reads_per_decode_token": self.reads_per_decode_token}
+
+
+def replay(trace: RoutingTrace, design, count_reads: bool = False) -> ReplayStats:
+    """Run every sequence of `trace` through `design` in lock step (module docstring)."""
+    started = time.perf_counter()
+    S = trace.num_sequences
+    lengths, prompts = trace.lengths, trace.prompt_lens
+    bytes_per_slot = trace.kv_bytes_per_slot
+    everyone = torch.arange(S)
+    design.admit(everyone, lengths)
+    rows, num_new = trace.prefill_appends(everyone)                                    # (a,), (a,)
+    design.append(rows, num_new)
+    live = int(num_new.sum())
+    appends, steps = live, 0
+    live_sum = allocated_sum = metadata_sum = peak = reads = decode_tokens = 0
+    stored = prompts.clone()                                       # (S,) tokens stored per sequence
+    finished = torch.zeros(S, dtype=torch.bool)
+    while True:
+        allocated, metadata = design.allocated_slots() * bytes_per_slot, design.metadata_bytes()
+        live_sum += live * bytes_per_slot
+        allocated_sum += allocated
+        metadata_sum += metadata
+        peak = max(peak, allocated + metadata)
+        steps += 1
+        done = ((stored == lengths) & ~finished).nonzero().squeeze(1)
+        if done.numel():
+            live -= design.live_slots_of(done)
+            design.release(done)
+            finished[done] = True
+        running = (~finished).nonzero().squeeze(1)                                     # (m,)
+        if running.numel() == 0:
+            break
+        rows = trace.decode_appends(running, stored[running])                          # (a,)
+        design.append(rows, torch.ones_like(rows))
+        live += rows.numel()
+        appends += rows.numel()
+        stored[running] += 1
+        if count_reads:
+            reads += design.reads(rows)
+            decode_tokens += running.numel()
+    return ReplayStats(design.name, S, steps, appends, live_sum, allocated_sum, metadata_sum, peak,
+                       reads, decode_tokens, time.perf_counter() - started)
+
+
+def max_concurrent_sequences(trace: RoutingTrace, make_design, budget_bytes: int) -> int:
+    """The most sequences of the trace (taken in order: the first n) that the design holds at once,
+    started together and run to completion, with allocated + metadata bytes never above
+    `budget_bytes`. Binary search on n; make_design(num_sequences) builds a fresh design."""
+    def fits(n: int) -> bool:
+        if n == 0:
+            return True
+        subset = trace.subset(list(range(n)))
+        return replay(subset, make_design(n)).peak_bytes <= budget_bytes
+
+    low, high = 0, trace.num_sequences          # fits(low) holds; find the largest n that fits
+    if fits(high):
+        return high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low

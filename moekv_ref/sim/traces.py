@@ -1,0 +1,161 @@
+"""Routing traces: which attention experts each token of each sequence went to, at every layer.
+
+A trace is all the cache needs to know about a run: a token routed to expert e at layer l appends one
+slot to row (sequence, l, e). Storing expert ids (not a (T, L, E) mask) keeps a trace of real-model
+shape small: 64 sequences x 512 tokens x 16 layers x top-8 is 4M int16.
+
+    experts      (num_tokens, L, K) int16   the experts of each token, -1 where a token used fewer
+                                            than K (threshold routing); sequences concatenated
+    offsets      (S + 1,)           int64   sequence s is tokens offsets[s] : offsets[s + 1]
+    prompt_lens  (S,)               int64   the first prompt_lens[s] tokens are prefilled at once
+
+Dimension legend: S sequences, L layers, E experts, K experts per token (k_max).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RoutingTrace:
+    experts: torch.Tensor          # (num_tokens, L, K) int16, -1 = none
+    offsets: torch.Tensor          # (S + 1,) int64
+    prompt_lens: torch.Tensor      # (S,) int64
+    num_experts: int               # E
+    kv_bytes_per_slot: int         # bytes of K and V one token stores in one (layer, expert) row
+    name: str = "trace"
+
+    def __post_init__(self):
+        if self.experts.dim() != 3:
+            raise ValueError(f"experts must be (num_tokens, L, K), got shape {tuple(self.experts.shape)}")
+        if int(self.offsets[-1]) != self.experts.shape[0]:
+            raise ValueError("offsets[-1] must equal the number of tokens")
+        if (self.prompt_lens < 1).any() or (self.prompt_lens > self.lengths).any():
+            raise ValueError("every prompt needs 1 <= prompt_len <= sequence length")
+
+    @property
+    def num_sequences(self) -> int:
+        return self.prompt_lens.numel()
+
+    @property
+    def num_layers(self) -> int:
+        return self.experts.shape[1]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    @property
+    def num_slot_appends(self) -> int:
+        """Slots the whole trace writes: one per (token, layer, selected expert)."""
+        return int((self.experts >= 0).sum())
+
+    def subset(self, seqs: list[int]) -> "RoutingTrace":
+        """The trace of some sequences only, renumbered 0..len(seqs)-1."""
+        parts = [self.experts[self.offsets[s]: self.offsets[s + 1]] for s in seqs]
+        lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        return RoutingTrace(torch.cat(parts), offsets, self.prompt_lens[seqs].clone(), self.num_experts,
+                            self.kv_bytes_per_slot, self.name)
+
+    def prefill_appends(self, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows the prompts of `seqs` fill and how many slots each gains.
+
+        Returns rows (a,) int64, distinct, numbered seq * (L * E) + layer * E + expert with seq the
+        trace's sequence id, and num_new (a,) int64 >= 1."""
+        L, E = self.num_layers, self.num_experts
+        count = self.prompt_lens[seqs]
+        owner = torch.repeat_interleave(seqs, count)                                  # (t,)
+        start = torch.cumsum(count, 0) - count
+        local = torch.arange(int(count.sum())) - torch.repeat_interleave(start, count)
+        token = self.offsets[owner] + local                                           # (t,)
+        chosen = self.experts[token].to(torch.int64)                                  # (t, L, K)
+        index = (owner[:, None, None] * L + torch.arange(L)[None, :, None]) * E + chosen
+        counts = torch.bincount(index[chosen >= 0], minlength=self.num_sequences * L * E)
+        rows = counts.nonzero().squeeze(1)
+        return rows, counts[rows]
+
+    def decode_appends(self, seqs: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
+        """The rows that token token_index[i] of sequence seqs[i] appends one slot to: (a,) int64,
+        distinct (a token's experts are distinct, and each sequence decodes one token)."""
+        L, E = self.num_layers, self.num_experts
+        chosen = self.experts[self.offsets[seqs] + token_index].to(torch.int64)      # (m, L, K)
+        rows = (seqs[:, None, None] * L + torch.arange(L)[None, :, None]) * E + chosen
+        return rows[chosen >= 0]
+
+
+def _lognormal_lengths(num: int, mean: float, sigma: float, generator) -> torch.Tensor:
+    """Integer lengths >= 1 from a log-normal with the given mean: mu = ln(mean) - sigma^2 / 2."""
+    mu = torch.log(torch.tensor(mean)) - sigma**2 / 2
+    values = torch.exp(mu + sigma * torch.randn(num, generator=generator))
+    return values.round().clamp(min=1).to(torch.int64)
+
+
+def synthetic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k: int,
+                    mean_prompt: float = 256, mean_output: float = 256, sigma: float = 0.5,
+                    zipf_s: float = 1.0, kv_bytes_per_slot: int = 512, seed: int = 0,
+                    name: str = "synthetic") -> RoutingTrace:
+    """Top-k routing with Zipf(s) expert popularity, log-normal prompt and output lengths.
+
+    Each layer ranks its experts by a random permutation (the hot expert differs per layer) and gives
+    the expert of rank r the weight 1 / r^s; a token takes k distinct experts, drawn with those weights
+    (Gumbel top-k, equivalent to sampling without replacement). zipf_s = 0 is uniform routing."""
+    for name_, value in (("num_sequences", num_sequences), ("num_layers", num_layers),
+                         ("num_experts", num_experts), ("top_k", top_k)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name_}={value!r} must be a positive integer")
+    if top_k > num_experts:
+        raise ValueError(f"top_k={top_k} is greater than num_experts={num_experts}")
+    if zipf_s < 0:
+        raise ValueError(f"zipf_s={zipf_s} must be >= 0")
+    generator = torch.Generator().manual_seed(seed)
+    prompts = _lognormal_lengths(num_sequences, mean_prompt, sigma, generator)
+    outputs = _lognormal_lengths(num_sequences, mean_output, sigma, generator)
+    lengths = prompts + outputs
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    rank = torch.stack([torch.randperm(num_experts, generator=generator) for _ in range(num_layers)])
+    log_weight = -zipf_s * torch.log1p(rank.to(torch.float32))                      # (L, E)
+    num_tokens = int(offsets[-1])
+    experts = torch.empty(num_tokens, num_layers, top_k, dtype=torch.int16)
+    chunk = 8192                                    # bounds the (chunk, L, E) noise tensor
+    for start in range(0, num_tokens, chunk):
+        n = min(chunk, num_tokens - start)
+        uniform = torch.rand(n, num_layers, num_experts, generator=generator).clamp_(1e-12, 1.0)
+        gumbel = -torch.log(-torch.log(uniform))
+        experts[start:start + n] = (log_weight + gumbel).topk(top_k, dim=-1).indices.to(torch.int16)
+    return RoutingTrace(experts, offsets, prompts, num_experts, kv_bytes_per_slot, name)
+
+
+@torch.no_grad()
+def record_model_trace(model, prompts: list[list[int]], output_lens: list[int],
+                       name: str = "model") -> RoutingTrace:
+    """The model's real attention routing on these prompts, continued greedily.
+
+    Routing is causal (routing.py), so one full forward over each finished sequence gives exactly the
+    decisions the cached decode made token by token."""
+    from ..generate import generate
+    from ..sampling import SamplingParams
+
+    config = model.config
+    if len(prompts) != len(output_lens):
+        raise ValueError(f"{len(prompts)} prompts but {len(output_lens)} output lengths")
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in output_lens]
+    result = generate(model, prompts, params, cache="contiguous")
+    parts = []
+    for prompt, generated in zip(prompts, result.tokens):
+        sequence = torch.tensor([prompt + generated[:-1]])
+        routing = model(sequence).attention_routing                                  # L x (1, T, E)
+        selected = torch.stack([r.selected[0] for r in routing], dim=1)              # (T, L, E)
+        K = config.num_attention_experts_per_tok
+        # selected experts first (in expert order), padded with -1 up to K
+        order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices[..., :K]
+        chosen = torch.where(torch.gather(selected, -1, order), order, -1)
+        parts.append(chosen.to(torch.int16))
+    lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    bytes_per_value = next(model.parameters()).element_size()
+    return RoutingTrace(torch.cat(parts), offsets, torch.tensor([len(p) for p in prompts]),
+                        config.num_attention_experts, config.kv_values_per_token * bytes_per_value, name)
