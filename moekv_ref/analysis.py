@@ -1,0 +1,155 @@
+"""What the router learned: per-layer expert load, router entropy against uniform, and which kinds of
+characters each attention expert prefers. Routing is what the notebooks show; these numbers are the
+evidence that the embedded model's routing is non-uniform and specialised, not random."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .tokenizer import encode
+
+CHARACTER_CLASSES = {
+    "lowercase": lambda c: "a" <= c <= "z",
+    "uppercase": lambda c: "A" <= c <= "Z",
+    "digit": lambda c: c.isdigit(),
+    "space": lambda c: c == " ",
+    "newline": lambda c: c == "\n",
+    "quote": lambda c: c in "'\"",
+    "bracket": lambda c: c in "()[]{}",
+    "operator": lambda c: c in "=+-*/<>%&|^~!",
+    "separator": lambda c: c in ".,:;",
+    "other": lambda c: True,
+}
+
+
+def character_class(byte: int) -> str:
+    char = chr(byte) if byte < 128 else "\x80"
+    for name, test in CHARACTER_CLASSES.items():
+        if test(char):
+            return name
+    return "other"
+
+
+@torch.no_grad()
+def routing_statistics(model, text: str, max_tokens: int | None = None) -> dict:
+    """Route `text` (in windows of the model's trained context) and summarise, per layer:
+    load (fraction of selections per expert), mean router entropy in bits against log2(E),
+    mean experts per token, and per expert the character class it is most enriched for
+    (P(class | expert) / P(class))."""
+    tokens = encode(text)[: max_tokens or None]
+    window = min(256, model.config.max_position_embeddings)
+    chunks = [tokens[i : i + window] for i in range(0, len(tokens), window)]
+    classes = list(CHARACTER_CLASSES)
+    class_of = torch.tensor([classes.index(character_class(t)) for t in tokens])
+    per_layer_selected = [[] for _ in range(model.config.num_hidden_layers)]
+    per_layer_probs = [[] for _ in range(model.config.num_hidden_layers)]
+    for chunk in chunks:
+        output = model(torch.tensor([chunk]))
+        for layer, routing in enumerate(output.attention_routing):
+            per_layer_selected[layer].append(routing.selected[0].cpu())
+            per_layer_probs[layer].append(routing.probs[0].double().cpu())
+    num_experts = model.config.num_attention_experts
+    class_share = torch.bincount(class_of, minlength=len(classes)).double() / len(tokens)
+    layers = []
+    for layer in range(model.config.num_hidden_layers):
+        selected = torch.cat(per_layer_selected[layer])                      # (T, E)
+        probs = torch.cat(per_layer_probs[layer])                            # (T, E)
+        load = selected.sum(0).double() / selected.sum()
+        entropy = -(probs * probs.clamp_min(1e-30).log2()).sum(-1).mean().item()
+        preferences = []
+        for expert in range(num_experts):
+            mine = class_of[selected[:, expert]]
+            if mine.numel() == 0:
+                preferences.append({"expert": expert, "class": None, "enrichment": 0.0})
+                continue
+            share = torch.bincount(mine, minlength=len(classes)).double() / mine.numel()
+            enrichment = share / class_share.clamp_min(1e-12)
+            enrichment[class_share < 0.01] = 0        # ignore classes too rare to judge
+            best = int(enrichment.argmax())
+            preferences.append({"expert": expert, "class": classes[best],
+                                "enrichment": float(enrichment[best]), "share": float(share[best])})
+        layers.append({
+            "layer": layer,
+            "load": load.tolist(),
+            "max_load_over_uniform": float(load.max() * num_experts),
+            "min_load_over_uniform": float(load.min() * num_experts),
+            "router_entropy_bits": entropy,
+            "uniform_entropy_bits": math.log2(num_experts),
+            "experts_per_token": float(selected.sum(-1).double().mean()),
+            "preferences": preferences,
+        })
+    return {"num_tokens": len(tokens), "layers": layers}
+
+
+def format_routing_statistics(stats: dict) -> str:
+    lines = [f"routing statistics over {stats['num_tokens']} tokens"]
+    for layer in stats["layers"]:
+        load = " ".join(f"{x:.2f}" for x in layer["load"])
+        lines.append(f"layer {layer['layer']}: load [{load}]  max/uniform {layer['max_load_over_uniform']:.2f}  "
+                     f"entropy {layer['router_entropy_bits']:.2f} bits (uniform {layer['uniform_entropy_bits']:.2f})  "
+                     f"experts/token {layer['experts_per_token']:.2f}")
+        prefs = ", ".join(f"e{p['expert']}:{p['class']} x{p['enrichment']:.1f}" for p in layer["preferences"])
+        lines.append(f"   prefers: {prefs}")
+    return "\n".join(lines)
+
+
+@torch.no_grad()
+def route_prompt(model, text: str) -> list[torch.Tensor]:
+    """Which experts each token of `text` goes to: one (T, E) bool tensor per layer."""
+    tokens = encode(text)
+    if not tokens:
+        raise ValueError("the prompt is empty: type at least one character")
+    output = model(torch.tensor([tokens]))
+    return [routing.selected[0].cpu() for routing in output.attention_routing]
+
+
+def decode_flops(config, context_length: int, cached: bool) -> int:
+    """Multiply-adds x 2 for ONE decode step at `context_length` tokens already in the sequence.
+
+    recompute: every token of the sequence goes through every layer again (projections of the k
+    routed experts, attention over the tokens each expert holds, FFN, head).
+    cached: only the new token; its attention reads the cache instead of recomputing it.
+    Attention scores are counted for an average expert holding k/E of the tokens.
+    """
+    D, H, Hkv, Dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    k, E = config.num_attention_experts_per_tok, config.num_attention_experts
+    projections = k * (D * H * Dh * 2 + D * Hkv * Dh * 2)                  # q, o and k, v
+    ffn = config.num_experts_per_tok * 3 * D * config.moe_intermediate_size
+    router = D * (E + config.num_local_experts)
+    per_token = config.num_hidden_layers * (projections + ffn + router) + D * config.vocab_size
+    held = (context_length + 1) * k / E                                     # tokens per expert cache
+    attention_per_query = config.num_hidden_layers * k * 2 * H * Dh * held
+    if cached:
+        return 2 * (per_token + attention_per_query)
+    tokens = context_length + 1
+    return 2 * (tokens * per_token + tokens * attention_per_query / 2)      # causal: half on average
+
+
+@torch.no_grad()
+def time_decode_step(model, context_length: int, cached: bool, repeats: int = 3, seed: int = 0) -> float:
+    """Seconds for one decode step after `context_length` tokens (best of `repeats`).
+
+    recompute: one full forward over context_length + 1 tokens.
+    cached: prefill a contiguous cache with context_length tokens (untimed), then time one token.
+    """
+    import time
+
+    from .cache import ContiguousKVCache
+
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.config.vocab_size, (context_length + 1,), generator=generator)
+    best = float("inf")
+    for _ in range(repeats):
+        if cached:
+            cache = ContiguousKVCache(model.config.num_hidden_layers, model.config.num_attention_experts)
+            zeros = torch.zeros(context_length, dtype=torch.long)
+            model.forward_cached(tokens[:-1], zeros, torch.arange(context_length), cache)
+            start = time.perf_counter()
+            model.forward_cached(tokens[-1:], zeros[:1], torch.tensor([context_length]), cache)
+        else:
+            start = time.perf_counter()
+            model(tokens[None])
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -1,0 +1,168 @@
+"""Batch generation with a chosen cache: prefill a batch of prompts of different lengths, then decode
+token by token.
+
+    cache "none"        recompute: every step runs the whole (padded) batch through `model.forward`
+    cache "contiguous"  one growing buffer per (sequence, layer, expert)
+    (the paged cache adds "paged" to `make_cache`)
+
+`generate(..., record_logits=True)` keeps the logits of every position the model processed, which is
+what the equivalence tests compare against a single full forward of the final sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .cache import ContiguousKVCache, PagedKVCache
+from .model import MoEKVTransformer
+from .sampling import SamplingParams, sample_next
+
+CACHE_KINDS = ["none", "contiguous", "paged"]
+
+
+def make_cache(kind: str, model: MoEKVTransformer, **options):
+    """A fresh, empty cache of the given kind for `model`."""
+    config = model.config
+    if kind == "contiguous":
+        return ContiguousKVCache(config.num_hidden_layers, config.num_attention_experts)
+    if kind == "paged":
+        return PagedKVCache.for_model(model, **options)
+    raise ValueError(f"unknown cache kind {kind!r}; allowed: {CACHE_KINDS}")
+
+
+@dataclass
+class GenerationResult:
+    prompts: list[list[int]]
+    tokens: list[list[int]]                       # generated ids, per prompt
+    cache_counts: torch.Tensor                    # (B, L, E) tokens a cache holds at the end
+    logits: list[torch.Tensor] | None = None      # per prompt: (len(prompt) + generated - 1, V)
+    options: dict = field(default_factory=dict)
+
+
+def check_prompts(model: MoEKVTransformer, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Raise before any work if a prompt is empty or the generation would pass max positions."""
+    if not prompts:
+        raise ValueError("no prompts given: pass at least one non-empty prompt")
+    limit = model.config.max_position_embeddings
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
+        if len(prompt) > limit:
+            raise ValueError(f"prompt {i} has {len(prompt)} tokens, more than the model's "
+                             f"max_position_embeddings={limit}")
+        if len(prompt) + max_new_tokens - 1 > limit:
+            raise ValueError(f"prompt {i} ({len(prompt)} tokens) + max_new_tokens={max_new_tokens} "
+                             f"would pass max_position_embeddings={limit}; ask for at most "
+                             f"{limit - len(prompt) + 1} new tokens")
+
+
+@torch.no_grad()
+def generate(
+    model: MoEKVTransformer,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams] = SamplingParams(),
+    cache: str = "contiguous",
+    record_logits: bool = False,
+    on_token: Callable[[int, int], None] | None = None,
+    **cache_options,
+) -> GenerationResult:
+    """Generate `max_new_tokens` for every prompt. `params` may be one per prompt (own seeds)."""
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    if len(per_prompt) != len(prompts):
+        raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
+    max_new = max(p.max_new_tokens for p in per_prompt)
+    check_prompts(model, prompts, max_new)
+    if cache != "none":
+        kv_cache = make_cache(cache, model, **cache_options)  # raises on an unknown kind
+    generators = [p.generator() for p in per_prompt]
+    generated: list[list[int]] = [[] for _ in prompts]
+    logits_log: list[list[torch.Tensor]] = [[] for _ in prompts]
+    if cache == "none":
+        counts = _generate_recompute(model, prompts, per_prompt, generators, generated, logits_log,
+                                     record_logits, on_token)
+    else:
+        counts = _generate_cached(model, kv_cache, prompts, per_prompt, generators, generated,
+                                  logits_log, record_logits, on_token)
+    logits = [torch.cat(chunks) for chunks in logits_log] if record_logits else None
+    return GenerationResult(prompts, generated, counts, logits, {"cache": cache, **cache_options})
+
+
+def _sample_step(step_logits, active, per_prompt, generators, generated, on_token):
+    for i in active:
+        token = sample_next(step_logits[i], per_prompt[i], generators[i])
+        generated[i].append(token)
+        if on_token is not None:
+            on_token(i, token)
+
+
+def _generate_cached(model, kv_cache, prompts, per_prompt, generators, generated, logits_log,
+                     record_logits, on_token):
+    device = next(model.parameters()).device
+    B = len(prompts)
+    # prefill: all prompts as one flat ragged batch
+    lengths = [len(p) for p in prompts]
+    tokens = torch.tensor([t for p in prompts for t in p], device=device)               # (N,)
+    seq_ids = torch.repeat_interleave(torch.arange(B, device=device), torch.tensor(lengths, device=device))
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])            # (N,)
+    logits = model.forward_cached(tokens, seq_ids, positions, kv_cache).logits          # (N, V)
+    ends = torch.tensor(lengths, device=device).cumsum(0) - 1
+    if record_logits:
+        for i, chunk in enumerate(torch.split(logits, lengths)):
+            logits_log[i].append(chunk.float() if chunk.dtype == torch.bfloat16 else chunk)
+    _sample_step(logits[ends], range(B), per_prompt, generators, generated, on_token)
+    # decode: one token per still-active sequence
+    while True:
+        active = [i for i in range(B) if len(generated[i]) < per_prompt[i].max_new_tokens]
+        if not active:
+            break
+        tokens = torch.tensor([generated[i][-1] for i in active], device=device)        # (b,)
+        seq_ids = torch.tensor(active, device=device)
+        positions = torch.tensor([lengths[i] + len(generated[i]) - 1 for i in active], device=device)
+        logits = model.forward_cached(tokens, seq_ids, positions, kv_cache).logits      # (b, V)
+        step_logits = dict(zip(active, logits))
+        if record_logits:
+            for i in active:
+                logits_log[i].append(step_logits[i][None])
+        _sample_step(step_logits, active, per_prompt, generators, generated, on_token)
+    return kv_cache.token_counts(list(range(B)))
+
+
+def _generate_recompute(model, prompts, per_prompt, generators, generated, logits_log,
+                        record_logits, on_token):
+    device = next(model.parameters()).device
+    B = len(prompts)
+    first = True
+    while True:
+        active = [i for i in range(B) if len(generated[i]) < per_prompt[i].max_new_tokens]
+        if not active:
+            break
+        sequences = [prompts[i] + generated[i] for i in active]
+        width = max(len(s) for s in sequences)
+        batch = torch.zeros(len(active), width, dtype=torch.long, device=device)       # right-padded
+        for row, s in enumerate(sequences):
+            batch[row, : len(s)] = torch.tensor(s)
+        output = model(batch)                                                           # (b, T, V)
+        step_logits = {}
+        for row, i in enumerate(active):
+            n = len(sequences[row])
+            step_logits[i] = output.logits[row, n - 1]
+            if record_logits:
+                logits_log[i].append(output.logits[row, :n] if first else output.logits[row, n - 1 : n])
+        first = False
+        _sample_step(step_logits, active, per_prompt, generators, generated, on_token)
+    # what a cache would hold: every processed token (the last sampled one is never fed back)
+    config = model.config
+    sequences = [prompts[i] + generated[i][:-1] for i in range(B)]
+    width = max(len(s) for s in sequences)
+    batch = torch.zeros(B, width, dtype=torch.long, device=device)
+    valid = torch.zeros(B, width, dtype=torch.bool, device=device)
+    for row, s in enumerate(sequences):
+        batch[row, : len(s)] = torch.tensor(s)
+        valid[row, : len(s)] = True
+    routing = model(batch).attention_routing
+    counts = torch.stack([(r.selected & valid[..., None]).sum(1) for r in routing], dim=1)  # (B, L, E)
+    assert counts.shape == (B, config.num_hidden_layers, config.num_attention_experts)
+    return counts.cpu()

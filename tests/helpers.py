@@ -1,0 +1,47 @@
+"""Small random models and prompts shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+from moekv_ref.config import ModelConfig
+from moekv_ref.model import MoEKVTransformer
+
+
+def small_config(attention_mode="expert", routing="topk", **overrides) -> ModelConfig:
+    values = dict(
+        name="small", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=96, num_local_experts=3,
+        num_experts_per_tok=2, moe_intermediate_size=48, attention_routing=routing, routing_threshold=0.6,
+    )
+    if attention_mode == "dense":
+        values.update(attention_mode="dense", num_attention_experts=1, num_attention_experts_per_tok=1)
+    else:
+        values.update(attention_mode="expert", num_attention_experts=5, num_attention_experts_per_tok=3)
+    values.update(overrides)
+    return ModelConfig(**values)
+
+
+def random_model(config: ModelConfig, seed: int, dtype=torch.float64) -> MoEKVTransformer:
+    torch.manual_seed(seed)
+    model = MoEKVTransformer(config)
+    with torch.no_grad():  # make the routers decisive and varied, as a trained model's are
+        for block in model.blocks:
+            block.attention.router.weight.mul_(4.0)
+    return model.to(dtype).eval()
+
+
+def random_prompts(lengths, vocab_size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def max_logit_error(model, result) -> float:
+    """Largest |cached logits - full-recompute logits| over every position of every sequence."""
+    worst = 0.0
+    for prompt, generated, logits in zip(result.prompts, result.tokens, result.logits):
+        sequence = torch.tensor([prompt + generated[:-1]])
+        full = model(sequence).logits[0]                                     # (T, V)
+        assert full.shape == logits.shape
+        worst = max(worst, (full - logits).abs().max().item())
+    return worst

@@ -1,0 +1,53 @@
+import pytest
+
+from moekv_ref.config import PRESETS, ModelConfig, get_config
+
+
+def test_presets_have_real_kv_sizes():
+    # Mixtral: 8 KV heads x 128 x (K and V) x 2 bytes (bf16) per token per layer
+    assert get_config("mixtral-8x7b").kv_bytes_per_token == 8 * 128 * 2 * 2
+    # DeepSeek-V3 MLA: one latent of 512 + 64 values per token per layer
+    assert get_config("deepseek-v3").kv_values_per_token == 576
+    assert get_config("qwen3-30b-a3b").num_local_experts == 128
+    assert get_config("jetmoe-8b").num_attention_experts == 8
+    assert get_config("tiny").max_kv_entries_per_token == 4 * 2
+    assert set(PRESETS) >= {"tiny", "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "jetmoe-8b"}
+
+
+def test_unknown_preset_names_the_choices():
+    with pytest.raises(ValueError, match=r"unknown preset 'gpt5'.*tiny"):
+        get_config("gpt5")
+
+
+def test_top_k_greater_than_experts():
+    with pytest.raises(ValueError, match=r"num_attention_experts_per_tok=9 is greater than num_attention_experts=8"):
+        get_config("tiny", num_attention_experts_per_tok=9)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=5 is greater than num_local_experts=4"):
+        get_config("tiny", num_experts_per_tok=5)
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "head_dim", "num_attention_experts",
+                                   "max_position_embeddings", "vocab_size"])
+@pytest.mark.parametrize("value", [0, -3])
+def test_sizes_must_be_positive(field, value):
+    with pytest.raises(ValueError, match=rf"{field}={value} is not allowed: it must be a positive integer"):
+        get_config("tiny", **{field: value})
+
+
+def test_bad_modes_and_dense_shape():
+    with pytest.raises(ValueError, match="attention_mode='sparse'"):
+        ModelConfig(attention_mode="sparse")
+    with pytest.raises(ValueError, match="attention_routing='random'"):
+        ModelConfig(attention_routing="random")
+    with pytest.raises(ValueError, match="E=1, k=1"):
+        ModelConfig(attention_mode="dense")  # dense needs one attention expert
+    with pytest.raises(ValueError, match="routing_threshold=1.5"):
+        ModelConfig(routing_threshold=1.5)
+
+
+def test_routing_is_not_architecture():
+    tiny = get_config("tiny")
+    assert tiny.with_routing("threshold").architecture() == tiny.architecture()
+    assert ModelConfig.from_dict(tiny.to_dict()) == tiny
+    with pytest.raises(ValueError, match="unknown config fields"):
+        ModelConfig.from_dict({**tiny.to_dict(), "n_embd": 3})
