@@ -110,7 +110,8 @@ def evaluate_workload(trace: RoutingTrace, block_size: int = DEFAULT_BLOCK_SIZE,
     for name, make in design_factories(trace, block_size).items():
         if designs is not None and name not in designs:
             continue
-        stats = replay(trace, make(trace.num_sequences), count_reads=True)
+        design = make(trace.num_sequences)
+        stats = replay(trace, design, count_reads=True)
         results[name] = {
             "utilization": stats.utilization,
             "effective_utilization": stats.effective_utilization,
@@ -118,6 +119,8 @@ def evaluate_workload(trace: RoutingTrace, block_size: int = DEFAULT_BLOCK_SIZE,
             "peak_bytes": stats.peak_bytes,
             "reads_per_decode_token": stats.reads_per_decode_token,
         }
+        if hasattr(design, "copied_slots"):   # the price of shared tails: extra K/V writes
+            results[name]["copied_slots_per_slot_append"] = design.copied_slots / stats.slot_appends
     return {"results": results, "budget_bytes": budget, "num_sequences": trace.num_sequences,
             "slot_appends": trace.num_slot_appends, "kv_bytes_per_slot": trace.kv_bytes_per_slot,
             "num_layers": trace.num_layers, "num_experts": trace.num_experts,
@@ -139,6 +142,7 @@ def sweep_block_sizes(trace: RoutingTrace, block_sizes=(1, 2, 4, 8, 16, 32, 64, 
                 "metadata_fraction": stats.metadata_bytes_time_sum / max(
                     1, stats.allocated_bytes_time_sum + stats.metadata_bytes_time_sum),
                 "reads_per_decode_token": stats.reads_per_decode_token,
+                "copied_slots_per_slot_append": getattr(design, "copied_slots", 0) / stats.slot_appends,
             })
     return rows
 
@@ -176,30 +180,37 @@ def run(block_size: int = DEFAULT_BLOCK_SIZE, quick: bool = False) -> dict:
         num_sequences = 16 if quick else 64
         w1, w1_source = workload_w1(8 if quick else 16)
         traces = {"W1": w1, "W2": workload_w2(num_sequences), "W3": workload_w3(num_sequences)}
-        report = {"block_size": block_size, "workloads": {}, "notes": {
-            "W1": f"routing recorded from {w1_source}",
-            "paged": "plain per-(sequence, layer, expert) pages through the real KVCacheManager; "
-                     "what the model's PagedKVCache uses",
-            "paged_shared_tail": "simulator-only design: private full blocks, each row's partial tail in "
-                                 "tail blocks shared by the sequence's rows at token granularity",
-            "max_concurrent_sequences": "first n sequences started together and run to completion, "
-                                        "allocated + metadata bytes <= budget_bytes throughout",
-            "reserved": "oracle worst case: knows each sequence's final length",
-        }}
-        for name, trace in traces.items():
-            budget_sequences = 4 if name == "W1" and quick else (8 if name == "W1" else num_sequences // 4)
-            results = evaluate_workload(trace, block_size, budget_sequences)["results"]
-            report["workloads"][name] = results | {"workload": _describe(trace, budget_sequences)}
-        report["simulator"] = simulator_speed(traces["W2"], block_size, repeats=1 if quick else 3)
-        sweep_trace = traces["W2"].subset(list(range(min(16, traces["W2"].num_sequences))))
-        report["block_size_sweep"] = {"workload": "W2 (first 16 sequences)",
-                                      "rows": sweep_block_sizes(sweep_trace)}
-        report["num_experts_sweep"] = {"block_size": block_size,
-                                       "rows": sweep_num_experts(num_sequences=8 if quick else 16)}
-        report["targets"] = _targets(report)
-        return report
+        return build_report(traces, block_size, w1_source, speed_repeats=1 if quick else 3)
     finally:
         torch.set_num_threads(threads)
+
+
+def build_report(traces: dict[str, RoutingTrace], block_size: int = DEFAULT_BLOCK_SIZE,
+                 w1_source: str = "", speed_repeats: int = 3, sweep_sequences: int = 16) -> dict:
+    """Evaluate the traces {"W1": .., "W2": .., "W3": ..}, the sweeps and the simulator's speed.
+    The budget for max_concurrent_sequences is a quarter of each workload's sequences."""
+    report = {"block_size": block_size, "workloads": {}, "notes": {
+        "W1": f"routing recorded from {w1_source}",
+        "paged": "plain per-(sequence, layer, expert) pages through the real KVCacheManager; "
+                 "what the model's PagedKVCache uses",
+        "paged_shared_tail": "simulator-only design: private full blocks, each row's partial tail in "
+                             "tail blocks shared by the sequence's rows at token granularity",
+        "max_concurrent_sequences": "first n sequences started together and run to completion, "
+                                    "allocated + metadata bytes <= budget_bytes throughout",
+        "reserved": "oracle worst case: knows each sequence's final length",
+    }}
+    for name, trace in traces.items():
+        budget_sequences = max(1, trace.num_sequences // 4)
+        results = evaluate_workload(trace, block_size, budget_sequences)["results"]
+        report["workloads"][name] = results | {"workload": _describe(trace, budget_sequences)}
+    report["simulator"] = simulator_speed(traces["W2"], block_size, repeats=speed_repeats)
+    sweep_trace = traces["W2"].subset(list(range(min(sweep_sequences, traces["W2"].num_sequences))))
+    report["block_size_sweep"] = {"workload": f"W2 (first {sweep_trace.num_sequences} sequences)",
+                                  "rows": sweep_block_sizes(sweep_trace)}
+    report["num_experts_sweep"] = {"block_size": block_size,
+                                   "rows": sweep_num_experts(num_sequences=sweep_sequences // 2)}
+    report["targets"] = _targets(report)
+    return report
 
 
 def _describe(trace: RoutingTrace, budget_sequences: int) -> dict:
@@ -241,11 +252,12 @@ def format_table(report: dict) -> str:
                  f"({sim['slot_appends']} appends, {sim['design']}, {sim['workload']})")
     lines.append("")
     lines.append(f"block-size sweep ({report['block_size_sweep']['workload']})")
-    lines.append(f"{'P':>4} {'design':18} {'utilization':>11} {'effective':>9} {'metadata':>8} {'reads/token':>11}")
+    lines.append(f"{'P':>4} {'design':18} {'utilization':>11} {'effective':>9} {'metadata':>8} "
+                 f"{'reads/token':>11} {'copies/append':>13}")
     for row in report["block_size_sweep"]["rows"]:
         lines.append(f"{row['block_size']:4d} {row['design']:18} {row['utilization']:11.3f} "
                      f"{row['effective_utilization']:9.3f} {row['metadata_fraction']:8.4f} "
-                     f"{row['reads_per_decode_token']:11.1f}")
+                     f"{row['reads_per_decode_token']:11.1f} {row['copied_slots_per_slot_append']:13.3f}")
     lines.append("")
     lines.append("targets: " + json.dumps(report["targets"]))
     return "\n".join(lines)

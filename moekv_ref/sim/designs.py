@@ -31,13 +31,14 @@ Three paged designs:
                                             tail: 5 slots in the tail blocks of sequence s
         sequence s's tail blocks:  [ e3 e3 e7 e3 e1 e7 e7 -- ... ]  slots of many rows, interleaved
 
-     When a row's tail reaches P tokens they are copied into a fresh private block (one extra write
-     per token, amortized) and their tail slots become free for the next tail tokens. A sequence's
-     tail blocks are ceil(peak tail tokens / P): any free tail slot serves any row, so only the
-     current last tail block is partly empty. Waste per sequence is < P slots instead of < P per
-     row, at the cost of a tail slot index per tail token (metadata) and of reading up to P - 1
-     scattered slots per row in decode (`reads`). Freeing a sequence frees whole blocks, because tail
-     blocks are never shared across sequences. This design exists in the simulator only; the model's
+     When a row's tail reaches P tokens they are copied into a fresh private block (P extra writes,
+     one per token) and their tail slots become holes for the next tail tokens. When the holes add
+     up to a whole block, the emptiest tail block is compacted: its < P live slots move into holes
+     elsewhere and it returns to the pool. So a sequence holds exactly ceil(tail tokens / P) tail
+     blocks: waste per sequence is < P slots instead of < P per row, at the cost of a slot index per
+     tail token (metadata), of the copies (`copied_slots`), and of reading up to P - 1 scattered
+     slots per row in decode (`reads`). Freeing a sequence frees whole blocks, because tail blocks
+     are never shared across sequences. This design exists in the simulator only; the model's
      PagedKVCache uses plain per-row pages.
 """
 
@@ -147,15 +148,22 @@ class SharedTailDesign(CountingPagedDesign):
         self.tail_tokens = torch.zeros(num_sequences, dtype=torch.int64)          # (S,) now
         self.tail_blocks = torch.zeros(num_sequences, dtype=torch.int64)          # (S,) held
         self._num_body_blocks = 0
+        self.copied_slots = 0          # promotions (P per new body block) + compaction moves (< P)
 
     def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
         P = self.block_size
         old = self.tokens[rows]                                                    # (a,)
         new = old + num_new
-        self._num_body_blocks += int((new // P - old // P).sum())
+        promoted = int((new // P - old // P).sum())
+        self._num_body_blocks += promoted
+        # a promotion copies the P tail tokens that filled up (prefill writes straight into blocks,
+        # but counting it as a copy keeps this an upper bound)
+        self.copied_slots += promoted * P
         self.tail_tokens.index_add_(0, rows // self.rows_per_seq, new % P - old % P)
-        # a sequence holds enough tail blocks for the most tail tokens it ever had at once
-        self.tail_blocks = torch.maximum(self.tail_blocks, ceil_div(self.tail_tokens, P))
+        needed = ceil_div(self.tail_tokens, P)                                    # (S,)
+        # compaction: each tail block given back moves at most P - 1 live slots into holes
+        self.copied_slots += int((self.tail_blocks - needed).clamp(min=0).sum()) * (P - 1)
+        self.tail_blocks = needed
         self._num_rows_in_use += int((old == 0).sum())
         self.tokens[rows] = new
 

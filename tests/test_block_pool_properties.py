@@ -1,0 +1,132 @@
+"""Property tests: random programs of add / append / free / double free drive the pool and manager.
+
+After every step: no block is owned twice, nothing leaks (free + owned = total), ref counts equal
+owners, tables agree with token counts (`assert_consistent`), and a reference model written with
+plain Python lists agrees on every row's token count and free-block count. Operations that must fail
+(out of blocks, unknown or freed sequence) fail without changing anything.
+"""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moekv_ref.cache import BlockPool, KVCacheManager, OutOfBlocksError
+
+L, E = 2, 3
+
+operation = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 5)),
+    st.tuples(st.just("append"), st.integers(0, 5),
+              st.lists(st.tuples(st.integers(0, L - 1), st.integers(0, E - 1), st.integers(0, 9)),
+                       min_size=1, max_size=4)),
+    st.tuples(st.just("free"), st.integers(0, 5)),
+)
+
+
+def snapshot(manager):
+    return (manager.pool.free_block_ids(), manager.pool.ref_cnt.clone(), manager.block_tables.clone(),
+            manager.num_computed_tokens.clone(), dict(manager._seq_index))
+
+
+def same(a, b):
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+@settings(max_examples=150, deadline=None)
+@given(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 24),
+       shuffle=st.booleans(), program=st.lists(operation, max_size=25))
+def test_random_programs_keep_invariants(block_size, num_blocks, shuffle, program):
+    manager = KVCacheManager(L, E, block_size, num_blocks, shuffle_seed=7 if shuffle else None,
+                             initial_num_seqs=1, initial_blocks_per_row=1)
+    model: dict[int, dict[tuple[int, int], int]] = {}        # seq -> (layer, expert) -> tokens
+
+    def blocks_in_use():
+        return sum(-(-n // block_size) for rows in model.values() for n in rows.values())
+
+    for op in program:
+        before = snapshot(manager)
+        if op[0] == "add":
+            seq = op[1]
+            if seq in model:
+                try:
+                    manager.add_sequence(seq)
+                    raise AssertionError("adding a sequence twice must fail")
+                except ValueError:
+                    assert same(before, snapshot(manager))
+            else:
+                manager.add_sequence(seq)
+                model[seq] = {}
+        elif op[0] == "append":
+            seq, requests = op[1], op[2]
+            if seq not in model:
+                continue
+            merged: dict[tuple[int, int], int] = {}
+            for layer, expert, n in requests:                 # distinct rows per call
+                merged[(layer, expert)] = merged.get((layer, expert), 0) + n
+            rows = torch.cat([manager.rows([seq], l, e) for (l, e) in merged])
+            counts = torch.tensor(list(merged.values()))
+            needed = manager.num_blocks_needed(rows, counts)
+            if needed > manager.num_free_blocks:
+                assert not manager.can_allocate(rows, counts)
+                try:
+                    manager.allocate_slots(rows, counts)
+                    raise AssertionError("allocation beyond the pool must fail")
+                except OutOfBlocksError:
+                    assert same(before, snapshot(manager))
+            else:
+                manager.allocate_slots(rows, counts)
+                for key, n in merged.items():
+                    model[seq][key] = model[seq].get(key, 0) + n
+                # the new tokens' slots are distinct and inside the pool
+                slots = manager.slot_mapping(rows, counts)
+                assert slots.unique().numel() == slots.numel()
+                assert slots.numel() == 0 or int(slots.max()) < num_blocks * block_size
+        else:
+            seq = op[1]
+            if seq in model:
+                owned = manager.blocks_of_sequence(seq)
+                assert owned.numel() == sum(-(-n // block_size) for n in model[seq].values())
+                manager.free(seq)
+                del model[seq]
+            else:                                               # unknown or already freed
+                try:
+                    manager.free(seq)
+                    raise AssertionError("freeing an unknown sequence must fail")
+                except KeyError:
+                    assert same(before, snapshot(manager))
+        manager.assert_consistent()
+        assert manager.num_free_blocks == num_blocks - blocks_in_use()
+        for seq, rows in model.items():
+            counts = manager.token_counts([seq])[0]
+            for (layer, expert), n in rows.items():
+                assert counts[layer, expert] == n
+
+
+@settings(max_examples=100, deadline=None)
+@given(num_blocks=st.integers(1, 16), program=st.lists(
+    st.tuples(st.sampled_from(["allocate", "incref", "free"]), st.integers(0, 5)), max_size=30))
+def test_pool_ref_counts_with_sharing(num_blocks, program):
+    """Blocks with several owners (incref) return to the free queue only when the last owner frees."""
+    pool = BlockPool(num_blocks, shuffle_seed=1)
+    owners: list[int] = []                                  # one entry per (block, owner)
+    for action, amount in program:
+        if action == "allocate":
+            if amount > pool.num_free_blocks:
+                try:
+                    pool.allocate(amount)
+                    raise AssertionError("over-allocation must fail")
+                except OutOfBlocksError:
+                    pass
+            else:
+                owners += pool.allocate(amount).tolist()
+        elif action == "incref" and owners:
+            block = owners[amount % len(owners)]
+            pool.incref(torch.tensor([block]))
+            owners.append(block)
+        elif action == "free" and owners:
+            block = owners.pop(amount % len(owners))
+            pool.free(torch.tensor([block]))
+        pool.assert_consistent()
+        expected = torch.bincount(torch.tensor(owners, dtype=torch.int64), minlength=num_blocks)
+        assert torch.equal(pool.ref_cnt, expected.to(torch.int32))
+        assert pool.num_free_blocks == num_blocks - len(set(owners))
