@@ -47,14 +47,21 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
 
     cache_options = {}
-    if getattr(args, "block_size", None) is not None:
+    if args.block_size is not None:
+        if args.cache != "paged":
+            raise ValueError(f"--block-size applies to --cache paged, not --cache {args.cache}")
         cache_options["block_size"] = args.block_size
+    if args.backend != "torch":
+        if args.cache != "paged":
+            raise ValueError(f"--backend {args.backend} runs on the paged cache: add --cache paged")
+        cache_options["backend"] = args.backend
     result = generation.generate(model, [prompt], params, cache=args.cache, on_token=stream, **cache_options)
     bytes_per_value = torch.finfo(DTYPES[args.dtype]).bits // 8
     report = cache_report(result.cache_counts, model.config, bytes_per_value)
     if args.json:
         print(json.dumps({"prompt": args.prompt, "tokens": result.tokens[0], "text": decode(result.tokens[0]),
-                          "cache_kind": args.cache, "routing": args.routing, "cache": report}))
+                          "cache_kind": args.cache, "backend": args.backend, "routing": args.routing,
+                          "cache": report}))
     else:
         print("\n")
         print(format_cache_report(report))
@@ -78,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     def model_options(p):
         p.add_argument("--routing", choices=ROUTINGS, default="topk", help="attention routing rule")
         p.add_argument("--threshold", type=float, default=None,
-                       help="probability mass for --routing threshold (default: the config's, 0.5)")
+                       help="probability mass for --routing threshold (default: the preset's, 0.35 for tiny)")
         p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
         p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
         p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -89,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache", choices=generation.CACHE_KINDS, default="contiguous")
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per block for --cache paged (a power of two; default 16)")
+    g.add_argument("--backend", choices=["torch", "triton"], default="torch",
+                   help="decode attention in PyTorch or in the Triton kernels (on a CPU: the interpreter)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
     g.add_argument("--temperature", type=float, default=0.8)
