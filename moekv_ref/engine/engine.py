@@ -26,6 +26,7 @@ import torch
 from ..cache.paged import PagedKVCache
 from ..model import MoEKVTransformer
 from ..sampling import SamplingParams, sample_next
+from .batched_cache import BatchedPagedKVCache
 from .demand import DemandPredictor
 from .memory import KVMemory
 from .model_runner import ModelRunner
@@ -77,18 +78,21 @@ class LLMEngine:
 
     num_swap_blocks: size of the CPU swap space (default: as large as the pool when preempting by
     swap, none otherwise).
+    batched_attention: attend all rows of a (layer, expert) at once (BatchedPagedKVCache, the
+    default) or row by row (PagedKVCache, the readable reference).
     """
 
     def __init__(self, model: MoEKVTransformer, num_blocks: int, block_size: int = 16,
                  scheduler_config: SchedulerConfig | None = None, num_swap_blocks: int | None = None,
-                 shuffle_seed: int | None = None):
+                 shuffle_seed: int | None = None, batched_attention: bool = True):
         scheduler_config = scheduler_config or SchedulerConfig()
         if num_swap_blocks is None:
             num_swap_blocks = num_blocks if scheduler_config.preemption_mode == "swap" else 0
         parameter = next(model.parameters())
         self.model = model
         self.config = model.config
-        self.cache = PagedKVCache(model.config, num_blocks, block_size, dtype=parameter.dtype,
+        cache_class = BatchedPagedKVCache if batched_attention else PagedKVCache
+        self.cache = cache_class(model.config, num_blocks, block_size, dtype=parameter.dtype,
                                   device=parameter.device, shuffle_seed=shuffle_seed)
         self.memory = KVMemory(self.cache, num_swap_blocks)
         self.predictor = DemandPredictor(self.config.num_hidden_layers, self.config.num_attention_experts,

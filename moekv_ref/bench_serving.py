@@ -1,0 +1,127 @@
+"""`python -m moekv_ref bench serving`: one workload, one memory budget, three serving designs.
+
+    static               fixed batches: a batch starts when the previous one has finished, every
+                         member decodes until the batch's longest output is done (padding), and each
+                         reserves, for every (layer, expert) row, room for the padded length
+    continuous_reserved  iteration-level batching (requests join and leave at every step), but each
+                         request still reserves every row's worst case for its whole life
+    continuous_paged     this engine: the paged pool, admission on a prediction of routed demand,
+                         the worst case of one step reserved, preemption when the pool runs short
+
+All three are the same LLMEngine with a different SchedulerConfig.policy: the same ModelRunner, the
+same PagedKVCache storage of `num_blocks` blocks, the same model and sampling. What differs is only
+how many sequences each design's memory accounting lets run at once, and the steps static batching
+wastes on padding -- which is what the benchmark is meant to measure. (Static prefills are ragged here,
+not padded: that only favours `static`.)
+
+tokens_per_second counts the tokens requests asked for (padding excluded) over the wall time of the
+engine's steps. The three designs run one after another in one process, in the same order every time.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from .engine import LLMEngine, SchedulerConfig
+from .engine.workload import make_workload, run_workload
+from .model import MoEKVTransformer
+
+DESIGNS = ("static", "continuous_reserved", "continuous_paged")
+
+
+def serve_design(model: MoEKVTransformer, workload, design: str, num_blocks: int, block_size: int = 16,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
+                 preemption_mode: str = "recompute") -> dict:
+    """Serve `workload` with one design; returns its row of the benchmark table."""
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             policy=design, preemption_mode=preemption_mode)
+    engine = LLMEngine(model, num_blocks, block_size, config)
+    result = run_workload(engine, workload)
+    stats = engine.stats()
+    engine.memory.assert_no_leak()
+    return {
+        "tokens_per_second": stats.num_generated_tokens / stats.seconds,
+        "max_concurrent_sequences": stats.max_concurrent_sequences,
+        "preemptions": stats.num_preemptions,
+        "recomputed_tokens": stats.num_recomputed_tokens,
+        "steps": stats.num_steps,
+        "generated_tokens": stats.num_generated_tokens,
+        "seconds": stats.seconds,
+        "peak_used_blocks": stats.peak_used_blocks,
+        "mean_concurrent_sequences": sum(s.num_running for s in engine.timeline) / max(1, len(engine.timeline)),
+        "refused": len(result.refused),
+        "tokens": {i: out.token_ids for i, out in result.outputs.items()},
+    }
+
+
+def run_serving_benchmark(model: MoEKVTransformer, num_requests: int = 32, num_blocks: int = 1024,
+                          block_size: int = 16, prompt_len=(8, 256), output_len=(8, 192),
+                          max_num_seqs: int = 32, max_num_batched_tokens: int = 512, seed: int = 0,
+                          designs=DESIGNS) -> dict:
+    """Every design on the same workload and memory budget, in one run. Also checks that the
+    designs generate the same tokens (they must: sampling is per request, seeded)."""
+    workload = make_workload(num_requests, prompt_len, output_len, seed=seed)
+    rows = {d: serve_design(model, workload, d, num_blocks, block_size, max_num_seqs, max_num_batched_tokens)
+            for d in designs}
+    token_sets = [rows[d].pop("tokens") for d in designs]
+    same = all(t == token_sets[0] for t in token_sets[1:])
+    kv_bytes = 2 * num_blocks * block_size * model.config.num_key_value_heads * model.config.head_dim * \
+        next(model.parameters()).element_size()
+    report = {
+        "workload": {"num_requests": num_requests, "prompt_len": list(prompt_len),
+                     "output_len": list(output_len), "routing": model.config.attention_routing,
+                     "seed": seed},
+        "memory_budget": {"num_blocks": num_blocks, "block_size": block_size, "kv_bytes": kv_bytes},
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "designs": rows,
+        "same_tokens_in_every_design": same,
+    }
+    if "static" in rows and "continuous_paged" in rows:
+        report["speedup_paged_vs_static"] = (rows["continuous_paged"]["tokens_per_second"]
+                                             / rows["static"]["tokens_per_second"])
+    if "continuous_reserved" in rows and "continuous_paged" in rows:
+        report["speedup_paged_vs_reserved"] = (rows["continuous_paged"]["tokens_per_second"]
+                                               / rows["continuous_reserved"]["tokens_per_second"])
+    return report
+
+
+def format_serving_report(report: dict) -> str:
+    budget = report["memory_budget"]
+    lines = [
+        f"workload: {report['workload']['num_requests']} requests, prompts {report['workload']['prompt_len']}, "
+        f"outputs {report['workload']['output_len']} tokens, {report['workload']['routing']} routing",
+        f"memory budget: {budget['num_blocks']} blocks of {budget['block_size']} slots "
+        f"({budget['kv_bytes'] / 2**20:.1f} MiB of K/V), same for every design",
+        "",
+        f"{'design':<22}{'tokens/s':>10}{'max seqs':>10}{'mean seqs':>11}{'steps':>8}{'preempt':>9}{'recomputed':>12}",
+    ]
+    for design, row in report["designs"].items():
+        lines.append(f"{design:<22}{row['tokens_per_second']:>10.1f}{row['max_concurrent_sequences']:>10}"
+                     f"{row['mean_concurrent_sequences']:>11.1f}{row['steps']:>8}{row['preemptions']:>9}"
+                     f"{row['recomputed_tokens']:>12}")
+    if "speedup_paged_vs_static" in report:
+        lines.append(f"\nspeedup continuous_paged vs static: {report['speedup_paged_vs_static']:.2f}x")
+    if "speedup_paged_vs_reserved" in report:
+        lines.append(f"speedup continuous_paged vs continuous_reserved: {report['speedup_paged_vs_reserved']:.2f}x")
+    lines.append(f"same tokens in every design: {report['same_tokens_in_every_design']}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """Entry point of the CLI subcommand (arguments from __main__)."""
+    from .checkpoint import load_checkpoint
+    from .config import get_config
+    torch.manual_seed(0)
+    config = get_config("tiny").with_routing(args.routing)
+    model = load_checkpoint(args.checkpoint, config)
+    report = run_serving_benchmark(model, num_requests=args.num_requests, num_blocks=args.num_blocks,
+                                   block_size=args.block_size, seed=args.seed)
+    print(format_serving_report(report))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,148 @@
+"""Workloads: requests with prompt lengths, output lengths and arrival times, and serving one.
+
+Time is counted in engine steps, not seconds, so that a run is the same on every machine: a request
+arriving at step s is added before step s runs. Arrivals are a Poisson process of `arrival_rate`
+requests per step (None: everything arrives at step 0, the offline setting of the benchmark).
+
+Prompts are slices of one fixed text (below), as bytes: the embedded model is byte-level and was
+trained on Python source, so it continues these sensibly. Lengths are log-uniform between the given
+bounds: many short requests and a few long ones, the spread that makes static batching pad.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..sampling import SamplingParams
+from ..tokenizer import encode
+from .engine import LLMEngine
+from .request import RequestOutput
+
+PROMPT_TEXT = '''import collections
+import functools
+
+
+class LRUCache:
+    """A mapping that forgets the least recently used key when it grows past its capacity."""
+
+    def __init__(self, capacity):
+        if capacity <= 0:
+            raise ValueError("capacity must be positive")
+        self.capacity = capacity
+        self.data = collections.OrderedDict()
+
+    def get(self, key, default=None):
+        if key not in self.data:
+            return default
+        self.data.move_to_end(key)
+        return self.data[key]
+
+    def put(self, key, value):
+        self.data[key] = value
+        self.data.move_to_end(key)
+        while len(self.data) > self.capacity:
+            self.data.popitem(last=False)
+
+
+def read_lines(path, encoding="utf-8"):
+    """Yield the lines of a text file without their line endings."""
+    with open(path, encoding=encoding) as handle:
+        for line in handle:
+            yield line.rstrip("\\n")
+
+
+def parse_header(line):
+    name, _, value = line.partition(":")
+    return name.strip().lower(), value.strip()
+
+
+@functools.lru_cache(maxsize=None)
+def fibonacci(n):
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+
+
+class Counter(dict):
+    def __missing__(self, key):
+        return 0
+
+    def update(self, iterable):
+        for item in iterable:
+            self[item] = self[item] + 1
+        return self
+'''
+
+
+@dataclass
+class WorkloadRequest:
+    arrival_step: int
+    prompt: list[int]
+    sampling_params: SamplingParams
+
+
+def _log_uniform(low: int, high: int, generator: torch.Generator) -> int:
+    u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    return int(round(math.exp(math.log(low) + u * (math.log(high) - math.log(low)))))
+
+
+def make_workload(num_requests: int = 24, prompt_len: tuple[int, int] = (8, 192),
+                  output_len: tuple[int, int] = (8, 128), arrival_rate: float | None = None,
+                  temperature: float = 0.8, top_p: float = 0.95, seed: int = 0) -> list[WorkloadRequest]:
+    """`num_requests` requests, prompt and output lengths log-uniform in the given ranges, Poisson
+    arrivals of `arrival_rate` per step (None: all at step 0). Request i samples with seed seed + i."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests={num_requests} must be >= 1")
+    for name, (low, high) in (("prompt_len", prompt_len), ("output_len", output_len)):
+        if not 1 <= low <= high:
+            raise ValueError(f"{name}={(low, high)} must satisfy 1 <= low <= high")
+    if arrival_rate is not None and not arrival_rate > 0:
+        raise ValueError(f"arrival_rate={arrival_rate!r} must be > 0 requests per step (or None)")
+    text = encode(PROMPT_TEXT)
+    generator = torch.Generator().manual_seed(seed)
+    requests, clock = [], 0.0
+    for i in range(num_requests):
+        length = min(_log_uniform(*prompt_len, generator), len(text))
+        start = int(torch.randint(0, len(text) - length + 1, (), generator=generator))
+        num_new = _log_uniform(*output_len, generator)
+        if arrival_rate is not None and i > 0:
+            clock += float(torch.empty((), dtype=torch.float64).exponential_(arrival_rate, generator=generator))
+        params = SamplingParams(max_new_tokens=num_new, temperature=temperature, top_p=top_p, seed=seed + i)
+        requests.append(WorkloadRequest(int(clock), text[start: start + length], params))
+    return requests
+
+
+@dataclass
+class WorkloadResult:
+    outputs: dict[int, RequestOutput]               # by position in the workload
+    refused: dict[int, str] = field(default_factory=dict)   # position -> the error add_request gave
+
+
+def run_workload(engine: LLMEngine, workload: list[WorkloadRequest],
+                 on_step: Callable[[LLMEngine], None] | None = None) -> WorkloadResult:
+    """Add each request when its arrival step comes, step until everything is served. A request that
+    add_request refuses is recorded with its error and the others are served."""
+    order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_step)
+    ids: dict[int, int] = {}
+    refused: dict[int, str] = {}
+    next_index = 0
+    while next_index < len(order) or engine.has_unfinished_requests():
+        while next_index < len(order) and workload[order[next_index]].arrival_step <= engine.step_count:
+            i = order[next_index]
+            try:
+                ids[i] = engine.add_request(workload[i].prompt, workload[i].sampling_params)
+            except ValueError as error:
+                refused[i] = str(error)
+            next_index += 1
+        if engine.has_unfinished_requests():
+            engine.step()
+        elif next_index < len(order):
+            engine.idle_step()
+        if on_step is not None:
+            on_step(engine)
+    outputs = {i: RequestOutput.from_request(engine.requests[rid]) for i, rid in ids.items()}
+    return WorkloadResult(outputs, refused)
