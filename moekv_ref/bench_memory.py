@@ -148,19 +148,39 @@ def sweep_block_sizes(trace: RoutingTrace, block_sizes=(1, 2, 4, 8, 16, 32, 64, 
 
 
 def sweep_num_experts(num_experts_list=(8, 16, 32, 64, 128), block_size: int = DEFAULT_BLOCK_SIZE,
-                      num_sequences: int = 16, num_layers: int = 16, zipf_s: float = 1.0,
-                      seed: int = 4) -> list[dict]:
-    """More, finer experts (top-k = E / 8, so the active fraction stays 1/8) at one block size."""
+                      top_k: int = 2, num_sequences: int = 16, num_layers: int = 16,
+                      zipf_s: float = 1.0, seed: int = 4) -> list[dict]:
+    """More experts at a fixed top-k and block size: the same KV per token spread over more, shorter
+    rows, each with its own partly filled last block. (With top-k = E / 8 instead, rows keep their
+    length and plain pages keep their utilization: it is tokens per row that matters.)"""
     rows = []
     for E in num_experts_list:
-        trace = synthetic_trace(num_sequences, num_layers, E, max(1, E // 8), zipf_s=zipf_s, seed=seed)
+        k = min(top_k, E)
+        trace = synthetic_trace(num_sequences, num_layers, E, k, zipf_s=zipf_s, seed=seed)
         for name, design in (("paged", CountingPagedDesign(num_sequences, num_layers, E, block_size)),
                              ("paged_shared_tail", SharedTailDesign(num_sequences, num_layers, E, block_size))):
             stats = replay(trace, design)
-            rows.append({"num_experts": E, "top_k": max(1, E // 8), "design": name,
+            rows.append({"num_experts": E, "top_k": k, "design": name,
+                         "tokens_per_row": int(trace.lengths.float().mean()) * k / E,
                          "utilization": stats.utilization,
                          "effective_utilization": stats.effective_utilization})
     return rows
+
+
+def compare_designs(num_experts: int = 64, block_size: int = DEFAULT_BLOCK_SIZE, zipf_s: float = 1.0,
+                    num_sequences: int = 8, num_layers: int = 4, mean_length: float = 128,
+                    seed: int = 0) -> dict:
+    """Utilization of every design on a small synthetic trace (top-k = E / 8): what the notebook's
+    sliders call. Returns {design: {"utilization": .., "effective_utilization": ..}}."""
+    trace = synthetic_trace(num_sequences, num_layers, num_experts, max(1, num_experts // 8),
+                            mean_prompt=mean_length / 2, mean_output=mean_length / 2, zipf_s=zipf_s,
+                            seed=seed)
+    results = {}
+    for name, make in design_factories(trace, block_size).items():
+        stats = replay(trace, make(num_sequences))
+        results[name] = {"utilization": stats.utilization,
+                         "effective_utilization": stats.effective_utilization}
+    return results
 
 
 def simulator_speed(trace: RoutingTrace, block_size: int = DEFAULT_BLOCK_SIZE, repeats: int = 3) -> dict:
@@ -269,6 +289,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--quick", action="store_true", help="fewer sequences (for tests and a first look)")
+    parser.add_argument("--figures", metavar="DIR", default=None,
+                        help="also draw the sweeps as PNGs into DIR (e.g. figures/)")
     return parser
 
 
@@ -282,7 +304,36 @@ def run_bench_memory(args) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.figures:
+        save_figures(report, Path(args.figures))
     return 0
+
+
+def save_figures(report: dict, directory: Path) -> list[Path]:
+    """The block-size and expert-count sweeps of a report as PNGs."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from .sim.figures import plot_block_size_sweep, plot_num_experts_sweep
+
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8))
+    plot_block_size_sweep(left, report["block_size_sweep"]["rows"], "effective_utilization")
+    plot_block_size_sweep(right, report["block_size_sweep"]["rows"], "reads_per_decode_token")
+    right.set_yscale("log")
+    fig.suptitle(f"block size: memory kept vs pieces a decode reads ({report['block_size_sweep']['workload']})")
+    fig.tight_layout()
+    paths.append(directory / "bench_memory_block_size.png")
+    fig.savefig(paths[-1], dpi=110)
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    plot_num_experts_sweep(ax, report["num_experts_sweep"]["rows"])
+    ax.set_title(f"number of experts at block size {report['num_experts_sweep']['block_size']}")
+    fig.tight_layout()
+    paths.append(directory / "bench_memory_num_experts.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close("all")
+    return paths
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from moekv_ref.bench_memory import build_report, format_table, main as bench_main
+from moekv_ref.bench_memory import build_report, compare_designs, format_table, main as bench_main
 from moekv_ref.cache.baselines import AddressSpace, FirstFitDesign, ReservedDesign
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
@@ -150,3 +150,32 @@ def test_bench_report_shape_and_the_designs_it_compares(tmp_path):
 def test_bench_cli_rejects_bad_block_size():
     with pytest.raises(ValueError, match="block_size=12"):
         bench_main(["--block-size", "12"])
+
+
+def test_compare_designs_orders_the_designs():
+    results = compare_designs(num_experts=16, block_size=16, zipf_s=1.0, num_sequences=4, num_layers=2)
+    assert results["paged_shared_tail"]["utilization"] > results["paged"]["utilization"]
+    assert results["paged"]["utilization"] > results["reserved"]["utilization"]
+
+
+def test_block_owners_and_drawings_mid_run():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from moekv_ref.sim.figures import draw_first_fit_map, draw_pool
+
+    trace = synthetic_trace(4, num_layers=2, num_experts=4, top_k=2, mean_prompt=10, mean_output=10, seed=2)
+    paged = ManagerPagedDesign(4, 2, 4, block_size=4, num_blocks=200, shuffle_seed=0)
+    first_fit = FirstFitDesign(4, 2, 4)
+    stats = replay(trace, paged, max_steps=5)
+    replay(trace, first_fit, max_steps=5)
+    assert stats.num_steps == 5
+    owner_row, used = paged.manager.block_owners()
+    held = owner_row >= 0
+    assert int(held.sum()) == paged.manager.pool.num_used_blocks
+    assert int(used.sum()) == int(paged.manager.num_computed_tokens.sum())   # every token in one slot
+    assert (used[held] >= 1).all() and (used <= 4).all()
+    fig, (a, b) = plt.subplots(1, 2)
+    draw_first_fit_map(a, first_fit, "seq")
+    draw_pool(b, paged, "expert")
+    plt.close(fig)

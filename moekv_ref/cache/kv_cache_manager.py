@@ -149,6 +149,20 @@ class KVCacheManager:
                 counts[i] = self.num_computed_tokens[rows].view(self.num_layers, self.num_experts)
         return counts
 
+    def block_owners(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Who owns each block and how full it is, for drawing the pool: owner_row (N,) int64, -1
+        for a free block, and used_slots (N,) int64 (P for all but a row's last block)."""
+        P = self.block_size
+        num_used = ceil_div(self.num_computed_tokens, P)                           # (R,)
+        used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (R, W)
+        row, column = used.nonzero(as_tuple=True)
+        blocks = self.block_tables[row, column].to(torch.int64)
+        owner_row = torch.full((self.num_blocks,), -1, dtype=torch.int64)
+        used_slots = torch.zeros(self.num_blocks, dtype=torch.int64)
+        owner_row[blocks] = row
+        used_slots[blocks] = (self.num_computed_tokens[row] - column * P).clamp(max=P)
+        return owner_row, used_slots
+
     def context_lens(self, rows: torch.Tensor) -> torch.Tensor:
         """Tokens of each row as int32, the layout a decode kernel reads: (m,)."""
         return self.num_computed_tokens[rows].to(torch.int32)

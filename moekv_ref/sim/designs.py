@@ -31,8 +31,8 @@ Three paged designs:
                                             tail: 5 slots in the tail blocks of sequence s
         sequence s's tail blocks:  [ e3 e3 e7 e3 e1 e7 e7 -- ... ]  slots of many rows, interleaved
 
-     When a row's tail reaches P tokens they are copied into a fresh private block (P extra writes,
-     one per token) and their tail slots become holes for the next tail tokens. When the holes add
+     When a row's tail reaches P tokens they are copied into a fresh private block (P - 1 extra
+     writes: the token that fills it is written there directly) and their tail slots become holes for the next tail tokens. When the holes add
      up to a whole block, the emptiest tail block is compacted: its < P live slots move into holes
      elsewhere and it returns to the pool. So a sequence holds exactly ceil(tail tokens / P) tail
      blocks: waste per sequence is < P slots instead of < P per row, at the cost of a slot index per
@@ -156,9 +156,10 @@ class SharedTailDesign(CountingPagedDesign):
         new = old + num_new
         promoted = int((new // P - old // P).sum())
         self._num_body_blocks += promoted
-        # a promotion copies the P tail tokens that filled up (prefill writes straight into blocks,
-        # but counting it as a copy keeps this an upper bound)
-        self.copied_slots += promoted * P
+        # a promotion copies the P - 1 tail tokens already written; the token that fills the block
+        # is written straight into it (prefill could write whole blocks directly: counting its
+        # promotions as copies keeps this an upper bound)
+        self.copied_slots += promoted * (P - 1)
         self.tail_tokens.index_add_(0, rows // self.rows_per_seq, new % P - old % P)
         needed = ceil_div(self.tail_tokens, P)                                    # (S,)
         # compaction: each tail block given back moves at most P - 1 live slots into holes

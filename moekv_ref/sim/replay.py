@@ -54,8 +54,11 @@ class ReplayStats:
                 "peak_bytes": self.peak_bytes, "reads_per_decode_token": self.reads_per_decode_token}
 
 
-def replay(trace: RoutingTrace, design, count_reads: bool = False) -> ReplayStats:
-    """Run every sequence of `trace` through `design` in lock step (module docstring)."""
+def replay(trace: RoutingTrace, design, count_reads: bool = False,
+           max_steps: int | None = None) -> ReplayStats:
+    """Run every sequence of `trace` through `design` in lock step (module docstring). With
+    max_steps, stop after that many steps and leave the design holding what it holds then (to
+    draw its memory mid-run)."""
     started = time.perf_counter()
     S = trace.num_sequences
     lengths, prompts = trace.lengths, trace.prompt_lens
@@ -76,6 +79,8 @@ def replay(trace: RoutingTrace, design, count_reads: bool = False) -> ReplayStat
         metadata_sum += metadata
         peak = max(peak, allocated + metadata)
         steps += 1
+        if max_steps is not None and steps >= max_steps:
+            break
         done = ((stored == lengths) & ~finished).nonzero().squeeze(1)
         if done.numel():
             live -= design.live_slots_of(done)
