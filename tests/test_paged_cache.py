@@ -19,15 +19,15 @@ TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
 
 
 def _run(model, cache, **options):
-    prompts = random_prompts([3, 8], model.config.vocab_size, seed=5)
-    params = [SamplingParams(max_new_tokens=n, temperature=1.0, seed=i) for i, n in enumerate([4, 3])]
+    prompts = random_prompts([3, 11, 1], model.config.vocab_size, seed=5)
+    params = [SamplingParams(max_new_tokens=n, temperature=1.0, seed=i) for i, n in enumerate([6, 4, 9])]
     return generate(model, prompts, params, cache=cache, record_logits=True, **options)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("mode,routing", [("expert", "topk"), ("expert", "threshold"),
                                           ("dense", "topk"), ("dense", "threshold")])
-def test_paged_equals_contiguous_and_recompute(mode, routing):
-    dtype = torch.float32
+def test_paged_equals_contiguous_and_recompute(mode, routing, dtype):
     model = random_model(small_config(mode, routing), seed=1, dtype=dtype)
     reference = _run(model, "contiguous")
     for block_size in (1, 4, 16, 64):
@@ -37,13 +37,6 @@ def test_paged_equals_contiguous_and_recompute(mode, routing):
         for a, b in zip(paged.logits, reference.logits):
             assert (a - b).abs().max().item() <= TOLERANCE[dtype]
         assert max_logit_error(model, paged) <= TOLERANCE[dtype]
-
-
-@pytest.mark.parametrize("block_size", [1, 16])
-def test_paged_equals_recompute_float64(block_size):
-    model = random_model(small_config("expert", "threshold"), seed=2, dtype=torch.float64)
-    paged = _run(model, "paged", block_size=block_size, shuffle_seed=0)
-    assert max_logit_error(model, paged) <= TOLERANCE[torch.float64]
 
 
 def test_blocks_are_scattered_and_slots_follow_tables():
@@ -133,3 +126,30 @@ def test_paged_attend_rejects_out_of_order_positions_without_storing():
     assert 4 not in cache.manager.sequences
     cache.free(3)
     assert cache.num_free_blocks == 16
+
+
+def test_cli_generate_paged_gives_the_contiguous_tokens(capsys):
+    """`generate --cache paged [--block-size P] --json` = `--cache contiguous` on the embedded model."""
+    import json
+
+    from moekv_ref.__main__ import main
+
+    tokens = {}
+    for cache in (["contiguous"], ["paged"], ["paged", "--block-size", "1"]):
+        argv = ["generate", "--prompt", "def ", "--max-new-tokens", "24", "--greedy", "--json", "--cache", *cache]
+        assert main(argv) == 0
+        tokens[" ".join(cache)] = json.loads(capsys.readouterr().out)["tokens"]
+    assert tokens["paged"] == tokens["contiguous"] == tokens["paged --block-size 1"]
+    assert main(["generate", "--prompt", "def ", "--cache", "paged", "--block-size", "3"]) == 2
+    assert "power of two" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("routing", ["topk", "threshold"])
+def test_paged_equals_recompute_on_the_embedded_model(routing):
+    from moekv_ref.checkpoint import load_default_model
+
+    model = load_default_model(routing)
+    prompts = [list(b"def fibonacci(n):\n    "), list(b"import os"), list(b"x")]
+    result = generate(model, prompts, SamplingParams(max_new_tokens=12, temperature=0.0), cache="paged",
+                      record_logits=True, block_size=16, shuffle_seed=0)
+    assert max_logit_error(model, result) <= TOLERANCE[torch.float32]
