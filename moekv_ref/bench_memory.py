@@ -147,6 +147,16 @@ def sweep_block_sizes(trace: RoutingTrace, block_sizes=(1, 2, 4, 8, 16, 32, 64, 
     return rows
 
 
+def largest_block_size_reaching(trace: RoutingTrace, target: float = TARGET_EFFECTIVE_UTILIZATION,
+                                block_sizes=(1, 2, 4, 8, 16, 32, 64)) -> int | None:
+    """The largest block size at which plain per-row pages keep effective_utilization >= target on
+    this trace (None if even P = 1 does not)."""
+    L, E = trace.num_layers, trace.num_experts
+    reaching = [P for P in block_sizes
+                if replay(trace, CountingPagedDesign(trace.num_sequences, L, E, P)).effective_utilization >= target]
+    return max(reaching) if reaching else None
+
+
 def sweep_num_experts(num_experts_list=(8, 16, 32, 64, 128), block_size: int = DEFAULT_BLOCK_SIZE,
                       top_k: int = 2, num_sequences: int = 16, num_layers: int = 16,
                       zipf_s: float = 1.0, seed: int = 4) -> list[dict]:
@@ -222,7 +232,9 @@ def build_report(traces: dict[str, RoutingTrace], block_size: int = DEFAULT_BLOC
     for name, trace in traces.items():
         budget_sequences = max(1, trace.num_sequences // 4)
         results = evaluate_workload(trace, block_size, budget_sequences)["results"]
-        report["workloads"][name] = results | {"workload": _describe(trace, budget_sequences)}
+        report["workloads"][name] = results | {
+            "workload": _describe(trace, budget_sequences),
+            "paged_largest_block_size_reaching_target": largest_block_size_reaching(trace)}
     report["simulator"] = simulator_speed(traces["W2"], block_size, repeats=speed_repeats)
     sweep_trace = traces["W2"].subset(list(range(min(sweep_sequences, traces["W2"].num_sequences))))
     report["block_size_sweep"] = {"workload": f"W2 (first {sweep_trace.num_sequences} sequences)",
@@ -267,6 +279,9 @@ def format_table(report: dict) -> str:
             r = workload[design]
             lines.append(f"{name:8} {design:18} {r['utilization']:11.3f} {r['effective_utilization']:9.3f} "
                          f"{r['max_concurrent_sequences']:8d} {r['reads_per_decode_token']:11.1f}")
+        lines.append(f"{name:8} plain pages reach {TARGET_EFFECTIVE_UTILIZATION} up to block size "
+                     f"{workload['paged_largest_block_size_reaching_target']}; budget "
+                     f"{workload['workload']['budget_bytes'] / 2**20:.0f} MiB")
     sim = report["simulator"]
     lines.append(f"simulator: {sim['slot_appends_per_second'] / 1e6:.1f} M slot appends/s "
                  f"({sim['slot_appends']} appends, {sim['design']}, {sim['workload']})")
