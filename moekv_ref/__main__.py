@@ -2,6 +2,8 @@
 
     generate       generate from a prompt with the embedded model and report its per-expert caches
     routing-stats  what the embedded model's routers learned (load, entropy, character preferences)
+    demo           serve a stream of requests through a small pool: continuous batching, preemption
+    bench          benchmarks: `bench memory`, `bench serving`
 """
 
 from __future__ import annotations
@@ -114,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     m = bench_memory.build_parser(bench.add_parser("memory", help="memory designs on the same workloads"))
     m.set_defaults(func=bench_memory.run_bench_memory)
+    from . import bench_serving, demo
+    s = bench_serving.build_parser(bench.add_parser("serving", help="static vs continuous batching, one budget"))
+    s.set_defaults(func=bench_serving.main)
+    d = demo.build_parser(sub.add_parser("demo", help="serve requests through a small pool (the main demo)"))
+    d.set_defaults(func=demo.main)
     return parser
 
 

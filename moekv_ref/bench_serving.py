@@ -110,15 +110,31 @@ def format_serving_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+QUICK = dict(num_requests=8, prompt_len=(8, 64), output_len=(8, 32), num_blocks=512)
+
+
+def build_parser(parser):
+    from .checkpoint import DEFAULT_CHECKPOINT
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--num-blocks", type=int, default=1024, help="the memory budget every design gets")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--routing", choices=["threshold", "topk"], default="threshold")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    parser.add_argument("--quick", action="store_true", help="a small workload (for tests and a first look)")
+    return parser
+
+
 def main(args) -> int:
-    """Entry point of the CLI subcommand (arguments from __main__)."""
+    """Entry point of `python -m moekv_ref bench serving`."""
     from .checkpoint import load_checkpoint
     from .config import get_config
-    torch.manual_seed(0)
-    config = get_config("tiny").with_routing(args.routing)
-    model = load_checkpoint(args.checkpoint, config)
-    report = run_serving_benchmark(model, num_requests=args.num_requests, num_blocks=args.num_blocks,
-                                   block_size=args.block_size, seed=args.seed)
+    model = load_checkpoint(args.checkpoint, get_config("tiny").with_routing(args.routing))
+    options = dict(num_requests=args.num_requests, num_blocks=args.num_blocks)
+    if args.quick:
+        options = dict(QUICK)
+    report = run_serving_benchmark(model, block_size=args.block_size, seed=args.seed, **options)
     print(format_serving_report(report))
     if args.json:
         with open(args.json, "w") as handle:

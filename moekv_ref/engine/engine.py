@@ -159,9 +159,7 @@ class LLMEngine:
         start = time.perf_counter()
         step = self.step_count
         decision = self.scheduler.schedule(step)
-        for kind, requests in (("preempted", decision.preempted), ("admitted", decision.admitted),
-                               ("resumed", decision.resumed)):
-            self.events += [RequestEvent(step, r.request_id, kind) for r in requests]
+        self.events += [RequestEvent(step, r.request_id, kind) for kind, r in decision.events]
         finished: list[RequestOutput] = []
         num_running, used_blocks = len(self.scheduler.running), self.memory.num_used_blocks
         if decision.scheduled:

@@ -16,7 +16,8 @@ times more than what threshold routing actually needs (what `continuous_reserved
 is all that must be guaranteed, because a forward runs every layer and cannot stop half-way when a
 layer's router picks experts whose blocks are full. Why a prediction for admission: the step guarantee
 alone would admit requests that will certainly be preempted later (wasted prefill); the prediction
-(demand.DemandPredictor) admits what routing so far says will fit.
+(demand.DemandPredictor, and `predicted_peak` over the running requests' remaining steps) admits what
+routing so far says will fit.
 
 Why preempt whole sequences, never single experts' blocks: a sequence's next token may be routed to
 any expert of any layer, and attends over everything that expert cached for the sequence. Freeing one
@@ -38,6 +39,7 @@ memory accounting and batching, not implementations:
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -87,6 +89,7 @@ class SchedulerOutput:
     admitted: list[Request] = field(default_factory=list)     # first time running
     resumed: list[Request] = field(default_factory=list)      # running again after a preemption
     preempted: list[Request] = field(default_factory=list)
+    events: list[tuple[str, Request]] = field(default_factory=list)   # all of the above, in order
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -228,8 +231,10 @@ class Scheduler:
             request.swapped = False
         if request.status is RequestStatus.PREEMPTED:
             out.resumed.append(request)
+            out.events.append(("resumed", request))
         else:
             out.admitted.append(request)
+            out.events.append(("admitted", request))
             request.predicted_blocks = self.predictor.predict(request.max_cached_tokens)
             request.first_scheduled_step = out.step
         request.status = RequestStatus.RUNNING
@@ -245,11 +250,40 @@ class Scheduler:
             return sum(map(reservation, self.running)) + reservation(request) <= m.num_blocks
         if self.config.admission == "optimistic":
             return True
-        # predicted: what the running requests will hold at their end, by the routing seen so far
-        # (never less than what they hold now), plus the candidate's prediction, must fit the pool
-        def predicted(r):
-            return max(self.predictor.predict(r.max_cached_tokens), m.num_blocks_held(r.request_id))
-        return sum(map(predicted, self.running)) + predicted(request) <= m.num_blocks
+        return self.predicted_peak(request) <= m.num_blocks
+
+    def predicted_peak(self, request: Request | None = None) -> int:
+        """The most blocks the pool is predicted to hold at any future step if `request` joins.
+
+        Generation here always runs to max_new_tokens, so each request's remaining steps g are known;
+        its blocks are predicted to grow from what it holds now, b, to its predicted final demand f
+        (DemandPredictor, never less than b), then all return to the pool when it finishes:
+
+            demand_r(s) = b_r + (f_r - b_r) * (s + 1) / g_r   for s < g_r,   0 afterwards
+
+        The sum peaks just before some request finishes, so it is evaluated at s = g_r - 1. Summing
+        final demands instead would assume everyone peaks at once and leave the pool half idle;
+        short requests free their blocks before long ones reach theirs.
+        """
+        m = self.memory
+        held, final, remaining = [], [], []
+        for r in self.running + ([request] if request is not None else []):
+            if r.status is RequestStatus.RUNNING:
+                b = m.num_blocks_held(r.request_id)
+            elif r.swapped:
+                b = m.num_blocks_to_swap_in(r.request_id)
+            else:  # its prefill (or recompute) arrives in one go
+                b = self.predictor.predict(r.num_tokens)
+            f = max(self.predictor.predict(r.max_cached_tokens), b)
+            held.append(b)
+            final.append(f)
+            remaining.append(max(1, r.max_new_tokens - len(r.output_token_ids)))
+        b, f, g = (torch.tensor(x, dtype=torch.float64) for x in (held, final, remaining))  # (k,) each
+        s = g - 1                                                                  # (k,) peaks to test
+        progress = torch.clamp((s[:, None] + 1) / g[None, :], max=1.0)             # (k steps, k requests)
+        alive = s[:, None] < g[None, :]
+        demand = torch.where(alive, b + (f - b) * progress, torch.zeros(()))       # (k, k)
+        return int(math.ceil(float(demand.sum(1).max()) - 1e-9))
 
     def _step_blocks(self, request: Request, num_tokens: int) -> int:
         """Worst case of blocks the request's next `num_tokens` tokens can take from the pool. Never
@@ -282,6 +316,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         out.preempted.append(request)
+        out.events.append(("preempted", request))
 
     def finish(self, request: Request, step: int) -> None:
         request.actual_blocks = self.memory.num_blocks_held(request.request_id)

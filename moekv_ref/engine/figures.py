@@ -1,0 +1,117 @@
+"""What a serving run did, as data and as figures: the timeline of every request, the pool's use per
+step, and the admission prediction against what routing then needed. The demo, notebook 04 and the
+tests share these functions."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from .engine import LLMEngine
+
+STATE_COLORS = {"waiting": "#d9d9d9", "running": "#4c9be8", "preempted": "#e8a33d"}
+
+
+def request_segments(engine: LLMEngine) -> dict[int, list[tuple[int, int, str]]]:
+    """Per request, its life as (first step, last step + 1, state) segments, state in waiting /
+    running / preempted, built from the engine's events. Segments of a request tile
+    [arrival step, finished step + 1) without gaps."""
+    segments: dict[int, list[tuple[int, int, str]]] = {}
+    state: dict[int, tuple[int, str]] = {}           # request -> (since step, state)
+    for event in engine.events:
+        rid, step = event.request_id, event.step
+        new = {"arrived": "waiting", "admitted": "running", "resumed": "running",
+               "preempted": "preempted", "finished": None}[event.kind]
+        if rid in state:
+            since, old = state.pop(rid)
+            end = step + 1 if event.kind == "finished" else step
+            if end > since:
+                segments.setdefault(rid, []).append((since, end, old))
+        if new is not None:
+            state[rid] = (step, new)
+    for rid, (since, old) in state.items():           # still in flight
+        segments.setdefault(rid, []).append((since, engine.step_count, old))
+    return segments
+
+
+def pool_use(engine: LLMEngine) -> dict[str, np.ndarray]:
+    """Per step: blocks used (after the forward), reserved for the step's worst case, in the swap
+    space, and sequences running / waiting / preempted. Arrays of length num_steps."""
+    timeline = engine.timeline
+    return {
+        "step": np.array([s.step for s in timeline]),
+        "used_blocks": np.array([s.used_blocks for s in timeline]),
+        "reserved_blocks": np.array([s.reserved_blocks for s in timeline]),
+        "swapped_blocks": np.array([s.swapped_blocks for s in timeline]),
+        "num_running": np.array([s.num_running for s in timeline]),
+        "num_waiting": np.array([s.num_waiting for s in timeline]),
+        "num_preempted": np.array([s.num_preempted for s in timeline]),
+    }
+
+
+def demand_table(engine: LLMEngine) -> list[dict]:
+    """Per finished request: tokens cached, the admission prediction in blocks, and the blocks it
+    actually held at the end."""
+    rows = []
+    for request in engine.requests.values():
+        if request.actual_blocks is None:
+            continue
+        rows.append({"request_id": request.request_id, "num_tokens": request.max_cached_tokens,
+                     "predicted_blocks": request.predicted_blocks, "actual_blocks": request.actual_blocks})
+    return rows
+
+
+def plot_timeline(engine: LLMEngine, ax=None):
+    ax = ax or plt.gca()
+    for rid, segs in sorted(request_segments(engine).items()):
+        for start, end, state in segs:
+            ax.barh(rid, end - start, left=start, color=STATE_COLORS[state], height=0.8, linewidth=0)
+    ax.invert_yaxis()
+    ax.set_xlabel("step")
+    ax.set_ylabel("request")
+    ax.set_title("requests: waiting (grey), running (blue), preempted (orange)")
+    return ax
+
+
+def plot_pool_use(engine: LLMEngine, ax=None):
+    ax = ax or plt.gca()
+    use = pool_use(engine)
+    ax.fill_between(use["step"], use["used_blocks"], step="post", alpha=0.6, label="blocks in use")
+    ax.plot(use["step"], use["used_blocks"] + use["reserved_blocks"], drawstyle="steps-post", lw=0.8,
+            color="k", label="+ worst case reserved for the step")
+    if use["swapped_blocks"].any():
+        ax.plot(use["step"], use["swapped_blocks"], drawstyle="steps-post", color="tab:orange",
+                label="blocks in the CPU swap space")
+    ax.axhline(engine.memory.num_blocks, color="tab:red", ls="--", lw=1, label="pool size")
+    ax.set_xlabel("step")
+    ax.set_ylabel("blocks")
+    ax.set_title("pool use over time")
+    ax.legend(fontsize=7, loc="upper right")
+    return ax
+
+
+def plot_demand(engine: LLMEngine, ax=None):
+    ax = ax or plt.gca()
+    table = demand_table(engine)
+    predicted = np.array([r["predicted_blocks"] for r in table])
+    actual = np.array([r["actual_blocks"] for r in table])
+    ax.scatter(actual, predicted, s=14)
+    top = max(predicted.max(initial=1), actual.max(initial=1)) * 1.05
+    ax.plot([0, top], [0, top], color="k", lw=0.8, ls=":", label="prediction = actual")
+    ax.set_xlabel("blocks the request held at the end")
+    ax.set_ylabel("blocks predicted at admission")
+    ax.set_title("admission prediction vs routed demand")
+    ax.legend(fontsize=7)
+    return ax
+
+
+def plot_run(engine: LLMEngine, title: str = ""):
+    """The three panels side by side; returns the figure."""
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    plot_timeline(engine, axes[0])
+    plot_pool_use(engine, axes[1])
+    plot_demand(engine, axes[2])
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
