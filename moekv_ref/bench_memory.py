@@ -8,8 +8,9 @@ Workloads (issue 3):
       last block, the hard case for paging;
   W3  synthetic, Mixtral-like count: E=8, top-2, 16 layers, the same lengths and skew.
 
-Designs: `paged` (plain per-row pages, the real KVCacheManager, what the model uses),
-`paged_shared_tail` (private full blocks, tails shared within a sequence: sim/designs.py),
+Designs: `paged` (plain per-row pages, the real KVCacheManager, what the model uses by default),
+`paged_shared_tail` (private full blocks, tails shared within a sequence:
+cache/shared_tail_manager.py, measured through its count-level model sim/designs.SharedTailDesign),
 `reserved` and `first_fit` (cache/baselines.py).
 
 Metrics (sim/replay.py): utilization and effective_utilization over a lock-step replay of the whole
@@ -223,8 +224,11 @@ def build_report(traces: dict[str, RoutingTrace], block_size: int = DEFAULT_BLOC
         "W1": f"routing recorded from {w1_source}",
         "paged": "plain per-(sequence, layer, expert) pages through the real KVCacheManager; "
                  "what the model's PagedKVCache uses",
-        "paged_shared_tail": "simulator-only design: private full blocks, each row's partial tail in "
-                             "tail blocks shared by the sequence's rows at token granularity",
+        "paged_shared_tail": "private full blocks, each row's partial tail in tail blocks shared by the "
+                             "sequence's rows at token granularity (cache/shared_tail_manager.py; the "
+                             "model runs it with PagedKVCache(shared_tails=True), torch backend only). "
+                             "Numbers from its count-level model sim/designs.SharedTailDesign, which a "
+                             "test checks against the real manager step by step",
         "max_concurrent_sequences": "first n sequences started together and run to completion, "
                                     "allocated + metadata bytes <= budget_bytes throughout",
         "reserved": "oracle worst case: knows each sequence's final length",

@@ -1,26 +1,29 @@
-"""Property tests: random programs of add / append / free / double free drive the pool and manager.
+"""Property tests: random programs of add / append / free / double free drive the pool and managers.
 
 After every step: no block is owned twice, nothing leaks (free + owned = total), ref counts equal
 owners, tables agree with token counts (`assert_consistent`), and a reference model written with
-plain Python lists agrees on every row's token count and free-block count. Operations that must fail
-(out of blocks, unknown or freed sequence) fail without changing anything.
+plain Python dicts agrees on every row's token count and on the number of free blocks. Every token's
+value, written to its slot and carried by the moves the shared-tail manager asks for, reads back in
+order through `row_slots`. Operations that must fail (out of blocks, unknown or freed sequence) fail
+without changing anything.
 """
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moekv_ref.cache import BlockPool, KVCacheManager, OutOfBlocksError
+import pytest
+
+from moekv_ref.cache import BlockPool, KVCacheManager, OutOfBlocksError, SharedTailKVCacheManager
 
 L, E = 2, 3
 
-operation = st.one_of(
-    st.tuples(st.just("add"), st.integers(0, 5)),
-    st.tuples(st.just("append"), st.integers(0, 5),
-              st.lists(st.tuples(st.integers(0, L - 1), st.integers(0, E - 1), st.integers(0, 9)),
-                       min_size=1, max_size=4)),
-    st.tuples(st.just("free"), st.integers(0, 5)),
-)
+append = st.tuples(st.just("append"), st.integers(0, 2),
+                   st.lists(st.tuples(st.integers(0, L - 1), st.integers(0, E - 1), st.integers(0, 5)),
+                            min_size=1, max_size=4))
+# appends weigh three times as much as adds and frees: promotions and compactions need many of them
+operation = st.one_of(st.tuples(st.just("add"), st.integers(0, 3)), append, append, append,
+                      st.tuples(st.just("free"), st.integers(0, 3)))
 
 
 def snapshot(manager):
@@ -32,18 +35,36 @@ def same(a, b):
     return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
 
 
+def plain_blocks(rows: dict, P: int) -> int:
+    """A plain row of n tokens owns ceil(n / P) blocks."""
+    return sum(-(-n // P) for n in rows.values())
+
+
+def shared_tail_blocks(rows: dict, P: int) -> int:
+    """Full blocks per row, plus ceil(tail tokens / P) tail blocks per sequence."""
+    return sum(n // P for n in rows.values()) + -(-sum(n % P for n in rows.values()) // P)
+
+
+MANAGERS = {"plain": (KVCacheManager, plain_blocks), "shared_tail": (SharedTailKVCacheManager, shared_tail_blocks)}
+
+
+@pytest.mark.parametrize("kind", list(MANAGERS))
 @settings(max_examples=150, deadline=None)
-@given(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 24),
-       shuffle=st.booleans(), program=st.lists(operation, max_size=25))
-def test_random_programs_keep_invariants(block_size, num_blocks, shuffle, program):
-    manager = KVCacheManager(L, E, block_size, num_blocks, shuffle_seed=7 if shuffle else None,
-                             initial_num_seqs=1, initial_blocks_per_row=1)
+@given(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 40),
+       shuffle=st.booleans(), program=st.lists(operation, min_size=15, max_size=40))
+def test_random_programs_keep_invariants(kind, block_size, num_blocks, shuffle, program):
+    manager_class, blocks_of = MANAGERS[kind]
+    manager = manager_class(L, E, block_size, num_blocks, shuffle_seed=7 if shuffle else None,
+                            initial_num_seqs=1, initial_blocks_per_row=1)
     model: dict[int, dict[tuple[int, int], int]] = {}        # seq -> (layer, expert) -> tokens
+    data = torch.full((num_blocks * block_size,), -1)       # what each slot holds: a token's value
+    next_value = 0
+    expected: dict[tuple[int, int, int], list[int]] = {}     # (seq, layer, expert) -> values in order
 
     def blocks_in_use():
-        return sum(-(-n // block_size) for rows in model.values() for n in rows.values())
+        return sum(blocks_of(rows, block_size) for rows in model.values())
 
-    for op in program:
+    for op in [("add", 0), ("add", 1)] + program:
         before = snapshot(manager)
         if op[0] == "add":
             seq = op[1]
@@ -74,20 +95,26 @@ def test_random_programs_keep_invariants(block_size, num_blocks, shuffle, progra
                 except OutOfBlocksError:
                     assert same(before, snapshot(manager))
             else:
-                manager.allocate_slots(rows, counts)
+                for source, destination in manager.allocate_slots(rows, counts) or []:
+                    data[destination] = data[source].clone()
                 for key, n in merged.items():
                     model[seq][key] = model[seq].get(key, 0) + n
-                # the new tokens' slots are distinct and inside the pool
+                # the new tokens' slots are distinct and inside the pool; write their values
                 slots = manager.slot_mapping(rows, counts)
                 assert slots.unique().numel() == slots.numel()
                 assert slots.numel() == 0 or int(slots.max()) < num_blocks * block_size
+                data[slots] = torch.arange(next_value, next_value + slots.numel())
+                for (layer, expert), n in merged.items():            # slot_mapping is row by row
+                    expected.setdefault((seq, layer, expert), []).extend(range(next_value, next_value + n))
+                    next_value += n
         else:
             seq = op[1]
             if seq in model:
                 owned = manager.blocks_of_sequence(seq)
-                assert owned.numel() == sum(-(-n // block_size) for n in model[seq].values())
+                assert owned.numel() == blocks_of(model[seq], block_size)
                 manager.free(seq)
                 del model[seq]
+                expected = {key: values for key, values in expected.items() if key[0] != seq}
             else:                                               # unknown or already freed
                 try:
                     manager.free(seq)
@@ -100,6 +127,9 @@ def test_random_programs_keep_invariants(block_size, num_blocks, shuffle, progra
             counts = manager.token_counts([seq])[0]
             for (layer, expert), n in rows.items():
                 assert counts[layer, expert] == n
+                # every value written reads back through the row's slots, in order
+                values = data[manager.row_slots(int(manager.rows([seq], layer, expert)[0]))]
+                assert values.tolist() == expected.get((seq, layer, expert), [])
 
 
 @settings(max_examples=100, deadline=None)

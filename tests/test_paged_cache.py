@@ -9,7 +9,7 @@ of full recompute. Scenarios: exact block ids and slots; bad input raises before
 import pytest
 import torch
 
-from moekv_ref.cache import KVCacheManager, OutOfBlocksError, PagedKVCache
+from moekv_ref.cache import KVCacheManager, OutOfBlocksError, PagedKVCache, SharedTailKVCacheManager
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
 
@@ -153,3 +153,53 @@ def test_paged_equals_recompute_on_the_embedded_model(routing):
     result = generate(model, prompts, SamplingParams(max_new_tokens=12, temperature=0.0), cache="paged",
                       record_logits=True, block_size=16, shuffle_seed=0)
     assert max_logit_error(model, result) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode,routing", [("expert", "topk"), ("expert", "threshold"), ("dense", "threshold")])
+def test_shared_tails_equal_contiguous_and_recompute(mode, routing, dtype):
+    """Shared tails move K/V (promotion, compaction): the model must not notice."""
+    model = random_model(small_config(mode, routing), seed=1, dtype=dtype)
+    reference = _run(model, "contiguous")
+    for block_size in (1, 2, 4, 16, 64):
+        paged = _run(model, "paged", block_size=block_size, shuffle_seed=block_size, shared_tails=True)
+        assert paged.tokens == reference.tokens
+        for a, b in zip(paged.logits, reference.logits):
+            assert (a - b).abs().max().item() <= TOLERANCE[dtype]
+        assert max_logit_error(model, paged) <= TOLERANCE[dtype]
+
+
+def test_shared_tail_promotion_and_compaction_exact_moves():
+    """P = 4, one layer, three experts, one sequence; tail blocks 0 and 1 are handed out in order."""
+    manager = SharedTailKVCacheManager(num_layers=1, num_experts=3, block_size=4, num_blocks=16)
+    manager.add_sequence(0)
+    rows = torch.cat([manager.rows([0], 0, e) for e in range(3)])
+    # 3 + 3 + 1 tail tokens: no full block yet, 7 tail slots in tail blocks 0 and 1 (slots 0..6)
+    assert manager.allocate_slots(rows, torch.tensor([3, 3, 1])) == []
+    assert manager.tail_blocks[0] == [0, 1] and manager.tail_slots[rows[2], 0] == 6
+    # expert 0's fourth token fills its block: a fresh block (2) takes its 3 tail tokens (slots 0..2
+    # -> 8..10); 4 tail tokens remain and 4 slots are free, so the emptiest tail block (0, holding
+    # expert 1's token at slot 3) is compacted into block 1 (slot 3 -> 7) and given back.
+    moves = manager.allocate_slots(rows[:1], torch.tensor([1]))
+    assert [(s.tolist(), d.tolist()) for s, d in moves] == [([0, 1, 2], [8, 9, 10]), ([3], [7])]
+    assert manager.tail_blocks[0] == [1] and manager.pool.num_free_blocks == 16 - 2
+    assert manager.row_slots(int(rows[0])).tolist() == [8, 9, 10, 11]
+    assert manager.row_slots(int(rows[1])).tolist() == [7, 4, 5]      # its first tail token moved
+    manager.assert_consistent()
+    manager.free(0)
+    assert manager.pool.num_free_blocks == 16
+    manager.assert_consistent()
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_shared_tail_design_equals_the_real_manager(block_size):
+    """The simulator's count-level SharedTailDesign allocates what SharedTailKVCacheManager does."""
+    from moekv_ref.sim import ManagerPagedDesign, SharedTailDesign, replay, synthetic_trace
+
+    trace = synthetic_trace(5, num_layers=2, num_experts=8, top_k=3, mean_prompt=12, mean_output=20, seed=6)
+    real = ManagerPagedDesign(5, 2, 8, block_size, num_blocks=trace.num_slot_appends + 1, shuffle_seed=1,
+                              manager_class=SharedTailKVCacheManager)
+    counted = SharedTailDesign(5, 2, 8, block_size)
+    assert replay(trace, real).allocated_bytes_time_sum == replay(trace, counted).allocated_bytes_time_sum
+    real.manager.assert_consistent()
+    assert real.manager.num_free_blocks == real.manager.num_blocks

@@ -13,5 +13,7 @@ from .block_pool import BlockPool, OutOfBlocksError
 from .contiguous import ContiguousKVCache
 from .kv_cache_manager import KVCacheManager
 from .paged import PagedKVCache
+from .shared_tail_manager import SharedTailKVCacheManager
 
-__all__ = ["BlockPool", "ContiguousKVCache", "KVCacheManager", "OutOfBlocksError", "PagedKVCache"]
+__all__ = ["BlockPool", "ContiguousKVCache", "KVCacheManager", "OutOfBlocksError", "PagedKVCache",
+           "SharedTailKVCacheManager"]

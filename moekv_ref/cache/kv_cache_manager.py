@@ -121,6 +121,15 @@ class KVCacheManager:
         """All L * E rows of sequences given by seq_index (m,): (m, L * E) int64, layer-major."""
         return seq_index[:, None] * self.rows_per_seq + torch.arange(self.rows_per_seq)
 
+    def _table_blocks(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        """Blocks listed in the block table of a row of num_tokens tokens: all of them here; a
+        design that keeps partial tails elsewhere (shared_tail_manager.py) lists full blocks only."""
+        return ceil_div(num_tokens, self.block_size)
+
+    def _other_owned_blocks(self) -> torch.Tensor:
+        """Blocks owned outside the block tables (none here): (b,) int64."""
+        return torch.zeros(0, dtype=torch.int64)
+
     # ----- the scheduler's questions --------------------------------------------------------------
     def num_blocks_needed(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> int:
         """Blocks that appending num_new_tokens[i] tokens to rows[i] would take from the pool."""
@@ -134,7 +143,7 @@ class KVCacheManager:
         """Every block the sequence owns, row by row in token order: (b,) int64. What a swap to a
         CPU pool copies, and what `free` returns to the pool."""
         rows = self.sequence_rows(torch.tensor([self.seq_index(seq_id)]))[0]     # (L*E,)
-        num_used = ceil_div(self.num_computed_tokens[rows], self.block_size)      # (L*E,)
+        num_used = self._table_blocks(self.num_computed_tokens[rows])             # (L*E,)
         used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (L*E, W)
         return self.block_tables[rows][used].to(torch.int64)
 
@@ -153,7 +162,7 @@ class KVCacheManager:
         """Who owns each block and how full it is, for drawing the pool: owner_row (N,) int64, -1
         for a free block, and used_slots (N,) int64 (P for all but a row's last block)."""
         P = self.block_size
-        num_used = ceil_div(self.num_computed_tokens, P)                           # (R,)
+        num_used = self._table_blocks(self.num_computed_tokens)                    # (R,)
         used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (R, W)
         row, column = used.nonzero(as_tuple=True)
         blocks = self.block_tables[row, column].to(torch.int64)
@@ -264,11 +273,12 @@ class KVCacheManager:
         """Check the invariants in the module docstring; raise AssertionError naming the broken one."""
         self.pool.assert_consistent()
         P = self.block_size
-        num_used = ceil_div(self.num_computed_tokens, P)                           # (R,)
+        num_used = self._table_blocks(self.num_computed_tokens)                    # (R,)
         used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (R, W)
         owned = self.block_tables[used].to(torch.int64)
         assert (self.block_tables[~used] == self.pad).all(), "a table entry past a row's blocks is set"
         assert (owned < self.num_blocks).all(), "a row's used table entry is padding"
+        owned = torch.cat([owned, self._other_owned_blocks()])
         assert owned.unique().numel() == owned.numel(), "a block is owned by two rows (or twice)"
         owners = torch.bincount(owned, minlength=self.num_blocks)
         assert torch.equal(owners.to(torch.int32), self.pool.ref_cnt), "ref_cnt != number of owners"

@@ -29,6 +29,7 @@ import torch
 from ..attention import attend_by_position
 from ..config import ModelConfig
 from .kv_cache_manager import KVCacheManager, check_block_size
+from .shared_tail_manager import SharedTailKVCacheManager
 
 BACKENDS = ("torch", "triton")
 
@@ -42,13 +43,20 @@ class PagedKVCache:
              token per row) then stores with kernels.store_kv and attends with kernels.paged_attention
              over all its rows in one launch; prefill calls keep the torch path. On a CPU the kernels
              run in Triton's interpreter. Tests: tests/test_kernels_integration.py.
+    shared_tails: keep each row's partly filled tail in slots shared by the sequence's rows
+             (SharedTailKVCacheManager) instead of a private last block; the K/V moves it asks for
+             are applied here before new tokens are written. Torch backend only: the kernels read
+             block tables of full rows.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 shuffle_seed: int | None = None, backend: str = "torch"):
+                 shuffle_seed: int | None = None, backend: str = "torch", shared_tails: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        if shared_tails and backend != "torch":
+            raise ValueError("shared_tails=True needs backend='torch': the Triton kernels read a row "
+                             "through its block table only, and shared tails live outside it")
         self.backend = backend
         L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
         # One token of one sequence needs a block in each of its k rows of every layer (k_max under
@@ -61,7 +69,8 @@ class PagedKVCache:
                 f"allow at least {minimum}"
             )
         self.config = config
-        self.manager = KVCacheManager(L, E, block_size, num_blocks, shuffle_seed)
+        manager_class = SharedTailKVCacheManager if shared_tails else KVCacheManager
+        self.manager = manager_class(L, E, block_size, num_blocks, shuffle_seed)
         self.block_size = block_size
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.key_cache = torch.zeros(shape, dtype=dtype, device=device)     # (N, P, Hkv, Dh)
@@ -71,7 +80,7 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, model, block_size: int = 16, num_blocks: int | None = None,
                   max_num_seqs: int = 8, shuffle_seed: int | None = None,
-                  backend: str = "torch") -> "PagedKVCache":
+                  backend: str = "torch", shared_tails: bool = False) -> "PagedKVCache":
         """A cache in the model's dtype and device. Without num_blocks, the pool holds the worst case
         of max_num_seqs sequences of max_position_embeddings tokens (every token in k_max experts)."""
         config = model.config
@@ -79,7 +88,8 @@ class PagedKVCache:
             blocks_per_row = -(-config.max_position_embeddings // check_block_size(block_size))
             num_blocks = max_num_seqs * config.max_kv_entries_per_token * blocks_per_row
         parameter = next(model.parameters())
-        return cls(config, num_blocks, block_size, parameter.dtype, parameter.device, shuffle_seed, backend)
+        return cls(config, num_blocks, block_size, parameter.dtype, parameter.device, shuffle_seed, backend,
+                   shared_tails)
 
     # ----- the contract -----------------------------------------------------------------------------
     def attend(self, layer, expert, seq_ids, positions, q, k, v):
@@ -99,11 +109,15 @@ class PagedKVCache:
             counts = torch.tensor([t.numel() for t in tokens], dtype=torch.int64)   # (m,)
             for row, idx in zip(rows.tolist(), tokens):
                 self._check_positions(row, positions[idx])
-            self.manager.allocate_slots(rows, counts)                         # may raise: nothing stored yet
+            moves = self.manager.allocate_slots(rows, counts)                 # may raise: nothing stored yet
         except Exception:
             for s in new_seqs:                                                 # leave the cache as it was
                 self.manager.free(s)
             raise
+        for source, destination in moves or []:                              # shared tails only
+            for cache in (self.key_cache, self.value_cache):
+                flat = cache.view(-1, Hkv, Dh)
+                flat[destination] = flat[source]
         order = torch.cat(tokens)                                             # (n,) grouped by sequence
         slots = self.manager.slot_mapping(rows, counts)                       # (n,)
         if self.backend == "triton" and bool((counts == 1).all()):

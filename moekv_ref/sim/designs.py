@@ -23,7 +23,9 @@ Three paged designs:
   CountingPagedDesign  the same accounting from token counts alone (a row of n tokens owns
                        ceil(n / P) blocks), cheap enough to sweep block sizes; a test checks it equals
                        the manager-driven design step by step.
-  SharedTailDesign     full blocks stay private to their row, but the partly filled *tail* of every
+  SharedTailDesign     (count-level model of cache/shared_tail_manager.py; a test checks it allocates
+                       what the real SharedTailKVCacheManager allocates, step by step)
+                       full blocks stay private to their row, but the partly filled *tail* of every
                        row of a sequence lives in tail blocks shared by all that sequence's
                        (layer, expert) rows, at token granularity:
 
@@ -38,8 +40,7 @@ Three paged designs:
      blocks: waste per sequence is < P slots instead of < P per row, at the cost of a slot index per
      tail token (metadata), of the copies (`copied_slots`), and of reading up to P - 1 scattered
      slots per row in decode (`reads`). Freeing a sequence frees whole blocks, because tail blocks
-     are never shared across sequences. This design exists in the simulator only; the model's
-     PagedKVCache uses plain per-row pages.
+     are never shared across sequences. The model's PagedKVCache runs it with shared_tails=True.
 """
 
 from __future__ import annotations
@@ -100,12 +101,14 @@ class ManagerPagedDesign:
     all the rows it touches, with real block ids from the real free block queue."""
 
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int, block_size: int,
-                 num_blocks: int, shuffle_seed: int | None = None):
+                 num_blocks: int, shuffle_seed: int | None = None, manager_class=KVCacheManager):
         self.name = f"paged-manager(P={block_size})"
         self.block_size = block_size
         self.rows_per_seq = num_layers * num_experts
-        self.manager = KVCacheManager(num_layers, num_experts, block_size, num_blocks, shuffle_seed,
-                                      initial_num_seqs=max(1, num_sequences))
+        # manager_class=SharedTailKVCacheManager drives the real shared-tail bookkeeping (a Python
+        # loop over rows: for tests, too slow for the benchmark's traces)
+        self.manager = manager_class(num_layers, num_experts, block_size, num_blocks, shuffle_seed,
+                                     initial_num_seqs=max(1, num_sequences))
         self._row_base = torch.zeros(num_sequences, dtype=torch.int64)  # trace seq -> first manager row
 
     def admit(self, seqs, final_lens) -> None:
