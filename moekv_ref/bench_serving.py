@@ -59,12 +59,24 @@ def serve_design(model: MoEKVTransformer, workload, design: str, num_blocks: int
 def run_serving_benchmark(model: MoEKVTransformer, num_requests: int = 32, num_blocks: int = 1024,
                           block_size: int = 16, prompt_len=(8, 256), output_len=(8, 192),
                           max_num_seqs: int = 32, max_num_batched_tokens: int = 512, seed: int = 0,
-                          designs=DESIGNS) -> dict:
+                          designs=DESIGNS, num_threads: int | None = 1) -> dict:
     """Every design on the same workload and memory budget, in one run. Also checks that the
-    designs generate the same tokens (they must: sampling is per request, seeded)."""
-    workload = make_workload(num_requests, prompt_len, output_len, seed=seed)
-    rows = {d: serve_design(model, workload, d, num_blocks, block_size, max_num_seqs, max_num_batched_tokens)
-            for d in designs}
+    designs generate the same tokens (they must: sampling is per request, seeded).
+
+    num_threads: torch intra-op threads during the run (None: leave as is). One by default: on a
+    small shared machine, intra-op threads that wait for a core taken by another process slow the
+    designs with larger batches far more than the others, and the benchmark would measure that
+    contention instead of scheduling and memory."""
+    workload = make_workload(num_requests, prompt_len, output_len, seed=seed,
+                             vocab_size=model.config.vocab_size)
+    previous_threads = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        rows = {d: serve_design(model, workload, d, num_blocks, block_size, max_num_seqs,
+                                max_num_batched_tokens) for d in designs}
+    finally:
+        torch.set_num_threads(previous_threads)
     token_sets = [rows[d].pop("tokens") for d in designs]
     same = all(t == token_sets[0] for t in token_sets[1:])
     kv_bytes = 2 * num_blocks * block_size * model.config.num_key_value_heads * model.config.head_dim * \
@@ -76,6 +88,7 @@ def run_serving_benchmark(model: MoEKVTransformer, num_requests: int = 32, num_b
         "memory_budget": {"num_blocks": num_blocks, "block_size": block_size, "kv_bytes": kv_bytes},
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
+        "num_threads": num_threads,
         "designs": rows,
         "same_tokens_in_every_design": same,
     }

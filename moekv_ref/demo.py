@@ -53,6 +53,16 @@ def serve(model, workload, num_blocks: int, block_size: int = 16, preemption_mod
     return engine, run_workload(engine, workload, on_step)
 
 
+def explore(arrival_rate: float = 0.5, num_blocks: int = 200, routing: str = "threshold",
+            preemption_mode: str = "recompute", admission: str = "predicted", num_requests: int = 12,
+            seed: int = 0):
+    """One serving run for notebook 04's widgets: the demo workload at this arrival rate through a
+    pool of `num_blocks`, with this routing and preemption mode. Returns (summary, engine)."""
+    from .checkpoint import load_default_model
+    return run_demo(num_requests, num_blocks, preemption_mode, admission, arrival_rate, seed,
+                    figures=None, progress=False, model=load_default_model(routing))
+
+
 def sparkline(values, width: int = 60, top: float | None = None) -> str:
     """Values as a row of block characters, each the maximum of its share of the run."""
     values = list(values)
@@ -172,7 +182,17 @@ def build_parser(parser):
 
 def main(args) -> int:
     import matplotlib
+    import torch
     matplotlib.use("Agg")
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(1)     # a small shared machine: see bench_serving.run_serving_benchmark
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(args) -> int:
     start = time.perf_counter()
     admissions = ["predicted", "optimistic"] if args.admission == "both" else [args.admission]
     summaries = {}

@@ -3,7 +3,8 @@ token by token.
 
     cache "none"        recompute: every step runs the whole (padded) batch through `model.forward`
     cache "contiguous"  one growing buffer per (sequence, layer, expert)
-    (the paged cache adds "paged" to `make_cache`)
+    (the paged cache adds "paged" to `make_cache`; without record_logits or a kernel backend,
+    cache "paged" runs through the serving engine, moekv_ref.engine.generate_with_engine)
 
 `generate(..., record_logits=True)` keeps the logits of every position the model processed, which is
 what the equivalence tests compare against a single full forward of the final sequences.
@@ -75,6 +76,10 @@ def generate(
         raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
     max_new = max(p.max_new_tokens for p in per_prompt)
     check_prompts(model, prompts, max_new)
+    if cache == "paged" and not record_logits and set(cache_options) <= {"block_size", "num_blocks", "shuffle_seed"}:
+        # the serving engine (issue 4): continuous batching over the paged pool, same tokens
+        from .engine.engine import generate_with_engine
+        return generate_with_engine(model, prompts, per_prompt, on_token=on_token, **cache_options)
     if cache != "none":
         kv_cache = make_cache(cache, model, **cache_options)  # raises on an unknown kind
     generators = [p.generator() for p in per_prompt]

@@ -7,8 +7,6 @@ the one preempted; bad requests are refused before anything changes, and the oth
 Small random float64 models from helpers, so that a tie in argmax cannot flip between batchings.
 """
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -171,8 +169,7 @@ def test_bad_prompts_are_refused(model, prompt, match):
 
 
 def test_timeline_segments_and_demand_table(model):
-    workload = make_workload(6, prompt_len=(2, 8), output_len=(4, 12), arrival_rate=0.5, seed=4)
-    workload = [dataclasses.replace(w, prompt=[t % 64 for t in w.prompt]) for w in workload]
+    workload = make_workload(6, prompt_len=(2, 8), output_len=(4, 12), arrival_rate=0.5, seed=4, vocab_size=64)
     engine = LLMEngine(model, num_blocks=48, block_size=BLOCK_SIZE,
                        scheduler_config=SchedulerConfig(admission="optimistic"))
     result = run_workload(engine, workload)
@@ -187,3 +184,14 @@ def test_timeline_segments_and_demand_table(model):
     assert len(use["step"]) == engine.step_count and use["used_blocks"].max() <= 48
     table = demand_table(engine)
     assert len(table) == 6 and all(r["actual_blocks"] > 0 for r in table)
+
+
+def test_generate_cache_paged_runs_through_the_engine(model, workload, alone):
+    prompts, params = workload
+    result = generate(model, prompts[:5], params[:5], cache="paged", block_size=BLOCK_SIZE)
+    assert result.options["engine"] and result.tokens == alone[:5]
+    contiguous = generate(model, prompts[:5], params[:5], cache="contiguous")
+    assert torch.equal(result.cache_counts, contiguous.cache_counts)
+    streamed = []
+    generate(model, prompts[:2], params[:2], cache="paged", on_token=lambda i, t: streamed.append((i, t)))
+    assert [t for i, t in streamed if i == 1] == alone[1]

@@ -235,3 +235,36 @@ class LLMEngine:
             peak_used_blocks=max((s.used_blocks for s in self.timeline), default=0),
             seconds=self._seconds,
         )
+
+
+def generate_with_engine(model: MoEKVTransformer, prompts: list[list[int]], params, block_size: int = 16,
+                         num_blocks: int | None = None, on_token: Callable[[int, int], None] | None = None,
+                         scheduler_config: SchedulerConfig | None = None, shuffle_seed: int | None = None):
+    """`generate.generate(..., cache="paged")` through the serving engine: the same GenerationResult
+    (tokens, and the (B, L, E) tokens each row held when its request finished), produced by
+    continuous batching over the paged pool. Without num_blocks the pool holds every prompt's
+    worst case at once, so nothing is preempted; give fewer to watch preemption keep the tokens."""
+    from ..generate import GenerationResult
+    from .demand import worst_case_lifetime_blocks
+
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    if num_blocks is None:
+        c = model.config
+        num_blocks = sum(worst_case_lifetime_blocks(len(p) + q.max_new_tokens - 1, c.num_hidden_layers,
+                                                    c.num_attention_experts, c.num_attention_experts_per_tok,
+                                                    block_size) for p, q in zip(prompts, per_prompt))
+        num_blocks = max(num_blocks, c.num_hidden_layers * c.num_attention_experts_per_tok)
+    engine = LLMEngine(model, num_blocks, block_size, scheduler_config, shuffle_seed=shuffle_seed)
+    streamed = [0] * len(prompts)
+
+    def stream(engine):
+        for i, request in enumerate(engine.requests.values()):
+            for token in request.output_token_ids[streamed[i]:]:
+                on_token(i, token)
+            streamed[i] = len(request.output_token_ids)
+
+    outputs = engine.generate(prompts, per_prompt, on_step=stream if on_token is not None else None)
+    counts = torch.stack([engine.requests[o.request_id].final_token_counts for o in outputs])   # (B, L, E)
+    engine.memory.assert_no_leak()
+    return GenerationResult([list(p) for p in prompts], [o.token_ids for o in outputs], counts, None,
+                            {"cache": "paged", "engine": True, "block_size": block_size, "num_blocks": num_blocks})

@@ -50,6 +50,7 @@ class Request:
     # statistics
     predicted_blocks: int | None = None   # the admission prediction, made when first admitted
     actual_blocks: int | None = None      # blocks it held when it finished
+    final_token_counts: torch.Tensor | None = None   # (L, E) tokens its rows held when it finished
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
     first_scheduled_step: int | None = None

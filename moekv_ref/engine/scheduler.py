@@ -320,6 +320,7 @@ class Scheduler:
 
     def finish(self, request: Request, step: int) -> None:
         request.actual_blocks = self.memory.num_blocks_held(request.request_id)
+        request.final_token_counts = self.memory.token_counts([request.request_id])[0]
         self.memory.free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finished_step = step

@@ -92,9 +92,11 @@ def _log_uniform(low: int, high: int, generator: torch.Generator) -> int:
 
 def make_workload(num_requests: int = 24, prompt_len: tuple[int, int] = (8, 192),
                   output_len: tuple[int, int] = (8, 128), arrival_rate: float | None = None,
-                  temperature: float = 0.8, top_p: float = 0.95, seed: int = 0) -> list[WorkloadRequest]:
+                  temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
+                  vocab_size: int = 256) -> list[WorkloadRequest]:
     """`num_requests` requests, prompt and output lengths log-uniform in the given ranges, Poisson
-    arrivals of `arrival_rate` per step (None: all at step 0). Request i samples with seed seed + i."""
+    arrivals of `arrival_rate` per step (None: all at step 0). Request i samples with seed seed + i.
+    Token ids are bytes, folded modulo `vocab_size` for models with a smaller vocabulary (tests)."""
     if num_requests < 1:
         raise ValueError(f"num_requests={num_requests} must be >= 1")
     for name, (low, high) in (("prompt_len", prompt_len), ("output_len", output_len)):
@@ -102,7 +104,7 @@ def make_workload(num_requests: int = 24, prompt_len: tuple[int, int] = (8, 192)
             raise ValueError(f"{name}={(low, high)} must satisfy 1 <= low <= high")
     if arrival_rate is not None and not arrival_rate > 0:
         raise ValueError(f"arrival_rate={arrival_rate!r} must be > 0 requests per step (or None)")
-    text = encode(PROMPT_TEXT)
+    text = [t % vocab_size for t in encode(PROMPT_TEXT)]
     generator = torch.Generator().manual_seed(seed)
     requests, clock = [], 0.0
     for i in range(num_requests):

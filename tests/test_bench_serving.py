@@ -1,0 +1,42 @@
+"""`bench serving` (issue 4): three designs, one workload, one memory budget, one runner.
+
+Wall-clock speedups depend on the machine, so the tests check what does not: the JSON shape, that
+every design generates the same tokens, and that continuous batching on the paged pool needs far fewer
+steps and holds more sequences at once than static batching under the same budget. The measured
+speedup is in the closing note of the issue.
+"""
+
+import json
+
+import pytest
+
+from moekv_ref.__main__ import main
+from moekv_ref.bench_serving import DESIGNS, run_serving_benchmark
+
+from helpers import random_model, small_config
+
+
+def test_designs_share_tokens_and_paged_batches_more():
+    model = random_model(small_config("expert", "threshold"), seed=0)
+    report = run_serving_benchmark(model, num_requests=10, num_blocks=160, block_size=4,
+                                   prompt_len=(2, 20), output_len=(4, 24), max_num_seqs=16)
+    assert set(report["designs"]) == set(DESIGNS)
+    for row in report["designs"].values():
+        assert {"tokens_per_second", "max_concurrent_sequences", "preemptions", "recomputed_tokens"} <= set(row)
+        assert row["refused"] == 0
+    assert report["same_tokens_in_every_design"]
+    static, reserved, paged = (report["designs"][d] for d in DESIGNS)
+    assert static["preemptions"] == reserved["preemptions"] == 0
+    assert paged["max_concurrent_sequences"] > reserved["max_concurrent_sequences"] >= static["max_concurrent_sequences"]
+    assert static["steps"] >= 2 * paged["steps"]
+    assert report["speedup_paged_vs_static"] > 0
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_cli_quick_writes_json(tmp_path, capsys):
+    path = tmp_path / "serving.json"
+    assert main(["bench", "serving", "--quick", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert set(report["designs"]) == set(DESIGNS)
+    assert report["speedup_paged_vs_static"] > 0
+    assert "speedup continuous_paged vs static" in capsys.readouterr().out
