@@ -27,8 +27,13 @@ operation = st.one_of(st.tuples(st.just("add"), st.integers(0, 3)), append, appe
 
 
 def snapshot(manager):
-    return (manager.pool.free_block_ids(), manager.pool.ref_cnt.clone(), manager.block_tables.clone(),
-            manager.num_computed_tokens.clone(), dict(manager._seq_index))
+    state = (manager.pool.free_block_ids(), manager.pool.ref_cnt.clone(), manager.block_tables.clone(),
+             manager.num_computed_tokens.clone(), dict(manager._seq_index))
+    if isinstance(manager, SharedTailKVCacheManager):
+        state += (manager.tail_slots.clone(), manager.slot_row.clone(),
+                  {k: list(v) for k, v in manager.tail_blocks.items()},
+                  {k: list(v) for k, v in manager.free_tail_slots.items()})
+    return state
 
 
 def same(a, b):

@@ -126,6 +126,9 @@ def test_paged_attend_rejects_out_of_order_positions_without_storing():
     assert 4 not in cache.manager.sequences
     cache.free(3)
     assert cache.num_free_blocks == 16
+    with pytest.raises(KeyError, match="sequence 3 is not in the cache"):
+        cache.free(3)
+    assert cache.num_free_blocks == 16
 
 
 def test_cli_generate_paged_gives_the_contiguous_tokens(capsys):
