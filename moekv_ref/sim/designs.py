@@ -1,4 +1,4 @@
-"""Paged memory designs for the simulator, all answering the same five calls:
+"""Paged memory designs for the simulator. Every design, baselines included, answers these calls:
 
     admit(seqs, final_lens)        sequences enter (final_lens: their total tokens, known to a trace;
                                    only the `reserved` baseline uses it, as an oracle)
@@ -8,6 +8,7 @@
     allocated_slots()              KV slots taken from memory now (used or not)
     metadata_bytes()               bytes of block tables, counts, ref counts ... a real system keeps
     reads(rows)                    contiguous runs a decode step must read from these rows
+    live_slots_of(seqs)            slots these sequences hold (the replay's bookkeeping of live bytes)
 
 Rows are passed sparsely (only the rows a step touches) because a decode step of 64 sequences at
 E = 64, top-8, 16 layers touches 8,192 of 65,536 rows.
@@ -23,8 +24,8 @@ Three paged designs:
   CountingPagedDesign  the same accounting from token counts alone (a row of n tokens owns
                        ceil(n / P) blocks), cheap enough to sweep block sizes; a test checks it equals
                        the manager-driven design step by step.
-  SharedTailDesign     (count-level model of cache/shared_tail_manager.py; a test checks it allocates
-                       what the real SharedTailKVCacheManager allocates, step by step)
+  SharedTailDesign     the count-level model of cache/shared_tail_manager.py (a test checks it
+                       allocates what the real SharedTailKVCacheManager allocates, step by step):
                        full blocks stay private to their row, but the partly filled *tail* of every
                        row of a sequence lives in tail blocks shared by all that sequence's
                        (layer, expert) rows, at token granularity:
@@ -34,8 +35,8 @@ Three paged designs:
         sequence s's tail blocks:  [ e3 e3 e7 e3 e1 e7 e7 -- ... ]  slots of many rows, interleaved
 
      When a row's tail reaches P tokens they are copied into a fresh private block (P - 1 extra
-     writes: the token that fills it is written there directly) and their tail slots become holes for the next tail tokens. When the holes add
-     up to a whole block, the emptiest tail block is compacted: its < P live slots move into holes
+     writes: the token that fills it is written there directly) and their tail slots become holes
+     for the next tail tokens. When the holes add up to a whole block, the emptiest tail block is compacted: its < P live slots move into holes
      elsewhere and it returns to the pool. So a sequence holds exactly ceil(tail tokens / P) tail
      blocks: waste per sequence is < P slots instead of < P per row, at the cost of a slot index per
      tail token (metadata), of the copies (`copied_slots`), and of reading up to P - 1 scattered
