@@ -89,6 +89,7 @@ class DemandPredictor:
         entries = k_avg[l] * T
         blocks  = ceil(entries / P + rows * (P - 1) / P),   rows = min(E, entries)
 
+    capped at the worst case of a layer (worst_case_lifetime_blocks).
     i.e. the blocks the entries fill, plus at most P - 1 wasted slots in the last block of every row
     the sequence touches (the bound on partly filled blocks). Under top-k routing k_avg = k exactly,
     and only the split across experts, hence the tail, is unknown.
@@ -113,8 +114,11 @@ class DemandPredictor:
         return self.num_entries / self.num_tokens
 
     def predict(self, num_tokens: int) -> int:
+        """Predicted blocks for `num_tokens` cached tokens, never above the worst case (short
+        sequences: the tail bound alone could exceed E * ceil(T / P))."""
         P = self.block_size
         entries = self.k_avg * num_tokens                                        # (L,)
         rows = torch.clamp(entries, max=self.num_experts)
         per_layer = entries / P + rows * (P - 1) / P
-        return int(sum(math.ceil(x - 1e-9) for x in per_layer.tolist()))
+        worst = worst_case_lifetime_blocks(num_tokens, 1, self.num_experts, self.k_max, P)
+        return int(sum(min(math.ceil(x - 1e-9), worst) for x in per_layer.tolist()))
