@@ -81,6 +81,8 @@ def test_quarter_pool_serves_everything_as_if_alone(model, workload, alone, peak
     engine.memory.assert_no_leak()
     stats = engine.stats()
     assert stats.peak_used_blocks <= peak // 4
+    use = pool_use(engine)      # the step's worst case was reserved before it ran
+    assert (use["scheduled_used_blocks"] + use["reserved_blocks"] <= peak // 4).all()
     if admission == "optimistic":      # admitting on the next step alone must run short here
         assert stats.num_preemptions > 0 and stats.num_resumed == stats.num_preemptions
         if mode == "recompute":

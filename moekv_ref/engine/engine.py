@@ -43,6 +43,7 @@ class StepRecord:
     num_preempted: int          # waiting to resume
     num_scheduled_tokens: int
     used_blocks: int            # pool blocks owned by sequences after the forward, before finishing
+    scheduled_used_blocks: int  # blocks in use when the step was scheduled: + reserved <= pool
     reserved_blocks: int        # worst case the step reserved before running
     swapped_blocks: int         # blocks in the CPU swap space
     seconds: float              # wall time of the step (not reproducible; never printed rounded)
@@ -162,6 +163,7 @@ class LLMEngine:
         self.events += [RequestEvent(step, r.request_id, kind) for kind, r in decision.events]
         finished: list[RequestOutput] = []
         num_running, used_blocks = len(self.scheduler.running), self.memory.num_used_blocks
+        scheduled_used = used_blocks
         if decision.scheduled:
             result = self.runner.execute(decision.scheduled)
             used_blocks = self.memory.num_used_blocks           # the peak of the step: before finishing
@@ -182,7 +184,7 @@ class LLMEngine:
         seconds = time.perf_counter() - start
         self._seconds += seconds
         self._record(step, decision.num_scheduled_tokens, decision.reserved_blocks, seconds,
-                     num_running, used_blocks)
+                     num_running, used_blocks, scheduled_used)
         self.step_count += 1
         return finished
 
@@ -191,14 +193,16 @@ class LLMEngine:
         self._record(self.step_count, 0, 0, 0.0)
         self.step_count += 1
 
-    def _record(self, step, num_tokens, reserved, seconds, num_running=None, used_blocks=None) -> None:
+    def _record(self, step, num_tokens, reserved, seconds, num_running=None, used_blocks=None,
+                scheduled_used=None) -> None:
         waiting = self.scheduler.waiting
         num_preempted = sum(r.status is RequestStatus.PREEMPTED for r in waiting)
         num_running = len(self.scheduler.running) if num_running is None else num_running
         used_blocks = self.memory.num_used_blocks if used_blocks is None else used_blocks
+        scheduled_used = used_blocks if scheduled_used is None else scheduled_used
         self.timeline.append(StepRecord(step, num_running, len(waiting) - num_preempted, num_preempted,
-                                        num_tokens, used_blocks, reserved, self.memory.num_swapped_blocks,
-                                        seconds))
+                                        num_tokens, used_blocks, scheduled_used, reserved,
+                                        self.memory.num_swapped_blocks, seconds))
 
     # ----- whole workloads ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | list | None = None,

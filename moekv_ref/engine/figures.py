@@ -35,12 +35,14 @@ def request_segments(engine: LLMEngine) -> dict[int, list[tuple[int, int, str]]]
 
 
 def pool_use(engine: LLMEngine) -> dict[str, np.ndarray]:
-    """Per step: blocks used (after the forward), reserved for the step's worst case, in the swap
-    space, and sequences running / waiting / preempted. Arrays of length num_steps."""
+    """Per step: blocks used (after the forward; and when the step was scheduled), reserved for the
+    step's worst case, in the swap space, and sequences running / waiting / preempted. Arrays of
+    length num_steps. Invariant: scheduled_used_blocks + reserved_blocks <= the pool."""
     timeline = engine.timeline
     return {
         "step": np.array([s.step for s in timeline]),
         "used_blocks": np.array([s.used_blocks for s in timeline]),
+        "scheduled_used_blocks": np.array([s.scheduled_used_blocks for s in timeline]),
         "reserved_blocks": np.array([s.reserved_blocks for s in timeline]),
         "swapped_blocks": np.array([s.swapped_blocks for s in timeline]),
         "num_running": np.array([s.num_running for s in timeline]),
@@ -67,6 +69,7 @@ def plot_timeline(engine: LLMEngine, ax=None):
         for start, end, state in segs:
             ax.barh(rid, end - start, left=start, color=STATE_COLORS[state], height=0.8, linewidth=0)
     ax.invert_yaxis()
+    ax.yaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("step")
     ax.set_ylabel("request")
     ax.set_title("requests: waiting (grey), running (blue), preempted (orange)")
@@ -77,8 +80,8 @@ def plot_pool_use(engine: LLMEngine, ax=None):
     ax = ax or plt.gca()
     use = pool_use(engine)
     ax.fill_between(use["step"], use["used_blocks"], step="post", alpha=0.6, label="blocks in use")
-    ax.plot(use["step"], use["used_blocks"] + use["reserved_blocks"], drawstyle="steps-post", lw=0.8,
-            color="k", label="+ worst case reserved for the step")
+    ax.plot(use["step"], use["scheduled_used_blocks"] + use["reserved_blocks"], drawstyle="steps-post",
+            lw=0.8, color="k", label="in use when scheduled + the step's worst case")
     if use["swapped_blocks"].any():
         ax.plot(use["step"], use["swapped_blocks"], drawstyle="steps-post", color="tab:orange",
                 label="blocks in the CPU swap space")
