@@ -114,9 +114,9 @@ def format_summary(summary: dict, engine: LLMEngine) -> str:
         f"{summary['refused']} refused",
         f"generated {summary['generated_tokens']} tokens; recomputed {summary['recomputed_tokens']} tokens; "
         f"swapped out {summary['swapped_out_blocks']} blocks",
-        f"pool: {summary['pool_blocks']} blocks of {summary['block_size']} slots = "
-        f"{summary['pool_fraction_of_all_at_once']:.0%} of the blocks the requests held in the end "
-        f"({summary['sum_of_actual_demand_blocks']})",
+        f"pool: {summary['pool_blocks']} blocks of {summary['block_size']} slots"
+        + (f" = {summary['pool_fraction_of_all_at_once']:.0%} of the blocks the requests held in the end "
+           f"({summary['sum_of_actual_demand_blocks']})" if summary["sum_of_actual_demand_blocks"] else ""),
         f"pool use over time (peak {summary['peak_used_blocks']}, mean {summary['mean_used_fraction']:.0%}, "
         f"max {summary['max_concurrent_sequences']} sequences at once):",
         f"  blocks    |{sparkline(use['used_blocks'], top=engine.memory.num_blocks)}|",

@@ -138,12 +138,17 @@ class Scheduler:
             return
         least = min_lifetime_blocks(num_tokens, m.num_layers, m.k_min, m.block_size)
         verdict = "can never fit" if least > m.num_blocks else "may not fit even alone"
-        fits = max(t for t in range(0, num_tokens + 1) if t == 0 or self.max_blocks_alone(t) <= m.num_blocks)
+        prompt_worst = self.max_blocks_alone(prompt_len)
+        if prompt_worst > m.num_blocks:
+            fix = f"the prompt alone may need {prompt_worst}: give the pool at least {worst} blocks or shorten the prompt"
+        else:
+            longest = max(t for t in range(prompt_len, num_tokens + 1) if self.max_blocks_alone(t) <= m.num_blocks)
+            fix = (f"lower max_new_tokens to at most {longest - prompt_len + 1}, or give the pool at least "
+                   f"{worst} blocks")
         raise ValueError(
             f"request of {prompt_len} prompt tokens + max_new_tokens={max_new_tokens} {verdict} in the "
             f"pool of {m.num_blocks} blocks: it needs at least {least} and up to {worst} blocks "
-            f"({m.num_layers} layers, up to {m.k_max} experts per token, block size {m.block_size}); "
-            f"lower max_new_tokens so that prompt + max_new_tokens <= {fits + 1}, or give the pool more blocks")
+            f"({m.num_layers} layers, up to {m.k_max} experts per token, block size {m.block_size}); {fix}")
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
