@@ -4,6 +4,7 @@
     routing-stats  what the embedded model's routers learned (load, entropy, character preferences)
     demo           serve a stream of requests through a small pool: continuous batching, preemption
     bench          benchmarks: `bench memory`, `bench serving`
+    figures        regenerate every PNG in figures/ from the package
 """
 
 from __future__ import annotations
@@ -121,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=bench_serving.main)
     d = demo.build_parser(sub.add_parser("demo", help="serve requests through a small pool (the main demo)"))
     d.set_defaults(func=demo.main)
+    from . import figures
+    f = sub.add_parser("figures", help="regenerate every PNG in figures/")
+    f.add_argument("--out", default="figures")
+    f.add_argument("--quick", action="store_true", help="smaller memory benchmark")
+    f.set_defaults(func=figures.main)
     return parser
 
 

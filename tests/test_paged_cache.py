@@ -27,11 +27,12 @@ def _run(model, cache, **options):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("mode,routing", [("expert", "topk"), ("expert", "threshold"),
                                           ("dense", "topk"), ("dense", "threshold")])
-def test_paged_equals_contiguous_and_recompute(mode, routing, dtype):
+@pytest.mark.parametrize("batch_decode", [False, True])
+def test_paged_equals_contiguous_and_recompute(mode, routing, dtype, batch_decode):
     model = random_model(small_config(mode, routing), seed=1, dtype=dtype)
     reference = _run(model, "contiguous")
     for block_size in (1, 4, 16, 64):
-        paged = _run(model, "paged", block_size=block_size, shuffle_seed=block_size)
+        paged = _run(model, "paged", block_size=block_size, shuffle_seed=block_size, batch_decode=batch_decode)
         assert paged.tokens == reference.tokens
         assert torch.equal(paged.cache_counts, reference.cache_counts)
         for a, b in zip(paged.logits, reference.logits):
@@ -160,12 +161,14 @@ def test_paged_equals_recompute_on_the_embedded_model(routing):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("mode,routing", [("expert", "topk"), ("expert", "threshold"), ("dense", "threshold")])
-def test_shared_tails_equal_contiguous_and_recompute(mode, routing, dtype):
+@pytest.mark.parametrize("batch_decode", [False, True])
+def test_shared_tails_equal_contiguous_and_recompute(mode, routing, dtype, batch_decode):
     """Shared tails move K/V (promotion, compaction): the model must not notice."""
     model = random_model(small_config(mode, routing), seed=1, dtype=dtype)
     reference = _run(model, "contiguous")
     for block_size in (1, 2, 4, 16, 64):
-        paged = _run(model, "paged", block_size=block_size, shuffle_seed=block_size, shared_tails=True)
+        paged = _run(model, "paged", block_size=block_size, shuffle_seed=block_size, shared_tails=True,
+                     batch_decode=batch_decode)
         assert paged.tokens == reference.tokens
         for a, b in zip(paged.logits, reference.logits):
             assert (a - b).abs().max().item() <= TOLERANCE[dtype]

@@ -226,8 +226,14 @@ class KVCacheManager:
 
     def row_slots(self, row: int) -> torch.Tensor:
         """Slots of every token of one row, in token order: (n,) int64. What paged attention gathers."""
-        rows = torch.tensor([int(row)])
-        return self._slots(rows, torch.zeros(1, dtype=torch.int64), self.num_computed_tokens[rows])
+        return self.rows_slots(torch.tensor([int(row)]))
+
+    def rows_slots(self, rows: torch.Tensor) -> torch.Tensor:
+        """Slots of every token of each row, row after row, in token order:
+        (num_computed_tokens[rows].sum(),) int64. What batched paged attention gathers."""
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        counts = self.num_computed_tokens[rows]
+        return self._slots(rows, torch.zeros_like(counts), counts)
 
     def _slots(self, rows, starts, counts) -> torch.Tensor:
         P = self.block_size

@@ -24,6 +24,8 @@ n new tokens of this call, m cached tokens of one row.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..attention import attend_by_position
@@ -47,17 +49,25 @@ class PagedKVCache:
              (SharedTailKVCacheManager) instead of a private last block; the K/V moves it asks for
              are applied here before new tokens are written. Torch backend only: the kernels read
              block tables of full rows.
+    batch_decode: attend every decode row (one new token) of a call in one padded gather
+             (`batched_decode_attention`) instead of one `paged_attention` per row. Same result to
+             rounding; a serving step with many sequences makes L x k such calls, and per-call
+             overhead is what continuous batching must amortise (the serving engine turns it on).
+             Prefill rows still attend one by one: padding every decode row to a prefill chunk's
+             length would cost more than the call saves.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 shuffle_seed: int | None = None, backend: str = "torch", shared_tails: bool = False):
+                 shuffle_seed: int | None = None, backend: str = "torch", shared_tails: bool = False,
+                 batch_decode: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
         if shared_tails and backend != "torch":
             raise ValueError("shared_tails=True needs backend='torch': the Triton kernels read a row "
                              "through its block table only, and shared tails live outside it")
         self.backend = backend
+        self.batch_decode = batch_decode
         L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
         # One token of one sequence needs a block in each of its k rows of every layer (k_max under
         # threshold routing): a smaller pool cannot hold even one sequence.
@@ -80,7 +90,8 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, model, block_size: int = 16, num_blocks: int | None = None,
                   max_num_seqs: int = 8, shuffle_seed: int | None = None,
-                  backend: str = "torch", shared_tails: bool = False) -> "PagedKVCache":
+                  backend: str = "torch", shared_tails: bool = False,
+                  batch_decode: bool = False) -> "PagedKVCache":
         """A cache in the model's dtype and device. Without num_blocks, the pool holds the worst case
         of max_num_seqs sequences of max_position_embeddings tokens (every token in k_max experts)."""
         config = model.config
@@ -89,7 +100,7 @@ class PagedKVCache:
             num_blocks = max_num_seqs * config.max_kv_entries_per_token * blocks_per_row
         parameter = next(model.parameters())
         return cls(config, num_blocks, block_size, parameter.dtype, parameter.device, shuffle_seed, backend,
-                   shared_tails)
+                   shared_tails, batch_decode)
 
     # ----- the contract -----------------------------------------------------------------------------
     def attend(self, layer, expert, seq_ids, positions, q, k, v):
@@ -129,7 +140,12 @@ class PagedKVCache:
         out = torch.empty_like(q)
         for row, idx in zip(rows.tolist(), tokens):
             self._last_position[row] = positions[idx[-1]]
-            out[idx] = self.paged_attention(row, q[idx])
+        decode = (counts == 1) if self.batch_decode else torch.zeros_like(counts, dtype=torch.bool)
+        if decode.any():
+            decode_tokens = torch.stack([tokens[i][0] for i in decode.nonzero().squeeze(1).tolist()])
+            out[decode_tokens] = self.batched_decode_attention(rows[decode], q[decode_tokens])
+        for i in (~decode).nonzero().squeeze(1).tolist():
+            out[tokens[i]] = self.paged_attention(int(rows[i]), q[tokens[i]])
         return out
 
     def paged_attention(self, row: int, q: torch.Tensor) -> torch.Tensor:
@@ -145,6 +161,29 @@ class PagedKVCache:
         key_index = torch.arange(m)                                           # (m,)
         query_index = torch.arange(m - n, m)                                  # (n,)
         return attend_by_position(q, keys.to(q.dtype), values.to(q.dtype), query_index, key_index)
+
+    def batched_decode_attention(self, rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Each row's newest token's query over its whole row, all rows at once.
+
+        rows: (d,), q: (d, H, Dh). The rows' slots are gathered into a padded (d, Lmax) table;
+        padding is masked, never read as data. The pure-PyTorch twin of kernels.paged_attention.
+        Returns (d, H, Dh)."""
+        Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
+        H = q.shape[1]
+        lens = self.manager.num_computed_tokens[rows]                         # (d,) after the store
+        d, max_len = rows.numel(), int(lens.max())
+        owner = torch.repeat_interleave(torch.arange(d), lens)               # (t,) row of each slot
+        index = torch.arange(owner.numel()) - (torch.cumsum(lens, 0) - lens)[owner]   # (t,) in its row
+        slots = torch.zeros(d, max_len, dtype=torch.int64)                  # (d, Lmax)
+        slots[owner, index] = self.manager.rows_slots(rows)
+        valid = torch.arange(max_len)[None, :] < lens[:, None]              # (d, Lmax)
+        keys = self.key_cache.view(-1, Hkv, Dh)[slots].to(q.dtype)            # (d, Lmax, Hkv, Dh)
+        values = self.value_cache.view(-1, Hkv, Dh)[slots].to(q.dtype)
+        keys = keys.repeat_interleave(H // Hkv, dim=2)                        # (d, Lmax, H, Dh)
+        values = values.repeat_interleave(H // Hkv, dim=2)
+        scores = torch.einsum("dhe,dlhe->dhl", q, keys) / math.sqrt(Dh)      # (d, H, Lmax)
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        return torch.einsum("dhl,dlhe->dhe", torch.softmax(scores, dim=-1), values)  # (d, H, Dh)
 
     def _decode_with_kernels(self, rows, order, slots, q, k, v):
         """The decode step on the Triton kernels: token order[i] is row rows[i]'s one new token."""

@@ -4,7 +4,6 @@
     demand.py        blocks a request needs: worst case of a step, of a lifetime, and a prediction
     memory.py        KVMemory: the scheduler's only window onto the pool (and the swap space)
     swap.py          SwapSpace: a CPU pool that holds the blocks of sequences preempted by swap
-    batched_cache.py BatchedPagedKVCache: the paged cache with decode attention batched over rows
     scheduler.py     Scheduler: admission, per-step worst-case reservation, preemption
     model_runner.py  ModelRunner: one forward_cached over the scheduled flat ragged batch
     engine.py        LLMEngine: add_request / step / generate, timeline and statistics;

@@ -26,7 +26,6 @@ import torch
 from ..cache.paged import PagedKVCache
 from ..model import MoEKVTransformer
 from ..sampling import SamplingParams, sample_next
-from .batched_cache import BatchedPagedKVCache
 from .demand import DemandPredictor
 from .memory import KVMemory
 from .model_runner import ModelRunner
@@ -79,8 +78,8 @@ class LLMEngine:
 
     num_swap_blocks: size of the CPU swap space (default: as large as the pool when preempting by
     swap, none otherwise).
-    batched_attention: attend all rows of a (layer, expert) at once (BatchedPagedKVCache, the
-    default) or row by row (PagedKVCache, the readable reference).
+    batched_attention: attend all decode rows of a (layer, expert) at once (PagedKVCache's
+    batch_decode, the default) or row by row (the readable reference).
     """
 
     def __init__(self, model: MoEKVTransformer, num_blocks: int, block_size: int = 16,
@@ -92,9 +91,9 @@ class LLMEngine:
         parameter = next(model.parameters())
         self.model = model
         self.config = model.config
-        cache_class = BatchedPagedKVCache if batched_attention else PagedKVCache
-        self.cache = cache_class(model.config, num_blocks, block_size, dtype=parameter.dtype,
-                                  device=parameter.device, shuffle_seed=shuffle_seed)
+        self.cache = PagedKVCache(model.config, num_blocks, block_size, dtype=parameter.dtype,
+                                  device=parameter.device, shuffle_seed=shuffle_seed,
+                                  batch_decode=batched_attention)
         self.memory = KVMemory(self.cache, num_swap_blocks)
         self.predictor = DemandPredictor(self.config.num_hidden_layers, self.config.num_attention_experts,
                                          self.config.num_attention_experts_per_tok, block_size)

@@ -1,0 +1,72 @@
+"""Regenerate every PNG in figures/ from the package: `python -m moekv_ref figures`.
+
+Each figure is drawn by the same package functions the notebooks call, from a fresh run:
+    routing_layer0.png, cache_sizes.png    the embedded model's routing and per-expert caches (02)
+    decode_cost.png                        counted work of a decode step, recompute vs cached (01)
+    bench_memory_*.png, bench_memory.json  the memory designs of `bench memory` (03)
+    demo_serving_*.png                     the serving demo's runs (04)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def make_figures(directory: Path = Path("figures"), quick: bool = False) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from . import bench_memory, demo
+    from .analysis import decode_flops, route_prompt
+    from .checkpoint import load_default_model
+    from .generate import generate
+    from .plots import plot_cache_sizes, plot_routing
+    from .sampling import SamplingParams
+
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    model = load_default_model("topk")
+
+    text = "def fibonacci(n):\n    return n"
+    fig, ax = plt.subplots(figsize=(10, 3))
+    plot_routing(route_prompt(model, text), text, layer=0, ax=ax)
+    fig.tight_layout()
+    paths.append(directory / "routing_layer0.png")
+    fig.savefig(paths[-1], dpi=110)
+
+    result = generate(model, [list(b"import os\n\ndef main():\n    ")], SamplingParams(max_new_tokens=48, temperature=0))
+    fig, ax = plt.subplots(figsize=(9, 3))
+    plot_cache_sizes(result.cache_counts[0], ax=ax)
+    fig.tight_layout()
+    paths.append(directory / "cache_sizes.png")
+    fig.savefig(paths[-1], dpi=110)
+
+    lengths = [16, 32, 64, 128, 256, 511]
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for cached, label in ((False, "recompute"), (True, "cached")):
+        ax.plot(lengths, [decode_flops(model.config, t, cached) / 1e6 for t in lengths], "o-", label=label)
+    ax.set(xlabel="tokens already in the sequence", ylabel="MFLOP per decode step", yscale="log",
+           title="tiny: work of one decode step")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(directory / "decode_cost.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close("all")
+
+    report = bench_memory.run(bench_memory.DEFAULT_BLOCK_SIZE, quick=quick)
+    (directory / "bench_memory.json").write_text(json.dumps(report, indent=1))
+    paths += bench_memory.save_figures(report, directory)
+
+    for admission in ("predicted", "optimistic"):
+        summary, _ = demo.run_demo(admission=admission, figures=directory, progress=False)
+        paths.append(Path(summary["figure"]))
+    plt.close("all")
+    return paths
+
+
+def main(args) -> int:
+    for path in make_figures(Path(args.out), quick=args.quick):
+        print(f"wrote {path}")
+    return 0
