@@ -58,7 +58,8 @@ def cmd_generate(args) -> int:
         if args.cache != "paged":
             raise ValueError(f"--backend {args.backend} runs on the paged cache: add --cache paged")
         cache_options["backend"] = args.backend
-    result = generation.generate(model, [prompt], params, cache=args.cache, on_token=stream, **cache_options)
+    result = generation.generate(model, [prompt], params, cache=args.cache, on_token=stream,
+                                 engine=args.cache == "paged", **cache_options)
     bytes_per_value = torch.finfo(DTYPES[args.dtype]).bits // 8
     report = cache_report(result.cache_counts, model.config, bytes_per_value)
     if args.json:

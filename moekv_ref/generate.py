@@ -3,8 +3,11 @@ token by token.
 
     cache "none"        recompute: every step runs the whole (padded) batch through `model.forward`
     cache "contiguous"  one growing buffer per (sequence, layer, expert)
-    (the paged cache adds "paged" to `make_cache`; without record_logits or a kernel backend,
-    cache "paged" runs through the serving engine, moekv_ref.engine.generate_with_engine)
+    cache "paged"       one block pool for every (sequence, layer, expert) (moekv_ref.cache.paged)
+
+With `engine=True` (cache "paged" only) the prompts are served by the continuous-batching engine
+(moekv_ref.engine) instead of one static batch: the same tokens, as its tests show; this is what
+`python -m moekv_ref generate --cache paged` runs.
 
 `generate(..., record_logits=True)` keeps the logits of every position the model processed, which is
 what the equivalence tests compare against a single full forward of the final sequences.
@@ -68,6 +71,7 @@ def generate(
     cache: str = "contiguous",
     record_logits: bool = False,
     on_token: Callable[[int, int], None] | None = None,
+    engine: bool = False,
     **cache_options,
 ) -> GenerationResult:
     """Generate `max_new_tokens` for every prompt. `params` may be one per prompt (own seeds)."""
@@ -76,8 +80,10 @@ def generate(
         raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
     max_new = max(p.max_new_tokens for p in per_prompt)
     check_prompts(model, prompts, max_new)
-    if cache == "paged" and not record_logits and set(cache_options) <= {"block_size", "num_blocks", "shuffle_seed"}:
-        # the serving engine (issue 4): continuous batching over the paged pool, same tokens
+    if engine:
+        if cache != "paged" or record_logits:
+            raise ValueError(f"engine=True serves from the paged cache and records no logits; got "
+                             f"cache={cache!r}, record_logits={record_logits}")
         from .engine.engine import generate_with_engine
         return generate_with_engine(model, prompts, per_prompt, on_token=on_token, **cache_options)
     if cache != "none":

@@ -192,10 +192,10 @@ def test_timeline_segments_and_demand_table(model):
 
 def test_generate_cache_paged_runs_through_the_engine(model, workload, alone):
     prompts, params = workload
-    result = generate(model, prompts[:5], params[:5], cache="paged", block_size=BLOCK_SIZE)
+    result = generate(model, prompts[:5], params[:5], cache="paged", engine=True, block_size=BLOCK_SIZE)
     assert result.options["engine"] and result.tokens == alone[:5]
     contiguous = generate(model, prompts[:5], params[:5], cache="contiguous")
     assert torch.equal(result.cache_counts, contiguous.cache_counts)
     streamed = []
-    generate(model, prompts[:2], params[:2], cache="paged", on_token=lambda i, t: streamed.append((i, t)))
+    generate(model, prompts[:2], params[:2], cache="paged", engine=True, on_token=lambda i, t: streamed.append((i, t)))
     assert [t for i, t in streamed if i == 1] == alone[1]

@@ -80,11 +80,12 @@ class LLMEngine:
     swap, none otherwise).
     batched_attention: attend all decode rows of a (layer, expert) at once (PagedKVCache's
     batch_decode, the default) or row by row (the readable reference).
+    backend: "torch" or "triton" (decode steps on the Triton kernels, see PagedKVCache).
     """
 
     def __init__(self, model: MoEKVTransformer, num_blocks: int, block_size: int = 16,
                  scheduler_config: SchedulerConfig | None = None, num_swap_blocks: int | None = None,
-                 shuffle_seed: int | None = None, batched_attention: bool = True):
+                 shuffle_seed: int | None = None, batched_attention: bool = True, backend: str = "torch"):
         scheduler_config = scheduler_config or SchedulerConfig()
         if num_swap_blocks is None:
             num_swap_blocks = num_blocks if scheduler_config.preemption_mode == "swap" else 0
@@ -93,7 +94,7 @@ class LLMEngine:
         self.config = model.config
         self.cache = PagedKVCache(model.config, num_blocks, block_size, dtype=parameter.dtype,
                                   device=parameter.device, shuffle_seed=shuffle_seed,
-                                  batch_decode=batched_attention)
+                                  batch_decode=batched_attention, backend=backend)
         self.memory = KVMemory(self.cache, num_swap_blocks)
         self.predictor = DemandPredictor(self.config.num_hidden_layers, self.config.num_attention_experts,
                                          self.config.num_attention_experts_per_tok, block_size)
@@ -242,7 +243,8 @@ class LLMEngine:
 
 def generate_with_engine(model: MoEKVTransformer, prompts: list[list[int]], params, block_size: int = 16,
                          num_blocks: int | None = None, on_token: Callable[[int, int], None] | None = None,
-                         scheduler_config: SchedulerConfig | None = None, shuffle_seed: int | None = None):
+                         scheduler_config: SchedulerConfig | None = None, shuffle_seed: int | None = None,
+                         backend: str = "torch"):
     """`generate.generate(..., cache="paged")` through the serving engine: the same GenerationResult
     (tokens, and the (B, L, E) tokens each row held when its request finished), produced by
     continuous batching over the paged pool. Without num_blocks the pool holds every prompt's
@@ -257,7 +259,7 @@ def generate_with_engine(model: MoEKVTransformer, prompts: list[list[int]], para
                                                     c.num_attention_experts, c.num_attention_experts_per_tok,
                                                     block_size) for p, q in zip(prompts, per_prompt))
         num_blocks = max(num_blocks, c.num_hidden_layers * c.num_attention_experts_per_tok)
-    engine = LLMEngine(model, num_blocks, block_size, scheduler_config, shuffle_seed=shuffle_seed)
+    engine = LLMEngine(model, num_blocks, block_size, scheduler_config, shuffle_seed=shuffle_seed, backend=backend)
     streamed = [0] * len(prompts)
 
     def stream(engine):
