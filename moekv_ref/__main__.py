@@ -17,7 +17,7 @@ import sys
 import torch
 
 from . import generate as generation
-from .analysis import format_routing_statistics, routing_statistics
+from .analysis import format_routing_statistics, heldout_text, routing_statistics
 from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from .config import ROUTINGS, get_config
 from .report import cache_report, format_cache_report
@@ -58,6 +58,7 @@ def cmd_generate(args) -> int:
         if args.cache != "paged":
             raise ValueError(f"--backend {args.backend} runs on the paged cache: add --cache paged")
         cache_options["backend"] = args.backend
+        model.set_backend(args.backend)     # the experts' projections on the grouped GEMM kernel
     result = generation.generate(model, [prompt], params, cache=args.cache, on_token=stream,
                                  engine=args.cache == "paged", **cache_options)
     bytes_per_value = torch.finfo(DTYPES[args.dtype]).bits // 8
@@ -73,11 +74,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_routing_stats(args) -> int:
-    import inspect
-    from . import model as model_module
     model = _load_model(args)
-    text = inspect.getsource(model_module)  # a file the model never trained on
-    stats = routing_statistics(model, text, max_tokens=args.max_tokens)
+    stats = routing_statistics(model, heldout_text(), max_tokens=args.max_tokens)
     print(json.dumps(stats) if args.json else format_routing_statistics(stats))
     return 0
 

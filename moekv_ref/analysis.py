@@ -1,10 +1,15 @@
 """What the router learned: per-layer expert load, router entropy against uniform, and which kinds of
-characters each attention expert prefers. Routing is what the notebooks show; these numbers are the
-evidence that the embedded model's routing is non-uniform and specialised, not random."""
+characters each attention expert prefers.
+
+Read them against an untrained model (tests/test_analysis.py does): a random router is not uniform
+either -- it projects each byte's embedding, so its experts also prefer kinds of characters and its
+loads are uneven. What training adds is confidence (lower entropy), most in the deeper layers where
+routing depends on context rather than on the byte alone."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -22,6 +27,15 @@ CHARACTER_CLASSES = {
     "separator": lambda c: c in ".,:;",
     "other": lambda c: True,
 }
+
+
+HELDOUT_TEXT = Path(__file__).parent / "data" / "heldout.py.txt"
+
+
+def heldout_text() -> str:
+    """Python source the model never trained on (a frozen copy of an early model.py of this package):
+    fixed text, so that statistics over it stay the same as the package changes."""
+    return HELDOUT_TEXT.read_text()
 
 
 def character_class(byte: int) -> str:

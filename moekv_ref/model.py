@@ -38,6 +38,37 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+BACKENDS = ("torch", "triton")
+
+
+def sort_by_expert(selected: torch.Tensor):
+    """The (token, expert) pairs a routing selected, sorted by expert (tokens ascending within one).
+
+    selected: (N, E) bool. Returns token (M,), expert (M,), counts (E,) with M = selected.sum():
+    rows counts[0] .. of a gathered x[token] belong to expert 0, and so on. Within an expert, tokens
+    keep their order, so a sequence's tokens reach each expert's cache in position order."""
+    token, expert = selected.nonzero(as_tuple=True)                      # (M,) sorted by token
+    order = torch.argsort(expert, stable=True)
+    token, expert = token[order], expert[order]                          # (M,) sorted by expert
+    return token, expert, torch.bincount(expert, minlength=selected.shape[1])
+
+
+def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
+    """x (M, D) sorted by expert, counts[e] rows for expert e, times weights[e] (E, D, F): (M, F).
+
+    torch: one matmul per expert's slice, the readable reference. triton: one launch of the grouped
+    GEMM kernel (kernels/expert_gemm.py), which pads each expert's rows to the tile internally."""
+    if backend == "triton":
+        import kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
+        return kernels.expert_gemm(x, weights, counts)
+    out = x.new_empty(x.shape[0], weights.shape[2])
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        out[start:start + count] = x[start:start + count] @ weights[expert]
+        start += count
+    return out
+
+
 class ExpertAttention(nn.Module):
     """E attention experts, each with its own W_q, W_k, W_v, W_o, behind a token-choice router.
 
@@ -59,6 +90,7 @@ class ExpertAttention(nn.Module):
         self.w_k = nn.Parameter(torch.randn(E, D, Hkv * Dh) * D**-0.5)
         self.w_v = nn.Parameter(torch.randn(E, D, Hkv * Dh) * D**-0.5)
         self.w_o = nn.Parameter(torch.randn(E, H * Dh, D) * (H * Dh) ** -0.5 / config.num_hidden_layers**0.5)
+        self.backend = "torch"   # of the cached path's projections; see MoEKVTransformer.set_backend
 
     def route(self, x: torch.Tensor) -> Routing:
         c = self.config
@@ -92,24 +124,28 @@ class ExpertAttention(nn.Module):
         """x: (N, D) new tokens of many sequences; seq_ids, positions: (N,). Returns (N, D).
 
         Within each sequence the new tokens must be consecutive positions that continue what the cache
-        already holds for it. For each expert, only the tokens routed to it are projected; the cache
-        stores their K/V under (sequence, layer, expert) and attends their queries over that cache.
+        already holds for it. Only the (token, expert) pairs the router selected are projected, as one
+        grouped matmul over pairs sorted by expert; the cache stores each expert's K/V under
+        (sequence, layer, expert) and attends that expert's queries over its cache.
         """
         c = self.config
         H, Hkv, Dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         routing = self.route(x)                                              # (N, E)
-        out = torch.zeros_like(x)
-        for expert in range(c.num_attention_experts):
-            rows = routing.selected[:, expert].nonzero().squeeze(1)          # (n,) tokens sent here
-            if rows.numel() == 0:
+        token, expert, counts = sort_by_expert(routing.selected)             # (M,), (M,), (E,)
+        xs, ps = x[token], positions[token]                                  # (M, D), (M,)
+        q = rotary(grouped_matmul(xs, self.w_q, counts, self.backend).view(-1, H, Dh), ps, c.rope_theta)
+        k = rotary(grouped_matmul(xs, self.w_k, counts, self.backend).view(-1, Hkv, Dh), ps, c.rope_theta)
+        v = grouped_matmul(xs, self.w_v, counts, self.backend).view(-1, Hkv, Dh)   # (M, Hkv, Dh)
+        attn = torch.empty_like(q)                                           # (M, H, Dh)
+        ends = torch.cumsum(counts, 0).tolist()
+        for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+            if start == end:
                 continue
-            xe, pe = x[rows], positions[rows]                                # (n, D), (n,)
-            q = rotary((xe @ self.w_q[expert]).view(-1, H, Dh), pe, c.rope_theta)    # (n, H, Dh)
-            k = rotary((xe @ self.w_k[expert]).view(-1, Hkv, Dh), pe, c.rope_theta)  # (n, Hkv, Dh)
-            v = (xe @ self.w_v[expert]).view(-1, Hkv, Dh)                            # (n, Hkv, Dh)
-            attn = cache.attend(self.layer_index, expert, seq_ids[rows], pe, q, k, v)  # (n, H, Dh)
-            y = attn.reshape(-1, H * Dh) @ self.w_o[expert]                  # (n, D)
-            out.index_add_(0, rows, routing.gates[rows, expert, None] * y)
+            pairs = slice(start, end)                                        # expert e's tokens
+            attn[pairs] = cache.attend(self.layer_index, e, seq_ids[token[pairs]], ps[pairs],
+                                       q[pairs], k[pairs], v[pairs])
+        y = grouped_matmul(attn.reshape(-1, H * Dh), self.w_o, counts, self.backend)  # (M, D)
+        out = torch.zeros_like(x).index_add_(0, token, routing.gates[token, expert, None] * y)
         return out, routing
 
 
@@ -124,19 +160,18 @@ class MoEFeedForward(nn.Module):
         self.w_gate = nn.Parameter(torch.randn(E, D, Fw) * D**-0.5)
         self.w_up = nn.Parameter(torch.randn(E, D, Fw) * D**-0.5)
         self.w_down = nn.Parameter(torch.randn(E, Fw, D) * Fw**-0.5 / config.num_hidden_layers**0.5)
+        self.backend = "torch"
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                         # (N, D)
         routing = route(self.router(x), "topk", self.config.num_experts_per_tok)  # (N, E)
-        out = torch.zeros_like(x)
-        for expert in range(self.config.num_local_experts):
-            rows = routing.selected[:, expert].nonzero().squeeze(1)
-            if rows.numel() == 0:
-                continue
-            xe = x[rows]
-            h = F.silu(xe @ self.w_gate[expert]) * (xe @ self.w_up[expert])  # (n, F)
-            out.index_add_(0, rows, routing.gates[rows, expert, None] * (h @ self.w_down[expert]))
+        token, expert, counts = sort_by_expert(routing.selected)             # (M,), (M,), (E,)
+        xs = x[token]                                                        # (M, D) sorted by expert
+        h = F.silu(grouped_matmul(xs, self.w_gate, counts, self.backend)) \
+            * grouped_matmul(xs, self.w_up, counts, self.backend)            # (M, F)
+        y = grouped_matmul(h, self.w_down, counts, self.backend)             # (M, D)
+        out = torch.zeros_like(x).index_add_(0, token, routing.gates[token, expert, None] * y)
         return out.view(shape), routing
 
 
@@ -165,6 +200,7 @@ class MoEKVTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.backend = "torch"
 
     def set_routing(self, routing: str, threshold: float | None = None) -> None:
         """Switch attention routing at inference time (the weights do not depend on it)."""
@@ -172,6 +208,21 @@ class MoEKVTransformer(nn.Module):
         for block in self.blocks:
             block.attention.config = self.config
             block.ffn.config = self.config
+
+    def set_backend(self, backend: str) -> None:
+        """Run the experts' projections (attention Q/K/V/O and FFN) of the cached path as PyTorch
+        matmuls ("torch", the default) or as the grouped GEMM Triton kernel ("triton"; on a CPU it
+        runs in Triton's interpreter). The full-recompute attention always uses PyTorch; decode
+        attention on the kernels is the paged cache's choice (PagedKVCache(backend=...))."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        dtype = next(self.parameters()).dtype
+        if backend == "triton" and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"backend='triton' runs float32, float16 or bfloat16 weights, not {dtype}")
+        self.backend = backend
+        for block in self.blocks:
+            block.attention.backend = backend
+            block.ffn.backend = backend
 
     def _check_tokens(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):

@@ -26,21 +26,41 @@ def test_generate_triton_backend_gives_the_same_tokens(monkeypatch):
         launches.append(args[0].shape[0])                               # rows in this launch
         return original(*args, **kwargs)
 
+    gemm_launches = []
+    original_gemm = kernels.expert_gemm
+
+    def counting_expert_gemm(*args, **kwargs):
+        gemm_launches.append(args[0].shape[0])                          # (token, expert) pairs
+        return original_gemm(*args, **kwargs)
+
     monkeypatch.setattr(kernels, "paged_attention", counting_paged_attention)
+    monkeypatch.setattr(kernels, "expert_gemm", counting_expert_gemm)
     # threshold routing: tokens use 1 to 3 experts, so rows of one sequence have ragged lengths
     model = random_model(small_config(routing="threshold"), seed=3, dtype=torch.float32)
     prompts = random_prompts([5, 1, 9], model.config.vocab_size, seed=4)
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
     # block_size 4: decode tiles of 16 tokens span several blocks of a row
-    results = {backend: generate(model, prompts, params, cache="paged", record_logits=True,
-                                 block_size=4, num_blocks=256, shuffle_seed=0, backend=backend)
-               for backend in ("torch", "triton")}
+    results = {}
+    for backend in ("torch", "triton"):
+        model.set_backend(backend)       # the experts' projections: torch matmuls or the grouped GEMM
+        results[backend] = generate(model, prompts, params, cache="paged", record_logits=True,
+                                    block_size=4, num_blocks=256, shuffle_seed=0, backend=backend)
     assert results["triton"].tokens == results["torch"].tokens
     assert torch.equal(results["triton"].cache_counts, results["torch"].cache_counts)
     for torch_logits, triton_logits in zip(results["torch"].logits, results["triton"].logits):
         assert (torch_logits - triton_logits).abs().max() < 1e-4
     # 2 decode steps x 2 layers, one launch per (layer, expert) that received tokens
     assert len(launches) >= 2 * model.config.num_hidden_layers
+    # 3 forwards (prefill, 2 decode steps) x 2 layers x (4 attention + 3 FFN projections)
+    assert len(gemm_launches) == 3 * model.config.num_hidden_layers * 7
+
+
+def test_triton_backend_needs_a_kernel_dtype():
+    model = random_model(small_config(), seed=0, dtype=torch.float64)
+    with pytest.raises(ValueError, match="backend='triton' runs float32, float16 or bfloat16 weights"):
+        model.set_backend("triton")
+    with pytest.raises(ValueError, match="backend='tpu' is not one of"):
+        model.set_backend("tpu")
 
 
 def test_unknown_backend_is_refused():
