@@ -186,6 +186,22 @@ def default_token_tile(group_tile: int, head_dim_tile: int) -> int:
     return max(16, min(128, 8192 // (group_tile * head_dim_tile)))
 
 
+def launch_shapes(q, key_cache, value_cache, block_tables, context_lens, token_tile):
+    """Checks and the sizes both decode launchers (this one and the split-K one) need:
+    q made contiguous, and (rows, heads, head_dim, block_size, kv_heads, group, group_tile,
+    head_dim_tile, token_tile)."""
+    check_paged_inputs(q, key_cache, value_cache, block_tables, context_lens)
+    q = q.contiguous()
+    num_rows, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    group_tile, head_dim_tile = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
+    token_tile = token_tile or default_token_tile(group_tile, head_dim_tile)
+    assert token_tile >= 16 and token_tile & (token_tile - 1) == 0, "token_tile: a power of two >= 16"
+    return q, (num_rows, num_heads, head_dim, block_size, num_kv_heads, group, group_tile,
+               head_dim_tile, token_tile)
+
+
 def paged_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -195,14 +211,8 @@ def paged_attention(
     token_tile: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of q (R, H, Dh) over each row's paged K/V. Returns (R, H, Dh), dtype of q."""
-    check_paged_inputs(q, key_cache, value_cache, block_tables, context_lens)
-    q = q.contiguous()
-    num_rows, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_heads // num_kv_heads
-    group_tile, head_dim_tile = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
-    token_tile = token_tile or default_token_tile(group_tile, head_dim_tile)
-    assert token_tile >= 16 and token_tile & (token_tile - 1) == 0, "token_tile: a power of two >= 16"
+    q, (num_rows, num_heads, head_dim, block_size, num_kv_heads, group, group_tile, head_dim_tile,
+        token_tile) = launch_shapes(q, key_cache, value_cache, block_tables, context_lens, token_tile)
     out = torch.empty_like(q)
     if num_rows == 0:
         return out

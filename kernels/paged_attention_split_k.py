@@ -33,8 +33,7 @@ import triton.language as tl
 # the reference it must equal is the plain kernel's: same contract, same result
 from .paged_attention import (  # noqa: F401  (re-exported)
     attend_token_range,
-    check_paged_inputs,
-    default_token_tile,
+    launch_shapes,
     load_query_group,
     paged_attention_reference,
     random_paged_inputs,
@@ -130,14 +129,8 @@ def paged_attention_split_k(
     Same contract as kernels.paged_attention.paged_attention; the result equals it up to the order
     of float32 additions. tokens_per_split is rounded up to a multiple of the token tile.
     """
-    check_paged_inputs(q, key_cache, value_cache, block_tables, context_lens)
-    q = q.contiguous()
-    num_rows, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_heads // num_kv_heads
-    group_tile, head_dim_tile = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
-    token_tile = token_tile or default_token_tile(group_tile, head_dim_tile)
-    assert token_tile >= 16 and token_tile & (token_tile - 1) == 0, "token_tile: a power of two >= 16"
+    q, (num_rows, num_heads, head_dim, block_size, num_kv_heads, group, group_tile, head_dim_tile,
+        token_tile) = launch_shapes(q, key_cache, value_cache, block_tables, context_lens, token_tile)
     assert tokens_per_split >= 1, f"tokens_per_split={tokens_per_split} must be positive"
     tokens_per_split = triton.cdiv(tokens_per_split, token_tile) * token_tile
     max_tokens = block_tables.shape[1] * block_size                      # an upper bound, no sync

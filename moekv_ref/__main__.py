@@ -40,14 +40,14 @@ def cmd_generate(args) -> int:
     prompt = encode(args.prompt)
     if not prompt:
         raise ValueError("the prompt is empty: pass --prompt with at least one character")
-    stream = None
-    if not args.json:
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        sys.stdout.write(args.prompt)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span tokens
 
-        def stream(_, token):
-            sys.stdout.write(decoder.decode(bytes([token])))
-            sys.stdout.flush()
+    def stream(_, token):
+        sys.stdout.write(decoder.decode(bytes([token])))
+        sys.stdout.flush()
+
+    if not args.json:
+        sys.stdout.write(args.prompt)
 
     cache_options = {}
     if args.block_size is not None:
@@ -59,7 +59,7 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--backend {args.backend} runs on the paged cache: add --cache paged")
         cache_options["backend"] = args.backend
         model.set_backend(args.backend)     # the experts' projections on the grouped GEMM kernel
-    result = generation.generate(model, [prompt], params, cache=args.cache, on_token=stream,
+    result = generation.generate(model, [prompt], params, cache=args.cache, on_token=None if args.json else stream,
                                  engine=args.cache == "paged", **cache_options)
     bytes_per_value = torch.finfo(DTYPES[args.dtype]).bits // 8
     report = cache_report(result.cache_counts, model.config, bytes_per_value)

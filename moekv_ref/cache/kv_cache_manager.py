@@ -186,17 +186,9 @@ class KVCacheManager:
         short (a scheduler asks `can_allocate` first). rows_are_distinct=True skips the check that
         rows are distinct (the simulator builds them distinct; the check is a sort)."""
         P = self.block_size
-        rows = torch.as_tensor(rows, dtype=torch.int64)
-        num_new_tokens = torch.as_tensor(num_new_tokens, dtype=torch.int64)
-        if rows.shape != num_new_tokens.shape or rows.dim() != 1:
-            raise ValueError(f"rows and num_new_tokens must be 1-D of equal length, got "
-                             f"{tuple(rows.shape)} and {tuple(num_new_tokens.shape)}")
+        rows, num_new_tokens = self._check_allocation(rows, num_new_tokens, rows_are_distinct)
         if rows.numel() == 0:
             return
-        if (num_new_tokens < 0).any():
-            raise ValueError("num_new_tokens must be >= 0")
-        if not rows_are_distinct and rows.unique().numel() != rows.numel():
-            raise ValueError("rows must be distinct within one allocate_slots call")
         old = self.num_computed_tokens[rows]                                       # (m,)
         new = old + num_new_tokens
         old_blocks, new_blocks = ceil_div(old, P), ceil_div(new, P)               # (m,)
@@ -215,6 +207,20 @@ class KVCacheManager:
         column = torch.arange(total) - first_new[owner] + old_blocks[owner]       # (total,)
         self.block_tables[rows[owner], column] = block_ids.to(torch.int32)
         self.num_computed_tokens[rows] = new
+
+    @staticmethod
+    def _check_allocation(rows, num_new_tokens, rows_are_distinct: bool):
+        """The arguments of allocate_slots as int64 tensors, or ValueError before any change."""
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        num_new_tokens = torch.as_tensor(num_new_tokens, dtype=torch.int64)
+        if rows.shape != num_new_tokens.shape or rows.dim() != 1:
+            raise ValueError(f"rows and num_new_tokens must be 1-D of equal length, got "
+                             f"{tuple(rows.shape)} and {tuple(num_new_tokens.shape)}")
+        if (num_new_tokens < 0).any():
+            raise ValueError("num_new_tokens must be >= 0")
+        if not rows_are_distinct and rows.unique().numel() != rows.numel():
+            raise ValueError("rows must be distinct within one allocate_slots call")
+        return rows, num_new_tokens
 
     def slot_mapping(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
         """Slots of the last num_new_tokens[i] tokens of each row (call after allocate_slots):
@@ -278,7 +284,6 @@ class KVCacheManager:
     def assert_consistent(self) -> None:
         """Check the invariants in the module docstring; raise AssertionError naming the broken one."""
         self.pool.assert_consistent()
-        P = self.block_size
         num_used = self._table_blocks(self.num_computed_tokens)                    # (R,)
         used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (R, W)
         owned = self.block_tables[used].to(torch.int64)

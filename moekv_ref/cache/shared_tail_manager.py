@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from .block_pool import OutOfBlocksError
-from .kv_cache_manager import KVCacheManager, ceil_div
+from .kv_cache_manager import KVCacheManager
 
 Moves = list[tuple[torch.Tensor, torch.Tensor]]   # (source slots, destination slots), in order
 
@@ -103,15 +103,7 @@ class SharedTailKVCacheManager(KVCacheManager):
         must apply, in order, before writing the new tokens (`key_cache.view(-1, Hkv, Dh)[dst] =
         key_cache.view(-1, Hkv, Dh)[src]`). Raises, changing nothing, when the pool is short."""
         P = self.block_size
-        rows = torch.as_tensor(rows, dtype=torch.int64)
-        num_new_tokens = torch.as_tensor(num_new_tokens, dtype=torch.int64)
-        if rows.shape != num_new_tokens.shape or rows.dim() != 1:
-            raise ValueError(f"rows and num_new_tokens must be 1-D of equal length, got "
-                             f"{tuple(rows.shape)} and {tuple(num_new_tokens.shape)}")
-        if (num_new_tokens < 0).any():
-            raise ValueError("num_new_tokens must be >= 0")
-        if not rows_are_distinct and rows.unique().numel() != rows.numel():
-            raise ValueError("rows must be distinct within one allocate_slots call")
+        rows, num_new_tokens = self._check_allocation(rows, num_new_tokens, rows_are_distinct)
         needed = self.num_blocks_needed(rows, num_new_tokens)
         if needed > self.pool.num_free_blocks:
             raise OutOfBlocksError(f"appending {int(num_new_tokens.sum())} tokens to {rows.numel()} "
