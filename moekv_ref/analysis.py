@@ -4,15 +4,23 @@ characters each attention expert prefers.
 Read them against an untrained model (tests/test_analysis.py does): a random router is not uniform
 either -- it projects each byte's embedding, so its experts also prefer kinds of characters and its
 loads are uneven. What training adds is confidence (lower entropy), most in the deeper layers where
-routing depends on context rather than on the byte alone."""
+routing depends on context rather than on the byte alone.
+
+`record_model_trace` turns the model's real routing into a RoutingTrace for the cache-only simulator
+(moekv_ref/sim), which never runs the model itself."""
 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import torch
 
+from .cache import ContiguousKVCache
+from .generate import generate
+from .sampling import SamplingParams
+from .sim.traces import RoutingTrace
 from .tokenizer import encode
 
 CHARACTER_CLASSES = {
@@ -148,10 +156,6 @@ def time_decode_step(model, context_length: int, cached: bool, repeats: int = 3,
     recompute: one full forward over context_length + 1 tokens.
     cached: prefill a contiguous cache with context_length tokens (untimed), then time one token.
     """
-    import time
-
-    from .cache import ContiguousKVCache
-
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, model.config.vocab_size, (context_length + 1,), generator=generator)
     best = float("inf")
@@ -167,3 +171,32 @@ def time_decode_step(model, context_length: int, cached: bool, repeats: int = 3,
             model(tokens[None])
         best = min(best, time.perf_counter() - start)
     return best
+
+
+@torch.no_grad()
+def record_model_trace(model, prompts: list[list[int]], output_lens: list[int],
+                       name: str = "model") -> RoutingTrace:
+    """The model's real attention routing on these prompts, continued greedily.
+
+    Routing is causal (routing.py), so one full forward over each finished sequence gives exactly the
+    decisions the cached decode made token by token."""
+    config = model.config
+    if len(prompts) != len(output_lens):
+        raise ValueError(f"{len(prompts)} prompts but {len(output_lens)} output lengths")
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in output_lens]
+    result = generate(model, prompts, params, cache="contiguous")
+    parts = []
+    for prompt, generated in zip(prompts, result.tokens):
+        sequence = torch.tensor([prompt + generated[:-1]])
+        routing = model(sequence).attention_routing                                  # L x (1, T, E)
+        selected = torch.stack([r.selected[0] for r in routing], dim=1)              # (T, L, E)
+        K = config.num_attention_experts_per_tok
+        # selected experts first (in expert order), padded with -1 up to K
+        order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices[..., :K]
+        chosen = torch.where(torch.gather(selected, -1, order), order, -1)
+        parts.append(chosen.to(torch.int16))
+    lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    bytes_per_value = next(model.parameters()).element_size()
+    return RoutingTrace(torch.cat(parts), offsets, torch.tensor([len(p) for p in prompts]),
+                        config.num_attention_experts, config.kv_values_per_token * bytes_per_value, name)

@@ -10,12 +10,13 @@ import json
 import pytest
 import torch
 
-from moekv_ref.bench_memory import build_report, compare_designs, format_table, main as bench_main
-from moekv_ref.cache.baselines import AddressSpace, FirstFitDesign, ReservedDesign
+from moekv_ref.apps.bench_memory import build_report, compare_designs, format_table, main as bench_main
+from moekv_ref.sim.baselines import AddressSpace, FirstFitDesign, ReservedDesign
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
 from moekv_ref.sim import (CountingPagedDesign, ManagerPagedDesign, RoutingTrace, SharedTailDesign,
-                           max_concurrent_sequences, record_model_trace, replay, synthetic_trace)
+                           max_concurrent_sequences, replay, synthetic_trace)
+from moekv_ref.analysis import record_model_trace
 
 from helpers import random_model, small_config
 
@@ -162,7 +163,7 @@ def test_block_owners_and_drawings_mid_run():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from moekv_ref.sim.figures import draw_first_fit_map, draw_pool
+    from moekv_ref.plots.memory import draw_first_fit_map, draw_pool
 
     trace = synthetic_trace(4, num_layers=2, num_experts=4, top_k=2, mean_prompt=10, mean_output=10, seed=2)
     paged = ManagerPagedDesign(4, 2, 4, block_size=4, num_blocks=200, shuffle_seed=0)

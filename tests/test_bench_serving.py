@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from moekv_ref.__main__ import main
-from moekv_ref.bench_serving import DESIGNS, run_serving_benchmark
+from moekv_ref.apps.cli import main
+from moekv_ref.apps.bench_serving import DESIGNS, run_serving_benchmark
 
 from helpers import random_model, small_config
 

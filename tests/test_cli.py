@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from moekv_ref.__main__ import main
+from moekv_ref.apps.cli import main
 from moekv_ref.checkpoint import load_checkpoint, save_checkpoint
 from moekv_ref.config import get_config
 from moekv_ref.model import MoEKVTransformer

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moekv_ref.engine import LLMEngine, RequestStatus, SchedulerConfig
-from moekv_ref.engine.figures import demand_table, pool_use, request_segments
+from moekv_ref.plots.serving import demand_table, pool_use, request_segments
 from moekv_ref.engine.workload import make_workload, run_workload
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams

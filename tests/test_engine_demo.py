@@ -7,8 +7,8 @@ import json
 import matplotlib
 import pytest
 
-from moekv_ref.__main__ import main
-from moekv_ref.demo import explore, sparkline
+from moekv_ref.apps.cli import main
+from moekv_ref.apps.demo import explore, sparkline
 
 matplotlib.use("Agg")
 

@@ -73,7 +73,7 @@ def test_cli_triton_backend_gives_the_torch_tokens(capsys):
     """`generate --backend triton --cache paged --json` (through the serving engine) = `--backend torch`."""
     import json
 
-    from moekv_ref.__main__ import main
+    from moekv_ref.apps.cli import main
 
     tokens = {}
     for backend in ("torch", "triton"):
@@ -86,7 +86,7 @@ def test_cli_triton_backend_gives_the_torch_tokens(capsys):
 
 
 def test_cli_triton_backend_needs_the_paged_cache(capsys):
-    from moekv_ref.__main__ import main
+    from moekv_ref.apps.cli import main
 
     assert main(["generate", "--prompt", "x", "--backend", "triton", "--cache", "contiguous"]) == 2
     assert "--backend triton runs on the paged cache: add --cache paged" in capsys.readouterr().err

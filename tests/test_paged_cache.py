@@ -136,7 +136,7 @@ def test_cli_generate_paged_gives_the_contiguous_tokens(capsys):
     """`generate --cache paged [--block-size P] --json` = `--cache contiguous` on the embedded model."""
     import json
 
-    from moekv_ref.__main__ import main
+    from moekv_ref.apps.cli import main
 
     tokens = {}
     for cache in (["contiguous"], ["paged"], ["paged", "--block-size", "1"]):

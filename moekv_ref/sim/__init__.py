@@ -1,16 +1,17 @@
 """A cache-only simulator: routing traces replayed through memory designs, without the model.
 
-    traces.py    what the router decided, token by token: recorded from the embedded model or synthetic
-    designs.py   paged designs (the real KVCacheManager, and count-level models for sweeps)
-    replay.py    lock-step replay of a trace through a design; utilization and capacity under a budget
-
-The baselines (`reserved`, `first_fit`) live in moekv_ref/cache/baselines.py.
+    traces.py     what the router decided, token by token: synthetic here; recorded from a model by
+                  moekv_ref.analysis.record_model_trace (the simulator never runs the model)
+    designs.py    paged designs (the real KVCacheManager, and count-level models for sweeps)
+    baselines.py  the designs paging must beat: per-expert worst-case reservation, first-fit buffers
+    replay.py     lock-step replay of a trace through a design; utilization and capacity under a budget
 """
 
+from .baselines import AddressSpace, FirstFitDesign, ReservedDesign
 from .designs import CountingPagedDesign, ManagerPagedDesign, SharedTailDesign
 from .replay import ReplayStats, max_concurrent_sequences, replay
-from .traces import RoutingTrace, record_model_trace, synthetic_trace
+from .traces import RoutingTrace, synthetic_trace
 
-__all__ = ["CountingPagedDesign", "ManagerPagedDesign", "ReplayStats", "RoutingTrace",
-           "SharedTailDesign", "max_concurrent_sequences", "record_model_trace", "replay",
+__all__ = ["AddressSpace", "CountingPagedDesign", "FirstFitDesign", "ReservedDesign", "ManagerPagedDesign", "ReplayStats", "RoutingTrace",
+           "SharedTailDesign", "max_concurrent_sequences", "replay",
            "synthetic_trace"]

@@ -127,35 +127,3 @@ def synthetic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k
         gumbel = -torch.log(-torch.log(uniform))
         experts[start:start + n] = (log_weight + gumbel).topk(top_k, dim=-1).indices.to(torch.int16)
     return RoutingTrace(experts, offsets, prompts, num_experts, kv_bytes_per_slot, name)
-
-
-@torch.no_grad()
-def record_model_trace(model, prompts: list[list[int]], output_lens: list[int],
-                       name: str = "model") -> RoutingTrace:
-    """The model's real attention routing on these prompts, continued greedily.
-
-    Routing is causal (routing.py), so one full forward over each finished sequence gives exactly the
-    decisions the cached decode made token by token."""
-    from ..generate import generate
-    from ..sampling import SamplingParams
-
-    config = model.config
-    if len(prompts) != len(output_lens):
-        raise ValueError(f"{len(prompts)} prompts but {len(output_lens)} output lengths")
-    params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in output_lens]
-    result = generate(model, prompts, params, cache="contiguous")
-    parts = []
-    for prompt, generated in zip(prompts, result.tokens):
-        sequence = torch.tensor([prompt + generated[:-1]])
-        routing = model(sequence).attention_routing                                  # L x (1, T, E)
-        selected = torch.stack([r.selected[0] for r in routing], dim=1)              # (T, L, E)
-        K = config.num_attention_experts_per_tok
-        # selected experts first (in expert order), padded with -1 up to K
-        order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices[..., :K]
-        chosen = torch.where(torch.gather(selected, -1, order), order, -1)
-        parts.append(chosen.to(torch.int16))
-    lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    bytes_per_value = next(model.parameters()).element_size()
-    return RoutingTrace(torch.cat(parts), offsets, torch.tensor([len(p) for p in prompts]),
-                        config.num_attention_experts, config.kv_values_per_token * bytes_per_value, name)

@@ -21,11 +21,11 @@ import json
 import time
 from pathlib import Path
 
-from .engine import LLMEngine, SchedulerConfig
-from .engine.figures import demand_table, plot_run, pool_use
-from .engine.workload import WorkloadRequest, make_workload, run_workload
-from .sampling import SamplingParams
-from .tokenizer import encode
+from ..engine import LLMEngine, SchedulerConfig
+from ..plots.serving import demand_table, plot_run, pool_use
+from ..engine.workload import WorkloadRequest, make_workload, run_workload
+from ..sampling import SamplingParams
+from ..tokenizer import encode
 
 FIGURES = Path("figures")
 SPARK = " ▁▂▃▄▅▆▇█"
@@ -58,7 +58,7 @@ def explore(arrival_rate: float = 0.5, num_blocks: int = 200, routing: str = "th
             seed: int = 0):
     """One serving run for notebook 04's widgets: the demo workload at this arrival rate through a
     pool of `num_blocks`, with this routing and preemption mode. Returns (summary, engine)."""
-    from .checkpoint import load_default_model
+    from ..checkpoint import load_default_model
     return run_demo(num_requests, num_blocks, preemption_mode, admission, arrival_rate, seed,
                     figures=None, progress=False, model=load_default_model(routing))
 
@@ -138,7 +138,7 @@ def run_demo(num_requests: int = 20, num_blocks: int = 200, preemption_mode: str
     """Serve the demo workload; returns (summary, engine). Writes figures unless figures is None."""
     from tqdm import tqdm
 
-    from .checkpoint import load_default_model
+    from ..checkpoint import load_default_model
     model = model or load_default_model("threshold")
     workload = demo_workload(num_requests, arrival_rate, seed)
     bar = tqdm(total=len(workload), desc=f"admission {admission}", unit="req", disable=not progress)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache.baselines import FirstFitDesign
-from .designs import ManagerPagedDesign
+from ..sim.baselines import FirstFitDesign
+from ..sim.designs import ManagerPagedDesign
 
 
 def _colours(values: np.ndarray, num: int, cmap: str = "tab10"):

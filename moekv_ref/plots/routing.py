@@ -6,7 +6,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from .tokenizer import encode
+from ..tokenizer import encode
 
 
 def show_char(byte: int) -> str:

@@ -5,7 +5,7 @@ the weights. Byte-level next-token prediction, AdamW, cosine schedule, plus the 
 load-balancing loss (Fedus et al., arXiv 2101.03961, eq. 4) on every router, weighted lightly so that
 experts stay in use but are free to specialise.
 
-    python -m moekv_ref.train --minutes 12 --out moekv_ref/weights/tiny.pt
+    python -m moekv_ref.apps.train --minutes 12 --out moekv_ref/weights/tiny.pt
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import save_checkpoint
-from .config import get_config
-from .model import MoEKVTransformer
-from .routing import Routing
+from ..checkpoint import DEFAULT_CHECKPOINT, save_checkpoint
+from ..config import get_config
+from ..model import MoEKVTransformer
+from ..routing import Routing
 
 
 def stdlib_corpus(max_files: int | None = None) -> tuple[bytes, bytes]:
@@ -113,7 +113,7 @@ def train(minutes: float, out: Path, batch_size: int = 16, context: int = 256, l
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=12.0)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "weights" / "tiny.pt")
+    parser.add_argument("--out", type=Path, default=DEFAULT_CHECKPOINT)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)

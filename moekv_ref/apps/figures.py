@@ -19,11 +19,11 @@ def make_figures(directory: Path = Path("figures"), quick: bool = False) -> list
     import matplotlib.pyplot as plt
 
     from . import bench_memory, demo
-    from .analysis import decode_flops, route_prompt
-    from .checkpoint import load_default_model
-    from .generate import generate
-    from .plots import plot_cache_sizes, plot_routing
-    from .sampling import SamplingParams
+    from ..analysis import decode_flops, route_prompt
+    from ..checkpoint import load_default_model
+    from ..generate import generate
+    from ..plots.routing import plot_cache_sizes, plot_routing
+    from ..sampling import SamplingParams
 
     directory.mkdir(parents=True, exist_ok=True)
     paths = []

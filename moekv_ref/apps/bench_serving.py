@@ -24,9 +24,9 @@ import json
 
 import torch
 
-from .engine import LLMEngine, SchedulerConfig
-from .engine.workload import make_workload, run_workload
-from .model import MoEKVTransformer
+from ..engine import LLMEngine, SchedulerConfig
+from ..engine.workload import make_workload, run_workload
+from ..model import MoEKVTransformer
 
 DESIGNS = ("static", "continuous_reserved", "continuous_paged")
 
@@ -127,7 +127,7 @@ QUICK = dict(num_requests=8, prompt_len=(8, 64), output_len=(8, 32), num_blocks=
 
 
 def build_parser(parser):
-    from .checkpoint import DEFAULT_CHECKPOINT
+    from ..checkpoint import DEFAULT_CHECKPOINT
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--num-blocks", type=int, default=1024, help="the memory budget every design gets")
@@ -141,8 +141,8 @@ def build_parser(parser):
 
 def main(args) -> int:
     """Entry point of `python -m moekv_ref bench serving`."""
-    from .checkpoint import load_checkpoint
-    from .config import get_config
+    from ..checkpoint import load_checkpoint
+    from ..config import get_config
     model = load_checkpoint(args.checkpoint, get_config("tiny").with_routing(args.routing))
     options = dict(num_requests=args.num_requests, num_blocks=args.num_blocks)
     if args.quick:

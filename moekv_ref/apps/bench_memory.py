@@ -32,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-from .cache.baselines import FirstFitDesign, ReservedDesign
-from .sim.designs import CountingPagedDesign, ManagerPagedDesign, SharedTailDesign
-from .sim.replay import max_concurrent_sequences, replay
-from .sim.traces import RoutingTrace, record_model_trace, synthetic_trace
+from ..sim.baselines import FirstFitDesign, ReservedDesign
+from ..sim.designs import CountingPagedDesign, ManagerPagedDesign, SharedTailDesign
+from ..sim.replay import max_concurrent_sequences, replay
+from ..analysis import record_model_trace
+from ..sim.traces import RoutingTrace, synthetic_trace
 
 DEFAULT_BLOCK_SIZE = 16
 TARGET_EFFECTIVE_UTILIZATION = 0.96
@@ -57,9 +58,9 @@ def w1_output_lens(num_prompts: int) -> list[int]:
 
 def workload_w1(num_prompts: int = 16) -> tuple[RoutingTrace, str]:
     """The embedded model's routing; random weights (and a note) if the checkpoint is missing."""
-    from .checkpoint import DEFAULT_CHECKPOINT, load_default_model
-    from .model import MoEKVTransformer
-    from .config import get_config
+    from ..checkpoint import DEFAULT_CHECKPOINT, load_default_model
+    from ..model import MoEKVTransformer
+    from ..config import get_config
 
     if DEFAULT_CHECKPOINT.exists():
         model, source = load_default_model(), "embedded checkpoint"
@@ -314,7 +315,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def run_bench_memory(args) -> int:
-    from .cache.kv_cache_manager import check_block_size
+    from ..cache.kv_cache_manager import check_block_size
     check_block_size(args.block_size)
     started = time.perf_counter()
     report = run(args.block_size, quick=args.quick)
@@ -333,7 +334,7 @@ def save_figures(report: dict, directory: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from .sim.figures import plot_block_size_sweep, plot_num_experts_sweep
+    from ..plots.memory import plot_block_size_sweep, plot_num_experts_sweep
 
     directory.mkdir(parents=True, exist_ok=True)
     paths = []

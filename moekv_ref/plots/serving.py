@@ -7,7 +7,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from .engine import LLMEngine
+from ..engine import LLMEngine
 
 STATE_COLORS = {"waiting": "#d9d9d9", "running": "#4c9be8", "preempted": "#e8a33d"}
 

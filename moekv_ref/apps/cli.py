@@ -1,0 +1,142 @@
+"""Command line: `python -m moekv_ref COMMAND ...`
+
+    generate       generate from a prompt with the embedded model and report its per-expert caches
+    routing-stats  what the embedded model's routers learned (load, entropy, character preferences)
+    demo           serve a stream of requests through a small pool: continuous batching, preemption
+    bench          benchmarks: `bench memory`, `bench serving`
+    figures        regenerate every PNG in figures/ from the package
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import sys
+
+import torch
+
+from .. import generate as generation
+from ..analysis import format_routing_statistics, heldout_text, routing_statistics
+from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
+from ..config import ROUTINGS, get_config
+from ..report import cache_report, format_cache_report
+from ..sampling import SamplingParams
+from ..tokenizer import decode, encode
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def _load_model(args):
+    config = get_config("tiny").with_routing(args.routing, args.threshold)
+    return load_checkpoint(args.checkpoint, config, DTYPES[args.dtype])
+
+
+def cmd_generate(args) -> int:
+    model = _load_model(args)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens,
+                            temperature=0.0 if args.greedy else args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    prompt = encode(args.prompt)
+    if not prompt:
+        raise ValueError("the prompt is empty: pass --prompt with at least one character")
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span tokens
+
+    def stream(_, token):
+        sys.stdout.write(decoder.decode(bytes([token])))
+        sys.stdout.flush()
+
+    if not args.json:
+        sys.stdout.write(args.prompt)
+
+    cache_options = {}
+    if args.block_size is not None:
+        if args.cache != "paged":
+            raise ValueError(f"--block-size applies to --cache paged, not --cache {args.cache}")
+        cache_options["block_size"] = args.block_size
+    if args.backend != "torch":
+        if args.cache != "paged":
+            raise ValueError(f"--backend {args.backend} runs on the paged cache: add --cache paged")
+        cache_options["backend"] = args.backend
+        model.set_backend(args.backend)     # the experts' projections on the grouped GEMM kernel
+    result = generation.generate(model, [prompt], params, cache=args.cache, on_token=None if args.json else stream,
+                                 engine=args.cache == "paged", **cache_options)
+    bytes_per_value = torch.finfo(DTYPES[args.dtype]).bits // 8
+    report = cache_report(result.cache_counts, model.config, bytes_per_value)
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "tokens": result.tokens[0], "text": decode(result.tokens[0]),
+                          "cache_kind": args.cache, "backend": args.backend, "routing": args.routing,
+                          "cache": report}))
+    else:
+        print("\n")
+        print(format_cache_report(report))
+    return 0
+
+
+def cmd_routing_stats(args) -> int:
+    model = _load_model(args)
+    stats = routing_statistics(model, heldout_text(), max_tokens=args.max_tokens)
+    print(json.dumps(stats) if args.json else format_routing_statistics(stats))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m moekv_ref", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_options(p):
+        p.add_argument("--routing", choices=ROUTINGS, default="topk", help="attention routing rule")
+        p.add_argument("--threshold", type=float, default=None,
+                       help="probability mass for --routing threshold (default: the preset's, 0.35 for tiny)")
+        p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+        p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    g = sub.add_parser("generate", help="generate text and report the per-expert caches")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--cache", choices=generation.CACHE_KINDS, default="contiguous")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per block for --cache paged (a power of two; default 16)")
+    g.add_argument("--backend", choices=["torch", "triton"], default="torch",
+                   help="decode attention in PyTorch or in the Triton kernels (on a CPU: the interpreter)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-p", type=float, default=0.95)
+    model_options(g)
+    g.set_defaults(func=cmd_generate)
+
+    r = sub.add_parser("routing-stats", help="what the embedded model's routers learned")
+    r.add_argument("--max-tokens", type=int, default=20000)
+    model_options(r)
+    r.set_defaults(func=cmd_routing_stats)
+
+    from . import bench_memory
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    m = bench_memory.build_parser(bench.add_parser("memory", help="memory designs on the same workloads"))
+    m.set_defaults(func=bench_memory.run_bench_memory)
+    from . import bench_serving, demo
+    s = bench_serving.build_parser(bench.add_parser("serving", help="static vs continuous batching, one budget"))
+    s.set_defaults(func=bench_serving.main)
+    d = demo.build_parser(sub.add_parser("demo", help="serve requests through a small pool (the main demo)"))
+    d.set_defaults(func=demo.main)
+    from . import figures
+    f = sub.add_parser("figures", help="regenerate every PNG in figures/")
+    f.add_argument("--out", default="figures")
+    f.add_argument("--quick", action="store_true", help="smaller memory benchmark")
+    f.set_defaults(func=figures.main)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,9 @@
+"""Every figure the notebooks, the demo and figures/ draw, in one place.
+
+    routing.py   which experts each token chose; tokens held per (layer, expert)
+    memory.py    memory maps (first-fit address space, paged pool) and the memory benchmark's sweeps
+    serving.py   an engine run: request timelines, pool use per step, predicted vs actual demand
+
+Plotting functions take the objects the library returns and an optional matplotlib axis; they
+compute nothing that a test of the library does not already cover.
+"""
