@@ -22,9 +22,10 @@ def save_checkpoint(model: MoEKVTransformer, path: str | Path, metadata: dict | 
 
 
 def load_checkpoint(path: str | Path | None = None, config: ModelConfig | None = None,
-                    dtype: torch.dtype = torch.float32) -> MoEKVTransformer:
-    """Build the model a checkpoint describes. With `config`, the checkpoint must have been made for
-    that architecture (routing may differ: it is not part of the weights)."""
+                    dtype: torch.dtype = torch.float32, backend: str = "torch") -> MoEKVTransformer:
+    """Build the model a checkpoint describes, on `backend` ("torch" or "triton", see model.py).
+    With `config`, the checkpoint must have been made for that architecture (routing may differ: it
+    is not part of the weights)."""
     path = Path(path) if path is not None else DEFAULT_CHECKPOINT
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
@@ -39,12 +40,13 @@ def load_checkpoint(path: str | Path | None = None, config: ModelConfig | None =
             details = ", ".join(f"{k}: checkpoint has {a!r}, config asks for {b!r}" for k, (a, b) in mismatched.items())
             raise ValueError(f"checkpoint {path.name} was made for another config ({details})")
         saved = config
-    model = MoEKVTransformer(saved)
+    model = MoEKVTransformer(saved, backend)
     model.load_state_dict({k: v.to(torch.float32) for k, v in payload["state_dict"].items()})
     return model.to(dtype).eval()
 
 
-def load_default_model(routing: str | None = None, dtype: torch.dtype = torch.float32) -> MoEKVTransformer:
+def load_default_model(routing: str | None = None, dtype: torch.dtype = torch.float32,
+                       backend: str = "torch") -> MoEKVTransformer:
     """The embedded `tiny` model, optionally with another attention routing."""
     config = get_config("tiny") if routing is None else get_config("tiny").with_routing(routing)
-    return load_checkpoint(DEFAULT_CHECKPOINT, config, dtype)
+    return load_checkpoint(DEFAULT_CHECKPOINT, config, dtype, backend)

@@ -5,9 +5,9 @@ token by token.
     cache "contiguous"  one growing buffer per (sequence, layer, expert)
     cache "paged"       one block pool for every (sequence, layer, expert) (moekv_ref.cache.paged)
 
-With `engine=True` (cache "paged" only) the prompts are served by the continuous-batching engine
-(moekv_ref.engine) instead of one static batch: the same tokens, as its tests show; this is what
-`python -m moekv_ref generate --cache paged` runs.
+This is static batching: the batch is fixed up front and runs until its longest request ends. The
+continuous-batching engine (moekv_ref.engine, `generate_with_engine`) serves the same prompts with
+the same tokens, as its tests show; `python -m moekv_ref generate --cache paged` runs that one.
 
 `generate(..., record_logits=True)` keeps the logits of every position the model processed, which is
 what the equivalence tests compare against a single full forward of the final sequences.
@@ -15,13 +15,13 @@ what the equivalence tests compare against a single full forward of the final se
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from .cache import ContiguousKVCache, PagedKVCache
 from .model import MoEKVTransformer
+from .results import GenerationResult
 from .sampling import SamplingParams, sample_next
 
 CACHE_KINDS = ["none", "contiguous", "paged"]
@@ -35,15 +35,6 @@ def make_cache(kind: str, model: MoEKVTransformer, **options):
     if kind == "paged":
         return PagedKVCache.for_model(model, **options)
     raise ValueError(f"unknown cache kind {kind!r}; allowed: {CACHE_KINDS}")
-
-
-@dataclass
-class GenerationResult:
-    prompts: list[list[int]]
-    tokens: list[list[int]]                       # generated ids, per prompt
-    cache_counts: torch.Tensor                    # (B, L, E) tokens a cache holds at the end
-    logits: list[torch.Tensor] | None = None      # per prompt: (len(prompt) + generated - 1, V)
-    options: dict = field(default_factory=dict)
 
 
 def check_prompts(model: MoEKVTransformer, prompts: list[list[int]], max_new_tokens: int) -> None:
@@ -71,7 +62,6 @@ def generate(
     cache: str = "contiguous",
     record_logits: bool = False,
     on_token: Callable[[int, int], None] | None = None,
-    engine: bool = False,
     **cache_options,
 ) -> GenerationResult:
     """Generate `max_new_tokens` for every prompt. `params` may be one per prompt (own seeds)."""
@@ -80,12 +70,6 @@ def generate(
         raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
     max_new = max(p.max_new_tokens for p in per_prompt)
     check_prompts(model, prompts, max_new)
-    if engine:
-        if cache != "paged" or record_logits:
-            raise ValueError(f"engine=True serves from the paged cache and records no logits; got "
-                             f"cache={cache!r}, record_logits={record_logits}")
-        from .engine.engine import generate_with_engine
-        return generate_with_engine(model, prompts, per_prompt, on_token=on_token, **cache_options)
     if cache != "none":
         kv_cache = make_cache(cache, model, **cache_options)  # raises on an unknown kind
     generators = [p.generator() for p in per_prompt]

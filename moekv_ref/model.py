@@ -5,11 +5,16 @@ model. The attention layer has two forwards that must agree:
 
   forward_full    the whole (padded) batch at once, every expert computed densely and masked by
                   routing: the *recompute* reference, and the training path.
-  forward_cached  a flat, ragged batch of new tokens (prefill chunks and decode tokens mixed); for
-                  each expert only the tokens routed to it are projected, their K/V are handed to a
-                  cache, which stores them and returns attention over that expert's cached tokens.
+  forward_cached  a flat, ragged batch of new tokens (prefill chunks and decode tokens mixed); only
+                  the (token, expert) pairs the router chose are projected; their K/V go to a cache
+                  in one `append_kv` per layer, and one `attend` per layer returns each pair's
+                  attention over what its (sequence, layer, expert) row holds.
 
-Dimension legend (DESIGN.md §6):
+The backend ("torch" or "triton") is chosen once, when the model is built: it decides whether the
+experts' projections run as PyTorch matmuls or on the grouped GEMM kernel, and caches made for the
+model (`PagedKVCache.for_model`) follow it for decode attention.
+
+Dimension legend:
   B batch   T tokens per sequence   N tokens in a flat ragged batch   L layers
   E experts   K experts per token   D model width   H heads   Hkv key/value heads   Dh head width
   F feed-forward width   V vocabulary
@@ -22,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from einops import einsum, rearrange
 
 from .attention import rotary
 from .config import ModelConfig
@@ -79,10 +86,11 @@ class ExpertAttention(nn.Module):
     With E = 1 and k = 1 this is ordinary (grouped-query) attention.
     """
 
-    def __init__(self, config: ModelConfig, layer_index: int):
+    def __init__(self, config: ModelConfig, layer_index: int, backend: str = "torch"):
         super().__init__()
         self.config = config
         self.layer_index = layer_index
+        self.backend = backend   # of the cached path's projections
         E, D = config.num_attention_experts, config.hidden_size
         H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.router = nn.Linear(D, E, bias=False)
@@ -90,7 +98,6 @@ class ExpertAttention(nn.Module):
         self.w_k = nn.Parameter(torch.randn(E, D, Hkv * Dh) * D**-0.5)
         self.w_v = nn.Parameter(torch.randn(E, D, Hkv * Dh) * D**-0.5)
         self.w_o = nn.Parameter(torch.randn(E, H * Dh, D) * (H * Dh) ** -0.5 / config.num_hidden_layers**0.5)
-        self.backend = "torch"   # of the cached path's projections; see MoEKVTransformer.set_backend
 
     def route(self, x: torch.Tensor) -> Routing:
         c = self.config
@@ -102,22 +109,24 @@ class ExpertAttention(nn.Module):
         B, T, _ = x.shape
         E, H, Hkv, Dh = c.num_attention_experts, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         routing = self.route(x)                                              # (B, T, E)
-        q = torch.einsum("btd,edf->btef", x, self.w_q).view(B, T, E, H, Dh)
-        k = torch.einsum("btd,edf->btef", x, self.w_k).view(B, T, E, Hkv, Dh)
-        v = torch.einsum("btd,edf->btef", x, self.w_v).view(B, T, E, Hkv, Dh)
+        q = einsum(x, self.w_q, "b t d, e d f -> b t e f")                   # (B, T, E, H*Dh)
+        k = einsum(x, self.w_k, "b t d, e d f -> b t e f")                   # (B, T, E, Hkv*Dh)
+        v = einsum(x, self.w_v, "b t d, e d f -> b t e f")
         positions = torch.arange(T, device=x.device)[None, :, None].expand(B, T, E)
-        q, k = rotary(q, positions, c.rope_theta), rotary(k, positions, c.rope_theta)
-        q = q.permute(0, 2, 3, 1, 4)                                         # (B, E, H, T, Dh)
-        k = k.permute(0, 2, 3, 1, 4).repeat_interleave(H // Hkv, dim=2)      # (B, E, H, T, Dh)
-        v = v.permute(0, 2, 3, 1, 4).repeat_interleave(H // Hkv, dim=2)
+        q = rotary(rearrange(q, "b t e (h d) -> b t e h d", d=Dh), positions, c.rope_theta)
+        k = rotary(rearrange(k, "b t e (h d) -> b t e h d", d=Dh), positions, c.rope_theta)
+        v = rearrange(v, "b t e (h d) -> b t e h d", d=Dh)
+        q = rearrange(q, "b t e h d -> b e h t d")                           # (B, E, H, T, Dh)
+        k = rearrange(k, "b t e h d -> b e h t d").repeat_interleave(H // Hkv, dim=2)   # (B, E, H, T, Dh)
+        v = rearrange(v, "b t e h d -> b e h t d").repeat_interleave(H // Hkv, dim=2)
         # query i at expert e sees key j iff j <= i and j was routed to e; it also always sees
         # itself, so that rows of tokens not routed to e stay finite (their gate is 0 anyway)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()   # (T, T)
-        sent = routing.selected.permute(0, 2, 1)                             # (B, E, T)
+        sent = rearrange(routing.selected, "b t e -> b e t")                 # (B, E, T)
         visible = (causal[None, None] & sent[:, :, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, :, None])  # (B, E, H, T, Dh)
-        attn = attn.permute(0, 3, 1, 2, 4).reshape(B, T, E, H * Dh)
-        out = torch.einsum("btef,efd->bted", attn, self.w_o)                 # (B, T, E, D)
+        attn = rearrange(attn, "b e h t d -> b t e (h d)")                   # (B, T, E, H*Dh)
+        out = einsum(attn, self.w_o, "b t e f, e f d -> b t e d")            # (B, T, E, D)
         return (out * routing.gates[..., None]).sum(2), routing
 
     def forward_cached(self, x, seq_ids, positions, cache) -> tuple[torch.Tensor, Routing]:
@@ -125,26 +134,21 @@ class ExpertAttention(nn.Module):
 
         Within each sequence the new tokens must be consecutive positions that continue what the cache
         already holds for it. Only the (token, expert) pairs the router selected are projected, as one
-        grouped matmul over pairs sorted by expert; the cache stores each expert's K/V under
-        (sequence, layer, expert) and attends that expert's queries over its cache.
+        grouped matmul over pairs sorted by expert; one `append_kv` stores every pair's K/V under its
+        (sequence, layer, expert) row and one `attend` returns each pair's attention over its row.
         """
         c = self.config
-        H, Hkv, Dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        Dh = c.head_dim
         routing = self.route(x)                                              # (N, E)
         token, expert, counts = sort_by_expert(routing.selected)             # (M,), (M,), (E,)
         xs, ps = x[token], positions[token]                                  # (M, D), (M,)
-        q = rotary(grouped_matmul(xs, self.w_q, counts, self.backend).view(-1, H, Dh), ps, c.rope_theta)
-        k = rotary(grouped_matmul(xs, self.w_k, counts, self.backend).view(-1, Hkv, Dh), ps, c.rope_theta)
-        v = grouped_matmul(xs, self.w_v, counts, self.backend).view(-1, Hkv, Dh)   # (M, Hkv, Dh)
-        attn = torch.empty_like(q)                                           # (M, H, Dh)
-        ends = torch.cumsum(counts, 0).tolist()
-        for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
-            if start == end:
-                continue
-            pairs = slice(start, end)                                        # expert e's tokens
-            attn[pairs] = cache.attend(self.layer_index, e, seq_ids[token[pairs]], ps[pairs],
-                                       q[pairs], k[pairs], v[pairs])
-        y = grouped_matmul(attn.reshape(-1, H * Dh), self.w_o, counts, self.backend)  # (M, D)
+        q = rearrange(grouped_matmul(xs, self.w_q, counts, self.backend), "m (h d) -> m h d", d=Dh)
+        k = rearrange(grouped_matmul(xs, self.w_k, counts, self.backend), "m (h d) -> m h d", d=Dh)
+        v = rearrange(grouped_matmul(xs, self.w_v, counts, self.backend), "m (h d) -> m h d", d=Dh)
+        q, k = rotary(q, ps, c.rope_theta), rotary(k, ps, c.rope_theta)    # (M, H, Dh), (M, Hkv, Dh)
+        appended = cache.append_kv(self.layer_index, seq_ids[token], expert, ps, k, v)
+        attn = cache.attend(appended, q)                                     # (M, H, Dh)
+        y = grouped_matmul(rearrange(attn, "m h d -> m (h d)"), self.w_o, counts, self.backend)  # (M, D)
         out = torch.zeros_like(x).index_add_(0, token, routing.gates[token, expert, None] * y)
         return out, routing
 
@@ -152,15 +156,15 @@ class ExpertAttention(nn.Module):
 class MoEFeedForward(nn.Module):
     """Top-k mixture of SwiGLU experts (Mixtral's FFN). Position-wise: it holds no KV."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, backend: str = "torch"):
         super().__init__()
         self.config = config
+        self.backend = backend
         E, D, Fw = config.num_local_experts, config.hidden_size, config.moe_intermediate_size
         self.router = nn.Linear(D, E, bias=False)
         self.w_gate = nn.Parameter(torch.randn(E, D, Fw) * D**-0.5)
         self.w_up = nn.Parameter(torch.randn(E, D, Fw) * D**-0.5)
         self.w_down = nn.Parameter(torch.randn(E, Fw, D) * Fw**-0.5 / config.num_hidden_layers**0.5)
-        self.backend = "torch"
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         shape = x.shape
@@ -176,12 +180,25 @@ class MoEFeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int):
+    """One transformer layer: x + attention(norm(x)), then + ffn(norm(x)). The residual wiring is
+    written once, here; the two forwards differ only in how attention gets its keys."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, backend: str):
         super().__init__()
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attention = ExpertAttention(config, layer_index)
+        self.attention = ExpertAttention(config, layer_index, backend)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn = MoEFeedForward(config)
+        self.ffn = MoEFeedForward(config, backend)
+
+    def forward(self, x, cached=None) -> tuple[torch.Tensor, Routing, Routing]:
+        """x: (B, T, D) full recompute, or (N, D) with cached = (seq_ids, positions, cache)."""
+        if cached is None:
+            h, attention_routing = self.attention.forward_full(self.attention_norm(x))
+        else:
+            h, attention_routing = self.attention.forward_cached(self.attention_norm(x), *cached)
+        x = x + h
+        h, ffn_routing = self.ffn(self.ffn_norm(x))
+        return x + h, attention_routing, ffn_routing
 
 
 @dataclass
@@ -192,37 +209,22 @@ class ModelOutput:
 
 
 class MoEKVTransformer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """backend: "torch" (PyTorch matmuls, the default) or "triton" (the experts' projections of the
+    cached path on the grouped GEMM kernel, and decode attention on the paged kernels for caches
+    made with PagedKVCache.for_model; on a CPU the kernels run in Triton's interpreter). The
+    full-recompute forward always runs in PyTorch."""
+
+    def __init__(self, config: ModelConfig, backend: str = "torch"):
         super().__init__()
-        self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        nn.init.normal_(self.embed.weight, std=1.0)
-        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.backend = "torch"
-
-    def set_routing(self, routing: str, threshold: float | None = None) -> None:
-        """Switch attention routing at inference time (the weights do not depend on it)."""
-        self.config = self.config.with_routing(routing, threshold)
-        for block in self.blocks:
-            block.attention.config = self.config
-            block.ffn.config = self.config
-
-    def set_backend(self, backend: str) -> None:
-        """Run the experts' projections (attention Q/K/V/O and FFN) of the cached path as PyTorch
-        matmuls ("torch", the default) or as the grouped GEMM Triton kernel ("triton"; on a CPU it
-        runs in Triton's interpreter). The full-recompute attention always uses PyTorch; decode
-        attention on the kernels is the paged cache's choice (PagedKVCache(backend=...))."""
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-        dtype = next(self.parameters()).dtype
-        if backend == "triton" and dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"backend='triton' runs float32, float16 or bfloat16 weights, not {dtype}")
+        self.config = config
         self.backend = backend
-        for block in self.blocks:
-            block.attention.backend = backend
-            block.ffn.backend = backend
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        nn.init.normal_(self.embed.weight, std=1.0)
+        self.blocks = nn.ModuleList(Block(config, i, backend) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def _check_tokens(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
@@ -239,16 +241,7 @@ class MoEKVTransformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> ModelOutput:
         """Full recompute. tokens: (B, T), right-padded; every row starts at position 0."""
         self._check_tokens(tokens)
-        x = self.embed(tokens)                                               # (B, T, D)
-        attention_routing, ffn_routing = [], []
-        for block in self.blocks:
-            h, r_attn = block.attention.forward_full(block.attention_norm(x))
-            x = x + h
-            h, r_ffn = block.ffn(block.ffn_norm(x))
-            x = x + h
-            attention_routing.append(r_attn)
-            ffn_routing.append(r_ffn)
-        return ModelOutput(self.lm_head(self.norm(x)), attention_routing, ffn_routing)
+        return self._run(self.embed(tokens), None)                           # (B, T, V)
 
     def forward_cached(self, tokens, seq_ids, positions, cache) -> ModelOutput:
         """Cached step over a flat ragged batch. tokens, seq_ids, positions: (N,). Logits (N, V)."""
@@ -256,13 +249,16 @@ class MoEKVTransformer(nn.Module):
             raise ValueError(f"tokens, seq_ids and positions must be 1-D of equal length, got shapes "
                              f"{tuple(tokens.shape)}, {tuple(seq_ids.shape)}, {tuple(positions.shape)}")
         self._check_tokens(tokens, positions)
-        x = self.embed(tokens)                                               # (N, D)
+        if self.backend == "triton" and next(self.parameters()).dtype not in (torch.float32, torch.float16,
+                                                                                torch.bfloat16):
+            raise ValueError(f"backend='triton' runs float32, float16 or bfloat16 weights, not "
+                             f"{next(self.parameters()).dtype}")
+        return self._run(self.embed(tokens), (seq_ids, positions, cache))    # (N, V)
+
+    def _run(self, x, cached) -> ModelOutput:
         attention_routing, ffn_routing = [], []
         for block in self.blocks:
-            h, r_attn = block.attention.forward_cached(block.attention_norm(x), seq_ids, positions, cache)
-            x = x + h
-            h, r_ffn = block.ffn(block.ffn_norm(x))
-            x = x + h
+            x, r_attn, r_ffn = block(x, cached)
             attention_routing.append(r_attn)
             ffn_routing.append(r_ffn)
         return ModelOutput(self.lm_head(self.norm(x)), attention_routing, ffn_routing)

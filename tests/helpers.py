@@ -22,9 +22,9 @@ def small_config(attention_mode="expert", routing="topk", **overrides) -> ModelC
     return ModelConfig(**values)
 
 
-def random_model(config: ModelConfig, seed: int, dtype=torch.float64) -> MoEKVTransformer:
+def random_model(config: ModelConfig, seed: int, dtype=torch.float64, backend: str = "torch") -> MoEKVTransformer:
     torch.manual_seed(seed)
-    model = MoEKVTransformer(config)
+    model = MoEKVTransformer(config, backend)
     with torch.no_grad():  # make the routers decisive and varied, as a trained model's are
         for block in model.blocks:
             block.attention.router.weight.mul_(4.0)

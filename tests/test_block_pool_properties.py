@@ -100,12 +100,13 @@ def test_random_programs_keep_invariants(kind, block_size, num_blocks, shuffle, 
                 except OutOfBlocksError:
                     assert same(before, snapshot(manager))
             else:
-                for source, destination in manager.allocate_slots(rows, counts) or []:
+                allocation = manager.allocate_slots(rows, counts)
+                for source, destination in allocation.moves:
                     data[destination] = data[source].clone()
                 for key, n in merged.items():
                     model[seq][key] = model[seq].get(key, 0) + n
                 # the new tokens' slots are distinct and inside the pool; write their values
-                slots = manager.slot_mapping(rows, counts)
+                slots = allocation.slot_mapping
                 assert slots.unique().numel() == slots.numel()
                 assert slots.numel() == 0 or int(slots.max()) < num_blocks * block_size
                 data[slots] = torch.arange(next_value, next_value + slots.numel())

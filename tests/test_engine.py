@@ -10,7 +10,7 @@ Small random float64 models from helpers, so that a tie in argmax cannot flip be
 import pytest
 import torch
 
-from moekv_ref.engine import LLMEngine, RequestStatus, SchedulerConfig
+from moekv_ref.engine import LLMEngine, RequestStatus, SchedulerConfig, generate_with_engine
 from moekv_ref.plots.serving import demand_table, pool_use, request_segments
 from moekv_ref.engine.workload import make_workload, run_workload
 from moekv_ref.generate import generate
@@ -112,7 +112,7 @@ def test_reserving_policies_never_preempt_and_give_the_same_tokens(model, worklo
 
 def test_per_row_attention_gives_the_same_tokens(model, workload, alone):
     prompts, params = workload
-    engine = LLMEngine(model, num_blocks=4096, block_size=BLOCK_SIZE, batched_attention=False)
+    engine = LLMEngine(model, num_blocks=4096, block_size=BLOCK_SIZE, attention="reference")
     assert [o.token_ids for o in engine.generate(prompts[:4], params[:4])] == alone[:4]
 
 
@@ -190,12 +190,12 @@ def test_timeline_segments_and_demand_table(model):
     assert len(table) == 6 and all(r["actual_blocks"] > 0 for r in table)
 
 
-def test_generate_cache_paged_runs_through_the_engine(model, workload, alone):
+def test_generate_with_engine_gives_the_static_batch_tokens(model, workload, alone):
     prompts, params = workload
-    result = generate(model, prompts[:5], params[:5], cache="paged", engine=True, block_size=BLOCK_SIZE)
+    result = generate_with_engine(model, prompts[:5], params[:5], block_size=BLOCK_SIZE)
     assert result.options["engine"] and result.tokens == alone[:5]
     contiguous = generate(model, prompts[:5], params[:5], cache="contiguous")
     assert torch.equal(result.cache_counts, contiguous.cache_counts)
     streamed = []
-    generate(model, prompts[:2], params[:2], cache="paged", engine=True, on_token=lambda i, t: streamed.append((i, t)))
+    generate_with_engine(model, prompts[:2], params[:2], on_token=lambda i, t: streamed.append((i, t)))
     assert [t for i, t in streamed if i == 1] == alone[1]

@@ -1,8 +1,10 @@
-"""The model on the Triton backend generates what it generates on the torch backend (issue 5, item 5).
+"""A model built on the Triton backend generates what the same weights generate on the torch backend.
 
-`PagedKVCache(backend="triton")` runs decode steps (one new token per row) on kernels.store_kv and
-kernels.paged_attention; prefill stays on the torch gather. On a CPU that is Triton's interpreter,
-so the cases are a few tokens of a small model.
+The backend is chosen once, when the model is built: the experts' projections run on the grouped GEMM
+kernel, and a paged cache made for the model (`PagedKVCache.for_model`) stores new K/V with
+kernels.store_kv and attends decode rows (one new token) with kernels.paged_attention, one launch per
+layer; rows with several new tokens (prefill) take the batched torch path. On a CPU that is Triton's
+interpreter, so the cases are a few tokens of a small model.
 """
 
 import pytest
@@ -36,37 +38,39 @@ def test_generate_triton_backend_gives_the_same_tokens(monkeypatch):
     monkeypatch.setattr(kernels, "paged_attention", counting_paged_attention)
     monkeypatch.setattr(kernels, "expert_gemm", counting_expert_gemm)
     # threshold routing: tokens use 1 to 3 experts, so rows of one sequence have ragged lengths
-    model = random_model(small_config(routing="threshold"), seed=3, dtype=torch.float32)
-    prompts = random_prompts([5, 1, 9], model.config.vocab_size, seed=4)
+    models = {backend: random_model(small_config(routing="threshold"), seed=3, dtype=torch.float32,
+                                     backend=backend) for backend in ("torch", "triton")}
+    config = models["torch"].config
+    prompts = random_prompts([5, 1, 9], config.vocab_size, seed=4)
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
     # block_size 4: decode tiles of 16 tokens span several blocks of a row
     results = {}
-    for backend in ("torch", "triton"):
-        model.set_backend(backend)       # the experts' projections: torch matmuls or the grouped GEMM
+    for backend, model in models.items():
         results[backend] = generate(model, prompts, params, cache="paged", record_logits=True,
-                                    block_size=4, num_blocks=256, shuffle_seed=0, backend=backend)
+                                    block_size=4, num_blocks=256, shuffle_seed=0)
     assert results["triton"].tokens == results["torch"].tokens
     assert torch.equal(results["triton"].cache_counts, results["torch"].cache_counts)
     for torch_logits, triton_logits in zip(results["torch"].logits, results["triton"].logits):
         assert (torch_logits - triton_logits).abs().max() < 1e-4
-    # 2 decode steps x 2 layers, one launch per (layer, expert) that received tokens
-    assert len(launches) >= 2 * model.config.num_hidden_layers
+    # one launch per layer and forward (all its experts' one-new-token rows at once): the prefill has
+    # such rows too (the 1-token prompt), so 3 forwards x 2 layers
+    assert len(launches) == 3 * config.num_hidden_layers
     # 3 forwards (prefill, 2 decode steps) x 2 layers x (4 attention + 3 FFN projections)
-    assert len(gemm_launches) == 3 * model.config.num_hidden_layers * 7
+    assert len(gemm_launches) == 3 * config.num_hidden_layers * 7
 
 
 def test_triton_backend_needs_a_kernel_dtype():
-    model = random_model(small_config(), seed=0, dtype=torch.float64)
+    model = random_model(small_config(), seed=0, dtype=torch.float64, backend="triton")
     with pytest.raises(ValueError, match="backend='triton' runs float32, float16 or bfloat16 weights"):
-        model.set_backend("triton")
+        generate(model, [[1, 2]], SamplingParams(max_new_tokens=2), cache="contiguous")
     with pytest.raises(ValueError, match="backend='tpu' is not one of"):
-        model.set_backend("tpu")
+        random_model(small_config(), seed=0, backend="tpu")
 
 
-def test_unknown_backend_is_refused():
+def test_unknown_attention_path_is_refused():
     model = random_model(small_config(), seed=0, dtype=torch.float32)
-    with pytest.raises(ValueError, match="backend='cuda' is not one of"):
-        PagedKVCache.for_model(model, backend="cuda")
+    with pytest.raises(ValueError, match="attention='cuda' is not one of"):
+        PagedKVCache.for_model(model, attention="cuda")
 
 
 def test_cli_triton_backend_gives_the_torch_tokens(capsys):

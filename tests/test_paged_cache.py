@@ -27,12 +27,12 @@ def _run(model, cache, **options):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("mode,routing", [("expert", "topk"), ("expert", "threshold"),
                                           ("dense", "topk"), ("dense", "threshold")])
-@pytest.mark.parametrize("batch_decode", [False, True])
-def test_paged_equals_contiguous_and_recompute(mode, routing, dtype, batch_decode):
+@pytest.mark.parametrize("attention", ["reference", "batched"])
+def test_paged_equals_contiguous_and_recompute(mode, routing, dtype, attention):
     model = random_model(small_config(mode, routing), seed=1, dtype=dtype)
     reference = _run(model, "contiguous")
     for block_size in (1, 4, 16, 64):
-        paged = _run(model, "paged", block_size=block_size, shuffle_seed=block_size, batch_decode=batch_decode)
+        paged = _run(model, "paged", block_size=block_size, shuffle_seed=block_size, attention=attention)
         assert paged.tokens == reference.tokens
         assert torch.equal(paged.cache_counts, reference.cache_counts)
         for a, b in zip(paged.logits, reference.logits):
@@ -46,12 +46,14 @@ def test_blocks_are_scattered_and_slots_follow_tables():
     manager = KVCacheManager(num_layers=1, num_experts=2, block_size=4, num_blocks=32, shuffle_seed=0)
     manager.add_sequence(7)
     rows = manager.rows([7], 0, 1)
-    manager.allocate_slots(rows, torch.tensor([10]))
+    first = manager.allocate_slots(rows, torch.tensor([7]))
+    last = manager.allocate_slots(rows, torch.tensor([3]))
     table = manager.block_tables[rows[0], :3].to(torch.int64)
     assert (table.diff().abs() != 1).any()
     expected = torch.cat([table[j // 4:j // 4 + 1] * 4 + j % 4 for j in range(10)])
     assert torch.equal(manager.row_slots(int(rows[0])), expected)
-    assert torch.equal(manager.slot_mapping(rows, torch.tensor([3])), expected[7:])
+    assert torch.equal(first.slot_mapping, expected[:7]) and torch.equal(last.slot_mapping, expected[7:])
+    assert first.moves == [] and last.moves == []                       # plain pages never move
 
 
 def test_exact_block_ids_unshuffled():
@@ -113,23 +115,81 @@ def test_bad_input_leaves_everything_unchanged():
     manager.assert_consistent()
 
 
-def test_paged_attend_rejects_out_of_order_positions_without_storing():
+def test_append_kv_rejects_out_of_order_positions_without_storing():
     config = small_config("dense", "topk")
     cache = PagedKVCache(config, num_blocks=16, block_size=4)
     H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     q, k = torch.randn(2, H, Dh), torch.randn(2, Hkv, Dh)
-    cache.attend(0, 0, torch.tensor([3, 3]), torch.tensor([0, 1]), q, k, k)
+    expert = torch.tensor([0, 0])
+    cache.append_kv(0, torch.tensor([3, 3]), expert, torch.tensor([0, 1]), k, k)
     with pytest.raises(ValueError, match="do not increase"):
-        cache.attend(0, 0, torch.tensor([3]), torch.tensor([1]), q[:1], k[:1], k[:1])
+        cache.append_kv(0, torch.tensor([3]), expert[:1], torch.tensor([1]), k[:1], k[:1])
     assert cache.token_counts([3])[0, 0, 0] == 2
     with pytest.raises(ValueError, match="do not increase"):
-        cache.attend(0, 0, torch.tensor([4, 4]), torch.tensor([2, 2]), q, k, k)
+        cache.append_kv(0, torch.tensor([4, 4]), expert, torch.tensor([2, 2]), k, k)
     assert 4 not in cache.manager.sequences
     cache.free(3)
     assert cache.num_free_blocks == 16
     with pytest.raises(KeyError, match="sequence 3 is not in the cache"):
         cache.free(3)
     assert cache.num_free_blocks == 16
+
+
+def test_append_kv_groups_pairs_into_rows_exactly():
+    """One call, every expert of a layer: pairs of two sequences and three experts, interleaved as
+    the model sends them (sorted by expert). P = 2, blocks handed out 0, 1, 2, ... in row order."""
+    config = small_config("expert", "topk")                       # L = 2, E = 5, Hkv = 2, Dh = 8
+    seq_ids = torch.tensor([9, 9, 9, 9, 5, 9])
+    experts = torch.tensor([0, 0, 0, 3, 3, 4])
+    positions = torch.tensor([0, 1, 2, 1, 0, 2])
+    k = torch.randn(6, 2, 8, dtype=torch.float64)
+    cache = PagedKVCache(config, num_blocks=32, block_size=2, dtype=torch.float64)
+    appended = cache.append_kv(1, seq_ids, experts, positions, k, -k)
+    # new sequences get slots in id order: 5 -> slot 0, 9 -> slot 1; L * E = 10 rows per sequence,
+    # row = slot * 10 + layer * 5 + expert
+    assert appended.rows.tolist() == [8, 15, 18, 19]              # (5,1,3) (9,1,0) (9,1,3) (9,1,4)
+    assert appended.num_new.tolist() == [1, 3, 1, 1] and appended.context_lens.tolist() == [1, 3, 1, 1]
+    assert appended.pair_row.tolist() == [1, 1, 1, 2, 0, 3]
+    assert appended.pair_index.tolist() == [0, 1, 2, 0, 0, 0]
+    # blocks in row order: row 8 block 0, row 15 blocks 1-2, row 18 block 3, row 19 block 4
+    assert cache.manager.row_slots(15).tolist() == [2, 3, 4]
+    assert torch.equal(cache.key_cache.view(-1, 2, 8)[[2, 3, 4, 6, 0, 8]], k)
+    assert torch.equal(cache.value_cache.view(-1, 2, 8)[6], -k[3])
+    # a second call continues the rows: expert 0 of sequence 9 gets its 4th token at index 3
+    again = cache.append_kv(1, torch.tensor([9]), torch.tensor([0]), torch.tensor([3]), k[:1], k[:1])
+    assert again.rows.tolist() == [15] and again.pair_index.tolist() == [3] and again.context_lens.tolist() == [4]
+
+
+@pytest.mark.parametrize("attention", ["reference", "batched", "triton"])
+def test_padding_and_free_slots_are_never_read_as_data(attention):
+    """Fill every slot of the pool with NaN, then append: only the rows' own slots get real values.
+    Batched paths pad short rows to the longest one; a padded position must never bring NaN (or inf)
+    into another row's output. Checked against the contiguous cache on the same inputs."""
+    if attention == "triton":
+        pytest.importorskip("triton")
+    from moekv_ref.cache import ContiguousKVCache
+
+    config = small_config("expert", "threshold")
+    H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    cache = PagedKVCache(config, num_blocks=64, block_size=4, attention=attention, shuffle_seed=3)
+    cache.key_cache.fill_(float("nan"))
+    cache.value_cache.fill_(float("nan"))
+    reference = ContiguousKVCache(config.num_hidden_layers, config.num_attention_experts)
+    generator = torch.Generator().manual_seed(0)
+    lengths = {0: 9, 1: 2, 2: 5}                                     # ragged prompts, one per expert
+    seq_ids = torch.tensor([s for s, n in lengths.items() for _ in range(n)])
+    positions = torch.tensor([p for n in lengths.values() for p in range(n)])
+    experts = seq_ids.clone()                                        # sequence s -> expert s
+    for step in range(3):                                             # a prefill, then two decode steps
+        k, v = torch.randn(2, seq_ids.numel(), Hkv, Dh, generator=generator)
+        q = torch.randn(seq_ids.numel(), H, Dh, generator=generator)
+        out = cache.attend(cache.append_kv(0, seq_ids, experts, positions, k, v), q)
+        expected = reference.attend(reference.append_kv(0, seq_ids, experts, positions, k, v), q)
+        assert torch.isfinite(out).all(), f"step {step}: padding or a free slot leaked into the output"
+        assert (out - expected).abs().max() <= 1e-5
+        seq_ids = torch.tensor(list(lengths))
+        experts = seq_ids.clone()
+        positions = torch.tensor([n + step for n in lengths.values()])
 
 
 def test_cli_generate_paged_gives_the_contiguous_tokens(capsys):
@@ -161,14 +221,14 @@ def test_paged_equals_recompute_on_the_embedded_model(routing):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("mode,routing", [("expert", "topk"), ("expert", "threshold"), ("dense", "threshold")])
-@pytest.mark.parametrize("batch_decode", [False, True])
-def test_shared_tails_equal_contiguous_and_recompute(mode, routing, dtype, batch_decode):
+@pytest.mark.parametrize("attention", ["reference", "batched"])
+def test_shared_tails_equal_contiguous_and_recompute(mode, routing, dtype, attention):
     """Shared tails move K/V (promotion, compaction): the model must not notice."""
     model = random_model(small_config(mode, routing), seed=1, dtype=dtype)
     reference = _run(model, "contiguous")
     for block_size in (1, 2, 4, 16, 64):
         paged = _run(model, "paged", block_size=block_size, shuffle_seed=block_size, shared_tails=True,
-                     batch_decode=batch_decode)
+                     attention=attention)
         assert paged.tokens == reference.tokens
         for a, b in zip(paged.logits, reference.logits):
             assert (a - b).abs().max().item() <= TOLERANCE[dtype]
@@ -181,13 +241,15 @@ def test_shared_tail_promotion_and_compaction_exact_moves():
     manager.add_sequence(0)
     rows = torch.cat([manager.rows([0], 0, e) for e in range(3)])
     # 3 + 3 + 1 tail tokens: no full block yet, 7 tail slots in tail blocks 0 and 1 (slots 0..6)
-    assert manager.allocate_slots(rows, torch.tensor([3, 3, 1])) == []
+    first = manager.allocate_slots(rows, torch.tensor([3, 3, 1]))
+    assert first.moves == [] and first.slot_mapping.tolist() == [0, 1, 2, 3, 4, 5, 6]
     assert manager.tail_blocks[0] == [0, 1] and manager.tail_slots[rows[2], 0] == 6
     # expert 0's fourth token fills its block: a fresh block (2) takes its 3 tail tokens (slots 0..2
     # -> 8..10); 4 tail tokens remain and 4 slots are free, so the emptiest tail block (0, holding
     # expert 1's token at slot 3) is compacted into block 1 (slot 3 -> 7) and given back.
-    moves = manager.allocate_slots(rows[:1], torch.tensor([1]))
-    assert [(s.tolist(), d.tolist()) for s, d in moves] == [([0, 1, 2], [8, 9, 10]), ([3], [7])]
+    allocation = manager.allocate_slots(rows[:1], torch.tensor([1]))
+    assert [(s.tolist(), d.tolist()) for s, d in allocation.moves] == [([0, 1, 2], [8, 9, 10]), ([3], [7])]
+    assert allocation.slot_mapping.tolist() == [11]                      # written straight to block 2
     assert manager.tail_blocks[0] == [1] and manager.pool.num_free_blocks == 16 - 2
     assert manager.row_slots(int(rows[0])).tolist() == [8, 9, 10, 11]
     assert manager.row_slots(int(rows[1])).tolist() == [7, 4, 5]      # its first tail token moved

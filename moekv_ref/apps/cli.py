@@ -16,7 +16,8 @@ import sys
 
 import torch
 
-from .. import generate as generation
+from ..engine import generate_with_engine
+from ..generate import CACHE_KINDS, generate
 from ..analysis import format_routing_statistics, heldout_text, routing_statistics
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..config import ROUTINGS, get_config
@@ -27,13 +28,17 @@ from ..tokenizer import decode, encode
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def _load_model(args):
+def _load_model(args, backend: str = "torch"):
     config = get_config("tiny").with_routing(args.routing, args.threshold)
-    return load_checkpoint(args.checkpoint, config, DTYPES[args.dtype])
+    return load_checkpoint(args.checkpoint, config, DTYPES[args.dtype], backend)
 
 
 def cmd_generate(args) -> int:
-    model = _load_model(args)
+    if args.backend != "torch" and args.cache != "paged":
+        raise ValueError(f"--backend {args.backend} runs on the paged cache: add --cache paged")
+    if args.block_size is not None and args.cache != "paged":
+        raise ValueError(f"--block-size applies to --cache paged, not --cache {args.cache}")
+    model = _load_model(args, args.backend)
     params = SamplingParams(max_new_tokens=args.max_new_tokens,
                             temperature=0.0 if args.greedy else args.temperature,
                             top_p=args.top_p, seed=args.seed)
@@ -49,18 +54,12 @@ def cmd_generate(args) -> int:
     if not args.json:
         sys.stdout.write(args.prompt)
 
-    cache_options = {}
-    if args.block_size is not None:
-        if args.cache != "paged":
-            raise ValueError(f"--block-size applies to --cache paged, not --cache {args.cache}")
-        cache_options["block_size"] = args.block_size
-    if args.backend != "torch":
-        if args.cache != "paged":
-            raise ValueError(f"--backend {args.backend} runs on the paged cache: add --cache paged")
-        cache_options["backend"] = args.backend
-        model.set_backend(args.backend)     # the experts' projections on the grouped GEMM kernel
-    result = generation.generate(model, [prompt], params, cache=args.cache, on_token=None if args.json else stream,
-                                 engine=args.cache == "paged", **cache_options)
+    on_token = None if args.json else stream
+    if args.cache == "paged":   # served by the continuous-batching engine, as a server would
+        options = {} if args.block_size is None else {"block_size": args.block_size}
+        result = generate_with_engine(model, [prompt], params, on_token=on_token, **options)
+    else:
+        result = generate(model, [prompt], params, cache=args.cache, on_token=on_token)
     bytes_per_value = torch.finfo(DTYPES[args.dtype]).bits // 8
     report = cache_report(result.cache_counts, model.config, bytes_per_value)
     if args.json:
@@ -95,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text and report the per-expert caches")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--cache", choices=generation.CACHE_KINDS, default="contiguous")
+    g.add_argument("--cache", choices=CACHE_KINDS, default="contiguous")
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per block for --cache paged (a power of two; default 16)")
     g.add_argument("--backend", choices=["torch", "triton"], default="torch",

@@ -1,19 +1,30 @@
-"""KV caches. Every cache answers one call from the model, per layer and expert:
+"""KV caches. Every cache answers two calls from the model, once per layer, with every (token,
+expert) pair the layer's router chose:
 
-    attend(layer, expert, seq_ids, positions, q, k, v) -> (n, H, Dh)
+    appended = cache.append_kv(layer, seq_ids, experts, positions, k, v)
+    out      = cache.attend(appended, q)                                  # (n, H, Dh)
 
-It stores the new tokens' k, v (n, Hkv, Dh) under (sequence, layer, expert), then returns, for each
-query, attention over the keys that (sequence, layer, expert) holds at positions <= the query's.
-Within a sequence the new tokens continue the positions the cache already holds.
+`append_kv` stores the pairs' k, v (n, Hkv, Dh) under their (sequence, layer, expert) rows (taking
+memory as rows grow) and returns what attention needs; `attend` returns, for each pair's query, the
+attention over the keys its row holds at positions <= the query's. Within a row, new tokens continue
+the positions the cache already holds. Caches also answer `token_counts(seq_ids)` -> (num_seqs, L, E)
+and `free(seq_id)`.
 
-Caches also answer `token_counts(seq_ids)` -> (num_seqs, L, E) and `free(seq_id)`.
+    rows.py                 how a (sequence, layer, expert) row is numbered; ceil_div
+    block_pool.py           the free block queue and reference counts
+    kv_cache_manager.py     block tables and token counts per row (integers only)
+    shared_tail_manager.py  the same, with rows' partly filled tails sharing blocks
+    paged.py                PagedKVCache: K/V pool tensors + a manager; the attention paths
+    contiguous.py           ContiguousKVCache: one growing buffer per row, the reference
 """
 
 from .block_pool import BlockPool, OutOfBlocksError
 from .contiguous import ContiguousKVCache
-from .kv_cache_manager import KVCacheManager
-from .paged import PagedKVCache
+from .kv_cache_manager import KVCacheManager, SlotAllocation
+from .paged import ATTENTION_PATHS, AppendedRows, PagedKVCache
+from .rows import RowIndex, ceil_div
 from .shared_tail_manager import SharedTailKVCacheManager
 
-__all__ = ["BlockPool", "ContiguousKVCache", "KVCacheManager", "OutOfBlocksError", "PagedKVCache",
-           "SharedTailKVCacheManager"]
+__all__ = ["ATTENTION_PATHS", "AppendedRows", "BlockPool", "ContiguousKVCache", "KVCacheManager",
+           "OutOfBlocksError", "PagedKVCache", "RowIndex", "SharedTailKVCacheManager", "SlotAllocation",
+           "ceil_div"]

@@ -8,34 +8,71 @@ the memory benchmark models that).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..attention import attend_by_position
 
 
+@dataclass
+class ContiguousRows:
+    """What `append_kv` hands to `attend`: the buffers the call touched and where each pair is.
+
+    keys          the (seq_id, layer, expert) buffer of each distinct row of the call
+    pair_row      (n,) for each pair, its buffer as an index into keys
+    positions     (n,) each pair's absolute position (the mask is by position here)
+    """
+    keys: list[tuple[int, int, int]]
+    pair_row: torch.Tensor
+    positions: torch.Tensor
+
+
 class ContiguousKVCache:
+    """append_kv / attend (see moekv_ref/cache/paged.py for the contract) over one growing buffer
+    per (sequence, layer, expert)."""
+
     def __init__(self, num_layers: int, num_experts: int):
         self.num_layers = num_layers
         self.num_experts = num_experts
         # (seq_id, layer, expert) -> (k (m, Hkv, Dh), v (m, Hkv, Dh), positions (m,))
         self._buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def attend(self, layer, expert, seq_ids, positions, q, k, v):
-        out = torch.empty_like(q)
-        for seq_id in seq_ids.unique().tolist():
-            rows = (seq_ids == seq_id).nonzero().squeeze(1)                  # this sequence's tokens
+    def append_kv(self, layer, seq_ids, experts, positions, k, v) -> ContiguousRows:
+        """Append each pair's k, v (n, Hkv, Dh) to its (seq_id, layer, expert) buffer. Checks every
+        row first, so that a call that raises changes nothing."""
+        seq_ids, experts = torch.as_tensor(seq_ids).tolist(), torch.as_tensor(experts).tolist()
+        keys: list[tuple[int, int, int]] = []
+        pair_row = []
+        for seq_id, expert in zip(seq_ids, experts):
             key = (seq_id, layer, expert)
+            if key not in keys:
+                keys.append(key)
+            pair_row.append(keys.index(key))
+        pair_row = torch.tensor(pair_row, dtype=torch.int64)
+        mine = [(pair_row == i).nonzero().squeeze(1) for i in range(len(keys))]   # each row's pairs
+        for key, pairs in zip(keys, mine):
+            new = positions[pairs]
+            last = self._buffers[key][2][-1] if key in self._buffers else None
+            if (new[1:] <= new[:-1]).any() or (last is not None and new[0] <= last):
+                raise ValueError(f"sequence {key[0]}: new positions {new.tolist()[:8]} do not continue the "
+                                 f"cached ones (last {None if last is None else int(last)})")
+        for key, pairs in zip(keys, mine):
             if key in self._buffers:
                 old_k, old_v, old_pos = self._buffers[key]
-                if old_pos[-1] >= positions[rows[0]]:
-                    raise ValueError(f"sequence {seq_id}: new position {int(positions[rows[0]])} does "
-                                     f"not continue the cached ones (last {int(old_pos[-1])})")
-                self._buffers[key] = (torch.cat([old_k, k[rows]]), torch.cat([old_v, v[rows]]),
-                                      torch.cat([old_pos, positions[rows]]))
+                self._buffers[key] = (torch.cat([old_k, k[pairs]]), torch.cat([old_v, v[pairs]]),
+                                      torch.cat([old_pos, positions[pairs]]))
             else:
-                self._buffers[key] = (k[rows].clone(), v[rows].clone(), positions[rows].clone())
+                self._buffers[key] = (k[pairs].clone(), v[pairs].clone(), positions[pairs].clone())
+        return ContiguousRows(keys, pair_row, positions)
+
+    def attend(self, appended: ContiguousRows, q):
+        """Each pair's query over its buffer's keys at positions <= its own. Returns (n, H, Dh)."""
+        out = torch.empty_like(q)
+        for i, key in enumerate(appended.keys):
+            pairs = (appended.pair_row == i).nonzero().squeeze(1)
             cached_k, cached_v, cached_pos = self._buffers[key]
-            out[rows] = attend_by_position(q[rows], cached_k, cached_v, positions[rows], cached_pos)
+            out[pairs] = attend_by_position(q[pairs], cached_k, cached_v, appended.positions[pairs], cached_pos)
         return out
 
     def num_tokens(self, seq_id: int, layer: int, expert: int) -> int:

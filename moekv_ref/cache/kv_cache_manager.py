@@ -1,15 +1,15 @@
 """The KV cache manager: a block table and a token count per (sequence, layer, expert) row.
 
-A *row* is the cache of one sequence at one layer for one attention expert. Rows are numbered
-
-    row = seq_index * (L * E) + layer * E + expert
-
-where seq_index is a slot the manager gives a sequence id when it first appears (reused after
-`free`). Everything is a tensor over rows, so that one call serves a whole step: the model's attention
+A *row* is the cache of one sequence at one layer for one attention expert, numbered as rows.py
+says (row = seq_index * (L * E) + layer * E + expert), where seq_index is a slot the manager gives a
+sequence id when it first appears (reused after `free`). Everything is a tensor over rows, so that one call serves a whole step: the model's attention
 (a few rows) and the cache-only simulator (tens of thousands of rows) use the same code.
 
     num_computed_tokens  (num_rows,)             int64  tokens stored in the row
     block_tables         (num_rows, max_blocks)  int32  block ids of the row, in token order
+    last_position        (num_rows,)             int64  position of the row's newest token, -1 if
+                                                        none: the cache checks that tokens arrive in
+                                                        order against it (reset by `free`)
 
 Token j of a row lives in block block_tables[row, j // P] at offset j % P; its slot in the flat
 pool is `slot = block_id * P + offset`. Entries past a row's ceil(n / P) used blocks are padding
@@ -31,9 +31,31 @@ The scheduler's questions have methods of their own (`num_free_blocks`, `num_blo
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from .block_pool import BlockPool, OutOfBlocksError
+from .rows import RowIndex, ceil_div
+
+Moves = list[tuple[torch.Tensor, torch.Tensor]]   # (source slots, destination slots), in order
+
+
+@dataclass
+class SlotAllocation:
+    """What `allocate_slots` hands back: all a caller needs to write the new tokens' K/V.
+
+    One result object instead of two calls that must be made in order (allocate, then ask for the
+    slots), as vLLM's KVCacheBlocks is between its scheduler and its cache manager.
+
+    slot_mapping  (n,) int64: the slot of each new token, row after row in the order of the rows
+                  given, each row's tokens in token order; indexes key_cache.view(-1, Hkv, Dh).
+    moves         K/V copies (source slots, destination slots) to apply, in order, *before* the new
+                  tokens are written. Always empty for plain pages; shared tails move tokens when a
+                  tail fills a block or a sequence's tail blocks are compacted.
+    """
+    slot_mapping: torch.Tensor
+    moves: Moves = field(default_factory=list)
 
 
 def check_block_size(block_size) -> int:
@@ -49,10 +71,6 @@ def check_block_size(block_size) -> int:
     return block_size
 
 
-def ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
-    return (a + b - 1) // b
-
-
 class KVCacheManager:
     """Block tables and token counts for every (sequence, layer, expert) row over one BlockPool."""
 
@@ -66,12 +84,14 @@ class KVCacheManager:
         self.num_experts = num_experts
         self.block_size = check_block_size(block_size)
         self.pool = BlockPool(num_blocks, shuffle_seed)
-        self.rows_per_seq = num_layers * num_experts
+        self.index = RowIndex(num_layers, num_experts)
+        self.rows_per_seq = self.index.rows_per_seq
         self.pad = num_blocks                       # padding in block tables: never a real block
         num_rows = initial_num_seqs * self.rows_per_seq
         self.num_computed_tokens = torch.zeros(num_rows, dtype=torch.int64)          # (R,)
         self.block_tables = torch.full((num_rows, initial_blocks_per_row), self.pad,
                                        dtype=torch.int32)                          # (R, W)
+        self.last_position = torch.full((num_rows,), -1, dtype=torch.int64)         # (R,)
         self._seq_index: dict[int, int] = {}        # sequence id -> its slot of rows
         self._free_seq_indices = list(range(initial_num_seqs - 1, -1, -1))
 
@@ -105,21 +125,22 @@ class KVCacheManager:
                            f"known: {sorted(self._seq_index)[:10]}")
         return self._seq_index[int(seq_id)]
 
-    def rows(self, seq_ids, layer: int, expert: int, add_missing: bool = False) -> torch.Tensor:
-        """Row ids of (seq_id, layer, expert) for each seq_id: (m,) int64."""
-        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
-            raise ValueError(f"(layer, expert)=({layer}, {expert}) outside [0, {self.num_layers}) x "
-                             f"[0, {self.num_experts})")
-        indices = []
-        for seq_id in torch.as_tensor(seq_ids).reshape(-1).tolist():
-            if add_missing and seq_id not in self._seq_index:
-                self.add_sequence(seq_id)
-            indices.append(self.seq_index(seq_id))
-        return torch.tensor(indices, dtype=torch.int64) * self.rows_per_seq + layer * self.num_experts + expert
+    def rows(self, seq_ids, layer: int, experts) -> torch.Tensor:
+        """Row ids of (seq_ids[i], layer, experts[i]): (m,) int64. experts may be one int for all.
+        Raises KeyError for a sequence the manager does not hold, ValueError for a bad layer/expert."""
+        seq_ids = torch.as_tensor(seq_ids, dtype=torch.int64).reshape(-1)
+        experts = torch.as_tensor(experts, dtype=torch.int64).expand_as(seq_ids)
+        if not 0 <= layer < self.num_layers or (experts.numel() and not (
+                0 <= int(experts.min()) and int(experts.max()) < self.num_experts)):
+            raise ValueError(f"layer {layer} or experts {sorted(set(experts.tolist()))[:8]} outside "
+                             f"[0, {self.num_layers}) x [0, {self.num_experts})")
+        unique, inverse = seq_ids.unique(return_inverse=True)                    # few sequences
+        slots = torch.tensor([self.seq_index(s) for s in unique.tolist()], dtype=torch.int64)
+        return self.index.row(slots[inverse], layer, experts)
 
     def sequence_rows(self, seq_index: torch.Tensor) -> torch.Tensor:
         """All L * E rows of sequences given by seq_index (m,): (m, L * E) int64, layer-major."""
-        return seq_index[:, None] * self.rows_per_seq + torch.arange(self.rows_per_seq)
+        return self.index.sequence_rows(seq_index)
 
     def _table_blocks(self, num_tokens: torch.Tensor) -> torch.Tensor:
         """Blocks listed in the block table of a row of num_tokens tokens: all of them here; a
@@ -178,8 +199,9 @@ class KVCacheManager:
 
     # ----- allocate / slots / free ----------------------------------------------------------------
     def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor,
-                       rows_are_distinct: bool = False) -> None:
-        """Make room for num_new_tokens[i] more tokens in rows[i] and count them as stored.
+                       rows_are_distinct: bool = False) -> SlotAllocation:
+        """Make room for num_new_tokens[i] more tokens in rows[i], count them as stored, and say
+        where they go (a SlotAllocation: the new tokens' slots; no moves with plain pages).
 
         rows: (m,) distinct row ids; num_new_tokens: (m,) >= 0. New blocks are appended to each
         row's block table in token order. Raises OutOfBlocksError, changing nothing, when the pool is
@@ -188,7 +210,7 @@ class KVCacheManager:
         P = self.block_size
         rows, num_new_tokens = self._check_allocation(rows, num_new_tokens, rows_are_distinct)
         if rows.numel() == 0:
-            return
+            return SlotAllocation(torch.zeros(0, dtype=torch.int64))
         old = self.num_computed_tokens[rows]                                       # (m,)
         new = old + num_new_tokens
         old_blocks, new_blocks = ceil_div(old, P), ceil_div(new, P)               # (m,)
@@ -207,6 +229,7 @@ class KVCacheManager:
         column = torch.arange(total) - first_new[owner] + old_blocks[owner]       # (total,)
         self.block_tables[rows[owner], column] = block_ids.to(torch.int32)
         self.num_computed_tokens[rows] = new
+        return SlotAllocation(self._slots(rows, old, num_new_tokens))
 
     @staticmethod
     def _check_allocation(rows, num_new_tokens, rows_are_distinct: bool):
@@ -221,14 +244,6 @@ class KVCacheManager:
         if not rows_are_distinct and rows.unique().numel() != rows.numel():
             raise ValueError("rows must be distinct within one allocate_slots call")
         return rows, num_new_tokens
-
-    def slot_mapping(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
-        """Slots of the last num_new_tokens[i] tokens of each row (call after allocate_slots):
-        (sum(num_new_tokens),) int64, row by row, in token order. Indexes key_cache.view(-1, Hkv, Dh)."""
-        rows = torch.as_tensor(rows, dtype=torch.int64)
-        num_new_tokens = torch.as_tensor(num_new_tokens, dtype=torch.int64)
-        ends = self.num_computed_tokens[rows]                                      # (m,)
-        return self._slots(rows, ends - num_new_tokens, num_new_tokens)
 
     def row_slots(self, row: int) -> torch.Tensor:
         """Slots of every token of one row, in token order: (n,) int64. What paged attention gathers."""
@@ -258,6 +273,7 @@ class KVCacheManager:
         rows = self.sequence_rows(torch.tensor([index]))[0]
         self.num_computed_tokens[rows] = 0
         self.block_tables[rows] = self.pad
+        self.last_position[rows] = -1
         del self._seq_index[int(seq_id)]
         self._free_seq_indices.append(index)
 
@@ -270,6 +286,7 @@ class KVCacheManager:
                                               torch.zeros(extra, dtype=torch.int64)])
         self.block_tables = torch.cat([self.block_tables, torch.full(
             (extra, self.block_tables.shape[1]), self.pad, dtype=torch.int32)])
+        self.last_position = torch.cat([self.last_position, torch.full((extra,), -1, dtype=torch.int64)])
         self._free_seq_indices = list(range(2 * num_seqs - 1, num_seqs - 1, -1)) + self._free_seq_indices
 
     def _grow_tables(self, min_width: int) -> None:

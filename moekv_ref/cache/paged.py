@@ -1,5 +1,17 @@
 """The paged per-expert KV cache: one pool of K/V blocks for every (sequence, layer, expert).
 
+Two verbs, called once per layer with every (token, expert) pair the layer's router chose:
+
+    appended = cache.append_kv(layer, seq_ids, experts, positions, k, v)   bookkeeping + store
+    out      = cache.attend(appended, q)                                    the math only
+
+Why the cache allocates during the forward, and not the scheduler before it: how many blocks a step
+takes depends on which experts each token is routed to, and routing is only known once the layer's
+router has run. The scheduler reserves the worst case of the step beforehand (engine/demand.py); the
+blocks themselves are taken here, layer by layer. Why two verbs rather than one: under expert
+parallelism the bookkeeping (which slots) and the attention (over the expert's K/V) run in different
+places, and a reader should see where memory is taken apart from where it is read.
+
 Memory layout (the Triton kernels read exactly this):
 
     key_cache, value_cache   (N, P, Hkv, Dh)   one pool for all layers and experts, model dtype
@@ -8,215 +20,299 @@ Memory layout (the Triton kernels read exactly this):
     slot_mapping             (n,)              int64, slot = block_id * P + offset, indexes
                                                key_cache.view(-1, Hkv, Dh)
 
-The pool tensors are allocated once; `layer_view`-style per-layer buffers do not exist because a
-block may serve any layer and expert. Attention is pure PyTorch: gather the row's K/V through its
-block table, then the same `attend_by_position` every cache uses, so "paged = contiguous" tests the
-gathering and not a second copy of the math.
+Causality inside a row: a sequence's tokens reach a row in position order (the model sorts the pairs
+by expert, keeping token order), so a key's index in the row orders it like its position, and the
+query at row index i sees keys 0..i. `append_kv` checks that positions increase, against the row's
+last cached position, so a caller that breaks this gets an error rather than a silently wrong mask.
 
-Causality inside a row: the model hands this cache the tokens routed to one expert in position order,
-and each row holds its tokens in the order they arrived, so a key's index in the row orders it like
-its position; the query at row index i sees keys 0..i. We check that positions increase, so a caller
-that breaks this gets an error rather than a silently wrong mask.
+Attention paths, chosen once when the cache is made (all give the same result to rounding; tests):
 
-Dimension legend: N blocks, P block size, H heads, Hkv key/value heads, Dh head width,
-n new tokens of this call, m cached tokens of one row.
+    reference   one row at a time: gather the row's K/V through its block table, then the same
+                `attend_by_position` every cache uses. Slow (a Python loop over rows), and clear.
+    batched     every row of the call at once: each row's slots are gathered into a padded
+                (rows, longest row) table; rows with one new token (decode) and rows with several
+                (prefill) are two such batches, so a decode row is never padded to a prompt's length.
+    triton      decode rows on kernels.paged_attention (one launch per layer), new K/V stored by
+                kernels.store_kv; rows with several new tokens take the batched path.
+
+Padding is never read as data: padded table entries gather slot 0, and their K/V are replaced by
+zeros before any product, so whatever slot 0 holds (freed or uninitialised memory can hold NaN on a
+GPU) cannot reach another row's output.
+
+Dimension legend: N blocks, P block size, H heads, Hkv key/value heads, G = H / Hkv query heads per
+key/value head, Dh head width, n (token, expert) pairs of the call, m distinct rows of the call,
+Lmax longest row, Qmax most new tokens of one row in the call.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+from einops import einsum, rearrange
 
 from ..attention import attend_by_position
 from ..config import ModelConfig
 from .kv_cache_manager import KVCacheManager, check_block_size
 from .shared_tail_manager import SharedTailKVCacheManager
 
-BACKENDS = ("torch", "triton")
+ATTENTION_PATHS = ("reference", "batched", "triton")
+
+
+@dataclass
+class AppendedRows:
+    """What `append_kv` hands to `attend`: the rows a call's (token, expert) pairs went to.
+
+    rows          (m,) int64   the call's distinct rows, ascending
+    num_new       (m,) int64   pairs of this call in each row
+    context_lens  (m,) int64   tokens each row holds after the append
+    pair_row      (n,) int64   for each pair, its row as an index into `rows`
+    pair_index    (n,) int64   index of the pair's token inside its row: it sees tokens 0..pair_index
+    """
+    rows: torch.Tensor
+    num_new: torch.Tensor
+    context_lens: torch.Tensor
+    pair_row: torch.Tensor
+    pair_index: torch.Tensor
 
 
 class PagedKVCache:
-    """The `attend` contract of moekv_ref.cache over a paged block pool.
+    """append_kv / attend over a paged block pool shared by every (sequence, layer, expert).
 
     num_blocks: blocks in the pool (each P slots of one expert's Hkv x Dh keys and values).
     shuffle_seed: scatter the free block queue, so that consecutive blocks of a row are far apart.
-    backend: "torch" (the readable gather above, the default) or "triton": a decode call (one new
-             token per row) then stores with kernels.store_kv and attends with kernels.paged_attention
-             over all its rows in one launch; prefill calls keep the torch path. On a CPU the kernels
-             run in Triton's interpreter. Tests: tests/test_kernels_integration.py.
+    attention: "reference", "batched" (the default) or "triton", see the module docstring.
     shared_tails: keep each row's partly filled tail in slots shared by the sequence's rows
              (SharedTailKVCacheManager) instead of a private last block; the K/V moves it asks for
-             are applied here before new tokens are written. Torch backend only: the kernels read
-             block tables of full rows.
-    batch_decode: attend every decode row (one new token) of a call in one padded gather
-             (`batched_decode_attention`) instead of one `paged_attention` per row. Same result to
-             rounding; a serving step with many sequences makes L x k such calls, and per-call
-             overhead is what continuous batching must amortise (the serving engine turns it on).
-             Prefill rows still attend one by one: padding every decode row to a prefill chunk's
-             length would cost more than the call saves.
+             are applied before new tokens are written. Not with "triton": the kernels read a row
+             through its block table only, and shared tails live outside it.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 shuffle_seed: int | None = None, backend: str = "torch", shared_tails: bool = False,
-                 batch_decode: bool = False):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-        if shared_tails and backend != "torch":
-            raise ValueError("shared_tails=True needs backend='torch': the Triton kernels read a row "
-                             "through its block table only, and shared tails live outside it")
-        self.backend = backend
-        self.batch_decode = batch_decode
+                 shuffle_seed: int | None = None, attention: str = "batched", shared_tails: bool = False):
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS}")
+        if shared_tails and attention == "triton":
+            raise ValueError("shared_tails=True cannot use attention='triton': the Triton kernels read a "
+                             "row through its block table only, and shared tails live outside it")
         L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
         # One token of one sequence needs a block in each of its k rows of every layer (k_max under
         # threshold routing): a smaller pool cannot hold even one sequence.
         minimum = L * K
-        if not isinstance(num_blocks, int) or num_blocks < minimum:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool):
+            raise ValueError(f"num_blocks={num_blocks!r} must be an integer (a count of blocks), at least {minimum}")
+        if num_blocks < minimum:
             raise ValueError(
-                f"num_blocks={num_blocks!r} is too small for even one sequence: one token needs "
+                f"num_blocks={num_blocks} is too small for even one sequence: one token needs "
                 f"{minimum} blocks (num_hidden_layers={L} x num_attention_experts_per_tok={K}); "
                 f"allow at least {minimum}"
             )
         self.config = config
+        self.attention = attention
         manager_class = SharedTailKVCacheManager if shared_tails else KVCacheManager
         self.manager = manager_class(L, E, block_size, num_blocks, shuffle_seed)
         self.block_size = block_size
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.key_cache = torch.zeros(shape, dtype=dtype, device=device)     # (N, P, Hkv, Dh)
         self.value_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self._last_position: dict[int, torch.Tensor] = {}   # row -> last cached position (checks)
+        if attention == "triton":
+            import kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
+            self._kernels = kernels
 
     @classmethod
     def for_model(cls, model, block_size: int = 16, num_blocks: int | None = None,
                   max_num_seqs: int = 8, shuffle_seed: int | None = None,
-                  backend: str = "torch", shared_tails: bool = False,
-                  batch_decode: bool = False) -> "PagedKVCache":
-        """A cache in the model's dtype and device. Without num_blocks, the pool holds the worst case
-        of max_num_seqs sequences of max_position_embeddings tokens (every token in k_max experts)."""
+                  attention: str | None = None, shared_tails: bool = False) -> "PagedKVCache":
+        """A cache in the model's dtype and device. attention=None follows the model's backend
+        ("triton" for a model built with backend="triton", else "batched"). Without num_blocks, the
+        pool holds the worst case of max_num_seqs sequences of max_position_embeddings tokens (every
+        token in k_max experts)."""
         config = model.config
         if num_blocks is None:
             blocks_per_row = -(-config.max_position_embeddings // check_block_size(block_size))
             num_blocks = max_num_seqs * config.max_kv_entries_per_token * blocks_per_row
+        if attention is None:
+            attention = "triton" if model.backend == "triton" else "batched"
         parameter = next(model.parameters())
-        return cls(config, num_blocks, block_size, parameter.dtype, parameter.device, shuffle_seed, backend,
-                   shared_tails, batch_decode)
+        return cls(config, num_blocks, block_size, parameter.dtype, parameter.device, shuffle_seed,
+                   attention, shared_tails)
 
-    # ----- the contract -----------------------------------------------------------------------------
-    def attend(self, layer, expert, seq_ids, positions, q, k, v):
-        """Store k, v (n, Hkv, Dh) under (sequence, layer, expert), then attend each query q (n, H, Dh)
-        over its row's cached tokens at positions <= its own. Returns (n, H, Dh)."""
+    # ----- verb 1: bookkeeping and store ----------------------------------------------------------
+    def append_kv(self, layer: int, seq_ids, experts, positions, k, v) -> AppendedRows:
+        """Store the K/V of n (token, expert) pairs of one layer under their (sequence, layer, expert)
+        rows, taking blocks from the pool as rows grow.
+
+        seq_ids, experts, positions: (n,) int; k, v: (n, Hkv, Dh). Within a row the pairs must come
+        in position order and continue what the row holds. Raises ValueError (bad shapes or order)
+        or OutOfBlocksError (pool short) before anything is stored or allocated."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
-        if k.shape[1:] != (Hkv, Dh) or v.shape != k.shape or q.shape[0] != k.shape[0]:
-            raise ValueError(f"k, v must be (n, {Hkv}, {Dh}) and q (n, H, {Dh}); got "
-                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-        seqs = seq_ids.unique().tolist()                                      # sorted
-        tokens = [(seq_ids == s).nonzero().squeeze(1) for s in seqs]        # indices into the n tokens
-        new_seqs = [s for s in seqs if s not in self.manager.sequences]
+        n = k.shape[0]
+        if k.shape != (n, Hkv, Dh) or v.shape != k.shape:
+            raise ValueError(f"k and v must be (n, {Hkv}, {Dh}); got {tuple(k.shape)}, {tuple(v.shape)}")
+        seq_ids, experts, positions = (torch.as_tensor(t, dtype=torch.int64).cpu().reshape(-1)
+                                       for t in (seq_ids, experts, positions))
+        if not seq_ids.shape == experts.shape == positions.shape == (n,):
+            raise ValueError(f"seq_ids, experts and positions must be (n,) = ({n},); got "
+                             f"{tuple(seq_ids.shape)}, {tuple(experts.shape)}, {tuple(positions.shape)}")
+        manager = self.manager
+        new_seqs = [s for s in seq_ids.unique().tolist() if s not in manager._seq_index]
         for s in new_seqs:
-            self.manager.add_sequence(s)
+            manager.add_sequence(s)
         try:
-            rows = self.manager.rows(seqs, layer, expert)                     # (m,)
-            counts = torch.tensor([t.numel() for t in tokens], dtype=torch.int64)   # (m,)
-            for row, idx in zip(rows.tolist(), tokens):
-                self._check_positions(row, positions[idx])
-            moves = self.manager.allocate_slots(rows, counts)                 # may raise: nothing stored yet
+            pair_rows = manager.rows(seq_ids, layer, experts)                         # (n,)
+            order = torch.argsort(pair_rows, stable=True)                             # (n,) grouped by row
+            rows, num_new = torch.unique_consecutive(pair_rows[order], return_counts=True)   # (m,)
+            first = torch.cumsum(num_new, 0) - num_new                                # (m,) into order
+            self._check_positions(pair_rows[order], positions[order], rows, first)
+            allocation = manager.allocate_slots(rows, num_new, rows_are_distinct=True)   # may raise
         except Exception:
-            for s in new_seqs:                                                 # leave the cache as it was
-                self.manager.free(s)
+            for s in new_seqs:                                                        # as it was
+                manager.free(s)
             raise
-        for source, destination in moves or []:                              # shared tails only
+        manager.last_position[rows] = positions[order][first + num_new - 1]
+        self._apply_moves(allocation.moves)
+        slots = torch.empty(n, dtype=torch.int64)
+        slots[order] = allocation.slot_mapping                                        # (n,) per pair
+        self._store(k, v, slots)
+        context_lens = manager.num_computed_tokens[rows]                              # (m,)
+        group = torch.repeat_interleave(torch.arange(rows.numel()), num_new)          # (n,) sorted
+        rank = torch.arange(n) - first[group]                                         # (n,) in the call
+        pair_row, pair_index = torch.empty_like(group), torch.empty_like(group)
+        pair_row[order] = group
+        pair_index[order] = context_lens[group] - num_new[group] + rank
+        return AppendedRows(rows, num_new, context_lens, pair_row, pair_index)
+
+    def _check_positions(self, sorted_rows, sorted_positions, rows, first) -> None:
+        """Positions must increase within each row, from the row's last cached position on."""
+        later = sorted_rows[1:] == sorted_rows[:-1]                                   # same row as before
+        bad = later & (sorted_positions[1:] <= sorted_positions[:-1])
+        last = self.manager.last_position[rows]                                       # (m,) -1: empty
+        bad_first = sorted_positions[first] <= last
+        if bad.any() or bad_first.any():
+            i = int(bad_first.nonzero()[0]) if bad_first.any() else None
+            row = int(rows[i]) if i is not None else int(sorted_rows[1:][bad][0])
+            mine = sorted_positions[sorted_rows == row].tolist()
+            cached = int(self.manager.last_position[row])
+            raise ValueError(f"row {row}: positions {mine[:8]} do not increase from the cached ones (last "
+                             f"{None if cached < 0 else cached}): a sequence's tokens must arrive in order")
+
+    def _apply_moves(self, moves) -> None:
+        """Shared tails only: copy K/V between slots, in order, before new tokens are written."""
+        Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
+        for source, destination in moves:
             for cache in (self.key_cache, self.value_cache):
                 flat = cache.view(-1, Hkv, Dh)
-                flat[destination] = flat[source]
-        order = torch.cat(tokens)                                             # (n,) grouped by sequence
-        slots = self.manager.slot_mapping(rows, counts)                       # (n,)
-        if self.backend == "triton" and bool((counts == 1).all()):
-            for row, idx in zip(rows.tolist(), tokens):
-                self._last_position[row] = positions[idx[-1]]
-            return self._decode_with_kernels(rows, order, slots, q, k, v)
-        self.key_cache.view(-1, Hkv, Dh)[slots] = k[order].to(self.key_cache.dtype)
-        self.value_cache.view(-1, Hkv, Dh)[slots] = v[order].to(self.value_cache.dtype)
+                flat[destination.to(cache.device)] = flat[source.to(cache.device)]
+
+    def _store(self, k, v, slots) -> None:
+        Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
+        slots = slots.to(self.key_cache.device)
+        if self.attention == "triton":
+            self._kernels.store_kv(k.to(self.key_cache.dtype).contiguous(), v.to(self.value_cache.dtype).contiguous(),
+                                   self.key_cache, self.value_cache, slots)
+            return
+        self.key_cache.view(-1, Hkv, Dh)[slots] = k.to(self.key_cache.dtype)
+        self.value_cache.view(-1, Hkv, Dh)[slots] = v.to(self.value_cache.dtype)
+
+    # ----- verb 2: the math -----------------------------------------------------------------------
+    def attend(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
+        """Each pair's query q (n, H, Dh) over the keys its row holds up to and including its own
+        token. Returns (n, H, Dh)."""
+        if q.shape[0] != appended.pair_row.numel():
+            raise ValueError(f"q has {q.shape[0]} queries for {appended.pair_row.numel()} appended pairs")
+        if self.attention == "reference":
+            return self._attend_row_by_row(appended, q)
         out = torch.empty_like(q)
-        for row, idx in zip(rows.tolist(), tokens):
-            self._last_position[row] = positions[idx[-1]]
-        decode = (counts == 1) if self.batch_decode else torch.zeros_like(counts, dtype=torch.bool)
-        if decode.any():
-            decode_tokens = torch.stack([tokens[i][0] for i in decode.nonzero().squeeze(1).tolist()])
-            out[decode_tokens] = self.batched_decode_attention(rows[decode], q[decode_tokens])
-        for i in (~decode).nonzero().squeeze(1).tolist():
-            out[tokens[i]] = self.paged_attention(int(rows[i]), q[tokens[i]])
+        decode = appended.num_new == 1                                              # (m,)
+        if self.attention == "triton" and decode.any():
+            self._attend_with_kernels(appended, decode, q, out)
+            decode = torch.zeros_like(decode)
+        for group in (decode, ~decode):
+            if group.any():
+                self._attend_padded(appended, group, q, out)
         return out
 
-    def paged_attention(self, row: int, q: torch.Tensor) -> torch.Tensor:
-        """Attention of the row's newest q.shape[0] tokens' queries over the whole row.
-
-        q: (n, H, Dh). Gathers the row's K/V through its block table, then masks causally by index
-        in the row (equal to masking by position, see the module docstring). Returns (n, H, Dh)."""
+    def _attend_row_by_row(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
-        slots = self.manager.row_slots(row)                                   # (m,)
-        keys = self.key_cache.view(-1, Hkv, Dh)[slots]                        # (m, Hkv, Dh)
-        values = self.value_cache.view(-1, Hkv, Dh)[slots]
-        m, n = slots.numel(), q.shape[0]
-        key_index = torch.arange(m)                                           # (m,)
-        query_index = torch.arange(m - n, m)                                  # (n,)
-        return attend_by_position(q, keys.to(q.dtype), values.to(q.dtype), query_index, key_index)
+        out = torch.empty_like(q)
+        for i, row in enumerate(appended.rows.tolist()):
+            pairs = (appended.pair_row == i).nonzero().squeeze(1)                    # this row's queries
+            slots = self.manager.row_slots(row).to(self.key_cache.device)            # (Lr,)
+            keys = self.key_cache.view(-1, Hkv, Dh)[slots].to(q.dtype)               # (Lr, Hkv, Dh)
+            values = self.value_cache.view(-1, Hkv, Dh)[slots].to(q.dtype)
+            key_index = torch.arange(slots.numel(), device=q.device)
+            query_index = appended.pair_index[pairs].to(q.device)
+            out[pairs] = attend_by_position(q[pairs], keys, values, query_index, key_index)
+        return out
 
-    def batched_decode_attention(self, rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """Each row's newest token's query over its whole row, all rows at once.
-
-        rows: (d,), q: (d, H, Dh). The rows' slots are gathered into a padded (d, Lmax) table;
-        padding is masked, never read as data. The pure-PyTorch twin of kernels.paged_attention.
-        Returns (d, H, Dh)."""
+    def _attend_padded(self, appended: AppendedRows, group: torch.Tensor, q: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        """The rows where group is True, at once: keys padded to the longest row, queries to the row
+        with most new tokens. Writes their pairs' outputs into out."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
-        H = q.shape[1]
-        lens = self.manager.num_computed_tokens[rows]                         # (d,) after the store
-        d, max_len = rows.numel(), int(lens.max())
-        owner = torch.repeat_interleave(torch.arange(d), lens)               # (t,) row of each slot
+        device = q.device
+        members = group.nonzero().squeeze(1)                                       # (g,) into rows
+        rows, lens = appended.rows[members], appended.context_lens[members]       # (g,)
+        num_new = appended.num_new[members]
+        g, max_len, max_new = members.numel(), int(lens.max()), int(num_new.max())
+        # the rows' slots in a padded (g, Lmax) table; padding points at slot 0 and is zeroed below
+        owner = torch.repeat_interleave(torch.arange(g), lens)                    # (t,) row of each slot
         index = torch.arange(owner.numel()) - (torch.cumsum(lens, 0) - lens)[owner]   # (t,) in its row
-        slots = torch.zeros(d, max_len, dtype=torch.int64)                  # (d, Lmax)
+        slots = torch.zeros(g, max_len, dtype=torch.int64)                         # (g, Lmax)
         slots[owner, index] = self.manager.rows_slots(rows)
-        valid = torch.arange(max_len)[None, :] < lens[:, None]              # (d, Lmax)
-        keys = self.key_cache.view(-1, Hkv, Dh)[slots].to(q.dtype)            # (d, Lmax, Hkv, Dh)
+        key_valid = (torch.arange(max_len)[None, :] < lens[:, None]).to(device)   # (g, Lmax)
+        slots = slots.to(device)
+        keys = self.key_cache.view(-1, Hkv, Dh)[slots].to(q.dtype)                 # (g, Lmax, Hkv, Dh)
         values = self.value_cache.view(-1, Hkv, Dh)[slots].to(q.dtype)
-        keys = keys.repeat_interleave(H // Hkv, dim=2)                        # (d, Lmax, H, Dh)
-        values = values.repeat_interleave(H // Hkv, dim=2)
-        scores = torch.einsum("dhe,dlhe->dhl", q, keys) / math.sqrt(Dh)      # (d, H, Lmax)
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-        return torch.einsum("dhl,dlhe->dhe", torch.softmax(scores, dim=-1), values)  # (d, H, Dh)
+        keys = torch.where(key_valid[..., None, None], keys, 0.0)                 # padding is not data
+        values = torch.where(key_valid[..., None, None], values, 0.0)
+        # the group's pairs in a padded (g, Qmax) table of queries
+        slot_of_row = torch.full((appended.rows.numel(),), -1, dtype=torch.int64)
+        slot_of_row[members] = torch.arange(g)
+        pairs = (slot_of_row[appended.pair_row] >= 0).nonzero().squeeze(1)       # (p,) pairs of the group
+        pair_slot = slot_of_row[appended.pair_row[pairs]]                         # (p,) which of the g rows
+        column = appended.pair_index[pairs] - (lens - num_new)[pair_slot]         # (p,) 0..Qmax-1
+        queries = q.new_zeros(g, max_new, q.shape[1], Dh)                          # (g, Qmax, H, Dh)
+        queries[pair_slot, column] = q[pairs]
+        query_index = torch.full((g, max_new), max_len - 1, dtype=torch.int64)     # padding sees all
+        query_index[pair_slot, column] = appended.pair_index[pairs]
+        visible = key_valid[:, None, :] & (torch.arange(max_len)[None, None, :]
+                                           <= query_index[:, :, None]).to(device)  # (g, Qmax, Lmax)
+        queries = rearrange(queries, "g q (kv grp) d -> g kv grp q d", kv=Hkv)
+        scores = einsum(queries, keys, "g kv grp q d, g l kv d -> g kv grp q l") / math.sqrt(Dh)
+        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+        weights = torch.softmax(scores, dim=-1)                                    # (g, Hkv, G, Qmax, Lmax)
+        result = einsum(weights, values, "g kv grp q l, g l kv d -> g q kv grp d")
+        result = rearrange(result, "g q kv grp d -> g q (kv grp) d")               # (g, Qmax, H, Dh)
+        out[pairs] = result[pair_slot, column]
 
-    def _decode_with_kernels(self, rows, order, slots, q, k, v):
-        """The decode step on the Triton kernels: token order[i] is row rows[i]'s one new token."""
-        import kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
-
+    def _attend_with_kernels(self, appended: AppendedRows, decode: torch.Tensor, q: torch.Tensor,
+                             out: torch.Tensor) -> None:
+        """Decode rows (one new token each) in one launch of kernels.paged_attention."""
         device = self.key_cache.device
-        kernels.store_kv(k[order], v[order], self.key_cache, self.value_cache, slots.to(device))
-        block_tables = self.manager.block_tables[rows].to(device)             # (m, W) int32
-        context_lens = self.manager.context_lens(rows).to(device)             # (m,) int32
-        out = torch.empty_like(q)
-        out[order] = kernels.paged_attention(q[order], self.key_cache, self.value_cache,
-                                             block_tables, context_lens)
-        return out
+        members = decode.nonzero().squeeze(1)                                      # (d,) into rows
+        slot_of_row = torch.full((appended.rows.numel(),), -1, dtype=torch.int64)
+        slot_of_row[members] = torch.arange(members.numel())
+        pairs = (slot_of_row[appended.pair_row] >= 0).nonzero().squeeze(1)       # (d,) one per row
+        rows = appended.rows[members]
+        block_tables = self.manager.block_tables[rows].to(device)                 # (d, W) int32
+        context_lens = self.manager.context_lens(rows).to(device)                 # (d,) int32
+        queries = q.new_empty(members.numel(), q.shape[1], q.shape[2])
+        queries[slot_of_row[appended.pair_row[pairs]]] = q[pairs]
+        result = self._kernels.paged_attention(queries.contiguous(), self.key_cache, self.value_cache,
+                                               block_tables, context_lens)
+        out[pairs] = result[slot_of_row[appended.pair_row[pairs]]].to(q.dtype)
 
-    def _check_positions(self, row: int, positions: torch.Tensor) -> None:
-        previous = self._last_position.get(row)
-        if (positions[1:] <= positions[:-1]).any() or (previous is not None and positions[0] <= previous):
-            raise ValueError(
-                f"row {row}: positions {positions.tolist()[:8]} do not increase from the cached ones "
-                f"(last {None if previous is None else int(previous)}): tokens must arrive in order"
-            )
-
+    # ----- sequences --------------------------------------------------------------------------------
     def token_counts(self, seq_ids) -> torch.Tensor:
         return self.manager.token_counts(seq_ids)
 
     def free(self, seq_id: int) -> None:
-        index = self.manager.seq_index(seq_id)                               # KeyError if unknown
-        first = index * self.manager.rows_per_seq
-        for row in range(first, first + self.manager.rows_per_seq):
-            self._last_position.pop(row, None)
+        """Return the sequence's blocks to the pool. KeyError, changing nothing, if it holds none."""
         self.manager.free(seq_id)
 
-    # ----- for kernels and the scheduler ------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return self.manager.num_free_blocks

@@ -36,9 +36,7 @@ from __future__ import annotations
 import torch
 
 from .block_pool import OutOfBlocksError
-from .kv_cache_manager import KVCacheManager
-
-Moves = list[tuple[torch.Tensor, torch.Tensor]]   # (source slots, destination slots), in order
+from .kv_cache_manager import KVCacheManager, Moves, SlotAllocation
 
 
 class SharedTailKVCacheManager(KVCacheManager):
@@ -98,10 +96,11 @@ class SharedTailKVCacheManager(KVCacheManager):
 
     # ----- allocate / slots / free ----------------------------------------------------------------
     def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor,
-                       rows_are_distinct: bool = False) -> Moves:
-        """Make room for num_new_tokens[i] more tokens in rows[i]. Returns the K/V moves the caller
-        must apply, in order, before writing the new tokens (`key_cache.view(-1, Hkv, Dh)[dst] =
-        key_cache.view(-1, Hkv, Dh)[src]`). Raises, changing nothing, when the pool is short."""
+                       rows_are_distinct: bool = False) -> SlotAllocation:
+        """Make room for num_new_tokens[i] more tokens in rows[i]. Returns their slots and the K/V
+        moves the caller must apply, in order, before writing the new tokens
+        (`key_cache.view(-1, Hkv, Dh)[dst] = key_cache.view(-1, Hkv, Dh)[src]`). Raises, changing
+        nothing, when the pool is short."""
         P = self.block_size
         rows, num_new_tokens = self._check_allocation(rows, num_new_tokens, rows_are_distinct)
         needed = self.num_blocks_needed(rows, num_new_tokens)
@@ -141,7 +140,7 @@ class SharedTailKVCacheManager(KVCacheManager):
         # 3. compaction: give back tail blocks while a whole block's worth of tail slots is free
         for index in (rows // self.rows_per_seq).unique().tolist():
             moves += self._compact(index)
-        return moves
+        return SlotAllocation(self._slots(rows, old, num_new_tokens), moves)
 
     def _take_tail_slot(self, index: int) -> int:
         free = self.free_tail_slots[index]

@@ -33,9 +33,7 @@ import math
 
 import torch
 
-
-def ceil_div(a, b):
-    return (a + b - 1) // b
+from ..cache.rows import ceil_div
 
 
 def worst_case_step_blocks(token_counts: torch.Tensor, num_new_tokens: torch.Tensor, k_max: int,

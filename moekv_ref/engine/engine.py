@@ -25,8 +25,9 @@ import torch
 
 from ..cache.paged import PagedKVCache
 from ..model import MoEKVTransformer
+from ..results import GenerationResult
 from ..sampling import SamplingParams, sample_next
-from .demand import DemandPredictor
+from .demand import DemandPredictor, worst_case_lifetime_blocks
 from .memory import KVMemory
 from .model_runner import ModelRunner
 from .request import Request, RequestOutput, RequestStatus
@@ -78,23 +79,21 @@ class LLMEngine:
 
     num_swap_blocks: size of the CPU swap space (default: as large as the pool when preempting by
     swap, none otherwise).
-    batched_attention: attend all decode rows of a (layer, expert) at once (PagedKVCache's
-    batch_decode, the default) or row by row (the readable reference).
-    backend: "torch" or "triton" (decode steps on the Triton kernels, see PagedKVCache).
+    attention: the paged cache's attention path (see PagedKVCache); None follows the model's
+    backend: "triton" for a model built on the Triton backend, else "batched".
     """
 
     def __init__(self, model: MoEKVTransformer, num_blocks: int, block_size: int = 16,
                  scheduler_config: SchedulerConfig | None = None, num_swap_blocks: int | None = None,
-                 shuffle_seed: int | None = None, batched_attention: bool = True, backend: str = "torch"):
+                 shuffle_seed: int | None = None, attention: str | None = None):
         scheduler_config = scheduler_config or SchedulerConfig()
         if num_swap_blocks is None:
             num_swap_blocks = num_blocks if scheduler_config.preemption_mode == "swap" else 0
         parameter = next(model.parameters())
         self.model = model
         self.config = model.config
-        self.cache = PagedKVCache(model.config, num_blocks, block_size, dtype=parameter.dtype,
-                                  device=parameter.device, shuffle_seed=shuffle_seed,
-                                  batch_decode=batched_attention, backend=backend)
+        self.cache = PagedKVCache.for_model(model, block_size, num_blocks, shuffle_seed=shuffle_seed,
+                                            attention=attention)
         self.memory = KVMemory(self.cache, num_swap_blocks)
         self.predictor = DemandPredictor(self.config.num_hidden_layers, self.config.num_attention_experts,
                                          self.config.num_attention_experts_per_tok, block_size)
@@ -243,15 +242,11 @@ class LLMEngine:
 
 def generate_with_engine(model: MoEKVTransformer, prompts: list[list[int]], params, block_size: int = 16,
                          num_blocks: int | None = None, on_token: Callable[[int, int], None] | None = None,
-                         scheduler_config: SchedulerConfig | None = None, shuffle_seed: int | None = None,
-                         backend: str = "torch"):
+                         scheduler_config: SchedulerConfig | None = None, shuffle_seed: int | None = None):
     """`generate.generate(..., cache="paged")` through the serving engine: the same GenerationResult
     (tokens, and the (B, L, E) tokens each row held when its request finished), produced by
     continuous batching over the paged pool. Without num_blocks the pool holds every prompt's
     worst case at once, so nothing is preempted; give fewer to watch preemption keep the tokens."""
-    from ..generate import GenerationResult
-    from .demand import worst_case_lifetime_blocks
-
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     if num_blocks is None:
         c = model.config
@@ -259,7 +254,7 @@ def generate_with_engine(model: MoEKVTransformer, prompts: list[list[int]], para
                                                     c.num_attention_experts, c.num_attention_experts_per_tok,
                                                     block_size) for p, q in zip(prompts, per_prompt))
         num_blocks = max(num_blocks, c.num_hidden_layers * c.num_attention_experts_per_tok)
-    engine = LLMEngine(model, num_blocks, block_size, scheduler_config, shuffle_seed=shuffle_seed, backend=backend)
+    engine = LLMEngine(model, num_blocks, block_size, scheduler_config, shuffle_seed=shuffle_seed)
     streamed = [0] * len(prompts)
 
     def stream(engine):

@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.kv_cache_manager import KVCacheManager, ceil_div, check_block_size
+from ..cache.kv_cache_manager import KVCacheManager, check_block_size
+from ..cache.rows import ceil_div
 
 BYTES_PER_INDEX = 4
 

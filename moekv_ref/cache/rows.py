@@ -1,0 +1,49 @@
+"""Rows: how one (sequence, layer, expert) cache is numbered, and the one `ceil_div`.
+
+A *row* is the cache of one sequence at one layer for one attention expert. Every table over rows
+(token counts, block tables, the simulator's counters) numbers them the same way, sequence-major:
+
+    row = seq_index * (L * E) + layer * E + expert
+
+    seq_index 0: rows 0 .. L*E-1      layer 0: experts 0..E-1, then layer 1, ...
+    seq_index 1: rows L*E .. 2*L*E-1
+
+so all rows of one sequence are one contiguous slice (freeing a sequence is one slice), and all rows
+of one layer of one sequence are E consecutive entries. seq_index is a slot number (the manager gives
+each sequence id one and reuses it after `free`; the simulator uses the trace's sequence number).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def ceil_div(a, b):
+    """ceil(a / b) for non-negative integers or integer tensors: blocks needed for a tokens."""
+    return (a + b - 1) // b
+
+
+@dataclass(frozen=True)
+class RowIndex:
+    num_layers: int       # L
+    num_experts: int      # E
+
+    @property
+    def rows_per_seq(self) -> int:
+        return self.num_layers * self.num_experts
+
+    def row(self, seq_index, layer, expert):
+        """Row id of (seq_index, layer, expert); ints or broadcastable int64 tensors."""
+        return seq_index * self.rows_per_seq + layer * self.num_experts + expert
+
+    def split(self, row):
+        """(seq_index, layer, expert) of row ids: the inverse of `row`."""
+        seq_index, rest = row // self.rows_per_seq, row % self.rows_per_seq
+        return seq_index, rest // self.num_experts, rest % self.num_experts
+
+    def sequence_rows(self, seq_index: torch.Tensor) -> torch.Tensor:
+        """All L * E rows of each sequence slot in seq_index (m,): (m, L * E) int64, layer-major."""
+        return torch.as_tensor(seq_index, dtype=torch.int64)[:, None] * self.rows_per_seq \
+            + torch.arange(self.rows_per_seq)
