@@ -1,0 +1,93 @@
+"""Which device (or rank) each expert of each layer lives on.
+
+Expert parallelism and per-device pools both need a map expert -> device. Three ways to make it:
+
+    contiguous     experts 0..E/D-1 on device 0, the next E/D on device 1, ...
+    round_robin    expert e on device e % D
+    coactivation   experts that the router often chooses *together for the same token* share a
+                   device, so a token's k experts touch fewer devices: fewer destinations for its
+                   hidden state under expert parallelism, and its K/V lands on fewer pools.
+
+Every device gets exactly E / D experts of each layer (D must divide E), so weight memory is balanced
+whatever the strategy; what differs is how many devices a token touches and how evenly tokens (and
+their K/V) spread over devices.
+
+The co-activation grouping is greedy: a device is seeded with the most loaded expert not yet placed,
+then filled with the expert whose co-activation with the experts already there is largest. It is a
+heuristic (the exact problem is a balanced graph partition), and it is measured against round-robin
+on real routing rather than assumed to win.
+
+Dimension legend: E experts of a layer, D devices, N tokens, L layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PLACEMENTS = ("contiguous", "round_robin", "coactivation")
+
+
+def coactivation_counts(selected: torch.Tensor) -> torch.Tensor:
+    """How often each pair of experts was chosen for the same token: (E, E) int64; the diagonal is
+    each expert's load. selected: (N, E) bool, one layer's routing decisions."""
+    chosen = selected.to(torch.int64)                                         # (N, E)
+    return chosen.T @ chosen                                                  # (E, E)
+
+
+def place_experts(num_experts: int, num_devices: int, strategy: str = "contiguous",
+                  coactivation: torch.Tensor | None = None) -> torch.Tensor:
+    """The device of each expert of one layer: (E,) int64, each device holding E / D experts.
+
+    coactivation: (E, E) counts from `coactivation_counts`, needed by strategy="coactivation"."""
+    if strategy not in PLACEMENTS:
+        raise ValueError(f"strategy={strategy!r} is not one of {PLACEMENTS}")
+    for name, value in (("num_experts", num_experts), ("num_devices", num_devices)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if num_experts % num_devices:
+        raise ValueError(f"num_devices={num_devices} must divide num_experts={num_experts}, so that every "
+                         f"device holds the same number of experts; try one of "
+                         f"{[d for d in range(1, num_experts + 1) if num_experts % d == 0]}")
+    per_device = num_experts // num_devices
+    if strategy == "contiguous":
+        return torch.arange(num_experts) // per_device
+    if strategy == "round_robin":
+        return torch.arange(num_experts) % num_devices
+    if coactivation is None or coactivation.shape != (num_experts, num_experts):
+        raise ValueError(f"strategy='coactivation' needs an ({num_experts}, {num_experts}) co-activation "
+                         f"matrix (coactivation_counts of the layer's routing)")
+    together = coactivation.to(torch.float64).clone()
+    load = together.diagonal().clone()                                        # (E,)
+    together.fill_diagonal_(0)
+    device = torch.full((num_experts,), -1, dtype=torch.int64)
+    for d in range(num_devices):
+        free = device < 0
+        seed = int(torch.where(free, load, -1.0).argmax())                  # most loaded left
+        device[seed] = d
+        members = [seed]
+        for _ in range(per_device - 1):
+            free = device < 0
+            affinity = together[:, members].sum(1)                            # (E,) to this device
+            best = int(torch.where(free, affinity + 1e-9 * load, -1.0).argmax())   # ties: by load
+            device[best] = d
+            members.append(best)
+    return device
+
+
+def place_layers(selected_per_layer: list[torch.Tensor], num_devices: int, strategy: str) -> torch.Tensor:
+    """One placement per layer: (L, E) int64. selected_per_layer: L tensors (N, E) bool (only
+    strategy="coactivation" reads the decisions; the others need only E)."""
+    maps = []
+    for selected in selected_per_layer:
+        num_experts = selected.shape[-1]
+        counts = coactivation_counts(selected.reshape(-1, num_experts)) if strategy == "coactivation" else None
+        maps.append(place_experts(num_experts, num_devices, strategy, counts))
+    return torch.stack(maps)
+
+
+def devices_touched(selected: torch.Tensor, device_of_expert: torch.Tensor, num_devices: int) -> torch.Tensor:
+    """How many distinct devices each token's chosen experts live on: (N,) int64.
+    selected: (N, E) bool; device_of_expert: (E,)."""
+    one_hot = torch.nn.functional.one_hot(device_of_expert, num_devices).to(torch.int64)   # (E, D)
+    per_device = selected.to(torch.int64) @ one_hot                                        # (N, D)
+    return (per_device > 0).sum(1)
