@@ -1,6 +1,6 @@
 """`python -m moekv_ref bench memory`: the same workloads through every memory design, in one run.
 
-Workloads (issue 3):
+Workloads:
   W1  the embedded model's real attention routing (E=8, top-2, 4 layers) on a fixed set of prompts,
       continued greedily;
   W2  synthetic, fine-grained: E=64, top-8, 16 layers, log-normal prompt and output lengths of mean

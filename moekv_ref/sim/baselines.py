@@ -1,4 +1,4 @@
-"""The naive designs the paged cache is measured against (issue 3), as memory accounting only.
+"""The naive designs the paged cache is measured against, as memory accounting only.
 
 They answer the simulator's calls (moekv_ref/sim/designs.py: admit, append, release,
 allocated_slots, metadata_bytes, reads) on the same routing traces as the paged designs.
