@@ -3,7 +3,7 @@
     generate       generate from a prompt with the embedded model and report its per-expert caches
     routing-stats  what the embedded model's routers learned (load, entropy, character preferences)
     demo           serve a stream of requests through a small pool: continuous batching, preemption
-    bench          benchmarks: `bench memory`, `bench serving`
+    bench          benchmarks: `bench memory`, `bench serving`, `bench eviction`
     figures        regenerate every PNG in figures/ from the package
 """
 
@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     m = bench_memory.build_parser(bench.add_parser("memory", help="memory designs on the same workloads"))
     m.set_defaults(func=bench_memory.run_bench_memory)
+    from . import bench_eviction
+    v = bench_eviction.build_parser(bench.add_parser("eviction", help="victim policies under per-device pools"))
+    v.set_defaults(func=bench_eviction.main)
     from . import bench_serving, demo
     s = bench_serving.build_parser(bench.add_parser("serving", help="static vs continuous batching, one budget"))
     s.set_defaults(func=bench_serving.main)
