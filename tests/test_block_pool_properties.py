@@ -136,6 +136,13 @@ def test_random_programs_keep_invariants(kind, block_size, num_blocks, shuffle, 
                 # every value written reads back through the row's slots, in order
                 values = data[manager.row_slots(int(manager.rows([seq], layer, expert)[0]))]
                 assert values.tolist() == expected.get((seq, layer, expert), [])
+        # the padded table batched attention gathers lists the same slots, row by row
+        live = [int(manager.rows([seq], layer, expert)[0]) for seq, rows in model.items() for layer, expert in rows]
+        if live:
+            slots, valid = manager.padded_slots(torch.tensor(live))
+            for i, row in enumerate(live):
+                assert torch.equal(slots[i][valid[i]], manager.row_slots(row))
+            assert (slots[~valid] == 0).all()
 
 
 @settings(max_examples=100, deadline=None)

@@ -256,14 +256,30 @@ class KVCacheManager:
         counts = self.num_computed_tokens[rows]
         return self._slots(rows, torch.zeros_like(counts), counts)
 
+    def padded_slots(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots of every token of each row as one padded table, the layout batched attention
+        gathers: slots (m, Lmax) int64 and valid (m, Lmax) bool, Lmax the longest row. Padding
+        entries hold slot 0, a real slot: a caller must mask them, never read them as data."""
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        lens = self.num_computed_tokens[rows]                                      # (m,)
+        token = torch.arange(int(lens.max()) if rows.numel() else 0)               # (Lmax,)
+        valid = token[None, :] < lens[:, None]                                     # (m, Lmax)
+        token = torch.minimum(token[None, :], (lens - 1).clamp(min=0)[:, None])    # (m, Lmax) in range
+        slots = self._slot_of(rows[:, None].expand_as(token), token)
+        return torch.where(valid, slots, 0), valid
+
     def _slots(self, rows, starts, counts) -> torch.Tensor:
-        P = self.block_size
+        """Slots of tokens starts[i] .. starts[i] + counts[i] - 1 of each row, row after row."""
         total = int(counts.sum())
         owner = torch.repeat_interleave(torch.arange(rows.numel()), counts)      # (t,)
         first = torch.cumsum(counts, 0) - counts                                  # (m,)
         token = torch.arange(total) - first[owner] + starts[owner]                # (t,) index in row
-        block = self.block_tables[rows[owner], token // P].to(torch.int64)        # (t,)
-        return block * P + token % P
+        return self._slot_of(rows[owner], token)
+
+    def _slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """The slot of token `token` of row `row`, elementwise: its block's id * P + its offset."""
+        P = self.block_size
+        return self.block_tables[row, token // P].to(torch.int64) * P + token % P
 
     def free(self, seq_id: int) -> None:
         """Return every block of a finished (or preempted) sequence to the pool and forget it.

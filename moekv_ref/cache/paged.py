@@ -258,12 +258,8 @@ class PagedKVCache:
         num_new = appended.num_new[members]
         g, max_len, max_new = members.numel(), int(lens.max()), int(num_new.max())
         # the rows' slots in a padded (g, Lmax) table; padding points at slot 0 and is zeroed below
-        owner = torch.repeat_interleave(torch.arange(g), lens)                    # (t,) row of each slot
-        index = torch.arange(owner.numel()) - (torch.cumsum(lens, 0) - lens)[owner]   # (t,) in its row
-        slots = torch.zeros(g, max_len, dtype=torch.int64)                         # (g, Lmax)
-        slots[owner, index] = self.manager.rows_slots(rows)
-        key_valid = (torch.arange(max_len)[None, :] < lens[:, None]).to(device)   # (g, Lmax)
-        slots = slots.to(device)
+        slots, key_valid = self.manager.padded_slots(rows)                        # (g, Lmax) each
+        slots, key_valid = slots.to(device), key_valid.to(device)
         keys = self.key_cache.view(-1, Hkv, Dh)[slots].to(q.dtype)                 # (g, Lmax, Hkv, Dh)
         values = self.value_cache.view(-1, Hkv, Dh)[slots].to(q.dtype)
         keys = torch.where(key_valid[..., None, None], keys, 0.0)                 # padding is not data

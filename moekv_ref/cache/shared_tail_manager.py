@@ -178,14 +178,10 @@ class SharedTailKVCacheManager(KVCacheManager):
             self.pool.free(torch.tensor([victim]))
         return moves
 
-    def _slots(self, rows, starts, counts) -> torch.Tensor:
+    def _slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """Tokens in the row's full blocks are found through its table, the rest in its tail slots."""
         P = self.block_size
-        total = int(counts.sum())
-        owner = torch.repeat_interleave(torch.arange(rows.numel()), counts)      # (t,)
-        first = torch.cumsum(counts, 0) - counts
-        token = torch.arange(total) - first[owner] + starts[owner]                # (t,) index in row
-        row = rows[owner]
-        full = (self.num_computed_tokens[row] // P) * P                           # (t,) tokens in blocks
+        full = (self.num_computed_tokens[row] // P) * P                           # tokens in blocks
         in_table = token < full
         column = torch.where(in_table, token // P, 0)
         body = self.block_tables[row, column].to(torch.int64) * P + token % P
