@@ -1,4 +1,4 @@
-"""The model on the Triton backend generates what it generates on the torch backend (issue 5, item 5).
+"""The model on the Triton backend generates what it generates on the torch backend.
 
 `PagedKVCache(backend="triton")` runs decode steps (one new token per row) on kernels.store_kv and
 kernels.paged_attention; prefill stays on the torch gather. On a CPU that is Triton's interpreter,
