@@ -40,8 +40,8 @@ the padded rows are zeros and never stored). Why tl.dot, when decode has one que
 bound by memory, not arithmetic: registers. Written as elementwise products reduced with tl.sum, the
 (group, tokens, Dh) float32 product is materialized in registers: 255 registers per thread at
 Dh = 128 and a group of 8 (Triton 3.7, sm_90), so only 2 blocks of 4 warps fit on an SM. tl.dot
-keeps operands in the tensor cores' fragments instead: 80 registers, 6 blocks (python -m
-kernels.report measures both numbers from the compiled code).
+keeps operands in the tensor cores' fragments instead: 72 registers, 7 blocks (python -m
+kernels.report measures such numbers from the compiled code).
 
 Precision. With a float16 / bfloat16 cache (and a query of the same dtype) the dot multiplies the
 stored values in their own type, which is exact (11- or 8-bit significands: the product fits in
@@ -52,18 +52,18 @@ rounded weights, so every row's weights still sum to one. A float32 cache (or a 
 dtype) converts the tiles to float32 and asks for IEEE products: TF32 would miss the 1e-5 check.
 The interpreter (no GPU) takes the float32 path with the weights rounded the same way.
 
-Occupancy, and why 6 blocks per SM are enough (Little's law)
+Occupancy, and why 7 blocks per SM are enough (Little's law)
 ------------------------------------------------------------
 Decode attention streams K/V from HBM, so what matters is whether enough bytes are in flight to
 cover the memory latency. Little's law: bytes in flight = bandwidth x latency. An H200 moves 4.8
 TB/s over 132 SMs, 36 bytes per ns per SM; with a loaded DRAM latency of the order of 700 ns (an
 assumption, not a measurement here) each SM needs about 36 x 700 = 25 KB in flight. One iteration
 of this kernel loads TOKEN_TILE x Dh K and V values: 16 x 128 x 2 bytes x 2 = 8 KB in bfloat16 at
-Dh = 128 (TOKEN_TILE = 32 at Dh = 64: the same 8 KB). At 80 registers per thread 6 blocks of 4 warps
-are resident (registers: 80 x 32 = 2,560 per warp, 65,536 / 2,560 = 25 warps, 6 blocks), so 48 KB
+Dh = 128 (TOKEN_TILE = 32 at Dh = 64: the same 8 KB). At 72 registers per thread 7 blocks of 4 warps
+are resident (registers: 72 x 32 = 2,304 per warp, 65,536 / 2,304 = 28 warps, 7 blocks), so 56 KB
 are in flight per SM, about twice the need; the previous elementwise kernel fit 2 blocks (16 KB),
 less than the need. A launch needs enough programs for that too: R x Hkv programs over 132 SMs is
-6 per SM only from about 800 programs (e.g. 200 rows with 4 KV heads); with fewer rows and long
+7 per SM only from about 920 programs (e.g. 230 rows with 4 KV heads); with fewer rows and long
 contexts the split-K variant (paged_attention_split_k.py) multiplies the programs by the splits.
 
 The split-K (flash-decoding) variant reuses `attend_token_range` below.
@@ -223,8 +223,10 @@ def decode_tiles(group: int, head_dim: int, token_tile: int | None = None) -> di
     """Compile-time sizes of a decode launch: the tiles and the warps.
 
     GROUP_TILE: the query group padded to 16 rows, tl.dot's smallest tile (most groups are 1 to 8).
-    TOKEN_TILE: 16 tokens per step at Dh = 128 keeps the kernel at or under 128 registers per thread
-    (see the module docstring; kernels/report.py measures it); 32 at Dh <= 64, same bytes per step.
+    TOKEN_TILE: 16 tokens per step at Dh = 128 (8 KB of bfloat16 K and V), 32 at Dh = 64, the same
+    bytes. 32 tokens at Dh = 128 measured 124 registers on sm_90 (4 blocks per SM), and 168 with a
+    32-byte stack frame for a float32 cache; 16 measure 72 (python -m kernels.report).
+    num_stages=2: with 1, ptxas spilled 8 bytes in the float32 split-K kernel on sm_80.
     """
     head_dim_tile = max(16, triton.next_power_of_2(head_dim))
     token_tile = token_tile or max(16, 2048 // head_dim_tile)

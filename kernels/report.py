@@ -82,6 +82,20 @@ TARGETS = {
 }
 
 
+# how torch.cuda.get_device_name() names them (the PCIe and 40 GB parts have other bandwidths)
+DEVICE_NAMES = {"H200": ("H200",), "H100 SXM": ("H100", "HBM3"), "A100 80GB": ("A100-SXM4-80GB",)}
+
+
+def hbm_bandwidth(device_name: str) -> tuple[str, float] | None:
+    """(GPU, datasheet HBM bytes/s) for a device name, e.g. "NVIDIA H100 80GB HBM3"; None for a GPU
+    not in TARGETS (then the benchmark reports no bound rather than a wrong one)."""
+    for target in TARGETS.values():
+        for gpu, bandwidth in target.gpus:
+            if all(part in device_name for part in DEVICE_NAMES[gpu]):
+                return gpu, bandwidth
+    return None
+
+
 def occupancy(target: Target, registers: int, shared_bytes: int, num_warps: int) -> dict:
     """Resident blocks and warps per SM, and which resource runs out first (the formulas above)."""
     registers_per_warp = math.ceil(max(registers, 1) * 32 / 256) * 256
@@ -112,6 +126,7 @@ class Config:
     block_size: int = 16        # P
     rows: int = 64              # bound shape: rows of one decode launch (or new tokens for store_kv)
     context_len: int = 4096     # bound shape: tokens per row
+    tokens_per_split: int = 512  # bound shape of the split-K kernels
     gemm: tuple = (4096, 8, 4096, 14336)     # bound shape of expert_gemm: N tokens, E experts, D, F
     tiles: tuple = (64, 64, 32, 4, 3)        # expert_gemm's block_m, block_n, block_k, warps, stages
 
@@ -211,7 +226,7 @@ def bound_bytes(config: Config, kernel: str) -> int:
         return 2 * 2 * rows * hkv * dh * e + rows * 8          # K and V read and written, slots read
     kv = 2 * rows * ctx * hkv * dh * e                          # every cached K/V byte once
     tables = rows * (math.ceil(ctx / config.block_size) * 4 + 4)
-    splits = math.ceil(ctx / 512)
+    splits = math.ceil(ctx / config.tokens_per_split)
     partial = rows * heads * splits * (dh + 1) * 4              # float32 partial outputs and lse
     if kernel == "paged_attention":
         return kv + tables + 2 * rows * heads * dh * e          # + q read, out written
@@ -352,7 +367,7 @@ def _collect_in_child(configs, targets, jobs) -> list[dict]:
 # ----- the table ----------------------------------------------------------------------------------
 def format_table(rows: list[dict]) -> str:
     gpus = [gpu for target in TARGETS.values() for gpu, _ in target.gpus]
-    header = (f"{'kernel':<24}{'configuration':<30}{'target':<7}{'regs':>5}{'spill B':>8}{'smem KB':>8}"
+    header = (f"{'kernel':<24}{'configuration':<32}{'target':<7}{'regs':>5}{'spill B':>8}{'smem KB':>8}"
               f"{'warps':>6}{'blocks/SM':>10}{'warps/SM':>9}  {'limited by':<11}{'tensor core':<12}"
               f"{'moves MB':>9}  bound at HBM bandwidth")
     lines = [header, "-" * (len(header) + 12)]
@@ -360,7 +375,7 @@ def format_table(rows: list[dict]) -> str:
         bounds = ", ".join(f"{gpu} {us:.1f} us" for gpu, us in r["bound_us"].items() if gpu in gpus)
         tensor_core = r["tensor_core"] if r["uses_dot"] else "(no dot)"
         lines.append(
-            f"{r['kernel']:<24}{r['config']:<30}{r['target']:<7}{r['registers']:>5}"
+            f"{r['kernel']:<24}{r['config']:<32}{r['target']:<7}{r['registers']:>5}"
             f"{r['spill_bytes']:>8}{r['shared_bytes'] / 1024:>8.1f}{r['warps']:>6}"
             f"{r['blocks_per_sm']:>10}{r['warps_per_sm']:>9}  {r['limited_by']:<11}{tensor_core:<12}"
             f"{r['bound_bytes'] / 1e6:>9.1f}  {bounds}   [{r['bound_shape']}]")

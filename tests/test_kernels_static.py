@@ -77,3 +77,16 @@ def test_occupancy_arithmetic():
     # 100 KB of shared memory: 2 blocks on an H100 (228 KB), 1 on an A100 (164 KB)
     assert report.occupancy(h100, 32, 100 * 1024, 4)["blocks_per_sm"] == 2
     assert report.occupancy(report.TARGETS["sm_80"], 32, 100 * 1024, 4)["limited_by"] == "shared"
+
+
+def test_bandwidth_bound_counts_each_byte_once():
+    """Decode at 64 rows x 4096 tokens, 4 KV heads of 128 (group 8), bfloat16, P = 16, worked by hand:
+    K and V 2 * 64 * 4096 * 4 * 128 * 2 B = 536,870,912; block tables and lengths 64 * (256 * 4 + 4)
+    = 65,792; queries read and outputs written 2 * 64 * 32 * 128 * 2 = 1,048,576."""
+    config = report.Config("paged_attention", "bfloat16", head_dim=128, num_kv_heads=4, group=8)
+    assert report.bound_bytes(config, "paged_attention") == 536_870_912 + 65_792 + 1_048_576
+    # at the H200's 4.8 TB/s that is 112.1 microseconds
+    assert round(report.bound_bytes(config, "paged_attention") / 4.8e12 * 1e6, 1) == 112.1
+    assert report.hbm_bandwidth("NVIDIA H200") == ("H200", 4.8e12)
+    assert report.hbm_bandwidth("NVIDIA A100-SXM4-80GB") == ("A100 80GB", 2.039e12)
+    assert report.hbm_bandwidth("NVIDIA H100 PCIe") is None and report.hbm_bandwidth("NVIDIA GeForce RTX 4090") is None
