@@ -25,7 +25,9 @@ On a CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here w
 visible, before triton is first imported). Three rules keep what passes there compiling on a GPU:
 tiles of 16 or more for tl.dot, no autotune (it needs a GPU; bench.py sweeps tile sizes instead),
 and no bfloat16 arithmetic in the interpreter (kernels convert tiles to float32; stores of new K/V
-are pure copies, converted by torch beforehand).
+are pure copies, converted by torch beforehand). What the interpreter cannot show, a GPU's limits, is
+checked by compiling for sm_90 and sm_80 with the ptxas Triton ships (report.py,
+tests/test_kernels_static.py): no compile error, no spilled register.
 
 The model uses them when its backend is "triton"; "torch" (the readable path) is the default.
 """
