@@ -1,27 +1,33 @@
-"""Triton kernels beside their PyTorch references (DESIGN.md §5).
+"""Triton kernels beside their PyTorch references.
 
 Each file reads like a Triton tutorial, top to bottom: what it computes, the @triton.jit kernel with
 a comment per argument, a thin launcher with asserts, the plain-PyTorch reference it must equal, and
 a small benchmark under `if __name__ == "__main__"` (`python -m kernels.paged_attention`).
 
     paged_attention.py          decode attention over the paged per-expert cache: one query per
-                                row (sequence, layer, expert), online softmax in float32
+                                row (sequence, layer, expert), online softmax in float32, both
+                                products on tl.dot (tensor cores) to keep registers low
     paged_attention_split_k.py  the same, split along tokens (flash-decoding) plus its reduction,
                                 for few rows with long contexts
     store_kv.py                 new tokens' K/V into their slots (slot_mapping)
     expert_gemm.py              grouped GEMM: tokens sorted by expert times each expert's weight
-    bench.py                    GPU benchmark: time, bandwidth against a device copy, TFLOP/s against
-                                torch.matmul, speed-up over the references; table + JSON
+    report.py                   what each kernel asks of a GPU, compiled for sm_90 / sm_80 without one:
+                                registers, spills, shared memory, occupancy, tensor-core
+                                instructions, and the bandwidth bound (python -m kernels.report)
+    bench.py                    GPU benchmark: time against the references and the bandwidth bound,
+                                bandwidth against a device copy, TFLOP/s against torch.matmul; JSON
 
 The memory layout they share is the paged cache's (moekv_ref/cache/paged.py): one pool per K and V,
 (num_blocks, P, Hkv, Dh), for all layers and experts; block_tables (rows, max_blocks_per_row) int32;
-context_lens (rows,) int32 >= 1; slot = block_id * P + offset.
+context_lens (rows,) int32 >= 0 (a row of length 0 gets zeros); slot = block_id * P + offset.
 
 On a CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here when no GPU is
 visible, before triton is first imported). Three rules keep what passes there compiling on a GPU:
 tiles of 16 or more for tl.dot, no autotune (it needs a GPU; bench.py sweeps tile sizes instead),
 and no bfloat16 arithmetic in the interpreter (kernels convert tiles to float32; stores of new K/V
-are pure copies, converted by torch beforehand).
+are pure copies, converted by torch beforehand). What the interpreter cannot show, a GPU's limits, is
+checked by compiling for sm_90 and sm_80 with the ptxas Triton ships (report.py,
+tests/test_kernels_static.py): no compile error, no spilled register.
 
 The model uses them when its backend is "triton"; "torch" (the readable path) is the default.
 """

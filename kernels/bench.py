@@ -1,14 +1,18 @@
-"""GPU benchmark of the kernels: time, achieved bandwidth, TFLOP/s, speed-up over the references.
+"""GPU benchmark of the kernels: time against the references and the bandwidth bound, TFLOP/s.
 
     python -m kernels.bench [--out kernels/bench_results.json] [--quick]
 
 What each number means
 ----------------------
 - time: median of triton.testing.do_bench (CUDA events, warm caches flushed between runs).
-- bandwidth: the bytes the kernel must move (each cached K/V byte read once, queries read, outputs
-  written; for store_kv the new K/V read and written) divided by the time. It is compared with a
-  device-to-device copy (`dst.copy_(src)`, read + write bytes) measured in the same run, because the
-  copy is what the memory system really delivers, unlike the datasheet's peak.
+- bound: the bytes the launch must move (kernels.report.bound_bytes: each cached K/V byte read once,
+  queries read, outputs written; for store_kv the new K/V read and written; for the GEMM inputs
+  read and output written once) over the datasheet HBM bandwidth of the GPU (H200, H100 SXM, A100
+  80GB; kernels.report cites the datasheets). fraction_of_bound = bound / time: 1 is the best a
+  launch can do.
+- bandwidth: the same bytes over the measured time. It is also compared with a device-to-device copy
+  (`dst.copy_(src)`, read + write bytes) measured in the same run, because the copy is what the
+  memory system really delivers, unlike the datasheet's peak.
 - TFLOP/s of the grouped GEMM (2 * N * D * F over all experts) beside torch.matmul doing the same
   total work as one dense (N, D) @ (D, F) product: an upper bound the grouped kernel approaches.
 - speed-up: the readable PyTorch reference's time over the kernel's.
@@ -26,11 +30,17 @@ import sys
 
 import torch
 
+from .report import Config, bound_bytes, hbm_bandwidth
+
 NO_GPU_MESSAGE = (
     "kernels/bench.py measures Triton kernels on a GPU and this machine has no CUDA device: nothing "
     "was measured. On a CPU, correctness is checked in the interpreter instead: "
     "python -m pytest tests/test_kernels.py"
 )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _time_ms(fn) -> float:
@@ -60,15 +70,15 @@ def bench_paged_attention(num_rows, context_len, block_size, num_heads=32, num_k
         ms = _time_ms(lambda: paged_attention_split_k(*inputs, tokens_per_split=tokens_per_split))
     else:
         ms = _time_ms(lambda: paged_attention(*inputs))
-    element = torch.finfo(dtype).bits // 8
-    kv_bytes = 2 * num_rows * context_len * num_kv_heads * head_dim * element
-    io_bytes = 2 * num_rows * num_heads * head_dim * element + inputs[3].numel() * 4
+    config = Config("paged_attention_split_k" if split_k else "paged_attention", _name(dtype), head_dim,
+                    num_kv_heads, num_heads // num_kv_heads, block_size, num_rows, context_len, tokens_per_split)
+    moved = bound_bytes(config, config.kernel) + (bound_bytes(config, "combine_splits") if split_k else 0)
     result = {
         "kernel": "paged_attention_split_k" if split_k else "paged_attention",
         "rows": num_rows, "context_len": context_len, "block_size": block_size,
         "cached_tokens": num_rows * context_len, "heads": f"{num_heads}/{num_kv_heads}x{head_dim}",
         "dtype": str(dtype).replace("torch.", ""), "time_ms": ms,
-        "bandwidth_gb_s": (kv_bytes + io_bytes) / (ms * 1e-3) / 1e9,
+        "bound_bytes": moved, "bandwidth_gb_s": moved / (ms * 1e-3) / 1e9,
     }
     if with_reference:
         result["reference_ms"] = _time_ms(lambda: paged_attention_reference(*inputs))
@@ -85,9 +95,9 @@ def bench_store_kv(num_tokens, block_size, num_kv_heads=8, head_dim=128, dtype=t
     key, value = key.to(dtype), value.to(dtype)                          # the model hands the pool's dtype
     ms = _time_ms(lambda: store_kv(key, value, key_cache, value_cache, slots))
     reference_ms = _time_ms(lambda: store_kv_reference(key, value, key_cache, value_cache, slots))
-    moved = 2 * 2 * key.numel() * key.element_size()                     # K and V, read and written
+    moved = bound_bytes(Config("store_kv", _name(dtype), head_dim, num_kv_heads, rows=num_tokens), "store_kv")
     return {"kernel": "store_kv", "tokens": num_tokens, "block_size": block_size,
-            "dtype": str(dtype).replace("torch.", ""), "time_ms": ms,
+            "dtype": str(dtype).replace("torch.", ""), "time_ms": ms, "bound_bytes": moved,
             "bandwidth_gb_s": moved / (ms * 1e-3) / 1e9, "reference_ms": reference_ms,
             "speedup": reference_ms / ms}
 
@@ -121,6 +131,8 @@ def bench_expert_gemm(num_tokens, num_experts, model_dim, out_dim, dtype=torch.b
     return {"kernel": "expert_gemm", "tokens": num_tokens, "experts": num_experts,
             "shape": f"{model_dim}x{out_dim}", "dtype": str(dtype).replace("torch.", ""),
             "best_tile": list(best_tile), "time_ms": times[best_tile],
+            "bound_bytes": bound_bytes(Config("expert_gemm", _name(dtype),
+                                              gemm=(num_tokens, num_experts, model_dim, out_dim)), "expert_gemm"),
             "tflops": flop / (times[best_tile] * 1e-3) / 1e12,
             "matmul_tflops": flop / (matmul_ms * 1e-3) / 1e12,
             "reference_ms": reference_ms, "speedup": reference_ms / times[best_tile]}
@@ -143,7 +155,11 @@ def run(quick: bool = False) -> dict:
         results.append(bench_store_kv(num_tokens, 16))
     results.append(bench_expert_gemm(4096, 8, 4096, 14336 if not quick else 4096))
     results.append(bench_expert_gemm(8192, 64, 2048, 768))
+    datasheet = hbm_bandwidth(torch.cuda.get_device_name())
     for result in results:
+        if datasheet is not None:
+            result["bound_ms"] = result["bound_bytes"] / datasheet[1] * 1e3
+            result["fraction_of_bound"] = result["bound_ms"] / result["time_ms"]
         if "bandwidth_gb_s" in result:
             result["fraction_of_copy"] = result["bandwidth_gb_s"] / copy_gb_s
         if "tflops" in result:
@@ -151,14 +167,14 @@ def run(quick: bool = False) -> dict:
     return {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "cuda": torch.version.cuda, "python": platform.python_version(),
-        "copy_bandwidth_gb_s": copy_gb_s, "results": results,
+        "copy_bandwidth_gb_s": copy_gb_s, "datasheet_bandwidth": datasheet, "results": results,
     }
 
 
 def format_table(report: dict) -> str:
     lines = [f"{report['device']}  torch {report['torch']}  triton {report['triton']}  "
              f"copy bandwidth {report['copy_bandwidth_gb_s']:.0f} GB/s",
-             f"{'kernel':<26}{'configuration':<44}{'time ms':>9}{'GB/s':>8}{'of copy':>9}"
+             f"{'kernel':<26}{'configuration':<44}{'time ms':>9}{'bound ms':>9}{'of bound':>9}{'GB/s':>8}{'of copy':>9}"
              f"{'TFLOP/s':>9}{'of mm':>7}{'speed-up':>10}"]
     for r in report["results"]:
         if r["kernel"].startswith("paged"):
@@ -170,7 +186,8 @@ def format_table(report: dict) -> str:
 
         def cell(key, width, fmt):
             return f"{r[key]:{width}{fmt}}" if key in r else " " * width
-        lines.append(f"{r['kernel']:<26}{config:<44}{cell('time_ms', 9, '.3f')}{cell('bandwidth_gb_s', 8, '.0f')}"
+        lines.append(f"{r['kernel']:<26}{config:<44}{cell('time_ms', 9, '.3f')}{cell('bound_ms', 9, '.3f')}"
+                     f"{cell('fraction_of_bound', 9, '.0%')}{cell('bandwidth_gb_s', 8, '.0f')}"
                      f"{cell('fraction_of_copy', 9, '.0%')}{cell('tflops', 9, '.1f')}{cell('fraction_of_matmul', 7, '.0%')}"
                      f"{cell('speedup', 10, '.1f')}")
     return "\n".join(lines)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device, is_interpreting
+from ._utils import Launch, check_device, is_interpreting
 
 
 # ----- the kernel ---------------------------------------------------------------------------------
@@ -102,6 +102,31 @@ def tile_schedule(counts: torch.Tensor, block_m: int):
     return tile_expert.int(), tile_row_start.int(), ends[tile_expert].int()
 
 
+def expert_gemm_launch(x, weights, counts, block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3) -> Launch:
+    """Checks, the tile schedule, the output and the launch (kernels/report.py compiles it)."""
+    assert x.dim() == 2 and weights.dim() == 3, f"x (N, D), weights (E, D, F); got {tuple(x.shape)}, {tuple(weights.shape)}"
+    num_tokens, model_dim = x.shape
+    num_experts, weight_rows, out_dim = weights.shape
+    assert weight_rows == model_dim, f"weights rows {weight_rows} != x columns {model_dim}"
+    assert counts.shape == (num_experts,), f"counts must be (E,) = ({num_experts},), got {tuple(counts.shape)}"
+    assert x.dtype == weights.dtype, f"x is {x.dtype}, weights {weights.dtype}"
+    assert min(block_m, block_n, block_k) >= 16, "tiles under 16 do not compile for tl.dot on a GPU"
+    check_device(x, weights, counts)
+    tile_expert, tile_row_start, tile_row_end = tile_schedule(counts, block_m)
+    # the only device-to-host reads: the grid size, and the check that counts cover x
+    assert int(counts.sum()) == num_tokens, f"counts sum to {int(counts.sum())}, x has {num_tokens} rows"
+    out = torch.empty(num_tokens, out_dim, dtype=x.dtype, device=x.device)
+    grid = (tile_expert.numel(), triton.cdiv(out_dim, block_n))
+    return Launch(
+        expert_gemm_kernel, grid,
+        (out, x, weights, tile_expert, tile_row_start, tile_row_end, model_dim, out_dim,
+         x.stride(0), x.stride(1), weights.stride(0), weights.stride(1), weights.stride(2),
+         out.stride(0), out.stride(1)),
+        dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+             UPCAST=x.dtype == torch.float32 or is_interpreting(), num_warps=num_warps, num_stages=num_stages),
+    )
+
+
 def expert_gemm(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -116,31 +141,10 @@ def expert_gemm(
 
     Tile sizes are fixed arguments (no autotune: it needs a GPU, and kernels/bench.py sweeps them).
     """
-    assert x.dim() == 2 and weights.dim() == 3, f"x (N, D), weights (E, D, F); got {tuple(x.shape)}, {tuple(weights.shape)}"
-    num_tokens, model_dim = x.shape
-    num_experts, weight_rows, out_dim = weights.shape
-    assert weight_rows == model_dim, f"weights rows {weight_rows} != x columns {model_dim}"
-    assert counts.shape == (num_experts,), f"counts must be (E,) = ({num_experts},), got {tuple(counts.shape)}"
-    assert x.dtype == weights.dtype, f"x is {x.dtype}, weights {weights.dtype}"
-    assert min(block_m, block_n, block_k) >= 16, "tiles under 16 do not compile for tl.dot on a GPU"
-    check_device(x, weights, counts)
-    tile_expert, tile_row_start, tile_row_end = tile_schedule(counts, block_m)
-    # the only device-to-host reads: the grid size, and the check that counts cover x
-    assert int(counts.sum()) == num_tokens, f"counts sum to {int(counts.sum())}, x has {num_tokens} rows"
-    out = torch.empty(num_tokens, out_dim, dtype=x.dtype, device=x.device)
-    num_tiles = tile_expert.numel()
-    if num_tiles == 0 or out_dim == 0:
-        return out
-    grid = (num_tiles, triton.cdiv(out_dim, block_n))
-    expert_gemm_kernel[grid](
-        out, x, weights, tile_expert, tile_row_start, tile_row_end, model_dim, out_dim,
-        x.stride(0), x.stride(1), weights.stride(0), weights.stride(1), weights.stride(2),
-        out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=x.dtype == torch.float32 or is_interpreting(),
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return out
+    launch = expert_gemm_launch(x, weights, counts, block_m, block_n, block_k, num_warps, num_stages)
+    if launch.grid[0] > 0 and launch.grid[1] > 0:
+        launch()
+    return launch.args[0]
 
 
 # ----- the reference it must equal ----------------------------------------------------------------

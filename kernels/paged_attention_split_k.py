@@ -17,7 +17,8 @@ and the exact softmax over all tokens is the lse-weighted mean of the splits' ou
 
     out = sum_s e^(lse_s - M) o_s / sum_s e^(lse_s - M),      M = max_s lse_s
 
-A split that starts past the row's end is empty: it writes lse = -inf and o = 0, and gets weight 0.
+A split that starts past the row's end is empty: it writes lse = -inf and o = 0, and gets weight 0;
+a row of length 0 has only empty splits and gets zeros, as from the plain kernel.
 The number of splits comes from the block table's width (max_blocks_per_row * P), not from the
 longest row, so launching needs no device-to-host read of context_lens.
 """
@@ -30,11 +31,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ._utils import Launch
+
 # the reference it must equal is the plain kernel's: same contract, same result
 from .paged_attention import (  # noqa: F401  (re-exported)
     attend_token_range,
-    launch_shapes,
+    check_paged_inputs,
+    decode_tiles,
     load_query_group,
+    products_in_float32,
     paged_attention_reference,
     random_paged_inputs,
 )
@@ -49,7 +54,7 @@ def paged_attention_split_kernel(
     key_cache_ptr,          # key pool (num_blocks, P, Hkv, Dh), contiguous
     value_cache_ptr,        # value pool, same layout
     block_tables_ptr,       # (R, max_blocks_per_row) int32
-    context_lens_ptr,       # (R,) int32, >= 1
+    context_lens_ptr,       # (R,) int32, >= 0
     max_blocks_per_row,     # row stride of block_tables
     num_heads,              # H
     group,                  # H // Hkv
@@ -61,8 +66,9 @@ def paged_attention_split_kernel(
     tokens_per_split,       # S, a multiple of TOKEN_TILE
     BLOCK_SIZE: tl.constexpr,     # P
     TOKEN_TILE: tl.constexpr,     # tokens per loop iteration, >= 16
-    GROUP_TILE: tl.constexpr,     # next power of two >= group
-    HEAD_DIM_TILE: tl.constexpr,  # next power of two >= Dh
+    GROUP_TILE: tl.constexpr,     # power of two >= max(group, 16)
+    HEAD_DIM_TILE: tl.constexpr,  # power of two >= max(Dh, 16)
+    UPCAST: tl.constexpr,         # products in float32 (float32 cache, mixed dtypes, interpreter)
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,12 +76,11 @@ def paged_attention_split_kernel(
     context_len = tl.load(context_lens_ptr + row)
     token_start = split * tokens_per_split
     token_end = tl.minimum(token_start + tokens_per_split, context_len)   # <= start when empty
-    query = load_query_group(q_ptr, row, kv_head, num_heads, group, head_dim, scale,
-                             GROUP_TILE, HEAD_DIM_TILE)
+    query = load_query_group(q_ptr, row, kv_head, num_heads, group, head_dim, GROUP_TILE, HEAD_DIM_TILE, UPCAST)
     accumulator, running_max, running_sum = attend_token_range(
         query, key_cache_ptr, value_cache_ptr, block_tables_ptr + row.to(tl.int64) * max_blocks_per_row,
-        kv_head, token_start, token_end, stride_slot, stride_head, head_dim,
-        BLOCK_SIZE, TOKEN_TILE, GROUP_TILE, HEAD_DIM_TILE,
+        kv_head, token_start, token_end, stride_slot, stride_head, head_dim, scale,
+        BLOCK_SIZE, TOKEN_TILE, GROUP_TILE, HEAD_DIM_TILE, UPCAST,
     )
     nonempty = running_sum > 0                                           # (GROUP_TILE,)
     safe_sum = tl.where(nonempty, running_sum, 1.0)                      # no 0/0, no log(0)
@@ -106,15 +111,53 @@ def combine_splits_kernel(
     dims = tl.arange(0, HEAD_DIM_TILE)
     split_valid = splits < num_splits
     lse = tl.load(partial_lse_ptr + row_head * num_splits + splits, mask=split_valid, other=float("-inf"))
-    # split 0 always holds >= 1 token (context_len >= 1), so the max is finite
-    weights = tl.exp(lse - tl.max(lse, axis=0))                          # (SPLIT_TILE,), 0 if empty
+    # an empty split has lse = -inf and weight e^-inf = 0. When every split is empty (a row of length
+    # 0) the max is -inf too: M = 0 then, so no -inf - -inf (NaN) appears, all weights are 0 and
+    # the row gets zeros
+    split_max = tl.max(lse, axis=0)
+    split_max = tl.where(split_max > float("-inf"), split_max, 0.0)
+    weights = tl.exp(lse - split_max)                                    # (SPLIT_TILE,)
+    total = tl.sum(weights, axis=0)
     offsets = (row_head * num_splits + splits)[:, None] * head_dim + dims[None, :]
-    partial = tl.load(partial_out_ptr + offsets, mask=split_valid[:, None] & (dims < head_dim)[None, :], other=0.0)
-    out = tl.sum(weights[:, None] * partial, axis=0) / tl.sum(weights, axis=0)       # (HEAD_DIM_TILE,)
+    # an empty split's partial output is never read (its weight is 0 either way)
+    partial = tl.load(partial_out_ptr + offsets, mask=(weights > 0)[:, None] & (dims < head_dim)[None, :], other=0.0)
+    out = tl.sum(weights[:, None] * partial, axis=0) / tl.where(total > 0, total, 1.0)  # (HEAD_DIM_TILE,)
     tl.store(out_ptr + row_head * head_dim + dims, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
 # ----- the launcher -------------------------------------------------------------------------------
+def paged_attention_split_k_launches(q, key_cache, value_cache, block_tables, context_lens,
+                                     tokens_per_split=512, token_tile=None) -> list[Launch]:
+    """Checks, buffers and the two launches (splits, then their combination) that
+    kernels/report.py compiles and the launcher runs."""
+    check_paged_inputs(q, key_cache, value_cache, block_tables, context_lens)
+    assert tokens_per_split >= 1, f"tokens_per_split={tokens_per_split} must be positive"
+    q = q.contiguous()
+    num_rows, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    tiles = decode_tiles(group, head_dim, token_tile)
+    tokens_per_split = triton.cdiv(tokens_per_split, tiles["TOKEN_TILE"]) * tiles["TOKEN_TILE"]
+    max_tokens = block_tables.shape[1] * block_size                      # an upper bound, no sync
+    num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
+    out = torch.empty_like(q)
+    partial_out = torch.empty(num_rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    splits = Launch(
+        paged_attention_split_kernel, (num_rows, num_kv_heads, num_splits),
+        (partial_out, partial_lse, q, key_cache, value_cache, block_tables, context_lens,
+         block_tables.shape[1], num_heads, group, head_dim, num_kv_heads * head_dim, head_dim,
+         1.0 / math.sqrt(head_dim), num_splits, tokens_per_split),
+        dict(BLOCK_SIZE=block_size, UPCAST=products_in_float32(q, key_cache), **tiles),
+    )
+    combine = Launch(
+        combine_splits_kernel, (num_rows * num_heads,),
+        (out, partial_out, partial_lse, num_splits, head_dim),
+        dict(SPLIT_TILE=triton.next_power_of_2(num_splits), HEAD_DIM_TILE=tiles["HEAD_DIM_TILE"], num_warps=4),
+    )
+    return [splits, combine]
+
+
 def paged_attention_split_k(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -129,28 +172,12 @@ def paged_attention_split_k(
     Same contract as kernels.paged_attention.paged_attention; the result equals it up to the order
     of float32 additions. tokens_per_split is rounded up to a multiple of the token tile.
     """
-    q, (num_rows, num_heads, head_dim, block_size, num_kv_heads, group, group_tile, head_dim_tile,
-        token_tile) = launch_shapes(q, key_cache, value_cache, block_tables, context_lens, token_tile)
-    assert tokens_per_split >= 1, f"tokens_per_split={tokens_per_split} must be positive"
-    tokens_per_split = triton.cdiv(tokens_per_split, token_tile) * token_tile
-    max_tokens = block_tables.shape[1] * block_size                      # an upper bound, no sync
-    num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
-    out = torch.empty_like(q)
-    if num_rows == 0:
-        return out
-    partial_out = torch.empty(num_rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    partial_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    paged_attention_split_kernel[(num_rows, num_kv_heads, num_splits)](
-        partial_out, partial_lse, q, key_cache, value_cache, block_tables, context_lens,
-        block_tables.shape[1], num_heads, group, head_dim,
-        num_kv_heads * head_dim, head_dim, 1.0 / math.sqrt(head_dim), num_splits, tokens_per_split,
-        BLOCK_SIZE=block_size, TOKEN_TILE=token_tile, GROUP_TILE=group_tile, HEAD_DIM_TILE=head_dim_tile,
-    )
-    combine_splits_kernel[(num_rows * num_heads,)](
-        out, partial_out, partial_lse, num_splits, head_dim,
-        SPLIT_TILE=triton.next_power_of_2(num_splits), HEAD_DIM_TILE=head_dim_tile,
-    )
-    return out
+    launches = paged_attention_split_k_launches(q, key_cache, value_cache, block_tables, context_lens,
+                                                tokens_per_split, token_tile)
+    if q.shape[0] > 0:
+        for launch in launches:
+            launch()
+    return launches[1].args[0]
 
 
 # ----- benchmark ----------------------------------------------------------------------------------

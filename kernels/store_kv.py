@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device
+from ._utils import Launch, check_device
 
 
 # ----- the kernel ---------------------------------------------------------------------------------
@@ -51,6 +51,24 @@ def store_kv_kernel(
 
 
 # ----- the launcher -------------------------------------------------------------------------------
+def store_kv_launch(key, value, key_cache, value_cache, slot_mapping) -> Launch:
+    """Checks, the conversion to the pool's dtype, and the launch (kernels/report.py compiles it)."""
+    assert key.dim() == 3 and key.shape == value.shape, f"key/value must be (n, Hkv, Dh), got {tuple(key.shape)}"
+    assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape and key_cache.dtype == value_cache.dtype
+    assert key_cache.is_contiguous() and value_cache.is_contiguous(), "the KV pools must be contiguous"
+    assert key.shape[1:] == key_cache.shape[2:], f"(Hkv, Dh) differ: {tuple(key.shape[1:])} vs {tuple(key_cache.shape[2:])}"
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (key.shape[0],)
+    check_device(key, value, key_cache, value_cache, slot_mapping)
+    key = key.to(key_cache.dtype).contiguous()
+    value = value.to(value_cache.dtype).contiguous()
+    values_per_token = key.shape[1] * key.shape[2]
+    tile = min(triton.next_power_of_2(values_per_token), 1024)
+    grid = (key.shape[0], triton.cdiv(values_per_token, tile))
+    return Launch(store_kv_kernel, grid,
+                  (key, value, key_cache, value_cache, slot_mapping.contiguous(), values_per_token),
+                  dict(TILE=tile, num_warps=4))
+
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -59,21 +77,9 @@ def store_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write key, value (n, Hkv, Dh) into the pools at slot_mapping (n,) int64, in place."""
-    assert key.dim() == 3 and key.shape == value.shape, f"key/value must be (n, Hkv, Dh), got {tuple(key.shape)}"
-    assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape and key_cache.dtype == value_cache.dtype
-    assert key_cache.is_contiguous() and value_cache.is_contiguous(), "the KV pools must be contiguous"
-    assert key.shape[1:] == key_cache.shape[2:], f"(Hkv, Dh) differ: {tuple(key.shape[1:])} vs {tuple(key_cache.shape[2:])}"
-    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (key.shape[0],)
-    check_device(key, value, key_cache, value_cache, slot_mapping)
-    num_tokens = key.shape[0]
-    if num_tokens == 0:
-        return
-    key = key.to(key_cache.dtype).contiguous()
-    value = value.to(value_cache.dtype).contiguous()
-    values_per_token = key.shape[1] * key.shape[2]
-    tile = min(triton.next_power_of_2(values_per_token), 1024)
-    grid = (num_tokens, triton.cdiv(values_per_token, tile))
-    store_kv_kernel[grid](key, value, key_cache, value_cache, slot_mapping.contiguous(), values_per_token, TILE=tile)
+    launch = store_kv_launch(key, value, key_cache, value_cache, slot_mapping)
+    if key.shape[0] > 0:
+        launch()
 
 
 # ----- the reference it must equal ----------------------------------------------------------------

@@ -1,12 +1,13 @@
-"""Each Triton kernel equals its PyTorch reference (DESIGN.md §5, issue 5).
+"""Each Triton kernel equals its PyTorch reference.
 
 On a CPU these run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), which is slow:
 the cases are small but each one hits an edge the kernels must handle — scattered block ids, rows of
 length 1 and exact block multiples, block sizes smaller and larger than the token tile and not powers
 of two, head widths that are not powers of two, GQA groups, experts with no tokens.
 
-Error measure: max |out - ref| / max |ref| (kernels._utils.max_relative_error), against the issue's
-bounds per dtype. The references compute in float32 from the same stored values, so the error is
+Error measure: max |out - ref| / max |ref| (kernels._utils.max_relative_error), against bounds per
+dtype: float32 summation order, plus for float16 / bfloat16 the rounding of the output and of the
+softmax weights to the storage dtype. The references compute in float32 from the same stored values, so the error is
 float32 summation order plus the final rounding to the output dtype.
 """
 
@@ -66,6 +67,51 @@ def test_paged_attention_never_reads_padding():
     for kernel in (paged_attention, paged_attention_split_k):
         out = kernel(q, key_cache, value_cache, poisoned, context_lens)
         assert max_relative_error(out, expected) <= 1e-5
+
+
+def only_rows_are_finite(cache, block_tables, context_lens):
+    """A copy of the pool where every slot that is not one of a row's first context_len tokens is NaN."""
+    block_size = cache.shape[1]
+    keep = torch.zeros(cache.shape[0] * block_size, dtype=torch.bool, device=cache.device)
+    for row, length in enumerate(context_lens.tolist()):
+        tokens = torch.arange(length, device=cache.device)
+        keep[block_tables[row, tokens // block_size].long() * block_size + tokens % block_size] = True
+    poisoned = cache.clone().view(-1, *cache.shape[2:])
+    poisoned[~keep] = float("nan")
+    return poisoned.view(cache.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_kernels_read_only_the_rows_tokens(dtype):
+    """Every slot outside the rows (tails of partly filled blocks, spare blocks) holds NaN and every
+    block-table entry past a row's blocks is a huge id: reading any of them as data would turn the
+    output into NaN or fault."""
+    inputs = random_paged_inputs([1, 0, 37, 16, 5], 4, 2, 24, 5, dtype, DEVICE, spare_blocks=4, seed=11)
+    q, key_cache, value_cache, block_tables, context_lens = inputs
+    key_cache = only_rows_are_finite(key_cache, block_tables, context_lens)
+    value_cache = only_rows_are_finite(value_cache, block_tables, context_lens)
+    assert key_cache.isnan().any() and value_cache.isnan().any()
+    used = (context_lens.long() + 4) // 5                                 # blocks each row uses
+    columns = torch.arange(block_tables.shape[1], device=block_tables.device)
+    block_tables = block_tables.masked_fill(columns[None, :] >= used[:, None], 10**9)
+    expected = paged_attention_reference(q, key_cache, value_cache, block_tables, context_lens)
+    assert expected.isfinite().all()
+    for out in (paged_attention(q, key_cache, value_cache, block_tables, context_lens, token_tile=16),
+                paged_attention_split_k(q, key_cache, value_cache, block_tables, context_lens,
+                                        tokens_per_split=16, token_tile=16)):
+        assert out.isfinite().all()
+        assert max_relative_error(out, expected) <= TOLERANCE[dtype]
+
+
+def test_empty_row_gives_zeros_everywhere():
+    """A row of context length 0 attends to nothing: zeros from both kernels and from the reference,
+    and the other rows are unaffected."""
+    inputs = random_paged_inputs([0, 20, 0], 4, 2, 16, 8, torch.float32, DEVICE, seed=12)
+    expected = paged_attention_reference(*inputs)
+    assert torch.equal(expected[0], torch.zeros_like(expected[0])) and torch.equal(expected[2], expected[0])
+    for out in (paged_attention(*inputs), paged_attention_split_k(*inputs, tokens_per_split=16)):
+        assert torch.equal(out[0], expected[0]) and torch.equal(out[2], expected[2])
+        assert max_relative_error(out[1], expected[1]) <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
