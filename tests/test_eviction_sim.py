@@ -66,6 +66,18 @@ def test_oracle_admits_only_what_fits_to_completion_and_never_evicts():
     assert stats.num_finished == 3
 
 
+def test_belady_evicts_the_sequence_that_would_hold_the_short_device_longest():
+    # as TRACE, but C (seq 1) ends after 2 tokens: at step 1 A and C make the same room on device 0
+    # for the same recompute, so pressure_aware takes the newer, C; belady reads the future: A would
+    # hold 2 + 3 = 5 block-steps on device 0, C 2 (it finishes at this step): A goes
+    trace = hand_trace([0, 0, 1], [3, 2, 3])
+    aware = simulate(trace, PLACEMENT, SETUP, "pressure_aware", FLAT)
+    belady = simulate(trace, PLACEMENT, SETUP, "belady", FLAT)
+    assert (aware.evictions[0].step, aware.evictions[0].seq_id) == (1, 1)
+    assert (belady.evictions[0].step, belady.evictions[0].seq_id, belady.evictions[0].freed) == (1, 0, [1, 0])
+    assert belady.num_finished == aware.num_finished == 3
+
+
 def test_swap_when_cheaper_and_host_has_room():
     cheap_swap = CostModel("cheap swap", 0.0, 1.0, 0.0, float("inf"), 0.01, 0.0, 1)
     setup = EvictionSetup(blocks_per_device=3, block_size=1, max_num_seqs=4, num_host_blocks=8)
@@ -93,7 +105,7 @@ def test_every_policy_finishes_a_skewed_workload_without_leaks_and_under_the_bou
 def test_unknown_policy_is_named():
     with pytest.raises(ValueError, match="policy='lfu' is not one of"):
         make_policy("lfu")
-    assert set(VICTIM_POLICIES) == {"sequence_lru", "expert_lru", "pressure_aware", "oracle"}
+    assert set(VICTIM_POLICIES) == {"sequence_lru", "expert_lru", "pressure_aware", "oracle", "belady"}
 
 
 def test_fit_recovers_constants_and_crossover():

@@ -8,7 +8,8 @@ Three parts, printed as tables and saved together as JSON:
     and projected for a GPU from datasheet numbers (sim/costs.py) at JetMoE-8B's shape;
  2. every victim policy on one skewed workload (sim/eviction.py): per-device pools (D = 4, E = 16),
     a topic trace whose popular topic's experts share device 0 under the co-activation placement,
-    side by side with the oracle and the memory-time bound;
+    side by side with the offline policies (oracle, belady) and the memory-time bound; then the
+    online policies on the engine (DeviceLLMEngine) with the embedded model;
  3. density: for each expert buffer, the fraction of the running batch's sequences it holds, against
     E, k and skew.
 """
@@ -42,6 +43,7 @@ def measure_recompute_and_swap(model, contexts, block_sizes, repeats: int = 3, s
     and back in, for each context c and block size P, with the engine's own PagedKVCache and
     SwapSpace. Returns one dict per (P, c): blocks, bytes, recompute_seconds, swap_seconds."""
     from ..cache.paged import PagedKVCache
+    from ..engine.model_runner import ModelRunner
     from ..engine.swap import SwapSpace
     torch.manual_seed(seed)
     config = model.config
@@ -58,11 +60,13 @@ def measure_recompute_and_swap(model, contexts, block_sizes, repeats: int = 3, s
                 with torch.no_grad():
                     model.forward_cached(tokens[:c], torch.zeros(c, dtype=torch.int64), torch.arange(c), cache)
                 recompute.append(time.perf_counter() - started)
-                space = SwapSpace(cache, num_blocks)
+                space, runner = SwapSpace(cache.manager, num_blocks), ModelRunner(model, cache, num_blocks)
                 started = time.perf_counter()
-                blocks = space.swap_out(0)
-                space.swap_in(0)
+                copy_out = space.swap_out(0)             # the bookkeeping, then the K/V copies
+                runner.copy_blocks([copy_out])
+                runner.copy_blocks([space.swap_in(0)])
                 swap.append(time.perf_counter() - started)
+                blocks = int(copy_out.source.numel())
             block_bytes = 2 * P * config.num_key_value_heads * config.head_dim * cache.key_cache.element_size()
             rows.append({"block_size": P, "context": c, "blocks": blocks, "bytes": blocks * block_bytes,
                          "block_bytes": block_bytes,
@@ -145,7 +149,6 @@ def format_comparison(comparison: dict) -> str:
     header = (f"{'policy':>15} {'steps':>6} {'tok/step':>9} {'tok/s':>9} {'recomputed':>10} {'swapped MB':>10} "
               f"{'evictions':>9} {'victims':>7} {'freed/evict':>11} {'refused':>7}")
     lines = [header]
-    oracle = comparison["stats"].get("oracle")
     for name, s in comparison["stats"].items():
         lines.append(f"{name:>15} {s.num_steps:>6} {s.tokens_per_step:>9.2f} {s.tokens_per_second:>9.0f} "
                      f"{s.recomputed_tokens:>10} {s.swapped_bytes / 1e6:>10.1f} {s.num_evictions:>9} "
@@ -153,10 +156,77 @@ def format_comparison(comparison: dict) -> str:
     bound = comparison["bound"]
     lines.append(f"{'bound':>15} {bound['steps']:>6.0f} {bound['tokens_per_step']:>9.2f}   (memory-time bound: no "
                  "policy does better per step)")
-    if oracle is not None:
+    for limit_name in ("belady", "oracle"):
+        limit = comparison["stats"].get(limit_name)
+        if limit is None:
+            continue
         for name, s in comparison["stats"].items():
-            lines.append(f"  {name}: {s.tokens_per_second / oracle.tokens_per_second:.3f} of the oracle's tokens/s, "
-                         f"{s.tokens_per_step / oracle.tokens_per_step:.3f} of its tokens/step")
+            if name != limit_name:
+                lines.append(f"  {name}: {s.tokens_per_second / limit.tokens_per_second:.3f} of {limit_name}'s "
+                             f"tokens/s, {s.tokens_per_step / limit.tokens_per_step:.3f} of its tokens/step, "
+                             f"{s.tokens_per_step / bound['tokens_per_step']:.3f} of the bound's tokens/step")
+    return "\n".join(lines)
+
+
+# ----- 2b. the policies on the engine, with the embedded model -------------------------------------------------
+ENGINE_POLICIES = ("newest_first", "sequence_lru", "expert_lru", "pressure_aware")
+
+
+def engine_placement(model, workload, num_devices: int = 4) -> torch.Tensor:
+    """(L, E): a skewed placement of the embedded model's experts, so that one device fills first:
+    in each layer the E / D experts the workload's prompts route to most share device 0, the rest
+    go round-robin over the other devices, most popular first."""
+    from ..analysis import record_model_trace
+    trace = record_model_trace(model, [r.prompt for r in workload], [1] * len(workload))
+    L, E = trace.num_layers, trace.num_experts
+    chosen = trace.experts.long()                                                  # (tokens, L, K)
+    placement = torch.zeros(L, E, dtype=torch.int64)
+    per_device = E // num_devices
+    for layer in range(L):
+        picks = chosen[:, layer]
+        popularity = torch.bincount(picks[picks >= 0], minlength=E)                 # (E,)
+        order = torch.argsort(popularity, descending=True, stable=True)
+        placement[layer, order[:per_device]] = 0
+        rest = order[per_device:]
+        placement[layer, rest] = 1 + torch.arange(rest.numel()) % (num_devices - 1)
+    return placement
+
+
+def compare_engine_policies(model, workload, blocks_per_device, placement, block_size: int = 4,
+                            preemption_mode: str = "recompute", policies=ENGINE_POLICIES) -> dict:
+    """Every victim policy on DeviceLLMEngine over the same requests (all arriving at step 0),
+    optimistic admission (so that memory runs short and victims are chosen). Returns per policy the
+    engine's eviction statistics, goodput (generated tokens per step and per wall second) and whether
+    every policy produced the same tokens (each equals generating alone: tests)."""
+    from ..engine.device_engine import DeviceLLMEngine
+    from ..engine.scheduler import SchedulerConfig
+    results, tokens = {}, {}
+    for name in policies:
+        config = SchedulerConfig(victim=name, admission="optimistic", preemption_mode=preemption_mode,
+                                 max_num_seqs=16, max_num_batched_tokens=512)
+        engine = DeviceLLMEngine(model, blocks_per_device, placement, block_size, config)
+        started = time.perf_counter()
+        outputs = engine.generate([r.prompt for r in workload], [r.sampling_params for r in workload])
+        seconds = time.perf_counter() - started
+        engine.memory.assert_no_leak()
+        stats = engine.eviction_stats()
+        stats["tokens_per_step"] = stats["num_generated_tokens"] / stats["num_steps"]
+        stats["tokens_per_second"] = stats["num_generated_tokens"] / seconds
+        results[name] = stats
+        tokens[name] = [o.token_ids for o in outputs]
+    first = next(iter(tokens.values()))
+    return {"policies": results, "same_tokens": all(t == first for t in tokens.values())}
+
+
+def format_engine_comparison(comparison: dict) -> str:
+    lines = [f"{'policy':>15} {'steps':>6} {'tok/step':>9} {'tok/s':>7} {'preempt':>7} {'recomputed':>10} "
+             f"{'swapped':>7} {'evictions':>9} {'rows':>5} {'freed/evict':>11} {'peak per device':>18}"]
+    for name, s in comparison["policies"].items():
+        lines.append(f"{name:>15} {s['num_steps']:>6} {s['tokens_per_step']:>9.2f} {s['tokens_per_second']:>7.0f} "
+                     f"{s['num_preemptions']:>7} {s['num_recomputed_tokens']:>10} {s['num_swapped_out_blocks']:>7} "
+                     f"{s['num_evictions']:>9} {s['num_row_evictions']:>5} "
+                     f"{s['freed_on_short_device_per_eviction']:>11.1f} {str(s['peak_used_blocks_per_device']):>18}")
+    lines.append(f"  every policy gave the same tokens: {comparison['same_tokens']}")
     return "\n".join(lines)
 
 
@@ -169,6 +239,7 @@ def build_parser(parser=None):
     parser.add_argument("--blocks-per-device", type=int, default=1000)
     parser.add_argument("--host-blocks", type=int, default=0, help="host swap space in blocks (0: recompute only)")
     parser.add_argument("--skip-measure", action="store_true", help="skip timing the embedded model")
+    parser.add_argument("--skip-engine", action="store_true", help="skip the policies on the engine")
     return parser
 
 
@@ -209,6 +280,20 @@ def main(args) -> int:
     out["workload"] = {"num_sequences": num_sequences, "setup": setup.__dict__, "cost_model": cost.to_dict(),
                        "policies": {k: v.summary() for k, v in comparison["stats"].items()},
                        "bound": comparison["bound"]}
+
+    if not args.skip_engine:
+        from ..checkpoint import load_default_model
+        from ..engine.workload import make_workload
+        model = load_default_model()
+        requests = make_workload(12 if args.quick else 24, prompt_len=(8, 48), output_len=(48, 96), seed=0)
+        placement_engine = engine_placement(model, requests)
+        blocks = [72] * 4
+        engine = compare_engine_policies(model, requests, blocks, placement_engine, block_size=16)
+        print(f"\nthe engine, embedded model: {len(requests)} requests, D=4 x {blocks[0]} blocks of 16, the most "
+              "popular experts of each layer on device 0, optimistic admission, recompute")
+        print(format_engine_comparison(engine))
+        out["engine"] = {"num_requests": len(requests), "blocks_per_device": blocks, "block_size": 16,
+                         "placement": placement_engine.tolist(), **engine}
 
     density = density_sweep(experts=(8, 16, 64), top_ks=(1, 2, 8), skews=(0.0, 1.0, 2.0), context=64)
     print("\ndensity: mean fraction of a batch's sequences an expert buffer holds (context 64 tokens)")

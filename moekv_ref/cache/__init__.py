@@ -14,6 +14,9 @@ and `free(seq_id)`.
     block_pool.py           the free block queue and reference counts
     kv_cache_manager.py     block tables and token counts per row (integers only)
     shared_tail_manager.py  the same, with rows' partly filled tails sharing blocks
+    device_block_pool.py    D pools behind one numbering of block ids (one range per device)
+    device_kv_cache_manager.py  the manager over them: a row takes its expert's device's blocks
+    device_pools.py         D whole managers kept in step (expert-parallel ranks, the simulator)
     paged.py                PagedKVCache: K/V pool tensors + a manager; the attention paths
     contiguous.py           ContiguousKVCache: one growing buffer per row, the reference
 """

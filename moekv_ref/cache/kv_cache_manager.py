@@ -216,13 +216,10 @@ class KVCacheManager:
         old_blocks, new_blocks = ceil_div(old, P), ceil_div(new, P)               # (m,)
         needed = new_blocks - old_blocks                                          # (m,)
         total = int(needed.sum())
-        if total > self.pool.num_free_blocks:
-            raise OutOfBlocksError(f"appending {int(num_new_tokens.sum())} tokens to {rows.numel()} "
-                                   f"rows needs {total} blocks; {self.pool.num_free_blocks} are free")
+        block_ids = self._take_blocks(rows, needed, num_new_tokens)                # (total,) may raise
         widest = int(new_blocks.max())
         if widest > self.block_tables.shape[1]:
             self._grow_tables(widest)
-        block_ids = self.pool.allocate(total)                                      # (total,)
         # the k-th new block of row i goes to column old_blocks[i] + k of its table
         owner = torch.repeat_interleave(torch.arange(rows.numel()), needed)      # (total,)
         first_new = torch.cumsum(needed, 0) - needed                              # (m,)
@@ -230,6 +227,16 @@ class KVCacheManager:
         self.block_tables[rows[owner], column] = block_ids.to(torch.int32)
         self.num_computed_tokens[rows] = new
         return SlotAllocation(self._slots(rows, old, num_new_tokens))
+
+    def _take_blocks(self, rows: torch.Tensor, needed: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
+        """needed[i] fresh blocks for rows[i], row after row: (needed.sum(),) int64 block ids. Raises
+        OutOfBlocksError, changing nothing, when the pool is short. One pool here; a manager whose
+        rows draw on several pools (per-device pools) says which pool each block comes from."""
+        total = int(needed.sum())
+        if total > self.pool.num_free_blocks:
+            raise OutOfBlocksError(f"appending {int(num_new_tokens.sum())} tokens to {rows.numel()} "
+                                   f"rows needs {total} blocks; {self.pool.num_free_blocks} are free")
+        return self.pool.allocate(total)
 
     @staticmethod
     def _check_allocation(rows, num_new_tokens, rows_are_distinct: bool):

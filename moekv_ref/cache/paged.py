@@ -87,11 +87,16 @@ class PagedKVCache:
              (SharedTailKVCacheManager) instead of a private last block; the K/V moves it asks for
              are applied before new tokens are written. Not with "triton": the kernels read a row
              through its block table only, and shared tails live outside it.
+    blocks_per_device, device_of_expert: per-device pools (DeviceKVCacheManager): D ints of blocks,
+             their sum the pool (num_blocks must be that sum), and each expert's device, (E,) or
+             (L, E); a row takes blocks only from its expert's device. append_kv and attend are
+             unchanged; append_kv raises OutOfBlocksError naming the device that is short.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 shuffle_seed: int | None = None, attention: str = "batched", shared_tails: bool = False):
+                 shuffle_seed: int | None = None, attention: str = "batched", shared_tails: bool = False,
+                 blocks_per_device=None, device_of_expert=None):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS}")
         if shared_tails and attention == "triton":
@@ -111,8 +116,14 @@ class PagedKVCache:
             )
         self.config = config
         self.attention = attention
-        manager_class = SharedTailKVCacheManager if shared_tails else KVCacheManager
-        self.manager = manager_class(L, E, block_size, num_blocks, shuffle_seed)
+        if (blocks_per_device is None) != (device_of_expert is None):
+            raise ValueError("per-device pools need both blocks_per_device and device_of_expert")
+        if blocks_per_device is not None:
+            self.manager = self._device_manager(config, num_blocks, block_size, blocks_per_device,
+                                                device_of_expert, shuffle_seed, shared_tails)
+        else:
+            manager_class = SharedTailKVCacheManager if shared_tails else KVCacheManager
+            self.manager = manager_class(L, E, block_size, num_blocks, shuffle_seed)
         self.block_size = block_size
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.key_cache = torch.zeros(shape, dtype=dtype, device=device)     # (N, P, Hkv, Dh)
@@ -121,15 +132,39 @@ class PagedKVCache:
             import kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
             self._kernels = kernels
 
+    @staticmethod
+    def _device_manager(config, num_blocks, block_size, blocks_per_device, device_of_expert, shuffle_seed,
+                        shared_tails):
+        """A DeviceKVCacheManager, each device large enough for one token of one sequence (a block in
+        each of its experts that a token can reach there, every layer)."""
+        from .device_kv_cache_manager import DeviceKVCacheManager, checked_placement
+        if shared_tails:
+            raise ValueError("shared_tails=True cannot be combined with per-device pools")
+        L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
+        blocks_per_device = [int(n) for n in blocks_per_device]
+        if sum(blocks_per_device) != num_blocks:
+            raise ValueError(f"num_blocks={num_blocks} must equal sum(blocks_per_device)="
+                             f"{sum(blocks_per_device)}")
+        placement = checked_placement(device_of_expert, L, E, len(blocks_per_device))
+        for d, n in enumerate(blocks_per_device):
+            least = int(torch.clamp((placement == d).sum(1), max=K).sum())                 # over layers
+            if n < least:
+                raise ValueError(f"blocks_per_device[{d}]={n} is too small for even one token: its "
+                                 f"experts can take {least} blocks; allow at least {least}")
+        return DeviceKVCacheManager(L, E, block_size, blocks_per_device, placement, shuffle_seed)
+
     @classmethod
     def for_model(cls, model, block_size: int = 16, num_blocks: int | None = None,
                   max_num_seqs: int = 8, shuffle_seed: int | None = None,
-                  attention: str | None = None, shared_tails: bool = False) -> "PagedKVCache":
+                  attention: str | None = None, shared_tails: bool = False,
+                  blocks_per_device=None, device_of_expert=None) -> "PagedKVCache":
         """A cache in the model's dtype and device. attention=None follows the model's backend
         ("triton" for a model built with backend="triton", else "batched"). Without num_blocks, the
         pool holds the worst case of max_num_seqs sequences of max_position_embeddings tokens (every
         token in k_max experts)."""
         config = model.config
+        if num_blocks is None and blocks_per_device is not None:
+            num_blocks = sum(int(n) for n in blocks_per_device)
         if num_blocks is None:
             blocks_per_row = -(-config.max_position_embeddings // check_block_size(block_size))
             num_blocks = max_num_seqs * config.max_kv_entries_per_token * blocks_per_row
@@ -137,7 +172,7 @@ class PagedKVCache:
             attention = "triton" if model.backend == "triton" else "batched"
         parameter = next(model.parameters())
         return cls(config, num_blocks, block_size, parameter.dtype, parameter.device, shuffle_seed,
-                   attention, shared_tails)
+                   attention, shared_tails, blocks_per_device, device_of_expert)
 
     # ----- verb 1: bookkeeping and store ----------------------------------------------------------
     def append_kv(self, layer: int, seq_ids, experts, positions, k, v) -> AppendedRows:

@@ -6,7 +6,7 @@
                      sequence's blocks and token counts, the swap space)
     swap.py          SwapSpace: host block ids of sequences preempted by swap; BlockCopy
     admission.py     admission policies: predicted, optimistic
-    victims.py       victim policies: newest_first
+    victims.py       victim policies: newest_first, sequence_lru, expert_lru, pressure_aware
     batching.py      BatchingPolicy; continuous batching on the paged pool (continuous_paged)
     baselines.py     the benchmark's baselines as batching policies: continuous_reserved, static
     scheduler.py     Scheduler: the paged loop over integers (reserve, preempt, admit), SchedulerOutput
@@ -14,6 +14,10 @@
     engine.py        LLMEngine: add_request / step / generate, timeline and statistics;
                      generate_with_engine (what `generate --cache paged` runs)
     workload.py      workloads with arrivals, and running one through an engine
+    device_demand.py     the worst cases of demand.py, device by device
+    device_memory.py     DeviceMemoryView: free and held blocks per device, rows' last use
+    device_scheduler.py  DeviceScheduler: the step reserved per device; whole or row evictions
+    device_engine.py     DeviceLLMEngine: the engine over per-device pools
 """
 
 from .admission import AdmissionPolicy, OptimisticAdmission, PredictedAdmission

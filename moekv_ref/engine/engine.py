@@ -91,10 +91,8 @@ class LLMEngine:
             num_swap_blocks = num_blocks if scheduler_config.preemption_mode == "swap" else 0
         self.model = model
         self.config = model.config
-        self.cache = PagedKVCache.for_model(model, block_size, num_blocks, shuffle_seed=shuffle_seed,
-                                            attention=attention)
-        self.scheduler = Scheduler(scheduler_config, self.cache.manager,
-                                   ModelShape.from_config(self.config, block_size), num_swap_blocks)
+        self.cache = self._make_cache(num_blocks, block_size, shuffle_seed, attention)
+        self.scheduler = self._make_scheduler(scheduler_config, block_size, num_swap_blocks)
         self.memory = self.scheduler.memory          # read-only: the pool and the swap space
         self.predictor = self.scheduler.predictor
         self.runner = ModelRunner(model, self.cache, num_swap_blocks)
@@ -104,6 +102,15 @@ class LLMEngine:
         self.events: list[RequestEvent] = []
         self._next_request_id = 0
         self._seconds = 0.0
+
+    def _make_cache(self, num_blocks: int, block_size: int, shuffle_seed, attention) -> PagedKVCache:
+        """The paged cache (one pool); an engine over per-device pools makes its own."""
+        return PagedKVCache.for_model(self.model, block_size, num_blocks, shuffle_seed=shuffle_seed,
+                                      attention=attention)
+
+    def _make_scheduler(self, scheduler_config: SchedulerConfig, block_size: int, num_swap_blocks: int) -> Scheduler:
+        return Scheduler(scheduler_config, self.cache.manager, ModelShape.from_config(self.config, block_size),
+                         num_swap_blocks)
 
     # ----- requests in ------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], sampling_params: SamplingParams | dict | None = None) -> int:

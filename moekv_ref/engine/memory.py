@@ -109,6 +109,30 @@ class MemoryView:
         """Blocks rows of these token counts take (each row: ceil(n / P))."""
         return int(ceil_div(token_counts, self.block_size).sum())
 
+    # ----- devices: one pool is one device (per-device pools: device_memory.py) -----------------------
+    @property
+    def num_devices(self) -> int:
+        return 1
+
+    @property
+    def num_free_blocks_per_device(self) -> torch.Tensor:
+        """(D,) free blocks of each device's pool."""
+        return torch.tensor([self.num_free_blocks], dtype=torch.int64)
+
+    @property
+    def device_of_expert(self) -> torch.Tensor:
+        """(L, E) the device of each expert (all 0: one pool)."""
+        return torch.zeros(self.shape.num_layers, self.shape.num_experts, dtype=torch.int64)
+
+    def blocks_held_per_device(self, seq_id: int) -> torch.Tensor:
+        """(D,) blocks the sequence holds on each device."""
+        return torch.tensor([self.num_blocks_held(seq_id)], dtype=torch.int64)
+
+    def row_last_used(self, seq_id: int) -> torch.Tensor | None:
+        """(L, E) the step that last appended to each of the sequence's rows (-1: never), where the
+        scheduler keeps track (per-device pools); None here."""
+        return None
+
     # ----- checking ---------------------------------------------------------------------------------
     def assert_no_leak(self) -> None:
         """After every request finished: no sequence holds blocks, every block is free, the swap

@@ -177,6 +177,11 @@ class EvictionSimulator:
         seq_ids = torch.tensor([self.slot_seq[int(r) // self.R] for r in rows.tolist()], dtype=torch.int64)
         return rows, seq_ids, ceil_div(tokens[rows], self.setup.block_size)
 
+    def future_block_steps(self, seq: int, device: int) -> int:
+        """Blocks `seq` will hold on `device` summed over its remaining steps, if it keeps running
+        (the belady policy's look at the future trace)."""
+        return int(self.blocks.trajectory(seq)[int(self.stored[seq]) + 1:, device].sum())
+
     def fits_to_completion(self, seq: int) -> bool:
         """Would `seq`, admitted now, and every running sequence, each run to its end one token a step,
         fit every device at every future step? (The oracle's admission; reads the future trace.)"""

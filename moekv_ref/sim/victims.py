@@ -14,6 +14,8 @@ order), and `state` answers what a policy may ask of the serving state:
                              their sequence ids: (rows (r,), seq_ids (r,), blocks (r,))
     state.remaining_tokens(seq_id)   tokens the sequence has still to generate (known to a server that
                              runs every request to its max_new_tokens; the simulator reads the trace)
+    state.future_block_steps(seq_id, device)   offline only (belady): blocks it will hold on the
+                             device summed over its remaining steps, read from the future trace
 
 An `Eviction` takes a whole sequence off every device (mode "recompute": its K/V are dropped and
 rerun later; "swap": copied to host memory and back), or some of its rows (mode "rows": those rows
@@ -134,7 +136,30 @@ class Oracle(VictimPolicy):
         return Eviction(victim.seq_id, cheaper_mode(state, victim))
 
 
-VICTIM_POLICIES = {cls.name: cls for cls in (SequenceLRU, ExpertLRU, PressureAware, Oracle)}
+class Belady(VictimPolicy):
+    """An offline policy that evicts with the whole future trace, simulator only; admission is the
+    same as the online policies' (whatever fits the next step), so unlike `oracle` it never holds
+    requests back.
+
+    Belady's rule for a page cache (Belady 1966: evict the page whose next use is furthest away) has
+    no direct analogue here, since every running sequence is used at every step; what the future
+    does tell is how long each sequence will keep occupying the short device. So: evict the sequence
+    with the most *block-steps still to come on the short device* (the blocks it will hold there at
+    each of its remaining steps, summed: `state.future_block_steps`) per second of eviction cost. A
+    sequence about to finish frees its blocks soon anyway and is kept; one that will sit on the short
+    device for a long time goes, unless it is expensive to recompute."""
+    name = "belady"
+
+    def choose(self, state, device, candidates):
+        def score(c: Candidate):
+            room = int(c.blocks[device] + c.step_blocks[device])
+            future = state.future_block_steps(c.seq_id, device) if room > 0 else 0
+            return (room > 0, future / max(eviction_seconds(state, c), 1e-12), c.order)
+        victim = max(candidates, key=score)
+        return Eviction(victim.seq_id, cheaper_mode(state, victim))
+
+
+VICTIM_POLICIES = {cls.name: cls for cls in (SequenceLRU, ExpertLRU, PressureAware, Oracle, Belady)}
 
 
 def make_policy(name: str) -> VictimPolicy:
