@@ -99,11 +99,11 @@ def projected_crossovers(block_sizes, contexts, links=None, num_sequences: int =
                       "NVLink-C2C (450 GB/s)": NVLINK_C2C_BYTES_PER_SECOND}
     L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
     trace = synthetic_trace(num_sequences, L, E, K, mean_prompt=max(contexts), mean_output=1, sigma=0.0,
-                            zipf_s=1.0, kv_bytes_per_slot=config.kv_bytes_per_token, seed=seed)
+                            zipf_s=1.0, kv_bytes_per_slot=config.kv_bytes_per_entry(), seed=seed)
     out = {}
     for link_name, bandwidth in links.items():
         for P in block_sizes:
-            cost = projected_gpu_cost_model(JETMOE_ACTIVE_PARAMS, config.kv_bytes_per_token, L, K, E,
+            cost = projected_gpu_cost_model(JETMOE_ACTIVE_PARAMS, config.kv_bytes_per_entry(), L, K, E,
                                             config.head_dim, config.num_attention_heads, P,
                                             link_bytes_per_second=bandwidth, name=f"H100 + {link_name}")
             blocks = mean_blocks_at_context(trace, contexts, P)
