@@ -13,6 +13,7 @@ placeholder the notebooks are saved with), so a notebook cell just prints it.
 
 from __future__ import annotations
 
+import textwrap
 from functools import lru_cache
 
 import torch
@@ -23,6 +24,14 @@ from .sim.replay import replay
 from .sim.traces import RoutingTrace, synthetic_trace
 
 RIGHT, WRONG, MISSING = "Right", "Not yet", "No answer yet"
+
+
+def _wrapped(check):
+    """Checks return one paragraph; wrap it at 100 columns so that it reads at notebook width."""
+    def wrapped(*args, **kwargs):
+        return textwrap.fill(check(*args, **kwargs), width=100)
+    wrapped.__name__, wrapped.__doc__ = check.__name__, check.__doc__
+    return wrapped
 
 
 def _close(value: float, target: float, rel: float) -> bool:
@@ -42,6 +51,7 @@ def solution_flop_ratio(config, context_length: int = EXERCISE_01_CONTEXT_LENGTH
     return decode_flops(config, context_length, cached=False) / decode_flops(config, context_length, cached=True)
 
 
+@_wrapped
 def check_flop_ratio(answer, config, context_length: int = EXERCISE_01_CONTEXT_LENGTH) -> str:
     """Is `answer` within 3% of the recompute / cached FLOP ratio at `context_length`?"""
     if answer is None:
@@ -77,7 +87,7 @@ def check_flop_ratio(answer, config, context_length: int = EXERCISE_01_CONTEXT_L
 # 02: one expert's cache, from the routing decisions
 
 
-EXERCISE_02_PROMPT = "def fibonacci(n):\n    return n"
+EXERCISE_02_PROMPT = "class Cache:\n    def __init__(self, size):"
 EXERCISE_02_LAYER = 2
 EXERCISE_02_EXPERT = 5
 EXERCISE_02_BYTES_PER_VALUE = 4   # float32
@@ -93,6 +103,7 @@ def solution_expert_cache_bytes(selected, config, layer: int = EXERCISE_02_LAYER
     return tokens * 2 * config.num_key_value_heads * config.head_dim * bytes_per_value
 
 
+@_wrapped
 def check_expert_cache_bytes(answer, selected, config, layer: int = EXERCISE_02_LAYER,
                              expert: int = EXERCISE_02_EXPERT,
                              bytes_per_value: int = EXERCISE_02_BYTES_PER_VALUE) -> str:
@@ -168,6 +179,7 @@ def solution_block_size() -> int:
     return max(P for P in EXERCISE_03_BLOCK_SIZES if _exercise_03_utilization(P) >= TARGET_EFFECTIVE_UTILIZATION)
 
 
+@_wrapped
 def check_block_size(answer) -> str:
     """Is `answer` the largest block size reaching effective utilization >= 0.96 on the workload?"""
     if answer is None:

@@ -6,15 +6,29 @@ import torch
 
 from moekv_ref import get_config
 from moekv_ref.analysis import decode_flops
+from moekv_ref import exercises
 from moekv_ref.exercises import (
-    EXERCISE_01_CONTEXT_LENGTH, EXERCISE_03_BLOCK_SIZES, check_block_size, check_expert_cache_bytes,
-    check_flop_ratio, exercise_03_workload, solution_block_size, solution_expert_cache_bytes,
-    solution_flop_ratio,
+    EXERCISE_01_CONTEXT_LENGTH, EXERCISE_03_BLOCK_SIZES, exercise_03_workload, solution_block_size,
+    solution_expert_cache_bytes, solution_flop_ratio,
 )
 from moekv_ref.sim.designs import CountingPagedDesign
 from moekv_ref.sim.replay import replay
 
 CONFIG = get_config("tiny")
+
+
+def _unwrapped(check):
+    """The check's message with its line breaks (wrapped at 100 columns for notebooks) undone."""
+    def call(*args, **kwargs):
+        message = check(*args, **kwargs)
+        assert all(len(line) <= 100 for line in message.splitlines())
+        return " ".join(message.split())
+    return call
+
+
+check_flop_ratio = _unwrapped(exercises.check_flop_ratio)
+check_expert_cache_bytes = _unwrapped(exercises.check_expert_cache_bytes)
+check_block_size = _unwrapped(exercises.check_block_size)
 
 
 # --- 01 -------------------------------------------------------------------------------------------
