@@ -14,16 +14,23 @@ HOLE_STYLE = {"facecolor": "white", "edgecolor": "#555555", "hatch": "////", "li
 OWNER_LABELS = {"seq": "sequence", "layer": "layer", "expert": "expert"}
 
 
-def _colours(values: np.ndarray, num: int = 10, cmap: str = "tab10"):
-    import matplotlib.pyplot as plt
-    return plt.get_cmap(cmap)(np.asarray(values) % 10 / 9)
+# tab10 without its grey (index 7), which would read as "unused" or "free": 9 owner colours, cycled
+OWNER_PALETTE = np.array([(0.122, 0.467, 0.706), (1.0, 0.498, 0.055), (0.173, 0.627, 0.173),
+                          (0.839, 0.153, 0.157), (0.580, 0.404, 0.741), (0.549, 0.337, 0.294),
+                          (0.890, 0.467, 0.761), (0.737, 0.741, 0.133), (0.090, 0.745, 0.812)])
+
+
+def _colours(values) -> np.ndarray:
+    """RGBA per owner value (an integer), from OWNER_PALETTE."""
+    rgb = OWNER_PALETTE[np.asarray(values, dtype=np.int64) % len(OWNER_PALETTE)]
+    return np.concatenate([rgb, np.ones(rgb.shape[:-1] + (1,))], axis=-1)
 
 
 def _owner_legend(ax, values: np.ndarray, colour_by: str, extra: list) -> None:
     """A colour legend outside the axes, at its right: one entry per owner value drawn, then `extra`."""
     from matplotlib.patches import Patch
     present = sorted({int(v) for v in np.asarray(values)})
-    handles = [Patch(color=_colours([v])[0], label=f"{OWNER_LABELS[colour_by]} {v}") for v in present[:10]]
+    handles = [Patch(color=_colours([v])[0], label=f"{OWNER_LABELS[colour_by]} {v}") for v in present[:len(OWNER_PALETTE)]]
     ax.legend(handles=handles + extra, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8,
               frameon=False, title=f"colour = {OWNER_LABELS[colour_by]}", title_fontsize=8)
 
@@ -117,6 +124,8 @@ def plot_block_size_sweep(ax, rows: list[dict], key: str = "effective_utilizatio
         points = [(r["block_size"], r[key]) for r in rows if r["design"] == design]
         ax.plot(*zip(*points), "o-", label=design)
     ax.set_xscale("log", base=2)
+    sizes = sorted({r["block_size"] for r in rows})
+    ax.set_xticks(sizes, [str(P) for P in sizes])
     ax.set_xlabel("block size P (slots per block)")
     _finish_sweep(ax, key, title)
 
@@ -126,5 +135,7 @@ def plot_num_experts_sweep(ax, rows: list[dict], key: str = "effective_utilizati
         points = [(r["num_experts"], r[key]) for r in rows if r["design"] == design]
         ax.plot(*zip(*points), "o-", label=design)
     ax.set_xscale("log", base=2)
+    counts = sorted({r["num_experts"] for r in rows})
+    ax.set_xticks(counts, [str(E) for E in counts])
     ax.set_xlabel(f"attention experts per layer E (top-{rows[0]['top_k']})")
     _finish_sweep(ax, key, title)
