@@ -1,12 +1,16 @@
 """Figures the notebooks and `figures/` share. Each takes data from package functions and a matplotlib
-axis, so a notebook cell or widget callback stays one line."""
+axis, so a notebook cell or widget callback stays one line. Sized to be read at notebook width (about
+9 inches at 100 dpi): titles, axis labels with units, legends outside the data."""
 
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.patches import Patch
 
 from ..tokenizer import encode
+
+ROUTED_COLOUR = "#2b6cb0"
 
 
 def show_char(byte: int) -> str:
@@ -15,21 +19,35 @@ def show_char(byte: int) -> str:
 
 
 def plot_routing(selected, text: str, layer: int, ax=None):
-    """Heat map of one layer's routing: tokens along x, experts along y, filled where routed."""
+    """One layer's routing: tokens along x, experts along y, a filled cell where the token's K/V go
+    into that expert's cache; the count each expert's cache holds is written at the right."""
     ax = ax or plt.gca()
     matrix = selected[layer].T.numpy().astype(float)                       # (E, T)
-    ax.imshow(matrix, aspect="auto", cmap="Blues", vmin=0, vmax=1.3, interpolation="nearest")
+    num_experts, num_tokens = matrix.shape
+    ax.imshow(matrix, aspect="auto", cmap=plt.matplotlib.colors.ListedColormap(["#f4f4f4", ROUTED_COLOUR]),
+              vmin=0, vmax=1, interpolation="nearest")
     tokens = encode(text)
-    ax.set_xticks(range(len(tokens)), [show_char(t) for t in tokens], fontsize=8)
-    ax.set_yticks(range(matrix.shape[0]), [f"e{e}" for e in range(matrix.shape[0])])
+    fontsize = 9 if num_tokens <= 40 else 7 if num_tokens <= 80 else 5
+    ax.set_xticks(range(num_tokens), [show_char(t) for t in tokens], fontsize=fontsize)
+    ax.set_yticks(range(num_experts), [f"e{e}" for e in range(num_experts)], fontsize=9)
+    ax.set_xticks(np.arange(-0.5, num_tokens), minor=True)
+    ax.set_yticks(np.arange(-0.5, num_experts), minor=True)
+    ax.grid(which="minor", color="white", linewidth=0.5)
+    ax.tick_params(which="minor", length=0)
     counts = matrix.sum(1).astype(int)
     for e, c in enumerate(counts):
-        ax.text(len(tokens) - 0.4, e, f" {c}", va="center", fontsize=8)
-    ax.set_title(f"layer {layer}: experts per token (cache entries per expert at right)")
+        ax.text(num_tokens - 0.3, e, f" {c}", va="center", fontsize=9)
+    ax.text(num_tokens - 0.3, -0.7, " held", va="bottom", fontsize=8)
+    ax.set_xlabel("prompt, one byte-token per column (␣ = space)")
+    ax.set_ylabel("attention expert")
+    ax.set_title(f"layer {layer}: which experts' caches each token's K/V go into", fontsize=11)
+    ax.legend(handles=[Patch(color=ROUTED_COLOUR, label="routed: K/V stored in this expert's cache"),
+                       Patch(facecolor="#f4f4f4", edgecolor="grey", label="not routed")],
+              loc="upper left", bbox_to_anchor=(0, -0.28), ncol=2, fontsize=8, frameon=False)
     return ax
 
 
-def plot_cache_sizes(counts, ax=None, title="tokens held per (layer, expert)"):
+def plot_cache_sizes(counts, ax=None, title="tokens each expert's cache holds, per layer"):
     """Grouped bars: for each layer, the tokens each expert's cache holds. counts: (L, E)."""
     ax = ax or plt.gca()
     counts = np.asarray(counts)
@@ -39,7 +57,8 @@ def plot_cache_sizes(counts, ax=None, title="tokens held per (layer, expert)"):
         ax.bar(np.arange(num_experts) + layer * width, counts[layer], width, label=f"layer {layer}")
     ax.axhline(counts.sum() / counts.size, color="k", lw=0.8, ls="--", label="uniform split")
     ax.set_xticks(np.arange(num_experts) + 0.4 - width / 2, [f"e{e}" for e in range(num_experts)])
-    ax.set_ylabel("tokens")
-    ax.set_title(title)
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_xlabel("attention expert")
+    ax.set_ylabel("tokens held (cache entries)")
+    ax.set_title(title, fontsize=11)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     return ax

@@ -1,0 +1,73 @@
+"""The documentation points only at things a reader can open: every file, notebook and figure that
+docs/glossary.md and docs/design.md name exists; every function or class a glossary link names is
+defined in the file it links to; every notebook section it names is a heading of that notebook; and
+every row of the glossary's tables links to code and to a notebook (or says it is not built yet)."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = [DOCS / "glossary.md", DOCS / "design.md"]
+LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
+PATH_IN_BACKTICKS = re.compile(r"`([\w.-]+/[\w./-]*)`")
+FILE_SUFFIXES = (".py", ".ipynb", ".png", ".json", ".md", ".txt", ".pt")
+
+
+def _links(page: Path):
+    for text, target in LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+://", target):
+            continue
+        yield text, (page.parent / target.split("#")[0]).resolve()
+
+
+def _headings(notebook: Path) -> list[str]:
+    cells = json.loads(notebook.read_text())["cells"]
+    return [" ".join(line.lstrip("#").split()) for cell in cells if cell["cell_type"] == "markdown"
+            for line in "".join(cell["source"]).splitlines() if line.startswith("#")]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_linked_or_named_path_exists(page):
+    missing = [str(target.relative_to(ROOT)) for _, target in _links(page) if not target.exists()]
+    for path in PATH_IN_BACKTICKS.findall(page.read_text()):
+        if path.endswith("/") or path.endswith(FILE_SUFFIXES):
+            # a bare package folder (`cache/`) is named from inside moekv_ref/
+            if not (ROOT / path).exists() and not (ROOT / "moekv_ref" / path).exists():
+                missing.append(path)
+    assert not missing, f"{page.name} names files that do not exist: {missing}"
+
+
+def test_glossary_code_links_name_functions_defined_in_their_files():
+    undefined = []
+    for text, target in _links(DOCS / "glossary.md"):
+        if target.suffix != ".py" or text.endswith(".py"):
+            continue
+        source = target.read_text()
+        for name in text.strip("`").split("."):
+            if not re.search(rf"^\s*(def|class)\s+{re.escape(name)}\b", source, re.MULTILINE):
+                undefined.append(f"{name} in {target.relative_to(ROOT)}")
+    assert not undefined, f"glossary links name things their files do not define: {undefined}"
+
+
+def test_glossary_notebook_sections_are_headings():
+    unknown = []
+    for text, target in _links(DOCS / "glossary.md"):
+        if target.suffix != ".ipynb" or "›" not in text:
+            continue
+        section = " ".join(text.split("›", 1)[1].split())
+        if not any(section in heading for heading in _headings(target)):
+            unknown.append(f"{section!r} in {target.name}")
+    assert not unknown, f"glossary names notebook sections that are not headings: {unknown}"
+
+
+def test_every_glossary_row_links_code_and_a_notebook():
+    rows = [line for line in (DOCS / "glossary.md").read_text().splitlines() if line.startswith("| **")]
+    assert len(rows) >= 20     # six problems and the concepts
+    for row in rows:
+        targets = [target for _, target in LINK.findall(row)]
+        assert any(t.endswith(".py") for t in targets), f"no code link in: {row[:80]}"
+        assert any(t.endswith(".ipynb") for t in targets) or "not built yet" in row, f"no notebook in: {row[:80]}"
