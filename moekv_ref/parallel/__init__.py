@@ -8,7 +8,7 @@ attention experts' KV caches, every byte that travels counted.
     shard.py          RankShard: the experts a rank holds, and the replicated small parts
     kv_placements.py  kv_with_expert, kv_with_sequence, replicated_attention
     runner.py         ParallelRunner: one rank's step (attention placement + expert-parallel FFN)
-    programs.py       RunSpec, run_specs (the worker), run_parallel, reference_logits
+    programs.py       RunSpec, run_specs (the worker), run_parallel, reference_run
     locality.py       placement of experts on ranks compared on real routing
     cost_model.py     bytes, FLOPs and HBM reads per step -> projected step times on real hardware
     __main__.py       `torchrun --nproc_per_node=N -m moekv_ref.parallel ...`

@@ -10,11 +10,12 @@ whatever rounding does to the logits). Sequence i's home rank is i % world_size.
 
 `run_specs` is the worker function (the launcher spawns it on every rank; many specs share one
 process group, since starting processes is the slow part). `run_parallel` launches it and merges what
-the ranks return; `reference_logits` runs the same schedule in one process with `forward_cached`.
+the ranks return; `reference_run` runs the same schedule in one process with `forward_cached`.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -83,6 +84,11 @@ class RunSpec:
     block_size: int = 16
     record_logits: bool = True
     label: str = ""
+    # fault injection, for the failure tests and the notebook: at the start of fail_step, rank
+    # fail_rank exits at once (fail_mode "die") or sleeps for an hour ("hang")
+    fail_rank: int = -1
+    fail_step: int = -1
+    fail_mode: str = ""
 
     @property
     def num_decode_steps(self) -> int:
@@ -136,6 +142,8 @@ def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
         mine = [i for i in range(len(spec.prompts)) if i % context.world_size == context.rank]
         result = RankResult(context.rank, weight_bytes=runner.shard.weight_bytes())
         for step in range(spec.num_decode_steps + 1):
+            if (context.rank, step) == (spec.fail_rank, spec.fail_step):
+                inject_failure(spec.fail_mode)
             tokens, seq_ids, positions = (t.to(context.device) for t in step_inputs(spec, step, mine))
             logits = runner.step(step, tokens, seq_ids, positions)
             if spec.record_logits:
@@ -150,6 +158,14 @@ def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
         result.kv_tokens_per_expert = held.sum(0).tolist()
         results.append(result)
     return results
+
+
+def inject_failure(mode: str) -> None:
+    if mode == "die":
+        os._exit(3)
+    if mode == "hang":
+        time.sleep(3600)
+    raise ValueError(f"fail_mode={mode!r} is not one of ('die', 'hang')")
 
 
 def run_parallel(specs: list[RunSpec], world_size: int, timeout_s: float = 30.0) -> list[list[RankResult]]:
@@ -167,8 +183,9 @@ def merged_logits(results: list[RankResult]) -> dict:
 
 
 @torch.no_grad()
-def reference_logits(spec: RunSpec) -> dict:
-    """The same schedule in one process: model.forward_cached over one paged cache."""
+def reference_run(spec: RunSpec) -> tuple[dict, list]:
+    """The same schedule in one process: model.forward_cached over one paged cache. Returns the
+    (step, seq) logits and the tokens the cache holds per (layer, expert) at the end."""
     model = spec.model.build()
     cache = PagedKVCache.for_model(model, block_size=spec.block_size, num_blocks=spec.num_blocks * 8)
     everyone = list(range(len(spec.prompts)))
@@ -178,7 +195,7 @@ def reference_logits(spec: RunSpec) -> dict:
         logits = model.forward_cached(tokens, seq_ids, positions, cache).logits
         for seq, rows in split_logits(logits, seq_ids).items():
             out[(step, seq)] = rows
-    return out
+    return out, cache.token_counts(everyone).sum(0).tolist()
 
 
 def max_difference(parallel: dict, reference: dict) -> float:
@@ -202,9 +219,3 @@ def total_traffic(results: list[RankResult], step: int) -> dict[str, int]:
         for name, value in result.traffic.get(step, {}).items():
             total[name] = total.get(name, 0) + value
     return total
-
-
-def timed(function, *args, **kwargs):
-    start = time.perf_counter()
-    value = function(*args, **kwargs)
-    return value, time.perf_counter() - start
