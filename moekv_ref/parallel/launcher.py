@@ -35,8 +35,17 @@ import torch.multiprocessing as mp
 from .comm import Communicator
 
 
+FAULT_KEY = "moekv/fault_at"   # where an injected fault notes its wall-clock time
+
+
 class WorkerFailed(RuntimeError):
-    """One or more ranks failed; the message has each failed rank's error."""
+    """One or more ranks failed; the message has each failed rank's error. ended_at: wall-clock time
+    when every rank was gone; fault_at: when an injected fault happened (None if none was noted)."""
+
+    def __init__(self, message: str, ended_at: float, fault_at: float | None):
+        super().__init__(message)
+        self.ended_at = ended_at
+        self.fault_at = fault_at
 
 
 @dataclass
@@ -133,5 +142,6 @@ def launch(function, world_size: int, args: tuple = (), backend: str | None = No
                 process.join(timeout=5)
     if errors:
         lines = [f"rank {rank}: {errors[rank]}" for rank in sorted(errors)]
-        raise WorkerFailed(f"{len(errors)} of {world_size} ranks failed:\n" + "\n".join(lines))
+        fault_at = float(store.get(FAULT_KEY).decode()) if store.check([FAULT_KEY]) else None
+        raise WorkerFailed(f"{len(errors)} of {world_size} ranks failed:\n" + "\n".join(lines), time.time(), fault_at)
     return [values[rank] for rank in range(world_size)]

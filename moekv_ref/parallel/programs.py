@@ -25,7 +25,7 @@ from ..cache import PagedKVCache
 from ..checkpoint import load_default_model
 from ..config import ModelConfig
 from ..model import MoEKVTransformer
-from .launcher import WorkerContext, launch
+from .launcher import FAULT_KEY, WorkerContext, launch
 from .runner import ParallelRunner
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -143,7 +143,7 @@ def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
         result = RankResult(context.rank, weight_bytes=runner.shard.weight_bytes())
         for step in range(spec.num_decode_steps + 1):
             if (context.rank, step) == (spec.fail_rank, spec.fail_step):
-                inject_failure(spec.fail_mode)
+                inject_failure(spec.fail_mode, context.comm.store)
             tokens, seq_ids, positions = (t.to(context.device) for t in step_inputs(spec, step, mine))
             logits = runner.step(step, tokens, seq_ids, positions)
             if spec.record_logits:
@@ -160,7 +160,11 @@ def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
     return results
 
 
-def inject_failure(mode: str) -> None:
+def inject_failure(mode: str, store=None) -> None:
+    """Die or hang now, noting the wall-clock time in the store first (the launcher reports how long
+    after it every rank was gone)."""
+    if store is not None:
+        store.set(FAULT_KEY, repr(time.time()))
     if mode == "die":
         os._exit(3)
     if mode == "hang":
