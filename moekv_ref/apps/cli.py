@@ -3,7 +3,7 @@
     generate       generate from a prompt with the embedded model and report its per-expert caches
     routing-stats  what the embedded model's routers learned (load, entropy, character preferences)
     demo           serve a stream of requests through a small pool: continuous batching, preemption
-    bench          benchmarks: `bench memory`, `bench serving`
+    bench          benchmarks: `bench memory`, `bench serving`, `bench parallel`
     figures        regenerate every PNG in figures/ from the package
 """
 
@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench_serving, demo
     s = bench_serving.build_parser(bench.add_parser("serving", help="static vs continuous batching, one budget"))
     s.set_defaults(func=bench_serving.main)
+    from . import bench_parallel
+    p = bench_parallel.build_parser(bench.add_parser("parallel", help="expert parallelism: bytes per step, placements"))
+    p.set_defaults(func=bench_parallel.main)
     d = demo.build_parser(sub.add_parser("demo", help="serve requests through a small pool (the main demo)"))
     d.set_defaults(func=demo.main)
     from . import figures
