@@ -87,3 +87,24 @@ def format_placement_table(rows: list[dict]) -> str:
                      f"{row['dispatch_bytes_per_token_layer_once_per_expert']:>12.1f} "
                      f"{row['kv_imbalance_max_over_mean']:>13.3f}  {row['kv_tokens_per_rank']}")
     return "\n".join(lines)
+
+
+def kv_location_map(selected_per_layer: list[torch.Tensor], attention_ranks: torch.Tensor, kv_placement: str,
+                    home_rank: int) -> torch.Tensor:
+    """Where each token's K/V lives, for one sequence: (L * E, T) int64, the rank holding the K/V
+    token t wrote into expert e of layer l (row l * E + e), or -1 where t was not routed to e.
+
+    selected_per_layer: L tensors (T, E) bool, the sequence's attention routing; attention_ranks
+    (L, E). kv_with_expert keeps it on the expert's rank; the other placements at the home rank."""
+    from .kv_placements import KV_PLACEMENTS
+    if kv_placement not in KV_PLACEMENTS:
+        raise ValueError(f"kv_placement={kv_placement!r} is not one of {KV_PLACEMENTS}")
+    attention_ranks = torch.as_tensor(attention_ranks, dtype=torch.int64)
+    maps = []
+    for layer, selected in enumerate(selected_per_layer):
+        if kv_placement == "kv_with_expert":
+            where = attention_ranks[layer][None, :].expand_as(selected)                      # (T, E)
+        else:
+            where = torch.full(selected.shape, home_rank, dtype=torch.int64)
+        maps.append(torch.where(selected, where, -1).T)                                    # (E, T)
+    return torch.cat(maps)                                                                 # (L*E, T)
