@@ -199,4 +199,4 @@ def record_model_trace(model, prompts: list[list[int]], output_lens: list[int],
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     bytes_per_value = next(model.parameters()).element_size()
     return RoutingTrace(torch.cat(parts), offsets, torch.tensor([len(p) for p in prompts]),
-                        config.num_attention_experts, config.kv_values_per_token * bytes_per_value, name)
+                        config.num_attention_experts, config.kv_bytes_per_entry(bytes_per_value), name)

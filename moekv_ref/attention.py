@@ -20,16 +20,31 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     expert's cache: an expert sees a gappy subset of the sequence, and relative distances between
     the tokens it holds must stay the true ones.
     """
-    head_dim = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=x.device) / head_dim)
-    angles = positions.to(torch.float64)[..., None] * inv_freq         # (..., Dh/2)
-    cos = torch.cos(angles).to(x.dtype)[..., None, :]                   # (..., 1, Dh/2)
-    sin = torch.sin(angles).to(x.dtype)[..., None, :]
+    cos, sin = rotary_table(x.shape[-1], theta, int(positions.max()) + 1 if positions.numel() else 1, x.device)
+    cos = cos[positions].to(x.dtype)[..., None, :]                      # (..., 1, Dh/2)
+    sin = sin[positions].to(x.dtype)[..., None, :]
     x1, x2 = x[..., 0::2], x[..., 1::2]                                 # (..., heads, Dh/2) each
     out = torch.empty_like(x)
     out[..., 0::2] = x1 * cos - x2 * sin
     out[..., 1::2] = x1 * sin + x2 * cos
     return out
+
+
+_ROTARY_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rotary_table(head_dim: int, theta: float, num_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * theta^(-2i/Dh) for positions 0..num_positions-1: (P, Dh/2) float64
+    each. Computed in float64 once and kept (a decode step would otherwise recompute them for every
+    layer); the table is regrown, doubling, when a longer position is asked for."""
+    key = (head_dim, float(theta), torch.device(device))
+    cached = _ROTARY_TABLES.get(key)
+    if cached is None or cached[0].shape[0] < num_positions:
+        size = max(num_positions, 2 * cached[0].shape[0] if cached is not None else 256)
+        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+        angles = torch.arange(size, dtype=torch.float64, device=device)[:, None] * inv_freq   # (P, Dh/2)
+        cached = _ROTARY_TABLES[key] = (torch.cos(angles), torch.sin(angles))
+    return cached
 
 
 def attend_by_position(

@@ -4,7 +4,8 @@ Field names follow the Hugging Face configs of the models the presets describe (
 DeepSeek-V3, JetMoE): `hidden_size`, `num_hidden_layers`, `num_attention_heads`,
 `num_key_value_heads`, `num_local_experts`, `num_experts_per_tok`, ... The attention-expert fields
 (`num_attention_experts`, `num_attention_experts_per_tok`, `attention_routing`) are ours: no mainstream
-model routes attention with per-expert K/V, which is the subject of this project (DESIGN.md §1).
+model routes attention with per-expert K/V, which is the subject of this project (docs/design.md,
+"Where per-expert caches come from").
 
 Only `tiny` is ever built as a model here; the other presets are sizing-only: they give real shapes to
 the memory benchmark, the simulator and the cost model.
@@ -84,7 +85,7 @@ class ModelConfig:
             raise ValueError(
                 "attention_mode='dense' is the E=1, k=1 case: num_attention_experts and "
                 f"num_attention_experts_per_tok must be 1, got {self.num_attention_experts} and "
-                f"{self.num_attention_experts_per_tok} (use ModelConfig.dense(...) or attention_mode='expert')"
+                f"{self.num_attention_experts_per_tok} (or use attention_mode='expert')"
             )
         if self.num_attention_experts_per_tok > self.num_attention_experts:
             raise ValueError(
@@ -116,17 +117,25 @@ class ModelConfig:
 
     # ----- derived sizes --------------------------------------------------------------------------
     @property
-    def kv_values_per_token(self) -> int:
-        """Numbers one token stores in one (layer, expert) cache: K and V for every KV head, or the
-        MLA latent."""
+    def kv_values_per_entry(self) -> int:
+        """Numbers one token stores in one (layer, expert) row: K and V for every KV head, or the
+        MLA latent (DeepSeek-V3 caches one compressed vector plus the rotary part of the key)."""
         if self.kv_lora_rank > 0:
             return self.kv_lora_rank + self.qk_rope_head_dim
         return 2 * self.num_key_value_heads * self.head_dim
 
+    def kv_bytes_per_entry(self, bytes_per_value: int | None = None) -> int:
+        """Bytes one token adds to one (layer, expert) row, in kv_cache_dtype unless bytes_per_value
+        says otherwise (a model run in float32 caches 4-byte values)."""
+        if bytes_per_value is None:
+            bytes_per_value = _BYTES_PER_DTYPE[self.kv_cache_dtype]
+        return self.kv_values_per_entry * bytes_per_value
+
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one token adds to one (layer, expert) cache."""
-        return self.kv_values_per_token * _BYTES_PER_DTYPE[self.kv_cache_dtype]
+        """Bytes one token adds to the whole cache: every layer, every expert it is routed to (k per
+        layer; under threshold routing k_max, the most a token can take)."""
+        return self.max_kv_entries_per_token * self.kv_bytes_per_entry()
 
     @property
     def max_kv_entries_per_token(self) -> int:
@@ -164,7 +173,7 @@ class ModelConfig:
 # ----- presets ------------------------------------------------------------------------------------
 PRESETS: dict[str, ModelConfig] = {
     # The embedded default: byte-level, small enough to train on two CPU cores in minutes
-    # (scripts/train_tiny.py) and to run every notebook in seconds.
+    # (moekv_ref/apps/train.py) and to run every notebook in seconds.
     # Its routers put 0.32-0.43 of the probability on the first expert on average, so a threshold of
     # 0.35 makes threshold routing use 1.2-1.8 experts per token depending on the layer (0.5 would use
     # 1.7-1.9, nearly always k_max=2, and show little of what dynamic routing does).
@@ -203,7 +212,7 @@ PRESETS: dict[str, ModelConfig] = {
     # kv_channels=128, and 8 FFN experts (ffn_hidden_size 5632), top-2. Its config's
     # num_attention_heads=32 counts the query heads of the top-2 experts together (16 each); ours
     # counts per expert. Its attention experts route Q/O but share K/V, so its real cache is per
-    # token, not per expert (DESIGN.md §1): we size it as if each expert kept its own K/V.
+    # token, not per expert (docs/design.md): we size it as if each expert kept its own K/V.
     "jetmoe-8b": ModelConfig(
         name="jetmoe-8b", vocab_size=32000, hidden_size=2048, num_hidden_layers=24,
         num_attention_heads=16, num_key_value_heads=16, head_dim=128, max_position_embeddings=4096,

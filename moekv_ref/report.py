@@ -18,7 +18,7 @@ def cache_report(counts: torch.Tensor, config: ModelConfig, bytes_per_value: int
     """
     if counts.dim() == 3:
         counts = counts.sum(0)
-    bytes_per_token = 2 * config.num_key_value_heads * config.head_dim * bytes_per_value
+    bytes_per_token = config.kv_bytes_per_entry(bytes_per_value)                 # per (layer, expert)
     num_experts = counts.shape[1]
     layers = []
     for layer, row in enumerate(counts.tolist()):

@@ -1,4 +1,4 @@
-"""The simulator, the baselines and `bench memory` (issue 3).
+"""The simulator, the baselines and `bench memory`.
 
 Scenario tests pin exact numbers on hand-made traces (why each number is what it is, in a comment);
 equivalence tests show the count-level paged design equals the real KVCacheManager step by step, and

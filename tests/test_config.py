@@ -4,10 +4,15 @@ from moekv_ref.config import PRESETS, ModelConfig, get_config
 
 
 def test_presets_have_real_kv_sizes():
-    # Mixtral: 8 KV heads x 128 x (K and V) x 2 bytes (bf16) per token per layer
-    assert get_config("mixtral-8x7b").kv_bytes_per_token == 8 * 128 * 2 * 2
-    # DeepSeek-V3 MLA: one latent of 512 + 64 values per token per layer
-    assert get_config("deepseek-v3").kv_values_per_token == 576
+    # Mixtral: 8 KV heads x 128 x (K and V) x 2 bytes (bf16) per token per layer; dense attention is
+    # one expert per token, so a token costs 32 layers of that
+    assert get_config("mixtral-8x7b").kv_bytes_per_entry() == 8 * 128 * 2 * 2
+    assert get_config("mixtral-8x7b").kv_bytes_per_token == 32 * 8 * 128 * 2 * 2
+    # DeepSeek-V3 MLA: one latent of 512 + 64 values per token per layer, 61 layers
+    assert get_config("deepseek-v3").kv_values_per_entry == 576
+    assert get_config("deepseek-v3").kv_bytes_per_token == 61 * 576 * 2
+    # tiny in float32: 2 heads x 32 x (K and V) x 4 bytes per entry, 4 layers x top-2 entries per token
+    assert get_config("tiny").kv_bytes_per_entry(4) == 2 * 32 * 2 * 4
     assert get_config("qwen3-30b-a3b").num_local_experts == 128
     assert get_config("jetmoe-8b").num_attention_experts == 8
     assert get_config("tiny").max_kv_entries_per_token == 4 * 2

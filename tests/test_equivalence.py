@@ -1,4 +1,4 @@
-"""Cached decoding = full recompute, at every position (DESIGN.md §1, issue 2).
+"""Cached decoding = full recompute, at every position.
 
 The cached path (`forward_cached`: per-expert gather of routed tokens, K/V appended to a cache) and
 the recompute path (`forward`: all experts dense, masked by routing, scaled_dot_product_attention)

@@ -1,4 +1,4 @@
-"""The paged cache equals the contiguous cache and full recompute (issue 3).
+"""The paged cache equals the contiguous cache and full recompute.
 
 Equivalence: the same prompts and sampling through `generate` with cache="paged" (block sizes 1, 4,
 16, 64, free queue shuffled so that a row's blocks are scattered over the pool) and cache="contiguous"

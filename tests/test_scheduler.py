@@ -1,4 +1,4 @@
-"""The scheduler's arithmetic and policies (issue 4), without a model where possible.
+"""The scheduler's arithmetic, decisions and policies, without a model.
 
 Bounds: the worst case of one step and of a lifetime are upper bounds of what any routing can take
 (checked against random routings), and exact on hand-made cases. The predictor starts at k_max and
@@ -71,3 +71,228 @@ def test_predictor_starts_at_k_max_and_follows_observations():
 def test_bad_scheduler_config_names_the_value(field, value):
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: value})
+
+
+# ----- decisions, with no model -------------------------------------------------------------------
+# A KVCacheManager and a Scheduler alone, stepped by hand: `schedule()`, then the forward simulated by
+# allocating each scheduled token in the manager under a hand-made routing, then `update_from_output`
+# with a made-up sampled token. L=2 layers, E=4 experts, k_max=2, P=4 slots per block; the pool is
+# unshuffled, so it hands out blocks 0, 1, 2, ... and reuses the last freed first.
+
+from moekv_ref.cache.kv_cache_manager import KVCacheManager
+from moekv_ref.engine.admission import predicted_peak
+from moekv_ref.engine.memory import ModelShape
+from moekv_ref.engine.request import Request, RequestStatus
+from moekv_ref.engine.scheduler import Scheduler
+from moekv_ref.engine.swap import SWAP_IN, SWAP_OUT
+from moekv_ref.engine.victims import VictimPolicy
+from moekv_ref.sampling import SamplingParams
+
+SHAPE = ModelShape(num_layers=2, num_experts=4, k_max=2, k_min=1, block_size=4, max_num_positions=64)
+EXPERTS_01 = torch.tensor([1, 1, 0, 0])      # a token routed to experts 0 and 1, in every layer
+EXPERTS_23 = torch.tensor([0, 0, 1, 1])
+
+
+def make_scheduler(num_blocks, num_swap_blocks=0, **config):
+    manager = KVCacheManager(SHAPE.num_layers, SHAPE.num_experts, SHAPE.block_size, num_blocks)
+    return Scheduler(SchedulerConfig(**config), manager, SHAPE, num_swap_blocks)
+
+
+def add(scheduler, request_id, prompt_len, max_new_tokens):
+    request = Request(request_id, [7] * prompt_len, SamplingParams(max_new_tokens=max_new_tokens, temperature=0))
+    scheduler.check_fits_alone(prompt_len, max_new_tokens)
+    scheduler.add_request(request)
+    return request
+
+
+def run_forward(scheduler, out, experts=EXPERTS_01):
+    """What the model's forward would do to the manager: every scheduled token goes to `experts`
+    (E,) in every layer; then every request that samples gets token 1."""
+    manager = scheduler.manager
+    for item in out.scheduled:
+        seq_id = item.request.request_id
+        if seq_id not in manager.sequences:
+            manager.add_sequence(seq_id)
+        rows = manager.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]       # (L*E,)
+        manager.allocate_slots(rows, (experts * item.num_tokens).repeat(SHAPE.num_layers))
+    sampled = {item.request.request_id: 1 for item in out.scheduled if item.samples}
+    return scheduler.update_from_output(out, sampled)
+
+
+def ids(requests):
+    return [r.request_id for r in requests]
+
+
+def test_optimistic_admission_admits_while_the_step_worst_case_fits():
+    scheduler = make_scheduler(20, admission="optimistic")
+    for i in range(3):
+        add(scheduler, i, prompt_len=3, max_new_tokens=4)
+    out = scheduler.schedule(0)
+    # a 3-token prompt may open min(bound A = 4 rows x 1, bound B = 4 + (6 - 4) // 4) = 4 blocks per
+    # layer: 8 reserved each; 8 + 8 <= 20, but a third 8 would make 24 > 20
+    assert [(s.request.request_id, s.num_tokens, s.reserved_blocks) for s in out.scheduled] == [(0, 3, 8), (1, 3, 8)]
+    assert ids(out.admitted) == [0, 1] and ids(scheduler.waiting) == [2] and not out.block_copies
+    run_forward(scheduler, out)
+    # each sequence: rows (layer, expert 0/1) got a block each, in row order
+    assert scheduler.manager.blocks_of_sequence(0).tolist() == [0, 1, 2, 3]
+    assert scheduler.manager.blocks_of_sequence(1).tolist() == [4, 5, 6, 7]
+    out = scheduler.schedule(1)
+    # decode: the two empty rows per layer may each open a block -> 4 reserved each; 8 of 12 free;
+    # the third request's 8 would need 16 > 12
+    assert [(s.request.request_id, s.reserved_blocks) for s in out.scheduled] == [(0, 4), (1, 4)]
+    assert not out.admitted
+
+
+def test_predicted_admission_refuses_what_the_predicted_peak_cannot_hold():
+    # Before any routing is observed the predictor assumes k_max = 2 experts per token. Request 0
+    # (running, holding nothing yet) is predicted to end at 6 tokens x 2 experts = 12 entries per
+    # layer: 12/4 + 4 rows x 3/4 = 6 blocks, 12 in all; request 1 the same. Both peak in the same
+    # last step: 24 > 20, so the prediction refuses request 1, which the optimistic rule admits.
+    predicted = make_scheduler(20, admission="predicted")
+    optimistic = make_scheduler(20, admission="optimistic")
+    for scheduler in (predicted, optimistic):
+        first, second = add(scheduler, 0, 3, 4), add(scheduler, 1, 3, 4)
+    out = predicted.schedule(0)
+    assert ids(out.admitted) == [0]
+    assert predicted_peak([first, second], predicted.memory, predicted.predictor) == 24
+    assert ids(optimistic.schedule(0).admitted) == [0, 1]
+
+
+def preemption_scenario(mode):
+    """Two requests (3-token prompts, 4 new tokens) in a pool of 16 blocks. Steps 0-2 fill it:
+    prefill routes to experts 0/1 (blocks 0-3 and 4-7), the first decode token to experts 2/3
+    (blocks 8-11 and 12-15), the second to experts 0/1 again (rows 0 and 1 reach 4 tokens: full)."""
+    scheduler = make_scheduler(16, num_swap_blocks=8 if mode == "swap" else 0,
+                               admission="optimistic", preemption_mode=mode)
+    add(scheduler, 0, 3, 4)
+    add(scheduler, 1, 3, 4)
+    for step, experts in enumerate([EXPERTS_01, EXPERTS_23, EXPERTS_01]):
+        out = scheduler.schedule(step)
+        assert ids(s.request for s in out.scheduled) == [0, 1] and not out.preempted
+        run_forward(scheduler, out, experts)
+    assert scheduler.manager.num_free_blocks == 0
+    assert scheduler.manager.blocks_of_sequence(1).tolist() == [4, 5, 12, 13, 6, 7, 14, 15]
+    return scheduler
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_newest_request_is_preempted_when_the_step_does_not_fit(mode):
+    scheduler = preemption_scenario(mode)
+    out = scheduler.schedule(3)
+    # request 0's full rows 0 and 1 may each open a block in both layers: 4 blocks, none free. The
+    # newest running request, 1, is preempted; its 8 blocks return and request 0 runs alone.
+    assert ids(out.preempted) == [1] and not out.admitted and not out.resumed
+    assert [(s.request.request_id, s.reserved_blocks) for s in out.scheduled] == [(0, 4)]
+    request = out.preempted[0]
+    assert request.status is RequestStatus.PREEMPTED and ids(scheduler.waiting) == [1]
+    assert 1 not in scheduler.manager.sequences and scheduler.manager.num_free_blocks == 8
+    if mode == "recompute":
+        assert out.freed == [1] and not out.block_copies
+        assert request.num_computed_tokens == 0 and request.num_recomputed_tokens == 5
+    else:
+        # its device blocks, row by row, go to host blocks 0..7 of the (unshuffled) swap space
+        assert [(c.direction, c.source.tolist(), c.destination.tolist()) for c in out.block_copies] == \
+            [(SWAP_OUT, [4, 5, 12, 13, 6, 7, 14, 15], list(range(8)))]
+        assert out.freed == [] and request.num_computed_tokens == 5 and request.swapped
+        assert scheduler.memory.num_swapped_blocks == 8
+    # request 0 decodes its last token into 2 new blocks per layer, taken from the freed ones, last
+    # freed first (15, 14, 7, 6); it finishes and frees all 12 of its blocks
+    assert ids(run_forward(scheduler, out)) == [0]
+    out = scheduler.schedule(4)
+    assert ids(out.resumed) == [1] and not out.admitted
+    if mode == "recompute":
+        # all 6 tokens (3 prompt + 3 sampled) as one prefill: up to 6 blocks per layer (4 rows +
+        # (12 entries - 4) // 4)
+        assert [(s.num_tokens, s.reserved_blocks) for s in out.scheduled] == [(6, 12)]
+        assert not out.block_copies
+    else:
+        # swap-in: its saved counts (4, 4, 1, 1 per layer: 8 blocks) are allocated again, row by
+        # row, from the free queue, whose top is request 0's blocks in reverse of their freeing
+        # order (0, 15, 1, 14, 8, 9, 2, 7, 3, 6, 10, 11); the host blocks return to the swap space
+        assert [(c.direction, c.source.tolist(), c.destination.tolist()) for c in out.block_copies] == \
+            [(SWAP_IN, list(range(8)), [11, 10, 6, 3, 7, 2, 9, 8])]
+        assert scheduler.manager.blocks_of_sequence(1).tolist() == [11, 10, 6, 3, 7, 2, 9, 8]
+        assert scheduler.memory.num_swapped_blocks == 0
+        assert [(s.num_tokens, s.reserved_blocks) for s in out.scheduled] == [(1, 4)]
+    assert ids(run_forward(scheduler, out)) == [1]
+    scheduler.memory.assert_no_leak()
+    assert not scheduler.has_unfinished
+
+
+class OldestFirst(VictimPolicy):
+    """For the test: preempt the oldest candidate."""
+    name = "oldest_first"
+
+    def choose_victim(self, candidates, memory, need):
+        assert need == 4 and memory.num_free_blocks == 0          # what the step is short of
+        return candidates[0]
+
+
+def test_a_victim_policy_object_chooses_who_is_preempted():
+    scheduler = make_scheduler(16, admission="optimistic", victim=OldestFirst())
+    add(scheduler, 0, 3, 4)
+    add(scheduler, 1, 3, 4)
+    for step, experts in enumerate([EXPERTS_01, EXPERTS_23, EXPERTS_01]):
+        run_forward(scheduler, scheduler.schedule(step), experts)
+    out = scheduler.schedule(3)
+    # request 0 is preempted (it was the candidate chosen, and the one being scheduled); request 1
+    # then fits in the 8 blocks it freed
+    assert ids(out.preempted) == [0]
+    assert [(s.request.request_id, s.reserved_blocks) for s in out.scheduled] == [(1, 4)]
+
+
+def test_a_victim_outside_the_candidates_is_an_error():
+    class Wrong(VictimPolicy):
+        def choose_victim(self, candidates, memory, need):
+            return Request(99, [1], SamplingParams())
+    scheduler = make_scheduler(16, admission="optimistic", victim=Wrong())
+    add(scheduler, 0, 3, 4)
+    add(scheduler, 1, 3, 4)
+    for step, experts in enumerate([EXPERTS_01, EXPERTS_23, EXPERTS_01]):
+        run_forward(scheduler, scheduler.schedule(step), experts)
+    with pytest.raises(RuntimeError, match="chose request 99, not one of the candidates"):
+        scheduler.schedule(3)
+
+
+def test_continuous_reserved_admits_while_lifetime_reservations_fit():
+    # 6 cached tokens reserve ceil(6/4) = 2 blocks in each of the 8 rows: 16 per request. Two fit a
+    # pool of 40; the third would make 48, although its step (8 blocks) fits the 24 left.
+    scheduler = make_scheduler(40, policy="continuous_reserved")
+    for i in range(3):
+        add(scheduler, i, 3, 4)
+    assert ids(scheduler.schedule(0).admitted) == [0, 1]
+
+
+def test_static_batch_is_padded_by_the_policy_and_admits_only_when_done():
+    # padded length = longest prompt 5 + longest output 6 - 1 = 10 tokens: 8 rows x 3 blocks = 24
+    # reserved each, two fit 48. Request 0 decodes 6 tokens (4 of padding), as its batch does.
+    scheduler = make_scheduler(48, policy="static")
+    short, long = add(scheduler, 0, 3, 2), add(scheduler, 1, 5, 6)
+    assert not hasattr(short, "num_padding_tokens")
+    finished_at = {}
+    for step in range(20):
+        if step == 1:
+            add(scheduler, 2, 2, 2)
+        out = scheduler.schedule(step)
+        if step == 0:
+            assert ids(out.admitted) == [0, 1]
+        if 2 in ids(out.admitted):
+            assert set(finished_at) == {0, 1}        # only once the whole first batch is done
+            assert finished_at[0] == finished_at[1] == step - 1
+        for request in run_forward(scheduler, out):
+            finished_at[request.request_id] = step
+        if not scheduler.has_unfinished:
+            break
+    assert len(short.output_token_ids) == 6 and short.generated_token_ids == [1, 1]
+    assert len(long.generated_token_ids) == 6 and set(finished_at) == {0, 1, 2}
+    scheduler.memory.assert_no_leak()
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"policy": "static", "admission": "optimistic"}, "applies to policy='continuous_paged' only"),
+    ({"victim": "random"}, "victim='random' is not one of"),
+    ({"policy": object()}, "policy=<object"),
+])
+def test_options_that_do_not_apply_or_do_not_exist_are_refused(config, match):
+    with pytest.raises(ValueError, match=match):
+        SchedulerConfig(**config)

@@ -1,6 +1,6 @@
 """`python -m moekv_ref bench memory`: the same workloads through every memory design, in one run.
 
-Workloads (issue 3):
+Workloads:
   W1  the embedded model's real attention routing (E=8, top-2, 4 layers) on a fixed set of prompts,
       continued greedily;
   W2  synthetic, fine-grained: E=64, top-8, 16 layers, log-normal prompt and output lengths of mean
@@ -30,12 +30,19 @@ import json
 import time
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 import torch
 
+from ..analysis import record_model_trace
+from ..cache.kv_cache_manager import check_block_size
+from ..checkpoint import DEFAULT_CHECKPOINT, load_default_model
+from ..config import get_config
+from ..model import MoEKVTransformer
+from ..plots.memory import plot_block_size_sweep, plot_num_experts_sweep
 from ..sim.baselines import FirstFitDesign, ReservedDesign
 from ..sim.designs import CountingPagedDesign, ManagerPagedDesign, SharedTailDesign
 from ..sim.replay import max_concurrent_sequences, replay
-from ..analysis import record_model_trace
 from ..sim.traces import RoutingTrace, synthetic_trace
 
 DEFAULT_BLOCK_SIZE = 16
@@ -58,10 +65,6 @@ def w1_output_lens(num_prompts: int) -> list[int]:
 
 def workload_w1(num_prompts: int = 16) -> tuple[RoutingTrace, str]:
     """The embedded model's routing; random weights (and a note) if the checkpoint is missing."""
-    from ..checkpoint import DEFAULT_CHECKPOINT, load_default_model
-    from ..model import MoEKVTransformer
-    from ..config import get_config
-
     if DEFAULT_CHECKPOINT.exists():
         model, source = load_default_model(), "embedded checkpoint"
     else:
@@ -315,7 +318,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def run_bench_memory(args) -> int:
-    from ..cache.kv_cache_manager import check_block_size
     check_block_size(args.block_size)
     started = time.perf_counter()
     report = run(args.block_size, quick=args.quick)
@@ -331,14 +333,10 @@ def run_bench_memory(args) -> int:
 
 def save_figures(report: dict, directory: Path) -> list[Path]:
     """The block-size and expert-count sweeps of a report as PNGs."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from ..plots.memory import plot_block_size_sweep, plot_num_experts_sweep
-
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8))
+    fig = Figure(figsize=(12, 3.8))
+    (left, right) = fig.subplots(1, 2)
     plot_block_size_sweep(left, report["block_size_sweep"]["rows"], "effective_utilization")
     plot_block_size_sweep(right, report["block_size_sweep"]["rows"], "reads_per_decode_token")
     right.set_yscale("log")
@@ -346,13 +344,13 @@ def save_figures(report: dict, directory: Path) -> list[Path]:
     fig.tight_layout()
     paths.append(directory / "bench_memory_block_size.png")
     fig.savefig(paths[-1], dpi=110)
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    fig = Figure(figsize=(6.5, 3.8))
+    ax = fig.subplots()
     plot_num_experts_sweep(ax, report["num_experts_sweep"]["rows"])
     ax.set_title(f"number of experts at block size {report['num_experts_sweep']['block_size']}")
     fig.tight_layout()
     paths.append(directory / "bench_memory_num_experts.png")
     fig.savefig(paths[-1], dpi=110)
-    plt.close("all")
     return paths
 
 

@@ -3,7 +3,7 @@
     generate       generate from a prompt with the embedded model and report its per-expert caches
     routing-stats  what the embedded model's routers learned (load, entropy, character preferences)
     demo           serve a stream of requests through a small pool: continuous batching, preemption
-    bench          benchmarks: `bench memory`, `bench serving`, `bench parallel`
+    bench          benchmarks: `bench memory`, `bench serving`, `bench eviction`, `bench parallel`
     figures        regenerate every PNG in figures/ from the package
 """
 
@@ -24,6 +24,7 @@ from ..config import ROUTINGS, get_config
 from ..report import cache_report, format_cache_report
 from ..sampling import SamplingParams
 from ..tokenizer import decode, encode
+from . import bench_eviction, bench_memory, bench_parallel, bench_serving, demo, figures
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -111,19 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(r)
     r.set_defaults(func=cmd_routing_stats)
 
-    from . import bench_memory
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     m = bench_memory.build_parser(bench.add_parser("memory", help="memory designs on the same workloads"))
     m.set_defaults(func=bench_memory.run_bench_memory)
-    from . import bench_serving, demo
+    v = bench_eviction.build_parser(bench.add_parser("eviction", help="victim policies under per-device pools"))
+    v.set_defaults(func=bench_eviction.main)
     s = bench_serving.build_parser(bench.add_parser("serving", help="static vs continuous batching, one budget"))
     s.set_defaults(func=bench_serving.main)
-    from . import bench_parallel
     p = bench_parallel.build_parser(bench.add_parser("parallel", help="expert parallelism: bytes per step, placements"))
     p.set_defaults(func=bench_parallel.main)
     d = demo.build_parser(sub.add_parser("demo", help="serve requests through a small pool (the main demo)"))
     d.set_defaults(func=demo.main)
-    from . import figures
     f = sub.add_parser("figures", help="regenerate every PNG in figures/")
     f.add_argument("--out", default="figures")
     f.add_argument("--quick", action="store_true", help="smaller memory benchmark")

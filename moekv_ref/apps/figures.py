@@ -12,39 +12,41 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
+
+from ..analysis import decode_flops, route_prompt
+from ..checkpoint import load_default_model
+from ..generate import generate
+from ..plots.routing import plot_cache_sizes, plot_routing
+from ..sampling import SamplingParams
+from . import bench_memory, demo
+
 
 def make_figures(directory: Path = Path("figures"), quick: bool = False) -> list[Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from . import bench_memory, demo
-    from ..analysis import decode_flops, route_prompt
-    from ..checkpoint import load_default_model
-    from ..generate import generate
-    from ..plots.routing import plot_cache_sizes, plot_routing
-    from ..sampling import SamplingParams
-
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     model = load_default_model("topk")
 
     text = "def fibonacci(n):\n    return n"
-    fig, ax = plt.subplots(figsize=(10, 3))
+    fig = Figure(figsize=(10, 3))
+    ax = fig.subplots()
     plot_routing(route_prompt(model, text), text, layer=0, ax=ax)
     fig.tight_layout()
     paths.append(directory / "routing_layer0.png")
     fig.savefig(paths[-1], dpi=110)
 
     result = generate(model, [list(b"import os\n\ndef main():\n    ")], SamplingParams(max_new_tokens=48, temperature=0))
-    fig, ax = plt.subplots(figsize=(9, 3))
+    fig = Figure(figsize=(9, 3))
+    ax = fig.subplots()
     plot_cache_sizes(result.cache_counts[0], ax=ax)
     fig.tight_layout()
     paths.append(directory / "cache_sizes.png")
     fig.savefig(paths[-1], dpi=110)
 
     lengths = [16, 32, 64, 128, 256, 511]
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    fig = Figure(figsize=(5.5, 3.5))
+    ax = fig.subplots()
     for cached, label in ((False, "recompute"), (True, "cached")):
         ax.plot(lengths, [decode_flops(model.config, t, cached) / 1e6 for t in lengths], "o-", label=label)
     ax.set(xlabel="tokens already in the sequence", ylabel="MFLOP per decode step", yscale="log",
@@ -53,7 +55,6 @@ def make_figures(directory: Path = Path("figures"), quick: bool = False) -> list
     fig.tight_layout()
     paths.append(directory / "decode_cost.png")
     fig.savefig(paths[-1], dpi=110)
-    plt.close("all")
 
     report = bench_memory.run(bench_memory.DEFAULT_BLOCK_SIZE, quick=quick)
     (directory / "bench_memory.json").write_text(json.dumps(report, indent=1))
@@ -62,7 +63,6 @@ def make_figures(directory: Path = Path("figures"), quick: bool = False) -> list
     for admission in ("predicted", "optimistic"):
         summary, _ = demo.run_demo(admission=admission, figures=directory, progress=False)
         paths.append(Path(summary["figure"]))
-    plt.close("all")
     return paths
 
 

@@ -3,7 +3,7 @@
 A block is P token slots of K and V for one attention expert's head group. Every (sequence, layer,
 expert) row of the cache takes its blocks from this one pool, so the irregular demand of many experts
 becomes whole blocks from one free list: a free block can serve any row, and there is no external
-fragmentation (DESIGN.md §2).
+fragmentation.
 
 This module knows nothing about rows, sequences or tensors of K/V: it hands out block ids and takes
 them back. The KV cache manager (kv_cache_manager.py) owns the block tables.

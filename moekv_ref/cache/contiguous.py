@@ -1,6 +1,6 @@
 """The reference cache: one contiguous, growing buffer per (sequence, layer, expert).
 
-This is the naive design the problem statement starts from: every expert of every layer keeps its
+This is the naive design a per-expert cache starts from: every expert of every layer keeps its
 own buffer for every sequence. It is correct and easy to read, and it is what the paged cache must
 equal. Growth is by concatenation (a real system would reserve capacity; the `reserved` baseline of
 the memory benchmark models that).

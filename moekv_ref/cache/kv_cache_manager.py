@@ -277,6 +277,32 @@ class KVCacheManager:
         del self._seq_index[int(seq_id)]
         self._free_seq_indices.append(index)
 
+    def free_rows(self, rows) -> int:
+        """Return the blocks of some rows of held sequences to the pool and empty those rows; the
+        sequences stay in the cache with their other rows. What an eviction of single (sequence,
+        layer, expert) rows does (the sequence cannot attend over the emptied rows until they are
+        rebuilt). rows: distinct row ids of held sequences. Returns the number of blocks freed.
+        Raises ValueError, changing nothing, for repeated rows or rows of no held sequence."""
+        if type(self)._table_blocks is not KVCacheManager._table_blocks:
+            # a design that keeps rows' tails outside the block tables (shared tails) would have to
+            # compact them too: not supported
+            raise NotImplementedError(f"{type(self).__name__} does not free single rows")
+        rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+        if rows.unique().numel() != rows.numel():
+            raise ValueError("rows must be distinct within one free_rows call")
+        held = set(self._seq_index.values())
+        if rows.numel() and (rows.min() < 0 or rows.max() >= self.num_computed_tokens.numel() or not set(
+                (rows // self.rows_per_seq).tolist()) <= held):
+            raise ValueError(f"rows {rows.tolist()[:8]} are not all rows of sequences the cache holds")
+        num_used = self._table_blocks(self.num_computed_tokens[rows])                 # (m,)
+        used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]          # (m, W)
+        blocks = self.block_tables[rows][used].to(torch.int64)
+        self.pool.free(blocks)
+        self.num_computed_tokens[rows] = 0
+        self.block_tables[rows] = self.pad
+        self.last_position[rows] = -1
+        return blocks.numel()
+
     # ----- growth of the bookkeeping tensors ------------------------------------------------------
     def _grow_rows(self) -> None:
         """Double the number of sequence slots (bookkeeping only; the pool never grows)."""

@@ -1,20 +1,33 @@
-"""Serving: continuous batching over the paged per-expert KV cache (DESIGN.md §3).
+"""Serving: continuous batching over the paged per-expert KV cache.
 
     request.py       Request, its states (waiting, running, preempted, finished) and its output
     demand.py        blocks a request needs: worst case of a step, of a lifetime, and a prediction
-    memory.py        KVMemory: the scheduler's only window onto the pool (and the swap space)
-    swap.py          SwapSpace: a CPU pool that holds the blocks of sequences preempted by swap
-    scheduler.py     Scheduler: admission, per-step worst-case reservation, preemption
-    model_runner.py  ModelRunner: one forward_cached over the scheduled flat ragged batch
+    memory.py        ModelShape (the model's integer facts) and MemoryView (read-only: the pool, each
+                     sequence's blocks and token counts, the swap space)
+    swap.py          SwapSpace: host block ids of sequences preempted by swap; BlockCopy
+    admission.py     admission policies: predicted, optimistic
+    victims.py       victim policies: newest_first
+    batching.py      BatchingPolicy; continuous batching on the paged pool (continuous_paged)
+    baselines.py     the benchmark's baselines as batching policies: continuous_reserved, static
+    scheduler.py     Scheduler: the paged loop over integers (reserve, preempt, admit), SchedulerOutput
+    model_runner.py  ModelRunner: the swap copies, then one forward_cached over the flat ragged batch
     engine.py        LLMEngine: add_request / step / generate, timeline and statistics;
                      generate_with_engine (what `generate --cache paged` runs)
     workload.py      workloads with arrivals, and running one through an engine
-    figures.py       request timelines, pool use, prediction vs actual: data and plots
 """
 
+from .admission import AdmissionPolicy, OptimisticAdmission, PredictedAdmission
+from .baselines import ContinuousReserved, StaticBatching
+from .batching import BatchingPolicy, ContinuousBatching
 from .engine import EngineStats, LLMEngine, RequestEvent, StepRecord, generate_with_engine
+from .memory import MemoryView, ModelShape
 from .request import Request, RequestOutput, RequestStatus
-from .scheduler import POLICIES, PREEMPTION_MODES, Scheduler, SchedulerConfig
+from .scheduler import POLICIES, PREEMPTION_MODES, Scheduler, SchedulerConfig, SchedulerOutput
+from .swap import BlockCopy, SwapSpace
+from .victims import NewestFirst, VictimPolicy
 
-__all__ = ["EngineStats", "LLMEngine", "POLICIES", "PREEMPTION_MODES", "Request", "RequestEvent",
-           "RequestOutput", "RequestStatus", "Scheduler", "SchedulerConfig", "StepRecord", "generate_with_engine"]
+__all__ = ["AdmissionPolicy", "BatchingPolicy", "BlockCopy", "ContinuousBatching", "ContinuousReserved",
+           "EngineStats", "LLMEngine", "MemoryView", "ModelShape", "NewestFirst", "OptimisticAdmission",
+           "POLICIES", "PREEMPTION_MODES", "PredictedAdmission", "Request", "RequestEvent", "RequestOutput",
+           "RequestStatus", "Scheduler", "SchedulerConfig", "SchedulerOutput", "StaticBatching",
+           "StepRecord", "SwapSpace", "VictimPolicy", "generate_with_engine"]

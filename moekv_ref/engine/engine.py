@@ -1,9 +1,9 @@
 """The serving engine: `add_request`, `step`, `generate`.
 
-    add_request ─> Scheduler.schedule ─> ModelRunner.execute ─> sample ─> finish / keep running
-                   (admit, reserve,       (one forward_cached    (each request's own
-                    preempt: result        over the flat batch)   seeded generator)
-                    objects only)
+    add_request ─> Scheduler.schedule ─> ModelRunner.execute ─> sample ─> Scheduler.update_from_output
+                   (admit, reserve,       (swap copies, then     (each request's  (tokens counted, finish:
+                    preempt: integers,     one forward_cached     own seeded       blocks freed)
+                    one SchedulerOutput)   over the flat batch)   generator)
 
 One `step` is one forward of the model over every scheduled token. Everything a request needs to be
 served is checked in `add_request` before any state changes: a bad prompt, bad sampling parameters, or
@@ -27,8 +27,8 @@ from ..cache.paged import PagedKVCache
 from ..model import MoEKVTransformer
 from ..results import GenerationResult
 from ..sampling import SamplingParams, sample_next
-from .demand import DemandPredictor, worst_case_lifetime_blocks
-from .memory import KVMemory
+from .demand import worst_case_lifetime_blocks
+from .memory import ModelShape
 from .model_runner import ModelRunner
 from .request import Request, RequestOutput, RequestStatus
 from .scheduler import Scheduler, SchedulerConfig
@@ -89,16 +89,15 @@ class LLMEngine:
         scheduler_config = scheduler_config or SchedulerConfig()
         if num_swap_blocks is None:
             num_swap_blocks = num_blocks if scheduler_config.preemption_mode == "swap" else 0
-        parameter = next(model.parameters())
         self.model = model
         self.config = model.config
         self.cache = PagedKVCache.for_model(model, block_size, num_blocks, shuffle_seed=shuffle_seed,
                                             attention=attention)
-        self.memory = KVMemory(self.cache, num_swap_blocks)
-        self.predictor = DemandPredictor(self.config.num_hidden_layers, self.config.num_attention_experts,
-                                         self.config.num_attention_experts_per_tok, block_size)
-        self.scheduler = Scheduler(scheduler_config, self.memory, self.predictor)
-        self.runner = ModelRunner(model, self.cache)
+        self.scheduler = Scheduler(scheduler_config, self.cache.manager,
+                                   ModelShape.from_config(self.config, block_size), num_swap_blocks)
+        self.memory = self.scheduler.memory          # read-only: the pool and the swap space
+        self.predictor = self.scheduler.predictor
+        self.runner = ModelRunner(model, self.cache, num_swap_blocks)
         self.requests: dict[int, Request] = {}
         self.step_count = 0
         self.timeline: list[StepRecord] = []
@@ -163,20 +162,17 @@ class LLMEngine:
         finished: list[RequestOutput] = []
         num_running, used_blocks = len(self.scheduler.running), self.memory.num_used_blocks
         scheduled_used = used_blocks
+        result = self.runner.execute(decision)                 # swap copies first, then the forward
         if decision.scheduled:
-            result = self.runner.execute(decision.scheduled)
             used_blocks = self.memory.num_used_blocks           # the peak of the step: before finishing
-            self.predictor.observe(result.entries_per_layer, result.num_tokens)
+            sampled = {}
             for item, logits in zip(decision.scheduled, result.last_logits):
-                request = item.request
-                request.num_computed_tokens += item.num_tokens
-                if request.num_pending_tokens > 0:
-                    continue                           # a prefill chunk: more of it next step
-                request.output_token_ids.append(sample_next(logits, request.sampling_params, request.generator))
-                if len(request.output_token_ids) >= request.max_new_tokens:
-                    self.scheduler.finish(request, step)
-                    self.events.append(RequestEvent(step, request.request_id, "finished"))
-                    finished.append(RequestOutput.from_request(request))
+                if item.samples:
+                    request = item.request
+                    sampled[request.request_id] = sample_next(logits, request.sampling_params, request.generator)
+            for request in self.scheduler.update_from_output(decision, sampled, result.entries_per_layer):
+                self.events.append(RequestEvent(step, request.request_id, "finished"))
+                finished.append(RequestOutput.from_request(request))
         elif self.scheduler.has_unfinished:
             raise RuntimeError(f"step {step}: nothing could be scheduled with {len(self.scheduler.waiting)} "
                                f"waiting and {len(self.scheduler.running)} running requests")

@@ -1,105 +1,123 @@
-"""The scheduler's window onto the paged cache: the questions it asks and the moves it makes.
+"""What the scheduler and its policies know about memory: integers only.
 
-The scheduler decides *which* sequences run, wait, or leave; it never reads block tables or the free
-queue. Everything it needs to know about memory goes through this class:
+    ModelShape   the model's facts that set how many blocks a sequence takes (layers, experts, k_max,
+                 k_min, block size, positions), read once from the config when the engine is built
+    MemoryView   a read-only window onto the block manager and the swap space: the pool's size and
+                 free blocks, the blocks and (layer, expert) token counts each sequence holds, and
+                 what a swapped sequence left in host memory
 
-    num_blocks, num_free_blocks        the pool
-    token_counts(seq_ids)              (m, L, E) tokens per (sequence, layer, expert) row
-    num_blocks_held(seq_id)            blocks a sequence owns now (its actual demand)
-    free(seq_id)                       give them back (finish, or preempt by recompute)
-    can_swap_out / swap_out            move them to the CPU swap space (preempt by swap)
-    num_blocks_to_swap_in / swap_in    bring them back (resume)
-
-Blocks themselves are taken by the model's forward (PagedKVCache.attend allocates the slots of the
-tokens the router sends to each expert), after the scheduler has checked that the worst case fits.
+The scheduler changes memory only through the block manager (`free`) and the swap space
+(`swap_out` / `swap_in`), and never touches K/V tensors: the model's forward fills blocks (the cache
+allocates the slots of the tokens the router sends to each expert), and the model runner performs
+the swap copies the scheduler decided. Policies (admission, victim choice) get a MemoryView, which
+has no method that changes anything.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..cache.paged import PagedKVCache
+from ..cache.kv_cache_manager import KVCacheManager
+from ..cache.rows import ceil_div
+from ..config import ModelConfig
 from .swap import SwapSpace
 
 
-class KVMemory:
-    def __init__(self, cache: PagedKVCache, num_swap_blocks: int = 0):
-        self.cache = cache
-        config = cache.config
-        self.num_layers = config.num_hidden_layers
-        self.num_experts = config.num_attention_experts
-        self.k_max = config.num_attention_experts_per_tok
-        # the fewest experts a token can go to: top-k always k, threshold routing at least one
-        self.k_min = self.k_max if config.attention_routing == "topk" else 1
-        self.block_size = cache.block_size
-        self.swap_space = SwapSpace(cache, num_swap_blocks) if num_swap_blocks > 0 else None
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int           # L
+    num_experts: int          # E attention experts per layer
+    k_max: int                # most experts a token is routed to per layer
+    k_min: int                # fewest: k under top-k routing, 1 under threshold routing
+    block_size: int           # P slots per block
+    max_num_positions: int    # the model's max_position_embeddings
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, block_size: int) -> "ModelShape":
+        k_max = config.num_attention_experts_per_tok
+        return cls(config.num_hidden_layers, config.num_attention_experts, k_max,
+                   k_max if config.attention_routing == "topk" else 1, block_size,
+                   config.max_position_embeddings)
+
+
+class MemoryView:
+    """Read-only questions about the device pool and the swap space, by sequence id."""
+
+    def __init__(self, manager: KVCacheManager, shape: ModelShape, swap_space: SwapSpace | None = None):
+        self._manager = manager
+        self._swap_space = swap_space
+        self.shape = shape
 
     # ----- the pool ---------------------------------------------------------------------------------
     @property
+    def block_size(self) -> int:
+        return self.shape.block_size
+
+    @property
     def num_blocks(self) -> int:
-        return self.cache.manager.num_blocks
+        return self._manager.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return self.cache.manager.num_free_blocks
+        return self._manager.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    # ----- sequences --------------------------------------------------------------------------------
+    # ----- sequences on the device ------------------------------------------------------------------
     def holds(self, seq_id: int) -> bool:
-        return seq_id in self.cache.manager.sequences
+        return seq_id in self._manager.sequences
 
     def token_counts(self, seq_ids: list[int]) -> torch.Tensor:
         """(m, L, E) tokens held per row; zeros for a sequence the pool does not hold."""
-        return self.cache.manager.token_counts(seq_ids)
+        return self._manager.token_counts(seq_ids)
 
     def num_blocks_held(self, seq_id: int) -> int:
         if not self.holds(seq_id):
             return 0
-        return int(self.cache.manager.blocks_of_sequence(seq_id).numel())
+        return int(self._manager.blocks_of_sequence(seq_id).numel())
 
-    def free(self, seq_id: int) -> int:
-        """Return the sequence's blocks to the pool (nothing to do if it holds none). Returns how many."""
-        num_blocks = self.num_blocks_held(seq_id)
-        if self.holds(seq_id):
-            self.cache.free(seq_id)
-        return num_blocks
+    # ----- the swap space ---------------------------------------------------------------------------
+    @property
+    def has_swap_space(self) -> bool:
+        return self._swap_space is not None
 
-    # ----- swap ---------------------------------------------------------------------------------------
-    def can_swap_out(self, seq_id: int) -> bool:
-        return self.swap_space is not None and self.holds(seq_id) and self.swap_space.can_swap_out(seq_id)
-
-    def swap_out(self, seq_id: int) -> int:
-        return self.swap_space.swap_out(seq_id)
-
-    def is_swapped(self, seq_id: int) -> bool:
-        return self.swap_space is not None and seq_id in self.swap_space.swapped
-
-    def num_blocks_to_swap_in(self, seq_id: int) -> int:
-        return self.swap_space.num_blocks_to_swap_in(seq_id)
-
-    def swapped_token_counts(self, seq_id: int) -> torch.Tensor:
-        return self.swap_space.token_counts(seq_id)
-
-    def swap_in(self, seq_id: int) -> None:
-        self.swap_space.swap_in(seq_id)
+    @property
+    def num_swap_blocks(self) -> int:
+        return 0 if self._swap_space is None else self._swap_space.num_blocks
 
     @property
     def num_swapped_blocks(self) -> int:
-        if self.swap_space is None:
-            return 0
-        return self.swap_space.pool.num_used_blocks
+        """Host blocks in use, over every swapped sequence."""
+        return 0 if self._swap_space is None else self._swap_space.pool.num_used_blocks
 
+    def is_swapped(self, seq_id: int) -> bool:
+        return self._swap_space is not None and seq_id in self._swap_space.swapped
+
+    def num_blocks_swapped(self, seq_id: int) -> int:
+        """Host blocks the sequence holds (what it takes from the device pool to swap back in)."""
+        return self._swap_space.num_blocks_to_swap_in(seq_id) if self.is_swapped(seq_id) else 0
+
+    def swapped_token_counts(self, seq_id: int) -> torch.Tensor:
+        """(L, E) tokens the swapped sequence's rows hold."""
+        return self._swap_space.token_counts(seq_id)
+
+    def blocks_of_counts(self, token_counts: torch.Tensor) -> int:
+        """Blocks rows of these token counts take (each row: ceil(n / P))."""
+        return int(ceil_div(token_counts, self.block_size).sum())
+
+    # ----- checking ---------------------------------------------------------------------------------
     def assert_no_leak(self) -> None:
         """After every request finished: no sequence holds blocks, every block is free, the swap
         space is empty, and the manager's invariants hold."""
-        manager = self.cache.manager
+        manager = self._manager
         manager.assert_consistent()
         assert not manager.sequences, f"sequences still in the cache: {manager.sequences}"
         assert manager.num_free_blocks == manager.num_blocks, (
             f"leak: {manager.num_blocks - manager.num_free_blocks} blocks still in use")
-        if self.swap_space is not None:
-            assert not self.swap_space.swapped and self.swap_space.pool.num_used_blocks == 0, \
+        if self._swap_space is not None:
+            assert not self._swap_space.swapped and self._swap_space.pool.num_used_blocks == 0, \
                 "swap space still holds blocks"

@@ -1,4 +1,5 @@
-"""The model runner: turns the scheduler's decision into one `forward_cached` over a flat ragged batch.
+"""The model runner: performs the scheduler's block copies, then one `forward_cached` over the
+scheduled requests as one flat ragged batch.
 
     scheduled   r0: 5 prompt tokens    r1: 1 decode token    r2: 3 tokens of a prefill chunk
     tokens      t t t t t              t                     t t t              (N,) = (9,)
@@ -6,9 +7,15 @@
     positions   0 1 2 3 4              17                    32 33 34
 
 Each request's slice continues what the cache holds for it, so the cache appends and attends in one
-call per (layer, expert). The runner returns the logits of each request's last scheduled token (the
-engine samples from them only when that token is the request's newest) and how many experts the
-routers chose per layer, which feeds the demand predictor.
+call per layer. The runner returns the logits of each request's last scheduled token (the engine
+samples from them only when that token is the request's newest) and how many experts the routers
+chose per layer, which feeds the demand predictor.
+
+The runner owns the host (swap) copy of K/V: `host_key_cache` / `host_value_cache`, blocks of the
+same shape as the device pool's. The scheduler decides swap-outs and swap-ins on block ids
+(swap.py); the runner copies the blocks, in the order decided, *before* the forward -- a device block
+freed by a swap-out may be handed to another sequence in the same step, and the copy must read it
+before anything writes it.
 
 Every serving design of the benchmark runs through this one runner, so the comparison measures
 scheduling and memory, not two implementations of the forward.
@@ -20,7 +27,37 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.paged import PagedKVCache
 from ..model import MoEKVTransformer
+from .swap import SWAP_IN, SWAP_OUT, BlockCopy
+
+
+@dataclass
+class FlatBatch:
+    """The scheduled requests' tokens laid end to end (N tokens, m requests)."""
+    token_ids: list[int]          # (N,)
+    seq_ids: list[int]            # (N,) the request id of each token
+    positions: list[int]          # (N,) each token's position in its sequence
+    num_tokens: list[int]         # (m,) tokens of each request, in batch order
+
+    @property
+    def last_index(self) -> torch.Tensor:
+        """(m,) index into the N tokens of each request's last one."""
+        return torch.tensor(self.num_tokens, dtype=torch.int64).cumsum(0) - 1
+
+
+def flatten_batch(scheduled) -> FlatBatch:
+    """scheduled: ScheduledRequest (request, num_tokens) in batch order. Each request runs the
+    `num_tokens` tokens after the ones it has computed."""
+    tokens, seq_ids, positions, lengths = [], [], [], []
+    for item in scheduled:
+        request, n = item.request, item.num_tokens
+        start = request.num_computed_tokens
+        tokens += request.all_token_ids[start: start + n]
+        seq_ids += [request.request_id] * n
+        positions += range(start, start + n)
+        lengths.append(n)
+    return FlatBatch(tokens, seq_ids, positions, lengths)
 
 
 @dataclass
@@ -31,26 +68,42 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: MoEKVTransformer, cache):
+    """model + its paged cache (device K/V) + `num_swap_blocks` host blocks for swapped K/V."""
+
+    def __init__(self, model: MoEKVTransformer, cache: PagedKVCache, num_swap_blocks: int = 0):
         self.model = model
         self.cache = cache
         self.device = next(model.parameters()).device
+        shape = (num_swap_blocks,) + tuple(cache.key_cache.shape[1:])                  # (Ns, P, Hkv, Dh)
+        self.host_key_cache = torch.zeros(shape, dtype=cache.key_cache.dtype, device="cpu")
+        self.host_value_cache = torch.zeros(shape, dtype=cache.value_cache.dtype, device="cpu")
+
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Perform swap copies in order: SWAP_OUT device -> host, SWAP_IN host -> device."""
+        device = self.cache.key_cache.device
+        for copy in copies:
+            source, destination = copy.source.to(torch.int64), copy.destination.to(torch.int64)
+            if copy.direction == SWAP_OUT:
+                self.host_key_cache[destination] = self.cache.key_cache[source.to(device)].cpu()
+                self.host_value_cache[destination] = self.cache.value_cache[source.to(device)].cpu()
+            elif copy.direction == SWAP_IN:
+                self.cache.key_cache[destination.to(device)] = self.host_key_cache[source].to(device)
+                self.cache.value_cache[destination.to(device)] = self.host_value_cache[source].to(device)
+            else:
+                raise ValueError(f"unknown block copy direction {copy.direction!r}")
 
     @torch.no_grad()
-    def execute(self, scheduled) -> RunnerOutput:
-        """scheduled: list of ScheduledRequest (request, num_tokens), in batch order."""
-        tokens, seq_ids, positions, lengths = [], [], [], []
-        for item in scheduled:
-            request, n = item.request, item.num_tokens
-            start = request.num_computed_tokens
-            tokens += request.all_token_ids[start: start + n]
-            seq_ids += [request.request_id] * n
-            positions += range(start, start + n)
-            lengths.append(n)
+    def execute(self, decision) -> RunnerOutput | None:
+        """decision: a SchedulerOutput. Copies its blocks, then runs its scheduled requests (None if
+        it scheduled none)."""
+        self.copy_blocks(decision.block_copies)
+        if not decision.scheduled:
+            return None
+        batch = flatten_batch(decision.scheduled)
         device = self.device
-        output = self.model.forward_cached(torch.tensor(tokens, device=device),
-                                           torch.tensor(seq_ids, device=device),
-                                           torch.tensor(positions, device=device), self.cache)
-        last = torch.tensor(lengths, device=device).cumsum(0) - 1                       # (m,)
+        output = self.model.forward_cached(torch.tensor(batch.token_ids, device=device),
+                                           torch.tensor(batch.seq_ids, device=device),
+                                           torch.tensor(batch.positions, device=device), self.cache)
         entries = torch.stack([r.selected.sum() for r in output.attention_routing])     # (L,)
-        return RunnerOutput(output.logits[last].cpu(), entries.cpu(), len(tokens))
+        return RunnerOutput(output.logits[batch.last_index.to(device)].cpu(), entries.cpu(),
+                            len(batch.token_ids))

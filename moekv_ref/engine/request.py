@@ -44,8 +44,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    # static batching pads a batch to its longest output: the extra tokens are run and thrown away
-    num_padding_tokens: int = 0
     swapped: bool = False                 # preempted by swap (its blocks wait in the swap space)
     # statistics
     predicted_blocks: int | None = None   # the admission prediction, made when first admitted
@@ -74,7 +72,7 @@ class Request:
 
     @property
     def max_new_tokens(self) -> int:
-        return self.sampling_params.max_new_tokens + self.num_padding_tokens
+        return self.sampling_params.max_new_tokens
 
     @property
     def max_cached_tokens(self) -> int:
@@ -87,7 +85,8 @@ class Request:
 
     @property
     def generated_token_ids(self) -> list[int]:
-        """What the user asked for: the output without static batching's padding."""
+        """What the user asked for: the output without the tokens a padded (static) batch decodes
+        past it."""
         return self.output_token_ids[: self.sampling_params.max_new_tokens]
 
 

@@ -5,18 +5,21 @@ One step, in order (vLLM v1's loop, with MoE-aware memory checks):
  1. Running requests, oldest first. Each gets its pending tokens (a prefill chunk, or one decode
     token) within the token budget, and the *worst case* of blocks those tokens can open
     (demand.worst_case_step_blocks: every token to k_max experts, each opening a block) is reserved
-    against the free pool. When the reservation does not fit, the newest running request is
-    preempted -- by recompute or by swap -- until it does (possibly the request itself).
- 2. If nothing was preempted: waiting requests, preempted ones first (they keep their place in
-    line), are admitted while the sequence budget, the token budget, the step's reservation and the
-    admission policy allow.
+    against the free pool. When the reservation does not fit, the victim policy picks a running
+    request not yet scheduled this step (the newest, by default), which is preempted -- by recompute
+    or by swap -- until it does (possibly the request itself).
+ 2. If nothing was preempted: the batching policy admits waiting requests, preempted ones first
+    (they keep their place in line), while the sequence budget, the token budget, the step's
+    reservation and its admission rule allow.
+ 3. After the forward (`update_from_output`): tokens are counted as computed, sampled tokens
+    appended, and requests that reached their last token finish and free their blocks.
 
 Why the worst case of one step, and not of the request's whole life: the whole life is k_max / k_avg
 times more than what threshold routing actually needs (what `continuous_reserved` pays); the next step
 is all that must be guaranteed, because a forward runs every layer and cannot stop half-way when a
 layer's router picks experts whose blocks are full. Why a prediction for admission: the step guarantee
 alone would admit requests that will certainly be preempted later (wasted prefill); the prediction
-(demand.DemandPredictor, and `predicted_peak` over the running requests' remaining steps) admits what
+(demand.DemandPredictor, and admission.predicted_peak over the running requests' remaining steps) admits what
 routing so far says will fit.
 
 Why preempt whole sequences, never single experts' blocks: a sequence's next token may be routed to
@@ -26,52 +29,94 @@ yet the sequence can no longer run until that row is rebuilt -- and a row can on
 running the whole sequence again (its K/V at layer l depend on every earlier layer). So a partial
 eviction costs the same recompute as a whole one and frees a fraction of the memory.
 
-Policies (`SchedulerConfig.policy`), all with the same loop, so the serving benchmark compares
-memory accounting and batching, not implementations:
-    static               a fixed batch, admitted only when the previous one has finished, padded to
-                         its longest request, each reserving the worst case of every expert
-    continuous_reserved  iteration-level batching, each request reserving the worst case of every
-                         (layer, expert) row for its whole life: never preempts, admits few
-    continuous_paged     iteration-level batching on the paged pool: admission on a prediction
-                         (admission="predicted") or on the next step alone (admission="optimistic"),
-                         worst case of one step reserved, preemption when short
+What the scheduler sees: integers only. It works on the block manager (KVCacheManager: free
+blocks, each sequence's blocks and (layer, expert) token counts; `free`) and on the model's shape
+(memory.ModelShape), never on K/V tensors. Its decisions leave `schedule()` in one SchedulerOutput:
+the scheduled requests and their tokens, and the block copies of swap-out and swap-in, in the order
+they were decided, which the model runner performs before the step's forward.
+
+Policies, each a small class behind one interface (SchedulerConfig names them):
+    batching   batching.py / baselines.py: who joins the running batch (continuous_paged, and the
+               baselines continuous_reserved and static), and what one request may need alone
+    admission  admission.py: may the head of the line join (predicted, optimistic)
+    victim     victims.py: which running request to preempt when a step does not fit (newest_first)
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from .demand import (DemandPredictor, min_lifetime_blocks, reserved_blocks, worst_case_lifetime_blocks,
-                     worst_case_step_blocks)
-from .memory import KVMemory
+from ..cache.kv_cache_manager import KVCacheManager
+from .admission import ADMISSIONS, AdmissionPolicy
+from .baselines import ContinuousReserved, StaticBatching
+from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
+from .demand import DemandPredictor, min_lifetime_blocks, worst_case_lifetime_blocks, worst_case_step_blocks
+from .memory import MemoryView, ModelShape
 from .request import Request, RequestStatus
+from .swap import BlockCopy, SwapSpace
+from .victims import VICTIM_POLICIES, VictimPolicy
 
 POLICIES = ("static", "continuous_reserved", "continuous_paged")
-ADMISSIONS = ("predicted", "optimistic")
+ADMISSION_NAMES = tuple(ADMISSIONS)
 PREEMPTION_MODES = ("recompute", "swap")
+VICTIM_NAMES = tuple(VICTIM_POLICIES)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The scheduler's limits and policies. Policies are given by name or as objects:
+
+    policy     "continuous_paged" (default), "continuous_reserved", "static", or a BatchingPolicy
+    admission  "predicted" (default) or "optimistic", or an AdmissionPolicy; continuous_paged only
+    victim     "newest_first" (default), or a VictimPolicy
+    preemption_mode  "recompute" (default) or "swap"
+    """
     max_num_seqs: int = 16                 # sequences running at once
     max_num_batched_tokens: int = 256      # tokens in one forward (prefill chunks + decode tokens)
-    policy: str = "continuous_paged"
-    admission: str = "predicted"
+    policy: str | BatchingPolicy = "continuous_paged"
+    admission: str | AdmissionPolicy | None = None
     preemption_mode: str = "recompute"
+    victim: str | VictimPolicy = "newest_first"
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        for name, allowed in (("policy", POLICIES), ("admission", ADMISSIONS),
-                              ("preemption_mode", PREEMPTION_MODES)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        for name, allowed, kind in (("policy", POLICIES, BatchingPolicy),
+                                    ("admission", ADMISSION_NAMES, AdmissionPolicy),
+                                    ("preemption_mode", PREEMPTION_MODES, None),
+                                    ("victim", VICTIM_NAMES, VictimPolicy)):
+            value = getattr(self, name)
+            if value is None and name == "admission":
+                continue
+            if kind is not None and isinstance(value, kind):
+                continue
+            if not isinstance(value, str) or value not in allowed:
+                also = f", or a {kind.__name__}" if kind is not None else ""
+                raise ValueError(f"{name}={value!r} is not one of {allowed}{also}")
+        if self.admission is not None and self.policy != "continuous_paged":
+            raise ValueError(f"admission={self.admission!r} applies to policy='continuous_paged' only, "
+                             f"not policy={self.policy!r} (which has its own admission rule)")
+
+    def make_batching_policy(self) -> BatchingPolicy:
+        """A fresh policy object for a name; a policy object is used as given."""
+        if isinstance(self.policy, BatchingPolicy):
+            return self.policy
+        if self.policy == "static":
+            return StaticBatching()
+        if self.policy == "continuous_reserved":
+            return ContinuousReserved()
+        admission = self.admission if self.admission is not None else "predicted"
+        if isinstance(admission, str):
+            admission = ADMISSIONS[admission]()
+        return ContinuousBatching(admission)
+
+    def make_victim_policy(self) -> VictimPolicy:
+        return self.victim if isinstance(self.victim, VictimPolicy) else VICTIM_POLICIES[self.victim]()
 
 
 @dataclass
@@ -79,17 +124,21 @@ class ScheduledRequest:
     request: Request
     num_tokens: int            # tokens this step runs for it
     reserved_blocks: int       # worst case those tokens can take from the pool
+    samples: bool = True       # the tokens end its pending ones: the step samples its next token
 
 
 @dataclass
 class SchedulerOutput:
-    """What one call to `schedule` decided; the engine runs `scheduled` and records the rest."""
+    """What one call to `schedule` decided. The model runner performs `block_copies` (in order),
+    then runs `scheduled`; the engine records the rest."""
     step: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)   # swap-outs and swap-ins, in order
     admitted: list[Request] = field(default_factory=list)     # first time running
     resumed: list[Request] = field(default_factory=list)      # running again after a preemption
     preempted: list[Request] = field(default_factory=list)
-    events: list[tuple[str, Request]] = field(default_factory=list)   # all of the above, in order
+    freed: list[int] = field(default_factory=list)            # sequences whose blocks went back
+    events: list[tuple[str, Request]] = field(default_factory=list)   # admitted/resumed/preempted, in order
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -104,14 +153,23 @@ class Scheduler:
     """Queues of requests and the decisions above. Invariants between steps: every request is in
     exactly one of `waiting` (WAITING or PREEMPTED) and `running` (RUNNING), or is FINISHED and in
     neither; a RUNNING or recompute-PREEMPTED request holds no swap blocks; a swap-PREEMPTED request
-    holds no pool blocks."""
+    holds no pool blocks.
 
-    def __init__(self, config: SchedulerConfig, memory: KVMemory, predictor: DemandPredictor):
-        if config.preemption_mode == "swap" and memory.swap_space is None:
+    manager: the device pool's block manager; shape: the model's integer facts; num_swap_blocks:
+    host blocks for preemption by swap (0: none)."""
+
+    def __init__(self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape,
+                 num_swap_blocks: int = 0):
+        if config.preemption_mode == "swap" and not num_swap_blocks:
             raise ValueError("preemption_mode='swap' needs a swap space: give the engine num_swap_blocks > 0")
         self.config = config
-        self.memory = memory
-        self.predictor = predictor
+        self.manager = manager
+        self.swap_space = SwapSpace(manager, num_swap_blocks) if num_swap_blocks else None
+        self.memory = MemoryView(manager, shape, self.swap_space)
+        self.shape = shape
+        self.predictor = DemandPredictor(shape.num_layers, shape.num_experts, shape.k_max, shape.block_size)
+        self.batching = config.make_batching_policy()
+        self.victims = config.make_victim_policy()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -121,34 +179,30 @@ class Scheduler:
     # ----- requests in ------------------------------------------------------------------------------
     def max_blocks_alone(self, num_cached_tokens: int) -> int:
         """The most blocks this policy could need for one request running alone."""
-        m = self.memory
-        if self.config.policy == "continuous_paged":
-            return worst_case_lifetime_blocks(num_cached_tokens, m.num_layers, m.num_experts, m.k_max,
-                                              m.block_size)
-        return reserved_blocks(num_cached_tokens, m.num_layers, m.num_experts, m.block_size)
+        return self.batching.max_blocks_alone(num_cached_tokens, self.shape)
 
     def check_fits_alone(self, prompt_len: int, max_new_tokens: int) -> None:
         """Raise ValueError if a request of this shape might not fit the pool even with nothing else
         running. Such a request must be refused up front: preemption frees only *other* sequences'
         memory, so once admitted it could never finish."""
-        m = self.memory
+        shape, num_blocks = self.shape, self.memory.num_blocks
         num_tokens = prompt_len + max_new_tokens - 1
         worst = self.max_blocks_alone(num_tokens)
-        if worst <= m.num_blocks:
+        if worst <= num_blocks:
             return
-        least = min_lifetime_blocks(num_tokens, m.num_layers, m.k_min, m.block_size)
-        verdict = "can never fit" if least > m.num_blocks else "may not fit even alone"
+        least = min_lifetime_blocks(num_tokens, shape.num_layers, shape.k_min, shape.block_size)
+        verdict = "can never fit" if least > num_blocks else "may not fit even alone"
         prompt_worst = self.max_blocks_alone(prompt_len)
-        if prompt_worst > m.num_blocks:
+        if prompt_worst > num_blocks:
             fix = f"the prompt alone may need {prompt_worst}: give the pool at least {worst} blocks or shorten the prompt"
         else:
-            longest = max(t for t in range(prompt_len, num_tokens + 1) if self.max_blocks_alone(t) <= m.num_blocks)
+            longest = max(t for t in range(prompt_len, num_tokens + 1) if self.max_blocks_alone(t) <= num_blocks)
             fix = (f"lower max_new_tokens to at most {longest - prompt_len + 1}, or give the pool at least "
                    f"{worst} blocks")
         raise ValueError(
             f"request of {prompt_len} prompt tokens + max_new_tokens={max_new_tokens} {verdict} in the "
-            f"pool of {m.num_blocks} blocks: it needs at least {least} and up to {worst} blocks "
-            f"({m.num_layers} layers, up to {m.k_max} experts per token, block size {m.block_size}); {fix}")
+            f"pool of {num_blocks} blocks: it needs at least {least} and up to {worst} blocks "
+            f"({shape.num_layers} layers, up to {shape.k_max} experts per token, block size {shape.block_size}); {fix}")
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -166,73 +220,36 @@ class Scheduler:
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
             num_tokens = min(request.num_pending_tokens, token_budget)
-            need = self._step_blocks(request, num_tokens)
+            need = self.step_blocks(request, num_tokens)
             while reserved + need > self.memory.num_free_blocks:
-                victim = self.running[-1]               # the newest: it has the least work to lose
+                candidates = self.running[i:]          # not yet scheduled this step
+                victim = self.victims.choose_victim(
+                    tuple(candidates), self.memory, reserved + need - self.memory.num_free_blocks)
+                if not any(victim is c for c in candidates):
+                    raise RuntimeError(f"victim policy {self.victims!r} chose request "
+                                       f"{getattr(victim, 'request_id', victim)!r}, not one of the candidates")
                 self._preempt(victim, out)
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
-                break
-            out.scheduled.append(ScheduledRequest(request, num_tokens, need))
+                continue                               # it was the victim: running[i] is the next one
+            self.schedule_tokens(out, request, num_tokens, need)
             reserved += need
             token_budget -= num_tokens
             i += 1
         if not out.preempted:          # do not admit in a step that had to preempt: it would thrash
-            if self.config.policy == "static":
-                self._admit_static_batch(out, token_budget, reserved)
-            else:
-                self._admit(out, token_budget, reserved)
+            self.batching.admit(AdmissionStep(self, out, token_budget, reserved))
         return out
 
-    def _admit(self, out: SchedulerOutput, token_budget: int, reserved: int) -> None:
-        while self.waiting and len(self.running) < self.config.max_num_seqs and token_budget > 0:
-            request = self.waiting[0]
-            num_tokens = min(request.num_pending_tokens, token_budget)
-            need = self._step_blocks(request, num_tokens)
-            swap_in = self.memory.num_blocks_to_swap_in(request.request_id) if request.swapped else 0
-            if reserved + swap_in + need > self.memory.num_free_blocks:
-                break
-            if self.running and not self._admission_allows(request):
-                break                  # FIFO: no request overtakes the head of the line
-            self.waiting.popleft()
-            self._start(request, out)
-            out.scheduled.append(ScheduledRequest(request, num_tokens, need))
-            reserved += need
-            token_budget -= num_tokens
+    def schedule_tokens(self, out: SchedulerOutput, request: Request, num_tokens: int, need: int) -> None:
+        out.scheduled.append(ScheduledRequest(request, num_tokens, need,
+                                              samples=num_tokens == request.num_pending_tokens))
 
-    def _admit_static_batch(self, out: SchedulerOutput, token_budget: int, reserved: int) -> None:
-        """Static batching: a new batch only when the last one is done. The batch is the longest
-        prefix of the queue whose members, each reserving every expert's worst case for the padded
-        length (longest prompt + longest output), fit the pool."""
-        if self.running or not self.waiting:
-            return
-        m = self.memory
-        batch: list[Request] = []
-        for request in list(self.waiting)[: self.config.max_num_seqs]:
-            candidate = batch + [request]
-            padded = (max(len(r.prompt_token_ids) for r in candidate)
-                      + max(r.sampling_params.max_new_tokens for r in candidate) - 1)
-            if len(candidate) * reserved_blocks(padded, m.num_layers, m.num_experts, m.block_size) > m.num_blocks:
-                break
-            batch.append(request)
-        batch = batch or [self.waiting[0]]            # fits alone: checked at add_request
-        longest_output = max(r.sampling_params.max_new_tokens for r in batch)
-        for request in batch:
-            self.waiting.popleft()
-            # padding: the request keeps decoding (tokens thrown away) until the batch's longest ends
-            room = self.memory.cache.config.max_position_embeddings - 1 - request.max_cached_tokens
-            request.num_padding_tokens = min(longest_output - request.sampling_params.max_new_tokens, room)
-            self._start(request, out)
-            num_tokens = min(request.num_pending_tokens, token_budget)
-            if num_tokens > 0:
-                need = self._step_blocks(request, num_tokens)
-                out.scheduled.append(ScheduledRequest(request, num_tokens, need))
-                token_budget -= num_tokens
-
-    def _start(self, request: Request, out: SchedulerOutput) -> None:
+    def start_head(self, out: SchedulerOutput) -> Request:
+        """The head of the waiting line starts running (swapped back in if it was swapped out)."""
+        request = self.waiting.popleft()
         if request.swapped:
-            self.memory.swap_in(request.request_id)
+            out.block_copies.append(self.swap_space.swap_in(request.request_id))
             request.swapped = False
         if request.status is RequestStatus.PREEMPTED:
             out.resumed.append(request)
@@ -240,79 +257,41 @@ class Scheduler:
         else:
             out.admitted.append(request)
             out.events.append(("admitted", request))
-            request.predicted_blocks = self.predictor.predict(request.max_cached_tokens)
+            num_cached = len(request.prompt_token_ids) + self.batching.num_new_tokens(request) - 1
+            request.predicted_blocks = self.predictor.predict(num_cached)
             request.first_scheduled_step = out.step
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        return request
 
-    def _admission_allows(self, request: Request) -> bool:
-        """May `request` join the running ones? (An empty engine always admits the head of the line:
-        it fits alone, checked at add_request.)"""
-        m, policy = self.memory, self.config.policy
-        if policy == "continuous_reserved":
-            def reservation(r):
-                return reserved_blocks(r.max_cached_tokens, m.num_layers, m.num_experts, m.block_size)
-            return sum(map(reservation, self.running)) + reservation(request) <= m.num_blocks
-        if self.config.admission == "optimistic":
-            return True
-        return self.predicted_peak(request) <= m.num_blocks
-
-    def predicted_peak(self, request: Request | None = None) -> int:
-        """The most blocks the pool is predicted to hold at any future step if `request` joins.
-
-        Generation here always runs to max_new_tokens, so each request's remaining steps g are known;
-        its blocks are predicted to grow from what it holds now, b, to its predicted final demand f
-        (DemandPredictor, never less than b), then all return to the pool when it finishes:
-
-            demand_r(s) = b_r + (f_r - b_r) * (s + 1) / g_r   for s < g_r,   0 afterwards
-
-        The sum peaks just before some request finishes, so it is evaluated at s = g_r - 1. Summing
-        final demands instead would assume everyone peaks at once and leave the pool half idle;
-        short requests free their blocks before long ones reach theirs.
-        """
-        m = self.memory
-        held, final, remaining = [], [], []
-        for r in self.running + ([request] if request is not None else []):
-            if r.status is RequestStatus.RUNNING:
-                b = m.num_blocks_held(r.request_id)
-            elif r.swapped:
-                b = m.num_blocks_to_swap_in(r.request_id)
-            else:  # its prefill (or recompute) arrives in one go
-                b = self.predictor.predict(r.num_tokens)
-            f = max(self.predictor.predict(r.max_cached_tokens), b)
-            held.append(b)
-            final.append(f)
-            remaining.append(max(1, r.max_new_tokens - len(r.output_token_ids)))
-        b, f, g = (torch.tensor(x, dtype=torch.float64) for x in (held, final, remaining))  # (k,) each
-        s = g - 1                                                                  # (k,) peaks to test
-        progress = torch.clamp((s[:, None] + 1) / g[None, :], max=1.0)             # (k steps, k requests)
-        alive = s[:, None] < g[None, :]
-        demand = torch.where(alive, b + (f - b) * progress, torch.zeros(()))       # (k, k)
-        return int(math.ceil(float(demand.sum(1).max()) - 1e-9))
-
-    def _step_blocks(self, request: Request, num_tokens: int) -> int:
+    def step_blocks(self, request: Request, num_tokens: int) -> int:
         """Worst case of blocks the request's next `num_tokens` tokens can take from the pool. Never
         more than its lifetime worst case minus what it holds, so a request alone always fits."""
-        m, seq_id = self.memory, request.request_id
+        shape, seq_id = self.shape, request.request_id
         if request.swapped:
-            counts = m.swapped_token_counts(seq_id)[None]                    # (1, L, E)
+            counts = self.memory.swapped_token_counts(seq_id)[None]             # (1, L, E)
         else:
-            counts = m.token_counts([seq_id])                                 # (1, L, E)
-        held = int(((counts + m.block_size - 1) // m.block_size).sum())
-        step = int(worst_case_step_blocks(counts, torch.tensor([num_tokens]), m.k_max, m.block_size)[0])
-        lifetime = worst_case_lifetime_blocks(request.num_computed_tokens + num_tokens, m.num_layers,
-                                              m.num_experts, m.k_max, m.block_size)
+            counts = self.memory.token_counts([seq_id])                          # (1, L, E)
+        held = self.memory.blocks_of_counts(counts)
+        step = int(worst_case_step_blocks(counts, torch.tensor([num_tokens]), shape.k_max, shape.block_size)[0])
+        lifetime = worst_case_lifetime_blocks(request.num_computed_tokens + num_tokens, shape.num_layers,
+                                              shape.num_experts, shape.k_max, shape.block_size)
         return max(0, min(step, lifetime - held))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Take a running request off the pool; it goes back to the head of the waiting line."""
         self.running.remove(request)
         seq_id = request.request_id
-        if self.config.preemption_mode == "swap" and self.memory.can_swap_out(seq_id):
-            self.num_swapped_out_blocks += self.memory.swap_out(seq_id)
+        holds = self.memory.holds(seq_id)
+        if self.config.preemption_mode == "swap" and holds and self.swap_space.can_swap_out(seq_id):
+            copy = self.swap_space.swap_out(seq_id)
+            out.block_copies.append(copy)
+            self.num_swapped_out_blocks += copy.source.numel()
             request.swapped = True
         else:  # recompute (or the swap space is full): forget the K/V, re-run every token later
-            self.memory.free(seq_id)
+            if holds:
+                self.manager.free(seq_id)
+                out.freed.append(seq_id)
             request.num_recomputed_tokens += request.num_computed_tokens
             self.num_recomputed_tokens += request.num_computed_tokens
             request.num_computed_tokens = 0
@@ -323,10 +302,35 @@ class Scheduler:
         out.preempted.append(request)
         out.events.append(("preempted", request))
 
+    # ----- after the forward ----------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[int, int],
+                           entries_per_layer: torch.Tensor | None = None) -> list[Request]:
+        """Account for the step that ran `out`: every scheduled request computed its tokens; those
+        that sampled get their token (sampled_token_ids: request id -> token); a request that reached
+        its last token finishes and its blocks go back to the pool. entries_per_layer (L,): experts
+        the routers chose, summed over the step's tokens, for the demand predictor. Returns the
+        requests that finished, in batch order."""
+        if entries_per_layer is not None:
+            self.predictor.observe(entries_per_layer, out.num_scheduled_tokens)
+        finished = []
+        for item in out.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_tokens
+            if not item.samples:
+                continue                           # a prefill chunk: more of it next step
+            request.output_token_ids.append(int(sampled_token_ids[request.request_id]))
+            if len(request.output_token_ids) >= self.batching.num_new_tokens(request):
+                self.finish(request, out.step)
+                finished.append(request)
+        return finished
+
     def finish(self, request: Request, step: int) -> None:
-        request.actual_blocks = self.memory.num_blocks_held(request.request_id)
-        request.final_token_counts = self.memory.token_counts([request.request_id])[0]
-        self.memory.free(request.request_id)
+        seq_id = request.request_id
+        request.actual_blocks = self.memory.num_blocks_held(seq_id)
+        request.final_token_counts = self.memory.token_counts([seq_id])[0]
+        if self.memory.holds(seq_id):
+            self.manager.free(seq_id)
+        self.batching.release(request)
         request.status = RequestStatus.FINISHED
         request.finished_step = step
         self.running.remove(request)

@@ -1,11 +1,20 @@
-"""The CPU swap space: where a sequence preempted by swap keeps its K/V until it resumes.
+"""The swap space's bookkeeping: where a sequence preempted by swap keeps its K/V until it resumes.
 
-A second, smaller pool of blocks of the same shape as the device pool, in host memory, with its own
-BlockPool for the free list. Swapping out copies every block of the sequence (row by row, in token
-order, as `KVCacheManager.blocks_of_sequence` lists them) and remembers each row's token count;
-swapping in allocates the same counts again in the device pool -- `allocate_slots` hands out blocks in
-the same row-by-row order -- and copies the data back. The sequence gets new block ids, not its old
-ones: nothing outside the block tables may remember a block id.
+A second, smaller pool of blocks of the same shape as the device pool, in host memory. This module
+holds only integers -- a BlockPool of host block ids and, per swapped sequence, its host blocks and
+the token count of each of its L * E rows. It decides *which* blocks move where and says so in a
+`BlockCopy`; the model runner owns the host K/V tensors and performs the copies (model_runner.py),
+in the order the scheduler decided them, before the step's forward.
+
+    swap_out   device blocks (row by row, in token order, as KVCacheManager.blocks_of_sequence lists
+               them) -> freshly allocated host blocks; the device blocks are freed in the manager at
+               once, so the same step may hand them to another sequence (the copy runs first)
+    swap_in    the saved row counts are allocated again in the device pool -- `allocate_slots` hands
+               out blocks in the same row-by-row order -- and host blocks -> those device blocks; the
+               host blocks are freed at once
+
+The sequence gets new device block ids, not its old ones: nothing outside the block tables may
+remember a block id.
 
 Why whole sequences: a sequence's next token attends over every expert it has ever been routed to in
 every layer, and the router may pick any of them. Swapping out only some experts' blocks would leave a
@@ -15,11 +24,22 @@ sequence that cannot run until they return, so the scheduler moves all of a sequ
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..cache.block_pool import BlockPool
-from ..cache.paged import PagedKVCache
+from ..cache.kv_cache_manager import KVCacheManager
+
+SWAP_OUT = "swap_out"     # device blocks -> host blocks
+SWAP_IN = "swap_in"       # host blocks -> device blocks
+
+
+class BlockCopy(NamedTuple):
+    """One copy the model runner performs before the forward: block source[i] -> destination[i]."""
+    direction: str               # SWAP_OUT or SWAP_IN
+    source: torch.Tensor         # (b,) int64 block ids (device for SWAP_OUT, host for SWAP_IN)
+    destination: torch.Tensor    # (b,) int64 block ids (host for SWAP_OUT, device for SWAP_IN)
 
 
 @dataclass
@@ -30,58 +50,53 @@ class SwappedSequence:
 
 
 class SwapSpace:
-    def __init__(self, cache: PagedKVCache, num_blocks: int):
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
+    """Host block ids and saved row counts of the sequences preempted by swap (no tensors of K/V)."""
+
+    def __init__(self, manager: KVCacheManager, num_blocks: int):
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise ValueError(f"swap space num_blocks={num_blocks!r} must be a positive integer")
-        self.cache = cache
+        self.manager = manager
         self.pool = BlockPool(num_blocks)
-        shape = (num_blocks,) + tuple(cache.key_cache.shape[1:])                     # (Ns, P, Hkv, Dh)
-        self.key_cache = torch.zeros(shape, dtype=cache.key_cache.dtype, device="cpu")
-        self.value_cache = torch.zeros(shape, dtype=cache.value_cache.dtype, device="cpu")
         self.swapped: dict[int, SwappedSequence] = {}
 
-    def can_swap_out(self, seq_id: int) -> bool:
-        return self.cache.manager.blocks_of_sequence(seq_id).numel() <= self.pool.num_free_blocks
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
 
-    def swap_out(self, seq_id: int) -> int:
-        """Copy the sequence's blocks to host memory and free them on the device. Returns the number
-        of blocks moved."""
-        manager = self.cache.manager
-        device_blocks = manager.blocks_of_sequence(seq_id)                              # (b,)
-        counts = manager.token_counts([seq_id])[0].reshape(-1)                         # (L*E,)
-        host_blocks = self.pool.allocate(device_blocks.numel())                         # raises if full
-        self.key_cache[host_blocks] = self.cache.key_cache[device_blocks].cpu()
-        self.value_cache[host_blocks] = self.cache.value_cache[device_blocks].cpu()
+    def can_swap_out(self, seq_id: int) -> bool:
+        return self.manager.blocks_of_sequence(seq_id).numel() <= self.pool.num_free_blocks
+
+    def swap_out(self, seq_id: int) -> BlockCopy:
+        """Take host blocks for the sequence's device blocks, remember its row counts, and free its
+        device blocks in the manager. Raises OutOfBlocksError, changing nothing, if the host pool is
+        short (ask can_swap_out first)."""
+        device_blocks = self.manager.blocks_of_sequence(seq_id)                        # (b,)
+        counts = self.manager.token_counts([seq_id])[0].reshape(-1)                    # (L*E,)
+        host_blocks = self.pool.allocate(device_blocks.numel())                        # may raise
         self.swapped[seq_id] = SwappedSequence(host_blocks, counts)
-        self.cache.free(seq_id)
-        return device_blocks.numel()
+        self.manager.free(seq_id)
+        return BlockCopy(SWAP_OUT, device_blocks, host_blocks)
 
     def num_blocks_to_swap_in(self, seq_id: int) -> int:
         return self.swapped[seq_id].host_block_ids.numel()
 
     def token_counts(self, seq_id: int) -> torch.Tensor:
         """(L, E) tokens the swapped sequence's rows hold."""
-        manager = self.cache.manager
-        return self.swapped[seq_id].token_counts.view(manager.num_layers, manager.num_experts)
+        return self.swapped[seq_id].token_counts.view(self.manager.num_layers, self.manager.num_experts)
 
-    def swap_in(self, seq_id: int) -> None:
-        """Give the sequence its rows back in the device pool and copy its K/V into them."""
-        manager = self.cache.manager
+    def swap_in(self, seq_id: int) -> BlockCopy:
+        """Give the sequence its rows back in the device pool (same counts, new block ids) and free
+        its host blocks. Raises RuntimeError, changing nothing, if the device pool is short."""
+        manager = self.manager
         saved = self.swapped[seq_id]
         if saved.host_block_ids.numel() > manager.num_free_blocks:
             raise RuntimeError(f"swap_in of sequence {seq_id} needs {saved.host_block_ids.numel()} "
                                f"blocks, {manager.num_free_blocks} free: check first")
         index = manager.add_sequence(seq_id)
-        rows = manager.sequence_rows(torch.tensor([index]))[0]                          # (L*E,)
+        rows = manager.sequence_rows(torch.tensor([index]))[0]                         # (L*E,)
         manager.allocate_slots(rows, saved.token_counts)
-        device_blocks = manager.blocks_of_sequence(seq_id)                              # (b,) new ids
+        device_blocks = manager.blocks_of_sequence(seq_id)                             # (b,) new ids
         assert device_blocks.numel() == saved.host_block_ids.numel()
-        device = self.cache.key_cache.device
-        self.cache.key_cache[device_blocks] = self.key_cache[saved.host_block_ids].to(device)
-        self.cache.value_cache[device_blocks] = self.value_cache[saved.host_block_ids].to(device)
         self.pool.free(saved.host_block_ids)
         del self.swapped[seq_id]
-
-    def drop(self, seq_id: int) -> None:
-        """Forget a swapped sequence (e.g. it was aborted)."""
-        self.pool.free(self.swapped.pop(seq_id).host_block_ids)
+        return BlockCopy(SWAP_IN, saved.host_block_ids, device_blocks)

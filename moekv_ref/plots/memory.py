@@ -50,9 +50,8 @@ def draw_pool(ax, design: ManagerPagedDesign, colour_by: str = "expert", width: 
     (seq, layer or expert), brightness by how full the block is, free blocks white."""
     manager = design.manager
     owner_row, used_slots = (t.numpy() for t in manager.block_owners())
-    E, rows_per_seq = manager.num_experts, manager.rows_per_seq
-    owners = {"seq": owner_row // rows_per_seq, "layer": owner_row % rows_per_seq // E,
-              "expert": owner_row % E}[colour_by]
+    seq, layer, expert = manager.index.split(owner_row)                     # -1 rows are masked below
+    owners = {"seq": seq, "layer": layer, "expert": expert}[colour_by]
     num_blocks = manager.num_blocks
     height = -(-num_blocks // width)
     image = np.ones((height * width, 4))

@@ -1,4 +1,4 @@
-"""The naive designs the paged cache is measured against (issue 3), as memory accounting only.
+"""The naive designs the paged cache is measured against, as memory accounting only.
 
 They answer the simulator's calls (moekv_ref/sim/designs.py: admit, append, release,
 allocated_slots, metadata_bytes, reads) on the same routing traces as the paged designs.
@@ -24,15 +24,19 @@ import bisect
 import numpy as np
 import torch
 
+from ..cache.rows import RowIndex
+
 BYTES_PER_INDEX = 4
 
 
 class _RowTokens:
-    """Token counts per row (row = seq * (L * E) + layer * E + expert), shared by both baselines."""
+    """Token counts per row (numbered as moekv_ref/cache/rows.py says, with the trace's sequence
+    number as seq_index), shared by both baselines."""
 
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int):
         self.num_layers, self.num_experts = num_layers, num_experts
-        self.rows_per_seq = num_layers * num_experts
+        self.index = RowIndex(num_layers, num_experts)
+        self.rows_per_seq = self.index.rows_per_seq
         self.tokens = torch.zeros(num_sequences * self.rows_per_seq, dtype=torch.int64)   # (S*L*E,)
 
     def _sequence_view(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -170,11 +174,11 @@ class FirstFitDesign(_RowTokens):
         """Every live buffer and hole, for drawing: numpy arrays of start, size, used, seq, layer,
         expert; hole_start, hole_size; and the top of the heap."""
         rows = (self.capacity > 0).nonzero().squeeze(1)
-        seq, rest = rows // self.rows_per_seq, rows % self.rows_per_seq
+        seq, layer, expert = self.index.split(rows)
         return {
             "start": self.start[rows].numpy(), "size": self.capacity[rows].numpy(),
             "used": self.tokens[rows].numpy(), "seq": seq.numpy(),
-            "layer": (rest // self.num_experts).numpy(), "expert": (rest % self.num_experts).numpy(),
+            "layer": layer.numpy(), "expert": expert.numpy(),
             "hole_start": self.space.hole_starts.copy(), "hole_size": self.space.hole_sizes.copy(),
             "top": self.space.top,
         }

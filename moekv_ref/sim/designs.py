@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.kv_cache_manager import KVCacheManager, check_block_size
-from ..cache.rows import ceil_div
+from ..cache.rows import RowIndex, ceil_div
 
 BYTES_PER_INDEX = 4
 
@@ -60,7 +60,7 @@ class CountingPagedDesign:
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int, block_size: int):
         self.name = f"paged(P={block_size})"
         self.block_size = check_block_size(block_size)
-        self.rows_per_seq = num_layers * num_experts
+        self.rows_per_seq = RowIndex(num_layers, num_experts).rows_per_seq    # rows numbered as rows.py says
         self.tokens = torch.zeros(num_sequences * self.rows_per_seq, dtype=torch.int64)  # (S*L*E,)
         self._num_blocks = 0
         self._num_rows_in_use = 0
@@ -106,7 +106,7 @@ class ManagerPagedDesign:
                  num_blocks: int, shuffle_seed: int | None = None, manager_class=KVCacheManager):
         self.name = f"paged-manager(P={block_size})"
         self.block_size = block_size
-        self.rows_per_seq = num_layers * num_experts
+        self.rows_per_seq = RowIndex(num_layers, num_experts).rows_per_seq
         # manager_class=SharedTailKVCacheManager drives the real shared-tail bookkeeping (a Python
         # loop over rows: for tests, too slow for the benchmark's traces)
         self.manager = manager_class(num_layers, num_experts, block_size, num_blocks, shuffle_seed,

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.rows import RowIndex
+
 
 @dataclass
 class RoutingTrace:
@@ -66,24 +68,24 @@ class RoutingTrace:
 
         Returns rows (a,) int64, distinct, numbered seq * (L * E) + layer * E + expert with seq the
         trace's sequence id, and num_new (a,) int64 >= 1."""
-        L, E = self.num_layers, self.num_experts
+        index = RowIndex(self.num_layers, self.num_experts)
         count = self.prompt_lens[seqs]
         owner = torch.repeat_interleave(seqs, count)                                  # (t,)
         start = torch.cumsum(count, 0) - count
         local = torch.arange(int(count.sum())) - torch.repeat_interleave(start, count)
         token = self.offsets[owner] + local                                           # (t,)
         chosen = self.experts[token].to(torch.int64)                                  # (t, L, K)
-        index = (owner[:, None, None] * L + torch.arange(L)[None, :, None]) * E + chosen
-        counts = torch.bincount(index[chosen >= 0], minlength=self.num_sequences * L * E)
+        row = index.row(owner[:, None, None], torch.arange(self.num_layers)[None, :, None], chosen)
+        counts = torch.bincount(row[chosen >= 0], minlength=self.num_sequences * index.rows_per_seq)
         rows = counts.nonzero().squeeze(1)
         return rows, counts[rows]
 
     def decode_appends(self, seqs: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
         """The rows that token token_index[i] of sequence seqs[i] appends one slot to: (a,) int64,
         distinct (a token's experts are distinct, and each sequence decodes one token)."""
-        L, E = self.num_layers, self.num_experts
+        index = RowIndex(self.num_layers, self.num_experts)
         chosen = self.experts[self.offsets[seqs] + token_index].to(torch.int64)      # (m, L, K)
-        rows = (seqs[:, None, None] * L + torch.arange(L)[None, :, None]) * E + chosen
+        rows = index.row(seqs[:, None, None], torch.arange(self.num_layers)[None, :, None], chosen)
         return rows[chosen >= 0]
 
 

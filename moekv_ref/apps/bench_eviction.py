@@ -1,0 +1,227 @@
+"""`python -m moekv_ref bench eviction [--json PATH]`: eviction when one expert's device is short.
+
+Three parts, printed as tables and saved together as JSON:
+
+ 1. recompute versus swap, measured on this machine with the embedded model (a prefill of c tokens
+    through the paged cache against SwapSpace.swap_out + swap_in of the same sequence), for several
+    block sizes; fitted into a CostModel; the crossover context (from where swap is cheaper), here
+    and projected for a GPU from datasheet numbers (sim/costs.py) at JetMoE-8B's shape;
+ 2. every victim policy on one skewed workload (sim/eviction.py): per-device pools (D = 4, E = 16),
+    a topic trace whose popular topic's experts share device 0 under the co-activation placement,
+    side by side with the oracle and the memory-time bound;
+ 3. density: for each expert buffer, the fraction of the running batch's sequences it holds, against
+    E, k and skew.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from ..placement import place_layers
+from ..sim.costs import (PCIE_GEN5_X16_BYTES_PER_SECOND, CostModel, crossover_context, fit_cost_model,
+                         projected_gpu_cost_model)
+from ..sim.density import density_sweep, mean_blocks_at_context
+from ..sim.eviction import EvictionSetup, memory_time_bound, simulate
+from ..sim.topic_traces import topic_trace
+from ..sim.traces import synthetic_trace
+from ..sim.victims import VICTIM_POLICIES
+
+# NVIDIA GH200 datasheet: NVLink-C2C 900 GB/s between Grace and Hopper, 450 GB/s each direction.
+NVLINK_C2C_BYTES_PER_SECOND = 450e9
+# JetMoE-8B: 2.2 B active parameters per token (Shen et al., arXiv 2404.07413, Table 1).
+JETMOE_ACTIVE_PARAMS = 2.2e9
+
+
+# ----- 1. recompute versus swap ------------------------------------------------------------------------
+def measure_recompute_and_swap(model, contexts, block_sizes, repeats: int = 3, seed: int = 0) -> list[dict]:
+    """Median seconds of recomputing (prefilling) c tokens and of swapping the resulting sequence out
+    and back in, for each context c and block size P, with the engine's own PagedKVCache and
+    SwapSpace. Returns one dict per (P, c): blocks, bytes, recompute_seconds, swap_seconds."""
+    from ..cache.paged import PagedKVCache
+    from ..engine.swap import SwapSpace
+    torch.manual_seed(seed)
+    config = model.config
+    rows = []
+    longest = max(contexts)
+    tokens = torch.randint(0, config.vocab_size, (longest,))
+    for P in block_sizes:
+        for c in contexts:
+            num_blocks = config.max_kv_entries_per_token * (-(-c // P) + 1) * 2
+            recompute, swap, blocks = [], [], 0
+            for _ in range(repeats):
+                cache = PagedKVCache.for_model(model, block_size=P, num_blocks=num_blocks, attention="batched")
+                started = time.perf_counter()
+                with torch.no_grad():
+                    model.forward_cached(tokens[:c], torch.zeros(c, dtype=torch.int64), torch.arange(c), cache)
+                recompute.append(time.perf_counter() - started)
+                space = SwapSpace(cache, num_blocks)
+                started = time.perf_counter()
+                blocks = space.swap_out(0)
+                space.swap_in(0)
+                swap.append(time.perf_counter() - started)
+            block_bytes = 2 * P * config.num_key_value_heads * config.head_dim * cache.key_cache.element_size()
+            rows.append({"block_size": P, "context": c, "blocks": blocks, "bytes": blocks * block_bytes,
+                         "block_bytes": block_bytes,
+                         "recompute_seconds": sorted(recompute)[repeats // 2],
+                         "swap_seconds": sorted(swap)[repeats // 2]})
+    return rows
+
+
+def measured_crossovers(rows: list[dict]) -> dict:
+    """Per block size: the fitted CostModel and the crossover context, straight from the measured
+    pairs (the shortest context from which every measured swap beat its recompute)."""
+    out = {}
+    for P in sorted({r["block_size"] for r in rows}):
+        mine = [r for r in rows if r["block_size"] == P]
+        cost = fit_cost_model([r["context"] for r in mine], [r["recompute_seconds"] for r in mine],
+                              [r["blocks"] for r in mine], [r["swap_seconds"] for r in mine], mine[0]["block_bytes"])
+        wins = [r["swap_seconds"] < r["recompute_seconds"] for r in mine]
+        crossover = next((mine[i]["context"] for i in range(len(wins)) if all(wins[i:])), None)
+        out[P] = {"cost_model": cost.to_dict(), "crossover_context": crossover}
+    return out
+
+
+def projected_crossovers(block_sizes, contexts, links=None, num_sequences: int = 16, seed: int = 0) -> dict:
+    """Crossover contexts projected for an H100 at JetMoE-8B's shape (24 layers, 8 attention experts,
+    top-2, 16 KV heads of 128 in bf16, 2.2 B active parameters), over each host link. Blocks at each
+    context are counted on a synthetic top-2 trace (Zipf 1.0 expert popularity)."""
+    from ..config import get_config
+    config = get_config("jetmoe-8b")
+    links = links or {"PCIe Gen5 x16 (64 GB/s)": PCIE_GEN5_X16_BYTES_PER_SECOND,
+                      "NVLink-C2C (450 GB/s)": NVLINK_C2C_BYTES_PER_SECOND}
+    L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
+    trace = synthetic_trace(num_sequences, L, E, K, mean_prompt=max(contexts), mean_output=1, sigma=0.0,
+                            zipf_s=1.0, kv_bytes_per_slot=config.kv_bytes_per_token, seed=seed)
+    out = {}
+    for link_name, bandwidth in links.items():
+        for P in block_sizes:
+            cost = projected_gpu_cost_model(JETMOE_ACTIVE_PARAMS, config.kv_bytes_per_token, L, K, E,
+                                            config.head_dim, config.num_attention_heads, P,
+                                            link_bytes_per_second=bandwidth, name=f"H100 + {link_name}")
+            blocks = mean_blocks_at_context(trace, contexts, P)
+            out[f"{link_name}, P={P}"] = {
+                "link": link_name, "block_size": P, "crossover_context": crossover_context(cost, contexts, blocks),
+                "recompute_seconds": [float(cost.recompute_seconds(c)) for c in contexts],
+                "swap_seconds": [float(cost.swap_seconds(b)) for b in blocks.tolist()],
+                "contexts": list(contexts)}
+    return out
+
+
+# ----- 2. the policies on one skewed workload --------------------------------------------------------------
+def skewed_workload(num_sequences: int = 48, num_layers: int = 8, num_experts: int = 16, top_k: int = 2,
+                    num_devices: int = 4, mean_prompt: float = 128, mean_output: float = 128,
+                    topic_s: float = 1.5, seed: int = 0, placement: str = "coactivation"):
+    """The trace and the placement: per-sequence topics (sim/topic_traces.py), experts placed by
+    co-activation, which puts the popular topic's experts together on device 0 (it fills first).
+    KV per (layer, expert) slot: 2 KV heads of 128 in bf16 (1 KiB)."""
+    trace, topic = topic_trace(num_sequences, num_layers, num_experts, top_k, topic_s=topic_s,
+                               mean_prompt=mean_prompt, mean_output=mean_output, kv_bytes_per_slot=1024, seed=seed)
+    selected = [torch.nn.functional.one_hot(trace.experts[:, l].long(), num_experts).sum(1).bool()
+                for l in range(num_layers)]
+    return trace, topic, place_layers(selected, num_devices, placement)
+
+
+def workload_cost_model(trace, block_size: int, bandwidth: float = PCIE_GEN5_X16_BYTES_PER_SECOND) -> CostModel:
+    """The projected H100 cost model at the skewed workload's shape (2 B active parameters, 4 query
+    heads of 128 per expert)."""
+    return projected_gpu_cost_model(2e9, trace.kv_bytes_per_slot, trace.num_layers, int(trace.experts.shape[2]),
+                                    trace.num_experts, 128, 4, block_size, link_bytes_per_second=bandwidth)
+
+
+def compare_policies(trace, placement, setup: EvictionSetup, cost: CostModel, policies=None) -> dict:
+    """Every policy on the same workload, and the memory-time bound."""
+    results = {}
+    for name in policies or VICTIM_POLICIES:
+        stats = simulate(trace, placement, setup, name, cost)
+        results[name] = stats
+    return {"stats": results, "bound": memory_time_bound(trace, placement, setup)}
+
+
+def format_comparison(comparison: dict) -> str:
+    header = (f"{'policy':>15} {'steps':>6} {'tok/step':>9} {'tok/s':>9} {'recomputed':>10} {'swapped MB':>10} "
+              f"{'evictions':>9} {'victims':>7} {'freed/evict':>11} {'refused':>7}")
+    lines = [header]
+    oracle = comparison["stats"].get("oracle")
+    for name, s in comparison["stats"].items():
+        lines.append(f"{name:>15} {s.num_steps:>6} {s.tokens_per_step:>9.2f} {s.tokens_per_second:>9.0f} "
+                     f"{s.recomputed_tokens:>10} {s.swapped_bytes / 1e6:>10.1f} {s.num_evictions:>9} "
+                     f"{s.num_victim_sequences:>7} {s.freed_per_eviction:>11.1f} {s.num_refused:>7}")
+    bound = comparison["bound"]
+    lines.append(f"{'bound':>15} {bound['steps']:>6.0f} {bound['tokens_per_step']:>9.2f}   (memory-time bound: no "
+                 "policy does better per step)")
+    if oracle is not None:
+        for name, s in comparison["stats"].items():
+            lines.append(f"  {name}: {s.tokens_per_second / oracle.tokens_per_second:.3f} of the oracle's tokens/s, "
+                         f"{s.tokens_per_step / oracle.tokens_per_step:.3f} of its tokens/step")
+    return "\n".join(lines)
+
+
+# ----- the program -------------------------------------------------------------------------------------------
+def build_parser(parser=None):
+    parser = parser or argparse.ArgumentParser(prog="python -m moekv_ref bench eviction")
+    parser.add_argument("--json", default=None, help="write every number to this file")
+    parser.add_argument("--quick", action="store_true", help="a smaller workload and fewer contexts")
+    parser.add_argument("--sequences", type=int, default=48)
+    parser.add_argument("--blocks-per-device", type=int, default=1000)
+    parser.add_argument("--host-blocks", type=int, default=0, help="host swap space in blocks (0: recompute only)")
+    parser.add_argument("--skip-measure", action="store_true", help="skip timing the embedded model")
+    return parser
+
+
+def main(args) -> int:
+    torch.set_num_threads(1)
+    out: dict = {}
+    if not args.skip_measure:
+        from ..checkpoint import load_default_model
+        model = load_default_model()
+        contexts = [16, 64, 256] if args.quick else [16, 32, 64, 128, 256, 384, 496]
+        rows = measure_recompute_and_swap(model, contexts, [4, 16, 64])
+        crossovers = measured_crossovers(rows)
+        print("recompute vs swap on this machine (embedded model, float32, one thread):")
+        print(f"{'P':>4} {'context':>7} {'blocks':>6} {'recompute ms':>12} {'swap ms':>8}")
+        for r in rows:
+            print(f"{r['block_size']:>4} {r['context']:>7} {r['blocks']:>6} {1e3 * r['recompute_seconds']:>12.2f} "
+                  f"{1e3 * r['swap_seconds']:>8.2f}")
+        for P, c in crossovers.items():
+            print(f"  P={P}: swap is cheaper from context {c['crossover_context']}")
+        out["measured"] = {"rows": rows, "crossovers": {str(k): v for k, v in crossovers.items()}}
+    contexts = list(range(8, 4097, 8))
+    projected = projected_crossovers([16, 64], contexts)
+    print("projected for an H100 at JetMoE-8B's shape (50% MFU prefill):")
+    for key, value in projected.items():
+        print(f"  {key}: swap is cheaper from context {value['crossover_context']}")
+    out["projected"] = projected
+
+    num_sequences = 24 if args.quick else args.sequences
+    trace, topic, placement = skewed_workload(num_sequences)
+    setup = EvictionSetup(blocks_per_device=args.blocks_per_device, block_size=16, max_num_seqs=32,
+                          num_host_blocks=args.host_blocks)
+    cost = workload_cost_model(trace, setup.block_size)
+    comparison = compare_policies(trace, placement, setup, cost)
+    print(f"\nskewed workload: {num_sequences} requests, L={trace.num_layers}, E={trace.num_experts}, top-2, "
+          f"D=4 devices x {setup.blocks_per_device} blocks of {setup.block_size}, co-activation placement, "
+          f"host swap {setup.num_host_blocks} blocks; cost model: {cost.name}")
+    print(format_comparison(comparison))
+    out["workload"] = {"num_sequences": num_sequences, "setup": setup.__dict__, "cost_model": cost.to_dict(),
+                       "policies": {k: v.summary() for k, v in comparison["stats"].items()},
+                       "bound": comparison["bound"]}
+
+    density = density_sweep(experts=(8, 16, 64), top_ks=(1, 2, 8), skews=(0.0, 1.0, 2.0), context=64)
+    print("\ndensity: mean fraction of a batch's sequences an expert buffer holds (context 64 tokens)")
+    for row in density:
+        print(f"  E={row['num_experts']:>3} k={row['top_k']} zipf_s={row['zipf_s']:.1f}: mean {row['mean']:.3f}, "
+              f"coldest expert {row['min']:.3f}")
+    out["density"] = density
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(build_parser().parse_args()))

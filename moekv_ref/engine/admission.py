@@ -1,0 +1,93 @@
+"""Admission policies: may the request at the head of the waiting line join the running ones?
+
+The scheduler asks only when the request's next step already fits (its worst case reserved against
+the free pool) and other requests are running; an empty engine always admits the head of the line,
+which fits alone (checked when it was added). One question, one method:
+
+    allows(request, running, memory, predictor) -> bool
+
+    predicted    the pool's predicted peak, from the routing seen so far, fits (the default)
+    optimistic   always: admit whenever the next step fits (vLLM's rule), preempt when it runs short
+
+Policies read memory through a MemoryView (read-only) and never change a request or the pool.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from .demand import DemandPredictor
+from .memory import MemoryView
+from .request import Request, RequestStatus
+
+
+class AdmissionPolicy:
+    """May `request` join `running` now? Subclasses answer `allows`."""
+    name = "admission"
+
+    def allows(self, request: Request, running: Sequence[Request], memory: MemoryView,
+               predictor: DemandPredictor) -> bool:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class OptimisticAdmission(AdmissionPolicy):
+    """Admit whenever the next step fits (vLLM's rule). Keeps the pool full and recovers by
+    preempting when decode growth outruns it: cheap when preemption is cheap (swap), wasteful when it
+    throws away prefill work (recompute)."""
+    name = "optimistic"
+
+    def allows(self, request, running, memory, predictor) -> bool:
+        return True
+
+
+class PredictedAdmission(AdmissionPolicy):
+    """Admit while the pool's predicted peak fits. Admitting on the next step alone would let in
+    requests that will certainly be preempted later (wasted prefill); the prediction (DemandPredictor:
+    k_avg entries per token plus the bound on partly filled blocks) admits what routing so far says
+    will fit."""
+    name = "predicted"
+
+    def allows(self, request, running, memory, predictor) -> bool:
+        return predicted_peak(list(running) + [request], memory, predictor) <= memory.num_blocks
+
+
+def predicted_peak(requests: Sequence[Request], memory: MemoryView, predictor: DemandPredictor) -> int:
+    """The most blocks the pool is predicted to hold at any future step while `requests` run.
+
+    Generation here always runs to max_new_tokens, so each request's remaining steps g are known;
+    its blocks are predicted to grow from what it holds now, b, to its predicted final demand f
+    (DemandPredictor, never less than b), then all return to the pool when it finishes:
+
+        demand_r(s) = b_r + (f_r - b_r) * (s + 1) / g_r   for s < g_r,   0 afterwards
+
+    The sum peaks just before some request finishes, so it is evaluated at s = g_r - 1. Summing
+    final demands instead would assume everyone peaks at once and leave the pool half idle;
+    short requests free their blocks before long ones reach theirs.
+    """
+    held, final, remaining = [], [], []
+    for r in requests:
+        if r.status is RequestStatus.RUNNING:
+            b = memory.num_blocks_held(r.request_id)
+        elif memory.is_swapped(r.request_id):
+            b = memory.num_blocks_swapped(r.request_id)
+        else:  # its prefill (or recompute) arrives in one go
+            b = predictor.predict(r.num_tokens)
+        f = max(predictor.predict(r.max_cached_tokens), b)
+        held.append(b)
+        final.append(f)
+        remaining.append(max(1, r.max_new_tokens - len(r.output_token_ids)))
+    b, f, g = (torch.tensor(x, dtype=torch.float64) for x in (held, final, remaining))  # (k,) each
+    s = g - 1                                                                  # (k,) peaks to test
+    progress = torch.clamp((s[:, None] + 1) / g[None, :], max=1.0)             # (k steps, k requests)
+    alive = s[:, None] < g[None, :]
+    demand = torch.where(alive, b + (f - b) * progress, torch.zeros(()))       # (k, k)
+    return int(math.ceil(float(demand.sum(1).max()) - 1e-9))
+
+
+ADMISSIONS = {"predicted": PredictedAdmission, "optimistic": OptimisticAdmission}

@@ -1,0 +1,88 @@
+"""The two baselines the serving benchmark compares continuous paged batching with, as batching
+policies: the same scheduler loop, runner and pool, only a different rule for who may run.
+
+    continuous_reserved  iteration-level batching, each request reserving the worst case of every
+                         (layer, expert) row for its whole life: never preempts, admits few
+    static               a fixed batch, admitted only when the previous one has finished, padded to
+                         its longest request, each reserving the worst case of every expert
+"""
+
+from __future__ import annotations
+
+from .admission import AdmissionPolicy
+from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
+from .demand import reserved_blocks
+from .memory import ModelShape
+from .request import Request
+
+
+def _reservation(num_cached_tokens: int, shape: ModelShape) -> int:
+    return reserved_blocks(num_cached_tokens, shape.num_layers, shape.num_experts, shape.block_size)
+
+
+class ReserveEveryRow(AdmissionPolicy):
+    """Admit while every request's lifetime reservation -- room for all of its tokens in every
+    (layer, expert) row, since the router may send every token there -- fits the pool together.
+    What a per-expert contiguous cache must do when the routing of future tokens is unknown."""
+    name = "reserved"
+
+    def allows(self, request, running, memory, predictor) -> bool:
+        total = sum(_reservation(r.max_cached_tokens, memory.shape) for r in list(running) + [request])
+        return total <= memory.num_blocks
+
+
+class ContinuousReserved(ContinuousBatching):
+    """Continuous batching with lifetime reservations: requests join and leave at every step, but
+    each holds a reservation of every row's worst case, so the pool never runs short (no preemption)
+    and few requests run at once."""
+    name = "continuous_reserved"
+
+    def __init__(self):
+        super().__init__(ReserveEveryRow())
+
+    def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
+        return _reservation(num_cached_tokens, shape)
+
+    def __repr__(self) -> str:
+        return "ContinuousReserved()"
+
+
+class StaticBatching(BatchingPolicy):
+    """Static batching: a new batch only when the last one is done. The batch is the longest prefix
+    of the queue whose members, each reserving every expert's worst case for the padded length
+    (longest prompt + longest output), fit the pool; every member keeps decoding (the extra tokens
+    are run and thrown away) until the batch's longest output is done, as a padded batch does.
+    The padding is kept here, per request, not in the request."""
+    name = "static"
+
+    def __init__(self):
+        self._padding: dict[int, int] = {}           # request id -> tokens decoded past its output
+
+    def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
+        return _reservation(num_cached_tokens, shape)
+
+    def num_new_tokens(self, request: Request) -> int:
+        return request.max_new_tokens + self._padding.get(request.request_id, 0)
+
+    def admit(self, step: AdmissionStep) -> None:
+        if step.running or step.head is None:
+            return
+        shape = step.shape
+        batch: list[Request] = []
+        for request in step.peek(step.max_num_seqs):
+            candidate = batch + [request]
+            padded = (max(len(r.prompt_token_ids) for r in candidate)
+                      + max(r.max_new_tokens for r in candidate) - 1)
+            if len(candidate) * _reservation(padded, shape) > step.memory.num_blocks:
+                break
+            batch.append(request)
+        batch = batch or [step.head]            # fits alone: checked at add_request
+        longest_output = max(r.max_new_tokens for r in batch)
+        for request in batch:
+            # padding: decode until the batch's longest output ends, within the model's positions
+            room = shape.max_num_positions - 1 - request.max_cached_tokens
+            self._padding[request.request_id] = min(longest_output - request.max_new_tokens, room)
+            step.start_next()
+
+    def release(self, request: Request) -> None:
+        self._padding.pop(request.request_id, None)

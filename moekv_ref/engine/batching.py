@@ -1,0 +1,135 @@
+"""Batching policies: which waiting requests join the running batch at a step, how many blocks one
+request may need alone, and how many tokens a request decodes.
+
+The scheduler's loop (scheduler.py) runs the running requests, reserves each step's worst case and
+preempts when short; then, in a step that preempted nothing, it hands admission to the batching
+policy through an AdmissionStep: what the policy may see (the waiting line, the running requests, a
+read-only MemoryView, the demand predictor, the step's token budget and reservation) and the one thing
+it may do (start the request at the head of the line).
+
+    continuous_paged     ContinuousBatching (here): at every step, admit the head of the line while
+                         its next step fits and the admission policy (admission.py) allows
+    continuous_reserved  baselines.py: the same, each request reserving every row's worst case
+    static               baselines.py: fixed batches, each padded to its longest output
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .admission import AdmissionPolicy, PredictedAdmission
+from .demand import DemandPredictor, worst_case_lifetime_blocks
+from .memory import MemoryView, ModelShape
+from .request import Request
+
+if TYPE_CHECKING:   # the scheduler builds AdmissionSteps; policies only use them
+    from .scheduler import Scheduler, SchedulerOutput
+
+
+class AdmissionStep:
+    """One step's admission, as a batching policy sees it. The policy reads; `start_next` is its only
+    move: the head of the waiting line starts running and gets its next tokens within the budget."""
+
+    def __init__(self, scheduler: "Scheduler", out: "SchedulerOutput", token_budget: int, reserved: int):
+        self._scheduler = scheduler
+        self._out = out
+        self.token_budget = token_budget      # tokens the step may still run
+        self.reserved = reserved              # worst case already reserved by the step
+        self.memory: MemoryView = scheduler.memory
+        self.predictor: DemandPredictor = scheduler.predictor
+        self.shape: ModelShape = scheduler.memory.shape
+        self.max_num_seqs: int = scheduler.config.max_num_seqs
+
+    @property
+    def head(self) -> Request | None:
+        """The request at the head of the waiting line (preempted ones first), or None."""
+        return self._scheduler.waiting[0] if self._scheduler.waiting else None
+
+    def peek(self, num_requests: int) -> list[Request]:
+        """The first `num_requests` of the waiting line, in order."""
+        waiting = self._scheduler.waiting
+        return [waiting[i] for i in range(min(num_requests, len(waiting)))]
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        return tuple(self._scheduler.running)
+
+    @property
+    def has_room(self) -> bool:
+        """A sequence slot and some token budget are left."""
+        return len(self._scheduler.running) < self.max_num_seqs and self.token_budget > 0
+
+    def step_fits(self, request: Request) -> bool:
+        """Would the request's next tokens (and its swap-in) fit the free pool beside what the step
+        has reserved?"""
+        num_tokens = min(request.num_pending_tokens, self.token_budget)
+        need = self._scheduler.step_blocks(request, num_tokens)
+        swap_in = self.memory.num_blocks_swapped(request.request_id)
+        return self.reserved + swap_in + need <= self.memory.num_free_blocks
+
+    def start_next(self) -> Request:
+        """Start the head of the line (swapping it in if it was swapped out) and schedule its next
+        tokens within the budget, reserving their worst case. Returns it."""
+        request = self._scheduler.start_head(self._out)
+        num_tokens = min(request.num_pending_tokens, self.token_budget)
+        if num_tokens > 0:
+            need = self._scheduler.step_blocks(request, num_tokens)
+            self._scheduler.schedule_tokens(self._out, request, num_tokens, need)
+            self.reserved += need
+            self.token_budget -= num_tokens
+        return request
+
+
+class BatchingPolicy:
+    """Who joins the running batch, and what one request may need alone. The interface; subclasses
+    give `max_blocks_alone` and `admit`. One policy object serves one scheduler (a policy may keep
+    per-request state, dropped in `release`)."""
+    name = "batching"
+
+    def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
+        """The most blocks one request of `num_cached_tokens` cached tokens could need, alone: a
+        request above the pool is refused when added, since preemption frees only *other* requests'
+        memory."""
+        raise NotImplementedError
+
+    def num_new_tokens(self, request: Request) -> int:
+        """Tokens the request decodes before it finishes."""
+        return request.max_new_tokens
+
+    def admit(self, step: AdmissionStep) -> None:
+        """Start waiting requests (step.start_next) while this policy allows."""
+        raise NotImplementedError
+
+    def release(self, request: Request) -> None:
+        """Forget anything kept about a request that left the engine."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class ContinuousBatching(BatchingPolicy):
+    """Continuous batching on the paged pool: requests join and leave at every step; the head of
+    the line is admitted while its next step fits and the admission policy allows (FIFO: no request
+    overtakes the head). Reserving only the next step's worst case, not a lifetime's, is what lets
+    more sequences share the pool than any reservation; the admission policy keeps that from turning
+    into preemptions."""
+    name = "continuous_paged"
+
+    def __init__(self, admission: AdmissionPolicy | None = None):
+        self.admission = admission if admission is not None else PredictedAdmission()
+
+    def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
+        return worst_case_lifetime_blocks(num_cached_tokens, shape.num_layers, shape.num_experts,
+                                          shape.k_max, shape.block_size)
+
+    def admit(self, step: AdmissionStep) -> None:
+        while step.head is not None and step.has_room:
+            request = step.head
+            if not step.step_fits(request):
+                break
+            if step.running and not self.admission.allows(request, step.running, step.memory, step.predictor):
+                break                  # FIFO: no request overtakes the head of the line
+            step.start_next()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.admission!r})"

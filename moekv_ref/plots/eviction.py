@@ -1,0 +1,90 @@
+"""Figures of the eviction simulator: each device's pool over time under a policy, what every
+eviction freed on each device, the policies side by side, density per expert buffer, and the
+recompute-versus-swap crossover. Inputs are the objects sim/eviction.py, sim/density.py and
+apps/bench_eviction.py return."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+
+def plot_device_pools(stats, blocks_per_device: int, ax=None):
+    """Blocks in use on each device after every step; the dashed line is one device's pool."""
+    ax = ax or plt.gca()
+    used = stats.used_blocks.numpy()                                         # (steps, D)
+    for d in range(used.shape[1]):
+        ax.plot(used[:, d], label=f"device {d}", lw=1)
+    ax.axhline(blocks_per_device, color="k", ls="--", lw=0.8)
+    ax.set(title=f"{stats.policy}: pool use per device", xlabel="step", ylabel="blocks in use")
+    ax.legend(fontsize=7)
+    return ax
+
+
+def plot_evictions(stats, ax=None):
+    """One bar group per eviction (in order): blocks it freed on each device; the short device is
+    marked by a dot."""
+    ax = ax or plt.gca()
+    if not stats.evictions:
+        ax.text(0.5, 0.5, "no evictions", ha="center", transform=ax.transAxes)
+        ax.set(title=f"{stats.policy}: evictions")
+        return ax
+    freed = np.array([r.freed for r in stats.evictions])                     # (n, D)
+    bottom = np.zeros(freed.shape[0])
+    for d in range(freed.shape[1]):
+        ax.bar(np.arange(freed.shape[0]), freed[:, d], bottom=bottom, label=f"device {d}", width=1.0)
+        bottom += freed[:, d]
+    short = np.array([r.short_device for r in stats.evictions])
+    ax.scatter(np.arange(freed.shape[0]), freed[np.arange(freed.shape[0]), short], s=6, c="k", zorder=3,
+               label="on the short device")
+    kind = {r.mode for r in stats.evictions}
+    ax.set(title=f"{stats.policy}: what each eviction freed ({', '.join(sorted(kind))})",
+           xlabel="eviction", ylabel="blocks freed")
+    ax.legend(fontsize=7)
+    return ax
+
+
+def plot_policy_comparison(comparison: dict, axes=None):
+    """Tokens per step and per (modelled) second, and recomputed tokens, per policy; the bound's
+    tokens per step as a line."""
+    if axes is None:
+        _, axes = plt.subplots(1, 3, figsize=(13, 3.2))
+    names = list(comparison["stats"])
+    stats = [comparison["stats"][n] for n in names]
+    axes[0].bar(names, [s.tokens_per_step for s in stats], color="#4c9be8")
+    axes[0].axhline(comparison["bound"]["tokens_per_step"], color="k", ls="--", lw=0.8, label="bound")
+    axes[0].set(title="goodput per step", ylabel="finished tokens / step")
+    axes[0].legend(fontsize=7)
+    axes[1].bar(names, [s.tokens_per_second for s in stats], color="#5bb974")
+    axes[1].set(title="goodput per modelled second", ylabel="finished tokens / s")
+    axes[2].bar(names, [s.recomputed_tokens for s in stats], color="#e8a33d")
+    axes[2].set(title="recomputed tokens", ylabel="tokens")
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    return axes
+
+
+def plot_density(density, placement=None, ax=None):
+    """Heat map of density[l, e] (fraction of sequences each buffer holds); with a placement (L, E),
+    each cell is labelled with its expert's device."""
+    ax = ax or plt.gca()
+    image = ax.imshow(np.asarray(density), vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    if placement is not None:
+        for (l, e), d in np.ndenumerate(np.asarray(placement)):
+            ax.text(e, l, str(d), ha="center", va="center", fontsize=6, color="w")
+    ax.set(title="density: fraction of sequences each buffer holds", xlabel="expert", ylabel="layer")
+    plt.colorbar(image, ax=ax)
+    return ax
+
+
+def plot_crossover(projected: dict, ax=None):
+    """Recompute against swap seconds by context, one swap line per (link, block size)."""
+    ax = ax or plt.gca()
+    first = next(iter(projected.values()))
+    ax.plot(first["contexts"], np.array(first["recompute_seconds"]) * 1e3, "k", lw=2, label="recompute")
+    for key, value in projected.items():
+        ax.plot(value["contexts"], np.array(value["swap_seconds"]) * 1e3, lw=1,
+                label=f"swap {key} (from {value['crossover_context']})")
+    ax.set(title="recompute vs swap (projected)", xlabel="context (tokens)", ylabel="ms")
+    ax.legend(fontsize=7)
+    return ax

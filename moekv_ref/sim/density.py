@@ -1,0 +1,81 @@
+"""Density: how many of a batch's sequences each expert buffer holds; blocks a sequence holds.
+
+In a dense transformer every layer's cache holds every running sequence. With attention experts, a
+(layer, expert) buffer holds a sequence only if some token of it was routed there: its *density* is
+the fraction of the batch's sequences it holds,
+
+    density[l, e] = (sequences with >= 1 token in row (s, l, e)) / (sequences)
+
+over the first `context` tokens of each sequence. Under uniform top-k routing of c tokens it is
+1 - (1 - k / E)^c; skew lowers it for cold experts. Low density is why per-buffer LRU loses its
+meaning (a buffer's least recently used rows belong to sequences running right now) and why taking
+one sequence off frees little in any one buffer.
+
+Dimension legend: S sequences, L layers, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.rows import ceil_div
+from .traces import RoutingTrace, synthetic_trace
+
+
+def row_token_counts(trace: RoutingTrace, context: int) -> torch.Tensor:
+    """(S', L, E) tokens each row holds after the first `context` tokens of every sequence at least
+    that long (S' of them)."""
+    L, E = trace.num_layers, trace.num_experts
+    seqs = (trace.lengths >= context).nonzero().squeeze(1)
+    counts = torch.zeros(seqs.numel(), L * E, dtype=torch.int64)
+    for i, s in enumerate(seqs.tolist()):
+        chosen = trace.experts[int(trace.offsets[s]): int(trace.offsets[s]) + context].to(torch.int64)  # (c, L, K)
+        local = torch.arange(L)[None, :, None] * E + chosen
+        counts[i] = torch.bincount(local[chosen >= 0], minlength=L * E)
+    return counts.view(-1, L, E)
+
+
+def density_per_expert(trace: RoutingTrace, context: int) -> torch.Tensor:
+    """(L, E) fraction of the sequences (of at least `context` tokens) each buffer holds."""
+    counts = row_token_counts(trace, context)
+    if counts.shape[0] == 0:
+        raise ValueError(f"no sequence of the trace has {context} tokens")
+    return (counts > 0).to(torch.float64).mean(0)
+
+
+def mean_blocks_at_context(trace: RoutingTrace, contexts, block_size: int) -> torch.Tensor:
+    """(len(contexts),) float64: blocks a sequence holds after c tokens, averaged over the trace's
+    sequences of at least c tokens (every row's partly filled tail block counted)."""
+    L, E = trace.num_layers, trace.num_experts
+    contexts = torch.as_tensor(list(contexts), dtype=torch.int64)
+    total = torch.zeros(contexts.numel(), dtype=torch.float64)
+    num = torch.zeros(contexts.numel(), dtype=torch.float64)
+    for s in range(trace.num_sequences):
+        chosen = trace.experts[int(trace.offsets[s]): int(trace.offsets[s + 1])].to(torch.int64)   # (n, L, K)
+        n = chosen.shape[0]
+        local = (torch.arange(L)[None, :, None] * E + chosen).clamp(min=0).reshape(n, -1)
+        hits = torch.zeros(n, L * E, dtype=torch.int64).scatter_add_(
+            1, local, (chosen >= 0).to(torch.int64).reshape(n, -1))                               # (n, L*E)
+        blocks = ceil_div(hits.cumsum(0), block_size).sum(1)                                      # (n,) after t+1
+        reached = contexts <= n
+        total[reached] += blocks[contexts[reached] - 1].to(torch.float64)
+        num[reached] += 1
+    return total / num.clamp(min=1)
+
+
+def density_sweep(experts=(8, 16, 64), top_ks=(1, 2, 8), skews=(0.0, 1.0, 2.0), context: int = 64,
+                  num_sequences: int = 32, num_layers: int = 2, seed: int = 0) -> list[dict]:
+    """Mean and coldest-expert density over synthetic traces for each (E, k, Zipf skew) with k <= E."""
+    out = []
+    for E in experts:
+        for k in top_ks:
+            if k > E:
+                continue
+            for s in skews:
+                trace = synthetic_trace(num_sequences, num_layers, E, k, mean_prompt=context, mean_output=1,
+                                        sigma=0.0, zipf_s=s, seed=seed)
+                density = density_per_expert(trace, context)
+                out.append({"num_experts": E, "top_k": k, "zipf_s": s, "context": context,
+                            "mean": float(density.mean()), "min": float(density.min()),
+                            "uniform_expectation": 1 - (1 - k / E) ** context})
+    return out
