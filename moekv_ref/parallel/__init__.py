@@ -10,7 +10,9 @@ attention experts' KV caches, every byte that travels counted.
     runner.py         ParallelRunner: one rank's step (attention placement + expert-parallel FFN)
     programs.py       RunSpec, run_specs (the worker), run_parallel, reference_run
     locality.py       placement of experts on ranks compared on real routing
+    measure.py        the context sweep and the tables made from the counters
     cost_model.py     bytes, FLOPs and HBM reads per step -> projected step times on real hardware
+    serving.py        the serving engine's scheduler on rank 0 over per-rank pools, plans broadcast
     __main__.py       `torchrun --nproc_per_node=N -m moekv_ref.parallel ...`
 """
 
