@@ -92,3 +92,13 @@ def test_bad_inputs_are_refused_before_anything_starts(capsys):
         launch(compare_placements, 0)
     with pytest.raises(ValueError, match="kv_placement='kv_everywhere'"):
         kv_location_map([torch.ones(3, 4, dtype=torch.bool)], torch.zeros(1, 4), "kv_everywhere", 0)
+
+
+def test_mixtral_decode_attention_is_bound_by_reading_its_cache():
+    # by hand: 32 sequences per GPU, each reading 4097 tokens x 32 layers x 4096 bytes (8 KV heads of
+    # 128, K and V, bf16) = 17.2 GB per GPU, at 3.35 TB/s = 5.1 ms; the attention weights every GPU
+    # reads add 32 layers x 84 MB = 2.7 GB (0.8 ms)
+    step = project_step(get_config("mixtral-8x7b"), "replicated_attention", 8, 256, 4096)
+    kv_ms = 32 * 4097 * 32 * 4096 / 3.35e12 * 1e3
+    weights_ms = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024) * 2 / 3.35e12 * 1e3
+    assert step.attention_ms == pytest.approx(kv_ms + weights_ms, rel=1e-3)

@@ -156,7 +156,7 @@ def step_flops_and_reads(config: ModelConfig, kv_placement: str, world_size: int
         score_flops = 2 * 2 * H * Dh * row_context
         expert_weight_bytes = (2 * D * H * Dh + 2 * D * Hkv * Dh) * b
     attention_flops = L * pairs * (projection_flops + score_flops)
-    kv_reads = L * pairs * row_context * config.kv_bytes_per_token * (2 if kv_placement == "kv_with_sequence" else 1)
+    kv_reads = L * pairs * row_context * config.kv_bytes_per_entry() * (2 if kv_placement == "kv_with_sequence" else 1)
     # attention weights: every rank reads all of them when replicated, its own experts otherwise
     copies = world_size if kv_placement == "replicated_attention" else 1
     attention_weight_reads = L * Ea * expert_weight_bytes * copies
