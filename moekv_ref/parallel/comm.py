@@ -114,21 +114,23 @@ class Communicator:
 
     def all_gather(self, tensor: torch.Tensor, category: str) -> list[torch.Tensor]:
         """Every rank's tensor (same shape on every rank), in rank order."""
-        tensor = tensor.contiguous()
-        outs = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        nbytes = tensor.numel() * tensor.element_size()
+        source = tensor.contiguous().to(self.device)
+        outs = [torch.empty_like(source) for _ in range(self.world_size)]
+        nbytes = source.numel() * source.element_size()
         ones = [1] * self.world_size
         self._run("all_gather", category, nbytes, nbytes,
-                  lambda: dist.all_gather(outs, tensor, group=self.group), ones, ones)
-        return outs
+                  lambda: dist.all_gather(outs, source, group=self.group), ones, ones)
+        return [out.to(tensor.device) for out in outs]
 
     def broadcast(self, tensor: torch.Tensor, src: int, category: str) -> torch.Tensor:
         """tensor from rank src, in place on every rank."""
         nbytes = tensor.numel() * tensor.element_size()
         sends = [int(self.rank == src)] * self.world_size
         receives = [int(r == src) for r in range(self.world_size)]
+        on_device = tensor.to(self.device)
         self._run("broadcast", category, nbytes, nbytes,
-                  lambda: dist.broadcast(tensor, src, group=self.group), sends, receives)
+                  lambda: dist.broadcast(on_device, src, group=self.group), sends, receives)
+        tensor.copy_(on_device)
         return tensor
 
     # ----- one call, counted and guarded ----------------------------------------------------------------

@@ -51,7 +51,9 @@ class DispatchPlan:
     @classmethod
     def build(cls, selected: torch.Tensor, gates: torch.Tensor, rank_of_expert: torch.Tensor,
               world_size: int, slots: int) -> "DispatchPlan":
-        """selected (N, E) bool, gates (N, E) from a Routing; rank_of_expert (E,); slots = K."""
+        """selected (N, E) bool, gates (N, E) from a Routing; rank_of_expert (E,); slots = K. The plan
+        is integers on the CPU, wherever the model runs."""
+        selected, gates = selected.cpu(), gates.cpu()
         N, E = selected.shape
         rank_of_expert = torch.as_tensor(rank_of_expert, dtype=torch.int64)
         on_rank = selected[:, None, :] & (rank_of_expert[None, None, :]
@@ -81,7 +83,8 @@ class DispatchPlan:
 class Received:
     """The pairs a rank received for its experts, grouped by source rank.
 
-    hidden (n, D); gates, experts (n, K); seq_ids, positions (n,) (attention only); recv_counts R ints.
+    hidden (n, D), gates (n, K) on the model's device; experts (n, K), seq_ids, positions (n,)
+    (attention only) on the CPU; recv_counts R ints.
     """
     hidden: torch.Tensor
     gates: torch.Tensor
@@ -95,14 +98,16 @@ def dispatch(comm: Communicator, plan: DispatchPlan, hidden: torch.Tensor, categ
              seq_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> Received:
     """Send each pair's hidden state, gates and expert ids (and, for attention, its sequence id and
     position) to its rank: one exchange of split sizes, then one all-to-all of floats and one of ints."""
-    floats = torch.cat([hidden[plan.token], plan.gates.to(hidden.dtype)], dim=1)          # (P, D + K)
+    floats = torch.cat([hidden[plan.token.to(hidden.device)], plan.gates.to(hidden.device, hidden.dtype)],
+                       dim=1)                                                                # (P, D + K)
     ints = plan.experts
     if seq_ids is not None:
+        seq_ids, positions = seq_ids.cpu(), positions.cpu()
         ints = torch.cat([seq_ids[plan.token, None], positions[plan.token, None], ints], dim=1)  # (P, 2 + K)
     device = comm.device
     floats_in, recv_counts = comm.all_to_all(floats.to(device), plan.send_counts, category)
     ints_in, _ = comm.all_to_all(ints.to(device), plan.send_counts, category, recv_counts)
-    floats_in, ints_in = floats_in.to(hidden.device), ints_in.to(hidden.device)
+    floats_in, ints_in = floats_in.to(hidden.device), ints_in.cpu()      # math on the model's device, ids on the CPU
     D, K = hidden.shape[1], plan.experts.shape[1]
     hidden_in, gates_in = floats_in[:, :D], floats_in[:, D:]                              # (n, D), (n, K)
     if seq_ids is None:

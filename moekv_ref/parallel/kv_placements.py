@@ -68,12 +68,12 @@ class KVWithExpert:
         _count_dispatch(traffic, "attention", plan, self.comm.rank)
         received = dispatch(self.comm, plan, h, "attention_dispatch", seq_ids, positions)
         pairs = local_pairs(received, part.attention_experts)
-        xs, ps = received.hidden[pairs.token], received.positions[pairs.token]          # (M, D), (M,)
+        xs, ps = received.hidden[pairs.token], received.positions[pairs.token].to(h.device)   # (M, D), (M,)
         q, k, v = project_qkv(config, xs, ps, pairs.counts, part.w_q, part.w_k, part.w_v, self.shard.backend)
         appended = self.pool.append_kv(layer, received.seq_ids[pairs.token], pairs.expert, ps, k, v)
         attention = self.pool.attend(appended, q)                                         # (M, H, Dh)
         y = grouped_matmul(rearrange(attention, "m h d -> m (h d)"), part.w_o, pairs.counts, self.shard.backend)
-        partial = h.new_zeros(received.hidden.shape).index_add_(0, pairs.token, pairs.gate[:, None] * y)
+        partial = h.new_zeros(received.hidden.shape).index_add_(0, pairs.token.to(h.device), pairs.gate[:, None] * y)
         return combine(self.comm, plan, received, partial, h.shape[0], "attention_combine")
 
 
@@ -87,6 +87,7 @@ class KVWithSequence:
     def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
         config, part, comm = self.shard.config, self.shard.layers[layer], self.comm
         Hkv, Dh = config.num_key_value_heads, config.head_dim
+        seq_ids_cpu, positions_cpu = seq_ids.cpu(), positions.cpu()          # bookkeeping on the CPU
         routing = self.shard.route_attention(layer, h)                                   # (N, E)
         plan = DispatchPlan.build(routing.selected, routing.gates, self.attention_ranks[layer],
                                   comm.world_size, config.num_attention_experts_per_tok)
@@ -96,11 +97,12 @@ class KVWithSequence:
         # home side: each destination gets the cached K/V of every (sequence, expert) row it serves
         pair, slot = (plan.experts >= 0).nonzero(as_tuple=True)                          # row-major
         row_rank = plan.rank[pair]
-        row_seq, row_expert = seq_ids[plan.token[pair]], plan.experts[pair, slot]
-        key = (row_rank * ((int(seq_ids.max()) if seq_ids.numel() else 0) + 1) + row_seq) * config.num_attention_experts + row_expert
+        row_seq, row_expert = seq_ids_cpu[plan.token[pair]], plan.experts[pair, slot]
+        key = (row_rank * ((int(seq_ids_cpu.max()) if seq_ids.numel() else 0) + 1) + row_seq) * config.num_attention_experts + row_expert
         _, first = _first_of_each(key)                                                     # distinct rows
         q_rank, q_seq, q_expert = row_rank[first], row_seq[first], row_expert[first]     # (Q,) by rank
         counts, slots = self._cached_rows(layer, q_seq, q_expert)                         # (Q,), (T,)
+        slots = slots.to(self.pool.key_cache.device)
         kv_flat = torch.stack([self.pool.key_cache.view(-1, Hkv, Dh)[slots],
                                self.pool.value_cache.view(-1, Hkv, Dh)[slots]], dim=1).to(h.dtype)  # (T, 2, Hkv, Dh)
         rows_per_rank = torch.bincount(q_rank, minlength=comm.world_size).tolist()
@@ -123,15 +125,15 @@ class KVWithSequence:
         if kv_in.shape[0]:
             row_of_token = torch.repeat_interleave(torch.arange(meta_in.shape[0]), meta_in[:, 2])   # (T,)
             index_in_row = torch.arange(kv_in.shape[0]) - (torch.cumsum(meta_in[:, 2], 0) - meta_in[:, 2])[row_of_token]
-            visiting.append_kv(layer, meta_in[row_of_token, 0], meta_in[row_of_token, 1], index_in_row,
-                               kv_in[:, 0], kv_in[:, 1])
+            visiting.append_kv(layer, meta_in[row_of_token, 0], meta_in[row_of_token, 1],
+                               index_in_row.to(h.device), kv_in[:, 0], kv_in[:, 1])
         pairs = local_pairs(received, part.attention_experts)
-        xs, ps = received.hidden[pairs.token], received.positions[pairs.token]          # (M, D), (M,)
+        xs, ps = received.hidden[pairs.token], received.positions[pairs.token].to(h.device)   # (M, D), (M,)
         q, k, v = project_qkv(config, xs, ps, pairs.counts, part.w_q, part.w_k, part.w_v, self.shard.backend)
         appended = visiting.append_kv(layer, received.seq_ids[pairs.token], pairs.expert, ps, k, v)
         attention = visiting.attend(appended, q)                                          # (M, H, Dh)
         y = grouped_matmul(rearrange(attention, "m h d -> m (h d)"), part.w_o, pairs.counts, self.shard.backend)
-        partial = h.new_zeros(received.hidden.shape).index_add_(0, pairs.token, pairs.gate[:, None] * y)
+        partial = h.new_zeros(received.hidden.shape).index_add_(0, pairs.token.to(h.device), pairs.gate[:, None] * y)
         out = combine(comm, plan, received, partial, h.shape[0], "attention_combine")
 
         # the new tokens' k, v go home, in the order the home listed the pairs (row-major slots)
@@ -145,7 +147,7 @@ class KVWithSequence:
         kv_home, _ = comm.all_to_all(new_kv.to(comm.device), send_back, "kv_new", expect)
         kv_home = kv_home.to(h.device)
         traffic["kv_new_pairs_to_peers"] += int((row_rank != comm.rank).sum())
-        self.pool.append_kv(layer, row_seq, row_expert, positions[plan.token[pair]],
+        self.pool.append_kv(layer, row_seq, row_expert, positions_cpu[plan.token[pair]],
                             kv_home[:, 0], kv_home[:, 1])
         return out
 

@@ -90,7 +90,7 @@ class ParallelRunner:
         pairs = local_pairs(received, part.ffn_experts)
         y = swiglu_experts(received.hidden[pairs.token], pairs.counts, part.w_gate, part.w_up, part.w_down,
                            self.shard.backend)                                            # (M, D)
-        partial = h.new_zeros(received.hidden.shape).index_add_(0, pairs.token, pairs.gate[:, None] * y)
+        partial = h.new_zeros(received.hidden.shape).index_add_(0, pairs.token.to(h.device), pairs.gate[:, None] * y)
         return combine(self.comm, plan, received, partial, h.shape[0], "ffn_combine")
 
     # ----- the pool ---------------------------------------------------------------------------------

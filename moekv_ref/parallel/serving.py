@@ -263,12 +263,13 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
             runner.free(seq_id)
         # ---- every rank runs its home sequences' tokens
         mine = (seq_ids % R) == rank
-        logits = runner.step(step, tokens[mine], seq_ids[mine], positions[mine])          # (N_r, V)
+        device = context.device
+        logits = runner.step(step, tokens[mine].to(device), seq_ids[mine].to(device), positions[mine].to(device))
         last = torch.ones(int(mine.sum()), dtype=torch.bool)                             # last token of each seq
         my_seqs = seq_ids[mine]
         if my_seqs.numel() > 1:
             last[:-1] = my_seqs[1:] != my_seqs[:-1]
-        rows = torch.cat([my_seqs[last, None].to(logits.dtype), logits[last]], dim=1)      # (m_r, 1 + V)
+        rows = torch.cat([my_seqs[last, None].to(logits), logits[last.to(logits.device)]], dim=1)   # (m_r, 1 + V)
         send = [rows.shape[0]] + [0] * (R - 1)
         gathered, _ = comm.all_to_all(rows, send, "logits")
         # ---- every rank reports its pool, in integers
@@ -286,7 +287,7 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
                 part = reports[start:start + n]
                 start += n
                 pools.update(source, int(part[0, 1]), {int(r[0]): (int(r[1]), r[2:].view(L, E)) for r in part[1:]})
-            by_seq = {int(r[0]): r[1:] for r in gathered}
+            by_seq = {int(r[0]): r[1:] for r in gathered.cpu()}
             sampled = {item.request.request_id: sample_next(by_seq[item.request.request_id], item.request.sampling_params,
                                                             item.request.generator)
                        for item in decision.scheduled if item.samples}
