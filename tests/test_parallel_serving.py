@@ -7,6 +7,8 @@ low-numbered experts and experts are placed contiguously, so rank 0's pool fills
 must preempt at a step where another rank still had free blocks (one rank short, others not).
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -42,6 +44,7 @@ def run(world_size, placement):
     return _RUNS[world_size][placement]
 
 
+@functools.lru_cache(maxsize=1)
 def single_process_tokens():
     engine = LLMEngine(MODEL.build(), num_blocks=2000, block_size=4)
     outputs = engine.generate([list(p) for p in PROMPTS],

@@ -2,8 +2,9 @@
 
 A home rank holds its tokens' hidden states. After a router chose experts, a `DispatchPlan` lists
 the (token, destination rank) pairs: one per distinct rank among the token's experts, not one per
-expert, so a token whose two experts share a rank sends its hidden state once (DeepEP dispatches
-this way too; Zhao et al., "Insights into DeepSeek-V3", arXiv 2505.09343, describe why). The
+expert, so a token whose two experts share a rank sends its hidden state once (DeepEP's dispatch
+lays tokens out per rank the same way; the DeepSeek-V3 technical report, arXiv 2412.19437, section
+3.2.2, sends a token once to each node it needs and fans it out to the experts there). The
 destination runs the token through each of its experts there, sums gate * output over them and
 sends one vector back (combine), so combine is also once per rank.
 
