@@ -76,6 +76,27 @@ def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
     return out
 
 
+def project_qkv(config: ModelConfig, xs, positions, counts, w_q, w_k, w_v, backend: str):
+    """Queries, keys and values of (token, expert) rows sorted by expert, rotated at their positions.
+
+    xs (M, D), positions (M,), counts[e] rows for the e-th expert of w_q (E', D, H*Dh) etc. Returns
+    q (M, H, Dh), k and v (M, Hkv, Dh). E' may be a subset of the layer's experts (a rank's own,
+    under expert parallelism): the math does not care which experts the weights are."""
+    Dh = config.head_dim
+    q = rearrange(grouped_matmul(xs, w_q, counts, backend), "m (h d) -> m h d", d=Dh)
+    k = rearrange(grouped_matmul(xs, w_k, counts, backend), "m (h d) -> m h d", d=Dh)
+    v = rearrange(grouped_matmul(xs, w_v, counts, backend), "m (h d) -> m h d", d=Dh)
+    q, k = rotary(q, positions, config.rope_theta), rotary(k, positions, config.rope_theta)
+    return q, k, v
+
+
+def swiglu_experts(xs, counts, w_gate, w_up, w_down, backend: str) -> torch.Tensor:
+    """SwiGLU of rows sorted by expert: counts[e] rows for the e-th expert of the weights (E', ...).
+    xs (M, D) -> (M, D). As with project_qkv, the weights may be any subset of a layer's experts."""
+    h = F.silu(grouped_matmul(xs, w_gate, counts, backend)) * grouped_matmul(xs, w_up, counts, backend)  # (M, F)
+    return grouped_matmul(h, w_down, counts, backend)
+
+
 class ExpertAttention(nn.Module):
     """E attention experts, each with its own W_q, W_k, W_v, W_o, behind a token-choice router.
 
@@ -137,15 +158,10 @@ class ExpertAttention(nn.Module):
         grouped matmul over pairs sorted by expert; one `append_kv` stores every pair's K/V under its
         (sequence, layer, expert) row and one `attend` returns each pair's attention over its row.
         """
-        c = self.config
-        Dh = c.head_dim
         routing = self.route(x)                                              # (N, E)
         token, expert, counts = sort_by_expert(routing.selected)             # (M,), (M,), (E,)
         xs, ps = x[token], positions[token]                                  # (M, D), (M,)
-        q = rearrange(grouped_matmul(xs, self.w_q, counts, self.backend), "m (h d) -> m h d", d=Dh)
-        k = rearrange(grouped_matmul(xs, self.w_k, counts, self.backend), "m (h d) -> m h d", d=Dh)
-        v = rearrange(grouped_matmul(xs, self.w_v, counts, self.backend), "m (h d) -> m h d", d=Dh)
-        q, k = rotary(q, ps, c.rope_theta), rotary(k, ps, c.rope_theta)    # (M, H, Dh), (M, Hkv, Dh)
+        q, k, v = project_qkv(self.config, xs, ps, counts, self.w_q, self.w_k, self.w_v, self.backend)
         appended = cache.append_kv(self.layer_index, seq_ids[token], expert, ps, k, v)
         attn = cache.attend(appended, q)                                     # (M, H, Dh)
         y = grouped_matmul(rearrange(attn, "m h d -> m (h d)"), self.w_o, counts, self.backend)  # (M, D)
@@ -171,10 +187,7 @@ class MoEFeedForward(nn.Module):
         x = x.reshape(-1, shape[-1])                                         # (N, D)
         routing = route(self.router(x), "topk", self.config.num_experts_per_tok)  # (N, E)
         token, expert, counts = sort_by_expert(routing.selected)             # (M,), (M,), (E,)
-        xs = x[token]                                                        # (M, D) sorted by expert
-        h = F.silu(grouped_matmul(xs, self.w_gate, counts, self.backend)) \
-            * grouped_matmul(xs, self.w_up, counts, self.backend)            # (M, F)
-        y = grouped_matmul(h, self.w_down, counts, self.backend)             # (M, D)
+        y = swiglu_experts(x[token], counts, self.w_gate, self.w_up, self.w_down, self.backend)  # (M, D)
         out = torch.zeros_like(x).index_add_(0, token, routing.gates[token, expert, None] * y)
         return out.view(shape), routing
 

@@ -3,7 +3,7 @@
     generate       generate from a prompt with the embedded model and report its per-expert caches
     routing-stats  what the embedded model's routers learned (load, entropy, character preferences)
     demo           serve a stream of requests through a small pool: continuous batching, preemption
-    bench          benchmarks: `bench memory`, `bench serving`, `bench eviction`
+    bench          benchmarks: `bench memory`, `bench serving`, `bench eviction`, `bench parallel`
     figures        regenerate every PNG in figures/ from the package
 """
 
@@ -24,7 +24,7 @@ from ..config import ROUTINGS, get_config
 from ..report import cache_report, format_cache_report
 from ..sampling import SamplingParams
 from ..tokenizer import decode, encode
-from . import bench_eviction, bench_memory, bench_serving, demo, figures
+from . import bench_eviction, bench_memory, bench_parallel, bench_serving, demo, figures
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=bench_eviction.main)
     s = bench_serving.build_parser(bench.add_parser("serving", help="static vs continuous batching, one budget"))
     s.set_defaults(func=bench_serving.main)
+    p = bench_parallel.build_parser(bench.add_parser("parallel", help="expert parallelism: bytes per step, placements"))
+    p.set_defaults(func=bench_parallel.main)
     d = demo.build_parser(sub.add_parser("demo", help="serve requests through a small pool (the main demo)"))
     d.set_defaults(func=demo.main)
     f = sub.add_parser("figures", help="regenerate every PNG in figures/")

@@ -1,0 +1,128 @@
+"""`python -m moekv_ref bench parallel`: what travels between ranks under expert parallelism.
+
+Four parts, printed and (with --json PATH) saved:
+
+1. bytes per decode step at growing contexts, for each KV placement, measured by the Communicator's
+   counters on real process groups (gloo on CPU); weight bytes per rank; the measured split of a
+   decode step into communication and the rest (on this machine: CPU processes, so only the
+   proportions within one run mean anything)
+2. per-rank pool use after the longest context
+3. expert placements compared on the embedded model's real attention routing
+4. the cost model: its bytes against the measured ones for every run above, then projected decode
+   step times for real shapes at 4k and 32k context, with the hardware figures and their sources
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from ..checkpoint import load_default_model
+from ..config import ModelConfig
+from ..parallel.cost_model import measured_shape_bytes, real_shape_projections
+from ..parallel.kv_placements import KV_PLACEMENTS
+from ..parallel.locality import attention_routing_of_text, compare_placements, format_placement_table
+from ..parallel.measure import bytes_table, context_sweep_specs, pool_table
+from ..parallel.programs import run_parallel, total_bytes, total_traffic
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="python -m moekv_ref bench parallel", description=__doc__)
+    parser.add_argument("--world-size", type=int, default=4, help="ranks (processes) to start")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048],
+                        help="context lengths of the sweep")
+    parser.add_argument("--decode-steps", type=int, default=2, help="decode steps measured per context")
+    parser.add_argument("--json", default=None, help="write every figure to this JSON file")
+    return parser
+
+
+def run_sweep(world_size: int, contexts, decode_steps: int):
+    specs = context_sweep_specs(world_size, tuple(contexts), num_decode_steps=decode_steps)
+    runs = run_parallel(specs, world_size, timeout_s=120)
+    return specs, runs
+
+
+def cost_model_check(specs, runs) -> list[dict]:
+    """For every step of every run: the cost model's bytes minus the measured ones (0 everywhere)."""
+    rows = []
+    for spec, results in zip(specs, runs):
+        config = ModelConfig.from_dict(spec.model.config)
+        for step in range(spec.num_decode_steps + 1):
+            measured = total_bytes(results, step)
+            modelled = measured_shape_bytes(config, spec.kv_placement, len(results), total_traffic(results, step), 4)
+            modelled = {c: b for c, b in modelled.items() if b}
+            rows.append({"label": spec.label, "step": step, "measured": sum(measured.values()),
+                         "modelled": sum(modelled.values()), "equal": measured == modelled})
+    return rows
+
+
+def format_bytes_table(rows: list[dict]) -> str:
+    lines = [f"{'placement':<21} {'context':>7} {'bytes/step':>11} {'attention':>10} {'ffn':>7} "
+             f"{'attn weights/rank':>17} {'step ms':>8} {'comm ms':>8}"]
+    for row in rows:
+        lines.append(f"{row['kv_placement']:<21} {row['context']:>7} {row['bytes_per_decode_step']:>11.0f} "
+                     f"{row['attention_bytes']:>10.0f} {row['ffn_bytes']:>7.0f} "
+                     f"{row['attention_weight_bytes_per_rank'][0]:>17} {row['decode_step_ms']:>8.1f} "
+                     f"{row['communication_ms']:>8.1f}")
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> dict[int, float]:
+    """kv_with_sequence / kv_with_expert bytes per decode step, per context."""
+    by = {(r["kv_placement"], r["context"]): r["bytes_per_decode_step"] for r in rows}
+    return {context: by[("kv_with_sequence", context)] / by[("kv_with_expert", context)]
+            for (placement, context) in by if placement == "kv_with_expert" and ("kv_with_sequence", context) in by}
+
+
+def format_projections(rows: list[dict]) -> str:
+    lines = [f"{'model':<13} {'placement':<21} {'GPUs':>4} {'link':<18} {'context':>7} {'MB/step':>9} "
+             f"{'attn ms':>8} {'experts ms':>10} {'comm ms':>8} {'step ms':>8}"]
+    for row in rows:
+        lines.append(f"{row['model']:<13} {row['kv_placement']:<21} {row['world_size']:>4} {row['interconnect']:<18} "
+                     f"{row['context']:>7} {sum(row['bytes_per_step'].values()) / 1e6:>9.1f} {row['attention_ms']:>8.3f} "
+                     f"{row['experts_ms']:>10.3f} {row['communication_ms']:>8.3f} {row['step_ms']:>8.3f}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    if args.world_size < 2 or 8 % args.world_size:
+        raise ValueError(f"--world-size {args.world_size}: the sweep model has 8 experts per layer, so the "
+                         f"world size must be 2, 4 or 8")
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    specs, runs = run_sweep(args.world_size, args.contexts, args.decode_steps)
+    rows = [bytes_table(spec, results) for spec, results in zip(specs, runs)]
+    print(f"1. Bytes per decode step, {args.world_size} ranks, summed over ranks (measured by the counters; "
+          f"{args.world_size} sequences, one per rank)")
+    print(format_bytes_table(rows))
+    ratio = ratios(rows)
+    print("kv_with_sequence / kv_with_expert: " + ", ".join(f"{c}: {r:.1f}x" for c, r in ratio.items()))
+    longest = max(args.contexts)
+    pools = {spec.kv_placement: pool_table(results) for spec, results in zip(specs, runs) if len(spec.prompts[0]) == longest}
+    print(f"\n2. Blocks used per rank after the last step, context {longest}")
+    for placement, per_rank in pools.items():
+        print(f"  {placement:<21} " + "  ".join(f"rank {r}: {steps[-1]['used_blocks']}/{steps[-1]['num_blocks']}"
+                                                 for r, steps in enumerate(per_rank)))
+    print("\n3. Expert placements on the embedded model's attention routing (held-out text; bytes: hidden "
+          "states per token per layer, float32)")
+    model = load_default_model()
+    placements = compare_placements(attention_routing_of_text(model), hidden_size=model.config.hidden_size)
+    print(format_placement_table(placements))
+    check = cost_model_check(specs, runs)
+    print(f"\n4. Cost model: bytes equal the measured ones in {sum(r['equal'] for r in check)} of {len(check)} steps")
+    projections = real_shape_projections()
+    print(format_projections(projections))
+    print("sources: " + "; ".join(sorted({s for p in projections for s in p["sources"].values()})))
+    print(f"\n{time.perf_counter() - start:.0f} s")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"world_size": args.world_size, "bytes_per_decode_step": rows,
+                       "kv_with_sequence_over_kv_with_expert": {str(c): r for c, r in ratio.items()},
+                       "pools_after_longest_context": pools, "expert_placements": placements,
+                       "cost_model_check": check, "projections": projections,
+                       "kv_placements": list(KV_PLACEMENTS)}, handle, indent=1)
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,158 @@
+"""Dispatch and combine: a token's hidden state goes once to each rank holding one of its experts.
+
+A home rank holds its tokens' hidden states. After a router chose experts, a `DispatchPlan` lists
+the (token, destination rank) pairs: one per distinct rank among the token's experts, not one per
+expert, so a token whose two experts share a rank sends its hidden state once (DeepEP's dispatch
+lays tokens out per rank the same way; the DeepSeek-V3 technical report, arXiv 2412.19437, section
+3.2.2, sends a token once to each node it needs and fans it out to the experts there). The
+destination runs the token through each of its experts there, sums gate * output over them and
+sends one vector back (combine), so combine is also once per rank.
+
+Wire format of one (token, rank) pair, which the cost model reproduces byte for byte:
+
+    floats  (D + K,)      the hidden state, then the gates of the token's experts on that rank
+                          (padded with 0 to K slots), model dtype
+    ints    (K,)          those experts' ids, padded with -1; attention adds the token's sequence id
+            (2 + K,)      and position in front: [seq_id, position, e1, e2, ...]
+    back    (D,)          the destination's sum of gate * expert output, model dtype
+
+K is the layer's most experts per token (k, or k_max under threshold routing). Rows are grouped by
+destination rank (tokens in their home order within a rank), which is what `all_to_all_single` with
+split sizes expects.
+
+Dimension legend: N tokens on the home rank, E experts of the layer, R ranks, P (token, rank) pairs,
+K expert slots per pair, D model width, n tokens a rank received.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .comm import Communicator
+
+
+@dataclass
+class DispatchPlan:
+    """Where a home rank's tokens go for one layer's experts.
+
+    token        (P,) int64  the token of each (token, rank) pair, pairs grouped by rank
+    rank         (P,) int64  the destination rank
+    experts      (P, K) int64  the token's experts on that rank, ascending, -1 padded
+    gates        (P, K)      their gates, 0 padded
+    send_counts  R ints      pairs per destination rank
+    """
+    token: torch.Tensor
+    rank: torch.Tensor
+    experts: torch.Tensor
+    gates: torch.Tensor
+    send_counts: list[int]
+
+    @classmethod
+    def build(cls, selected: torch.Tensor, gates: torch.Tensor, rank_of_expert: torch.Tensor,
+              world_size: int, slots: int) -> "DispatchPlan":
+        """selected (N, E) bool, gates (N, E) from a Routing; rank_of_expert (E,); slots = K. The plan
+        is integers on the CPU, wherever the model runs."""
+        selected, gates = selected.cpu(), gates.cpu()
+        N, E = selected.shape
+        rank_of_expert = torch.as_tensor(rank_of_expert, dtype=torch.int64)
+        on_rank = selected[:, None, :] & (rank_of_expert[None, None, :]
+                                          == torch.arange(world_size)[None, :, None])   # (N, R, E)
+        rank, token = on_rank.any(-1).T.nonzero(as_tuple=True)                # (P,) grouped by rank
+        mine = on_rank[token, rank]                                           # (P, E)
+        # the pair's experts in ascending order: chosen experts keep their id, the others sort last
+        ids = torch.where(mine, torch.arange(E), E).sort(dim=1).values[:, :slots]   # (P, K)
+        if mine.numel() and int(mine.sum(1).max()) > slots:
+            raise ValueError(f"a token has more than slots={slots} experts on one rank")
+        valid = ids < E
+        experts = torch.where(valid, ids, -1)
+        pair_gates = torch.where(valid, gates[token[:, None], ids.clamp(max=E - 1)], 0.0)   # (P, K)
+        send_counts = torch.bincount(rank, minlength=world_size).tolist()
+        return cls(token, rank, experts, pair_gates.to(gates.dtype), send_counts)
+
+    def pairs_to_peers(self, home_rank: int) -> int:
+        """(token, rank) pairs whose rank is not the home rank: hidden states that travel."""
+        return int((self.rank != home_rank).sum())
+
+    def expert_pairs_to_peers(self, home_rank: int) -> int:
+        """(token, expert) pairs on other ranks: what a once-per-expert dispatch would send."""
+        return int(((self.experts >= 0) & (self.rank != home_rank)[:, None]).sum())
+
+
+@dataclass
+class Received:
+    """The pairs a rank received for its experts, grouped by source rank.
+
+    hidden (n, D), gates (n, K) on the model's device; experts (n, K), seq_ids, positions (n,)
+    (attention only) on the CPU; recv_counts R ints.
+    """
+    hidden: torch.Tensor
+    gates: torch.Tensor
+    experts: torch.Tensor
+    seq_ids: torch.Tensor | None
+    positions: torch.Tensor | None
+    recv_counts: list[int]
+
+
+def dispatch(comm: Communicator, plan: DispatchPlan, hidden: torch.Tensor, category: str,
+             seq_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> Received:
+    """Send each pair's hidden state, gates and expert ids (and, for attention, its sequence id and
+    position) to its rank: one exchange of split sizes, then one all-to-all of floats and one of ints."""
+    floats = torch.cat([hidden[plan.token.to(hidden.device)], plan.gates.to(hidden.device, hidden.dtype)],
+                       dim=1)                                                                # (P, D + K)
+    ints = plan.experts
+    if seq_ids is not None:
+        seq_ids, positions = seq_ids.cpu(), positions.cpu()
+        ints = torch.cat([seq_ids[plan.token, None], positions[plan.token, None], ints], dim=1)  # (P, 2 + K)
+    device = comm.device
+    floats_in, recv_counts = comm.all_to_all(floats.to(device), plan.send_counts, category)
+    ints_in, _ = comm.all_to_all(ints.to(device), plan.send_counts, category, recv_counts)
+    floats_in, ints_in = floats_in.to(hidden.device), ints_in.cpu()      # math on the model's device, ids on the CPU
+    D, K = hidden.shape[1], plan.experts.shape[1]
+    hidden_in, gates_in = floats_in[:, :D], floats_in[:, D:]                              # (n, D), (n, K)
+    if seq_ids is None:
+        return Received(hidden_in, gates_in, ints_in, None, None, recv_counts)
+    return Received(hidden_in, gates_in, ints_in[:, 2:], ints_in[:, 0], ints_in[:, 1], recv_counts)
+
+
+def combine(comm: Communicator, plan: DispatchPlan, received: Received, partial: torch.Tensor,
+            num_tokens: int, category: str) -> torch.Tensor:
+    """Send each received pair's summed output (n, D) back home and add them up per token: returns
+    (num_tokens, D) for the home rank's tokens. The split sizes are known from the dispatch."""
+    back, _ = comm.all_to_all(partial.to(comm.device), received.recv_counts, category, plan.send_counts)
+    out = partial.new_zeros(num_tokens, partial.shape[1])
+    return out.index_add_(0, plan.token.to(out.device), back.to(out.device))                # (N, D)
+
+
+@dataclass
+class LocalPairs:
+    """The (received token, local expert) pairs a rank runs, sorted by local expert.
+
+    token (M,) into the received rows; expert (M,) global ids; local (M,) index into the rank's own
+    experts; gate (M,); counts (E_local,) pairs per local expert; order (M,) each pair's index in the
+    received (n, K) slots read row-major (the order the sender lists them in)."""
+    token: torch.Tensor
+    expert: torch.Tensor
+    local: torch.Tensor
+    gate: torch.Tensor
+    counts: torch.Tensor
+    order: torch.Tensor
+
+
+def local_pairs(received: Received, local_experts: torch.Tensor) -> LocalPairs:
+    """Expand each received token into its experts here, sorted by local expert (tokens keep their
+    received order within an expert, so a sequence's tokens reach a cache row in position order)."""
+    E_max = int(max(local_experts.max().item(), received.experts.max().item() if received.experts.numel() else 0)) + 1
+    local_of = torch.full((E_max + 1,), -1, dtype=torch.int64)
+    local_of[local_experts] = torch.arange(local_experts.numel())
+    token, slot = (received.experts >= 0).nonzero(as_tuple=True)              # (M,) row-major
+    expert = received.experts[token, slot]
+    local = local_of[expert]
+    if (local < 0).any():
+        raise RuntimeError(f"received experts {expert[local < 0].unique().tolist()} that this rank "
+                           f"does not hold (its experts: {local_experts.tolist()})")
+    order = torch.argsort(local, stable=True)                                 # (M,) sorted by expert
+    counts = torch.bincount(local, minlength=local_experts.numel())
+    return LocalPairs(token[order], expert[order], local[order], received.gates[token[order], slot[order]],
+                      counts, order)

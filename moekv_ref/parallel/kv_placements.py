@@ -1,0 +1,195 @@
+"""Where the attention experts' K/V live under expert parallelism: three placements, one interface.
+
+Each is a small class with `forward(layer, h, seq_ids, positions) -> (N, D)`: the attention output of
+the home rank's N tokens (h is the attention-normed hidden state), running whatever collectives the
+placement needs. Every rank calls it for every layer of every step, even with no tokens of its own.
+
+kv_with_expert
+    Expert e's weights and its K/V for *every* sequence live on e's rank. A token's hidden state
+    travels to the ranks of its experts (once per rank), the rank projects q, k, v, appends k, v to
+    its own pool, attends there and sends gate * W_o(attention) back. What travels per step is
+    tokens x ranks touched x D: nothing grows with the context. The price: a sequence's cache is
+    spread over every rank, so each rank's pool must hold a share of every sequence, in proportion
+    to how the router loads its experts (skewed routing fills one rank's pool first).
+
+kv_with_sequence
+    Every expert's K/V of a sequence stays on the sequence's home rank (its pool holds whole
+    sequences, as a data-parallel engine's does), while the expert weights stay sharded. We chose to
+    move the cached K/V to the expert, not the query to the cache: the expert's rank then runs the
+    whole expert (W_q, W_k, W_v, attention, W_o) next to its weights, one dispatch and one combine as
+    in kv_with_expert, plus the row's cached K/V on the way out and the new token's k, v on the way
+    back for the home pool. Moving the query instead would need three exchanges per layer (x out,
+    q/k/v back, attention out again for W_o) and would run every expert's attention on the home rank.
+    What travels grows with context: each step re-sends the whole row (every earlier token the
+    expert holds for the sequence), which is the bottleneck this placement exists to show.
+
+replicated_attention
+    Every rank holds every attention expert's weights and keeps its sequences' whole caches: the
+    attention of a sequence runs entirely at home (data-parallel attention, what SGLang and vLLM do
+    for DeepSeek's MLA). No attention bytes travel; the price is the attention weights of every
+    expert on every rank.
+
+In all three the FFN experts are expert-parallel (runner.py). Pools use `PagedKVCache`: rows are
+(sequence, layer, expert) with global expert ids, whatever rank holds them.
+
+Dimension legend: N home tokens, n tokens received, M (token, expert) pairs run here, D width,
+H heads, Hkv key/value heads, Dh head width, E experts, K expert slots per token, Q context rows sent,
+T context tokens sent.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from einops import rearrange
+
+from ..cache import ContiguousKVCache, PagedKVCache
+from ..model import grouped_matmul, project_qkv
+from .comm import Communicator
+from .dispatch import DispatchPlan, combine, dispatch, local_pairs
+from .shard import RankShard
+
+KV_PLACEMENTS = ("kv_with_expert", "kv_with_sequence", "replicated_attention")
+
+
+class KVWithExpert:
+    name = "kv_with_expert"
+
+    def __init__(self, shard: RankShard, comm: Communicator, pool: PagedKVCache, attention_ranks: torch.Tensor):
+        self.shard, self.comm, self.pool = shard, comm, pool
+        self.attention_ranks = torch.as_tensor(attention_ranks)
+
+    def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
+        config, part = self.shard.config, self.shard.layers[layer]
+        routing = self.shard.route_attention(layer, h)                                   # (N, E)
+        plan = DispatchPlan.build(routing.selected, routing.gates, self.attention_ranks[layer],
+                                  self.comm.world_size, config.num_attention_experts_per_tok)
+        _count_dispatch(traffic, "attention", plan, self.comm.rank)
+        received = dispatch(self.comm, plan, h, "attention_dispatch", seq_ids, positions)
+        pairs = local_pairs(received, part.attention_experts)
+        xs, ps = received.hidden[pairs.token], received.positions[pairs.token].to(h.device)   # (M, D), (M,)
+        q, k, v = project_qkv(config, xs, ps, pairs.counts, part.w_q, part.w_k, part.w_v, self.shard.backend)
+        appended = self.pool.append_kv(layer, received.seq_ids[pairs.token], pairs.expert, ps, k, v)
+        attention = self.pool.attend(appended, q)                                         # (M, H, Dh)
+        y = grouped_matmul(rearrange(attention, "m h d -> m (h d)"), part.w_o, pairs.counts, self.shard.backend)
+        partial = h.new_zeros(received.hidden.shape).index_add_(0, pairs.token.to(h.device), pairs.gate[:, None] * y)
+        return combine(self.comm, plan, received, partial, h.shape[0], "attention_combine")
+
+
+class KVWithSequence:
+    name = "kv_with_sequence"
+
+    def __init__(self, shard: RankShard, comm: Communicator, pool: PagedKVCache, attention_ranks: torch.Tensor):
+        self.shard, self.comm, self.pool = shard, comm, pool
+        self.attention_ranks = torch.as_tensor(attention_ranks)
+
+    def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
+        config, part, comm = self.shard.config, self.shard.layers[layer], self.comm
+        Hkv, Dh = config.num_key_value_heads, config.head_dim
+        seq_ids_cpu, positions_cpu = seq_ids.cpu(), positions.cpu()          # bookkeeping on the CPU
+        routing = self.shard.route_attention(layer, h)                                   # (N, E)
+        plan = DispatchPlan.build(routing.selected, routing.gates, self.attention_ranks[layer],
+                                  comm.world_size, config.num_attention_experts_per_tok)
+        _count_dispatch(traffic, "attention", plan, comm.rank)
+        received = dispatch(comm, plan, h, "attention_dispatch", seq_ids, positions)
+
+        # home side: each destination gets the cached K/V of every (sequence, expert) row it serves
+        pair, slot = (plan.experts >= 0).nonzero(as_tuple=True)                          # row-major
+        row_rank = plan.rank[pair]
+        row_seq, row_expert = seq_ids_cpu[plan.token[pair]], plan.experts[pair, slot]
+        key = (row_rank * ((int(seq_ids_cpu.max()) if seq_ids.numel() else 0) + 1) + row_seq) * config.num_attention_experts + row_expert
+        _, first = _first_of_each(key)                                                     # distinct rows
+        q_rank, q_seq, q_expert = row_rank[first], row_seq[first], row_expert[first]     # (Q,) by rank
+        counts, slots = self._cached_rows(layer, q_seq, q_expert)                         # (Q,), (T,)
+        slots = slots.to(self.pool.key_cache.device)
+        kv_flat = torch.stack([self.pool.key_cache.view(-1, Hkv, Dh)[slots],
+                               self.pool.value_cache.view(-1, Hkv, Dh)[slots]], dim=1).to(h.dtype)  # (T, 2, Hkv, Dh)
+        rows_per_rank = torch.bincount(q_rank, minlength=comm.world_size).tolist()
+        tokens_per_rank = torch.zeros(comm.world_size, dtype=torch.int64).index_add_(0, q_rank, counts).tolist()
+        remote = q_rank != comm.rank
+        traffic["kv_rows_to_peers"] += int(remote.sum())
+        traffic["kv_tokens_to_peers"] += int(counts[remote].sum())
+        meta = torch.stack([q_seq, q_expert, counts], dim=1)                              # (Q, 3)
+        meta_in, rows_in = comm.all_to_all(meta.to(comm.device), rows_per_rank, "kv_context")
+        meta_in = meta_in.cpu()
+        source = torch.repeat_interleave(torch.arange(comm.world_size), torch.tensor(rows_in, dtype=torch.int64))
+        tokens_in = torch.zeros(comm.world_size, dtype=torch.int64).index_add_(0, source, meta_in[:, 2]).tolist()
+        kv_in, _ = comm.all_to_all(kv_flat.to(comm.device), tokens_per_rank, "kv_context", tokens_in)
+        kv_in = kv_in.to(h.device)
+
+        # expert side: the rows' cached K/V, then this step's tokens, in a cache that lives for one call.
+        # The cached tokens are given stand-in positions 0..count-1: only their order matters (they are
+        # all earlier than every new token, and count <= the first new token's position).
+        visiting = ContiguousKVCache(config.num_hidden_layers, config.num_attention_experts)
+        if kv_in.shape[0]:
+            row_of_token = torch.repeat_interleave(torch.arange(meta_in.shape[0]), meta_in[:, 2])   # (T,)
+            index_in_row = torch.arange(kv_in.shape[0]) - (torch.cumsum(meta_in[:, 2], 0) - meta_in[:, 2])[row_of_token]
+            visiting.append_kv(layer, meta_in[row_of_token, 0], meta_in[row_of_token, 1],
+                               index_in_row.to(h.device), kv_in[:, 0], kv_in[:, 1])
+        pairs = local_pairs(received, part.attention_experts)
+        xs, ps = received.hidden[pairs.token], received.positions[pairs.token].to(h.device)   # (M, D), (M,)
+        q, k, v = project_qkv(config, xs, ps, pairs.counts, part.w_q, part.w_k, part.w_v, self.shard.backend)
+        appended = visiting.append_kv(layer, received.seq_ids[pairs.token], pairs.expert, ps, k, v)
+        attention = visiting.attend(appended, q)                                          # (M, H, Dh)
+        y = grouped_matmul(rearrange(attention, "m h d -> m (h d)"), part.w_o, pairs.counts, self.shard.backend)
+        partial = h.new_zeros(received.hidden.shape).index_add_(0, pairs.token.to(h.device), pairs.gate[:, None] * y)
+        out = combine(comm, plan, received, partial, h.shape[0], "attention_combine")
+
+        # the new tokens' k, v go home, in the order the home listed the pairs (row-major slots)
+        new_kv = torch.empty(pairs.order.numel(), 2, Hkv, Dh, dtype=k.dtype, device=k.device)
+        new_kv[pairs.order] = torch.stack([k, v], dim=1)                                  # (M, 2, Hkv, Dh)
+        valid_in = (received.experts >= 0).sum(1)                                        # (n,)
+        source_in = torch.repeat_interleave(torch.arange(comm.world_size),
+                                            torch.tensor(received.recv_counts, dtype=torch.int64))
+        send_back = torch.zeros(comm.world_size, dtype=torch.int64).index_add_(0, source_in, valid_in).tolist()
+        expect = torch.bincount(row_rank, minlength=comm.world_size).tolist()
+        kv_home, _ = comm.all_to_all(new_kv.to(comm.device), send_back, "kv_new", expect)
+        kv_home = kv_home.to(h.device)
+        traffic["kv_new_pairs_to_peers"] += int((row_rank != comm.rank).sum())
+        self.pool.append_kv(layer, row_seq, row_expert, positions_cpu[plan.token[pair]],
+                            kv_home[:, 0], kv_home[:, 1])
+        return out
+
+    def _cached_rows(self, layer: int, seq_ids: torch.Tensor, experts: torch.Tensor):
+        """Tokens each (sequence, layer, expert) row holds in the home pool (0 for a sequence the pool
+        has not seen), and the slots of all of them, row after row: (Q,), (T,)."""
+        manager = self.pool.manager
+        held = set(manager.sequences)
+        known = torch.tensor([int(s) in held for s in seq_ids.tolist()], dtype=torch.bool)
+        counts = torch.zeros(seq_ids.numel(), dtype=torch.int64)
+        slots = torch.zeros(0, dtype=torch.int64)
+        if known.any():
+            rows = manager.rows(seq_ids[known], layer, experts[known])
+            counts[known] = manager.num_computed_tokens[rows]
+            slots = manager.rows_slots(rows)
+        return counts, slots
+
+
+class ReplicatedAttention:
+    name = "replicated_attention"
+
+    def __init__(self, shard: RankShard, comm: Communicator, pool: PagedKVCache, attention_ranks=None):
+        self.shard, self.comm, self.pool = shard, comm, pool
+
+    def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
+        if h.shape[0] == 0:
+            return torch.zeros_like(h)
+        out, _ = self.shard.layers[layer].attention.forward_cached(h, seq_ids, positions, self.pool)
+        return out
+
+
+PLACEMENT_CLASSES = {cls.name: cls for cls in (KVWithExpert, KVWithSequence, ReplicatedAttention)}
+
+
+def _count_dispatch(traffic: Counter, kind: str, plan: DispatchPlan, rank: int) -> None:
+    traffic[f"{kind}_pairs_to_peers"] += plan.pairs_to_peers(rank)
+    traffic[f"{kind}_expert_pairs_to_peers"] += plan.expert_pairs_to_peers(rank)
+
+
+def _first_of_each(key: torch.Tensor):
+    """Distinct values of key and the index of each one's first occurrence, in order of occurrence."""
+    unique, inverse = torch.unique(key, return_inverse=True)
+    first = torch.full((unique.numel(),), key.numel(), dtype=torch.int64)
+    first = first.scatter_reduce(0, inverse, torch.arange(key.numel()), reduce="amin")
+    return unique, first.sort().values

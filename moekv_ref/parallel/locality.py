@@ -1,0 +1,110 @@
+"""Placing experts on ranks, compared on real routing: how many ranks a token touches, what dispatch
+moves, and how evenly the K/V lands.
+
+For each expert placement (placement.py: contiguous, round_robin, coactivation) and world size, on
+the attention routing of a model over a text:
+
+    ranks touched     distinct ranks among a token's experts, per token per layer (mean)
+    dispatch bytes    hidden-state bytes per token per layer sent to other ranks: once per rank (what
+                      dispatch.py does) and once per expert (what it would be without the grouping)
+    K/V load          under kv_with_expert a rank stores the K/V of the tokens routed to its experts:
+                      tokens per rank (all layers), and the imbalance max / mean (1.0 is even)
+
+Co-activation placement is fitted on the first half of the text and measured on the second, so
+that it is judged on decisions it did not see. Tokens are given home ranks by 256-token windows,
+round-robin, as sequences would be.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..analysis import heldout_text
+from ..placement import PLACEMENTS, coactivation_counts, devices_touched, place_experts
+from ..tokenizer import encode
+from .dispatch import DispatchPlan
+
+WINDOW = 256
+
+
+@torch.no_grad()
+def attention_routing_of_text(model, text: str | None = None, max_tokens: int = 8192) -> list[torch.Tensor]:
+    """Per layer, the attention experts each token of the text selected: L tensors (N, E) bool,
+    from model(tokens).attention_routing[l].selected over windows of WINDOW tokens."""
+    tokens = encode(heldout_text() if text is None else text)[:max_tokens]
+    window = min(WINDOW, model.config.max_position_embeddings)
+    per_layer = [[] for _ in range(model.config.num_hidden_layers)]
+    for start in range(0, len(tokens), window):
+        output = model(torch.tensor([tokens[start:start + window]]))
+        for layer, routing in enumerate(output.attention_routing):
+            per_layer[layer].append(routing.selected[0])                               # (T, E)
+    return [torch.cat(chunks) for chunks in per_layer]
+
+
+def compare_placements(selected_per_layer: list[torch.Tensor], world_sizes=(2, 4), hidden_size: int = 128,
+                       bytes_per_value: int = 4) -> list[dict]:
+    """One row per (world size, strategy): the measures of the module docstring on the held-out half."""
+    num_tokens, num_experts = selected_per_layer[0].shape
+    half = num_tokens // 2
+    k_max = int(max(int(s.sum(1).max()) for s in selected_per_layer))
+    rows = []
+    for world_size in world_sizes:
+        home = (torch.arange(num_tokens - half) // WINDOW) % world_size                  # (N',)
+        for strategy in PLACEMENTS:
+            touched, per_rank_pairs, per_expert_pairs = [], 0, 0
+            load = torch.zeros(world_size, dtype=torch.int64)
+            for selected in selected_per_layer:
+                fit, test = selected[:half], selected[half:]                              # (N/2, E)
+                counts = coactivation_counts(fit) if strategy == "coactivation" else None
+                rank_of_expert = place_experts(num_experts, world_size, strategy, counts)  # (E,)
+                touched.append(devices_touched(test, rank_of_expert, world_size).double().mean())
+                plan = DispatchPlan.build(test, test.double(), rank_of_expert, world_size, k_max)
+                remote = plan.rank != home[plan.token]                                   # (P,)
+                per_rank_pairs += int(remote.sum())
+                per_expert_pairs += int(((plan.experts >= 0) & remote[:, None]).sum())
+                load += torch.zeros(world_size, dtype=torch.int64).index_add_(
+                    0, rank_of_expert, test.sum(0).to(torch.int64))
+            num_layers, evaluated = len(selected_per_layer), num_tokens - half
+            per_token_layer = evaluated * num_layers
+            rows.append({
+                "world_size": world_size, "strategy": strategy,
+                "ranks_touched_per_token_layer": float(torch.stack(touched).mean()),
+                "dispatch_bytes_per_token_layer_once_per_rank": per_rank_pairs * hidden_size * bytes_per_value / per_token_layer,
+                "dispatch_bytes_per_token_layer_once_per_expert": per_expert_pairs * hidden_size * bytes_per_value / per_token_layer,
+                "kv_tokens_per_rank": load.tolist(),
+                "kv_imbalance_max_over_mean": float(load.max() / load.double().mean()),
+                "tokens_evaluated": evaluated,
+            })
+    return rows
+
+
+def format_placement_table(rows: list[dict]) -> str:
+    lines = [f"{'ranks':>5} {'strategy':<13} {'ranks touched':>13} {'bytes/rank':>10} {'bytes/expert':>12} "
+             f"{'K/V imbalance':>13}  K/V tokens per rank"]
+    for row in rows:
+        lines.append(f"{row['world_size']:>5} {row['strategy']:<13} {row['ranks_touched_per_token_layer']:>13.3f} "
+                     f"{row['dispatch_bytes_per_token_layer_once_per_rank']:>10.1f} "
+                     f"{row['dispatch_bytes_per_token_layer_once_per_expert']:>12.1f} "
+                     f"{row['kv_imbalance_max_over_mean']:>13.3f}  {row['kv_tokens_per_rank']}")
+    return "\n".join(lines)
+
+
+def kv_location_map(selected_per_layer: list[torch.Tensor], attention_ranks: torch.Tensor, kv_placement: str,
+                    home_rank: int) -> torch.Tensor:
+    """Where each token's K/V lives, for one sequence: (L * E, T) int64, the rank holding the K/V
+    token t wrote into expert e of layer l (row l * E + e), or -1 where t was not routed to e.
+
+    selected_per_layer: L tensors (T, E) bool, the sequence's attention routing; attention_ranks
+    (L, E). kv_with_expert keeps it on the expert's rank; the other placements at the home rank."""
+    from .kv_placements import KV_PLACEMENTS
+    if kv_placement not in KV_PLACEMENTS:
+        raise ValueError(f"kv_placement={kv_placement!r} is not one of {KV_PLACEMENTS}")
+    attention_ranks = torch.as_tensor(attention_ranks, dtype=torch.int64)
+    maps = []
+    for layer, selected in enumerate(selected_per_layer):
+        if kv_placement == "kv_with_expert":
+            where = attention_ranks[layer][None, :].expand_as(selected)                      # (T, E)
+        else:
+            where = torch.full(selected.shape, home_rank, dtype=torch.int64)
+        maps.append(torch.where(selected, where, -1).T)                                    # (E, T)
+    return torch.cat(maps)                                                                 # (L*E, T)

@@ -1,0 +1,225 @@
+"""What the ranks run, and the single-process run they must equal.
+
+A `RunSpec` describes one run: the model (`ModelSpec`: a random model of a given config and seed, or
+the embedded one), the KV placement, the rank of every expert, the prompts and the tokens fed at each
+decode step (fixed in advance, so that the parallel and single-process runs see the same inputs
+whatever rounding does to the logits). Sequence i's home rank is i % world_size.
+
+    step 0          every sequence's whole prompt (a ragged prefill)
+    step s >= 1     one token per sequence: decode_tokens[i][s - 1] at position len(prompt_i) + s - 1
+
+`run_specs` is the worker function (the launcher spawns it on every rank; many specs share one
+process group, since starting processes is the slow part). `run_parallel` launches it and merges what
+the ranks return; `reference_run` runs the same schedule in one process with `forward_cached`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import PagedKVCache
+from ..checkpoint import load_default_model
+from ..config import ModelConfig
+from ..model import MoEKVTransformer
+from .launcher import FAULT_KEY, WorkerContext, launch
+from .runner import ParallelRunner
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """config=None: the embedded model (load_default_model) with `routing`; else a random model of
+    that config: weights from torch.manual_seed(seed), attention routers scaled by router_scale (so
+    they are decisive, as a trained model's are). router_skew > 0 adds a bias to every attention
+    router's logits falling linearly from +skew (expert 0) to -skew (the last), to load low experts."""
+    config: dict | None = None
+    seed: int = 0
+    dtype: str = "float32"
+    routing: str = "topk"
+    router_scale: float = 4.0
+    router_skew: float = 0.0
+
+    def build(self) -> MoEKVTransformer:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {tuple(DTYPES)}")
+        if self.config is None:
+            model = load_default_model(self.routing, DTYPES[self.dtype])
+        else:
+            torch.manual_seed(self.seed)
+            model = MoEKVTransformer(ModelConfig.from_dict(self.config))
+            with torch.no_grad():
+                for block in model.blocks:
+                    block.attention.router.weight.mul_(self.router_scale)
+            model = model.to(DTYPES[self.dtype])
+        if self.router_skew:
+            skew_attention_routers(model, self.router_skew)
+        return model.eval()
+
+
+def skew_attention_routers(model: MoEKVTransformer, skew: float) -> None:
+    """Give every attention router a bias from +skew (expert 0) down to -skew (expert E-1)."""
+    for block in model.blocks:
+        old = block.attention.router
+        new = torch.nn.Linear(old.in_features, old.out_features, bias=True).to(old.weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+            new.bias.copy_(torch.linspace(skew, -skew, old.out_features, dtype=old.weight.dtype))
+        block.attention.router = new
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    model: ModelSpec
+    kv_placement: str
+    attention_ranks: tuple        # (L, E) nested tuples of ints
+    ffn_ranks: tuple              # (L, E_ffn)
+    prompts: tuple                # tuples of token ids
+    decode_tokens: tuple          # per sequence, the token fed at each decode step
+    num_blocks: int = 512
+    block_size: int = 16
+    record_logits: bool = True
+    label: str = ""
+    # fault injection, for the failure tests and the notebook: at the start of fail_step, rank
+    # fail_rank exits at once (fail_mode "die") or sleeps for an hour ("hang")
+    fail_rank: int = -1
+    fail_step: int = -1
+    fail_mode: str = ""
+
+    @property
+    def num_decode_steps(self) -> int:
+        return len(self.decode_tokens[0]) if self.decode_tokens else 0
+
+
+def step_inputs(spec: RunSpec, step: int, seqs: list[int]):
+    """tokens, seq_ids, positions (flat, ragged) of the given sequences at a step of the schedule."""
+    tokens, seq_ids, positions = [], [], []
+    for i in seqs:
+        prompt = spec.prompts[i]
+        if step == 0:
+            tokens += list(prompt)
+            seq_ids += [i] * len(prompt)
+            positions += list(range(len(prompt)))
+        else:
+            tokens.append(spec.decode_tokens[i][step - 1])
+            seq_ids.append(i)
+            positions.append(len(prompt) + step - 1)
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)   # noqa: E731
+    return as_tensor(tokens), as_tensor(seq_ids), as_tensor(positions)
+
+
+def split_logits(logits: torch.Tensor, seq_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    return {int(s): logits[seq_ids == s] for s in seq_ids.unique().tolist()}
+
+
+@dataclass
+class RankResult:
+    rank: int
+    logits: dict = field(default_factory=dict)        # (step, seq) -> (tokens, V)
+    bytes: dict = field(default_factory=dict)         # step -> {category: bytes sent to peers}
+    comm_seconds: dict = field(default_factory=dict)  # step -> seconds inside collectives
+    step_seconds: dict = field(default_factory=dict)  # step -> seconds of the whole step
+    traffic: dict = field(default_factory=dict)       # step -> {count name: int}
+    pool: dict = field(default_factory=dict)          # step -> pool_usage() after the step
+    weight_bytes: dict = field(default_factory=dict)
+    kv_tokens_per_expert: list = field(default_factory=list)   # (L, E) tokens this rank's pool holds
+
+
+def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
+    """Worker: run each spec's schedule on this rank; the launcher spawns this on every rank."""
+    results = []
+    for spec in specs:
+        comm = context.comm
+        comm.reset()
+        model = spec.model.build().to(context.device)
+        runner = ParallelRunner(model, comm, spec.kv_placement, spec.attention_ranks, spec.ffn_ranks,
+                                spec.num_blocks, spec.block_size)
+        del model
+        mine = [i for i in range(len(spec.prompts)) if i % context.world_size == context.rank]
+        result = RankResult(context.rank, weight_bytes=runner.shard.weight_bytes())
+        for step in range(spec.num_decode_steps + 1):
+            if (context.rank, step) == (spec.fail_rank, spec.fail_step):
+                inject_failure(spec.fail_mode, context.comm.store)
+            tokens, seq_ids, positions = (t.to(context.device) for t in step_inputs(spec, step, mine))
+            logits = runner.step(step, tokens, seq_ids, positions)
+            if spec.record_logits:
+                for seq, rows in split_logits(logits.cpu(), seq_ids.cpu()).items():
+                    result.logits[(step, seq)] = rows
+            result.pool[step] = runner.pool_usage()
+        result.bytes = comm.bytes_by_step()
+        result.comm_seconds = comm.seconds_by_step()
+        result.step_seconds = dict(runner.step_seconds)
+        result.traffic = {step: dict(counts) for step, counts in runner.traffic.items()}
+        held = runner.pool.manager.token_counts(range(len(spec.prompts)))              # (S, L, E)
+        result.kv_tokens_per_expert = held.sum(0).tolist()
+        results.append(result)
+    return results
+
+
+def inject_failure(mode: str, store=None) -> None:
+    """Die or hang now, noting the wall-clock time in the store first (the launcher reports how long
+    after it every rank was gone)."""
+    if store is not None:
+        store.set(FAULT_KEY, repr(time.time()))
+    if mode == "die":
+        os._exit(3)
+    if mode == "hang":
+        time.sleep(3600)
+    raise ValueError(f"fail_mode={mode!r} is not one of ('die', 'hang')")
+
+
+def run_parallel(specs: list[RunSpec], world_size: int, timeout_s: float = 30.0) -> list[list[RankResult]]:
+    """Launch run_specs on world_size ranks: for each spec, the list of its ranks' results."""
+    per_rank = launch(run_specs, world_size, (list(specs),), timeout_s=timeout_s)
+    return [[per_rank[rank][i] for rank in range(world_size)] for i in range(len(specs))]
+
+
+def merged_logits(results: list[RankResult]) -> dict:
+    """Every (step, seq) logits, from whichever rank is the sequence's home."""
+    merged = {}
+    for result in results:
+        merged.update(result.logits)
+    return merged
+
+
+@torch.no_grad()
+def reference_run(spec: RunSpec) -> tuple[dict, list]:
+    """The same schedule in one process: model.forward_cached over one paged cache. Returns the
+    (step, seq) logits and the tokens the cache holds per (layer, expert) at the end."""
+    model = spec.model.build()
+    cache = PagedKVCache.for_model(model, block_size=spec.block_size, num_blocks=spec.num_blocks * 8)
+    everyone = list(range(len(spec.prompts)))
+    out = {}
+    for step in range(spec.num_decode_steps + 1):
+        tokens, seq_ids, positions = step_inputs(spec, step, everyone)
+        logits = model.forward_cached(tokens, seq_ids, positions, cache).logits
+        for seq, rows in split_logits(logits, seq_ids).items():
+            out[(step, seq)] = rows
+    return out, cache.token_counts(everyone).sum(0).tolist()
+
+
+def max_difference(parallel: dict, reference: dict) -> float:
+    if parallel.keys() != reference.keys():
+        raise ValueError(f"the runs cover different (step, sequence) pairs: {sorted(set(parallel) ^ set(reference))[:5]}")
+    return max(float((parallel[key] - reference[key]).abs().max()) for key in reference)
+
+
+def total_bytes(results: list[RankResult], step: int) -> dict[str, int]:
+    """Bytes sent to peers at one step, per category, summed over ranks."""
+    total: dict[str, int] = {}
+    for result in results:
+        for category, value in result.bytes.get(step, {}).items():
+            total[category] = total.get(category, 0) + value
+    return total
+
+
+def total_traffic(results: list[RankResult], step: int) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for result in results:
+        for name, value in result.traffic.get(step, {}).items():
+            total[name] = total.get(name, 0) + value
+    return total

@@ -1,0 +1,105 @@
+"""One rank's model step under expert parallelism.
+
+Every sequence has a home rank, which holds its tokens' hidden states between layers and runs the
+replicated parts (embedding, norms, routers, residual adds, LM head). Per layer:
+
+    h = attention_norm(x)                      at home
+    x = x + attention(h)                       the KV placement decides what travels (kv_placements.py)
+    h = ffn_norm(x)                            at home
+    x = x + combine(experts(dispatch(h)))      FFN experts are expert-parallel in every placement
+
+which is `Block.forward` of model.py with the experts' work moved to the ranks that hold them; the
+logits equal the single-process model's (tests/test_parallel.py, float32 and float64).
+
+`step` must be called by every rank for every step (with an empty batch if a rank has no tokens):
+each layer's collectives pair up across ranks. The runner also counts, per step, the integers the
+cost model needs (pairs sent to peers, K/V rows and tokens sent) in `traffic`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import torch
+
+from ..cache import PagedKVCache
+from ..model import MoEKVTransformer, swiglu_experts
+from .comm import Communicator
+from .dispatch import DispatchPlan, combine, dispatch, local_pairs
+from .kv_placements import KV_PLACEMENTS, PLACEMENT_CLASSES
+from .shard import RankShard
+
+
+class ParallelRunner:
+    """A rank's shard of the model, its paged pool, and the step.
+
+    kv_placement: one of KV_PLACEMENTS. attention_ranks (L, E) and ffn_ranks (L, E_ffn): the rank of
+    every expert (placement.py makes them); attention_ranks is ignored by replicated_attention.
+    num_blocks, block_size: this rank's pool."""
+
+    def __init__(self, model: MoEKVTransformer, comm: Communicator, kv_placement: str,
+                 attention_ranks, ffn_ranks, num_blocks: int, block_size: int = 16):
+        if kv_placement not in KV_PLACEMENTS:
+            raise ValueError(f"kv_placement={kv_placement!r} is not one of {KV_PLACEMENTS}")
+        config = model.config
+        attention_ranks = torch.as_tensor(attention_ranks, dtype=torch.int64)
+        ffn_ranks = torch.as_tensor(ffn_ranks, dtype=torch.int64)
+        shapes = {"attention_ranks": (attention_ranks, config.num_attention_experts),
+                  "ffn_ranks": (ffn_ranks, config.num_local_experts)}
+        for name, (ranks, num_experts) in shapes.items():
+            if ranks.shape != (config.num_hidden_layers, num_experts):
+                raise ValueError(f"{name} must be (layers, experts) = ({config.num_hidden_layers}, "
+                                 f"{num_experts}), got {tuple(ranks.shape)}")
+            if ranks.numel() and not (0 <= int(ranks.min()) and int(ranks.max()) < comm.world_size):
+                raise ValueError(f"{name} holds ranks outside [0, {comm.world_size})")
+        self.config = config
+        self.comm = comm
+        self.kv_placement = kv_placement
+        self.ffn_ranks = ffn_ranks
+        replicated = kv_placement == "replicated_attention"
+        self.shard = RankShard(model, comm.rank, None if replicated else attention_ranks, ffn_ranks)
+        parameter = next(model.parameters())
+        self.pool = PagedKVCache(config, num_blocks, block_size, parameter.dtype, parameter.device)
+        self.attention = PLACEMENT_CLASSES[kv_placement](self.shard, comm, self.pool, attention_ranks)
+        self.traffic: dict[int, Counter] = {}
+        self.step_seconds: dict[int, float] = {}
+
+    @torch.no_grad()
+    def step(self, step: int, tokens: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """This rank's home tokens (N,) of a flat ragged batch -> logits (N, V). Every rank calls it."""
+        self.comm.begin_step(step)
+        traffic = self.traffic.setdefault(step, Counter())
+        start = time.perf_counter()
+        x = self.shard.embed(tokens)                                                      # (N, D)
+        for layer, part in enumerate(self.shard.layers):
+            x = x + self.attention.forward(layer, part.attention_norm(x), seq_ids, positions, traffic)
+            x = x + self._ffn(layer, part.ffn_norm(x), traffic)
+        logits = self.shard.lm_head(self.shard.norm(x))                                   # (N, V)
+        self.step_seconds[step] = self.step_seconds.get(step, 0.0) + time.perf_counter() - start
+        return logits
+
+    def _ffn(self, layer: int, h: torch.Tensor, traffic: Counter) -> torch.Tensor:
+        part = self.shard.layers[layer]
+        routing = self.shard.route_ffn(layer, h)                                          # (N, E_ffn)
+        plan = DispatchPlan.build(routing.selected, routing.gates, self.ffn_ranks[layer],
+                                  self.comm.world_size, self.config.num_experts_per_tok)
+        traffic["ffn_pairs_to_peers"] += plan.pairs_to_peers(self.comm.rank)
+        traffic["ffn_expert_pairs_to_peers"] += plan.expert_pairs_to_peers(self.comm.rank)
+        received = dispatch(self.comm, plan, h, "ffn_dispatch")
+        pairs = local_pairs(received, part.ffn_experts)
+        y = swiglu_experts(received.hidden[pairs.token], pairs.counts, part.w_gate, part.w_up, part.w_down,
+                           self.shard.backend)                                            # (M, D)
+        partial = h.new_zeros(received.hidden.shape).index_add_(0, pairs.token.to(h.device), pairs.gate[:, None] * y)
+        return combine(self.comm, plan, received, partial, h.shape[0], "ffn_combine")
+
+    # ----- the pool ---------------------------------------------------------------------------------
+    def free(self, seq_id: int) -> None:
+        """Return the sequence's blocks on this rank (nothing if this rank holds none of it)."""
+        if int(seq_id) in self.pool.manager.sequences:
+            self.pool.free(seq_id)
+
+    def pool_usage(self) -> dict[str, int]:
+        manager = self.pool.manager
+        return {"num_blocks": manager.num_blocks, "used_blocks": manager.num_blocks - manager.num_free_blocks,
+                "tokens": int(manager.num_computed_tokens.sum()), "kv_bytes": self.pool.kv_bytes()}

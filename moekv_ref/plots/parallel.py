@@ -1,0 +1,92 @@
+"""Drawings of expert parallelism, for notebook 06: bytes per decode step as the context grows,
+where each token's K/V lives, per-rank pools over a run, expert placements compared, and the cost
+model's projected step times. Matplotlib only; every function draws on an Axes it is given and
+computes nothing the package does not test."""
+
+from __future__ import annotations
+
+import numpy as np
+
+PLACEMENT_COLOURS = {"kv_with_expert": "tab:blue", "kv_with_sequence": "tab:red", "replicated_attention": "tab:green"}
+
+
+def draw_bytes_vs_context(ax, rows: list[dict]) -> None:
+    """rows: measure.bytes_table results. Bytes per decode step against context, one line per placement."""
+    for placement, colour in PLACEMENT_COLOURS.items():
+        mine = sorted((r["context"], r["bytes_per_decode_step"]) for r in rows if r["kv_placement"] == placement)
+        if mine:
+            x, y = zip(*mine)
+            ax.plot(x, y, "o-", color=colour, label=placement)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens per sequence)")
+    ax.set_ylabel("bytes per decode step, all ranks")
+    ax.legend()
+    ax.grid(alpha=0.3)
+
+
+def draw_kv_locations(ax, location: np.ndarray, num_experts: int, world_size: int, title: str = "") -> None:
+    """location: locality.kv_location_map, (L * E, T). Each cell coloured by the rank holding it."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    location = np.asarray(location)
+    colours = ["white"] + [plt.get_cmap("tab10")(r) for r in range(world_size)]
+    ax.imshow(location + 1, cmap=ListedColormap(colours), vmin=0, vmax=world_size, aspect="auto",
+              interpolation="nearest")
+    num_layers = location.shape[0] // num_experts
+    ax.set_yticks([l * num_experts + num_experts / 2 - 0.5 for l in range(num_layers)])
+    ax.set_yticklabels([f"layer {l}" for l in range(num_layers)])
+    for l in range(1, num_layers):
+        ax.axhline(l * num_experts - 0.5, color="black", linewidth=0.8)
+    ax.set_xlabel("token position")
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[r + 1]) for r in range(world_size)]
+    ax.legend(handles, [f"rank {r}" for r in range(world_size)], loc="upper right", fontsize=7, ncol=world_size)
+
+
+def draw_pool_use(ax, per_rank_steps: list[list[dict]], title: str = "") -> None:
+    """per_rank_steps: measure.pool_table. Blocks used per rank after each step."""
+    for rank, steps in enumerate(per_rank_steps):
+        ax.plot([s["used_blocks"] for s in steps], "o-", label=f"rank {rank}", markersize=3)
+    ax.axhline(per_rank_steps[0][0]["num_blocks"], color="gray", linestyle="--", label="pool size")
+    ax.set_xlabel("step (0 = prefill)")
+    ax.set_ylabel("blocks used")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+
+
+def draw_placement_comparison(axes, rows: list[dict]) -> None:
+    """rows: locality.compare_placements. Left: ranks touched per token per layer; right: K/V
+    imbalance (max / mean tokens per rank), grouped by world size."""
+    world_sizes = sorted({r["world_size"] for r in rows})
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    width = 0.8 / len(strategies)
+    for measure, ax, label in (("ranks_touched_per_token_layer", axes[0], "ranks touched per token per layer"),
+                               ("kv_imbalance_max_over_mean", axes[1], "K/V imbalance (max / mean)")):
+        for i, strategy in enumerate(strategies):
+            values = [next(r[measure] for r in rows if r["world_size"] == w and r["strategy"] == strategy)
+                      for w in world_sizes]
+            ax.bar(np.arange(len(world_sizes)) + i * width, values, width, label=strategy)
+        ax.set_xticks(np.arange(len(world_sizes)) + width * (len(strategies) - 1) / 2)
+        ax.set_xticklabels([f"{w} ranks" for w in world_sizes])
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+
+
+def draw_projected_step(ax, projections: list[dict]) -> None:
+    """projections: cost_model.real_shape_projections. Stacked bars of attention, experts and
+    communication time per (model, placement, context), log scale."""
+    labels, parts = [], {"attention_ms": [], "experts_ms": [], "communication_ms": []}
+    for row in projections:
+        labels.append(f"{row['model']}\n{row['kv_placement'].replace('_', ' ')}\n{row['context'] // 1024}k")
+        for key in parts:
+            parts[key].append(row[key])
+    bottom = np.zeros(len(labels))
+    for (key, values), colour in zip(parts.items(), ("tab:purple", "tab:orange", "tab:gray")):
+        ax.bar(np.arange(len(labels)), values, bottom=bottom, color=colour, label=key.replace("_ms", ""))
+        bottom += np.asarray(values)
+    ax.set_xticks(np.arange(len(labels)))
+    ax.set_xticklabels(labels, fontsize=6)
+    ax.set_yscale("log")
+    ax.set_ylabel("projected decode step (ms)")
+    ax.legend(fontsize=8)
