@@ -50,11 +50,12 @@ class SlotAllocation:
 
     slot_mapping  (n,) int64: the slot of each new token, row after row in the order of the rows
                   given, each row's tokens in token order; indexes key_cache.view(-1, Hkv, Dh).
+                  None when the caller asked for counts only (with_slots=False).
     moves         K/V copies (source slots, destination slots) to apply, in order, *before* the new
                   tokens are written. Always empty for plain pages; shared tails move tokens when a
                   tail fills a block or a sequence's tail blocks are compacted.
     """
-    slot_mapping: torch.Tensor
+    slot_mapping: torch.Tensor | None
     moves: Moves = field(default_factory=list)
 
 
@@ -199,14 +200,16 @@ class KVCacheManager:
 
     # ----- allocate / slots / free ----------------------------------------------------------------
     def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor,
-                       rows_are_distinct: bool = False) -> SlotAllocation:
+                       rows_are_distinct: bool = False, with_slots: bool = True) -> SlotAllocation:
         """Make room for num_new_tokens[i] more tokens in rows[i], count them as stored, and say
         where they go (a SlotAllocation: the new tokens' slots; no moves with plain pages).
 
         rows: (m,) distinct row ids; num_new_tokens: (m,) >= 0. New blocks are appended to each
         row's block table in token order. Raises OutOfBlocksError, changing nothing, when the pool is
         short (a scheduler asks `can_allocate` first). rows_are_distinct=True skips the check that
-        rows are distinct (the simulator builds them distinct; the check is a sort)."""
+        rows are distinct (the simulator builds them distinct; the check is a sort).
+        with_slots=False leaves slot_mapping None: the cache-only simulator counts blocks and writes
+        no K/V, and computing every token's slot would cost it about as much as the allocation."""
         P = self.block_size
         rows, num_new_tokens = self._check_allocation(rows, num_new_tokens, rows_are_distinct)
         if rows.numel() == 0:
@@ -226,7 +229,7 @@ class KVCacheManager:
         column = torch.arange(total) - first_new[owner] + old_blocks[owner]       # (total,)
         self.block_tables[rows[owner], column] = block_ids.to(torch.int32)
         self.num_computed_tokens[rows] = new
-        return SlotAllocation(self._slots(rows, old, num_new_tokens))
+        return SlotAllocation(self._slots(rows, old, num_new_tokens) if with_slots else None)
 
     def _take_blocks(self, rows: torch.Tensor, needed: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
         """needed[i] fresh blocks for rows[i], row after row: (needed.sum(),) int64 block ids. Raises

@@ -96,7 +96,7 @@ class SharedTailKVCacheManager(KVCacheManager):
 
     # ----- allocate / slots / free ----------------------------------------------------------------
     def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor,
-                       rows_are_distinct: bool = False) -> SlotAllocation:
+                       rows_are_distinct: bool = False, with_slots: bool = True) -> SlotAllocation:
         """Make room for num_new_tokens[i] more tokens in rows[i]. Returns their slots and the K/V
         moves the caller must apply, in order, before writing the new tokens
         (`key_cache.view(-1, Hkv, Dh)[dst] = key_cache.view(-1, Hkv, Dh)[src]`). Raises, changing
@@ -140,7 +140,7 @@ class SharedTailKVCacheManager(KVCacheManager):
         # 3. compaction: give back tail blocks while a whole block's worth of tail slots is free
         for index in (rows // self.rows_per_seq).unique().tolist():
             moves += self._compact(index)
-        return SlotAllocation(self._slots(rows, old, num_new_tokens), moves)
+        return SlotAllocation(self._slots(rows, old, num_new_tokens) if with_slots else None, moves)
 
     def _take_tail_slot(self, index: int) -> int:
         free = self.free_tail_slots[index]

@@ -121,7 +121,7 @@ class ManagerPagedDesign:
         return self._row_base[rows // self.rows_per_seq] + rows % self.rows_per_seq
 
     def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
-        self.manager.allocate_slots(self._manager_rows(rows), num_new, rows_are_distinct=True)
+        self.manager.allocate_slots(self._manager_rows(rows), num_new, rows_are_distinct=True, with_slots=False)
 
     def release(self, seqs) -> None:
         for seq in torch.as_tensor(seqs).reshape(-1).tolist():
