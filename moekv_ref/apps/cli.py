@@ -18,6 +18,7 @@ import torch
 
 from .. import generate as generation
 from ..analysis import format_routing_statistics, heldout_text, routing_statistics
+from ..backends import BackendUnavailableError, require_backend
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..config import ROUTINGS, get_config
 from ..report import cache_report, format_cache_report
@@ -55,6 +56,7 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--block-size applies to --cache paged, not --cache {args.cache}")
         cache_options["block_size"] = args.block_size
     if args.backend != "torch":
+        require_backend(args.backend)       # triton is installed only where it has wheels (Linux)
         if args.cache != "paged":
             raise ValueError(f"--backend {args.backend} runs on the paged cache: add --cache paged")
         cache_options["backend"] = args.backend
@@ -99,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per block for --cache paged (a power of two; default 16)")
     g.add_argument("--backend", choices=["torch", "triton"], default="torch",
-                   help="decode attention in PyTorch or in the Triton kernels (on a CPU: the interpreter)")
+                   help="decode attention in PyTorch or in the Triton kernels (on a CPU: the interpreter; "
+                        "Linux only, where triton has wheels)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
     g.add_argument("--temperature", type=float, default=0.8)
@@ -133,7 +136,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, KeyError) as error:
+    except (ValueError, FileNotFoundError, KeyError, BackendUnavailableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
