@@ -31,6 +31,7 @@ from torch import nn
 from einops import einsum, rearrange
 
 from .attention import rotary
+from .backends import require_backend
 from .config import ModelConfig
 from .routing import Routing, route
 
@@ -231,6 +232,7 @@ class MoEKVTransformer(nn.Module):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        require_backend(backend)            # triton is installed only where it has wheels (Linux)
         self.config = config
         self.backend = backend
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)

@@ -19,6 +19,7 @@ import torch
 from ..engine import generate_with_engine
 from ..generate import CACHE_KINDS, generate
 from ..analysis import format_routing_statistics, heldout_text, routing_statistics
+from ..backends import BackendUnavailableError
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..config import ROUTINGS, get_config
 from ..report import cache_report, format_cache_report
@@ -99,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per block for --cache paged (a power of two; default 16)")
     g.add_argument("--backend", choices=["torch", "triton"], default="torch",
-                   help="decode attention in PyTorch or in the Triton kernels (on a CPU: the interpreter)")
+                   help="decode attention in PyTorch or in the Triton kernels (on a CPU: the interpreter; "
+                        "Linux only, where triton has wheels)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
     g.add_argument("--temperature", type=float, default=0.8)
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, KeyError) as error:
+    except (ValueError, FileNotFoundError, KeyError, BackendUnavailableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 

@@ -141,7 +141,8 @@ def run_demo(num_requests: int = 20, num_blocks: int = 200, preemption_mode: str
     from ..checkpoint import load_default_model
     model = model or load_default_model("threshold")
     workload = demo_workload(num_requests, arrival_rate, seed)
-    bar = tqdm(total=len(workload), desc=f"admission {admission}", unit="req", disable=not progress)
+    # disable=None: no bar when stderr is not a terminal (CI logs, pipes), where each refresh would be a line
+    bar = tqdm(total=len(workload), desc=f"admission {admission}", unit="req", disable=None if progress else True)
 
     def on_step(engine):
         bar.n = sum(r.is_finished for r in engine.requests.values())

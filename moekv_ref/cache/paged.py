@@ -53,6 +53,7 @@ import torch
 from einops import einsum, rearrange
 
 from ..attention import attend_by_position
+from ..backends import require_backend
 from ..config import ModelConfig
 from .kv_cache_manager import KVCacheManager, check_block_size
 from .shared_tail_manager import SharedTailKVCacheManager
@@ -129,6 +130,7 @@ class PagedKVCache:
         self.key_cache = torch.zeros(shape, dtype=dtype, device=device)     # (N, P, Hkv, Dh)
         self.value_cache = torch.zeros(shape, dtype=dtype, device=device)
         if attention == "triton":
+            require_backend("triton")       # triton is installed only where it has wheels (Linux)
             import kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
             self._kernels = kernels
 

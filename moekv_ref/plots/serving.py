@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 
 from ..engine import LLMEngine
 
@@ -108,9 +109,17 @@ def plot_demand(engine: LLMEngine, ax=None):
     return ax
 
 
-def plot_run(engine: LLMEngine, title: str = ""):
-    """The three panels side by side; returns the figure."""
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+def plot_run(engine: LLMEngine, title: str = "") -> Figure:
+    """The three panels side by side; returns the figure: show it with IPython's `display(fig)`, save
+    it with `fig.savefig(path)`.
+
+    The figure is made without pyplot, so it is not among pyplot's open figures, which any thread may
+    show and close: in JupyterLab, widget messages are handled on a second kernel thread, and after each
+    one matplotlib-inline shows and closes every open pyplot figure. A figure that an interact callback
+    was still drawing on the main thread was then shown half drawn (mostly blank) and closed, in most
+    fresh kernels on the first one or two changes of notebook 04's widgets."""
+    fig = Figure(figsize=(16, 4.2))
+    axes = fig.subplots(1, 3)
     plot_timeline(engine, axes[0])
     plot_pool_use(engine, axes[1])
     plot_demand(engine, axes[2])

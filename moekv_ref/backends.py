@@ -1,0 +1,38 @@
+"""Which compute backends this machine can run: "torch" everywhere, "triton" only where the triton
+package is installed.
+
+triton 3.7.1 (the version requirements-deps.txt pins) has wheels for Linux x86_64 and aarch64 only,
+so on macOS and Windows `pip install -r requirements.txt` leaves it out. Everything except the Triton
+kernels runs there on the CPU build of torch; whatever selects the "triton" backend calls
+`require_triton()` first, so that the user reads what to do instead of a ModuleNotFoundError from deep
+inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+TRITON_MISSING = ("the 'triton' backend needs the triton package, which has wheels for Linux x86_64/aarch64 "
+                  "only; on this machine use --backend torch")
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run on this machine (its package is not installed)."""
+
+
+def triton_available() -> bool:
+    """True when the triton package can be imported here (without importing it: importing triton
+    before TRITON_INTERPRET is set would fix the interpreter choice too early)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def require_triton() -> None:
+    """Raise BackendUnavailableError (a RuntimeError) with what to do instead when triton is missing."""
+    if not triton_available():
+        raise BackendUnavailableError(TRITON_MISSING)
+
+
+def require_backend(backend: str) -> None:
+    """Check that `backend` ("torch" or "triton") can run here; see require_triton."""
+    if backend == "triton":
+        require_triton()

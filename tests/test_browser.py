@@ -1,0 +1,400 @@
+"""Every notebook in JupyterLab, in a real browser, as a reader opens it.
+
+JupyterLab starts with the README's own launch line, `jupyter lab notebooks/`, from the repository
+root, plus only what a headless run needs (no browser of its own, loopback, a free port, a token, and
+--allow-root when run as root); PYTHONPATH is removed from its environment. Debian's Chromium, driven
+through Playwright (its Python package only: no browser is downloaded), opens each notebook found by
+glob, clears the stored outputs and runs all cells top to bottom from the Run menu. The test fails on:
+
+- an error output (a traceback) or "Error displaying widget" anywhere, or a widget left as its text
+  form ("IntSlider(value=...", "interactive(children=...");
+- a notebook that imports ipywidgets but shows no working widget: in every cell with widgets, up to two
+  controls are changed as a user would (a click on a slider's track or a toggle button, a new dropdown
+  option), and the cell's output must change;
+- a figure drawn after a change that is incomplete: each PNG is decoded and its non-background pixels
+  counted; a redrawn figure must have at least half as many as the figure the same cell drew first.
+
+Screenshots (after run-all, and each widget cell before and after each change) and a summary
+(summary.json: per notebook the run-all time, widgets changed, update latency and screenshot names)
+go to runs/browser/; the table is printed at the end of the pytest run.
+
+The test settings (in a temporary JupyterLab settings folder): autosave off, so the committed
+notebooks are never rewritten (checked by hash), and every cell kept in the page (windowingMode
+"none"; by default JupyterLab adds only the cells on screen), so every output can be checked.
+
+Skips, saying why, where Chromium (`apt-get install chromium`) or the playwright package is missing.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# every notebook; BROWSER_TEST_NOTEBOOKS="04_*" narrows the run to some while working on them
+NOTEBOOKS = sorted((ROOT / "notebooks").glob(os.environ.get("BROWSER_TEST_NOTEBOOKS", "*.ipynb")))
+OUT = ROOT / "runs" / "browser"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+RUN_ALL_TIMEOUT_S = 900
+UPDATE_TIMEOUT_S = 180
+CONTROLS_PER_CELL = 2
+
+if CHROMIUM is None:
+    pytest.skip("the browser test needs Chromium: on Debian/Ubuntu `apt-get install chromium` "
+                "(no chromium or chromium-browser on PATH here)", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test needs the playwright package "
+                               "(pip install -r requirements.txt installs it)")
+Image = pytest.importorskip("PIL.Image")
+
+# A widget shown as its repr instead of its view, or a view that failed.
+WIDGET_TEXT_FORM = re.compile(r"Error displaying widget|interactive\(children=|"
+                              r"\b[A-Z][A-Za-z]*(Slider|Dropdown|Buttons|Box|Text|Textarea|Checkbox|Output)\(")
+TRACEBACK = re.compile(r"Traceback \(most recent call last\)|^\s*Cell In\[\d+\], line \d+|"
+                       r"^[A-Za-z_.]*(Error|Exception)\b.*$", re.MULTILINE)
+
+# State of the page, read in the browser.
+JS_CODE_PROMPTS = "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')].map(e => e.textContent)"
+JS_KERNEL_STATUS = """() => {
+    const e = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook-ExecutionIndicator');
+    return e ? e.getAttribute('data-status') : null; }"""
+JS_STDERR_TEXTS = """() => [...document.querySelectorAll(
+    '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')].map(e => e.textContent)"""
+JS_OUTPUT_TEXTS = "() => [...document.querySelectorAll('.jp-OutputArea-output')].map(e => e.textContent)"
+JS_RUN_ALL_DONE = """() => {
+    const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')].map(e => e.textContent.trim());
+    const status = document.querySelector('.jp-Notebook-ExecutionIndicator');
+    if (prompts.length === 0 || !status || status.getAttribute('data-status') !== 'idle') return false;
+    if (prompts.some(p => p.includes('*'))) return false;
+    if (prompts.every(p => /\\[\\d+\\]/.test(p))) return true;
+    return [...document.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
+        .some(e => e.textContent.includes('Traceback') || /Error/.test(e.textContent));
+}"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def drawn_pixels(png: bytes) -> int:
+    """Pixels that differ from the figure's background (its top-left corner) by more than a faint tint."""
+    image = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+    return int((np.abs(image - image[0, 0]).max(axis=-1) > 24).sum())
+
+
+class Lab:
+    """`jupyter lab notebooks/` on loopback, with a token; stopped at the end."""
+
+    def __init__(self, settings: Path, workspaces: Path, log: Path):
+        self.port, self.token = free_port(), base64.urlsafe_b64encode(os.urandom(18)).decode()
+        jupyter = Path(sys.executable).with_name("jupyter")
+        launcher = [str(jupyter)] if jupyter.exists() else [sys.executable, "-m", "jupyter"]
+        command = launcher + ["lab", "notebooks/",                                  # the README's line
+                              "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
+                              "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}"]
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            command.append("--allow-root")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        env.update(JUPYTERLAB_SETTINGS_DIR=str(settings), JUPYTERLAB_WORKSPACES_DIR=str(workspaces))
+        self.log = log
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited ({self.process.returncode}):\n{log.read_text()[-3000:]}")
+            try:
+                self.api("GET", "/api/status")
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"jupyter lab did not answer in 120 s:\n{log.read_text()[-3000:]}")
+                time.sleep(0.5)
+
+    def api(self, method: str, path: str):
+        request = urllib.request.Request(self.url + path, method=method,
+                                         headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            body = response.read()
+        return json.loads(body) if body else None
+
+    def kernel_idle(self, notebook: str) -> bool:
+        return any(session["path"].endswith(notebook) and session["kernel"]
+                   and session["kernel"]["execution_state"] == "idle" for session in self.api("GET", "/api/sessions"))
+
+    def shut_down_kernels(self):
+        for session in self.api("GET", "/api/sessions"):
+            self.api("DELETE", f"/api/sessions/{session['id']}")
+
+    def stop(self):
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def lab_settings(folder: Path) -> Path:
+    for plugin, values in {"@jupyterlab/docmanager-extension/plugin": {"autosave": False},
+                           "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"}}.items():
+        path = folder / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+    return folder
+
+
+def menu(page, top: str, item: str):
+    page.locator(".lm-MenuBar-item", has_text=re.compile(rf"^{top}$")).click()
+    page.locator(".lm-Menu-item:visible", has_text=re.compile(rf"^{re.escape(item)}")).first.click()
+
+
+def widget_snapshot(cell) -> dict:
+    """What a widget cell shows besides its controls: the text and the PNGs of its output widgets."""
+    return cell.evaluate("""(cell) => {
+        const outs = [...cell.querySelectorAll('.widget-output')];
+        const roots = outs.length ? outs : [cell.querySelector('.jp-Cell-outputArea')];
+        return {text: roots.map(o => o.innerText).join('\\n'),
+                images: roots.flatMap(o => [...o.querySelectorAll('img')].map(i => i.src))};
+    }""")
+
+
+def png_bytes(page, src: str) -> bytes:
+    if src.startswith("data:image/png;base64,"):
+        return base64.b64decode(src.split(",", 1)[1])
+    return base64.b64decode(page.evaluate("""async (src) => {
+        const b = new Uint8Array(await (await fetch(src)).arrayBuffer()); let s = '';
+        for (const x of b) s += String.fromCharCode(x); return btoa(s); }""", src))
+
+
+def change_control(page, control) -> str | None:
+    """Change one ipywidgets control as a user would; returns what was done, or None if it could not."""
+    kind = control.evaluate("e => e.className")
+    label = control.evaluate("e => (e.querySelector('.widget-label') || {}).textContent || ''").strip()
+    if "widget-toggle-buttons" in kind:
+        buttons = control.locator("button:not(.mod-active)")
+        if buttons.count() == 0:
+            return None
+        text = buttons.first.inner_text().strip()
+        buttons.first.click()
+        return f"{label or 'toggle'} -> {text}"
+    if "widget-dropdown" in kind:
+        select = control.locator("select")
+        options = select.locator("option").all_inner_texts()
+        current = select.evaluate("e => e.selectedIndex")
+        if len(options) < 2:
+            return None
+        choice = (current + 1) % len(options)
+        select.select_option(index=choice)
+        return f"{label or 'dropdown'} -> {options[choice].strip()}"
+    if "widget-slider" in kind or "widget-hslider" in kind:
+        track = control.locator(".noUi-target, .slider").first
+        readout = control.locator(".widget-readout")
+        before = readout.inner_text() if readout.count() else None
+        box = track.bounding_box()
+        for fraction in (0.7, 0.3):
+            page.mouse.click(box["x"] + fraction * box["width"], box["y"] + box["height"] / 2)
+            page.wait_for_timeout(150)
+            after = readout.inner_text() if readout.count() else None
+            if after != before:
+                return f"{label or 'slider'} {before} -> {after}"
+        return None
+    if "widget-checkbox" in kind:
+        control.locator("input").click()
+        return f"{label or 'checkbox'} toggled"
+    return None
+
+
+def wait_for_update(page, cell, before: dict, figures: int, timeout_s: float) -> tuple[dict, float]:
+    """Wait until the cell's output differs from `before`, shows at least `figures` images (those of
+    the first render: text arrives before the figure that follows it) and has held still for a second
+    with the kernel idle. Returns the output and the seconds until it first appeared. On timeout
+    returns the last output if it changed at all (the caller reports missing figures)."""
+    start = time.monotonic()
+    last, since = None, None
+    while time.monotonic() - start < timeout_s:
+        now = widget_snapshot(cell)
+        settled = (page.evaluate(JS_KERNEL_STATUS) == "idle" and now != before and now["text"].strip()
+                   and len(now["images"]) >= figures)
+        if settled and now == last:
+            if time.monotonic() - since >= 1.0:
+                return now, since - start
+        elif settled:
+            last, since = now, time.monotonic()
+        else:
+            last = None
+        page.wait_for_timeout(100)
+    now = widget_snapshot(cell)
+    if now != before:
+        return now, timeout_s
+    raise TimeoutError(f"the output did not change within {timeout_s} s")
+
+
+def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
+    stem, name = path.stem, path.name
+    record = {"notebook": name, "run_all_s": None, "widgets_changed": [], "update_latency_s": [],
+              "screenshots": []}
+
+    def shot(locator, suffix):
+        file = f"{stem}-{suffix}.png"
+        locator.screenshot(path=str(OUT / file))
+        record["screenshots"].append(file)
+
+    # a workspace of its own, reset: only this notebook open
+    page.goto(f"{lab.url}/lab/workspaces/test-{stem}/tree/{name}?reset&token={lab.token}")
+    page.wait_for_selector(".jp-NotebookPanel .jp-CodeCell", timeout=120_000)
+    deadline = time.monotonic() + 180
+    while not lab.kernel_idle(name):          # JupyterLab may ask which kernel, as it would ask a reader
+        dialog = page.locator(".jp-Dialog", has_text="Select Kernel")
+        if dialog.count() and dialog.first.is_visible():
+            dialog.locator("button", has_text=re.compile(r"^Select$")).click()
+        if time.monotonic() > deadline:
+            raise TimeoutError("the notebook's kernel did not start within 180 s")
+        page.wait_for_timeout(250)
+    page.wait_for_function(f"({JS_KERNEL_STATUS})() === 'idle'", timeout=60_000)
+    menu(page, "Edit", "Clear Outputs of All Cells")
+    page.wait_for_function("() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]"
+                           ".every(e => !/\\d/.test(e.textContent))", timeout=30_000)
+    start = time.monotonic()
+    menu(page, "Run", "Run All Cells")
+    page.wait_for_function(JS_RUN_ALL_DONE, timeout=RUN_ALL_TIMEOUT_S * 1000, polling=250)
+    record["run_all_s"] = round(time.monotonic() - start, 1)
+    interactive = "ipywidgets" in path.read_text(encoding="utf-8")
+    if interactive:              # widget views render after the kernel is idle
+        try:
+            page.wait_for_selector(".jp-OutputArea-output .jupyter-widgets", timeout=30_000)
+        except sync_api.TimeoutError:
+            pass
+        page.wait_for_timeout(1000)
+    shot(page, "run-all")
+
+    prompts = page.evaluate(JS_CODE_PROMPTS)
+    if not all(re.search(r"\[\d+\]", p) for p in prompts):
+        problems.append(f"{name}: not every code cell ran: prompts {prompts}")
+
+    def check_outputs(when):
+        for text in page.evaluate(JS_STDERR_TEXTS):
+            if TRACEBACK.search(text):
+                problems.append(f"{name} ({when}): error output: {text.strip()[:600]}")
+        for text in page.evaluate(JS_OUTPUT_TEXTS):
+            match = WIDGET_TEXT_FORM.search(text)
+            if match:
+                problems.append(f"{name} ({when}): a widget did not render: ...{text[max(0, match.start() - 60):match.end() + 60]}")
+
+    check_outputs("after run-all")
+    if not interactive:
+        return record
+
+    cells = page.locator(".jp-CodeCell:has(.jp-OutputArea-output .jupyter-widgets)")
+    if cells.count() == 0:
+        problems.append(f"{name}: imports ipywidgets but no widget view rendered")
+    for c in range(cells.count()):
+        cell = cells.nth(c)
+        first = widget_snapshot(cell)
+        first_pixels = [drawn_pixels(png_bytes(page, src)) for src in first["images"]]
+        record.setdefault("first_figure_pixels", []).append(first_pixels)
+        if first_pixels and min(first_pixels) == 0:
+            problems.append(f"{name}: widget cell {c}: the first figure is blank")
+        controls = cell.locator(".widget-toggle-buttons, .widget-dropdown, .widget-hslider, .widget-checkbox")
+        changed = 0
+        for i in range(controls.count()):
+            if changed == CONTROLS_PER_CELL:
+                break
+            before = widget_snapshot(cell)
+            shot(cell, f"cell{c}-change{changed + 1}-before")
+            t0 = time.monotonic()
+            done = change_control(page, controls.nth(i))
+            if done is None:
+                continue
+            try:
+                after, _ = wait_for_update(page, cell, before, len(first_pixels), UPDATE_TIMEOUT_S)
+            except TimeoutError as error:
+                problems.append(f"{name}: widget cell {c}: after '{done}': {error}")
+                shot(cell, f"cell{c}-change{changed + 1}-after")
+                break
+            latency = round(time.monotonic() - t0, 2)
+            changed += 1
+            record["widgets_changed"].append(done)
+            record["update_latency_s"].append(latency)
+            shot(cell, f"cell{c}-change{changed}-after")
+            pixels = [drawn_pixels(png_bytes(page, src)) for src in after["images"]]
+            record.setdefault("figure_pixels_after_changes", []).append(pixels)
+            if len(pixels) != len(first_pixels):
+                problems.append(f"{name}: widget cell {c}: after '{done}' {len(pixels)} figures, first {len(first_pixels)}")
+            for k, (n, n0) in enumerate(zip(pixels, first_pixels)):
+                if n < 0.5 * n0:
+                    problems.append(f"{name}: widget cell {c}: after '{done}' figure {k} is incomplete: "
+                                    f"{n} drawn pixels against {n0} in the first figure")
+        if changed == 0:
+            problems.append(f"{name}: widget cell {c}: no control could be changed")
+        check_outputs(f"after changing widgets in cell {c}")
+    return record
+
+
+def format_table(records: list[dict]) -> str:
+    lines = [f"{'notebook':<40}{'run all':>9}  {'widgets changed':<44}{'latency (s)':<16}screenshots"]
+    for r in records:
+        lines.append(f"{r['notebook']:<40}{r['run_all_s'] or 0:>8.1f}s  "
+                     f"{'; '.join(r['widgets_changed']) or '-':<44}"
+                     f"{', '.join(f'{x:.1f}' for x in r['update_latency_s']) or '-':<16}"
+                     f"{', '.join(r['screenshots'])}")
+    return "\n".join(lines)
+
+
+def test_every_notebook_runs_and_its_widgets_work_in_jupyterlab(tmp_path, record_property):
+    assert NOTEBOOKS, "no notebooks found"
+    OUT.mkdir(parents=True, exist_ok=True)
+    for old in OUT.glob("*.png"):
+        old.unlink()
+    hashes = {path: digest(path) for path in NOTEBOOKS}
+    lab = Lab(lab_settings(tmp_path / "settings"), tmp_path / "workspaces", OUT / "jupyterlab.log")
+    problems, records = [], []
+    try:
+        with sync_api.sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM,
+                                                 args=["--no-sandbox", "--disable-dev-shm-usage"])
+            for path in NOTEBOOKS:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.set_default_timeout(60_000)
+                try:
+                    records.append(run_notebook(page, lab, path, problems))
+                except Exception as error:                                  # keep going: report all notebooks
+                    problems.append(f"{path.name}: {type(error).__name__}: {error}")
+                    page.screenshot(path=str(OUT / f"{path.stem}-failure.png"))
+                finally:
+                    page.close()
+                    lab.shut_down_kernels()
+            browser.close()
+    finally:
+        lab.stop()
+    table = format_table(records)
+    (OUT / "summary.json").write_text(json.dumps({"notebooks": records, "problems": problems}, indent=1))
+    (OUT / "table.txt").write_text(table + "\n")
+    record_property("browser_table", table)
+    changed_on_disk = [p.name for p, h in hashes.items() if digest(p) != h]
+    assert not changed_on_disk, f"the browser run rewrote committed notebooks: {changed_on_disk}"
+    assert not problems, "\n".join(problems)
+    interactive = [p.name for p in NOTEBOOKS if "ipywidgets" in p.read_text(encoding="utf-8")]
+    assert interactive
+    for record in records:
+        if record["notebook"] in interactive:
+            assert record["widgets_changed"], record
