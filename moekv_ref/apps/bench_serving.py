@@ -50,7 +50,7 @@ def serve_design(model: MoEKVTransformer, workload, design: str, num_blocks: int
         "generated_tokens": stats.num_generated_tokens,
         "seconds": stats.seconds,
         "peak_used_blocks": stats.peak_used_blocks,
-        "mean_concurrent_sequences": sum(s.num_running for s in engine.timeline) / max(1, len(engine.timeline)),
+        "mean_concurrent_sequences": stats.mean_concurrent_sequences,
         "refused": len(result.refused),
         "tokens": {i: out.token_ids for i, out in result.outputs.items()},
     }

@@ -49,7 +49,7 @@ def serve(model, workload, num_blocks: int, block_size: int = 16, preemption_mod
     """Serve `workload` on a fresh engine; returns (engine, WorkloadResult)."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              admission=admission, preemption_mode=preemption_mode)
-    engine = LLMEngine(model, num_blocks, block_size, config)
+    engine = LLMEngine(model, num_blocks, block_size, config, record_history=True)   # for the figures
     return engine, run_workload(engine, workload, on_step)
 
 

@@ -131,6 +131,7 @@ def run_workload(engine: LLMEngine, workload: list[WorkloadRequest],
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_step)
     ids: dict[int, int] = {}
     refused: dict[int, str] = {}
+    finished: dict[int, RequestOutput] = {}                    # by request id
     next_index = 0
     while next_index < len(order) or engine.has_unfinished_requests():
         while next_index < len(order) and workload[order[next_index]].arrival_step <= engine.step_count:
@@ -141,10 +142,10 @@ def run_workload(engine: LLMEngine, workload: list[WorkloadRequest],
                 refused[i] = str(error)
             next_index += 1
         if engine.has_unfinished_requests():
-            engine.step()
+            finished.update((output.request_id, output) for output in engine.step())
         elif next_index < len(order):
             engine.idle_step()
         if on_step is not None:
             on_step(engine)
-    outputs = {i: RequestOutput.from_request(engine.requests[rid]) for i, rid in ids.items()}
+    outputs = {i: finished[rid] for i, rid in ids.items()}
     return WorkloadResult(outputs, refused)
