@@ -4,7 +4,7 @@ Field names follow the Hugging Face configs of the models the presets describe (
 DeepSeek-V3, JetMoE): `hidden_size`, `num_hidden_layers`, `num_attention_heads`,
 `num_key_value_heads`, `num_local_experts`, `num_experts_per_tok`, ... The attention-expert fields
 (`num_attention_experts`, `num_attention_experts_per_tok`, `attention_routing`) are ours: no mainstream
-model routes attention with per-expert K/V, which is the subject of this project (DESIGN.md §1).
+model routes attention with per-expert K/V, which is the subject of this project.
 
 Only `tiny` is ever built as a model here; the other presets are sizing-only: they give real shapes to
 the memory benchmark, the simulator and the cost model.
@@ -13,6 +13,7 @@ the memory benchmark, the simulator and the cost model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 ATTENTION_MODES = ("expert", "dense")
@@ -74,6 +75,16 @@ class ModelConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{field}={value!r} is not allowed: it must be a positive integer")
+        for field in ("kv_lora_rank", "qk_rope_head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{field}={value!r} is not allowed: it must be an integer >= 0")
+        for field in ("rope_theta", "rms_norm_eps", "routing_threshold"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{field}={value!r} is not allowed: it must be a finite number")
+        if not isinstance(self.name, str):
+            raise ValueError(f"name={self.name!r} must be a string")
         if self.attention_mode not in ATTENTION_MODES:
             raise ValueError(f"attention_mode={self.attention_mode!r} is not one of {ATTENTION_MODES}")
         if self.attention_routing not in ROUTINGS:
@@ -84,7 +95,7 @@ class ModelConfig:
             raise ValueError(
                 "attention_mode='dense' is the E=1, k=1 case: num_attention_experts and "
                 f"num_attention_experts_per_tok must be 1, got {self.num_attention_experts} and "
-                f"{self.num_attention_experts_per_tok} (use ModelConfig.dense(...) or attention_mode='expert')"
+                f"{self.num_attention_experts_per_tok} (or use attention_mode='expert')"
             )
         if self.num_attention_experts_per_tok > self.num_attention_experts:
             raise ValueError(
@@ -107,6 +118,9 @@ class ModelConfig:
             raise ValueError(f"routing_threshold={self.routing_threshold} must be in (0, 1]")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta={self.rope_theta} must be positive")
+        if not 0 < self.rms_norm_eps < 1:
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps} must be in (0, 1): it keeps RMSNorm from "
+                             "dividing by zero and should be small")
         if self.kv_lora_rank < 0 or self.qk_rope_head_dim < 0:
             raise ValueError("kv_lora_rank and qk_rope_head_dim must be >= 0")
         if self.kv_cache_dtype not in _BYTES_PER_DTYPE:
@@ -154,6 +168,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "ModelConfig":
+        if not isinstance(values, dict):
+            raise ValueError(f"a config must be a dict of fields, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -164,7 +180,7 @@ class ModelConfig:
 # ----- presets ------------------------------------------------------------------------------------
 PRESETS: dict[str, ModelConfig] = {
     # The embedded default: byte-level, small enough to train on two CPU cores in minutes
-    # (scripts/train_tiny.py) and to run every notebook in seconds.
+    # (moekv_ref/apps/train.py) and to run every notebook in seconds.
     # Its routers put 0.32-0.43 of the probability on the first expert on average, so a threshold of
     # 0.35 makes threshold routing use 1.2-1.8 experts per token depending on the layer (0.5 would use
     # 1.7-1.9, nearly always k_max=2, and show little of what dynamic routing does).
@@ -203,7 +219,7 @@ PRESETS: dict[str, ModelConfig] = {
     # kv_channels=128, and 8 FFN experts (ffn_hidden_size 5632), top-2. Its config's
     # num_attention_heads=32 counts the query heads of the top-2 experts together (16 each); ours
     # counts per expert. Its attention experts route Q/O but share K/V, so its real cache is per
-    # token, not per expert (DESIGN.md §1): we size it as if each expert kept its own K/V.
+    # token, not per expert: we size it as if each expert kept its own K/V.
     "jetmoe-8b": ModelConfig(
         name="jetmoe-8b", vocab_size=32000, hidden_size=2048, num_hidden_layers=24,
         num_attention_heads=16, num_key_value_heads=16, head_dim=128, max_position_embeddings=4096,

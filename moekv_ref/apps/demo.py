@@ -18,6 +18,7 @@ preempting.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -192,7 +193,20 @@ def main(args) -> int:
         torch.set_num_threads(previous_threads)
 
 
+def check_args(args) -> None:
+    """The demo's options, checked before anything runs."""
+    if args.num_requests < 1:
+        raise ValueError(f"--num-requests {args.num_requests} must be at least 1")
+    if args.num_blocks < 1:
+        raise ValueError(f"--num-blocks {args.num_blocks} must be at least 1")
+    if not (math.isfinite(args.arrival_rate) and args.arrival_rate > 0):
+        raise ValueError(f"--arrival-rate {args.arrival_rate} must be a finite number of requests per step > 0")
+    if args.seed < 0:
+        raise ValueError(f"--seed {args.seed} must be >= 0")
+
+
 def _run(args) -> int:
+    check_args(args)
     start = time.perf_counter()
     admissions = ["predicted", "optimistic"] if args.admission == "both" else [args.admission]
     summaries = {}
