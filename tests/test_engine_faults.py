@@ -294,3 +294,17 @@ def test_seeded_random_runs_with_aborts_and_faults():
             if rid not in aborted:
                 assert outputs[rid].token_ids == alone_of(prompt, params), (run, rid, config)
         engine.memory.assert_no_leak()
+
+
+def test_a_request_aborted_during_generate_comes_back_aborted(model, workload, alone):
+    prompts, params = workload
+    engine = LLMEngine(model, num_blocks=60, block_size=BLOCK_SIZE)
+
+    def abort_the_third(engine):
+        if engine.step_count == 2:
+            engine.abort_request(2)
+
+    outputs = engine.generate(prompts, params, on_step=abort_the_third)
+    assert outputs[2].finish_reason == "aborted" and outputs[2].token_ids == alone[2][: len(outputs[2].token_ids)]
+    assert [o.token_ids for i, o in enumerate(outputs) if i != 2] == alone[:2] + alone[3:]
+    engine.memory.assert_no_leak()

@@ -144,6 +144,7 @@ class LLMEngine:
         self.events: list[RequestEvent] = []         # with record_history only
         self._next_request_id = 0
         self._seconds = 0.0
+        self._generating: dict[int, RequestOutput] | None = None    # outputs, while generate() runs
         self._counts = dict.fromkeys(("admitted", "resumed", "finished", "aborted", "failed",
                                       "generated_tokens", "failed_steps", "running_sum", "records",
                                       "max_running", "peak_used"), 0)
@@ -209,6 +210,8 @@ class LLMEngine:
         output = RequestOutput.from_request(request)
         if not self.record_history:
             del self.requests[request.request_id]
+        if self._generating is not None:            # generate() collects what it asked for
+            self._generating[request.request_id] = output
         return output
 
     def _count_finished(self, request: Request, step: int) -> None:
@@ -346,13 +349,11 @@ class LLMEngine:
             self.scheduler.check_fits_alone(len(prompt), params.max_new_tokens)
             checked.append((prompt, params))
         ids = [self._queue(prompt, params) for prompt, params in checked]
-        wanted = set(ids)
         outputs: dict[int, RequestOutput] = {}
+        self._generating = outputs       # every request handed out while it runs, aborted ones too
         try:
             while self.has_unfinished_requests():
-                for output in self.step():
-                    if output.request_id in wanted:
-                        outputs[output.request_id] = output
+                self.step()
                 if on_step is not None:
                     on_step(self)
         except BaseException:
@@ -360,6 +361,8 @@ class LLMEngine:
                 if request_id not in outputs:
                     self.abort_request(request_id)
             raise
+        finally:
+            self._generating = None
         return [outputs[i] for i in ids]
 
     def stats(self) -> EngineStats:

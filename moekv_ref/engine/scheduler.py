@@ -162,6 +162,17 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape,
                  num_swap_blocks: int = 0):
+        if not isinstance(config, SchedulerConfig):
+            raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        if not isinstance(manager, KVCacheManager) or not isinstance(shape, ModelShape):
+            raise ValueError("manager must be a KVCacheManager and shape a ModelShape")
+        if (manager.num_layers, manager.num_experts, manager.block_size) != (
+                shape.num_layers, shape.num_experts, shape.block_size):
+            raise ValueError(f"the manager's (layers, experts, block size) = ({manager.num_layers}, "
+                             f"{manager.num_experts}, {manager.block_size}) differ from the shape's "
+                             f"({shape.num_layers}, {shape.num_experts}, {shape.block_size})")
+        if not isinstance(num_swap_blocks, int) or isinstance(num_swap_blocks, bool) or num_swap_blocks < 0:
+            raise ValueError(f"num_swap_blocks={num_swap_blocks!r} must be an integer >= 0")
         if config.preemption_mode == "swap" and not num_swap_blocks:
             raise ValueError("preemption_mode='swap' needs a swap space: give the engine num_swap_blocks > 0")
         self.config = config
