@@ -68,9 +68,14 @@ def _read(path: Path) -> dict:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:          # zip, pickle, unicode and EOF errors all mean the same here
-        reason = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read as a torch file: it is truncated, "
-                              f"corrupted or not a checkpoint ({type(error).__name__}: {reason})") from None
+        if "central directory" in str(error) or isinstance(error, EOFError):
+            reason = "its zip archive is incomplete: the file is truncated"
+        elif "zip archive" in str(error):
+            reason = "its zip archive is damaged"
+        else:
+            reason = "its bytes are not a torch save file"
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read as a torch file: {reason} (it is "
+                              f"truncated, corrupted or not a checkpoint; {type(error).__name__} from torch.load)") from None
     if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:
         raise CheckpointError(f"{str(path)!r} is not a moekv_ref checkpoint (expected a dict with 'format', "
                               "'config', 'state_dict' and 'sha256')")
@@ -124,7 +129,7 @@ def load_checkpoint(path: str | Path | None = None, config: ModelConfig | None =
                       for key, value in config.architecture().items() if saved.architecture()[key] != value}
         if mismatched:
             details = ", ".join(f"{k}: checkpoint has {a!r}, config asks for {b!r}" for k, (a, b) in mismatched.items())
-            raise CheckpointError(f"checkpoint {path.name} was made for another config ({details})")
+            raise CheckpointError(f"checkpoint {str(path)!r} was made for another config ({details})")
         saved = config
     model = MoEKVTransformer(saved, backend)
     state = _checked_state(path, payload, model)

@@ -180,7 +180,7 @@ def append_tokens(manager, seq_id, layer, expert, n):
     manager.allocate_slots(rows, torch.tensor([n]))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(block_size=st.sampled_from([1, 2, 4]), shuffle=st.booleans(), before=grow, after=grow,
        keep_fraction=st.floats(0, 1))
 def test_truncate_frees_exactly_the_blocks_past_the_kept_tokens(block_size, shuffle, before, after, keep_fraction):
@@ -204,7 +204,7 @@ def test_truncate_frees_exactly_the_blocks_past_the_kept_tokens(block_size, shuf
     assert same(state, snapshot(manager))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(block_size=st.sampled_from([1, 2, 4]), shuffle=st.booleans(), before=grow, after=grow)
 def test_restore_rows_undoes_every_append_since_the_snapshot(block_size, shuffle, before, after):
     manager = KVCacheManager(L, E, block_size, 200, shuffle_seed=1 if shuffle else None)

@@ -66,9 +66,9 @@ def broken_files(tmp_path, path):
         ("missing", tmp_path / "absent.pt", "does not exist"),
         ("a directory", folder, "is a directory"),
         ("empty", empty, "is empty (0 bytes)"),
-        ("truncated", truncated, "cannot be read as a torch file: it is truncated, corrupted or not a checkpoint"),
-        ("a text file", text, "cannot be read as a torch file"),
-        ("random bytes", noise, "cannot be read as a torch file"),
+        ("truncated", truncated, "cannot be read as a torch file: its zip archive is incomplete: the file is truncated"),
+        ("a text file", text, "cannot be read as a torch file: its bytes are not a torch save file"),
+        ("random bytes", noise, "cannot be read as a torch file: its bytes are not a torch save file"),
         ("a saved list", a_list, "is not a moekv_ref checkpoint"),
         ("a dict without config", no_keys, "is not a moekv_ref checkpoint"),
     ]
