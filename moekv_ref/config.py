@@ -14,6 +14,7 @@ the memory benchmark, the simulator and the cost model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 ATTENTION_MODES = ("expert", "dense")
@@ -75,6 +76,16 @@ class ModelConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{field}={value!r} is not allowed: it must be a positive integer")
+        for field in ("kv_lora_rank", "qk_rope_head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{field}={value!r} is not allowed: it must be an integer >= 0")
+        for field in ("rope_theta", "rms_norm_eps", "routing_threshold"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{field}={value!r} is not allowed: it must be a finite number")
+        if not isinstance(self.name, str):
+            raise ValueError(f"name={self.name!r} must be a string")
         if self.attention_mode not in ATTENTION_MODES:
             raise ValueError(f"attention_mode={self.attention_mode!r} is not one of {ATTENTION_MODES}")
         if self.attention_routing not in ROUTINGS:
@@ -108,6 +119,9 @@ class ModelConfig:
             raise ValueError(f"routing_threshold={self.routing_threshold} must be in (0, 1]")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta={self.rope_theta} must be positive")
+        if not 0 < self.rms_norm_eps < 1:
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps} must be in (0, 1): it keeps RMSNorm from "
+                             "dividing by zero and should be small")
         if self.kv_lora_rank < 0 or self.qk_rope_head_dim < 0:
             raise ValueError("kv_lora_rank and qk_rope_head_dim must be >= 0")
         if self.kv_cache_dtype not in _BYTES_PER_DTYPE:
@@ -163,6 +177,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "ModelConfig":
+        if not isinstance(values, dict):
+            raise ValueError(f"a config must be a dict of fields, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

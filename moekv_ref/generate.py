@@ -15,12 +15,14 @@ what the equivalence tests compare against a single full forward of the final se
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
 
 from .cache import ContiguousKVCache, PagedKVCache
 from .model import MoEKVTransformer
+from .prompts import check_prompt
 from .results import GenerationResult
 from .sampling import SamplingParams, sample_next
 
@@ -37,21 +39,28 @@ def make_cache(kind: str, model: MoEKVTransformer, **options):
     raise ValueError(f"unknown cache kind {kind!r}; allowed: {CACHE_KINDS}")
 
 
-def check_prompts(model: MoEKVTransformer, prompts: list[list[int]], max_new_tokens: int) -> None:
-    """Raise before any work if a prompt is empty or the generation would pass max positions."""
+def check_prompts(model: MoEKVTransformer, prompts, per_prompt: list[SamplingParams]) -> list[list[int]]:
+    """The prompts as lists of ints, or ValueError before any work: no prompts, an empty prompt,
+    token ids that are not integers of the vocabulary, or a prompt + its own max_new_tokens past the
+    model's positions."""
+    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
     if not prompts:
         raise ValueError("no prompts given: pass at least one non-empty prompt")
-    limit = model.config.max_position_embeddings
-    for i, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
-        if len(prompt) > limit:
-            raise ValueError(f"prompt {i} has {len(prompt)} tokens, more than the model's "
-                             f"max_position_embeddings={limit}")
-        if len(prompt) + max_new_tokens - 1 > limit:
-            raise ValueError(f"prompt {i} ({len(prompt)} tokens) + max_new_tokens={max_new_tokens} "
-                             f"would pass max_position_embeddings={limit}; ask for at most "
-                             f"{limit - len(prompt) + 1} new tokens")
+    config = model.config
+    return [check_prompt(prompt, config.vocab_size, config.max_position_embeddings, params.max_new_tokens,
+                         f"prompt {i}") for i, (prompt, params) in enumerate(zip(prompts, per_prompt))]
+
+
+def check_params(params, num_prompts: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt (validated again: a frozen dataclass can be forced)."""
+    per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * num_prompts
+    if len(per_prompt) != num_prompts:
+        raise ValueError(f"got {len(per_prompt)} sampling params for {num_prompts} prompts")
+    for i, p in enumerate(per_prompt):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
+    return [SamplingParams(**dataclasses.asdict(p)) for p in per_prompt]
 
 
 @torch.no_grad()
@@ -64,14 +73,25 @@ def generate(
     on_token: Callable[[int, int], None] | None = None,
     **cache_options,
 ) -> GenerationResult:
-    """Generate `max_new_tokens` for every prompt. `params` may be one per prompt (own seeds)."""
-    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-    if len(per_prompt) != len(prompts):
-        raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
-    max_new = max(p.max_new_tokens for p in per_prompt)
-    check_prompts(model, prompts, max_new)
+    """Generate `max_new_tokens` for every prompt. `params` may be one per prompt (own seeds), and
+    each prompt is checked against its own max_new_tokens. cache_options (block_size, num_blocks,
+    ...) apply to cache="paged" only; without num_blocks its pool is sized for every prompt at once."""
+    if not isinstance(model, MoEKVTransformer):
+        raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
+    if cache not in CACHE_KINDS:
+        raise ValueError(f"unknown cache kind {cache!r}; allowed: {CACHE_KINDS}")
+    if cache_options and cache != "paged":
+        raise ValueError(f"{sorted(cache_options)} apply to cache='paged' only, not cache={cache!r}")
+    if on_token is not None and not callable(on_token):
+        raise ValueError(f"on_token must be callable (or None), got {type(on_token).__name__}")
+    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts (lists of token ids)")
+    per_prompt = check_params(params, len(prompts))
+    prompts = check_prompts(model, prompts, per_prompt)
+    if cache == "paged" and "num_blocks" not in cache_options and "max_num_seqs" not in cache_options:
+        cache_options = {**cache_options, "max_num_seqs": len(prompts)}   # a pool for all of them
     if cache != "none":
-        kv_cache = make_cache(cache, model, **cache_options)  # raises on an unknown kind
+        kv_cache = make_cache(cache, model, **cache_options)
     generators = [p.generator() for p in per_prompt]
     generated: list[list[int]] = [[] for _ in prompts]
     logits_log: list[list[torch.Tensor]] = [[] for _ in prompts]

@@ -7,9 +7,28 @@ tests rely on: preempted-and-resumed = never preempted = generated alone).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+# Temperatures between 0 and this are refused: logits / T overflows float64 (to inf, then NaN in the
+# softmax) once T is below about 1e-300, and long before that the distribution is argmax anyway.
+MIN_TEMPERATURE = 1e-4
+MAX_SEED = 2**63 - 1
+
+
+class SamplingError(RuntimeError):
+    """The next token of one request could not be sampled (e.g. its logits are not finite). The
+    serving engine finishes that request with an error and serves the others."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -23,12 +42,17 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 means greedy) and finite")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature={self.temperature!r} is too small to sample with: use 0 (greedy) "
+                             f"or at least {MIN_TEMPERATURE}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:  # also rejects NaN
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**63 - 1]")
 
     @property
     def greedy(self) -> bool:
@@ -39,7 +63,10 @@ class SamplingParams:
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from logits (V,)."""
+    """One token id from logits (V,). Raises SamplingError if the logits are not all finite."""
+    if not bool(torch.isfinite(logits).all()):
+        bad = int((~torch.isfinite(logits)).sum())
+        raise SamplingError(f"{bad} of {logits.numel()} logits are not finite (NaN or inf): no token can be sampled")
     if params.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.double() / params.temperature, dim=-1)

@@ -173,3 +173,62 @@ def test_pool_ref_counts_with_sharing(num_blocks, program):
         expected = torch.bincount(torch.tensor(owners, dtype=torch.int64), minlength=num_blocks)
         assert torch.equal(pool.ref_cnt, expected.to(torch.int32))
         assert pool.num_free_blocks == num_blocks - len(set(owners))
+
+
+# ----- truncate and snapshot / restore: undoing appends (a forward that failed half-way) ----------
+grow = st.lists(st.tuples(st.integers(0, 2), st.integers(0, L - 1), st.integers(0, E - 1), st.integers(0, 6)),
+                min_size=1, max_size=12)
+
+
+def append_tokens(manager, seq_id, layer, expert, n):
+    if seq_id not in manager._seq_index:
+        manager.add_sequence(seq_id)
+    rows = manager.rows([seq_id], layer, expert)
+    manager.allocate_slots(rows, torch.tensor([n]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(block_size=st.sampled_from([1, 2, 4]), shuffle=st.booleans(), before=grow, after=grow,
+       keep_fraction=st.floats(0, 1))
+def test_truncate_frees_exactly_the_blocks_past_the_kept_tokens(block_size, shuffle, before, after, keep_fraction):
+    manager = KVCacheManager(L, E, block_size, 200, shuffle_seed=1 if shuffle else None)
+    for op in before:
+        append_tokens(manager, *op)
+    rows = torch.tensor(sorted({int(manager.rows([s], l, e)) for s, l, e, _ in before}))
+    held = manager.num_computed_tokens[rows]
+    keep = (held.double() * keep_fraction).floor().to(torch.int64)
+    kept_slots = [manager.row_slots(int(r))[: int(k)].tolist() for r, k in zip(rows, keep)]
+    # a row of n tokens owns ceil(n / P) blocks: the difference goes back to the pool
+    expected_free = manager.num_free_blocks + int((-(-held // block_size) - -(-keep // block_size)).sum())
+    manager.truncate(rows, keep)
+    manager.assert_consistent()
+    assert manager.num_computed_tokens[rows].tolist() == keep.tolist()
+    assert manager.num_free_blocks == expected_free
+    assert [manager.row_slots(int(r)).tolist() for r in rows] == kept_slots     # kept tokens stay put
+    state = snapshot(manager)
+    with pytest.raises(ValueError, match="cannot truncate row"):
+        manager.truncate(rows[:1], held[:1] + 1 + keep[:1])
+    assert same(state, snapshot(manager))
+
+
+@settings(max_examples=100, deadline=None)
+@given(block_size=st.sampled_from([1, 2, 4]), shuffle=st.booleans(), before=grow, after=grow)
+def test_restore_rows_undoes_every_append_since_the_snapshot(block_size, shuffle, before, after):
+    manager = KVCacheManager(L, E, block_size, 200, shuffle_seed=1 if shuffle else None)
+    for op in before:
+        append_tokens(manager, *op)
+    for row in range(manager.num_computed_tokens.numel()):     # positions the in-order check will see
+        manager.last_position[row] = manager.num_computed_tokens[row] - 1
+    counts, positions = manager.num_computed_tokens.clone(), manager.last_position.clone()
+    sequences, num_free = sorted(manager.sequences), manager.num_free_blocks
+    owners = manager.block_owners()
+    taken = manager.snapshot_rows(range(3))
+    for op in after:                                           # may add sequences 0..2 that were absent
+        append_tokens(manager, *op)
+    manager.restore_rows(taken)
+    manager.assert_consistent()
+    assert sorted(manager.sequences) == sequences and manager.num_free_blocks == num_free
+    n = counts.numel()
+    assert torch.equal(manager.num_computed_tokens[:n], counts)
+    assert torch.equal(manager.last_position[:n], positions)
+    assert all(torch.equal(a, b) for a, b in zip(owners, manager.block_owners()))   # same blocks, same rows

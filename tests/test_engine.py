@@ -1,4 +1,4 @@
-"""The serving engine (issue 4): continuous batching, preemption, refusal.
+"""The serving engine: continuous batching, preemption, refusal.
 
 Equivalence: under a pool of 25% of the unconstrained peak, with preemption by recompute and by swap,
 every request finishes with exactly the tokens of generating it alone (greedy and sampled with its
@@ -74,7 +74,7 @@ def check_running_order(engine):
 def test_quarter_pool_serves_everything_as_if_alone(model, workload, alone, peak, mode, admission):
     config = SchedulerConfig(preemption_mode=mode, admission=admission)
     engine = LLMEngine(model, num_blocks=peak // 4, block_size=BLOCK_SIZE, scheduler_config=config,
-                       shuffle_seed=3)
+                       shuffle_seed=3, record_history=True)
     outputs = engine.generate(*workload)
     assert [o.token_ids for o in outputs] == alone
     assert all(r.status is RequestStatus.FINISHED for r in engine.requests.values())
@@ -128,7 +128,7 @@ def test_dense_attention_and_topk_routing_equal_alone():
 
 
 def test_a_request_that_cannot_fit_is_refused_and_the_others_are_served(model):
-    engine = LLMEngine(model, num_blocks=40, block_size=BLOCK_SIZE)
+    engine = LLMEngine(model, num_blocks=40, block_size=BLOCK_SIZE, record_history=True)
     first = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=5, temperature=0))
     with pytest.raises(ValueError, match=r"can never fit in the pool of 40 blocks.*the prompt alone"):
         engine.add_request([5] * 80, SamplingParams(max_new_tokens=10))
@@ -175,7 +175,7 @@ def test_bad_prompts_are_refused(model, prompt, match):
 def test_timeline_segments_and_demand_table(model):
     workload = make_workload(6, prompt_len=(2, 8), output_len=(4, 12), arrival_rate=0.5, seed=4, vocab_size=64)
     engine = LLMEngine(model, num_blocks=48, block_size=BLOCK_SIZE,
-                       scheduler_config=SchedulerConfig(admission="optimistic"))
+                       scheduler_config=SchedulerConfig(admission="optimistic"), record_history=True)
     result = run_workload(engine, workload)
     assert len(result.outputs) == 6 and not result.refused
     segments = request_segments(engine)

@@ -41,8 +41,10 @@ def serve_design(model: MoEKVTransformer, workload, design: str, num_blocks: int
     result = run_workload(engine, workload)
     stats = engine.stats()
     engine.memory.assert_no_leak()
+    served = bool(result.outputs) and stats.seconds > 0
     return {
-        "tokens_per_second": stats.num_generated_tokens / stats.seconds,
+        "tokens_per_second": stats.num_generated_tokens / stats.seconds if served else None,
+        "first_refusal": next(iter(result.refused.values()), None),
         "max_concurrent_sequences": stats.max_concurrent_sequences,
         "preemptions": stats.num_preemptions,
         "recomputed_tokens": stats.num_recomputed_tokens,
@@ -50,7 +52,7 @@ def serve_design(model: MoEKVTransformer, workload, design: str, num_blocks: int
         "generated_tokens": stats.num_generated_tokens,
         "seconds": stats.seconds,
         "peak_used_blocks": stats.peak_used_blocks,
-        "mean_concurrent_sequences": sum(s.num_running for s in engine.timeline) / max(1, len(engine.timeline)),
+        "mean_concurrent_sequences": stats.mean_concurrent_sequences,
         "refused": len(result.refused),
         "tokens": {i: out.token_ids for i, out in result.outputs.items()},
     }
@@ -78,6 +80,11 @@ def run_serving_benchmark(model: MoEKVTransformer, num_requests: int = 32, num_b
     finally:
         torch.set_num_threads(previous_threads)
     token_sets = [rows[d].pop("tokens") for d in designs]
+    for design, row in rows.items():
+        if row["tokens_per_second"] is None:
+            raise ValueError(f"every request was refused under {design}: {row.pop('first_refusal')} -- give "
+                             f"more blocks than {num_blocks} or shorter requests")
+        row.pop("first_refusal")
     same = all(t == token_sets[0] for t in token_sets[1:])
     kv_bytes = 2 * num_blocks * block_size * model.config.num_key_value_heads * model.config.head_dim * \
         next(model.parameters()).element_size()
@@ -129,8 +136,9 @@ QUICK = dict(num_requests=8, prompt_len=(8, 64), output_len=(8, 32), num_blocks=
 def build_parser(parser):
     from ..checkpoint import DEFAULT_CHECKPOINT
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--num-blocks", type=int, default=1024, help="the memory budget every design gets")
+    parser.add_argument("--num-requests", type=int, default=None, help="requests in the workload (default 32)")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="the memory budget every design gets (default 1024)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--routing", choices=["threshold", "topk"], default="threshold")
     parser.add_argument("--seed", type=int, default=0)
@@ -141,12 +149,22 @@ def build_parser(parser):
 
 def main(args) -> int:
     """Entry point of `python -m moekv_ref bench serving`."""
+    from ..cache.kv_cache_manager import check_block_size
     from ..checkpoint import load_checkpoint
     from ..config import get_config
+    if args.quick and (args.num_requests is not None or args.num_blocks is not None):
+        raise ValueError("--quick sets its own --num-requests and --num-blocks: give either --quick or those")
+    options = dict(QUICK) if args.quick else dict(
+        num_requests=32 if args.num_requests is None else args.num_requests,
+        num_blocks=1024 if args.num_blocks is None else args.num_blocks)
+    if options["num_requests"] < 1:
+        raise ValueError(f"--num-requests {options['num_requests']} must be at least 1")
+    if options["num_blocks"] < 1:
+        raise ValueError(f"--num-blocks {options['num_blocks']} must be at least 1")
+    check_block_size(args.block_size)
+    if args.seed < 0:
+        raise ValueError(f"--seed {args.seed} must be >= 0")
     model = load_checkpoint(args.checkpoint, get_config("tiny").with_routing(args.routing))
-    options = dict(num_requests=args.num_requests, num_blocks=args.num_blocks)
-    if args.quick:
-        options = dict(QUICK)
     report = run_serving_benchmark(model, block_size=args.block_size, seed=args.seed, **options)
     print(format_serving_report(report))
     if args.json:

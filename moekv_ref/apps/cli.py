@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import json
+import math
 import sys
 
 import torch
@@ -20,8 +21,10 @@ from ..engine import generate_with_engine
 from ..generate import CACHE_KINDS, generate
 from ..analysis import format_routing_statistics, heldout_text, routing_statistics
 from ..backends import BackendUnavailableError
+from ..cache.kv_cache_manager import check_block_size
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..config import ROUTINGS, get_config
+from ..prompts import check_prompt
 from ..report import cache_report, format_cache_report
 from ..sampling import SamplingParams
 from ..tokenizer import decode, encode
@@ -30,23 +33,38 @@ from . import bench_eviction, bench_memory, bench_parallel, bench_serving, demo,
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
+def _check_model_options(args) -> None:
+    """Options of every model command, checked before anything is loaded."""
+    if args.threshold is not None and args.routing != "threshold":
+        raise ValueError(f"--threshold applies to --routing threshold, not --routing {args.routing}")
+    if args.threshold is not None and not (math.isfinite(args.threshold) and 0 < args.threshold <= 1):
+        raise ValueError(f"--threshold {args.threshold} must be a probability mass in (0, 1]")
+
+
 def _load_model(args, backend: str = "torch"):
     config = get_config("tiny").with_routing(args.routing, args.threshold)
     return load_checkpoint(args.checkpoint, config, DTYPES[args.dtype], backend)
 
 
 def cmd_generate(args) -> int:
+    _check_model_options(args)
     if args.backend != "torch" and args.cache != "paged":
         raise ValueError(f"--backend {args.backend} runs on the paged cache: add --cache paged")
     if args.block_size is not None and args.cache != "paged":
         raise ValueError(f"--block-size applies to --cache paged, not --cache {args.cache}")
-    model = _load_model(args, args.backend)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens,
-                            temperature=0.0 if args.greedy else args.temperature,
+    if args.block_size is not None:
+        check_block_size(args.block_size)
+    if args.greedy and args.temperature is not None:
+        raise ValueError("--greedy and --temperature contradict each other: greedy is --temperature 0")
+    temperature = 0.0 if args.greedy else (0.8 if args.temperature is None else args.temperature)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
                             top_p=args.top_p, seed=args.seed)
     prompt = encode(args.prompt)
     if not prompt:
         raise ValueError("the prompt is empty: pass --prompt with at least one character")
+    limit = get_config("tiny").max_position_embeddings
+    check_prompt(prompt, 256, limit, args.max_new_tokens)            # before loading the model
+    model = _load_model(args, args.backend)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span tokens
 
     def stream(_, token):
@@ -75,6 +93,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_routing_stats(args) -> int:
+    _check_model_options(args)
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens} must be at least 1 (tokens of held-out text to route)")
     model = _load_model(args)
     stats = routing_statistics(model, heldout_text(), max_tokens=args.max_tokens)
     print(json.dumps(stats) if args.json else format_routing_statistics(stats))
@@ -104,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "Linux only, where triton has wheels)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
-    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0.8)")
     g.add_argument("--top-p", type=float, default=0.95)
     model_options(g)
     g.set_defaults(func=cmd_generate)

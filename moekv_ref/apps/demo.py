@@ -18,6 +18,7 @@ preempting.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def serve(model, workload, num_blocks: int, block_size: int = 16, preemption_mod
     """Serve `workload` on a fresh engine; returns (engine, WorkloadResult)."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              admission=admission, preemption_mode=preemption_mode)
-    engine = LLMEngine(model, num_blocks, block_size, config)
+    engine = LLMEngine(model, num_blocks, block_size, config, record_history=True)   # for the figures
     return engine, run_workload(engine, workload, on_step)
 
 
@@ -193,7 +194,20 @@ def main(args) -> int:
         torch.set_num_threads(previous_threads)
 
 
+def check_args(args) -> None:
+    """The demo's options, checked before anything runs."""
+    if args.num_requests < 1:
+        raise ValueError(f"--num-requests {args.num_requests} must be at least 1")
+    if args.num_blocks < 1:
+        raise ValueError(f"--num-blocks {args.num_blocks} must be at least 1")
+    if not (math.isfinite(args.arrival_rate) and args.arrival_rate > 0):
+        raise ValueError(f"--arrival-rate {args.arrival_rate} must be a finite number of requests per step > 0")
+    if args.seed < 0:
+        raise ValueError(f"--seed {args.seed} must be >= 0")
+
+
 def _run(args) -> int:
+    check_args(args)
     start = time.perf_counter()
     admissions = ["predicted", "optimistic"] if args.admission == "both" else [args.admission]
     summaries = {}

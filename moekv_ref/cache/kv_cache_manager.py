@@ -26,7 +26,8 @@ Invariants after every public call (checked by `assert_consistent`, driven by pr
   * a call that raises leaves the manager and the pool unchanged.
 
 The scheduler's questions have methods of their own (`num_free_blocks`, `num_blocks_needed`,
-`can_allocate`, `blocks_of_sequence`, `free`), so it never reaches into these tensors.
+`can_allocate`, `blocks_of_sequence`, `free`), so it never reaches into these tensors. `truncate`
+and `snapshot_rows` / `restore_rows` undo appends (a forward that failed half-way).
 """
 
 from __future__ import annotations
@@ -57,6 +58,17 @@ class SlotAllocation:
     """
     slot_mapping: torch.Tensor | None
     moves: Moves = field(default_factory=list)
+
+
+@dataclass
+class RowSnapshot:
+    """What `snapshot_rows` remembers: the rows of the sequences held then, their counts and last
+    positions, and the sequences asked about that were not held (added later, freed on restore)."""
+    seq_ids: list[int]
+    absent_seq_ids: list[int]
+    rows: torch.Tensor              # (r,) int64
+    num_tokens: torch.Tensor        # (r,) int64
+    last_positions: torch.Tensor    # (r,) int64
 
 
 def check_block_size(block_size) -> int:
@@ -328,6 +340,56 @@ class KVCacheManager:
         self.block_tables[rows] = self.pad
         self.last_position[rows] = -1
         return blocks.numel()
+
+    # ----- undoing appends -------------------------------------------------------------------------
+    def truncate(self, rows: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """Keep only the first num_tokens[i] tokens of rows[i]: blocks past ceil(num_tokens / P) go
+        back to the pool. What undoes the appends of a forward that failed half-way through its
+        layers. A row cut to 0 tokens forgets its last position; otherwise the caller restores it
+        (`restore_rows`), since the manager does not keep every token's position.
+
+        rows: (m,) distinct row ids; num_tokens: (m,) with 0 <= num_tokens <= the tokens held.
+        Raises ValueError, changing nothing, otherwise. Plain pages only: a design that keeps tails
+        outside the block tables (shared_tail_manager.py) must undo its moves as well."""
+        P = self.block_size
+        rows, keep = self._check_allocation(rows, num_tokens, rows_are_distinct=False)
+        if rows.numel() == 0:
+            return
+        if (rows < 0).any() or (rows >= self.num_computed_tokens.numel()).any():
+            raise ValueError(f"rows must be in [0, {self.num_computed_tokens.numel()})")
+        held = self.num_computed_tokens[rows]                                      # (m,)
+        if (keep > held).any():
+            i = int((keep > held).nonzero()[0])
+            raise ValueError(f"cannot truncate row {int(rows[i])} to {int(keep[i])} tokens: it holds "
+                             f"{int(held[i])}")
+        column = torch.arange(self.block_tables.shape[1])                         # (W,)
+        cut = (column >= ceil_div(keep, P)[:, None]) & (column < ceil_div(held, P)[:, None])   # (m, W)
+        tables = self.block_tables[rows]                                           # (m, W)
+        self.pool.free(tables[cut].to(torch.int64))
+        tables[cut] = self.pad
+        self.block_tables[rows] = tables
+        self.num_computed_tokens[rows] = keep
+        self.last_position[rows[keep == 0]] = -1
+
+    def snapshot_rows(self, seq_ids) -> "RowSnapshot":
+        """Remember the token counts and last positions of every row of these sequences (and which of
+        them the manager does not hold yet), so that `restore_rows` can undo later appends."""
+        seq_ids = sorted({int(s) for s in seq_ids})
+        held = [s for s in seq_ids if s in self._seq_index]
+        slots = torch.tensor([self._seq_index[s] for s in held], dtype=torch.int64)
+        rows = self.sequence_rows(slots).reshape(-1)                               # (h * L * E,)
+        return RowSnapshot(held, [s for s in seq_ids if s not in self._seq_index], rows,
+                           self.num_computed_tokens[rows].clone(), self.last_position[rows].clone())
+
+    def restore_rows(self, snapshot: "RowSnapshot") -> None:
+        """Undo every append to the snapshot's sequences since it was taken: sequences added since are
+        freed, the others are truncated back to their counts and positions. Valid only while those
+        sequences have not been freed or re-added in between."""
+        for seq_id in snapshot.absent_seq_ids:
+            if seq_id in self._seq_index:
+                self.free(seq_id)
+        self.truncate(snapshot.rows, snapshot.num_tokens)
+        self.last_position[snapshot.rows] = snapshot.last_positions
 
     # ----- growth of the bookkeeping tensors ------------------------------------------------------
     def _grow_rows(self) -> None:

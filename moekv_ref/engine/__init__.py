@@ -11,8 +11,8 @@
     baselines.py     the benchmark's baselines as batching policies: continuous_reserved, static
     scheduler.py     Scheduler: the paged loop over integers (reserve, preempt, admit), SchedulerOutput
     model_runner.py  ModelRunner: the swap copies, then one forward_cached over the flat ragged batch
-    engine.py        LLMEngine: add_request / step / generate, timeline and statistics;
-                     generate_with_engine (what `generate --cache paged` runs)
+    engine.py        LLMEngine: add_request / step / abort_request / generate; failed steps undone;
+                     statistics (history opt-in); generate_with_engine (`generate --cache paged`)
     workload.py      workloads with arrivals, and running one through an engine
     device_demand.py     the worst cases of demand.py, device by device
     device_memory.py     DeviceMemoryView: free and held blocks per device, rows' last use

@@ -10,8 +10,10 @@ served is checked in `add_request` before any state changes: a bad prompt, bad s
 a request that might not fit the pool even alone is refused there with a ValueError, and the requests
 already in the engine are untouched.
 
-The engine records, per step, the pool's use and the scheduler's decisions (`timeline`, `events`),
-which the demo, the notebook and the serving benchmark turn into figures and tables.
+With `record_history=True` the engine records, per step, the pool's use and the scheduler's
+decisions (`timeline`, `events`) and keeps finished requests, which the demo, the notebook and the
+tests turn into figures and tables. Without it, a finished request is handed out (its RequestOutput)
+and forgotten, and `stats()` is kept in counters: memory stays flat however many requests it serves.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from typing import Callable
 
 import torch
 
-from ..cache.paged import PagedKVCache
+from ..cache.kv_cache_manager import check_block_size
+from ..cache.paged import ATTENTION_PATHS, PagedKVCache
 from ..model import MoEKVTransformer
+from ..prompts import check_prompt
 from ..results import GenerationResult
 from ..sampling import SamplingParams, sample_next
 from .demand import worst_case_lifetime_blocks
@@ -53,7 +57,7 @@ class StepRecord:
 class RequestEvent:
     step: int
     request_id: int
-    kind: str                   # "arrived", "admitted", "preempted", "resumed", "finished"
+    kind: str                   # "arrived", "admitted", "preempted", "resumed", "finished", "aborted", "failed"
 
 
 @dataclass
@@ -62,16 +66,28 @@ class EngineStats:
     num_admitted: int
     num_preemptions: int
     num_resumed: int
-    num_finished: int
+    num_finished: int           # served to the end (finish_reason "length")
     num_recomputed_tokens: int
     num_swapped_out_blocks: int
     num_generated_tokens: int
     max_concurrent_sequences: int
     peak_used_blocks: int
     seconds: float
+    mean_concurrent_sequences: float = 0.0   # over every recorded step, idle ones included
+    num_aborted: int = 0
+    num_failed: int = 0         # finished with finish_reason "error"
+    num_failed_steps: int = 0   # steps whose forward (or block copies) raised and were undone
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _check_int(name: str, value, minimum: int | None = None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ValueError(f"{name}={value!r} must be an integer{bound}" + (" (or None)" if allow_none else ""))
 
 
 class LLMEngine:
@@ -81,12 +97,35 @@ class LLMEngine:
     swap, none otherwise).
     attention: the paged cache's attention path (see PagedKVCache); None follows the model's
     backend: "triton" for a model built on the Triton backend, else "batched".
+    record_history: keep every request after it finished (`requests`), the per-step `timeline` and
+    the request `events`, for figures and tables of one run. Off by default: a long-running engine
+    then holds only its unfinished requests, and memory does not grow with the requests served.
+
+    Faults: a step whose forward raises (out of memory in some layer, an interrupt) is undone -- the
+    K/V earlier layers appended are truncated away -- and the exception propagates; stepping on
+    runs the same tokens again. A request whose own sampling fails finishes with finish_reason
+    "error" and the others go on. `abort_request` takes a request out from any state.
     """
 
     def __init__(self, model: MoEKVTransformer, num_blocks: int, block_size: int = 16,
                  scheduler_config: SchedulerConfig | None = None, num_swap_blocks: int | None = None,
-                 shuffle_seed: int | None = None, attention: str | None = None):
+                 shuffle_seed: int | None = None, attention: str | None = None, record_history: bool = False):
+        if not isinstance(model, MoEKVTransformer):
+            raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
+        _check_int("num_blocks", num_blocks, 1)
+        check_block_size(block_size)
+        if scheduler_config is not None and not isinstance(scheduler_config, SchedulerConfig):
+            raise ValueError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
         scheduler_config = scheduler_config or SchedulerConfig()
+        _check_int("num_swap_blocks", num_swap_blocks, 0, allow_none=True)
+        if num_swap_blocks and scheduler_config.preemption_mode != "swap":
+            raise ValueError(f"num_swap_blocks={num_swap_blocks} applies to preemption_mode='swap', not "
+                             f"{scheduler_config.preemption_mode!r}")
+        _check_int("shuffle_seed", shuffle_seed, 0, allow_none=True)
+        if attention is not None and attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS} (or None)")
+        if not isinstance(record_history, bool):
+            raise ValueError(f"record_history={record_history!r} must be True or False")
         if num_swap_blocks is None:
             num_swap_blocks = num_blocks if scheduler_config.preemption_mode == "swap" else 0
         self.model = model
@@ -96,12 +135,17 @@ class LLMEngine:
         self.memory = self.scheduler.memory          # read-only: the pool and the swap space
         self.predictor = self.scheduler.predictor
         self.runner = ModelRunner(model, self.cache, num_swap_blocks)
-        self.requests: dict[int, Request] = {}
+        self.record_history = record_history
+        self.requests: dict[int, Request] = {}       # unfinished ones (and finished, with history)
         self.step_count = 0
-        self.timeline: list[StepRecord] = []
-        self.events: list[RequestEvent] = []
+        self.timeline: list[StepRecord] = []         # with record_history only
+        self.events: list[RequestEvent] = []         # with record_history only
         self._next_request_id = 0
         self._seconds = 0.0
+        self._generating: dict[int, RequestOutput] | None = None    # outputs, while generate() runs
+        self._counts = dict.fromkeys(("admitted", "resumed", "finished", "aborted", "failed",
+                                      "generated_tokens", "failed_steps", "running_sum", "records",
+                                      "max_running", "peak_used"), 0)
 
     def _make_cache(self, num_blocks: int, block_size: int, shuffle_seed, attention) -> PagedKVCache:
         """The paged cache (one pool); an engine over per-device pools makes its own."""
@@ -115,92 +159,174 @@ class LLMEngine:
     # ----- requests in ------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], sampling_params: SamplingParams | dict | None = None) -> int:
         """Queue a request; returns its id. Raises ValueError, changing nothing, for an empty prompt,
-        token ids outside the vocabulary, invalid sampling parameters, a generation past the model's
-        positions, or a request that might not fit the pool even alone."""
+        token ids that are not integers of the vocabulary, invalid sampling parameters, a generation
+        past the model's positions, or a request that might not fit the pool even alone."""
         params = self._checked_params(sampling_params)
         prompt = self._checked_prompt(prompt, params.max_new_tokens)
         self.scheduler.check_fits_alone(len(prompt), params.max_new_tokens)
+        return self._queue(prompt, params)
+
+    def _queue(self, prompt: list[int], params: SamplingParams) -> int:
         request = Request(self._next_request_id, prompt, params, arrival_step=self.step_count)
         self._next_request_id += 1
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
-        self.events.append(RequestEvent(self.step_count, request.request_id, "arrived"))
+        self._event(self.step_count, request.request_id, "arrived")
         return request.request_id
 
     @staticmethod
-    def _checked_params(sampling_params) -> SamplingParams:
+    def _checked_params(sampling_params, name: str = "sampling_params") -> SamplingParams:
         if sampling_params is None:
             return SamplingParams()
         if isinstance(sampling_params, dict):
-            return SamplingParams(**sampling_params)                   # validates
+            try:
+                return SamplingParams(**sampling_params)                   # validates
+            except TypeError as error:                                     # an unknown key
+                raise ValueError(f"{name}: {error}; allowed keys: "
+                                 f"{[f.name for f in dataclasses.fields(SamplingParams)]}") from None
         if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams or a dict, got "
+            raise ValueError(f"{name} must be a SamplingParams or a dict, got "
                              f"{type(sampling_params).__name__}")
         # validate again: a frozen dataclass can still be forced into a bad state
         return SamplingParams(**dataclasses.asdict(sampling_params))
 
-    def _checked_prompt(self, prompt, max_new_tokens: int) -> list[int]:
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        prompt = list(prompt)
-        if not prompt:
-            raise ValueError("the prompt is empty: a request needs at least one token")
-        vocab = self.config.vocab_size
-        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token {bad[0]!r} is not an integer in [0, {vocab})")
-        limit = self.config.max_position_embeddings
-        if len(prompt) + max_new_tokens - 1 > limit:
-            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} would pass "
-                             f"max_position_embeddings={limit}; ask for at most "
-                             f"{limit - len(prompt) + 1} new tokens")
-        return prompt
+    def _checked_prompt(self, prompt, max_new_tokens: int, name: str = "the prompt") -> list[int]:
+        return check_prompt(prompt, self.config.vocab_size, self.config.max_position_embeddings,
+                            max_new_tokens, name)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
+    # ----- requests out -------------------------------------------------------------------------------
+    def abort_request(self, request_id: int) -> RequestOutput | None:
+        """Stop a request, from any state: its device blocks and swap blocks go back now. Returns
+        its output so far (finish_reason "aborted"), or None if it had already finished. Raises
+        ValueError for an id this engine never gave out."""
+        if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id < self._next_request_id:
+            raise ValueError(f"request_id={request_id!r} is not a request of this engine (ids 0.."
+                             f"{self._next_request_id - 1} were given out)")
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        self.scheduler.abort(request, self.step_count)
+        self._count_finished(request, self.step_count)
+        return self._hand_out(request)
+
+    def _hand_out(self, request: Request) -> RequestOutput:
+        """The output of a finished request; without history, the engine forgets the request."""
+        output = RequestOutput.from_request(request)
+        if not self.record_history:
+            del self.requests[request.request_id]
+        if self._generating is not None:            # generate() collects what it asked for
+            self._generating[request.request_id] = output
+        return output
+
+    def _count_finished(self, request: Request, step: int) -> None:
+        kind = {"length": "finished", "aborted": "aborted", "error": "failed"}[request.finish_reason]
+        self._counts[kind] += 1
+        self._event(step, request.request_id, kind)
+
+    def _event(self, step: int, request_id: int, kind: str) -> None:
+        if kind in ("admitted", "resumed"):
+            self._counts[kind] += 1
+        if self.record_history:
+            self.events.append(RequestEvent(step, request_id, kind))
+
     # ----- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample. Returns the requests that finished in this step."""
+        """Schedule, run one forward, sample. Returns the requests that finished in this step (served
+        to the end, or failed in their own sampling).
+
+        If the block copies or the forward raise, the step is undone (the K/V appended by the
+        layers that ran are truncated away; sequences whose copies may be incomplete recompute), the
+        step is counted, and the exception propagates: stepping on continues correctly."""
         start = time.perf_counter()
         step = self.step_count
         decision = self.scheduler.schedule(step)
-        self.events += [RequestEvent(step, r.request_id, kind) for kind, r in decision.events]
+        for kind, request in decision.events:
+            self._event(step, request.request_id, kind)
         finished: list[RequestOutput] = []
         num_running, used_blocks = len(self.scheduler.running), self.memory.num_used_blocks
         scheduled_used = used_blocks
-        result = self.runner.execute(decision)                 # swap copies first, then the forward
-        if decision.scheduled:
-            used_blocks = self.memory.num_used_blocks           # the peak of the step: before finishing
-            sampled = {}
-            for item, logits in zip(decision.scheduled, result.last_logits):
-                if item.samples:
-                    request = item.request
-                    sampled[request.request_id] = sample_next(logits, request.sampling_params, request.generator)
-            for request in self.scheduler.update_from_output(decision, sampled, result.entries_per_layer):
-                self.events.append(RequestEvent(step, request.request_id, "finished"))
-                finished.append(RequestOutput.from_request(request))
-        elif self.scheduler.has_unfinished:
+        if not decision.scheduled and not decision.block_copies and self.scheduler.has_unfinished:
             raise RuntimeError(f"step {step}: nothing could be scheduled with {len(self.scheduler.waiting)} "
                                f"waiting and {len(self.scheduler.running)} running requests")
-        seconds = time.perf_counter() - start
-        self._seconds += seconds
-        self._record(step, decision.num_scheduled_tokens, decision.reserved_blocks, seconds,
-                     num_running, used_blocks, scheduled_used)
-        self.step_count += 1
+        try:
+            result, sampled, failed = self._run(decision)
+        except BaseException:
+            self._counts["failed_steps"] += 1
+            self._end_step(step, 0, 0, start, num_running, self.memory.num_used_blocks, scheduled_used)
+            raise
+        if result is not None:
+            used_blocks = self.memory.num_used_blocks           # the peak of the step: before finishing
+            done = self.scheduler.update_from_output(decision, sampled, result.entries_per_layer, failed)
+            self._counts["generated_tokens"] += sum(
+                1 for item in decision.scheduled
+                if item.request.request_id in sampled
+                and len(item.request.output_token_ids) <= item.request.max_new_tokens)
+            for request in done:
+                self._count_finished(request, step)
+                finished.append(self._hand_out(request))
+        self._end_step(step, decision.num_scheduled_tokens, decision.reserved_blocks, start, num_running,
+                       used_blocks, scheduled_used)
         return finished
+
+    def _run(self, decision):
+        """Copies, forward and sampling of one step; undoes the copies' and forward's effects on the
+        cache if they raise. Returns (runner output or None, sampled tokens, failed requests)."""
+        try:
+            self.runner.copy_blocks(decision.block_copies)
+        except BaseException:
+            self.scheduler.recover_from_failed_copies(decision)
+            raise
+        if not decision.scheduled:
+            return None, {}, {}
+        manager = self.cache.manager
+        snapshot = manager.snapshot_rows([item.request.request_id for item in decision.scheduled])
+        states = {}
+        try:
+            result = self.runner.forward(decision.scheduled)
+            sampled, failed = {}, {}
+            for item, logits in zip(decision.scheduled, result.last_logits):
+                if not item.samples:
+                    continue
+                request = item.request
+                states[request.request_id] = (request.generator, request.generator.get_state())
+                try:
+                    sampled[request.request_id] = sample_next(logits, request.sampling_params, request.generator)
+                except Exception as error:          # this request's own failure: it alone finishes
+                    failed[request.request_id] = f"sampling failed: {type(error).__name__}: {error}"
+        except BaseException:
+            manager.restore_rows(snapshot)
+            for generator, state in states.values():
+                generator.set_state(state)          # a token sampled before the fault is drawn again
+            raise
+        return result, sampled, failed
 
     def idle_step(self) -> None:
         """Let a step of time pass with nothing to run (requests have not arrived yet)."""
         self._record(self.step_count, 0, 0, 0.0)
         self.step_count += 1
 
+    def _end_step(self, step, num_tokens, reserved, start, num_running, used_blocks, scheduled_used) -> None:
+        seconds = time.perf_counter() - start
+        self._seconds += seconds
+        self._record(step, num_tokens, reserved, seconds, num_running, used_blocks, scheduled_used)
+        self.step_count += 1
+
     def _record(self, step, num_tokens, reserved, seconds, num_running=None, used_blocks=None,
                 scheduled_used=None) -> None:
-        waiting = self.scheduler.waiting
-        num_preempted = sum(r.status is RequestStatus.PREEMPTED for r in waiting)
         num_running = len(self.scheduler.running) if num_running is None else num_running
         used_blocks = self.memory.num_used_blocks if used_blocks is None else used_blocks
+        counts = self._counts
+        counts["records"] += 1
+        counts["running_sum"] += num_running
+        counts["max_running"] = max(counts["max_running"], num_running)
+        counts["peak_used"] = max(counts["peak_used"], used_blocks)
+        if not self.record_history:
+            return
+        waiting = self.scheduler.waiting
+        num_preempted = sum(r.status is RequestStatus.PREEMPTED for r in waiting)
         scheduled_used = used_blocks if scheduled_used is None else scheduled_used
         self.timeline.append(StepRecord(step, num_running, len(waiting) - num_preempted, num_preempted,
                                         num_tokens, used_blocks, scheduled_used, reserved,
@@ -210,36 +336,61 @@ class LLMEngine:
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | list | None = None,
                  on_step: Callable[["LLMEngine"], None] | None = None) -> list[RequestOutput]:
         """Serve every prompt to the end; outputs in the order of `prompts`. Every prompt and its
-        parameters are checked before the first is queued, so a bad one leaves the engine unchanged."""
-        per_prompt = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
+        parameters are checked before the first is queued, so a bad one leaves the engine unchanged.
+        If anything interrupts it (KeyboardInterrupt, or a step that raises), the requests it added
+        that have not finished are aborted, freeing their memory, and the exception propagates."""
+        if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
+        if not prompts:
+            raise ValueError("no prompts given: pass a list of at least one prompt")
+        if isinstance(sampling_params, (list, tuple)):
+            per_prompt = list(sampling_params)
+            if len(per_prompt) != len(prompts):
+                raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
+        else:
+            per_prompt = [sampling_params] * len(prompts)
         checked = []
-        for prompt, params in zip(prompts, per_prompt):
-            params = self._checked_params(params)
-            checked.append((self._checked_prompt(prompt, params.max_new_tokens), params))
-            self.scheduler.check_fits_alone(len(checked[-1][0]), params.max_new_tokens)
-        ids = [self.add_request(prompt, params) for prompt, params in checked]
-        while self.has_unfinished_requests():
-            self.step()
-            if on_step is not None:
-                on_step(self)
-        return [RequestOutput.from_request(self.requests[i]) for i in ids]
+        for i, (prompt, params) in enumerate(zip(prompts, per_prompt)):
+            params = self._checked_params(params, f"sampling_params[{i}]")
+            prompt = self._checked_prompt(prompt, params.max_new_tokens, f"prompt {i}")
+            self.scheduler.check_fits_alone(len(prompt), params.max_new_tokens)
+            checked.append((prompt, params))
+        ids = [self._queue(prompt, params) for prompt, params in checked]
+        outputs: dict[int, RequestOutput] = {}
+        self._generating = outputs       # every request handed out while it runs, aborted ones too
+        try:
+            while self.has_unfinished_requests():
+                self.step()
+                if on_step is not None:
+                    on_step(self)
+        except BaseException:
+            for request_id in ids:
+                if request_id not in outputs:
+                    self.abort_request(request_id)
+            raise
+        finally:
+            self._generating = None
+        return [outputs[i] for i in ids]
 
     def stats(self) -> EngineStats:
-        kinds = [e.kind for e in self.events]
+        """Totals so far, in O(1): counters kept as the engine runs, not a scan of its history."""
+        counts = self._counts
         return EngineStats(
             num_steps=self.step_count,
-            num_admitted=kinds.count("admitted"),
+            num_admitted=counts["admitted"],
             num_preemptions=self.scheduler.num_preemptions,
-            num_resumed=kinds.count("resumed"),
-            num_finished=kinds.count("finished"),
+            num_resumed=counts["resumed"],
+            num_finished=counts["finished"],
             num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
             num_swapped_out_blocks=self.scheduler.num_swapped_out_blocks,
-            num_generated_tokens=sum(len(r.generated_token_ids) for r in self.requests.values()),
-            max_concurrent_sequences=max((s.num_running for s in self.timeline), default=0),
-            peak_used_blocks=max((s.used_blocks for s in self.timeline), default=0),
+            num_generated_tokens=counts["generated_tokens"],
+            max_concurrent_sequences=counts["max_running"],
+            peak_used_blocks=counts["peak_used"],
             seconds=self._seconds,
+            mean_concurrent_sequences=counts["running_sum"] / max(1, counts["records"]),
+            num_aborted=counts["aborted"],
+            num_failed=counts["failed"],
+            num_failed_steps=counts["failed_steps"],
         )
 
 
@@ -250,14 +401,25 @@ def generate_with_engine(model: MoEKVTransformer, prompts: list[list[int]], para
     (tokens, and the (B, L, E) tokens each row held when its request finished), produced by
     continuous batching over the paged pool. Without num_blocks the pool holds every prompt's
     worst case at once, so nothing is preempted; give fewer to watch preemption keep the tokens."""
-    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-    if num_blocks is None:
-        c = model.config
+    if not isinstance(model, MoEKVTransformer):
+        raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
+    check_block_size(block_size)
+    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts (lists of token ids)")
+    per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(per_prompt) != len(prompts):
+        raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
+    per_prompt = [LLMEngine._checked_params(q, f"params[{i}]") for i, q in enumerate(per_prompt)]
+    c = model.config
+    prompts = [check_prompt(p, c.vocab_size, c.max_position_embeddings, q.max_new_tokens, f"prompt {i}")
+               for i, (p, q) in enumerate(zip(prompts, per_prompt))]
+    if num_blocks is None:      # sized from the prompts given: every one's worst case at once
         num_blocks = sum(worst_case_lifetime_blocks(len(p) + q.max_new_tokens - 1, c.num_hidden_layers,
                                                     c.num_attention_experts, c.num_attention_experts_per_tok,
                                                     block_size) for p, q in zip(prompts, per_prompt))
         num_blocks = max(num_blocks, c.num_hidden_layers * c.num_attention_experts_per_tok)
-    engine = LLMEngine(model, num_blocks, block_size, scheduler_config, shuffle_seed=shuffle_seed)
+    engine = LLMEngine(model, num_blocks, block_size, scheduler_config, shuffle_seed=shuffle_seed,
+                       record_history=True)
     streamed = [0] * len(prompts)
 
     def stream(engine):

@@ -92,14 +92,16 @@ class ModelRunner:
             else:
                 raise ValueError(f"unknown block copy direction {copy.direction!r}")
 
-    @torch.no_grad()
     def execute(self, decision) -> RunnerOutput | None:
         """decision: a SchedulerOutput. Copies its blocks, then runs its scheduled requests (None if
         it scheduled none)."""
         self.copy_blocks(decision.block_copies)
-        if not decision.scheduled:
-            return None
-        batch = flatten_batch(decision.scheduled)
+        return self.forward(decision.scheduled) if decision.scheduled else None
+
+    @torch.no_grad()
+    def forward(self, scheduled) -> RunnerOutput:
+        """One forward_cached over the scheduled requests (ScheduledRequest list, batch order)."""
+        batch = flatten_batch(scheduled)
         device = self.device
         output = self.model.forward_cached(torch.tensor(batch.token_ids, device=device),
                                            torch.tensor(batch.seq_ids, device=device),

@@ -1,9 +1,12 @@
 """A request and the states it moves through.
 
-    add_request ──> WAITING ──admit──> RUNNING ──last token──> FINISHED
+    add_request ──> WAITING ──admit──> RUNNING ──last token──> FINISHED (finish_reason "length")
                        ^                  │
                        └──── PREEMPTED <──┘ preempt (recompute: blocks freed; swap: blocks copied
                               (resume)               to the CPU swap space, then freed)
+
+    from any unfinished state: abort ──> FINISHED ("aborted"); its own sampling fails ──> FINISHED
+    ("error", with the reason). Either way its blocks and swap blocks go back at once.
 
 Token bookkeeping (vLLM v1's): `all_token_ids` = prompt + generated tokens; `num_computed_tokens`
 of them have K/V in the cache. A step runs the next `all_token_ids[num_computed_tokens:]` (the whole
@@ -53,6 +56,8 @@ class Request:
     num_recomputed_tokens: int = 0
     first_scheduled_step: int | None = None
     finished_step: int | None = None
+    finish_reason: str | None = None      # "length" (all its tokens), "aborted", or "error"
+    error: str | None = None              # why, when finish_reason is "error"
 
     def __post_init__(self):
         self.generator: torch.Generator = self.sampling_params.generator()
@@ -98,8 +103,11 @@ class RequestOutput:
     num_preemptions: int
     predicted_blocks: int | None
     actual_blocks: int | None
+    finish_reason: str | None = None      # "length", "aborted", "error"; None while unfinished
+    error: str | None = None
 
     @classmethod
     def from_request(cls, request: Request) -> "RequestOutput":
         return cls(request.request_id, request.prompt_token_ids, request.generated_token_ids,
-                   request.num_preemptions, request.predicted_blocks, request.actual_blocks)
+                   request.num_preemptions, request.predicted_blocks, request.actual_blocks,
+                   request.finish_reason, request.error)

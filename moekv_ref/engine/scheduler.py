@@ -137,6 +137,8 @@ class SchedulerOutput:
     admitted: list[Request] = field(default_factory=list)     # first time running
     resumed: list[Request] = field(default_factory=list)      # running again after a preemption
     preempted: list[Request] = field(default_factory=list)
+    swapped_out: list[Request] = field(default_factory=list)  # preempted by swap (a SWAP_OUT copy each)
+    swapped_in: list[Request] = field(default_factory=list)   # resumed from swap (a SWAP_IN copy each)
     freed: list[int] = field(default_factory=list)            # sequences whose blocks went back
     events: list[tuple[str, Request]] = field(default_factory=list)   # admitted/resumed/preempted, in order
 
@@ -160,6 +162,17 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape,
                  num_swap_blocks: int = 0):
+        if not isinstance(config, SchedulerConfig):
+            raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        if not isinstance(manager, KVCacheManager) or not isinstance(shape, ModelShape):
+            raise ValueError("manager must be a KVCacheManager and shape a ModelShape")
+        if (manager.num_layers, manager.num_experts, manager.block_size) != (
+                shape.num_layers, shape.num_experts, shape.block_size):
+            raise ValueError(f"the manager's (layers, experts, block size) = ({manager.num_layers}, "
+                             f"{manager.num_experts}, {manager.block_size}) differ from the shape's "
+                             f"({shape.num_layers}, {shape.num_experts}, {shape.block_size})")
+        if not isinstance(num_swap_blocks, int) or isinstance(num_swap_blocks, bool) or num_swap_blocks < 0:
+            raise ValueError(f"num_swap_blocks={num_swap_blocks!r} must be an integer >= 0")
         if config.preemption_mode == "swap" and not num_swap_blocks:
             raise ValueError("preemption_mode='swap' needs a swap space: give the engine num_swap_blocks > 0")
         self.config = config
@@ -250,6 +263,7 @@ class Scheduler:
         request = self.waiting.popleft()
         if request.swapped:
             out.block_copies.append(self.swap_space.swap_in(request.request_id))
+            out.swapped_in.append(request)
             request.swapped = False
         if request.status is RequestStatus.PREEMPTED:
             out.resumed.append(request)
@@ -286,15 +300,14 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and holds and self.swap_space.can_swap_out(seq_id):
             copy = self.swap_space.swap_out(seq_id)
             out.block_copies.append(copy)
+            out.swapped_out.append(request)
             self.num_swapped_out_blocks += copy.source.numel()
             request.swapped = True
         else:  # recompute (or the swap space is full): forget the K/V, re-run every token later
             if holds:
                 self.manager.free(seq_id)
                 out.freed.append(seq_id)
-            request.num_recomputed_tokens += request.num_computed_tokens
-            self.num_recomputed_tokens += request.num_computed_tokens
-            request.num_computed_tokens = 0
+            self._forget_computed(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -302,20 +315,33 @@ class Scheduler:
         out.preempted.append(request)
         out.events.append(("preempted", request))
 
+    def _forget_computed(self, request: Request) -> None:
+        """The request's K/V are gone: every token it has runs again (recompute)."""
+        request.num_recomputed_tokens += request.num_computed_tokens
+        self.num_recomputed_tokens += request.num_computed_tokens
+        request.num_computed_tokens = 0
+
     # ----- after the forward ----------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[int, int],
-                           entries_per_layer: torch.Tensor | None = None) -> list[Request]:
+                           entries_per_layer: torch.Tensor | None = None,
+                           failed: dict[int, str] | None = None) -> list[Request]:
         """Account for the step that ran `out`: every scheduled request computed its tokens; those
         that sampled get their token (sampled_token_ids: request id -> token); a request that reached
         its last token finishes and its blocks go back to the pool. entries_per_layer (L,): experts
-        the routers chose, summed over the step's tokens, for the demand predictor. Returns the
-        requests that finished, in batch order."""
+        the routers chose, summed over the step's tokens, for the demand predictor. failed: request
+        id -> reason, for requests whose own part of the step failed (their sampling): they finish
+        with finish_reason "error". Returns the requests that finished, in batch order."""
+        failed = failed or {}
         if entries_per_layer is not None:
             self.predictor.observe(entries_per_layer, out.num_scheduled_tokens)
         finished = []
         for item in out.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_tokens
+            if request.request_id in failed:
+                self.finish(request, out.step, "error", failed[request.request_id])
+                finished.append(request)
+                continue
             if not item.samples:
                 continue                           # a prefill chunk: more of it next step
             request.output_token_ids.append(int(sampled_token_ids[request.request_id]))
@@ -324,13 +350,41 @@ class Scheduler:
                 finished.append(request)
         return finished
 
-    def finish(self, request: Request, step: int) -> None:
+    def finish(self, request: Request, step: int, reason: str = "length", error: str | None = None) -> None:
+        """The request leaves: its device blocks (and any swap blocks) go back, now."""
         seq_id = request.request_id
         request.actual_blocks = self.memory.num_blocks_held(seq_id)
         request.final_token_counts = self.memory.token_counts([seq_id])[0]
         if self.memory.holds(seq_id):
             self.manager.free(seq_id)
+        if request.swapped:
+            self.swap_space.discard(seq_id)
+            request.swapped = False
         self.batching.release(request)
         request.status = RequestStatus.FINISHED
+        request.finish_reason, request.error = reason, error
         request.finished_step = step
-        self.running.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+
+    def abort(self, request: Request, step: int) -> None:
+        """Take an unfinished request out, from any state, freeing its blocks and swap space now."""
+        if request.status is RequestStatus.FINISHED:
+            raise ValueError(f"request {request.request_id} has already finished")
+        self.finish(request, step, "aborted")
+
+    def recover_from_failed_copies(self, out: SchedulerOutput) -> None:
+        """The step's block copies raised part-way: the K/V of every sequence they moved may be
+        incomplete. Those sequences keep no K/V and recompute: a swapped-out one drops its host
+        blocks, a swapped-in one its device blocks."""
+        for request in out.swapped_out:
+            if request.swapped:
+                self.swap_space.discard(request.request_id)
+                request.swapped = False
+                self._forget_computed(request)
+        for request in out.swapped_in:
+            if request.status is RequestStatus.RUNNING and self.memory.holds(request.request_id):
+                self.manager.free(request.request_id)
+                self._forget_computed(request)

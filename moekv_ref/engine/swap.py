@@ -100,3 +100,10 @@ class SwapSpace:
         self.pool.free(saved.host_block_ids)
         del self.swapped[seq_id]
         return BlockCopy(SWAP_IN, saved.host_block_ids, device_blocks)
+
+    def discard(self, seq_id: int) -> int:
+        """Forget a swapped sequence without bringing it back (it was aborted, or its copy out
+        failed): its host blocks go back to the pool. Returns how many."""
+        saved = self.swapped.pop(seq_id)
+        self.pool.free(saved.host_block_ids)
+        return saved.host_block_ids.numel()

@@ -97,13 +97,23 @@ def make_workload(num_requests: int = 24, prompt_len: tuple[int, int] = (8, 192)
     """`num_requests` requests, prompt and output lengths log-uniform in the given ranges, Poisson
     arrivals of `arrival_rate` per step (None: all at step 0). Request i samples with seed seed + i.
     Token ids are bytes, folded modulo `vocab_size` for models with a smaller vocabulary (tests)."""
-    if num_requests < 1:
-        raise ValueError(f"num_requests={num_requests} must be >= 1")
-    for name, (low, high) in (("prompt_len", prompt_len), ("output_len", output_len)):
-        if not 1 <= low <= high:
-            raise ValueError(f"{name}={(low, high)} must satisfy 1 <= low <= high")
-    if arrival_rate is not None and not arrival_rate > 0:
-        raise ValueError(f"arrival_rate={arrival_rate!r} must be > 0 requests per step (or None)")
+    def is_int(value):
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not is_int(num_requests) or num_requests < 1:
+        raise ValueError(f"num_requests={num_requests!r} must be an integer >= 1")
+    for name, bounds in (("prompt_len", prompt_len), ("output_len", output_len)):
+        if not (isinstance(bounds, (tuple, list)) and len(bounds) == 2 and all(map(is_int, bounds))
+                and 1 <= bounds[0] <= bounds[1]):
+            raise ValueError(f"{name}={bounds!r} must be two integers (low, high) with 1 <= low <= high")
+    if arrival_rate is not None and not (isinstance(arrival_rate, (int, float)) and not isinstance(arrival_rate, bool)
+                                         and math.isfinite(arrival_rate) and arrival_rate > 0):
+        raise ValueError(f"arrival_rate={arrival_rate!r} must be a finite number > 0 of requests per step (or None)")
+    if not is_int(seed) or seed < 0:
+        raise ValueError(f"seed={seed!r} must be an integer >= 0")
+    if not is_int(vocab_size) or vocab_size < 1:
+        raise ValueError(f"vocab_size={vocab_size!r} must be an integer >= 1")
+    SamplingParams(temperature=temperature, top_p=top_p)          # checks both before any work
     text = [t % vocab_size for t in encode(PROMPT_TEXT)]
     generator = torch.Generator().manual_seed(seed)
     requests, clock = [], 0.0
@@ -131,6 +141,7 @@ def run_workload(engine: LLMEngine, workload: list[WorkloadRequest],
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_step)
     ids: dict[int, int] = {}
     refused: dict[int, str] = {}
+    finished: dict[int, RequestOutput] = {}                    # by request id
     next_index = 0
     while next_index < len(order) or engine.has_unfinished_requests():
         while next_index < len(order) and workload[order[next_index]].arrival_step <= engine.step_count:
@@ -141,10 +152,10 @@ def run_workload(engine: LLMEngine, workload: list[WorkloadRequest],
                 refused[i] = str(error)
             next_index += 1
         if engine.has_unfinished_requests():
-            engine.step()
+            finished.update((output.request_id, output) for output in engine.step())
         elif next_index < len(order):
             engine.idle_step()
         if on_step is not None:
             on_step(engine)
-    outputs = {i: RequestOutput.from_request(engine.requests[rid]) for i, rid in ids.items()}
+    outputs = {i: finished[rid] for i, rid in ids.items()}
     return WorkloadResult(outputs, refused)

@@ -13,19 +13,26 @@ from ..engine import LLMEngine
 STATE_COLORS = {"waiting": "#d9d9d9", "running": "#4c9be8", "preempted": "#e8a33d"}
 
 
+def _check_history(engine: LLMEngine) -> None:
+    if not engine.record_history:
+        raise ValueError("this engine kept no history: build it with LLMEngine(..., record_history=True) "
+                         "to draw its timeline, pool use or demand")
+
+
 def request_segments(engine: LLMEngine) -> dict[int, list[tuple[int, int, str]]]:
     """Per request, its life as (first step, last step + 1, state) segments, state in waiting /
     running / preempted, built from the engine's events. Segments of a request tile
     [arrival step, finished step + 1) without gaps."""
+    _check_history(engine)
     segments: dict[int, list[tuple[int, int, str]]] = {}
     state: dict[int, tuple[int, str]] = {}           # request -> (since step, state)
     for event in engine.events:
         rid, step = event.request_id, event.step
         new = {"arrived": "waiting", "admitted": "running", "resumed": "running",
-               "preempted": "preempted", "finished": None}[event.kind]
+               "preempted": "preempted", "finished": None, "aborted": None, "failed": None}[event.kind]
         if rid in state:
             since, old = state.pop(rid)
-            end = step + 1 if event.kind == "finished" else step
+            end = step + 1 if new is None else step
             if end > since:
                 segments.setdefault(rid, []).append((since, end, old))
         if new is not None:
@@ -39,6 +46,7 @@ def pool_use(engine: LLMEngine) -> dict[str, np.ndarray]:
     """Per step: blocks used (after the forward; and when the step was scheduled), reserved for the
     step's worst case, in the swap space, and sequences running / waiting / preempted. Arrays of
     length num_steps. Invariant: scheduled_used_blocks + reserved_blocks <= the pool."""
+    _check_history(engine)
     timeline = engine.timeline
     return {
         "step": np.array([s.step for s in timeline]),
@@ -55,6 +63,7 @@ def pool_use(engine: LLMEngine) -> dict[str, np.ndarray]:
 def demand_table(engine: LLMEngine) -> list[dict]:
     """Per finished request: tokens cached, the admission prediction in blocks, and the blocks it
     actually held at the end."""
+    _check_history(engine)
     rows = []
     for request in engine.requests.values():
         if request.actual_blocks is None:
