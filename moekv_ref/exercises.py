@@ -16,8 +16,6 @@ from __future__ import annotations
 import textwrap
 from functools import lru_cache
 
-import torch
-
 from .analysis import decode_flops
 from .sim.designs import CountingPagedDesign
 from .sim.replay import replay

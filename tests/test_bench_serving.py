@@ -1,16 +1,11 @@
-"""`bench serving` (issue 4): three designs, one workload, one memory budget, one runner.
+"""`bench serving`: three designs, one workload, one memory budget, one runner.
 
 Wall-clock speedups depend on the machine, so the tests check what does not: the JSON shape, that
 every design generates the same tokens, and that continuous batching on the paged pool needs far fewer
 steps and holds more sequences at once than static batching under the same budget. The measured
-speedup is in the closing note of the issue.
+speedup is printed by the benchmark (the command itself is tested in test_cli.py).
 """
 
-import json
-
-import pytest
-
-from moekv_ref.apps.cli import main
 from moekv_ref.apps.bench_serving import DESIGNS, run_serving_benchmark
 
 from helpers import random_model, small_config
@@ -30,13 +25,3 @@ def test_designs_share_tokens_and_paged_batches_more():
     assert paged["max_concurrent_sequences"] > reserved["max_concurrent_sequences"] >= static["max_concurrent_sequences"]
     assert static["steps"] >= 2 * paged["steps"]
     assert report["speedup_paged_vs_static"] > 0
-
-
-@pytest.mark.filterwarnings("ignore")
-def test_cli_quick_writes_json(tmp_path, capsys):
-    path = tmp_path / "serving.json"
-    assert main(["bench", "serving", "--quick", "--json", str(path)]) == 0
-    report = json.loads(path.read_text())
-    assert set(report["designs"]) == set(DESIGNS)
-    assert report["speedup_paged_vs_static"] > 0
-    assert "speedup continuous_paged vs static" in capsys.readouterr().out

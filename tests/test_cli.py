@@ -5,10 +5,15 @@ import sys
 import pytest
 import torch
 
+from moekv_ref.apps.bench_serving import DESIGNS as SERVING_DESIGNS
 from moekv_ref.apps.cli import main
+from moekv_ref.backends import triton_available
 from moekv_ref.checkpoint import load_checkpoint, save_checkpoint
 from moekv_ref.config import get_config
 from moekv_ref.model import MoEKVTransformer
+
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed (Linux wheels only)")
 
 
 def run_json(capsys, *argv):
@@ -81,3 +86,56 @@ def test_module_entry_point_runs():
                            "4", "--greedy", "--json"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)["tokens"]) == 4
+
+
+# ----- moved here so that every command-line test is in one file ---------------------------------
+def test_cli_generate_paged_gives_the_contiguous_tokens(capsys):
+    """`generate --cache paged [--block-size P] --json` = `--cache contiguous` on the embedded model."""
+    tokens = {}
+    for cache in (["contiguous"], ["paged"], ["paged", "--block-size", "1"]):
+        argv = ["generate", "--prompt", "def ", "--max-new-tokens", "24", "--greedy", "--json", "--cache", *cache]
+        assert main(argv) == 0
+        tokens[" ".join(cache)] = json.loads(capsys.readouterr().out)["tokens"]
+    assert tokens["paged"] == tokens["contiguous"] == tokens["paged --block-size 1"]
+    assert main(["generate", "--prompt", "def ", "--cache", "paged", "--block-size", "3"]) == 2
+    assert "power of two" in capsys.readouterr().err
+
+
+@needs_triton
+def test_cli_triton_backend_gives_the_torch_tokens(capsys):
+    """`generate --backend triton --cache paged --json` (through the serving engine) = `--backend torch`."""
+    tokens = {}
+    for backend in ("torch", "triton"):
+        assert main(["generate", "--prompt", "def ", "--max-new-tokens", "6", "--greedy", "--json",
+                     "--cache", "paged", "--backend", backend]) == 0
+        output = json.loads(capsys.readouterr().out)
+        assert output["backend"] == backend
+        tokens[backend] = output["tokens"]
+    assert len(tokens["torch"]) == 6 and tokens["triton"] == tokens["torch"]
+
+
+def test_cli_triton_backend_needs_the_paged_cache(capsys):
+    assert main(["generate", "--prompt", "x", "--backend", "triton", "--cache", "contiguous"]) == 2
+    assert "--backend triton runs on the paged cache: add --cache paged" in capsys.readouterr().err
+
+
+def test_demo_cli_writes_summary_and_figures(tmp_path, capsys):
+    assert main(["demo", "--num-requests", "3", "--num-blocks", "200", "--figures", str(tmp_path), "--json"]) == 0
+    summaries = json.loads(capsys.readouterr().out)
+    assert set(summaries) == {"predicted", "optimistic"}
+    for admission, summary in summaries.items():
+        assert summary["requests"] == 4 and summary["finished"] == 3 and summary["refused"] == 1
+        assert "can never fit" in summary["refusals"][0] or "may not fit" in summary["refusals"][0]
+        assert summary["resumed"] == summary["preempted"]
+        assert summary["peak_used_blocks"] <= 200
+        assert (tmp_path / f"demo_serving_{admission}.png").stat().st_size > 10_000
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_cli_quick_writes_json(tmp_path, capsys):
+    path = tmp_path / "serving.json"
+    assert main(["bench", "serving", "--quick", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert set(report["designs"]) == set(SERVING_DESIGNS)
+    assert report["speedup_paged_vs_static"] > 0
+    assert "speedup continuous_paged vs static" in capsys.readouterr().out

@@ -71,26 +71,3 @@ def test_unknown_attention_path_is_refused():
     model = random_model(small_config(), seed=0, dtype=torch.float32)
     with pytest.raises(ValueError, match="attention='cuda' is not one of"):
         PagedKVCache.for_model(model, attention="cuda")
-
-
-def test_cli_triton_backend_gives_the_torch_tokens(capsys):
-    """`generate --backend triton --cache paged --json` (through the serving engine) = `--backend torch`."""
-    import json
-
-    from moekv_ref.apps.cli import main
-
-    tokens = {}
-    for backend in ("torch", "triton"):
-        assert main(["generate", "--prompt", "def ", "--max-new-tokens", "6", "--greedy", "--json",
-                     "--cache", "paged", "--backend", backend]) == 0
-        output = json.loads(capsys.readouterr().out)
-        assert output["backend"] == backend
-        tokens[backend] = output["tokens"]
-    assert len(tokens["torch"]) == 6 and tokens["triton"] == tokens["torch"]
-
-
-def test_cli_triton_backend_needs_the_paged_cache(capsys):
-    from moekv_ref.apps.cli import main
-
-    assert main(["generate", "--prompt", "x", "--backend", "triton", "--cache", "contiguous"]) == 2
-    assert "--backend triton runs on the paged cache: add --cache paged" in capsys.readouterr().err

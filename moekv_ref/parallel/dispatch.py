@@ -109,7 +109,7 @@ def dispatch(comm: Communicator, plan: DispatchPlan, hidden: torch.Tensor, categ
     floats_in, recv_counts = comm.all_to_all(floats.to(device), plan.send_counts, category)
     ints_in, _ = comm.all_to_all(ints.to(device), plan.send_counts, category, recv_counts)
     floats_in, ints_in = floats_in.to(hidden.device), ints_in.cpu()      # math on the model's device, ids on the CPU
-    D, K = hidden.shape[1], plan.experts.shape[1]
+    D = hidden.shape[1]
     hidden_in, gates_in = floats_in[:, :D], floats_in[:, D:]                              # (n, D), (n, K)
     if seq_ids is None:
         return Received(hidden_in, gates_in, ints_in, None, None, recv_counts)

@@ -220,7 +220,7 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
     runner = ParallelRunner(model, comm, spec.kv_placement, spec.attention_ranks, spec.ffn_ranks,
                             spec.num_blocks, spec.block_size)
     del model
-    L, E, V = config.num_hidden_layers, config.num_attention_experts, config.vocab_size
+    L, E = config.num_hidden_layers, config.num_attention_experts
     scheduler = requests = pools = None
     result = ServeResult()
     if rank == 0:

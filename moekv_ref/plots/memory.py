@@ -63,7 +63,7 @@ def draw_first_fit_map(ax, design: FirstFitDesign, colour_by: str = "expert", wi
             ax.broken_barh([(x, length)], (y, 0.9), **HOLE_STYLE)
     ax.set_xlim(0, width)
     ax.set_ylim(height, 0)
-    ax.set_xlabel(f"slot within the line (one slot = one token's K and V)")
+    ax.set_xlabel("slot within the line (one slot = one token's K and V)")
     ax.set_ylabel(f"address // {width} (lines of {width} slots)")
     ax.set_title(title or f"first_fit address space: {memory['top']} slots up to the top of the heap",
                  fontsize=11)
