@@ -179,11 +179,11 @@ class LLMEngine:
         if sampling_params is None:
             return SamplingParams()
         if isinstance(sampling_params, dict):
-            try:
-                return SamplingParams(**sampling_params)                   # validates
-            except TypeError as error:                                     # an unknown key
-                raise ValueError(f"{name}: {error}; allowed keys: "
-                                 f"{[f.name for f in dataclasses.fields(SamplingParams)]}") from None
+            allowed = [f.name for f in dataclasses.fields(SamplingParams)]
+            unknown = sorted(map(str, set(sampling_params) - set(allowed)))
+            if unknown:
+                raise ValueError(f"{name}: unknown keys {unknown}; allowed keys: {allowed}")
+            return SamplingParams(**sampling_params)                       # validates
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"{name} must be a SamplingParams or a dict, got "
                              f"{type(sampling_params).__name__}")
@@ -203,8 +203,9 @@ class LLMEngine:
         its output so far (finish_reason "aborted"), or None if it had already finished. Raises
         ValueError for an id this engine never gave out."""
         if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id < self._next_request_id:
-            raise ValueError(f"request_id={request_id!r} is not a request of this engine (ids 0.."
-                             f"{self._next_request_id - 1} were given out)")
+            given = (f"ids 0..{self._next_request_id - 1} were given out" if self._next_request_id
+                     else "no request has been added yet")
+            raise ValueError(f"request_id={request_id!r} is not a request of this engine ({given})")
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return None

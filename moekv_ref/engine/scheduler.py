@@ -96,7 +96,7 @@ class SchedulerConfig:
             if kind is not None and isinstance(value, kind):
                 continue
             if not isinstance(value, str) or value not in allowed:
-                also = f", or a {kind.__name__}" if kind is not None else ""
+                also = f", or a policy object ({kind.__name__})" if kind is not None else ""
                 raise ValueError(f"{name}={value!r} is not one of {allowed}{also}")
         if self.admission is not None and self.policy != "continuous_paged":
             raise ValueError(f"admission={self.admission!r} applies to policy='continuous_paged' only, "
