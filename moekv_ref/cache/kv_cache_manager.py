@@ -121,6 +121,9 @@ class KVCacheManager:
     def sequences(self) -> list[int]:
         return list(self._seq_index)
 
+    def holds(self, seq_id: int) -> bool:
+        return int(seq_id) in self._seq_index
+
     def add_sequence(self, seq_id: int) -> int:
         """Give a new sequence a slot of L * E empty rows; returns its seq_index."""
         seq_id = int(seq_id)

@@ -194,7 +194,7 @@ class PagedKVCache:
             raise ValueError(f"seq_ids, experts and positions must be (n,) = ({n},); got "
                              f"{tuple(seq_ids.shape)}, {tuple(experts.shape)}, {tuple(positions.shape)}")
         manager = self.manager
-        new_seqs = [s for s in seq_ids.unique().tolist() if s not in manager._seq_index]
+        new_seqs = [s for s in seq_ids.unique().tolist() if not manager.holds(s)]
         for s in new_seqs:
             manager.add_sequence(s)
         try:

@@ -200,6 +200,12 @@ class SharedTailKVCacheManager(KVCacheManager):
         self.tail_blocks[index] = []
         self.free_tail_slots[index] = []
 
+    def truncate(self, rows, num_tokens) -> None:
+        """Not supported: undoing appends here would also have to undo the tail moves (promotions and
+        compactions) they caused. The serving engine, which undoes failed steps, uses plain pages."""
+        raise NotImplementedError("SharedTailKVCacheManager cannot truncate rows: undoing tail moves is "
+                                  "not implemented; use KVCacheManager (plain pages) where steps must be undone")
+
     def _grow_rows(self) -> None:
         super()._grow_rows()
         extra = self.num_computed_tokens.numel() - self.tail_slots.shape[0]
