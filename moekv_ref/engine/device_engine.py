@@ -32,8 +32,8 @@ class _RecordingRunner(ModelRunner):
         self._memory = memory
         self.used_after_forward = memory.num_used_blocks_per_device
 
-    def execute(self, decision):
-        result = super().execute(decision)
+    def forward(self, scheduled):
+        result = super().forward(scheduled)
         self.used_after_forward = self._memory.num_used_blocks_per_device
         return result
 

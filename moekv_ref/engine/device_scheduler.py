@@ -221,10 +221,10 @@ class DeviceScheduler(Scheduler):
             self._forget_rows(request.request_id)
 
     # ----- after the forward ----------------------------------------------------------------------
-    def update_from_output(self, out, sampled_token_ids, entries_per_layer=None):
+    def update_from_output(self, out, sampled_token_ids, entries_per_layer=None, failed=None):
         """Scheduler's accounting, then each scheduled request's rows that grew get this step as their
         last use (what expert_lru reads)."""
-        finished = super().update_from_output(out, sampled_token_ids, entries_per_layer)
+        finished = super().update_from_output(out, sampled_token_ids, entries_per_layer, failed)
         for item in out.scheduled:
             request_id = item.request.request_id
             if item.request.status is RequestStatus.FINISHED:
@@ -236,8 +236,8 @@ class DeviceScheduler(Scheduler):
             self._counts_seen[request_id] = counts
         return finished
 
-    def finish(self, request: Request, step: int) -> None:
-        super().finish(request, step)
+    def finish(self, request: Request, step: int, reason: str = "length", error: str | None = None) -> None:
+        super().finish(request, step, reason, error)
         self._forget_rows(request.request_id)
 
     def _forget_rows(self, request_id: int) -> None:
