@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from moekv_ref.config import ModelConfig
+from moekv_ref.generate import generate
 from moekv_ref.model import MoEKVTransformer
+from moekv_ref.sampling import SamplingParams
 
 
 def small_config(attention_mode="expert", routing="topk", **overrides) -> ModelConfig:
@@ -45,3 +47,21 @@ def max_logit_error(model, result) -> float:
         assert full.shape == logits.shape
         worst = max(worst, (full - logits).abs().max().item())
     return worst
+
+
+def random_workload(num_requests: int, prompt_lengths: tuple[int, int], output_lengths: tuple[int, int],
+                    seed: int, prompt_seed: int, temperature: float = 1.0, vocab_size: int = 64):
+    """Prompts and sampling params of a serving test: lengths drawn in [low, high), every other request
+    greedy, the others sampled with their own seed. Returns (prompts, params)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(*prompt_lengths, (num_requests,), generator=generator).tolist()
+    outputs = torch.randint(*output_lengths, (num_requests,), generator=generator).tolist()
+    prompts = random_prompts(lengths, vocab_size, seed=prompt_seed)
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 else temperature, top_p=0.9, seed=i)
+              for i, n in enumerate(outputs)]
+    return prompts, params
+
+
+def alone_tokens(model, prompts, params) -> list[list[int]]:
+    """What each request generates when it is served alone (the reference every batching must equal)."""
+    return [generate(model, [p], [q], cache="contiguous").tokens[0] for p, q in zip(prompts, params)]

@@ -24,7 +24,7 @@ from moekv_ref.engine.victims import ExpertLRU, PressureAware, RowEviction, Sequ
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
 
-from helpers import random_model, random_prompts, small_config
+from helpers import alone_tokens, random_model, random_workload, small_config
 
 BLOCK_SIZE = 4
 # 8 experts on 4 devices, skewed: device 0 holds three experts, device 3 one
@@ -40,18 +40,12 @@ def model():
 
 @pytest.fixture(scope="module")
 def workload():
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(2, 7, (12,), generator=generator).tolist()
-    outputs = torch.randint(10, 25, (12,), generator=generator).tolist()
-    prompts = random_prompts(lengths, 64, seed=1)
-    params = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 else 1.0, top_p=0.9, seed=i)
-              for i, n in enumerate(outputs)]
-    return prompts, params
+    return random_workload(12, (2, 7), (10, 25), seed=0, prompt_seed=1)
 
 
 @pytest.fixture(scope="module")
 def alone(model, workload):
-    return [generate(model, [p], [q], cache="contiguous").tokens[0] for p, q in zip(*workload)]
+    return alone_tokens(model, *workload)
 
 
 @pytest.mark.parametrize("victim,mode", [("newest_first", "recompute"), ("sequence_lru", "swap"),

@@ -98,7 +98,7 @@ def test_manager_free_rows_refuses_shared_tails_and_bad_rows():
 def test_bad_placement_and_sizes_are_named():
     with pytest.raises(ValueError, match=r"device_of_expert must be \(E,\)"):
         DevicePools(L, E, 2, 4, torch.zeros(3, dtype=torch.int64))
-    with pytest.raises(ValueError, match="names device 1 but blocks_per_device gives 1"):
+    with pytest.raises(ValueError, match=r"names devices \[0, 1\]; allowed: 0..0"):
         DevicePools(L, E, 2, [4], place_experts(E, 2))
 
 

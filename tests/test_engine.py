@@ -16,7 +16,7 @@ from moekv_ref.engine.workload import make_workload, run_workload
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
 
-from helpers import random_model, random_prompts, small_config
+from helpers import alone_tokens, random_workload, random_model, random_prompts, small_config
 
 BLOCK_SIZE = 4
 
@@ -30,19 +30,12 @@ def model():
 def workload():
     """16 requests, short prompts and longer outputs (so that decode growth, not admission, is what
     fills the pool), every other one greedy."""
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(2, 7, (16,), generator=generator).tolist()
-    outputs = torch.randint(10, 25, (16,), generator=generator).tolist()
-    prompts = random_prompts(lengths, 64, seed=1)
-    params = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 else 1.0, top_p=0.9, seed=i)
-              for i, n in enumerate(outputs)]
-    return prompts, params
+    return random_workload(16, (2, 7), (10, 25), seed=0, prompt_seed=1)
 
 
 @pytest.fixture(scope="module")
 def alone(model, workload):
-    prompts, params = workload
-    return [generate(model, [p], [q], cache="contiguous").tokens[0] for p, q in zip(prompts, params)]
+    return alone_tokens(model, *workload)
 
 
 @pytest.fixture(scope="module")

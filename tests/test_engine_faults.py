@@ -18,7 +18,7 @@ from moekv_ref.engine import LLMEngine, RequestStatus, SchedulerConfig
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
 
-from helpers import random_model, random_prompts, small_config
+from helpers import alone_tokens, random_model, random_workload, small_config
 
 BLOCK_SIZE = 4
 
@@ -34,17 +34,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def workload():
-    generator = torch.Generator().manual_seed(5)
-    lengths = torch.randint(2, 8, (6,), generator=generator).tolist()
-    outputs = torch.randint(6, 14, (6,), generator=generator).tolist()
-    prompts = random_prompts(lengths, 64, seed=6)
-    params = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 else 0.9, top_p=0.9, seed=i)
-              for i, n in enumerate(outputs)]
-    return prompts, params
-
-
-def alone_tokens(model, prompts, params):
-    return [generate(model, [p], [q], cache="contiguous").tokens[0] for p, q in zip(prompts, params)]
+    return random_workload(6, (2, 8), (6, 14), seed=5, prompt_seed=6, temperature=0.9)
 
 
 @pytest.fixture(scope="module")

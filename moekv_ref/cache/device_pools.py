@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .device_kv_cache_manager import checked_placement
 from .kv_cache_manager import KVCacheManager
 from .block_pool import OutOfBlocksError
 from .rows import RowIndex, ceil_div
@@ -45,18 +46,6 @@ class DeviceSlotAllocation:
     slot_mapping: torch.Tensor
 
 
-def _checked_placement(device_of_expert, num_layers: int, num_experts: int) -> torch.Tensor:
-    placement = torch.as_tensor(device_of_expert, dtype=torch.int64)
-    if placement.dim() == 1:
-        placement = placement.expand(num_layers, -1)
-    if placement.shape != (num_layers, num_experts):
-        raise ValueError(f"device_of_expert must be (E,) = ({num_experts},) or (L, E) = ({num_layers}, "
-                         f"{num_experts}); got {tuple(placement.shape)}")
-    if placement.numel() and int(placement.min()) < 0:
-        raise ValueError(f"device_of_expert holds a negative device {int(placement.min())}")
-    return placement.contiguous()
-
-
 class DevicePools:
     """D KVCacheManagers, one per device, each for the rows of the experts placed on it.
 
@@ -66,13 +55,11 @@ class DevicePools:
 
     def __init__(self, num_layers: int, num_experts: int, block_size: int, blocks_per_device,
                  device_of_expert, shuffle_seed: int | None = None, initial_num_seqs: int = 4):
-        placement = _checked_placement(device_of_expert, num_layers, num_experts)
         if isinstance(blocks_per_device, int) and not isinstance(blocks_per_device, bool):
-            blocks_per_device = [blocks_per_device] * (int(placement.max()) + 1)
+            most = int(torch.as_tensor(device_of_expert).max())
+            blocks_per_device = [blocks_per_device] * (most + 1)
         blocks_per_device = list(blocks_per_device)
-        if int(placement.max()) >= len(blocks_per_device):
-            raise ValueError(f"device_of_expert names device {int(placement.max())} but blocks_per_device "
-                             f"gives {len(blocks_per_device)} devices")
+        placement = checked_placement(device_of_expert, num_layers, num_experts, len(blocks_per_device))
         self.device_of_expert = placement                                              # (L, E)
         self.index = RowIndex(num_layers, num_experts)
         self.block_size = block_size

@@ -197,15 +197,8 @@ class DeviceScheduler(Scheduler):
         self.num_evicted_rows += rows.numel()
         self.running.remove(request)
         self.stalled[request.request_id] = request
-        request.num_recomputed_tokens += request.num_computed_tokens
-        self.num_recomputed_tokens += request.num_computed_tokens
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(request)
-        out.preempted.append(request)
-        out.events.append(("preempted", request))
+        self._forget_computed(request)
+        self._requeue_preempted(request, out)
 
     def start_head(self, out: SchedulerOutput) -> Request:
         """A stalled head first gives up its dead rows: it restarts from an empty cache."""

@@ -308,6 +308,10 @@ class Scheduler:
                 self.manager.free(seq_id)
                 out.freed.append(seq_id)
             self._forget_computed(request)
+        self._requeue_preempted(request, out)
+
+    def _requeue_preempted(self, request: Request, out: SchedulerOutput) -> None:
+        """A preempted request goes back to the head of the waiting line, where it keeps its place."""
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
