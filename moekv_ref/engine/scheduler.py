@@ -164,9 +164,15 @@ class Scheduler:
                  num_swap_blocks: int = 0):
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
-        if not isinstance(manager, KVCacheManager) or not isinstance(shape, ModelShape):
-            raise ValueError("manager must be a KVCacheManager and shape a ModelShape")
-        if (manager.num_layers, manager.num_experts, manager.block_size) != (
+        if not isinstance(shape, ModelShape):
+            raise ValueError(f"shape must be a ModelShape, got {type(shape).__name__}")
+        # a KVCacheManager, or anything with its interface (per-rank pools under expert parallelism)
+        missing = [name for name in ("num_blocks", "num_free_blocks", "sequences", "token_counts", "free")
+                   if not hasattr(manager, name)]
+        if missing:
+            raise ValueError(f"manager must be a block manager (a KVCacheManager or one with its interface); "
+                             f"{type(manager).__name__} lacks {missing}")
+        if isinstance(manager, KVCacheManager) and (manager.num_layers, manager.num_experts, manager.block_size) != (
                 shape.num_layers, shape.num_experts, shape.block_size):
             raise ValueError(f"the manager's (layers, experts, block size) = ({manager.num_layers}, "
                              f"{manager.num_experts}, {manager.block_size}) differ from the shape's "
