@@ -224,6 +224,16 @@ def change_control(page, control) -> str | None:
     return None
 
 
+def press_run_interact(cell) -> bool:
+    """Press a cell's "Run Interact" button (ipywidgets' interact_manual, for slow callbacks), as a user
+    would after changing its controls. False when the cell has none."""
+    button = cell.locator("button", has_text=re.compile(r"^\s*Run Interact\s*$"))
+    if button.count() == 0:
+        return False
+    button.first.click()
+    return True
+
+
 def wait_for_update(page, cell, before: dict, figures: int, timeout_s: float) -> tuple[dict, float]:
     """Wait until the cell's output differs from `before`, shows at least `figures` images (those of
     the first render: text arrives before the figure that follows it) and has held still for a second
@@ -309,6 +319,9 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
         problems.append(f"{name}: imports ipywidgets but no widget view rendered")
     for c in range(cells.count()):
         cell = cells.nth(c)
+        manual = press_run_interact(cell)     # an interact_manual cell draws only when asked to
+        if manual:
+            wait_for_update(page, cell, {"text": "", "images": []}, 0, UPDATE_TIMEOUT_S)
         first = widget_snapshot(cell)
         first_pixels = [drawn_pixels(png_bytes(page, src)) for src in first["images"]]
         record.setdefault("first_figure_pixels", []).append(first_pixels)
@@ -325,6 +338,8 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
             done = change_control(page, controls.nth(i))
             if done is None:
                 continue
+            if manual:
+                press_run_interact(cell)
             try:
                 after, _ = wait_for_update(page, cell, before, len(first_pixels), UPDATE_TIMEOUT_S)
             except TimeoutError as error:
