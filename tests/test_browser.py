@@ -12,7 +12,8 @@ glob, clears the stored outputs and runs all cells top to bottom from the Run me
   controls are changed as a user would (a click on a slider's track or a toggle button, a new dropdown
   option), and the cell's output must change;
 - a figure drawn after a change that is incomplete: each PNG is decoded and its non-background pixels
-  counted; a redrawn figure must have at least half as many as the figure the same cell drew first.
+  counted; a redrawn figure must have at least 15% as many as the figure the same cell drew first (a
+  blank redraw keeps about 5%: its frame).
 
 Screenshots (after run-all, and each widget cell before and after each change) and a summary
 (summary.json: per notebook the run-all time, widgets changed, update latency and screenshot names)
@@ -355,8 +356,11 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
             record.setdefault("figure_pixels_after_changes", []).append(pixels)
             if len(pixels) != len(first_pixels):
                 problems.append(f"{name}: widget cell {c}: after '{done}' {len(pixels)} figures, first {len(first_pixels)}")
+            # a blank redraw keeps only its frame: 5% of the first figure's drawn pixels in notebook 04's
+            # old bug; a correct redraw can lose more than half (notebook 05: a policy that never
+            # evicts leaves its evictions panel empty, 19%), so the line is drawn at 15%
             for k, (n, n0) in enumerate(zip(pixels, first_pixels)):
-                if n < 0.5 * n0:
+                if n < 0.15 * n0:
                     problems.append(f"{name}: widget cell {c}: after '{done}' figure {k} is incomplete: "
                                     f"{n} drawn pixels against {n0} in the first figure")
         if changed == 0:
