@@ -139,3 +139,24 @@ def test_cli_quick_writes_json(tmp_path, capsys):
     assert set(report["designs"]) == set(SERVING_DESIGNS)
     assert report["speedup_paged_vs_static"] > 0
     assert "speedup continuous_paged vs static" in capsys.readouterr().out
+
+
+def test_bench_step_against_itself(tmp_path, capsys):
+    """Two workers on the same checkout, interleaved: the per-pair ratio is measured, not assumed,
+    and stays near 1 (a loose band: the two processes share a noisy machine)."""
+    from moekv_ref.apps import bench_step
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--against", str(bench_step.REPOSITORY), "--num-seqs", "3",
+                 "--max-new-tokens", "4", "--rounds", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["num_decode_pairs"] == 3          # 1 prefill step + 3 decode steps per round
+    assert result["this_decode_step_cpu_ms"] > 0 and result["against_decode_step_cpu_ms"] > 0
+    assert 0.2 < result["speedup_median"] < 5
+    assert "speedup (median of per-pair ratios)" in capsys.readouterr().out
+
+
+def test_bench_step_refuses_a_folder_without_the_package(tmp_path):
+    with pytest.raises(SystemExit, match="no moekv_ref package there"):
+        main(["bench", "step", "--against", str(tmp_path)])
+    with pytest.raises(SystemExit, match="must be at least 1"):
+        main(["bench", "step", "--rounds", "0"])

@@ -3,7 +3,7 @@
     generate       generate from a prompt with the embedded model and report its per-expert caches
     routing-stats  what the embedded model's routers learned (load, entropy, character preferences)
     demo           serve a stream of requests through a small pool: continuous batching, preemption
-    bench          benchmarks: `bench memory`, `bench serving`, `bench eviction`, `bench parallel`
+    bench          benchmarks: `bench memory`, `bench serving`, `bench eviction`, `bench parallel`, `bench step`
     figures        regenerate every PNG in figures/ from the package
 """
 
@@ -28,7 +28,7 @@ from ..prompts import check_prompt
 from ..report import cache_report, format_cache_report
 from ..sampling import SamplingParams
 from ..tokenizer import decode, encode
-from . import bench_eviction, bench_memory, bench_parallel, bench_serving, demo, figures
+from . import bench_eviction, bench_memory, bench_parallel, bench_serving, bench_step, demo, figures
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=bench_serving.main)
     p = bench_parallel.build_parser(bench.add_parser("parallel", help="expert parallelism: bytes per step, placements"))
     p.set_defaults(func=bench_parallel.main)
+    t = bench_step.build_parser(bench.add_parser("step", help="one decode step's CPU time, optionally against another checkout"))
+    t.set_defaults(func=bench_step.main)
     d = demo.build_parser(sub.add_parser("demo", help="serve requests through a small pool (the main demo)"))
     d.set_defaults(func=demo.main)
     f = sub.add_parser("figures", help="regenerate every PNG in figures/")

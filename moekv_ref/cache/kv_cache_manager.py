@@ -189,10 +189,11 @@ class KVCacheManager:
         the cache does not hold."""
         seq_ids = [int(s) for s in seq_ids]
         counts = torch.zeros(len(seq_ids), self.num_layers, self.num_experts, dtype=torch.int64)
-        for i, seq_id in enumerate(seq_ids):
-            if seq_id in self._seq_index:
-                rows = self.sequence_rows(torch.tensor([self._seq_index[seq_id]]))[0]
-                counts[i] = self.num_computed_tokens[rows].view(self.num_layers, self.num_experts)
+        held = [(i, self._seq_index[s]) for i, s in enumerate(seq_ids) if s in self._seq_index]
+        if held:   # one gather for every held sequence (the scheduler asks for the whole batch)
+            at, slots = torch.tensor(held, dtype=torch.int64).unbind(1)                     # (h,), (h,)
+            rows = self.sequence_rows(slots)                                                 # (h, L*E)
+            counts[at] = self.num_computed_tokens[rows].view(-1, self.num_layers, self.num_experts)
         return counts
 
     def block_owners(self) -> tuple[torch.Tensor, torch.Tensor]:

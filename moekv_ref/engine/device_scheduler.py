@@ -112,6 +112,9 @@ class DeviceScheduler(Scheduler):
     def step_blocks(self, request: Request, num_tokens: int) -> int:
         return int(self.step_blocks_per_device(request, num_tokens).sum())
 
+    def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> list:
+        return [self.step_blocks(r, n) for r, n in zip(requests, num_tokens)]   # needs per device
+
     def check_fits_alone(self, prompt_len: int, max_new_tokens: int) -> None:
         """Scheduler's check over the whole pool, then device by device: a request whose rows on some
         device might outgrow that device's pool is refused, naming the device."""

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.kv_cache_manager import KVCacheManager
-from ..cache.rows import ceil_div
 from ..config import ModelConfig
 from .swap import SwapSpace
 
@@ -104,10 +103,6 @@ class MemoryView:
     def swapped_token_counts(self, seq_id: int) -> torch.Tensor:
         """(L, E) tokens the swapped sequence's rows hold."""
         return self._swap_space.token_counts(seq_id)
-
-    def blocks_of_counts(self, token_counts: torch.Tensor) -> int:
-        """Blocks rows of these token counts take (each row: ceil(n / P))."""
-        return int(ceil_div(token_counts, self.block_size).sum())
 
     # ----- devices: one pool is one device (per-device pools: device_memory.py) -----------------------
     @property

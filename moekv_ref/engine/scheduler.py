@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.kv_cache_manager import KVCacheManager
+from ..cache.rows import ceil_div
 from .admission import ADMISSIONS, AdmissionPolicy
 from .baselines import ContinuousReserved, StaticBatching
 from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
@@ -235,11 +236,17 @@ class Scheduler:
         out = SchedulerOutput(step)
         token_budget = self.config.max_num_batched_tokens
         reserved = 0
+        # every running request's need, in one call; a request the budget cuts short is asked again
+        planned_tokens = [min(r.num_pending_tokens, token_budget) for r in self.running]
+        planned_needs = dict(zip(map(id, self.running), zip(planned_tokens,
+                                                            self.step_blocks_many(self.running, planned_tokens))))
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
             num_tokens = min(request.num_pending_tokens, token_budget)
-            need = self.step_blocks(request, num_tokens)
+            planned, need = planned_needs[id(request)]
+            if planned != num_tokens:
+                need = self.step_blocks(request, num_tokens)
             while reserved + need > self.memory.num_free_blocks:
                 candidates = self.running[i:]          # not yet scheduled this step
                 victim = self.victims.choose_victim(
@@ -287,16 +294,33 @@ class Scheduler:
     def step_blocks(self, request: Request, num_tokens: int) -> int:
         """Worst case of blocks the request's next `num_tokens` tokens can take from the pool. Never
         more than its lifetime worst case minus what it holds, so a request alone always fits."""
-        shape, seq_id = self.shape, request.request_id
-        if request.swapped:
-            counts = self.memory.swapped_token_counts(seq_id)[None]             # (1, L, E)
-        else:
-            counts = self.memory.token_counts([seq_id])                          # (1, L, E)
-        held = self.memory.blocks_of_counts(counts)
-        step = int(worst_case_step_blocks(counts, torch.tensor([num_tokens]), shape.k_max, shape.block_size)[0])
-        lifetime = worst_case_lifetime_blocks(request.num_computed_tokens + num_tokens, shape.num_layers,
-                                              shape.num_experts, shape.k_max, shape.block_size)
-        return max(0, min(step, lifetime - held))
+        return self.step_blocks_many([request], [num_tokens])[0]
+
+    def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> list[int]:
+        """`step_blocks` of many requests in one pass over their (m, L, E) token counts: the scheduler
+        asks for the whole running batch at once, since per-request tensor calls would cost more than
+        a decode step's forward on a small model."""
+        if not requests:
+            return []
+        shape = self.shape
+        resident = [r.request_id for r in requests if not r.swapped]
+        counts = self.memory.token_counts(resident) if resident else None               # (h, L, E)
+        rows, at = [], 0
+        for request in requests:
+            if request.swapped:
+                rows.append(self.memory.swapped_token_counts(request.request_id))    # (L, E)
+            else:
+                rows.append(counts[at])
+                at += 1
+        counts = torch.stack(rows)                                                       # (m, L, E)
+        held = ceil_div(counts, shape.block_size).sum((1, 2)).tolist()                 # (m,) blocks held
+        step = worst_case_step_blocks(counts, torch.tensor(num_tokens), shape.k_max, shape.block_size).tolist()
+        needs = []
+        for request, n, s, h in zip(requests, num_tokens, step, held):
+            lifetime = worst_case_lifetime_blocks(request.num_computed_tokens + n, shape.num_layers,
+                                                  shape.num_experts, shape.k_max, shape.block_size)
+            needs.append(max(0, min(s, lifetime - h)))
+        return needs
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Take a running request off the pool; it goes back to the head of the waiting line."""

@@ -175,6 +175,9 @@ class RankAwareScheduler(Scheduler):
             per_rank.append(max(0, min(step, lifetime - held)))
         return PerRank(per_rank)
 
+    def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> list:
+        return [self.step_blocks(r, n) for r, n in zip(requests, num_tokens)]   # needs per rank
+
     def check_fits_alone(self, prompt_len: int, max_new_tokens: int) -> None:
         shape, num_tokens = self.shape, prompt_len + max_new_tokens - 1
         pool = int(self.memory.num_blocks.values.min())

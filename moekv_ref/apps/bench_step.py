@@ -1,0 +1,166 @@
+"""`python -m moekv_ref bench step`: what one decode step of many sequences costs through the serving
+engine on the embedded model, and, with `--against DIR`, the same steps on another checkout of this
+repository (an older commit), measured side by side.
+
+Side by side means interleaved: on a shared machine the load changes from second to second, so two
+runs one after the other can differ by 1.5x for nothing. Here two worker processes, each with its own
+model and engine (one imports this checkout, the other the checkout in DIR), take turns running one
+engine step each on the same workload, so each pair of steps (this, that) sees the same load; who goes
+first alternates. A step is timed in CPU time of its process (`time.process_time`), and the ratio
+quoted is the median over pairs of decode steps (every sequence running, one token each).
+
+The worker uses only what every version of the engine has had: `load_default_model`, `LLMEngine(model,
+num_blocks, block_size, SchedulerConfig(max_num_seqs=...))`, `add_request`, `step`, `timeline` (kept
+with `record_history=True` where that option exists).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPOSITORY = Path(__file__).resolve().parents[2]     # the checkout this file belongs to
+
+
+def prompts(num_seqs: int) -> list[list[int]]:
+    """Distinct prompts of different lengths (20 + i bytes), so the rows fill their blocks unevenly."""
+    return [list(f"def function_{i}(x, y):\n    return {i} * x + y".encode())[: 20 + i] for i in range(num_seqs)]
+
+
+def worker(num_seqs: int, max_new_tokens: int, num_blocks: int) -> None:
+    """Serve step requests on stdin ("step" per line), answering one JSON line per step. Restarts the
+    workload when it finishes. Runs under whichever checkout is first on PYTHONPATH."""
+    import torch                                               # imported here: this function runs in a
+    from moekv_ref.checkpoint import load_default_model        # process whose moekv_ref may be another
+    from moekv_ref.engine import LLMEngine, SchedulerConfig    # checkout's (see the module docstring)
+    from moekv_ref.sampling import SamplingParams
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = load_default_model()
+    config = SchedulerConfig(max_num_seqs=num_seqs)
+    try:        # the per-step timeline (which steps decode) is opt-in today; older engines always kept it
+        engine = LLMEngine(model, num_blocks=num_blocks, block_size=16, scheduler_config=config,
+                           record_history=True)
+    except TypeError:
+        engine = LLMEngine(model, num_blocks=num_blocks, block_size=16, scheduler_config=config)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
+        if not engine.has_unfinished_requests():
+            for prompt in prompts(num_seqs):
+                engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
+        start = time.process_time()
+        engine.step()
+        seconds = time.process_time() - start
+        record = engine.timeline[-1]
+        decode = record.num_scheduled_tokens == num_seqs and record.num_running == num_seqs
+        print(json.dumps({"cpu_s": seconds, "decode": decode}), flush=True)
+
+
+class Worker:
+    """A worker process whose `moekv_ref` is the checkout at `root`."""
+
+    def __init__(self, root: Path, num_seqs: int, max_new_tokens: int, num_blocks: int):
+        env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(num_seqs),
+                   str(max_new_tokens), str(num_blocks)]
+        self.root = root
+        self.process = subprocess.Popen(command, env=env, cwd=root, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+
+    def step(self) -> dict:
+        self.process.stdin.write("step\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the worker for {self.root} stopped (exit code {self.process.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def commit_of(root: Path) -> str | None:
+    """The git commit checked out at root (None outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def measure(against: Path | None, num_seqs: int = 16, max_new_tokens: int = 48, num_rounds: int = 3,
+            num_blocks: int = 4096) -> dict:
+    """Interleave this checkout's steps with `against`'s (if given) for `num_rounds` whole workloads."""
+    roots = {"this": REPOSITORY} | ({"against": against.resolve()} if against is not None else {})
+    if not (roots.get("against", REPOSITORY) / "moekv_ref" / "__init__.py").is_file():
+        raise ValueError(f"--against {against}: no moekv_ref package there (give the root of a checkout)")
+    workers = {name: Worker(root, num_seqs, max_new_tokens, num_blocks) for name, root in roots.items()}
+    decode = {name: [] for name in workers}
+    try:   # a round is one prefill step and max_new_tokens - 1 decode steps; workers restart by themselves
+        for pair in range(num_rounds * max_new_tokens):
+            order = list(workers) if pair % 2 == 0 else list(reversed(workers))
+            results = {name: workers[name].step() for name in order}
+            if all(r["decode"] for r in results.values()):
+                for name, r in results.items():
+                    decode[name].append(r["cpu_s"])
+    finally:
+        for w in workers.values():
+            w.close()
+    if not decode["this"]:
+        raise ValueError(f"no step decoded all {num_seqs} sequences at once: give max_new_tokens >= 2 "
+                         f"(got {max_new_tokens})")
+    result = {"num_seqs": num_seqs, "max_new_tokens": max_new_tokens, "num_decode_pairs": len(decode["this"]),
+              "this_commit": commit_of(REPOSITORY), "this_decode_step_cpu_ms": 1000 * statistics.median(decode["this"])}
+    if against is not None:
+        ratios = sorted(a / t for a, t in zip(decode["against"], decode["this"]))
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        result |= {"against_commit": commit_of(against),
+                   "against_decode_step_cpu_ms": 1000 * statistics.median(decode["against"]),
+                   "speedup_median": statistics.median(ratios),
+                   "speedup_quartiles": [quartiles[0], quartiles[2]]}
+    return result
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--against", type=Path, default=None,
+                        help="root of another checkout (e.g. `git worktree add /tmp/old <commit>`) to compare with")
+    parser.add_argument("--num-seqs", type=int, default=16, help="sequences decoding at once (default 16)")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens each sequence decodes (default 48)")
+    parser.add_argument("--rounds", type=int, default=3, help="times the whole workload runs (default 3)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+    return parser
+
+
+def main(args) -> int:
+    for name in ("num_seqs", "max_new_tokens", "rounds"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
+    try:
+        result = measure(args.against, args.num_seqs, args.max_new_tokens, args.rounds)
+    except ValueError as error:
+        raise SystemExit(f"bench step: {error}") from None
+    print(f"decode step of {result['num_seqs']} sequences, CPU ms (median of {result['num_decode_pairs']} steps)")
+    print(f"  this checkout    {result['this_decode_step_cpu_ms']:8.1f}   {REPOSITORY} ({result['this_commit']})")
+    if args.against is not None:
+        low, high = result["speedup_quartiles"]
+        print(f"  --against        {result['against_decode_step_cpu_ms']:8.1f}   {args.against} ({result['against_commit']})")
+        print(f"  speedup (median of per-pair ratios): {result['speedup_median']:.2f}x "
+              f"(quartiles {low:.2f}-{high:.2f})")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
+        worker(*(int(a) for a in sys.argv[2:]))
+    else:
+        main(build_parser(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args())
