@@ -45,6 +45,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moekv_ref.plots.tables import text_table
+
 ROOT = Path(__file__).resolve().parents[1]
 # every notebook; BROWSER_TEST_NOTEBOOKS="04_*" narrows the run to some while working on them
 NOTEBOOKS = sorted((ROOT / "notebooks").glob(os.environ.get("BROWSER_TEST_NOTEBOOKS", "*.ipynb")))
@@ -370,13 +372,10 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
 
 
 def format_table(records: list[dict]) -> str:
-    lines = [f"{'notebook':<40}{'run all':>9}  {'widgets changed':<44}{'latency (s)':<16}screenshots"]
-    for r in records:
-        lines.append(f"{r['notebook']:<40}{r['run_all_s'] or 0:>8.1f}s  "
-                     f"{'; '.join(r['widgets_changed']) or '-':<44}"
-                     f"{', '.join(f'{x:.1f}' for x in r['update_latency_s']) or '-':<16}"
-                     f"{', '.join(r['screenshots'])}")
-    return "\n".join(lines)
+    return text_table(["notebook", "run all (s)", "widgets changed", "latency (s)", "screenshots"],
+                      [[r["notebook"], r["run_all_s"] or 0, "; ".join(r["widgets_changed"]) or "-",
+                        ", ".join(f"{x:.1f}" for x in r["update_latency_s"]) or "-", ", ".join(r["screenshots"])]
+                       for r in records], [None, "{:.1f}", None, None, None])
 
 
 def test_every_notebook_runs_and_its_widgets_work_in_jupyterlab(tmp_path, record_property):

@@ -25,6 +25,7 @@ from ..config import ModelConfig
 from ..parallel.cost_model import measured_shape_bytes, real_shape_projections
 from ..parallel.kv_placements import KV_PLACEMENTS
 from ..parallel.locality import attention_routing_of_text, compare_placements, format_placement_table
+from ..plots.tables import text_table
 from ..parallel.measure import bytes_table, context_sweep_specs, pool_table
 from ..parallel.programs import run_parallel, total_bytes, total_traffic
 
@@ -60,14 +61,11 @@ def cost_model_check(specs, runs) -> list[dict]:
 
 
 def format_bytes_table(rows: list[dict]) -> str:
-    lines = [f"{'placement':<21} {'context':>7} {'bytes/step':>11} {'attention':>10} {'ffn':>7} "
-             f"{'attn weights/rank':>17} {'step ms':>8} {'comm ms':>8}"]
-    for row in rows:
-        lines.append(f"{row['kv_placement']:<21} {row['context']:>7} {row['bytes_per_decode_step']:>11.0f} "
-                     f"{row['attention_bytes']:>10.0f} {row['ffn_bytes']:>7.0f} "
-                     f"{row['attention_weight_bytes_per_rank'][0]:>17} {row['decode_step_ms']:>8.1f} "
-                     f"{row['communication_ms']:>8.1f}")
-    return "\n".join(lines)
+    return text_table(
+        ["placement", "context", "bytes/step", "attention", "ffn", "attn weights/rank", "step ms", "comm ms"],
+        [[r["kv_placement"], r["context"], r["bytes_per_decode_step"], r["attention_bytes"], r["ffn_bytes"],
+          r["attention_weight_bytes_per_rank"][0], r["decode_step_ms"], r["communication_ms"]] for r in rows],
+        [None, "{}", "{:.0f}", "{:.0f}", "{:.0f}", "{}", "{:.1f}", "{:.1f}"])
 
 
 def ratios(rows: list[dict]) -> dict[int, float]:
@@ -78,13 +76,12 @@ def ratios(rows: list[dict]) -> dict[int, float]:
 
 
 def format_projections(rows: list[dict]) -> str:
-    lines = [f"{'model':<13} {'placement':<21} {'GPUs':>4} {'link':<18} {'context':>7} {'MB/step':>9} "
-             f"{'attn ms':>8} {'experts ms':>10} {'comm ms':>8} {'step ms':>8}"]
-    for row in rows:
-        lines.append(f"{row['model']:<13} {row['kv_placement']:<21} {row['world_size']:>4} {row['interconnect']:<18} "
-                     f"{row['context']:>7} {sum(row['bytes_per_step'].values()) / 1e6:>9.1f} {row['attention_ms']:>8.3f} "
-                     f"{row['experts_ms']:>10.3f} {row['communication_ms']:>8.3f} {row['step_ms']:>8.3f}")
-    return "\n".join(lines)
+    return text_table(
+        ["model", "placement", "GPUs", "link", "context", "MB/step", "attn ms", "experts ms", "comm ms", "step ms"],
+        [[r["model"], r["kv_placement"], r["world_size"], r["interconnect"], r["context"],
+          sum(r["bytes_per_step"].values()) / 1e6, r["attention_ms"], r["experts_ms"], r["communication_ms"],
+          r["step_ms"]] for r in rows],
+        [None, None, "{}", None, "{}", "{:.1f}", "{:.3f}", "{:.3f}", "{:.3f}", "{:.3f}"])
 
 
 def main(args) -> int:

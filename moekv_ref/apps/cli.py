@@ -136,16 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_routing_stats)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    m = bench_memory.build_parser(bench.add_parser("memory", help="memory designs on the same workloads"))
-    m.set_defaults(func=bench_memory.run_bench_memory)
-    v = bench_eviction.build_parser(bench.add_parser("eviction", help="victim policies under per-device pools"))
-    v.set_defaults(func=bench_eviction.main)
-    s = bench_serving.build_parser(bench.add_parser("serving", help="static vs continuous batching, one budget"))
-    s.set_defaults(func=bench_serving.main)
-    p = bench_parallel.build_parser(bench.add_parser("parallel", help="expert parallelism: bytes per step, placements"))
-    p.set_defaults(func=bench_parallel.main)
-    t = bench_step.build_parser(bench.add_parser("step", help="one decode step's CPU time, optionally against another checkout"))
-    t.set_defaults(func=bench_step.main)
+    benchmarks = [("memory", bench_memory, bench_memory.run_bench_memory, "memory designs on the same workloads"),
+                  ("eviction", bench_eviction, bench_eviction.main, "victim policies under per-device pools"),
+                  ("serving", bench_serving, bench_serving.main, "static vs continuous batching, one budget"),
+                  ("parallel", bench_parallel, bench_parallel.main, "expert parallelism: bytes per step, placements"),
+                  ("step", bench_step, bench_step.main, "one decode step's CPU time, optionally against another checkout")]
+    for name, module, run, help_text in benchmarks:
+        module.build_parser(bench.add_parser(name, help=help_text)).set_defaults(func=run)
     d = demo.build_parser(sub.add_parser("demo", help="serve requests through a small pool (the main demo)"))
     d.set_defaults(func=demo.main)
     f = sub.add_parser("figures", help="regenerate every PNG in figures/")

@@ -53,12 +53,17 @@ from .shard import RankShard
 KV_PLACEMENTS = ("kv_with_expert", "kv_with_sequence", "replicated_attention")
 
 
-class KVWithExpert:
-    name = "kv_with_expert"
+class _PlacedAttention:
+    """What every placement holds: this rank's shard of the weights, the communicator, the rank's
+    pool, and attention_ranks (L, E), the rank of every attention expert."""
 
     def __init__(self, shard: RankShard, comm: Communicator, pool: PagedKVCache, attention_ranks: torch.Tensor):
         self.shard, self.comm, self.pool = shard, comm, pool
         self.attention_ranks = torch.as_tensor(attention_ranks)
+
+
+class KVWithExpert(_PlacedAttention):
+    name = "kv_with_expert"
 
     def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
         config, part = self.shard.config, self.shard.layers[layer]
@@ -77,12 +82,8 @@ class KVWithExpert:
         return combine(self.comm, plan, received, partial, h.shape[0], "attention_combine")
 
 
-class KVWithSequence:
+class KVWithSequence(_PlacedAttention):
     name = "kv_with_sequence"
-
-    def __init__(self, shard: RankShard, comm: Communicator, pool: PagedKVCache, attention_ranks: torch.Tensor):
-        self.shard, self.comm, self.pool = shard, comm, pool
-        self.attention_ranks = torch.as_tensor(attention_ranks)
 
     def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
         config, part, comm = self.shard.config, self.shard.layers[layer], self.comm

@@ -208,18 +208,20 @@ def max_difference(parallel: dict, reference: dict) -> float:
     return max(float((parallel[key] - reference[key]).abs().max()) for key in reference)
 
 
+def _summed_over_ranks(per_rank: list[dict], step: int) -> dict[str, int]:
+    """One step's {name: count} of every rank, summed."""
+    total: dict[str, int] = {}
+    for counts in per_rank:
+        for name, value in counts.get(step, {}).items():
+            total[name] = total.get(name, 0) + value
+    return total
+
+
 def total_bytes(results: list[RankResult], step: int) -> dict[str, int]:
     """Bytes sent to peers at one step, per category, summed over ranks."""
-    total: dict[str, int] = {}
-    for result in results:
-        for category, value in result.bytes.get(step, {}).items():
-            total[category] = total.get(category, 0) + value
-    return total
+    return _summed_over_ranks([result.bytes for result in results], step)
 
 
 def total_traffic(results: list[RankResult], step: int) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for result in results:
-        for name, value in result.traffic.get(step, {}).items():
-            total[name] = total.get(name, 0) + value
-    return total
+    """The runner's counts (tokens dispatched, rows sent, ...) at one step, summed over ranks."""
+    return _summed_over_ranks([result.traffic for result in results], step)

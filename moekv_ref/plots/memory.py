@@ -120,22 +120,20 @@ def _finish_sweep(ax, key: str, title: str | None) -> None:
 
 
 def plot_block_size_sweep(ax, rows: list[dict], key: str = "effective_utilization", title: str | None = None) -> None:
-    for design in sorted({r["design"] for r in rows}):
-        points = [(r["block_size"], r[key]) for r in rows if r["design"] == design]
-        ax.plot(*zip(*points), "o-", label=design)
-    ax.set_xscale("log", base=2)
-    sizes = sorted({r["block_size"] for r in rows})
-    ax.set_xticks(sizes, [str(P) for P in sizes])
-    ax.set_xlabel("block size P (slots per block)")
-    _finish_sweep(ax, key, title)
+    _plot_sweep(ax, rows, "block_size", key, "block size P (slots per block)", title)
 
 
 def plot_num_experts_sweep(ax, rows: list[dict], key: str = "effective_utilization", title: str | None = None) -> None:
+    _plot_sweep(ax, rows, "num_experts", key, f"attention experts per layer E (top-{rows[0]['top_k']})", title)
+
+
+def _plot_sweep(ax, rows: list[dict], x: str, key: str, xlabel: str, title: str | None) -> None:
+    """One line per design: `key` against the powers of two in column `x`."""
     for design in sorted({r["design"] for r in rows}):
-        points = [(r["num_experts"], r[key]) for r in rows if r["design"] == design]
+        points = [(r[x], r[key]) for r in rows if r["design"] == design]
         ax.plot(*zip(*points), "o-", label=design)
     ax.set_xscale("log", base=2)
-    counts = sorted({r["num_experts"] for r in rows})
-    ax.set_xticks(counts, [str(E) for E in counts])
-    ax.set_xlabel(f"attention experts per layer E (top-{rows[0]['top_k']})")
+    values = sorted({r[x] for r in rows})
+    ax.set_xticks(values, [str(v) for v in values])
+    ax.set_xlabel(xlabel)
     _finish_sweep(ax, key, title)
