@@ -8,19 +8,37 @@ fragmentation.
 This module knows nothing about rows, sequences or tensors of K/V: it hands out block ids and takes
 them back. The KV cache manager (kv_cache_manager.py) owns the block tables.
 
+Free blocks come in two kinds:
+
+    plain free     ref_cnt 0, nothing worth keeping: a LIFO stack (`_free_stack`)
+    cached free    ref_cnt 0, but still holding a full block of a known prefix (prefix caching,
+                   prefix_cache.py): an LRU queue (`_cached_free`), least recently freed first
+
+`allocate` takes plain free blocks first and evicts cached-free blocks, least recently used first,
+only when the stack is empty; each evicted block is handed to `on_evict` so the prefix index forgets
+it. `reuse` takes a cached block back (a prefix-cache hit): from the cached-free queue if no one owns
+it, else one more owner. Without prefix caching no block is ever marked cached, the LRU queue stays
+empty, and the pool is exactly a stack.
+
 Invariants, after every public call:
-  * every block id in [0, num_blocks) is either free (ref_cnt == 0, exactly once in the free queue)
-    or in use (ref_cnt >= 1, not in the free queue): num_free_blocks + num_used_blocks == num_blocks;
+  * every block id in [0, num_blocks) is exactly one of: plain free (ref_cnt 0, once in the stack),
+    cached free (ref_cnt 0, cached, once in the LRU queue) or in use (ref_cnt >= 1, in neither):
+    num_free_blocks (both kinds) + num_used_blocks == num_blocks;
   * a call that raises leaves the pool exactly as it was.
 
-Why the free queue is a tensor stack and not vLLM's doubly linked list: vLLM must remove blocks from
-the middle of its queue when a cached prefix is hit again (prefix caching). We do not cache prefixes,
-so blocks only enter and leave at one end, and a stack held in a tensor lets `allocate(n)` take n
-blocks with one slice -- the simulator allocates thousands of blocks per step. Freed blocks are
-reused last-in first-out: the most recently freed blocks are the ones most likely still in a cache.
+Why the plain free queue is a tensor stack and not vLLM's doubly linked list: vLLM keeps every free
+block, cached or not, in one queue from which a hit removes blocks in the middle. Most blocks here are
+never cached (a partial tail, or no prefix caching at all), so they enter and leave at one end, and a
+stack held in a tensor lets `allocate(n)` take n blocks with one slice -- the simulator allocates
+thousands of blocks per step. Only cached blocks need the LRU order and removal from the middle, and
+an OrderedDict gives both. Plain freed blocks are reused last-in first-out: the most recently freed
+blocks are the ones most likely still in a hardware cache.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
 
 import torch
 
@@ -51,19 +69,32 @@ class BlockPool:
         self._free_stack = order.flip(0).clone()                       # (N,) int64
         self._num_free = num_blocks
         self.ref_cnt = torch.zeros(num_blocks, dtype=torch.int32)      # (N,) owners of each block
+        # prefix caching only: blocks holding a full block of a known prefix, and the cached blocks
+        # no one owns, least recently freed first (evicted in that order when the stack runs out)
+        self.is_cached = torch.zeros(num_blocks, dtype=torch.bool)      # (N,)
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
+        self.on_evict: Callable[[list[int]], None] | None = None       # told which cached blocks left
+        self.num_evicted_cached_blocks = 0
 
     # ----- queries -------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return self._num_free
+        """Blocks `allocate` can hand out: plain free and cached free."""
+        return self._num_free + len(self._cached_free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._cached_free)
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self._num_free
 
     def free_block_ids(self) -> torch.Tensor:
-        """The free block queue, next to be handed out first. (num_free,) int64, a copy."""
-        return self._free_stack[: self._num_free].flip(0).clone()
+        """The free block queue, next to be handed out first: the plain free stack, then the cached
+        free blocks, least recently used first. (num_free,) int64, a copy."""
+        cached = torch.tensor(list(self._cached_free), dtype=torch.int64)
+        return torch.cat([self._free_stack[: self._num_free].flip(0), cached])
 
     # ----- allocate / free -----------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> torch.Tensor:
@@ -71,15 +102,44 @@ class BlockPool:
         int64 block ids, in the order they were handed out."""
         if num_blocks < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({num_blocks})")
-        if num_blocks > self._num_free:
+        if num_blocks > self.num_free_blocks:
             raise OutOfBlocksError(
-                f"need {num_blocks} blocks but only {self._num_free} of {self.num_blocks} are free"
+                f"need {num_blocks} blocks but only {self.num_free_blocks} of {self.num_blocks} are free"
             )
         top = self._num_free
-        block_ids = self._free_stack[top - num_blocks: top].flip(0).clone()
-        self._num_free = top - num_blocks
+        from_stack = min(num_blocks, top)
+        block_ids = self._free_stack[top - from_stack: top].flip(0).clone()
+        self._num_free = top - from_stack
+        if num_blocks > from_stack:                 # evict cached-free blocks, least recently used first
+            evicted = [self._cached_free.popitem(last=False)[0] for _ in range(num_blocks - from_stack)]
+            self.is_cached[evicted] = False
+            self.num_evicted_cached_blocks += len(evicted)
+            if self.on_evict is not None:
+                self.on_evict(evicted)
+            block_ids = torch.cat([block_ids, torch.tensor(evicted, dtype=torch.int64)])
         self.ref_cnt[block_ids] = 1
         return block_ids
+
+    def mark_cached(self, block_ids) -> None:
+        """Blocks in use that now hold a full block of a known prefix: when their last owner frees
+        them they wait in the cached-free queue instead of the stack."""
+        block_ids = self._checked_ids(block_ids)
+        if (self.ref_cnt[block_ids] <= 0).any():
+            raise ValueError("mark_cached of a free block: only blocks in use are registered")
+        self.is_cached[block_ids] = True
+
+    def reuse(self, block_ids) -> None:
+        """One more owner for each cached block (a prefix-cache hit): a cached-free one leaves the
+        LRU queue. Raises ValueError, pool unchanged, for a block that is not cached or repeated."""
+        block_ids = self._checked_ids(block_ids)
+        if block_ids.unique().numel() != block_ids.numel():
+            raise ValueError("reuse: block ids must be distinct")
+        if not self.is_cached[block_ids].all():
+            bad = int(block_ids[~self.is_cached[block_ids]][0])
+            raise ValueError(f"reuse of block {bad}, which holds no cached prefix")
+        for block in block_ids[self.ref_cnt[block_ids] == 0].tolist():
+            del self._cached_free[block]
+        self.ref_cnt[block_ids] += 1
 
     def incref(self, block_ids: torch.Tensor) -> None:
         """Add an owner to blocks already in use (sharing, e.g. a forked sequence)."""
@@ -115,6 +175,10 @@ class BlockPool:
         first = first.scatter_reduce(0, inverse, torch.arange(block_ids.numel()), reduce="amin")
         released = (remaining == 0).nonzero().squeeze(1)                              # (r,)
         released = unique_ids[released[first[released].argsort()]]
+        cached = self.is_cached[released]
+        for block in released[cached].tolist():       # most recently used: the end of the LRU queue
+            self._cached_free[block] = None
+        released = released[~cached]
         top = self._num_free
         self._free_stack[top: top + released.numel()] = released
         self._num_free = top + released.numel()
@@ -131,11 +195,15 @@ class BlockPool:
     # ----- checking --------------------------------------------------------------------------------
     def assert_consistent(self) -> None:
         """Check the invariants in the module docstring; raise AssertionError naming the broken one."""
-        free = self._free_stack[: self._num_free]
-        assert free.unique().numel() == free.numel(), "a block is in the free queue twice"
-        assert (self.ref_cnt[free] == 0).all(), "a block in the free queue has owners"
+        stack = self._free_stack[: self._num_free]
+        cached = torch.tensor(list(self._cached_free), dtype=torch.int64)
+        free = torch.cat([stack, cached])
+        assert free.unique().numel() == free.numel(), "a block is in the free queues twice"
+        assert (self.ref_cnt[free] == 0).all(), "a block in a free queue has owners"
+        assert not self.is_cached[stack].any(), "a cached block is in the plain free stack"
+        assert self.is_cached[cached].all(), "a block in the cached-free queue is not cached"
         assert (self.ref_cnt >= 0).all(), "negative ref_cnt"
         num_used = int((self.ref_cnt > 0).sum())
-        assert num_used + self._num_free == self.num_blocks, (
-            f"leak: {num_used} used + {self._num_free} free != {self.num_blocks} blocks"
+        assert num_used + free.numel() == self.num_blocks, (
+            f"leak: {num_used} used + {free.numel()} free != {self.num_blocks} blocks"
         )

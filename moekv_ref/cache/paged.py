@@ -56,6 +56,7 @@ from ..attention import attend_by_position
 from ..backends import require_backend
 from ..config import ModelConfig
 from .kv_cache_manager import KVCacheManager, check_block_size
+from .prefix_cache import PrefixCachingKVCacheManager
 from .shared_tail_manager import SharedTailKVCacheManager
 
 ATTENTION_PATHS = ("reference", "batched", "triton")
@@ -88,6 +89,8 @@ class PagedKVCache:
              (SharedTailKVCacheManager) instead of a private last block; the K/V moves it asks for
              are applied before new tokens are written. Not with "triton": the kernels read a row
              through its block table only, and shared tails live outside it.
+    enable_prefix_caching: full blocks outlive their sequences and a request with the same first
+             tokens reuses them (PrefixCachingKVCacheManager, prefix_cache.py). One pool, plain pages.
     blocks_per_device, device_of_expert: per-device pools (DeviceKVCacheManager): D ints of blocks,
              their sum the pool (num_blocks must be that sum), and each expert's device, (E,) or
              (L, E); a row takes blocks only from its expert's device. append_kv and attend are
@@ -97,7 +100,7 @@ class PagedKVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  shuffle_seed: int | None = None, attention: str = "batched", shared_tails: bool = False,
-                 blocks_per_device=None, device_of_expert=None):
+                 blocks_per_device=None, device_of_expert=None, enable_prefix_caching: bool = False):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS}")
         if shared_tails and attention == "triton":
@@ -115,6 +118,11 @@ class PagedKVCache:
                 f"{minimum} blocks (num_hidden_layers={L} x num_attention_experts_per_tok={K}); "
                 f"allow at least {minimum}"
             )
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r} must be True or False")
+        if enable_prefix_caching and (shared_tails or blocks_per_device is not None):
+            raise ValueError("enable_prefix_caching=True works on one pool of plain pages: not with "
+                             "shared_tails=True or per-device pools (blocks_per_device)")
         self.config = config
         self.attention = attention
         if (blocks_per_device is None) != (device_of_expert is None):
@@ -122,6 +130,8 @@ class PagedKVCache:
         if blocks_per_device is not None:
             self.manager = self._device_manager(config, num_blocks, block_size, blocks_per_device,
                                                 device_of_expert, shuffle_seed, shared_tails)
+        elif enable_prefix_caching:
+            self.manager = PrefixCachingKVCacheManager(L, E, block_size, num_blocks, shuffle_seed)
         else:
             manager_class = SharedTailKVCacheManager if shared_tails else KVCacheManager
             self.manager = manager_class(L, E, block_size, num_blocks, shuffle_seed)
@@ -159,7 +169,8 @@ class PagedKVCache:
     def for_model(cls, model, block_size: int = 16, num_blocks: int | None = None,
                   max_num_seqs: int = 8, shuffle_seed: int | None = None,
                   attention: str | None = None, shared_tails: bool = False,
-                  blocks_per_device=None, device_of_expert=None) -> "PagedKVCache":
+                  blocks_per_device=None, device_of_expert=None,
+                  enable_prefix_caching: bool = False) -> "PagedKVCache":
         """A cache in the model's dtype and device. attention=None follows the model's backend
         ("triton" for a model built with backend="triton", else "batched"). Without num_blocks, the
         pool holds the worst case of max_num_seqs sequences of max_position_embeddings tokens (every
@@ -174,7 +185,7 @@ class PagedKVCache:
             attention = "triton" if model.backend == "triton" else "batched"
         parameter = next(model.parameters())
         return cls(config, num_blocks, block_size, parameter.dtype, parameter.device, shuffle_seed,
-                   attention, shared_tails, blocks_per_device, device_of_expert)
+                   attention, shared_tails, blocks_per_device, device_of_expert, enable_prefix_caching)
 
     # ----- verb 1: bookkeeping and store ----------------------------------------------------------
     def append_kv(self, layer: int, seq_ids, experts, positions, k, v) -> AppendedRows:
@@ -212,6 +223,8 @@ class PagedKVCache:
         self._apply_moves(allocation.moves)
         slots = torch.empty(n, dtype=torch.int64)
         slots[order] = allocation.slot_mapping                                        # (n,) per pair
+        if getattr(manager, "enable_prefix_caching", False):
+            manager.record_positions(slots, positions)      # which chunks each block spans
         self._store(k, v, slots)
         context_lens = manager.num_computed_tokens[rows]                              # (m,)
         group = torch.repeat_interleave(torch.arange(rows.numel()), num_new)          # (n,) sorted

@@ -29,7 +29,7 @@ import torch
 
 from ..cache.paged import PagedKVCache
 from ..model import MoEKVTransformer
-from .swap import SWAP_IN, SWAP_OUT, BlockCopy
+from .swap import COPY, SWAP_IN, SWAP_OUT, BlockCopy
 
 
 @dataclass
@@ -79,7 +79,8 @@ class ModelRunner:
         self.host_value_cache = torch.zeros(shape, dtype=cache.value_cache.dtype, device="cpu")
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
-        """Perform swap copies in order: SWAP_OUT device -> host, SWAP_IN host -> device."""
+        """Perform block copies in order: SWAP_OUT device -> host, SWAP_IN host -> device, COPY device ->
+        device (copy-on-write of a prefix-cache hit's straddling blocks)."""
         device = self.cache.key_cache.device
         for copy in copies:
             source, destination = copy.source.to(torch.int64), copy.destination.to(torch.int64)
@@ -89,6 +90,10 @@ class ModelRunner:
             elif copy.direction == SWAP_IN:
                 self.cache.key_cache[destination.to(device)] = self.host_key_cache[source].to(device)
                 self.cache.value_cache[destination.to(device)] = self.host_value_cache[source].to(device)
+            elif copy.direction == COPY:
+                source, destination = source.to(device), destination.to(device)
+                self.cache.key_cache[destination] = self.cache.key_cache[source]
+                self.cache.value_cache[destination] = self.cache.value_cache[source]
             else:
                 raise ValueError(f"unknown block copy direction {copy.direction!r}")
 

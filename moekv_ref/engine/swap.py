@@ -33,13 +33,14 @@ from ..cache.kv_cache_manager import KVCacheManager
 
 SWAP_OUT = "swap_out"     # device blocks -> host blocks
 SWAP_IN = "swap_in"       # host blocks -> device blocks
+COPY = "copy"             # device blocks -> device blocks (copy-on-write of a prefix-cache hit)
 
 
 class BlockCopy(NamedTuple):
     """One copy the model runner performs before the forward: block source[i] -> destination[i]."""
-    direction: str               # SWAP_OUT or SWAP_IN
-    source: torch.Tensor         # (b,) int64 block ids (device for SWAP_OUT, host for SWAP_IN)
-    destination: torch.Tensor    # (b,) int64 block ids (host for SWAP_OUT, device for SWAP_IN)
+    direction: str               # SWAP_OUT, SWAP_IN or COPY
+    source: torch.Tensor         # (b,) int64 block ids (device for SWAP_OUT and COPY, host for SWAP_IN)
+    destination: torch.Tensor    # (b,) int64 block ids (host for SWAP_OUT, device for SWAP_IN and COPY)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class SwappedSequence:
     """What swap_out leaves behind: host block ids and the token count of each of the L * E rows."""
     host_block_ids: torch.Tensor      # (b,) int64, in the order of blocks_of_sequence
     token_counts: torch.Tensor        # (L * E,) int64, layer-major
+    positions: torch.Tensor | None = None   # (b, P) each slot's token position (prefix caching only)
 
 
 class SwapSpace:
@@ -73,7 +75,9 @@ class SwapSpace:
         device_blocks = self.manager.blocks_of_sequence(seq_id)                        # (b,)
         counts = self.manager.token_counts([seq_id])[0].reshape(-1)                    # (L*E,)
         host_blocks = self.pool.allocate(device_blocks.numel())                        # may raise
-        self.swapped[seq_id] = SwappedSequence(host_blocks, counts)
+        positions = getattr(self.manager, "block_positions", None)
+        self.swapped[seq_id] = SwappedSequence(host_blocks, counts,
+                                               None if positions is None else positions[device_blocks].clone())
         self.manager.free(seq_id)
         return BlockCopy(SWAP_OUT, device_blocks, host_blocks)
 
@@ -97,6 +101,8 @@ class SwapSpace:
         manager.allocate_slots(rows, saved.token_counts)
         device_blocks = manager.blocks_of_sequence(seq_id)                             # (b,) new ids
         assert device_blocks.numel() == saved.host_block_ids.numel()
+        if saved.positions is not None:
+            manager.block_positions[device_blocks] = saved.positions
         self.pool.free(saved.host_block_ids)
         del self.swapped[seq_id]
         return BlockCopy(SWAP_IN, saved.host_block_ids, device_blocks)

@@ -1,0 +1,359 @@
+"""Prefix caching over per-expert KV caches: a new request reuses the full blocks an earlier request
+with the same first tokens left in its (layer, expert) rows.
+
+Why an equal prefix gives equal rows. Token-choice routing is causal: the experts token t goes to at
+layer l depend only on tokens 0..t (the router reads the hidden state at t, which attends only to
+the past). So two sequences whose first p tokens are equal send those tokens to the same experts, and
+the K/V they store are the same numbers: in every (layer, expert) row, the entries with position < p
+are equal, in the same order, hence in the same blocks at the same offsets.
+
+Why that is not enough to skip tokens. A new request does not know its routing before it runs, and
+recomputing a token recomputes *all* its rows (it passes every layer). So the request may start at s
+(skip tokens 0..s-1) only if, in every row, every entry with position < s is available: with rows of
+different densities, row (l, e) may have its 40th entry at position 150 and row (l, e') its 9th. The
+cache must know, for a candidate s, how many entries each row has below s. We keep that as *chunk
+records*: the prompt is cut into chunks of C = P tokens, and for each chunk we store, under the
+hash-chain key of the prefix that ends with it, how many of its tokens went to each of the L * E
+rows. A request's own tokens give its chain keys; the records found for its first i chunks give,
+row by row, its entries below s = i * C (the cumulative counts).
+
+    chunk keys   key_i = blake2b(key_{i-1} || tokens[i*C:(i+1)*C])      (16 bytes; key_-1 = b"")
+    block keys   (layer * E + expert, j, key_m)  for a full block, j-th of its row, registered under
+                 every complete chunk m its entries span, first entry's chunk to last entry's chunk
+
+Looking up s = i * C, row r holding c_r = cum_counts[i-1, r] entries below s needs its blocks
+0 .. ceil(c_r / P) - 1:
+
+    full below s   block j with (j + 1) * P <= c_r: found under key_m, m the chunk of its last entry
+                   (all its entries are below s): shared, one more owner
+    straddling s   block j = c_r // P when c_r % P > 0: its first c_r % P entries are below s, the rest
+                   are the producer's, not the request's. Found under key_{i-1} (it spans chunk i-1),
+                   it is *copied* (copy-on-write) into a fresh block whose first c_r % P slots the
+                   request keeps; the request's own tokens then fill the rest.
+
+A key (r, j, key_m) matches only when the producer's first (m + 1) * C tokens equal the request's,
+so by causality its entries with position < (m + 1) * C are the request's own: the lookup never
+returns a block whose needed entries differ. Keys are cryptographic hashes of the token bytes (never
+Python's salted `hash`), chained so that equal keys mean equal prefixes.
+
+Why copy the straddling block rather than lower s. Rows fill at different rates, so some row almost
+always has a block that straddles any s; lowering s until no row straddles would usually reach 0. A
+copy costs one block and one block copy per straddling row, at most L * E per request. A partial
+block is never shared: the producer keeps appending to its own tail, and the new request to its
+copy. s is the largest multiple of C for which every needed block is found (validity is monotone:
+a smaller s needs a subset), and at most len(tokens) - 1: the last token always runs, its logits
+are sampled from.
+
+Cached blocks live on in the pool after their sequences end: ref_cnt 0 but marked cached, in the
+pool's LRU queue (block_pool.py), until a request reuses them or the pool evicts them for a new
+block (least recently used first). Chunk records are kept in an LRU of bounded size; a missing
+record only shortens a hit, never makes one wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_pool import OutOfBlocksError
+from .kv_cache_manager import KVCacheManager
+from .rows import ceil_div
+
+DIGEST_BYTES = 16
+
+
+def chain_keys(token_ids, chunk_size: int, previous: bytes = b"") -> list[bytes]:
+    """The hash-chain keys of the complete chunks of `token_ids`: key_i = blake2b(key_{i-1} ||
+    int64 bytes of chunk i). previous: the key of the chunk before the first one given (b"": none)."""
+    keys = []
+    for start in range(0, len(token_ids) - chunk_size + 1, chunk_size):
+        digest = hashlib.blake2b(previous, digest_size=DIGEST_BYTES)
+        digest.update(array("q", token_ids[start: start + chunk_size]).tobytes())
+        previous = digest.digest()
+        keys.append(previous)
+    return keys
+
+
+@dataclass
+class PrefixHit:
+    """What a lookup found for a request: start at `num_tokens`.
+
+    row_counts    (L*E,) int64: entries of each row below num_tokens
+    shared        (b,) int64 block ids shared as they are, with shared_rows / shared_columns (b,):
+                  the row (layer * E + expert) and the column of the block table they go to
+    cow_source    (c,) int64 blocks straddling num_tokens, copied; cow_rows (c,) their rows (their
+                  column is row_counts // P)
+    num_free_taken  blocks the hit takes from the pool's free count (shared cached-free ones + copies)
+    """
+    num_tokens: int = 0
+    row_counts: torch.Tensor | None = None
+    shared: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    shared_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    shared_columns: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    cow_source: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    cow_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    num_free_taken: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.shared.numel() + self.cow_source.numel())
+
+
+@dataclass
+class PrefixCacheStats:
+    num_lookups: int = 0
+    num_lookup_tokens: int = 0        # tokens of the requests looked up (prompt, or all so far)
+    num_hit_tokens: int = 0           # tokens skipped (sum of s)
+    num_shared_blocks: int = 0        # full blocks reused as they are
+    num_cow_blocks: int = 0           # straddling blocks copied
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class PrefixCachingKVCacheManager(KVCacheManager):
+    """A KVCacheManager whose full blocks outlive their sequences and are found again by prefix.
+
+    Extra state: block_positions (N, P) int64, the position of the token at each slot (set as slots
+    are written, copied with copy-on-write and swaps): what tells which chunks a block spans; the
+    index (block keys <-> blocks, chunk records); per held sequence, its chain keys and how far its
+    blocks are registered.
+
+    Invariants (beyond the base ones, with sharing: ref_cnt == number of rows listing the block):
+      * a block listed by several rows is full in each, at the same (layer, expert) and column;
+      * every key maps to a cached block, and a cached block's keys are all in the index;
+      * cached blocks with no owner are exactly the pool's cached-free queue.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, block_size: int, num_blocks: int,
+                 shuffle_seed: int | None = None, initial_num_seqs: int = 4, initial_blocks_per_row: int = 4,
+                 max_chunk_records: int | None = None):
+        super().__init__(num_layers, num_experts, block_size, num_blocks, shuffle_seed, initial_num_seqs,
+                         initial_blocks_per_row)
+        self.enable_prefix_caching = True
+        self.chunk_size = block_size
+        self.block_positions = torch.full((num_blocks, block_size), -1, dtype=torch.int64)   # (N, P)
+        self._block_of_key: dict[tuple[int, int, bytes], int] = {}
+        self._keys_of_block: dict[int, list[tuple[int, int, bytes]]] = {}
+        self._chunk_counts: OrderedDict[bytes, torch.Tensor] = OrderedDict()   # key -> (L*E,) int64
+        self.max_chunk_records = max_chunk_records or max(64, num_blocks)
+        # per held sequence: [chain keys, chunks recorded, full blocks registered per row (L*E,)]
+        self._seq_state: dict[int, list] = {}
+        self.pool.on_evict = self._forget_blocks
+        self.stats = PrefixCacheStats()
+
+    # ----- positions ------------------------------------------------------------------------------
+    def record_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Remember the position of the token written at each slot: (n,) each."""
+        self.block_positions.view(-1)[slots] = positions
+
+    # ----- registration (after a step computed tokens) ----------------------------------------------
+    def cache_computed_blocks(self, seq_id: int, token_ids: list[int]) -> int:
+        """Make the sequence's computed prefix findable: record the routing counts of every newly
+        complete chunk and register every full block under the keys of the complete chunks it spans.
+        token_ids: the tokens whose K/V the cache holds (positions 0 .. len - 1). Returns the number
+        of blocks newly registered."""
+        P = C = self.block_size
+        index = self.seq_index(seq_id)
+        state = self._seq_state.setdefault(int(seq_id), [[], 0, torch.zeros(self.rows_per_seq, dtype=torch.int64)])
+        keys, num_recorded, registered_full = state
+        num_complete = len(token_ids) // C
+        if num_complete > len(keys):
+            keys += chain_keys(token_ids[len(keys) * C: num_complete * C], C, keys[-1] if keys else b"")
+        rows = self.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
+        counts = self.num_computed_tokens[rows]                                             # (R,)
+        if num_complete > num_recorded:
+            self._record_chunks(rows, counts, keys, num_recorded, num_complete)
+            state[1] = num_complete
+        num_full = counts // P                                                              # (R,)
+        newly_cached = []
+        # blocks with something new to register: newly full, or spanning a newly complete chunk
+        for r in (num_full > 0).nonzero().squeeze(1).tolist():
+            blocks = self.block_tables[rows[r], : int(num_full[r])].to(torch.int64)         # (f,)
+            first_chunk = (self.block_positions[blocks, 0] // C).tolist()
+            last_chunk = (self.block_positions[blocks, P - 1] // C).tolist()
+            for j, block in enumerate(blocks.tolist()):
+                start = first_chunk[j] if j >= int(registered_full[r]) else max(first_chunk[j], num_recorded)
+                for m in range(start, min(last_chunk[j], num_complete - 1) + 1):
+                    key = (r, j, keys[m])
+                    if key not in self._block_of_key:
+                        self._block_of_key[key] = block
+                        self._keys_of_block.setdefault(block, []).append(key)
+                        newly_cached.append(block)
+        state[2] = num_full.clone()
+        newly_cached = sorted(set(newly_cached))
+        if newly_cached:
+            self.pool.mark_cached(torch.tensor(newly_cached, dtype=torch.int64))
+        return len(newly_cached)
+
+    def _record_chunks(self, rows, counts, keys, first: int, end: int) -> None:
+        """Chunk records for chunks first .. end - 1: entries of each row per chunk."""
+        C = self.chunk_size
+        slots, valid = self.padded_slots(rows)                                              # (R, Lmax)
+        chunk = self.block_positions.view(-1)[slots] // C                                   # (R, Lmax)
+        keep = valid & (chunk >= first) & (chunk < end)
+        row_of = torch.arange(rows.numel())[:, None].expand_as(chunk)                       # (R, Lmax)
+        per_chunk = torch.zeros(end - first, rows.numel(), dtype=torch.int64)               # (k, R)
+        per_chunk.index_put_((chunk[keep] - first, row_of[keep]), torch.ones(int(keep.sum()), dtype=torch.int64),
+                             accumulate=True)
+        for i in range(first, end):
+            self._chunk_counts[keys[i]] = per_chunk[i - first].clone()
+            self._chunk_counts.move_to_end(keys[i])
+        while len(self._chunk_counts) > self.max_chunk_records:
+            self._chunk_counts.popitem(last=False)
+
+    def _forget_blocks(self, blocks: list[int]) -> None:
+        """The pool evicted these cached-free blocks: drop their keys."""
+        for block in blocks:
+            for key in self._keys_of_block.pop(block, []):
+                del self._block_of_key[key]
+
+    # ----- lookup ---------------------------------------------------------------------------------
+    def find_cached_prefix(self, token_ids: list[int]) -> PrefixHit:
+        """The longest usable cached prefix of a request with these tokens (see the module
+        docstring); PrefixHit() (num_tokens 0) when none. Changes nothing but LRU order of chunk
+        records."""
+        C = self.chunk_size
+        max_chunks = (len(token_ids) - 1) // C               # the last token always runs
+        keys = chain_keys(token_ids[: max_chunks * C], C)
+        counts = []
+        for key in keys:
+            record = self._chunk_counts.get(key)
+            if record is None:
+                break
+            self._chunk_counts.move_to_end(key)
+            counts.append(record)
+        if not counts:
+            return PrefixHit()
+        cumulative = torch.stack(counts).cumsum(0)                                         # (I, R)
+        low, high, best = 1, len(counts), None                # validity is monotone in i: bisect
+        while low <= high:
+            middle = (low + high) // 2
+            hit = self._hit_at(keys, cumulative, middle)
+            if hit is None:
+                high = middle - 1
+            else:
+                best, low = hit, middle + 1
+        return best if best is not None else PrefixHit()
+
+    def _hit_at(self, keys, cumulative, i: int) -> PrefixHit | None:
+        """The hit for s = i * C, or None if some needed block is not cached."""
+        P = self.block_size
+        row_counts = cumulative[i - 1]                                                      # (R,)
+        shared, shared_rows, shared_columns, cow, cow_rows = [], [], [], [], []
+        for r in (row_counts > 0).nonzero().squeeze(1).tolist():
+            count = int(row_counts[r])
+            num_full = count // P
+            if num_full:
+                last_entries = torch.arange(num_full) * P + P - 1                           # (f,)
+                chunks = torch.searchsorted(cumulative[:i, r].contiguous(), last_entries, right=True)
+                for j, m in enumerate(chunks.tolist()):
+                    block = self._block_of_key.get((r, j, keys[m]))
+                    if block is None:
+                        return None
+                    shared.append(block)
+                    shared_rows.append(r)
+                    shared_columns.append(j)
+            if count % P:
+                block = self._block_of_key.get((r, num_full, keys[i - 1]))
+                if block is None:
+                    return None
+                cow.append(block)
+                cow_rows.append(r)
+        shared_t = torch.tensor(shared, dtype=torch.int64)
+        num_free_taken = int((self.pool.ref_cnt[shared_t] == 0).sum()) + len(cow)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64)   # noqa: E731
+        return PrefixHit(i * self.chunk_size, row_counts.clone(), shared_t, as_tensor(shared_rows),
+                         as_tensor(shared_columns), as_tensor(cow), as_tensor(cow_rows), num_free_taken)
+
+    def apply_prefix_hit(self, seq_id: int, hit: PrefixHit) -> tuple[torch.Tensor, torch.Tensor]:
+        """Give a new sequence its rows from a hit: shared blocks gain an owner, each straddling block
+        is copied into a fresh block (copy-on-write). Returns (source, destination) block ids of the
+        copies, which must run before anything writes the destinations. Raises OutOfBlocksError,
+        changing nothing, when the pool lacks the copies' blocks."""
+        P = self.block_size
+        if hit.num_tokens == 0:
+            raise ValueError("apply_prefix_hit of an empty hit: nothing to apply")
+        if self.holds(seq_id):
+            raise ValueError(f"sequence {seq_id} is already in the cache")
+        found = torch.cat([hit.shared, hit.cow_source])
+        if not self.pool.is_cached[found].all():
+            raise ValueError("the hit lists blocks that are no longer cached: look up again")
+        available = self.pool.num_free_blocks - int((self.pool.ref_cnt[found] == 0).sum())
+        if hit.cow_source.numel() > available:
+            raise OutOfBlocksError(f"the hit's {hit.cow_source.numel()} copies need blocks; {available} are "
+                                   "free beside the blocks it reuses")
+        index = self.add_sequence(seq_id)
+        self.pool.reuse(hit.shared)
+        self.pool.reuse(hit.cow_source)                # pinned: the copies' allocation cannot evict them
+        destination = self.pool.allocate(hit.cow_source.numel())
+        self.pool.free(hit.cow_source)
+        rows = self.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
+        widest = int(ceil_div(hit.row_counts, P).max())
+        if widest > self.block_tables.shape[1]:
+            self._grow_tables(widest)
+        self.block_tables[rows[hit.shared_rows], hit.shared_columns] = hit.shared.to(torch.int32)
+        self.block_tables[rows[hit.cow_rows], hit.row_counts[hit.cow_rows] // P] = destination.to(torch.int32)
+        self.block_positions[destination] = self.block_positions[hit.cow_source]
+        self.num_computed_tokens[rows] = hit.row_counts
+        held = (hit.row_counts > 0).nonzero().squeeze(1)                                   # (h,)
+        last = hit.row_counts[held] - 1
+        last_block = self.block_tables[rows[held], last // P].to(torch.int64)
+        self.last_position[rows[held]] = self.block_positions[last_block, last % P]
+        stats = self.stats
+        stats.num_hit_tokens += hit.num_tokens
+        stats.num_shared_blocks += hit.shared.numel()
+        stats.num_cow_blocks += hit.cow_source.numel()
+        return hit.cow_source.clone(), destination
+
+    def count_lookup(self, num_tokens: int) -> None:
+        """Statistics: a request of num_tokens tokens was looked up (hit or not)."""
+        self.stats.num_lookups += 1
+        self.stats.num_lookup_tokens += int(num_tokens)
+
+    # ----- freeing --------------------------------------------------------------------------------
+    def free(self, seq_id: int) -> None:
+        """As KVCacheManager.free; cached blocks whose last owner leaves stay findable until evicted."""
+        super().free(seq_id)
+        self._seq_state.pop(int(seq_id), None)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by prefix (in use or cached-free)."""
+        return len(self._keys_of_block)
+
+    # ----- checking --------------------------------------------------------------------------------
+    def assert_consistent(self) -> None:
+        P = self.block_size
+        pool = self.pool
+        pool.assert_consistent()
+        num_used = self._table_blocks(self.num_computed_tokens)                              # (R,)
+        used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]                  # (R, W)
+        assert (self.block_tables[~used] == self.pad).all(), "a table entry past a row's blocks is set"
+        row, column = used.nonzero(as_tuple=True)
+        owned = self.block_tables[row, column].to(torch.int64)
+        assert (owned < self.num_blocks).all(), "a row's used table entry is padding"
+        owners = torch.bincount(owned, minlength=self.num_blocks)
+        assert torch.equal(owners.to(torch.int32), pool.ref_cnt), "ref_cnt != number of rows listing the block"
+        distinct = owned.unique()
+        assert distinct.numel() + pool.num_free_blocks == self.num_blocks, "free + owned != total"
+        shared = owners[owned] > 1
+        full = self.num_computed_tokens[row] >= (column + 1) * P
+        assert full[shared].all(), "a partly filled block is shared (copy-on-write broken)"
+        where = (row % self.rows_per_seq) * self.block_tables.shape[1] + column              # (r_le, column)
+        first = torch.full((self.num_blocks,), -1, dtype=torch.int64).scatter_(0, owned, where)
+        assert (first[owned] == where).all(), "a block is listed at two different (layer, expert, column)"
+        for key, block in self._block_of_key.items():
+            assert key in self._keys_of_block.get(block, []), f"key of block {block} missing from its list"
+        assert sum(map(len, self._keys_of_block.values())) == len(self._block_of_key), "stale block keys"
+        cached = torch.zeros(self.num_blocks, dtype=torch.bool)
+        cached[list(self._keys_of_block)] = True
+        assert torch.equal(cached, pool.is_cached), "pool's cached marks != blocks with keys"
+        live = torch.zeros(self.num_computed_tokens.numel() // self.rows_per_seq, dtype=torch.bool)
+        live[list(self._seq_index.values())] = True
+        idle_rows = (~live).repeat_interleave(self.rows_per_seq)
+        assert (self.num_computed_tokens[idle_rows] == 0).all(), "a free sequence slot holds tokens"

@@ -1,0 +1,238 @@
+"""Prefix caching over per-expert rows (cache/prefix_cache.py): exact block ids of a hit, a
+copy-on-write and an LRU eviction; random programs keep reference counts and ownership exact; the
+engine gives the same tokens with and without the cache, under both routings."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pytest
+
+from moekv_ref.cache.block_pool import BlockPool, OutOfBlocksError
+from moekv_ref.cache.prefix_cache import PrefixCachingKVCacheManager, chain_keys
+
+
+def append_tokens(manager, seq_id, start, routing):
+    """Append tokens at positions start, start + 1, ... of one sequence, token t going to the experts
+    routing[t][layer] (a list per layer), as the paged cache's append_kv does: one allocation per
+    layer, rows in ascending order, then the tokens' positions recorded. Returns the slots per layer."""
+    if not manager.holds(seq_id):
+        manager.add_sequence(seq_id)
+    for layer in range(manager.num_layers):
+        pairs = [(e, start + t) for t, experts in enumerate(routing) for e in experts[layer]]
+        experts = torch.tensor([e for e, _ in pairs], dtype=torch.int64)
+        positions = torch.tensor([p for _, p in pairs], dtype=torch.int64)
+        pair_rows = manager.rows(torch.full_like(experts, seq_id), layer, experts)
+        order = torch.argsort(pair_rows, stable=True)
+        rows, num_new = torch.unique_consecutive(pair_rows[order], return_counts=True)
+        allocation = manager.allocate_slots(rows, num_new)
+        slots = torch.empty_like(order)
+        slots[order] = allocation.slot_mapping
+        first = torch.cumsum(num_new, 0) - num_new
+        manager.last_position[rows] = positions[order][first + num_new - 1]
+        manager.record_positions(slots, positions)
+
+
+def table(manager, seq_id, row):
+    """Block ids of one row (layer * E + expert) of a sequence."""
+    r = manager.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0][row]
+    n = -(-int(manager.num_computed_tokens[r]) // manager.block_size)
+    return manager.block_tables[r, :n].tolist()
+
+
+def test_chain_keys_are_a_chain_of_the_whole_prefix():
+    keys = chain_keys([1, 2, 3, 4, 5], 2)
+    assert len(keys) == 2 and len(keys[0]) == 16                     # the incomplete chunk has no key
+    assert chain_keys([1, 2, 3, 4], 2, b"") == keys
+    assert chain_keys([3, 4], 2, keys[0]) == keys[1:]
+    assert chain_keys([9, 2, 3, 4], 2)[1] != keys[1]                  # an earlier token changes later keys
+
+
+def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
+    # one layer, two experts, blocks of 2 slots (chunks of 2 tokens), 8 blocks handed out 0, 1, 2, ...
+    manager = PrefixCachingKVCacheManager(1, 2, 2, 8)
+    producer = [10, 11, 12, 13, 14, 15, 16, 17]
+    route = [[[0]], [[0]], [[1]], [[0]], [[1]], [[1]], [[0]], [[1]]]    # token t -> expert, top-1
+    append_tokens(manager, 0, 0, route)
+    # expert 0 holds positions 0 1 | 3 6 in blocks 0, 1; expert 1 holds 2 4 | 5 7 in blocks 2, 3
+    assert table(manager, 0, 0) == [0, 1] and table(manager, 0, 1) == [2, 3]
+    assert manager.cache_computed_blocks(0, producer) == 4
+    manager.free(0)
+    # all four blocks are cached-free, least recently used first in the order freed
+    assert list(manager.pool._cached_free) == [0, 1, 2, 3] and manager.pool.num_free_blocks == 8
+    manager.assert_consistent()
+
+    # a request with the same first 4 tokens (two chunks): entries below s = 4 are expert 0's positions
+    # 0 1 3 (block 0 whole, the first slot of block 1) and expert 1's position 2 (first slot of block 2)
+    hit = manager.find_cached_prefix([10, 11, 12, 13, 99, 98, 97])
+    assert hit.num_tokens == 4 and hit.row_counts.tolist() == [3, 1]
+    assert hit.shared.tolist() == [0] and hit.cow_source.tolist() == [1, 2]
+    assert hit.num_free_taken == 3                      # block 0 leaves the LRU, two fresh copies
+    source, destination = manager.apply_prefix_hit(1, hit)
+    # the copies get the next blocks of the stack, 4 and 5; blocks 1 and 2 stay cached-free
+    assert source.tolist() == [1, 2] and destination.tolist() == [4, 5]
+    assert table(manager, 1, 0) == [0, 4] and table(manager, 1, 1) == [5]
+    assert manager.last_position[manager.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]].tolist() == [3, 2]
+    assert manager.pool.ref_cnt[0] == 1 and list(manager.pool._cached_free) == [3, 1, 2]
+    manager.assert_consistent()
+
+    # the pool runs out of plain blocks: 6, 7 from the stack, then block 3 (least recently used)
+    # is evicted and forgets its keys; blocks 1 and 2 stay findable
+    assert manager.pool.allocate(3).tolist() == [6, 7, 3]
+    assert 3 not in manager._keys_of_block and 1 in manager._keys_of_block
+    assert manager.pool.num_evicted_cached_blocks == 1
+    manager.pool.free(torch.tensor([6, 7, 3]))
+    # a request sharing only the first chunk reuses block 0, now owned twice
+    hit = manager.find_cached_prefix([10, 11, 50, 51])
+    assert hit.num_tokens == 2 and hit.shared.tolist() == [0] and hit.num_free_taken == 0
+    manager.apply_prefix_hit(2, hit)
+    assert manager.pool.ref_cnt[0] == 2
+    manager.assert_consistent()
+    manager.free(1)
+    manager.free(2)
+    manager.assert_consistent()
+    assert manager.pool.num_free_blocks == 8
+
+
+def test_partial_tail_is_never_shared():
+    # expert 0's second block holds only position 3 when the producer stops: it is a partial tail, so
+    # s = 4 (which needs that entry) is not possible, and s falls back to 2
+    manager = PrefixCachingKVCacheManager(1, 2, 2, 8)
+    append_tokens(manager, 0, 0, [[[0]], [[0]], [[1]], [[0]], [[1]], [[1]]])
+    manager.cache_computed_blocks(0, [10, 11, 12, 13, 14, 15])
+    hit = manager.find_cached_prefix([10, 11, 12, 13, 14, 99, 98])
+    assert hit.num_tokens == 2 and hit.shared.tolist() == [0] and hit.cow_source.numel() == 0
+    # the last token always runs: a request equal to the producer's 4 first tokens gets s = 2 at most
+    assert manager.find_cached_prefix([10, 11, 12, 13]).num_tokens == 2
+
+
+def test_reuse_and_mark_cached_refuse_bad_blocks():
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    with pytest.raises(ValueError, match="holds no cached prefix"):
+        pool.reuse(blocks)
+    pool.mark_cached(blocks[:1])
+    pool.free(blocks)
+    with pytest.raises(ValueError, match="mark_cached of a free block"):
+        pool.mark_cached(blocks[1:])
+    assert pool.num_free_blocks == 4 and pool.num_cached_free_blocks == 1
+    pool.assert_consistent()
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(5)
+    pool.assert_consistent()
+
+
+# ----- random programs -------------------------------------------------------------------------------
+L, E, P = 2, 3, 2
+BASES = ([1, 2, 3, 0, 1, 2, 3, 0, 2, 2, 1, 3], [1, 2, 3, 0, 3, 3, 0, 1, 2, 0, 0, 1])   # share 4 tokens
+# a request: the first n tokens of a base (prefixes repeat, so hits happen), then its own tokens
+request = st.tuples(st.integers(0, 1), st.integers(0, 12), st.lists(st.integers(0, 3), max_size=4)).map(
+    lambda x: BASES[x[0]][: x[1]] + x[2]).filter(bool)
+run = st.tuples(st.just("run"), st.integers(0, 5), st.integers(1, 12))     # compute more tokens
+program = st.lists(st.one_of(
+    st.tuples(st.just("start"), request),                                     # a request, maybe a hit
+    run, run, run,                               # runs weigh three times: producers must fill blocks
+    st.tuples(st.just("free"), st.integers(0, 5)),                           # finish or preempt
+    st.tuples(st.just("evict"), st.integers(1, 4)),      # the pool needs every plain block and k more
+), min_size=1, max_size=40)
+
+
+def routing_of(tokens, position):
+    """A causal routing, deterministic in the prefix: layer l sends token t to 1 or 2 experts from a
+    hash of tokens 0..t (threshold-like: the count varies)."""
+    h = sum((i + 1) * (x + 1) * 7919 for i, x in enumerate(tokens[: position + 1]))
+    return [sorted({(h + l) % E, (h // 3 + 2 * l) % E} if (h + l) % 2 else {(h + l) % E}) for l in range(L)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(program)
+def test_random_programs_keep_ref_counts_exact_and_leak_nothing(ops):
+    run_program(ops)
+
+
+def test_seeded_programs_hit_copy_and_evict():
+    """The same checks over seeded programs built to exercise every path: hypothesis's random programs
+    may or may not reach a hit, a copy-on-write and an eviction; these must reach all three."""
+    import random
+    rng = random.Random(0)
+    totals = torch.zeros(3, dtype=torch.int64)
+    for _ in range(12):
+        ops = []
+        for _ in range(30):
+            kind = rng.choice(["start", "run", "run", "run", "free", "evict"])
+            if kind == "start":
+                tokens = BASES[rng.randrange(2)][: rng.randrange(13)] + [rng.randrange(4) for _ in range(rng.randrange(3))]
+                ops.append(("start", tokens or [0]))
+            elif kind == "run":
+                ops.append(("run", rng.randrange(6), rng.randrange(1, 13)))
+            else:
+                ops.append((kind, rng.randrange(6) if kind == "free" else rng.randrange(1, 5)))
+        totals += torch.tensor(run_program(ops))
+    num_shared, num_copied, num_evicted = totals.tolist()
+    assert num_shared > 0 and num_copied > 0 and num_evicted > 0, totals
+
+
+def run_program(ops):
+    """Run one program, checking after every operation; returns (shared, copied, evicted) blocks."""
+    manager = PrefixCachingKVCacheManager(L, E, P, 24)
+    live = {}                                   # seq id -> [tokens, computed]
+    next_id = 0
+    for op in ops:
+        if op[0] == "start":
+            tokens = op[1]
+            hit = manager.find_cached_prefix(tokens)
+            computed = 0
+            if hit.num_tokens:
+                try:
+                    manager.apply_prefix_hit(next_id, hit)
+                    computed = hit.num_tokens
+                    # every row's count equals what running the prefix would give
+                    expected = torch.zeros(L * E, dtype=torch.int64)
+                    for t in range(computed):
+                        for layer, experts in enumerate(routing_of(tokens, t)):
+                            expected[[layer * E + e for e in experts]] += 1
+                    assert torch.equal(hit.row_counts, expected)
+                except OutOfBlocksError:
+                    manager.assert_consistent()
+                    continue
+            else:
+                manager.add_sequence(next_id)
+            live[next_id] = [tokens, computed]
+            next_id += 1
+        elif op[0] == "run" and live:
+            seq_id = sorted(live)[op[1] % len(live)]
+            tokens, computed = live[seq_id]
+            end = min(len(tokens), computed + op[2])
+            if end == computed:
+                continue
+            snapshot = manager.snapshot_rows([seq_id])
+            try:
+                append_tokens(manager, seq_id, computed, [routing_of(tokens, t) for t in range(computed, end)])
+            except OutOfBlocksError:            # a layer ran short: undo the earlier layers, as the engine does
+                manager.restore_rows(snapshot)
+                manager.assert_consistent()
+                continue
+            live[seq_id][1] = end
+            manager.cache_computed_blocks(seq_id, tokens[:end])
+        elif op[0] == "free" and live:
+            seq_id = sorted(live)[op[1] % len(live)]
+            manager.free(seq_id)
+            del live[seq_id]
+        elif op[0] == "evict":
+            pool = manager.pool
+            n = min(pool.num_free_blocks - pool.num_cached_free_blocks + op[1], pool.num_free_blocks)
+            pool.free(pool.allocate(n))               # evicts min(k, cached-free) cached blocks
+        manager.assert_consistent()
+        # each live sequence's rows hold exactly its routed entries, at the right positions
+        for seq_id, (tokens, computed) in live.items():
+            rows = manager.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]
+            for layer in range(L):
+                for e in range(E):
+                    want = [t for t in range(computed) if e in routing_of(tokens, t)[layer]]
+                    slots = manager.row_slots(int(rows[layer * E + e]))
+                    assert manager.block_positions.view(-1)[slots].tolist() == want
+    for seq_id in list(live):
+        manager.free(seq_id)
+    manager.assert_consistent()
+    assert manager.pool.num_free_blocks == manager.num_blocks
+    return manager.stats.num_shared_blocks, manager.stats.num_cow_blocks, manager.pool.num_evicted_cached_blocks
