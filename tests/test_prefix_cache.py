@@ -94,15 +94,24 @@ def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
     assert manager.pool.num_free_blocks == 8
 
 
-def test_partial_tail_is_never_shared():
-    # expert 0's second block holds only position 3 when the producer stops: it is a partial tail, so
-    # s = 4 (which needs that entry) is not possible, and s falls back to 2
+def test_partial_tail_is_copied_never_shared():
+    # the producer is still running: expert 0's second block (1) holds only position 3, a partial
+    # tail it will append to. A request needing that entry gets a copy of block 1, not block 1.
     manager = PrefixCachingKVCacheManager(1, 2, 2, 8)
     append_tokens(manager, 0, 0, [[[0]], [[0]], [[1]], [[0]], [[1]], [[1]]])
     manager.cache_computed_blocks(0, [10, 11, 12, 13, 14, 15])
     hit = manager.find_cached_prefix([10, 11, 12, 13, 14, 99, 98])
-    assert hit.num_tokens == 2 and hit.shared.tolist() == [0] and hit.cow_source.numel() == 0
-    # the last token always runs: a request equal to the producer's 4 first tokens gets s = 2 at most
+    assert hit.num_tokens == 4 and hit.shared.tolist() == [0] and hit.cow_source.tolist() == [1, 2]
+    source, destination = manager.apply_prefix_hit(1, hit)
+    assert destination.tolist() == [4, 5]                 # blocks 0-3 are the producer's
+    assert manager.pool.ref_cnt[[0, 1, 2]].tolist() == [2, 1, 1]
+    # the producer appends position 6 to expert 0: it lands in its own block 1, after position 3
+    append_tokens(manager, 0, 6, [[[0]]])
+    assert table(manager, 0, 0) == [0, 1] and manager.block_positions[1].tolist() == [3, 6]
+    assert table(manager, 1, 0) == [0, 4] and manager.num_computed_tokens[
+        manager.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]].tolist() == [3, 1]
+    manager.assert_consistent()
+    # the last token always runs: a request equal to the producer's first 4 tokens gets s = 2 at most
     assert manager.find_cached_prefix([10, 11, 12, 13]).num_tokens == 2
 
 
@@ -236,3 +245,74 @@ def run_program(ops):
     manager.assert_consistent()
     assert manager.pool.num_free_blocks == manager.num_blocks
     return manager.stats.num_shared_blocks, manager.stats.num_cow_blocks, manager.pool.num_evicted_cached_blocks
+
+
+# ----- the engine: the same tokens with and without the cache ---------------------------------------------
+from helpers import alone_tokens, random_model, random_prompts, small_config   # noqa: E402
+
+from moekv_ref.checkpoint import load_default_model   # noqa: E402
+from moekv_ref.engine.engine import LLMEngine   # noqa: E402
+from moekv_ref.engine.scheduler import SchedulerConfig   # noqa: E402
+from moekv_ref.engine.workload import few_shot_workload, run_workload   # noqa: E402
+from moekv_ref.sampling import SamplingParams   # noqa: E402
+
+
+def serve(model, workload, enable_prefix_caching, num_blocks, block_size=4, **config):
+    engine = LLMEngine(model, num_blocks, block_size, SchedulerConfig(**{"max_num_seqs": 8,
+                       "max_num_batched_tokens": 64, **config}), enable_prefix_caching=enable_prefix_caching)
+    result = run_workload(engine, workload, on_step=lambda e: e.cache.manager.assert_consistent())
+    engine.memory.assert_no_leak()           # cached-free blocks count as free: nothing is held
+    return [result.outputs[i].token_ids for i in range(len(workload))], engine
+
+
+@pytest.mark.parametrize("routing", ["topk", "threshold"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_embedded_model_gives_the_same_tokens_with_the_prefix_cache(routing, temperature):
+    model = load_default_model(routing=routing)
+    workload = few_shot_workload(6, prompt_len=80, shared_share=0.8, output_len=6, temperature=temperature,
+                                 top_p=0.95)
+    without, _ = serve(model, workload, False, 400)
+    with_cache, engine = serve(model, workload, True, 400)
+    assert with_cache == without
+    stats = engine.prefix_cache_stats()
+    # the test must exercise the cache: later requests skip most of the 64 shared tokens, with copies
+    assert stats["num_hit_tokens"] >= 5 * 48 and stats["num_shared_blocks"] > 0 and stats["num_cow_blocks"] > 0
+
+
+def test_embedded_model_under_pressure_preempts_evicts_and_keeps_the_tokens():
+    """A pool too small for the batch: requests are preempted (recompute), cached-free blocks are
+    evicted for new ones, and re-admitted requests hit their own cached prefix again."""
+    model = load_default_model(routing="threshold")
+    workload = few_shot_workload(6, prompt_len=80, shared_share=0.8, output_len=16, temperature=0.8, top_p=0.95)
+    without, _ = serve(model, workload, False, 240, admission="optimistic")
+    with_cache, engine = serve(model, workload, True, 240, admission="optimistic")
+    assert with_cache == without
+    stats = engine.prefix_cache_stats()
+    assert engine.stats().num_preemptions > 0 and stats["num_evicted_cached_blocks"] > 0
+    assert stats["num_lookups"] > len(workload)          # preempted requests looked up again
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_random_model_float64_with_shared_prefixes_equals_generating_alone(mode):
+    model = random_model(small_config("expert", "threshold"), seed=0)
+    shared = random_prompts([37], 64, seed=5)[0]
+    own = random_prompts([2 + i % 5 for i in range(10)], 64, seed=6)
+    prompts = [shared[: 20 + 2 * i] + tail for i, tail in enumerate(own)]      # prefixes of varied lengths
+    params = [SamplingParams(max_new_tokens=8 + i % 7, temperature=0.0 if i % 2 else 1.0, top_p=0.9, seed=i)
+              for i in range(len(prompts))]
+    alone = alone_tokens(model, prompts, params)
+    engine = LLMEngine(model, 120, 4, SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=48,
+                                                      preemption_mode=mode, admission="optimistic"),
+                       enable_prefix_caching=True)
+    outputs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == alone
+    engine.memory.assert_no_leak()
+    assert engine.prefix_cache_stats()["num_hit_tokens"] > 0 and engine.stats().num_preemptions > 0
+
+
+def test_prefix_caching_is_refused_where_it_does_not_apply():
+    model = random_model(small_config("expert", "threshold"), seed=0)
+    with pytest.raises(ValueError, match="continuous_paged"):
+        LLMEngine(model, 64, 4, SchedulerConfig(policy="static"), enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="True or False"):
+        LLMEngine(model, 64, 4, enable_prefix_caching="yes")

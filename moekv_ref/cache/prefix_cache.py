@@ -18,8 +18,10 @@ rows. A request's own tokens give its chain keys; the records found for its firs
 row by row, its entries below s = i * C (the cumulative counts).
 
     chunk keys   key_i = blake2b(key_{i-1} || tokens[i*C:(i+1)*C])      (16 bytes; key_-1 = b"")
-    block keys   (layer * E + expert, j, key_m)  for a full block, j-th of its row, registered under
-                 every complete chunk m its entries span, first entry's chunk to last entry's chunk
+    block keys   (layer * E + expert, j, key_m)  for the j-th block of a row, registered under every
+                 complete chunk m it spans: a full block from its first entry's chunk to its last
+                 entry's; a row's partly filled last block from its first entry's chunk on (its
+                 entries below a complete chunk's end are final: later tokens come later)
 
 Looking up s = i * C, row r holding c_r = cum_counts[i-1, r] entries below s needs its blocks
 0 .. ceil(c_r / P) - 1:
@@ -40,7 +42,9 @@ Why copy the straddling block rather than lower s. Rows fill at different rates,
 always has a block that straddles any s; lowering s until no row straddles would usually reach 0. A
 copy costs one block and one block copy per straddling row, at most L * E per request. A partial
 block is never shared: the producer keeps appending to its own tail, and the new request to its
-copy. s is the largest multiple of C for which every needed block is found (validity is monotone:
+copy. The same holds for a producer's partly filled last block: it can be the *source* of a copy
+(its entries below s are final), never shared -- without that, a rarely chosen expert whose row holds
+fewer than P entries would cap every hit below its first entry. s is the largest multiple of C for which every needed block is found (validity is monotone:
 a smaller s needs a subset), and at most len(tokens) - 1: the last token always runs, its logits
 are sampled from.
 
@@ -154,14 +158,19 @@ class PrefixCachingKVCacheManager(KVCacheManager):
     # ----- registration (after a step computed tokens) ----------------------------------------------
     def cache_computed_blocks(self, seq_id: int, token_ids: list[int]) -> int:
         """Make the sequence's computed prefix findable: record the routing counts of every newly
-        complete chunk and register every full block under the keys of the complete chunks it spans.
-        token_ids: the tokens whose K/V the cache holds (positions 0 .. len - 1). Returns the number
-        of blocks newly registered."""
+        complete chunk and register each of its blocks under the keys of the complete chunks it spans
+        (a full block: its first entry's chunk to its last's; the row's partly filled last block: from
+        its first entry's chunk on, as a copy-on-write source only -- its entries below a complete
+        chunk's end are final, and a lookup never shares it, see `_hit_at`). token_ids: the tokens
+        whose K/V the cache holds (positions 0 .. len - 1). Returns the number of blocks newly cached."""
         P = C = self.block_size
         index = self.seq_index(seq_id)
-        state = self._seq_state.setdefault(int(seq_id), [[], 0, torch.zeros(self.rows_per_seq, dtype=torch.int64)])
-        keys, num_recorded, registered_full = state
+        width = self.block_tables.shape[1]
+        state = self._seq_state.setdefault(int(seq_id), [[], 0, torch.full((self.rows_per_seq, width), -1)])
+        keys, num_recorded, registered_through = state
         num_complete = len(token_ids) // C
+        if num_complete == 0:
+            return 0
         if num_complete > len(keys):
             keys += chain_keys(token_ids[len(keys) * C: num_complete * C], C, keys[-1] if keys else b"")
         rows = self.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
@@ -169,26 +178,37 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         if num_complete > num_recorded:
             self._record_chunks(rows, counts, keys, num_recorded, num_complete)
             state[1] = num_complete
-        num_full = counts // P                                                              # (R,)
+        if registered_through.shape[1] < width:                                             # tables grew
+            registered_through = torch.cat([registered_through, torch.full(
+                (self.rows_per_seq, width - registered_through.shape[1]), -1)], 1)
+        column = torch.arange(width)                                                        # (W,)
+        used = column < ceil_div(counts, P)[:, None]                                        # (R, W)
+        full = column < (counts // P)[:, None]                                              # (R, W)
+        blocks = torch.where(used, self.block_tables[rows].to(torch.int64), 0)              # (R, W)
+        first_chunk = self.block_positions[blocks, 0] // C                                  # (R, W)
+        last_chunk = torch.where(full, self.block_positions[blocks, P - 1] // C, num_complete - 1)
+        through = torch.clamp(last_chunk, max=num_complete - 1)                             # (R, W)
+        todo = used & (through > registered_through) & (through >= first_chunk)
         newly_cached = []
-        # blocks with something new to register: newly full, or spanning a newly complete chunk
-        for r in (num_full > 0).nonzero().squeeze(1).tolist():
-            blocks = self.block_tables[rows[r], : int(num_full[r])].to(torch.int64)         # (f,)
-            first_chunk = (self.block_positions[blocks, 0] // C).tolist()
-            last_chunk = (self.block_positions[blocks, P - 1] // C).tolist()
-            for j, block in enumerate(blocks.tolist()):
-                start = first_chunk[j] if j >= int(registered_full[r]) else max(first_chunk[j], num_recorded)
-                for m in range(start, min(last_chunk[j], num_complete - 1) + 1):
-                    key = (r, j, keys[m])
-                    if key not in self._block_of_key:
-                        self._block_of_key[key] = block
-                        self._keys_of_block.setdefault(block, []).append(key)
-                        newly_cached.append(block)
-        state[2] = num_full.clone()
+        for r, j in todo.nonzero().tolist():
+            block = int(blocks[r, j])
+            for m in range(max(int(first_chunk[r, j]), int(registered_through[r, j]) + 1), int(through[r, j]) + 1):
+                key = (r, j, keys[m])
+                if key not in self._block_of_key:
+                    self._block_of_key[key] = block
+                    self._keys_of_block.setdefault(block, []).append(key)
+                    newly_cached.append(block)
+        state[2] = torch.where(todo, through, registered_through)
         newly_cached = sorted(set(newly_cached))
         if newly_cached:
             self.pool.mark_cached(torch.tensor(newly_cached, dtype=torch.int64))
         return len(newly_cached)
+
+    def _take_blocks(self, rows, needed, num_new_tokens):
+        """As KVCacheManager's, and the new blocks' slots hold no position yet."""
+        block_ids = super()._take_blocks(rows, needed, num_new_tokens)
+        self.block_positions[block_ids] = -1
+        return block_ids
 
     def _record_chunks(self, rows, counts, keys, first: int, end: int) -> None:
         """Chunk records for chunks first .. end - 1: entries of each row per chunk."""
@@ -253,7 +273,9 @@ class PrefixCachingKVCacheManager(KVCacheManager):
                 chunks = torch.searchsorted(cumulative[:i, r].contiguous(), last_entries, right=True)
                 for j, m in enumerate(chunks.tolist()):
                     block = self._block_of_key.get((r, j, keys[m]))
-                    if block is None:
+                    # a block is shared only whole: its last slot written, below s (by causality it
+                    # always is when found under its last entry's chunk; checked all the same)
+                    if block is None or not 0 <= int(self.block_positions[block, P - 1]) < i * self.chunk_size:
                         return None
                     shared.append(block)
                     shared_rows.append(r)

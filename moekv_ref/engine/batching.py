@@ -62,8 +62,13 @@ class AdmissionStep:
     def step_fits(self, request: Request) -> bool:
         """Would the request's next tokens (and its swap-in) fit the free pool beside what the step
         has reserved?"""
-        num_tokens = min(request.num_pending_tokens, self.token_budget)
-        need = self._scheduler.step_blocks(request, num_tokens)
+        hit = self._scheduler.prefix_hit(request)       # prefix caching: it starts from a cached prefix
+        if hit is not None:
+            num_tokens = min(request.num_tokens - hit.num_tokens, self.token_budget)
+            need = self._scheduler.hit_step_blocks(request, hit, num_tokens)
+        else:
+            num_tokens = min(request.num_pending_tokens, self.token_budget)
+            need = self._scheduler.step_blocks(request, num_tokens)
         swap_in = self.memory.num_blocks_swapped(request.request_id)
         return self.reserved + swap_in + need <= self.memory.num_free_blocks
 

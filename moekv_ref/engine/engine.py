@@ -97,6 +97,8 @@ class LLMEngine:
     swap, none otherwise).
     attention: the paged cache's attention path (see PagedKVCache); None follows the model's
     backend: "triton" for a model built on the Triton backend, else "batched".
+    enable_prefix_caching: keep full blocks after their sequences end and start a request whose first
+    tokens equal an earlier one's from the cached prefix (cache/prefix_cache.py); off by default.
     record_history: keep every request after it finished (`requests`), the per-step `timeline` and
     the request `events`, for figures and tables of one run. Off by default: a long-running engine
     then holds only its unfinished requests, and memory does not grow with the requests served.
@@ -109,7 +111,8 @@ class LLMEngine:
 
     def __init__(self, model: MoEKVTransformer, num_blocks: int, block_size: int = 16,
                  scheduler_config: SchedulerConfig | None = None, num_swap_blocks: int | None = None,
-                 shuffle_seed: int | None = None, attention: str | None = None, record_history: bool = False):
+                 shuffle_seed: int | None = None, attention: str | None = None, record_history: bool = False,
+                 enable_prefix_caching: bool = False):
         if not isinstance(model, MoEKVTransformer):
             raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
         _check_int("num_blocks", num_blocks, 1)
@@ -126,6 +129,9 @@ class LLMEngine:
             raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS} (or None)")
         if not isinstance(record_history, bool):
             raise ValueError(f"record_history={record_history!r} must be True or False")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r} must be True or False")
+        self.enable_prefix_caching = enable_prefix_caching
         if num_swap_blocks is None:
             num_swap_blocks = num_blocks if scheduler_config.preemption_mode == "swap" else 0
         self.model = model
@@ -150,7 +156,7 @@ class LLMEngine:
     def _make_cache(self, num_blocks: int, block_size: int, shuffle_seed, attention) -> PagedKVCache:
         """The paged cache (one pool); an engine over per-device pools makes its own."""
         return PagedKVCache.for_model(self.model, block_size, num_blocks, shuffle_seed=shuffle_seed,
-                                      attention=attention)
+                                      attention=attention, enable_prefix_caching=self.enable_prefix_caching)
 
     def _make_scheduler(self, scheduler_config: SchedulerConfig, block_size: int, num_swap_blocks: int) -> Scheduler:
         return Scheduler(scheduler_config, self.cache.manager, ModelShape.from_config(self.config, block_size),
@@ -372,6 +378,15 @@ class LLMEngine:
         finally:
             self._generating = None
         return [outputs[i] for i in ids]
+
+    def prefix_cache_stats(self) -> dict | None:
+        """Prefix caching's counters (lookups, tokens looked up and skipped, blocks shared and copied,
+        cached blocks evicted, blocks cached now); None without prefix caching."""
+        manager = self.cache.manager
+        if not getattr(manager, "enable_prefix_caching", False):
+            return None
+        return {**manager.stats.to_dict(), "num_evicted_cached_blocks": manager.pool.num_evicted_cached_blocks,
+                "num_cached_blocks": manager.num_cached_blocks}
 
     def stats(self) -> EngineStats:
         """Totals so far, in O(1): counters kept as the engine runs, not a scan of its history."""

@@ -29,6 +29,14 @@ yet the sequence can no longer run until that row is rebuilt -- and a row can on
 running the whole sequence again (its K/V at layer l depend on every earlier layer). So a partial
 eviction costs the same recompute as a whole one and frees a fraction of the memory.
 
+Prefix caching (when the block manager has it, prefix_cache.py): a request starting from nothing
+first looks up the longest usable cached prefix of its tokens; it is admitted with
+num_computed_tokens = s, its rows built from shared blocks and copies (a COPY block copy each, run
+before the forward), and its step reserves the worst case of its remaining tokens plus the free
+blocks the hit takes. After each step the computed tokens' full blocks are registered, so that later
+requests find them; freeing a sequence drops its owners, and cached blocks stay findable until the
+pool evicts them.
+
 What the scheduler sees: integers only. It works on the block manager (KVCacheManager: free
 blocks, each sequence's blocks and (layer, expert) token counts; `free`) and on the model's shape
 (memory.ModelShape), never on K/V tensors. Its decisions leave `schedule()` in one SchedulerOutput:
@@ -57,7 +65,7 @@ from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
 from .demand import DemandPredictor, min_lifetime_blocks, worst_case_lifetime_blocks, worst_case_step_blocks
 from .memory import MemoryView, ModelShape
 from .request import Request, RequestStatus
-from .swap import BlockCopy, SwapSpace
+from .swap import COPY, BlockCopy, SwapSpace
 from .victims import VICTIM_POLICIES, VictimPolicy
 
 POLICIES = ("static", "continuous_reserved", "continuous_paged")
@@ -140,6 +148,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     swapped_out: list[Request] = field(default_factory=list)  # preempted by swap (a SWAP_OUT copy each)
     swapped_in: list[Request] = field(default_factory=list)   # resumed from swap (a SWAP_IN copy each)
+    prefix_copied: list[Request] = field(default_factory=list)  # started from a hit with COPY block copies
     freed: list[int] = field(default_factory=list)            # sequences whose blocks went back
     events: list[tuple[str, Request]] = field(default_factory=list)   # admitted/resumed/preempted, in order
 
@@ -185,10 +194,14 @@ class Scheduler:
         self.config = config
         self.manager = manager
         self.swap_space = SwapSpace(manager, num_swap_blocks) if num_swap_blocks else None
+        self.prefix_caching = bool(getattr(manager, "enable_prefix_caching", False))
         self.memory = MemoryView(manager, shape, self.swap_space)
         self.shape = shape
         self.predictor = DemandPredictor(shape.num_layers, shape.num_experts, shape.k_max, shape.block_size)
         self.batching = config.make_batching_policy()
+        if self.prefix_caching and not isinstance(self.batching, ContinuousBatching):
+            raise ValueError(f"prefix caching works with policy='continuous_paged' only, not {config.policy!r}: "
+                             "a hit takes blocks at admission, which only that policy's step check counts")
         self.victims = config.make_victim_policy()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -278,6 +291,8 @@ class Scheduler:
             out.block_copies.append(self.swap_space.swap_in(request.request_id))
             out.swapped_in.append(request)
             request.swapped = False
+        elif self.prefix_caching and not self.memory.holds(request.request_id):
+            self._start_from_cached_prefix(request, out)
         if request.status is RequestStatus.PREEMPTED:
             out.resumed.append(request)
             out.events.append(("resumed", request))
@@ -321,6 +336,45 @@ class Scheduler:
                                                   shape.num_experts, shape.k_max, shape.block_size)
             needs.append(max(0, min(s, lifetime - h)))
         return needs
+
+    # ----- prefix caching ------------------------------------------------------------------------------
+    def prefix_hit(self, request: Request):
+        """The cached prefix a request that holds nothing would start from (a PrefixHit), or None:
+        no prefix caching, the request holds blocks or is swapped out, or nothing usable is cached."""
+        if not self.prefix_caching or request.swapped or self.memory.holds(request.request_id):
+            return None
+        hit = self.manager.find_cached_prefix(request.all_token_ids)
+        return hit if hit.num_tokens else None
+
+    def hit_step_blocks(self, request: Request, hit, num_tokens: int) -> int:
+        """step_blocks for a request about to start from `hit`: the worst case of its next num_tokens
+        tokens from the hit's row counts, plus the free blocks the hit itself takes."""
+        shape = self.shape
+        counts = hit.row_counts.view(1, shape.num_layers, shape.num_experts)              # (1, L, E)
+        held = int(ceil_div(counts, shape.block_size).sum())
+        step = int(worst_case_step_blocks(counts, torch.tensor([num_tokens]), shape.k_max, shape.block_size)[0])
+        lifetime = worst_case_lifetime_blocks(hit.num_tokens + num_tokens, shape.num_layers, shape.num_experts,
+                                              shape.k_max, shape.block_size)
+        return max(0, min(step, lifetime - held)) + hit.num_free_taken
+
+    def _start_from_cached_prefix(self, request: Request, out: SchedulerOutput) -> None:
+        """Give a starting request the longest usable cached prefix: its rows share the cached full
+        blocks, the blocks straddling s are copied (COPY, before the forward), and prefill starts at s."""
+        self.manager.count_lookup(request.num_tokens)
+        hit = self.prefix_hit(request)
+        if hit is None:
+            return
+        source, destination = self.manager.apply_prefix_hit(request.request_id, hit)
+        request.num_computed_tokens = hit.num_tokens
+        if source.numel():
+            out.block_copies.append(BlockCopy(COPY, source, destination))
+            out.prefix_copied.append(request)
+
+    def _cache_prefix(self, request: Request) -> None:
+        """Register the full blocks of the request's computed tokens (prefix caching only)."""
+        if self.prefix_caching and self.memory.holds(request.request_id):
+            self.manager.cache_computed_blocks(request.request_id,
+                                               request.all_token_ids[: request.num_computed_tokens])
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Take a running request off the pool; it goes back to the head of the waiting line."""
@@ -376,6 +430,7 @@ class Scheduler:
                 self.finish(request, out.step, "error", failed[request.request_id])
                 finished.append(request)
                 continue
+            self._cache_prefix(request)
             if not item.samples:
                 continue                           # a prefill chunk: more of it next step
             request.output_token_ids.append(int(sampled_token_ids[request.request_id]))
@@ -422,3 +477,7 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING and self.memory.holds(request.request_id):
                 self.manager.free(request.request_id)
                 self._forget_computed(request)
+        for request in out.prefix_copied:       # its copies of straddling blocks may be incomplete
+            if request.status is RequestStatus.RUNNING and self.memory.holds(request.request_id):
+                self.manager.free(request.request_id)
+                request.num_computed_tokens = 0  # nothing of its own was computed: not a recompute

@@ -78,6 +78,40 @@ class Counter(dict):
 '''
 
 
+# The shared block of a few-shot workload: an instruction and worked examples, then each request's
+# own question (a slice of PROMPT_TEXT). Byte-level, like PROMPT_TEXT.
+FEW_SHOT_TEXT = '''# Write a short Python function for each task. Use the standard library only, keep names
+# readable, and raise ValueError for bad input.
+
+# Task: return the largest value of a list, or None for an empty list.
+def largest(values):
+    if not values:
+        return None
+    best = values[0]
+    for value in values[1:]:
+        if value > best:
+            best = value
+    return best
+
+# Task: count the words of a line of text.
+def count_words(line):
+    return len(line.split())
+
+# Task: join the names with commas and "and" before the last one.
+def join_names(names):
+    if len(names) < 2:
+        return "".join(names)
+    return ", ".join(names[:-1]) + " and " + names[-1]
+
+# Task: the mean of a list of numbers.
+def mean(numbers):
+    if not numbers:
+        raise ValueError("mean of an empty list")
+    return sum(numbers) / len(numbers)
+
+# Task:'''
+
+
 @dataclass
 class WorkloadRequest:
     arrival_step: int
@@ -125,6 +159,48 @@ def make_workload(num_requests: int = 24, prompt_len: tuple[int, int] = (8, 192)
             clock += float(torch.empty((), dtype=torch.float64).exponential_(arrival_rate, generator=generator))
         params = SamplingParams(max_new_tokens=num_new, temperature=temperature, top_p=top_p, seed=seed + i)
         requests.append(WorkloadRequest(int(clock), text[start: start + length], params))
+    return requests
+
+
+def few_shot_workload(num_requests: int = 16, prompt_len: int = 256, shared_share: float = 0.875,
+                      output_len: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+                      arrival_rate: float | None = None, seed: int = 0,
+                      vocab_size: int = 256) -> list[WorkloadRequest]:
+    """Requests that share a long prefix, as few-shot prompting makes them: the first
+    round(shared_share * prompt_len) tokens of every prompt are the same instruction and examples
+    (FEW_SHOT_TEXT), the rest is the request's own question (a slice of PROMPT_TEXT at a seeded
+    position, different per request). All prompts are prompt_len tokens; outputs output_len tokens,
+    greedy by default (temperature 0), request i sampling with seed seed + i. Arrivals as make_workload."""
+    def is_int(value):
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    text = [t % vocab_size for t in encode(FEW_SHOT_TEXT)]
+    own_text = [t % vocab_size for t in encode(PROMPT_TEXT)]
+    for name, value, low, high in (("num_requests", num_requests, 1, None), ("prompt_len", prompt_len, 1, None),
+                                   ("output_len", output_len, 1, None), ("seed", seed, 0, None),
+                                   ("vocab_size", vocab_size, 1, None)):
+        if not is_int(value) or value < low:
+            raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+    if not (isinstance(shared_share, (int, float)) and not isinstance(shared_share, bool) and 0 <= shared_share <= 1):
+        raise ValueError(f"shared_share={shared_share!r} must be a number in [0, 1] (the shared part of each prompt)")
+    shared_len = round(shared_share * prompt_len)
+    if shared_len > len(text) or prompt_len - shared_len > len(own_text):
+        raise ValueError(f"prompt_len={prompt_len} with shared_share={shared_share} needs {shared_len} shared tokens "
+                         f"(at most {len(text)}) and {prompt_len - shared_len} own (at most {len(own_text)})")
+    if arrival_rate is not None and not (isinstance(arrival_rate, (int, float)) and not isinstance(arrival_rate, bool)
+                                         and math.isfinite(arrival_rate) and arrival_rate > 0):
+        raise ValueError(f"arrival_rate={arrival_rate!r} must be a finite number > 0 of requests per step (or None)")
+    SamplingParams(temperature=temperature, top_p=top_p)          # checks both before any work
+    generator = torch.Generator().manual_seed(seed)
+    own_len = prompt_len - shared_len
+    starts = torch.randperm(len(own_text) - own_len + 1, generator=generator)[:num_requests].tolist()
+    requests, clock = [], 0.0
+    for i in range(num_requests):
+        start = starts[i % len(starts)]
+        if arrival_rate is not None and i > 0:
+            clock += float(torch.empty((), dtype=torch.float64).exponential_(arrival_rate, generator=generator))
+        params = SamplingParams(max_new_tokens=output_len, temperature=temperature, top_p=top_p, seed=seed + i)
+        requests.append(WorkloadRequest(int(clock), text[:shared_len] + own_text[start: start + own_len], params))
     return requests
 
 
