@@ -1,6 +1,6 @@
 """`python -m moekv_ref bench eviction [--json PATH]`: eviction when one expert's device is short.
 
-Three parts, printed as tables and saved together as JSON:
+Four parts, printed as tables and saved together as JSON:
 
  1. recompute versus swap, measured on this machine with the embedded model (a prefill of c tokens
     through the paged cache against SwapSpace.swap_out + swap_in of the same sequence), for several
@@ -11,7 +11,10 @@ Three parts, printed as tables and saved together as JSON:
     side by side with the offline policies (oracle, belady) and the memory-time bound; then the
     online policies on the engine (DeviceLLMEngine) with the embedded model;
  3. density: for each expert buffer, the fraction of the running batch's sequences it holds, against
-    E, k and skew.
+    E, k and skew;
+ 4. prefix caching (cache/prefix_cache.py) on a few-shot workload, both routings of the embedded model,
+    without and with the cache: hit rates, prefill tokens and steps saved, tokens/s, equal outputs.
+    `--only-prefix-cache --json PATH` runs this part alone and updates it in an existing file.
 """
 
 from __future__ import annotations
@@ -230,6 +233,90 @@ def format_engine_comparison(comparison: dict) -> str:
     return "\n".join(lines)
 
 
+# ----- 4. prefix caching on a few-shot workload ---------------------------------------------------------------
+def compare_prefix_caching(model, workload, num_blocks: int = 4000, block_size: int = 16, max_num_seqs: int = 16,
+                           max_num_batched_tokens: int = 256, repeats: int = 3) -> dict:
+    """The same requests through LLMEngine without and with prefix caching (a pool large enough that
+    nothing is preempted, so every difference is the cache's). Per setting: steps, tokens computed,
+    generated tokens per wall second (median of `repeats` runs), and the blocks each request held
+    right after its prefill (the prompt's blocks: the block hit rate's denominator); with the cache,
+    its counters. Returns both and whether every request's tokens were equal."""
+    from ..engine.engine import LLMEngine
+    from ..engine.scheduler import SchedulerConfig
+    from ..engine.workload import run_workload
+    runs, tokens = {}, {}
+    for enabled in (False, True):
+        seconds = []
+        for repeat in range(repeats):
+            engine = LLMEngine(model, num_blocks, block_size, SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+                record_history=True, enable_prefix_caching=enabled)
+            prompt_blocks = {}
+
+            def after_step(engine, prompt_blocks=prompt_blocks):
+                for request in engine.scheduler.running:
+                    if len(request.output_token_ids) == 1 and request.request_id not in prompt_blocks:
+                        prompt_blocks[request.request_id] = engine.memory.num_blocks_held(request.request_id)
+
+            started = time.perf_counter()
+            result = run_workload(engine, workload, on_step=after_step)
+            seconds.append(time.perf_counter() - started)
+            engine.memory.assert_no_leak()
+            if repeat == 0:
+                stats = engine.stats()
+                row = {"num_steps": stats.num_steps, "num_preemptions": stats.num_preemptions,
+                       "num_computed_tokens": sum(r.num_scheduled_tokens for r in engine.timeline),
+                       "num_generated_tokens": stats.num_generated_tokens,
+                       "num_prompt_tokens": sum(len(r.prompt) for r in workload),
+                       "num_prompt_blocks": sum(prompt_blocks.values()), "prefix_cache": engine.prefix_cache_stats()}
+                tokens[enabled] = [result.outputs[i].token_ids for i in range(len(workload))]
+        row["seconds"] = sorted(seconds)[repeats // 2]
+        row["tokens_per_second"] = row["num_generated_tokens"] / row["seconds"]
+        runs["on" if enabled else "off"] = row
+    off, on = runs["off"], runs["on"]
+    cache = on["prefix_cache"]
+    summary = {"token_hit_rate": cache["num_hit_tokens"] / cache["num_lookup_tokens"],
+               "block_hit_rate": (cache["num_shared_blocks"] + cache["num_cow_blocks"]) / off["num_prompt_blocks"],
+               "prefill_tokens_saved": off["num_computed_tokens"] - on["num_computed_tokens"],
+               "steps_saved": off["num_steps"] - on["num_steps"],
+               "tokens_per_second_ratio": on["tokens_per_second"] / off["tokens_per_second"],
+               "outputs_equal": tokens[False] == tokens[True]}
+    return {"off": off, "on": on, **summary}
+
+
+def format_prefix_caching(results: dict) -> str:
+    lines = [f"{'routing':>9} {'cache':>5} {'steps':>5} {'computed':>8} {'hit tok':>7} {'shared':>6} {'copied':>6} "
+             f"{'prompt blocks':>13} {'tok/s':>6}"]
+    for routing, r in results.items():
+        for name in ("off", "on"):
+            x = r[name]
+            cache = x["prefix_cache"] or {}
+            lines.append(f"{routing:>9} {name:>5} {x['num_steps']:>5} {x['num_computed_tokens']:>8} "
+                         f"{cache.get('num_hit_tokens', 0):>7} {cache.get('num_shared_blocks', 0):>6} "
+                         f"{cache.get('num_cow_blocks', 0):>6} {x['num_prompt_blocks']:>13} {x['tokens_per_second']:>6.0f}")
+    for routing, r in results.items():
+        lines.append(f"  {routing}: hit rate {r['token_hit_rate']:.3f} of tokens, {r['block_hit_rate']:.3f} of the prompts' "
+                     f"blocks; prefill tokens saved {r['prefill_tokens_saved']}, steps saved {r['steps_saved']}, "
+                     f"tokens/s x{r['tokens_per_second_ratio']:.2f}; outputs equal: {r['outputs_equal']}")
+    return "\n".join(lines)
+
+
+def run_prefix_caching(quick: bool = False) -> dict:
+    """Both routings of the embedded model on one few-shot workload: 16 requests (8 with --quick) of
+    256 tokens, 224 of them shared, 16 new tokens each, greedy."""
+    from ..checkpoint import load_default_model
+    from ..engine.workload import few_shot_workload
+    workload = few_shot_workload(8 if quick else 16, prompt_len=256, shared_share=0.875, output_len=16)
+    results = {routing: compare_prefix_caching(load_default_model(routing=routing), workload,
+                                               repeats=1 if quick else 3)
+               for routing in ("topk", "threshold")}
+    print(f"\nprefix caching, few-shot workload: {len(workload)} requests of 256 tokens (224 shared), 16 new tokens "
+          "each, greedy; LLMEngine, 4000 blocks of 16, 16 sequences and 256 tokens per step")
+    print(format_prefix_caching(results))
+    return {"num_requests": len(workload), "prompt_len": 256, "shared_len": 224, "output_len": 16,
+            "block_size": 16, "num_blocks": 4000, "routings": results}
+
+
 # ----- the program -------------------------------------------------------------------------------------------
 def build_parser(parser=None):
     parser = parser or argparse.ArgumentParser(prog="python -m moekv_ref bench eviction")
@@ -240,11 +327,28 @@ def build_parser(parser=None):
     parser.add_argument("--host-blocks", type=int, default=0, help="host swap space in blocks (0: recompute only)")
     parser.add_argument("--skip-measure", action="store_true", help="skip timing the embedded model")
     parser.add_argument("--skip-engine", action="store_true", help="skip the policies on the engine")
+    parser.add_argument("--skip-prefix-cache", action="store_true", help="skip prefix caching on the engine")
+    parser.add_argument("--only-prefix-cache", action="store_true",
+                        help="run only prefix caching; with --json, update that part of an existing file")
     return parser
 
 
 def main(args) -> int:
     torch.set_num_threads(1)
+    if args.only_prefix_cache:
+        out = {}
+        if args.json:
+            try:
+                with open(args.json) as f:
+                    out = json.load(f)
+            except FileNotFoundError:
+                pass
+        out["prefix_cache"] = run_prefix_caching(args.quick)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+            print(f"wrote {args.json}")
+        return 0
     out: dict = {}
     if not args.skip_measure:
         from ..checkpoint import load_default_model
@@ -301,6 +405,8 @@ def main(args) -> int:
         print(f"  E={row['num_experts']:>3} k={row['top_k']} zipf_s={row['zipf_s']:.1f}: mean {row['mean']:.3f}, "
               f"coldest expert {row['min']:.3f}")
     out["density"] = density
+    if not args.skip_prefix_cache:
+        out["prefix_cache"] = run_prefix_caching(args.quick)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -169,7 +169,9 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         state = self._seq_state.setdefault(int(seq_id), [[], 0, torch.full((self.rows_per_seq, width), -1)])
         keys, num_recorded, registered_through = state
         num_complete = len(token_ids) // C
-        if num_complete == 0:
+        if num_complete == num_recorded:
+            # no chunk completed since the last call: every entry added since lies in the incomplete
+            # chunk, and registrations under complete chunks involve only older entries -- nothing new
             return 0
         if num_complete > len(keys):
             keys += chain_keys(token_ids[len(keys) * C: num_complete * C], C, keys[-1] if keys else b"")
@@ -250,7 +252,10 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         if not counts:
             return PrefixHit()
         cumulative = torch.stack(counts).cumsum(0)                                         # (I, R)
-        low, high, best = 1, len(counts), None                # validity is monotone in i: bisect
+        best = self._hit_at(keys, cumulative, len(counts))      # the common case: the whole run of records
+        if best is not None:
+            return best
+        low, high, best = 1, len(counts) - 1, None             # validity is monotone in i: bisect
         while low <= high:
             middle = (low + high) // 2
             hit = self._hit_at(keys, cumulative, middle)
@@ -263,34 +268,38 @@ class PrefixCachingKVCacheManager(KVCacheManager):
     def _hit_at(self, keys, cumulative, i: int) -> PrefixHit | None:
         """The hit for s = i * C, or None if some needed block is not cached."""
         P = self.block_size
+        s = i * self.chunk_size
         row_counts = cumulative[i - 1]                                                      # (R,)
-        shared, shared_rows, shared_columns, cow, cow_rows = [], [], [], [], []
-        for r in (row_counts > 0).nonzero().squeeze(1).tolist():
-            count = int(row_counts[r])
-            num_full = count // P
-            if num_full:
-                last_entries = torch.arange(num_full) * P + P - 1                           # (f,)
-                chunks = torch.searchsorted(cumulative[:i, r].contiguous(), last_entries, right=True)
-                for j, m in enumerate(chunks.tolist()):
-                    block = self._block_of_key.get((r, j, keys[m]))
-                    # a block is shared only whole: its last slot written, below s (by causality it
-                    # always is when found under its last entry's chunk; checked all the same)
-                    if block is None or not 0 <= int(self.block_positions[block, P - 1]) < i * self.chunk_size:
-                        return None
-                    shared.append(block)
-                    shared_rows.append(r)
-                    shared_columns.append(j)
-            if count % P:
-                block = self._block_of_key.get((r, num_full, keys[i - 1]))
-                if block is None:
-                    return None
-                cow.append(block)
-                cow_rows.append(r)
+        num_full = row_counts // P                                                          # (R,)
+        # full blocks below s: (row, column) pairs and the chunk of each one's last entry
+        shared_rows = torch.repeat_interleave(torch.arange(row_counts.numel()), num_full)    # (f,)
+        shared_columns = torch.arange(shared_rows.numel()) - torch.repeat_interleave(
+            torch.cumsum(num_full, 0) - num_full, num_full)                                 # (f,)
+        last_entry = shared_columns * P + P - 1                                             # (f,)
+        chunk = (cumulative[:i, shared_rows] <= last_entry[None, :]).sum(0)                 # (f,)
+        block_of_key = self._block_of_key
+        shared = []
+        for r, j, m in zip(shared_rows.tolist(), shared_columns.tolist(), chunk.tolist()):
+            block = block_of_key.get((r, j, keys[m]))
+            if block is None:
+                return None
+            shared.append(block)
+        cow_rows = (row_counts % P > 0).nonzero().squeeze(1)                                 # (c,)
+        cow, key = [], keys[i - 1]
+        for r, j in zip(cow_rows.tolist(), num_full[cow_rows].tolist()):
+            block = block_of_key.get((r, j, key))
+            if block is None:
+                return None
+            cow.append(block)
         shared_t = torch.tensor(shared, dtype=torch.int64)
+        # a block is shared only whole: its last slot written, below s (by causality it always is when
+        # found under its last entry's chunk; checked all the same)
+        last = self.block_positions[shared_t, P - 1]
+        if ((last < 0) | (last >= s)).any():
+            return None
         num_free_taken = int((self.pool.ref_cnt[shared_t] == 0).sum()) + len(cow)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64)   # noqa: E731
-        return PrefixHit(i * self.chunk_size, row_counts.clone(), shared_t, as_tensor(shared_rows),
-                         as_tensor(shared_columns), as_tensor(cow), as_tensor(cow_rows), num_free_taken)
+        return PrefixHit(s, row_counts.clone(), shared_t, shared_rows, shared_columns,
+                         torch.tensor(cow, dtype=torch.int64), cow_rows, num_free_taken)
 
     def apply_prefix_hit(self, seq_id: int, hit: PrefixHit) -> tuple[torch.Tensor, torch.Tensor]:
         """Give a new sequence its rows from a hit: shared blocks gain an owner, each straddling block

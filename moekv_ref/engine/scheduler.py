@@ -195,6 +195,7 @@ class Scheduler:
         self.manager = manager
         self.swap_space = SwapSpace(manager, num_swap_blocks) if num_swap_blocks else None
         self.prefix_caching = bool(getattr(manager, "enable_prefix_caching", False))
+        self._looked_up = None                 # (request, its hit): the last lookup, until the pool changes
         self.memory = MemoryView(manager, shape, self.swap_space)
         self.shape = shape
         self.predictor = DemandPredictor(shape.num_layers, shape.num_experts, shape.k_max, shape.block_size)
@@ -247,6 +248,7 @@ class Scheduler:
     # ----- one step ---------------------------------------------------------------------------------
     def schedule(self, step: int) -> SchedulerOutput:
         out = SchedulerOutput(step)
+        self._looked_up = None
         token_budget = self.config.max_num_batched_tokens
         reserved = 0
         # every running request's need, in one call; a request the budget cuts short is asked again
@@ -343,8 +345,12 @@ class Scheduler:
         no prefix caching, the request holds blocks or is swapped out, or nothing usable is cached."""
         if not self.prefix_caching or request.swapped or self.memory.holds(request.request_id):
             return None
+        if self._looked_up is not None and self._looked_up[0] is request:
+            return self._looked_up[1]          # asked again before anything changed (admission, then start)
         hit = self.manager.find_cached_prefix(request.all_token_ids)
-        return hit if hit.num_tokens else None
+        hit = hit if hit.num_tokens else None
+        self._looked_up = (request, hit)
+        return hit
 
     def hit_step_blocks(self, request: Request, hit, num_tokens: int) -> int:
         """step_blocks for a request about to start from `hit`: the worst case of its next num_tokens
@@ -362,10 +368,12 @@ class Scheduler:
         blocks, the blocks straddling s are copied (COPY, before the forward), and prefill starts at s."""
         self.manager.count_lookup(request.num_tokens)
         hit = self.prefix_hit(request)
+        self._looked_up = None
         if hit is None:
             return
         source, destination = self.manager.apply_prefix_hit(request.request_id, hit)
         request.num_computed_tokens = hit.num_tokens
+        request.prefix_hit = hit
         if source.numel():
             out.block_copies.append(BlockCopy(COPY, source, destination))
             out.prefix_copied.append(request)

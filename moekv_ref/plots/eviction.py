@@ -88,3 +88,66 @@ def plot_crossover(projected: dict, ax=None):
     ax.set(title="recompute vs swap (projected)", xlabel="context (tokens)", ylabel="ms")
     ax.legend(fontsize=7)
     return ax
+
+
+def prefix_hit_grid(request, num_layers: int, num_experts: int, block_size: int) -> np.ndarray:
+    """(L * E, blocks) status of each block of a finished request's rows: 0 none, 1 computed by the
+    request, 2 copied from the cache (copy-on-write of a block straddling s), 3 shared from the cache.
+    Rows are layer * E + expert; needs request.final_token_counts (engine with record_history) and
+    request.prefix_hit (None: nothing came from the cache)."""
+    counts = request.final_token_counts.reshape(-1).numpy()                    # (L*E,)
+    num_blocks = -(-counts // block_size)                                      # (L*E,)
+    grid = np.zeros((num_layers * num_experts, max(1, int(num_blocks.max()))), dtype=np.int64)
+    grid[np.arange(grid.shape[1])[None, :] < num_blocks[:, None]] = 1
+    hit = request.prefix_hit
+    if hit is not None:
+        grid[hit.shared_rows.numpy(), hit.shared_columns.numpy()] = 3
+        cow_rows = hit.cow_rows.numpy()
+        grid[cow_rows, hit.row_counts.numpy()[cow_rows] // block_size] = 2
+    return grid
+
+
+def plot_prefix_hit_map(requests, num_layers: int, num_experts: int, block_size: int, axes=None):
+    """One panel per request: its (layer, expert) rows (y) and their blocks (x), coloured by where each
+    block came from -- shared from the prefix cache, copied (copy-on-write), or computed by the
+    request. The first request of a workload finds nothing; later ones share most of the prefix."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+    colours = ["white", "0.75", "tab:orange", "tab:green"]
+    if axes is None:
+        _, axes = plt.subplots(1, len(requests), figsize=(3.2 * len(requests), 4), squeeze=False)
+        axes = axes[0]
+    grids = [prefix_hit_grid(r, num_layers, num_experts, block_size) for r in requests]
+    width = max(g.shape[1] for g in grids)
+    for ax, request, grid in zip(axes, requests, grids):
+        padded = np.zeros((grid.shape[0], width), dtype=np.int64)
+        padded[:, :grid.shape[1]] = grid
+        ax.imshow(padded, cmap=ListedColormap(colours), vmin=0, vmax=3, aspect="auto", interpolation="nearest")
+        skipped = 0 if request.prefix_hit is None else request.prefix_hit.num_tokens
+        ax.set(title=f"request {request.request_id}: {skipped} of {len(request.prompt_token_ids)} prompt tokens cached",
+               xlabel="block of the row")
+        ax.title.set_fontsize(8)
+        ax.set_yticks(np.arange(0, grid.shape[0], num_experts))
+        ax.set_yticklabels([f"layer {layer}" for layer in range(num_layers)], fontsize=7)
+        ax.set_yticks(np.arange(grid.shape[0]), minor=True)
+    axes[0].set_ylabel("(layer, expert) row")
+    axes[-1].legend(handles=[Patch(color=c, label=label) for c, label in
+                             zip(colours[1:], ["computed", "copied (copy-on-write)", "shared"])],
+                    fontsize=7, loc="lower right")
+    return axes
+
+
+def plot_prefix_cache_summary(results: dict, ax=None):
+    """Steps and tokens computed without and with the prefix cache (compare_prefix_caching's dict)."""
+    ax = ax or plt.gca()
+    names = ["steps", "tokens computed / 100"]
+    off = [results["off"]["num_steps"], results["off"]["num_computed_tokens"] / 100]
+    on = [results["on"]["num_steps"], results["on"]["num_computed_tokens"] / 100]
+    x = np.arange(len(names))
+    ax.bar(x - 0.2, off, 0.4, label="without prefix cache", color="0.6")
+    ax.bar(x + 0.2, on, 0.4, label="with prefix cache", color="tab:green")
+    ax.set_xticks(x)
+    ax.set_xticklabels(names)
+    ax.set(title=f"hit rate {results['token_hit_rate']:.2f} of prompt tokens")
+    ax.legend(fontsize=7)
+    return ax
