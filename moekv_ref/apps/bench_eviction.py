@@ -235,12 +235,13 @@ def format_engine_comparison(comparison: dict) -> str:
 
 # ----- 4. prefix caching on a few-shot workload ---------------------------------------------------------------
 def compare_prefix_caching(model, workload, num_blocks: int = 4000, block_size: int = 16, max_num_seqs: int = 16,
-                           max_num_batched_tokens: int = 256, repeats: int = 3) -> dict:
+                           max_num_batched_tokens: int = 256, repeats: int = 3, return_engine: bool = False) -> dict:
     """The same requests through LLMEngine without and with prefix caching (a pool large enough that
     nothing is preempted, so every difference is the cache's). Per setting: steps, tokens computed,
     generated tokens per wall second (median of `repeats` runs), and the blocks each request held
     right after its prefill (the prompt's blocks: the block hit rate's denominator); with the cache,
-    its counters. Returns both and whether every request's tokens were equal."""
+    its counters. Returns both and whether every request's tokens were equal; return_engine=True adds
+    "engine": the first run with the cache (its finished requests kept, for plot_prefix_hit_map)."""
     from ..engine.engine import LLMEngine
     from ..engine.scheduler import SchedulerConfig
     from ..engine.workload import run_workload
@@ -270,6 +271,8 @@ def compare_prefix_caching(model, workload, num_blocks: int = 4000, block_size: 
                        "num_prompt_tokens": sum(len(r.prompt) for r in workload),
                        "num_prompt_blocks": sum(prompt_blocks.values()), "prefix_cache": engine.prefix_cache_stats()}
                 tokens[enabled] = [result.outputs[i].token_ids for i in range(len(workload))]
+                if enabled:
+                    first_engine = engine
         row["seconds"] = sorted(seconds)[repeats // 2]
         row["tokens_per_second"] = row["num_generated_tokens"] / row["seconds"]
         runs["on" if enabled else "off"] = row
@@ -281,7 +284,7 @@ def compare_prefix_caching(model, workload, num_blocks: int = 4000, block_size: 
                "steps_saved": off["num_steps"] - on["num_steps"],
                "tokens_per_second_ratio": on["tokens_per_second"] / off["tokens_per_second"],
                "outputs_equal": tokens[False] == tokens[True]}
-    return {"off": off, "on": on, **summary}
+    return {"off": off, "on": on, **summary, **({"engine": first_engine} if return_engine else {})}
 
 
 def format_prefix_caching(results: dict) -> str:

@@ -130,6 +130,9 @@ def plot_prefix_hit_map(requests, num_layers: int, num_experts: int, block_size:
         ax.set_yticks(np.arange(0, grid.shape[0], num_experts))
         ax.set_yticklabels([f"layer {layer}" for layer in range(num_layers)], fontsize=7)
         ax.set_yticks(np.arange(grid.shape[0]), minor=True)
+        ax.set_xticks(np.arange(width))
+        for layer in range(1, num_layers):                                       # layer boundaries
+            ax.axhline(layer * num_experts - 0.5, color="k", lw=0.6)
     axes[0].set_ylabel("(layer, expert) row")
     axes[-1].legend(handles=[Patch(color=c, label=label) for c, label in
                              zip(colours[1:], ["computed", "copied (copy-on-write)", "shared"])],
