@@ -292,14 +292,21 @@ def test_embedded_model_under_pressure_preempts_evicts_and_keeps_the_tokens():
     assert stats["num_lookups"] > len(workload)          # preempted requests looked up again
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_random_model_float64_with_shared_prefixes_equals_generating_alone(mode):
-    model = random_model(small_config("expert", "threshold"), seed=0)
+def shared_prefix_requests(num_requests=10):
+    """Prompts sharing prefixes of varied lengths (20, 22, ... tokens of one random text), then 2-6
+    tokens of their own; every other request greedy, the others sampled with their own seed."""
     shared = random_prompts([37], 64, seed=5)[0]
-    own = random_prompts([2 + i % 5 for i in range(10)], 64, seed=6)
-    prompts = [shared[: 20 + 2 * i] + tail for i, tail in enumerate(own)]      # prefixes of varied lengths
+    own = random_prompts([2 + i % 5 for i in range(num_requests)], 64, seed=6)
+    prompts = [shared[: 20 + 2 * i] + tail for i, tail in enumerate(own)]
     params = [SamplingParams(max_new_tokens=8 + i % 7, temperature=0.0 if i % 2 else 1.0, top_p=0.9, seed=i)
-              for i in range(len(prompts))]
+              for i in range(num_requests)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("routing, mode", [("threshold", "recompute"), ("threshold", "swap"), ("topk", "recompute")])
+def test_random_model_float64_with_shared_prefixes_equals_generating_alone(routing, mode):
+    model = random_model(small_config("expert", routing), seed=0)
+    prompts, params = shared_prefix_requests()
     alone = alone_tokens(model, prompts, params)
     engine = LLMEngine(model, 120, 4, SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=48,
                                                       preemption_mode=mode, admission="optimistic"),
@@ -316,3 +323,46 @@ def test_prefix_caching_is_refused_where_it_does_not_apply():
         LLMEngine(model, 64, 4, SchedulerConfig(policy="static"), enable_prefix_caching=True)
     with pytest.raises(ValueError, match="True or False"):
         LLMEngine(model, 64, 4, enable_prefix_caching="yes")
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def test_a_failed_copy_on_write_or_forward_after_a_hit_is_undone_and_the_tokens_stay():
+    """The first step with a hit's copies fails in its copies, and a later step fails in its forward
+    (after layer 1 appended) while a request that started from a hit runs: the first request
+    recomputes from nothing, the failed step's appends are undone, and every request still gets the
+    tokens of generating it alone."""
+    model = random_model(small_config("expert", "threshold"), seed=0)
+    prompts, params = shared_prefix_requests(6)
+    alone = alone_tokens(model, prompts, params)
+    engine = LLMEngine(model, 200, 4, SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24),
+                       enable_prefix_caching=True)
+    copy_blocks, append_kv = engine.runner.copy_blocks, engine.cache.append_kv
+    faults = []
+
+    def flaky_copies(copies):
+        if any(c.direction == "copy" for c in copies) and not faults:
+            faults.append("copy")
+            raise InjectedFault("copy failed")
+        copy_blocks(copies)
+
+    def flaky_append(layer, *args):
+        appended = append_kv(layer, *args)
+        if layer == 1 and faults == ["copy"] and engine.scheduler.running[-1].prefix_hit is not None:
+            faults.append("forward")
+            raise InjectedFault("forward failed")
+        return appended
+
+    engine.runner.copy_blocks, engine.cache.append_kv = flaky_copies, flaky_append
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        try:
+            outputs.update((o.request_id, o) for o in engine.step())
+        except InjectedFault:
+            engine.cache.manager.assert_consistent()
+    assert faults == ["copy", "forward"]
+    assert [outputs[i].token_ids for i in ids] == alone
+    engine.memory.assert_no_leak()
