@@ -366,3 +366,13 @@ def test_a_failed_copy_on_write_or_forward_after_a_hit_is_undone_and_the_tokens_
     assert faults == ["copy", "forward"]
     assert [outputs[i].token_ids for i in ids] == alone
     engine.memory.assert_no_leak()
+
+
+def test_few_shot_workload_shares_its_prefix_and_refuses_bad_shares():
+    workload = few_shot_workload(4, prompt_len=64, shared_share=0.75, output_len=3)
+    assert all(len(r.prompt) == 64 and r.prompt[:48] == workload[0].prompt[:48] for r in workload)
+    assert len({tuple(r.prompt[48:]) for r in workload}) == 4             # each question its own
+    with pytest.raises(ValueError, match="shared_share"):
+        few_shot_workload(4, shared_share=1.5)
+    with pytest.raises(ValueError, match="at most"):
+        few_shot_workload(4, prompt_len=5000)

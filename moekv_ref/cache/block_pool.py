@@ -73,6 +73,7 @@ class BlockPool:
         # no one owns, least recently freed first (evicted in that order when the stack runs out)
         self.is_cached = torch.zeros(num_blocks, dtype=torch.bool)      # (N,)
         self._cached_free: OrderedDict[int, None] = OrderedDict()
+        self._any_cached = False                  # a block was ever marked: `free` must sort released ones
         self.on_evict: Callable[[list[int]], None] | None = None       # told which cached blocks left
         self.num_evicted_cached_blocks = 0
 
@@ -127,6 +128,7 @@ class BlockPool:
         if (self.ref_cnt[block_ids] <= 0).any():
             raise ValueError("mark_cached of a free block: only blocks in use are registered")
         self.is_cached[block_ids] = True
+        self._any_cached = True
 
     def reuse(self, block_ids) -> None:
         """One more owner for each cached block (a prefix-cache hit): a cached-free one leaves the
@@ -175,10 +177,11 @@ class BlockPool:
         first = first.scatter_reduce(0, inverse, torch.arange(block_ids.numel()), reduce="amin")
         released = (remaining == 0).nonzero().squeeze(1)                              # (r,)
         released = unique_ids[released[first[released].argsort()]]
-        cached = self.is_cached[released]
-        for block in released[cached].tolist():       # most recently used: the end of the LRU queue
-            self._cached_free[block] = None
-        released = released[~cached]
+        if self._any_cached:
+            cached = self.is_cached[released]
+            for block in released[cached].tolist():   # most recently used: the end of the LRU queue
+                self._cached_free[block] = None
+            released = released[~cached]
         top = self._num_free
         self._free_stack[top: top + released.numel()] = released
         self._num_free = top + released.numel()

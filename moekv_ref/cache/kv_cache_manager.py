@@ -25,6 +25,9 @@ Invariants after every public call (checked by `assert_consistent`, driven by pr
   * no block is owned by two rows; owned blocks have ref_cnt 1; free + owned = num_blocks;
   * a call that raises leaves the manager and the pool unchanged.
 
+Prefix caching (prefix_cache.py, a subclass) lets rows of different sequences share full blocks,
+counted by ref_cnt, and keeps blocks after their sequence ends; this class never shares.
+
 The scheduler's questions have methods of their own (`num_free_blocks`, `num_blocks_needed`,
 `can_allocate`, `blocks_of_sequence`, `free`), so it never reaches into these tensors. `truncate`
 and `snapshot_rows` / `restore_rows` undo appends (a forward that failed half-way).
