@@ -170,7 +170,8 @@ def test_seeded_programs_hit_copy_and_evict():
         for _ in range(30):
             kind = rng.choice(["start", "run", "run", "run", "free", "evict"])
             if kind == "start":
-                tokens = BASES[rng.randrange(2)][: rng.randrange(13)] + [rng.randrange(4) for _ in range(rng.randrange(3))]
+                own = [rng.randrange(4) for _ in range(rng.randrange(3))]
+                tokens = BASES[rng.randrange(2)][: rng.randrange(13)] + own
                 ops.append(("start", tokens or [0]))
             elif kind == "run":
                 ops.append(("run", rng.randrange(6), rng.randrange(1, 13)))

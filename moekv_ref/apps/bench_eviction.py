@@ -296,10 +296,11 @@ def format_prefix_caching(results: dict) -> str:
             cache = x["prefix_cache"] or {}
             lines.append(f"{routing:>9} {name:>5} {x['num_steps']:>5} {x['num_computed_tokens']:>8} "
                          f"{cache.get('num_hit_tokens', 0):>7} {cache.get('num_shared_blocks', 0):>6} "
-                         f"{cache.get('num_cow_blocks', 0):>6} {x['num_prompt_blocks']:>13} {x['tokens_per_second']:>6.0f}")
+                         f"{cache.get('num_cow_blocks', 0):>6} {x['num_prompt_blocks']:>13} "
+                         f"{x['tokens_per_second']:>6.0f}")
     for routing, r in results.items():
-        lines.append(f"  {routing}: hit rate {r['token_hit_rate']:.3f} of tokens, {r['block_hit_rate']:.3f} of the prompts' "
-                     f"blocks; prefill tokens saved {r['prefill_tokens_saved']}, steps saved {r['steps_saved']}, "
+        lines.append(f"  {routing}: hit rate {r['token_hit_rate']:.3f} of tokens, {r['block_hit_rate']:.3f} of the "
+                     f"prompts' blocks; prefill tokens saved {r['prefill_tokens_saved']}, steps saved {r['steps_saved']}, "
                      f"tokens/s x{r['tokens_per_second_ratio']:.2f}; outputs equal: {r['outputs_equal']}")
     return "\n".join(lines)
 

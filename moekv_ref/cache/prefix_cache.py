@@ -44,9 +44,16 @@ copy costs one block and one block copy per straddling row, at most L * E per re
 block is never shared: the producer keeps appending to its own tail, and the new request to its
 copy. The same holds for a producer's partly filled last block: it can be the *source* of a copy
 (its entries below s are final), never shared -- without that, a rarely chosen expert whose row holds
-fewer than P entries would cap every hit below its first entry. s is the largest multiple of C for which every needed block is found (validity is monotone:
-a smaller s needs a subset), and at most len(tokens) - 1: the last token always runs, its logits
-are sampled from.
+fewer than P entries would cap every hit below its first entry.
+
+s is the largest multiple of C for which every needed block is found (validity is monotone: a
+smaller s needs a subset), and at most len(tokens) - 1: the last token always runs, its logits are
+sampled from.
+
+What this relies on: the forward is deterministic, so the same prefix routes the same way and stores
+the same K/V in whatever batch it runs (true of this repository's CPU forward, which the tests check by
+comparing tokens with and without the cache; a GPU kernel whose reductions depend on the batch would
+have to be batch-invariant for a hit to equal a recompute).
 
 Cached blocks live on in the pool after their sequences end: ref_cnt 0 but marked cached, in the
 pool's LRU queue (block_pool.py), until a request reuses them or the pool evicts them for a new

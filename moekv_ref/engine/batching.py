@@ -65,7 +65,7 @@ class AdmissionStep:
         hit = self._scheduler.prefix_hit(request)       # prefix caching: it starts from a cached prefix
         if hit is not None:
             num_tokens = min(request.num_tokens - hit.num_tokens, self.token_budget)
-            need = self._scheduler.hit_step_blocks(request, hit, num_tokens)
+            need = self._scheduler.hit_step_blocks(hit, num_tokens)
         else:
             num_tokens = min(request.num_pending_tokens, self.token_budget)
             need = self._scheduler.step_blocks(request, num_tokens)

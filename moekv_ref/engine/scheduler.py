@@ -352,7 +352,7 @@ class Scheduler:
         self._looked_up = (request, hit)
         return hit
 
-    def hit_step_blocks(self, request: Request, hit, num_tokens: int) -> int:
+    def hit_step_blocks(self, hit, num_tokens: int) -> int:
         """step_blocks for a request about to start from `hit`: the worst case of its next num_tokens
         tokens from the hit's row counts, plus the free blocks the hit itself takes."""
         shape = self.shape
@@ -379,7 +379,8 @@ class Scheduler:
             out.prefix_copied.append(request)
 
     def _cache_prefix(self, request: Request) -> None:
-        """Register the full blocks of the request's computed tokens (prefix caching only)."""
+        """Register the blocks of the request's computed tokens, so later requests find them (prefix
+        caching only; a row's partly filled last block as a copy source only, see prefix_cache.py)."""
         if self.prefix_caching and self.memory.holds(request.request_id):
             self.manager.cache_computed_blocks(request.request_id,
                                                request.all_token_ids[: request.num_computed_tokens])
