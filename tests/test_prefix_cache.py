@@ -377,3 +377,17 @@ def test_few_shot_workload_shares_its_prefix_and_refuses_bad_shares():
         few_shot_workload(4, shared_share=1.5)
     with pytest.raises(ValueError, match="at most"):
         few_shot_workload(4, prompt_len=5000)
+
+
+def test_bench_comparison_counts_hits_and_saved_work():
+    from moekv_ref.apps.bench_eviction import compare_prefix_caching, format_prefix_caching
+    model = random_model(small_config("expert", "topk"), seed=1)
+    workload = few_shot_workload(5, prompt_len=48, shared_share=0.75, output_len=4, vocab_size=64)
+    result = compare_prefix_caching(model, workload, num_blocks=300, block_size=4, max_num_batched_tokens=64,
+                                    repeats=1)
+    off, on = result["off"], result["on"]
+    assert result["outputs_equal"] and off["prefix_cache"] is None
+    # every token skipped is a token not computed; hit tokens are multiples of the block size
+    assert result["prefill_tokens_saved"] == on["prefix_cache"]["num_hit_tokens"] > 0
+    assert on["prefix_cache"]["num_hit_tokens"] % 4 == 0 and result["steps_saved"] >= 0
+    assert "outputs equal: True" in format_prefix_caching({"topk": result})

@@ -288,21 +288,23 @@ def compare_prefix_caching(model, workload, num_blocks: int = 4000, block_size: 
 
 
 def format_prefix_caching(results: dict) -> str:
-    lines = [f"{'routing':>9} {'cache':>5} {'steps':>5} {'computed':>8} {'hit tok':>7} {'shared':>6} {'copied':>6} "
-             f"{'prompt blocks':>13} {'tok/s':>6}"]
+    """compare_prefix_caching's results per routing, as a table and one summary line per routing."""
+    from ..plots.tables import text_table
+    rows = []
     for routing, r in results.items():
         for name in ("off", "on"):
             x = r[name]
             cache = x["prefix_cache"] or {}
-            lines.append(f"{routing:>9} {name:>5} {x['num_steps']:>5} {x['num_computed_tokens']:>8} "
-                         f"{cache.get('num_hit_tokens', 0):>7} {cache.get('num_shared_blocks', 0):>6} "
-                         f"{cache.get('num_cow_blocks', 0):>6} {x['num_prompt_blocks']:>13} "
-                         f"{x['tokens_per_second']:>6.0f}")
-    for routing, r in results.items():
-        lines.append(f"  {routing}: hit rate {r['token_hit_rate']:.3f} of tokens, {r['block_hit_rate']:.3f} of the "
-                     f"prompts' blocks; prefill tokens saved {r['prefill_tokens_saved']}, steps saved {r['steps_saved']}, "
-                     f"tokens/s x{r['tokens_per_second_ratio']:.2f}; outputs equal: {r['outputs_equal']}")
-    return "\n".join(lines)
+            rows.append([routing, name, x["num_steps"], x["num_computed_tokens"], cache.get("num_hit_tokens", 0),
+                         cache.get("num_shared_blocks", 0), cache.get("num_cow_blocks", 0), x["num_prompt_blocks"],
+                         x["tokens_per_second"]])
+    table = text_table(["routing", "cache", "steps", "computed", "hit tokens", "shared", "copied", "prompt blocks",
+                        "tok/s"], rows, [None] * 8 + ["{:.0f}"])
+    lines = [f"  {routing}: hit rate {r['token_hit_rate']:.3f} of tokens, {r['block_hit_rate']:.3f} of the prompts' "
+             f"blocks; prefill tokens saved {r['prefill_tokens_saved']}, steps saved {r['steps_saved']}, "
+             f"tokens/s x{r['tokens_per_second_ratio']:.2f}; outputs equal: {r['outputs_equal']}"
+             for routing, r in results.items()]
+    return "\n".join([table] + lines)
 
 
 def run_prefix_caching(quick: bool = False) -> dict:
