@@ -341,7 +341,7 @@ def build_parser(parser=None):
 
 def main(args) -> int:
     torch.set_num_threads(1)
-    if args.only_prefix_cache:
+    if args.only_prefix_cache:       # the other parts of an existing --json file are kept as they are
         out = {}
         if args.json:
             try:
@@ -350,11 +350,7 @@ def main(args) -> int:
             except FileNotFoundError:
                 pass
         out["prefix_cache"] = run_prefix_caching(args.quick)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
-            print(f"wrote {args.json}")
-        return 0
+        return _write_json(args.json, out)
     out: dict = {}
     if not args.skip_measure:
         from ..checkpoint import load_default_model
@@ -413,10 +409,14 @@ def main(args) -> int:
     out["density"] = density
     if not args.skip_prefix_cache:
         out["prefix_cache"] = run_prefix_caching(args.quick)
-    if args.json:
-        with open(args.json, "w") as f:
+    return _write_json(args.json, out)
+
+
+def _write_json(path, out: dict) -> int:
+    if path:
+        with open(path, "w") as f:
             json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
+        print(f"wrote {path}")
     return 0
 
 
