@@ -25,7 +25,18 @@ import time
 
 import torch
 
+from ..analysis import record_model_trace
+from ..cache.paged import PagedKVCache
+from ..checkpoint import load_default_model
+from ..config import get_config
+from ..engine.device_engine import DeviceLLMEngine
+from ..engine.engine import LLMEngine
+from ..engine.model_runner import ModelRunner
+from ..engine.scheduler import SchedulerConfig
+from ..engine.swap import SwapSpace
+from ..engine.workload import few_shot_workload, make_workload, run_workload
 from ..placement import place_layers
+from ..plots.tables import text_table
 from ..sim.costs import (PCIE_GEN5_X16_BYTES_PER_SECOND, CostModel, crossover_context, fit_cost_model,
                          projected_gpu_cost_model)
 from ..sim.density import density_sweep, mean_blocks_at_context
@@ -45,9 +56,6 @@ def measure_recompute_and_swap(model, contexts, block_sizes, repeats: int = 3, s
     """Median seconds of recomputing (prefilling) c tokens and of swapping the resulting sequence out
     and back in, for each context c and block size P, with the engine's own PagedKVCache and
     SwapSpace. Returns one dict per (P, c): blocks, bytes, recompute_seconds, swap_seconds."""
-    from ..cache.paged import PagedKVCache
-    from ..engine.model_runner import ModelRunner
-    from ..engine.swap import SwapSpace
     torch.manual_seed(seed)
     config = model.config
     rows = []
@@ -96,7 +104,6 @@ def projected_crossovers(block_sizes, contexts, links=None, num_sequences: int =
     """Crossover contexts projected for an H100 at JetMoE-8B's shape (24 layers, 8 attention experts,
     top-2, 16 KV heads of 128 in bf16, 2.2 B active parameters), over each host link. Blocks at each
     context are counted on a synthetic top-2 trace (Zipf 1.0 expert popularity)."""
-    from ..config import get_config
     config = get_config("jetmoe-8b")
     links = links or {"PCIe Gen5 x16 (64 GB/s)": PCIE_GEN5_X16_BYTES_PER_SECOND,
                       "NVLink-C2C (450 GB/s)": NVLINK_C2C_BYTES_PER_SECOND}
@@ -179,7 +186,6 @@ def engine_placement(model, workload, num_devices: int = 4) -> torch.Tensor:
     """(L, E): a skewed placement of the embedded model's experts, so that one device fills first:
     in each layer the E / D experts the workload's prompts route to most share device 0, the rest
     go round-robin over the other devices, most popular first."""
-    from ..analysis import record_model_trace
     trace = record_model_trace(model, [r.prompt for r in workload], [1] * len(workload))
     L, E = trace.num_layers, trace.num_experts
     chosen = trace.experts.long()                                                  # (tokens, L, K)
@@ -201,8 +207,6 @@ def compare_engine_policies(model, workload, blocks_per_device, placement, block
     optimistic admission (so that memory runs short and victims are chosen). Returns per policy the
     engine's eviction statistics, goodput (generated tokens per step and per wall second) and whether
     every policy produced the same tokens (each equals generating alone: tests)."""
-    from ..engine.device_engine import DeviceLLMEngine
-    from ..engine.scheduler import SchedulerConfig
     results, tokens = {}, {}
     for name in policies:
         config = SchedulerConfig(victim=name, admission="optimistic", preemption_mode=preemption_mode,
@@ -242,9 +246,6 @@ def compare_prefix_caching(model, workload, num_blocks: int = 4000, block_size: 
     right after its prefill (the prompt's blocks: the block hit rate's denominator); with the cache,
     its counters. Returns both and whether every request's tokens were equal; return_engine=True adds
     "engine": the first run with the cache (its finished requests kept, for plot_prefix_hit_map)."""
-    from ..engine.engine import LLMEngine
-    from ..engine.scheduler import SchedulerConfig
-    from ..engine.workload import run_workload
     runs, tokens = {}, {}
     for enabled in (False, True):
         seconds = []
@@ -289,7 +290,6 @@ def compare_prefix_caching(model, workload, num_blocks: int = 4000, block_size: 
 
 def format_prefix_caching(results: dict) -> str:
     """compare_prefix_caching's results per routing, as a table and one summary line per routing."""
-    from ..plots.tables import text_table
     rows = []
     for routing, r in results.items():
         for name in ("off", "on"):
@@ -310,8 +310,6 @@ def format_prefix_caching(results: dict) -> str:
 def run_prefix_caching(quick: bool = False) -> dict:
     """Both routings of the embedded model on one few-shot workload: 16 requests (8 with --quick) of
     256 tokens, 224 of them shared, 16 new tokens each, greedy."""
-    from ..checkpoint import load_default_model
-    from ..engine.workload import few_shot_workload
     workload = few_shot_workload(8 if quick else 16, prompt_len=256, shared_share=0.875, output_len=16)
     results = {routing: compare_prefix_caching(load_default_model(routing=routing), workload,
                                                repeats=1 if quick else 3)
@@ -353,7 +351,6 @@ def main(args) -> int:
         return _write_json(args.json, out)
     out: dict = {}
     if not args.skip_measure:
-        from ..checkpoint import load_default_model
         model = load_default_model()
         contexts = [16, 64, 256] if args.quick else [16, 32, 64, 128, 256, 384, 496]
         rows = measure_recompute_and_swap(model, contexts, [4, 16, 64])
@@ -388,8 +385,6 @@ def main(args) -> int:
                        "bound": comparison["bound"]}
 
     if not args.skip_engine:
-        from ..checkpoint import load_default_model
-        from ..engine.workload import make_workload
         model = load_default_model()
         requests = make_workload(12 if args.quick else 24, prompt_len=(8, 48), output_len=(48, 96), seed=0)
         placement_engine = engine_placement(model, requests)

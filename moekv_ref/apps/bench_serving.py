@@ -24,6 +24,9 @@ import json
 
 import torch
 
+from ..cache.kv_cache_manager import check_block_size
+from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
+from ..config import get_config
 from ..engine import LLMEngine, SchedulerConfig
 from ..engine.workload import make_workload, run_workload
 from ..model import MoEKVTransformer
@@ -134,7 +137,6 @@ QUICK = dict(num_requests=8, prompt_len=(8, 64), output_len=(8, 32), num_blocks=
 
 
 def build_parser(parser):
-    from ..checkpoint import DEFAULT_CHECKPOINT
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
     parser.add_argument("--num-requests", type=int, default=None, help="requests in the workload (default 32)")
     parser.add_argument("--num-blocks", type=int, default=None,
@@ -149,9 +151,6 @@ def build_parser(parser):
 
 def main(args) -> int:
     """Entry point of `python -m moekv_ref bench serving`."""
-    from ..cache.kv_cache_manager import check_block_size
-    from ..checkpoint import load_checkpoint
-    from ..config import get_config
     if args.quick and (args.num_requests is not None or args.num_blocks is not None):
         raise ValueError("--quick sets its own --num-requests and --num-blocks: give either --quick or those")
     options = dict(QUICK) if args.quick else dict(

@@ -22,9 +22,14 @@ import math
 import time
 from pathlib import Path
 
+import matplotlib
+import torch
+from tqdm import tqdm
+
+from ..checkpoint import load_default_model
 from ..engine import LLMEngine, SchedulerConfig
-from ..plots.serving import demand_table, plot_run, pool_use
 from ..engine.workload import WorkloadRequest, make_workload, run_workload
+from ..plots.serving import demand_table, plot_run, pool_use
 from ..sampling import SamplingParams
 from ..tokenizer import encode
 
@@ -59,7 +64,6 @@ def explore(arrival_rate: float = 0.5, num_blocks: int = 200, routing: str = "th
             seed: int = 0):
     """One serving run for notebook 04's widgets: the demo workload at this arrival rate through a
     pool of `num_blocks`, with this routing and preemption mode. Returns (summary, engine)."""
-    from ..checkpoint import load_default_model
     return run_demo(num_requests, num_blocks, preemption_mode, admission, arrival_rate, seed,
                     figures=None, progress=False, model=load_default_model(routing))
 
@@ -137,9 +141,7 @@ def run_demo(num_requests: int = 20, num_blocks: int = 200, preemption_mode: str
              admission: str = "predicted", arrival_rate: float | None = 0.5, seed: int = 0,
              figures: Path | None = FIGURES, progress: bool = True, model=None):
     """Serve the demo workload; returns (summary, engine). Writes figures unless figures is None."""
-    from tqdm import tqdm
 
-    from ..checkpoint import load_default_model
     model = model or load_default_model("threshold")
     workload = demo_workload(num_requests, arrival_rate, seed)
     # disable=None: no bar when stderr is not a terminal (CI logs, pipes), where each refresh would be a line
@@ -183,8 +185,6 @@ def build_parser(parser):
 
 
 def main(args) -> int:
-    import matplotlib
-    import torch
     matplotlib.use("Agg")
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(1)     # a small shared machine: see bench_serving.run_serving_benchmark

@@ -55,6 +55,7 @@ from einops import einsum, rearrange
 from ..attention import attend_by_position
 from ..backends import require_backend
 from ..config import ModelConfig
+from .device_kv_cache_manager import DeviceKVCacheManager, checked_placement
 from .kv_cache_manager import KVCacheManager, check_block_size
 from .prefix_cache import PrefixCachingKVCacheManager
 from .shared_tail_manager import SharedTailKVCacheManager
@@ -149,7 +150,6 @@ class PagedKVCache:
                         shared_tails):
         """A DeviceKVCacheManager, each device large enough for one token of one sequence (a block in
         each of its experts that a token can reach there, every layer)."""
-        from .device_kv_cache_manager import DeviceKVCacheManager, checked_placement
         if shared_tails:
             raise ValueError("shared_tails=True cannot be combined with per-device pools")
         L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok

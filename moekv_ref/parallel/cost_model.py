@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..config import ModelConfig
+from ..config import ModelConfig, get_config
 
 INT64_BYTES = 8
 
@@ -229,7 +229,6 @@ REAL_SHAPE_SETUPS = (
 
 def real_shape_projections(contexts=(4096, 32768), seqs_per_rank: int = 32, accelerator: str = "H100") -> list[dict]:
     """Projections for the real-shape presets at the given contexts (a table for the JSON and plots)."""
-    from ..config import get_config
     rows = []
     for name, world_size, link, placements in REAL_SHAPE_SETUPS:
         config = get_config(name)

@@ -23,6 +23,7 @@ from ..analysis import heldout_text
 from ..placement import PLACEMENTS, coactivation_counts, devices_touched, place_experts
 from ..tokenizer import encode
 from .dispatch import DispatchPlan
+from .kv_placements import KV_PLACEMENTS
 
 WINDOW = 256
 
@@ -96,7 +97,6 @@ def kv_location_map(selected_per_layer: list[torch.Tensor], attention_ranks: tor
 
     selected_per_layer: L tensors (T, E) bool, the sequence's attention routing; attention_ranks
     (L, E). kv_with_expert keeps it on the expert's rank; the other placements at the home rank."""
-    from .kv_placements import KV_PLACEMENTS
     if kv_placement not in KV_PLACEMENTS:
         raise ValueError(f"kv_placement={kv_placement!r} is not one of {KV_PLACEMENTS}")
     attention_ranks = torch.as_tensor(attention_ranks, dtype=torch.int64)

@@ -12,6 +12,8 @@ The model of the sweep is random (SWEEP_CONFIG): the embedded model's positions 
 
 from __future__ import annotations
 
+import torch
+
 from ..config import ModelConfig
 from ..placement import place_experts
 from .kv_placements import KV_PLACEMENTS
@@ -38,7 +40,6 @@ def expert_ranks(config: ModelConfig, world_size: int, strategy: str = "round_ro
 def context_sweep_specs(world_size: int, contexts=(128, 512, 2048), placements=KV_PLACEMENTS,
                         num_decode_steps: int = 2, config: ModelConfig = SWEEP_CONFIG, seed: int = 0,
                         strategy: str = "round_robin", router_skew: float = 0.0, block_size: int = 16) -> list[RunSpec]:
-    import torch
     generator = torch.Generator().manual_seed(seed)
     attention, ffn = expert_ranks(config, world_size, strategy)
     specs = []

@@ -5,7 +5,10 @@ computes nothing the package does not test."""
 
 from __future__ import annotations
 
+import matplotlib
 import numpy as np
+from matplotlib.colors import ListedColormap
+from matplotlib.patches import Rectangle
 
 PLACEMENT_COLOURS = {"kv_with_expert": "tab:blue", "kv_with_sequence": "tab:red", "replicated_attention": "tab:green"}
 
@@ -27,10 +30,8 @@ def draw_bytes_vs_context(ax, rows: list[dict]) -> None:
 
 def draw_kv_locations(ax, location: np.ndarray, num_experts: int, world_size: int, title: str = "") -> None:
     """location: locality.kv_location_map, (L * E, T). Each cell coloured by the rank holding it."""
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
     location = np.asarray(location)
-    colours = ["white"] + [plt.get_cmap("tab10")(r) for r in range(world_size)]
+    colours = ["white"] + [matplotlib.colormaps["tab10"](r) for r in range(world_size)]
     ax.imshow(location + 1, cmap=ListedColormap(colours), vmin=0, vmax=world_size, aspect="auto",
               interpolation="nearest")
     num_layers = location.shape[0] // num_experts
@@ -40,7 +41,7 @@ def draw_kv_locations(ax, location: np.ndarray, num_experts: int, world_size: in
         ax.axhline(l * num_experts - 0.5, color="black", linewidth=0.8)
     ax.set_xlabel("token position")
     ax.set_title(title)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[r + 1]) for r in range(world_size)]
+    handles = [Rectangle((0, 0), 1, 1, color=colours[r + 1]) for r in range(world_size)]
     ax.legend(handles, [f"rank {r}" for r in range(world_size)], loc="upper right", fontsize=7, ncol=world_size)
 
 
