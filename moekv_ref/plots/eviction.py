@@ -136,7 +136,7 @@ def plot_prefix_hit_map(requests, num_layers: int, num_experts: int, block_size:
     axes[0].set_ylabel("(layer, expert) row")
     axes[-1].legend(handles=[Patch(color=c, label=label) for c, label in
                              zip(colours[1:], ["computed", "copied (copy-on-write)", "shared"])],
-                    fontsize=7, loc="lower right")
+                    fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # beside the data, not on it
     return axes
 
 
