@@ -139,3 +139,21 @@ def test_cli_quick_writes_json(tmp_path, capsys):
     assert set(report["designs"]) == set(SERVING_DESIGNS)
     assert report["speedup_paged_vs_static"] > 0
     assert "speedup continuous_paged vs static" in capsys.readouterr().out
+
+
+def test_readme_first_generate_example_prints_python_shaped_text(capsys):
+    """The README's first `generate` command, at the CLI's sampling defaults, prints what the README
+    says: the prompt continued by a call and an indented line, without the runs of dozens of spaces
+    that lower temperatures fall into."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    line = next(l for l in readme.splitlines() if l.startswith("python -m moekv_ref generate"))
+    argv = shlex.split(line.split("#")[0])[3:]                       # after `python -m moekv_ref`
+    assert main(argv) == 0
+    text = capsys.readouterr().out.split("\n\n\n")[0]
+    assert text.startswith("if __name__ == self.stoption()") and "`if __name__ == self.stoption()`" in readme
+    assert re.search(r"\n {4,}\S", text)                              # an indented line
+    assert max(len(run) for run in re.findall(r" +", text)) <= 12
