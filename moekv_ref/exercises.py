@@ -277,11 +277,12 @@ def check_max_num_seqs(answer) -> str:
     larger = EXERCISE_04_MAX_NUM_SEQS[index + 1]
     next_run = _exercise_04_run(larger)
     if next_run["preempted"]:
-        return (f"{RIGHT}: max_num_seqs = {answer} serves the 12 requests in {mine['steps']} steps without "
+        return (f"{RIGHT}: max_num_seqs = {answer} serves the {EXERCISE_04_NUM_REQUESTS} requests in {mine['steps']} steps without "
                 f"a preemption; {larger} lets in one sequence too many, which the pool cannot keep as it "
                 f"grows: {next_run['preempted']} preemption(s), {next_run['recomputed_tokens']} tokens "
-                f"recomputed. A cap on running sequences is a crude prediction of demand: it works here "
-                f"because these requests are alike; predicted admission adapts when they are not.")
+                f"recomputed. A cap on running sequences is a crude prediction of demand: the right cap "
+                f"depends on the requests' lengths and the pool, so it must be found again for every "
+                f"workload; predicted admission adapts by itself.")
     return (f"{WRONG}: max_num_seqs = {answer} never preempts, but neither does {larger}, which finishes in "
             f"{next_run['steps']} steps instead of {mine['steps']}: more sequences per step is faster as long "
             f"as the pool holds them. Take a larger value.")
