@@ -150,27 +150,62 @@ def decode_flops(config, context_length: int, cached: bool) -> int:
 
 
 @torch.no_grad()
-def time_decode_step(model, context_length: int, cached: bool, repeats: int = 3, seed: int = 0) -> float:
+def time_decode_step(model, context_length: int, cached: bool, repeats: int = 3, seed: int = 0,
+                     clock=time.perf_counter, num_cached_steps: int = 1) -> float:
     """Seconds for one decode step after `context_length` tokens (best of `repeats`).
 
     recompute: one full forward over context_length + 1 tokens.
-    cached: prefill a contiguous cache with context_length tokens (untimed), then time one token.
+    cached: prefill a contiguous cache (untimed), then time the last `num_cached_steps` decode tokens
+    up to the one that follows context_length tokens, one after the other, and return the time per
+    token: a cached step is short, so a few in a row average out the clock's and the machine's jitter
+    (their contexts, t - n + 1 .. t, cost the same to within a few percent at this model's size).
     """
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, model.config.vocab_size, (context_length + 1,), generator=generator)
+    num_steps = max(1, min(num_cached_steps, context_length))
+    first = context_length + 1 - num_steps                  # the first timed token's position
     best = float("inf")
     for _ in range(repeats):
         if cached:
             cache = ContiguousKVCache(model.config.num_hidden_layers, model.config.num_attention_experts)
-            zeros = torch.zeros(context_length, dtype=torch.long)
-            model.forward_cached(tokens[:-1], zeros, torch.arange(context_length), cache)
-            start = time.perf_counter()
-            model.forward_cached(tokens[-1:], zeros[:1], torch.tensor([context_length]), cache)
+            zeros = torch.zeros(first, dtype=torch.long)
+            model.forward_cached(tokens[:first], zeros, torch.arange(first), cache)
+            start = clock()
+            for position in range(first, context_length + 1):
+                model.forward_cached(tokens[position:position + 1], zeros[:1], torch.tensor([position]), cache)
+            seconds = (clock() - start) / num_steps
         else:
-            start = time.perf_counter()
+            start = clock()
             model(tokens[None])
-        best = min(best, time.perf_counter() - start)
+            seconds = clock() - start
+        best = min(best, seconds)
     return best
+
+
+@torch.no_grad()
+def time_decode_steps(model, lengths: list[int], repeats: int = 5, seed: int = 0, clock=time.perf_counter,
+                      num_cached_steps: int = 8) -> dict[int, tuple[float, float]]:
+    """{t: (recompute seconds, cached seconds)} for one decode step after each t in `lengths`: the
+    best of `repeats` rounds, each round timing every (t, recompute / cached) once (cached: per token,
+    over `num_cached_steps` tokens in a row; see time_decode_step).
+
+    Why rounds: on a shared machine a burst of load slows whatever runs during it. Timing all lengths
+    in one round, then again, spreads a burst over every length instead of inflating one, and the best
+    of several rounds drops it; an untimed warm-up round first pays for one-time costs (allocator,
+    lazy initialisation), which otherwise land on the first length. With one length timed `repeats`
+    times in a row (time_decode_step), a burst made the measured curve go down and up from run to run.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be at least 1")
+    best = {(t, cached): float("inf") for t in lengths for cached in (False, True)}
+    for round_index in range(repeats + 1):                  # round 0: warm-up, not kept
+        for t in lengths:
+            for cached in (False, True):
+                seconds = time_decode_step(model, t, cached, repeats=1, seed=seed, clock=clock,
+                                           num_cached_steps=num_cached_steps)
+                if round_index:
+                    best[t, cached] = min(best[t, cached], seconds)
+    return {t: (best[t, False], best[t, True]) for t in lengths}
 
 
 @torch.no_grad()

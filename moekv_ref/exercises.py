@@ -1,4 +1,4 @@
-"""The exercises at the end of notebooks 01-03: each asks the reader for one small answer, and its
+"""The exercises at the end of the notebooks: each asks the reader for one small answer, and its
 `check_*` function says whether it is right and, when it is not, *why* -- naming the usual mistake
 the answer matches. The solutions are here too (`solution_*`), computed by the same package code the
 notebooks teach, so a check can never disagree with the lesson.
@@ -6,6 +6,10 @@ notebooks teach, so a check can never disagree with the lesson.
     01  predict the recompute / cached FLOP ratio of one decode step at a context length
     02  compute one expert's cache size, in bytes, from the router's decisions
     03  choose the largest block size that keeps plain pages at effective utilization >= 0.96
+    04  choose max_num_seqs so that optimistic admission never preempts, as fast as possible
+    05  write a victim rule: evict the sequence that makes the most room on the short device
+    06  place experts on ranks: few ranks touched per token, K/V balanced over the ranks
+    07  choose the split size of split-K decode attention that keeps every SM of a GPU busy
 
 Every check returns a message starting with "Right" or "Not yet" (or "No answer yet" for the
 placeholder the notebooks are saved with), so a notebook cell just prints it.
@@ -15,11 +19,18 @@ from __future__ import annotations
 
 import textwrap
 from functools import lru_cache
+from itertools import combinations
+
+import torch
 
 from .analysis import decode_flops
+from .cache.rows import ceil_div
+from .placement import coactivation_counts, devices_touched, place_experts
 from .sim.designs import CountingPagedDesign
+from .sim.eviction import EvictionSetup, simulate
 from .sim.replay import replay
 from .sim.traces import RoutingTrace, synthetic_trace
+from .sim.victims import Candidate, Eviction, VictimPolicy, cheaper_mode
 
 RIGHT, WRONG, MISSING = "Right", "Not yet", "No answer yet"
 
@@ -203,3 +214,349 @@ def check_block_size(answer) -> str:
     return (f"{WRONG}: P = {answer} reaches {mine:.3f}, but a larger block size also stays >= "
             f"{TARGET_EFFECTIVE_UTILIZATION}; larger blocks mean fewer block-table entries and fewer, "
             f"longer reads per decode token, so take the largest that meets the target.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# 04: how many sequences to run at once under optimistic admission
+
+
+EXERCISE_04_MAX_NUM_SEQS = (1, 2, 3, 4, 6, 8, 16)
+EXERCISE_04_NUM_REQUESTS = 12
+EXERCISE_04_NUM_BLOCKS = 200
+
+
+def exercise_04_workload():
+    """Twelve requests of the demo workload (notebook 04's widget runs the same ones), without the
+    oversized request: arrivals 0.5 per step, prompts of 16-160 bytes, outputs of 16-128 tokens."""
+    from .apps.demo import demo_workload
+    return demo_workload(EXERCISE_04_NUM_REQUESTS, arrival_rate=0.5, seed=0, with_oversized=False)
+
+
+@lru_cache(maxsize=None)
+def _exercise_04_run(max_num_seqs: int) -> dict:
+    """One serving run: optimistic admission, preemption by recompute, a pool of 200 blocks of 16."""
+    from .apps.demo import serve, summarize
+    from .checkpoint import load_default_model
+    engine, result = serve(load_default_model("threshold"), exercise_04_workload(), EXERCISE_04_NUM_BLOCKS,
+                           admission="optimistic", preemption_mode="recompute", max_num_seqs=max_num_seqs)
+    summary = summarize(engine, result)
+    return {key: summary[key] for key in ("steps", "preempted", "recomputed_tokens", "max_concurrent_sequences")}
+
+
+def solution_max_num_seqs() -> int:
+    """The largest max_num_seqs in EXERCISE_04_MAX_NUM_SEQS such that it, and every smaller choice,
+    serves the exercise's workload without one preemption (runs the engine: tens of seconds)."""
+    best = None
+    for max_num_seqs in EXERCISE_04_MAX_NUM_SEQS:
+        if _exercise_04_run(max_num_seqs)["preempted"]:
+            break
+        best = max_num_seqs
+    return best
+
+
+@_wrapped
+def check_max_num_seqs(answer) -> str:
+    """Is `answer` the largest max_num_seqs at which optimistic admission never preempts? Runs the
+    engine at the answer and at the next larger choice."""
+    if answer is None:
+        return (f"{MISSING}: replace None with a max_num_seqs from {EXERCISE_04_MAX_NUM_SEQS}. Hint: "
+                f"optimistic admission lets a request in whenever its next step fits; what stops the "
+                f"pool from running short later is how many sequences grow in it at once.")
+    if answer not in EXERCISE_04_MAX_NUM_SEQS:
+        return f"{WRONG}: {answer!r} is not one of the choices offered, {EXERCISE_04_MAX_NUM_SEQS}."
+    mine = _exercise_04_run(answer)
+    if mine["preempted"]:
+        return (f"{WRONG}: at max_num_seqs = {answer} the engine preempted {mine['preempted']} time(s) and "
+                f"recomputed {mine['recomputed_tokens']} tokens: with up to {mine['max_concurrent_sequences']} "
+                f"sequences admitted on their next step alone, their decode growth outran the "
+                f"{EXERCISE_04_NUM_BLOCKS}-block pool. Allow fewer sequences at once.")
+    index = EXERCISE_04_MAX_NUM_SEQS.index(answer)
+    if index + 1 == len(EXERCISE_04_MAX_NUM_SEQS):
+        return (f"{RIGHT}: even {answer} sequences at once never preempt ({mine['steps']} steps); the pool "
+                f"holds everything this workload runs at once.")
+    larger = EXERCISE_04_MAX_NUM_SEQS[index + 1]
+    next_run = _exercise_04_run(larger)
+    if next_run["preempted"]:
+        return (f"{RIGHT}: max_num_seqs = {answer} serves the {EXERCISE_04_NUM_REQUESTS} requests in {mine['steps']} steps without "
+                f"a preemption; {larger} lets in one sequence too many, which the pool cannot keep as it "
+                f"grows: {next_run['preempted']} preemption(s), {next_run['recomputed_tokens']} tokens "
+                f"recomputed. A cap on running sequences is a crude prediction of demand: the right cap "
+                f"depends on the requests' lengths and the pool, so it must be found again for every "
+                f"workload; predicted admission adapts by itself.")
+    return (f"{WRONG}: max_num_seqs = {answer} never preempts, but neither does {larger}, which finishes in "
+            f"{next_run['steps']} steps instead of {mine['steps']}: more sequences per step is faster as long "
+            f"as the pool holds them. Take a larger value.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# 05: a victim rule for per-device pools
+
+
+def exercise_05_setup():
+    """(trace, device_of_expert, setup, cost): notebook 05's widget workload (20 sequences, 4 layers,
+    16 experts on 4 devices placed by co-activation, topic skew 1.5), 160 blocks of 16 per device,
+    recompute only."""
+    from .apps.bench_eviction import skewed_workload, workload_cost_model
+    trace, _, placement = skewed_workload(num_sequences=20, num_layers=4, num_devices=4, mean_prompt=64,
+                                          mean_output=64, topic_s=1.5, seed=0)
+    setup = EvictionSetup(blocks_per_device=160, block_size=16, max_num_seqs=16)
+    return trace, placement, setup, workload_cost_model(trace, setup.block_size)
+
+
+def room_on_short_device(candidate, device: int) -> int:
+    """Blocks an eviction of `candidate` makes available on `device`: those it holds there plus those
+    its tokens of this step would have taken there."""
+    return int(candidate.blocks[device] + candidate.step_blocks[device])
+
+
+def solution_victim_rule(device: int, candidates: list):
+    """Evict the running sequence that makes the most room on the short device (ties: the newest)."""
+    return max(candidates, key=lambda c: (room_on_short_device(c, device), c.order))
+
+
+def _run_victim_rule(choose) -> tuple:
+    """Run the rule in the eviction simulator; returns (stats, decisions, error). Each decision is
+    (device, [(seq_id, order, blocks there, step blocks there, blocks everywhere)], chosen seq_id)."""
+    decisions = []
+
+    class ReaderRule(VictimPolicy):
+        name = "your rule"
+
+        def choose(self, state, device, candidates):
+            choice = choose(device, list(candidates))
+            by_id = {c.seq_id: c for c in candidates}
+            seq_id = choice.seq_id if isinstance(choice, Candidate) else choice
+            if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id not in by_id:
+                raise ValueError(f"the rule returned {choice!r}; return one of the candidates given to it")
+            decisions.append((device, [(c.seq_id, c.order, int(c.blocks[device]), int(c.step_blocks[device]),
+                                        int(c.blocks.sum())) for c in candidates], seq_id))
+            return Eviction(seq_id, cheaper_mode(state, by_id[seq_id]))
+
+    trace, placement, setup, cost = exercise_05_setup()
+    try:
+        stats = simulate(trace, placement, setup, ReaderRule(), cost)
+    except Exception as error:      # the reader's code: report it, do not crash the notebook
+        return None, decisions, error
+    return stats, decisions, None
+
+
+@lru_cache(maxsize=None)
+def _exercise_05_baseline():
+    trace, placement, setup, cost = exercise_05_setup()
+    return simulate(trace, placement, setup, "sequence_lru", cost)
+
+
+@_wrapped
+def check_victim_rule(choose) -> str:
+    """Does `choose(device, candidates)` always evict a sequence making the most room on the short
+    device? Runs it in the eviction simulator and checks every decision; names the usual mistakes."""
+    if choose is None:
+        return (f"{MISSING}: replace None with your function choose(device, candidates) that returns "
+                f"one of the candidates. Hint: candidate.blocks[device] is what it holds on the short "
+                f"device, candidate.step_blocks[device] what its tokens of this step would take there.")
+    if not callable(choose):
+        return f"{WRONG}: {choose!r} is not a function; write def choose(device, candidates): ..."
+    stats, decisions, error = _run_victim_rule(choose)
+    if error is not None:
+        return f"{WRONG}: the simulator stopped with an error from your rule: {type(error).__name__}: {error}"
+    if not decisions:
+        return f"{WRONG}: the workload needed no eviction, so the rule was never asked (this should not happen)."
+
+    def room(entry):
+        return entry[2] + entry[3]
+
+    missed = []
+    for device, entries, chosen in decisions:
+        chosen_entry = next(e for e in entries if e[0] == chosen)
+        if room(chosen_entry) < max(room(e) for e in entries):
+            missed.append((device, entries, chosen_entry))
+    base = _exercise_05_baseline()
+    if not missed:
+        return (f"{RIGHT}: every one of the {len(decisions)} decisions took a sequence making the most room "
+                f"on the short device. Over the run it freed {stats.freed_per_eviction:.1f} blocks there per "
+                f"eviction ({stats.num_evictions} evictions, {stats.recomputed_tokens} tokens recomputed, "
+                f"{stats.num_steps} steps) where sequence_lru, which takes the newest sequence wherever its "
+                f"blocks are, freed {base.freed_per_eviction:.1f} ({base.num_evictions} evictions, "
+                f"{base.num_steps} steps). pressure_aware also divides the room by what the eviction costs.")
+    device, entries, chosen_entry = missed[0]
+    best = max(entries, key=room)
+    newest = all(chosen == max(entries, key=lambda e: e[1])[0] for _, entries, chosen in decisions)
+    held_only = all(next(e for e in entries if e[0] == chosen)[2] == max(e[2] for e in entries)
+                    for _, entries, chosen in decisions)
+    everywhere = all(next(e for e in entries if e[0] == chosen)[4] == max(e[4] for e in entries)
+                     for _, entries, chosen in decisions)
+    lowest = all(room(next(e for e in entries if e[0] == chosen)) == min(room(e) for e in entries)
+                 for _, entries, chosen in decisions)
+    where = (f"In {len(missed)} of {len(decisions)} decisions it did not take the sequence making the most "
+             f"room; the first: device {device} was short and you took sequence {chosen_entry[0]} "
+             f"({room(chosen_entry)} blocks there), while sequence {best[0]} would have made {room(best)}.")
+    if newest:
+        return (f"{WRONG}: your rule takes the newest sequence, sequence_lru's rule, which never looks at "
+                f"where memory is short. {where}")
+    if lowest:
+        return f"{WRONG}: your rule takes the sequence making the *least* room (min instead of max?). {where}"
+    if held_only:
+        return (f"{WRONG}: your rule counts the blocks a sequence holds on the short device but not the "
+                f"blocks its tokens of this step would take there (step_blocks), which evicting it also "
+                f"spares. {where}")
+    if everywhere:
+        return (f"{WRONG}: your rule counts a sequence's blocks on every device; only the short device is "
+                f"short, and blocks freed elsewhere do not help it. {where}")
+    return f"{WRONG}: {where}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# 06: placing experts on ranks
+
+
+EXERCISE_06_LAYER = 0
+EXERCISE_06_WORLD_SIZE = 2
+MAX_KV_IMBALANCE = 1.10           # max / mean K/V entries per rank under kv_with_expert
+RANKS_TOUCHED_SLACK = 1.05        # within 5% of the fewest ranks touched that the balance bound allows
+
+
+def placement_measures(selected, rank_of_expert, world_size: int) -> tuple[float, float]:
+    """(ranks a token touches on average, K/V imbalance max / mean over ranks) of one layer's routing
+    `selected` (N, E) bool under the placement `rank_of_expert` (E,)."""
+    rank_of_expert = torch.as_tensor(rank_of_expert, dtype=torch.int64)
+    touched = float(devices_touched(selected, rank_of_expert, world_size).double().mean())
+    load = torch.zeros(world_size, dtype=torch.int64).index_add_(0, rank_of_expert, selected.sum(0).to(torch.int64))
+    return touched, float(load.max() / load.double().mean())
+
+
+def _balanced_placements(num_experts: int, world_size: int):
+    """Every way to put num_experts / world_size experts on each rank, up to renaming the ranks."""
+    per_rank = num_experts // world_size
+
+    def fill(rank_of_expert, rank):
+        free = [e for e in range(num_experts) if rank_of_expert[e] < 0]
+        if not free:
+            yield tuple(rank_of_expert)
+            return
+        first = free[0]            # the lowest free expert opens the next rank: no renamed duplicates
+        for others in combinations(free[1:], per_rank - 1):
+            placed = list(rank_of_expert)
+            for e in (first, *others):
+                placed[e] = rank
+            yield from fill(placed, rank + 1)
+
+    yield from fill([-1] * num_experts, 0)
+
+
+def solution_expert_placement(selected, world_size: int = EXERCISE_06_WORLD_SIZE) -> list[int]:
+    """The balanced placement (E / D experts per rank) touching the fewest ranks per token among those
+    whose K/V imbalance is at most MAX_KV_IMBALANCE: exhaustive search (35 placements for 8 experts
+    on 2 ranks), where the package's co-activation placement is a greedy heuristic."""
+    num_experts = selected.shape[1]
+    scored = [(placement_measures(selected, p, world_size), p) for p in _balanced_placements(num_experts, world_size)]
+    allowed = [(m, p) for m, p in scored if m[1] <= MAX_KV_IMBALANCE]
+    if not allowed:
+        raise ValueError(f"no placement of {num_experts} experts on {world_size} ranks keeps this routing's K/V "
+                         f"imbalance <= {MAX_KV_IMBALANCE}: an expert's load alone exceeds what one rank may hold")
+    return list(min(allowed, key=lambda mp: mp[0])[1])
+
+
+@_wrapped
+def check_expert_placement(answer, selected, world_size: int = EXERCISE_06_WORLD_SIZE) -> str:
+    """Is `answer` (the rank of each expert) balanced in weights, in K/V (imbalance <= 1.10), and
+    within 5% of the fewest ranks per token such a placement can touch?"""
+    num_experts = selected.shape[1]
+    per_rank = num_experts // world_size
+    if answer is None:
+        return (f"{MISSING}: replace None with a list of {num_experts} ranks, one per expert (0 to "
+                f"{world_size - 1}), {per_rank} experts per rank. Hint: put experts that are chosen together "
+                f"on one rank, and keep the most loaded experts apart.")
+    answer = list(answer)
+    if len(answer) != num_experts or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size
+                                         for r in answer):
+        return (f"{WRONG}: the answer must list {num_experts} ranks, each an integer from 0 to "
+                f"{world_size - 1} (expert e goes to rank answer[e]); got {answer}.")
+    per_rank_counts = torch.bincount(torch.tensor(answer), minlength=world_size).tolist()
+    if any(count != per_rank for count in per_rank_counts):
+        return (f"{WRONG}: ranks hold {per_rank_counts} experts; each must hold {per_rank}, so that every "
+                f"rank stores the same weights and runs the same expert work per token.")
+    touched, imbalance = placement_measures(selected, answer, world_size)
+    round_robin = placement_measures(selected, torch.arange(num_experts) % world_size, world_size)
+    greedy_map = place_experts(num_experts, world_size, "coactivation", coactivation_counts(selected))
+    greedy = placement_measures(selected, greedy_map, world_size)
+    load = selected.sum(0)
+    if imbalance > MAX_KV_IMBALANCE:
+        heaviest = load.argsort(descending=True)[:2].tolist()
+        return (f"{WRONG}: the K/V imbalance is {imbalance:.3f} > {MAX_KV_IMBALANCE:.2f}: under kv_with_expert one "
+                f"rank stores {imbalance:.2f}x the mean of the K/V and fills its pool first. Expert loads "
+                f"differ (the heaviest, {heaviest[0]} and {heaviest[1]}, hold {int(load[heaviest[0]])} and "
+                f"{int(load[heaviest[1]])} entries); spread the heavy ones. (The package's greedy co-activation "
+                f"placement, {greedy_map.tolist()}, has this problem too: imbalance {greedy[1]:.3f}.)")
+    best = placement_measures(selected, solution_expert_placement(selected, world_size), world_size)
+    if touched > RANKS_TOUCHED_SLACK * best[0]:
+        pairs = coactivation_counts(selected).triu(1)
+        top = [divmod(int(i), num_experts) for i in pairs.flatten().argsort(descending=True)[:3]]
+        return (f"{WRONG}: balanced ({imbalance:.3f}), but a token touches {touched:.3f} ranks on average "
+                f"(round-robin {round_robin[0]:.3f}); a placement within the balance bound reaches "
+                f"{best[0]:.3f}. Each rank a token touches receives one copy of its hidden state, so put "
+                f"experts that are chosen together on one rank: the most frequent pairs are "
+                f"{', '.join(f'{a}+{b}' for a, b in top)}.")
+    return (f"{RIGHT}: a token touches {touched:.3f} ranks on average (round-robin {round_robin[0]:.3f}, the "
+            f"best balanced placement {best[0]:.3f}) and the K/V imbalance is {imbalance:.3f}. The package's "
+            f"greedy co-activation placement touches {greedy[0]:.3f} but its imbalance is {greedy[1]:.3f}: "
+            f"grouping experts that fire together also groups load, and a placement must watch both.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# 07: a split size for split-K decode attention
+
+
+EXERCISE_07_NUM_ROWS = 4           # the split-K line of the report: 4 rows x 32768 tokens, Hkv 4
+EXERCISE_07_CONTEXT = 32768
+EXERCISE_07_NUM_KV_HEADS = 4
+EXERCISE_07_NUM_SMS = 132          # H100 SXM and H200
+EXERCISE_07_TOKEN_TILE = 16        # TOKEN_TILE at Dh = 128: a split is a whole number of tiles
+
+
+def split_k_programs(tokens_per_split: int, num_rows: int = EXERCISE_07_NUM_ROWS,
+                     context: int = EXERCISE_07_CONTEXT, num_kv_heads: int = EXERCISE_07_NUM_KV_HEADS) -> int:
+    """Programs of one split-K launch: one per (row, KV head, split of tokens_per_split tokens)."""
+    return num_rows * num_kv_heads * ceil_div(context, tokens_per_split)
+
+
+def solution_tokens_per_split(blocks_per_sm: int, num_sms: int = EXERCISE_07_NUM_SMS) -> int:
+    """The largest multiple of the token tile whose launch has a program for every resident-block slot
+    of the GPU (num_sms x blocks_per_sm), so that no SM waits for work."""
+    needed = num_sms * blocks_per_sm
+    candidates = range(EXERCISE_07_CONTEXT, 0, -EXERCISE_07_TOKEN_TILE)
+    return next(t for t in candidates if split_k_programs(t) >= needed)
+
+
+@_wrapped
+def check_tokens_per_split(answer, blocks_per_sm: int, num_sms: int = EXERCISE_07_NUM_SMS) -> str:
+    """Is `answer` the largest tokens_per_split (a multiple of the 16-token tile) that gives every
+    resident-block slot of the GPU a program?"""
+    needed = num_sms * blocks_per_sm
+    per_split = EXERCISE_07_NUM_ROWS * EXERCISE_07_NUM_KV_HEADS
+    if answer is None:
+        return (f"{MISSING}: replace None with a tokens_per_split. Hint: the launch runs {EXERCISE_07_NUM_ROWS} "
+                f"rows x {EXERCISE_07_NUM_KV_HEADS} KV heads = {per_split} programs per split; the GPU holds "
+                f"{num_sms} SMs x {blocks_per_sm} blocks at once.")
+    if isinstance(answer, bool) or not isinstance(answer, int) or answer < 1:
+        return f"{WRONG}: {answer!r} must be a positive whole number of tokens."
+    if answer % EXERCISE_07_TOKEN_TILE:
+        rounded = ceil_div(answer, EXERCISE_07_TOKEN_TILE) * EXERCISE_07_TOKEN_TILE
+        return (f"{WRONG}: {answer} is not a multiple of the {EXERCISE_07_TOKEN_TILE}-token tile the kernel "
+                f"walks a split in; the launcher would round it up to {rounded}. Give a multiple of "
+                f"{EXERCISE_07_TOKEN_TILE}.")
+    programs = split_k_programs(answer)
+    right = solution_tokens_per_split(blocks_per_sm, num_sms)
+    splits = ceil_div(EXERCISE_07_CONTEXT, answer)
+    if programs < needed:
+        return (f"{WRONG}: {splits} split(s) per row give {programs} programs, fewer than the {needed} "
+                f"({num_sms} SMs x {blocks_per_sm} resident blocks) the GPU can run at once: "
+                f"{100 * (1 - programs / needed):.0f}% of its slots wait for work, and a decode kernel that "
+                f"cannot keep enough loads in flight runs below memory bandwidth. Use smaller splits.")
+    if answer == right:
+        return (f"{RIGHT}: {splits} splits per row, {programs} programs for {needed} slots. Twice as large "
+                f"({2 * answer} tokens) gives {split_k_programs(2 * answer)} programs and leaves SMs idle; "
+                f"smaller splits would only add partial results for the combine kernel to read back.")
+    extra = (splits - ceil_div(EXERCISE_07_CONTEXT, right)) * per_split
+    return (f"{WRONG}: {programs} programs fill the GPU, but so does a larger split ({right} is the largest); "
+            f"yours adds {extra} programs, each writing a partial output and its log-sum-exp that the combine "
+            f"kernel must read back: more bytes for nothing. Take the largest split that still fills it.")

@@ -57,3 +57,27 @@ def test_decode_flops_cached_is_linear_recompute_quadratic():
     assert recompute[1] > 1.9 * recompute[0] and recompute[2] > 1.9 * recompute[1]
     assert all(r > 30 * c for r, c in zip(recompute, cached))
     assert not math.isnan(decode_flops(config, 0, cached=True))
+
+
+def test_time_decode_steps_warms_up_interleaves_and_keeps_the_best_round():
+    """A fake clock that makes every step take 1 s, except 5 s for whatever runs in the warm-up
+    round and a 9 s burst in the second kept round: each (t, mode) is timed once per round, the
+    warm-up is dropped, and the best round hides the burst."""
+    from moekv_ref.analysis import time_decode_steps
+
+    model = load_default_model()
+    now, calls = [0.0], []
+
+    def clock():
+        calls.append(now[0])
+        if len(calls) % 2 == 0:                       # the stop of a start/stop pair
+            step = len(calls) // 2 - 1                # 0-based timed step
+            per_round = 2 * 2                         # 2 lengths x (recompute, cached)
+            now[0] += 5.0 if step < per_round else 9.0 if step // per_round == 2 else 1.0
+        return now[0]
+
+    measured = time_decode_steps(model, [3, 5], repeats=2, clock=clock, num_cached_steps=1)
+    assert len(calls) == 2 * 2 * 2 * 3                # start + stop, 2 lengths, 2 modes, warm-up + 2 rounds
+    assert measured == {3: (1.0, 1.0), 5: (1.0, 1.0)}
+    with pytest.raises(ValueError, match="repeats=0"):
+        time_decode_steps(model, [3], repeats=0)

@@ -160,3 +160,21 @@ def test_bench_step_refuses_a_folder_without_the_package(tmp_path):
         main(["bench", "step", "--against", str(tmp_path)])
     with pytest.raises(SystemExit, match="must be at least 1"):
         main(["bench", "step", "--rounds", "0"])
+
+
+def test_readme_first_generate_example_prints_python_shaped_text(capsys):
+    """The README's first `generate` command, at the CLI's sampling defaults, prints what the README
+    says: the prompt continued by a call and an indented line, without the runs of dozens of spaces
+    that lower temperatures fall into."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    line = next(l for l in readme.splitlines() if l.startswith("python -m moekv_ref generate"))
+    argv = shlex.split(line.split("#")[0])[3:]                       # after `python -m moekv_ref`
+    assert main(argv) == 0
+    text = capsys.readouterr().out.split("\n\n\n")[0]
+    assert text.startswith("if __name__ == self.stoption()") and "`if __name__ == self.stoption()`" in readme
+    assert re.search(r"\n {4,}\S", text)                              # an indented line
+    assert max(len(run) for run in re.findall(r" +", text)) <= 12

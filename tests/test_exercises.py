@@ -1,4 +1,4 @@
-"""The exercise checks of notebooks 01-03: the solution passes, the placeholder asks for an answer, and
+"""The exercise checks of notebooks 01-07: the solution passes, the placeholder asks for an answer, and
 each usual wrong answer gets the explanation that names its mistake (not just "wrong")."""
 
 import pytest
@@ -119,3 +119,114 @@ def test_block_size_wrong_answers_are_explained():
     assert "not one of the block sizes" in check_block_size(12)
     assert "try smaller blocks" in check_block_size(64)
     assert "a larger block size also" in check_block_size(smaller)
+
+
+# --- 04 -------------------------------------------------------------------------------------------
+
+check_max_num_seqs = _unwrapped(exercises.check_max_num_seqs)
+
+
+def test_max_num_seqs_right_answer_runs_the_engine_and_passes():
+    """Measured on the exercise's workload: 3 sequences at once never preempt, 4 do (the runs are
+    the real engine, optimistic admission, 200 blocks)."""
+    assert exercises._exercise_04_run(3)["preempted"] == 0
+    assert exercises._exercise_04_run(4)["preempted"] > 0
+    assert check_max_num_seqs(3).startswith("Right")
+    message = check_max_num_seqs(4)
+    assert message.startswith("Not yet") and "preempted" in message and "fewer sequences" in message
+
+
+def test_max_num_seqs_messages_for_each_mistake(monkeypatch):
+    """The check's reasoning on made-up runs, so that every branch is covered without serving."""
+    runs = {m: {"steps": 600 // m, "preempted": 0 if m <= 2 else m, "recomputed_tokens": 0 if m <= 2 else 40 * m,
+                "max_concurrent_sequences": m} for m in exercises.EXERCISE_04_MAX_NUM_SEQS}
+    monkeypatch.setattr(exercises, "_exercise_04_run", runs.__getitem__)
+    assert check_max_num_seqs(None).startswith("No answer yet")
+    assert "not one of the choices" in check_max_num_seqs(5)
+    assert "neither does 2" in check_max_num_seqs(1) and "300 steps instead of 600" in check_max_num_seqs(1)
+    assert check_max_num_seqs(2).startswith("Right")
+    assert exercises.solution_max_num_seqs() == 2
+    assert "preempted 6 time(s)" in check_max_num_seqs(6)
+
+
+# --- 05 -------------------------------------------------------------------------------------------
+
+check_victim_rule = _unwrapped(exercises.check_victim_rule)
+
+
+def test_victim_rule_solution_makes_the_most_room_at_every_decision_and_passes():
+    stats, decisions, error = exercises._run_victim_rule(exercises.solution_victim_rule)
+    assert error is None and decisions and stats.num_finished == 20
+    for _, entries, chosen in decisions:
+        room = {seq_id: held + step for seq_id, _, held, step, _ in entries}
+        assert room[chosen] == max(room.values())
+    assert check_victim_rule(exercises.solution_victim_rule).startswith("Right")
+
+
+def test_victim_rule_wrong_rules_are_named():
+    assert check_victim_rule(None).startswith("No answer yet")
+    assert "not a function" in check_victim_rule(3)
+    newest = check_victim_rule(lambda device, candidates: max(candidates, key=lambda c: c.order))
+    assert newest.startswith("Not yet") and "sequence_lru" in newest
+    least = check_victim_rule(lambda device, candidates: min(
+        candidates, key=lambda c: int(c.blocks[device] + c.step_blocks[device])))
+    assert "least" in least
+    assert "ZeroDivisionError" in check_victim_rule(lambda device, candidates: 1 / 0)
+    assert "return one of the candidates" in check_victim_rule(lambda device, candidates: -5)
+
+
+# --- 06 -------------------------------------------------------------------------------------------
+
+check_expert_placement = _unwrapped(exercises.check_expert_placement)
+
+
+def _paired_routing():
+    """Every token picks one of the pairs (0, 4), (1, 5), (2, 6), (3, 7), each pair as often: the
+    best balanced placement on 2 ranks keeps each pair together (1 rank per token, K/V even);
+    round-robin splits no pair either, contiguous splits them all."""
+    selected = torch.zeros(400, 8, dtype=torch.bool)
+    for token in range(400):
+        pair = token % 4
+        selected[token, [pair, pair + 4]] = True
+    return selected
+
+
+def test_expert_placement_solution_is_the_best_balanced_placement_and_passes():
+    selected = _paired_routing()
+    best = exercises.solution_expert_placement(selected)
+    assert exercises.placement_measures(selected, best, 2) == (1.0, 1.0)
+    assert check_expert_placement(best, selected).startswith("Right")
+    assert check_expert_placement([0, 1, 0, 1, 0, 1, 0, 1], selected).startswith("Right")   # pairs together too
+
+
+def test_expert_placement_wrong_answers_are_explained():
+    selected = _paired_routing()
+    assert check_expert_placement(None, selected).startswith("No answer yet")
+    assert "each an integer from 0 to 1" in check_expert_placement([0, 1, 2, 0, 1, 0, 1, 0], selected)
+    assert "each must hold 4" in check_expert_placement([0, 0, 0, 0, 0, 1, 1, 1], selected)
+    split = check_expert_placement([0, 0, 0, 0, 1, 1, 1, 1], selected)      # every pair across ranks
+    assert split.startswith("Not yet") and "2.000 ranks" in split and "0+4" in split
+    skewed = selected.clone()
+    skewed[:200, 0] = True                     # expert 0 now takes many more tokens than the others
+    assert "imbalance" in check_expert_placement([0, 0, 1, 1, 0, 0, 1, 1], skewed)
+
+
+# --- 07 -------------------------------------------------------------------------------------------
+
+check_tokens_per_split = _unwrapped(exercises.check_tokens_per_split)
+
+
+def test_tokens_per_split_solution_is_the_largest_split_filling_the_gpu():
+    # 8 resident blocks x 132 SMs = 1056 programs; 16 programs per split -> 66 splits -> 496 tokens
+    right = exercises.solution_tokens_per_split(blocks_per_sm=8)
+    assert right == 496
+    assert exercises.split_k_programs(right) >= 1056 > exercises.split_k_programs(right + 16)
+    assert check_tokens_per_split(right, 8).startswith("Right")
+
+
+def test_tokens_per_split_wrong_answers_are_explained():
+    assert check_tokens_per_split(None, 8).startswith("No answer yet")
+    assert "round it up to 512" in check_tokens_per_split(500, 8)
+    assert "Use smaller splits" in check_tokens_per_split(512, 8)
+    assert "largest split that still fills it" in check_tokens_per_split(256, 8)
+    assert "positive whole number" in check_tokens_per_split(-16, 8)

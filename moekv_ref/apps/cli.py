@@ -32,6 +32,14 @@ from . import bench_eviction, bench_memory, bench_parallel, bench_serving, bench
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
+# Sampling defaults of `generate`, chosen by looking at samples of the embedded model (validation loss
+# 1.63 nats per byte) for six prompts, five seeds each, at (temperature, top_p) = (0.7, 0.8), (0.8,
+# 0.95), (0.9, 0.9) and (1.0, 0.9): below temperature 1 the model falls into runs of dozens of spaces
+# (indentation is its most likely byte) in 10 to 21 of the 30 samples; at 1.0 with top_p 0.9 in 6,
+# and its text keeps Python's shape (calls, `self.`, indented lines).
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 0.9
+
 
 def _check_model_options(args) -> None:
     """Options of every model command, checked before anything is loaded."""
@@ -56,7 +64,7 @@ def cmd_generate(args) -> int:
         check_block_size(args.block_size)
     if args.greedy and args.temperature is not None:
         raise ValueError("--greedy and --temperature contradict each other: greedy is --temperature 0")
-    temperature = 0.0 if args.greedy else (0.8 if args.temperature is None else args.temperature)
+    temperature = 0.0 if args.greedy else (DEFAULT_TEMPERATURE if args.temperature is None else args.temperature)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
                             top_p=args.top_p, seed=args.seed)
     prompt = encode(args.prompt)
@@ -125,8 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "Linux only, where triton has wheels)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
-    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0.8)")
-    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--temperature", type=float, default=None,
+                   help=f"sampling temperature (default {DEFAULT_TEMPERATURE})")
+    g.add_argument("--top-p", type=float, default=DEFAULT_TOP_P,
+                   help=f"nucleus sampling: keep the most probable tokens up to this mass (default {DEFAULT_TOP_P})")
     model_options(g)
     g.set_defaults(func=cmd_generate)
 

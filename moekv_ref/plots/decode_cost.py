@@ -1,5 +1,5 @@
 """Notebook 01's figure: the work of one decode step with and without a KV cache, as counted by
-moekv_ref.analysis.decode_flops and as timed by time_decode_step."""
+moekv_ref.analysis.decode_flops and as timed by time_decode_steps."""
 
 from __future__ import annotations
 
@@ -21,6 +21,6 @@ def plot_decode_cost(counted_ax, measured_ax, config, lengths: list[int], measur
     measured_ax.plot(lengths, [1e3 * measured[t][0] for t in lengths], "o-", label="recompute (no cache)")
     measured_ax.plot(lengths, [1e3 * measured[t][1] for t in lengths], "o-", label="cached")
     measured_ax.set(xlabel="tokens already in the sequence, t", ylabel="milliseconds per decode step",
-                    yscale="log", title="measured on this machine (best of 3)")
+                    yscale="log", title="measured on this machine (best of 5 rounds)")
     measured_ax.yaxis.set_minor_formatter(NullFormatter())   # a narrow log range would label every minor tick
     measured_ax.legend(fontsize=8, loc="upper left")

@@ -23,8 +23,9 @@ def draw_bytes_vs_context(ax, rows: list[dict]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens per sequence)")
-    ax.set_ylabel("bytes per decode step, all ranks")
-    ax.legend()
+    ax.set_ylabel("bytes per decode step, all ranks (B)")
+    ax.set_title("what crosses between ranks per decode step")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)    # beside the data, not on it
     ax.grid(alpha=0.3)
 
 
@@ -39,10 +40,13 @@ def draw_kv_locations(ax, location: np.ndarray, num_experts: int, world_size: in
     ax.set_yticklabels([f"layer {l}" for l in range(num_layers)])
     for l in range(1, num_layers):
         ax.axhline(l * num_experts - 0.5, color="black", linewidth=0.8)
-    ax.set_xlabel("token position")
+    ax.set_xlabel("token position (tokens)")
+    ax.set_ylabel("expert rows, 8 per layer")
     ax.set_title(title)
     handles = [Rectangle((0, 0), 1, 1, color=colours[r + 1]) for r in range(world_size)]
-    ax.legend(handles, [f"rank {r}" for r in range(world_size)], loc="upper right", fontsize=7, ncol=world_size)
+    handles.append(Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="gray"))
+    ax.legend(handles, [f"K/V on rank {r}" for r in range(world_size)] + ["not routed there"], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=9, frameon=False)    # beside the map: covers no cell
 
 
 def draw_pool_use(ax, per_rank_steps: list[list[dict]], title: str = "") -> None:
@@ -50,10 +54,10 @@ def draw_pool_use(ax, per_rank_steps: list[list[dict]], title: str = "") -> None
     for rank, steps in enumerate(per_rank_steps):
         ax.plot([s["used_blocks"] for s in steps], "o-", label=f"rank {rank}", markersize=3)
     ax.axhline(per_rank_steps[0][0]["num_blocks"], color="gray", linestyle="--", label="pool size")
-    ax.set_xlabel("step (0 = prefill)")
-    ax.set_ylabel("blocks used")
+    ax.set_xlabel("step (0 = prefill, then decode steps)")
+    ax.set_ylabel("blocks used on the rank (blocks)")
     ax.set_title(title)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False)   # below: covers no line
 
 
 def draw_placement_comparison(axes, rows: list[dict]) -> None:
@@ -62,8 +66,9 @@ def draw_placement_comparison(axes, rows: list[dict]) -> None:
     world_sizes = sorted({r["world_size"] for r in rows})
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
     width = 0.8 / len(strategies)
-    for measure, ax, label in (("ranks_touched_per_token_layer", axes[0], "ranks touched per token per layer"),
-                               ("kv_imbalance_max_over_mean", axes[1], "K/V imbalance (max / mean)")):
+    for measure, ax, label, title in (
+            ("ranks_touched_per_token_layer", axes[0], "ranks touched per token per layer", "ranks touched: fewer is less traffic"),
+            ("kv_imbalance_max_over_mean", axes[1], "K/V imbalance (max / mean)", "K/V imbalance: 1.0 is even")):
         for i, strategy in enumerate(strategies):
             values = [next(r[measure] for r in rows if r["world_size"] == w and r["strategy"] == strategy)
                       for w in world_sizes]
@@ -71,7 +76,9 @@ def draw_placement_comparison(axes, rows: list[dict]) -> None:
         ax.set_xticks(np.arange(len(world_sizes)) + width * (len(strategies) - 1) / 2)
         ax.set_xticklabels([f"{w} ranks" for w in world_sizes])
         ax.set_ylabel(label)
-    axes[0].legend(fontsize=8)
+        ax.set_title(title)
+    axes[0].legend(fontsize=9, loc="upper center", bbox_to_anchor=(1.1, -0.12), ncol=len(strategies),
+                   frameon=False)     # below both panels: the bars reach the top
 
 
 def draw_projected_step(ax, projections: list[dict]) -> None:
@@ -79,7 +86,8 @@ def draw_projected_step(ax, projections: list[dict]) -> None:
     communication time per (model, placement, context), log scale."""
     labels, parts = [], {"attention_ms": [], "experts_ms": [], "communication_ms": []}
     for row in projections:
-        labels.append(f"{row['model']}\n{row['kv_placement'].replace('_', ' ')}\n{row['context'] // 1024}k")
+        placement = row["kv_placement"].replace("_", " ").replace(" ", "\n", 1)     # two short lines
+        labels.append(f"{row['model']}\n{placement}\n{row['context'] // 1024}k")
         for key in parts:
             parts[key].append(row[key])
     bottom = np.zeros(len(labels))
@@ -87,7 +95,9 @@ def draw_projected_step(ax, projections: list[dict]) -> None:
         ax.bar(np.arange(len(labels)), values, bottom=bottom, color=colour, label=key.replace("_ms", ""))
         bottom += np.asarray(values)
     ax.set_xticks(np.arange(len(labels)))
-    ax.set_xticklabels(labels, fontsize=6)
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_xlabel("model, KV placement, context (tokens)")
     ax.set_yscale("log")
-    ax.set_ylabel("projected decode step (ms)")
-    ax.legend(fontsize=8)
+    ax.set_ylabel("projected decode step (ms, log scale)")
+    ax.set_title("projected decode step per model, placement and context (stacked; log scale)")
+    ax.legend(fontsize=9, loc="upper left")

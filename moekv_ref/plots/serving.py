@@ -7,6 +7,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from ..engine import LLMEngine
 
@@ -80,9 +81,11 @@ def plot_timeline(engine: LLMEngine, ax=None):
             ax.barh(rid, end - start, left=start, color=STATE_COLORS[state], height=0.8, linewidth=0)
     ax.invert_yaxis()
     ax.yaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("step")
-    ax.set_ylabel("request")
-    ax.set_title("requests: waiting (grey), running (blue), preempted (orange)")
+    ax.set_xlabel("engine step (one forward of the running batch)")
+    ax.set_ylabel("request id")
+    ax.set_title("each request's life")
+    handles = [Patch(color=color, label=state) for state, color in STATE_COLORS.items()]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=9, frameon=False)
     return ax
 
 
@@ -96,10 +99,11 @@ def plot_pool_use(engine: LLMEngine, ax=None):
         ax.plot(use["step"], use["swapped_blocks"], drawstyle="steps-post", color="tab:orange",
                 label="blocks in the CPU swap space")
     ax.axhline(engine.memory.num_blocks, color="tab:red", ls="--", lw=1, label="pool size")
-    ax.set_xlabel("step")
-    ax.set_ylabel("blocks")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel(f"blocks ({engine.memory.block_size} slots each)")
+    ax.set_ylim(0, engine.memory.num_blocks * 1.08)
     ax.set_title("pool use over time")
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)  # below: covers no data
     return ax
 
 
@@ -111,15 +115,15 @@ def plot_demand(engine: LLMEngine, ax=None):
     ax.scatter(actual, predicted, s=14)
     top = max(predicted.max(initial=1), actual.max(initial=1)) * 1.05
     ax.plot([0, top], [0, top], color="k", lw=0.8, ls=":", label="prediction = actual")
-    ax.set_xlabel("blocks the request held at the end")
-    ax.set_ylabel("blocks predicted at admission")
+    ax.set_xlabel("held by the request at its end (blocks)")
+    ax.set_ylabel("predicted at its admission (blocks)")
     ax.set_title("admission prediction vs routed demand")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=9, loc="upper left")      # the points sit on or above the diagonal, away from this corner
     return ax
 
 
 def plot_run(engine: LLMEngine, title: str = "") -> Figure:
-    """The three panels side by side; returns the figure: show it with IPython's `display(fig)`, save
+    """The three panels, the timeline above the pool use and the demand; returns the figure: show it with IPython's `display(fig)`, save
     it with `fig.savefig(path)`.
 
     The figure is made without pyplot, so it is not among pyplot's open figures, which any thread may
@@ -127,12 +131,12 @@ def plot_run(engine: LLMEngine, title: str = "") -> Figure:
     one matplotlib-inline shows and closes every open pyplot figure. A figure that an interact callback
     was still drawing on the main thread was then shown half drawn (mostly blank) and closed, in most
     fresh kernels on the first one or two changes of notebook 04's widgets."""
-    fig = Figure(figsize=(16, 4.2))
-    axes = fig.subplots(1, 3)
-    plot_timeline(engine, axes[0])
-    plot_pool_use(engine, axes[1])
-    plot_demand(engine, axes[2])
+    fig = Figure(figsize=(10, 8.2), layout="constrained")     # two rows: readable at notebook width
+    top, bottom = fig.subfigures(2, 1, height_ratios=[1, 1.15])
+    plot_timeline(engine, top.subplots())
+    left, right = bottom.subplots(1, 2)
+    plot_pool_use(engine, left)
+    plot_demand(engine, right)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
     return fig
