@@ -24,7 +24,10 @@ from itertools import combinations
 import torch
 
 from .analysis import decode_flops
+from .apps.bench_eviction import skewed_workload, workload_cost_model
+from .apps.demo import demo_workload, serve, summarize
 from .cache.rows import ceil_div
+from .checkpoint import load_default_model
 from .placement import coactivation_counts, devices_touched, place_experts
 from .sim.designs import CountingPagedDesign
 from .sim.eviction import EvictionSetup, simulate
@@ -228,15 +231,12 @@ EXERCISE_04_NUM_BLOCKS = 200
 def exercise_04_workload():
     """Twelve requests of the demo workload (notebook 04's widget runs the same ones), without the
     oversized request: arrivals 0.5 per step, prompts of 16-160 bytes, outputs of 16-128 tokens."""
-    from .apps.demo import demo_workload
     return demo_workload(EXERCISE_04_NUM_REQUESTS, arrival_rate=0.5, seed=0, with_oversized=False)
 
 
 @lru_cache(maxsize=None)
 def _exercise_04_run(max_num_seqs: int) -> dict:
     """One serving run: optimistic admission, preemption by recompute, a pool of 200 blocks of 16."""
-    from .apps.demo import serve, summarize
-    from .checkpoint import load_default_model
     engine, result = serve(load_default_model("threshold"), exercise_04_workload(), EXERCISE_04_NUM_BLOCKS,
                            admission="optimistic", preemption_mode="recompute", max_num_seqs=max_num_seqs)
     summary = summarize(engine, result)
@@ -296,7 +296,6 @@ def exercise_05_setup():
     """(trace, device_of_expert, setup, cost): notebook 05's widget workload (20 sequences, 4 layers,
     16 experts on 4 devices placed by co-activation, topic skew 1.5), 160 blocks of 16 per device,
     recompute only."""
-    from .apps.bench_eviction import skewed_workload, workload_cost_model
     trace, _, placement = skewed_workload(num_sequences=20, num_layers=4, num_devices=4, mean_prompt=64,
                                           mean_output=64, topic_s=1.5, seed=0)
     setup = EvictionSetup(blocks_per_device=160, block_size=16, max_num_seqs=16)
