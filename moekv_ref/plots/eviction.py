@@ -151,6 +151,7 @@ def plot_prefix_cache_summary(results: dict, ax=None):
     ax.bar(x + 0.2, on, 0.4, label="with prefix cache", color="tab:green")
     ax.set_xticks(x)
     ax.set_xticklabels(names)
-    ax.set(title=f"hit rate {results['token_hit_rate']:.2f} of prompt tokens")
+    ax.set(title=f"hit rate {results['token_hit_rate']:.2f} of prompt tokens",
+           ylabel="steps, or tokens computed / 100")
     ax.legend(fontsize=7)
     return ax
