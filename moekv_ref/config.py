@@ -187,6 +187,13 @@ class ModelConfig:
 
 
 # ----- presets ------------------------------------------------------------------------------------
+def _ffn_only_moe(**fields) -> ModelConfig:
+    """A model whose experts are only in the FFN (Mixtral, Qwen3-MoE, DeepSeek-V3): one dense
+    attention per layer, heads of 128, its KV cache stored in bfloat16, like a dense model's."""
+    return ModelConfig(**{"head_dim": 128, "attention_mode": "dense", "num_attention_experts": 1,
+                          "num_attention_experts_per_tok": 1, "kv_cache_dtype": "bfloat16", **fields})
+
+
 PRESETS: dict[str, ModelConfig] = {
     # The embedded default: byte-level, small enough to train on two CPU cores in minutes
     # (moekv_ref/apps/train.py) and to run every notebook in seconds.
@@ -196,32 +203,26 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(name="tiny", routing_threshold=0.35),
     # Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json; Jiang et al., arXiv 2401.04088):
     # dense GQA attention (32 query heads, 8 KV heads of 128), 8 FFN experts, top-2.
-    "mixtral-8x7b": ModelConfig(
+    "mixtral-8x7b": _ffn_only_moe(
         name="mixtral-8x7b", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
-        rope_theta=1e6, attention_mode="dense", num_attention_experts=1,
-        num_attention_experts_per_tok=1, num_local_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=14336, kv_cache_dtype="bfloat16",
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rope_theta=1e6,
+        num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336,
     ),
     # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json; Qwen3 technical report, arXiv 2505.09388):
     # 48 layers, 32 query heads / 4 KV heads of 128, 128 fine-grained FFN experts, top-8.
-    "qwen3-30b-a3b": ModelConfig(
+    "qwen3-30b-a3b": _ffn_only_moe(
         name="qwen3-30b-a3b", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
-        rope_theta=1e6, attention_mode="dense", num_attention_experts=1,
-        num_attention_experts_per_tok=1, num_local_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=768, kv_cache_dtype="bfloat16",
+        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=40960, rope_theta=1e6,
+        num_local_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
     ),
     # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json; arXiv 2412.19437): 61 layers, 128 heads,
     # multi-head latent attention caching kv_lora_rank=512 + qk_rope_head_dim=64 values per token,
     # 256 routed FFN experts, top-8 (the shared expert is not modelled: it holds no KV).
-    "deepseek-v3": ModelConfig(
+    "deepseek-v3": _ffn_only_moe(
         name="deepseek-v3", vocab_size=129280, hidden_size=7168, num_hidden_layers=61,
-        num_attention_heads=128, num_key_value_heads=128, head_dim=128,
-        max_position_embeddings=163840, attention_mode="dense", num_attention_experts=1,
-        num_attention_experts_per_tok=1, num_local_experts=256, num_experts_per_tok=8,
-        moe_intermediate_size=2048, kv_lora_rank=512, qk_rope_head_dim=64,
-        kv_cache_dtype="bfloat16",
+        num_attention_heads=128, num_key_value_heads=128, max_position_embeddings=163840,
+        num_local_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, kv_lora_rank=512,
+        qk_rope_head_dim=64,
     ),
     # JetMoE-8B (jetmoe/jetmoe-8b config.json; Shen et al., arXiv 2404.07413, Table 1): 24 layers,
     # width 2048, mixture-of-attention with 8 experts, top-2, num_key_value_heads=16 of
