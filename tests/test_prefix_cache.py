@@ -391,3 +391,17 @@ def test_bench_comparison_counts_hits_and_saved_work():
     assert result["prefill_tokens_saved"] == on["prefix_cache"]["num_hit_tokens"] > 0
     assert on["prefix_cache"]["num_hit_tokens"] % 4 == 0 and result["steps_saved"] >= 0
     assert "outputs equal: True" in format_prefix_caching({"topk": result})
+
+
+def test_cached_free_blocks_count_as_free_not_used():
+    """num_free_blocks + num_used_blocks == num_blocks holds with cached-free blocks in the pool."""
+    from moekv_ref.cache.block_pool import BlockPool
+    pool = BlockPool(8)
+    blocks = pool.allocate(3)
+    pool.mark_cached(blocks[:2])
+    pool.free(blocks)                       # two wait in the cached-free queue, one on the stack
+    assert pool.num_cached_free_blocks == 2
+    assert (pool.num_free_blocks, pool.num_used_blocks) == (8, 0)
+    pool.reuse(blocks[:1])                  # a hit: one cached block has an owner again
+    assert (pool.num_free_blocks, pool.num_used_blocks) == (7, 1)
+    pool.assert_consistent()

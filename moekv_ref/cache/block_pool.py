@@ -89,7 +89,8 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self._num_free
+        """Blocks with an owner (cached-free blocks are free: `allocate` may evict them)."""
+        return self.num_blocks - self.num_free_blocks
 
     def free_block_ids(self) -> torch.Tensor:
         """The free block queue, next to be handed out first: the plain free stack, then the cached
