@@ -22,7 +22,7 @@ The memory layout they share is the paged cache's (moekv_ref/cache/paged.py): on
 context_lens (rows,) int32 >= 0 (a row of length 0 gets zeros); slot = block_id * P + offset.
 
 On a CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here when no GPU is
-visible, before triton is first imported). Three rules keep what passes there compiling on a GPU:
+visible; if another library imported triton first, triton is imported again under the flag). Three rules keep what passes there compiling on a GPU:
 tiles of 16 or more for tl.dot, no autotune (it needs a GPU; bench.py sweeps tile sizes instead),
 and no bfloat16 arithmetic in the interpreter (kernels convert tiles to float32; stores of new K/V
 are pure copies, converted by torch beforehand). What the interpreter cannot show, a GPU's limits, is
@@ -33,11 +33,33 @@ The model uses them when its backend is "triton"; "torch" (the readable path) is
 """
 
 import os
+import sys
 
 import torch
 
-if not torch.cuda.is_available():
+
+def _choose_the_interpreter() -> None:
+    """Without a GPU, run the kernels in Triton's interpreter, whatever was imported first.
+
+    Triton reads TRITON_INTERPRET when a function is decorated with @triton.jit, and its language's
+    own jit functions (tl.sum, tl.max, ...) are decorated when triton is first imported. A library
+    imported earlier (transformers imports triton) leaves them built for a GPU, and an interpreted
+    kernel that calls them fails. Then triton's Python modules are imported afresh, now under the
+    interpreter (its compiled extension, triton._C, is kept: it does not depend on the flag)."""
+    if torch.cuda.is_available():
+        return
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] != "1" or "triton" not in sys.modules:
+        return
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+    if isinstance(standard.sum, InterpretedFunction):
+        return                                      # imported under the interpreter already
+    for name in [n for n in sys.modules if n.split(".")[0] == "triton" and not n.startswith("triton._C")]:
+        del sys.modules[name]
+
+
+_choose_the_interpreter()
 
 from .expert_gemm import expert_gemm, expert_gemm_reference  # noqa: E402
 from .paged_attention import paged_attention, paged_attention_reference  # noqa: E402

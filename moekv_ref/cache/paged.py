@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 from einops import einsum, rearrange
 
-from ..attention import attend_by_position
+from ..attention import attend_by_position, score_dtype
 from ..backends import require_backend
 from ..config import ModelConfig
 from .device_kv_cache_manager import DeviceKVCacheManager, checked_placement
@@ -276,10 +276,11 @@ class PagedKVCache:
             return self._attend_row_by_row(appended, q)
         out = torch.empty_like(q)
         decode = appended.num_new == 1                                              # (m,)
+        groups = [decode, ~decode]                                                  # each padded alone
         if self.attention == "triton" and decode.any():
-            self._attend_with_kernels(appended, decode, q, out)
-            decode = torch.zeros_like(decode)
-        for group in (decode, ~decode):
+            self._attend_with_kernels(appended, decode, q, out)                     # decode rows: done
+            groups = [~decode]
+        for group in groups:
             if group.any():
                 self._attend_padded(appended, group, q, out)
         return out
@@ -310,8 +311,9 @@ class PagedKVCache:
         # the rows' slots in a padded (g, Lmax) table; padding points at slot 0 and is zeroed below
         slots, key_valid = self.manager.padded_slots(rows)                        # (g, Lmax) each
         slots, key_valid = slots.to(device), key_valid.to(device)
-        keys = self.key_cache.view(-1, Hkv, Dh)[slots].to(q.dtype)                 # (g, Lmax, Hkv, Dh)
-        values = self.value_cache.view(-1, Hkv, Dh)[slots].to(q.dtype)
+        compute = score_dtype(q.dtype)                                             # float32 at least
+        keys = self.key_cache.view(-1, Hkv, Dh)[slots].to(compute)                 # (g, Lmax, Hkv, Dh)
+        values = self.value_cache.view(-1, Hkv, Dh)[slots].to(compute)
         keys = torch.where(key_valid[..., None, None], keys, 0.0)                 # padding is not data
         values = torch.where(key_valid[..., None, None], values, 0.0)
         # the group's pairs in a padded (g, Qmax) table of queries
@@ -320,8 +322,8 @@ class PagedKVCache:
         pairs = (slot_of_row[appended.pair_row] >= 0).nonzero().squeeze(1)       # (p,) pairs of the group
         pair_slot = slot_of_row[appended.pair_row[pairs]]                         # (p,) which of the g rows
         column = appended.pair_index[pairs] - (lens - num_new)[pair_slot]         # (p,) 0..Qmax-1
-        queries = q.new_zeros(g, max_new, q.shape[1], Dh)                          # (g, Qmax, H, Dh)
-        queries[pair_slot, column] = q[pairs]
+        queries = q.new_zeros(g, max_new, q.shape[1], Dh, dtype=compute)           # (g, Qmax, H, Dh)
+        queries[pair_slot, column] = q[pairs].to(compute)
         query_index = torch.full((g, max_new), max_len - 1, dtype=torch.int64)     # padding sees all
         query_index[pair_slot, column] = appended.pair_index[pairs]
         visible = key_valid[:, None, :] & (torch.arange(max_len)[None, None, :]
@@ -332,7 +334,7 @@ class PagedKVCache:
         weights = torch.softmax(scores, dim=-1)                                    # (g, Hkv, G, Qmax, Lmax)
         result = einsum(weights, values, "g kv grp q l, g l kv d -> g q kv grp d")
         result = rearrange(result, "g q kv grp d -> g q (kv grp) d")               # (g, Qmax, H, Dh)
-        out[pairs] = result[pair_slot, column]
+        out[pairs] = result[pair_slot, column].to(out.dtype)
 
     def _attend_with_kernels(self, appended: AppendedRows, decode: torch.Tensor, q: torch.Tensor,
                              out: torch.Tensor) -> None:

@@ -1,0 +1,148 @@
+"""Each fast path is the path that runs: break it, and the model's output must show it.
+
+A fast path proven only by "gives the same tokens as the slow path" proves nothing if the slow path
+quietly runs instead (a fallback that overwrites the fast result, a flag that never reaches the
+dispatch). So every test here replaces one fast function with a broken one -- NaN, or the right
+answer shifted by one -- and checks that the model's logits change: NaN must appear, or the shift
+must be seen (NaN logits stop sampling with SamplingError, which is how NaN is seen here). Each test would pass if the path were bypassed, so none is vacuous; and a first part
+of each one checks the unbroken path against the torch model, so the breakage is what changes.
+
+Paths and what stands in for them:
+    triton decode      kernels.paged_attention   decode rows (one new token) of a layer, one launch
+    triton store       kernels.store_kv          every new K/V written into the pool
+    triton projections kernels.expert_gemm       every expert projection (Q/K/V/O and the FFN)
+    batched            PagedKVCache._attend_padded   the torch path for every row (the default)
+    reference          attention.attend_by_position  the row-by-row path (via paged.py's import)
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import kernels  # noqa: E402
+import moekv_ref.cache.paged as paged  # noqa: E402
+from moekv_ref.cache import PagedKVCache  # noqa: E402
+from moekv_ref.generate import generate  # noqa: E402
+from moekv_ref.sampling import SamplingError, SamplingParams  # noqa: E402
+
+from helpers import random_model, random_prompts, small_config  # noqa: E402
+
+# a 1-token prompt makes the prefill hold a decode row too; 3 forwards in all
+PROMPT_LENGTHS = [5, 1, 9]
+PARAMS = SamplingParams(max_new_tokens=3, temperature=0.0)
+
+
+def _logits(model, attention=None):
+    prompts = random_prompts(PROMPT_LENGTHS, model.config.vocab_size, seed=4)
+    options = {} if attention is None else {"attention": attention}
+    result = generate(model, prompts, PARAMS, cache="paged", record_logits=True, block_size=4,
+                      num_blocks=256, shuffle_seed=0, **options)
+    return torch.cat(result.logits)                                       # (positions, V)
+
+
+@pytest.fixture(scope="module")
+def models():
+    # threshold routing: tokens use 1 to 3 experts, so the rows of one sequence have ragged lengths
+    return {backend: random_model(small_config(routing="threshold"), seed=3, dtype=torch.float32,
+                                  backend=backend) for backend in ("torch", "triton")}
+
+
+@pytest.fixture(scope="module")
+def torch_logits(models):
+    return _logits(models["torch"])
+
+
+def _nan_like(result):
+    return torch.full_like(result, float("nan"))
+
+
+def test_triton_decode_output_is_the_kernels_output_bitwise(models):
+    """The decode rows' attention is exactly what kernels.paged_attention returned (no other path
+    writes over it)."""
+    model = models["triton"]
+    config = model.config
+    cache = PagedKVCache.for_model(model, block_size=4, num_blocks=64, shuffle_seed=0)
+    generator = torch.Generator().manual_seed(11)
+    Hkv, H, Dh = config.num_key_value_heads, config.num_attention_heads, config.head_dim
+    # rows of 6, 3 and 1 tokens (prefill, several new tokens each), then one decode token per row
+    seq_ids = torch.tensor([0] * 6 + [1] * 3 + [2])
+    experts = torch.tensor([0] * 6 + [2] * 3 + [4])
+    positions = torch.tensor(list(range(6)) + list(range(3)) + [0])
+    n = seq_ids.numel()
+    cache.append_kv(0, seq_ids, experts, positions, torch.randn(n, Hkv, Dh, generator=generator),
+                    torch.randn(n, Hkv, Dh, generator=generator))
+    appended = cache.append_kv(0, torch.tensor([0, 1, 2]), torch.tensor([0, 2, 4]), torch.tensor([6, 3, 1]),
+                               torch.randn(3, Hkv, Dh, generator=generator),
+                               torch.randn(3, Hkv, Dh, generator=generator))
+    q = torch.randn(3, H, Dh, generator=generator)
+    out = cache.attend(appended, q)
+    rows = appended.rows
+    direct = kernels.paged_attention(q[torch.argsort(appended.pair_row)].contiguous(), cache.key_cache,
+                                     cache.value_cache, cache.manager.block_tables[rows],
+                                     cache.manager.context_lens(rows))
+    assert torch.equal(out, direct[appended.pair_row])
+    reference = PagedKVCache.for_model(model, block_size=4, num_blocks=64, shuffle_seed=0, attention="reference")
+    reference.key_cache.copy_(cache.key_cache), reference.value_cache.copy_(cache.value_cache)
+    reference.manager = cache.manager
+    assert (reference.attend(appended, q) - out).abs().max() < 1e-5     # and it is right
+
+
+@pytest.mark.parametrize("broken", ["nan", "shifted"])
+def test_triton_decode_kernel_reaches_the_logits(models, torch_logits, monkeypatch, broken):
+    assert (_logits(models["triton"]) - torch_logits).abs().max() < 1e-4  # unbroken: equal
+    original = kernels.paged_attention
+    launches = []
+
+    def broken_paged_attention(*args, **kwargs):
+        launches.append(1)
+        result = original(*args, **kwargs)
+        return _nan_like(result) if broken == "nan" else result + 1.0
+
+    monkeypatch.setattr(kernels, "paged_attention", broken_paged_attention)
+    if broken == "nan":
+        with pytest.raises(SamplingError, match="not finite"):     # NaN reached the logits
+            _logits(models["triton"])
+    else:
+        assert (_logits(models["triton"]) - torch_logits).abs().max() > 1e-2
+    assert launches, "the triton backend never launched the decode kernel"
+
+
+def test_triton_store_kernel_reaches_the_logits(models, torch_logits, monkeypatch):
+    original = kernels.store_kv
+
+    def shifted_store_kv(k, v, key_cache, value_cache, slots):
+        original(k + 1.0, v + 1.0, key_cache, value_cache, slots)
+
+    monkeypatch.setattr(kernels, "store_kv", shifted_store_kv)
+    assert (_logits(models["triton"]) - torch_logits).abs().max() > 1e-2
+
+
+def test_triton_expert_gemm_reaches_the_logits(models, monkeypatch):
+    original = kernels.expert_gemm
+
+    def nan_expert_gemm(*args, **kwargs):
+        return _nan_like(original(*args, **kwargs))
+
+    monkeypatch.setattr(kernels, "expert_gemm", nan_expert_gemm)
+    with pytest.raises(SamplingError, match="not finite"):
+        _logits(models["triton"])
+
+
+def test_batched_path_reaches_the_logits(models, torch_logits, monkeypatch):
+    original = PagedKVCache._attend_padded
+
+    def nan_attend_padded(self, appended, group, q, out):
+        original(self, appended, group, q, out)
+        out.fill_(float("nan"))
+
+    monkeypatch.setattr(PagedKVCache, "_attend_padded", nan_attend_padded)
+    with pytest.raises(SamplingError, match="not finite"):
+        _logits(models["torch"])
+
+
+def test_reference_path_reaches_the_logits(models, torch_logits, monkeypatch):
+    assert (_logits(models["torch"], attention="reference") - torch_logits).abs().max() < 1e-5
+    original = paged.attend_by_position
+    monkeypatch.setattr(paged, "attend_by_position", lambda *args: original(*args) + 1.0)
+    assert (_logits(models["torch"], attention="reference") - torch_logits).abs().max() > 1e-2
