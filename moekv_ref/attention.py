@@ -58,14 +58,23 @@ def attend_by_position(
 
     q: (n, H, Dh), k and v: (m, Hkv, Dh), q_positions: (n,), k_positions: (m,).
     A query at position p sees the keys at positions <= p. Every query must see at least one key
-    (itself, which its cache wrote before attending). Returns (n, H, Dh).
+    (itself, which its cache wrote before attending). Returns (n, H, Dh) in q's dtype; scores,
+    softmax and the weighted sum run in `score_dtype(q.dtype)` (float32 for half precision).
     """
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
-    k = k.repeat_interleave(group, dim=1)                             # (m, H, Dh)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,mhd->hnm", q, k) / math.sqrt(q.shape[-1])  # (H, n, m)
+    compute = score_dtype(q.dtype)
+    k = k.to(compute).repeat_interleave(group, dim=1)                 # (m, H, Dh)
+    v = v.to(compute).repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,mhd->hnm", q.to(compute), k) / math.sqrt(q.shape[-1])  # (H, n, m)
     visible = k_positions[None, :] <= q_positions[:, None]             # (n, m)
     scores = scores.masked_fill(~visible[None], float("-inf"))
     weights = torch.softmax(scores, dim=-1)
-    return torch.einsum("hnm,mhd->nhd", weights, v)                    # (n, H, Dh)
+    return torch.einsum("hnm,mhd->nhd", weights, v).to(q.dtype)        # (n, H, Dh)
+
+
+def score_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention scores and softmax are computed in: float32 at least, as the Triton
+    kernels and PyTorch's fused attention do. In bfloat16 (8 bits of mantissa) a softmax over a few
+    hundred scores loses most of its precision; the inputs and the output keep the model's dtype."""
+    return torch.promote_types(dtype, torch.float32)

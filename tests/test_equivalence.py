@@ -47,3 +47,24 @@ def test_none_cache_logits_match_too():
     result = generate(model, prompts, SamplingParams(max_new_tokens=5, temperature=0.0), cache="none",
                       record_logits=True)
     assert max_logit_error(model, result) <= 1e-10
+
+
+def test_bfloat16_cached_paths_stay_as_close_to_float32_as_recompute():
+    """In bfloat16 the cached paths compute scores and softmax in float32, as full recompute (PyTorch's
+    fused attention) and the kernels do: against the float32 model, their logits are no further off
+    than recompute's, and greedy decoding gives recompute's tokens."""
+    exact = load_default_model()                                         # float32
+    half = load_default_model().to(torch.bfloat16)
+    prompts = [list(b"import os\nimport sys\ndef main(argv):\n    for x in range(10):\n        print(x)\n"),
+               list(b"class Foo:\n    def __init__(self):\n        self.x = 1\n"),
+               list(b"if __name__ == ")]
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    errors, tokens = {}, {}
+    for cache in ("none", "contiguous", "paged"):
+        result = generate(half, prompts, params, cache=cache, record_logits=True)
+        tokens[cache] = result.tokens
+        errors[cache] = max((exact(torch.tensor([p + g[:-1]])).logits[0] - logits.float()).abs().max().item()
+                            for p, g, logits in zip(result.prompts, result.tokens, result.logits))
+    for cache in ("contiguous", "paged"):
+        assert errors[cache] <= 1.1 * errors["none"], errors
+        assert tokens[cache] == tokens["none"]
