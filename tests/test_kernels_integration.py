@@ -7,6 +7,10 @@ layer; rows with several new tokens (prefill) take the batched torch path. On a 
 interpreter, so the cases are a few tokens of a small model.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -71,3 +75,27 @@ def test_unknown_attention_path_is_refused():
     model = random_model(small_config(), seed=0, dtype=torch.float32)
     with pytest.raises(ValueError, match="attention='cuda' is not one of"):
         PagedKVCache.for_model(model, attention="cuda")
+
+
+def test_the_interpreter_does_not_depend_on_import_order():
+    """A library that imports triton before kernels does (transformers does) must not leave the
+    kernels built for a GPU on a machine without one: the triton backend still gives torch's tokens.
+    A fresh process, since this one imported kernels already."""
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the kernels are compiled, not interpreted")
+    program = (
+        "import os, sys\n"
+        "os.environ.pop('TRITON_INTERPRET', None)\n"
+        "import triton\n"                       # first, as another library would
+        "from moekv_ref.checkpoint import load_default_model\n"
+        "from moekv_ref.generate import generate\n"
+        "from moekv_ref.sampling import SamplingParams\n"
+        "params = SamplingParams(max_new_tokens=3, temperature=0)\n"
+        "tokens = [generate(load_default_model(backend=b), [list(b'def ')], params, cache='paged').tokens\n"
+        "          for b in ('torch', 'triton')]\n"
+        "print(tokens[0] == tokens[1], tokens[1])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("True"), done.stdout
