@@ -67,7 +67,8 @@ def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
     hit = manager.find_cached_prefix([10, 11, 12, 13, 99, 98, 97])
     assert hit.num_tokens == 4 and hit.row_counts.tolist() == [3, 1]
     assert hit.shared.tolist() == [0] and hit.cow_source.tolist() == [1, 2]
-    assert hit.num_free_taken == 3                      # block 0 leaves the LRU, two fresh copies
+    # while it is applied: block 0 leaves the LRU, sources 1 and 2 are pinned, two fresh copies
+    assert hit.num_free_taken == 5
     source, destination = manager.apply_prefix_hit(1, hit)
     # the copies get the next blocks of the stack, 4 and 5; blocks 1 and 2 stay cached-free
     assert source.tolist() == [1, 2] and destination.tolist() == [4, 5]

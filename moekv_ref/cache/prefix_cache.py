@@ -98,7 +98,8 @@ class PrefixHit:
                   the row (layer * E + expert) and the column of the block table they go to
     cow_source    (c,) int64 blocks straddling num_tokens, copied; cow_rows (c,) their rows (their
                   column is row_counts // P)
-    num_free_taken  blocks the hit takes from the pool's free count (shared cached-free ones + copies)
+    num_free_taken  blocks the hit takes from the pool's free count while it is applied: cached-free
+                  ones it reuses (shared, and copy sources, pinned until copied) + the copies
     """
     num_tokens: int = 0
     row_counts: torch.Tensor | None = None
@@ -304,7 +305,10 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         last = self.block_positions[shared_t, P - 1]
         if ((last < 0) | (last >= s)).any():
             return None
-        num_free_taken = int((self.pool.ref_cnt[shared_t] == 0).sum()) + len(cow)
+        # free blocks the hit holds while it is applied: the cached-free blocks it reuses, shared or
+        # copy sources (pinned so that the copies' allocation cannot evict them), and the copies
+        found = torch.cat([shared_t, torch.tensor(cow, dtype=torch.int64)]).unique()
+        num_free_taken = int((self.pool.ref_cnt[found] == 0).sum()) + len(cow)
         return PrefixHit(s, row_counts.clone(), shared_t, shared_rows, shared_columns,
                          torch.tensor(cow, dtype=torch.int64), cow_rows, num_free_taken)
 
@@ -321,7 +325,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         found = torch.cat([hit.shared, hit.cow_source])
         if not self.pool.is_cached[found].all():
             raise ValueError("the hit lists blocks that are no longer cached: look up again")
-        available = self.pool.num_free_blocks - int((self.pool.ref_cnt[found] == 0).sum())
+        available = self.pool.num_free_blocks - int((self.pool.ref_cnt[found.unique()] == 0).sum())
         if hit.cow_source.numel() > available:
             raise OutOfBlocksError(f"the hit's {hit.cow_source.numel()} copies need blocks; {available} are "
                                    "free beside the blocks it reuses")

@@ -62,14 +62,22 @@ class AdmissionStep:
     def step_fits(self, request: Request) -> bool:
         """Would the request's next tokens (and its swap-in) fit the free pool beside what the step
         has reserved?"""
-        hit = self._scheduler.prefix_hit(request)       # prefix caching: it starts from a cached prefix
-        if hit is not None:
-            num_tokens = min(request.num_tokens - hit.num_tokens, self.token_budget)
-            need = self._scheduler.hit_step_blocks(hit, num_tokens)
-        else:
-            num_tokens = min(request.num_pending_tokens, self.token_budget)
-            need = self._scheduler.step_blocks(request, num_tokens)
+        scheduler = self._scheduler
+        scheduler.current = request
         swap_in = self.memory.num_blocks_swapped(request.request_id)
+        num_tokens = min(request.num_pending_tokens, self.token_budget)
+        need = scheduler.step_blocks(request, num_tokens)
+        hit = scheduler.prefix_hit(request)             # prefix caching: it starts from a cached prefix
+        if hit is not None:
+            hit_need = scheduler.hit_step_blocks(hit, min(request.num_tokens - hit.num_tokens, self.token_budget))
+            if self.reserved + hit_need <= self.memory.num_free_blocks:
+                return True
+            # the hit holds more free blocks than it saves now (cached-free blocks it shares, copy
+            # sources pinned while it is applied): start from nothing if that fits
+            if self.reserved + need <= self.memory.num_free_blocks:
+                scheduler.decline_prefix_hit(request)
+                return True
+            return False
         return self.reserved + swap_in + need <= self.memory.num_free_blocks
 
     def start_next(self) -> Request:

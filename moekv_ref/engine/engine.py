@@ -36,6 +36,7 @@ from .memory import ModelShape
 from .model_runner import ModelRunner
 from .request import Request, RequestOutput, RequestStatus
 from .scheduler import Scheduler, SchedulerConfig
+from .undo import Snapshot
 
 
 @dataclass
@@ -241,36 +242,44 @@ class LLMEngine:
 
     # ----- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample. Returns the requests that finished in this step (served
-        to the end, or failed in their own sampling).
+        """Schedule, run one forward, sample, account. Returns the requests that finished in this
+        step (served to the end, or failed in their own sampling).
 
-        If the block copies or the forward raise, the step is undone (the K/V appended by the
-        layers that ran are truncated away; sequences whose copies may be incomplete recompute), the
-        step is counted, and the exception propagates: stepping on continues correctly."""
+        A step happens whole or not at all (engine/undo.py): if anything in it raises -- a policy
+        while scheduling, the block copies, the forward, sampling, the bookkeeping after it -- the
+        scheduler, the block manager, the swap space and every request are put back as they were
+        before the step (after a fault past scheduling: as they were once the step's preemptions and
+        admissions were made, which are kept), the step is counted as failed, and the exception
+        propagates with a note naming the step and the requests it ran. Stepping on continues
+        correctly: nothing is lost and no block leaks. A fault in the block copies makes the
+        sequences they moved recompute, since their K/V may be incomplete."""
         start = time.perf_counter()
         step = self.step_count
-        decision = self.scheduler.schedule(step)
+        num_running, scheduled_used = len(self.scheduler.running), self.memory.num_used_blocks
+        before = Snapshot(self.scheduler)
+        try:
+            decision = self.scheduler.schedule(step)
+        except BaseException as error:
+            before.restore()
+            self._fail_step(error, step, start, num_running, scheduled_used, "while scheduling")
+            raise
         for kind, request in decision.events:
             self._event(step, request.request_id, kind)
-        finished: list[RequestOutput] = []
         num_running, used_blocks = len(self.scheduler.running), self.memory.num_used_blocks
         scheduled_used = used_blocks
         if not decision.scheduled and not decision.block_copies and self.scheduler.has_unfinished:
             raise RuntimeError(f"step {step}: nothing could be scheduled with {len(self.scheduler.waiting)} "
                                f"waiting and {len(self.scheduler.running)} running requests")
         try:
-            result, sampled, failed = self._run(decision)
-        except BaseException:
-            self._counts["failed_steps"] += 1
-            self._end_step(step, 0, 0, start, num_running, self.memory.num_used_blocks, scheduled_used)
+            ran, done, used_after_forward, num_generated = self._run(decision)
+        except BaseException as error:
+            ids = [item.request.request_id for item in decision.scheduled]
+            self._fail_step(error, step, start, num_running, scheduled_used, f"running requests {ids}")
             raise
-        if result is not None:
-            used_blocks = self.memory.num_used_blocks           # the peak of the step: before finishing
-            done = self.scheduler.update_from_output(decision, sampled, result.entries_per_layer, failed)
-            self._counts["generated_tokens"] += sum(
-                1 for item in decision.scheduled
-                if item.request.request_id in sampled
-                and len(item.request.output_token_ids) <= item.request.max_new_tokens)
+        finished = []
+        if ran:
+            used_blocks = used_after_forward               # the peak of the step: before finishing
+            self._counts["generated_tokens"] += num_generated
             for request in done:
                 self._count_finished(request, step)
                 finished.append(self._hand_out(request))
@@ -278,18 +287,25 @@ class LLMEngine:
                        used_blocks, scheduled_used)
         return finished
 
+    def _fail_step(self, error, step, start, num_running, scheduled_used, where: str) -> None:
+        self._counts["failed_steps"] += 1
+        if hasattr(error, "add_note"):
+            error.add_note(f"engine step {step} failed {where}; the step was undone, stepping on is safe")
+        self._end_step(step, 0, 0, start, num_running, self.memory.num_used_blocks, scheduled_used)
+
     def _run(self, decision):
-        """Copies, forward and sampling of one step; undoes the copies' and forward's effects on the
-        cache if they raise. Returns (runner output or None, sampled tokens, failed requests)."""
+        """Copies, forward, sampling and the scheduler's accounting of one step. Undoes everything
+        after the copies if any of it raises; makes the copied sequences recompute if the copies
+        raise. Returns (whether a forward ran, the requests that finished, blocks in use after the
+        forward, tokens generated)."""
         try:
             self.runner.copy_blocks(decision.block_copies)
         except BaseException:
             self.scheduler.recover_from_failed_copies(decision)
             raise
         if not decision.scheduled:
-            return None, {}, {}
-        manager = self.cache.manager
-        snapshot = manager.snapshot_rows([item.request.request_id for item in decision.scheduled])
+            return False, [], 0, 0
+        before_forward = Snapshot(self.scheduler)
         states = {}
         try:
             result = self.runner.forward(decision.scheduled)
@@ -303,12 +319,17 @@ class LLMEngine:
                     sampled[request.request_id] = sample_next(logits, request.sampling_params, request.generator)
                 except Exception as error:          # this request's own failure: it alone finishes
                     failed[request.request_id] = f"sampling failed: {type(error).__name__}: {error}"
+            used_blocks = self.memory.num_used_blocks
+            num_generated = sum(1 for item in decision.scheduled
+                                       if item.request.request_id in sampled
+                                       and len(item.request.output_token_ids) < item.request.max_new_tokens)
+            done = self.scheduler.update_from_output(decision, sampled, result.entries_per_layer, failed)
         except BaseException:
-            manager.restore_rows(snapshot)
+            before_forward.restore()
             for generator, state in states.values():
                 generator.set_state(state)          # a token sampled before the fault is drawn again
             raise
-        return result, sampled, failed
+        return True, done, used_blocks, num_generated
 
     def idle_step(self) -> None:
         """Let a step of time pass with nothing to run (requests have not arrived yet)."""

@@ -206,6 +206,7 @@ class Scheduler:
         self.victims = config.make_victim_policy()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.current: Request | None = None    # the request schedule() was deciding on
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.num_swapped_out_blocks = 0
@@ -247,6 +248,19 @@ class Scheduler:
 
     # ----- one step ---------------------------------------------------------------------------------
     def schedule(self, step: int) -> SchedulerOutput:
+        """One step's decisions (see the module docstring). If anything raises part-way, the
+        exception gets a note naming the request being scheduled; the engine undoes the partial
+        decisions (engine/undo.py)."""
+        self.current = None                    # the request being decided on, for error messages
+        try:
+            return self._schedule(step)
+        except BaseException as error:
+            if self.current is not None and hasattr(error, "add_note"):
+                error.add_note(f"while scheduling request {self.current.request_id} "
+                               f"({self.current.status.value}) at step {step}")
+            raise
+
+    def _schedule(self, step: int) -> SchedulerOutput:
         out = SchedulerOutput(step)
         self._looked_up = None
         token_budget = self.config.max_num_batched_tokens
@@ -257,7 +271,7 @@ class Scheduler:
                                                             self.step_blocks_many(self.running, planned_tokens))))
         i = 0
         while i < len(self.running) and token_budget > 0:
-            request = self.running[i]
+            request = self.current = self.running[i]
             num_tokens = min(request.num_pending_tokens, token_budget)
             planned, need = planned_needs[id(request)]
             if planned != num_tokens:
@@ -288,7 +302,7 @@ class Scheduler:
 
     def start_head(self, out: SchedulerOutput) -> Request:
         """The head of the waiting line starts running (swapped back in if it was swapped out)."""
-        request = self.waiting.popleft()
+        request = self.current = self.waiting.popleft()
         if request.swapped:
             out.block_copies.append(self.swap_space.swap_in(request.request_id))
             out.swapped_in.append(request)
@@ -351,6 +365,10 @@ class Scheduler:
         hit = hit if hit.num_tokens else None
         self._looked_up = (request, hit)
         return hit
+
+    def decline_prefix_hit(self, request: Request) -> None:
+        """Start this request from nothing although a prefix is cached (its hit does not fit now)."""
+        self._looked_up = (request, None)
 
     def hit_step_blocks(self, hit, num_tokens: int) -> int:
         """step_blocks for a request about to start from `hit`: the worst case of its next num_tokens

@@ -1,0 +1,87 @@
+"""Undo for one engine step: remember the scheduler's state, put it back if the step raises.
+
+A step changes many small objects -- the waiting and running queues, each request's counters, the
+block manager's tables and its pool's free stack, the swap space, the demand predictor, the policies'
+own state, the prefix cache's keys. Undoing each change by hand at each place it is made is how a
+request gets lost (taken off the waiting line, then an error before it reaches the running list). So
+the engine takes a `Snapshot` at two points of a step and, if anything after it raises, restores
+every object the snapshot reached, in place (so every reference to a request or a manager stays
+valid):
+
+    before schedule()   a fault while scheduling puts every request back where it was; nothing
+                        has moved K/V yet, so the state is exactly the one before the step
+    before the forward  (after the block copies) a fault in the forward, in sampling or in the
+                        bookkeeping after it (counting tokens, finishing requests, the predictor,
+                        prefix registration) goes back to here: blocks the forward took are free
+                        again, blocks a finishing request gave back are its own again, untouched,
+                        since nothing allocates after the forward
+
+What a snapshot copies: the attributes of the scheduler and, recursively, of every object of this
+package they reach (tensors cloned, lists, dicts and deques copied, numbers and strings as they
+are). Not copied: frozen dataclasses (configurations, sampling parameters) and objects of other
+packages (torch generators are restored by the engine, which knows which ones sampled). Attributes a
+class lists in `_UNDO_SHARED` are kept by reference: they never change after construction (a
+request's prompt), so copying them every step would only cost time.
+
+The cost is a copy of the bookkeeping (block tables, free stack, reference counts): integers, a few
+kilobytes for the embedded model, small beside a forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import OrderedDict, deque
+
+import torch
+
+_PACKAGE = __name__.split(".")[0]
+
+
+class Snapshot:
+    """The state of `root` and of every object of this package it reaches, as it is now."""
+
+    def __init__(self, root: object):
+        self._saved: dict[int, tuple[object, dict]] = {}
+        self._pending = [root]
+        while self._pending:
+            obj = self._pending.pop()
+            if id(obj) in self._saved:
+                continue
+            shared = getattr(type(obj), "_UNDO_SHARED", ())
+            self._saved[id(obj)] = (obj, {name: value if name in shared else self._copy(value)
+                                          for name, value in vars(obj).items()})
+
+    def restore(self) -> None:
+        """Put every object back as it was when the snapshot was taken. Once only: the saved copies
+        become the objects' state."""
+        for obj, values in self._saved.values():
+            obj.__dict__.clear()
+            obj.__dict__.update(values)
+        self._saved = {}
+
+    def _copy(self, value):
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        if isinstance(value, (list, set)):
+            return type(value)(self._copy(v) for v in value)
+        if isinstance(value, deque):
+            return deque((self._copy(v) for v in value), maxlen=value.maxlen)
+        if isinstance(value, (dict, OrderedDict)):
+            return type(value)((k, self._copy(v)) for k, v in value.items())
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(self._copy(v) for v in value)
+        if self._is_state(value):
+            self._pending.append(value)          # restored in place: the reference stays
+        return value
+
+    @staticmethod
+    def _is_state(value) -> bool:
+        """An object of this package with attributes of its own: not an enum member, a frozen
+        dataclass, or a module of the network (weights are never a step's state)."""
+        kind = type(value)
+        if not kind.__module__.startswith(_PACKAGE + ".") or not hasattr(value, "__dict__"):
+            return False
+        if isinstance(value, (enum.Enum, torch.nn.Module)):
+            return False
+        return not (dataclasses.is_dataclass(value) and kind.__dataclass_params__.frozen)

@@ -1,0 +1,245 @@
+"""A step happens whole or not at all: a fault at any call a step makes leaves the engine able to
+step on, with nothing lost and nothing leaked, and every request gets the tokens it gets alone.
+
+- Fault injection at every call site of a step: each site in SITES raises once, at its k-th call
+  (k = 1, 2, 4), and the run goes on to the end. The workload (prefix caching, preemption by swap,
+  optimistic admission, a tight pool) reaches every site; a site that never raised fails the test.
+- Prefix caching under tight pools: 60 seeded runs, from the smallest pool the engine accepts for
+  the workload up, each serving the same prompts twice (the second time from the cache): 0 lost
+  requests, 0 leaked blocks, the tokens of generating alone. And the case that once lost a request:
+  the embedded model, one short prompt twice, pools of 36-57 blocks.
+- The default pool of generate(cache="paged") is worst-case sized: the longest prompt the model
+  accepts runs without num_blocks.
+"""
+
+import pytest
+import torch
+
+import moekv_ref.engine.engine as engine_module
+from moekv_ref.checkpoint import load_default_model
+from moekv_ref.engine import LLMEngine, SchedulerConfig
+from moekv_ref.generate import generate
+from moekv_ref.sampling import SamplingParams
+
+from helpers import alone_tokens, random_model, random_prompts, small_config
+
+BLOCK_SIZE = 4
+FAULT_POOL = 92      # blocks: the workload below swaps 4 times, hits and copies (the smallest it allows: 72)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def shared_prefix_workload(num_requests=8, seed=5, min_new_tokens=14):
+    """Prompts sharing prefixes of varied lengths, then a few tokens of their own; every other request
+    greedy, the others sampled with their own seed."""
+    shared = random_prompts([30], 64, seed=seed)[0]
+    own = random_prompts([2 + i % 4 for i in range(num_requests)], 64, seed=seed + 1)
+    prompts = [shared[: 12 + 3 * (i % 5)] + tail for i, tail in enumerate(own)]
+    params = [SamplingParams(max_new_tokens=min_new_tokens + i % 5, temperature=0.0 if i % 2 else 1.0, top_p=0.9, seed=i)
+              for i in range(num_requests)]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(small_config("expert", "threshold"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return shared_prefix_workload()
+
+
+@pytest.fixture(scope="module")
+def alone(model, workload):
+    return alone_tokens(model, *workload)
+
+
+def make_engine(model, num_blocks, mode="swap", admission="optimistic", max_num_seqs=4):
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=32, preemption_mode=mode,
+                             admission=admission)
+    return LLMEngine(model, num_blocks, BLOCK_SIZE, config, enable_prefix_caching=True)
+
+
+def serve_twice(engine, prompts, params):
+    """Every prompt served twice, the second time after the first finished (so from the cache); each
+    step that raises InjectedFault is stepped on. Returns (outputs by request id, faults seen)."""
+    outputs, faults = {}, 0
+    for _ in range(2):
+        for p, q in zip(prompts, params):
+            engine.add_request(p, q)
+        steps = 0
+        while engine.has_unfinished_requests():
+            steps += 1
+            assert steps < 2000, "the engine does not make progress"
+            try:
+                for output in engine.step():
+                    outputs[output.request_id] = output
+            except InjectedFault:
+                faults += 1
+    return outputs, faults
+
+
+def check_served(engine, outputs, alone):
+    num = len(alone)
+    assert sorted(outputs) == list(range(2 * num)), "a request was lost"
+    for request_id, output in outputs.items():
+        assert output.finish_reason == "length", (request_id, output.finish_reason)
+        assert output.token_ids == alone[request_id % num], request_id
+    assert not engine.has_unfinished_requests()
+    engine.memory.assert_no_leak()
+    engine.cache.manager.assert_consistent()
+
+
+# every call a step makes, as (what it is, how to reach the object that makes it, method name)
+SITES = [
+    ("victim policy", lambda e: e.scheduler.victims, "choose_victim"),
+    ("admission policy", lambda e: e.scheduler.batching.admission, "allows"),
+    ("demand prediction at admission", lambda e: e.scheduler.predictor, "predict"),
+    ("demand predictor's observe", lambda e: e.scheduler.predictor, "observe"),
+    ("step demand (token counts)", lambda e: e.scheduler.memory, "token_counts"),
+    ("swap out", lambda e: e.scheduler.swap_space, "swap_out"),
+    ("swap in", lambda e: e.scheduler.swap_space, "swap_in"),
+    ("prefix lookup", lambda e: e.cache.manager, "find_cached_prefix"),
+    ("prefix hit applied", lambda e: e.cache.manager, "apply_prefix_hit"),
+    ("prefix registration", lambda e: e.cache.manager, "cache_computed_blocks"),
+    ("blocks freed (preempt, finish)", lambda e: e.cache.manager, "free"),
+    ("batching policy's release", lambda e: e.scheduler.batching, "release"),
+    ("block copies", lambda e: e.runner, "copy_blocks"),
+    ("forward", lambda e: e.runner, "forward"),
+    ("append_kv (a layer's bookkeeping)", lambda e: e.cache, "append_kv"),
+    ("attend (a layer's attention)", lambda e: e.cache, "attend"),
+]
+
+
+def inject(obj, method: str, at_call: int) -> list:
+    """Make obj.method raise InjectedFault at its at_call-th call (once). Returns a list that gets one
+    entry when it raised."""
+    original = getattr(obj, method)
+    calls, raised = [0], []
+
+    def faulty(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == at_call and not raised:
+            raised.append(calls[0])
+            raise InjectedFault(f"{method}, call {at_call}")
+        return original(*args, **kwargs)
+
+    setattr(obj, method, faulty)
+    return raised
+
+
+@pytest.mark.parametrize("site, reach, method", SITES, ids=[s[0] for s in SITES])
+def test_a_fault_at_every_call_site_of_a_step_is_undone(model, workload, alone, site, reach, method):
+    prompts, params = workload
+    for at_call in (1, 2, 4):
+        engine = make_engine(model, FAULT_POOL, max_num_seqs=6)
+        raised = inject(reach(engine), method, at_call)
+        outputs, faults = serve_twice(engine, prompts, params)
+        assert raised, f"{site}: the workload never made its call number {at_call}"
+        assert faults == 1 and engine.stats().num_failed_steps == 1
+        check_served(engine, outputs, alone)
+
+
+def test_the_workload_preempts_swaps_and_hits(model, workload, alone):
+    """What makes the fault sites above reachable: the unbroken run swaps, preempts and hits."""
+    engine = make_engine(model, FAULT_POOL, max_num_seqs=6)
+    outputs, _ = serve_twice(engine, *workload)
+    check_served(engine, outputs, alone)
+    stats, hits = engine.stats(), engine.prefix_cache_stats()
+    assert stats.num_preemptions > 0 and stats.num_swapped_out_blocks > 0
+    assert hits["num_hit_tokens"] > 0 and hits["num_cow_blocks"] > 0
+
+
+def test_a_fault_while_scheduling_names_the_request_and_keeps_it_queued(model, workload):
+    prompts, params = workload
+    engine = make_engine(model, FAULT_POOL)
+    inject(engine.scheduler.predictor, "predict", 1)
+    engine.add_request(prompts[0], params[0])
+    with pytest.raises(InjectedFault) as fault:
+        engine.step()
+    assert any("request 0" in note for note in fault.value.__notes__)
+    assert [r.request_id for r in engine.scheduler.waiting] == [0] and not engine.scheduler.running
+    assert engine.memory.num_used_blocks == 0
+    engine.abort_request(0)                  # it is still there to abort
+    engine.memory.assert_no_leak()
+
+
+def test_the_sampler_failing_fails_its_request_alone(model, workload, alone, monkeypatch):
+    """Sampling is the request's own: a fault there finishes that request with finish_reason "error"
+    (not the step), and the others are served."""
+    prompts, params = workload
+    original, calls = engine_module.sample_next, [0]
+
+    def sample_next(*args):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise InjectedFault("sampling")
+        return original(*args)
+
+    monkeypatch.setattr(engine_module, "sample_next", sample_next)
+    engine = make_engine(model, FAULT_POOL)
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id] = output
+    failed = [i for i in ids if outputs[i].finish_reason == "error"]
+    assert len(failed) == 1
+    assert all(outputs[i].token_ids == alone[i] for i in ids if i not in failed)
+    engine.memory.assert_no_leak()
+
+
+# ----- prefix caching under tight pools --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def short_workload():
+    return shared_prefix_workload(6, seed=7, min_new_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def short_alone(model, short_workload):
+    return alone_tokens(model, *short_workload)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_prefix_caching_with_tight_pools_loses_nothing(model, short_workload, short_alone, seed):
+    prompts, params = short_workload
+    alone = short_alone
+    probe = make_engine(model, 1000)
+    smallest = max(probe.scheduler.max_blocks_alone(len(p) + q.max_new_tokens - 1) for p, q in zip(prompts, params))
+    generator = torch.Generator().manual_seed(seed)
+    num_blocks = smallest + int(torch.randint(0, 40, (1,), generator=generator)) if seed else smallest
+    mode = ("recompute", "swap")[seed % 2]
+    admission = ("optimistic", "predicted")[(seed // 2) % 2]
+    engine = make_engine(model, num_blocks, mode, admission, max_num_seqs=2 + seed % 4)
+    outputs, faults = serve_twice(engine, prompts, params)
+    assert faults == 0
+    check_served(engine, outputs, alone)
+
+
+def test_the_embedded_model_serves_a_prompt_twice_from_the_cache_in_every_small_pool():
+    model = load_default_model()
+    prompt = list(b"import os\nimport ")
+    params = SamplingParams(max_new_tokens=2, temperature=0)
+    expected = generate(model, [prompt], params).tokens[0]
+    for num_blocks in range(36, 58):
+        engine = LLMEngine(model, num_blocks=num_blocks, block_size=16, enable_prefix_caching=True)
+        first = engine.generate([prompt], params)
+        second = engine.generate([prompt], params)
+        assert first[0].token_ids == second[0].token_ids == expected, num_blocks
+        assert not engine.has_unfinished_requests()
+        engine.memory.assert_no_leak()
+
+
+# ----- the default pool ------------------------------------------------------------------------------
+def test_the_default_paged_pool_holds_the_longest_prompts_the_model_accepts():
+    """Without num_blocks, generate(cache="paged") sizes its pool for the worst case: every token in
+    k_max experts of every layer, each row's last block partly filled."""
+    model = load_default_model()
+    longest = model.config.max_position_embeddings
+    prompts = random_prompts([longest - 1, longest - 12], model.config.vocab_size, seed=1)
+    params = SamplingParams(max_new_tokens=1, temperature=0)
+    paged = generate(model, prompts, params, cache="paged")
+    assert paged.tokens == generate(model, prompts, params, cache="contiguous").tokens
