@@ -57,6 +57,7 @@ from ..backends import require_backend
 from ..config import ModelConfig
 from .device_kv_cache_manager import DeviceKVCacheManager, checked_placement
 from .kv_cache_manager import KVCacheManager, check_block_size
+from .rows import worst_case_lifetime_blocks
 from .prefix_cache import PrefixCachingKVCacheManager
 from .shared_tail_manager import SharedTailKVCacheManager
 
@@ -174,13 +175,14 @@ class PagedKVCache:
         """A cache in the model's dtype and device. attention=None follows the model's backend
         ("triton" for a model built with backend="triton", else "batched"). Without num_blocks, the
         pool holds the worst case of max_num_seqs sequences of max_position_embeddings tokens (every
-        token in k_max experts)."""
+        token in k_max experts, and a partly filled last block in every row it reaches)."""
         config = model.config
         if num_blocks is None and blocks_per_device is not None:
             num_blocks = sum(int(n) for n in blocks_per_device)
-        if num_blocks is None:
-            blocks_per_row = -(-config.max_position_embeddings // check_block_size(block_size))
-            num_blocks = max_num_seqs * config.max_kv_entries_per_token * blocks_per_row
+        if num_blocks is None:                      # every sequence at its worst, partly filled blocks included
+            num_blocks = max_num_seqs * worst_case_lifetime_blocks(
+                config.max_position_embeddings, config.num_hidden_layers, config.num_attention_experts,
+                config.num_attention_experts_per_tok, check_block_size(block_size))
         if attention is None:
             attention = "triton" if model.backend == "triton" else "batched"
         parameter = next(model.parameters())

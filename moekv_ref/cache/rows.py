@@ -47,3 +47,16 @@ class RowIndex:
         """All L * E rows of each sequence slot in seq_index (m,): (m, L * E) int64, layer-major."""
         return torch.as_tensor(seq_index, dtype=torch.int64)[:, None] * self.rows_per_seq \
             + torch.arange(self.rows_per_seq)
+
+
+def worst_case_lifetime_blocks(num_tokens: int, num_layers: int, num_experts: int, k_max: int,
+                               block_size: int) -> int:
+    """The most blocks a sequence of `num_tokens` cached tokens can hold under any routing.
+
+    Per layer: k_max * T entries over E rows of at most T tokens each, so at most
+    min(E * ceil(T / P), m + (k_max * T - m) // P) blocks with m = min(E, k_max * T).
+    """
+    entries = k_max * num_tokens
+    rows = min(num_experts, entries)
+    per_layer = min(num_experts * ceil_div(num_tokens, block_size), rows + (entries - rows) // block_size)
+    return num_layers * per_layer

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from ..cache.rows import ceil_div
+from ..cache.rows import ceil_div, worst_case_lifetime_blocks  # noqa: F401 (the pool's bound, used here)
 
 
 def worst_case_step_blocks(token_counts: torch.Tensor, num_new_tokens: torch.Tensor, k_max: int,
@@ -51,19 +51,6 @@ def worst_case_step_blocks(token_counts: torch.Tensor, num_new_tokens: torch.Ten
     rows = torch.clamp(entries, max=E)                                             # (m,)
     bound_b = rows + (entries - rows) // block_size                                # (m,)
     return torch.minimum(bound_a, bound_b[:, None]).sum(-1)                        # (m,)
-
-
-def worst_case_lifetime_blocks(num_tokens: int, num_layers: int, num_experts: int, k_max: int,
-                               block_size: int) -> int:
-    """The most blocks a sequence of `num_tokens` cached tokens can hold under any routing.
-
-    Per layer: k_max * T entries over E rows of at most T tokens each, so at most
-    min(E * ceil(T / P), m + (k_max * T - m) // P) blocks with m = min(E, k_max * T).
-    """
-    entries = k_max * num_tokens
-    rows = min(num_experts, entries)
-    per_layer = min(num_experts * ceil_div(num_tokens, block_size), rows + (entries - rows) // block_size)
-    return num_layers * per_layer
 
 
 def min_lifetime_blocks(num_tokens: int, num_layers: int, k_min: int, block_size: int) -> int:
