@@ -3,32 +3,54 @@
 A checkpoint is one `torch.save` file of plain values and tensors, loaded with
 `torch.load(weights_only=True)` (never pickled code):
 
-    format      "moekv_ref-checkpoint-v1"
+    format      "moekv_ref-checkpoint-v2"
     config      the ModelConfig as a dict (validated again at load)
-    state_dict  name -> tensor (stored as bfloat16 by default)
-    sha256      the content hash of the state dict: every tensor's name, dtype, shape and bytes, in
-                name order -- a flipped bit or an altered weight no longer matches
-    metadata    free-form (how it was trained)
+    dtype       the dtype every tensor is stored in: "bfloat16" (the default), "float16" or "float32"
+    state_dict  name -> tensor
+    sha256      the content hash of the config and the weights: the config as sorted JSON, then every
+                tensor's name, dtype, shape and bytes, in name order -- an edited config (a changed
+                rope_theta changes every output), a flipped bit or an altered weight no longer matches
+    metadata    free-form (how it was trained); not part of the hash: no code reads it
 
-Loading checks, in order, and stops at the first problem with one CheckpointError naming the file:
-it exists and is a file, is not empty, reads as a torch file (not truncated, not something else),
-is a checkpoint of this format, its config is valid (and matches the architecture asked for), its
-hash matches its content, its tensors are exactly the model's (names and shapes), and every weight
-is finite.
+Format v1 hashed the weights only, so its config could be edited unnoticed: v1 files are refused.
+`add_manifest` re-hashes one (after checking its weights against its v1 hash) or a file that has no
+manifest at all.
+
+Loading checks, in order, and stops at the first problem with one CheckpointError naming the file
+and what is wrong (a missing file: FileNotFoundError), before any model is built:
+  1. the file exists, is a file, is not empty;
+  2. it reads with weights_only=True: not truncated or damaged, a torch file, and no pickled code or
+     objects (such a file is refused by the loader before anything in it runs);
+  3. it is a checkpoint of this format with every manifest key, a sha256 of 64 hex digits, and a
+     dict of dense tensors, each in the dtype the manifest says, one of the floating dtypes above;
+  4. the hash matches the config and the weights;
+  5. the config is valid (and matches the architecture asked for);
+  6. its tensors are exactly the model's, names and shapes, compared with the shapes its config
+     implies (`weight_shapes`: worked out, not built), so a config that implies a huge model is
+     refused before anything is allocated: the model built afterwards holds exactly as many values
+     as the file;
+  7. every weight is finite.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
+import pickle
+import re
 from pathlib import Path
 
 import torch
 
 from .config import ModelConfig, get_config
-from .model import MoEKVTransformer
+from .model import BACKENDS, MoEKVTransformer
 
 DEFAULT_CHECKPOINT = Path(__file__).parent / "weights" / "tiny.pt"
-FORMAT = "moekv_ref-checkpoint-v1"
+FORMAT = "moekv_ref-checkpoint-v2"
+FORMAT_V1 = "moekv_ref-checkpoint-v1"          # weights-only hash: refused at load, see add_manifest
+MANIFEST_KEYS = ("format", "config", "dtype", "state_dict", "sha256")    # metadata is optional
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class CheckpointError(ValueError):
@@ -36,29 +58,57 @@ class CheckpointError(ValueError):
 
 
 def state_dict_sha256(state: dict) -> str:
-    """Hex sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    """Hex sha256 over every tensor's name, dtype, shape and bytes, in name order (format v1's hash)."""
     digest = hashlib.sha256()
+    _hash_tensors(digest, state)
+    return digest.hexdigest()
+
+
+def checkpoint_sha256(config: dict, state: dict) -> str:
+    """Hex sha256 over the config (as JSON with sorted keys), then every tensor's name, dtype, shape
+    and bytes, in name order. Raises TypeError for a config that is not plain JSON values."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+    digest = hashlib.sha256(f"config|{len(text)}|".encode() + text + b"|")
+    _hash_tensors(digest, state)
+    return digest.hexdigest()
+
+
+def _hash_tensors(digest, state: dict) -> None:
     for name in sorted(state):
         tensor = state[name].detach().cpu().contiguous()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+
+
+def _short(value) -> str:
+    """repr of a value read from a file, cut short: a message quotes it, not all of it."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def save_checkpoint(model: MoEKVTransformer, path: str | Path, metadata: dict | None = None,
                     dtype: torch.dtype = torch.bfloat16) -> None:
-    """Weights are stored as `dtype` (bfloat16 keeps the embedded model at a few MB); they load back
-    into float32 exactly, since every bfloat16 value is a float32 value. Refuses non-finite weights."""
+    """Weights are stored as `dtype` (bfloat16 keeps the embedded model at a few MB; float16 and
+    float32 are the others allowed); they load back into float32 exactly, since every bfloat16 and
+    float16 value is a float32 value. Refuses non-finite weights."""
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype={dtype!r} is not allowed for a checkpoint: use one of "
+                         f"{', '.join('torch.' + name for name in DTYPES)}")
     state = {name: tensor.detach().to(dtype).clone() for name, tensor in model.state_dict().items()}
     for name, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"weight {name!r} has non-finite values (in {dtype}): not saving {path}")
-    torch.save({"format": FORMAT, "config": model.config.to_dict(), "state_dict": state,
-                "sha256": state_dict_sha256(state), "metadata": metadata or {}}, path)
+    config = model.config.to_dict()
+    torch.save({"format": FORMAT, "config": config, "dtype": _dtype_name(dtype), "state_dict": state,
+                "sha256": checkpoint_sha256(config, state), "metadata": metadata or {}}, path)
 
 
-def _read(path: Path) -> dict:
-    """The payload of a checkpoint file, or CheckpointError saying why it cannot be read."""
+def _load_file(path: Path):
+    """Whatever torch.load(weights_only=True) reads from `path`, or CheckpointError saying why not."""
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     if path.is_dir():
@@ -66,85 +116,202 @@ def _read(path: Path) -> dict:
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {str(path)!r} is empty (0 bytes)")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:          # zip, pickle, unicode and EOF errors all mean the same here
-        if "central directory" in str(error) or isinstance(error, EOFError):
+        message = str(error)
+        # the weights-only unpickler names the first class or function outside its allowlist that the
+        # pickle asks for ("GLOBAL posix.system") and stops there: nothing in the file was called or built
+        refused = re.search(r"GLOBAL ([\w.]+)", message)
+        if isinstance(error, pickle.UnpicklingError) and refused:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was refused: it contains pickled code or objects "
+                f"({refused.group(1)}), which weights_only loading does not allow; it was not executed. "
+                "A checkpoint holds only plain values and tensors: re-save the model with "
+                "save_checkpoint") from None
+        if "central directory" in message or isinstance(error, EOFError):
             reason = "its zip archive is incomplete: the file is truncated"
-        elif "zip archive" in str(error):
+        elif "zip archive" in message:
             reason = "its zip archive is damaged"
         else:
             reason = "its bytes are not a torch save file"
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be read as a torch file: {reason} (it is "
                               f"truncated, corrupted or not a checkpoint; {type(error).__name__} from torch.load)") from None
-    if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:
-        raise CheckpointError(f"{str(path)!r} is not a moekv_ref checkpoint (expected a dict with 'format', "
-                              "'config', 'state_dict' and 'sha256')")
-    if payload.get("format") != FORMAT or "sha256" not in payload:
-        raise CheckpointError(f"checkpoint {str(path)!r} has no manifest of format {FORMAT!r} (found "
-                              f"{payload.get('format')!r}): re-save it with save_checkpoint, or add one with "
-                              "moekv_ref.checkpoint.add_manifest")
+
+
+def _read(path: Path) -> dict:
+    """The payload of a checkpoint file of this format, its manifest complete and well-typed (step 3
+    of the module docstring), or CheckpointError saying what is wrong."""
+    payload = _load_file(path)
+    where = f"checkpoint {str(path)!r}"
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{str(path)!r} is not a moekv_ref checkpoint (expected a dict with "
+                              f"{', '.join(map(repr, MANIFEST_KEYS))}, found a {type(payload).__name__})")
+    if "format" not in payload:
+        if "config" not in payload or "state_dict" not in payload:
+            raise CheckpointError(f"{str(path)!r} is not a moekv_ref checkpoint (expected a dict with "
+                                  f"{', '.join(map(repr, MANIFEST_KEYS))}, found keys {sorted(map(str, payload))[:8]})")
+        raise CheckpointError(f"{where} has no manifest (no 'format' key; this version reads {FORMAT!r}): "
+                              "re-save it with save_checkpoint, or add one with moekv_ref.checkpoint.add_manifest")
+    found = payload["format"]
+    if isinstance(found, str) and found == FORMAT_V1:
+        raise CheckpointError(f"{where} has format {FORMAT_V1!r}, this version reads {FORMAT!r} only: a v1 hash "
+                              "covers the weights but not the config, so an edited config would go unnoticed; "
+                              "if you trust its config, upgrade it with moekv_ref.checkpoint.add_manifest")
+    if not isinstance(found, str) or found != FORMAT:
+        raise CheckpointError(f"{where} has format {_short(found)}, this version reads {FORMAT!r} only")
+    missing = [key for key in MANIFEST_KEYS if key not in payload]
+    if missing:
+        raise CheckpointError(f"{where}: its manifest (format {FORMAT!r}) lacks the key(s) {missing}; it needs "
+                              f"{list(MANIFEST_KEYS)}: re-save it with save_checkpoint")
+    sha = payload["sha256"]
+    if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
+        raise CheckpointError(f"{where}: its 'sha256' is {_short(sha)}, not 64 lowercase hex digits")
+    if not isinstance(payload["config"], dict):
+        raise CheckpointError(f"{where}: its 'config' is a {type(payload['config']).__name__}, not a dict of fields")
+    if not isinstance(payload["dtype"], str) or payload["dtype"] not in DTYPES:
+        raise CheckpointError(f"{where}: its 'dtype' is {_short(payload['dtype'])}; allowed: {sorted(DTYPES)}")
+    _check_tensors(where, payload["state_dict"], DTYPES[payload["dtype"]])
     return payload
 
 
-def _checked_state(path: Path, payload: dict, model: MoEKVTransformer) -> dict:
-    state = payload["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-        raise CheckpointError(f"checkpoint {str(path)!r}: 'state_dict' is not a dict of tensors")
-    if state_dict_sha256(state) != payload["sha256"]:
-        raise CheckpointError(f"checkpoint {str(path)!r}: its weights do not match the content hash in its "
-                              "manifest: the file was altered or corrupted")
-    expected = model.state_dict()
+def _check_tensors(where: str, state, dtype: torch.dtype | None) -> None:
+    """A dict of str -> plain CPU tensors, every one in `dtype` (or, when None, in one allowed dtype)."""
+    if not isinstance(state, dict) or not state:
+        raise CheckpointError(f"{where}: 'state_dict' is not a non-empty dict of tensors")
+    for name, tensor in state.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"{where}: 'state_dict' is not a dict of tensors (entry {_short(name)} is a "
+                                  f"{type(tensor).__name__})")
+        if tensor.layout != torch.strided or tensor.device.type != "cpu":
+            raise CheckpointError(f"{where}: tensor {name!r} is a {tensor.layout} tensor on {tensor.device}; "
+                                  "allowed: dense (torch.strided) tensors with their data in the file")
+        if tensor.dtype not in DTYPES.values():
+            raise CheckpointError(f"{where}: tensor {name!r} has dtype {tensor.dtype}; allowed: "
+                                  f"{', '.join('torch.' + n for n in DTYPES)} (weights are floating point)")
+        if dtype is None:
+            dtype = tensor.dtype
+        if tensor.dtype != dtype:
+            raise CheckpointError(f"{where}: tensor {name!r} has dtype {tensor.dtype}, the checkpoint says its "
+                                  f"tensors are {dtype}")
+
+
+def _config(where: str, payload: dict) -> ModelConfig:
+    try:
+        return ModelConfig.from_dict(payload["config"])
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{where} has an invalid config: {error}") from None
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor in a MoEKVTransformer(config)'s state dict, by name, worked out from
+    the config alone (nothing allocated, nothing built), as model.py's constructors make them and
+    in state-dict order; tests/test_checkpoint.py checks that the two agree."""
+    V, D, L = config.vocab_size, config.hidden_size, config.num_hidden_layers
+    E, H, Hkv, Dh = config.num_attention_experts, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    Ef, Fw = config.num_local_experts, config.moe_intermediate_size
+    block = {"attention_norm.weight": (D,), "attention.w_q": (E, D, H * Dh), "attention.w_k": (E, D, Hkv * Dh),
+             "attention.w_v": (E, D, Hkv * Dh), "attention.w_o": (E, H * Dh, D), "attention.router.weight": (E, D),
+             "ffn_norm.weight": (D,), "ffn.w_gate": (Ef, D, Fw), "ffn.w_up": (Ef, D, Fw),
+             "ffn.w_down": (Ef, Fw, D), "ffn.router.weight": (Ef, D)}
+    shapes = {"embed.weight": (V, D)}
+    for i in range(L):
+        shapes.update({f"blocks.{i}.{name}": shape for name, shape in block.items()})
+    return {**shapes, "norm.weight": (D,), "lm_head.weight": (V, D)}
+
+
+def _checked_state(where: str, state: dict, config: ModelConfig) -> None:
+    """Steps 6 and 7 of the module docstring: names and shapes against weight_shapes(config) (its
+    layers bounded first by the file's tensor count, so that listing them is cheap), then finite."""
+    if config.num_hidden_layers > len(state):       # every layer has weights: it cannot match
+        raise CheckpointError(f"{where}: its config has num_hidden_layers={config.num_hidden_layers} but the file "
+                              f"holds {len(state)} tensors in all: refusing before building the model")
+    expected = weight_shapes(config)
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint {str(path)!r} does not hold this model's tensors: missing "
+        raise CheckpointError(f"{where} does not hold this model's tensors: missing "
                               f"{missing[:5]}, unexpected {unexpected[:5]}")
+    implied = sum(math.prod(shape) for shape in expected.values())
+    held = sum(tensor.numel() for tensor in state.values())
+    for name in expected:                           # in the model's order: embed.weight first
+        if tuple(state[name].shape) != expected[name]:
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(state[name].shape)}, the model needs "
+                                  f"{expected[name]} (its config implies {implied:,} weights in all, the file "
+                                  f"holds {held:,}): refusing before building the model")
     for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"checkpoint {str(path)!r}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                  f"the model needs {tuple(expected[name].shape)}")
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if not bool(torch.isfinite(tensor).all()):
             count = int((~torch.isfinite(tensor)).sum())
-            raise CheckpointError(f"checkpoint {str(path)!r}: weight {name!r} has {count} non-finite values "
+            raise CheckpointError(f"{where}: weight {name!r} has {count} non-finite values "
                                   "(NaN or inf): refusing to load it")
-    return state
 
 
 def load_checkpoint(path: str | Path | None = None, config: ModelConfig | None = None,
                     dtype: torch.dtype = torch.float32, backend: str = "torch") -> MoEKVTransformer:
     """Build the model a checkpoint describes, on `backend` ("torch" or "triton", see model.py),
     after the checks in the module docstring. With `config`, the checkpoint must have been made for
-    that architecture (routing may differ: it is not part of the weights)."""
+    that architecture (routing may differ: it is not part of the weights), and `config` is the one
+    the model runs with."""
     if config is not None and not isinstance(config, ModelConfig):
         raise ValueError(f"config must be a ModelConfig (or None), got {type(config).__name__}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype!r} must be a floating-point torch dtype")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     path = Path(path) if path is not None else DEFAULT_CHECKPOINT
+    where = f"checkpoint {str(path)!r}"
     payload = _read(path)
     try:
-        saved = ModelConfig.from_dict(payload["config"])
+        sha = checkpoint_sha256(payload["config"], payload["state_dict"])
     except (TypeError, ValueError) as error:
-        raise CheckpointError(f"checkpoint {str(path)!r} has an invalid config: {error}") from None
+        raise CheckpointError(f"{where}: its config is not plain JSON values ({error})") from None
+    if sha != payload["sha256"]:
+        raise CheckpointError(f"{where}: its config and weights do not match the content hash in its "
+                              "manifest: the file was altered or corrupted")
+    saved = _config(where, payload)
     if config is not None:
         mismatched = {key: (saved.architecture()[key], value)
                       for key, value in config.architecture().items() if saved.architecture()[key] != value}
         if mismatched:
             details = ", ".join(f"{k}: checkpoint has {a!r}, config asks for {b!r}" for k, (a, b) in mismatched.items())
-            raise CheckpointError(f"checkpoint {str(path)!r} was made for another config ({details})")
+            raise CheckpointError(f"{where} was made for another config ({details})")
         saved = config
+    state = payload["state_dict"]
+    _checked_state(where, state, saved)
     model = MoEKVTransformer(saved, backend)
-    state = _checked_state(path, payload, model)
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
     return model.to(dtype).eval()
 
 
 def add_manifest(path: str | Path) -> None:
-    """Give a checkpoint saved without a manifest (an older version of save_checkpoint) its format
-    tag and content hash, in place. Its config and weights are checked as at load."""
+    """Give a checkpoint saved without a manifest (an older version of save_checkpoint), or with a
+    format-v1 one, the current format tag, dtype and content hash, in place. A v1 file's weights
+    must match its v1 hash (its config was never hashed: check it yourself). Its config and weights
+    are then checked as at load; nothing is written unless every check passes."""
     path = Path(path)
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    payload["format"], payload["sha256"] = FORMAT, state_dict_sha256(payload["state_dict"])
-    model = MoEKVTransformer(ModelConfig.from_dict(payload["config"]))
-    _checked_state(path, payload, model)
+    where = f"checkpoint {str(path)!r}"
+    payload = _load_file(path)
+    if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:
+        raise CheckpointError(f"{str(path)!r} is not a moekv_ref checkpoint (expected a dict with 'config' "
+                              "and 'state_dict')")
+    found = payload.get("format")
+    if found is not None and not (isinstance(found, str) and found == FORMAT_V1):
+        raise CheckpointError(f"{where} has format {_short(found)}: add_manifest upgrades files without a "
+                              f"manifest or of format {FORMAT_V1!r} only")
+    state = payload["state_dict"]
+    _check_tensors(where, state, None)
+    v1_sha = payload.get("sha256")
+    if found is not None and not (isinstance(v1_sha, str) and v1_sha == state_dict_sha256(state)):
+        raise CheckpointError(f"{where}: its weights do not match its {FORMAT_V1} content hash: the file was "
+                              "altered or corrupted; not upgrading it")
+    if not isinstance(payload["config"], dict):
+        raise CheckpointError(f"{where}: its 'config' is a {type(payload['config']).__name__}, not a dict of fields")
+    _checked_state(where, state, _config(where, payload))
+    try:
+        sha = checkpoint_sha256(payload["config"], state)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{where}: its config is not plain JSON values ({error})") from None
+    dtype = _dtype_name(next(iter(state.values())).dtype)
+    payload.update(format=FORMAT, dtype=dtype, sha256=sha)
+    payload.setdefault("metadata", {})
     torch.save(payload, path)
 
 
