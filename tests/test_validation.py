@@ -12,6 +12,7 @@ from them.
 """
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,6 +37,7 @@ from helpers import random_model, small_config
 MODEL = random_model(small_config("expert", "threshold"), seed=0)        # vocab 64, 96 positions, L=2, E=5
 P4 = SamplingParams(max_new_tokens=4)
 PLACEMENT = torch.tensor([0, 0, 1, 1, 1])                                # 5 experts on 2 devices
+A_FILE, A_FOLDER = str(Path(__file__).resolve()), str(Path(__file__).resolve().parent)   # whatever the cwd
 
 
 def engine(**options):
@@ -287,8 +289,8 @@ OPTION_CASES = [
     ("routing-stats --threshold 0", ["routing-stats", "--routing", "threshold", "--threshold", "0"], "--threshold=0.0"),
     ("bench memory --block-size 12", ["bench", "memory", "--block-size", "12"], "--block-size=12 is not allowed"),
     ("bench memory --block-size 0", ["bench", "memory", "--block-size", "0"], "--block-size=0"),
-    ("bench memory --figures a file", ["bench", "memory", "--figures", "README.md"], "--figures=README.md is a file"),
-    ("bench memory --json a folder", ["bench", "memory", "--json", "tests"], "--json=tests is a folder"),
+    ("bench memory --figures a file", ["bench", "memory", "--figures", A_FILE], f"--figures={A_FILE} is a file"),
+    ("bench memory --json a folder", ["bench", "memory", "--json", A_FOLDER], f"--json={A_FOLDER} is a folder"),
     ("bench eviction --host-blocks -1", ["bench", "eviction", "--host-blocks", "-1"],
      "--host-blocks=-1 is not allowed; allowed: an integer >= 0 (0: recompute only"),
     ("bench eviction --sequences 0", ["bench", "eviction", "--sequences", "0"], "--sequences=0 is not allowed; allowed: an integer >= 1"),
@@ -326,8 +328,8 @@ OPTION_CASES = [
     ("demo --num-requests 0", ["demo", "--num-requests", "0"], "--num-requests=0 is not allowed"),
     ("demo --num-blocks -1", ["demo", "--num-blocks", "-1"], "--num-blocks=-1 is not allowed; allowed: an integer >= 8"),
     ("demo --seed -2", ["demo", "--seed", "-2"], "--seed=-2"),
-    ("demo --figures a file", ["demo", "--figures", "README.md"], "--figures=README.md is a file"),
-    ("figures --out a file", ["figures", "--out", "README.md"], "--out=README.md is a file"),
+    ("demo --figures a file", ["demo", "--figures", A_FILE], f"--figures={A_FILE} is a file"),
+    ("figures --out a file", ["figures", "--out", A_FILE], f"--out={A_FILE} is a file"),
 ]
 
 # errors while a command runs: one line `error: ...`, status 2
