@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from .cache import ContiguousKVCache, PagedKVCache
+from .cache.block_pool import a_type
 from .model import MoEKVTransformer
 from .prompts import check_prompt
 from .results import GenerationResult
@@ -82,6 +83,12 @@ def generate(
         raise ValueError(f"unknown cache kind {cache!r}; allowed: {CACHE_KINDS}")
     if cache_options and cache != "paged":
         raise ValueError(f"{sorted(cache_options)} apply to cache='paged' only, not cache={cache!r}")
+    if not isinstance(record_logits, bool):
+        raise ValueError(f"record_logits={record_logits!r} is {a_type(record_logits)}; allowed: True or False")
+    for flag in ("shared_tails", "enable_prefix_caching"):    # PagedKVCache's switches: never truthy text
+        if flag in cache_options and not isinstance(cache_options[flag], bool):
+            raise ValueError(f"{flag}={cache_options[flag]!r} is {a_type(cache_options[flag])}; "
+                             "allowed: True or False")
     if on_token is not None and not callable(on_token):
         raise ValueError(f"on_token must be callable (or None), got {type(on_token).__name__}")
     if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)) or not prompts:

@@ -148,9 +148,10 @@ def test_bench_report_shape_and_the_designs_it_compares(tmp_path):
     json.dumps(report)                                          # serializable as it is
 
 
-def test_bench_cli_rejects_bad_block_size():
-    with pytest.raises(ValueError, match="block_size=12"):
+def test_bench_cli_rejects_bad_block_size(capsys):
+    with pytest.raises(SystemExit) as exit_info:           # parser.error, before anything runs
         bench_main(["--block-size", "12"])
+    assert exit_info.value.code == 2 and "--block-size=12 is not allowed" in capsys.readouterr().err
 
 
 def test_compare_designs_orders_the_designs():

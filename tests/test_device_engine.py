@@ -53,7 +53,7 @@ def alone(model, workload):
                                          ("expert_lru", "recompute")])
 def test_every_policy_serves_every_request_as_if_alone(model, workload, alone, victim, mode):
     config = SchedulerConfig(victim=victim, admission="optimistic", preemption_mode=mode)
-    engine = DeviceLLMEngine(model, BLOCKS, PLACEMENT, BLOCK_SIZE, config, shuffle_seed=1)
+    engine = DeviceLLMEngine(model, BLOCKS, PLACEMENT, BLOCK_SIZE, config, shuffle_seed=1, record_history=True)
     outputs = engine.generate(*workload)
     assert [o.token_ids for o in outputs] == alone
     engine.memory.assert_no_leak()                    # every device, and the swap space
@@ -61,6 +61,7 @@ def test_every_policy_serves_every_request_as_if_alone(model, workload, alone, v
     assert stats["num_preemptions"] > 0               # the pools are short enough to evict
     used = torch.stack(engine.device_timeline)        # (steps, D) never above a device's pool
     assert (used <= torch.tensor(BLOCKS)).all()
+    assert stats["peak_used_blocks_per_device"] == used.max(0).values.tolist()   # the running peak
     if victim == "expert_lru":                        # rows dropped: the sequences are recomputed
         assert stats["num_row_evictions"] > 0 and stats["num_recomputed_tokens"] > 0
         assert stats["num_evicted_rows"] == stats["num_row_evictions"]       # one row at a time
@@ -91,12 +92,50 @@ def test_one_short_device_preempts_while_the_others_have_room(model, workload, a
     placement = torch.tensor([0, 1, 1, 1, 2, 2, 3, 3])
     blocks = [20, 400, 400, 400]
     engine = DeviceLLMEngine(model, blocks, placement, BLOCK_SIZE,
-                             SchedulerConfig(victim="pressure_aware", admission="optimistic"))
+                             SchedulerConfig(victim="pressure_aware", admission="optimistic"), record_history=True)
     assert [o.token_ids for o in engine.generate(*workload)] == alone
     engine.memory.assert_no_leak()
     used = torch.stack(engine.device_timeline)
     assert engine.stats().num_preemptions > 0
     assert used[:, 0].max() > 0.75 * blocks[0] and (used[:, 1:].max(0).values < 0.5 * 400).all()
+
+
+def test_without_history_the_engine_keeps_no_per_step_record(model, workload, alone):
+    """By default a long-running engine keeps only a running peak per device: nothing grows per step
+    or per request served (the device timeline is opt-in, with record_history=True)."""
+    config = SchedulerConfig(victim="pressure_aware", admission="optimistic")
+    engine = DeviceLLMEngine(model, BLOCKS, PLACEMENT, BLOCK_SIZE, config)
+    assert engine.eviction_stats()["peak_used_blocks_per_device"] == []            # no step yet
+    assert [o.token_ids for o in engine.generate(*workload)] == alone
+    assert engine.device_timeline == [] and engine.timeline == [] and not engine.requests
+    assert not engine.scheduler.stalled and not engine.scheduler._row_last_used and not engine.scheduler._counts_seen
+    peak = engine.eviction_stats()["peak_used_blocks_per_device"]
+    recorded = DeviceLLMEngine(model, BLOCKS, PLACEMENT, BLOCK_SIZE, config, record_history=True)
+    recorded.generate(*workload)
+    assert peak == torch.stack(recorded.device_timeline).max(0).values.tolist()
+    assert all(0 < p <= b for p, b in zip(peak, BLOCKS))
+
+
+def test_aborting_a_stalled_request_leaves_no_trace(model, workload):
+    """expert_lru drops rows and the request stalls (waiting, its other rows dead weight); aborting
+    it then takes it out of every table: waiting, stalled, the rows' last uses, its blocks."""
+    config = SchedulerConfig(victim="expert_lru", admission="optimistic")
+    engine = DeviceLLMEngine(model, BLOCKS, PLACEMENT, BLOCK_SIZE, config)
+    ids = [engine.add_request(p, q) for p, q in zip(*workload)]
+    scheduler = engine.scheduler
+    while not scheduler.stalled:
+        assert engine.has_unfinished_requests(), "the workload never stalled a request"
+        engine.step()
+    request_id = next(iter(scheduler.stalled))
+    assert engine.abort_request(request_id).finish_reason == "aborted"
+    assert request_id not in scheduler.stalled
+    assert all(r.request_id != request_id for r in [*scheduler.waiting, *scheduler.running])
+    assert request_id not in scheduler._row_last_used and request_id not in scheduler._counts_seen
+    assert not engine.memory.holds(request_id) and request_id not in engine.requests
+    while engine.has_unfinished_requests():          # the others are served, nothing leaks
+        engine.step()
+    assert not scheduler.stalled and len(ids) == engine.stats().num_finished + 1
+    engine.memory.assert_no_leak()
 
 
 def test_a_request_too_large_for_one_device_is_refused_naming_it(model):

@@ -1,31 +1,80 @@
-"""Bad input, through the API and the command line: every case gets one clear ValueError (or, on the
-command line, exit status 2 and one line `error: ...`) naming the bad value and what is allowed,
-before any state changes. And two valid inputs that used to be refused or to fail: per-prompt limits
-in `generate`, and a paged `generate` of more prompts than the default pool was sized for.
+"""Bad input, through the API and the command line: every case gets one clear ValueError naming the
+bad value and what is allowed, before any state changes. Nothing is coerced: a float block count, id
+or device (even 1.0) is refused, not rounded; a bool is not read as 0 or 1; a str is not read as a
+sequence of digits; a flag is True or False, not a truthy string. On the command line a bad option
+is parser.error before anything runs (usage, then `error: --name=value is ...; allowed ...`, exit
+status 2); an error while a command runs prints one line `error: ...` and returns 2. And two valid
+inputs that used to be refused or to fail: per-prompt limits in `generate`, and a paged `generate`
+of more prompts than the default pool was sized for.
 
-The case list is data (CASES, CLI_CASES): the closing table of bad inputs is printed from it.
+The case lists are data (CASES, OPTION_CASES, CLI_CASES): the closing table of bad inputs is printed
+from them.
 """
 
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from moekv_ref.apps import bench_eviction, bench_memory, bench_serving, bench_step, cli, demo, figures
 from moekv_ref.apps.cli import main
+from moekv_ref.cache import KVCacheManager
+from moekv_ref.cache.block_pool import BlockPool
+from moekv_ref.cache.device_block_pool import DeviceBlockPool, checked_blocks_per_device
+from moekv_ref.cache.device_kv_cache_manager import DeviceKVCacheManager, checked_placement
+from moekv_ref.cache.device_pools import DevicePools
 from moekv_ref.config import ModelConfig
 from moekv_ref.engine import LLMEngine, SchedulerConfig, generate_with_engine
+from moekv_ref.engine.device_engine import DeviceLLMEngine
 from moekv_ref.engine.workload import make_workload
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
 
 from helpers import random_model, small_config
 
-MODEL = random_model(small_config("expert", "threshold"), seed=0)        # vocab 64, 96 positions
+MODEL = random_model(small_config("expert", "threshold"), seed=0)        # vocab 64, 96 positions, L=2, E=5
 P4 = SamplingParams(max_new_tokens=4)
+PLACEMENT = torch.tensor([0, 0, 1, 1, 1])                                # 5 experts on 2 devices
+A_FILE, A_FOLDER = str(Path(__file__).resolve()), str(Path(__file__).resolve().parent)   # whatever the cwd
 
 
 def engine(**options):
     return LLMEngine(MODEL, **{"num_blocks": 64, "block_size": 4, **options})
+
+
+def device_engine(blocks_per_device=(40, 40), device_of_expert=PLACEMENT, **options):
+    return DeviceLLMEngine(MODEL, blocks_per_device, device_of_expert, 4, **options)
+
+
+def pool_in_use():
+    """A BlockPool of 8 blocks, 0..3 in use (block 1 twice)."""
+    pool = BlockPool(8)
+    pool.incref(pool.allocate(4)[1:2])
+    return pool
+
+
+def device_pool_in_use():
+    pool = DeviceBlockPool([3, 2])
+    pool.allocate_on(0, 2)
+    pool.allocate_on(1, 1)
+    return pool
+
+
+def pools_in_use():
+    """DevicePools (L=2, E=5, 2 devices) holding sequence 7 with 3 tokens in row 0 (device 0)."""
+    pools = DevicePools(2, 5, 2, [6, 6], PLACEMENT)
+    pools.add_sequence(7)
+    pools.allocate_slots(torch.tensor([0]), torch.tensor([3]))
+    return pools
+
+
+def manager_in_use():
+    manager = KVCacheManager(2, 5, 2, 12)
+    manager.add_sequence(7)
+    manager.allocate_slots(torch.tensor([0]), torch.tensor([3]))
+    return manager
 
 
 # (what is tried, the call, a fragment the error must contain)
@@ -112,41 +161,183 @@ CASES = [
     ("make_workload arrival_rate=inf", lambda: make_workload(4, arrival_rate=math.inf), "arrival_rate=inf"),
     ("make_workload prompt_len=(5, 2)", lambda: make_workload(4, prompt_len=(5, 2)), "prompt_len=(5, 2)"),
     ("make_workload temperature=-1", lambda: make_workload(4, temperature=-1), "temperature=-1"),
+    # per-device pools: block counts and placements as given, never rounded or read as digits
+    ("DeviceLLMEngine blocks [100.7, 100.2]", lambda: device_engine([100.7, 100.2]),
+     "blocks_per_device[0]=100.7 is a float; allowed: an integer >= 1"),
+    ("DeviceLLMEngine blocks [40.0, 40.0]", lambda: device_engine([40.0, 40.0]), "blocks_per_device[0]=40.0 is a float"),
+    ("DeviceLLMEngine blocks '4040'", lambda: device_engine("4040"), "blocks_per_device='4040' is a str; allowed: a list"),
+    ("DeviceLLMEngine blocks [40, True]", lambda: device_engine([40, True]), "blocks_per_device[1]=True is a bool"),
+    ("DeviceLLMEngine blocks [40, 0]", lambda: device_engine([40, 0]),
+     "blocks_per_device[1]=0 is not allowed; allowed: an integer >= 1"),
+    ("DeviceLLMEngine blocks []", lambda: device_engine([]), "blocks_per_device=[] is empty"),
+    ("DeviceLLMEngine blocks 80", lambda: device_engine(80), "blocks_per_device=80 is an int; allowed: a list"),
+    ("DeviceLLMEngine blocks float tensor", lambda: device_engine(torch.tensor([40.0, 40.0])),
+     "blocks_per_device=[40.0, 40.0] has dtype torch.float32"),
+    ("DeviceLLMEngine blocks 2-D array", lambda: device_engine(np.array([[40, 40]])), "blocks_per_device has shape (1, 2)"),
+    ("DeviceLLMEngine blocks {0: 40}", lambda: device_engine({0: 40, 1: 40}), "is a dict"),
+    ("DeviceLLMEngine placement 0.4", lambda: device_engine(device_of_expert=torch.tensor([0.4, 0, 1, 1, 1])),
+     "device_of_expert[0]=0.4 has dtype torch.float32; allowed: devices 0..1"),
+    ("DeviceLLMEngine placement whole floats", lambda: device_engine(device_of_expert=PLACEMENT.double()),
+     "device_of_expert[0]=0.0 has dtype torch.float64"),
+    ("DeviceLLMEngine placement list with 1.0", lambda: device_engine(device_of_expert=[0, 0, 1, 1, 1.0]),
+     "device_of_expert[4]=1.0 is a float; allowed: devices 0..1"),
+    ("DeviceLLMEngine placement (L, E) list with True", lambda: device_engine(device_of_expert=[[0, 0, 1, 1, 1],
+                                                                                               [0, 0, 1, 1, True]]),
+     "device_of_expert[1][4]=True is a bool"),
+    ("DeviceLLMEngine placement '00111'", lambda: device_engine(device_of_expert="00111"),
+     "device_of_expert='00111' is a str"),
+    ("DeviceLLMEngine placement bool tensor", lambda: device_engine(device_of_expert=PLACEMENT.bool()),
+     "has dtype torch.bool"),
+    ("DeviceLLMEngine placement float array", lambda: device_engine(device_of_expert=np.array([0, 0, 1, 1, 1.5])),
+     "device_of_expert[4]=1.5 has dtype float64"),
+    ("DeviceLLMEngine placement device 2 of 2", lambda: device_engine(device_of_expert=[0, 0, 1, 1, 2]),
+     "device_of_expert names devices [0, 1, 2]; allowed: 0..1"),
+    ("DeviceLLMEngine placement (4,)", lambda: device_engine(device_of_expert=[0, 0, 1, 1]),
+     "device_of_expert must be (E,) = (5,) or (L, E) = (2, 5); got (2, 4)"),
+    ("DeviceLLMEngine placement ragged", lambda: device_engine(device_of_expert=[[0, 0, 1, 1, 1], [0, 1]]),
+     "not a rectangular table"),
+    ("DeviceLLMEngine record_history='yes'", lambda: device_engine(record_history="yes"), "record_history='yes'"),
+    ("DeviceKVCacheManager blocks [3.5, 4]", lambda: DeviceKVCacheManager(1, 4, 2, [3.5, 4], [0, 0, 1, 1]),
+     "blocks_per_device[0]=3.5 is a float"),
+    ("DeviceBlockPool blocks (2, 2.0)", lambda: DeviceBlockPool((2, 2.0)), "blocks_per_device[1]=2.0 is a float"),
+    ("DeviceBlockPool shuffle_seed=1.5", lambda: DeviceBlockPool([2, 2], shuffle_seed=1.5), "shuffle_seed=1.5"),
+    ("DevicePools blocks 4.0", lambda: DevicePools(2, 5, 2, 4.0, PLACEMENT), "blocks_per_device=4.0 is a float"),
+    ("DevicePools blocks 4, placement 0.4", lambda: DevicePools(2, 5, 2, 4, [0.4, 0, 1, 1, 1]),
+     "device_of_expert[0]=0.4 is a float; allowed: devices integers >= 0"),
+    ("checked_placement of a float", lambda: checked_placement(0.4, 2, 5, 2), "device_of_expert=0.4 is a float"),
+    # ids: never rounded to a block, row or expert, never read as 0 / 1
+    ("BlockPool.free(tensor([1.7]))", lambda: pool_in_use().free(torch.tensor([1.7])),
+     "block_ids=[1.7] has dtype torch.float32; allowed: integer ids"),
+    ("BlockPool.free([1.0])", lambda: pool_in_use().free([1.0]), "block_ids[0]=1.0 is a float"),
+    ("BlockPool.free([0, True])", lambda: pool_in_use().free([0, True]), "block_ids[1]=True is a bool"),
+    ("BlockPool.free(bool tensor)", lambda: pool_in_use().free(torch.tensor([True])), "has dtype torch.bool"),
+    ("BlockPool.free('1')", lambda: pool_in_use().free("1"), "block_ids='1' is text"),
+    ("BlockPool.free(1.0)", lambda: pool_in_use().free(1.0), "block_ids=[1.0] has dtype"),
+    ("BlockPool.free(float array)", lambda: pool_in_use().free(np.array([1.0])), "has dtype torch.float64"),
+    ("BlockPool.incref([1.5])", lambda: pool_in_use().incref([1.5]), "block_ids[0]=1.5 is a float"),
+    ("BlockPool.mark_cached(float)", lambda: pool_in_use().mark_cached(torch.tensor([2.0])), "has dtype torch.float32"),
+    ("BlockPool.reuse(float)", lambda: pool_in_use().reuse(torch.tensor([2.0])), "has dtype torch.float32"),
+    ("BlockPool.allocate(2.0)", lambda: pool_in_use().allocate(2.0), "num_blocks=2.0 is not allowed; allowed: an integer >= 0"),
+    ("BlockPool.allocate(True)", lambda: pool_in_use().allocate(True), "num_blocks=True"),
+    ("BlockPool.allocate(-1)", lambda: pool_in_use().allocate(-1), "num_blocks=-1"),
+    ("BlockPool shuffle_seed=True", lambda: BlockPool(4, shuffle_seed=True), "shuffle_seed=True is not allowed"),
+    ("DeviceBlockPool.free(tensor([3.0]))", lambda: device_pool_in_use().free(torch.tensor([3.0])),
+     "block_ids=[3.0] has dtype torch.float32"),
+    ("DeviceBlockPool.incref([0.5])", lambda: device_pool_in_use().incref([0.5]), "block_ids[0]=0.5 is a float"),
+    ("DeviceBlockPool.device_of_blocks([True])", lambda: device_pool_in_use().device_of_blocks([True]),
+     "block_ids[0]=True is a bool"),
+    ("DeviceBlockPool.allocate_on(0.4, 1)", lambda: device_pool_in_use().allocate_on(0.4, 1),
+     "device=0.4 is not allowed; allowed: an integer in 0..1"),
+    ("DeviceBlockPool.allocate_on(True, 1)", lambda: device_pool_in_use().allocate_on(True, 1), "device=True"),
+    ("DeviceBlockPool.allocate_on(0, 1.0)", lambda: device_pool_in_use().allocate_on(0, 1.0), "num_blocks=1.0"),
+    ("DevicePools.free_rows([0.0])", lambda: pools_in_use().free_rows([0.0]), "rows[0]=0.0 is a float"),
+    ("DevicePools.allocate_slots float tokens", lambda: pools_in_use().allocate_slots(torch.tensor([0]), torch.tensor([1.5])),
+     "num_new_tokens=[1.5] has dtype torch.float32"),
+    ("DevicePools.blocks_needed float rows", lambda: pools_in_use().blocks_needed(torch.tensor([0.0]), [1]),
+     "rows=[0.0] has dtype"),
+    ("KVCacheManager.rows float experts", lambda: manager_in_use().rows([7], 0, 1.0), "experts=[1.0] has dtype"),
+    ("KVCacheManager.rows layer=0.5", lambda: manager_in_use().rows([7], 0.5, 1), "layer=0.5 is a float"),
+    ("KVCacheManager.free_rows([True])", lambda: manager_in_use().free_rows([True]), "rows[0]=True is a bool"),
+    # flags: True or False, never a truthy string or 1
+    ("generate record_logits='no'", lambda: generate(MODEL, [[1, 2]], P4, record_logits="no"),
+     "record_logits='no' is a str; allowed: True or False"),
+    ("generate record_logits=1", lambda: generate(MODEL, [[1, 2]], P4, record_logits=1), "record_logits=1 is an int"),
+    ("generate shared_tails='no'", lambda: generate(MODEL, [[1, 2]], P4, cache="paged", shared_tails="no"),
+     "shared_tails='no' is a str; allowed: True or False"),
+    ("generate enable_prefix_caching=0", lambda: generate(MODEL, [[1, 2]], P4, cache="paged", enable_prefix_caching=0),
+     "enable_prefix_caching=0 is an int"),
 ]
 
-CLI_CASES = [
+# command-line options refused by parser.error before the command runs: (what, argv, fragment)
+OPTION_CASES = [
     ("generate --cache paged --block-size 0", ["generate", "--prompt", "x", "--cache", "paged", "--block-size", "0"],
-     "block_size=0 is not allowed"),
+     "--block-size=0 is not allowed; allowed: a power of two"),
     ("generate --block-size 4 (contiguous)", ["generate", "--prompt", "x", "--block-size", "4"],
      "--block-size applies to --cache paged"),
-    ("generate --temperature inf", ["generate", "--prompt", "x", "--temperature", "inf"], "temperature=inf"),
-    ("generate --temperature 1e-320", ["generate", "--prompt", "x", "--temperature", "1e-320"], "too small"),
+    ("generate --temperature inf", ["generate", "--prompt", "x", "--temperature", "inf"],
+     "--temperature=inf is not allowed; allowed: a finite number in [0, inf)"),
+    ("generate --temperature nan", ["generate", "--prompt", "x", "--temperature", "nan"], "--temperature=nan"),
+    ("generate --temperature 1e-320", ["generate", "--prompt", "x", "--temperature", "1e-320"],
+     "--temperature=1e-320 is too small to sample with; allowed: 0 (greedy) or at least 0.0001"),
+    ("generate --temperature -1", ["generate", "--prompt", "x", "--temperature", "-1"], "--temperature=-1.0 is not allowed"),
     ("generate --threshold under --routing topk", ["generate", "--prompt", "x", "--threshold", "0.3"],
      "--threshold applies to --routing threshold"),
     ("generate --threshold 1.5", ["generate", "--prompt", "x", "--routing", "threshold", "--threshold", "1.5"],
-     "must be a probability mass in (0, 1]"),
+     "--threshold=1.5 is not allowed; allowed: a finite number in (0, 1]"),
+    ("generate --threshold nan", ["generate", "--prompt", "x", "--routing", "threshold", "--threshold", "nan"],
+     "--threshold=nan"),
     ("generate --greedy --temperature 0.5", ["generate", "--prompt", "x", "--greedy", "--temperature", "0.5"],
      "contradict"),
-    ("generate --seed -1", ["generate", "--prompt", "x", "--seed", "-1"], "seed=-1"),
-    ("generate --top-p nan", ["generate", "--prompt", "x", "--top-p", "nan"], "top_p=nan"),
-    ("generate --max-new-tokens 0", ["generate", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens=0"),
+    ("generate --seed -1", ["generate", "--prompt", "x", "--seed", "-1"],
+     "--seed=-1 is not allowed; allowed: an integer in [0, 9223372036854775807]"),
+    ("generate --seed 2**63", ["generate", "--prompt", "x", "--seed", str(2**63)], "--seed=9223372036854775808"),
+    ("generate --top-p nan", ["generate", "--prompt", "x", "--top-p", "nan"], "--top-p=nan is not allowed"),
+    ("generate --top-p 0", ["generate", "--prompt", "x", "--top-p", "0"], "--top-p=0.0 is not allowed; allowed: a finite number in (0, 1]"),
+    ("generate --top-p 1.5", ["generate", "--prompt", "x", "--top-p", "1.5"], "--top-p=1.5"),
+    ("generate --max-new-tokens 0", ["generate", "--prompt", "x", "--max-new-tokens", "0"],
+     "--max-new-tokens=0 is not allowed; allowed: an integer in [1, 512]"),
+    ("generate --max-new-tokens 600", ["generate", "--prompt", "x", "--max-new-tokens", "600"], "--max-new-tokens=600"),
     ("generate --backend triton (contiguous)", ["generate", "--prompt", "x", "--backend", "triton"], "add --cache paged"),
-    ("generate --checkpoint a directory", ["generate", "--prompt", "x", "--checkpoint", "/tmp"], "is a directory"),
-    ("generate --checkpoint missing", ["generate", "--prompt", "x", "--checkpoint", "/nonexistent.pt"], "does not exist"),
     ("generate a 600-byte prompt", ["generate", "--prompt", "x" * 600], "600 tokens, more than"),
-    ("generate --prompt ''", ["generate", "--prompt", ""], "the prompt is empty"),
-    ("routing-stats --max-tokens 0", ["routing-stats", "--max-tokens", "0"], "--max-tokens 0 must be at least 1"),
-    ("routing-stats --max-tokens -5", ["routing-stats", "--max-tokens", "-5"], "--max-tokens -5 must be at least 1"),
-    ("bench serving, every request refused", ["bench", "serving", "--num-blocks", "8", "--num-requests", "2"],
-     "every request was refused"),
-    ("bench serving --block-size 3", ["bench", "serving", "--block-size", "3"], "block_size=3"),
+    ("generate prompt + new tokens past 512", ["generate", "--prompt", "x" * 500, "--max-new-tokens", "20"],
+     "ask for at most 13 new tokens"),
+    ("generate --prompt ''", ["generate", "--prompt", ""], "--prompt='' is empty; allowed: at least one character"),
+    ("generate --max-new-tokens 1.5", ["generate", "--prompt", "x", "--max-new-tokens", "1.5"], "invalid int value: '1.5'"),
+    ("routing-stats --max-tokens 0", ["routing-stats", "--max-tokens", "0"],
+     "--max-tokens=0 is not allowed; allowed: an integer >= 1"),
+    ("routing-stats --max-tokens -5", ["routing-stats", "--max-tokens", "-5"], "--max-tokens=-5"),
+    ("routing-stats --threshold 0", ["routing-stats", "--routing", "threshold", "--threshold", "0"], "--threshold=0.0"),
+    ("bench memory --block-size 12", ["bench", "memory", "--block-size", "12"], "--block-size=12 is not allowed"),
+    ("bench memory --block-size 0", ["bench", "memory", "--block-size", "0"], "--block-size=0"),
+    ("bench memory --figures a file", ["bench", "memory", "--figures", A_FILE], f"--figures={A_FILE} is a file"),
+    ("bench memory --json a folder", ["bench", "memory", "--json", A_FOLDER], f"--json={A_FOLDER} is a folder"),
+    ("bench eviction --host-blocks -1", ["bench", "eviction", "--host-blocks", "-1"],
+     "--host-blocks=-1 is not allowed; allowed: an integer >= 0 (0: recompute only"),
+    ("bench eviction --sequences 0", ["bench", "eviction", "--sequences", "0"], "--sequences=0 is not allowed; allowed: an integer >= 1"),
+    ("bench eviction --blocks-per-device 0", ["bench", "eviction", "--blocks-per-device", "0"],
+     "--blocks-per-device=0 is not allowed; allowed: an integer >= 1"),
+    ("bench eviction --blocks-per-device 10 (no request fits)", ["bench", "eviction", "--blocks-per-device", "10"],
+     "--blocks-per-device=10 is not allowed; allowed: an integer >= 69 (with fewer, none of the 48 requests"),
+    ("bench eviction --quick --sequences 8", ["bench", "eviction", "--quick", "--sequences", "8"], "--quick sets its own --sequences"),
+    ("bench eviction --only-prefix-cache --host-blocks 4", ["bench", "eviction", "--only-prefix-cache", "--host-blocks", "4"],
+     "--host-blocks would be ignored"),
+    ("bench eviction --only-prefix-cache --skip-prefix-cache", ["bench", "eviction", "--only-prefix-cache",
+                                                                "--skip-prefix-cache"], "--skip-prefix-cache would be ignored"),
+    ("bench eviction --json in a missing folder", ["bench", "eviction", "--json", "/nonexistent/e.json"],
+     "--json=/nonexistent/e.json: its folder /nonexistent does not exist"),
+    ("bench eviction --host-blocks 1.5", ["bench", "eviction", "--host-blocks", "1.5"], "invalid int value: '1.5'"),
+    ("bench serving --block-size 3", ["bench", "serving", "--block-size", "3"], "--block-size=3 is not allowed"),
     ("bench serving --quick --num-requests 4", ["bench", "serving", "--quick", "--num-requests", "4"],
      "--quick sets its own"),
-    ("bench serving --num-requests 0", ["bench", "serving", "--num-requests", "0"], "--num-requests 0"),
-    ("demo --arrival-rate 0", ["demo", "--arrival-rate", "0"], "--arrival-rate 0.0 must be"),
-    ("demo --arrival-rate nan", ["demo", "--arrival-rate", "nan"], "--arrival-rate nan"),
-    ("demo --num-requests 0", ["demo", "--num-requests", "0"], "--num-requests 0"),
-    ("demo --num-blocks -1", ["demo", "--num-blocks", "-1"], "--num-blocks -1"),
+    ("bench serving --num-requests 0", ["bench", "serving", "--num-requests", "0"], "--num-requests=0 is not allowed"),
+    ("bench serving --num-blocks 7", ["bench", "serving", "--num-blocks", "7"],
+     "--num-blocks=7 is not allowed; allowed: an integer >= 8 (one token of one sequence takes 8 blocks)"),
+    ("bench serving --seed -1", ["bench", "serving", "--seed", "-1"], "--seed=-1"),
+    ("bench serving --json in a missing folder", ["bench", "serving", "--json", "/nonexistent/s.json"], "does not exist"),
+    ("bench step --rounds 0", ["bench", "step", "--rounds", "0"], "--rounds=0 is not allowed; allowed: an integer >= 1"),
+    ("bench step --num-seqs 0", ["bench", "step", "--num-seqs", "0"], "--num-seqs=0 is not allowed"),
+    ("bench step --num-seqs 600", ["bench", "step", "--num-seqs", "600"], "--num-seqs=600 is not allowed; allowed: an integer in [1, 512]"),
+    ("bench step --max-new-tokens 1", ["bench", "step", "--max-new-tokens", "1"],
+     "--max-new-tokens=1 is not allowed; allowed: an integer in [2, "),
+    ("bench step --max-new-tokens 500", ["bench", "step", "--max-new-tokens", "500"], "--max-new-tokens=500"),
+    ("bench step --against a folder without the package", ["bench", "step", "--against", "/"],
+     "--against=/ has no moekv_ref package"),
+    ("demo --arrival-rate 0", ["demo", "--arrival-rate", "0"], "--arrival-rate=0.0 is not allowed; allowed: a finite number in (0, inf)"),
+    ("demo --arrival-rate nan", ["demo", "--arrival-rate", "nan"], "--arrival-rate=nan"),
+    ("demo --arrival-rate inf", ["demo", "--arrival-rate", "inf"], "--arrival-rate=inf"),
+    ("demo --num-requests 0", ["demo", "--num-requests", "0"], "--num-requests=0 is not allowed"),
+    ("demo --num-blocks -1", ["demo", "--num-blocks", "-1"], "--num-blocks=-1 is not allowed; allowed: an integer >= 8"),
+    ("demo --seed -2", ["demo", "--seed", "-2"], "--seed=-2"),
+    ("demo --figures a file", ["demo", "--figures", A_FILE], f"--figures={A_FILE} is a file"),
+    ("figures --out a file", ["figures", "--out", A_FILE], f"--out={A_FILE} is a file"),
+]
+
+# errors while a command runs: one line `error: ...`, status 2
+CLI_CASES = [
+    ("generate --checkpoint a directory", ["generate", "--prompt", "x", "--checkpoint", "/tmp"], "is a directory"),
+    ("generate --checkpoint missing", ["generate", "--prompt", "x", "--checkpoint", "/nonexistent.pt"], "does not exist"),
+    ("bench serving, every request refused", ["bench", "serving", "--num-blocks", "8", "--num-requests", "2"],
+     "every request was refused"),
 ]
 
 
@@ -161,11 +352,104 @@ def test_bad_api_input_gets_a_clear_error(name, call, fragment):
     assert fragment in error_of(call)
 
 
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Every command (and the model loader) replaced by a failure: a bad option must stop first."""
+    def ran(*args, **kwargs):
+        raise AssertionError("the command ran although an option was bad")
+    for module, name in ((cli, "cmd_generate"), (cli, "cmd_routing_stats"), (cli, "load_checkpoint"),
+                         (bench_eviction, "main"), (bench_memory, "run_bench_memory"), (bench_serving, "main"),
+                         (bench_step, "main"), (demo, "main"), (figures, "main")):
+        monkeypatch.setattr(module, name, ran)
+
+
+@pytest.mark.parametrize("name,argv,fragment", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
+def test_bad_cli_option_is_a_parser_error_before_anything_runs(name, argv, fragment, capsys, nothing_runs):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]                 # `python -m moekv_ref CMD: error: ...`
+    assert exit_info.value.code == 2 and err.startswith("usage: python -m moekv_ref ")
+    assert ": error: " in last and fragment in last and "Traceback" not in err
+
+
 @pytest.mark.parametrize("name,argv,fragment", CLI_CASES, ids=[c[0] for c in CLI_CASES])
 def test_bad_cli_input_gets_a_clear_error(name, argv, fragment, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and fragment in err and "Traceback" not in err
+
+
+def test_a_bench_module_run_alone_checks_its_options(capsys):
+    """`python -m moekv_ref.apps.bench_memory` (and eviction, step) parse and check as the CLI does."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench_memory.main(["--block-size", "12"])
+    assert exit_info.value.code == 2 and "error: --block-size=12 is not allowed" in capsys.readouterr().err
+
+
+def test_a_refused_option_writes_nothing(tmp_path, nothing_runs):
+    out = tmp_path / "e.json"
+    with pytest.raises(SystemExit):
+        main(["bench", "eviction", "--host-blocks", "-1", "--json", str(out)])
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def pool_state(pool):
+    return pool.free_block_ids(), pool.ref_cnt.clone(), pool.is_cached.clone(), pool.num_free_blocks
+
+
+def same_state(a, b):
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+def test_refused_ids_and_counts_leave_the_pools_unchanged():
+    pool = pool_in_use()
+    before = pool_state(pool)
+    for call in (lambda: pool.free(torch.tensor([1.7])), lambda: pool.free([0, True]), lambda: pool.free("1"),
+                 lambda: pool.incref([1.5]), lambda: pool.mark_cached(torch.tensor([2.0])),
+                 lambda: pool.reuse(torch.tensor([2.0])), lambda: pool.allocate(2.0), lambda: pool.allocate(True)):
+        with pytest.raises(ValueError):
+            call()
+        assert same_state(before, pool_state(pool))
+    pool.free(torch.tensor([1, 1]))                      # integer ids still work, of any integer dtype
+    pool.free(np.array([2], dtype=np.int32))
+    pool.free([np.int64(3)])
+    assert pool.num_free_blocks == 7
+    pool.assert_consistent()
+
+    device_pool = device_pool_in_use()
+    before = device_pool.ref_cnt.clone(), device_pool.free_per_device
+    for call in (lambda: device_pool.free(torch.tensor([3.0])), lambda: device_pool.incref([0.5]),
+                 lambda: device_pool.allocate_on(0.4, 1), lambda: device_pool.allocate_on(0, 1.0)):
+        with pytest.raises(ValueError):
+            call()
+        assert torch.equal(before[0], device_pool.ref_cnt) and torch.equal(before[1], device_pool.free_per_device)
+    device_pool.assert_consistent()
+
+    pools = pools_in_use()
+    counts = pools.token_counts([7]).clone()
+    free = pools.num_free_blocks
+    for call in (lambda: pools.free_rows([0.0]), lambda: pools.allocate_slots(torch.tensor([0]), torch.tensor([1.5])),
+                 lambda: pools.allocate_slots(torch.tensor([0.0]), torch.tensor([1]))):
+        with pytest.raises(ValueError):
+            call()
+        assert torch.equal(counts, pools.token_counts([7])) and torch.equal(free, pools.num_free_blocks)
+    pools.assert_consistent()
+
+
+def test_per_device_inputs_that_are_integers_are_taken_as_they_are():
+    """Lists, tuples, integer tensors and arrays, numpy integers: all the same pools and placement."""
+    for blocks in ([40, 40], (40, 40), torch.tensor([40, 40]), np.array([40, 40], dtype=np.int32),
+                   [np.int64(40), np.int16(40)]):
+        assert checked_blocks_per_device(blocks) == [40, 40]
+        assert all(type(n) is int for n in checked_blocks_per_device(blocks))
+    expected = PLACEMENT.expand(2, -1)
+    for placement in (PLACEMENT, PLACEMENT.to(torch.uint8), PLACEMENT.numpy(), PLACEMENT.tolist(),
+                      [[0, 0, 1, 1, 1]] * 2, [np.int64(d) for d in PLACEMENT.tolist()]):
+        assert torch.equal(checked_placement(placement, 2, 5, 2), expected)
+    served = device_engine(np.array([40, 40]), PLACEMENT.numpy())
+    assert served.blocks_per_device == [40, 40] and torch.equal(served.device_of_expert, expected)
+    assert served.generate([[1, 2, 3]], [P4])[0].token_ids == generate(MODEL, [[1, 2, 3]], P4).tokens[0]
 
 
 def test_a_refused_request_changes_nothing():

@@ -40,10 +40,11 @@ from ..plots.tables import text_table
 from ..sim.costs import (PCIE_GEN5_X16_BYTES_PER_SECOND, CostModel, crossover_context, fit_cost_model,
                          projected_gpu_cost_model)
 from ..sim.density import density_sweep, mean_blocks_at_context
-from ..sim.eviction import EvictionSetup, memory_time_bound, simulate
+from ..sim.eviction import EvictionSetup, _TraceBlocks, memory_time_bound, simulate
 from ..sim.topic_traces import topic_trace
 from ..sim.traces import synthetic_trace
 from ..sim.victims import VICTIM_POLICIES
+from . import options
 
 # NVIDIA GH200 datasheet: NVLink-C2C 900 GB/s between Grace and Hopper, 450 GB/s each direction.
 NVLINK_C2C_BYTES_PER_SECOND = 450e9
@@ -322,13 +323,20 @@ def run_prefix_caching(quick: bool = False) -> dict:
 
 
 # ----- the program -------------------------------------------------------------------------------------------
+SEQUENCES, QUICK_SEQUENCES, BLOCKS_PER_DEVICE, HOST_BLOCKS = 48, 24, 1000, 0       # the defaults
+
+
 def build_parser(parser=None):
     parser = parser or argparse.ArgumentParser(prog="python -m moekv_ref bench eviction")
     parser.add_argument("--json", default=None, help="write every number to this file")
-    parser.add_argument("--quick", action="store_true", help="a smaller workload and fewer contexts")
-    parser.add_argument("--sequences", type=int, default=48)
-    parser.add_argument("--blocks-per-device", type=int, default=1000)
-    parser.add_argument("--host-blocks", type=int, default=0, help="host swap space in blocks (0: recompute only)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smaller workload ({QUICK_SEQUENCES} sequences) and fewer contexts")
+    parser.add_argument("--sequences", type=int, default=None,
+                        help=f"requests of the skewed workload (default {SEQUENCES}; not with --quick)")
+    parser.add_argument("--blocks-per-device", type=int, default=None,
+                        help=f"the simulator's pool on each of the 4 devices (default {BLOCKS_PER_DEVICE})")
+    parser.add_argument("--host-blocks", type=int, default=None,
+                        help=f"host swap space in blocks (default {HOST_BLOCKS}: recompute only)")
     parser.add_argument("--skip-measure", action="store_true", help="skip timing the embedded model")
     parser.add_argument("--skip-engine", action="store_true", help="skip the policies on the engine")
     parser.add_argument("--skip-prefix-cache", action="store_true", help="skip prefix caching on the engine")
@@ -337,7 +345,43 @@ def build_parser(parser=None):
     return parser
 
 
+def smallest_pool_serving_a_request(trace, placement, block_size: int = 16) -> int:
+    """The fewest blocks per device with which at least one request of the trace fits alone (its final
+    rows on every device): with fewer, the simulator refuses every request and has nothing to compare."""
+    blocks = _TraceBlocks(trace, placement.reshape(-1), int(placement.max()) + 1, block_size)
+    return min(int(blocks.trajectory(s)[-1].max()) for s in range(trace.num_sequences))
+
+
+def check_args(args) -> None:
+    """Every option, before anything runs. --only-prefix-cache runs one part: the options of the
+    others would be ignored, so they are refused. --blocks-per-device must serve at least one request
+    of the workload alone (smallest_pool_serving_a_request: the workload is built to find it, ~1 s)."""
+    options.output_file("--json", args.json)
+    if args.only_prefix_cache:
+        given = [f"--{name.replace('_', '-')}" for name in ("sequences", "blocks_per_device", "host_blocks",
+                                                            "skip_prefix_cache") if getattr(args, name) not in (None, False)]
+        if given:
+            raise ValueError(f"--only-prefix-cache runs prefix caching alone: {', '.join(given)} would be ignored "
+                             "(give either)")
+        return
+    if args.quick and args.sequences is not None:
+        raise ValueError(f"--quick sets its own --sequences ({QUICK_SEQUENCES}): give either --quick or --sequences")
+    options.count("--sequences", args.sequences, 1)
+    options.count("--blocks-per-device", args.blocks_per_device, 1)
+    options.count("--host-blocks", args.host_blocks, 0, meaning="0: recompute only, no host swap space")
+    if args.blocks_per_device is not None:
+        trace, _, placement = skewed_workload(_num_sequences(args))
+        least = smallest_pool_serving_a_request(trace, placement)
+        options.count("--blocks-per-device", args.blocks_per_device, least,
+                      meaning=f"with fewer, none of the {trace.num_sequences} requests fits a device alone")
+
+
+def _num_sequences(args) -> int:
+    return QUICK_SEQUENCES if args.quick else SEQUENCES if args.sequences is None else args.sequences
+
+
 def main(args) -> int:
+    check_args(args)
     torch.set_num_threads(1)
     if args.only_prefix_cache:       # the other parts of an existing --json file are kept as they are
         out = {}
@@ -370,10 +414,11 @@ def main(args) -> int:
         print(f"  {key}: swap is cheaper from context {value['crossover_context']}")
     out["projected"] = projected
 
-    num_sequences = 24 if args.quick else args.sequences
+    num_sequences = _num_sequences(args)
     trace, topic, placement = skewed_workload(num_sequences)
-    setup = EvictionSetup(blocks_per_device=args.blocks_per_device, block_size=16, max_num_seqs=32,
-                          num_host_blocks=args.host_blocks)
+    setup = EvictionSetup(blocks_per_device=BLOCKS_PER_DEVICE if args.blocks_per_device is None else args.blocks_per_device,
+                          block_size=16, max_num_seqs=32,
+                          num_host_blocks=HOST_BLOCKS if args.host_blocks is None else args.host_blocks)
     cost = workload_cost_model(trace, setup.block_size)
     comparison = compare_policies(trace, placement, setup, cost)
     print(f"\nskewed workload: {num_sequences} requests, L={trace.num_layers}, E={trace.num_experts}, top-2, "
@@ -416,4 +461,4 @@ def _write_json(path, out: dict) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(build_parser().parse_args()))
+    raise SystemExit(main(options.parse_checked(build_parser(), check=check_args)))

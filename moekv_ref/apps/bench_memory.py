@@ -35,7 +35,6 @@ from matplotlib.figure import Figure
 import torch
 
 from ..analysis import record_model_trace
-from ..cache.kv_cache_manager import check_block_size
 from ..checkpoint import DEFAULT_CHECKPOINT, load_default_model
 from ..config import get_config
 from ..model import MoEKVTransformer
@@ -44,6 +43,7 @@ from ..sim.baselines import FirstFitDesign, ReservedDesign
 from ..sim.designs import CountingPagedDesign, ManagerPagedDesign, SharedTailDesign
 from ..sim.replay import max_concurrent_sequences, replay
 from ..sim.traces import RoutingTrace, synthetic_trace
+from . import options
 
 DEFAULT_BLOCK_SIZE = 16
 TARGET_EFFECTIVE_UTILIZATION = 0.96
@@ -317,8 +317,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return parser
 
 
+def check_args(args) -> None:
+    """--block-size is a power of two; --figures a folder and --json a file (both made if missing)."""
+    options.block_size("--block-size", args.block_size)
+    options.folder("--figures", args.figures)
+    options.output_file("--json", args.json, parents_made=True)
+
+
 def run_bench_memory(args) -> int:
-    check_block_size(args.block_size)
+    check_args(args)
     started = time.perf_counter()
     report = run(args.block_size, quick=args.quick)
     report["seconds"] = time.perf_counter() - started
@@ -355,7 +362,7 @@ def save_figures(report: dict, directory: Path) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    return run_bench_memory(build_parser().parse_args(argv))
+    return run_bench_memory(options.parse_checked(build_parser(), argv, check_args))
 
 
 if __name__ == "__main__":

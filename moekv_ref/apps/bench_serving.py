@@ -24,12 +24,12 @@ import json
 
 import torch
 
-from ..cache.kv_cache_manager import check_block_size
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..config import get_config
 from ..engine import LLMEngine, SchedulerConfig
 from ..engine.workload import make_workload, run_workload
 from ..model import MoEKVTransformer
+from . import options
 
 DESIGNS = ("static", "continuous_reserved", "continuous_paged")
 
@@ -149,22 +149,29 @@ def build_parser(parser):
     return parser
 
 
-def main(args) -> int:
-    """Entry point of `python -m moekv_ref bench serving`."""
+def check_args(args) -> None:
+    """The options, checked before anything runs. --num-blocks must hold one token of one sequence
+    (a block in each of its k_max experts of every layer); --routing is a choice argparse checks,
+    --checkpoint the loader's (it names a missing file)."""
     if args.quick and (args.num_requests is not None or args.num_blocks is not None):
         raise ValueError("--quick sets its own --num-requests and --num-blocks: give either --quick or those")
-    options = dict(QUICK) if args.quick else dict(
+    config = get_config("tiny").with_routing(args.routing)
+    least = config.num_hidden_layers * config.num_attention_experts_per_tok
+    options.count("--num-requests", args.num_requests, 1)
+    options.count("--num-blocks", args.num_blocks, least, meaning=f"one token of one sequence takes {least} blocks")
+    options.block_size("--block-size", args.block_size)
+    options.seed("--seed", args.seed)
+    options.output_file("--json", args.json)
+
+
+def main(args) -> int:
+    """Entry point of `python -m moekv_ref bench serving`."""
+    check_args(args)
+    sizes = dict(QUICK) if args.quick else dict(
         num_requests=32 if args.num_requests is None else args.num_requests,
         num_blocks=1024 if args.num_blocks is None else args.num_blocks)
-    if options["num_requests"] < 1:
-        raise ValueError(f"--num-requests {options['num_requests']} must be at least 1")
-    if options["num_blocks"] < 1:
-        raise ValueError(f"--num-blocks {options['num_blocks']} must be at least 1")
-    check_block_size(args.block_size)
-    if args.seed < 0:
-        raise ValueError(f"--seed {args.seed} must be >= 0")
     model = load_checkpoint(args.checkpoint, get_config("tiny").with_routing(args.routing))
-    report = run_serving_benchmark(model, block_size=args.block_size, seed=args.seed, **options)
+    report = run_serving_benchmark(model, block_size=args.block_size, seed=args.seed, **sizes)
     print(format_serving_report(report))
     if args.json:
         with open(args.json, "w") as handle:

@@ -139,10 +139,29 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+MAX_POSITIONS = 512        # the embedded model's max_position_embeddings (the tiny preset)
+BLOCKS_PER_TOKEN = 8       # one token of one sequence: a block in each of k = 2 experts of 4 layers
+NUM_BLOCKS = 4096          # the workers' pool (measure's default)
+
+
+def check_args(args) -> None:
+    """The options, checked before a worker starts. A round needs a decode step after the prefill
+    (--max-new-tokens >= 2), and the longest prompt plus its new tokens must fit the model's positions."""
+    from moekv_ref.apps import options     # here, not at the top: a worker may run another checkout
+    if args.against is not None and not (args.against / "moekv_ref" / "__init__.py").is_file():
+        raise ValueError(f"--against={args.against} has no moekv_ref package; allowed: the root of a checkout "
+                         "of this repository (e.g. `git worktree add /tmp/old <commit>`)")
+    options.count("--num-seqs", args.num_seqs, 1, NUM_BLOCKS // BLOCKS_PER_TOKEN,
+                  f"all decode at once in a pool of {NUM_BLOCKS} blocks, each taking at least {BLOCKS_PER_TOKEN}")
+    options.count("--rounds", args.rounds, 1)
+    options.output_file("--json", args.json)
+    longest = max(len(p) for p in prompts(args.num_seqs))
+    options.count("--max-new-tokens", args.max_new_tokens, 2, MAX_POSITIONS - longest + 1,
+                  f"a prefill, then decode steps; the longest prompt has {longest} tokens of {MAX_POSITIONS} positions")
+
+
 def main(args) -> int:
-    for name in ("num_seqs", "max_new_tokens", "rounds"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
+    check_args(args)
     try:
         result = measure(args.against, args.num_seqs, args.max_new_tokens, args.rounds)
     except ValueError as error:
@@ -163,4 +182,6 @@ if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "--worker":
         worker(*(int(a) for a in sys.argv[2:]))
     else:
-        main(build_parser(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args())
+        from moekv_ref.apps.options import parse_checked
+        main(parse_checked(build_parser(argparse.ArgumentParser(description=__doc__.splitlines()[0])),
+                           check=check_args))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import codecs
 import json
-import math
 import sys
 
 import torch
@@ -21,14 +20,13 @@ from ..engine import generate_with_engine
 from ..generate import CACHE_KINDS, generate
 from ..analysis import format_routing_statistics, heldout_text, routing_statistics
 from ..backends import BackendUnavailableError
-from ..cache.kv_cache_manager import check_block_size
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..config import ROUTINGS, get_config
 from ..prompts import check_prompt
 from ..report import cache_report, format_cache_report
-from ..sampling import SamplingParams
+from ..sampling import MIN_TEMPERATURE, SamplingParams
 from ..tokenizer import decode, encode
-from . import bench_eviction, bench_memory, bench_parallel, bench_serving, bench_step, demo, figures
+from . import bench_eviction, bench_memory, bench_parallel, bench_serving, bench_step, demo, figures, options
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -45,8 +43,40 @@ def _check_model_options(args) -> None:
     """Options of every model command, checked before anything is loaded."""
     if args.threshold is not None and args.routing != "threshold":
         raise ValueError(f"--threshold applies to --routing threshold, not --routing {args.routing}")
-    if args.threshold is not None and not (math.isfinite(args.threshold) and 0 < args.threshold <= 1):
-        raise ValueError(f"--threshold {args.threshold} must be a probability mass in (0, 1]")
+    options.real("--threshold", args.threshold, 0, 1, low_open=True,
+                 meaning="a probability mass: the router keeps experts up to it")
+
+
+def check_generate(args) -> None:
+    """Every option of `generate`, before the model is loaded."""
+    _check_model_options(args)
+    if args.backend != "torch" and args.cache != "paged":
+        raise ValueError(f"--backend {args.backend} runs on the paged cache: add --cache paged")
+    if args.block_size is not None and args.cache != "paged":
+        raise ValueError(f"--block-size applies to --cache paged, not --cache {args.cache}")
+    options.block_size("--block-size", args.block_size)
+    if args.greedy and args.temperature is not None:
+        raise ValueError("--greedy and --temperature contradict each other: greedy is --temperature 0")
+    options.real("--temperature", args.temperature, 0, meaning="0: greedy")
+    if args.temperature is not None and 0 < args.temperature < MIN_TEMPERATURE:
+        raise ValueError(f"--temperature={args.temperature} is too small to sample with; allowed: 0 (greedy) "
+                         f"or at least {MIN_TEMPERATURE}")
+    options.real("--top-p", args.top_p, 0, 1, low_open=True, meaning="nucleus sampling: the probability mass kept")
+    options.seed("--seed", args.seed)
+    limit = get_config("tiny").max_position_embeddings
+    options.count("--max-new-tokens", args.max_new_tokens, 1, limit)
+    prompt = encode(args.prompt)
+    if not prompt:
+        raise ValueError("--prompt='' is empty; allowed: at least one character")
+    try:
+        check_prompt(prompt, 256, limit, args.max_new_tokens)
+    except ValueError as error:
+        raise ValueError(f"--prompt of {len(prompt)} bytes with --max-new-tokens={args.max_new_tokens}: {error}") from None
+
+
+def check_routing_stats(args) -> None:
+    _check_model_options(args)
+    options.count("--max-tokens", args.max_tokens, 1, meaning="tokens of held-out text to route")
 
 
 def _load_model(args, backend: str = "torch"):
@@ -55,23 +85,11 @@ def _load_model(args, backend: str = "torch"):
 
 
 def cmd_generate(args) -> int:
-    _check_model_options(args)
-    if args.backend != "torch" and args.cache != "paged":
-        raise ValueError(f"--backend {args.backend} runs on the paged cache: add --cache paged")
-    if args.block_size is not None and args.cache != "paged":
-        raise ValueError(f"--block-size applies to --cache paged, not --cache {args.cache}")
-    if args.block_size is not None:
-        check_block_size(args.block_size)
-    if args.greedy and args.temperature is not None:
-        raise ValueError("--greedy and --temperature contradict each other: greedy is --temperature 0")
+    check_generate(args)        # cli.main has checked already; again for a caller of cmd_generate
     temperature = 0.0 if args.greedy else (DEFAULT_TEMPERATURE if args.temperature is None else args.temperature)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
                             top_p=args.top_p, seed=args.seed)
     prompt = encode(args.prompt)
-    if not prompt:
-        raise ValueError("the prompt is empty: pass --prompt with at least one character")
-    limit = get_config("tiny").max_position_embeddings
-    check_prompt(prompt, 256, limit, args.max_new_tokens)            # before loading the model
     model = _load_model(args, args.backend)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span tokens
 
@@ -84,8 +102,8 @@ def cmd_generate(args) -> int:
 
     on_token = None if args.json else stream
     if args.cache == "paged":   # served by the continuous-batching engine, as a server would
-        options = {} if args.block_size is None else {"block_size": args.block_size}
-        result = generate_with_engine(model, [prompt], params, on_token=on_token, **options)
+        engine_options = {} if args.block_size is None else {"block_size": args.block_size}
+        result = generate_with_engine(model, [prompt], params, on_token=on_token, **engine_options)
     else:
         result = generate(model, [prompt], params, cache=args.cache, on_token=on_token)
     bytes_per_value = torch.finfo(DTYPES[args.dtype]).bits // 8
@@ -101,9 +119,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_routing_stats(args) -> int:
-    _check_model_options(args)
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens {args.max_tokens} must be at least 1 (tokens of held-out text to route)")
+    check_routing_stats(args)
     model = _load_model(args)
     stats = routing_statistics(model, heldout_text(), max_tokens=args.max_tokens)
     print(json.dumps(stats) if args.json else format_routing_statistics(stats))
@@ -138,12 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=DEFAULT_TOP_P,
                    help=f"nucleus sampling: keep the most probable tokens up to this mass (default {DEFAULT_TOP_P})")
     model_options(g)
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, check=check_generate, command_parser=g)
 
     r = sub.add_parser("routing-stats", help="what the embedded model's routers learned")
     r.add_argument("--max-tokens", type=int, default=20000)
     model_options(r)
-    r.set_defaults(func=cmd_routing_stats)
+    r.set_defaults(func=cmd_routing_stats, check=check_routing_stats, command_parser=r)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     benchmarks = [("memory", bench_memory, bench_memory.run_bench_memory, "memory designs on the same workloads"),
@@ -152,18 +168,21 @@ def build_parser() -> argparse.ArgumentParser:
                   ("parallel", bench_parallel, bench_parallel.main, "expert parallelism: bytes per step, placements"),
                   ("step", bench_step, bench_step.main, "one decode step's CPU time, optionally against another checkout")]
     for name, module, run, help_text in benchmarks:
-        module.build_parser(bench.add_parser(name, help=help_text)).set_defaults(func=run)
+        b = module.build_parser(bench.add_parser(name, help=help_text))
+        b.set_defaults(func=run, check=getattr(module, "check_args", None), command_parser=b)
     d = demo.build_parser(sub.add_parser("demo", help="serve requests through a small pool (the main demo)"))
-    d.set_defaults(func=demo.main)
-    f = sub.add_parser("figures", help="regenerate every PNG in figures/")
-    f.add_argument("--out", default="figures")
-    f.add_argument("--quick", action="store_true", help="smaller memory benchmark")
-    f.set_defaults(func=figures.main)
+    d.set_defaults(func=demo.main, check=demo.check_args, command_parser=d)
+    f = figures.build_parser(sub.add_parser("figures", help="regenerate every PNG in figures/"))
+    f.set_defaults(func=figures.main, check=figures.check_args, command_parser=f)
     return parser
 
 
 def main(argv=None) -> int:
+    """Run one command. A bad option is parser.error (usage, `error: ...`, exit status 2) before the
+    command starts; an error while it runs (a missing checkpoint, every request refused) prints
+    `error: ...` and returns 2."""
     args = build_parser().parse_args(argv)
+    options.fail_on(args.command_parser, args.check, args)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, KeyError, BackendUnavailableError) as error:

@@ -18,7 +18,6 @@ preempting.
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -27,11 +26,13 @@ import torch
 from tqdm import tqdm
 
 from ..checkpoint import load_default_model
+from ..config import get_config
 from ..engine import LLMEngine, SchedulerConfig
 from ..engine.workload import WorkloadRequest, make_workload, run_workload
 from ..plots.serving import demand_table, plot_run, pool_use
 from ..sampling import SamplingParams
 from ..tokenizer import encode
+from . import options
 
 FIGURES = Path("figures")
 SPARK = " ▁▂▃▄▅▆▇█"
@@ -195,15 +196,17 @@ def main(args) -> int:
 
 
 def check_args(args) -> None:
-    """The demo's options, checked before anything runs."""
-    if args.num_requests < 1:
-        raise ValueError(f"--num-requests {args.num_requests} must be at least 1")
-    if args.num_blocks < 1:
-        raise ValueError(f"--num-blocks {args.num_blocks} must be at least 1")
-    if not (math.isfinite(args.arrival_rate) and args.arrival_rate > 0):
-        raise ValueError(f"--arrival-rate {args.arrival_rate} must be a finite number of requests per step > 0")
-    if args.seed < 0:
-        raise ValueError(f"--seed {args.seed} must be >= 0")
+    """The demo's options, checked before anything runs. The pool must hold one token of one
+    sequence (a block in each of its k_max experts of every layer); --preemption and --admission are
+    choices argparse checks."""
+    config = get_config("tiny").with_routing("threshold")
+    least = config.num_hidden_layers * config.num_attention_experts_per_tok
+    options.count("--num-requests", args.num_requests, 1)
+    options.count("--num-blocks", args.num_blocks, least,
+                  meaning=f"blocks of 16 slots; one token of one sequence takes {least}")
+    options.real("--arrival-rate", args.arrival_rate, 0, low_open=True, meaning="requests per engine step")
+    options.seed("--seed", args.seed)
+    options.folder("--figures", args.figures)
 
 
 def _run(args) -> int:

@@ -20,7 +20,7 @@ from ..checkpoint import load_default_model
 from ..generate import generate
 from ..plots.routing import plot_cache_sizes, plot_routing
 from ..sampling import SamplingParams
-from . import bench_memory, demo
+from . import bench_memory, demo, options
 
 
 def make_figures(directory: Path = Path("figures"), quick: bool = False) -> list[Path]:
@@ -66,7 +66,19 @@ def make_figures(directory: Path = Path("figures"), quick: bool = False) -> list
     return paths
 
 
+def build_parser(parser):
+    parser.add_argument("--out", default="figures", help="folder for the PNGs (made if missing)")
+    parser.add_argument("--quick", action="store_true", help="smaller memory benchmark")
+    return parser
+
+
+def check_args(args) -> None:
+    """--out is a folder (or not there yet); --quick is a switch."""
+    options.folder("--out", args.out)
+
+
 def main(args) -> int:
+    check_args(args)
     for path in make_figures(Path(args.out), quick=args.quick):
         print(f"wrote {path}")
     return 0

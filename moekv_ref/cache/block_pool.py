@@ -24,7 +24,9 @@ Invariants, after every public call:
   * every block id in [0, num_blocks) is exactly one of: plain free (ref_cnt 0, once in the stack),
     cached free (ref_cnt 0, cached, once in the LRU queue) or in use (ref_cnt >= 1, in neither):
     num_free_blocks (both kinds) + num_used_blocks == num_blocks;
-  * a call that raises leaves the pool exactly as it was.
+  * a call that raises leaves the pool exactly as it was;
+  * ids and counts are integers as given: a float (even 1.0) or a bool is refused (`checked_ids`,
+    `checked_count`), never rounded to a block or read as block 0 / 1.
 
 Why the plain free queue is a tensor stack and not vLLM's doubly linked list: vLLM keeps every free
 block, cached or not, in one queue from which a hit removes blocks in the middle. Most blocks here are
@@ -37,10 +39,74 @@ blocks are the ones most likely still in a hardware cache.
 
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict
 from typing import Callable
 
+import numpy as np
 import torch
+
+MAX_SEED = 2**63 - 1            # torch.Generator.manual_seed takes up to 2**64 - 1; the engine's bound
+IDS_ALLOWED = "integer ids (an integer tensor or array, a list of ints, or one int)"
+
+
+def a_type(value) -> str:
+    """"an int", "a float", "a str": the type of a refused value, for an error message."""
+    name = type(value).__name__
+    return ("an " if name[0] in "aeiou" else "a ") + name
+
+
+def preview(values) -> str:
+    """The first few values of a tensor or array as a user would write them (1.7, not
+    1.7000000476837158; 3.0, not 3)."""
+    flat = values.reshape(-1)
+    shown = [repr(float(f"{v:.6g}")) if isinstance(v, float) else repr(v) for v in flat[:4].tolist()]
+    return "[" + ", ".join(shown) + (", ...]" if len(flat) > 4 else "]")
+
+
+def _flat(values):
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            yield from _flat(v)
+        else:
+            yield v
+
+
+def checked_ids(ids, name: str = "block_ids") -> torch.Tensor:
+    """`ids` (a tensor, a numpy array, a list or one int) as an int64 tensor of the same shape.
+
+    Raises ValueError, naming the dtype, for values that are not integers: a float id (even 1.0) is
+    never rounded to a block, a bool never read as block 0 or 1, text never read as digits. Empty
+    input of any dtype is allowed (there is nothing to round)."""
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"{name}={ids!r} is text ({type(ids).__name__}); allowed: {IDS_ALLOWED}")
+    if isinstance(ids, (list, tuple)):
+        for i, v in enumerate(_flat(ids)):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Integral, torch.Tensor)):
+                raise ValueError(f"{name}[{i}]={v!r} is {a_type(v)}; allowed: {IDS_ALLOWED}")
+    try:
+        tensor = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{name} of type {type(ids).__name__} are not integer ids ({error}); "
+                         f"allowed: {IDS_ALLOWED}") from None
+    dtype = tensor.dtype
+    if tensor.numel() and (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"{name}={preview(tensor)} has dtype {dtype}; allowed: {IDS_ALLOWED}, never "
+                         "rounded or read as 0/1")
+    return tensor.to(torch.int64)
+
+
+def checked_count(value, name: str, minimum: int = 0, maximum: int | None = None) -> int:
+    """A count (of blocks, tokens; a seed) as an int: a Python or numpy integer, or a 0-d integer
+    tensor, not a bool or a float (even 2.0), in [minimum, maximum]."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not (
+            value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex):
+        value = int(value)
+    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value < minimum or (
+            maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name}={value!r} is not allowed; allowed: an integer {bound}")
+    return int(value)
 
 
 class OutOfBlocksError(RuntimeError):
@@ -58,6 +124,8 @@ class BlockPool:
     def __init__(self, num_blocks: int, shuffle_seed: int | None = None):
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise ValueError(f"num_blocks={num_blocks!r} is not allowed: it must be a positive integer")
+        if shuffle_seed is not None:
+            shuffle_seed = checked_count(shuffle_seed, "shuffle_seed", 0, MAX_SEED)
         self.num_blocks = num_blocks
         if shuffle_seed is None:
             order = torch.arange(num_blocks, dtype=torch.int64)
@@ -102,8 +170,7 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> torch.Tensor:
         """Take `num_blocks` blocks from the free queue, each with ref_cnt 1. Returns (num_blocks,)
         int64 block ids, in the order they were handed out."""
-        if num_blocks < 0:
-            raise ValueError(f"cannot allocate a negative number of blocks ({num_blocks})")
+        num_blocks = checked_count(num_blocks, "num_blocks", 0)
         if num_blocks > self.num_free_blocks:
             raise OutOfBlocksError(
                 f"need {num_blocks} blocks but only {self.num_free_blocks} of {self.num_blocks} are free"
@@ -188,7 +255,7 @@ class BlockPool:
         self._num_free = top + released.numel()
 
     def _checked_ids(self, block_ids) -> torch.Tensor:
-        block_ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1)
+        block_ids = checked_ids(block_ids, "block_ids").reshape(-1)
         if block_ids.numel() and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
             raise ValueError(
                 f"block ids must be in [0, {self.num_blocks}), got "

@@ -16,19 +16,57 @@ assert_consistent) over all devices, plus per-device counts and `allocate_on(dev
 
 from __future__ import annotations
 
+import numbers
+
+import numpy as np
 import torch
 
-from .block_pool import BlockPool, OutOfBlocksError
+from .block_pool import MAX_SEED, BlockPool, OutOfBlocksError, a_type, checked_count, checked_ids, preview
+
+BLOCKS_PER_DEVICE_ALLOWED = ("a list or tuple of D integers >= 1 (Python or numpy ints), or a 1-D integer "
+                             "tensor or numpy array of them")
+
+
+def checked_blocks_per_device(blocks_per_device, name: str = "blocks_per_device") -> list[int]:
+    """blocks_per_device as a list of D Python ints, each >= 1 (a device with no block could hold no
+    row of its experts), or ValueError naming the first bad entry. Nothing is coerced: a float (even
+    100.0) or a bool is refused, not rounded, and a str is not read as a sequence of digits. Whether
+    each device holds enough blocks for one token of its experts is the paged cache's check."""
+    if isinstance(blocks_per_device, (torch.Tensor, np.ndarray)):
+        dtype = blocks_per_device.dtype
+        is_int = (not (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex)
+                  if isinstance(blocks_per_device, torch.Tensor) else dtype.kind in "iu")
+        if not is_int:
+            raise ValueError(f"{name}={preview(blocks_per_device)} has dtype {dtype}; allowed: "
+                             f"{BLOCKS_PER_DEVICE_ALLOWED}, never rounded")
+        if blocks_per_device.ndim != 1:
+            raise ValueError(f"{name} has shape {tuple(blocks_per_device.shape)}; allowed: {BLOCKS_PER_DEVICE_ALLOWED}")
+        values = blocks_per_device.tolist()
+    elif isinstance(blocks_per_device, (list, tuple)):
+        values = list(blocks_per_device)
+    else:
+        raise ValueError(f"{name}={blocks_per_device!r} is {a_type(blocks_per_device)}; "
+                         f"allowed: {BLOCKS_PER_DEVICE_ALLOWED}")
+    if not values:
+        raise ValueError(f"{name}={blocks_per_device!r} is empty; allowed: {BLOCKS_PER_DEVICE_ALLOWED} (D >= 1)")
+    for d, n in enumerate(values):
+        if not isinstance(n, numbers.Integral) or isinstance(n, (bool, np.bool_)):
+            raise ValueError(f"{name}[{d}]={n!r} is {a_type(n)}; allowed: an integer >= 1 "
+                             f"(the blocks of device {d}), never rounded")
+        if n < 1:
+            raise ValueError(f"{name}[{d}]={n!r} is not allowed; allowed: an integer >= 1 (the blocks of "
+                             f"device {d})")
+    return [int(n) for n in values]
 
 
 class DeviceBlockPool:
-    """blocks_per_device: D positive ints. shuffle_seed: each device's free queue shuffled (seed + d)."""
+    """blocks_per_device: D positive ints (checked_blocks_per_device). shuffle_seed: each device's
+    free queue shuffled (seed + d)."""
 
     def __init__(self, blocks_per_device, shuffle_seed: int | None = None):
-        blocks_per_device = [int(n) for n in blocks_per_device]
-        if not blocks_per_device or any(n <= 0 for n in blocks_per_device):
-            raise ValueError(f"blocks_per_device={blocks_per_device!r}: every device needs a positive "
-                             "number of blocks")
+        blocks_per_device = checked_blocks_per_device(blocks_per_device)
+        if shuffle_seed is not None:
+            shuffle_seed = checked_count(shuffle_seed, "shuffle_seed", 0, MAX_SEED - len(blocks_per_device))
         self.pools = [BlockPool(n, None if shuffle_seed is None else shuffle_seed + d)
                       for d, n in enumerate(blocks_per_device)]
         sizes = torch.tensor(blocks_per_device, dtype=torch.int64)                    # (D,)
@@ -75,8 +113,11 @@ class DeviceBlockPool:
     def allocate_on(self, device: int, num_blocks: int) -> torch.Tensor:
         """`num_blocks` blocks of `device`, ref_cnt 1 each: (num_blocks,) int64 global ids. Raises
         OutOfBlocksError naming the device, changing nothing, when it is short."""
-        if not 0 <= device < self.num_devices:
-            raise ValueError(f"device={device!r} is not one of 0..{self.num_devices - 1}")
+        if not isinstance(device, numbers.Integral) or isinstance(device, (bool, np.bool_)) \
+                or not 0 <= device < self.num_devices:
+            raise ValueError(f"device={device!r} is not allowed; allowed: an integer in 0..{self.num_devices - 1}")
+        device = int(device)
+        num_blocks = checked_count(num_blocks, "num_blocks", 0)
         pool = self.pools[device]
         if num_blocks > pool.num_free_blocks:
             raise OutOfBlocksError(f"device {device} is short: need {num_blocks} blocks, "
@@ -117,7 +158,7 @@ class DeviceBlockPool:
                              f"{int(owners[i])}: a double free (no device changed)")
 
     def _checked_ids(self, block_ids) -> torch.Tensor:
-        block_ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1)
+        block_ids = checked_ids(block_ids, "block_ids").reshape(-1)
         if block_ids.numel() and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
             raise ValueError(f"block ids must be in [0, {self.num_blocks}), got "
                              f"[{int(block_ids.min())}, {int(block_ids.max())}]")

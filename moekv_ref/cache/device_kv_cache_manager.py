@@ -22,26 +22,80 @@ Invariants, beyond KVCacheManager's (checked by `assert_consistent`):
 
 from __future__ import annotations
 
+import numbers
+
+import numpy as np
 import torch
 
-from .block_pool import OutOfBlocksError
-from .device_block_pool import DeviceBlockPool
+from .block_pool import OutOfBlocksError, a_type, checked_ids, preview
+from .device_block_pool import DeviceBlockPool, checked_blocks_per_device
 from .kv_cache_manager import KVCacheManager
 from .rows import ceil_div
 
 
-def checked_placement(device_of_expert, num_layers: int, num_experts: int, num_devices: int) -> torch.Tensor:
-    """device_of_expert as (L, E) int64: given (E,) for every layer or (L, E), devices in [0, D)."""
-    placement = torch.as_tensor(device_of_expert, dtype=torch.int64)
+PLACEMENT_ALLOWED = "an integer tensor or numpy array, or (nested) lists of ints"
+
+
+def checked_placement(device_of_expert, num_layers: int, num_experts: int, num_devices: int | None) -> torch.Tensor:
+    """device_of_expert as (L, E) int64: given (E,) for every layer or (L, E), devices in [0, D)
+    (num_devices=None: any device >= 0). ValueError, naming the first bad value, for anything else:
+    a float device (even 1.0) or a bool is refused, not rounded, and a str is not read as digits."""
+    devices = "0.." + str(num_devices - 1) if num_devices is not None else "integers >= 0"
+    allowed = (f"devices {devices} as {PLACEMENT_ALLOWED}, of shape (E,) = ({num_experts},) or (L, E) = "
+               f"({num_layers}, {num_experts})")
+    if isinstance(device_of_expert, (list, tuple)):
+        placement = _placement_from_lists(device_of_expert, allowed)
+    elif isinstance(device_of_expert, (torch.Tensor, np.ndarray)):
+        dtype = device_of_expert.dtype
+        is_int = (not (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex)
+                  if isinstance(device_of_expert, torch.Tensor) else dtype.kind in "iu")
+        if not is_int:
+            raise ValueError(f"{_first_value(device_of_expert)} has dtype {dtype}; allowed: {allowed}")
+        placement = torch.as_tensor(device_of_expert).to(torch.int64)
+    else:
+        raise ValueError(f"device_of_expert={device_of_expert!r} is {a_type(device_of_expert)}; "
+                         f"allowed: {allowed}")
     if placement.dim() == 1:
         placement = placement.expand(num_layers, -1)
     if placement.shape != (num_layers, num_experts):
         raise ValueError(f"device_of_expert must be (E,) = ({num_experts},) or (L, E) = ({num_layers}, "
                          f"{num_experts}); got {tuple(placement.shape)}")
-    if placement.numel() and (int(placement.min()) < 0 or int(placement.max()) >= num_devices):
+    if placement.numel() and (int(placement.min()) < 0 or (num_devices is not None and
+                                                            int(placement.max()) >= num_devices)):
         raise ValueError(f"device_of_expert names devices {sorted(set(placement.reshape(-1).tolist()))}; "
-                         f"allowed: 0..{num_devices - 1} (one per entry of blocks_per_device)")
+                         f"allowed: {devices}" + (" (one per entry of blocks_per_device)" if num_devices else ""))
     return placement.contiguous()
+
+
+def _first_value(placement) -> str:
+    """`device_of_expert[i]=v` for the first entry that is not a whole number (else the first entry)."""
+    try:
+        values = torch.as_tensor(placement)
+    except TypeError:                                             # a numpy array of text or objects
+        return "device_of_expert"
+    if values.numel() == 0:
+        return "device_of_expert=[]"
+    flat = values.reshape(-1)
+    broken = (flat != flat.round()).nonzero() if flat.is_floating_point() else flat[:0]
+    i = int(broken[0]) if broken.numel() else 0
+    index = ", ".join(str(int(k)) for k in np.unravel_index(i, tuple(values.shape)))
+    return f"device_of_expert[{index}]={preview(flat[i:i + 1])[1:-1]}"
+
+
+def _placement_from_lists(values, allowed: str) -> torch.Tensor:
+    """(Nested) lists of ints as an int64 tensor; the first entry that is not an int is named."""
+    def walk(value, index):
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, index + [i])
+        elif not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
+            where = "".join(f"[{i}]" for i in index)
+            raise ValueError(f"device_of_expert{where}={value!r} is {a_type(value)}; allowed: {allowed}")
+    walk(values, [])
+    try:
+        return torch.tensor(values, dtype=torch.int64)
+    except (TypeError, ValueError) as error:                   # ragged lists
+        raise ValueError(f"device_of_expert is not a rectangular table ({error}); allowed: {allowed}") from None
 
 
 class DeviceKVCacheManager(KVCacheManager):
@@ -52,7 +106,7 @@ class DeviceKVCacheManager(KVCacheManager):
     def __init__(self, num_layers: int, num_experts: int, block_size: int, blocks_per_device,
                  device_of_expert, shuffle_seed: int | None = None, initial_num_seqs: int = 4,
                  initial_blocks_per_row: int = 4):
-        blocks_per_device = [int(n) for n in blocks_per_device]
+        blocks_per_device = checked_blocks_per_device(blocks_per_device)
         super().__init__(num_layers, num_experts, block_size, sum(blocks_per_device), None,
                          initial_num_seqs, initial_blocks_per_row)
         self.pool = DeviceBlockPool(blocks_per_device, shuffle_seed)
@@ -76,7 +130,7 @@ class DeviceKVCacheManager(KVCacheManager):
 
     def device_of_rows(self, rows) -> torch.Tensor:
         """(m,) the device of each row id."""
-        return self._device_of_local_row[torch.as_tensor(rows, dtype=torch.int64) % self.rows_per_seq]
+        return self._device_of_local_row[checked_ids(rows, "rows") % self.rows_per_seq]
 
     def per_device(self, token_counts: torch.Tensor) -> torch.Tensor:
         """Blocks of rows of these token counts on each device: (..., L, E) -> (..., D)."""
@@ -90,8 +144,8 @@ class DeviceKVCacheManager(KVCacheManager):
 
     def blocks_needed_per_device(self, rows, num_new_tokens) -> torch.Tensor:
         """(D,) blocks that appending num_new_tokens[i] tokens to rows[i] would take on each device."""
-        rows = torch.as_tensor(rows, dtype=torch.int64)
-        num_new_tokens = torch.as_tensor(num_new_tokens, dtype=torch.int64)
+        rows = checked_ids(rows, "rows")
+        num_new_tokens = checked_ids(num_new_tokens, "num_new_tokens")
         old = self.num_computed_tokens[rows]
         new_blocks = ceil_div(old + num_new_tokens, self.block_size) - ceil_div(old, self.block_size)
         return torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, self.device_of_rows(rows), new_blocks)

@@ -24,13 +24,16 @@ Dimension legend: D devices, L layers, E experts per layer, m rows of a call, n 
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from .device_block_pool import checked_blocks_per_device
 from .device_kv_cache_manager import checked_placement
 from .kv_cache_manager import KVCacheManager
-from .block_pool import OutOfBlocksError
+from .block_pool import OutOfBlocksError, checked_ids
 from .rows import RowIndex, ceil_div
 
 
@@ -49,16 +52,17 @@ class DeviceSlotAllocation:
 class DevicePools:
     """D KVCacheManagers, one per device, each for the rows of the experts placed on it.
 
-    blocks_per_device: one int for every device, or D ints. device_of_expert: (L, E) (e.g.
+    blocks_per_device: one integer for every device, or D integers >= 1 (a list, tuple, 1-D integer
+    tensor or array: checked_blocks_per_device, never rounded). device_of_expert: (L, E) (e.g.
     placement.place_layers) or (E,) for the same placement in every layer; devices are numbered
     0..D-1 with D = len(blocks_per_device) (or max device + 1 for one int)."""
 
     def __init__(self, num_layers: int, num_experts: int, block_size: int, blocks_per_device,
                  device_of_expert, shuffle_seed: int | None = None, initial_num_seqs: int = 4):
-        if isinstance(blocks_per_device, int) and not isinstance(blocks_per_device, bool):
-            most = int(torch.as_tensor(device_of_expert).max())
-            blocks_per_device = [blocks_per_device] * (most + 1)
-        blocks_per_device = list(blocks_per_device)
+        if isinstance(blocks_per_device, numbers.Integral) and not isinstance(blocks_per_device, (bool, np.bool_)):
+            placement = checked_placement(device_of_expert, num_layers, num_experts, None)
+            blocks_per_device = [blocks_per_device] * (int(placement.max()) + 1)
+        blocks_per_device = checked_blocks_per_device(blocks_per_device)
         placement = checked_placement(device_of_expert, num_layers, num_experts, len(blocks_per_device))
         self.device_of_expert = placement                                              # (L, E)
         self.index = RowIndex(num_layers, num_experts)
@@ -95,7 +99,7 @@ class DevicePools:
 
     def device_of_rows(self, rows) -> torch.Tensor:
         """(m,) the device of each row id."""
-        rows = torch.as_tensor(rows, dtype=torch.int64)
+        rows = checked_ids(rows, "rows")
         return self.device_of_expert.reshape(-1)[rows % self.index.rows_per_seq]
 
     # ----- sequences --------------------------------------------------------------------------------
@@ -156,8 +160,8 @@ class DevicePools:
     # ----- rows -------------------------------------------------------------------------------------
     def blocks_needed(self, rows, num_new_tokens) -> torch.Tensor:
         """(D,) blocks that appending num_new_tokens[i] tokens to rows[i] would take from each device."""
-        rows = torch.as_tensor(rows, dtype=torch.int64)
-        num_new_tokens = torch.as_tensor(num_new_tokens, dtype=torch.int64)
+        rows = checked_ids(rows, "rows")
+        num_new_tokens = checked_ids(num_new_tokens, "num_new_tokens")
         device = self.device_of_rows(rows)
         old = self.managers[0].num_computed_tokens.new_zeros(rows.shape)
         for d, m in enumerate(self.managers):
@@ -174,9 +178,7 @@ class DevicePools:
         """Make room for num_new_tokens[i] more tokens in rows[i], each on its expert's device.
         Raises OutOfBlocksError naming the short device, changing nothing on any device, when one
         device is short."""
-        rows = torch.as_tensor(rows, dtype=torch.int64)
-        num_new_tokens = torch.as_tensor(num_new_tokens, dtype=torch.int64)
-        KVCacheManager._check_allocation(rows, num_new_tokens, rows_are_distinct)
+        rows, num_new_tokens = KVCacheManager._check_allocation(rows, num_new_tokens, rows_are_distinct)
         need, free = self.blocks_needed(rows, num_new_tokens), self.num_free_blocks
         short = (need > free).nonzero().squeeze(1)
         if short.numel():
@@ -195,7 +197,7 @@ class DevicePools:
 
     def free_rows(self, rows) -> torch.Tensor:
         """Empty some rows of held sequences (each on its device); returns (D,) blocks freed."""
-        rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+        rows = checked_ids(rows, "rows").reshape(-1)
         if rows.unique().numel() != rows.numel():
             raise ValueError("rows must be distinct within one free_rows call")
         held = set(self.managers[0]._seq_index.values())

@@ -35,11 +35,12 @@ and `snapshot_rows` / `restore_rows` undo appends (a forward that failed half-wa
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
 
-from .block_pool import BlockPool, OutOfBlocksError
+from .block_pool import BlockPool, OutOfBlocksError, a_type, checked_ids
 from .rows import RowIndex, ceil_div
 
 Moves = list[tuple[torch.Tensor, torch.Tensor]]   # (source slots, destination slots), in order
@@ -147,8 +148,10 @@ class KVCacheManager:
     def rows(self, seq_ids, layer: int, experts) -> torch.Tensor:
         """Row ids of (seq_ids[i], layer, experts[i]): (m,) int64. experts may be one int for all.
         Raises KeyError for a sequence the manager does not hold, ValueError for a bad layer/expert."""
-        seq_ids = torch.as_tensor(seq_ids, dtype=torch.int64).reshape(-1)
-        experts = torch.as_tensor(experts, dtype=torch.int64).expand_as(seq_ids)
+        if not isinstance(layer, numbers.Integral) or isinstance(layer, bool):
+            raise ValueError(f"layer={layer!r} is {a_type(layer)}; allowed: an integer in [0, {self.num_layers})")
+        seq_ids = checked_ids(seq_ids, "seq_ids").reshape(-1)
+        experts = checked_ids(experts, "experts").expand_as(seq_ids)
         if not 0 <= layer < self.num_layers or (experts.numel() and not (
                 0 <= int(experts.min()) and int(experts.max()) < self.num_experts)):
             raise ValueError(f"layer {layer} or experts {sorted(set(experts.tolist()))[:8]} outside "
@@ -263,8 +266,8 @@ class KVCacheManager:
     @staticmethod
     def _check_allocation(rows, num_new_tokens, rows_are_distinct: bool):
         """The arguments of allocate_slots as int64 tensors, or ValueError before any change."""
-        rows = torch.as_tensor(rows, dtype=torch.int64)
-        num_new_tokens = torch.as_tensor(num_new_tokens, dtype=torch.int64)
+        rows = checked_ids(rows, "rows")
+        num_new_tokens = checked_ids(num_new_tokens, "num_new_tokens")
         if rows.shape != num_new_tokens.shape or rows.dim() != 1:
             raise ValueError(f"rows and num_new_tokens must be 1-D of equal length, got "
                              f"{tuple(rows.shape)} and {tuple(num_new_tokens.shape)}")
@@ -332,7 +335,7 @@ class KVCacheManager:
             # a design that keeps rows' tails outside the block tables (shared tails) would have to
             # compact them too: not supported
             raise NotImplementedError(f"{type(self).__name__} does not free single rows")
-        rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+        rows = checked_ids(rows, "rows").reshape(-1)
         if rows.unique().numel() != rows.numel():
             raise ValueError("rows must be distinct within one free_rows call")
         held = set(self._seq_index.values())

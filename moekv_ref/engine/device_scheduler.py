@@ -233,7 +233,10 @@ class DeviceScheduler(Scheduler):
         return finished
 
     def finish(self, request: Request, step: int, reason: str = "length", error: str | None = None) -> None:
+        """Scheduler's finish (its blocks, dead rows included, go back), and the request leaves every
+        table of this scheduler: a stalled request that is aborted while it waits is no longer stalled."""
         super().finish(request, step, reason, error)
+        self.stalled.pop(request.request_id, None)
         self._forget_rows(request.request_id)
 
     def _forget_rows(self, request_id: int) -> None:
