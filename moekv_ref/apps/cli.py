@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "check_options", None) is not None:
+        args.check_options(args)      # a command's checks across its options: parser.error, exit code 2
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, KeyError, BackendUnavailableError) as error:
