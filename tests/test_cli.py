@@ -188,3 +188,74 @@ def test_readme_first_generate_example_prints_python_shaped_text(capsys):
     assert text.startswith("if __name__ == self.stoption()") and "`if __name__ == self.stoption()`" in readme
     assert re.search(r"\n {4,}\S", text)                              # an indented line
     assert max(len(run) for run in re.findall(r" +", text)) <= 12
+
+
+# ----- the parallel programs: every option checked before anything starts --------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--nproc", "0"], "--nproc 0: must be 1, 2, 4 or 8"),
+    (["--nproc", "3"], "--nproc 3: must be 1, 2, 4 or 8"),
+    (["--timeout", "0"], "--timeout 0: must be a number of seconds > 0 and at most 86400"),
+    (["--timeout", "nan"], "--timeout nan: must be a number of seconds > 0"),
+    (["--timeout", "inf"], "--timeout inf: must be a number of seconds > 0"),
+    (["--start-timeout", "-1"], "--start-timeout -1: must be a number of seconds > 0"),
+    (["--decode-steps", "-1"], "--decode-steps -1: must be an integer from 1 to 4095"),
+    (["--decode-steps", "0"], "--decode-steps 0: must be an integer from 1 to 4095"),
+    (["--context", "100000"], "--context 100000: must be an integer from 1 to 4092: the sweep model's "
+                              "max_position_embeddings=4096 positions hold the context and the 4 decode steps"),
+    (["--context", "0"], "--context 0: must be an integer from 1 to 4092"),
+    (["--context", "4000", "--decode-steps", "100"], "--context 4000: must be an integer from 1 to 3996"),
+    (["--context", "x"], "argument --context: invalid int value: 'x'"),
+    (["--placement", "kv_everywhere"], "argument --placement: invalid choice: 'kv_everywhere'"),
+    (["--expert-placement", "coactivation"], "argument --expert-placement: invalid choice: 'coactivation'"),
+])
+def test_parallel_cli_refuses_bad_values(capsys, monkeypatch, argv, message):
+    from moekv_ref.parallel import __main__ as parallel_main
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("MOEKV_FAULT", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        parallel_main.main(argv)
+    assert exit_info.value.code == 2
+    assert f"python -m moekv_ref.parallel: error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("environment, message", [
+    ({"RANK": "0", "WORLD_SIZE": "3"}, "torchrun started WORLD_SIZE=3 ranks: must be 1, 2, 4 or 8"),
+    ({"MOEKV_FAULT": "hang"}, "MOEKV_FAULT='hang' must be MODE@RANK:AT"),
+    ({"MOEKV_FAULT": "hang@2:1"}, "MOEKV_FAULT=hang@2:1: rank 2 does not exist: the ranks are 0 to 1"),
+    ({"MOEKV_FAULT": "die@1:5"}, "MOEKV_FAULT=die@1:5: step 5 never comes: the run has steps 0 (the prefill) to 4"),
+])
+def test_parallel_cli_refuses_bad_environments(capsys, monkeypatch, environment, message):
+    from moekv_ref.parallel import __main__ as parallel_main
+    monkeypatch.delenv("RANK", raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_info:
+        parallel_main.main([])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--contexts", "-5"], "--contexts -5: must be an integer from 1 to 4094: the sweep model's "
+                           "max_position_embeddings=4096 positions hold the context and the 2 decode steps"),
+    (["--contexts", "128", "4095"], "--contexts 4095: must be an integer from 1 to 4094"),
+    (["--decode-steps", "0"], "--decode-steps 0: must be an integer from 1 to 4095"),
+    (["--world-size", "3"], "--world-size 3: must be 2, 4 or 8"),
+    (["--world-size", "1"], "--world-size 1: must be 2, 4 or 8"),
+    (["--json", "/nonexistent-folder/parallel.json"],
+     "--json /nonexistent-folder/parallel.json: must be a file in an existing folder"),
+])
+def test_bench_parallel_refuses_bad_values(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "parallel", *argv])
+    assert exit_info.value.code == 2
+    assert f"python -m moekv_ref bench parallel: error: {message}" in capsys.readouterr().err
+
+
+def test_parallel_cli_exit_code_from_the_shell():
+    """The same check through a real process: exit code 2 and the message, no traceback."""
+    from pathlib import Path
+    done = subprocess.run([sys.executable, "-m", "moekv_ref.parallel", "--context", "100000"], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 2 and "--context 100000: must be an integer from 1 to 4092" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -16,6 +16,7 @@ ALLOWED_LAZY = {
     ("moekv_ref/apps/bench_step.py", "moekv_ref.checkpoint"),   # a worker importing another checkout's package
     ("moekv_ref/apps/bench_step.py", "moekv_ref.engine"),
     ("moekv_ref/apps/bench_step.py", "moekv_ref.sampling"),
+    ("moekv_ref/apps/bench_step.py", "moekv_ref.apps.options"),   # this module runs in that worker too
 }
 
 

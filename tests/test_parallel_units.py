@@ -80,16 +80,19 @@ def test_coactivation_placement_keeps_pairs_together():
         2 * rows["coactivation"]["dispatch_bytes_per_token_layer_once_per_rank"]
 
 
-def test_bad_inputs_are_refused_before_anything_starts(capsys):
-    from moekv_ref.apps import cli
+def test_bad_inputs_are_refused_before_anything_starts():
+    # (the command lines' options: tests/test_cli.py)
     from moekv_ref.parallel import launch
     from moekv_ref.parallel.locality import kv_location_map
-    assert cli.main(["bench", "parallel", "--world-size", "3"]) == 2
-    assert "--world-size 3" in capsys.readouterr().err
     with pytest.raises(ValueError, match="module-level function"):
         launch(lambda context: None, 2)
     with pytest.raises(ValueError, match="world_size=0"):
         launch(compare_placements, 0)
+    for name, value in [("timeout_s", 0), ("timeout_s", float("nan")), ("start_timeout_s", float("inf"))]:
+        with pytest.raises(ValueError, match=f"{name}={value!r} must be a number of seconds > 0"):
+            launch(compare_placements, 2, **{name: value})
+    with pytest.raises(ValueError, match="grace_s=-1 must be"):
+        launch(compare_placements, 2, grace_s=-1)
     with pytest.raises(ValueError, match="kv_placement='kv_everywhere'"):
         kv_location_map([torch.ones(3, 4, dtype=torch.bool)], torch.zeros(1, 4), "kv_everywhere", 0)
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
 
 from ..checkpoint import load_default_model
 from ..config import ModelConfig
+from ..parallel import options
 from ..parallel.cost_model import measured_shape_bytes, real_shape_projections
 from ..parallel.kv_placements import KV_PLACEMENTS
 from ..parallel.locality import attention_routing_of_text, compare_placements, format_placement_table
@@ -30,19 +32,43 @@ from ..parallel.measure import bytes_table, context_sweep_specs, pool_table
 from ..parallel.programs import run_parallel, total_bytes, total_traffic
 
 
+WORLD_SIZES = tuple(w for w in options.WORLD_SIZES if w >= 2)   # a sweep of one rank moves nothing
+# a collective's wait for a peer, kept generous (not the launcher's 15 s): --contexts up to 4095 on 8
+# ranks of a loaded 2-core machine can keep peers waiting far longer than the ~1 s measured at 4 ranks
+# and context 2048, and a benchmark is not where hangs are caught
+COLLECTIVE_TIMEOUT_S = 120
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="python -m moekv_ref bench parallel", description=__doc__)
-    parser.add_argument("--world-size", type=int, default=4, help="ranks (processes) to start")
+    parser.add_argument("--world-size", type=int, default=4,
+                        help=f"ranks (processes) to start: {options.one_of(WORLD_SIZES)}")
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048],
-                        help="context lengths of the sweep")
-    parser.add_argument("--decode-steps", type=int, default=2, help="decode steps measured per context")
-    parser.add_argument("--json", default=None, help="write every figure to this JSON file")
+                        help=f"context lengths of the sweep (each from 1 to {options.MAX_POSITIONS} "
+                             f"minus --decode-steps)")
+    parser.add_argument("--decode-steps", type=int, default=2, help="decode steps measured per context (at least 1)")
+    parser.add_argument("--json", default=None, help="write every figure to this JSON file (its folder must exist)")
     return parser
+
+
+def check_args(args) -> None:
+    """Every option, before anything starts: a ValueError naming the first bad one (cli.main turns it
+    into parser.error, exit status 2)."""
+    problem = options.world_size_problem(args.world_size, WORLD_SIZES, " (and one rank would move nothing)")
+    if problem:
+        raise ValueError(f"--world-size {args.world_size}: {problem}")
+    for problem in options.positions_problems(args.contexts, args.decode_steps, "--contexts"):
+        raise ValueError(problem)
+    if args.json is not None:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json) or not os.path.isdir(folder):
+            raise ValueError(f"--json {args.json}: must be a file in an existing folder "
+                             f"({'it is a folder' if os.path.isdir(args.json) else f'{folder} does not exist'})")
 
 
 def run_sweep(world_size: int, contexts, decode_steps: int):
     specs = context_sweep_specs(world_size, tuple(contexts), num_decode_steps=decode_steps)
-    runs = run_parallel(specs, world_size, timeout_s=120)
+    runs = run_parallel(specs, world_size, timeout_s=COLLECTIVE_TIMEOUT_S)
     return specs, runs
 
 
@@ -85,9 +111,6 @@ def format_projections(rows: list[dict]) -> str:
 
 
 def main(args) -> int:
-    if args.world_size < 2 or 8 % args.world_size:
-        raise ValueError(f"--world-size {args.world_size}: the sweep model has 8 experts per layer, so the "
-                         f"world size must be 2, 4 or 8")
     torch.set_num_threads(1)
     start = time.perf_counter()
     specs, runs = run_sweep(args.world_size, args.contexts, args.decode_steps)

@@ -55,7 +55,7 @@ from einops import einsum, rearrange
 from ..attention import attend_by_position, score_dtype
 from ..backends import require_backend
 from ..config import ModelConfig
-from .device_kv_cache_manager import DeviceKVCacheManager, checked_placement
+from .device_kv_cache_manager import DeviceKVCacheManager, checked_blocks_per_device, checked_placement
 from .kv_cache_manager import KVCacheManager, check_block_size
 from .rows import worst_case_lifetime_blocks
 from .prefix_cache import PrefixCachingKVCacheManager
@@ -120,8 +120,9 @@ class PagedKVCache:
                 f"{minimum} blocks (num_hidden_layers={L} x num_attention_experts_per_tok={K}); "
                 f"allow at least {minimum}"
             )
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r} must be True or False")
+        for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("shared_tails", shared_tails)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}={flag!r} must be True or False")
         if enable_prefix_caching and (shared_tails or blocks_per_device is not None):
             raise ValueError("enable_prefix_caching=True works on one pool of plain pages: not with "
                              "shared_tails=True or per-device pools (blocks_per_device)")
@@ -154,7 +155,7 @@ class PagedKVCache:
         if shared_tails:
             raise ValueError("shared_tails=True cannot be combined with per-device pools")
         L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
-        blocks_per_device = [int(n) for n in blocks_per_device]
+        blocks_per_device = checked_blocks_per_device(blocks_per_device)
         if sum(blocks_per_device) != num_blocks:
             raise ValueError(f"num_blocks={num_blocks} must equal sum(blocks_per_device)="
                              f"{sum(blocks_per_device)}")
@@ -178,7 +179,7 @@ class PagedKVCache:
         token in k_max experts, and a partly filled last block in every row it reaches)."""
         config = model.config
         if num_blocks is None and blocks_per_device is not None:
-            num_blocks = sum(int(n) for n in blocks_per_device)
+            num_blocks = sum(checked_blocks_per_device(blocks_per_device))
         if num_blocks is None:                      # every sequence at its worst, partly filled blocks included
             num_blocks = max_num_seqs * worst_case_lifetime_blocks(
                 config.max_position_embeddings, config.num_hidden_layers, config.num_attention_experts,

@@ -3,7 +3,8 @@ attention experts' KV caches, every byte that travels counted.
 
     comm.py           Communicator: all_to_all_single / all_gather / broadcast with byte counters per
                       rank and step, timing, and errors that name the rank and collective that failed
-    launcher.py       launch(function, world_size, args): spawn ranks from Python (gloo or NCCL)
+    launcher.py       launch(function, world_size, args): spawn ranks from Python (gloo or NCCL); the
+                      start-up and collective timeouts; test-only fault injection (MOEKV_FAULT)
     dispatch.py       DispatchPlan: a token's hidden state once per destination rank; dispatch, combine
     shard.py          RankShard: the experts a rank holds, and the replicated small parts
     kv_placements.py  kv_with_expert, kv_with_sequence, replicated_attention
@@ -13,6 +14,7 @@ attention experts' KV caches, every byte that travels counted.
     measure.py        the context sweep and the tables made from the counters
     cost_model.py     bytes, FLOPs and HBM reads per step -> projected step times on real hardware
     serving.py        the serving engine's scheduler on rank 0 over per-rank pools, plans broadcast
+    options.py        the values the command lines accept, checked before anything starts
     __main__.py       `torchrun --nproc_per_node=N -m moekv_ref.parallel ...`
 """
 

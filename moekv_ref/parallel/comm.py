@@ -17,10 +17,11 @@ uneven sizes; the single-tensor form does not.)
 
 Failure: before each collective a rank writes its progress (the collective's sequence number and
 name) to the process group's key-value store. When a collective raises (a peer died: the connection
-closes; a peer hangs: the timeout given to init_process_group runs out), the rank reads every peer's
-progress and raises a CollectiveError naming the ranks that never reached this collective and what
-they were last doing. The store should live outside the workers (the Python launcher hosts it in the
-parent process; torchrun's agent hosts its own), so that it outlives a dead rank.
+closes; a peer hangs: the group's timeout runs out, launcher.py), the rank reads every peer's progress
+and raises a CollectiveError whose message starts with the ranks that never reached this collective
+(the hung or dead ones, also in its `missing`), then says what they were last doing, which rank
+waited and for how long. The store should live outside the workers (the Python launcher hosts it in
+the parent process; torchrun's agent hosts its own), so that it outlives a dead rank.
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ import torch.distributed as dist
 
 
 class CollectiveError(RuntimeError):
-    """A collective failed on this rank; the message names the collective and the ranks behind."""
+    """A collective failed on this rank; the message names the ranks that never reached it, then the
+    collective, this rank and how long it waited. missing: those ranks (empty if every peer reached it
+    or their progress could not be read)."""
+
+    def __init__(self, message: str, missing: tuple = ()):
+        super().__init__(message)
+        self.missing = tuple(missing)
 
 
 @dataclass
@@ -146,7 +153,8 @@ class Communicator:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as error:   # gloo raises RuntimeError, NCCL DistBackendError: both are failures
-            raise CollectiveError(self._diagnose(label, error)) from error
+            message, missing = self._diagnose(label, error, time.perf_counter() - start)
+            raise CollectiveError(message, missing) from error
         seconds = time.perf_counter() - start
         peers = [r for r in range(self.world_size) if r != self.rank]
         self.records.append(CollectiveRecord(
@@ -155,13 +163,14 @@ class Communicator:
             bytes_received=recv_unit * sum(recv_counts[r] for r in peers),
             seconds=seconds))
 
-    def _diagnose(self, label: str, error: Exception) -> str:
-        """Which ranks never reached this collective, read from the store's progress keys."""
+    def _diagnose(self, label: str, error: Exception, waited: float) -> tuple[str, tuple]:
+        """(message, missing ranks): which ranks never reached this collective, read from the store's
+        progress keys, named first; then this rank, how long it waited, and the backend's cause."""
         cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        head = f"rank {self.rank}: {label} failed"
+        seen = f"rank {self.rank} waited {waited:.1f} s in it. Cause seen there: {cause}"
         if self.store is None:
-            return f"{head}: {cause}"
-        behind, unknown = [], []
+            return f"{label} failed on rank {self.rank} after {waited:.1f} s: {cause}", ()
+        behind, unknown = {}, []
         try:
             self.store.set_timeout(datetime.timedelta(seconds=2))
         except Exception:
@@ -172,16 +181,19 @@ class Communicator:
             try:
                 key = f"moekv/progress/{peer}"
                 if not self.store.check([key]):
-                    behind.append(f"rank {peer} (never started a collective)")
+                    behind[peer] = "never started a collective"
                     continue
                 sequence, last = self.store.get(key).decode().split("|", 1)
                 if int(sequence) < self._sequence:
-                    behind.append(f"rank {peer} (last reached {last})")
+                    behind[peer] = f"last reached {last}"
             except Exception:
                 unknown.append(peer)
         if behind:
-            who = "; ".join(behind)
-            return f"{head}: {who} never reached it: it died or hangs. Cause seen here: {cause}"
+            ranks = sorted(behind)
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+            details = "; ".join(f"rank {peer} {behind[peer]}" for peer in ranks)
+            return (f"{who} never reached {label}: hung or dead ({details}); {seen}", tuple(ranks))
         if unknown:
-            return f"{head}: could not read the progress of ranks {unknown}. Cause seen here: {cause}"
-        return f"{head}: every peer reached it. Cause seen here: {cause}"
+            return (f"{label} failed on rank {self.rank}: could not read the progress of ranks {unknown}; "
+                    f"{seen}", ())
+        return f"{label} failed on rank {self.rank} although every peer reached it; {seen}", ()

@@ -4,26 +4,50 @@
 
 `launch` spawns one process per rank (the "spawn" start method, so the worker must be a function
 importable from a module: notebooks and tests pass functions of moekv_ref.parallel.programs). Each
-process joins one process group (gloo on CPU, NCCL when CUDA is available and backend=None), builds a
-`Communicator`, calls `function(context, *args)` and sends its return value back to the parent.
+process joins the process group (gloo on CPU, NCCL when CUDA is available and backend=None) through
+`join_group`, builds a `Communicator`, calls `function(context, *args)` and sends its return value
+back to the parent.
 
 The key-value store that the ranks rendezvous through lives in the parent, so it outlives any rank:
 a rank that sees a collective fail can still read how far its peers got (comm.py names them).
 
-Failure: `timeout_s` goes to init_process_group, so a collective waiting on a rank that hangs raises
-after that many seconds instead of the 30-minute default; a dead rank makes its peers' collectives
-raise at once (its connections close). As soon as one rank fails, the parent gives the others
-`grace_s` to report their own error, then kills whoever is left (a hung rank never returns on its
-own) and raises WorkerFailed with every rank's message. `torchrun` does the same for
-`python -m moekv_ref.parallel`.
+Two timeouts, because starting and waiting are different things:
+
+- `start_timeout_s` (default 120 s): how long a rank waits for the others to join, from connecting to
+  the store to the end of init_process_group. Spawning a process and importing torch takes seconds,
+  and many more on a loaded machine; a generous limit here costs nothing when nothing is wrong.
+- `timeout_s` (default 15 s): how long one collective may wait for a peer. `join_group` gives it to
+  the process group the collectives run on (`dist.new_group(timeout=...)`, made once every rank has
+  joined), so a collective waiting on a rank that hangs raises after that many seconds instead of the
+  30-minute default. On this CPU the longest wait a healthy run has shown is about a second
+  (`bench parallel`, 4 ranks, context 2048), so 15 s is a hang, not a slow step.
+
+A dead rank makes its peers' collectives raise at once (its connections close). As soon as one rank
+fails, the parent gives the others `grace_s` (default 3 s) to report their own error, then kills
+whoever is left (a hung rank never returns on its own) and raises WorkerFailed, whose message starts
+with the ranks that kept a peer waiting (read from the progress keys, or from the keys each rank sets
+before joining) and then has every rank's own message. With the defaults every rank is gone about
+timeout_s + grace_s = 18 s after a rank hangs, well within 30 s (tests/test_parallel_failure.py checks
+the defaults, and times a hang under torchrun with them).
+
+`torchrun -m moekv_ref.parallel` (__main__.py) joins the same way, through `join_group`. A rank whose
+collective fails prints the ranks that never reached it, records that message for torchrun's summary
+(its "Root Cause" is the first rank to exit, which is the one that waited: a hung rank cannot exit)
+and exits at once; torchrun notices within its monitor interval (0.1 s) and ends the other ranks with
+SIGTERM. Every rank is gone about timeout_s + 1 s after a rank hangs.
+
+Fault injection, for tests only: the environment variable MOEKV_FAULT (`parse_fault`) makes one rank
+die or hang at a step (RunSpec.fail_*, applied by __main__.py) or start late (`join_group`).
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import pickle
 import queue as queue_module
+import re
 import time
 import traceback
 from dataclasses import dataclass
@@ -32,20 +56,28 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .comm import Communicator
+from .comm import CollectiveError, Communicator
 
 
 FAULT_KEY = "moekv/fault_at"   # where an injected fault notes its wall-clock time
+FAULT_ENV = "MOEKV_FAULT"      # test-only fault injection: see parse_fault
+DEFAULT_START_TIMEOUT_S = 120.0
+DEFAULT_TIMEOUT_S = 15.0       # a collective's wait for a peer
+DEFAULT_GRACE_S = 3.0
+MAX_TIMEOUT_S = 86400.0        # a day: beyond it a timeout is no longer a limit (and timedelta overflows)
 
 
 class WorkerFailed(RuntimeError):
-    """One or more ranks failed; the message has each failed rank's error. ended_at: wall-clock time
-    when every rank was gone; fault_at: when an injected fault happened (None if none was noted)."""
+    """One or more ranks failed; the message names the ranks that kept their peers waiting, then has
+    each failed rank's error. missing: the ranks some peer waited for in vain, in a collective or to
+    join (hung, dead or never started); ended_at: wall-clock time when every rank was gone;
+    fault_at: when an injected fault happened (None if none was noted)."""
 
-    def __init__(self, message: str, ended_at: float, fault_at: float | None):
+    def __init__(self, message: str, ended_at: float, fault_at: float | None, missing: tuple = ()):
         super().__init__(message)
         self.ended_at = ended_at
         self.fault_at = fault_at
+        self.missing = tuple(missing)
 
 
 @dataclass
@@ -57,60 +89,146 @@ class WorkerContext:
     device: torch.device
 
 
+@dataclass(frozen=True)
+class Fault:
+    """An injected fault: `mode` "die" or "hang" at the start of decode step `at` (an integer; 0 is the
+    prefill), or "slow_start": join the process group `at` seconds late."""
+    mode: str
+    rank: int
+    at: float
+
+
+FAULT_MODES = ("die", "hang", "slow_start")
+
+
+def parse_fault(text: str) -> Fault:
+    """MOEKV_FAULT's value: MODE@RANK:AT, e.g. "hang@1:2" (rank 1 hangs at the start of step 2),
+    "die@0:1", "slow_start@1:5" (rank 1 joins 5 s late). Test-only."""
+    match = re.fullmatch(r"(\w+)@(\d+):(\d+(?:\.\d*)?)", text.strip())
+    if not match or match.group(1) not in FAULT_MODES:
+        raise ValueError(f"{FAULT_ENV}={text!r} must be MODE@RANK:AT with MODE one of {FAULT_MODES}: "
+                         f"e.g. hang@1:2 (rank 1 hangs at decode step 2) or slow_start@1:5 (joins 5 s late)")
+    mode, rank, at = match.group(1), int(match.group(2)), float(match.group(3))
+    if mode != "slow_start" and not at.is_integer():
+        raise ValueError(f"{FAULT_ENV}={text!r}: the step of {mode!r} must be an integer")
+    return Fault(mode, rank, at)
+
+
+def fault_from_environment() -> Fault | None:
+    text = os.environ.get(FAULT_ENV, "")
+    return parse_fault(text) if text.strip() else None
+
+
+def check_seconds(name: str, value) -> float:
+    """A timeout: a finite number of seconds in (0, MAX_TIMEOUT_S]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"{name}={value!r} must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:.0f}")
+    return float(value)
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _worker_main(rank, world_size, port, backend, timeout_s, function, args, results):
+def join_group(backend: str, timeout_s: float, start_timeout_s: float, store=None, rank: int = -1,
+               world_size: int = -1, local_rank: int = 0) -> WorkerContext:
+    """Join the process group, waiting up to start_timeout_s for every rank, then make the group the
+    collectives run on, whose timeout is timeout_s. store=None: torchrun's environment (env://)."""
+    fault = fault_from_environment()
+    if fault is not None and fault.mode == "slow_start" and fault.rank == (
+            rank if store is not None else int(os.environ.get("RANK", 0))):
+        time.sleep(fault.at)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    start = datetime.timedelta(seconds=start_timeout_s)
+    if store is None:
+        dist.init_process_group(backend, timeout=start)
+        try:
+            progress = dist.distributed_c10d._get_default_store()   # progress keys for naming a failed rank
+        except Exception:   # noqa: BLE001: without it, errors name only the collective
+            progress = None
+    else:
+        store.set(f"moekv/joined/{rank}", "1")
+        began = time.monotonic()
+        try:
+            dist.init_process_group(backend, store=dist.PrefixStore("process_group", store), rank=rank,
+                                    world_size=world_size, timeout=start)
+        except Exception as error:   # noqa: BLE001: name the ranks that never came, if that is why
+            absent = tuple(r for r in range(world_size) if not store.check([f"moekv/joined/{r}"]))
+            if not absent:
+                raise
+            who = f"rank {absent[0]}" if len(absent) == 1 else "ranks " + ", ".join(map(str, absent))
+            cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            raise CollectiveError(f"{who} never joined the process group: rank {rank} waited "
+                                  f"{time.monotonic() - began:.1f} s for it (start timeout "
+                                  f"{start_timeout_s:g} s). Cause seen there: {cause}", absent) from error
+        progress = store
+    # every rank has joined: from here on a peer that keeps a collective waiting longer than
+    # timeout_s has hung (or died)
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    return WorkerContext(rank, world_size, Communicator(rank, world_size, device, store=progress, group=group),
+                         device)
+
+
+def _worker_main(rank, world_size, port, backend, timeout_s, start_timeout_s, function, args, results):
     torch.set_num_threads(1)
     try:
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-        device = torch.device("cpu")
-        if backend == "nccl":
-            device = torch.device("cuda", rank % torch.cuda.device_count())
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend, store=dist.PrefixStore("process_group", store), rank=rank,
-                                world_size=world_size, timeout=timeout)
-        comm = Communicator(rank, world_size, device, store=store)
-        value = function(WorkerContext(rank, world_size, comm, device), *args)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=datetime.timedelta(seconds=start_timeout_s))
+        context = join_group(backend, timeout_s, start_timeout_s, store, rank, world_size, rank)
+        value = function(context, *args)
         results.put((rank, "ok", pickle.dumps(value)))
         dist.destroy_process_group()
     except BaseException as error:   # noqa: BLE001: every failure must reach the parent
         message = f"{type(error).__name__}: {error}"
-        if not isinstance(error, Exception) or type(error).__name__ != "CollectiveError":
+        if not isinstance(error, CollectiveError):
             message += "\n" + "".join(traceback.format_exception(error)[-4:])
-        results.put((rank, "error", message))
+        missing = error.missing if isinstance(error, CollectiveError) else ()
+        results.put((rank, "error", (message, missing)))
         results.close()
         results.join_thread()
         os._exit(1)   # skip destroy_process_group, which can itself wait on dead peers
 
 
 def launch(function, world_size: int, args: tuple = (), backend: str | None = None,
-           timeout_s: float = 20.0, grace_s: float = 3.0) -> list:
+           timeout_s: float = DEFAULT_TIMEOUT_S, start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+           grace_s: float = DEFAULT_GRACE_S) -> list:
     """Run function(context, *args) on world_size ranks; returns the ranks' return values in rank
-    order, or raises WorkerFailed naming every rank that failed (within timeout_s + grace_s of a
-    failure, whatever the failed rank does)."""
+    order, or raises WorkerFailed naming every rank that failed. timeout_s: how long a collective
+    waits for a peer; start_timeout_s: how long a rank waits for the others to join; grace_s: how long
+    the others may take to report after one rank failed. A rank that hangs in a collective's way is
+    gone within timeout_s + grace_s (plus a second) of the hang, whatever it does."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer")
     backend = backend or default_backend()
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r} is not one of ('gloo', 'nccl')")
+    timeout_s = check_seconds("timeout_s", timeout_s)
+    start_timeout_s = check_seconds("start_timeout_s", start_timeout_s)
+    if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not 0 <= grace_s <= 60:
+        raise ValueError(f"grace_s={grace_s!r} must be a number of seconds from 0 to 60")
     if not callable(function) or "<locals>" in getattr(function, "__qualname__", "<locals>") \
             or getattr(function, "__module__", "__main__") == "__main__":
         raise ValueError(f"{function!r} must be a module-level function of an importable module: the "
                          f"ranks are spawned processes that import it by name")
+    fault_from_environment()   # a bad MOEKV_FAULT fails here, not in every rank
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+                          timeout=datetime.timedelta(seconds=start_timeout_s))
     context = mp.get_context("spawn")
     results = context.Queue()
     processes = [context.Process(target=_worker_main, daemon=True,
-                                 args=(rank, world_size, store.port, backend, timeout_s, function, args, results))
+                                 args=(rank, world_size, store.port, backend, timeout_s, start_timeout_s,
+                                       function, args, results))
                  for rank in range(world_size)]
     for process in processes:
         process.start()
     values: dict[int, object] = {}
     errors: dict[int, str] = {}
+    missing: set[int] = set()
     failed_at = None
     try:
         while len(values) + len(errors) < world_size:
@@ -119,7 +237,8 @@ def launch(function, world_size: int, args: tuple = (), backend: str | None = No
                 if status == "ok":
                     values[rank] = pickle.loads(payload)
                 else:
-                    errors[rank] = payload
+                    errors[rank], behind = payload
+                    missing.update(behind)
             except queue_module.Empty:
                 pass
             for rank, process in enumerate(processes):
@@ -131,7 +250,8 @@ def launch(function, world_size: int, args: tuple = (), backend: str | None = No
             if failed_at is not None and time.monotonic() - failed_at > grace_s:
                 for rank, process in enumerate(processes):
                     if rank not in values and rank not in errors:
-                        errors[rank] = "killed by the launcher: still running after another rank failed"
+                        errors[rank] = (f"killed by the launcher: still running {grace_s:g} s after another "
+                                        f"rank failed")
                 break
     finally:
         for process in processes:
@@ -142,6 +262,12 @@ def launch(function, world_size: int, args: tuple = (), backend: str | None = No
                 process.join(timeout=5)
     if errors:
         lines = [f"rank {rank}: {errors[rank]}" for rank in sorted(errors)]
+        head = f"{len(errors)} of {world_size} ranks failed"
+        if missing:
+            who = ", ".join(str(r) for r in sorted(missing))
+            head = (f"rank{'s' if len(missing) > 1 else ''} {who} kept "
+                    f"{'their' if len(missing) > 1 else 'its'} peers waiting in vain (hung, dead or never "
+                    f"started); {head}")
         fault_at = float(store.get(FAULT_KEY).decode()) if store.check([FAULT_KEY]) else None
-        raise WorkerFailed(f"{len(errors)} of {world_size} ranks failed:\n" + "\n".join(lines), time.time(), fault_at)
+        raise WorkerFailed(head + ":\n" + "\n".join(lines), time.time(), fault_at, tuple(sorted(missing)))
     return [values[rank] for rank in range(world_size)]

@@ -16,6 +16,7 @@ the ranks return; `reference_run` runs the same schedule in one process with `fo
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ from ..cache import PagedKVCache
 from ..checkpoint import load_default_model
 from ..config import ModelConfig
 from ..model import MoEKVTransformer
-from .launcher import FAULT_KEY, WorkerContext, launch
+from .launcher import DEFAULT_START_TIMEOUT_S, DEFAULT_TIMEOUT_S, FAULT_KEY, WorkerContext, launch
 from .runner import ParallelRunner
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -84,8 +85,8 @@ class RunSpec:
     block_size: int = 16
     record_logits: bool = True
     label: str = ""
-    # fault injection, for the failure tests and the notebook: at the start of fail_step, rank
-    # fail_rank exits at once (fail_mode "die") or sleeps for an hour ("hang")
+    # fault injection, for the failure tests (and MOEKV_FAULT, launcher.parse_fault): at the start of
+    # fail_step, rank fail_rank exits at once (fail_mode "die") or sleeps for an hour ("hang")
     fail_rank: int = -1
     fail_step: int = -1
     fail_mode: str = ""
@@ -161,20 +162,24 @@ def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
 
 
 def inject_failure(mode: str, store=None) -> None:
-    """Die or hang now, noting the wall-clock time in the store first (the launcher reports how long
-    after it every rank was gone)."""
+    """Die or hang now, noting the wall-clock time in the store and on stderr first (the launcher
+    reports how long after it every rank was gone; under torchrun, stderr is all that outlives it)."""
+    if mode not in ("die", "hang"):
+        raise ValueError(f"fail_mode={mode!r} is not one of ('die', 'hang')")
+    now = time.time()
     if store is not None:
-        store.set(FAULT_KEY, repr(time.time()))
+        store.set(FAULT_KEY, repr(now))
+    print(f"injected fault: {mode} at wall-clock time {now:.3f}", file=sys.stderr, flush=True)
     if mode == "die":
         os._exit(3)
-    if mode == "hang":
-        time.sleep(3600)
-    raise ValueError(f"fail_mode={mode!r} is not one of ('die', 'hang')")
+    time.sleep(3600)   # hang: only a signal (the launcher's kill, torchrun's SIGTERM) ends it
 
 
-def run_parallel(specs: list[RunSpec], world_size: int, timeout_s: float = 30.0) -> list[list[RankResult]]:
-    """Launch run_specs on world_size ranks: for each spec, the list of its ranks' results."""
-    per_rank = launch(run_specs, world_size, (list(specs),), timeout_s=timeout_s)
+def run_parallel(specs: list[RunSpec], world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> list[list[RankResult]]:
+    """Launch run_specs on world_size ranks: for each spec, the list of its ranks' results.
+    timeout_s: a collective's wait for a peer; start_timeout_s: the wait for every rank to join."""
+    per_rank = launch(run_specs, world_size, (list(specs),), timeout_s=timeout_s, start_timeout_s=start_timeout_s)
     return [[per_rank[rank][i] for rank in range(world_size)] for i in range(len(specs))]
 
 
