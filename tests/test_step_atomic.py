@@ -12,6 +12,7 @@ step on, with nothing lost and nothing leaked, and every request gets the tokens
   accepts runs without num_blocks.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -243,3 +244,12 @@ def test_the_default_paged_pool_holds_the_longest_prompts_the_model_accepts():
     params = SamplingParams(max_new_tokens=1, temperature=0)
     paged = generate(model, prompts, params, cache="paged")
     assert paged.tokens == generate(model, prompts, params, cache="contiguous").tokens
+
+
+def test_abort_takes_the_integer_kinds_add_request_takes(model, workload):
+    engine = make_engine(model, FAULT_POOL)
+    request_id = engine.add_request(*[x[0] for x in workload])
+    assert engine.abort_request(np.int64(request_id)).finish_reason == "aborted"
+    for bad in (0.0, True, "0"):
+        with pytest.raises(ValueError, match="is not a request of this engine"):
+            engine.abort_request(bad)

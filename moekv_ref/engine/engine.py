@@ -19,6 +19,7 @@ and forgotten, and `stats()` is kept in counters: memory stays flat however many
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -209,6 +210,8 @@ class LLMEngine:
         """Stop a request, from any state: its device blocks and swap blocks go back now. Returns
         its output so far (finish_reason "aborted"), or None if it had already finished. Raises
         ValueError for an id this engine never gave out."""
+        if isinstance(request_id, numbers.Integral) and not isinstance(request_id, bool):
+            request_id = int(request_id)            # numpy integers too, as add_request's tokens
         if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id < self._next_request_id:
             given = (f"ids 0..{self._next_request_id - 1} were given out" if self._next_request_id
                      else "no request has been added yet")
