@@ -11,6 +11,7 @@
     baselines.py     the benchmark's baselines as batching policies: continuous_reserved, static
     scheduler.py     Scheduler: the paged loop over integers (reserve, preempt, admit), SchedulerOutput
     model_runner.py  ModelRunner: the swap copies, then one forward_cached over the flat ragged batch
+    undo.py          Snapshot: the scheduler's state, restored in place when a step raises
     engine.py        LLMEngine: add_request / step / abort_request / generate; failed steps undone;
                      statistics (history opt-in); generate_with_engine (`generate --cache paged`)
     workload.py      workloads with arrivals, and running one through an engine

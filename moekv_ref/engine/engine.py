@@ -78,7 +78,7 @@ class EngineStats:
     mean_concurrent_sequences: float = 0.0   # over every recorded step, idle ones included
     num_aborted: int = 0
     num_failed: int = 0         # finished with finish_reason "error"
-    num_failed_steps: int = 0   # steps whose forward (or block copies) raised and were undone
+    num_failed_steps: int = 0   # steps that raised (anywhere) and were undone
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -105,10 +105,10 @@ class LLMEngine:
     the request `events`, for figures and tables of one run. Off by default: a long-running engine
     then holds only its unfinished requests, and memory does not grow with the requests served.
 
-    Faults: a step whose forward raises (out of memory in some layer, an interrupt) is undone -- the
-    K/V earlier layers appended are truncated away -- and the exception propagates; stepping on
-    runs the same tokens again. A request whose own sampling fails finishes with finish_reason
-    "error" and the others go on. `abort_request` takes a request out from any state.
+    Faults: a step that raises anywhere (a policy, the block copies, out of memory in some layer, the
+    bookkeeping after the forward, an interrupt) is undone (see `step`) and the exception propagates;
+    stepping on runs the same tokens again. A request whose own sampling fails finishes with
+    finish_reason "error" and the others go on. `abort_request` takes a request out from any state.
     """
 
     def __init__(self, model: MoEKVTransformer, num_blocks: int, block_size: int = 16,

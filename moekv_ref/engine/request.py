@@ -40,6 +40,9 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class Request:
+    # kept by reference when a failed step is undone (engine/undo.py): set once, never changed
+    _UNDO_SHARED = ("prompt_token_ids", "sampling_params")
+
     request_id: int
     prompt_token_ids: list[int]
     sampling_params: SamplingParams

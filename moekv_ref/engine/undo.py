@@ -36,6 +36,7 @@ from collections import OrderedDict, deque
 import torch
 
 _PACKAGE = __name__.split(".")[0]
+_ATOMS = {int, float, bool, str, bytes, type(None)}       # immutable: copied by reference
 
 
 class Snapshot:
@@ -61,9 +62,13 @@ class Snapshot:
         self._saved = {}
 
     def _copy(self, value):
+        if type(value) in _ATOMS:
+            return value
         if isinstance(value, torch.Tensor):
             return value.clone()
         if isinstance(value, (list, set)):
+            if all(type(v) in _ATOMS for v in value):            # token ids, free slots: the usual case
+                return value.copy()
             return type(value)(self._copy(v) for v in value)
         if isinstance(value, deque):
             return deque((self._copy(v) for v in value), maxlen=value.maxlen)
