@@ -2,7 +2,8 @@
 
 Each file reads like a Triton tutorial, top to bottom: what it computes, the @triton.jit kernel with
 a comment per argument, a thin launcher with asserts, the plain-PyTorch reference it must equal, and
-a small benchmark under `if __name__ == "__main__"` (`python -m kernels.paged_attention`).
+a check against the reference under `if __name__ == "__main__"` (`python -m kernels.paged_attention`).
+The benchmark is a program over the kernels (`python -m kernels.bench`); no kernel imports it.
 
     paged_attention.py          decode attention over the paged per-expert cache: one query per
                                 row (sequence, layer, expert), online softmax in float32, both

@@ -54,14 +54,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from moekv_ref.hardware import GPUS, SM_LIMITS, gpus_of
+
 from ._utils import Launch, describing_launches, is_interpreting
 
 # ----- the targets --------------------------------------------------------------------------------
-# Per-SM limits from NVIDIA's CUDA C++ Programming Guide (table "Technical Specifications per Compute
-# Capability") and the NVIDIA H100 / A100 Tensor Core GPU architecture whitepapers.
-# Peak HBM bandwidth from NVIDIA's datasheets: "NVIDIA H200 Tensor Core GPU" datasheet (H200 SXM,
-# 4.8 TB/s), "NVIDIA H100 Tensor Core GPU" datasheet (H100 SXM, 3.35 TB/s) and "NVIDIA A100 Tensor
-# Core GPU" datasheet (A100 80GB SXM, 2,039 GB/s).
+# Per-SM limits and HBM bandwidths come from moekv_ref/hardware.py, the one hardware table, where
+# each number has its source.
 
 
 @dataclass(frozen=True)
@@ -69,30 +68,31 @@ class Target:
     name: str                   # as printed: "sm_90"
     capability: int             # 90 = compute capability 9.0
     gpus: tuple                 # ((GPU name, HBM bytes per second), ...) built on this architecture
-    registers_per_sm: int = 65536
-    shared_per_sm: int = 228 * 1024
-    max_warps_per_sm: int = 64
-    max_blocks_per_sm: int = 32
-    reserved_shared_per_block: int = 1024
+    registers_per_sm: int
+    shared_per_sm: int
+    max_warps_per_sm: int
+    max_blocks_per_sm: int
+    reserved_shared_per_block: int
 
 
-TARGETS = {
-    "sm_90": Target("sm_90", 90, (("H200", 4.8e12), ("H100 SXM", 3.35e12)), shared_per_sm=228 * 1024),
-    "sm_80": Target("sm_80", 80, (("A100 80GB", 2.039e12),), shared_per_sm=164 * 1024),
-}
+def _target(architecture: str) -> Target:
+    limits = SM_LIMITS[architecture]
+    return Target(architecture, int(architecture.split("_")[1]),
+                  tuple((gpu.name, gpu.hbm_bytes_per_s) for gpu in gpus_of(architecture)),
+                  limits.registers_per_sm, limits.shared_per_sm, limits.max_warps_per_sm,
+                  limits.max_blocks_per_sm, limits.reserved_shared_per_block)
 
 
-# how torch.cuda.get_device_name() names them (the PCIe and 40 GB parts have other bandwidths)
-DEVICE_NAMES = {"H200": ("H200",), "H100 SXM": ("H100", "HBM3"), "A100 80GB": ("A100-SXM4-80GB",)}
+TARGETS = {architecture: _target(architecture) for architecture in ("sm_90", "sm_80")}
 
 
 def hbm_bandwidth(device_name: str) -> tuple[str, float] | None:
     """(GPU, datasheet HBM bytes/s) for a device name, e.g. "NVIDIA H100 80GB HBM3"; None for a GPU
-    not in TARGETS (then the benchmark reports no bound rather than a wrong one)."""
-    for target in TARGETS.values():
-        for gpu, bandwidth in target.gpus:
-            if all(part in device_name for part in DEVICE_NAMES[gpu]):
-                return gpu, bandwidth
+    not in the hardware table (then the benchmark reports no bound rather than a wrong one; the PCIe
+    and 40 GB parts have other bandwidths)."""
+    for gpu in GPUS.values():
+        if all(part in device_name for part in gpu.device_name_parts):
+            return gpu.name, gpu.hbm_bytes_per_s
     return None
 
 

@@ -28,6 +28,7 @@ from .apps.bench_eviction import skewed_workload, workload_cost_model
 from .apps.demo import demo_workload, serve, summarize
 from .cache.rows import ceil_div
 from .checkpoint import load_default_model
+from .hardware import GPUS
 from .placement import coactivation_counts, devices_touched, place_experts
 from .sim.designs import CountingPagedDesign
 from .sim.eviction import EvictionSetup, simulate
@@ -508,7 +509,7 @@ def check_expert_placement(answer, selected, world_size: int = EXERCISE_06_WORLD
 EXERCISE_07_NUM_ROWS = 4           # the split-K line of the report: 4 rows x 32768 tokens, Hkv 4
 EXERCISE_07_CONTEXT = 32768
 EXERCISE_07_NUM_KV_HEADS = 4
-EXERCISE_07_NUM_SMS = 132          # H100 SXM and H200
+EXERCISE_07_NUM_SMS = GPUS["H100"].num_sms   # 132, H100 SXM and H200
 EXERCISE_07_TOKEN_TILE = 16        # TOKEN_TILE at Dh = 128: a split is a whole number of tiles
 
 

@@ -29,6 +29,7 @@ from ..analysis import record_model_trace
 from ..cache.paged import PagedKVCache
 from ..checkpoint import load_default_model
 from ..config import get_config
+from ..hardware import LINKS
 from ..engine.device_engine import DeviceLLMEngine
 from ..engine.engine import LLMEngine
 from ..engine.model_runner import ModelRunner
@@ -46,8 +47,6 @@ from ..sim.traces import synthetic_trace
 from ..sim.victims import VICTIM_POLICIES
 from . import options
 
-# NVIDIA GH200 datasheet: NVLink-C2C 900 GB/s between Grace and Hopper, 450 GB/s each direction.
-NVLINK_C2C_BYTES_PER_SECOND = 450e9
 # JetMoE-8B: 2.2 B active parameters per token (Shen et al., arXiv 2404.07413, Table 1).
 JETMOE_ACTIVE_PARAMS = 2.2e9
 
@@ -107,7 +106,7 @@ def projected_crossovers(block_sizes, contexts, links=None, num_sequences: int =
     context are counted on a synthetic top-2 trace (Zipf 1.0 expert popularity)."""
     config = get_config("jetmoe-8b")
     links = links or {"PCIe Gen5 x16 (64 GB/s)": PCIE_GEN5_X16_BYTES_PER_SECOND,
-                      "NVLink-C2C (450 GB/s)": NVLINK_C2C_BYTES_PER_SECOND}
+                      "NVLink-C2C (450 GB/s)": LINKS["nvlink_c2c"].bytes_per_s}
     L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
     trace = synthetic_trace(num_sequences, L, E, K, mean_prompt=max(contexts), mean_output=1, sigma=0.0,
                             zipf_s=1.0, kv_bytes_per_slot=config.kv_bytes_per_entry(), seed=seed)

@@ -15,14 +15,8 @@ Two halves:
    communication: an upper bound; DeepEP-style overlap can hide part of the communication).
 
 Bytes are "logical": what leaves a rank for another, as the Communicator counts them. Hardware
-figures, with their sources:
-
-    H100 SXM   HBM3 3.35 TB/s, dense BF16 989 TFLOP/s        NVIDIA H100 Tensor Core GPU datasheet
-    H200 SXM   HBM3e 4.8 TB/s, dense BF16 989 TFLOP/s        NVIDIA H200 Tensor Core GPU datasheet
-    NVLink     ~153 GB/s per GPU measured for intranode dispatch (H800, ~160 GB/s NVLink maximum)
-                                                               DeepEP README, deepseek-ai/DeepEP
-    RDMA       ~50 GB/s per GPU (DeepEP reports 43-58 GB/s internode over CX7 400 Gb/s InfiniBand,
-               ~50 GB/s maximum)                              DeepEP README, deepseek-ai/DeepEP
+figures (HBM bandwidth, dense BF16 FLOP/s of the H100 and H200; NVLink and RDMA bandwidths per GPU)
+come from moekv_ref/hardware.py, each with its source.
 
 What is modelled for the real-shape presets with dense attention (Mixtral-8x7B, Qwen3-30B-A3B,
 DeepSeek-V3): data-parallel attention (each rank serves its own sequences with all the attention
@@ -38,6 +32,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..config import ModelConfig, get_config
+from ..hardware import GPUS, LINKS
 
 INT64_BYTES = 8
 
@@ -77,31 +72,9 @@ def measured_shape_bytes(config: ModelConfig, kv_placement: str, world_size: int
 
 
 # ----- 2. projections -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Accelerator:
-    name: str
-    hbm_bytes_per_s: float
-    bf16_flops_per_s: float
-    source: str
-
-
-@dataclass(frozen=True)
-class Interconnect:
-    name: str
-    bytes_per_s: float        # per GPU, one direction
-    source: str
-
-
-ACCELERATORS = {
-    "H100": Accelerator("H100 SXM", 3.35e12, 989e12, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
-    "H200": Accelerator("H200 SXM", 4.8e12, 989e12, "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
-}
-INTERCONNECTS = {
-    "nvlink": Interconnect("NVLink, intranode", 153e9,
-                           "DeepEP README (deepseek-ai/DeepEP): 153 GB/s intranode dispatch on H800"),
-    "rdma": Interconnect("RDMA, internode", 50e9,
-                         "DeepEP README (deepseek-ai/DeepEP): 43-58 GB/s internode over CX7 400 Gb/s"),
-}
+# the hardware the projections are for, from the one table (moekv_ref/hardware.py)
+ACCELERATORS = {name: GPUS[name] for name in ("H100", "H200")}
+INTERCONNECTS = {name: LINKS[name] for name in ("nvlink", "rdma")}
 
 
 def expected_remote_ranks(num_experts: int, k: int, world_size: int) -> float:

@@ -27,14 +27,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-# NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 tensor-core (1,979 with sparsity).
-H100_BF16_DENSE_FLOPS = 989e12
-# NVIDIA H100 SXM5 datasheet: 3.35 TB/s HBM3 bandwidth. A decode step reads at least the active
-# weights once: its fixed cost.
-H100_HBM_BYTES_PER_SECOND = 3.35e12
-# PCIe Gen5 x16: 32 GT/s x 16 lanes, ~64 GB/s per direction (NVIDIA's H100 PCIe figure is 128 GB/s
-# both directions together).
-PCIE_GEN5_X16_BYTES_PER_SECOND = 64e9
+from ..hardware import GPUS, LINKS
+
+# the GPU and host link of the projection, from the one hardware table (moekv_ref/hardware.py)
+H100 = GPUS["H100"]
+PCIE_GEN5_X16_BYTES_PER_SECOND = LINKS["pcie_gen5_x16"].bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -67,7 +64,7 @@ class CostModel:
 
 def projected_gpu_cost_model(active_params: float, kv_bytes_per_slot: int, num_layers: int,
                              experts_per_token: int, num_experts: int, head_dim: int, num_heads: int,
-                             block_size: int, flops: float = H100_BF16_DENSE_FLOPS,
+                             block_size: int, flops: float = H100.bf16_flops_per_s,
                              link_bytes_per_second: float = PCIE_GEN5_X16_BYTES_PER_SECOND,
                              mfu: float = 0.5, seconds_per_swap: float = 20e-6,
                              seconds_per_block: float = 0.0, name: str = "H100 + PCIe Gen5 x16 (projected)") -> CostModel:
@@ -78,7 +75,7 @@ def projected_gpu_cost_model(active_params: float, kv_bytes_per_slot: int, num_l
     kernel does this), so the per-block overhead is 0 and the per-swap latency `seconds_per_swap`;
     a step reads the active weights (bf16) once from HBM at least: seconds_per_step."""
     per_token = 2.0 * active_params / (flops * mfu)
-    seconds_per_step = 2.0 * active_params / H100_HBM_BYTES_PER_SECOND
+    seconds_per_step = 2.0 * active_params / H100.hbm_bytes_per_s       # active weights read once
     pair_flops = 4 * num_heads * head_dim * num_layers * experts_per_token * experts_per_token / num_experts
     return CostModel(name, seconds_per_step, per_token, pair_flops / (flops * mfu), link_bytes_per_second, seconds_per_block,
                      seconds_per_swap, kv_bytes_per_slot * block_size)
