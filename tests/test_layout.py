@@ -1,6 +1,8 @@
 """Where a reader finds things: the README's layout table names every module of the package and only
-paths that exist; the package's modules import each other without a cycle; and no function hides an
-import of the package (the way one dodges a cycle), except the few with a stated reason."""
+paths that exist; the modules of moekv_ref/ and kernels/ import each other without a cycle -- counting
+every import outside a function, those under `if TYPE_CHECKING:` and `if __name__ == "__main__":`
+too, since a reader follows those as well; and no function hides an import of the package (the way
+one dodges a cycle), except the few with a stated reason."""
 
 import ast
 import re
@@ -8,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "moekv_ref"
+PACKAGES = (PACKAGE, ROOT / "kernels")
 
 # Function-level imports that are there on purpose, each with its reason.
 ALLOWED_LAZY = {
@@ -35,7 +38,7 @@ def _resolve(module: str, node: ast.ImportFrom | ast.Import, name: str | None = 
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
     package = module.split(".")
-    is_package = (PACKAGE.parent / Path(*package) / "__init__.py").is_file()
+    is_package = (ROOT / Path(*package) / "__init__.py").is_file()
     base = package if is_package else package[:-1]
     if node.level:
         base = base[: len(base) - (node.level - 1)]
@@ -51,26 +54,73 @@ def _resolve(module: str, node: ast.ImportFrom | ast.Import, name: str | None = 
 
 
 def _exists(module: str) -> bool:
-    path = PACKAGE.parent / Path(*module.split("."))
+    path = ROOT / Path(*module.split("."))
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
-def _top_level_imports(tree: ast.Module):
-    """Import statements run when the module loads (not under `if TYPE_CHECKING:`)."""
-    for node in tree.body:
+def _module_imports(tree: ast.Module):
+    """Every import statement outside a function: at the top, under `if TYPE_CHECKING:`, in
+    `if __name__ == "__main__":`, in a try block."""
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        elif isinstance(node, (ast.If, ast.Try)):
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                continue
-            for child in ast.walk(node):
-                if isinstance(child, (ast.Import, ast.ImportFrom)):
-                    yield child
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            pending.extend(ast.iter_child_nodes(node))
+        elif isinstance(node, ast.ExceptHandler):
+            pending.extend(node.body)
 
 
-def _modules():
-    for path in sorted(PACKAGE.rglob("*.py")):
-        yield path, _module_name(path), ast.parse(path.read_text())
+def _modules(packages=PACKAGES):
+    for package in packages:
+        for path in sorted(package.rglob("*.py")):
+            yield path, _module_name(path), ast.parse(path.read_text())
+
+
+def _import_graph(modules) -> dict[str, set[str]]:
+    graph = {}
+    for path, module, tree in modules:
+        targets = set()
+        for node in _module_imports(tree):
+            targets.update(t for t in _resolve(module, node)
+                           if t.split(".")[0] in ("moekv_ref", "kernels") and t != module)
+        graph[module] = targets
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """An import cycle as a list of modules (first == last), or None. An import of `moekv_ref.x.y`
+    also runs the packages above it, so those count as edges too."""
+    def parents(name):
+        parts = name.split(".")
+        return [".".join(parts[:i]) for i in range(2, len(parts))]
+
+    state, stack = {}, []
+
+    def visit(module):
+        state[module] = "open"
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            for step in parents(target) + [target]:
+                if step == module or step not in graph:
+                    continue
+                if state.get(step) == "open" and not module.startswith(step + "."):
+                    return stack[stack.index(step):] + [step]
+                if step not in state:
+                    found = visit(step)
+                    if found:
+                        return found
+        stack.pop()
+        state[module] = "done"
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            found = visit(module)
+            if found:
+                return found
+    return None
 
 
 def test_readme_layout_names_every_module_and_only_paths_that_exist():
@@ -92,44 +142,29 @@ def test_readme_layout_names_every_module_and_only_paths_that_exist():
         assert found, f"the README's layout table names `{name}`, which does not exist"
 
 
-def test_the_package_imports_without_a_cycle():
-    graph = {}
-    for path, module, tree in _modules():
-        targets = set()
-        for node in _top_level_imports(tree):
-            targets.update(t for t in _resolve(module, node) if t.startswith("moekv_ref") and t != module)
-        graph[module] = targets
+def test_the_packages_import_without_a_cycle():
+    cycle = _find_cycle(_import_graph(_modules()))
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
-    # a module's import of `moekv_ref.x.y` also runs the packages above it; follow edges depth-first
-    def parents(name):
-        parts = name.split(".")
-        return [".".join(parts[:i]) for i in range(2, len(parts))]
 
-    state, stack = {}, []
-
-    def visit(module):
-        state[module] = "open"
-        stack.append(module)
-        for target in sorted(graph.get(module, ())):
-            for step in parents(target) + [target]:
-                if step == module or step not in graph:
-                    continue
-                if state.get(step) == "open" and not module.startswith(step + "."):
-                    cycle = stack[stack.index(step):] + [step]
-                    raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
-                if step not in state:
-                    visit(step)
-        stack.pop()
-        state[module] = "done"
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module)
+def test_the_cycle_check_sees_type_checking_and_main_imports():
+    """The check above is not vacuous: an import only under TYPE_CHECKING, or only under
+    `if __name__ == "__main__":`, that closes a circle is found."""
+    for guard in ("if TYPE_CHECKING:", 'if __name__ == "__main__":'):
+        modules = list(_modules())
+        injected = ast.parse(f"{guard}\n    from moekv_ref.apps import cli\n")
+        modules = [(path, module, injected if module == "moekv_ref.config" else tree)
+                   for path, module, tree in modules]
+        cycle = _find_cycle(_import_graph(modules))
+        assert cycle is not None and "moekv_ref.config" in cycle, guard
+    bench_in_kernel = [(path, module, ast.parse('if __name__ == "__main__":\n    from .bench import bench_store_kv\n')
+                        if module == "kernels.store_kv" else tree) for path, module, tree in _modules()]
+    assert _find_cycle(_import_graph(bench_in_kernel)) is not None
 
 
 def test_no_function_hides_an_import_of_the_package():
     hidden = set()
-    for path, module, tree in _modules():
+    for path, module, tree in _modules((PACKAGE,)):
         for function in ast.walk(tree):
             if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue

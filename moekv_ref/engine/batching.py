@@ -15,20 +15,18 @@ it may do (start the request at the head of the line).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .admission import AdmissionPolicy, PredictedAdmission
 from .demand import DemandPredictor, worst_case_lifetime_blocks
 from .memory import MemoryView, ModelShape
 from .request import Request
 
-if TYPE_CHECKING:   # the scheduler builds AdmissionSteps; policies only use them
-    from .scheduler import Scheduler, SchedulerOutput
-
-
 class AdmissionStep:
     """One step's admission, as a batching policy sees it. The policy reads; `start_next` is its only
-    move: the head of the waiting line starts running and gets its next tokens within the budget."""
+    move: the head of the waiting line starts running and gets its next tokens within the budget.
+
+    Built by the Scheduler (scheduler.py) with itself and the step's SchedulerOutput. Those names are
+    not imported here: the scheduler uses the policies, never the other way round, so this module
+    stays below scheduler.py and no import circle forms."""
 
     def __init__(self, scheduler: "Scheduler", out: "SchedulerOutput", token_budget: int, reserved: int):
         self._scheduler = scheduler
