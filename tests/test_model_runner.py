@@ -48,15 +48,15 @@ def test_block_copies_move_exactly_the_named_blocks_in_order():
     assert torch.equal(cache.key_cache[untouched], keys[untouched])
     assert torch.equal(runner.host_key_cache[2:], torch.zeros_like(runner.host_key_cache[2:]))
 
-def test_execute_copies_before_the_forward_and_skips_an_empty_batch():
+def test_copies_then_a_forward_over_the_scheduled_requests():
     model = random_model(small_config("expert", "threshold"), seed=0)
     cache = PagedKVCache.for_model(model, block_size=4, num_blocks=16)
     runner = ModelRunner(model, cache, num_swap_blocks=2)
     cache.key_cache[2] = 7.0
     decision = SchedulerOutput(step=0, block_copies=[BlockCopy(SWAP_OUT, torch.tensor([2]), torch.tensor([1]))])
-    assert runner.execute(decision) is None
+    runner.copy_blocks(decision.block_copies)
     assert (runner.host_key_cache[1] == 7.0).all()
     request = Request(0, [1, 2, 3], SamplingParams())
-    output = runner.execute(SchedulerOutput(step=1, scheduled=[ScheduledRequest(request, 3, 0)]))
+    output = runner.forward(SchedulerOutput(step=1, scheduled=[ScheduledRequest(request, 3, 0)]).scheduled)
     assert output.last_logits.shape == (1, model.config.vocab_size) and output.num_tokens == 3
     assert output.entries_per_layer.shape == (model.config.num_hidden_layers,)

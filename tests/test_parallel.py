@@ -1,4 +1,5 @@
-"""Expert parallelism = one process (issue: parallel = single process), on real process groups.
+"""Expert parallelism = one process (the parallel logits and tokens equal the single-process ones), on
+real process groups.
 
 World sizes 2 and 4 (gloo on CPU), every KV placement, float32 and float64: a ragged batch of five
 prompts, prefilled in one step, then 32 decode steps with fixed tokens, must give the single-process

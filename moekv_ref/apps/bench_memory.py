@@ -207,7 +207,8 @@ def simulator_speed(trace: RoutingTrace, block_size: int = DEFAULT_BLOCK_SIZE, r
 
 
 def run(block_size: int = DEFAULT_BLOCK_SIZE, quick: bool = False) -> dict:
-    """The whole benchmark as a dict of the issue's JSON shape (and more keys)."""
+    """The whole benchmark as one dict: per workload and design, utilization and concurrency, then
+    the block-size and expert-count sweeps (what figures/bench_memory.json holds)."""
     # Bookkeeping ops are small: extra threads only contend on a shared 2-core machine.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

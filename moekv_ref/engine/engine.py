@@ -1,6 +1,6 @@
 """The serving engine: `add_request`, `step`, `generate`.
 
-    add_request ─> Scheduler.schedule ─> ModelRunner.execute ─> sample ─> Scheduler.update_from_output
+    add_request ─> Scheduler.schedule ─> ModelRunner          ─> sample ─> Scheduler.update_from_output
                    (admit, reserve,       (swap copies, then     (each request's  (tokens counted, finish:
                     preempt: integers,     one forward_cached     own seeded       blocks freed)
                     one SchedulerOutput)   over the flat batch)   generator)

@@ -97,12 +97,6 @@ class ModelRunner:
             else:
                 raise ValueError(f"unknown block copy direction {copy.direction!r}")
 
-    def execute(self, decision) -> RunnerOutput | None:
-        """decision: a SchedulerOutput. Copies its blocks, then runs its scheduled requests (None if
-        it scheduled none)."""
-        self.copy_blocks(decision.block_copies)
-        return self.forward(decision.scheduled) if decision.scheduled else None
-
     @torch.no_grad()
     def forward(self, scheduled) -> RunnerOutput:
         """One forward_cached over the scheduled requests (ScheduledRequest list, batch order)."""

@@ -1,8 +1,8 @@
 """Where the attention experts' K/V live under expert parallelism: three placements, one interface.
 
-Each is a small class with `forward(layer, h, seq_ids, positions) -> (N, D)`: the attention output of
-the home rank's N tokens (h is the attention-normed hidden state), running whatever collectives the
-placement needs. Every rank calls it for every layer of every step, even with no tokens of its own.
+Each is a small class with `forward(layer, h, seq_ids, positions, traffic) -> (N, D)`: the attention
+output of the home rank's N tokens (h is the attention-normed hidden state), running whatever
+collectives the placement needs and counting what it sends in `traffic` (a Counter). Every rank calls it for every layer of every step, even with no tokens of its own.
 
 kv_with_expert
     Expert e's weights and its K/V for *every* sequence live on e's rank. A token's hidden state
@@ -99,8 +99,7 @@ class KVWithSequence(_PlacedAttention):
         pair, slot = (plan.experts >= 0).nonzero(as_tuple=True)                          # row-major
         row_rank = plan.rank[pair]
         row_seq, row_expert = seq_ids_cpu[plan.token[pair]], plan.experts[pair, slot]
-        key = (row_rank * ((int(seq_ids_cpu.max()) if seq_ids.numel() else 0) + 1) + row_seq) * config.num_attention_experts + row_expert
-        _, first = _first_of_each(key)                                                     # distinct rows
+        _, first = _first_of_each(torch.stack([row_rank, row_seq, row_expert], 1))     # distinct rows
         q_rank, q_seq, q_expert = row_rank[first], row_seq[first], row_expert[first]     # (Q,) by rank
         counts, slots = self._cached_rows(layer, q_seq, q_expert)                         # (Q,), (T,)
         slots = slots.to(self.pool.key_cache.device)
@@ -189,8 +188,10 @@ def _count_dispatch(traffic: Counter, kind: str, plan: DispatchPlan, rank: int) 
 
 
 def _first_of_each(key: torch.Tensor):
-    """Distinct values of key and the index of each one's first occurrence, in order of occurrence."""
-    unique, inverse = torch.unique(key, return_inverse=True)
-    first = torch.full((unique.numel(),), key.numel(), dtype=torch.int64)
-    first = first.scatter_reduce(0, inverse, torch.arange(key.numel()), reduce="amin")
+    """Distinct values of key -- (n,) values or (n, k) rows of k values, e.g. (rank, sequence,
+    expert) -- and the index of each one's first occurrence, in order of occurrence."""
+    unique, inverse = torch.unique(key, return_inverse=True, dim=0)
+    n = key.shape[0]
+    first = torch.full((unique.shape[0],), n, dtype=torch.int64)
+    first = first.scatter_reduce(0, inverse, torch.arange(n), reduce="amin")
     return unique, first.sort().values

@@ -158,10 +158,6 @@ class EvictionSimulator:
         self._counter = 0
 
     # ----- what policies may ask ---------------------------------------------------------------------
-    @property
-    def host_free(self) -> int:
-        return self.host_free_blocks
-
     def remaining_tokens(self, seq: int) -> int:
         return int(self.lengths[seq] - self.progress[seq])
 
