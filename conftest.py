@@ -3,7 +3,7 @@ environment).
 
 - `import moekv_ref` and `import kernels` work because `pip install -r requirements.txt` installs this
   repository as a package (editable): nothing here touches PYTHONPATH, so the notebooks are tested as
-  a reader's `jupyter lab notebooks/` runs them.
+  a reader's `jupyter lab` runs them.
 - One intra-op thread: the models here are tiny, and on a shared 2-core machine OpenMP threads that
   spin-wait for a busy core made a 256-token forward 40x slower (0.15 s -> 6 s measured). Results do
   not depend on the thread count beyond float rounding, which every tolerance here covers.

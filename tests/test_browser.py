@@ -1,7 +1,7 @@
 """Every notebook in JupyterLab, in a real browser, as a reader opens it.
 
-JupyterLab starts with the README's own launch line, `jupyter lab notebooks/`, from the repository
-root, plus only what a headless run needs (no browser of its own, loopback, a free port, a token, and
+JupyterLab starts with the README's own launch line, `jupyter lab`, from the repository root (so the
+notebooks' links to docs/ resolve), plus only what a headless run needs (no browser of its own, loopback, a free port, a token, and
 --allow-root when run as root); PYTHONPATH is removed from its environment. Debian's Chromium, driven
 through Playwright (its Python package only: no browser is downloaded), opens each notebook found by
 glob, clears the stored outputs and runs all cells top to bottom from the Run menu. The test fails on:
@@ -39,6 +39,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -105,13 +107,13 @@ def drawn_pixels(png: bytes) -> int:
 
 
 class Lab:
-    """`jupyter lab notebooks/` on loopback, with a token; stopped at the end."""
+    """`jupyter lab` in the repository root on loopback, with a token; stopped at the end."""
 
     def __init__(self, settings: Path, workspaces: Path, log: Path):
         self.port, self.token = free_port(), base64.urlsafe_b64encode(os.urandom(18)).decode()
         jupyter = Path(sys.executable).with_name("jupyter")
         launcher = [str(jupyter)] if jupyter.exists() else [sys.executable, "-m", "jupyter"]
-        command = launcher + ["lab", "notebooks/",                                  # the README's line
+        command = launcher + ["lab",                                                # the README's line
                               "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
                               "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}"]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -273,7 +275,7 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
         record["screenshots"].append(file)
 
     # a workspace of its own, reset: only this notebook open
-    page.goto(f"{lab.url}/lab/workspaces/test-{stem}/tree/{name}?reset&token={lab.token}")
+    page.goto(f"{lab.url}/lab/workspaces/test-{stem}/tree/notebooks/{name}?reset&token={lab.token}")
     page.wait_for_selector(".jp-NotebookPanel .jp-CodeCell", timeout=120_000)
     deadline = time.monotonic() + 180
     while not lab.kernel_idle(name):          # JupyterLab may ask which kernel, as it would ask a reader
@@ -378,6 +380,25 @@ def format_table(records: list[dict]) -> str:
                        for r in records], [None, "{:.1f}", None, None, None])
 
 
+def unreachable_links(lab: Lab) -> list[str]:
+    """Every relative link of every notebook's text (to docs/, to another notebook), asked of the
+    running JupyterLab: a target outside the folder JupyterLab serves is a 404 for the reader."""
+    problems = []
+    for path in NOTEBOOKS:
+        for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+            if cell["cell_type"] != "markdown":
+                continue
+            for target in re.findall(r"\]\(([^)#\s]+)", "".join(cell["source"])):
+                if "://" in target:
+                    continue
+                served = (path.parent / target).resolve().relative_to(ROOT).as_posix()
+                try:
+                    lab.api("GET", "/api/contents/" + urllib.parse.quote(served) + "?content=0")
+                except urllib.error.HTTPError as error:
+                    problems.append(f"{path.name}: link {target} -> {served}: HTTP {error.code} from JupyterLab")
+    return problems
+
+
 def test_every_notebook_runs_and_its_widgets_work_in_jupyterlab(tmp_path, record_property):
     assert NOTEBOOKS, "no notebooks found"
     OUT.mkdir(parents=True, exist_ok=True)
@@ -387,6 +408,7 @@ def test_every_notebook_runs_and_its_widgets_work_in_jupyterlab(tmp_path, record
     lab = Lab(lab_settings(tmp_path / "settings"), tmp_path / "workspaces", OUT / "jupyterlab.log")
     problems, records = [], []
     try:
+        problems += unreachable_links(lab)
         with sync_api.sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM,
                                                  args=["--no-sandbox", "--disable-dev-shm-usage"])

@@ -1,5 +1,5 @@
-"""The notebooks open the way the README says: `jupyter lab notebooks/` starts kernels whose working
-directory is notebooks/, with no PYTHONPATH. Their imports work only because requirements.txt
+"""The notebooks open the way the README says: `jupyter lab` (from the repository root) starts a
+notebook's kernel in notebooks/, with no PYTHONPATH. Their imports work only because requirements.txt
 installs this repository as a package; before it did, every notebook failed at its first code cell
 with ModuleNotFoundError while nbval (which ran with the path set by the test session) passed.
 
