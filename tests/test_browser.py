@@ -286,6 +286,10 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
             raise TimeoutError("the notebook's kernel did not start within 180 s")
         page.wait_for_timeout(250)
     page.wait_for_function(f"({JS_KERNEL_STATUS})() === 'idle'", timeout=60_000)
+    page.wait_for_timeout(500)                 # JupyterLab writes the kernel's name into the model now
+    if page.locator(".lm-TabBar-tab.jp-mod-dirty").count():
+        problems.append(f"{name}: opening it marks it modified (its stored kernel name or language "
+                        "differs from what the kernel reports), and autosave would rewrite it")
     menu(page, "Edit", "Clear Outputs of All Cells")
     page.wait_for_function("() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]"
                            ".every(e => !/\\d/.test(e.textContent))", timeout=30_000)
