@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from moekv_ref.config import get_config
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = [DOCS / "glossary.md", DOCS / "design.md"]
@@ -71,3 +73,17 @@ def test_every_glossary_row_links_code_and_a_notebook():
         targets = [target for _, target in LINK.findall(row)]
         assert any(t.endswith(".py") for t in targets), f"no code link in: {row[:80]}"
         assert any(t.endswith(".ipynb") for t in targets) or "not built yet" in row, f"no notebook in: {row[:80]}"
+
+
+def test_readme_bytes_per_token_table_is_what_the_configs_compute():
+    """The README's bytes-per-token table, row by row, against kv_bytes_per_token (changing either
+    makes this fail)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `([\w.-]+)`[^|]*\| [^|]+\| (\d+) \| (\d+) \| ([\d,]+) \(\w+\) \| ([\d,]+) \|$", readme, re.M)
+    assert len(rows) == 5, rows
+    for name, entries, layers, per_entry, per_token in rows:
+        config = get_config(name)
+        assert int(entries) == config.num_attention_experts_per_tok, name
+        assert int(layers) == config.num_hidden_layers, name
+        assert int(per_entry.replace(",", "")) == config.kv_bytes_per_entry(), name
+        assert int(per_token.replace(",", "")) == config.kv_bytes_per_token, name
