@@ -14,9 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moekv_ref.cache import OutOfBlocksError
-from moekv_ref.cache.device_block_pool import DeviceBlockPool
-from moekv_ref.cache.device_kv_cache_manager import DeviceKVCacheManager
+from moekv_ref.cache import BlockPool, KVCacheManager, OutOfBlocksError
 from moekv_ref.engine import SchedulerConfig
 from moekv_ref.engine.device_engine import DeviceLLMEngine
 from moekv_ref.engine.swap import SwapSpace
@@ -204,12 +202,12 @@ def test_expert_lru_needs_a_scheduler_that_tracks_rows():
 
 # ----- the per-device pool and manager ---------------------------------------------------------------
 def test_device_block_pool_ranges_and_errors():
-    pool = DeviceBlockPool([3, 2])
-    assert pool.allocate_on(1, 2).tolist() == [3, 4]          # device 1's range is [3, 5)
-    assert pool.free_per_device.tolist() == [3, 0]
+    pool = BlockPool(blocks_per_device=[3, 2])
+    assert pool.allocate(2, device=1).tolist() == [3, 4]      # device 1's range is [3, 5)
+    assert pool.num_free_blocks_per_device.tolist() == [3, 0]
     with pytest.raises(OutOfBlocksError, match="device 1 is short"):
-        pool.allocate_on(1, 1)
-    with pytest.raises(TypeError, match="allocate_on"):
+        pool.allocate(1, device=1)
+    with pytest.raises(TypeError, match="needs a device"):
         pool.allocate(1)
     pool.incref(torch.tensor([3]))
     before = pool.ref_cnt.clone()
@@ -222,7 +220,7 @@ def test_device_block_pool_ranges_and_errors():
 
 
 def test_manager_rows_take_their_devices_blocks_exact_ids():
-    manager = DeviceKVCacheManager(1, 4, 2, [3, 2], torch.tensor([0, 0, 1, 1]))
+    manager = KVCacheManager(1, 4, 2, blocks_per_device=[3, 2], device_of_expert=torch.tensor([0, 0, 1, 1]))
     manager.add_sequence(5)
     rows = manager.rows([5, 5], 0, torch.tensor([1, 2]))
     allocation = manager.allocate_slots(rows, torch.tensor([3, 1]))
@@ -244,7 +242,7 @@ def test_random_evict_resume_finish_programs_keep_ownership_exact(blocks, block_
     per-device used blocks, every row's count, and the manager's invariants (each block owned once,
     ref_cnt == owners, on its row's device) after every operation; swap-in restores the counts."""
     device_of_expert = torch.tensor([0, 0, 1, 1])
-    manager = DeviceKVCacheManager(1, 4, block_size, blocks, device_of_expert)
+    manager = KVCacheManager(1, 4, block_size, blocks_per_device=blocks, device_of_expert=device_of_expert)
     space = SwapSpace(manager, 40)
     held: dict[int, dict[int, int]] = {}
     swapped: dict[int, dict[int, int]] = {}

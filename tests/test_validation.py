@@ -21,9 +21,8 @@ import torch
 from moekv_ref.apps import bench_eviction, bench_memory, bench_serving, bench_step, cli, demo, figures
 from moekv_ref.apps.cli import main
 from moekv_ref.cache import KVCacheManager
-from moekv_ref.cache.block_pool import BlockPool
-from moekv_ref.cache.device_block_pool import DeviceBlockPool, checked_blocks_per_device
-from moekv_ref.cache.device_kv_cache_manager import DeviceKVCacheManager, checked_placement
+from moekv_ref.cache.block_pool import BlockPool, checked_blocks_per_device
+from moekv_ref.cache.kv_cache_manager import checked_placement
 from moekv_ref.cache.device_pools import DevicePools
 from moekv_ref.config import ModelConfig
 from moekv_ref.engine import LLMEngine, SchedulerConfig, generate_with_engine
@@ -56,9 +55,10 @@ def pool_in_use():
 
 
 def device_pool_in_use():
-    pool = DeviceBlockPool([3, 2])
-    pool.allocate_on(0, 2)
-    pool.allocate_on(1, 1)
+    """A BlockPool of 2 devices (blocks 0..2 and 3..4), blocks 0, 1 and 3 in use."""
+    pool = BlockPool(blocks_per_device=[3, 2])
+    pool.allocate(2, device=0)
+    pool.allocate(1, device=1)
     return pool
 
 
@@ -197,10 +197,13 @@ CASES = [
     ("DeviceLLMEngine placement ragged", lambda: device_engine(device_of_expert=[[0, 0, 1, 1, 1], [0, 1]]),
      "not a rectangular table"),
     ("DeviceLLMEngine record_history='yes'", lambda: device_engine(record_history="yes"), "record_history='yes'"),
-    ("DeviceKVCacheManager blocks [3.5, 4]", lambda: DeviceKVCacheManager(1, 4, 2, [3.5, 4], [0, 0, 1, 1]),
+    ("KVCacheManager blocks_per_device [3.5, 4]",
+     lambda: KVCacheManager(1, 4, 2, blocks_per_device=[3.5, 4], device_of_expert=[0, 0, 1, 1]),
      "blocks_per_device[0]=3.5 is a float"),
-    ("DeviceBlockPool blocks (2, 2.0)", lambda: DeviceBlockPool((2, 2.0)), "blocks_per_device[1]=2.0 is a float"),
-    ("DeviceBlockPool shuffle_seed=1.5", lambda: DeviceBlockPool([2, 2], shuffle_seed=1.5), "shuffle_seed=1.5"),
+    ("BlockPool blocks_per_device (2, 2.0)", lambda: BlockPool(blocks_per_device=(2, 2.0)),
+     "blocks_per_device[1]=2.0 is a float"),
+    ("BlockPool 2 devices shuffle_seed=1.5", lambda: BlockPool(blocks_per_device=[2, 2], shuffle_seed=1.5),
+     "shuffle_seed=1.5"),
     ("DevicePools blocks 4.0", lambda: DevicePools(2, 5, 2, 4.0, PLACEMENT), "blocks_per_device=4.0 is a float"),
     ("DevicePools blocks 4, placement 0.4", lambda: DevicePools(2, 5, 2, 4, [0.4, 0, 1, 1, 1]),
      "device_of_expert[0]=0.4 is a float; allowed: devices integers >= 0"),
@@ -221,15 +224,15 @@ CASES = [
     ("BlockPool.allocate(True)", lambda: pool_in_use().allocate(True), "num_blocks=True"),
     ("BlockPool.allocate(-1)", lambda: pool_in_use().allocate(-1), "num_blocks=-1"),
     ("BlockPool shuffle_seed=True", lambda: BlockPool(4, shuffle_seed=True), "shuffle_seed=True is not allowed"),
-    ("DeviceBlockPool.free(tensor([3.0]))", lambda: device_pool_in_use().free(torch.tensor([3.0])),
+    ("BlockPool 2 devices .free(tensor([3.0]))", lambda: device_pool_in_use().free(torch.tensor([3.0])),
      "block_ids=[3.0] has dtype torch.float32"),
-    ("DeviceBlockPool.incref([0.5])", lambda: device_pool_in_use().incref([0.5]), "block_ids[0]=0.5 is a float"),
-    ("DeviceBlockPool.device_of_blocks([True])", lambda: device_pool_in_use().device_of_blocks([True]),
+    ("BlockPool 2 devices .incref([0.5])", lambda: device_pool_in_use().incref([0.5]), "block_ids[0]=0.5 is a float"),
+    ("BlockPool.device_of_blocks([True])", lambda: device_pool_in_use().device_of_blocks([True]),
      "block_ids[0]=True is a bool"),
-    ("DeviceBlockPool.allocate_on(0.4, 1)", lambda: device_pool_in_use().allocate_on(0.4, 1),
+    ("BlockPool.allocate(1, device=0.4)", lambda: device_pool_in_use().allocate(1, device=0.4),
      "device=0.4 is not allowed; allowed: an integer in 0..1"),
-    ("DeviceBlockPool.allocate_on(True, 1)", lambda: device_pool_in_use().allocate_on(True, 1), "device=True"),
-    ("DeviceBlockPool.allocate_on(0, 1.0)", lambda: device_pool_in_use().allocate_on(0, 1.0), "num_blocks=1.0"),
+    ("BlockPool.allocate(1, device=True)", lambda: device_pool_in_use().allocate(1, device=True), "device=True"),
+    ("BlockPool.allocate(1.0, device=0)", lambda: device_pool_in_use().allocate(1.0, device=0), "num_blocks=1.0"),
     ("DevicePools.free_rows([0.0])", lambda: pools_in_use().free_rows([0.0]), "rows[0]=0.0 is a float"),
     ("DevicePools.allocate_slots float tokens", lambda: pools_in_use().allocate_slots(torch.tensor([0]), torch.tensor([1.5])),
      "num_new_tokens=[1.5] has dtype torch.float32"),
@@ -418,12 +421,13 @@ def test_refused_ids_and_counts_leave_the_pools_unchanged():
     pool.assert_consistent()
 
     device_pool = device_pool_in_use()
-    before = device_pool.ref_cnt.clone(), device_pool.free_per_device
+    before = device_pool.ref_cnt.clone(), device_pool.num_free_blocks_per_device
     for call in (lambda: device_pool.free(torch.tensor([3.0])), lambda: device_pool.incref([0.5]),
-                 lambda: device_pool.allocate_on(0.4, 1), lambda: device_pool.allocate_on(0, 1.0)):
+                 lambda: device_pool.allocate(1, device=0.4), lambda: device_pool.allocate(1.0, device=0)):
         with pytest.raises(ValueError):
             call()
-        assert torch.equal(before[0], device_pool.ref_cnt) and torch.equal(before[1], device_pool.free_per_device)
+        assert torch.equal(before[0], device_pool.ref_cnt) and torch.equal(before[1],
+                                                                           device_pool.num_free_blocks_per_device)
     device_pool.assert_consistent()
 
     pools = pools_in_use()

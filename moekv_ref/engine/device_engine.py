@@ -1,5 +1,5 @@
 """The serving engine over per-device pools: LLMEngine with a paged cache whose rows take blocks
-from their expert's device (cache/device_kv_cache_manager.py) and the DeviceScheduler.
+from their expert's device (cache/kv_cache_manager.py) and the DeviceScheduler.
 
     engine = DeviceLLMEngine(model, blocks_per_device=[40, 40, 40, 40], device_of_expert=placement,
                              scheduler_config=SchedulerConfig(victim="pressure_aware"))
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.device_block_pool import checked_blocks_per_device
+from ..cache.block_pool import checked_blocks_per_device
 from ..cache.paged import PagedKVCache
 from ..model import MoEKVTransformer
 from .device_scheduler import DeviceScheduler
@@ -44,8 +44,8 @@ class _RecordingRunner(ModelRunner):
 
 class DeviceLLMEngine(LLMEngine):
     """blocks_per_device: D integers >= 1 (a list, tuple, 1-D integer tensor or array; never rounded:
-    cache.device_block_pool.checked_blocks_per_device); device_of_expert: (E,) or (L, E) integer
-    devices 0..D-1 (e.g. placement.place_experts / place_layers; cache.device_kv_cache_manager.
+    cache.block_pool.checked_blocks_per_device); device_of_expert: (E,) or (L, E) integer
+    devices 0..D-1 (e.g. placement.place_experts / place_layers; cache.kv_cache_manager.
     checked_placement). record_history: also keep `device_timeline` (module docstring). Other
     arguments as LLMEngine's (num_blocks is the sum)."""
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..cache.device_kv_cache_manager import DeviceKVCacheManager
+from ..cache.kv_cache_manager import KVCacheManager
 from .memory import MemoryView, ModelShape
 from .swap import SwapSpace
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 class DeviceMemoryView(MemoryView):
-    def __init__(self, manager: DeviceKVCacheManager, shape: ModelShape, swap_space: SwapSpace | None,
+    def __init__(self, manager: KVCacheManager, shape: ModelShape, swap_space: SwapSpace | None,
                  scheduler: "DeviceScheduler"):
         super().__init__(manager, shape, swap_space)
         self._scheduler = scheduler

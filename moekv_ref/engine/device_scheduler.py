@@ -1,7 +1,7 @@
 """The scheduler over per-device pools: a step fits only if it fits every device.
 
 The attention experts of each layer live on D devices (placement.py) and each device has its own
-pool (cache/device_kv_cache_manager.py). Scheduler's loop is kept, with its reservation made per
+pool (the devices of cache/block_pool.py). Scheduler's loop is kept, with its reservation made per
 device: each running request's next tokens reserve, on every device, the worst case they could open
 there (device_demand.py), and when some device is short the victim policy is told *which*
 (victims.Shortage). So a request can be refused or preempted because one device is full while the
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.device_kv_cache_manager import DeviceKVCacheManager
+from ..cache.kv_cache_manager import KVCacheManager
 from .batching import AdmissionStep, ContinuousBatching
 from .device_demand import worst_case_lifetime_blocks_per_device, worst_case_step_blocks_per_device
 from .device_memory import DeviceMemoryView
@@ -69,12 +69,12 @@ class DeviceAdmissionStep(AdmissionStep):
 
 
 class DeviceScheduler(Scheduler):
-    """Scheduler over a DeviceKVCacheManager (module docstring)."""
+    """Scheduler over a KVCacheManager with per-device pools (module docstring)."""
 
-    def __init__(self, config: SchedulerConfig, manager: DeviceKVCacheManager, shape: ModelShape,
+    def __init__(self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape,
                  num_swap_blocks: int = 0):
-        if not isinstance(manager, DeviceKVCacheManager):
-            raise ValueError(f"DeviceScheduler needs a DeviceKVCacheManager, got {type(manager).__name__}")
+        if not isinstance(manager, KVCacheManager):
+            raise ValueError(f"DeviceScheduler needs a KVCacheManager, got {type(manager).__name__}")
         super().__init__(config, manager, shape, num_swap_blocks)
         if not isinstance(self.batching, ContinuousBatching):
             raise ValueError(f"per-device pools run policy='continuous_paged' only, not {config.policy!r}")
