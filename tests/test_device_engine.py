@@ -106,7 +106,7 @@ def test_without_history_the_engine_keeps_no_per_step_record(model, workload, al
     assert engine.eviction_stats()["peak_used_blocks_per_device"] == []            # no step yet
     assert [o.token_ids for o in engine.generate(*workload)] == alone
     assert engine.device_timeline == [] and engine.timeline == [] and not engine.requests
-    assert not engine.scheduler.stalled and not engine.scheduler._row_last_used and not engine.scheduler._counts_seen
+    assert not engine.scheduler.stalled and (engine.cache.manager.last_appended == -1).all()
     peak = engine.eviction_stats()["peak_used_blocks_per_device"]
     recorded = DeviceLLMEngine(model, BLOCKS, PLACEMENT, BLOCK_SIZE, config, record_history=True)
     recorded.generate(*workload)
@@ -128,7 +128,7 @@ def test_aborting_a_stalled_request_leaves_no_trace(model, workload):
     assert engine.abort_request(request_id).finish_reason == "aborted"
     assert request_id not in scheduler.stalled
     assert all(r.request_id != request_id for r in [*scheduler.waiting, *scheduler.running])
-    assert request_id not in scheduler._row_last_used and request_id not in scheduler._counts_seen
+    assert (engine.memory.row_last_used(request_id) == -1).all()
     assert not engine.memory.holds(request_id) and request_id not in engine.requests
     while engine.has_unfinished_requests():          # the others are served, nothing leaks
         engine.step()

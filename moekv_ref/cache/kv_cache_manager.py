@@ -10,6 +10,10 @@ sequence id when it first appears (reused after `free`). Everything is a tensor 
     last_position        (num_rows,)             int64  position of the row's newest token, -1 if
                                                         none: the cache checks that tokens arrive in
                                                         order against it (reset by `free`)
+    last_appended        (num_rows,)             int64  the `clock` of the row's last append, -1 if
+                                                        none: how recently each row was used, what an
+                                                        expert-level LRU reads (`row_last_used`); the
+                                                        scheduler sets the clock to its step
 
 Token j of a row lives in block block_tables[row, j // P] at offset j % P; its slot in the flat
 pool is `slot = block_id * P + offset`. Entries past a row's ceil(n / P) used blocks are padding
@@ -195,6 +199,8 @@ class KVCacheManager:
         self.block_tables = torch.full((num_rows, initial_blocks_per_row), self.pad,
                                        dtype=torch.int32)                          # (R, W)
         self.last_position = torch.full((num_rows,), -1, dtype=torch.int64)         # (R,)
+        self.clock = 0                              # stamped on the rows each append grows
+        self.last_appended = torch.full((num_rows,), -1, dtype=torch.int64)         # (R,)
         self._seq_index: dict[int, int] = {}        # sequence id -> its slot of rows
         self._free_seq_indices = list(range(initial_num_seqs - 1, -1, -1))
 
@@ -326,6 +332,14 @@ class KVCacheManager:
             counts[at] = self.num_computed_tokens[rows].view(-1, self.num_layers, self.num_experts)
         return counts
 
+    def row_last_used(self, seq_id: int) -> torch.Tensor:
+        """(L, E) the clock of the last append to each row of the sequence (-1: never, or a sequence
+        the cache does not hold)."""
+        if int(seq_id) not in self._seq_index:
+            return torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int64)
+        rows = self.sequence_rows(torch.tensor([self._seq_index[int(seq_id)]]))[0]     # (L*E,)
+        return self.last_appended[rows].view(self.num_layers, self.num_experts).clone()
+
     def block_owners(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Who owns each block and how full it is, for drawing the pool: owner_row (N,) int64, -1
         for a free block, and used_slots (N,) int64 (P for all but a row's last block)."""
@@ -375,6 +389,7 @@ class KVCacheManager:
         column = torch.arange(total) - first_new[owner] + old_blocks[owner]       # (total,)
         self.block_tables[rows[owner], column] = block_ids.to(torch.int32)
         self.num_computed_tokens[rows] = new
+        self.last_appended[rows[num_new_tokens > 0]] = self.clock
         return SlotAllocation(self._slots(rows, old, num_new_tokens) if with_slots else None)
 
     def _take_blocks(self, rows: torch.Tensor, needed: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
@@ -461,6 +476,7 @@ class KVCacheManager:
         self.num_computed_tokens[rows] = 0
         self.block_tables[rows] = self.pad
         self.last_position[rows] = -1
+        self.last_appended[rows] = -1
         del self._seq_index[int(seq_id)]
         self._free_seq_indices.append(index)
 
@@ -488,6 +504,7 @@ class KVCacheManager:
         self.num_computed_tokens[rows] = 0
         self.block_tables[rows] = self.pad
         self.last_position[rows] = -1
+        self.last_appended[rows] = -1
         return blocks.numel()
 
     # ----- undoing appends -------------------------------------------------------------------------
@@ -519,6 +536,7 @@ class KVCacheManager:
         self.block_tables[rows] = tables
         self.num_computed_tokens[rows] = keep
         self.last_position[rows[keep == 0]] = -1
+        self.last_appended[rows[keep == 0]] = -1
 
     def snapshot_rows(self, seq_ids) -> "RowSnapshot":
         """Remember the token counts and last positions of every row of these sequences (and which of
@@ -550,6 +568,7 @@ class KVCacheManager:
         self.block_tables = torch.cat([self.block_tables, torch.full(
             (extra, self.block_tables.shape[1]), self.pad, dtype=torch.int32)])
         self.last_position = torch.cat([self.last_position, torch.full((extra,), -1, dtype=torch.int64)])
+        self.last_appended = torch.cat([self.last_appended, torch.full((extra,), -1, dtype=torch.int64)])
         self._free_seq_indices = list(range(2 * num_seqs - 1, num_seqs - 1, -1)) + self._free_seq_indices
 
     def _grow_tables(self, min_width: int) -> None:

@@ -1,9 +1,11 @@
 """Serving: continuous batching over the paged per-expert KV cache.
 
     request.py       Request, its states (waiting, running, preempted, finished) and its output
-    demand.py        blocks a request needs: worst case of a step, of a lifetime, and a prediction
+    demand.py        blocks a request needs: worst case of a step, of a lifetime (in all, and per
+                     device), and a prediction
     memory.py        ModelShape (the model's integer facts) and MemoryView (read-only: the pool, each
-                     sequence's blocks and token counts, the swap space)
+                     sequence's blocks and token counts, the swap space; per device: free and held
+                     blocks, rows' last use)
     swap.py          SwapSpace: host block ids of sequences preempted by swap; BlockCopy
     admission.py     admission policies: predicted, optimistic
     victims.py       victim policies: newest_first, sequence_lru, expert_lru, pressure_aware
@@ -15,8 +17,6 @@
     engine.py        LLMEngine: add_request / step / abort_request / generate; failed steps undone;
                      statistics (history opt-in); generate_with_engine (`generate --cache paged`)
     workload.py      workloads with arrivals, and running one through an engine
-    device_demand.py     the worst cases of demand.py, device by device
-    device_memory.py     DeviceMemoryView: free and held blocks per device, rows' last use
     device_scheduler.py  DeviceScheduler: the step reserved per device; whole or row evictions
     device_engine.py     DeviceLLMEngine: the engine over per-device pools
 """

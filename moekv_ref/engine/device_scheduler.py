@@ -3,7 +3,7 @@
 The attention experts of each layer live on D devices (placement.py) and each device has its own
 pool (the devices of cache/block_pool.py). Scheduler's loop is kept, with its reservation made per
 device: each running request's next tokens reserve, on every device, the worst case they could open
-there (device_demand.py), and when some device is short the victim policy is told *which*
+there (demand.py), and when some device is short the victim policy is told *which*
 (victims.Shortage). So a request can be refused or preempted because one device is full while the
 others are empty.
 
@@ -28,9 +28,8 @@ import torch
 
 from ..cache.kv_cache_manager import KVCacheManager
 from .batching import AdmissionStep, ContinuousBatching
-from .device_demand import worst_case_lifetime_blocks_per_device, worst_case_step_blocks_per_device
-from .device_memory import DeviceMemoryView
-from .memory import ModelShape
+from .demand import worst_case_lifetime_blocks_per_device, worst_case_step_blocks_per_device
+from .memory import MemoryView, ModelShape
 from .request import Request, RequestStatus
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .victims import RowEviction, Shortage
@@ -78,11 +77,9 @@ class DeviceScheduler(Scheduler):
         super().__init__(config, manager, shape, num_swap_blocks)
         if not isinstance(self.batching, ContinuousBatching):
             raise ValueError(f"per-device pools run policy='continuous_paged' only, not {config.policy!r}")
-        self.memory = DeviceMemoryView(manager, shape, self.swap_space, self)
+        self.memory = MemoryView(manager, shape, self.swap_space, evicts_rows=True)
         self.num_devices = manager.num_devices
         self.stalled: dict[int, Request] = {}              # request id -> request, in the order stalled
-        self._row_last_used: dict[int, torch.Tensor] = {}  # request id -> (L, E) step of last append
-        self._counts_seen: dict[int, torch.Tensor] = {}    # request id -> (L, E) counts after it
         self.num_evictions = 0
         self.num_row_evictions = 0
         self.num_evicted_rows = 0
@@ -133,6 +130,7 @@ class DeviceScheduler(Scheduler):
     # ----- one step -----------------------------------------------------------------------------------
     def schedule(self, step: int) -> SchedulerOutput:
         out = SchedulerOutput(step)
+        self.manager.clock = step                  # the rows this step appends to remember it
         token_budget = self.config.max_num_batched_tokens
         reserved = torch.zeros(self.num_devices, dtype=torch.int64)                  # (D,)
         i = 0
@@ -208,43 +206,10 @@ class DeviceScheduler(Scheduler):
         head = self.waiting[0]
         if self.stalled.pop(head.request_id, None) is not None:
             self.manager.free(head.request_id)
-            self._forget_rows(head.request_id)
         return super().start_head(out)
-
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        super()._preempt(request, out)
-        if not request.swapped:
-            self._forget_rows(request.request_id)
-
-    # ----- after the forward ----------------------------------------------------------------------
-    def update_from_output(self, out, sampled_token_ids, entries_per_layer=None, failed=None):
-        """Scheduler's accounting, then each scheduled request's rows that grew get this step as their
-        last use (what expert_lru reads)."""
-        finished = super().update_from_output(out, sampled_token_ids, entries_per_layer, failed)
-        for item in out.scheduled:
-            request_id = item.request.request_id
-            if item.request.status is RequestStatus.FINISHED:
-                continue
-            counts = self.memory.token_counts([request_id])[0]                       # (L, E)
-            seen = self._counts_seen.get(request_id, torch.zeros_like(counts))
-            last_used = self._row_last_used.setdefault(request_id, torch.full_like(counts, -1))
-            last_used[counts != seen] = out.step
-            self._counts_seen[request_id] = counts
-        return finished
 
     def finish(self, request: Request, step: int, reason: str = "length", error: str | None = None) -> None:
         """Scheduler's finish (its blocks, dead rows included, go back), and the request leaves every
         table of this scheduler: a stalled request that is aborted while it waits is no longer stalled."""
         super().finish(request, step, reason, error)
         self.stalled.pop(request.request_id, None)
-        self._forget_rows(request.request_id)
-
-    def _forget_rows(self, request_id: int) -> None:
-        self._row_last_used.pop(request_id, None)
-        self._counts_seen.pop(request_id, None)
-
-    def row_last_used(self, request_id: int) -> torch.Tensor:
-        """(L, E) the step that last appended to each row of the request (-1: never)."""
-        if request_id in self._row_last_used:
-            return self._row_last_used[request_id].clone()
-        return torch.full((self.shape.num_layers, self.shape.num_experts), -1, dtype=torch.int64)
