@@ -309,7 +309,10 @@ class KVCacheManager:
         return int((ceil_div(old + num_new_tokens, self.block_size) - ceil_div(old, self.block_size)).sum())
 
     def can_allocate(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> bool:
-        """Whether the append fits every device."""
+        """Whether the append fits the pool: with several devices, every device. (One device asks
+        num_blocks_needed, which a design keeping tails outside the rows answers its own way.)"""
+        if self.num_devices == 1:
+            return self.num_blocks_needed(rows, num_new_tokens) <= self.num_free_blocks
         return bool((self.blocks_needed_per_device(rows, num_new_tokens) <= self.num_free_blocks_per_device).all())
 
     def blocks_of_sequence(self, seq_id: int) -> torch.Tensor:
