@@ -26,7 +26,6 @@ from moekv_ref.cache.kv_cache_manager import checked_placement
 from moekv_ref.cache.device_pools import DevicePools
 from moekv_ref.config import ModelConfig
 from moekv_ref.engine import LLMEngine, SchedulerConfig, generate_with_engine
-from moekv_ref.engine.device_engine import DeviceLLMEngine
 from moekv_ref.engine.workload import make_workload
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
@@ -44,7 +43,8 @@ def engine(**options):
 
 
 def device_engine(blocks_per_device=(40, 40), device_of_expert=PLACEMENT, **options):
-    return DeviceLLMEngine(MODEL, blocks_per_device, device_of_expert, 4, **options)
+    return LLMEngine(MODEL, block_size=4, blocks_per_device=blocks_per_device, device_of_expert=device_of_expert,
+                     **options)
 
 
 def pool_in_use():
@@ -162,41 +162,41 @@ CASES = [
     ("make_workload prompt_len=(5, 2)", lambda: make_workload(4, prompt_len=(5, 2)), "prompt_len=(5, 2)"),
     ("make_workload temperature=-1", lambda: make_workload(4, temperature=-1), "temperature=-1"),
     # per-device pools: block counts and placements as given, never rounded or read as digits
-    ("DeviceLLMEngine blocks [100.7, 100.2]", lambda: device_engine([100.7, 100.2]),
+    ("LLMEngine per-device blocks [100.7, 100.2]", lambda: device_engine([100.7, 100.2]),
      "blocks_per_device[0]=100.7 is a float; allowed: an integer >= 1"),
-    ("DeviceLLMEngine blocks [40.0, 40.0]", lambda: device_engine([40.0, 40.0]), "blocks_per_device[0]=40.0 is a float"),
-    ("DeviceLLMEngine blocks '4040'", lambda: device_engine("4040"), "blocks_per_device='4040' is a str; allowed: a list"),
-    ("DeviceLLMEngine blocks [40, True]", lambda: device_engine([40, True]), "blocks_per_device[1]=True is a bool"),
-    ("DeviceLLMEngine blocks [40, 0]", lambda: device_engine([40, 0]),
+    ("LLMEngine per-device blocks [40.0, 40.0]", lambda: device_engine([40.0, 40.0]), "blocks_per_device[0]=40.0 is a float"),
+    ("LLMEngine per-device blocks '4040'", lambda: device_engine("4040"), "blocks_per_device='4040' is a str; allowed: a list"),
+    ("LLMEngine per-device blocks [40, True]", lambda: device_engine([40, True]), "blocks_per_device[1]=True is a bool"),
+    ("LLMEngine per-device blocks [40, 0]", lambda: device_engine([40, 0]),
      "blocks_per_device[1]=0 is not allowed; allowed: an integer >= 1"),
-    ("DeviceLLMEngine blocks []", lambda: device_engine([]), "blocks_per_device=[] is empty"),
-    ("DeviceLLMEngine blocks 80", lambda: device_engine(80), "blocks_per_device=80 is an int; allowed: a list"),
-    ("DeviceLLMEngine blocks float tensor", lambda: device_engine(torch.tensor([40.0, 40.0])),
+    ("LLMEngine per-device blocks []", lambda: device_engine([]), "blocks_per_device=[] is empty"),
+    ("LLMEngine per-device blocks 80", lambda: device_engine(80), "blocks_per_device=80 is an int; allowed: a list"),
+    ("LLMEngine per-device blocks float tensor", lambda: device_engine(torch.tensor([40.0, 40.0])),
      "blocks_per_device=[40.0, 40.0] has dtype torch.float32"),
-    ("DeviceLLMEngine blocks 2-D array", lambda: device_engine(np.array([[40, 40]])), "blocks_per_device has shape (1, 2)"),
-    ("DeviceLLMEngine blocks {0: 40}", lambda: device_engine({0: 40, 1: 40}), "is a dict"),
-    ("DeviceLLMEngine placement 0.4", lambda: device_engine(device_of_expert=torch.tensor([0.4, 0, 1, 1, 1])),
+    ("LLMEngine per-device blocks 2-D array", lambda: device_engine(np.array([[40, 40]])), "blocks_per_device has shape (1, 2)"),
+    ("LLMEngine per-device blocks {0: 40}", lambda: device_engine({0: 40, 1: 40}), "is a dict"),
+    ("LLMEngine per-device placement 0.4", lambda: device_engine(device_of_expert=torch.tensor([0.4, 0, 1, 1, 1])),
      "device_of_expert[0]=0.4 has dtype torch.float32; allowed: devices 0..1"),
-    ("DeviceLLMEngine placement whole floats", lambda: device_engine(device_of_expert=PLACEMENT.double()),
+    ("LLMEngine per-device placement whole floats", lambda: device_engine(device_of_expert=PLACEMENT.double()),
      "device_of_expert[0]=0.0 has dtype torch.float64"),
-    ("DeviceLLMEngine placement list with 1.0", lambda: device_engine(device_of_expert=[0, 0, 1, 1, 1.0]),
+    ("LLMEngine per-device placement list with 1.0", lambda: device_engine(device_of_expert=[0, 0, 1, 1, 1.0]),
      "device_of_expert[4]=1.0 is a float; allowed: devices 0..1"),
-    ("DeviceLLMEngine placement (L, E) list with True", lambda: device_engine(device_of_expert=[[0, 0, 1, 1, 1],
+    ("LLMEngine per-device placement (L, E) list with True", lambda: device_engine(device_of_expert=[[0, 0, 1, 1, 1],
                                                                                                [0, 0, 1, 1, True]]),
      "device_of_expert[1][4]=True is a bool"),
-    ("DeviceLLMEngine placement '00111'", lambda: device_engine(device_of_expert="00111"),
+    ("LLMEngine per-device placement '00111'", lambda: device_engine(device_of_expert="00111"),
      "device_of_expert='00111' is a str"),
-    ("DeviceLLMEngine placement bool tensor", lambda: device_engine(device_of_expert=PLACEMENT.bool()),
+    ("LLMEngine per-device placement bool tensor", lambda: device_engine(device_of_expert=PLACEMENT.bool()),
      "has dtype torch.bool"),
-    ("DeviceLLMEngine placement float array", lambda: device_engine(device_of_expert=np.array([0, 0, 1, 1, 1.5])),
+    ("LLMEngine per-device placement float array", lambda: device_engine(device_of_expert=np.array([0, 0, 1, 1, 1.5])),
      "device_of_expert[4]=1.5 has dtype float64"),
-    ("DeviceLLMEngine placement device 2 of 2", lambda: device_engine(device_of_expert=[0, 0, 1, 1, 2]),
+    ("LLMEngine per-device placement device 2 of 2", lambda: device_engine(device_of_expert=[0, 0, 1, 1, 2]),
      "device_of_expert names devices [0, 1, 2]; allowed: 0..1"),
-    ("DeviceLLMEngine placement (4,)", lambda: device_engine(device_of_expert=[0, 0, 1, 1]),
+    ("LLMEngine per-device placement (4,)", lambda: device_engine(device_of_expert=[0, 0, 1, 1]),
      "device_of_expert must be (E,) = (5,) or (L, E) = (2, 5); got (2, 4)"),
-    ("DeviceLLMEngine placement ragged", lambda: device_engine(device_of_expert=[[0, 0, 1, 1, 1], [0, 1]]),
+    ("LLMEngine per-device placement ragged", lambda: device_engine(device_of_expert=[[0, 0, 1, 1, 1], [0, 1]]),
      "not a rectangular table"),
-    ("DeviceLLMEngine record_history='yes'", lambda: device_engine(record_history="yes"), "record_history='yes'"),
+    ("LLMEngine per-device record_history='yes'", lambda: device_engine(record_history="yes"), "record_history='yes'"),
     ("KVCacheManager blocks_per_device [3.5, 4]",
      lambda: KVCacheManager(1, 4, 2, blocks_per_device=[3.5, 4], device_of_expert=[0, 0, 1, 1]),
      "blocks_per_device[0]=3.5 is a float"),

@@ -15,10 +15,10 @@
     model_runner.py  ModelRunner: the swap copies, then one forward_cached over the flat ragged batch
     undo.py          Snapshot: the scheduler's state, restored in place when a step raises
     engine.py        LLMEngine: add_request / step / abort_request / generate; failed steps undone;
-                     statistics (history opt-in); generate_with_engine (`generate --cache paged`)
+                     statistics (history opt-in); per-device pools (blocks_per_device,
+                     device_of_expert); generate_with_engine (`generate --cache paged`)
     workload.py      workloads with arrivals, and running one through an engine
     device_scheduler.py  DeviceScheduler: the step reserved per device; whole or row evictions
-    device_engine.py     DeviceLLMEngine: the engine over per-device pools
 """
 
 from .admission import AdmissionPolicy, OptimisticAdmission, PredictedAdmission

@@ -18,8 +18,9 @@ of the line does not fit, and when the stalled request resumes (it starts from a
 Only continuous batching on the paged pool (continuous_paged) runs here: the reserving baselines
 never preempt, so which device is short does not matter to them.
 
-Statistics beyond Scheduler's: num_evictions (victims chosen), num_row_evictions, num_evicted_rows,
-freed_on_short_device (blocks freed on the short device by all evictions), num_dead_rows_freed.
+Statistics (Scheduler's counters, which the one-pool loop fills only in part): num_evictions (victims
+chosen), num_row_evictions, num_evicted_rows, freed_on_short_device (blocks freed on the short device
+by all evictions), num_dead_rows_freed. The engine is LLMEngine, given blocks_per_device.
 """
 
 from __future__ import annotations
@@ -80,11 +81,6 @@ class DeviceScheduler(Scheduler):
         self.memory = MemoryView(manager, shape, self.swap_space, evicts_rows=True)
         self.num_devices = manager.num_devices
         self.stalled: dict[int, Request] = {}              # request id -> request, in the order stalled
-        self.num_evictions = 0
-        self.num_row_evictions = 0
-        self.num_evicted_rows = 0
-        self.num_dead_rows_freed = 0
-        self.freed_on_short_device = 0
 
     # ----- what a request needs per device ----------------------------------------------------------
     def _held_counts(self, request: Request) -> torch.Tensor:

@@ -210,6 +210,13 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.num_swapped_out_blocks = 0
+        # victims chosen, and the blocks they freed where memory was short; row evictions are the
+        # per-device scheduler's (device_scheduler.py), zero here
+        self.num_evictions = 0
+        self.freed_on_short_device = 0
+        self.num_row_evictions = 0
+        self.num_evicted_rows = 0
+        self.num_dead_rows_freed = 0
 
     # ----- requests in ------------------------------------------------------------------------------
     def max_blocks_alone(self, num_cached_tokens: int) -> int:
@@ -278,12 +285,14 @@ class Scheduler:
                 need = self.step_blocks(request, num_tokens)
             while reserved + need > self.memory.num_free_blocks:
                 candidates = self.running[i:]          # not yet scheduled this step
-                victim = self.victims.choose_victim(
-                    tuple(candidates), self.memory, reserved + need - self.memory.num_free_blocks)
+                free = self.memory.num_free_blocks
+                victim = self.victims.choose_victim(tuple(candidates), self.memory, reserved + need - free)
                 if not any(victim is c for c in candidates):
                     raise RuntimeError(f"victim policy {self.victims!r} chose request "
                                        f"{getattr(victim, 'request_id', victim)!r}, not one of the candidates")
                 self._preempt(victim, out)
+                self.num_evictions += 1
+                self.freed_on_short_device += self.memory.num_free_blocks - free
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:

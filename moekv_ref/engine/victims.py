@@ -103,7 +103,7 @@ class ExpertLRU(VictimPolicy):
             last_used = memory.row_last_used(request.request_id)
             if last_used is None:
                 raise ValueError("victim='expert_lru' drops single rows: it needs a scheduler that tracks and "
-                                 "evicts rows (DeviceScheduler, the engine over per-device pools)")
+                                 "evicts rows (DeviceScheduler: LLMEngine over per-device pools, blocks_per_device)")
             counts = memory.token_counts([request.request_id])[0]                       # (L, E)
             on_short = (counts > 0) & (memory.device_of_expert == shortage.device)      # (L, E)
             for layer, expert in on_short.nonzero().tolist():
