@@ -11,14 +11,14 @@
     victims.py       victim policies: newest_first, sequence_lru, expert_lru, pressure_aware
     batching.py      BatchingPolicy; continuous batching on the paged pool (continuous_paged)
     baselines.py     the benchmark's baselines as batching policies: continuous_reserved, static
-    scheduler.py     Scheduler: the paged loop over integers (reserve, preempt, admit), SchedulerOutput
+    scheduler.py     Scheduler: the paged loop over integers (reserve per device, preempt or evict rows,
+                     admit), SchedulerOutput
     model_runner.py  ModelRunner: the swap copies, then one forward_cached over the flat ragged batch
     undo.py          Snapshot: the scheduler's state, restored in place when a step raises
     engine.py        LLMEngine: add_request / step / abort_request / generate; failed steps undone;
                      statistics (history opt-in); per-device pools (blocks_per_device,
                      device_of_expert); generate_with_engine (`generate --cache paged`)
     workload.py      workloads with arrivals, and running one through an engine
-    device_scheduler.py  DeviceScheduler: the step reserved per device; whole or row evictions
 """
 
 from .admission import AdmissionPolicy, OptimisticAdmission, PredictedAdmission

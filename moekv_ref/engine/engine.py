@@ -18,7 +18,7 @@ and forgotten, and `stats()` is kept in counters: memory stays flat however many
 Per-device pools: with `blocks_per_device` and `device_of_expert` the attention experts live on D
 devices, each with its own blocks, and a row takes blocks from its expert's device
 (cache/kv_cache_manager.py); the scheduler then reserves each step device by device
-(device_scheduler.py), so memory runs short per device. The model, its cache calls, the runner and
+(scheduler.py), so memory runs short per device. The model, its cache calls, the runner and
 the swap copies are the same. `eviction_stats()` adds the scheduler's eviction counts to stats(),
 with the peak of blocks in use on each device (after a forward, before finishing): a running maximum,
 so a long-running engine keeps no per-step history. With record_history, `device_timeline` also
@@ -43,7 +43,6 @@ from ..prompts import check_prompt
 from ..results import GenerationResult
 from ..sampling import SamplingParams, sample_next
 from .demand import worst_case_lifetime_blocks
-from .device_scheduler import DeviceScheduler
 from .memory import ModelShape
 from .model_runner import ModelRunner
 from .request import Request, RequestOutput, RequestStatus
@@ -133,8 +132,7 @@ class LLMEngine:
                  enable_prefix_caching: bool = False, blocks_per_device=None, device_of_expert=None):
         if not isinstance(model, MoEKVTransformer):
             raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
-        self.per_device_pools = blocks_per_device is not None
-        if self.per_device_pools:
+        if blocks_per_device is not None:
             blocks_per_device = checked_blocks_per_device(blocks_per_device)
             num_blocks = sum(blocks_per_device) if num_blocks is None else num_blocks
         _check_int("num_blocks", num_blocks, 1)
@@ -164,10 +162,8 @@ class LLMEngine:
                                             enable_prefix_caching=enable_prefix_caching)
         self.blocks_per_device = self.cache.manager.blocks_per_device.tolist()         # D ints
         self.device_of_expert = self.cache.manager.device_of_expert                     # (L, E) int64
-        # per-device pools reserve each step device by device (device_scheduler.py)
-        scheduler_class = DeviceScheduler if self.per_device_pools else Scheduler
-        self.scheduler = scheduler_class(scheduler_config, self.cache.manager,
-                                         ModelShape.from_config(self.config, block_size), num_swap_blocks)
+        self.scheduler = Scheduler(scheduler_config, self.cache.manager, ModelShape.from_config(self.config, block_size),
+                                   num_swap_blocks)
         self.memory = self.scheduler.memory          # read-only: the pool and the swap space
         self.predictor = self.scheduler.predictor
         self.runner = ModelRunner(model, self.cache, num_swap_blocks)
