@@ -14,11 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moekv_ref.cache import OutOfBlocksError
-from moekv_ref.cache.device_block_pool import DeviceBlockPool
-from moekv_ref.cache.device_kv_cache_manager import DeviceKVCacheManager
-from moekv_ref.engine import SchedulerConfig
-from moekv_ref.engine.device_engine import DeviceLLMEngine
+from moekv_ref.cache import BlockPool, KVCacheManager, OutOfBlocksError
+from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.engine.swap import SwapSpace
 from moekv_ref.engine.victims import ExpertLRU, PressureAware, RowEviction, SequenceLRU, Shortage
 from moekv_ref.generate import generate
@@ -30,6 +27,12 @@ BLOCK_SIZE = 4
 # 8 experts on 4 devices, skewed: device 0 holds three experts, device 3 one
 PLACEMENT = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3])
 BLOCKS = [36, 40, 40, 40]
+
+
+def device_engine(model, blocks_per_device, device_of_expert, block_size, config=None, **options):
+    """The engine over per-device pools."""
+    return LLMEngine(model, block_size=block_size, scheduler_config=config, blocks_per_device=blocks_per_device,
+                     device_of_expert=device_of_expert, **options)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +56,7 @@ def alone(model, workload):
                                          ("expert_lru", "recompute")])
 def test_every_policy_serves_every_request_as_if_alone(model, workload, alone, victim, mode):
     config = SchedulerConfig(victim=victim, admission="optimistic", preemption_mode=mode)
-    engine = DeviceLLMEngine(model, BLOCKS, PLACEMENT, BLOCK_SIZE, config, shuffle_seed=1, record_history=True)
+    engine = device_engine(model, BLOCKS, PLACEMENT, BLOCK_SIZE, config, shuffle_seed=1, record_history=True)
     outputs = engine.generate(*workload)
     assert [o.token_ids for o in outputs] == alone
     engine.memory.assert_no_leak()                    # every device, and the swap space
@@ -79,7 +82,7 @@ def test_embedded_model_with_pressure_aware_and_expert_lru_equals_alone():
     E = model.config.num_attention_experts
     placement = torch.arange(E) % 4                                            # round robin, D = 4
     for victim in ("pressure_aware", "expert_lru"):
-        engine = DeviceLLMEngine(model, [44] * 4, placement, 4,
+        engine = device_engine(model, [44] * 4, placement, 4,
                                  SchedulerConfig(victim=victim, admission="optimistic"))
         assert [o.token_ids for o in engine.generate(prompts, params)] == alone
         engine.memory.assert_no_leak()
@@ -91,7 +94,7 @@ def test_one_short_device_preempts_while_the_others_have_room(model, workload, a
     while the other devices are far from full."""
     placement = torch.tensor([0, 1, 1, 1, 2, 2, 3, 3])
     blocks = [20, 400, 400, 400]
-    engine = DeviceLLMEngine(model, blocks, placement, BLOCK_SIZE,
+    engine = device_engine(model, blocks, placement, BLOCK_SIZE,
                              SchedulerConfig(victim="pressure_aware", admission="optimistic"), record_history=True)
     assert [o.token_ids for o in engine.generate(*workload)] == alone
     engine.memory.assert_no_leak()
@@ -104,13 +107,13 @@ def test_without_history_the_engine_keeps_no_per_step_record(model, workload, al
     """By default a long-running engine keeps only a running peak per device: nothing grows per step
     or per request served (the device timeline is opt-in, with record_history=True)."""
     config = SchedulerConfig(victim="pressure_aware", admission="optimistic")
-    engine = DeviceLLMEngine(model, BLOCKS, PLACEMENT, BLOCK_SIZE, config)
+    engine = device_engine(model, BLOCKS, PLACEMENT, BLOCK_SIZE, config)
     assert engine.eviction_stats()["peak_used_blocks_per_device"] == []            # no step yet
     assert [o.token_ids for o in engine.generate(*workload)] == alone
     assert engine.device_timeline == [] and engine.timeline == [] and not engine.requests
-    assert not engine.scheduler.stalled and not engine.scheduler._row_last_used and not engine.scheduler._counts_seen
+    assert not engine.scheduler.stalled and (engine.cache.manager.last_appended == -1).all()
     peak = engine.eviction_stats()["peak_used_blocks_per_device"]
-    recorded = DeviceLLMEngine(model, BLOCKS, PLACEMENT, BLOCK_SIZE, config, record_history=True)
+    recorded = device_engine(model, BLOCKS, PLACEMENT, BLOCK_SIZE, config, record_history=True)
     recorded.generate(*workload)
     assert peak == torch.stack(recorded.device_timeline).max(0).values.tolist()
     assert all(0 < p <= b for p, b in zip(peak, BLOCKS))
@@ -120,7 +123,7 @@ def test_aborting_a_stalled_request_leaves_no_trace(model, workload):
     """expert_lru drops rows and the request stalls (waiting, its other rows dead weight); aborting
     it then takes it out of every table: waiting, stalled, the rows' last uses, its blocks."""
     config = SchedulerConfig(victim="expert_lru", admission="optimistic")
-    engine = DeviceLLMEngine(model, BLOCKS, PLACEMENT, BLOCK_SIZE, config)
+    engine = device_engine(model, BLOCKS, PLACEMENT, BLOCK_SIZE, config)
     ids = [engine.add_request(p, q) for p, q in zip(*workload)]
     scheduler = engine.scheduler
     while not scheduler.stalled:
@@ -130,7 +133,7 @@ def test_aborting_a_stalled_request_leaves_no_trace(model, workload):
     assert engine.abort_request(request_id).finish_reason == "aborted"
     assert request_id not in scheduler.stalled
     assert all(r.request_id != request_id for r in [*scheduler.waiting, *scheduler.running])
-    assert request_id not in scheduler._row_last_used and request_id not in scheduler._counts_seen
+    assert (engine.memory.row_last_used(request_id) == -1).all()
     assert not engine.memory.holds(request_id) and request_id not in engine.requests
     while engine.has_unfinished_requests():          # the others are served, nothing leaks
         engine.step()
@@ -139,7 +142,7 @@ def test_aborting_a_stalled_request_leaves_no_trace(model, workload):
 
 
 def test_a_request_too_large_for_one_device_is_refused_naming_it(model):
-    engine = DeviceLLMEngine(model, [12, 200, 200, 200], PLACEMENT, BLOCK_SIZE)
+    engine = device_engine(model, [12, 200, 200, 200], PLACEMENT, BLOCK_SIZE)
     with pytest.raises(ValueError, match="may not fit device 0 even alone"):
         engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=20))
     assert not engine.requests and not engine.scheduler.waiting
@@ -150,7 +153,7 @@ def test_per_device_pool_sizes_are_checked(model):
         from moekv_ref.cache.paged import PagedKVCache
         PagedKVCache(model.config, 100, 4, blocks_per_device=[10, 10, 10, 10], device_of_expert=PLACEMENT)
     with pytest.raises(ValueError, match=r"blocks_per_device\[3\]=1 is too small"):
-        DeviceLLMEngine(model, [40, 40, 40, 1], PLACEMENT, BLOCK_SIZE)
+        device_engine(model, [40, 40, 40, 1], PLACEMENT, BLOCK_SIZE)
 
 
 # ----- the policies' choices, on a stub memory view ----------------------------------------------------
@@ -204,12 +207,12 @@ def test_expert_lru_needs_a_scheduler_that_tracks_rows():
 
 # ----- the per-device pool and manager ---------------------------------------------------------------
 def test_device_block_pool_ranges_and_errors():
-    pool = DeviceBlockPool([3, 2])
-    assert pool.allocate_on(1, 2).tolist() == [3, 4]          # device 1's range is [3, 5)
-    assert pool.free_per_device.tolist() == [3, 0]
+    pool = BlockPool(blocks_per_device=[3, 2])
+    assert pool.allocate(2, device=1).tolist() == [3, 4]      # device 1's range is [3, 5)
+    assert pool.num_free_blocks_per_device.tolist() == [3, 0]
     with pytest.raises(OutOfBlocksError, match="device 1 is short"):
-        pool.allocate_on(1, 1)
-    with pytest.raises(TypeError, match="allocate_on"):
+        pool.allocate(1, device=1)
+    with pytest.raises(TypeError, match="needs a device"):
         pool.allocate(1)
     pool.incref(torch.tensor([3]))
     before = pool.ref_cnt.clone()
@@ -222,7 +225,7 @@ def test_device_block_pool_ranges_and_errors():
 
 
 def test_manager_rows_take_their_devices_blocks_exact_ids():
-    manager = DeviceKVCacheManager(1, 4, 2, [3, 2], torch.tensor([0, 0, 1, 1]))
+    manager = KVCacheManager(1, 4, 2, blocks_per_device=[3, 2], device_of_expert=torch.tensor([0, 0, 1, 1]))
     manager.add_sequence(5)
     rows = manager.rows([5, 5], 0, torch.tensor([1, 2]))
     allocation = manager.allocate_slots(rows, torch.tensor([3, 1]))
@@ -244,7 +247,7 @@ def test_random_evict_resume_finish_programs_keep_ownership_exact(blocks, block_
     per-device used blocks, every row's count, and the manager's invariants (each block owned once,
     ref_cnt == owners, on its row's device) after every operation; swap-in restores the counts."""
     device_of_expert = torch.tensor([0, 0, 1, 1])
-    manager = DeviceKVCacheManager(1, 4, block_size, blocks, device_of_expert)
+    manager = KVCacheManager(1, 4, block_size, blocks_per_device=blocks, device_of_expert=device_of_expert)
     space = SwapSpace(manager, 40)
     held: dict[int, dict[int, int]] = {}
     swapped: dict[int, dict[int, int]] = {}

@@ -148,18 +148,29 @@ def test_the_packages_import_without_a_cycle():
 
 
 def test_the_cycle_check_sees_type_checking_and_main_imports():
-    """The check above is not vacuous: an import only under TYPE_CHECKING, or only under
-    `if __name__ == "__main__":`, that closes a circle is found."""
+    """The check above is not vacuous: a circle closed only by an import under TYPE_CHECKING, or only
+    under `if __name__ == "__main__":`, is found, and it is the injected one."""
+    def injected(changes):
+        return [(path, module, ast.parse(changes[module]) if module in changes else tree)
+                for path, module, tree in _modules()]
+
     for guard in ("if TYPE_CHECKING:", 'if __name__ == "__main__":'):
-        modules = list(_modules())
-        injected = ast.parse(f"{guard}\n    from moekv_ref.apps import cli\n")
-        modules = [(path, module, injected if module == "moekv_ref.config" else tree)
-                   for path, module, tree in modules]
-        cycle = _find_cycle(_import_graph(modules))
-        assert cycle is not None and "moekv_ref.config" in cycle, guard
-    bench_in_kernel = [(path, module, ast.parse('if __name__ == "__main__":\n    from .bench import bench_store_kv\n')
-                        if module == "kernels.store_kv" else tree) for path, module, tree in _modules()]
-    assert _find_cycle(_import_graph(bench_in_kernel)) is not None
+        cycle = _find_cycle(_import_graph(injected({"moekv_ref.config": f"{guard}\n    from moekv_ref.apps import cli\n"})))
+        assert cycle is not None and "moekv_ref.config" in cycle, (guard, cycle)
+    cycle = _find_cycle(_import_graph(injected({
+        "kernels.store_kv": 'if __name__ == "__main__":\n    from .report import occupancy\n',
+        "kernels.report": "if TYPE_CHECKING:\n    from .store_kv import store_kv\n"})))
+    assert cycle is not None and {"kernels.store_kv", "kernels.report"} <= set(cycle), cycle
+
+
+def test_no_kernel_imports_the_benchmark():
+    """kernels/bench.py is a program over the kernels: none of them imports it, anywhere."""
+    importers = []
+    for path, module, tree in _modules((ROOT / "kernels",)):
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and "kernels.bench" in _resolve(module, node):
+                importers.append(module)
+    assert not importers, importers
 
 
 def test_no_function_hides_an_import_of_the_package():

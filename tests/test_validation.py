@@ -21,13 +21,11 @@ import torch
 from moekv_ref.apps import bench_eviction, bench_memory, bench_serving, bench_step, cli, demo, figures
 from moekv_ref.apps.cli import main
 from moekv_ref.cache import KVCacheManager
-from moekv_ref.cache.block_pool import BlockPool
-from moekv_ref.cache.device_block_pool import DeviceBlockPool, checked_blocks_per_device
-from moekv_ref.cache.device_kv_cache_manager import DeviceKVCacheManager, checked_placement
+from moekv_ref.cache.block_pool import BlockPool, checked_blocks_per_device
+from moekv_ref.cache.kv_cache_manager import checked_placement
 from moekv_ref.cache.device_pools import DevicePools
 from moekv_ref.config import ModelConfig
 from moekv_ref.engine import LLMEngine, SchedulerConfig, generate_with_engine
-from moekv_ref.engine.device_engine import DeviceLLMEngine
 from moekv_ref.engine.workload import make_workload
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
@@ -45,7 +43,8 @@ def engine(**options):
 
 
 def device_engine(blocks_per_device=(40, 40), device_of_expert=PLACEMENT, **options):
-    return DeviceLLMEngine(MODEL, blocks_per_device, device_of_expert, 4, **options)
+    return LLMEngine(MODEL, block_size=4, blocks_per_device=blocks_per_device, device_of_expert=device_of_expert,
+                     **options)
 
 
 def pool_in_use():
@@ -56,9 +55,10 @@ def pool_in_use():
 
 
 def device_pool_in_use():
-    pool = DeviceBlockPool([3, 2])
-    pool.allocate_on(0, 2)
-    pool.allocate_on(1, 1)
+    """A BlockPool of 2 devices (blocks 0..2 and 3..4), blocks 0, 1 and 3 in use."""
+    pool = BlockPool(blocks_per_device=[3, 2])
+    pool.allocate(2, device=0)
+    pool.allocate(1, device=1)
     return pool
 
 
@@ -162,45 +162,48 @@ CASES = [
     ("make_workload prompt_len=(5, 2)", lambda: make_workload(4, prompt_len=(5, 2)), "prompt_len=(5, 2)"),
     ("make_workload temperature=-1", lambda: make_workload(4, temperature=-1), "temperature=-1"),
     # per-device pools: block counts and placements as given, never rounded or read as digits
-    ("DeviceLLMEngine blocks [100.7, 100.2]", lambda: device_engine([100.7, 100.2]),
+    ("LLMEngine per-device blocks [100.7, 100.2]", lambda: device_engine([100.7, 100.2]),
      "blocks_per_device[0]=100.7 is a float; allowed: an integer >= 1"),
-    ("DeviceLLMEngine blocks [40.0, 40.0]", lambda: device_engine([40.0, 40.0]), "blocks_per_device[0]=40.0 is a float"),
-    ("DeviceLLMEngine blocks '4040'", lambda: device_engine("4040"), "blocks_per_device='4040' is a str; allowed: a list"),
-    ("DeviceLLMEngine blocks [40, True]", lambda: device_engine([40, True]), "blocks_per_device[1]=True is a bool"),
-    ("DeviceLLMEngine blocks [40, 0]", lambda: device_engine([40, 0]),
+    ("LLMEngine per-device blocks [40.0, 40.0]", lambda: device_engine([40.0, 40.0]), "blocks_per_device[0]=40.0 is a float"),
+    ("LLMEngine per-device blocks '4040'", lambda: device_engine("4040"), "blocks_per_device='4040' is a str; allowed: a list"),
+    ("LLMEngine per-device blocks [40, True]", lambda: device_engine([40, True]), "blocks_per_device[1]=True is a bool"),
+    ("LLMEngine per-device blocks [40, 0]", lambda: device_engine([40, 0]),
      "blocks_per_device[1]=0 is not allowed; allowed: an integer >= 1"),
-    ("DeviceLLMEngine blocks []", lambda: device_engine([]), "blocks_per_device=[] is empty"),
-    ("DeviceLLMEngine blocks 80", lambda: device_engine(80), "blocks_per_device=80 is an int; allowed: a list"),
-    ("DeviceLLMEngine blocks float tensor", lambda: device_engine(torch.tensor([40.0, 40.0])),
+    ("LLMEngine per-device blocks []", lambda: device_engine([]), "blocks_per_device=[] is empty"),
+    ("LLMEngine per-device blocks 80", lambda: device_engine(80), "blocks_per_device=80 is an int; allowed: a list"),
+    ("LLMEngine per-device blocks float tensor", lambda: device_engine(torch.tensor([40.0, 40.0])),
      "blocks_per_device=[40.0, 40.0] has dtype torch.float32"),
-    ("DeviceLLMEngine blocks 2-D array", lambda: device_engine(np.array([[40, 40]])), "blocks_per_device has shape (1, 2)"),
-    ("DeviceLLMEngine blocks {0: 40}", lambda: device_engine({0: 40, 1: 40}), "is a dict"),
-    ("DeviceLLMEngine placement 0.4", lambda: device_engine(device_of_expert=torch.tensor([0.4, 0, 1, 1, 1])),
+    ("LLMEngine per-device blocks 2-D array", lambda: device_engine(np.array([[40, 40]])), "blocks_per_device has shape (1, 2)"),
+    ("LLMEngine per-device blocks {0: 40}", lambda: device_engine({0: 40, 1: 40}), "is a dict"),
+    ("LLMEngine per-device placement 0.4", lambda: device_engine(device_of_expert=torch.tensor([0.4, 0, 1, 1, 1])),
      "device_of_expert[0]=0.4 has dtype torch.float32; allowed: devices 0..1"),
-    ("DeviceLLMEngine placement whole floats", lambda: device_engine(device_of_expert=PLACEMENT.double()),
+    ("LLMEngine per-device placement whole floats", lambda: device_engine(device_of_expert=PLACEMENT.double()),
      "device_of_expert[0]=0.0 has dtype torch.float64"),
-    ("DeviceLLMEngine placement list with 1.0", lambda: device_engine(device_of_expert=[0, 0, 1, 1, 1.0]),
+    ("LLMEngine per-device placement list with 1.0", lambda: device_engine(device_of_expert=[0, 0, 1, 1, 1.0]),
      "device_of_expert[4]=1.0 is a float; allowed: devices 0..1"),
-    ("DeviceLLMEngine placement (L, E) list with True", lambda: device_engine(device_of_expert=[[0, 0, 1, 1, 1],
+    ("LLMEngine per-device placement (L, E) list with True", lambda: device_engine(device_of_expert=[[0, 0, 1, 1, 1],
                                                                                                [0, 0, 1, 1, True]]),
      "device_of_expert[1][4]=True is a bool"),
-    ("DeviceLLMEngine placement '00111'", lambda: device_engine(device_of_expert="00111"),
+    ("LLMEngine per-device placement '00111'", lambda: device_engine(device_of_expert="00111"),
      "device_of_expert='00111' is a str"),
-    ("DeviceLLMEngine placement bool tensor", lambda: device_engine(device_of_expert=PLACEMENT.bool()),
+    ("LLMEngine per-device placement bool tensor", lambda: device_engine(device_of_expert=PLACEMENT.bool()),
      "has dtype torch.bool"),
-    ("DeviceLLMEngine placement float array", lambda: device_engine(device_of_expert=np.array([0, 0, 1, 1, 1.5])),
+    ("LLMEngine per-device placement float array", lambda: device_engine(device_of_expert=np.array([0, 0, 1, 1, 1.5])),
      "device_of_expert[4]=1.5 has dtype float64"),
-    ("DeviceLLMEngine placement device 2 of 2", lambda: device_engine(device_of_expert=[0, 0, 1, 1, 2]),
+    ("LLMEngine per-device placement device 2 of 2", lambda: device_engine(device_of_expert=[0, 0, 1, 1, 2]),
      "device_of_expert names devices [0, 1, 2]; allowed: 0..1"),
-    ("DeviceLLMEngine placement (4,)", lambda: device_engine(device_of_expert=[0, 0, 1, 1]),
+    ("LLMEngine per-device placement (4,)", lambda: device_engine(device_of_expert=[0, 0, 1, 1]),
      "device_of_expert must be (E,) = (5,) or (L, E) = (2, 5); got (2, 4)"),
-    ("DeviceLLMEngine placement ragged", lambda: device_engine(device_of_expert=[[0, 0, 1, 1, 1], [0, 1]]),
+    ("LLMEngine per-device placement ragged", lambda: device_engine(device_of_expert=[[0, 0, 1, 1, 1], [0, 1]]),
      "not a rectangular table"),
-    ("DeviceLLMEngine record_history='yes'", lambda: device_engine(record_history="yes"), "record_history='yes'"),
-    ("DeviceKVCacheManager blocks [3.5, 4]", lambda: DeviceKVCacheManager(1, 4, 2, [3.5, 4], [0, 0, 1, 1]),
+    ("LLMEngine per-device record_history='yes'", lambda: device_engine(record_history="yes"), "record_history='yes'"),
+    ("KVCacheManager blocks_per_device [3.5, 4]",
+     lambda: KVCacheManager(1, 4, 2, blocks_per_device=[3.5, 4], device_of_expert=[0, 0, 1, 1]),
      "blocks_per_device[0]=3.5 is a float"),
-    ("DeviceBlockPool blocks (2, 2.0)", lambda: DeviceBlockPool((2, 2.0)), "blocks_per_device[1]=2.0 is a float"),
-    ("DeviceBlockPool shuffle_seed=1.5", lambda: DeviceBlockPool([2, 2], shuffle_seed=1.5), "shuffle_seed=1.5"),
+    ("BlockPool blocks_per_device (2, 2.0)", lambda: BlockPool(blocks_per_device=(2, 2.0)),
+     "blocks_per_device[1]=2.0 is a float"),
+    ("BlockPool 2 devices shuffle_seed=1.5", lambda: BlockPool(blocks_per_device=[2, 2], shuffle_seed=1.5),
+     "shuffle_seed=1.5"),
     ("DevicePools blocks 4.0", lambda: DevicePools(2, 5, 2, 4.0, PLACEMENT), "blocks_per_device=4.0 is a float"),
     ("DevicePools blocks 4, placement 0.4", lambda: DevicePools(2, 5, 2, 4, [0.4, 0, 1, 1, 1]),
      "device_of_expert[0]=0.4 is a float; allowed: devices integers >= 0"),
@@ -221,15 +224,15 @@ CASES = [
     ("BlockPool.allocate(True)", lambda: pool_in_use().allocate(True), "num_blocks=True"),
     ("BlockPool.allocate(-1)", lambda: pool_in_use().allocate(-1), "num_blocks=-1"),
     ("BlockPool shuffle_seed=True", lambda: BlockPool(4, shuffle_seed=True), "shuffle_seed=True is not allowed"),
-    ("DeviceBlockPool.free(tensor([3.0]))", lambda: device_pool_in_use().free(torch.tensor([3.0])),
+    ("BlockPool 2 devices .free(tensor([3.0]))", lambda: device_pool_in_use().free(torch.tensor([3.0])),
      "block_ids=[3.0] has dtype torch.float32"),
-    ("DeviceBlockPool.incref([0.5])", lambda: device_pool_in_use().incref([0.5]), "block_ids[0]=0.5 is a float"),
-    ("DeviceBlockPool.device_of_blocks([True])", lambda: device_pool_in_use().device_of_blocks([True]),
+    ("BlockPool 2 devices .incref([0.5])", lambda: device_pool_in_use().incref([0.5]), "block_ids[0]=0.5 is a float"),
+    ("BlockPool.device_of_blocks([True])", lambda: device_pool_in_use().device_of_blocks([True]),
      "block_ids[0]=True is a bool"),
-    ("DeviceBlockPool.allocate_on(0.4, 1)", lambda: device_pool_in_use().allocate_on(0.4, 1),
+    ("BlockPool.allocate(1, device=0.4)", lambda: device_pool_in_use().allocate(1, device=0.4),
      "device=0.4 is not allowed; allowed: an integer in 0..1"),
-    ("DeviceBlockPool.allocate_on(True, 1)", lambda: device_pool_in_use().allocate_on(True, 1), "device=True"),
-    ("DeviceBlockPool.allocate_on(0, 1.0)", lambda: device_pool_in_use().allocate_on(0, 1.0), "num_blocks=1.0"),
+    ("BlockPool.allocate(1, device=True)", lambda: device_pool_in_use().allocate(1, device=True), "device=True"),
+    ("BlockPool.allocate(1.0, device=0)", lambda: device_pool_in_use().allocate(1.0, device=0), "num_blocks=1.0"),
     ("DevicePools.free_rows([0.0])", lambda: pools_in_use().free_rows([0.0]), "rows[0]=0.0 is a float"),
     ("DevicePools.allocate_slots float tokens", lambda: pools_in_use().allocate_slots(torch.tensor([0]), torch.tensor([1.5])),
      "num_new_tokens=[1.5] has dtype torch.float32"),
@@ -418,12 +421,13 @@ def test_refused_ids_and_counts_leave_the_pools_unchanged():
     pool.assert_consistent()
 
     device_pool = device_pool_in_use()
-    before = device_pool.ref_cnt.clone(), device_pool.free_per_device
+    before = device_pool.ref_cnt.clone(), device_pool.num_free_blocks_per_device
     for call in (lambda: device_pool.free(torch.tensor([3.0])), lambda: device_pool.incref([0.5]),
-                 lambda: device_pool.allocate_on(0.4, 1), lambda: device_pool.allocate_on(0, 1.0)):
+                 lambda: device_pool.allocate(1, device=0.4), lambda: device_pool.allocate(1.0, device=0)):
         with pytest.raises(ValueError):
             call()
-        assert torch.equal(before[0], device_pool.ref_cnt) and torch.equal(before[1], device_pool.free_per_device)
+        assert torch.equal(before[0], device_pool.ref_cnt) and torch.equal(before[1],
+                                                                           device_pool.num_free_blocks_per_device)
     device_pool.assert_consistent()
 
     pools = pools_in_use()

@@ -9,7 +9,8 @@ Four parts, printed as tables and saved together as JSON:
  2. every victim policy on one skewed workload (sim/eviction.py): per-device pools (D = 4, E = 16),
     a topic trace whose popular topic's experts share device 0 under the co-activation placement,
     side by side with the offline policies (oracle, belady) and the memory-time bound; then the
-    online policies on the engine (DeviceLLMEngine) with the embedded model;
+    online policies on the engine over per-device pools (LLMEngine with blocks_per_device) with
+    the embedded model;
  3. density: for each expert buffer, the fraction of the running batch's sequences it holds, against
     E, k and skew;
  4. prefix caching (cache/prefix_cache.py) on a few-shot workload, both routings of the embedded model,
@@ -29,13 +30,12 @@ from ..analysis import record_model_trace
 from ..cache.paged import PagedKVCache
 from ..checkpoint import load_default_model
 from ..config import get_config
-from ..hardware import LINKS
-from ..engine.device_engine import DeviceLLMEngine
 from ..engine.engine import LLMEngine
 from ..engine.model_runner import ModelRunner
 from ..engine.scheduler import SchedulerConfig
 from ..engine.swap import SwapSpace
 from ..engine.workload import few_shot_workload, make_workload, run_workload
+from ..hardware import LINKS
 from ..placement import place_layers
 from ..plots.tables import text_table
 from ..sim.costs import (PCIE_GEN5_X16_BYTES_PER_SECOND, CostModel, crossover_context, fit_cost_model,
@@ -203,7 +203,7 @@ def engine_placement(model, workload, num_devices: int = 4) -> torch.Tensor:
 
 def compare_engine_policies(model, workload, blocks_per_device, placement, block_size: int = 4,
                             preemption_mode: str = "recompute", policies=ENGINE_POLICIES) -> dict:
-    """Every victim policy on DeviceLLMEngine over the same requests (all arriving at step 0),
+    """Every victim policy on LLMEngine over per-device pools and the same requests (all arriving at step 0),
     optimistic admission (so that memory runs short and victims are chosen). Returns per policy the
     engine's eviction statistics, goodput (generated tokens per step and per wall second) and whether
     every policy produced the same tokens (each equals generating alone: tests)."""
@@ -211,7 +211,8 @@ def compare_engine_policies(model, workload, blocks_per_device, placement, block
     for name in policies:
         config = SchedulerConfig(victim=name, admission="optimistic", preemption_mode=preemption_mode,
                                  max_num_seqs=16, max_num_batched_tokens=512)
-        engine = DeviceLLMEngine(model, blocks_per_device, placement, block_size, config)
+        engine = LLMEngine(model, block_size=block_size, scheduler_config=config,
+                           blocks_per_device=blocks_per_device, device_of_expert=placement)
         started = time.perf_counter()
         outputs = engine.generate([r.prompt for r in workload], [r.sampling_params for r in workload])
         seconds = time.perf_counter() - started

@@ -11,11 +11,11 @@ the positions the cache already holds. Caches also answer `token_counts(seq_ids)
 and `free(seq_id)`.
 
     rows.py                 how a (sequence, layer, expert) row is numbered; ceil_div
-    block_pool.py           the free block queue and reference counts
-    kv_cache_manager.py     block tables and token counts per row (integers only)
+    block_pool.py           the free block queues (one per device, one range of ids each) and
+                            reference counts
+    kv_cache_manager.py     block tables and token counts per row (integers only); a row takes
+                            blocks from its expert's device
     shared_tail_manager.py  the same, with rows' partly filled tails sharing blocks
-    device_block_pool.py    D pools behind one numbering of block ids (one range per device)
-    device_kv_cache_manager.py  the manager over them: a row takes its expert's device's blocks
     device_pools.py         D whole managers kept in step (expert-parallel ranks, the simulator)
     paged.py                PagedKVCache: K/V pool tensors + a manager; the attention paths
     contiguous.py           ContiguousKVCache: one growing buffer per row, the reference

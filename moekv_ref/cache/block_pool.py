@@ -8,11 +8,27 @@ fragmentation.
 This module knows nothing about rows, sequences or tensors of K/V: it hands out block ids and takes
 them back. The KV cache manager (kv_cache_manager.py) owns the block tables.
 
+Devices are a dimension of the pool. When the attention experts live on D devices, each device has
+its own blocks, and the ids of device d are one contiguous range:
+
+    device 0: ids [0, N0)     device 1: ids [N0, N0 + N1)     ...     device D-1: ... up to N
+
+`BlockPool(num_blocks)` is one device; `BlockPool(blocks_per_device=[N0, N1, ...])` is D. Why one
+numbering instead of D separate id spaces: a block table, a slot (block_id * P + offset), the K/V
+pool tensors of the paged cache and the Triton kernels all work on one range of block ids. With the
+devices' blocks laid end to end they all stay as they are; only *which* free block a row gets
+changes: `allocate(n, device=d)` takes blocks of d's range, and device d can be full while the
+others are empty. On real hardware each range would be a separate allocation in its own device's
+memory; here, in one process, it is a slice of one tensor. Free counts are totals
+(`num_free_blocks`) and (D,) vectors (`num_free_blocks_per_device`).
+
 Free blocks come in two kinds:
 
-    plain free     ref_cnt 0, nothing worth keeping: a LIFO stack (`_free_stack`)
+    plain free     ref_cnt 0, nothing worth keeping: a LIFO stack per device (`_free_stack`)
     cached free    ref_cnt 0, but still holding a full block of a known prefix (prefix caching,
-                   prefix_cache.py): an LRU queue (`_cached_free`), least recently freed first
+                   prefix_cache.py): an LRU queue (`_cached_free`), least recently freed first.
+                   A pool of one device only: `mark_cached` refuses a pool of several, so that
+                   `allocate` on one device never has to evict another device's cached blocks.
 
 `allocate` takes plain free blocks first and evicts cached-free blocks, least recently used first,
 only when the stack is empty; each evicted block is handed to `on_evict` so the prefix index forgets
@@ -21,10 +37,11 @@ it, else one more owner. Without prefix caching no block is ever marked cached, 
 empty, and the pool is exactly a stack.
 
 Invariants, after every public call:
-  * every block id in [0, num_blocks) is exactly one of: plain free (ref_cnt 0, once in the stack),
+  * every block id in [0, num_blocks) is exactly one of: plain free (ref_cnt 0, once in the stack
+    of its own device),
     cached free (ref_cnt 0, cached, once in the LRU queue) or in use (ref_cnt >= 1, in neither):
     num_free_blocks (both kinds) + num_used_blocks == num_blocks;
-  * a call that raises leaves the pool exactly as it was;
+  * a call that raises leaves the pool exactly as it was (every device);
   * ids and counts are integers as given: a float (even 1.0) or a bool is refused (`checked_ids`,
     `checked_count`), never rounded to a block or read as block 0 / 1.
 
@@ -109,37 +126,91 @@ def checked_count(value, name: str, minimum: int = 0, maximum: int | None = None
     return int(value)
 
 
+BLOCKS_PER_DEVICE_ALLOWED = ("a list or tuple of D integers >= 1 (Python or numpy ints), or a 1-D integer "
+                             "tensor or numpy array of them")
+
+
+def checked_blocks_per_device(blocks_per_device, name: str = "blocks_per_device") -> list[int]:
+    """blocks_per_device as a list of D Python ints, each >= 1 (a device with no block could hold no
+    row of its experts), or ValueError naming the first bad entry. Nothing is coerced: a float (even
+    100.0) or a bool is refused, not rounded, and a str is not read as a sequence of digits. Whether
+    each device holds enough blocks for one token of its experts is the paged cache's check."""
+    if isinstance(blocks_per_device, (torch.Tensor, np.ndarray)):
+        dtype = blocks_per_device.dtype
+        is_int = (not (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex)
+                  if isinstance(blocks_per_device, torch.Tensor) else dtype.kind in "iu")
+        if not is_int:
+            raise ValueError(f"{name}={preview(blocks_per_device)} has dtype {dtype}; allowed: "
+                             f"{BLOCKS_PER_DEVICE_ALLOWED}, never rounded")
+        if blocks_per_device.ndim != 1:
+            raise ValueError(f"{name} has shape {tuple(blocks_per_device.shape)}; allowed: {BLOCKS_PER_DEVICE_ALLOWED}")
+        values = blocks_per_device.tolist()
+    elif isinstance(blocks_per_device, (list, tuple)):
+        values = list(blocks_per_device)
+    else:
+        raise ValueError(f"{name}={blocks_per_device!r} is {a_type(blocks_per_device)}; "
+                         f"allowed: {BLOCKS_PER_DEVICE_ALLOWED}")
+    if not values:
+        raise ValueError(f"{name}={blocks_per_device!r} is empty; allowed: {BLOCKS_PER_DEVICE_ALLOWED} (D >= 1)")
+    for d, n in enumerate(values):
+        if not isinstance(n, numbers.Integral) or isinstance(n, (bool, np.bool_)):
+            raise ValueError(f"{name}[{d}]={n!r} is {a_type(n)}; allowed: an integer >= 1 "
+                             f"(the blocks of device {d}), never rounded")
+        if n < 1:
+            raise ValueError(f"{name}[{d}]={n!r} is not allowed; allowed: an integer >= 1 (the blocks of "
+                             f"device {d})")
+    return [int(n) for n in values]
+
+
 class OutOfBlocksError(RuntimeError):
     """The pool has fewer free blocks than a request needs. Not a bug: a scheduler checks
     `can_allocate` first and preempts a sequence when memory is short."""
 
 
 class BlockPool:
-    """`num_blocks` block ids, a free block queue and a reference count per block.
+    """Block ids of D devices (one by default), a free block queue per device and a reference count
+    per block.
 
-    shuffle_seed: when given, the free queue starts in a random order, so the blocks of one row are
-    scattered over the pool (tests use it to show that nothing depends on blocks being adjacent).
+    num_blocks: the blocks of a pool of one device. blocks_per_device: D positive ints
+    (checked_blocks_per_device), device d's ids the d-th range; num_blocks, if also given, must be
+    their sum. shuffle_seed: when given, each device's free queue starts in a random order (device d
+    seeded with shuffle_seed + d), so the blocks of one row are scattered over its device's range
+    (tests use it to show that nothing depends on blocks being adjacent).
     """
 
-    def __init__(self, num_blocks: int, shuffle_seed: int | None = None):
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
-            raise ValueError(f"num_blocks={num_blocks!r} is not allowed: it must be a positive integer")
-        if shuffle_seed is not None:
-            shuffle_seed = checked_count(shuffle_seed, "shuffle_seed", 0, MAX_SEED)
-        self.num_blocks = num_blocks
-        if shuffle_seed is None:
-            order = torch.arange(num_blocks, dtype=torch.int64)
+    def __init__(self, num_blocks: int | None = None, shuffle_seed: int | None = None, blocks_per_device=None):
+        if blocks_per_device is None:
+            if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+                raise ValueError(f"num_blocks={num_blocks!r} is not allowed: it must be a positive integer")
+            blocks_per_device = [num_blocks]
         else:
-            generator = torch.Generator().manual_seed(shuffle_seed)
-            order = torch.randperm(num_blocks, generator=generator)
-        # The free queue: _free_stack[:_num_free] are the free block ids; allocation pops from the end.
-        # Stored reversed so that an unshuffled pool hands out 0, 1, 2, ... in that order.
-        self._free_stack = order.flip(0).clone()                       # (N,) int64
-        self._num_free = num_blocks
-        self.ref_cnt = torch.zeros(num_blocks, dtype=torch.int32)      # (N,) owners of each block
-        # prefix caching only: blocks holding a full block of a known prefix, and the cached blocks
-        # no one owns, least recently freed first (evicted in that order when the stack runs out)
-        self.is_cached = torch.zeros(num_blocks, dtype=torch.bool)      # (N,)
+            blocks_per_device = checked_blocks_per_device(blocks_per_device)
+            if num_blocks is not None and num_blocks != sum(blocks_per_device):
+                raise ValueError(f"num_blocks={num_blocks!r} must equal sum(blocks_per_device)="
+                                 f"{sum(blocks_per_device)}")
+        num_devices = len(blocks_per_device)
+        if shuffle_seed is not None:     # device d is seeded with shuffle_seed + d
+            shuffle_seed = checked_count(shuffle_seed, "shuffle_seed", 0, MAX_SEED - (num_devices - 1))
+        self.num_blocks = sum(blocks_per_device)
+        self._device_sizes = blocks_per_device                          # (D,) blocks of each device
+        self._first_block = [sum(blocks_per_device[:d]) for d in range(num_devices)]   # (D,) first id
+        # The free queues: device d's free ids are _free_stack[first : first + _num_free[d]], first =
+        # _first_block[d]; allocation pops from the end of that segment. Each segment is stored
+        # reversed so that an unshuffled device hands out its ids in increasing order.
+        self._free_stack = torch.empty(self.num_blocks, dtype=torch.int64)               # (N,)
+        for d, (first, size) in enumerate(zip(self._first_block, blocks_per_device)):
+            if shuffle_seed is None:
+                order = torch.arange(size, dtype=torch.int64)
+            else:
+                generator = torch.Generator().manual_seed(shuffle_seed + d)
+                order = torch.randperm(size, generator=generator)
+            self._free_stack[first: first + size] = order.flip(0) + first
+        self._num_free = list(blocks_per_device)                        # (D,) plain free blocks of each device
+        self.ref_cnt = torch.zeros(self.num_blocks, dtype=torch.int32)      # (N,) owners of each block
+        # prefix caching only (one device): blocks holding a full block of a known prefix, and the
+        # cached blocks no one owns, least recently freed first (evicted in that order when the stack
+        # runs out)
+        self.is_cached = torch.zeros(self.num_blocks, dtype=torch.bool)     # (N,)
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._any_cached = False                  # a block was ever marked: `free` must sort released ones
         self.on_evict: Callable[[list[int]], None] | None = None       # told which cached blocks left
@@ -147,9 +218,26 @@ class BlockPool:
 
     # ----- queries -------------------------------------------------------------------------------
     @property
+    def num_devices(self) -> int:
+        return len(self._device_sizes)
+
+    @property
+    def blocks_per_device(self) -> torch.Tensor:
+        """(D,) blocks of each device."""
+        return torch.tensor(self._device_sizes, dtype=torch.int64)
+
+    @property
     def num_free_blocks(self) -> int:
-        """Blocks `allocate` can hand out: plain free and cached free."""
-        return self._num_free + len(self._cached_free)
+        """Blocks `allocate` can hand out, over all devices: plain free and cached free."""
+        return sum(self._num_free) + len(self._cached_free)
+
+    @property
+    def num_free_blocks_per_device(self) -> torch.Tensor:
+        """(D,) blocks `allocate` can hand out on each device (cached free ones on device 0, the only
+        one of a pool that caches)."""
+        free = torch.tensor(self._num_free, dtype=torch.int64)
+        free[0] += len(self._cached_free)
+        return free
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -160,25 +248,37 @@ class BlockPool:
         """Blocks with an owner (cached-free blocks are free: `allocate` may evict them)."""
         return self.num_blocks - self.num_free_blocks
 
+    def device_of_blocks(self, block_ids) -> torch.Tensor:
+        """(b,) the device whose range holds each block id."""
+        return self._device_of(self._checked_ids(block_ids))
+
     def free_block_ids(self) -> torch.Tensor:
-        """The free block queue, next to be handed out first: the plain free stack, then the cached
-        free blocks, least recently used first. (num_free,) int64, a copy."""
+        """The free block queues, next to be handed out first: device by device, each device's plain
+        free stack, then the cached free blocks, least recently used first. (num_free,) int64, a copy."""
+        stacks = [self._free_stack[first: first + n].flip(0) for first, n in zip(self._first_block, self._num_free)]
         cached = torch.tensor(list(self._cached_free), dtype=torch.int64)
-        return torch.cat([self._free_stack[: self._num_free].flip(0), cached])
+        return torch.cat(stacks + [cached])
 
     # ----- allocate / free -----------------------------------------------------------------------
-    def allocate(self, num_blocks: int) -> torch.Tensor:
-        """Take `num_blocks` blocks from the free queue, each with ref_cnt 1. Returns (num_blocks,)
-        int64 block ids, in the order they were handed out."""
+    def allocate(self, num_blocks: int, device: int | None = None) -> torch.Tensor:
+        """Take `num_blocks` blocks of `device` from its free queue, each with ref_cnt 1. Returns
+        (num_blocks,) int64 block ids, in the order they were handed out. device may be left out on
+        a pool of one device only: on several, a caller must say which. Raises OutOfBlocksError,
+        changing nothing, when the device is short."""
+        device = self._checked_device(device)
         num_blocks = checked_count(num_blocks, "num_blocks", 0)
-        if num_blocks > self.num_free_blocks:
-            raise OutOfBlocksError(
-                f"need {num_blocks} blocks but only {self.num_free_blocks} of {self.num_blocks} are free"
-            )
-        top = self._num_free
-        from_stack = min(num_blocks, top)
+        free_here = self._num_free[device] + (len(self._cached_free) if device == 0 else 0)
+        if num_blocks > free_here:
+            if self.num_devices == 1:
+                raise OutOfBlocksError(
+                    f"need {num_blocks} blocks but only {self.num_free_blocks} of {self.num_blocks} are free"
+                )
+            raise OutOfBlocksError(f"device {device} is short: need {num_blocks} blocks, "
+                                   f"{free_here} of {self._device_sizes[device]} are free")
+        top = self._first_block[device] + self._num_free[device]
+        from_stack = min(num_blocks, self._num_free[device])
         block_ids = self._free_stack[top - from_stack: top].flip(0).clone()
-        self._num_free = top - from_stack
+        self._num_free[device] -= from_stack
         if num_blocks > from_stack:                 # evict cached-free blocks, least recently used first
             evicted = [self._cached_free.popitem(last=False)[0] for _ in range(num_blocks - from_stack)]
             self.is_cached[evicted] = False
@@ -191,7 +291,10 @@ class BlockPool:
 
     def mark_cached(self, block_ids) -> None:
         """Blocks in use that now hold a full block of a known prefix: when their last owner frees
-        them they wait in the cached-free queue instead of the stack."""
+        them they wait in the cached-free queue instead of the stack. A pool of one device only."""
+        if self.num_devices > 1:
+            raise ValueError(f"mark_cached on a pool of {self.num_devices} devices: prefix caching "
+                             "works on a pool of one device")
         block_ids = self._checked_ids(block_ids)
         if (self.ref_cnt[block_ids] <= 0).any():
             raise ValueError("mark_cached of a free block: only blocks in use are registered")
@@ -219,7 +322,8 @@ class BlockPool:
         self.ref_cnt.index_add_(0, block_ids, torch.ones_like(block_ids, dtype=torch.int32))
 
     def free(self, block_ids: torch.Tensor) -> None:
-        """Drop one owner of each block; blocks left with no owner go back to the free queue.
+        """Drop one owner of each block; blocks left with no owner go back to the free queue of
+        their device.
 
         A block may appear several times (once per owner being dropped). Raises ValueError, with the
         pool unchanged, if that would drop more owners than a block has (a double free)."""
@@ -250,9 +354,35 @@ class BlockPool:
             for block in released[cached].tolist():   # most recently used: the end of the LRU queue
                 self._cached_free[block] = None
             released = released[~cached]
-        top = self._num_free
-        self._free_stack[top: top + released.numel()] = released
-        self._num_free = top + released.numel()
+        if self.num_devices == 1:
+            self._push(0, released)
+        else:   # each device's blocks onto its own stack, keeping their order
+            device = self._device_of(released)                                         # (r,)
+            for d in range(self.num_devices):
+                self._push(d, released[device == d])
+
+    def _push(self, device: int, block_ids: torch.Tensor) -> None:
+        """Put free blocks of `device` on top of its stack, the last one given on top."""
+        top = self._first_block[device] + self._num_free[device]
+        self._free_stack[top: top + block_ids.numel()] = block_ids
+        self._num_free[device] += block_ids.numel()
+
+    def _device_of(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """(b,) the device of each (already checked) block id."""
+        first = torch.tensor(self._first_block, dtype=torch.int64)                   # (D,)
+        return torch.searchsorted(first, block_ids, right=True) - 1
+
+    def _checked_device(self, device) -> int:
+        """device as an int in [0, D), or ValueError (TypeError when left out on several devices)."""
+        if device is None:
+            if self.num_devices > 1:
+                raise TypeError(f"allocate on a pool of {self.num_devices} devices needs a device: "
+                                "allocate(num_blocks, device=d)")
+            return 0
+        if not isinstance(device, numbers.Integral) or isinstance(device, (bool, np.bool_)) \
+                or not 0 <= device < self.num_devices:
+            raise ValueError(f"device={device!r} is not allowed; allowed: an integer in 0..{self.num_devices - 1}")
+        return int(device)
 
     def _checked_ids(self, block_ids) -> torch.Tensor:
         block_ids = checked_ids(block_ids, "block_ids").reshape(-1)
@@ -266,7 +396,12 @@ class BlockPool:
     # ----- checking --------------------------------------------------------------------------------
     def assert_consistent(self) -> None:
         """Check the invariants in the module docstring; raise AssertionError naming the broken one."""
-        stack = self._free_stack[: self._num_free]
+        stacks = [self._free_stack[first: first + n] for first, n in zip(self._first_block, self._num_free)]
+        for d, stack in enumerate(stacks):
+            first, size = self._first_block[d], self._device_sizes[d]
+            assert ((stack >= first) & (stack < first + size)).all(), \
+                f"device {d}'s free stack holds a block of another device"
+        stack = torch.cat(stacks)
         cached = torch.tensor(list(self._cached_free), dtype=torch.int64)
         free = torch.cat([stack, cached])
         assert free.unique().numel() == free.numel(), "a block is in the free queues twice"

@@ -30,10 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .device_block_pool import checked_blocks_per_device
-from .device_kv_cache_manager import checked_placement
-from .kv_cache_manager import KVCacheManager
-from .block_pool import OutOfBlocksError, checked_ids
+from .block_pool import OutOfBlocksError, checked_blocks_per_device, checked_ids
+from .kv_cache_manager import KVCacheManager, checked_placement
 from .rows import RowIndex, ceil_div
 
 

@@ -10,6 +10,10 @@ sequence id when it first appears (reused after `free`). Everything is a tensor 
     last_position        (num_rows,)             int64  position of the row's newest token, -1 if
                                                         none: the cache checks that tokens arrive in
                                                         order against it (reset by `free`)
+    last_appended        (num_rows,)             int64  the `clock` of the row's last append, -1 if
+                                                        none: how recently each row was used, what an
+                                                        expert-level LRU reads (`row_last_used`); the
+                                                        scheduler sets the clock to its step
 
 Token j of a row lives in block block_tables[row, j // P] at offset j % P; its slot in the flat
 pool is `slot = block_id * P + offset`. Entries past a row's ceil(n / P) used blocks are padding
@@ -23,7 +27,18 @@ pool is `slot = block_id * P + offset`. Entries past a row's ceil(n / P) used bl
 Invariants after every public call (checked by `assert_consistent`, driven by property tests):
   * a row with n tokens owns exactly ceil(n / P) blocks, listed in block_tables[row, :ceil(n/P)];
   * no block is owned by two rows; owned blocks have ref_cnt 1; free + owned = num_blocks;
+  * every block in a row's table lies in the range of the device of the row's expert;
   * a call that raises leaves the manager and the pool unchanged.
+
+Devices: each expert of each layer lives on one of D devices (`device_of_expert`, (L, E), all zeros
+by default: D = 1), and the pool has a range of block ids per device (block_pool.py,
+`blocks_per_device`). A row takes its blocks from its expert's device, so memory is short *per
+device*: appending to a row of an expert on device d raises OutOfBlocksError naming d when d is
+full, even while the other devices have room, and a scheduler checks its reservation device by
+device (`num_free_blocks_per_device`, `blocks_needed_per_device`, both (D,)). The paged cache, the
+attention paths and the Triton kernels do not change: a slot is still block_id * P + offset into one
+pool tensor. (cache/device_pools.py keeps D whole managers in step instead, what expert-parallel
+ranks and the simulator use.)
 
 Prefix caching (prefix_cache.py, a subclass) lets rows of different sequences share full blocks,
 counted by ref_cnt, and keeps blocks after their sequence ends; this class never shares.
@@ -38,9 +53,10 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from .block_pool import BlockPool, OutOfBlocksError, a_type, checked_ids
+from .block_pool import BlockPool, OutOfBlocksError, a_type, checked_ids, preview
 from .rows import RowIndex, ceil_div
 
 Moves = list[tuple[torch.Tensor, torch.Tensor]]   # (source slots, destination slots), in order
@@ -88,27 +104,103 @@ def check_block_size(block_size) -> int:
     return block_size
 
 
-class KVCacheManager:
-    """Block tables and token counts for every (sequence, layer, expert) row over one BlockPool."""
+PLACEMENT_ALLOWED = "an integer tensor or numpy array, or (nested) lists of ints"
 
-    def __init__(self, num_layers: int, num_experts: int, block_size: int, num_blocks: int,
+
+def checked_placement(device_of_expert, num_layers: int, num_experts: int, num_devices: int | None) -> torch.Tensor:
+    """device_of_expert as (L, E) int64: given (E,) for every layer or (L, E), devices in [0, D)
+    (num_devices=None: any device >= 0). ValueError, naming the first bad value, for anything else:
+    a float device (even 1.0) or a bool is refused, not rounded, and a str is not read as digits."""
+    devices = "0.." + str(num_devices - 1) if num_devices is not None else "integers >= 0"
+    allowed = (f"devices {devices} as {PLACEMENT_ALLOWED}, of shape (E,) = ({num_experts},) or (L, E) = "
+               f"({num_layers}, {num_experts})")
+    if isinstance(device_of_expert, (list, tuple)):
+        placement = _placement_from_lists(device_of_expert, allowed)
+    elif isinstance(device_of_expert, (torch.Tensor, np.ndarray)):
+        dtype = device_of_expert.dtype
+        is_int = (not (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex)
+                  if isinstance(device_of_expert, torch.Tensor) else dtype.kind in "iu")
+        if not is_int:
+            raise ValueError(f"{_first_value(device_of_expert)} has dtype {dtype}; allowed: {allowed}")
+        placement = torch.as_tensor(device_of_expert).to(torch.int64)
+    else:
+        raise ValueError(f"device_of_expert={device_of_expert!r} is {a_type(device_of_expert)}; "
+                         f"allowed: {allowed}")
+    if placement.dim() == 1:
+        placement = placement.expand(num_layers, -1)
+    if placement.shape != (num_layers, num_experts):
+        raise ValueError(f"device_of_expert must be (E,) = ({num_experts},) or (L, E) = ({num_layers}, "
+                         f"{num_experts}); got {tuple(placement.shape)}")
+    if placement.numel() and (int(placement.min()) < 0 or (num_devices is not None and
+                                                            int(placement.max()) >= num_devices)):
+        raise ValueError(f"device_of_expert names devices {sorted(set(placement.reshape(-1).tolist()))}; "
+                         f"allowed: {devices}" + (" (one per entry of blocks_per_device)" if num_devices else ""))
+    return placement.contiguous()
+
+
+def _first_value(placement) -> str:
+    """`device_of_expert[i]=v` for the first entry that is not a whole number (else the first entry)."""
+    try:
+        values = torch.as_tensor(placement)
+    except TypeError:                                             # a numpy array of text or objects
+        return "device_of_expert"
+    if values.numel() == 0:
+        return "device_of_expert=[]"
+    flat = values.reshape(-1)
+    broken = (flat != flat.round()).nonzero() if flat.is_floating_point() else flat[:0]
+    i = int(broken[0]) if broken.numel() else 0
+    index = ", ".join(str(int(k)) for k in np.unravel_index(i, tuple(values.shape)))
+    return f"device_of_expert[{index}]={preview(flat[i:i + 1])[1:-1]}"
+
+
+def _placement_from_lists(values, allowed: str) -> torch.Tensor:
+    """(Nested) lists of ints as an int64 tensor; the first entry that is not an int is named."""
+    def walk(value, index):
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, index + [i])
+        elif not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
+            where = "".join(f"[{i}]" for i in index)
+            raise ValueError(f"device_of_expert{where}={value!r} is {a_type(value)}; allowed: {allowed}")
+    walk(values, [])
+    try:
+        return torch.tensor(values, dtype=torch.int64)
+    except (TypeError, ValueError) as error:                   # ragged lists
+        raise ValueError(f"device_of_expert is not a rectangular table ({error}); allowed: {allowed}") from None
+
+
+class KVCacheManager:
+    """Block tables and token counts for every (sequence, layer, expert) row over one BlockPool.
+
+    num_blocks: the pool of one device. blocks_per_device: D ints, a pool of D devices (num_blocks
+    may then be left out, or must be their sum); device_of_expert: (E,) or (L, E) integer devices
+    0..D-1 (checked_placement), all zeros when left out."""
+
+    def __init__(self, num_layers: int, num_experts: int, block_size: int, num_blocks: int | None = None,
                  shuffle_seed: int | None = None, initial_num_seqs: int = 4,
-                 initial_blocks_per_row: int = 4):
+                 initial_blocks_per_row: int = 4, blocks_per_device=None, device_of_expert=None):
         for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} is not allowed: it must be a positive integer")
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.block_size = check_block_size(block_size)
-        self.pool = BlockPool(num_blocks, shuffle_seed)
+        self.pool = BlockPool(num_blocks, shuffle_seed, blocks_per_device)
+        if device_of_expert is None:
+            device_of_expert = torch.zeros(num_experts, dtype=torch.int64)
+        self.device_of_expert = checked_placement(device_of_expert, num_layers, num_experts,
+                                                  self.pool.num_devices)                    # (L, E)
+        self._device_of_local_row = self.device_of_expert.reshape(-1)                        # (L*E,)
         self.index = RowIndex(num_layers, num_experts)
         self.rows_per_seq = self.index.rows_per_seq
-        self.pad = num_blocks                       # padding in block tables: never a real block
+        self.pad = self.pool.num_blocks             # padding in block tables: never a real block
         num_rows = initial_num_seqs * self.rows_per_seq
         self.num_computed_tokens = torch.zeros(num_rows, dtype=torch.int64)          # (R,)
         self.block_tables = torch.full((num_rows, initial_blocks_per_row), self.pad,
                                        dtype=torch.int32)                          # (R, W)
         self.last_position = torch.full((num_rows,), -1, dtype=torch.int64)         # (R,)
+        self.clock = 0                              # stamped on the rows each append grows
+        self.last_appended = torch.full((num_rows,), -1, dtype=torch.int64)         # (R,)
         self._seq_index: dict[int, int] = {}        # sequence id -> its slot of rows
         self._free_seq_indices = list(range(initial_num_seqs - 1, -1, -1))
 
@@ -120,6 +212,43 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    # ----- devices --------------------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        return self.pool.num_devices
+
+    @property
+    def blocks_per_device(self) -> torch.Tensor:
+        """(D,) blocks of each device."""
+        return self.pool.blocks_per_device
+
+    @property
+    def num_free_blocks_per_device(self) -> torch.Tensor:
+        """(D,) free blocks of each device."""
+        return self.pool.num_free_blocks_per_device
+
+    def device_of_rows(self, rows) -> torch.Tensor:
+        """(m,) the device of each row id."""
+        return self._device_of_local_row[checked_ids(rows, "rows") % self.rows_per_seq]
+
+    def per_device(self, token_counts: torch.Tensor) -> torch.Tensor:
+        """Blocks of rows of these token counts on each device: (..., L, E) -> (..., D)."""
+        one_hot = torch.nn.functional.one_hot(self.device_of_expert, self.num_devices)      # (L, E, D)
+        blocks = ceil_div(token_counts, self.block_size)                                     # (..., L, E)
+        return torch.einsum("...le,led->...d", blocks, one_hot)
+
+    def blocks_held_per_device(self, seq_ids) -> torch.Tensor:
+        """(m, D) blocks each sequence holds on each device (zeros for one not held)."""
+        return self.per_device(self.token_counts(seq_ids))
+
+    def blocks_needed_per_device(self, rows, num_new_tokens) -> torch.Tensor:
+        """(D,) blocks that appending num_new_tokens[i] tokens to rows[i] would take on each device."""
+        rows = checked_ids(rows, "rows")
+        num_new_tokens = checked_ids(num_new_tokens, "num_new_tokens")
+        old = self.num_computed_tokens[rows]
+        new_blocks = ceil_div(old + num_new_tokens, self.block_size) - ceil_div(old, self.block_size)
+        return torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, self.device_of_rows(rows), new_blocks)
 
     @property
     def sequences(self) -> list[int]:
@@ -180,7 +309,11 @@ class KVCacheManager:
         return int((ceil_div(old + num_new_tokens, self.block_size) - ceil_div(old, self.block_size)).sum())
 
     def can_allocate(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> bool:
-        return self.num_blocks_needed(rows, num_new_tokens) <= self.num_free_blocks
+        """Whether the append fits the pool: with several devices, every device. (One device asks
+        num_blocks_needed, which a design keeping tails outside the rows answers its own way.)"""
+        if self.num_devices == 1:
+            return self.num_blocks_needed(rows, num_new_tokens) <= self.num_free_blocks
+        return bool((self.blocks_needed_per_device(rows, num_new_tokens) <= self.num_free_blocks_per_device).all())
 
     def blocks_of_sequence(self, seq_id: int) -> torch.Tensor:
         """Every block the sequence owns, row by row in token order: (b,) int64. What a swap to a
@@ -201,6 +334,14 @@ class KVCacheManager:
             rows = self.sequence_rows(slots)                                                 # (h, L*E)
             counts[at] = self.num_computed_tokens[rows].view(-1, self.num_layers, self.num_experts)
         return counts
+
+    def row_last_used(self, seq_id: int) -> torch.Tensor:
+        """(L, E) the clock of the last append to each row of the sequence (-1: never, or a sequence
+        the cache does not hold)."""
+        if int(seq_id) not in self._seq_index:
+            return torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int64)
+        rows = self.sequence_rows(torch.tensor([self._seq_index[int(seq_id)]]))[0]     # (L*E,)
+        return self.last_appended[rows].view(self.num_layers, self.num_experts).clone()
 
     def block_owners(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Who owns each block and how full it is, for drawing the pool: owner_row (N,) int64, -1
@@ -251,17 +392,33 @@ class KVCacheManager:
         column = torch.arange(total) - first_new[owner] + old_blocks[owner]       # (total,)
         self.block_tables[rows[owner], column] = block_ids.to(torch.int32)
         self.num_computed_tokens[rows] = new
+        self.last_appended[rows[num_new_tokens > 0]] = self.clock
         return SlotAllocation(self._slots(rows, old, num_new_tokens) if with_slots else None)
 
     def _take_blocks(self, rows: torch.Tensor, needed: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
-        """needed[i] fresh blocks for rows[i], row after row: (needed.sum(),) int64 block ids. Raises
-        OutOfBlocksError, changing nothing, when the pool is short. One pool here; a manager whose
-        rows draw on several pools (per-device pools) says which pool each block comes from."""
-        total = int(needed.sum())
-        if total > self.pool.num_free_blocks:
-            raise OutOfBlocksError(f"appending {int(num_new_tokens.sum())} tokens to {rows.numel()} "
-                                   f"rows needs {total} blocks; {self.pool.num_free_blocks} are free")
-        return self.pool.allocate(total)
+        """needed[i] fresh blocks for rows[i], each from the device of its row's expert, row after
+        row: (needed.sum(),) int64 block ids. Raises OutOfBlocksError, changing nothing, when the
+        pool (with several devices: some device) is short."""
+        if self.num_devices == 1:
+            total = int(needed.sum())
+            if total > self.pool.num_free_blocks:
+                raise OutOfBlocksError(f"appending {int(num_new_tokens.sum())} tokens to {rows.numel()} "
+                                       f"rows needs {total} blocks; {self.pool.num_free_blocks} are free")
+            return self.pool.allocate(total)
+        device = self.device_of_rows(rows)                                                  # (m,)
+        per_device = torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, device, needed)   # (D,)
+        free = self.num_free_blocks_per_device                                              # (D,)
+        short = (per_device > free).nonzero().squeeze(1)
+        if short.numel():
+            d = int(short[0])
+            raise OutOfBlocksError(f"device {d} is short: appending {int(num_new_tokens.sum())} tokens "
+                                   f"needs {int(per_device[d])} blocks there, {int(free[d])} of "
+                                   f"{int(self.blocks_per_device[d])} are free")
+        block_device = torch.repeat_interleave(device, needed)                              # (total,)
+        block_ids = torch.empty(block_device.numel(), dtype=torch.int64)
+        for d in per_device.nonzero().squeeze(1).tolist():
+            block_ids[block_device == d] = self.pool.allocate(int(per_device[d]), device=d)
+        return block_ids
 
     @staticmethod
     def _check_allocation(rows, num_new_tokens, rows_are_distinct: bool):
@@ -322,6 +479,7 @@ class KVCacheManager:
         self.num_computed_tokens[rows] = 0
         self.block_tables[rows] = self.pad
         self.last_position[rows] = -1
+        self.last_appended[rows] = -1
         del self._seq_index[int(seq_id)]
         self._free_seq_indices.append(index)
 
@@ -349,6 +507,7 @@ class KVCacheManager:
         self.num_computed_tokens[rows] = 0
         self.block_tables[rows] = self.pad
         self.last_position[rows] = -1
+        self.last_appended[rows] = -1
         return blocks.numel()
 
     # ----- undoing appends -------------------------------------------------------------------------
@@ -380,6 +539,7 @@ class KVCacheManager:
         self.block_tables[rows] = tables
         self.num_computed_tokens[rows] = keep
         self.last_position[rows[keep == 0]] = -1
+        self.last_appended[rows[keep == 0]] = -1
 
     def snapshot_rows(self, seq_ids) -> "RowSnapshot":
         """Remember the token counts and last positions of every row of these sequences (and which of
@@ -411,6 +571,7 @@ class KVCacheManager:
         self.block_tables = torch.cat([self.block_tables, torch.full(
             (extra, self.block_tables.shape[1]), self.pad, dtype=torch.int32)])
         self.last_position = torch.cat([self.last_position, torch.full((extra,), -1, dtype=torch.int64)])
+        self.last_appended = torch.cat([self.last_appended, torch.full((extra,), -1, dtype=torch.int64)])
         self._free_seq_indices = list(range(2 * num_seqs - 1, num_seqs - 1, -1)) + self._free_seq_indices
 
     def _grow_tables(self, min_width: int) -> None:
@@ -435,6 +596,9 @@ class KVCacheManager:
         owners = torch.bincount(owned, minlength=self.num_blocks)
         assert torch.equal(owners.to(torch.int32), self.pool.ref_cnt), "ref_cnt != number of owners"
         assert owned.numel() + self.pool.num_free_blocks == self.num_blocks, "free + owned != total"
+        row, _ = used.nonzero(as_tuple=True)
+        assert torch.equal(self.pool.device_of_blocks(self.block_tables[used].to(torch.int64)),
+                           self.device_of_rows(row)), "a row holds a block of another device than its expert's"
         live = torch.zeros(self.num_computed_tokens.numel() // self.rows_per_seq, dtype=torch.bool)
         live[list(self._seq_index.values())] = True
         idle_rows = (~live).repeat_interleave(self.rows_per_seq)

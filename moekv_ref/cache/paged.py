@@ -55,8 +55,8 @@ from einops import einsum, rearrange
 from ..attention import attend_by_position, score_dtype
 from ..backends import require_backend
 from ..config import ModelConfig
-from .device_kv_cache_manager import DeviceKVCacheManager, checked_blocks_per_device, checked_placement
-from .kv_cache_manager import KVCacheManager, check_block_size
+from .block_pool import checked_blocks_per_device
+from .kv_cache_manager import KVCacheManager, check_block_size, checked_placement
 from .rows import worst_case_lifetime_blocks
 from .prefix_cache import PrefixCachingKVCacheManager
 from .shared_tail_manager import SharedTailKVCacheManager
@@ -93,9 +93,9 @@ class PagedKVCache:
              through its block table only, and shared tails live outside it.
     enable_prefix_caching: full blocks outlive their sequences and a request with the same first
              tokens reuses them (PrefixCachingKVCacheManager, prefix_cache.py). One pool, plain pages.
-    blocks_per_device, device_of_expert: per-device pools (DeviceKVCacheManager): D ints of blocks,
-             their sum the pool (num_blocks must be that sum), and each expert's device, (E,) or
-             (L, E); a row takes blocks only from its expert's device. append_kv and attend are
+    blocks_per_device, device_of_expert: per-device pools (KVCacheManager's devices): D ints of
+             blocks, their sum the pool (num_blocks must be that sum), and each expert's device, (E,)
+             or (L, E); a row takes blocks only from its expert's device. append_kv and attend are
              unchanged; append_kv raises OutOfBlocksError naming the device that is short.
     """
 
@@ -131,13 +131,17 @@ class PagedKVCache:
         if (blocks_per_device is None) != (device_of_expert is None):
             raise ValueError("per-device pools need both blocks_per_device and device_of_expert")
         if blocks_per_device is not None:
-            self.manager = self._device_manager(config, num_blocks, block_size, blocks_per_device,
-                                                device_of_expert, shuffle_seed, shared_tails)
-        elif enable_prefix_caching:
+            if shared_tails:
+                raise ValueError("shared_tails=True cannot be combined with per-device pools")
+            blocks_per_device, device_of_expert = self._checked_devices(config, num_blocks, blocks_per_device,
+                                                                        device_of_expert)
+        if enable_prefix_caching:
             self.manager = PrefixCachingKVCacheManager(L, E, block_size, num_blocks, shuffle_seed)
+        elif shared_tails:
+            self.manager = SharedTailKVCacheManager(L, E, block_size, num_blocks, shuffle_seed)
         else:
-            manager_class = SharedTailKVCacheManager if shared_tails else KVCacheManager
-            self.manager = manager_class(L, E, block_size, num_blocks, shuffle_seed)
+            self.manager = KVCacheManager(L, E, block_size, num_blocks, shuffle_seed,
+                                          blocks_per_device=blocks_per_device, device_of_expert=device_of_expert)
         self.block_size = block_size
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.key_cache = torch.zeros(shape, dtype=dtype, device=device)     # (N, P, Hkv, Dh)
@@ -148,12 +152,10 @@ class PagedKVCache:
             self._kernels = kernels
 
     @staticmethod
-    def _device_manager(config, num_blocks, block_size, blocks_per_device, device_of_expert, shuffle_seed,
-                        shared_tails):
-        """A DeviceKVCacheManager, each device large enough for one token of one sequence (a block in
-        each of its experts that a token can reach there, every layer)."""
-        if shared_tails:
-            raise ValueError("shared_tails=True cannot be combined with per-device pools")
+    def _checked_devices(config, num_blocks, blocks_per_device, device_of_expert) -> tuple[list[int], torch.Tensor]:
+        """blocks_per_device as D ints summing to num_blocks and device_of_expert as (L, E), each
+        device large enough for one token of one sequence (a block in each of its experts that a
+        token can reach there, every layer); ValueError naming the device otherwise."""
         L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
         blocks_per_device = checked_blocks_per_device(blocks_per_device)
         if sum(blocks_per_device) != num_blocks:
@@ -165,7 +167,7 @@ class PagedKVCache:
             if n < least:
                 raise ValueError(f"blocks_per_device[{d}]={n} is too small for even one token: its "
                                  f"experts can take {least} blocks; allow at least {least}")
-        return DeviceKVCacheManager(L, E, block_size, blocks_per_device, placement, shuffle_seed)
+        return blocks_per_device, placement
 
     @classmethod
     def for_model(cls, model, block_size: int = 16, num_blocks: int | None = None,

@@ -1,24 +1,24 @@
 """Serving: continuous batching over the paged per-expert KV cache.
 
     request.py       Request, its states (waiting, running, preempted, finished) and its output
-    demand.py        blocks a request needs: worst case of a step, of a lifetime, and a prediction
+    demand.py        blocks a request needs: worst case of a step, of a lifetime (in all, and per
+                     device), and a prediction
     memory.py        ModelShape (the model's integer facts) and MemoryView (read-only: the pool, each
-                     sequence's blocks and token counts, the swap space)
+                     sequence's blocks and token counts, the swap space; per device: free and held
+                     blocks, rows' last use)
     swap.py          SwapSpace: host block ids of sequences preempted by swap; BlockCopy
     admission.py     admission policies: predicted, optimistic
     victims.py       victim policies: newest_first, sequence_lru, expert_lru, pressure_aware
     batching.py      BatchingPolicy; continuous batching on the paged pool (continuous_paged)
     baselines.py     the benchmark's baselines as batching policies: continuous_reserved, static
-    scheduler.py     Scheduler: the paged loop over integers (reserve, preempt, admit), SchedulerOutput
+    scheduler.py     Scheduler: the paged loop over integers (reserve per device, preempt or evict rows,
+                     admit), SchedulerOutput
     model_runner.py  ModelRunner: the swap copies, then one forward_cached over the flat ragged batch
     undo.py          Snapshot: the scheduler's state, restored in place when a step raises
     engine.py        LLMEngine: add_request / step / abort_request / generate; failed steps undone;
-                     statistics (history opt-in); generate_with_engine (`generate --cache paged`)
+                     statistics (history opt-in); per-device pools (blocks_per_device,
+                     device_of_expert); generate_with_engine (`generate --cache paged`)
     workload.py      workloads with arrivals, and running one through an engine
-    device_demand.py     the worst cases of demand.py, device by device
-    device_memory.py     DeviceMemoryView: free and held blocks per device, rows' last use
-    device_scheduler.py  DeviceScheduler: the step reserved per device; whole or row evictions
-    device_engine.py     DeviceLLMEngine: the engine over per-device pools
 """
 
 from .admission import AdmissionPolicy, OptimisticAdmission, PredictedAdmission

@@ -32,7 +32,7 @@ class AdmissionStep:
         self._scheduler = scheduler
         self._out = out
         self.token_budget = token_budget      # tokens the step may still run
-        self.reserved = reserved              # worst case already reserved by the step
+        self.reserved = reserved              # worst case already reserved by the step ((D,): per device)
         self.memory: MemoryView = scheduler.memory
         self.predictor: DemandPredictor = scheduler.predictor
         self.shape: ModelShape = scheduler.memory.shape
@@ -58,25 +58,27 @@ class AdmissionStep:
         return len(self._scheduler.running) < self.max_num_seqs and self.token_budget > 0
 
     def step_fits(self, request: Request) -> bool:
-        """Would the request's next tokens (and its swap-in) fit the free pool beside what the step
-        has reserved?"""
+        """Would the request's next tokens (and its swap-in) fit the free pool (every device) beside
+        what the step has reserved?"""
         scheduler = self._scheduler
         scheduler.current = request
-        swap_in = self.memory.num_blocks_swapped(request.request_id)
+        swap_in = scheduler.blocks_to_swap_in(request)
         num_tokens = min(request.num_pending_tokens, self.token_budget)
         need = scheduler.step_blocks(request, num_tokens)
         hit = scheduler.prefix_hit(request)             # prefix caching: it starts from a cached prefix
         if hit is not None:
             hit_need = scheduler.hit_step_blocks(hit, min(request.num_tokens - hit.num_tokens, self.token_budget))
-            if self.reserved + hit_need <= self.memory.num_free_blocks:
+            if scheduler.fits(self.reserved + hit_need):
                 return True
             # the hit holds more free blocks than it saves now (cached-free blocks it shares, copy
             # sources pinned while it is applied): start from nothing if that fits
-            if self.reserved + need <= self.memory.num_free_blocks:
+            if scheduler.fits(self.reserved + need):
                 scheduler.decline_prefix_hit(request)
                 return True
             return False
-        return self.reserved + swap_in + need <= self.memory.num_free_blocks
+        if request.request_id in scheduler.stalled:    # its dead rows go when it starts
+            need = need - scheduler.blocks_held(request)
+        return scheduler.fits(self.reserved + swap_in + need)
 
     def start_next(self) -> Request:
         """Start the head of the line (swapping it in if it was swapped out) and schedule its next
@@ -86,7 +88,7 @@ class AdmissionStep:
         if num_tokens > 0:
             need = self._scheduler.step_blocks(request, num_tokens)
             self._scheduler.schedule_tokens(self._out, request, num_tokens, need)
-            self.reserved += need
+            self.reserved = self.reserved + need
             self.token_budget -= num_tokens
         return request
 

@@ -14,6 +14,15 @@ With `record_history=True` the engine records, per step, the pool's use and the 
 decisions (`timeline`, `events`) and keeps finished requests, which the demo, the notebook and the
 tests turn into figures and tables. Without it, a finished request is handed out (its RequestOutput)
 and forgotten, and `stats()` is kept in counters: memory stays flat however many requests it serves.
+
+Per-device pools: with `blocks_per_device` and `device_of_expert` the attention experts live on D
+devices, each with its own blocks, and a row takes blocks from its expert's device
+(cache/kv_cache_manager.py); the scheduler then reserves each step device by device
+(scheduler.py), so memory runs short per device. The model, its cache calls, the runner and
+the swap copies are the same. `eviction_stats()` adds the scheduler's eviction counts to stats(),
+with the peak of blocks in use on each device (after a forward, before finishing): a running maximum,
+so a long-running engine keeps no per-step history. With record_history, `device_timeline` also
+records, per step, the (D,) blocks in use on each device, for figures and tests.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from ..cache.block_pool import checked_blocks_per_device
 from ..cache.kv_cache_manager import check_block_size
 from ..cache.paged import ATTENTION_PATHS, PagedKVCache
 from ..model import MoEKVTransformer
@@ -101,6 +111,11 @@ class LLMEngine:
     backend: "triton" for a model built on the Triton backend, else "batched".
     enable_prefix_caching: keep full blocks after their sequences end and start a request whose first
     tokens equal an earlier one's from the cached prefix (cache/prefix_cache.py); off by default.
+    blocks_per_device, device_of_expert: per-device pools (module docstring). blocks_per_device: D
+    integers >= 1 (a list, tuple, 1-D integer tensor or array; never rounded:
+    cache.block_pool.checked_blocks_per_device), num_blocks their sum (it may be left out);
+    device_of_expert: (E,) or (L, E) integer devices 0..D-1 (e.g. placement.place_experts /
+    place_layers; cache.kv_cache_manager.checked_placement). Without them the pool is one device.
     record_history: keep every request after it finished (`requests`), the per-step `timeline` and
     the request `events`, for figures and tables of one run. Off by default: a long-running engine
     then holds only its unfinished requests, and memory does not grow with the requests served.
@@ -111,12 +126,15 @@ class LLMEngine:
     finish_reason "error" and the others go on. `abort_request` takes a request out from any state.
     """
 
-    def __init__(self, model: MoEKVTransformer, num_blocks: int, block_size: int = 16,
+    def __init__(self, model: MoEKVTransformer, num_blocks: int | None = None, block_size: int = 16,
                  scheduler_config: SchedulerConfig | None = None, num_swap_blocks: int | None = None,
                  shuffle_seed: int | None = None, attention: str | None = None, record_history: bool = False,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, blocks_per_device=None, device_of_expert=None):
         if not isinstance(model, MoEKVTransformer):
             raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
+        if blocks_per_device is not None:
+            blocks_per_device = checked_blocks_per_device(blocks_per_device)
+            num_blocks = sum(blocks_per_device) if num_blocks is None else num_blocks
         _check_int("num_blocks", num_blocks, 1)
         check_block_size(block_size)
         if scheduler_config is not None and not isinstance(scheduler_config, SchedulerConfig):
@@ -138,8 +156,14 @@ class LLMEngine:
             num_swap_blocks = num_blocks if scheduler_config.preemption_mode == "swap" else 0
         self.model = model
         self.config = model.config
-        self.cache = self._make_cache(num_blocks, block_size, shuffle_seed, attention)
-        self.scheduler = self._make_scheduler(scheduler_config, block_size, num_swap_blocks)
+        self.cache = PagedKVCache.for_model(model, block_size, num_blocks, shuffle_seed=shuffle_seed,
+                                            attention=attention, blocks_per_device=blocks_per_device,
+                                            device_of_expert=device_of_expert,
+                                            enable_prefix_caching=enable_prefix_caching)
+        self.blocks_per_device = self.cache.manager.blocks_per_device.tolist()         # D ints
+        self.device_of_expert = self.cache.manager.device_of_expert                     # (L, E) int64
+        self.scheduler = Scheduler(scheduler_config, self.cache.manager, ModelShape.from_config(self.config, block_size),
+                                   num_swap_blocks)
         self.memory = self.scheduler.memory          # read-only: the pool and the swap space
         self.predictor = self.scheduler.predictor
         self.runner = ModelRunner(model, self.cache, num_swap_blocks)
@@ -154,15 +178,9 @@ class LLMEngine:
         self._counts = dict.fromkeys(("admitted", "resumed", "finished", "aborted", "failed",
                                       "generated_tokens", "failed_steps", "running_sum", "records",
                                       "max_running", "peak_used"), 0)
-
-    def _make_cache(self, num_blocks: int, block_size: int, shuffle_seed, attention) -> PagedKVCache:
-        """The paged cache (one pool); an engine over per-device pools makes its own."""
-        return PagedKVCache.for_model(self.model, block_size, num_blocks, shuffle_seed=shuffle_seed,
-                                      attention=attention, enable_prefix_caching=self.enable_prefix_caching)
-
-    def _make_scheduler(self, scheduler_config: SchedulerConfig, block_size: int, num_swap_blocks: int) -> Scheduler:
-        return Scheduler(scheduler_config, self.cache.manager, ModelShape.from_config(self.config, block_size),
-                         num_swap_blocks)
+        self.device_timeline: list[torch.Tensor] = []    # (D,) blocks in use after each step, with record_history
+        self._used_after_forward = self.memory.num_used_blocks_per_device   # (D,) at the last forward
+        self._peak_used_per_device: torch.Tensor | None = None   # (D,) running maximum, once a step ran
 
     # ----- requests in ------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], sampling_params: SamplingParams | dict | None = None) -> int:
@@ -288,6 +306,11 @@ class LLMEngine:
                 finished.append(self._hand_out(request))
         self._end_step(step, decision.num_scheduled_tokens, decision.reserved_blocks, start, num_running,
                        used_blocks, scheduled_used)
+        used = self._used_after_forward                                              # (D,)
+        peak = self._peak_used_per_device
+        self._peak_used_per_device = used.clone() if peak is None else torch.maximum(peak, used)
+        if self.record_history:
+            self.device_timeline.append(used)
         return finished
 
     def _fail_step(self, error, step, start, num_running, scheduled_used, where: str) -> None:
@@ -312,6 +335,9 @@ class LLMEngine:
         states = {}
         try:
             result = self.runner.forward(decision.scheduled)
+            # blocks in use on each device right after the forward: the step's peak (finished
+            # requests free theirs after it)
+            self._used_after_forward = self.memory.num_used_blocks_per_device
             sampled, failed = {}, {}
             for item, logits in zip(decision.scheduled, result.last_logits):
                 if not item.samples:
@@ -411,6 +437,21 @@ class LLMEngine:
             return None
         return {**manager.stats.to_dict(), "num_evicted_cached_blocks": manager.pool.num_evicted_cached_blocks,
                 "num_cached_blocks": manager.num_cached_blocks}
+
+    @property
+    def peak_used_blocks_per_device(self) -> list[int]:
+        """Most blocks in use on each device after any step so far ([] before the first step)."""
+        return [] if self._peak_used_per_device is None else self._peak_used_per_device.tolist()
+
+    def eviction_stats(self) -> dict:
+        """stats() plus the scheduler's eviction counts (victims chosen, the blocks they freed where
+        memory was short, row evictions) and the peak of blocks in use on each device."""
+        s = self.scheduler
+        return {**self.stats().to_dict(), "num_evictions": s.num_evictions, "num_row_evictions": s.num_row_evictions,
+                "num_evicted_rows": s.num_evicted_rows, "num_dead_rows_freed": s.num_dead_rows_freed,
+                "freed_on_short_device": s.freed_on_short_device,
+                "freed_on_short_device_per_eviction": s.freed_on_short_device / max(1, s.num_evictions),
+                "peak_used_blocks_per_device": self.peak_used_blocks_per_device}
 
     def stats(self) -> EngineStats:
         """Totals so far, in O(1): counters kept as the engine runs, not a scan of its history."""

@@ -4,7 +4,22 @@
                  k_min, block size, positions), read once from the config when the engine is built
     MemoryView   a read-only window onto the block manager and the swap space: the pool's size and
                  free blocks, the blocks and (layer, expert) token counts each sequence holds, and
-                 what a swapped sequence left in host memory
+                 what a swapped sequence left in host memory; per device, the same counts as (D,)
+                 vectors, and when each row was last appended to
+
+Devices (the manager's, cache/kv_cache_manager.py): with the attention experts on D devices, each with
+its own blocks, memory is short per device:
+
+    num_free_blocks_per_device   (D,) free blocks of each device
+    blocks_held_per_device(s)    (D,) blocks sequence s holds on each device
+    swapped_blocks_per_device(s) (D,) blocks a swapped sequence takes on each device to come back
+    row_last_used(s)             (L, E) the step that last appended to each row of s (-1: never),
+                                 what an expert-level LRU reads; None where the scheduler does not
+                                 evict rows
+    device_of_expert             (L, E)
+
+The totals (num_blocks, num_free_blocks, ...) stay sums over devices, so the admission policies that
+reason about the whole pool keep working; one pool is D = 1.
 
 The scheduler changes memory only through the block manager (`free`) and the swap space
 (`swap_out` / `swap_in`), and never touches K/V tensors: the model's forward fills blocks (the cache
@@ -44,10 +59,14 @@ class ModelShape:
 class MemoryView:
     """Read-only questions about the device pool and the swap space, by sequence id."""
 
-    def __init__(self, manager: KVCacheManager, shape: ModelShape, swap_space: SwapSpace | None = None):
+    def __init__(self, manager: KVCacheManager, shape: ModelShape, swap_space: SwapSpace | None = None,
+                 evicts_rows: bool = False):
         self._manager = manager
         self._swap_space = swap_space
         self.shape = shape
+        # a block manager without devices (the per-rank pools of parallel/serving.py) is one device
+        self._has_devices = isinstance(manager, KVCacheManager)
+        self._evicts_rows = evicts_rows               # row_last_used answers only where rows are evicted
 
     # ----- the pool ---------------------------------------------------------------------------------
     @property
@@ -104,29 +123,57 @@ class MemoryView:
         """(L, E) tokens the swapped sequence's rows hold."""
         return self._swap_space.token_counts(seq_id)
 
-    # ----- devices: one pool is one device (per-device pools: device_memory.py) -----------------------
+    # ----- devices (one pool: D = 1) ----------------------------------------------------------------
     @property
     def num_devices(self) -> int:
-        return 1
+        return self._manager.num_devices if self._has_devices else 1
+
+    @property
+    def blocks_per_device(self) -> torch.Tensor:
+        """(D,) blocks of each device."""
+        if not self._has_devices:
+            return torch.tensor([self.num_blocks], dtype=torch.int64)
+        return self._manager.blocks_per_device
 
     @property
     def num_free_blocks_per_device(self) -> torch.Tensor:
-        """(D,) free blocks of each device's pool."""
-        return torch.tensor([self.num_free_blocks], dtype=torch.int64)
+        """(D,) free blocks of each device."""
+        if not self._has_devices:
+            return torch.tensor([self.num_free_blocks], dtype=torch.int64)
+        return self._manager.num_free_blocks_per_device
+
+    @property
+    def num_used_blocks_per_device(self) -> torch.Tensor:
+        return self.blocks_per_device - self.num_free_blocks_per_device
 
     @property
     def device_of_expert(self) -> torch.Tensor:
         """(L, E) the device of each expert (all 0: one pool)."""
-        return torch.zeros(self.shape.num_layers, self.shape.num_experts, dtype=torch.int64)
+        if not self._has_devices:
+            return torch.zeros(self.shape.num_layers, self.shape.num_experts, dtype=torch.int64)
+        return self._manager.device_of_expert
 
     def blocks_held_per_device(self, seq_id: int) -> torch.Tensor:
-        """(D,) blocks the sequence holds on each device."""
-        return torch.tensor([self.num_blocks_held(seq_id)], dtype=torch.int64)
+        """(D,) blocks the sequence holds on each device. One device: every block it holds, also
+        those a design keeps outside its rows (shared tails)."""
+        if self.num_devices == 1:
+            return torch.tensor([self.num_blocks_held(seq_id)], dtype=torch.int64)
+        return self._manager.blocks_held_per_device([seq_id])[0]
+
+    def swapped_blocks_per_device(self, seq_id: int) -> torch.Tensor:
+        """(D,) blocks a swapped sequence takes on each device to come back (zeros if not swapped)."""
+        if not self.is_swapped(seq_id):
+            return torch.zeros(self.num_devices, dtype=torch.int64)
+        if self.num_devices == 1:
+            return torch.tensor([self.num_blocks_swapped(seq_id)], dtype=torch.int64)
+        return self._manager.per_device(self.swapped_token_counts(seq_id))
 
     def row_last_used(self, seq_id: int) -> torch.Tensor | None:
-        """(L, E) the step that last appended to each of the sequence's rows (-1: never), where the
-        scheduler keeps track (per-device pools); None here."""
-        return None
+        """(L, E) the step that last appended to each of the sequence's rows (-1: never), kept by the
+        block manager; None where the scheduler does not evict rows."""
+        if not self._evicts_rows:
+            return None
+        return self._manager.row_last_used(seq_id)
 
     # ----- checking ---------------------------------------------------------------------------------
     def assert_no_leak(self) -> None:

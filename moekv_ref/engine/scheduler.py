@@ -29,6 +29,27 @@ yet the sequence can no longer run until that row is rebuilt -- and a row can on
 running the whole sequence again (its K/V at layer l depend on every earlier layer). So a partial
 eviction costs the same recompute as a whole one and frees a fraction of the memory.
 
+Devices: when the attention experts of each layer live on D devices, each with its own blocks
+(cache/kv_cache_manager.py), a step fits only if it fits every device. The reservation is then a
+(D,) vector: each running request's next tokens reserve, on every device, the worst case they could
+open there (demand.worst_case_step_blocks_per_device), and when some device is short the victim
+policy is told *which* (victims.Shortage). So a request can be refused or preempted because one
+device is full while the others are empty. With one device the reservation is a number, the
+device's count, and the victim policy is told how many blocks are missing (an int); a block manager
+without devices (the per-rank pools of parallel/serving.py) reserves in its own counts the same way.
+Per-device pools run continuous batching on the paged pool (continuous_paged) only: the reserving
+baselines never preempt, so which device is short does not matter to them.
+
+Row eviction, to show why it fits badly: a victim policy may return a victims.RowEviction instead
+of a request (what expert_lru does, reading when each row was last appended to, which the block
+manager keeps). The rows are freed and the request *stalls*: it goes back to the head of the waiting
+line, all of its context to be recomputed (counted in num_recomputed_tokens), while its other rows
+stay in the pool, dead weight, as a cache of independent expert buffers would leave them. Dead rows
+are freed before anything else when their device is short (`_free_dead_rows`: they will be
+recomputed anyway), when nothing runs and the head of the line does not fit, and when the stalled
+request resumes (it starts from an empty cache). Plain pages only (not shared tails, not prefix
+caching).
+
 Prefix caching (when the block manager has it, prefix_cache.py): a request starting from nothing
 first looks up the longest usable cached prefix of its tokens; it is admitted with
 num_computed_tokens = s, its rows built from shared blocks and copies (a COPY block copy each, run
@@ -47,7 +68,12 @@ Policies, each a small class behind one interface (SchedulerConfig names them):
     batching   batching.py / baselines.py: who joins the running batch (continuous_paged, and the
                baselines continuous_reserved and static), and what one request may need alone
     admission  admission.py: may the head of the line join (predicted, optimistic)
-    victim     victims.py: which running request to preempt when a step does not fit (newest_first)
+    victim     victims.py: which running request to preempt when a step does not fit (newest_first),
+               or which rows to evict
+
+Statistics: num_preemptions, num_recomputed_tokens, num_swapped_out_blocks; num_evictions (victims
+chosen), freed_on_short_device (blocks they freed on the short device), num_row_evictions,
+num_evicted_rows, num_dead_rows_freed.
 """
 
 from __future__ import annotations
@@ -59,14 +85,16 @@ import torch
 
 from ..cache.kv_cache_manager import KVCacheManager
 from ..cache.rows import ceil_div
+from ..cache.shared_tail_manager import SharedTailKVCacheManager
 from .admission import ADMISSIONS, AdmissionPolicy
 from .baselines import ContinuousReserved, StaticBatching
 from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
-from .demand import DemandPredictor, min_lifetime_blocks, worst_case_lifetime_blocks, worst_case_step_blocks
+from .demand import (DemandPredictor, min_lifetime_blocks, worst_case_lifetime_blocks,
+                     worst_case_lifetime_blocks_per_device, worst_case_step_blocks, worst_case_step_blocks_per_device)
 from .memory import MemoryView, ModelShape
 from .request import Request, RequestStatus
 from .swap import COPY, BlockCopy, SwapSpace
-from .victims import VICTIM_POLICIES, VictimPolicy
+from .victims import VICTIM_POLICIES, RowEviction, Shortage, VictimPolicy
 
 POLICIES = ("static", "continuous_reserved", "continuous_paged")
 ADMISSION_NAMES = tuple(ADMISSIONS)
@@ -132,7 +160,7 @@ class SchedulerConfig:
 class ScheduledRequest:
     request: Request
     num_tokens: int            # tokens this step runs for it
-    reserved_blocks: int       # worst case those tokens can take from the pool
+    reserved_blocks: int       # worst case those tokens can take from the pool (all devices)
     samples: bool = True       # the tokens end its pending ones: the step samples its next token
 
 
@@ -196,20 +224,32 @@ class Scheduler:
         self.swap_space = SwapSpace(manager, num_swap_blocks) if num_swap_blocks else None
         self.prefix_caching = bool(getattr(manager, "enable_prefix_caching", False))
         self._looked_up = None                 # (request, its hit): the last lookup, until the pool changes
-        self.memory = MemoryView(manager, shape, self.swap_space)
+        # single rows can be evicted from plain pages (module docstring)
+        evicts_rows = (isinstance(manager, KVCacheManager) and not self.prefix_caching
+                       and not isinstance(manager, SharedTailKVCacheManager))
+        self.memory = MemoryView(manager, shape, self.swap_space, evicts_rows)
+        self.num_devices = self.memory.num_devices
         self.shape = shape
         self.predictor = DemandPredictor(shape.num_layers, shape.num_experts, shape.k_max, shape.block_size)
         self.batching = config.make_batching_policy()
         if self.prefix_caching and not isinstance(self.batching, ContinuousBatching):
             raise ValueError(f"prefix caching works with policy='continuous_paged' only, not {config.policy!r}: "
                              "a hit takes blocks at admission, which only that policy's step check counts")
+        if self.num_devices > 1 and not isinstance(self.batching, ContinuousBatching):
+            raise ValueError(f"per-device pools run policy='continuous_paged' only, not {config.policy!r}")
         self.victims = config.make_victim_policy()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.stalled: dict[int, Request] = {}  # request id -> request whose rows were evicted, in order
         self.current: Request | None = None    # the request schedule() was deciding on
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.num_swapped_out_blocks = 0
+        self.num_evictions = 0
+        self.freed_on_short_device = 0
+        self.num_row_evictions = 0
+        self.num_evicted_rows = 0
+        self.num_dead_rows_freed = 0
 
     # ----- requests in ------------------------------------------------------------------------------
     def max_blocks_alone(self, num_cached_tokens: int) -> int:
@@ -224,6 +264,8 @@ class Scheduler:
         num_tokens = prompt_len + max_new_tokens - 1
         worst = self.max_blocks_alone(num_tokens)
         if worst <= num_blocks:
+            if self.num_devices > 1:
+                self._check_fits_each_device(prompt_len, max_new_tokens)
             return
         least = min_lifetime_blocks(num_tokens, shape.num_layers, shape.k_min, shape.block_size)
         verdict = "can never fit" if least > num_blocks else "may not fit even alone"
@@ -238,6 +280,20 @@ class Scheduler:
             f"request of {prompt_len} prompt tokens + max_new_tokens={max_new_tokens} {verdict} in the "
             f"pool of {num_blocks} blocks: it needs at least {least} and up to {worst} blocks "
             f"({shape.num_layers} layers, up to {shape.k_max} experts per token, block size {shape.block_size}); {fix}")
+
+    def _check_fits_each_device(self, prompt_len: int, max_new_tokens: int) -> None:
+        """With several devices: a request whose rows on some device might outgrow that device's
+        blocks is refused, naming the device."""
+        shape, memory = self.shape, self.memory
+        worst = worst_case_lifetime_blocks_per_device(prompt_len + max_new_tokens - 1, shape.k_max, shape.block_size,
+                                                      memory.device_of_expert, self.num_devices)        # (D,)
+        over = (worst > memory.blocks_per_device).nonzero().squeeze(1)
+        if over.numel():
+            d = int(over[0])
+            raise ValueError(f"request of {prompt_len} prompt tokens + max_new_tokens={max_new_tokens} may not "
+                             f"fit device {d} even alone: its rows there may need up to {int(worst[d])} blocks, "
+                             f"the device has {int(memory.blocks_per_device[d])}; lower max_new_tokens or give "
+                             f"device {d} at least {int(worst[d])} blocks")
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -263,8 +319,10 @@ class Scheduler:
     def _schedule(self, step: int) -> SchedulerOutput:
         out = SchedulerOutput(step)
         self._looked_up = None
+        if isinstance(self.manager, KVCacheManager):
+            self.manager.clock = step              # the rows this step appends to remember it
         token_budget = self.config.max_num_batched_tokens
-        reserved = 0
+        reserved = self.nothing_reserved()
         # every running request's need, in one call; a request the budget cuts short is asked again
         planned_tokens = [min(r.num_pending_tokens, token_budget) for r in self.running]
         planned_needs = dict(zip(map(id, self.running), zip(planned_tokens,
@@ -276,33 +334,87 @@ class Scheduler:
             planned, need = planned_needs[id(request)]
             if planned != num_tokens:
                 need = self.step_blocks(request, num_tokens)
-            while reserved + need > self.memory.num_free_blocks:
+            while not self.fits(reserved + need):
+                device, shortage = self._shortage(reserved + need, need)
+                if self._free_dead_rows(device):
+                    continue                           # dead rows went first: look again
                 candidates = self.running[i:]          # not yet scheduled this step
-                victim = self.victims.choose_victim(
-                    tuple(candidates), self.memory, reserved + need - self.memory.num_free_blocks)
+                free = self._free_on(device)
+                choice = self.victims.choose_victim(tuple(candidates), self.memory, shortage)
+                victim = choice.request if isinstance(choice, RowEviction) else choice
                 if not any(victim is c for c in candidates):
                     raise RuntimeError(f"victim policy {self.victims!r} chose request "
                                        f"{getattr(victim, 'request_id', victim)!r}, not one of the candidates")
-                self._preempt(victim, out)
+                if isinstance(choice, RowEviction):
+                    self._evict_rows(choice, out)
+                else:
+                    self._preempt(victim, out)
+                self.num_evictions += 1
+                self.freed_on_short_device += self._free_on(device) - free
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue                               # it was the victim: running[i] is the next one
             self.schedule_tokens(out, request, num_tokens, need)
-            reserved += need
+            reserved = reserved + need
             token_budget -= num_tokens
             i += 1
         if not out.preempted:          # do not admit in a step that had to preempt: it would thrash
+            if not self.running:
+                self._free_dead_rows(None)
             self.batching.admit(AdmissionStep(self, out, token_budget, reserved))
         return out
 
-    def schedule_tokens(self, out: SchedulerOutput, request: Request, num_tokens: int, need: int) -> None:
-        out.scheduled.append(ScheduledRequest(request, num_tokens, need,
+    # ----- the step's reservation: per device -------------------------------------------------------
+    # A (D,) int64 vector with several devices; with one, a number (module docstring).
+    def nothing_reserved(self):
+        return torch.zeros(self.num_devices, dtype=torch.int64) if self.num_devices > 1 else 0
+
+    def fits(self, demand) -> bool:
+        """Whether `demand` blocks fit the free blocks (of every device)."""
+        if self.num_devices > 1:
+            return bool((demand <= self.memory.num_free_blocks_per_device).all())
+        return demand <= self.memory.num_free_blocks
+
+    def _shortage(self, demand, need) -> tuple[int, object]:
+        """(the short device, what the victim policy is told): with several devices the device short
+        by the most blocks and a Shortage naming it; with one, device 0 and the blocks missing."""
+        if self.num_devices == 1:
+            return 0, demand - self.memory.num_free_blocks
+        missing = demand - self.memory.num_free_blocks_per_device                    # (D,)
+        device = int(missing.argmax())
+        return device, Shortage(device, int(missing[device]), int(need[device]))
+
+    def _free_on(self, device: int):
+        """Free blocks of `device`."""
+        if self.num_devices == 1:
+            return self.memory.num_free_blocks
+        return int(self.memory.num_free_blocks_per_device[device])
+
+    def blocks_held(self, request: Request):
+        """The blocks a request holds, as a reservation counts them."""
+        if self.num_devices == 1:
+            return self.memory.num_blocks_held(request.request_id)
+        return self.memory.blocks_held_per_device(request.request_id)
+
+    def blocks_to_swap_in(self, request: Request):
+        """The blocks a swapped request takes to come back (nothing if it is not swapped), as a
+        reservation counts them."""
+        if self.num_devices == 1:
+            return self.memory.num_blocks_swapped(request.request_id)
+        return self.memory.swapped_blocks_per_device(request.request_id)
+
+    def schedule_tokens(self, out: SchedulerOutput, request: Request, num_tokens: int, need) -> None:
+        reserved = int(need.sum()) if self.num_devices > 1 else need
+        out.scheduled.append(ScheduledRequest(request, num_tokens, reserved,
                                               samples=num_tokens == request.num_pending_tokens))
 
     def start_head(self, out: SchedulerOutput) -> Request:
-        """The head of the waiting line starts running (swapped back in if it was swapped out)."""
+        """The head of the waiting line starts running (swapped back in if it was swapped out; a
+        stalled one first gives up its dead rows: it restarts from an empty cache)."""
         request = self.current = self.waiting.popleft()
+        if self.stalled.pop(request.request_id, None) is not None:
+            self.manager.free(request.request_id)
         if request.swapped:
             out.block_copies.append(self.swap_space.swap_in(request.request_id))
             out.swapped_in.append(request)
@@ -322,9 +434,10 @@ class Scheduler:
         self.running.append(request)
         return request
 
-    def step_blocks(self, request: Request, num_tokens: int) -> int:
-        """Worst case of blocks the request's next `num_tokens` tokens can take from the pool. Never
-        more than its lifetime worst case minus what it holds, so a request alone always fits."""
+    def step_blocks(self, request: Request, num_tokens: int):
+        """Worst case of blocks the request's next `num_tokens` tokens can take from the pool ((D,):
+        on each device). Never more than its lifetime worst case minus what it holds, so a request
+        alone always fits."""
         return self.step_blocks_many([request], [num_tokens])[0]
 
     def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> list[int]:
@@ -336,14 +449,20 @@ class Scheduler:
         shape = self.shape
         resident = [r.request_id for r in requests if not r.swapped]
         counts = self.memory.token_counts(resident) if resident else None               # (h, L, E)
+        empty = torch.zeros(shape.num_layers, shape.num_experts, dtype=torch.int64)     # (L, E)
         rows, at = [], 0
         for request in requests:
             if request.swapped:
-                rows.append(self.memory.swapped_token_counts(request.request_id))    # (L, E)
-            else:
-                rows.append(counts[at])
-                at += 1
+                # With several devices a swapped request's step is reserved as if from empty rows
+                # (more than from its saved counts; its swap-in is reserved apart): what the
+                # per-device reservation has always done, kept so that its decisions do not change.
+                rows.append(self.memory.swapped_token_counts(request.request_id) if self.num_devices == 1 else empty)
+                continue
+            rows.append(empty if request.request_id in self.stalled else counts[at])   # a stalled one restarts
+            at += 1
         counts = torch.stack(rows)                                                       # (m, L, E)
+        if self.num_devices > 1:
+            return self._step_blocks_per_device(requests, num_tokens, counts)
         held = ceil_div(counts, shape.block_size).sum((1, 2)).tolist()                 # (m,) blocks held
         step = worst_case_step_blocks(counts, torch.tensor(num_tokens), shape.k_max, shape.block_size).tolist()
         needs = []
@@ -351,6 +470,19 @@ class Scheduler:
             lifetime = worst_case_lifetime_blocks(request.num_computed_tokens + n, shape.num_layers,
                                                   shape.num_experts, shape.k_max, shape.block_size)
             needs.append(max(0, min(s, lifetime - h)))
+        return needs
+
+    def _step_blocks_per_device(self, requests: list[Request], num_tokens: list[int], counts: torch.Tensor) -> list:
+        """step_blocks_many on several devices: counts (m, L, E) -> m vectors (D,)."""
+        shape, memory, D = self.shape, self.memory, self.num_devices
+        held = self.manager.per_device(counts)                                            # (m, D)
+        step = worst_case_step_blocks_per_device(counts, torch.tensor(num_tokens), shape.k_max, shape.block_size,
+                                                 memory.device_of_expert, D)               # (m, D)
+        needs = []
+        for i, (request, n) in enumerate(zip(requests, num_tokens)):
+            lifetime = worst_case_lifetime_blocks_per_device(request.num_computed_tokens + n, shape.k_max,
+                                                             shape.block_size, memory.device_of_expert, D)   # (D,)
+            needs.append(torch.clamp(torch.minimum(step[i], lifetime - held[i]), min=0))
         return needs
 
     # ----- prefix caching ------------------------------------------------------------------------------
@@ -436,6 +568,34 @@ class Scheduler:
         self.num_recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
 
+    def _evict_rows(self, eviction: RowEviction, out: SchedulerOutput) -> None:
+        """Drop the chosen rows; the request stalls (module docstring) and waits at the head of the line."""
+        request, manager = eviction.request, self.manager
+        rows = torch.cat([manager.rows([request.request_id], layer, expert) for layer, expert in eviction.layer_experts])
+        manager.free_rows(rows)
+        self.num_row_evictions += 1
+        self.num_evicted_rows += rows.numel()
+        self.running.remove(request)
+        self.stalled[request.request_id] = request
+        self._forget_computed(request)
+        self._requeue_preempted(request, out)
+
+    def _free_dead_rows(self, device: int | None) -> bool:
+        """Free the rows stalled requests still hold on `device` (every device: None), oldest stall
+        first. Returns whether any block was freed."""
+        manager, freed = self.manager, False
+        for request_id in self.stalled:
+            counts = self.memory.token_counts([request_id])[0]                       # (L, E)
+            dead = counts > 0
+            if device is not None:
+                dead &= self.memory.device_of_expert == device
+            if dead.any():
+                rows = torch.cat([manager.rows([request_id], layer, expert) for layer, expert in dead.nonzero().tolist()])
+                manager.free_rows(rows)
+                self.num_dead_rows_freed += rows.numel()
+                freed = True
+        return freed
+
     # ----- after the forward ----------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[int, int],
                            entries_per_layer: torch.Tensor | None = None,
@@ -484,6 +644,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        self.stalled.pop(seq_id, None)           # a stalled request aborted while it waits
 
     def abort(self, request: Request, step: int) -> None:
         """Take an unfinished request out, from any state, freeing its blocks and swap space now."""

@@ -48,6 +48,7 @@ class SwappedSequence:
     """What swap_out leaves behind: host block ids and the token count of each of the L * E rows."""
     host_block_ids: torch.Tensor      # (b,) int64, in the order of blocks_of_sequence
     token_counts: torch.Tensor        # (L * E,) int64, layer-major
+    last_appended: torch.Tensor | None = None   # (L * E,) each row's last append (the manager's clock)
     positions: torch.Tensor | None = None   # (b, P) each slot's token position (prefix caching only)
 
 
@@ -76,7 +77,7 @@ class SwapSpace:
         counts = self.manager.token_counts([seq_id])[0].reshape(-1)                    # (L*E,)
         host_blocks = self.pool.allocate(device_blocks.numel())                        # may raise
         positions = getattr(self.manager, "block_positions", None)
-        self.swapped[seq_id] = SwappedSequence(host_blocks, counts,
+        self.swapped[seq_id] = SwappedSequence(host_blocks, counts, self.manager.row_last_used(seq_id).reshape(-1),
                                                None if positions is None else positions[device_blocks].clone())
         self.manager.free(seq_id)
         return BlockCopy(SWAP_OUT, device_blocks, host_blocks)
@@ -101,6 +102,7 @@ class SwapSpace:
         manager.allocate_slots(rows, saved.token_counts)
         device_blocks = manager.blocks_of_sequence(seq_id)                             # (b,) new ids
         assert device_blocks.numel() == saved.host_block_ids.numel()
+        manager.last_appended[rows] = saved.last_appended        # coming back is not a use
         if saved.positions is not None:
             manager.block_positions[device_blocks] = saved.positions
         self.pool.free(saved.host_block_ids)

@@ -11,11 +11,10 @@ memory       a read-only MemoryView: blocks and (layer, expert) token counts eac
 need         how many more free blocks the step needs (>= 1)
 
 The scheduler preempts the returned request (by recompute or swap), then asks again while the step
-still does not fit. With per-device pools (device_scheduler.py) `need` is a `Shortage`: which
-device is short and by how many blocks (with one pool, an int: device 0); `shortage_of(need)`
-reads either. A policy may also return a `RowEviction`: some (layer, expert) rows of a candidate on
-the short device are dropped, and the request stops until it is recomputed (device_scheduler.py
-performs it; the one-pool scheduler does not evict rows).
+still does not fit. With per-device pools `need` is a `Shortage`: which device is short and by how
+many blocks (with one pool, an int: device 0); `shortage_of(need)` reads either. A policy may also
+return a `RowEviction`: some (layer, expert) rows of a candidate on the short device are dropped,
+and the request stops until it is recomputed (scheduler.py performs it, on plain pages).
 
     newest_first     the most recently (re)admitted request (vLLM's rule; the default)
     sequence_lru     the same choice under its other name: least recently *started*, newest first
@@ -103,7 +102,7 @@ class ExpertLRU(VictimPolicy):
             last_used = memory.row_last_used(request.request_id)
             if last_used is None:
                 raise ValueError("victim='expert_lru' drops single rows: it needs a scheduler that tracks and "
-                                 "evicts rows (DeviceScheduler, the engine over per-device pools)")
+                                 "evicts rows (the engine's Scheduler on plain pages, without prefix caching)")
             counts = memory.token_counts([request.request_id])[0]                       # (L, E)
             on_short = (counts > 0) & (memory.device_of_expert == shortage.device)      # (L, E)
             for layer, expert in on_short.nonzero().tolist():
