@@ -58,7 +58,6 @@ class Request:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
     prefix_hit: object | None = None      # the cache/prefix_cache.PrefixHit it last started from, if any
-    first_scheduled_step: int | None = None
     finished_step: int | None = None
     finish_reason: str | None = None      # "length" (all its tokens), "aborted", or "error"
     error: str | None = None              # why, when finish_reason is "error"

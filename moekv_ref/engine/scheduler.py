@@ -429,7 +429,6 @@ class Scheduler:
             out.events.append(("admitted", request))
             num_cached = len(request.prompt_token_ids) + self.batching.num_new_tokens(request) - 1
             request.predicted_blocks = self.predictor.predict(num_cached)
-            request.first_scheduled_step = out.step
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return request
