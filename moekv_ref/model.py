@@ -32,6 +32,7 @@ from einops import einsum, rearrange
 
 from .attention import rotary
 from .backends import require_backend
+from .profiling import phase
 from .config import ModelConfig
 from .routing import Routing, route
 
@@ -159,14 +160,19 @@ class ExpertAttention(nn.Module):
         grouped matmul over pairs sorted by expert; one `append_kv` stores every pair's K/V under its
         (sequence, layer, expert) row and one `attend` returns each pair's attention over its row.
         """
-        routing = self.route(x)                                              # (N, E)
-        token, expert, counts = sort_by_expert(routing.selected)             # (M,), (M,), (E,)
-        xs, ps = x[token], positions[token]                                  # (M, D), (M,)
-        q, k, v = project_qkv(self.config, xs, ps, counts, self.w_q, self.w_k, self.w_v, self.backend)
-        appended = cache.append_kv(self.layer_index, seq_ids[token], expert, ps, k, v)
-        attn = cache.attend(appended, q)                                     # (M, H, Dh)
-        y = grouped_matmul(rearrange(attn, "m h d -> m (h d)"), self.w_o, counts, self.backend)  # (M, D)
-        out = torch.zeros_like(x).index_add_(0, token, routing.gates[token, expert, None] * y)
+        with phase("routing"):
+            routing = self.route(x)                                          # (N, E)
+            token, expert, counts = sort_by_expert(routing.selected)         # (M,), (M,), (E,)
+        with phase("projections"):
+            xs, ps = x[token], positions[token]                              # (M, D), (M,)
+            q, k, v = project_qkv(self.config, xs, ps, counts, self.w_q, self.w_k, self.w_v, self.backend)
+        with phase("append_kv"):
+            appended = cache.append_kv(self.layer_index, seq_ids[token], expert, ps, k, v)
+        with phase("attend"):
+            attn = cache.attend(appended, q)                                 # (M, H, Dh)
+        with phase("projections"):
+            y = grouped_matmul(rearrange(attn, "m h d -> m (h d)"), self.w_o, counts, self.backend)  # (M, D)
+            out = torch.zeros_like(x).index_add_(0, token, routing.gates[token, expert, None] * y)
         return out, routing
 
 
@@ -186,10 +192,12 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                         # (N, D)
-        routing = route(self.router(x), "topk", self.config.num_experts_per_tok)  # (N, E)
-        token, expert, counts = sort_by_expert(routing.selected)             # (M,), (M,), (E,)
-        y = swiglu_experts(x[token], counts, self.w_gate, self.w_up, self.w_down, self.backend)  # (M, D)
-        out = torch.zeros_like(x).index_add_(0, token, routing.gates[token, expert, None] * y)
+        with phase("routing"):
+            routing = route(self.router(x), "topk", self.config.num_experts_per_tok)  # (N, E)
+            token, expert, counts = sort_by_expert(routing.selected)         # (M,), (M,), (E,)
+        with phase("ffn"):
+            y = swiglu_experts(x[token], counts, self.w_gate, self.w_up, self.w_down, self.backend)  # (M, D)
+            out = torch.zeros_like(x).index_add_(0, token, routing.gates[token, expert, None] * y)
         return out.view(shape), routing
 
 
@@ -268,7 +276,8 @@ class MoEKVTransformer(nn.Module):
                                                                                 torch.bfloat16):
             raise ValueError(f"backend='triton' runs float32, float16 or bfloat16 weights, not "
                              f"{next(self.parameters()).dtype}")
-        return self._run(self.embed(tokens), (seq_ids, positions, cache))    # (N, V)
+        with phase("forward"):
+            return self._run(self.embed(tokens), (seq_ids, positions, cache))  # (N, V)
 
     def _run(self, x, cached) -> ModelOutput:
         attention_routing, ffn_routing = [], []

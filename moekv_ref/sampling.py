@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .profiling import phase
+
 # Temperatures between 0 and this are refused: logits / T overflows float64 (to inf, then NaN in the
 # softmax) once T is below about 1e-300, and long before that the distribution is argmax anyway.
 MIN_TEMPERATURE = 1e-4
@@ -64,6 +66,11 @@ class SamplingParams:
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token id from logits (V,). Raises SamplingError if the logits are not all finite."""
+    with phase("sampling"):
+        return _sample_next(logits, params, generator)
+
+
+def _sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     if not bool(torch.isfinite(logits).all()):
         bad = int((~torch.isfinite(logits)).sum())
         raise SamplingError(f"{bad} of {logits.numel()} logits are not finite (NaN or inf): no token can be sampled")
