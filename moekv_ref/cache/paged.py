@@ -329,10 +329,13 @@ class PagedKVCache:
             pair_q, pair_index = q[pairs], appended.pair_index[pairs]
         queries = q.new_zeros(g, max_new, q.shape[1], Dh, dtype=compute)           # (g, Qmax, H, Dh)
         queries[pair_slot, column] = pair_q.to(compute)
-        query_index = torch.full((g, max_new), max_len - 1, dtype=torch.int64)     # padding sees all
-        query_index[pair_slot, column] = pair_index
-        visible = key_valid[:, None, :] & (torch.arange(max_len)[None, None, :]
-                                           <= query_index[:, :, None]).to(device)  # (g, Qmax, Lmax)
+        if max_new == 1:        # decode: each row's one query is its newest token and sees the whole row
+            visible = key_valid[:, None, :]                                        # (g, 1, Lmax)
+        else:
+            query_index = torch.full((g, max_new), max_len - 1, dtype=torch.int64)  # padding sees all
+            query_index[pair_slot, column] = pair_index
+            visible = key_valid[:, None, :] & (torch.arange(max_len)[None, None, :]
+                                               <= query_index[:, :, None]).to(device)  # (g, Qmax, Lmax)
         result = F.scaled_dot_product_attention(                                   # (g, H, Qmax, Dh)
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=visible[:, None], enable_gqa=Hkv != q.shape[1])
