@@ -208,21 +208,26 @@ class PagedKVCache:
             raise ValueError(f"seq_ids, experts and positions must be (n,) = ({n},); got "
                              f"{tuple(seq_ids.shape)}, {tuple(experts.shape)}, {tuple(positions.shape)}")
         manager = self.manager
-        new_seqs = [s for s in seq_ids.unique().tolist() if not manager.holds(s)]
+        new_seqs = [s for s in sorted(set(seq_ids.tolist())) if not manager.holds(s)]   # ascending
         for s in new_seqs:
             manager.add_sequence(s)
         try:
             pair_rows = manager.rows(seq_ids, layer, experts)                         # (n,)
             order = torch.argsort(pair_rows, stable=True)                             # (n,) grouped by row
-            rows, num_new = torch.unique_consecutive(pair_rows[order], return_counts=True)   # (m,)
-            first = torch.cumsum(num_new, 0) - num_new                                # (m,) into order
-            self._check_positions(pair_rows[order], positions[order], rows, first)
+            sorted_rows, sorted_positions = pair_rows[order], positions[order]        # (n,) each
+            rows, num_new = torch.unique_consecutive(sorted_rows, return_counts=True)  # (m,)
+            # decode: every pair is the one new token of its row (m = n); the bookkeeping by row
+            # below is then the identity on the sorted pairs, and only prefill needs the general case
+            one_per_row = rows.numel() == n
+            first = None if one_per_row else torch.cumsum(num_new, 0) - num_new      # (m,) into order
+            last = sorted_positions if one_per_row else sorted_positions[first + num_new - 1]   # (m,)
+            self._check_positions(sorted_rows, sorted_positions, rows, first)
             allocation = manager.allocate_slots(rows, num_new, rows_are_distinct=True)   # may raise
         except Exception:
             for s in new_seqs:                                                        # as it was
                 manager.free(s)
             raise
-        manager.last_position[rows] = positions[order][first + num_new - 1]
+        manager.last_position[rows] = last
         self._apply_moves(allocation.moves)
         slots = torch.empty(n, dtype=torch.int64)
         slots[order] = allocation.slot_mapping                                        # (n,) per pair
@@ -230,20 +235,28 @@ class PagedKVCache:
             manager.record_positions(slots, positions)      # which chunks each block spans
         self._store(k, v, slots)
         context_lens = manager.num_computed_tokens[rows]                              # (m,)
-        group = torch.repeat_interleave(torch.arange(rows.numel()), num_new)          # (n,) sorted
-        rank = torch.arange(n) - first[group]                                         # (n,) in the call
-        pair_row, pair_index = torch.empty_like(group), torch.empty_like(group)
-        pair_row[order] = group
-        pair_index[order] = context_lens[group] - num_new[group] + rank
+        pair_row, pair_index = torch.empty_like(order), torch.empty_like(order)
+        if one_per_row:
+            pair_row[order] = torch.arange(n)
+            pair_index[order] = context_lens - 1
+        else:
+            group = torch.repeat_interleave(torch.arange(rows.numel()), num_new)      # (n,) sorted
+            rank = torch.arange(n) - first[group]                                     # (n,) in the call
+            pair_row[order] = group
+            pair_index[order] = context_lens[group] - num_new[group] + rank
         return AppendedRows(rows, num_new, context_lens, pair_row, pair_index)
 
     def _check_positions(self, sorted_rows, sorted_positions, rows, first) -> None:
-        """Positions must increase within each row, from the row's last cached position on."""
-        later = sorted_rows[1:] == sorted_rows[:-1]                                   # same row as before
-        bad = later & (sorted_positions[1:] <= sorted_positions[:-1])
+        """Positions must increase within each row, from the row's last cached position on.
+        first (m,): each row's first pair in the sorted order; None when every pair is its own row."""
         last = self.manager.last_position[rows]                                       # (m,) -1: empty
-        bad_first = sorted_positions[first] <= last
-        if bad.any() or bad_first.any():
+        if first is None:
+            bad, bad_first = None, sorted_positions <= last
+        else:
+            later = sorted_rows[1:] == sorted_rows[:-1]                               # same row as before
+            bad = later & (sorted_positions[1:] <= sorted_positions[:-1])
+            bad_first = sorted_positions[first] <= last
+        if bad_first.any() or (bad is not None and bad.any()):
             i = int(bad_first.nonzero()[0]) if bad_first.any() else None
             row = int(rows[i]) if i is not None else int(sorted_rows[1:][bad][0])
             mine = sorted_positions[sorted_rows == row].tolist()
