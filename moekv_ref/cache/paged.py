@@ -291,6 +291,9 @@ class PagedKVCache:
         if self.attention == "reference":
             return self._attend_row_by_row(appended, q)
         out = torch.empty_like(q)
+        if self.attention == "batched" and appended.rows.numel() == q.shape[0]:
+            self._attend_padded(appended, None, q, out)     # decode only: every row one pair, one group
+            return out
         decode = appended.num_new == 1                                              # (m,)
         groups = [decode, ~decode]                                                  # each padded alone
         if self.attention == "triton" and decode.any():
@@ -318,18 +321,25 @@ class PagedKVCache:
                        out: torch.Tensor) -> None:
         """The rows where group is True, at once: keys padded to the longest row, queries to the row
         with most new tokens, one fused attention (F.scaled_dot_product_attention, grouped-query) over
-        the batch. Writes their pairs' outputs into out."""
+        the batch. Writes their pairs' outputs into out. group None: every row of the call, each with
+        exactly one pair (a decode step), so nothing needs selecting."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         device = q.device
-        members = group.nonzero().squeeze(1)                                       # (g,) into rows
-        rows, lens = appended.rows[members], appended.context_lens[members]       # (g,)
-        num_new = appended.num_new[members]
-        g, max_new = members.numel(), int(num_new.max())
+        if group is None:
+            rows, lens, num_new, max_new = appended.rows, appended.context_lens, None, 1
+        else:
+            members = group.nonzero().squeeze(1)                                   # (g,) into rows
+            rows, lens = appended.rows[members], appended.context_lens[members]   # (g,)
+            num_new = appended.num_new[members]
+            max_new = int(num_new.max())
+        g = rows.numel()
         compute = score_dtype(q.dtype)                                             # float32 at least
         keys, values, key_valid = self._gather_rows(rows, lens, compute)           # (g, Lmax, Hkv, Dh), (g, Lmax)
         max_len = keys.shape[1]
         # the group's pairs in a padded (g, Qmax) table of queries
-        if g == appended.rows.numel():                                             # every row of the call
+        if group is None:                                                          # pair p: row pair_row[p]
+            pairs, pair_slot, column, pair_q, pair_index = None, appended.pair_row, 0, q, appended.pair_index
+        elif g == appended.rows.numel():                                           # every row of the call
             pairs, pair_slot = None, appended.pair_row                             # (n,)
             column = appended.pair_index - (lens - num_new)[pair_slot]
             pair_q, pair_index = q, appended.pair_index
