@@ -291,7 +291,7 @@ class PagedKVCache:
         if self.attention == "reference":
             return self._attend_row_by_row(appended, q)
         out = torch.empty_like(q)
-        if self.attention == "batched" and appended.rows.numel() == q.shape[0]:
+        if self.attention == "batched" and 0 < appended.rows.numel() == q.shape[0]:
             self._attend_padded(appended, None, q, out)     # decode only: every row one pair, one group
             return out
         decode = appended.num_new == 1                                              # (m,)
