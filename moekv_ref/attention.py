@@ -19,15 +19,32 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     The position is the token's absolute position in its sequence, never its index inside an
     expert's cache: an expert sees a gappy subset of the sequence, and relative distances between
     the tokens it holds must stay the true ones.
+
+    Pair i is channels (2i, 2i+1) = (x1, x2), rotated to (x1 cos - x2 sin, x1 sin + x2 cos). Written
+    as x * cos + swap(x) * sin, with cos repeated per pair, sin signed (-sin, +sin) per pair and swap
+    exchanging the two channels of each pair: the same products and sums, so the same bits, in a
+    third of the tensor operations of splitting x into its even and odd channels.
     """
-    cos, sin = rotary_table(x.shape[-1], theta, int(positions.max()) + 1 if positions.numel() else 1, x.device)
-    cos = cos[positions].to(x.dtype)[..., None, :]                      # (..., 1, Dh/2)
-    sin = sin[positions].to(x.dtype)[..., None, :]
-    x1, x2 = x[..., 0::2], x[..., 1::2]                                 # (..., heads, Dh/2) each
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out
+    num_positions = int(positions.max()) + 1 if positions.numel() else 1
+    cos, signed_sin = rotary_pair_table(x.shape[-1], theta, num_positions, x.device, x.dtype)
+    cos, signed_sin = cos[positions][..., None, :], signed_sin[positions][..., None, :]   # (..., 1, Dh)
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)                   # (x2, x1) in each pair
+    return x * cos + swapped * signed_sin
+
+
+_PAIR_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rotary_pair_table(head_dim: int, theta: float, num_positions: int, device, dtype):
+    """rotary_table laid out for `rotary`, in dtype: cos (P, Dh) with each pair's cosine twice, and
+    signed sin (P, Dh) with (-sin, +sin) per pair. Kept per dtype, so that a step converts nothing."""
+    key = (head_dim, float(theta), torch.device(device), dtype)
+    cached = _PAIR_TABLES.get(key)
+    if cached is None or cached[0].shape[0] < num_positions:
+        cos, sin = rotary_table(head_dim, theta, num_positions, device)        # (P, Dh/2) float64
+        cached = _PAIR_TABLES[key] = (cos.repeat_interleave(2, dim=-1).to(dtype),
+                                      torch.stack([-sin, sin], dim=-1).flatten(-2).to(dtype))
+    return cached
 
 
 _ROTARY_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

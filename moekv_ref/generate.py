@@ -25,7 +25,7 @@ from .cache.block_pool import a_type
 from .model import MoEKVTransformer
 from .prompts import check_prompt
 from .results import GenerationResult
-from .sampling import SamplingParams, sample_next
+from .sampling import SamplingParams, sample_next, sample_rows
 
 CACHE_KINDS = ["none", "contiguous", "paged"]
 
@@ -115,9 +115,13 @@ def generate(
 def _sample_step(step_logits, active, per_prompt, generators, generated, on_token):
     for i in active:
         token = sample_next(step_logits[i], per_prompt[i], generators[i])
-        generated[i].append(token)
-        if on_token is not None:
-            on_token(i, token)
+        _emit(i, token, generated, on_token)
+
+
+def _emit(i, token, generated, on_token):
+    generated[i].append(token)
+    if on_token is not None:
+        on_token(i, token)
 
 
 def _generate_cached(model, kv_cache, prompts, per_prompt, generators, generated, logits_log,
@@ -144,11 +148,12 @@ def _generate_cached(model, kv_cache, prompts, per_prompt, generators, generated
         seq_ids = torch.tensor(active, device=device)
         positions = torch.tensor([lengths[i] + len(generated[i]) - 1 for i in active], device=device)
         logits = model.forward_cached(tokens, seq_ids, positions, kv_cache).logits      # (b, V)
-        step_logits = dict(zip(active, logits))
         if record_logits:
-            for i in active:
-                logits_log[i].append(step_logits[i][None])
-        _sample_step(step_logits, active, per_prompt, generators, generated, on_token)
+            for row, i in enumerate(active):
+                logits_log[i].append(logits[row: row + 1])
+        sampled = sample_rows(logits, [per_prompt[i] for i in active], [generators[i] for i in active])
+        for i, token in zip(active, sampled):
+            _emit(i, token, generated, on_token)
     return kv_cache.token_counts(list(range(B)))
 
 

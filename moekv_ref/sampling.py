@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .profiling import phase
+
 # Temperatures between 0 and this are refused: logits / T overflows float64 (to inf, then NaN in the
 # softmax) once T is below about 1e-300, and long before that the distribution is argmax anyway.
 MIN_TEMPERATURE = 1e-4
@@ -64,6 +66,11 @@ class SamplingParams:
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token id from logits (V,). Raises SamplingError if the logits are not all finite."""
+    with phase("sampling"):
+        return _sample_next(logits, params, generator)
+
+
+def _sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     if not bool(torch.isfinite(logits).all()):
         bad = int((~torch.isfinite(logits)).sum())
         raise SamplingError(f"{bad} of {logits.numel()} logits are not finite (NaN or inf): no token can be sampled")
@@ -76,3 +83,23 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         sorted_probs[mass_before >= params.top_p] = 0                # drop what lies past top_p
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+    """sample_next for each row of logits (b, V), with row i's params and generator: the same tokens.
+    The greedy rows take one finiteness check and one argmax for all of them (a decode step of b
+    sequences would otherwise spend four small tensor ops per row); the others sample one by one."""
+    with phase("sampling"):
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        tokens: list[int | None] = [None] * len(params)
+        if greedy:
+            rows = logits if len(greedy) == len(params) else logits[greedy]            # (g, V)
+            if not bool(torch.isfinite(rows).all()):
+                for i in greedy:                                                       # raise for the first bad row
+                    _sample_next(logits[i], params[i], generators[i])
+            for i, token in zip(greedy, rows.argmax(-1).tolist()):
+                tokens[i] = token
+        for i, p in enumerate(params):
+            if not p.greedy:
+                tokens[i] = _sample_next(logits[i], p, generators[i])
+        return tokens

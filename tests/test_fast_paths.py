@@ -12,6 +12,8 @@ Paths and what stands in for them:
     triton store       kernels.store_kv          every new K/V written into the pool
     triton projections kernels.expert_gemm       every expert projection (Q/K/V/O and the FFN)
     batched            PagedKVCache._attend_padded   the torch path for every row (the default)
+    grouped matmul     torch._grouped_mm             every expert projection of a float32 torch model
+                                                     at inference (model.grouped_matmul), several experts
     reference          attention.attend_by_position  the row-by-row path (via paged.py's import)
 """
 
@@ -22,6 +24,7 @@ pytest.importorskip("triton")
 
 import kernels  # noqa: E402
 import moekv_ref.cache.paged as paged  # noqa: E402
+import moekv_ref.model as model_module  # noqa: E402
 from moekv_ref.cache import PagedKVCache  # noqa: E402
 from moekv_ref.generate import generate  # noqa: E402
 from moekv_ref.sampling import SamplingError, SamplingParams  # noqa: E402
@@ -146,3 +149,26 @@ def test_reference_path_reaches_the_logits(models, torch_logits, monkeypatch):
     original = paged.attend_by_position
     monkeypatch.setattr(paged, "attend_by_position", lambda *args: original(*args) + 1.0)
     assert (_logits(models["torch"], attention="reference") - torch_logits).abs().max() > 1e-2
+
+
+def test_torch_grouped_mm_reaches_the_logits(models, torch_logits, monkeypatch):
+    """The experts' projections of the float32 torch model run on torch._grouped_mm; the per-expert
+    loop (what runs without it) gives the same logits, and shifting its output shows in them."""
+    calls = []
+    original = torch._grouped_mm
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", counting)
+    assert (_logits(models["torch"]) - torch_logits).abs().max() == 0
+    config = models["torch"].config
+    # 3 forwards x 2 layers x (2 attention projections: QKV fused, O; 3 FFN projections)
+    assert calls.count(config.num_attention_experts) == 3 * config.num_hidden_layers * 2
+    assert calls.count(config.num_local_experts) == 3 * config.num_hidden_layers * 3
+    with monkeypatch.context() as patch:
+        patch.setattr(model_module, "_grouped_mm_applies", lambda x, weights: False)
+        assert (_logits(models["torch"]) - torch_logits).abs().max() < 1e-5
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *args, **kwargs: original(*args, **kwargs) + 1.0)
+    assert (_logits(models["torch"]) - torch_logits).abs().max() > 1e-2

@@ -59,8 +59,9 @@ def test_generate_triton_backend_gives_the_same_tokens(monkeypatch):
     # one launch per layer and forward (all its experts' one-new-token rows at once): the prefill has
     # such rows too (the 1-token prompt), so 3 forwards x 2 layers
     assert len(launches) == 3 * config.num_hidden_layers
-    # 3 forwards (prefill, 2 decode steps) x 2 layers x (4 attention + 3 FFN projections)
-    assert len(gemm_launches) == 3 * config.num_hidden_layers * 7
+    # 3 forwards (prefill, 2 decode steps) x 2 layers x (2 attention projections: Q, K and V fused,
+    # then O; and 3 FFN projections)
+    assert len(gemm_launches) == 3 * config.num_hidden_layers * 5
 
 
 def test_triton_backend_needs_a_kernel_dtype():

@@ -255,3 +255,13 @@ def test_shared_tail_design_equals_the_real_manager(block_size):
     assert replay(trace, real).allocated_bytes_time_sum == replay(trace, counted).allocated_bytes_time_sum
     real.manager.assert_consistent()
     assert real.manager.num_free_blocks == real.manager.num_blocks
+
+
+def test_attend_of_a_call_with_no_pairs_is_empty():
+    """A rank of expert parallelism may get no (token, expert) pair of a layer: attend returns (0, H, Dh)."""
+    config = small_config()
+    cache = PagedKVCache(config, num_blocks=64, block_size=4)
+    Hkv, H, Dh = config.num_key_value_heads, config.num_attention_heads, config.head_dim
+    empty = torch.zeros(0, dtype=torch.int64)
+    appended = cache.append_kv(0, empty, empty, empty, torch.zeros(0, Hkv, Dh), torch.zeros(0, Hkv, Dh))
+    assert cache.attend(appended, torch.zeros(0, H, Dh)).shape == (0, H, Dh)

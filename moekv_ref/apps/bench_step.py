@@ -9,6 +9,13 @@ engine step each on the same workload, so each pair of steps (this, that) sees t
 first alternates. A step is timed in CPU time of its process (`time.process_time`), and the ratio
 quoted is the median over pairs of decode steps (every sequence running, one token each).
 
+With `--profile`, the same decode steps run in this process, for the embedded model and for a dense
+model of its dimensions (one attention expert, random weights), and the time of each step is split
+into phases (moekv_ref/profiling.py): the routers, the experts' projections, `append_kv`, `attend`,
+the FFN experts, sampling, the scheduler (`schedule` and `update_from_output`, timed by wrapping the
+engine's scheduler from here), what the forward spends outside those (embedding, norms, residuals,
+the LM head) and the rest of the step (batch flattening, undo snapshots, records): bookkeeping.
+
 The worker uses only what every version of the engine has had: `load_default_model`, `LLMEngine(model,
 num_blocks, block_size, SchedulerConfig(max_num_seqs=...))`, `add_request`, `step`, `timeline` (kept
 with `record_history=True` where that option exists).
@@ -45,10 +52,10 @@ def worker(num_seqs: int, max_new_tokens: int, num_blocks: int) -> None:
     model = load_default_model()
     config = SchedulerConfig(max_num_seqs=num_seqs)
     try:        # the per-step timeline (which steps decode) is opt-in today; older engines always kept it
-        engine = LLMEngine(model, num_blocks=num_blocks, block_size=16, scheduler_config=config,
+        engine = LLMEngine(model, num_blocks=num_blocks or NUM_BLOCKS, block_size=16, scheduler_config=config,
                            record_history=True)
     except TypeError:
-        engine = LLMEngine(model, num_blocks=num_blocks, block_size=16, scheduler_config=config)
+        engine = LLMEngine(model, num_blocks=num_blocks or NUM_BLOCKS, block_size=16, scheduler_config=config)
     for line in sys.stdin:
         if line.strip() != "step":
             break
@@ -129,6 +136,83 @@ def measure(against: Path | None, num_seqs: int = 16, max_new_tokens: int = 48, 
     return result
 
 
+MODEL_PHASES = ("routing", "projections", "append_kv", "attend", "ffn")
+PHASE_NAMES = {"routing": "routing (both routers, sort by expert)", "projections": "projections (QKV, rotary, O)",
+               "append_kv": "append_kv", "attend": "attend", "ffn": "FFN dispatch (experts, combine)",
+               "rest_of_forward": "rest of forward (embed, norms, head)", "sampling": "sampling",
+               "scheduler": "scheduler", "bookkeeping": "bookkeeping (rest of the step)"}
+
+
+def _timed(method, name: str):
+    from moekv_ref.profiling import phase
+
+    def wrapper(*args, **kwargs):
+        with phase(name):
+            return method(*args, **kwargs)
+    return wrapper
+
+
+def profile_steps(model, num_seqs: int, max_new_tokens: int, num_rounds: int, num_blocks: int | None = None) -> dict:
+    """ms per decode step of each phase (see the module docstring), averaged over the decode steps
+    (all num_seqs sequences running) of num_rounds workloads, in this process."""
+    import torch
+    from moekv_ref.engine import LLMEngine, SchedulerConfig
+    from moekv_ref.profiling import collect
+    from moekv_ref.sampling import SamplingParams
+    torch.set_num_threads(1)
+    engine = LLMEngine(model, num_blocks=num_blocks or NUM_BLOCKS, block_size=16,
+                       scheduler_config=SchedulerConfig(max_num_seqs=num_seqs), record_history=True)
+    scheduler = engine.scheduler
+    scheduler.schedule = _timed(scheduler.schedule, "scheduler")
+    scheduler.update_from_output = _timed(scheduler.update_from_output, "scheduler")
+    totals, num_steps = {}, 0
+    for round_index in range(num_rounds + 1):                           # round 0 warms up
+        for prompt in prompts(num_seqs):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
+        while engine.has_unfinished_requests():
+            with collect() as times:
+                start = time.process_time()
+                engine.step()
+                times["step"] = time.process_time() - start
+            record = engine.timeline[-1]
+            if round_index > 0 and record.num_scheduled_tokens == num_seqs and record.num_running == num_seqs:
+                num_steps += 1
+                for name, seconds in times.items():
+                    totals[name] = totals.get(name, 0.0) + seconds
+    ms = {name: 1000 * seconds / num_steps for name, seconds in totals.items()}
+    phases = {name: ms.get(name, 0.0) for name in MODEL_PHASES}
+    phases["rest_of_forward"] = ms["forward"] - sum(phases.values())
+    phases["sampling"] = ms.get("sampling", 0.0)
+    phases["scheduler"] = ms.get("scheduler", 0.0)
+    phases["bookkeeping"] = ms["step"] - ms["forward"] - phases["sampling"] - phases["scheduler"]
+    return {"num_decode_steps": num_steps, "step_ms": ms["step"], "phases_ms": phases}
+
+
+def profile(num_seqs: int, max_new_tokens: int, num_rounds: int) -> dict:
+    """profile_steps for the embedded model and for the dense model of its dimensions."""
+    from moekv_ref.apps.bench_peer import random_dense_model
+    from moekv_ref.checkpoint import load_default_model
+    return {"num_seqs": num_seqs, "max_new_tokens": max_new_tokens, "this_commit": commit_of(REPOSITORY),
+            "dense": profile_steps(random_dense_model(seed=0), num_seqs, max_new_tokens, num_rounds),
+            "embedded": profile_steps(load_default_model(), num_seqs, max_new_tokens, num_rounds)}
+
+
+def format_profile(result: dict) -> str:
+    models = ("dense", "embedded")
+    lines = [f"one decode step of {result['num_seqs']} sequences by phase, CPU ms per step (mean over "
+             f"{result['dense']['num_decode_steps']} and {result['embedded']['num_decode_steps']} steps), "
+             "one thread",
+             f"  {'phase':<40}" + "".join(f"{m:>10} {'share':>6}" for m in models)]
+    for name, label in PHASE_NAMES.items():
+        cells = ""
+        for m in models:
+            value, step = result[m]["phases_ms"][name], result[m]["step_ms"]
+            cells += f"{value:>10.2f} {100 * value / step:>5.0f}%"
+        lines.append(f"  {label:<40}{cells}")
+    lines.append(f"  {'step':<40}" + "".join(f"{result[m]['step_ms']:>10.2f} {100:>5.0f}%" for m in models))
+    return "\n".join(lines)
+
+
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--against", type=Path, default=None,
                         help="root of another checkout (e.g. `git worktree add /tmp/old <commit>`) to compare with")
@@ -136,6 +220,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens each sequence decodes (default 48)")
     parser.add_argument("--rounds", type=int, default=3, help="times the whole workload runs (default 3)")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+    parser.add_argument("--profile", action="store_true",
+                        help="split a decode step into phases, for the embedded and a dense model (this checkout)")
     return parser
 
 
@@ -154,6 +240,8 @@ def check_args(args) -> None:
     options.count("--num-seqs", args.num_seqs, 1, NUM_BLOCKS // BLOCKS_PER_TOKEN,
                   f"all decode at once in a pool of {NUM_BLOCKS} blocks, each taking at least {BLOCKS_PER_TOKEN}")
     options.count("--rounds", args.rounds, 1)
+    if getattr(args, "profile", False) and args.against is not None:
+        raise ValueError("--profile runs this checkout only; drop --against")
     options.output_file("--json", args.json)
     longest = max(len(p) for p in prompts(args.num_seqs))
     options.count("--max-new-tokens", args.max_new_tokens, 2, MAX_POSITIONS - longest + 1,
@@ -162,6 +250,12 @@ def check_args(args) -> None:
 
 def main(args) -> int:
     check_args(args)
+    if args.profile:
+        result = profile(args.num_seqs, args.max_new_tokens, args.rounds)
+        print(format_profile(result))
+        if args.json is not None:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     try:
         result = measure(args.against, args.num_seqs, args.max_new_tokens, args.rounds)
     except ValueError as error:

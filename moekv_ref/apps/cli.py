@@ -3,7 +3,8 @@
     generate       generate from a prompt with the embedded model and report its per-expert caches
     routing-stats  what the embedded model's routers learned (load, entropy, character preferences)
     demo           serve a stream of requests through a small pool: continuous batching, preemption
-    bench          benchmarks: `bench memory`, `bench serving`, `bench eviction`, `bench parallel`, `bench step`
+    bench          benchmarks: `bench memory`, `bench serving`, `bench eviction`, `bench parallel`, `bench step`,
+                   `bench peer`
     figures        regenerate every PNG in figures/ from the package
 """
 
@@ -26,7 +27,7 @@ from ..prompts import check_prompt
 from ..report import cache_report, format_cache_report
 from ..sampling import MIN_TEMPERATURE, SamplingParams
 from ..tokenizer import decode, encode
-from . import bench_eviction, bench_memory, bench_parallel, bench_serving, bench_step, demo, figures, options
+from . import bench_eviction, bench_memory, bench_parallel, bench_peer, bench_serving, bench_step, demo, figures, options
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -166,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                   ("eviction", bench_eviction, bench_eviction.main, "victim policies under per-device pools"),
                   ("serving", bench_serving, bench_serving.main, "static vs continuous batching, one budget"),
                   ("parallel", bench_parallel, bench_parallel.main, "expert parallelism: bytes per step, placements"),
-                  ("step", bench_step, bench_step.main, "one decode step's CPU time, optionally against another checkout")]
+                  ("step", bench_step, bench_step.main, "one decode step's CPU time, optionally against another checkout"),
+                  ("peer", bench_peer, bench_peer.main, "dense decode against Hugging Face Mixtral, same weights")]
     for name, module, run, help_text in benchmarks:
         b = module.build_parser(bench.add_parser(name, help=help_text))
         b.set_defaults(func=run, check=getattr(module, "check_args", None), command_parser=b)

@@ -29,14 +29,15 @@ Attention paths, chosen once when the cache is made (all give the same result to
 
     reference   one row at a time: gather the row's K/V through its block table, then the same
                 `attend_by_position` every cache uses. Slow (a Python loop over rows), and clear.
-    batched     every row of the call at once: each row's slots are gathered into a padded
-                (rows, longest row) table; rows with one new token (decode) and rows with several
-                (prefill) are two such batches, so a decode row is never padded to a prompt's length.
+    batched     every row of the call at once: each row's blocks are gathered into a padded
+                (rows, longest row) table and one fused attention (scaled_dot_product_attention)
+                runs over it; rows with one new token (decode) and rows with several (prefill) are
+                two such batches, so a decode row is never padded to a prompt's length.
     triton      decode rows on kernels.paged_attention (one launch per layer), new K/V stored by
                 kernels.store_kv; rows with several new tokens take the batched path.
 
-Padding is never read as data: padded table entries gather slot 0, and their K/V are replaced by
-zeros before any product, so whatever slot 0 holds (freed or uninitialised memory can hold NaN on a
+Padding is never read as data: padded table entries gather a real block (block 0, or slot 0 with
+shared tails), and their K/V are replaced by zeros before any product, so whatever slot 0 holds (freed or uninitialised memory can hold NaN on a
 GPU) cannot reach another row's output.
 
 Dimension legend: N blocks, P block size, H heads, Hkv key/value heads, G = H / Hkv query heads per
@@ -46,11 +47,10 @@ Lmax longest row, Qmax most new tokens of one row in the call.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-from einops import einsum, rearrange
+import torch.nn.functional as F
 
 from ..attention import attend_by_position, score_dtype
 from ..backends import require_backend
@@ -210,21 +210,26 @@ class PagedKVCache:
             raise ValueError(f"seq_ids, experts and positions must be (n,) = ({n},); got "
                              f"{tuple(seq_ids.shape)}, {tuple(experts.shape)}, {tuple(positions.shape)}")
         manager = self.manager
-        new_seqs = [s for s in seq_ids.unique().tolist() if not manager.holds(s)]
+        new_seqs = [s for s in sorted(set(seq_ids.tolist())) if not manager.holds(s)]   # ascending
         for s in new_seqs:
             manager.add_sequence(s)
         try:
             pair_rows = manager.rows(seq_ids, layer, experts)                         # (n,)
             order = torch.argsort(pair_rows, stable=True)                             # (n,) grouped by row
-            rows, num_new = torch.unique_consecutive(pair_rows[order], return_counts=True)   # (m,)
-            first = torch.cumsum(num_new, 0) - num_new                                # (m,) into order
-            self._check_positions(pair_rows[order], positions[order], rows, first)
+            sorted_rows, sorted_positions = pair_rows[order], positions[order]        # (n,) each
+            rows, num_new = torch.unique_consecutive(sorted_rows, return_counts=True)  # (m,)
+            # decode: every pair is the one new token of its row (m = n); the bookkeeping by row
+            # below is then the identity on the sorted pairs, and only prefill needs the general case
+            one_per_row = rows.numel() == n
+            first = None if one_per_row else torch.cumsum(num_new, 0) - num_new      # (m,) into order
+            last = sorted_positions if one_per_row else sorted_positions[first + num_new - 1]   # (m,)
+            self._check_positions(sorted_rows, sorted_positions, rows, first)
             allocation = manager.allocate_slots(rows, num_new, rows_are_distinct=True)   # may raise
         except Exception:
             for s in new_seqs:                                                        # as it was
                 manager.free(s)
             raise
-        manager.last_position[rows] = positions[order][first + num_new - 1]
+        manager.last_position[rows] = last
         self._apply_moves(allocation.moves)
         slots = torch.empty(n, dtype=torch.int64)
         slots[order] = allocation.slot_mapping                                        # (n,) per pair
@@ -232,20 +237,28 @@ class PagedKVCache:
             manager.record_positions(slots, positions)      # which chunks each block spans
         self._store(k, v, slots)
         context_lens = manager.num_computed_tokens[rows]                              # (m,)
-        group = torch.repeat_interleave(torch.arange(rows.numel()), num_new)          # (n,) sorted
-        rank = torch.arange(n) - first[group]                                         # (n,) in the call
-        pair_row, pair_index = torch.empty_like(group), torch.empty_like(group)
-        pair_row[order] = group
-        pair_index[order] = context_lens[group] - num_new[group] + rank
+        pair_row, pair_index = torch.empty_like(order), torch.empty_like(order)
+        if one_per_row:
+            pair_row[order] = torch.arange(n)
+            pair_index[order] = context_lens - 1
+        else:
+            group = torch.repeat_interleave(torch.arange(rows.numel()), num_new)      # (n,) sorted
+            rank = torch.arange(n) - first[group]                                     # (n,) in the call
+            pair_row[order] = group
+            pair_index[order] = context_lens[group] - num_new[group] + rank
         return AppendedRows(rows, num_new, context_lens, pair_row, pair_index)
 
     def _check_positions(self, sorted_rows, sorted_positions, rows, first) -> None:
-        """Positions must increase within each row, from the row's last cached position on."""
-        later = sorted_rows[1:] == sorted_rows[:-1]                                   # same row as before
-        bad = later & (sorted_positions[1:] <= sorted_positions[:-1])
+        """Positions must increase within each row, from the row's last cached position on.
+        first (m,): each row's first pair in the sorted order; None when every pair is its own row."""
         last = self.manager.last_position[rows]                                       # (m,) -1: empty
-        bad_first = sorted_positions[first] <= last
-        if bad.any() or bad_first.any():
+        if first is None:
+            bad, bad_first = None, sorted_positions <= last
+        else:
+            later = sorted_rows[1:] == sorted_rows[:-1]                               # same row as before
+            bad = later & (sorted_positions[1:] <= sorted_positions[:-1])
+            bad_first = sorted_positions[first] <= last
+        if bad_first.any() or (bad is not None and bad.any()):
             i = int(bad_first.nonzero()[0]) if bad_first.any() else None
             row = int(rows[i]) if i is not None else int(sorted_rows[1:][bad][0])
             mine = sorted_positions[sorted_rows == row].tolist()
@@ -280,6 +293,9 @@ class PagedKVCache:
         if self.attention == "reference":
             return self._attend_row_by_row(appended, q)
         out = torch.empty_like(q)
+        if self.attention == "batched" and 0 < appended.rows.numel() == q.shape[0]:
+            self._attend_padded(appended, None, q, out)     # decode only: every row one pair, one group
+            return out
         decode = appended.num_new == 1                                              # (m,)
         groups = [decode, ~decode]                                                  # each padded alone
         if self.attention == "triton" and decode.any():
@@ -306,40 +322,84 @@ class PagedKVCache:
     def _attend_padded(self, appended: AppendedRows, group: torch.Tensor, q: torch.Tensor,
                        out: torch.Tensor) -> None:
         """The rows where group is True, at once: keys padded to the longest row, queries to the row
-        with most new tokens. Writes their pairs' outputs into out."""
+        with most new tokens, one fused attention (F.scaled_dot_product_attention, grouped-query) over
+        the batch. Writes their pairs' outputs into out. group None: every row of the call, each with
+        exactly one pair (a decode step), so nothing needs selecting."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         device = q.device
-        members = group.nonzero().squeeze(1)                                       # (g,) into rows
-        rows, lens = appended.rows[members], appended.context_lens[members]       # (g,)
-        num_new = appended.num_new[members]
-        g, max_len, max_new = members.numel(), int(lens.max()), int(num_new.max())
-        # the rows' slots in a padded (g, Lmax) table; padding points at slot 0 and is zeroed below
-        slots, key_valid = self.manager.padded_slots(rows)                        # (g, Lmax) each
-        slots, key_valid = slots.to(device), key_valid.to(device)
+        if group is None:
+            rows, lens, num_new, max_new = appended.rows, appended.context_lens, None, 1
+        else:
+            members = group.nonzero().squeeze(1)                                   # (g,) into rows
+            rows, lens = appended.rows[members], appended.context_lens[members]   # (g,)
+            num_new = appended.num_new[members]
+            max_new = int(num_new.max())
+        g = rows.numel()
         compute = score_dtype(q.dtype)                                             # float32 at least
-        keys = self.key_cache.view(-1, Hkv, Dh)[slots].to(compute)                 # (g, Lmax, Hkv, Dh)
-        values = self.value_cache.view(-1, Hkv, Dh)[slots].to(compute)
-        keys = torch.where(key_valid[..., None, None], keys, 0.0)                 # padding is not data
-        values = torch.where(key_valid[..., None, None], values, 0.0)
+        keys, values, key_valid = self._gather_rows(rows, lens, compute)           # (g, Lmax, Hkv, Dh), (g, Lmax)
+        max_len = keys.shape[1]
         # the group's pairs in a padded (g, Qmax) table of queries
-        slot_of_row = torch.full((appended.rows.numel(),), -1, dtype=torch.int64)
-        slot_of_row[members] = torch.arange(g)
-        pairs = (slot_of_row[appended.pair_row] >= 0).nonzero().squeeze(1)       # (p,) pairs of the group
-        pair_slot = slot_of_row[appended.pair_row[pairs]]                         # (p,) which of the g rows
-        column = appended.pair_index[pairs] - (lens - num_new)[pair_slot]         # (p,) 0..Qmax-1
+        if group is None:                                                          # pair p: row pair_row[p]
+            pairs, pair_slot, column, pair_q, pair_index = None, appended.pair_row, 0, q, appended.pair_index
+        elif g == appended.rows.numel():                                           # every row of the call
+            pairs, pair_slot = None, appended.pair_row                             # (n,)
+            column = appended.pair_index - (lens - num_new)[pair_slot]
+            pair_q, pair_index = q, appended.pair_index
+        else:
+            slot_of_row = torch.full((appended.rows.numel(),), -1, dtype=torch.int64)
+            slot_of_row[members] = torch.arange(g)
+            pairs = (slot_of_row[appended.pair_row] >= 0).nonzero().squeeze(1)   # (p,) pairs of the group
+            pair_slot = slot_of_row[appended.pair_row[pairs]]                     # (p,) which of the g rows
+            column = appended.pair_index[pairs] - (lens - num_new)[pair_slot]     # (p,) 0..Qmax-1
+            pair_q, pair_index = q[pairs], appended.pair_index[pairs]
         queries = q.new_zeros(g, max_new, q.shape[1], Dh, dtype=compute)           # (g, Qmax, H, Dh)
-        queries[pair_slot, column] = q[pairs].to(compute)
-        query_index = torch.full((g, max_new), max_len - 1, dtype=torch.int64)     # padding sees all
-        query_index[pair_slot, column] = appended.pair_index[pairs]
-        visible = key_valid[:, None, :] & (torch.arange(max_len)[None, None, :]
-                                           <= query_index[:, :, None]).to(device)  # (g, Qmax, Lmax)
-        queries = rearrange(queries, "g q (kv grp) d -> g kv grp q d", kv=Hkv)
-        scores = einsum(queries, keys, "g kv grp q d, g l kv d -> g kv grp q l") / math.sqrt(Dh)
-        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-        weights = torch.softmax(scores, dim=-1)                                    # (g, Hkv, G, Qmax, Lmax)
-        result = einsum(weights, values, "g kv grp q l, g l kv d -> g q kv grp d")
-        result = rearrange(result, "g q kv grp d -> g q (kv grp) d")               # (g, Qmax, H, Dh)
-        out[pairs] = result[pair_slot, column].to(out.dtype)
+        queries[pair_slot, column] = pair_q.to(compute)
+        if max_new == 1:        # decode: each row's one query is its newest token and sees the whole row
+            visible = key_valid[:, None, :]                                        # (g, 1, Lmax)
+        else:
+            query_index = torch.full((g, max_new), max_len - 1, dtype=torch.int64)  # padding sees all
+            query_index[pair_slot, column] = pair_index
+            visible = key_valid[:, None, :] & (torch.arange(max_len)[None, None, :]
+                                               <= query_index[:, :, None]).to(device)  # (g, Qmax, Lmax)
+        result = F.scaled_dot_product_attention(                                   # (g, H, Qmax, Dh)
+            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=visible[:, None], enable_gqa=Hkv != q.shape[1])
+        result = result.transpose(1, 2)[pair_slot, column].to(out.dtype)           # (p, H, Dh)
+        if pairs is None:
+            out.copy_(result)
+        else:
+            out[pairs] = result
+
+    def _gather_rows(self, rows: torch.Tensor, lens: torch.Tensor, dtype: torch.dtype):
+        """K/V of every token of each row, padded to the longest row: keys and values (g, Lmax, Hkv,
+        Dh) in dtype, zeros past a row's end, and valid (g, Lmax) bool.
+
+        Plain pages: whole blocks are gathered through the block tables (one index per block rather
+        than per token), Lmax rounded up to whole blocks; table padding is clamped to a real block
+        and masked. Shared tails keep a row's last tokens outside its table, so they gather slot by
+        slot through the manager's padded slot table. Both gather with index_select and zero the
+        padding with index_fill_ on the few padded tokens: on a CPU, 4x and 5x faster than advanced
+        indexing and a broadcast masked_fill of the same tensors (measured at 16 rows of 64 tokens)."""
+        Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
+        device = self.key_cache.device
+        if isinstance(self.manager, SharedTailKVCacheManager):
+            slots, valid = self.manager.padded_slots(rows)                         # (g, Lmax) each
+            index = slots.reshape(-1).to(device)                                   # (g * Lmax,) slots
+            pool = (self.key_cache.view(-1, Hkv, Dh), self.value_cache.view(-1, Hkv, Dh))
+        else:
+            P, num_pool_blocks = self.block_size, self.key_cache.shape[0]
+            width = -(-int(lens.max()) // P)                                       # blocks of the longest row
+            blocks = self.manager.block_tables[rows, :width].to(torch.int64).clamp_(0, num_pool_blocks - 1)
+            index = blocks.reshape(-1).to(device)                                  # (g * width,) blocks
+            pool = (self.key_cache, self.value_cache)
+            valid = torch.arange(width * P)[None, :] < lens[:, None]               # (g, width * P)
+        g, max_len = valid.shape
+        padding = (~valid).reshape(-1).nonzero().squeeze(1).to(device)             # (g * Lmax - sum(lens),)
+        gathered = []
+        for cache in pool:                                                         # keys, then values
+            tokens = cache.index_select(0, index).to(dtype).view(g * max_len, Hkv * Dh)   # a fresh copy
+            gathered.append(tokens.index_fill_(0, padding, 0.0).view(g, max_len, Hkv, Dh))
+        return gathered[0], gathered[1], valid.to(device)
 
     def _attend_with_kernels(self, appended: AppendedRows, decode: torch.Tensor, q: torch.Tensor,
                              out: torch.Tensor) -> None:

@@ -1,0 +1,59 @@
+"""Where a step's time goes: named phases timed in CPU time, for `bench step --profile`.
+
+The forward marks its phases where they happen:
+
+    with phase("attend"):
+        attn = cache.attend(appended, q)
+
+and `bench step --profile` collects them over many steps inside `collect()`. Outside `collect()`,
+`phase` returns one shared do-nothing context: the cost of a marked phase is a function call and a
+`with` on a null context (well under a microsecond, against the milliseconds of a step), so the
+marks stay in the code rather than in a copy of it made for profiling.
+
+Why CPU time (`time.process_time`): the machines this runs on are shared, and a phase's wall time
+grows with whatever else runs; with one thread, CPU time is the phase's own work. Why timed scopes and
+not torch.profiler: the phases of interest are mostly Python (index
+bookkeeping, the scheduler) around small tensor ops; an operator-level trace splits them into
+hundreds of ops with their own overhead, while a handful of named scopes answers "which phase" in
+the step's own terms. Phases do not nest, except "forward", which encloses the model's phases so
+that what the forward spends outside them (embedding, norms, residuals, the LM head) can be told.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+
+_NULL = nullcontext()
+_totals: dict[str, float] | None = None      # phase -> seconds, while collect() is active
+
+
+class _Timed:
+    __slots__ = ("name", "start")
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        self.start = time.process_time()
+
+    def __exit__(self, *exc):
+        _totals[self.name] = _totals.get(self.name, 0.0) + time.process_time() - self.start
+
+
+def phase(name: str):
+    """A context that adds its CPU time to `name` while collecting; a no-op otherwise."""
+    return _NULL if _totals is None else _Timed(name)
+
+
+@contextmanager
+def collect():
+    """Collect phase times inside the block; yields the dict (phase -> seconds) they add up in."""
+    global _totals
+    if _totals is not None:
+        raise RuntimeError("phase times are already being collected")
+    _totals = totals = {}
+    try:
+        yield totals
+    finally:
+        _totals = None
