@@ -20,6 +20,8 @@ ALLOWED_LAZY = {
     ("moekv_ref/apps/bench_step.py", "moekv_ref.engine"),
     ("moekv_ref/apps/bench_step.py", "moekv_ref.sampling"),
     ("moekv_ref/apps/bench_step.py", "moekv_ref.apps.options"),   # this module runs in that worker too
+    ("moekv_ref/apps/bench_step.py", "moekv_ref.profiling"),
+    ("moekv_ref/apps/bench_step.py", "moekv_ref.apps.bench_peer"),
 }
 
 

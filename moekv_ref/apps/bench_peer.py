@@ -38,6 +38,7 @@ transformers is an optional extra: without it this command says so and exits 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -46,6 +47,11 @@ from pathlib import Path
 
 import torch
 
+from ..config import get_config
+from ..engine import generate_with_engine
+from ..generate import generate
+from ..model import MoEKVTransformer
+from ..sampling import SamplingParams
 from . import options
 
 PATHS = ("hf", "paged", "contiguous", "engine")
@@ -53,15 +59,12 @@ PATHS = ("hf", "paged", "contiguous", "engine")
 
 def dense_config():
     """The embedded `tiny` model's dimensions with one attention expert: Mixtral's shape."""
-    import dataclasses
-    from ..config import get_config
     return dataclasses.replace(get_config("tiny"), name="tiny-dense", attention_mode="dense",
                                num_attention_experts=1, num_attention_experts_per_tok=1)
 
 
 def random_dense_model(seed: int, config=None):
     """Our model in dense mode, random weights from `seed`, float32, eval mode."""
-    from ..model import MoEKVTransformer
     torch.manual_seed(seed)
     return MoEKVTransformer(config or dense_config()).float().eval()
 
@@ -123,9 +126,6 @@ def bench_prompts(num_seqs: int, prompt_len: int, vocab_size: int, seed: int) ->
 
 def run_path(path: str, model, hf, prompts, max_new_tokens: int) -> list[list[int]]:
     """Greedy tokens of one path."""
-    from ..engine import generate_with_engine
-    from ..generate import generate
-    from ..sampling import SamplingParams
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     if path == "hf":
         input_ids = torch.tensor(prompts)
@@ -193,7 +193,6 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """The options, before any model is built."""
-    from ..config import get_config
     positions = get_config("tiny").max_position_embeddings
     options.count("--rounds", args.rounds, 5, meaning="at least 5: a median of per-round ratios")
     options.count("--num-seqs", args.num_seqs, 1, 256)
