@@ -87,3 +87,18 @@ def test_readme_bytes_per_token_table_is_what_the_configs_compute():
         assert int(layers) == config.num_hidden_layers, name
         assert int(per_entry.replace(",", "")) == config.kv_bytes_per_entry(), name
         assert int(per_token.replace(",", "")) == config.kv_bytes_per_token, name
+
+
+def test_readme_bench_peer_table_is_what_its_json_says():
+    """Each tokens/s and ratio of the README's `bench peer` table against figures/bench_peer.json."""
+    measured = json.loads((ROOT / "figures" / "bench_peer.json").read_text(encoding="utf-8"))["paths"]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("(`bench peer`)", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (.+?) \| ([\d,]+) \| (\d\.\d\d) \|$", section, re.M)
+    keys = {"Hugging Face": "hf", '"paged"': "paged", '"contiguous"': "contiguous", "generate_with_engine": "engine"}
+    assert len(rows) == 4, rows
+    for label, tokens_per_s, ratio in rows:
+        key = next(k for word, k in keys.items() if word in label)
+        assert int(tokens_per_s.replace(",", "")) == round(measured[key]["tokens_per_s"]), label
+        assert float(ratio) == round(measured[key]["ratio_vs_hf"], 2), label
+        assert measured[key]["identical_tokens"], label
