@@ -93,10 +93,10 @@ def mixtral_config(config):
 @torch.no_grad()
 def copy_into_mixtral(model):
     """A MixtralForCausalLM holding `model`'s weights (dense attention only). See the module docstring."""
-    from transformers import MixtralForCausalLM
     config = model.config
     if config.num_attention_experts != 1:
         raise ValueError("only a dense model (one attention expert) has a Mixtral counterpart")
+    from transformers import MixtralForCausalLM                 # an optional extra: checked first
     hf = MixtralForCausalLM(mixtral_config(config)).float().eval()
     q_order = rotate_half_order(config.num_attention_heads, config.head_dim)
     k_order = rotate_half_order(config.num_key_value_heads, config.head_dim)
