@@ -263,7 +263,8 @@ def _describe(trace: RoutingTrace, budget_sequences: int) -> dict:
 
 
 def _targets(report: dict) -> dict:
-    """The issue's must-show numbers, per design, true or false: no number is hidden."""
+    """The benchmark's targets (utilization, concurrency, simulator speed), per design, true or false:
+    no number is hidden."""
     workloads = report["workloads"]
     return {
         f"{design}_effective_utilization_ge_{TARGET_EFFECTIVE_UTILIZATION}": {
