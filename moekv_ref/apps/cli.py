@@ -5,6 +5,7 @@
     demo           serve a stream of requests through a small pool: continuous batching, preemption
     bench          benchmarks: `bench memory`, `bench serving`, `bench eviction`, `bench parallel`, `bench step`,
                    `bench peer`
+    train-family   train dense and expert-attention variants the same way and measure them (about an hour)
     figures        regenerate every PNG in figures/ from the package
 """
 
@@ -27,7 +28,8 @@ from ..prompts import check_prompt
 from ..report import cache_report, format_cache_report
 from ..sampling import MIN_TEMPERATURE, SamplingParams
 from ..tokenizer import decode, encode
-from . import bench_eviction, bench_memory, bench_parallel, bench_peer, bench_serving, bench_step, demo, figures, options
+from . import (bench_eviction, bench_memory, bench_parallel, bench_peer, bench_serving, bench_step, demo, family,
+               figures, options)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -174,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         b.set_defaults(func=run, check=getattr(module, "check_args", None), command_parser=b)
     d = demo.build_parser(sub.add_parser("demo", help="serve requests through a small pool (the main demo)"))
     d.set_defaults(func=demo.main, check=demo.check_args, command_parser=d)
+    t = family.build_parser(sub.add_parser("train-family", help="train dense and expert-attention variants, measure them"))
+    t.set_defaults(func=family.main, check=family.check_args, command_parser=t)
     f = figures.build_parser(sub.add_parser("figures", help="regenerate every PNG in figures/"))
     f.set_defaults(func=figures.main, check=figures.check_args, command_parser=f)
     return parser

@@ -64,29 +64,44 @@ def evaluate(model, data: torch.Tensor, context: int, num_batches: int = 8) -> f
     return sum(losses) / len(losses)
 
 
-def train(minutes: float, out: Path, batch_size: int = 16, context: int = 256, lr: float = 3e-3,
-          balance_weight: float = 0.01, seed: int = 0) -> MoEKVTransformer:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    train_bytes, valid_bytes = stdlib_corpus()
-    train_data = torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8)
-    valid_data = torch.frombuffer(bytearray(valid_bytes), dtype=torch.uint8)
-    print(f"corpus: {len(train_bytes) / 1e6:.1f} MB train, {len(valid_bytes) / 1e6:.2f} MB validation "
-          f"(stdlib *.py)", flush=True)
-    model = MoEKVTransformer(get_config("tiny"))
-    print(f"model: {model.num_parameters() / 1e6:.2f} M parameters", flush=True)
+def fit(model: MoEKVTransformer, train_data: torch.Tensor, *, batch_size: int, context: int, lr: float = 3e-3,
+        balance_weight: float = 0.01, seed: int = 0, minutes: float | None = None, num_steps: int | None = None,
+        state_path: Path | None = None, on_step=None, save_every: int = 50) -> int:
+    """Train `model` in place: AdamW, 100 warm-up steps, then a cosine decay over the budget, which is
+    either wall-clock `minutes` (how the embedded model was trained) or `num_steps` (a token budget:
+    num_steps * batch_size * context bytes, the same on every machine). Returns the steps taken.
+
+    With `state_path`, the model, optimizer, step and data order are saved there every `save_every` steps and
+    at the end, and a run that finds the file continues from it (step budgets only: a wall-clock
+    schedule cannot resume). on_step(step, loss) is called after every step."""
+    if (minutes is None) == (num_steps is None):
+        raise ValueError("give exactly one budget: minutes or num_steps")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(seed)
-    budget = minutes * 60
-    start = time.time()
     step = 0
-    for x, y in batches(train_data, batch_size, context, generator):
+    if state_path is not None and num_steps is not None and Path(state_path).exists():
+        state = torch.load(state_path, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["generator"])
+        step = int(state["step"])
+
+    def save():
+        if state_path is not None and num_steps is not None:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "generator": generator.get_state(), "step": step}, state_path)
+
+    start = time.time()
+    stream = batches(train_data, batch_size, context, generator)
+    model.train()
+    while True:
         elapsed = time.time() - start
-        if elapsed > budget:
+        progress = elapsed / (minutes * 60) if minutes is not None else step / num_steps
+        if progress >= 1:
             break
-        progress = elapsed / budget
-        for group in optimizer.param_groups:  # warm-up then cosine, by wall-clock progress
+        for group in optimizer.param_groups:  # warm-up then cosine
             group["lr"] = lr * min(1.0, step / 100) * 0.5 * (1 + math.cos(math.pi * progress))
+        x, y = next(stream)
         output = model(x)
         loss = F.cross_entropy(output.logits.reshape(-1, output.logits.shape[-1]), y.reshape(-1))
         balance = sum(load_balancing_loss(r) for r in output.attention_routing + output.ffn_routing)
@@ -94,11 +109,40 @@ def train(minutes: float, out: Path, batch_size: int = 16, context: int = 256, l
         (loss + balance_weight * balance).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if step % 50 == 0:
-            print(f"step {step:5d}  {elapsed / 60:5.1f}/{minutes:.0f} min  loss {loss.item():.3f}  "
-                  f"balance {balance.item() / (2 * model.config.num_hidden_layers):.3f}", flush=True)
         step += 1
+        if on_step is not None:
+            on_step(step, loss.item())
+        if step % save_every == 0:
+            save()
+    save()
     model.eval()
+    return step
+
+
+def load_corpus() -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation) byte tensors of stdlib_corpus()."""
+    train_bytes, valid_bytes = stdlib_corpus()
+    return (torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8),
+            torch.frombuffer(bytearray(valid_bytes), dtype=torch.uint8))
+
+
+def train(minutes: float, out: Path, batch_size: int = 16, context: int = 256, lr: float = 3e-3,
+          balance_weight: float = 0.01, seed: int = 0) -> MoEKVTransformer:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    train_data, valid_data = load_corpus()
+    print(f"corpus: {train_data.numel() / 1e6:.1f} MB train, {valid_data.numel() / 1e6:.2f} MB validation "
+          f"(stdlib *.py)", flush=True)
+    model = MoEKVTransformer(get_config("tiny"))
+    print(f"model: {model.num_parameters() / 1e6:.2f} M parameters", flush=True)
+    start = time.time()
+
+    def report(step, loss):
+        if step % 50 == 0:
+            print(f"step {step:5d}  {(time.time() - start) / 60:5.1f}/{minutes:.0f} min  loss {loss:.3f}", flush=True)
+
+    step = fit(model, train_data, batch_size=batch_size, context=context, lr=lr, balance_weight=balance_weight,
+               seed=seed, minutes=minutes, on_step=report)
     valid_loss = evaluate(model, valid_data, context)
     train_seconds = time.time() - start
     print(f"done: {step} steps in {train_seconds / 60:.1f} min, validation loss {valid_loss:.3f} nats/byte "

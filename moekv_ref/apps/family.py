@@ -1,0 +1,255 @@
+"""`python -m moekv_ref train-family`: what does routing attention buy? A small family of models,
+each a configuration of the one model code, trained the same way on the same bytes, then measured.
+
+    dense               one attention expert of the same width (2 heads of 32): plain attention
+    expert_topk         the embedded model's shape: 8 attention experts of 2 heads, top-2 per token
+    expert_threshold    the same experts, threshold routing (p = 0.5, 1..2 experts per token)
+    dense_kv_matched    dense attention caching as many bytes per token as expert_topk (4 heads of 32)
+    dense_flops_matched dense attention with as many attention FLOPs per token as expert_topk at the
+                        training context (2 heads of 56)
+
+Every run uses the embedded model's recipe (apps/train.py: the CPython standard library's top-level
+*.py files, AdamW, warm-up then cosine, the load-balancing loss on every router) with a *token*
+budget instead of its 12 wall-clock minutes: `--steps` steps of `--batch-size` windows of `--context`
+bytes, the same for every variant, with seeds 0, 1, 2 (the seed sets the initial weights and the
+order of the training windows). The budget is smaller than the embedded model's so that the family
+trains in about an hour on a laptop's CPU; its numbers describe models this small trained this
+briefly, nothing more.
+
+Measured per variant: held-out bits per byte (validation files never trained on, 32 fixed windows;
+mean and spread over seeds), KV bytes per token (the config's worst case, and what the paged cache
+actually held after prefilling held-out text), attention FLOPs per token at the training context,
+parameters, and decode tokens/s of the paged cache on this machine (variants timed in alternating
+rounds, medians). Writes figures/family.json, which notebook 08 reads.
+
+Resumable: every run keeps its state in runs/family/ (every 50 steps) and its result once done;
+running the command again continues where it stopped. `--fresh` starts over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..config import ModelConfig, get_config
+from ..generate import generate
+from ..model import MoEKVTransformer
+from ..sampling import SamplingParams
+from . import options
+from .train import batches, fit, load_corpus
+
+DENSE = dict(attention_mode="dense", num_attention_experts=1, num_attention_experts_per_tok=1)
+VARIANTS = {
+    "dense": (DENSE, "dense attention, 2 heads of 32 (the width of one expert)"),
+    "expert_topk": ({}, "8 attention experts, top-2 (the embedded model)"),
+    "expert_threshold": (dict(attention_routing="threshold"), "8 attention experts, threshold p = 0.5, 1..2 per token"),
+    "dense_kv_matched": ({**DENSE, "num_attention_heads": 4, "num_key_value_heads": 4},
+                         "dense, 4 heads of 32: expert_topk's KV bytes per token"),
+    "dense_flops_matched": ({**DENSE, "head_dim": 56}, "dense, 2 heads of 56: expert_topk's attention FLOPs"),
+}
+SEEDS = (0, 1, 2)
+OUT = Path("figures") / "family.json"
+RUNS = Path("runs") / "family"
+
+
+def variant_config(name: str) -> ModelConfig:
+    if name not in VARIANTS:
+        raise ValueError(f"variant={name!r} is not one of {tuple(VARIANTS)}")
+    return get_config("tiny", **VARIANTS[name][0])
+
+
+def attention_flops_per_token(config: ModelConfig, context: int, experts_per_token: float | None = None) -> float:
+    """FLOPs (2 x multiply-adds) of one token's attention, all layers, for a token at the average
+    position of a causal window of `context` tokens (it attends (context + 1) / 2 of them; an expert
+    holds experts_per_token / E of those): the router, the q, k, v, o projections of every expert the
+    token reaches, and the scores and weighted sum over what each expert holds. experts_per_token:
+    measured mean (threshold routing); default k."""
+    D, H, Hkv, Dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    E = config.num_attention_experts
+    k = config.num_attention_experts_per_tok if experts_per_token is None else experts_per_token
+    router = D * E if E > 1 else 0
+    projections = k * (2 * D * H * Dh + 2 * D * Hkv * Dh)
+    attended = (context + 1) / 2 * k / E
+    scores = k * 2 * H * Dh * attended
+    return 2 * config.num_hidden_layers * (router + projections + scores)
+
+
+@torch.no_grad()
+def heldout_bits_per_byte(model, valid_data: torch.Tensor, context: int, num_windows: int = 32) -> float:
+    """Mean next-byte loss over fixed validation windows, in bits per byte."""
+    generator = torch.Generator().manual_seed(1234)
+    x, y = next(batches(valid_data, num_windows, context, generator))
+    losses = []
+    for i in range(0, num_windows, 8):
+        logits = model(x[i:i + 8]).logits
+        losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[i:i + 8].reshape(-1)).item())
+    return statistics.mean(losses) / math.log(2)
+
+
+@torch.no_grad()
+def cache_measurements(model, valid_data: torch.Tensor, context: int) -> dict:
+    """Prefill 8 held-out windows into the paged cache and read what it holds: KV bytes per token
+    (entries x bytes per entry / tokens) and entries per token per layer."""
+    generator = torch.Generator().manual_seed(99)
+    x, _ = next(batches(valid_data, 8, context, generator))
+    prompts = [row.tolist() for row in x]
+    counts = generate(model, prompts, SamplingParams(max_new_tokens=1, temperature=0.0), cache="paged").cache_counts
+    config = model.config
+    tokens = sum(len(p) for p in prompts)
+    entries = int(counts.sum())
+    return {"kv_bytes_per_token": entries * config.kv_bytes_per_entry(4) / tokens,
+            "experts_per_token": entries / tokens / config.num_hidden_layers}
+
+
+def decode_tokens_per_second(models: dict, rounds: int = 5, num_prompts: int = 8, new_tokens: int = 32) -> dict:
+    """Greedy decode through the paged cache, every variant once per round (alternating, so that a
+    noisy machine slows all alike); the median over rounds of tokens / second."""
+    prompts = [[(7 * i + j) % 200 + 32 for j in range(16)] for i in range(num_prompts)]
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    times = {name: [] for name in models}
+    for name, model in models.items():                      # warm up
+        generate(model, prompts[:1], SamplingParams(max_new_tokens=2, temperature=0.0), cache="paged")
+    for _ in range(rounds):
+        for name, model in models.items():
+            start = time.perf_counter()
+            generate(model, prompts, params, cache="paged")
+            times[name].append(time.perf_counter() - start)
+    return {name: num_prompts * new_tokens / statistics.median(t) for name, t in times.items()}
+
+
+def train_run(name: str, seed: int, steps: int, batch_size: int, context: int, train_data, valid_data,
+              runs: Path, bar=None) -> dict:
+    """One variant, one seed: trained (or resumed, or read back if done), measured."""
+    runs.mkdir(parents=True, exist_ok=True)
+    done, state, weights = (runs / f"{name}-seed{seed}{suffix}" for suffix in (".json", ".state.pt", ".pt"))
+    if done.exists():
+        result = json.loads(done.read_text())
+        if result["budget"] == [steps, batch_size, context]:
+            if bar is not None:
+                bar.update(steps)
+            return result
+    torch.manual_seed(seed)
+    model = MoEKVTransformer(variant_config(name))
+    start = time.time()
+    last = [0]
+
+    def on_step(step, loss):
+        if bar is not None:
+            bar.update(step - last[0])
+            bar.set_postfix(run=f"{name}/{seed}", loss=f"{loss:.2f}", refresh=False)
+        last[0] = step
+
+    fit(model, train_data, batch_size=batch_size, context=context, seed=seed, num_steps=steps, state_path=state,
+        on_step=on_step)
+    result = {"variant": name, "seed": seed, "budget": [steps, batch_size, context],
+              "train_seconds": round(time.time() - start, 1),
+              "bits_per_byte": heldout_bits_per_byte(model, valid_data, context)}
+    torch.save(model.state_dict(), weights)
+    state.unlink()
+    done.write_text(json.dumps(result))
+    return result
+
+
+def summarize(results: list[dict], measured: dict, speeds: dict, context: int) -> dict:
+    """Per variant: bits per byte over seeds (mean, population spread, each), KV bytes, FLOPs,
+    parameters, decode tokens/s."""
+    table = {}
+    for name, (_, description) in VARIANTS.items():
+        config = variant_config(name)
+        bpb = [r["bits_per_byte"] for r in results if r["variant"] == name]
+        table[name] = {
+            "description": description,
+            "bits_per_byte_mean": statistics.mean(bpb), "bits_per_byte_std": statistics.pstdev(bpb),
+            "bits_per_byte": bpb,
+            "kv_bytes_per_token_config": config.kv_bytes_per_token,
+            "kv_bytes_per_token_measured": measured[name]["kv_bytes_per_token"],
+            "experts_per_token_measured": measured[name]["experts_per_token"],
+            "attention_flops_per_token": attention_flops_per_token(config, context,
+                                                                   measured[name]["experts_per_token"]),
+            "parameters": MoEKVTransformer(config).num_parameters(),
+            "decode_tokens_per_second": speeds[name],
+        }
+    return table
+
+
+def train_family(steps: int = 240, batch_size: int = 8, context: int = 128, out: Path = OUT, runs: Path = RUNS,
+                 variants=tuple(VARIANTS), seeds=SEEDS, progress: bool = True, speed_rounds: int = 5) -> dict:
+    """Train (or resume) every variant for every seed, measure, write `out`; returns what it wrote."""
+    torch.set_num_threads(1)
+    train_data, valid_data = load_corpus()
+    start = time.time()
+    results = []
+    with tqdm(total=steps * len(variants) * len(seeds), desc="family", unit="step",
+              disable=None if progress else True) as bar:
+        for seed in seeds:                     # a whole family per seed: a stopped run has all variants
+            for name in variants:
+                results.append(train_run(name, seed, steps, batch_size, context, train_data, valid_data, runs, bar))
+    models, measured = {}, {}
+    for name in variants:
+        model = MoEKVTransformer(variant_config(name))
+        model.load_state_dict(torch.load(runs / f"{name}-seed{seeds[0]}.pt", weights_only=True))
+        model.eval()
+        models[name] = model
+        measured[name] = cache_measurements(model, valid_data, context)
+    speeds = decode_tokens_per_second(models, rounds=speed_rounds)
+    family = {
+        "budget": {"steps": steps, "batch_size": batch_size, "context": context,
+                   "tokens_per_run": steps * batch_size * context, "seeds": list(seeds)},
+        "train_seconds_total": round(sum(r["train_seconds"] for r in results), 1),
+        "wall_seconds_this_call": round(time.time() - start, 1),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread, torch {torch.__version__}",
+        "variants": summarize(results, measured, speeds, context) if set(variants) == set(VARIANTS) else {},
+        "runs": results,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(family, indent=1) + "\n")
+    return family
+
+
+def format_table(family: dict) -> str:
+    """The variants as the notebook and the command print them (rounded to what reproduces)."""
+    from ..plots.tables import text_table
+    rows = [[name, f"{v['bits_per_byte_mean']:.3f} ± {v['bits_per_byte_std']:.3f}",
+             v["kv_bytes_per_token_config"], round(v["kv_bytes_per_token_measured"]),
+             f"{v['attention_flops_per_token'] / 1e3:.0f}k", f"{v['parameters'] / 1e6:.2f}M",
+             round(v["decode_tokens_per_second"], -1)]
+            for name, v in family["variants"].items()]
+    return text_table(["variant", "bits/byte (3 seeds)", "KV B/token (config)", "KV B/token (held)",
+                       "attn FLOPs/token", "params", "decode tok/s"], rows)
+
+
+def build_parser(parser):
+    parser.add_argument("--steps", type=int, default=240, help="optimizer steps per run (the token budget)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--fresh", action="store_true", help="forget runs/family/ and train every run again")
+    return parser
+
+
+def check_args(args) -> None:
+    """The options, checked before anything trains."""
+    options.count("--steps", args.steps, 1, meaning="optimizer steps per run")
+    options.count("--batch-size", args.batch_size, 1, meaning="windows per step")
+    options.count("--context", args.context, 2, get_config("tiny").max_position_embeddings,
+                  meaning="bytes per window, within the model's positions")
+    options.output_file("--out", args.out, parents_made=True)
+
+
+def main(args) -> int:
+    if args.fresh and RUNS.exists():
+        for path in RUNS.iterdir():
+            path.unlink()
+    family = train_family(args.steps, args.batch_size, args.context, args.out)
+    print(format_table(family))
+    print(f"training: {family['train_seconds_total'] / 60:.1f} min of runs; wrote {args.out}")
+    return 0
