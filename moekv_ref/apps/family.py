@@ -22,8 +22,9 @@ actually held after prefilling held-out text), attention FLOPs per token at the 
 parameters, and decode tokens/s of the paged cache on this machine (variants timed in alternating
 rounds, medians). Writes figures/family.json, which notebook 08 reads.
 
-Resumable: every run keeps its state in runs/family/ (every 50 steps) and its result once done;
-running the command again continues where it stopped. `--fresh` starts over.
+Resumable: every run keeps its state in runs/family/ (every 50 steps) and its result once done, in
+files named by variant, seed and budget; running the command again continues where it stopped.
+`--fresh` starts over.
 """
 
 from __future__ import annotations
@@ -126,17 +127,21 @@ def decode_tokens_per_second(models: dict, rounds: int = 5, num_prompts: int = 8
     return {name: num_prompts * new_tokens / statistics.median(t) for name, t in times.items()}
 
 
+def run_name(name: str, seed: int, steps: int, batch_size: int, context: int) -> str:
+    """The files of one run in runs/family/ are named by variant, seed and budget."""
+    return f"{name}-seed{seed}-{steps}x{batch_size}x{context}"
+
+
 def train_run(name: str, seed: int, steps: int, batch_size: int, context: int, train_data, valid_data,
               runs: Path, bar=None) -> dict:
     """One variant, one seed: trained (or resumed, or read back if done), measured."""
     runs.mkdir(parents=True, exist_ok=True)
-    done, state, weights = (runs / f"{name}-seed{seed}{suffix}" for suffix in (".json", ".state.pt", ".pt"))
+    done, state, weights = (runs / f"{run_name(name, seed, steps, batch_size, context)}{suffix}"
+                            for suffix in (".json", ".state.pt", ".pt"))
     if done.exists():
-        result = json.loads(done.read_text())
-        if result["budget"] == [steps, batch_size, context]:
-            if bar is not None:
-                bar.update(steps)
-            return result
+        if bar is not None:
+            bar.update(steps)
+        return json.loads(done.read_text())
     torch.manual_seed(seed)
     model = MoEKVTransformer(variant_config(name))
     start = time.time()
@@ -159,11 +164,12 @@ def train_run(name: str, seed: int, steps: int, batch_size: int, context: int, t
     return result
 
 
-def summarize(results: list[dict], measured: dict, speeds: dict, context: int) -> dict:
+def summarize(results: list[dict], measured: dict, speeds: dict, context: int, variants=tuple(VARIANTS)) -> dict:
     """Per variant: bits per byte over seeds (mean, population spread, each), KV bytes, FLOPs,
     parameters, decode tokens/s."""
     table = {}
-    for name, (_, description) in VARIANTS.items():
+    for name in variants:
+        description = VARIANTS[name][1]
         config = variant_config(name)
         bpb = [r["bits_per_byte"] for r in results if r["variant"] == name]
         table[name] = {
@@ -196,7 +202,8 @@ def train_family(steps: int = 240, batch_size: int = 8, context: int = 128, out:
     models, measured = {}, {}
     for name in variants:
         model = MoEKVTransformer(variant_config(name))
-        model.load_state_dict(torch.load(runs / f"{name}-seed{seeds[0]}.pt", weights_only=True))
+        weights = runs / f"{run_name(name, seeds[0], steps, batch_size, context)}.pt"
+        model.load_state_dict(torch.load(weights, weights_only=True))
         model.eval()
         models[name] = model
         measured[name] = cache_measurements(model, valid_data, context)
@@ -207,7 +214,7 @@ def train_family(steps: int = 240, batch_size: int = 8, context: int = 128, out:
         "train_seconds_total": round(sum(r["train_seconds"] for r in results), 1),
         "wall_seconds_this_call": round(time.time() - start, 1),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread, torch {torch.__version__}",
-        "variants": summarize(results, measured, speeds, context) if set(variants) == set(VARIANTS) else {},
+        "variants": summarize(results, measured, speeds, context, variants),
         "runs": results,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -223,7 +230,7 @@ def format_table(family: dict) -> str:
              f"{v['attention_flops_per_token'] / 1e3:.0f}k", f"{v['parameters'] / 1e6:.2f}M",
              round(v["decode_tokens_per_second"], -1)]
             for name, v in family["variants"].items()]
-    return text_table(["variant", "bits/byte (3 seeds)", "KV B/token (config)", "KV B/token (held)",
+    return text_table(["variant", f"bits/byte ({len(family['budget']['seeds'])} seeds)", "KV B/token (config)", "KV B/token (held)",
                        "attn FLOPs/token", "params", "decode tok/s"], rows)
 
 
@@ -231,6 +238,8 @@ def build_parser(parser):
     parser.add_argument("--steps", type=int, default=240, help="optimizer steps per run (the token budget)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--fresh", action="store_true", help="forget runs/family/ and train every run again")
     return parser
@@ -242,6 +251,8 @@ def check_args(args) -> None:
     options.count("--batch-size", args.batch_size, 1, meaning="windows per step")
     options.count("--context", args.context, 2, get_config("tiny").max_position_embeddings,
                   meaning="bytes per window, within the model's positions")
+    for seed in args.seeds:
+        options.seed("--seeds", seed)
     options.output_file("--out", args.out, parents_made=True)
 
 
@@ -249,7 +260,8 @@ def main(args) -> int:
     if args.fresh and RUNS.exists():
         for path in RUNS.iterdir():
             path.unlink()
-    family = train_family(args.steps, args.batch_size, args.context, args.out)
+    family = train_family(args.steps, args.batch_size, args.context, args.out, variants=tuple(args.variants),
+                          seeds=tuple(args.seeds))
     print(format_table(family))
     print(f"training: {family['train_seconds_total'] / 60:.1f} min of runs; wrote {args.out}")
     return 0
