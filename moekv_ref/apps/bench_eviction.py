@@ -30,6 +30,7 @@ from ..analysis import record_model_trace
 from ..cache.paged import PagedKVCache
 from ..checkpoint import load_default_model
 from ..config import get_config
+from ..engine.demand import worst_case_lifetime_blocks_per_device
 from ..engine.engine import LLMEngine
 from ..engine.model_runner import ModelRunner
 from ..engine.scheduler import SchedulerConfig
@@ -41,10 +42,9 @@ from ..plots.tables import text_table
 from ..sim.costs import (PCIE_GEN5_X16_BYTES_PER_SECOND, CostModel, crossover_context, fit_cost_model,
                          projected_gpu_cost_model)
 from ..sim.density import density_sweep, mean_blocks_at_context
-from ..sim.eviction import EvictionSetup, _TraceBlocks, memory_time_bound, simulate
+from ..sim.eviction import EvictionSetup, memory_time_bound, simulate
 from ..sim.topic_traces import topic_trace
 from ..sim.traces import synthetic_trace
-from ..sim.victims import VICTIM_POLICIES
 from . import options
 
 # JetMoE-8B: 2.2 B active parameters per token (Shen et al., arXiv 2404.07413, Table 1).
@@ -146,10 +146,14 @@ def workload_cost_model(trace, block_size: int, bandwidth: float = PCIE_GEN5_X16
                                     trace.num_experts, 128, 4, block_size, link_bytes_per_second=bandwidth)
 
 
-def compare_policies(trace, placement, setup: EvictionSetup, cost: CostModel, policies=None) -> dict:
-    """Every policy on the same workload, and the memory-time bound."""
+SIM_POLICIES = ("sequence_lru", "expert_lru", "pressure_aware", "oracle", "belady")   # newest_first is sequence_lru
+
+
+def compare_policies(trace, placement, setup: EvictionSetup, cost: CostModel, policies=SIM_POLICIES) -> dict:
+    """Every policy on the same workload (the scheduler over the trace, sim/eviction.py), and the
+    memory-time bound."""
     results = {}
-    for name in policies or VICTIM_POLICIES:
+    for name in policies:
         stats = simulate(trace, placement, setup, name, cost)
         results[name] = stats
     return {"stats": results, "bound": memory_time_bound(trace, placement, setup)}
@@ -346,10 +350,12 @@ def build_parser(parser=None):
 
 
 def smallest_pool_serving_a_request(trace, placement, block_size: int = 16) -> int:
-    """The fewest blocks per device with which at least one request of the trace fits alone (its final
-    rows on every device): with fewer, the simulator refuses every request and has nothing to compare."""
-    blocks = _TraceBlocks(trace, placement.reshape(-1), int(placement.max()) + 1, block_size)
-    return min(int(blocks.trajectory(s)[-1].max()) for s in range(trace.num_sequences))
+    """The fewest blocks per device with which at least one request of the trace fits alone (the worst
+    case of its lifetime on every device, which the scheduler refuses by): with fewer, every request is
+    refused and there is nothing to compare."""
+    worst = worst_case_lifetime_blocks_per_device(int(trace.lengths.min()), int(trace.experts.shape[2]), block_size,
+                                                  placement, int(placement.max()) + 1)        # (D,)
+    return int(worst.max())
 
 
 def check_args(args) -> None:
