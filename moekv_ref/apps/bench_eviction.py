@@ -6,11 +6,11 @@ Four parts, printed as tables and saved together as JSON:
     through the paged cache against SwapSpace.swap_out + swap_in of the same sequence), for several
     block sizes; fitted into a CostModel; the crossover context (from where swap is cheaper), here
     and projected for a GPU from datasheet numbers (sim/costs.py) at JetMoE-8B's shape;
- 2. every victim policy on one skewed workload (sim/eviction.py): per-device pools (D = 4, E = 16),
-    a topic trace whose popular topic's experts share device 0 under the co-activation placement,
-    side by side with the offline policies (oracle, belady) and the memory-time bound; then the
-    online policies on the engine over per-device pools (LLMEngine with blocks_per_device) with
-    the embedded model;
+ 2. every victim policy on one skewed workload, the engine's Scheduler replaying a routing trace
+    (sim/eviction.py): per-device pools (D = 4, E = 16), a topic trace whose popular topic's experts
+    share device 0 under the co-activation placement, the offline policies (oracle, belady) beside
+    the online ones, and the memory-time bound; then the online policies on the engine over
+    per-device pools (LLMEngine with blocks_per_device) with the embedded model;
  3. density: for each expert buffer, the fraction of the running batch's sequences it holds, against
     E, k and skew;
  4. prefix caching (cache/prefix_cache.py) on a few-shot workload, both routings of the embedded model,
@@ -338,7 +338,7 @@ def build_parser(parser=None):
     parser.add_argument("--sequences", type=int, default=None,
                         help=f"requests of the skewed workload (default {SEQUENCES}; not with --quick)")
     parser.add_argument("--blocks-per-device", type=int, default=None,
-                        help=f"the simulator's pool on each of the 4 devices (default {BLOCKS_PER_DEVICE})")
+                        help=f"the trace runner's pool on each of the 4 devices (default {BLOCKS_PER_DEVICE})")
     parser.add_argument("--host-blocks", type=int, default=None,
                         help=f"host swap space in blocks (default {HOST_BLOCKS}: recompute only)")
     parser.add_argument("--skip-measure", action="store_true", help="skip timing the embedded model")
