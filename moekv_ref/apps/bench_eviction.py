@@ -170,14 +170,14 @@ def format_comparison(comparison: dict) -> str:
     bound = comparison["bound"]
     lines.append(f"{'bound':>15} {bound['steps']:>6.0f} {bound['tokens_per_step']:>9.2f}   (memory-time bound: no "
                  "policy does better per step)")
-    for limit_name in ("belady", "oracle"):
-        limit = comparison["stats"].get(limit_name)
-        if limit is None:
+    for offline_name in ("belady", "oracle"):          # the heuristics that know the future, as yardsticks
+        offline = comparison["stats"].get(offline_name)
+        if offline is None:
             continue
         for name, s in comparison["stats"].items():
-            if name != limit_name:
-                lines.append(f"  {name}: {s.tokens_per_second / limit.tokens_per_second:.3f} of {limit_name}'s "
-                             f"tokens/s, {s.tokens_per_step / limit.tokens_per_step:.3f} of its tokens/step, "
+            if name != offline_name:
+                lines.append(f"  {name}: {s.tokens_per_second / offline.tokens_per_second:.3f} of {offline_name}'s "
+                             f"tokens/s, {s.tokens_per_step / offline.tokens_per_step:.3f} of its tokens/step, "
                              f"{s.tokens_per_step / bound['tokens_per_step']:.3f} of the bound's tokens/step")
     return "\n".join(lines)
 
