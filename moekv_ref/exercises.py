@@ -7,7 +7,7 @@ notebooks teach, so a check can never disagree with the lesson.
     02  compute one expert's cache size, in bytes, from the router's decisions
     03  choose the largest block size that keeps plain pages at effective utilization >= 0.96
     04  choose max_num_seqs so that optimistic admission never preempts, as fast as possible
-    05  write a victim rule: evict the sequence that makes the most room on the short device
+    05  write a victim rule: preempt the request that makes the most room on the short device
     06  place experts on ranks: few ranks touched per token, K/V balanced over the ranks
     07  choose the split size of split-K decode attention that keeps every SM of a GPU busy
 
@@ -28,13 +28,13 @@ from .apps.bench_eviction import skewed_workload, workload_cost_model
 from .apps.demo import demo_workload, serve, summarize
 from .cache.rows import ceil_div
 from .checkpoint import load_default_model
+from .engine.victims import VictimPolicy, room_and_lost_work
 from .hardware import GPUS
 from .placement import coactivation_counts, devices_touched, place_experts
 from .sim.designs import CountingPagedDesign
 from .sim.eviction import EvictionSetup, simulate
 from .sim.replay import replay
 from .sim.traces import RoutingTrace, synthetic_trace
-from .sim.victims import Candidate, Eviction, VictimPolicy, cheaper_mode
 
 RIGHT, WRONG, MISSING = "Right", "Not yet", "No answer yet"
 
@@ -294,43 +294,47 @@ def check_max_num_seqs(answer) -> str:
 
 
 def exercise_05_setup():
-    """(trace, device_of_expert, setup, cost): notebook 05's widget workload (20 sequences, 4 layers,
-    16 experts on 4 devices placed by co-activation, topic skew 1.5), 160 blocks of 16 per device,
-    recompute only."""
-    trace, _, placement = skewed_workload(num_sequences=20, num_layers=4, num_devices=4, mean_prompt=64,
-                                          mean_output=64, topic_s=1.5, seed=0)
+    """(trace, device_of_expert, setup, cost): notebook 05's widget workload (20 sequences of 32 prompt
+    and 128 output tokens on average, 4 layers, 16 experts on 4 devices placed by co-activation, topic
+    skew 1.5), 160 blocks of 16 per device, recompute only."""
+    trace, _, placement = skewed_workload(num_sequences=20, num_layers=4, num_devices=4, mean_prompt=32,
+                                          mean_output=128, topic_s=1.5, seed=0)
     setup = EvictionSetup(blocks_per_device=160, block_size=16, max_num_seqs=16)
     return trace, placement, setup, workload_cost_model(trace, setup.block_size)
 
 
-def room_on_short_device(candidate, device: int) -> int:
-    """Blocks an eviction of `candidate` makes available on `device`: those it holds there plus those
-    its tokens of this step would have taken there."""
-    return int(candidate.blocks[device] + candidate.step_blocks[device])
+def room_on_short_device(order: int, request, memory, need) -> int:
+    """Blocks preempting candidates[order] makes free on the short device (need.device): those it
+    holds there, plus, for the request being scheduled (order 0), what its step would take there
+    (need.request_need)."""
+    return room_and_lost_work(order, request, memory, need)[0]
 
 
-def solution_victim_rule(device: int, candidates: list):
-    """Evict the running sequence that makes the most room on the short device (ties: the newest)."""
-    return max(candidates, key=lambda c: (room_on_short_device(c, device), c.order))
+def solution_victim_rule(candidates, memory, need):
+    """Preempt the candidate that makes the most room on the short device (ties: the newest)."""
+    return max(enumerate(candidates), key=lambda item: (room_on_short_device(*item, memory, need), item[0]))[1]
 
 
 def _run_victim_rule(choose) -> tuple:
-    """Run the rule in the eviction simulator; returns (stats, decisions, error). Each decision is
-    (device, [(seq_id, order, blocks there, step blocks there, blocks everywhere)], chosen seq_id)."""
+    """Run the rule as the scheduler's victim policy over the exercise's trace; returns (stats,
+    decisions, error). Each decision is (short device, [(request id, order, blocks there, step blocks
+    there, blocks everywhere)], chosen request id)."""
     decisions = []
 
     class ReaderRule(VictimPolicy):
         name = "your rule"
 
-        def choose(self, state, device, candidates):
-            choice = choose(device, list(candidates))
-            by_id = {c.seq_id: c for c in candidates}
-            seq_id = choice.seq_id if isinstance(choice, Candidate) else choice
-            if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id not in by_id:
+        def choose_victim(self, candidates, memory, need):
+            choice = choose(list(candidates), memory, need)
+            if not any(choice is c for c in candidates):
                 raise ValueError(f"the rule returned {choice!r}; return one of the candidates given to it")
-            decisions.append((device, [(c.seq_id, c.order, int(c.blocks[device]), int(c.step_blocks[device]),
-                                        int(c.blocks.sum())) for c in candidates], seq_id))
-            return Eviction(seq_id, cheaper_mode(state, by_id[seq_id]))
+            entries = []
+            for order, request in enumerate(candidates):
+                held = memory.blocks_held_per_device(request.request_id)                   # (D,)
+                entries.append((request.request_id, order, int(held[need.device]),
+                                need.request_need if order == 0 else 0, int(held.sum())))
+            decisions.append((need.device, entries, choice.request_id))
+            return choice
 
     trace, placement, setup, cost = exercise_05_setup()
     try:
@@ -348,17 +352,19 @@ def _exercise_05_baseline():
 
 @_wrapped
 def check_victim_rule(choose) -> str:
-    """Does `choose(device, candidates)` always evict a sequence making the most room on the short
-    device? Runs it in the eviction simulator and checks every decision; names the usual mistakes."""
+    """Does `choose(candidates, memory, need)` always preempt a request making the most room on the
+    short device? Runs it as the scheduler's victim policy over a trace and checks every decision;
+    names the usual mistakes."""
     if choose is None:
-        return (f"{MISSING}: replace None with your function choose(device, candidates) that returns "
-                f"one of the candidates. Hint: candidate.blocks[device] is what it holds on the short "
-                f"device, candidate.step_blocks[device] what its tokens of this step would take there.")
+        return (f"{MISSING}: replace None with your function choose(candidates, memory, need) that returns "
+                f"one of the candidates. Hint: memory.blocks_held_per_device(r.request_id)[need.device] is "
+                f"what request r holds on the short device; the first candidate's step would also take "
+                f"need.request_need blocks there.")
     if not callable(choose):
-        return f"{WRONG}: {choose!r} is not a function; write def choose(device, candidates): ..."
+        return f"{WRONG}: {choose!r} is not a function; write def choose(candidates, memory, need): ..."
     stats, decisions, error = _run_victim_rule(choose)
     if error is not None:
-        return f"{WRONG}: the simulator stopped with an error from your rule: {type(error).__name__}: {error}"
+        return f"{WRONG}: the run stopped with an error from your rule: {type(error).__name__}: {error}"
     if not decisions:
         return f"{WRONG}: the workload needed no eviction, so the rule was never asked (this should not happen)."
 
@@ -372,10 +378,10 @@ def check_victim_rule(choose) -> str:
             missed.append((device, entries, chosen_entry))
     base = _exercise_05_baseline()
     if not missed:
-        return (f"{RIGHT}: every one of the {len(decisions)} decisions took a sequence making the most room "
+        return (f"{RIGHT}: every one of the {len(decisions)} decisions took a request making the most room "
                 f"on the short device. Over the run it freed {stats.freed_per_eviction:.1f} blocks there per "
                 f"eviction ({stats.num_evictions} evictions, {stats.recomputed_tokens} tokens recomputed, "
-                f"{stats.num_steps} steps) where sequence_lru, which takes the newest sequence wherever its "
+                f"{stats.num_steps} steps) where sequence_lru, which takes the newest request wherever its "
                 f"blocks are, freed {base.freed_per_eviction:.1f} ({base.num_evictions} evictions, "
                 f"{base.num_steps} steps). pressure_aware also divides the room by what the eviction costs.")
     device, entries, chosen_entry = missed[0]
@@ -387,20 +393,20 @@ def check_victim_rule(choose) -> str:
                      for _, entries, chosen in decisions)
     lowest = all(room(next(e for e in entries if e[0] == chosen)) == min(room(e) for e in entries)
                  for _, entries, chosen in decisions)
-    where = (f"In {len(missed)} of {len(decisions)} decisions it did not take the sequence making the most "
-             f"room; the first: device {device} was short and you took sequence {chosen_entry[0]} "
-             f"({room(chosen_entry)} blocks there), while sequence {best[0]} would have made {room(best)}.")
+    where = (f"In {len(missed)} of {len(decisions)} decisions it did not take the request making the most "
+             f"room; the first: device {device} was short and you took request {chosen_entry[0]} "
+             f"({room(chosen_entry)} blocks there), while request {best[0]} would have made {room(best)}.")
     if newest:
-        return (f"{WRONG}: your rule takes the newest sequence, sequence_lru's rule, which never looks at "
+        return (f"{WRONG}: your rule takes the newest request, sequence_lru's rule, which never looks at "
                 f"where memory is short. {where}")
     if lowest:
-        return f"{WRONG}: your rule takes the sequence making the *least* room (min instead of max?). {where}"
+        return f"{WRONG}: your rule takes the request making the *least* room (min instead of max?). {where}"
     if held_only:
-        return (f"{WRONG}: your rule counts the blocks a sequence holds on the short device but not the "
-                f"blocks its tokens of this step would take there (step_blocks), which evicting it also "
-                f"spares. {where}")
+        return (f"{WRONG}: your rule counts the blocks a request holds on the short device but not the "
+                f"blocks the first candidate's step would take there (need.request_need), which preempting "
+                f"it also spares. {where}")
     if everywhere:
-        return (f"{WRONG}: your rule counts a sequence's blocks on every device; only the short device is "
+        return (f"{WRONG}: your rule counts a request's blocks on every device; only the short device is "
                 f"short, and blocks freed elsewhere do not help it. {where}")
     return f"{WRONG}: {where}"
 

@@ -1,7 +1,7 @@
 """The engine over per-device pools: every victim policy serves every request with exactly the tokens
 of generating it alone, with no block left on any device; a request is preempted because one device
 is short while the others have room; per-device refusal; the victim policies' choices on a stub
-memory view (exact requests and rows); random evict / resume / finish programs on the per-device
+memory view (exact requests and rows); free_rows; random evict / resume / finish programs on the per-device
 manager and its swap space keep ownership and reference counts exact against a plain-dict model.
 
 Small random float64 models (helpers), so that a tie in argmax cannot flip between batchings, plus
@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moekv_ref.cache import BlockPool, KVCacheManager, OutOfBlocksError
+from moekv_ref.cache import BlockPool, KVCacheManager, OutOfBlocksError, SharedTailKVCacheManager
 from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.engine.swap import SwapSpace
 from moekv_ref.engine.victims import ExpertLRU, PressureAware, RowEviction, SequenceLRU, Shortage
@@ -236,6 +236,22 @@ def test_manager_rows_take_their_devices_blocks_exact_ids():
         manager.allocate_slots(rows, torch.tensor([0, 4]))   # needs 2 more on device 1, 1 free
     assert manager.num_free_blocks_per_device.tolist() == [1, 1]
     manager.assert_consistent()
+
+
+def test_manager_free_rows_refuses_shared_tails_and_bad_rows():
+    """free_rows, the hook row eviction uses: frees only those rows (the sequence stays)."""
+    manager = KVCacheManager(2, 4, 2, 10)
+    manager.add_sequence(1)
+    manager.allocate_slots(torch.tensor([0, 5]), torch.tensor([3, 1]))
+    assert manager.free_rows(torch.tensor([0])) == 2
+    assert manager.num_free_blocks == 9 and manager.holds(1)
+    manager.assert_consistent()
+    with pytest.raises(ValueError, match="not all rows"):
+        manager.free_rows(torch.tensor([2 * 4]))
+    shared = SharedTailKVCacheManager(2, 4, 2, 10)
+    shared.add_sequence(1)
+    with pytest.raises(NotImplementedError):
+        shared.free_rows(torch.tensor([0]))
 
 
 @settings(max_examples=60, deadline=None)

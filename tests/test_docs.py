@@ -102,3 +102,21 @@ def test_readme_bench_peer_table_is_what_its_json_says():
         assert int(tokens_per_s.replace(",", "")) == round(measured[key]["tokens_per_s"]), label
         assert float(ratio) == round(measured[key]["ratio_vs_hf"], 2), label
         assert measured[key]["identical_tokens"], label
+
+
+def test_readme_eviction_table_is_what_its_json_says():
+    """Each row of the README's `bench eviction` policy table against figures/bench_eviction.json
+    (recompute) and figures/bench_eviction_swap.json (swap)."""
+    runs = [json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))["workload"]
+            for name in ("bench_eviction.json", "bench_eviction_swap.json")]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("(`bench eviction`)", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\w+)[^|]* \| (\d+) \| (\d+\.\d\d) \| (\d+) \| (\d+) \| (\d+\.\d\d) \| (\d+\.\d) \|$",
+                      section, re.M)
+    assert len(rows) == 5, rows
+    for name, *cells in rows:
+        recompute, swap = (run["policies"][name] for run in runs)
+        assert cells == [str(recompute["steps"]), f"{recompute['tokens_per_step']:.2f}", str(recompute["recomputed_tokens"]),
+                         str(swap["steps"]), f"{swap['tokens_per_step']:.2f}", f"{swap['swapped_bytes'] / 1e6:.1f}"], name
+    bound = re.search(r"^\| memory-time bound \| (\d+) \| (\d+\.\d\d) \|", section, re.M)
+    assert bound.groups() == (f"{runs[0]['bound']['steps']:.0f}", f"{runs[0]['bound']['tokens_per_step']:.2f}")

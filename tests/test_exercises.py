@@ -157,6 +157,7 @@ check_victim_rule = _unwrapped(exercises.check_victim_rule)
 def test_victim_rule_solution_makes_the_most_room_at_every_decision_and_passes():
     stats, decisions, error = exercises._run_victim_rule(exercises.solution_victim_rule)
     assert error is None and decisions and stats.num_finished == 20
+    assert any(entries[-1][0] != chosen for _, entries, chosen in decisions)      # not always the newest
     for _, entries, chosen in decisions:
         room = {seq_id: held + step for seq_id, _, held, step, _ in entries}
         assert room[chosen] == max(room.values())
@@ -166,13 +167,13 @@ def test_victim_rule_solution_makes_the_most_room_at_every_decision_and_passes()
 def test_victim_rule_wrong_rules_are_named():
     assert check_victim_rule(None).startswith("No answer yet")
     assert "not a function" in check_victim_rule(3)
-    newest = check_victim_rule(lambda device, candidates: max(candidates, key=lambda c: c.order))
+    newest = check_victim_rule(lambda candidates, memory, need: candidates[-1])
     assert newest.startswith("Not yet") and "sequence_lru" in newest
-    least = check_victim_rule(lambda device, candidates: min(
-        candidates, key=lambda c: int(c.blocks[device] + c.step_blocks[device])))
+    least = check_victim_rule(lambda candidates, memory, need: min(
+        enumerate(candidates), key=lambda item: exercises.room_on_short_device(*item, memory, need))[1])
     assert "least" in least
-    assert "ZeroDivisionError" in check_victim_rule(lambda device, candidates: 1 / 0)
-    assert "return one of the candidates" in check_victim_rule(lambda device, candidates: -5)
+    assert "ZeroDivisionError" in check_victim_rule(lambda candidates, memory, need: 1 / 0)
+    assert "return one of the candidates" in check_victim_rule(lambda candidates, memory, need: -5)
 
 
 # --- 06 -------------------------------------------------------------------------------------------

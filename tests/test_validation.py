@@ -23,7 +23,6 @@ from moekv_ref.apps.cli import main
 from moekv_ref.cache import KVCacheManager
 from moekv_ref.cache.block_pool import BlockPool, checked_blocks_per_device
 from moekv_ref.cache.kv_cache_manager import checked_placement
-from moekv_ref.cache.device_pools import DevicePools
 from moekv_ref.config import ModelConfig
 from moekv_ref.engine import LLMEngine, SchedulerConfig, generate_with_engine
 from moekv_ref.engine.workload import make_workload
@@ -63,8 +62,8 @@ def device_pool_in_use():
 
 
 def pools_in_use():
-    """DevicePools (L=2, E=5, 2 devices) holding sequence 7 with 3 tokens in row 0 (device 0)."""
-    pools = DevicePools(2, 5, 2, [6, 6], PLACEMENT)
+    """A KVCacheManager of 2 devices (L=2, E=5) holding sequence 7 with 3 tokens in row 0 (device 0)."""
+    pools = KVCacheManager(2, 5, 2, blocks_per_device=[6, 6], device_of_expert=PLACEMENT)
     pools.add_sequence(7)
     pools.allocate_slots(torch.tensor([0]), torch.tensor([3]))
     return pools
@@ -204,9 +203,10 @@ CASES = [
      "blocks_per_device[1]=2.0 is a float"),
     ("BlockPool 2 devices shuffle_seed=1.5", lambda: BlockPool(blocks_per_device=[2, 2], shuffle_seed=1.5),
      "shuffle_seed=1.5"),
-    ("DevicePools blocks 4.0", lambda: DevicePools(2, 5, 2, 4.0, PLACEMENT), "blocks_per_device=4.0 is a float"),
-    ("DevicePools blocks 4, placement 0.4", lambda: DevicePools(2, 5, 2, 4, [0.4, 0, 1, 1, 1]),
-     "device_of_expert[0]=0.4 is a float; allowed: devices integers >= 0"),
+    ("KVCacheManager blocks_per_device 4.0", lambda: KVCacheManager(2, 5, 2, blocks_per_device=4.0, device_of_expert=PLACEMENT),
+     "blocks_per_device=4.0 is a float"),
+    ("KVCacheManager placement 0.4", lambda: KVCacheManager(2, 5, 2, blocks_per_device=[4, 4], device_of_expert=[0.4, 0, 1, 1, 1]),
+     "device_of_expert[0]=0.4 is a float; allowed: devices 0..1"),
     ("checked_placement of a float", lambda: checked_placement(0.4, 2, 5, 2), "device_of_expert=0.4 is a float"),
     # ids: never rounded to a block, row or expert, never read as 0 / 1
     ("BlockPool.free(tensor([1.7]))", lambda: pool_in_use().free(torch.tensor([1.7])),
@@ -233,10 +233,11 @@ CASES = [
      "device=0.4 is not allowed; allowed: an integer in 0..1"),
     ("BlockPool.allocate(1, device=True)", lambda: device_pool_in_use().allocate(1, device=True), "device=True"),
     ("BlockPool.allocate(1.0, device=0)", lambda: device_pool_in_use().allocate(1.0, device=0), "num_blocks=1.0"),
-    ("DevicePools.free_rows([0.0])", lambda: pools_in_use().free_rows([0.0]), "rows[0]=0.0 is a float"),
-    ("DevicePools.allocate_slots float tokens", lambda: pools_in_use().allocate_slots(torch.tensor([0]), torch.tensor([1.5])),
+    ("KVCacheManager 2 devices .free_rows([0.0])", lambda: pools_in_use().free_rows([0.0]), "rows[0]=0.0 is a float"),
+    ("KVCacheManager 2 devices .allocate_slots float tokens", lambda: pools_in_use().allocate_slots(torch.tensor([0]), torch.tensor([1.5])),
      "num_new_tokens=[1.5] has dtype torch.float32"),
-    ("DevicePools.blocks_needed float rows", lambda: pools_in_use().blocks_needed(torch.tensor([0.0]), [1]),
+    ("KVCacheManager.blocks_needed_per_device float rows",
+     lambda: pools_in_use().blocks_needed_per_device(torch.tensor([0.0]), [1]),
      "rows=[0.0] has dtype"),
     ("KVCacheManager.rows float experts", lambda: manager_in_use().rows([7], 0, 1.0), "experts=[1.0] has dtype"),
     ("KVCacheManager.rows layer=0.5", lambda: manager_in_use().rows([7], 0.5, 1), "layer=0.5 is a float"),
@@ -300,7 +301,7 @@ OPTION_CASES = [
     ("bench eviction --blocks-per-device 0", ["bench", "eviction", "--blocks-per-device", "0"],
      "--blocks-per-device=0 is not allowed; allowed: an integer >= 1"),
     ("bench eviction --blocks-per-device 10 (no request fits)", ["bench", "eviction", "--blocks-per-device", "10"],
-     "--blocks-per-device=10 is not allowed; allowed: an integer >= 69 (with fewer, none of the 48 requests"),
+     "--blocks-per-device=10 is not allowed; allowed: an integer >= 160 (with fewer, none of the 48 requests"),
     ("bench eviction --quick --sequences 8", ["bench", "eviction", "--quick", "--sequences", "8"], "--quick sets its own --sequences"),
     ("bench eviction --only-prefix-cache --host-blocks 4", ["bench", "eviction", "--only-prefix-cache", "--host-blocks", "4"],
      "--host-blocks would be ignored"),
@@ -432,12 +433,12 @@ def test_refused_ids_and_counts_leave_the_pools_unchanged():
 
     pools = pools_in_use()
     counts = pools.token_counts([7]).clone()
-    free = pools.num_free_blocks
+    free = pools.num_free_blocks_per_device
     for call in (lambda: pools.free_rows([0.0]), lambda: pools.allocate_slots(torch.tensor([0]), torch.tensor([1.5])),
                  lambda: pools.allocate_slots(torch.tensor([0.0]), torch.tensor([1]))):
         with pytest.raises(ValueError):
             call()
-        assert torch.equal(counts, pools.token_counts([7])) and torch.equal(free, pools.num_free_blocks)
+        assert torch.equal(counts, pools.token_counts([7])) and torch.equal(free, pools.num_free_blocks_per_device)
     pools.assert_consistent()
 
 

@@ -6,11 +6,11 @@ Four parts, printed as tables and saved together as JSON:
     through the paged cache against SwapSpace.swap_out + swap_in of the same sequence), for several
     block sizes; fitted into a CostModel; the crossover context (from where swap is cheaper), here
     and projected for a GPU from datasheet numbers (sim/costs.py) at JetMoE-8B's shape;
- 2. every victim policy on one skewed workload (sim/eviction.py): per-device pools (D = 4, E = 16),
-    a topic trace whose popular topic's experts share device 0 under the co-activation placement,
-    side by side with the offline policies (oracle, belady) and the memory-time bound; then the
-    online policies on the engine over per-device pools (LLMEngine with blocks_per_device) with
-    the embedded model;
+ 2. every victim policy on one skewed workload, the engine's Scheduler replaying a routing trace
+    (sim/eviction.py): per-device pools (D = 4, E = 16), a topic trace whose popular topic's experts
+    share device 0 under the co-activation placement, the offline policies (oracle, belady) beside
+    the online ones, and the memory-time bound; then the online policies on the engine over
+    per-device pools (LLMEngine with blocks_per_device) with the embedded model;
  3. density: for each expert buffer, the fraction of the running batch's sequences it holds, against
     E, k and skew;
  4. prefix caching (cache/prefix_cache.py) on a few-shot workload, both routings of the embedded model,
@@ -30,6 +30,7 @@ from ..analysis import record_model_trace
 from ..cache.paged import PagedKVCache
 from ..checkpoint import load_default_model
 from ..config import get_config
+from ..engine.demand import worst_case_lifetime_blocks_per_device
 from ..engine.engine import LLMEngine
 from ..engine.model_runner import ModelRunner
 from ..engine.scheduler import SchedulerConfig
@@ -41,10 +42,9 @@ from ..plots.tables import text_table
 from ..sim.costs import (PCIE_GEN5_X16_BYTES_PER_SECOND, CostModel, crossover_context, fit_cost_model,
                          projected_gpu_cost_model)
 from ..sim.density import density_sweep, mean_blocks_at_context
-from ..sim.eviction import EvictionSetup, _TraceBlocks, memory_time_bound, simulate
+from ..sim.eviction import EvictionSetup, memory_time_bound, simulate
 from ..sim.topic_traces import topic_trace
 from ..sim.traces import synthetic_trace
-from ..sim.victims import VICTIM_POLICIES
 from . import options
 
 # JetMoE-8B: 2.2 B active parameters per token (Shen et al., arXiv 2404.07413, Table 1).
@@ -146,10 +146,14 @@ def workload_cost_model(trace, block_size: int, bandwidth: float = PCIE_GEN5_X16
                                     trace.num_experts, 128, 4, block_size, link_bytes_per_second=bandwidth)
 
 
-def compare_policies(trace, placement, setup: EvictionSetup, cost: CostModel, policies=None) -> dict:
-    """Every policy on the same workload, and the memory-time bound."""
+SIM_POLICIES = ("sequence_lru", "expert_lru", "pressure_aware", "oracle", "belady")   # newest_first is sequence_lru
+
+
+def compare_policies(trace, placement, setup: EvictionSetup, cost: CostModel, policies=SIM_POLICIES) -> dict:
+    """Every policy on the same workload (the scheduler over the trace, sim/eviction.py), and the
+    memory-time bound."""
     results = {}
-    for name in policies or VICTIM_POLICIES:
+    for name in policies:
         stats = simulate(trace, placement, setup, name, cost)
         results[name] = stats
     return {"stats": results, "bound": memory_time_bound(trace, placement, setup)}
@@ -166,14 +170,14 @@ def format_comparison(comparison: dict) -> str:
     bound = comparison["bound"]
     lines.append(f"{'bound':>15} {bound['steps']:>6.0f} {bound['tokens_per_step']:>9.2f}   (memory-time bound: no "
                  "policy does better per step)")
-    for limit_name in ("belady", "oracle"):
-        limit = comparison["stats"].get(limit_name)
-        if limit is None:
+    for offline_name in ("belady", "oracle"):          # the heuristics that know the future, as yardsticks
+        offline = comparison["stats"].get(offline_name)
+        if offline is None:
             continue
         for name, s in comparison["stats"].items():
-            if name != limit_name:
-                lines.append(f"  {name}: {s.tokens_per_second / limit.tokens_per_second:.3f} of {limit_name}'s "
-                             f"tokens/s, {s.tokens_per_step / limit.tokens_per_step:.3f} of its tokens/step, "
+            if name != offline_name:
+                lines.append(f"  {name}: {s.tokens_per_second / offline.tokens_per_second:.3f} of {offline_name}'s "
+                             f"tokens/s, {s.tokens_per_step / offline.tokens_per_step:.3f} of its tokens/step, "
                              f"{s.tokens_per_step / bound['tokens_per_step']:.3f} of the bound's tokens/step")
     return "\n".join(lines)
 
@@ -334,7 +338,7 @@ def build_parser(parser=None):
     parser.add_argument("--sequences", type=int, default=None,
                         help=f"requests of the skewed workload (default {SEQUENCES}; not with --quick)")
     parser.add_argument("--blocks-per-device", type=int, default=None,
-                        help=f"the simulator's pool on each of the 4 devices (default {BLOCKS_PER_DEVICE})")
+                        help=f"the trace runner's pool on each of the 4 devices (default {BLOCKS_PER_DEVICE})")
     parser.add_argument("--host-blocks", type=int, default=None,
                         help=f"host swap space in blocks (default {HOST_BLOCKS}: recompute only)")
     parser.add_argument("--skip-measure", action="store_true", help="skip timing the embedded model")
@@ -346,10 +350,12 @@ def build_parser(parser=None):
 
 
 def smallest_pool_serving_a_request(trace, placement, block_size: int = 16) -> int:
-    """The fewest blocks per device with which at least one request of the trace fits alone (its final
-    rows on every device): with fewer, the simulator refuses every request and has nothing to compare."""
-    blocks = _TraceBlocks(trace, placement.reshape(-1), int(placement.max()) + 1, block_size)
-    return min(int(blocks.trajectory(s)[-1].max()) for s in range(trace.num_sequences))
+    """The fewest blocks per device with which at least one request of the trace fits alone (the worst
+    case of its lifetime on every device, which the scheduler refuses by): with fewer, every request is
+    refused and there is nothing to compare."""
+    worst = worst_case_lifetime_blocks_per_device(int(trace.lengths.min()), int(trace.experts.shape[2]), block_size,
+                                                  placement, int(placement.max()) + 1)        # (D,)
+    return int(worst.max())
 
 
 def check_args(args) -> None:

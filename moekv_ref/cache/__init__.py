@@ -16,7 +16,6 @@ and `free(seq_id)`.
     kv_cache_manager.py     block tables and token counts per row (integers only); a row takes
                             blocks from its expert's device
     shared_tail_manager.py  the same, with rows' partly filled tails sharing blocks
-    device_pools.py         D whole managers kept in step (expert-parallel ranks, the simulator)
     paged.py                PagedKVCache: K/V pool tensors + a manager; the attention paths
     contiguous.py           ContiguousKVCache: one growing buffer per row, the reference
 """

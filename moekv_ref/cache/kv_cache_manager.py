@@ -37,8 +37,7 @@ device*: appending to a row of an expert on device d raises OutOfBlocksError nam
 full, even while the other devices have room, and a scheduler checks its reservation device by
 device (`num_free_blocks_per_device`, `blocks_needed_per_device`, both (D,)). The paged cache, the
 attention paths and the Triton kernels do not change: a slot is still block_id * P + offset into one
-pool tensor. (cache/device_pools.py keeps D whole managers in step instead, what expert-parallel
-ranks and the simulator use.)
+pool tensor.
 
 Prefix caching (prefix_cache.py, a subclass) lets rows of different sequences share full blocks,
 counted by ref_cnt, and keeps blocks after their sequence ends; this class never shares.

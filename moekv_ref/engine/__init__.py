@@ -8,7 +8,8 @@
                      blocks, rows' last use)
     swap.py          SwapSpace: host block ids of sequences preempted by swap; BlockCopy
     admission.py     admission policies: predicted, optimistic
-    victims.py       victim policies: newest_first, sequence_lru, expert_lru, pressure_aware
+    victims.py       victim policies: newest_first, sequence_lru, expert_lru, pressure_aware; the
+                     offline oracle and belady, for trace replay (sim/eviction.py)
     batching.py      BatchingPolicy; continuous batching on the paged pool (continuous_paged)
     baselines.py     the benchmark's baselines as batching policies: continuous_reserved, static
     scheduler.py     Scheduler: the paged loop over integers (reserve per device, preempt or evict rows,

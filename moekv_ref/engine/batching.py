@@ -37,6 +37,7 @@ class AdmissionStep:
         self.predictor: DemandPredictor = scheduler.predictor
         self.shape: ModelShape = scheduler.memory.shape
         self.max_num_seqs: int = scheduler.config.max_num_seqs
+        self.victims = scheduler.victims      # its `admits` may veto too (victims.py: only the oracle does)
 
     @property
     def head(self) -> Request | None:
@@ -122,8 +123,8 @@ class BatchingPolicy:
 
 class ContinuousBatching(BatchingPolicy):
     """Continuous batching on the paged pool: requests join and leave at every step; the head of
-    the line is admitted while its next step fits and the admission policy allows (FIFO: no request
-    overtakes the head). Reserving only the next step's worst case, not a lifetime's, is what lets
+    the line is admitted while its next step fits and the admission policy (and the victim policy's
+    `admits`) allows (FIFO: no request overtakes the head). Reserving only the next step's worst case, not a lifetime's, is what lets
     more sequences share the pool than any reservation; the admission policy keeps that from turning
     into preemptions."""
     name = "continuous_paged"
@@ -140,7 +141,8 @@ class ContinuousBatching(BatchingPolicy):
             request = step.head
             if not step.step_fits(request):
                 break
-            if step.running and not self.admission.allows(request, step.running, step.memory, step.predictor):
+            if step.running and not (self.admission.allows(request, step.running, step.memory, step.predictor)
+                                     and step.victims.admits(request, step.running, step.memory)):
                 break                  # FIFO: no request overtakes the head of the line
             step.start_next()
 

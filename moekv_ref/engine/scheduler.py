@@ -164,6 +164,17 @@ class ScheduledRequest:
     samples: bool = True       # the tokens end its pending ones: the step samples its next token
 
 
+@dataclass(frozen=True)
+class EvictionRecord:
+    """One victim taken off at `step` while `short_device` was short (mode "recompute", "swap" or
+    "rows"), and the blocks that freed on each device."""
+    step: int
+    request_id: int
+    mode: str
+    short_device: int
+    freed: list[int]            # (D,)
+
+
 @dataclass
 class SchedulerOutput:
     """What one call to `schedule` decided. The model runner performs `block_copies` (in order),
@@ -179,6 +190,7 @@ class SchedulerOutput:
     prefix_copied: list[Request] = field(default_factory=list)  # started from a hit with COPY block copies
     freed: list[int] = field(default_factory=list)            # sequences whose blocks went back
     events: list[tuple[str, Request]] = field(default_factory=list)   # admitted/resumed/preempted, in order
+    evictions: list[EvictionRecord] = field(default_factory=list)     # every victim chosen, in order
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -339,7 +351,7 @@ class Scheduler:
                 if self._free_dead_rows(device):
                     continue                           # dead rows went first: look again
                 candidates = self.running[i:]          # not yet scheduled this step
-                free = self._free_on(device)
+                free, free_before = self._free_on(device), self.memory.num_free_blocks_per_device   # (D,)
                 choice = self.victims.choose_victim(tuple(candidates), self.memory, shortage)
                 victim = choice.request if isinstance(choice, RowEviction) else choice
                 if not any(victim is c for c in candidates):
@@ -351,6 +363,9 @@ class Scheduler:
                     self._preempt(victim, out)
                 self.num_evictions += 1
                 self.freed_on_short_device += self._free_on(device) - free
+                mode = "rows" if isinstance(choice, RowEviction) else "swap" if victim.swapped else "recompute"
+                out.evictions.append(EvictionRecord(step, victim.request_id, mode, device,
+                                                    (self.memory.num_free_blocks_per_device - free_before).tolist()))
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:

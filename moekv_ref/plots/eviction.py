@@ -1,7 +1,7 @@
-"""Figures of the eviction simulator: each device's pool over time under a policy, what every
+"""Figures of eviction over a trace: each device's pool over time under a policy, what every
 eviction freed on each device, the policies side by side, density per expert buffer, and the
-recompute-versus-swap crossover. Inputs are the objects sim/eviction.py, sim/density.py and
-apps/bench_eviction.py return."""
+recompute-versus-swap crossover. Inputs are the objects sim/eviction.py (the scheduler over a
+trace), sim/density.py and apps/bench_eviction.py return."""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@
     designs.py    paged designs (the real KVCacheManager, and count-level models for sweeps)
     baselines.py  the designs paging must beat: per-expert worst-case reservation, first-fit buffers
     replay.py     lock-step replay of a trace through a design; utilization and capacity under a budget
+    eviction.py   serving over a trace: the engine's own Scheduler, with the trace playing the model
+                  (victim policies under per-device pools); costs.py, density.py, topic_traces.py
 """
 
 from .baselines import AddressSpace, FirstFitDesign, ReservedDesign

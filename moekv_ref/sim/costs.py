@@ -1,4 +1,4 @@
-"""What a step, a recompute and a swap cost, in seconds: the cost model the eviction simulator runs on.
+"""What a step, a recompute and a swap cost, in seconds: the cost model of the trace runner (eviction.py).
 
 A preempted sequence comes back in one of two ways:
 

@@ -1,24 +1,32 @@
-"""Serving simulation over a routing trace with per-device pools and a victim policy (no model).
+"""Serving over a routing trace with per-device pools and a victim policy: the engine's own Scheduler,
+with the trace playing the model.
 
-Requests arrive together and wait in one FIFO line. Each step, in order:
+The runner builds what the engine builds -- a KVCacheManager with per-device pools, a ModelShape and
+the real Scheduler (engine/scheduler.py) with the victim policy, the admission policy and the
+preemption mode -- and turns each trace sequence into a Request (a prompt of the trace's prompt
+length, max_new_tokens so that it stores exactly the trace's tokens). Requests arrive together; one
+whose worst-case lifetime might not fit some device alone is refused (`check_fits_alone`, as
+`LLMEngine.add_request` refuses it). Then, each step:
 
- 1. Plan: every running sequence appends its next tokens: a whole prefill (a new prompt, or the
-    context of a sequence coming back from recompute) or one decode token. The trace says which rows
-    they go to, so the blocks each device must give are known exactly.
- 2. Evict: while some device is short, the most short one is handed to the policy
-    (victims.py), which takes a whole sequence off (recompute or swap) or some rows (expert_lru);
-    a victim's tokens leave the plan, and it goes back to the head of the line.
- 3. Admit, only if nothing was evicted (admitting then would thrash): from the head of the line,
-    while the sequence limit allows, the request's prefill (or swap-in) fits every device next to
-    the plan, the prefill token budget allows, and the policy agrees (only the oracle vetoes).
- 4. Allocate the plan on every device; a sequence whose last token is stored finishes and frees.
+ 1. `scheduler.schedule(step)`: the step's decisions (admissions, preemptions, victims, swaps), by
+    the same code that decides them in the engine;
+ 2. the model's part: every scheduled request's tokens [num_computed, num_computed + num_tokens)
+    are appended to the rows the trace routed them to (`manager.allocate_slots`, what the paged
+    cache does in a forward, without K/V); swap copies are block ids only, so nothing to copy;
+ 3. `scheduler.update_from_output`: tokens computed, requests that reached their end finish.
 
-A request that could not fit some device even alone (its final rows on that device exceed the pool)
-is refused on arrival: preemption frees only other sequences' memory.
+So every number here is one the engine would produce on the same routing (tests/test_sim_vs_engine.py
+checks it step by step). That includes how the scheduler is cautious: it reserves each step's worst
+case (every token to k_max experts, each opening a block) before the routing is known, and refuses
+requests by their worst-case lifetime, where a planner reading the trace could use the exact blocks.
+Preemption is by recompute, or by swap when the setup has host blocks (the scheduler's
+preemption_mode: one mode for every victim, as in the engine).
 
-Time: each step costs CostModel seconds for the tokens it computes (prefills, recomputes, decodes,
-attention over their contexts) plus the swaps it makes. Goodput is tokens of finished requests per
-step and per second. Every policy sees the same trace, pools, limits and cost model.
+Time: each step costs CostModel seconds (sim/costs.py) for the tokens it computes (prefills and
+recomputes over their context, decodes over theirs) plus the blocks it swaps. Goodput is generated
+tokens of finished requests per step and per modelled second. Every policy sees the same trace,
+pools, limits and cost model. The offline policies (oracle, belady) read the trace's future through
+a TraceFuture.
 
 Dimension legend: S sequences of the trace, D devices, L layers, E experts, R = L * E rows per
 sequence.
@@ -27,16 +35,19 @@ sequence.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.device_pools import DevicePools
-from ..cache.rows import ceil_div
+from ..cache.kv_cache_manager import KVCacheManager
+from ..engine.demand import worst_case_lifetime_blocks_per_device, worst_case_step_blocks_per_device
+from ..engine.memory import ModelShape
+from ..engine.request import Request
+from ..engine.scheduler import EvictionRecord, Scheduler, SchedulerConfig
+from ..engine.victims import VICTIM_POLICIES, OfflinePolicy, VictimPolicy
+from ..sampling import SamplingParams
 from .costs import CostModel
 from .traces import RoutingTrace
-from .victims import Candidate, Eviction, VictimPolicy, make_policy
 
 
 @dataclass(frozen=True)
@@ -45,18 +56,9 @@ class EvictionSetup:
     blocks_per_device: int
     block_size: int = 16
     max_num_seqs: int = 32
-    max_prefill_tokens: int = 4096      # prefill (and recompute) tokens admitted per step
-    num_host_blocks: int = 0            # host swap space, in blocks (0: recompute only)
-
-
-@dataclass
-class EvictionRecord:
-    step: int
-    seq_id: int
-    mode: str                           # recompute, swap, rows
-    short_device: int
-    freed: list[int]                    # blocks freed on each device
-    num_rows: int                       # rows taken (all of the sequence's for whole evictions)
+    max_num_batched_tokens: int = 4096  # tokens of one step (prefills, recomputes, decodes)
+    num_host_blocks: int = 0            # host swap space, in blocks (0: preemption by recompute)
+    admission: str = "optimistic"       # the scheduler's admission policy (admission.py)
 
 
 @dataclass
@@ -64,17 +66,18 @@ class EvictionStats:
     policy: str
     num_steps: int
     seconds: float                      # modelled
-    finished_tokens: int                # output tokens of finished requests
+    finished_tokens: int                # generated tokens of finished requests
     num_finished: int
     num_refused: int
-    num_evictions: int                  # eviction events (rows of one sequence at once count once)
-    num_victim_sequences: int           # sequences made to stop (by any eviction)
+    num_evictions: int                  # victims chosen (a row eviction counts once)
+    num_victim_sequences: int           # distinct requests made to stop
     recomputed_tokens: int
     swapped_bytes: int                  # out + in
     freed_on_short_device: int          # blocks freed on the short device, all evictions together
-    used_blocks: torch.Tensor           # (steps, D) blocks in use after each step's allocation
-    num_running: torch.Tensor           # (steps,)
+    used_blocks: torch.Tensor           # (steps, D) blocks in use after each step's appends
+    num_running: torch.Tensor           # (steps,) running after each step's scheduling
     evictions: list[EvictionRecord] = field(default_factory=list)
+    events: list[tuple[int, int, str]] = field(default_factory=list)   # (step, request id, admitted/resumed/preempted)
     wall_seconds: float = 0.0
 
     @property
@@ -98,330 +101,186 @@ class EvictionStats:
                 "freed_on_short_device_per_eviction": self.freed_per_eviction}
 
 
-class _TraceBlocks:
-    """Blocks per device a sequence of the trace holds after its first t tokens, for every t."""
-
-    def __init__(self, trace: RoutingTrace, device_of_row: torch.Tensor, num_devices: int, block_size: int):
-        self.trace, self.device_of_row, self.D, self.P = trace, device_of_row, num_devices, block_size
-        self.R = trace.num_layers * trace.num_experts
-        self._cache: dict[int, torch.Tensor] = {}
-
-    def row_counts(self, seq: int, start: int, stop: int) -> torch.Tensor:
-        """(R,) tokens that tokens start..stop-1 of seq append to each row."""
-        t = self.trace
-        chosen = t.experts[int(t.offsets[seq]) + start: int(t.offsets[seq]) + stop].to(torch.int64)  # (n, L, K)
-        local = torch.arange(t.num_layers)[None, :, None] * t.num_experts + chosen
-        return torch.bincount(local[chosen >= 0], minlength=self.R)
-
-    def trajectory(self, seq: int) -> torch.Tensor:
-        """(len + 1, D): blocks on each device after the first t tokens, t = 0..len."""
-        if seq not in self._cache:
-            t = self.trace
-            chosen = t.experts[int(t.offsets[seq]): int(t.offsets[seq + 1])].to(torch.int64)   # (n, L, K)
-            local = torch.arange(t.num_layers)[None, :, None] * t.num_experts + chosen
-            hits = torch.zeros(chosen.shape[0], self.R, dtype=torch.int64)                     # (n, R)
-            hits.scatter_add_(1, local.clamp(min=0).reshape(chosen.shape[0], -1),
-                              (chosen >= 0).to(torch.int64).reshape(chosen.shape[0], -1))
-            counts = torch.cat([torch.zeros(1, self.R, dtype=torch.int64), hits.cumsum(0)])      # (n+1, R)
-            one_hot = torch.nn.functional.one_hot(self.device_of_row, self.D)                   # (R, D)
-            self._cache[seq] = ceil_div(counts, self.P) @ one_hot                               # (n+1, D)
-        return self._cache[seq]
+def trace_row_counts(trace: RoutingTrace, seq: int) -> torch.Tensor:
+    """(len + 1, L, E): tokens each row of sequence `seq` holds after its first t tokens, t = 0..len."""
+    chosen = trace.experts[int(trace.offsets[seq]): int(trace.offsets[seq + 1])].to(torch.int64)   # (n, L, K)
+    hits = torch.zeros(chosen.shape[0], trace.num_layers, trace.num_experts, dtype=torch.int64)    # (n, L, E)
+    hits.scatter_add_(2, chosen.clamp(min=0), (chosen >= 0).to(torch.int64))
+    return torch.cat([torch.zeros_like(hits[:1]), hits.cumsum(0)])
 
 
-class EvictionSimulator:
-    """One run of one policy (module docstring). Also the `state` the policy reads (victims.py)."""
+class TraceFuture:
+    """The FutureView (engine/victims.py) of a trace: what the offline policies read. Request ids are
+    trace sequence ids; a request is assumed to run one token a step from now to its end."""
+
+    def __init__(self, trace: RoutingTrace, manager: KVCacheManager, shape: ModelShape):
+        self.trace, self.manager, self.shape = trace, manager, shape
+        device_of_expert, D = manager.device_of_expert, manager.num_devices
+        longest = int(trace.lengths.max())
+        self.lifetime = torch.stack([worst_case_lifetime_blocks_per_device(t, shape.k_max, shape.block_size,
+                                                                           device_of_expert, D)
+                                     for t in range(longest + 1)])                          # (longest + 1, D)
+        self._held: dict[int, torch.Tensor] = {}
+        self._reserved: dict[int, torch.Tensor] = {}
+
+    def held(self, seq: int) -> torch.Tensor:
+        """(len + 1, D) blocks the sequence holds on each device after its first t tokens."""
+        if seq not in self._held:
+            self._held[seq] = self.manager.per_device(trace_row_counts(self.trace, seq))
+        return self._held[seq]
+
+    def reserved(self, seq: int) -> torch.Tensor:
+        """(len, D): at the step that appends token t (t = 0..len-1, one token a step), the blocks the
+        sequence holds before it plus the scheduler's worst-case reservation for it (capped, as the
+        scheduler caps it, by the lifetime worst case minus what it holds)."""
+        if seq not in self._reserved:
+            counts, held, shape = trace_row_counts(self.trace, seq)[:-1], self.held(seq)[:-1], self.shape
+            step = worst_case_step_blocks_per_device(counts, torch.ones(counts.shape[0], dtype=torch.int64),
+                                                     shape.k_max, shape.block_size, self.manager.device_of_expert,
+                                                     self.manager.num_devices)               # (len, D)
+            cap = self.lifetime[1: counts.shape[0] + 1] - held
+            self._reserved[seq] = held + torch.clamp(torch.minimum(step, cap), min=0)
+        return self._reserved[seq]
+
+    def future_block_steps(self, request: Request, device: int) -> int:
+        return int(self.held(request.request_id)[request.num_computed_tokens + 1:, device].sum())
+
+    def fits_to_completion(self, request: Request, running) -> bool:
+        # after this step every one of them has computed its num_tokens tokens (the running ones
+        # their one decode token, the request its prefill): from the next step on, token num_tokens
+        paths = [self.reserved(r.request_id)[r.num_tokens:] for r in (*running, request)]   # (g, D) each
+        total = torch.zeros(max(p.shape[0] for p in paths), self.manager.num_devices, dtype=torch.int64)
+        for path in paths:
+            total[: path.shape[0]] += path
+        return bool((total <= self.manager.blocks_per_device).all())
+
+
+class TraceRunner:
+    """One run of one policy over a trace (module docstring)."""
 
     def __init__(self, trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup,
                  policy: VictimPolicy | str, cost: CostModel):
         self.trace, self.setup, self.cost = trace, setup, cost
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        L, E = trace.num_layers, trace.num_experts
-        self.R = L * E
-        self.pools = DevicePools(L, E, setup.block_size, setup.blocks_per_device, device_of_expert,
-                                 initial_num_seqs=setup.max_num_seqs + 1)
-        self.D = self.pools.num_devices
-        self.device_of_row = self.pools.device_of_expert.reshape(-1)                  # (R,)
-        self.blocks = _TraceBlocks(trace, self.device_of_row, self.D, setup.block_size)
-        S = trace.num_sequences
-        self.lengths, self.prompts = trace.lengths, trace.prompt_lens
-        self.stored = torch.zeros(S, dtype=torch.int64)      # tokens held in the pools
-        self.progress = trace.prompt_lens.clone()            # tokens the sequence has reached
-        self.order = torch.zeros(S, dtype=torch.int64)
-        self.status = ["waiting"] * S                        # waiting running stalled swapped
-        self.saved_counts: dict[int, torch.Tensor] = {}      # swapped: (R,) tokens per row
-        self.host_free_blocks = setup.num_host_blocks
-        self.last_used = torch.zeros(0, dtype=torch.int64)   # per pool row: step of its last append
-        self.slot_seq: dict[int, int] = {}                   # pool slot -> trace sequence
-        self.running: list[int] = []
-        self.waiting: deque[int] = deque()
-        self.step = 0
-        self._counter = 0
+        L, E, K = trace.num_layers, trace.num_experts, int(trace.experts.shape[2])
+        num_devices = int(torch.as_tensor(device_of_expert).max()) + 1
+        self.manager = KVCacheManager(L, E, setup.block_size, blocks_per_device=[setup.blocks_per_device] * num_devices,
+                                      device_of_expert=device_of_expert, initial_num_seqs=setup.max_num_seqs + 1)
+        top_k = bool((trace.experts >= 0).all())           # every token used all K: top-k routing
+        self.shape = ModelShape(L, E, K, K if top_k else 1, setup.block_size, int(trace.lengths.max()) + 1)
+        self.future = TraceFuture(trace, self.manager, self.shape)
+        if isinstance(policy, str):
+            if policy not in VICTIM_POLICIES:
+                raise ValueError(f"policy={policy!r} is not one of {tuple(VICTIM_POLICIES)}")
+            cls = VICTIM_POLICIES[policy]
+            policy = cls(self.future) if issubclass(cls, OfflinePolicy) else cls()
+        self.policy = policy
+        config = SchedulerConfig(max_num_seqs=setup.max_num_seqs, max_num_batched_tokens=setup.max_num_batched_tokens,
+                                 admission=setup.admission, victim=policy,
+                                 preemption_mode="swap" if setup.num_host_blocks else "recompute")
+        self.scheduler = Scheduler(config, self.manager, self.shape, setup.num_host_blocks)
+        self.num_refused = 0
+        for s in range(trace.num_sequences):
+            prompt = int(trace.prompt_lens[s])
+            max_new_tokens = int(trace.lengths[s]) - prompt + 1     # the last sampled token is never stored
+            try:
+                self.scheduler.check_fits_alone(prompt, max_new_tokens)
+            except ValueError:
+                self.num_refused += 1
+                continue
+            self.scheduler.add_request(Request(s, [0] * prompt, SamplingParams(max_new_tokens=max_new_tokens)))
 
-    # ----- what policies may ask ---------------------------------------------------------------------
-    def remaining_tokens(self, seq: int) -> int:
-        return int(self.lengths[seq] - self.progress[seq])
+    def append(self, scheduled) -> torch.Tensor:
+        """The model's part of a step: each scheduled request's tokens go to the rows the trace
+        routed them to (blocks only, as PagedKVCache.append_kv allocates them). Returns (L,) the
+        experts chosen per layer summed over the step's tokens, for the demand predictor."""
+        trace, manager = self.trace, self.manager
+        ids = [item.request.request_id for item in scheduled]
+        for seq in sorted(ids):                      # as append_kv adds them: ascending
+            if not manager.holds(seq):
+                manager.add_sequence(seq)
+        starts = torch.tensor([item.request.num_computed_tokens for item in scheduled], dtype=torch.int64)  # (m,)
+        counts = torch.tensor([item.num_tokens for item in scheduled], dtype=torch.int64)                  # (m,)
+        owner = torch.repeat_interleave(torch.arange(len(ids)), counts)                                   # (N,)
+        local = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[owner]
+        token = trace.offsets[ids][owner] + starts[owner] + local                                          # (N,)
+        chosen = trace.experts[token].to(torch.int64)                                                       # (N, L, K)
+        slot = torch.tensor([manager.seq_index(s) for s in ids], dtype=torch.int64)[owner]
+        rows = manager.index.row(slot[:, None, None], torch.arange(trace.num_layers)[None, :, None], chosen)
+        hits = torch.bincount(rows[chosen >= 0])
+        rows = hits.nonzero().squeeze(1)
+        manager.allocate_slots(rows, hits[rows], rows_are_distinct=True, with_slots=False)
+        return (chosen >= 0).sum((0, 2))
 
-    def _pool_tokens(self) -> torch.Tensor:
-        return sum(m.num_computed_tokens for m in self.pools.managers)                # (slots * R,)
+    def step_seconds(self, out) -> float:
+        """CostModel seconds of a step: its fixed cost, every scheduled token over its context (a
+        decode token, or a prefill / recompute chunk), and its swaps (each direction half of a swap)."""
+        cost = self.cost
+        seconds = cost.seconds_per_step
+        for item in out.scheduled:
+            start, n = item.request.num_computed_tokens, item.num_tokens
+            seconds += float(cost.decode_seconds(start) if n == 1 and start > 0
+                             else cost.recompute_seconds(start + n) - cost.recompute_seconds(start))
+        for copy in out.block_copies:
+            seconds += float(cost.swap_seconds(copy.source.numel())) / 2
+        return seconds
 
-    def lru_rows(self, device: int):
-        tokens = self._pool_tokens()
-        self._grow_last_used(tokens.numel())
-        on_device = (tokens > 0) & (self.device_of_row.repeat(tokens.numel() // self.R) == device)
-        rows = on_device.nonzero().squeeze(1)
-        rows = rows[torch.argsort(self.last_used[rows] * tokens.numel() + rows)]     # LRU, then row id
-        seq_ids = torch.tensor([self.slot_seq[int(r) // self.R] for r in rows.tolist()], dtype=torch.int64)
-        return rows, seq_ids, ceil_div(tokens[rows], self.setup.block_size)
-
-    def future_block_steps(self, seq: int, device: int) -> int:
-        """Blocks `seq` will hold on `device` summed over its remaining steps, if it keeps running
-        (the belady policy's look at the future trace)."""
-        return int(self.blocks.trajectory(seq)[int(self.stored[seq]) + 1:, device].sum())
-
-    def fits_to_completion(self, seq: int) -> bool:
-        """Would `seq`, admitted now, and every running sequence, each run to its end one token a step,
-        fit every device at every future step? (The oracle's admission; reads the future trace.)"""
-        num_blocks = self.pools.num_blocks                                            # (D,)
-        # index 0 is the next step: a running sequence then holds stored + 1 tokens, the candidate
-        # progress + 1 (this step is checked against the free blocks by the admission itself)
-        paths = [self.blocks.trajectory(r)[int(self.stored[r]) + 1:] for r in self.running]   # (g, D) each
-        paths.append(self.blocks.trajectory(seq)[int(self.progress[seq]) + 1:])
-        horizon = max(p.shape[0] for p in paths)
-        total = torch.zeros(horizon, self.D, dtype=torch.int64)
-        for p in paths:
-            total[: p.shape[0]] += p
-        return bool((total <= num_blocks).all())
-
-    # ----- helpers -----------------------------------------------------------------------------------
-    def _grow_last_used(self, n: int) -> None:
-        if self.last_used.numel() < n:
-            self.last_used = torch.cat([self.last_used, torch.zeros(n - self.last_used.numel(), dtype=torch.int64)])
-
-    def _slot_rows(self, seq: int) -> torch.Tensor:
-        return self.pools.seq_index(seq) * self.R + torch.arange(self.R)
-
-    def _new_blocks(self, pool_rows, num_new, tokens) -> torch.Tensor:
-        P = self.setup.block_size
-        old = tokens[pool_rows]
-        return ceil_div(old + num_new, P) - ceil_div(old, P)
-
-    def _demand(self, seq: int) -> tuple[torch.Tensor, int, int]:
-        """What admitting seq takes now: (D,) blocks, prefill tokens, recomputed tokens."""
-        if self.status[seq] == "swapped":
-            counts = self.saved_counts[seq]
-            blocks = torch.bincount(self.device_of_row, weights=ceil_div(counts, self.setup.block_size).double(),
-                                    minlength=self.D).to(torch.int64)
-            return blocks, 0, 0
-        context = int(self.progress[seq])
-        blocks = self.blocks.trajectory(seq)[context].clone()
-        if self.status[seq] == "stalled":                   # its surviving rows are rebuilt too
-            blocks -= self.pools.blocks_held([seq])[0]
-        recomputed = context if self.status[seq] in ("stalled", "recompute") else 0
-        return blocks, context, recomputed
-
-    def _candidate(self, seq: int, held: torch.Tensor, step_blocks: torch.Tensor) -> Candidate:
-        return Candidate(seq, int(self.order[seq]), int(self.stored[seq]), held, step_blocks)
-
-    # ----- the run -----------------------------------------------------------------------------------
     def run(self, max_steps: int = 100_000) -> EvictionStats:
         started = time.perf_counter()
-        trace, setup, cost, P = self.trace, self.setup, self.cost, self.setup.block_size
-        S = trace.num_sequences
-        refused = 0
-        for s in range(S):
-            final = self.blocks.trajectory(s)[-1]
-            # the last token never needs storing to finish, but the trace's length is what it holds
-            if (final > self.pools.num_blocks).any():
-                self.status[s] = "refused"
-                refused += 1
-            else:
-                self.waiting.append(s)
-        used, running_counts, records = [], [], []
-        finished_tokens = num_finished = recomputed = swapped_bytes = freed_short = 0
-        num_evictions = 0
-        victims: set[int] = set()
+        scheduler, manager = self.scheduler, self.manager
+        block_bytes = self.setup.block_size * self.trace.kv_bytes_per_slot
+        used, running, evictions, events, victims = [], [], [], [], set()
         seconds = 0.0
-        block_bytes = P * trace.kv_bytes_per_slot
-        while (self.running or self.waiting) and self.step < max_steps:
-            step_seconds = cost.seconds_per_step
-            tokens = self._pool_tokens()
-            # 1. plan: every running sequence decodes one token (a prefill is done at admission)
-            plan_seqs = torch.tensor(self.running, dtype=torch.int64)                        # (m,)
-            trace_rows = trace.decode_appends(plan_seqs, self.stored[plan_seqs])             # (a,)
-            slot_of = torch.zeros(S, dtype=torch.int64)
-            slot_of[plan_seqs] = torch.tensor([self.pools.seq_index(x) for x in self.running], dtype=torch.int64)
-            plan_rows = slot_of[trace_rows // self.R] * self.R + trace_rows % self.R          # (a,)
-            position = torch.zeros(S, dtype=torch.int64)
-            position[plan_seqs] = torch.arange(plan_seqs.numel())
-            plan_owner = position[trace_rows // self.R]                                      # (a,) into plan_seqs
-            plan_new = self._new_blocks(plan_rows, torch.ones_like(plan_rows), tokens)        # (a,)
-            step_blocks = torch.zeros(plan_seqs.numel(), self.D, dtype=torch.int64)           # (m, D)
-            step_blocks.index_put_((plan_owner, self.device_of_row[plan_rows % self.R]), plan_new, accumulate=True)
-            in_plan = torch.ones(plan_seqs.numel(), dtype=torch.bool)                        # (m,)
-            # 2. evict while a device is short
-            evicted_now = False
-            while True:
-                need = step_blocks[in_plan].sum(0)
-                free = self.pools.num_free_blocks
-                if (need <= free).all():
-                    break
-                device = int((need - free).argmax())
-                held = self.pools.blocks_by_slot()
-                candidates = [self._candidate(s, held[self.pools.seq_index(s)], step_blocks[int(position[s])])
-                              for s in self.running]
-                if not candidates:
-                    raise RuntimeError("a device is short with nothing running")
-                eviction: Eviction = self.policy.choose(self, device, candidates)
-                before = self.pools.num_free_blocks
-                s = eviction.seq_id
-                if eviction.mode == "rows":
-                    self.pools.free_rows(eviction.rows)
-                    num_rows = eviction.rows.numel()
-                    if self.status[s] == "running":
-                        self._stop(s, "stalled")
-                        in_plan[position[s]] = False
-                else:
-                    num_rows = int((self._pool_tokens()[self._slot_rows(s)] > 0).sum())
-                    if eviction.mode == "swap":
-                        counts = self._pool_tokens()[self._slot_rows(s)].clone()
-                        num_blocks = int(ceil_div(counts, P).sum())
-                        self.saved_counts[s] = counts
-                        self.host_free_blocks -= num_blocks
-                        swapped_bytes += num_blocks * block_bytes
-                        step_seconds += float(cost.swap_seconds(num_blocks)) / 2
-                    self._release(s)
-                    self._stop(s, "swapped" if eviction.mode == "swap" else "recompute")
-                    in_plan[position[s]] = False
-                freed = (self.pools.num_free_blocks - before).tolist()
-                records.append(EvictionRecord(self.step, s, eviction.mode, device, freed, num_rows))
-                freed_short += freed[device]
-                num_evictions += 1
-                victims.add(s)
-                evicted_now = True
-                tokens = self._pool_tokens()
-            # 3. admit
-            if not evicted_now:
-                room = self.pools.num_free_blocks - step_blocks[in_plan].sum(0)
-                prefill_budget = setup.max_prefill_tokens
-                first = True
-                while self.waiting and len(self.running) < setup.max_num_seqs:
-                    s = self.waiting[0]
-                    demand, prefill, recompute_tokens = self._demand(s)
-                    if (demand > room).any() and not self.running:
-                        # nothing runs, yet the head does not fit: stalled sequences' rows hold the
-                        # memory (expert_lru); the policy drops rows until the head fits
-                        device = int((demand - room).argmax())
-                        eviction = self.policy.choose(self, device, [])
-                        self.pools.free_rows(eviction.rows)
-                        room = self.pools.num_free_blocks.clone()
-                        continue
-                    if (demand > room).any() or (prefill > prefill_budget and not first):
-                        break
-                    if not self.policy.admits(self, s):
-                        break
-                    self.waiting.popleft()
-                    first = False
-                    room -= demand
-                    prefill_budget -= prefill
-                    status = self.status[s]
-                    if status == "stalled":
-                        self._release(s)
-                    self._counter += 1
-                    self.order[s] = self._counter
-                    index = self.pools.add_sequence(s)
-                    self.slot_seq[index] = s
-                    self.running.append(s)
-                    self.status[s] = "running"
-                    if status == "swapped":
-                        counts = self.saved_counts.pop(s)
-                        rows = (counts > 0).nonzero().squeeze(1)
-                        self._allocate(index * self.R + rows, counts[rows])
-                        num_blocks = int(ceil_div(counts, P).sum())
-                        self.host_free_blocks += num_blocks
-                        swapped_bytes += num_blocks * block_bytes
-                        step_seconds += float(cost.swap_seconds(num_blocks)) / 2
-                        self.stored[s] = self.progress[s]
-                    else:
-                        counts = self.blocks.row_counts(s, 0, prefill)
-                        rows = (counts > 0).nonzero().squeeze(1)
-                        self._allocate(index * self.R + rows, counts[rows])
-                        self.stored[s] = prefill
-                        recomputed += recompute_tokens
-                        step_seconds += float(cost.recompute_seconds(prefill))
-            # 4. allocate the plan, finish
-            decoding = plan_seqs[in_plan]                                                    # (m',)
-            keep = in_plan[plan_owner]                                                       # (a,)
-            self._allocate(plan_rows[keep], torch.ones(int(keep.sum()), dtype=torch.int64))
-            step_seconds += float(cost.decode_seconds(self.stored[decoding].to(torch.float64)).sum())
-            self.stored[decoding] += 1
-            self.progress[decoding] = torch.maximum(self.progress[decoding], self.stored[decoding])
-            used.append(self.pools.num_used_blocks)
-            running_counts.append(len(self.running))
-            for s in list(self.running):
-                if self.stored[s] == self.lengths[s]:
-                    self._release(s)
-                    self.running.remove(s)
-                    self.status[s] = "finished"
-                    finished_tokens += int(self.lengths[s] - self.prompts[s])
-                    num_finished += 1
-            seconds += step_seconds
-            self.step += 1
-        self.pools.assert_no_leak()
-        assert self.host_free_blocks == setup.num_host_blocks, "host swap space leaked"
-        return EvictionStats(self.policy.name, self.step, seconds, finished_tokens, num_finished, refused,
-                             num_evictions, len(victims), recomputed, swapped_bytes, freed_short,
-                             torch.stack(used) if used else torch.zeros(0, self.D, dtype=torch.int64),
-                             torch.tensor(running_counts), records, time.perf_counter() - started)
-
-    def _allocate(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
-        self.pools.allocate_slots(rows, num_new, rows_are_distinct=True)
-        self._grow_last_used(int(rows.max()) + 1 if rows.numel() else 0)
-        self.last_used[rows] = self.step + 1
-
-    def _release(self, seq: int) -> None:
-        index = self.pools.seq_index(seq)
-        self.pools.free(seq)
-        del self.slot_seq[index]
-        self.stored[seq] = 0
-
-    def _stop(self, seq: int, status: str) -> None:
-        """Take a running sequence off; it waits at the head of the line (status: recompute,
-        swapped or stalled)."""
-        if seq in self.running:
-            self.running.remove(seq)
-        self.status[seq] = status
-        if seq not in self.waiting:
-            self.waiting.appendleft(seq)
+        finished_tokens = num_finished = swapped_blocks = step = 0
+        while scheduler.has_unfinished and step < max_steps:
+            out = scheduler.schedule(step)
+            if not out.scheduled and not out.block_copies:
+                raise RuntimeError(f"step {step}: nothing could be scheduled (as the engine would raise)")
+            seconds += self.step_seconds(out)
+            swapped_blocks += sum(copy.source.numel() for copy in out.block_copies)
+            evictions += out.evictions
+            events += [(step, request.request_id, kind) for kind, request in out.events]
+            victims.update(request.request_id for request in out.preempted)
+            running.append(len(scheduler.running))
+            entries = self.append(out.scheduled)
+            used.append(manager.blocks_per_device - manager.num_free_blocks_per_device)
+            done = scheduler.update_from_output(out, {item.request.request_id: 0 for item in out.scheduled}, entries)
+            finished_tokens += sum(len(r.output_token_ids) for r in done)
+            num_finished += len(done)
+            step += 1
+        if not scheduler.has_unfinished:
+            scheduler.memory.assert_no_leak()
+        return EvictionStats(self.policy.name, step, seconds, finished_tokens, num_finished, self.num_refused,
+                             scheduler.num_evictions, len(victims), scheduler.num_recomputed_tokens,
+                             swapped_blocks * block_bytes, scheduler.freed_on_short_device,
+                             torch.stack(used) if used else torch.zeros(0, manager.num_devices, dtype=torch.int64),
+                             torch.tensor(running), evictions, events, time.perf_counter() - started)
 
 
 def simulate(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup, policy,
              cost: CostModel, max_steps: int = 100_000) -> EvictionStats:
     """Run one policy over the trace (module docstring)."""
-    return EvictionSimulator(trace, device_of_expert, setup, policy, cost).run(max_steps)
+    return TraceRunner(trace, device_of_expert, setup, policy, cost).run(max_steps)
 
 
 def memory_time_bound(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup) -> dict:
     """A lower bound on the steps any policy needs, hence an upper bound on goodput per step.
 
-    Each decode step of a sequence needs, on every device, the blocks its rows hold at that moment;
-    a device holds at most its pool at any step. So the steps are at least, for every device,
-    (sum over sequences and their decode steps of the blocks held there) / pool; also at least the
-    longest sequence's decode steps plus one prefill step, and the decode steps / max_num_seqs.
-    Refused requests (too large for a device alone) are left out, as they are by the runs."""
-    pools = DevicePools(trace.num_layers, trace.num_experts, setup.block_size, setup.blocks_per_device,
-                        device_of_expert)
-    blocks = _TraceBlocks(trace, pools.device_of_expert.reshape(-1), pools.num_devices, setup.block_size)
-    block_steps = torch.zeros(pools.num_devices, dtype=torch.int64)
-    longest = decode_steps = tokens = 0
-    for s in range(trace.num_sequences):
-        path = blocks.trajectory(s)
-        if (path[-1] > pools.num_blocks).any():
-            continue
+    Each step of a sequence (its prefill, then one per decode token) needs, on every device, the
+    blocks its rows hold at that moment; a device holds at most its pool at any step. So the steps
+    are at least, for every device, (sum over sequences and their steps of the blocks held there) /
+    pool; also at least the longest sequence's steps, and all steps / max_num_seqs. The requests the
+    runner refuses are left out, as they are by the runs."""
+    runner = TraceRunner(trace, device_of_expert, setup, "newest_first", cost=None)     # built, never run
+    served = [r.request_id for r in runner.scheduler.waiting]
+    block_steps = torch.zeros(runner.manager.num_devices, dtype=torch.int64)
+    longest = all_steps = tokens = 0
+    for s in served:
         prompt = int(trace.prompt_lens[s])
-        block_steps += path[prompt:].sum(0)          # held at the prefill step and every decode step
-        steps = path.shape[0] - prompt               # prefill + decode steps
-        longest = max(longest, steps)
-        decode_steps += steps
-        tokens += int(trace.lengths[s]) - prompt
-    steps = max(float((block_steps / pools.num_blocks).max()), longest, decode_steps / setup.max_num_seqs)
+        path = runner.future.held(s)[prompt:]           # (steps, D) held at the prefill and every decode step
+        block_steps += path.sum(0)
+        longest = max(longest, path.shape[0])
+        all_steps += path.shape[0]
+        tokens += path.shape[0]                          # one generated token per step
+    steps = max(float((block_steps / runner.manager.blocks_per_device).max()), longest,
+                all_steps / setup.max_num_seqs)
     return {"steps": steps, "finished_tokens": tokens, "tokens_per_step": tokens / steps}

@@ -1,0 +1,74 @@
+"""The trace runner (sim/eviction.py) makes the engine's decisions: on the routing the engine's own
+model produces, the runner -- the Scheduler with the trace playing the model -- and LLMEngine with
+the model admit, resume and preempt the same requests at the same steps, hold the same blocks on
+every device after every step, and count the same evictions and recomputed tokens.
+
+The trace is recorded from the model (analysis.record_model_trace, greedy, as the engine generates
+here). Top-k routing, so that a recomputed token goes to the same experts again; a small random
+float64 model (helpers), so that no near-tie flips between batchings; four devices with tight pools,
+so that preemptions happen (asserted: a run without any would compare little)."""
+
+import pytest
+import torch
+
+from moekv_ref.analysis import record_model_trace
+from moekv_ref.engine import LLMEngine, SchedulerConfig
+from moekv_ref.sampling import SamplingParams
+from moekv_ref.sim.costs import CostModel
+from moekv_ref.sim.eviction import EvictionSetup, simulate
+
+from helpers import random_model, random_workload, small_config
+
+PLACEMENT = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3])     # 8 experts on 4 devices, device 0 the busiest
+BLOCK_SIZE, BLOCKS_PER_DEVICE, SWAP_BLOCKS = 4, 36, 64
+FLAT = CostModel("flat", 0.0, 1.0, 0.0, float("inf"), 1.0, 0.0, 1)
+DECISIONS = ("admitted", "resumed", "preempted")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(small_config("expert", "topk", num_attention_experts=8, num_attention_experts_per_tok=2),
+                        seed=0)
+
+
+@pytest.fixture(scope="module")
+def workload(model):
+    prompts, params = random_workload(12, (2, 7), (10, 25), seed=0, prompt_seed=1)
+    output_lens = [p.max_new_tokens for p in params]
+    return prompts, output_lens, record_model_trace(model, prompts, output_lens)
+
+
+@pytest.mark.parametrize("victim,mode,admission", [("newest_first", "recompute", "optimistic"),
+                                                   ("pressure_aware", "swap", "optimistic"),
+                                                   ("expert_lru", "recompute", "optimistic"),
+                                                   ("pressure_aware", "recompute", "predicted")])
+def test_the_runner_makes_the_engines_decisions_step_by_step(model, workload, victim, mode, admission):
+    prompts, output_lens, trace = workload
+    swap_blocks = SWAP_BLOCKS if mode == "swap" else 0
+    setup = EvictionSetup(BLOCKS_PER_DEVICE, BLOCK_SIZE, max_num_seqs=16, max_num_batched_tokens=256,
+                          num_host_blocks=swap_blocks, admission=admission)
+    stats = simulate(trace, PLACEMENT, setup, victim, FLAT)
+
+    engine = LLMEngine(model, block_size=BLOCK_SIZE, blocks_per_device=[BLOCKS_PER_DEVICE] * 4,
+                       device_of_expert=PLACEMENT, num_swap_blocks=swap_blocks or None, record_history=True,
+                       scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, victim=victim,
+                                                        admission=admission, preemption_mode=mode))
+    outputs = engine.generate(prompts, [SamplingParams(max_new_tokens=n, temperature=0.0) for n in output_lens])
+    assert [len(o.token_ids) for o in outputs] == output_lens
+    events = [(e.step, e.request_id, e.kind) for e in engine.events if e.kind in DECISIONS]
+
+    assert stats.events == events                                   # admissions, preemptions (victims)
+    assert stats.num_steps == engine.step_count
+    assert stats.used_blocks.tolist() == torch.stack(engine.device_timeline).tolist()   # (steps, D)
+    assert stats.num_running.tolist() == [record.num_running for record in engine.timeline]
+    counts = engine.eviction_stats()
+    assert (stats.num_evictions, stats.recomputed_tokens, stats.freed_on_short_device) == (
+        counts["num_evictions"], counts["num_recomputed_tokens"],
+        counts["freed_on_short_device"])
+    assert stats.num_finished == len(prompts) and stats.finished_tokens == sum(output_lens)
+    if admission == "optimistic":
+        assert any(kind == "preempted" for _, _, kind in events)
+    if mode == "swap":
+        assert stats.swapped_bytes > 0
+    if victim == "expert_lru":
+        assert any(record.mode == "rows" for record in stats.evictions)
