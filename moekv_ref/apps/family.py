@@ -20,7 +20,7 @@ Measured per variant: held-out bits per byte (validation files never trained on,
 mean and spread over seeds), KV bytes per token (the config's worst case, and what the paged cache
 actually held after prefilling held-out text), attention FLOPs per token at the training context,
 parameters, and decode tokens/s of the paged cache on this machine (variants timed in alternating
-rounds, medians). Writes figures/family.json, which notebook 08 reads.
+rounds, medians). Writes figures/family.json, which notebook 09 reads.
 
 Resumable: every run keeps its state in runs/family/ (every 50 steps) and its result once done, in
 files named by variant, seed and budget; running the command again continues where it stopped.
@@ -44,6 +44,7 @@ from tqdm import tqdm
 from ..config import ModelConfig, get_config
 from ..generate import generate
 from ..model import MoEKVTransformer
+from ..plots.tables import text_table
 from ..sampling import SamplingParams
 from . import options
 from .train import batches, fit, load_corpus
@@ -224,13 +225,13 @@ def train_family(steps: int = 240, batch_size: int = 8, context: int = 128, out:
 
 def format_table(family: dict) -> str:
     """The variants as the notebook and the command print them (rounded to what reproduces)."""
-    from ..plots.tables import text_table
     rows = [[name, f"{v['bits_per_byte_mean']:.3f} ± {v['bits_per_byte_std']:.3f}",
              v["kv_bytes_per_token_config"], round(v["kv_bytes_per_token_measured"]),
              f"{v['attention_flops_per_token'] / 1e3:.0f}k", f"{v['parameters'] / 1e6:.2f}M",
              round(v["decode_tokens_per_second"], -1)]
             for name, v in family["variants"].items()]
-    return text_table(["variant", f"bits/byte ({len(family['budget']['seeds'])} seeds)", "KV B/token (config)", "KV B/token (held)",
+    n = len(family["budget"]["seeds"])
+    return text_table(["variant", f"bits/byte ({n} seed{'s' if n > 1 else ''})", "KV B/token (config)", "KV B/token (held)",
                        "attn FLOPs/token", "params", "decode tok/s"], rows)
 
 

@@ -14,6 +14,7 @@ COSTS = {
 }
 COLORS = {"dense": "#7f7f7f", "expert_topk": "#1f77b4", "expert_threshold": "#17becf",
           "dense_kv_matched": "#d62728", "dense_flops_matched": "#ff7f0e"}
+LABEL_OFFSETS = {"dense_kv_matched": (6, -16)}      # points: below, where it would overlap its neighbour
 
 
 def plot_family(family: dict, costs=("kv", "flops"), width: float = 10.0) -> Figure:
@@ -31,7 +32,7 @@ def plot_family(family: dict, costs=("kv", "flops"), width: float = 10.0) -> Fig
             ax.errorbar(v[key] * scale, v["bits_per_byte_mean"], yerr=v["bits_per_byte_std"], fmt="o", ms=7,
                         capsize=4, color=COLORS.get(name, "black"), label=name)
             ax.annotate(name, (v[key] * scale, v["bits_per_byte_mean"]), textcoords="offset points",
-                        xytext=(6, 6), fontsize=9)
+                        xytext=LABEL_OFFSETS.get(name, (6, 6)), fontsize=9)
         ax.set_xlabel(label)
         ax.set_ylabel(f"held-out bits per byte (mean of {seeds} seeds)")
         ax.grid(alpha=0.3)
