@@ -4,7 +4,9 @@ JupyterLab starts with the README's own launch line, `jupyter lab`, from the rep
 notebooks' links to docs/ resolve), plus only what a headless run needs (no browser of its own, loopback, a free port, a token, and
 --allow-root when run as root); PYTHONPATH is removed from its environment. Debian's Chromium, driven
 through Playwright (its Python package only: no browser is downloaded), opens each notebook found by
-glob, clears the stored outputs and runs all cells top to bottom from the Run menu. The test fails on:
+glob, clears the stored outputs and runs all cells top to bottom from the Run menu. Two notebooks run
+at a time, each in a browser and a kernel of its own (BROWSER_TEST_BROWSERS=1: one at a time), so the
+run-all times are those of a notebook sharing a two-core machine with another. The test fails on:
 
 - an error output (a traceback) or "Error displaying widget" anywhere, or a widget left as its text
   form ("IntSlider(value=...", "interactive(children=...");
@@ -13,7 +15,9 @@ glob, clears the stored outputs and runs all cells top to bottom from the Run me
   option), and the cell's output must change;
 - a figure drawn after a change that is incomplete: each PNG is decoded and its non-background pixels
   counted; a redrawn figure must have at least 15% as many as the figure the same cell drew first (a
-  blank redraw keeps about 5%: its frame).
+  blank redraw keeps about 5%: its frame);
+- a figure wider than the output area (its natural width above the width it is shown at, in the
+  1400 px wide page): JupyterLab shrinks it to fit, and its text with it.
 
 Screenshots (after run-all, and each widget cell before and after each change) and a summary
 (summary.json: per notebook the run-all time, widgets changed, update latency and screenshot names)
@@ -33,16 +37,19 @@ import hashlib
 import io
 import json
 import os
+import queue
 import re
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from queue import Empty
 
 import numpy as np
 import pytest
@@ -57,6 +64,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 RUN_ALL_TIMEOUT_S = 900
 UPDATE_TIMEOUT_S = 180
 CONTROLS_PER_CELL = 2
+BROWSERS = int(os.environ.get("BROWSER_TEST_BROWSERS", "2"))   # notebooks run at once
 
 if CHROMIUM is None:
     pytest.skip("the browser test needs Chromium: on Debian/Ubuntu `apt-get install chromium` "
@@ -79,6 +87,8 @@ JS_KERNEL_STATUS = """() => {
 JS_STDERR_TEXTS = """() => [...document.querySelectorAll(
     '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')].map(e => e.textContent)"""
 JS_OUTPUT_TEXTS = "() => [...document.querySelectorAll('.jp-OutputArea-output')].map(e => e.textContent)"
+JS_FIGURE_WIDTHS = """() => [...document.querySelectorAll('.jp-OutputArea-output img')]
+    .filter(i => i.naturalWidth > 0).map(i => [i.naturalWidth, i.clientWidth])"""
 JS_RUN_ALL_DONE = """() => {
     const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')].map(e => e.textContent.trim());
     const status = document.querySelector('.jp-Notebook-ExecutionIndicator');
@@ -146,9 +156,10 @@ class Lab:
         return any(session["path"].endswith(notebook) and session["kernel"]
                    and session["kernel"]["execution_state"] == "idle" for session in self.api("GET", "/api/sessions"))
 
-    def shut_down_kernels(self):
+    def shut_down_kernel(self, notebook: str):
         for session in self.api("GET", "/api/sessions"):
-            self.api("DELETE", f"/api/sessions/{session['id']}")
+            if session["path"].endswith(notebook):
+                self.api("DELETE", f"/api/sessions/{session['id']}")
 
     def stop(self):
         self.process.terminate()
@@ -320,6 +331,13 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
                 problems.append(f"{name} ({when}): a widget did not render: ...{text[max(0, match.start() - 60):match.end() + 60]}")
 
     check_outputs("after run-all")
+    # a figure wider than the output area is shrunk to fit, and its text with it
+    sizes = page.evaluate(JS_FIGURE_WIDTHS)
+    record["figure_widths"] = [{"natural": n, "shown": w} for n, w in sizes]
+    for natural, shown in sizes:
+        if shown and shown < natural - 2:
+            problems.append(f"{name}: a figure {natural} px wide is shown {shown} px wide: its text shrinks to "
+                            f"{shown / natural:.0%}; draw it narrower")
     if not interactive:
         return record
 
@@ -377,10 +395,19 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
     return record
 
 
+def widest(record: dict) -> str:
+    """The widest figure of a notebook: shown px / natural px."""
+    widths = record.get("figure_widths") or []
+    if not widths:
+        return "-"
+    w = max(widths, key=lambda x: x["natural"])
+    return f"{w['shown']}/{w['natural']}"
+
+
 def format_table(records: list[dict]) -> str:
-    return text_table(["notebook", "run all (s)", "widgets changed", "latency (s)", "screenshots"],
+    return text_table(["notebook", "run all (s)", "widgets changed", "latency (s)", "widest figure (shown/px)"],
                       [[r["notebook"], r["run_all_s"] or 0, "; ".join(r["widgets_changed"]) or "-",
-                        ", ".join(f"{x:.1f}" for x in r["update_latency_s"]) or "-", ", ".join(r["screenshots"])]
+                        ", ".join(f"{x:.1f}" for x in r["update_latency_s"]) or "-", widest(r)]
                        for r in records], [None, "{:.1f}", None, None, None])
 
 
@@ -403,6 +430,29 @@ def unreachable_links(lab: Lab) -> list[str]:
     return problems
 
 
+def run_notebooks(lab: Lab, queue: "queue.Queue[Path]", problems: list[str], records: list[dict]) -> None:
+    """One browser of its own, taking notebooks from the queue until it is empty."""
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM,
+                                             args=["--no-sandbox", "--disable-dev-shm-usage"])
+        while True:
+            try:
+                path = queue.get_nowait()
+            except Empty:
+                break
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+            try:
+                records.append(run_notebook(page, lab, path, problems))
+            except Exception as error:                                  # keep going: report all notebooks
+                problems.append(f"{path.name}: {type(error).__name__}: {error}")
+                page.screenshot(path=str(OUT / f"{path.stem}-failure.png"))
+            finally:
+                page.close()
+                lab.shut_down_kernel(path.name)
+        browser.close()
+
+
 def test_every_notebook_runs_and_its_widgets_work_in_jupyterlab(tmp_path, record_property):
     assert NOTEBOOKS, "no notebooks found"
     OUT.mkdir(parents=True, exist_ok=True)
@@ -413,23 +463,20 @@ def test_every_notebook_runs_and_its_widgets_work_in_jupyterlab(tmp_path, record
     problems, records = [], []
     try:
         problems += unreachable_links(lab)
-        with sync_api.sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM,
-                                                 args=["--no-sandbox", "--disable-dev-shm-usage"])
-            for path in NOTEBOOKS:
-                page = browser.new_page(viewport={"width": 1400, "height": 1000})
-                page.set_default_timeout(60_000)
-                try:
-                    records.append(run_notebook(page, lab, path, problems))
-                except Exception as error:                                  # keep going: report all notebooks
-                    problems.append(f"{path.name}: {type(error).__name__}: {error}")
-                    page.screenshot(path=str(OUT / f"{path.stem}-failure.png"))
-                finally:
-                    page.close()
-                    lab.shut_down_kernels()
-            browser.close()
+        # BROWSERS notebooks at a time, each in its own browser with its own kernel: a notebook runs
+        # on one torch thread, so on a two-core machine two of them take the time of one
+        work: queue.Queue[Path] = queue.Queue()
+        for path in NOTEBOOKS:
+            work.put(path)
+        workers = [threading.Thread(target=run_notebooks, args=(lab, work, problems, records))
+                   for _ in range(min(BROWSERS, len(NOTEBOOKS)))]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
     finally:
         lab.stop()
+    records.sort(key=lambda r: r["notebook"])
     table = format_table(records)
     (OUT / "summary.json").write_text(json.dumps({"notebooks": records, "problems": problems}, indent=1))
     (OUT / "table.txt").write_text(table + "\n")
