@@ -85,7 +85,7 @@ from moekv_ref.engine.memory import ModelShape
 from moekv_ref.engine.request import Request, RequestStatus
 from moekv_ref.engine.scheduler import Scheduler
 from moekv_ref.engine.swap import SWAP_IN, SWAP_OUT
-from moekv_ref.engine.victims import VictimPolicy
+from moekv_ref.engine.victims import Shortage, VictimPolicy
 from moekv_ref.sampling import SamplingParams
 
 SHAPE = ModelShape(num_layers=2, num_experts=4, k_max=2, k_min=1, block_size=4, max_num_positions=64)
@@ -224,7 +224,8 @@ class OldestFirst(VictimPolicy):
     name = "oldest_first"
 
     def choose_victim(self, candidates, memory, need):
-        assert need == 4 and memory.num_free_blocks == 0          # what the step is short of
+        # what the step is short of: 4 blocks on the one device, all of them its own step's
+        assert need == Shortage(device=0, num_blocks=4, request_need=4) and memory.num_free_blocks == 0
         return candidates[0]
 
 
