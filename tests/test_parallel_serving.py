@@ -86,6 +86,7 @@ def test_the_mirror_follows_the_ranks_and_a_drift_fails_loudly(home):
     assert follow_ranks(mirror, reports) == {3}
     assert mirror.token_counts([3]).tolist() == [[[3, 0, 1, 0]]]
     assert mirror.num_free_blocks_per_device.tolist() == [int(r[0, 1]) for r in reports]
+    mirror.assert_consistent()     # every row's blocks on its device: its expert's rank, or its home
     reports[0][0, 1] -= 1          # rank 0 holds a block the mirror does not know of
     with pytest.raises(RuntimeError, match="mirror of the pools drifted"):
         follow_ranks(mirror, reports)
