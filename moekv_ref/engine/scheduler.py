@@ -84,13 +84,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.kv_cache_manager import KVCacheManager
-from ..cache.rows import ceil_div
 from ..cache.shared_tail_manager import SharedTailKVCacheManager
 from .admission import ADMISSIONS, AdmissionPolicy
 from .baselines import ContinuousReserved, StaticBatching
 from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
-from .demand import (DemandPredictor, blocks_held_per_device, min_lifetime_blocks, worst_case_lifetime_blocks,
-                     worst_case_lifetime_blocks_per_device, worst_case_step_blocks, worst_case_step_blocks_per_device)
+from .demand import (DemandPredictor, blocks_held_per_device, min_lifetime_blocks,
+                     worst_case_lifetime_blocks_per_device, worst_case_step_blocks_per_device)
 from .memory import MemoryView, ModelShape
 from .request import Request, RequestStatus
 from .swap import COPY, BlockCopy, SwapSpace
@@ -429,7 +428,7 @@ class Scheduler:
         saved (it is reserved with its swap-in, which brings them back); a stalled one restarts empty."""
         if not requests:
             return []
-        shape, memory, D = self.shape, self.memory, self.num_devices
+        shape, memory = self.shape, self.memory
         resident = [r.request_id for r in requests if not r.swapped]
         counts = memory.token_counts(resident) if resident else None                    # (h, L, E)
         empty = torch.zeros(shape.num_layers, shape.num_experts, dtype=torch.int64)     # (L, E)
@@ -440,13 +439,21 @@ class Scheduler:
                 continue
             rows.append(empty if request.request_id in self.stalled else counts[at])
             at += 1
-        counts = torch.stack(rows)                                                       # (m, L, E)
-        devices = memory.device_of_expert_of([r.request_id for r in requests])          # (m, L, E)
-        held = blocks_held_per_device(counts, shape.block_size, devices, D)              # (m, D)
+        totals = [r.num_computed_tokens + n for r, n in zip(requests, num_tokens)]
+        return self._worst_case_need(torch.stack(rows), num_tokens, totals,
+                                     memory.device_of_expert_of([r.request_id for r in requests]))
+
+    def _worst_case_need(self, counts: torch.Tensor, num_tokens: list[int], totals: list[int],
+                         devices: torch.Tensor) -> list[torch.Tensor]:
+        """Rows (m, L, E) whose devices are `devices` (m, L, E), growing by num_tokens[i] to totals[i]
+        tokens -> m vectors (D,): the step's worst case on each device, never more than the lifetime's
+        worst case there minus what the rows hold."""
+        shape, D = self.shape, self.num_devices
+        held = blocks_held_per_device(counts, shape.block_size, devices, D)                      # (m, D)
         step = worst_case_step_blocks_per_device(counts, torch.tensor(num_tokens), shape.k_max, shape.block_size,
-                                                 devices, D)                             # (m, D)
-        total = torch.tensor([r.num_computed_tokens + n for r, n in zip(requests, num_tokens)])   # (m,)
-        lifetime = worst_case_lifetime_blocks_per_device(total, shape.k_max, shape.block_size, devices, D)   # (m, D)
+                                                 devices, D)                                     # (m, D)
+        lifetime = worst_case_lifetime_blocks_per_device(torch.tensor(totals), shape.k_max, shape.block_size,
+                                                         devices, D)                             # (m, D)
         return list(torch.clamp(torch.minimum(step, lifetime - held), min=0))
 
     # ----- prefix caching ------------------------------------------------------------------------------
@@ -466,16 +473,14 @@ class Scheduler:
         """Start this request from nothing although a prefix is cached (its hit does not fit now)."""
         self._looked_up = (request, None)
 
-    def hit_step_blocks(self, hit, num_tokens: int) -> int:
-        """step_blocks for a request about to start from `hit`: the worst case of its next num_tokens
-        tokens from the hit's row counts, plus the free blocks the hit itself takes."""
-        shape = self.shape
-        counts = hit.row_counts.view(1, shape.num_layers, shape.num_experts)              # (1, L, E)
-        held = int(ceil_div(counts, shape.block_size).sum())
-        step = int(worst_case_step_blocks(counts, torch.tensor([num_tokens]), shape.k_max, shape.block_size)[0])
-        lifetime = worst_case_lifetime_blocks(hit.num_tokens + num_tokens, shape.num_layers, shape.num_experts,
-                                              shape.k_max, shape.block_size)
-        return max(0, min(step, lifetime - held)) + hit.num_free_taken
+    def hit_step_blocks(self, hit, num_tokens: int) -> torch.Tensor:
+        """(D,) step_blocks for a request about to start from `hit`: the worst case of its next
+        num_tokens tokens from the hit's row counts, plus the free blocks the hit itself takes (a
+        pool that caches prefixes has one device)."""
+        counts = hit.row_counts.view(1, self.shape.num_layers, self.shape.num_experts)            # (1, L, E)
+        need = self._worst_case_need(counts, [num_tokens], [hit.num_tokens + num_tokens],
+                                     self.memory.device_of_expert[None])[0]
+        return need + hit.num_free_taken
 
     def _start_from_cached_prefix(self, request: Request, out: SchedulerOutput) -> None:
         """Give a starting request the longest usable cached prefix: its rows share the cached full
