@@ -88,7 +88,11 @@ def test_the_mirror_follows_the_ranks_and_a_drift_fails_loudly(home):
     assert mirror.num_free_blocks_per_device.tolist() == [int(r[0, 1]) for r in reports]
     mirror.assert_consistent()     # every row's blocks on its device: its expert's rank, or its home
     reports[0][0, 1] -= 1          # rank 0 holds a block the mirror does not know of
-    with pytest.raises(RuntimeError, match="mirror of the pools drifted"):
+    with pytest.raises(RuntimeError, match="mirror of the pools drifted: the ranks report"):
+        follow_ranks(mirror, reports)
+    reports[0][0, 1] += 1
+    reports[1][1, 1 + (0 if home else 2)] -= 1     # a row of sequence 3 on rank 1 lost a token
+    with pytest.raises(RuntimeError, match=r"drifted: rows of sequences \[3\] hold fewer tokens"):
         follow_ranks(mirror, reports)
 
 
