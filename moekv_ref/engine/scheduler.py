@@ -35,10 +35,10 @@ vector: each running request's next tokens reserve, on every device, the worst c
 there (demand.worst_case_step_blocks_per_device, over the request's own map of row devices, which
 with D = 1 is the one-pool bound), and when some device is short the victim policy is told *which*
 (victims.Shortage). So a request can be refused or preempted because one device is full while the
-others are empty. The devices are a GPU's partitions or an expert-parallel job's ranks
-(parallel/serving.py: rank 0's manager mirrors every rank's pool, a device per rank). Several devices
-run continuous batching on the paged pool (continuous_paged) only: the reserving baselines never
-preempt, so which device is short does not matter to them.
+others are empty. The devices are those the experts are spread over (engine.py's per-device pools)
+or an expert-parallel job's ranks (parallel/serving.py: rank 0's manager mirrors every rank's pool,
+a device per rank). Several devices run continuous batching on the paged pool (continuous_paged)
+only: the reserving baselines never preempt, so which device is short does not matter to them.
 
 Row eviction, to show why it fits badly: a victim policy may return a victims.RowEviction instead
 of a request (what expert_lru does, reading when each row was last appended to, which the block
