@@ -1,10 +1,11 @@
 """The serving engine under expert parallelism = the single-process engine, token for token.
 
-One scheduler (rank 0) over per-rank pools: every KV placement at 2 ranks and kv_with_expert at 4
+One scheduler (rank 0) over a mirror of the ranks' pools, a device per rank: every KV placement at 2 ranks and kv_with_expert at 4
 serve six ragged requests greedily, in float64, through pools small enough that a rank runs short;
 the tokens must be the single-process engine's. The attention routers are skewed towards
 low-numbered experts and experts are placed contiguously, so rank 0's pool fills first: the runs
 must preempt at a step where another rank still had free blocks (one rank short, others not).
+Every step, serve checks that the mirror's free blocks are what each rank reports (follow_ranks).
 """
 
 import functools
@@ -16,7 +17,8 @@ from moekv_ref.engine import LLMEngine
 from moekv_ref.parallel.launcher import launch
 from moekv_ref.parallel.measure import expert_ranks
 from moekv_ref.parallel.programs import ModelSpec
-from moekv_ref.parallel.serving import PerRank, ServeSpec, serve_specs
+from moekv_ref.cache.kv_cache_manager import KVCacheManager
+from moekv_ref.parallel.serving import ServeSpec, follow_ranks, serve_specs
 from moekv_ref.sampling import SamplingParams
 
 from helpers import random_prompts, small_config
@@ -63,10 +65,39 @@ def test_parallel_engine_gives_single_process_tokens(world_size, placement):
     assert result.num_preemptions >= 1 and short_while_others_free, result.events
 
 
-def test_per_rank_comparisons():
-    free = PerRank([3, 35])
-    assert PerRank([4, 0]) > free          # rank 0 is short: does not fit
-    assert not PerRank([3, 35]) > free
-    assert PerRank([3, 1]) <= free
-    assert 0 + PerRank([1, 2]) + PerRank([1, 1]) <= PerRank([2, 3])
-    assert torch.equal((free - PerRank([1, 5])).values, torch.tensor([2, 30]))
+def report(free_blocks, held):
+    """A rank's report: [-1, free blocks, 0...], then [sequence id, its (L, E) tokens there]."""
+    rows = [[-1, free_blocks] + [0] * (L * E - 1)] + [[seq_id] + counts for seq_id, counts in held]
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+L, E = 1, 4
+
+
+@pytest.mark.parametrize("home", [False, True])
+def test_the_mirror_follows_the_ranks_and_a_drift_fails_loudly(home):
+    """Experts 0, 1 on rank 0 and 2, 3 on rank 1 (or every row at its sequence's home), block size 2."""
+    mirror = KVCacheManager(L, E, 2, blocks_per_device=[10, 10], home_devices=home,
+                            device_of_expert=None if home else [0, 0, 1, 1])
+    if home:   # sequence 3's rows all on rank 1: 3 tokens in expert 0 and 1 in expert 2 take 3 blocks there
+        reports = [report(10, []), report(7, [(3, [3, 0, 1, 0])])]
+    else:      # rank 0: 3 tokens of expert 0 (2 blocks); rank 1: 1 token of expert 2 (1 block)
+        reports = [report(8, [(3, [3, 0, 0, 0])]), report(9, [(3, [0, 0, 1, 0])])]
+    assert follow_ranks(mirror, reports) == {3}
+    assert mirror.token_counts([3]).tolist() == [[[3, 0, 1, 0]]]
+    assert mirror.num_free_blocks_per_device.tolist() == [int(r[0, 1]) for r in reports]
+    mirror.assert_consistent()     # every row's blocks on its device: its expert's rank, or its home
+    reports[0][0, 1] -= 1          # rank 0 holds a block the mirror does not know of
+    with pytest.raises(RuntimeError, match="mirror of the pools drifted: the ranks report"):
+        follow_ranks(mirror, reports)
+    reports[0][0, 1] += 1
+    reports[1][1, 1 + (0 if home else 2)] -= 1     # a row of sequence 3 on rank 1 lost a token
+    with pytest.raises(RuntimeError, match=r"drifted: rows of sequences \[3\] hold fewer tokens"):
+        follow_ranks(mirror, reports)
+
+
+@pytest.mark.parametrize("option,value,allowed", [("admission", "predicted", "'optimistic' only"),
+                                                  ("preemption_mode", "swap", "'recompute' only")])
+def test_the_parallel_engine_refuses_what_it_cannot_do(option, value, allowed):
+    with pytest.raises(ValueError, match=f"{option}='{value}'.*{allowed}"):
+        ServeSpec(MODEL, "kv_with_expert", (), (), PROMPTS, NEW_TOKENS, num_blocks=60, **{option: value})

@@ -8,8 +8,9 @@ follows what it observes. Bad configurations raise before anything exists.
 import pytest
 import torch
 
-from moekv_ref.engine.demand import (DemandPredictor, min_lifetime_blocks, reserved_blocks,
-                                     worst_case_lifetime_blocks, worst_case_step_blocks)
+from moekv_ref.engine.demand import (DemandPredictor, blocks_held_per_device, min_lifetime_blocks, reserved_blocks,
+                                     worst_case_lifetime_blocks, worst_case_lifetime_blocks_per_device,
+                                     worst_case_step_blocks, worst_case_step_blocks_per_device)
 from moekv_ref.engine.scheduler import SchedulerConfig
 
 
@@ -43,6 +44,15 @@ def test_step_and_lifetime_bounds_hold_for_random_routings(seed):
         n = int(torch.randint(1, 6, (), generator=generator))
         bound = int(worst_case_step_blocks(counts, torch.tensor([n]), k_max, P)[0])
         before = blocks(counts, P)
+        # the scheduler's per-device bounds: with D = 1 the one-pool ones; with every row on device 1
+        # of 2 (a pool with home devices), the one-pool ones there and nothing on device 0
+        for devices, D, expected in ((torch.zeros(1, L, E, dtype=torch.int64), 1, [[bound]]),
+                                     (torch.ones(1, L, E, dtype=torch.int64), 2, [[0, bound]])):
+            assert worst_case_step_blocks_per_device(counts, torch.tensor([n]), k_max, P, devices, D).tolist() == expected
+            assert blocks_held_per_device(counts, P, devices, D).tolist()[0][-1] == before
+            lifetime = worst_case_lifetime_blocks(total + n, L, E, k_max, P)
+            assert worst_case_lifetime_blocks_per_device(torch.tensor([total + n]), k_max, P, devices, D).tolist() == [
+                [lifetime] if D == 1 else [0, lifetime]]
         for _ in range(n):                      # each token to 1..k_max random experts per layer
             for layer in range(L):
                 k = int(torch.randint(1, k_max + 1, (), generator=generator))
@@ -85,7 +95,7 @@ from moekv_ref.engine.memory import ModelShape
 from moekv_ref.engine.request import Request, RequestStatus
 from moekv_ref.engine.scheduler import Scheduler
 from moekv_ref.engine.swap import SWAP_IN, SWAP_OUT
-from moekv_ref.engine.victims import VictimPolicy
+from moekv_ref.engine.victims import Shortage, VictimPolicy
 from moekv_ref.sampling import SamplingParams
 
 SHAPE = ModelShape(num_layers=2, num_experts=4, k_max=2, k_min=1, block_size=4, max_num_positions=64)
@@ -224,7 +234,8 @@ class OldestFirst(VictimPolicy):
     name = "oldest_first"
 
     def choose_victim(self, candidates, memory, need):
-        assert need == 4 and memory.num_free_blocks == 0          # what the step is short of
+        # what the step is short of: 4 blocks on the one device, all of them its own step's
+        assert need == Shortage(device=0, num_blocks=4, request_need=4) and memory.num_free_blocks == 0
         return candidates[0]
 
 

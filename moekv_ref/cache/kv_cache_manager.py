@@ -27,7 +27,7 @@ pool is `slot = block_id * P + offset`. Entries past a row's ceil(n / P) used bl
 Invariants after every public call (checked by `assert_consistent`, driven by property tests):
   * a row with n tokens owns exactly ceil(n / P) blocks, listed in block_tables[row, :ceil(n/P)];
   * no block is owned by two rows; owned blocks have ref_cnt 1; free + owned = num_blocks;
-  * every block in a row's table lies in the range of the device of the row's expert;
+  * every block in a row's table lies in the range of the row's device (its expert's, or its home's);
   * a call that raises leaves the manager and the pool unchanged.
 
 Devices: each expert of each layer lives on one of D devices (`device_of_expert`, (L, E), all zeros
@@ -37,7 +37,10 @@ device*: appending to a row of an expert on device d raises OutOfBlocksError nam
 full, even while the other devices have room, and a scheduler checks its reservation device by
 device (`num_free_blocks_per_device`, `blocks_needed_per_device`, both (D,)). The paged cache, the
 attention paths and the Triton kernels do not change: a slot is still block_id * P + offset into one
-pool tensor.
+pool tensor. With `home_devices` a row's device is its *sequence's* instead: every row of sequence s
+lives on s % D, its home (a pool sharded by sequence, as expert parallelism's kv_with_sequence and
+replicated_attention placements keep theirs); `device_of_expert_of` answers for any sequence, held or
+not.
 
 Prefix caching (prefix_cache.py, a subclass) lets rows of different sequences share full blocks,
 counted by ref_cnt, and keeps blocks after their sequence ends; this class never shares.
@@ -173,14 +176,20 @@ class KVCacheManager:
 
     num_blocks: the pool of one device. blocks_per_device: D ints, a pool of D devices (num_blocks
     may then be left out, or must be their sum); device_of_expert: (E,) or (L, E) integer devices
-    0..D-1 (checked_placement), all zeros when left out."""
+    0..D-1 (checked_placement), all zeros when left out. home_devices: every row of sequence s on
+    device s % D, whatever its expert (device_of_expert must then be left out)."""
 
     def __init__(self, num_layers: int, num_experts: int, block_size: int, num_blocks: int | None = None,
                  shuffle_seed: int | None = None, initial_num_seqs: int = 4,
-                 initial_blocks_per_row: int = 4, blocks_per_device=None, device_of_expert=None):
+                 initial_blocks_per_row: int = 4, blocks_per_device=None, device_of_expert=None,
+                 home_devices: bool = False):
         for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} is not allowed: it must be a positive integer")
+        if not isinstance(home_devices, bool) or (home_devices and device_of_expert is not None):
+            raise ValueError(f"home_devices={home_devices!r} must be a bool, and True only without "
+                             f"device_of_expert (a row's device is then its sequence's home, not its expert's)")
+        self.home_devices = home_devices
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.block_size = check_block_size(block_size)
@@ -189,12 +198,12 @@ class KVCacheManager:
             device_of_expert = torch.zeros(num_experts, dtype=torch.int64)
         self.device_of_expert = checked_placement(device_of_expert, num_layers, num_experts,
                                                   self.pool.num_devices)                    # (L, E)
-        self._device_of_local_row = self.device_of_expert.reshape(-1)                        # (L*E,)
         self.index = RowIndex(num_layers, num_experts)
         self.rows_per_seq = self.index.rows_per_seq
         self.pad = self.pool.num_blocks             # padding in block tables: never a real block
         num_rows = initial_num_seqs * self.rows_per_seq
         self.num_computed_tokens = torch.zeros(num_rows, dtype=torch.int64)          # (R,)
+        self.row_device = torch.zeros(num_rows, dtype=torch.int64)                  # (R,) set by add_sequence
         self.block_tables = torch.full((num_rows, initial_blocks_per_row), self.pad,
                                        dtype=torch.int32)                          # (R, W)
         self.last_position = torch.full((num_rows,), -1, dtype=torch.int64)         # (R,)
@@ -228,18 +237,23 @@ class KVCacheManager:
         return self.pool.num_free_blocks_per_device
 
     def device_of_rows(self, rows) -> torch.Tensor:
-        """(m,) the device of each row id."""
-        return self._device_of_local_row[checked_ids(rows, "rows") % self.rows_per_seq]
+        """(m,) the device of each row id (of a held sequence)."""
+        return self.row_device[checked_ids(rows, "rows")]
 
-    def per_device(self, token_counts: torch.Tensor) -> torch.Tensor:
-        """Blocks of rows of these token counts on each device: (..., L, E) -> (..., D)."""
-        one_hot = torch.nn.functional.one_hot(self.device_of_expert, self.num_devices)      # (L, E, D)
-        blocks = ceil_div(token_counts, self.block_size)                                     # (..., L, E)
-        return torch.einsum("...le,led->...d", blocks, one_hot)
+    def device_of_expert_of(self, seq_ids) -> torch.Tensor:
+        """(m, L, E) the device each row of these sequences lives on, held or not yet: device_of_expert,
+        or with home_devices the sequence's home s % D for all of its rows."""
+        seq_ids = torch.tensor([int(s) for s in seq_ids], dtype=torch.int64)                # (m,)
+        if self.home_devices:
+            return (seq_ids % self.num_devices).view(-1, 1, 1).expand(-1, self.num_layers, self.num_experts)
+        return self.device_of_expert.expand(seq_ids.numel(), -1, -1)
 
     def blocks_held_per_device(self, seq_ids) -> torch.Tensor:
-        """(m, D) blocks each sequence holds on each device (zeros for one not held)."""
-        return self.per_device(self.token_counts(seq_ids))
+        """(m, D) blocks each sequence owns on each device, every one (a shared-tail design's tail
+        blocks too); zeros for one not held."""
+        return torch.stack([torch.zeros(self.num_devices, dtype=torch.int64) if not self.holds(s) else
+                            torch.bincount(self.pool.device_of_blocks(self.blocks_of_sequence(s)),
+                                           minlength=self.num_devices) for s in seq_ids])
 
     def blocks_needed_per_device(self, rows, num_new_tokens) -> torch.Tensor:
         """(D,) blocks that appending num_new_tokens[i] tokens to rows[i] would take on each device."""
@@ -265,6 +279,8 @@ class KVCacheManager:
             self._grow_rows()
         index = self._free_seq_indices.pop()
         self._seq_index[seq_id] = index
+        rows = self.sequence_rows(torch.tensor([index]))[0]                                  # (L*E,)
+        self.row_device[rows] = self.device_of_expert_of([seq_id])[0].reshape(-1)
         return index
 
     def seq_index(self, seq_id: int) -> int:
@@ -571,6 +587,7 @@ class KVCacheManager:
             (extra, self.block_tables.shape[1]), self.pad, dtype=torch.int32)])
         self.last_position = torch.cat([self.last_position, torch.full((extra,), -1, dtype=torch.int64)])
         self.last_appended = torch.cat([self.last_appended, torch.full((extra,), -1, dtype=torch.int64)])
+        self.row_device = torch.cat([self.row_device, torch.zeros(extra, dtype=torch.int64)])
         self._free_seq_indices = list(range(2 * num_seqs - 1, num_seqs - 1, -1)) + self._free_seq_indices
 
     def _grow_tables(self, min_width: int) -> None:
@@ -597,7 +614,7 @@ class KVCacheManager:
         assert owned.numel() + self.pool.num_free_blocks == self.num_blocks, "free + owned != total"
         row, _ = used.nonzero(as_tuple=True)
         assert torch.equal(self.pool.device_of_blocks(self.block_tables[used].to(torch.int64)),
-                           self.device_of_rows(row)), "a row holds a block of another device than its expert's"
+                           self.device_of_rows(row)), "a row holds a block of another device than its own"
         live = torch.zeros(self.num_computed_tokens.numel() // self.rows_per_seq, dtype=torch.bool)
         live[list(self._seq_index.values())] = True
         idle_rows = (~live).repeat_interleave(self.rows_per_seq)

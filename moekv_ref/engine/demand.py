@@ -36,7 +36,9 @@ k_d(l) = min(k_max, E_d(l)) of them, so the two bounds become, per (layer, devic
 
 The per-device worst cases add up to at least the one-pool worst case (each device may see its own
 worst routing), which is the price of checking devices separately; a device with none of a layer's
-experts reserves nothing for it. With D = 1 they are the one-pool bounds.
+experts reserves nothing for it. With D = 1 they are the one-pool bounds (k_d = k_max, as k_max <= E),
+so the scheduler has one code path. A sequence's rows need not follow their experts: each sequence
+brings its own (L, E) map of devices (a pool with home devices puts all of sequence s's rows on one).
 
 Dimension legend: m sequences, L layers, E experts per layer, D devices.
 """
@@ -123,37 +125,47 @@ class DemandPredictor:
         return int(sum(min(math.ceil(x - 1e-9), worst) for x in per_layer.tolist()))
 
 
-def _experts_per_device(device_of_expert: torch.Tensor, num_devices: int) -> torch.Tensor:
-    """(L, E, D) one-hot of each expert's device."""
-    return torch.nn.functional.one_hot(device_of_expert, num_devices)
+def _per_device(values: torch.Tensor, device_of_expert: torch.Tensor, num_devices: int) -> torch.Tensor:
+    """(m, L, E) values of rows summed over the rows of each device: (m, L, D). device_of_expert
+    (m, L, E): the device of each sequence's rows."""
+    m, L, _ = values.shape
+    return torch.zeros(m, L, num_devices, dtype=torch.int64).scatter_add_(2, device_of_expert, values)
+
+
+def blocks_held_per_device(token_counts: torch.Tensor, block_size: int, device_of_expert: torch.Tensor,
+                           num_devices: int) -> torch.Tensor:
+    """token_counts (m, L, E), device_of_expert (m, L, E) -> (m, D): the blocks the rows hold on each
+    device (ceil(c / P) per row)."""
+    return _per_device(ceil_div(token_counts, block_size), device_of_expert, num_devices).sum(1)
 
 
 def worst_case_step_blocks_per_device(token_counts: torch.Tensor, num_new_tokens: torch.Tensor, k_max: int,
                                       block_size: int, device_of_expert: torch.Tensor,
                                       num_devices: int) -> torch.Tensor:
-    """token_counts (m, L, E), num_new_tokens (m,) -> (m, D): the most blocks each sequence's next
-    tokens could take on each device (min of bounds A and B, summed over layers)."""
+    """token_counts (m, L, E), num_new_tokens (m,), device_of_expert (m, L, E) (the device of each
+    sequence's rows) -> (m, D): the most blocks each sequence's next tokens could take on each device
+    (min of bounds A and B, summed over layers)."""
     m = token_counts.shape[0]
-    one_hot = _experts_per_device(device_of_expert, num_devices)                     # (L, E, D)
     n = num_new_tokens.to(torch.int64).view(m, 1, 1)                                 # (m, 1, 1)
     grow = ceil_div(token_counts + n, block_size) - ceil_div(token_counts, block_size)   # (m, L, E)
-    bound_a = torch.einsum("mle,led->mld", grow, one_hot)                            # (m, L, D)
-    experts_on = one_hot.sum(1)                                                      # (L, D)
-    k_on = torch.clamp(experts_on, max=k_max)                                        # (L, D)
-    entries = k_on[None] * n                                                         # (m, L, D)
-    rows = torch.minimum(entries, experts_on[None])
+    bound_a = _per_device(grow, device_of_expert, num_devices)                       # (m, L, D)
+    experts_on = _per_device(torch.ones_like(token_counts), device_of_expert, num_devices)   # (m, L, D)
+    entries = torch.clamp(experts_on, max=k_max) * n                                 # (m, L, D) k_d * n
+    rows = torch.minimum(entries, experts_on)
     bound_b = rows + (entries - rows) // block_size                                  # (m, L, D)
     return torch.minimum(bound_a, bound_b).sum(1)                                    # (m, D)
 
 
-def worst_case_lifetime_blocks_per_device(num_tokens: int, k_max: int, block_size: int,
+def worst_case_lifetime_blocks_per_device(num_tokens: torch.Tensor, k_max: int, block_size: int,
                                           device_of_expert: torch.Tensor, num_devices: int) -> torch.Tensor:
-    """(D,) the most blocks a sequence of `num_tokens` cached tokens can hold on each device: per
-    layer min(E_d * ceil(T / P), m + (k_d * T - m) // P), m = min(E_d, k_d * T)."""
-    experts_on = _experts_per_device(device_of_expert, num_devices).sum(1)           # (L, D)
-    k_on = torch.clamp(experts_on, max=k_max)
-    entries = k_on * num_tokens
+    """num_tokens (m,), device_of_expert (m, L, E) -> (m, D): the most blocks a sequence of that many
+    cached tokens can hold on each device: per layer min(E_d * ceil(T / P), r + (k_d * T - r) // P),
+    r = min(E_d, k_d * T)."""
+    ones = torch.ones(device_of_expert.shape, dtype=torch.int64)
+    experts_on = _per_device(ones, device_of_expert, num_devices)                    # (m, L, D)
+    T = num_tokens.to(torch.int64).view(-1, 1, 1)                                    # (m, 1, 1)
+    entries = torch.clamp(experts_on, max=k_max) * T
     rows = torch.minimum(entries, experts_on)
-    per_layer = torch.minimum(experts_on * ceil_div(num_tokens, block_size),
-                              rows + (entries - rows) // block_size)                 # (L, D)
-    return per_layer.sum(0)
+    per_layer = torch.minimum(experts_on * ceil_div(T, block_size),
+                              rows + (entries - rows) // block_size)                 # (m, L, D)
+    return per_layer.sum(1)

@@ -8,18 +8,20 @@
                  vectors, and when each row was last appended to
 
 Devices (the manager's, cache/kv_cache_manager.py): with the attention experts on D devices, each with
-its own blocks, memory is short per device:
+its own blocks, memory is short per device; one pool is D = 1, the same questions with one entry:
 
     num_free_blocks_per_device   (D,) free blocks of each device
-    blocks_held_per_device(s)    (D,) blocks sequence s holds on each device
+    blocks_held_per_device(s)    (D,) blocks sequence s holds on each device (every block it owns)
     swapped_blocks_per_device(s) (D,) blocks a swapped sequence takes on each device to come back
     row_last_used(s)             (L, E) the step that last appended to each row of s (-1: never),
                                  what an expert-level LRU reads; None where the scheduler does not
                                  evict rows
-    device_of_expert             (L, E)
+    device_of_expert             (L, E) the manager's placement of experts
+    device_of_expert_of(seqs)    (m, L, E) where each row of these sequences lives, held or not (its
+                                 expert's device, or its sequence's home in a pool with home devices)
 
 The totals (num_blocks, num_free_blocks, ...) stay sums over devices, so the admission policies that
-reason about the whole pool keep working; one pool is D = 1.
+reason about the whole pool keep working.
 
 The scheduler changes memory only through the block manager (`free`) and the swap space
 (`swap_out` / `swap_in`), and never touches K/V tensors: the model's forward fills blocks (the cache
@@ -64,8 +66,6 @@ class MemoryView:
         self._manager = manager
         self._swap_space = swap_space
         self.shape = shape
-        # a block manager without devices (the per-rank pools of parallel/serving.py) is one device
-        self._has_devices = isinstance(manager, KVCacheManager)
         self._evicts_rows = evicts_rows               # row_last_used answers only where rows are evicted
 
     # ----- the pool ---------------------------------------------------------------------------------
@@ -126,20 +126,16 @@ class MemoryView:
     # ----- devices (one pool: D = 1) ----------------------------------------------------------------
     @property
     def num_devices(self) -> int:
-        return self._manager.num_devices if self._has_devices else 1
+        return self._manager.num_devices
 
     @property
     def blocks_per_device(self) -> torch.Tensor:
         """(D,) blocks of each device."""
-        if not self._has_devices:
-            return torch.tensor([self.num_blocks], dtype=torch.int64)
         return self._manager.blocks_per_device
 
     @property
     def num_free_blocks_per_device(self) -> torch.Tensor:
         """(D,) free blocks of each device."""
-        if not self._has_devices:
-            return torch.tensor([self.num_free_blocks], dtype=torch.int64)
         return self._manager.num_free_blocks_per_device
 
     @property
@@ -149,24 +145,22 @@ class MemoryView:
     @property
     def device_of_expert(self) -> torch.Tensor:
         """(L, E) the device of each expert (all 0: one pool)."""
-        if not self._has_devices:
-            return torch.zeros(self.shape.num_layers, self.shape.num_experts, dtype=torch.int64)
         return self._manager.device_of_expert
 
+    def device_of_expert_of(self, seq_ids: list[int]) -> torch.Tensor:
+        """(m, L, E) the device each row of these sequences lives on (held or not)."""
+        return self._manager.device_of_expert_of(seq_ids)
+
     def blocks_held_per_device(self, seq_id: int) -> torch.Tensor:
-        """(D,) blocks the sequence holds on each device. One device: every block it holds, also
-        those a design keeps outside its rows (shared tails)."""
-        if self.num_devices == 1:
-            return torch.tensor([self.num_blocks_held(seq_id)], dtype=torch.int64)
+        """(D,) blocks the sequence holds on each device: every block it owns, also those a design
+        keeps outside its rows (shared tails), so that with one device it is num_blocks_held."""
         return self._manager.blocks_held_per_device([seq_id])[0]
 
     def swapped_blocks_per_device(self, seq_id: int) -> torch.Tensor:
         """(D,) blocks a swapped sequence takes on each device to come back (zeros if not swapped)."""
         if not self.is_swapped(seq_id):
             return torch.zeros(self.num_devices, dtype=torch.int64)
-        if self.num_devices == 1:
-            return torch.tensor([self.num_blocks_swapped(seq_id)], dtype=torch.int64)
-        return self._manager.per_device(self.swapped_token_counts(seq_id))
+        return self._swap_space.blocks_per_device(seq_id)
 
     def row_last_used(self, seq_id: int) -> torch.Tensor | None:
         """(L, E) the step that last appended to each of the sequence's rows (-1: never), kept by the

@@ -29,16 +29,16 @@ yet the sequence can no longer run until that row is rebuilt -- and a row can on
 running the whole sequence again (its K/V at layer l depend on every earlier layer). So a partial
 eviction costs the same recompute as a whole one and frees a fraction of the memory.
 
-Devices: when the attention experts of each layer live on D devices, each with its own blocks
-(cache/kv_cache_manager.py), a step fits only if it fits every device. The reservation is then a
-(D,) vector: each running request's next tokens reserve, on every device, the worst case they could
-open there (demand.worst_case_step_blocks_per_device), and when some device is short the victim
-policy is told *which* (victims.Shortage). So a request can be refused or preempted because one
-device is full while the others are empty. With one device the reservation is a number, the
-device's count, and the victim policy is told how many blocks are missing (an int); a block manager
-without devices (the per-rank pools of parallel/serving.py) reserves in its own counts the same way.
-Per-device pools run continuous batching on the paged pool (continuous_paged) only: the reserving
-baselines never preempt, so which device is short does not matter to them.
+Devices: the block manager's pool has D devices, each with its own blocks (cache/kv_cache_manager.py;
+one pool is D = 1), and a step fits only if it fits every device. The reservation is a (D,) int64
+vector: each running request's next tokens reserve, on every device, the worst case they could open
+there (demand.worst_case_step_blocks_per_device, over the request's own map of row devices, which
+with D = 1 is the one-pool bound), and when some device is short the victim policy is told *which*
+(victims.Shortage). So a request can be refused or preempted because one device is full while the
+others are empty. The devices are those the experts are spread over (engine.py's per-device pools)
+or an expert-parallel job's ranks (parallel/serving.py: rank 0's manager mirrors every rank's pool,
+a device per rank). Several devices run continuous batching on the paged pool (continuous_paged)
+only: the reserving baselines never preempt, so which device is short does not matter to them.
 
 Row eviction, to show why it fits badly: a victim policy may return a victims.RowEviction instead
 of a request (what expert_lru does, reading when each row was last appended to, which the block
@@ -84,13 +84,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.kv_cache_manager import KVCacheManager
-from ..cache.rows import ceil_div
 from ..cache.shared_tail_manager import SharedTailKVCacheManager
 from .admission import ADMISSIONS, AdmissionPolicy
 from .baselines import ContinuousReserved, StaticBatching
 from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
-from .demand import (DemandPredictor, min_lifetime_blocks, worst_case_lifetime_blocks,
-                     worst_case_lifetime_blocks_per_device, worst_case_step_blocks, worst_case_step_blocks_per_device)
+from .demand import (DemandPredictor, blocks_held_per_device, min_lifetime_blocks,
+                     worst_case_lifetime_blocks_per_device, worst_case_step_blocks_per_device)
 from .memory import MemoryView, ModelShape
 from .request import Request, RequestStatus
 from .swap import COPY, BlockCopy, SwapSpace
@@ -160,7 +159,7 @@ class SchedulerConfig:
 class ScheduledRequest:
     request: Request
     num_tokens: int            # tokens this step runs for it
-    reserved_blocks: int       # worst case those tokens can take from the pool (all devices)
+    reserved_blocks: int       # worst case those tokens can take from the pool (summed over devices)
     samples: bool = True       # the tokens end its pending ones: the step samples its next token
 
 
@@ -216,13 +215,9 @@ class Scheduler:
             raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
         if not isinstance(shape, ModelShape):
             raise ValueError(f"shape must be a ModelShape, got {type(shape).__name__}")
-        # a KVCacheManager, or anything with its interface (per-rank pools under expert parallelism)
-        missing = [name for name in ("num_blocks", "num_free_blocks", "sequences", "token_counts", "free")
-                   if not hasattr(manager, name)]
-        if missing:
-            raise ValueError(f"manager must be a block manager (a KVCacheManager or one with its interface); "
-                             f"{type(manager).__name__} lacks {missing}")
-        if isinstance(manager, KVCacheManager) and (manager.num_layers, manager.num_experts, manager.block_size) != (
+        if not isinstance(manager, KVCacheManager):
+            raise ValueError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
+        if (manager.num_layers, manager.num_experts, manager.block_size) != (
                 shape.num_layers, shape.num_experts, shape.block_size):
             raise ValueError(f"the manager's (layers, experts, block size) = ({manager.num_layers}, "
                              f"{manager.num_experts}, {manager.block_size}) differ from the shape's "
@@ -237,8 +232,7 @@ class Scheduler:
         self.prefix_caching = bool(getattr(manager, "enable_prefix_caching", False))
         self._looked_up = None                 # (request, its hit): the last lookup, until the pool changes
         # single rows can be evicted from plain pages (module docstring)
-        evicts_rows = (isinstance(manager, KVCacheManager) and not self.prefix_caching
-                       and not isinstance(manager, SharedTailKVCacheManager))
+        evicts_rows = not self.prefix_caching and not isinstance(manager, SharedTailKVCacheManager)
         self.memory = MemoryView(manager, shape, self.swap_space, evicts_rows)
         self.num_devices = self.memory.num_devices
         self.shape = shape
@@ -268,16 +262,16 @@ class Scheduler:
         """The most blocks this policy could need for one request running alone."""
         return self.batching.max_blocks_alone(num_cached_tokens, self.shape)
 
-    def check_fits_alone(self, prompt_len: int, max_new_tokens: int) -> None:
+    def check_fits_alone(self, prompt_len: int, max_new_tokens: int, request_id: int = 0) -> None:
         """Raise ValueError if a request of this shape might not fit the pool even with nothing else
         running. Such a request must be refused up front: preemption frees only *other* sequences'
-        memory, so once admitted it could never finish."""
+        memory, so once admitted it could never finish. request_id: whose rows' devices to check,
+        where they depend on it (a pool with home devices); elsewhere any id gives the same answer."""
         shape, num_blocks = self.shape, self.memory.num_blocks
         num_tokens = prompt_len + max_new_tokens - 1
         worst = self.max_blocks_alone(num_tokens)
         if worst <= num_blocks:
-            if self.num_devices > 1:
-                self._check_fits_each_device(prompt_len, max_new_tokens)
+            self._check_fits_each_device(prompt_len, max_new_tokens, request_id)
             return
         least = min_lifetime_blocks(num_tokens, shape.num_layers, shape.k_min, shape.block_size)
         verdict = "can never fit" if least > num_blocks else "may not fit even alone"
@@ -293,12 +287,13 @@ class Scheduler:
             f"pool of {num_blocks} blocks: it needs at least {least} and up to {worst} blocks "
             f"({shape.num_layers} layers, up to {shape.k_max} experts per token, block size {shape.block_size}); {fix}")
 
-    def _check_fits_each_device(self, prompt_len: int, max_new_tokens: int) -> None:
-        """With several devices: a request whose rows on some device might outgrow that device's
-        blocks is refused, naming the device."""
+    def _check_fits_each_device(self, prompt_len: int, max_new_tokens: int, request_id: int) -> None:
+        """A request whose rows on some device might outgrow that device's blocks is refused, naming
+        the device (with one device, what the check of the whole pool has already said)."""
         shape, memory = self.shape, self.memory
-        worst = worst_case_lifetime_blocks_per_device(prompt_len + max_new_tokens - 1, shape.k_max, shape.block_size,
-                                                      memory.device_of_expert, self.num_devices)        # (D,)
+        worst = worst_case_lifetime_blocks_per_device(torch.tensor([prompt_len + max_new_tokens - 1]), shape.k_max,
+                                                      shape.block_size, memory.device_of_expert_of([request_id]),
+                                                      self.num_devices)[0]                               # (D,)
         over = (worst > memory.blocks_per_device).nonzero().squeeze(1)
         if over.numel():
             d = int(over[0])
@@ -331,8 +326,7 @@ class Scheduler:
     def _schedule(self, step: int) -> SchedulerOutput:
         out = SchedulerOutput(step)
         self._looked_up = None
-        if isinstance(self.manager, KVCacheManager):
-            self.manager.clock = step              # the rows this step appends to remember it
+        self.manager.clock = step                  # the rows this step appends to remember it
         token_budget = self.config.max_num_batched_tokens
         reserved = self.nothing_reserved()
         # every running request's need, in one call; a request the budget cuts short is asked again
@@ -380,48 +374,36 @@ class Scheduler:
             self.batching.admit(AdmissionStep(self, out, token_budget, reserved))
         return out
 
-    # ----- the step's reservation: per device -------------------------------------------------------
-    # A (D,) int64 vector with several devices; with one, a number (module docstring).
-    def nothing_reserved(self):
-        return torch.zeros(self.num_devices, dtype=torch.int64) if self.num_devices > 1 else 0
+    # ----- the step's reservation: per device ------------------------------------------------------
+    # A (D,) int64 vector, D = 1 for one pool (module docstring).
+    def nothing_reserved(self) -> torch.Tensor:
+        return torch.zeros(self.num_devices, dtype=torch.int64)
 
-    def fits(self, demand) -> bool:
-        """Whether `demand` blocks fit the free blocks (of every device)."""
-        if self.num_devices > 1:
-            return bool((demand <= self.memory.num_free_blocks_per_device).all())
-        return demand <= self.memory.num_free_blocks
+    def fits(self, demand: torch.Tensor) -> bool:
+        """Whether `demand` (D,) blocks fit the free blocks of every device."""
+        return bool((demand <= self.memory.num_free_blocks_per_device).all())
 
-    def _shortage(self, demand, need) -> tuple[int, object]:
-        """(the short device, what the victim policy is told): with several devices the device short
-        by the most blocks and a Shortage naming it; with one, device 0 and the blocks missing."""
-        if self.num_devices == 1:
-            return 0, demand - self.memory.num_free_blocks
+    def _shortage(self, demand: torch.Tensor, need: torch.Tensor) -> tuple[int, Shortage]:
+        """(the short device, what the victim policy is told): the device short by the most blocks
+        and a Shortage naming it."""
         missing = demand - self.memory.num_free_blocks_per_device                    # (D,)
         device = int(missing.argmax())
         return device, Shortage(device, int(missing[device]), int(need[device]))
 
-    def _free_on(self, device: int):
+    def _free_on(self, device: int) -> int:
         """Free blocks of `device`."""
-        if self.num_devices == 1:
-            return self.memory.num_free_blocks
         return int(self.memory.num_free_blocks_per_device[device])
 
-    def blocks_held(self, request: Request):
-        """The blocks a request holds, as a reservation counts them."""
-        if self.num_devices == 1:
-            return self.memory.num_blocks_held(request.request_id)
+    def blocks_held(self, request: Request) -> torch.Tensor:
+        """(D,) the blocks a request holds, as a reservation counts them."""
         return self.memory.blocks_held_per_device(request.request_id)
 
-    def blocks_to_swap_in(self, request: Request):
-        """The blocks a swapped request takes to come back (nothing if it is not swapped), as a
-        reservation counts them."""
-        if self.num_devices == 1:
-            return self.memory.num_blocks_swapped(request.request_id)
+    def blocks_to_swap_in(self, request: Request) -> torch.Tensor:
+        """(D,) the blocks a swapped request takes to come back (nothing if it is not swapped)."""
         return self.memory.swapped_blocks_per_device(request.request_id)
 
-    def schedule_tokens(self, out: SchedulerOutput, request: Request, num_tokens: int, need) -> None:
-        reserved = int(need.sum()) if self.num_devices > 1 else need
-        out.scheduled.append(ScheduledRequest(request, num_tokens, reserved,
+    def schedule_tokens(self, out: SchedulerOutput, request: Request, num_tokens: int, need: torch.Tensor) -> None:
+        out.scheduled.append(ScheduledRequest(request, num_tokens, int(need.sum()),
                                               samples=num_tokens == request.num_pending_tokens))
 
     def start_head(self, out: SchedulerOutput) -> Request:
@@ -448,56 +430,46 @@ class Scheduler:
         self.running.append(request)
         return request
 
-    def step_blocks(self, request: Request, num_tokens: int):
-        """Worst case of blocks the request's next `num_tokens` tokens can take from the pool ((D,):
-        on each device). Never more than its lifetime worst case minus what it holds, so a request
-        alone always fits."""
+    def step_blocks(self, request: Request, num_tokens: int) -> torch.Tensor:
+        """(D,) the worst case of blocks the request's next `num_tokens` tokens can take on each
+        device. Never more than its lifetime worst case minus what it holds, so a request alone
+        always fits."""
         return self.step_blocks_many([request], [num_tokens])[0]
 
-    def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> list[int]:
+    def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> list[torch.Tensor]:
         """`step_blocks` of many requests in one pass over their (m, L, E) token counts: the scheduler
         asks for the whole running batch at once, since per-request tensor calls would cost more than
-        a decode step's forward on a small model."""
+        a decode step's forward on a small model. A swapped request's step grows from the rows it
+        saved (it is reserved with its swap-in, which brings them back); a stalled one restarts empty."""
         if not requests:
             return []
-        shape = self.shape
+        shape, memory = self.shape, self.memory
         resident = [r.request_id for r in requests if not r.swapped]
-        counts = self.memory.token_counts(resident) if resident else None               # (h, L, E)
+        counts = memory.token_counts(resident) if resident else None                    # (h, L, E)
         empty = torch.zeros(shape.num_layers, shape.num_experts, dtype=torch.int64)     # (L, E)
         rows, at = [], 0
         for request in requests:
             if request.swapped:
-                # With several devices a swapped request's step is reserved as if from empty rows
-                # (more than from its saved counts; its swap-in is reserved apart): what the
-                # per-device reservation has always done, kept so that its decisions do not change.
-                rows.append(self.memory.swapped_token_counts(request.request_id) if self.num_devices == 1 else empty)
+                rows.append(memory.swapped_token_counts(request.request_id))
                 continue
-            rows.append(empty if request.request_id in self.stalled else counts[at])   # a stalled one restarts
+            rows.append(empty if request.request_id in self.stalled else counts[at])
             at += 1
-        counts = torch.stack(rows)                                                       # (m, L, E)
-        if self.num_devices > 1:
-            return self._step_blocks_per_device(requests, num_tokens, counts)
-        held = ceil_div(counts, shape.block_size).sum((1, 2)).tolist()                 # (m,) blocks held
-        step = worst_case_step_blocks(counts, torch.tensor(num_tokens), shape.k_max, shape.block_size).tolist()
-        needs = []
-        for request, n, s, h in zip(requests, num_tokens, step, held):
-            lifetime = worst_case_lifetime_blocks(request.num_computed_tokens + n, shape.num_layers,
-                                                  shape.num_experts, shape.k_max, shape.block_size)
-            needs.append(max(0, min(s, lifetime - h)))
-        return needs
+        totals = [r.num_computed_tokens + n for r, n in zip(requests, num_tokens)]
+        return self._worst_case_need(torch.stack(rows), num_tokens, totals,
+                                     memory.device_of_expert_of([r.request_id for r in requests]))
 
-    def _step_blocks_per_device(self, requests: list[Request], num_tokens: list[int], counts: torch.Tensor) -> list:
-        """step_blocks_many on several devices: counts (m, L, E) -> m vectors (D,)."""
-        shape, memory, D = self.shape, self.memory, self.num_devices
-        held = self.manager.per_device(counts)                                            # (m, D)
+    def _worst_case_need(self, counts: torch.Tensor, num_tokens: list[int], totals: list[int],
+                         devices: torch.Tensor) -> list[torch.Tensor]:
+        """Rows (m, L, E) whose devices are `devices` (m, L, E), growing by num_tokens[i] to totals[i]
+        tokens -> m vectors (D,): the step's worst case on each device, never more than the lifetime's
+        worst case there minus what the rows hold."""
+        shape, D = self.shape, self.num_devices
+        held = blocks_held_per_device(counts, shape.block_size, devices, D)                      # (m, D)
         step = worst_case_step_blocks_per_device(counts, torch.tensor(num_tokens), shape.k_max, shape.block_size,
-                                                 memory.device_of_expert, D)               # (m, D)
-        needs = []
-        for i, (request, n) in enumerate(zip(requests, num_tokens)):
-            lifetime = worst_case_lifetime_blocks_per_device(request.num_computed_tokens + n, shape.k_max,
-                                                             shape.block_size, memory.device_of_expert, D)   # (D,)
-            needs.append(torch.clamp(torch.minimum(step[i], lifetime - held[i]), min=0))
-        return needs
+                                                 devices, D)                                     # (m, D)
+        lifetime = worst_case_lifetime_blocks_per_device(torch.tensor(totals), shape.k_max, shape.block_size,
+                                                         devices, D)                             # (m, D)
+        return list(torch.clamp(torch.minimum(step, lifetime - held), min=0))
 
     # ----- prefix caching ------------------------------------------------------------------------------
     def prefix_hit(self, request: Request):
@@ -516,16 +488,14 @@ class Scheduler:
         """Start this request from nothing although a prefix is cached (its hit does not fit now)."""
         self._looked_up = (request, None)
 
-    def hit_step_blocks(self, hit, num_tokens: int) -> int:
-        """step_blocks for a request about to start from `hit`: the worst case of its next num_tokens
-        tokens from the hit's row counts, plus the free blocks the hit itself takes."""
-        shape = self.shape
-        counts = hit.row_counts.view(1, shape.num_layers, shape.num_experts)              # (1, L, E)
-        held = int(ceil_div(counts, shape.block_size).sum())
-        step = int(worst_case_step_blocks(counts, torch.tensor([num_tokens]), shape.k_max, shape.block_size)[0])
-        lifetime = worst_case_lifetime_blocks(hit.num_tokens + num_tokens, shape.num_layers, shape.num_experts,
-                                              shape.k_max, shape.block_size)
-        return max(0, min(step, lifetime - held)) + hit.num_free_taken
+    def hit_step_blocks(self, hit, num_tokens: int) -> torch.Tensor:
+        """(D,) step_blocks for a request about to start from `hit`: the worst case of its next
+        num_tokens tokens from the hit's row counts, plus the free blocks the hit itself takes (a
+        pool that caches prefixes has one device)."""
+        counts = hit.row_counts.view(1, self.shape.num_layers, self.shape.num_experts)            # (1, L, E)
+        need = self._worst_case_need(counts, [num_tokens], [hit.num_tokens + num_tokens],
+                                     self.memory.device_of_expert[None])[0]
+        return need + hit.num_free_taken
 
     def _start_from_cached_prefix(self, request: Request, out: SchedulerOutput) -> None:
         """Give a starting request the longest usable cached prefix: its rows share the cached full
@@ -602,7 +572,7 @@ class Scheduler:
             counts = self.memory.token_counts([request_id])[0]                       # (L, E)
             dead = counts > 0
             if device is not None:
-                dead &= self.memory.device_of_expert == device
+                dead &= self.memory.device_of_expert_of([request_id])[0] == device
             if dead.any():
                 rows = torch.cat([manager.rows([request_id], layer, expert) for layer, expert in dead.nonzero().tolist()])
                 manager.free_rows(rows)

@@ -50,6 +50,7 @@ class SwappedSequence:
     token_counts: torch.Tensor        # (L * E,) int64, layer-major
     last_appended: torch.Tensor | None = None   # (L * E,) each row's last append (the manager's clock)
     positions: torch.Tensor | None = None   # (b, P) each slot's token position (prefix caching only)
+    blocks_per_device: torch.Tensor | None = None   # (D,) of the b blocks, on each device (swap_in takes as many)
 
 
 class SwapSpace:
@@ -78,12 +79,17 @@ class SwapSpace:
         host_blocks = self.pool.allocate(device_blocks.numel())                        # may raise
         positions = getattr(self.manager, "block_positions", None)
         self.swapped[seq_id] = SwappedSequence(host_blocks, counts, self.manager.row_last_used(seq_id).reshape(-1),
-                                               None if positions is None else positions[device_blocks].clone())
+                                               None if positions is None else positions[device_blocks].clone(),
+                                               self.manager.blocks_held_per_device([seq_id])[0])
         self.manager.free(seq_id)
         return BlockCopy(SWAP_OUT, device_blocks, host_blocks)
 
     def num_blocks_to_swap_in(self, seq_id: int) -> int:
         return self.swapped[seq_id].host_block_ids.numel()
+
+    def blocks_per_device(self, seq_id: int) -> torch.Tensor:
+        """(D,) blocks the swapped sequence takes on each device to come back."""
+        return self.swapped[seq_id].blocks_per_device
 
     def token_counts(self, seq_id: int) -> torch.Tensor:
         """(L, E) tokens the swapped sequence's rows hold."""

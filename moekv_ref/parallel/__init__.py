@@ -13,7 +13,7 @@ attention experts' KV caches, every byte that travels counted.
     locality.py       placement of experts on ranks compared on real routing
     measure.py        the context sweep and the tables made from the counters
     cost_model.py     bytes, FLOPs and HBM reads per step -> projected step times on real hardware
-    serving.py        the serving engine's scheduler on rank 0 over per-rank pools, plans broadcast
+    serving.py        the serving engine's scheduler on rank 0, each rank a device of its pool, plans broadcast
     options.py        the values the command lines accept, checked before anything starts
     __main__.py       `torchrun --nproc_per_node=N -m moekv_ref.parallel ...`
 """

@@ -1,23 +1,26 @@
-"""The serving engine driving the expert-parallel model: one scheduler, per-rank pools.
+"""The serving engine driving the expert-parallel model: one scheduler, the ranks as devices of one pool.
 
-Rank 0 runs the engine's `Scheduler` (engine/scheduler.py) on integers and, every step, broadcasts
-the step's plan to every rank: the flat batch (token, sequence, position of every scheduled token)
-and the sequences whose blocks the scheduler freed (finished or preempted). Every rank frees them,
-then runs `ParallelRunner.step` on its home sequences' tokens (sequence i's home is i % R); the
-last-token logits come back to rank 0 (an all-to-all with rank 0 the only destination), which
-samples; and each rank reports its pool to rank 0 in integers (free blocks; per sequence, blocks and
-(layer, expert) tokens held).
+Rank 0 runs the engine's `Scheduler` (engine/scheduler.py) over a `KVCacheManager` that mirrors every
+rank's pool: one device per rank, `num_blocks` blocks each, block accounting only (no K/V). Every
+step rank 0 broadcasts the step's plan: the flat batch (token, sequence, position of every scheduled
+token) and the sequences whose blocks went back (those the ranks hold and the mirror no longer does:
+finished or preempted). Every rank frees them, then runs `ParallelRunner.step` on its home sequences'
+tokens (sequence i's home is i % R); the last-token logits come back to rank 0 (an all-to-all with
+rank 0 the only destination), which samples; and each rank reports its pool in integers (free
+blocks; per sequence it holds, the (layer, expert) tokens of its rows). Rank 0 appends the tokens
+each row gained to the mirror (`follow_ranks`) and checks that every device's free blocks are what
+its rank reports, so that a drift fails loudly at the step it happens.
 
-What changes for the scheduler: memory is short *per rank*. A step's worst case is reserved on each
-rank separately (`PerRank` vectors: under kv_with_expert the rows of the experts on rank r can take
-blocks only from r's pool, at most min(k_max, experts of r) per token per layer; under the other
-placements the home rank takes a sequence's whole worst case), and it fits only if it fits on every
-rank. So a sequence can be refused or preempted because *one* rank is short while the others have
-room. `PerRank` compares the way the scheduler's loop needs ("a > b" when any rank exceeds, "a <= b"
-when every rank fits), so the scheduler's own loop runs unchanged over these vectors.
+Where a row lives, hence which device of the mirror gives its blocks: under kv_with_expert its
+expert's rank (`device_of_expert = attention_ranks`); under kv_with_sequence and replicated_attention
+its sequence's home rank (`home_devices`, kv_placements.py). The scheduler needs nothing more: memory
+is short *per device*, a step's worst case is reserved on each rank separately (over each request's
+own map of row devices) and fits only if it fits every rank, so a sequence can be refused or
+preempted because *one* rank is short while the others have room.
 
 Admission is optimistic (admit whenever the next step fits; preempt by recompute when short): the
-demand predictor predicts one pool's blocks, not each rank's. Swap preemption is not offered.
+demand predictor predicts one pool's blocks, not each rank's, and the ranks keep no swap space.
+ServeSpec refuses anything else.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.demand import worst_case_lifetime_blocks, worst_case_step_blocks
-from ..engine.memory import MemoryView, ModelShape
+from ..cache.kv_cache_manager import KVCacheManager
+from ..engine.memory import ModelShape
 from ..engine.model_runner import flatten_batch
 from ..engine.request import Request, RequestOutput
 from ..engine.scheduler import Scheduler, SchedulerConfig
@@ -35,162 +38,6 @@ from ..sampling import SamplingParams, sample_next
 from .launcher import WorkerContext
 from .programs import ModelSpec
 from .runner import ParallelRunner
-
-
-class PerRank:
-    """Blocks on each of R ranks. `a > b`: some rank exceeds; `a <= b`: every rank fits. Adding an
-    int adds it to every rank (the scheduler starts its reservation at 0)."""
-
-    def __init__(self, values):
-        self.values = torch.as_tensor(values, dtype=torch.int64).clone()
-
-    def _other(self, other):
-        return other.values if isinstance(other, PerRank) else torch.as_tensor(other, dtype=torch.int64)
-
-    def __add__(self, other):
-        return PerRank(self.values + self._other(other))
-
-    __radd__ = __add__
-
-    def __sub__(self, other):
-        return PerRank(self.values - self._other(other))
-
-    def __gt__(self, other):
-        return bool((self.values > self._other(other)).any())
-
-    def __le__(self, other):
-        return bool((self.values <= self._other(other)).all())
-
-    def __ge__(self, other):     # int <= PerRank: the int fits on every rank
-        return bool((self.values >= self._other(other)).all())
-
-    def __lt__(self, other):     # int > PerRank: the int exceeds some rank
-        return bool((self.values < self._other(other)).any())
-
-    def __repr__(self):
-        return f"PerRank({self.values.tolist()})"
-
-
-class RankPools:
-    """What rank 0 knows of every rank's pool, in integers, from the ranks' reports after each step;
-    answers the block manager's questions the scheduler asks (`num_blocks`, `num_free_blocks` as
-    PerRank; `sequences`, `token_counts`, `free`). `free` counts the blocks as free at once and
-    queues the sequence for the ranks, which free it before the next forward."""
-
-    def __init__(self, world_size: int, num_blocks: int, num_layers: int, num_experts: int):
-        self.world_size = world_size
-        self.shape = (num_layers, num_experts)
-        self._num_blocks = [num_blocks] * world_size
-        self._free = [num_blocks] * world_size
-        self._held: list[dict[int, tuple[int, torch.Tensor]]] = [{} for _ in range(world_size)]   # seq -> (blocks, (L, E))
-        self.pending_frees: list[int] = []
-
-    @property
-    def num_blocks(self) -> PerRank:
-        return PerRank(self._num_blocks)
-
-    @property
-    def num_free_blocks(self) -> PerRank:
-        return PerRank(self._free)
-
-    @property
-    def sequences(self) -> list[int]:
-        return sorted({seq for held in self._held for seq, (blocks, _) in held.items() if blocks})
-
-    def token_counts(self, seq_ids) -> torch.Tensor:
-        """(m, L, E) tokens each sequence holds, over every rank."""
-        out = torch.zeros((len(seq_ids),) + self.shape, dtype=torch.int64)
-        for i, seq in enumerate(seq_ids):
-            for held in self._held:
-                if int(seq) in held:
-                    out[i] += held[int(seq)][1]
-        return out
-
-    def blocks_held(self, seq_id: int) -> list[int]:
-        return [held[int(seq_id)][0] if int(seq_id) in held else 0 for held in self._held]
-
-    def free(self, seq_id: int) -> None:
-        seq_id = int(seq_id)
-        if seq_id not in self.sequences:
-            raise KeyError(f"sequence {seq_id} holds no blocks on any rank")
-        for rank, held in enumerate(self._held):
-            self._free[rank] += held.pop(seq_id, (0, None))[0]
-        self.pending_frees.append(seq_id)
-
-    def update(self, rank: int, free_blocks: int, held: dict[int, tuple[int, torch.Tensor]]) -> None:
-        """A rank's report: its free blocks and, per sequence it holds, (blocks, (L, E) tokens)."""
-        self._free[rank] = free_blocks
-        self._held[rank] = dict(held)
-
-
-class RankMemoryView(MemoryView):
-    """MemoryView over RankPools: blocks held summed over ranks."""
-
-    def num_blocks_held(self, seq_id: int) -> int:
-        return sum(self._manager.blocks_held(seq_id))
-
-
-class RankAwareScheduler(Scheduler):
-    """The engine's scheduler with each step's worst case reserved per rank (see the module
-    docstring). attention_ranks (L, E): the rank of every attention expert."""
-
-    def __init__(self, config: SchedulerConfig, pools: RankPools, shape: ModelShape, kv_placement: str,
-                 attention_ranks):
-        if config.preemption_mode != "recompute":
-            raise ValueError("the parallel engine preempts by recompute only (no per-rank swap space)")
-        if config.admission not in (None, "optimistic"):
-            raise ValueError(f"admission={config.admission!r}: the parallel engine admits optimistically "
-                             f"(the demand predictor predicts one pool, not each rank's)")
-        super().__init__(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                         admission="optimistic", victim=config.victim), pools, shape)
-        self.memory = RankMemoryView(pools, shape)
-        self.kv_placement = kv_placement
-        self.attention_ranks = torch.as_tensor(attention_ranks, dtype=torch.int64)   # (L, E)
-        self.world_size = pools.world_size
-
-    def _experts_of(self, rank: int) -> torch.Tensor:
-        """(L, E/R) the experts of each layer on this rank (placement.py gives every rank E/R)."""
-        return torch.stack([(row == rank).nonzero().squeeze(1) for row in self.attention_ranks])
-
-    def step_blocks(self, request: Request, num_tokens: int) -> PerRank:
-        shape = self.shape
-        counts = self.memory.token_counts([request.request_id])                     # (1, L, E)
-        total = request.num_computed_tokens + num_tokens
-        per_rank = []
-        for rank in range(self.world_size):
-            if self.kv_placement == "kv_with_expert":
-                experts = self._experts_of(rank)                                    # (L, E_r)
-                mine = torch.gather(counts[0], 1, experts)[None]                    # (1, L, E_r)
-                k_max = min(shape.k_max, experts.shape[1])
-                step = int(worst_case_step_blocks(mine, torch.tensor([num_tokens]), k_max, shape.block_size)[0])
-                lifetime = worst_case_lifetime_blocks(total, shape.num_layers, experts.shape[1], k_max, shape.block_size)
-            elif rank == request.request_id % self.world_size:
-                step = int(worst_case_step_blocks(counts, torch.tensor([num_tokens]), shape.k_max, shape.block_size)[0])
-                lifetime = worst_case_lifetime_blocks(total, shape.num_layers, shape.num_experts, shape.k_max,
-                                                      shape.block_size)
-            else:
-                per_rank.append(0)
-                continue
-            held = self.memory._manager.blocks_held(request.request_id)[rank]
-            per_rank.append(max(0, min(step, lifetime - held)))
-        return PerRank(per_rank)
-
-    def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> list:
-        return [self.step_blocks(r, n) for r, n in zip(requests, num_tokens)]   # needs per rank
-
-    def check_fits_alone(self, prompt_len: int, max_new_tokens: int) -> None:
-        shape, num_tokens = self.shape, prompt_len + max_new_tokens - 1
-        pool = int(self.memory.num_blocks.values.min())
-        if self.kv_placement == "kv_with_expert":
-            per_rank = self.attention_ranks.shape[1] // self.world_size
-            k = min(shape.k_max, per_rank)
-            worst = worst_case_lifetime_blocks(num_tokens, shape.num_layers, per_rank, k, shape.block_size)
-        else:
-            worst = worst_case_lifetime_blocks(num_tokens, shape.num_layers, shape.num_experts, shape.k_max,
-                                               shape.block_size)
-        if worst > pool:
-            raise ValueError(f"request of {prompt_len} prompt tokens + max_new_tokens={max_new_tokens} may need "
-                             f"{worst} blocks on one rank under {self.kv_placement}; each rank's pool has {pool}")
 
 
 @dataclass(frozen=True)
@@ -205,14 +52,53 @@ class ServeSpec:
     block_size: int = 4
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 256
+    admission: str = "optimistic"       # the only one: the demand predictor predicts one pool
+    preemption_mode: str = "recompute"  # the only one: the ranks keep no swap space
+
+    def __post_init__(self):
+        if self.admission != "optimistic":
+            raise ValueError(f"admission={self.admission!r}: the parallel engine admits 'optimistic' only "
+                             f"(the demand predictor predicts one pool's blocks, not each rank's)")
+        if self.preemption_mode != "recompute":
+            raise ValueError(f"preemption_mode={self.preemption_mode!r}: the parallel engine preempts by "
+                             f"'recompute' only (the ranks keep no swap space)")
 
 
 @dataclass
 class ServeResult:
     tokens: list = field(default_factory=list)          # generated ids, per prompt
-    free_blocks: list = field(default_factory=list)     # per step: free blocks per rank when scheduled
+    free_blocks: list = field(default_factory=list)     # per step: free blocks per rank when scheduled (R,)
     events: list = field(default_factory=list)          # (step, kind, request id)
     num_preemptions: int = 0
+
+
+def follow_ranks(mirror: KVCacheManager, reports: list[torch.Tensor]) -> set[int]:
+    """Bring rank 0's mirror in step with the ranks after a step: append the tokens each row gained
+    (`allocate_slots`, counts only) and check that every device's free blocks are its rank's.
+    reports[r]: rank r's report, (1 + h, 1 + L * E) int64: [-1, free blocks, ...], then per sequence
+    it holds [id, its (L, E) tokens on r]. Returns the sequences the ranks hold. RuntimeError when
+    the mirror drifted."""
+    L, E = mirror.num_layers, mirror.num_experts
+    tokens: dict[int, torch.Tensor] = {}
+    for report in reports:
+        for row in report[1:]:                      # a row lives on one rank: a sum over ranks is all of it
+            tokens[int(row[0])] = tokens.get(int(row[0]), 0) + row[1:].view(L, E)
+    seq_ids = sorted(tokens)
+    for seq_id in seq_ids:
+        if not mirror.holds(seq_id):
+            mirror.add_sequence(seq_id)
+    if seq_ids:
+        gained = torch.stack([tokens[s] for s in seq_ids]) - mirror.token_counts(seq_ids)      # (m, L, E)
+        if (gained < 0).any():
+            raise RuntimeError(f"rank 0's mirror of the pools drifted: rows of sequences "
+                               f"{[s for s, g in zip(seq_ids, gained) if (g < 0).any()]} hold fewer tokens on the ranks")
+        slots = torch.tensor([mirror.seq_index(s) for s in seq_ids])
+        mirror.allocate_slots(mirror.sequence_rows(slots).reshape(-1), gained.reshape(-1), with_slots=False)
+    reported = torch.stack([report[0, 1] for report in reports])                                # (R,)
+    if not torch.equal(reported, mirror.num_free_blocks_per_device):
+        raise RuntimeError(f"rank 0's mirror of the pools drifted: the ranks report {reported.tolist()} free "
+                           f"blocks, the mirror counts {mirror.num_free_blocks_per_device.tolist()}")
+    return set(seq_ids)
 
 
 def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
@@ -224,16 +110,20 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
                             spec.num_blocks, spec.block_size)
     del model
     L, E = config.num_hidden_layers, config.num_attention_experts
-    scheduler = requests = pools = None
+    scheduler = requests = mirror = None
+    on_ranks: set[int] = set()                  # the sequences the ranks hold, from their last reports
     result = ServeResult()
     if rank == 0:
-        pools = RankPools(R, spec.num_blocks, L, E)
-        scheduler = RankAwareScheduler(SchedulerConfig(spec.max_num_seqs, spec.max_num_batched_tokens), pools,
-                                       ModelShape.from_config(config, spec.block_size), spec.kv_placement,
-                                       spec.attention_ranks)
+        by_expert = spec.kv_placement == "kv_with_expert"
+        mirror = KVCacheManager(L, E, spec.block_size, blocks_per_device=[spec.num_blocks] * R,
+                                device_of_expert=spec.attention_ranks if by_expert else None,
+                                home_devices=not by_expert)
+        scheduler = Scheduler(SchedulerConfig(spec.max_num_seqs, spec.max_num_batched_tokens, admission=spec.admission,
+                                              preemption_mode=spec.preemption_mode),
+                              mirror, ModelShape.from_config(config, spec.block_size))
         requests = []
         for i, (prompt, n) in enumerate(zip(spec.prompts, spec.max_new_tokens)):
-            scheduler.check_fits_alone(len(prompt), n)
+            scheduler.check_fits_alone(len(prompt), n, request_id=i)
             requests.append(Request(i, list(prompt), SamplingParams(max_new_tokens=n, temperature=0.0)))
             scheduler.add_request(requests[-1])
     step = 0
@@ -244,13 +134,13 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
             if not scheduler.has_unfinished:
                 header[2] = 1
             else:
-                result.free_blocks.append(pools.num_free_blocks.values.tolist())
+                result.free_blocks.append(mirror.num_free_blocks_per_device.tolist())
                 decision = scheduler.schedule(step)
                 result.events += [(step, kind, r.request_id) for kind, r in decision.events]
                 if not decision.scheduled:
                     raise RuntimeError(f"step {step}: nothing could be scheduled")
                 batch = flatten_batch(decision.scheduled)
-                frees, pools.pending_frees = pools.pending_frees, []
+                frees = sorted(on_ranks - set(mirror.sequences))     # finished or preempted since
                 body = torch.tensor(batch.token_ids + batch.seq_ids + batch.positions + frees, dtype=torch.int64)
                 header[0], header[1] = len(batch.token_ids), len(frees)
         comm.begin_step(step)
@@ -275,21 +165,17 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
         rows = torch.cat([my_seqs[last, None].to(logits), logits[last.to(logits.device)]], dim=1)   # (m_r, 1 + V)
         send = [rows.shape[0]] + [0] * (R - 1)
         gathered, _ = comm.all_to_all(rows, send, "logits")
-        # ---- every rank reports its pool, in integers
+        # ---- every rank reports its pool, in integers: free blocks, each sequence's (L, E) tokens
         manager = runner.pool.manager
         held = manager.sequences
-        report = torch.zeros(len(held) + 1, 2 + L * E, dtype=torch.int64)
+        report = torch.zeros(len(held) + 1, 1 + L * E, dtype=torch.int64)
         report[0, :2] = torch.tensor([-1, manager.num_free_blocks])
-        for i, seq_id in enumerate(held):
-            report[i + 1, 0], report[i + 1, 1] = seq_id, manager.blocks_of_sequence(seq_id).numel()
-            report[i + 1, 2:] = manager.token_counts([seq_id])[0].flatten()
+        if held:
+            report[1:, 0] = torch.tensor(held)
+            report[1:, 1:] = manager.token_counts(held).flatten(1)
         reports, counts = comm.all_to_all(report, [report.shape[0]] + [0] * (R - 1), "pool_report")
         if rank == 0:
-            start = 0
-            for source, n in enumerate(counts):
-                part = reports[start:start + n]
-                start += n
-                pools.update(source, int(part[0, 1]), {int(r[0]): (int(r[1]), r[2:].view(L, E)) for r in part[1:]})
+            on_ranks = follow_ranks(mirror, list(reports.cpu().split(counts)))
             by_seq = {int(r[0]): r[1:] for r in gathered.cpu()}
             sampled = {item.request.request_id: sample_next(by_seq[item.request.request_id], item.request.sampling_params,
                                                             item.request.generator)
