@@ -353,8 +353,9 @@ def smallest_pool_serving_a_request(trace, placement, block_size: int = 16) -> i
     """The fewest blocks per device with which at least one request of the trace fits alone (the worst
     case of its lifetime on every device, which the scheduler refuses by): with fewer, every request is
     refused and there is nothing to compare."""
-    worst = worst_case_lifetime_blocks_per_device(int(trace.lengths.min()), int(trace.experts.shape[2]), block_size,
-                                                  placement, int(placement.max()) + 1)        # (D,)
+    placement = torch.as_tensor(placement)
+    worst = worst_case_lifetime_blocks_per_device(trace.lengths.min().view(1), int(trace.experts.shape[2]), block_size,
+                                                  placement[None], int(placement.max()) + 1)[0]   # (D,)
     return int(worst.max())
 
 

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.kv_cache_manager import KVCacheManager
-from ..engine.demand import worst_case_lifetime_blocks_per_device, worst_case_step_blocks_per_device
+from ..engine.demand import (blocks_held_per_device, worst_case_lifetime_blocks_per_device,
+                             worst_case_step_blocks_per_device)
 from ..engine.memory import ModelShape
 from ..engine.request import Request
 from ..engine.scheduler import EvictionRecord, Scheduler, SchedulerConfig
@@ -117,16 +118,22 @@ class TraceFuture:
         self.trace, self.manager, self.shape = trace, manager, shape
         device_of_expert, D = manager.device_of_expert, manager.num_devices
         longest = int(trace.lengths.max())
-        self.lifetime = torch.stack([worst_case_lifetime_blocks_per_device(t, shape.k_max, shape.block_size,
-                                                                           device_of_expert, D)
-                                     for t in range(longest + 1)])                          # (longest + 1, D)
+        self.lifetime = worst_case_lifetime_blocks_per_device(
+            torch.arange(longest + 1), shape.k_max, shape.block_size,
+            device_of_expert.expand(longest + 1, *device_of_expert.shape), D)               # (longest + 1, D)
         self._held: dict[int, torch.Tensor] = {}
         self._reserved: dict[int, torch.Tensor] = {}
+
+    def _map(self, counts: torch.Tensor) -> torch.Tensor:
+        """The device of every row, one (L, E) map per row of counts (n, L, E)."""
+        return self.manager.device_of_expert.expand(counts.shape[0], -1, -1)
 
     def held(self, seq: int) -> torch.Tensor:
         """(len + 1, D) blocks the sequence holds on each device after its first t tokens."""
         if seq not in self._held:
-            self._held[seq] = self.manager.per_device(trace_row_counts(self.trace, seq))
+            counts = trace_row_counts(self.trace, seq)                                      # (len + 1, L, E)
+            self._held[seq] = blocks_held_per_device(counts, self.shape.block_size, self._map(counts),
+                                                     self.manager.num_devices)
         return self._held[seq]
 
     def reserved(self, seq: int) -> torch.Tensor:
@@ -136,7 +143,7 @@ class TraceFuture:
         if seq not in self._reserved:
             counts, held, shape = trace_row_counts(self.trace, seq)[:-1], self.held(seq)[:-1], self.shape
             step = worst_case_step_blocks_per_device(counts, torch.ones(counts.shape[0], dtype=torch.int64),
-                                                     shape.k_max, shape.block_size, self.manager.device_of_expert,
+                                                     shape.k_max, shape.block_size, self._map(counts),
                                                      self.manager.num_devices)               # (len, D)
             cap = self.lifetime[1: counts.shape[0] + 1] - held
             self._reserved[seq] = held + torch.clamp(torch.minimum(step, cap), min=0)
