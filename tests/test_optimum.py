@@ -5,21 +5,12 @@ one of its branches, so none finishes in fewer steps."""
 
 import pytest
 
-from moekv_ref.apps.bench_eviction import skewed_workload, workload_cost_model
+from moekv_ref.apps.bench_eviction import small_instance
 from moekv_ref.engine.victims import VictimPolicy
-from moekv_ref.sim.eviction import EvictionSetup, TraceRunner, simulate
+from moekv_ref.sim.eviction import TraceRunner, simulate
 from moekv_ref.sim.optimum import NeedChoice, ScriptedVictims, search_optimum
 
 WHOLE_VICTIM_POLICIES = ("newest_first", "sequence_lru", "pressure_aware", "belady")
-
-
-def small_instance(num_sequences=6, blocks_per_device=56, seed=0):
-    """A few sequences of 8 prompt and 16 output tokens on average, 2 layers, 8 experts on 2 devices,
-    blocks of 4: small enough to enumerate, tight enough that victims are chosen."""
-    trace, _, placement = skewed_workload(num_sequences=num_sequences, num_layers=2, num_experts=8, num_devices=2,
-                                          mean_prompt=8, mean_output=16, seed=seed)
-    setup = EvictionSetup(blocks_per_device=blocks_per_device, block_size=4, max_num_seqs=8)
-    return trace, placement, setup, workload_cost_model(trace, setup.block_size)
 
 
 def naive_leaves(trace, placement, setup, cost):
@@ -65,7 +56,7 @@ def test_search_visits_exactly_the_leaves_of_a_naive_enumeration():
     assert len(leaves) >= 3 and max(map(len, leaves)) >= 2      # a tree, not one decision
     assert dict(found.leaves) == leaves and len(found.leaves) == found.num_leaves == len(leaves)
     assert found.num_dead_ends == dead
-    assert found.steps == min(leaves.values())
+    assert found.steps == min(leaves.values()) and found.worst_steps == max(leaves.values())
 
 
 @pytest.mark.parametrize("instance", [dict(), dict(num_sequences=5, seed=0), dict(blocks_per_device=80, seed=2)],
@@ -99,3 +90,30 @@ def test_a_script_index_out_of_range_is_named():
     trace, placement, setup, cost = small_instance(num_sequences=5)
     with pytest.raises(ValueError, match=r"script\[0\]=7 is not a candidate index"):
         simulate(trace, placement, setup, ScriptedVictims([7]), cost)
+
+
+def test_bench_optimum_refuses_the_options_it_would_ignore():
+    from moekv_ref.apps.bench_eviction import build_parser, check_args
+    with pytest.raises(ValueError, match="--optimum runs .* alone: --quick, --host-blocks would be ignored"):
+        check_args(build_parser().parse_args(["--optimum", "--quick", "--host-blocks", "4"]))
+    check_args(build_parser().parse_args(["--optimum"]))          # alone: accepted
+
+
+def test_figures_optimum_json_is_what_the_bench_computes_and_no_whole_victim_policy_beats_it():
+    """figures/eviction_optimum.json (notebook 05's table): one instance recomputed (the quickest),
+    and in every instance the optimum at most every whole-victim policy, at least the bound."""
+    import json
+    from pathlib import Path
+
+    from moekv_ref.apps.bench_eviction import OPTIMUM_INSTANCES, compare_with_optimum
+    rows = json.loads((Path(__file__).resolve().parent.parent / "figures" / "eviction_optimum.json").read_text())["instances"]
+    assert [(r["num_sequences"], r["mean_output"], r["seed"]) for r in rows] == list(OPTIMUM_INSTANCES)
+    for row in rows:
+        steps = row["optimum"]["steps"]
+        assert all(steps <= row["policies"][name]["steps"] for name in row["policies"] if name in WHOLE_VICTIM_POLICIES)
+        assert row["bound"]["steps"] <= steps <= row["optimum"]["worst_steps"]
+    quickest = next(r for r in rows if r["num_sequences"] == 10)
+    again = compare_with_optimum([(10, 24, 0)])[0]
+    assert again["optimum"]["steps"] == quickest["optimum"]["steps"]
+    assert again["optimum"]["worst_steps"] == quickest["optimum"]["worst_steps"]
+    assert {k: v["steps"] for k, v in again["policies"].items()} == {k: v["steps"] for k, v in quickest["policies"].items()}

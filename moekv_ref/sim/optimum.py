@@ -94,6 +94,7 @@ class Optimum:
     num_dead_ends: int              # branches where a step scheduled nothing (the engine raises)
     num_decisions: int              # branch points expanded
     pruned: bool
+    worst_steps: int | None = None  # the most steps of any schedule (prune=False only: every leaf seen)
     wall_seconds: float = 0.0
     leaves: list[tuple[tuple[int, ...], int]] = field(default_factory=list)   # (choices, steps), keep_leaves only
 
@@ -101,7 +102,7 @@ class Optimum:
         return {"steps": self.steps, "modelled_seconds": self.seconds, "choices": self.choices,
                 "finished_tokens": self.finished_tokens, "tokens_per_step": self.finished_tokens / self.steps,
                 "leaves": self.num_leaves, "dead_ends": self.num_dead_ends, "decisions": self.num_decisions,
-                "pruned": self.pruned, "wall_seconds": self.wall_seconds}
+                "pruned": self.pruned, "worst_steps": self.worst_steps, "wall_seconds": self.wall_seconds}
 
 
 def tokens_left(runner: TraceRunner) -> int:
@@ -121,7 +122,7 @@ def search_optimum(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: E
     root = TraceRunner(trace, device_of_expert, setup, ScriptedVictims(), cost)
     memo_base = {id(trace): trace, id(cost): cost}          # shared and never changed: not copied
     best: dict = {}
-    counts = {"leaves": 0, "dead": 0, "decisions": 0}
+    counts = {"leaves": 0, "dead": 0, "decisions": 0, "worst": 0}
     leaves = []
 
     def copied(runner: TraceRunner) -> TraceRunner:
@@ -159,6 +160,7 @@ def search_optimum(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: E
             if scheduler.has_unfinished:
                 start = copied(runner)                # the next step's start, to branch from
         counts["leaves"] += 1
+        counts["worst"] = max(counts["worst"], step)
         if keep_leaves:
             leaves.append((tuple(choices), step))
         if not best or (step, seconds) < (best["steps"], best["seconds"]):
@@ -166,4 +168,5 @@ def search_optimum(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: E
 
     explore(root, 0, 0.0, 0, [], [])
     return Optimum(best["steps"], best["seconds"], best["choices"], best["finished"], counts["leaves"],
-                   counts["dead"], counts["decisions"], prune, time.perf_counter() - started, leaves)
+                   counts["dead"], counts["decisions"], prune, None if prune else counts["worst"],
+                   time.perf_counter() - started, leaves)
