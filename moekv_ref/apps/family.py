@@ -20,7 +20,7 @@ Measured per variant: held-out bits per byte (validation files never trained on,
 mean and spread over seeds), KV bytes per token (the config's worst case, and what the paged cache
 actually held after prefilling held-out text), attention FLOPs per token at the training context,
 parameters, and decode tokens/s of the paged cache on this machine (variants timed in alternating
-rounds, medians). Writes figures/family.json, which notebook 08 reads.
+rounds, medians). Writes figures/family.json, which notebook 09 reads.
 
 Resumable: every run keeps its state in runs/family/ (every 50 steps) and its result once done, in
 files named by variant, seed and budget; running the command again continues where it stopped.
