@@ -75,7 +75,7 @@ class ScriptedVictims(VictimPolicy):
         if self.used == len(self.script):
             raise NeedChoice(len(candidates))
         choice = self.script[self.used]
-        if not isinstance(choice, int) or not 0 <= choice < len(candidates):
+        if not isinstance(choice, int) or isinstance(choice, bool) or not 0 <= choice < len(candidates):
             raise ValueError(f"script[{self.used}]={choice!r} is not a candidate index: the decision has "
                              f"{len(candidates)} candidates, so 0..{len(candidates) - 1}")
         self.used += 1
@@ -167,6 +167,9 @@ def search_optimum(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: E
             best.update(steps=step, seconds=seconds, choices=list(choices), finished=finished)
 
     explore(root, 0, 0.0, 0, [], [])
+    if not best:
+        raise RuntimeError(f"no schedule of victim choices finishes: all {counts['dead']} branches end in a step "
+                           "that schedules nothing")
     return Optimum(best["steps"], best["seconds"], best["choices"], best["finished"], counts["leaves"],
                    counts["dead"], counts["decisions"], prune, None if prune else counts["worst"],
                    time.perf_counter() - started, leaves)
