@@ -8,8 +8,8 @@ notebooks teach, so a check can never disagree with the lesson.
     03  choose the largest block size that keeps plain pages at effective utilization >= 0.96
     04  choose max_num_seqs so that optimistic admission never preempts, as fast as possible
     05  write a victim rule: preempt the request that makes the most room on the short device
-    06  place experts on ranks: few ranks touched per token, K/V balanced over the ranks
-    07  choose the split size of split-K decode attention that keeps every SM of a GPU busy
+    07  place experts on ranks: few ranks touched per token, K/V balanced over the ranks
+    08  choose the split size of split-K decode attention that keeps every SM of a GPU busy
 
 Every check returns a message starting with "Right" or "Not yet" (or "No answer yet" for the
 placeholder the notebooks are saved with), so a notebook cell just prints it.
@@ -412,11 +412,11 @@ def check_victim_rule(choose) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# 06: placing experts on ranks
+# 07: placing experts on ranks
 
 
-EXERCISE_06_LAYER = 0
-EXERCISE_06_WORLD_SIZE = 2
+EXERCISE_07_LAYER = 0
+EXERCISE_07_WORLD_SIZE = 2
 MAX_KV_IMBALANCE = 1.10           # max / mean K/V entries per rank under kv_with_expert
 RANKS_TOUCHED_SLACK = 1.05        # within 5% of the fewest ranks touched that the balance bound allows
 
@@ -449,7 +449,7 @@ def _balanced_placements(num_experts: int, world_size: int):
     yield from fill([-1] * num_experts, 0)
 
 
-def solution_expert_placement(selected, world_size: int = EXERCISE_06_WORLD_SIZE) -> list[int]:
+def solution_expert_placement(selected, world_size: int = EXERCISE_07_WORLD_SIZE) -> list[int]:
     """The balanced placement (E / D experts per rank) touching the fewest ranks per token among those
     whose K/V imbalance is at most MAX_KV_IMBALANCE: exhaustive search (35 placements for 8 experts
     on 2 ranks), where the package's co-activation placement is a greedy heuristic."""
@@ -463,7 +463,7 @@ def solution_expert_placement(selected, world_size: int = EXERCISE_06_WORLD_SIZE
 
 
 @_wrapped
-def check_expert_placement(answer, selected, world_size: int = EXERCISE_06_WORLD_SIZE) -> str:
+def check_expert_placement(answer, selected, world_size: int = EXERCISE_07_WORLD_SIZE) -> str:
     """Is `answer` (the rank of each expert) balanced in weights, in K/V (imbalance <= 1.10), and
     within 5% of the fewest ranks per token such a placement can touch?"""
     num_experts = selected.shape[1]
@@ -509,50 +509,50 @@ def check_expert_placement(answer, selected, world_size: int = EXERCISE_06_WORLD
 
 
 # ---------------------------------------------------------------------------------------------------
-# 07: a split size for split-K decode attention
+# 08: a split size for split-K decode attention
 
 
-EXERCISE_07_NUM_ROWS = 4           # the split-K line of the report: 4 rows x 32768 tokens, Hkv 4
-EXERCISE_07_CONTEXT = 32768
-EXERCISE_07_NUM_KV_HEADS = 4
-EXERCISE_07_NUM_SMS = GPUS["H100"].num_sms   # 132, H100 SXM and H200
-EXERCISE_07_TOKEN_TILE = 16        # TOKEN_TILE at Dh = 128: a split is a whole number of tiles
+EXERCISE_08_NUM_ROWS = 4           # the split-K line of the report: 4 rows x 32768 tokens, Hkv 4
+EXERCISE_08_CONTEXT = 32768
+EXERCISE_08_NUM_KV_HEADS = 4
+EXERCISE_08_NUM_SMS = GPUS["H100"].num_sms   # 132, H100 SXM and H200
+EXERCISE_08_TOKEN_TILE = 16        # TOKEN_TILE at Dh = 128: a split is a whole number of tiles
 
 
-def split_k_programs(tokens_per_split: int, num_rows: int = EXERCISE_07_NUM_ROWS,
-                     context: int = EXERCISE_07_CONTEXT, num_kv_heads: int = EXERCISE_07_NUM_KV_HEADS) -> int:
+def split_k_programs(tokens_per_split: int, num_rows: int = EXERCISE_08_NUM_ROWS,
+                     context: int = EXERCISE_08_CONTEXT, num_kv_heads: int = EXERCISE_08_NUM_KV_HEADS) -> int:
     """Programs of one split-K launch: one per (row, KV head, split of tokens_per_split tokens)."""
     return num_rows * num_kv_heads * ceil_div(context, tokens_per_split)
 
 
-def solution_tokens_per_split(blocks_per_sm: int, num_sms: int = EXERCISE_07_NUM_SMS) -> int:
+def solution_tokens_per_split(blocks_per_sm: int, num_sms: int = EXERCISE_08_NUM_SMS) -> int:
     """The largest multiple of the token tile whose launch has a program for every resident-block slot
     of the GPU (num_sms x blocks_per_sm), so that no SM waits for work."""
     needed = num_sms * blocks_per_sm
-    candidates = range(EXERCISE_07_CONTEXT, 0, -EXERCISE_07_TOKEN_TILE)
+    candidates = range(EXERCISE_08_CONTEXT, 0, -EXERCISE_08_TOKEN_TILE)
     return next(t for t in candidates if split_k_programs(t) >= needed)
 
 
 @_wrapped
-def check_tokens_per_split(answer, blocks_per_sm: int, num_sms: int = EXERCISE_07_NUM_SMS) -> str:
+def check_tokens_per_split(answer, blocks_per_sm: int, num_sms: int = EXERCISE_08_NUM_SMS) -> str:
     """Is `answer` the largest tokens_per_split (a multiple of the 16-token tile) that gives every
     resident-block slot of the GPU a program?"""
     needed = num_sms * blocks_per_sm
-    per_split = EXERCISE_07_NUM_ROWS * EXERCISE_07_NUM_KV_HEADS
+    per_split = EXERCISE_08_NUM_ROWS * EXERCISE_08_NUM_KV_HEADS
     if answer is None:
-        return (f"{MISSING}: replace None with a tokens_per_split. Hint: the launch runs {EXERCISE_07_NUM_ROWS} "
-                f"rows x {EXERCISE_07_NUM_KV_HEADS} KV heads = {per_split} programs per split; the GPU holds "
+        return (f"{MISSING}: replace None with a tokens_per_split. Hint: the launch runs {EXERCISE_08_NUM_ROWS} "
+                f"rows x {EXERCISE_08_NUM_KV_HEADS} KV heads = {per_split} programs per split; the GPU holds "
                 f"{num_sms} SMs x {blocks_per_sm} blocks at once.")
     if isinstance(answer, bool) or not isinstance(answer, int) or answer < 1:
         return f"{WRONG}: {answer!r} must be a positive whole number of tokens."
-    if answer % EXERCISE_07_TOKEN_TILE:
-        rounded = ceil_div(answer, EXERCISE_07_TOKEN_TILE) * EXERCISE_07_TOKEN_TILE
-        return (f"{WRONG}: {answer} is not a multiple of the {EXERCISE_07_TOKEN_TILE}-token tile the kernel "
+    if answer % EXERCISE_08_TOKEN_TILE:
+        rounded = ceil_div(answer, EXERCISE_08_TOKEN_TILE) * EXERCISE_08_TOKEN_TILE
+        return (f"{WRONG}: {answer} is not a multiple of the {EXERCISE_08_TOKEN_TILE}-token tile the kernel "
                 f"walks a split in; the launcher would round it up to {rounded}. Give a multiple of "
-                f"{EXERCISE_07_TOKEN_TILE}.")
+                f"{EXERCISE_08_TOKEN_TILE}.")
     programs = split_k_programs(answer)
     right = solution_tokens_per_split(blocks_per_sm, num_sms)
-    splits = ceil_div(EXERCISE_07_CONTEXT, answer)
+    splits = ceil_div(EXERCISE_08_CONTEXT, answer)
     if programs < needed:
         return (f"{WRONG}: {splits} split(s) per row give {programs} programs, fewer than the {needed} "
                 f"({num_sms} SMs x {blocks_per_sm} resident blocks) the GPU can run at once: "
@@ -562,7 +562,7 @@ def check_tokens_per_split(answer, blocks_per_sm: int, num_sms: int = EXERCISE_0
         return (f"{RIGHT}: {splits} splits per row, {programs} programs for {needed} slots. Twice as large "
                 f"({2 * answer} tokens) gives {split_k_programs(2 * answer)} programs and leaves SMs idle; "
                 f"smaller splits would only add partial results for the combine kernel to read back.")
-    extra = (splits - ceil_div(EXERCISE_07_CONTEXT, right)) * per_split
+    extra = (splits - ceil_div(EXERCISE_08_CONTEXT, right)) * per_split
     return (f"{WRONG}: {programs} programs fill the GPU, but so does a larger split ({right} is the largest); "
             f"yours adds {extra} programs, each writing a partial output and its log-sum-exp that the combine "
             f"kernel must read back: more bytes for nothing. Take the largest split that still fills it.")

@@ -7,7 +7,7 @@ One call, so that the notebooks cannot drift apart:
   browser open). With several threads each tiny matrix product is split across cores that wait for
   each other, and the timings swing with whatever else runs; with one thread they are steadier, and
   on a small model faster.
-* Processes the notebook starts (notebook 06's ranks) inherit OMP_NUM_THREADS=1 for the same reason.
+* Processes the notebook starts (notebook 07's ranks) inherit OMP_NUM_THREADS=1 for the same reason.
 * torch's global random generator is seeded, so that anything drawn without an explicit generator is
   the same on every run (the notebooks' stored outputs are checked by nbval).
 * In a Jupyter kernel, matplotlib's inline backend is switched on now. matplotlib picks its backend

@@ -120,3 +120,18 @@ def test_readme_eviction_table_is_what_its_json_says():
                          str(swap["steps"]), f"{swap['tokens_per_step']:.2f}", f"{swap['swapped_bytes'] / 1e6:.1f}"], name
     bound = re.search(r"^\| memory-time bound \| (\d+) \| (\d+\.\d\d) \|", section, re.M)
     assert bound.groups() == (f"{runs[0]['bound']['steps']:.0f}", f"{runs[0]['bound']['tokens_per_step']:.2f}")
+
+
+def test_readme_optimum_table_is_what_its_json_says():
+    """Each row of the README's table of the exact optimum against figures/eviction_optimum.json."""
+    rows = json.loads((ROOT / "figures" / "eviction_optimum.json").read_text(encoding="utf-8"))["instances"]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("(`bench eviction --optimum`", 1)[1].split("\n## ", 1)[0]
+    header = re.search(r"^\| instance \| optimum \| worst \| (.+) \| schedules \|$", section, re.M).group(1).split(" | ")
+    found = re.findall(r"^\| (\d+) seqs, (\d+) out, seed (\d+) \| ([\d |]+) \|$", section, re.M)
+    assert len(found) == len(rows) == 4, found
+    for (sequences, output, seed, cells), row in zip(found, rows):
+        assert (int(sequences), int(output), int(seed)) == (row["num_sequences"], row["mean_output"], row["seed"])
+        expected = [row["optimum"]["steps"], row["optimum"]["worst_steps"],
+                    *(row["policies"][name]["steps"] for name in header), row["optimum"]["leaves"]]
+        assert [int(c) for c in cells.split(" | ")] == expected, sequences

@@ -1,4 +1,4 @@
-"""The exercise checks of notebooks 01-07: the solution passes, the placeholder asks for an answer, and
+"""The exercise checks of notebooks 01-08: the solution passes, the placeholder asks for an answer, and
 each usual wrong answer gets the explanation that names its mistake (not just "wrong")."""
 
 import pytest
@@ -176,7 +176,7 @@ def test_victim_rule_wrong_rules_are_named():
     assert "return one of the candidates" in check_victim_rule(lambda candidates, memory, need: -5)
 
 
-# --- 06 -------------------------------------------------------------------------------------------
+# --- 07 -------------------------------------------------------------------------------------------
 
 check_expert_placement = _unwrapped(exercises.check_expert_placement)
 
@@ -212,7 +212,7 @@ def test_expert_placement_wrong_answers_are_explained():
     assert "imbalance" in check_expert_placement([0, 0, 1, 1, 0, 0, 1, 1], skewed)
 
 
-# --- 07 -------------------------------------------------------------------------------------------
+# --- 08 -------------------------------------------------------------------------------------------
 
 check_tokens_per_split = _unwrapped(exercises.check_tokens_per_split)
 

@@ -16,6 +16,10 @@ Four parts, printed as tables and saved together as JSON:
  4. prefix caching (cache/prefix_cache.py) on a few-shot workload, both routings of the embedded model,
     without and with the cache: hit rates, prefill tokens and steps saved, tokens/s, equal outputs.
     `--only-prefix-cache --json PATH` runs this part alone and updates it in an existing file.
+
+`--optimum --json PATH` runs something else alone: on a few small instances (8-10 sequences, two
+devices, a tight pool), the exact best schedule of victim choices (sim/optimum.py) beside every
+policy and the memory-time bound (figures/eviction_optimum.json, which notebook 05 reads).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from ..sim.costs import (PCIE_GEN5_X16_BYTES_PER_SECOND, CostModel, crossover_co
                          projected_gpu_cost_model)
 from ..sim.density import density_sweep, mean_blocks_at_context
 from ..sim.eviction import EvictionSetup, memory_time_bound, simulate
+from ..sim.optimum import search_optimum
 from ..sim.topic_traces import topic_trace
 from ..sim.traces import synthetic_trace
 from . import options
@@ -326,6 +331,61 @@ def run_prefix_caching(quick: bool = False) -> dict:
             "block_size": 16, "num_blocks": 4000, "routings": results}
 
 
+# ----- 5. the exact optimum on small instances ----------------------------------------------------------------
+# (sequences, mean output tokens, seed): instances on which evictions happen and policies differ
+OPTIMUM_INSTANCES = ((8, 32, 0), (8, 32, 2), (10, 24, 0), (8, 32, 1))
+
+
+def small_instance(num_sequences: int = 6, mean_output: float = 16, seed: int = 0, blocks_per_device: int = 56):
+    """(trace, placement, setup, cost) small enough for the exact search: sequences of 8 prompt tokens
+    and `mean_output` output tokens on average, 2 layers, 8 experts on 2 devices placed by
+    co-activation (topic skew 1.5), blocks of 4, at most 8 running, recompute, optimistic admission."""
+    trace, _, placement = skewed_workload(num_sequences=num_sequences, num_layers=2, num_experts=8, num_devices=2,
+                                          mean_prompt=8, mean_output=mean_output, seed=seed)
+    setup = EvictionSetup(blocks_per_device=blocks_per_device, block_size=4, max_num_seqs=8)
+    return trace, placement, setup, workload_cost_model(trace, setup.block_size)
+
+
+def compare_with_optimum(instances=OPTIMUM_INSTANCES, blocks_per_device: int = 72) -> list[dict]:
+    """Per instance: the optimum over victim choices (search_optimum without pruning, so that the
+    worst schedule is known too: a few seconds each), every policy of SIM_POLICIES (steps, modelled
+    seconds, evictions) and the memory-time bound."""
+    rows = []
+    for num_sequences, mean_output, seed in instances:
+        trace, placement, setup, cost = small_instance(num_sequences, mean_output, seed, blocks_per_device)
+        best = search_optimum(trace, placement, setup, cost, prune=False)
+        comparison = compare_policies(trace, placement, setup, cost)
+        rows.append({"num_sequences": num_sequences, "mean_output": mean_output, "seed": seed,
+                     "setup": setup.__dict__, "lengths": trace.lengths.tolist(),
+                     "prompt_lens": trace.prompt_lens.tolist(), "optimum": best.summary(),
+                     "policies": {name: {"steps": s.num_steps, "modelled_seconds": s.seconds,
+                                         "evictions": s.num_evictions, "recomputed_tokens": s.recomputed_tokens}
+                                  for name, s in comparison["stats"].items()},
+                     "bound": comparison["bound"]})
+    return rows
+
+
+def format_optimum(rows: list[dict]) -> str:
+    """Steps to finish every request, per instance: the optimum, each policy, the bound."""
+    names = list(rows[0]["policies"])
+    table = [[f"{r['num_sequences']} seqs, out {r['mean_output']}, seed {r['seed']}", r["optimum"]["steps"],
+              *(r["policies"][name]["steps"] for name in names), r["optimum"]["worst_steps"], r["bound"]["steps"],
+              r["optimum"]["leaves"]] for r in rows]
+    return text_table(["instance", "optimum", *names, "worst", "bound", "schedules"], table,
+                      [None] * (len(names) + 3) + ["{:.0f}", None])
+
+
+def run_optimum(path) -> int:
+    rows = compare_with_optimum()
+    setup = rows[0]["setup"]
+    print(f"steps to finish every request: the optimum over victim choices (sim/optimum.py) and each policy; "
+          f"2 devices x {setup['blocks_per_device']} blocks of {setup['block_size']}, 2 layers, 8 experts")
+    print(format_optimum(rows))
+    return _write_json(path, {"objective": "fewest steps to finish every served request, ties by modelled seconds, "
+                                           "over the victim choices only (sim/optimum.py)",
+                              "instances": rows})
+
+
 # ----- the program -------------------------------------------------------------------------------------------
 SEQUENCES, QUICK_SEQUENCES, BLOCKS_PER_DEVICE, HOST_BLOCKS = 48, 24, 1000, 0       # the defaults
 
@@ -346,6 +406,8 @@ def build_parser(parser=None):
     parser.add_argument("--skip-prefix-cache", action="store_true", help="skip prefix caching on the engine")
     parser.add_argument("--only-prefix-cache", action="store_true",
                         help="run only prefix caching; with --json, update that part of an existing file")
+    parser.add_argument("--optimum", action="store_true",
+                        help="run only the exact optimum over victim choices on small instances, beside every policy")
     return parser
 
 
@@ -364,6 +426,14 @@ def check_args(args) -> None:
     others would be ignored, so they are refused. --blocks-per-device must serve at least one request
     of the workload alone (smallest_pool_serving_a_request: the workload is built to find it, ~1 s)."""
     options.output_file("--json", args.json)
+    if args.optimum:
+        given = [f"--{name.replace('_', '-')}" for name in ("quick", "sequences", "blocks_per_device", "host_blocks",
+                                                            "skip_measure", "skip_engine", "skip_prefix_cache",
+                                                            "only_prefix_cache") if getattr(args, name) not in (None, False)]
+        if given:
+            raise ValueError(f"--optimum runs the optimum on its own small instances alone: {', '.join(given)} would "
+                             "be ignored (give either)")
+        return
     if args.only_prefix_cache:
         given = [f"--{name.replace('_', '-')}" for name in ("sequences", "blocks_per_device", "host_blocks",
                                                             "skip_prefix_cache") if getattr(args, name) not in (None, False)]
@@ -390,6 +460,8 @@ def _num_sequences(args) -> int:
 def main(args) -> int:
     check_args(args)
     torch.set_num_threads(1)
+    if args.optimum:
+        return run_optimum(args.json)
     if args.only_prefix_cache:       # the other parts of an existing --json file are kept as they are
         out = {}
         if args.json:

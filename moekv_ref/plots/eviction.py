@@ -1,7 +1,8 @@
 """Figures of eviction over a trace: each device's pool over time under a policy, what every
 eviction freed on each device, the policies side by side, density per expert buffer, and the
-recompute-versus-swap crossover. Inputs are the objects sim/eviction.py (the scheduler over a
-trace), sim/density.py and apps/bench_eviction.py return."""
+recompute-versus-swap crossover, the policies against the exact optimum; for prefix caching, the
+hit map and a summary. Inputs are the objects sim/eviction.py (the scheduler over a trace),
+sim/density.py and apps/bench_eviction.py return. Legends sit beside the data, not on it."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def plot_device_pools(stats, blocks_per_device: int, ax=None):
         ax.plot(used[:, d], label=f"device {d}", lw=1)
     ax.axhline(blocks_per_device, color="k", ls="--", lw=0.8)
     ax.set(title=f"{stats.policy}: pool use per device", xlabel="step", ylabel="blocks in use")
-    ax.legend(fontsize=7)
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
 
 
@@ -40,7 +42,8 @@ def plot_evictions(stats, ax=None):
     kind = {r.mode for r in stats.evictions}
     ax.set(title=f"{stats.policy}: what each eviction freed ({', '.join(sorted(kind))})",
            xlabel="eviction", ylabel="blocks freed")
-    ax.legend(fontsize=7)
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
 
 
@@ -48,20 +51,44 @@ def plot_policy_comparison(comparison: dict, axes=None):
     """Tokens per step and per (modelled) second, and recomputed tokens, per policy; the bound's
     tokens per step as a line."""
     if axes is None:
-        _, axes = plt.subplots(1, 3, figsize=(13, 3.2))
+        _, axes = plt.subplots(1, 3, figsize=(10, 3.2))
     names = list(comparison["stats"])
     stats = [comparison["stats"][n] for n in names]
+    bound = comparison["bound"]["tokens_per_step"]
     axes[0].bar(names, [s.tokens_per_step for s in stats], color="#4c9be8")
-    axes[0].axhline(comparison["bound"]["tokens_per_step"], color="k", ls="--", lw=0.8, label="bound")
+    axes[0].axhline(bound, color="k", ls="--", lw=0.8)
+    axes[0].text(-0.4, bound, "memory-time bound", fontsize=7, va="bottom")       # above the line, off the bars
+    axes[0].set_ylim(0, 1.15 * bound)
     axes[0].set(title="goodput per step", ylabel="finished tokens / step")
-    axes[0].legend(fontsize=7)
     axes[1].bar(names, [s.tokens_per_second for s in stats], color="#5bb974")
     axes[1].set(title="goodput per modelled second", ylabel="finished tokens / s")
     axes[2].bar(names, [s.recomputed_tokens for s in stats], color="#e8a33d")
     axes[2].set(title="recomputed tokens", ylabel="tokens")
     for ax in axes:
-        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=7)
+        ax.title.set_fontsize(9)
     return axes
+
+
+def plot_optimum_comparison(rows: list[dict], ax=None):
+    """Per policy and instance (bench_eviction.compare_with_optimum's rows, or the JSON's): how many
+    more steps than the exact optimum over victim choices it took, in percent (0: it found an
+    optimal schedule). The legend gives each instance's optimum and worst schedule, in steps."""
+    ax = ax or plt.gca()
+    names = list(rows[0]["policies"])
+    width = 0.8 / len(rows)
+    for i, row in enumerate(rows):
+        best, worst = row["optimum"]["steps"], row["optimum"]["worst_steps"]
+        extra = [100 * (row["policies"][name]["steps"] / best - 1) for name in names]
+        x = np.arange(len(names)) + (i - (len(rows) - 1) / 2) * width
+        ax.bar(x, extra, width, label=f"{row['num_sequences']} seqs, out {row['mean_output']}, seed {row['seed']}: "
+                                      f"optimum {best}, worst {worst}")
+    ax.set_xticks(np.arange(len(names)))
+    ax.set_xticklabels(names, fontsize=8)
+    ax.set(title="steps above the exact optimum over victim choices", ylabel="% more steps than the optimum")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return ax
 
 
 def plot_density(density, placement=None, ax=None):
@@ -83,10 +110,11 @@ def plot_crossover(projected: dict, ax=None):
     first = next(iter(projected.values()))
     ax.plot(first["contexts"], np.array(first["recompute_seconds"]) * 1e3, "k", lw=2, label="recompute")
     for key, value in projected.items():
-        ax.plot(value["contexts"], np.array(value["swap_seconds"]) * 1e3, lw=1,
-                label=f"swap {key} (from {value['crossover_context']})")
+        crossover = value["crossover_context"]
+        since = f"cheaper from {crossover}" if crossover is not None else "never cheaper here"
+        ax.plot(value["contexts"], np.array(value["swap_seconds"]) * 1e3, lw=1, label=f"swap {key} ({since})")
     ax.set(title="recompute vs swap (projected)", xlabel="context (tokens)", ylabel="ms")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
 
 
@@ -153,5 +181,6 @@ def plot_prefix_cache_summary(results: dict, ax=None):
     ax.set_xticklabels(names)
     ax.set(title=f"hit rate {results['token_hit_rate']:.2f} of prompt tokens",
            ylabel="steps, or tokens computed / 100")
-    ax.legend(fontsize=7)
+    ax.set_ylim(0, 1.4 * max(off + on))              # room above the bars for the legend
+    ax.legend(fontsize=7, loc="upper right")
     return ax

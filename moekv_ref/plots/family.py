@@ -1,5 +1,5 @@
 """The family of dense and expert-attention variants (apps/family.py) as a figure: held-out bits per
-byte against what each variant pays for it. Notebook 08 draws it from figures/family.json."""
+byte against what each variant pays for it. Notebook 09 draws it from figures/family.json."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Drawings of expert parallelism, for notebook 06: bytes per decode step as the context grows,
+"""Drawings of expert parallelism, for notebook 07: bytes per decode step as the context grows,
 where each token's K/V lives, per-rank pools over a run, expert placements compared, and the cost
 model's projected step times. Matplotlib only; every function draws on an Axes it is given and
 computes nothing the package does not test."""

@@ -7,6 +7,8 @@
     replay.py     lock-step replay of a trace through a design; utilization and capacity under a budget
     eviction.py   serving over a trace: the engine's own Scheduler, with the trace playing the model
                   (victim policies under per-device pools); costs.py, density.py, topic_traces.py
+    optimum.py    the exact best victim choices on small traces: every choice tried, through the
+                  same Scheduler
 """
 
 from .baselines import AddressSpace, FirstFitDesign, ReservedDesign

@@ -1,0 +1,175 @@
+"""The exact offline optimum over victim choices, on small instances: an exhaustive search.
+
+What "optimal" covers. The trace runner (sim/eviction.py) replays a trace through the engine's
+Scheduler, and the scheduler makes many decisions: whom to admit (its admission policy, at most
+max_num_seqs, within the token budget), what to reserve (each step's worst case on every device),
+whom to refuse (a worst-case lifetime that might not fit a device alone), how to preempt (recompute
+or swap). All of those stay as they are. The one decision searched is the victim policy's: each time
+a step does not fit, which of the candidates (the running requests not yet scheduled this step, the
+request being scheduled among them) is preempted, whole. Every sequence of such choices is tried,
+and the optimum is the one that finishes every served request in the fewest steps (ties: the fewest
+modelled seconds, CostModel). Since every request generates the same tokens under every schedule,
+fewest steps is also most finished tokens per step.
+
+So the optimum is a floor for every policy whose victims are whole candidates -- newest_first,
+sequence_lru, pressure_aware and belady: each of their runs is one branch of the search. It is not a
+floor for `oracle`, which also vetoes admissions (a different admission rule), nor for `expert_lru`,
+which evicts single rows (a different kind of decision); either may beat it or not.
+
+The search. Depth first over the tree of choices: a node is an eviction decision with c >= 2
+candidates (a decision with one candidate is no choice), its c children the choices. A branch runs
+through the real Scheduler with a ScriptedVictims policy, which returns the branch's choices in
+order and raises NeedChoice at the first decision its script does not cover; the search then tries
+each of the c choices there. A decision happens in the middle of `Scheduler.schedule`, which cannot
+be copied half-way, so the runner is copied (copy.deepcopy) at the start of every step and a child
+restarts from the start of the step its decision is in, that step's earlier choices scripted again.
+A choice that leaves a step with nothing scheduled (every request waiting) is a dead end: the engine
+raises there (the runner's RuntimeError), so it is no schedule.
+
+Size: without pruning the search visits every leaf, and there are up to c^d of them for d decisions
+of c candidates each along a path; each leaf costs the steps from its last decision to the end. With
+pruning (branch and bound, the default) a branch stops as soon as it cannot beat the best schedule
+found: at the start of step t a request that still has g tokens to generate needs at least g more
+steps (it samples at most one token a step), so the run needs at least t + max g steps. Memoising
+states is left out: two branches rarely reach the same state (the waiting line's order, each
+request's computed tokens and the pools' contents would all have to agree), and a key over all of it
+would be the hardest part to check. So the instances are small: a few sequences, two devices, a
+tight pool, a handful of evictions.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.victims import VictimPolicy
+from .costs import CostModel
+from .eviction import EvictionSetup, TraceRunner
+from .traces import RoutingTrace
+
+
+class NeedChoice(Exception):
+    """Raised by ScriptedVictims at a decision its script does not cover."""
+
+    def __init__(self, num_candidates: int):
+        super().__init__(f"a victim decision among {num_candidates} candidates that the script does not cover")
+        self.num_candidates = num_candidates
+
+
+class ScriptedVictims(VictimPolicy):
+    """A victim policy that follows a script: at the i-th decision with two or more candidates it
+    preempts candidates[script[i]] (0: the request being scheduled, which then waits); with one
+    candidate, that one. Past the end of the script it raises NeedChoice."""
+    name = "scripted"
+
+    def __init__(self, script=()):
+        self.script = list(script)
+        self.used = 0                     # decisions taken from the script so far
+
+    def choose_victim(self, candidates, memory, need):
+        if len(candidates) == 1:
+            return candidates[0]
+        if self.used == len(self.script):
+            raise NeedChoice(len(candidates))
+        choice = self.script[self.used]
+        if not isinstance(choice, int) or isinstance(choice, bool) or not 0 <= choice < len(candidates):
+            raise ValueError(f"script[{self.used}]={choice!r} is not a candidate index: the decision has "
+                             f"{len(candidates)} candidates, so 0..{len(candidates) - 1}")
+        self.used += 1
+        return candidates[choice]
+
+
+@dataclass
+class Optimum:
+    """The search's answer: the best schedule's steps, modelled seconds and choices (a script for
+    ScriptedVictims), and how big the search was."""
+    steps: int
+    seconds: float
+    choices: list[int]
+    finished_tokens: int
+    num_leaves: int                 # complete schedules reached
+    num_dead_ends: int              # branches where a step scheduled nothing (the engine raises)
+    num_decisions: int              # branch points expanded
+    pruned: bool
+    worst_steps: int | None = None  # the most steps of any schedule (prune=False only: every leaf seen)
+    wall_seconds: float = 0.0
+    leaves: list[tuple[tuple[int, ...], int]] = field(default_factory=list)   # (choices, steps), keep_leaves only
+
+    def summary(self) -> dict:
+        return {"steps": self.steps, "modelled_seconds": self.seconds, "choices": self.choices,
+                "finished_tokens": self.finished_tokens, "tokens_per_step": self.finished_tokens / self.steps,
+                "leaves": self.num_leaves, "dead_ends": self.num_dead_ends, "decisions": self.num_decisions,
+                "pruned": self.pruned, "worst_steps": self.worst_steps, "wall_seconds": self.wall_seconds}
+
+
+def tokens_left(runner: TraceRunner) -> int:
+    """The most tokens any unfinished request still has to generate: at least that many more steps."""
+    scheduler = runner.scheduler
+    return max((scheduler.batching.num_new_tokens(r) - len(r.output_token_ids)
+                for r in (*scheduler.waiting, *scheduler.running)), default=0)
+
+
+def search_optimum(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup, cost: CostModel,
+                   prune: bool = True, keep_leaves: bool = False, max_steps: int = 10_000) -> Optimum:
+    """The schedule of victim choices that finishes every served request in the fewest steps (ties:
+    the fewest modelled seconds), by the search of the module docstring. prune=False visits every
+    leaf; keep_leaves=True keeps each leaf's (choices, steps) (for tests: compare with a naive
+    enumeration)."""
+    started = time.perf_counter()
+    root = TraceRunner(trace, device_of_expert, setup, ScriptedVictims(), cost)
+    memo_base = {id(trace): trace, id(cost): cost}          # shared and never changed: not copied
+    best: dict = {}
+    counts = {"leaves": 0, "dead": 0, "decisions": 0, "worst": 0}
+    leaves = []
+
+    def copied(runner: TraceRunner) -> TraceRunner:
+        return copy.deepcopy(runner, dict(memo_base))
+
+    def explore(start: TraceRunner, step: int, seconds: float, finished: int, choices: list[int],
+                step_choices: list[int]) -> None:
+        """Run on from `start` (a runner at the start of `step`, left untouched), this step's
+        decisions taking step_choices, until the end, a dead end, a prune, or a decision no choice
+        covers (where each choice is explored from `start`). choices: the whole branch's."""
+        runner, script = copied(start), step_choices
+        scheduler = runner.scheduler
+        while scheduler.has_unfinished:
+            if prune and best and step + tokens_left(runner) > best["steps"]:
+                return                                # cannot beat the best, nor tie it
+            if step >= max_steps:
+                raise RuntimeError(f"a branch ran past max_steps={max_steps} without finishing")
+            runner.policy.script, runner.policy.used = script, 0
+            try:
+                out = scheduler.schedule(step)
+            except NeedChoice as need:
+                counts["decisions"] += 1
+                taken = script[: runner.policy.used]
+                for choice in range(need.num_candidates):
+                    explore(start, step, seconds, finished, choices + [choice], taken + [choice])
+                return
+            if not out.scheduled and not out.block_copies:
+                counts["dead"] += 1                   # every request waits: the engine raises here
+                return
+            seconds += runner.step_seconds(out)
+            entries = runner.append(out.scheduled)
+            done = scheduler.update_from_output(out, {item.request.request_id: 0 for item in out.scheduled}, entries)
+            finished += sum(len(r.output_token_ids) for r in done)
+            step, script = step + 1, []
+            if scheduler.has_unfinished:
+                start = copied(runner)                # the next step's start, to branch from
+        counts["leaves"] += 1
+        counts["worst"] = max(counts["worst"], step)
+        if keep_leaves:
+            leaves.append((tuple(choices), step))
+        if not best or (step, seconds) < (best["steps"], best["seconds"]):
+            best.update(steps=step, seconds=seconds, choices=list(choices), finished=finished)
+
+    explore(root, 0, 0.0, 0, [], [])
+    if not best:
+        raise RuntimeError(f"no schedule of victim choices finishes: all {counts['dead']} branches end in a step "
+                           "that schedules nothing")
+    return Optimum(best["steps"], best["seconds"], best["choices"], best["finished"], counts["leaves"],
+                   counts["dead"], counts["decisions"], prune, None if prune else counts["worst"],
+                   time.perf_counter() - started, leaves)
