@@ -17,7 +17,7 @@ run-all times are those of a notebook sharing a two-core machine with another. T
   counted; a redrawn figure must have at least 15% as many as the figure the same cell drew first (a
   blank redraw keeps about 5%: its frame);
 - a figure wider than the output area (its natural width above the width it is shown at, in the
-  1400 px wide page): JupyterLab shrinks it to fit, and its text with it.
+  1440 x 900 page): JupyterLab shrinks it to fit, and its text with it.
 
 Screenshots (after run-all, and each widget cell before and after each change) and a summary
 (summary.json: per notebook the run-all time, widgets changed, update latency and screenshot names)
@@ -259,8 +259,8 @@ def wait_for_update(page, cell, before: dict, figures: int, timeout_s: float) ->
     last, since = None, None
     while time.monotonic() - start < timeout_s:
         now = widget_snapshot(cell)
-        settled = (page.evaluate(JS_KERNEL_STATUS) == "idle" and now != before and now["text"].strip()
-                   and len(now["images"]) >= figures)
+        settled = (page.evaluate(JS_KERNEL_STATUS) == "idle" and now != before
+                   and (now["text"].strip() or now["images"]) and len(now["images"]) >= figures)
         if settled and now == last:
             if time.monotonic() - since >= 1.0:
                 return now, since - start
@@ -440,7 +440,7 @@ def run_notebooks(lab: Lab, queue: "queue.Queue[Path]", problems: list[str], rec
                 path = queue.get_nowait()
             except Empty:
                 break
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
             page.set_default_timeout(60_000)
             try:
                 records.append(run_notebook(page, lab, path, problems))
