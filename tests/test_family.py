@@ -97,3 +97,22 @@ def test_what_notebook_09_says_in_words_holds_for_the_committed_numbers():
     assert longer["budget"]["steps"] == 4 * json.loads((ROOT / "figures" / "family.json").read_text())["budget"]["steps"]
     w = longer["variants"]
     assert w["expert_topk"]["bits_per_byte_mean"] - w["dense"]["bits_per_byte_mean"] > gap
+
+
+def test_the_readme_table_is_the_committed_json():
+    """README's train-family table quotes figures/family.json (a hand-edited number fails)."""
+    family = json.loads((ROOT / "figures" / "family.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Does routing attention pay here?"):readme.index("## Beside the library")]
+    rows = {line.split("|")[1].split("(")[0].strip(): [c.strip() for c in line.split("|")[2:5]]
+            for line in section.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
+    assert set(rows) == set(family["variants"])
+    for name, v in family["variants"].items():
+        assert rows[name] == [f"{v['bits_per_byte_mean']:.3f} ± {v['bits_per_byte_std']:.3f}",
+                              str(round(v["kv_bytes_per_token_measured"])),
+                              f"{v['attention_flops_per_token'] / 1e3:.0f}k"], name
+    budget = family["budget"]
+    assert (f"{budget['steps']} steps of {budget['batch_size']} windows of {budget['context']} bytes" in section
+            and f"{family['train_seconds_total'] / 60:.0f} minutes" in section)
+    longer = json.loads((ROOT / "figures" / "family_longer.json").read_text())["variants"]
+    assert f"{longer['expert_topk']['bits_per_byte_mean'] - longer['dense']['bits_per_byte_mean']:.2f} at four" in section
