@@ -50,7 +50,8 @@ class SharedTails:
     def attach(self, manager: KVCacheManager) -> None:
         self.manager = manager
         P, num_slots = manager.block_size, manager.num_blocks * manager.block_size
-        self.tail_slots = torch.full((manager.num_computed_tokens.numel(), P), -1, dtype=torch.int64)  # (R, P) -1 = none
+        num_rows = manager.num_computed_tokens.numel()
+        self.tail_slots = torch.full((num_rows, P), -1, dtype=torch.int64)      # (R, P) -1 = none
         # who uses each slot of a tail block: the row and the position in its tail (-1: nobody)
         self.slot_row = torch.full((num_slots,), -1, dtype=torch.int64)          # (N*P,)
         self.slot_position = torch.full((num_slots,), -1, dtype=torch.int64)
@@ -186,8 +187,8 @@ class SharedTails:
         self.free_tail_slots[index] = []
 
     def grow_rows(self, num_rows: int) -> None:
-        extra = num_rows - self.tail_slots.shape[0]
-        self.tail_slots = torch.cat([self.tail_slots, torch.full((extra, self.tail_slots.shape[1]), -1, dtype=torch.int64)])
+        extra = torch.full((num_rows - self.tail_slots.shape[0], self.tail_slots.shape[1]), -1, dtype=torch.int64)
+        self.tail_slots = torch.cat([self.tail_slots, extra])
 
     # ----- checking --------------------------------------------------------------------------------
     def assert_consistent(self) -> None:

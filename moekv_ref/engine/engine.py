@@ -432,10 +432,11 @@ class LLMEngine:
     def prefix_cache_stats(self) -> dict | None:
         """Prefix caching's counters (lookups, tokens looked up and skipped, blocks shared and copied,
         cached blocks evicted, blocks cached now); None without prefix caching."""
-        prefix = self.cache.manager.prefix_cache
+        manager = self.cache.manager
+        prefix = manager.prefix_cache
         if prefix is None:
             return None
-        return {**prefix.stats.to_dict(), "num_evicted_cached_blocks": self.cache.manager.pool.num_evicted_cached_blocks,
+        return {**prefix.stats.to_dict(), "num_evicted_cached_blocks": manager.pool.num_evicted_cached_blocks,
                 "num_cached_blocks": prefix.num_cached_blocks}
 
     @property

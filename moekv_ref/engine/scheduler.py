@@ -51,12 +51,12 @@ request resumes (it starts from an empty cache). Only where the block manager sa
 evicted (`can_evict_rows`: plain pages, not shared tails, not prefix caching).
 
 Prefix caching (when the block manager is built with a PrefixCache, prefix_cache.py): a request
-starting from nothing first asks it for the longest usable cached prefix of its tokens (`hit_for`); it is admitted with
-num_computed_tokens = s, its rows built from shared blocks and copies (a COPY block copy each, run
-before the forward), and its step reserves the worst case of its remaining tokens plus the free
-blocks the hit takes. After each step the computed tokens' full blocks are registered, so that later
-requests find them; freeing a sequence drops its owners, and cached blocks stay findable until the
-pool evicts them.
+starting from nothing first asks it for the longest usable cached prefix of its tokens (`hit_for`,
+which also says what the hit costs); it is admitted with num_computed_tokens = s, its rows built
+from shared blocks and copies (a COPY block copy each, run before the forward), and its step
+reserves the worst case of its remaining tokens plus the free blocks the hit takes. After each step
+the computed tokens' full blocks are registered, so that later requests find them; freeing a
+sequence drops its owners, and cached blocks stay findable until the pool evicts them.
 
 What the scheduler sees: integers only. It works on the block manager (KVCacheManager: free
 blocks, each sequence's blocks and (layer, expert) token counts; `free`) and on the model's shape
