@@ -29,10 +29,10 @@ operation = st.one_of(st.tuples(st.just("add"), st.integers(0, 3)), append, appe
 def snapshot(manager):
     state = (manager.pool.free_block_ids(), manager.pool.ref_cnt.clone(), manager.block_tables.clone(),
              manager.num_computed_tokens.clone(), dict(manager._seq_index))
-    if isinstance(manager, SharedTailKVCacheManager):
-        state += (manager.tail_slots.clone(), manager.slot_row.clone(),
-                  {k: list(v) for k, v in manager.tail_blocks.items()},
-                  {k: list(v) for k, v in manager.free_tail_slots.items()})
+    if manager.tails is not None:
+        state += (manager.tails.tail_slots.clone(), manager.tails.slot_row.clone(),
+                  {k: list(v) for k, v in manager.tails.tail_blocks.items()},
+                  {k: list(v) for k, v in manager.tails.free_tail_slots.items()})
     return state
 
 

@@ -227,14 +227,14 @@ def test_shared_tail_promotion_and_compaction_exact_moves():
     # 3 + 3 + 1 tail tokens: no full block yet, 7 tail slots in tail blocks 0 and 1 (slots 0..6)
     first = manager.allocate_slots(rows, torch.tensor([3, 3, 1]))
     assert first.moves == [] and first.slot_mapping.tolist() == [0, 1, 2, 3, 4, 5, 6]
-    assert manager.tail_blocks[0] == [0, 1] and manager.tail_slots[rows[2], 0] == 6
+    assert manager.tails.tail_blocks[0] == [0, 1] and manager.tails.tail_slots[rows[2], 0] == 6
     # expert 0's fourth token fills its block: a fresh block (2) takes its 3 tail tokens (slots 0..2
     # -> 8..10); 4 tail tokens remain and 4 slots are free, so the emptiest tail block (0, holding
     # expert 1's token at slot 3) is compacted into block 1 (slot 3 -> 7) and given back.
     allocation = manager.allocate_slots(rows[:1], torch.tensor([1]))
     assert [(s.tolist(), d.tolist()) for s, d in allocation.moves] == [([0, 1, 2], [8, 9, 10]), ([3], [7])]
     assert allocation.slot_mapping.tolist() == [11]                      # written straight to block 2
-    assert manager.tail_blocks[0] == [1] and manager.pool.num_free_blocks == 16 - 2
+    assert manager.tails.tail_blocks[0] == [1] and manager.pool.num_free_blocks == 16 - 2
     assert manager.row_slots(int(rows[0])).tolist() == [8, 9, 10, 11]
     assert manager.row_slots(int(rows[1])).tolist() == [7, 4, 5]      # its first tail token moved
     manager.assert_consistent()

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 import pytest
 
 from moekv_ref.cache.block_pool import BlockPool, OutOfBlocksError
-from moekv_ref.cache.prefix_cache import PrefixCachingKVCacheManager, chain_keys
+from moekv_ref.cache.kv_cache_manager import KVCacheManager
+from moekv_ref.cache.prefix_cache import PrefixCache, chain_keys
 
 
 def append_tokens(manager, seq_id, start, routing):
@@ -30,7 +31,7 @@ def append_tokens(manager, seq_id, start, routing):
         slots[order] = allocation.slot_mapping
         first = torch.cumsum(num_new, 0) - num_new
         manager.last_position[rows] = positions[order][first + num_new - 1]
-        manager.record_positions(slots, positions)
+        manager.prefix_cache.record_positions(slots, positions)
 
 
 def table(manager, seq_id, row):
@@ -50,13 +51,13 @@ def test_chain_keys_are_a_chain_of_the_whole_prefix():
 
 def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
     # one layer, two experts, blocks of 2 slots (chunks of 2 tokens), 8 blocks handed out 0, 1, 2, ...
-    manager = PrefixCachingKVCacheManager(1, 2, 2, 8)
+    manager = KVCacheManager(1, 2, 2, 8, prefix_cache=PrefixCache())
     producer = [10, 11, 12, 13, 14, 15, 16, 17]
     route = [[[0]], [[0]], [[1]], [[0]], [[1]], [[1]], [[0]], [[1]]]    # token t -> expert, top-1
     append_tokens(manager, 0, 0, route)
     # expert 0 holds positions 0 1 | 3 6 in blocks 0, 1; expert 1 holds 2 4 | 5 7 in blocks 2, 3
     assert table(manager, 0, 0) == [0, 1] and table(manager, 0, 1) == [2, 3]
-    assert manager.cache_computed_blocks(0, producer) == 4
+    assert manager.prefix_cache.cache_computed_blocks(0, producer) == 4
     manager.free(0)
     # all four blocks are cached-free, least recently used first in the order freed
     assert list(manager.pool._cached_free) == [0, 1, 2, 3] and manager.pool.num_free_blocks == 8
@@ -64,12 +65,12 @@ def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
 
     # a request with the same first 4 tokens (two chunks): entries below s = 4 are expert 0's positions
     # 0 1 3 (block 0 whole, the first slot of block 1) and expert 1's position 2 (first slot of block 2)
-    hit = manager.find_cached_prefix([10, 11, 12, 13, 99, 98, 97])
+    hit = manager.prefix_cache.find_cached_prefix([10, 11, 12, 13, 99, 98, 97])
     assert hit.num_tokens == 4 and hit.row_counts.tolist() == [3, 1]
     assert hit.shared.tolist() == [0] and hit.cow_source.tolist() == [1, 2]
     # while it is applied: block 0 leaves the LRU, sources 1 and 2 are pinned, two fresh copies
     assert hit.num_free_taken == 5
-    source, destination = manager.apply_prefix_hit(1, hit)
+    source, destination = manager.prefix_cache.apply_prefix_hit(1, hit)
     # the copies get the next blocks of the stack, 4 and 5; blocks 1 and 2 stay cached-free
     assert source.tolist() == [1, 2] and destination.tolist() == [4, 5]
     assert table(manager, 1, 0) == [0, 4] and table(manager, 1, 1) == [5]
@@ -80,13 +81,13 @@ def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
     # the pool runs out of plain blocks: 6, 7 from the stack, then block 3 (least recently used)
     # is evicted and forgets its keys; blocks 1 and 2 stay findable
     assert manager.pool.allocate(3).tolist() == [6, 7, 3]
-    assert 3 not in manager._keys_of_block and 1 in manager._keys_of_block
+    assert 3 not in manager.prefix_cache._keys_of_block and 1 in manager.prefix_cache._keys_of_block
     assert manager.pool.num_evicted_cached_blocks == 1
     manager.pool.free(torch.tensor([6, 7, 3]))
     # a request sharing only the first chunk reuses block 0, now owned twice
-    hit = manager.find_cached_prefix([10, 11, 50, 51])
+    hit = manager.prefix_cache.find_cached_prefix([10, 11, 50, 51])
     assert hit.num_tokens == 2 and hit.shared.tolist() == [0] and hit.num_free_taken == 0
-    manager.apply_prefix_hit(2, hit)
+    manager.prefix_cache.apply_prefix_hit(2, hit)
     assert manager.pool.ref_cnt[0] == 2
     manager.assert_consistent()
     manager.free(1)
@@ -98,22 +99,22 @@ def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
 def test_partial_tail_is_copied_never_shared():
     # the producer is still running: expert 0's second block (1) holds only position 3, a partial
     # tail it will append to. A request needing that entry gets a copy of block 1, not block 1.
-    manager = PrefixCachingKVCacheManager(1, 2, 2, 8)
+    manager = KVCacheManager(1, 2, 2, 8, prefix_cache=PrefixCache())
     append_tokens(manager, 0, 0, [[[0]], [[0]], [[1]], [[0]], [[1]], [[1]]])
-    manager.cache_computed_blocks(0, [10, 11, 12, 13, 14, 15])
-    hit = manager.find_cached_prefix([10, 11, 12, 13, 14, 99, 98])
+    manager.prefix_cache.cache_computed_blocks(0, [10, 11, 12, 13, 14, 15])
+    hit = manager.prefix_cache.find_cached_prefix([10, 11, 12, 13, 14, 99, 98])
     assert hit.num_tokens == 4 and hit.shared.tolist() == [0] and hit.cow_source.tolist() == [1, 2]
-    source, destination = manager.apply_prefix_hit(1, hit)
+    source, destination = manager.prefix_cache.apply_prefix_hit(1, hit)
     assert destination.tolist() == [4, 5]                 # blocks 0-3 are the producer's
     assert manager.pool.ref_cnt[[0, 1, 2]].tolist() == [2, 1, 1]
     # the producer appends position 6 to expert 0: it lands in its own block 1, after position 3
     append_tokens(manager, 0, 6, [[[0]]])
-    assert table(manager, 0, 0) == [0, 1] and manager.block_positions[1].tolist() == [3, 6]
+    assert table(manager, 0, 0) == [0, 1] and manager.prefix_cache.block_positions[1].tolist() == [3, 6]
     assert table(manager, 1, 0) == [0, 4] and manager.num_computed_tokens[
         manager.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]].tolist() == [3, 1]
     manager.assert_consistent()
     # the last token always runs: a request equal to the producer's first 4 tokens gets s = 2 at most
-    assert manager.find_cached_prefix([10, 11, 12, 13]).num_tokens == 2
+    assert manager.prefix_cache.find_cached_prefix([10, 11, 12, 13]).num_tokens == 2
 
 
 def test_reuse_and_mark_cached_refuse_bad_blocks():
@@ -185,17 +186,17 @@ def test_seeded_programs_hit_copy_and_evict():
 
 def run_program(ops):
     """Run one program, checking after every operation; returns (shared, copied, evicted) blocks."""
-    manager = PrefixCachingKVCacheManager(L, E, P, 24)
+    manager = KVCacheManager(L, E, P, 24, prefix_cache=PrefixCache())
     live = {}                                   # seq id -> [tokens, computed]
     next_id = 0
     for op in ops:
         if op[0] == "start":
             tokens = op[1]
-            hit = manager.find_cached_prefix(tokens)
+            hit = manager.prefix_cache.find_cached_prefix(tokens)
             computed = 0
             if hit.num_tokens:
                 try:
-                    manager.apply_prefix_hit(next_id, hit)
+                    manager.prefix_cache.apply_prefix_hit(next_id, hit)
                     computed = hit.num_tokens
                     # every row's count equals what running the prefix would give
                     expected = torch.zeros(L * E, dtype=torch.int64)
@@ -224,7 +225,7 @@ def run_program(ops):
                 manager.assert_consistent()
                 continue
             live[seq_id][1] = end
-            manager.cache_computed_blocks(seq_id, tokens[:end])
+            manager.prefix_cache.cache_computed_blocks(seq_id, tokens[:end])
         elif op[0] == "free" and live:
             seq_id = sorted(live)[op[1] % len(live)]
             manager.free(seq_id)
@@ -241,12 +242,12 @@ def run_program(ops):
                 for e in range(E):
                     want = [t for t in range(computed) if e in routing_of(tokens, t)[layer]]
                     slots = manager.row_slots(int(rows[layer * E + e]))
-                    assert manager.block_positions.view(-1)[slots].tolist() == want
+                    assert manager.prefix_cache.block_positions.view(-1)[slots].tolist() == want
     for seq_id in list(live):
         manager.free(seq_id)
     manager.assert_consistent()
     assert manager.pool.num_free_blocks == manager.num_blocks
-    return manager.stats.num_shared_blocks, manager.stats.num_cow_blocks, manager.pool.num_evicted_cached_blocks
+    return manager.prefix_cache.stats.num_shared_blocks, manager.prefix_cache.stats.num_cow_blocks, manager.pool.num_evicted_cached_blocks
 
 
 # ----- the engine: the same tokens with and without the cache ---------------------------------------------

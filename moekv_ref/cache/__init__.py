@@ -15,7 +15,8 @@ and `free(seq_id)`.
                             reference counts
     kv_cache_manager.py     block tables and token counts per row (integers only); a row takes
                             blocks from its expert's device
-    shared_tail_manager.py  the same, with rows' partly filled tails sharing blocks
+    shared_tail_manager.py  SharedTails, a manager's part: rows' partly filled tails share blocks
+    prefix_cache.py         PrefixCache, a manager's part: full blocks found again by prefix
     paged.py                PagedKVCache: K/V pool tensors + a manager; the attention paths
     contiguous.py           ContiguousKVCache: one growing buffer per row, the reference
 """
@@ -24,9 +25,11 @@ from .block_pool import BlockPool, OutOfBlocksError
 from .contiguous import ContiguousKVCache
 from .kv_cache_manager import KVCacheManager, SlotAllocation
 from .paged import ATTENTION_PATHS, AppendedRows, PagedKVCache
+from .prefix_cache import PrefixCache
 from .rows import RowIndex, ceil_div
-from .shared_tail_manager import SharedTailKVCacheManager
+from .shared_tail_manager import SharedTailKVCacheManager, SharedTails
 
 __all__ = ["ATTENTION_PATHS", "AppendedRows", "BlockPool", "ContiguousKVCache", "KVCacheManager",
-           "OutOfBlocksError", "PagedKVCache", "RowIndex", "SharedTailKVCacheManager", "SlotAllocation",
+           "OutOfBlocksError", "PagedKVCache", "PrefixCache", "RowIndex", "SharedTailKVCacheManager", "SharedTails",
+           "SlotAllocation",
            "ceil_div"]

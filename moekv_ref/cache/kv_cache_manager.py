@@ -42,8 +42,11 @@ lives on s % D, its home (a pool sharded by sequence, as expert parallelism's kv
 replicated_attention placements keep theirs); `device_of_expert_of` answers for any sequence, held or
 not.
 
-Prefix caching (prefix_cache.py, a subclass) lets rows of different sequences share full blocks,
-counted by ref_cnt, and keeps blocks after their sequence ends; this class never shares.
+Parts (vLLM's style: one manager, with components), each owning its state, called where it differs:
+tails=SharedTails() (shared_tail_manager.py: rows' partly filled tails share their sequence's tail
+blocks) and prefix_cache=PrefixCache() (prefix_cache.py: rows of different sequences share full
+blocks, counted by ref_cnt, kept after their sequence ends). Without parts no block is shared. Each
+part works on one pool of plain pages: the constructor refuses two of {tails, prefix, devices}.
 
 The scheduler's questions have methods of their own (`num_free_blocks`, `num_blocks_needed`,
 `can_allocate`, `blocks_of_sequence`, `free`), so it never reaches into these tensors. `truncate`
@@ -177,12 +180,13 @@ class KVCacheManager:
     num_blocks: the pool of one device. blocks_per_device: D ints, a pool of D devices (num_blocks
     may then be left out, or must be their sum); device_of_expert: (E,) or (L, E) integer devices
     0..D-1 (checked_placement), all zeros when left out. home_devices: every row of sequence s on
-    device s % D, whatever its expert (device_of_expert must then be left out)."""
+    device s % D, whatever its expert (device_of_expert must then be left out). tails, prefix_cache:
+    the parts it is built with (module docstring), None for none."""
 
     def __init__(self, num_layers: int, num_experts: int, block_size: int, num_blocks: int | None = None,
                  shuffle_seed: int | None = None, initial_num_seqs: int = 4,
                  initial_blocks_per_row: int = 4, blocks_per_device=None, device_of_expert=None,
-                 home_devices: bool = False):
+                 home_devices: bool = False, tails=None, prefix_cache=None):
         for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} is not allowed: it must be a positive integer")
@@ -194,6 +198,9 @@ class KVCacheManager:
         self.num_experts = num_experts
         self.block_size = check_block_size(block_size)
         self.pool = BlockPool(num_blocks, shuffle_seed, blocks_per_device)
+        if (tails is not None) + (prefix_cache is not None) + (self.pool.num_devices > 1) > 1:
+            raise ValueError("shared tails and prefix caching each work on one pool of plain pages: not "
+                             "together, and not with several devices (blocks_per_device)")
         if device_of_expert is None:
             device_of_expert = torch.zeros(num_experts, dtype=torch.int64)
         self.device_of_expert = checked_placement(device_of_expert, num_layers, num_experts,
@@ -211,6 +218,15 @@ class KVCacheManager:
         self.last_appended = torch.full((num_rows,), -1, dtype=torch.int64)         # (R,)
         self._seq_index: dict[int, int] = {}        # sequence id -> its slot of rows
         self._free_seq_indices = list(range(initial_num_seqs - 1, -1, -1))
+        self.tails, self.prefix_cache = tails, prefix_cache
+        for part in (tails, prefix_cache):
+            if part is not None:
+                part.attach(self)
+
+    @property
+    def can_evict_rows(self) -> bool:
+        """Whether a scheduler may evict single rows (`free_rows`): plain, unshared pages only."""
+        return self.tails is None and self.prefix_cache is None
 
     # ----- sequences and rows --------------------------------------------------------------------
     @property
@@ -281,6 +297,8 @@ class KVCacheManager:
         self._seq_index[seq_id] = index
         rows = self.sequence_rows(torch.tensor([index]))[0]                                  # (L*E,)
         self.row_device[rows] = self.device_of_expert_of([seq_id])[0].reshape(-1)
+        if self.tails is not None:
+            self.tails.add_sequence(index)
         return index
 
     def seq_index(self, seq_id: int) -> int:
@@ -309,34 +327,34 @@ class KVCacheManager:
         return self.index.sequence_rows(seq_index)
 
     def _table_blocks(self, num_tokens: torch.Tensor) -> torch.Tensor:
-        """Blocks listed in the block table of a row of num_tokens tokens: all of them here; a
-        design that keeps partial tails elsewhere (shared_tail_manager.py) lists full blocks only."""
-        return ceil_div(num_tokens, self.block_size)
-
-    def _other_owned_blocks(self) -> torch.Tensor:
-        """Blocks owned outside the block tables (none here): (b,) int64."""
-        return torch.zeros(0, dtype=torch.int64)
+        """Blocks listed in the block table of a row of num_tokens tokens: all of them, or with
+        shared tails (which keep partial tails elsewhere) full blocks only."""
+        return num_tokens // self.block_size if self.tails is not None else ceil_div(num_tokens, self.block_size)
 
     # ----- the scheduler's questions --------------------------------------------------------------
     def num_blocks_needed(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> int:
         """Blocks that appending num_new_tokens[i] tokens to rows[i] would take from the pool."""
+        if self.tails is not None:
+            return self.tails.num_blocks_needed(rows, num_new_tokens)
         old = self.num_computed_tokens[rows]
         return int((ceil_div(old + num_new_tokens, self.block_size) - ceil_div(old, self.block_size)).sum())
 
     def can_allocate(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> bool:
         """Whether the append fits the pool: with several devices, every device. (One device asks
-        num_blocks_needed, which a design keeping tails outside the rows answers its own way.)"""
+        num_blocks_needed, which shared tails answer their own way.)"""
         if self.num_devices == 1:
             return self.num_blocks_needed(rows, num_new_tokens) <= self.num_free_blocks
         return bool((self.blocks_needed_per_device(rows, num_new_tokens) <= self.num_free_blocks_per_device).all())
 
     def blocks_of_sequence(self, seq_id: int) -> torch.Tensor:
-        """Every block the sequence owns, row by row in token order: (b,) int64. What a swap to a
-        CPU pool copies, and what `free` returns to the pool."""
-        rows = self.sequence_rows(torch.tensor([self.seq_index(seq_id)]))[0]     # (L*E,)
+        """Every block the sequence owns, row by row in token order (then its tail blocks, with
+        shared tails): (b,) int64. What a swap to a CPU pool copies, and what `free` returns."""
+        index = self.seq_index(seq_id)
+        rows = self.sequence_rows(torch.tensor([index]))[0]                       # (L*E,)
         num_used = self._table_blocks(self.num_computed_tokens[rows])             # (L*E,)
         used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (L*E, W)
-        return self.block_tables[rows][used].to(torch.int64)
+        tail_blocks = [] if self.tails is None else self.tails.tail_blocks[index]
+        return torch.cat([self.block_tables[rows][used].to(torch.int64), torch.tensor(tail_blocks, dtype=torch.int64)])
 
     def token_counts(self, seq_ids) -> torch.Tensor:
         """Tokens held per (sequence, layer, expert): (num_seqs, L, E) int64; zeros for a sequence
@@ -380,7 +398,7 @@ class KVCacheManager:
     def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor,
                        rows_are_distinct: bool = False, with_slots: bool = True) -> SlotAllocation:
         """Make room for num_new_tokens[i] more tokens in rows[i], count them as stored, and say
-        where they go (a SlotAllocation: the new tokens' slots; no moves with plain pages).
+        where they go (a SlotAllocation: the new tokens' slots; moves with shared tails only).
 
         rows: (m,) distinct row ids; num_new_tokens: (m,) >= 0. New blocks are appended to each
         row's block table in token order. Raises OutOfBlocksError, changing nothing, when the pool is
@@ -390,6 +408,8 @@ class KVCacheManager:
         no K/V, and computing every token's slot would cost it about as much as the allocation."""
         P = self.block_size
         rows, num_new_tokens = self._check_allocation(rows, num_new_tokens, rows_are_distinct)
+        if self.tails is not None:
+            return self.tails.allocate_slots(rows, num_new_tokens, with_slots)
         if rows.numel() == 0:
             return SlotAllocation(torch.zeros(0, dtype=torch.int64))
         old = self.num_computed_tokens[rows]                                       # (m,)
@@ -419,7 +439,10 @@ class KVCacheManager:
             if total > self.pool.num_free_blocks:
                 raise OutOfBlocksError(f"appending {int(num_new_tokens.sum())} tokens to {rows.numel()} "
                                        f"rows needs {total} blocks; {self.pool.num_free_blocks} are free")
-            return self.pool.allocate(total)
+            block_ids = self.pool.allocate(total)
+            if self.prefix_cache is not None:                # their slots hold no position yet
+                self.prefix_cache.block_positions[block_ids] = -1
+            return block_ids
         device = self.device_of_rows(rows)                                                  # (m,)
         per_device = torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, device, needed)   # (D,)
         free = self.num_free_blocks_per_device                                              # (D,)
@@ -481,7 +504,10 @@ class KVCacheManager:
         return self._slot_of(rows[owner], token)
 
     def _slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """The slot of token `token` of row `row`, elementwise: its block's id * P + its offset."""
+        """The slot of token `token` of row `row`, elementwise: its block's id * P + its offset
+        (or with shared tails, a tail token's slot)."""
+        if self.tails is not None:
+            return self.tails.slot_of(row, token)
         P = self.block_size
         return self.block_tables[row, token // P].to(torch.int64) * P + token % P
 
@@ -491,6 +517,10 @@ class KVCacheManager:
         index = self.seq_index(seq_id)                       # KeyError before any change
         self.pool.free(self.blocks_of_sequence(seq_id))
         rows = self.sequence_rows(torch.tensor([index]))[0]
+        if self.tails is not None:
+            self.tails.free(index, rows)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget_sequence(seq_id)
         self.num_computed_tokens[rows] = 0
         self.block_tables[rows] = self.pad
         self.last_position[rows] = -1
@@ -504,10 +534,9 @@ class KVCacheManager:
         layer, expert) rows does (the sequence cannot attend over the emptied rows until they are
         rebuilt). rows: distinct row ids of held sequences. Returns the number of blocks freed.
         Raises ValueError, changing nothing, for repeated rows or rows of no held sequence."""
-        if type(self)._table_blocks is not KVCacheManager._table_blocks:
-            # a design that keeps rows' tails outside the block tables (shared tails) would have to
-            # compact them too: not supported
-            raise NotImplementedError(f"{type(self).__name__} does not free single rows")
+        if self.tails is not None:
+            # rows' tails live outside the block tables: they would have to be compacted too
+            raise NotImplementedError("a manager with shared tails does not free single rows")
         rows = checked_ids(rows, "rows").reshape(-1)
         if rows.unique().numel() != rows.numel():
             raise ValueError("rows must be distinct within one free_rows call")
@@ -533,8 +562,11 @@ class KVCacheManager:
         (`restore_rows`), since the manager does not keep every token's position.
 
         rows: (m,) distinct row ids; num_tokens: (m,) with 0 <= num_tokens <= the tokens held.
-        Raises ValueError, changing nothing, otherwise. Plain pages only: a design that keeps tails
-        outside the block tables (shared_tail_manager.py) must undo its moves as well."""
+        Raises ValueError, changing nothing, otherwise; NotImplementedError with shared tails, where
+        it would have to undo the tail moves too (the engine, which undoes steps, uses plain pages)."""
+        if self.tails is not None:
+            raise NotImplementedError("a manager with shared tails cannot truncate rows: undoing tail moves "
+                                      "is not implemented; use plain pages where steps must be undone")
         P = self.block_size
         rows, keep = self._check_allocation(rows, num_tokens, rows_are_distinct=False)
         if rows.numel() == 0:
@@ -589,6 +621,8 @@ class KVCacheManager:
         self.last_appended = torch.cat([self.last_appended, torch.full((extra,), -1, dtype=torch.int64)])
         self.row_device = torch.cat([self.row_device, torch.zeros(extra, dtype=torch.int64)])
         self._free_seq_indices = list(range(2 * num_seqs - 1, num_seqs - 1, -1)) + self._free_seq_indices
+        if self.tails is not None:
+            self.tails.grow_rows(self.num_computed_tokens.numel())
 
     def _grow_tables(self, min_width: int) -> None:
         width = self.block_tables.shape[1]
@@ -607,11 +641,14 @@ class KVCacheManager:
         owned = self.block_tables[used].to(torch.int64)
         assert (self.block_tables[~used] == self.pad).all(), "a table entry past a row's blocks is set"
         assert (owned < self.num_blocks).all(), "a row's used table entry is padding"
-        owned = torch.cat([owned, self._other_owned_blocks()])
-        assert owned.unique().numel() == owned.numel(), "a block is owned by two rows (or twice)"
+        if self.tails is not None:
+            owned = torch.cat([owned, self.tails.blocks()])
+        distinct = owned.unique()
+        assert self.prefix_cache is not None or distinct.numel() == owned.numel(), \
+            "a block is owned by two rows (or twice)"
         owners = torch.bincount(owned, minlength=self.num_blocks)
         assert torch.equal(owners.to(torch.int32), self.pool.ref_cnt), "ref_cnt != number of owners"
-        assert owned.numel() + self.pool.num_free_blocks == self.num_blocks, "free + owned != total"
+        assert distinct.numel() + self.pool.num_free_blocks == self.num_blocks, "free + owned != total"
         row, _ = used.nonzero(as_tuple=True)
         assert torch.equal(self.pool.device_of_blocks(self.block_tables[used].to(torch.int64)),
                            self.device_of_rows(row)), "a row holds a block of another device than its own"
@@ -619,3 +656,6 @@ class KVCacheManager:
         live[list(self._seq_index.values())] = True
         idle_rows = (~live).repeat_interleave(self.rows_per_seq)
         assert (self.num_computed_tokens[idle_rows] == 0).all(), "a free sequence slot holds tokens"
+        for part in (self.tails, self.prefix_cache):
+            if part is not None:
+                part.assert_consistent()

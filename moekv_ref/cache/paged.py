@@ -58,8 +58,8 @@ from ..config import ModelConfig
 from .block_pool import checked_blocks_per_device
 from .kv_cache_manager import KVCacheManager, check_block_size, checked_placement
 from .rows import worst_case_lifetime_blocks
-from .prefix_cache import PrefixCachingKVCacheManager
-from .shared_tail_manager import SharedTailKVCacheManager
+from .prefix_cache import PrefixCache
+from .shared_tail_manager import SharedTails
 
 ATTENTION_PATHS = ("reference", "batched", "triton")
 
@@ -88,11 +88,11 @@ class PagedKVCache:
     shuffle_seed: scatter the free block queue, so that consecutive blocks of a row are far apart.
     attention: "reference", "batched" (the default) or "triton", see the module docstring.
     shared_tails: keep each row's partly filled tail in slots shared by the sequence's rows
-             (SharedTailKVCacheManager) instead of a private last block; the K/V moves it asks for
+             (a manager with SharedTails) instead of a private last block; the K/V moves it asks for
              are applied before new tokens are written. Not with "triton": the kernels read a row
              through its block table only, and shared tails live outside it.
     enable_prefix_caching: full blocks outlive their sequences and a request with the same first
-             tokens reuses them (PrefixCachingKVCacheManager, prefix_cache.py). One pool, plain pages.
+             tokens reuses them (a manager with a PrefixCache, prefix_cache.py). One pool, plain pages.
     blocks_per_device, device_of_expert: per-device pools (KVCacheManager's devices): D ints of
              blocks, their sum the pool (num_blocks must be that sum), and each expert's device, (E,)
              or (L, E); a row takes blocks only from its expert's device. append_kv and attend are
@@ -123,25 +123,17 @@ class PagedKVCache:
         for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("shared_tails", shared_tails)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}={flag!r} must be True or False")
-        if enable_prefix_caching and (shared_tails or blocks_per_device is not None):
-            raise ValueError("enable_prefix_caching=True works on one pool of plain pages: not with "
-                             "shared_tails=True or per-device pools (blocks_per_device)")
         self.config = config
         self.attention = attention
         if (blocks_per_device is None) != (device_of_expert is None):
             raise ValueError("per-device pools need both blocks_per_device and device_of_expert")
         if blocks_per_device is not None:
-            if shared_tails:
-                raise ValueError("shared_tails=True cannot be combined with per-device pools")
             blocks_per_device, device_of_expert = self._checked_devices(config, num_blocks, blocks_per_device,
                                                                         device_of_expert)
-        if enable_prefix_caching:
-            self.manager = PrefixCachingKVCacheManager(L, E, block_size, num_blocks, shuffle_seed)
-        elif shared_tails:
-            self.manager = SharedTailKVCacheManager(L, E, block_size, num_blocks, shuffle_seed)
-        else:
-            self.manager = KVCacheManager(L, E, block_size, num_blocks, shuffle_seed,
-                                          blocks_per_device=blocks_per_device, device_of_expert=device_of_expert)
+        self.manager = KVCacheManager(L, E, block_size, num_blocks, shuffle_seed,
+                                      blocks_per_device=blocks_per_device, device_of_expert=device_of_expert,
+                                      tails=SharedTails() if shared_tails else None,
+                                      prefix_cache=PrefixCache() if enable_prefix_caching else None)
         self.block_size = block_size
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.key_cache = torch.zeros(shape, dtype=dtype, device=device)     # (N, P, Hkv, Dh)
@@ -233,8 +225,8 @@ class PagedKVCache:
         self._apply_moves(allocation.moves)
         slots = torch.empty(n, dtype=torch.int64)
         slots[order] = allocation.slot_mapping                                        # (n,) per pair
-        if getattr(manager, "enable_prefix_caching", False):
-            manager.record_positions(slots, positions)      # which chunks each block spans
+        if manager.prefix_cache is not None:
+            manager.prefix_cache.record_positions(slots, positions)      # which chunks each block spans
         self._store(k, v, slots)
         context_lens = manager.num_computed_tokens[rows]                              # (m,)
         pair_row, pair_index = torch.empty_like(order), torch.empty_like(order)
@@ -382,7 +374,7 @@ class PagedKVCache:
         indexing and a broadcast masked_fill of the same tensors (measured at 16 rows of 64 tokens)."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         device = self.key_cache.device
-        if isinstance(self.manager, SharedTailKVCacheManager):
+        if self.manager.tails is not None:
             slots, valid = self.manager.padded_slots(rows)                         # (g, Lmax) each
             index = slots.reshape(-1).to(device)                                   # (g * Lmax,) slots
             pool = (self.key_cache.view(-1, Hkv, Dh), self.value_cache.view(-1, Hkv, Dh))

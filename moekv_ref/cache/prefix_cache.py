@@ -127,10 +127,12 @@ class PrefixCacheStats:
         return dict(self.__dict__)
 
 
-class PrefixCachingKVCacheManager(KVCacheManager):
-    """A KVCacheManager whose full blocks outlive their sequences and are found again by prefix.
+class PrefixCache:
+    """A KVCacheManager's prefix cache (KVCacheManager(..., prefix_cache=PrefixCache())): its full
+    blocks outlive their sequences and are found again by prefix. One instance per manager (it binds
+    in `attach`).
 
-    Extra state: block_positions (N, P) int64, the position of the token at each slot (set as slots
+    State: block_positions (N, P) int64, the position of the token at each slot (set as slots
     are written, copied with copy-on-write and swaps): what tells which chunks a block spans; the
     index (block keys <-> blocks, chunk records); per held sequence, its chain keys and how far its
     blocks are registered.
@@ -141,21 +143,19 @@ class PrefixCachingKVCacheManager(KVCacheManager):
       * cached blocks with no owner are exactly the pool's cached-free queue.
     """
 
-    def __init__(self, num_layers: int, num_experts: int, block_size: int, num_blocks: int,
-                 shuffle_seed: int | None = None, initial_num_seqs: int = 4, initial_blocks_per_row: int = 4,
-                 max_chunk_records: int | None = None):
-        super().__init__(num_layers, num_experts, block_size, num_blocks, shuffle_seed, initial_num_seqs,
-                         initial_blocks_per_row)
-        self.enable_prefix_caching = True
-        self.chunk_size = block_size
-        self.block_positions = torch.full((num_blocks, block_size), -1, dtype=torch.int64)   # (N, P)
+    def __init__(self, max_chunk_records: int | None = None):
+        self.max_chunk_records = max_chunk_records
+
+    def attach(self, manager: KVCacheManager) -> None:
+        self.manager, self.chunk_size, num_blocks = manager, manager.block_size, manager.num_blocks
+        self.block_positions = torch.full((num_blocks, manager.block_size), -1, dtype=torch.int64)   # (N, P)
         self._block_of_key: dict[tuple[int, int, bytes], int] = {}
         self._keys_of_block: dict[int, list[tuple[int, int, bytes]]] = {}
         self._chunk_counts: OrderedDict[bytes, torch.Tensor] = OrderedDict()   # key -> (L*E,) int64
-        self.max_chunk_records = max_chunk_records or max(64, num_blocks)
+        self.max_chunk_records = self.max_chunk_records or max(64, num_blocks)
         # per held sequence: [chain keys, chunks recorded, full blocks registered per row (L*E,)]
         self._seq_state: dict[int, list] = {}
-        self.pool.on_evict = self._forget_blocks
+        manager.pool.on_evict = self._forget_blocks
         self.stats = PrefixCacheStats()
 
     # ----- positions ------------------------------------------------------------------------------
@@ -171,10 +171,11 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         its first entry's chunk on, as a copy-on-write source only -- its entries below a complete
         chunk's end are final, and a lookup never shares it, see `_hit_at`). token_ids: the tokens
         whose K/V the cache holds (positions 0 .. len - 1). Returns the number of blocks newly cached."""
-        P = C = self.block_size
-        index = self.seq_index(seq_id)
-        width = self.block_tables.shape[1]
-        state = self._seq_state.setdefault(int(seq_id), [[], 0, torch.full((self.rows_per_seq, width), -1)])
+        m = self.manager
+        P = C = m.block_size
+        index = m.seq_index(seq_id)
+        width = m.block_tables.shape[1]
+        state = self._seq_state.setdefault(int(seq_id), [[], 0, torch.full((m.rows_per_seq, width), -1)])
         keys, num_recorded, registered_through = state
         num_complete = len(token_ids) // C
         if num_complete == num_recorded:
@@ -183,18 +184,18 @@ class PrefixCachingKVCacheManager(KVCacheManager):
             return 0
         if num_complete > len(keys):
             keys += chain_keys(token_ids[len(keys) * C: num_complete * C], C, keys[-1] if keys else b"")
-        rows = self.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
-        counts = self.num_computed_tokens[rows]                                             # (R,)
+        rows = m.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
+        counts = m.num_computed_tokens[rows]                                             # (R,)
         if num_complete > num_recorded:
             self._record_chunks(rows, counts, keys, num_recorded, num_complete)
             state[1] = num_complete
         if registered_through.shape[1] < width:                                             # tables grew
             registered_through = torch.cat([registered_through, torch.full(
-                (self.rows_per_seq, width - registered_through.shape[1]), -1)], 1)
+                (m.rows_per_seq, width - registered_through.shape[1]), -1)], 1)
         column = torch.arange(width)                                                        # (W,)
         used = column < ceil_div(counts, P)[:, None]                                        # (R, W)
         full = column < (counts // P)[:, None]                                              # (R, W)
-        blocks = torch.where(used, self.block_tables[rows].to(torch.int64), 0)              # (R, W)
+        blocks = torch.where(used, m.block_tables[rows].to(torch.int64), 0)              # (R, W)
         first_chunk = self.block_positions[blocks, 0] // C                                  # (R, W)
         last_chunk = torch.where(full, self.block_positions[blocks, P - 1] // C, num_complete - 1)
         through = torch.clamp(last_chunk, max=num_complete - 1)                             # (R, W)
@@ -202,8 +203,8 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         newly_cached = []
         for r, j in todo.nonzero().tolist():
             block = int(blocks[r, j])
-            for m in range(max(int(first_chunk[r, j]), int(registered_through[r, j]) + 1), int(through[r, j]) + 1):
-                key = (r, j, keys[m])
+            for c in range(max(int(first_chunk[r, j]), int(registered_through[r, j]) + 1), int(through[r, j]) + 1):
+                key = (r, j, keys[c])
                 if key not in self._block_of_key:
                     self._block_of_key[key] = block
                     self._keys_of_block.setdefault(block, []).append(key)
@@ -211,19 +212,14 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         state[2] = torch.where(todo, through, registered_through)
         newly_cached = sorted(set(newly_cached))
         if newly_cached:
-            self.pool.mark_cached(torch.tensor(newly_cached, dtype=torch.int64))
+            m.pool.mark_cached(torch.tensor(newly_cached, dtype=torch.int64))
         return len(newly_cached)
-
-    def _take_blocks(self, rows, needed, num_new_tokens):
-        """As KVCacheManager's, and the new blocks' slots hold no position yet."""
-        block_ids = super()._take_blocks(rows, needed, num_new_tokens)
-        self.block_positions[block_ids] = -1
-        return block_ids
 
     def _record_chunks(self, rows, counts, keys, first: int, end: int) -> None:
         """Chunk records for chunks first .. end - 1: entries of each row per chunk."""
+        m = self.manager
         C = self.chunk_size
-        slots, valid = self.padded_slots(rows)                                              # (R, Lmax)
+        slots, valid = m.padded_slots(rows)                                              # (R, Lmax)
         chunk = self.block_positions.view(-1)[slots] // C                                   # (R, Lmax)
         keep = valid & (chunk >= first) & (chunk < end)
         row_of = torch.arange(rows.numel())[:, None].expand_as(chunk)                       # (R, Lmax)
@@ -275,7 +271,8 @@ class PrefixCachingKVCacheManager(KVCacheManager):
 
     def _hit_at(self, keys, cumulative, i: int) -> PrefixHit | None:
         """The hit for s = i * C, or None if some needed block is not cached."""
-        P = self.block_size
+        m = self.manager
+        P = m.block_size
         s = i * self.chunk_size
         row_counts = cumulative[i - 1]                                                      # (R,)
         num_full = row_counts // P                                                          # (R,)
@@ -287,8 +284,8 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         chunk = (cumulative[:i, shared_rows] <= last_entry[None, :]).sum(0)                 # (f,)
         block_of_key = self._block_of_key
         shared = []
-        for r, j, m in zip(shared_rows.tolist(), shared_columns.tolist(), chunk.tolist()):
-            block = block_of_key.get((r, j, keys[m]))
+        for r, j, c in zip(shared_rows.tolist(), shared_columns.tolist(), chunk.tolist()):
+            block = block_of_key.get((r, j, keys[c]))
             if block is None:
                 return None
             shared.append(block)
@@ -308,7 +305,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         # free blocks the hit holds while it is applied: the cached-free blocks it reuses, shared or
         # copy sources (pinned so that the copies' allocation cannot evict them), and the copies
         found = torch.cat([shared_t, torch.tensor(cow, dtype=torch.int64)]).unique()
-        num_free_taken = int((self.pool.ref_cnt[found] == 0).sum()) + len(cow)
+        num_free_taken = int((m.pool.ref_cnt[found] == 0).sum()) + len(cow)
         return PrefixHit(s, row_counts.clone(), shared_t, shared_rows, shared_columns,
                          torch.tensor(cow, dtype=torch.int64), cow_rows, num_free_taken)
 
@@ -317,50 +314,59 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         is copied into a fresh block (copy-on-write). Returns (source, destination) block ids of the
         copies, which must run before anything writes the destinations. Raises OutOfBlocksError,
         changing nothing, when the pool lacks the copies' blocks."""
-        P = self.block_size
+        m = self.manager
+        P = m.block_size
         if hit.num_tokens == 0:
             raise ValueError("apply_prefix_hit of an empty hit: nothing to apply")
-        if self.holds(seq_id):
+        if m.holds(seq_id):
             raise ValueError(f"sequence {seq_id} is already in the cache")
         found = torch.cat([hit.shared, hit.cow_source])
-        if not self.pool.is_cached[found].all():
+        if not m.pool.is_cached[found].all():
             raise ValueError("the hit lists blocks that are no longer cached: look up again")
-        available = self.pool.num_free_blocks - int((self.pool.ref_cnt[found.unique()] == 0).sum())
+        available = m.pool.num_free_blocks - int((m.pool.ref_cnt[found.unique()] == 0).sum())
         if hit.cow_source.numel() > available:
             raise OutOfBlocksError(f"the hit's {hit.cow_source.numel()} copies need blocks; {available} are "
                                    "free beside the blocks it reuses")
-        index = self.add_sequence(seq_id)
-        self.pool.reuse(hit.shared)
-        self.pool.reuse(hit.cow_source)                # pinned: the copies' allocation cannot evict them
-        destination = self.pool.allocate(hit.cow_source.numel())
-        self.pool.free(hit.cow_source)
-        rows = self.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
+        index = m.add_sequence(seq_id)
+        m.pool.reuse(hit.shared)
+        m.pool.reuse(hit.cow_source)                # pinned: the copies' allocation cannot evict them
+        destination = m.pool.allocate(hit.cow_source.numel())
+        m.pool.free(hit.cow_source)
+        rows = m.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
         widest = int(ceil_div(hit.row_counts, P).max())
-        if widest > self.block_tables.shape[1]:
-            self._grow_tables(widest)
-        self.block_tables[rows[hit.shared_rows], hit.shared_columns] = hit.shared.to(torch.int32)
-        self.block_tables[rows[hit.cow_rows], hit.row_counts[hit.cow_rows] // P] = destination.to(torch.int32)
+        if widest > m.block_tables.shape[1]:
+            m._grow_tables(widest)
+        m.block_tables[rows[hit.shared_rows], hit.shared_columns] = hit.shared.to(torch.int32)
+        m.block_tables[rows[hit.cow_rows], hit.row_counts[hit.cow_rows] // P] = destination.to(torch.int32)
         self.block_positions[destination] = self.block_positions[hit.cow_source]
-        self.num_computed_tokens[rows] = hit.row_counts
+        m.num_computed_tokens[rows] = hit.row_counts
         held = (hit.row_counts > 0).nonzero().squeeze(1)                                   # (h,)
         last = hit.row_counts[held] - 1
-        last_block = self.block_tables[rows[held], last // P].to(torch.int64)
-        self.last_position[rows[held]] = self.block_positions[last_block, last % P]
+        last_block = m.block_tables[rows[held], last // P].to(torch.int64)
+        m.last_position[rows[held]] = self.block_positions[last_block, last % P]
         stats = self.stats
         stats.num_hit_tokens += hit.num_tokens
         stats.num_shared_blocks += hit.shared.numel()
         stats.num_cow_blocks += hit.cow_source.numel()
         return hit.cow_source.clone(), destination
 
-    def count_lookup(self, num_tokens: int) -> None:
-        """Statistics: a request of num_tokens tokens was looked up (hit or not)."""
+    # ----- what a scheduler asks -------------------------------------------------------------------
+    def hit_for(self, token_ids: list[int]) -> PrefixHit | None:
+        """What a new sequence with these tokens would start from: the longest usable cached prefix,
+        with what it costs (its row counts, and num_free_taken: the free blocks applying it takes),
+        or None when nothing usable is cached."""
+        hit = self.find_cached_prefix(token_ids)
+        return hit if hit.num_tokens else None
+
+    def start_sequence(self, seq_id: int, num_tokens: int, hit: PrefixHit | None):
+        """A looked-up sequence of num_tokens tokens starts from `hit` (apply_prefix_hit: returns the
+        copies' source and destination blocks), or from nothing (None). Counted in `stats`."""
         self.stats.num_lookups += 1
         self.stats.num_lookup_tokens += int(num_tokens)
+        return None if hit is None else self.apply_prefix_hit(seq_id, hit)
 
-    # ----- freeing --------------------------------------------------------------------------------
-    def free(self, seq_id: int) -> None:
-        """As KVCacheManager.free; cached blocks whose last owner leaves stay findable until evicted."""
-        super().free(seq_id)
+    def forget_sequence(self, seq_id: int) -> None:
+        """The manager freed the sequence: its cached blocks stay findable until evicted."""
         self._seq_state.pop(int(seq_id), None)
 
     @property
@@ -370,32 +376,20 @@ class PrefixCachingKVCacheManager(KVCacheManager):
 
     # ----- checking --------------------------------------------------------------------------------
     def assert_consistent(self) -> None:
-        P = self.block_size
-        pool = self.pool
-        pool.assert_consistent()
-        num_used = self._table_blocks(self.num_computed_tokens)                              # (R,)
-        used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]                  # (R, W)
-        assert (self.block_tables[~used] == self.pad).all(), "a table entry past a row's blocks is set"
+        """The invariants above, after the manager checked its own (ref_cnt == rows listing a block)."""
+        m, P = self.manager, self.manager.block_size
+        used = torch.arange(m.block_tables.shape[1]) < m._table_blocks(m.num_computed_tokens)[:, None]  # (R, W)
         row, column = used.nonzero(as_tuple=True)
-        owned = self.block_tables[row, column].to(torch.int64)
-        assert (owned < self.num_blocks).all(), "a row's used table entry is padding"
-        owners = torch.bincount(owned, minlength=self.num_blocks)
-        assert torch.equal(owners.to(torch.int32), pool.ref_cnt), "ref_cnt != number of rows listing the block"
-        distinct = owned.unique()
-        assert distinct.numel() + pool.num_free_blocks == self.num_blocks, "free + owned != total"
-        shared = owners[owned] > 1
-        full = self.num_computed_tokens[row] >= (column + 1) * P
+        owned = m.block_tables[row, column].to(torch.int64)
+        shared = torch.bincount(owned, minlength=m.num_blocks)[owned] > 1
+        full = m.num_computed_tokens[row] >= (column + 1) * P
         assert full[shared].all(), "a partly filled block is shared (copy-on-write broken)"
-        where = (row % self.rows_per_seq) * self.block_tables.shape[1] + column              # (r_le, column)
-        first = torch.full((self.num_blocks,), -1, dtype=torch.int64).scatter_(0, owned, where)
+        where = (row % m.rows_per_seq) * m.block_tables.shape[1] + column              # (r_le, column)
+        first = torch.full((m.num_blocks,), -1, dtype=torch.int64).scatter_(0, owned, where)
         assert (first[owned] == where).all(), "a block is listed at two different (layer, expert, column)"
         for key, block in self._block_of_key.items():
             assert key in self._keys_of_block.get(block, []), f"key of block {block} missing from its list"
         assert sum(map(len, self._keys_of_block.values())) == len(self._block_of_key), "stale block keys"
-        cached = torch.zeros(self.num_blocks, dtype=torch.bool)
+        cached = torch.zeros(m.num_blocks, dtype=torch.bool)
         cached[list(self._keys_of_block)] = True
-        assert torch.equal(cached, pool.is_cached), "pool's cached marks != blocks with keys"
-        live = torch.zeros(self.num_computed_tokens.numel() // self.rows_per_seq, dtype=torch.bool)
-        live[list(self._seq_index.values())] = True
-        idle_rows = (~live).repeat_interleave(self.rows_per_seq)
-        assert (self.num_computed_tokens[idle_rows] == 0).all(), "a free sequence slot holds tokens"
+        assert torch.equal(cached, m.pool.is_cached), "pool's cached marks != blocks with keys"

@@ -29,6 +29,10 @@ compaction), a slot index per tail token, and a decode that gathers up to P - 1 
 per row besides its full blocks. Bookkeeping here is a loop over the rows of a call (readable, fine
 for the model); the simulator's SharedTailDesign replays the same accounting from counts, and a test
 checks the two agree.
+
+This is a part a KVCacheManager is built with (`KVCacheManager(..., tails=SharedTails())`): it owns
+the tail state, and the manager hands it the calls that differ (how many blocks an append needs,
+allocation, where a token's slot is, free, growth, checking).
 """
 
 from __future__ import annotations
@@ -39,115 +43,99 @@ from .block_pool import OutOfBlocksError
 from .kv_cache_manager import KVCacheManager, Moves, SlotAllocation
 
 
-class SharedTailKVCacheManager(KVCacheManager):
-    """KVCacheManager whose rows keep full blocks in their table and their tail in shared slots."""
+class SharedTails:
+    """A KVCacheManager's shared tails: its rows keep full blocks in their table and their tail in
+    slots of their sequence's tail blocks. One instance per manager (it binds in `attach`)."""
 
-    def __init__(self, num_layers: int, num_experts: int, block_size: int, num_blocks: int,
-                 shuffle_seed: int | None = None, initial_num_seqs: int = 4,
-                 initial_blocks_per_row: int = 4):
-        super().__init__(num_layers, num_experts, block_size, num_blocks, shuffle_seed,
-                         initial_num_seqs, initial_blocks_per_row)
-        P = block_size
-        rows = self.num_computed_tokens.numel()
-        self.tail_slots = torch.full((rows, P), -1, dtype=torch.int64)           # (R, P) -1 = none
+    def attach(self, manager: KVCacheManager) -> None:
+        self.manager = manager
+        P, num_slots = manager.block_size, manager.num_blocks * manager.block_size
+        num_rows = manager.num_computed_tokens.numel()
+        self.tail_slots = torch.full((num_rows, P), -1, dtype=torch.int64)      # (R, P) -1 = none
         # who uses each slot of a tail block: the row and the position in its tail (-1: nobody)
-        self.slot_row = torch.full((num_blocks * P,), -1, dtype=torch.int64)      # (N*P,)
-        self.slot_position = torch.full((num_blocks * P,), -1, dtype=torch.int64)
+        self.slot_row = torch.full((num_slots,), -1, dtype=torch.int64)          # (N*P,)
+        self.slot_position = torch.full((num_slots,), -1, dtype=torch.int64)
         self.tail_blocks: dict[int, list[int]] = {}      # seq_index -> its tail block ids
         self.free_tail_slots: dict[int, list[int]] = {}  # seq_index -> free slots (a stack)
 
-    def _table_blocks(self, num_tokens: torch.Tensor) -> torch.Tensor:
-        return num_tokens // self.block_size
-
-    def _other_owned_blocks(self) -> torch.Tensor:
+    def blocks(self) -> torch.Tensor:
+        """Every tail block, of all sequences: (b,) int64 (owned outside the block tables)."""
         return torch.tensor([b for blocks in self.tail_blocks.values() for b in blocks], dtype=torch.int64)
 
-    def add_sequence(self, seq_id: int) -> int:
-        index = super().add_sequence(seq_id)
+    def add_sequence(self, index: int) -> None:
         self.tail_blocks[index] = []
         self.free_tail_slots[index] = []
-        return index
 
-    # ----- the scheduler's questions --------------------------------------------------------------
     def num_blocks_needed(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> int:
         """Blocks the append would take from the pool (compaction afterwards may give some back)."""
-        P = self.block_size
+        m, P = self.manager, self.manager.block_size
         rows = torch.as_tensor(rows, dtype=torch.int64)
-        num_new_tokens = torch.as_tensor(num_new_tokens, dtype=torch.int64)
-        old = self.num_computed_tokens[rows]
-        new = old + num_new_tokens
+        old = m.num_computed_tokens[rows]
+        new = old + torch.as_tensor(num_new_tokens, dtype=torch.int64)
         body = int((new // P - old // P).sum())
         tail = 0
-        seq_of_row = rows // self.rows_per_seq
+        seq_of_row = rows // m.rows_per_seq
         for index in seq_of_row.unique().tolist():
             mine = seq_of_row == index
             tail_tokens = self._tail_tokens(index) + int((new[mine] % P - old[mine] % P).sum())
             tail += max(0, -(-tail_tokens // P) - len(self.tail_blocks[index]))
         return body + tail
 
-    def blocks_of_sequence(self, seq_id: int) -> torch.Tensor:
-        """Full blocks of its rows, then its tail blocks: (b,) int64."""
-        index = self.seq_index(seq_id)
-        return torch.cat([super().blocks_of_sequence(seq_id),
-                          torch.tensor(self.tail_blocks[index], dtype=torch.int64)])
-
     def _tail_tokens(self, index: int) -> int:
-        return len(self.tail_blocks[index]) * self.block_size - len(self.free_tail_slots[index])
+        return len(self.tail_blocks[index]) * self.manager.block_size - len(self.free_tail_slots[index])
 
     # ----- allocate / slots / free ----------------------------------------------------------------
-    def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor,
-                       rows_are_distinct: bool = False, with_slots: bool = True) -> SlotAllocation:
-        """Make room for num_new_tokens[i] more tokens in rows[i]. Returns their slots and the K/V
-        moves the caller must apply, in order, before writing the new tokens
+    def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor, with_slots: bool) -> SlotAllocation:
+        """KVCacheManager.allocate_slots with shared tails (rows checked): the new tokens' slots and
+        the K/V moves the caller must apply, in order, before writing them
         (`key_cache.view(-1, Hkv, Dh)[dst] = key_cache.view(-1, Hkv, Dh)[src]`). Raises, changing
         nothing, when the pool is short."""
-        P = self.block_size
-        rows, num_new_tokens = self._check_allocation(rows, num_new_tokens, rows_are_distinct)
+        m, P = self.manager, self.manager.block_size
         needed = self.num_blocks_needed(rows, num_new_tokens)
-        if needed > self.pool.num_free_blocks:
+        if needed > m.pool.num_free_blocks:
             raise OutOfBlocksError(f"appending {int(num_new_tokens.sum())} tokens to {rows.numel()} "
-                                   f"rows needs {needed} blocks; {self.pool.num_free_blocks} are free")
-        old = self.num_computed_tokens[rows]
+                                   f"rows needs {needed} blocks; {m.pool.num_free_blocks} are free")
+        old = m.num_computed_tokens[rows]
         new = old + num_new_tokens
         widest = int((new // P).max()) if rows.numel() else 0
-        if widest > self.block_tables.shape[1]:
-            self._grow_tables(widest)
+        if widest > m.block_tables.shape[1]:
+            m._grow_tables(widest)
         promotion_src, promotion_dst = [], []
         # 1. promotions: rows whose tail fills up get fresh full blocks; their old tail moves there
         for row, n_old, n_new in zip(rows.tolist(), old.tolist(), new.tolist()):
             first, last = n_old // P, n_new // P
             if last == first:
                 continue
-            block_ids = self.pool.allocate(last - first)
-            self.block_tables[row, first:last] = block_ids.to(torch.int32)
+            block_ids = m.pool.allocate(last - first)
+            m.block_tables[row, first:last] = block_ids.to(torch.int32)
             tail = self.tail_slots[row, : n_old % P].clone()
             if tail.numel():
                 promotion_src.append(tail)
                 promotion_dst.append(block_ids[0] * P + torch.arange(tail.numel()))
-                self._release_tail_slots(row // self.rows_per_seq, tail)
+                self._release_tail_slots(row // m.rows_per_seq, tail)
                 self.tail_slots[row] = -1
         # 2. new tail tokens take free tail slots of their sequence (new tail blocks when none)
         for row, n_old, n_new in zip(rows.tolist(), old.tolist(), new.tolist()):
             kept = n_old % P if n_new // P == n_old // P else 0
             for position in range(kept, n_new % P):
-                slot = self._take_tail_slot(row // self.rows_per_seq)
+                slot = self._take_tail_slot(row // m.rows_per_seq)
                 self.tail_slots[row, position] = slot
                 self.slot_row[slot], self.slot_position[slot] = row, position
-        self.num_computed_tokens[rows] = new
+        m.num_computed_tokens[rows] = new
         moves: Moves = []
         if promotion_src:
             moves.append((torch.cat(promotion_src), torch.cat(promotion_dst)))
         # 3. compaction: give back tail blocks while a whole block's worth of tail slots is free
-        for index in (rows // self.rows_per_seq).unique().tolist():
+        for index in (rows // m.rows_per_seq).unique().tolist():
             moves += self._compact(index)
-        return SlotAllocation(self._slots(rows, old, num_new_tokens) if with_slots else None, moves)
+        return SlotAllocation(m._slots(rows, old, num_new_tokens) if with_slots else None, moves)
 
     def _take_tail_slot(self, index: int) -> int:
-        free = self.free_tail_slots[index]
+        P, free = self.manager.block_size, self.free_tail_slots[index]
         if not free:
-            block = int(self.pool.allocate(1)[0])
+            block = int(self.manager.pool.allocate(1)[0])
             self.tail_blocks[index].append(block)
-            free.extend(range(block * self.block_size + self.block_size - 1, block * self.block_size - 1, -1))
+            free.extend(range(block * P + P - 1, block * P - 1, -1))
         return free.pop()
 
     def _release_tail_slots(self, index: int, slots: torch.Tensor) -> None:
@@ -156,7 +144,7 @@ class SharedTailKVCacheManager(KVCacheManager):
         self.free_tail_slots[index].extend(slots.tolist()[::-1])
 
     def _compact(self, index: int) -> Moves:
-        P = self.block_size
+        P = self.manager.block_size
         moves: Moves = []
         while len(self.free_tail_slots[index]) >= P:
             blocks = self.tail_blocks[index]
@@ -175,47 +163,37 @@ class SharedTailKVCacheManager(KVCacheManager):
                 self.slot_position[sources] = -1
                 moves.append((sources, destinations))
             blocks.remove(victim)
-            self.pool.free(torch.tensor([victim]))
+            self.manager.pool.free(torch.tensor([victim]))
         return moves
 
-    def _slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    def slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """Tokens in the row's full blocks are found through its table, the rest in its tail slots."""
-        P = self.block_size
-        full = (self.num_computed_tokens[row] // P) * P                           # tokens in blocks
+        m, P = self.manager, self.manager.block_size
+        full = (m.num_computed_tokens[row] // P) * P                              # tokens in blocks
         in_table = token < full
         column = torch.where(in_table, token // P, 0)
-        body = self.block_tables[row, column].to(torch.int64) * P + token % P
+        body = m.block_tables[row, column].to(torch.int64) * P + token % P
         tail = self.tail_slots[row, torch.where(in_table, 0, token - full)]
         return torch.where(in_table, body, tail)
 
-    def free(self, seq_id: int) -> None:
-        index = self.seq_index(seq_id)                       # KeyError before any change
-        rows = self.sequence_rows(torch.tensor([index]))[0]
-        tail_blocks = torch.tensor(self.tail_blocks[index], dtype=torch.int64)
-        super().free(seq_id)                                 # body and tail blocks to the pool
+    def free(self, index: int, rows: torch.Tensor) -> None:
+        """Forget the freed sequence's tails (the manager has returned its tail blocks to the pool)."""
+        P = self.manager.block_size
         self.tail_slots[rows] = -1
-        for block in tail_blocks.tolist():
-            self.slot_row[block * self.block_size:(block + 1) * self.block_size] = -1
-            self.slot_position[block * self.block_size:(block + 1) * self.block_size] = -1
+        for block in self.tail_blocks[index]:
+            self.slot_row[block * P:(block + 1) * P] = -1
+            self.slot_position[block * P:(block + 1) * P] = -1
         self.tail_blocks[index] = []
         self.free_tail_slots[index] = []
 
-    def truncate(self, rows, num_tokens) -> None:
-        """Not supported: undoing appends here would also have to undo the tail moves (promotions and
-        compactions) they caused. The serving engine, which undoes failed steps, uses plain pages."""
-        raise NotImplementedError("SharedTailKVCacheManager cannot truncate rows: undoing tail moves is "
-                                  "not implemented; use KVCacheManager (plain pages) where steps must be undone")
-
-    def _grow_rows(self) -> None:
-        super()._grow_rows()
-        extra = self.num_computed_tokens.numel() - self.tail_slots.shape[0]
-        self.tail_slots = torch.cat([self.tail_slots, torch.full((extra, self.block_size), -1, dtype=torch.int64)])
+    def grow_rows(self, num_rows: int) -> None:
+        extra = torch.full((num_rows - self.tail_slots.shape[0], self.tail_slots.shape[1]), -1, dtype=torch.int64)
+        self.tail_slots = torch.cat([self.tail_slots, extra])
 
     # ----- checking --------------------------------------------------------------------------------
     def assert_consistent(self) -> None:
-        super().assert_consistent()
-        P = self.block_size
-        tails = self.num_computed_tokens % P                                         # (R,)
+        m, P = self.manager, self.manager.block_size
+        tails = m.num_computed_tokens % P                                            # (R,)
         valid = torch.arange(P) < tails[:, None]                                    # (R, P)
         assert (self.tail_slots[~valid] == -1).all(), "a tail slot past a row's tail is set"
         used = self.tail_slots[valid]
@@ -225,7 +203,7 @@ class SharedTailKVCacheManager(KVCacheManager):
             "slot owner map disagrees with tail_slots"
         assert int((self.slot_row >= 0).sum()) == used.numel(), "a slot has an owner but no row uses it"
         for index, blocks in self.tail_blocks.items():
-            mine = used[row // self.rows_per_seq == index]
+            mine = used[row // m.rows_per_seq == index]
             free = torch.tensor(self.free_tail_slots[index], dtype=torch.int64)
             held = torch.tensor(blocks, dtype=torch.int64)
             assert torch.isin(mine // P, held).all() and torch.isin(free // P, held).all(), \
@@ -234,3 +212,8 @@ class SharedTailKVCacheManager(KVCacheManager):
             assert not torch.isin(free, mine).any(), "a free tail slot is in use"
             assert len(blocks) == -(-mine.numel() // P), (
                 f"sequence slot {index} holds {len(blocks)} tail blocks for {mine.numel()} tail tokens")
+
+
+def SharedTailKVCacheManager(*args, **kwargs) -> KVCacheManager:
+    """KVCacheManager(*args, **kwargs, tails=SharedTails()): the shared-tail manager by one name."""
+    return KVCacheManager(*args, tails=SharedTails(), **kwargs)

@@ -38,6 +38,7 @@ class AdmissionStep:
         self.shape: ModelShape = scheduler.memory.shape
         self.max_num_seqs: int = scheduler.config.max_num_seqs
         self.victims = scheduler.victims      # its `admits` may veto too (victims.py: only the oracle does)
+        self._hits = {}                       # request id -> the prefix hit step_fits chose it starts from
 
     @property
     def head(self) -> Request | None:
@@ -70,13 +71,11 @@ class AdmissionStep:
         if hit is not None:
             hit_need = scheduler.hit_step_blocks(hit, min(request.num_tokens - hit.num_tokens, self.token_budget))
             if scheduler.fits(self.reserved + hit_need):
+                self._hits[request.request_id] = hit
                 return True
             # the hit holds more free blocks than it saves now (cached-free blocks it shares, copy
             # sources pinned while it is applied): start from nothing if that fits
-            if scheduler.fits(self.reserved + need):
-                scheduler.decline_prefix_hit(request)
-                return True
-            return False
+            return scheduler.fits(self.reserved + need)
         if request.request_id in scheduler.stalled:    # its dead rows go when it starts
             need = need - scheduler.blocks_held(request)
         return scheduler.fits(self.reserved + swap_in + need)
@@ -84,7 +83,7 @@ class AdmissionStep:
     def start_next(self) -> Request:
         """Start the head of the line (swapping it in if it was swapped out) and schedule its next
         tokens within the budget, reserving their worst case. Returns it."""
-        request = self._scheduler.start_head(self._out)
+        request = self._scheduler.start_head(self._out, self._hits.pop(self.head.request_id, None))
         num_tokens = min(request.num_pending_tokens, self.token_budget)
         if num_tokens > 0:
             need = self._scheduler.step_blocks(request, num_tokens)

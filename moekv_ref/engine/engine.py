@@ -433,10 +433,11 @@ class LLMEngine:
         """Prefix caching's counters (lookups, tokens looked up and skipped, blocks shared and copied,
         cached blocks evicted, blocks cached now); None without prefix caching."""
         manager = self.cache.manager
-        if not getattr(manager, "enable_prefix_caching", False):
+        prefix = manager.prefix_cache
+        if prefix is None:
             return None
-        return {**manager.stats.to_dict(), "num_evicted_cached_blocks": manager.pool.num_evicted_cached_blocks,
-                "num_cached_blocks": manager.num_cached_blocks}
+        return {**prefix.stats.to_dict(), "num_evicted_cached_blocks": manager.pool.num_evicted_cached_blocks,
+                "num_cached_blocks": prefix.num_cached_blocks}
 
     @property
     def peak_used_blocks_per_device(self) -> list[int]:

@@ -61,12 +61,10 @@ class ModelShape:
 class MemoryView:
     """Read-only questions about the device pool and the swap space, by sequence id."""
 
-    def __init__(self, manager: KVCacheManager, shape: ModelShape, swap_space: SwapSpace | None = None,
-                 evicts_rows: bool = False):
+    def __init__(self, manager: KVCacheManager, shape: ModelShape, swap_space: SwapSpace | None = None):
         self._manager = manager
         self._swap_space = swap_space
         self.shape = shape
-        self._evicts_rows = evicts_rows               # row_last_used answers only where rows are evicted
 
     # ----- the pool ---------------------------------------------------------------------------------
     @property
@@ -165,7 +163,7 @@ class MemoryView:
     def row_last_used(self, seq_id: int) -> torch.Tensor | None:
         """(L, E) the step that last appended to each of the sequence's rows (-1: never), kept by the
         block manager; None where the scheduler does not evict rows."""
-        if not self._evicts_rows:
+        if not self._manager.can_evict_rows:
             return None
         return self._manager.row_last_used(seq_id)
 

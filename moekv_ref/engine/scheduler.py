@@ -47,16 +47,16 @@ line, all of its context to be recomputed (counted in num_recomputed_tokens), wh
 stay in the pool, dead weight, as a cache of independent expert buffers would leave them. Dead rows
 are freed before anything else when their device is short (`_free_dead_rows`: they will be
 recomputed anyway), when nothing runs and the head of the line does not fit, and when the stalled
-request resumes (it starts from an empty cache). Plain pages only (not shared tails, not prefix
-caching).
+request resumes (it starts from an empty cache). Only where the block manager says rows can be
+evicted (`can_evict_rows`: plain pages, not shared tails, not prefix caching).
 
-Prefix caching (when the block manager has it, prefix_cache.py): a request starting from nothing
-first looks up the longest usable cached prefix of its tokens; it is admitted with
-num_computed_tokens = s, its rows built from shared blocks and copies (a COPY block copy each, run
-before the forward), and its step reserves the worst case of its remaining tokens plus the free
-blocks the hit takes. After each step the computed tokens' full blocks are registered, so that later
-requests find them; freeing a sequence drops its owners, and cached blocks stay findable until the
-pool evicts them.
+Prefix caching (when the block manager is built with a PrefixCache, prefix_cache.py): a request
+starting from nothing first asks it for the longest usable cached prefix of its tokens (`hit_for`,
+which also says what the hit costs); it is admitted with num_computed_tokens = s, its rows built
+from shared blocks and copies (a COPY block copy each, run before the forward), and its step
+reserves the worst case of its remaining tokens plus the free blocks the hit takes. After each step
+the computed tokens' full blocks are registered, so that later requests find them; freeing a
+sequence drops its owners, and cached blocks stay findable until the pool evicts them.
 
 What the scheduler sees: integers only. It works on the block manager (KVCacheManager: free
 blocks, each sequence's blocks and (layer, expert) token counts; `free`) and on the model's shape
@@ -84,7 +84,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.kv_cache_manager import KVCacheManager
-from ..cache.shared_tail_manager import SharedTailKVCacheManager
 from .admission import ADMISSIONS, AdmissionPolicy
 from .baselines import ContinuousReserved, StaticBatching
 from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
@@ -229,16 +228,13 @@ class Scheduler:
         self.config = config
         self.manager = manager
         self.swap_space = SwapSpace(manager, num_swap_blocks) if num_swap_blocks else None
-        self.prefix_caching = bool(getattr(manager, "enable_prefix_caching", False))
-        self._looked_up = None                 # (request, its hit): the last lookup, until the pool changes
-        # single rows can be evicted from plain pages (module docstring)
-        evicts_rows = not self.prefix_caching and not isinstance(manager, SharedTailKVCacheManager)
-        self.memory = MemoryView(manager, shape, self.swap_space, evicts_rows)
+        self.prefix_cache = manager.prefix_cache           # None: no prefix caching
+        self.memory = MemoryView(manager, shape, self.swap_space)
         self.num_devices = self.memory.num_devices
         self.shape = shape
         self.predictor = DemandPredictor(shape.num_layers, shape.num_experts, shape.k_max, shape.block_size)
         self.batching = config.make_batching_policy()
-        if self.prefix_caching and not isinstance(self.batching, ContinuousBatching):
+        if self.prefix_cache is not None and not isinstance(self.batching, ContinuousBatching):
             raise ValueError(f"prefix caching works with policy='continuous_paged' only, not {config.policy!r}: "
                              "a hit takes blocks at admission, which only that policy's step check counts")
         if self.num_devices > 1 and not isinstance(self.batching, ContinuousBatching):
@@ -325,7 +321,6 @@ class Scheduler:
 
     def _schedule(self, step: int) -> SchedulerOutput:
         out = SchedulerOutput(step)
-        self._looked_up = None
         self.manager.clock = step                  # the rows this step appends to remember it
         token_budget = self.config.max_num_batched_tokens
         reserved = self.nothing_reserved()
@@ -406,9 +401,12 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(request, num_tokens, int(need.sum()),
                                               samples=num_tokens == request.num_pending_tokens))
 
-    def start_head(self, out: SchedulerOutput) -> Request:
+    def start_head(self, out: SchedulerOutput, hit=None) -> Request:
         """The head of the waiting line starts running (swapped back in if it was swapped out; a
-        stalled one first gives up its dead rows: it restarts from an empty cache)."""
+        stalled one first gives up its dead rows: it restarts from an empty cache). With prefix
+        caching, one that holds nothing starts from `hit` (its `prefix_hit`, if that fits) or from
+        nothing (None): its rows share the hit's full blocks, the blocks straddling the hit's end are
+        copied (COPY, before the forward), and prefill starts there."""
         request = self.current = self.waiting.popleft()
         if self.stalled.pop(request.request_id, None) is not None:
             self.manager.free(request.request_id)
@@ -416,8 +414,13 @@ class Scheduler:
             out.block_copies.append(self.swap_space.swap_in(request.request_id))
             out.swapped_in.append(request)
             request.swapped = False
-        elif self.prefix_caching and not self.memory.holds(request.request_id):
-            self._start_from_cached_prefix(request, out)
+        elif self.prefix_cache is not None and not self.memory.holds(request.request_id):
+            copies = self.prefix_cache.start_sequence(request.request_id, request.num_tokens, hit)
+            if hit is not None:
+                request.num_computed_tokens, request.prefix_hit = hit.num_tokens, hit
+                if copies[0].numel():
+                    out.block_copies.append(BlockCopy(COPY, *copies))
+                    out.prefix_copied.append(request)
         if request.status is RequestStatus.PREEMPTED:
             out.resumed.append(request)
             out.events.append(("resumed", request))
@@ -475,18 +478,9 @@ class Scheduler:
     def prefix_hit(self, request: Request):
         """The cached prefix a request that holds nothing would start from (a PrefixHit), or None:
         no prefix caching, the request holds blocks or is swapped out, or nothing usable is cached."""
-        if not self.prefix_caching or request.swapped or self.memory.holds(request.request_id):
+        if self.prefix_cache is None or request.swapped or self.memory.holds(request.request_id):
             return None
-        if self._looked_up is not None and self._looked_up[0] is request:
-            return self._looked_up[1]          # asked again before anything changed (admission, then start)
-        hit = self.manager.find_cached_prefix(request.all_token_ids)
-        hit = hit if hit.num_tokens else None
-        self._looked_up = (request, hit)
-        return hit
-
-    def decline_prefix_hit(self, request: Request) -> None:
-        """Start this request from nothing although a prefix is cached (its hit does not fit now)."""
-        self._looked_up = (request, None)
+        return self.prefix_cache.hit_for(request.all_token_ids)
 
     def hit_step_blocks(self, hit, num_tokens: int) -> torch.Tensor:
         """(D,) step_blocks for a request about to start from `hit`: the worst case of its next
@@ -496,28 +490,6 @@ class Scheduler:
         need = self._worst_case_need(counts, [num_tokens], [hit.num_tokens + num_tokens],
                                      self.memory.device_of_expert[None])[0]
         return need + hit.num_free_taken
-
-    def _start_from_cached_prefix(self, request: Request, out: SchedulerOutput) -> None:
-        """Give a starting request the longest usable cached prefix: its rows share the cached full
-        blocks, the blocks straddling s are copied (COPY, before the forward), and prefill starts at s."""
-        self.manager.count_lookup(request.num_tokens)
-        hit = self.prefix_hit(request)
-        self._looked_up = None
-        if hit is None:
-            return
-        source, destination = self.manager.apply_prefix_hit(request.request_id, hit)
-        request.num_computed_tokens = hit.num_tokens
-        request.prefix_hit = hit
-        if source.numel():
-            out.block_copies.append(BlockCopy(COPY, source, destination))
-            out.prefix_copied.append(request)
-
-    def _cache_prefix(self, request: Request) -> None:
-        """Register the blocks of the request's computed tokens, so later requests find them (prefix
-        caching only; a row's partly filled last block as a copy source only, see prefix_cache.py)."""
-        if self.prefix_caching and self.memory.holds(request.request_id):
-            self.manager.cache_computed_blocks(request.request_id,
-                                               request.all_token_ids[: request.num_computed_tokens])
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Take a running request off the pool; it goes back to the head of the waiting line."""
@@ -601,7 +573,11 @@ class Scheduler:
                 self.finish(request, out.step, "error", failed[request.request_id])
                 finished.append(request)
                 continue
-            self._cache_prefix(request)
+            if self.prefix_cache is not None and self.memory.holds(request.request_id):
+                # its computed tokens' blocks become findable (a row's partly filled last block as a
+                # copy source only, see prefix_cache.py)
+                self.prefix_cache.cache_computed_blocks(request.request_id,
+                                                        request.all_token_ids[: request.num_computed_tokens])
             if not item.samples:
                 continue                           # a prefill chunk: more of it next step
             request.output_token_ids.append(int(sampled_token_ids[request.request_id]))

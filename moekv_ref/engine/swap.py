@@ -77,9 +77,9 @@ class SwapSpace:
         device_blocks = self.manager.blocks_of_sequence(seq_id)                        # (b,)
         counts = self.manager.token_counts([seq_id])[0].reshape(-1)                    # (L*E,)
         host_blocks = self.pool.allocate(device_blocks.numel())                        # may raise
-        positions = getattr(self.manager, "block_positions", None)
+        prefix = self.manager.prefix_cache                   # its slots' positions travel too
         self.swapped[seq_id] = SwappedSequence(host_blocks, counts, self.manager.row_last_used(seq_id).reshape(-1),
-                                               None if positions is None else positions[device_blocks].clone(),
+                                               None if prefix is None else prefix.block_positions[device_blocks].clone(),
                                                self.manager.blocks_held_per_device([seq_id])[0])
         self.manager.free(seq_id)
         return BlockCopy(SWAP_OUT, device_blocks, host_blocks)
@@ -110,7 +110,7 @@ class SwapSpace:
         assert device_blocks.numel() == saved.host_block_ids.numel()
         manager.last_appended[rows] = saved.last_appended        # coming back is not a use
         if saved.positions is not None:
-            manager.block_positions[device_blocks] = saved.positions
+            manager.prefix_cache.block_positions[device_blocks] = saved.positions
         self.pool.free(saved.host_block_ids)
         del self.swapped[seq_id]
         return BlockCopy(SWAP_IN, saved.host_block_ids, device_blocks)
