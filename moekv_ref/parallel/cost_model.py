@@ -74,7 +74,8 @@ def measured_shape_bytes(config: ModelConfig, kv_placement: str, world_size: int
 # ----- 2. projections -------------------------------------------------------------------------------------
 # the hardware the projections are for, from the one table (moekv_ref/hardware.py)
 ACCELERATORS = {name: GPUS[name] for name in ("H100", "H200")}
-INTERCONNECTS = {name: LINKS[name] for name in ("nvlink", "rdma")}
+# between the GPUs of one node: NVLink, or PCIe where a server has no NVLink; between nodes: RDMA
+INTERCONNECTS = {name: LINKS[name] for name in ("nvlink", "pcie_gen5_x16", "rdma")}
 
 
 def expected_remote_ranks(num_experts: int, k: int, world_size: int) -> float:
