@@ -17,7 +17,7 @@ COLORS = {"dense": "#7f7f7f", "expert_topk": "#1f77b4", "expert_threshold": "#17
 LABEL_OFFSETS = {"dense_kv_matched": (6, -16)}      # points: below, where it would overlap its neighbour
 
 
-def plot_family(family: dict, costs=("kv", "flops"), width: float = 10.0) -> Figure:
+def plot_family(family: dict, costs=("kv", "flops"), width: float = 9.6) -> Figure:
     """One panel per cost: every variant's mean bits per byte over seeds (error bar: the spread, one
     standard deviation) against that cost. Lower is better on y."""
     for cost in costs:
