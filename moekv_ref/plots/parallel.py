@@ -77,8 +77,11 @@ def draw_placement_comparison(axes, rows: list[dict]) -> None:
         ax.set_xticklabels([f"{w} ranks" for w in world_sizes])
         ax.set_ylabel(label)
         ax.set_title(title)
-    axes[0].legend(fontsize=9, loc="upper center", bbox_to_anchor=(1.1, -0.12), ncol=len(strategies),
-                   frameon=False)     # below both panels: the bars reach the top
+    # one legend under both panels, the figure's (the bars reach the top): anchored to one Axes, it
+    # made constrained layout widen that Axes' box and opened a gap between the panels
+    handles, labels = axes[0].get_legend_handles_labels()
+    axes[0].figure.legend(handles, labels, fontsize=9, loc="outside lower center", ncol=len(strategies),
+                          frameon=False)
 
 
 STEP_PARTS = {"attention_ms": ("attention", "tab:purple"), "experts_ms": ("FFN experts", "tab:orange"),
