@@ -135,3 +135,25 @@ def test_readme_optimum_table_is_what_its_json_says():
         expected = [row["optimum"]["steps"], row["optimum"]["worst_steps"],
                     *(row["policies"][name]["steps"] for name in header), row["optimum"]["leaves"]]
         assert [int(c) for c in cells.split(" | ")] == expected, sequences
+
+
+def test_notebook_07_prose_numbers_are_its_outputs_or_its_hardware():
+    """Notebook 07's prose quotes its own results: every ratio ("61x"), every number written with
+    thousands separators ("1,656") and every time in ms must appear in the notebook's stored
+    outputs, and every bandwidth or FLOP rate it states must be one of moekv_ref/hardware.py's. A
+    re-run that changes a result, or a hand edit of the prose, fails here."""
+    from moekv_ref.hardware import GPUS, LINKS
+
+    cells = json.loads((ROOT / "notebooks" / "07_expert_parallelism.ipynb").read_text(encoding="utf-8"))["cells"]
+    prose = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    outputs = "\n".join("".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c["outputs"])
+    quoted = (re.findall(r"\b(\d+(?:\.\d+)?x)\b", prose) + re.findall(r"\b(\d+(?:\.\d+)? ms)\b", prose)
+              + [n.replace(",", "") for n in re.findall(r"\b\d{1,3}(?:,\d{3})+\b", prose)])
+    assert quoted, "the prose quotes no result: the pattern has drifted from the text"
+    missing = [q for q in quoted if not re.search(rf"(?<![\d.]){re.escape(q)}(?![\d])", outputs)]
+    assert not missing, f"notebook 07's prose quotes {missing}, which no stored output shows"
+    stated = {float(n) * {"TB/s": 1e12, "GB/s": 1e9, "TFLOP/s": 1e12}[unit]
+              for n, unit in re.findall(r"\b(\d+(?:\.\d+)?) (TB/s|GB/s|TFLOP/s)", prose)}
+    known = ({g.hbm_bytes_per_s for g in GPUS.values()} | {g.bf16_flops_per_s for g in GPUS.values()}
+             | {link.bytes_per_s for link in LINKS.values()})
+    assert stated and stated <= known, f"rates in the prose but not in hardware.py: {sorted(stated - known)}"

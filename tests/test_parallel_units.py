@@ -105,3 +105,34 @@ def test_mixtral_decode_attention_is_bound_by_reading_its_cache():
     kv_ms = 32 * 4097 * 32 * 4096 / 3.35e12 * 1e3
     weights_ms = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024) * 2 / 3.35e12 * 1e3
     assert step.attention_ms == pytest.approx(kv_ms + weights_ms, rel=1e-3)
+
+
+def test_projected_step_bars_stand_on_the_axis_and_pcie_is_slower_by_its_bandwidth():
+    """Notebook 07's projection figure: on its log axis every bar starts at the axis (none stacked on
+    another, whose height a log scale would misstate), and PCIe's communication is NVLink's times the
+    ratio of their bandwidths, the rest of the step unchanged."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from moekv_ref.hardware import LINKS
+    from moekv_ref.parallel.kv_placements import KV_PLACEMENTS
+    from moekv_ref.plots.parallel import draw_projected_step, draw_step_vs_context
+
+    config = get_config("jetmoe-8b")
+    rows = {link: [project_step(config, p, 8, 256, 4096, "H200", link).to_dict() for p in KV_PLACEMENTS]
+            for link in ("nvlink", "pcie_gen5_x16")}
+    for nvlink, pcie in zip(rows["nvlink"], rows["pcie_gen5_x16"]):
+        ratio = LINKS["nvlink"].bytes_per_s / LINKS["pcie_gen5_x16"].bytes_per_s
+        assert pcie["communication_ms"] == pytest.approx(nvlink["communication_ms"] * ratio)
+        assert pcie["attention_ms"] == nvlink["attention_ms"] and pcie["experts_ms"] == nvlink["experts_ms"]
+    ax = Figure().subplots()
+    draw_projected_step(ax, rows["nvlink"])
+    assert ax.get_yscale() == "log"
+    assert len(ax.patches) == 3 * len(KV_PLACEMENTS) and all(bar.get_y() == 0 for bar in ax.patches)
+    with pytest.raises(ValueError, match="evenly"):
+        project_step(config, "kv_with_expert", 16, 256, 4096)       # 8 experts cannot fill 16 ranks
+    ax = Figure().subplots()
+    sweep = [project_step(config, "kv_with_expert", 8, 256, c, "H200", "nvlink").to_dict() for c in (1024, 4096)]
+    draw_step_vs_context(ax, sweep, 4096)
+    assert ax.lines[-2].get_xdata().tolist() == [4096]          # the chosen context, circled

@@ -74,7 +74,8 @@ def measured_shape_bytes(config: ModelConfig, kv_placement: str, world_size: int
 # ----- 2. projections -------------------------------------------------------------------------------------
 # the hardware the projections are for, from the one table (moekv_ref/hardware.py)
 ACCELERATORS = {name: GPUS[name] for name in ("H100", "H200")}
-INTERCONNECTS = {name: LINKS[name] for name in ("nvlink", "rdma")}
+# between the GPUs of one node: NVLink, or PCIe where a server has no NVLink; between nodes: RDMA
+INTERCONNECTS = {name: LINKS[name] for name in ("nvlink", "pcie_gen5_x16", "rdma")}
 
 
 def expected_remote_ranks(num_experts: int, k: int, world_size: int) -> float:
@@ -171,6 +172,12 @@ def project_step(config: ModelConfig, kv_placement: str, world_size: int, num_se
     if config.attention_mode == "dense" and kv_placement != "replicated_attention":
         raise ValueError(f"{config.name} has dense attention: its KV placement is data-parallel attention, "
                          f"kv_placement='replicated_attention', not {kv_placement!r}")
+    sharded = [config.num_local_experts] + [config.num_attention_experts] * (kv_placement != "replicated_attention")
+    if any(experts % world_size for experts in sharded):
+        # expected_remote_ranks spreads E // R experts per rank: with fewer experts than ranks it would
+        # project no traffic at all, and with an uneven split the wrong traffic
+        raise ValueError(f"world_size={world_size} does not split {config.name}'s {sharded} experts per layer "
+                         f"evenly: at least one expert per rank, the same number on each")
     gpu, link = ACCELERATORS[accelerator], INTERCONNECTS[interconnect]
     traffic = expected_traffic(config, kv_placement, world_size, num_seqs, context)
     moved = measured_shape_bytes(config, kv_placement, world_size, traffic, _bytes_per_value(config))

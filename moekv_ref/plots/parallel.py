@@ -1,7 +1,7 @@
 """Drawings of expert parallelism, for notebook 07: bytes per decode step as the context grows,
 where each token's K/V lives, per-rank pools over a run, expert placements compared, and the cost
-model's projected step times. Matplotlib only; every function draws on an Axes it is given and
-computes nothing the package does not test."""
+model's projected step times (never stacked on a log axis). Matplotlib only; every function draws on
+an Axes it is given and computes nothing the package does not test."""
 
 from __future__ import annotations
 
@@ -77,27 +77,68 @@ def draw_placement_comparison(axes, rows: list[dict]) -> None:
         ax.set_xticklabels([f"{w} ranks" for w in world_sizes])
         ax.set_ylabel(label)
         ax.set_title(title)
-    axes[0].legend(fontsize=9, loc="upper center", bbox_to_anchor=(1.1, -0.12), ncol=len(strategies),
-                   frameon=False)     # below both panels: the bars reach the top
+    # one legend under both panels, the figure's (the bars reach the top): anchored to one Axes, it
+    # made constrained layout widen that Axes' box and opened a gap between the panels
+    handles, labels = axes[0].get_legend_handles_labels()
+    axes[0].figure.legend(handles, labels, fontsize=9, loc="outside lower center", ncol=len(strategies),
+                          frameon=False)
 
 
-def draw_projected_step(ax, projections: list[dict]) -> None:
-    """projections: cost_model.real_shape_projections. Stacked bars of attention, experts and
-    communication time per (model, placement, context), log scale."""
-    labels, parts = [], {"attention_ms": [], "experts_ms": [], "communication_ms": []}
-    for row in projections:
-        placement = row["kv_placement"].replace("_", " ").replace(" ", "\n", 1)     # two short lines
-        labels.append(f"{row['model']}\n{placement}\n{row['context'] // 1024}k")
-        for key in parts:
-            parts[key].append(row[key])
-    bottom = np.zeros(len(labels))
-    for (key, values), colour in zip(parts.items(), ("tab:purple", "tab:orange", "tab:gray")):
-        ax.bar(np.arange(len(labels)), values, bottom=bottom, color=colour, label=key.replace("_ms", ""))
-        bottom += np.asarray(values)
-    ax.set_xticks(np.arange(len(labels)))
+STEP_PARTS = {"attention_ms": ("attention", "tab:purple"), "experts_ms": ("FFN experts", "tab:orange"),
+              "communication_ms": ("communication", "tab:gray")}
+
+
+def draw_bytes_by_category(ax, row: dict) -> None:
+    """row: one measure.bytes_table result. The bytes of one decode step by collective category,
+    side by side on a linear axis, so a category that moves nothing shows as no bar."""
+    categories = ("attention_dispatch", "attention_combine", "kv_context", "kv_new", "ffn_dispatch", "ffn_combine",
+                  "split_sizes")
+    values = [row["by_category"].get(c, 0) for c in categories]
+    colours = ["tab:blue"] * 2 + ["tab:red"] * 2 + ["tab:orange"] * 2 + ["tab:gray"]
+    ax.barh(np.arange(len(categories)), values, color=colours)
+    ax.set_yticks(np.arange(len(categories)))
+    ax.set_yticklabels(categories)
+    ax.invert_yaxis()
+    ax.set_xlabel("bytes per decode step, all ranks (B)")
+    ax.set_title(f"{row['kv_placement']}, {row['world_size']} ranks, context {row['context']}")
+
+
+def draw_projected_step(ax, projections: list[dict], title: str = "") -> None:
+    """projections: cost_model.project_step(...).to_dict() rows of one link. For each (KV placement,
+    context) the three parts of the projected step side by side (not stacked: the axis is log, where
+    stacked heights would mislead) and the step, their sum, as a black tick above them."""
+    width = 0.8 / len(STEP_PARTS)
+    short = {"kv_with_expert": "K/V with\nexpert", "kv_with_sequence": "K/V with\nsequence",
+             "replicated_attention": "replicated\nattention"}
+    labels = [f"{short[r['kv_placement']]}\n{r['context'] // 1024}k" for r in projections]
+    x = np.arange(len(projections))
+    for i, (key, (name, colour)) in enumerate(STEP_PARTS.items()):
+        ax.bar(x + (i - 1) * width, [r[key] for r in projections], width, color=colour, label=name)
+    ax.scatter(x, [r["step_ms"] for r in projections], marker="_", s=400, color="black", zorder=3,
+               label="step (the sum)")
+    ax.set_xticks(x)
     ax.set_xticklabels(labels, fontsize=8)
-    ax.set_xlabel("model, KV placement, context (tokens)")
+    ax.set_xlabel("KV placement, context (tokens)")
     ax.set_yscale("log")
-    ax.set_ylabel("projected decode step (ms, log scale)")
-    ax.set_title("projected decode step per model, placement and context (stacked; log scale)")
-    ax.legend(fontsize=9, loc="upper left")
+    ax.set_ylabel("projected time per decode step (ms, log)")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def draw_step_vs_context(ax, rows: list[dict], chosen_context: int, title: str = "") -> None:
+    """rows: project_step(...).to_dict() at several contexts, one setting otherwise. Each part of the
+    projected step and the step itself against the context (lines, log-log), the chosen context marked."""
+    contexts = [r["context"] for r in rows]
+    for key, (name, colour) in STEP_PARTS.items():
+        ax.plot(contexts, [max(r[key], 1e-4) for r in rows], "o-", color=colour, label=name, markersize=3)
+    ax.plot(contexts, [r["step_ms"] for r in rows], "k-", linewidth=2, label="step (the sum)")
+    chosen = next(r for r in rows if r["context"] == chosen_context)
+    ax.plot([chosen_context], [chosen["step_ms"]], "o", color="black", markersize=9, fillstyle="none")
+    ax.axvline(chosen_context, color="black", alpha=0.3, linestyle=":")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens per sequence)")
+    ax.set_ylabel("projected time (ms, log)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.grid(alpha=0.3)

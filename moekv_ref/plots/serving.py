@@ -131,7 +131,7 @@ def plot_run(engine: LLMEngine, title: str = "") -> Figure:
     one matplotlib-inline shows and closes every open pyplot figure. A figure that an interact callback
     was still drawing on the main thread was then shown half drawn (mostly blank) and closed, in most
     fresh kernels on the first one or two changes of notebook 04's widgets."""
-    fig = Figure(figsize=(10, 8.2), layout="constrained")     # two rows: readable at notebook width
+    fig = Figure(figsize=(9.4, 8.2), layout="constrained")    # two rows; under 10 in wide, so JupyterLab shows it unshrunk
     top, bottom = fig.subfigures(2, 1, height_ratios=[1, 1.15])
     plot_timeline(engine, top.subplots())
     left, right = bottom.subplots(1, 2)
