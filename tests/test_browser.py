@@ -206,6 +206,8 @@ def change_control(page, control) -> str | None:
     """Change one ipywidgets control as a user would; returns what was done, or None if it could not."""
     kind = control.evaluate("e => e.className")
     label = control.evaluate("e => (e.querySelector('.widget-label') || {}).textContent || ''").strip()
+    if control.locator("select:disabled, input:disabled, button:disabled, .noUi-target[disabled]").count():
+        return None                       # a control that does not apply now is disabled: a user cannot move it
     if "widget-toggle-buttons" in kind:
         buttons = control.locator("button:not(.mod-active)")
         if buttons.count() == 0:
