@@ -28,7 +28,7 @@ class AdmissionStep:
     not imported here: the scheduler uses the policies, never the other way round, so this module
     stays below scheduler.py and no import circle forms."""
 
-    def __init__(self, scheduler: "Scheduler", out: "SchedulerOutput", token_budget: int, reserved: int):
+    def __init__(self, scheduler: "Scheduler", out: "SchedulerOutput", token_budget: int, reserved):
         self._scheduler = scheduler
         self._out = out
         self.token_budget = token_budget      # tokens the step may still run

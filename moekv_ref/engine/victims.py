@@ -8,16 +8,17 @@ candidates   the running requests the step has not scheduled yet, in the order t
              running batch (oldest first); it always includes the request being scheduled, so a
              policy may pick it (it then waits, and the others run)
 memory       a read-only MemoryView: blocks and (layer, expert) token counts each sequence holds
-need         how many more free blocks the step needs (>= 1)
+need         a `Shortage`: which device is short (0 with one pool) and by how many blocks (>= 1)
 
 The scheduler preempts the returned request (by recompute or swap), then asks again while the step
-still does not fit. With per-device pools `need` is a `Shortage`: which device is short and by how
-many blocks (with one pool, an int: device 0); `shortage_of(need)` reads either. A policy may also
+still does not fit. (`shortage_of(need)` also reads a bare int as device 0, for a policy called by
+hand.) A policy may also
 return a `RowEviction`: some (layer, expert) rows of a candidate on the short device are dropped,
 and the request stops until it is recomputed (scheduler.py performs it, on plain pages).
 
     newest_first     the most recently (re)admitted request (vLLM's rule; the default)
-    sequence_lru     the same choice under its other name: least recently *started*, newest first
+    sequence_lru     least recently used over whole sequences, which under continuous batching ties
+                     (every running sequence is used every step): the tie-break, the newest, decides
     expert_lru       the least recently appended rows on the short device (a cache per expert buffer)
     pressure_aware   the whole request that frees the most blocks on the short device per unit of
                      lost work (recomputed tokens, or blocks swapped)
