@@ -175,7 +175,7 @@ def test_block_owners_and_drawings_mid_run():
     owner_row, used = paged.manager.block_owners()
     held = owner_row >= 0
     assert int(held.sum()) == paged.manager.pool.num_used_blocks
-    assert int(used.sum()) == int(paged.manager.num_computed_tokens.sum())   # every token in one slot
+    assert int(used.sum()) == int(paged.manager.row_tokens.sum())   # every token in one slot
     assert (used[held] >= 1).all() and (used <= 4).all()
     fig, (a, b) = plt.subplots(1, 2)
     draw_first_fit_map(a, first_fit, "seq")

@@ -28,7 +28,7 @@ operation = st.one_of(st.tuples(st.just("add"), st.integers(0, 3)), append, appe
 
 def snapshot(manager):
     state = (manager.pool.free_block_ids(), manager.pool.ref_cnt.clone(), manager.block_tables.clone(),
-             manager.num_computed_tokens.clone(), dict(manager._seq_index))
+             manager.row_tokens.clone(), dict(manager._seq_index))
     if manager.tails is not None:
         state += (manager.tails.tail_slots.clone(), manager.tails.slot_row.clone(),
                   {k: list(v) for k, v in manager.tails.tail_blocks.items()},
@@ -195,14 +195,14 @@ def test_truncate_frees_exactly_the_blocks_past_the_kept_tokens(block_size, shuf
     for op in before:
         append_tokens(manager, *op)
     rows = torch.tensor(sorted({int(manager.rows([s], l, e)) for s, l, e, _ in before}))
-    held = manager.num_computed_tokens[rows]
+    held = manager.row_tokens[rows]
     keep = (held.double() * keep_fraction).floor().to(torch.int64)
     kept_slots = [manager.row_slots(int(r))[: int(k)].tolist() for r, k in zip(rows, keep)]
     # a row of n tokens owns ceil(n / P) blocks: the difference goes back to the pool
     expected_free = manager.num_free_blocks + int((-(-held // block_size) - -(-keep // block_size)).sum())
     manager.truncate(rows, keep)
     manager.assert_consistent()
-    assert manager.num_computed_tokens[rows].tolist() == keep.tolist()
+    assert manager.row_tokens[rows].tolist() == keep.tolist()
     assert manager.num_free_blocks == expected_free
     assert [manager.row_slots(int(r)).tolist() for r in rows] == kept_slots     # kept tokens stay put
     state = snapshot(manager)
@@ -217,9 +217,9 @@ def test_restore_rows_undoes_every_append_since_the_snapshot(block_size, shuffle
     manager = KVCacheManager(L, E, block_size, 200, shuffle_seed=1 if shuffle else None)
     for op in before:
         append_tokens(manager, *op)
-    for row in range(manager.num_computed_tokens.numel()):     # positions the in-order check will see
-        manager.last_position[row] = manager.num_computed_tokens[row] - 1
-    counts, positions = manager.num_computed_tokens.clone(), manager.last_position.clone()
+    for row in range(manager.row_tokens.numel()):     # positions the in-order check will see
+        manager.last_position[row] = manager.row_tokens[row] - 1
+    counts, positions = manager.row_tokens.clone(), manager.last_position.clone()
     sequences, num_free = sorted(manager.sequences), manager.num_free_blocks
     owners = manager.block_owners()
     taken = manager.snapshot_rows(range(3))
@@ -229,6 +229,6 @@ def test_restore_rows_undoes_every_append_since_the_snapshot(block_size, shuffle
     manager.assert_consistent()
     assert sorted(manager.sequences) == sequences and manager.num_free_blocks == num_free
     n = counts.numel()
-    assert torch.equal(manager.num_computed_tokens[:n], counts)
+    assert torch.equal(manager.row_tokens[:n], counts)
     assert torch.equal(manager.last_position[:n], positions)
     assert all(torch.equal(a, b) for a, b in zip(owners, manager.block_owners()))   # same blocks, same rows

@@ -214,7 +214,7 @@ def test_soak_of_thousands_of_short_requests_keeps_memory_flat():
     # A request kept after it finished costs about 20 objects (its lists, generator, counts, events,
     # step records: measured with record_history=True); released, under one. Allow 2 per request.
     assert second - first < 2 * 800 and third - second < 2 * 800, (first, second, third)
-    assert engine.cache.manager.num_computed_tokens.numel() <= 64 * model.config.num_hidden_layers * 5
+    assert engine.cache.manager.row_tokens.numel() <= 64 * model.config.num_hidden_layers * 5
     engine.memory.assert_no_leak()
 
 

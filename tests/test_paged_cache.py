@@ -87,11 +87,11 @@ def test_bad_input_leaves_everything_unchanged():
     manager.add_sequence(0)
     manager.allocate_slots(manager.rows([0], 0, 0), torch.tensor([9]))   # 3 blocks
     before = (manager.pool.free_block_ids(), manager.pool.ref_cnt.clone(),
-              manager.block_tables.clone(), manager.num_computed_tokens.clone())
+              manager.block_tables.clone(), manager.row_tokens.clone())
 
     def unchanged():
         after = (manager.pool.free_block_ids(), manager.pool.ref_cnt,
-                 manager.block_tables, manager.num_computed_tokens)
+                 manager.block_tables, manager.row_tokens)
         return all(torch.equal(x, y) for x, y in zip(before, after))
 
     with pytest.raises(KeyError, match="sequence 5"):

@@ -37,7 +37,7 @@ def append_tokens(manager, seq_id, start, routing):
 def table(manager, seq_id, row):
     """Block ids of one row (layer * E + expert) of a sequence."""
     r = manager.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0][row]
-    n = -(-int(manager.num_computed_tokens[r]) // manager.block_size)
+    n = -(-int(manager.row_tokens[r]) // manager.block_size)
     return manager.block_tables[r, :n].tolist()
 
 
@@ -110,7 +110,7 @@ def test_partial_tail_is_copied_never_shared():
     # the producer appends position 6 to expert 0: it lands in its own block 1, after position 3
     append_tokens(manager, 0, 6, [[[0]]])
     assert table(manager, 0, 0) == [0, 1] and manager.prefix_cache.block_positions[1].tolist() == [3, 6]
-    assert table(manager, 1, 0) == [0, 4] and manager.num_computed_tokens[
+    assert table(manager, 1, 0) == [0, 4] and manager.row_tokens[
         manager.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]].tolist() == [3, 1]
     manager.assert_consistent()
     # the last token always runs: a request equal to the producer's first 4 tokens gets s = 2 at most

@@ -5,7 +5,7 @@ says (row = seq_index * (L * E) + layer * E + expert), where seq_index is a slot
 sequence id when it first appears (reused after `free`). Everything is a tensor over rows, so that one call serves a whole step: the model's attention
 (a few rows) and the cache-only simulator (tens of thousands of rows) use the same code.
 
-    num_computed_tokens  (num_rows,)             int64  tokens stored in the row
+    row_tokens           (num_rows,)             int64  tokens stored in the row
     block_tables         (num_rows, max_blocks)  int32  block ids of the row, in token order
     last_position        (num_rows,)             int64  position of the row's newest token, -1 if
                                                         none: the cache checks that tokens arrive in
@@ -209,7 +209,7 @@ class KVCacheManager:
         self.rows_per_seq = self.index.rows_per_seq
         self.pad = self.pool.num_blocks             # padding in block tables: never a real block
         num_rows = initial_num_seqs * self.rows_per_seq
-        self.num_computed_tokens = torch.zeros(num_rows, dtype=torch.int64)          # (R,)
+        self.row_tokens = torch.zeros(num_rows, dtype=torch.int64)          # (R,)
         self.row_device = torch.zeros(num_rows, dtype=torch.int64)                  # (R,) set by add_sequence
         self.block_tables = torch.full((num_rows, initial_blocks_per_row), self.pad,
                                        dtype=torch.int32)                          # (R, W)
@@ -275,7 +275,7 @@ class KVCacheManager:
         """(D,) blocks that appending num_new_tokens[i] tokens to rows[i] would take on each device."""
         rows = checked_ids(rows, "rows")
         num_new_tokens = checked_ids(num_new_tokens, "num_new_tokens")
-        old = self.num_computed_tokens[rows]
+        old = self.row_tokens[rows]
         new_blocks = ceil_div(old + num_new_tokens, self.block_size) - ceil_div(old, self.block_size)
         return torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, self.device_of_rows(rows), new_blocks)
 
@@ -336,7 +336,7 @@ class KVCacheManager:
         """Blocks that appending num_new_tokens[i] tokens to rows[i] would take from the pool."""
         if self.tails is not None:
             return self.tails.num_blocks_needed(rows, num_new_tokens)
-        old = self.num_computed_tokens[rows]
+        old = self.row_tokens[rows]
         return int((ceil_div(old + num_new_tokens, self.block_size) - ceil_div(old, self.block_size)).sum())
 
     def can_allocate(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> bool:
@@ -351,7 +351,7 @@ class KVCacheManager:
         shared tails): (b,) int64. What a swap to a CPU pool copies, and what `free` returns."""
         index = self.seq_index(seq_id)
         rows = self.sequence_rows(torch.tensor([index]))[0]                       # (L*E,)
-        num_used = self._table_blocks(self.num_computed_tokens[rows])             # (L*E,)
+        num_used = self._table_blocks(self.row_tokens[rows])             # (L*E,)
         used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (L*E, W)
         tail_blocks = [] if self.tails is None else self.tails.tail_blocks[index]
         return torch.cat([self.block_tables[rows][used].to(torch.int64), torch.tensor(tail_blocks, dtype=torch.int64)])
@@ -365,7 +365,7 @@ class KVCacheManager:
         if held:   # one gather for every held sequence (the scheduler asks for the whole batch)
             at, slots = torch.tensor(held, dtype=torch.int64).unbind(1)                     # (h,), (h,)
             rows = self.sequence_rows(slots)                                                 # (h, L*E)
-            counts[at] = self.num_computed_tokens[rows].view(-1, self.num_layers, self.num_experts)
+            counts[at] = self.row_tokens[rows].view(-1, self.num_layers, self.num_experts)
         return counts
 
     def row_last_used(self, seq_id: int) -> torch.Tensor:
@@ -380,19 +380,19 @@ class KVCacheManager:
         """Who owns each block and how full it is, for drawing the pool: owner_row (N,) int64, -1
         for a free block, and used_slots (N,) int64 (P for all but a row's last block)."""
         P = self.block_size
-        num_used = self._table_blocks(self.num_computed_tokens)                    # (R,)
+        num_used = self._table_blocks(self.row_tokens)                    # (R,)
         used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (R, W)
         row, column = used.nonzero(as_tuple=True)
         blocks = self.block_tables[row, column].to(torch.int64)
         owner_row = torch.full((self.num_blocks,), -1, dtype=torch.int64)
         used_slots = torch.zeros(self.num_blocks, dtype=torch.int64)
         owner_row[blocks] = row
-        used_slots[blocks] = (self.num_computed_tokens[row] - column * P).clamp(max=P)
+        used_slots[blocks] = (self.row_tokens[row] - column * P).clamp(max=P)
         return owner_row, used_slots
 
     def context_lens(self, rows: torch.Tensor) -> torch.Tensor:
         """Tokens of each row as int32, the layout a decode kernel reads: (m,)."""
-        return self.num_computed_tokens[rows].to(torch.int32)
+        return self.row_tokens[rows].to(torch.int32)
 
     # ----- allocate / slots / free ----------------------------------------------------------------
     def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor,
@@ -412,7 +412,7 @@ class KVCacheManager:
             return self.tails.allocate_slots(rows, num_new_tokens, with_slots)
         if rows.numel() == 0:
             return SlotAllocation(torch.zeros(0, dtype=torch.int64))
-        old = self.num_computed_tokens[rows]                                       # (m,)
+        old = self.row_tokens[rows]                                       # (m,)
         new = old + num_new_tokens
         old_blocks, new_blocks = ceil_div(old, P), ceil_div(new, P)               # (m,)
         needed = new_blocks - old_blocks                                          # (m,)
@@ -426,7 +426,7 @@ class KVCacheManager:
         first_new = torch.cumsum(needed, 0) - needed                              # (m,)
         column = torch.arange(total) - first_new[owner] + old_blocks[owner]       # (total,)
         self.block_tables[rows[owner], column] = block_ids.to(torch.int32)
-        self.num_computed_tokens[rows] = new
+        self.row_tokens[rows] = new
         self.last_appended[rows[num_new_tokens > 0]] = self.clock
         return SlotAllocation(self._slots(rows, old, num_new_tokens) if with_slots else None)
 
@@ -478,9 +478,9 @@ class KVCacheManager:
 
     def rows_slots(self, rows: torch.Tensor) -> torch.Tensor:
         """Slots of every token of each row, row after row, in token order:
-        (num_computed_tokens[rows].sum(),) int64. What batched paged attention gathers."""
+        (row_tokens[rows].sum(),) int64. What batched paged attention gathers."""
         rows = torch.as_tensor(rows, dtype=torch.int64)
-        counts = self.num_computed_tokens[rows]
+        counts = self.row_tokens[rows]
         return self._slots(rows, torch.zeros_like(counts), counts)
 
     def padded_slots(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -488,7 +488,7 @@ class KVCacheManager:
         gathers: slots (m, Lmax) int64 and valid (m, Lmax) bool, Lmax the longest row. Padding
         entries hold slot 0, a real slot: a caller must mask them, never read them as data."""
         rows = torch.as_tensor(rows, dtype=torch.int64)
-        lens = self.num_computed_tokens[rows]                                      # (m,)
+        lens = self.row_tokens[rows]                                      # (m,)
         token = torch.arange(int(lens.max()) if rows.numel() else 0)               # (Lmax,)
         valid = token[None, :] < lens[:, None]                                     # (m, Lmax)
         token = torch.minimum(token[None, :], (lens - 1).clamp(min=0)[:, None])    # (m, Lmax) in range
@@ -521,7 +521,7 @@ class KVCacheManager:
             self.tails.free(index, rows)
         if self.prefix_cache is not None:
             self.prefix_cache.forget_sequence(seq_id)
-        self.num_computed_tokens[rows] = 0
+        self.row_tokens[rows] = 0
         self.block_tables[rows] = self.pad
         self.last_position[rows] = -1
         self.last_appended[rows] = -1
@@ -541,14 +541,14 @@ class KVCacheManager:
         if rows.unique().numel() != rows.numel():
             raise ValueError("rows must be distinct within one free_rows call")
         held = set(self._seq_index.values())
-        if rows.numel() and (rows.min() < 0 or rows.max() >= self.num_computed_tokens.numel() or not set(
+        if rows.numel() and (rows.min() < 0 or rows.max() >= self.row_tokens.numel() or not set(
                 (rows // self.rows_per_seq).tolist()) <= held):
             raise ValueError(f"rows {rows.tolist()[:8]} are not all rows of sequences the cache holds")
-        num_used = self._table_blocks(self.num_computed_tokens[rows])                 # (m,)
+        num_used = self._table_blocks(self.row_tokens[rows])                 # (m,)
         used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]          # (m, W)
         blocks = self.block_tables[rows][used].to(torch.int64)
         self.pool.free(blocks)
-        self.num_computed_tokens[rows] = 0
+        self.row_tokens[rows] = 0
         self.block_tables[rows] = self.pad
         self.last_position[rows] = -1
         self.last_appended[rows] = -1
@@ -571,9 +571,9 @@ class KVCacheManager:
         rows, keep = self._check_allocation(rows, num_tokens, rows_are_distinct=False)
         if rows.numel() == 0:
             return
-        if (rows < 0).any() or (rows >= self.num_computed_tokens.numel()).any():
-            raise ValueError(f"rows must be in [0, {self.num_computed_tokens.numel()})")
-        held = self.num_computed_tokens[rows]                                      # (m,)
+        if (rows < 0).any() or (rows >= self.row_tokens.numel()).any():
+            raise ValueError(f"rows must be in [0, {self.row_tokens.numel()})")
+        held = self.row_tokens[rows]                                      # (m,)
         if (keep > held).any():
             i = int((keep > held).nonzero()[0])
             raise ValueError(f"cannot truncate row {int(rows[i])} to {int(keep[i])} tokens: it holds "
@@ -584,7 +584,7 @@ class KVCacheManager:
         self.pool.free(tables[cut].to(torch.int64))
         tables[cut] = self.pad
         self.block_tables[rows] = tables
-        self.num_computed_tokens[rows] = keep
+        self.row_tokens[rows] = keep
         self.last_position[rows[keep == 0]] = -1
         self.last_appended[rows[keep == 0]] = -1
 
@@ -596,7 +596,7 @@ class KVCacheManager:
         slots = torch.tensor([self._seq_index[s] for s in held], dtype=torch.int64)
         rows = self.sequence_rows(slots).reshape(-1)                               # (h * L * E,)
         return RowSnapshot(held, [s for s in seq_ids if s not in self._seq_index], rows,
-                           self.num_computed_tokens[rows].clone(), self.last_position[rows].clone())
+                           self.row_tokens[rows].clone(), self.last_position[rows].clone())
 
     def restore_rows(self, snapshot: "RowSnapshot") -> None:
         """Undo every append to the snapshot's sequences since it was taken: sequences added since are
@@ -611,9 +611,9 @@ class KVCacheManager:
     # ----- growth of the bookkeeping tensors ------------------------------------------------------
     def _grow_rows(self) -> None:
         """Double the number of sequence slots (bookkeeping only; the pool never grows)."""
-        num_seqs = self.num_computed_tokens.numel() // self.rows_per_seq
+        num_seqs = self.row_tokens.numel() // self.rows_per_seq
         extra = num_seqs * self.rows_per_seq
-        self.num_computed_tokens = torch.cat([self.num_computed_tokens,
+        self.row_tokens = torch.cat([self.row_tokens,
                                               torch.zeros(extra, dtype=torch.int64)])
         self.block_tables = torch.cat([self.block_tables, torch.full(
             (extra, self.block_tables.shape[1]), self.pad, dtype=torch.int32)])
@@ -622,7 +622,7 @@ class KVCacheManager:
         self.row_device = torch.cat([self.row_device, torch.zeros(extra, dtype=torch.int64)])
         self._free_seq_indices = list(range(2 * num_seqs - 1, num_seqs - 1, -1)) + self._free_seq_indices
         if self.tails is not None:
-            self.tails.grow_rows(self.num_computed_tokens.numel())
+            self.tails.grow_rows(self.row_tokens.numel())
 
     def _grow_tables(self, min_width: int) -> None:
         width = self.block_tables.shape[1]
@@ -636,7 +636,7 @@ class KVCacheManager:
     def assert_consistent(self) -> None:
         """Check the invariants in the module docstring; raise AssertionError naming the broken one."""
         self.pool.assert_consistent()
-        num_used = self._table_blocks(self.num_computed_tokens)                    # (R,)
+        num_used = self._table_blocks(self.row_tokens)                    # (R,)
         used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (R, W)
         owned = self.block_tables[used].to(torch.int64)
         assert (self.block_tables[~used] == self.pad).all(), "a table entry past a row's blocks is set"
@@ -652,10 +652,10 @@ class KVCacheManager:
         row, _ = used.nonzero(as_tuple=True)
         assert torch.equal(self.pool.device_of_blocks(self.block_tables[used].to(torch.int64)),
                            self.device_of_rows(row)), "a row holds a block of another device than its own"
-        live = torch.zeros(self.num_computed_tokens.numel() // self.rows_per_seq, dtype=torch.bool)
+        live = torch.zeros(self.row_tokens.numel() // self.rows_per_seq, dtype=torch.bool)
         live[list(self._seq_index.values())] = True
         idle_rows = (~live).repeat_interleave(self.rows_per_seq)
-        assert (self.num_computed_tokens[idle_rows] == 0).all(), "a free sequence slot holds tokens"
+        assert (self.row_tokens[idle_rows] == 0).all(), "a free sequence slot holds tokens"
         for part in (self.tails, self.prefix_cache):
             if part is not None:
                 part.assert_consistent()

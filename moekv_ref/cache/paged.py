@@ -228,7 +228,7 @@ class PagedKVCache:
         if manager.prefix_cache is not None:
             manager.prefix_cache.record_positions(slots, positions)      # which chunks each block spans
         self._store(k, v, slots)
-        context_lens = manager.num_computed_tokens[rows]                              # (m,)
+        context_lens = manager.row_tokens[rows]                              # (m,)
         pair_row, pair_index = torch.empty_like(order), torch.empty_like(order)
         if one_per_row:
             pair_row[order] = torch.arange(n)

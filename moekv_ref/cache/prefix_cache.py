@@ -185,7 +185,7 @@ class PrefixCache:
         if num_complete > len(keys):
             keys += chain_keys(token_ids[len(keys) * C: num_complete * C], C, keys[-1] if keys else b"")
         rows = m.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
-        counts = m.num_computed_tokens[rows]                                             # (R,)
+        counts = m.row_tokens[rows]                                             # (R,)
         if num_complete > num_recorded:
             self._record_chunks(rows, counts, keys, num_recorded, num_complete)
             state[1] = num_complete
@@ -339,7 +339,7 @@ class PrefixCache:
         m.block_tables[rows[hit.shared_rows], hit.shared_columns] = hit.shared.to(torch.int32)
         m.block_tables[rows[hit.cow_rows], hit.row_counts[hit.cow_rows] // P] = destination.to(torch.int32)
         self.block_positions[destination] = self.block_positions[hit.cow_source]
-        m.num_computed_tokens[rows] = hit.row_counts
+        m.row_tokens[rows] = hit.row_counts
         held = (hit.row_counts > 0).nonzero().squeeze(1)                                   # (h,)
         last = hit.row_counts[held] - 1
         last_block = m.block_tables[rows[held], last // P].to(torch.int64)
@@ -378,11 +378,11 @@ class PrefixCache:
     def assert_consistent(self) -> None:
         """The invariants above, after the manager checked its own (ref_cnt == rows listing a block)."""
         m, P = self.manager, self.manager.block_size
-        used = torch.arange(m.block_tables.shape[1]) < m._table_blocks(m.num_computed_tokens)[:, None]  # (R, W)
+        used = torch.arange(m.block_tables.shape[1]) < m._table_blocks(m.row_tokens)[:, None]  # (R, W)
         row, column = used.nonzero(as_tuple=True)
         owned = m.block_tables[row, column].to(torch.int64)
         shared = torch.bincount(owned, minlength=m.num_blocks)[owned] > 1
-        full = m.num_computed_tokens[row] >= (column + 1) * P
+        full = m.row_tokens[row] >= (column + 1) * P
         assert full[shared].all(), "a partly filled block is shared (copy-on-write broken)"
         where = (row % m.rows_per_seq) * m.block_tables.shape[1] + column              # (r_le, column)
         first = torch.full((m.num_blocks,), -1, dtype=torch.int64).scatter_(0, owned, where)

@@ -50,7 +50,7 @@ class SharedTails:
     def attach(self, manager: KVCacheManager) -> None:
         self.manager = manager
         P, num_slots = manager.block_size, manager.num_blocks * manager.block_size
-        num_rows = manager.num_computed_tokens.numel()
+        num_rows = manager.row_tokens.numel()
         self.tail_slots = torch.full((num_rows, P), -1, dtype=torch.int64)      # (R, P) -1 = none
         # who uses each slot of a tail block: the row and the position in its tail (-1: nobody)
         self.slot_row = torch.full((num_slots,), -1, dtype=torch.int64)          # (N*P,)
@@ -70,7 +70,7 @@ class SharedTails:
         """Blocks the append would take from the pool (compaction afterwards may give some back)."""
         m, P = self.manager, self.manager.block_size
         rows = torch.as_tensor(rows, dtype=torch.int64)
-        old = m.num_computed_tokens[rows]
+        old = m.row_tokens[rows]
         new = old + torch.as_tensor(num_new_tokens, dtype=torch.int64)
         body = int((new // P - old // P).sum())
         tail = 0
@@ -95,7 +95,7 @@ class SharedTails:
         if needed > m.pool.num_free_blocks:
             raise OutOfBlocksError(f"appending {int(num_new_tokens.sum())} tokens to {rows.numel()} "
                                    f"rows needs {needed} blocks; {m.pool.num_free_blocks} are free")
-        old = m.num_computed_tokens[rows]
+        old = m.row_tokens[rows]
         new = old + num_new_tokens
         widest = int((new // P).max()) if rows.numel() else 0
         if widest > m.block_tables.shape[1]:
@@ -121,7 +121,7 @@ class SharedTails:
                 slot = self._take_tail_slot(row // m.rows_per_seq)
                 self.tail_slots[row, position] = slot
                 self.slot_row[slot], self.slot_position[slot] = row, position
-        m.num_computed_tokens[rows] = new
+        m.row_tokens[rows] = new
         moves: Moves = []
         if promotion_src:
             moves.append((torch.cat(promotion_src), torch.cat(promotion_dst)))
@@ -169,7 +169,7 @@ class SharedTails:
     def slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """Tokens in the row's full blocks are found through its table, the rest in its tail slots."""
         m, P = self.manager, self.manager.block_size
-        full = (m.num_computed_tokens[row] // P) * P                              # tokens in blocks
+        full = (m.row_tokens[row] // P) * P                              # tokens in blocks
         in_table = token < full
         column = torch.where(in_table, token // P, 0)
         body = m.block_tables[row, column].to(torch.int64) * P + token % P
@@ -193,7 +193,7 @@ class SharedTails:
     # ----- checking --------------------------------------------------------------------------------
     def assert_consistent(self) -> None:
         m, P = self.manager, self.manager.block_size
-        tails = m.num_computed_tokens % P                                            # (R,)
+        tails = m.row_tokens % P                                            # (R,)
         valid = torch.arange(P) < tails[:, None]                                    # (R, P)
         assert (self.tail_slots[~valid] == -1).all(), "a tail slot past a row's tail is set"
         used = self.tail_slots[valid]

@@ -161,7 +161,7 @@ class KVWithSequence(_PlacedAttention):
         slots = torch.zeros(0, dtype=torch.int64)
         if known.any():
             rows = manager.rows(seq_ids[known], layer, experts[known])
-            counts[known] = manager.num_computed_tokens[rows]
+            counts[known] = manager.row_tokens[rows]
             slots = manager.rows_slots(rows)
         return counts, slots
 

@@ -102,4 +102,4 @@ class ParallelRunner:
     def pool_usage(self) -> dict[str, int]:
         manager = self.pool.manager
         return {"num_blocks": manager.num_blocks, "used_blocks": manager.num_blocks - manager.num_free_blocks,
-                "tokens": int(manager.num_computed_tokens.sum()), "kv_bytes": self.pool.kv_bytes()}
+                "tokens": int(manager.row_tokens.sum()), "kv_bytes": self.pool.kv_bytes()}

@@ -135,11 +135,11 @@ class ManagerPagedDesign:
 
     def metadata_bytes(self) -> int:
         num_blocks = self.manager.pool.num_used_blocks
-        num_rows_in_use = int((self.manager.num_computed_tokens > 0).sum())
+        num_rows_in_use = int((self.manager.row_tokens > 0).sum())
         return BYTES_PER_INDEX * (2 * num_blocks + num_rows_in_use)
 
     def reads(self, rows) -> int:
-        tokens = self.manager.num_computed_tokens[self._manager_rows(rows)]
+        tokens = self.manager.row_tokens[self._manager_rows(rows)]
         return int(ceil_div(tokens, self.block_size).sum())
 
 
