@@ -98,7 +98,7 @@ def plot_density(density, placement=None, ax=None):
     image = ax.imshow(np.asarray(density), vmin=0, vmax=1, cmap="viridis", aspect="auto")
     if placement is not None:
         for (l, e), d in np.ndenumerate(np.asarray(placement)):
-            ax.text(e, l, str(d), ha="center", va="center", fontsize=6, color="w")
+            ax.text(e, l, str(d), ha="center", va="center", fontsize=9, color="w")
     ax.set(title="density: fraction of sequences each buffer holds", xlabel="expert", ylabel="layer")
     plt.colorbar(image, ax=ax)
     return ax
@@ -152,19 +152,19 @@ def plot_prefix_hit_map(requests, num_layers: int, num_experts: int, block_size:
         padded[:, :grid.shape[1]] = grid
         ax.imshow(padded, cmap=ListedColormap(colours), vmin=0, vmax=3, aspect="auto", interpolation="nearest")
         skipped = 0 if request.prefix_hit is None else request.prefix_hit.num_tokens
-        ax.set(title=f"request {request.request_id}: {skipped} of {len(request.prompt_token_ids)} prompt tokens cached",
+        ax.set(title=f"request {request.request_id}:\n{skipped} of {len(request.prompt_token_ids)} prompt tokens cached",
                xlabel="block of the row")
-        ax.title.set_fontsize(8)
+        ax.title.set_fontsize(10)
         ax.set_yticks(np.arange(0, grid.shape[0], num_experts))
-        ax.set_yticklabels([f"layer {layer}" for layer in range(num_layers)], fontsize=7)
+        ax.set_yticklabels([f"layer {layer}" for layer in range(num_layers)], fontsize=9)
         ax.set_yticks(np.arange(grid.shape[0]), minor=True)
         ax.set_xticks(np.arange(width))
         for layer in range(1, num_layers):                                       # layer boundaries
             ax.axhline(layer * num_experts - 0.5, color="k", lw=0.6)
     axes[0].set_ylabel("(layer, expert) row")
-    axes[-1].legend(handles=[Patch(color=c, label=label) for c, label in
-                             zip(colours[1:], ["computed", "copied (copy-on-write)", "shared"])],
-                    fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # beside the data, not on it
+    axes[0].figure.legend(handles=[Patch(color=c, label=label) for c, label in
+                                   zip(colours[1:], ["computed", "copied (copy-on-write)", "shared"])],
+                          fontsize=9, ncol=3, loc="upper center", bbox_to_anchor=(0.5, 0.0))   # below, off the data
     return axes
 
 
