@@ -29,7 +29,6 @@ files named by variant, seed and budget; running the command again continues whe
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import platform
