@@ -104,6 +104,26 @@ def test_readme_bench_peer_table_is_what_its_json_says():
         assert measured[key]["identical_tokens"], label
 
 
+def test_readme_parallel_table_is_what_its_json_says():
+    """Each byte count of the README's `bench parallel` table, its weight bytes per rank and the
+    ratio quoted under it, against figures/bench_parallel.json."""
+    measured = json.loads((ROOT / "figures" / "bench_parallel.json").read_text(encoding="utf-8"))
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("(`bench parallel`)", 1)[1].split("\n## ", 1)[0]
+    assert f"over {measured['world_size']} CPU ranks" in section
+    header = re.search(r"^\| placement \| context (\d+) \| (\d+) \| (\d+) \|", section, re.M)
+    contexts = [int(c) for c in header.groups()]
+    rows = re.findall(r"^\| `(\w+)`[^|]* \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) B \|$", section, re.M)
+    assert [name for name, *_ in rows] == measured["kv_placements"], rows
+    by_key = {(r["kv_placement"], r["context"]): r for r in measured["bytes_per_decode_step"]}
+    for name, *cells in rows:
+        *steps, weights = (int(cell.replace(",", "")) for cell in cells)
+        assert steps == [by_key[name, c]["bytes_per_decode_step"] for c in contexts], name
+        assert {weights} == set(by_key[name, contexts[-1]]["attention_weight_bytes_per_rank"]), name
+    ratio = re.search(r"moves (\d+)x what `kv_with_expert` does at context (\d+)", section)
+    assert int(ratio[1]) == round(measured["kv_with_sequence_over_kv_with_expert"][ratio[2]]), ratio[0]
+
+
 def test_readme_eviction_table_is_what_its_json_says():
     """Each row of the README's `bench eviction` policy table against figures/bench_eviction.json
     (recompute) and figures/bench_eviction_swap.json (swap)."""
