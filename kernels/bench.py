@@ -33,9 +33,8 @@ import torch
 from .report import Config, bound_bytes, hbm_bandwidth
 
 NO_GPU_MESSAGE = (
-    "kernels/bench.py measures Triton kernels on a GPU and this machine has no CUDA device: nothing "
-    "was measured. On a CPU, correctness is checked in the interpreter instead: "
-    "python -m pytest tests/test_kernels.py"
+    "kernels/bench.py measures Triton kernels on a GPU and this machine has no CUDA device: nothing was measured.\n"
+    "On a CPU, correctness is checked in the interpreter instead: python -m pytest tests/test_kernels.py"
 )
 
 
