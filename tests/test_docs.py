@@ -177,3 +177,26 @@ def test_notebook_07_prose_numbers_are_its_outputs_or_its_hardware():
     known = ({g.hbm_bytes_per_s for g in GPUS.values()} | {g.bf16_flops_per_s for g in GPUS.values()}
              | {link.bytes_per_s for link in LINKS.values()})
     assert stated and stated <= known, f"rates in the prose but not in hardware.py: {sorted(stated - known)}"
+
+
+SMALL_TEXT = re.compile(r"(?:fontsize|labelsize|title_fontsize)\s*=\s*(\d+(?:\.\d+)?)|set_fontsize\((\d+(?:\.\d+)?)\)"
+                        r"|[\"'](?:font\.size|(?:x|y)tick\.labelsize|legend\.fontsize)[\"']\s*(?:\]\s*=|:|,)\s*(\d+(?:\.\d+)?)")
+
+
+def _figure_code():
+    for path in sorted((ROOT / "moekv_ref" / "plots").glob("*.py")):
+        yield path.name, path.read_text(encoding="utf-8")
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        yield path.name, "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+
+
+def test_no_figure_text_is_smaller_than_the_notebooks_own():
+    """JupyterLab's text is 14 px; a figure shown at 100 dpi draws a point as 100/72 px, so 10 pt
+    (matplotlib's default size) is the notebook's size. No plot and no notebook asks for less."""
+    small = [(name, size) for name, code in _figure_code()
+             for match in SMALL_TEXT.finditer(code) for size in match.groups() if size and float(size) < 10]
+    assert not small, small
+    # the pattern sees what it must: a size of 8 written the ways the plots write sizes
+    assert all(SMALL_TEXT.search(code) for code in ("ax.legend(fontsize=8)", "t.set_fontsize(8)",
+                                                   "ax.tick_params(labelsize=8)", "rcParams['font.size'] = 8"))

@@ -15,7 +15,7 @@ def plot_decode_cost(counted_ax, measured_ax, config, lengths: list[int], measur
     counted_ax.plot(lengths, [decode_flops(config, t, True) / 1e6 for t in lengths], "o-", label="cached")
     counted_ax.set(xlabel="tokens already in the sequence, t", ylabel="MFLOP per decode step", yscale="log",
                    title="counted (decode_flops)")
-    counted_ax.legend(fontsize=8, loc="center right")
+    counted_ax.legend(fontsize=10, loc="center right")
     if measured is None:
         return
     measured_ax.plot(lengths, [1e3 * measured[t][0] for t in lengths], "o-", label="recompute (no cache)")
@@ -23,4 +23,4 @@ def plot_decode_cost(counted_ax, measured_ax, config, lengths: list[int], measur
     measured_ax.set(xlabel="tokens already in the sequence, t", ylabel="milliseconds per decode step",
                     yscale="log", title="measured on this machine (best of 5 rounds)")
     measured_ax.yaxis.set_minor_formatter(NullFormatter())   # a narrow log range would label every minor tick
-    measured_ax.legend(fontsize=8, loc="upper left")
+    measured_ax.legend(fontsize=10, loc="upper left")

@@ -18,8 +18,8 @@ def plot_device_pools(stats, blocks_per_device: int, ax=None):
         ax.plot(used[:, d], label=f"device {d}", lw=1)
     ax.axhline(blocks_per_device, color="k", ls="--", lw=0.8)
     ax.set(title=f"{stats.policy}: pool use per device", xlabel="step", ylabel="blocks in use")
-    ax.title.set_fontsize(9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.title.set_fontsize(10)
+    ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
 
 
@@ -42,8 +42,8 @@ def plot_evictions(stats, ax=None):
     kind = {r.mode for r in stats.evictions}
     ax.set(title=f"{stats.policy}: what each eviction freed ({', '.join(sorted(kind))})",
            xlabel="eviction", ylabel="blocks freed")
-    ax.title.set_fontsize(9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.title.set_fontsize(10)
+    ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
 
 
@@ -57,7 +57,7 @@ def plot_policy_comparison(comparison: dict, axes=None):
     bound = comparison["bound"]["tokens_per_step"]
     axes[0].bar(names, [s.tokens_per_step for s in stats], color="#4c9be8")
     axes[0].axhline(bound, color="k", ls="--", lw=0.8)
-    axes[0].text(-0.4, bound, "memory-time bound", fontsize=7, va="bottom")       # above the line, off the bars
+    axes[0].text(-0.4, bound, "memory-time bound", fontsize=10, va="bottom")       # above the line, off the bars
     axes[0].set_ylim(0, 1.15 * bound)
     axes[0].set(title="goodput per step", ylabel="finished tokens / step")
     axes[1].bar(names, [s.tokens_per_second for s in stats], color="#5bb974")
@@ -65,8 +65,10 @@ def plot_policy_comparison(comparison: dict, axes=None):
     axes[2].bar(names, [s.recomputed_tokens for s in stats], color="#e8a33d")
     axes[2].set(title="recomputed tokens", ylabel="tokens")
     for ax in axes:
-        ax.tick_params(axis="x", labelrotation=30, labelsize=7)
-        ax.title.set_fontsize(9)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=10)
+        for label in ax.get_xticklabels():          # right-aligned to its bar, so neighbours do not overlap
+            label.set(horizontalalignment="right", rotation_mode="anchor")
+        ax.title.set_fontsize(10)
     return axes
 
 
@@ -84,10 +86,10 @@ def plot_optimum_comparison(rows: list[dict], ax=None):
         ax.bar(x, extra, width, label=f"{row['num_sequences']} seqs, out {row['mean_output']}, seed {row['seed']}: "
                                       f"optimum {best}, worst {worst}")
     ax.set_xticks(np.arange(len(names)))
-    ax.set_xticklabels(names, fontsize=8)
+    ax.set_xticklabels(names, fontsize=10)
     ax.set(title="steps above the exact optimum over victim choices", ylabel="% more steps than the optimum")
-    ax.title.set_fontsize(9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.title.set_fontsize(10)
+    ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
 
 
@@ -98,7 +100,7 @@ def plot_density(density, placement=None, ax=None):
     image = ax.imshow(np.asarray(density), vmin=0, vmax=1, cmap="viridis", aspect="auto")
     if placement is not None:
         for (l, e), d in np.ndenumerate(np.asarray(placement)):
-            ax.text(e, l, str(d), ha="center", va="center", fontsize=9, color="w")
+            ax.text(e, l, str(d), ha="center", va="center", fontsize=10, color="w")
     ax.set(title="density: fraction of sequences each buffer holds", xlabel="expert", ylabel="layer")
     plt.colorbar(image, ax=ax)
     return ax
@@ -114,7 +116,7 @@ def plot_crossover(projected: dict, ax=None):
         since = f"cheaper from {crossover}" if crossover is not None else "never cheaper here"
         ax.plot(value["contexts"], np.array(value["swap_seconds"]) * 1e3, lw=1, label=f"swap {key} ({since})")
     ax.set(title="recompute vs swap (projected)", xlabel="context (tokens)", ylabel="ms")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
 
 
@@ -156,7 +158,7 @@ def plot_prefix_hit_map(requests, num_layers: int, num_experts: int, block_size:
                xlabel="block of the row")
         ax.title.set_fontsize(10)
         ax.set_yticks(np.arange(0, grid.shape[0], num_experts))
-        ax.set_yticklabels([f"layer {layer}" for layer in range(num_layers)], fontsize=9)
+        ax.set_yticklabels([f"layer {layer}" for layer in range(num_layers)], fontsize=10)
         ax.set_yticks(np.arange(grid.shape[0]), minor=True)
         ax.set_xticks(np.arange(width))
         for layer in range(1, num_layers):                                       # layer boundaries
@@ -164,7 +166,7 @@ def plot_prefix_hit_map(requests, num_layers: int, num_experts: int, block_size:
     axes[0].set_ylabel("(layer, expert) row")
     axes[0].figure.legend(handles=[Patch(color=c, label=label) for c, label in
                                    zip(colours[1:], ["computed", "copied (copy-on-write)", "shared"])],
-                          fontsize=9, ncol=3, loc="upper center", bbox_to_anchor=(0.5, 0.0))   # below, off the data
+                          fontsize=10, ncol=3, loc="upper center", bbox_to_anchor=(0.5, 0.0))   # below, off the data
     return axes
 
 
@@ -182,5 +184,5 @@ def plot_prefix_cache_summary(results: dict, ax=None):
     ax.set(title=f"hit rate {results['token_hit_rate']:.2f} of prompt tokens",
            ylabel="steps, or tokens computed / 100")
     ax.set_ylim(0, 1.4 * max(off + on))              # room above the bars for the legend
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=10, loc="upper right")
     return ax

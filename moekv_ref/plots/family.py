@@ -32,7 +32,7 @@ def plot_family(family: dict, costs=("kv", "flops"), width: float = 9.5) -> Figu
             ax.errorbar(v[key] * scale, v["bits_per_byte_mean"], yerr=v["bits_per_byte_std"], fmt="o", ms=7,
                         capsize=4, color=COLORS.get(name, "black"), label=name)
             ax.annotate(name, (v[key] * scale, v["bits_per_byte_mean"]), textcoords="offset points",
-                        xytext=LABEL_OFFSETS.get(name, (6, 6)), fontsize=9)
+                        xytext=LABEL_OFFSETS.get(name, (6, 6)), fontsize=10)
         ax.set_xlabel(label)
         ax.set_ylabel(f"held-out bits per byte (mean of {seeds} seeds)")
         ax.grid(alpha=0.3)

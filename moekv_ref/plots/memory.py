@@ -31,8 +31,8 @@ def _owner_legend(ax, values: np.ndarray, colour_by: str, extra: list) -> None:
     from matplotlib.patches import Patch
     present = sorted({int(v) for v in np.asarray(values)})
     handles = [Patch(color=_colours([v])[0], label=f"{OWNER_LABELS[colour_by]} {v}") for v in present[:len(OWNER_PALETTE)]]
-    ax.legend(handles=handles + extra, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8,
-              frameon=False, title=f"colour = {OWNER_LABELS[colour_by]}", title_fontsize=8)
+    ax.legend(handles=handles + extra, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=10,
+              frameon=False, title=f"colour = {OWNER_LABELS[colour_by]}", title_fontsize=10)
 
 
 def draw_first_fit_map(ax, design: FirstFitDesign, colour_by: str = "expert", width: int = 256,
@@ -112,9 +112,9 @@ def _finish_sweep(ax, key: str, title: str | None) -> None:
     if "utilization" in key:
         ax.axhline(0.96, color="grey", linestyle=":", linewidth=1, label="0.96 target")
         ax.set_ylim(0, 1.05)
-        ax.legend(fontsize=8, loc="lower left")
+        ax.legend(fontsize=10, loc="lower left")
     else:
-        ax.legend(fontsize=8, loc="best")
+        ax.legend(fontsize=10, loc="best")
     if title:
         ax.set_title(title, fontsize=11)
 

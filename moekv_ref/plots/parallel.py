@@ -46,7 +46,7 @@ def draw_kv_locations(ax, location: np.ndarray, num_experts: int, world_size: in
     handles = [Rectangle((0, 0), 1, 1, color=colours[r + 1]) for r in range(world_size)]
     handles.append(Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="gray"))
     ax.legend(handles, [f"K/V on rank {r}" for r in range(world_size)] + ["not routed there"], loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), fontsize=9, frameon=False)    # beside the map: covers no cell
+              bbox_to_anchor=(1.0, 1.0), fontsize=10, frameon=False)    # beside the map: covers no cell
 
 
 def draw_pool_use(ax, per_rank_steps: list[list[dict]], title: str = "") -> None:
@@ -57,7 +57,7 @@ def draw_pool_use(ax, per_rank_steps: list[list[dict]], title: str = "") -> None
     ax.set_xlabel("step (0 = prefill, then decode steps)")
     ax.set_ylabel("blocks used on the rank (blocks)")
     ax.set_title(title)
-    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False)   # below: covers no line
+    ax.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False)   # below: covers no line
 
 
 def draw_placement_comparison(axes, rows: list[dict]) -> None:
@@ -80,7 +80,7 @@ def draw_placement_comparison(axes, rows: list[dict]) -> None:
     # one legend under both panels, the figure's (the bars reach the top): anchored to one Axes, it
     # made constrained layout widen that Axes' box and opened a gap between the panels
     handles, labels = axes[0].get_legend_handles_labels()
-    axes[0].figure.legend(handles, labels, fontsize=9, loc="outside lower center", ncol=len(strategies),
+    axes[0].figure.legend(handles, labels, fontsize=10, loc="outside lower center", ncol=len(strategies),
                           frameon=False)
 
 
@@ -117,7 +117,7 @@ def draw_projected_step(ax, projections: list[dict], title: str = "") -> None:
     ax.scatter(x, [r["step_ms"] for r in projections], marker="_", s=400, color="black", zorder=3,
                label="step (the sum)")
     ax.set_xticks(x)
-    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_xticklabels(labels, fontsize=10)
     ax.set_xlabel("KV placement, context (tokens)")
     ax.set_yscale("log")
     ax.set_ylabel("projected time per decode step (ms, log)")
@@ -140,5 +140,5 @@ def draw_step_vs_context(ax, rows: list[dict], chosen_context: int, title: str =
     ax.set_xlabel("context (tokens per sequence)")
     ax.set_ylabel("projected time (ms, log)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.grid(alpha=0.3)

@@ -27,23 +27,23 @@ def plot_routing(selected, text: str, layer: int, ax=None):
     ax.imshow(matrix, aspect="auto", cmap=plt.matplotlib.colors.ListedColormap(["#f4f4f4", ROUTED_COLOUR]),
               vmin=0, vmax=1, interpolation="nearest")
     tokens = encode(text)
-    fontsize = 9 if num_tokens <= 40 else 7 if num_tokens <= 80 else 5
-    ax.set_xticks(range(num_tokens), [show_char(t) for t in tokens], fontsize=fontsize)
-    ax.set_yticks(range(num_experts), [f"e{e}" for e in range(num_experts)], fontsize=9)
+    step = -(-num_tokens // 40)              # at most 40 labels: a longer prompt labels every step-th token
+    ax.set_xticks(range(0, num_tokens, step), [show_char(t) for t in tokens[::step]], fontsize=10)
+    ax.set_yticks(range(num_experts), [f"e{e}" for e in range(num_experts)], fontsize=10)
     ax.set_xticks(np.arange(-0.5, num_tokens), minor=True)
     ax.set_yticks(np.arange(-0.5, num_experts), minor=True)
     ax.grid(which="minor", color="white", linewidth=0.5)
     ax.tick_params(which="minor", length=0)
     counts = matrix.sum(1).astype(int)
     for e, c in enumerate(counts):
-        ax.text(num_tokens - 0.3, e, f" {c}", va="center", fontsize=9)
-    ax.text(num_tokens - 0.3, -0.7, " held", va="bottom", fontsize=8)
+        ax.text(num_tokens - 0.3, e, f" {c}", va="center", fontsize=10)
+    ax.text(num_tokens - 0.3, -0.7, " held", va="bottom", fontsize=10)
     ax.set_xlabel("prompt, one byte-token per column (␣ = space)")
     ax.set_ylabel("attention expert")
     ax.set_title(f"layer {layer}: which experts' caches each token's K/V go into", fontsize=11)
     ax.legend(handles=[Patch(color=ROUTED_COLOUR, label="routed: K/V stored in this expert's cache"),
                        Patch(facecolor="#f4f4f4", edgecolor="grey", label="not routed")],
-              loc="upper left", bbox_to_anchor=(0, -0.28), ncol=2, fontsize=8, frameon=False)
+              loc="upper left", bbox_to_anchor=(0, -0.28), ncol=2, fontsize=10, frameon=False)
     return ax
 
 
@@ -60,5 +60,5 @@ def plot_cache_sizes(counts, ax=None, title="tokens each expert's cache holds, p
     ax.set_xlabel("attention expert")
     ax.set_ylabel("tokens held (cache entries)")
     ax.set_title(title, fontsize=11)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     return ax

@@ -85,7 +85,7 @@ def plot_timeline(engine: LLMEngine, ax=None):
     ax.set_ylabel("request id")
     ax.set_title("each request's life")
     handles = [Patch(color=color, label=state) for state, color in STATE_COLORS.items()]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=9, frameon=False)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=10, frameon=False)
     return ax
 
 
@@ -103,7 +103,8 @@ def plot_pool_use(engine: LLMEngine, ax=None):
     ax.set_ylabel(f"blocks ({engine.memory.block_size} slots each)")
     ax.set_ylim(0, engine.memory.num_blocks * 1.08)
     ax.set_title("pool use over time")
-    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)  # below: covers no data
+    ax.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)  # below: covers no data;
+    # one column, centred under this panel: two would run past the figure's left edge
     return ax
 
 
@@ -118,7 +119,7 @@ def plot_demand(engine: LLMEngine, ax=None):
     ax.set_xlabel("held by the request at its end (blocks)")
     ax.set_ylabel("predicted at its admission (blocks)")
     ax.set_title("admission prediction vs routed demand")
-    ax.legend(fontsize=9, loc="upper left")      # the points sit on or above the diagonal, away from this corner
+    ax.legend(fontsize=10, loc="upper left")      # the points sit on or above the diagonal, away from this corner
     return ax
 
 
