@@ -24,7 +24,7 @@ import torch
 from ..checkpoint import load_default_model
 from ..config import ModelConfig
 from ..parallel import options
-from ..parallel.cost_model import measured_shape_bytes, real_shape_projections
+from ..costs import measured_shape_bytes, real_shape_projections
 from ..parallel.kv_placements import KV_PLACEMENTS
 from ..parallel.locality import attention_routing_of_text, compare_placements, format_placement_table
 from ..plots.tables import text_table

@@ -104,7 +104,7 @@ def draw_bytes_by_category(ax, row: dict) -> None:
 
 
 def draw_projected_step(ax, projections: list[dict], title: str = "") -> None:
-    """projections: cost_model.project_step(...).to_dict() rows of one link. For each (KV placement,
+    """projections: costs.project_step(...).to_dict() rows of one link. For each (KV placement,
     context) the three parts of the projected step side by side (not stacked: the axis is log, where
     stacked heights would mislead) and the step, their sum, as a black tick above them."""
     width = 0.8 / len(STEP_PARTS)

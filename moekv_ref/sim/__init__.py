@@ -6,7 +6,8 @@
     baselines.py  the designs paging must beat: per-expert worst-case reservation, first-fit buffers
     replay.py     lock-step replay of a trace through a design; utilization and capacity under a budget
     eviction.py   serving over a trace: the engine's own Scheduler, with the trace playing the model
-                  (victim policies under per-device pools); costs.py, density.py, topic_traces.py
+                  (victim policies under per-device pools), costed by moekv_ref/costs.py;
+                  density.py, topic_traces.py
     optimum.py    the exact best victim choices on small traces: every choice tried, through the
                   same Scheduler
 """
