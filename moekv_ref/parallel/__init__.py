@@ -12,10 +12,10 @@ real hardware is projected in moekv_ref/costs.py.
     runner.py         ParallelRunner: one rank's step (attention placement + expert-parallel FFN)
     programs.py       RunSpec, run_specs (the worker), run_parallel, reference_run
     locality.py       placement of experts on ranks compared on real routing
-    measure.py        the context sweep and the tables made from the counters
     serving.py        the serving engine's scheduler on rank 0, each rank a device of its pool, plans broadcast
-    options.py        the values the command lines accept, checked before anything starts
-    __main__.py       `torchrun --nproc_per_node=N -m moekv_ref.parallel ...`
+    __main__.py       `torchrun --nproc_per_node=N -m moekv_ref.parallel ...`, the program in
+                      apps/parallel_run.py; the context sweep it and `bench parallel` measure is in
+                      apps/parallel_measure.py, the values they accept in apps/parallel_options.py
 """
 
 from .comm import CollectiveError, Communicator
