@@ -46,8 +46,7 @@ from ..plots.tables import text_table
 from ..sim.density import density_sweep, mean_blocks_at_context
 from ..sim.eviction import EvictionSetup, memory_time_bound, simulate
 from ..sim.optimum import search_optimum
-from ..sim.topic_traces import topic_trace
-from ..sim.traces import synthetic_trace
+from ..sim.traces import synthetic_trace, topic_trace
 from . import options
 
 # JetMoE-8B: 2.2 B active parameters per token (Shen et al., arXiv 2404.07413, Table 1).
@@ -132,7 +131,7 @@ def projected_crossovers(block_sizes, contexts, links=None, num_sequences: int =
 def skewed_workload(num_sequences: int = 48, num_layers: int = 8, num_experts: int = 16, top_k: int = 2,
                     num_devices: int = 4, mean_prompt: float = 128, mean_output: float = 128,
                     topic_s: float = 1.5, seed: int = 0, placement: str = "coactivation"):
-    """The trace and the placement: per-sequence topics (sim/topic_traces.py), experts placed by
+    """The trace and the placement: per-sequence topics (sim/traces.py: topic_trace), experts placed by
     co-activation, which puts the popular topic's experts together on device 0 (it fills first).
     KV per (layer, expert) slot: 2 KV heads of 128 in bf16 (1 KiB)."""
     trace, topic = topic_trace(num_sequences, num_layers, num_experts, top_k, topic_s=topic_s,
