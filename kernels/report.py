@@ -54,12 +54,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from moekv_ref.hardware import GPUS, SM_LIMITS, gpus_of
+from moekv_ref.costs import GPUS, SM_LIMITS, gpus_of
 
 from ._utils import Launch, describing_launches, is_interpreting
 
 # ----- the targets --------------------------------------------------------------------------------
-# Per-SM limits and HBM bandwidths come from moekv_ref/hardware.py, the one hardware table, where
+# Per-SM limits and HBM bandwidths come from moekv_ref/costs.py, the one hardware table, where
 # each number has its source.
 
 

@@ -19,9 +19,9 @@ import torch
 
 from .cache import ContiguousKVCache
 from .generate import generate
+from .prompts import encode
 from .sampling import SamplingParams
 from .sim.traces import RoutingTrace
-from .tokenizer import encode
 
 CHARACTER_CLASSES = {
     "lowercase": lambda c: "a" <= c <= "z",

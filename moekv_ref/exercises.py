@@ -28,8 +28,8 @@ from .apps.bench_eviction import skewed_workload, workload_cost_model
 from .apps.demo import demo_workload, serve, summarize
 from .cache.rows import ceil_div
 from .checkpoint import load_default_model
+from .costs import GPUS
 from .engine.victims import VictimPolicy, room_and_lost_work
-from .hardware import GPUS
 from .placement import coactivation_counts, devices_touched, place_experts
 from .sim.designs import CountingPagedDesign
 from .sim.eviction import EvictionSetup, simulate

@@ -1,9 +1,11 @@
-"""Checking prompts before any work: what `generate` and the serving engine accept as token ids.
+"""Prompts: text as token ids, and what `generate` and the serving engine accept as token ids.
 
-A prompt is a non-empty sequence of integer token ids in [0, vocab_size) -- a list or tuple of ints
-(or integer scalars such as numpy's), or a 1-D integer tensor. Floats are refused even when whole
-(3.0): a float where a token id belongs is a bug upstream, and truncating it would hide it. A prompt
-plus the tokens asked for must fit the model's positions.
+Bytes are tokens: vocabulary 256, nothing to download, any text round-trips (`encode`, `decode`).
+
+A prompt is checked before any work (`check_prompt`): a non-empty sequence of integer token ids in
+[0, vocab_size) -- a list or tuple of ints (or integer scalars such as numpy's), or a 1-D integer
+tensor. Floats are refused even when whole (3.0): a float where a token id belongs is a bug upstream,
+and truncating it would hide it. A prompt plus the tokens asked for must fit the model's positions.
 """
 
 from __future__ import annotations
@@ -13,12 +15,20 @@ import operator
 import torch
 
 
+def encode(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def decode(tokens: list[int]) -> str:
+    return bytes(tokens).decode("utf-8", errors="replace")
+
+
 def check_prompt(prompt, vocab_size: int, max_positions: int, max_new_tokens: int,
                  name: str = "the prompt") -> list[int]:
     """The prompt as a list of ints, or ValueError naming the first thing wrong with it."""
     if isinstance(prompt, (str, bytes)):
         raise ValueError(f"{name} is text ({type(prompt).__name__}), not token ids: encode it first "
-                         "(moekv_ref.tokenizer.encode)")
+                         "(moekv_ref.prompts.encode)")
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
             raise ValueError(f"{name} must be a 1-D integer tensor of token ids, got {prompt.dtype} of shape "

@@ -209,7 +209,7 @@ def test_readme_first_generate_example_prints_python_shaped_text(capsys):
     (["--expert-placement", "coactivation"], "argument --expert-placement: invalid choice: 'coactivation'"),
 ])
 def test_parallel_cli_refuses_bad_values(capsys, monkeypatch, argv, message):
-    from moekv_ref.parallel import __main__ as parallel_main
+    from moekv_ref.apps import parallel_run as parallel_main
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("MOEKV_FAULT", raising=False)
     with pytest.raises(SystemExit) as exit_info:
@@ -225,7 +225,7 @@ def test_parallel_cli_refuses_bad_values(capsys, monkeypatch, argv, message):
     ({"MOEKV_FAULT": "die@1:5"}, "MOEKV_FAULT=die@1:5: step 5 never comes: the run has steps 0 (the prefill) to 4"),
 ])
 def test_parallel_cli_refuses_bad_environments(capsys, monkeypatch, environment, message):
-    from moekv_ref.parallel import __main__ as parallel_main
+    from moekv_ref.apps import parallel_run as parallel_main
     monkeypatch.delenv("RANK", raising=False)
     for name, value in environment.items():
         monkeypatch.setenv(name, value)

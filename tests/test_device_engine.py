@@ -74,7 +74,7 @@ def test_every_policy_serves_every_request_as_if_alone(model, workload, alone, v
 
 def test_embedded_model_with_pressure_aware_and_expert_lru_equals_alone():
     from moekv_ref.checkpoint import load_default_model
-    from moekv_ref.tokenizer import encode
+    from moekv_ref.prompts import encode
     model = load_default_model(dtype=torch.float64)
     prompts = [encode(t) for t in ("The cache", "Experts", "A block", "Memory")]
     params = [SamplingParams(max_new_tokens=10, temperature=0.0, seed=i) for i in range(4)]

@@ -160,9 +160,9 @@ def test_readme_optimum_table_is_what_its_json_says():
 def test_notebook_07_prose_numbers_are_its_outputs_or_its_hardware():
     """Notebook 07's prose quotes its own results: every ratio ("61x"), every number written with
     thousands separators ("1,656") and every time in ms must appear in the notebook's stored
-    outputs, and every bandwidth or FLOP rate it states must be one of moekv_ref/hardware.py's. A
-    re-run that changes a result, or a hand edit of the prose, fails here."""
-    from moekv_ref.hardware import GPUS, LINKS
+    outputs, and every bandwidth or FLOP rate it states must be one of the hardware table's
+    (moekv_ref/costs.py). A re-run that changes a result, or a hand edit of the prose, fails here."""
+    from moekv_ref.costs import GPUS, LINKS
 
     cells = json.loads((ROOT / "notebooks" / "07_expert_parallelism.ipynb").read_text(encoding="utf-8"))["cells"]
     prose = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
@@ -176,7 +176,7 @@ def test_notebook_07_prose_numbers_are_its_outputs_or_its_hardware():
               for n, unit in re.findall(r"\b(\d+(?:\.\d+)?) (TB/s|GB/s|TFLOP/s)", prose)}
     known = ({g.hbm_bytes_per_s for g in GPUS.values()} | {g.bf16_flops_per_s for g in GPUS.values()}
              | {link.bytes_per_s for link in LINKS.values()})
-    assert stated and stated <= known, f"rates in the prose but not in hardware.py: {sorted(stated - known)}"
+    assert stated and stated <= known, f"rates in the prose but not in the hardware table: {sorted(stated - known)}"
 
 
 SMALL_TEXT = re.compile(r"(?:fontsize|labelsize|title_fontsize)\s*=\s*(\d+(?:\.\d+)?)|set_fontsize\((\d+(?:\.\d+)?)\)"

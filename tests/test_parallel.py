@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moekv_ref.config import ModelConfig
-from moekv_ref.parallel.cost_model import measured_shape_bytes
+from moekv_ref.costs import measured_shape_bytes
 from moekv_ref.parallel.kv_placements import KV_PLACEMENTS
 from moekv_ref.parallel.programs import (ModelSpec, RunSpec, max_difference, merged_logits, reference_run,
                                          run_parallel, total_bytes, total_traffic)

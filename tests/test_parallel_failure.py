@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from moekv_ref.apps import parallel_run as parallel_main
 from moekv_ref.parallel import CollectiveError, WorkerFailed, launch, launcher
-from moekv_ref.parallel import __main__ as parallel_main
 from moekv_ref.parallel.programs import ModelSpec, RunSpec, run_parallel, run_specs
 
 from helpers import small_config

@@ -13,9 +13,9 @@ import functools
 import pytest
 import torch
 
+from moekv_ref.apps.parallel_measure import expert_ranks
 from moekv_ref.engine import LLMEngine
 from moekv_ref.parallel.launcher import launch
-from moekv_ref.parallel.measure import expert_ranks
 from moekv_ref.parallel.programs import ModelSpec
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
 from moekv_ref.parallel.serving import ServeSpec, follow_ranks, serve_specs

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moekv_ref.config import get_config
-from moekv_ref.parallel.cost_model import expected_remote_ranks, project_step
+from moekv_ref.costs import expected_remote_ranks, project_step
 from moekv_ref.parallel.dispatch import DispatchPlan, Received, local_pairs
 from moekv_ref.parallel.locality import compare_placements
 
@@ -115,7 +115,7 @@ def test_projected_step_bars_stand_on_the_axis_and_pcie_is_slower_by_its_bandwid
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    from moekv_ref.hardware import LINKS
+    from moekv_ref.costs import LINKS
     from moekv_ref.parallel.kv_placements import KV_PLACEMENTS
     from moekv_ref.plots.parallel import draw_projected_step, draw_step_vs_context
 

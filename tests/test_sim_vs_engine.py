@@ -14,7 +14,7 @@ import torch
 from moekv_ref.analysis import record_model_trace
 from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.sampling import SamplingParams
-from moekv_ref.sim.costs import CostModel
+from moekv_ref.costs import CostModel
 from moekv_ref.sim.eviction import EvictionSetup, simulate
 
 from helpers import random_model, random_workload, small_config

@@ -5,7 +5,7 @@ Four parts, printed as tables and saved together as JSON:
  1. recompute versus swap, measured on this machine with the embedded model (a prefill of c tokens
     through the paged cache against SwapSpace.swap_out + swap_in of the same sequence), for several
     block sizes; fitted into a CostModel; the crossover context (from where swap is cheaper), here
-    and projected for a GPU from datasheet numbers (sim/costs.py) at JetMoE-8B's shape;
+    and projected for a GPU from datasheet numbers (moekv_ref/costs.py) at JetMoE-8B's shape;
  2. every victim policy on one skewed workload, the engine's Scheduler replaying a routing trace
     (sim/eviction.py): per-device pools (D = 4, E = 16), a topic trace whose popular topic's experts
     share device 0 under the co-activation placement, the offline policies (oracle, belady) beside
@@ -34,22 +34,19 @@ from ..analysis import record_model_trace
 from ..cache.paged import PagedKVCache
 from ..checkpoint import load_default_model
 from ..config import get_config
+from ..costs import CostModel, crossover_context, fit_cost_model, projected_gpu_cost_model
 from ..engine.demand import worst_case_lifetime_blocks_per_device
 from ..engine.engine import LLMEngine
 from ..engine.model_runner import ModelRunner
 from ..engine.scheduler import SchedulerConfig
 from ..engine.swap import SwapSpace
 from ..engine.workload import few_shot_workload, make_workload, run_workload
-from ..hardware import LINKS
 from ..placement import place_layers
 from ..plots.tables import text_table
-from ..sim.costs import (PCIE_GEN5_X16_BYTES_PER_SECOND, CostModel, crossover_context, fit_cost_model,
-                         projected_gpu_cost_model)
 from ..sim.density import density_sweep, mean_blocks_at_context
 from ..sim.eviction import EvictionSetup, memory_time_bound, simulate
 from ..sim.optimum import search_optimum
-from ..sim.topic_traces import topic_trace
-from ..sim.traces import synthetic_trace
+from ..sim.traces import synthetic_trace, topic_trace
 from . import options
 
 # JetMoE-8B: 2.2 B active parameters per token (Shen et al., arXiv 2404.07413, Table 1).
@@ -108,19 +105,19 @@ def measured_crossovers(rows: list[dict]) -> dict:
 def projected_crossovers(block_sizes, contexts, links=None, num_sequences: int = 16, seed: int = 0) -> dict:
     """Crossover contexts projected for an H100 at JetMoE-8B's shape (24 layers, 8 attention experts,
     top-2, 16 KV heads of 128 in bf16, 2.2 B active parameters), over each host link. Blocks at each
-    context are counted on a synthetic top-2 trace (Zipf 1.0 expert popularity)."""
+    context are counted on a synthetic top-2 trace (Zipf 1.0 expert popularity). links: label -> a
+    name in costs.HOST_LINKS."""
     config = get_config("jetmoe-8b")
-    links = links or {"PCIe Gen5 x16 (64 GB/s)": PCIE_GEN5_X16_BYTES_PER_SECOND,
-                      "NVLink-C2C (450 GB/s)": LINKS["nvlink_c2c"].bytes_per_s}
+    links = links or {"PCIe Gen5 x16 (64 GB/s)": "pcie_gen5_x16", "NVLink-C2C (450 GB/s)": "nvlink_c2c"}
     L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
     trace = synthetic_trace(num_sequences, L, E, K, mean_prompt=max(contexts), mean_output=1, sigma=0.0,
                             zipf_s=1.0, kv_bytes_per_slot=config.kv_bytes_per_entry(), seed=seed)
     out = {}
-    for link_name, bandwidth in links.items():
+    for link_name, host_link in links.items():
         for P in block_sizes:
             cost = projected_gpu_cost_model(JETMOE_ACTIVE_PARAMS, config.kv_bytes_per_entry(), L, K, E,
                                             config.head_dim, config.num_attention_heads, P,
-                                            link_bytes_per_second=bandwidth, name=f"H100 + {link_name}")
+                                            host_link=host_link, name=f"H100 + {link_name}")
             blocks = mean_blocks_at_context(trace, contexts, P)
             out[f"{link_name}, P={P}"] = {
                 "link": link_name, "block_size": P, "crossover_context": crossover_context(cost, contexts, blocks),
@@ -134,7 +131,7 @@ def projected_crossovers(block_sizes, contexts, links=None, num_sequences: int =
 def skewed_workload(num_sequences: int = 48, num_layers: int = 8, num_experts: int = 16, top_k: int = 2,
                     num_devices: int = 4, mean_prompt: float = 128, mean_output: float = 128,
                     topic_s: float = 1.5, seed: int = 0, placement: str = "coactivation"):
-    """The trace and the placement: per-sequence topics (sim/topic_traces.py), experts placed by
+    """The trace and the placement: per-sequence topics (sim/traces.py: topic_trace), experts placed by
     co-activation, which puts the popular topic's experts together on device 0 (it fills first).
     KV per (layer, expert) slot: 2 KV heads of 128 in bf16 (1 KiB)."""
     trace, topic = topic_trace(num_sequences, num_layers, num_experts, top_k, topic_s=topic_s,
@@ -144,11 +141,11 @@ def skewed_workload(num_sequences: int = 48, num_layers: int = 8, num_experts: i
     return trace, topic, place_layers(selected, num_devices, placement)
 
 
-def workload_cost_model(trace, block_size: int, bandwidth: float = PCIE_GEN5_X16_BYTES_PER_SECOND) -> CostModel:
+def workload_cost_model(trace, block_size: int, host_link: str = "pcie_gen5_x16") -> CostModel:
     """The projected H100 cost model at the skewed workload's shape (2 B active parameters, 4 query
-    heads of 128 per expert)."""
+    heads of 128 per expert), swapping over `host_link` (a name in costs.HOST_LINKS)."""
     return projected_gpu_cost_model(2e9, trace.kv_bytes_per_slot, trace.num_layers, int(trace.experts.shape[2]),
-                                    trace.num_experts, 128, 4, block_size, link_bytes_per_second=bandwidth)
+                                    trace.num_experts, 128, 4, block_size, host_link=host_link)
 
 
 SIM_POLICIES = ("sequence_lru", "expert_lru", "pressure_aware", "oracle", "belady")   # newest_first is sequence_lru

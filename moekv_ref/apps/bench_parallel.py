@@ -23,13 +23,13 @@ import torch
 
 from ..checkpoint import load_default_model
 from ..config import ModelConfig
-from ..parallel import options
-from ..parallel.cost_model import measured_shape_bytes, real_shape_projections
+from ..costs import measured_shape_bytes, real_shape_projections
 from ..parallel.kv_placements import KV_PLACEMENTS
 from ..parallel.locality import attention_routing_of_text, compare_placements, format_placement_table
-from ..plots.tables import text_table
-from ..parallel.measure import bytes_table, context_sweep_specs, pool_table
 from ..parallel.programs import run_parallel, total_bytes, total_traffic
+from ..plots.tables import text_table
+from . import parallel_options as options
+from .parallel_measure import bytes_table, context_sweep_specs, pool_table
 
 
 WORLD_SIZES = tuple(w for w in options.WORLD_SIZES if w >= 2)   # a sweep of one rank moves nothing

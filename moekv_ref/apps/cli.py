@@ -24,10 +24,9 @@ from ..analysis import format_routing_statistics, heldout_text, routing_statisti
 from ..backends import BackendUnavailableError
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..config import ROUTINGS, get_config
-from ..prompts import check_prompt
+from ..prompts import check_prompt, decode, encode
 from ..report import cache_report, format_cache_report
 from ..sampling import MIN_TEMPERATURE, SamplingParams
-from ..tokenizer import decode, encode
 from . import (bench_eviction, bench_memory, bench_parallel, bench_peer, bench_serving, bench_step, demo, family,
                figures, options)
 

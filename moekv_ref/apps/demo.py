@@ -30,8 +30,8 @@ from ..config import get_config
 from ..engine import LLMEngine, SchedulerConfig
 from ..engine.workload import WorkloadRequest, make_workload, run_workload
 from ..plots.serving import demand_table, plot_run, pool_use
+from ..prompts import encode
 from ..sampling import SamplingParams
-from ..tokenizer import encode
 from . import options
 
 FIGURES = Path("figures")

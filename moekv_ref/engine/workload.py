@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
+from ..prompts import encode
 from ..sampling import SamplingParams
-from ..tokenizer import encode
 from .engine import LLMEngine
 from .request import RequestOutput
 

@@ -1,5 +1,6 @@
 """Expert parallelism on torch.distributed: the experts spread over ranks, three placements of the
-attention experts' KV caches, every byte that travels counted.
+attention experts' KV caches, every byte that travels counted. What a step moves and costs on
+real hardware is projected in moekv_ref/costs.py.
 
     comm.py           Communicator: all_to_all_single / all_gather / broadcast with byte counters per
                       rank and step, timing, and errors that name the rank and collective that failed
@@ -11,11 +12,10 @@ attention experts' KV caches, every byte that travels counted.
     runner.py         ParallelRunner: one rank's step (attention placement + expert-parallel FFN)
     programs.py       RunSpec, run_specs (the worker), run_parallel, reference_run
     locality.py       placement of experts on ranks compared on real routing
-    measure.py        the context sweep and the tables made from the counters
-    cost_model.py     bytes, FLOPs and HBM reads per step -> projected step times on real hardware
     serving.py        the serving engine's scheduler on rank 0, each rank a device of its pool, plans broadcast
-    options.py        the values the command lines accept, checked before anything starts
-    __main__.py       `torchrun --nproc_per_node=N -m moekv_ref.parallel ...`
+    __main__.py       `torchrun --nproc_per_node=N -m moekv_ref.parallel ...`, the program in
+                      apps/parallel_run.py; the context sweep it and `bench parallel` measure is in
+                      apps/parallel_measure.py, the values they accept in apps/parallel_options.py
 """
 
 from .comm import CollectiveError, Communicator

@@ -8,7 +8,7 @@ call took. A rank's chunk to itself is a local copy and is not counted as moved.
 
 Counted bytes are logical: what leaves one rank for another. How a backend routes them (a ring, a
 tree, NVLink or a NIC) changes the bytes on each physical link, not these counts; the cost model
-(cost_model.py) turns the logical counts into time with a stated bandwidth.
+(moekv_ref/costs.py) turns the logical counts into time with a stated bandwidth.
 
 Uneven all-to-all: `all_to_all_single` with split sizes. The receiver cannot know how many rows each
 peer will send, so the sizes are exchanged first (an all-to-all of one int64 per peer, counted under

@@ -30,14 +30,14 @@ before joining) and then has every rank's own message. With the defaults every r
 timeout_s + grace_s = 18 s after a rank hangs, well within 30 s (tests/test_parallel_failure.py checks
 the defaults, and times a hang under torchrun with them).
 
-`torchrun -m moekv_ref.parallel` (__main__.py) joins the same way, through `join_group`. A rank whose
+`torchrun -m moekv_ref.parallel` (moekv_ref/apps/parallel_run.py) joins the same way, through `join_group`. A rank whose
 collective fails prints the ranks that never reached it, records that message for torchrun's summary
 (its "Root Cause" is the first rank to exit, which is the one that waited: a hung rank cannot exit)
 and exits at once; torchrun notices within its monitor interval (0.1 s) and ends the other ranks with
 SIGTERM. Every rank is gone about timeout_s + 1 s after a rank hangs.
 
 Fault injection, for tests only: the environment variable MOEKV_FAULT (`parse_fault`) makes one rank
-die or hang at a step (RunSpec.fail_*, applied by __main__.py) or start late (`join_group`).
+die or hang at a step (RunSpec.fail_*, applied by apps/parallel_run.py) or start late (`join_group`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import torch
 
 from ..analysis import heldout_text
 from ..placement import PLACEMENTS, coactivation_counts, devices_touched, place_experts
-from ..tokenizer import encode
+from ..prompts import encode
 from .dispatch import DispatchPlan
 from .kv_placements import KV_PLACEMENTS
 

@@ -14,7 +14,7 @@ PLACEMENT_COLOURS = {"kv_with_expert": "tab:blue", "kv_with_sequence": "tab:red"
 
 
 def draw_bytes_vs_context(ax, rows: list[dict]) -> None:
-    """rows: measure.bytes_table results. Bytes per decode step against context, one line per placement."""
+    """rows: parallel_measure.bytes_table results. Bytes per decode step against context, one line per placement."""
     for placement, colour in PLACEMENT_COLOURS.items():
         mine = sorted((r["context"], r["bytes_per_decode_step"]) for r in rows if r["kv_placement"] == placement)
         if mine:
@@ -50,7 +50,7 @@ def draw_kv_locations(ax, location: np.ndarray, num_experts: int, world_size: in
 
 
 def draw_pool_use(ax, per_rank_steps: list[list[dict]], title: str = "") -> None:
-    """per_rank_steps: measure.pool_table. Blocks used per rank after each step."""
+    """per_rank_steps: parallel_measure.pool_table. Blocks used per rank after each step."""
     for rank, steps in enumerate(per_rank_steps):
         ax.plot([s["used_blocks"] for s in steps], "o-", label=f"rank {rank}", markersize=3)
     ax.axhline(per_rank_steps[0][0]["num_blocks"], color="gray", linestyle="--", label="pool size")
@@ -89,7 +89,7 @@ STEP_PARTS = {"attention_ms": ("attention", "tab:purple"), "experts_ms": ("FFN e
 
 
 def draw_bytes_by_category(ax, row: dict) -> None:
-    """row: one measure.bytes_table result. The bytes of one decode step by collective category,
+    """row: one parallel_measure.bytes_table result. The bytes of one decode step by collective category,
     side by side on a linear axis, so a category that moves nothing shows as no bar."""
     categories = ("attention_dispatch", "attention_combine", "kv_context", "kv_new", "ffn_dispatch", "ffn_combine",
                   "split_sizes")
@@ -104,7 +104,7 @@ def draw_bytes_by_category(ax, row: dict) -> None:
 
 
 def draw_projected_step(ax, projections: list[dict], title: str = "") -> None:
-    """projections: cost_model.project_step(...).to_dict() rows of one link. For each (KV placement,
+    """projections: costs.project_step(...).to_dict() rows of one link. For each (KV placement,
     context) the three parts of the projected step side by side (not stacked: the axis is log, where
     stacked heights would mislead) and the step, their sum, as a black tick above them."""
     width = 0.8 / len(STEP_PARTS)

@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch
 
-from ..tokenizer import encode
+from ..prompts import encode
 
 ROUTED_COLOUR = "#2b6cb0"
 

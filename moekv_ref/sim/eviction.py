@@ -22,7 +22,7 @@ requests by their worst-case lifetime, where a planner reading the trace could u
 Preemption is by recompute, or by swap when the setup has host blocks (the scheduler's
 preemption_mode: one mode for every victim, as in the engine).
 
-Time: each step costs CostModel seconds (sim/costs.py) for the tokens it computes (prefills and
+Time: each step costs CostModel seconds (moekv_ref/costs.py) for the tokens it computes (prefills and
 recomputes over their context, decodes over theirs) plus the blocks it swaps. Goodput is generated
 tokens of finished requests per step and per modelled second. Every policy sees the same trace,
 pools, limits and cost model. The offline policies (oracle, belady) read the trace's future through
@@ -47,7 +47,7 @@ from ..engine.request import Request
 from ..engine.scheduler import EvictionRecord, Scheduler, SchedulerConfig
 from ..engine.victims import VICTIM_POLICIES, OfflinePolicy, VictimPolicy
 from ..sampling import SamplingParams
-from .costs import CostModel
+from ..costs import CostModel
 from .traces import RoutingTrace
 
 

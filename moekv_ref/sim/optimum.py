@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.victims import VictimPolicy
-from .costs import CostModel
+from ..costs import CostModel
 from .eviction import EvictionSetup, TraceRunner
 from .traces import RoutingTrace
 

@@ -1,4 +1,5 @@
-"""Measurements on real runs: bytes per decode step as the context grows, per-rank pools, time split.
+"""Measurements on real runs: bytes per decode step as the context grows, per-rank pools, time split
+(what `bench parallel`, `python -m moekv_ref.parallel` and notebook 07 run and print).
 
     context_sweep_specs   one RunSpec per (KV placement, context): world_size sequences (one per
                           rank) prefilled to `context` tokens, then a few decode steps
@@ -15,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..parallel.kv_placements import KV_PLACEMENTS
+from ..parallel.programs import ModelSpec, RankResult, RunSpec, total_bytes
 from ..placement import place_experts
-from .kv_placements import KV_PLACEMENTS
-from .programs import ModelSpec, RankResult, RunSpec, total_bytes
 
 # 2 layers, width 64, 8 attention experts (4 heads, 2 KV heads of 16) top-2, 8 FFN experts top-2
 SWEEP_CONFIG = ModelConfig(
@@ -31,7 +32,7 @@ FFN_CATEGORIES = ("ffn_dispatch", "ffn_combine")
 
 def expert_ranks(config: ModelConfig, world_size: int, strategy: str = "round_robin") -> tuple[tuple, tuple]:
     """(attention_ranks, ffn_ranks) as nested tuples, the same map for every layer (contiguous or
-    round_robin; co-activation needs routing statistics: locality.py)."""
+    round_robin; co-activation needs routing statistics: parallel/locality.py)."""
     attention = tuple(place_experts(config.num_attention_experts, world_size, strategy).tolist())
     ffn = tuple(place_experts(config.num_local_experts, world_size, strategy).tolist())
     return (attention,) * config.num_hidden_layers, (ffn,) * config.num_hidden_layers

@@ -2,7 +2,7 @@
 messages that name the option, the bad value and what is allowed; the programs hand them to
 parser.error (exit code 2) before anything starts.
 
-The limits come from the sweep model (measure.SWEEP_CONFIG): its positions hold the context and every
+The limits come from the sweep model (parallel_measure.SWEEP_CONFIG): its positions hold the context and every
 decode step, and its experts split evenly over the ranks.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from .launcher import MAX_TIMEOUT_S
-from .measure import SWEEP_CONFIG
+from ..parallel.launcher import MAX_TIMEOUT_S
+from .parallel_measure import SWEEP_CONFIG
 
 MAX_POSITIONS = SWEEP_CONFIG.max_position_embeddings
 EXPERTS = math.gcd(SWEEP_CONFIG.num_attention_experts, SWEEP_CONFIG.num_local_experts)

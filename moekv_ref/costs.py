@@ -1,0 +1,420 @@
+"""What a step, a recompute and a swap cost, in seconds, on hardware from one table.
+
+1. The hardware table: the hardware every projection in this repository is made for, each number
+   with its source. Nothing here is measured on this machine; a number a benchmark measures is
+   reported beside the datasheet's, never written into this table. The two cost models below read
+   it, and so does the kernel report (kernels/report.py: per-SM limits for occupancy, HBM bandwidth
+   for the bound a kernel is measured against).
+
+       GPUS        name -> GPU: HBM bandwidth, dense BF16 tensor-core FLOP/s, SM count, architecture
+       SM_LIMITS   architecture ("sm_90") -> what one streaming multiprocessor holds at once
+       LINKS       name -> Link: bytes per second, one direction, per GPU
+
+   A GPU turns FLOPs and HBM bytes into seconds (at a utilization, or as a roofline), a Link bytes
+   sent. Both cost models choose their hardware by name with `pick`, among the GPUs and links they
+   are made for (ACCELERATORS, INTERCONNECTS between GPUs, HOST_LINKS to host memory).
+
+2. One decode step under expert parallelism: bytes, FLOPs, HBM reads -> time. Two halves:
+
+   `measured_shape_bytes`: the bytes every collective of a step moves, from the shapes and the
+   integer counts of what the routers decided (pairs sent to peers, K/V rows and tokens). It is the
+   wire format of parallel/dispatch.py and parallel/kv_placements.py written as arithmetic, and a
+   test checks that it equals the bytes the Communicator counted in real runs, category by category.
+
+   `project_step`: the same counts taken in expectation (uniform routing: each token's k experts
+   uniformly among E, experts spread evenly over R ranks), plus FLOPs and HBM reads, turned into
+   projected times on stated hardware. Per rank and balanced: attention and expert times are
+   rooflines, max(FLOPs / peak, HBM bytes / bandwidth); communication is the bytes a rank sends
+   divided by its link bandwidth. The step time is their sum (no overlap of compute and
+   communication: an upper bound; DeepEP-style overlap can hide part of the communication).
+
+   Bytes are "logical": what leaves a rank for another, as the Communicator counts them. What is
+   modelled for the real-shape presets with dense attention (Mixtral-8x7B, Qwen3-30B-A3B,
+   DeepSeek-V3): data-parallel attention (each rank serves its own sequences with all the attention
+   weights: the replicated_attention placement with one "expert") and expert-parallel FFN.
+   DeepSeek-V3's multi-head latent attention is counted in its absorbed form (the cache holds the
+   576-value latent; scores and values are taken against the latent); its shared expert and three
+   dense first layers are left out, as in the preset. Approximations are named where they are made.
+
+3. Recompute or swap, the cost model of the trace runner (sim/eviction.py). A preempted sequence
+   comes back in one of two ways:
+
+       recompute   run its c cached tokens through the model again (a prefill of c tokens):
+                       c * seconds_per_token + c^2 / 2 * seconds_per_token_pair
+                   (the linear part is the projections and experts, 2 FLOPs per active parameter
+                   per token; the quadratic part is attention, each token against the keys before it)
+       swap        copy its blocks to host memory and back, b blocks of block_bytes each:
+                       2 * (seconds_per_swap + b * (block_bytes / swap_bytes_per_second + seconds_per_block))
+                   (out and in; a swap moves whole blocks, so the padding in every row's partly
+                   filled tail block travels too: b grows with the number of rows a sequence
+                   touches, not only with its tokens)
+
+   Swap wins for long contexts (recompute grows faster: it is at least linear with a larger slope
+   once the link is fast, and quadratic in the end) and loses for short ones, where the fixed costs
+   and the tail padding of every (layer, expert) row dominate. `crossover_context` finds where.
+
+   Two sources of constants: `fit_cost_model` fits them to timings measured on this machine (the
+   `bench eviction` program times the embedded model's prefill and the engine's SwapSpace), and
+   `projected_gpu_cost_model` derives them from the table for a GPU, a host link and a model shape.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .config import ModelConfig, get_config
+
+
+# ===== 1. the hardware table ================================================================================
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    architecture: str           # the ptxas target, "sm_90"
+    hbm_bytes_per_s: float      # peak memory bandwidth
+    bf16_flops_per_s: float     # dense BF16 tensor-core peak (no sparsity)
+    num_sms: int
+    device_name_parts: tuple    # how torch.cuda.get_device_name() names it (all parts appear)
+    source: str
+
+    def compute_seconds(self, flops, utilization: float = 1.0):
+        """Seconds to do `flops` at `utilization` of the dense BF16 peak."""
+        return flops / (self.bf16_flops_per_s * utilization)
+
+    def read_seconds(self, num_bytes):
+        """Seconds to read `num_bytes` from HBM at peak bandwidth."""
+        return num_bytes / self.hbm_bytes_per_s
+
+    def roofline_seconds(self, flops, num_bytes):
+        """A roofline: whichever takes longer, the FLOPs at peak or the reads at peak bandwidth."""
+        return max(self.compute_seconds(flops), self.read_seconds(num_bytes))
+
+
+@dataclass(frozen=True)
+class SMLimits:
+    architecture: str
+    registers_per_sm: int
+    shared_per_sm: int          # bytes of shared memory a block may use, all blocks of an SM together
+    max_warps_per_sm: int
+    max_blocks_per_sm: int
+    reserved_shared_per_block: int   # the driver's share of each block
+    source: str
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    bytes_per_s: float          # one direction, per GPU
+    source: str
+
+    def seconds(self, num_bytes):
+        """Seconds to send `num_bytes` one way at the link's bandwidth."""
+        return num_bytes / self.bytes_per_s
+
+
+GPUS = {
+    "H200": GPU("H200", "sm_90", 4.8e12, 989e12, 132, ("H200",),
+                "NVIDIA H200 Tensor Core GPU datasheet (SXM): 4.8 TB/s HBM3e, 989 TFLOP/s dense BF16"),
+    "H100": GPU("H100 SXM", "sm_90", 3.35e12, 989e12, 132, ("H100", "HBM3"),
+                "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 3.35 TB/s HBM3, 989 TFLOP/s dense BF16 "
+                "(1,979 with sparsity); 132 SMs: NVIDIA H100 Tensor Core GPU architecture whitepaper"),
+    "A100": GPU("A100 80GB", "sm_80", 2.039e12, 312e12, 108, ("A100-SXM4-80GB",),
+                "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 2,039 GB/s HBM2e, 312 TFLOP/s dense "
+                "BF16; 108 SMs: NVIDIA A100 Tensor Core GPU architecture whitepaper"),
+}
+
+_PROGRAMMING_GUIDE = ("NVIDIA CUDA C++ Programming Guide, table 'Technical Specifications per Compute "
+                      "Capability'")
+SM_LIMITS = {
+    "sm_90": SMLimits("sm_90", 65536, 228 * 1024, 64, 32, 1024, _PROGRAMMING_GUIDE + " (9.0)"),
+    "sm_80": SMLimits("sm_80", 65536, 164 * 1024, 64, 32, 1024, _PROGRAMMING_GUIDE + " (8.0)"),
+}
+
+LINKS = {
+    "pcie_gen5_x16": Link("PCIe Gen5 x16", 64e9,
+                          "PCI-SIG: 32 GT/s x 16 lanes, about 64 GB/s each direction (NVIDIA's H100 PCIe "
+                          "figure, 128 GB/s, counts both directions)"),
+    "nvlink_c2c": Link("NVLink-C2C", 450e9,
+                       "NVIDIA GH200 datasheet: NVLink-C2C 900 GB/s between Grace and Hopper, 450 GB/s "
+                       "each direction"),
+    "nvlink": Link("NVLink, intranode", 153e9,
+                   "DeepEP README (deepseek-ai/DeepEP): 153 GB/s measured intranode dispatch on H800 "
+                   "(about 160 GB/s the NVLink maximum there)"),
+    "rdma": Link("RDMA, internode", 50e9,
+                 "DeepEP README (deepseek-ai/DeepEP): 43-58 GB/s internode over CX7 400 Gb/s InfiniBand"),
+}
+
+
+def gpus_of(architecture: str) -> list[GPU]:
+    """The GPUs of the table built on one architecture, in table order."""
+    return [gpu for gpu in GPUS.values() if gpu.architecture == architecture]
+
+
+# The parts of the table the projections are made for, by the names above.
+ACCELERATORS = {name: GPUS[name] for name in ("H100", "H200")}
+# between the GPUs of one node: NVLink, or PCIe where a server has no NVLink; between nodes: RDMA
+INTERCONNECTS = {name: LINKS[name] for name in ("nvlink", "pcie_gen5_x16", "rdma")}
+# between a GPU and its host's memory, where swapped blocks go
+HOST_LINKS = {name: LINKS[name] for name in ("pcie_gen5_x16", "nvlink_c2c")}
+
+
+def pick(choices: dict, name: str, what: str):
+    """choices[name], or a ValueError naming what may be chosen (what: the argument's name)."""
+    if name not in choices:
+        raise ValueError(f"{what}={name!r} must be one of {sorted(choices)}")
+    return choices[name]
+
+
+# ===== 2. one decode step under expert parallelism: bytes, FLOPs, HBM reads -> time =========================
+INT64_BYTES = 8
+
+
+# ----- 2a. the wire format as arithmetic --------------------------------------------------------------------
+def size_exchanges_per_layer(kv_placement: str) -> int:
+    """All-to-alls per layer whose split sizes are exchanged first: the FFN dispatch always, the
+    attention dispatch unless attention is replicated, the K/V rows' metadata for kv_with_sequence."""
+    return 1 + (kv_placement != "replicated_attention") + (kv_placement == "kv_with_sequence")
+
+
+def measured_shape_bytes(config: ModelConfig, kv_placement: str, world_size: int, traffic: dict,
+                         bytes_per_value: int) -> dict[str, int]:
+    """Bytes sent to peers in one step, summed over ranks, per category, from the step's counts:
+
+    traffic: attention_pairs_to_peers, ffn_pairs_to_peers ((token, rank) pairs whose rank is not the
+    token's home), kv_rows_to_peers, kv_tokens_to_peers (cached K/V sent, kv_with_sequence),
+    kv_new_pairs_to_peers ((token, expert) pairs whose new k, v come home, kv_with_sequence)."""
+    D, b = config.hidden_size, bytes_per_value
+    Ka, Kf = config.num_attention_experts_per_tok, config.num_experts_per_tok
+    kv_row_values = 2 * config.num_key_value_heads * config.head_dim              # k and v of one token
+    count = lambda name: int(traffic.get(name, 0))                                  # noqa: E731
+    attention_pairs, ffn_pairs = count("attention_pairs_to_peers"), count("ffn_pairs_to_peers")
+    return {
+        "split_sizes": config.num_hidden_layers * size_exchanges_per_layer(kv_placement)
+        * world_size * (world_size - 1) * INT64_BYTES,
+        # floats: hidden state + K gates; ints: seq_id, position + K expert ids
+        "attention_dispatch": attention_pairs * ((D + Ka) * b + (2 + Ka) * INT64_BYTES),
+        "attention_combine": attention_pairs * D * b,
+        # rows: [seq_id, expert, count]; then every cached token's k and v
+        "kv_context": count("kv_rows_to_peers") * 3 * INT64_BYTES + count("kv_tokens_to_peers") * kv_row_values * b,
+        "kv_new": count("kv_new_pairs_to_peers") * kv_row_values * b,
+        # floats: hidden state + K gates; ints: K expert ids
+        "ffn_dispatch": ffn_pairs * ((D + Kf) * b + Kf * INT64_BYTES),
+        "ffn_combine": ffn_pairs * D * b,
+    }
+
+
+# ----- 2b. projections --------------------------------------------------------------------------------------
+def expected_remote_ranks(num_experts: int, k: int, world_size: int) -> float:
+    """Expected ranks other than the home rank among a token's k experts, chosen uniformly among E
+    experts spread evenly over R ranks: (R - 1) * P(a given rank holds at least one of them)."""
+    per_rank = num_experts // world_size
+    miss = math.comb(num_experts - per_rank, k) / math.comb(num_experts, k)
+    return (world_size - 1) * (1.0 - miss)
+
+
+def expected_traffic(config: ModelConfig, kv_placement: str, world_size: int, num_seqs: int,
+                     context: int) -> dict[str, float]:
+    """The counts of `measured_shape_bytes` for one decode step (one new token per sequence, each with
+    `context` earlier tokens), expected under uniform routing, summed over layers."""
+    L, R = config.num_hidden_layers, world_size
+    Ea, Ka = config.num_attention_experts, config.num_attention_experts_per_tok
+    Ef, Kf = config.num_local_experts, config.num_experts_per_tok
+    traffic = {"ffn_pairs_to_peers": L * num_seqs * expected_remote_ranks(Ef, Kf, R)}
+    if kv_placement != "replicated_attention":
+        remote_expert_pairs = L * num_seqs * Ka * (R - 1) / R
+        traffic["attention_pairs_to_peers"] = L * num_seqs * expected_remote_ranks(Ea, Ka, R)
+        if kv_placement == "kv_with_sequence":
+            traffic["kv_rows_to_peers"] = remote_expert_pairs
+            traffic["kv_tokens_to_peers"] = remote_expert_pairs * context * Ka / Ea
+            traffic["kv_new_pairs_to_peers"] = remote_expert_pairs
+    return traffic
+
+
+def _bytes_per_value(config: ModelConfig) -> int:
+    return {"float32": 4, "float64": 8, "float8": 1}.get(config.kv_cache_dtype, 2)
+
+
+def step_flops_and_reads(config: ModelConfig, kv_placement: str, world_size: int, num_seqs: int,
+                         context: int) -> dict[str, float]:
+    """FLOPs and HBM bytes of one decode step over the whole system (all ranks), split into
+    attention and experts. Weights are read once per step by each rank that uses them; K/V once per
+    (token, expert) pair that attends over it (twice under kv_with_sequence: read to send, read to
+    attend)."""
+    L, D, b = config.num_hidden_layers, config.hidden_size, _bytes_per_value(config)
+    H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    Ea, Ka = config.num_attention_experts, config.num_attention_experts_per_tok
+    Ef, Kf, F = config.num_local_experts, config.num_experts_per_tok, config.moe_intermediate_size
+    pairs = num_seqs * Ka                                                     # (token, expert) per layer
+    row_context = context * Ka / Ea + 1                                       # keys one pair attends over
+    if config.kv_lora_rank > 0:   # MLA, absorbed: q and o of H heads, one shared latent of kv_lora + rope
+        latent = config.kv_lora_rank + config.qk_rope_head_dim
+        projection_flops = 2 * D * H * Dh * 2 + 2 * D * latent
+        score_flops = 2 * H * latent * row_context + 2 * H * config.kv_lora_rank * row_context
+        expert_weight_bytes = (2 * D * H * Dh + D * latent) * b
+    else:
+        projection_flops = 2 * D * (H * Dh + 2 * Hkv * Dh) + 2 * H * Dh * D
+        score_flops = 2 * 2 * H * Dh * row_context
+        expert_weight_bytes = (2 * D * H * Dh + 2 * D * Hkv * Dh) * b
+    attention_flops = L * pairs * (projection_flops + score_flops)
+    kv_reads = L * pairs * row_context * config.kv_bytes_per_entry() * (2 if kv_placement == "kv_with_sequence" else 1)
+    # attention weights: every rank reads all of them when replicated, its own experts otherwise
+    copies = world_size if kv_placement == "replicated_attention" else 1
+    attention_weight_reads = L * Ea * expert_weight_bytes * copies
+    # FFN experts: each expert that gets a token reads its weights once
+    active = Ef * (1 - (1 - Kf / Ef) ** num_seqs)
+    expert_flops = L * num_seqs * Kf * 3 * 2 * D * F
+    expert_reads = L * active * 3 * D * F * b
+    return {"attention_flops": attention_flops, "attention_hbm_bytes": attention_weight_reads + kv_reads,
+            "expert_flops": expert_flops, "expert_hbm_bytes": expert_reads}
+
+
+@dataclass
+class StepProjection:
+    model: str
+    kv_placement: str
+    world_size: int
+    num_seqs: int
+    context: int
+    accelerator: str
+    interconnect: str
+    bytes_per_step: dict          # category -> bytes, all ranks
+    attention_ms: float
+    experts_ms: float
+    communication_ms: float
+    step_ms: float
+    sources: dict
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def project_step(config: ModelConfig, kv_placement: str, world_size: int, num_seqs: int, context: int,
+                 accelerator: str = "H100", interconnect: str = "nvlink") -> StepProjection:
+    """Projected decode step time (ms) of num_seqs sequences at `context`, balanced over world_size
+    ranks, on the named accelerator and interconnect (ACCELERATORS, INTERCONNECTS)."""
+    gpu, link = pick(ACCELERATORS, accelerator, "accelerator"), pick(INTERCONNECTS, interconnect, "interconnect")
+    if config.attention_mode == "dense" and kv_placement != "replicated_attention":
+        raise ValueError(f"{config.name} has dense attention: its KV placement is data-parallel attention, "
+                         f"kv_placement='replicated_attention', not {kv_placement!r}")
+    sharded = [config.num_local_experts] + [config.num_attention_experts] * (kv_placement != "replicated_attention")
+    if any(experts % world_size for experts in sharded):
+        # expected_remote_ranks spreads E // R experts per rank: with fewer experts than ranks it would
+        # project no traffic at all, and with an uneven split the wrong traffic
+        raise ValueError(f"world_size={world_size} does not split {config.name}'s {sharded} experts per layer "
+                         f"evenly: at least one expert per rank, the same number on each")
+    traffic = expected_traffic(config, kv_placement, world_size, num_seqs, context)
+    moved = measured_shape_bytes(config, kv_placement, world_size, traffic, _bytes_per_value(config))
+    work = step_flops_and_reads(config, kv_placement, world_size, num_seqs, context)
+
+    per_rank = {name: value / world_size for name, value in work.items()}            # balanced
+    attention_ms = gpu.roofline_seconds(per_rank["attention_flops"], per_rank["attention_hbm_bytes"]) * 1e3
+    experts_ms = gpu.roofline_seconds(per_rank["expert_flops"], per_rank["expert_hbm_bytes"]) * 1e3
+    communication_ms = link.seconds(sum(moved.values()) / world_size) * 1e3
+    return StepProjection(config.name, kv_placement, world_size, num_seqs, context, gpu.name, link.name,
+                          {k: int(round(v)) for k, v in moved.items()}, attention_ms, experts_ms,
+                          communication_ms, attention_ms + experts_ms + communication_ms,
+                          {"accelerator": gpu.source, "interconnect": link.source})
+
+
+# Clusters the projections use: which presets, how many GPUs, which link between them.
+REAL_SHAPE_SETUPS = (
+    # Mixtral-8x7B: 8 FFN experts on the 8 GPUs of one node
+    ("mixtral-8x7b", 8, "nvlink", ("replicated_attention",)),
+    # DeepSeek-V3: 256 FFN experts over 4 nodes of 8 GPUs; most dispatch crosses nodes
+    ("deepseek-v3", 32, "rdma", ("replicated_attention",)),
+    # JetMoE-8B sized as an expert-attention model (8 attention experts, each keeping its own K/V):
+    # every KV placement, on the 8 GPUs of one node
+    ("jetmoe-8b", 8, "nvlink", ("kv_with_expert", "kv_with_sequence", "replicated_attention")),
+)
+
+
+def real_shape_projections(contexts=(4096, 32768), seqs_per_rank: int = 32, accelerator: str = "H100") -> list[dict]:
+    """Projections for the real-shape presets at the given contexts (a table for the JSON and plots)."""
+    rows = []
+    for name, world_size, link, placements in REAL_SHAPE_SETUPS:
+        config = get_config(name)
+        for placement in placements:
+            for context in contexts:
+                rows.append(project_step(config, placement, world_size, seqs_per_rank * world_size, context,
+                                         accelerator, link).to_dict())
+    return rows
+
+
+# ===== 3. recompute or swap =================================================================================
+@dataclass(frozen=True)
+class CostModel:
+    name: str
+    seconds_per_step: float          # fixed cost of one forward, whatever it computes
+    seconds_per_token: float         # per token computed (prefill, recompute or decode)
+    seconds_per_token_pair: float    # per (query, earlier key) pair of one sequence, all layers
+    swap_bytes_per_second: float     # host link, each direction
+    seconds_per_block: float         # per block copied (descriptor / small-copy overhead)
+    seconds_per_swap: float          # per swap out or in of one sequence (launch, synchronisation)
+    block_bytes: int                 # bytes of K and V one block holds
+
+    def recompute_seconds(self, context):
+        """Seconds to recompute `context` cached tokens (int or tensor)."""
+        return context * self.seconds_per_token + context * (context + 1) / 2 * self.seconds_per_token_pair
+
+    def swap_seconds(self, num_blocks):
+        """Seconds to swap `num_blocks` blocks out and back in (int or tensor)."""
+        per_block = self.block_bytes / self.swap_bytes_per_second + self.seconds_per_block
+        return 2 * (self.seconds_per_swap + num_blocks * per_block)
+
+    def decode_seconds(self, context):
+        """Seconds one decode token adds to a step at `context` cached tokens."""
+        return self.seconds_per_token + context * self.seconds_per_token_pair
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def projected_gpu_cost_model(active_params: float, kv_bytes_per_slot: int, num_layers: int,
+                             experts_per_token: int, num_experts: int, head_dim: int, num_heads: int,
+                             block_size: int, accelerator: str = "H100", host_link: str = "pcie_gen5_x16",
+                             mfu: float = 0.5, seconds_per_swap: float = 20e-6,
+                             seconds_per_block: float = 0.0, name: str = "H100 + PCIe Gen5 x16 (projected)") -> CostModel:
+    """A cost model from datasheet numbers, for the named accelerator and host link (ACCELERATORS,
+    HOST_LINKS). Stated assumptions: prefill and recompute reach `mfu` of peak; a token's query
+    meets, in each of its k experts of every layer, the keys that expert cached for the sequence
+    (about k / E of the sequence's tokens), 4 * H * Dh FLOPs per pair (QK^T and PV); swap copies are
+    batched into one transfer per sequence and direction (vLLM's swap kernel does this), so the
+    per-block overhead is 0 and the per-swap latency `seconds_per_swap`; a step reads the active
+    weights (bf16) once from HBM at least: seconds_per_step."""
+    gpu, link = pick(ACCELERATORS, accelerator, "accelerator"), pick(HOST_LINKS, host_link, "host_link")
+    per_token = gpu.compute_seconds(2.0 * active_params, mfu)
+    seconds_per_step = gpu.read_seconds(2.0 * active_params)                 # active weights read once
+    pair_flops = 4 * num_heads * head_dim * num_layers * experts_per_token * experts_per_token / num_experts
+    return CostModel(name, seconds_per_step, per_token, gpu.compute_seconds(pair_flops, mfu), link.bytes_per_s,
+                     seconds_per_block, seconds_per_swap, kv_bytes_per_slot * block_size)
+
+
+def fit_cost_model(contexts, recompute_seconds, swapped_blocks, swap_seconds, block_bytes: int,
+                   name: str = "this machine (measured)") -> CostModel:
+    """Least-squares constants from measurements: recompute_seconds[i] of a prefill of contexts[i]
+    tokens (fit a + b c + q c^2/2, a dropped: a step's fixed cost is paid anyway), and swap_seconds[i]
+    for swapped_blocks[i] blocks out and in (fit 2 (s + n t)). Coefficients are clamped at 0."""
+    c = torch.as_tensor(contexts, dtype=torch.float64)
+    design = torch.stack([torch.ones_like(c), c, c * (c + 1) / 2], 1)                     # (m, 3)
+    a, b, q = torch.linalg.lstsq(design, torch.as_tensor(recompute_seconds, dtype=torch.float64)[:, None]).solution[:, 0]
+    n = torch.as_tensor(swapped_blocks, dtype=torch.float64)
+    design = torch.stack([2 * torch.ones_like(n), 2 * n], 1)                              # (m, 2)
+    s, t = torch.linalg.lstsq(design, torch.as_tensor(swap_seconds, dtype=torch.float64)[:, None]).solution[:, 0]
+    return CostModel(name, max(float(a), 0.0), max(float(b), 0.0), max(float(q), 0.0), float("inf"),
+                     max(float(t), 0.0), max(float(s), 0.0), block_bytes)
+
+
+def crossover_context(cost: CostModel, contexts, blocks_at_context) -> int | None:
+    """The shortest context from which swapping is cheaper than recomputing (and stays so over the
+    contexts given), or None if it never is. blocks_at_context[i]: blocks a sequence of
+    contexts[i] tokens holds (tail padding included)."""
+    contexts = torch.as_tensor(contexts)
+    swap = cost.swap_seconds(torch.as_tensor(blocks_at_context, dtype=torch.float64))
+    recompute = cost.recompute_seconds(contexts.to(torch.float64))
+    wins = (swap < recompute).tolist()
+    for i in range(len(wins)):
+        if all(wins[i:]):
+            return int(contexts[i])
+    return None
