@@ -50,7 +50,9 @@ DEFAULT_CHECKPOINT = Path(__file__).parent / "weights" / "tiny.pt"
 FORMAT = "moekv_ref-checkpoint-v2"
 FORMAT_V1 = "moekv_ref-checkpoint-v1"          # weights-only hash: refused at load, see add_manifest
 MANIFEST_KEYS = ("format", "config", "dtype", "state_dict", "sha256")    # metadata is optional
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}   # what a checkpoint stores
+# what a run may compute in, by name (the command line, the parallel programs): float64 for the equivalences
+COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 class CheckpointError(ValueError):

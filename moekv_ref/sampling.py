@@ -17,7 +17,7 @@ from .profiling import phase
 # Temperatures between 0 and this are refused: logits / T overflows float64 (to inf, then NaN in the
 # softmax) once T is below about 1e-300, and long before that the distribution is argmax anyway.
 MIN_TEMPERATURE = 1e-4
-MAX_SEED = 2**63 - 1
+MAX_SEED = 2**63 - 1            # torch.Generator.manual_seed takes up to 2**64 - 1; the engine's bound
 
 
 class SamplingError(RuntimeError):

@@ -187,3 +187,31 @@ def test_no_function_hides_an_import_of_the_package():
                         if target.split(".")[0] in ("moekv_ref", "kernels"):
                             hidden.add((str(path.relative_to(ROOT)), target))
     assert hidden <= ALLOWED_LAZY, f"imports hidden in functions: {sorted(hidden - ALLOWED_LAZY)}"
+
+
+LIBRARY_LEFT_OUT = ("moekv_ref/apps/", "moekv_ref/plots/", "moekv_ref/exercises.py", "moekv_ref/notebook.py")
+
+
+def _top_level_names(sources: dict[str, str]) -> dict[str, list[str]]:
+    """name -> the library files that define it at module level (a function, a class, or a constant
+    written in capitals); programs, plots and the notebooks' helpers left out."""
+    defined: dict[str, list[str]] = {}
+    for path, source in sources.items():
+        for node in ast.parse(source).body:
+            names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else \
+                [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name) and t.id.isupper()]
+            for name in names:
+                defined.setdefault(name, []).append(path)
+    return defined
+
+
+def test_no_name_is_defined_in_two_library_modules():
+    """One name, one meaning: no function, class or constant of the library is defined in two of its
+    modules (the second would be a copy, or a different thing under the same name); and the check
+    sees a copy when one is made."""
+    sources = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in sorted(PACKAGE.rglob("*.py"))
+               if not str(p.relative_to(ROOT)).startswith(LIBRARY_LEFT_OUT)}
+    twice = {name: paths for name, paths in _top_level_names(sources).items() if len(paths) > 1}
+    assert not twice, twice
+    copied = dict(sources, **{"moekv_ref/copy.py": "class KVCacheManager:\n    pass\nBYTES_PER_INDEX = 4\n"})
+    assert {n for n, p in _top_level_names(copied).items() if len(p) > 1} == {"KVCacheManager", "BYTES_PER_INDEX"}

@@ -22,15 +22,13 @@ from ..engine import generate_with_engine
 from ..generate import CACHE_KINDS, generate
 from ..analysis import format_routing_statistics, heldout_text, routing_statistics
 from ..backends import BackendUnavailableError
-from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
+from ..checkpoint import COMPUTE_DTYPES, DEFAULT_CHECKPOINT, load_checkpoint
 from ..config import ROUTINGS, get_config
 from ..prompts import check_prompt, decode, encode
 from ..report import cache_report, format_cache_report
 from ..sampling import MIN_TEMPERATURE, SamplingParams
 from . import (bench_eviction, bench_memory, bench_parallel, bench_peer, bench_serving, bench_step, demo, family,
                figures, options)
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 # Sampling defaults of `generate`, chosen by looking at samples of the embedded model (validation loss
 # 1.63 nats per byte) for six prompts, five seeds each, at (temperature, top_p) = (0.7, 0.8), (0.8,
@@ -83,7 +81,7 @@ def check_routing_stats(args) -> None:
 
 def _load_model(args, backend: str = "torch"):
     config = get_config("tiny").with_routing(args.routing, args.threshold)
-    return load_checkpoint(args.checkpoint, config, DTYPES[args.dtype], backend)
+    return load_checkpoint(args.checkpoint, config, COMPUTE_DTYPES[args.dtype], backend)
 
 
 def cmd_generate(args) -> int:
@@ -108,7 +106,7 @@ def cmd_generate(args) -> int:
         result = generate_with_engine(model, [prompt], params, on_token=on_token, **engine_options)
     else:
         result = generate(model, [prompt], params, cache=args.cache, on_token=on_token)
-    bytes_per_value = torch.finfo(DTYPES[args.dtype]).bits // 8
+    bytes_per_value = torch.finfo(COMPUTE_DTYPES[args.dtype]).bits // 8
     report = cache_report(result.cache_counts, model.config, bytes_per_value)
     if args.json:
         print(json.dumps({"prompt": args.prompt, "tokens": result.tokens[0], "text": decode(result.tokens[0]),
@@ -137,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--threshold", type=float, default=None,
                        help="probability mass for --routing threshold (default: the preset's, 0.35 for tiny)")
         p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
-        p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+        p.add_argument("--dtype", choices=sorted(COMPUTE_DTYPES), default="float32")
         p.add_argument("--json", action="store_true", help="print one JSON object")
 
     g = sub.add_parser("generate", help="generate text and report the per-expert caches")

@@ -63,7 +63,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-MAX_SEED = 2**63 - 1            # torch.Generator.manual_seed takes up to 2**64 - 1; the engine's bound
+from ..sampling import MAX_SEED
+
 IDS_ALLOWED = "integer ids (an integer tensor or array, a list of ints, or one int)"
 
 

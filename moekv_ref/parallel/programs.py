@@ -23,13 +23,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import PagedKVCache
-from ..checkpoint import load_default_model
+from ..checkpoint import COMPUTE_DTYPES, load_default_model
 from ..config import ModelConfig
 from ..model import MoEKVTransformer
 from .launcher import DEFAULT_START_TIMEOUT_S, DEFAULT_TIMEOUT_S, FAULT_KEY, WorkerContext, launch
 from .runner import ParallelRunner
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -46,17 +44,17 @@ class ModelSpec:
     router_skew: float = 0.0
 
     def build(self) -> MoEKVTransformer:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not one of {tuple(DTYPES)}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {tuple(COMPUTE_DTYPES)}")
         if self.config is None:
-            model = load_default_model(self.routing, DTYPES[self.dtype])
+            model = load_default_model(self.routing, COMPUTE_DTYPES[self.dtype])
         else:
             torch.manual_seed(self.seed)
             model = MoEKVTransformer(ModelConfig.from_dict(self.config))
             with torch.no_grad():
                 for block in model.blocks:
                     block.attention.router.weight.mul_(self.router_scale)
-            model = model.to(DTYPES[self.dtype])
+            model = model.to(COMPUTE_DTYPES[self.dtype])
         if self.router_skew:
             skew_attention_routers(model, self.router_skew)
         return model.eval()

@@ -25,8 +25,7 @@ import numpy as np
 import torch
 
 from ..cache.rows import RowIndex
-
-BYTES_PER_INDEX = 4
+from .designs import BYTES_PER_INDEX
 
 
 class _RowTokens:
