@@ -166,6 +166,7 @@ def stub_memory(counts: dict, last_used: dict, device_of_expert, block_size=1, s
         return torch.einsum("le,led->d", -(-counts[seq_id] // block_size), one_hot)
     return SimpleNamespace(token_counts=lambda ids: torch.stack([counts[i] for i in ids]),
                            row_last_used=lambda i: last_used[i], device_of_expert=device_of_expert,
+                           device_of_expert_of=lambda ids: device_of_expert.expand(len(ids), -1, -1),
                            blocks_held_per_device=held, has_swap_space=swap)
 
 

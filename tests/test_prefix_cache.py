@@ -60,7 +60,7 @@ def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
     assert manager.prefix_cache.cache_computed_blocks(0, producer) == 4
     manager.free(0)
     # all four blocks are cached-free, least recently used first in the order freed
-    assert list(manager.pool._cached_free) == [0, 1, 2, 3] and manager.pool.num_free_blocks == 8
+    assert manager.pool.cached_free_block_ids() == [0, 1, 2, 3] and manager.pool.num_free_blocks == 8
     manager.assert_consistent()
 
     # a request with the same first 4 tokens (two chunks): entries below s = 4 are expert 0's positions
@@ -75,7 +75,7 @@ def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
     assert source.tolist() == [1, 2] and destination.tolist() == [4, 5]
     assert table(manager, 1, 0) == [0, 4] and table(manager, 1, 1) == [5]
     assert manager.last_position[manager.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]].tolist() == [3, 2]
-    assert manager.pool.ref_cnt[0] == 1 and list(manager.pool._cached_free) == [3, 1, 2]
+    assert manager.pool.ref_cnt[0] == 1 and manager.pool.cached_free_block_ids() == [3, 1, 2]
     manager.assert_consistent()
 
     # the pool runs out of plain blocks: 6, 7 from the stack, then block 3 (least recently used)
@@ -407,3 +407,57 @@ def test_cached_free_blocks_count_as_free_not_used():
     pool.reuse(blocks[:1])                  # a hit: one cached block has an owner again
     assert (pool.num_free_blocks, pool.num_used_blocks) == (7, 1)
     pool.assert_consistent()
+
+
+# ----- several devices: blocks placed by expert, or by the sequence's home ------------------------------
+def check_rows_on_their_devices(engine):
+    """Every block in every held row's table lies in that row's device's range, and with home devices
+    no block is listed by two sequences of different homes."""
+    manager = engine.cache.manager
+    pool, P = manager.pool, manager.block_size
+    listed_by = {}                                           # block -> the homes of the rows listing it
+    for seq_id in manager.sequences:
+        rows = manager.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]       # (L*E,)
+        devices = manager.device_of_expert_of([seq_id])[0].reshape(-1)                 # (L*E,)
+        for row, device in zip(rows.tolist(), devices.tolist()):
+            blocks = manager.block_tables[row, : -(-int(manager.row_tokens[row]) // P)].to(torch.int64)
+            assert (pool.device_of_blocks(blocks) == device).all(), (seq_id, row, blocks.tolist(), device)
+            for block in blocks.tolist():
+                listed_by.setdefault(block, set()).add(device)
+    if manager.home_devices:
+        assert all(len(homes) == 1 for homes in listed_by.values()), "two homes share a block"
+
+
+def device_prefix_engine(model, placement, enable_prefix_caching, mode="recompute", **options):
+    """The engine over 4 devices with blocks placed by expert (placement "expert"), or over 2 devices
+    with every row of request s on device s % 2 (placement "home"); pools small enough to preempt."""
+    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=48, preemption_mode=mode, admission="optimistic")
+    if placement == "expert":
+        E = model.config.num_attention_experts
+        return LLMEngine(model, block_size=4, scheduler_config=config, blocks_per_device=[52, 26, 26, 26],
+                         device_of_expert=torch.arange(E) % 4, enable_prefix_caching=enable_prefix_caching,
+                         **options)
+    return LLMEngine(model, block_size=4, scheduler_config=config, blocks_per_device=[90, 90],
+                     home_devices=True, enable_prefix_caching=enable_prefix_caching, **options)
+
+
+@pytest.mark.parametrize("placement, mode", [("expert", "recompute"), ("expert", "swap"), ("home", "recompute")])
+def test_prefix_caching_on_several_devices_gives_the_tokens_of_no_cache_and_of_alone(placement, mode):
+    """A random float64 model (exact tokens: no tie can flip between batchings), requests sharing
+    prefixes: with the prefix cache on D devices the engine generates exactly what it generates without
+    it and what each request generates alone, later requests start from cached prefixes, and at every
+    step every row lists only blocks of its own device."""
+    model = random_model(small_config("expert", "threshold"), seed=0)
+    prompts, params = shared_prefix_requests()
+    alone = alone_tokens(model, prompts, params)
+    without = device_prefix_engine(model, placement, False, mode).generate(prompts, params)
+    engine = device_prefix_engine(model, placement, True, mode, record_history=True)
+    outputs = engine.generate(prompts, params, on_step=check_rows_on_their_devices)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in without] == alone
+    engine.memory.assert_no_leak()
+    stats = engine.prefix_cache_stats()
+    assert stats["num_hit_tokens"] > 0 and stats["num_shared_blocks"] > 0 and stats["num_cow_blocks"] > 0
+    started_from_hit = [r.request_id for r in engine.requests.values() if r.prefix_hit is not None]
+    assert len(started_from_hit) >= len(prompts) // 2 and 0 not in started_from_hit, started_from_hit
+    # the devices are short enough to preempt and to evict cached blocks for new ones
+    assert engine.stats().num_preemptions > 0 and stats["num_evicted_cached_blocks"] > 0

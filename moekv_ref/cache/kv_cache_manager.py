@@ -198,13 +198,21 @@ class KVCacheManager:
         self.num_experts = num_experts
         self.block_size = check_block_size(block_size)
         self.pool = BlockPool(num_blocks, shuffle_seed, blocks_per_device)
-        if (tails is not None) + (prefix_cache is not None) + (self.pool.num_devices > 1) > 1:
-            raise ValueError("shared tails and prefix caching each work on one pool of plain pages: not "
-                             "together, and not with several devices (blocks_per_device)")
+        if tails is not None and prefix_cache is not None:
+            raise ValueError("shared tails and prefix caching do not combine: a prefix hit shares a row's "
+                             "full blocks and copies the block straddling its end, but with shared tails a "
+                             "row's last tokens live in slots of its sequence's tail blocks, not in a block "
+                             "of its own to copy; use one or the other (each works with one device, and "
+                             "prefix caching also with several)")
+        if tails is not None and self.pool.num_devices > 1:
+            raise ValueError(f"shared tails work on a pool of one device, not {self.pool.num_devices}: a "
+                             "sequence's tail blocks are shared by all its rows, which with several devices "
+                             "live on different devices (a row may only use slots of its own device's "
+                             "blocks); use plain pages (tails=None) with blocks_per_device, or one device")
         if device_of_expert is None:
             device_of_expert = torch.zeros(num_experts, dtype=torch.int64)
-        self.device_of_expert = checked_placement(device_of_expert, num_layers, num_experts,
-                                                  self.pool.num_devices)                    # (L, E)
+        self._placement = checked_placement(device_of_expert, num_layers, num_experts,
+                                            self.pool.num_devices)                          # (L, E)
         self.index = RowIndex(num_layers, num_experts)
         self.rows_per_seq = self.index.rows_per_seq
         self.pad = self.pool.num_blocks             # padding in block tables: never a real block
@@ -252,6 +260,17 @@ class KVCacheManager:
         """(D,) free blocks of each device."""
         return self.pool.num_free_blocks_per_device
 
+    @property
+    def device_of_expert(self) -> torch.Tensor:
+        """(L, E) the device of each expert's rows. With home_devices there is no such table (a row's
+        device is its sequence's home, whatever its expert): reading it raises ValueError rather than
+        answer device 0 for every row; ask `device_of_expert_of(seq_ids)`, which is right for both."""
+        if self.home_devices:
+            raise ValueError("with home_devices a row's device is its sequence's home (s % D), not its "
+                             "expert's: ask device_of_expert_of(seq_ids) for the (m, L, E) devices of "
+                             "those sequences' rows")
+        return self._placement
+
     def device_of_rows(self, rows) -> torch.Tensor:
         """(m,) the device of each row id (of a held sequence)."""
         return self.row_device[checked_ids(rows, "rows")]
@@ -262,7 +281,7 @@ class KVCacheManager:
         seq_ids = torch.tensor([int(s) for s in seq_ids], dtype=torch.int64)                # (m,)
         if self.home_devices:
             return (seq_ids % self.num_devices).view(-1, 1, 1).expand(-1, self.num_layers, self.num_experts)
-        return self.device_of_expert.expand(seq_ids.numel(), -1, -1)
+        return self._placement.expand(seq_ids.numel(), -1, -1)
 
     def blocks_held_per_device(self, seq_ids) -> torch.Tensor:
         """(m, D) blocks each sequence owns on each device, every one (a shared-tail design's tail
@@ -456,6 +475,8 @@ class KVCacheManager:
         block_ids = torch.empty(block_device.numel(), dtype=torch.int64)
         for d in per_device.nonzero().squeeze(1).tolist():
             block_ids[block_device == d] = self.pool.allocate(int(per_device[d]), device=d)
+        if self.prefix_cache is not None:
+            self.prefix_cache.block_positions[block_ids] = -1
         return block_ids
 
     @staticmethod
