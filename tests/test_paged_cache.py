@@ -265,3 +265,28 @@ def test_attend_of_a_call_with_no_pairs_is_empty():
     empty = torch.zeros(0, dtype=torch.int64)
     appended = cache.append_kv(0, empty, empty, empty, torch.zeros(0, Hkv, Dh), torch.zeros(0, Hkv, Dh))
     assert cache.attend(appended, torch.zeros(0, H, Dh)).shape == (0, H, Dh)
+
+
+def test_prefix_caching_combines_with_several_devices_and_the_rest_is_refused_saying_why():
+    """The paged cache takes prefix caching over per-device pools, by expert or by home; what does
+    not combine (shared tails with several devices or with prefix caching) is refused with the
+    reason."""
+    from moekv_ref.cache import PrefixCache, SharedTails
+    config = small_config("expert", "topk")                   # L = 2, E = 5, k = 3
+    placement = torch.tensor([0, 0, 1, 1, 1])
+    by_expert = PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement,
+                             enable_prefix_caching=True)
+    by_home = PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], home_devices=True, enable_prefix_caching=True)
+    assert by_expert.manager.prefix_cache is not None and by_expert.manager.num_devices == 2
+    assert by_home.manager.home_devices and by_home.manager.prefix_cache is not None
+    assert torch.equal(by_home.manager.device_of_expert_of([0, 1])[:, 0, 0], torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="no device_of_expert"):
+        PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement, home_devices=True)
+    with pytest.raises(ValueError, match=r"blocks_per_device\[1\]=5 is too small .* homed there"):
+        PagedKVCache(config, 25, 4, blocks_per_device=[20, 5], home_devices=True)
+    with pytest.raises(ValueError, match="shared tails work on a pool of one device.*several devices"):
+        PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement, shared_tails=True)
+    with pytest.raises(ValueError, match="shared tails and prefix caching do not combine"):
+        KVCacheManager(2, 5, 4, 40, tails=SharedTails(), prefix_cache=PrefixCache())
+    with pytest.raises(ValueError, match="shared tails work on a pool of one device"):
+        KVCacheManager(2, 5, 4, blocks_per_device=[20, 20], home_devices=True, tails=SharedTails())

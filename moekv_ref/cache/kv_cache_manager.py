@@ -45,8 +45,21 @@ not.
 Parts (vLLM's style: one manager, with components), each owning its state, called where it differs:
 tails=SharedTails() (shared_tail_manager.py: rows' partly filled tails share their sequence's tail
 blocks) and prefix_cache=PrefixCache() (prefix_cache.py: rows of different sequences share full
-blocks, counted by ref_cnt, kept after their sequence ends). Without parts no block is shared. Each
-part works on one pool of plain pages: the constructor refuses two of {tails, prefix, devices}.
+blocks, counted by ref_cnt, kept after their sequence ends). Without parts no block is shared. What
+combines:
+
+    prefix cache + devices    yes, placed by expert or by home: a cached block lies on the device
+                              of the row that wrote it, and a hit reuses only blocks of the device
+                              the new row takes its blocks from (the device is part of the block
+                              key), so sequences of different homes never share a block; cached-free
+                              blocks wait per device, and a short device evicts only its own
+    shared tails + devices    no: a sequence's tail blocks are shared by all its rows, which with
+                              several devices live on different ones (the constructor says so)
+    shared tails + prefix     no: a hit copies the block straddling its end, and with shared tails
+                              a row's last tokens are not in a block of its own
+
+The manager's `device_of_expert` is the placement of experts; with home_devices there is none (it
+raises), and anything asking where a row lives asks `device_of_expert_of(seq_ids)`.
 
 The scheduler's questions have methods of their own (`num_free_blocks`, `num_blocks_needed`,
 `can_allocate`, `blocks_of_sequence`, `free`), so it never reaches into these tensors. `truncate`

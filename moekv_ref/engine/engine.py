@@ -17,8 +17,10 @@ and forgotten, and `stats()` is kept in counters: memory stays flat however many
 
 Per-device pools: with `blocks_per_device` and `device_of_expert` the attention experts live on D
 devices, each with its own blocks, and a row takes blocks from its expert's device
-(cache/kv_cache_manager.py); the scheduler then reserves each step device by device
-(scheduler.py), so memory runs short per device. The model, its cache calls, the runner and
+(cache/kv_cache_manager.py); with `blocks_per_device` and `home_devices=True` instead, every row of
+request s takes blocks from device s % D. The scheduler then reserves each step device by device
+(scheduler.py), so memory runs short per device; prefix caching works over either placement, a hit
+reusing only blocks of the device each row takes its blocks from. The model, its cache calls, the runner and
 the swap copies are the same. `eviction_stats()` adds the scheduler's eviction counts to stats(),
 with the peak of blocks in use on each device (after a forward, before finishing): a running maximum,
 so a long-running engine keeps no per-step history. With record_history, `device_timeline` also

@@ -52,9 +52,10 @@ evicted (`can_evict_rows`: plain pages, not shared tails, not prefix caching).
 
 Prefix caching (when the block manager is built with a PrefixCache, prefix_cache.py): a request
 starting from nothing first asks it for the longest usable cached prefix of its tokens (`hit_for`,
-which also says what the hit costs); it is admitted with num_computed_tokens = s, its rows built
-from shared blocks and copies (a COPY block copy each, run before the forward), and its step
-reserves the worst case of its remaining tokens plus the free blocks the hit takes. After each step
+for its own rows' devices, which also says what the hit costs on each device); it is admitted with
+num_computed_tokens = s, its rows built from shared blocks and copies (a COPY block copy each, run
+before the forward), and its step reserves the worst case of its remaining tokens plus the free
+blocks the hit takes, device by device. After each step
 the computed tokens' full blocks are registered, so that later requests find them; freeing a
 sequence drops its owners, and cached blocks stay findable until the pool evicts them.
 
