@@ -53,10 +53,12 @@ combines:
                               the new row takes its blocks from (the device is part of the block
                               key), so sequences of different homes never share a block; cached-free
                               blocks wait per device, and a short device evicts only its own
-    shared tails + devices    no: a sequence's tail blocks are shared by all its rows, which with
-                              several devices live on different ones (the constructor says so)
-    shared tails + prefix     no: a hit copies the block straddling its end, and with shared tails
-                              a row's last tokens are not in a block of its own
+    shared tails + devices    yes, placed by expert or by home: a sequence's rows on one device
+                              share tail blocks of that device (a tail group per sequence and
+                              device, shared_tail_manager.py), so no row uses another device's slots
+    shared tails + prefix     no (the constructor says why): a hit copies the block straddling its
+                              end, and with shared tails a row's last tokens are not in a block of
+                              its own but in slots of tail blocks other rows use too
 
 The manager's `device_of_expert` is the placement of experts; with home_devices there is none (it
 raises), and anything asking where a row lives asks `device_of_expert_of(seq_ids)`.
@@ -215,13 +217,8 @@ class KVCacheManager:
             raise ValueError("shared tails and prefix caching do not combine: a prefix hit shares a row's "
                              "full blocks and copies the block straddling its end, but with shared tails a "
                              "row's last tokens live in slots of its sequence's tail blocks, not in a block "
-                             "of its own to copy; use one or the other (each works with one device, and "
-                             "prefix caching also with several)")
-        if tails is not None and self.pool.num_devices > 1:
-            raise ValueError(f"shared tails work on a pool of one device, not {self.pool.num_devices}: a "
-                             "sequence's tail blocks are shared by all its rows, which with several devices "
-                             "live on different devices (a row may only use slots of its own device's "
-                             "blocks); use plain pages (tails=None) with blocks_per_device, or one device")
+                             "of its own to copy; use one or the other (each works with one device or "
+                             "several)")
         if device_of_expert is None:
             device_of_expert = torch.zeros(num_experts, dtype=torch.int64)
         self._placement = checked_placement(device_of_expert, num_layers, num_experts,
@@ -307,6 +304,8 @@ class KVCacheManager:
         """(D,) blocks that appending num_new_tokens[i] tokens to rows[i] would take on each device."""
         rows = checked_ids(rows, "rows")
         num_new_tokens = checked_ids(num_new_tokens, "num_new_tokens")
+        if self.tails is not None:
+            return self.tails.num_blocks_needed_per_device(rows, num_new_tokens)
         old = self.row_tokens[rows]
         new_blocks = ceil_div(old + num_new_tokens, self.block_size) - ceil_div(old, self.block_size)
         return torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, self.device_of_rows(rows), new_blocks)
@@ -385,7 +384,7 @@ class KVCacheManager:
         rows = self.sequence_rows(torch.tensor([index]))[0]                       # (L*E,)
         num_used = self._table_blocks(self.row_tokens[rows])             # (L*E,)
         used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (L*E, W)
-        tail_blocks = [] if self.tails is None else self.tails.tail_blocks[index]
+        tail_blocks = [] if self.tails is None else self.tails.blocks_of_sequence(index)
         return torch.cat([self.block_tables[rows][used].to(torch.int64), torch.tensor(tail_blocks, dtype=torch.int64)])
 
     def token_counts(self, seq_ids) -> torch.Tensor:

@@ -90,7 +90,8 @@ class PagedKVCache:
     shared_tails: keep each row's partly filled tail in slots shared by the sequence's rows
              (a manager with SharedTails) instead of a private last block; the K/V moves it asks for
              are applied before new tokens are written. Not with "triton": the kernels read a row
-             through its block table only, and shared tails live outside it.
+             through its block table only, and shared tails live outside it; not with prefix
+             caching (kv_cache_manager.py says why). With several devices, per device.
     enable_prefix_caching: full blocks outlive their sequences and a request with the same first
              tokens reuses them (a manager with a PrefixCache, prefix_cache.py). Plain pages, one
              device or several (a hit reuses only blocks of the device each row takes blocks from).
