@@ -85,7 +85,7 @@ def generate(
         raise ValueError(f"{sorted(cache_options)} apply to cache='paged' only, not cache={cache!r}")
     if not isinstance(record_logits, bool):
         raise ValueError(f"record_logits={record_logits!r} is {a_type(record_logits)}; allowed: True or False")
-    for flag in ("shared_tails", "enable_prefix_caching"):    # PagedKVCache's switches: never truthy text
+    for flag in ("shared_tails", "enable_prefix_caching", "home_devices"):   # PagedKVCache's switches: never truthy text
         if flag in cache_options and not isinstance(cache_options[flag], bool):
             raise ValueError(f"{flag}={cache_options[flag]!r} is {a_type(cache_options[flag])}; "
                              "allowed: True or False")

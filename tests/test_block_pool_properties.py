@@ -40,17 +40,45 @@ def same(a, b):
     return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
 
 
-def plain_blocks(rows: dict, P: int) -> int:
+def plain_blocks(rows: dict, P: int, seq: int) -> int:
     """A plain row of n tokens owns ceil(n / P) blocks."""
     return sum(-(-n // P) for n in rows.values())
 
 
-def shared_tail_blocks(rows: dict, P: int) -> int:
+def shared_tail_blocks(rows: dict, P: int, seq: int) -> int:
     """Full blocks per row, plus ceil(tail tokens / P) tail blocks per sequence."""
     return sum(n // P for n in rows.values()) + -(-sum(n % P for n in rows.values()) // P)
 
 
-MANAGERS = {"plain": (KVCacheManager, plain_blocks), "shared_tail": (SharedTailKVCacheManager, shared_tail_blocks)}
+PLACEMENT = [0, 1, 0]                      # with two devices: experts 0 and 2 on device 0, 1 on 1
+
+
+def shared_tail_blocks_on(device_of):
+    """Full blocks per row, plus ceil(tail tokens / P) tail blocks per sequence *and device*: the
+    rows of a sequence on one device share tail blocks of that device only. device_of(seq, expert)."""
+    def count(rows: dict, P: int, seq: int) -> int:
+        tails: dict[int, int] = {}
+        for (_, expert), n in rows.items():
+            device = device_of(seq, expert)
+            tails[device] = tails.get(device, 0) + n % P
+        return sum(n // P for n in rows.values()) + sum(-(-t // P) for t in tails.values())
+    return count
+
+
+def on_two_devices(manager_class, **placement):
+    """A manager over two devices of half the blocks each."""
+    def make(L, E, P, num_blocks, **options):
+        return manager_class(L, E, P, blocks_per_device=[num_blocks // 2, num_blocks - num_blocks // 2],
+                             **placement, **options)
+    return make
+
+
+MANAGERS = {"plain": (KVCacheManager, plain_blocks), "shared_tail": (SharedTailKVCacheManager, shared_tail_blocks),
+            "plain_by_expert": (on_two_devices(KVCacheManager, device_of_expert=PLACEMENT), plain_blocks),
+            "shared_tail_by_expert": (on_two_devices(SharedTailKVCacheManager, device_of_expert=PLACEMENT),
+                                      shared_tail_blocks_on(lambda seq, expert: PLACEMENT[expert])),
+            "shared_tail_by_home": (on_two_devices(SharedTailKVCacheManager, home_devices=True),
+                                    shared_tail_blocks_on(lambda seq, expert: seq % 2))}
 
 
 @pytest.mark.parametrize("kind", list(MANAGERS))
@@ -67,7 +95,7 @@ def test_random_programs_keep_invariants(kind, block_size, num_blocks, shuffle, 
     expected: dict[tuple[int, int, int], list[int]] = {}     # (seq, layer, expert) -> values in order
 
     def blocks_in_use():
-        return sum(blocks_of(rows, block_size) for rows in model.values())
+        return sum(blocks_of(rows, block_size, seq) for seq, rows in model.items())
 
     for op in [("add", 0), ("add", 1)] + program:
         before = snapshot(manager)
@@ -92,8 +120,10 @@ def test_random_programs_keep_invariants(kind, block_size, num_blocks, shuffle, 
             rows = torch.cat([manager.rows([seq], l, e) for (l, e) in merged])
             counts = torch.tensor(list(merged.values()))
             needed = manager.num_blocks_needed(rows, counts)
-            if needed > manager.num_free_blocks:
-                assert not manager.can_allocate(rows, counts)
+            fits = manager.can_allocate(rows, counts)          # with devices: on every device
+            assert fits <= (needed <= manager.num_free_blocks)
+            assert manager.num_devices > 1 or fits == (needed <= manager.num_free_blocks)
+            if not fits:
                 try:
                     manager.allocate_slots(rows, counts)
                     raise AssertionError("allocation beyond the pool must fail")
@@ -117,7 +147,7 @@ def test_random_programs_keep_invariants(kind, block_size, num_blocks, shuffle, 
             seq = op[1]
             if seq in model:
                 owned = manager.blocks_of_sequence(seq)
-                assert owned.numel() == blocks_of(model[seq], block_size)
+                assert owned.numel() == blocks_of(model[seq], block_size, seq)
                 manager.free(seq)
                 del model[seq]
                 expected = {key: values for key, values in expected.items() if key[0] != seq}

@@ -166,6 +166,7 @@ def stub_memory(counts: dict, last_used: dict, device_of_expert, block_size=1, s
         return torch.einsum("le,led->d", -(-counts[seq_id] // block_size), one_hot)
     return SimpleNamespace(token_counts=lambda ids: torch.stack([counts[i] for i in ids]),
                            row_last_used=lambda i: last_used[i], device_of_expert=device_of_expert,
+                           device_of_expert_of=lambda ids: device_of_expert.expand(len(ids), -1, -1),
                            blocks_held_per_device=held, has_swap_space=swap)
 
 
@@ -314,3 +315,40 @@ def test_random_evict_resume_finish_programs_keep_ownership_exact(blocks, block_
         manager.free(s)
     assert manager.num_free_blocks_per_device.tolist() == blocks
     manager.assert_consistent()
+
+
+# ----- home devices: a row's device is its sequence's, not its expert's --------------------------------
+def test_with_home_devices_policies_read_each_sequences_devices_not_device_zero():
+    """A pool of 2 devices with home devices: every row of sequence s on device s % 2. Asked for a
+    row on short device 1, expert_lru must take one of sequence 1's rows (home 1), not give up for
+    want of rows there, as it would reading an all-zeros placement; and the reservation of a prefix
+    hit for sequence 1 lies on device 1 only."""
+    from moekv_ref.cache import PrefixCache
+    from moekv_ref.engine.memory import MemoryView, ModelShape
+    from moekv_ref.engine.scheduler import Scheduler
+    manager = KVCacheManager(1, 2, 1, blocks_per_device=[6, 6], home_devices=True)
+    for seq_id in (0, 1):
+        manager.add_sequence(seq_id)
+        manager.allocate_slots(manager.rows([seq_id, seq_id], 0, [0, 1]), torch.tensor([2, 1]))
+    memory = MemoryView(manager, ModelShape(1, 2, 1, 1, 1, 64))
+    assert memory.device_of_expert_of([0, 1])[:, 0].tolist() == [[0, 0], [1, 1]]
+    cands = requests((0, 3), (1, 3))
+    choice = ExpertLRU().choose_victim(cands, memory, Shortage(device=1, num_blocks=1))
+    assert isinstance(choice, RowEviction) and choice.request is cands[1]
+    assert ExpertLRU().choose_victim(cands, memory, Shortage(device=0, num_blocks=1)).request is cands[0]
+    with pytest.raises(ValueError, match="device_of_expert_of"):
+        memory.device_of_expert                       # there is no device per expert to answer with
+
+    cached = KVCacheManager(1, 2, 2, blocks_per_device=[8, 8], home_devices=True, prefix_cache=PrefixCache())
+    scheduler = Scheduler(SchedulerConfig(), cached, ModelShape(1, 2, 1, 1, 2, 64))
+    cached.add_sequence(3)                                      # home 1: the producer
+    rows = cached.rows([3, 3], 0, [0, 1])
+    allocation = cached.allocate_slots(rows, torch.tensor([2, 2]))
+    cached.prefix_cache.record_positions(allocation.slot_mapping, torch.tensor([0, 2, 1, 3]))
+    cached.prefix_cache.cache_computed_blocks(3, [7, 7, 7, 7])
+    cached.free(3)
+    hit = cached.prefix_cache.hit_for([7, 7, 7, 7, 8], seq_id=5)              # home 1 as well
+    assert hit is not None and hit.num_tokens == 4
+    need = scheduler.hit_step_blocks(hit, 1)
+    assert need[0] == 0 and need[1] > 0, need
+    assert cached.prefix_cache.hit_for([7, 7, 7, 7, 8], seq_id=4) is None      # home 0: nothing cached

@@ -265,3 +265,74 @@ def test_attend_of_a_call_with_no_pairs_is_empty():
     empty = torch.zeros(0, dtype=torch.int64)
     appended = cache.append_kv(0, empty, empty, empty, torch.zeros(0, Hkv, Dh), torch.zeros(0, Hkv, Dh))
     assert cache.attend(appended, torch.zeros(0, H, Dh)).shape == (0, H, Dh)
+
+
+def test_prefix_caching_and_shared_tails_combine_with_several_devices_not_with_each_other():
+    """The paged cache takes prefix caching, and shared tails, over per-device pools, by expert or by
+    home; shared tails with prefix caching do not combine and are refused with the reason."""
+    from moekv_ref.cache import PrefixCache, SharedTails
+    config = small_config("expert", "topk")                   # L = 2, E = 5, k = 3
+    placement = torch.tensor([0, 0, 1, 1, 1])
+    by_expert = PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement,
+                             enable_prefix_caching=True)
+    by_home = PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], home_devices=True, enable_prefix_caching=True)
+    assert by_expert.manager.prefix_cache is not None and by_expert.manager.num_devices == 2
+    assert by_home.manager.home_devices and by_home.manager.prefix_cache is not None
+    assert torch.equal(by_home.manager.device_of_expert_of([0, 1])[:, 0, 0], torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="no device_of_expert"):
+        PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement, home_devices=True)
+    with pytest.raises(ValueError, match=r"blocks_per_device\[1\]=5 is too small .* homed there"):
+        PagedKVCache(config, 25, 4, blocks_per_device=[20, 5], home_devices=True)
+    tails = PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement, shared_tails=True)
+    assert tails.manager.tails is not None and tails.manager.num_devices == 2
+    assert KVCacheManager(2, 5, 4, blocks_per_device=[20, 20], home_devices=True, tails=SharedTails()).tails
+    with pytest.raises(ValueError, match="shared tails and prefix caching do not combine"):
+        KVCacheManager(2, 5, 4, 40, tails=SharedTails(), prefix_cache=PrefixCache())
+    with pytest.raises(ValueError, match="shared tails and prefix caching do not combine"):
+        PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], home_devices=True, shared_tails=True,
+                     enable_prefix_caching=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("placement", ["expert", "home"])
+def test_shared_tails_on_several_devices_equal_contiguous_and_recompute(dtype, placement):
+    """Shared tails over two devices (each sequence's rows on a device share that device's tail
+    blocks): the same tokens as the contiguous cache, logits within the dtype's tolerance of it and of
+    full recompute."""
+    model = random_model(small_config("expert", "threshold"), seed=1, dtype=dtype)
+    reference = _run(model, "contiguous")
+    devices = dict(device_of_expert=torch.tensor([0, 1, 1, 0, 1])) if placement == "expert" else dict(home_devices=True)
+    for block_size in (2, 4, 16):
+        paged = _run(model, "paged", block_size=block_size, shuffle_seed=block_size, shared_tails=True,
+                     blocks_per_device=[200, 200], **devices)
+        assert paged.tokens == reference.tokens
+        assert torch.equal(paged.cache_counts, reference.cache_counts)
+        for a, b in zip(paged.logits, reference.logits):
+            assert (a - b).abs().max().item() <= TOLERANCE[dtype]
+        assert max_logit_error(model, paged) <= TOLERANCE[dtype]
+
+
+def test_shared_tails_on_two_devices_keep_each_devices_tails_apart_exact_ids():
+    """One layer, experts 0 and 1 on devices 0 (blocks 0-3) and 1 (blocks 4-7), P = 2. One token in
+    each row: on one device the two tails would share one tail block; here each device's row gets a
+    tail block of its own device. The second token of expert 0 promotes its tail into a full block of
+    device 0 (a move of slot 0 to slot 2), and device 0's emptied tail block goes back."""
+    manager = SharedTailKVCacheManager(1, 2, 2, blocks_per_device=[4, 4], device_of_expert=[0, 1])
+    manager.add_sequence(0)
+    rows = manager.rows([0, 0], 0, [0, 1])
+    first = manager.allocate_slots(rows, torch.tensor([1, 1]))
+    assert first.slot_mapping.tolist() == [0, 8] and first.moves == []
+    assert manager.tails.tail_blocks == {0: [0], 1: [4]}                   # group = seq slot * D + device
+    assert manager.blocks_needed_per_device(rows[:1], torch.tensor([1])).tolist() == [1, 0]
+    second = manager.allocate_slots(rows[:1], torch.tensor([1]))
+    assert second.slot_mapping.tolist() == [3] and [(s.tolist(), d.tolist()) for s, d in second.moves] == [([0], [2])]
+    assert manager.tails.tail_blocks == {0: [], 1: [4]} and manager.block_tables[rows[0], 0] == 1
+    assert manager.num_free_blocks_per_device.tolist() == [3, 3]
+    assert manager.blocks_of_sequence(0).tolist() == [1, 4]
+    manager.assert_consistent()
+    with pytest.raises(OutOfBlocksError, match="device 1 is short"):
+        manager.allocate_slots(rows[1:], torch.tensor([9]))       # 4 full blocks + a tail on device 1
+    manager.assert_consistent()
+    manager.free(0)
+    assert manager.num_free_blocks_per_device.tolist() == [4, 4]
+    manager.assert_consistent()

@@ -60,7 +60,7 @@ def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
     assert manager.prefix_cache.cache_computed_blocks(0, producer) == 4
     manager.free(0)
     # all four blocks are cached-free, least recently used first in the order freed
-    assert list(manager.pool._cached_free) == [0, 1, 2, 3] and manager.pool.num_free_blocks == 8
+    assert manager.pool.cached_free_block_ids() == [0, 1, 2, 3] and manager.pool.num_free_blocks == 8
     manager.assert_consistent()
 
     # a request with the same first 4 tokens (two chunks): entries below s = 4 are expert 0's positions
@@ -75,7 +75,7 @@ def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
     assert source.tolist() == [1, 2] and destination.tolist() == [4, 5]
     assert table(manager, 1, 0) == [0, 4] and table(manager, 1, 1) == [5]
     assert manager.last_position[manager.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]].tolist() == [3, 2]
-    assert manager.pool.ref_cnt[0] == 1 and list(manager.pool._cached_free) == [3, 1, 2]
+    assert manager.pool.ref_cnt[0] == 1 and manager.pool.cached_free_block_ids() == [3, 1, 2]
     manager.assert_consistent()
 
     # the pool runs out of plain blocks: 6, 7 from the stack, then block 3 (least recently used)
@@ -407,3 +407,127 @@ def test_cached_free_blocks_count_as_free_not_used():
     pool.reuse(blocks[:1])                  # a hit: one cached block has an owner again
     assert (pool.num_free_blocks, pool.num_used_blocks) == (7, 1)
     pool.assert_consistent()
+
+
+# ----- several devices: blocks placed by expert, or by the sequence's home ------------------------------
+def check_rows_on_their_devices(engine):
+    """Every block in every held row's table lies in that row's device's range, and with home devices
+    no block is listed by two sequences of different homes."""
+    manager = engine.cache.manager
+    pool, P = manager.pool, manager.block_size
+    listed_by = {}                                           # block -> the homes of the rows listing it
+    for seq_id in manager.sequences:
+        rows = manager.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]       # (L*E,)
+        devices = manager.device_of_expert_of([seq_id])[0].reshape(-1)                 # (L*E,)
+        for row, device in zip(rows.tolist(), devices.tolist()):
+            blocks = manager.block_tables[row, : -(-int(manager.row_tokens[row]) // P)].to(torch.int64)
+            assert (pool.device_of_blocks(blocks) == device).all(), (seq_id, row, blocks.tolist(), device)
+            for block in blocks.tolist():
+                listed_by.setdefault(block, set()).add(device)
+    if manager.home_devices:
+        assert all(len(homes) == 1 for homes in listed_by.values()), "two homes share a block"
+
+
+def device_prefix_engine(model, placement, enable_prefix_caching, mode="recompute", **options):
+    """The engine over 4 devices with blocks placed by expert (placement "expert"), or over 2 devices
+    with every row of request s on device s % 2 (placement "home"); pools small enough to preempt."""
+    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=48, preemption_mode=mode, admission="optimistic")
+    if placement == "expert":
+        E = model.config.num_attention_experts
+        return LLMEngine(model, block_size=4, scheduler_config=config, blocks_per_device=[52, 26, 26, 26],
+                         device_of_expert=torch.arange(E) % 4, enable_prefix_caching=enable_prefix_caching,
+                         **options)
+    return LLMEngine(model, block_size=4, scheduler_config=config, blocks_per_device=[90, 90],
+                     home_devices=True, enable_prefix_caching=enable_prefix_caching, **options)
+
+
+@pytest.mark.parametrize("placement, mode", [("expert", "recompute"), ("expert", "swap"), ("home", "recompute")])
+def test_prefix_caching_on_several_devices_gives_the_tokens_of_no_cache_and_of_alone(placement, mode):
+    """A random float64 model (exact tokens: no tie can flip between batchings), requests sharing
+    prefixes: with the prefix cache on D devices the engine generates exactly what it generates without
+    it and what each request generates alone, later requests start from cached prefixes, and at every
+    step every row lists only blocks of its own device."""
+    model = random_model(small_config("expert", "threshold"), seed=0)
+    prompts, params = shared_prefix_requests()
+    alone = alone_tokens(model, prompts, params)
+    without = device_prefix_engine(model, placement, False, mode).generate(prompts, params)
+    engine = device_prefix_engine(model, placement, True, mode, record_history=True)
+    outputs = engine.generate(prompts, params, on_step=check_rows_on_their_devices)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in without] == alone
+    engine.memory.assert_no_leak()
+    stats = engine.prefix_cache_stats()
+    assert stats["num_hit_tokens"] > 0 and stats["num_shared_blocks"] > 0 and stats["num_cow_blocks"] > 0
+    started_from_hit = [r.request_id for r in engine.requests.values() if r.prefix_hit is not None]
+    assert len(started_from_hit) >= len(prompts) // 2 and 0 not in started_from_hit, started_from_hit
+    # the devices are short enough to preempt and to evict cached blocks for new ones
+    assert engine.stats().num_preemptions > 0 and stats["num_evicted_cached_blocks"] > 0
+
+
+def test_home_devices_two_homes_never_share_a_block_and_each_home_caches_its_own():
+    """One layer, two experts, blocks of 2, devices of 8 blocks (ids 0-7 and 8-15); every row of
+    sequence s on device s % 2. Sequence 0 (home 0) caches a prefix: sequence 2 (home 0) finds it,
+    sequence 1 (home 1) does not, runs it itself and caches its own copy on device 1, which
+    sequence 3 (home 1) then finds."""
+    manager = KVCacheManager(1, 2, 2, blocks_per_device=[8, 8], home_devices=True, prefix_cache=PrefixCache())
+    prefix = manager.prefix_cache
+    tokens = [10, 11, 12, 13, 14]
+    route = [[[0]], [[0]], [[1]], [[1]]]                 # 4 tokens: one full block per expert
+    append_tokens(manager, 0, 0, route)
+    assert prefix.cache_computed_blocks(0, tokens[:4]) == 2
+    home0 = sorted(table(manager, 0, 0) + table(manager, 0, 1))
+    assert all(b < 8 for b in home0)
+    with pytest.raises(ValueError, match="needs the sequence id"):
+        prefix.find_cached_prefix(tokens)
+    assert prefix.find_cached_prefix(tokens, seq_id=1).num_tokens == 0          # other home: no hit
+    hit = prefix.find_cached_prefix(tokens, seq_id=2)
+    assert hit.num_tokens == 4 and sorted(hit.shared.tolist()) == home0
+    assert hit.free_taken_per_device.tolist() == [0, 0]          # shared blocks in use, no copy
+    with pytest.raises(ValueError, match="other devices"):
+        prefix.apply_prefix_hit(1, hit)                            # a home-0 hit for a home-1 sequence
+    prefix.apply_prefix_hit(2, hit)
+    append_tokens(manager, 1, 0, route)                           # home 1 computes the prefix itself
+    assert prefix.cache_computed_blocks(1, tokens[:4]) == 2
+    home1 = sorted(table(manager, 1, 0) + table(manager, 1, 1))
+    assert all(b >= 8 for b in home1)
+    manager.free(0)
+    manager.free(1)                                               # both copies stay cached
+    hit = prefix.find_cached_prefix(tokens, seq_id=3)
+    assert sorted(hit.shared.tolist()) == home1
+    assert hit.free_taken_per_device.tolist() == [0, 2]          # two cached-free blocks of device 1
+    prefix.apply_prefix_hit(3, hit)
+    manager.assert_consistent()
+    for seq_id in (2, 3):                                         # every row's blocks on its home
+        for row in range(2):
+            assert all(b // 8 == seq_id % 2 for b in table(manager, seq_id, row))
+    assert not set(table(manager, 2, 0) + table(manager, 2, 1)) & set(table(manager, 3, 0) + table(manager, 3, 1))
+
+
+def test_a_short_device_evicts_its_own_cached_blocks_not_another_devices():
+    """Experts 0 and 1 on devices 0 (ids 0-3) and 1 (ids 4-7). Device 0's cached blocks are freed
+    first, so they are the least recently used of the pool: an allocation on device 1 that needs
+    more than its plain free blocks must still evict device 1's cached blocks, and device 0's stay
+    findable."""
+    manager = KVCacheManager(1, 2, 2, blocks_per_device=[4, 4], device_of_expert=[0, 1], prefix_cache=PrefixCache())
+    prefix, pool = manager.prefix_cache, manager.pool
+    append_tokens(manager, 0, 0, [[[0]], [[0]], [[0]], [[0]]])                # expert 0: blocks 0, 1
+    prefix.cache_computed_blocks(0, [1, 2, 3, 4])
+    append_tokens(manager, 1, 0, [[[1]], [[1]], [[1]], [[1]]])                # expert 1: blocks 4, 5
+    prefix.cache_computed_blocks(1, [5, 6, 7, 8])
+    assert (table(manager, 0, 0), table(manager, 1, 1)) == ([0, 1], [4, 5])
+    manager.free(0)
+    manager.free(1)
+    assert pool.cached_free_block_ids(0) == [0, 1] and pool.cached_free_block_ids(1) == [4, 5]
+    assert pool.num_free_blocks_per_device.tolist() == [4, 4]
+    # device 1: two plain free blocks (6, 7), then its own cached block 4, least recently used there
+    taken = pool.allocate(3, device=1)
+    assert taken.tolist() == [6, 7, 4]
+    assert pool.cached_free_block_ids(0) == [0, 1] and pool.cached_free_block_ids(1) == [5]
+    assert pool.num_evicted_cached_blocks == 1
+    pool.assert_consistent()
+    assert prefix.find_cached_prefix([1, 2, 3, 4, 9]).shared.tolist() == [0, 1]     # device 0 kept all
+    assert prefix.find_cached_prefix([5, 6, 7, 8, 9]).num_tokens == 0               # its first block is gone
+    with pytest.raises(OutOfBlocksError, match="device 1 is short"):
+        pool.allocate(2, device=1)                      # one free there, although device 0 has four
+    assert pool.cached_free_block_ids(0) == [0, 1]
+    pool.free(taken)
+    manager.assert_consistent()

@@ -26,20 +26,21 @@ Free blocks come in two kinds:
 
     plain free     ref_cnt 0, nothing worth keeping: a LIFO stack per device (`_free_stack`)
     cached free    ref_cnt 0, but still holding a full block of a known prefix (prefix caching,
-                   prefix_cache.py): an LRU queue (`_cached_free`), least recently freed first.
-                   A pool of one device only: `mark_cached` refuses a pool of several, so that
-                   `allocate` on one device never has to evict another device's cached blocks.
+                   prefix_cache.py): an LRU queue per device (`_cached_free[d]`), least recently
+                   freed first. Per device, like the stacks: a cached block is one of its device's
+                   free blocks, so device d's free count is its stack plus its own LRU queue.
 
-`allocate` takes plain free blocks first and evicts cached-free blocks, least recently used first,
-only when the stack is empty; each evicted block is handed to `on_evict` so the prefix index forgets
-it. `reuse` takes a cached block back (a prefix-cache hit): from the cached-free queue if no one owns
+`allocate(n, device=d)` takes d's plain free blocks first and evicts d's cached-free blocks, least
+recently used first, only when d's stack is empty: a short device never evicts another device's
+cached blocks, which could not serve its rows anyway. Each evicted block is handed to `on_evict` so
+the prefix index forgets it. `reuse` takes a cached block back (a prefix-cache hit): from the cached-free queue if no one owns
 it, else one more owner. Without prefix caching no block is ever marked cached, the LRU queue stays
 empty, and the pool is exactly a stack.
 
 Invariants, after every public call:
   * every block id in [0, num_blocks) is exactly one of: plain free (ref_cnt 0, once in the stack
     of its own device),
-    cached free (ref_cnt 0, cached, once in the LRU queue) or in use (ref_cnt >= 1, in neither):
+    cached free (ref_cnt 0, cached, once in the LRU queue of its own device) or in use (ref_cnt >= 1, in neither):
     num_free_blocks (both kinds) + num_used_blocks == num_blocks;
   * a call that raises leaves the pool exactly as it was (every device);
   * ids and counts are integers as given: a float (even 1.0) or a bool is refused (`checked_ids`,
@@ -208,11 +209,11 @@ class BlockPool:
             self._free_stack[first: first + size] = order.flip(0) + first
         self._num_free = list(blocks_per_device)                        # (D,) plain free blocks of each device
         self.ref_cnt = torch.zeros(self.num_blocks, dtype=torch.int32)      # (N,) owners of each block
-        # prefix caching only (one device): blocks holding a full block of a known prefix, and the
-        # cached blocks no one owns, least recently freed first (evicted in that order when the stack
-        # runs out)
+        # prefix caching only: blocks holding a full block of a known prefix, and per device the
+        # cached blocks no one owns, least recently freed first (evicted in that order when the
+        # device's stack runs out)
         self.is_cached = torch.zeros(self.num_blocks, dtype=torch.bool)     # (N,)
-        self._cached_free: OrderedDict[int, None] = OrderedDict()
+        self._cached_free: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_devices)]   # (D,)
         self._any_cached = False                  # a block was ever marked: `free` must sort released ones
         self.on_evict: Callable[[list[int]], None] | None = None       # told which cached blocks left
         self.num_evicted_cached_blocks = 0
@@ -230,19 +231,23 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks `allocate` can hand out, over all devices: plain free and cached free."""
-        return sum(self._num_free) + len(self._cached_free)
+        return sum(self._num_free) + self.num_cached_free_blocks
 
     @property
     def num_free_blocks_per_device(self) -> torch.Tensor:
-        """(D,) blocks `allocate` can hand out on each device (cached free ones on device 0, the only
-        one of a pool that caches)."""
-        free = torch.tensor(self._num_free, dtype=torch.int64)
-        free[0] += len(self._cached_free)
-        return free
+        """(D,) blocks `allocate` can hand out on each device: its plain free and cached free ones."""
+        return torch.tensor([n + len(cached) for n, cached in zip(self._num_free, self._cached_free)],
+                            dtype=torch.int64)
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return len(self._cached_free)
+        return sum(map(len, self._cached_free))
+
+    def cached_free_block_ids(self, device: int | None = None) -> list[int]:
+        """The cached free blocks of `device` (every device: None, device by device), least recently
+        used first: the order `allocate` evicts them in."""
+        queues = self._cached_free if device is None else [self._cached_free[self._checked_device(device)]]
+        return [block for queue in queues for block in queue]
 
     @property
     def num_used_blocks(self) -> int:
@@ -255,10 +260,11 @@ class BlockPool:
 
     def free_block_ids(self) -> torch.Tensor:
         """The free block queues, next to be handed out first: device by device, each device's plain
-        free stack, then the cached free blocks, least recently used first. (num_free,) int64, a copy."""
-        stacks = [self._free_stack[first: first + n].flip(0) for first, n in zip(self._first_block, self._num_free)]
-        cached = torch.tensor(list(self._cached_free), dtype=torch.int64)
-        return torch.cat(stacks + [cached])
+        free stack, then its cached free blocks, least recently used first. (num_free,) int64, a copy."""
+        queues = []
+        for first, n, cached in zip(self._first_block, self._num_free, self._cached_free):
+            queues += [self._free_stack[first: first + n].flip(0), torch.tensor(list(cached), dtype=torch.int64)]
+        return torch.cat(queues)
 
     # ----- allocate / free -----------------------------------------------------------------------
     def allocate(self, num_blocks: int, device: int | None = None) -> torch.Tensor:
@@ -268,7 +274,8 @@ class BlockPool:
         changing nothing, when the device is short."""
         device = self._checked_device(device)
         num_blocks = checked_count(num_blocks, "num_blocks", 0)
-        free_here = self._num_free[device] + (len(self._cached_free) if device == 0 else 0)
+        cached_here = self._cached_free[device]
+        free_here = self._num_free[device] + len(cached_here)
         if num_blocks > free_here:
             if self.num_devices == 1:
                 raise OutOfBlocksError(
@@ -280,8 +287,8 @@ class BlockPool:
         from_stack = min(num_blocks, self._num_free[device])
         block_ids = self._free_stack[top - from_stack: top].flip(0).clone()
         self._num_free[device] -= from_stack
-        if num_blocks > from_stack:                 # evict cached-free blocks, least recently used first
-            evicted = [self._cached_free.popitem(last=False)[0] for _ in range(num_blocks - from_stack)]
+        if num_blocks > from_stack:                 # evict this device's cached-free blocks, LRU first
+            evicted = [cached_here.popitem(last=False)[0] for _ in range(num_blocks - from_stack)]
             self.is_cached[evicted] = False
             self.num_evicted_cached_blocks += len(evicted)
             if self.on_evict is not None:
@@ -292,10 +299,7 @@ class BlockPool:
 
     def mark_cached(self, block_ids) -> None:
         """Blocks in use that now hold a full block of a known prefix: when their last owner frees
-        them they wait in the cached-free queue instead of the stack. A pool of one device only."""
-        if self.num_devices > 1:
-            raise ValueError(f"mark_cached on a pool of {self.num_devices} devices: prefix caching "
-                             "works on a pool of one device")
+        them they wait in their device's cached-free queue instead of its stack."""
         block_ids = self._checked_ids(block_ids)
         if (self.ref_cnt[block_ids] <= 0).any():
             raise ValueError("mark_cached of a free block: only blocks in use are registered")
@@ -311,8 +315,9 @@ class BlockPool:
         if not self.is_cached[block_ids].all():
             bad = int(block_ids[~self.is_cached[block_ids]][0])
             raise ValueError(f"reuse of block {bad}, which holds no cached prefix")
-        for block in block_ids[self.ref_cnt[block_ids] == 0].tolist():
-            del self._cached_free[block]
+        idle = block_ids[self.ref_cnt[block_ids] == 0]
+        for block, device in zip(idle.tolist(), self._device_of(idle).tolist()):
+            del self._cached_free[device][block]
         self.ref_cnt[block_ids] += 1
 
     def incref(self, block_ids: torch.Tensor) -> None:
@@ -352,8 +357,8 @@ class BlockPool:
         released = unique_ids[released[first[released].argsort()]]
         if self._any_cached:
             cached = self.is_cached[released]
-            for block in released[cached].tolist():   # most recently used: the end of the LRU queue
-                self._cached_free[block] = None
+            for block, device in zip(released[cached].tolist(), self._device_of(released[cached]).tolist()):
+                self._cached_free[device][block] = None      # most recently used: the end of its LRU queue
             released = released[~cached]
         if self.num_devices == 1:
             self._push(0, released)
@@ -402,8 +407,12 @@ class BlockPool:
             first, size = self._first_block[d], self._device_sizes[d]
             assert ((stack >= first) & (stack < first + size)).all(), \
                 f"device {d}'s free stack holds a block of another device"
+        for d, queue in enumerate(self._cached_free):
+            queued = torch.tensor(list(queue), dtype=torch.int64)
+            assert torch.equal(self._device_of(queued), torch.full_like(queued, d)), \
+                f"device {d}'s cached-free queue holds a block of another device"
         stack = torch.cat(stacks)
-        cached = torch.tensor(list(self._cached_free), dtype=torch.int64)
+        cached = torch.tensor(self.cached_free_block_ids(), dtype=torch.int64)
         free = torch.cat([stack, cached])
         assert free.unique().numel() == free.numel(), "a block is in the free queues twice"
         assert (self.ref_cnt[free] == 0).all(), "a block in a free queue has owners"

@@ -45,8 +45,23 @@ not.
 Parts (vLLM's style: one manager, with components), each owning its state, called where it differs:
 tails=SharedTails() (shared_tail_manager.py: rows' partly filled tails share their sequence's tail
 blocks) and prefix_cache=PrefixCache() (prefix_cache.py: rows of different sequences share full
-blocks, counted by ref_cnt, kept after their sequence ends). Without parts no block is shared. Each
-part works on one pool of plain pages: the constructor refuses two of {tails, prefix, devices}.
+blocks, counted by ref_cnt, kept after their sequence ends). Without parts no block is shared. What
+combines:
+
+    prefix cache + devices    yes, placed by expert or by home: a cached block lies on the device
+                              of the row that wrote it, and a hit reuses only blocks of the device
+                              the new row takes its blocks from (the device is part of the block
+                              key), so sequences of different homes never share a block; cached-free
+                              blocks wait per device, and a short device evicts only its own
+    shared tails + devices    yes, placed by expert or by home: a sequence's rows on one device
+                              share tail blocks of that device (a tail group per sequence and
+                              device, shared_tail_manager.py), so no row uses another device's slots
+    shared tails + prefix     no (the constructor says why): a hit copies the block straddling its
+                              end, and with shared tails a row's last tokens are not in a block of
+                              its own but in slots of tail blocks other rows use too
+
+The manager's `device_of_expert` is the placement of experts; with home_devices there is none (it
+raises), and anything asking where a row lives asks `device_of_expert_of(seq_ids)`.
 
 The scheduler's questions have methods of their own (`num_free_blocks`, `num_blocks_needed`,
 `can_allocate`, `blocks_of_sequence`, `free`), so it never reaches into these tensors. `truncate`
@@ -198,13 +213,16 @@ class KVCacheManager:
         self.num_experts = num_experts
         self.block_size = check_block_size(block_size)
         self.pool = BlockPool(num_blocks, shuffle_seed, blocks_per_device)
-        if (tails is not None) + (prefix_cache is not None) + (self.pool.num_devices > 1) > 1:
-            raise ValueError("shared tails and prefix caching each work on one pool of plain pages: not "
-                             "together, and not with several devices (blocks_per_device)")
+        if tails is not None and prefix_cache is not None:
+            raise ValueError("shared tails and prefix caching do not combine: a prefix hit shares a row's "
+                             "full blocks and copies the block straddling its end, but with shared tails a "
+                             "row's last tokens live in slots of its sequence's tail blocks, not in a block "
+                             "of its own to copy; use one or the other (each works with one device or "
+                             "several)")
         if device_of_expert is None:
             device_of_expert = torch.zeros(num_experts, dtype=torch.int64)
-        self.device_of_expert = checked_placement(device_of_expert, num_layers, num_experts,
-                                                  self.pool.num_devices)                    # (L, E)
+        self._placement = checked_placement(device_of_expert, num_layers, num_experts,
+                                            self.pool.num_devices)                          # (L, E)
         self.index = RowIndex(num_layers, num_experts)
         self.rows_per_seq = self.index.rows_per_seq
         self.pad = self.pool.num_blocks             # padding in block tables: never a real block
@@ -252,6 +270,17 @@ class KVCacheManager:
         """(D,) free blocks of each device."""
         return self.pool.num_free_blocks_per_device
 
+    @property
+    def device_of_expert(self) -> torch.Tensor:
+        """(L, E) the device of each expert's rows. With home_devices there is no such table (a row's
+        device is its sequence's home, whatever its expert): reading it raises ValueError rather than
+        answer device 0 for every row; ask `device_of_expert_of(seq_ids)`, which is right for both."""
+        if self.home_devices:
+            raise ValueError("with home_devices a row's device is its sequence's home (s % D), not its "
+                             "expert's: ask device_of_expert_of(seq_ids) for the (m, L, E) devices of "
+                             "those sequences' rows")
+        return self._placement
+
     def device_of_rows(self, rows) -> torch.Tensor:
         """(m,) the device of each row id (of a held sequence)."""
         return self.row_device[checked_ids(rows, "rows")]
@@ -262,7 +291,7 @@ class KVCacheManager:
         seq_ids = torch.tensor([int(s) for s in seq_ids], dtype=torch.int64)                # (m,)
         if self.home_devices:
             return (seq_ids % self.num_devices).view(-1, 1, 1).expand(-1, self.num_layers, self.num_experts)
-        return self.device_of_expert.expand(seq_ids.numel(), -1, -1)
+        return self._placement.expand(seq_ids.numel(), -1, -1)
 
     def blocks_held_per_device(self, seq_ids) -> torch.Tensor:
         """(m, D) blocks each sequence owns on each device, every one (a shared-tail design's tail
@@ -275,6 +304,8 @@ class KVCacheManager:
         """(D,) blocks that appending num_new_tokens[i] tokens to rows[i] would take on each device."""
         rows = checked_ids(rows, "rows")
         num_new_tokens = checked_ids(num_new_tokens, "num_new_tokens")
+        if self.tails is not None:
+            return self.tails.num_blocks_needed_per_device(rows, num_new_tokens)
         old = self.row_tokens[rows]
         new_blocks = ceil_div(old + num_new_tokens, self.block_size) - ceil_div(old, self.block_size)
         return torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, self.device_of_rows(rows), new_blocks)
@@ -353,7 +384,7 @@ class KVCacheManager:
         rows = self.sequence_rows(torch.tensor([index]))[0]                       # (L*E,)
         num_used = self._table_blocks(self.row_tokens[rows])             # (L*E,)
         used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (L*E, W)
-        tail_blocks = [] if self.tails is None else self.tails.tail_blocks[index]
+        tail_blocks = [] if self.tails is None else self.tails.blocks_of_sequence(index)
         return torch.cat([self.block_tables[rows][used].to(torch.int64), torch.tensor(tail_blocks, dtype=torch.int64)])
 
     def token_counts(self, seq_ids) -> torch.Tensor:
@@ -456,6 +487,8 @@ class KVCacheManager:
         block_ids = torch.empty(block_device.numel(), dtype=torch.int64)
         for d in per_device.nonzero().squeeze(1).tolist():
             block_ids[block_device == d] = self.pool.allocate(int(per_device[d]), device=d)
+        if self.prefix_cache is not None:
+            self.prefix_cache.block_positions[block_ids] = -1
         return block_ids
 
     @staticmethod

@@ -90,19 +90,24 @@ class PagedKVCache:
     shared_tails: keep each row's partly filled tail in slots shared by the sequence's rows
              (a manager with SharedTails) instead of a private last block; the K/V moves it asks for
              are applied before new tokens are written. Not with "triton": the kernels read a row
-             through its block table only, and shared tails live outside it.
+             through its block table only, and shared tails live outside it; not with prefix
+             caching (kv_cache_manager.py says why). With several devices, per device.
     enable_prefix_caching: full blocks outlive their sequences and a request with the same first
-             tokens reuses them (a manager with a PrefixCache, prefix_cache.py). One pool, plain pages.
+             tokens reuses them (a manager with a PrefixCache, prefix_cache.py). Plain pages, one
+             device or several (a hit reuses only blocks of the device each row takes blocks from).
     blocks_per_device, device_of_expert: per-device pools (KVCacheManager's devices): D ints of
              blocks, their sum the pool (num_blocks must be that sum), and each expert's device, (E,)
              or (L, E); a row takes blocks only from its expert's device. append_kv and attend are
              unchanged; append_kv raises OutOfBlocksError naming the device that is short.
+    home_devices: with blocks_per_device and no device_of_expert, every row of sequence s takes its
+             blocks from device s % D (a pool sharded by sequence) instead of its expert's.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  shuffle_seed: int | None = None, attention: str = "batched", shared_tails: bool = False,
-                 blocks_per_device=None, device_of_expert=None, enable_prefix_caching: bool = False):
+                 blocks_per_device=None, device_of_expert=None, enable_prefix_caching: bool = False,
+                 home_devices: bool = False):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS}")
         if shared_tails and attention == "triton":
@@ -120,19 +125,26 @@ class PagedKVCache:
                 f"{minimum} blocks (num_hidden_layers={L} x num_attention_experts_per_tok={K}); "
                 f"allow at least {minimum}"
             )
-        for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("shared_tails", shared_tails)):
+        for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("shared_tails", shared_tails),
+                           ("home_devices", home_devices)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}={flag!r} must be True or False")
         self.config = config
         self.attention = attention
-        if (blocks_per_device is None) != (device_of_expert is None):
-            raise ValueError("per-device pools need both blocks_per_device and device_of_expert")
-        if blocks_per_device is not None:
+        if home_devices:
+            if blocks_per_device is None or device_of_expert is not None:
+                raise ValueError("home_devices=True needs blocks_per_device and no device_of_expert: every "
+                                 "row of sequence s lives on device s % D, whatever its expert")
+            blocks_per_device = self._checked_homes(config, num_blocks, blocks_per_device)
+        elif (blocks_per_device is None) != (device_of_expert is None):
+            raise ValueError("per-device pools need both blocks_per_device and device_of_expert "
+                             "(or home_devices=True instead of device_of_expert)")
+        elif blocks_per_device is not None:
             blocks_per_device, device_of_expert = self._checked_devices(config, num_blocks, blocks_per_device,
                                                                         device_of_expert)
         self.manager = KVCacheManager(L, E, block_size, num_blocks, shuffle_seed,
                                       blocks_per_device=blocks_per_device, device_of_expert=device_of_expert,
-                                      tails=SharedTails() if shared_tails else None,
+                                      home_devices=home_devices, tails=SharedTails() if shared_tails else None,
                                       prefix_cache=PrefixCache() if enable_prefix_caching else None)
         self.block_size = block_size
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
@@ -161,12 +173,27 @@ class PagedKVCache:
                                  f"experts can take {least} blocks; allow at least {least}")
         return blocks_per_device, placement
 
+    @staticmethod
+    def _checked_homes(config, num_blocks, blocks_per_device) -> list[int]:
+        """blocks_per_device of a pool with home devices: D ints summing to num_blocks, each device
+        large enough for one token of a sequence homed there (a block in each of its k rows of every
+        layer); ValueError naming the device otherwise."""
+        blocks_per_device = checked_blocks_per_device(blocks_per_device)
+        if sum(blocks_per_device) != num_blocks:
+            raise ValueError(f"num_blocks={num_blocks} must equal sum(blocks_per_device)={sum(blocks_per_device)}")
+        least = config.num_hidden_layers * config.num_attention_experts_per_tok
+        for d, n in enumerate(blocks_per_device):
+            if n < least:
+                raise ValueError(f"blocks_per_device[{d}]={n} is too small for even one token of a sequence "
+                                 f"homed there: allow at least {least}")
+        return blocks_per_device
+
     @classmethod
     def for_model(cls, model, block_size: int = 16, num_blocks: int | None = None,
                   max_num_seqs: int = 8, shuffle_seed: int | None = None,
                   attention: str | None = None, shared_tails: bool = False,
                   blocks_per_device=None, device_of_expert=None,
-                  enable_prefix_caching: bool = False) -> "PagedKVCache":
+                  enable_prefix_caching: bool = False, home_devices: bool = False) -> "PagedKVCache":
         """A cache in the model's dtype and device. attention=None follows the model's backend
         ("triton" for a model built with backend="triton", else "batched"). Without num_blocks, the
         pool holds the worst case of max_num_seqs sequences of max_position_embeddings tokens (every
@@ -182,7 +209,8 @@ class PagedKVCache:
             attention = "triton" if model.backend == "triton" else "batched"
         parameter = next(model.parameters())
         return cls(config, num_blocks, block_size, parameter.dtype, parameter.device, shuffle_seed,
-                   attention, shared_tails, blocks_per_device, device_of_expert, enable_prefix_caching)
+                   attention, shared_tails, blocks_per_device, device_of_expert, enable_prefix_caching,
+                   home_devices)
 
     # ----- verb 1: bookkeeping and store ----------------------------------------------------------
     def append_kv(self, layer: int, seq_ids, experts, positions, k, v) -> AppendedRows:

@@ -18,10 +18,10 @@ rows. A request's own tokens give its chain keys; the records found for its firs
 row by row, its entries below s = i * C (the cumulative counts).
 
     chunk keys   key_i = blake2b(key_{i-1} || tokens[i*C:(i+1)*C])      (16 bytes; key_-1 = b"")
-    block keys   (layer * E + expert, j, key_m)  for the j-th block of a row, registered under every
-                 complete chunk m it spans: a full block from its first entry's chunk to its last
-                 entry's; a row's partly filled last block from its first entry's chunk on (its
-                 entries below a complete chunk's end are final: later tokens come later)
+    block keys   (device, layer * E + expert, j, key_m)  for the j-th block of a row, registered
+                 under every complete chunk m it spans: a full block from its first entry's chunk
+                 to its last entry's; a row's partly filled last block from its first entry's chunk
+                 on (its entries below a complete chunk's end are final: later tokens come later)
 
 Looking up s = i * C, row r holding c_r = cum_counts[i-1, r] entries below s needs its blocks
 0 .. ceil(c_r / P) - 1:
@@ -33,7 +33,16 @@ Looking up s = i * C, row r holding c_r = cum_counts[i-1, r] entries below s nee
                    it is *copied* (copy-on-write) into a fresh block whose first c_r % P slots the
                    request keeps; the request's own tokens then fill the rest.
 
-A key (r, j, key_m) matches only when the producer's first (m + 1) * C tokens equal the request's,
+Devices. A block lies on the device of the row that wrote it (kv_cache_manager.py: its expert's,
+or with home devices its sequence's home), and a row may only list blocks of its own device. So the
+device is part of the block key: a lookup for a request whose row r lives on device d finds only
+blocks of d. With blocks placed by expert the device is a function of r and changes nothing; with
+home devices two sequences of different homes never share a block (each home caches its own copy),
+and a lookup must say which sequence it is for (`find_cached_prefix(tokens, seq_id)`). Routing
+counts (chunk records) do not depend on where rows live and are shared by every device. Cached-free
+blocks wait in their own device's LRU queue (block_pool.py), so a short device evicts its own.
+
+A key (d, r, j, key_m) matches only when the producer's first (m + 1) * C tokens equal the request's,
 so by causality its entries with position < (m + 1) * C are the request's own: the lookup never
 returns a block whose needed entries differ. Keys are cryptographic hashes of the token bytes (never
 Python's salted `hash`), chained so that equal keys mean equal prefixes.
@@ -100,6 +109,10 @@ class PrefixHit:
                   column is row_counts // P)
     num_free_taken  blocks the hit takes from the pool's free count while it is applied: cached-free
                   ones it reuses (shared, and copy sources, pinned until copied) + the copies
+    free_taken_per_device  (D,) int64: num_free_taken device by device
+    row_devices   (L*E,) int64: the device of each row of the sequence it was looked up for (every
+                  block it lists lies on its row's device); applied only to a sequence whose rows
+                  live there
     """
     num_tokens: int = 0
     row_counts: torch.Tensor | None = None
@@ -109,6 +122,8 @@ class PrefixHit:
     cow_source: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     cow_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     num_free_taken: int = 0
+    free_taken_per_device: torch.Tensor | None = None
+    row_devices: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -149,8 +164,8 @@ class PrefixCache:
     def attach(self, manager: KVCacheManager) -> None:
         self.manager, self.chunk_size, num_blocks = manager, manager.block_size, manager.num_blocks
         self.block_positions = torch.full((num_blocks, manager.block_size), -1, dtype=torch.int64)   # (N, P)
-        self._block_of_key: dict[tuple[int, int, bytes], int] = {}
-        self._keys_of_block: dict[int, list[tuple[int, int, bytes]]] = {}
+        self._block_of_key: dict[tuple[int, int, int, bytes], int] = {}      # (device, row, column, key)
+        self._keys_of_block: dict[int, list[tuple[int, int, int, bytes]]] = {}
         self._chunk_counts: OrderedDict[bytes, torch.Tensor] = OrderedDict()   # key -> (L*E,) int64
         self.max_chunk_records = self.max_chunk_records or max(64, num_blocks)
         # per held sequence: [chain keys, chunks recorded, full blocks registered per row (L*E,)]
@@ -200,11 +215,12 @@ class PrefixCache:
         last_chunk = torch.where(full, self.block_positions[blocks, P - 1] // C, num_complete - 1)
         through = torch.clamp(last_chunk, max=num_complete - 1)                             # (R, W)
         todo = used & (through > registered_through) & (through >= first_chunk)
+        device = m.row_device[rows].tolist()                                                # (R,)
         newly_cached = []
         for r, j in todo.nonzero().tolist():
             block = int(blocks[r, j])
             for c in range(max(int(first_chunk[r, j]), int(registered_through[r, j]) + 1), int(through[r, j]) + 1):
-                key = (r, j, keys[c])
+                key = (device[r], r, j, keys[c])
                 if key not in self._block_of_key:
                     self._block_of_key[key] = block
                     self._keys_of_block.setdefault(block, []).append(key)
@@ -239,10 +255,22 @@ class PrefixCache:
                 del self._block_of_key[key]
 
     # ----- lookup ---------------------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: list[int]) -> PrefixHit:
+    def row_devices(self, seq_id: int | None = None) -> torch.Tensor:
+        """(L*E,) the device each row of sequence seq_id takes its blocks from (held or not). seq_id
+        may be left out where rows follow their experts; with home devices (D > 1) it is needed."""
+        m = self.manager
+        if seq_id is None:
+            if m.home_devices and m.num_devices > 1:
+                raise ValueError("a prefix lookup on a pool with home devices needs the sequence id "
+                                 "(find_cached_prefix(tokens, seq_id)): its rows' device is its home")
+            seq_id = 0                              # rows follow their experts: every id gives the same
+        return m.device_of_expert_of([seq_id])[0].reshape(-1)
+
+    def find_cached_prefix(self, token_ids: list[int], seq_id: int | None = None) -> PrefixHit:
         """The longest usable cached prefix of a request with these tokens (see the module
-        docstring); PrefixHit() (num_tokens 0) when none. Changes nothing but LRU order of chunk
-        records."""
+        docstring) for sequence seq_id (its rows' devices, `row_devices`); PrefixHit() (num_tokens
+        0) when none. Changes nothing but LRU order of chunk records."""
+        devices = self.row_devices(seq_id).tolist()                                        # (R,)
         C = self.chunk_size
         max_chunks = (len(token_ids) - 1) // C               # the last token always runs
         keys = chain_keys(token_ids[: max_chunks * C], C)
@@ -256,21 +284,22 @@ class PrefixCache:
         if not counts:
             return PrefixHit()
         cumulative = torch.stack(counts).cumsum(0)                                         # (I, R)
-        best = self._hit_at(keys, cumulative, len(counts))      # the common case: the whole run of records
+        best = self._hit_at(keys, cumulative, len(counts), devices)      # the common case: the whole run of records
         if best is not None:
             return best
         low, high, best = 1, len(counts) - 1, None             # validity is monotone in i: bisect
         while low <= high:
             middle = (low + high) // 2
-            hit = self._hit_at(keys, cumulative, middle)
+            hit = self._hit_at(keys, cumulative, middle, devices)
             if hit is None:
                 high = middle - 1
             else:
                 best, low = hit, middle + 1
         return best if best is not None else PrefixHit()
 
-    def _hit_at(self, keys, cumulative, i: int) -> PrefixHit | None:
-        """The hit for s = i * C, or None if some needed block is not cached."""
+    def _hit_at(self, keys, cumulative, i: int, devices: list[int]) -> PrefixHit | None:
+        """The hit for s = i * C with row r on device devices[r], or None if some needed block is
+        not cached there."""
         m = self.manager
         P = m.block_size
         s = i * self.chunk_size
@@ -285,14 +314,14 @@ class PrefixCache:
         block_of_key = self._block_of_key
         shared = []
         for r, j, c in zip(shared_rows.tolist(), shared_columns.tolist(), chunk.tolist()):
-            block = block_of_key.get((r, j, keys[c]))
+            block = block_of_key.get((devices[r], r, j, keys[c]))
             if block is None:
                 return None
             shared.append(block)
         cow_rows = (row_counts % P > 0).nonzero().squeeze(1)                                 # (c,)
         cow, key = [], keys[i - 1]
         for r, j in zip(cow_rows.tolist(), num_full[cow_rows].tolist()):
-            block = block_of_key.get((r, j, key))
+            block = block_of_key.get((devices[r], r, j, key))
             if block is None:
                 return None
             cow.append(block)
@@ -304,10 +333,12 @@ class PrefixCache:
             return None
         # free blocks the hit holds while it is applied: the cached-free blocks it reuses, shared or
         # copy sources (pinned so that the copies' allocation cannot evict them), and the copies
-        found = torch.cat([shared_t, torch.tensor(cow, dtype=torch.int64)]).unique()
-        num_free_taken = int((m.pool.ref_cnt[found] == 0).sum()) + len(cow)
-        return PrefixHit(s, row_counts.clone(), shared_t, shared_rows, shared_columns,
-                         torch.tensor(cow, dtype=torch.int64), cow_rows, num_free_taken)
+        cow_t = torch.tensor(cow, dtype=torch.int64)
+        found = torch.cat([shared_t, cow_t]).unique()
+        taken = torch.cat([found[m.pool.ref_cnt[found] == 0], cow_t])        # reused idle blocks, copies
+        per_device = torch.bincount(m.pool.device_of_blocks(taken), minlength=m.num_devices)      # (D,)
+        return PrefixHit(s, row_counts.clone(), shared_t, shared_rows, shared_columns, cow_t, cow_rows,
+                         int(per_device.sum()), per_device, torch.tensor(devices, dtype=torch.int64))
 
     def apply_prefix_hit(self, seq_id: int, hit: PrefixHit) -> tuple[torch.Tensor, torch.Tensor]:
         """Give a new sequence its rows from a hit: shared blocks gain an owner, each straddling block
@@ -323,14 +354,29 @@ class PrefixCache:
         found = torch.cat([hit.shared, hit.cow_source])
         if not m.pool.is_cached[found].all():
             raise ValueError("the hit lists blocks that are no longer cached: look up again")
-        available = m.pool.num_free_blocks - int((m.pool.ref_cnt[found.unique()] == 0).sum())
-        if hit.cow_source.numel() > available:
-            raise OutOfBlocksError(f"the hit's {hit.cow_source.numel()} copies need blocks; {available} are "
-                                   "free beside the blocks it reuses")
+        devices = self.row_devices(seq_id)                                                 # (R,)
+        if hit.row_devices is not None and not torch.equal(hit.row_devices, devices):
+            raise ValueError(f"the hit was looked up for rows on other devices than sequence {seq_id}'s: "
+                             "look up with its id (find_cached_prefix(tokens, seq_id))")
+        rows_of = torch.cat([hit.shared_rows, hit.cow_rows])
+        if not torch.equal(m.pool.device_of_blocks(found), devices[rows_of]):
+            raise ValueError("the hit lists a block of another device than its row's: look up again")
+        D = m.num_devices
+        idle = found.unique()
+        idle = idle[m.pool.ref_cnt[idle] == 0]
+        available = m.num_free_blocks_per_device - torch.bincount(m.pool.device_of_blocks(idle), minlength=D)
+        copy_device = devices[hit.cow_rows]                                                # (c,)
+        copies = torch.bincount(copy_device, minlength=D)                                  # (D,)
+        if (copies > available).any():
+            d = int((copies > available).nonzero()[0])
+            raise OutOfBlocksError(f"the hit's {int(copies[d])} copies on device {d} need blocks; "
+                                   f"{int(available[d])} are free there beside the blocks it reuses")
         index = m.add_sequence(seq_id)
         m.pool.reuse(hit.shared)
         m.pool.reuse(hit.cow_source)                # pinned: the copies' allocation cannot evict them
-        destination = m.pool.allocate(hit.cow_source.numel())
+        destination = torch.empty(hit.cow_source.numel(), dtype=torch.int64)
+        for d in copies.nonzero().squeeze(1).tolist():            # each copy on its row's device
+            destination[copy_device == d] = m.pool.allocate(int(copies[d]), device=d)
         m.pool.free(hit.cow_source)
         rows = m.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
         widest = int(ceil_div(hit.row_counts, P).max())
@@ -351,11 +397,12 @@ class PrefixCache:
         return hit.cow_source.clone(), destination
 
     # ----- what a scheduler asks -------------------------------------------------------------------
-    def hit_for(self, token_ids: list[int]) -> PrefixHit | None:
-        """What a new sequence with these tokens would start from: the longest usable cached prefix,
-        with what it costs (its row counts, and num_free_taken: the free blocks applying it takes),
-        or None when nothing usable is cached."""
-        hit = self.find_cached_prefix(token_ids)
+    def hit_for(self, token_ids: list[int], seq_id: int | None = None) -> PrefixHit | None:
+        """What a new sequence (seq_id, needed with home devices) with these tokens would start from:
+        the longest usable cached prefix, with what it costs (its row counts, and num_free_taken /
+        free_taken_per_device: the free blocks applying it takes), or None when nothing usable is
+        cached."""
+        hit = self.find_cached_prefix(token_ids, seq_id)
         return hit if hit.num_tokens else None
 
     def start_sequence(self, seq_id: int, num_tokens: int, hit: PrefixHit | None):
@@ -389,6 +436,10 @@ class PrefixCache:
         assert (first[owned] == where).all(), "a block is listed at two different (layer, expert, column)"
         for key, block in self._block_of_key.items():
             assert key in self._keys_of_block.get(block, []), f"key of block {block} missing from its list"
+        if self._block_of_key:
+            key_device = torch.tensor([key[0] for key in self._block_of_key])
+            blocks = torch.tensor(list(self._block_of_key.values()))
+            assert torch.equal(m.pool.device_of_blocks(blocks), key_device), "a block is keyed under another device"
         assert sum(map(len, self._keys_of_block.values())) == len(self._block_of_key), "stale block keys"
         cached = torch.zeros(m.num_blocks, dtype=torch.bool)
         cached[list(self._keys_of_block)] = True

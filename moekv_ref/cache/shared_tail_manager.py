@@ -17,10 +17,16 @@ shared, slot by slot, by all its rows:
         2. compaction: when a sequence's free tail slots add up to P, the tail block with fewest
            used slots has them moved into free slots elsewhere (`moves`) and returns to the pool.
 
+Devices. A row may only use slots of blocks of its own device (kv_cache_manager.py), so with D
+devices a sequence's tails are shared by its rows *on each device*: tail group g = seq_index * D + d
+holds the tail blocks of sequence seq_index on device d, taken from d's blocks, and only rows of the
+sequence on d use them. With one device a group is a sequence (g = seq_index), as above; with
+several, a sequence wastes fewer than P slots per device it has rows on.
+
 Invariants (checked by `assert_consistent`, driven by property tests), on top of KVCacheManager's:
   * a row of n tokens lists n // P full blocks in its table and n % P slots in tail_slots;
-  * sequence s holds exactly ceil(T_s / P) tail blocks, T_s = sum over its rows of n % P: so its
-    tail blocks waste fewer than P slots;
+  * tail group g holds exactly ceil(T_g / P) tail blocks, all of device g % D, T_g = sum over its
+    rows of n % P: so its tail blocks waste fewer than P slots;
   * every tail slot is used by exactly one (row, position) or is free, and every block is owned by
     one row (table) or one sequence (tail), never both.
 
@@ -55,34 +61,54 @@ class SharedTails:
         # who uses each slot of a tail block: the row and the position in its tail (-1: nobody)
         self.slot_row = torch.full((num_slots,), -1, dtype=torch.int64)          # (N*P,)
         self.slot_position = torch.full((num_slots,), -1, dtype=torch.int64)
-        self.tail_blocks: dict[int, list[int]] = {}      # seq_index -> its tail block ids
-        self.free_tail_slots: dict[int, list[int]] = {}  # seq_index -> free slots (a stack)
+        # tail group g = seq_index * D + device (module docstring); g = seq_index with one device
+        self.tail_blocks: dict[int, list[int]] = {}      # group -> its tail block ids
+        self.free_tail_slots: dict[int, list[int]] = {}  # group -> free slots (a stack)
 
     def blocks(self) -> torch.Tensor:
         """Every tail block, of all sequences: (b,) int64 (owned outside the block tables)."""
         return torch.tensor([b for blocks in self.tail_blocks.values() for b in blocks], dtype=torch.int64)
 
+    def groups_of_sequence(self, index: int) -> range:
+        """The tail groups of sequence slot `index`: one per device."""
+        D = self.manager.num_devices
+        return range(index * D, (index + 1) * D)
+
+    def group_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """(m,) the tail group of each row: its sequence slot's group on the row's device."""
+        m = self.manager
+        return (rows // m.rows_per_seq) * m.num_devices + m.row_device[rows]
+
+    def blocks_of_sequence(self, index: int) -> list[int]:
+        """The tail blocks of sequence slot `index`, device after device."""
+        return [b for g in self.groups_of_sequence(index) for b in self.tail_blocks[g]]
+
     def add_sequence(self, index: int) -> None:
-        self.tail_blocks[index] = []
-        self.free_tail_slots[index] = []
+        for g in self.groups_of_sequence(index):
+            self.tail_blocks[g] = []
+            self.free_tail_slots[g] = []
 
     def num_blocks_needed(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> int:
         """Blocks the append would take from the pool (compaction afterwards may give some back)."""
-        m, P = self.manager, self.manager.block_size
+        return int(self.num_blocks_needed_per_device(rows, num_new_tokens).sum())
+
+    def num_blocks_needed_per_device(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
+        """(D,) blocks the append would take from each device: its rows' new full blocks, and the
+        new tail blocks of each tail group, on the group's device."""
+        m, P, D = self.manager, self.manager.block_size, self.manager.num_devices
         rows = torch.as_tensor(rows, dtype=torch.int64)
         old = m.row_tokens[rows]
         new = old + torch.as_tensor(num_new_tokens, dtype=torch.int64)
-        body = int((new // P - old // P).sum())
-        tail = 0
-        seq_of_row = rows // m.rows_per_seq
-        for index in seq_of_row.unique().tolist():
-            mine = seq_of_row == index
-            tail_tokens = self._tail_tokens(index) + int((new[mine] % P - old[mine] % P).sum())
-            tail += max(0, -(-tail_tokens // P) - len(self.tail_blocks[index]))
-        return body + tail
+        need = torch.zeros(D, dtype=torch.int64).index_add_(0, m.row_device[rows], new // P - old // P)
+        group_of_row = self.group_of_rows(rows)
+        for group in group_of_row.unique().tolist():
+            mine = group_of_row == group
+            tail_tokens = self._tail_tokens(group) + int((new[mine] % P - old[mine] % P).sum())
+            need[group % D] += max(0, -(-tail_tokens // P) - len(self.tail_blocks[group]))
+        return need
 
-    def _tail_tokens(self, index: int) -> int:
-        return len(self.tail_blocks[index]) * self.manager.block_size - len(self.free_tail_slots[index])
+    def _tail_tokens(self, group: int) -> int:
+        return len(self.tail_blocks[group]) * self.manager.block_size - len(self.free_tail_slots[group])
 
     # ----- allocate / slots / free ----------------------------------------------------------------
     def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor, with_slots: bool) -> SlotAllocation:
@@ -91,10 +117,17 @@ class SharedTails:
         (`key_cache.view(-1, Hkv, Dh)[dst] = key_cache.view(-1, Hkv, Dh)[src]`). Raises, changing
         nothing, when the pool is short."""
         m, P = self.manager, self.manager.block_size
-        needed = self.num_blocks_needed(rows, num_new_tokens)
-        if needed > m.pool.num_free_blocks:
-            raise OutOfBlocksError(f"appending {int(num_new_tokens.sum())} tokens to {rows.numel()} "
-                                   f"rows needs {needed} blocks; {m.pool.num_free_blocks} are free")
+        needed = self.num_blocks_needed_per_device(rows, num_new_tokens)                     # (D,)
+        free = m.num_free_blocks_per_device                                                 # (D,)
+        if (needed > free).any():
+            if m.num_devices == 1:
+                raise OutOfBlocksError(f"appending {int(num_new_tokens.sum())} tokens to {rows.numel()} "
+                                       f"rows needs {int(needed[0])} blocks; {m.pool.num_free_blocks} are free")
+            d = int((needed > free).nonzero()[0])
+            raise OutOfBlocksError(f"device {d} is short: appending {int(num_new_tokens.sum())} tokens needs "
+                                   f"{int(needed[d])} blocks there, {int(free[d])} of "
+                                   f"{int(m.blocks_per_device[d])} are free")
+        D = m.num_devices
         old = m.row_tokens[rows]
         new = old + num_new_tokens
         widest = int((new // P).max()) if rows.numel() else 0
@@ -106,19 +139,21 @@ class SharedTails:
             first, last = n_old // P, n_new // P
             if last == first:
                 continue
-            block_ids = m.pool.allocate(last - first)
+            device = int(m.row_device[row])
+            block_ids = m.pool.allocate(last - first, device=device)
             m.block_tables[row, first:last] = block_ids.to(torch.int32)
             tail = self.tail_slots[row, : n_old % P].clone()
             if tail.numel():
                 promotion_src.append(tail)
                 promotion_dst.append(block_ids[0] * P + torch.arange(tail.numel()))
-                self._release_tail_slots(row // m.rows_per_seq, tail)
+                self._release_tail_slots((row // m.rows_per_seq) * D + device, tail)
                 self.tail_slots[row] = -1
-        # 2. new tail tokens take free tail slots of their sequence (new tail blocks when none)
-        for row, n_old, n_new in zip(rows.tolist(), old.tolist(), new.tolist()):
+        # 2. new tail tokens take free tail slots of their group (new tail blocks when none)
+        groups = self.group_of_rows(rows)
+        for row, group, n_old, n_new in zip(rows.tolist(), groups.tolist(), old.tolist(), new.tolist()):
             kept = n_old % P if n_new // P == n_old // P else 0
             for position in range(kept, n_new % P):
-                slot = self._take_tail_slot(row // m.rows_per_seq)
+                slot = self._take_tail_slot(group)
                 self.tail_slots[row, position] = slot
                 self.slot_row[slot], self.slot_position[slot] = row, position
         m.row_tokens[rows] = new
@@ -126,24 +161,25 @@ class SharedTails:
         if promotion_src:
             moves.append((torch.cat(promotion_src), torch.cat(promotion_dst)))
         # 3. compaction: give back tail blocks while a whole block's worth of tail slots is free
-        for index in (rows // m.rows_per_seq).unique().tolist():
-            moves += self._compact(index)
+        for group in groups.unique().tolist():
+            moves += self._compact(group)
         return SlotAllocation(m._slots(rows, old, num_new_tokens) if with_slots else None, moves)
 
-    def _take_tail_slot(self, index: int) -> int:
-        P, free = self.manager.block_size, self.free_tail_slots[index]
+    def _take_tail_slot(self, group: int) -> int:
+        P, free = self.manager.block_size, self.free_tail_slots[group]
         if not free:
-            block = int(self.manager.pool.allocate(1)[0])
-            self.tail_blocks[index].append(block)
+            block = int(self.manager.pool.allocate(1, device=group % self.manager.num_devices)[0])
+            self.tail_blocks[group].append(block)
             free.extend(range(block * P + P - 1, block * P - 1, -1))
         return free.pop()
 
-    def _release_tail_slots(self, index: int, slots: torch.Tensor) -> None:
+    def _release_tail_slots(self, group: int, slots: torch.Tensor) -> None:
         self.slot_row[slots] = -1
         self.slot_position[slots] = -1
-        self.free_tail_slots[index].extend(slots.tolist()[::-1])
+        self.free_tail_slots[group].extend(slots.tolist()[::-1])
 
     def _compact(self, index: int) -> Moves:
+        """Give back tail blocks of tail group `index` while a block's worth of its slots is free."""
         P = self.manager.block_size
         moves: Moves = []
         while len(self.free_tail_slots[index]) >= P:
@@ -180,11 +216,10 @@ class SharedTails:
         """Forget the freed sequence's tails (the manager has returned its tail blocks to the pool)."""
         P = self.manager.block_size
         self.tail_slots[rows] = -1
-        for block in self.tail_blocks[index]:
+        for block in self.blocks_of_sequence(index):
             self.slot_row[block * P:(block + 1) * P] = -1
             self.slot_position[block * P:(block + 1) * P] = -1
-        self.tail_blocks[index] = []
-        self.free_tail_slots[index] = []
+        self.add_sequence(index)
 
     def grow_rows(self, num_rows: int) -> None:
         extra = torch.full((num_rows - self.tail_slots.shape[0], self.tail_slots.shape[1]), -1, dtype=torch.int64)
@@ -202,8 +237,11 @@ class SharedTails:
         assert torch.equal(self.slot_row[used], row) and torch.equal(self.slot_position[used], position), \
             "slot owner map disagrees with tail_slots"
         assert int((self.slot_row >= 0).sum()) == used.numel(), "a slot has an owner but no row uses it"
+        group_of_row = self.group_of_rows(row)
         for index, blocks in self.tail_blocks.items():
-            mine = used[row // m.rows_per_seq == index]
+            assert all(int(d) == index % m.num_devices for d in m.pool.device_of_blocks(blocks).tolist()), \
+                f"tail group {index} holds a block of another device than its own"
+            mine = used[group_of_row == index]
             free = torch.tensor(self.free_tail_slots[index], dtype=torch.int64)
             held = torch.tensor(blocks, dtype=torch.int64)
             assert torch.isin(mine // P, held).all() and torch.isin(free // P, held).all(), \
@@ -211,7 +249,7 @@ class SharedTails:
             assert mine.numel() + free.numel() == len(blocks) * P, "tail slots leaked"
             assert not torch.isin(free, mine).any(), "a free tail slot is in use"
             assert len(blocks) == -(-mine.numel() // P), (
-                f"sequence slot {index} holds {len(blocks)} tail blocks for {mine.numel()} tail tokens")
+                f"tail group {index} holds {len(blocks)} tail blocks for {mine.numel()} tail tokens")
 
 
 def SharedTailKVCacheManager(*args, **kwargs) -> KVCacheManager:

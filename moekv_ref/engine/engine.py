@@ -17,8 +17,10 @@ and forgotten, and `stats()` is kept in counters: memory stays flat however many
 
 Per-device pools: with `blocks_per_device` and `device_of_expert` the attention experts live on D
 devices, each with its own blocks, and a row takes blocks from its expert's device
-(cache/kv_cache_manager.py); the scheduler then reserves each step device by device
-(scheduler.py), so memory runs short per device. The model, its cache calls, the runner and
+(cache/kv_cache_manager.py); with `blocks_per_device` and `home_devices=True` instead, every row of
+request s takes blocks from device s % D. The scheduler then reserves each step device by device
+(scheduler.py), so memory runs short per device; prefix caching works over either placement, a hit
+reusing only blocks of the device each row takes its blocks from. The model, its cache calls, the runner and
 the swap copies are the same. `eviction_stats()` adds the scheduler's eviction counts to stats(),
 with the peak of blocks in use on each device (after a forward, before finishing): a running maximum,
 so a long-running engine keeps no per-step history. With record_history, `device_timeline` also
@@ -116,6 +118,11 @@ class LLMEngine:
     cache.block_pool.checked_blocks_per_device), num_blocks their sum (it may be left out);
     device_of_expert: (E,) or (L, E) integer devices 0..D-1 (e.g. placement.place_experts /
     place_layers; cache.kv_cache_manager.checked_placement). Without them the pool is one device.
+    home_devices: with blocks_per_device and no device_of_expert, every row of request s lives on
+    device s % D, its home, whatever its expert (a pool sharded by sequence); device_of_expert is
+    then None, and the devices of a request's rows are memory.device_of_expert_of([s]).
+    Prefix caching combines with either placement: a hit reuses only blocks of the device each of
+    the request's rows takes blocks from.
     record_history: keep every request after it finished (`requests`), the per-step `timeline` and
     the request `events`, for figures and tables of one run. Off by default: a long-running engine
     then holds only its unfinished requests, and memory does not grow with the requests served.
@@ -129,7 +136,8 @@ class LLMEngine:
     def __init__(self, model: MoEKVTransformer, num_blocks: int | None = None, block_size: int = 16,
                  scheduler_config: SchedulerConfig | None = None, num_swap_blocks: int | None = None,
                  shuffle_seed: int | None = None, attention: str | None = None, record_history: bool = False,
-                 enable_prefix_caching: bool = False, blocks_per_device=None, device_of_expert=None):
+                 enable_prefix_caching: bool = False, blocks_per_device=None, device_of_expert=None,
+                 home_devices: bool = False):
         if not isinstance(model, MoEKVTransformer):
             raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
         if blocks_per_device is not None:
@@ -159,9 +167,11 @@ class LLMEngine:
         self.cache = PagedKVCache.for_model(model, block_size, num_blocks, shuffle_seed=shuffle_seed,
                                             attention=attention, blocks_per_device=blocks_per_device,
                                             device_of_expert=device_of_expert,
-                                            enable_prefix_caching=enable_prefix_caching)
+                                            enable_prefix_caching=enable_prefix_caching,
+                                            home_devices=home_devices)
         self.blocks_per_device = self.cache.manager.blocks_per_device.tolist()         # D ints
-        self.device_of_expert = self.cache.manager.device_of_expert                     # (L, E) int64
+        manager = self.cache.manager                # (L, E) int64; None with home devices (rows follow sequences)
+        self.device_of_expert = None if manager.home_devices else manager.device_of_expert
         self.scheduler = Scheduler(scheduler_config, self.cache.manager, ModelShape.from_config(self.config, block_size),
                                    num_swap_blocks)
         self.memory = self.scheduler.memory          # read-only: the pool and the swap space
@@ -189,7 +199,7 @@ class LLMEngine:
         past the model's positions, or a request that might not fit the pool even alone."""
         params = self._checked_params(sampling_params)
         prompt = self._checked_prompt(prompt, params.max_new_tokens)
-        self.scheduler.check_fits_alone(len(prompt), params.max_new_tokens)
+        self.scheduler.check_fits_alone(len(prompt), params.max_new_tokens, self._next_request_id)
         return self._queue(prompt, params)
 
     def _queue(self, prompt: list[int], params: SamplingParams) -> int:
@@ -410,7 +420,7 @@ class LLMEngine:
         for i, (prompt, params) in enumerate(zip(prompts, per_prompt)):
             params = self._checked_params(params, f"sampling_params[{i}]")
             prompt = self._checked_prompt(prompt, params.max_new_tokens, f"prompt {i}")
-            self.scheduler.check_fits_alone(len(prompt), params.max_new_tokens)
+            self.scheduler.check_fits_alone(len(prompt), params.max_new_tokens, self._next_request_id + i)
             checked.append((prompt, params))
         ids = [self._queue(prompt, params) for prompt, params in checked]
         outputs: dict[int, RequestOutput] = {}

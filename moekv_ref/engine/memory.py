@@ -16,9 +16,11 @@ its own blocks, memory is short per device; one pool is D = 1, the same question
     row_last_used(s)             (L, E) the step that last appended to each row of s (-1: never),
                                  what an expert-level LRU reads; None where the scheduler does not
                                  evict rows
-    device_of_expert             (L, E) the manager's placement of experts
+    device_of_expert             (L, E) the manager's placement of experts; a pool with home devices
+                                 has none (a row lives on its sequence's home) and raises ValueError
     device_of_expert_of(seqs)    (m, L, E) where each row of these sequences lives, held or not (its
-                                 expert's device, or its sequence's home in a pool with home devices)
+                                 expert's device, or its sequence's home in a pool with home devices):
+                                 what a policy asking "which device is this row on" must read
 
 The totals (num_blocks, num_free_blocks, ...) stay sums over devices, so the admission policies that
 reason about the whole pool keep working.
@@ -142,7 +144,8 @@ class MemoryView:
 
     @property
     def device_of_expert(self) -> torch.Tensor:
-        """(L, E) the device of each expert (all 0: one pool)."""
+        """(L, E) the device of each expert (all 0: one pool). ValueError with home devices, where
+        rows follow their sequence: ask device_of_expert_of."""
         return self._manager.device_of_expert
 
     def device_of_expert_of(self, seq_ids: list[int]) -> torch.Tensor:

@@ -52,9 +52,10 @@ evicted (`can_evict_rows`: plain pages, not shared tails, not prefix caching).
 
 Prefix caching (when the block manager is built with a PrefixCache, prefix_cache.py): a request
 starting from nothing first asks it for the longest usable cached prefix of its tokens (`hit_for`,
-which also says what the hit costs); it is admitted with num_computed_tokens = s, its rows built
-from shared blocks and copies (a COPY block copy each, run before the forward), and its step
-reserves the worst case of its remaining tokens plus the free blocks the hit takes. After each step
+for its own rows' devices, which also says what the hit costs on each device); it is admitted with
+num_computed_tokens = s, its rows built from shared blocks and copies (a COPY block copy each, run
+before the forward), and its step reserves the worst case of its remaining tokens plus the free
+blocks the hit takes, device by device. After each step
 the computed tokens' full blocks are registered, so that later requests find them; freeing a
 sequence drops its owners, and cached blocks stay findable until the pool evicts them.
 
@@ -480,16 +481,17 @@ class Scheduler:
         no prefix caching, the request holds blocks or is swapped out, or nothing usable is cached."""
         if self.prefix_cache is None or request.swapped or self.memory.holds(request.request_id):
             return None
-        return self.prefix_cache.hit_for(request.all_token_ids)
+        return self.prefix_cache.hit_for(request.all_token_ids, request.request_id)
 
     def hit_step_blocks(self, hit, num_tokens: int) -> torch.Tensor:
         """(D,) step_blocks for a request about to start from `hit`: the worst case of its next
-        num_tokens tokens from the hit's row counts, plus the free blocks the hit itself takes (a
-        pool that caches prefixes has one device)."""
-        counts = hit.row_counts.view(1, self.shape.num_layers, self.shape.num_experts)            # (1, L, E)
+        num_tokens tokens from the hit's row counts, on the devices of the rows it was looked up for
+        (its own: with home devices, its home), plus the free blocks the hit itself takes there."""
+        L, E = self.shape.num_layers, self.shape.num_experts
+        counts = hit.row_counts.view(1, L, E)                                                     # (1, L, E)
         need = self._worst_case_need(counts, [num_tokens], [hit.num_tokens + num_tokens],
-                                     self.memory.device_of_expert[None])[0]
-        return need + hit.num_free_taken
+                                     hit.row_devices.view(1, L, E))[0]
+        return need + hit.free_taken_per_device
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Take a running request off the pool; it goes back to the head of the waiting line."""

@@ -116,7 +116,8 @@ class ExpertLRU(VictimPolicy):
                 raise ValueError("victim='expert_lru' drops single rows: it needs a scheduler that tracks and "
                                  "evicts rows (the engine's Scheduler on plain pages, without prefix caching)")
             counts = memory.token_counts([request.request_id])[0]                       # (L, E)
-            on_short = (counts > 0) & (memory.device_of_expert == shortage.device)      # (L, E)
+            devices = memory.device_of_expert_of([request.request_id])[0]              # (L, E) its rows'
+            on_short = (counts > 0) & (devices == shortage.device)                       # (L, E)
             for layer, expert in on_short.nonzero().tolist():
                 key = (int(last_used[layer, expert]), -order, layer, expert)
                 if best_key is None or key < best_key:
