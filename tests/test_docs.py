@@ -142,6 +142,52 @@ def test_readme_eviction_table_is_what_its_json_says():
     assert bound.groups() == (f"{runs[0]['bound']['steps']:.0f}", f"{runs[0]['bound']['tokens_per_step']:.2f}")
 
 
+def test_readme_eviction_prose_is_what_its_json_says():
+    """The numbers in the words around the README's eviction tables: the policies' spread, the
+    evictions they make, the optimum's spread, the engine run and the prefix-cache table."""
+    runs = [json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))
+            for name in ("bench_eviction.json", "bench_eviction_swap.json")]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = re.sub(r"\s+", " ", readme.split("(`bench eviction`)", 1)[1].split("\n## ", 1)[0])
+    policies = [run["workload"]["policies"] for run in runs]
+    rates = [p["tokens_per_step"] for run in policies for p in run.values()]
+    spread = 100 * (max(rates) / min(rates) - 1)
+    assert f"tokens/step differ by at most {spread:.1f}% over both runs" in section, spread
+    evictions = [p["evictions"] for run in policies for name, p in run.items() if name != "oracle"]
+    fewest, most = map(int, re.search(r"\((\d+) to (\d+); the oracle none\)", section).groups())
+    assert (fewest, most) == (min(evictions), max(evictions))
+    assert all(run["oracle"]["evictions"] == 0 for run in policies)
+
+    instances = json.loads((ROOT / "figures" / "eviction_optimum.json").read_text(encoding="utf-8"))["instances"]
+    extra = [100 * (i["optimum"]["worst_steps"] / i["optimum"]["steps"] - 1) for i in instances]
+    assert re.search(rf"the worst schedule takes {round(min(extra))}-{round(max(extra))}% more steps", section)
+
+    engine = runs[0]["engine"]["policies"]
+    line = re.search(r"steps (\d+) \(newest_first, sequence_lru\), (\d+) \(expert_lru, (\d+) row evictions, "
+                     r"([\d.]+) blocks freed on the short device per eviction\), (\d+) \(pressure_aware, (\d+) "
+                     r"tokens recomputed against (\d+)\)", section)
+    assert line.groups() == (
+        str(engine["newest_first"]["num_steps"]), str(engine["expert_lru"]["num_steps"]),
+        str(engine["expert_lru"]["num_row_evictions"]), f"{engine['expert_lru']['freed_on_short_device_per_eviction']:.1f}",
+        str(engine["pressure_aware"]["num_steps"]), str(engine["pressure_aware"]["num_recomputed_tokens"]),
+        str(engine["sequence_lru"]["num_recomputed_tokens"])), line.groups()
+    assert engine["newest_first"]["num_steps"] == engine["sequence_lru"]["num_steps"]
+
+    table = re.findall(r"\| (topk|threshold) \| (off|on) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|", section)
+    assert len(table) == 4, table
+    for routing, cache, *cells in table:
+        run = runs[0]["prefix_cache"]["routings"][routing][cache]
+        hits = run["prefix_cache"] or {}
+        assert cells == [str(v) for v in (run["num_steps"], run["num_computed_tokens"], hits.get("num_hit_tokens", 0),
+                                          hits.get("num_shared_blocks", 0), hits.get("num_cow_blocks", 0),
+                                          run["num_prompt_blocks"], round(run["tokens_per_second"]))], (routing, cache)
+    for routing in ("topk", "threshold"):
+        r = runs[0]["prefix_cache"]["routings"][routing]
+        assert (f"- {routing}: hit rate {r['token_hit_rate']:.3f} of tokens, {r['block_hit_rate']:.3f} of the prompts' "
+                f"blocks; prefill tokens saved {r['prefill_tokens_saved']}, steps saved {r['steps_saved']}, tokens/s "
+                f"x{r['tokens_per_second_ratio']:.2f}; outputs equal: {r['outputs_equal']}") in section, routing
+
+
 def test_readme_optimum_table_is_what_its_json_says():
     """Each row of the README's table of the exact optimum against figures/eviction_optimum.json."""
     rows = json.loads((ROOT / "figures" / "eviction_optimum.json").read_text(encoding="utf-8"))["instances"]
