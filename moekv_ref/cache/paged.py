@@ -322,11 +322,13 @@ class PagedKVCache:
         """The rows where group is True, at once: keys padded to the longest row, queries to the row
         with most new tokens, one fused attention (F.scaled_dot_product_attention, grouped-query) over
         the batch. Writes their pairs' outputs into out. group None: every row of the call, each with
-        exactly one pair (a decode step), so nothing needs selecting."""
+        exactly one pair (a decode step), so nothing needs selecting: the rows are then taken in pair
+        order, and the queries are the pairs' own, in place."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         device = q.device
-        if group is None:
-            rows, lens, num_new, max_new = appended.rows, appended.context_lens, None, 1
+        if group is None:                                                          # row i: pair i's
+            rows, lens = appended.rows[appended.pair_row], appended.context_lens[appended.pair_row]
+            num_new, max_new = None, 1
         else:
             members = group.nonzero().squeeze(1)                                   # (g,) into rows
             rows, lens = appended.rows[members], appended.context_lens[members]   # (g,)
@@ -336,10 +338,14 @@ class PagedKVCache:
         compute = score_dtype(q.dtype)                                             # float32 at least
         keys, values, key_valid = self._gather_rows(rows, lens, compute)           # (g, Lmax, Hkv, Dh), (g, Lmax)
         max_len = keys.shape[1]
+        if group is None:                                                          # (n, 1, H, Dh): pair p, row p
+            result = F.scaled_dot_product_attention(                              # (n, H, 1, Dh)
+                q.to(compute)[:, None].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                attn_mask=key_valid[:, None, None, :], enable_gqa=Hkv != q.shape[1])
+            out.copy_(result[:, :, 0])
+            return
         # the group's pairs in a padded (g, Qmax) table of queries
-        if group is None:                                                          # pair p: row pair_row[p]
-            pairs, pair_slot, column, pair_q, pair_index = None, appended.pair_row, 0, q, appended.pair_index
-        elif g == appended.rows.numel():                                           # every row of the call
+        if g == appended.rows.numel():                                           # every row of the call
             pairs, pair_slot = None, appended.pair_row                             # (n,)
             column = appended.pair_index - (lens - num_new)[pair_slot]
             pair_q, pair_index = q, appended.pair_index
