@@ -180,14 +180,16 @@ def test_torch_grouped_mm_reaches_the_logits(models, torch_logits, monkeypatch):
 def test_decode_slots_run_in_pair_order_and_reach_the_logits(models, torch_logits, monkeypatch):
     """A decode append (every pair the one new token of its row) is not sorted: append_kv hands
     allocate_slots its rows in pair order, and allocate_slots takes each new token's slot directly
-    (_slot_of at the row's old length), never the general per-token _slots. Shifting those direct
-    slots by one, and only those, shows in the logits."""
+    (_slot_of at the row's old length), never the general per-token _slots, and some decode appends
+    give rows a block (the one-token column). Shifting those direct slots by one, and only those,
+    shows in the logits."""
     calls, general = [], []
     original_allocate, original_slots, original_slot_of = (
         KVCacheManager.allocate_slots, KVCacheManager._slots, KVCacheManager._slot_of)
 
     def recording_allocate(self, rows, num_new_tokens, *args, **kwargs):
-        calls.append((torch.as_tensor(rows).clone(), torch.as_tensor(num_new_tokens).clone()))
+        full = bool((self.row_tokens[torch.as_tensor(rows)] % self.block_size == 0).any())  # takes a block
+        calls.append((torch.as_tensor(rows).clone(), torch.as_tensor(num_new_tokens).clone(), full))
         return original_allocate(self, rows, num_new_tokens, *args, **kwargs)
 
     def recording_slots(self, rows, starts, counts):
@@ -200,8 +202,9 @@ def test_decode_slots_run_in_pair_order_and_reach_the_logits(models, torch_logit
     monkeypatch.setattr(KVCacheManager, "allocate_slots", recording_allocate)
     monkeypatch.setattr(KVCacheManager, "_slots", recording_slots)
     assert (_logits(models["torch"]) - torch_logits).abs().max() == 0        # unbroken: equal
-    decode = [rows for rows, counts in calls if bool((counts == 1).all())]
+    decode = [rows for rows, counts, _ in calls if bool((counts == 1).all())]
     assert decode, "no append had one new token per row"
+    assert any(full for _, counts, full in calls if bool((counts == 1).all())), "no decode append took a block"
     assert any(bool((rows[1:] < rows[:-1]).any()) for rows in decode), "decode rows were sorted first"
 
     def shifted_slot_of(self, row, token):

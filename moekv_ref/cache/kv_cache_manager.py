@@ -418,16 +418,19 @@ class KVCacheManager:
         one_each = bool((num_new_tokens == 1).all())
         needed = (old % P == 0).to(torch.int64) if one_each else ceil_div(new, P) - ceil_div(old, P)   # (m,)
         block_ids = self._take_blocks(rows, needed, num_new_tokens)                # (total,) may raise
-        if block_ids.numel():               # most decode steps take no block: P - 1 of every P
-            new_blocks = ceil_div(new, P)                                             # (m,)
-            widest = int(new_blocks.max())
+        if block_ids.numel():               # with equal lengths, a decode step takes none P - 1 of P times
+            if one_each:                    # a row whose last block is full: one block, at column old // P
+                getting = needed.nonzero().squeeze(1)                                 # (total,)
+                owner_rows, column = rows[getting], old[getting] // P
+            else:                           # the k-th new block of row i: column ceil(old[i] / P) + k
+                owner = torch.repeat_interleave(torch.arange(rows.numel()), needed)  # (total,)
+                first_new = torch.cumsum(needed, 0) - needed                          # (m,)
+                owner_rows = rows[owner]
+                column = torch.arange(block_ids.numel()) - first_new[owner] + ceil_div(old, P)[owner]
+            widest = int(column.max()) + 1
             if widest > self.block_tables.shape[1]:
                 self._grow_tables(widest)
-            # the k-th new block of row i goes to column new_blocks[i] - needed[i] + k of its table
-            owner = torch.repeat_interleave(torch.arange(rows.numel()), needed)      # (total,)
-            first_new = torch.cumsum(needed, 0) - needed                              # (m,)
-            column = torch.arange(block_ids.numel()) - first_new[owner] + (new_blocks - needed)[owner]
-            self.block_tables[rows[owner], column] = block_ids.to(torch.int32)
+            self.block_tables[owner_rows, column] = block_ids.to(torch.int32)
         self.row_tokens[rows] = new
         self.last_appended[rows if one_each else rows[num_new_tokens > 0]] = self.clock
         if not with_slots:
