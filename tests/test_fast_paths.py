@@ -15,6 +15,8 @@ Paths and what stands in for them:
     grouped matmul     torch._grouped_mm             every expert projection of a float32 torch model
                                                      at inference (model.grouped_matmul), several experts
     reference          attention.attend_by_position  the row-by-row path (via paged.py's import)
+    decode slots       KVCacheManager._slot_of       a decode append's new slots, computed directly in
+                                                     pair order (no sort, no per-token _slots)
 """
 
 import pytest
@@ -26,6 +28,7 @@ import kernels  # noqa: E402
 import moekv_ref.cache.paged as paged  # noqa: E402
 import moekv_ref.model as model_module  # noqa: E402
 from moekv_ref.cache import PagedKVCache  # noqa: E402
+from moekv_ref.cache.kv_cache_manager import KVCacheManager  # noqa: E402
 from moekv_ref.generate import generate  # noqa: E402
 from moekv_ref.sampling import SamplingError, SamplingParams  # noqa: E402
 
@@ -171,4 +174,42 @@ def test_torch_grouped_mm_reaches_the_logits(models, torch_logits, monkeypatch):
         patch.setattr(model_module, "_grouped_mm_applies", lambda x, weights: False)
         assert (_logits(models["torch"]) - torch_logits).abs().max() < 1e-5
     monkeypatch.setattr(torch, "_grouped_mm", lambda *args, **kwargs: original(*args, **kwargs) + 1.0)
+    assert (_logits(models["torch"]) - torch_logits).abs().max() > 1e-2
+
+
+def test_decode_slots_run_in_pair_order_and_reach_the_logits(models, torch_logits, monkeypatch):
+    """A decode append (every pair the one new token of its row) is not sorted: append_kv hands
+    allocate_slots its rows in pair order, and allocate_slots takes each new token's slot directly
+    (_slot_of at the row's old length), never the general per-token _slots, and some decode appends
+    give rows a block (the one-token column). Shifting those direct slots by one, and only those,
+    shows in the logits."""
+    calls, general = [], []
+    original_allocate, original_slots, original_slot_of = (
+        KVCacheManager.allocate_slots, KVCacheManager._slots, KVCacheManager._slot_of)
+
+    def recording_allocate(self, rows, num_new_tokens, *args, **kwargs):
+        full = bool((self.row_tokens[torch.as_tensor(rows)] % self.block_size == 0).any())  # takes a block
+        calls.append((torch.as_tensor(rows).clone(), torch.as_tensor(num_new_tokens).clone(), full))
+        return original_allocate(self, rows, num_new_tokens, *args, **kwargs)
+
+    def recording_slots(self, rows, starts, counts):
+        general.append(counts.clone())
+        try:
+            return original_slots(self, rows, starts, counts)
+        finally:
+            general.pop()
+
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", recording_allocate)
+    monkeypatch.setattr(KVCacheManager, "_slots", recording_slots)
+    assert (_logits(models["torch"]) - torch_logits).abs().max() == 0        # unbroken: equal
+    decode = [rows for rows, counts, _ in calls if bool((counts == 1).all())]
+    assert decode, "no append had one new token per row"
+    assert any(full for _, counts, full in calls if bool((counts == 1).all())), "no decode append took a block"
+    assert any(bool((rows[1:] < rows[:-1]).any()) for rows in decode), "decode rows were sorted first"
+
+    def shifted_slot_of(self, row, token):
+        slots = original_slot_of(self, row, token)
+        return slots if general else slots + 1                                 # direct calls only
+
+    monkeypatch.setattr(KVCacheManager, "_slot_of", shifted_slot_of)
     assert (_logits(models["torch"]) - torch_logits).abs().max() > 1e-2

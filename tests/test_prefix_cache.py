@@ -16,7 +16,8 @@ from moekv_ref.cache.prefix_cache import PrefixCache, chain_keys
 def append_tokens(manager, seq_id, start, routing):
     """Append tokens at positions start, start + 1, ... of one sequence, token t going to the experts
     routing[t][layer] (a list per layer), as the paged cache's append_kv does: one allocation per
-    layer, rows in ascending order, then the tokens' positions recorded. Returns the slots per layer."""
+    layer, rows in ascending order (its general case; decode keeps pair order), then the tokens'
+    positions recorded. Returns the slots per layer."""
     if not manager.holds(seq_id):
         manager.add_sequence(seq_id)
     for layer in range(manager.num_layers):

@@ -445,21 +445,29 @@ class KVCacheManager:
             return SlotAllocation(torch.zeros(0, dtype=torch.int64))
         old = self.row_tokens[rows]                                       # (m,)
         new = old + num_new_tokens
-        old_blocks, new_blocks = ceil_div(old, P), ceil_div(new, P)               # (m,)
-        needed = new_blocks - old_blocks                                          # (m,)
-        total = int(needed.sum())
+        # decode: one token for each row, and a row needs a block only when its last one is full
+        one_each = bool((num_new_tokens == 1).all())
+        needed = (old % P == 0).to(torch.int64) if one_each else ceil_div(new, P) - ceil_div(old, P)   # (m,)
         block_ids = self._take_blocks(rows, needed, num_new_tokens)                # (total,) may raise
-        widest = int(new_blocks.max())
-        if widest > self.block_tables.shape[1]:
-            self._grow_tables(widest)
-        # the k-th new block of row i goes to column old_blocks[i] + k of its table
-        owner = torch.repeat_interleave(torch.arange(rows.numel()), needed)      # (total,)
-        first_new = torch.cumsum(needed, 0) - needed                              # (m,)
-        column = torch.arange(total) - first_new[owner] + old_blocks[owner]       # (total,)
-        self.block_tables[rows[owner], column] = block_ids.to(torch.int32)
+        if block_ids.numel():               # with equal lengths, a decode step takes none P - 1 of P times
+            if one_each:                    # a row whose last block is full: one block, at column old // P
+                getting = needed.nonzero().squeeze(1)                                 # (total,)
+                owner_rows, column = rows[getting], old[getting] // P
+            else:                           # the k-th new block of row i: column ceil(old[i] / P) + k
+                owner = torch.repeat_interleave(torch.arange(rows.numel()), needed)  # (total,)
+                first_new = torch.cumsum(needed, 0) - needed                          # (m,)
+                owner_rows = rows[owner]
+                column = torch.arange(block_ids.numel()) - first_new[owner] + ceil_div(old, P)[owner]
+            widest = int(column.max()) + 1
+            if widest > self.block_tables.shape[1]:
+                self._grow_tables(widest)
+            self.block_tables[owner_rows, column] = block_ids.to(torch.int32)
         self.row_tokens[rows] = new
-        self.last_appended[rows[num_new_tokens > 0]] = self.clock
-        return SlotAllocation(self._slots(rows, old, num_new_tokens) if with_slots else None)
+        self.last_appended[rows if one_each else rows[num_new_tokens > 0]] = self.clock
+        if not with_slots:
+            return SlotAllocation(None)
+        # one token each: the new token's slot is that of index old in its row
+        return SlotAllocation(self._slot_of(rows, old) if one_each else self._slots(rows, old, num_new_tokens))
 
     def _take_blocks(self, rows: torch.Tensor, needed: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
         """needed[i] fresh blocks for rows[i], each from the device of its row's expert, row after
@@ -467,6 +475,8 @@ class KVCacheManager:
         pool (with several devices: some device) is short."""
         if self.num_devices == 1:
             total = int(needed.sum())
+            if total == 0:
+                return torch.zeros(0, dtype=torch.int64)
             if total > self.pool.num_free_blocks:
                 raise OutOfBlocksError(f"appending {int(num_new_tokens.sum())} tokens to {rows.numel()} "
                                        f"rows needs {total} blocks; {self.pool.num_free_blocks} are free")

@@ -235,37 +235,43 @@ class PagedKVCache:
             manager.add_sequence(s)
         try:
             pair_rows = manager.rows(seq_ids, layer, experts)                         # (n,)
-            order = torch.argsort(pair_rows, stable=True)                             # (n,) grouped by row
-            sorted_rows, sorted_positions = pair_rows[order], positions[order]        # (n,) each
-            rows, num_new = torch.unique_consecutive(sorted_rows, return_counts=True)  # (m,)
-            # decode: every pair is the one new token of its row (m = n); the bookkeeping by row
-            # below is then the identity on the sorted pairs, and only prefill needs the general case
+            # the call's rows ascending, each pair's row among them, and each row's number of pairs
+            rows, pair_row, num_new = torch.unique(pair_rows, return_inverse=True, return_counts=True)
+            # decode: every pair is the one new token of its row (m = n). The pairs then need no
+            # sorting: each is its row, so the checks, the allocation and the slots run in pair order
             one_per_row = rows.numel() == n
-            first = None if one_per_row else torch.cumsum(num_new, 0) - num_new      # (m,) into order
-            last = sorted_positions if one_per_row else sorted_positions[first + num_new - 1]   # (m,)
-            self._check_positions(sorted_rows, sorted_positions, rows, first)
-            allocation = manager.allocate_slots(rows, num_new, rows_are_distinct=True)   # may raise
+            if one_per_row:
+                order = first = None
+                self._check_positions(pair_rows, positions, pair_rows, None)
+                allocation = manager.allocate_slots(pair_rows, num_new, rows_are_distinct=True)  # may raise
+            else:
+                order = torch.argsort(pair_rows, stable=True)                         # (n,) grouped by row
+                sorted_rows, sorted_positions = pair_rows[order], positions[order]    # (n,) each
+                first = torch.cumsum(num_new, 0) - num_new                            # (m,) into order
+                self._check_positions(sorted_rows, sorted_positions, rows, first)
+                allocation = manager.allocate_slots(rows, num_new, rows_are_distinct=True)   # may raise
         except Exception:
             for s in new_seqs:                                                        # as it was
                 manager.free(s)
             raise
-        manager.last_position[rows] = last
         self._apply_moves(allocation.moves)
-        slots = torch.empty(n, dtype=torch.int64)
-        slots[order] = allocation.slot_mapping                                        # (n,) per pair
+        if one_per_row:
+            manager.last_position[pair_rows] = positions
+            slots = allocation.slot_mapping                                           # (n,) per pair
+        else:
+            manager.last_position[rows] = sorted_positions[first + num_new - 1]
+            slots = torch.empty(n, dtype=torch.int64)
+            slots[order] = allocation.slot_mapping                                    # (n,) per pair
         if manager.prefix_cache is not None:
             manager.prefix_cache.record_positions(slots, positions)      # which chunks each block spans
         self._store(k, v, slots)
         context_lens = manager.row_tokens[rows]                              # (m,)
-        pair_row, pair_index = torch.empty_like(order), torch.empty_like(order)
         if one_per_row:
-            pair_row[order] = torch.arange(n)
-            pair_index[order] = context_lens - 1
+            pair_index = context_lens[pair_row] - 1
         else:
-            group = torch.repeat_interleave(torch.arange(rows.numel()), num_new)      # (n,) sorted
-            rank = torch.arange(n) - first[group]                                     # (n,) in the call
-            pair_row[order] = group
-            pair_index[order] = context_lens[group] - num_new[group] + rank
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(n) - first[pair_row[order]]                    # (n,) in the call
+            pair_index = context_lens[pair_row] - num_new[pair_row] + rank
         return AppendedRows(rows, num_new, context_lens, pair_row, pair_index)
 
     def _check_positions(self, sorted_rows, sorted_positions, rows, first) -> None:
@@ -344,11 +350,13 @@ class PagedKVCache:
         """The rows where group is True, at once: keys padded to the longest row, queries to the row
         with most new tokens, one fused attention (F.scaled_dot_product_attention, grouped-query) over
         the batch. Writes their pairs' outputs into out. group None: every row of the call, each with
-        exactly one pair (a decode step), so nothing needs selecting."""
+        exactly one pair (a decode step), so nothing needs selecting: the rows are then taken in pair
+        order, and the queries are the pairs' own, in place."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         device = q.device
-        if group is None:
-            rows, lens, num_new, max_new = appended.rows, appended.context_lens, None, 1
+        if group is None:                                                          # row i: pair i's
+            rows, lens = appended.rows[appended.pair_row], appended.context_lens[appended.pair_row]
+            num_new, max_new = None, 1
         else:
             members = group.nonzero().squeeze(1)                                   # (g,) into rows
             rows, lens = appended.rows[members], appended.context_lens[members]   # (g,)
@@ -358,10 +366,14 @@ class PagedKVCache:
         compute = score_dtype(q.dtype)                                             # float32 at least
         keys, values, key_valid = self._gather_rows(rows, lens, compute)           # (g, Lmax, Hkv, Dh), (g, Lmax)
         max_len = keys.shape[1]
+        if group is None:                                                          # (n, 1, H, Dh): pair p, row p
+            result = F.scaled_dot_product_attention(                              # (n, H, 1, Dh)
+                q.to(compute)[:, None].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                attn_mask=key_valid[:, None, None, :], enable_gqa=Hkv != q.shape[1])
+            out.copy_(result[:, :, 0])
+            return
         # the group's pairs in a padded (g, Qmax) table of queries
-        if group is None:                                                          # pair p: row pair_row[p]
-            pairs, pair_slot, column, pair_q, pair_index = None, appended.pair_row, 0, q, appended.pair_index
-        elif g == appended.rows.numel():                                           # every row of the call
+        if g == appended.rows.numel():                                           # every row of the call
             pairs, pair_slot = None, appended.pair_row                             # (n,)
             column = appended.pair_index - (lens - num_new)[pair_slot]
             pair_q, pair_index = q, appended.pair_index

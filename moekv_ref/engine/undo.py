@@ -37,6 +37,7 @@ import torch
 
 _PACKAGE = __name__.split(".")[0]
 _ATOMS = {int, float, bool, str, bytes, type(None)}       # immutable: copied by reference
+_STATE_KINDS: dict[type, bool] = {}                       # class -> whether its objects are state
 
 
 class Snapshot:
@@ -62,14 +63,15 @@ class Snapshot:
         self._saved = {}
 
     def _copy(self, value):
-        if type(value) in _ATOMS:
+        kind = type(value)
+        if kind in _ATOMS:
             return value
         if isinstance(value, torch.Tensor):
             return value.clone()
+        if kind is list:                                         # token ids, free slots: atoms, usually
+            return [v if type(v) in _ATOMS else self._copy(v) for v in value]
         if isinstance(value, (list, set)):
-            if all(type(v) in _ATOMS for v in value):            # token ids, free slots: the usual case
-                return value.copy()
-            return type(value)(self._copy(v) for v in value)
+            return kind(v if type(v) in _ATOMS else self._copy(v) for v in value)
         if isinstance(value, deque):
             return deque((self._copy(v) for v in value), maxlen=value.maxlen)
         if isinstance(value, (dict, OrderedDict)):
@@ -85,8 +87,8 @@ class Snapshot:
         """An object of this package with attributes of its own: not an enum member, a frozen
         dataclass, or a module of the network (weights are never a step's state)."""
         kind = type(value)
-        if not kind.__module__.startswith(_PACKAGE + ".") or not hasattr(value, "__dict__"):
-            return False
-        if isinstance(value, (enum.Enum, torch.nn.Module)):
-            return False
-        return not (dataclasses.is_dataclass(value) and kind.__dataclass_params__.frozen)
+        if kind not in _STATE_KINDS:             # a property of the class: decided once per class
+            _STATE_KINDS[kind] = (kind.__module__.startswith(_PACKAGE + ".") and hasattr(value, "__dict__")
+                                  and not issubclass(kind, (enum.Enum, torch.nn.Module))
+                                  and not (dataclasses.is_dataclass(kind) and kind.__dataclass_params__.frozen))
+        return _STATE_KINDS[kind]
