@@ -146,7 +146,6 @@ class PagedKVCache:
                                       blocks_per_device=blocks_per_device, device_of_expert=device_of_expert,
                                       home_devices=home_devices, tails=SharedTails() if shared_tails else None,
                                       prefix_cache=PrefixCache() if enable_prefix_caching else None)
-        self.block_size = block_size
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.key_cache = torch.zeros(shape, dtype=dtype, device=device)     # (N, P, Hkv, Dh)
         self.value_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -154,6 +153,11 @@ class PagedKVCache:
             require_backend("triton")       # triton is installed only where it has wheels (Linux)
             import kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
             self._kernels = kernels
+
+    @property
+    def block_size(self) -> int:
+        """P, slots per block: held by the manager, which checked it."""
+        return self.manager.block_size
 
     @staticmethod
     def _checked_devices(config, num_blocks, blocks_per_device, device_of_expert) -> tuple[list[int], torch.Tensor]:
