@@ -8,24 +8,27 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 
-def plot_device_pools(stats, blocks_per_device: int, ax=None):
-    """Blocks in use on each device after every step; the dashed line is one device's pool."""
+def plot_device_pools(stats, blocks_per_device: int, ax=None, legend: bool = True):
+    """Blocks in use on each device after every step; the dashed line is one device's pool.
+    legend=False leaves the legend to `shared_device_legend` (a figure of several such panels)."""
     ax = ax or plt.gca()
     used = stats.used_blocks.numpy()                                         # (steps, D)
     for d in range(used.shape[1]):
         ax.plot(used[:, d], label=f"device {d}", lw=1)
-    ax.axhline(blocks_per_device, color="k", ls="--", lw=0.8)
+    ax.axhline(blocks_per_device, color="k", ls="--", lw=0.8, label="one device's pool")
     ax.set(title=f"{stats.policy}: pool use per device", xlabel="step", ylabel="blocks in use")
     ax.title.set_fontsize(10)
-    ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if legend:
+        ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
 
 
-def plot_evictions(stats, ax=None):
+def plot_evictions(stats, ax=None, legend: bool = True):
     """One bar group per eviction (in order): blocks it freed on each device; the short device is
-    marked by a dot."""
+    marked by a dot. legend=False as in plot_device_pools."""
     ax = ax or plt.gca()
     if not stats.evictions:
         ax.text(0.5, 0.5, "no evictions", ha="center", transform=ax.transAxes)
@@ -39,12 +42,25 @@ def plot_evictions(stats, ax=None):
     short = np.array([r.short_device for r in stats.evictions])
     ax.scatter(np.arange(freed.shape[0]), freed[np.arange(freed.shape[0]), short], s=6, c="k", zorder=3,
                label="on the short device")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))                   # evictions are counted
     kind = {r.mode for r in stats.evictions}
     ax.set(title=f"{stats.policy}: what each eviction freed ({', '.join(sorted(kind))})",
            xlabel="eviction", ylabel="blocks freed")
     ax.title.set_fontsize(10)
-    ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if legend:
+        ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
+
+
+def shared_device_legend(fig, axes) -> None:
+    """One legend for a figure's pool and eviction panels, above them, each label once: their
+    colours mean the same devices in every panel. The figure must use layout="constrained"."""
+    entries = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    fig.legend(list(entries.values()), list(entries), loc="outside upper center", fontsize=10,
+               ncol=min(len(entries), 6), frameon=False)
 
 
 def plot_policy_comparison(comparison: dict, axes=None):
