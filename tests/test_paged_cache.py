@@ -24,6 +24,16 @@ def _run(model, cache, **options):
     return generate(model, prompts, params, cache=cache, record_logits=True, **options)
 
 
+def assert_same_run(model, paged, reference, dtype) -> None:
+    """A paged run equals the contiguous one: the same tokens and per-expert counts, logits within the
+    dtype's tolerance of it and of full recompute."""
+    assert paged.tokens == reference.tokens
+    assert torch.equal(paged.cache_counts, reference.cache_counts)
+    for a, b in zip(paged.logits, reference.logits):
+        assert (a - b).abs().max().item() <= TOLERANCE[dtype]
+    assert max_logit_error(model, paged) <= TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("mode,routing", [("expert", "topk"), ("expert", "threshold"),
                                           ("dense", "topk"), ("dense", "threshold")])
@@ -33,11 +43,7 @@ def test_paged_equals_contiguous_and_recompute(mode, routing, dtype, attention):
     reference = _run(model, "contiguous")
     for block_size in (1, 4, 16, 64):
         paged = _run(model, "paged", block_size=block_size, shuffle_seed=block_size, attention=attention)
-        assert paged.tokens == reference.tokens
-        assert torch.equal(paged.cache_counts, reference.cache_counts)
-        for a, b in zip(paged.logits, reference.logits):
-            assert (a - b).abs().max().item() <= TOLERANCE[dtype]
-        assert max_logit_error(model, paged) <= TOLERANCE[dtype]
+        assert_same_run(model, paged, reference, dtype)
 
 
 def test_blocks_are_scattered_and_slots_follow_tables():
@@ -305,11 +311,7 @@ def test_shared_tails_on_several_devices_equal_contiguous_and_recompute(dtype, p
     for block_size in (2, 4, 16):
         paged = _run(model, "paged", block_size=block_size, shuffle_seed=block_size, shared_tails=True,
                      blocks_per_device=[200, 200], **devices)
-        assert paged.tokens == reference.tokens
-        assert torch.equal(paged.cache_counts, reference.cache_counts)
-        for a, b in zip(paged.logits, reference.logits):
-            assert (a - b).abs().max().item() <= TOLERANCE[dtype]
-        assert max_logit_error(model, paged) <= TOLERANCE[dtype]
+        assert_same_run(model, paged, reference, dtype)
 
 
 def test_shared_tails_on_two_devices_keep_each_devices_tails_apart_exact_ids():

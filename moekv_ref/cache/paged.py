@@ -135,7 +135,7 @@ class PagedKVCache:
             if blocks_per_device is None or device_of_expert is not None:
                 raise ValueError("home_devices=True needs blocks_per_device and no device_of_expert: every "
                                  "row of sequence s lives on device s % D, whatever its expert")
-            blocks_per_device = self._checked_homes(config, num_blocks, blocks_per_device)
+            blocks_per_device, _ = self._checked_devices(config, num_blocks, blocks_per_device, None)
         elif (blocks_per_device is None) != (device_of_expert is None):
             raise ValueError("per-device pools need both blocks_per_device and device_of_expert "
                              "(or home_devices=True instead of device_of_expert)")
@@ -160,37 +160,27 @@ class PagedKVCache:
         return self.manager.block_size
 
     @staticmethod
-    def _checked_devices(config, num_blocks, blocks_per_device, device_of_expert) -> tuple[list[int], torch.Tensor]:
-        """blocks_per_device as D ints summing to num_blocks and device_of_expert as (L, E), each
-        device large enough for one token of one sequence (a block in each of its experts that a
-        token can reach there, every layer); ValueError naming the device otherwise."""
+    def _checked_devices(config, num_blocks, blocks_per_device, device_of_expert) -> tuple[list[int], torch.Tensor | None]:
+        """blocks_per_device as D ints summing to num_blocks and device_of_expert as (L, E) (None:
+        home devices, each row on its sequence's home), each device large enough for one token of one
+        sequence (a block in each of its experts that a token can reach there, every layer; with homes,
+        all k of every layer); ValueError naming the device otherwise."""
         L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
         blocks_per_device = checked_blocks_per_device(blocks_per_device)
         if sum(blocks_per_device) != num_blocks:
             raise ValueError(f"num_blocks={num_blocks} must equal sum(blocks_per_device)="
                              f"{sum(blocks_per_device)}")
-        placement = checked_placement(device_of_expert, L, E, len(blocks_per_device))
+        placement = None if device_of_expert is None else checked_placement(device_of_expert, L, E,
+                                                                              len(blocks_per_device))
         for d, n in enumerate(blocks_per_device):
-            least = int(torch.clamp((placement == d).sum(1), max=K).sum())                 # over layers
+            if placement is None:
+                least, where = L * K, "a sequence homed there"
+            else:
+                least, where = int(torch.clamp((placement == d).sum(1), max=K).sum()), "its experts"  # over layers
             if n < least:
-                raise ValueError(f"blocks_per_device[{d}]={n} is too small for even one token: its "
-                                 f"experts can take {least} blocks; allow at least {least}")
+                raise ValueError(f"blocks_per_device[{d}]={n} is too small for even one token of {where}: "
+                                 f"allow at least {least}")
         return blocks_per_device, placement
-
-    @staticmethod
-    def _checked_homes(config, num_blocks, blocks_per_device) -> list[int]:
-        """blocks_per_device of a pool with home devices: D ints summing to num_blocks, each device
-        large enough for one token of a sequence homed there (a block in each of its k rows of every
-        layer); ValueError naming the device otherwise."""
-        blocks_per_device = checked_blocks_per_device(blocks_per_device)
-        if sum(blocks_per_device) != num_blocks:
-            raise ValueError(f"num_blocks={num_blocks} must equal sum(blocks_per_device)={sum(blocks_per_device)}")
-        least = config.num_hidden_layers * config.num_attention_experts_per_tok
-        for d, n in enumerate(blocks_per_device):
-            if n < least:
-                raise ValueError(f"blocks_per_device[{d}]={n} is too small for even one token of a sequence "
-                                 f"homed there: allow at least {least}")
-        return blocks_per_device
 
     @classmethod
     def for_model(cls, model, block_size: int = 16, num_blocks: int | None = None,
