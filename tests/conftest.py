@@ -6,6 +6,19 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest.ini runs the suite on every core (pytest-xdist, one test module or notebook per worker):
+# each worker's torch takes its share of the cores instead of all of them, so that workers do not
+# oversubscribe the machine.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+# The longest module first, so that a worker starts it at once instead of it running alone at the end.
+FIRST = ("tests/test_browser.py",)
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))     # a stable sort: otherwise in order
+
 
 def pytest_terminal_summary(terminalreporter):
     """The browser test's table per notebook (tests/test_browser.py), at the end of the run."""
