@@ -1,47 +1,38 @@
 """Paged memory designs for the simulator. Every design, baselines included, answers these calls:
 
-    admit(seqs, final_lens)        sequences enter (final_lens: their total tokens, known to a trace;
-                                   only the `reserved` baseline uses it, as an oracle)
-    append(rows, num_new)          rows (a,) distinct, row = seq * (L * E) + layer * E + expert,
+    admit(seqs, final_lens)        sequences enter (final_lens: total tokens, used only by the
+                                   `reserved` baseline, as an oracle)
+    append(rows, num_new)          distinct rows (a,), row = seq * (L * E) + layer * E + expert,
                                    gain num_new (a,) slots each
     release(seqs)                  sequences finish; their memory returns
     allocated_slots()              KV slots taken from memory now (used or not)
     metadata_bytes()               bytes of block tables, counts, ref counts ... a real system keeps
     reads(rows)                    contiguous runs a decode step must read from these rows
-    live_slots_of(seqs)            slots these sequences hold (the replay's bookkeeping of live bytes)
+    live_slots_of(seqs)            slots these sequences hold
 
-Rows are passed sparsely (only the rows a step touches) because a decode step of 64 sequences at
-E = 64, top-8, 16 layers touches 8,192 of 65,536 rows.
+Rows are passed sparsely: a decode step of 64 sequences at E = 64, top-8, 16 layers touches 8,192
+of 65,536 rows. Metadata is counted as a compact (CSR) layout would hold it, 4 bytes per integer:
+per block-table entry, per row in use, per allocated block (its ref_cnt); our KVCacheManager keeps
+dense tables for readability, but what we count is what a design *needs*.
 
-Metadata is counted as a compact (CSR) layout would hold it, 4 bytes per integer: per block-table
-entry, per row in use (its token count), per allocated block (its ref_cnt). Our KVCacheManager keeps
-dense (rows x max_blocks) tables for readability; what we count is what a design *needs*.
-
-Three paged designs:
-
-  ManagerPagedDesign   the real KVCacheManager and BlockPool (what the model uses): the simulator's
-                       speed is this code's speed.
+  ManagerPagedDesign   the real KVCacheManager and BlockPool (what the model uses).
   CountingPagedDesign  the same accounting from token counts alone (a row of n tokens owns
-                       ceil(n / P) blocks), cheap enough to sweep block sizes; a test checks it equals
-                       the manager-driven design step by step.
-  SharedTailDesign     the count-level model of cache/shared_tail_manager.py (a test checks it
-                       allocates what the real SharedTailKVCacheManager allocates, step by step):
-                       full blocks stay private to their row, but the partly filled *tail* of every
-                       row of a sequence lives in tail blocks shared by all that sequence's
-                       (layer, expert) rows, at token granularity:
+                       ceil(n / P) blocks), cheap enough to sweep block sizes.
+  SharedTailDesign     the count-level model of cache/shared_tail_manager.py: full blocks stay
+                       private to their row, but every row's partly filled *tail* lives in tail
+                       blocks shared by the sequence's rows, at token granularity:
 
         row (s, l, e) with n = 37, P = 16:  body blocks [12, 40] (32 tokens, contiguous runs)
                                             tail: 5 slots in the tail blocks of sequence s
         sequence s's tail blocks:  [ e3 e3 e7 e3 e1 e7 e7 -- ... ]  slots of many rows, interleaved
 
-     When a row's tail reaches P tokens they are copied into a fresh private block (P - 1 extra
-     writes: the token that fills it is written there directly) and their tail slots become holes
-     for the next tail tokens. When the holes add up to a whole block, the emptiest tail block is compacted: its < P live slots move into holes
-     elsewhere and it returns to the pool. So a sequence holds exactly ceil(tail tokens / P) tail
-     blocks: waste per sequence is < P slots instead of < P per row, at the cost of a slot index per
-     tail token (metadata), of the copies (`copied_slots`), and of reading up to P - 1 scattered
-     slots per row in decode (`reads`). Freeing a sequence frees whole blocks, because tail blocks
-     are never shared across sequences. The model's PagedKVCache runs it with shared_tails=True.
+     A tail reaching P tokens is copied into a fresh private block (P - 1 copies) and leaves holes;
+     when holes add up to a block, the emptiest tail block is compacted into them and freed. So a
+     sequence wastes < P slots instead of < P per row, at the cost of a slot index per tail token,
+     the copies (`copied_slots`) and up to P - 1 scattered reads per row in decode. Tail blocks
+     are never shared across sequences, so freeing a sequence frees whole blocks. The model's
+     PagedKVCache runs it with shared_tails=True; tests check both count-level designs against
+     the real managers step by step.
 """
 
 from __future__ import annotations
@@ -144,8 +135,7 @@ class ManagerPagedDesign:
 
 
 class SharedTailDesign(CountingPagedDesign):
-    """Private full blocks, plus per-sequence tail blocks shared by the sequence's rows at token
-    granularity (module docstring)."""
+    """Private full blocks, plus per-sequence shared tail blocks (module docstring)."""
 
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int, block_size: int):
         super().__init__(num_sequences, num_layers, num_experts, block_size)
@@ -187,10 +177,8 @@ class SharedTailDesign(CountingPagedDesign):
     def metadata_bytes(self) -> int:
         # body table entries and a ref_cnt per body block, a slot index per tail token, the
         # sequence's list of tail blocks and their ref_cnt, a token count per row in use
-        num_tail_blocks = int(self.tail_blocks.sum())
-        num_tail_tokens = int(self.tail_tokens.sum())
-        return BYTES_PER_INDEX * (2 * self._num_body_blocks + num_tail_tokens + 2 * num_tail_blocks
-                                  + self._num_rows_in_use)
+        return BYTES_PER_INDEX * (2 * self._num_body_blocks + int(self.tail_tokens.sum())
+                                  + 2 * int(self.tail_blocks.sum()) + self._num_rows_in_use)
 
     def reads(self, rows) -> int:
         tokens = self.tokens[rows]
