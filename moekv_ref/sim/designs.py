@@ -1,38 +1,32 @@
 """Paged memory designs for the simulator. Every design, baselines included, answers these calls:
 
-    admit(seqs, final_lens)        sequences enter (final_lens: total tokens, used only by the
-                                   `reserved` baseline, as an oracle)
+    admit(seqs, final_lens)        sequences enter (final_lens: only the `reserved` oracle uses it)
     append(rows, num_new)          distinct rows (a,), row = seq * (L * E) + layer * E + expert,
-                                   gain num_new (a,) slots each
+                                   gain num_new (a,) slots each (sparse: a decode step at E = 64,
+                                   top-8, 16 layers, 64 sequences touches 8,192 of 65,536 rows)
     release(seqs)                  sequences finish; their memory returns
     allocated_slots()              KV slots taken from memory now (used or not)
-    metadata_bytes()               bytes of block tables, counts, ref counts ... a real system keeps
+    metadata_bytes()               block tables, counts, ref counts, as a compact (CSR) layout
+                                   holds them, 4 bytes an integer (what a design needs, not the
+                                   dense tables our KVCacheManager keeps for readability)
     reads(rows)                    contiguous runs a decode step must read from these rows
     live_slots_of(seqs)            slots these sequences hold
 
-Rows are passed sparsely: a decode step of 64 sequences at E = 64, top-8, 16 layers touches 8,192
-of 65,536 rows. Metadata is counted as a compact (CSR) layout would hold it, 4 bytes per integer:
-per block-table entry, per row in use, per allocated block (its ref_cnt); our KVCacheManager keeps
-dense tables for readability, but what we count is what a design *needs*.
+ManagerPagedDesign drives the real KVCacheManager; CountingPagedDesign does the same accounting
+from token counts alone (ceil(n / P) blocks a row), cheap enough to sweep block sizes.
+SharedTailDesign is the count-level model of cache/shared_tail_manager.py: full blocks stay private
+to their row, but the partly filled *tail* of every row lives in tail blocks shared by the
+sequence's rows, at token granularity:
 
-  ManagerPagedDesign   the real KVCacheManager and BlockPool (what the model uses).
-  CountingPagedDesign  the same accounting from token counts alone (a row of n tokens owns
-                       ceil(n / P) blocks), cheap enough to sweep block sizes.
-  SharedTailDesign     the count-level model of cache/shared_tail_manager.py: full blocks stay
-                       private to their row, but every row's partly filled *tail* lives in tail
-                       blocks shared by the sequence's rows, at token granularity:
+    row (s, l, e) with n = 37, P = 16:  body blocks [12, 40] (32 tokens), 5 slots in s's tail blocks
+    sequence s's tail blocks:  [ e3 e3 e7 e3 e1 e7 e7 -- ... ]  slots of many rows, interleaved
 
-        row (s, l, e) with n = 37, P = 16:  body blocks [12, 40] (32 tokens, contiguous runs)
-                                            tail: 5 slots in the tail blocks of sequence s
-        sequence s's tail blocks:  [ e3 e3 e7 e3 e1 e7 e7 -- ... ]  slots of many rows, interleaved
-
-     A tail reaching P tokens is copied into a fresh private block (P - 1 copies) and leaves holes;
-     when holes add up to a block, the emptiest tail block is compacted into them and freed. So a
-     sequence wastes < P slots instead of < P per row, at the cost of a slot index per tail token,
-     the copies (`copied_slots`) and up to P - 1 scattered reads per row in decode. Tail blocks
-     are never shared across sequences, so freeing a sequence frees whole blocks. The model's
-     PagedKVCache runs it with shared_tails=True; tests check both count-level designs against
-     the real managers step by step.
+A tail reaching P tokens is copied into a fresh private block (P - 1 copies) and leaves holes; when
+holes add up to a block, the emptiest tail block is compacted into them and freed. A sequence wastes
+< P slots instead of < P per row, for a slot index per tail token, the copies (`copied_slots`) and
+up to P - 1 scattered reads per row. Tail blocks are never shared across sequences, so freeing one
+frees whole blocks. PagedKVCache runs it with shared_tails=True; tests check both count-level
+designs against the real managers step by step.
 """
 
 from __future__ import annotations

@@ -89,14 +89,6 @@ class EvictionStats:
                 "freed_on_short_device_per_eviction": self.freed_per_eviction}
 
 
-def trace_row_counts(trace: RoutingTrace, seq: int) -> torch.Tensor:
-    """(len + 1, L, E): tokens each row of sequence `seq` holds after its first t tokens, t = 0..len."""
-    chosen = trace.experts[int(trace.offsets[seq]): int(trace.offsets[seq + 1])].to(torch.int64)   # (n, L, K)
-    hits = torch.zeros(chosen.shape[0], trace.num_layers, trace.num_experts, dtype=torch.int64)    # (n, L, E)
-    hits.scatter_add_(2, chosen.clamp(min=0), (chosen >= 0).to(torch.int64))
-    return torch.cat([torch.zeros_like(hits[:1]), hits.cumsum(0)])
-
-
 class TraceFuture:
     """The FutureView (engine/victims.py) of a trace, for the offline policies: request ids are
     trace sequence ids, and a request runs one token a step from now to its end."""
@@ -117,7 +109,7 @@ class TraceFuture:
     def held(self, seq: int) -> torch.Tensor:
         """(len + 1, D) blocks the sequence holds on each device after its first t tokens."""
         if seq not in self._held:
-            counts = trace_row_counts(self.trace, seq)                                      # (len + 1, L, E)
+            counts = self.trace.row_counts(seq)                                 # (len + 1, L, E)
             self._held[seq] = blocks_held_per_device(counts, self.shape.block_size, self._map(counts),
                                                      self.manager.num_devices)
         return self._held[seq]
@@ -126,7 +118,7 @@ class TraceFuture:
         """(len, D): at the step appending token t, the blocks held before it plus the scheduler's
         worst-case reservation (capped, as the scheduler caps it, by the lifetime worst case)."""
         if seq not in self._reserved:
-            counts, held, shape = trace_row_counts(self.trace, seq)[:-1], self.held(seq)[:-1], self.shape
+            counts, held, shape = self.trace.row_counts(seq)[:-1], self.held(seq)[:-1], self.shape
             step = worst_case_step_blocks_per_device(counts, torch.ones(counts.shape[0], dtype=torch.int64),
                                                      shape.k_max, shape.block_size, self._map(counts),
                                                      self.manager.num_devices)               # (len, D)
@@ -183,23 +175,18 @@ class TraceRunner:
         """The model's part of a step: the scheduled tokens go to the rows the trace routed them to
         (blocks only, as PagedKVCache.append_kv allocates them). Returns (L,) experts chosen per
         layer over the step's tokens, for the demand predictor."""
-        trace, manager = self.trace, self.manager
+        manager = self.manager
         ids = [item.request.request_id for item in scheduled]
         for seq in sorted(ids):                      # as append_kv adds them: ascending
             if not manager.holds(seq):
                 manager.add_sequence(seq)
         starts = torch.tensor([item.request.num_computed_tokens for item in scheduled], dtype=torch.int64)  # (m,)
         counts = torch.tensor([item.num_tokens for item in scheduled], dtype=torch.int64)                  # (m,)
-        owner = torch.repeat_interleave(torch.arange(len(ids)), counts)                                   # (N,)
-        local = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[owner]
-        token = trace.offsets[ids][owner] + starts[owner] + local                                          # (N,)
-        chosen = trace.experts[token].to(torch.int64)                                                       # (N, L, K)
-        slot = torch.tensor([manager.seq_index(s) for s in ids], dtype=torch.int64)[owner]
-        rows = manager.index.row(slot[:, None, None], torch.arange(trace.num_layers)[None, :, None], chosen)
-        hits = torch.bincount(rows[chosen >= 0])
-        rows = hits.nonzero().squeeze(1)
-        manager.allocate_slots(rows, hits[rows], rows_are_distinct=True, with_slots=False)
-        return (chosen >= 0).sum((0, 2))
+        slots = torch.tensor([manager.seq_index(s) for s in ids], dtype=torch.int64)         # (m,)
+        seqs = torch.tensor(ids, dtype=torch.int64)
+        rows, hits, per_layer = self.trace.appends(seqs, starts, counts, row_seqs=slots)
+        manager.allocate_slots(rows, hits, rows_are_distinct=True, with_slots=False)
+        return per_layer
 
     def step_seconds(self, out) -> float:
         """CostModel seconds of a step: its fixed cost, each scheduled decode token or prefill /

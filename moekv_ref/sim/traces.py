@@ -1,17 +1,9 @@
 """Routing traces: which attention experts each token of each sequence went to, at every layer.
 
-A trace is all the cache needs to know about a run: a token routed to expert e at layer l appends one
-slot to row (sequence, l, e). Storing expert ids (not a (T, L, E) mask) keeps a trace of real-model
-shape small: 64 sequences x 512 tokens x 16 layers x top-8 is 4M int16.
-
-    experts      (num_tokens, L, K) int16   the experts of each token, -1 where a token used fewer
-                                            than K (threshold routing); sequences concatenated
-    offsets      (S + 1,)           int64   sequence s is tokens offsets[s] : offsets[s + 1]
-    prompt_lens  (S,)               int64   the first prompt_lens[s] tokens are prefilled at once
-
-Two synthetic kinds: `synthetic_trace`, where every sequence draws its experts from the same
-popularity, and `topic_trace`, where each sequence has a topic and each topic its own favourite
-experts (see there why that matters to eviction).
+A trace is all the cache needs of a run: a token routed to expert e at layer l appends one slot to
+row (sequence, l, e). Storing expert ids, not a (T, L, E) mask, keeps a real-model-shaped trace
+small (64 sequences x 512 tokens x 16 layers x top-8 is 4M int16). Synthetic traces come in two
+kinds: `synthetic_trace` (one expert popularity for all) and `topic_trace` (per-sequence topics).
 
 Dimension legend: S sequences, L layers, E experts, K experts per token (k_max), T topics.
 """
@@ -27,9 +19,10 @@ from ..cache.rows import RowIndex
 
 @dataclass
 class RoutingTrace:
-    experts: torch.Tensor          # (num_tokens, L, K) int16, -1 = none
-    offsets: torch.Tensor          # (S + 1,) int64
-    prompt_lens: torch.Tensor      # (S,) int64
+    experts: torch.Tensor          # (num_tokens, L, K) int16, sequences concatenated; -1: a token
+                                   # used fewer than K (threshold routing)
+    offsets: torch.Tensor          # (S + 1,) int64: sequence s is tokens offsets[s]:offsets[s + 1]
+    prompt_lens: torch.Tensor      # (S,) int64: the first prompt_lens[s] tokens prefill at once
     num_experts: int               # E
     kv_bytes_per_slot: int         # bytes of K and V one token stores in one (layer, expert) row
     name: str = "trace"
@@ -67,20 +60,33 @@ class RoutingTrace:
         return RoutingTrace(torch.cat(parts), offsets, self.prompt_lens[seqs].clone(), self.num_experts,
                             self.kv_bytes_per_slot, self.name)
 
-    def prefill_appends(self, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows the prompts of `seqs` fill, (a,) distinct, numbered seq * (L * E) + layer * E +
-        expert with seq the trace's sequence id; and num_new (a,) >= 1, the slots each gains."""
+    def row_counts(self, seq: int) -> torch.Tensor:
+        """(len + 1, L, E): tokens each row of sequence `seq` holds after its first t tokens."""
+        chosen = self.experts[int(self.offsets[seq]): int(self.offsets[seq + 1])].to(torch.int64)
+        hits = torch.zeros(chosen.shape[0], self.num_layers, self.num_experts, dtype=torch.int64)
+        hits.scatter_add_(2, chosen.clamp(min=0), (chosen >= 0).to(torch.int64))        # (n, L, E)
+        return torch.cat([torch.zeros_like(hits[:1]), hits.cumsum(0)])
+
+    def appends(self, seqs: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+                row_seqs: torch.Tensor | None = None):
+        """The rows that tokens starts[i] .. starts[i] + counts[i] - 1 of sequence seqs[i] append
+        to: rows (a,) distinct, numbered seq * (L * E) + layer * E + expert with seq = row_seqs[i]
+        (default: seqs[i]); the slots each gains (a,) >= 1; and (L,) experts chosen per layer."""
         index = RowIndex(self.num_layers, self.num_experts)
+        owner = torch.repeat_interleave(torch.arange(len(seqs)), counts)                     # (N,)
+        local = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[owner]
+        token = self.offsets[seqs][owner] + starts[owner] + local                          # (N,)
+        chosen = self.experts[token].to(torch.int64)                                  # (N, L, K)
+        row_seq = (seqs if row_seqs is None else row_seqs)[owner][:, None, None]
+        row = index.row(row_seq, torch.arange(self.num_layers)[None, :, None], chosen)
+        hits = torch.bincount(row[chosen >= 0])
+        rows = hits.nonzero().squeeze(1)
+        return rows, hits[rows], (chosen >= 0).sum((0, 2))
+
+    def prefill_appends(self, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows the prompts of `seqs` fill and the slots each gains (`appends`)."""
         count = self.prompt_lens[seqs]
-        owner = torch.repeat_interleave(seqs, count)                                  # (t,)
-        start = torch.cumsum(count, 0) - count
-        local = torch.arange(int(count.sum())) - torch.repeat_interleave(start, count)
-        token = self.offsets[owner] + local                                           # (t,)
-        chosen = self.experts[token].to(torch.int64)                                  # (t, L, K)
-        row = index.row(owner[:, None, None], torch.arange(self.num_layers)[None, :, None], chosen)
-        counts = torch.bincount(row[chosen >= 0], minlength=self.num_sequences * index.rows_per_seq)
-        rows = counts.nonzero().squeeze(1)
-        return rows, counts[rows]
+        return self.appends(seqs, torch.zeros_like(count), count)[:2]
 
     def decode_appends(self, seqs: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
         """The rows that token token_index[i] of sequence seqs[i] appends one slot to: (a,) int64,
