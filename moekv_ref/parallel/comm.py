@@ -1,22 +1,18 @@
 """Collectives that count what they move, time themselves, and name who failed.
 
 Every byte that travels between ranks in this package goes through a `Communicator`, which calls
-only torch.distributed collectives (`all_to_all_single`, `all_gather`, `broadcast`) and records per
-call the decode step, the collective, a category (hidden states, cached K/V, split sizes, ...), the
-bytes this rank sent to *other* ranks (its chunk to itself is a local copy) and the seconds it took.
+only torch.distributed collectives and records per call the step, the collective, a category
+(hidden states, cached K/V, split sizes, ...), the bytes sent to *other* ranks and the seconds.
 Counted bytes are logical: how a backend routes them (ring, tree, NVLink, NIC) changes the bytes
 per physical link, not these counts; moekv_ref/costs.py turns them into time.
 
-Uneven all-to-all is `all_to_all_single` with split sizes (on gloo the list form rejects uneven
-sizes). The receiver cannot know how many rows each peer sends, so the sizes are exchanged first
-(one int64 per peer, counted as "split_sizes") unless the caller already knows them.
+Uneven all-to-all is `all_to_all_single` with split sizes (gloo's list form rejects uneven sizes);
+the sizes are exchanged first ("split_sizes") unless the caller knows them.
 
-Failure: before each collective a rank writes its progress (sequence number and name) to the
-process group's key-value store. When a collective raises (a peer died, or hung past the group's
-timeout, launcher.py), the rank reads every peer's progress and raises a CollectiveError naming
-first the ranks that never reached this collective (also in its `missing`), then what they last
-did, which rank waited and for how long. The store lives outside the workers (in the launcher's
-parent process, or torchrun's agent), so it outlives a dead rank.
+Failure: before each collective a rank writes its progress to the key-value store, which lives
+outside the workers (in the launcher's parent process, or torchrun's agent), outliving a dead rank.
+When a collective raises (a peer died, or hung past the group's timeout), the rank reads every
+peer's progress and raises a CollectiveError naming first the ranks that never reached it.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 A `DispatchPlan` lists a home rank's (token, destination rank) pairs: one per distinct rank among
 the token's experts, not one per expert (as DeepEP lays tokens out per rank; the DeepSeek-V3
-technical report, arXiv 2412.19437, section 3.2.2, sends a token once to each node it needs and
-fans it out there). The destination sums gate * output over its experts and sends one vector back
-(combine).
+technical report, arXiv 2412.19437, section 3.2.2, sends a token once to each node it needs). The
+destination sums gate * output over its experts there and sends one vector back (combine).
 
 Wire format of one (token, rank) pair, which the cost model reproduces byte for byte:
 

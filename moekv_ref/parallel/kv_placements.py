@@ -1,31 +1,28 @@
-"""Where the attention experts' K/V live under expert parallelism: three placements, one interface.
-
-Each has `forward(layer, h, seq_ids, positions, traffic) -> (N, D)`: the attention output of the
-home rank's N tokens (h attention-normed), running the collectives the placement needs and counting
-what it sends in `traffic` (a Counter). Every rank calls it for every layer of every step.
+"""Where the attention experts' K/V live under expert parallelism: three placements, one interface,
+`forward(layer, h, seq_ids, positions, traffic) -> (N, D)`, the attention output of the home rank's
+N tokens, running the collectives the placement needs and counting what it sends in `traffic`.
+Every rank calls it for every layer of every step.
 
 kv_with_expert
-    Expert e's weights and its K/V for every sequence live on e's rank. A token's hidden state goes
-    to the ranks of its experts (once per rank), which project q, k, v, append k, v to their own
-    pool, attend and send gate * W_o(attention) back. What travels is tokens x ranks x D, whatever
-    the context; the price is that each rank's pool holds a share of every sequence, as the router
-    loads its experts (skewed routing fills one rank's pool first).
+    Expert e's weights and K/V (of every sequence) live on e's rank. A token's hidden state goes to
+    its experts' ranks (once per rank), which project q, k, v, append k, v to their pool, attend and
+    send gate * W_o(attention) back: tokens x ranks x D travel, whatever the context. The price:
+    each pool holds a share of every sequence, as the router loads its experts (skew fills one
+    first).
 
 kv_with_sequence
-    A sequence's K/V stays on its home rank (whole sequences per pool, as data parallelism keeps
-    them); expert weights stay sharded. We move the cached K/V to the expert, not the query to the
-    cache: the expert's rank runs the whole expert next to its weights, with one dispatch and one
-    combine as in kv_with_expert, plus the row's cached K/V on the way out and the new k, v back
-    home. (Moving the query would need three exchanges per layer and run attention at home.) Each
-    step re-sends every row's whole context, the bottleneck this placement exists to show.
+    A sequence's K/V stays on its home rank (as data parallelism keeps it); expert weights stay
+    sharded. The cached K/V moves to the expert, not the query to the cache: the expert's rank runs
+    the whole expert, with kv_with_expert's dispatch and combine plus the row's cached K/V out and
+    the new k, v back home (moving the query would need three exchanges per layer). Each step
+    re-sends every row's whole context: the bottleneck this placement exists to show.
 
 replicated_attention
-    Every rank holds every attention expert and its sequences' whole caches: attention runs at home
+    Every rank holds every attention expert and its sequences' whole caches; attention runs at home
     (data-parallel attention, as SGLang and vLLM serve DeepSeek's MLA). No attention bytes travel;
     the price is every attention weight on every rank.
 
-In all three the FFN experts are expert-parallel (runner.py). Pool rows are (sequence, layer,
-expert) with global expert ids.
+FFN experts are expert-parallel in all three (runner.py). Pool rows use global expert ids.
 
 Dimension legend: N home tokens, n tokens received, M (token, expert) pairs run here, D width,
 H heads, Hkv key/value heads, Dh head width, E experts, Q context rows sent, T context tokens sent.

@@ -152,8 +152,7 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
         last = torch.ones_like(my_seqs, dtype=torch.bool)                # last token of each seq
         last[:-1] = my_seqs[1:] != my_seqs[:-1]
         rows = torch.cat([my_seqs[last, None].to(logits), logits[last.to(logits.device)]], dim=1)   # (m_r, 1 + V)
-        send = [rows.shape[0]] + [0] * (R - 1)
-        gathered, _ = comm.all_to_all(rows, send, "logits")
+        gathered, _ = comm.all_to_all(rows, [rows.shape[0]] + [0] * (R - 1), "logits")   # to rank 0
         # ---- every rank reports its pool, in integers: free blocks, each sequence's (L, E) tokens
         manager = runner.pool.manager
         held = manager.sequences

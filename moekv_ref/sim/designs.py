@@ -47,8 +47,12 @@ class CountingPagedDesign:
         self.block_size = check_block_size(block_size)
         self.rows_per_seq = RowIndex(num_layers, num_experts).rows_per_seq    # rows numbered as rows.py says
         self.tokens = torch.zeros(num_sequences * self.rows_per_seq, dtype=torch.int64)  # (S*L*E,)
-        self._num_blocks = 0
+        self._num_blocks = 0                            # private blocks of the rows, all together
         self._num_rows_in_use = 0
+
+    def _row_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Private blocks a row of n tokens owns: ceil(n / P) (SharedTailDesign: full ones only)."""
+        return ceil_div(tokens, self.block_size)
 
     def admit(self, seqs, final_lens) -> None:
         pass
@@ -56,7 +60,7 @@ class CountingPagedDesign:
     def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
         old = self.tokens[rows]                                                    # (a,)
         new = old + num_new
-        self._num_blocks += int((ceil_div(new, self.block_size) - ceil_div(old, self.block_size)).sum())
+        self._num_blocks += int((self._row_blocks(new) - self._row_blocks(old)).sum())
         self._num_rows_in_use += int((old == 0).sum())
         self.tokens[rows] = new
 
@@ -65,7 +69,7 @@ class CountingPagedDesign:
 
     def release(self, seqs) -> None:
         old = self._sequence_tokens(seqs)
-        self._num_blocks -= int(ceil_div(old, self.block_size).sum())
+        self._num_blocks -= int(self._row_blocks(old).sum())
         self._num_rows_in_use -= int((old > 0).sum())
         self.tokens.view(-1, self.rows_per_seq)[seqs] = 0
 
@@ -136,15 +140,16 @@ class SharedTailDesign(CountingPagedDesign):
         self.name = f"paged-shared-tail(P={block_size})"
         self.tail_tokens = torch.zeros(num_sequences, dtype=torch.int64)          # (S,) now
         self.tail_blocks = torch.zeros(num_sequences, dtype=torch.int64)          # (S,) held
-        self._num_body_blocks = 0
         self.copied_slots = 0          # promotions (P per new body block) + compaction moves (< P)
+
+    def _row_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens // self.block_size
 
     def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
         P = self.block_size
         old = self.tokens[rows]                                                    # (a,)
         new = old + num_new
         promoted = int((new // P - old // P).sum())
-        self._num_body_blocks += promoted
         # a promotion copies the P - 1 tail tokens already written; the token that fills the block
         # is written straight into it (prefill could write whole blocks directly: counting its
         # promotions as copies keeps this an upper bound)
@@ -154,24 +159,20 @@ class SharedTailDesign(CountingPagedDesign):
         # compaction: each tail block given back moves at most P - 1 live slots into holes
         self.copied_slots += int((self.tail_blocks - needed).clamp(min=0).sum()) * (P - 1)
         self.tail_blocks = needed
-        self._num_rows_in_use += int((old == 0).sum())
-        self.tokens[rows] = new
+        super().append(rows, num_new)
 
     def release(self, seqs) -> None:
-        old = self._sequence_tokens(seqs)
-        self._num_body_blocks -= int((old // self.block_size).sum())
-        self._num_rows_in_use -= int((old > 0).sum())
         self.tail_tokens[seqs] = 0
         self.tail_blocks[seqs] = 0
-        self.tokens.view(-1, self.rows_per_seq)[seqs] = 0
+        super().release(seqs)
 
     def allocated_slots(self) -> int:
-        return (self._num_body_blocks + int(self.tail_blocks.sum())) * self.block_size
+        return (self._num_blocks + int(self.tail_blocks.sum())) * self.block_size
 
     def metadata_bytes(self) -> int:
         # body table entries and a ref_cnt per body block, a slot index per tail token, the
         # sequence's list of tail blocks and their ref_cnt, a token count per row in use
-        return BYTES_PER_INDEX * (2 * self._num_body_blocks + int(self.tail_tokens.sum())
+        return BYTES_PER_INDEX * (2 * self._num_blocks + int(self.tail_tokens.sum())
                                   + 2 * int(self.tail_blocks.sum()) + self._num_rows_in_use)
 
     def reads(self, rows) -> int:
