@@ -30,16 +30,12 @@ class _RowTokens:
     """Token counts per row (rows.py numbering, seq_index = trace sequence), for both baselines."""
 
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int):
-        self.num_layers, self.num_experts = num_layers, num_experts
         self.index = RowIndex(num_layers, num_experts)
         self.rows_per_seq = self.index.rows_per_seq
         self.tokens = torch.zeros(num_sequences * self.rows_per_seq, dtype=torch.int64)   # (S*L*E,)
 
-    def _sequence_view(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.view(-1, self.rows_per_seq)                                          # (S, L*E)
-
     def live_slots_of(self, seqs) -> int:
-        return int(self._sequence_view(self.tokens)[seqs].sum())
+        return int(self.tokens.view(-1, self.rows_per_seq)[seqs].sum())
 
     def reads(self, rows) -> int:
         return int((self.tokens[rows] > 0).sum())    # one contiguous run per row
@@ -61,7 +57,7 @@ class ReservedDesign(_RowTokens):
 
     def release(self, seqs) -> None:
         self.reserved[seqs] = 0
-        self._sequence_view(self.tokens)[seqs] = 0
+        self.tokens.view(-1, self.rows_per_seq)[seqs] = 0
 
     def allocated_slots(self) -> int:
         return int(self.reserved.sum())
