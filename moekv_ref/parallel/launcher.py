@@ -151,8 +151,7 @@ def join_group(backend: str, timeout_s: float, start_timeout_s: float, store=Non
                 f"{waited:.1f} s for it (start timeout {start_timeout_s:g} s). Cause seen there: "
                 f"{first_line(error)}", absent) from error
         progress = store
-    # every rank has joined: from here on a peer that keeps a collective waiting longer than
-    # timeout_s has hung (or died)
+    # every rank has joined: a peer keeping a collective waiting past timeout_s has hung (or died)
     group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     return WorkerContext(rank, world_size, Communicator(rank, world_size, device, store=progress, group=group),

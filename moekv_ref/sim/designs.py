@@ -150,9 +150,8 @@ class SharedTailDesign(CountingPagedDesign):
         old = self.tokens[rows]                                                    # (a,)
         new = old + num_new
         promoted = int((new // P - old // P).sum())
-        # a promotion copies the P - 1 tail tokens already written; the token that fills the block
-        # is written straight into it (prefill could write whole blocks directly: counting its
-        # promotions as copies keeps this an upper bound)
+        # a promotion copies the P - 1 tail tokens already written (the filling one goes straight
+        # in; prefill could write whole blocks directly: counting its copies keeps an upper bound)
         self.copied_slots += promoted * (P - 1)
         self.tail_tokens.index_add_(0, rows // self.rows_per_seq, new % P - old % P)
         needed = ceil_div(self.tail_tokens, P)                                    # (S,)

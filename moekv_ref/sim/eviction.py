@@ -130,8 +130,7 @@ class TraceFuture:
         return int(self.held(request.request_id)[request.num_computed_tokens + 1:, device].sum())
 
     def fits_to_completion(self, request: Request, running) -> bool:
-        # after this step every one of them has computed its num_tokens tokens (the running ones
-        # their one decode token, the request its prefill): from the next step on, token num_tokens
+        # from the next step on, each has computed its num_tokens (a decode token, or the prefill)
         paths = [self.reserved(r.request_id)[r.num_tokens:] for r in (*running, request)]   # (g, D) each
         total = torch.nn.utils.rnn.pad_sequence(paths).sum(1)                   # (g_max, D)
         return bool((total <= self.manager.blocks_per_device).all())
