@@ -1,7 +1,7 @@
 """Where the attention experts' K/V live under expert parallelism: three placements, one interface,
 `forward(layer, h, seq_ids, positions, traffic) -> (N, D)`, the attention output of the home rank's
 N tokens, running the collectives the placement needs and counting what it sends in `traffic`.
-Every rank calls it for every layer of every step.
+Every rank calls it for every layer of every step, even with no tokens of its own.
 
 kv_with_expert
     Expert e's weights and K/V (of every sequence) live on e's rank. A token's hidden state goes to
@@ -14,8 +14,9 @@ kv_with_sequence
     A sequence's K/V stays on its home rank (as data parallelism keeps it); expert weights stay
     sharded. The cached K/V moves to the expert, not the query to the cache: the expert's rank runs
     the whole expert, with kv_with_expert's dispatch and combine plus the row's cached K/V out and
-    the new k, v back home (moving the query would need three exchanges per layer). Each step
-    re-sends every row's whole context: the bottleneck this placement exists to show.
+    the new k, v back home (moving the query would need three exchanges per layer and run every
+    expert's attention at home). Each step re-sends every row's whole context: the bottleneck this
+    placement exists to show.
 
 replicated_attention
     Every rank holds every attention expert and its sequences' whole caches; attention runs at home

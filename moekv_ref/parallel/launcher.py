@@ -15,12 +15,14 @@ rank to join (spawning and importing torch can take many seconds on a loaded mac
 this CPU is about a second (`bench parallel`, 4 ranks, context 2048), so 15 s is a hang.
 
 When one rank fails (a dead rank makes its peers' collectives raise at once), the parent gives the
-others `grace_s` (3 s) to report, kills whoever is left and raises WorkerFailed, naming first the
-ranks that kept a peer waiting, then every rank's message: every rank is gone about timeout_s +
-grace_s = 18 s after a hang (tests/test_parallel_failure.py checks it). Under torchrun
-(apps/parallel_run.py, same `join_group`) a rank whose collective fails prints the ranks that never
-reached it and exits; torchrun ends the others within its 0.1 s monitor interval, so every rank is
-gone about timeout_s + 1 s after a hang.
+others `grace_s` (3 s) to report, kills whoever is left (a hung rank never returns on its own) and
+raises WorkerFailed, naming first the ranks that kept a peer waiting, then every rank's message:
+every rank is gone about timeout_s + grace_s = 18 s after a hang (tests/test_parallel_failure.py
+checks it). Under torchrun (apps/parallel_run.py, same `join_group`) a rank whose collective fails
+prints the ranks that never reached it, records that for torchrun's summary (whose "Root Cause" is
+the first rank to exit: the one that waited, as a hung rank cannot exit) and exits; torchrun ends
+the others within its 0.1 s monitor interval, so every rank is gone about timeout_s + 1 s after a
+hang.
 
 Fault injection, for tests only: MOEKV_FAULT (`parse_fault`) makes one rank die or hang at a step
 (RunSpec.fail_*, applied by apps/parallel_run.py) or start late (`join_group`).

@@ -9,8 +9,9 @@ is `scheduler.schedule(step)`, then the model's part (every scheduled token appe
 trace routed it to, by `manager.allocate_slots`, without K/V; swaps are block ids only), then
 `scheduler.update_from_output`. So every number is one the engine would produce on the same routing
 (tests/test_sim_vs_engine.py checks it step by step), its caution included: it reserves each step's
-worst case before the routing is known, and refuses requests by their worst-case lifetime.
-Preemption is by recompute, or by swap when the setup has host blocks.
+worst case (every token to k_max experts, each opening a block) before the routing is known, and
+refuses requests by their worst-case lifetime, where a planner reading the trace could use the exact
+blocks. Preemption is by recompute, or by swap when the setup has host blocks.
 
 Time: each step costs CostModel seconds (moekv_ref/costs.py) for the tokens it computes and the
 blocks it swaps. Goodput is generated tokens of finished requests per step and per modelled second.
