@@ -1,24 +1,23 @@
 """The exact offline optimum over victim choices, on small instances: an exhaustive search.
 
-The trace runner (sim/eviction.py) replays a trace through the engine's Scheduler; every decision
-of the scheduler (admission, reservation, refusal, preemption mode) stays as it is. The one decision
-searched is the victim policy's: each time a step does not fit, which candidate (a running request
-not yet scheduled this step, or the request being scheduled) is preempted, whole. The optimum
-finishes every served request in the fewest steps (ties: fewest modelled seconds, CostModel); as
-every schedule generates the same tokens, that is also most finished tokens per step. So it is a
-floor for every policy whose victims are whole candidates (newest_first, sequence_lru,
+Every decision of the Scheduler that the trace runner (sim/eviction.py) drives stays as it is
+(admission, reservation, refusal, preemption mode) but one: each time a step does not fit, which
+candidate (a running request not yet scheduled this step, or the request being scheduled) is
+preempted, whole. The optimum finishes every served request in the fewest steps (ties: fewest
+modelled seconds); as every schedule generates the same tokens, that is also most tokens per step.
+It is a floor for every policy whose victims are whole candidates (newest_first, sequence_lru,
 pressure_aware, belady: each of their runs is one branch), not for `oracle`, which also vetoes
 admissions, nor for `expert_lru`, which evicts single rows.
 
-The search is depth first over decisions with c >= 2 candidates. A branch runs through the real
-Scheduler with ScriptedVictims, which follows the branch's choices and raises NeedChoice at the
-first decision its script does not cover. A decision happens in the middle of `Scheduler.schedule`,
-which cannot be copied half-way, so the runner is deep-copied at the start of every step and a
-child restarts from there, the step's earlier choices scripted again. A step that schedules nothing
-is a dead end (the engine raises there). Branch and bound prunes a branch once it cannot beat the
-best schedule: at step t, a request with g tokens left needs at least g more steps. States are not
-memoised (two branches rarely reach the same state, and the key would be the hardest part to
-check), so the instances are small: a few sequences, two devices, a handful of evictions.
+The search is depth first over decisions with c >= 2 candidates. A branch runs the real Scheduler
+with ScriptedVictims, which follows the branch's choices and raises NeedChoice at the first decision
+not covered. A decision happens inside `Scheduler.schedule`, which cannot be copied half-way, so the
+runner is deep-copied at the start of every step and a child restarts from there, the step's earlier
+choices scripted again. A step that schedules nothing is a dead end (the engine raises there).
+Branch and bound prunes a branch that cannot beat the best: at step t, a request with g tokens left
+needs at least g more steps. States are not memoised (two branches rarely reach the same state, and
+the key would be the hardest part to check), so the instances are small: a few sequences, two
+devices, a handful of evictions.
 """
 
 from __future__ import annotations

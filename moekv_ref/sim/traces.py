@@ -166,19 +166,15 @@ def topic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k: in
                 kv_bytes_per_slot: int = 512, seed: int = 0, name: str = "topics") -> tuple[RoutingTrace, torch.Tensor]:
     """A RoutingTrace and the topic of each sequence, (S,) int64.
 
-    In `synthetic_trace` all sequences look alike to the cache. Learned routers specialise (the
-    embedded model's routers prefer kinds of characters; `routing-stats`), so a sequence about one
-    thing leans on some experts, one about another on others; under per-device pools one sequence
-    may then hold much of the short device, another almost nothing, and the victim matters.
-
-    A token of topic t weighs expert e of layer l by
+    Learned routers specialise (the embedded model's prefer kinds of characters; `routing-stats`),
+    so sequences about different things lean on different experts, and under per-device pools the
+    victim matters: one may hold much of the short device, another almost nothing. A token of topic
+    t takes k distinct experts by Gumbel top-k on
 
         log w[l, e] = -global_s * log(1 + global_rank[l, e]) - topic_s * log(1 + topic_rank[t, l, e])
 
-    and takes k distinct experts by Gumbel top-k. Topics are drawn per sequence with
-    Zipf(topic_popularity_s) popularity, so the most popular topic's experts (and, under a
-    co-activation placement, the device they share) fill first.
-    """
+    Topics have Zipf(topic_popularity_s) popularity, so the most popular topic's experts (and,
+    under a co-activation placement, the device they share) fill first."""
     _check_sizes(num_sequences=num_sequences, num_layers=num_layers,
                  num_experts=num_experts, top_k=top_k, num_topics=num_topics)
     for name_, value in (("topic_s", topic_s), ("global_s", global_s), ("topic_popularity_s", topic_popularity_s)):
