@@ -1,21 +1,14 @@
-"""Expert parallelism on torch.distributed: the experts spread over ranks, three placements of the
-attention experts' KV caches, every byte that travels counted. What a step moves and costs on
-real hardware is projected in moekv_ref/costs.py.
+"""Expert parallelism on torch.distributed: experts spread over ranks, three placements of the
+attention experts' KV caches, every byte that travels counted (moekv_ref/costs.py projects what a
+step costs on real hardware).
 
-    comm.py           Communicator: all_to_all_single / all_gather / broadcast with byte counters per
-                      rank and step, timing, and errors that name the rank and collective that failed
-    launcher.py       launch(function, world_size, args): spawn ranks from Python (gloo or NCCL); the
-                      start-up and collective timeouts; test-only fault injection (MOEKV_FAULT)
-    dispatch.py       DispatchPlan: a token's hidden state once per destination rank; dispatch, combine
-    shard.py          RankShard: the experts a rank holds, and the replicated small parts
-    kv_placements.py  kv_with_expert, kv_with_sequence, replicated_attention
-    runner.py         ParallelRunner: one rank's step (attention placement + expert-parallel FFN)
-    programs.py       RunSpec, run_specs (the worker), run_parallel, reference_run
-    locality.py       placement of experts on ranks compared on real routing
-    serving.py        the serving engine's scheduler on rank 0, each rank a device of its pool, plans broadcast
-    __main__.py       `torchrun --nproc_per_node=N -m moekv_ref.parallel ...`, the program in
-                      apps/parallel_run.py; the context sweep it and `bench parallel` measure is in
-                      apps/parallel_measure.py, the values they accept in apps/parallel_options.py
+    comm.py, launcher.py     counted, timed collectives that name a failed rank; spawning ranks
+    dispatch.py, shard.py    a token sent once per destination rank; what a rank holds of the model
+    kv_placements.py         kv_with_expert, kv_with_sequence, replicated_attention
+    runner.py, programs.py   one rank's step; RunSpec, run_parallel, the one-process reference_run
+    locality.py              placement of experts on ranks compared on real routing
+    serving.py               the engine's scheduler on rank 0, each rank a device of its pool
+    __main__.py              `torchrun -m moekv_ref.parallel`: apps/parallel_run.py
 """
 
 from .comm import CollectiveError, Communicator

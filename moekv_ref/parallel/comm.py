@@ -1,27 +1,18 @@
 """Collectives that count what they move, time themselves, and name who failed.
 
 Every byte that travels between ranks in this package goes through a `Communicator`, which calls
-only torch.distributed collectives (`all_to_all_single`, `all_gather`, `broadcast`) and records, per
-call: the decode step, the collective, a category (what the bytes are: hidden states, cached K/V,
-split sizes, ...), the bytes this rank sent to and received from *other* ranks, and the seconds the
-call took. A rank's chunk to itself is a local copy and is not counted as moved.
+only torch.distributed collectives and records per call the step, the collective, a category
+(hidden states, cached K/V, split sizes, ...), the bytes sent to *other* ranks and the seconds.
+Counted bytes are logical: how a backend routes them (ring, tree, NVLink, NIC) changes the bytes
+per physical link, not these counts; moekv_ref/costs.py turns them into time.
 
-Counted bytes are logical: what leaves one rank for another. How a backend routes them (a ring, a
-tree, NVLink or a NIC) changes the bytes on each physical link, not these counts; the cost model
-(moekv_ref/costs.py) turns the logical counts into time with a stated bandwidth.
+Uneven all-to-all is `all_to_all_single` with split sizes (gloo's list form rejects uneven sizes);
+the sizes are exchanged first ("split_sizes") unless the caller knows them.
 
-Uneven all-to-all: `all_to_all_single` with split sizes. The receiver cannot know how many rows each
-peer will send, so the sizes are exchanged first (an all-to-all of one int64 per peer, counted under
-"split_sizes") unless the caller already knows them. (On gloo the list form, `all_to_all`, rejects
-uneven sizes; the single-tensor form does not.)
-
-Failure: before each collective a rank writes its progress (the collective's sequence number and
-name) to the process group's key-value store. When a collective raises (a peer died: the connection
-closes; a peer hangs: the group's timeout runs out, launcher.py), the rank reads every peer's progress
-and raises a CollectiveError whose message starts with the ranks that never reached this collective
-(the hung or dead ones, also in its `missing`), then says what they were last doing, which rank
-waited and for how long. The store should live outside the workers (the Python launcher hosts it in
-the parent process; torchrun's agent hosts its own), so that it outlives a dead rank.
+Failure: before each collective a rank writes its progress to the key-value store, which lives
+outside the workers (in the launcher's parent process, or torchrun's agent), outliving a dead rank.
+When a collective raises (a peer died, or hung past the group's timeout), the rank reads every
+peer's progress and raises a CollectiveError naming first the ranks that never reached it.
 """
 
 from __future__ import annotations
@@ -35,13 +26,23 @@ import torch.distributed as dist
 
 
 class CollectiveError(RuntimeError):
-    """A collective failed on this rank; the message names the ranks that never reached it, then the
-    collective, this rank and how long it waited. missing: those ranks (empty if every peer reached it
-    or their progress could not be read)."""
+    """A collective failed on this rank. missing: the ranks that never reached it (empty if every
+    peer reached it or their progress could not be read)."""
 
     def __init__(self, message: str, missing: tuple = ()):
         super().__init__(message)
         self.missing = tuple(missing)
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line (at most 200 characters), or its type's name when it has no message."""
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
+def name_ranks(ranks) -> str:
+    """Ranks as a message names them: rank 1, or ranks 1, 3."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 @dataclass
@@ -50,16 +51,13 @@ class CollectiveRecord:
     collective: str          # "all_to_all_single", "all_gather", "broadcast"
     category: str            # what travelled: "attention_dispatch", "kv_context", "split_sizes", ...
     bytes_sent: int          # to other ranks
-    bytes_received: int      # from other ranks
     seconds: float
 
 
 class Communicator:
-    """torch.distributed collectives with byte counters (per rank, per step) and failure naming.
-
-    step: set by the caller (`begin_step`) so that every record says which decode step it belongs to.
-    store: the process group's key-value store, for progress and failure naming (None: the error
-    names only the collective and this rank)."""
+    """torch.distributed collectives with byte counters and failure naming. The caller sets the step
+    (`begin_step`) that records belong to; store: the key-value store for progress (None: errors
+    name only the collective and this rank)."""
 
     def __init__(self, rank: int, world_size: int, device: str | torch.device = "cpu", store=None,
                  group=None):
@@ -106,17 +104,16 @@ class Communicator:
         if recv_counts is None:
             sizes = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
             received_sizes = torch.empty_like(sizes)
-            self._run("all_to_all_single", "split_sizes", sizes.element_size(), sizes.element_size(),
-                      lambda: dist.all_to_all_single(received_sizes, sizes, group=self.group),
-                      [1] * self.world_size, [1] * self.world_size)
+            ones = [1] * self.world_size
+            self._run("all_to_all_single", "split_sizes", sizes.element_size(), ones,
+                      lambda: dist.all_to_all_single(received_sizes, sizes, group=self.group))
             recv_counts = received_sizes.tolist()
         tensor = tensor.contiguous()
         row_shape = tuple(tensor.shape[1:])
         out = tensor.new_empty((sum(recv_counts),) + row_shape)
         row_bytes = tensor[0:0].element_size() * int(torch.Size(row_shape).numel())
-        self._run("all_to_all_single", category, row_bytes, row_bytes,
-                  lambda: dist.all_to_all_single(out, tensor, recv_counts, send_counts, group=self.group),
-                  send_counts, recv_counts)
+        self._run("all_to_all_single", category, row_bytes, send_counts,
+                  lambda: dist.all_to_all_single(out, tensor, recv_counts, send_counts, self.group))
         return out, recv_counts
 
     def all_gather(self, tensor: torch.Tensor, category: str) -> list[torch.Tensor]:
@@ -124,25 +121,22 @@ class Communicator:
         source = tensor.contiguous().to(self.device)
         outs = [torch.empty_like(source) for _ in range(self.world_size)]
         nbytes = source.numel() * source.element_size()
-        ones = [1] * self.world_size
-        self._run("all_gather", category, nbytes, nbytes,
-                  lambda: dist.all_gather(outs, source, group=self.group), ones, ones)
+        self._run("all_gather", category, nbytes, [1] * self.world_size,
+                  lambda: dist.all_gather(outs, source, group=self.group))
         return [out.to(tensor.device) for out in outs]
 
     def broadcast(self, tensor: torch.Tensor, src: int, category: str) -> torch.Tensor:
         """tensor from rank src, in place on every rank."""
-        nbytes = tensor.numel() * tensor.element_size()
-        sends = [int(self.rank == src)] * self.world_size
-        receives = [int(r == src) for r in range(self.world_size)]
         on_device = tensor.to(self.device)
-        self._run("broadcast", category, nbytes, nbytes,
-                  lambda: dist.broadcast(on_device, src, group=self.group), sends, receives)
+        self._run("broadcast", category, tensor.numel() * tensor.element_size(),
+                  [int(self.rank == src)] * self.world_size,
+                  lambda: dist.broadcast(on_device, src, group=self.group))
         tensor.copy_(on_device)
         return tensor
 
     # ----- one call, counted and guarded ----------------------------------------------------------------
-    def _run(self, collective: str, category: str, send_unit: int, recv_unit: int, call,
-             send_counts: list[int], recv_counts: list[int]) -> None:
+    def _run(self, collective: str, category: str, unit: int, send_counts: list[int], call) -> None:
+        """call(), counted as send_counts[r] units of `unit` bytes to each rank r, and guarded."""
         self._sequence += 1
         label = f"{collective} #{self._sequence} ({category}, step {self.step})"
         if self.store is not None:
@@ -155,18 +149,14 @@ class Communicator:
         except Exception as error:   # gloo raises RuntimeError, NCCL DistBackendError: both are failures
             message, missing = self._diagnose(label, error, time.perf_counter() - start)
             raise CollectiveError(message, missing) from error
+        sent = unit * (sum(send_counts) - send_counts[self.rank])
         seconds = time.perf_counter() - start
-        peers = [r for r in range(self.world_size) if r != self.rank]
-        self.records.append(CollectiveRecord(
-            self.step, collective, category,
-            bytes_sent=send_unit * sum(send_counts[r] for r in peers),
-            bytes_received=recv_unit * sum(recv_counts[r] for r in peers),
-            seconds=seconds))
+        self.records.append(CollectiveRecord(self.step, collective, category, sent, seconds))
 
     def _diagnose(self, label: str, error: Exception, waited: float) -> tuple[str, tuple]:
         """(message, missing ranks): which ranks never reached this collective, read from the store's
         progress keys, named first; then this rank, how long it waited, and the backend's cause."""
-        cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        cause = first_line(error)
         seen = f"rank {self.rank} waited {waited:.1f} s in it. Cause seen there: {cause}"
         if self.store is None:
             return f"{label} failed on rank {self.rank} after {waited:.1f} s: {cause}", ()
@@ -190,9 +180,9 @@ class Communicator:
                 unknown.append(peer)
         if behind:
             ranks = sorted(behind)
-            who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
             details = "; ".join(f"rank {peer} {behind[peer]}" for peer in ranks)
-            return (f"{who} never reached {label}: hung or dead ({details}); {seen}", tuple(ranks))
+            return (f"{name_ranks(ranks)} never reached {label}: hung or dead ({details}); {seen}",
+                    tuple(ranks))
         if unknown:
             return (f"{label} failed on rank {self.rank}: could not read the progress of ranks {unknown}; "
                     f"{seen}", ())

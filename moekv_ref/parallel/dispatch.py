@@ -1,12 +1,9 @@
 """Dispatch and combine: a token's hidden state goes once to each rank holding one of its experts.
 
-A home rank holds its tokens' hidden states. After a router chose experts, a `DispatchPlan` lists
-the (token, destination rank) pairs: one per distinct rank among the token's experts, not one per
-expert, so a token whose two experts share a rank sends its hidden state once (DeepEP's dispatch
-lays tokens out per rank the same way; the DeepSeek-V3 technical report, arXiv 2412.19437, section
-3.2.2, sends a token once to each node it needs and fans it out to the experts there). The
-destination runs the token through each of its experts there, sums gate * output over them and
-sends one vector back (combine), so combine is also once per rank.
+A `DispatchPlan` lists a home rank's (token, destination rank) pairs: one per distinct rank among
+the token's experts, not one per expert (as DeepEP lays tokens out per rank; the DeepSeek-V3
+technical report, arXiv 2412.19437, section 3.2.2, sends a token once to each node it needs). The
+destination sums gate * output over its experts there and sends one vector back (combine).
 
 Wire format of one (token, rank) pair, which the cost model reproduces byte for byte:
 
@@ -17,11 +14,10 @@ Wire format of one (token, rank) pair, which the cost model reproduces byte for 
     back    (D,)          the destination's sum of gate * expert output, model dtype
 
 K is the layer's most experts per token (k, or k_max under threshold routing). Rows are grouped by
-destination rank (tokens in their home order within a rank), which is what `all_to_all_single` with
-split sizes expects.
+destination rank, tokens in home order within a rank, as `all_to_all_single` with split sizes wants.
 
 Dimension legend: N tokens on the home rank, E experts of the layer, R ranks, P (token, rank) pairs,
-K expert slots per pair, D model width, n tokens a rank received.
+K expert slots per pair, D model width, n tokens a rank received, M (token, expert) pairs run.
 """
 
 from __future__ import annotations
@@ -35,19 +31,12 @@ from .comm import Communicator
 
 @dataclass
 class DispatchPlan:
-    """Where a home rank's tokens go for one layer's experts.
-
-    token        (P,) int64  the token of each (token, rank) pair, pairs grouped by rank
-    rank         (P,) int64  the destination rank
-    experts      (P, K) int64  the token's experts on that rank, ascending, -1 padded
-    gates        (P, K)      their gates, 0 padded
-    send_counts  R ints      pairs per destination rank
-    """
-    token: torch.Tensor
-    rank: torch.Tensor
-    experts: torch.Tensor
-    gates: torch.Tensor
-    send_counts: list[int]
+    """Where a home rank's tokens go for one layer's experts, pairs grouped by rank."""
+    token: torch.Tensor             # (P,) int64, the token of each (token, rank) pair
+    rank: torch.Tensor              # (P,) int64, the destination rank
+    experts: torch.Tensor           # (P, K) int64, its experts on that rank, ascending, -1 padded
+    gates: torch.Tensor             # (P, K), their gates, 0 padded
+    send_counts: list[int]          # R, pairs per destination rank
 
     @classmethod
     def build(cls, selected: torch.Tensor, gates: torch.Tensor, rank_of_expert: torch.Tensor,
@@ -82,17 +71,13 @@ class DispatchPlan:
 
 @dataclass
 class Received:
-    """The pairs a rank received for its experts, grouped by source rank.
-
-    hidden (n, D), gates (n, K) on the model's device; experts (n, K), seq_ids, positions (n,)
-    (attention only) on the CPU; recv_counts R ints.
-    """
-    hidden: torch.Tensor
-    gates: torch.Tensor
-    experts: torch.Tensor
-    seq_ids: torch.Tensor | None
-    positions: torch.Tensor | None
-    recv_counts: list[int]
+    """The pairs a rank received for its experts, grouped by source rank."""
+    hidden: torch.Tensor                # (n, D) on the model's device
+    gates: torch.Tensor                 # (n, K) on the model's device
+    experts: torch.Tensor               # (n, K) on the CPU, as the rest
+    seq_ids: torch.Tensor | None        # (n,), attention only
+    positions: torch.Tensor | None      # (n,), attention only
+    recv_counts: list[int]              # R
 
 
 def dispatch(comm: Communicator, plan: DispatchPlan, hidden: torch.Tensor, category: str,
@@ -116,10 +101,13 @@ def dispatch(comm: Communicator, plan: DispatchPlan, hidden: torch.Tensor, categ
     return Received(hidden_in, gates_in, ints_in[:, 2:], ints_in[:, 0], ints_in[:, 1], recv_counts)
 
 
-def combine(comm: Communicator, plan: DispatchPlan, received: Received, partial: torch.Tensor,
-            num_tokens: int, category: str) -> torch.Tensor:
-    """Send each received pair's summed output (n, D) back home and add them up per token: returns
-    (num_tokens, D) for the home rank's tokens. The split sizes are known from the dispatch."""
+def combine(comm: Communicator, plan: DispatchPlan, received: Received, pairs: "LocalPairs",
+            y: torch.Tensor, num_tokens: int, category: str) -> torch.Tensor:
+    """Sum gate * y (M, D) per received token, send the sums back home (split sizes known from the
+    dispatch) and add them up per home token: (num_tokens, D)."""
+    hidden = received.hidden
+    partial = hidden.new_zeros(hidden.shape).index_add_(0, pairs.token.to(hidden.device),
+                                                        pairs.gate[:, None] * y)          # (n, D)
     back, _ = comm.all_to_all(partial.to(comm.device), received.recv_counts, category, plan.send_counts)
     out = partial.new_zeros(num_tokens, partial.shape[1])
     return out.index_add_(0, plan.token.to(out.device), back.to(out.device))                # (N, D)
@@ -127,17 +115,13 @@ def combine(comm: Communicator, plan: DispatchPlan, received: Received, partial:
 
 @dataclass
 class LocalPairs:
-    """The (received token, local expert) pairs a rank runs, sorted by local expert.
-
-    token (M,) into the received rows; expert (M,) global ids; local (M,) index into the rank's own
-    experts; gate (M,); counts (E_local,) pairs per local expert; order (M,) each pair's index in the
-    received (n, K) slots read row-major (the order the sender lists them in)."""
-    token: torch.Tensor
-    expert: torch.Tensor
-    local: torch.Tensor
-    gate: torch.Tensor
-    counts: torch.Tensor
-    order: torch.Tensor
+    """The (received token, local expert) pairs a rank runs, sorted by local expert."""
+    token: torch.Tensor      # (M,) into the received rows
+    expert: torch.Tensor     # (M,) global ids
+    local: torch.Tensor      # (M,) index into the rank's own experts
+    gate: torch.Tensor       # (M,)
+    counts: torch.Tensor     # (E_local,) pairs per local expert
+    order: torch.Tensor      # (M,) each pair's index among the received (n, K) slots read row-major
 
 
 def local_pairs(received: Received, local_experts: torch.Tensor) -> LocalPairs:

@@ -1,40 +1,32 @@
-"""Where the attention experts' K/V live under expert parallelism: three placements, one interface.
-
-Each is a small class with `forward(layer, h, seq_ids, positions, traffic) -> (N, D)`: the attention
-output of the home rank's N tokens (h is the attention-normed hidden state), running whatever
-collectives the placement needs and counting what it sends in `traffic` (a Counter). Every rank calls it for every layer of every step, even with no tokens of its own.
+"""Where the attention experts' K/V live under expert parallelism: three placements, one interface,
+`forward(layer, h, seq_ids, positions, traffic) -> (N, D)`, the attention output of the home rank's
+N tokens, running the collectives the placement needs and counting what it sends in `traffic`.
+Every rank calls it for every layer of every step, even with no tokens of its own.
 
 kv_with_expert
-    Expert e's weights and its K/V for *every* sequence live on e's rank. A token's hidden state
-    travels to the ranks of its experts (once per rank), the rank projects q, k, v, appends k, v to
-    its own pool, attends there and sends gate * W_o(attention) back. What travels per step is
-    tokens x ranks touched x D: nothing grows with the context. The price: a sequence's cache is
-    spread over every rank, so each rank's pool must hold a share of every sequence, in proportion
-    to how the router loads its experts (skewed routing fills one rank's pool first).
+    Expert e's weights and K/V (of every sequence) live on e's rank. A token's hidden state goes to
+    its experts' ranks (once per rank), which project q, k, v, append k, v to their pool, attend and
+    send gate * W_o(attention) back: tokens x ranks x D travel, whatever the context. The price:
+    each pool holds a share of every sequence, as the router loads its experts (skew fills one
+    first).
 
 kv_with_sequence
-    Every expert's K/V of a sequence stays on the sequence's home rank (its pool holds whole
-    sequences, as a data-parallel engine's does), while the expert weights stay sharded. We chose to
-    move the cached K/V to the expert, not the query to the cache: the expert's rank then runs the
-    whole expert (W_q, W_k, W_v, attention, W_o) next to its weights, one dispatch and one combine as
-    in kv_with_expert, plus the row's cached K/V on the way out and the new token's k, v on the way
-    back for the home pool. Moving the query instead would need three exchanges per layer (x out,
-    q/k/v back, attention out again for W_o) and would run every expert's attention on the home rank.
-    What travels grows with context: each step re-sends the whole row (every earlier token the
-    expert holds for the sequence), which is the bottleneck this placement exists to show.
+    A sequence's K/V stays on its home rank (as data parallelism keeps it); expert weights stay
+    sharded. The cached K/V moves to the expert, not the query to the cache: the expert's rank runs
+    the whole expert, with kv_with_expert's dispatch and combine plus the row's cached K/V out and
+    the new k, v back home (moving the query would need three exchanges per layer and run every
+    expert's attention at home). Each step re-sends every row's whole context: the bottleneck this
+    placement exists to show.
 
 replicated_attention
-    Every rank holds every attention expert's weights and keeps its sequences' whole caches: the
-    attention of a sequence runs entirely at home (data-parallel attention, what SGLang and vLLM do
-    for DeepSeek's MLA). No attention bytes travel; the price is the attention weights of every
-    expert on every rank.
+    Every rank holds every attention expert and its sequences' whole caches; attention runs at home
+    (data-parallel attention, as SGLang and vLLM serve DeepSeek's MLA). No attention bytes travel;
+    the price is every attention weight on every rank.
 
-In all three the FFN experts are expert-parallel (runner.py). Pools use `PagedKVCache`: rows are
-(sequence, layer, expert) with global expert ids, whatever rank holds them.
+FFN experts are expert-parallel in all three (runner.py). Pool rows use global expert ids.
 
 Dimension legend: N home tokens, n tokens received, M (token, expert) pairs run here, D width,
-H heads, Hkv key/value heads, Dh head width, E experts, K expert slots per token, Q context rows sent,
-T context tokens sent.
+H heads, Hkv key/value heads, Dh head width, E experts, Q context rows sent, T context tokens sent.
 """
 
 from __future__ import annotations
@@ -61,93 +53,87 @@ class _PlacedAttention:
         self.shard, self.comm, self.pool = shard, comm, pool
         self.attention_ranks = torch.as_tensor(attention_ranks)
 
+    def _dispatch(self, layer: int, h, seq_ids, positions, traffic: Counter):
+        """Route the home tokens and send them to their experts' ranks: (plan, received)."""
+        routing = self.shard.route_attention(layer, h)                                   # (N, E)
+        k_max = self.shard.config.num_attention_experts_per_tok
+        plan = DispatchPlan.build(routing.selected, routing.gates, self.attention_ranks[layer],
+                                  self.comm.world_size, k_max)
+        count_dispatch(traffic, "attention", plan, self.comm.rank)
+        return plan, dispatch(self.comm, plan, h, "attention_dispatch", seq_ids, positions)
+
+    def _experts(self, layer: int, h, plan: DispatchPlan, received, cache):
+        """The received tokens through this rank's attention experts, their K/V in `cache`, combined
+        back home: (N, D), and the pairs run here with their new k, v."""
+        config, part, backend = self.shard.config, self.shard.layers[layer], self.shard.backend
+        pairs = local_pairs(received, part.attention_experts)
+        xs, ps = received.hidden[pairs.token], received.positions[pairs.token].to(h.device)   # (M, D), (M,)
+        q, k, v = project_qkv(config, xs, ps, pairs.counts, part.w_q, part.w_k, part.w_v, backend)
+        appended = cache.append_kv(layer, received.seq_ids[pairs.token], pairs.expert, ps, k, v)
+        attention = rearrange(cache.attend(appended, q), "m h d -> m (h d)")      # (M, H * Dh)
+        y = grouped_matmul(attention, part.w_o, pairs.counts, backend)
+        out = combine(self.comm, plan, received, pairs, y, h.shape[0], "attention_combine")
+        return out, pairs, k, v
+
 
 class KVWithExpert(_PlacedAttention):
     name = "kv_with_expert"
 
     def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
-        config, part = self.shard.config, self.shard.layers[layer]
-        routing = self.shard.route_attention(layer, h)                                   # (N, E)
-        plan = DispatchPlan.build(routing.selected, routing.gates, self.attention_ranks[layer],
-                                  self.comm.world_size, config.num_attention_experts_per_tok)
-        _count_dispatch(traffic, "attention", plan, self.comm.rank)
-        received = dispatch(self.comm, plan, h, "attention_dispatch", seq_ids, positions)
-        pairs = local_pairs(received, part.attention_experts)
-        xs, ps = received.hidden[pairs.token], received.positions[pairs.token].to(h.device)   # (M, D), (M,)
-        q, k, v = project_qkv(config, xs, ps, pairs.counts, part.w_q, part.w_k, part.w_v, self.shard.backend)
-        appended = self.pool.append_kv(layer, received.seq_ids[pairs.token], pairs.expert, ps, k, v)
-        attention = self.pool.attend(appended, q)                                         # (M, H, Dh)
-        y = grouped_matmul(rearrange(attention, "m h d -> m (h d)"), part.w_o, pairs.counts, self.shard.backend)
-        partial = h.new_zeros(received.hidden.shape).index_add_(0, pairs.token.to(h.device), pairs.gate[:, None] * y)
-        return combine(self.comm, plan, received, partial, h.shape[0], "attention_combine")
+        plan, received = self._dispatch(layer, h, seq_ids, positions, traffic)
+        return self._experts(layer, h, plan, received, self.pool)[0]
 
 
 class KVWithSequence(_PlacedAttention):
     name = "kv_with_sequence"
 
     def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
-        config, part, comm = self.shard.config, self.shard.layers[layer], self.comm
+        config, comm, R = self.shard.config, self.comm, self.comm.world_size
         Hkv, Dh = config.num_key_value_heads, config.head_dim
-        seq_ids_cpu, positions_cpu = seq_ids.cpu(), positions.cpu()          # bookkeeping on the CPU
-        routing = self.shard.route_attention(layer, h)                                   # (N, E)
-        plan = DispatchPlan.build(routing.selected, routing.gates, self.attention_ranks[layer],
-                                  comm.world_size, config.num_attention_experts_per_tok)
-        _count_dispatch(traffic, "attention", plan, comm.rank)
-        received = dispatch(comm, plan, h, "attention_dispatch", seq_ids, positions)
+        plan, received = self._dispatch(layer, h, seq_ids, positions, traffic)
 
         # home side: each destination gets the cached K/V of every (sequence, expert) row it serves
         pair, slot = (plan.experts >= 0).nonzero(as_tuple=True)                          # row-major
         row_rank = plan.rank[pair]
-        row_seq, row_expert = seq_ids_cpu[plan.token[pair]], plan.experts[pair, slot]
+        row_seq, row_expert = seq_ids.cpu()[plan.token[pair]], plan.experts[pair, slot]
         _, first = _first_of_each(torch.stack([row_rank, row_seq, row_expert], 1))     # distinct rows
         q_rank, q_seq, q_expert = row_rank[first], row_seq[first], row_expert[first]     # (Q,) by rank
         counts, slots = self._cached_rows(layer, q_seq, q_expert)                         # (Q,), (T,)
         slots = slots.to(self.pool.key_cache.device)
         kv_flat = torch.stack([self.pool.key_cache.view(-1, Hkv, Dh)[slots],
                                self.pool.value_cache.view(-1, Hkv, Dh)[slots]], dim=1).to(h.dtype)  # (T, 2, Hkv, Dh)
-        rows_per_rank = torch.bincount(q_rank, minlength=comm.world_size).tolist()
-        tokens_per_rank = torch.zeros(comm.world_size, dtype=torch.int64).index_add_(0, q_rank, counts).tolist()
+        rows_per_rank = torch.bincount(q_rank, minlength=R).tolist()
+        tokens_per_rank = torch.zeros(R, dtype=torch.int64).index_add_(0, q_rank, counts).tolist()
         remote = q_rank != comm.rank
         traffic["kv_rows_to_peers"] += int(remote.sum())
         traffic["kv_tokens_to_peers"] += int(counts[remote].sum())
         meta = torch.stack([q_seq, q_expert, counts], dim=1)                              # (Q, 3)
         meta_in, rows_in = comm.all_to_all(meta.to(comm.device), rows_per_rank, "kv_context")
         meta_in = meta_in.cpu()
-        source = torch.repeat_interleave(torch.arange(comm.world_size), torch.tensor(rows_in, dtype=torch.int64))
-        tokens_in = torch.zeros(comm.world_size, dtype=torch.int64).index_add_(0, source, meta_in[:, 2]).tolist()
-        kv_in, _ = comm.all_to_all(kv_flat.to(comm.device), tokens_per_rank, "kv_context", tokens_in)
+        kv_in, _ = comm.all_to_all(kv_flat.to(comm.device), tokens_per_rank, "kv_context",
+                                   _sum_per_source(rows_in, meta_in[:, 2]))
         kv_in = kv_in.to(h.device)
 
-        # expert side: the rows' cached K/V, then this step's tokens, in a cache that lives for one call.
-        # The cached tokens are given stand-in positions 0..count-1: only their order matters (they are
-        # all earlier than every new token, and count <= the first new token's position).
+        # expert side: the rows' cached K/V, then this step's tokens, in a cache that lives for one
+        # call. The cached tokens get stand-in positions 0..count-1: only their order matters (all
+        # are earlier than every new token, and count <= the first new token's position).
         visiting = ContiguousKVCache(config.num_hidden_layers, config.num_attention_experts)
         if kv_in.shape[0]:
             row_of_token = torch.repeat_interleave(torch.arange(meta_in.shape[0]), meta_in[:, 2])   # (T,)
             index_in_row = torch.arange(kv_in.shape[0]) - (torch.cumsum(meta_in[:, 2], 0) - meta_in[:, 2])[row_of_token]
             visiting.append_kv(layer, meta_in[row_of_token, 0], meta_in[row_of_token, 1],
                                index_in_row.to(h.device), kv_in[:, 0], kv_in[:, 1])
-        pairs = local_pairs(received, part.attention_experts)
-        xs, ps = received.hidden[pairs.token], received.positions[pairs.token].to(h.device)   # (M, D), (M,)
-        q, k, v = project_qkv(config, xs, ps, pairs.counts, part.w_q, part.w_k, part.w_v, self.shard.backend)
-        appended = visiting.append_kv(layer, received.seq_ids[pairs.token], pairs.expert, ps, k, v)
-        attention = visiting.attend(appended, q)                                          # (M, H, Dh)
-        y = grouped_matmul(rearrange(attention, "m h d -> m (h d)"), part.w_o, pairs.counts, self.shard.backend)
-        partial = h.new_zeros(received.hidden.shape).index_add_(0, pairs.token.to(h.device), pairs.gate[:, None] * y)
-        out = combine(comm, plan, received, partial, h.shape[0], "attention_combine")
+        out, pairs, k, v = self._experts(layer, h, plan, received, visiting)
 
         # the new tokens' k, v go home, in the order the home listed the pairs (row-major slots)
         new_kv = torch.empty(pairs.order.numel(), 2, Hkv, Dh, dtype=k.dtype, device=k.device)
         new_kv[pairs.order] = torch.stack([k, v], dim=1)                                  # (M, 2, Hkv, Dh)
-        valid_in = (received.experts >= 0).sum(1)                                        # (n,)
-        source_in = torch.repeat_interleave(torch.arange(comm.world_size),
-                                            torch.tensor(received.recv_counts, dtype=torch.int64))
-        send_back = torch.zeros(comm.world_size, dtype=torch.int64).index_add_(0, source_in, valid_in).tolist()
-        expect = torch.bincount(row_rank, minlength=comm.world_size).tolist()
+        send_back = _sum_per_source(received.recv_counts, (received.experts >= 0).sum(1))
+        expect = torch.bincount(row_rank, minlength=R).tolist()
         kv_home, _ = comm.all_to_all(new_kv.to(comm.device), send_back, "kv_new", expect)
         kv_home = kv_home.to(h.device)
         traffic["kv_new_pairs_to_peers"] += int((row_rank != comm.rank).sum())
-        self.pool.append_kv(layer, row_seq, row_expert, positions_cpu[plan.token[pair]],
+        self.pool.append_kv(layer, row_seq, row_expert, positions.cpu()[plan.token[pair]],
                             kv_home[:, 0], kv_home[:, 1])
         return out
 
@@ -182,9 +168,15 @@ class ReplicatedAttention:
 PLACEMENT_CLASSES = {cls.name: cls for cls in (KVWithExpert, KVWithSequence, ReplicatedAttention)}
 
 
-def _count_dispatch(traffic: Counter, kind: str, plan: DispatchPlan, rank: int) -> None:
+def count_dispatch(traffic: Counter, kind: str, plan: DispatchPlan, rank: int) -> None:
     traffic[f"{kind}_pairs_to_peers"] += plan.pairs_to_peers(rank)
     traffic[f"{kind}_expert_pairs_to_peers"] += plan.expert_pairs_to_peers(rank)
+
+
+def _sum_per_source(counts: list[int], values: torch.Tensor) -> list[int]:
+    """values (n,) of rows received counts[r] from each rank r in turn: their sum per rank."""
+    source = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    return torch.zeros(len(counts), dtype=torch.int64).index_add_(0, source, values).tolist()
 
 
 def _first_of_each(key: torch.Tensor):

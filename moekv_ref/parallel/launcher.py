@@ -2,42 +2,30 @@
 
     results = launch(module_level_function, world_size=4, args=(spec,))
 
-`launch` spawns one process per rank (the "spawn" start method, so the worker must be a function
-importable from a module: notebooks and tests pass functions of moekv_ref.parallel.programs). Each
-process joins the process group (gloo on CPU, NCCL when CUDA is available and backend=None) through
-`join_group`, builds a `Communicator`, calls `function(context, *args)` and sends its return value
-back to the parent.
+Each rank is a spawned process (so the worker must be importable: tests and notebooks pass functions
+of moekv_ref.parallel.programs) that joins the process group through `join_group` (gloo on CPU, NCCL
+when CUDA is available), builds a `Communicator` and returns function(context, *args) to the parent.
+The key-value store the ranks rendezvous through lives in the parent, so it outlives any rank and a
+rank whose collective failed can still read how far its peers got (comm.py names them).
 
-The key-value store that the ranks rendezvous through lives in the parent, so it outlives any rank:
-a rank that sees a collective fail can still read how far its peers got (comm.py names them).
+Two timeouts, because starting and waiting are different things: `start_timeout_s` (120 s) for every
+rank to join (spawning and importing torch can take many seconds on a loaded machine), and
+`timeout_s` (15 s) for one collective to wait for a peer, given to the group the collectives run on
+(`dist.new_group(timeout=...)`) instead of the 30-minute default. The longest healthy wait seen on
+this CPU is about a second (`bench parallel`, 4 ranks, context 2048), so 15 s is a hang.
 
-Two timeouts, because starting and waiting are different things:
+When one rank fails (a dead rank makes its peers' collectives raise at once), the parent gives the
+others `grace_s` (3 s) to report, kills whoever is left (a hung rank never returns on its own) and
+raises WorkerFailed, naming first the ranks that kept a peer waiting, then every rank's message:
+every rank is gone about timeout_s + grace_s = 18 s after a hang (tests/test_parallel_failure.py
+checks it). Under torchrun (apps/parallel_run.py, same `join_group`) a rank whose collective fails
+prints the ranks that never reached it, records that for torchrun's summary (whose "Root Cause" is
+the first rank to exit: the one that waited, as a hung rank cannot exit) and exits; torchrun ends
+the others within its 0.1 s monitor interval, so every rank is gone about timeout_s + 1 s after a
+hang.
 
-- `start_timeout_s` (default 120 s): how long a rank waits for the others to join, from connecting to
-  the store to the end of init_process_group. Spawning a process and importing torch takes seconds,
-  and many more on a loaded machine; a generous limit here costs nothing when nothing is wrong.
-- `timeout_s` (default 15 s): how long one collective may wait for a peer. `join_group` gives it to
-  the process group the collectives run on (`dist.new_group(timeout=...)`, made once every rank has
-  joined), so a collective waiting on a rank that hangs raises after that many seconds instead of the
-  30-minute default. On this CPU the longest wait a healthy run has shown is about a second
-  (`bench parallel`, 4 ranks, context 2048), so 15 s is a hang, not a slow step.
-
-A dead rank makes its peers' collectives raise at once (its connections close). As soon as one rank
-fails, the parent gives the others `grace_s` (default 3 s) to report their own error, then kills
-whoever is left (a hung rank never returns on its own) and raises WorkerFailed, whose message starts
-with the ranks that kept a peer waiting (read from the progress keys, or from the keys each rank sets
-before joining) and then has every rank's own message. With the defaults every rank is gone about
-timeout_s + grace_s = 18 s after a rank hangs, well within 30 s (tests/test_parallel_failure.py checks
-the defaults, and times a hang under torchrun with them).
-
-`torchrun -m moekv_ref.parallel` (moekv_ref/apps/parallel_run.py) joins the same way, through `join_group`. A rank whose
-collective fails prints the ranks that never reached it, records that message for torchrun's summary
-(its "Root Cause" is the first rank to exit, which is the one that waited: a hung rank cannot exit)
-and exits at once; torchrun notices within its monitor interval (0.1 s) and ends the other ranks with
-SIGTERM. Every rank is gone about timeout_s + 1 s after a rank hangs.
-
-Fault injection, for tests only: the environment variable MOEKV_FAULT (`parse_fault`) makes one rank
-die or hang at a step (RunSpec.fail_*, applied by apps/parallel_run.py) or start late (`join_group`).
+Fault injection, for tests only: MOEKV_FAULT (`parse_fault`) makes one rank die or hang at a step
+(RunSpec.fail_*, applied by apps/parallel_run.py) or start late (`join_group`).
 """
 
 from __future__ import annotations
@@ -56,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .comm import CollectiveError, Communicator
+from .comm import CollectiveError, Communicator, first_line, name_ranks
 
 
 FAULT_KEY = "moekv/fault_at"   # where an injected fault notes its wall-clock time
@@ -68,9 +56,8 @@ MAX_TIMEOUT_S = 86400.0        # a day: beyond it a timeout is no longer a limit
 
 
 class WorkerFailed(RuntimeError):
-    """One or more ranks failed; the message names the ranks that kept their peers waiting, then has
-    each failed rank's error. missing: the ranks some peer waited for in vain, in a collective or to
-    join (hung, dead or never started); ended_at: wall-clock time when every rank was gone;
+    """One or more ranks failed (message: module docstring). missing: the ranks some peer waited for
+    in vain (hung, dead or never started); ended_at: wall-clock time when every rank was gone;
     fault_at: when an injected fault happened (None if none was noted)."""
 
     def __init__(self, message: str, ended_at: float, fault_at: float | None, missing: tuple = ()):
@@ -82,7 +69,7 @@ class WorkerFailed(RuntimeError):
 
 @dataclass
 class WorkerContext:
-    """What a worker function receives: its rank, the world size and the counting communicator."""
+    """What a worker function receives."""
     rank: int
     world_size: int
     comm: Communicator
@@ -91,8 +78,8 @@ class WorkerContext:
 
 @dataclass(frozen=True)
 class Fault:
-    """An injected fault: `mode` "die" or "hang" at the start of decode step `at` (an integer; 0 is the
-    prefill), or "slow_start": join the process group `at` seconds late."""
+    """An injected fault: "die" or "hang" at the start of decode step `at` (0: the prefill), or
+    "slow_start": join the process group `at` seconds late."""
     mode: str
     rank: int
     at: float
@@ -160,14 +147,13 @@ def join_group(backend: str, timeout_s: float, start_timeout_s: float, store=Non
             absent = tuple(r for r in range(world_size) if not store.check([f"moekv/joined/{r}"]))
             if not absent:
                 raise
-            who = f"rank {absent[0]}" if len(absent) == 1 else "ranks " + ", ".join(map(str, absent))
-            cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-            raise CollectiveError(f"{who} never joined the process group: rank {rank} waited "
-                                  f"{time.monotonic() - began:.1f} s for it (start timeout "
-                                  f"{start_timeout_s:g} s). Cause seen there: {cause}", absent) from error
+            waited = time.monotonic() - began
+            raise CollectiveError(
+                f"{name_ranks(absent)} never joined the process group: rank {rank} waited "
+                f"{waited:.1f} s for it (start timeout {start_timeout_s:g} s). Cause seen there: "
+                f"{first_line(error)}", absent) from error
         progress = store
-    # every rank has joined: from here on a peer that keeps a collective waiting longer than
-    # timeout_s has hung (or died)
+    # every rank has joined: a peer keeping a collective waiting past timeout_s has hung (or died)
     group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     return WorkerContext(rank, world_size, Communicator(rank, world_size, device, store=progress, group=group),
@@ -197,11 +183,8 @@ def _worker_main(rank, world_size, port, backend, timeout_s, start_timeout_s, fu
 def launch(function, world_size: int, args: tuple = (), backend: str | None = None,
            timeout_s: float = DEFAULT_TIMEOUT_S, start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
            grace_s: float = DEFAULT_GRACE_S) -> list:
-    """Run function(context, *args) on world_size ranks; returns the ranks' return values in rank
-    order, or raises WorkerFailed naming every rank that failed. timeout_s: how long a collective
-    waits for a peer; start_timeout_s: how long a rank waits for the others to join; grace_s: how long
-    the others may take to report after one rank failed. A rank that hangs in a collective's way is
-    gone within timeout_s + grace_s (plus a second) of the hang, whatever it does."""
+    """Run function(context, *args) on world_size ranks: their return values in rank order, or
+    WorkerFailed naming every rank that failed. The timeouts and grace_s: module docstring."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer")
     backend = backend or default_backend()
@@ -264,10 +247,9 @@ def launch(function, world_size: int, args: tuple = (), backend: str | None = No
         lines = [f"rank {rank}: {errors[rank]}" for rank in sorted(errors)]
         head = f"{len(errors)} of {world_size} ranks failed"
         if missing:
-            who = ", ".join(str(r) for r in sorted(missing))
-            head = (f"rank{'s' if len(missing) > 1 else ''} {who} kept "
-                    f"{'their' if len(missing) > 1 else 'its'} peers waiting in vain (hung, dead or never "
-                    f"started); {head}")
+            their = "their" if len(missing) > 1 else "its"
+            head = (f"{name_ranks(sorted(missing))} kept {their} peers waiting in vain (hung, dead "
+                    f"or never started); {head}")
         fault_at = float(store.get(FAULT_KEY).decode()) if store.check([FAULT_KEY]) else None
         raise WorkerFailed(head + ":\n" + "\n".join(lines), time.time(), fault_at, tuple(sorted(missing)))
     return [values[rank] for rank in range(world_size)]

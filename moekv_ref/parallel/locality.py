@@ -1,18 +1,11 @@
-"""Placing experts on ranks, compared on real routing: how many ranks a token touches, what dispatch
-moves, and how evenly the K/V lands.
+"""Placing experts on ranks (placement.py: contiguous, round_robin, coactivation), compared on a
+model's attention routing over a text: ranks a token touches per layer; hidden-state bytes per token
+per layer sent to other ranks, once per rank (dispatch.py) and once per expert; and under
+kv_with_expert the K/V tokens each rank stores, with their imbalance max / mean (1.0 is even).
 
-For each expert placement (placement.py: contiguous, round_robin, coactivation) and world size, on
-the attention routing of a model over a text:
-
-    ranks touched     distinct ranks among a token's experts, per token per layer (mean)
-    dispatch bytes    hidden-state bytes per token per layer sent to other ranks: once per rank (what
-                      dispatch.py does) and once per expert (what it would be without the grouping)
-    K/V load          under kv_with_expert a rank stores the K/V of the tokens routed to its experts:
-                      tokens per rank (all layers), and the imbalance max / mean (1.0 is even)
-
-Co-activation placement is fitted on the first half of the text and measured on the second, so
-that it is judged on decisions it did not see. Tokens are given home ranks by 256-token windows,
-round-robin, as sequences would be.
+Co-activation placement is fitted on the first half of the text and measured on the second, on
+decisions it did not see. Tokens get home ranks round-robin by 256-token windows, as sequences
+would.
 """
 
 from __future__ import annotations
@@ -30,8 +23,8 @@ WINDOW = 256
 
 @torch.no_grad()
 def attention_routing_of_text(model, text: str | None = None, max_tokens: int = 8192) -> list[torch.Tensor]:
-    """Per layer, the attention experts each token of the text selected: L tensors (N, E) bool,
-    from model(tokens).attention_routing[l].selected over windows of WINDOW tokens."""
+    """Per layer, the attention experts each token of the text selected, over windows of WINDOW
+    tokens: L tensors (N, E) bool."""
     tokens = encode(heldout_text() if text is None else text)[:max_tokens]
     window = min(WINDOW, model.config.max_position_embeddings)
     per_layer = [[] for _ in range(model.config.num_hidden_layers)]
@@ -92,11 +85,8 @@ def format_placement_table(rows: list[dict]) -> str:
 
 def kv_location_map(selected_per_layer: list[torch.Tensor], attention_ranks: torch.Tensor, kv_placement: str,
                     home_rank: int) -> torch.Tensor:
-    """Where each token's K/V lives, for one sequence: (L * E, T) int64, the rank holding the K/V
-    token t wrote into expert e of layer l (row l * E + e), or -1 where t was not routed to e.
-
-    selected_per_layer: L tensors (T, E) bool, the sequence's attention routing; attention_ranks
-    (L, E). kv_with_expert keeps it on the expert's rank; the other placements at the home rank."""
+    """(L * E, T) int64: the rank holding the K/V token t of one sequence wrote into expert e of
+    layer l (row l * E + e), or -1 where t was not routed to e. selected_per_layer: L of (T, E)."""
     if kv_placement not in KV_PLACEMENTS:
         raise ValueError(f"kv_placement={kv_placement!r} is not one of {KV_PLACEMENTS}")
     attention_ranks = torch.as_tensor(attention_ranks, dtype=torch.int64)

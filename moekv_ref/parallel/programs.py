@@ -1,16 +1,14 @@
 """What the ranks run, and the single-process run they must equal.
 
-A `RunSpec` describes one run: the model (`ModelSpec`: a random model of a given config and seed, or
-the embedded one), the KV placement, the rank of every expert, the prompts and the tokens fed at each
-decode step (fixed in advance, so that the parallel and single-process runs see the same inputs
-whatever rounding does to the logits). Sequence i's home rank is i % world_size.
+A `RunSpec` is one run: the model (`ModelSpec`), the KV placement, the rank of every expert, the
+prompts and the tokens fed at each decode step (fixed in advance, so that both runs see the same
+inputs whatever rounding does to the logits). Sequence i's home rank is i % world_size.
 
     step 0          every sequence's whole prompt (a ragged prefill)
     step s >= 1     one token per sequence: decode_tokens[i][s - 1] at position len(prompt_i) + s - 1
 
-`run_specs` is the worker function (the launcher spawns it on every rank; many specs share one
-process group, since starting processes is the slow part). `run_parallel` launches it and merges what
-the ranks return; `reference_run` runs the same schedule in one process with `forward_cached`.
+`run_specs` is the worker (many specs share one process group: starting processes is the slow
+part); `run_parallel` launches it; `reference_run` runs the same schedule in one process.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -32,10 +31,9 @@ from .runner import ParallelRunner
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """config=None: the embedded model (load_default_model) with `routing`; else a random model of
-    that config: weights from torch.manual_seed(seed), attention routers scaled by router_scale (so
-    they are decisive, as a trained model's are). router_skew > 0 adds a bias to every attention
-    router's logits falling linearly from +skew (expert 0) to -skew (the last), to load low experts."""
+    """config=None: the embedded model with `routing`; else a random model of that config, seeded,
+    its attention routers scaled by router_scale (decisive, as a trained model's are). router_skew
+    > 0 biases every attention router from +skew (expert 0) down to -skew, to load low experts."""
     config: dict | None = None
     seed: int = 0
     dtype: str = "float32"
@@ -55,20 +53,15 @@ class ModelSpec:
                 for block in model.blocks:
                     block.attention.router.weight.mul_(self.router_scale)
             model = model.to(COMPUTE_DTYPES[self.dtype])
-        if self.router_skew:
-            skew_attention_routers(model, self.router_skew)
+        skew = self.router_skew
+        for block in model.blocks if skew else ():    # a bias from +skew (expert 0) to -skew
+            old = block.attention.router
+            new = torch.nn.Linear(old.in_features, old.out_features, bias=True).to(old.weight.dtype)
+            with torch.no_grad():
+                new.weight.copy_(old.weight)
+                new.bias.copy_(torch.linspace(skew, -skew, len(new.bias), dtype=new.weight.dtype))
+            block.attention.router = new
         return model.eval()
-
-
-def skew_attention_routers(model: MoEKVTransformer, skew: float) -> None:
-    """Give every attention router a bias from +skew (expert 0) down to -skew (expert E-1)."""
-    for block in model.blocks:
-        old = block.attention.router
-        new = torch.nn.Linear(old.in_features, old.out_features, bias=True).to(old.weight.dtype)
-        with torch.no_grad():
-            new.weight.copy_(old.weight)
-            new.bias.copy_(torch.linspace(skew, -skew, old.out_features, dtype=old.weight.dtype))
-        block.attention.router = new
 
 
 @dataclass(frozen=True)
@@ -83,8 +76,8 @@ class RunSpec:
     block_size: int = 16
     record_logits: bool = True
     label: str = ""
-    # fault injection, for the failure tests (and MOEKV_FAULT, launcher.parse_fault): at the start of
-    # fail_step, rank fail_rank exits at once (fail_mode "die") or sleeps for an hour ("hang")
+    # fault injection (failure tests, MOEKV_FAULT): at the start of fail_step, rank fail_rank
+    # exits at once (fail_mode "die") or sleeps for an hour ("hang")
     fail_rank: int = -1
     fail_step: int = -1
     fail_mode: str = ""
@@ -160,8 +153,8 @@ def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
 
 
 def inject_failure(mode: str, store=None) -> None:
-    """Die or hang now, noting the wall-clock time in the store and on stderr first (the launcher
-    reports how long after it every rank was gone; under torchrun, stderr is all that outlives it)."""
+    """Die or hang now, noting the time in the store and on stderr first (the launcher reports how
+    long after it every rank was gone; under torchrun, stderr is all that outlives it)."""
     if mode not in ("die", "hang"):
         raise ValueError(f"fail_mode={mode!r} is not one of ('die', 'hang')")
     now = time.time()
@@ -175,8 +168,7 @@ def inject_failure(mode: str, store=None) -> None:
 
 def run_parallel(specs: list[RunSpec], world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S,
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> list[list[RankResult]]:
-    """Launch run_specs on world_size ranks: for each spec, the list of its ranks' results.
-    timeout_s: a collective's wait for a peer; start_timeout_s: the wait for every rank to join."""
+    """Launch run_specs on world_size ranks: for each spec, the list of its ranks' results."""
     per_rank = launch(run_specs, world_size, (list(specs),), timeout_s=timeout_s, start_timeout_s=start_timeout_s)
     return [[per_rank[rank][i] for rank in range(world_size)] for i in range(len(specs))]
 
@@ -191,8 +183,8 @@ def merged_logits(results: list[RankResult]) -> dict:
 
 @torch.no_grad()
 def reference_run(spec: RunSpec) -> tuple[dict, list]:
-    """The same schedule in one process: model.forward_cached over one paged cache. Returns the
-    (step, seq) logits and the tokens the cache holds per (layer, expert) at the end."""
+    """The same schedule in one process (forward_cached, one paged cache): the (step, seq) logits
+    and the tokens the cache holds per (layer, expert) at the end."""
     model = spec.model.build()
     cache = PagedKVCache.for_model(model, block_size=spec.block_size, num_blocks=spec.num_blocks * 8)
     everyone = list(range(len(spec.prompts)))
@@ -212,12 +204,10 @@ def max_difference(parallel: dict, reference: dict) -> float:
 
 
 def _summed_over_ranks(per_rank: list[dict], step: int) -> dict[str, int]:
-    """One step's {name: count} of every rank, summed."""
-    total: dict[str, int] = {}
+    total = Counter()                     # update, unlike +, keeps the zero counts
     for counts in per_rank:
-        for name, value in counts.get(step, {}).items():
-            total[name] = total.get(name, 0) + value
-    return total
+        total.update(counts.get(step, {}))
+    return dict(total)
 
 
 def total_bytes(results: list[RankResult], step: int) -> dict[str, int]:

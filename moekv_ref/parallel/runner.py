@@ -1,19 +1,17 @@
 """One rank's model step under expert parallelism.
 
-Every sequence has a home rank, which holds its tokens' hidden states between layers and runs the
-replicated parts (embedding, norms, routers, residual adds, LM head). Per layer:
+A sequence's home rank holds its hidden states between layers and runs the replicated parts
+(embedding, norms, routers, residual adds, LM head). Per layer:
 
     h = attention_norm(x)                      at home
     x = x + attention(h)                       the KV placement decides what travels (kv_placements.py)
     h = ffn_norm(x)                            at home
     x = x + combine(experts(dispatch(h)))      FFN experts are expert-parallel in every placement
 
-which is `Block.forward` of model.py with the experts' work moved to the ranks that hold them; the
-logits equal the single-process model's (tests/test_parallel.py, float32 and float64).
-
-`step` must be called by every rank for every step (with an empty batch if a rank has no tokens):
-each layer's collectives pair up across ranks. The runner also counts, per step, the integers the
-cost model needs (pairs sent to peers, K/V rows and tokens sent) in `traffic`.
+which is `Block.forward` of model.py with the experts' work moved to their ranks; the logits equal
+the single-process model's (tests/test_parallel.py, float32 and float64). Every rank must call
+`step` for every step, with an empty batch if need be: each layer's collectives pair up across
+ranks. The runner counts per step, in `traffic`, the integers the cost model needs.
 """
 
 from __future__ import annotations
@@ -27,16 +25,14 @@ from ..cache import PagedKVCache
 from ..model import MoEKVTransformer, swiglu_experts
 from .comm import Communicator
 from .dispatch import DispatchPlan, combine, dispatch, local_pairs
-from .kv_placements import KV_PLACEMENTS, PLACEMENT_CLASSES
+from .kv_placements import KV_PLACEMENTS, PLACEMENT_CLASSES, count_dispatch
 from .shard import RankShard
 
 
 class ParallelRunner:
-    """A rank's shard of the model, its paged pool, and the step.
-
-    kv_placement: one of KV_PLACEMENTS. attention_ranks (L, E) and ffn_ranks (L, E_ffn): the rank of
-    every expert (placement.py makes them); attention_ranks is ignored by replicated_attention.
-    num_blocks, block_size: this rank's pool."""
+    """A rank's shard of the model, its paged pool, and the step. attention_ranks (L, E) and
+    ffn_ranks (L, E_ffn): the rank of every expert (placement.py); replicated_attention ignores
+    attention_ranks."""
 
     def __init__(self, model: MoEKVTransformer, comm: Communicator, kv_placement: str,
                  attention_ranks, ffn_ranks, num_blocks: int, block_size: int = 16):
@@ -84,14 +80,12 @@ class ParallelRunner:
         routing = self.shard.route_ffn(layer, h)                                          # (N, E_ffn)
         plan = DispatchPlan.build(routing.selected, routing.gates, self.ffn_ranks[layer],
                                   self.comm.world_size, self.config.num_experts_per_tok)
-        traffic["ffn_pairs_to_peers"] += plan.pairs_to_peers(self.comm.rank)
-        traffic["ffn_expert_pairs_to_peers"] += plan.expert_pairs_to_peers(self.comm.rank)
+        count_dispatch(traffic, "ffn", plan, self.comm.rank)
         received = dispatch(self.comm, plan, h, "ffn_dispatch")
         pairs = local_pairs(received, part.ffn_experts)
         y = swiglu_experts(received.hidden[pairs.token], pairs.counts, part.w_gate, part.w_up, part.w_down,
                            self.shard.backend)                                            # (M, D)
-        partial = h.new_zeros(received.hidden.shape).index_add_(0, pairs.token.to(h.device), pairs.gate[:, None] * y)
-        return combine(self.comm, plan, received, partial, h.shape[0], "ffn_combine")
+        return combine(self.comm, plan, received, pairs, y, h.shape[0], "ffn_combine")
 
     # ----- the pool ---------------------------------------------------------------------------------
     def free(self, seq_id: int) -> None:

@@ -1,26 +1,18 @@
 """The serving engine driving the expert-parallel model: one scheduler, the ranks as devices of one pool.
 
-Rank 0 runs the engine's `Scheduler` (engine/scheduler.py) over a `KVCacheManager` that mirrors every
-rank's pool: one device per rank, `num_blocks` blocks each, block accounting only (no K/V). Every
-step rank 0 broadcasts the step's plan: the flat batch (token, sequence, position of every scheduled
-token) and the sequences whose blocks went back (those the ranks hold and the mirror no longer does:
-finished or preempted). Every rank frees them, then runs `ParallelRunner.step` on its home sequences'
-tokens (sequence i's home is i % R); the last-token logits come back to rank 0 (an all-to-all with
-rank 0 the only destination), which samples; and each rank reports its pool in integers (free
-blocks; per sequence it holds, the (layer, expert) tokens of its rows). Rank 0 appends the tokens
-each row gained to the mirror (`follow_ranks`) and checks that every device's free blocks are what
-its rank reports, so that a drift fails loudly at the step it happens.
+Rank 0 runs the engine's `Scheduler` over a `KVCacheManager` mirroring every rank's pool (one device
+per rank, block accounting only). Each step rank 0 broadcasts the plan: the flat batch and the
+sequences whose blocks went back (finished or preempted). Every rank frees those, runs
+`ParallelRunner.step` on its home sequences' tokens (sequence i's home is i % R), sends its
+last-token logits to rank 0, which samples, and reports its pool in integers. Rank 0 appends the
+tokens each row gained to the mirror (`follow_ranks`) and checks every device's free blocks against
+its rank's report, so that a drift fails at the step it happens.
 
-Where a row lives, hence which device of the mirror gives its blocks: under kv_with_expert its
-expert's rank (`device_of_expert = attention_ranks`); under kv_with_sequence and replicated_attention
-its sequence's home rank (`home_devices`, kv_placements.py). The scheduler needs nothing more: memory
-is short *per device*, a step's worst case is reserved on each rank separately (over each request's
-own map of row devices) and fits only if it fits every rank, so a sequence can be refused or
-preempted because *one* rank is short while the others have room.
-
-Admission is optimistic (admit whenever the next step fits; preempt by recompute when short): the
-demand predictor predicts one pool's blocks, not each rank's, and the ranks keep no swap space.
-ServeSpec refuses anything else.
+A row lives on its expert's rank under kv_with_expert (`device_of_expert = attention_ranks`), else
+on its sequence's home rank (`home_devices`). A step's worst case is reserved on each rank
+separately, so a sequence can be refused or preempted because *one* rank is short. Admission is
+optimistic and preemption by recompute only: the demand predictor predicts one pool's blocks, not
+each rank's, and the ranks keep no swap space.
 """
 
 from __future__ import annotations
@@ -73,11 +65,9 @@ class ServeResult:
 
 
 def follow_ranks(mirror: KVCacheManager, reports: list[torch.Tensor]) -> set[int]:
-    """Bring rank 0's mirror in step with the ranks after a step: append the tokens each row gained
-    (`allocate_slots`, counts only) and check that every device's free blocks are its rank's.
-    reports[r]: rank r's report, (1 + h, 1 + L * E) int64: [-1, free blocks, ...], then per sequence
-    it holds [id, its (L, E) tokens on r]. Returns the sequences the ranks hold. RuntimeError when
-    the mirror drifted."""
+    """Append the tokens each row gained on the ranks to rank 0's mirror, and check every device's
+    free blocks. reports[r]: (1 + h, 1 + L * E) int64, [-1, free blocks, ...], then per sequence r
+    holds [id, its (L, E) tokens on r]. Returns the sequences the ranks hold."""
     L, E = mirror.num_layers, mirror.num_experts
     tokens: dict[int, torch.Tensor] = {}
     for report in reports:
@@ -158,13 +148,11 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
         mine = (seq_ids % R) == rank
         device = context.device
         logits = runner.step(step, tokens[mine].to(device), seq_ids[mine].to(device), positions[mine].to(device))
-        last = torch.ones(int(mine.sum()), dtype=torch.bool)                             # last token of each seq
         my_seqs = seq_ids[mine]
-        if my_seqs.numel() > 1:
-            last[:-1] = my_seqs[1:] != my_seqs[:-1]
+        last = torch.ones_like(my_seqs, dtype=torch.bool)                # last token of each seq
+        last[:-1] = my_seqs[1:] != my_seqs[:-1]
         rows = torch.cat([my_seqs[last, None].to(logits), logits[last.to(logits.device)]], dim=1)   # (m_r, 1 + V)
-        send = [rows.shape[0]] + [0] * (R - 1)
-        gathered, _ = comm.all_to_all(rows, send, "logits")
+        gathered, _ = comm.all_to_all(rows, [rows.shape[0]] + [0] * (R - 1), "logits")   # to rank 0
         # ---- every rank reports its pool, in integers: free blocks, each sequence's (L, E) tokens
         manager = runner.pool.manager
         held = manager.sequences

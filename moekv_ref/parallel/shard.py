@@ -1,15 +1,10 @@
 """What one rank holds of the model: the experts placed on it, and the small parts every rank needs.
 
-Cut from a full `MoEKVTransformer` (every rank builds or loads the same model, then keeps its part):
-
-    replicated on every rank   embedding, RMSNorms, routers (each rank routes its own tokens),
-                               final norm, LM head
-    per layer, sharded         the attention experts whose rank is this one (W_q, W_k, W_v, W_o),
-                               the FFN experts whose rank is this one (W_gate, W_up, W_down)
-    replicated_attention       every attention expert's weights on every rank instead
-
-The slices are copies, so the full model can be dropped once the shard is cut, and `weight_bytes`
-counts what the rank really holds.
+Every rank builds the same full `MoEKVTransformer` and keeps its part: replicated are the embedding,
+RMSNorms, routers (each rank routes its own tokens), final norm and LM head; sharded per layer are
+the attention experts (W_q, W_k, W_v, W_o) and FFN experts (W_gate, W_up, W_down) whose rank is this
+one, or every attention expert under replicated_attention. The slices are copies, so the full model
+can be dropped and `weight_bytes` counts what the rank really holds.
 """
 
 from __future__ import annotations
@@ -42,8 +37,7 @@ class LayerShard:
 
 
 class RankShard:
-    """One rank's part of the model. attention_ranks (L, E) / ffn_ranks (L, E_ffn): the rank of every
-    expert of every layer; attention_ranks=None replicates attention on every rank."""
+    """One rank's part of the model; attention_ranks=None replicates attention on every rank."""
 
     def __init__(self, model: MoEKVTransformer, rank: int, attention_ranks: torch.Tensor | None,
                  ffn_ranks: torch.Tensor):
@@ -59,17 +53,17 @@ class RankShard:
             else:
                 attention_experts = (torch.as_tensor(attention_ranks[layer]) == rank).nonzero().squeeze(1)
             ffn_experts = (torch.as_tensor(ffn_ranks[layer]) == rank).nonzero().squeeze(1)
-            self.layers.append(LayerShard(
-                block.attention_norm, block.ffn_norm,
-                attention if attention_ranks is None else None, attention.router, attention_experts,
-                self._keep(attention.w_q, attention_experts), self._keep(attention.w_k, attention_experts),
-                self._keep(attention.w_v, attention_experts), self._keep(attention.w_o, attention_experts),
-                ffn.router, ffn_experts,
-                self._keep(ffn.w_gate, ffn_experts), self._keep(ffn.w_up, ffn_experts), self._keep(ffn.w_down, ffn_experts)))
+            qkvo = [self._keep(w, attention_experts)
+                    for w in (attention.w_q, attention.w_k, attention.w_v, attention.w_o)]
+            gate_up_down = [self._keep(w, ffn_experts) for w in (ffn.w_gate, ffn.w_up, ffn.w_down)]
+            whole = attention if attention_ranks is None else None
+            self.layers.append(LayerShard(block.attention_norm, block.ffn_norm, whole,
+                                          attention.router, attention_experts, *qkvo,
+                                          ffn.router, ffn_experts, *gate_up_down))
 
     @staticmethod
     def _keep(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The experts ids of weight (E, ...): a copy of a subset, the tensor itself for all."""
+        """Experts `ids` of weight (E, ...): a copy of a subset, the tensor itself for all."""
         if ids.numel() == weight.shape[0]:
             return weight.detach()
         return weight.detach()[ids].clone()

@@ -1,18 +1,16 @@
 """The naive designs the paged cache is measured against, as memory accounting only.
 
-They answer the simulator's calls (moekv_ref/sim/designs.py: admit, append, release,
-allocated_slots, metadata_bytes, reads) on the same routing traces as the paged designs.
+They answer the calls listed in designs.py, on the same routing traces as the paged designs.
 
   ReservedDesign   every (sequence, layer, expert) reserves, contiguously and up front, the worst
                    case: every token of the sequence routed to that expert. We even grant it an
                    oracle -- it knows each sequence's final length -- so its numbers are the best a
                    reservation can do. Waste: the (E - k) / E of rows a token does not use, and more.
-  FirstFitDesign   every (sequence, layer, expert) owns one variable-size buffer in ONE address space,
-                   grown on demand: when full it moves to a buffer twice as large, placed at the
-                   lowest address that fits (first fit); the old one becomes a hole. Buffers are freed
-                   when their sequence ends. Holes below the top of the heap are external
-                   fragmentation; the unused end of each buffer is internal fragmentation.
-                   "Allocated" is the top of the heap: memory below it cannot be handed back.
+  FirstFitDesign   every (sequence, layer, expert) owns one buffer in ONE address space; when full
+                   it moves to one twice as large at the lowest address that fits (first fit),
+                   leaving a hole. Holes below the top of the heap are external fragmentation, the
+                   unused end of each buffer internal. "Allocated" is the top of the heap: memory
+                   below it cannot be handed back.
 
 Units are slots (one token's K and V in one (layer, expert) row); addresses are in slots too.
 """
@@ -29,20 +27,15 @@ from .designs import BYTES_PER_INDEX
 
 
 class _RowTokens:
-    """Token counts per row (numbered as moekv_ref/cache/rows.py says, with the trace's sequence
-    number as seq_index), shared by both baselines."""
+    """Token counts per row (rows.py numbering, seq_index = trace sequence), for both baselines."""
 
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int):
-        self.num_layers, self.num_experts = num_layers, num_experts
         self.index = RowIndex(num_layers, num_experts)
         self.rows_per_seq = self.index.rows_per_seq
         self.tokens = torch.zeros(num_sequences * self.rows_per_seq, dtype=torch.int64)   # (S*L*E,)
 
-    def _sequence_view(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.view(-1, self.rows_per_seq)                                          # (S, L*E)
-
     def live_slots_of(self, seqs) -> int:
-        return int(self._sequence_view(self.tokens)[seqs].sum())
+        return int(self.tokens.view(-1, self.rows_per_seq)[seqs].sum())
 
     def reads(self, rows) -> int:
         return int((self.tokens[rows] > 0).sum())    # one contiguous run per row
@@ -64,7 +57,7 @@ class ReservedDesign(_RowTokens):
 
     def release(self, seqs) -> None:
         self.reserved[seqs] = 0
-        self._sequence_view(self.tokens)[seqs] = 0
+        self.tokens.view(-1, self.rows_per_seq)[seqs] = 0
 
     def allocated_slots(self) -> int:
         return int(self.reserved.sum())
@@ -77,8 +70,8 @@ class ReservedDesign(_RowTokens):
 class AddressSpace:
     """One linear address space with first-fit placement and coalescing of holes.
 
-    holes: sorted, non-overlapping, non-adjacent (start, size) ranges below `top`; everything at or
-    above `top` is free. Held in numpy arrays, so first fit is one vectorized scan."""
+    holes: sorted, non-adjacent (start, size) ranges below `top`, above which all is free; numpy
+    arrays, so first fit is one vectorized scan."""
 
     def __init__(self):
         self.hole_starts = np.zeros(0, dtype=np.int64)
@@ -170,8 +163,7 @@ class FirstFitDesign(_RowTokens):
         return int((self.capacity > 0).sum()) * 16 + self.space.num_holes * 16
 
     def memory_map(self) -> dict:
-        """Every live buffer and hole, for drawing: numpy arrays of start, size, used, seq, layer,
-        expert; hole_start, hole_size; and the top of the heap."""
+        """Every live buffer (start, size, used, seq, layer, expert), hole and the top, to draw."""
         rows = (self.capacity > 0).nonzero().squeeze(1)
         seq, layer, expert = self.index.split(rows)
         return {

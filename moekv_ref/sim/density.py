@@ -1,15 +1,10 @@
-"""Density: how many of a batch's sequences each expert buffer holds; blocks a sequence holds.
+"""Density: the fraction of a batch's sequences each (layer, expert) buffer holds (those with a
+token routed there) over their first `context` tokens; and the blocks a sequence holds. In a dense
+transformer every layer's cache holds every running sequence: density 1.
 
-In a dense transformer every layer's cache holds every running sequence. With attention experts, a
-(layer, expert) buffer holds a sequence only if some token of it was routed there: its *density* is
-the fraction of the batch's sequences it holds,
-
-    density[l, e] = (sequences with >= 1 token in row (s, l, e)) / (sequences)
-
-over the first `context` tokens of each sequence. Under uniform top-k routing of c tokens it is
-1 - (1 - k / E)^c; skew lowers it for cold experts. Low density is why per-buffer LRU loses its
-meaning (a buffer's least recently used rows belong to sequences running right now) and why taking
-one sequence off frees little in any one buffer.
+Under uniform top-k routing of c tokens density is 1 - (1 - k / E)^c; skew lowers it for cold
+experts. Low density is why per-buffer LRU loses its meaning (a buffer's least recently used rows
+belong to sequences running now) and why taking one sequence off frees little in any one buffer.
 
 Dimension legend: S sequences, L layers, E experts, K experts per token.
 """
@@ -25,14 +20,10 @@ from .traces import RoutingTrace, synthetic_trace
 def row_token_counts(trace: RoutingTrace, context: int) -> torch.Tensor:
     """(S', L, E) tokens each row holds after the first `context` tokens of every sequence at least
     that long (S' of them)."""
-    L, E = trace.num_layers, trace.num_experts
-    seqs = (trace.lengths >= context).nonzero().squeeze(1)
-    counts = torch.zeros(seqs.numel(), L * E, dtype=torch.int64)
-    for i, s in enumerate(seqs.tolist()):
-        chosen = trace.experts[int(trace.offsets[s]): int(trace.offsets[s]) + context].to(torch.int64)  # (c, L, K)
-        local = torch.arange(L)[None, :, None] * E + chosen
-        counts[i] = torch.bincount(local[chosen >= 0], minlength=L * E)
-    return counts.view(-1, L, E)
+    seqs = (trace.lengths >= context).nonzero().squeeze(1).tolist()
+    if not seqs:
+        return torch.zeros(0, trace.num_layers, trace.num_experts, dtype=torch.int64)
+    return torch.stack([trace.row_counts(s)[context] for s in seqs])
 
 
 def density_per_expert(trace: RoutingTrace, context: int) -> torch.Tensor:
@@ -46,18 +37,12 @@ def density_per_expert(trace: RoutingTrace, context: int) -> torch.Tensor:
 def mean_blocks_at_context(trace: RoutingTrace, contexts, block_size: int) -> torch.Tensor:
     """(len(contexts),) float64: blocks a sequence holds after c tokens, averaged over the trace's
     sequences of at least c tokens (every row's partly filled tail block counted)."""
-    L, E = trace.num_layers, trace.num_experts
     contexts = torch.as_tensor(list(contexts), dtype=torch.int64)
     total = torch.zeros(contexts.numel(), dtype=torch.float64)
     num = torch.zeros(contexts.numel(), dtype=torch.float64)
     for s in range(trace.num_sequences):
-        chosen = trace.experts[int(trace.offsets[s]): int(trace.offsets[s + 1])].to(torch.int64)   # (n, L, K)
-        n = chosen.shape[0]
-        local = (torch.arange(L)[None, :, None] * E + chosen).clamp(min=0).reshape(n, -1)
-        hits = torch.zeros(n, L * E, dtype=torch.int64).scatter_add_(
-            1, local, (chosen >= 0).to(torch.int64).reshape(n, -1))                               # (n, L*E)
-        blocks = ceil_div(hits.cumsum(0), block_size).sum(1)                                      # (n,) after t+1
-        reached = contexts <= n
+        blocks = ceil_div(trace.row_counts(s)[1:], block_size).sum((1, 2))   # (n,) after t+1 tokens
+        reached = contexts <= blocks.shape[0]
         total[reached] += blocks[contexts[reached] - 1].to(torch.float64)
         num[reached] += 1
     return total / num.clamp(min=1)

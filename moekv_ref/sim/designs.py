@@ -1,47 +1,32 @@
 """Paged memory designs for the simulator. Every design, baselines included, answers these calls:
 
-    admit(seqs, final_lens)        sequences enter (final_lens: their total tokens, known to a trace;
-                                   only the `reserved` baseline uses it, as an oracle)
-    append(rows, num_new)          rows (a,) distinct, row = seq * (L * E) + layer * E + expert,
-                                   gain num_new (a,) slots each
+    admit(seqs, final_lens)        sequences enter (final_lens: only the `reserved` oracle uses it)
+    append(rows, num_new)          distinct rows (a,), row = seq * (L * E) + layer * E + expert,
+                                   gain num_new (a,) slots each (sparse: a decode step at E = 64,
+                                   top-8, 16 layers, 64 sequences touches 8,192 of 65,536 rows)
     release(seqs)                  sequences finish; their memory returns
     allocated_slots()              KV slots taken from memory now (used or not)
-    metadata_bytes()               bytes of block tables, counts, ref counts ... a real system keeps
+    metadata_bytes()               block tables, counts, ref counts, as a compact (CSR) layout
+                                   holds them, 4 bytes an integer (what a design needs, not the
+                                   dense tables our KVCacheManager keeps for readability)
     reads(rows)                    contiguous runs a decode step must read from these rows
-    live_slots_of(seqs)            slots these sequences hold (the replay's bookkeeping of live bytes)
+    live_slots_of(seqs)            slots these sequences hold
 
-Rows are passed sparsely (only the rows a step touches) because a decode step of 64 sequences at
-E = 64, top-8, 16 layers touches 8,192 of 65,536 rows.
+ManagerPagedDesign drives the real KVCacheManager; CountingPagedDesign does the same accounting
+from token counts alone (ceil(n / P) blocks a row), cheap enough to sweep block sizes.
+SharedTailDesign is the count-level model of cache/shared_tail_manager.py: full blocks stay private
+to their row, but the partly filled *tail* of every row lives in tail blocks shared by the
+sequence's rows, at token granularity:
 
-Metadata is counted as a compact (CSR) layout would hold it, 4 bytes per integer: per block-table
-entry, per row in use (its token count), per allocated block (its ref_cnt). Our KVCacheManager keeps
-dense (rows x max_blocks) tables for readability; what we count is what a design *needs*.
+    row (s, l, e) with n = 37, P = 16:  body blocks [12, 40] (32 tokens), 5 slots in s's tail blocks
+    sequence s's tail blocks:  [ e3 e3 e7 e3 e1 e7 e7 -- ... ]  slots of many rows, interleaved
 
-Three paged designs:
-
-  ManagerPagedDesign   the real KVCacheManager and BlockPool (what the model uses): the simulator's
-                       speed is this code's speed.
-  CountingPagedDesign  the same accounting from token counts alone (a row of n tokens owns
-                       ceil(n / P) blocks), cheap enough to sweep block sizes; a test checks it equals
-                       the manager-driven design step by step.
-  SharedTailDesign     the count-level model of cache/shared_tail_manager.py (a test checks it
-                       allocates what the real SharedTailKVCacheManager allocates, step by step):
-                       full blocks stay private to their row, but the partly filled *tail* of every
-                       row of a sequence lives in tail blocks shared by all that sequence's
-                       (layer, expert) rows, at token granularity:
-
-        row (s, l, e) with n = 37, P = 16:  body blocks [12, 40] (32 tokens, contiguous runs)
-                                            tail: 5 slots in the tail blocks of sequence s
-        sequence s's tail blocks:  [ e3 e3 e7 e3 e1 e7 e7 -- ... ]  slots of many rows, interleaved
-
-     When a row's tail reaches P tokens they are copied into a fresh private block (P - 1 extra
-     writes: the token that fills it is written there directly) and their tail slots become holes
-     for the next tail tokens. When the holes add up to a whole block, the emptiest tail block is compacted: its < P live slots move into holes
-     elsewhere and it returns to the pool. So a sequence holds exactly ceil(tail tokens / P) tail
-     blocks: waste per sequence is < P slots instead of < P per row, at the cost of a slot index per
-     tail token (metadata), of the copies (`copied_slots`), and of reading up to P - 1 scattered
-     slots per row in decode (`reads`). Freeing a sequence frees whole blocks, because tail blocks
-     are never shared across sequences. The model's PagedKVCache runs it with shared_tails=True.
+A tail reaching P tokens is copied into a fresh private block (P - 1 copies) and leaves holes; when
+holes add up to a block, the emptiest tail block is compacted into them and freed. A sequence wastes
+< P slots instead of < P per row, for a slot index per tail token, the copies (`copied_slots`) and
+up to P - 1 scattered reads per row. Tail blocks are never shared across sequences, so freeing one
+frees whole blocks. PagedKVCache runs it with shared_tails=True; tests check both count-level
+designs against the real managers step by step.
 """
 
 from __future__ import annotations
@@ -62,8 +47,12 @@ class CountingPagedDesign:
         self.block_size = check_block_size(block_size)
         self.rows_per_seq = RowIndex(num_layers, num_experts).rows_per_seq    # rows numbered as rows.py says
         self.tokens = torch.zeros(num_sequences * self.rows_per_seq, dtype=torch.int64)  # (S*L*E,)
-        self._num_blocks = 0
+        self._num_blocks = 0                            # private blocks of the rows, all together
         self._num_rows_in_use = 0
+
+    def _row_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Private blocks a row of n tokens owns: ceil(n / P) (SharedTailDesign: full ones only)."""
+        return ceil_div(tokens, self.block_size)
 
     def admit(self, seqs, final_lens) -> None:
         pass
@@ -71,7 +60,7 @@ class CountingPagedDesign:
     def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
         old = self.tokens[rows]                                                    # (a,)
         new = old + num_new
-        self._num_blocks += int((ceil_div(new, self.block_size) - ceil_div(old, self.block_size)).sum())
+        self._num_blocks += int((self._row_blocks(new) - self._row_blocks(old)).sum())
         self._num_rows_in_use += int((old == 0).sum())
         self.tokens[rows] = new
 
@@ -80,7 +69,7 @@ class CountingPagedDesign:
 
     def release(self, seqs) -> None:
         old = self._sequence_tokens(seqs)
-        self._num_blocks -= int(ceil_div(old, self.block_size).sum())
+        self._num_blocks -= int(self._row_blocks(old).sum())
         self._num_rows_in_use -= int((old > 0).sum())
         self.tokens.view(-1, self.rows_per_seq)[seqs] = 0
 
@@ -144,53 +133,46 @@ class ManagerPagedDesign:
 
 
 class SharedTailDesign(CountingPagedDesign):
-    """Private full blocks, plus per-sequence tail blocks shared by the sequence's rows at token
-    granularity (module docstring)."""
+    """Private full blocks, plus per-sequence shared tail blocks (module docstring)."""
 
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int, block_size: int):
         super().__init__(num_sequences, num_layers, num_experts, block_size)
         self.name = f"paged-shared-tail(P={block_size})"
         self.tail_tokens = torch.zeros(num_sequences, dtype=torch.int64)          # (S,) now
         self.tail_blocks = torch.zeros(num_sequences, dtype=torch.int64)          # (S,) held
-        self._num_body_blocks = 0
         self.copied_slots = 0          # promotions (P per new body block) + compaction moves (< P)
+
+    def _row_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens // self.block_size
 
     def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
         P = self.block_size
         old = self.tokens[rows]                                                    # (a,)
         new = old + num_new
         promoted = int((new // P - old // P).sum())
-        self._num_body_blocks += promoted
-        # a promotion copies the P - 1 tail tokens already written; the token that fills the block
-        # is written straight into it (prefill could write whole blocks directly: counting its
-        # promotions as copies keeps this an upper bound)
+        # a promotion copies the P - 1 tail tokens already written (the filling one goes straight
+        # in; prefill could write whole blocks directly: counting its copies keeps an upper bound)
         self.copied_slots += promoted * (P - 1)
         self.tail_tokens.index_add_(0, rows // self.rows_per_seq, new % P - old % P)
         needed = ceil_div(self.tail_tokens, P)                                    # (S,)
         # compaction: each tail block given back moves at most P - 1 live slots into holes
         self.copied_slots += int((self.tail_blocks - needed).clamp(min=0).sum()) * (P - 1)
         self.tail_blocks = needed
-        self._num_rows_in_use += int((old == 0).sum())
-        self.tokens[rows] = new
+        super().append(rows, num_new)
 
     def release(self, seqs) -> None:
-        old = self._sequence_tokens(seqs)
-        self._num_body_blocks -= int((old // self.block_size).sum())
-        self._num_rows_in_use -= int((old > 0).sum())
         self.tail_tokens[seqs] = 0
         self.tail_blocks[seqs] = 0
-        self.tokens.view(-1, self.rows_per_seq)[seqs] = 0
+        super().release(seqs)
 
     def allocated_slots(self) -> int:
-        return (self._num_body_blocks + int(self.tail_blocks.sum())) * self.block_size
+        return (self._num_blocks + int(self.tail_blocks.sum())) * self.block_size
 
     def metadata_bytes(self) -> int:
         # body table entries and a ref_cnt per body block, a slot index per tail token, the
         # sequence's list of tail blocks and their ref_cnt, a token count per row in use
-        num_tail_blocks = int(self.tail_blocks.sum())
-        num_tail_tokens = int(self.tail_tokens.sum())
-        return BYTES_PER_INDEX * (2 * self._num_body_blocks + num_tail_tokens + 2 * num_tail_blocks
-                                  + self._num_rows_in_use)
+        return BYTES_PER_INDEX * (2 * self._num_blocks + int(self.tail_tokens.sum())
+                                  + 2 * int(self.tail_blocks.sum()) + self._num_rows_in_use)
 
     def reads(self, rows) -> int:
         tokens = self.tokens[rows]

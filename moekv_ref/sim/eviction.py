@@ -1,35 +1,23 @@
-"""Serving over a routing trace with per-device pools and a victim policy: the engine's own Scheduler,
-with the trace playing the model.
+"""Serving over a routing trace with per-device pools: the engine's own Scheduler, with the trace
+playing the model.
 
-The runner builds what the engine builds -- a KVCacheManager with per-device pools, a ModelShape and
-the real Scheduler (engine/scheduler.py) with the victim policy, the admission policy and the
-preemption mode -- and turns each trace sequence into a Request (a prompt of the trace's prompt
-length, max_new_tokens so that it stores exactly the trace's tokens). Requests arrive together; one
-whose worst-case lifetime might not fit some device alone is refused (`check_fits_alone`, as
-`LLMEngine.add_request` refuses it). Then, each step:
+The runner builds what the engine builds (a KVCacheManager with per-device pools, a ModelShape, the
+real Scheduler with its victim, admission and preemption policies) and turns each trace sequence
+into a Request that stores exactly the trace's tokens; one whose worst-case lifetime might not fit
+some device alone is refused (`check_fits_alone`, as `LLMEngine.add_request` refuses it). Each step
+is `scheduler.schedule(step)`, then the model's part (every scheduled token appended to the rows the
+trace routed it to, by `manager.allocate_slots`, without K/V; swaps are block ids only), then
+`scheduler.update_from_output`. So every number is one the engine would produce on the same routing
+(tests/test_sim_vs_engine.py checks it step by step), its caution included: it reserves each step's
+worst case (every token to k_max experts, each opening a block) before the routing is known, and
+refuses requests by their worst-case lifetime, where a planner reading the trace could use the exact
+blocks. Preemption is by recompute, or by swap when the setup has host blocks.
 
- 1. `scheduler.schedule(step)`: the step's decisions (admissions, preemptions, victims, swaps), by
-    the same code that decides them in the engine;
- 2. the model's part: every scheduled request's tokens [num_computed, num_computed + num_tokens)
-    are appended to the rows the trace routed them to (`manager.allocate_slots`, what the paged
-    cache does in a forward, without K/V); swap copies are block ids only, so nothing to copy;
- 3. `scheduler.update_from_output`: tokens computed, requests that reached their end finish.
+Time: each step costs CostModel seconds (moekv_ref/costs.py) for the tokens it computes and the
+blocks it swaps. Goodput is generated tokens of finished requests per step and per modelled second.
+The offline policies (oracle, belady) read the trace's future through a TraceFuture.
 
-So every number here is one the engine would produce on the same routing (tests/test_sim_vs_engine.py
-checks it step by step). That includes how the scheduler is cautious: it reserves each step's worst
-case (every token to k_max experts, each opening a block) before the routing is known, and refuses
-requests by their worst-case lifetime, where a planner reading the trace could use the exact blocks.
-Preemption is by recompute, or by swap when the setup has host blocks (the scheduler's
-preemption_mode: one mode for every victim, as in the engine).
-
-Time: each step costs CostModel seconds (moekv_ref/costs.py) for the tokens it computes (prefills and
-recomputes over their context, decodes over theirs) plus the blocks it swaps. Goodput is generated
-tokens of finished requests per step and per modelled second. Every policy sees the same trace,
-pools, limits and cost model. The offline policies (oracle, belady) read the trace's future through
-a TraceFuture.
-
-Dimension legend: S sequences of the trace, D devices, L layers, E experts, R = L * E rows per
-sequence.
+Dimension legend: S sequences, D devices, L layers, E experts, R = L * E rows per sequence.
 """
 
 from __future__ import annotations
@@ -102,17 +90,9 @@ class EvictionStats:
                 "freed_on_short_device_per_eviction": self.freed_per_eviction}
 
 
-def trace_row_counts(trace: RoutingTrace, seq: int) -> torch.Tensor:
-    """(len + 1, L, E): tokens each row of sequence `seq` holds after its first t tokens, t = 0..len."""
-    chosen = trace.experts[int(trace.offsets[seq]): int(trace.offsets[seq + 1])].to(torch.int64)   # (n, L, K)
-    hits = torch.zeros(chosen.shape[0], trace.num_layers, trace.num_experts, dtype=torch.int64)    # (n, L, E)
-    hits.scatter_add_(2, chosen.clamp(min=0), (chosen >= 0).to(torch.int64))
-    return torch.cat([torch.zeros_like(hits[:1]), hits.cumsum(0)])
-
-
 class TraceFuture:
-    """The FutureView (engine/victims.py) of a trace: what the offline policies read. Request ids are
-    trace sequence ids; a request is assumed to run one token a step from now to its end."""
+    """The FutureView (engine/victims.py) of a trace, for the offline policies: request ids are
+    trace sequence ids, and a request runs one token a step from now to its end."""
 
     def __init__(self, trace: RoutingTrace, manager: KVCacheManager, shape: ModelShape):
         self.trace, self.manager, self.shape = trace, manager, shape
@@ -125,23 +105,21 @@ class TraceFuture:
         self._reserved: dict[int, torch.Tensor] = {}
 
     def _map(self, counts: torch.Tensor) -> torch.Tensor:
-        """The device of every row, one (L, E) map per row of counts (n, L, E)."""
-        return self.manager.device_of_expert.expand(counts.shape[0], -1, -1)
+        return self.manager.device_of_expert.expand(counts.shape[0], -1, -1)   # (n, L, E) devices
 
     def held(self, seq: int) -> torch.Tensor:
         """(len + 1, D) blocks the sequence holds on each device after its first t tokens."""
         if seq not in self._held:
-            counts = trace_row_counts(self.trace, seq)                                      # (len + 1, L, E)
+            counts = self.trace.row_counts(seq)                                 # (len + 1, L, E)
             self._held[seq] = blocks_held_per_device(counts, self.shape.block_size, self._map(counts),
                                                      self.manager.num_devices)
         return self._held[seq]
 
     def reserved(self, seq: int) -> torch.Tensor:
-        """(len, D): at the step that appends token t (t = 0..len-1, one token a step), the blocks the
-        sequence holds before it plus the scheduler's worst-case reservation for it (capped, as the
-        scheduler caps it, by the lifetime worst case minus what it holds)."""
+        """(len, D): at the step appending token t, the blocks held before it plus the scheduler's
+        worst-case reservation (capped, as the scheduler caps it, by the lifetime worst case)."""
         if seq not in self._reserved:
-            counts, held, shape = trace_row_counts(self.trace, seq)[:-1], self.held(seq)[:-1], self.shape
+            counts, held, shape = self.trace.row_counts(seq)[:-1], self.held(seq)[:-1], self.shape
             step = worst_case_step_blocks_per_device(counts, torch.ones(counts.shape[0], dtype=torch.int64),
                                                      shape.k_max, shape.block_size, self._map(counts),
                                                      self.manager.num_devices)               # (len, D)
@@ -153,12 +131,9 @@ class TraceFuture:
         return int(self.held(request.request_id)[request.num_computed_tokens + 1:, device].sum())
 
     def fits_to_completion(self, request: Request, running) -> bool:
-        # after this step every one of them has computed its num_tokens tokens (the running ones
-        # their one decode token, the request its prefill): from the next step on, token num_tokens
+        # from the next step on, each has computed its num_tokens (a decode token, or the prefill)
         paths = [self.reserved(r.request_id)[r.num_tokens:] for r in (*running, request)]   # (g, D) each
-        total = torch.zeros(max(p.shape[0] for p in paths), self.manager.num_devices, dtype=torch.int64)
-        for path in paths:
-            total[: path.shape[0]] += path
+        total = torch.nn.utils.rnn.pad_sequence(paths).sum(1)                   # (g_max, D)
         return bool((total <= self.manager.blocks_per_device).all())
 
 
@@ -197,30 +172,25 @@ class TraceRunner:
             self.scheduler.add_request(Request(s, [0] * prompt, SamplingParams(max_new_tokens=max_new_tokens)))
 
     def append(self, scheduled) -> torch.Tensor:
-        """The model's part of a step: each scheduled request's tokens go to the rows the trace
-        routed them to (blocks only, as PagedKVCache.append_kv allocates them). Returns (L,) the
-        experts chosen per layer summed over the step's tokens, for the demand predictor."""
-        trace, manager = self.trace, self.manager
+        """The model's part of a step: the scheduled tokens go to the rows the trace routed them to
+        (blocks only, as PagedKVCache.append_kv allocates them). Returns (L,) experts chosen per
+        layer over the step's tokens, for the demand predictor."""
+        manager = self.manager
         ids = [item.request.request_id for item in scheduled]
         for seq in sorted(ids):                      # as append_kv adds them: ascending
             if not manager.holds(seq):
                 manager.add_sequence(seq)
         starts = torch.tensor([item.request.num_computed_tokens for item in scheduled], dtype=torch.int64)  # (m,)
         counts = torch.tensor([item.num_tokens for item in scheduled], dtype=torch.int64)                  # (m,)
-        owner = torch.repeat_interleave(torch.arange(len(ids)), counts)                                   # (N,)
-        local = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[owner]
-        token = trace.offsets[ids][owner] + starts[owner] + local                                          # (N,)
-        chosen = trace.experts[token].to(torch.int64)                                                       # (N, L, K)
-        slot = torch.tensor([manager.seq_index(s) for s in ids], dtype=torch.int64)[owner]
-        rows = manager.index.row(slot[:, None, None], torch.arange(trace.num_layers)[None, :, None], chosen)
-        hits = torch.bincount(rows[chosen >= 0])
-        rows = hits.nonzero().squeeze(1)
-        manager.allocate_slots(rows, hits[rows], rows_are_distinct=True, with_slots=False)
-        return (chosen >= 0).sum((0, 2))
+        slots = torch.tensor([manager.seq_index(s) for s in ids], dtype=torch.int64)         # (m,)
+        seqs = torch.tensor(ids, dtype=torch.int64)
+        rows, hits, per_layer = self.trace.appends(seqs, starts, counts, row_seqs=slots)
+        manager.allocate_slots(rows, hits, rows_are_distinct=True, with_slots=False)
+        return per_layer
 
     def step_seconds(self, out) -> float:
-        """CostModel seconds of a step: its fixed cost, every scheduled token over its context (a
-        decode token, or a prefill / recompute chunk), and its swaps (each direction half of a swap)."""
+        """CostModel seconds of a step: its fixed cost, each scheduled decode token or prefill /
+        recompute chunk over its context, and its swaps (each direction half of a swap)."""
         cost = self.cost
         seconds = cost.seconds_per_step
         for item in out.scheduled:
@@ -270,24 +240,19 @@ def simulate(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: Evictio
 
 
 def memory_time_bound(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup) -> dict:
-    """A lower bound on the steps any policy needs, hence an upper bound on goodput per step.
-
-    Each step of a sequence (its prefill, then one per decode token) needs, on every device, the
-    blocks its rows hold at that moment; a device holds at most its pool at any step. So the steps
-    are at least, for every device, (sum over sequences and their steps of the blocks held there) /
-    pool; also at least the longest sequence's steps, and all steps / max_num_seqs. The requests the
-    runner refuses are left out, as they are by the runs."""
+    """A lower bound on the steps any policy needs (an upper bound on goodput per step): on every
+    device, the blocks each sequence holds at each of its steps (prefill, then one per decode token)
+    summed, over the pool; also the longest sequence's steps, and all steps / max_num_seqs. Refused
+    requests are left out, as the runs leave them out."""
     runner = TraceRunner(trace, device_of_expert, setup, "newest_first", cost=None)     # built, never run
     served = [r.request_id for r in runner.scheduler.waiting]
     block_steps = torch.zeros(runner.manager.num_devices, dtype=torch.int64)
-    longest = all_steps = tokens = 0
+    longest = tokens = 0                      # tokens: all steps, one generated token each
     for s in served:
-        prompt = int(trace.prompt_lens[s])
-        path = runner.future.held(s)[prompt:]           # (steps, D) held at the prefill and every decode step
+        path = runner.future.held(s)[int(trace.prompt_lens[s]):]    # (steps, D) from the prefill on
         block_steps += path.sum(0)
         longest = max(longest, path.shape[0])
-        all_steps += path.shape[0]
-        tokens += path.shape[0]                          # one generated token per step
+        tokens += path.shape[0]
     steps = max(float((block_steps / runner.manager.blocks_per_device).max()), longest,
-                all_steps / setup.max_num_seqs)
+                tokens / setup.max_num_seqs)
     return {"steps": steps, "finished_tokens": tokens, "tokens_per_step": tokens / steps}

@@ -1,40 +1,23 @@
 """The exact offline optimum over victim choices, on small instances: an exhaustive search.
 
-What "optimal" covers. The trace runner (sim/eviction.py) replays a trace through the engine's
-Scheduler, and the scheduler makes many decisions: whom to admit (its admission policy, at most
-max_num_seqs, within the token budget), what to reserve (each step's worst case on every device),
-whom to refuse (a worst-case lifetime that might not fit a device alone), how to preempt (recompute
-or swap). All of those stay as they are. The one decision searched is the victim policy's: each time
-a step does not fit, which of the candidates (the running requests not yet scheduled this step, the
-request being scheduled among them) is preempted, whole. Every sequence of such choices is tried,
-and the optimum is the one that finishes every served request in the fewest steps (ties: the fewest
-modelled seconds, CostModel). Since every request generates the same tokens under every schedule,
-fewest steps is also most finished tokens per step.
+Every decision of the Scheduler that the trace runner (sim/eviction.py) drives stays as it is
+(admission, reservation, refusal, preemption mode) but one: each time a step does not fit, which
+candidate (a running request not yet scheduled this step, or the request being scheduled) is
+preempted, whole. The optimum finishes every served request in the fewest steps (ties: fewest
+modelled seconds); as every schedule generates the same tokens, that is also most tokens per step.
+It is a floor for every policy whose victims are whole candidates (newest_first, sequence_lru,
+pressure_aware, belady: each of their runs is one branch), not for `oracle`, which also vetoes
+admissions, nor for `expert_lru`, which evicts single rows.
 
-So the optimum is a floor for every policy whose victims are whole candidates -- newest_first,
-sequence_lru, pressure_aware and belady: each of their runs is one branch of the search. It is not a
-floor for `oracle`, which also vetoes admissions (a different admission rule), nor for `expert_lru`,
-which evicts single rows (a different kind of decision); either may beat it or not.
-
-The search. Depth first over the tree of choices: a node is an eviction decision with c >= 2
-candidates (a decision with one candidate is no choice), its c children the choices. A branch runs
-through the real Scheduler with a ScriptedVictims policy, which returns the branch's choices in
-order and raises NeedChoice at the first decision its script does not cover; the search then tries
-each of the c choices there. A decision happens in the middle of `Scheduler.schedule`, which cannot
-be copied half-way, so the runner is copied (copy.deepcopy) at the start of every step and a child
-restarts from the start of the step its decision is in, that step's earlier choices scripted again.
-A choice that leaves a step with nothing scheduled (every request waiting) is a dead end: the engine
-raises there (the runner's RuntimeError), so it is no schedule.
-
-Size: without pruning the search visits every leaf, and there are up to c^d of them for d decisions
-of c candidates each along a path; each leaf costs the steps from its last decision to the end. With
-pruning (branch and bound, the default) a branch stops as soon as it cannot beat the best schedule
-found: at the start of step t a request that still has g tokens to generate needs at least g more
-steps (it samples at most one token a step), so the run needs at least t + max g steps. Memoising
-states is left out: two branches rarely reach the same state (the waiting line's order, each
-request's computed tokens and the pools' contents would all have to agree), and a key over all of it
-would be the hardest part to check. So the instances are small: a few sequences, two devices, a
-tight pool, a handful of evictions.
+The search is depth first over decisions with c >= 2 candidates. A branch runs the real Scheduler
+with ScriptedVictims, which follows the branch's choices and raises NeedChoice at the first decision
+not covered. A decision happens inside `Scheduler.schedule`, which cannot be copied half-way, so the
+runner is deep-copied at the start of every step and a child restarts from there, the step's earlier
+choices scripted again. A step that schedules nothing is a dead end (the engine raises there).
+Branch and bound prunes a branch that cannot beat the best: at step t, a request with g tokens left
+needs at least g more steps. States are not memoised (two branches rarely reach the same state, and
+the key would be the hardest part to check), so the instances are small: a few sequences, two
+devices, a handful of evictions.
 """
 
 from __future__ import annotations
@@ -60,9 +43,8 @@ class NeedChoice(Exception):
 
 
 class ScriptedVictims(VictimPolicy):
-    """A victim policy that follows a script: at the i-th decision with two or more candidates it
-    preempts candidates[script[i]] (0: the request being scheduled, which then waits); with one
-    candidate, that one. Past the end of the script it raises NeedChoice."""
+    """At the i-th decision with two or more candidates, preempt candidates[script[i]] (0: the
+    request being scheduled, which then waits); past the end of the script, raise NeedChoice."""
     name = "scripted"
 
     def __init__(self, script=()):
@@ -84,8 +66,8 @@ class ScriptedVictims(VictimPolicy):
 
 @dataclass
 class Optimum:
-    """The search's answer: the best schedule's steps, modelled seconds and choices (a script for
-    ScriptedVictims), and how big the search was."""
+    """The best schedule's steps, modelled seconds and choices (a ScriptedVictims script), and the
+    size of the search."""
     steps: int
     seconds: float
     choices: list[int]
@@ -114,10 +96,8 @@ def tokens_left(runner: TraceRunner) -> int:
 
 def search_optimum(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup, cost: CostModel,
                    prune: bool = True, keep_leaves: bool = False, max_steps: int = 10_000) -> Optimum:
-    """The schedule of victim choices that finishes every served request in the fewest steps (ties:
-    the fewest modelled seconds), by the search of the module docstring. prune=False visits every
-    leaf; keep_leaves=True keeps each leaf's (choices, steps) (for tests: compare with a naive
-    enumeration)."""
+    """The best schedule of victim choices (module docstring). prune=False visits every leaf;
+    keep_leaves=True keeps each leaf's (choices, steps), for tests."""
     started = time.perf_counter()
     root = TraceRunner(trace, device_of_expert, setup, ScriptedVictims(), cost)
     memo_base = {id(trace): trace, id(cost): cost}          # shared and never changed: not copied
@@ -130,9 +110,9 @@ def search_optimum(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: E
 
     def explore(start: TraceRunner, step: int, seconds: float, finished: int, choices: list[int],
                 step_choices: list[int]) -> None:
-        """Run on from `start` (a runner at the start of `step`, left untouched), this step's
-        decisions taking step_choices, until the end, a dead end, a prune, or a decision no choice
-        covers (where each choice is explored from `start`). choices: the whole branch's."""
+        """Run on from a copy of `start` (a runner at the start of `step`), this step's decisions
+        taking step_choices, to the end, a dead end, a prune, or an uncovered decision (each of
+        whose choices is explored from `start`). choices: the whole branch's."""
         runner, script = copied(start), step_choices
         scheduler = runner.scheduler
         while scheduler.has_unfinished:

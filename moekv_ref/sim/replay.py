@@ -1,15 +1,14 @@
 """Replaying a routing trace through a memory design.
 
-The schedule is a static batch in lock step: every sequence of the trace is admitted at step 0 and
-prefilled (its whole prompt at once); then each step appends one decode token to every sequence that
-is still running; a sequence is released at the end of the step that stored its last token. After
-every step we read the design's allocated slots and metadata bytes.
+A static batch in lock step: every sequence is admitted and prefilled at step 0, then each step
+appends one decode token to every running sequence; a sequence is released after the step that
+stored its last token. After every step we read the design's allocated slots and metadata bytes.
 
     utilization            = sum over steps of live KV bytes / sum of allocated KV bytes
     effective_utilization  = sum of live KV bytes / sum of (allocated KV bytes + metadata bytes)
 
-(time-averaged as ratios of integrals, so a step weighs by how much memory it holds). Every design
-sees the same steps, so the differences are the designs'.
+(ratios of integrals over time, so a step weighs by the memory it holds). Every design sees the
+same steps.
 """
 
 from __future__ import annotations
@@ -56,9 +55,8 @@ class ReplayStats:
 
 def replay(trace: RoutingTrace, design, count_reads: bool = False,
            max_steps: int | None = None) -> ReplayStats:
-    """Run every sequence of `trace` through `design` in lock step (module docstring). With
-    max_steps, stop after that many steps and leave the design holding what it holds then (to
-    draw its memory mid-run)."""
+    """Run every sequence of `trace` through `design` in lock step (module docstring). max_steps
+    stops early, leaving the design as it is then (to draw its memory mid-run)."""
     started = time.perf_counter()
     S = trace.num_sequences
     lengths, prompts = trace.lengths, trace.prompt_lens
@@ -102,9 +100,8 @@ def replay(trace: RoutingTrace, design, count_reads: bool = False,
 
 
 def max_concurrent_sequences(trace: RoutingTrace, make_design, budget_bytes: int) -> int:
-    """The most sequences of the trace (taken in order: the first n) that the design holds at once,
-    started together and run to completion, with allocated + metadata bytes never above
-    `budget_bytes`. Binary search on n; make_design(num_sequences) builds a fresh design."""
+    """The largest n such that the trace's first n sequences, run together to completion, never
+    take more than `budget_bytes` (allocated + metadata). make_design(n) builds a fresh design."""
     def fits(n: int) -> bool:
         if n == 0:
             return True

@@ -1,17 +1,9 @@
 """Routing traces: which attention experts each token of each sequence went to, at every layer.
 
-A trace is all the cache needs to know about a run: a token routed to expert e at layer l appends one
-slot to row (sequence, l, e). Storing expert ids (not a (T, L, E) mask) keeps a trace of real-model
-shape small: 64 sequences x 512 tokens x 16 layers x top-8 is 4M int16.
-
-    experts      (num_tokens, L, K) int16   the experts of each token, -1 where a token used fewer
-                                            than K (threshold routing); sequences concatenated
-    offsets      (S + 1,)           int64   sequence s is tokens offsets[s] : offsets[s + 1]
-    prompt_lens  (S,)               int64   the first prompt_lens[s] tokens are prefilled at once
-
-Two synthetic kinds: `synthetic_trace`, where every sequence draws its experts from the same
-popularity, and `topic_trace`, where each sequence has a topic and each topic its own favourite
-experts (see there why that matters to eviction).
+A trace is all the cache needs of a run: a token routed to expert e at layer l appends one slot to
+row (sequence, l, e). Storing expert ids, not a (T, L, E) mask, keeps a real-model-shaped trace
+small (64 sequences x 512 tokens x 16 layers x top-8 is 4M int16). Synthetic traces come in two
+kinds: `synthetic_trace` (one expert popularity for all) and `topic_trace` (per-sequence topics).
 
 Dimension legend: S sequences, L layers, E experts, K experts per token (k_max), T topics.
 """
@@ -27,9 +19,10 @@ from ..cache.rows import RowIndex
 
 @dataclass
 class RoutingTrace:
-    experts: torch.Tensor          # (num_tokens, L, K) int16, -1 = none
-    offsets: torch.Tensor          # (S + 1,) int64
-    prompt_lens: torch.Tensor      # (S,) int64
+    experts: torch.Tensor          # (num_tokens, L, K) int16, sequences concatenated; -1: a token
+                                   # used fewer than K (threshold routing)
+    offsets: torch.Tensor          # (S + 1,) int64: sequence s is tokens offsets[s]:offsets[s + 1]
+    prompt_lens: torch.Tensor      # (S,) int64: the first prompt_lens[s] tokens prefill at once
     num_experts: int               # E
     kv_bytes_per_slot: int         # bytes of K and V one token stores in one (layer, expert) row
     name: str = "trace"
@@ -67,22 +60,33 @@ class RoutingTrace:
         return RoutingTrace(torch.cat(parts), offsets, self.prompt_lens[seqs].clone(), self.num_experts,
                             self.kv_bytes_per_slot, self.name)
 
-    def prefill_appends(self, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows the prompts of `seqs` fill and how many slots each gains.
+    def row_counts(self, seq: int) -> torch.Tensor:
+        """(len + 1, L, E): tokens each row of sequence `seq` holds after its first t tokens."""
+        chosen = self.experts[int(self.offsets[seq]): int(self.offsets[seq + 1])].to(torch.int64)
+        hits = torch.zeros(chosen.shape[0], self.num_layers, self.num_experts, dtype=torch.int64)
+        hits.scatter_add_(2, chosen.clamp(min=0), (chosen >= 0).to(torch.int64))        # (n, L, E)
+        return torch.cat([torch.zeros_like(hits[:1]), hits.cumsum(0)])
 
-        Returns rows (a,) int64, distinct, numbered seq * (L * E) + layer * E + expert with seq the
-        trace's sequence id, and num_new (a,) int64 >= 1."""
+    def appends(self, seqs: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+                row_seqs: torch.Tensor | None = None):
+        """The rows that tokens starts[i] .. starts[i] + counts[i] - 1 of sequence seqs[i] append
+        to: rows (a,) distinct, numbered seq * (L * E) + layer * E + expert with seq = row_seqs[i]
+        (default: seqs[i]); the slots each gains (a,) >= 1; and (L,) experts chosen per layer."""
         index = RowIndex(self.num_layers, self.num_experts)
+        owner = torch.repeat_interleave(torch.arange(len(seqs)), counts)                     # (N,)
+        local = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[owner]
+        token = self.offsets[seqs][owner] + starts[owner] + local                          # (N,)
+        chosen = self.experts[token].to(torch.int64)                                  # (N, L, K)
+        row_seq = (seqs if row_seqs is None else row_seqs)[owner][:, None, None]
+        row = index.row(row_seq, torch.arange(self.num_layers)[None, :, None], chosen)
+        hits = torch.bincount(row[chosen >= 0])
+        rows = hits.nonzero().squeeze(1)
+        return rows, hits[rows], (chosen >= 0).sum((0, 2))
+
+    def prefill_appends(self, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows the prompts of `seqs` fill and the slots each gains (`appends`)."""
         count = self.prompt_lens[seqs]
-        owner = torch.repeat_interleave(seqs, count)                                  # (t,)
-        start = torch.cumsum(count, 0) - count
-        local = torch.arange(int(count.sum())) - torch.repeat_interleave(start, count)
-        token = self.offsets[owner] + local                                           # (t,)
-        chosen = self.experts[token].to(torch.int64)                                  # (t, L, K)
-        row = index.row(owner[:, None, None], torch.arange(self.num_layers)[None, :, None], chosen)
-        counts = torch.bincount(row[chosen >= 0], minlength=self.num_sequences * index.rows_per_seq)
-        rows = counts.nonzero().squeeze(1)
-        return rows, counts[rows]
+        return self.appends(seqs, torch.zeros_like(count), count)[:2]
 
     def decode_appends(self, seqs: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
         """The rows that token token_index[i] of sequence seqs[i] appends one slot to: (a,) int64,
@@ -93,11 +97,47 @@ class RoutingTrace:
         return rows[chosen >= 0]
 
 
-def _lognormal_lengths(num: int, mean: float, sigma: float, generator) -> torch.Tensor:
-    """Integer lengths >= 1 from a log-normal with the given mean: mu = ln(mean) - sigma^2 / 2."""
-    mu = torch.log(torch.tensor(mean)) - sigma**2 / 2
-    values = torch.exp(mu + sigma * torch.randn(num, generator=generator))
-    return values.round().clamp(min=1).to(torch.int64)
+def _check_sizes(**sizes) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if sizes["top_k"] > sizes["num_experts"]:
+        top_k, num_experts = sizes["top_k"], sizes["num_experts"]
+        raise ValueError(f"top_k={top_k} is greater than num_experts={num_experts}")
+
+
+def _lengths(num_sequences: int, mean_prompt, mean_output, sigma, generator):
+    """Log-normal prompt and output lengths >= 1 of the given means (mu = ln(mean) - sigma^2 / 2):
+    prompts (S,), and the offsets (S + 1,) of the whole sequences."""
+    lengths = []
+    for mean in (mean_prompt, mean_output):
+        mu = torch.log(torch.tensor(mean)) - sigma**2 / 2
+        values = torch.exp(mu + sigma * torch.randn(num_sequences, generator=generator))
+        lengths.append(values.round().clamp(min=1).to(torch.int64))
+    prompts, outputs = lengths
+    return prompts, torch.cat([torch.zeros(1, dtype=torch.int64), (prompts + outputs).cumsum(0)])
+
+
+def _gumbel_top_k(log_weight, num_tokens: int, top_k: int, generator, token_topic=None):
+    """(num_tokens, L, K) int16: k distinct experts per token and layer, by Gumbel top-k (sampling
+    without replacement) on log_weight (L, E), or on log_weight[token_topic[t]] of a (T, L, E)."""
+    L, E = log_weight.shape[-2:]
+    experts = torch.empty(num_tokens, L, top_k, dtype=torch.int16)
+    chunk = 8192                                    # bounds the (chunk, L, E) noise tensor
+    for start in range(0, num_tokens, chunk):
+        n = min(chunk, num_tokens - start)
+        uniform = torch.rand(n, L, E, generator=generator).clamp_(1e-12, 1.0)
+        gumbel = -torch.log(-torch.log(uniform))                                  # (n, L, E)
+        weight = log_weight if token_topic is None else log_weight[token_topic[start:start + n]]
+        experts[start:start + n] = (weight + gumbel).topk(top_k, dim=-1).indices.to(torch.int16)
+    return experts
+
+
+def _log_rank(n: int, num_layers: int, num_experts: int, generator) -> torch.Tensor:
+    """(n, L, E) float32: log(1 + rank) of each expert in a random ranking per layer, n times."""
+    ranks = torch.stack([torch.stack([torch.randperm(num_experts, generator=generator)
+                                      for _ in range(num_layers)]) for _ in range(n)])
+    return torch.log1p(ranks.to(torch.float32))
 
 
 def synthetic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k: int,
@@ -108,30 +148,15 @@ def synthetic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k
 
     Each layer ranks its experts by a random permutation (the hot expert differs per layer) and gives
     the expert of rank r the weight 1 / r^s; a token takes k distinct experts, drawn with those weights
-    (Gumbel top-k, equivalent to sampling without replacement). zipf_s = 0 is uniform routing."""
-    for name_, value in (("num_sequences", num_sequences), ("num_layers", num_layers),
-                         ("num_experts", num_experts), ("top_k", top_k)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name_}={value!r} must be a positive integer")
-    if top_k > num_experts:
-        raise ValueError(f"top_k={top_k} is greater than num_experts={num_experts}")
+    (Gumbel top-k). zipf_s = 0 is uniform routing."""
+    _check_sizes(num_sequences=num_sequences, num_layers=num_layers,
+                 num_experts=num_experts, top_k=top_k)
     if zipf_s < 0:
         raise ValueError(f"zipf_s={zipf_s} must be >= 0")
     generator = torch.Generator().manual_seed(seed)
-    prompts = _lognormal_lengths(num_sequences, mean_prompt, sigma, generator)
-    outputs = _lognormal_lengths(num_sequences, mean_output, sigma, generator)
-    lengths = prompts + outputs
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    rank = torch.stack([torch.randperm(num_experts, generator=generator) for _ in range(num_layers)])
-    log_weight = -zipf_s * torch.log1p(rank.to(torch.float32))                      # (L, E)
-    num_tokens = int(offsets[-1])
-    experts = torch.empty(num_tokens, num_layers, top_k, dtype=torch.int16)
-    chunk = 8192                                    # bounds the (chunk, L, E) noise tensor
-    for start in range(0, num_tokens, chunk):
-        n = min(chunk, num_tokens - start)
-        uniform = torch.rand(n, num_layers, num_experts, generator=generator).clamp_(1e-12, 1.0)
-        gumbel = -torch.log(-torch.log(uniform))
-        experts[start:start + n] = (log_weight + gumbel).topk(top_k, dim=-1).indices.to(torch.int16)
+    prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator)
+    log_weight = -zipf_s * _log_rank(1, num_layers, num_experts, generator)[0]          # (L, E)
+    experts = _gumbel_top_k(log_weight, int(offsets[-1]), top_k, generator)
     return RoutingTrace(experts, offsets, prompts, num_experts, kv_bytes_per_slot, name)
 
 
@@ -141,52 +166,27 @@ def topic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k: in
                 kv_bytes_per_slot: int = 512, seed: int = 0, name: str = "topics") -> tuple[RoutingTrace, torch.Tensor]:
     """A RoutingTrace and the topic of each sequence, (S,) int64.
 
-    `synthetic_trace` draws every token's experts from one popularity per layer, so all sequences look
-    alike to the cache: each holds about the same share of every expert. Learned routers are not like
-    that: experts specialise (the embedded model's routers prefer kinds of characters; `routing-stats`),
-    so a sequence about one thing leans on some experts, and a sequence about another on others. Which
-    sequence to evict then matters: under per-device pools one sequence may hold much of the short
-    device, another almost nothing there.
-
-    Each layer's expert weights for a token of topic t mix a global popularity and the topic's own:
+    Learned routers specialise (the embedded model's prefer kinds of characters; `routing-stats`),
+    so sequences about different things lean on different experts, and under per-device pools the
+    victim matters: one may hold much of the short device, another almost nothing. A token of topic
+    t takes k distinct experts by Gumbel top-k on
 
         log w[l, e] = -global_s * log(1 + global_rank[l, e]) - topic_s * log(1 + topic_rank[t, l, e])
 
-    and a token takes k distinct experts by Gumbel top-k on those weights (as `synthetic_trace`). Topics
-    are drawn per sequence with Zipf(topic_popularity_s) popularity, so the most popular topic's experts
-    (and, under a co-activation placement, the device they share) fill first.
-    """
-    for name_, value in (("num_sequences", num_sequences), ("num_layers", num_layers),
-                         ("num_experts", num_experts), ("top_k", top_k), ("num_topics", num_topics)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name_}={value!r} must be a positive integer")
-    if top_k > num_experts:
-        raise ValueError(f"top_k={top_k} is greater than num_experts={num_experts}")
+    Topics have Zipf(topic_popularity_s) popularity, so the most popular topic's experts (and,
+    under a co-activation placement, the device they share) fill first."""
+    _check_sizes(num_sequences=num_sequences, num_layers=num_layers,
+                 num_experts=num_experts, top_k=top_k, num_topics=num_topics)
     for name_, value in (("topic_s", topic_s), ("global_s", global_s), ("topic_popularity_s", topic_popularity_s)):
         if value < 0:
             raise ValueError(f"{name_}={value} must be >= 0")
     generator = torch.Generator().manual_seed(seed)
-    prompts = _lognormal_lengths(num_sequences, mean_prompt, sigma, generator)
-    outputs = _lognormal_lengths(num_sequences, mean_output, sigma, generator)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), (prompts + outputs).cumsum(0)])
-
-    def ranks(n):                                                              # (n, L, E)
-        return torch.stack([torch.stack([torch.randperm(num_experts, generator=generator)
-                                         for _ in range(num_layers)]) for _ in range(n)])
-
-    global_weight = -global_s * torch.log1p(ranks(1)[0].to(torch.float32))       # (L, E)
-    topic_weight = -topic_s * torch.log1p(ranks(num_topics).to(torch.float32))   # (T, L, E)
+    prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator)
+    global_weight = -global_s * _log_rank(1, num_layers, num_experts, generator)[0]      # (L, E)
+    topic_weight = -topic_s * _log_rank(num_topics, num_layers, num_experts, generator)  # (T, L, E)
     popularity = torch.arange(1, num_topics + 1, dtype=torch.float64) ** -topic_popularity_s
     topic = torch.multinomial(popularity, num_sequences, replacement=True, generator=generator)   # (S,)
-    num_tokens = int(offsets[-1])
-    token_topic = torch.repeat_interleave(topic, prompts + outputs)               # (N,)
-    log_weight = global_weight + topic_weight                                     # (T, L, E)
-    experts = torch.empty(num_tokens, num_layers, top_k, dtype=torch.int16)
-    chunk = 8192                                    # bounds the (chunk, L, E) noise tensor
-    for start in range(0, num_tokens, chunk):
-        n = min(chunk, num_tokens - start)
-        uniform = torch.rand(n, num_layers, num_experts, generator=generator).clamp_(1e-12, 1.0)
-        gumbel = -torch.log(-torch.log(uniform))                                  # (n, L, E)
-        scores = log_weight[token_topic[start:start + n]] + gumbel                # (n, L, E)
-        experts[start:start + n] = scores.topk(top_k, dim=-1).indices.to(torch.int16)
+    token_topic = torch.repeat_interleave(topic, offsets[1:] - offsets[:-1])               # (N,)
+    experts = _gumbel_top_k(global_weight + topic_weight, int(offsets[-1]), top_k, generator,
+                            token_topic)
     return RoutingTrace(experts, offsets, prompts, num_experts, kv_bytes_per_slot, name), topic
