@@ -1,37 +1,27 @@
 """The block pool: physical KV blocks, their reference counts and the free block queues.
 
 A block is P token slots of K and V for one attention expert's head group. Every (sequence, layer,
-expert) row takes its blocks from this one pool, so any free block can serve any row (no external
-fragmentation). The pool only hands out and takes back block ids; the KV cache manager
-(kv_cache_manager.py) owns the block tables.
+expert) row takes blocks from this one pool, so any free block serves any row (no external
+fragmentation). The pool only hands out and takes back ids; kv_cache_manager.py owns block tables.
 
-With D devices, device d's block ids are one contiguous range (`BlockPool(blocks_per_device=[N0,
-N1, ...])`; `BlockPool(num_blocks)` is one device):
+With D devices, device d's ids are one contiguous range, [0, N0), [N0, N0 + N1), ... up to N
+(`BlockPool(blocks_per_device=[N0, N1, ...])`; `BlockPool(num_blocks)` is one device). One
+numbering keeps block tables, slots, the paged cache's tensors and the Triton kernels as they are;
+only which free block a row gets changes: `allocate(n, device=d)` takes d's, and d can be full while
+others are empty. (On hardware each range is its own device's memory; here, a slice of one tensor.)
 
-    device 0: ids [0, N0)     device 1: ids [N0, N0 + N1)     ...     device D-1: ... up to N
+Free blocks are, per device, plain (a LIFO stack, `_free_stack`) or cached (still holding a full
+block of a known prefix, prefix_cache.py: an LRU queue, `_cached_free[d]`). `allocate` evicts d's
+cached-free blocks, LRU first and told to `on_evict`, only when d's stack is empty; `reuse` takes a
+cached block back (a prefix hit). Without prefix caching the pool is a stack. Invariants
+(`assert_consistent`): each block is plain free, cached free or in use (ref_cnt >= 1), on its own
+device's queue; a call that raises changes nothing; ids and counts must be integers (a float, even
+1.0, or a bool is never rounded or read as 0 / 1).
 
-One numbering keeps block tables, slots (block_id * P + offset), the paged cache's pool tensors and
-the Triton kernels as they are; only *which* free block a row gets changes: `allocate(n, device=d)`
-takes blocks of d's range, and d can be full while others are empty. (On real hardware each range
-is its own device's memory; here it is a slice of one tensor.)
-
-Free blocks are of two kinds, both kept per device: plain free (a LIFO stack, `_free_stack`) and
-cached free (still holding a full block of a known prefix, prefix_cache.py: an LRU queue,
-`_cached_free[d]`). `allocate` takes d's plain blocks first and evicts d's cached-free ones, LRU
-first, only when d's stack is empty (each evicted block is handed to `on_evict` so the prefix index
-forgets it). `reuse` takes a cached block back (a prefix-cache hit). Without prefix caching the
-queues stay empty and the pool is a stack.
-
-Invariants (`assert_consistent`): every block is exactly one of plain free, cached free or in use
-(ref_cnt >= 1), on its own device's queue; a call that raises changes nothing; ids and counts must
-be integers (`checked_ids`, `checked_count`: a float, even 1.0, or a bool is never rounded to a
-block or read as 0 / 1).
-
-Why a tensor stack and not vLLM's doubly linked free list: most blocks are never cached (partial
-tails, or no prefix caching), so they enter and leave at one end, and a stack in a tensor lets
-`allocate(n)` take n blocks with one slice (the simulator allocates thousands per step). Only cached
-blocks need LRU order and removal from the middle, which an OrderedDict gives. LIFO reuse hands out
-the most recently freed blocks, the ones most likely still in a hardware cache.
+Why a tensor stack and not vLLM's doubly linked free list: most blocks are never cached, so they
+enter and leave at one end, and a stack in a tensor lets `allocate(n)` take n blocks with one slice
+(the simulator allocates thousands per step); only cached blocks need LRU order and removal from the
+middle (an OrderedDict). LIFO reuses the most recently freed blocks, likeliest in a hardware cache.
 """
 
 from __future__ import annotations
