@@ -1,11 +1,10 @@
 """The paged per-expert KV cache: one pool of K/V blocks for every (sequence, layer, expert) row.
 
-    appended = cache.append_kv(layer, seq_ids, experts, positions, k, v)   bookkeeping + store
-    out      = cache.attend(appended, q)                                    the math only
-
+`append_kv` (bookkeeping and store) and `attend` (the math only) are the cache contract of
+cache/__init__.py: two verbs, because under expert parallelism the two run in different places.
 Blocks are taken here, layer by layer, not by the scheduler before the forward: they depend on the
 routing, known only once each layer's router has run (the scheduler reserves the step's worst case:
-engine/demand.py). Two verbs, because under expert parallelism the two run in different places.
+engine/demand.py).
 
 Memory layout (the Triton kernels read exactly this): key_cache and value_cache (N, P, Hkv, Dh),
 one pool for all layers and experts in the model dtype; block_tables (num_rows, W) int32 and
@@ -91,26 +90,22 @@ class PagedKVCache:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool):
             raise ValueError(f"num_blocks={num_blocks!r} must be an integer (a count of blocks), at least {minimum}")
         if num_blocks < minimum:
-            raise ValueError(
-                f"num_blocks={num_blocks} is too small for even one sequence: one token needs "
-                f"{minimum} blocks (num_hidden_layers={L} x num_attention_experts_per_tok={K}); "
-                f"allow at least {minimum}"
-            )
+            raise ValueError(f"num_blocks={num_blocks} is too small for even one sequence: one "
+                             f"token needs {minimum} blocks (num_hidden_layers={L} x "
+                             f"num_attention_experts_per_tok={K}); allow at least {minimum}")
         for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("shared_tails", shared_tails),
                            ("home_devices", home_devices)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}={flag!r} must be True or False")
         self.config = config
         self.attention = attention
-        if home_devices:
-            if blocks_per_device is None or device_of_expert is not None:
-                raise ValueError("home_devices=True needs blocks_per_device and no device_of_expert: every "
-                                 "row of sequence s lives on device s % D, whatever its expert")
-            blocks_per_device, _ = self._checked_devices(config, num_blocks, blocks_per_device, None)
-        elif (blocks_per_device is None) != (device_of_expert is None):
+        if home_devices and (blocks_per_device is None or device_of_expert is not None):
+            raise ValueError("home_devices=True needs blocks_per_device and no device_of_expert: "
+                             "every row of sequence s lives on device s % D, whatever its expert")
+        if not home_devices and (blocks_per_device is None) != (device_of_expert is None):
             raise ValueError("per-device pools need both blocks_per_device and device_of_expert "
                              "(or home_devices=True instead of device_of_expert)")
-        elif blocks_per_device is not None:
+        if blocks_per_device is not None:       # device_of_expert None: home devices
             blocks_per_device, device_of_expert = self._checked_devices(config, num_blocks, blocks_per_device,
                                                                         device_of_expert)
         self.manager = KVCacheManager(L, E, block_size, num_blocks, shuffle_seed,
