@@ -1,14 +1,12 @@
 """Prefix caching over per-expert KV caches: a new request reuses the full blocks an earlier request
 with the same first tokens left in its (layer, expert) rows. Notebook 06 tells the why at length.
 
-Token-choice routing is causal (the experts of token t depend only on tokens 0..t), so two sequences
-whose first p tokens are equal hold equal entries below position p in every (layer, expert) row, in
-the same blocks at the same offsets. But a request may skip tokens 0..s-1 only if *every* row's
-entries below s are available, and rows fill at different rates (row (l, e) may have its 40th entry
-at position 150, row (l, e') its 9th). So the cache keeps *chunk records*: the prompt is cut into
-chunks of C = P tokens, and under the hash-chain key of the prefix ending with each chunk it stores
-how many of the chunk's tokens went to each of the L * E rows; a request's first i records give,
-row by row, its entries below s = i * C.
+Token-choice routing is causal (token t's experts depend only on tokens 0..t), so sequences whose
+first p tokens are equal hold equal entries below position p in every row, in the same blocks at the
+same offsets. But a request may skip tokens 0..s-1 only if *every* row's entries below s are there,
+and rows fill at different rates. So the cache keeps *chunk records*: under the hash-chain key of
+each prefix of whole chunks of C = P tokens, how many of the last chunk's tokens went to each of
+the L * E rows; a request's first i records give, row by row, its entries below s = i * C.
 
     chunk keys   key_i = blake2b(key_{i-1} || tokens[i*C:(i+1)*C])      (16 bytes; key_-1 = b"")
     block keys   (device, layer * E + expert, j, key_m)  for the j-th block of a row, registered
@@ -16,32 +14,26 @@ row by row, its entries below s = i * C.
                  to its last entry's; a row's partly filled last block from its first entry's chunk
                  on (its entries below a complete chunk's end are final: later tokens come later)
 
-Looking up s = i * C, row r with c_r = cum_counts[i-1, r] entries below s needs its blocks
-0 .. ceil(c_r / P) - 1:
+Looking up s = i * C, row r with c_r = cum_counts[i-1, r] entries below s needs blocks
+0 .. ceil(c_r / P) - 1: block j with (j + 1) * P <= c_r, found under the chunk of its last entry,
+is *shared* (one more owner); the block j = c_r // P straddling s (c_r % P > 0), found under
+key_{i-1}, is *copied* (copy-on-write) into a fresh block whose first c_r % P slots the request
+keeps. A key matches only if the producer's first (m + 1) * C tokens equal the request's, so by
+causality the entries needed are the request's own; keys hash the token bytes (never Python's
+salted `hash`), chained so that equal keys mean equal prefixes. Copying costs at most L * E blocks
+per request, where lowering s until no row straddles would usually reach 0. A partial block is never
+shared (its producer keeps appending) but may be a copy source: otherwise a rarely chosen expert
+with fewer than P entries would cap every hit. s is the largest multiple of C whose blocks are all
+found (validity is monotone in s), at most len(tokens) - 1: the last token always runs.
 
-    full below s   block j with (j + 1) * P <= c_r, found under the chunk of its last entry: shared
-                   (one more owner)
-    straddling s   block j = c_r // P when c_r % P > 0, found under key_{i-1}: *copied*
-                   (copy-on-write) into a fresh block whose first c_r % P slots the request keeps
-
-A key matches only when the producer's first (m + 1) * C tokens equal the request's, so by causality
-its needed entries are the request's own. Keys are cryptographic hashes of the token bytes (never
-Python's salted `hash`), chained so that equal keys mean equal prefixes. Copying the straddling
-block, rather than lowering s until no row straddles (which would usually reach 0), costs at most
-L * E blocks per request. A partial block is never shared (its producer keeps appending), but may be
-a copy source: without that, a rarely chosen expert with fewer than P entries would cap every hit.
-s is the largest multiple of C whose blocks are all found (validity is monotone in s), at most
-len(tokens) - 1: the last token always runs, its logits are sampled from.
-
-Devices: a block lies on its row's device (kv_cache_manager.py), so the device is part of the block
-key; with home devices sequences of different homes never share a block, and a lookup must name its
-sequence (`find_cached_prefix(tokens, seq_id)`). Chunk records do not depend on devices.
+Devices: a block lies on its row's device, so the device is part of the block key; with home
+devices, sequences of different homes never share a block, and a lookup names its sequence
+(`find_cached_prefix(tokens, seq_id)`). Chunk records do not depend on devices.
 
 This relies on a deterministic forward (true of this repository's CPU forward, which the tests check
 by comparing tokens with and without the cache; a GPU kernel would have to be batch-invariant).
-Cached blocks outlive their sequences as cached-free blocks in the pool's per-device LRU queues
-(block_pool.py) until reused or evicted; chunk records are an LRU of bounded size (a missing record
-only shortens a hit).
+Cached blocks outlive their sequences as cached-free blocks (block_pool.py) until reused or evicted;
+chunk records are an LRU of bounded size (a missing record only shortens a hit).
 """
 
 from __future__ import annotations
@@ -164,7 +156,7 @@ class PrefixCache:
         rows = m.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
         counts = m.row_tokens[rows]                                             # (R,)
         if num_complete > num_recorded:
-            self._record_chunks(rows, counts, keys, num_recorded, num_complete)
+            self._record_chunks(rows, keys, num_recorded, num_complete)
             state[1] = num_complete
         if registered_through.shape[1] < width:                                             # tables grew
             registered_through = torch.cat([registered_through, torch.full(
@@ -193,11 +185,10 @@ class PrefixCache:
             m.pool.mark_cached(torch.tensor(newly_cached, dtype=torch.int64))
         return len(newly_cached)
 
-    def _record_chunks(self, rows, counts, keys, first: int, end: int) -> None:
+    def _record_chunks(self, rows, keys, first: int, end: int) -> None:
         """Chunk records for chunks first .. end - 1: entries of each row per chunk."""
-        m = self.manager
         C = self.chunk_size
-        slots, valid = m.padded_slots(rows)                                              # (R, Lmax)
+        slots, valid = self.manager.padded_slots(rows)                                              # (R, Lmax)
         chunk = self.block_positions.view(-1)[slots] // C                                   # (R, Lmax)
         keep = valid & (chunk >= first) & (chunk < end)
         row_of = torch.arange(rows.numel())[:, None].expand_as(chunk)                       # (R, Lmax)
@@ -320,20 +311,17 @@ class PrefixCache:
         idle = found.unique()
         idle = idle[m.pool.ref_cnt[idle] == 0]
         available = m.num_free_blocks_per_device - torch.bincount(m.pool.device_of_blocks(idle), minlength=D)
-        copy_device = devices[hit.cow_rows]                                                # (c,)
-        copies = torch.bincount(copy_device, minlength=D)                                  # (D,)
+        copies = torch.bincount(devices[hit.cow_rows], minlength=D)                        # (D,)
         if (copies > available).any():
             d = int((copies > available).nonzero()[0])
             raise OutOfBlocksError(f"the hit's {int(copies[d])} copies on device {d} need blocks; "
                                    f"{int(available[d])} are free there beside the blocks it reuses")
-        index = m.add_sequence(seq_id)
+        rows = m.sequence_rows(torch.tensor([m.add_sequence(seq_id)]))[0]                # (R,)
         m.pool.reuse(hit.shared)
         m.pool.reuse(hit.cow_source)                # pinned: the copies' allocation cannot evict them
-        destination = torch.empty(hit.cow_source.numel(), dtype=torch.int64)
-        for d in copies.nonzero().squeeze(1).tolist():            # each copy on its row's device
-            destination[copy_device == d] = m.pool.allocate(int(copies[d]), device=d)
+        one_each = torch.ones_like(hit.cow_rows)            # a block per copy, on its row's device
+        destination = m._take_blocks(rows[hit.cow_rows], one_each, one_each)
         m.pool.free(hit.cow_source)
-        rows = m.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
         widest = int(ceil_div(hit.row_counts, P).max())
         if widest > m.block_tables.shape[1]:
             m._grow_tables(widest)
