@@ -1,34 +1,26 @@
 """Paged rows whose partly filled tails share blocks: waste < P slots per sequence, not per row.
 
-With plain pages every (sequence, layer, expert) row wastes the unused end of its last block, and
-with fine-grained experts rows are short (E = 64, top-8, 16 layers: ~32 tokens per row on average),
-so at a block size a GPU reads well (P = 16) that is a large share of memory (the memory benchmark
-measures 0.87 utilization). Here a row's full blocks stay private, and its last n % P tokens live in
-*tail blocks* owned by the sequence and shared, slot by slot, by all its rows:
+With plain pages every row wastes the unused end of its last block, and fine-grained experts make
+rows short (E = 64, top-8, 16 layers: ~32 tokens per row on average), so at a block size a GPU reads
+well (P = 16) that is a large share of memory (the memory benchmark measures 0.87 utilization). Here
+a row's full blocks stay private and its last n % P tokens live in *tail blocks* owned by the
+sequence and shared, slot by slot, by all its rows:
 
     row (s, l, e), n = 37, P = 16:    block_table = [12, 40]               tokens 0..31
                                       tail_slots  = [161, 167, 170, 171, 175]   tokens 32..36
     sequence s's tail blocks [10, 11]: slots 160..191, each used by some row of s, or free
 
-    append to a row whose tail is full (n % P == P - 1 before, one new token):
-        1. promotion: a fresh block joins the row's table; the P - 1 tail tokens are copied into it
-           (`moves`), the new token is written there directly; the P - 1 tail slots become free.
-        2. compaction: when a sequence's free tail slots add up to P, the tail block with fewest
-           used slots has them moved into free slots elsewhere (`moves`) and returns to the pool.
+When a row's tail fills a block, a fresh block joins its table and the P - 1 tail tokens are copied
+into it (`moves`, promotion); when a sequence's free tail slots add up to P, the tail block with
+fewest used slots has them moved elsewhere (`moves`) and returns to the pool (compaction). With D
+devices, tail group g = seq_index * D + d holds the sequence's tail blocks on device d, for its rows
+there. Invariants (`assert_consistent`): a row lists n // P blocks in its table and n % P tail
+slots; group g holds ceil(T_g / P) blocks of device g % D for its T_g tail tokens; every tail slot
+is used once or free, and a block is a row's or a group's, never both.
 
-Devices: a row may only use slots of its own device (kv_cache_manager.py), so tail group g =
-seq_index * D + d holds sequence seq_index's tail blocks on device d, used by its rows there; a
-sequence wastes fewer than P slots per device it has rows on (with one device, g = seq_index).
-
-Invariants (`assert_consistent`), beyond KVCacheManager's: a row of n tokens lists n // P blocks in
-its table and n % P slots in tail_slots; tail group g holds ceil(T_g / P) blocks of device g % D
-(T_g: its rows' tail tokens); every tail slot is used by one (row, position) or free, and a block is
-owned by one row or one tail group, never both.
-
-The price, measured by bench memory: extra writes (`moves`), a slot index per tail token, and a
-decode that gathers up to P - 1 scattered tail slots per row. Bookkeeping loops over the rows of a
-call (readable, fine for the model); the simulator's SharedTailDesign replays the same accounting
-from counts, and a test checks that the two agree.
+The price, measured by bench memory: the moves, a slot index per tail token, and a decode that
+gathers up to P - 1 scattered tail slots per row. Bookkeeping loops over the rows of a call; the
+simulator's SharedTailDesign replays the same accounting from counts (a test checks they agree).
 """
 
 from __future__ import annotations
