@@ -138,14 +138,10 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockPool:
-    """Block ids of D devices (one by default), a free block queue per device and a reference count
-    per block.
-
-    num_blocks: the blocks of a one-device pool. blocks_per_device: D positive ints, device d's ids
-    the d-th range (num_blocks, if also given, must be their sum). shuffle_seed: each device's free
-    queue starts in a random order (device d seeded with shuffle_seed + d), so a row's blocks are
-    scattered (tests use it to show that nothing depends on blocks being adjacent).
-    """
+    """Block ids of D devices (num_blocks: one; blocks_per_device: D positive ints, their sum
+    num_blocks if that is given too), a free block queue per device and a reference count per
+    block. shuffle_seed: each device's queue starts in a random order (device d seeded with
+    shuffle_seed + d): tests use it to show nothing depends on a row's blocks being adjacent."""
 
     def __init__(self, num_blocks: int | None = None, shuffle_seed: int | None = None, blocks_per_device=None):
         if blocks_per_device is None:

@@ -66,18 +66,13 @@ def chain_keys(token_ids, chunk_size: int, previous: bytes = b"") -> list[bytes]
 
 @dataclass
 class PrefixHit:
-    """What a lookup found for a request: start at `num_tokens`.
-
-    row_counts    (L*E,) int64: entries of each row below num_tokens
-    shared        (b,) block ids shared as they are, going to block table row shared_rows (layer *
-                  E + expert) and column shared_columns (b,) each
-    cow_source    (c,) blocks straddling num_tokens, copied into rows cow_rows (c,), column
-                  row_counts // P
-    num_free_taken  free blocks applying the hit takes: cached-free ones it reuses (shared, and
-                  copy sources, pinned until copied) and the copies; (D,) free_taken_per_device
-    row_devices   (L*E,) the device of each row of the sequence looked up for: applied only to a
-                  sequence whose rows live there
-    """
+    """What a lookup found for a request: start at `num_tokens`, with row_counts (L*E,) entries of
+    each row below it. shared (b,) blocks are shared as they are, at block table row shared_rows
+    (layer * E + expert) and column shared_columns; cow_source (c,) blocks straddle num_tokens and
+    are copied into rows cow_rows, column row_counts // P. num_free_taken (free_taken_per_device,
+    (D,)): the free blocks applying the hit takes (cached-free ones it reuses, copy sources pinned
+    until copied, the copies). row_devices (L*E,): the devices of the rows it was looked up for,
+    the only rows it applies to."""
     num_tokens: int = 0
     row_counts: torch.Tensor | None = None
     shared: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
@@ -188,7 +183,7 @@ class PrefixCache:
     def _record_chunks(self, rows, keys, first: int, end: int) -> None:
         """Chunk records for chunks first .. end - 1: entries of each row per chunk."""
         C = self.chunk_size
-        slots, valid = self.manager.padded_slots(rows)                                              # (R, Lmax)
+        slots, valid = self.manager.padded_slots(rows)                                  # (R, Lmax)
         chunk = self.block_positions.view(-1)[slots] // C                                   # (R, Lmax)
         keep = valid & (chunk >= first) & (chunk < end)
         row_of = torch.arange(rows.numel())[:, None].expand_as(chunk)                       # (R, Lmax)
