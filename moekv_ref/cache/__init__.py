@@ -28,5 +28,5 @@ from .rows import RowIndex, ceil_div
 from .shared_tail_manager import SharedTailKVCacheManager, SharedTails
 
 __all__ = ["ATTENTION_PATHS", "AppendedRows", "BlockPool", "ContiguousKVCache", "KVCacheManager",
-           "OutOfBlocksError", "PagedKVCache", "PrefixCache", "RowIndex", "SharedTailKVCacheManager",
-           "SharedTails", "SlotAllocation", "ceil_div"]
+           "OutOfBlocksError", "PagedKVCache", "PrefixCache", "RowIndex",
+           "SharedTailKVCacheManager", "SharedTails", "SlotAllocation", "ceil_div"]
