@@ -11,10 +11,8 @@ the positions the cache already holds. Caches also answer `token_counts(seq_ids)
 and `free(seq_id)`.
 
     rows.py                 how a (sequence, layer, expert) row is numbered; ceil_div
-    block_pool.py           the free block queues (one per device, one range of ids each) and
-                            reference counts
-    kv_cache_manager.py     block tables and token counts per row (integers only); a row takes
-                            blocks from its expert's device
+    block_pool.py           the free block queues (per device) and reference counts
+    kv_cache_manager.py     block tables and token counts per row (integers only)
     shared_tail_manager.py  SharedTails, a manager's part: rows' partly filled tails share blocks
     prefix_cache.py         PrefixCache, a manager's part: full blocks found again by prefix
     paged.py                PagedKVCache: K/V pool tensors + a manager; the attention paths
@@ -30,6 +28,5 @@ from .rows import RowIndex, ceil_div
 from .shared_tail_manager import SharedTailKVCacheManager, SharedTails
 
 __all__ = ["ATTENTION_PATHS", "AppendedRows", "BlockPool", "ContiguousKVCache", "KVCacheManager",
-           "OutOfBlocksError", "PagedKVCache", "PrefixCache", "RowIndex", "SharedTailKVCacheManager", "SharedTails",
-           "SlotAllocation",
-           "ceil_div"]
+           "OutOfBlocksError", "PagedKVCache", "PrefixCache", "RowIndex",
+           "SharedTailKVCacheManager", "SharedTails", "SlotAllocation", "ceil_div"]

@@ -1,58 +1,27 @@
-"""The block pool: physical KV blocks, their reference counts and the free block queue.
+"""The block pool: physical KV blocks, their reference counts and the free block queues.
 
 A block is P token slots of K and V for one attention expert's head group. Every (sequence, layer,
-expert) row of the cache takes its blocks from this one pool, so the irregular demand of many experts
-becomes whole blocks from one free list: a free block can serve any row, and there is no external
-fragmentation.
+expert) row takes blocks from this one pool, so any free block serves any row (no external
+fragmentation). The pool only hands out and takes back ids; kv_cache_manager.py owns block tables.
 
-This module knows nothing about rows, sequences or tensors of K/V: it hands out block ids and takes
-them back. The KV cache manager (kv_cache_manager.py) owns the block tables.
+With D devices, device d's ids are one contiguous range, [0, N0), [N0, N0 + N1), ... up to N
+(`BlockPool(blocks_per_device=[N0, N1, ...])`; `BlockPool(num_blocks)` is one device). One
+numbering keeps block tables, slots, the paged cache's tensors and the Triton kernels as they are;
+only which free block a row gets changes: `allocate(n, device=d)` takes d's, and d can be full while
+others are empty. (On hardware each range is its own device's memory; here, a slice of one tensor.)
 
-Devices are a dimension of the pool. When the attention experts live on D devices, each device has
-its own blocks, and the ids of device d are one contiguous range:
+Free blocks are, per device, plain (a LIFO stack, `_free_stack`) or cached (still holding a full
+block of a known prefix, prefix_cache.py: an LRU queue, `_cached_free[d]`). `allocate` evicts d's
+cached-free blocks, LRU first and told to `on_evict`, only when d's stack is empty; `reuse` takes a
+cached block back (a prefix hit). Without prefix caching the pool is a stack. Invariants
+(`assert_consistent`): each block is plain free, cached free or in use (ref_cnt >= 1), on its own
+device's queue; a call that raises changes nothing; ids and counts must be integers (a float, even
+1.0, or a bool is never rounded or read as 0 / 1).
 
-    device 0: ids [0, N0)     device 1: ids [N0, N0 + N1)     ...     device D-1: ... up to N
-
-`BlockPool(num_blocks)` is one device; `BlockPool(blocks_per_device=[N0, N1, ...])` is D. Why one
-numbering instead of D separate id spaces: a block table, a slot (block_id * P + offset), the K/V
-pool tensors of the paged cache and the Triton kernels all work on one range of block ids. With the
-devices' blocks laid end to end they all stay as they are; only *which* free block a row gets
-changes: `allocate(n, device=d)` takes blocks of d's range, and device d can be full while the
-others are empty. On real hardware each range would be a separate allocation in its own device's
-memory; here, in one process, it is a slice of one tensor. Free counts are totals
-(`num_free_blocks`) and (D,) vectors (`num_free_blocks_per_device`).
-
-Free blocks come in two kinds:
-
-    plain free     ref_cnt 0, nothing worth keeping: a LIFO stack per device (`_free_stack`)
-    cached free    ref_cnt 0, but still holding a full block of a known prefix (prefix caching,
-                   prefix_cache.py): an LRU queue per device (`_cached_free[d]`), least recently
-                   freed first. Per device, like the stacks: a cached block is one of its device's
-                   free blocks, so device d's free count is its stack plus its own LRU queue.
-
-`allocate(n, device=d)` takes d's plain free blocks first and evicts d's cached-free blocks, least
-recently used first, only when d's stack is empty: a short device never evicts another device's
-cached blocks, which could not serve its rows anyway. Each evicted block is handed to `on_evict` so
-the prefix index forgets it. `reuse` takes a cached block back (a prefix-cache hit): from the cached-free queue if no one owns
-it, else one more owner. Without prefix caching no block is ever marked cached, the LRU queue stays
-empty, and the pool is exactly a stack.
-
-Invariants, after every public call:
-  * every block id in [0, num_blocks) is exactly one of: plain free (ref_cnt 0, once in the stack
-    of its own device),
-    cached free (ref_cnt 0, cached, once in the LRU queue of its own device) or in use (ref_cnt >= 1, in neither):
-    num_free_blocks (both kinds) + num_used_blocks == num_blocks;
-  * a call that raises leaves the pool exactly as it was (every device);
-  * ids and counts are integers as given: a float (even 1.0) or a bool is refused (`checked_ids`,
-    `checked_count`), never rounded to a block or read as block 0 / 1.
-
-Why the plain free queue is a tensor stack and not vLLM's doubly linked list: vLLM keeps every free
-block, cached or not, in one queue from which a hit removes blocks in the middle. Most blocks here are
-never cached (a partial tail, or no prefix caching at all), so they enter and leave at one end, and a
-stack held in a tensor lets `allocate(n)` take n blocks with one slice -- the simulator allocates
-thousands of blocks per step. Only cached blocks need the LRU order and removal from the middle, and
-an OrderedDict gives both. Plain freed blocks are reused last-in first-out: the most recently freed
-blocks are the ones most likely still in a hardware cache.
+Why a tensor stack and not vLLM's doubly linked free list: most blocks are never cached, so they
+enter and leave at one end, and a stack in a tensor lets `allocate(n)` take n blocks with one slice
+(the simulator allocates thousands per step); only cached blocks need LRU order and removal from the
+middle (an OrderedDict). LIFO reuses the most recently freed blocks, likeliest in a hardware cache.
 """
 
 from __future__ import annotations
@@ -83,6 +52,13 @@ def preview(values) -> str:
     return "[" + ", ".join(shown) + (", ...]" if len(flat) > 4 else "]")
 
 
+def integer_dtype(dtype) -> bool:
+    """Whether a torch or numpy dtype holds integers (bool is not one)."""
+    if isinstance(dtype, torch.dtype):
+        return not (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex)
+    return dtype.kind in "iu"
+
+
 def _flat(values):
     for v in values:
         if isinstance(v, (list, tuple)):
@@ -92,11 +68,9 @@ def _flat(values):
 
 
 def checked_ids(ids, name: str = "block_ids") -> torch.Tensor:
-    """`ids` (a tensor, a numpy array, a list or one int) as an int64 tensor of the same shape.
-
-    Raises ValueError, naming the dtype, for values that are not integers: a float id (even 1.0) is
-    never rounded to a block, a bool never read as block 0 or 1, text never read as digits. Empty
-    input of any dtype is allowed (there is nothing to round)."""
+    """`ids` (a tensor, a numpy array, a list or one int) as an int64 tensor of the same shape, or
+    ValueError naming the dtype for non-integers (a float id, even 1.0, is never rounded, a bool
+    never read as 0 or 1, text never read as digits). Empty input of any dtype is allowed."""
     if isinstance(ids, (str, bytes)):
         raise ValueError(f"{name}={ids!r} is text ({type(ids).__name__}); allowed: {IDS_ALLOWED}")
     if isinstance(ids, (list, tuple)):
@@ -108,18 +82,16 @@ def checked_ids(ids, name: str = "block_ids") -> torch.Tensor:
     except (TypeError, ValueError, RuntimeError) as error:
         raise ValueError(f"{name} of type {type(ids).__name__} are not integer ids ({error}); "
                          f"allowed: {IDS_ALLOWED}") from None
-    dtype = tensor.dtype
-    if tensor.numel() and (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex):
-        raise ValueError(f"{name}={preview(tensor)} has dtype {dtype}; allowed: {IDS_ALLOWED}, never "
-                         "rounded or read as 0/1")
+    if tensor.numel() and not integer_dtype(tensor.dtype):
+        raise ValueError(f"{name}={preview(tensor)} has dtype {tensor.dtype}; allowed: "
+                         f"{IDS_ALLOWED}, never rounded or read as 0/1")
     return tensor.to(torch.int64)
 
 
 def checked_count(value, name: str, minimum: int = 0, maximum: int | None = None) -> int:
     """A count (of blocks, tokens; a seed) as an int: a Python or numpy integer, or a 0-d integer
     tensor, not a bool or a float (even 2.0), in [minimum, maximum]."""
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and not (
-            value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex):
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and integer_dtype(value.dtype):
         value = int(value)
     if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value < minimum or (
             maximum is not None and value > maximum):
@@ -128,32 +100,28 @@ def checked_count(value, name: str, minimum: int = 0, maximum: int | None = None
     return int(value)
 
 
-BLOCKS_PER_DEVICE_ALLOWED = ("a list or tuple of D integers >= 1 (Python or numpy ints), or a 1-D integer "
-                             "tensor or numpy array of them")
+BLOCKS_PER_DEVICE_ALLOWED = ("a list or tuple of D integers >= 1 (Python or numpy ints), or a 1-D "
+                             "integer tensor or numpy array of them")
 
 
 def checked_blocks_per_device(blocks_per_device, name: str = "blocks_per_device") -> list[int]:
     """blocks_per_device as a list of D Python ints, each >= 1 (a device with no block could hold no
-    row of its experts), or ValueError naming the first bad entry. Nothing is coerced: a float (even
-    100.0) or a bool is refused, not rounded, and a str is not read as a sequence of digits. Whether
-    each device holds enough blocks for one token of its experts is the paged cache's check."""
-    if isinstance(blocks_per_device, (torch.Tensor, np.ndarray)):
-        dtype = blocks_per_device.dtype
-        is_int = (not (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex)
-                  if isinstance(blocks_per_device, torch.Tensor) else dtype.kind in "iu")
-        if not is_int:
-            raise ValueError(f"{name}={preview(blocks_per_device)} has dtype {dtype}; allowed: "
-                             f"{BLOCKS_PER_DEVICE_ALLOWED}, never rounded")
-        if blocks_per_device.ndim != 1:
-            raise ValueError(f"{name} has shape {tuple(blocks_per_device.shape)}; allowed: {BLOCKS_PER_DEVICE_ALLOWED}")
-        values = blocks_per_device.tolist()
-    elif isinstance(blocks_per_device, (list, tuple)):
-        values = list(blocks_per_device)
+    row of its experts), or ValueError naming the first bad entry; nothing is coerced. (Whether each
+    device holds enough blocks for one token is the paged cache's check.)"""
+    given, allowed = blocks_per_device, BLOCKS_PER_DEVICE_ALLOWED
+    if isinstance(given, (torch.Tensor, np.ndarray)):
+        if not integer_dtype(given.dtype):
+            raise ValueError(f"{name}={preview(given)} has dtype {given.dtype}; allowed: "
+                             f"{allowed}, never rounded")
+        if given.ndim != 1:
+            raise ValueError(f"{name} has shape {tuple(given.shape)}; allowed: {allowed}")
+        values = given.tolist()
+    elif isinstance(given, (list, tuple)):
+        values = list(given)
     else:
-        raise ValueError(f"{name}={blocks_per_device!r} is {a_type(blocks_per_device)}; "
-                         f"allowed: {BLOCKS_PER_DEVICE_ALLOWED}")
+        raise ValueError(f"{name}={given!r} is {a_type(given)}; allowed: {allowed}")
     if not values:
-        raise ValueError(f"{name}={blocks_per_device!r} is empty; allowed: {BLOCKS_PER_DEVICE_ALLOWED} (D >= 1)")
+        raise ValueError(f"{name}={given!r} is empty; allowed: {allowed} (D >= 1)")
     for d, n in enumerate(values):
         if not isinstance(n, numbers.Integral) or isinstance(n, (bool, np.bool_)):
             raise ValueError(f"{name}[{d}]={n!r} is {a_type(n)}; allowed: an integer >= 1 "
@@ -170,15 +138,10 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockPool:
-    """Block ids of D devices (one by default), a free block queue per device and a reference count
-    per block.
-
-    num_blocks: the blocks of a pool of one device. blocks_per_device: D positive ints
-    (checked_blocks_per_device), device d's ids the d-th range; num_blocks, if also given, must be
-    their sum. shuffle_seed: when given, each device's free queue starts in a random order (device d
-    seeded with shuffle_seed + d), so the blocks of one row are scattered over its device's range
-    (tests use it to show that nothing depends on blocks being adjacent).
-    """
+    """Block ids of D devices (num_blocks: one; blocks_per_device: D positive ints, their sum
+    num_blocks if that is given too), a free block queue per device and a reference count per
+    block. shuffle_seed: each device's queue starts in a random order (device d seeded with
+    shuffle_seed + d): tests use it to show nothing depends on a row's blocks being adjacent."""
 
     def __init__(self, num_blocks: int | None = None, shuffle_seed: int | None = None, blocks_per_device=None):
         if blocks_per_device is None:
@@ -191,14 +154,14 @@ class BlockPool:
                 raise ValueError(f"num_blocks={num_blocks!r} must equal sum(blocks_per_device)="
                                  f"{sum(blocks_per_device)}")
         num_devices = len(blocks_per_device)
-        if shuffle_seed is not None:     # device d is seeded with shuffle_seed + d
+        if shuffle_seed is not None:
             shuffle_seed = checked_count(shuffle_seed, "shuffle_seed", 0, MAX_SEED - (num_devices - 1))
         self.num_blocks = sum(blocks_per_device)
-        self._device_sizes = blocks_per_device                          # (D,) blocks of each device
-        self._first_block = [sum(blocks_per_device[:d]) for d in range(num_devices)]   # (D,) first id
-        # The free queues: device d's free ids are _free_stack[first : first + _num_free[d]], first =
-        # _first_block[d]; allocation pops from the end of that segment. Each segment is stored
-        # reversed so that an unshuffled device hands out its ids in increasing order.
+        self._device_sizes = blocks_per_device                                          # (D,)
+        self._first_block = [sum(blocks_per_device[:d]) for d in range(num_devices)]    # (D,)
+        # device d's plain free ids are _free_stack[first : first + _num_free[d]], first =
+        # _first_block[d], popped from the end; stored reversed, so that an unshuffled device hands
+        # out its ids in increasing order
         self._free_stack = torch.empty(self.num_blocks, dtype=torch.int64)               # (N,)
         for d, (first, size) in enumerate(zip(self._first_block, blocks_per_device)):
             if shuffle_seed is None:
@@ -207,13 +170,11 @@ class BlockPool:
                 generator = torch.Generator().manual_seed(shuffle_seed + d)
                 order = torch.randperm(size, generator=generator)
             self._free_stack[first: first + size] = order.flip(0) + first
-        self._num_free = list(blocks_per_device)                        # (D,) plain free blocks of each device
+        self._num_free = list(blocks_per_device)                            # (D,)
         self.ref_cnt = torch.zeros(self.num_blocks, dtype=torch.int32)      # (N,) owners of each block
-        # prefix caching only: blocks holding a full block of a known prefix, and per device the
-        # cached blocks no one owns, least recently freed first (evicted in that order when the
-        # device's stack runs out)
+        # prefix caching only: which blocks hold a known prefix, and each device's LRU queue
         self.is_cached = torch.zeros(self.num_blocks, dtype=torch.bool)     # (N,)
-        self._cached_free: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_devices)]   # (D,)
+        self._cached_free: list[OrderedDict[int, None]] = [OrderedDict() for _ in blocks_per_device]
         self._any_cached = False                  # a block was ever marked: `free` must sort released ones
         self.on_evict: Callable[[list[int]], None] | None = None       # told which cached blocks left
         self.num_evicted_cached_blocks = 0
@@ -235,7 +196,7 @@ class BlockPool:
 
     @property
     def num_free_blocks_per_device(self) -> torch.Tensor:
-        """(D,) blocks `allocate` can hand out on each device: its plain free and cached free ones."""
+        """(D,) blocks `allocate` can hand out on each device."""
         return torch.tensor([n + len(cached) for n, cached in zip(self._num_free, self._cached_free)],
                             dtype=torch.int64)
 
@@ -244,8 +205,7 @@ class BlockPool:
         return sum(map(len, self._cached_free))
 
     def cached_free_block_ids(self, device: int | None = None) -> list[int]:
-        """The cached free blocks of `device` (every device: None, device by device), least recently
-        used first: the order `allocate` evicts them in."""
+        """The cached free blocks of `device` (None: every device, in turn), in eviction order."""
         queues = self._cached_free if device is None else [self._cached_free[self._checked_device(device)]]
         return [block for queue in queues for block in queue]
 
@@ -259,8 +219,8 @@ class BlockPool:
         return self._device_of(self._checked_ids(block_ids))
 
     def free_block_ids(self) -> torch.Tensor:
-        """The free block queues, next to be handed out first: device by device, each device's plain
-        free stack, then its cached free blocks, least recently used first. (num_free,) int64, a copy."""
+        """The free blocks, next to be handed out first: device by device, its plain stack, then
+        its cached free blocks in eviction order. (num_free,) int64, a copy."""
         queues = []
         for first, n, cached in zip(self._first_block, self._num_free, self._cached_free):
             queues += [self._free_stack[first: first + n].flip(0), torch.tensor(list(cached), dtype=torch.int64)]
@@ -268,10 +228,9 @@ class BlockPool:
 
     # ----- allocate / free -----------------------------------------------------------------------
     def allocate(self, num_blocks: int, device: int | None = None) -> torch.Tensor:
-        """Take `num_blocks` blocks of `device` from its free queue, each with ref_cnt 1. Returns
-        (num_blocks,) int64 block ids, in the order they were handed out. device may be left out on
-        a pool of one device only: on several, a caller must say which. Raises OutOfBlocksError,
-        changing nothing, when the device is short."""
+        """Take `num_blocks` blocks of `device` (which may be left out on a one-device pool only),
+        each with ref_cnt 1: (num_blocks,) int64 ids in the order handed out. Raises
+        OutOfBlocksError, changing nothing, when the device is short."""
         device = self._checked_device(device)
         num_blocks = checked_count(num_blocks, "num_blocks", 0)
         cached_here = self._cached_free[device]
@@ -298,8 +257,8 @@ class BlockPool:
         return block_ids
 
     def mark_cached(self, block_ids) -> None:
-        """Blocks in use that now hold a full block of a known prefix: when their last owner frees
-        them they wait in their device's cached-free queue instead of its stack."""
+        """Blocks in use that now hold a full block of a known prefix: freed by their last owner,
+        they wait in their device's cached-free queue instead of its stack."""
         block_ids = self._checked_ids(block_ids)
         if (self.ref_cnt[block_ids] <= 0).any():
             raise ValueError("mark_cached of a free block: only blocks in use are registered")
@@ -328,16 +287,14 @@ class BlockPool:
         self.ref_cnt.index_add_(0, block_ids, torch.ones_like(block_ids, dtype=torch.int32))
 
     def free(self, block_ids: torch.Tensor) -> None:
-        """Drop one owner of each block; blocks left with no owner go back to the free queue of
-        their device.
-
-        A block may appear several times (once per owner being dropped). Raises ValueError, with the
-        pool unchanged, if that would drop more owners than a block has (a double free)."""
+        """Drop one owner of each block (a block may appear once per owner dropped); blocks left
+        with none go back to their device's free queue. Raises ValueError, pool unchanged, if that
+        would drop more owners than a block has (a double free)."""
         block_ids = self._checked_ids(block_ids)
         if block_ids.numel() == 0:
             return
-        # work over the distinct blocks given, not over the whole pool: freeing a sequence touches
-        # a few thousand blocks of a pool that may hold millions
+        # work over the distinct blocks given, not the whole pool: freeing a sequence touches a few
+        # thousand blocks of a pool that may hold millions
         unique_ids, inverse, drops = torch.unique(block_ids, return_inverse=True, return_counts=True)
         owners = self.ref_cnt[unique_ids]                                             # (u,)
         over = (drops > owners).nonzero().squeeze(1)
@@ -349,8 +306,8 @@ class BlockPool:
             )
         remaining = owners - drops.to(torch.int32)
         self.ref_cnt[unique_ids] = remaining
-        # Push the released blocks in the order given (first occurrence), so that the block freed
-        # last is the first handed out again.
+        # push the released blocks in the order given (first occurrence): the block freed last is
+        # the first handed out again
         first = torch.full((unique_ids.numel(),), block_ids.numel(), dtype=torch.int64)
         first = first.scatter_reduce(0, inverse, torch.arange(block_ids.numel()), reduce="amin")
         released = (remaining == 0).nonzero().squeeze(1)                              # (r,)
@@ -393,26 +350,21 @@ class BlockPool:
     def _checked_ids(self, block_ids) -> torch.Tensor:
         block_ids = checked_ids(block_ids, "block_ids").reshape(-1)
         if block_ids.numel() and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
-            raise ValueError(
-                f"block ids must be in [0, {self.num_blocks}), got "
-                f"[{int(block_ids.min())}, {int(block_ids.max())}]"
-            )
+            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got "
+                             f"[{int(block_ids.min())}, {int(block_ids.max())}]")
         return block_ids
 
     # ----- checking --------------------------------------------------------------------------------
     def assert_consistent(self) -> None:
         """Check the invariants in the module docstring; raise AssertionError naming the broken one."""
         stacks = [self._free_stack[first: first + n] for first, n in zip(self._first_block, self._num_free)]
-        for d, stack in enumerate(stacks):
-            first, size = self._first_block[d], self._device_sizes[d]
-            assert ((stack >= first) & (stack < first + size)).all(), \
+        queues = [torch.tensor(list(queue), dtype=torch.int64) for queue in self._cached_free]
+        for d, (stack, queue) in enumerate(zip(stacks, queues)):
+            assert (self._device_of(stack) == d).all(), \
                 f"device {d}'s free stack holds a block of another device"
-        for d, queue in enumerate(self._cached_free):
-            queued = torch.tensor(list(queue), dtype=torch.int64)
-            assert torch.equal(self._device_of(queued), torch.full_like(queued, d)), \
+            assert (self._device_of(queue) == d).all(), \
                 f"device {d}'s cached-free queue holds a block of another device"
-        stack = torch.cat(stacks)
-        cached = torch.tensor(self.cached_free_block_ids(), dtype=torch.int64)
+        stack, cached = torch.cat(stacks), torch.cat(queues)
         free = torch.cat([stack, cached])
         assert free.unique().numel() == free.numel(), "a block is in the free queues twice"
         assert (self.ref_cnt[free] == 0).all(), "a block in a free queue has owners"

@@ -1,9 +1,8 @@
 """The reference cache: one contiguous, growing buffer per (sequence, layer, expert).
 
-This is the naive design a per-expert cache starts from: every expert of every layer keeps its
-own buffer for every sequence. It is correct and easy to read, and it is what the paged cache must
-equal. Growth is by concatenation (a real system would reserve capacity; the `reserved` baseline of
-the memory benchmark models that).
+The naive design a per-expert cache starts from, correct and easy to read: what the paged cache
+must equal. Growth is by concatenation (a real system would reserve capacity; the `reserved`
+baseline of the memory benchmark models that).
 """
 
 from __future__ import annotations
@@ -42,14 +41,10 @@ class ContiguousKVCache:
         """Append each pair's k, v (n, Hkv, Dh) to its (seq_id, layer, expert) buffer. Checks every
         row first, so that a call that raises changes nothing."""
         seq_ids, experts = torch.as_tensor(seq_ids).tolist(), torch.as_tensor(experts).tolist()
-        keys: list[tuple[int, int, int]] = []
-        pair_row = []
-        for seq_id, expert in zip(seq_ids, experts):
-            key = (seq_id, layer, expert)
-            if key not in keys:
-                keys.append(key)
-            pair_row.append(keys.index(key))
-        pair_row = torch.tensor(pair_row, dtype=torch.int64)
+        index: dict[tuple[int, int, int], int] = {}                  # each distinct row, in order
+        pair_row = torch.tensor([index.setdefault((seq_id, layer, expert), len(index))
+                                 for seq_id, expert in zip(seq_ids, experts)], dtype=torch.int64)
+        keys = list(index)
         mine = [(pair_row == i).nonzero().squeeze(1) for i in range(len(keys))]   # each row's pairs
         for key, pairs in zip(keys, mine):
             new = positions[pairs]
@@ -58,12 +53,9 @@ class ContiguousKVCache:
                 raise ValueError(f"sequence {key[0]}: new positions {new.tolist()[:8]} do not continue the "
                                  f"cached ones (last {None if last is None else int(last)})")
         for key, pairs in zip(keys, mine):
-            if key in self._buffers:
-                old_k, old_v, old_pos = self._buffers[key]
-                self._buffers[key] = (torch.cat([old_k, k[pairs]]), torch.cat([old_v, v[pairs]]),
-                                      torch.cat([old_pos, positions[pairs]]))
-            else:
-                self._buffers[key] = (k[pairs].clone(), v[pairs].clone(), positions[pairs].clone())
+            old_k, old_v, old_positions = self._buffers.get(key, (k[:0], v[:0], positions[:0]))
+            self._buffers[key] = (torch.cat([old_k, k[pairs]]), torch.cat([old_v, v[pairs]]),
+                                  torch.cat([old_positions, positions[pairs]]))
         return ContiguousRows(keys, pair_row, positions)
 
     def attend(self, appended: ContiguousRows, q):
@@ -75,17 +67,13 @@ class ContiguousKVCache:
             out[pairs] = attend_by_position(q[pairs], cached_k, cached_v, appended.positions[pairs], cached_pos)
         return out
 
-    def num_tokens(self, seq_id: int, layer: int, expert: int) -> int:
-        buffer = self._buffers.get((seq_id, layer, expert))
-        return 0 if buffer is None else buffer[2].numel()
-
     def token_counts(self, seq_ids: list[int]) -> torch.Tensor:
         """Tokens held per (sequence, layer, expert): (num_seqs, L, E) int64."""
         counts = torch.zeros(len(seq_ids), self.num_layers, self.num_experts, dtype=torch.int64)
         for i, seq_id in enumerate(seq_ids):
-            for layer in range(self.num_layers):
-                for expert in range(self.num_experts):
-                    counts[i, layer, expert] = self.num_tokens(seq_id, layer, expert)
+            for (held, layer, expert), (_, _, positions) in self._buffers.items():
+                if held == seq_id:
+                    counts[i, layer, expert] = positions.numel()
         return counts
 
     def free(self, seq_id: int) -> None:

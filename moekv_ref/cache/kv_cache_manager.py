@@ -1,71 +1,37 @@
 """The KV cache manager: a block table and a token count per (sequence, layer, expert) row.
 
-A *row* is the cache of one sequence at one layer for one attention expert, numbered as rows.py
-says (row = seq_index * (L * E) + layer * E + expert), where seq_index is a slot the manager gives a
-sequence id when it first appears (reused after `free`). Everything is a tensor over rows, so that one call serves a whole step: the model's attention
-(a few rows) and the cache-only simulator (tens of thousands of rows) use the same code.
+Rows are numbered as rows.py says (seq_index: a slot the manager gives a sequence id when it first
+appears, reused after `free`). Everything is a tensor over rows, so that one call serves a whole
+step, for the model's attention (a few rows) and the cache-only simulator (tens of thousands) alike:
 
-    row_tokens           (num_rows,)             int64  tokens stored in the row
-    block_tables         (num_rows, max_blocks)  int32  block ids of the row, in token order
-    last_position        (num_rows,)             int64  position of the row's newest token, -1 if
-                                                        none: the cache checks that tokens arrive in
-                                                        order against it (reset by `free`)
-    last_appended        (num_rows,)             int64  the `clock` of the row's last append, -1 if
-                                                        none: how recently each row was used, what an
-                                                        expert-level LRU reads (`row_last_used`); the
-                                                        scheduler sets the clock to its step
+    row_tokens      (num_rows,)             int64  tokens stored in the row
+    block_tables    (num_rows, max_blocks)  int32  block ids of the row, in token order
+    last_position   (num_rows,)             int64  position of the row's newest token (-1: none),
+                                                   against which the cache checks token order
+    last_appended   (num_rows,)             int64  the `clock` of the row's last append (-1: none),
+                                                   what an expert-level LRU reads (`row_last_used`)
 
-Token j of a row lives in block block_tables[row, j // P] at offset j % P; its slot in the flat
-pool is `slot = block_id * P + offset`. Entries past a row's ceil(n / P) used blocks are padding
-(the value `num_blocks`, out of range on purpose) and are never read.
+Token j of a row lives at offset j % P of block block_tables[row, j // P], slot block_id * P +
+offset of the flat pool; entries past a row's ceil(n / P) blocks are padding (`num_blocks`, out of
+range on purpose), never read.
 
     row with n = 11 tokens, P = 4:      block_table = [ 7, 2, 9, pad, pad ]
-        block 7: t0 t1 t2 t3
-        block 2: t4 t5 t6 t7
-        block 9: t8 t9 t10 --        <- the tail: P - n % P slots allocated but not yet used
+        block 7: t0 t1 t2 t3    block 2: t4 t5 t6 t7    block 9: t8 t9 t10 --   <- the tail
 
-Invariants after every public call (checked by `assert_consistent`, driven by property tests):
-  * a row with n tokens owns exactly ceil(n / P) blocks, listed in block_tables[row, :ceil(n/P)];
-  * no block is owned by two rows; owned blocks have ref_cnt 1; free + owned = num_blocks;
-  * every block in a row's table lies in the range of the row's device (its expert's, or its home's);
-  * a call that raises leaves the manager and the pool unchanged.
+Invariants (`assert_consistent`, driven by property tests): a row of n tokens owns exactly
+ceil(n / P) blocks, of its own device; no block is owned twice; a call that raises changes nothing.
 
-Devices: each expert of each layer lives on one of D devices (`device_of_expert`, (L, E), all zeros
-by default: D = 1), and the pool has a range of block ids per device (block_pool.py,
-`blocks_per_device`). A row takes its blocks from its expert's device, so memory is short *per
-device*: appending to a row of an expert on device d raises OutOfBlocksError naming d when d is
-full, even while the other devices have room, and a scheduler checks its reservation device by
-device (`num_free_blocks_per_device`, `blocks_needed_per_device`, both (D,)). The paged cache, the
-attention paths and the Triton kernels do not change: a slot is still block_id * P + offset into one
-pool tensor. With `home_devices` a row's device is its *sequence's* instead: every row of sequence s
-lives on s % D, its home (a pool sharded by sequence, as expert parallelism's kv_with_sequence and
-replicated_attention placements keep theirs); `device_of_expert_of` answers for any sequence, held or
-not.
+Devices: each expert of each layer lives on one of D devices (`device_of_expert`, (L, E), zeros by
+default) and its rows take blocks of that device's range (block_pool.py), so memory is short per
+device: an append raises OutOfBlocksError naming the full device, and a scheduler reserves device
+by device (`num_free_blocks_per_device`, `blocks_needed_per_device`). With `home_devices` every row
+of sequence s lives on s % D instead (a pool sharded by sequence, as expert parallelism's
+kv_with_sequence and replicated_attention placements keep theirs): ask `device_of_expert_of`.
 
-Parts (vLLM's style: one manager, with components), each owning its state, called where it differs:
-tails=SharedTails() (shared_tail_manager.py: rows' partly filled tails share their sequence's tail
-blocks) and prefix_cache=PrefixCache() (prefix_cache.py: rows of different sequences share full
-blocks, counted by ref_cnt, kept after their sequence ends). Without parts no block is shared. What
-combines:
-
-    prefix cache + devices    yes, placed by expert or by home: a cached block lies on the device
-                              of the row that wrote it, and a hit reuses only blocks of the device
-                              the new row takes its blocks from (the device is part of the block
-                              key), so sequences of different homes never share a block; cached-free
-                              blocks wait per device, and a short device evicts only its own
-    shared tails + devices    yes, placed by expert or by home: a sequence's rows on one device
-                              share tail blocks of that device (a tail group per sequence and
-                              device, shared_tail_manager.py), so no row uses another device's slots
-    shared tails + prefix     no (the constructor says why): a hit copies the block straddling its
-                              end, and with shared tails a row's last tokens are not in a block of
-                              its own but in slots of tail blocks other rows use too
-
-The manager's `device_of_expert` is the placement of experts; with home_devices there is none (it
-raises), and anything asking where a row lives asks `device_of_expert_of(seq_ids)`.
-
-The scheduler's questions have methods of their own (`num_free_blocks`, `num_blocks_needed`,
-`can_allocate`, `blocks_of_sequence`, `free`), so it never reaches into these tensors. `truncate`
-and `snapshot_rows` / `restore_rows` undo appends (a forward that failed half-way).
+Parts (vLLM's style: one manager with components), each owning its state, called where it differs:
+tails=SharedTails() (shared_tail_manager.py) and prefix_cache=PrefixCache() (prefix_cache.py), each
+with one device or several; the two do not combine (the constructor says why). `truncate` and
+`snapshot_rows` / `restore_rows` undo appends (a forward that failed half-way).
 """
 
 from __future__ import annotations
@@ -76,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .block_pool import BlockPool, OutOfBlocksError, a_type, checked_ids, preview
+from .block_pool import BlockPool, OutOfBlocksError, a_type, checked_ids, integer_dtype, preview
 from .rows import RowIndex, ceil_div
 
 Moves = list[tuple[torch.Tensor, torch.Tensor]]   # (source slots, destination slots), in order
@@ -84,17 +50,13 @@ Moves = list[tuple[torch.Tensor, torch.Tensor]]   # (source slots, destination s
 
 @dataclass
 class SlotAllocation:
-    """What `allocate_slots` hands back: all a caller needs to write the new tokens' K/V.
+    """What `allocate_slots` hands back: all a caller needs to write the new tokens' K/V (one
+    result rather than two calls to make in order, as vLLM's KVCacheBlocks).
 
-    One result object instead of two calls that must be made in order (allocate, then ask for the
-    slots), as vLLM's KVCacheBlocks is between its scheduler and its cache manager.
-
-    slot_mapping  (n,) int64: the slot of each new token, row after row in the order of the rows
-                  given, each row's tokens in token order; indexes key_cache.view(-1, Hkv, Dh).
-                  None when the caller asked for counts only (with_slots=False).
+    slot_mapping  (n,) int64: each new token's slot (indexes key_cache.view(-1, Hkv, Dh)), row
+                  after row as given, in token order; None with with_slots=False.
     moves         K/V copies (source slots, destination slots) to apply, in order, *before* the new
-                  tokens are written. Always empty for plain pages; shared tails move tokens when a
-                  tail fills a block or a sequence's tail blocks are compacted.
+                  tokens are written: shared tails only (a tail fills a block, tails are compacted).
     """
     slot_mapping: torch.Tensor | None
     moves: Moves = field(default_factory=list)
@@ -102,9 +64,8 @@ class SlotAllocation:
 
 @dataclass
 class RowSnapshot:
-    """What `snapshot_rows` remembers: the rows of the sequences held then, their counts and last
-    positions, and the sequences asked about that were not held (added later, freed on restore)."""
-    seq_ids: list[int]
+    """What `snapshot_rows` remembers: the held sequences' rows, counts and last positions, and the
+    sequences not held then (freed on restore)."""
     absent_seq_ids: list[int]
     rows: torch.Tensor              # (r,) int64
     num_tokens: torch.Tensor        # (r,) int64
@@ -115,33 +76,28 @@ def check_block_size(block_size) -> int:
     """Block sizes are powers of two: a GPU kernel then splits a slot into block and offset with a
     shift and a mask, and the sweeps of the memory benchmark go 1, 2, 4, ... 256."""
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0 or (
-        block_size & (block_size - 1)
-    ):
-        raise ValueError(
-            f"block_size={block_size!r} is not allowed: it must be a positive power of two "
-            "(1, 2, 4, ..., 256)"
-        )
+            block_size & (block_size - 1)):
+        raise ValueError(f"block_size={block_size!r} is not allowed: it must be a positive power "
+                         "of two (1, 2, 4, ..., 256)")
     return block_size
 
 
 PLACEMENT_ALLOWED = "an integer tensor or numpy array, or (nested) lists of ints"
 
 
-def checked_placement(device_of_expert, num_layers: int, num_experts: int, num_devices: int | None) -> torch.Tensor:
-    """device_of_expert as (L, E) int64: given (E,) for every layer or (L, E), devices in [0, D)
-    (num_devices=None: any device >= 0). ValueError, naming the first bad value, for anything else:
-    a float device (even 1.0) or a bool is refused, not rounded, and a str is not read as digits."""
-    devices = "0.." + str(num_devices - 1) if num_devices is not None else "integers >= 0"
+def checked_placement(device_of_expert, num_layers: int, num_experts: int,
+                      num_devices: int) -> torch.Tensor:
+    """device_of_expert as (L, E) int64: given (E,) for every layer or (L, E), devices in [0, D), or
+    ValueError naming the first bad value (nothing is rounded or read as digits)."""
+    devices = f"0..{num_devices - 1}"
     allowed = (f"devices {devices} as {PLACEMENT_ALLOWED}, of shape (E,) = ({num_experts},) or (L, E) = "
                f"({num_layers}, {num_experts})")
     if isinstance(device_of_expert, (list, tuple)):
         placement = _placement_from_lists(device_of_expert, allowed)
     elif isinstance(device_of_expert, (torch.Tensor, np.ndarray)):
-        dtype = device_of_expert.dtype
-        is_int = (not (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex)
-                  if isinstance(device_of_expert, torch.Tensor) else dtype.kind in "iu")
-        if not is_int:
-            raise ValueError(f"{_first_value(device_of_expert)} has dtype {dtype}; allowed: {allowed}")
+        if not integer_dtype(device_of_expert.dtype):
+            raise ValueError(f"{_first_value(device_of_expert)} has dtype "
+                             f"{device_of_expert.dtype}; allowed: {allowed}")
         placement = torch.as_tensor(device_of_expert).to(torch.int64)
     else:
         raise ValueError(f"device_of_expert={device_of_expert!r} is {a_type(device_of_expert)}; "
@@ -151,25 +107,23 @@ def checked_placement(device_of_expert, num_layers: int, num_experts: int, num_d
     if placement.shape != (num_layers, num_experts):
         raise ValueError(f"device_of_expert must be (E,) = ({num_experts},) or (L, E) = ({num_layers}, "
                          f"{num_experts}); got {tuple(placement.shape)}")
-    if placement.numel() and (int(placement.min()) < 0 or (num_devices is not None and
-                                                            int(placement.max()) >= num_devices)):
+    if placement.numel() and (int(placement.min()) < 0 or int(placement.max()) >= num_devices):
         raise ValueError(f"device_of_expert names devices {sorted(set(placement.reshape(-1).tolist()))}; "
-                         f"allowed: {devices}" + (" (one per entry of blocks_per_device)" if num_devices else ""))
+                         f"allowed: {devices} (one per entry of blocks_per_device)")
     return placement.contiguous()
 
 
 def _first_value(placement) -> str:
-    """`device_of_expert[i]=v` for the first entry that is not a whole number (else the first entry)."""
+    """`device_of_expert[i]=v` for the first entry that is not a whole number (else the first)."""
     try:
-        values = torch.as_tensor(placement)
+        flat = torch.as_tensor(placement).reshape(-1)
     except TypeError:                                             # a numpy array of text or objects
         return "device_of_expert"
-    if values.numel() == 0:
+    if flat.numel() == 0:
         return "device_of_expert=[]"
-    flat = values.reshape(-1)
     broken = (flat != flat.round()).nonzero() if flat.is_floating_point() else flat[:0]
     i = int(broken[0]) if broken.numel() else 0
-    index = ", ".join(str(int(k)) for k in np.unravel_index(i, tuple(values.shape)))
+    index = ", ".join(str(int(k)) for k in np.unravel_index(i, tuple(placement.shape)))
     return f"device_of_expert[{index}]={preview(flat[i:i + 1])[1:-1]}"
 
 
@@ -192,11 +146,9 @@ def _placement_from_lists(values, allowed: str) -> torch.Tensor:
 class KVCacheManager:
     """Block tables and token counts for every (sequence, layer, expert) row over one BlockPool.
 
-    num_blocks: the pool of one device. blocks_per_device: D ints, a pool of D devices (num_blocks
-    may then be left out, or must be their sum); device_of_expert: (E,) or (L, E) integer devices
-    0..D-1 (checked_placement), all zeros when left out. home_devices: every row of sequence s on
-    device s % D, whatever its expert (device_of_expert must then be left out). tails, prefix_cache:
-    the parts it is built with (module docstring), None for none."""
+    num_blocks, blocks_per_device: the pool (BlockPool). device_of_expert: (E,) or (L, E) devices
+    0..D-1, all zeros when left out; home_devices: every row of sequence s on device s % D instead.
+    tails, prefix_cache: the parts it is built with (module docstring), None for none."""
 
     def __init__(self, num_layers: int, num_experts: int, block_size: int, num_blocks: int | None = None,
                  shuffle_seed: int | None = None, initial_num_seqs: int = 4,
@@ -214,11 +166,11 @@ class KVCacheManager:
         self.block_size = check_block_size(block_size)
         self.pool = BlockPool(num_blocks, shuffle_seed, blocks_per_device)
         if tails is not None and prefix_cache is not None:
-            raise ValueError("shared tails and prefix caching do not combine: a prefix hit shares a row's "
-                             "full blocks and copies the block straddling its end, but with shared tails a "
-                             "row's last tokens live in slots of its sequence's tail blocks, not in a block "
-                             "of its own to copy; use one or the other (each works with one device or "
-                             "several)")
+            raise ValueError("shared tails and prefix caching do not combine: a prefix hit copies "
+                             "the block straddling its end, but with shared tails a row's last "
+                             "tokens live in slots of its sequence's tail blocks, not in a block "
+                             "of its own to copy; use one or the other (each works with one device "
+                             "or several)")
         if device_of_expert is None:
             device_of_expert = torch.zeros(num_experts, dtype=torch.int64)
         self._placement = checked_placement(device_of_expert, num_layers, num_experts,
@@ -246,7 +198,7 @@ class KVCacheManager:
         """Whether a scheduler may evict single rows (`free_rows`): plain, unshared pages only."""
         return self.tails is None and self.prefix_cache is None
 
-    # ----- sequences and rows --------------------------------------------------------------------
+    # ----- the pool and its devices --------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
@@ -255,7 +207,6 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    # ----- devices --------------------------------------------------------------------------------
     @property
     def num_devices(self) -> int:
         return self.pool.num_devices
@@ -272,9 +223,8 @@ class KVCacheManager:
 
     @property
     def device_of_expert(self) -> torch.Tensor:
-        """(L, E) the device of each expert's rows. With home_devices there is no such table (a row's
-        device is its sequence's home, whatever its expert): reading it raises ValueError rather than
-        answer device 0 for every row; ask `device_of_expert_of(seq_ids)`, which is right for both."""
+        """(L, E) the device of each expert's rows. With home_devices there is none: it raises
+        rather than answer device 0 for every row (`device_of_expert_of(seq_ids)` suits both)."""
         if self.home_devices:
             raise ValueError("with home_devices a row's device is its sequence's home (s % D), not its "
                              "expert's: ask device_of_expert_of(seq_ids) for the (m, L, E) devices of "
@@ -286,22 +236,22 @@ class KVCacheManager:
         return self.row_device[checked_ids(rows, "rows")]
 
     def device_of_expert_of(self, seq_ids) -> torch.Tensor:
-        """(m, L, E) the device each row of these sequences lives on, held or not yet: device_of_expert,
-        or with home_devices the sequence's home s % D for all of its rows."""
+        """(m, L, E) the device of each row of these sequences, held or not: device_of_expert, or
+        with home_devices the sequence's home s % D."""
         seq_ids = torch.tensor([int(s) for s in seq_ids], dtype=torch.int64)                # (m,)
         if self.home_devices:
             return (seq_ids % self.num_devices).view(-1, 1, 1).expand(-1, self.num_layers, self.num_experts)
         return self._placement.expand(seq_ids.numel(), -1, -1)
 
     def blocks_held_per_device(self, seq_ids) -> torch.Tensor:
-        """(m, D) blocks each sequence owns on each device, every one (a shared-tail design's tail
-        blocks too); zeros for one not held."""
+        """(m, D) blocks each sequence owns on each device (tail blocks too); zeros if not held."""
         return torch.stack([torch.zeros(self.num_devices, dtype=torch.int64) if not self.holds(s) else
                             torch.bincount(self.pool.device_of_blocks(self.blocks_of_sequence(s)),
                                            minlength=self.num_devices) for s in seq_ids])
 
     def blocks_needed_per_device(self, rows, num_new_tokens) -> torch.Tensor:
-        """(D,) blocks that appending num_new_tokens[i] tokens to rows[i] would take on each device."""
+        """(D,) blocks that appending num_new_tokens[i] tokens to rows[i] would take on each device
+        (with shared tails: before compaction gives some back)."""
         rows = checked_ids(rows, "rows")
         num_new_tokens = checked_ids(num_new_tokens, "num_new_tokens")
         if self.tails is not None:
@@ -357,35 +307,38 @@ class KVCacheManager:
         """All L * E rows of sequences given by seq_index (m,): (m, L * E) int64, layer-major."""
         return self.index.sequence_rows(seq_index)
 
-    def _table_blocks(self, num_tokens: torch.Tensor) -> torch.Tensor:
-        """Blocks listed in the block table of a row of num_tokens tokens: all of them, or with
-        shared tails (which keep partial tails elsewhere) full blocks only."""
-        return num_tokens // self.block_size if self.tails is not None else ceil_div(num_tokens, self.block_size)
+    def _used_columns(self, rows=slice(None)) -> torch.Tensor:
+        """(m, W) bool: the block table entries of each row that list a block: all ceil(n / P), or
+        with shared tails (which keep partial tails elsewhere) the n // P full ones."""
+        n = self.row_tokens[rows]
+        num_used = n // self.block_size if self.tails is not None else ceil_div(n, self.block_size)
+        return torch.arange(self.block_tables.shape[1]) < num_used[:, None]
+
+    def _clear_rows(self, rows) -> None:
+        """Empty rows whose blocks went back to the pool."""
+        self.row_tokens[rows] = 0
+        self.block_tables[rows] = self.pad
+        self.last_position[rows] = -1
+        self.last_appended[rows] = -1
 
     # ----- the scheduler's questions --------------------------------------------------------------
     def num_blocks_needed(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> int:
         """Blocks that appending num_new_tokens[i] tokens to rows[i] would take from the pool."""
-        if self.tails is not None:
-            return self.tails.num_blocks_needed(rows, num_new_tokens)
-        old = self.row_tokens[rows]
-        return int((ceil_div(old + num_new_tokens, self.block_size) - ceil_div(old, self.block_size)).sum())
+        return int(self.blocks_needed_per_device(rows, num_new_tokens).sum())
 
     def can_allocate(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> bool:
-        """Whether the append fits the pool: with several devices, every device. (One device asks
-        num_blocks_needed, which shared tails answer their own way.)"""
-        if self.num_devices == 1:
-            return self.num_blocks_needed(rows, num_new_tokens) <= self.num_free_blocks
-        return bool((self.blocks_needed_per_device(rows, num_new_tokens) <= self.num_free_blocks_per_device).all())
+        """Whether the append fits the pool: with several devices, every device."""
+        needed = self.blocks_needed_per_device(rows, num_new_tokens)                         # (D,)
+        return bool((needed <= self.num_free_blocks_per_device).all())
 
     def blocks_of_sequence(self, seq_id: int) -> torch.Tensor:
         """Every block the sequence owns, row by row in token order (then its tail blocks, with
         shared tails): (b,) int64. What a swap to a CPU pool copies, and what `free` returns."""
         index = self.seq_index(seq_id)
         rows = self.sequence_rows(torch.tensor([index]))[0]                       # (L*E,)
-        num_used = self._table_blocks(self.row_tokens[rows])             # (L*E,)
-        used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (L*E, W)
         tail_blocks = [] if self.tails is None else self.tails.blocks_of_sequence(index)
-        return torch.cat([self.block_tables[rows][used].to(torch.int64), torch.tensor(tail_blocks, dtype=torch.int64)])
+        return torch.cat([self.block_tables[rows][self._used_columns(rows)].to(torch.int64),
+                          torch.tensor(tail_blocks, dtype=torch.int64)])
 
     def token_counts(self, seq_ids) -> torch.Tensor:
         """Tokens held per (sequence, layer, expert): (num_seqs, L, E) int64; zeros for a sequence
@@ -411,9 +364,7 @@ class KVCacheManager:
         """Who owns each block and how full it is, for drawing the pool: owner_row (N,) int64, -1
         for a free block, and used_slots (N,) int64 (P for all but a row's last block)."""
         P = self.block_size
-        num_used = self._table_blocks(self.row_tokens)                    # (R,)
-        used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (R, W)
-        row, column = used.nonzero(as_tuple=True)
+        row, column = self._used_columns().nonzero(as_tuple=True)
         blocks = self.block_tables[row, column].to(torch.int64)
         owner_row = torch.full((self.num_blocks,), -1, dtype=torch.int64)
         used_slots = torch.zeros(self.num_blocks, dtype=torch.int64)
@@ -428,15 +379,11 @@ class KVCacheManager:
     # ----- allocate / slots / free ----------------------------------------------------------------
     def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor,
                        rows_are_distinct: bool = False, with_slots: bool = True) -> SlotAllocation:
-        """Make room for num_new_tokens[i] more tokens in rows[i], count them as stored, and say
-        where they go (a SlotAllocation: the new tokens' slots; moves with shared tails only).
-
-        rows: (m,) distinct row ids; num_new_tokens: (m,) >= 0. New blocks are appended to each
-        row's block table in token order. Raises OutOfBlocksError, changing nothing, when the pool is
-        short (a scheduler asks `can_allocate` first). rows_are_distinct=True skips the check that
-        rows are distinct (the simulator builds them distinct; the check is a sort).
-        with_slots=False leaves slot_mapping None: the cache-only simulator counts blocks and writes
-        no K/V, and computing every token's slot would cost it about as much as the allocation."""
+        """Make room for num_new_tokens[i] (>= 0) more tokens in the distinct rows[i], count them as
+        stored, and say where they go (a SlotAllocation). Raises OutOfBlocksError, changing nothing,
+        when the pool is short (a scheduler asks `can_allocate` first). rows_are_distinct=True skips
+        the distinctness check (a sort). with_slots=False leaves slot_mapping None: the cache-only
+        simulator writes no K/V, and every token's slot would cost it as much as allocating."""
         P = self.block_size
         rows, num_new_tokens = self._check_allocation(rows, num_new_tokens, rows_are_distinct)
         if self.tails is not None:
@@ -470,36 +417,42 @@ class KVCacheManager:
         return SlotAllocation(self._slot_of(rows, old) if one_each else self._slots(rows, old, num_new_tokens))
 
     def _take_blocks(self, rows: torch.Tensor, needed: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
-        """needed[i] fresh blocks for rows[i], each from the device of its row's expert, row after
-        row: (needed.sum(),) int64 block ids. Raises OutOfBlocksError, changing nothing, when the
-        pool (with several devices: some device) is short."""
+        """needed[i] fresh blocks for rows[i], each from its row's device, row after row:
+        (needed.sum(),) int64 block ids. Raises OutOfBlocksError, changing nothing, when short."""
         if self.num_devices == 1:
             total = int(needed.sum())
             if total == 0:
                 return torch.zeros(0, dtype=torch.int64)
             if total > self.pool.num_free_blocks:
-                raise OutOfBlocksError(f"appending {int(num_new_tokens.sum())} tokens to {rows.numel()} "
-                                       f"rows needs {total} blocks; {self.pool.num_free_blocks} are free")
+                self.raise_short(torch.tensor([total]), rows, num_new_tokens)
             block_ids = self.pool.allocate(total)
-            if self.prefix_cache is not None:                # their slots hold no position yet
-                self.prefix_cache.block_positions[block_ids] = -1
-            return block_ids
-        device = self.device_of_rows(rows)                                                  # (m,)
-        per_device = torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, device, needed)   # (D,)
-        free = self.num_free_blocks_per_device                                              # (D,)
-        short = (per_device > free).nonzero().squeeze(1)
-        if short.numel():
-            d = int(short[0])
-            raise OutOfBlocksError(f"device {d} is short: appending {int(num_new_tokens.sum())} tokens "
-                                   f"needs {int(per_device[d])} blocks there, {int(free[d])} of "
-                                   f"{int(self.blocks_per_device[d])} are free")
-        block_device = torch.repeat_interleave(device, needed)                              # (total,)
-        block_ids = torch.empty(block_device.numel(), dtype=torch.int64)
-        for d in per_device.nonzero().squeeze(1).tolist():
-            block_ids[block_device == d] = self.pool.allocate(int(per_device[d]), device=d)
-        if self.prefix_cache is not None:
+        else:
+            device = self.device_of_rows(rows)                                          # (m,)
+            per_device = torch.zeros(self.num_devices, dtype=torch.int64)
+            per_device.index_add_(0, device, needed)                                    # (D,)
+            self.raise_short(per_device, rows, num_new_tokens)
+            block_device = torch.repeat_interleave(device, needed)                      # (total,)
+            block_ids = torch.empty(block_device.numel(), dtype=torch.int64)
+            for d in per_device.nonzero().squeeze(1).tolist():
+                block_ids[block_device == d] = self.pool.allocate(int(per_device[d]), device=d)
+        if self.prefix_cache is not None:                # their slots hold no position yet
             self.prefix_cache.block_positions[block_ids] = -1
         return block_ids
+
+    def raise_short(self, needed: torch.Tensor, rows, num_new_tokens) -> None:
+        """OutOfBlocksError naming the pool (with several devices, the first device) that lacks the
+        needed (D,) blocks of an append of num_new_tokens to rows; nothing if all fit."""
+        free = self.num_free_blocks_per_device                                              # (D,)
+        short = (needed > free).nonzero().squeeze(1)
+        if not short.numel():
+            return
+        tokens, d = int(num_new_tokens.sum()), int(short[0])
+        if self.num_devices == 1:
+            raise OutOfBlocksError(f"appending {tokens} tokens to {rows.numel()} rows needs "
+                                   f"{int(needed[0])} blocks; {int(free[0])} are free")
+        raise OutOfBlocksError(f"device {d} is short: appending {tokens} tokens needs "
+                               f"{int(needed[d])} blocks there, {int(free[d])} of "
+                               f"{int(self.blocks_per_device[d])} are free")
 
     @staticmethod
     def _check_allocation(rows, num_new_tokens, rows_are_distinct: bool):
@@ -516,20 +469,18 @@ class KVCacheManager:
         return rows, num_new_tokens
 
     def row_slots(self, row: int) -> torch.Tensor:
-        """Slots of every token of one row, in token order: (n,) int64. What paged attention gathers."""
+        """Slots of every token of one row, in token order: (n,) int64."""
         return self.rows_slots(torch.tensor([int(row)]))
 
     def rows_slots(self, rows: torch.Tensor) -> torch.Tensor:
-        """Slots of every token of each row, row after row, in token order:
-        (row_tokens[rows].sum(),) int64. What batched paged attention gathers."""
+        """Slots of every token of each row, row after row, in token order: (sum of counts,)."""
         rows = torch.as_tensor(rows, dtype=torch.int64)
         counts = self.row_tokens[rows]
         return self._slots(rows, torch.zeros_like(counts), counts)
 
     def padded_slots(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots of every token of each row as one padded table, the layout batched attention
-        gathers: slots (m, Lmax) int64 and valid (m, Lmax) bool, Lmax the longest row. Padding
-        entries hold slot 0, a real slot: a caller must mask them, never read them as data."""
+        """Slots of every token of each row, padded to the longest row: slots (m, Lmax) int64 and
+        valid (m, Lmax) bool. Padding holds slot 0, a real slot: mask it, never read it as data."""
         rows = torch.as_tensor(rows, dtype=torch.int64)
         lens = self.row_tokens[rows]                                      # (m,)
         token = torch.arange(int(lens.max()) if rows.numel() else 0)               # (Lmax,)
@@ -547,16 +498,15 @@ class KVCacheManager:
         return self._slot_of(rows[owner], token)
 
     def _slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """The slot of token `token` of row `row`, elementwise: its block's id * P + its offset
-        (or with shared tails, a tail token's slot)."""
+        """The slot of token `token` of row `row`, elementwise (or SharedTails.slot_of's)."""
         if self.tails is not None:
             return self.tails.slot_of(row, token)
         P = self.block_size
         return self.block_tables[row, token // P].to(torch.int64) * P + token % P
 
     def free(self, seq_id: int) -> None:
-        """Return every block of a finished (or preempted) sequence to the pool and forget it.
-        Raises KeyError, changing nothing, for a sequence the cache does not hold (or freed twice)."""
+        """Return every block of a finished (or preempted) sequence to the pool and forget it;
+        KeyError, changing nothing, for a sequence the cache does not hold."""
         index = self.seq_index(seq_id)                       # KeyError before any change
         self.pool.free(self.blocks_of_sequence(seq_id))
         rows = self.sequence_rows(torch.tensor([index]))[0]
@@ -564,18 +514,13 @@ class KVCacheManager:
             self.tails.free(index, rows)
         if self.prefix_cache is not None:
             self.prefix_cache.forget_sequence(seq_id)
-        self.row_tokens[rows] = 0
-        self.block_tables[rows] = self.pad
-        self.last_position[rows] = -1
-        self.last_appended[rows] = -1
+        self._clear_rows(rows)
         del self._seq_index[int(seq_id)]
         self._free_seq_indices.append(index)
 
     def free_rows(self, rows) -> int:
-        """Return the blocks of some rows of held sequences to the pool and empty those rows; the
-        sequences stay in the cache with their other rows. What an eviction of single (sequence,
-        layer, expert) rows does (the sequence cannot attend over the emptied rows until they are
-        rebuilt). rows: distinct row ids of held sequences. Returns the number of blocks freed.
+        """Empty some rows of held sequences (an eviction of single rows: their sequences stay, but
+        cannot attend over them until rebuilt); returns how many blocks went back to the pool.
         Raises ValueError, changing nothing, for repeated rows or rows of no held sequence."""
         if self.tails is not None:
             # rows' tails live outside the block tables: they would have to be compacted too
@@ -587,26 +532,17 @@ class KVCacheManager:
         if rows.numel() and (rows.min() < 0 or rows.max() >= self.row_tokens.numel() or not set(
                 (rows // self.rows_per_seq).tolist()) <= held):
             raise ValueError(f"rows {rows.tolist()[:8]} are not all rows of sequences the cache holds")
-        num_used = self._table_blocks(self.row_tokens[rows])                 # (m,)
-        used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]          # (m, W)
-        blocks = self.block_tables[rows][used].to(torch.int64)
+        blocks = self.block_tables[rows][self._used_columns(rows)].to(torch.int64)
         self.pool.free(blocks)
-        self.row_tokens[rows] = 0
-        self.block_tables[rows] = self.pad
-        self.last_position[rows] = -1
-        self.last_appended[rows] = -1
+        self._clear_rows(rows)
         return blocks.numel()
 
     # ----- undoing appends -------------------------------------------------------------------------
     def truncate(self, rows: torch.Tensor, num_tokens: torch.Tensor) -> None:
-        """Keep only the first num_tokens[i] tokens of rows[i]: blocks past ceil(num_tokens / P) go
-        back to the pool. What undoes the appends of a forward that failed half-way through its
-        layers. A row cut to 0 tokens forgets its last position; otherwise the caller restores it
-        (`restore_rows`), since the manager does not keep every token's position.
-
-        rows: (m,) distinct row ids; num_tokens: (m,) with 0 <= num_tokens <= the tokens held.
-        Raises ValueError, changing nothing, otherwise; NotImplementedError with shared tails, where
-        it would have to undo the tail moves too (the engine, which undoes steps, uses plain pages)."""
+        """Keep only the first num_tokens[i] (<= held) tokens of rows[i], returning blocks past
+        ceil(num_tokens / P) to the pool: what undoes a forward that failed half-way. A row cut to 0
+        forgets its last position; otherwise the caller restores it (`restore_rows`). Raises
+        ValueError, changing nothing, for bad arguments; NotImplementedError with shared tails."""
         if self.tails is not None:
             raise NotImplementedError("a manager with shared tails cannot truncate rows: undoing tail moves "
                                       "is not implemented; use plain pages where steps must be undone")
@@ -628,23 +564,21 @@ class KVCacheManager:
         tables[cut] = self.pad
         self.block_tables[rows] = tables
         self.row_tokens[rows] = keep
-        self.last_position[rows[keep == 0]] = -1
-        self.last_appended[rows[keep == 0]] = -1
+        self._clear_rows(rows[keep == 0])
 
     def snapshot_rows(self, seq_ids) -> "RowSnapshot":
-        """Remember the token counts and last positions of every row of these sequences (and which of
-        them the manager does not hold yet), so that `restore_rows` can undo later appends."""
+        """Remember the counts and last positions of every row of these sequences (and which are not
+        held yet), so that `restore_rows` can undo later appends."""
         seq_ids = sorted({int(s) for s in seq_ids})
         held = [s for s in seq_ids if s in self._seq_index]
         slots = torch.tensor([self._seq_index[s] for s in held], dtype=torch.int64)
         rows = self.sequence_rows(slots).reshape(-1)                               # (h * L * E,)
-        return RowSnapshot(held, [s for s in seq_ids if s not in self._seq_index], rows,
+        return RowSnapshot([s for s in seq_ids if s not in self._seq_index], rows,
                            self.row_tokens[rows].clone(), self.last_position[rows].clone())
 
     def restore_rows(self, snapshot: "RowSnapshot") -> None:
-        """Undo every append to the snapshot's sequences since it was taken: sequences added since are
-        freed, the others are truncated back to their counts and positions. Valid only while those
-        sequences have not been freed or re-added in between."""
+        """Undo every append to the snapshot's sequences since it was taken (sequences added since
+        are freed); valid while none of them was freed or re-added in between."""
         for seq_id in snapshot.absent_seq_ids:
             if seq_id in self._seq_index:
                 self.free(seq_id)
@@ -656,13 +590,11 @@ class KVCacheManager:
         """Double the number of sequence slots (bookkeeping only; the pool never grows)."""
         num_seqs = self.row_tokens.numel() // self.rows_per_seq
         extra = num_seqs * self.rows_per_seq
-        self.row_tokens = torch.cat([self.row_tokens,
-                                              torch.zeros(extra, dtype=torch.int64)])
-        self.block_tables = torch.cat([self.block_tables, torch.full(
-            (extra, self.block_tables.shape[1]), self.pad, dtype=torch.int32)])
-        self.last_position = torch.cat([self.last_position, torch.full((extra,), -1, dtype=torch.int64)])
-        self.last_appended = torch.cat([self.last_appended, torch.full((extra,), -1, dtype=torch.int64)])
-        self.row_device = torch.cat([self.row_device, torch.zeros(extra, dtype=torch.int64)])
+        for name, fill in (("row_tokens", 0), ("row_device", 0), ("last_position", -1),
+                           ("last_appended", -1), ("block_tables", self.pad)):
+            old = getattr(self, name)
+            new = torch.full((extra, *old.shape[1:]), fill, dtype=old.dtype)
+            setattr(self, name, torch.cat([old, new]))
         self._free_seq_indices = list(range(2 * num_seqs - 1, num_seqs - 1, -1)) + self._free_seq_indices
         if self.tails is not None:
             self.tails.grow_rows(self.row_tokens.numel())
@@ -679,8 +611,7 @@ class KVCacheManager:
     def assert_consistent(self) -> None:
         """Check the invariants in the module docstring; raise AssertionError naming the broken one."""
         self.pool.assert_consistent()
-        num_used = self._table_blocks(self.row_tokens)                    # (R,)
-        used = torch.arange(self.block_tables.shape[1]) < num_used[:, None]      # (R, W)
+        used = self._used_columns()                                                # (R, W)
         owned = self.block_tables[used].to(torch.int64)
         assert (self.block_tables[~used] == self.pad).all(), "a table entry past a row's blocks is set"
         assert (owned < self.num_blocks).all(), "a row's used table entry is padding"

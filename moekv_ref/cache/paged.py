@@ -1,48 +1,30 @@
-"""The paged per-expert KV cache: one pool of K/V blocks for every (sequence, layer, expert).
+"""The paged per-expert KV cache: one pool of K/V blocks for every (sequence, layer, expert) row.
 
-Two verbs, called once per layer with every (token, expert) pair the layer's router chose:
+`append_kv` (bookkeeping and store) and `attend` (the math only) are the cache contract of
+cache/__init__.py: two verbs, because under expert parallelism the two run in different places.
+Blocks are taken here, layer by layer, not by the scheduler before the forward: they depend on the
+routing, known only once each layer's router has run (the scheduler reserves the step's worst case:
+engine/demand.py).
 
-    appended = cache.append_kv(layer, seq_ids, experts, positions, k, v)   bookkeeping + store
-    out      = cache.attend(appended, q)                                    the math only
+Memory layout (the Triton kernels read exactly this): key_cache and value_cache (N, P, Hkv, Dh),
+one pool for all layers and experts in the model dtype; block_tables (num_rows, W) int32 and
+context_lens (num_rows,) int32 from the KVCacheManager; slot_mapping (n,) int64, slot = block_id *
+P + offset into key_cache.view(-1, Hkv, Dh).
 
-Why the cache allocates during the forward, and not the scheduler before it: how many blocks a step
-takes depends on which experts each token is routed to, and routing is only known once the layer's
-router has run. The scheduler reserves the worst case of the step beforehand (engine/demand.py); the
-blocks themselves are taken here, layer by layer. Why two verbs rather than one: under expert
-parallelism the bookkeeping (which slots) and the attention (over the expert's K/V) run in different
-places, and a reader should see where memory is taken apart from where it is read.
+A sequence's tokens reach a row in position order (the model keeps token order within each
+expert), so the query at row index i sees keys 0..i; `append_kv` checks that positions increase
+from the row's last cached one, so a caller that breaks this gets an error, not a wrong mask.
 
-Memory layout (the Triton kernels read exactly this):
+Attention paths (all equal to rounding; tests): "reference" gathers row by row and calls the same
+`attend_by_position` every cache uses (slow and clear); "batched" pads all rows to the longest and
+runs one fused scaled_dot_product_attention, decode rows and prefill rows in separate batches so
+that a decode row is never padded to a prompt's length; "triton" runs decode rows on
+kernels.paged_attention and stores K/V with kernels.store_kv, prefill rows batched. Padding gathers
+a real block (or slot 0) whose K/V are zeroed before any product, so whatever it holds (a GPU's
+uninitialised memory can hold NaN) cannot reach another row's output.
 
-    key_cache, value_cache   (N, P, Hkv, Dh)   one pool for all layers and experts, model dtype
-    block_tables             (num_rows, W)     int32, from the KVCacheManager
-    context_lens             (num_rows,)       int32
-    slot_mapping             (n,)              int64, slot = block_id * P + offset, indexes
-                                               key_cache.view(-1, Hkv, Dh)
-
-Causality inside a row: a sequence's tokens reach a row in position order (the model sorts the pairs
-by expert, keeping token order), so a key's index in the row orders it like its position, and the
-query at row index i sees keys 0..i. `append_kv` checks that positions increase, against the row's
-last cached position, so a caller that breaks this gets an error rather than a silently wrong mask.
-
-Attention paths, chosen once when the cache is made (all give the same result to rounding; tests):
-
-    reference   one row at a time: gather the row's K/V through its block table, then the same
-                `attend_by_position` every cache uses. Slow (a Python loop over rows), and clear.
-    batched     every row of the call at once: each row's blocks are gathered into a padded
-                (rows, longest row) table and one fused attention (scaled_dot_product_attention)
-                runs over it; rows with one new token (decode) and rows with several (prefill) are
-                two such batches, so a decode row is never padded to a prompt's length.
-    triton      decode rows on kernels.paged_attention (one launch per layer), new K/V stored by
-                kernels.store_kv; rows with several new tokens take the batched path.
-
-Padding is never read as data: padded table entries gather a real block (block 0, or slot 0 with
-shared tails), and their K/V are replaced by zeros before any product, so whatever slot 0 holds (freed or uninitialised memory can hold NaN on a
-GPU) cannot reach another row's output.
-
-Dimension legend: N blocks, P block size, H heads, Hkv key/value heads, G = H / Hkv query heads per
-key/value head, Dh head width, n (token, expert) pairs of the call, m distinct rows of the call,
-Lmax longest row, Qmax most new tokens of one row in the call.
+Dimensions: N blocks, P block size, H heads, Hkv key/value heads, Dh head width, n (token, expert)
+pairs of the call, m distinct rows of the call, Lmax longest row, Qmax most new tokens of one row.
 """
 
 from __future__ import annotations
@@ -85,22 +67,12 @@ class PagedKVCache:
     """append_kv / attend over a paged block pool shared by every (sequence, layer, expert).
 
     num_blocks: blocks in the pool (each P slots of one expert's Hkv x Dh keys and values).
-    shuffle_seed: scatter the free block queue, so that consecutive blocks of a row are far apart.
-    attention: "reference", "batched" (the default) or "triton", see the module docstring.
-    shared_tails: keep each row's partly filled tail in slots shared by the sequence's rows
-             (a manager with SharedTails) instead of a private last block; the K/V moves it asks for
-             are applied before new tokens are written. Not with "triton": the kernels read a row
-             through its block table only, and shared tails live outside it; not with prefix
-             caching (kv_cache_manager.py says why). With several devices, per device.
-    enable_prefix_caching: full blocks outlive their sequences and a request with the same first
-             tokens reuses them (a manager with a PrefixCache, prefix_cache.py). Plain pages, one
-             device or several (a hit reuses only blocks of the device each row takes blocks from).
-    blocks_per_device, device_of_expert: per-device pools (KVCacheManager's devices): D ints of
-             blocks, their sum the pool (num_blocks must be that sum), and each expert's device, (E,)
-             or (L, E); a row takes blocks only from its expert's device. append_kv and attend are
-             unchanged; append_kv raises OutOfBlocksError naming the device that is short.
-    home_devices: with blocks_per_device and no device_of_expert, every row of sequence s takes its
-             blocks from device s % D (a pool sharded by sequence) instead of its expert's.
+    shuffle_seed: scatter the free block queue (BlockPool). attention: one of ATTENTION_PATHS.
+    shared_tails: a manager with SharedTails (shared_tail_manager.py); not with "triton", whose
+             kernels read a row through its block table only. enable_prefix_caching: a manager
+             with a PrefixCache (prefix_cache.py); not with shared tails. blocks_per_device with
+             device_of_expert or home_devices: per-device pools (KVCacheManager; num_blocks must be
+             their sum); append_kv raises OutOfBlocksError naming the device that is short.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
@@ -114,32 +86,26 @@ class PagedKVCache:
             raise ValueError("shared_tails=True cannot use attention='triton': the Triton kernels read a "
                              "row through its block table only, and shared tails live outside it")
         L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
-        # One token of one sequence needs a block in each of its k rows of every layer (k_max under
-        # threshold routing): a smaller pool cannot hold even one sequence.
-        minimum = L * K
+        minimum = L * K             # one token: a block in each of its k rows of every layer
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool):
             raise ValueError(f"num_blocks={num_blocks!r} must be an integer (a count of blocks), at least {minimum}")
         if num_blocks < minimum:
-            raise ValueError(
-                f"num_blocks={num_blocks} is too small for even one sequence: one token needs "
-                f"{minimum} blocks (num_hidden_layers={L} x num_attention_experts_per_tok={K}); "
-                f"allow at least {minimum}"
-            )
+            raise ValueError(f"num_blocks={num_blocks} is too small for even one sequence: one "
+                             f"token needs {minimum} blocks (num_hidden_layers={L} x "
+                             f"num_attention_experts_per_tok={K}); allow at least {minimum}")
         for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("shared_tails", shared_tails),
                            ("home_devices", home_devices)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}={flag!r} must be True or False")
         self.config = config
         self.attention = attention
-        if home_devices:
-            if blocks_per_device is None or device_of_expert is not None:
-                raise ValueError("home_devices=True needs blocks_per_device and no device_of_expert: every "
-                                 "row of sequence s lives on device s % D, whatever its expert")
-            blocks_per_device, _ = self._checked_devices(config, num_blocks, blocks_per_device, None)
-        elif (blocks_per_device is None) != (device_of_expert is None):
+        if home_devices and (blocks_per_device is None or device_of_expert is not None):
+            raise ValueError("home_devices=True needs blocks_per_device and no device_of_expert: "
+                             "every row of sequence s lives on device s % D, whatever its expert")
+        if not home_devices and (blocks_per_device is None) != (device_of_expert is None):
             raise ValueError("per-device pools need both blocks_per_device and device_of_expert "
                              "(or home_devices=True instead of device_of_expert)")
-        elif blocks_per_device is not None:
+        if blocks_per_device is not None:       # device_of_expert None: home devices
             blocks_per_device, device_of_expert = self._checked_devices(config, num_blocks, blocks_per_device,
                                                                         device_of_expert)
         self.manager = KVCacheManager(L, E, block_size, num_blocks, shuffle_seed,
@@ -162,9 +128,8 @@ class PagedKVCache:
     @staticmethod
     def _checked_devices(config, num_blocks, blocks_per_device, device_of_expert) -> tuple[list[int], torch.Tensor | None]:
         """blocks_per_device as D ints summing to num_blocks and device_of_expert as (L, E) (None:
-        home devices, each row on its sequence's home), each device large enough for one token of one
-        sequence (a block in each of its experts that a token can reach there, every layer; with homes,
-        all k of every layer); ValueError naming the device otherwise."""
+        home devices), each device large enough for one token (a block in each of its experts a
+        token can reach, every layer; with homes, all k); ValueError naming the device otherwise."""
         L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
         blocks_per_device = checked_blocks_per_device(blocks_per_device)
         if sum(blocks_per_device) != num_blocks:
@@ -188,14 +153,13 @@ class PagedKVCache:
                   attention: str | None = None, shared_tails: bool = False,
                   blocks_per_device=None, device_of_expert=None,
                   enable_prefix_caching: bool = False, home_devices: bool = False) -> "PagedKVCache":
-        """A cache in the model's dtype and device. attention=None follows the model's backend
-        ("triton" for a model built with backend="triton", else "batched"). Without num_blocks, the
-        pool holds the worst case of max_num_seqs sequences of max_position_embeddings tokens (every
-        token in k_max experts, and a partly filled last block in every row it reaches)."""
+        """A cache in the model's dtype and device; attention=None follows the model's backend.
+        Without num_blocks, the pool holds max_num_seqs sequences of max_position_embeddings tokens
+        at their worst (rows.worst_case_lifetime_blocks)."""
         config = model.config
         if num_blocks is None and blocks_per_device is not None:
             num_blocks = sum(checked_blocks_per_device(blocks_per_device))
-        if num_blocks is None:                      # every sequence at its worst, partly filled blocks included
+        if num_blocks is None:
             num_blocks = max_num_seqs * worst_case_lifetime_blocks(
                 config.max_position_embeddings, config.num_hidden_layers, config.num_attention_experts,
                 config.num_attention_experts_per_tok, check_block_size(block_size))
@@ -208,12 +172,10 @@ class PagedKVCache:
 
     # ----- verb 1: bookkeeping and store ----------------------------------------------------------
     def append_kv(self, layer: int, seq_ids, experts, positions, k, v) -> AppendedRows:
-        """Store the K/V of n (token, expert) pairs of one layer under their (sequence, layer, expert)
-        rows, taking blocks from the pool as rows grow.
-
-        seq_ids, experts, positions: (n,) int; k, v: (n, Hkv, Dh). Within a row the pairs must come
-        in position order and continue what the row holds. Raises ValueError (bad shapes or order)
-        or OutOfBlocksError (pool short) before anything is stored or allocated."""
+        """Store the K/V (n, Hkv, Dh) of n (token, expert) pairs of one layer (seq_ids, experts,
+        positions: (n,)) under their rows, taking blocks as rows grow. Within a row the pairs must
+        continue the row's positions in order. Raises ValueError (bad shapes or order) or
+        OutOfBlocksError (pool short) before anything is stored or allocated."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         n = k.shape[0]
         if k.shape != (n, Hkv, Dh) or v.shape != k.shape:
@@ -341,11 +303,9 @@ class PagedKVCache:
 
     def _attend_padded(self, appended: AppendedRows, group: torch.Tensor, q: torch.Tensor,
                        out: torch.Tensor) -> None:
-        """The rows where group is True, at once: keys padded to the longest row, queries to the row
-        with most new tokens, one fused attention (F.scaled_dot_product_attention, grouped-query) over
-        the batch. Writes their pairs' outputs into out. group None: every row of the call, each with
-        exactly one pair (a decode step), so nothing needs selecting: the rows are then taken in pair
-        order, and the queries are the pairs' own, in place."""
+        """The rows where group is True, at once, into out: keys padded to the longest row, queries
+        to the most new tokens of a row, one fused grouped-query attention. group None: each row of
+        the call has exactly one pair (decode): rows are taken in pair order, queries in place."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         device = q.device
         if group is None:                                                          # row i: pair i's
@@ -353,7 +313,7 @@ class PagedKVCache:
             num_new, max_new = None, 1
         else:
             members = group.nonzero().squeeze(1)                                   # (g,) into rows
-            rows, lens = appended.rows[members], appended.context_lens[members]   # (g,)
+            rows, lens = appended.rows[members], appended.context_lens[members]    # (g,)
             num_new = appended.num_new[members]
             max_new = int(num_new.max())
         g = rows.numel()
@@ -372,10 +332,7 @@ class PagedKVCache:
             column = appended.pair_index - (lens - num_new)[pair_slot]
             pair_q, pair_index = q, appended.pair_index
         else:
-            slot_of_row = torch.full((appended.rows.numel(),), -1, dtype=torch.int64)
-            slot_of_row[members] = torch.arange(g)
-            pairs = (slot_of_row[appended.pair_row] >= 0).nonzero().squeeze(1)   # (p,) pairs of the group
-            pair_slot = slot_of_row[appended.pair_row[pairs]]                     # (p,) which of the g rows
+            pairs, pair_slot = self._pairs_of(appended, members)                   # (p,) each
             column = appended.pair_index[pairs] - (lens - num_new)[pair_slot]     # (p,) 0..Qmax-1
             pair_q, pair_index = q[pairs], appended.pair_index[pairs]
         queries = q.new_zeros(g, max_new, q.shape[1], Dh, dtype=compute)           # (g, Qmax, H, Dh)
@@ -398,14 +355,11 @@ class PagedKVCache:
 
     def _gather_rows(self, rows: torch.Tensor, lens: torch.Tensor, dtype: torch.dtype):
         """K/V of every token of each row, padded to the longest row: keys and values (g, Lmax, Hkv,
-        Dh) in dtype, zeros past a row's end, and valid (g, Lmax) bool.
-
-        Plain pages: whole blocks are gathered through the block tables (one index per block rather
-        than per token), Lmax rounded up to whole blocks; table padding is clamped to a real block
-        and masked. Shared tails keep a row's last tokens outside its table, so they gather slot by
-        slot through the manager's padded slot table. Both gather with index_select and zero the
-        padding with index_fill_ on the few padded tokens: on a CPU, 4x and 5x faster than advanced
-        indexing and a broadcast masked_fill of the same tensors (measured at 16 rows of 64 tokens)."""
+        Dh) in dtype, zeros past a row's end, and valid (g, Lmax) bool. Plain pages gather whole
+        blocks (Lmax rounded up to blocks; table padding clamped to a real block); shared tails
+        gather slot by slot (`padded_slots`). index_select and index_fill_ on the padded tokens are,
+        on a CPU, 4x and 5x faster than advanced indexing and a broadcast masked_fill (measured at
+        16 rows of 64 tokens)."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         device = self.key_cache.device
         if self.manager.tails is not None:
@@ -432,17 +386,24 @@ class PagedKVCache:
         """Decode rows (one new token each) in one launch of kernels.paged_attention."""
         device = self.key_cache.device
         members = decode.nonzero().squeeze(1)                                      # (d,) into rows
-        slot_of_row = torch.full((appended.rows.numel(),), -1, dtype=torch.int64)
-        slot_of_row[members] = torch.arange(members.numel())
-        pairs = (slot_of_row[appended.pair_row] >= 0).nonzero().squeeze(1)       # (d,) one per row
+        pairs, pair_slot = self._pairs_of(appended, members)                   # (d,) one per row
         rows = appended.rows[members]
         block_tables = self.manager.block_tables[rows].to(device)                 # (d, W) int32
         context_lens = self.manager.context_lens(rows).to(device)                 # (d,) int32
         queries = q.new_empty(members.numel(), q.shape[1], q.shape[2])
-        queries[slot_of_row[appended.pair_row[pairs]]] = q[pairs]
+        queries[pair_slot] = q[pairs]
         result = self._kernels.paged_attention(queries.contiguous(), self.key_cache, self.value_cache,
                                                block_tables, context_lens)
-        out[pairs] = result[slot_of_row[appended.pair_row[pairs]]].to(q.dtype)
+        out[pairs] = result[pair_slot].to(q.dtype)
+
+    @staticmethod
+    def _pairs_of(appended: AppendedRows, members: torch.Tensor):
+        """The pairs whose rows are `members` (indices into appended.rows), and each one's index in
+        members: (p,) each."""
+        slot_of_row = torch.full((appended.rows.numel(),), -1, dtype=torch.int64)
+        slot_of_row[members] = torch.arange(members.numel())
+        pairs = (slot_of_row[appended.pair_row] >= 0).nonzero().squeeze(1)
+        return pairs, slot_of_row[appended.pair_row[pairs]]
 
     # ----- sequences --------------------------------------------------------------------------------
     def token_counts(self, seq_ids) -> torch.Tensor:

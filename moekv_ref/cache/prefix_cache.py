@@ -1,21 +1,12 @@
 """Prefix caching over per-expert KV caches: a new request reuses the full blocks an earlier request
-with the same first tokens left in its (layer, expert) rows.
+with the same first tokens left in its (layer, expert) rows. Notebook 06 tells the why at length.
 
-Why an equal prefix gives equal rows. Token-choice routing is causal: the experts token t goes to at
-layer l depend only on tokens 0..t (the router reads the hidden state at t, which attends only to
-the past). So two sequences whose first p tokens are equal send those tokens to the same experts, and
-the K/V they store are the same numbers: in every (layer, expert) row, the entries with position < p
-are equal, in the same order, hence in the same blocks at the same offsets.
-
-Why that is not enough to skip tokens. A new request does not know its routing before it runs, and
-recomputing a token recomputes *all* its rows (it passes every layer). So the request may start at s
-(skip tokens 0..s-1) only if, in every row, every entry with position < s is available: with rows of
-different densities, row (l, e) may have its 40th entry at position 150 and row (l, e') its 9th. The
-cache must know, for a candidate s, how many entries each row has below s. We keep that as *chunk
-records*: the prompt is cut into chunks of C = P tokens, and for each chunk we store, under the
-hash-chain key of the prefix that ends with it, how many of its tokens went to each of the L * E
-rows. A request's own tokens give its chain keys; the records found for its first i chunks give,
-row by row, its entries below s = i * C (the cumulative counts).
+Token-choice routing is causal (token t's experts depend only on tokens 0..t), so sequences whose
+first p tokens are equal hold equal entries below position p in every row, in the same blocks at the
+same offsets. But a request may skip tokens 0..s-1 only if *every* row's entries below s are there,
+and rows fill at different rates. So the cache keeps *chunk records*: under the hash-chain key of
+each prefix of whole chunks of C = P tokens, how many of the last chunk's tokens went to each of
+the L * E rows; a request's first i records give, row by row, its entries below s = i * C.
 
     chunk keys   key_i = blake2b(key_{i-1} || tokens[i*C:(i+1)*C])      (16 bytes; key_-1 = b"")
     block keys   (device, layer * E + expert, j, key_m)  for the j-th block of a row, registered
@@ -23,51 +14,26 @@ row by row, its entries below s = i * C (the cumulative counts).
                  to its last entry's; a row's partly filled last block from its first entry's chunk
                  on (its entries below a complete chunk's end are final: later tokens come later)
 
-Looking up s = i * C, row r holding c_r = cum_counts[i-1, r] entries below s needs its blocks
-0 .. ceil(c_r / P) - 1:
+Looking up s = i * C, row r with c_r = cum_counts[i-1, r] entries below s needs blocks
+0 .. ceil(c_r / P) - 1: block j with (j + 1) * P <= c_r, found under the chunk of its last entry,
+is *shared* (one more owner); the block j = c_r // P straddling s (c_r % P > 0), found under
+key_{i-1}, is *copied* (copy-on-write) into a fresh block whose first c_r % P slots the request
+keeps. A key matches only if the producer's first (m + 1) * C tokens equal the request's, so by
+causality the entries needed are the request's own; keys hash the token bytes (never Python's
+salted `hash`), chained so that equal keys mean equal prefixes. Copying costs at most L * E blocks
+per request, where lowering s until no row straddles would usually reach 0. A partial block is never
+shared (its producer keeps appending) but may be a copy source: otherwise a rarely chosen expert
+with fewer than P entries would cap every hit. s is the largest multiple of C whose blocks are all
+found (validity is monotone in s), at most len(tokens) - 1: the last token always runs.
 
-    full below s   block j with (j + 1) * P <= c_r: found under key_m, m the chunk of its last entry
-                   (all its entries are below s): shared, one more owner
-    straddling s   block j = c_r // P when c_r % P > 0: its first c_r % P entries are below s, the rest
-                   are the producer's, not the request's. Found under key_{i-1} (it spans chunk i-1),
-                   it is *copied* (copy-on-write) into a fresh block whose first c_r % P slots the
-                   request keeps; the request's own tokens then fill the rest.
+Devices: a block lies on its row's device, so the device is part of the block key; with home
+devices, sequences of different homes never share a block, and a lookup names its sequence
+(`find_cached_prefix(tokens, seq_id)`). Chunk records do not depend on devices.
 
-Devices. A block lies on the device of the row that wrote it (kv_cache_manager.py: its expert's,
-or with home devices its sequence's home), and a row may only list blocks of its own device. So the
-device is part of the block key: a lookup for a request whose row r lives on device d finds only
-blocks of d. With blocks placed by expert the device is a function of r and changes nothing; with
-home devices two sequences of different homes never share a block (each home caches its own copy),
-and a lookup must say which sequence it is for (`find_cached_prefix(tokens, seq_id)`). Routing
-counts (chunk records) do not depend on where rows live and are shared by every device. Cached-free
-blocks wait in their own device's LRU queue (block_pool.py), so a short device evicts its own.
-
-A key (d, r, j, key_m) matches only when the producer's first (m + 1) * C tokens equal the request's,
-so by causality its entries with position < (m + 1) * C are the request's own: the lookup never
-returns a block whose needed entries differ. Keys are cryptographic hashes of the token bytes (never
-Python's salted `hash`), chained so that equal keys mean equal prefixes.
-
-Why copy the straddling block rather than lower s. Rows fill at different rates, so some row almost
-always has a block that straddles any s; lowering s until no row straddles would usually reach 0. A
-copy costs one block and one block copy per straddling row, at most L * E per request. A partial
-block is never shared: the producer keeps appending to its own tail, and the new request to its
-copy. The same holds for a producer's partly filled last block: it can be the *source* of a copy
-(its entries below s are final), never shared -- without that, a rarely chosen expert whose row holds
-fewer than P entries would cap every hit below its first entry.
-
-s is the largest multiple of C for which every needed block is found (validity is monotone: a
-smaller s needs a subset), and at most len(tokens) - 1: the last token always runs, its logits are
-sampled from.
-
-What this relies on: the forward is deterministic, so the same prefix routes the same way and stores
-the same K/V in whatever batch it runs (true of this repository's CPU forward, which the tests check by
-comparing tokens with and without the cache; a GPU kernel whose reductions depend on the batch would
-have to be batch-invariant for a hit to equal a recompute).
-
-Cached blocks live on in the pool after their sequences end: ref_cnt 0 but marked cached, in the
-pool's LRU queue (block_pool.py), until a request reuses them or the pool evicts them for a new
-block (least recently used first). Chunk records are kept in an LRU of bounded size; a missing
-record only shortens a hit, never makes one wrong.
+This relies on a deterministic forward (true of this repository's CPU forward, which the tests check
+by comparing tokens with and without the cache; a GPU kernel would have to be batch-invariant).
+Cached blocks outlive their sequences as cached-free blocks (block_pool.py) until reused or evicted;
+chunk records are an LRU of bounded size (a missing record only shortens a hit).
 """
 
 from __future__ import annotations
@@ -100,20 +66,13 @@ def chain_keys(token_ids, chunk_size: int, previous: bytes = b"") -> list[bytes]
 
 @dataclass
 class PrefixHit:
-    """What a lookup found for a request: start at `num_tokens`.
-
-    row_counts    (L*E,) int64: entries of each row below num_tokens
-    shared        (b,) int64 block ids shared as they are, with shared_rows / shared_columns (b,):
-                  the row (layer * E + expert) and the column of the block table they go to
-    cow_source    (c,) int64 blocks straddling num_tokens, copied; cow_rows (c,) their rows (their
-                  column is row_counts // P)
-    num_free_taken  blocks the hit takes from the pool's free count while it is applied: cached-free
-                  ones it reuses (shared, and copy sources, pinned until copied) + the copies
-    free_taken_per_device  (D,) int64: num_free_taken device by device
-    row_devices   (L*E,) int64: the device of each row of the sequence it was looked up for (every
-                  block it lists lies on its row's device); applied only to a sequence whose rows
-                  live there
-    """
+    """What a lookup found for a request: start at `num_tokens`, with row_counts (L*E,) entries of
+    each row below it. shared (b,) blocks are shared as they are, at block table row shared_rows
+    (layer * E + expert) and column shared_columns; cow_source (c,) blocks straddle num_tokens and
+    are copied into rows cow_rows, column row_counts // P. num_free_taken (free_taken_per_device,
+    (D,)): the free blocks applying the hit takes (cached-free ones it reuses, copy sources pinned
+    until copied, the copies). row_devices (L*E,): the devices of the rows it was looked up for,
+    the only rows it applies to."""
     num_tokens: int = 0
     row_counts: torch.Tensor | None = None
     shared: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
@@ -143,19 +102,14 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    """A KVCacheManager's prefix cache (KVCacheManager(..., prefix_cache=PrefixCache())): its full
-    blocks outlive their sequences and are found again by prefix. One instance per manager (it binds
-    in `attach`).
+    """A KVCacheManager's prefix cache (`KVCacheManager(..., prefix_cache=PrefixCache())`): its
+    full blocks outlive their sequences and are found again by prefix. One per manager (`attach`).
 
-    State: block_positions (N, P) int64, the position of the token at each slot (set as slots
-    are written, copied with copy-on-write and swaps): what tells which chunks a block spans; the
-    index (block keys <-> blocks, chunk records); per held sequence, its chain keys and how far its
-    blocks are registered.
-
-    Invariants (beyond the base ones, with sharing: ref_cnt == number of rows listing the block):
-      * a block listed by several rows is full in each, at the same (layer, expert) and column;
-      * every key maps to a cached block, and a cached block's keys are all in the index;
-      * cached blocks with no owner are exactly the pool's cached-free queue.
+    State: block_positions (N, P), the position of the token at each slot (what tells which chunks
+    a block spans); the index (block keys <-> blocks, chunk records); per held sequence, its chain
+    keys and how far its blocks are registered. Invariants (`assert_consistent`): a block listed by
+    several rows is full in each, at the same (layer, expert) and column; keys and cached blocks
+    match one to one in the index; ref_cnt == the rows listing a block.
     """
 
     def __init__(self, max_chunk_records: int | None = None):
@@ -180,12 +134,9 @@ class PrefixCache:
 
     # ----- registration (after a step computed tokens) ----------------------------------------------
     def cache_computed_blocks(self, seq_id: int, token_ids: list[int]) -> int:
-        """Make the sequence's computed prefix findable: record the routing counts of every newly
-        complete chunk and register each of its blocks under the keys of the complete chunks it spans
-        (a full block: its first entry's chunk to its last's; the row's partly filled last block: from
-        its first entry's chunk on, as a copy-on-write source only -- its entries below a complete
-        chunk's end are final, and a lookup never shares it, see `_hit_at`). token_ids: the tokens
-        whose K/V the cache holds (positions 0 .. len - 1). Returns the number of blocks newly cached."""
+        """Make the sequence's computed prefix findable (token_ids: the tokens whose K/V the cache
+        holds): record every newly complete chunk and register its blocks under the keys of the
+        complete chunks they span (module docstring). Returns the number of blocks newly cached."""
         m = self.manager
         P = C = m.block_size
         index = m.seq_index(seq_id)
@@ -193,16 +144,14 @@ class PrefixCache:
         state = self._seq_state.setdefault(int(seq_id), [[], 0, torch.full((m.rows_per_seq, width), -1)])
         keys, num_recorded, registered_through = state
         num_complete = len(token_ids) // C
-        if num_complete == num_recorded:
-            # no chunk completed since the last call: every entry added since lies in the incomplete
-            # chunk, and registrations under complete chunks involve only older entries -- nothing new
+        if num_complete == num_recorded:        # entries added since lie in the incomplete chunk
             return 0
         if num_complete > len(keys):
             keys += chain_keys(token_ids[len(keys) * C: num_complete * C], C, keys[-1] if keys else b"")
         rows = m.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
         counts = m.row_tokens[rows]                                             # (R,)
         if num_complete > num_recorded:
-            self._record_chunks(rows, counts, keys, num_recorded, num_complete)
+            self._record_chunks(rows, keys, num_recorded, num_complete)
             state[1] = num_complete
         if registered_through.shape[1] < width:                                             # tables grew
             registered_through = torch.cat([registered_through, torch.full(
@@ -231,11 +180,10 @@ class PrefixCache:
             m.pool.mark_cached(torch.tensor(newly_cached, dtype=torch.int64))
         return len(newly_cached)
 
-    def _record_chunks(self, rows, counts, keys, first: int, end: int) -> None:
+    def _record_chunks(self, rows, keys, first: int, end: int) -> None:
         """Chunk records for chunks first .. end - 1: entries of each row per chunk."""
-        m = self.manager
         C = self.chunk_size
-        slots, valid = m.padded_slots(rows)                                              # (R, Lmax)
+        slots, valid = self.manager.padded_slots(rows)                                  # (R, Lmax)
         chunk = self.block_positions.view(-1)[slots] // C                                   # (R, Lmax)
         keep = valid & (chunk >= first) & (chunk < end)
         row_of = torch.arange(rows.numel())[:, None].expand_as(chunk)                       # (R, Lmax)
@@ -256,8 +204,8 @@ class PrefixCache:
 
     # ----- lookup ---------------------------------------------------------------------------------
     def row_devices(self, seq_id: int | None = None) -> torch.Tensor:
-        """(L*E,) the device each row of sequence seq_id takes its blocks from (held or not). seq_id
-        may be left out where rows follow their experts; with home devices (D > 1) it is needed."""
+        """(L*E,) the device each row of sequence seq_id takes its blocks from (held or not); seq_id
+        may be left out unless rows live on home devices (D > 1)."""
         m = self.manager
         if seq_id is None:
             if m.home_devices and m.num_devices > 1:
@@ -267,9 +215,8 @@ class PrefixCache:
         return m.device_of_expert_of([seq_id])[0].reshape(-1)
 
     def find_cached_prefix(self, token_ids: list[int], seq_id: int | None = None) -> PrefixHit:
-        """The longest usable cached prefix of a request with these tokens (see the module
-        docstring) for sequence seq_id (its rows' devices, `row_devices`); PrefixHit() (num_tokens
-        0) when none. Changes nothing but LRU order of chunk records."""
+        """The longest usable cached prefix of a request with these tokens for sequence seq_id (its
+        rows' devices); PrefixHit() when none. Changes nothing but LRU order of chunk records."""
         devices = self.row_devices(seq_id).tolist()                                        # (R,)
         C = self.chunk_size
         max_chunks = (len(token_ids) - 1) // C               # the last token always runs
@@ -311,21 +258,17 @@ class PrefixCache:
             torch.cumsum(num_full, 0) - num_full, num_full)                                 # (f,)
         last_entry = shared_columns * P + P - 1                                             # (f,)
         chunk = (cumulative[:i, shared_rows] <= last_entry[None, :]).sum(0)                 # (f,)
-        block_of_key = self._block_of_key
-        shared = []
-        for r, j, c in zip(shared_rows.tolist(), shared_columns.tolist(), chunk.tolist()):
-            block = block_of_key.get((devices[r], r, j, keys[c]))
-            if block is None:
-                return None
-            shared.append(block)
         cow_rows = (row_counts % P > 0).nonzero().squeeze(1)                                 # (c,)
-        cow, key = [], keys[i - 1]
-        for r, j in zip(cow_rows.tolist(), num_full[cow_rows].tolist()):
-            block = block_of_key.get((devices[r], r, j, key))
-            if block is None:
-                return None
-            cow.append(block)
-        shared_t = torch.tensor(shared, dtype=torch.int64)
+        # the (row, column, chunk key) each needed block is found under: shared ones, then copies
+        wanted = [(r, j, keys[c]) for r, j, c in zip(shared_rows.tolist(), shared_columns.tolist(),
+                                                     chunk.tolist())]
+        cow_columns = num_full[cow_rows].tolist()
+        wanted += [(r, j, keys[i - 1]) for r, j in zip(cow_rows.tolist(), cow_columns)]
+        blocks = [self._block_of_key.get((devices[r], r, j, key)) for r, j, key in wanted]
+        if None in blocks:
+            return None
+        shared_t = torch.tensor(blocks[:shared_rows.numel()], dtype=torch.int64)
+        cow_t = torch.tensor(blocks[shared_rows.numel():], dtype=torch.int64)
         # a block is shared only whole: its last slot written, below s (by causality it always is when
         # found under its last entry's chunk; checked all the same)
         last = self.block_positions[shared_t, P - 1]
@@ -333,7 +276,6 @@ class PrefixCache:
             return None
         # free blocks the hit holds while it is applied: the cached-free blocks it reuses, shared or
         # copy sources (pinned so that the copies' allocation cannot evict them), and the copies
-        cow_t = torch.tensor(cow, dtype=torch.int64)
         found = torch.cat([shared_t, cow_t]).unique()
         taken = torch.cat([found[m.pool.ref_cnt[found] == 0], cow_t])        # reused idle blocks, copies
         per_device = torch.bincount(m.pool.device_of_blocks(taken), minlength=m.num_devices)      # (D,)
@@ -341,10 +283,9 @@ class PrefixCache:
                          int(per_device.sum()), per_device, torch.tensor(devices, dtype=torch.int64))
 
     def apply_prefix_hit(self, seq_id: int, hit: PrefixHit) -> tuple[torch.Tensor, torch.Tensor]:
-        """Give a new sequence its rows from a hit: shared blocks gain an owner, each straddling block
-        is copied into a fresh block (copy-on-write). Returns (source, destination) block ids of the
-        copies, which must run before anything writes the destinations. Raises OutOfBlocksError,
-        changing nothing, when the pool lacks the copies' blocks."""
+        """Give a new sequence its rows from a hit: shared blocks gain an owner, straddling ones are
+        copied into fresh ones. Returns the copies' (source, destination) block ids, to copy before
+        anything writes the destinations. Raises OutOfBlocksError, changing nothing, when short."""
         m = self.manager
         P = m.block_size
         if hit.num_tokens == 0:
@@ -365,20 +306,17 @@ class PrefixCache:
         idle = found.unique()
         idle = idle[m.pool.ref_cnt[idle] == 0]
         available = m.num_free_blocks_per_device - torch.bincount(m.pool.device_of_blocks(idle), minlength=D)
-        copy_device = devices[hit.cow_rows]                                                # (c,)
-        copies = torch.bincount(copy_device, minlength=D)                                  # (D,)
+        copies = torch.bincount(devices[hit.cow_rows], minlength=D)                        # (D,)
         if (copies > available).any():
             d = int((copies > available).nonzero()[0])
             raise OutOfBlocksError(f"the hit's {int(copies[d])} copies on device {d} need blocks; "
                                    f"{int(available[d])} are free there beside the blocks it reuses")
-        index = m.add_sequence(seq_id)
+        rows = m.sequence_rows(torch.tensor([m.add_sequence(seq_id)]))[0]                # (R,)
         m.pool.reuse(hit.shared)
         m.pool.reuse(hit.cow_source)                # pinned: the copies' allocation cannot evict them
-        destination = torch.empty(hit.cow_source.numel(), dtype=torch.int64)
-        for d in copies.nonzero().squeeze(1).tolist():            # each copy on its row's device
-            destination[copy_device == d] = m.pool.allocate(int(copies[d]), device=d)
+        one_each = torch.ones_like(hit.cow_rows)            # a block per copy, on its row's device
+        destination = m._take_blocks(rows[hit.cow_rows], one_each, one_each)
         m.pool.free(hit.cow_source)
-        rows = m.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
         widest = int(ceil_div(hit.row_counts, P).max())
         if widest > m.block_tables.shape[1]:
             m._grow_tables(widest)
@@ -398,16 +336,14 @@ class PrefixCache:
 
     # ----- what a scheduler asks -------------------------------------------------------------------
     def hit_for(self, token_ids: list[int], seq_id: int | None = None) -> PrefixHit | None:
-        """What a new sequence (seq_id, needed with home devices) with these tokens would start from:
-        the longest usable cached prefix, with what it costs (its row counts, and num_free_taken /
-        free_taken_per_device: the free blocks applying it takes), or None when nothing usable is
-        cached."""
+        """What a new sequence with these tokens would start from, with its cost (a PrefixHit), or
+        None when nothing usable is cached."""
         hit = self.find_cached_prefix(token_ids, seq_id)
         return hit if hit.num_tokens else None
 
     def start_sequence(self, seq_id: int, num_tokens: int, hit: PrefixHit | None):
-        """A looked-up sequence of num_tokens tokens starts from `hit` (apply_prefix_hit: returns the
-        copies' source and destination blocks), or from nothing (None). Counted in `stats`."""
+        """A looked-up sequence of num_tokens tokens starts from `hit` (apply_prefix_hit, whose
+        copies it returns) or from nothing (None). Counted in `stats`."""
         self.stats.num_lookups += 1
         self.stats.num_lookup_tokens += int(num_tokens)
         return None if hit is None else self.apply_prefix_hit(seq_id, hit)
@@ -425,8 +361,7 @@ class PrefixCache:
     def assert_consistent(self) -> None:
         """The invariants above, after the manager checked its own (ref_cnt == rows listing a block)."""
         m, P = self.manager, self.manager.block_size
-        used = torch.arange(m.block_tables.shape[1]) < m._table_blocks(m.row_tokens)[:, None]  # (R, W)
-        row, column = used.nonzero(as_tuple=True)
+        row, column = m._used_columns().nonzero(as_tuple=True)
         owned = m.block_tables[row, column].to(torch.int64)
         shared = torch.bincount(owned, minlength=m.num_blocks)[owned] > 1
         full = m.row_tokens[row] >= (column + 1) * P

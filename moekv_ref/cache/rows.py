@@ -1,16 +1,13 @@
 """Rows: how one (sequence, layer, expert) cache is numbered, and the one `ceil_div`.
 
 A *row* is the cache of one sequence at one layer for one attention expert. Every table over rows
-(token counts, block tables, the simulator's counters) numbers them the same way, sequence-major:
+(token counts, block tables, the simulator's counters) numbers them sequence-major,
 
     row = seq_index * (L * E) + layer * E + expert
 
-    seq_index 0: rows 0 .. L*E-1      layer 0: experts 0..E-1, then layer 1, ...
-    seq_index 1: rows L*E .. 2*L*E-1
-
-so all rows of one sequence are one contiguous slice (freeing a sequence is one slice), and all rows
-of one layer of one sequence are E consecutive entries. seq_index is a slot number (the manager gives
-each sequence id one and reuses it after `free`; the simulator uses the trace's sequence number).
+so a sequence's rows are one contiguous slice (freeing it is one slice) and those of one of its
+layers E consecutive entries. seq_index is a slot number (the manager gives each sequence id one,
+reused after `free`; the simulator uses the trace's sequence number).
 """
 
 from __future__ import annotations
@@ -51,11 +48,9 @@ class RowIndex:
 
 def worst_case_lifetime_blocks(num_tokens: int, num_layers: int, num_experts: int, k_max: int,
                                block_size: int) -> int:
-    """The most blocks a sequence of `num_tokens` cached tokens can hold under any routing.
-
-    Per layer: k_max * T entries over E rows of at most T tokens each, so at most
-    min(E * ceil(T / P), m + (k_max * T - m) // P) blocks with m = min(E, k_max * T).
-    """
+    """The most blocks a sequence of T = `num_tokens` cached tokens can hold under any routing: per
+    layer k_max * T entries over E rows of at most T each, so at most min(E * ceil(T / P), m +
+    (k_max * T - m) // P) blocks, m = min(E, k_max * T)."""
     entries = k_max * num_tokens
     rows = min(num_experts, entries)
     per_layer = min(num_experts * ceil_div(num_tokens, block_size), rows + (entries - rows) // block_size)

@@ -1,57 +1,38 @@
 """Paged rows whose partly filled tails share blocks: waste < P slots per sequence, not per row.
 
-With plain pages every (sequence, layer, expert) row wastes the unused end of its last block. With
-fine-grained experts rows are short (E = 64, top-8, 16 layers: ~32 tokens per row on average), so
-at a block size a GPU reads well (P = 16) that end is a large share of memory: the memory benchmark
-measures 0.87 utilization. This manager keeps the full blocks of a row private (contiguous runs of P
-slots, as before) and stores the row's last n % P tokens in *tail blocks* owned by the sequence and
-shared, slot by slot, by all its rows:
+With plain pages every row wastes the unused end of its last block, and fine-grained experts make
+rows short (E = 64, top-8, 16 layers: ~32 tokens per row on average), so at a block size a GPU reads
+well (P = 16) that is a large share of memory (the memory benchmark measures 0.87 utilization). Here
+a row's full blocks stay private and its last n % P tokens live in *tail blocks* owned by the
+sequence and shared, slot by slot, by all its rows:
 
     row (s, l, e), n = 37, P = 16:    block_table = [12, 40]               tokens 0..31
                                       tail_slots  = [161, 167, 170, 171, 175]   tokens 32..36
     sequence s's tail blocks [10, 11]: slots 160..191, each used by some row of s, or free
 
-    append to a row whose tail is full (n % P == P - 1 before, one new token):
-        1. promotion: a fresh block joins the row's table; the P - 1 tail tokens are copied into it
-           (`moves`), the new token is written there directly; the P - 1 tail slots become free.
-        2. compaction: when a sequence's free tail slots add up to P, the tail block with fewest
-           used slots has them moved into free slots elsewhere (`moves`) and returns to the pool.
+When a row's tail fills a block, a fresh block joins its table and the P - 1 tail tokens are copied
+into it (`moves`, promotion); when a sequence's free tail slots add up to P, the tail block with
+fewest used slots has them moved elsewhere (`moves`) and returns to the pool (compaction). With D
+devices, tail group g = seq_index * D + d holds the sequence's tail blocks on device d, for its rows
+there. Invariants (`assert_consistent`): a row lists n // P blocks in its table and n % P tail
+slots; group g holds ceil(T_g / P) blocks of device g % D for its T_g tail tokens; every tail slot
+is used once or free, and a block is a row's or a group's, never both.
 
-Devices. A row may only use slots of blocks of its own device (kv_cache_manager.py), so with D
-devices a sequence's tails are shared by its rows *on each device*: tail group g = seq_index * D + d
-holds the tail blocks of sequence seq_index on device d, taken from d's blocks, and only rows of the
-sequence on d use them. With one device a group is a sequence (g = seq_index), as above; with
-several, a sequence wastes fewer than P slots per device it has rows on.
-
-Invariants (checked by `assert_consistent`, driven by property tests), on top of KVCacheManager's:
-  * a row of n tokens lists n // P full blocks in its table and n % P slots in tail_slots;
-  * tail group g holds exactly ceil(T_g / P) tail blocks, all of device g % D, T_g = sum over its
-    rows of n % P: so its tail blocks waste fewer than P slots;
-  * every tail slot is used by exactly one (row, position) or is free, and every block is owned by
-    one row (table) or one sequence (tail), never both.
-
-The price, measured by bench memory: extra writes (`moves`: up to P - 1 per promoted block, plus
-compaction), a slot index per tail token, and a decode that gathers up to P - 1 scattered tail slots
-per row besides its full blocks. Bookkeeping here is a loop over the rows of a call (readable, fine
-for the model); the simulator's SharedTailDesign replays the same accounting from counts, and a test
-checks the two agree.
-
-This is a part a KVCacheManager is built with (`KVCacheManager(..., tails=SharedTails())`): it owns
-the tail state, and the manager hands it the calls that differ (how many blocks an append needs,
-allocation, where a token's slot is, free, growth, checking).
+The price, measured by bench memory: the moves, a slot index per tail token, and a decode that
+gathers up to P - 1 scattered tail slots per row. Bookkeeping loops over the rows of a call; the
+simulator's SharedTailDesign replays the same accounting from counts (a test checks they agree).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .block_pool import OutOfBlocksError
 from .kv_cache_manager import KVCacheManager, Moves, SlotAllocation
 
 
 class SharedTails:
-    """A KVCacheManager's shared tails: its rows keep full blocks in their table and their tail in
-    slots of their sequence's tail blocks. One instance per manager (it binds in `attach`)."""
+    """A KVCacheManager's shared tails (`KVCacheManager(..., tails=SharedTails())`): it owns the
+    tail state, and the manager hands it the calls that differ. One per manager (see `attach`)."""
 
     def attach(self, manager: KVCacheManager) -> None:
         self.manager = manager
@@ -88,69 +69,52 @@ class SharedTails:
             self.tail_blocks[g] = []
             self.free_tail_slots[g] = []
 
-    def num_blocks_needed(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> int:
-        """Blocks the append would take from the pool (compaction afterwards may give some back)."""
-        return int(self.num_blocks_needed_per_device(rows, num_new_tokens).sum())
-
     def num_blocks_needed_per_device(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
         """(D,) blocks the append would take from each device: its rows' new full blocks, and the
         new tail blocks of each tail group, on the group's device."""
         m, P, D = self.manager, self.manager.block_size, self.manager.num_devices
-        rows = torch.as_tensor(rows, dtype=torch.int64)
         old = m.row_tokens[rows]
-        new = old + torch.as_tensor(num_new_tokens, dtype=torch.int64)
+        new = old + num_new_tokens
         need = torch.zeros(D, dtype=torch.int64).index_add_(0, m.row_device[rows], new // P - old // P)
         group_of_row = self.group_of_rows(rows)
         for group in group_of_row.unique().tolist():
-            mine = group_of_row == group
-            tail_tokens = self._tail_tokens(group) + int((new[mine] % P - old[mine] % P).sum())
-            need[group % D] += max(0, -(-tail_tokens // P) - len(self.tail_blocks[group]))
+            mine, held = group_of_row == group, len(self.tail_blocks[group])
+            tail_tokens = held * P - len(self.free_tail_slots[group])
+            tail_tokens += int((new[mine] % P - old[mine] % P).sum())
+            need[group % D] += max(0, -(-tail_tokens // P) - held)
         return need
-
-    def _tail_tokens(self, group: int) -> int:
-        return len(self.tail_blocks[group]) * self.manager.block_size - len(self.free_tail_slots[group])
 
     # ----- allocate / slots / free ----------------------------------------------------------------
     def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor, with_slots: bool) -> SlotAllocation:
         """KVCacheManager.allocate_slots with shared tails (rows checked): the new tokens' slots and
-        the K/V moves the caller must apply, in order, before writing them
-        (`key_cache.view(-1, Hkv, Dh)[dst] = key_cache.view(-1, Hkv, Dh)[src]`). Raises, changing
-        nothing, when the pool is short."""
-        m, P = self.manager, self.manager.block_size
-        needed = self.num_blocks_needed_per_device(rows, num_new_tokens)                     # (D,)
-        free = m.num_free_blocks_per_device                                                 # (D,)
-        if (needed > free).any():
-            if m.num_devices == 1:
-                raise OutOfBlocksError(f"appending {int(num_new_tokens.sum())} tokens to {rows.numel()} "
-                                       f"rows needs {int(needed[0])} blocks; {m.pool.num_free_blocks} are free")
-            d = int((needed > free).nonzero()[0])
-            raise OutOfBlocksError(f"device {d} is short: appending {int(num_new_tokens.sum())} tokens needs "
-                                   f"{int(needed[d])} blocks there, {int(free[d])} of "
-                                   f"{int(m.blocks_per_device[d])} are free")
-        D = m.num_devices
+        the K/V moves to apply, in order, before writing them. Raises, changing nothing, when the
+        pool is short."""
+        m, P, D = self.manager, self.manager.block_size, self.manager.num_devices
+        m.raise_short(self.num_blocks_needed_per_device(rows, num_new_tokens), rows, num_new_tokens)
         old = m.row_tokens[rows]
         new = old + num_new_tokens
         widest = int((new // P).max()) if rows.numel() else 0
         if widest > m.block_tables.shape[1]:
             m._grow_tables(widest)
+        groups = self.group_of_rows(rows)
+        each_row = list(zip(rows.tolist(), groups.tolist(), old.tolist(), new.tolist()))
         promotion_src, promotion_dst = [], []
         # 1. promotions: rows whose tail fills up get fresh full blocks; their old tail moves there
-        for row, n_old, n_new in zip(rows.tolist(), old.tolist(), new.tolist()):
+        for row, group, n_old, n_new in each_row:
             first, last = n_old // P, n_new // P
             if last == first:
                 continue
-            device = int(m.row_device[row])
-            block_ids = m.pool.allocate(last - first, device=device)
+            block_ids = m.pool.allocate(last - first, device=group % D)
             m.block_tables[row, first:last] = block_ids.to(torch.int32)
             tail = self.tail_slots[row, : n_old % P].clone()
             if tail.numel():
                 promotion_src.append(tail)
                 promotion_dst.append(block_ids[0] * P + torch.arange(tail.numel()))
-                self._release_tail_slots((row // m.rows_per_seq) * D + device, tail)
+                self.slot_row[tail] = self.slot_position[tail] = -1
+                self.free_tail_slots[group].extend(tail.tolist()[::-1])
                 self.tail_slots[row] = -1
         # 2. new tail tokens take free tail slots of their group (new tail blocks when none)
-        groups = self.group_of_rows(rows)
-        for row, group, n_old, n_new in zip(rows.tolist(), groups.tolist(), old.tolist(), new.tolist()):
+        for row, group, n_old, n_new in each_row:
             kept = n_old % P if n_new // P == n_old // P else 0
             for position in range(kept, n_new % P):
                 slot = self._take_tail_slot(group)
@@ -173,11 +137,6 @@ class SharedTails:
             free.extend(range(block * P + P - 1, block * P - 1, -1))
         return free.pop()
 
-    def _release_tail_slots(self, group: int, slots: torch.Tensor) -> None:
-        self.slot_row[slots] = -1
-        self.slot_position[slots] = -1
-        self.free_tail_slots[group].extend(slots.tolist()[::-1])
-
     def _compact(self, index: int) -> Moves:
         """Give back tail blocks of tail group `index` while a block's worth of its slots is free."""
         P = self.manager.block_size
@@ -195,8 +154,7 @@ class SharedTails:
                 row, position = self.slot_row[sources], self.slot_position[sources]
                 self.tail_slots[row, position] = destinations
                 self.slot_row[destinations], self.slot_position[destinations] = row, position
-                self.slot_row[sources] = -1
-                self.slot_position[sources] = -1
+                self.slot_row[sources] = self.slot_position[sources] = -1
                 moves.append((sources, destinations))
             blocks.remove(victim)
             self.manager.pool.free(torch.tensor([victim]))
@@ -217,12 +175,12 @@ class SharedTails:
         P = self.manager.block_size
         self.tail_slots[rows] = -1
         for block in self.blocks_of_sequence(index):
-            self.slot_row[block * P:(block + 1) * P] = -1
-            self.slot_position[block * P:(block + 1) * P] = -1
+            slots = slice(block * P, (block + 1) * P)
+            self.slot_row[slots] = self.slot_position[slots] = -1
         self.add_sequence(index)
 
     def grow_rows(self, num_rows: int) -> None:
-        extra = torch.full((num_rows - self.tail_slots.shape[0], self.tail_slots.shape[1]), -1, dtype=torch.int64)
+        extra = torch.full((num_rows - len(self.tail_slots), self.manager.block_size), -1)
         self.tail_slots = torch.cat([self.tail_slots, extra])
 
     # ----- checking --------------------------------------------------------------------------------
