@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 ATTENTION_MODES = ("expert", "dense")
 ROUTINGS = ("topk", "threshold")
-_BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8": 1}
+BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8": 1}
 
 
 @dataclass(frozen=True)
@@ -124,9 +124,9 @@ class ModelConfig:
                              "dividing by zero and should be small")
         if self.kv_lora_rank < 0 or self.qk_rope_head_dim < 0:
             raise ValueError("kv_lora_rank and qk_rope_head_dim must be >= 0")
-        if self.kv_cache_dtype not in _BYTES_PER_DTYPE:
+        if self.kv_cache_dtype not in BYTES_PER_DTYPE:
             raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {tuple(_BYTES_PER_DTYPE)}"
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {tuple(BYTES_PER_DTYPE)}"
             )
 
     # ----- derived sizes --------------------------------------------------------------------------
@@ -142,7 +142,7 @@ class ModelConfig:
         """Bytes one token adds to one (layer, expert) row, in kv_cache_dtype unless bytes_per_value
         says otherwise (a model run in float32 caches 4-byte values)."""
         if bytes_per_value is None:
-            bytes_per_value = _BYTES_PER_DTYPE[self.kv_cache_dtype]
+            bytes_per_value = BYTES_PER_DTYPE[self.kv_cache_dtype]
         return self.kv_values_per_entry * bytes_per_value
 
     @property
