@@ -26,16 +26,10 @@ BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "flo
 class ModelConfig:
     """Shapes of an MoE transformer whose attention may itself be a mixture of experts.
 
-    attention_mode:
-      "expert": each layer has `num_attention_experts` attention experts with their own W_q/W_k/W_v/W_o;
-                a token routed to expert e appends its K/V to e's cache and its query sees only
-                tokens earlier routed to e (and itself).
-      "dense":  ordinary multi-head / grouped-query attention: exactly the E=1, k=1 case of the above.
-
-    attention_routing (only for "expert"):
-      "topk":      exactly `num_attention_experts_per_tok` experts per token.
-      "threshold": experts in order of router probability until their mass reaches
-                   `routing_threshold`; at least 1 and at most `num_attention_experts_per_tok`.
+    attention_mode "expert": each layer has `num_attention_experts` attention experts with their own
+    W_q/W_k/W_v/W_o; a token routed to expert e appends its K/V to e's cache and its query sees only
+    tokens earlier routed to e (and itself). "dense": ordinary multi-head / grouped-query attention,
+    exactly the E=1, k=1 case. attention_routing: "topk" or "threshold" (routing.py).
     """
 
     name: str = "custom"
@@ -66,30 +60,22 @@ class ModelConfig:
     kv_cache_dtype: str = "float32"
 
     def __post_init__(self):
-        positive = [
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "max_position_embeddings", "num_attention_experts",
-            "num_attention_experts_per_tok", "num_local_experts", "num_experts_per_tok",
-            "moe_intermediate_size",
-        ]
-        for field in positive:
+        for field in (f.name for f in dataclasses.fields(self) if f.type == "int"):
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{field}={value!r} is not allowed: it must be a positive integer")
-        for field in ("kv_lora_rank", "qk_rope_head_dim"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"{field}={value!r} is not allowed: it must be an integer >= 0")
+            least = 0 if field in ("kv_lora_rank", "qk_rope_head_dim") else 1     # MLA's may be 0
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                must = "a positive integer" if least else "an integer >= 0"
+                raise ValueError(f"{field}={value!r} is not allowed: it must be {must}")
         for field in ("rope_theta", "rms_norm_eps", "routing_threshold"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"{field}={value!r} is not allowed: it must be a finite number")
         if not isinstance(self.name, str):
             raise ValueError(f"name={self.name!r} must be a string")
-        if self.attention_mode not in ATTENTION_MODES:
-            raise ValueError(f"attention_mode={self.attention_mode!r} is not one of {ATTENTION_MODES}")
-        if self.attention_routing not in ROUTINGS:
-            raise ValueError(f"attention_routing={self.attention_routing!r} is not one of {ROUTINGS}")
+        for field, allowed in (("attention_mode", ATTENTION_MODES), ("attention_routing", ROUTINGS),
+                               ("kv_cache_dtype", tuple(BYTES_PER_DTYPE))):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")
         if self.attention_mode == "dense" and (
             self.num_attention_experts != 1 or self.num_attention_experts_per_tok != 1
         ):
@@ -98,16 +84,11 @@ class ModelConfig:
                 f"num_attention_experts_per_tok must be 1, got {self.num_attention_experts} and "
                 f"{self.num_attention_experts_per_tok} (or use attention_mode='expert')"
             )
-        if self.num_attention_experts_per_tok > self.num_attention_experts:
-            raise ValueError(
-                f"num_attention_experts_per_tok={self.num_attention_experts_per_tok} is greater than "
-                f"num_attention_experts={self.num_attention_experts}: top-k needs k <= E"
-            )
-        if self.num_experts_per_tok > self.num_local_experts:
-            raise ValueError(
-                f"num_experts_per_tok={self.num_experts_per_tok} is greater than "
-                f"num_local_experts={self.num_local_experts}: top-k needs k <= E"
-            )
+        for k, e in (("num_attention_experts_per_tok", "num_attention_experts"),
+                     ("num_experts_per_tok", "num_local_experts")):
+            if getattr(self, k) > getattr(self, e):
+                raise ValueError(f"{k}={getattr(self, k)} is greater than {e}={getattr(self, e)}: "
+                                 "top-k needs k <= E")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -122,12 +103,6 @@ class ModelConfig:
         if not 0 < self.rms_norm_eps < 1:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps} must be in (0, 1): it keeps RMSNorm from "
                              "dividing by zero and should be small")
-        if self.kv_lora_rank < 0 or self.qk_rope_head_dim < 0:
-            raise ValueError("kv_lora_rank and qk_rope_head_dim must be >= 0")
-        if self.kv_cache_dtype not in BYTES_PER_DTYPE:
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {tuple(BYTES_PER_DTYPE)}"
-            )
 
     # ----- derived sizes --------------------------------------------------------------------------
     @property
