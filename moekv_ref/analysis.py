@@ -137,32 +137,27 @@ def decode_flops(config, context_length: int, cached: bool) -> int:
 
 
 @torch.no_grad()
-def time_decode_step(model, context_length: int, cached: bool, repeats: int = 3, seed: int = 0,
+def time_decode_step(model, context_length: int, cached: bool, seed: int = 0,
                      clock=time.perf_counter, num_cached_steps: int = 1) -> float:
-    """Seconds for one decode step after `context_length` tokens (best of `repeats`): recompute, one
-    full forward over context_length + 1 tokens; cached, the mean of the last `num_cached_steps`
-    decode tokens after an untimed prefill (a cached step is short: a few in a row average out the
-    jitter, and their contexts cost the same to within a few percent at this model's size)."""
+    """Seconds for one decode step after `context_length` tokens: recompute, one full forward over
+    context_length + 1 tokens; cached, the mean of the last `num_cached_steps` decode tokens after
+    an untimed prefill (a cached step is short: a few in a row average out the jitter, and their
+    contexts cost the same to within a few percent at this model's size)."""
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, model.config.vocab_size, (context_length + 1,), generator=generator)
+    if not cached:
+        start = clock()
+        model(tokens[None])
+        return clock() - start
     num_steps = max(1, min(num_cached_steps, context_length))
     first = context_length + 1 - num_steps                  # the first timed token's position
-    best = float("inf")
-    for _ in range(repeats):
-        if cached:
-            cache = ContiguousKVCache(model.config.num_hidden_layers, model.config.num_attention_experts)
-            zeros = torch.zeros(first, dtype=torch.long)
-            model.forward_cached(tokens[:first], zeros, torch.arange(first), cache)
-            start = clock()
-            for position in range(first, context_length + 1):
-                model.forward_cached(tokens[position:position + 1], zeros[:1], torch.tensor([position]), cache)
-            seconds = (clock() - start) / num_steps
-        else:
-            start = clock()
-            model(tokens[None])
-            seconds = clock() - start
-        best = min(best, seconds)
-    return best
+    cache = ContiguousKVCache(model.config.num_hidden_layers, model.config.num_attention_experts)
+    zeros = torch.zeros(first, dtype=torch.long)
+    model.forward_cached(tokens[:first], zeros, torch.arange(first), cache)
+    start = clock()
+    for position in range(first, context_length + 1):
+        model.forward_cached(tokens[position, None], zeros[:1], torch.tensor([position]), cache)
+    return (clock() - start) / num_steps
 
 
 @torch.no_grad()
@@ -178,8 +173,7 @@ def time_decode_steps(model, lengths: list[int], repeats: int = 5, seed: int = 0
     for round_index in range(repeats + 1):                  # round 0: warm-up, not kept
         for t in lengths:
             for cached in (False, True):
-                seconds = time_decode_step(model, t, cached, repeats=1, seed=seed, clock=clock,
-                                           num_cached_steps=num_cached_steps)
+                seconds = time_decode_step(model, t, cached, seed, clock, num_cached_steps)
                 if round_index:
                     best[t, cached] = min(best[t, cached], seconds)
     return {t: (best[t, False], best[t, True]) for t in lengths}

@@ -248,10 +248,10 @@ def load_checkpoint(path: str | Path | None = None, config: ModelConfig | None =
                               "manifest: the file was altered or corrupted")
     saved = _config(where, payload)
     if config is not None:
-        mismatched = {key: (saved.architecture()[key], value)
-                      for key, value in config.architecture().items() if saved.architecture()[key] != value}
-        if mismatched:
-            details = ", ".join(f"{k}: checkpoint has {a!r}, config asks for {b!r}" for k, (a, b) in mismatched.items())
+        made, asked = saved.architecture(), config.architecture()
+        details = ", ".join(f"{key}: checkpoint has {made[key]!r}, config asks for {asked[key]!r}"
+                            for key in asked if made[key] != asked[key])
+        if details:
             raise CheckpointError(f"{where} was made for another config ({details})")
         saved = config
     state = payload["state_dict"]
