@@ -5,12 +5,10 @@ token by token.
     cache "contiguous"  one growing buffer per (sequence, layer, expert)
     cache "paged"       one block pool for every (sequence, layer, expert) (moekv_ref.cache.paged)
 
-This is static batching: the batch is fixed up front and runs until its longest request ends. The
-continuous-batching engine (moekv_ref.engine, `generate_with_engine`) serves the same prompts with
-the same tokens, as its tests show; `python -m moekv_ref generate --cache paged` runs that one.
-
-`generate(..., record_logits=True)` keeps the logits of every position the model processed, which is
-what the equivalence tests compare against a single full forward of the final sequences.
+Static batching: the batch is fixed up front and runs until its longest request ends. The
+continuous-batching engine (moekv_ref.engine, `generate_with_engine`) gives the same tokens, as its
+tests show. `record_logits=True` keeps the logits of every position processed, which the
+equivalence tests compare against one full forward of the final sequences.
 """
 
 from __future__ import annotations
@@ -28,17 +26,6 @@ from .results import GenerationResult
 from .sampling import SamplingParams, sample_rows
 
 CACHE_KINDS = ["none", "contiguous", "paged"]
-
-
-def check_params(params, num_prompts: int) -> list[SamplingParams]:
-    """One SamplingParams per prompt (validated again: a frozen dataclass can be forced)."""
-    per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * num_prompts
-    if len(per_prompt) != num_prompts:
-        raise ValueError(f"got {len(per_prompt)} sampling params for {num_prompts} prompts")
-    for i, p in enumerate(per_prompt):
-        if not isinstance(p, SamplingParams):
-            raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
-    return [SamplingParams(**dataclasses.asdict(p)) for p in per_prompt]
 
 
 @torch.no_grad()
@@ -70,7 +57,14 @@ def generate(
         raise ValueError(f"on_token must be callable (or None), got {type(on_token).__name__}")
     if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of prompts (lists of token ids)")
-    per_prompt = check_params(params, len(prompts))
+    per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(per_prompt) != len(prompts):
+        raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
+    for i, p in enumerate(per_prompt):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
+    # validated again: a frozen dataclass can be forced
+    per_prompt = [SamplingParams(**dataclasses.asdict(p)) for p in per_prompt]
     config = model.config
     prompts = [check_prompt(prompt, config.vocab_size, config.max_position_embeddings,
                             p.max_new_tokens, f"prompt {i}")

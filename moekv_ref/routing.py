@@ -3,11 +3,11 @@
 Both rules are causal: a token's choice depends only on its own hidden state, so a decode step can
 route a new token without looking at the future, and a cached prefix never needs re-routing.
 
-    topk       exactly k experts per token          -> every layer caches exactly k*T entries
-    threshold  experts by falling probability until their mass reaches p, 1 <= count <= k_max
-               -> the cache size of a sequence depends on what the router decides
-(Dynamic "top-p" routing as in Huang et al., "Harder Tasks Need More Experts: Dynamic Routing in MoE
-Models", arXiv 2403.07652.)
+    topk       exactly k experts per token: every layer caches exactly k*T entries
+    threshold  experts by falling probability until their mass reaches p, 1 <= count <= k_max: a
+               sequence's cache size depends on what the router decides (dynamic "top-p" routing,
+               Huang et al., "Harder Tasks Need More Experts: Dynamic Routing in MoE Models",
+               arXiv 2403.07652)
 """
 
 from __future__ import annotations
