@@ -37,13 +37,10 @@ CHARACTER_CLASSES = {
 }
 
 
-HELDOUT_TEXT = Path(__file__).parent / "data" / "heldout.py.txt"
-
-
 def heldout_text() -> str:
     """Python source the model never trained on (a frozen copy of an early model.py of this package):
     fixed text, so that statistics over it stay the same as the package changes."""
-    return HELDOUT_TEXT.read_text()
+    return (Path(__file__).parent / "data" / "heldout.py.txt").read_text()
 
 
 def character_class(byte: int) -> str:

@@ -75,10 +75,6 @@ class Link:
     bytes_per_s: float          # one direction, per GPU
     source: str
 
-    def seconds(self, num_bytes):
-        """Seconds to send `num_bytes` one way at the link's bandwidth."""
-        return num_bytes / self.bytes_per_s
-
 
 GPUS = {
     "H200": GPU("H200", "sm_90", 4.8e12, 989e12, 132, ("H200",),
@@ -271,7 +267,7 @@ def project_step(config: ModelConfig, kv_placement: str, world_size: int, num_se
     per_rank = {name: value / world_size for name, value in work.items()}            # balanced
     attention_ms = gpu.roofline_seconds(per_rank["attention_flops"], per_rank["attention_hbm_bytes"]) * 1e3
     experts_ms = gpu.roofline_seconds(per_rank["expert_flops"], per_rank["expert_hbm_bytes"]) * 1e3
-    communication_ms = link.seconds(sum(moved.values()) / world_size) * 1e3
+    communication_ms = sum(moved.values()) / world_size / link.bytes_per_s * 1e3
     return StepProjection(config.name, kv_placement, world_size, num_seqs, context, gpu.name, link.name,
                           {k: int(round(v)) for k, v in moved.items()}, attention_ms, experts_ms,
                           communication_ms, attention_ms + experts_ms + communication_ms,
