@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 
-TRITON_MISSING = ("the 'triton' backend needs the triton package, which has wheels for Linux x86_64/aarch64 "
-                  "only; on this machine use --backend torch")
-
 
 class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run on this machine (its package is not installed)."""
@@ -28,7 +25,9 @@ def triton_available() -> bool:
 def require_triton() -> None:
     """Raise BackendUnavailableError (a RuntimeError) with what to do instead when triton is missing."""
     if not triton_available():
-        raise BackendUnavailableError(TRITON_MISSING)
+        raise BackendUnavailableError("the 'triton' backend needs the triton package, which has "
+                                      "wheels for Linux x86_64/aarch64 only; on this machine use "
+                                      "--backend torch")
 
 
 def require_backend(backend: str) -> None:

@@ -1,14 +1,10 @@
 """Model configuration: one dataclass, validated, with derived sizes and named presets.
 
 Field names follow the Hugging Face configs of the models the presets describe (Mixtral, Qwen3-MoE,
-DeepSeek-V3, JetMoE): `hidden_size`, `num_hidden_layers`, `num_attention_heads`,
-`num_key_value_heads`, `num_local_experts`, `num_experts_per_tok`, ... The attention-expert fields
-(`num_attention_experts`, `num_attention_experts_per_tok`, `attention_routing`) are ours: no mainstream
-model routes attention with per-expert K/V, which is the subject of this project (docs/design.md,
-"Where per-expert caches come from").
-
-Only `tiny` is ever built as a model here; the other presets are sizing-only: they give real shapes to
-the memory benchmark, the simulator and the cost model.
+DeepSeek-V3, JetMoE), except the attention-expert fields, which are ours: no mainstream model routes
+attention with per-expert K/V, the subject of this project (docs/design.md, "Where per-expert caches
+come from"). Only `tiny` is ever built as a model; the other presets are sizing-only (real shapes
+for the memory benchmark, the simulator and the cost model).
 """
 
 from __future__ import annotations
@@ -52,8 +48,7 @@ class ModelConfig:
     num_local_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 192
-    # Multi-head latent attention (DeepSeek-V3). When kv_lora_rank > 0 the cache holds one compressed
-    # latent of kv_lora_rank + qk_rope_head_dim values per token instead of K and V per head.
+    # multi-head latent attention (DeepSeek-V3), when kv_lora_rank > 0: see kv_values_per_entry
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     # storage type of the KV cache, for sizing
@@ -170,11 +165,10 @@ def _ffn_only_moe(**fields) -> ModelConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # The embedded default: byte-level, small enough to train on two CPU cores in minutes
-    # (moekv_ref/apps/train.py) and to run every notebook in seconds.
-    # Its routers put 0.32-0.43 of the probability on the first expert on average, so a threshold of
-    # 0.35 makes threshold routing use 1.2-1.8 experts per token depending on the layer (0.5 would use
-    # 1.7-1.9, nearly always k_max=2, and show little of what dynamic routing does).
+    # The embedded default: byte-level, trained on two CPU cores in minutes (apps/train.py), every
+    # notebook runs in seconds. Its routers put 0.32-0.43 of the probability on the first expert on
+    # average, so a threshold of 0.35 uses 1.2-1.8 experts per token depending on the layer (0.5
+    # would use 1.7-1.9, nearly always k_max=2, and show little of what dynamic routing does).
     "tiny": ModelConfig(name="tiny", routing_threshold=0.35),
     # Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json; Jiang et al., arXiv 2401.04088):
     # dense GQA attention (32 query heads, 8 KV heads of 128), 8 FFN experts, top-2.
