@@ -75,12 +75,7 @@ def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
         return x @ weights[0]
     if _grouped_mm_applies(x, weights):
         return torch._grouped_mm(x, weights, offs=torch.cumsum(counts, 0, dtype=torch.int32))
-    out = x.new_empty(x.shape[0], weights.shape[2])
-    start = 0
-    for expert, count in enumerate(counts.tolist()):
-        out[start:start + count] = x[start:start + count] @ weights[expert]
-        start += count
-    return out
+    return torch.cat([rows @ w for rows, w in zip(torch.split(x, counts.tolist()), weights)])
 
 
 def project_qkv(config: ModelConfig, xs, positions, counts, w_q, w_k, w_v, backend: str):
