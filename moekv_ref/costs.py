@@ -7,14 +7,12 @@
 
 2. One decode step under expert parallelism. `measured_shape_bytes` is the wire format of
    parallel/dispatch.py and parallel/kv_placements.py as arithmetic over the step's counts (a test
-   checks it against the bytes the Communicator counted). `project_step` takes those counts in
-   expectation (uniform routing, experts spread evenly over ranks), adds FLOPs and HBM reads, and
-   sums per-rank rooflines and link time: an upper bound, since nothing overlaps (DeepEP-style
-   overlap can hide part of the communication). Bytes are logical: what leaves a rank for another.
-   The real-shape presets with dense attention are modelled as data-parallel attention
-   (replicated_attention with one "expert") and expert-parallel FFN; DeepSeek-V3's latent attention
-   is counted in its absorbed form (scores and values against the 576-value latent), its shared
-   expert and three dense first layers left out, as in the preset.
+   checks it against the bytes the Communicator counted); `project_step` takes the counts in
+   expectation (uniform routing), adds FLOPs and HBM reads, and sums per-rank rooflines and link
+   time: an upper bound, nothing overlaps (notebook 07, section 5). The dense-attention presets run
+   data-parallel attention and expert-parallel FFN; DeepSeek-V3's latent attention is counted in its
+   absorbed form (against the 576-value latent), its shared expert and three dense first layers left
+   out, as in the preset.
 
 3. Recompute or swap (sim/eviction.py): a preempted sequence of c cached tokens in b blocks comes
    back by a prefill of c tokens (linear in the projections and experts, quadratic in attention) or
