@@ -128,10 +128,8 @@ class ModelConfig:
 
     def with_routing(self, routing: str, threshold: float | None = None) -> "ModelConfig":
         """The same architecture with another attention routing (routing is not part of the weights)."""
-        changes = {"attention_routing": routing}
-        if threshold is not None:
-            changes["routing_threshold"] = threshold
-        return dataclasses.replace(self, **changes)
+        threshold = self.routing_threshold if threshold is None else threshold
+        return dataclasses.replace(self, attention_routing=routing, routing_threshold=threshold)
 
     def architecture(self) -> dict:
         """The fields that decide the shapes of the weights; a checkpoint must match these."""
