@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.functional import one_hot
 
 from .cache import ContiguousKVCache
 from .generate import generate
@@ -68,18 +69,14 @@ def routing_statistics(model, text: str, max_tokens: int | None = None) -> dict:
         probs = torch.cat([r[layer].probs[0].double().cpu() for r in routings])         # (T, E)
         load = selected.sum(0).double() / selected.sum()
         entropy = -(probs * probs.clamp_min(1e-30).log2()).sum(-1).mean().item()
-        preferences = []
-        for expert in range(num_experts):
-            mine = class_of[selected[:, expert]]
-            if mine.numel() == 0:
-                preferences.append({"expert": expert, "class": None, "enrichment": 0.0})
-                continue
-            share = torch.bincount(mine, minlength=len(classes)).double() / mine.numel()
-            enrichment = share / class_share.clamp_min(1e-12)
-            enrichment[class_share < 0.01] = 0        # ignore classes too rare to judge
-            best = int(enrichment.argmax())
-            preferences.append({"expert": expert, "class": classes[best],
-                                "enrichment": float(enrichment[best]), "share": float(share[best])})
+        held = selected.T.double() @ one_hot(class_of, len(classes)).double()      # (E, classes)
+        share = held / held.sum(1, keepdim=True)
+        enrichment = share / class_share.clamp_min(1e-12)
+        enrichment[:, class_share < 0.01] = 0        # ignore classes too rare to judge
+        preferences = [{"expert": e, "class": classes[b], "enrichment": float(enrichment[e, b]),
+                        "share": float(share[e, b])} if held[e].any() else
+                       {"expert": e, "class": None, "enrichment": 0.0}
+                       for e, b in enumerate(enrichment.argmax(1).tolist())]
         layers.append({
             "layer": layer,
             "load": load.tolist(),
