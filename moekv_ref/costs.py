@@ -326,13 +326,11 @@ def projected_gpu_cost_model(active_params: float, kv_bytes_per_slot: int, num_l
                              block_size: int, accelerator: str = "H100", host_link: str = "pcie_gen5_x16",
                              mfu: float = 0.5, seconds_per_swap: float = 20e-6,
                              seconds_per_block: float = 0.0, name: str = "H100 + PCIe Gen5 x16 (projected)") -> CostModel:
-    """A cost model from datasheet numbers, for the named accelerator and host link (ACCELERATORS,
-    HOST_LINKS). Stated assumptions: prefill and recompute reach `mfu` of peak; a token's query
-    meets, in each of its k experts of every layer, the keys that expert cached for the sequence
-    (about k / E of the sequence's tokens), 4 * H * Dh FLOPs per pair (QK^T and PV); swap copies are
-    batched into one transfer per sequence and direction (vLLM's swap kernel does this), so the
-    per-block overhead is 0 and the per-swap latency `seconds_per_swap`; a step reads the active
-    weights (bf16) once from HBM at least: seconds_per_step."""
+    """A cost model from datasheet numbers (ACCELERATORS, HOST_LINKS). Assumed: prefill and recompute
+    reach `mfu` of peak; a query meets, in each of its k experts of every layer, about k / E of the
+    sequence's keys, 4 * H * Dh FLOPs per pair (QK^T and PV); swaps are batched into one copy per
+    sequence and direction (as vLLM's swap kernel does): no per-block cost, `seconds_per_swap`
+    each; a step reads the active bf16 weights from HBM at least once: seconds_per_step."""
     gpu, link = pick(ACCELERATORS, accelerator, "accelerator"), pick(HOST_LINKS, host_link, "host_link")
     per_token = gpu.compute_seconds(2.0 * active_params, mfu)
     seconds_per_step = gpu.read_seconds(2.0 * active_params)                 # active weights read once
@@ -357,9 +355,8 @@ def fit_cost_model(contexts, recompute_seconds, swapped_blocks, swap_seconds, bl
 
 
 def crossover_context(cost: CostModel, contexts, blocks_at_context) -> int | None:
-    """The shortest context from which swapping is cheaper than recomputing (and stays so over the
-    contexts given), or None if it never is. blocks_at_context[i]: blocks a sequence of
-    contexts[i] tokens holds (tail padding included)."""
+    """The shortest of `contexts` from which swapping stays cheaper than recomputing, or None.
+    blocks_at_context[i]: blocks a sequence of contexts[i] tokens holds (tail padding included)."""
     contexts = torch.as_tensor(contexts)
     swap = cost.swap_seconds(torch.as_tensor(blocks_at_context, dtype=torch.float64))
     recompute = cost.recompute_seconds(contexts.to(torch.float64))
