@@ -326,11 +326,11 @@ def projected_gpu_cost_model(active_params: float, kv_bytes_per_slot: int, num_l
                              block_size: int, accelerator: str = "H100", host_link: str = "pcie_gen5_x16",
                              mfu: float = 0.5, seconds_per_swap: float = 20e-6,
                              seconds_per_block: float = 0.0, name: str = "H100 + PCIe Gen5 x16 (projected)") -> CostModel:
-    """A cost model from datasheet numbers (ACCELERATORS, HOST_LINKS). Assumed: prefill and recompute
-    reach `mfu` of peak; a query meets, in each of its k experts of every layer, about k / E of the
-    sequence's keys, 4 * H * Dh FLOPs per pair (QK^T and PV); swaps are batched into one copy per
-    sequence and direction (as vLLM's swap kernel does): no per-block cost, `seconds_per_swap`
-    each; a step reads the active bf16 weights from HBM at least once: seconds_per_step."""
+    """A cost model from datasheet numbers (ACCELERATORS, HOST_LINKS). Assumed: prefill and
+    recompute reach `mfu` of peak; a query meets, in each of its k experts of every layer, about
+    k / E of the sequence's keys, 4 * H * Dh FLOPs per pair (QK^T and PV); swaps are batched into
+    one copy per sequence and direction (as vLLM's swap kernel does): no per-block cost,
+    `seconds_per_swap` each; a step reads the active bf16 weights from HBM at least once."""
     gpu, link = pick(ACCELERATORS, accelerator, "accelerator"), pick(HOST_LINKS, host_link, "host_link")
     per_token = gpu.compute_seconds(2.0 * active_params, mfu)
     seconds_per_step = gpu.read_seconds(2.0 * active_params)                 # active weights read once
