@@ -195,8 +195,7 @@ def record_model_trace(model, prompts: list[list[int]], output_lens: list[int],
         order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices[..., :K]
         chosen = torch.where(torch.gather(selected, -1, order), order, -1)
         parts.append(chosen.to(torch.int16))
-    lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    offsets = torch.tensor([0] + [p.shape[0] for p in parts], dtype=torch.int64).cumsum(0)
     bytes_per_value = next(model.parameters()).element_size()
     return RoutingTrace(torch.cat(parts), offsets, torch.tensor([len(p) for p in prompts]),
                         config.num_attention_experts, config.kv_bytes_per_entry(bytes_per_value), name)
