@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.functional import one_hot
 
 from .cache import ContiguousKVCache
 from .generate import generate
@@ -37,21 +38,15 @@ CHARACTER_CLASSES = {
 }
 
 
-HELDOUT_TEXT = Path(__file__).parent / "data" / "heldout.py.txt"
-
-
 def heldout_text() -> str:
     """Python source the model never trained on (a frozen copy of an early model.py of this package):
     fixed text, so that statistics over it stay the same as the package changes."""
-    return HELDOUT_TEXT.read_text()
+    return (Path(__file__).parent / "data" / "heldout.py.txt").read_text()
 
 
 def character_class(byte: int) -> str:
     char = chr(byte) if byte < 128 else "\x80"
-    for name, test in CHARACTER_CLASSES.items():
-        if test(char):
-            return name
-    return "other"
+    return next(name for name, test in CHARACTER_CLASSES.items() if test(char))    # "other": any
 
 
 @torch.no_grad()
@@ -65,33 +60,23 @@ def routing_statistics(model, text: str, max_tokens: int | None = None) -> dict:
     chunks = [tokens[i : i + window] for i in range(0, len(tokens), window)]
     classes = list(CHARACTER_CLASSES)
     class_of = torch.tensor([classes.index(character_class(t)) for t in tokens])
-    per_layer_selected = [[] for _ in range(model.config.num_hidden_layers)]
-    per_layer_probs = [[] for _ in range(model.config.num_hidden_layers)]
-    for chunk in chunks:
-        output = model(torch.tensor([chunk]))
-        for layer, routing in enumerate(output.attention_routing):
-            per_layer_selected[layer].append(routing.selected[0].cpu())
-            per_layer_probs[layer].append(routing.probs[0].double().cpu())
+    routings = [model(torch.tensor([chunk])).attention_routing for chunk in chunks]
     num_experts = model.config.num_attention_experts
     class_share = torch.bincount(class_of, minlength=len(classes)).double() / len(tokens)
     layers = []
     for layer in range(model.config.num_hidden_layers):
-        selected = torch.cat(per_layer_selected[layer])                      # (T, E)
-        probs = torch.cat(per_layer_probs[layer])                            # (T, E)
+        selected = torch.cat([r[layer].selected[0].cpu() for r in routings])            # (T, E)
+        probs = torch.cat([r[layer].probs[0].double().cpu() for r in routings])         # (T, E)
         load = selected.sum(0).double() / selected.sum()
         entropy = -(probs * probs.clamp_min(1e-30).log2()).sum(-1).mean().item()
-        preferences = []
-        for expert in range(num_experts):
-            mine = class_of[selected[:, expert]]
-            if mine.numel() == 0:
-                preferences.append({"expert": expert, "class": None, "enrichment": 0.0})
-                continue
-            share = torch.bincount(mine, minlength=len(classes)).double() / mine.numel()
-            enrichment = share / class_share.clamp_min(1e-12)
-            enrichment[class_share < 0.01] = 0        # ignore classes too rare to judge
-            best = int(enrichment.argmax())
-            preferences.append({"expert": expert, "class": classes[best],
-                                "enrichment": float(enrichment[best]), "share": float(share[best])})
+        held = selected.T.double() @ one_hot(class_of, len(classes)).double()      # (E, classes)
+        share = held / held.sum(1, keepdim=True)
+        enrichment = share / class_share.clamp_min(1e-12)
+        enrichment[:, class_share < 0.01] = 0        # ignore classes too rare to judge
+        preferences = [{"expert": e, "class": classes[b], "enrichment": float(enrichment[e, b]),
+                        "share": float(share[e, b])} if held[e].any() else
+                       {"expert": e, "class": None, "enrichment": 0.0}
+                       for e, b in enumerate(enrichment.argmax(1).tolist())]
         layers.append({
             "layer": layer,
             "load": load.tolist(),
@@ -128,13 +113,9 @@ def route_prompt(model, text: str) -> list[torch.Tensor]:
 
 
 def decode_flops(config, context_length: int, cached: bool) -> int:
-    """Multiply-adds x 2 for ONE decode step at `context_length` tokens already in the sequence.
-
-    recompute: every token of the sequence goes through every layer again (projections of the k
-    routed experts, attention over the tokens each expert holds, FFN, head).
-    cached: only the new token; its attention reads the cache instead of recomputing it.
-    Attention scores are counted for an average expert holding k/E of the tokens.
-    """
+    """Multiply-adds x 2 for ONE decode step at `context_length` tokens already in the sequence:
+    recompute runs every token through every layer again, cached only the new one (its attention
+    reads the cache). Attention is counted for an average expert holding k/E of the tokens."""
     D, H, Hkv, Dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     k, E = config.num_attention_experts_per_tok, config.num_attention_experts
     projections = k * (D * H * Dh * 2 + D * Hkv * Dh * 2)                  # q, o and k, v
@@ -150,59 +131,43 @@ def decode_flops(config, context_length: int, cached: bool) -> int:
 
 
 @torch.no_grad()
-def time_decode_step(model, context_length: int, cached: bool, repeats: int = 3, seed: int = 0,
+def time_decode_step(model, context_length: int, cached: bool, seed: int = 0,
                      clock=time.perf_counter, num_cached_steps: int = 1) -> float:
-    """Seconds for one decode step after `context_length` tokens (best of `repeats`).
-
-    recompute: one full forward over context_length + 1 tokens.
-    cached: prefill a contiguous cache (untimed), then time the last `num_cached_steps` decode tokens
-    up to the one that follows context_length tokens, one after the other, and return the time per
-    token: a cached step is short, so a few in a row average out the clock's and the machine's jitter
-    (their contexts, t - n + 1 .. t, cost the same to within a few percent at this model's size).
-    """
+    """Seconds for one decode step after `context_length` tokens: recompute, one full forward over
+    context_length + 1 tokens; cached, the mean of the last `num_cached_steps` decode tokens after
+    an untimed prefill (a cached step is short: a few in a row average out the jitter, and their
+    contexts cost the same to within a few percent at this model's size)."""
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, model.config.vocab_size, (context_length + 1,), generator=generator)
+    if not cached:
+        start = clock()
+        model(tokens[None])
+        return clock() - start
     num_steps = max(1, min(num_cached_steps, context_length))
     first = context_length + 1 - num_steps                  # the first timed token's position
-    best = float("inf")
-    for _ in range(repeats):
-        if cached:
-            cache = ContiguousKVCache(model.config.num_hidden_layers, model.config.num_attention_experts)
-            zeros = torch.zeros(first, dtype=torch.long)
-            model.forward_cached(tokens[:first], zeros, torch.arange(first), cache)
-            start = clock()
-            for position in range(first, context_length + 1):
-                model.forward_cached(tokens[position:position + 1], zeros[:1], torch.tensor([position]), cache)
-            seconds = (clock() - start) / num_steps
-        else:
-            start = clock()
-            model(tokens[None])
-            seconds = clock() - start
-        best = min(best, seconds)
-    return best
+    cache = ContiguousKVCache(model.config.num_hidden_layers, model.config.num_attention_experts)
+    zeros = torch.zeros(first, dtype=torch.long)
+    model.forward_cached(tokens[:first], zeros, torch.arange(first), cache)
+    start = clock()
+    for position in range(first, context_length + 1):
+        model.forward_cached(tokens[position, None], zeros[:1], torch.tensor([position]), cache)
+    return (clock() - start) / num_steps
 
 
 @torch.no_grad()
 def time_decode_steps(model, lengths: list[int], repeats: int = 5, seed: int = 0, clock=time.perf_counter,
                       num_cached_steps: int = 8) -> dict[int, tuple[float, float]]:
-    """{t: (recompute seconds, cached seconds)} for one decode step after each t in `lengths`: the
-    best of `repeats` rounds, each round timing every (t, recompute / cached) once (cached: per token,
-    over `num_cached_steps` tokens in a row; see time_decode_step).
-
-    Why rounds: on a shared machine a burst of load slows whatever runs during it. Timing all lengths
-    in one round, then again, spreads a burst over every length instead of inflating one, and the best
-    of several rounds drops it; an untimed warm-up round first pays for one-time costs (allocator,
-    lazy initialisation), which otherwise land on the first length. With one length timed `repeats`
-    times in a row (time_decode_step), a burst made the measured curve go down and up from run to run.
-    """
+    """{t: (recompute seconds, cached seconds)} of one decode step after each t in `lengths`: the
+    best of `repeats` rounds, each timing every (t, recompute / cached) once, after an untimed
+    warm-up round (one-time costs). Rounds spread a burst of the machine's load over every length
+    instead of inflating one (notebook 01 tells why)."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be at least 1")
     best = {(t, cached): float("inf") for t in lengths for cached in (False, True)}
     for round_index in range(repeats + 1):                  # round 0: warm-up, not kept
         for t in lengths:
             for cached in (False, True):
-                seconds = time_decode_step(model, t, cached, repeats=1, seed=seed, clock=clock,
-                                           num_cached_steps=num_cached_steps)
+                seconds = time_decode_step(model, t, cached, seed, clock, num_cached_steps)
                 if round_index:
                     best[t, cached] = min(best[t, cached], seconds)
     return {t: (best[t, False], best[t, True]) for t in lengths}
@@ -230,8 +195,7 @@ def record_model_trace(model, prompts: list[list[int]], output_lens: list[int],
         order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices[..., :K]
         chosen = torch.where(torch.gather(selected, -1, order), order, -1)
         parts.append(chosen.to(torch.int16))
-    lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    offsets = torch.tensor([0] + [p.shape[0] for p in parts], dtype=torch.int64).cumsum(0)
     bytes_per_value = next(model.parameters()).element_size()
     return RoutingTrace(torch.cat(parts), offsets, torch.tensor([len(p) for p in prompts]),
                         config.num_attention_experts, config.kv_bytes_per_entry(bytes_per_value), name)

@@ -14,16 +14,11 @@ import torch
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate pairs of channels of x (..., heads, Dh) by angles position * theta^(-2i/Dh).
 
-    positions has x's leading shape (...,).
-
-    The position is the token's absolute position in its sequence, never its index inside an
-    expert's cache: an expert sees a gappy subset of the sequence, and relative distances between
-    the tokens it holds must stay the true ones.
-
-    Pair i is channels (2i, 2i+1) = (x1, x2), rotated to (x1 cos - x2 sin, x1 sin + x2 cos). Written
-    as x * cos + swap(x) * sin, with cos repeated per pair, sin signed (-sin, +sin) per pair and swap
-    exchanging the two channels of each pair: the same products and sums, so the same bits, in a
-    third of the tensor operations of splitting x into its even and odd channels.
+    positions (...,) are absolute positions in the sequence, never indices inside an expert's cache:
+    an expert holds a gappy subset, whose relative distances must stay the true ones. Pair i,
+    channels (x1, x2), becomes (x1 cos - x2 sin, x1 sin + x2 cos), written as x * cos + swap(x) *
+    signed sin: the same products and sums, so the same bits, in a third of the tensor operations
+    of splitting x into its even and odd channels.
     """
     num_positions = int(positions.max()) + 1 if positions.numel() else 1
     cos, signed_sin = rotary_pair_table(x.shape[-1], theta, num_positions, x.device, x.dtype)
@@ -36,8 +31,8 @@ _PAIR_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def rotary_pair_table(head_dim: int, theta: float, num_positions: int, device, dtype):
-    """rotary_table laid out for `rotary`, in dtype: cos (P, Dh) with each pair's cosine twice, and
-    signed sin (P, Dh) with (-sin, +sin) per pair. Kept per dtype, so that a step converts nothing."""
+    """rotary_table laid out for `rotary`, in dtype: cos (P, Dh), each pair's cosine twice, and sin
+    (P, Dh) signed (-sin, +sin) per pair. Kept per dtype, so that a step converts nothing."""
     key = (head_dim, float(theta), torch.device(device), dtype)
     cached = _PAIR_TABLES.get(key)
     if cached is None or cached[0].shape[0] < num_positions:
@@ -51,9 +46,8 @@ _ROTARY_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def rotary_table(head_dim: int, theta: float, num_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position * theta^(-2i/Dh) for positions 0..num_positions-1: (P, Dh/2) float64
-    each. Computed in float64 once and kept (a decode step would otherwise recompute them for every
-    layer); the table is regrown, doubling, when a longer position is asked for."""
+    """cos and sin of position * theta^(-2i/Dh), positions 0..P-1: (P, Dh/2) float64 each, computed
+    once and kept (not for every layer of every step), regrown by doubling when P grows."""
     key = (head_dim, float(theta), torch.device(device))
     cached = _ROTARY_TABLES.get(key)
     if cached is None or cached[0].shape[0] < num_positions:
@@ -71,13 +65,9 @@ def attend_by_position(
     q_positions: torch.Tensor,
     k_positions: torch.Tensor,
 ) -> torch.Tensor:
-    """Causal attention of queries over keys of ONE sequence, masked by absolute position.
-
-    q: (n, H, Dh), k and v: (m, Hkv, Dh), q_positions: (n,), k_positions: (m,).
-    A query at position p sees the keys at positions <= p. Every query must see at least one key
-    (itself, which its cache wrote before attending). Returns (n, H, Dh) in q's dtype; scores,
-    softmax and the weighted sum run in `score_dtype(q.dtype)` (float32 for half precision).
-    """
+    """Causal attention of queries q (n, H, Dh) over keys k, v (m, Hkv, Dh) of ONE sequence: a query
+    at position p sees the keys at positions <= p, at least one (itself, written before attending).
+    Returns (n, H, Dh) in q's dtype; scores, softmax and sum run in `score_dtype(q.dtype)`."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
     compute = score_dtype(q.dtype)

@@ -1,19 +1,15 @@
 """Which compute backends this machine can run: "torch" everywhere, "triton" only where the triton
 package is installed.
 
-triton 3.7.1 (the version requirements-deps.txt pins) has wheels for Linux x86_64 and aarch64 only,
-so on macOS and Windows `pip install -r requirements.txt` leaves it out. Everything except the Triton
-kernels runs there on the CPU build of torch; whatever selects the "triton" backend calls
-`require_triton()` first, so that the user reads what to do instead of a ModuleNotFoundError from deep
-inside a forward pass.
+triton 3.7.1 (pinned in requirements-deps.txt) has wheels for Linux x86_64 and aarch64 only, so
+macOS and Windows run everything but the Triton kernels on the CPU build of torch. Whatever selects
+the "triton" backend calls `require_triton()` first: the user reads what to do, not a
+ModuleNotFoundError from deep inside a forward pass.
 """
 
 from __future__ import annotations
 
 import importlib.util
-
-TRITON_MISSING = ("the 'triton' backend needs the triton package, which has wheels for Linux x86_64/aarch64 "
-                  "only; on this machine use --backend torch")
 
 
 class BackendUnavailableError(RuntimeError):
@@ -29,10 +25,12 @@ def triton_available() -> bool:
 def require_triton() -> None:
     """Raise BackendUnavailableError (a RuntimeError) with what to do instead when triton is missing."""
     if not triton_available():
-        raise BackendUnavailableError(TRITON_MISSING)
+        raise BackendUnavailableError("the 'triton' backend needs the triton package, which has "
+                                      "wheels for Linux x86_64/aarch64 only; on this machine use "
+                                      "--backend torch")
 
 
 def require_backend(backend: str) -> None:
-    """Check that `backend` ("torch" or "triton") can run here; see require_triton."""
+    """Check that `backend` can run here (require_triton for "triton")."""
     if backend == "triton":
         require_triton()

@@ -1,34 +1,23 @@
 """Saving and loading models, verified.
 
 A checkpoint is one `torch.save` file of plain values and tensors, loaded with
-`torch.load(weights_only=True)` (never pickled code):
+`torch.load(weights_only=True)` (never pickled code): format "moekv_ref-checkpoint-v2", config (the
+ModelConfig as a dict), dtype (of every tensor: bfloat16, float16 or float32), state_dict, sha256
+and free-form metadata (not hashed: no code reads it). The sha256 covers the config as sorted JSON,
+then every tensor's name, dtype, shape and bytes in name order, so an edited config (a changed
+rope_theta changes every output), a flipped bit or an altered weight no longer matches. Format v1
+hashed the weights only, so its config could be edited unnoticed: v1 files are refused, and
+`add_manifest` upgrades one (or a file without a manifest).
 
-    format      "moekv_ref-checkpoint-v2"
-    config      the ModelConfig as a dict (validated again at load)
-    dtype       the dtype every tensor is stored in: "bfloat16" (the default), "float16" or "float32"
-    state_dict  name -> tensor
-    sha256      the content hash of the config and the weights: the config as sorted JSON, then every
-                tensor's name, dtype, shape and bytes, in name order -- an edited config (a changed
-                rope_theta changes every output), a flipped bit or an altered weight no longer matches
-    metadata    free-form (how it was trained); not part of the hash: no code reads it
-
-Format v1 hashed the weights only, so its config could be edited unnoticed: v1 files are refused.
-`add_manifest` re-hashes one (after checking its weights against its v1 hash) or a file that has no
-manifest at all.
-
-Loading checks, in order, and stops at the first problem with one CheckpointError naming the file
-and what is wrong (a missing file: FileNotFoundError), before any model is built:
+Loading stops at the first problem with one CheckpointError naming the file and what is wrong (a
+missing file: FileNotFoundError), before any model is built. It checks, in order:
   1. the file exists, is a file, is not empty;
-  2. it reads with weights_only=True: not truncated or damaged, a torch file, and no pickled code or
-     objects (such a file is refused by the loader before anything in it runs);
-  3. it is a checkpoint of this format with every manifest key, a sha256 of 64 hex digits, and a
-     dict of dense tensors, each in the dtype the manifest says, one of the floating dtypes above;
-  4. the hash matches the config and the weights;
-  5. the config is valid (and matches the architecture asked for);
-  6. its tensors are exactly the model's, names and shapes, compared with the shapes its config
-     implies (`weight_shapes`: worked out, not built), so a config that implies a huge model is
-     refused before anything is allocated: the model built afterwards holds exactly as many values
-     as the file;
+  2. it reads with weights_only=True (not truncated, a torch file, no pickled code or objects: the
+     loader refuses those before anything in them runs);
+  3. its manifest: this format, every key, a 64-hex-digit sha256, dense tensors in its dtype;
+  4. the hash; 5. the config is valid (and of the architecture asked for);
+  6. its tensors' names and shapes against those the config implies (`weight_shapes`: worked out,
+     not built), so a config implying a huge model is refused before anything is allocated;
   7. every weight is finite.
 """
 
@@ -44,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig, get_config
-from .model import BACKENDS, MoEKVTransformer
+from .model import MoEKVTransformer
 
 DEFAULT_CHECKPOINT = Path(__file__).parent / "weights" / "tiny.pt"
 FORMAT = "moekv_ref-checkpoint-v2"
@@ -67,8 +56,7 @@ def state_dict_sha256(state: dict) -> str:
 
 
 def checkpoint_sha256(config: dict, state: dict) -> str:
-    """Hex sha256 over the config (as JSON with sorted keys), then every tensor's name, dtype, shape
-    and bytes, in name order. Raises TypeError for a config that is not plain JSON values."""
+    """The content hash of the module docstring; TypeError for a config not of JSON values."""
     text = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
     digest = hashlib.sha256(f"config|{len(text)}|".encode() + text + b"|")
     _hash_tensors(digest, state)
@@ -88,15 +76,11 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def save_checkpoint(model: MoEKVTransformer, path: str | Path, metadata: dict | None = None,
                     dtype: torch.dtype = torch.bfloat16) -> None:
-    """Weights are stored as `dtype` (bfloat16 keeps the embedded model at a few MB; float16 and
-    float32 are the others allowed); they load back into float32 exactly, since every bfloat16 and
-    float16 value is a float32 value. Refuses non-finite weights."""
+    """Weights are stored as `dtype` (bfloat16 keeps the embedded model at a few MB); they load
+    back into float32 exactly, which holds every bfloat16 and float16 value. Refuses non-finite
+    weights."""
     if dtype not in DTYPES.values():
         raise ValueError(f"dtype={dtype!r} is not allowed for a checkpoint: use one of "
                          f"{', '.join('torch.' + name for name in DTYPES)}")
@@ -105,8 +89,9 @@ def save_checkpoint(model: MoEKVTransformer, path: str | Path, metadata: dict | 
         if not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"weight {name!r} has non-finite values (in {dtype}): not saving {path}")
     config = model.config.to_dict()
-    torch.save({"format": FORMAT, "config": config, "dtype": _dtype_name(dtype), "state_dict": state,
-                "sha256": checkpoint_sha256(config, state), "metadata": metadata or {}}, path)
+    torch.save({"format": FORMAT, "config": config, "dtype": str(dtype).removeprefix("torch."),
+                "state_dict": state, "sha256": checkpoint_sha256(config, state),
+                "metadata": metadata or {}}, path)
 
 
 def _load_file(path: Path):
@@ -145,13 +130,12 @@ def _read(path: Path) -> dict:
     of the module docstring), or CheckpointError saying what is wrong."""
     payload = _load_file(path)
     where = f"checkpoint {str(path)!r}"
-    if not isinstance(payload, dict):
+    is_dict = isinstance(payload, dict)
+    if not is_dict or ("format" not in payload and not {"config", "state_dict"} <= payload.keys()):
+        got = f"keys {sorted(map(str, payload))[:8]}" if is_dict else f"a {type(payload).__name__}"
         raise CheckpointError(f"{str(path)!r} is not a moekv_ref checkpoint (expected a dict with "
-                              f"{', '.join(map(repr, MANIFEST_KEYS))}, found a {type(payload).__name__})")
+                              f"{', '.join(map(repr, MANIFEST_KEYS))}, found {got})")
     if "format" not in payload:
-        if "config" not in payload or "state_dict" not in payload:
-            raise CheckpointError(f"{str(path)!r} is not a moekv_ref checkpoint (expected a dict with "
-                                  f"{', '.join(map(repr, MANIFEST_KEYS))}, found keys {sorted(map(str, payload))[:8]})")
         raise CheckpointError(f"{where} has no manifest (no 'format' key; this version reads {FORMAT!r}): "
                               "re-save it with save_checkpoint, or add one with moekv_ref.checkpoint.add_manifest")
     found = payload["format"]
@@ -168,8 +152,6 @@ def _read(path: Path) -> dict:
     sha = payload["sha256"]
     if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
         raise CheckpointError(f"{where}: its 'sha256' is {_short(sha)}, not 64 lowercase hex digits")
-    if not isinstance(payload["config"], dict):
-        raise CheckpointError(f"{where}: its 'config' is a {type(payload['config']).__name__}, not a dict of fields")
     if not isinstance(payload["dtype"], str) or payload["dtype"] not in DTYPES:
         raise CheckpointError(f"{where}: its 'dtype' is {_short(payload['dtype'])}; allowed: {sorted(DTYPES)}")
     _check_tensors(where, payload["state_dict"], DTYPES[payload["dtype"]])
@@ -205,9 +187,8 @@ def _config(where: str, payload: dict) -> ModelConfig:
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor in a MoEKVTransformer(config)'s state dict, by name, worked out from
-    the config alone (nothing allocated, nothing built), as model.py's constructors make them and
-    in state-dict order; tests/test_checkpoint.py checks that the two agree."""
+    """The shape of every tensor of MoEKVTransformer(config)'s state dict, in its order, worked out
+    from the config alone (nothing built); tests/test_checkpoint.py checks that the two agree."""
     V, D, L = config.vocab_size, config.hidden_size, config.num_hidden_layers
     E, H, Hkv, Dh = config.num_attention_experts, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     Ef, Fw = config.num_local_experts, config.moe_intermediate_size
@@ -222,8 +203,8 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _checked_state(where: str, state: dict, config: ModelConfig) -> None:
-    """Steps 6 and 7 of the module docstring: names and shapes against weight_shapes(config) (its
-    layers bounded first by the file's tensor count, so that listing them is cheap), then finite."""
+    """Steps 6 and 7 of the module docstring (the layers bounded first by the file's tensor count,
+    so that listing the expected shapes is cheap)."""
     if config.num_hidden_layers > len(state):       # every layer has weights: it cannot match
         raise CheckpointError(f"{where}: its config has num_hidden_layers={config.num_hidden_layers} but the file "
                               f"holds {len(state)} tensors in all: refusing before building the model")
@@ -248,16 +229,13 @@ def _checked_state(where: str, state: dict, config: ModelConfig) -> None:
 
 def load_checkpoint(path: str | Path | None = None, config: ModelConfig | None = None,
                     dtype: torch.dtype = torch.float32, backend: str = "torch") -> MoEKVTransformer:
-    """Build the model a checkpoint describes, on `backend` ("torch" or "triton", see model.py),
-    after the checks in the module docstring. With `config`, the checkpoint must have been made for
-    that architecture (routing may differ: it is not part of the weights), and `config` is the one
-    the model runs with."""
+    """Build the model a checkpoint describes, on `backend` (see model.py), after the checks of the
+    module docstring. With `config`, the checkpoint must have been made for its architecture
+    (routing may differ: it is not part of the weights), and the model runs with `config`."""
     if config is not None and not isinstance(config, ModelConfig):
         raise ValueError(f"config must be a ModelConfig (or None), got {type(config).__name__}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype!r} must be a floating-point torch dtype")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     path = Path(path) if path is not None else DEFAULT_CHECKPOINT
     where = f"checkpoint {str(path)!r}"
     payload = _read(path)
@@ -270,10 +248,10 @@ def load_checkpoint(path: str | Path | None = None, config: ModelConfig | None =
                               "manifest: the file was altered or corrupted")
     saved = _config(where, payload)
     if config is not None:
-        mismatched = {key: (saved.architecture()[key], value)
-                      for key, value in config.architecture().items() if saved.architecture()[key] != value}
-        if mismatched:
-            details = ", ".join(f"{k}: checkpoint has {a!r}, config asks for {b!r}" for k, (a, b) in mismatched.items())
+        made, asked = saved.architecture(), config.architecture()
+        details = ", ".join(f"{key}: checkpoint has {made[key]!r}, config asks for {asked[key]!r}"
+                            for key in asked if made[key] != asked[key])
+        if details:
             raise CheckpointError(f"{where} was made for another config ({details})")
         saved = config
     state = payload["state_dict"]
@@ -284,10 +262,9 @@ def load_checkpoint(path: str | Path | None = None, config: ModelConfig | None =
 
 
 def add_manifest(path: str | Path) -> None:
-    """Give a checkpoint saved without a manifest (an older version of save_checkpoint), or with a
-    format-v1 one, the current format tag, dtype and content hash, in place. A v1 file's weights
-    must match its v1 hash (its config was never hashed: check it yourself). Its config and weights
-    are then checked as at load; nothing is written unless every check passes."""
+    """Give a checkpoint without a manifest, or with a v1 one, the current format, dtype and hash,
+    in place. A v1 file's weights must match its v1 hash (its config was never hashed: check it
+    yourself); config and weights are checked as at load; nothing is written unless all pass."""
     path = Path(path)
     where = f"checkpoint {str(path)!r}"
     payload = _load_file(path)
@@ -304,14 +281,12 @@ def add_manifest(path: str | Path) -> None:
     if found is not None and not (isinstance(v1_sha, str) and v1_sha == state_dict_sha256(state)):
         raise CheckpointError(f"{where}: its weights do not match its {FORMAT_V1} content hash: the file was "
                               "altered or corrupted; not upgrading it")
-    if not isinstance(payload["config"], dict):
-        raise CheckpointError(f"{where}: its 'config' is a {type(payload['config']).__name__}, not a dict of fields")
     _checked_state(where, state, _config(where, payload))
     try:
         sha = checkpoint_sha256(payload["config"], state)
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{where}: its config is not plain JSON values ({error})") from None
-    dtype = _dtype_name(next(iter(state.values())).dtype)
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     payload.update(format=FORMAT, dtype=dtype, sha256=sha)
     payload.setdefault("metadata", {})
     torch.save(payload, path)

@@ -1,14 +1,10 @@
 """Model configuration: one dataclass, validated, with derived sizes and named presets.
 
 Field names follow the Hugging Face configs of the models the presets describe (Mixtral, Qwen3-MoE,
-DeepSeek-V3, JetMoE): `hidden_size`, `num_hidden_layers`, `num_attention_heads`,
-`num_key_value_heads`, `num_local_experts`, `num_experts_per_tok`, ... The attention-expert fields
-(`num_attention_experts`, `num_attention_experts_per_tok`, `attention_routing`) are ours: no mainstream
-model routes attention with per-expert K/V, which is the subject of this project (docs/design.md,
-"Where per-expert caches come from").
-
-Only `tiny` is ever built as a model here; the other presets are sizing-only: they give real shapes to
-the memory benchmark, the simulator and the cost model.
+DeepSeek-V3, JetMoE), except the attention-expert fields, which are ours: no mainstream model routes
+attention with per-expert K/V, the subject of this project (docs/design.md, "Where per-expert caches
+come from"). Only `tiny` is ever built as a model; the other presets are sizing-only (real shapes
+for the memory benchmark, the simulator and the cost model).
 """
 
 from __future__ import annotations
@@ -19,23 +15,17 @@ from dataclasses import dataclass
 
 ATTENTION_MODES = ("expert", "dense")
 ROUTINGS = ("topk", "threshold")
-_BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8": 1}
+BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8": 1}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes of an MoE transformer whose attention may itself be a mixture of experts.
 
-    attention_mode:
-      "expert": each layer has `num_attention_experts` attention experts with their own W_q/W_k/W_v/W_o;
-                a token routed to expert e appends its K/V to e's cache and its query sees only
-                tokens earlier routed to e (and itself).
-      "dense":  ordinary multi-head / grouped-query attention: exactly the E=1, k=1 case of the above.
-
-    attention_routing (only for "expert"):
-      "topk":      exactly `num_attention_experts_per_tok` experts per token.
-      "threshold": experts in order of router probability until their mass reaches
-                   `routing_threshold`; at least 1 and at most `num_attention_experts_per_tok`.
+    attention_mode "expert": each layer has `num_attention_experts` attention experts with their own
+    W_q/W_k/W_v/W_o; a token routed to expert e appends its K/V to e's cache and its query sees only
+    tokens earlier routed to e (and itself). "dense": ordinary multi-head / grouped-query attention,
+    exactly the E=1, k=1 case. attention_routing: "topk" or "threshold" (routing.py).
     """
 
     name: str = "custom"
@@ -58,38 +48,29 @@ class ModelConfig:
     num_local_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 192
-    # Multi-head latent attention (DeepSeek-V3). When kv_lora_rank > 0 the cache holds one compressed
-    # latent of kv_lora_rank + qk_rope_head_dim values per token instead of K and V per head.
+    # multi-head latent attention (DeepSeek-V3), when kv_lora_rank > 0: see kv_values_per_entry
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     # storage type of the KV cache, for sizing
     kv_cache_dtype: str = "float32"
 
     def __post_init__(self):
-        positive = [
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "max_position_embeddings", "num_attention_experts",
-            "num_attention_experts_per_tok", "num_local_experts", "num_experts_per_tok",
-            "moe_intermediate_size",
-        ]
-        for field in positive:
+        for field in (f.name for f in dataclasses.fields(self) if f.type == "int"):
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{field}={value!r} is not allowed: it must be a positive integer")
-        for field in ("kv_lora_rank", "qk_rope_head_dim"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"{field}={value!r} is not allowed: it must be an integer >= 0")
+            least = 0 if field in ("kv_lora_rank", "qk_rope_head_dim") else 1     # MLA's may be 0
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                must = "a positive integer" if least else "an integer >= 0"
+                raise ValueError(f"{field}={value!r} is not allowed: it must be {must}")
         for field in ("rope_theta", "rms_norm_eps", "routing_threshold"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"{field}={value!r} is not allowed: it must be a finite number")
         if not isinstance(self.name, str):
             raise ValueError(f"name={self.name!r} must be a string")
-        if self.attention_mode not in ATTENTION_MODES:
-            raise ValueError(f"attention_mode={self.attention_mode!r} is not one of {ATTENTION_MODES}")
-        if self.attention_routing not in ROUTINGS:
-            raise ValueError(f"attention_routing={self.attention_routing!r} is not one of {ROUTINGS}")
+        for field, allowed in (("attention_mode", ATTENTION_MODES), ("attention_routing", ROUTINGS),
+                               ("kv_cache_dtype", tuple(BYTES_PER_DTYPE))):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")
         if self.attention_mode == "dense" and (
             self.num_attention_experts != 1 or self.num_attention_experts_per_tok != 1
         ):
@@ -98,16 +79,11 @@ class ModelConfig:
                 f"num_attention_experts_per_tok must be 1, got {self.num_attention_experts} and "
                 f"{self.num_attention_experts_per_tok} (or use attention_mode='expert')"
             )
-        if self.num_attention_experts_per_tok > self.num_attention_experts:
-            raise ValueError(
-                f"num_attention_experts_per_tok={self.num_attention_experts_per_tok} is greater than "
-                f"num_attention_experts={self.num_attention_experts}: top-k needs k <= E"
-            )
-        if self.num_experts_per_tok > self.num_local_experts:
-            raise ValueError(
-                f"num_experts_per_tok={self.num_experts_per_tok} is greater than "
-                f"num_local_experts={self.num_local_experts}: top-k needs k <= E"
-            )
+        for k, e in (("num_attention_experts_per_tok", "num_attention_experts"),
+                     ("num_experts_per_tok", "num_local_experts")):
+            if getattr(self, k) > getattr(self, e):
+                raise ValueError(f"{k}={getattr(self, k)} is greater than {e}={getattr(self, e)}: "
+                                 "top-k needs k <= E")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -122,12 +98,6 @@ class ModelConfig:
         if not 0 < self.rms_norm_eps < 1:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps} must be in (0, 1): it keeps RMSNorm from "
                              "dividing by zero and should be small")
-        if self.kv_lora_rank < 0 or self.qk_rope_head_dim < 0:
-            raise ValueError("kv_lora_rank and qk_rope_head_dim must be >= 0")
-        if self.kv_cache_dtype not in _BYTES_PER_DTYPE:
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {tuple(_BYTES_PER_DTYPE)}"
-            )
 
     # ----- derived sizes --------------------------------------------------------------------------
     @property
@@ -142,7 +112,7 @@ class ModelConfig:
         """Bytes one token adds to one (layer, expert) row, in kv_cache_dtype unless bytes_per_value
         says otherwise (a model run in float32 caches 4-byte values)."""
         if bytes_per_value is None:
-            bytes_per_value = _BYTES_PER_DTYPE[self.kv_cache_dtype]
+            bytes_per_value = BYTES_PER_DTYPE[self.kv_cache_dtype]
         return self.kv_values_per_entry * bytes_per_value
 
     @property
@@ -158,10 +128,8 @@ class ModelConfig:
 
     def with_routing(self, routing: str, threshold: float | None = None) -> "ModelConfig":
         """The same architecture with another attention routing (routing is not part of the weights)."""
-        changes = {"attention_routing": routing}
-        if threshold is not None:
-            changes["routing_threshold"] = threshold
-        return dataclasses.replace(self, **changes)
+        threshold = self.routing_threshold if threshold is None else threshold
+        return dataclasses.replace(self, attention_routing=routing, routing_threshold=threshold)
 
     def architecture(self) -> dict:
         """The fields that decide the shapes of the weights; a checkpoint must match these."""
@@ -195,11 +163,10 @@ def _ffn_only_moe(**fields) -> ModelConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # The embedded default: byte-level, small enough to train on two CPU cores in minutes
-    # (moekv_ref/apps/train.py) and to run every notebook in seconds.
-    # Its routers put 0.32-0.43 of the probability on the first expert on average, so a threshold of
-    # 0.35 makes threshold routing use 1.2-1.8 experts per token depending on the layer (0.5 would use
-    # 1.7-1.9, nearly always k_max=2, and show little of what dynamic routing does).
+    # The embedded default: byte-level, trained on two CPU cores in minutes (apps/train.py), every
+    # notebook runs in seconds. Its routers put 0.32-0.43 of the probability on the first expert on
+    # average, so a threshold of 0.35 uses 1.2-1.8 experts per token depending on the layer (0.5
+    # would use 1.7-1.9, nearly always k_max=2, and show little of what dynamic routing does).
     "tiny": ModelConfig(name="tiny", routing_threshold=0.35),
     # Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json; Jiang et al., arXiv 2401.04088):
     # dense GQA attention (32 query heads, 8 KV heads of 128), 8 FFN experts, top-2.

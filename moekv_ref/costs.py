@@ -1,61 +1,25 @@
 """What a step, a recompute and a swap cost, in seconds, on hardware from one table.
 
-1. The hardware table: the hardware every projection in this repository is made for, each number
-   with its source. Nothing here is measured on this machine; a number a benchmark measures is
-   reported beside the datasheet's, never written into this table. The two cost models below read
-   it, and so does the kernel report (kernels/report.py: per-SM limits for occupancy, HBM bandwidth
-   for the bound a kernel is measured against).
+1. The hardware table (GPUS, SM_LIMITS, LINKS): every number with its source, none measured here
+   (a benchmark reports its measurement beside the datasheet's). The cost models below and the
+   kernel report (kernels/report.py) read it; they pick their hardware by name among ACCELERATORS,
+   INTERCONNECTS (between GPUs) and HOST_LINKS (to host memory).
 
-       GPUS        name -> GPU: HBM bandwidth, dense BF16 tensor-core FLOP/s, SM count, architecture
-       SM_LIMITS   architecture ("sm_90") -> what one streaming multiprocessor holds at once
-       LINKS       name -> Link: bytes per second, one direction, per GPU
+2. One decode step under expert parallelism. `measured_shape_bytes` is the wire format of
+   parallel/dispatch.py and parallel/kv_placements.py as arithmetic over the step's counts (a test
+   checks it against the bytes the Communicator counted); `project_step` takes the counts in
+   expectation (uniform routing), adds FLOPs and HBM reads, and sums per-rank rooflines and link
+   time: an upper bound, nothing overlaps (notebook 07, section 5). The dense-attention presets run
+   data-parallel attention and expert-parallel FFN; DeepSeek-V3's latent attention is counted in its
+   absorbed form (against the 576-value latent), its shared expert and three dense first layers left
+   out, as in the preset.
 
-   A GPU turns FLOPs and HBM bytes into seconds (at a utilization, or as a roofline), a Link bytes
-   sent. Both cost models choose their hardware by name with `pick`, among the GPUs and links they
-   are made for (ACCELERATORS, INTERCONNECTS between GPUs, HOST_LINKS to host memory).
-
-2. One decode step under expert parallelism: bytes, FLOPs, HBM reads -> time. Two halves:
-
-   `measured_shape_bytes`: the bytes every collective of a step moves, from the shapes and the
-   integer counts of what the routers decided (pairs sent to peers, K/V rows and tokens). It is the
-   wire format of parallel/dispatch.py and parallel/kv_placements.py written as arithmetic, and a
-   test checks that it equals the bytes the Communicator counted in real runs, category by category.
-
-   `project_step`: the same counts taken in expectation (uniform routing: each token's k experts
-   uniformly among E, experts spread evenly over R ranks), plus FLOPs and HBM reads, turned into
-   projected times on stated hardware. Per rank and balanced: attention and expert times are
-   rooflines, max(FLOPs / peak, HBM bytes / bandwidth); communication is the bytes a rank sends
-   divided by its link bandwidth. The step time is their sum (no overlap of compute and
-   communication: an upper bound; DeepEP-style overlap can hide part of the communication).
-
-   Bytes are "logical": what leaves a rank for another, as the Communicator counts them. What is
-   modelled for the real-shape presets with dense attention (Mixtral-8x7B, Qwen3-30B-A3B,
-   DeepSeek-V3): data-parallel attention (each rank serves its own sequences with all the attention
-   weights: the replicated_attention placement with one "expert") and expert-parallel FFN.
-   DeepSeek-V3's multi-head latent attention is counted in its absorbed form (the cache holds the
-   576-value latent; scores and values are taken against the latent); its shared expert and three
-   dense first layers are left out, as in the preset. Approximations are named where they are made.
-
-3. Recompute or swap, the cost model of the trace runner (sim/eviction.py). A preempted sequence
-   comes back in one of two ways:
-
-       recompute   run its c cached tokens through the model again (a prefill of c tokens):
-                       c * seconds_per_token + c^2 / 2 * seconds_per_token_pair
-                   (the linear part is the projections and experts, 2 FLOPs per active parameter
-                   per token; the quadratic part is attention, each token against the keys before it)
-       swap        copy its blocks to host memory and back, b blocks of block_bytes each:
-                       2 * (seconds_per_swap + b * (block_bytes / swap_bytes_per_second + seconds_per_block))
-                   (out and in; a swap moves whole blocks, so the padding in every row's partly
-                   filled tail block travels too: b grows with the number of rows a sequence
-                   touches, not only with its tokens)
-
-   Swap wins for long contexts (recompute grows faster: it is at least linear with a larger slope
-   once the link is fast, and quadratic in the end) and loses for short ones, where the fixed costs
-   and the tail padding of every (layer, expert) row dominate. `crossover_context` finds where.
-
-   Two sources of constants: `fit_cost_model` fits them to timings measured on this machine (the
-   `bench eviction` program times the embedded model's prefill and the engine's SwapSpace), and
-   `projected_gpu_cost_model` derives them from the table for a GPU, a host link and a model shape.
+3. Recompute or swap (sim/eviction.py): a preempted sequence of c cached tokens in b blocks comes
+   back by a prefill of c tokens (linear in the projections and experts, quadratic in attention) or
+   by copying its blocks out and in (fixed costs plus b blocks, tail padding of every row included).
+   Swap wins for long contexts and loses for short ones; `crossover_context` finds where. Constants
+   are fitted to timings of this machine (`fit_cost_model`, from `bench eviction`) or derived from
+   the table (`projected_gpu_cost_model`).
 """
 
 from __future__ import annotations
@@ -65,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .config import ModelConfig, get_config
+from .config import BYTES_PER_DTYPE, ModelConfig, get_config
 
 
 # ===== 1. the hardware table ================================================================================
@@ -108,10 +72,6 @@ class Link:
     name: str
     bytes_per_s: float          # one direction, per GPU
     source: str
-
-    def seconds(self, num_bytes):
-        """Seconds to send `num_bytes` one way at the link's bandwidth."""
-        return num_bytes / self.bytes_per_s
 
 
 GPUS = {
@@ -172,12 +132,6 @@ INT64_BYTES = 8
 
 
 # ----- 2a. the wire format as arithmetic --------------------------------------------------------------------
-def size_exchanges_per_layer(kv_placement: str) -> int:
-    """All-to-alls per layer whose split sizes are exchanged first: the FFN dispatch always, the
-    attention dispatch unless attention is replicated, the K/V rows' metadata for kv_with_sequence."""
-    return 1 + (kv_placement != "replicated_attention") + (kv_placement == "kv_with_sequence")
-
-
 def measured_shape_bytes(config: ModelConfig, kv_placement: str, world_size: int, traffic: dict,
                          bytes_per_value: int) -> dict[str, int]:
     """Bytes sent to peers in one step, summed over ranks, per category, from the step's counts:
@@ -190,9 +144,12 @@ def measured_shape_bytes(config: ModelConfig, kv_placement: str, world_size: int
     kv_row_values = 2 * config.num_key_value_heads * config.head_dim              # k and v of one token
     count = lambda name: int(traffic.get(name, 0))                                  # noqa: E731
     attention_pairs, ffn_pairs = count("attention_pairs_to_peers"), count("ffn_pairs_to_peers")
+    # all-to-alls per layer whose split sizes are exchanged first: the FFN dispatch always, the
+    # attention dispatch unless attention is replicated, the K/V rows' metadata for kv_with_sequence
+    exchanges = 1 + (kv_placement != "replicated_attention") + (kv_placement == "kv_with_sequence")
     return {
-        "split_sizes": config.num_hidden_layers * size_exchanges_per_layer(kv_placement)
-        * world_size * (world_size - 1) * INT64_BYTES,
+        "split_sizes": config.num_hidden_layers * exchanges * world_size * (world_size - 1)
+        * INT64_BYTES,
         # floats: hidden state + K gates; ints: seq_id, position + K expert ids
         "attention_dispatch": attention_pairs * ((D + Ka) * b + (2 + Ka) * INT64_BYTES),
         "attention_combine": attention_pairs * D * b,
@@ -232,17 +189,13 @@ def expected_traffic(config: ModelConfig, kv_placement: str, world_size: int, nu
     return traffic
 
 
-def _bytes_per_value(config: ModelConfig) -> int:
-    return {"float32": 4, "float64": 8, "float8": 1}.get(config.kv_cache_dtype, 2)
-
-
 def step_flops_and_reads(config: ModelConfig, kv_placement: str, world_size: int, num_seqs: int,
                          context: int) -> dict[str, float]:
     """FLOPs and HBM bytes of one decode step over the whole system (all ranks), split into
     attention and experts. Weights are read once per step by each rank that uses them; K/V once per
     (token, expert) pair that attends over it (twice under kv_with_sequence: read to send, read to
     attend)."""
-    L, D, b = config.num_hidden_layers, config.hidden_size, _bytes_per_value(config)
+    L, D, b = config.num_hidden_layers, config.hidden_size, BYTES_PER_DTYPE[config.kv_cache_dtype]
     H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     Ea, Ka = config.num_attention_experts, config.num_attention_experts_per_tok
     Ef, Kf, F = config.num_local_experts, config.num_experts_per_tok, config.moe_intermediate_size
@@ -305,13 +258,14 @@ def project_step(config: ModelConfig, kv_placement: str, world_size: int, num_se
         raise ValueError(f"world_size={world_size} does not split {config.name}'s {sharded} experts per layer "
                          f"evenly: at least one expert per rank, the same number on each")
     traffic = expected_traffic(config, kv_placement, world_size, num_seqs, context)
-    moved = measured_shape_bytes(config, kv_placement, world_size, traffic, _bytes_per_value(config))
+    b = BYTES_PER_DTYPE[config.kv_cache_dtype]
+    moved = measured_shape_bytes(config, kv_placement, world_size, traffic, b)
     work = step_flops_and_reads(config, kv_placement, world_size, num_seqs, context)
 
     per_rank = {name: value / world_size for name, value in work.items()}            # balanced
     attention_ms = gpu.roofline_seconds(per_rank["attention_flops"], per_rank["attention_hbm_bytes"]) * 1e3
     experts_ms = gpu.roofline_seconds(per_rank["expert_flops"], per_rank["expert_hbm_bytes"]) * 1e3
-    communication_ms = link.seconds(sum(moved.values()) / world_size) * 1e3
+    communication_ms = sum(moved.values()) / world_size / link.bytes_per_s * 1e3
     return StepProjection(config.name, kv_placement, world_size, num_seqs, context, gpu.name, link.name,
                           {k: int(round(v)) for k, v in moved.items()}, attention_ms, experts_ms,
                           communication_ms, attention_ms + experts_ms + communication_ms,
@@ -332,14 +286,10 @@ REAL_SHAPE_SETUPS = (
 
 def real_shape_projections(contexts=(4096, 32768), seqs_per_rank: int = 32, accelerator: str = "H100") -> list[dict]:
     """Projections for the real-shape presets at the given contexts (a table for the JSON and plots)."""
-    rows = []
-    for name, world_size, link, placements in REAL_SHAPE_SETUPS:
-        config = get_config(name)
-        for placement in placements:
-            for context in contexts:
-                rows.append(project_step(config, placement, world_size, seqs_per_rank * world_size, context,
-                                         accelerator, link).to_dict())
-    return rows
+    return [project_step(get_config(name), placement, world_size, seqs_per_rank * world_size,
+                         context, accelerator, link).to_dict()
+            for name, world_size, link, placements in REAL_SHAPE_SETUPS
+            for placement in placements for context in contexts]
 
 
 # ===== 3. recompute or swap =================================================================================
@@ -376,13 +326,11 @@ def projected_gpu_cost_model(active_params: float, kv_bytes_per_slot: int, num_l
                              block_size: int, accelerator: str = "H100", host_link: str = "pcie_gen5_x16",
                              mfu: float = 0.5, seconds_per_swap: float = 20e-6,
                              seconds_per_block: float = 0.0, name: str = "H100 + PCIe Gen5 x16 (projected)") -> CostModel:
-    """A cost model from datasheet numbers, for the named accelerator and host link (ACCELERATORS,
-    HOST_LINKS). Stated assumptions: prefill and recompute reach `mfu` of peak; a token's query
-    meets, in each of its k experts of every layer, the keys that expert cached for the sequence
-    (about k / E of the sequence's tokens), 4 * H * Dh FLOPs per pair (QK^T and PV); swap copies are
-    batched into one transfer per sequence and direction (vLLM's swap kernel does this), so the
-    per-block overhead is 0 and the per-swap latency `seconds_per_swap`; a step reads the active
-    weights (bf16) once from HBM at least: seconds_per_step."""
+    """A cost model from datasheet numbers (ACCELERATORS, HOST_LINKS). Assumed: prefill and
+    recompute reach `mfu` of peak; a query meets, in each of its k experts of every layer, about
+    k / E of the sequence's keys, 4 * H * Dh FLOPs per pair (QK^T and PV); swaps are batched into
+    one copy per sequence and direction (as vLLM's swap kernel does): no per-block cost,
+    `seconds_per_swap` each; a step reads the active bf16 weights from HBM at least once."""
     gpu, link = pick(ACCELERATORS, accelerator, "accelerator"), pick(HOST_LINKS, host_link, "host_link")
     per_token = gpu.compute_seconds(2.0 * active_params, mfu)
     seconds_per_step = gpu.read_seconds(2.0 * active_params)                 # active weights read once
@@ -407,9 +355,8 @@ def fit_cost_model(contexts, recompute_seconds, swapped_blocks, swap_seconds, bl
 
 
 def crossover_context(cost: CostModel, contexts, blocks_at_context) -> int | None:
-    """The shortest context from which swapping is cheaper than recomputing (and stays so over the
-    contexts given), or None if it never is. blocks_at_context[i]: blocks a sequence of
-    contexts[i] tokens holds (tail padding included)."""
+    """The shortest of `contexts` from which swapping stays cheaper than recomputing, or None.
+    blocks_at_context[i]: blocks a sequence of contexts[i] tokens holds (tail padding included)."""
     contexts = torch.as_tensor(contexts)
     swap = cost.swap_seconds(torch.as_tensor(blocks_at_context, dtype=torch.float64))
     recompute = cost.recompute_seconds(contexts.to(torch.float64))

@@ -1,18 +1,11 @@
 """A small MoE transformer whose attention experts each keep their own KV cache.
 
-One file, top to bottom: RMSNorm, the attention-expert layer, the MoE feed-forward, the block, the
-model. The attention layer has two forwards that must agree:
-
-  forward_full    the whole (padded) batch at once, every expert computed densely and masked by
-                  routing: the *recompute* reference, and the training path.
-  forward_cached  a flat, ragged batch of new tokens (prefill chunks and decode tokens mixed); only
-                  the (token, expert) pairs the router chose are projected; their K/V go to a cache
-                  in one `append_kv` per layer, and one `attend` per layer returns each pair's
-                  attention over what its (sequence, layer, expert) row holds.
-
-The backend ("torch" or "triton") is chosen once, when the model is built: it decides whether the
-experts' projections run as PyTorch matmuls or on the grouped GEMM kernel, and caches made for the
-model (`PagedKVCache.for_model`) follow it for decode attention.
+One file, top to bottom: RMSNorm, the expert matmuls, the attention-expert layer, the MoE
+feed-forward, the block, the model. The attention layer has two forwards that must agree:
+`forward_full` (the whole padded batch, every expert computed densely and masked by routing: the
+recompute reference and the training path) and `forward_cached` (a flat ragged batch of prefill
+chunks and decode tokens, only the selected (token, expert) pairs projected, their K/V stored and
+attended by the cache).
 
 Dimension legend:
   B batch   T tokens per sequence   N tokens in a flat ragged batch   L layers
@@ -52,22 +45,13 @@ BACKENDS = ("torch", "triton")
 
 
 def sort_by_expert(selected: torch.Tensor):
-    """The (token, expert) pairs a routing selected, sorted by expert (tokens ascending within one).
-
-    selected: (N, E) bool. Returns token (M,), expert (M,), counts (E,) with M = selected.sum():
-    rows counts[0] .. of a gathered x[token] belong to expert 0, and so on. Within an expert, tokens
-    keep their order, so a sequence's tokens reach each expert's cache in position order."""
+    """The (token, expert) pairs of a routing's selected (N, E), sorted by expert: token (M,),
+    expert (M,), counts (E,). Within an expert tokens keep their order, so a sequence's tokens
+    reach each expert's cache in position order."""
     token, expert = selected.nonzero(as_tuple=True)                      # (M,) sorted by token
     order = torch.argsort(expert, stable=True)
     token, expert = token[order], expert[order]                          # (M,) sorted by expert
     return token, expert, torch.bincount(expert, minlength=selected.shape[1])
-
-
-def single_expert_routing(num_tokens: int, device, dtype) -> Routing:
-    """What `route` returns for one expert without running the router: probability 1, selected,
-    gate 1 (a softmax over one logit is exactly 1)."""
-    ones = torch.ones(num_tokens, 1, device=device, dtype=dtype)
-    return Routing(probs=ones, selected=torch.ones(num_tokens, 1, dtype=torch.bool, device=device), gates=ones)
 
 
 def _grouped_mm_applies(x: torch.Tensor, weights: torch.Tensor) -> bool:
@@ -80,11 +64,10 @@ def _grouped_mm_applies(x: torch.Tensor, weights: torch.Tensor) -> bool:
 def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
     """x (M, D) sorted by expert, counts[e] rows for expert e, times weights[e] (E, D, F): (M, F).
 
-    torch: one matmul per expert's slice, the readable reference; for inference on a CPU in float32
-    or half precision, the same products in one call of PyTorch's grouped matmul (`torch._grouped_mm`,
-    the op behind Hugging Face's grouped experts; bitwise equal to the loop here, and 1.6x faster for
-    a decode step's four FFN experts, measured). triton: one launch of the grouped GEMM kernel
-    (kernels/expert_gemm.py), which pads each expert's rows to the tile internally."""
+    torch: one matmul per expert's slice, the readable reference; where it applies, the same
+    products in one `torch._grouped_mm` (the op behind Hugging Face's grouped experts; bitwise equal
+    to the loop, and 1.6x faster for a decode step's four FFN experts, measured). triton: one launch
+    of the grouped GEMM kernel (kernels/expert_gemm.py)."""
     if backend == "triton":
         import kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
         return kernels.expert_gemm(x, weights, counts)
@@ -92,20 +75,13 @@ def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
         return x @ weights[0]
     if _grouped_mm_applies(x, weights):
         return torch._grouped_mm(x, weights, offs=torch.cumsum(counts, 0, dtype=torch.int32))
-    out = x.new_empty(x.shape[0], weights.shape[2])
-    start = 0
-    for expert, count in enumerate(counts.tolist()):
-        out[start:start + count] = x[start:start + count] @ weights[expert]
-        start += count
-    return out
+    return torch.cat([rows @ w for rows, w in zip(torch.split(x, counts.tolist()), weights)])
 
 
 def project_qkv(config: ModelConfig, xs, positions, counts, w_q, w_k, w_v, backend: str):
-    """Queries, keys and values of (token, expert) rows sorted by expert, rotated at their positions.
-
-    xs (M, D), positions (M,), counts[e] rows for the e-th expert of w_q (E', D, H*Dh) etc. Returns
-    q (M, H, Dh), k and v (M, Hkv, Dh). E' may be a subset of the layer's experts (a rank's own,
-    under expert parallelism): the math does not care which experts the weights are."""
+    """q (M, H, Dh), k and v (M, Hkv, Dh) of rows xs (M, D) sorted by expert, rotated at their
+    positions (M,); counts[e] rows for the e-th expert of w_q (E', D, H*Dh) etc. The E' experts may
+    be any subset of the layer's (a rank's own, under expert parallelism)."""
     H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     # one product for the three: the weights side by side (E', D, (H + 2 Hkv) Dh), a copy of a few
     # hundred kB per layer that costs less than the two products it saves at decode sizes
@@ -116,8 +92,7 @@ def project_qkv(config: ModelConfig, xs, positions, counts, w_q, w_k, w_v, backe
 
 
 def swiglu_experts(xs, counts, w_gate, w_up, w_down, backend: str) -> torch.Tensor:
-    """SwiGLU of rows sorted by expert: counts[e] rows for the e-th expert of the weights (E', ...).
-    xs (M, D) -> (M, D). As with project_qkv, the weights may be any subset of a layer's experts."""
+    """SwiGLU of rows xs (M, D) sorted by expert, for any subset of experts (as project_qkv)."""
     h = F.silu(grouped_matmul(xs, w_gate, counts, backend)) * grouped_matmul(xs, w_up, counts, backend)  # (M, F)
     return grouped_matmul(h, w_down, counts, backend)
 
@@ -155,16 +130,12 @@ class ExpertAttention(nn.Module):
         B, T, _ = x.shape
         E, H, Hkv, Dh = c.num_attention_experts, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         routing = self.route(x)                                              # (B, T, E)
-        q = einsum(x, self.w_q, "b t d, e d f -> b t e f")                   # (B, T, E, H*Dh)
-        k = einsum(x, self.w_k, "b t d, e d f -> b t e f")                   # (B, T, E, Hkv*Dh)
-        v = einsum(x, self.w_v, "b t d, e d f -> b t e f")
+        q, k, v = (einsum(x, w, "b t d, e d f -> b t e f").unflatten(-1, (-1, Dh))
+                   for w in (self.w_q, self.w_k, self.w_v))                 # (B, T, E, H|Hkv, Dh)
         positions = torch.arange(T, device=x.device)[None, :, None].expand(B, T, E)
-        q = rotary(rearrange(q, "b t e (h d) -> b t e h d", d=Dh), positions, c.rope_theta)
-        k = rotary(rearrange(k, "b t e (h d) -> b t e h d", d=Dh), positions, c.rope_theta)
-        v = rearrange(v, "b t e (h d) -> b t e h d", d=Dh)
-        q = rearrange(q, "b t e h d -> b e h t d")                           # (B, E, H, T, Dh)
-        k = rearrange(k, "b t e h d -> b e h t d").repeat_interleave(H // Hkv, dim=2)   # (B, E, H, T, Dh)
-        v = rearrange(v, "b t e h d -> b e h t d").repeat_interleave(H // Hkv, dim=2)
+        q = rearrange(rotary(q, positions, c.rope_theta), "b t e h d -> b e h t d")
+        k, v = (rearrange(t, "b t e h d -> b e h t d").repeat_interleave(H // Hkv, dim=2)
+                for t in (rotary(k, positions, c.rope_theta), v))            # (B, E, H, T, Dh)
         # query i at expert e sees key j iff j <= i and j was routed to e; it also always sees
         # itself, so that rows of tokens not routed to e stay finite (their gate is 0 anyway)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()   # (T, T)
@@ -178,16 +149,15 @@ class ExpertAttention(nn.Module):
     def forward_cached(self, x, seq_ids, positions, cache) -> tuple[torch.Tensor, Routing]:
         """x: (N, D) new tokens of many sequences; seq_ids, positions: (N,). Returns (N, D).
 
-        Within each sequence the new tokens must be consecutive positions that continue what the cache
-        already holds for it. Only the (token, expert) pairs the router selected are projected, as one
-        grouped matmul over pairs sorted by expert; one `append_kv` stores every pair's K/V under its
-        (sequence, layer, expert) row and one `attend` returns each pair's attention over its row.
-        """
+        A sequence's new tokens continue what the cache holds for it. The selected pairs are
+        projected as one grouped matmul; one `append_kv` stores their K/V under their (sequence,
+        layer, expert) rows and one `attend` returns each pair's attention over its row."""
         N = x.shape[0]
         dense = self.config.num_attention_experts == 1
         with phase("routing"):
             if dense:       # one expert: every token goes to it with gate 1, the pairs are the tokens
-                routing = single_expert_routing(N, x.device, x.dtype)
+                ones = torch.ones(N, 1, device=x.device, dtype=x.dtype)     # what `route` would say
+                routing = Routing(ones, torch.ones_like(ones, dtype=torch.bool), ones)
                 xs, ps, pair_seq_ids = x, positions, seq_ids                 # (M, D), (M,), (M,) with M = N
                 expert, counts = torch.zeros(N, dtype=torch.int64, device=x.device), torch.tensor([N])
             else:
@@ -262,10 +232,9 @@ class ModelOutput:
 
 
 class MoEKVTransformer(nn.Module):
-    """backend: "torch" (PyTorch matmuls, the default) or "triton" (the experts' projections of the
-    cached path on the grouped GEMM kernel, and decode attention on the paged kernels for caches
-    made with PagedKVCache.for_model; on a CPU the kernels run in Triton's interpreter). The
-    full-recompute forward always runs in PyTorch."""
+    """backend, chosen once: "torch" (PyTorch matmuls) or "triton" (the cached path's expert
+    projections on the grouped GEMM kernel, and decode attention on the paged kernels for caches
+    made with PagedKVCache.for_model; on a CPU in Triton's interpreter). `forward` is PyTorch's."""
 
     def __init__(self, config: ModelConfig, backend: str = "torch"):
         super().__init__()

@@ -1,21 +1,16 @@
 """Which device (or rank) each expert of each layer lives on.
 
-Expert parallelism and per-device pools both need a map expert -> device. Three ways to make it:
+Expert parallelism and per-device pools both need a map expert -> device, E / D experts of each
+layer on every device (D must divide E), so weight memory is balanced whatever the strategy:
 
     contiguous     experts 0..E/D-1 on device 0, the next E/D on device 1, ...
     round_robin    expert e on device e % D
-    coactivation   experts that the router often chooses *together for the same token* share a
-                   device, so a token's k experts touch fewer devices: fewer destinations for its
-                   hidden state under expert parallelism, and its K/V lands on fewer pools.
-
-Every device gets exactly E / D experts of each layer (D must divide E), so weight memory is balanced
-whatever the strategy; what differs is how many devices a token touches and how evenly tokens (and
-their K/V) spread over devices.
-
-The co-activation grouping is greedy: a device is seeded with the most loaded expert not yet placed,
-then filled with the expert whose co-activation with the experts already there is largest. It is a
-heuristic (the exact problem is a balanced graph partition), and it is measured against round-robin
-on real routing rather than assumed to win.
+    coactivation   experts the router often chooses together for the same token share a device,
+                   so a token's k experts touch fewer devices (fewer destinations for its hidden
+                   state, fewer pools for its K/V). Greedy: each device is seeded with the most
+                   loaded expert left, then filled with the one most co-activated with those there;
+                   a heuristic (the exact problem is a balanced graph partition), measured against
+                   round-robin on real routing rather than assumed to win.
 
 Dimension legend: E experts of a layer, D devices, N tokens, L layers.
 """
@@ -61,14 +56,12 @@ def place_experts(num_experts: int, num_devices: int, strategy: str = "contiguou
     together.fill_diagonal_(0)
     device = torch.full((num_experts,), -1, dtype=torch.int64)
     for d in range(num_devices):
-        free = device < 0
-        seed = int(torch.where(free, load, -1.0).argmax())                  # most loaded left
-        device[seed] = d
-        members = [seed]
-        for _ in range(per_device - 1):
-            free = device < 0
-            affinity = together[:, members].sum(1)                            # (E,) to this device
-            best = int(torch.where(free, affinity + 1e-9 * load, -1.0).argmax())   # ties: by load
+        members = []
+        for _ in range(per_device):
+            # the seed: the most loaded expert left; then the one most co-activated with the
+            # members (ties: by load)
+            score = together[:, members].sum(1) + 1e-9 * load if members else load      # (E,)
+            best = int(torch.where(device < 0, score, -1.0).argmax())
             device[best] = d
             members.append(best)
     return device

@@ -1,22 +1,14 @@
 """Where a step's time goes: named phases timed in CPU time, for `bench step --profile`.
 
-The forward marks its phases where they happen:
+The forward marks its phases where they happen (`with phase("attend"): ...`), and `bench step
+--profile` collects them inside `collect()`. Outside it, `phase` returns one shared null context
+(well under a microsecond, against a step's milliseconds), so the marks stay in the code itself.
 
-    with phase("attend"):
-        attn = cache.attend(appended, q)
-
-and `bench step --profile` collects them over many steps inside `collect()`. Outside `collect()`,
-`phase` returns one shared do-nothing context: the cost of a marked phase is a function call and a
-`with` on a null context (well under a microsecond, against the milliseconds of a step), so the
-marks stay in the code rather than in a copy of it made for profiling.
-
-Why CPU time (`time.process_time`): the machines this runs on are shared, and a phase's wall time
-grows with whatever else runs; with one thread, CPU time is the phase's own work. Why timed scopes and
-not torch.profiler: the phases of interest are mostly Python (index
-bookkeeping, the scheduler) around small tensor ops; an operator-level trace splits them into
-hundreds of ops with their own overhead, while a handful of named scopes answers "which phase" in
-the step's own terms. Phases do not nest, except "forward", which encloses the model's phases so
-that what the forward spends outside them (embedding, norms, residuals, the LM head) can be told.
+CPU time (`time.process_time`), because the machines are shared: with one thread it is the phase's
+own work, whatever else runs. Named scopes rather than torch.profiler, because the phases are
+mostly Python around small tensor ops, which an operator trace splits into hundreds of ops with
+their own overhead. Phases do not nest, except "forward", which encloses the model's phases so that
+what the forward spends outside them (embedding, norms, residuals, the LM head) can be told.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@
 Both rules are causal: a token's choice depends only on its own hidden state, so a decode step can
 route a new token without looking at the future, and a cached prefix never needs re-routing.
 
-    topk       exactly k experts per token          -> every layer caches exactly k*T entries
-    threshold  experts by falling probability until their mass reaches p, 1 <= count <= k_max
-               -> the cache size of a sequence depends on what the router decides
-(Dynamic "top-p" routing as in Huang et al., "Harder Tasks Need More Experts: Dynamic Routing in MoE
-Models", arXiv 2403.07652.)
+    topk       exactly k experts per token: every layer caches exactly k*T entries
+    threshold  experts by falling probability until their mass reaches p, 1 <= count <= k_max: a
+               sequence's cache size depends on what the router decides (dynamic "top-p" routing,
+               Huang et al., "Harder Tasks Need More Experts: Dynamic Routing in MoE Models",
+               arXiv 2403.07652)
 """
 
 from __future__ import annotations
@@ -19,16 +19,11 @@ import torch
 
 @dataclass
 class Routing:
-    """The router's decision for a set of tokens.
+    """The router's decision for a set of tokens: three (..., E) tensors."""
 
-    probs:    (..., E) softmax of the router logits
-    selected: (..., E) bool, True where the token goes to the expert
-    gates:    (..., E) weight of each selected expert (renormalised over the selection), 0 elsewhere
-    """
-
-    probs: torch.Tensor
-    selected: torch.Tensor
-    gates: torch.Tensor
+    probs: torch.Tensor          # softmax of the router logits
+    selected: torch.Tensor       # bool, True where the token goes to the expert
+    gates: torch.Tensor          # each selected expert's weight (renormalised over them), else 0
 
     @property
     def experts_per_token(self) -> torch.Tensor:
@@ -45,8 +40,7 @@ def route(logits: torch.Tensor, rule: str, k: int, threshold: float = 0.5) -> Ro
     sorted_probs = torch.gather(probs, -1, order)                # (..., E) largest first
     rank = torch.arange(num_experts, device=logits.device)
     if rule == "topk":
-        keep_sorted = rank < k                                   # (E,) broadcast
-        keep_sorted = keep_sorted.expand_as(sorted_probs)
+        keep_sorted = (rank < k).expand_as(sorted_probs)
     elif rule == "threshold":
         # keep expert j (in sorted order) while the mass of the experts before it is below p
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs

@@ -91,15 +91,12 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     sequences would otherwise spend four small tensor ops per row); the others sample one by one."""
     with phase("sampling"):
         greedy = [i for i, p in enumerate(params) if p.greedy]
-        tokens: list[int | None] = [None] * len(params)
+        argmax = {}
         if greedy:
             rows = logits if len(greedy) == len(params) else logits[greedy]            # (g, V)
             if not bool(torch.isfinite(rows).all()):
                 for i in greedy:                                                       # raise for the first bad row
                     _sample_next(logits[i], params[i], generators[i])
-            for i, token in zip(greedy, rows.argmax(-1).tolist()):
-                tokens[i] = token
-        for i, p in enumerate(params):
-            if not p.greedy:
-                tokens[i] = _sample_next(logits[i], p, generators[i])
-        return tokens
+            argmax = dict(zip(greedy, rows.argmax(-1).tolist()))
+        return [argmax[i] if p.greedy else _sample_next(logits[i], p, generators[i])
+                for i, p in enumerate(params)]
