@@ -64,7 +64,7 @@ class AdmissionStep:
         what the step has reserved?"""
         scheduler = self._scheduler
         scheduler.current = request
-        swap_in = scheduler.blocks_to_swap_in(request)
+        memory, request_id = scheduler.memory, request.request_id
         num_tokens = min(request.num_pending_tokens, self.token_budget)
         need = scheduler.step_blocks(request, num_tokens)
         hit = scheduler.prefix_hit(request)             # prefix caching: it starts from a cached prefix
@@ -76,9 +76,9 @@ class AdmissionStep:
             # the hit holds more free blocks than it saves now (cached-free blocks it shares, copy
             # sources pinned while it is applied): start from nothing if that fits
             return scheduler.fits(self.reserved + need)
-        if request.request_id in scheduler.stalled:    # its dead rows go when it starts
-            need = need - scheduler.blocks_held(request)
-        return scheduler.fits(self.reserved + swap_in + need)
+        if request_id in scheduler.stalled:            # its dead rows go when it starts
+            need = need - memory.blocks_held_per_device(request_id)
+        return scheduler.fits(self.reserved + memory.swapped_blocks_per_device(request_id) + need)
 
     def start_next(self) -> Request:
         """Start the head of the line (swapping it in if it was swapped out) and schedule its next
