@@ -40,7 +40,7 @@ from ..sampling import SamplingParams, sample_next
 from .demand import worst_case_lifetime_blocks
 from .memory import ModelShape
 from .model_runner import ModelRunner
-from .request import Request, RequestOutput, RequestStatus
+from .request import Request, RequestOutput, RequestStatus, check_int
 from .scheduler import Scheduler, SchedulerConfig
 from .undo import Snapshot
 
@@ -87,14 +87,6 @@ class EngineStats:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _check_int(name: str, value, minimum: int | None = None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
-        bound = f" >= {minimum}" if minimum is not None else ""
-        raise ValueError(f"{name}={value!r} must be an integer{bound}" + (" (or None)" if allow_none else ""))
 
 
 def _checked_params(sampling_params, name: str = "sampling_params") -> SamplingParams:
@@ -159,16 +151,16 @@ class LLMEngine:
         if blocks_per_device is not None:
             blocks_per_device = checked_blocks_per_device(blocks_per_device)
             num_blocks = sum(blocks_per_device) if num_blocks is None else num_blocks
-        _check_int("num_blocks", num_blocks, 1)
+        check_int("num_blocks", num_blocks, 1)
         check_block_size(block_size)
         if scheduler_config is not None and not isinstance(scheduler_config, SchedulerConfig):
             raise ValueError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
         scheduler_config = scheduler_config or SchedulerConfig()
-        _check_int("num_swap_blocks", num_swap_blocks, 0, allow_none=True)
+        check_int("num_swap_blocks", num_swap_blocks, 0, allow_none=True)
         if num_swap_blocks and scheduler_config.preemption_mode != "swap":
             raise ValueError(f"num_swap_blocks={num_swap_blocks} applies to preemption_mode='swap', not "
                              f"{scheduler_config.preemption_mode!r}")
-        _check_int("shuffle_seed", shuffle_seed, 0, allow_none=True)
+        check_int("shuffle_seed", shuffle_seed, 0, allow_none=True)
         if attention is not None and attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS} (or None)")
         for name, flag in (("record_history", record_history),

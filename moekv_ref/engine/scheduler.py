@@ -66,7 +66,7 @@ from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
 from .demand import (DemandPredictor, blocks_held_per_device, min_lifetime_blocks,
                      worst_case_lifetime_blocks_per_device, worst_case_step_blocks_per_device)
 from .memory import MemoryView, ModelShape
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, check_int
 from .swap import COPY, BlockCopy, SwapSpace
 from .victims import VICTIM_POLICIES, RowEviction, Shortage, VictimPolicy
 
@@ -91,10 +91,8 @@ class SchedulerConfig:
     victim: str | VictimPolicy = "newest_first"
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         for name, allowed, kind in (("policy", POLICIES, BatchingPolicy),
                                     ("admission", tuple(ADMISSIONS), AdmissionPolicy),
                                     ("preemption_mode", PREEMPTION_MODES, None),
@@ -189,8 +187,7 @@ class Scheduler:
             raise ValueError(f"the manager's (layers, experts, block size) = ({manager.num_layers}, "
                              f"{manager.num_experts}, {manager.block_size}) differ from the shape's "
                              f"({shape.num_layers}, {shape.num_experts}, {shape.block_size})")
-        if not isinstance(num_swap_blocks, int) or isinstance(num_swap_blocks, bool) or num_swap_blocks < 0:
-            raise ValueError(f"num_swap_blocks={num_swap_blocks!r} must be an integer >= 0")
+        check_int("num_swap_blocks", num_swap_blocks, 0)
         if config.preemption_mode == "swap" and not num_swap_blocks:
             raise ValueError("preemption_mode='swap' needs a swap space: give the engine num_swap_blocks > 0")
         self.config = config

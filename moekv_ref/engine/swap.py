@@ -21,6 +21,7 @@ import torch
 
 from ..cache.block_pool import BlockPool
 from ..cache.kv_cache_manager import KVCacheManager
+from .request import check_int
 
 SWAP_OUT = "swap_out"     # device blocks -> host blocks
 SWAP_IN = "swap_in"       # host blocks -> device blocks
@@ -48,8 +49,7 @@ class SwapSpace:
     """Host block ids and saved row counts of the sequences preempted by swap (no tensors of K/V)."""
 
     def __init__(self, manager: KVCacheManager, num_blocks: int):
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
-            raise ValueError(f"swap space num_blocks={num_blocks!r} must be a positive integer")
+        check_int("swap space num_blocks", num_blocks, 1)
         self.manager = manager
         self.pool = BlockPool(num_blocks)
         self.swapped: dict[int, SwappedSequence] = {}
