@@ -45,6 +45,9 @@ from .scheduler import Scheduler, SchedulerConfig
 from .undo import Snapshot
 
 
+_COUNTED_AS = {"length": "finished", "aborted": "aborted", "error": "failed"}   # by finish_reason
+
+
 @dataclass
 class StepRecord:
     """The state after one step (or one idle tick while waiting for arrivals)."""
@@ -236,22 +239,19 @@ class LLMEngine:
         if request is None or request.is_finished:
             return None
         self.scheduler.abort(request, self.step_count)
-        self._count_finished(request, self.step_count)
-        return self._hand_out(request)
+        return self._hand_out(request, self.step_count)
 
-    def _hand_out(self, request: Request) -> RequestOutput:
-        """The output of a finished request; without history, the engine forgets the request."""
+    def _hand_out(self, request: Request, step: int) -> RequestOutput:
+        """Count a finished request and give its output; without history, the engine forgets it."""
+        kind = _COUNTED_AS[request.finish_reason]
+        self._counts[kind] += 1
+        self._event(step, request.request_id, kind)
         output = RequestOutput.from_request(request)
         if not self.record_history:
             del self.requests[request.request_id]
         if self._generating is not None:            # generate() collects what it asked for
             self._generating[request.request_id] = output
         return output
-
-    def _count_finished(self, request: Request, step: int) -> None:
-        kind = {"length": "finished", "aborted": "aborted", "error": "failed"}[request.finish_reason]
-        self._counts[kind] += 1
-        self._event(step, request.request_id, kind)
 
     def _event(self, step: int, request_id: int, kind: str) -> None:
         if kind in ("admitted", "resumed"):
@@ -281,24 +281,18 @@ class LLMEngine:
             raise
         for kind, request in decision.events:
             self._event(step, request.request_id, kind)
-        num_running, used_blocks = len(self.scheduler.running), self.memory.num_used_blocks
-        scheduled_used = used_blocks
+        num_running, scheduled_used = len(self.scheduler.running), self.memory.num_used_blocks
         if not decision.scheduled and not decision.block_copies and self.scheduler.has_unfinished:
             raise RuntimeError(f"step {step}: nothing could be scheduled with {len(self.scheduler.waiting)} "
                                f"waiting and {len(self.scheduler.running)} running requests")
         try:
-            ran, done, used_after_forward, num_generated = self._run(decision)
+            done, used_blocks, num_generated = self._run(decision)
         except BaseException as error:
             ids = [item.request.request_id for item in decision.scheduled]
             self._fail_step(error, step, start, num_running, scheduled_used, f"running requests {ids}")
             raise
-        finished = []
-        if ran:
-            used_blocks = used_after_forward               # the peak of the step: before finishing
-            self._counts["generated_tokens"] += num_generated
-            for request in done:
-                self._count_finished(request, step)
-                finished.append(self._hand_out(request))
+        self._counts["generated_tokens"] += num_generated
+        finished = [self._hand_out(request, step) for request in done]
         self._end_step(step, decision.num_scheduled_tokens, decision.reserved_blocks, start, num_running,
                        used_blocks, scheduled_used)
         used = self._used_after_forward                                              # (D,)
@@ -316,15 +310,15 @@ class LLMEngine:
 
     def _run(self, decision):
         """Copies, forward, sampling and accounting of one step, undone past the copies if any of it
-        raises. Returns (whether a forward ran, the requests that finished, blocks in use after the
-        forward, tokens generated)."""
+        raises. Returns (the requests that finished, blocks in use after the forward -- the step's
+        peak, before finishing -- and tokens generated)."""
         try:
             self.runner.copy_blocks(decision.block_copies)
         except BaseException:
             self.scheduler.recover_from_failed_copies(decision)
             raise
         if not decision.scheduled:
-            return False, [], 0, 0
+            return [], self.memory.num_used_blocks, 0
         before_forward = Snapshot(self.scheduler)
         states = {}
         try:
@@ -351,7 +345,7 @@ class LLMEngine:
             for generator, state in states.values():
                 generator.set_state(state)          # a token sampled before the fault is drawn again
             raise
-        return True, done, used_blocks, num_generated
+        return done, used_blocks, num_generated
 
     def idle_step(self) -> None:
         """Let a step of time pass with nothing to run (requests have not arrived yet)."""
