@@ -238,7 +238,7 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return None
-        self.scheduler.abort(request, self.step_count)
+        self.scheduler.finish(request, self.step_count, "aborted")
         return self._hand_out(request, self.step_count)
 
     def _hand_out(self, request: Request, step: int) -> RequestOutput:

@@ -338,8 +338,7 @@ class Scheduler:
         return bool((demand <= self.memory.num_free_blocks_per_device).all())
 
     def _shortage(self, demand: torch.Tensor, need: torch.Tensor) -> tuple[int, Shortage]:
-        """(the short device, what the victim policy is told): the device short by the most blocks
-        and a Shortage naming it."""
+        """(the device short by the most blocks, a Shortage naming it for the victim policy)."""
         missing = demand - self.memory.num_free_blocks_per_device                    # (D,)
         device = int(missing.argmax())
         return device, Shortage(device, int(missing[device]), int(need[device]))
@@ -391,15 +390,12 @@ class Scheduler:
             return []
         shape, memory = self.shape, self.memory
         resident = [r.request_id for r in requests if not r.swapped]
-        counts = memory.token_counts(resident) if resident else None                    # (h, L, E)
+        held = iter(memory.token_counts(resident) if resident else ())                  # (h, L, E)
         empty = torch.zeros(shape.num_layers, shape.num_experts, dtype=torch.int64)     # (L, E)
-        rows, at = [], 0
+        rows = []
         for request in requests:
-            if request.swapped:
-                rows.append(memory.swapped_token_counts(request.request_id))
-                continue
-            rows.append(empty if request.request_id in self.stalled else counts[at])
-            at += 1
+            row = memory.swapped_token_counts(request.request_id) if request.swapped else next(held)
+            rows.append(empty if request.request_id in self.stalled else row)
         totals = [r.num_computed_tokens + n for r, n in zip(requests, num_tokens)]
         return self._worst_case_need(torch.stack(rows), num_tokens, totals,
                                      memory.device_of_expert_of([r.request_id for r in requests]))
@@ -466,7 +462,7 @@ class Scheduler:
         request.num_computed_tokens = 0
 
     def _evict_rows(self, eviction: RowEviction, out: SchedulerOutput) -> None:
-        """Drop the chosen rows; the request stalls (module docstring) and waits at the head of the line."""
+        """Drop the chosen rows; the request stalls (module docstring) at the head of the line."""
         request = eviction.request
         self.num_row_evictions += 1
         self.num_evicted_rows += self._free_rows(request.request_id, eviction.layer_experts)
@@ -527,7 +523,8 @@ class Scheduler:
         return finished
 
     def finish(self, request: Request, step: int, reason: str = "length", error: str | None = None) -> None:
-        """The request leaves: its device blocks (and any swap blocks) go back, now."""
+        """The request leaves, from any unfinished state (reason "aborted": an abort): its device
+        blocks and any swap blocks go back now."""
         seq_id = request.request_id
         request.actual_blocks = self.memory.num_blocks_held(seq_id)
         request.final_token_counts = self.memory.token_counts([seq_id])[0]
@@ -545,12 +542,6 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.stalled.pop(seq_id, None)           # a stalled request aborted while it waits
-
-    def abort(self, request: Request, step: int) -> None:
-        """Take an unfinished request out, from any state, freeing its blocks and swap space now."""
-        if request.status is RequestStatus.FINISHED:
-            raise ValueError(f"request {request.request_id} has already finished")
-        self.finish(request, step, "aborted")
 
     def recover_from_failed_copies(self, out: SchedulerOutput) -> None:
         """The step's block copies raised part-way: every sequence they moved may have incomplete
