@@ -139,9 +139,8 @@ class LLMEngine:
     checked_placement). home_devices: rows on their request's home instead (device_of_expert is then
     None: ask memory.device_of_expert_of). record_history: module docstring.
 
-    A step that raises anywhere is undone (see `step`) and the exception propagates; stepping on
-    runs the same tokens again. A request whose own sampling fails finishes with "error" and the
-    others go on. `abort_request` takes a request out from any state.
+    A step that raises is undone (see `step`); a request whose own sampling fails finishes with
+    "error" and the others go on.
     """
 
     def __init__(self, model: MoEKVTransformer, num_blocks: int | None = None, block_size: int = 16,
@@ -204,9 +203,9 @@ class LLMEngine:
 
     # ----- requests in ------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], sampling_params: SamplingParams | dict | None = None) -> int:
-        """Queue a request; returns its id. Raises ValueError, changing nothing, for an empty prompt,
-        token ids that are not integers of the vocabulary, invalid sampling parameters, a generation
-        past the model's positions, or a request that might not fit the pool even alone."""
+        """Queue a request; returns its id. Raises ValueError, changing nothing, for a bad prompt or
+        sampling parameters, a generation past the model's positions, or a request that might not
+        fit the pool even alone."""
         params = _checked_params(sampling_params)
         prompt = check_prompt(prompt, self.config.vocab_size, self.config.max_position_embeddings,
                               params.max_new_tokens, "the prompt")
@@ -226,9 +225,8 @@ class LLMEngine:
 
     # ----- requests out -------------------------------------------------------------------------------
     def abort_request(self, request_id: int) -> RequestOutput | None:
-        """Stop a request, from any state: its device blocks and swap blocks go back now. Returns
-        its output so far (finish_reason "aborted"), or None if it had already finished. Raises
-        ValueError for an id this engine never gave out."""
+        """Stop a request, from any state, freeing its blocks now. Returns its output so far
+        ("aborted"), or None if it had already finished; ValueError for an id never given out."""
         if isinstance(request_id, numbers.Integral) and not isinstance(request_id, bool):
             request_id = int(request_id)            # numpy integers too, as add_request's tokens
         if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id < self._next_request_id:
@@ -350,17 +348,13 @@ class LLMEngine:
     def idle_step(self) -> None:
         """Let a step of time pass with nothing to run (requests have not arrived yet)."""
         used = self.memory.num_used_blocks
-        self._record(self.step_count, 0, 0, 0.0, len(self.scheduler.running), used, used)
-        self.step_count += 1
+        self._end_step(self.step_count, 0, 0, None, len(self.scheduler.running), used, used)
 
     def _end_step(self, step, num_tokens, reserved, start, num_running, used_blocks, scheduled_used) -> None:
-        seconds = time.perf_counter() - start
+        """Count the step (start: its perf_counter; None: idle, 0 s) and record it, with history."""
+        seconds = 0.0 if start is None else time.perf_counter() - start
         self._seconds += seconds
-        self._record(step, num_tokens, reserved, seconds, num_running, used_blocks, scheduled_used)
         self.step_count += 1
-
-    def _record(self, step, num_tokens, reserved, seconds, num_running, used_blocks,
-                scheduled_used) -> None:
         counts = self._counts
         counts["records"] += 1
         counts["running_sum"] += num_running

@@ -25,31 +25,25 @@ of a layer's share, yet the sequence cannot run until the row is rebuilt, which 
 whole sequence again (K/V at layer l depend on every earlier layer): the cost of a whole recompute
 for a fraction of the memory.
 
-Devices: the block manager's pool has D devices (one pool: D = 1), and a step fits only if it fits
-every device: the reservation is a (D,) int64 vector, each request's tokens reserving on every
-device the worst case over its own map of row devices, and the victim policy is told *which* device
-is short (victims.Shortage). The devices are those the experts are spread over (engine.py) or an
-expert-parallel job's ranks (parallel/serving.py). Several devices run continuous_paged only: the
-reserving baselines never preempt.
+Devices: the pool has D devices (one pool: D = 1) and a step must fit every device, so the
+reservation is a (D,) int64 vector and the victim policy is told *which* device is short
+(victims.Shortage). Only continuous_paged runs several devices: the baselines never preempt.
 
-Row eviction, to show why it fits badly: a victim policy may return a victims.RowEviction
-(expert_lru does). The rows are freed and the request *stalls*: back at the head of the line, all
-its context to be recomputed, while its other rows stay in the pool as dead weight, as a cache of
-independent expert buffers would leave them. Dead rows are freed first when their device is short
-(`_free_dead_rows`), when nothing runs, and when the stalled request resumes. Only where the block
-manager can evict rows (`can_evict_rows`: plain pages, no shared tails, no prefix caching).
+Row eviction, to show why it fits badly: a victims.RowEviction frees some rows and the request
+*stalls* at the head of the line, to be recomputed whole, while its other rows stay in the pool as
+dead weight (as independent expert buffers would leave them). Dead rows are freed first when their
+device is short, when nothing runs, and when the request resumes. Only where the block manager
+`can_evict_rows` (plain pages, no shared tails, no prefix caching).
 
-Prefix caching (a block manager with a PrefixCache, prefix_cache.py): a request starting from
-nothing asks for the longest usable cached prefix (`hit_for`, which also says what the hit costs on
-each device); it is admitted with num_computed_tokens = s, its rows built from shared blocks and
-COPY block copies (run before the forward), and reserves its remaining tokens' worst case plus the
-free blocks the hit takes. After each step the computed tokens' full blocks are registered.
+Prefix caching (prefix_cache.py): a request starting from nothing may start from a cached prefix
+(`prefix_hit`), its rows built from shared blocks and COPY block copies, reserving its remaining
+tokens' worst case plus the free blocks the hit takes; computed full blocks are registered after
+each step.
 
-The scheduler sees integers only: the block manager (free blocks, each sequence's blocks and (layer,
-expert) token counts; `free`) and memory.ModelShape, never K/V tensors. Its decisions leave
-`schedule()` in one SchedulerOutput, with the block copies the model runner performs, in order,
-before the forward. The policies (SchedulerConfig names them): batching (batching.py, baselines.py),
-admission (admission.py) and victim (victims.py).
+The scheduler sees integers only (the block manager and memory.ModelShape), never K/V tensors. Its
+decisions leave `schedule()` in one SchedulerOutput, whose block copies the model runner performs,
+in order, before the forward. Its policies (SchedulerConfig names them): batching (batching.py,
+baselines.py), admission (admission.py) and victim (victims.py).
 """
 
 from __future__ import annotations
