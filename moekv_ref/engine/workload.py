@@ -167,11 +167,10 @@ def few_shot_workload(num_requests: int = 16, prompt_len: int = 256, shared_shar
                       output_len: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                       arrival_rate: float | None = None, seed: int = 0,
                       vocab_size: int = 256) -> list[WorkloadRequest]:
-    """Requests that share a long prefix, as few-shot prompting makes them: the first
-    round(shared_share * prompt_len) tokens of every prompt are the same instruction and examples
-    (FEW_SHOT_TEXT), the rest is the request's own question (a slice of PROMPT_TEXT at a seeded
-    position, different per request). All prompts are prompt_len tokens; outputs output_len tokens,
-    greedy by default (temperature 0), request i sampling with seed seed + i. Arrivals as make_workload."""
+    """Requests sharing a long prefix, as few-shot prompting makes them: the first
+    round(shared_share * prompt_len) of each prompt's prompt_len tokens are FEW_SHOT_TEXT, the rest
+    a slice of PROMPT_TEXT at a seeded position, different per request. Greedy by default; seeds and
+    arrivals as make_workload."""
     for name, value, low in (("num_requests", num_requests, 1), ("prompt_len", prompt_len, 1),
                              ("output_len", output_len, 1), ("seed", seed, 0),
                              ("vocab_size", vocab_size, 1)):
