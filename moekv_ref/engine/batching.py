@@ -19,6 +19,7 @@ from .demand import DemandPredictor, worst_case_lifetime_blocks
 from .memory import MemoryView, ModelShape
 from .request import Request
 
+
 class AdmissionStep:
     """One step's admission, as a batching policy sees it; `start_next` is the policy's only move.
     Built by the Scheduler with itself and the step's SchedulerOutput (not imported here: the
