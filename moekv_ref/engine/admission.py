@@ -1,15 +1,12 @@
 """Admission policies: may the request at the head of the waiting line join the running ones?
 
-The scheduler asks only when the request's next step already fits (its worst case reserved against
-the free pool) and other requests are running; an empty engine always admits the head of the line,
-which fits alone (checked when it was added). One question, one method:
-
     allows(request, running, memory, predictor) -> bool
+
+asked only when the request's next step already fits and others are running (an empty engine
+admits the head of the line, which fits alone). Policies read a read-only MemoryView.
 
     predicted    the pool's predicted peak, from the routing seen so far, fits (the default)
     optimistic   always: admit whenever the next step fits (vLLM's rule), preempt when it runs short
-
-Policies read memory through a MemoryView (read-only) and never change a request or the pool.
 """
 
 from __future__ import annotations
@@ -47,10 +44,8 @@ class OptimisticAdmission(AdmissionPolicy):
 
 
 class PredictedAdmission(AdmissionPolicy):
-    """Admit while the pool's predicted peak fits. Admitting on the next step alone would let in
-    requests that will certainly be preempted later (wasted prefill); the prediction (DemandPredictor:
-    k_avg entries per token plus the bound on partly filled blocks) admits what routing so far says
-    will fit."""
+    """Admit while the pool's predicted peak fits: the next step alone would let in requests that
+    will certainly be preempted later (wasted prefill)."""
     name = "predicted"
 
     def allows(self, request, running, memory, predictor) -> bool:
@@ -60,9 +55,9 @@ class PredictedAdmission(AdmissionPolicy):
 def predicted_peak(requests: Sequence[Request], memory: MemoryView, predictor: DemandPredictor) -> int:
     """The most blocks the pool is predicted to hold at any future step while `requests` run.
 
-    Generation here always runs to max_new_tokens, so each request's remaining steps g are known;
-    its blocks are predicted to grow from what it holds now, b, to its predicted final demand f
-    (DemandPredictor, never less than b), then all return to the pool when it finishes:
+    Generation runs to max_new_tokens, so each request's remaining steps g are known; its blocks
+    grow from what it holds now, b, to its predicted final demand f (never less than b), then all
+    return when it finishes:
 
         demand_r(s) = b_r + (f_r - b_r) * (s + 1) / g_r   for s < g_r,   0 afterwards
 

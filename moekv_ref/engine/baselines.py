@@ -21,9 +21,8 @@ def _reservation(num_cached_tokens: int, shape: ModelShape) -> int:
 
 
 class ReserveEveryRow(AdmissionPolicy):
-    """Admit while every request's lifetime reservation -- room for all of its tokens in every
-    (layer, expert) row, since the router may send every token there -- fits the pool together.
-    What a per-expert contiguous cache must do when the routing of future tokens is unknown."""
+    """Admit while every request's lifetime reservation (room for all its tokens in every row)
+    fits the pool together: what a per-expert contiguous cache must do, not knowing the routing."""
     name = "reserved"
 
     def allows(self, request, running, memory, predictor) -> bool:
@@ -32,8 +31,7 @@ class ReserveEveryRow(AdmissionPolicy):
 
 
 class ContinuousReserved(ContinuousBatching):
-    """Continuous batching with lifetime reservations: requests join and leave at every step, but
-    each holds a reservation of every row's worst case, so the pool never runs short (no preemption)
+    """Continuous batching with lifetime reservations: the pool never runs short (no preemption)
     and few requests run at once."""
     name = "continuous_reserved"
 
@@ -48,11 +46,10 @@ class ContinuousReserved(ContinuousBatching):
 
 
 class StaticBatching(BatchingPolicy):
-    """Static batching: a new batch only when the last one is done. The batch is the longest prefix
-    of the queue whose members, each reserving every expert's worst case for the padded length
-    (longest prompt + longest output), fit the pool; every member keeps decoding (the extra tokens
-    are run and thrown away) until the batch's longest output is done, as a padded batch does.
-    The padding is kept here, per request, not in the request."""
+    """Static batching: a new batch only when the last one is done, the longest prefix of the queue
+    whose members, each reserving every row's worst case for the padded length (longest prompt +
+    longest output), fit the pool. Every member decodes (and throws away) tokens until the batch's
+    longest output is done, as a padded batch does; the padding is kept here, per request."""
     name = "static"
 
     def __init__(self):

@@ -1,11 +1,10 @@
 """Batching policies: which waiting requests join the running batch at a step, how many blocks one
 request may need alone, and how many tokens a request decodes.
 
-The scheduler's loop (scheduler.py) runs the running requests, reserves each step's worst case and
-preempts when short; then, in a step that preempted nothing, it hands admission to the batching
-policy through an AdmissionStep: what the policy may see (the waiting line, the running requests, a
-read-only MemoryView, the demand predictor, the step's token budget and reservation) and the one thing
-it may do (start the request at the head of the line).
+In a step that preempted nothing the scheduler hands admission to the batching policy through an
+AdmissionStep: what the policy may see (the waiting line, the running requests, a read-only
+MemoryView, the predictor, the step's budget and reservation) and the one thing it may do (start
+the request at the head of the line).
 
     continuous_paged     ContinuousBatching (here): at every step, admit the head of the line while
                          its next step fits and the admission policy (admission.py) allows
@@ -20,13 +19,11 @@ from .demand import DemandPredictor, worst_case_lifetime_blocks
 from .memory import MemoryView, ModelShape
 from .request import Request
 
-class AdmissionStep:
-    """One step's admission, as a batching policy sees it. The policy reads; `start_next` is its only
-    move: the head of the waiting line starts running and gets its next tokens within the budget.
 
-    Built by the Scheduler (scheduler.py) with itself and the step's SchedulerOutput. Those names are
-    not imported here: the scheduler uses the policies, never the other way round, so this module
-    stays below scheduler.py and no import circle forms."""
+class AdmissionStep:
+    """One step's admission, as a batching policy sees it; `start_next` is the policy's only move.
+    Built by the Scheduler with itself and the step's SchedulerOutput (not imported here: the
+    scheduler uses the policies, never the other way round, so no import circle forms)."""
 
     def __init__(self, scheduler: "Scheduler", out: "SchedulerOutput", token_budget: int, reserved):
         self._scheduler = scheduler
@@ -47,8 +44,7 @@ class AdmissionStep:
 
     def peek(self, num_requests: int) -> list[Request]:
         """The first `num_requests` of the waiting line, in order."""
-        waiting = self._scheduler.waiting
-        return [waiting[i] for i in range(min(num_requests, len(waiting)))]
+        return list(self._scheduler.waiting)[:num_requests]
 
     @property
     def running(self) -> tuple[Request, ...]:
@@ -64,7 +60,7 @@ class AdmissionStep:
         what the step has reserved?"""
         scheduler = self._scheduler
         scheduler.current = request
-        swap_in = scheduler.blocks_to_swap_in(request)
+        memory, request_id = scheduler.memory, request.request_id
         num_tokens = min(request.num_pending_tokens, self.token_budget)
         need = scheduler.step_blocks(request, num_tokens)
         hit = scheduler.prefix_hit(request)             # prefix caching: it starts from a cached prefix
@@ -76,13 +72,13 @@ class AdmissionStep:
             # the hit holds more free blocks than it saves now (cached-free blocks it shares, copy
             # sources pinned while it is applied): start from nothing if that fits
             return scheduler.fits(self.reserved + need)
-        if request.request_id in scheduler.stalled:    # its dead rows go when it starts
-            need = need - scheduler.blocks_held(request)
-        return scheduler.fits(self.reserved + swap_in + need)
+        if request_id in scheduler.stalled:            # its dead rows go when it starts
+            need = need - memory.blocks_held_per_device(request_id)
+        return scheduler.fits(self.reserved + memory.swapped_blocks_per_device(request_id) + need)
 
     def start_next(self) -> Request:
-        """Start the head of the line (swapping it in if it was swapped out) and schedule its next
-        tokens within the budget, reserving their worst case. Returns it."""
+        """Start the head of the line and schedule its next tokens within the budget, reserving
+        their worst case. Returns it."""
         request = self._scheduler.start_head(self._out, self._hits.pop(self.head.request_id, None))
         num_tokens = min(request.num_pending_tokens, self.token_budget)
         if num_tokens > 0:
@@ -94,15 +90,14 @@ class AdmissionStep:
 
 
 class BatchingPolicy:
-    """Who joins the running batch, and what one request may need alone. The interface; subclasses
-    give `max_blocks_alone` and `admit`. One policy object serves one scheduler (a policy may keep
-    per-request state, dropped in `release`)."""
+    """Who joins the running batch, and what one request may need alone (subclasses give
+    `max_blocks_alone` and `admit`). One object serves one scheduler: it may keep per-request state,
+    dropped in `release`."""
     name = "batching"
 
     def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
-        """The most blocks one request of `num_cached_tokens` cached tokens could need, alone: a
-        request above the pool is refused when added, since preemption frees only *other* requests'
-        memory."""
+        """The most blocks one request of `num_cached_tokens` cached tokens could need, alone (a
+        request above the pool is refused when added)."""
         raise NotImplementedError
 
     def num_new_tokens(self, request: Request) -> int:
@@ -121,11 +116,10 @@ class BatchingPolicy:
 
 
 class ContinuousBatching(BatchingPolicy):
-    """Continuous batching on the paged pool: requests join and leave at every step; the head of
-    the line is admitted while its next step fits and the admission policy (and the victim policy's
-    `admits`) allows (FIFO: no request overtakes the head). Reserving only the next step's worst case, not a lifetime's, is what lets
-    more sequences share the pool than any reservation; the admission policy keeps that from turning
-    into preemptions."""
+    """Continuous batching on the paged pool: the head of the line is admitted while its next step
+    fits and the admission policy (and the victim policy's `admits`) allows. Reserving only the next
+    step's worst case lets more sequences share the pool than any reservation; the admission policy
+    keeps that from turning into preemptions."""
     name = "continuous_paged"
 
     def __init__(self, admission: AdmissionPolicy | None = None):

@@ -1,23 +1,18 @@
-"""How many blocks a sequence needs: the worst case of one step, the worst case of a lifetime, and a
-prediction from what the routers have been doing.
+"""How many blocks a sequence needs: the worst case of one step, of a lifetime, and a prediction.
 
-Under threshold routing a token goes to 1..k_max experts per layer, and which ones is decided only when
-the router sees it. So the cache a request will need is not known when it arrives:
+Under threshold routing a token goes to 1..k_max experts per layer, decided only when the router
+sees it, so the cache a request will need is not known when it arrives:
 
-    prediction (admission)   k_avg entries per token per layer, from running statistics, plus the
-                             bound on partly filled blocks: each (sequence, layer, expert) row wastes
-                             at most P - 1 slots in its last block
-    worst case (one step)    every new token could go to k_max experts and each could open a block;
-                             reserved before the step runs, so that no layer of a forward ever finds
-                             the pool empty (a forward cannot be stopped half-way through its layers)
+    prediction (admission)   k_avg entries per token per layer, from running statistics, plus at
+                             most P - 1 wasted slots in the last block of each row
+    worst case (one step)    every new token to k_max experts, each opening a block; reserved before
+                             the step, since a forward cannot stop half-way through its layers
     worst case (lifetime)    the most blocks any routing could make a request hold; a request whose
-                             worst case exceeds the whole pool is refused at add_request, because an
-                             admitted request must be able to finish alone
+                             worst case exceeds the pool is refused at add_request (it must be able
+                             to finish alone)
 
-All functions are integer arithmetic on tensors: no model, testable on their own.
-
-The worst number of blocks n new tokens can open in one layer of one sequence, whose E rows hold
-c_e tokens (P slots per block, k_max experts per token, at most n tokens per expert):
+The worst number of blocks n new tokens can open in one layer of one sequence, whose E rows hold c_e
+tokens (P slots per block, k_max experts per token, at most n tokens per expert):
 
     bound A: every expert receives all n tokens      sum_e ceil((c_e + n) / P) - ceil(c_e / P)
     bound B: k_max * n entries spread over m rows    m + (k_max * n - m) // P,  m = min(E, k_max * n)
@@ -26,21 +21,13 @@ c_e tokens (P slots per block, k_max experts per token, at most n tokens per exp
 and the step's worst case is min(A, B). For a decode token (n = 1) that is min(k_max, number of rows
 whose last block is exactly full): most decode steps need far fewer than k_max blocks per layer.
 
-Per device (the experts of each layer spread over D devices, each with its own blocks): a step fits
-only if it fits *every* device, so the scheduler reserves, per device, the most blocks the step's
-tokens could open there. On device d layer l has E_d(l) experts, and a token reaches at most
-k_d(l) = min(k_max, E_d(l)) of them, so the two bounds become, per (layer, device):
+Per device (each sequence brings an (L, E) map of its rows' devices): a step fits only if it fits
+every device, so the bounds are taken per (layer, device), with the E_d(l) experts of layer l on
+device d and k_d(l) = min(k_max, E_d(l)) in place of E and k_max. The per-device worst cases add up
+to at least the one-pool one (each device may see its own worst routing); with D = 1 they are the
+one-pool bounds, so the scheduler has one code path.
 
-    bound A: every expert of d receives all n tokens      sum over e on d of ceil((c_e + n) / P) - ceil(c_e / P)
-    bound B: k_d * n entries over m rows of d             m + (k_d * n - m) // P,   m = min(E_d, k_d * n)
-
-The per-device worst cases add up to at least the one-pool worst case (each device may see its own
-worst routing), which is the price of checking devices separately; a device with none of a layer's
-experts reserves nothing for it. With D = 1 they are the one-pool bounds (k_d = k_max, as k_max <= E),
-so the scheduler has one code path. A sequence's rows need not follow their experts: each sequence
-brings its own (L, E) map of devices (a pool with home devices puts all of sequence s's rows on one).
-
-Dimension legend: m sequences, L layers, E experts per layer, D devices.
+Integer arithmetic on tensors only. Dimension legend: m sequences, L layers, E experts, D devices.
 """
 
 from __future__ import annotations
@@ -50,23 +37,6 @@ import math
 import torch
 
 from ..cache.rows import ceil_div, worst_case_lifetime_blocks  # noqa: F401 (the pool's bound, used here)
-
-
-def worst_case_step_blocks(token_counts: torch.Tensor, num_new_tokens: torch.Tensor, k_max: int,
-                           block_size: int) -> torch.Tensor:
-    """The most blocks each sequence's next `num_new_tokens` tokens could take from the pool.
-
-    token_counts: (m, L, E) tokens each (sequence, layer, expert) row holds now.
-    num_new_tokens: (m,). Returns (m,) int64: min(bound A, bound B) summed over layers.
-    """
-    m, _, E = token_counts.shape
-    n = num_new_tokens.to(torch.int64).view(m, 1, 1)                              # (m, 1, 1)
-    held = ceil_div(token_counts, block_size)                                      # (m, L, E)
-    bound_a = (ceil_div(token_counts + n, block_size) - held).sum(-1)              # (m, L)
-    entries = k_max * num_new_tokens.to(torch.int64)                               # (m,)
-    rows = torch.clamp(entries, max=E)                                             # (m,)
-    bound_b = rows + (entries - rows) // block_size                                # (m,)
-    return torch.minimum(bound_a, bound_b[:, None]).sum(-1)                        # (m,)
 
 
 def min_lifetime_blocks(num_tokens: int, num_layers: int, k_min: int, block_size: int) -> int:
@@ -82,18 +52,14 @@ def reserved_blocks(num_tokens: int, num_layers: int, num_experts: int, block_si
 
 
 class DemandPredictor:
-    """Predicts a request's blocks from running statistics of experts per token.
+    """Predicts a request's blocks from k_avg[l], the mean experts per token at layer l over every
+    token run so far (before any: k_max, the safe prior). For T cached tokens, per layer,
 
-    k_avg[l] is the mean number of experts per token at layer l over every token the engine has run
-    (before any token: k_max, the safe prior). The prediction for T cached tokens is, per layer,
+        blocks = min(ceil(entries / P + rows * (P - 1) / P), the layer's worst case),
+        entries = k_avg[l] * T,  rows = min(E, entries)
 
-        entries = k_avg[l] * T
-        blocks  = ceil(entries / P + rows * (P - 1) / P),   rows = min(E, entries)
-
-    capped at the worst case of a layer (worst_case_lifetime_blocks).
-    i.e. the blocks the entries fill, plus at most P - 1 wasted slots in the last block of every row
-    the sequence touches (the bound on partly filled blocks). Under top-k routing k_avg = k exactly,
-    and only the split across experts, hence the tail, is unknown.
+    the blocks the entries fill plus the partly filled last block of every row touched. Under top-k
+    routing k_avg = k exactly, and only the split across experts, hence the tail, is unknown.
     """
 
     def __init__(self, num_layers: int, num_experts: int, k_max: int, block_size: int):
@@ -103,7 +69,7 @@ class DemandPredictor:
         self.num_tokens = 0
 
     def observe(self, entries_per_layer: torch.Tensor, num_tokens: int) -> None:
-        """Add a step's routing: entries_per_layer (L,) = sum of experts per token over its tokens."""
+        """entries_per_layer (L,): experts chosen, summed over a step's tokens."""
         self.num_entries += entries_per_layer.to(torch.float64)
         self.num_tokens += int(num_tokens)
 
@@ -115,8 +81,8 @@ class DemandPredictor:
         return self.num_entries / self.num_tokens
 
     def predict(self, num_tokens: int) -> int:
-        """Predicted blocks for `num_tokens` cached tokens, never above the worst case (short
-        sequences: the tail bound alone could exceed E * ceil(T / P))."""
+        """Predicted blocks for `num_tokens` cached tokens (capped: for short sequences the tail
+        bound alone could exceed E * ceil(T / P))."""
         P = self.block_size
         entries = self.k_avg * num_tokens                                        # (L,)
         rows = torch.clamp(entries, max=self.num_experts)
@@ -125,26 +91,31 @@ class DemandPredictor:
         return int(sum(min(math.ceil(x - 1e-9), worst) for x in per_layer.tolist()))
 
 
+def worst_case_step_blocks(token_counts: torch.Tensor, num_new_tokens: torch.Tensor, k_max: int,
+                           block_size: int) -> torch.Tensor:
+    """token_counts (m, L, E), num_new_tokens (m,) -> (m,): the one-pool worst case (D = 1)."""
+    one_device = torch.zeros(token_counts.shape, dtype=torch.int64)
+    return worst_case_step_blocks_per_device(token_counts, num_new_tokens, k_max, block_size,
+                                             one_device, 1)[:, 0]
+
+
 def _per_device(values: torch.Tensor, device_of_expert: torch.Tensor, num_devices: int) -> torch.Tensor:
-    """(m, L, E) values of rows summed over the rows of each device: (m, L, D). device_of_expert
-    (m, L, E): the device of each sequence's rows."""
+    """(m, L, E) values of rows, device_of_expert (m, L, E) -> (m, L, D): summed per device."""
     m, L, _ = values.shape
     return torch.zeros(m, L, num_devices, dtype=torch.int64).scatter_add_(2, device_of_expert, values)
 
 
 def blocks_held_per_device(token_counts: torch.Tensor, block_size: int, device_of_expert: torch.Tensor,
                            num_devices: int) -> torch.Tensor:
-    """token_counts (m, L, E), device_of_expert (m, L, E) -> (m, D): the blocks the rows hold on each
-    device (ceil(c / P) per row)."""
+    """token_counts (m, L, E), device_of_expert (m, L, E) -> (m, D): blocks held (ceil(c / P))."""
     return _per_device(ceil_div(token_counts, block_size), device_of_expert, num_devices).sum(1)
 
 
 def worst_case_step_blocks_per_device(token_counts: torch.Tensor, num_new_tokens: torch.Tensor, k_max: int,
                                       block_size: int, device_of_expert: torch.Tensor,
                                       num_devices: int) -> torch.Tensor:
-    """token_counts (m, L, E), num_new_tokens (m,), device_of_expert (m, L, E) (the device of each
-    sequence's rows) -> (m, D): the most blocks each sequence's next tokens could take on each device
-    (min of bounds A and B, summed over layers)."""
+    """token_counts (m, L, E), num_new_tokens (m,), device_of_expert (m, L, E) -> (m, D): the most
+    blocks each sequence's next tokens could take on each device (min of bounds A and B)."""
     m = token_counts.shape[0]
     n = num_new_tokens.to(torch.int64).view(m, 1, 1)                                 # (m, 1, 1)
     grow = ceil_div(token_counts + n, block_size) - ceil_div(token_counts, block_size)   # (m, L, E)
@@ -158,8 +129,8 @@ def worst_case_step_blocks_per_device(token_counts: torch.Tensor, num_new_tokens
 
 def worst_case_lifetime_blocks_per_device(num_tokens: torch.Tensor, k_max: int, block_size: int,
                                           device_of_expert: torch.Tensor, num_devices: int) -> torch.Tensor:
-    """num_tokens (m,), device_of_expert (m, L, E) -> (m, D): the most blocks a sequence of that many
-    cached tokens can hold on each device: per layer min(E_d * ceil(T / P), r + (k_d * T - r) // P),
+    """num_tokens (m,), device_of_expert (m, L, E) -> (m, D): the most blocks T cached tokens can
+    hold on each device; per layer min(E_d * ceil(T / P), r + (k_d * T - r) // P),
     r = min(E_d, k_d * T)."""
     ones = torch.ones(device_of_expert.shape, dtype=torch.int64)
     experts_on = _per_device(ones, device_of_expert, num_devices)                    # (m, L, D)

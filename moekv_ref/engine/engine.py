@@ -5,26 +5,19 @@
                     preempt: integers,     one forward_cached     own seeded       blocks freed)
                     one SchedulerOutput)   over the flat batch)   generator)
 
-One `step` is one forward of the model over every scheduled token. Everything a request needs to be
-served is checked in `add_request` before any state changes: a bad prompt, bad sampling parameters, or
-a request that might not fit the pool even alone is refused there with a ValueError, and the requests
-already in the engine are untouched.
+One `step` is one forward over every scheduled token. Everything a request needs is checked in
+`add_request` before any state changes (a bad prompt or sampling parameters, or a request that might
+not fit the pool even alone: ValueError), so the requests already in the engine are untouched.
 
-With `record_history=True` the engine records, per step, the pool's use and the scheduler's
-decisions (`timeline`, `events`) and keeps finished requests, which the demo, the notebook and the
-tests turn into figures and tables. Without it, a finished request is handed out (its RequestOutput)
-and forgotten, and `stats()` is kept in counters: memory stays flat however many requests it serves.
+With `record_history=True` the engine keeps, per step, the pool's use and the scheduler's decisions
+(`timeline`, `events`, `device_timeline`) and the finished requests, for figures and tables. Without
+it a finished request is handed out and forgotten and `stats()` is kept in counters: memory stays
+flat however many requests it serves.
 
-Per-device pools: with `blocks_per_device` and `device_of_expert` the attention experts live on D
-devices, each with its own blocks, and a row takes blocks from its expert's device
-(cache/kv_cache_manager.py); with `blocks_per_device` and `home_devices=True` instead, every row of
-request s takes blocks from device s % D. The scheduler then reserves each step device by device
-(scheduler.py), so memory runs short per device; prefix caching works over either placement, a hit
-reusing only blocks of the device each row takes its blocks from. The model, its cache calls, the runner and
-the swap copies are the same. `eviction_stats()` adds the scheduler's eviction counts to stats(),
-with the peak of blocks in use on each device (after a forward, before finishing): a running maximum,
-so a long-running engine keeps no per-step history. With record_history, `device_timeline` also
-records, per step, the (D,) blocks in use on each device, for figures and tests.
+Per-device pools (`blocks_per_device` with `device_of_expert`, or with `home_devices=True`: every
+row of request s on device s % D) give each device its own blocks (cache/kv_cache_manager.py), and
+the scheduler reserves each step device by device; the model, the runner and the swap copies are
+the same. `eviction_stats()` adds the eviction counts and each device's peak of blocks in use.
 """
 
 from __future__ import annotations
@@ -47,9 +40,12 @@ from ..sampling import SamplingParams, sample_next
 from .demand import worst_case_lifetime_blocks
 from .memory import ModelShape
 from .model_runner import ModelRunner
-from .request import Request, RequestOutput, RequestStatus
+from .request import Request, RequestOutput, RequestStatus, check_int
 from .scheduler import Scheduler, SchedulerConfig
 from .undo import Snapshot
+
+
+_COUNTED_AS = {"length": "finished", "aborted": "aborted", "error": "failed"}   # by finish_reason
 
 
 @dataclass
@@ -96,41 +92,55 @@ class EngineStats:
         return dataclasses.asdict(self)
 
 
-def _check_int(name: str, value, minimum: int | None = None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
-        bound = f" >= {minimum}" if minimum is not None else ""
-        raise ValueError(f"{name}={value!r} must be an integer{bound}" + (" (or None)" if allow_none else ""))
+def _checked_params(sampling_params, name: str = "sampling_params") -> SamplingParams:
+    if sampling_params is None:
+        return SamplingParams()
+    if isinstance(sampling_params, dict):
+        allowed = [f.name for f in dataclasses.fields(SamplingParams)]
+        unknown = sorted(map(str, set(sampling_params) - set(allowed)))
+        if unknown:
+            raise ValueError(f"{name}: unknown keys {unknown}; allowed keys: {allowed}")
+        return SamplingParams(**sampling_params)                           # validates
+    if not isinstance(sampling_params, SamplingParams):
+        raise ValueError(f"{name} must be a SamplingParams or a dict, got "
+                         f"{type(sampling_params).__name__}")
+    # validate again: a frozen dataclass can still be forced into a bad state
+    return SamplingParams(**dataclasses.asdict(sampling_params))
+
+
+def _checked_batch(prompts, sampling_params, config, params_name: str) -> list[tuple]:
+    """(prompt, params) pairs, each checked; sampling_params: one for all, or a list of one each."""
+    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)):
+        raise ValueError("prompts must be a list of prompts (lists of token ids), got "
+                         f"{type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("no prompts given: pass a non-empty list of prompts")
+    per_prompt = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompts))
+    if len(per_prompt) != len(prompts):
+        raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
+    checked = []
+    for i, (prompt, params) in enumerate(zip(prompts, per_prompt)):
+        params = _checked_params(params, f"{params_name}[{i}]")
+        checked.append((check_prompt(prompt, config.vocab_size, config.max_position_embeddings,
+                                     params.max_new_tokens, f"prompt {i}"), params))
+    return checked
 
 
 class LLMEngine:
     """Continuous batching over a paged per-expert KV cache of `num_blocks` blocks of `block_size`.
 
-    num_swap_blocks: size of the CPU swap space (default: as large as the pool when preempting by
-    swap, none otherwise).
-    attention: the paged cache's attention path (see PagedKVCache); None follows the model's
-    backend: "triton" for a model built on the Triton backend, else "batched".
-    enable_prefix_caching: keep full blocks after their sequences end and start a request whose first
-    tokens equal an earlier one's from the cached prefix (cache/prefix_cache.py); off by default.
-    blocks_per_device, device_of_expert: per-device pools (module docstring). blocks_per_device: D
-    integers >= 1 (a list, tuple, 1-D integer tensor or array; never rounded:
-    cache.block_pool.checked_blocks_per_device), num_blocks their sum (it may be left out);
-    device_of_expert: (E,) or (L, E) integer devices 0..D-1 (e.g. placement.place_experts /
-    place_layers; cache.kv_cache_manager.checked_placement). Without them the pool is one device.
-    home_devices: with blocks_per_device and no device_of_expert, every row of request s lives on
-    device s % D, its home, whatever its expert (a pool sharded by sequence); device_of_expert is
-    then None, and the devices of a request's rows are memory.device_of_expert_of([s]).
-    Prefix caching combines with either placement: a hit reuses only blocks of the device each of
-    the request's rows takes blocks from.
-    record_history: keep every request after it finished (`requests`), the per-step `timeline` and
-    the request `events`, for figures and tables of one run. Off by default: a long-running engine
-    then holds only its unfinished requests, and memory does not grow with the requests served.
+    num_swap_blocks: the CPU swap space (default: as large as the pool when preempting by swap).
+    attention: the paged cache's attention path (PagedKVCache); None: "triton" for a model on the
+    Triton backend, else "batched". enable_prefix_caching: start a request from a cached prefix
+    (cache/prefix_cache.py; a hit reuses only blocks of the device each row takes blocks from).
+    blocks_per_device: D integers >= 1, never rounded (checked_blocks_per_device); num_blocks their
+    sum, if left out. device_of_expert: (E,) or (L, E) devices 0..D-1 (placement.place_experts,
+    checked_placement). home_devices: rows on their request's home instead (device_of_expert is then
+    None: ask memory.device_of_expert_of). record_history: module docstring.
 
-    Faults: a step that raises anywhere (a policy, the block copies, out of memory in some layer, the
-    bookkeeping after the forward, an interrupt) is undone (see `step`) and the exception propagates;
-    stepping on runs the same tokens again. A request whose own sampling fails finishes with
-    finish_reason "error" and the others go on. `abort_request` takes a request out from any state.
+    A step that raises is undone (see `step`); a request whose own sampling fails finishes with
+    "error" and the others go on.
     """
 
     def __init__(self, model: MoEKVTransformer, num_blocks: int | None = None, block_size: int = 16,
@@ -143,23 +153,22 @@ class LLMEngine:
         if blocks_per_device is not None:
             blocks_per_device = checked_blocks_per_device(blocks_per_device)
             num_blocks = sum(blocks_per_device) if num_blocks is None else num_blocks
-        _check_int("num_blocks", num_blocks, 1)
+        check_int("num_blocks", num_blocks, 1)
         check_block_size(block_size)
         if scheduler_config is not None and not isinstance(scheduler_config, SchedulerConfig):
             raise ValueError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
         scheduler_config = scheduler_config or SchedulerConfig()
-        _check_int("num_swap_blocks", num_swap_blocks, 0, allow_none=True)
+        check_int("num_swap_blocks", num_swap_blocks, 0, allow_none=True)
         if num_swap_blocks and scheduler_config.preemption_mode != "swap":
             raise ValueError(f"num_swap_blocks={num_swap_blocks} applies to preemption_mode='swap', not "
                              f"{scheduler_config.preemption_mode!r}")
-        _check_int("shuffle_seed", shuffle_seed, 0, allow_none=True)
+        check_int("shuffle_seed", shuffle_seed, 0, allow_none=True)
         if attention is not None and attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS} (or None)")
-        if not isinstance(record_history, bool):
-            raise ValueError(f"record_history={record_history!r} must be True or False")
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r} must be True or False")
-        self.enable_prefix_caching = enable_prefix_caching
+        for name, flag in (("record_history", record_history),
+                           ("enable_prefix_caching", enable_prefix_caching)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}={flag!r} must be True or False")
         if num_swap_blocks is None:
             num_swap_blocks = num_blocks if scheduler_config.preemption_mode == "swap" else 0
         self.model = model
@@ -194,11 +203,12 @@ class LLMEngine:
 
     # ----- requests in ------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], sampling_params: SamplingParams | dict | None = None) -> int:
-        """Queue a request; returns its id. Raises ValueError, changing nothing, for an empty prompt,
-        token ids that are not integers of the vocabulary, invalid sampling parameters, a generation
-        past the model's positions, or a request that might not fit the pool even alone."""
-        params = self._checked_params(sampling_params)
-        prompt = self._checked_prompt(prompt, params.max_new_tokens)
+        """Queue a request; returns its id. Raises ValueError, changing nothing, for a bad prompt or
+        sampling parameters, a generation past the model's positions, or a request that might not
+        fit the pool even alone."""
+        params = _checked_params(sampling_params)
+        prompt = check_prompt(prompt, self.config.vocab_size, self.config.max_position_embeddings,
+                              params.max_new_tokens, "the prompt")
         self.scheduler.check_fits_alone(len(prompt), params.max_new_tokens, self._next_request_id)
         return self._queue(prompt, params)
 
@@ -210,34 +220,13 @@ class LLMEngine:
         self._event(self.step_count, request.request_id, "arrived")
         return request.request_id
 
-    @staticmethod
-    def _checked_params(sampling_params, name: str = "sampling_params") -> SamplingParams:
-        if sampling_params is None:
-            return SamplingParams()
-        if isinstance(sampling_params, dict):
-            allowed = [f.name for f in dataclasses.fields(SamplingParams)]
-            unknown = sorted(map(str, set(sampling_params) - set(allowed)))
-            if unknown:
-                raise ValueError(f"{name}: unknown keys {unknown}; allowed keys: {allowed}")
-            return SamplingParams(**sampling_params)                       # validates
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"{name} must be a SamplingParams or a dict, got "
-                             f"{type(sampling_params).__name__}")
-        # validate again: a frozen dataclass can still be forced into a bad state
-        return SamplingParams(**dataclasses.asdict(sampling_params))
-
-    def _checked_prompt(self, prompt, max_new_tokens: int, name: str = "the prompt") -> list[int]:
-        return check_prompt(prompt, self.config.vocab_size, self.config.max_position_embeddings,
-                            max_new_tokens, name)
-
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
     # ----- requests out -------------------------------------------------------------------------------
     def abort_request(self, request_id: int) -> RequestOutput | None:
-        """Stop a request, from any state: its device blocks and swap blocks go back now. Returns
-        its output so far (finish_reason "aborted"), or None if it had already finished. Raises
-        ValueError for an id this engine never gave out."""
+        """Stop a request, from any state, freeing its blocks now. Returns its output so far
+        ("aborted"), or None if it had already finished; ValueError for an id never given out."""
         if isinstance(request_id, numbers.Integral) and not isinstance(request_id, bool):
             request_id = int(request_id)            # numpy integers too, as add_request's tokens
         if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id < self._next_request_id:
@@ -247,23 +236,20 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return None
-        self.scheduler.abort(request, self.step_count)
-        self._count_finished(request, self.step_count)
-        return self._hand_out(request)
+        self.scheduler.finish(request, self.step_count, "aborted")
+        return self._hand_out(request, self.step_count)
 
-    def _hand_out(self, request: Request) -> RequestOutput:
-        """The output of a finished request; without history, the engine forgets the request."""
+    def _hand_out(self, request: Request, step: int) -> RequestOutput:
+        """Count a finished request and give its output; without history, the engine forgets it."""
+        kind = _COUNTED_AS[request.finish_reason]
+        self._counts[kind] += 1
+        self._event(step, request.request_id, kind)
         output = RequestOutput.from_request(request)
         if not self.record_history:
             del self.requests[request.request_id]
         if self._generating is not None:            # generate() collects what it asked for
             self._generating[request.request_id] = output
         return output
-
-    def _count_finished(self, request: Request, step: int) -> None:
-        kind = {"length": "finished", "aborted": "aborted", "error": "failed"}[request.finish_reason]
-        self._counts[kind] += 1
-        self._event(step, request.request_id, kind)
 
     def _event(self, step: int, request_id: int, kind: str) -> None:
         if kind in ("admitted", "resumed"):
@@ -276,14 +262,11 @@ class LLMEngine:
         """Schedule, run one forward, sample, account. Returns the requests that finished in this
         step (served to the end, or failed in their own sampling).
 
-        A step happens whole or not at all (engine/undo.py): if anything in it raises -- a policy
-        while scheduling, the block copies, the forward, sampling, the bookkeeping after it -- the
-        scheduler, the block manager, the swap space and every request are put back as they were
-        before the step (after a fault past scheduling: as they were once the step's preemptions and
-        admissions were made, which are kept), the step is counted as failed, and the exception
-        propagates with a note naming the step and the requests it ran. Stepping on continues
-        correctly: nothing is lost and no block leaks. A fault in the block copies makes the
-        sequences they moved recompute, since their K/V may be incomplete."""
+        A step happens whole or not at all (undo.py): if anything in it raises, every object is put
+        back as it was before the step (or, past scheduling, once its preemptions and admissions
+        were made, which are kept), the step counts as failed, and the exception propagates with a
+        note naming the step and its requests; nothing is lost and no block leaks. A fault in the
+        block copies makes the sequences they moved recompute (their K/V may be incomplete)."""
         start = time.perf_counter()
         step = self.step_count
         num_running, scheduled_used = len(self.scheduler.running), self.memory.num_used_blocks
@@ -296,24 +279,18 @@ class LLMEngine:
             raise
         for kind, request in decision.events:
             self._event(step, request.request_id, kind)
-        num_running, used_blocks = len(self.scheduler.running), self.memory.num_used_blocks
-        scheduled_used = used_blocks
+        num_running, scheduled_used = len(self.scheduler.running), self.memory.num_used_blocks
         if not decision.scheduled and not decision.block_copies and self.scheduler.has_unfinished:
             raise RuntimeError(f"step {step}: nothing could be scheduled with {len(self.scheduler.waiting)} "
                                f"waiting and {len(self.scheduler.running)} running requests")
         try:
-            ran, done, used_after_forward, num_generated = self._run(decision)
+            done, used_blocks, num_generated = self._run(decision)
         except BaseException as error:
             ids = [item.request.request_id for item in decision.scheduled]
             self._fail_step(error, step, start, num_running, scheduled_used, f"running requests {ids}")
             raise
-        finished = []
-        if ran:
-            used_blocks = used_after_forward               # the peak of the step: before finishing
-            self._counts["generated_tokens"] += num_generated
-            for request in done:
-                self._count_finished(request, step)
-                finished.append(self._hand_out(request))
+        self._counts["generated_tokens"] += num_generated
+        finished = [self._hand_out(request, step) for request in done]
         self._end_step(step, decision.num_scheduled_tokens, decision.reserved_blocks, start, num_running,
                        used_blocks, scheduled_used)
         used = self._used_after_forward                                              # (D,)
@@ -330,23 +307,21 @@ class LLMEngine:
         self._end_step(step, 0, 0, start, num_running, self.memory.num_used_blocks, scheduled_used)
 
     def _run(self, decision):
-        """Copies, forward, sampling and the scheduler's accounting of one step. Undoes everything
-        after the copies if any of it raises; makes the copied sequences recompute if the copies
-        raise. Returns (whether a forward ran, the requests that finished, blocks in use after the
-        forward, tokens generated)."""
+        """Copies, forward, sampling and accounting of one step, undone past the copies if any of it
+        raises. Returns (the requests that finished, blocks in use after the forward -- the step's
+        peak, before finishing -- and tokens generated)."""
         try:
             self.runner.copy_blocks(decision.block_copies)
         except BaseException:
             self.scheduler.recover_from_failed_copies(decision)
             raise
         if not decision.scheduled:
-            return False, [], 0, 0
+            return [], self.memory.num_used_blocks, 0
         before_forward = Snapshot(self.scheduler)
         states = {}
         try:
             result = self.runner.forward(decision.scheduled)
-            # blocks in use on each device right after the forward: the step's peak (finished
-            # requests free theirs after it)
+            # the step's peak on each device: finished requests free their blocks after it
             self._used_after_forward = self.memory.num_used_blocks_per_device
             sampled, failed = {}, {}
             for item, logits in zip(decision.scheduled, result.last_logits):
@@ -359,32 +334,27 @@ class LLMEngine:
                 except Exception as error:          # this request's own failure: it alone finishes
                     failed[request.request_id] = f"sampling failed: {type(error).__name__}: {error}"
             used_blocks = self.memory.num_used_blocks
-            num_generated = sum(1 for item in decision.scheduled
-                                       if item.request.request_id in sampled
-                                       and len(item.request.output_token_ids) < item.request.max_new_tokens)
+            num_generated = sum(len(r.output_token_ids) < r.max_new_tokens
+                                for r in (item.request for item in decision.scheduled)
+                                if r.request_id in sampled)
             done = self.scheduler.update_from_output(decision, sampled, result.entries_per_layer, failed)
         except BaseException:
             before_forward.restore()
             for generator, state in states.values():
                 generator.set_state(state)          # a token sampled before the fault is drawn again
             raise
-        return True, done, used_blocks, num_generated
+        return done, used_blocks, num_generated
 
     def idle_step(self) -> None:
         """Let a step of time pass with nothing to run (requests have not arrived yet)."""
-        self._record(self.step_count, 0, 0, 0.0)
-        self.step_count += 1
+        used = self.memory.num_used_blocks
+        self._end_step(self.step_count, 0, 0, None, len(self.scheduler.running), used, used)
 
     def _end_step(self, step, num_tokens, reserved, start, num_running, used_blocks, scheduled_used) -> None:
-        seconds = time.perf_counter() - start
+        """Count the step (start: its perf_counter; None: idle, 0 s) and record it, with history."""
+        seconds = 0.0 if start is None else time.perf_counter() - start
         self._seconds += seconds
-        self._record(step, num_tokens, reserved, seconds, num_running, used_blocks, scheduled_used)
         self.step_count += 1
-
-    def _record(self, step, num_tokens, reserved, seconds, num_running=None, used_blocks=None,
-                scheduled_used=None) -> None:
-        num_running = len(self.scheduler.running) if num_running is None else num_running
-        used_blocks = self.memory.num_used_blocks if used_blocks is None else used_blocks
         counts = self._counts
         counts["records"] += 1
         counts["running_sum"] += num_running
@@ -394,7 +364,6 @@ class LLMEngine:
             return
         waiting = self.scheduler.waiting
         num_preempted = sum(r.status is RequestStatus.PREEMPTED for r in waiting)
-        scheduled_used = used_blocks if scheduled_used is None else scheduled_used
         self.timeline.append(StepRecord(step, num_running, len(waiting) - num_preempted, num_preempted,
                                         num_tokens, used_blocks, scheduled_used, reserved,
                                         self.memory.num_swapped_blocks, seconds))
@@ -402,26 +371,12 @@ class LLMEngine:
     # ----- whole workloads ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | list | None = None,
                  on_step: Callable[["LLMEngine"], None] | None = None) -> list[RequestOutput]:
-        """Serve every prompt to the end; outputs in the order of `prompts`. Every prompt and its
-        parameters are checked before the first is queued, so a bad one leaves the engine unchanged.
-        If anything interrupts it (KeyboardInterrupt, or a step that raises), the requests it added
-        that have not finished are aborted, freeing their memory, and the exception propagates."""
-        if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
-        if not prompts:
-            raise ValueError("no prompts given: pass a list of at least one prompt")
-        if isinstance(sampling_params, (list, tuple)):
-            per_prompt = list(sampling_params)
-            if len(per_prompt) != len(prompts):
-                raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
-        else:
-            per_prompt = [sampling_params] * len(prompts)
-        checked = []
-        for i, (prompt, params) in enumerate(zip(prompts, per_prompt)):
-            params = self._checked_params(params, f"sampling_params[{i}]")
-            prompt = self._checked_prompt(prompt, params.max_new_tokens, f"prompt {i}")
+        """Serve every prompt to the end; outputs in the order of `prompts`. Everything is checked
+        before the first is queued. If anything interrupts it (KeyboardInterrupt, a step that
+        raises), the requests it added that have not finished are aborted, and it propagates."""
+        checked = _checked_batch(prompts, sampling_params, self.config, "sampling_params")
+        for i, (prompt, params) in enumerate(checked):
             self.scheduler.check_fits_alone(len(prompt), params.max_new_tokens, self._next_request_id + i)
-            checked.append((prompt, params))
         ids = [self._queue(prompt, params) for prompt, params in checked]
         outputs: dict[int, RequestOutput] = {}
         self._generating = outputs       # every request handed out while it runs, aborted ones too
@@ -440,8 +395,7 @@ class LLMEngine:
         return [outputs[i] for i in ids]
 
     def prefix_cache_stats(self) -> dict | None:
-        """Prefix caching's counters (lookups, tokens looked up and skipped, blocks shared and copied,
-        cached blocks evicted, blocks cached now); None without prefix caching."""
+        """Prefix caching's counters, cached blocks evicted and cached now; None without it."""
         manager = self.cache.manager
         prefix = manager.prefix_cache
         if prefix is None:
@@ -455,8 +409,7 @@ class LLMEngine:
         return [] if self._peak_used_per_device is None else self._peak_used_per_device.tolist()
 
     def eviction_stats(self) -> dict:
-        """stats() plus the scheduler's eviction counts (victims chosen, the blocks they freed where
-        memory was short, row evictions) and the peak of blocks in use on each device."""
+        """stats() plus the scheduler's eviction counts and the peak of blocks in use per device."""
         s = self.scheduler
         return {**self.stats().to_dict(), "num_evictions": s.num_evictions, "num_row_evictions": s.num_row_evictions,
                 "num_evicted_rows": s.num_evicted_rows, "num_dead_rows_freed": s.num_dead_rows_freed,
@@ -490,21 +443,13 @@ def generate_with_engine(model: MoEKVTransformer, prompts: list[list[int]], para
                          num_blocks: int | None = None, on_token: Callable[[int, int], None] | None = None,
                          scheduler_config: SchedulerConfig | None = None, shuffle_seed: int | None = None):
     """`generate.generate(..., cache="paged")` through the serving engine: the same GenerationResult
-    (tokens, and the (B, L, E) tokens each row held when its request finished), produced by
-    continuous batching over the paged pool. Without num_blocks the pool holds every prompt's
-    worst case at once, so nothing is preempted; give fewer to watch preemption keep the tokens."""
+    by continuous batching over the paged pool. Without num_blocks the pool holds every prompt's
+    worst case at once; give fewer to watch preemption keep the tokens."""
     if not isinstance(model, MoEKVTransformer):
         raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
     check_block_size(block_size)
-    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a non-empty list of prompts (lists of token ids)")
-    per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-    if len(per_prompt) != len(prompts):
-        raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
-    per_prompt = [LLMEngine._checked_params(q, f"params[{i}]") for i, q in enumerate(per_prompt)]
     c = model.config
-    prompts = [check_prompt(p, c.vocab_size, c.max_position_embeddings, q.max_new_tokens, f"prompt {i}")
-               for i, (p, q) in enumerate(zip(prompts, per_prompt))]
+    prompts, per_prompt = map(list, zip(*_checked_batch(prompts, params, c, "params")))
     if num_blocks is None:      # sized from the prompts given: every one's worst case at once
         num_blocks = sum(worst_case_lifetime_blocks(len(p) + q.max_new_tokens - 1, c.num_hidden_layers,
                                                     c.num_attention_experts, c.num_attention_experts_per_tok,

@@ -1,35 +1,15 @@
 """What the scheduler and its policies know about memory: integers only.
 
-    ModelShape   the model's facts that set how many blocks a sequence takes (layers, experts, k_max,
-                 k_min, block size, positions), read once from the config when the engine is built
-    MemoryView   a read-only window onto the block manager and the swap space: the pool's size and
-                 free blocks, the blocks and (layer, expert) token counts each sequence holds, and
-                 what a swapped sequence left in host memory; per device, the same counts as (D,)
-                 vectors, and when each row was last appended to
+    ModelShape   the model's facts that set how many blocks a sequence takes (from the config)
+    MemoryView   a read-only window onto the block manager and the swap space: the pool's size
+                 and free blocks, each sequence's blocks and (layer, expert) token counts, what a
+                 swapped sequence left in host memory; per device (one pool: D = 1), the same as
+                 (D,) vectors, where each row lives and when it was last appended to
 
-Devices (the manager's, cache/kv_cache_manager.py): with the attention experts on D devices, each with
-its own blocks, memory is short per device; one pool is D = 1, the same questions with one entry:
-
-    num_free_blocks_per_device   (D,) free blocks of each device
-    blocks_held_per_device(s)    (D,) blocks sequence s holds on each device (every block it owns)
-    swapped_blocks_per_device(s) (D,) blocks a swapped sequence takes on each device to come back
-    row_last_used(s)             (L, E) the step that last appended to each row of s (-1: never),
-                                 what an expert-level LRU reads; None where the scheduler does not
-                                 evict rows
-    device_of_expert             (L, E) the manager's placement of experts; a pool with home devices
-                                 has none (a row lives on its sequence's home) and raises ValueError
-    device_of_expert_of(seqs)    (m, L, E) where each row of these sequences lives, held or not (its
-                                 expert's device, or its sequence's home in a pool with home devices):
-                                 what a policy asking "which device is this row on" must read
-
-The totals (num_blocks, num_free_blocks, ...) stay sums over devices, so the admission policies that
-reason about the whole pool keep working.
-
-The scheduler changes memory only through the block manager (`free`) and the swap space
-(`swap_out` / `swap_in`), and never touches K/V tensors: the model's forward fills blocks (the cache
-allocates the slots of the tokens the router sends to each expert), and the model runner performs
-the swap copies the scheduler decided. Policies (admission, victim choice) get a MemoryView, which
-has no method that changes anything.
+The totals (num_blocks, num_free_blocks, ...) stay sums over devices, for the admission policies
+that reason about the whole pool. The scheduler changes memory only through the block manager
+(`free`) and the swap space (`swap_out` / `swap_in`), never touching K/V tensors; the policies get
+a MemoryView, which has no method that changes anything.
 """
 
 from __future__ import annotations
@@ -94,9 +74,7 @@ class MemoryView:
         return self._manager.token_counts(seq_ids)
 
     def num_blocks_held(self, seq_id: int) -> int:
-        if not self.holds(seq_id):
-            return 0
-        return int(self._manager.blocks_of_sequence(seq_id).numel())
+        return int(self._manager.blocks_of_sequence(seq_id).numel()) if self.holds(seq_id) else 0
 
     # ----- the swap space ---------------------------------------------------------------------------
     @property
@@ -130,12 +108,10 @@ class MemoryView:
 
     @property
     def blocks_per_device(self) -> torch.Tensor:
-        """(D,) blocks of each device."""
         return self._manager.blocks_per_device
 
     @property
     def num_free_blocks_per_device(self) -> torch.Tensor:
-        """(D,) free blocks of each device."""
         return self._manager.num_free_blocks_per_device
 
     @property
@@ -144,17 +120,16 @@ class MemoryView:
 
     @property
     def device_of_expert(self) -> torch.Tensor:
-        """(L, E) the device of each expert (all 0: one pool). ValueError with home devices, where
-        rows follow their sequence: ask device_of_expert_of."""
+        """(L, E) each expert's device; ValueError with home devices (see device_of_expert_of)."""
         return self._manager.device_of_expert
 
     def device_of_expert_of(self, seq_ids: list[int]) -> torch.Tensor:
-        """(m, L, E) the device each row of these sequences lives on (held or not)."""
+        """(m, L, E) the device each row of these sequences lives on (held or not; its expert's, or
+        its sequence's home in a pool with home devices)."""
         return self._manager.device_of_expert_of(seq_ids)
 
     def blocks_held_per_device(self, seq_id: int) -> torch.Tensor:
-        """(D,) blocks the sequence holds on each device: every block it owns, also those a design
-        keeps outside its rows (shared tails), so that with one device it is num_blocks_held."""
+        """(D,) blocks the sequence holds per device, also any outside its rows (shared tails)."""
         return self._manager.blocks_held_per_device([seq_id])[0]
 
     def swapped_blocks_per_device(self, seq_id: int) -> torch.Tensor:
@@ -164,16 +139,13 @@ class MemoryView:
         return self._swap_space.blocks_per_device(seq_id)
 
     def row_last_used(self, seq_id: int) -> torch.Tensor | None:
-        """(L, E) the step that last appended to each of the sequence's rows (-1: never), kept by the
-        block manager; None where the scheduler does not evict rows."""
-        if not self._manager.can_evict_rows:
-            return None
-        return self._manager.row_last_used(seq_id)
+        """(L, E) the step each row was last appended at (-1: never); None: rows never evicted."""
+        return self._manager.row_last_used(seq_id) if self._manager.can_evict_rows else None
 
     # ----- checking ---------------------------------------------------------------------------------
     def assert_no_leak(self) -> None:
         """After every request finished: no sequence holds blocks, every block is free, the swap
-        space is empty, and the manager's invariants hold."""
+        space is empty, the manager's invariants hold."""
         manager = self._manager
         manager.assert_consistent()
         assert not manager.sequences, f"sequences still in the cache: {manager.sequences}"

@@ -6,19 +6,11 @@ scheduled requests as one flat ragged batch.
     seq_ids     0 0 0 0 0              1                     2 2 2
     positions   0 1 2 3 4              17                    32 33 34
 
-Each request's slice continues what the cache holds for it, so the cache appends and attends in one
-call per layer. The runner returns the logits of each request's last scheduled token (the engine
-samples from them only when that token is the request's newest) and how many experts the routers
-chose per layer, which feeds the demand predictor.
-
-The runner owns the host (swap) copy of K/V: `host_key_cache` / `host_value_cache`, blocks of the
-same shape as the device pool's. The scheduler decides swap-outs and swap-ins on block ids
-(swap.py); the runner copies the blocks, in the order decided, *before* the forward -- a device block
-freed by a swap-out may be handed to another sequence in the same step, and the copy must read it
-before anything writes it.
-
-Every serving design of the benchmark runs through this one runner, so the comparison measures
-scheduling and memory, not two implementations of the forward.
+It returns the logits of each request's last scheduled token and the experts the routers chose per
+layer (for the demand predictor). It owns the host (swap) K/V, blocks of the device pool's shape,
+and copies blocks in the order decided *before* the forward: a device block freed by a swap-out may
+go to another sequence in the same step, and the copy must read it first. Every serving design of
+the benchmark runs through this one runner, so the comparison measures scheduling and memory.
 """
 
 from __future__ import annotations
@@ -47,8 +39,7 @@ class FlatBatch:
 
 
 def flatten_batch(scheduled) -> FlatBatch:
-    """scheduled: ScheduledRequest (request, num_tokens) in batch order. Each request runs the
-    `num_tokens` tokens after the ones it has computed."""
+    """scheduled: ScheduledRequests in batch order, each running the tokens after its computed."""
     tokens, seq_ids, positions, lengths = [], [], [], []
     for item in scheduled:
         request, n = item.request, item.num_tokens
@@ -82,20 +73,19 @@ class ModelRunner:
         """Perform block copies in order: SWAP_OUT device -> host, SWAP_IN host -> device, COPY device ->
         device (copy-on-write of a prefix-cache hit's straddling blocks)."""
         device = self.cache.key_cache.device
+        pairs = ((self.cache.key_cache, self.host_key_cache),
+                 (self.cache.value_cache, self.host_value_cache))
         for copy in copies:
             source, destination = copy.source.to(torch.int64), copy.destination.to(torch.int64)
-            if copy.direction == SWAP_OUT:
-                self.host_key_cache[destination] = self.cache.key_cache[source.to(device)].cpu()
-                self.host_value_cache[destination] = self.cache.value_cache[source.to(device)].cpu()
-            elif copy.direction == SWAP_IN:
-                self.cache.key_cache[destination.to(device)] = self.host_key_cache[source].to(device)
-                self.cache.value_cache[destination.to(device)] = self.host_value_cache[source].to(device)
-            elif copy.direction == COPY:
-                source, destination = source.to(device), destination.to(device)
-                self.cache.key_cache[destination] = self.cache.key_cache[source]
-                self.cache.value_cache[destination] = self.cache.value_cache[source]
-            else:
+            if copy.direction not in (SWAP_OUT, SWAP_IN, COPY):
                 raise ValueError(f"unknown block copy direction {copy.direction!r}")
+            for pool, host in pairs:                             # keys, then values
+                if copy.direction == SWAP_OUT:
+                    host[destination] = pool[source.to(device)].cpu()
+                elif copy.direction == SWAP_IN:
+                    pool[destination.to(device)] = host[source].to(device)
+                else:
+                    pool[destination.to(device)] = pool[source.to(device)]
 
     @torch.no_grad()
     def forward(self, scheduled) -> RunnerOutput:

@@ -8,17 +8,12 @@
     from any unfinished state: abort ──> FINISHED ("aborted"); its own sampling fails ──> FINISHED
     ("error", with the reason). Either way its blocks and swap blocks go back at once.
 
-Token bookkeeping (vLLM v1's): `all_token_ids` = prompt + generated tokens; `num_computed_tokens`
-of them have K/V in the cache. A step runs the next `all_token_ids[num_computed_tokens:]` (the whole
-prompt, a chunk of it, a single decode token, or, after a preemption by recompute, everything so far)
-and, once every token is computed, samples one more from the last logits.
+Token bookkeeping (vLLM v1's): `all_token_ids` = prompt + generated tokens, of which
+`num_computed_tokens` have K/V in the cache. A step runs the next ones (a prompt, a chunk of it, a
+decode token, or everything so far after a recompute) and, once all are computed, samples one more.
 
-    prompt  p0 p1 p2 p3 | generated g0 g1 g2
-            |<--- num_computed_tokens --->|   g2 pending: the next step feeds it
-
-A request owns its `torch.Generator`, seeded from its SamplingParams: sampling does not depend on
-the batch, and preemption never resamples a token (recompute re-feeds the tokens it already has), so a
-preempted request produces exactly what it would have produced alone.
+A request owns its `torch.Generator`, seeded from its SamplingParams, and preemption never resamples
+a token, so a preempted request produces exactly what it would have produced alone.
 """
 
 from __future__ import annotations
@@ -29,6 +24,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sampling import SamplingParams
+
+
+def check_int(name: str, value, minimum: int, allow_none: bool = False) -> None:
+    """ValueError naming the value unless it is an integer >= minimum (or None, where allowed)."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        also = " (or None)" if allow_none else ""
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}{also}")
 
 
 class RequestStatus(enum.Enum):
@@ -93,8 +97,7 @@ class Request:
 
     @property
     def generated_token_ids(self) -> list[int]:
-        """What the user asked for: the output without the tokens a padded (static) batch decodes
-        past it."""
+        """The output without the tokens a padded (static) batch decodes past it."""
         return self.output_token_ids[: self.sampling_params.max_new_tokens]
 
 

@@ -3,9 +3,8 @@
 One step, in order (vLLM v1's loop, with MoE-aware memory checks):
 
  1. Running requests, oldest first. Each gets its pending tokens (a prefill chunk, or one decode
-    token) within the token budget, and the *worst case* of blocks those tokens can open
-    (demand.worst_case_step_blocks: every token to k_max experts, each opening a block) is reserved
-    against the free pool. When the reservation does not fit, the victim policy picks a running
+    token) within the token budget, and the *worst case* of blocks those tokens can open (demand.py)
+    is reserved against the free pool. When it does not fit, the victim policy picks a running
     request not yet scheduled this step (the newest, by default), which is preempted -- by recompute
     or by swap -- until it does (possibly the request itself).
  2. If nothing was preempted: the batching policy admits waiting requests, preempted ones first
@@ -14,67 +13,37 @@ One step, in order (vLLM v1's loop, with MoE-aware memory checks):
  3. After the forward (`update_from_output`): tokens are counted as computed, sampled tokens
     appended, and requests that reached their last token finish and free their blocks.
 
-Why the worst case of one step, and not of the request's whole life: the whole life is k_max / k_avg
-times more than what threshold routing actually needs (what `continuous_reserved` pays); the next step
-is all that must be guaranteed, because a forward runs every layer and cannot stop half-way when a
-layer's router picks experts whose blocks are full. Why a prediction for admission: the step guarantee
-alone would admit requests that will certainly be preempted later (wasted prefill); the prediction
-(demand.DemandPredictor, and admission.predicted_peak over the running requests' remaining steps) admits what
-routing so far says will fit.
+Why the worst case of one step, not of the whole life: the whole life is k_max / k_avg times more
+than threshold routing needs (what `continuous_reserved` pays); only the next step must be
+guaranteed, because a forward runs every layer and cannot stop half-way when a layer's experts are
+full. Why a prediction for admission (admission.py): the step guarantee alone would admit requests
+certain to be preempted later (wasted prefill).
 
-Why preempt whole sequences, never single experts' blocks: a sequence's next token may be routed to
-any expert of any layer, and attends over everything that expert cached for the sequence. Freeing one
-expert's blocks saves only that row (1/E of a layer's share, and usually a few partly filled blocks),
-yet the sequence can no longer run until that row is rebuilt -- and a row can only be rebuilt by
-running the whole sequence again (its K/V at layer l depend on every earlier layer). So a partial
-eviction costs the same recompute as a whole one and frees a fraction of the memory.
+Why preempt whole sequences, never single experts' blocks: a sequence's next token may go to any
+expert of any layer and attends over everything that expert cached for it. Freeing one row saves 1/E
+of a layer's share, yet the sequence cannot run until the row is rebuilt, which takes running the
+whole sequence again (K/V at layer l depend on every earlier layer): the cost of a whole recompute
+for a fraction of the memory.
 
-Devices: the block manager's pool has D devices, each with its own blocks (cache/kv_cache_manager.py;
-one pool is D = 1), and a step fits only if it fits every device. The reservation is a (D,) int64
-vector: each running request's next tokens reserve, on every device, the worst case they could open
-there (demand.worst_case_step_blocks_per_device, over the request's own map of row devices, which
-with D = 1 is the one-pool bound), and when some device is short the victim policy is told *which*
-(victims.Shortage). So a request can be refused or preempted because one device is full while the
-others are empty. The devices are those the experts are spread over (engine.py's per-device pools)
-or an expert-parallel job's ranks (parallel/serving.py: rank 0's manager mirrors every rank's pool,
-a device per rank). Several devices run continuous batching on the paged pool (continuous_paged)
-only: the reserving baselines never preempt, so which device is short does not matter to them.
+Devices: the pool has D devices (one pool: D = 1) and a step must fit every device, so the
+reservation is a (D,) int64 vector and the victim policy is told *which* device is short
+(victims.Shortage). Only continuous_paged runs several devices: the baselines never preempt.
 
-Row eviction, to show why it fits badly: a victim policy may return a victims.RowEviction instead
-of a request (what expert_lru does, reading when each row was last appended to, which the block
-manager keeps). The rows are freed and the request *stalls*: it goes back to the head of the waiting
-line, all of its context to be recomputed (counted in num_recomputed_tokens), while its other rows
-stay in the pool, dead weight, as a cache of independent expert buffers would leave them. Dead rows
-are freed before anything else when their device is short (`_free_dead_rows`: they will be
-recomputed anyway), when nothing runs and the head of the line does not fit, and when the stalled
-request resumes (it starts from an empty cache). Only where the block manager says rows can be
-evicted (`can_evict_rows`: plain pages, not shared tails, not prefix caching).
+Row eviction, to show why it fits badly: a victims.RowEviction frees some rows and the request
+*stalls* at the head of the line, to be recomputed whole, while its other rows stay in the pool as
+dead weight (as independent expert buffers would leave them). Dead rows are freed first when their
+device is short, when nothing runs, and when the request resumes. Only where the block manager
+`can_evict_rows` (plain pages, no shared tails, no prefix caching).
 
-Prefix caching (when the block manager is built with a PrefixCache, prefix_cache.py): a request
-starting from nothing first asks it for the longest usable cached prefix of its tokens (`hit_for`,
-for its own rows' devices, which also says what the hit costs on each device); it is admitted with
-num_computed_tokens = s, its rows built from shared blocks and copies (a COPY block copy each, run
-before the forward), and its step reserves the worst case of its remaining tokens plus the free
-blocks the hit takes, device by device. After each step
-the computed tokens' full blocks are registered, so that later requests find them; freeing a
-sequence drops its owners, and cached blocks stay findable until the pool evicts them.
+Prefix caching (prefix_cache.py): a request starting from nothing may start from a cached prefix
+(`prefix_hit`), its rows built from shared blocks and COPY block copies, reserving its remaining
+tokens' worst case plus the free blocks the hit takes; computed full blocks are registered after
+each step.
 
-What the scheduler sees: integers only. It works on the block manager (KVCacheManager: free
-blocks, each sequence's blocks and (layer, expert) token counts; `free`) and on the model's shape
-(memory.ModelShape), never on K/V tensors. Its decisions leave `schedule()` in one SchedulerOutput:
-the scheduled requests and their tokens, and the block copies of swap-out and swap-in, in the order
-they were decided, which the model runner performs before the step's forward.
-
-Policies, each a small class behind one interface (SchedulerConfig names them):
-    batching   batching.py / baselines.py: who joins the running batch (continuous_paged, and the
-               baselines continuous_reserved and static), and what one request may need alone
-    admission  admission.py: may the head of the line join (predicted, optimistic)
-    victim     victims.py: which running request to preempt when a step does not fit (newest_first),
-               or which rows to evict
-
-Statistics: num_preemptions, num_recomputed_tokens, num_swapped_out_blocks; num_evictions (victims
-chosen), freed_on_short_device (blocks they freed on the short device), num_row_evictions,
-num_evicted_rows, num_dead_rows_freed.
+The scheduler sees integers only (the block manager and memory.ModelShape), never K/V tensors. Its
+decisions leave `schedule()` in one SchedulerOutput, whose block copies the model runner performs,
+in order, before the forward. Its policies (SchedulerConfig names them): batching (batching.py,
+baselines.py), admission (admission.py) and victim (victims.py).
 """
 
 from __future__ import annotations
@@ -91,14 +60,12 @@ from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
 from .demand import (DemandPredictor, blocks_held_per_device, min_lifetime_blocks,
                      worst_case_lifetime_blocks_per_device, worst_case_step_blocks_per_device)
 from .memory import MemoryView, ModelShape
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, check_int
 from .swap import COPY, BlockCopy, SwapSpace
 from .victims import VICTIM_POLICIES, RowEviction, Shortage, VictimPolicy
 
 POLICIES = ("static", "continuous_reserved", "continuous_paged")
-ADMISSION_NAMES = tuple(ADMISSIONS)
 PREEMPTION_MODES = ("recompute", "swap")
-VICTIM_NAMES = tuple(VICTIM_POLICIES)
 
 
 @dataclass(frozen=True)
@@ -118,14 +85,12 @@ class SchedulerConfig:
     victim: str | VictimPolicy = "newest_first"
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         for name, allowed, kind in (("policy", POLICIES, BatchingPolicy),
-                                    ("admission", ADMISSION_NAMES, AdmissionPolicy),
+                                    ("admission", tuple(ADMISSIONS), AdmissionPolicy),
                                     ("preemption_mode", PREEMPTION_MODES, None),
-                                    ("victim", VICTIM_NAMES, VictimPolicy)):
+                                    ("victim", tuple(VICTIM_POLICIES), VictimPolicy)):
             value = getattr(self, name)
             if value is None and name == "admission":
                 continue
@@ -142,14 +107,11 @@ class SchedulerConfig:
         """A fresh policy object for a name; a policy object is used as given."""
         if isinstance(self.policy, BatchingPolicy):
             return self.policy
-        if self.policy == "static":
-            return StaticBatching()
-        if self.policy == "continuous_reserved":
-            return ContinuousReserved()
+        if self.policy != "continuous_paged":
+            return StaticBatching() if self.policy == "static" else ContinuousReserved()
         admission = self.admission if self.admission is not None else "predicted"
-        if isinstance(admission, str):
-            admission = ADMISSIONS[admission]()
-        return ContinuousBatching(admission)
+        return ContinuousBatching(ADMISSIONS[admission]() if isinstance(admission, str)
+                                  else admission)
 
     def make_victim_policy(self) -> VictimPolicy:
         return self.victim if isinstance(self.victim, VictimPolicy) else VICTIM_POLICIES[self.victim]()
@@ -176,8 +138,8 @@ class EvictionRecord:
 
 @dataclass
 class SchedulerOutput:
-    """What one call to `schedule` decided. The model runner performs `block_copies` (in order),
-    then runs `scheduled`; the engine records the rest."""
+    """What one `schedule` decided: the runner performs `block_copies`, in order, then runs
+    `scheduled`; the engine records the rest."""
     step: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)   # swap-outs and swap-ins, in order
@@ -201,13 +163,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Queues of requests and the decisions above. Invariants between steps: every request is in
-    exactly one of `waiting` (WAITING or PREEMPTED) and `running` (RUNNING), or is FINISHED and in
-    neither; a RUNNING or recompute-PREEMPTED request holds no swap blocks; a swap-PREEMPTED request
-    holds no pool blocks.
-
-    manager: the device pool's block manager; shape: the model's integer facts; num_swap_blocks:
-    host blocks for preemption by swap (0: none)."""
+    """Queues of requests and the decisions above. Between steps every request is in exactly one of
+    `waiting` (WAITING or PREEMPTED) and `running` (RUNNING), or is FINISHED and in neither; only a
+    swap-PREEMPTED request holds swap blocks, and it holds no pool blocks. num_swap_blocks: host
+    blocks for preemption by swap (0: none)."""
 
     def __init__(self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape,
                  num_swap_blocks: int = 0):
@@ -222,8 +181,7 @@ class Scheduler:
             raise ValueError(f"the manager's (layers, experts, block size) = ({manager.num_layers}, "
                              f"{manager.num_experts}, {manager.block_size}) differ from the shape's "
                              f"({shape.num_layers}, {shape.num_experts}, {shape.block_size})")
-        if not isinstance(num_swap_blocks, int) or isinstance(num_swap_blocks, bool) or num_swap_blocks < 0:
-            raise ValueError(f"num_swap_blocks={num_swap_blocks!r} must be an integer >= 0")
+        check_int("num_swap_blocks", num_swap_blocks, 0)
         if config.preemption_mode == "swap" and not num_swap_blocks:
             raise ValueError("preemption_mode='swap' needs a swap space: give the engine num_swap_blocks > 0")
         self.config = config
@@ -260,10 +218,9 @@ class Scheduler:
         return self.batching.max_blocks_alone(num_cached_tokens, self.shape)
 
     def check_fits_alone(self, prompt_len: int, max_new_tokens: int, request_id: int = 0) -> None:
-        """Raise ValueError if a request of this shape might not fit the pool even with nothing else
-        running. Such a request must be refused up front: preemption frees only *other* sequences'
-        memory, so once admitted it could never finish. request_id: whose rows' devices to check,
-        where they depend on it (a pool with home devices); elsewhere any id gives the same answer."""
+        """Raise ValueError if a request of this shape might not fit the pool even alone: preemption
+        frees only *other* sequences' memory, so once admitted it could never finish. request_id:
+        whose rows' devices to check (they depend on it in a pool with home devices)."""
         shape, num_blocks = self.shape, self.memory.num_blocks
         num_tokens = prompt_len + max_new_tokens - 1
         worst = self.max_blocks_alone(num_tokens)
@@ -285,8 +242,7 @@ class Scheduler:
             f"({shape.num_layers} layers, up to {shape.k_max} experts per token, block size {shape.block_size}); {fix}")
 
     def _check_fits_each_device(self, prompt_len: int, max_new_tokens: int, request_id: int) -> None:
-        """A request whose rows on some device might outgrow that device's blocks is refused, naming
-        the device (with one device, what the check of the whole pool has already said)."""
+        """Refuse a request whose rows on some device might outgrow it, naming the device."""
         shape, memory = self.shape, self.memory
         worst = worst_case_lifetime_blocks_per_device(torch.tensor([prompt_len + max_new_tokens - 1]), shape.k_max,
                                                       shape.block_size, memory.device_of_expert_of([request_id]),
@@ -308,9 +264,8 @@ class Scheduler:
 
     # ----- one step ---------------------------------------------------------------------------------
     def schedule(self, step: int) -> SchedulerOutput:
-        """One step's decisions (see the module docstring). If anything raises part-way, the
-        exception gets a note naming the request being scheduled; the engine undoes the partial
-        decisions (engine/undo.py)."""
+        """One step's decisions. An exception raised part-way gets a note naming the request being
+        scheduled; the engine undoes the partial decisions (undo.py)."""
         self.current = None                    # the request being decided on, for error messages
         try:
             return self._schedule(step)
@@ -324,7 +279,7 @@ class Scheduler:
         out = SchedulerOutput(step)
         self.manager.clock = step                  # the rows this step appends to remember it
         token_budget = self.config.max_num_batched_tokens
-        reserved = self.nothing_reserved()
+        reserved = torch.zeros(self.num_devices, dtype=torch.int64)             # (D,)
         # every running request's need, in one call; a request the budget cuts short is asked again
         planned_tokens = [min(r.num_pending_tokens, token_budget) for r in self.running]
         planned_needs = dict(zip(map(id, self.running), zip(planned_tokens,
@@ -341,7 +296,7 @@ class Scheduler:
                 if self._free_dead_rows(device):
                     continue                           # dead rows went first: look again
                 candidates = self.running[i:]          # not yet scheduled this step
-                free, free_before = self._free_on(device), self.memory.num_free_blocks_per_device   # (D,)
+                free_before = self.memory.num_free_blocks_per_device                        # (D,)
                 choice = self.victims.choose_victim(tuple(candidates), self.memory, shortage)
                 victim = choice.request if isinstance(choice, RowEviction) else choice
                 if not any(victim is c for c in candidates):
@@ -351,11 +306,12 @@ class Scheduler:
                     self._evict_rows(choice, out)
                 else:
                     self._preempt(victim, out)
+                freed = self.memory.num_free_blocks_per_device - free_before                # (D,)
                 self.num_evictions += 1
-                self.freed_on_short_device += self._free_on(device) - free
+                self.freed_on_short_device += int(freed[device])
                 mode = "rows" if isinstance(choice, RowEviction) else "swap" if victim.swapped else "recompute"
                 out.evictions.append(EvictionRecord(step, victim.request_id, mode, device,
-                                                    (self.memory.num_free_blocks_per_device - free_before).tolist()))
+                                                    freed.tolist()))
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
@@ -370,44 +326,25 @@ class Scheduler:
             self.batching.admit(AdmissionStep(self, out, token_budget, reserved))
         return out
 
-    # ----- the step's reservation: per device ------------------------------------------------------
-    # A (D,) int64 vector, D = 1 for one pool (module docstring).
-    def nothing_reserved(self) -> torch.Tensor:
-        return torch.zeros(self.num_devices, dtype=torch.int64)
-
+    # ----- the step's reservation: a (D,) vector, D = 1 for one pool ------------------------------
     def fits(self, demand: torch.Tensor) -> bool:
         """Whether `demand` (D,) blocks fit the free blocks of every device."""
         return bool((demand <= self.memory.num_free_blocks_per_device).all())
 
     def _shortage(self, demand: torch.Tensor, need: torch.Tensor) -> tuple[int, Shortage]:
-        """(the short device, what the victim policy is told): the device short by the most blocks
-        and a Shortage naming it."""
+        """(the device short by the most blocks, a Shortage naming it for the victim policy)."""
         missing = demand - self.memory.num_free_blocks_per_device                    # (D,)
         device = int(missing.argmax())
         return device, Shortage(device, int(missing[device]), int(need[device]))
-
-    def _free_on(self, device: int) -> int:
-        """Free blocks of `device`."""
-        return int(self.memory.num_free_blocks_per_device[device])
-
-    def blocks_held(self, request: Request) -> torch.Tensor:
-        """(D,) the blocks a request holds, as a reservation counts them."""
-        return self.memory.blocks_held_per_device(request.request_id)
-
-    def blocks_to_swap_in(self, request: Request) -> torch.Tensor:
-        """(D,) the blocks a swapped request takes to come back (nothing if it is not swapped)."""
-        return self.memory.swapped_blocks_per_device(request.request_id)
 
     def schedule_tokens(self, out: SchedulerOutput, request: Request, num_tokens: int, need: torch.Tensor) -> None:
         out.scheduled.append(ScheduledRequest(request, num_tokens, int(need.sum()),
                                               samples=num_tokens == request.num_pending_tokens))
 
     def start_head(self, out: SchedulerOutput, hit=None) -> Request:
-        """The head of the waiting line starts running (swapped back in if it was swapped out; a
-        stalled one first gives up its dead rows: it restarts from an empty cache). With prefix
-        caching, one that holds nothing starts from `hit` (its `prefix_hit`, if that fits) or from
-        nothing (None): its rows share the hit's full blocks, the blocks straddling the hit's end are
-        copied (COPY, before the forward), and prefill starts there."""
+        """The head of the waiting line starts running: swapped back in, or a stalled one without
+        its dead rows, or (prefix caching, holding nothing) from `hit` if given: its rows share the
+        hit's full blocks, the blocks straddling its end are copied (COPY), prefill starts there."""
         request = self.current = self.waiting.popleft()
         if self.stalled.pop(request.request_id, None) is not None:
             self.manager.free(request.request_id)
@@ -436,37 +373,31 @@ class Scheduler:
 
     def step_blocks(self, request: Request, num_tokens: int) -> torch.Tensor:
         """(D,) the worst case of blocks the request's next `num_tokens` tokens can take on each
-        device. Never more than its lifetime worst case minus what it holds, so a request alone
-        always fits."""
+        device (never above its lifetime's minus what it holds, so a request alone always fits)."""
         return self.step_blocks_many([request], [num_tokens])[0]
 
     def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> list[torch.Tensor]:
-        """`step_blocks` of many requests in one pass over their (m, L, E) token counts: the scheduler
-        asks for the whole running batch at once, since per-request tensor calls would cost more than
-        a decode step's forward on a small model. A swapped request's step grows from the rows it
-        saved (it is reserved with its swap-in, which brings them back); a stalled one restarts empty."""
+        """`step_blocks` of many requests in one pass (per-request tensor calls would cost more than
+        a decode step's forward on a small model). A swapped request grows from the rows it saved
+        (its swap-in brings them back); a stalled one restarts empty."""
         if not requests:
             return []
         shape, memory = self.shape, self.memory
         resident = [r.request_id for r in requests if not r.swapped]
-        counts = memory.token_counts(resident) if resident else None                    # (h, L, E)
+        held = iter(memory.token_counts(resident) if resident else ())                  # (h, L, E)
         empty = torch.zeros(shape.num_layers, shape.num_experts, dtype=torch.int64)     # (L, E)
-        rows, at = [], 0
+        rows = []
         for request in requests:
-            if request.swapped:
-                rows.append(memory.swapped_token_counts(request.request_id))
-                continue
-            rows.append(empty if request.request_id in self.stalled else counts[at])
-            at += 1
+            row = memory.swapped_token_counts(request.request_id) if request.swapped else next(held)
+            rows.append(empty if request.request_id in self.stalled else row)
         totals = [r.num_computed_tokens + n for r, n in zip(requests, num_tokens)]
         return self._worst_case_need(torch.stack(rows), num_tokens, totals,
                                      memory.device_of_expert_of([r.request_id for r in requests]))
 
     def _worst_case_need(self, counts: torch.Tensor, num_tokens: list[int], totals: list[int],
                          devices: torch.Tensor) -> list[torch.Tensor]:
-        """Rows (m, L, E) whose devices are `devices` (m, L, E), growing by num_tokens[i] to totals[i]
-        tokens -> m vectors (D,): the step's worst case on each device, never more than the lifetime's
-        worst case there minus what the rows hold."""
+        """Rows (m, L, E) on `devices` (m, L, E), growing by num_tokens[i] to totals[i] tokens -> m
+        vectors (D,): step_blocks of each."""
         shape, D = self.shape, self.num_devices
         held = blocks_held_per_device(counts, shape.block_size, devices, D)                      # (m, D)
         step = worst_case_step_blocks_per_device(counts, torch.tensor(num_tokens), shape.k_max, shape.block_size,
@@ -477,16 +408,14 @@ class Scheduler:
 
     # ----- prefix caching ------------------------------------------------------------------------------
     def prefix_hit(self, request: Request):
-        """The cached prefix a request that holds nothing would start from (a PrefixHit), or None:
-        no prefix caching, the request holds blocks or is swapped out, or nothing usable is cached."""
+        """The PrefixHit a request holding nothing (not swapped) would start from, or None."""
         if self.prefix_cache is None or request.swapped or self.memory.holds(request.request_id):
             return None
         return self.prefix_cache.hit_for(request.all_token_ids, request.request_id)
 
     def hit_step_blocks(self, hit, num_tokens: int) -> torch.Tensor:
-        """(D,) step_blocks for a request about to start from `hit`: the worst case of its next
-        num_tokens tokens from the hit's row counts, on the devices of the rows it was looked up for
-        (its own: with home devices, its home), plus the free blocks the hit itself takes there."""
+        """(D,) step_blocks for a request about to start from `hit` (from the hit's row counts, on
+        the devices of its rows), plus the free blocks the hit itself takes there."""
         L, E = self.shape.num_layers, self.shape.num_experts
         counts = hit.row_counts.view(1, L, E)                                                     # (1, L, E)
         need = self._worst_case_need(counts, [num_tokens], [hit.num_tokens + num_tokens],
@@ -527,12 +456,10 @@ class Scheduler:
         request.num_computed_tokens = 0
 
     def _evict_rows(self, eviction: RowEviction, out: SchedulerOutput) -> None:
-        """Drop the chosen rows; the request stalls (module docstring) and waits at the head of the line."""
-        request, manager = eviction.request, self.manager
-        rows = torch.cat([manager.rows([request.request_id], layer, expert) for layer, expert in eviction.layer_experts])
-        manager.free_rows(rows)
+        """Drop the chosen rows; the request stalls (module docstring) at the head of the line."""
+        request = eviction.request
         self.num_row_evictions += 1
-        self.num_evicted_rows += rows.numel()
+        self.num_evicted_rows += self._free_rows(request.request_id, eviction.layer_experts)
         self.running.remove(request)
         self.stalled[request.request_id] = request
         self._forget_computed(request)
@@ -541,29 +468,31 @@ class Scheduler:
     def _free_dead_rows(self, device: int | None) -> bool:
         """Free the rows stalled requests still hold on `device` (every device: None), oldest stall
         first. Returns whether any block was freed."""
-        manager, freed = self.manager, False
+        freed = False
         for request_id in self.stalled:
-            counts = self.memory.token_counts([request_id])[0]                       # (L, E)
-            dead = counts > 0
+            dead = self.memory.token_counts([request_id])[0] > 0                       # (L, E)
             if device is not None:
                 dead &= self.memory.device_of_expert_of([request_id])[0] == device
             if dead.any():
-                rows = torch.cat([manager.rows([request_id], layer, expert) for layer, expert in dead.nonzero().tolist()])
-                manager.free_rows(rows)
-                self.num_dead_rows_freed += rows.numel()
+                self.num_dead_rows_freed += self._free_rows(request_id, dead.nonzero().tolist())
                 freed = True
         return freed
+
+    def _free_rows(self, request_id: int, layer_experts) -> int:
+        """Free the (layer, expert) rows of a sequence; returns how many."""
+        rows = torch.cat([self.manager.rows([request_id], layer, expert)
+                          for layer, expert in layer_experts])
+        self.manager.free_rows(rows)
+        return rows.numel()
 
     # ----- after the forward ----------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[int, int],
                            entries_per_layer: torch.Tensor | None = None,
                            failed: dict[int, str] | None = None) -> list[Request]:
-        """Account for the step that ran `out`: every scheduled request computed its tokens; those
-        that sampled get their token (sampled_token_ids: request id -> token); a request that reached
-        its last token finishes and its blocks go back to the pool. entries_per_layer (L,): experts
-        the routers chose, summed over the step's tokens, for the demand predictor. failed: request
-        id -> reason, for requests whose own part of the step failed (their sampling): they finish
-        with finish_reason "error". Returns the requests that finished, in batch order."""
+        """Account for the step that ran `out`: tokens computed, sampled tokens (request id ->
+        token) appended, requests at their last token finished. entries_per_layer (L,): experts
+        chosen, summed over the step's tokens, for the predictor. failed: request id -> why its own
+        sampling failed (it finishes with "error"). Returns the requests that finished, in order."""
         failed = failed or {}
         if entries_per_layer is not None:
             self.predictor.observe(entries_per_layer, out.num_scheduled_tokens)
@@ -576,8 +505,7 @@ class Scheduler:
                 finished.append(request)
                 continue
             if self.prefix_cache is not None and self.memory.holds(request.request_id):
-                # its computed tokens' blocks become findable (a row's partly filled last block as a
-                # copy source only, see prefix_cache.py)
+                # its computed tokens' blocks become findable (prefix_cache.py)
                 self.prefix_cache.cache_computed_blocks(request.request_id,
                                                         request.all_token_ids[: request.num_computed_tokens])
             if not item.samples:
@@ -589,7 +517,8 @@ class Scheduler:
         return finished
 
     def finish(self, request: Request, step: int, reason: str = "length", error: str | None = None) -> None:
-        """The request leaves: its device blocks (and any swap blocks) go back, now."""
+        """The request leaves, from any unfinished state (reason "aborted": an abort): its device
+        blocks and any swap blocks go back now."""
         seq_id = request.request_id
         request.actual_blocks = self.memory.num_blocks_held(seq_id)
         request.final_token_counts = self.memory.token_counts([seq_id])[0]
@@ -608,16 +537,9 @@ class Scheduler:
             self.waiting.remove(request)
         self.stalled.pop(seq_id, None)           # a stalled request aborted while it waits
 
-    def abort(self, request: Request, step: int) -> None:
-        """Take an unfinished request out, from any state, freeing its blocks and swap space now."""
-        if request.status is RequestStatus.FINISHED:
-            raise ValueError(f"request {request.request_id} has already finished")
-        self.finish(request, step, "aborted")
-
     def recover_from_failed_copies(self, out: SchedulerOutput) -> None:
-        """The step's block copies raised part-way: the K/V of every sequence they moved may be
-        incomplete. Those sequences keep no K/V and recompute: a swapped-out one drops its host
-        blocks, a swapped-in one its device blocks."""
+        """The step's block copies raised part-way: every sequence they moved may have incomplete
+        K/V, so it drops them (host blocks if swapped out, else device blocks) and recomputes."""
         for request in out.swapped_out:
             if request.swapped:
                 self.swap_space.discard(request.request_id)

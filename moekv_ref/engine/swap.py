@@ -1,24 +1,15 @@
 """The swap space's bookkeeping: where a sequence preempted by swap keeps its K/V until it resumes.
 
-A second, smaller pool of blocks of the same shape as the device pool, in host memory. This module
-holds only integers -- a BlockPool of host block ids and, per swapped sequence, its host blocks and
-the token count of each of its L * E rows. It decides *which* blocks move where and says so in a
-`BlockCopy`; the model runner owns the host K/V tensors and performs the copies (model_runner.py),
-in the order the scheduler decided them, before the step's forward.
+A second, smaller pool of host blocks of the device pool's shape. This module holds only integers
+(host block ids and, per swapped sequence, its L * E row counts) and says which blocks move where in
+a `BlockCopy`; the model runner owns the host K/V and performs the copies, in order, before the
+forward. swap_out frees the device blocks at once, so the same step may hand them to another
+sequence (the copy runs first); swap_in allocates the saved row counts again (`allocate_slots`
+hands out blocks in the same row-by-row order as blocks_of_sequence lists them), so the sequence
+gets new device block ids: nothing outside the block tables may remember a block id.
 
-    swap_out   device blocks (row by row, in token order, as KVCacheManager.blocks_of_sequence lists
-               them) -> freshly allocated host blocks; the device blocks are freed in the manager at
-               once, so the same step may hand them to another sequence (the copy runs first)
-    swap_in    the saved row counts are allocated again in the device pool -- `allocate_slots` hands
-               out blocks in the same row-by-row order -- and host blocks -> those device blocks; the
-               host blocks are freed at once
-
-The sequence gets new device block ids, not its old ones: nothing outside the block tables may
-remember a block id.
-
-Why whole sequences: a sequence's next token attends over every expert it has ever been routed to in
-every layer, and the router may pick any of them. Swapping out only some experts' blocks would leave a
-sequence that cannot run until they return, so the scheduler moves all of a sequence or nothing.
+Whole sequences, because a sequence's next token may attend over any expert of any layer: one
+missing some experts' blocks cannot run until they return.
 """
 
 from __future__ import annotations
@@ -30,6 +21,7 @@ import torch
 
 from ..cache.block_pool import BlockPool
 from ..cache.kv_cache_manager import KVCacheManager
+from .request import check_int
 
 SWAP_OUT = "swap_out"     # device blocks -> host blocks
 SWAP_IN = "swap_in"       # host blocks -> device blocks
@@ -45,7 +37,7 @@ class BlockCopy(NamedTuple):
 
 @dataclass
 class SwappedSequence:
-    """What swap_out leaves behind: host block ids and the token count of each of the L * E rows."""
+    """What swap_out leaves behind."""
     host_block_ids: torch.Tensor      # (b,) int64, in the order of blocks_of_sequence
     token_counts: torch.Tensor        # (L * E,) int64, layer-major
     last_appended: torch.Tensor | None = None   # (L * E,) each row's last append (the manager's clock)
@@ -57,8 +49,7 @@ class SwapSpace:
     """Host block ids and saved row counts of the sequences preempted by swap (no tensors of K/V)."""
 
     def __init__(self, manager: KVCacheManager, num_blocks: int):
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
-            raise ValueError(f"swap space num_blocks={num_blocks!r} must be a positive integer")
+        check_int("swap space num_blocks", num_blocks, 1)
         self.manager = manager
         self.pool = BlockPool(num_blocks)
         self.swapped: dict[int, SwappedSequence] = {}
@@ -71,9 +62,8 @@ class SwapSpace:
         return self.manager.blocks_of_sequence(seq_id).numel() <= self.pool.num_free_blocks
 
     def swap_out(self, seq_id: int) -> BlockCopy:
-        """Take host blocks for the sequence's device blocks, remember its row counts, and free its
-        device blocks in the manager. Raises OutOfBlocksError, changing nothing, if the host pool is
-        short (ask can_swap_out first)."""
+        """Host blocks for the sequence's device blocks, which are freed. Raises OutOfBlocksError,
+        changing nothing, if the host pool is short (ask can_swap_out first)."""
         device_blocks = self.manager.blocks_of_sequence(seq_id)                        # (b,)
         counts = self.manager.token_counts([seq_id])[0].reshape(-1)                    # (L*E,)
         host_blocks = self.pool.allocate(device_blocks.numel())                        # may raise
@@ -96,8 +86,8 @@ class SwapSpace:
         return self.swapped[seq_id].token_counts.view(self.manager.num_layers, self.manager.num_experts)
 
     def swap_in(self, seq_id: int) -> BlockCopy:
-        """Give the sequence its rows back in the device pool (same counts, new block ids) and free
-        its host blocks. Raises RuntimeError, changing nothing, if the device pool is short."""
+        """The sequence's rows back in the device pool (same counts, new block ids), its host blocks
+        freed. Raises RuntimeError, changing nothing, if the device pool is short."""
         manager = self.manager
         saved = self.swapped[seq_id]
         if saved.host_block_ids.numel() > manager.num_free_blocks:
@@ -115,9 +105,6 @@ class SwapSpace:
         del self.swapped[seq_id]
         return BlockCopy(SWAP_IN, saved.host_block_ids, device_blocks)
 
-    def discard(self, seq_id: int) -> int:
-        """Forget a swapped sequence without bringing it back (it was aborted, or its copy out
-        failed): its host blocks go back to the pool. Returns how many."""
-        saved = self.swapped.pop(seq_id)
-        self.pool.free(saved.host_block_ids)
-        return saved.host_block_ids.numel()
+    def discard(self, seq_id: int) -> None:
+        """Forget a swapped sequence (aborted, or its copy out failed), freeing its host blocks."""
+        self.pool.free(self.swapped.pop(seq_id).host_block_ids)

@@ -1,37 +1,29 @@
 """Undo for one engine step: remember the scheduler's state, put it back if the step raises.
 
-A step changes many small objects -- the waiting and running queues, each request's counters, the
-block manager's tables and its pool's free stack, the swap space, the demand predictor, the policies'
-own state, the prefix cache's keys. Undoing each change by hand at each place it is made is how a
-request gets lost (taken off the waiting line, then an error before it reaches the running list). So
-the engine takes a `Snapshot` at two points of a step and, if anything after it raises, restores
-every object the snapshot reached, in place (so every reference to a request or a manager stays
-valid):
+A step changes many small objects (queues, request counters, the block manager's tables and free
+stack, the swap space, the predictor, the policies' and the prefix cache's state); undoing each
+change by hand where it is made is how a request gets lost. So the engine takes a `Snapshot` at two
+points of a step and, if anything after it raises, restores every object it reached, in place (every
+reference to a request or a manager stays valid):
 
-    before schedule()   a fault while scheduling puts every request back where it was; nothing
-                        has moved K/V yet, so the state is exactly the one before the step
-    before the forward  (after the block copies) a fault in the forward, in sampling or in the
-                        bookkeeping after it (counting tokens, finishing requests, the predictor,
-                        prefix registration) goes back to here: blocks the forward took are free
-                        again, blocks a finishing request gave back are its own again, untouched,
-                        since nothing allocates after the forward
+    before schedule()   nothing has moved K/V yet: the state is exactly the one before the step
+    before the forward  (after the block copies) a fault in the forward, sampling or the bookkeeping
+                        after it goes back to here: blocks the forward took are free again, blocks
+                        a finishing request gave back are its own again (nothing allocates after
+                        the forward)
 
-What a snapshot copies: the attributes of the scheduler and, recursively, of every object of this
-package they reach (tensors cloned, lists, dicts and deques copied, numbers and strings as they
-are). Not copied: frozen dataclasses (configurations, sampling parameters) and objects of other
-packages (torch generators are restored by the engine, which knows which ones sampled). Attributes a
-class lists in `_UNDO_SHARED` are kept by reference: they never change after construction (a
-request's prompt), so copying them every step would only cost time.
-
-The cost is a copy of the bookkeeping (block tables, free stack, reference counts): integers, a few
-kilobytes for the embedded model, small beside a forward.
+A snapshot copies the attributes of the scheduler and, recursively, of every object of this package
+they reach (tensors cloned, containers copied). Not copied: frozen dataclasses, objects of other
+packages (the engine restores the torch generators that sampled), and attributes a class lists in
+`_UNDO_SHARED`, which never change after construction. The cost is a copy of the bookkeeping: a few
+kilobytes of integers for the embedded model, small beside a forward.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections import OrderedDict, deque
+from collections import deque
 
 import torch
 
@@ -74,7 +66,7 @@ class Snapshot:
             return kind(v if type(v) in _ATOMS else self._copy(v) for v in value)
         if isinstance(value, deque):
             return deque((self._copy(v) for v in value), maxlen=value.maxlen)
-        if isinstance(value, (dict, OrderedDict)):
+        if isinstance(value, dict):
             return type(value)((k, self._copy(v)) for k, v in value.items())
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
             return tuple(self._copy(v) for v in value)

@@ -20,7 +20,7 @@ import torch
 from ..prompts import encode
 from ..sampling import SamplingParams
 from .engine import LLMEngine
-from .request import RequestOutput
+from .request import RequestOutput, check_int
 
 PROMPT_TEXT = '''import collections
 import functools
@@ -124,6 +124,15 @@ def _log_uniform(low: int, high: int, generator: torch.Generator) -> int:
     return int(round(math.exp(math.log(low) + u * (math.log(high) - math.log(low)))))
 
 
+def _check_arrivals_and_sampling(arrival_rate, temperature: float, top_p: float) -> None:
+    if arrival_rate is not None and not (isinstance(arrival_rate, (int, float))
+                                         and not isinstance(arrival_rate, bool)
+                                         and math.isfinite(arrival_rate) and arrival_rate > 0):
+        raise ValueError(f"arrival_rate={arrival_rate!r} must be a finite number > 0 of requests "
+                         "per step (or None)")
+    SamplingParams(temperature=temperature, top_p=top_p)          # checks both before any work
+
+
 def make_workload(num_requests: int = 24, prompt_len: tuple[int, int] = (8, 192),
                   output_len: tuple[int, int] = (8, 128), arrival_rate: float | None = None,
                   temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
@@ -131,23 +140,15 @@ def make_workload(num_requests: int = 24, prompt_len: tuple[int, int] = (8, 192)
     """`num_requests` requests, prompt and output lengths log-uniform in the given ranges, Poisson
     arrivals of `arrival_rate` per step (None: all at step 0). Request i samples with seed seed + i.
     Token ids are bytes, folded modulo `vocab_size` for models with a smaller vocabulary (tests)."""
-    def is_int(value):
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    if not is_int(num_requests) or num_requests < 1:
-        raise ValueError(f"num_requests={num_requests!r} must be an integer >= 1")
+    check_int("num_requests", num_requests, 1)
     for name, bounds in (("prompt_len", prompt_len), ("output_len", output_len)):
-        if not (isinstance(bounds, (tuple, list)) and len(bounds) == 2 and all(map(is_int, bounds))
+        if not (isinstance(bounds, (tuple, list)) and len(bounds) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) for b in bounds)
                 and 1 <= bounds[0] <= bounds[1]):
             raise ValueError(f"{name}={bounds!r} must be two integers (low, high) with 1 <= low <= high")
-    if arrival_rate is not None and not (isinstance(arrival_rate, (int, float)) and not isinstance(arrival_rate, bool)
-                                         and math.isfinite(arrival_rate) and arrival_rate > 0):
-        raise ValueError(f"arrival_rate={arrival_rate!r} must be a finite number > 0 of requests per step (or None)")
-    if not is_int(seed) or seed < 0:
-        raise ValueError(f"seed={seed!r} must be an integer >= 0")
-    if not is_int(vocab_size) or vocab_size < 1:
-        raise ValueError(f"vocab_size={vocab_size!r} must be an integer >= 1")
-    SamplingParams(temperature=temperature, top_p=top_p)          # checks both before any work
+    check_int("seed", seed, 0)
+    check_int("vocab_size", vocab_size, 1)
+    _check_arrivals_and_sampling(arrival_rate, temperature, top_p)
     text = [t % vocab_size for t in encode(PROMPT_TEXT)]
     generator = torch.Generator().manual_seed(seed)
     requests, clock = [], 0.0
@@ -166,31 +167,23 @@ def few_shot_workload(num_requests: int = 16, prompt_len: int = 256, shared_shar
                       output_len: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                       arrival_rate: float | None = None, seed: int = 0,
                       vocab_size: int = 256) -> list[WorkloadRequest]:
-    """Requests that share a long prefix, as few-shot prompting makes them: the first
-    round(shared_share * prompt_len) tokens of every prompt are the same instruction and examples
-    (FEW_SHOT_TEXT), the rest is the request's own question (a slice of PROMPT_TEXT at a seeded
-    position, different per request). All prompts are prompt_len tokens; outputs output_len tokens,
-    greedy by default (temperature 0), request i sampling with seed seed + i. Arrivals as make_workload."""
-    def is_int(value):
-        return isinstance(value, int) and not isinstance(value, bool)
-
+    """Requests sharing a long prefix, as few-shot prompting makes them: the first
+    round(shared_share * prompt_len) of each prompt's prompt_len tokens are FEW_SHOT_TEXT, the rest
+    a slice of PROMPT_TEXT at a seeded position, different per request. Greedy by default; seeds and
+    arrivals as make_workload."""
+    for name, value, low in (("num_requests", num_requests, 1), ("prompt_len", prompt_len, 1),
+                             ("output_len", output_len, 1), ("seed", seed, 0),
+                             ("vocab_size", vocab_size, 1)):
+        check_int(name, value, low)
     text = [t % vocab_size for t in encode(FEW_SHOT_TEXT)]
     own_text = [t % vocab_size for t in encode(PROMPT_TEXT)]
-    for name, value, low, high in (("num_requests", num_requests, 1, None), ("prompt_len", prompt_len, 1, None),
-                                   ("output_len", output_len, 1, None), ("seed", seed, 0, None),
-                                   ("vocab_size", vocab_size, 1, None)):
-        if not is_int(value) or value < low:
-            raise ValueError(f"{name}={value!r} must be an integer >= {low}")
     if not (isinstance(shared_share, (int, float)) and not isinstance(shared_share, bool) and 0 <= shared_share <= 1):
         raise ValueError(f"shared_share={shared_share!r} must be a number in [0, 1] (the shared part of each prompt)")
     shared_len = round(shared_share * prompt_len)
     if shared_len > len(text) or prompt_len - shared_len > len(own_text):
         raise ValueError(f"prompt_len={prompt_len} with shared_share={shared_share} needs {shared_len} shared tokens "
                          f"(at most {len(text)}) and {prompt_len - shared_len} own (at most {len(own_text)})")
-    if arrival_rate is not None and not (isinstance(arrival_rate, (int, float)) and not isinstance(arrival_rate, bool)
-                                         and math.isfinite(arrival_rate) and arrival_rate > 0):
-        raise ValueError(f"arrival_rate={arrival_rate!r} must be a finite number > 0 of requests per step (or None)")
-    SamplingParams(temperature=temperature, top_p=top_p)          # checks both before any work
+    _check_arrivals_and_sampling(arrival_rate, temperature, top_p)
     generator = torch.Generator().manual_seed(seed)
     own_len = prompt_len - shared_len
     starts = torch.randperm(len(own_text) - own_len + 1, generator=generator)[:num_requests].tolist()
