@@ -2,8 +2,9 @@
 
     results = launch(module_level_function, world_size=4, args=(spec,))
 
-Each rank is a spawned process (so the worker must be importable: tests and notebooks pass functions
-of moekv_ref.parallel.programs) that joins the process group through `join_group` (gloo on CPU, NCCL
+Each rank is a new process (`start_method`: forked from a fork server on Linux, spawned elsewhere;
+either way the worker must be importable: tests and notebooks pass functions of
+moekv_ref.parallel.programs), running in the caller's environment of the moment, that joins the process group through `join_group` (gloo on CPU, NCCL
 when CUDA is available), builds a `Communicator` and returns function(context, *args) to the parent.
 The key-value store the ranks rendezvous through lives in the parent, so it outlives any rank and a
 rank whose collective failed can still read how far its peers got (comm.py names them).
@@ -36,6 +37,7 @@ import os
 import pickle
 import queue as queue_module
 import re
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -161,11 +163,11 @@ def join_group(backend: str, timeout_s: float, start_timeout_s: float, store=Non
 
 
 def start_method() -> str:
-    """How ranks start: from a fork server where the platform has one (Linux, macOS), else spawned
-    (Windows). The server imports torch and the rank programs once; each rank is then a fork of it,
-    which starts in a fraction of a second instead of importing torch afresh (seconds, and more on
-    a loaded machine: notebook 07's widget starts ranks at every change)."""
-    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    """How ranks start: on Linux from a fork server, which imports torch and the rank programs once
+    and then forks each rank (0.2 s per launch of 2 ranks here, against 3 s spawning them, each
+    importing torch afresh: notebook 07's widget launches ranks at every change); elsewhere spawned
+    (Windows has no fork, and macOS frameworks are not safe to fork once loaded)."""
+    return "forkserver" if sys.platform.startswith("linux") else "spawn"
 
 
 def _worker_main(rank, world_size, port, backend, timeout_s, start_timeout_s, function, args, results,
