@@ -86,7 +86,7 @@ def project_qkv(config: ModelConfig, xs, positions, counts, w_q, w_k, w_v, backe
     # one product for the three: the weights side by side (E', D, (H + 2 Hkv) Dh), a copy of a few
     # hundred kB per layer that costs less than the two products it saves at decode sizes
     qkv = grouped_matmul(xs, torch.cat([w_q, w_k, w_v], dim=2), counts, backend)
-    qkv = rearrange(qkv, "m (h d) -> m h d", d=Dh)                           # (M, H + 2 Hkv, Dh)
+    qkv = qkv.unflatten(1, (-1, Dh))                                         # (M, H + 2 Hkv, Dh)
     qk = rotary(qkv[:, :H + Hkv], positions, config.rope_theta)              # queries and keys at once
     return qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
 
@@ -171,7 +171,7 @@ class ExpertAttention(nn.Module):
         with phase("attend"):
             attn = cache.attend(appended, q)                                 # (M, H, Dh)
         with phase("projections"):
-            y = grouped_matmul(rearrange(attn, "m h d -> m (h d)"), self.w_o, counts, self.backend)  # (M, D)
+            y = grouped_matmul(attn.flatten(1), self.w_o, counts, self.backend)  # (M, H*Dh) -> (M, D)
             if not dense:   # each token's pairs, weighted by their gates, summed
                 y = torch.zeros_like(x).index_add_(0, token, routing.gates[token, expert, None] * y)
         return y, routing

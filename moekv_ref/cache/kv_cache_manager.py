@@ -299,9 +299,11 @@ class KVCacheManager:
                 0 <= int(experts.min()) and int(experts.max()) < self.num_experts)):
             raise ValueError(f"layer {layer} or experts {sorted(set(experts.tolist()))[:8]} outside "
                              f"[0, {self.num_layers}) x [0, {self.num_experts})")
-        unique, inverse = seq_ids.unique(return_inverse=True)                    # few sequences
-        slots = torch.tensor([self.seq_index(s) for s in unique.tolist()], dtype=torch.int64)
-        return self.index.row(slots[inverse], layer, experts)
+        try:            # one dict lookup per id: cheaper than sorting out the few distinct ones first
+            slots = torch.tensor([self._seq_index[s] for s in seq_ids.tolist()], dtype=torch.int64)
+        except KeyError as missing:
+            self.seq_index(missing.args[0])                                       # raises its KeyError
+        return self.index.row(slots, layer, experts)
 
     def sequence_rows(self, seq_index: torch.Tensor) -> torch.Tensor:
         """All L * E rows of sequences given by seq_index (m,): (m, L * E) int64, layer-major."""

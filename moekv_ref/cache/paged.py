@@ -50,7 +50,8 @@ ATTENTION_PATHS = ("reference", "batched", "triton")
 class AppendedRows:
     """What `append_kv` hands to `attend`: the rows a call's (token, expert) pairs went to.
 
-    rows          (m,) int64   the call's distinct rows, ascending
+    rows          (m,) int64   the call's distinct rows: ascending, or in pair order when every
+                               pair is its own row (a decode step)
     num_new       (m,) int64   pairs of this call in each row
     context_lens  (m,) int64   tokens each row holds after the append
     pair_row      (n,) int64   for each pair, its row as an index into `rows`
@@ -186,16 +187,19 @@ class PagedKVCache:
             raise ValueError(f"seq_ids, experts and positions must be (n,) = ({n},); got "
                              f"{tuple(seq_ids.shape)}, {tuple(experts.shape)}, {tuple(positions.shape)}")
         manager = self.manager
-        new_seqs = [s for s in sorted(set(seq_ids.tolist())) if not manager.holds(s)]   # ascending
+        new_seqs = sorted({s for s in seq_ids.tolist() if not manager.holds(s)})    # ascending
         for s in new_seqs:
             manager.add_sequence(s)
         try:
             pair_rows = manager.rows(seq_ids, layer, experts)                         # (n,)
-            # the call's rows ascending, each pair's row among them, and each row's number of pairs
-            rows, pair_row, num_new = torch.unique(pair_rows, return_inverse=True, return_counts=True)
-            # decode: every pair is the one new token of its row (m = n). The pairs then need no
-            # sorting: each is its row, so the checks, the allocation and the slots run in pair order
-            one_per_row = rows.numel() == n
+            # decode: every pair is the one new token of its row (m = n; a set of n ints tells it
+            # faster than a sort). The rows are then the pairs' own, in pair order, and the checks,
+            # the allocation and the slots need no sorting
+            one_per_row = len(set(pair_rows.tolist())) == n
+            if one_per_row:
+                rows, pair_row, num_new = pair_rows, torch.arange(n), torch.ones(n, dtype=torch.int64)
+            else:   # the call's rows ascending, each pair's row among them, each row's number of pairs
+                rows, pair_row, num_new = torch.unique(pair_rows, return_inverse=True, return_counts=True)
             if one_per_row:
                 order = first = None
                 self._check_positions(pair_rows, positions, pair_rows, None)
