@@ -252,9 +252,10 @@ def press_run_interact(cell) -> bool:
     return True
 
 
-def wait_for_update(page, cell, before: dict, figures: int, timeout_s: float) -> tuple[dict, float]:
+def wait_for_update(page, cell, before: dict, figures: int, timeout_s: float,
+                    hold_s: float = 1.0) -> tuple[dict, float]:
     """Wait until the cell's output differs from `before`, shows at least `figures` images (those of
-    the first render: text arrives before the figure that follows it) and has held still for a second
+    the first render: text arrives before the figure that follows it) and has held still for hold_s
     with the kernel idle. Returns the output and the seconds until it first appeared. On timeout
     returns the last output if it changed at all (the caller reports missing figures)."""
     start = time.monotonic()
@@ -264,7 +265,7 @@ def wait_for_update(page, cell, before: dict, figures: int, timeout_s: float) ->
         settled = (page.evaluate(JS_KERNEL_STATUS) == "idle" and now != before
                    and (now["text"].strip() or now["images"]) and len(now["images"]) >= figures)
         if settled and now == last:
-            if time.monotonic() - since >= 1.0:
+            if time.monotonic() - since >= hold_s:
                 return now, since - start
         elif settled:
             last, since = now, time.monotonic()
@@ -349,8 +350,9 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
     for c in range(cells.count()):
         cell = cells.nth(c)
         manual = press_run_interact(cell)     # an interact_manual cell draws only when asked to
-        if manual:
-            wait_for_update(page, cell, {"text": "", "images": []}, 0, UPDATE_TIMEOUT_S)
+        # the first render, settled: on a loaded machine the page can show a widget's text seconds
+        # before the figure that follows it, though the kernel is done
+        wait_for_update(page, cell, {"text": "", "images": []}, 0, UPDATE_TIMEOUT_S, hold_s=3.0)
         first = widget_snapshot(cell)
         first_pixels = [drawn_pixels(png_bytes(page, src)) for src in first["images"]]
         record.setdefault("first_figure_pixels", []).append(first_pixels)
