@@ -2,7 +2,7 @@
 attention experts' KV caches, every byte that travels counted (moekv_ref/costs.py projects what a
 step costs on real hardware).
 
-    comm.py, launcher.py     counted, timed collectives that name a failed rank; spawning ranks
+    comm.py, launcher.py     counted, timed collectives that name a failed rank; starting ranks
     dispatch.py, shard.py    a token sent once per destination rank; what a rank holds of the model
     kv_placements.py         kv_with_expert, kv_with_sequence, replicated_attention
     runner.py, programs.py   one rank's step; RunSpec, run_parallel, the one-process reference_run

@@ -210,7 +210,7 @@ def launch(function, world_size: int, args: tuple = (), backend: str | None = No
     if not callable(function) or "<locals>" in getattr(function, "__qualname__", "<locals>") \
             or getattr(function, "__module__", "__main__") == "__main__":
         raise ValueError(f"{function!r} must be a module-level function of an importable module: the "
-                         f"ranks are spawned processes that import it by name")
+                         f"ranks are new processes that import it by name")
     fault_from_environment()   # a bad MOEKV_FAULT fails here, not in every rank
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=start_timeout_s))

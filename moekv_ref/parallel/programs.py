@@ -122,7 +122,7 @@ class RankResult:
 
 
 def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
-    """Worker: run each spec's schedule on this rank; the launcher spawns this on every rank."""
+    """Worker: run each spec's schedule on this rank; the launcher starts this on every rank."""
     results = []
     for spec in specs:
         comm = context.comm
