@@ -66,23 +66,20 @@ def chain_keys(token_ids, chunk_size: int, previous: bytes = b"") -> list[bytes]
 
 @dataclass
 class PrefixHit:
-    """What a lookup found for a request: start at `num_tokens`, with row_counts (L*E,) entries of
-    each row below it. shared (b,) blocks are shared as they are, at block table row shared_rows
-    (layer * E + expert) and column shared_columns; cow_source (c,) blocks straddle num_tokens and
-    are copied into rows cow_rows, column row_counts // P. num_free_taken (free_taken_per_device,
-    (D,)): the free blocks applying the hit takes (cached-free ones it reuses, copy sources pinned
-    until copied, the copies). row_devices (L*E,): the devices of the rows it was looked up for,
-    the only rows it applies to."""
-    num_tokens: int = 0
-    row_counts: torch.Tensor | None = None
+    """What a lookup found for a request: where it may start, and the blocks that get it there."""
+    num_tokens: int = 0                       # the request starts at this position
+    row_counts: torch.Tensor | None = None    # (L*E,) entries of each row below num_tokens
+    # (b,) blocks shared as they are, at block table row (layer * E + expert) and column:
     shared: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     shared_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     shared_columns: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    # (c,) blocks straddling num_tokens, copied into rows cow_rows at column row_counts // P:
     cow_source: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     cow_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    # free blocks applying it takes: cached-free ones reused, copy sources pinned until copied, copies
     num_free_taken: int = 0
-    free_taken_per_device: torch.Tensor | None = None
-    row_devices: torch.Tensor | None = None
+    free_taken_per_device: torch.Tensor | None = None   # the same, (D,) per device
+    row_devices: torch.Tensor | None = None   # (L*E,) devices of the rows it applies to (only those)
 
     @property
     def num_blocks(self) -> int:
