@@ -198,13 +198,11 @@ class PagedKVCache:
             one_per_row = len(set(pair_rows.tolist())) == n
             if one_per_row:
                 rows, pair_row, num_new = pair_rows, torch.arange(n), torch.ones(n, dtype=torch.int64)
+                order = first = None
+                self._check_positions(rows, positions, rows, None)
+                allocation = manager.allocate_slots(rows, num_new, rows_are_distinct=True)   # may raise
             else:   # the call's rows ascending, each pair's row among them, each row's number of pairs
                 rows, pair_row, num_new = torch.unique(pair_rows, return_inverse=True, return_counts=True)
-            if one_per_row:
-                order = first = None
-                self._check_positions(pair_rows, positions, pair_rows, None)
-                allocation = manager.allocate_slots(pair_rows, num_new, rows_are_distinct=True)  # may raise
-            else:
                 order = torch.argsort(pair_rows, stable=True)                         # (n,) grouped by row
                 sorted_rows, sorted_positions = pair_rows[order], positions[order]    # (n,) each
                 first = torch.cumsum(num_new, 0) - num_new                            # (m,) into order
@@ -216,7 +214,7 @@ class PagedKVCache:
             raise
         self._apply_moves(allocation.moves)
         if one_per_row:
-            manager.last_position[pair_rows] = positions
+            manager.last_position[rows] = positions
             slots = allocation.slot_mapping                                           # (n,) per pair
         else:
             manager.last_position[rows] = sorted_positions[first + num_new - 1]
@@ -226,8 +224,8 @@ class PagedKVCache:
             manager.prefix_cache.record_positions(slots, positions)      # which chunks each block spans
         self._store(k, v, slots)
         context_lens = manager.row_tokens[rows]                              # (m,)
-        if one_per_row:
-            pair_index = context_lens[pair_row] - 1
+        if one_per_row:                                                               # pair i is row i
+            pair_index = context_lens - 1
         else:
             rank = torch.empty_like(order)
             rank[order] = torch.arange(n) - first[pair_row[order]]                    # (n,) in the call

@@ -214,8 +214,9 @@ def launch(function, world_size: int, args: tuple = (), backend: str | None = No
     fault_from_environment()   # a bad MOEKV_FAULT fails here, not in every rank
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=start_timeout_s))
-    context = mp.get_context(start_method())
-    if start_method() == "forkserver":
+    method = start_method()
+    context = mp.get_context(method)
+    if method == "forkserver":
         context.set_forkserver_preload(["moekv_ref.parallel.programs", function.__module__])
     results = context.Queue()
     processes = [context.Process(target=_worker_main, daemon=True,
