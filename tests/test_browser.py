@@ -256,8 +256,9 @@ def wait_for_update(page, cell, before: dict, figures: int, timeout_s: float,
                     hold_s: float = 1.0) -> tuple[dict, float]:
     """Wait until the cell's output differs from `before`, shows at least `figures` images (those of
     the first render: text arrives before the figure that follows it) and has held still for hold_s
-    with the kernel idle. Returns the output and the seconds until it first appeared. On timeout
-    returns the last output if it changed at all (the caller reports missing figures)."""
+    with the kernel idle. Returns the output and the moment (time.monotonic) it first appeared whole:
+    the hold only confirms it, so a redraw's latency ends there. On timeout returns the last output
+    if it changed at all (the caller reports missing figures), and the moment of giving up."""
     start = time.monotonic()
     last, since = None, None
     while time.monotonic() - start < timeout_s:
@@ -266,7 +267,7 @@ def wait_for_update(page, cell, before: dict, figures: int, timeout_s: float,
                    and (now["text"].strip() or now["images"]) and len(now["images"]) >= figures)
         if settled and now == last:
             if time.monotonic() - since >= hold_s:
-                return now, since - start
+                return now, since
         elif settled:
             last, since = now, time.monotonic()
         else:
@@ -274,7 +275,7 @@ def wait_for_update(page, cell, before: dict, figures: int, timeout_s: float,
         page.wait_for_timeout(100)
     now = widget_snapshot(cell)
     if now != before:
-        return now, timeout_s
+        return now, time.monotonic()
     raise TimeoutError(f"the output did not change within {timeout_s} s")
 
 
@@ -372,12 +373,12 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
             if manual:
                 press_run_interact(cell)
             try:
-                after, _ = wait_for_update(page, cell, before, len(first_pixels), UPDATE_TIMEOUT_S)
+                after, appeared = wait_for_update(page, cell, before, len(first_pixels), UPDATE_TIMEOUT_S)
             except TimeoutError as error:
                 problems.append(f"{name}: widget cell {c}: after '{done}': {error}")
                 shot(cell, f"cell{c}-change{changed + 1}-after")
                 break
-            latency = round(time.monotonic() - t0, 2)
+            latency = round(appeared - t0, 2)       # from the change to the whole new output
             changed += 1
             record["widgets_changed"].append(done)
             record["update_latency_s"].append(latency)
