@@ -12,13 +12,10 @@ import torch
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate pairs of channels of x (..., heads, Dh) by angles position * theta^(-2i/Dh).
-
-    positions (...,) are absolute positions in the sequence, never indices inside an expert's cache:
-    an expert holds a gappy subset, whose relative distances must stay the true ones. Pair i,
-    channels (x1, x2), becomes (x1 cos - x2 sin, x1 sin + x2 cos), written as x * cos + swap(x) *
-    signed sin: the same products and sums, so the same bits, in a third of the tensor operations
-    of splitting x into its even and odd channels.
+    """Rotate pairs of channels (x1, x2) of x (..., heads, Dh) to (x1 cos - x2 sin, x1 sin + x2 cos)
+    at angles position * theta^(-2i/Dh), written as x * cos + swap(x) * signed sin: the same bits in
+    a third of the tensor ops of splitting even and odd channels. positions (...,) are absolute,
+    never indices inside an expert's cache (a gappy subset whose distances must stay the true ones).
     """
     num_positions = int(positions.max()) + 1 if positions.numel() else 1
     cos, signed_sin = rotary_pair_table(x.shape[-1], theta, num_positions, x.device, x.dtype)
@@ -58,18 +55,12 @@ def rotary_table(head_dim: int, theta: float, num_positions: int, device) -> tup
     return cached
 
 
-def attend_by_position(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_positions: torch.Tensor,
-    k_positions: torch.Tensor,
-) -> torch.Tensor:
+def attend_by_position(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                       k_positions: torch.Tensor) -> torch.Tensor:
     """Causal attention of queries q (n, H, Dh) over keys k, v (m, Hkv, Dh) of ONE sequence: a query
     at position p sees the keys at positions <= p, at least one (itself, written before attending).
     Returns (n, H, Dh) in q's dtype; scores, softmax and sum run in `score_dtype(q.dtype)`."""
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    group = num_heads // num_kv_heads
+    group = q.shape[1] // k.shape[1]                                   # H // Hkv
     compute = score_dtype(q.dtype)
     k = k.to(compute).repeat_interleave(group, dim=1)                 # (m, H, Dh)
     v = v.to(compute).repeat_interleave(group, dim=1)
@@ -81,7 +72,7 @@ def attend_by_position(
 
 
 def score_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype attention scores and softmax are computed in: float32 at least, as the Triton
-    kernels and PyTorch's fused attention do. In bfloat16 (8 bits of mantissa) a softmax over a few
-    hundred scores loses most of its precision; the inputs and the output keep the model's dtype."""
+    """float32 at least for scores and softmax, as the Triton kernels and PyTorch's fused attention
+    do: in bfloat16 (8 bits of mantissa) a softmax over a few hundred scores loses most of its
+    precision. Inputs and output keep the model's dtype."""
     return torch.promote_types(dtype, torch.float32)
