@@ -174,12 +174,10 @@ PRESETS: dict[str, ModelConfig] = {
         num_local_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, kv_lora_rank=512,
         qk_rope_head_dim=64,
     ),
-    # JetMoE-8B (jetmoe/jetmoe-8b config.json; Shen et al., arXiv 2404.07413, Table 1): 24 layers,
-    # width 2048, mixture-of-attention with 8 experts, top-2, num_key_value_heads=16 of
-    # kv_channels=128, and 8 FFN experts (ffn_hidden_size 5632), top-2. Its config's
-    # num_attention_heads=32 counts the query heads of the top-2 experts together (16 each); ours
-    # counts per expert. Its attention experts route Q/O but share K/V, so its real cache is per
-    # token, not per expert (docs/design.md): we size it as if each expert kept its own K/V.
+    # JetMoE-8B (jetmoe/jetmoe-8b config.json; Shen et al., arXiv 2404.07413, Table 1): 8 attention
+    # experts, top-2, 16 KV heads of kv_channels=128, 8 FFN experts (ffn_hidden_size 5632), top-2.
+    # Its num_attention_heads=32 counts the query heads of both chosen experts; ours, per expert.
+    # Its experts share K/V (docs/design.md): we size it as if each expert kept its own.
     "jetmoe-8b": ModelConfig(
         name="jetmoe-8b", vocab_size=32000, hidden_size=2048, num_hidden_layers=24,
         num_attention_heads=16, num_key_value_heads=16, head_dim=128, max_position_embeddings=4096,

@@ -174,10 +174,9 @@ def expected_traffic(config: ModelConfig, kv_placement: str, world_size: int, nu
 
 def step_flops_and_reads(config: ModelConfig, kv_placement: str, world_size: int, num_seqs: int,
                          context: int) -> dict[str, float]:
-    """FLOPs and HBM bytes of one decode step over the whole system (all ranks), split into
-    attention and experts. Weights are read once per step by each rank that uses them; K/V once per
-    (token, expert) pair that attends over it (twice under kv_with_sequence: read to send, read to
-    attend)."""
+    """FLOPs and HBM bytes of one decode step over all ranks. Weights are read once per step by each
+    rank that uses them; K/V once per (token, expert) pair that attends over it (twice under
+    kv_with_sequence: read to send, read to attend)."""
     L, D, b = config.num_hidden_layers, config.hidden_size, BYTES_PER_DTYPE[config.kv_cache_dtype]
     H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     Ea, Ka = config.num_attention_experts, config.num_attention_experts_per_tok
