@@ -47,24 +47,22 @@ class CheckpointError(ValueError):
 
 def state_dict_sha256(state: dict) -> str:
     """Hex sha256 over every tensor's name, dtype, shape and bytes, in name order (format v1's hash)."""
-    digest = hashlib.sha256()
-    _hash_tensors(digest, state)
-    return digest.hexdigest()
+    return _hash_tensors(hashlib.sha256(), state).hexdigest()
 
 
 def checkpoint_sha256(config: dict, state: dict) -> str:
     """The content hash of the module docstring; TypeError for a config not of JSON values."""
     text = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
     digest = hashlib.sha256(f"config|{len(text)}|".encode() + text + b"|")
-    _hash_tensors(digest, state)
-    return digest.hexdigest()
+    return _hash_tensors(digest, state).hexdigest()
 
 
-def _hash_tensors(digest, state: dict) -> None:
+def _hash_tensors(digest, state: dict):
     for name in sorted(state):
         tensor = state[name].detach().cpu().contiguous()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest
 
 
 def _short(value) -> str:
