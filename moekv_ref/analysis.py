@@ -1,13 +1,9 @@
-"""What the router learned: per-layer expert load, router entropy against uniform, and which kinds of
-characters each attention expert prefers.
+"""What the router learned (expert load, router entropy, the characters each expert prefers), what a
+decode step costs, and the model's real routing as a RoutingTrace for the simulator (moekv_ref/sim).
 
-Read them against an untrained model (tests/test_analysis.py does): a random router is not uniform
-either -- it projects each byte's embedding, so its experts also prefer kinds of characters and its
-loads are uneven. What training adds is confidence (lower entropy), most in the deeper layers where
-routing depends on context rather than on the byte alone.
-
-`record_model_trace` turns the model's real routing into a RoutingTrace for the cache-only simulator
-(moekv_ref/sim), which never runs the model itself."""
+Read the statistics against an untrained model (tests/test_analysis.py does): a random router
+projects each byte's embedding, so it too prefers kinds of characters and loads unevenly. Training
+adds confidence (lower entropy), most in the deeper layers, where routing depends on context."""
 
 from __future__ import annotations
 
@@ -51,10 +47,9 @@ def character_class(byte: int) -> str:
 
 @torch.no_grad()
 def routing_statistics(model, text: str, max_tokens: int | None = None) -> dict:
-    """Route `text` (in windows of the model's trained context) and summarise, per layer:
-    load (fraction of selections per expert), mean router entropy in bits against log2(E),
-    mean experts per token, and per expert the character class it is most enriched for
-    (P(class | expert) / P(class))."""
+    """Per layer over `text` (in windows of the trained context): load (fraction of selections per
+    expert), mean router entropy in bits, experts per token, and per expert the character class it
+    is most enriched for (P(class | expert) / P(class))."""
     tokens = encode(text)[: max_tokens or None]
     window = min(256, model.config.max_position_embeddings)
     chunks = [tokens[i : i + window] for i in range(0, len(tokens), window)]
@@ -133,10 +128,9 @@ def decode_flops(config, context_length: int, cached: bool) -> int:
 @torch.no_grad()
 def time_decode_step(model, context_length: int, cached: bool, seed: int = 0,
                      clock=time.perf_counter, num_cached_steps: int = 1) -> float:
-    """Seconds for one decode step after `context_length` tokens: recompute, one full forward over
-    context_length + 1 tokens; cached, the mean of the last `num_cached_steps` decode tokens after
-    an untimed prefill (a cached step is short: a few in a row average out the jitter, and their
-    contexts cost the same to within a few percent at this model's size)."""
+    """Seconds for one decode step after `context_length` tokens: recompute, one full forward;
+    cached, the mean of the last `num_cached_steps` decode tokens after an untimed prefill (a few in
+    a row average out the jitter; their contexts cost the same within a few percent here)."""
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, model.config.vocab_size, (context_length + 1,), generator=generator)
     if not cached:
@@ -157,10 +151,9 @@ def time_decode_step(model, context_length: int, cached: bool, seed: int = 0,
 @torch.no_grad()
 def time_decode_steps(model, lengths: list[int], repeats: int = 5, seed: int = 0, clock=time.perf_counter,
                       num_cached_steps: int = 8) -> dict[int, tuple[float, float]]:
-    """{t: (recompute seconds, cached seconds)} of one decode step after each t in `lengths`: the
-    best of `repeats` rounds, each timing every (t, recompute / cached) once, after an untimed
-    warm-up round (one-time costs). Rounds spread a burst of the machine's load over every length
-    instead of inflating one (notebook 01 tells why)."""
+    """{t: (recompute seconds, cached seconds)} after each t in `lengths`: the best of `repeats`
+    rounds, each timing every (t, recompute / cached) once, after an untimed warm-up round. Rounds
+    spread a burst of the machine's load over every length (notebook 01 tells why)."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be at least 1")
     best = {(t, cached): float("inf") for t in lengths for cached in (False, True)}
@@ -176,10 +169,8 @@ def time_decode_steps(model, lengths: list[int], repeats: int = 5, seed: int = 0
 @torch.no_grad()
 def record_model_trace(model, prompts: list[list[int]], output_lens: list[int],
                        name: str = "model") -> RoutingTrace:
-    """The model's real attention routing on these prompts, continued greedily.
-
-    Routing is causal (routing.py), so one full forward over each finished sequence gives exactly the
-    decisions the cached decode made token by token."""
+    """The model's attention routing on these prompts, continued greedily. Routing is causal, so one
+    full forward over each finished sequence gives the decisions the cached decode made."""
     config = model.config
     if len(prompts) != len(output_lens):
         raise ValueError(f"{len(prompts)} prompts but {len(output_lens)} output lengths")

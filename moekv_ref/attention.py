@@ -12,13 +12,10 @@ import torch
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate pairs of channels of x (..., heads, Dh) by angles position * theta^(-2i/Dh).
-
-    positions (...,) are absolute positions in the sequence, never indices inside an expert's cache:
-    an expert holds a gappy subset, whose relative distances must stay the true ones. Pair i,
-    channels (x1, x2), becomes (x1 cos - x2 sin, x1 sin + x2 cos), written as x * cos + swap(x) *
-    signed sin: the same products and sums, so the same bits, in a third of the tensor operations
-    of splitting x into its even and odd channels.
+    """Rotate pairs of channels (x1, x2) of x (..., heads, Dh) to (x1 cos - x2 sin, x1 sin + x2 cos)
+    at angles position * theta^(-2i/Dh), written as x * cos + swap(x) * signed sin: the same bits in
+    a third of the tensor ops of splitting even and odd channels. positions (...,) are absolute,
+    never indices inside an expert's cache (a gappy subset whose distances must stay the true ones).
     """
     num_positions = int(positions.max()) + 1 if positions.numel() else 1
     cos, signed_sin = rotary_pair_table(x.shape[-1], theta, num_positions, x.device, x.dtype)
@@ -27,49 +24,41 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return x * cos + swapped * signed_sin
 
 
-_PAIR_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+# rotary_table's and rotary_pair_table's tables, by (head_dim, theta, device[, dtype])
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def rotary_pair_table(head_dim: int, theta: float, num_positions: int, device, dtype):
     """rotary_table laid out for `rotary`, in dtype: cos (P, Dh), each pair's cosine twice, and sin
     (P, Dh) signed (-sin, +sin) per pair. Kept per dtype, so that a step converts nothing."""
     key = (head_dim, float(theta), torch.device(device), dtype)
-    cached = _PAIR_TABLES.get(key)
+    cached = _TABLES.get(key)
     if cached is None or cached[0].shape[0] < num_positions:
         cos, sin = rotary_table(head_dim, theta, num_positions, device)        # (P, Dh/2) float64
-        cached = _PAIR_TABLES[key] = (cos.repeat_interleave(2, dim=-1).to(dtype),
-                                      torch.stack([-sin, sin], dim=-1).flatten(-2).to(dtype))
+        cached = _TABLES[key] = (cos.repeat_interleave(2, dim=-1).to(dtype),
+                                 torch.stack([-sin, sin], dim=-1).flatten(-2).to(dtype))
     return cached
-
-
-_ROTARY_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def rotary_table(head_dim: int, theta: float, num_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position * theta^(-2i/Dh), positions 0..P-1: (P, Dh/2) float64 each, computed
     once and kept (not for every layer of every step), regrown by doubling when P grows."""
     key = (head_dim, float(theta), torch.device(device))
-    cached = _ROTARY_TABLES.get(key)
+    cached = _TABLES.get(key)
     if cached is None or cached[0].shape[0] < num_positions:
         size = max(num_positions, 2 * cached[0].shape[0] if cached is not None else 256)
         inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
         angles = torch.arange(size, dtype=torch.float64, device=device)[:, None] * inv_freq   # (P, Dh/2)
-        cached = _ROTARY_TABLES[key] = (torch.cos(angles), torch.sin(angles))
+        cached = _TABLES[key] = (torch.cos(angles), torch.sin(angles))
     return cached
 
 
-def attend_by_position(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_positions: torch.Tensor,
-    k_positions: torch.Tensor,
-) -> torch.Tensor:
+def attend_by_position(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                       k_positions: torch.Tensor) -> torch.Tensor:
     """Causal attention of queries q (n, H, Dh) over keys k, v (m, Hkv, Dh) of ONE sequence: a query
     at position p sees the keys at positions <= p, at least one (itself, written before attending).
     Returns (n, H, Dh) in q's dtype; scores, softmax and sum run in `score_dtype(q.dtype)`."""
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    group = num_heads // num_kv_heads
+    group = q.shape[1] // k.shape[1]                                   # H // Hkv
     compute = score_dtype(q.dtype)
     k = k.to(compute).repeat_interleave(group, dim=1)                 # (m, H, Dh)
     v = v.to(compute).repeat_interleave(group, dim=1)
@@ -81,7 +70,7 @@ def attend_by_position(
 
 
 def score_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype attention scores and softmax are computed in: float32 at least, as the Triton
-    kernels and PyTorch's fused attention do. In bfloat16 (8 bits of mantissa) a softmax over a few
-    hundred scores loses most of its precision; the inputs and the output keep the model's dtype."""
+    """float32 at least for scores and softmax, as the Triton kernels and PyTorch's fused attention
+    do: in bfloat16 (8 bits of mantissa) a softmax over a few hundred scores loses most of its
+    precision. Inputs and output keep the model's dtype."""
     return torch.promote_types(dtype, torch.float32)

@@ -1,9 +1,6 @@
-"""Which compute backends this machine can run: "torch" everywhere, "triton" only where the triton
-package is installed.
-
-triton 3.7.1 (pinned in requirements-deps.txt) has wheels for Linux x86_64 and aarch64 only, so
-macOS and Windows run everything but the Triton kernels on the CPU build of torch. Whatever selects
-the "triton" backend calls `require_triton()` first: the user reads what to do, not a
+"""Which compute backends this machine can run: "torch" everywhere, "triton" where the triton
+package is installed (3.7.1, pinned in requirements-deps.txt, has wheels for Linux only). Whatever
+selects "triton" calls `require_backend` first: the user reads what to do, not a
 ModuleNotFoundError from deep inside a forward pass.
 """
 
@@ -23,7 +20,6 @@ def triton_available() -> bool:
 
 
 def require_triton() -> None:
-    """Raise BackendUnavailableError (a RuntimeError) with what to do instead when triton is missing."""
     if not triton_available():
         raise BackendUnavailableError("the 'triton' backend needs the triton package, which has "
                                       "wheels for Linux x86_64/aarch64 only; on this machine use "
@@ -31,6 +27,5 @@ def require_triton() -> None:
 
 
 def require_backend(backend: str) -> None:
-    """Check that `backend` can run here (require_triton for "triton")."""
     if backend == "triton":
         require_triton()

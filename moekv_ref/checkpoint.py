@@ -1,23 +1,20 @@
 """Saving and loading models, verified.
 
 A checkpoint is one `torch.save` file of plain values and tensors, loaded with
-`torch.load(weights_only=True)` (never pickled code): format "moekv_ref-checkpoint-v2", config (the
-ModelConfig as a dict), dtype (of every tensor: bfloat16, float16 or float32), state_dict, sha256
-and free-form metadata (not hashed: no code reads it). The sha256 covers the config as sorted JSON,
-then every tensor's name, dtype, shape and bytes in name order, so an edited config (a changed
-rope_theta changes every output), a flipped bit or an altered weight no longer matches. Format v1
-hashed the weights only, so its config could be edited unnoticed: v1 files are refused, and
-`add_manifest` upgrades one (or a file without a manifest).
+`torch.load(weights_only=True)` (never pickled code): its manifest is MANIFEST_KEYS plus free-form
+metadata (not hashed: no code reads it). The sha256 covers the config as sorted JSON, then every
+tensor's name, dtype, shape and bytes in name order, so an edited config (a changed rope_theta
+changes every output) or an altered weight no longer matches. Format v1 hashed the weights only:
+v1 files are refused, and `add_manifest` upgrades one (or a file without a manifest).
 
 Loading stops at the first problem with one CheckpointError naming the file and what is wrong (a
 missing file: FileNotFoundError), before any model is built. It checks, in order:
   1. the file exists, is a file, is not empty;
-  2. it reads with weights_only=True (not truncated, a torch file, no pickled code or objects: the
-     loader refuses those before anything in them runs);
+  2. it reads with weights_only=True (the loader refuses pickled code before anything in it runs);
   3. its manifest: this format, every key, a 64-hex-digit sha256, dense tensors in its dtype;
   4. the hash; 5. the config is valid (and of the architecture asked for);
-  6. its tensors' names and shapes against those the config implies (`weight_shapes`: worked out,
-     not built), so a config implying a huge model is refused before anything is allocated;
+  6. its tensors' names and shapes against `weight_shapes` (worked out, not built), so a config
+     implying a huge model is refused before anything is allocated;
   7. every weight is finite.
 """
 
@@ -50,24 +47,22 @@ class CheckpointError(ValueError):
 
 def state_dict_sha256(state: dict) -> str:
     """Hex sha256 over every tensor's name, dtype, shape and bytes, in name order (format v1's hash)."""
-    digest = hashlib.sha256()
-    _hash_tensors(digest, state)
-    return digest.hexdigest()
+    return _hash_tensors(hashlib.sha256(), state).hexdigest()
 
 
 def checkpoint_sha256(config: dict, state: dict) -> str:
     """The content hash of the module docstring; TypeError for a config not of JSON values."""
     text = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
     digest = hashlib.sha256(f"config|{len(text)}|".encode() + text + b"|")
-    _hash_tensors(digest, state)
-    return digest.hexdigest()
+    return _hash_tensors(digest, state).hexdigest()
 
 
-def _hash_tensors(digest, state: dict) -> None:
+def _hash_tensors(digest, state: dict):
     for name in sorted(state):
         tensor = state[name].detach().cpu().contiguous()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest
 
 
 def _short(value) -> str:
@@ -79,8 +74,7 @@ def _short(value) -> str:
 def save_checkpoint(model: MoEKVTransformer, path: str | Path, metadata: dict | None = None,
                     dtype: torch.dtype = torch.bfloat16) -> None:
     """Weights are stored as `dtype` (bfloat16 keeps the embedded model at a few MB); they load
-    back into float32 exactly, which holds every bfloat16 and float16 value. Refuses non-finite
-    weights."""
+    back into float32 exactly, which holds every bfloat16 and float16 value."""
     if dtype not in DTYPES.values():
         raise ValueError(f"dtype={dtype!r} is not allowed for a checkpoint: use one of "
                          f"{', '.join('torch.' + name for name in DTYPES)}")
@@ -95,7 +89,6 @@ def save_checkpoint(model: MoEKVTransformer, path: str | Path, metadata: dict | 
 
 
 def _load_file(path: Path):
-    """Whatever torch.load(weights_only=True) reads from `path`, or CheckpointError saying why not."""
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     if path.is_dir():
@@ -126,8 +119,7 @@ def _load_file(path: Path):
 
 
 def _read(path: Path) -> dict:
-    """The payload of a checkpoint file of this format, its manifest complete and well-typed (step 3
-    of the module docstring), or CheckpointError saying what is wrong."""
+    """Steps 1-3 of the module docstring."""
     payload = _load_file(path)
     where = f"checkpoint {str(path)!r}"
     is_dict = isinstance(payload, dict)
@@ -172,11 +164,17 @@ def _check_tensors(where: str, state, dtype: torch.dtype | None) -> None:
         if tensor.dtype not in DTYPES.values():
             raise CheckpointError(f"{where}: tensor {name!r} has dtype {tensor.dtype}; allowed: "
                                   f"{', '.join('torch.' + n for n in DTYPES)} (weights are floating point)")
-        if dtype is None:
-            dtype = tensor.dtype
+        dtype = dtype or tensor.dtype
         if tensor.dtype != dtype:
             raise CheckpointError(f"{where}: tensor {name!r} has dtype {tensor.dtype}, the checkpoint says its "
                                   f"tensors are {dtype}")
+
+
+def _sha256(where: str, config, state: dict) -> str:
+    try:
+        return checkpoint_sha256(config, state)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{where}: its config is not plain JSON values ({error})") from None
 
 
 def _config(where: str, payload: dict) -> ModelConfig:
@@ -187,8 +185,8 @@ def _config(where: str, payload: dict) -> ModelConfig:
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor of MoEKVTransformer(config)'s state dict, in its order, worked out
-    from the config alone (nothing built); tests/test_checkpoint.py checks that the two agree."""
+    """The shape of every tensor of MoEKVTransformer(config)'s state dict, in its order, nothing
+    built (tests/test_checkpoint.py checks that the two agree)."""
     V, D, L = config.vocab_size, config.hidden_size, config.num_hidden_layers
     E, H, Hkv, Dh = config.num_attention_experts, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     Ef, Fw = config.num_local_experts, config.moe_intermediate_size
@@ -203,8 +201,7 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _checked_state(where: str, state: dict, config: ModelConfig) -> None:
-    """Steps 6 and 7 of the module docstring (the layers bounded first by the file's tensor count,
-    so that listing the expected shapes is cheap)."""
+    """Steps 6 and 7 of the module docstring."""
     if config.num_hidden_layers > len(state):       # every layer has weights: it cannot match
         raise CheckpointError(f"{where}: its config has num_hidden_layers={config.num_hidden_layers} but the file "
                               f"holds {len(state)} tensors in all: refusing before building the model")
@@ -229,9 +226,8 @@ def _checked_state(where: str, state: dict, config: ModelConfig) -> None:
 
 def load_checkpoint(path: str | Path | None = None, config: ModelConfig | None = None,
                     dtype: torch.dtype = torch.float32, backend: str = "torch") -> MoEKVTransformer:
-    """Build the model a checkpoint describes, on `backend` (see model.py), after the checks of the
-    module docstring. With `config`, the checkpoint must have been made for its architecture
-    (routing may differ: it is not part of the weights), and the model runs with `config`."""
+    """The model a checkpoint describes, on `backend`. With `config`, the checkpoint must have been
+    made for its architecture (routing may differ: it is not in the weights); the model runs it."""
     if config is not None and not isinstance(config, ModelConfig):
         raise ValueError(f"config must be a ModelConfig (or None), got {type(config).__name__}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -239,11 +235,7 @@ def load_checkpoint(path: str | Path | None = None, config: ModelConfig | None =
     path = Path(path) if path is not None else DEFAULT_CHECKPOINT
     where = f"checkpoint {str(path)!r}"
     payload = _read(path)
-    try:
-        sha = checkpoint_sha256(payload["config"], payload["state_dict"])
-    except (TypeError, ValueError) as error:
-        raise CheckpointError(f"{where}: its config is not plain JSON values ({error})") from None
-    if sha != payload["sha256"]:
+    if _sha256(where, payload["config"], payload["state_dict"]) != payload["sha256"]:
         raise CheckpointError(f"{where}: its config and weights do not match the content hash in its "
                               "manifest: the file was altered or corrupted")
     saved = _config(where, payload)
@@ -262,9 +254,9 @@ def load_checkpoint(path: str | Path | None = None, config: ModelConfig | None =
 
 
 def add_manifest(path: str | Path) -> None:
-    """Give a checkpoint without a manifest, or with a v1 one, the current format, dtype and hash,
-    in place. A v1 file's weights must match its v1 hash (its config was never hashed: check it
-    yourself); config and weights are checked as at load; nothing is written unless all pass."""
+    """Give a checkpoint without a manifest, or with a v1 one, the current manifest, in place. A v1
+    file's weights must match its v1 hash (its config was never hashed: check it yourself); nothing
+    is written unless every check of a load passes."""
     path = Path(path)
     where = f"checkpoint {str(path)!r}"
     payload = _load_file(path)
@@ -282,12 +274,8 @@ def add_manifest(path: str | Path) -> None:
         raise CheckpointError(f"{where}: its weights do not match its {FORMAT_V1} content hash: the file was "
                               "altered or corrupted; not upgrading it")
     _checked_state(where, state, _config(where, payload))
-    try:
-        sha = checkpoint_sha256(payload["config"], state)
-    except (TypeError, ValueError) as error:
-        raise CheckpointError(f"{where}: its config is not plain JSON values ({error})") from None
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    payload.update(format=FORMAT, dtype=dtype, sha256=sha)
+    payload.update(format=FORMAT, dtype=dtype, sha256=_sha256(where, payload["config"], state))
     payload.setdefault("metadata", {})
     torch.save(payload, path)
 

@@ -1,10 +1,8 @@
 """Model configuration: one dataclass, validated, with derived sizes and named presets.
 
-Field names follow the Hugging Face configs of the models the presets describe (Mixtral, Qwen3-MoE,
-DeepSeek-V3, JetMoE), except the attention-expert fields, which are ours: no mainstream model routes
-attention with per-expert K/V, the subject of this project (docs/design.md, "Where per-expert caches
-come from"). Only `tiny` is ever built as a model; the other presets are sizing-only (real shapes
-for the memory benchmark, the simulator and the cost model).
+Field names follow the Hugging Face configs of the presets' models, except the attention-expert
+fields, which are ours: no mainstream model routes attention with per-expert K/V (docs/design.md,
+"Where per-expert caches come from"). Only `tiny` is ever built; the other presets size things.
 """
 
 from __future__ import annotations
@@ -20,13 +18,8 @@ BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "flo
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes of an MoE transformer whose attention may itself be a mixture of experts.
-
-    attention_mode "expert": each layer has `num_attention_experts` attention experts with their own
-    W_q/W_k/W_v/W_o; a token routed to expert e appends its K/V to e's cache and its query sees only
-    tokens earlier routed to e (and itself). "dense": ordinary multi-head / grouped-query attention,
-    exactly the E=1, k=1 case. attention_routing: "topk" or "threshold" (routing.py).
-    """
+    """Shapes of an MoE transformer whose attention may itself be a mixture of experts (model.py's
+    ExpertAttention); attention_mode "dense" is grouped-query attention, the E=1, k=1 case."""
 
     name: str = "custom"
     vocab_size: int = 256
@@ -61,43 +54,38 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 must = "a positive integer" if least else "an integer >= 0"
                 raise ValueError(f"{field}={value!r} is not allowed: it must be {must}")
-        for field in ("rope_theta", "rms_norm_eps", "routing_threshold"):
+        for field, ok, must in (
+            ("rope_theta", lambda v: v > 0, "positive"),
+            ("rms_norm_eps", lambda v: 0 < v < 1,
+             "in (0, 1): it keeps RMSNorm from dividing by zero and should be small"),
+            ("routing_threshold", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"{field}={value!r} is not allowed: it must be a finite number")
+            if not ok(value):
+                raise ValueError(f"{field}={value} must be {must}")
         if not isinstance(self.name, str):
             raise ValueError(f"name={self.name!r} must be a string")
         for field, allowed in (("attention_mode", ATTENTION_MODES), ("attention_routing", ROUTINGS),
                                ("kv_cache_dtype", tuple(BYTES_PER_DTYPE))):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")
-        if self.attention_mode == "dense" and (
-            self.num_attention_experts != 1 or self.num_attention_experts_per_tok != 1
-        ):
-            raise ValueError(
-                "attention_mode='dense' is the E=1, k=1 case: num_attention_experts and "
-                f"num_attention_experts_per_tok must be 1, got {self.num_attention_experts} and "
-                f"{self.num_attention_experts_per_tok} (or use attention_mode='expert')"
-            )
+        E, K = self.num_attention_experts, self.num_attention_experts_per_tok
+        if self.attention_mode == "dense" and (E, K) != (1, 1):
+            raise ValueError("attention_mode='dense' is the E=1, k=1 case: num_attention_experts "
+                             f"and num_attention_experts_per_tok must be 1, got {E} and {K} "
+                             "(or use attention_mode='expert')")
         for k, e in (("num_attention_experts_per_tok", "num_attention_experts"),
                      ("num_experts_per_tok", "num_local_experts")):
             if getattr(self, k) > getattr(self, e):
                 raise ValueError(f"{k}={getattr(self, k)} is greater than {e}={getattr(self, e)}: "
                                  "top-k needs k <= E")
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
         if self.head_dim % 2 != 0 and self.kv_lora_rank == 0:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        if not 0.0 < self.routing_threshold <= 1.0:
-            raise ValueError(f"routing_threshold={self.routing_threshold} must be in (0, 1]")
-        if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta={self.rope_theta} must be positive")
-        if not 0 < self.rms_norm_eps < 1:
-            raise ValueError(f"rms_norm_eps={self.rms_norm_eps} must be in (0, 1): it keeps RMSNorm from "
-                             "dividing by zero and should be small")
 
     # ----- derived sizes --------------------------------------------------------------------------
     @property
@@ -109,21 +97,18 @@ class ModelConfig:
         return 2 * self.num_key_value_heads * self.head_dim
 
     def kv_bytes_per_entry(self, bytes_per_value: int | None = None) -> int:
-        """Bytes one token adds to one (layer, expert) row, in kv_cache_dtype unless bytes_per_value
-        says otherwise (a model run in float32 caches 4-byte values)."""
+        """Bytes one token adds to one (layer, expert) row, in kv_cache_dtype by default."""
         if bytes_per_value is None:
             bytes_per_value = BYTES_PER_DTYPE[self.kv_cache_dtype]
         return self.kv_values_per_entry * bytes_per_value
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one token adds to the whole cache: every layer, every expert it is routed to (k per
-        layer; under threshold routing k_max, the most a token can take)."""
+        """Bytes one token adds to the whole cache, at most (k_max experts per layer)."""
         return self.max_kv_entries_per_token * self.kv_bytes_per_entry()
 
     @property
     def max_kv_entries_per_token(self) -> int:
-        """Worst case of cache entries one token adds over all layers (k_max per layer)."""
         return self.num_hidden_layers * self.num_attention_experts_per_tok
 
     def with_routing(self, routing: str, threshold: float | None = None) -> "ModelConfig":
@@ -133,11 +118,9 @@ class ModelConfig:
 
     def architecture(self) -> dict:
         """The fields that decide the shapes of the weights; a checkpoint must match these."""
-        keys = [
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "attention_mode", "num_attention_experts",
-            "num_local_experts", "moe_intermediate_size",
-        ]
+        keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "attention_mode", "num_attention_experts",
+                "num_local_experts", "moe_intermediate_size")
         return {key: getattr(self, key) for key in keys}
 
     def to_dict(self) -> dict:
@@ -191,12 +174,10 @@ PRESETS: dict[str, ModelConfig] = {
         num_local_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, kv_lora_rank=512,
         qk_rope_head_dim=64,
     ),
-    # JetMoE-8B (jetmoe/jetmoe-8b config.json; Shen et al., arXiv 2404.07413, Table 1): 24 layers,
-    # width 2048, mixture-of-attention with 8 experts, top-2, num_key_value_heads=16 of
-    # kv_channels=128, and 8 FFN experts (ffn_hidden_size 5632), top-2. Its config's
-    # num_attention_heads=32 counts the query heads of the top-2 experts together (16 each); ours
-    # counts per expert. Its attention experts route Q/O but share K/V, so its real cache is per
-    # token, not per expert (docs/design.md): we size it as if each expert kept its own K/V.
+    # JetMoE-8B (jetmoe/jetmoe-8b config.json; Shen et al., arXiv 2404.07413, Table 1): 8 attention
+    # experts, top-2, 16 KV heads of kv_channels=128, 8 FFN experts (ffn_hidden_size 5632), top-2.
+    # Its num_attention_heads=32 counts the query heads of both chosen experts; ours, per expert.
+    # Its experts share K/V (docs/design.md): we size it as if each expert kept its own.
     "jetmoe-8b": ModelConfig(
         name="jetmoe-8b", vocab_size=32000, hidden_size=2048, num_hidden_layers=24,
         num_attention_heads=16, num_key_value_heads=16, head_dim=128, max_position_embeddings=4096,

@@ -1,25 +1,17 @@
 """What a step, a recompute and a swap cost, in seconds, on hardware from one table.
 
-1. The hardware table (GPUS, SM_LIMITS, LINKS): every number with its source, none measured here
-   (a benchmark reports its measurement beside the datasheet's). The cost models below and the
-   kernel report (kernels/report.py) read it; they pick their hardware by name among ACCELERATORS,
-   INTERCONNECTS (between GPUs) and HOST_LINKS (to host memory).
-
-2. One decode step under expert parallelism. `measured_shape_bytes` is the wire format of
-   parallel/dispatch.py and parallel/kv_placements.py as arithmetic over the step's counts (a test
-   checks it against the bytes the Communicator counted); `project_step` takes the counts in
-   expectation (uniform routing), adds FLOPs and HBM reads, and sums per-rank rooflines and link
-   time: an upper bound, nothing overlaps (notebook 07, section 5). The dense-attention presets run
-   data-parallel attention and expert-parallel FFN; DeepSeek-V3's latent attention is counted in its
-   absorbed form (against the 576-value latent), its shared expert and three dense first layers left
-   out, as in the preset.
-
-3. Recompute or swap (sim/eviction.py): a preempted sequence of c cached tokens in b blocks comes
-   back by a prefill of c tokens (linear in the projections and experts, quadratic in attention) or
-   by copying its blocks out and in (fixed costs plus b blocks, tail padding of every row included).
-   Swap wins for long contexts and loses for short ones; `crossover_context` finds where. Constants
-   are fitted to timings of this machine (`fit_cost_model`, from `bench eviction`) or derived from
-   the table (`projected_gpu_cost_model`).
+1. The hardware table: every number with its source, none measured here. The cost models below and
+   kernels/report.py pick their hardware from it by name.
+2. One decode step under expert parallelism: `measured_shape_bytes` is the wire format of
+   parallel/dispatch.py and parallel/kv_placements.py as arithmetic (a test checks it against the
+   Communicator's counts); `project_step` takes the counts in expectation (uniform routing) and sums
+   per-rank rooflines and link time: an upper bound, nothing overlaps (notebook 07, section 5).
+   DeepSeek-V3's latent attention is counted absorbed (against the 576-value latent), its shared
+   expert and three dense first layers left out, as in the preset.
+3. Recompute or swap (sim/eviction.py): a preempted sequence of c tokens in b blocks comes back by a
+   prefill of c tokens (quadratic in attention) or by copying its blocks out and in (linear in b,
+   tail padding included); `crossover_context` finds the context from which swap wins. Constants are
+   fitted to this machine (`fit_cost_model`) or derived from the table (`projected_gpu_cost_model`).
 """
 
 from __future__ import annotations
@@ -44,15 +36,12 @@ class GPU:
     source: str
 
     def compute_seconds(self, flops, utilization: float = 1.0):
-        """Seconds to do `flops` at `utilization` of the dense BF16 peak."""
         return flops / (self.bf16_flops_per_s * utilization)
 
     def read_seconds(self, num_bytes):
-        """Seconds to read `num_bytes` from HBM at peak bandwidth."""
         return num_bytes / self.hbm_bytes_per_s
 
     def roofline_seconds(self, flops, num_bytes):
-        """A roofline: whichever takes longer, the FLOPs at peak or the reads at peak bandwidth."""
         return max(self.compute_seconds(flops), self.read_seconds(num_bytes))
 
 
@@ -108,11 +97,9 @@ LINKS = {
 
 
 def gpus_of(architecture: str) -> list[GPU]:
-    """The GPUs of the table built on one architecture, in table order."""
     return [gpu for gpu in GPUS.values() if gpu.architecture == architecture]
 
 
-# The parts of the table the projections are made for, by the names above.
 ACCELERATORS = {name: GPUS[name] for name in ("H100", "H200")}
 # between the GPUs of one node: NVLink, or PCIe where a server has no NVLink; between nodes: RDMA
 INTERCONNECTS = {name: LINKS[name] for name in ("nvlink", "pcie_gen5_x16", "rdma")}
@@ -121,7 +108,6 @@ HOST_LINKS = {name: LINKS[name] for name in ("pcie_gen5_x16", "nvlink_c2c")}
 
 
 def pick(choices: dict, name: str, what: str):
-    """choices[name], or a ValueError naming what may be chosen (what: the argument's name)."""
     if name not in choices:
         raise ValueError(f"{what}={name!r} must be one of {sorted(choices)}")
     return choices[name]
@@ -131,14 +117,12 @@ def pick(choices: dict, name: str, what: str):
 INT64_BYTES = 8
 
 
-# ----- 2a. the wire format as arithmetic --------------------------------------------------------------------
 def measured_shape_bytes(config: ModelConfig, kv_placement: str, world_size: int, traffic: dict,
                          bytes_per_value: int) -> dict[str, int]:
-    """Bytes sent to peers in one step, summed over ranks, per category, from the step's counts:
-
-    traffic: attention_pairs_to_peers, ffn_pairs_to_peers ((token, rank) pairs whose rank is not the
-    token's home), kv_rows_to_peers, kv_tokens_to_peers (cached K/V sent, kv_with_sequence),
-    kv_new_pairs_to_peers ((token, expert) pairs whose new k, v come home, kv_with_sequence)."""
+    """Bytes sent to peers in one step, summed over ranks, per category. traffic:
+    attention_pairs_to_peers, ffn_pairs_to_peers ((token, rank) pairs off the token's home rank);
+    under kv_with_sequence kv_rows_to_peers, kv_tokens_to_peers (cached K/V sent) and
+    kv_new_pairs_to_peers ((token, expert) pairs whose new k, v come home)."""
     D, b = config.hidden_size, bytes_per_value
     Ka, Kf = config.num_attention_experts_per_tok, config.num_experts_per_tok
     kv_row_values = 2 * config.num_key_value_heads * config.head_dim              # k and v of one token
@@ -162,7 +146,6 @@ def measured_shape_bytes(config: ModelConfig, kv_placement: str, world_size: int
     }
 
 
-# ----- 2b. projections --------------------------------------------------------------------------------------
 def expected_remote_ranks(num_experts: int, k: int, world_size: int) -> float:
     """Expected ranks other than the home rank among a token's k experts, chosen uniformly among E
     experts spread evenly over R ranks: (R - 1) * P(a given rank holds at least one of them)."""
@@ -191,10 +174,9 @@ def expected_traffic(config: ModelConfig, kv_placement: str, world_size: int, nu
 
 def step_flops_and_reads(config: ModelConfig, kv_placement: str, world_size: int, num_seqs: int,
                          context: int) -> dict[str, float]:
-    """FLOPs and HBM bytes of one decode step over the whole system (all ranks), split into
-    attention and experts. Weights are read once per step by each rank that uses them; K/V once per
-    (token, expert) pair that attends over it (twice under kv_with_sequence: read to send, read to
-    attend)."""
+    """FLOPs and HBM bytes of one decode step over all ranks. Weights are read once per step by each
+    rank that uses them; K/V once per (token, expert) pair that attends over it (twice under
+    kv_with_sequence: read to send, read to attend)."""
     L, D, b = config.num_hidden_layers, config.hidden_size, BYTES_PER_DTYPE[config.kv_cache_dtype]
     H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     Ea, Ka = config.num_attention_experts, config.num_attention_experts_per_tok
@@ -245,8 +227,7 @@ class StepProjection:
 
 def project_step(config: ModelConfig, kv_placement: str, world_size: int, num_seqs: int, context: int,
                  accelerator: str = "H100", interconnect: str = "nvlink") -> StepProjection:
-    """Projected decode step time (ms) of num_seqs sequences at `context`, balanced over world_size
-    ranks, on the named accelerator and interconnect (ACCELERATORS, INTERCONNECTS)."""
+    """Decode step time (ms) of num_seqs sequences at `context`, balanced over world_size ranks."""
     gpu, link = pick(ACCELERATORS, accelerator, "accelerator"), pick(INTERCONNECTS, interconnect, "interconnect")
     if config.attention_mode == "dense" and kv_placement != "replicated_attention":
         raise ValueError(f"{config.name} has dense attention: its KV placement is data-parallel attention, "
@@ -274,18 +255,14 @@ def project_step(config: ModelConfig, kv_placement: str, world_size: int, num_se
 
 # Clusters the projections use: which presets, how many GPUs, which link between them.
 REAL_SHAPE_SETUPS = (
-    # Mixtral-8x7B: 8 FFN experts on the 8 GPUs of one node
-    ("mixtral-8x7b", 8, "nvlink", ("replicated_attention",)),
-    # DeepSeek-V3: 256 FFN experts over 4 nodes of 8 GPUs; most dispatch crosses nodes
-    ("deepseek-v3", 32, "rdma", ("replicated_attention",)),
-    # JetMoE-8B sized as an expert-attention model (8 attention experts, each keeping its own K/V):
-    # every KV placement, on the 8 GPUs of one node
+    ("mixtral-8x7b", 8, "nvlink", ("replicated_attention",)),       # one node of 8 GPUs
+    ("deepseek-v3", 32, "rdma", ("replicated_attention",)),         # 4 nodes: most dispatch crosses
+    # JetMoE-8B sized as an expert-attention model (each attention expert keeps its own K/V)
     ("jetmoe-8b", 8, "nvlink", ("kv_with_expert", "kv_with_sequence", "replicated_attention")),
 )
 
 
 def real_shape_projections(contexts=(4096, 32768), seqs_per_rank: int = 32, accelerator: str = "H100") -> list[dict]:
-    """Projections for the real-shape presets at the given contexts (a table for the JSON and plots)."""
     return [project_step(get_config(name), placement, world_size, seqs_per_rank * world_size,
                          context, accelerator, link).to_dict()
             for name, world_size, link, placements in REAL_SHAPE_SETUPS
@@ -304,17 +281,14 @@ class CostModel:
     seconds_per_swap: float          # per swap out or in of one sequence (launch, synchronisation)
     block_bytes: int                 # bytes of K and V one block holds
 
-    def recompute_seconds(self, context):
-        """Seconds to recompute `context` cached tokens (int or tensor)."""
+    def recompute_seconds(self, context):     # context, num_blocks: an int or a tensor
         return context * self.seconds_per_token + context * (context + 1) / 2 * self.seconds_per_token_pair
 
-    def swap_seconds(self, num_blocks):
-        """Seconds to swap `num_blocks` blocks out and back in (int or tensor)."""
+    def swap_seconds(self, num_blocks):       # out and back in
         per_block = self.block_bytes / self.swap_bytes_per_second + self.seconds_per_block
         return 2 * (self.seconds_per_swap + num_blocks * per_block)
 
-    def decode_seconds(self, context):
-        """Seconds one decode token adds to a step at `context` cached tokens."""
+    def decode_seconds(self, context):        # what one decode token adds to a step
         return self.seconds_per_token + context * self.seconds_per_token_pair
 
     def to_dict(self) -> dict:
@@ -326,11 +300,10 @@ def projected_gpu_cost_model(active_params: float, kv_bytes_per_slot: int, num_l
                              block_size: int, accelerator: str = "H100", host_link: str = "pcie_gen5_x16",
                              mfu: float = 0.5, seconds_per_swap: float = 20e-6,
                              seconds_per_block: float = 0.0, name: str = "H100 + PCIe Gen5 x16 (projected)") -> CostModel:
-    """A cost model from datasheet numbers (ACCELERATORS, HOST_LINKS). Assumed: prefill and
-    recompute reach `mfu` of peak; a query meets, in each of its k experts of every layer, about
-    k / E of the sequence's keys, 4 * H * Dh FLOPs per pair (QK^T and PV); swaps are batched into
-    one copy per sequence and direction (as vLLM's swap kernel does): no per-block cost,
-    `seconds_per_swap` each; a step reads the active bf16 weights from HBM at least once."""
+    """A cost model from datasheet numbers. Assumed: prefill and recompute reach `mfu` of peak; a
+    query meets about k / E of the keys in each of its k experts, 4 * H * Dh FLOPs per pair; swaps
+    are one copy per sequence and direction (as vLLM's swap kernel does), `seconds_per_swap` each;
+    a step reads the active bf16 weights from HBM at least once."""
     gpu, link = pick(ACCELERATORS, accelerator, "accelerator"), pick(HOST_LINKS, host_link, "host_link")
     per_token = gpu.compute_seconds(2.0 * active_params, mfu)
     seconds_per_step = gpu.read_seconds(2.0 * active_params)                 # active weights read once
@@ -359,9 +332,5 @@ def crossover_context(cost: CostModel, contexts, blocks_at_context) -> int | Non
     blocks_at_context[i]: blocks a sequence of contexts[i] tokens holds (tail padding included)."""
     contexts = torch.as_tensor(contexts)
     swap = cost.swap_seconds(torch.as_tensor(blocks_at_context, dtype=torch.float64))
-    recompute = cost.recompute_seconds(contexts.to(torch.float64))
-    wins = (swap < recompute).tolist()
-    for i in range(len(wins)):
-        if all(wins[i:]):
-            return int(contexts[i])
-    return None
+    wins = (swap < cost.recompute_seconds(contexts.to(torch.float64))).tolist()
+    return next((int(contexts[i]) for i in range(len(wins)) if all(wins[i:])), None)

@@ -1,14 +1,10 @@
-"""Batch generation with a chosen cache: prefill a batch of prompts of different lengths, then decode
-token by token.
+"""Static batching with a chosen cache: prefill a batch of prompts of different lengths, then decode
+token by token until the longest request ends (the engine, `generate_with_engine`, gives the same
+tokens).
 
     cache "none"        recompute: every step runs the whole (padded) batch through `model.forward`
     cache "contiguous"  one growing buffer per (sequence, layer, expert)
     cache "paged"       one block pool for every (sequence, layer, expert) (moekv_ref.cache.paged)
-
-Static batching: the batch is fixed up front and runs until its longest request ends. The
-continuous-batching engine (moekv_ref.engine, `generate_with_engine`) gives the same tokens, as its
-tests show. `record_logits=True` keeps the logits of every position processed, which the
-equivalence tests compare against one full forward of the final sequences.
 """
 
 from __future__ import annotations
@@ -17,6 +13,7 @@ import dataclasses
 from typing import Callable
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from .cache import ContiguousKVCache, PagedKVCache
 from .cache.block_pool import a_type
@@ -29,33 +26,28 @@ CACHE_KINDS = ["none", "contiguous", "paged"]
 
 
 @torch.no_grad()
-def generate(
-    model: MoEKVTransformer,
-    prompts: list[list[int]],
-    params: SamplingParams | list[SamplingParams] = SamplingParams(),
-    cache: str = "contiguous",
-    record_logits: bool = False,
-    on_token: Callable[[int, int], None] | None = None,
-    **cache_options,
-) -> GenerationResult:
-    """Generate `max_new_tokens` for every prompt. `params` may be one per prompt (own seeds), and
-    each prompt is checked against its own max_new_tokens. cache_options (block_size, num_blocks,
-    ...) apply to cache="paged" only; without num_blocks its pool is sized for every prompt at once."""
+def generate(model: MoEKVTransformer, prompts: list[list[int]],
+             params: SamplingParams | list[SamplingParams] = SamplingParams(),
+             cache: str = "contiguous", record_logits: bool = False,
+             on_token: Callable[[int, int], None] | None = None,
+             **cache_options) -> GenerationResult:
+    """`params` may be one per prompt (own seeds). cache_options apply to cache="paged" only;
+    without num_blocks its pool is sized for every prompt at once. `record_logits` keeps the logits
+    of every position processed (the equivalence tests compare them with a full forward)."""
     if not isinstance(model, MoEKVTransformer):
         raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
     if cache not in CACHE_KINDS:
         raise ValueError(f"unknown cache kind {cache!r}; allowed: {CACHE_KINDS}")
     if cache_options and cache != "paged":
         raise ValueError(f"{sorted(cache_options)} apply to cache='paged' only, not cache={cache!r}")
-    if not isinstance(record_logits, bool):
-        raise ValueError(f"record_logits={record_logits!r} is {a_type(record_logits)}; allowed: True or False")
-    for flag in ("shared_tails", "enable_prefix_caching", "home_devices"):   # PagedKVCache's switches: never truthy text
-        if flag in cache_options and not isinstance(cache_options[flag], bool):
-            raise ValueError(f"{flag}={cache_options[flag]!r} is {a_type(cache_options[flag])}; "
-                             "allowed: True or False")
+    switches = {flag: cache_options[flag] for flag in ("shared_tails", "enable_prefix_caching",
+                                                       "home_devices") if flag in cache_options}
+    for flag, value in {"record_logits": record_logits, **switches}.items():   # never truthy text
+        if not isinstance(value, bool):
+            raise ValueError(f"{flag}={value!r} is {a_type(value)}; allowed: True or False")
     if on_token is not None and not callable(on_token):
         raise ValueError(f"on_token must be callable (or None), got {type(on_token).__name__}")
-    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)) or not prompts:
+    if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of prompts (lists of token ids)")
     per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(per_prompt) != len(prompts):
@@ -124,11 +116,7 @@ def _generate_cached(model, kv_cache, prompts, generated, logits_log, active, sa
 
 def _right_padded(sequences: list[list[int]], device) -> torch.Tensor:
     """(b, T) token ids, each sequence right-padded with zeros to the longest."""
-    width = max(len(s) for s in sequences)
-    batch = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
-    for row, s in enumerate(sequences):
-        batch[row, : len(s)] = torch.tensor(s)
-    return batch
+    return pad_sequence([torch.tensor(s) for s in sequences], batch_first=True).to(device)
 
 
 def _generate_recompute(model, prompts, generated, logits_log, active, sample):

@@ -1,11 +1,9 @@
 """A small MoE transformer whose attention experts each keep their own KV cache.
 
-One file, top to bottom: RMSNorm, the expert matmuls, the attention-expert layer, the MoE
-feed-forward, the block, the model. The attention layer has two forwards that must agree:
-`forward_full` (the whole padded batch, every expert computed densely and masked by routing: the
-recompute reference and the training path) and `forward_cached` (a flat ragged batch of prefill
-chunks and decode tokens, only the selected (token, expert) pairs projected, their K/V stored and
-attended by the cache).
+The attention layer has two forwards that must agree: `forward_full` (the padded batch, every
+expert computed densely and masked by routing: the recompute reference and the training path) and
+`forward_cached` (a flat ragged batch of prefill chunks and decode tokens, only the selected
+(token, expert) pairs projected, their K/V stored and attended by the cache).
 
 Dimension legend:
   B batch   T tokens per sequence   N tokens in a flat ragged batch   L layers
@@ -45,9 +43,8 @@ BACKENDS = ("torch", "triton")
 
 
 def sort_by_expert(selected: torch.Tensor):
-    """The (token, expert) pairs of a routing's selected (N, E), sorted by expert: token (M,),
-    expert (M,), counts (E,). Within an expert tokens keep their order, so a sequence's tokens
-    reach each expert's cache in position order."""
+    """The (token, expert) pairs of selected (N, E) sorted by expert, stably: a sequence's tokens
+    reach each expert's cache in position order. token (M,), expert (M,), counts (E,)."""
     token, expert = selected.nonzero(as_tuple=True)                      # (M,) sorted by token
     order = torch.argsort(expert, stable=True)
     token, expert = token[order], expert[order]                          # (M,) sorted by expert
@@ -64,10 +61,9 @@ def _grouped_mm_applies(x: torch.Tensor, weights: torch.Tensor) -> bool:
 def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
     """x (M, D) sorted by expert, counts[e] rows for expert e, times weights[e] (E, D, F): (M, F).
 
-    torch: one matmul per expert's slice, the readable reference; where it applies, the same
-    products in one `torch._grouped_mm` (the op behind Hugging Face's grouped experts; bitwise equal
-    to the loop, and 1.6x faster for a decode step's four FFN experts, measured). triton: one launch
-    of the grouped GEMM kernel (kernels/expert_gemm.py)."""
+    torch: one matmul per expert's slice, the readable reference; where it applies, one
+    `torch._grouped_mm` (bitwise equal to the loop, 1.6x faster for a decode step's four FFN
+    experts, measured). triton: the grouped GEMM kernel (kernels/expert_gemm.py)."""
     if backend == "triton":
         import kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
         return kernels.expert_gemm(x, weights, counts)
@@ -79,9 +75,9 @@ def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
 
 
 def project_qkv(config: ModelConfig, xs, positions, counts, w_q, w_k, w_v, backend: str):
-    """q (M, H, Dh), k and v (M, Hkv, Dh) of rows xs (M, D) sorted by expert, rotated at their
-    positions (M,); counts[e] rows for the e-th expert of w_q (E', D, H*Dh) etc. The E' experts may
-    be any subset of the layer's (a rank's own, under expert parallelism)."""
+    """q (M, H, Dh), k and v (M, Hkv, Dh) of rows xs (M, D) sorted by expert, rotated at positions
+    (M,); w_q (E', D, H*Dh) etc. may be any subset of the layer's experts (a rank's own, under
+    expert parallelism)."""
     H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     # one product for the three: the weights side by side (E', D, (H + 2 Hkv) Dh), a copy of a few
     # hundred kB per layer that costs less than the two products it saves at decode sizes
@@ -147,11 +143,8 @@ class ExpertAttention(nn.Module):
         return (out * routing.gates[..., None]).sum(2), routing
 
     def forward_cached(self, x, seq_ids, positions, cache) -> tuple[torch.Tensor, Routing]:
-        """x: (N, D) new tokens of many sequences; seq_ids, positions: (N,). Returns (N, D).
-
-        A sequence's new tokens continue what the cache holds for it. The selected pairs are
-        projected as one grouped matmul; one `append_kv` stores their K/V under their (sequence,
-        layer, expert) rows and one `attend` returns each pair's attention over its row."""
+        """x: (N, D) new tokens of many sequences, each continuing what the cache holds for it;
+        seq_ids, positions: (N,). Returns (N, D)."""
         N = x.shape[0]
         dense = self.config.num_attention_experts == 1
         with phase("routing"):
@@ -232,9 +225,9 @@ class ModelOutput:
 
 
 class MoEKVTransformer(nn.Module):
-    """backend, chosen once: "torch" (PyTorch matmuls) or "triton" (the cached path's expert
-    projections on the grouped GEMM kernel, and decode attention on the paged kernels for caches
-    made with PagedKVCache.for_model; on a CPU in Triton's interpreter). `forward` is PyTorch's."""
+    """backend "triton": the cached path's expert projections on the grouped GEMM kernel, decode
+    attention on the paged kernels for caches made with PagedKVCache.for_model (on a CPU in
+    Triton's interpreter). `forward` is always PyTorch's."""
 
     def __init__(self, config: ModelConfig, backend: str = "torch"):
         super().__init__()
@@ -249,21 +242,18 @@ class MoEKVTransformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def _check_tokens(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+    def _check_tokens(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got "
                              f"[{int(tokens.min())}, {int(tokens.max())}]")
-        if positions is None:
-            last = tokens.shape[-1] - 1
-        else:
-            last = int(positions.max()) if positions.numel() else 0
+        last = int(positions.max()) if positions.numel() else 0
         if last >= self.config.max_position_embeddings:
             raise ValueError(f"position {last} is beyond max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
 
     def forward(self, tokens: torch.Tensor) -> ModelOutput:
         """Full recompute. tokens: (B, T), right-padded; every row starts at position 0."""
-        self._check_tokens(tokens)
+        self._check_tokens(tokens, torch.arange(tokens.shape[-1]))
         return self._run(self.embed(tokens), None)                           # (B, T, V)
 
     def forward_cached(self, tokens, seq_ids, positions, cache) -> ModelOutput:
@@ -272,10 +262,10 @@ class MoEKVTransformer(nn.Module):
             raise ValueError(f"tokens, seq_ids and positions must be 1-D of equal length, got shapes "
                              f"{tuple(tokens.shape)}, {tuple(seq_ids.shape)}, {tuple(positions.shape)}")
         self._check_tokens(tokens, positions)
-        if self.backend == "triton" and next(self.parameters()).dtype not in (torch.float32, torch.float16,
-                                                                                torch.bfloat16):
+        dtype = next(self.parameters()).dtype
+        if self.backend == "triton" and dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"backend='triton' runs float32, float16 or bfloat16 weights, not "
-                             f"{next(self.parameters()).dtype}")
+                             f"{dtype}")
         with phase("forward"):
             return self._run(self.embed(tokens), (seq_ids, positions, cache))  # (N, V)
 

@@ -7,10 +7,8 @@ layer on every device (D must divide E), so weight memory is balanced whatever t
     round_robin    expert e on device e % D
     coactivation   experts the router often chooses together for the same token share a device,
                    so a token's k experts touch fewer devices (fewer destinations for its hidden
-                   state, fewer pools for its K/V). Greedy: each device is seeded with the most
-                   loaded expert left, then filled with the one most co-activated with those there;
-                   a heuristic (the exact problem is a balanced graph partition), measured against
-                   round-robin on real routing rather than assumed to win.
+                   state, fewer pools for its K/V). Greedy (`place_experts`); a heuristic for a
+                   balanced graph partition, measured against round-robin, not assumed to win.
 
 Dimension legend: E experts of a layer, D devices, N tokens, L layers.
 """
@@ -23,17 +21,16 @@ PLACEMENTS = ("contiguous", "round_robin", "coactivation")
 
 
 def coactivation_counts(selected: torch.Tensor) -> torch.Tensor:
-    """How often each pair of experts was chosen for the same token: (E, E) int64; the diagonal is
-    each expert's load. selected: (N, E) bool, one layer's routing decisions."""
+    """How often each pair of experts was chosen for the same token: (E, E) int64, the diagonal each
+    expert's load. selected: (N, E) bool, one layer's routing decisions."""
     chosen = selected.to(torch.int64)                                         # (N, E)
     return chosen.T @ chosen                                                  # (E, E)
 
 
 def place_experts(num_experts: int, num_devices: int, strategy: str = "contiguous",
                   coactivation: torch.Tensor | None = None) -> torch.Tensor:
-    """The device of each expert of one layer: (E,) int64, each device holding E / D experts.
-
-    coactivation: (E, E) counts from `coactivation_counts`, needed by strategy="coactivation"."""
+    """The device of each expert of one layer: (E,) int64. coactivation: (E, E) counts from
+    `coactivation_counts`, for strategy="coactivation"."""
     if strategy not in PLACEMENTS:
         raise ValueError(f"strategy={strategy!r} is not one of {PLACEMENTS}")
     for name, value in (("num_experts", num_experts), ("num_devices", num_devices)):
@@ -68,13 +65,12 @@ def place_experts(num_experts: int, num_devices: int, strategy: str = "contiguou
 
 
 def place_layers(selected_per_layer: list[torch.Tensor], num_devices: int, strategy: str) -> torch.Tensor:
-    """One placement per layer: (L, E) int64. selected_per_layer: L tensors (N, E) bool (only
-    strategy="coactivation" reads the decisions; the others need only E)."""
+    """One placement per layer: (L, E) int64. selected_per_layer: L tensors (..., E) bool."""
     maps = []
     for selected in selected_per_layer:
-        num_experts = selected.shape[-1]
-        counts = coactivation_counts(selected.reshape(-1, num_experts)) if strategy == "coactivation" else None
-        maps.append(place_experts(num_experts, num_devices, strategy, counts))
+        selected = selected.flatten(0, -2)                                    # (N, E)
+        counts = coactivation_counts(selected) if strategy == "coactivation" else None
+        maps.append(place_experts(selected.shape[1], num_devices, strategy, counts))
     return torch.stack(maps)
 
 

@@ -1,14 +1,11 @@
 """Where a step's time goes: named phases timed in CPU time, for `bench step --profile`.
 
-The forward marks its phases where they happen (`with phase("attend"): ...`), and `bench step
---profile` collects them inside `collect()`. Outside it, `phase` returns one shared null context
-(well under a microsecond, against a step's milliseconds), so the marks stay in the code itself.
-
-CPU time (`time.process_time`), because the machines are shared: with one thread it is the phase's
-own work, whatever else runs. Named scopes rather than torch.profiler, because the phases are
-mostly Python around small tensor ops, which an operator trace splits into hundreds of ops with
-their own overhead. Phases do not nest, except "forward", which encloses the model's phases so that
-what the forward spends outside them (embedding, norms, residuals, the LM head) can be told.
+The forward marks its phases where they happen (`with phase("attend"): ...`); outside `collect()`,
+`phase` returns one shared null context (well under a microsecond), so the marks stay in the code.
+CPU time because the machines are shared: with one thread it is the phase's own work. Named scopes
+rather than torch.profiler, which splits Python around small tensor ops into hundreds of ops with
+their own overhead. Phases do not nest, except "forward", which encloses the model's phases so
+that what the forward spends outside them can be told.
 """
 
 from __future__ import annotations

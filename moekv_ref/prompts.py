@@ -2,10 +2,9 @@
 
 Bytes are tokens: vocabulary 256, nothing to download, any text round-trips (`encode`, `decode`).
 
-`check_prompt` wants a non-empty sequence of integer token ids in [0, vocab_size) (ints, integer
-scalars such as numpy's, or a 1-D integer tensor) that, with the tokens asked for, fits the model's
-positions. Floats are refused even when whole (3.0): a float where a token id belongs is a bug
-upstream, and truncating it would hide it.
+`check_prompt` takes ints, integer scalars such as numpy's, or a 1-D integer tensor. Floats are
+refused even when whole (3.0): a float where a token id belongs is a bug upstream, and truncating
+it would hide it.
 """
 
 from __future__ import annotations

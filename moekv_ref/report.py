@@ -12,8 +12,7 @@ from .config import ModelConfig
 
 def cache_report(counts: torch.Tensor, config: ModelConfig, bytes_per_value: int) -> dict:
     """counts: (L, E) or (B, L, E) tokens held per (layer, expert) [per sequence], summed over B.
-    Per layer: tokens and bytes per expert, `max_over_mean` (1.0 = uniform) and
-    `kl_from_uniform_bits` = KL(split || uniform), 0 for a perfectly even split."""
+    Per layer: `max_over_mean` (1.0 = uniform) and `kl_from_uniform_bits` = KL(split || uniform)."""
     if counts.dim() == 3:
         counts = counts.sum(0)
     bytes_per_token = config.kv_bytes_per_entry(bytes_per_value)                 # per (layer, expert)

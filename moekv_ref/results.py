@@ -9,8 +9,7 @@ import torch
 
 @dataclass
 class GenerationResult:
-    """What `generate.generate` (static batching) and `engine.generate_with_engine` (continuous
-    batching) return for the same prompts."""
+    """What `generate.generate` and `engine.generate_with_engine` return for the same prompts."""
     prompts: list[list[int]]
     tokens: list[list[int]]                       # generated ids, per prompt
     cache_counts: torch.Tensor                    # (B, L, E) tokens a cache holds at the end

@@ -31,7 +31,6 @@ class Routing:
 
 
 def route(logits: torch.Tensor, rule: str, k: int, threshold: float = 0.5) -> Routing:
-    """Route tokens from router logits (..., E) by `rule` ("topk" or "threshold")."""
     num_experts = logits.shape[-1]
     if not 1 <= k <= num_experts:
         raise ValueError(f"k={k} must be in [1, {num_experts}] (the number of experts)")

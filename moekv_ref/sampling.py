@@ -1,8 +1,8 @@
 """Sampling parameters and the choice of the next token.
 
 Every sequence samples with its own `torch.Generator`, seeded from its own seed, so what it
-generates never depends on which other sequences share its batch (a property the serving engine's
-tests rely on: preempted-and-resumed = never preempted = generated alone).
+generates never depends on its batch (the engine's tests rely on it: preempted-and-resumed = never
+preempted = generated alone).
 """
 
 from __future__ import annotations
@@ -21,16 +21,11 @@ MAX_SEED = 2**63 - 1            # torch.Generator.manual_seed takes up to 2**64 
 
 
 class SamplingError(RuntimeError):
-    """The next token of one request could not be sampled (e.g. its logits are not finite). The
-    serving engine finishes that request with an error and serves the others."""
+    """One request's next token could not be sampled; the engine fails that request only."""
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _is_number(value, types=(int, float)) -> bool:
+    return isinstance(value, types) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -44,16 +39,16 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not _is_number(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:   # NaN too
             raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 means greedy) and finite")
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise ValueError(f"temperature={self.temperature!r} is too small to sample with: use 0 (greedy) "
                              f"or at least {MIN_TEMPERATURE}")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:  # also rejects NaN
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:  # also rejects NaN
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
+        if not _is_number(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**63 - 1]")
 
     @property
@@ -65,7 +60,7 @@ class SamplingParams:
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from logits (V,). Raises SamplingError if the logits are not all finite."""
+    """One token id from logits (V,); SamplingError if they are not all finite."""
     with phase("sampling"):
         return _sample_next(logits, params, generator)
 
@@ -87,8 +82,8 @@ def _sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
     """sample_next for each row of logits (b, V), with row i's params and generator: the same tokens.
-    The greedy rows take one finiteness check and one argmax for all of them (a decode step of b
-    sequences would otherwise spend four small tensor ops per row); the others sample one by one."""
+    The greedy rows take one finiteness check and one argmax for all of them (not four small tensor
+    ops per row); the others sample one by one."""
     with phase("sampling"):
         greedy = [i for i, p in enumerate(params) if p.greedy]
         argmax = {}
