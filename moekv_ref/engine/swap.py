@@ -1,12 +1,10 @@
 """The swap space's bookkeeping: where a sequence preempted by swap keeps its K/V until it resumes.
 
-A second, smaller pool of host blocks of the device pool's shape. This module holds only integers
-(host block ids, per swapped sequence its row counts) and says which blocks move where in a
-`BlockCopy`; the model runner owns the host K/V and performs the copies, in order, before the
-forward. swap_out frees the device blocks at once, so the same step may hand them to another
-sequence (the copy runs first); swap_in allocates the saved row counts again (`allocate_slots`
-hands out blocks in the order blocks_of_sequence lists them), so the sequence gets new device block
-ids: nothing outside the block tables may remember a block id. (Why whole sequences: scheduler.py.)
+A second, smaller pool of host blocks of the device pool's shape, as integers only: the model runner
+owns the host K/V and performs each `BlockCopy`. swap_out frees the device blocks at once (the copy
+runs first: model_runner.py); swap_in allocates the saved row counts again, in the order
+blocks_of_sequence lists them, so the sequence gets new device block ids: nothing outside the block
+tables may remember a block id. (Why whole sequences: scheduler.py.)
 """
 
 from __future__ import annotations

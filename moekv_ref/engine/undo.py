@@ -6,10 +6,8 @@ request gets lost. So the engine takes a `Snapshot` at two points of a step and,
 it raises, restores every object it reached, in place (every reference stays valid):
 
     before schedule()   nothing has moved K/V yet: the state is exactly the one before the step
-    before the forward  (after the block copies) a fault in the forward, sampling or the bookkeeping
-                        after it goes back to here: blocks the forward took are free again, blocks
-                        a finishing request gave back are its own again (nothing allocates after
-                        the forward)
+    before the forward  after the block copies: a later fault frees the blocks the forward took and
+                        gives finishing requests theirs back (nothing allocates after the forward)
 
 A snapshot copies the attributes of the scheduler and, recursively, of every object of this package
 they reach (tensors cloned, containers copied). Not copied: frozen dataclasses, objects of other
