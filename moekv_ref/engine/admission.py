@@ -3,10 +3,7 @@
     allows(request, running, memory, predictor) -> bool
 
 asked only when the request's next step already fits and others are running (an empty engine
-admits the head of the line, which fits alone). Policies read a read-only MemoryView.
-
-    predicted    the pool's predicted peak, from the routing seen so far, fits (the default)
-    optimistic   always: admit whenever the next step fits (vLLM's rule), preempt when it runs short
+admits the head of the line, which fits alone).
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ from .request import Request, RequestStatus
 
 
 class AdmissionPolicy:
-    """May `request` join `running` now? Subclasses answer `allows`."""
     name = "admission"
 
     def allows(self, request: Request, running: Sequence[Request], memory: MemoryView,
@@ -44,8 +40,8 @@ class OptimisticAdmission(AdmissionPolicy):
 
 
 class PredictedAdmission(AdmissionPolicy):
-    """Admit while the pool's predicted peak fits: the next step alone would let in requests that
-    will certainly be preempted later (wasted prefill)."""
+    """Admit while the pool's predicted peak fits (the default): the next step alone would let in
+    requests that will certainly be preempted later (wasted prefill)."""
     name = "predicted"
 
     def allows(self, request, running, memory, predictor) -> bool:
@@ -56,14 +52,12 @@ def predicted_peak(requests: Sequence[Request], memory: MemoryView, predictor: D
     """The most blocks the pool is predicted to hold at any future step while `requests` run.
 
     Generation runs to max_new_tokens, so each request's remaining steps g are known; its blocks
-    grow from what it holds now, b, to its predicted final demand f (never less than b), then all
-    return when it finishes:
+    grow from b, held now, to its predicted final demand f >= b, then all return when it finishes:
 
         demand_r(s) = b_r + (f_r - b_r) * (s + 1) / g_r   for s < g_r,   0 afterwards
 
     The sum peaks just before some request finishes, so it is evaluated at s = g_r - 1. Summing
-    final demands instead would assume everyone peaks at once and leave the pool half idle;
-    short requests free their blocks before long ones reach theirs.
+    final demands would assume everyone peaks at once and leave the pool half idle.
     """
     held, final, remaining = [], [], []
     for r in requests:

@@ -1,10 +1,5 @@
-"""The two baselines the serving benchmark compares continuous paged batching with, as batching
-policies: the same scheduler loop, runner and pool, only a different rule for who may run.
-
-    continuous_reserved  iteration-level batching, each request reserving the worst case of every
-                         (layer, expert) row for its whole life: never preempts, admits few
-    static               a fixed batch, admitted only when the previous one has finished, padded to
-                         its longest request, each reserving the worst case of every expert
+"""The serving benchmark's two baselines as batching policies: the same scheduler loop, runner and
+pool as continuous paged batching, only a different rule for who may run.
 """
 
 from __future__ import annotations
@@ -31,8 +26,8 @@ class ReserveEveryRow(AdmissionPolicy):
 
 
 class ContinuousReserved(ContinuousBatching):
-    """Continuous batching with lifetime reservations: the pool never runs short (no preemption)
-    and few requests run at once."""
+    """Continuous batching, each request reserving every (layer, expert) row's worst case for its
+    whole life: the pool never runs short (no preemption) and few requests run at once."""
     name = "continuous_reserved"
 
     def __init__(self):

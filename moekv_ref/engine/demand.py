@@ -3,13 +3,10 @@
 Under threshold routing a token goes to 1..k_max experts per layer, decided only when the router
 sees it, so the cache a request will need is not known when it arrives:
 
-    prediction (admission)   k_avg entries per token per layer, from running statistics, plus at
-                             most P - 1 wasted slots in the last block of each row
-    worst case (one step)    every new token to k_max experts, each opening a block; reserved before
-                             the step, since a forward cannot stop half-way through its layers
-    worst case (lifetime)    the most blocks any routing could make a request hold; a request whose
-                             worst case exceeds the pool is refused at add_request (it must be able
-                             to finish alone)
+    prediction (admission)   DemandPredictor, from the routing seen so far
+    worst case (one step)    every new token to k_max experts, each opening a block
+    worst case (lifetime)    the most blocks any routing could make a request hold (above the pool:
+                             refused at add_request, since it must be able to finish alone)
 
 The worst number of blocks n new tokens can open in one layer of one sequence, whose E rows hold c_e
 tokens (P slots per block, k_max experts per token, at most n tokens per expert):
@@ -21,11 +18,10 @@ tokens (P slots per block, k_max experts per token, at most n tokens per expert)
 and the step's worst case is min(A, B). For a decode token (n = 1) that is min(k_max, number of rows
 whose last block is exactly full): most decode steps need far fewer than k_max blocks per layer.
 
-Per device (each sequence brings an (L, E) map of its rows' devices): a step fits only if it fits
-every device, so the bounds are taken per (layer, device), with the E_d(l) experts of layer l on
-device d and k_d(l) = min(k_max, E_d(l)) in place of E and k_max. The per-device worst cases add up
-to at least the one-pool one (each device may see its own worst routing); with D = 1 they are the
-one-pool bounds, so the scheduler has one code path.
+Per device (each sequence brings an (L, E) map of its rows' devices) the bounds are taken per
+(layer, device), with the E_d(l) experts of layer l on device d and k_d(l) = min(k_max, E_d(l)) in
+place of E and k_max. They add up to at least the one-pool bound (each device may see its own worst
+routing); with D = 1 they are the one-pool bounds, so the scheduler has one code path.
 
 Integer arithmetic on tensors only. Dimension legend: m sequences, L layers, E experts, D devices.
 """
@@ -40,20 +36,20 @@ from ..cache.rows import ceil_div, worst_case_lifetime_blocks  # noqa: F401 (the
 
 
 def min_lifetime_blocks(num_tokens: int, num_layers: int, k_min: int, block_size: int) -> int:
-    """The fewest blocks a sequence of `num_tokens` cached tokens can hold: k_min entries per token
-    per layer, packed into full blocks."""
+    """The fewest blocks `num_tokens` cached tokens can hold: k_min entries per token per layer,
+    packed into full blocks."""
     return num_layers * ceil_div(k_min * num_tokens, block_size)
 
 
 def reserved_blocks(num_tokens: int, num_layers: int, num_experts: int, block_size: int) -> int:
-    """What a per-expert contiguous reservation sets aside: every (layer, expert) row of the
-    sequence reserves room for all of its tokens, since the router may send every token there."""
+    """A per-expert contiguous reservation: every (layer, expert) row reserves room for all tokens,
+    since the router may send every token there."""
     return num_layers * num_experts * ceil_div(num_tokens, block_size)
 
 
 class DemandPredictor:
-    """Predicts a request's blocks from k_avg[l], the mean experts per token at layer l over every
-    token run so far (before any: k_max, the safe prior). For T cached tokens, per layer,
+    """Predicts a request's blocks from k_avg[l], the mean experts per token at layer l so far
+    (before any token: k_max, the safe prior). For T cached tokens, per layer,
 
         blocks = min(ceil(entries / P + rows * (P - 1) / P), the layer's worst case),
         entries = k_avg[l] * T,  rows = min(E, entries)
@@ -69,13 +65,11 @@ class DemandPredictor:
         self.num_tokens = 0
 
     def observe(self, entries_per_layer: torch.Tensor, num_tokens: int) -> None:
-        """entries_per_layer (L,): experts chosen, summed over a step's tokens."""
-        self.num_entries += entries_per_layer.to(torch.float64)
+        self.num_entries += entries_per_layer.to(torch.float64)      # (L,) over a step's tokens
         self.num_tokens += int(num_tokens)
 
     @property
     def k_avg(self) -> torch.Tensor:
-        """(L,) experts per token per layer so far; k_max before anything was observed."""
         if self.num_tokens == 0:
             return torch.full((self.num_layers,), float(self.k_max), dtype=torch.float64)
         return self.num_entries / self.num_tokens
@@ -93,7 +87,7 @@ class DemandPredictor:
 
 def worst_case_step_blocks(token_counts: torch.Tensor, num_new_tokens: torch.Tensor, k_max: int,
                            block_size: int) -> torch.Tensor:
-    """token_counts (m, L, E), num_new_tokens (m,) -> (m,): the one-pool worst case (D = 1)."""
+    """token_counts (m, L, E), num_new_tokens (m,) -> (m,): the one-pool (D = 1) worst case."""
     one_device = torch.zeros(token_counts.shape, dtype=torch.int64)
     return worst_case_step_blocks_per_device(token_counts, num_new_tokens, k_max, block_size,
                                              one_device, 1)[:, 0]

@@ -5,19 +5,17 @@
                     preempt: integers,     one forward_cached     own seeded       blocks freed)
                     one SchedulerOutput)   over the flat batch)   generator)
 
-One `step` is one forward over every scheduled token. Everything a request needs is checked in
-`add_request` before any state changes (a bad prompt or sampling parameters, or a request that might
-not fit the pool even alone: ValueError), so the requests already in the engine are untouched.
+One `step` is one forward over every scheduled token. `add_request` checks everything before any
+state changes, so a refused request (ValueError) leaves the others untouched.
 
 With `record_history=True` the engine keeps, per step, the pool's use and the scheduler's decisions
-(`timeline`, `events`, `device_timeline`) and the finished requests, for figures and tables. Without
-it a finished request is handed out and forgotten and `stats()` is kept in counters: memory stays
-flat however many requests it serves.
+(`timeline`, `events`, `device_timeline`) and the finished requests, for figures. Without it a
+finished request is handed out and forgotten and `stats()` is kept in counters: memory stays flat
+however many requests it serves.
 
-Per-device pools (`blocks_per_device` with `device_of_expert`, or with `home_devices=True`: every
-row of request s on device s % D) give each device its own blocks (cache/kv_cache_manager.py), and
-the scheduler reserves each step device by device; the model, the runner and the swap copies are
-the same. `eviction_stats()` adds the eviction counts and each device's peak of blocks in use.
+Per-device pools (`blocks_per_device` with `device_of_expert`, or `home_devices=True`: every row of
+request s on device s % D) give each device its own blocks (cache/kv_cache_manager.py); the
+scheduler reserves each step device by device, and the model, runner and swap copies are the same.
 """
 
 from __future__ import annotations
@@ -50,7 +48,7 @@ _COUNTED_AS = {"length": "finished", "aborted": "aborted", "error": "failed"}   
 
 @dataclass
 class StepRecord:
-    """The state after one step (or one idle tick while waiting for arrivals)."""
+    """The state after one step (or one idle tick waiting for arrivals)."""
     step: int
     num_running: int            # sequences holding the pool during the step
     num_waiting: int            # never run yet
@@ -130,17 +128,11 @@ def _checked_batch(prompts, sampling_params, config, params_name: str) -> list[t
 class LLMEngine:
     """Continuous batching over a paged per-expert KV cache of `num_blocks` blocks of `block_size`.
 
-    num_swap_blocks: the CPU swap space (default: as large as the pool when preempting by swap).
-    attention: the paged cache's attention path (PagedKVCache); None: "triton" for a model on the
-    Triton backend, else "batched". enable_prefix_caching: start a request from a cached prefix
-    (cache/prefix_cache.py; a hit reuses only blocks of the device each row takes blocks from).
-    blocks_per_device: D integers >= 1, never rounded (checked_blocks_per_device); num_blocks their
-    sum, if left out. device_of_expert: (E,) or (L, E) devices 0..D-1 (placement.place_experts,
-    checked_placement). home_devices: rows on their request's home instead (device_of_expert is then
-    None: ask memory.device_of_expert_of). record_history: module docstring.
-
-    A step that raises is undone (see `step`); a request whose own sampling fails finishes with
-    "error" and the others go on.
+    num_swap_blocks: the CPU swap space (default: the pool's size when preempting by swap).
+    attention: PagedKVCache's attention path (None: "triton" on the Triton backend, else "batched").
+    blocks_per_device: D integers >= 1, never rounded (num_blocks their sum if left out);
+    device_of_expert: (E,) or (L, E) devices (placement.place_experts). With home_devices
+    device_of_expert is None: ask memory.device_of_expert_of.
     """
 
     def __init__(self, model: MoEKVTransformer, num_blocks: int | None = None, block_size: int = 16,
@@ -179,8 +171,8 @@ class LLMEngine:
                                             enable_prefix_caching=enable_prefix_caching,
                                             home_devices=home_devices)
         self.blocks_per_device = self.cache.manager.blocks_per_device.tolist()         # D ints
-        manager = self.cache.manager                # (L, E) int64; None with home devices (rows follow sequences)
-        self.device_of_expert = None if manager.home_devices else manager.device_of_expert
+        manager = self.cache.manager
+        self.device_of_expert = None if manager.home_devices else manager.device_of_expert  # (L, E)
         self.scheduler = Scheduler(scheduler_config, self.cache.manager, ModelShape.from_config(self.config, block_size),
                                    num_swap_blocks)
         self.memory = self.scheduler.memory          # read-only: the pool and the swap space
@@ -203,9 +195,8 @@ class LLMEngine:
 
     # ----- requests in ------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], sampling_params: SamplingParams | dict | None = None) -> int:
-        """Queue a request; returns its id. Raises ValueError, changing nothing, for a bad prompt or
-        sampling parameters, a generation past the model's positions, or a request that might not
-        fit the pool even alone."""
+        """Queue a request and return its id; ValueError, changing nothing, for a bad prompt or
+        sampling parameters, or a request that might not fit the pool even alone."""
         params = _checked_params(sampling_params)
         prompt = check_prompt(prompt, self.config.vocab_size, self.config.max_position_embeddings,
                               params.max_new_tokens, "the prompt")
@@ -225,22 +216,20 @@ class LLMEngine:
 
     # ----- requests out -------------------------------------------------------------------------------
     def abort_request(self, request_id: int) -> RequestOutput | None:
-        """Stop a request, from any state, freeing its blocks now. Returns its output so far
-        ("aborted"), or None if it had already finished; ValueError for an id never given out."""
-        if isinstance(request_id, numbers.Integral) and not isinstance(request_id, bool):
-            request_id = int(request_id)            # numpy integers too, as add_request's tokens
-        if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id < self._next_request_id:
+        """Stop a request, from any state, freeing its blocks now; its output so far ("aborted"),
+        or None if it had already finished."""
+        is_int = isinstance(request_id, numbers.Integral) and not isinstance(request_id, bool)
+        if not is_int or not 0 <= request_id < self._next_request_id:
             given = (f"ids 0..{self._next_request_id - 1} were given out" if self._next_request_id
                      else "no request has been added yet")
             raise ValueError(f"request_id={request_id!r} is not a request of this engine ({given})")
-        request = self.requests.get(request_id)
+        request = self.requests.get(int(request_id))
         if request is None or request.is_finished:
             return None
         self.scheduler.finish(request, self.step_count, "aborted")
         return self._hand_out(request, self.step_count)
 
     def _hand_out(self, request: Request, step: int) -> RequestOutput:
-        """Count a finished request and give its output; without history, the engine forgets it."""
         kind = _COUNTED_AS[request.finish_reason]
         self._counts[kind] += 1
         self._event(step, request.request_id, kind)
@@ -259,14 +248,12 @@ class LLMEngine:
 
     # ----- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample, account. Returns the requests that finished in this
-        step (served to the end, or failed in their own sampling).
+        """Schedule, run one forward, sample, account; returns the requests that finished.
 
-        A step happens whole or not at all (undo.py): if anything in it raises, every object is put
-        back as it was before the step (or, past scheduling, once its preemptions and admissions
-        were made, which are kept), the step counts as failed, and the exception propagates with a
-        note naming the step and its requests; nothing is lost and no block leaks. A fault in the
-        block copies makes the sequences they moved recompute (their K/V may be incomplete)."""
+        A step happens whole or not at all (undo.py): if anything raises, every object is put back
+        as it was before the step (past scheduling: after its preemptions and admissions, which are
+        kept), and the exception propagates with a note naming the step; no block leaks. A fault
+        in the block copies makes the sequences they moved recompute."""
         start = time.perf_counter()
         step = self.step_count
         num_running, scheduled_used = len(self.scheduler.running), self.memory.num_used_blocks
@@ -307,9 +294,8 @@ class LLMEngine:
         self._end_step(step, 0, 0, start, num_running, self.memory.num_used_blocks, scheduled_used)
 
     def _run(self, decision):
-        """Copies, forward, sampling and accounting of one step, undone past the copies if any of it
-        raises. Returns (the requests that finished, blocks in use after the forward -- the step's
-        peak, before finishing -- and tokens generated)."""
+        """Copies, forward, sampling, accounting; undone past the copies if any raises. Returns
+        (finished requests, blocks in use after the forward: the step's peak, tokens generated)."""
         try:
             self.runner.copy_blocks(decision.block_copies)
         except BaseException:
@@ -346,7 +332,7 @@ class LLMEngine:
         return done, used_blocks, num_generated
 
     def idle_step(self) -> None:
-        """Let a step of time pass with nothing to run (requests have not arrived yet)."""
+        """A step of time with nothing to run (requests have not arrived yet)."""
         used = self.memory.num_used_blocks
         self._end_step(self.step_count, 0, 0, None, len(self.scheduler.running), used, used)
 
@@ -371,9 +357,8 @@ class LLMEngine:
     # ----- whole workloads ----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | list | None = None,
                  on_step: Callable[["LLMEngine"], None] | None = None) -> list[RequestOutput]:
-        """Serve every prompt to the end; outputs in the order of `prompts`. Everything is checked
-        before the first is queued. If anything interrupts it (KeyboardInterrupt, a step that
-        raises), the requests it added that have not finished are aborted, and it propagates."""
+        """Serve every prompt to the end, checking all before queueing any; outputs in prompt order.
+        If interrupted (KeyboardInterrupt, a failed step), its unfinished requests are aborted."""
         checked = _checked_batch(prompts, sampling_params, self.config, "sampling_params")
         for i, (prompt, params) in enumerate(checked):
             self.scheduler.check_fits_alone(len(prompt), params.max_new_tokens, self._next_request_id + i)
@@ -395,7 +380,6 @@ class LLMEngine:
         return [outputs[i] for i in ids]
 
     def prefix_cache_stats(self) -> dict | None:
-        """Prefix caching's counters, cached blocks evicted and cached now; None without it."""
         manager = self.cache.manager
         prefix = manager.prefix_cache
         if prefix is None:
@@ -405,11 +389,10 @@ class LLMEngine:
 
     @property
     def peak_used_blocks_per_device(self) -> list[int]:
-        """Most blocks in use on each device after any step so far ([] before the first step)."""
+        """Most blocks in use on each device after any step so far ([] before the first)."""
         return [] if self._peak_used_per_device is None else self._peak_used_per_device.tolist()
 
     def eviction_stats(self) -> dict:
-        """stats() plus the scheduler's eviction counts and the peak of blocks in use per device."""
         s = self.scheduler
         return {**self.stats().to_dict(), "num_evictions": s.num_evictions, "num_row_evictions": s.num_row_evictions,
                 "num_evicted_rows": s.num_evicted_rows, "num_dead_rows_freed": s.num_dead_rows_freed,
@@ -418,7 +401,7 @@ class LLMEngine:
                 "peak_used_blocks_per_device": self.peak_used_blocks_per_device}
 
     def stats(self) -> EngineStats:
-        """Totals so far, in O(1): counters kept as the engine runs, not a scan of its history."""
+        """Totals so far, in O(1): counters, not a scan of the history."""
         counts = self._counts
         return EngineStats(
             num_steps=self.step_count,
@@ -442,15 +425,14 @@ class LLMEngine:
 def generate_with_engine(model: MoEKVTransformer, prompts: list[list[int]], params, block_size: int = 16,
                          num_blocks: int | None = None, on_token: Callable[[int, int], None] | None = None,
                          scheduler_config: SchedulerConfig | None = None, shuffle_seed: int | None = None):
-    """`generate.generate(..., cache="paged")` through the serving engine: the same GenerationResult
-    by continuous batching over the paged pool. Without num_blocks the pool holds every prompt's
-    worst case at once; give fewer to watch preemption keep the tokens."""
+    """`generate.generate(..., cache="paged")` through the serving engine (the same result);
+    without num_blocks the pool holds every prompt's worst case at once."""
     if not isinstance(model, MoEKVTransformer):
         raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
     check_block_size(block_size)
     c = model.config
     prompts, per_prompt = map(list, zip(*_checked_batch(prompts, params, c, "params")))
-    if num_blocks is None:      # sized from the prompts given: every one's worst case at once
+    if num_blocks is None:
         num_blocks = sum(worst_case_lifetime_blocks(len(p) + q.max_new_tokens - 1, c.num_hidden_layers,
                                                     c.num_attention_experts, c.num_attention_experts_per_tok,
                                                     block_size) for p, q in zip(prompts, per_prompt))

@@ -1,15 +1,10 @@
 """What the scheduler and its policies know about memory: integers only.
 
-    ModelShape   the model's facts that set how many blocks a sequence takes (from the config)
-    MemoryView   a read-only window onto the block manager and the swap space: the pool's size
-                 and free blocks, each sequence's blocks and (layer, expert) token counts, what a
-                 swapped sequence left in host memory; per device (one pool: D = 1), the same as
-                 (D,) vectors, where each row lives and when it was last appended to
-
-The totals (num_blocks, num_free_blocks, ...) stay sums over devices, for the admission policies
-that reason about the whole pool. The scheduler changes memory only through the block manager
-(`free`) and the swap space (`swap_out` / `swap_in`), never touching K/V tensors; the policies get
-a MemoryView, which has no method that changes anything.
+ModelShape holds the model's facts that set how many blocks a sequence takes. MemoryView is a
+read-only window onto the block manager and the swap space (per device as (D,) vectors; one pool:
+D = 1); its totals stay sums over devices, for the admission policies that reason about the whole
+pool. The policies get a MemoryView, which has no method that changes anything; the scheduler
+changes memory only through the block manager and the swap space, never touching K/V tensors.
 """
 
 from __future__ import annotations
@@ -41,8 +36,6 @@ class ModelShape:
 
 
 class MemoryView:
-    """Read-only questions about the device pool and the swap space, by sequence id."""
-
     def __init__(self, manager: KVCacheManager, shape: ModelShape, swap_space: SwapSpace | None = None):
         self._manager = manager
         self._swap_space = swap_space
@@ -87,7 +80,6 @@ class MemoryView:
 
     @property
     def num_swapped_blocks(self) -> int:
-        """Host blocks in use, over every swapped sequence."""
         return 0 if self._swap_space is None else self._swap_space.pool.num_used_blocks
 
     def is_swapped(self, seq_id: int) -> bool:
@@ -98,8 +90,7 @@ class MemoryView:
         return self._swap_space.num_blocks_to_swap_in(seq_id) if self.is_swapped(seq_id) else 0
 
     def swapped_token_counts(self, seq_id: int) -> torch.Tensor:
-        """(L, E) tokens the swapped sequence's rows hold."""
-        return self._swap_space.token_counts(seq_id)
+        return self._swap_space.token_counts(seq_id)                          # (L, E)
 
     # ----- devices (one pool: D = 1) ----------------------------------------------------------------
     @property
@@ -124,8 +115,7 @@ class MemoryView:
         return self._manager.device_of_expert
 
     def device_of_expert_of(self, seq_ids: list[int]) -> torch.Tensor:
-        """(m, L, E) the device each row of these sequences lives on (held or not; its expert's, or
-        its sequence's home in a pool with home devices)."""
+        """(m, L, E) each row's device, held or not (its expert's, or its sequence's home)."""
         return self._manager.device_of_expert_of(seq_ids)
 
     def blocks_held_per_device(self, seq_id: int) -> torch.Tensor:
@@ -144,8 +134,7 @@ class MemoryView:
 
     # ----- checking ---------------------------------------------------------------------------------
     def assert_no_leak(self) -> None:
-        """After every request finished: no sequence holds blocks, every block is free, the swap
-        space is empty, the manager's invariants hold."""
+        """After every request finished: nothing held, every block free, the manager consistent."""
         manager = self._manager
         manager.assert_consistent()
         assert not manager.sequences, f"sequences still in the cache: {manager.sequences}"

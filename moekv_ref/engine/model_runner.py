@@ -6,11 +6,10 @@ scheduled requests as one flat ragged batch.
     seq_ids     0 0 0 0 0              1                     2 2 2
     positions   0 1 2 3 4              17                    32 33 34
 
-It returns the logits of each request's last scheduled token and the experts the routers chose per
-layer (for the demand predictor). It owns the host (swap) K/V, blocks of the device pool's shape,
-and copies blocks in the order decided *before* the forward: a device block freed by a swap-out may
-go to another sequence in the same step, and the copy must read it first. Every serving design of
-the benchmark runs through this one runner, so the comparison measures scheduling and memory.
+It owns the host (swap) K/V and copies blocks in the order decided, *before* the forward: a device
+block freed by a swap-out may go to another sequence in the same step, and the copy must read it
+first. Every serving design of the benchmark runs through this one runner, so the comparison
+measures scheduling and memory only.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from .swap import COPY, SWAP_IN, SWAP_OUT, BlockCopy
 
 @dataclass
 class FlatBatch:
-    """The scheduled requests' tokens laid end to end (N tokens, m requests)."""
     token_ids: list[int]          # (N,)
     seq_ids: list[int]            # (N,) the request id of each token
     positions: list[int]          # (N,) each token's position in its sequence
@@ -39,7 +37,6 @@ class FlatBatch:
 
 
 def flatten_batch(scheduled) -> FlatBatch:
-    """scheduled: ScheduledRequests in batch order, each running the tokens after its computed."""
     tokens, seq_ids, positions, lengths = [], [], [], []
     for item in scheduled:
         request, n = item.request, item.num_tokens
@@ -70,8 +67,7 @@ class ModelRunner:
         self.host_value_cache = torch.zeros(shape, dtype=cache.value_cache.dtype, device="cpu")
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
-        """Perform block copies in order: SWAP_OUT device -> host, SWAP_IN host -> device, COPY device ->
-        device (copy-on-write of a prefix-cache hit's straddling blocks)."""
+        """In order: SWAP_OUT device -> host, SWAP_IN host -> device, COPY device -> device."""
         device = self.cache.key_cache.device
         pairs = ((self.cache.key_cache, self.host_key_cache),
                  (self.cache.value_cache, self.host_value_cache))
@@ -89,7 +85,6 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, scheduled) -> RunnerOutput:
-        """One forward_cached over the scheduled requests (ScheduledRequest list, batch order)."""
         batch = flatten_batch(scheduled)
         device = self.device
         output = self.model.forward_cached(torch.tensor(batch.token_ids, device=device),

@@ -6,7 +6,7 @@
                               (resume)               to the CPU swap space, then freed)
 
     from any unfinished state: abort ──> FINISHED ("aborted"); its own sampling fails ──> FINISHED
-    ("error", with the reason). Either way its blocks and swap blocks go back at once.
+    ("error", with the reason); its blocks and swap blocks go back at once.
 
 Token bookkeeping (vLLM v1's): `all_token_ids` = prompt + generated tokens, of which
 `num_computed_tokens` have K/V in the cache. A step runs the next ones (a prompt, a chunk of it, a
@@ -27,7 +27,6 @@ from ..sampling import SamplingParams
 
 
 def check_int(name: str, value, minimum: int, allow_none: bool = False) -> None:
-    """ValueError naming the value unless it is an integer >= minimum (or None, where allowed)."""
     if value is None and allow_none:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -79,7 +78,7 @@ class Request:
 
     @property
     def num_pending_tokens(self) -> int:
-        """Tokens the next steps must run before the next token can be sampled."""
+        """Tokens to run before the next token can be sampled."""
         return self.num_tokens - self.num_computed_tokens
 
     @property

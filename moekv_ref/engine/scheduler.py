@@ -2,50 +2,37 @@
 
 One step, in order (vLLM v1's loop, with MoE-aware memory checks):
 
- 1. Running requests, oldest first. Each gets its pending tokens (a prefill chunk, or one decode
-    token) within the token budget, and the *worst case* of blocks those tokens can open (demand.py)
-    is reserved against the free pool. When it does not fit, the victim policy picks a running
-    request not yet scheduled this step (the newest, by default), which is preempted -- by recompute
-    or by swap -- until it does (possibly the request itself).
+ 1. Running requests, oldest first, get their pending tokens (a prefill chunk, or one decode token)
+    within the token budget, reserving the *worst case* of blocks those tokens can open (demand.py).
+    While that does not fit, the victim policy picks a running request not yet scheduled this step
+    (the newest, by default), preempted by recompute or by swap (possibly the request itself).
  2. If nothing was preempted: the batching policy admits waiting requests, preempted ones first
-    (they keep their place in line), while the sequence budget, the token budget, the step's
-    reservation and its admission rule allow.
- 3. After the forward (`update_from_output`): tokens are counted as computed, sampled tokens
-    appended, and requests that reached their last token finish and free their blocks.
+    (they keep their place in line), within the step's budgets, reservation and admission rule.
+ 3. `update_from_output`: tokens counted as computed, sampled tokens appended, requests at their
+    last token finished and their blocks freed.
 
-Why the worst case of one step, not of the whole life: the whole life is k_max / k_avg times more
-than threshold routing needs (what `continuous_reserved` pays); only the next step must be
-guaranteed, because a forward runs every layer and cannot stop half-way when a layer's experts are
-full. Why a prediction for admission (admission.py): the step guarantee alone would admit requests
-certain to be preempted later (wasted prefill).
+Only the next step's worst case is reserved, because a forward runs every layer and cannot stop
+half-way when a layer's experts are full; the whole life's is k_max / k_avg times more than
+threshold routing needs (what `continuous_reserved` pays). Admission adds a prediction
+(admission.py): the step guarantee alone admits requests certain to be preempted later.
 
-Why preempt whole sequences, never single experts' blocks: a sequence's next token may go to any
-expert of any layer and attends over everything that expert cached for it. Freeing one row saves 1/E
-of a layer's share, yet the sequence cannot run until the row is rebuilt, which takes running the
-whole sequence again (K/V at layer l depend on every earlier layer): the cost of a whole recompute
-for a fraction of the memory.
+Whole sequences are preempted, never single experts' rows: a row at layer l is rebuilt only by
+re-running the whole sequence (K/V at layer l depend on every earlier layer), so freeing 1/E of a
+layer's share costs a whole recompute. A victims.RowEviction shows why: its request *stalls* at the
+head of the line, to be recomputed whole, while its other rows stay in the pool as dead weight,
+freed first when their device is short, when nothing runs, and when it resumes (only where the
+block manager `can_evict_rows`: plain pages, no shared tails, no prefix caching).
 
-Devices: the pool has D devices (one pool: D = 1) and a step must fit every device, so the
-reservation is a (D,) int64 vector and the victim policy is told *which* device is short
-(victims.Shortage). Only continuous_paged runs several devices: the baselines never preempt.
+The pool has D devices (one pool: D = 1) and a step must fit every device: the reservation is a (D,)
+vector and the victim policy is told which device is short (victims.Shortage). Only
+continuous_paged runs several devices. With prefix caching a request holding nothing may start from
+a cached prefix (`prefix_hit`), reserving its remaining tokens' worst case plus the free blocks the
+hit takes.
 
-Row eviction, to show why it fits badly: a victims.RowEviction frees some rows and the request
-*stalls* at the head of the line, to be recomputed whole, while its other rows stay in the pool as
-dead weight (as independent expert buffers would leave them). Dead rows are freed first when their
-device is short, when nothing runs, and when the request resumes. Only where the block manager
-`can_evict_rows` (plain pages, no shared tails, no prefix caching).
-
-Prefix caching (prefix_cache.py): a request starting from nothing may start from a cached prefix
-(`prefix_hit`), its rows built from shared blocks and COPY block copies, reserving its remaining
-tokens' worst case plus the free blocks the hit takes; computed full blocks are registered after
-each step.
-
-The scheduler sees integers only (the block manager and memory.ModelShape), never K/V tensors. Its
-decisions leave `schedule()` in one SchedulerOutput, whose block copies the model runner performs,
-in order, before the forward. Its policies (SchedulerConfig names them): batching (batching.py,
-baselines.py), admission (admission.py) and victim (victims.py).
+The scheduler sees integers only (the block manager and memory.ModelShape), never K/V; its decisions
+leave `schedule()` in one SchedulerOutput, whose block copies the runner performs, in order, before
+the forward.
 """
-
 from __future__ import annotations
 
 from collections import deque
@@ -70,13 +57,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The scheduler's limits and policies. Policies are given by name or as objects:
-
-    policy     "continuous_paged" (default), "continuous_reserved", "static", or a BatchingPolicy
-    admission  "predicted" (default) or "optimistic", or an AdmissionPolicy; continuous_paged only
-    victim     "newest_first" (default), or a VictimPolicy
-    preemption_mode  "recompute" (default) or "swap"
-    """
+    """The scheduler's limits and policies, each given by name or as a policy object; admission
+    (default "predicted") applies to continuous_paged only."""
     max_num_seqs: int = 16                 # sequences running at once
     max_num_batched_tokens: int = 256      # tokens in one forward (prefill chunks + decode tokens)
     policy: str | BatchingPolicy = "continuous_paged"
@@ -92,9 +74,7 @@ class SchedulerConfig:
                                     ("preemption_mode", PREEMPTION_MODES, None),
                                     ("victim", tuple(VICTIM_POLICIES), VictimPolicy)):
             value = getattr(self, name)
-            if value is None and name == "admission":
-                continue
-            if kind is not None and isinstance(value, kind):
+            if (value is None and name == "admission") or (kind and isinstance(value, kind)):
                 continue
             if not isinstance(value, str) or value not in allowed:
                 also = f", or a policy object ({kind.__name__})" if kind is not None else ""
@@ -109,7 +89,7 @@ class SchedulerConfig:
             return self.policy
         if self.policy != "continuous_paged":
             return StaticBatching() if self.policy == "static" else ContinuousReserved()
-        admission = self.admission if self.admission is not None else "predicted"
+        admission = self.admission or "predicted"
         return ContinuousBatching(ADMISSIONS[admission]() if isinstance(admission, str)
                                   else admission)
 
@@ -163,19 +143,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Queues of requests and the decisions above. Between steps every request is in exactly one of
-    `waiting` (WAITING or PREEMPTED) and `running` (RUNNING), or is FINISHED and in neither; only a
-    swap-PREEMPTED request holds swap blocks, and it holds no pool blocks. num_swap_blocks: host
-    blocks for preemption by swap (0: none)."""
+    """Between steps every request is in exactly one of `waiting` (WAITING or PREEMPTED) and
+    `running` (RUNNING), or is FINISHED and in neither; only a swap-PREEMPTED request holds swap
+    blocks, and it holds no pool blocks."""
 
     def __init__(self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape,
                  num_swap_blocks: int = 0):
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
-        if not isinstance(shape, ModelShape):
-            raise ValueError(f"shape must be a ModelShape, got {type(shape).__name__}")
-        if not isinstance(manager, KVCacheManager):
-            raise ValueError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
         if (manager.num_layers, manager.num_experts, manager.block_size) != (
                 shape.num_layers, shape.num_experts, shape.block_size):
             raise ValueError(f"the manager's (layers, experts, block size) = ({manager.num_layers}, "
@@ -214,13 +189,12 @@ class Scheduler:
 
     # ----- requests in ------------------------------------------------------------------------------
     def max_blocks_alone(self, num_cached_tokens: int) -> int:
-        """The most blocks this policy could need for one request running alone."""
         return self.batching.max_blocks_alone(num_cached_tokens, self.shape)
 
     def check_fits_alone(self, prompt_len: int, max_new_tokens: int, request_id: int = 0) -> None:
-        """Raise ValueError if a request of this shape might not fit the pool even alone: preemption
-        frees only *other* sequences' memory, so once admitted it could never finish. request_id:
-        whose rows' devices to check (they depend on it in a pool with home devices)."""
+        """ValueError if a request of this shape might not fit the pool even alone: preemption frees
+        only *other* sequences' memory, so once admitted it could never finish. request_id: whose
+        rows' devices to check (with home devices they depend on it)."""
         shape, num_blocks = self.shape, self.memory.num_blocks
         num_tokens = prompt_len + max_new_tokens - 1
         worst = self.max_blocks_alone(num_tokens)
@@ -242,7 +216,6 @@ class Scheduler:
             f"({shape.num_layers} layers, up to {shape.k_max} experts per token, block size {shape.block_size}); {fix}")
 
     def _check_fits_each_device(self, prompt_len: int, max_new_tokens: int, request_id: int) -> None:
-        """Refuse a request whose rows on some device might outgrow it, naming the device."""
         shape, memory = self.shape, self.memory
         worst = worst_case_lifetime_blocks_per_device(torch.tensor([prompt_len + max_new_tokens - 1]), shape.k_max,
                                                       shape.block_size, memory.device_of_expert_of([request_id]),
@@ -264,9 +237,9 @@ class Scheduler:
 
     # ----- one step ---------------------------------------------------------------------------------
     def schedule(self, step: int) -> SchedulerOutput:
-        """One step's decisions. An exception raised part-way gets a note naming the request being
-        scheduled; the engine undoes the partial decisions (undo.py)."""
-        self.current = None                    # the request being decided on, for error messages
+        """One step's decisions; an exception gets a note naming the request being decided on (the
+        engine undoes the partial decisions: undo.py)."""
+        self.current = None
         try:
             return self._schedule(step)
         except BaseException as error:
@@ -281,9 +254,9 @@ class Scheduler:
         token_budget = self.config.max_num_batched_tokens
         reserved = torch.zeros(self.num_devices, dtype=torch.int64)             # (D,)
         # every running request's need, in one call; a request the budget cuts short is asked again
-        planned_tokens = [min(r.num_pending_tokens, token_budget) for r in self.running]
-        planned_needs = dict(zip(map(id, self.running), zip(planned_tokens,
-                                                            self.step_blocks_many(self.running, planned_tokens))))
+        planned = [min(r.num_pending_tokens, token_budget) for r in self.running]
+        planned_needs = dict(zip(map(id, self.running),
+                                 zip(planned, self.step_blocks_many(self.running, planned))))
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.current = self.running[i]
@@ -328,11 +301,10 @@ class Scheduler:
 
     # ----- the step's reservation: a (D,) vector, D = 1 for one pool ------------------------------
     def fits(self, demand: torch.Tensor) -> bool:
-        """Whether `demand` (D,) blocks fit the free blocks of every device."""
         return bool((demand <= self.memory.num_free_blocks_per_device).all())
 
     def _shortage(self, demand: torch.Tensor, need: torch.Tensor) -> tuple[int, Shortage]:
-        """(the device short by the most blocks, a Shortage naming it for the victim policy)."""
+        """The device short by the most blocks, and a Shortage naming it for the victim policy."""
         missing = demand - self.memory.num_free_blocks_per_device                    # (D,)
         device = int(missing.argmax())
         return device, Shortage(device, int(missing[device]), int(need[device]))
@@ -343,8 +315,8 @@ class Scheduler:
 
     def start_head(self, out: SchedulerOutput, hit=None) -> Request:
         """The head of the waiting line starts running: swapped back in, or a stalled one without
-        its dead rows, or (prefix caching, holding nothing) from `hit` if given: its rows share the
-        hit's full blocks, the blocks straddling its end are copied (COPY), prefill starts there."""
+        its dead rows, or from the prefix `hit` (its full blocks shared, the ones straddling its end
+        copied)."""
         request = self.current = self.waiting.popleft()
         if self.stalled.pop(request.request_id, None) is not None:
             self.manager.free(request.request_id)
@@ -372,14 +344,13 @@ class Scheduler:
         return request
 
     def step_blocks(self, request: Request, num_tokens: int) -> torch.Tensor:
-        """(D,) the worst case of blocks the request's next `num_tokens` tokens can take on each
-        device (never above its lifetime's minus what it holds, so a request alone always fits)."""
+        """(D,) the worst case the next `num_tokens` tokens can take on each device, capped at the
+        lifetime's minus what it holds (so a request alone always fits)."""
         return self.step_blocks_many([request], [num_tokens])[0]
 
     def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> list[torch.Tensor]:
-        """`step_blocks` of many requests in one pass (per-request tensor calls would cost more than
-        a decode step's forward on a small model). A swapped request grows from the rows it saved
-        (its swap-in brings them back); a stalled one restarts empty."""
+        """`step_blocks` in one pass (per-request tensor calls cost more than a small model's decode
+        forward). A swapped request grows from the rows it saved; a stalled one restarts empty."""
         if not requests:
             return []
         shape, memory = self.shape, self.memory
@@ -396,8 +367,7 @@ class Scheduler:
 
     def _worst_case_need(self, counts: torch.Tensor, num_tokens: list[int], totals: list[int],
                          devices: torch.Tensor) -> list[torch.Tensor]:
-        """Rows (m, L, E) on `devices` (m, L, E), growing by num_tokens[i] to totals[i] tokens -> m
-        vectors (D,): step_blocks of each."""
+        """counts, devices (m, L, E), rows growing by num_tokens[i] to totals[i] -> m (D,) needs."""
         shape, D = self.shape, self.num_devices
         held = blocks_held_per_device(counts, shape.block_size, devices, D)                      # (m, D)
         step = worst_case_step_blocks_per_device(counts, torch.tensor(num_tokens), shape.k_max, shape.block_size,
@@ -408,14 +378,13 @@ class Scheduler:
 
     # ----- prefix caching ------------------------------------------------------------------------------
     def prefix_hit(self, request: Request):
-        """The PrefixHit a request holding nothing (not swapped) would start from, or None."""
+        """The PrefixHit a request holding nothing (not swapped) would start from."""
         if self.prefix_cache is None or request.swapped or self.memory.holds(request.request_id):
             return None
         return self.prefix_cache.hit_for(request.all_token_ids, request.request_id)
 
     def hit_step_blocks(self, hit, num_tokens: int) -> torch.Tensor:
-        """(D,) step_blocks for a request about to start from `hit` (from the hit's row counts, on
-        the devices of its rows), plus the free blocks the hit itself takes there."""
+        """(D,) step_blocks for a request starting from `hit`, plus the free blocks it takes."""
         L, E = self.shape.num_layers, self.shape.num_experts
         counts = hit.row_counts.view(1, L, E)                                                     # (1, L, E)
         need = self._worst_case_need(counts, [num_tokens], [hit.num_tokens + num_tokens],
@@ -423,7 +392,6 @@ class Scheduler:
         return need + hit.free_taken_per_device
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        """Take a running request off the pool; it goes back to the head of the waiting line."""
         self.running.remove(request)
         seq_id = request.request_id
         holds = self.memory.holds(seq_id)
@@ -441,7 +409,7 @@ class Scheduler:
         self._requeue_preempted(request, out)
 
     def _requeue_preempted(self, request: Request, out: SchedulerOutput) -> None:
-        """A preempted request goes back to the head of the waiting line, where it keeps its place."""
+        """Back to the head of the waiting line: a preempted request keeps its place."""
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -450,13 +418,13 @@ class Scheduler:
         out.events.append(("preempted", request))
 
     def _forget_computed(self, request: Request) -> None:
-        """The request's K/V are gone: every token it has runs again (recompute)."""
+        """Its K/V are gone: every token runs again."""
         request.num_recomputed_tokens += request.num_computed_tokens
         self.num_recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
 
     def _evict_rows(self, eviction: RowEviction, out: SchedulerOutput) -> None:
-        """Drop the chosen rows; the request stalls (module docstring) at the head of the line."""
+        """Drop the chosen rows; the request stalls (module docstring)."""
         request = eviction.request
         self.num_row_evictions += 1
         self.num_evicted_rows += self._free_rows(request.request_id, eviction.layer_experts)
@@ -466,8 +434,8 @@ class Scheduler:
         self._requeue_preempted(request, out)
 
     def _free_dead_rows(self, device: int | None) -> bool:
-        """Free the rows stalled requests still hold on `device` (every device: None), oldest stall
-        first. Returns whether any block was freed."""
+        """Free the rows stalled requests hold on `device` (None: every device), oldest stall first;
+        whether any was freed."""
         freed = False
         for request_id in self.stalled:
             dead = self.memory.token_counts([request_id])[0] > 0                       # (L, E)
@@ -479,7 +447,6 @@ class Scheduler:
         return freed
 
     def _free_rows(self, request_id: int, layer_experts) -> int:
-        """Free the (layer, expert) rows of a sequence; returns how many."""
         rows = torch.cat([self.manager.rows([request_id], layer, expert)
                           for layer, expert in layer_experts])
         self.manager.free_rows(rows)
@@ -489,10 +456,9 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[int, int],
                            entries_per_layer: torch.Tensor | None = None,
                            failed: dict[int, str] | None = None) -> list[Request]:
-        """Account for the step that ran `out`: tokens computed, sampled tokens (request id ->
-        token) appended, requests at their last token finished. entries_per_layer (L,): experts
-        chosen, summed over the step's tokens, for the predictor. failed: request id -> why its own
-        sampling failed (it finishes with "error"). Returns the requests that finished, in order."""
+        """Account for the step that ran `out`; returns the requests that finished, in order.
+        entries_per_layer (L,): experts chosen over the step's tokens (for the predictor). failed:
+        request id -> why its own sampling failed (it finishes with "error")."""
         failed = failed or {}
         if entries_per_layer is not None:
             self.predictor.observe(entries_per_layer, out.num_scheduled_tokens)
@@ -517,8 +483,7 @@ class Scheduler:
         return finished
 
     def finish(self, request: Request, step: int, reason: str = "length", error: str | None = None) -> None:
-        """The request leaves, from any unfinished state (reason "aborted": an abort): its device
-        blocks and any swap blocks go back now."""
+        """The request leaves, from any unfinished state; its device and swap blocks go back now."""
         seq_id = request.request_id
         request.actual_blocks = self.memory.num_blocks_held(seq_id)
         request.final_token_counts = self.memory.token_counts([seq_id])[0]
@@ -539,7 +504,7 @@ class Scheduler:
 
     def recover_from_failed_copies(self, out: SchedulerOutput) -> None:
         """The step's block copies raised part-way: every sequence they moved may have incomplete
-        K/V, so it drops them (host blocks if swapped out, else device blocks) and recomputes."""
+        K/V, so it drops them and recomputes."""
         for request in out.swapped_out:
             if request.swapped:
                 self.swap_space.discard(request.request_id)

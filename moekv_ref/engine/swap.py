@@ -1,15 +1,10 @@
 """The swap space's bookkeeping: where a sequence preempted by swap keeps its K/V until it resumes.
 
-A second, smaller pool of host blocks of the device pool's shape. This module holds only integers
-(host block ids and, per swapped sequence, its L * E row counts) and says which blocks move where in
-a `BlockCopy`; the model runner owns the host K/V and performs the copies, in order, before the
-forward. swap_out frees the device blocks at once, so the same step may hand them to another
-sequence (the copy runs first); swap_in allocates the saved row counts again (`allocate_slots`
-hands out blocks in the same row-by-row order as blocks_of_sequence lists them), so the sequence
-gets new device block ids: nothing outside the block tables may remember a block id.
-
-Whole sequences, because a sequence's next token may attend over any expert of any layer: one
-missing some experts' blocks cannot run until they return.
+A second, smaller pool of host blocks of the device pool's shape, as integers only: the model runner
+owns the host K/V and performs each `BlockCopy`. swap_out frees the device blocks at once (the copy
+runs first: model_runner.py); swap_in allocates the saved row counts again, in the order
+blocks_of_sequence lists them, so the sequence gets new device block ids: nothing outside the block
+tables may remember a block id. (Why whole sequences: scheduler.py.)
 """
 
 from __future__ import annotations
@@ -37,7 +32,6 @@ class BlockCopy(NamedTuple):
 
 @dataclass
 class SwappedSequence:
-    """What swap_out leaves behind."""
     host_block_ids: torch.Tensor      # (b,) int64, in the order of blocks_of_sequence
     token_counts: torch.Tensor        # (L * E,) int64, layer-major
     last_appended: torch.Tensor | None = None   # (L * E,) each row's last append (the manager's clock)
@@ -78,11 +72,9 @@ class SwapSpace:
         return self.swapped[seq_id].host_block_ids.numel()
 
     def blocks_per_device(self, seq_id: int) -> torch.Tensor:
-        """(D,) blocks the swapped sequence takes on each device to come back."""
         return self.swapped[seq_id].blocks_per_device
 
-    def token_counts(self, seq_id: int) -> torch.Tensor:
-        """(L, E) tokens the swapped sequence's rows hold."""
+    def token_counts(self, seq_id: int) -> torch.Tensor:                        # (L, E)
         return self.swapped[seq_id].token_counts.view(self.manager.num_layers, self.manager.num_experts)
 
     def swap_in(self, seq_id: int) -> BlockCopy:

@@ -1,16 +1,13 @@
 """Undo for one engine step: remember the scheduler's state, put it back if the step raises.
 
-A step changes many small objects (queues, request counters, the block manager's tables and free
-stack, the swap space, the predictor, the policies' and the prefix cache's state); undoing each
-change by hand where it is made is how a request gets lost. So the engine takes a `Snapshot` at two
-points of a step and, if anything after it raises, restores every object it reached, in place (every
-reference to a request or a manager stays valid):
+A step changes many small objects (queues, request counters, the block manager's tables, the swap
+space, the predictor, the policies' and prefix cache's state); undoing each change by hand is how a
+request gets lost. So the engine takes a `Snapshot` at two points of a step and, if anything after
+it raises, restores every object it reached, in place (every reference stays valid):
 
     before schedule()   nothing has moved K/V yet: the state is exactly the one before the step
-    before the forward  (after the block copies) a fault in the forward, sampling or the bookkeeping
-                        after it goes back to here: blocks the forward took are free again, blocks
-                        a finishing request gave back are its own again (nothing allocates after
-                        the forward)
+    before the forward  after the block copies: a later fault frees the blocks the forward took and
+                        gives finishing requests theirs back (nothing allocates after the forward)
 
 A snapshot copies the attributes of the scheduler and, recursively, of every object of this package
 they reach (tensors cloned, containers copied). Not copied: frozen dataclasses, objects of other
@@ -33,8 +30,6 @@ _STATE_KINDS: dict[type, bool] = {}                       # class -> whether its
 
 
 class Snapshot:
-    """The state of `root` and of every object of this package it reaches, as it is now."""
-
     def __init__(self, root: object):
         self._saved: dict[int, tuple[object, dict]] = {}
         self._pending = [root]
@@ -47,8 +42,7 @@ class Snapshot:
                                           for name, value in vars(obj).items()})
 
     def restore(self) -> None:
-        """Put every object back as it was when the snapshot was taken. Once only: the saved copies
-        become the objects' state."""
+        """Once only: the saved copies become the objects' state."""
         for obj, values in self._saved.values():
             obj.__dict__.clear()
             obj.__dict__.update(values)
@@ -76,8 +70,8 @@ class Snapshot:
 
     @staticmethod
     def _is_state(value) -> bool:
-        """An object of this package with attributes of its own: not an enum member, a frozen
-        dataclass, or a module of the network (weights are never a step's state)."""
+        """An object of this package with attributes, not an enum member, a frozen dataclass or a
+        network module (weights are never a step's state)."""
         kind = type(value)
         if kind not in _STATE_KINDS:             # a property of the class: decided once per class
             _STATE_KINDS[kind] = (kind.__module__.startswith(_PACKAGE + ".") and hasattr(value, "__dict__")

@@ -2,21 +2,14 @@
 
     choose_victim(candidates, memory, need) -> Request, or a RowEviction
 
-candidates are the running requests the step has not scheduled yet, oldest first, always including
-the request being scheduled (picking it makes it wait while the others run); memory is a read-only
-MemoryView; need a `Shortage` (which device is short, by how many blocks). The scheduler preempts
-the answer (by recompute or swap) and asks again while the step does not fit. A `RowEviction` drops
-some rows of a candidate on the short device instead; the request stalls until recomputed.
+candidates: the running requests the step has not scheduled yet, oldest first, always including the
+request being scheduled (picking it makes it wait); memory: a read-only MemoryView; need: a
+`Shortage`. The scheduler preempts the answer and asks again while the step does not fit.
 
-    newest_first     the most recently (re)admitted request (vLLM's rule; the default)
-    sequence_lru     least recently used over whole sequences: ties under continuous batching, so
-                     the newest decides
-    expert_lru       the least recently appended rows on the short device (a cache per expert buffer)
-    pressure_aware   the request freeing the most blocks on the short device per unit of lost work
-    oracle, belady   offline: they read a routing trace's future (a FutureView, sim/eviction.py);
-                     without one (the live engine has none) constructing them raises
+    newest_first, sequence_lru, expert_lru, pressure_aware    online (newest_first: the default)
+    oracle, belady    offline: they read a routing trace's future (a FutureView, sim/eviction.py)
 
-A policy may also veto admissions (`admits`, asked by continuous batching); only the oracle does.
+A policy may also veto admissions (`admits`); only the oracle does.
 """
 
 from __future__ import annotations
@@ -30,8 +23,8 @@ from .request import Request
 
 @dataclass(frozen=True)
 class Shortage:
-    """What a step lacks: `num_blocks` more free blocks on `device`; `request_need` is how many of
-    them the request being scheduled (candidates[0]) would take there itself."""
+    """A step lacks `num_blocks` free blocks on `device`; the request being scheduled
+    (candidates[0]) would take `request_need` of them itself."""
     device: int
     num_blocks: int
     request_need: int = 0
@@ -51,14 +44,13 @@ class RowEviction:
 
 
 class VictimPolicy:
-    """Which of `candidates` to preempt. Subclasses answer `choose_victim`."""
     name = "victim"
 
     def choose_victim(self, candidates: Sequence[Request], memory: MemoryView, need: int) -> Request:
         raise NotImplementedError
 
     def admits(self, request: Request, running: Sequence[Request], memory: MemoryView) -> bool:
-        """May `request` join `running` (asked after the admission policy agreed)?"""
+        """Asked after the admission policy agreed."""
         return True
 
     def __repr__(self) -> str:
@@ -66,8 +58,8 @@ class VictimPolicy:
 
 
 class NewestFirst(VictimPolicy):
-    """The newest running request: it has done the least work (the least prefill to recompute, the
-    fewest blocks to swap), and the oldest ones, which have waited longest, keep their place."""
+    """The newest running request (vLLM's rule): it has done the least work, and the oldest, which
+    have waited longest, keep their place."""
     name = "newest_first"
 
     def choose_victim(self, candidates, memory, need) -> Request:
@@ -84,16 +76,13 @@ class SequenceLRU(NewestFirst):
 class ExpertLRU(VictimPolicy):
     """What a cache per expert buffer would do: drop the least recently appended (sequence, layer,
     expert) row on the short device (ties: the newest request, then the lowest layer and expert).
-
-    Why it fits badly: a sequence touches a row only when a token is routed there, so the least
-    recently used rows belong to sequences running now, and every row dropped costs a whole
-    recompute for one row's blocks. With no row on the short device, the request being scheduled
-    waits (whole)."""
+    It fits badly: the least recently used rows belong to sequences running now, and each dropped
+    row costs a whole recompute. With no row on the short device, the scheduled request waits."""
     name = "expert_lru"
 
     def choose_victim(self, candidates, memory, need):
         shortage = shortage_of(need)
-        best, best_key = None, None
+        keys = []
         for order, request in enumerate(candidates):
             last_used = memory.row_last_used(request.request_id)
             if last_used is None:
@@ -102,19 +91,17 @@ class ExpertLRU(VictimPolicy):
             counts = memory.token_counts([request.request_id])[0]                       # (L, E)
             devices = memory.device_of_expert_of([request.request_id])[0]              # (L, E) its rows'
             on_short = (counts > 0) & (devices == shortage.device)                       # (L, E)
-            for layer, expert in on_short.nonzero().tolist():
-                key = (int(last_used[layer, expert]), -order, layer, expert)
-                if best_key is None or key < best_key:
-                    best, best_key = (request, layer, expert), key
-        if best is None:
+            keys += [(int(last_used[layer, expert]), -order, layer, expert)
+                     for layer, expert in on_short.nonzero().tolist()]
+        if not keys:
             return candidates[0]
-        request, layer, expert = best
-        return RowEviction(request, ((layer, expert),))
+        _, order, layer, expert = min(keys)
+        return RowEviction(candidates[-order], ((layer, expert),))
 
 
 def room_and_lost_work(order: int, request: Request, memory: MemoryView, shortage: Shortage) -> tuple[int, int]:
-    """(blocks preempting candidates[order] frees on the short device, its own step's need there
-    included for order 0; the work lost, >= 1: tokens to recompute, or blocks to swap)."""
+    """(blocks preempting candidates[order] frees on the short device, with its own step's need
+    for order 0; the work lost, >= 1: tokens to recompute, or blocks to swap)."""
     held = memory.blocks_held_per_device(request.request_id)                            # (D,)
     room = int(held[shortage.device]) + (shortage.request_need if order == 0 else 0)
     lost = int(held.sum()) if memory.has_swap_space else request.num_computed_tokens
@@ -122,8 +109,8 @@ def room_and_lost_work(order: int, request: Request, memory: MemoryView, shortag
 
 
 def most_per_lost_work(candidates, memory: MemoryView, shortage: Shortage, value) -> Request:
-    """The candidate with the most value(request, room) per unit of work lost among those making
-    room on the short device (ties: the newest); candidates[0] if none does."""
+    """The candidate with the most value(request, room) per work lost among those making room on
+    the short device (ties: the newest); candidates[0] if none does."""
     def score(item):
         room, lost = room_and_lost_work(*item, memory, shortage)
         return (room > 0, (value(item[1], room) if room > 0 else 0) / lost, item[0])
@@ -153,7 +140,7 @@ class FutureView(Protocol):
 
 
 class OfflinePolicy(VictimPolicy):
-    """A policy that reads the future (`future`: a FutureView), for trace replay only."""
+    """A policy that reads the future, for trace replay only."""
 
     def __init__(self, future: FutureView | None = None):
         if future is None:
@@ -165,8 +152,7 @@ class OfflinePolicy(VictimPolicy):
 
 
 class Oracle(OfflinePolicy):
-    """Admission that knows the future: admit only what `future.fits_to_completion` says fits, so
-    nothing admitted is preempted and no work is lost; it gives up the requests it holds back (a
+    """Admit only what `future.fits_to_completion` says fits, so nothing admitted is preempted (a
     heuristic, not the best schedule). If a step is short anyway: the request with the most tokens
     still to generate (Belady's rule: the one needed furthest into the future)."""
     name = "oracle"
@@ -180,13 +166,10 @@ class Oracle(OfflinePolicy):
 
 
 class Belady(OfflinePolicy):
-    """Eviction that knows the future; admission as the online policies', never holding back.
-
-    Belady's rule (Belady 1966: evict the page whose next use is furthest away) has no direct
-    analogue, since every running request is used at every step; the future does tell how long each
-    will occupy the short device. So: among the requests making room there, the most *block-steps
-    still to come there* (`future.future_block_steps`) per unit of work lost. One about to finish
-    is kept (it frees its blocks soon); one that will sit there long goes, unless costly to redo."""
+    """Eviction that knows the future; admission as the online policies'. Belady's rule (Belady
+    1966: evict the page next used furthest away) has no direct analogue, since every running
+    request is used at every step; so: among the requests making room on the short device, the most
+    *block-steps still to come there* per work lost (one about to finish frees its blocks soon)."""
     name = "belady"
 
     def choose_victim(self, candidates, memory, need):
