@@ -33,6 +33,7 @@ The scheduler sees integers only (the block manager and memory.ModelShape), neve
 leave `schedule()` in one SchedulerOutput, whose block copies the runner performs, in order, before
 the forward.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -151,6 +152,10 @@ class Scheduler:
                  num_swap_blocks: int = 0):
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        if not isinstance(shape, ModelShape):
+            raise ValueError(f"shape must be a ModelShape, got {type(shape).__name__}")
+        if not isinstance(manager, KVCacheManager):
+            raise ValueError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
         if (manager.num_layers, manager.num_experts, manager.block_size) != (
                 shape.num_layers, shape.num_experts, shape.block_size):
             raise ValueError(f"the manager's (layers, experts, block size) = ({manager.num_layers}, "
