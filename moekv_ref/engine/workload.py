@@ -4,8 +4,8 @@ Time is counted in engine steps, not seconds, so that a run is the same on every
 arriving at step s is added before step s runs. Arrivals are a Poisson process of `arrival_rate`
 requests per step (None: everything arrives at step 0, the offline setting of the benchmark).
 
-Prompts are slices of one fixed text (below), as bytes: the embedded model is byte-level and was
-trained on Python source, so it continues these sensibly. Lengths are log-uniform between the given
+Prompts are slices of one fixed text (data/prompt.py.txt), as bytes: the embedded model is
+byte-level and was trained on Python source, so it continues these sensibly. Lengths are log-uniform between the given
 bounds: many short requests and a few long ones, the spread that makes static batching pad.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -22,94 +23,11 @@ from ..sampling import SamplingParams
 from .engine import LLMEngine
 from .request import RequestOutput, check_int
 
-PROMPT_TEXT = '''import collections
-import functools
-
-
-class LRUCache:
-    """A mapping that forgets the least recently used key when it grows past its capacity."""
-
-    def __init__(self, capacity):
-        if capacity <= 0:
-            raise ValueError("capacity must be positive")
-        self.capacity = capacity
-        self.data = collections.OrderedDict()
-
-    def get(self, key, default=None):
-        if key not in self.data:
-            return default
-        self.data.move_to_end(key)
-        return self.data[key]
-
-    def put(self, key, value):
-        self.data[key] = value
-        self.data.move_to_end(key)
-        while len(self.data) > self.capacity:
-            self.data.popitem(last=False)
-
-
-def read_lines(path, encoding="utf-8"):
-    """Yield the lines of a text file without their line endings."""
-    with open(path, encoding=encoding) as handle:
-        for line in handle:
-            yield line.rstrip("\\n")
-
-
-def parse_header(line):
-    name, _, value = line.partition(":")
-    return name.strip().lower(), value.strip()
-
-
-@functools.lru_cache(maxsize=None)
-def fibonacci(n):
-    if n < 2:
-        return n
-    return fibonacci(n - 1) + fibonacci(n - 2)
-
-
-class Counter(dict):
-    def __missing__(self, key):
-        return 0
-
-    def update(self, iterable):
-        for item in iterable:
-            self[item] = self[item] + 1
-        return self
-'''
-
-
-# The shared block of a few-shot workload: an instruction and worked examples, then each request's
-# own question (a slice of PROMPT_TEXT). Byte-level, like PROMPT_TEXT.
-FEW_SHOT_TEXT = '''# Write a short Python function for each task. Use the standard library only, keep names
-# readable, and raise ValueError for bad input.
-
-# Task: return the largest value of a list, or None for an empty list.
-def largest(values):
-    if not values:
-        return None
-    best = values[0]
-    for value in values[1:]:
-        if value > best:
-            best = value
-    return best
-
-# Task: count the words of a line of text.
-def count_words(line):
-    return len(line.split())
-
-# Task: join the names with commas and "and" before the last one.
-def join_names(names):
-    if len(names) < 2:
-        return "".join(names)
-    return ", ".join(names[:-1]) + " and " + names[-1]
-
-# Task: the mean of a list of numbers.
-def mean(numbers):
-    if not numbers:
-        raise ValueError("mean of an empty list")
-    return sum(numbers) / len(numbers)
-
-# Task:'''
+# a few-shot workload's prompts start with FEW_SHOT_TEXT (an instruction and worked examples);
+# both texts are data, kept as files like the held-out text
+_DATA = Path(__file__).parent.parent / "data"
+PROMPT_TEXT = (_DATA / "prompt.py.txt").read_text(encoding="utf-8")
+FEW_SHOT_TEXT = (_DATA / "few_shot.py.txt").read_text(encoding="utf-8")
 
 
 @dataclass
