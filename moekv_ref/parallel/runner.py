@@ -9,9 +9,9 @@ A sequence's home rank holds its hidden states between layers and runs the repli
     x = x + combine(experts(dispatch(h)))      FFN experts are expert-parallel in every placement
 
 which is `Block.forward` of model.py with the experts' work moved to their ranks; the logits equal
-the single-process model's (tests/test_parallel.py, float32 and float64). Every rank must call
-`step` for every step, with an empty batch if need be: each layer's collectives pair up across
-ranks. The runner counts per step, in `traffic`, the integers the cost model needs.
+the single-process model's (tests/test_parallel.py). Every rank calls `step` at every step, with an
+empty batch if need be, as each layer's collectives pair up across ranks. `traffic` counts per
+step the integers the cost model needs.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ class ParallelRunner:
                 raise ValueError(f"{name} holds ranks outside [0, {comm.world_size})")
         self.config = config
         self.comm = comm
-        self.kv_placement = kv_placement
         self.ffn_ranks = ffn_ranks
         replicated = kv_placement == "replicated_attention"
         self.shard = RankShard(model, comm.rank, None if replicated else attention_ranks, ffn_ranks)
@@ -87,7 +86,6 @@ class ParallelRunner:
                            self.shard.backend)                                            # (M, D)
         return combine(self.comm, plan, received, pairs, y, h.shape[0], "ffn_combine")
 
-    # ----- the pool ---------------------------------------------------------------------------------
     def free(self, seq_id: int) -> None:
         """Return the sequence's blocks on this rank (nothing if this rank holds none of it)."""
         if int(seq_id) in self.pool.manager.sequences:

@@ -11,8 +11,7 @@ its rank's report, so that a drift fails at the step it happens.
 A row lives on its expert's rank under kv_with_expert (`device_of_expert = attention_ranks`), else
 on its sequence's home rank (`home_devices`). A step's worst case is reserved on each rank
 separately, so a sequence can be refused or preempted because *one* rank is short. Admission is
-optimistic and preemption by recompute only: the demand predictor predicts one pool's blocks, not
-each rank's, and the ranks keep no swap space.
+optimistic and preemption by recompute only (ServeSpec says why).
 """
 
 from __future__ import annotations
@@ -69,16 +68,15 @@ def follow_ranks(mirror: KVCacheManager, reports: list[torch.Tensor]) -> set[int
     free blocks. reports[r]: (1 + h, 1 + L * E) int64, [-1, free blocks, ...], then per sequence r
     holds [id, its (L, E) tokens on r]. Returns the sequences the ranks hold."""
     L, E = mirror.num_layers, mirror.num_experts
-    tokens: dict[int, torch.Tensor] = {}
-    for report in reports:
-        for row in report[1:]:                      # a row lives on one rank: a sum over ranks is all of it
-            tokens[int(row[0])] = tokens.get(int(row[0]), 0) + row[1:].view(L, E)
-    seq_ids = sorted(tokens)
+    rows = torch.cat([report[1:] for report in reports])   # a row lives on one rank: sum over ranks
+    ids, which = rows[:, 0].unique(return_inverse=True)
+    tokens = torch.zeros(len(ids), L * E, dtype=torch.int64).index_add_(0, which, rows[:, 1:])
+    seq_ids = ids.tolist()
     for seq_id in seq_ids:
         if not mirror.holds(seq_id):
             mirror.add_sequence(seq_id)
     if seq_ids:
-        gained = torch.stack([tokens[s] for s in seq_ids]) - mirror.token_counts(seq_ids)      # (m, L, E)
+        gained = tokens.view(-1, L, E) - mirror.token_counts(seq_ids)             # (m, L, E)
         if (gained < 0).any():
             raise RuntimeError(f"rank 0's mirror of the pools drifted: rows of sequences "
                                f"{[s for s, g in zip(seq_ids, gained) if (g < 0).any()]} hold fewer tokens on the ranks")
