@@ -82,8 +82,7 @@ class Received:
 
 def dispatch(comm: Communicator, plan: DispatchPlan, hidden: torch.Tensor, category: str,
              seq_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> Received:
-    """Send each pair's hidden state, gates and expert ids (and, for attention, its sequence id and
-    position) to its rank: one exchange of split sizes, then one all-to-all of floats and one of ints."""
+    """The module docstring's wire format: split sizes, then one all-to-all of floats, one of ints."""
     floats = torch.cat([hidden[plan.token.to(hidden.device)], plan.gates.to(hidden.device, hidden.dtype)],
                        dim=1)                                                                # (P, D + K)
     ints = plan.experts

@@ -136,15 +136,11 @@ class KVWithSequence(_PlacedAttention):
         """Tokens each (sequence, layer, expert) row holds in the home pool (0 for a sequence the pool
         has not seen), and the slots of all of them, row after row: (Q,), (T,)."""
         manager = self.pool.manager
-        held = set(manager.sequences)
-        known = torch.tensor([int(s) in held for s in seq_ids.tolist()], dtype=torch.bool)
+        known = torch.tensor([manager.holds(s) for s in seq_ids.tolist()], dtype=torch.bool)
+        rows = manager.rows(seq_ids[known], layer, experts[known])
         counts = torch.zeros(seq_ids.numel(), dtype=torch.int64)
-        slots = torch.zeros(0, dtype=torch.int64)
-        if known.any():
-            rows = manager.rows(seq_ids[known], layer, experts[known])
-            counts[known] = manager.row_tokens[rows]
-            slots = manager.rows_slots(rows)
-        return counts, slots
+        counts[known] = manager.row_tokens[rows]
+        return counts, manager.rows_slots(rows)
 
 
 class ReplicatedAttention(_PlacedAttention):

@@ -88,7 +88,7 @@ class ParallelRunner:
 
     def free(self, seq_id: int) -> None:
         """Return the sequence's blocks on this rank (nothing if this rank holds none of it)."""
-        if int(seq_id) in self.pool.manager.sequences:
+        if self.pool.manager.holds(seq_id):
             self.pool.free(seq_id)
 
     def pool_usage(self) -> dict[str, int]:
