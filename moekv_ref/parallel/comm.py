@@ -103,9 +103,8 @@ class Communicator:
                       lambda: dist.all_to_all_single(received_sizes, sizes, group=self.group))
             recv_counts = received_sizes.tolist()
         tensor = tensor.contiguous()
-        row_shape = tuple(tensor.shape[1:])
-        out = tensor.new_empty((sum(recv_counts),) + row_shape)
-        row_bytes = tensor[0:0].element_size() * int(torch.Size(row_shape).numel())
+        out = tensor.new_empty((sum(recv_counts),) + tuple(tensor.shape[1:]))
+        row_bytes = tensor.element_size() * tensor.shape[1:].numel()
         self._run("all_to_all_single", category, row_bytes, send_counts,
                   lambda: dist.all_to_all_single(out, tensor, recv_counts, send_counts, self.group))
         return out, recv_counts

@@ -52,10 +52,8 @@ class _PlacedAttention:
         """Route the home tokens and send them to their experts' ranks: (plan, received)."""
         routing = self.shard.route_attention(layer, h)                                   # (N, E)
         k_max = self.shard.config.num_attention_experts_per_tok
-        plan = DispatchPlan.build(routing.selected, routing.gates, self.attention_ranks[layer],
-                                  self.comm.world_size, k_max)
-        count_dispatch(traffic, "attention", plan, self.comm.rank)
-        return plan, dispatch(self.comm, plan, h, "attention_dispatch", seq_ids, positions)
+        return dispatch(self.comm, "attention", routing, self.attention_ranks[layer], k_max, h,
+                        traffic, seq_ids, positions)
 
     def _experts(self, layer: int, h, plan: DispatchPlan, received, cache):
         """The received tokens through this rank's attention experts, their K/V in `cache`, combined
@@ -154,11 +152,6 @@ class ReplicatedAttention(_PlacedAttention):
 
 
 PLACEMENT_CLASSES = {cls.name: cls for cls in (KVWithExpert, KVWithSequence, ReplicatedAttention)}
-
-
-def count_dispatch(traffic: Counter, kind: str, plan: DispatchPlan, rank: int) -> None:
-    traffic[f"{kind}_pairs_to_peers"] += plan.pairs_to_peers(rank)
-    traffic[f"{kind}_expert_pairs_to_peers"] += plan.expert_pairs_to_peers(rank)
 
 
 def _sum_per_source(counts: list[int], values: torch.Tensor) -> list[int]:

@@ -2,25 +2,21 @@
 
     results = launch(module_level_function, world_size=4, args=(spec,))
 
-Each rank is a new process (`start_method`), so the function must be importable by name (tests and
-notebooks pass functions of moekv_ref.parallel.programs). A rank runs in the caller's environment
-of the moment, joins the group through `join_group` (gloo on CPU, NCCL with CUDA) and returns
-function(context, *args) to the parent. The rendezvous store lives in the parent, so a rank whose
-collective failed can still read how far its peers got (comm.py).
+Each rank is a new process (`start_method`), so the function must be importable by name. A rank
+runs in the caller's environment of the moment, joins the group through `join_group` (gloo on CPU,
+NCCL with CUDA) and returns function(context, *args) to the parent. The rendezvous store lives in
+the parent, so a rank whose collective failed can still read how far its peers got (comm.py).
 
 Two timeouts, as starting and waiting differ: `start_timeout_s` (120 s) for every rank to join
 (spawning and importing torch is slow on a loaded machine), and `timeout_s` (15 s) for a collective
-to wait for a peer, set on the collectives' group instead of the 30-minute default. The longest
-healthy wait seen on this CPU is about a second (`bench parallel`, 4 ranks, context 2048).
+to wait for a peer, instead of the 30-minute default: the longest healthy wait seen on this CPU is
+about a second (`bench parallel`, 4 ranks, context 2048).
 
 When a rank fails, the parent gives the others `grace_s` (3 s) to report, kills the rest (a hung
 rank never returns) and raises WorkerFailed, naming first the ranks that kept a peer waiting: every
-rank is gone timeout_s + grace_s = 18 s after a hang (tests/test_parallel_failure.py). Under
-torchrun (apps/parallel_run.py) the rank whose collective failed names the missing ranks and exits,
-so torchrun's "Root Cause" (the first rank to exit) is the one that waited; torchrun ends the
-others within its 0.1 s monitor interval, about timeout_s + 1 s after a hang.
-
-Fault injection, for tests only: MOEKV_FAULT (`Fault`).
+rank is gone timeout_s + grace_s = 18 s after a hang. Under torchrun (apps/parallel_run.py) the
+waiting rank exits, so it is torchrun's "Root Cause", and torchrun ends the others within its 0.1 s
+monitor interval: about timeout_s + 1 s. tests/test_parallel_failure.py measures both.
 """
 
 from __future__ import annotations
@@ -45,7 +41,7 @@ from .comm import CollectiveError, Communicator, first_line, name_ranks
 
 
 FAULT_KEY = "moekv/fault_at"   # where an injected fault notes its wall-clock time
-FAULT_ENV = "MOEKV_FAULT"      # test-only fault injection: see parse_fault
+FAULT_ENV = "MOEKV_FAULT"      # test-only fault injection: see Fault
 DEFAULT_START_TIMEOUT_S = 120.0
 DEFAULT_TIMEOUT_S = 15.0       # a collective's wait for a peer
 DEFAULT_GRACE_S = 3.0

@@ -24,15 +24,14 @@ import torch
 from ..cache import PagedKVCache
 from ..model import MoEKVTransformer, swiglu_experts
 from .comm import Communicator
-from .dispatch import DispatchPlan, combine, dispatch, local_pairs
-from .kv_placements import KV_PLACEMENTS, PLACEMENT_CLASSES, count_dispatch
+from .dispatch import combine, dispatch, local_pairs
+from .kv_placements import KV_PLACEMENTS, PLACEMENT_CLASSES
 from .shard import RankShard
 
 
 class ParallelRunner:
-    """A rank's shard of the model, its paged pool, and the step. attention_ranks (L, E) and
-    ffn_ranks (L, E_ffn): the rank of every expert (placement.py); replicated_attention ignores
-    attention_ranks."""
+    """attention_ranks (L, E) and ffn_ranks (L, E_ffn): the rank of every expert (placement.py);
+    replicated_attention ignores attention_ranks."""
 
     def __init__(self, model: MoEKVTransformer, comm: Communicator, kv_placement: str,
                  attention_ranks, ffn_ranks, num_blocks: int, block_size: int = 16):
@@ -77,10 +76,8 @@ class ParallelRunner:
     def _ffn(self, layer: int, h: torch.Tensor, traffic: Counter) -> torch.Tensor:
         part = self.shard.layers[layer]
         routing = self.shard.route_ffn(layer, h)                                          # (N, E_ffn)
-        plan = DispatchPlan.build(routing.selected, routing.gates, self.ffn_ranks[layer],
-                                  self.comm.world_size, self.config.num_experts_per_tok)
-        count_dispatch(traffic, "ffn", plan, self.comm.rank)
-        received = dispatch(self.comm, plan, h, "ffn_dispatch")
+        plan, received = dispatch(self.comm, "ffn", routing, self.ffn_ranks[layer],
+                                  self.config.num_experts_per_tok, h, traffic)
         pairs = local_pairs(received, part.ffn_experts)
         y = swiglu_experts(received.hidden[pairs.token], pairs.counts, part.w_gate, part.w_up, part.w_down,
                            self.shard.backend)                                            # (M, D)

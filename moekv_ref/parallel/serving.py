@@ -1,17 +1,14 @@
 """The serving engine driving the expert-parallel model: one scheduler, the ranks as devices of one pool.
 
-Rank 0 runs the engine's `Scheduler` over a `KVCacheManager` mirroring every rank's pool (one device
-per rank, block accounting only). Each step rank 0 broadcasts the plan: the flat batch and the
-sequences whose blocks went back (finished or preempted). Every rank frees those, runs
-`ParallelRunner.step` on its home sequences' tokens (sequence i's home is i % R), sends its
-last-token logits to rank 0, which samples, and reports its pool in integers. Rank 0 appends the
-tokens each row gained to the mirror (`follow_ranks`) and checks every device's free blocks against
-its rank's report, so that a drift fails at the step it happens.
+Rank 0 runs the engine's `Scheduler` over a `KVCacheManager` mirroring every rank's pool (block
+accounting only). Each step rank 0 broadcasts the plan (the flat batch, and the sequences whose
+blocks went back); every rank frees those, runs its home sequences' tokens (sequence i's home is
+i % R), sends its last-token logits to rank 0, which samples, and reports its pool in integers, for
+rank 0 to check its mirror against (`follow_ranks`): a drift fails at the step it happens.
 
-A row lives on its expert's rank under kv_with_expert (`device_of_expert = attention_ranks`), else
-on its sequence's home rank (`home_devices`). A step's worst case is reserved on each rank
-separately, so a sequence can be refused or preempted because *one* rank is short. Admission is
-optimistic and preemption by recompute only (ServeSpec says why).
+A row lives on its expert's rank under kv_with_expert, else on its sequence's home rank. A step's
+worst case is reserved on each rank separately, so a sequence can be refused or preempted because
+*one* rank is short. Admission is optimistic and preemption by recompute only (ServeSpec says why).
 """
 
 from __future__ import annotations
