@@ -1,7 +1,7 @@
 """Collectives that count what they move, time themselves, and name who failed.
 
 Every byte that travels between ranks in this package goes through a `Communicator`, which records
-per call the step, the collective, a category (hidden states, cached K/V, split sizes, ...), the
+per call the step, a category (hidden states, cached K/V, split sizes, ...), the
 bytes sent to *other* ranks and the seconds. The bytes are logical: how a backend routes them (ring,
 tree, NVLink, NIC) changes the bytes per link, not these counts; moekv_ref/costs.py turns them into
 time. Uneven all-to-all is `all_to_all_single` with split sizes (gloo's list form rejects uneven
@@ -47,7 +47,6 @@ def name_ranks(ranks) -> str:
 @dataclass
 class CollectiveRecord:
     step: int
-    collective: str          # "all_to_all_single" or "broadcast"
     category: str            # what travelled: "attention_dispatch", "kv_context", "split_sizes", ...
     bytes_sent: int          # to other ranks
     seconds: float
@@ -134,7 +133,7 @@ class Communicator:
             raise CollectiveError(message, missing) from error
         sent = unit * (sum(send_counts) - send_counts[self.rank])
         seconds = time.perf_counter() - start
-        self.records.append(CollectiveRecord(self.step, collective, category, sent, seconds))
+        self.records.append(CollectiveRecord(self.step, category, sent, seconds))
 
     def _diagnose(self, label: str, error: Exception, waited: float) -> tuple[str, tuple]:
         """(message, missing ranks): the ranks that never reached this collective (the store's

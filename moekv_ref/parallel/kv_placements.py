@@ -70,16 +70,12 @@ class _PlacedAttention:
 
 
 class KVWithExpert(_PlacedAttention):
-    name = "kv_with_expert"
-
     def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
         plan, received = self._dispatch(layer, h, seq_ids, positions, traffic)
         return self._experts(layer, h, plan, received, self.pool)[0]
 
 
 class KVWithSequence(_PlacedAttention):
-    name = "kv_with_sequence"
-
     def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
         config, comm, R = self.shard.config, self.comm, self.comm.world_size
         Hkv, Dh = config.num_key_value_heads, config.head_dim
@@ -142,8 +138,6 @@ class KVWithSequence(_PlacedAttention):
 
 
 class ReplicatedAttention(_PlacedAttention):
-    name = "replicated_attention"
-
     def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
         if h.shape[0] == 0:
             return torch.zeros_like(h)
@@ -151,7 +145,7 @@ class ReplicatedAttention(_PlacedAttention):
         return out
 
 
-PLACEMENT_CLASSES = {cls.name: cls for cls in (KVWithExpert, KVWithSequence, ReplicatedAttention)}
+PLACEMENT_CLASSES = dict(zip(KV_PLACEMENTS, (KVWithExpert, KVWithSequence, ReplicatedAttention)))
 
 
 def _sum_per_source(counts: list[int], values: torch.Tensor) -> list[int]:

@@ -71,8 +71,7 @@ class RunSpec:
     block_size: int = 16
     record_logits: bool = True
     label: str = ""
-    # fault injection (failure tests, MOEKV_FAULT): at the start of fail_step, rank fail_rank
-    # exits at once (fail_mode "die") or sleeps for an hour ("hang")
+    # fault injection (MOEKV_FAULT, launcher.Fault): rank fail_rank dies or hangs at fail_step
     fail_rank: int = -1
     fail_step: int = -1
     fail_mode: str = ""

@@ -13,6 +13,7 @@ worst case is reserved on each rank separately, so a sequence can be refused or 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +90,7 @@ def follow_ranks(mirror: KVCacheManager, reports: list[torch.Tensor]) -> set[int
 def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
     """Worker: rank 0 schedules and samples, every rank runs the model. Greedy sampling."""
     comm, rank, R = context.comm, context.rank, context.world_size
+    comm.reset()
     model = spec.model.build().to(context.device)
     config = model.config
     runner = ParallelRunner(model, comm, spec.kv_placement, spec.attention_ranks, spec.ffn_ranks,
@@ -111,23 +113,21 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
             scheduler.check_fits_alone(len(prompt), n, request_id=i)
             requests.append(Request(i, list(prompt), SamplingParams(max_new_tokens=n, temperature=0.0)))
             scheduler.add_request(requests[-1])
-    step = 0
-    while True:
+    for step in itertools.count():
         # ---- rank 0 decides; everyone learns the plan
         header = torch.zeros(3, dtype=torch.int64)
-        if rank == 0:
-            if not scheduler.has_unfinished:
-                header[2] = 1
-            else:
-                result.free_blocks.append(mirror.num_free_blocks_per_device.tolist())
-                decision = scheduler.schedule(step)
-                result.events += [(step, kind, r.request_id) for kind, r in decision.events]
-                if not decision.scheduled:
-                    raise RuntimeError(f"step {step}: nothing could be scheduled")
-                batch = flatten_batch(decision.scheduled)
-                frees = sorted(on_ranks - set(mirror.sequences))     # finished or preempted since
-                body = torch.tensor(batch.token_ids + batch.seq_ids + batch.positions + frees, dtype=torch.int64)
-                header[0], header[1] = len(batch.token_ids), len(frees)
+        if rank == 0 and not scheduler.has_unfinished:
+            header[2] = 1
+        elif rank == 0:
+            result.free_blocks.append(mirror.num_free_blocks_per_device.tolist())
+            decision = scheduler.schedule(step)
+            result.events += [(step, kind, r.request_id) for kind, r in decision.events]
+            if not decision.scheduled:
+                raise RuntimeError(f"step {step}: nothing could be scheduled")
+            batch = flatten_batch(decision.scheduled)
+            frees = sorted(on_ranks - set(mirror.sequences))     # finished or preempted since
+            body = torch.tensor(batch.token_ids + batch.seq_ids + batch.positions + frees, dtype=torch.int64)
+            header[0], header[1] = len(batch.token_ids), len(frees)
         comm.begin_step(step)
         comm.broadcast(header, 0, "plan")
         if int(header[2]):
@@ -165,7 +165,6 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
                        for item in decision.scheduled if item.samples}
             for request in scheduler.update_from_output(decision, sampled):
                 result.events.append((step, "finished", request.request_id))
-        step += 1
     if rank != 0:
         return None
     result.tokens = [RequestOutput.from_request(r).token_ids for r in requests]
@@ -175,8 +174,4 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
 
 def serve_specs(context: WorkerContext, specs: list[ServeSpec]) -> list[ServeResult | None]:
     """Worker: several serving runs in one process group (starting processes is the slow part)."""
-    results = []
-    for spec in specs:
-        context.comm.reset()
-        results.append(serve(context, spec))
-    return results
+    return [serve(context, spec) for spec in specs]
