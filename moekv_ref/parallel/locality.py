@@ -4,8 +4,7 @@ per layer sent to other ranks, once per rank (dispatch.py) and once per expert; 
 kv_with_expert the K/V tokens each rank stores, with their imbalance max / mean (1.0 is even).
 
 Co-activation placement is fitted on the first half of the text and measured on the second, on
-decisions it did not see. Tokens get home ranks round-robin by 256-token windows, as sequences
-would.
+decisions it did not see. Tokens get home ranks round-robin by 256-token windows, as sequences do.
 """
 
 from __future__ import annotations

@@ -93,8 +93,8 @@ def step_inputs(spec: RunSpec, step: int, seqs: list[int]):
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).T.contiguous().unbind()
 
 
-def split_logits(logits: torch.Tensor, seq_ids: torch.Tensor) -> dict[int, torch.Tensor]:
-    return {int(s): logits[seq_ids == s] for s in seq_ids.unique().tolist()}
+def split_logits(logits: torch.Tensor, seq_ids: torch.Tensor, step: int) -> dict:
+    return {(step, int(s)): logits[seq_ids == s] for s in seq_ids.unique().tolist()}
 
 
 @dataclass
@@ -128,8 +128,7 @@ def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
             tokens, seq_ids, positions = (t.to(context.device) for t in step_inputs(spec, step, mine))
             logits = runner.step(step, tokens, seq_ids, positions)
             if spec.record_logits:
-                for seq, rows in split_logits(logits.cpu(), seq_ids.cpu()).items():
-                    result.logits[(step, seq)] = rows
+                result.logits.update(split_logits(logits.cpu(), seq_ids.cpu(), step))
             result.pool[step] = runner.pool_usage()
         result.bytes = comm.bytes_by_step()
         result.comm_seconds = comm.seconds_by_step()
@@ -178,8 +177,7 @@ def reference_run(spec: RunSpec) -> tuple[dict, list]:
     for step in range(spec.num_decode_steps + 1):
         tokens, seq_ids, positions = step_inputs(spec, step, everyone)
         logits = model.forward_cached(tokens, seq_ids, positions, cache).logits
-        for seq, rows in split_logits(logits, seq_ids).items():
-            out[(step, seq)] = rows
+        out.update(split_logits(logits, seq_ids, step))
     return out, cache.token_counts(everyone).sum(0).tolist()
 
 
