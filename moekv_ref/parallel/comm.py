@@ -1,11 +1,9 @@
 """Collectives that count what they move, time themselves, and name who failed.
 
 Every byte that travels between ranks in this package goes through a `Communicator`, which records
-per call the step, a category (hidden states, cached K/V, split sizes, ...), the
-bytes sent to *other* ranks and the seconds. The bytes are logical: how a backend routes them (ring,
-tree, NVLink, NIC) changes the bytes per link, not these counts; moekv_ref/costs.py turns them into
-time. Uneven all-to-all is `all_to_all_single` with split sizes (gloo's list form rejects uneven
-sizes).
+per call the step, a category (hidden states, cached K/V, split sizes, ...), the bytes sent to
+*other* ranks and the seconds. The bytes are logical: how a backend routes them (ring, tree,
+NVLink, NIC) changes the bytes per link, not these counts; moekv_ref/costs.py turns them into time.
 
 Failure: before each collective a rank writes its progress to the key-value store, which lives
 outside the workers (the launcher's parent process, or torchrun's agent) and so outlives a dead
@@ -89,8 +87,9 @@ class Communicator:
 
     def all_to_all(self, tensor: torch.Tensor, send_counts: list[int], category: str,
                    recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
-        """Send send_counts[r] rows of tensor (grouped by destination rank) to rank r: the rows
-        received, grouped by source rank, and recv_counts (exchanged first when None)."""
+        """Send send_counts[r] rows of tensor (grouped by destination rank) to rank r, through
+        `all_to_all_single` (gloo's list form rejects uneven sizes): the rows received, grouped by
+        source rank, and recv_counts (exchanged first when None)."""
         if len(send_counts) != self.world_size or sum(send_counts) != tensor.shape[0]:
             raise ValueError(f"send_counts={send_counts} must have {self.world_size} entries summing "
                              f"to the {tensor.shape[0]} rows of the tensor")

@@ -48,7 +48,6 @@ class ParallelRunner:
                                  f"{num_experts}), got {tuple(ranks.shape)}")
             if ranks.numel() and not (0 <= int(ranks.min()) and int(ranks.max()) < comm.world_size):
                 raise ValueError(f"{name} holds ranks outside [0, {comm.world_size})")
-        self.config = config
         self.comm = comm
         self.ffn_ranks = ffn_ranks
         replicated = kv_placement == "replicated_attention"
@@ -77,7 +76,7 @@ class ParallelRunner:
         part = self.shard.layers[layer]
         routing = self.shard.route_ffn(layer, h)                                          # (N, E_ffn)
         plan, received = dispatch(self.comm, "ffn", routing, self.ffn_ranks[layer],
-                                  self.config.num_experts_per_tok, h, traffic)
+                                  self.shard.config.num_experts_per_tok, h, traffic)
         pairs = local_pairs(received, part.ffn_experts)
         y = swiglu_experts(received.hidden[pairs.token], pairs.counts, part.w_gate, part.w_up, part.w_down,
                            self.shard.backend)                                            # (M, D)

@@ -153,9 +153,8 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
         held = manager.sequences
         report = torch.zeros(len(held) + 1, 1 + L * E, dtype=torch.int64)
         report[0, :2] = torch.tensor([-1, manager.num_free_blocks])
-        if held:
-            report[1:, 0] = torch.tensor(held)
-            report[1:, 1:] = manager.token_counts(held).flatten(1)
+        report[1:, 0] = torch.tensor(held, dtype=torch.int64)
+        report[1:, 1:] = manager.token_counts(held).flatten(1)
         reports, counts = comm.all_to_all(report, [report.shape[0]] + [0] * (R - 1), "pool_report")
         if rank == 0:
             on_ranks = follow_ranks(mirror, list(reports.cpu().split(counts)))
