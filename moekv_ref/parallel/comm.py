@@ -51,8 +51,8 @@ class CollectiveRecord:
 
 
 class Communicator:
-    """The caller sets the step (`begin_step`) that records belong to. store: the key-value store
-    for progress (None: errors name only the collective and this rank)."""
+    """The caller sets `step`, the step that records belong to. store: the key-value store for
+    progress (None: errors name only the collective and this rank)."""
 
     def __init__(self, rank: int, world_size: int, device: str | torch.device = "cpu", store=None,
                  group=None):
@@ -64,9 +64,6 @@ class Communicator:
         self.step = -1
         self.records: list[CollectiveRecord] = []
         self._sequence = 0
-
-    def begin_step(self, step: int) -> None:
-        self.step = step
 
     def reset(self) -> None:
         self.records = []

@@ -42,6 +42,7 @@ from .comm import CollectiveError, Communicator, first_line, name_ranks
 
 FAULT_KEY = "moekv/fault_at"   # where an injected fault notes its wall-clock time
 FAULT_ENV = "MOEKV_FAULT"      # test-only fault injection: see Fault
+FAULT_MODES = ("die", "hang", "slow_start")
 DEFAULT_START_TIMEOUT_S = 120.0
 DEFAULT_TIMEOUT_S = 15.0       # a collective's wait for a peer
 DEFAULT_GRACE_S = 3.0
@@ -75,9 +76,6 @@ class Fault:
     mode: str
     rank: int
     at: float
-
-
-FAULT_MODES = ("die", "hang", "slow_start")
 
 
 def parse_fault(text: str) -> Fault:
