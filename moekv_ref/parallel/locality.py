@@ -26,12 +26,9 @@ def attention_routing_of_text(model, text: str | None = None, max_tokens: int = 
     tokens: L tensors (N, E) bool."""
     tokens = encode(heldout_text() if text is None else text)[:max_tokens]
     window = min(WINDOW, model.config.max_position_embeddings)
-    per_layer = [[] for _ in range(model.config.num_hidden_layers)]
-    for start in range(0, len(tokens), window):
-        output = model(torch.tensor([tokens[start:start + window]]))
-        for layer, routing in enumerate(output.attention_routing):
-            per_layer[layer].append(routing.selected[0])                               # (T, E)
-    return [torch.cat(chunks) for chunks in per_layer]
+    per_window = [model(torch.tensor([tokens[start:start + window]])).attention_routing
+                  for start in range(0, len(tokens), window)]                        # windows x L
+    return [torch.cat([routing.selected[0] for routing in layer]) for layer in zip(*per_window)]
 
 
 def compare_placements(selected_per_layer: list[torch.Tensor], world_sizes=(2, 4), hidden_size: int = 128,
