@@ -152,11 +152,10 @@ class Communicator:
                     behind[peer] = f"last reached {last}"
             except Exception:
                 unknown.append(peer)
-        if behind:
-            ranks = sorted(behind)
-            details = "; ".join(f"rank {peer} {behind[peer]}" for peer in ranks)
-            return (f"{name_ranks(ranks)} never reached {label}: hung or dead ({details}); {seen}",
-                    tuple(ranks))
+        if behind:                                                      # ascending, as peers are
+            details = "; ".join(f"rank {peer} {reason}" for peer, reason in behind.items())
+            return (f"{name_ranks(list(behind))} never reached {label}: hung or dead ({details}); "
+                    f"{seen}", tuple(behind))
         if unknown:
             return (f"{label} failed on rank {self.rank}: could not read the progress of ranks {unknown}; "
                     f"{seen}", ())

@@ -134,11 +134,10 @@ def join_group(backend: str, timeout_s: float, start_timeout_s: float, store=Non
             absent = tuple(r for r in range(world_size) if not store.check([f"moekv/joined/{r}"]))
             if not absent:
                 raise
-            waited = time.monotonic() - began
             raise CollectiveError(
                 f"{name_ranks(absent)} never joined the process group: rank {rank} waited "
-                f"{waited:.1f} s for it (start timeout {start_timeout_s:g} s). Cause seen there: "
-                f"{first_line(error)}", absent) from error
+                f"{time.monotonic() - began:.1f} s for it (start timeout {start_timeout_s:g} s). "
+                f"Cause seen there: {first_line(error)}", absent) from error
         progress = store
     # every rank has joined: a peer keeping a collective waiting past timeout_s has hung (or died)
     group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
