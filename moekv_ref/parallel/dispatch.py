@@ -126,7 +126,6 @@ class LocalPairs:
     """The (received token, local expert) pairs a rank runs, sorted by local expert."""
     token: torch.Tensor      # (M,) into the received rows
     expert: torch.Tensor     # (M,) global ids
-    local: torch.Tensor      # (M,) index into the rank's own experts
     gate: torch.Tensor       # (M,)
     counts: torch.Tensor     # (E_local,) pairs per local expert
     order: torch.Tensor      # (M,) each pair's index among the received (n, K) slots read row-major
@@ -146,5 +145,5 @@ def local_pairs(received: Received, local_experts: torch.Tensor) -> LocalPairs:
                            f"does not hold (its experts: {local_experts.tolist()})")
     order = torch.argsort(local, stable=True)                                 # (M,) sorted by expert
     counts = torch.bincount(local, minlength=local_experts.numel())
-    return LocalPairs(token[order], expert[order], local[order], received.gates[token[order], slot[order]],
+    return LocalPairs(token[order], expert[order], received.gates[token[order], slot[order]],
                       counts, order)
