@@ -1,6 +1,5 @@
 """Expert parallelism on torch.distributed: experts spread over ranks, three placements of the
-attention experts' KV caches, every byte that travels counted (moekv_ref/costs.py projects what a
-step costs on real hardware).
+attention experts' KV caches, every byte that travels counted (costs.py prices them on hardware).
 
     comm.py, launcher.py     counted, timed collectives that name a failed rank; starting ranks
     dispatch.py, shard.py    a token sent once per destination rank; what a rank holds of the model

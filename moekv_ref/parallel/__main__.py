@@ -1,5 +1,4 @@
-"""`torchrun --nproc_per_node=N -m moekv_ref.parallel ...` (or `python -m moekv_ref.parallel ...`): the
-program lives in moekv_ref/apps/parallel_run.py."""
+"""`torchrun --nproc_per_node=N -m moekv_ref.parallel ...`: the program is apps/parallel_run.py."""
 
 from ..apps.parallel_run import main
 

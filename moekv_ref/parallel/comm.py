@@ -1,24 +1,22 @@
 """Collectives that count what they move, time themselves, and name who failed.
 
-Every byte that travels between ranks in this package goes through a `Communicator`, which calls
-only torch.distributed collectives and records per call the step, the collective, a category
-(hidden states, cached K/V, split sizes, ...), the bytes sent to *other* ranks and the seconds.
-Counted bytes are logical: how a backend routes them (ring, tree, NVLink, NIC) changes the bytes
-per physical link, not these counts; moekv_ref/costs.py turns them into time.
-
-Uneven all-to-all is `all_to_all_single` with split sizes (gloo's list form rejects uneven sizes);
-the sizes are exchanged first ("split_sizes") unless the caller knows them.
+Every byte that travels between ranks in this package goes through a `Communicator`, which records
+per call the step, a category (hidden states, cached K/V, split sizes, ...), the bytes sent to
+*other* ranks and the seconds. The bytes are logical: how a backend routes them (ring, tree,
+NVLink, NIC) changes the bytes per link, not these counts; moekv_ref/costs.py turns them into time.
 
 Failure: before each collective a rank writes its progress to the key-value store, which lives
-outside the workers (in the launcher's parent process, or torchrun's agent), outliving a dead rank.
-When a collective raises (a peer died, or hung past the group's timeout), the rank reads every
-peer's progress and raises a CollectiveError naming first the ranks that never reached it.
+outside the workers (the launcher's parent process, or torchrun's agent) and so outlives a dead
+rank. When a collective raises, the rank reads its peers' progress and raises a CollectiveError
+naming first the ranks that never reached it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +24,7 @@ import torch.distributed as dist
 
 
 class CollectiveError(RuntimeError):
-    """A collective failed on this rank. missing: the ranks that never reached it (empty if every
-    peer reached it or their progress could not be read)."""
+    """A collective failed on this rank. missing: the ranks that never reached it (or ())."""
 
     def __init__(self, message: str, missing: tuple = ()):
         super().__init__(message)
@@ -48,16 +45,14 @@ def name_ranks(ranks) -> str:
 @dataclass
 class CollectiveRecord:
     step: int
-    collective: str          # "all_to_all_single", "all_gather", "broadcast"
     category: str            # what travelled: "attention_dispatch", "kv_context", "split_sizes", ...
     bytes_sent: int          # to other ranks
     seconds: float
 
 
 class Communicator:
-    """torch.distributed collectives with byte counters and failure naming. The caller sets the step
-    (`begin_step`) that records belong to; store: the key-value store for progress (None: errors
-    name only the collective and this rank)."""
+    """The caller sets `step`, the step that records belong to. store: the key-value store for
+    progress (None: errors name only the collective and this rank)."""
 
     def __init__(self, rank: int, world_size: int, device: str | torch.device = "cpu", store=None,
                  group=None):
@@ -70,10 +65,6 @@ class Communicator:
         self.records: list[CollectiveRecord] = []
         self._sequence = 0
 
-    # ----- bookkeeping ------------------------------------------------------------------------------
-    def begin_step(self, step: int) -> None:
-        self.step = step
-
     def reset(self) -> None:
         self.records = []
         self.step = -1
@@ -82,22 +73,20 @@ class Communicator:
         """{step: {category: bytes sent to other ranks}} for this rank."""
         table: dict[int, dict[str, int]] = {}
         for record in self.records:
-            per_category = table.setdefault(record.step, {})
-            per_category[record.category] = per_category.get(record.category, 0) + record.bytes_sent
-        return table
+            table.setdefault(record.step, Counter())[record.category] += record.bytes_sent
+        return {step: dict(per_category) for step, per_category in table.items()}
 
     def seconds_by_step(self) -> dict[int, float]:
-        table: dict[int, float] = {}
+        table: Counter = Counter()
         for record in self.records:
-            table[record.step] = table.get(record.step, 0.0) + record.seconds
-        return table
+            table[record.step] += record.seconds
+        return dict(table)
 
-    # ----- collectives ------------------------------------------------------------------------------
     def all_to_all(self, tensor: torch.Tensor, send_counts: list[int], category: str,
                    recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
-        """Send rows send_counts[r] of tensor (rows grouped by destination rank, in rank order) to
-        rank r; returns the rows received (grouped by source rank) and recv_counts. When recv_counts
-        is None the split sizes are exchanged first."""
+        """Send send_counts[r] rows of tensor (grouped by destination rank) to rank r, through
+        `all_to_all_single` (gloo's list form rejects uneven sizes): the rows received, grouped by
+        source rank, and recv_counts (exchanged first when None)."""
         if len(send_counts) != self.world_size or sum(send_counts) != tensor.shape[0]:
             raise ValueError(f"send_counts={send_counts} must have {self.world_size} entries summing "
                              f"to the {tensor.shape[0]} rows of the tensor")
@@ -109,21 +98,11 @@ class Communicator:
                       lambda: dist.all_to_all_single(received_sizes, sizes, group=self.group))
             recv_counts = received_sizes.tolist()
         tensor = tensor.contiguous()
-        row_shape = tuple(tensor.shape[1:])
-        out = tensor.new_empty((sum(recv_counts),) + row_shape)
-        row_bytes = tensor[0:0].element_size() * int(torch.Size(row_shape).numel())
+        out = tensor.new_empty((sum(recv_counts),) + tuple(tensor.shape[1:]))
+        row_bytes = tensor.element_size() * tensor.shape[1:].numel()
         self._run("all_to_all_single", category, row_bytes, send_counts,
                   lambda: dist.all_to_all_single(out, tensor, recv_counts, send_counts, self.group))
         return out, recv_counts
-
-    def all_gather(self, tensor: torch.Tensor, category: str) -> list[torch.Tensor]:
-        """Every rank's tensor (same shape on every rank), in rank order."""
-        source = tensor.contiguous().to(self.device)
-        outs = [torch.empty_like(source) for _ in range(self.world_size)]
-        nbytes = source.numel() * source.element_size()
-        self._run("all_gather", category, nbytes, [1] * self.world_size,
-                  lambda: dist.all_gather(outs, source, group=self.group))
-        return [out.to(tensor.device) for out in outs]
 
     def broadcast(self, tensor: torch.Tensor, src: int, category: str) -> torch.Tensor:
         """tensor from rank src, in place on every rank."""
@@ -134,7 +113,6 @@ class Communicator:
         tensor.copy_(on_device)
         return tensor
 
-    # ----- one call, counted and guarded ----------------------------------------------------------------
     def _run(self, collective: str, category: str, unit: int, send_counts: list[int], call) -> None:
         """call(), counted as send_counts[r] units of `unit` bytes to each rank r, and guarded."""
         self._sequence += 1
@@ -151,23 +129,19 @@ class Communicator:
             raise CollectiveError(message, missing) from error
         sent = unit * (sum(send_counts) - send_counts[self.rank])
         seconds = time.perf_counter() - start
-        self.records.append(CollectiveRecord(self.step, collective, category, sent, seconds))
+        self.records.append(CollectiveRecord(self.step, category, sent, seconds))
 
     def _diagnose(self, label: str, error: Exception, waited: float) -> tuple[str, tuple]:
-        """(message, missing ranks): which ranks never reached this collective, read from the store's
-        progress keys, named first; then this rank, how long it waited, and the backend's cause."""
+        """(message, missing ranks): the ranks that never reached this collective (the store's
+        progress keys) first, then this rank, how long it waited, and the backend's cause."""
         cause = first_line(error)
         seen = f"rank {self.rank} waited {waited:.1f} s in it. Cause seen there: {cause}"
         if self.store is None:
             return f"{label} failed on rank {self.rank} after {waited:.1f} s: {cause}", ()
         behind, unknown = {}, []
-        try:
+        with contextlib.suppress(Exception):
             self.store.set_timeout(datetime.timedelta(seconds=2))
-        except Exception:
-            pass
-        for peer in range(self.world_size):
-            if peer == self.rank:
-                continue
+        for peer in sorted(set(range(self.world_size)) - {self.rank}):
             try:
                 key = f"moekv/progress/{peer}"
                 if not self.store.check([key]):
@@ -178,11 +152,10 @@ class Communicator:
                     behind[peer] = f"last reached {last}"
             except Exception:
                 unknown.append(peer)
-        if behind:
-            ranks = sorted(behind)
-            details = "; ".join(f"rank {peer} {behind[peer]}" for peer in ranks)
-            return (f"{name_ranks(ranks)} never reached {label}: hung or dead ({details}); {seen}",
-                    tuple(ranks))
+        if behind:                                                      # ascending, as peers are
+            details = "; ".join(f"rank {peer} {reason}" for peer, reason in behind.items())
+            return (f"{name_ranks(list(behind))} never reached {label}: hung or dead ({details}); "
+                    f"{seen}", tuple(behind))
         if unknown:
             return (f"{label} failed on rank {self.rank}: could not read the progress of ranks {unknown}; "
                     f"{seen}", ())

@@ -2,8 +2,7 @@
 
 A `DispatchPlan` lists a home rank's (token, destination rank) pairs: one per distinct rank among
 the token's experts, not one per expert (as DeepEP lays tokens out per rank; the DeepSeek-V3
-technical report, arXiv 2412.19437, section 3.2.2, sends a token once to each node it needs). The
-destination sums gate * output over its experts there and sends one vector back (combine).
+technical report, arXiv 2412.19437, section 3.2.2, sends a token once to each node it needs).
 
 Wire format of one (token, rank) pair, which the cost model reproduces byte for byte:
 
@@ -11,7 +10,7 @@ Wire format of one (token, rank) pair, which the cost model reproduces byte for 
                           (padded with 0 to K slots), model dtype
     ints    (K,)          those experts' ids, padded with -1; attention adds the token's sequence id
             (2 + K,)      and position in front: [seq_id, position, e1, e2, ...]
-    back    (D,)          the destination's sum of gate * expert output, model dtype
+    back    (D,)          the destination's sum of gate * expert output (combine), model dtype
 
 K is the layer's most experts per token (k, or k_max under threshold routing). Rows are grouped by
 destination rank, tokens in home order within a rank, as `all_to_all_single` with split sizes wants.
@@ -22,10 +21,12 @@ K expert slots per pair, D model width, n tokens a rank received, M (token, expe
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
+from ..routing import Routing
 from .comm import Communicator
 
 
@@ -80,10 +81,16 @@ class Received:
     recv_counts: list[int]              # R
 
 
-def dispatch(comm: Communicator, plan: DispatchPlan, hidden: torch.Tensor, category: str,
-             seq_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> Received:
-    """Send each pair's hidden state, gates and expert ids (and, for attention, its sequence id and
-    position) to its rank: one exchange of split sizes, then one all-to-all of floats and one of ints."""
+def dispatch(comm: Communicator, kind: str, routing: Routing, rank_of_expert: torch.Tensor,
+             slots: int, hidden: torch.Tensor, traffic: Counter, seq_ids=None,
+             positions=None) -> tuple[DispatchPlan, Received]:
+    """Plan where the tokens go (slots = K), count it in traffic, and send them: split sizes, then
+    one all-to-all of floats and one of ints, in the module docstring's format."""
+    plan = DispatchPlan.build(routing.selected, routing.gates, rank_of_expert, comm.world_size,
+                              slots)
+    traffic[f"{kind}_pairs_to_peers"] += plan.pairs_to_peers(comm.rank)
+    traffic[f"{kind}_expert_pairs_to_peers"] += plan.expert_pairs_to_peers(comm.rank)
+    category = f"{kind}_dispatch"
     floats = torch.cat([hidden[plan.token.to(hidden.device)], plan.gates.to(hidden.device, hidden.dtype)],
                        dim=1)                                                                # (P, D + K)
     ints = plan.experts
@@ -97,8 +104,9 @@ def dispatch(comm: Communicator, plan: DispatchPlan, hidden: torch.Tensor, categ
     D = hidden.shape[1]
     hidden_in, gates_in = floats_in[:, :D], floats_in[:, D:]                              # (n, D), (n, K)
     if seq_ids is None:
-        return Received(hidden_in, gates_in, ints_in, None, None, recv_counts)
-    return Received(hidden_in, gates_in, ints_in[:, 2:], ints_in[:, 0], ints_in[:, 1], recv_counts)
+        return plan, Received(hidden_in, gates_in, ints_in, None, None, recv_counts)
+    seq_ids_in, positions_in, ints_in = ints_in[:, 0], ints_in[:, 1], ints_in[:, 2:]
+    return plan, Received(hidden_in, gates_in, ints_in, seq_ids_in, positions_in, recv_counts)
 
 
 def combine(comm: Communicator, plan: DispatchPlan, received: Received, pairs: "LocalPairs",
@@ -118,7 +126,6 @@ class LocalPairs:
     """The (received token, local expert) pairs a rank runs, sorted by local expert."""
     token: torch.Tensor      # (M,) into the received rows
     expert: torch.Tensor     # (M,) global ids
-    local: torch.Tensor      # (M,) index into the rank's own experts
     gate: torch.Tensor       # (M,)
     counts: torch.Tensor     # (E_local,) pairs per local expert
     order: torch.Tensor      # (M,) each pair's index among the received (n, K) slots read row-major
@@ -138,5 +145,5 @@ def local_pairs(received: Received, local_experts: torch.Tensor) -> LocalPairs:
                            f"does not hold (its experts: {local_experts.tolist()})")
     order = torch.argsort(local, stable=True)                                 # (M,) sorted by expert
     counts = torch.bincount(local, minlength=local_experts.numel())
-    return LocalPairs(token[order], expert[order], local[order], received.gates[token[order], slot[order]],
+    return LocalPairs(token[order], expert[order], received.gates[token[order], slot[order]],
                       counts, order)

@@ -1,25 +1,21 @@
 """Where the attention experts' K/V live under expert parallelism: three placements, one interface,
 `forward(layer, h, seq_ids, positions, traffic) -> (N, D)`, the attention output of the home rank's
-N tokens, running the collectives the placement needs and counting what it sends in `traffic`.
-Every rank calls it for every layer of every step, even with no tokens of its own.
+N tokens, counting what it sends in `traffic`. Every rank calls it for every layer of every step.
 
 kv_with_expert
-    Expert e's weights and K/V (of every sequence) live on e's rank. A token's hidden state goes to
-    its experts' ranks (once per rank), which project q, k, v, append k, v to their pool, attend and
-    send gate * W_o(attention) back: tokens x ranks x D travel, whatever the context. The price:
-    each pool holds a share of every sequence, as the router loads its experts (skew fills one
-    first).
+    Expert e's weights and K/V (of every sequence) live on e's rank. A token's hidden state goes
+    once to each of its experts' ranks, which attend and send gate * W_o(attention) back: tokens x
+    ranks x D travel, whatever the context. Each pool holds a share of every sequence, as the router
+    loads its experts (skew fills one first).
 
 kv_with_sequence
-    A sequence's K/V stays on its home rank (as data parallelism keeps it); expert weights stay
-    sharded. The cached K/V moves to the expert, not the query to the cache: the expert's rank runs
-    the whole expert, with kv_with_expert's dispatch and combine plus the row's cached K/V out and
-    the new k, v back home (moving the query would need three exchanges per layer and run every
-    expert's attention at home). Each step re-sends every row's whole context: the bottleneck this
-    placement exists to show.
+    A sequence's K/V stays on its home rank; expert weights stay sharded. The cached K/V goes to the
+    expert's rank, which runs the whole expert, and the new k, v come back home (moving the query
+    instead would need three exchanges per layer and run every expert's attention at home). Each
+    step re-sends every row's whole context: the bottleneck this placement exists to show.
 
 replicated_attention
-    Every rank holds every attention expert and its sequences' whole caches; attention runs at home
+    Every rank holds every attention expert and its sequences' caches; attention runs at home
     (data-parallel attention, as SGLang and vLLM serve DeepSeek's MLA). No attention bytes travel;
     the price is every attention weight on every rank.
 
@@ -46,8 +42,7 @@ KV_PLACEMENTS = ("kv_with_expert", "kv_with_sequence", "replicated_attention")
 
 
 class _PlacedAttention:
-    """What every placement holds: this rank's shard of the weights, the communicator, the rank's
-    pool, and attention_ranks (L, E), the rank of every attention expert."""
+    """What every placement holds; attention_ranks (L, E): the rank of every attention expert."""
 
     def __init__(self, shard: RankShard, comm: Communicator, pool: PagedKVCache, attention_ranks: torch.Tensor):
         self.shard, self.comm, self.pool = shard, comm, pool
@@ -57,10 +52,8 @@ class _PlacedAttention:
         """Route the home tokens and send them to their experts' ranks: (plan, received)."""
         routing = self.shard.route_attention(layer, h)                                   # (N, E)
         k_max = self.shard.config.num_attention_experts_per_tok
-        plan = DispatchPlan.build(routing.selected, routing.gates, self.attention_ranks[layer],
-                                  self.comm.world_size, k_max)
-        count_dispatch(traffic, "attention", plan, self.comm.rank)
-        return plan, dispatch(self.comm, plan, h, "attention_dispatch", seq_ids, positions)
+        return dispatch(self.comm, "attention", routing, self.attention_ranks[layer], k_max, h,
+                        traffic, seq_ids, positions)
 
     def _experts(self, layer: int, h, plan: DispatchPlan, received, cache):
         """The received tokens through this rank's attention experts, their K/V in `cache`, combined
@@ -77,16 +70,12 @@ class _PlacedAttention:
 
 
 class KVWithExpert(_PlacedAttention):
-    name = "kv_with_expert"
-
     def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
         plan, received = self._dispatch(layer, h, seq_ids, positions, traffic)
         return self._experts(layer, h, plan, received, self.pool)[0]
 
 
 class KVWithSequence(_PlacedAttention):
-    name = "kv_with_sequence"
-
     def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
         config, comm, R = self.shard.config, self.comm, self.comm.world_size
         Hkv, Dh = config.num_key_value_heads, config.head_dim
@@ -96,7 +85,7 @@ class KVWithSequence(_PlacedAttention):
         pair, slot = (plan.experts >= 0).nonzero(as_tuple=True)                          # row-major
         row_rank = plan.rank[pair]
         row_seq, row_expert = seq_ids.cpu()[plan.token[pair]], plan.experts[pair, slot]
-        _, first = _first_of_each(torch.stack([row_rank, row_seq, row_expert], 1))     # distinct rows
+        first = _first_of_each(torch.stack([row_rank, row_seq, row_expert], 1))      # distinct rows
         q_rank, q_seq, q_expert = row_rank[first], row_seq[first], row_expert[first]     # (Q,) by rank
         counts, slots = self._cached_rows(layer, q_seq, q_expert)                         # (Q,), (T,)
         slots = slots.to(self.pool.key_cache.device)
@@ -141,23 +130,14 @@ class KVWithSequence(_PlacedAttention):
         """Tokens each (sequence, layer, expert) row holds in the home pool (0 for a sequence the pool
         has not seen), and the slots of all of them, row after row: (Q,), (T,)."""
         manager = self.pool.manager
-        held = set(manager.sequences)
-        known = torch.tensor([int(s) in held for s in seq_ids.tolist()], dtype=torch.bool)
+        known = torch.tensor([manager.holds(s) for s in seq_ids.tolist()], dtype=torch.bool)
+        rows = manager.rows(seq_ids[known], layer, experts[known])
         counts = torch.zeros(seq_ids.numel(), dtype=torch.int64)
-        slots = torch.zeros(0, dtype=torch.int64)
-        if known.any():
-            rows = manager.rows(seq_ids[known], layer, experts[known])
-            counts[known] = manager.row_tokens[rows]
-            slots = manager.rows_slots(rows)
-        return counts, slots
+        counts[known] = manager.row_tokens[rows]
+        return counts, manager.rows_slots(rows)
 
 
-class ReplicatedAttention:
-    name = "replicated_attention"
-
-    def __init__(self, shard: RankShard, comm: Communicator, pool: PagedKVCache, attention_ranks=None):
-        self.shard, self.comm, self.pool = shard, comm, pool
-
+class ReplicatedAttention(_PlacedAttention):
     def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
         if h.shape[0] == 0:
             return torch.zeros_like(h)
@@ -165,12 +145,7 @@ class ReplicatedAttention:
         return out
 
 
-PLACEMENT_CLASSES = {cls.name: cls for cls in (KVWithExpert, KVWithSequence, ReplicatedAttention)}
-
-
-def count_dispatch(traffic: Counter, kind: str, plan: DispatchPlan, rank: int) -> None:
-    traffic[f"{kind}_pairs_to_peers"] += plan.pairs_to_peers(rank)
-    traffic[f"{kind}_expert_pairs_to_peers"] += plan.expert_pairs_to_peers(rank)
+PLACEMENT_CLASSES = dict(zip(KV_PLACEMENTS, (KVWithExpert, KVWithSequence, ReplicatedAttention)))
 
 
 def _sum_per_source(counts: list[int], values: torch.Tensor) -> list[int]:
@@ -179,11 +154,9 @@ def _sum_per_source(counts: list[int], values: torch.Tensor) -> list[int]:
     return torch.zeros(len(counts), dtype=torch.int64).index_add_(0, source, values).tolist()
 
 
-def _first_of_each(key: torch.Tensor):
-    """Distinct values of key -- (n,) values or (n, k) rows of k values, e.g. (rank, sequence,
-    expert) -- and the index of each one's first occurrence, in order of occurrence."""
+def _first_of_each(key: torch.Tensor) -> torch.Tensor:
+    """The index of the first occurrence of each distinct row of key (n, k), in occurrence order."""
     unique, inverse = torch.unique(key, return_inverse=True, dim=0)
     n = key.shape[0]
     first = torch.full((unique.shape[0],), n, dtype=torch.int64)
-    first = first.scatter_reduce(0, inverse, torch.arange(n), reduce="amin")
-    return unique, first.sort().values
+    return first.scatter_reduce(0, inverse, torch.arange(n), reduce="amin").sort().values

@@ -2,35 +2,26 @@
 
     results = launch(module_level_function, world_size=4, args=(spec,))
 
-Each rank is a new process (`start_method`: forked from a fork server on Linux, spawned elsewhere;
-either way the worker must be importable: tests and notebooks pass functions of
-moekv_ref.parallel.programs), running in the caller's environment of the moment, that joins the process group through `join_group` (gloo on CPU, NCCL
-when CUDA is available), builds a `Communicator` and returns function(context, *args) to the parent.
-The key-value store the ranks rendezvous through lives in the parent, so it outlives any rank and a
-rank whose collective failed can still read how far its peers got (comm.py names them).
+Each rank is a new process (`start_method`), so the function must be importable by name. A rank
+runs in the caller's environment of the moment, joins the group through `join_group` (gloo on CPU,
+NCCL with CUDA) and returns function(context, *args) to the parent. The rendezvous store lives in
+the parent, so a rank whose collective failed can still read how far its peers got (comm.py).
 
-Two timeouts, because starting and waiting are different things: `start_timeout_s` (120 s) for every
-rank to join (spawning and importing torch can take many seconds on a loaded machine), and
-`timeout_s` (15 s) for one collective to wait for a peer, given to the group the collectives run on
-(`dist.new_group(timeout=...)`) instead of the 30-minute default. The longest healthy wait seen on
-this CPU is about a second (`bench parallel`, 4 ranks, context 2048), so 15 s is a hang.
+Two timeouts, as starting and waiting differ: `start_timeout_s` (120 s) for every rank to join
+(spawning and importing torch is slow on a loaded machine), and `timeout_s` (15 s) for a collective
+to wait for a peer, instead of the 30-minute default: the longest healthy wait seen on this CPU is
+about a second (`bench parallel`, 4 ranks, context 2048).
 
-When one rank fails (a dead rank makes its peers' collectives raise at once), the parent gives the
-others `grace_s` (3 s) to report, kills whoever is left (a hung rank never returns on its own) and
-raises WorkerFailed, naming first the ranks that kept a peer waiting, then every rank's message:
-every rank is gone about timeout_s + grace_s = 18 s after a hang (tests/test_parallel_failure.py
-checks it). Under torchrun (apps/parallel_run.py, same `join_group`) a rank whose collective fails
-prints the ranks that never reached it, records that for torchrun's summary (whose "Root Cause" is
-the first rank to exit: the one that waited, as a hung rank cannot exit) and exits; torchrun ends
-the others within its 0.1 s monitor interval, so every rank is gone about timeout_s + 1 s after a
-hang.
-
-Fault injection, for tests only: MOEKV_FAULT (`parse_fault`) makes one rank die or hang at a step
-(RunSpec.fail_*, applied by apps/parallel_run.py) or start late (`join_group`).
+When a rank fails, the parent gives the others `grace_s` (3 s) to report, kills the rest (a hung
+rank never returns) and raises WorkerFailed, naming first the ranks that kept a peer waiting: every
+rank is gone timeout_s + grace_s = 18 s after a hang. Under torchrun (apps/parallel_run.py) the
+waiting rank exits, so it is torchrun's "Root Cause", and torchrun ends the others within its 0.1 s
+monitor interval: about timeout_s + 1 s. tests/test_parallel_failure.py measures both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -50,7 +41,8 @@ from .comm import CollectiveError, Communicator, first_line, name_ranks
 
 
 FAULT_KEY = "moekv/fault_at"   # where an injected fault notes its wall-clock time
-FAULT_ENV = "MOEKV_FAULT"      # test-only fault injection: see parse_fault
+FAULT_ENV = "MOEKV_FAULT"      # test-only fault injection: see Fault
+FAULT_MODES = ("die", "hang", "slow_start")
 DEFAULT_START_TIMEOUT_S = 120.0
 DEFAULT_TIMEOUT_S = 15.0       # a collective's wait for a peer
 DEFAULT_GRACE_S = 3.0
@@ -58,9 +50,8 @@ MAX_TIMEOUT_S = 86400.0        # a day: beyond it a timeout is no longer a limit
 
 
 class WorkerFailed(RuntimeError):
-    """One or more ranks failed (message: module docstring). missing: the ranks some peer waited for
-    in vain (hung, dead or never started); ended_at: wall-clock time when every rank was gone;
-    fault_at: when an injected fault happened (None if none was noted)."""
+    """Ranks failed (the message: module docstring). missing: the ranks a peer waited for in vain;
+    ended_at: wall-clock time every rank was gone; fault_at: an injected fault's time, or None."""
 
     def __init__(self, message: str, ended_at: float, fault_at: float | None, missing: tuple = ()):
         super().__init__(message)
@@ -80,19 +71,14 @@ class WorkerContext:
 
 @dataclass(frozen=True)
 class Fault:
-    """An injected fault: "die" or "hang" at the start of decode step `at` (0: the prefill), or
-    "slow_start": join the process group `at` seconds late."""
+    """MOEKV_FAULT=MODE@RANK:AT: "die" or "hang" at the start of decode step AT (0: the prefill;
+    RunSpec.fail_*, applied by apps/parallel_run.py), or "slow_start": join AT seconds late."""
     mode: str
     rank: int
     at: float
 
 
-FAULT_MODES = ("die", "hang", "slow_start")
-
-
 def parse_fault(text: str) -> Fault:
-    """MOEKV_FAULT's value: MODE@RANK:AT, e.g. "hang@1:2" (rank 1 hangs at the start of step 2),
-    "die@0:1", "slow_start@1:5" (rank 1 joins 5 s late). Test-only."""
     match = re.fullmatch(r"(\w+)@(\d+):(\d+(?:\.\d*)?)", text.strip())
     if not match or match.group(1) not in FAULT_MODES:
         raise ValueError(f"{FAULT_ENV}={text!r} must be MODE@RANK:AT with MODE one of {FAULT_MODES}: "
@@ -109,7 +95,6 @@ def fault_from_environment() -> Fault | None:
 
 
 def check_seconds(name: str, value) -> float:
-    """A timeout: a finite number of seconds in (0, MAX_TIMEOUT_S]."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or not 0 < value <= MAX_TIMEOUT_S:
         raise ValueError(f"{name}={value!r} must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:.0f}")
@@ -149,11 +134,10 @@ def join_group(backend: str, timeout_s: float, start_timeout_s: float, store=Non
             absent = tuple(r for r in range(world_size) if not store.check([f"moekv/joined/{r}"]))
             if not absent:
                 raise
-            waited = time.monotonic() - began
             raise CollectiveError(
                 f"{name_ranks(absent)} never joined the process group: rank {rank} waited "
-                f"{waited:.1f} s for it (start timeout {start_timeout_s:g} s). Cause seen there: "
-                f"{first_line(error)}", absent) from error
+                f"{time.monotonic() - began:.1f} s for it (start timeout {start_timeout_s:g} s). "
+                f"Cause seen there: {first_line(error)}", absent) from error
         progress = store
     # every rank has joined: a peer keeping a collective waiting past timeout_s has hung (or died)
     group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
@@ -231,15 +215,13 @@ def launch(function, world_size: int, args: tuple = (), backend: str | None = No
     failed_at = None
     try:
         while len(values) + len(errors) < world_size:
-            try:
+            with contextlib.suppress(queue_module.Empty):
                 rank, status, payload = results.get(timeout=0.1)
                 if status == "ok":
                     values[rank] = pickle.loads(payload)
                 else:
                     errors[rank], behind = payload
                     missing.update(behind)
-            except queue_module.Empty:
-                pass
             for rank, process in enumerate(processes):
                 if rank not in values and rank not in errors and process.exitcode not in (None, 0) \
                         and results.empty():

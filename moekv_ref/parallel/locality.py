@@ -4,8 +4,7 @@ per layer sent to other ranks, once per rank (dispatch.py) and once per expert; 
 kv_with_expert the K/V tokens each rank stores, with their imbalance max / mean (1.0 is even).
 
 Co-activation placement is fitted on the first half of the text and measured on the second, on
-decisions it did not see. Tokens get home ranks round-robin by 256-token windows, as sequences
-would.
+decisions it did not see. Tokens get home ranks round-robin by 256-token windows, as sequences do.
 """
 
 from __future__ import annotations
@@ -27,12 +26,9 @@ def attention_routing_of_text(model, text: str | None = None, max_tokens: int = 
     tokens: L tensors (N, E) bool."""
     tokens = encode(heldout_text() if text is None else text)[:max_tokens]
     window = min(WINDOW, model.config.max_position_embeddings)
-    per_layer = [[] for _ in range(model.config.num_hidden_layers)]
-    for start in range(0, len(tokens), window):
-        output = model(torch.tensor([tokens[start:start + window]]))
-        for layer, routing in enumerate(output.attention_routing):
-            per_layer[layer].append(routing.selected[0])                               # (T, E)
-    return [torch.cat(chunks) for chunks in per_layer]
+    per_window = [model(torch.tensor([tokens[start:start + window]])).attention_routing
+                  for start in range(0, len(tokens), window)]                        # windows x L
+    return [torch.cat([routing.selected[0] for routing in layer]) for layer in zip(*per_window)]
 
 
 def compare_placements(selected_per_layer: list[torch.Tensor], world_sizes=(2, 4), hidden_size: int = 128,
@@ -40,10 +36,12 @@ def compare_placements(selected_per_layer: list[torch.Tensor], world_sizes=(2, 4
     """One row per (world size, strategy): the measures of the module docstring on the held-out half."""
     num_tokens, num_experts = selected_per_layer[0].shape
     half = num_tokens // 2
-    k_max = int(max(int(s.sum(1).max()) for s in selected_per_layer))
+    evaluated = num_tokens - half
+    per_token_layer = evaluated * len(selected_per_layer)
+    k_max = max(int(s.sum(1).max()) for s in selected_per_layer)
     rows = []
     for world_size in world_sizes:
-        home = (torch.arange(num_tokens - half) // WINDOW) % world_size                  # (N',)
+        home = (torch.arange(evaluated) // WINDOW) % world_size                          # (N',)
         for strategy in PLACEMENTS:
             touched, per_rank_pairs, per_expert_pairs = [], 0, 0
             load = torch.zeros(world_size, dtype=torch.int64)
@@ -56,10 +54,7 @@ def compare_placements(selected_per_layer: list[torch.Tensor], world_sizes=(2, 4
                 remote = plan.rank != home[plan.token]                                   # (P,)
                 per_rank_pairs += int(remote.sum())
                 per_expert_pairs += int(((plan.experts >= 0) & remote[:, None]).sum())
-                load += torch.zeros(world_size, dtype=torch.int64).index_add_(
-                    0, rank_of_expert, test.sum(0).to(torch.int64))
-            num_layers, evaluated = len(selected_per_layer), num_tokens - half
-            per_token_layer = evaluated * num_layers
+                load.index_add_(0, rank_of_expert, test.sum(0).to(torch.int64))
             rows.append({
                 "world_size": world_size, "strategy": strategy,
                 "ranks_touched_per_token_layer": float(torch.stack(touched).mean()),
@@ -89,12 +84,8 @@ def kv_location_map(selected_per_layer: list[torch.Tensor], attention_ranks: tor
     layer l (row l * E + e), or -1 where t was not routed to e. selected_per_layer: L of (T, E)."""
     if kv_placement not in KV_PLACEMENTS:
         raise ValueError(f"kv_placement={kv_placement!r} is not one of {KV_PLACEMENTS}")
-    attention_ranks = torch.as_tensor(attention_ranks, dtype=torch.int64)
-    maps = []
-    for layer, selected in enumerate(selected_per_layer):
-        if kv_placement == "kv_with_expert":
-            where = attention_ranks[layer][None, :].expand_as(selected)                      # (T, E)
-        else:
-            where = torch.full(selected.shape, home_rank, dtype=torch.int64)
-        maps.append(torch.where(selected, where, -1).T)                                    # (E, T)
-    return torch.cat(maps)                                                                 # (L*E, T)
+    where = home_rank
+    if kv_placement == "kv_with_expert":
+        where = torch.as_tensor(attention_ranks, dtype=torch.int64)[:, None, :]        # (L, 1, E)
+    located = torch.where(torch.stack(selected_per_layer), where, -1)                 # (L, T, E)
+    return located.transpose(1, 2).flatten(0, 1)                                      # (L*E, T)

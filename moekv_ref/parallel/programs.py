@@ -1,14 +1,13 @@
-"""What the ranks run, and the single-process run they must equal.
+"""What the ranks run (`run_specs`, launched by `run_parallel`), and the single-process run they
+must equal (`reference_run`).
 
-A `RunSpec` is one run: the model (`ModelSpec`), the KV placement, the rank of every expert, the
-prompts and the tokens fed at each decode step (fixed in advance, so that both runs see the same
-inputs whatever rounding does to the logits). Sequence i's home rank is i % world_size.
+A `RunSpec` is one run: the model, the KV placement, the rank of every expert, the prompts and the
+tokens fed at each decode step (fixed in advance, so that both runs see the same inputs whatever
+rounding does to the logits). Sequence i's home rank is i % world_size. Many specs share one
+process group, as starting processes is the slow part.
 
     step 0          every sequence's whole prompt (a ragged prefill)
     step s >= 1     one token per sequence: decode_tokens[i][s - 1] at position len(prompt_i) + s - 1
-
-`run_specs` is the worker (many specs share one process group: starting processes is the slow
-part); `run_parallel` launches it; `reference_run` runs the same schedule in one process.
 """
 
 from __future__ import annotations
@@ -54,13 +53,9 @@ class ModelSpec:
                     block.attention.router.weight.mul_(self.router_scale)
             model = model.to(COMPUTE_DTYPES[self.dtype])
         skew = self.router_skew
-        for block in model.blocks if skew else ():    # a bias from +skew (expert 0) to -skew
-            old = block.attention.router
-            new = torch.nn.Linear(old.in_features, old.out_features, bias=True).to(old.weight.dtype)
-            with torch.no_grad():
-                new.weight.copy_(old.weight)
-                new.bias.copy_(torch.linspace(skew, -skew, len(new.bias), dtype=new.weight.dtype))
-            block.attention.router = new
+        for router in (block.attention.router for block in model.blocks) if skew else ():
+            bias = torch.linspace(skew, -skew, router.out_features, dtype=router.weight.dtype)
+            router.bias = torch.nn.Parameter(bias)
         return model.eval()
 
 
@@ -76,8 +71,7 @@ class RunSpec:
     block_size: int = 16
     record_logits: bool = True
     label: str = ""
-    # fault injection (failure tests, MOEKV_FAULT): at the start of fail_step, rank fail_rank
-    # exits at once (fail_mode "die") or sleeps for an hour ("hang")
+    # fault injection (MOEKV_FAULT, launcher.Fault): rank fail_rank dies or hangs at fail_step
     fail_rank: int = -1
     fail_step: int = -1
     fail_mode: str = ""
@@ -89,23 +83,18 @@ class RunSpec:
 
 def step_inputs(spec: RunSpec, step: int, seqs: list[int]):
     """tokens, seq_ids, positions (flat, ragged) of the given sequences at a step of the schedule."""
-    tokens, seq_ids, positions = [], [], []
+    rows = []                                                     # (token, sequence, position)
     for i in seqs:
         prompt = spec.prompts[i]
         if step == 0:
-            tokens += list(prompt)
-            seq_ids += [i] * len(prompt)
-            positions += list(range(len(prompt)))
+            rows += [(token, i, position) for position, token in enumerate(prompt)]
         else:
-            tokens.append(spec.decode_tokens[i][step - 1])
-            seq_ids.append(i)
-            positions.append(len(prompt) + step - 1)
-    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)   # noqa: E731
-    return as_tensor(tokens), as_tensor(seq_ids), as_tensor(positions)
+            rows.append((spec.decode_tokens[i][step - 1], i, len(prompt) + step - 1))
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).T.contiguous().unbind()
 
 
-def split_logits(logits: torch.Tensor, seq_ids: torch.Tensor) -> dict[int, torch.Tensor]:
-    return {int(s): logits[seq_ids == s] for s in seq_ids.unique().tolist()}
+def split_logits(logits: torch.Tensor, seq_ids: torch.Tensor, step: int) -> dict:
+    return {(step, int(s)): logits[seq_ids == s] for s in seq_ids.unique().tolist()}
 
 
 @dataclass
@@ -139,8 +128,7 @@ def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
             tokens, seq_ids, positions = (t.to(context.device) for t in step_inputs(spec, step, mine))
             logits = runner.step(step, tokens, seq_ids, positions)
             if spec.record_logits:
-                for seq, rows in split_logits(logits.cpu(), seq_ids.cpu()).items():
-                    result.logits[(step, seq)] = rows
+                result.logits.update(split_logits(logits.cpu(), seq_ids.cpu(), step))
             result.pool[step] = runner.pool_usage()
         result.bytes = comm.bytes_by_step()
         result.comm_seconds = comm.seconds_by_step()
@@ -175,10 +163,7 @@ def run_parallel(specs: list[RunSpec], world_size: int, timeout_s: float = DEFAU
 
 def merged_logits(results: list[RankResult]) -> dict:
     """Every (step, seq) logits, from whichever rank is the sequence's home."""
-    merged = {}
-    for result in results:
-        merged.update(result.logits)
-    return merged
+    return {key: rows for result in results for key, rows in result.logits.items()}
 
 
 @torch.no_grad()
@@ -192,8 +177,7 @@ def reference_run(spec: RunSpec) -> tuple[dict, list]:
     for step in range(spec.num_decode_steps + 1):
         tokens, seq_ids, positions = step_inputs(spec, step, everyone)
         logits = model.forward_cached(tokens, seq_ids, positions, cache).logits
-        for seq, rows in split_logits(logits, seq_ids).items():
-            out[(step, seq)] = rows
+        out.update(split_logits(logits, seq_ids, step))
     return out, cache.token_counts(everyone).sum(0).tolist()
 
 

@@ -9,9 +9,9 @@ A sequence's home rank holds its hidden states between layers and runs the repli
     x = x + combine(experts(dispatch(h)))      FFN experts are expert-parallel in every placement
 
 which is `Block.forward` of model.py with the experts' work moved to their ranks; the logits equal
-the single-process model's (tests/test_parallel.py, float32 and float64). Every rank must call
-`step` for every step, with an empty batch if need be: each layer's collectives pair up across
-ranks. The runner counts per step, in `traffic`, the integers the cost model needs.
+the single-process model's (tests/test_parallel.py). Every rank calls `step` at every step, with an
+empty batch if need be, as each layer's collectives pair up across ranks. `traffic` counts per
+step the integers the cost model needs.
 """
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ import torch
 from ..cache import PagedKVCache
 from ..model import MoEKVTransformer, swiglu_experts
 from .comm import Communicator
-from .dispatch import DispatchPlan, combine, dispatch, local_pairs
-from .kv_placements import KV_PLACEMENTS, PLACEMENT_CLASSES, count_dispatch
+from .dispatch import combine, dispatch, local_pairs
+from .kv_placements import KV_PLACEMENTS, PLACEMENT_CLASSES
 from .shard import RankShard
 
 
 class ParallelRunner:
-    """A rank's shard of the model, its paged pool, and the step. attention_ranks (L, E) and
-    ffn_ranks (L, E_ffn): the rank of every expert (placement.py); replicated_attention ignores
-    attention_ranks."""
+    """attention_ranks (L, E) and ffn_ranks (L, E_ffn): the rank of every expert (placement.py);
+    replicated_attention ignores attention_ranks."""
 
     def __init__(self, model: MoEKVTransformer, comm: Communicator, kv_placement: str,
                  attention_ranks, ffn_ranks, num_blocks: int, block_size: int = 16):
@@ -49,9 +48,7 @@ class ParallelRunner:
                                  f"{num_experts}), got {tuple(ranks.shape)}")
             if ranks.numel() and not (0 <= int(ranks.min()) and int(ranks.max()) < comm.world_size):
                 raise ValueError(f"{name} holds ranks outside [0, {comm.world_size})")
-        self.config = config
         self.comm = comm
-        self.kv_placement = kv_placement
         self.ffn_ranks = ffn_ranks
         replicated = kv_placement == "replicated_attention"
         self.shard = RankShard(model, comm.rank, None if replicated else attention_ranks, ffn_ranks)
@@ -64,7 +61,7 @@ class ParallelRunner:
     @torch.no_grad()
     def step(self, step: int, tokens: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """This rank's home tokens (N,) of a flat ragged batch -> logits (N, V). Every rank calls it."""
-        self.comm.begin_step(step)
+        self.comm.step = step
         traffic = self.traffic.setdefault(step, Counter())
         start = time.perf_counter()
         x = self.shard.embed(tokens)                                                      # (N, D)
@@ -78,19 +75,16 @@ class ParallelRunner:
     def _ffn(self, layer: int, h: torch.Tensor, traffic: Counter) -> torch.Tensor:
         part = self.shard.layers[layer]
         routing = self.shard.route_ffn(layer, h)                                          # (N, E_ffn)
-        plan = DispatchPlan.build(routing.selected, routing.gates, self.ffn_ranks[layer],
-                                  self.comm.world_size, self.config.num_experts_per_tok)
-        count_dispatch(traffic, "ffn", plan, self.comm.rank)
-        received = dispatch(self.comm, plan, h, "ffn_dispatch")
+        plan, received = dispatch(self.comm, "ffn", routing, self.ffn_ranks[layer],
+                                  self.shard.config.num_experts_per_tok, h, traffic)
         pairs = local_pairs(received, part.ffn_experts)
         y = swiglu_experts(received.hidden[pairs.token], pairs.counts, part.w_gate, part.w_up, part.w_down,
                            self.shard.backend)                                            # (M, D)
         return combine(self.comm, plan, received, pairs, y, h.shape[0], "ffn_combine")
 
-    # ----- the pool ---------------------------------------------------------------------------------
     def free(self, seq_id: int) -> None:
         """Return the sequence's blocks on this rank (nothing if this rank holds none of it)."""
-        if int(seq_id) in self.pool.manager.sequences:
+        if self.pool.manager.holds(seq_id):
             self.pool.free(seq_id)
 
     def pool_usage(self) -> dict[str, int]:

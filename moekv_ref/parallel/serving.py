@@ -1,22 +1,19 @@
 """The serving engine driving the expert-parallel model: one scheduler, the ranks as devices of one pool.
 
-Rank 0 runs the engine's `Scheduler` over a `KVCacheManager` mirroring every rank's pool (one device
-per rank, block accounting only). Each step rank 0 broadcasts the plan: the flat batch and the
-sequences whose blocks went back (finished or preempted). Every rank frees those, runs
-`ParallelRunner.step` on its home sequences' tokens (sequence i's home is i % R), sends its
-last-token logits to rank 0, which samples, and reports its pool in integers. Rank 0 appends the
-tokens each row gained to the mirror (`follow_ranks`) and checks every device's free blocks against
-its rank's report, so that a drift fails at the step it happens.
+Rank 0 runs the engine's `Scheduler` over a `KVCacheManager` mirroring every rank's pool (block
+accounting only). Each step rank 0 broadcasts the plan (the flat batch, and the sequences whose
+blocks went back); every rank frees those, runs its home sequences' tokens (sequence i's home is
+i % R), sends its last-token logits to rank 0, which samples, and reports its pool in integers, for
+rank 0 to check its mirror against (`follow_ranks`): a drift fails at the step it happens.
 
-A row lives on its expert's rank under kv_with_expert (`device_of_expert = attention_ranks`), else
-on its sequence's home rank (`home_devices`). A step's worst case is reserved on each rank
-separately, so a sequence can be refused or preempted because *one* rank is short. Admission is
-optimistic and preemption by recompute only: the demand predictor predicts one pool's blocks, not
-each rank's, and the ranks keep no swap space.
+A row lives on its expert's rank under kv_with_expert, else on its sequence's home rank. A step's
+worst case is reserved on each rank separately, so a sequence can be refused or preempted because
+*one* rank is short. Admission is optimistic and preemption by recompute only (ServeSpec says why).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -69,16 +66,15 @@ def follow_ranks(mirror: KVCacheManager, reports: list[torch.Tensor]) -> set[int
     free blocks. reports[r]: (1 + h, 1 + L * E) int64, [-1, free blocks, ...], then per sequence r
     holds [id, its (L, E) tokens on r]. Returns the sequences the ranks hold."""
     L, E = mirror.num_layers, mirror.num_experts
-    tokens: dict[int, torch.Tensor] = {}
-    for report in reports:
-        for row in report[1:]:                      # a row lives on one rank: a sum over ranks is all of it
-            tokens[int(row[0])] = tokens.get(int(row[0]), 0) + row[1:].view(L, E)
-    seq_ids = sorted(tokens)
+    rows = torch.cat([report[1:] for report in reports])   # a row lives on one rank: sum over ranks
+    ids, which = rows[:, 0].unique(return_inverse=True)
+    tokens = torch.zeros(len(ids), L * E, dtype=torch.int64).index_add_(0, which, rows[:, 1:])
+    seq_ids = ids.tolist()
     for seq_id in seq_ids:
         if not mirror.holds(seq_id):
             mirror.add_sequence(seq_id)
     if seq_ids:
-        gained = torch.stack([tokens[s] for s in seq_ids]) - mirror.token_counts(seq_ids)      # (m, L, E)
+        gained = tokens.view(-1, L, E) - mirror.token_counts(seq_ids)             # (m, L, E)
         if (gained < 0).any():
             raise RuntimeError(f"rank 0's mirror of the pools drifted: rows of sequences "
                                f"{[s for s, g in zip(seq_ids, gained) if (g < 0).any()]} hold fewer tokens on the ranks")
@@ -94,6 +90,7 @@ def follow_ranks(mirror: KVCacheManager, reports: list[torch.Tensor]) -> set[int
 def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
     """Worker: rank 0 schedules and samples, every rank runs the model. Greedy sampling."""
     comm, rank, R = context.comm, context.rank, context.world_size
+    comm.reset()
     model = spec.model.build().to(context.device)
     config = model.config
     runner = ParallelRunner(model, comm, spec.kv_placement, spec.attention_ranks, spec.ffn_ranks,
@@ -116,24 +113,22 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
             scheduler.check_fits_alone(len(prompt), n, request_id=i)
             requests.append(Request(i, list(prompt), SamplingParams(max_new_tokens=n, temperature=0.0)))
             scheduler.add_request(requests[-1])
-    step = 0
-    while True:
+    for step in itertools.count():
         # ---- rank 0 decides; everyone learns the plan
         header = torch.zeros(3, dtype=torch.int64)
-        if rank == 0:
-            if not scheduler.has_unfinished:
-                header[2] = 1
-            else:
-                result.free_blocks.append(mirror.num_free_blocks_per_device.tolist())
-                decision = scheduler.schedule(step)
-                result.events += [(step, kind, r.request_id) for kind, r in decision.events]
-                if not decision.scheduled:
-                    raise RuntimeError(f"step {step}: nothing could be scheduled")
-                batch = flatten_batch(decision.scheduled)
-                frees = sorted(on_ranks - set(mirror.sequences))     # finished or preempted since
-                body = torch.tensor(batch.token_ids + batch.seq_ids + batch.positions + frees, dtype=torch.int64)
-                header[0], header[1] = len(batch.token_ids), len(frees)
-        comm.begin_step(step)
+        if rank == 0 and not scheduler.has_unfinished:
+            header[2] = 1
+        elif rank == 0:
+            result.free_blocks.append(mirror.num_free_blocks_per_device.tolist())
+            decision = scheduler.schedule(step)
+            result.events += [(step, kind, r.request_id) for kind, r in decision.events]
+            if not decision.scheduled:
+                raise RuntimeError(f"step {step}: nothing could be scheduled")
+            batch = flatten_batch(decision.scheduled)
+            frees = sorted(on_ranks - set(mirror.sequences))     # finished or preempted since
+            body = torch.tensor(batch.token_ids + batch.seq_ids + batch.positions + frees, dtype=torch.int64)
+            header[0], header[1] = len(batch.token_ids), len(frees)
+        comm.step = step
         comm.broadcast(header, 0, "plan")
         if int(header[2]):
             break
@@ -158,9 +153,8 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
         held = manager.sequences
         report = torch.zeros(len(held) + 1, 1 + L * E, dtype=torch.int64)
         report[0, :2] = torch.tensor([-1, manager.num_free_blocks])
-        if held:
-            report[1:, 0] = torch.tensor(held)
-            report[1:, 1:] = manager.token_counts(held).flatten(1)
+        report[1:, 0] = torch.tensor(held, dtype=torch.int64)
+        report[1:, 1:] = manager.token_counts(held).flatten(1)
         reports, counts = comm.all_to_all(report, [report.shape[0]] + [0] * (R - 1), "pool_report")
         if rank == 0:
             on_ranks = follow_ranks(mirror, list(reports.cpu().split(counts)))
@@ -170,7 +164,6 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
                        for item in decision.scheduled if item.samples}
             for request in scheduler.update_from_output(decision, sampled):
                 result.events.append((step, "finished", request.request_id))
-        step += 1
     if rank != 0:
         return None
     result.tokens = [RequestOutput.from_request(r).token_ids for r in requests]
@@ -180,8 +173,4 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
 
 def serve_specs(context: WorkerContext, specs: list[ServeSpec]) -> list[ServeResult | None]:
     """Worker: several serving runs in one process group (starting processes is the slow part)."""
-    results = []
-    for spec in specs:
-        context.comm.reset()
-        results.append(serve(context, spec))
-    return results
+    return [serve(context, spec) for spec in specs]

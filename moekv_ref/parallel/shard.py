@@ -1,10 +1,9 @@
 """What one rank holds of the model: the experts placed on it, and the small parts every rank needs.
 
 Every rank builds the same full `MoEKVTransformer` and keeps its part: replicated are the embedding,
-RMSNorms, routers (each rank routes its own tokens), final norm and LM head; sharded per layer are
-the attention experts (W_q, W_k, W_v, W_o) and FFN experts (W_gate, W_up, W_down) whose rank is this
-one, or every attention expert under replicated_attention. The slices are copies, so the full model
-can be dropped and `weight_bytes` counts what the rank really holds.
+RMSNorms, routers (each rank routes its own tokens), final norm and LM head; sharded are the experts
+whose rank is this one (every attention expert under replicated_attention). The slices are copies,
+so the full model can be dropped and `weight_bytes` counts what the rank really holds.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ class RankShard:
                  ffn_ranks: torch.Tensor):
         self.config = model.config
         self.backend = model.backend
-        self.rank = rank
         self.embed, self.norm, self.lm_head = model.embed, model.norm, model.lm_head
         self.layers: list[LayerShard] = []
         for layer, block in enumerate(model.blocks):
