@@ -1,9 +1,9 @@
 """Routing traces: which attention experts each token of each sequence went to, at every layer.
 
 A trace is all the cache needs of a run: a token routed to expert e at layer l appends one slot to
-row (sequence, l, e). Storing expert ids, not a (T, L, E) mask, keeps a real-model-shaped trace
-small (64 sequences x 512 tokens x 16 layers x top-8 is 4M int16). Synthetic traces come in two
-kinds: `synthetic_trace` (one expert popularity for all) and `topic_trace` (per-sequence topics).
+row (sequence, l, e). Expert ids, not a (T, L, E) mask, keep a real-model-shaped trace small (64
+sequences x 512 tokens x 16 layers x top-8 is 4M int16). `synthetic_trace` gives every sequence
+one expert popularity, `topic_trace` each its topic's.
 
 Dimension legend: S sequences, L layers, E experts, K experts per token (k_max), T topics.
 """
@@ -97,13 +97,16 @@ class RoutingTrace:
         return rows[chosen >= 0]
 
 
-def _check_sizes(**sizes) -> None:
+def _check_sizes(skews: dict, **sizes) -> None:
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if sizes["top_k"] > sizes["num_experts"]:
         top_k, num_experts = sizes["top_k"], sizes["num_experts"]
         raise ValueError(f"top_k={top_k} is greater than num_experts={num_experts}")
+    for name, value in skews.items():
+        if value < 0:
+            raise ValueError(f"{name}={value} must be >= 0")
 
 
 def _lengths(num_sequences: int, mean_prompt, mean_output, sigma, generator):
@@ -149,10 +152,8 @@ def synthetic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k
     Each layer ranks its experts by a random permutation (the hot expert differs per layer) and gives
     the expert of rank r the weight 1 / r^s; a token takes k distinct experts, drawn with those weights
     (Gumbel top-k). zipf_s = 0 is uniform routing."""
-    _check_sizes(num_sequences=num_sequences, num_layers=num_layers,
+    _check_sizes(dict(zipf_s=zipf_s), num_sequences=num_sequences, num_layers=num_layers,
                  num_experts=num_experts, top_k=top_k)
-    if zipf_s < 0:
-        raise ValueError(f"zipf_s={zipf_s} must be >= 0")
     generator = torch.Generator().manual_seed(seed)
     prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator)
     log_weight = -zipf_s * _log_rank(1, num_layers, num_experts, generator)[0]          # (L, E)
@@ -166,20 +167,18 @@ def topic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k: in
                 kv_bytes_per_slot: int = 512, seed: int = 0, name: str = "topics") -> tuple[RoutingTrace, torch.Tensor]:
     """A RoutingTrace and the topic of each sequence, (S,) int64.
 
-    Learned routers specialise (the embedded model's prefer kinds of characters; `routing-stats`),
-    so sequences about different things lean on different experts, and under per-device pools the
-    victim matters: one may hold much of the short device, another almost nothing. A token of topic
-    t takes k distinct experts by Gumbel top-k on
+    Learned routers specialise (`routing-stats`), so sequences about different things lean on
+    different experts, and under per-device pools the victim matters: one may hold much of the
+    short device, another almost nothing. A token of topic t takes k distinct experts by Gumbel
+    top-k on
 
         log w[l, e] = -global_s * log(1 + global_rank[l, e]) - topic_s * log(1 + topic_rank[t, l, e])
 
     Topics have Zipf(topic_popularity_s) popularity, so the most popular topic's experts (and,
     under a co-activation placement, the device they share) fill first."""
-    _check_sizes(num_sequences=num_sequences, num_layers=num_layers,
-                 num_experts=num_experts, top_k=top_k, num_topics=num_topics)
-    for name_, value in (("topic_s", topic_s), ("global_s", global_s), ("topic_popularity_s", topic_popularity_s)):
-        if value < 0:
-            raise ValueError(f"{name_}={value} must be >= 0")
+    _check_sizes(dict(topic_s=topic_s, global_s=global_s, topic_popularity_s=topic_popularity_s),
+                 num_sequences=num_sequences, num_layers=num_layers, num_experts=num_experts,
+                 top_k=top_k, num_topics=num_topics)
     generator = torch.Generator().manual_seed(seed)
     prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator)
     global_weight = -global_s * _log_rank(1, num_layers, num_experts, generator)[0]      # (L, E)
