@@ -10,18 +10,12 @@
     reads(rows)                    contiguous runs a decode step must read from these rows
     live_slots_of(seqs)            slots these sequences hold
 
-SharedTailDesign is the count-level model of cache/shared_tail_manager.py: full blocks stay private
-to their row, but every row's partly filled *tail* lives, at token granularity, in tail blocks
-shared by the sequence's rows:
-
-    row (s, l, e) with n = 37, P = 16:  body blocks [12, 40] (32 tokens), 5 slots in s's tail blocks
-    sequence s's tail blocks:  [ e3 e3 e7 e3 e1 e7 e7 -- ... ]  slots of many rows, interleaved
-
-A tail reaching P tokens is copied into a fresh private block and leaves holes; when holes add up
-to a block, the emptiest tail block is compacted into them and freed. A sequence wastes < P slots
-instead of < P per row, for a slot index per tail token, the copies (`copied_slots`) and up to
-P - 1 scattered reads per row. Tail blocks are never shared across sequences, so freeing one
-frees whole blocks. Tests check both count-level designs against the real managers step by step.
+SharedTailDesign replays from token counts the accounting of cache/shared_tail_manager.py (whose
+docstring draws the layout): a row's full blocks stay private, its last n % P tokens take slots in
+tail blocks shared by the sequence's rows, so a sequence wastes < P slots instead of < P per row,
+for a slot index per tail token, the copies of promotion and compaction (`copied_slots`) and up to
+P - 1 scattered reads per row. Tail blocks are never shared across sequences, so freeing one frees
+whole blocks. Tests check both count-level designs against the real managers step by step.
 """
 
 from __future__ import annotations

@@ -89,15 +89,12 @@ def search_optimum(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: E
     counts = {"leaves": 0, "dead": 0, "decisions": 0, "worst": 0}
     leaves = []
 
-    def copied(runner: TraceRunner) -> TraceRunner:
-        return copy.deepcopy(runner, dict(memo_base))
-
     def explore(start: TraceRunner, step: int, seconds: float, finished: int, choices: list[int],
                 step_choices: list[int]) -> None:
         """Run on from a copy of `start` (a runner at the start of `step`) with this step's
         decisions scripted, to the end, a dead end, a prune, or an uncovered decision, each of whose
         choices is explored from `start`. choices: the whole branch's."""
-        runner, script = copied(start), step_choices
+        runner, script = copy.deepcopy(start, dict(memo_base)), step_choices
         scheduler = runner.scheduler
         while scheduler.has_unfinished:
             left = max((scheduler.batching.num_new_tokens(r) - len(r.output_token_ids)
@@ -124,7 +121,7 @@ def search_optimum(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: E
             finished += sum(len(r.output_token_ids) for r in done)
             step, script = step + 1, []
             if scheduler.has_unfinished:
-                start = copied(runner)                # the next step's start, to branch from
+                start = copy.deepcopy(runner, dict(memo_base))    # the next step's start
         counts["leaves"] += 1
         counts["worst"] = max(counts["worst"], step)
         if keep_leaves:

@@ -55,8 +55,7 @@ class RoutingTrace:
     def subset(self, seqs: list[int]) -> "RoutingTrace":
         """The trace of some sequences only, renumbered 0..len(seqs)-1."""
         parts = [self.experts[self.offsets[s]: self.offsets[s + 1]] for s in seqs]
-        lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), self.lengths[seqs].cumsum(0)])
         return RoutingTrace(torch.cat(parts), offsets, self.prompt_lens[seqs].clone(), self.num_experts,
                             self.kv_bytes_per_slot, self.name)
 
@@ -69,9 +68,9 @@ class RoutingTrace:
 
     def appends(self, seqs: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
                 row_seqs: torch.Tensor | None = None):
-        """The rows that tokens starts[i] .. starts[i] + counts[i] - 1 of sequence seqs[i] append
-        to: rows (a,) distinct, numbered seq * (L * E) + layer * E + expert with seq = row_seqs[i]
-        (default: seqs[i]); the slots each gains (a,) >= 1; and (L,) experts chosen per layer."""
+        """The distinct rows (a,) that tokens starts[i] .. starts[i] + counts[i] - 1 of sequence
+        seqs[i] append to, numbered with seq_index row_seqs[i] (default seqs[i]); the slots each
+        gains (a,) >= 1; (L,) experts chosen per layer."""
         index = RowIndex(self.num_layers, self.num_experts)
         owner = torch.repeat_interleave(torch.arange(len(seqs)), counts)                     # (N,)
         local = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[owner]
@@ -112,12 +111,9 @@ def _check_sizes(skews: dict, **sizes) -> None:
 def _lengths(num_sequences: int, mean_prompt, mean_output, sigma, generator):
     """Log-normal prompt and output lengths >= 1 of the given means (mu = ln(mean) - sigma^2 / 2):
     prompts (S,), and the offsets (S + 1,) of the whole sequences."""
-    lengths = []
-    for mean in (mean_prompt, mean_output):
-        mu = torch.log(torch.tensor(mean)) - sigma**2 / 2
-        values = torch.exp(mu + sigma * torch.randn(num_sequences, generator=generator))
-        lengths.append(values.round().clamp(min=1).to(torch.int64))
-    prompts, outputs = lengths
+    mus = [torch.log(torch.tensor(mean)) - sigma**2 / 2 for mean in (mean_prompt, mean_output)]
+    prompts, outputs = (torch.exp(mu + sigma * torch.randn(num_sequences, generator=generator))
+                        .round().clamp(min=1).to(torch.int64) for mu in mus)
     return prompts, torch.cat([torch.zeros(1, dtype=torch.int64), (prompts + outputs).cumsum(0)])
 
 
@@ -147,11 +143,9 @@ def synthetic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k
                     mean_prompt: float = 256, mean_output: float = 256, sigma: float = 0.5,
                     zipf_s: float = 1.0, kv_bytes_per_slot: int = 512, seed: int = 0,
                     name: str = "synthetic") -> RoutingTrace:
-    """Top-k routing with Zipf(s) expert popularity, log-normal prompt and output lengths.
-
-    Each layer ranks its experts by a random permutation (the hot expert differs per layer) and gives
-    the expert of rank r the weight 1 / r^s; a token takes k distinct experts, drawn with those weights
-    (Gumbel top-k). zipf_s = 0 is uniform routing."""
+    """Top-k routing, Zipf(s) expert popularity, log-normal prompt and output lengths: each layer
+    ranks its experts at random (the hot expert differs per layer), rank r weighs 1 / r^s, and a
+    token takes k distinct experts by those weights (Gumbel top-k). zipf_s = 0 is uniform."""
     _check_sizes(dict(zipf_s=zipf_s), num_sequences=num_sequences, num_layers=num_layers,
                  num_experts=num_experts, top_k=top_k)
     generator = torch.Generator().manual_seed(seed)
