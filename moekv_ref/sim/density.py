@@ -26,8 +26,7 @@ def mean_blocks_at_context(trace: RoutingTrace, contexts, block_size: int) -> to
     """(len(contexts),) float64: blocks a sequence holds after c tokens, averaged over the trace's
     sequences of at least c tokens (every row's partly filled tail block counted)."""
     contexts = torch.as_tensor(list(contexts), dtype=torch.int64)
-    total = torch.zeros(contexts.numel(), dtype=torch.float64)
-    num = torch.zeros(contexts.numel(), dtype=torch.float64)
+    total, num = torch.zeros(2, contexts.numel(), dtype=torch.float64)         # (C,) each
     for s in range(trace.num_sequences):
         blocks = ceil_div(trace.row_counts(s)[1:], block_size).sum((1, 2))   # (n,) after t+1 tokens
         reached = contexts <= blocks.shape[0]

@@ -224,10 +224,9 @@ def simulate(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: Evictio
 
 
 def memory_time_bound(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup) -> dict:
-    """A lower bound on the steps any policy needs (an upper bound on goodput per step): on every
-    device, the blocks each sequence holds at each of its steps (prefill, then one per decode token)
-    summed, over the pool; also the longest sequence's steps, and all steps / max_num_seqs. Refused
-    requests are left out, as the runs leave them out."""
+    """A lower bound on the steps any policy needs: the most, over devices, of the blocks each
+    served sequence holds at each of its steps (prefill, then one per decode token) summed, over the
+    pool; the longest sequence's steps; and all steps / max_num_seqs."""
     runner = TraceRunner(trace, device_of_expert, setup, "newest_first", cost=None)     # built, never run
     paths = [runner.future.held(r.request_id)[r.num_tokens:]       # (steps, D) from the prefill on
              for r in runner.scheduler.waiting]                     # the served: none has started

@@ -159,17 +159,14 @@ def topic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k: in
                 topic_s: float = 1.5, global_s: float = 0.5, topic_popularity_s: float = 1.0,
                 mean_prompt: float = 256, mean_output: float = 256, sigma: float = 0.5,
                 kv_bytes_per_slot: int = 512, seed: int = 0, name: str = "topics") -> tuple[RoutingTrace, torch.Tensor]:
-    """A RoutingTrace and the topic of each sequence, (S,) int64.
-
-    Learned routers specialise (`routing-stats`), so sequences about different things lean on
-    different experts, and under per-device pools the victim matters: one may hold much of the
-    short device, another almost nothing. A token of topic t takes k distinct experts by Gumbel
-    top-k on
+    """A RoutingTrace and the topic of each sequence, (S,) int64. Learned routers specialise
+    (`routing-stats`): sequences lean on their topic's experts, so under per-device pools the
+    victim matters (notebook 05). A token of topic t takes k distinct experts by Gumbel top-k on
 
         log w[l, e] = -global_s * log(1 + global_rank[l, e]) - topic_s * log(1 + topic_rank[t, l, e])
 
-    Topics have Zipf(topic_popularity_s) popularity, so the most popular topic's experts (and,
-    under a co-activation placement, the device they share) fill first."""
+    with Zipf(topic_popularity_s) topic popularity, so the most popular topic's experts (and, under
+    a co-activation placement, the device they share) fill first."""
     _check_sizes(dict(topic_s=topic_s, global_s=global_s, topic_popularity_s=topic_popularity_s),
                  num_sequences=num_sequences, num_layers=num_layers, num_experts=num_experts,
                  top_k=top_k, num_topics=num_topics)
