@@ -1,7 +1,6 @@
 """A cache-only simulator: routing traces replayed through memory designs, without the model.
 
-    traces.py     what the router decided, token by token: synthetic, or recorded from a model
-                  (moekv_ref.analysis.record_model_trace)
+    traces.py     what the router decided, token by token: synthetic, or recorded (analysis.py)
     designs.py    paged designs; baselines.py the designs paging must beat (reserved, first fit)
     replay.py     lock-step replay of a trace through a design; capacity under a budget
     eviction.py   serving over a trace: the engine's own Scheduler, with the trace playing the model

@@ -1,18 +1,13 @@
-"""The naive designs the paged cache is measured against, as memory accounting only.
+"""The naive designs the paged cache is measured against, as memory accounting only; they answer
+the calls listed in designs.py. Units are slots (one token's K and V in one row), addresses too.
 
-They answer the calls listed in designs.py, on the same routing traces as the paged designs.
-
-  ReservedDesign   every (sequence, layer, expert) reserves, contiguously and up front, the worst
-                   case: every token of the sequence routed to that expert. We even grant it an
-                   oracle -- it knows each sequence's final length -- so its numbers are the best a
-                   reservation can do. Waste: the (E - k) / E of rows a token does not use, and more.
-  FirstFitDesign   every (sequence, layer, expert) owns one buffer in ONE address space; when full
-                   it moves to one twice as large at the lowest address that fits (first fit),
-                   leaving a hole. Holes below the top of the heap are external fragmentation, the
-                   unused end of each buffer internal. "Allocated" is the top of the heap: memory
-                   below it cannot be handed back.
-
-Units are slots (one token's K and V in one (layer, expert) row); addresses are in slots too.
+  ReservedDesign   every row reserves, contiguously and up front, its worst case: every token of
+                   the sequence routed to it. It is even told each sequence's final length, so its
+                   numbers are the best a reservation can do; it wastes at least the (E - k) / E of
+                   rows a token does not use.
+  FirstFitDesign   every row owns one buffer in ONE address space; a full buffer moves to one twice
+                   as large at the lowest address that fits (first fit), leaving a hole. "Allocated"
+                   is the top of the heap: memory below it cannot be handed back.
 """
 
 from __future__ import annotations
@@ -42,7 +37,7 @@ class _RowTokens:
 
 
 class ReservedDesign(_RowTokens):
-    """Worst-case contiguous reservation per (sequence, layer, expert)."""
+    """Worst-case contiguous reservation per row (module docstring)."""
 
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int):
         super().__init__(num_sequences, num_layers, num_experts)
@@ -85,31 +80,24 @@ class AddressSpace:
             return start
         i = int(fits[0])
         start = int(self.hole_starts[i])
-        if self.hole_sizes[i] == size:
+        self.hole_starts[i] += size
+        self.hole_sizes[i] -= size
+        if self.hole_sizes[i] == 0:
             self.hole_starts = np.delete(self.hole_starts, i)
             self.hole_sizes = np.delete(self.hole_sizes, i)
-        else:
-            self.hole_starts[i] += size
-            self.hole_sizes[i] -= size
         return start
 
     def free(self, start: int, size: int) -> None:
         i = bisect.bisect_left(self.hole_starts, start)
-        # merge with the hole before and the hole after, when adjacent
-        if i > 0 and self.hole_starts[i - 1] + self.hole_sizes[i - 1] == start:
-            i -= 1
-            start, size = int(self.hole_starts[i]), int(self.hole_sizes[i]) + size
-            self.hole_starts = np.delete(self.hole_starts, i)
-            self.hole_sizes = np.delete(self.hole_sizes, i)
-        if i < self.hole_starts.size and start + size == self.hole_starts[i]:
-            size += int(self.hole_sizes[i])
-            self.hole_starts = np.delete(self.hole_starts, i)
-            self.hole_sizes = np.delete(self.hole_sizes, i)
-        if start + size == self.top:        # the hole reaches the top: the heap shrinks
-            self.top = start
-            return
-        self.hole_starts = np.insert(self.hole_starts, i, start)
-        self.hole_sizes = np.insert(self.hole_sizes, i, size)
+        starts, sizes = np.insert(self.hole_starts, i, start), np.insert(self.hole_sizes, i, size)
+        for j in (i, i - 1):                # merge with the hole after, then the one before
+            if 0 <= j < starts.size - 1 and starts[j] + sizes[j] == starts[j + 1]:
+                sizes[j] += sizes[j + 1]
+                starts, sizes = np.delete(starts, j + 1), np.delete(sizes, j + 1)
+        if starts[-1] + sizes[-1] == self.top:     # the last hole reaches the top: the heap shrinks
+            self.top = int(starts[-1])
+            starts, sizes = starts[:-1], sizes[:-1]
+        self.hole_starts, self.hole_sizes = starts, sizes
 
     @property
     def num_holes(self) -> int:
@@ -121,7 +109,7 @@ class AddressSpace:
 
 
 class FirstFitDesign(_RowTokens):
-    """Variable-size per-(sequence, layer, expert) buffers, grown by doubling, placed first fit."""
+    """Per-row buffers grown by doubling, placed first fit (module docstring)."""
 
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int):
         super().__init__(num_sequences, num_layers, num_experts)
@@ -148,12 +136,12 @@ class FirstFitDesign(_RowTokens):
         self.tokens[rows] = new
 
     def release(self, seqs) -> None:
-        for seq in torch.as_tensor(seqs).reshape(-1).tolist():
-            first = seq * self.rows_per_seq
-            for row in (self.capacity[first:first + self.rows_per_seq] > 0).nonzero().squeeze(1).tolist():
-                self.space.free(int(self.start[first + row]), int(self.capacity[first + row]))
-            self.tokens[first:first + self.rows_per_seq] = 0
-            self.capacity[first:first + self.rows_per_seq] = 0
+        rows = self.index.sequence_rows(torch.as_tensor(seqs).reshape(-1)).reshape(-1)   # (m*L*E,)
+        held = rows[self.capacity[rows] > 0]
+        for start, size in zip(self.start[held].tolist(), self.capacity[held].tolist()):
+            self.space.free(start, size)
+        self.tokens[rows] = 0
+        self.capacity[rows] = 0
 
     def allocated_slots(self) -> int:
         return self.space.top
@@ -166,10 +154,8 @@ class FirstFitDesign(_RowTokens):
         """Every live buffer (start, size, used, seq, layer, expert), hole and the top, to draw."""
         rows = (self.capacity > 0).nonzero().squeeze(1)
         seq, layer, expert = self.index.split(rows)
-        return {
-            "start": self.start[rows].numpy(), "size": self.capacity[rows].numpy(),
-            "used": self.tokens[rows].numpy(), "seq": seq.numpy(),
-            "layer": layer.numpy(), "expert": expert.numpy(),
-            "hole_start": self.space.hole_starts.copy(), "hole_size": self.space.hole_sizes.copy(),
-            "top": self.space.top,
-        }
+        columns = dict(start=self.start[rows], size=self.capacity[rows], used=self.tokens[rows],
+                       seq=seq, layer=layer, expert=expert)
+        space = self.space
+        return {**{name: column.numpy() for name, column in columns.items()}, "top": space.top,
+                "hole_start": space.hole_starts.copy(), "hole_size": space.hole_sizes.copy()}

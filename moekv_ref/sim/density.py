@@ -1,12 +1,8 @@
 """Density: the fraction of a batch's sequences each (layer, expert) buffer holds (those with a
-token routed there) over their first `context` tokens; and the blocks a sequence holds. In a dense
-transformer every layer's cache holds every running sequence: density 1.
-
-Under uniform top-k routing of c tokens density is 1 - (1 - k / E)^c; skew lowers it for cold
-experts. Low density is why per-buffer LRU loses its meaning (a buffer's least recently used rows
-belong to sequences running now) and why taking one sequence off frees little in any one buffer.
-
-Dimension legend: S sequences, L layers, E experts, K experts per token.
+token routed there in their first `context` tokens); 1 in a dense transformer. Under uniform top-k
+routing of c tokens it is 1 - (1 - k / E)^c, lower for cold experts under skew. Low density is why
+per-buffer LRU loses its meaning (a buffer's least recently used rows belong to sequences running
+now) and why taking one sequence off frees little in any one buffer.
 """
 
 from __future__ import annotations
@@ -17,20 +13,12 @@ from ..cache.rows import ceil_div
 from .traces import RoutingTrace, synthetic_trace
 
 
-def row_token_counts(trace: RoutingTrace, context: int) -> torch.Tensor:
-    """(S', L, E) tokens each row holds after the first `context` tokens of every sequence at least
-    that long (S' of them)."""
-    seqs = (trace.lengths >= context).nonzero().squeeze(1).tolist()
-    if not seqs:
-        return torch.zeros(0, trace.num_layers, trace.num_experts, dtype=torch.int64)
-    return torch.stack([trace.row_counts(s)[context] for s in seqs])
-
-
 def density_per_expert(trace: RoutingTrace, context: int) -> torch.Tensor:
     """(L, E) fraction of the sequences (of at least `context` tokens) each buffer holds."""
-    counts = row_token_counts(trace, context)
-    if counts.shape[0] == 0:
+    seqs = (trace.lengths >= context).nonzero().squeeze(1).tolist()
+    if not seqs:
         raise ValueError(f"no sequence of the trace has {context} tokens")
+    counts = torch.stack([trace.row_counts(s)[context] for s in seqs])                  # (S', L, E)
     return (counts > 0).to(torch.float64).mean(0)
 
 
@@ -38,8 +26,7 @@ def mean_blocks_at_context(trace: RoutingTrace, contexts, block_size: int) -> to
     """(len(contexts),) float64: blocks a sequence holds after c tokens, averaged over the trace's
     sequences of at least c tokens (every row's partly filled tail block counted)."""
     contexts = torch.as_tensor(list(contexts), dtype=torch.int64)
-    total = torch.zeros(contexts.numel(), dtype=torch.float64)
-    num = torch.zeros(contexts.numel(), dtype=torch.float64)
+    total, num = torch.zeros(2, contexts.numel(), dtype=torch.float64)         # (C,) each
     for s in range(trace.num_sequences):
         blocks = ceil_div(trace.row_counts(s)[1:], block_size).sum((1, 2))   # (n,) after t+1 tokens
         reached = contexts <= blocks.shape[0]

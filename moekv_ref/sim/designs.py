@@ -1,32 +1,21 @@
 """Paged memory designs for the simulator. Every design, baselines included, answers these calls:
 
     admit(seqs, final_lens)        sequences enter (final_lens: only the `reserved` oracle uses it)
-    append(rows, num_new)          distinct rows (a,), row = seq * (L * E) + layer * E + expert,
-                                   gain num_new (a,) slots each (sparse: a decode step at E = 64,
-                                   top-8, 16 layers, 64 sequences touches 8,192 of 65,536 rows)
+    append(rows, num_new)          distinct rows (a,), numbered as rows.py says, gain num_new (a,)
+                                   slots each (sparse: a decode step touches k of every E rows)
     release(seqs)                  sequences finish; their memory returns
     allocated_slots()              KV slots taken from memory now (used or not)
-    metadata_bytes()               block tables, counts, ref counts, as a compact (CSR) layout
-                                   holds them, 4 bytes an integer (what a design needs, not the
-                                   dense tables our KVCacheManager keeps for readability)
+    metadata_bytes()               block tables, counts, ref counts as a compact (CSR) layout holds
+                                   them, 4 bytes an integer (not the dense tables of KVCacheManager)
     reads(rows)                    contiguous runs a decode step must read from these rows
     live_slots_of(seqs)            slots these sequences hold
 
-ManagerPagedDesign drives the real KVCacheManager; CountingPagedDesign does the same accounting
-from token counts alone (ceil(n / P) blocks a row), cheap enough to sweep block sizes.
-SharedTailDesign is the count-level model of cache/shared_tail_manager.py: full blocks stay private
-to their row, but the partly filled *tail* of every row lives in tail blocks shared by the
-sequence's rows, at token granularity:
-
-    row (s, l, e) with n = 37, P = 16:  body blocks [12, 40] (32 tokens), 5 slots in s's tail blocks
-    sequence s's tail blocks:  [ e3 e3 e7 e3 e1 e7 e7 -- ... ]  slots of many rows, interleaved
-
-A tail reaching P tokens is copied into a fresh private block (P - 1 copies) and leaves holes; when
-holes add up to a block, the emptiest tail block is compacted into them and freed. A sequence wastes
-< P slots instead of < P per row, for a slot index per tail token, the copies (`copied_slots`) and
-up to P - 1 scattered reads per row. Tail blocks are never shared across sequences, so freeing one
-frees whole blocks. PagedKVCache runs it with shared_tails=True; tests check both count-level
-designs against the real managers step by step.
+SharedTailDesign replays from token counts the accounting of cache/shared_tail_manager.py (whose
+docstring draws the layout): a row's full blocks stay private, its last n % P tokens take slots in
+tail blocks shared by the sequence's rows, so a sequence wastes < P slots instead of < P per row,
+for a slot index per tail token, the copies of promotion and compaction (`copied_slots`) and up to
+P - 1 scattered reads per row. Tail blocks are never shared across sequences, so freeing one frees
+whole blocks. Tests check both count-level designs against the real managers step by step.
 """
 
 from __future__ import annotations
@@ -40,19 +29,19 @@ BYTES_PER_INDEX = 4
 
 
 class CountingPagedDesign:
-    """Plain per-row pages, accounted from token counts: row of n tokens owns ceil(n / P) blocks."""
+    """Plain per-row pages from token counts alone (a row of n tokens owns ceil(n / P) blocks):
+    ManagerPagedDesign's numbers, cheap enough to sweep block sizes."""
 
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int, block_size: int):
         self.name = f"paged(P={block_size})"
         self.block_size = check_block_size(block_size)
-        self.rows_per_seq = RowIndex(num_layers, num_experts).rows_per_seq    # rows numbered as rows.py says
+        self.rows_per_seq = RowIndex(num_layers, num_experts).rows_per_seq
         self.tokens = torch.zeros(num_sequences * self.rows_per_seq, dtype=torch.int64)  # (S*L*E,)
         self._num_blocks = 0                            # private blocks of the rows, all together
         self._num_rows_in_use = 0
 
     def _row_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Private blocks a row of n tokens owns: ceil(n / P) (SharedTailDesign: full ones only)."""
-        return ceil_div(tokens, self.block_size)
+        return ceil_div(tokens, self.block_size)      # private blocks; shared tails: full ones only
 
     def admit(self, seqs, final_lens) -> None:
         pass
@@ -84,20 +73,19 @@ class CountingPagedDesign:
         return BYTES_PER_INDEX * (2 * self._num_blocks + self._num_rows_in_use)
 
     def reads(self, rows) -> int:
-        return int(ceil_div(self.tokens[rows], self.block_size).sum())
+        return int(self._row_blocks(self.tokens[rows]).sum())
 
 
 class ManagerPagedDesign:
-    """Plain per-row pages through the real KVCacheManager: every step is one `allocate_slots` over
-    all the rows it touches, with real block ids from the real free block queue."""
+    """Plain per-row pages through the real KVCacheManager, one `allocate_slots` a step (real block
+    ids from the real free block queue). manager_class=SharedTailKVCacheManager drives the real
+    shared-tail bookkeeping (a Python loop over rows: for tests, too slow for the benchmarks)."""
 
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int, block_size: int,
                  num_blocks: int, shuffle_seed: int | None = None, manager_class=KVCacheManager):
         self.name = f"paged-manager(P={block_size})"
         self.block_size = block_size
         self.rows_per_seq = RowIndex(num_layers, num_experts).rows_per_seq
-        # manager_class=SharedTailKVCacheManager drives the real shared-tail bookkeeping (a Python
-        # loop over rows: for tests, too slow for the benchmark's traces)
         self.manager = manager_class(num_layers, num_experts, block_size, num_blocks, shuffle_seed,
                                      initial_num_seqs=max(1, num_sequences))
         self._row_base = torch.zeros(num_sequences, dtype=torch.int64)  # trace seq -> first manager row
@@ -123,9 +111,8 @@ class ManagerPagedDesign:
         return self.manager.pool.num_used_blocks * self.block_size
 
     def metadata_bytes(self) -> int:
-        num_blocks = self.manager.pool.num_used_blocks
         num_rows_in_use = int((self.manager.row_tokens > 0).sum())
-        return BYTES_PER_INDEX * (2 * num_blocks + num_rows_in_use)
+        return BYTES_PER_INDEX * (2 * self.manager.pool.num_used_blocks + num_rows_in_use)
 
     def reads(self, rows) -> int:
         tokens = self.manager.row_tokens[self._manager_rows(rows)]
@@ -133,14 +120,14 @@ class ManagerPagedDesign:
 
 
 class SharedTailDesign(CountingPagedDesign):
-    """Private full blocks, plus per-sequence shared tail blocks (module docstring)."""
+    """Private full blocks plus per-sequence shared tail blocks (module docstring)."""
 
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int, block_size: int):
         super().__init__(num_sequences, num_layers, num_experts, block_size)
         self.name = f"paged-shared-tail(P={block_size})"
         self.tail_tokens = torch.zeros(num_sequences, dtype=torch.int64)          # (S,) now
         self.tail_blocks = torch.zeros(num_sequences, dtype=torch.int64)          # (S,) held
-        self.copied_slots = 0          # promotions (P per new body block) + compaction moves (< P)
+        self.copied_slots = 0          # promotions (P - 1 each) + compaction moves (< P each)
 
     def _row_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens // self.block_size
@@ -161,8 +148,7 @@ class SharedTailDesign(CountingPagedDesign):
         super().append(rows, num_new)
 
     def release(self, seqs) -> None:
-        self.tail_tokens[seqs] = 0
-        self.tail_blocks[seqs] = 0
+        self.tail_tokens[seqs] = self.tail_blocks[seqs] = 0
         super().release(seqs)
 
     def allocated_slots(self) -> int:

@@ -1,28 +1,19 @@
 """Serving over a routing trace with per-device pools: the engine's own Scheduler, with the trace
 playing the model.
 
-The runner builds what the engine builds (a KVCacheManager with per-device pools, a ModelShape, the
-real Scheduler with its victim, admission and preemption policies) and turns each trace sequence
-into a Request that stores exactly the trace's tokens; one whose worst-case lifetime might not fit
-some device alone is refused (`check_fits_alone`, as `LLMEngine.add_request` refuses it). Each step
-is `scheduler.schedule(step)`, then the model's part (every scheduled token appended to the rows the
-trace routed it to, by `manager.allocate_slots`, without K/V; swaps are block ids only), then
-`scheduler.update_from_output`. So every number is one the engine would produce on the same routing
-(tests/test_sim_vs_engine.py checks it step by step), its caution included: it reserves each step's
-worst case (every token to k_max experts, each opening a block) before the routing is known, and
-refuses requests by their worst-case lifetime, where a planner reading the trace could use the exact
-blocks. Preemption is by recompute, or by swap when the setup has host blocks.
+The runner builds what the engine builds (per-device pools, a ModelShape, the real Scheduler and its
+policies), refuses what `LLMEngine.add_request` refuses, and each step runs `schedule`, the model's
+part (the scheduled tokens appended, blocks only, to the rows the trace routed them to), then
+`update_from_output`. So every number, the scheduler's worst-case caution included, is one the
+engine would produce on the same routing (tests/test_sim_vs_engine.py checks it step by step; the
+README's eviction section reads the numbers). Steps cost CostModel seconds (costs.py); the offline
+policies (oracle, belady) read the trace's future through a TraceFuture.
 
-Time: each step costs CostModel seconds (moekv_ref/costs.py) for the tokens it computes and the
-blocks it swaps. Goodput is generated tokens of finished requests per step and per modelled second.
-The offline policies (oracle, belady) read the trace's future through a TraceFuture.
-
-Dimension legend: S sequences, D devices, L layers, E experts, R = L * E rows per sequence.
+Dimension legend: D devices, L layers, E experts.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -67,7 +58,6 @@ class EvictionStats:
     num_running: torch.Tensor           # (steps,) running after each step's scheduling
     evictions: list[EvictionRecord] = field(default_factory=list)
     events: list[tuple[int, int, str]] = field(default_factory=list)   # (step, request id, admitted/resumed/preempted)
-    wall_seconds: float = 0.0
 
     @property
     def tokens_per_step(self) -> float:
@@ -96,13 +86,10 @@ class TraceFuture:
 
     def __init__(self, trace: RoutingTrace, manager: KVCacheManager, shape: ModelShape):
         self.trace, self.manager, self.shape = trace, manager, shape
-        device_of_expert, D = manager.device_of_expert, manager.num_devices
-        longest = int(trace.lengths.max())
-        self.lifetime = worst_case_lifetime_blocks_per_device(
-            torch.arange(longest + 1), shape.k_max, shape.block_size,
-            device_of_expert.expand(longest + 1, *device_of_expert.shape), D)               # (longest + 1, D)
-        self._held: dict[int, torch.Tensor] = {}
-        self._reserved: dict[int, torch.Tensor] = {}
+        lengths = torch.arange(int(trace.lengths.max()) + 1)                     # (n,)
+        self.lifetime = worst_case_lifetime_blocks_per_device(                    # (n, D)
+            lengths, shape.k_max, shape.block_size, self._map(lengths), manager.num_devices)
+        self._held, self._reserved = {}, {}                       # seq -> held(seq), reserved(seq)
 
     def _map(self, counts: torch.Tensor) -> torch.Tensor:
         return self.manager.device_of_expert.expand(counts.shape[0], -1, -1)   # (n, L, E) devices
@@ -172,25 +159,23 @@ class TraceRunner:
             self.scheduler.add_request(Request(s, [0] * prompt, SamplingParams(max_new_tokens=max_new_tokens)))
 
     def append(self, scheduled) -> torch.Tensor:
-        """The model's part of a step: the scheduled tokens go to the rows the trace routed them to
-        (blocks only, as PagedKVCache.append_kv allocates them). Returns (L,) experts chosen per
-        layer over the step's tokens, for the demand predictor."""
+        """The model's part of a step (blocks only, as PagedKVCache.append_kv allocates them); (L,)
+        experts chosen per layer over the step's tokens, for the demand predictor."""
         manager = self.manager
         ids = [item.request.request_id for item in scheduled]
         for seq in sorted(ids):                      # as append_kv adds them: ascending
             if not manager.holds(seq):
                 manager.add_sequence(seq)
-        starts = torch.tensor([item.request.num_computed_tokens for item in scheduled], dtype=torch.int64)  # (m,)
-        counts = torch.tensor([item.num_tokens for item in scheduled], dtype=torch.int64)                  # (m,)
-        slots = torch.tensor([manager.seq_index(s) for s in ids], dtype=torch.int64)         # (m,)
-        seqs = torch.tensor(ids, dtype=torch.int64)
+        seqs, starts, counts, slots = torch.tensor(                                    # (m,) each
+            [(seq, item.request.num_computed_tokens, item.num_tokens, manager.seq_index(seq))
+             for seq, item in zip(ids, scheduled)], dtype=torch.int64).reshape(-1, 4).unbind(1)
         rows, hits, per_layer = self.trace.appends(seqs, starts, counts, row_seqs=slots)
         manager.allocate_slots(rows, hits, rows_are_distinct=True, with_slots=False)
         return per_layer
 
     def step_seconds(self, out) -> float:
-        """CostModel seconds of a step: its fixed cost, each scheduled decode token or prefill /
-        recompute chunk over its context, and its swaps (each direction half of a swap)."""
+        """A step's fixed cost, each decode token or prefill / recompute chunk over its context, and
+        its swaps (each direction half of a swap)."""
         cost = self.cost
         seconds = cost.seconds_per_step
         for item in out.scheduled:
@@ -202,7 +187,6 @@ class TraceRunner:
         return seconds
 
     def run(self, max_steps: int = 100_000) -> EvictionStats:
-        started = time.perf_counter()
         scheduler, manager = self.scheduler, self.manager
         block_bytes = self.setup.block_size * self.trace.kv_bytes_per_slot
         used, running, evictions, events, victims = [], [], [], [], set()
@@ -230,7 +214,7 @@ class TraceRunner:
                              scheduler.num_evictions, len(victims), scheduler.num_recomputed_tokens,
                              swapped_blocks * block_bytes, scheduler.freed_on_short_device,
                              torch.stack(used) if used else torch.zeros(0, manager.num_devices, dtype=torch.int64),
-                             torch.tensor(running), evictions, events, time.perf_counter() - started)
+                             torch.tensor(running), evictions, events)
 
 
 def simulate(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup, policy,
@@ -240,19 +224,14 @@ def simulate(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: Evictio
 
 
 def memory_time_bound(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup) -> dict:
-    """A lower bound on the steps any policy needs (an upper bound on goodput per step): on every
-    device, the blocks each sequence holds at each of its steps (prefill, then one per decode token)
-    summed, over the pool; also the longest sequence's steps, and all steps / max_num_seqs. Refused
-    requests are left out, as the runs leave them out."""
+    """A lower bound on the steps any policy needs: the most, over devices, of the blocks each
+    served sequence holds at each of its steps (prefill, then one per decode token) summed, over the
+    pool; the longest sequence's steps; and all steps / max_num_seqs."""
     runner = TraceRunner(trace, device_of_expert, setup, "newest_first", cost=None)     # built, never run
-    served = [r.request_id for r in runner.scheduler.waiting]
-    block_steps = torch.zeros(runner.manager.num_devices, dtype=torch.int64)
-    longest = tokens = 0                      # tokens: all steps, one generated token each
-    for s in served:
-        path = runner.future.held(s)[int(trace.prompt_lens[s]):]    # (steps, D) from the prefill on
-        block_steps += path.sum(0)
-        longest = max(longest, path.shape[0])
-        tokens += path.shape[0]
-    steps = max(float((block_steps / runner.manager.blocks_per_device).max()), longest,
-                tokens / setup.max_num_seqs)
+    paths = [runner.future.held(r.request_id)[r.num_tokens:]       # (steps, D) from the prefill on
+             for r in runner.scheduler.waiting]                     # the served: none has started
+    block_steps = sum(path.sum(0) for path in paths)                                 # (D,)
+    tokens = sum(path.shape[0] for path in paths)           # all steps, one generated token each
+    steps = max(float((block_steps / runner.manager.blocks_per_device).max()),
+                max((path.shape[0] for path in paths), default=0), tokens / setup.max_num_seqs)
     return {"steps": steps, "finished_tokens": tokens, "tokens_per_step": tokens / steps}

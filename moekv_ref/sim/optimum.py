@@ -1,23 +1,18 @@
 """The exact offline optimum over victim choices, on small instances: an exhaustive search.
 
-Every decision of the Scheduler that the trace runner (sim/eviction.py) drives stays as it is
-(admission, reservation, refusal, preemption mode) but one: each time a step does not fit, which
-candidate (a running request not yet scheduled this step, or the request being scheduled) is
-preempted, whole. The optimum finishes every served request in the fewest steps (ties: fewest
-modelled seconds); as every schedule generates the same tokens, that is also most tokens per step.
-It is a floor for every policy whose victims are whole candidates (newest_first, sequence_lru,
-pressure_aware, belady: each of their runs is one branch), not for `oracle`, which also vetoes
-admissions, nor for `expert_lru`, which evicts single rows.
+Every decision of the Scheduler that eviction.py's runner drives stays as it is but one: each time
+a step does not fit, which candidate (a running request not yet scheduled this step, or the one
+being scheduled) is preempted, whole. The optimum finishes every served request in the fewest steps
+(ties: fewest modelled seconds; every schedule generates the same tokens). It is a floor for the
+policies whose victims are whole candidates (newest_first, sequence_lru, pressure_aware, belady:
+each run is one branch), not for oracle (it also vetoes admissions) nor expert_lru (it evicts rows).
 
-The search is depth first over decisions with c >= 2 candidates. A branch runs the real Scheduler
-with ScriptedVictims, which follows the branch's choices and raises NeedChoice at the first decision
-not covered. A decision happens inside `Scheduler.schedule`, which cannot be copied half-way, so the
-runner is deep-copied at the start of every step and a child restarts from there, the step's earlier
-choices scripted again. A step that schedules nothing is a dead end (the engine raises there).
-Branch and bound prunes a branch that cannot beat the best: at step t, a request with g tokens left
-needs at least g more steps. States are not memoised (two branches rarely reach the same state, and
-the key would be the hardest part to check), so the instances are small: a few sequences, two
-devices, a handful of evictions.
+Depth first over decisions with >= 2 candidates: a branch runs the real Scheduler with
+ScriptedVictims, which raises NeedChoice at the first decision its script does not cover.
+`Scheduler.schedule` cannot be copied half-way, so the runner is deep-copied at the start of every
+step and a child replays the step's earlier choices from there. Branch and bound: a request with g
+tokens left needs g more steps. States are not memoised (branches rarely meet, and the key would be
+the hardest part to check), so instances are small: a few sequences, two devices.
 """
 
 from __future__ import annotations
@@ -35,8 +30,6 @@ from .traces import RoutingTrace
 
 
 class NeedChoice(Exception):
-    """Raised by ScriptedVictims at a decision its script does not cover."""
-
     def __init__(self, num_candidates: int):
         super().__init__(f"a victim decision among {num_candidates} candidates that the script does not cover")
         self.num_candidates = num_candidates
@@ -44,7 +37,7 @@ class NeedChoice(Exception):
 
 class ScriptedVictims(VictimPolicy):
     """At the i-th decision with two or more candidates, preempt candidates[script[i]] (0: the
-    request being scheduled, which then waits); past the end of the script, raise NeedChoice."""
+    request being scheduled, which then waits)."""
     name = "scripted"
 
     def __init__(self, script=()):
@@ -66,8 +59,7 @@ class ScriptedVictims(VictimPolicy):
 
 @dataclass
 class Optimum:
-    """The best schedule's steps, modelled seconds and choices (a ScriptedVictims script), and the
-    size of the search."""
+    """The best schedule (choices: a ScriptedVictims script) and the size of the search."""
     steps: int
     seconds: float
     choices: list[int]
@@ -87,17 +79,9 @@ class Optimum:
                 "pruned": self.pruned, "worst_steps": self.worst_steps, "wall_seconds": self.wall_seconds}
 
 
-def tokens_left(runner: TraceRunner) -> int:
-    """The most tokens any unfinished request still has to generate: at least that many more steps."""
-    scheduler = runner.scheduler
-    return max((scheduler.batching.num_new_tokens(r) - len(r.output_token_ids)
-                for r in (*scheduler.waiting, *scheduler.running)), default=0)
-
-
 def search_optimum(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup, cost: CostModel,
                    prune: bool = True, keep_leaves: bool = False, max_steps: int = 10_000) -> Optimum:
-    """The best schedule of victim choices (module docstring). prune=False visits every leaf;
-    keep_leaves=True keeps each leaf's (choices, steps), for tests."""
+    """prune=False visits every leaf; keep_leaves=True keeps each leaf's (choices, steps)."""
     started = time.perf_counter()
     root = TraceRunner(trace, device_of_expert, setup, ScriptedVictims(), cost)
     memo_base = {id(trace): trace, id(cost): cost}          # shared and never changed: not copied
@@ -105,18 +89,17 @@ def search_optimum(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: E
     counts = {"leaves": 0, "dead": 0, "decisions": 0, "worst": 0}
     leaves = []
 
-    def copied(runner: TraceRunner) -> TraceRunner:
-        return copy.deepcopy(runner, dict(memo_base))
-
     def explore(start: TraceRunner, step: int, seconds: float, finished: int, choices: list[int],
                 step_choices: list[int]) -> None:
-        """Run on from a copy of `start` (a runner at the start of `step`), this step's decisions
-        taking step_choices, to the end, a dead end, a prune, or an uncovered decision (each of
-        whose choices is explored from `start`). choices: the whole branch's."""
-        runner, script = copied(start), step_choices
+        """Run on from a copy of `start` (a runner at the start of `step`) with this step's
+        decisions scripted, to the end, a dead end, a prune, or an uncovered decision, each of whose
+        choices is explored from `start`. choices: the whole branch's."""
+        runner, script = copy.deepcopy(start, dict(memo_base)), step_choices
         scheduler = runner.scheduler
         while scheduler.has_unfinished:
-            if prune and best and step + tokens_left(runner) > best["steps"]:
+            left = max((scheduler.batching.num_new_tokens(r) - len(r.output_token_ids)
+                        for r in (*scheduler.waiting, *scheduler.running)), default=0)
+            if prune and best and step + left > best["steps"]:
                 return                                # cannot beat the best, nor tie it
             if step >= max_steps:
                 raise RuntimeError(f"a branch ran past max_steps={max_steps} without finishing")
@@ -138,7 +121,7 @@ def search_optimum(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: E
             finished += sum(len(r.output_token_ids) for r in done)
             step, script = step + 1, []
             if scheduler.has_unfinished:
-                start = copied(runner)                # the next step's start, to branch from
+                start = copy.deepcopy(runner, dict(memo_base))    # the next step's start
         counts["leaves"] += 1
         counts["worst"] = max(counts["worst"], step)
         if keep_leaves:

@@ -1,14 +1,11 @@
-"""Replaying a routing trace through a memory design.
-
-A static batch in lock step: every sequence is admitted and prefilled at step 0, then each step
-appends one decode token to every running sequence; a sequence is released after the step that
-stored its last token. After every step we read the design's allocated slots and metadata bytes.
+"""Replaying a routing trace through a memory design, as a static batch in lock step: every
+sequence is admitted and prefilled at step 0, then each step appends one decode token to every
+running sequence, and a sequence is released after the step that stored its last token.
 
     utilization            = sum over steps of live KV bytes / sum of allocated KV bytes
     effective_utilization  = sum of live KV bytes / sum of (allocated KV bytes + metadata bytes)
 
-(ratios of integrals over time, so a step weighs by the memory it holds). Every design sees the
-same steps.
+are ratios of integrals over time, so a step weighs by the memory it holds.
 """
 
 from __future__ import annotations
@@ -48,19 +45,12 @@ class ReplayStats:
         """Contiguous runs (blocks) one decode token's attention reads, over all layers."""
         return self.decode_reads / max(1, self.decode_tokens)
 
-    def summary(self) -> dict:
-        return {"utilization": self.utilization, "effective_utilization": self.effective_utilization,
-                "peak_bytes": self.peak_bytes, "reads_per_decode_token": self.reads_per_decode_token}
-
 
 def replay(trace: RoutingTrace, design, count_reads: bool = False,
            max_steps: int | None = None) -> ReplayStats:
-    """Run every sequence of `trace` through `design` in lock step (module docstring). max_steps
-    stops early, leaving the design as it is then (to draw its memory mid-run)."""
+    """max_steps stops early, leaving the design as it is then (to draw its memory mid-run)."""
     started = time.perf_counter()
-    S = trace.num_sequences
-    lengths, prompts = trace.lengths, trace.prompt_lens
-    bytes_per_slot = trace.kv_bytes_per_slot
+    S, lengths, bytes_per_slot = trace.num_sequences, trace.lengths, trace.kv_bytes_per_slot
     everyone = torch.arange(S)
     design.admit(everyone, lengths)
     rows, num_new = trace.prefill_appends(everyone)                                    # (a,), (a,)
@@ -68,7 +58,7 @@ def replay(trace: RoutingTrace, design, count_reads: bool = False,
     live = int(num_new.sum())
     appends, steps = live, 0
     live_sum = allocated_sum = metadata_sum = peak = reads = decode_tokens = 0
-    stored = prompts.clone()                                       # (S,) tokens stored per sequence
+    stored = trace.prompt_lens.clone()                             # (S,) tokens stored per sequence
     finished = torch.zeros(S, dtype=torch.bool)
     while True:
         allocated, metadata = design.allocated_slots() * bytes_per_slot, design.metadata_bytes()
@@ -105,8 +95,7 @@ def max_concurrent_sequences(trace: RoutingTrace, make_design, budget_bytes: int
     def fits(n: int) -> bool:
         if n == 0:
             return True
-        subset = trace.subset(list(range(n)))
-        return replay(subset, make_design(n)).peak_bytes <= budget_bytes
+        return replay(trace.subset(list(range(n))), make_design(n)).peak_bytes <= budget_bytes
 
     low, high = 0, trace.num_sequences          # fits(low) holds; find the largest n that fits
     if fits(high):

@@ -1,9 +1,9 @@
 """Routing traces: which attention experts each token of each sequence went to, at every layer.
 
 A trace is all the cache needs of a run: a token routed to expert e at layer l appends one slot to
-row (sequence, l, e). Storing expert ids, not a (T, L, E) mask, keeps a real-model-shaped trace
-small (64 sequences x 512 tokens x 16 layers x top-8 is 4M int16). Synthetic traces come in two
-kinds: `synthetic_trace` (one expert popularity for all) and `topic_trace` (per-sequence topics).
+row (sequence, l, e). Expert ids, not a (T, L, E) mask, keep a real-model-shaped trace small (64
+sequences x 512 tokens x 16 layers x top-8 is 4M int16). `synthetic_trace` gives every sequence
+one expert popularity, `topic_trace` each its topic's.
 
 Dimension legend: S sequences, L layers, E experts, K experts per token (k_max), T topics.
 """
@@ -55,8 +55,7 @@ class RoutingTrace:
     def subset(self, seqs: list[int]) -> "RoutingTrace":
         """The trace of some sequences only, renumbered 0..len(seqs)-1."""
         parts = [self.experts[self.offsets[s]: self.offsets[s + 1]] for s in seqs]
-        lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), self.lengths[seqs].cumsum(0)])
         return RoutingTrace(torch.cat(parts), offsets, self.prompt_lens[seqs].clone(), self.num_experts,
                             self.kv_bytes_per_slot, self.name)
 
@@ -69,9 +68,9 @@ class RoutingTrace:
 
     def appends(self, seqs: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
                 row_seqs: torch.Tensor | None = None):
-        """The rows that tokens starts[i] .. starts[i] + counts[i] - 1 of sequence seqs[i] append
-        to: rows (a,) distinct, numbered seq * (L * E) + layer * E + expert with seq = row_seqs[i]
-        (default: seqs[i]); the slots each gains (a,) >= 1; and (L,) experts chosen per layer."""
+        """The distinct rows (a,) that tokens starts[i] .. starts[i] + counts[i] - 1 of sequence
+        seqs[i] append to, numbered with seq_index row_seqs[i] (default seqs[i]); the slots each
+        gains (a,) >= 1; (L,) experts chosen per layer."""
         index = RowIndex(self.num_layers, self.num_experts)
         owner = torch.repeat_interleave(torch.arange(len(seqs)), counts)                     # (N,)
         local = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[owner]
@@ -97,24 +96,24 @@ class RoutingTrace:
         return rows[chosen >= 0]
 
 
-def _check_sizes(**sizes) -> None:
+def _check_sizes(skews: dict, **sizes) -> None:
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if sizes["top_k"] > sizes["num_experts"]:
         top_k, num_experts = sizes["top_k"], sizes["num_experts"]
         raise ValueError(f"top_k={top_k} is greater than num_experts={num_experts}")
+    for name, value in skews.items():
+        if value < 0:
+            raise ValueError(f"{name}={value} must be >= 0")
 
 
 def _lengths(num_sequences: int, mean_prompt, mean_output, sigma, generator):
     """Log-normal prompt and output lengths >= 1 of the given means (mu = ln(mean) - sigma^2 / 2):
     prompts (S,), and the offsets (S + 1,) of the whole sequences."""
-    lengths = []
-    for mean in (mean_prompt, mean_output):
-        mu = torch.log(torch.tensor(mean)) - sigma**2 / 2
-        values = torch.exp(mu + sigma * torch.randn(num_sequences, generator=generator))
-        lengths.append(values.round().clamp(min=1).to(torch.int64))
-    prompts, outputs = lengths
+    mus = [torch.log(torch.tensor(mean)) - sigma**2 / 2 for mean in (mean_prompt, mean_output)]
+    prompts, outputs = (torch.exp(mu + sigma * torch.randn(num_sequences, generator=generator))
+                        .round().clamp(min=1).to(torch.int64) for mu in mus)
     return prompts, torch.cat([torch.zeros(1, dtype=torch.int64), (prompts + outputs).cumsum(0)])
 
 
@@ -144,15 +143,11 @@ def synthetic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k
                     mean_prompt: float = 256, mean_output: float = 256, sigma: float = 0.5,
                     zipf_s: float = 1.0, kv_bytes_per_slot: int = 512, seed: int = 0,
                     name: str = "synthetic") -> RoutingTrace:
-    """Top-k routing with Zipf(s) expert popularity, log-normal prompt and output lengths.
-
-    Each layer ranks its experts by a random permutation (the hot expert differs per layer) and gives
-    the expert of rank r the weight 1 / r^s; a token takes k distinct experts, drawn with those weights
-    (Gumbel top-k). zipf_s = 0 is uniform routing."""
-    _check_sizes(num_sequences=num_sequences, num_layers=num_layers,
+    """Top-k routing, Zipf(s) expert popularity, log-normal prompt and output lengths: each layer
+    ranks its experts at random (the hot expert differs per layer), rank r weighs 1 / r^s, and a
+    token takes k distinct experts by those weights (Gumbel top-k). zipf_s = 0 is uniform."""
+    _check_sizes(dict(zipf_s=zipf_s), num_sequences=num_sequences, num_layers=num_layers,
                  num_experts=num_experts, top_k=top_k)
-    if zipf_s < 0:
-        raise ValueError(f"zipf_s={zipf_s} must be >= 0")
     generator = torch.Generator().manual_seed(seed)
     prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator)
     log_weight = -zipf_s * _log_rank(1, num_layers, num_experts, generator)[0]          # (L, E)
@@ -164,22 +159,17 @@ def topic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k: in
                 topic_s: float = 1.5, global_s: float = 0.5, topic_popularity_s: float = 1.0,
                 mean_prompt: float = 256, mean_output: float = 256, sigma: float = 0.5,
                 kv_bytes_per_slot: int = 512, seed: int = 0, name: str = "topics") -> tuple[RoutingTrace, torch.Tensor]:
-    """A RoutingTrace and the topic of each sequence, (S,) int64.
-
-    Learned routers specialise (the embedded model's prefer kinds of characters; `routing-stats`),
-    so sequences about different things lean on different experts, and under per-device pools the
-    victim matters: one may hold much of the short device, another almost nothing. A token of topic
-    t takes k distinct experts by Gumbel top-k on
+    """A RoutingTrace and the topic of each sequence, (S,) int64. Learned routers specialise
+    (`routing-stats`): sequences lean on their topic's experts, so under per-device pools the
+    victim matters (notebook 05). A token of topic t takes k distinct experts by Gumbel top-k on
 
         log w[l, e] = -global_s * log(1 + global_rank[l, e]) - topic_s * log(1 + topic_rank[t, l, e])
 
-    Topics have Zipf(topic_popularity_s) popularity, so the most popular topic's experts (and,
-    under a co-activation placement, the device they share) fill first."""
-    _check_sizes(num_sequences=num_sequences, num_layers=num_layers,
-                 num_experts=num_experts, top_k=top_k, num_topics=num_topics)
-    for name_, value in (("topic_s", topic_s), ("global_s", global_s), ("topic_popularity_s", topic_popularity_s)):
-        if value < 0:
-            raise ValueError(f"{name_}={value} must be >= 0")
+    with Zipf(topic_popularity_s) topic popularity, so the most popular topic's experts (and, under
+    a co-activation placement, the device they share) fill first."""
+    _check_sizes(dict(topic_s=topic_s, global_s=global_s, topic_popularity_s=topic_popularity_s),
+                 num_sequences=num_sequences, num_layers=num_layers, num_experts=num_experts,
+                 top_k=top_k, num_topics=num_topics)
     generator = torch.Generator().manual_seed(seed)
     prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator)
     global_weight = -global_s * _log_rank(1, num_layers, num_experts, generator)[0]      # (L, E)
