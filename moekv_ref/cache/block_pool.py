@@ -86,8 +86,7 @@ def checked_ids(ids, name: str = "block_ids") -> torch.Tensor:
 
 
 def checked_count(value, name: str, minimum: int = 0, maximum: int | None = None) -> int:
-    """A count (of blocks, tokens; a seed) in [minimum, maximum] as an int; a 0-d integer tensor
-    is one."""
+    """A count (of blocks, tokens; a seed) in [minimum, maximum] as an int (a 0-d tensor is one)."""
     if isinstance(value, torch.Tensor) and value.dim() == 0 and integer_dtype(value.dtype):
         value = int(value)
     if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value < minimum or (
@@ -172,13 +171,9 @@ class BlockPool:
         self.num_evicted_cached_blocks = 0
 
     # ----- queries -------------------------------------------------------------------------------
-    @property
-    def num_devices(self) -> int:
-        return len(self._device_sizes)
-
-    @property
-    def blocks_per_device(self) -> torch.Tensor:
-        return torch.tensor(self._device_sizes, dtype=torch.int64)
+    num_devices = property(lambda self: len(self._device_sizes))
+    blocks_per_device = property(lambda self: torch.tensor(self._device_sizes, dtype=torch.int64))
+    num_cached_free_blocks = property(lambda self: sum(map(len, self._cached_free)))
 
     @property
     def num_free_blocks(self) -> int:
@@ -189,10 +184,6 @@ class BlockPool:
     def num_free_blocks_per_device(self) -> torch.Tensor:
         return torch.tensor([n + len(cached) for n, cached in zip(self._num_free, self._cached_free)],
                             dtype=torch.int64)
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(map(len, self._cached_free))
 
     def cached_free_block_ids(self, device: int | None = None) -> list[int]:
         """The cached free blocks of `device` (None: all), in eviction order."""
@@ -252,8 +243,8 @@ class BlockPool:
         self._any_cached = True
 
     def reuse(self, block_ids) -> None:
-        """One more owner for each distinct cached block (a prefix hit): a cached-free one leaves
-        the LRU queue."""
+        """One more owner for each distinct cached block (a prefix hit); cached-free ones leave the
+        LRU queue."""
         block_ids = self._checked_ids(block_ids)
         if block_ids.unique().numel() != block_ids.numel():
             raise ValueError("reuse: block ids must be distinct")
@@ -300,12 +291,9 @@ class BlockPool:
             for block, device in zip(released[cached].tolist(), self._device_of(released[cached]).tolist()):
                 self._cached_free[device][block] = None      # most recently used: the end of its LRU queue
             released = released[~cached]
-        if self.num_devices == 1:
-            self._push(0, released)
-        else:   # each device's blocks onto its own stack, keeping their order
-            device = self._device_of(released)                                         # (r,)
-            for d in range(self.num_devices):
-                self._push(d, released[device == d])
+        device = self._device_of(released)                                             # (r,)
+        for d in range(self.num_devices):               # each device's onto its own stack, in order
+            self._push(d, released[device == d])
 
     def _push(self, device: int, block_ids: torch.Tensor) -> None:
         top = self._first_block[device] + self._num_free[device]

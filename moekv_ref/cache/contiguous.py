@@ -30,8 +30,7 @@ class ContiguousKVCache:
         self._buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def append_kv(self, layer, seq_ids, experts, positions, k, v) -> ContiguousRows:
-        """Append each pair's k, v (n, Hkv, Dh) to its row's buffer; checks every row first, so that
-        a call that raises changes nothing."""
+        """Checks every row first, so that a call that raises changes nothing."""
         seq_ids, experts = torch.as_tensor(seq_ids).tolist(), torch.as_tensor(experts).tolist()
         index: dict[tuple[int, int, int], int] = {}                  # each distinct row, in order
         pair_row = torch.tensor([index.setdefault((seq_id, layer, expert), len(index))

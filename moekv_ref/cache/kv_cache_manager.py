@@ -222,9 +222,7 @@ class KVCacheManager:
         new_blocks = ceil_div(old + num_new_tokens, self.block_size) - ceil_div(old, self.block_size)
         return torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, self.device_of_rows(rows), new_blocks)
 
-    @property
-    def sequences(self) -> list[int]:
-        return list(self._seq_index)
+    sequences = property(lambda self: list(self._seq_index))
 
     def holds(self, seq_id: int) -> bool:
         return int(seq_id) in self._seq_index

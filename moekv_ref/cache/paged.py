@@ -120,9 +120,7 @@ class PagedKVCache:
             import kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
             self._kernels = kernels
 
-    @property
-    def block_size(self) -> int:
-        return self.manager.block_size
+    block_size = property(lambda self: self.manager.block_size)
 
     @classmethod
     def for_model(cls, model, block_size: int = 16, num_blocks: int | None = None,
@@ -149,9 +147,8 @@ class PagedKVCache:
 
     # ----- verb 1: bookkeeping and store ----------------------------------------------------------
     def append_kv(self, layer: int, seq_ids, experts, positions, k, v) -> AppendedRows:
-        """Store the K/V (n, Hkv, Dh) of n (token, expert) pairs of one layer under their rows.
-        Raises ValueError (bad shapes or order) or OutOfBlocksError (pool short) before anything is
-        stored or allocated."""
+        """Raises ValueError (bad shapes or order) or OutOfBlocksError (pool short) before anything
+        is stored or allocated."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         n = k.shape[0]
         if k.shape != (n, Hkv, Dh) or v.shape != k.shape:
@@ -368,9 +365,7 @@ class PagedKVCache:
     def free(self, seq_id: int) -> None:
         self.manager.free(seq_id)
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.manager.num_free_blocks
+    num_free_blocks = property(lambda self: self.manager.num_free_blocks)
 
     def kv_bytes(self) -> int:
         return 2 * self.key_cache.numel() * self.key_cache.element_size()

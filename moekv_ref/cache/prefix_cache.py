@@ -76,9 +76,7 @@ class PrefixHit:
     free_taken_per_device: torch.Tensor | None = None   # the same, (D,) per device
     row_devices: torch.Tensor | None = None   # (L*E,) devices of the rows it applies to (only those)
 
-    @property
-    def num_blocks(self) -> int:
-        return int(self.shared.numel() + self.cow_source.numel())
+    num_blocks = property(lambda self: int(self.shared.numel() + self.cow_source.numel()))
 
 
 @dataclass
@@ -120,8 +118,7 @@ class PrefixCache:
 
     # ----- registration (after a step computed tokens) ----------------------------------------------
     def cache_computed_blocks(self, seq_id: int, token_ids: list[int]) -> int:
-        """Make the sequence's computed prefix (token_ids: those whose K/V the cache holds)
-        findable; returns the number of blocks newly cached."""
+        """Make the prefix whose K/V the cache holds findable; returns the blocks newly cached."""
         m = self.manager
         P = C = m.block_size
         index = m.seq_index(seq_id)
@@ -213,17 +210,16 @@ class PrefixCache:
         if not counts:
             return PrefixHit()
         cumulative = torch.stack(counts).cumsum(0)                                         # (I, R)
-        best = self._hit_at(keys, cumulative, len(counts), devices)      # the common case: the whole run of records
-        if best is not None:
-            return best
-        low, high, best = 1, len(counts) - 1, None             # validity is monotone in i: bisect
+        # validity is monotone in i: bisect, trying the whole run of records (the common case) first
+        low, high, best = 1, len(counts), None
+        middle = high
         while low <= high:
-            middle = (low + high) // 2
             hit = self._hit_at(keys, cumulative, middle, devices)
             if hit is None:
                 high = middle - 1
             else:
                 best, low = hit, middle + 1
+            middle = (low + high) // 2
         return best if best is not None else PrefixHit()
 
     def _hit_at(self, keys, cumulative, i: int, devices: list[int]) -> PrefixHit | None:
@@ -328,9 +324,7 @@ class PrefixCache:
     def forget_sequence(self, seq_id: int) -> None:
         self._seq_state.pop(int(seq_id), None)              # its blocks stay findable until evicted
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._keys_of_block)
+    num_cached_blocks = property(lambda self: len(self._keys_of_block))
 
     def assert_consistent(self) -> None:
         """The class docstring's invariants, after the manager checked ref_cnt."""

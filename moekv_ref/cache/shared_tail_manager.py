@@ -63,8 +63,7 @@ class SharedTails:
 
     def add_sequence(self, index: int) -> None:
         for g in self.groups_of_sequence(index):
-            self.tail_blocks[g] = []
-            self.free_tail_slots[g] = []
+            self.tail_blocks[g], self.free_tail_slots[g] = [], []
 
     def num_blocks_needed_per_device(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
         """(D,) the rows' new full blocks and each tail group's new tail blocks, per device."""
