@@ -44,14 +44,10 @@ Moves = list[tuple[torch.Tensor, torch.Tensor]]   # (source slots, destination s
 
 @dataclass
 class SlotAllocation:
-    """What `allocate_slots` hands back (one result, as vLLM's KVCacheBlocks: docs/design.md).
-
-    slot_mapping  (n,) int64: each new token's slot in key_cache.view(-1, Hkv, Dh), row after row,
-                  in token order; None with with_slots=False.
-    moves         shared tails only: K/V copies (source slots, destination slots) to apply, in
-                  order, *before* the new tokens are written.
-    """
-    slot_mapping: torch.Tensor | None
+    """What `allocate_slots` hands back (one result, as vLLM's KVCacheBlocks: docs/design.md)."""
+    # (n,) each new token's slot in key_cache.view(-1, Hkv, Dh), row after row, in token order
+    slot_mapping: torch.Tensor | None               # None with with_slots=False
+    # shared tails only: K/V copies to apply, in order, *before* the new tokens are written
     moves: Moves = field(default_factory=list)
 
 

@@ -44,20 +44,13 @@ ATTENTION_PATHS = ("reference", "batched", "triton")
 
 @dataclass
 class AppendedRows:
-    """What `append_kv` hands to `attend` (all int64).
-
-    rows          (m,)  the call's distinct rows: ascending, or in pair order when every pair is
-                        its own row (a decode step)
-    num_new       (m,)  pairs of this call in each row
-    context_lens  (m,)  tokens each row holds after the append
-    pair_row      (n,)  each pair's row, as an index into `rows`
-    pair_index    (n,)  index of the pair's token in its row: it sees tokens 0..pair_index
-    """
-    rows: torch.Tensor
-    num_new: torch.Tensor
-    context_lens: torch.Tensor
-    pair_row: torch.Tensor
-    pair_index: torch.Tensor
+    """What `append_kv` hands to `attend` (all int64)."""
+    rows: torch.Tensor          # (m,) the call's distinct rows: ascending, or in pair order when
+                                #      every pair is its own row (a decode step)
+    num_new: torch.Tensor       # (m,) pairs of this call in each row
+    context_lens: torch.Tensor  # (m,) tokens each row holds after the append
+    pair_row: torch.Tensor      # (n,) each pair's row, as an index into `rows`
+    pair_index: torch.Tensor    # (n,) index of the pair's token in its row: it sees 0..pair_index
 
 
 class PagedKVCache:
