@@ -24,10 +24,7 @@ def ceil_div(a, b):
 class RowIndex:
     num_layers: int       # L
     num_experts: int      # E
-
-    @property
-    def rows_per_seq(self) -> int:
-        return self.num_layers * self.num_experts
+    rows_per_seq = property(lambda self: self.num_layers * self.num_experts)
 
     def row(self, seq_index, layer, expert):
         """Row id of (seq_index, layer, expert); ints or broadcastable int64 tensors."""
