@@ -4,24 +4,22 @@ A block is P token slots of K and V for one attention expert's head group. Every
 expert) row takes blocks from this one pool, so any free block serves any row (no external
 fragmentation). The pool only hands out and takes back ids; kv_cache_manager.py owns block tables.
 
-With D devices, device d's ids are one contiguous range, [0, N0), [N0, N0 + N1), ... up to N
-(`BlockPool(blocks_per_device=[N0, N1, ...])`; `BlockPool(num_blocks)` is one device). One
-numbering keeps block tables, slots, the paged cache's tensors and the Triton kernels as they are;
-only which free block a row gets changes: `allocate(n, device=d)` takes d's, and d can be full while
-others are empty. (On hardware each range is its own device's memory; here, a slice of one tensor.)
+With D devices (`blocks_per_device=[N0, N1, ...]`), device d's ids are one contiguous range,
+[0, N0), [N0, N0 + N1), ...: block tables, slots, the paged cache's tensors and the Triton kernels
+stay as they are, and only which free block a row gets changes (`allocate(n, device=d)`; d can be
+full while others are empty). On hardware each range is its own device's memory; here, a slice.
 
-Free blocks are, per device, plain (a LIFO stack, `_free_stack`) or cached (still holding a full
-block of a known prefix, prefix_cache.py: an LRU queue, `_cached_free[d]`). `allocate` evicts d's
-cached-free blocks, LRU first and told to `on_evict`, only when d's stack is empty; `reuse` takes a
-cached block back (a prefix hit). Without prefix caching the pool is a stack. Invariants
-(`assert_consistent`): each block is plain free, cached free or in use (ref_cnt >= 1), on its own
-device's queue; a call that raises changes nothing; ids and counts must be integers (a float, even
-1.0, or a bool is never rounded or read as 0 / 1).
+Free blocks are, per device, plain (a LIFO stack) or cached (holding a full block of a known
+prefix, prefix_cache.py: an LRU queue). `allocate` evicts d's cached-free blocks, LRU first and told
+to `on_evict`, only when d's stack is empty; `reuse` takes a cached block back (a prefix hit). Why
+not vLLM's doubly linked free list: most blocks are never cached, so they enter and leave at one
+end, and a tensor stack hands out n blocks with one slice (the simulator allocates thousands per
+step); only cached blocks need LRU order and removal from the middle (an OrderedDict). LIFO reuses
+the most recently freed blocks, likeliest in a hardware cache.
 
-Why a tensor stack and not vLLM's doubly linked free list: most blocks are never cached, so they
-enter and leave at one end, and a stack in a tensor lets `allocate(n)` take n blocks with one slice
-(the simulator allocates thousands per step); only cached blocks need LRU order and removal from the
-middle (an OrderedDict). LIFO reuses the most recently freed blocks, likeliest in a hardware cache.
+Invariants (`assert_consistent`): each block is plain free, cached free or in use (ref_cnt >= 1),
+on its own device's queue; a call that raises changes nothing; ids and counts must be integers (a
+float, even 1.0, or a bool is never rounded or read as 0 / 1).
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ def a_type(value) -> str:
 
 
 def preview(values) -> str:
-    """The first few values of a tensor or array as a user would write them (1.7, not
-    1.7000000476837158; 3.0, not 3)."""
+    """The first values as a user would write them (1.7, not 1.7000000476837158; 3.0, not 3)."""
     flat = values.reshape(-1)
     shown = [repr(float(f"{v:.6g}")) if isinstance(v, float) else repr(v) for v in flat[:4].tolist()]
     return "[" + ", ".join(shown) + (", ...]" if len(flat) > 4 else "]")
@@ -59,24 +56,24 @@ def integer_dtype(dtype) -> bool:
     return dtype.kind in "iu"
 
 
-def _flat(values):
-    for v in values:
+def entries(values, where=""):
+    """(where, value) for each entry of (nested) lists, where = "[i][j]..."."""
+    for i, v in enumerate(values):
         if isinstance(v, (list, tuple)):
-            yield from _flat(v)
+            yield from entries(v, f"{where}[{i}]")
         else:
-            yield v
+            yield f"{where}[{i}]", v
 
 
 def checked_ids(ids, name: str = "block_ids") -> torch.Tensor:
-    """`ids` (a tensor, a numpy array, a list or one int) as an int64 tensor of the same shape, or
-    ValueError naming the dtype for non-integers (a float id, even 1.0, is never rounded, a bool
-    never read as 0 or 1, text never read as digits). Empty input of any dtype is allowed."""
+    """`ids` as an int64 tensor of the same shape, or ValueError naming the first non-integer (text
+    is never read as digits); empty input of any dtype is allowed."""
     if isinstance(ids, (str, bytes)):
         raise ValueError(f"{name}={ids!r} is text ({type(ids).__name__}); allowed: {IDS_ALLOWED}")
     if isinstance(ids, (list, tuple)):
-        for i, v in enumerate(_flat(ids)):
+        for where, v in entries(ids):
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Integral, torch.Tensor)):
-                raise ValueError(f"{name}[{i}]={v!r} is {a_type(v)}; allowed: {IDS_ALLOWED}")
+                raise ValueError(f"{name}{where}={v!r} is {a_type(v)}; allowed: {IDS_ALLOWED}")
     try:
         tensor = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids)
     except (TypeError, ValueError, RuntimeError) as error:
@@ -89,8 +86,7 @@ def checked_ids(ids, name: str = "block_ids") -> torch.Tensor:
 
 
 def checked_count(value, name: str, minimum: int = 0, maximum: int | None = None) -> int:
-    """A count (of blocks, tokens; a seed) as an int: a Python or numpy integer, or a 0-d integer
-    tensor, not a bool or a float (even 2.0), in [minimum, maximum]."""
+    """A count (of blocks, tokens; a seed) in [minimum, maximum] as an int (a 0-d tensor is one)."""
     if isinstance(value, torch.Tensor) and value.dim() == 0 and integer_dtype(value.dtype):
         value = int(value)
     if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value < minimum or (
@@ -105,9 +101,8 @@ BLOCKS_PER_DEVICE_ALLOWED = ("a list or tuple of D integers >= 1 (Python or nump
 
 
 def checked_blocks_per_device(blocks_per_device, name: str = "blocks_per_device") -> list[int]:
-    """blocks_per_device as a list of D Python ints, each >= 1 (a device with no block could hold no
-    row of its experts), or ValueError naming the first bad entry; nothing is coerced. (Whether each
-    device holds enough blocks for one token is the paged cache's check.)"""
+    """blocks_per_device as D Python ints, each >= 1 (a device with no block could hold no row of
+    its experts), or ValueError naming the first bad entry."""
     given, allowed = blocks_per_device, BLOCKS_PER_DEVICE_ALLOWED
     if isinstance(given, (torch.Tensor, np.ndarray)):
         if not integer_dtype(given.dtype):
@@ -138,10 +133,9 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockPool:
-    """Block ids of D devices (num_blocks: one; blocks_per_device: D positive ints, their sum
-    num_blocks if that is given too), a free block queue per device and a reference count per
-    block. shuffle_seed: each device's queue starts in a random order (device d seeded with
-    shuffle_seed + d): tests use it to show nothing depends on a row's blocks being adjacent."""
+    """Block ids of D devices (num_blocks: one), a free block queue per device and a reference
+    count per block. shuffle_seed: each device's queue starts in a random order (device d's seed
+    is shuffle_seed + d): tests use it to show nothing depends on a row's blocks being adjacent."""
 
     def __init__(self, num_blocks: int | None = None, shuffle_seed: int | None = None, blocks_per_device=None):
         if blocks_per_device is None:
@@ -164,11 +158,8 @@ class BlockPool:
         # out its ids in increasing order
         self._free_stack = torch.empty(self.num_blocks, dtype=torch.int64)               # (N,)
         for d, (first, size) in enumerate(zip(self._first_block, blocks_per_device)):
-            if shuffle_seed is None:
-                order = torch.arange(size, dtype=torch.int64)
-            else:
-                generator = torch.Generator().manual_seed(shuffle_seed + d)
-                order = torch.randperm(size, generator=generator)
+            order = torch.arange(size) if shuffle_seed is None else \
+                torch.randperm(size, generator=torch.Generator().manual_seed(shuffle_seed + d))
             self._free_stack[first: first + size] = order.flip(0) + first
         self._num_free = list(blocks_per_device)                            # (D,)
         self.ref_cnt = torch.zeros(self.num_blocks, dtype=torch.int32)      # (N,) owners of each block
@@ -180,14 +171,9 @@ class BlockPool:
         self.num_evicted_cached_blocks = 0
 
     # ----- queries -------------------------------------------------------------------------------
-    @property
-    def num_devices(self) -> int:
-        return len(self._device_sizes)
-
-    @property
-    def blocks_per_device(self) -> torch.Tensor:
-        """(D,) blocks of each device."""
-        return torch.tensor(self._device_sizes, dtype=torch.int64)
+    num_devices = property(lambda self: len(self._device_sizes))
+    blocks_per_device = property(lambda self: torch.tensor(self._device_sizes, dtype=torch.int64))
+    num_cached_free_blocks = property(lambda self: sum(map(len, self._cached_free)))
 
     @property
     def num_free_blocks(self) -> int:
@@ -196,16 +182,11 @@ class BlockPool:
 
     @property
     def num_free_blocks_per_device(self) -> torch.Tensor:
-        """(D,) blocks `allocate` can hand out on each device."""
         return torch.tensor([n + len(cached) for n, cached in zip(self._num_free, self._cached_free)],
                             dtype=torch.int64)
 
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(map(len, self._cached_free))
-
     def cached_free_block_ids(self, device: int | None = None) -> list[int]:
-        """The cached free blocks of `device` (None: every device, in turn), in eviction order."""
+        """The cached free blocks of `device` (None: all), in eviction order."""
         queues = self._cached_free if device is None else [self._cached_free[self._checked_device(device)]]
         return [block for queue in queues for block in queue]
 
@@ -215,12 +196,10 @@ class BlockPool:
         return self.num_blocks - self.num_free_blocks
 
     def device_of_blocks(self, block_ids) -> torch.Tensor:
-        """(b,) the device whose range holds each block id."""
         return self._device_of(self._checked_ids(block_ids))
 
     def free_block_ids(self) -> torch.Tensor:
-        """The free blocks, next to be handed out first: device by device, its plain stack, then
-        its cached free blocks in eviction order. (num_free,) int64, a copy."""
+        """The free blocks, device by device, in the order handed out: stack, then cached ones."""
         queues = []
         for first, n, cached in zip(self._first_block, self._num_free, self._cached_free):
             queues += [self._free_stack[first: first + n].flip(0), torch.tensor(list(cached), dtype=torch.int64)]
@@ -228,18 +207,16 @@ class BlockPool:
 
     # ----- allocate / free -----------------------------------------------------------------------
     def allocate(self, num_blocks: int, device: int | None = None) -> torch.Tensor:
-        """Take `num_blocks` blocks of `device` (which may be left out on a one-device pool only),
-        each with ref_cnt 1: (num_blocks,) int64 ids in the order handed out. Raises
-        OutOfBlocksError, changing nothing, when the device is short."""
+        """Take `num_blocks` blocks of `device` (left out on a one-device pool only), each with
+        ref_cnt 1, in the order handed out; OutOfBlocksError, changing nothing, when short."""
         device = self._checked_device(device)
         num_blocks = checked_count(num_blocks, "num_blocks", 0)
         cached_here = self._cached_free[device]
         free_here = self._num_free[device] + len(cached_here)
         if num_blocks > free_here:
             if self.num_devices == 1:
-                raise OutOfBlocksError(
-                    f"need {num_blocks} blocks but only {self.num_free_blocks} of {self.num_blocks} are free"
-                )
+                raise OutOfBlocksError(f"need {num_blocks} blocks but only {self.num_free_blocks} "
+                                       f"of {self.num_blocks} are free")
             raise OutOfBlocksError(f"device {device} is short: need {num_blocks} blocks, "
                                    f"{free_here} of {self._device_sizes[device]} are free")
         top = self._first_block[device] + self._num_free[device]
@@ -257,8 +234,8 @@ class BlockPool:
         return block_ids
 
     def mark_cached(self, block_ids) -> None:
-        """Blocks in use that now hold a full block of a known prefix: freed by their last owner,
-        they wait in their device's cached-free queue instead of its stack."""
+        """Blocks in use that now hold a full block of a known prefix: freed, they wait in their
+        device's cached-free queue instead of its stack."""
         block_ids = self._checked_ids(block_ids)
         if (self.ref_cnt[block_ids] <= 0).any():
             raise ValueError("mark_cached of a free block: only blocks in use are registered")
@@ -266,8 +243,8 @@ class BlockPool:
         self._any_cached = True
 
     def reuse(self, block_ids) -> None:
-        """One more owner for each cached block (a prefix-cache hit): a cached-free one leaves the
-        LRU queue. Raises ValueError, pool unchanged, for a block that is not cached or repeated."""
+        """One more owner for each distinct cached block (a prefix hit); cached-free ones leave the
+        LRU queue."""
         block_ids = self._checked_ids(block_ids)
         if block_ids.unique().numel() != block_ids.numel():
             raise ValueError("reuse: block ids must be distinct")
@@ -287,9 +264,8 @@ class BlockPool:
         self.ref_cnt.index_add_(0, block_ids, torch.ones_like(block_ids, dtype=torch.int32))
 
     def free(self, block_ids: torch.Tensor) -> None:
-        """Drop one owner of each block (a block may appear once per owner dropped); blocks left
-        with none go back to their device's free queue. Raises ValueError, pool unchanged, if that
-        would drop more owners than a block has (a double free)."""
+        """Drop one owner per occurrence of each block; blocks left with none go back to their
+        device's free queue. ValueError, pool unchanged, for a double free."""
         block_ids = self._checked_ids(block_ids)
         if block_ids.numel() == 0:
             return
@@ -300,10 +276,8 @@ class BlockPool:
         over = (drops > owners).nonzero().squeeze(1)
         if over.numel():
             i = int(over[0])
-            raise ValueError(
-                f"block {int(unique_ids[i])} is freed {int(drops[i])} time(s) but has ref_cnt "
-                f"{int(owners[i])}: a double free (pool unchanged)"
-            )
+            raise ValueError(f"block {int(unique_ids[i])} is freed {int(drops[i])} time(s) but has "
+                             f"ref_cnt {int(owners[i])}: a double free (pool unchanged)")
         remaining = owners - drops.to(torch.int32)
         self.ref_cnt[unique_ids] = remaining
         # push the released blocks in the order given (first occurrence): the block freed last is
@@ -317,21 +291,16 @@ class BlockPool:
             for block, device in zip(released[cached].tolist(), self._device_of(released[cached]).tolist()):
                 self._cached_free[device][block] = None      # most recently used: the end of its LRU queue
             released = released[~cached]
-        if self.num_devices == 1:
-            self._push(0, released)
-        else:   # each device's blocks onto its own stack, keeping their order
-            device = self._device_of(released)                                         # (r,)
-            for d in range(self.num_devices):
-                self._push(d, released[device == d])
+        device = self._device_of(released)                                             # (r,)
+        for d in range(self.num_devices):               # each device's onto its own stack, in order
+            self._push(d, released[device == d])
 
     def _push(self, device: int, block_ids: torch.Tensor) -> None:
-        """Put free blocks of `device` on top of its stack, the last one given on top."""
         top = self._first_block[device] + self._num_free[device]
         self._free_stack[top: top + block_ids.numel()] = block_ids
         self._num_free[device] += block_ids.numel()
 
     def _device_of(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """(b,) the device of each (already checked) block id."""
         first = torch.tensor(self._first_block, dtype=torch.int64)                   # (D,)
         return torch.searchsorted(first, block_ids, right=True) - 1
 
@@ -354,9 +323,8 @@ class BlockPool:
                              f"[{int(block_ids.min())}, {int(block_ids.max())}]")
         return block_ids
 
-    # ----- checking --------------------------------------------------------------------------------
     def assert_consistent(self) -> None:
-        """Check the invariants in the module docstring; raise AssertionError naming the broken one."""
+        """The invariants of the module docstring; AssertionError names the broken one."""
         stacks = [self._free_stack[first: first + n] for first, n in zip(self._first_block, self._num_free)]
         queues = [torch.tensor(list(queue), dtype=torch.int64) for queue in self._cached_free]
         for d, (stack, queue) in enumerate(zip(stacks, queues)):
@@ -372,6 +340,5 @@ class BlockPool:
         assert self.is_cached[cached].all(), "a block in the cached-free queue is not cached"
         assert (self.ref_cnt >= 0).all(), "negative ref_cnt"
         num_used = int((self.ref_cnt > 0).sum())
-        assert num_used + free.numel() == self.num_blocks, (
+        assert num_used + free.numel() == self.num_blocks, \
             f"leak: {num_used} used + {free.numel()} free != {self.num_blocks} blocks"
-        )

@@ -1,8 +1,6 @@
-"""The reference cache: one contiguous, growing buffer per (sequence, layer, expert).
-
-The naive design a per-expert cache starts from, correct and easy to read: what the paged cache
-must equal. Growth is by concatenation (a real system would reserve capacity; the `reserved`
-baseline of the memory benchmark models that).
+"""The reference cache, what the paged cache must equal: one growing buffer per (sequence, layer,
+expert). Growth is by concatenation (a real system would reserve capacity; the `reserved` baseline
+of the memory benchmark models that).
 """
 
 from __future__ import annotations
@@ -16,20 +14,14 @@ from ..attention import attend_by_position
 
 @dataclass
 class ContiguousRows:
-    """What `append_kv` hands to `attend`: the buffers the call touched and where each pair is.
-
-    keys          the (seq_id, layer, expert) buffer of each distinct row of the call
-    pair_row      (n,) for each pair, its buffer as an index into keys
-    positions     (n,) each pair's absolute position (the mask is by position here)
-    """
-    keys: list[tuple[int, int, int]]
-    pair_row: torch.Tensor
-    positions: torch.Tensor
+    """What `append_kv` hands to `attend`."""
+    keys: list[tuple[int, int, int]]     # (seq_id, layer, expert) of each distinct row of the call
+    pair_row: torch.Tensor               # (n,) each pair's row, as an index into keys
+    positions: torch.Tensor              # (n,) each pair's position (the mask is by position here)
 
 
 class ContiguousKVCache:
-    """append_kv / attend (see moekv_ref/cache/paged.py for the contract) over one growing buffer
-    per (sequence, layer, expert)."""
+    """append_kv / attend (the contract of cache/__init__.py) over a buffer per row."""
 
     def __init__(self, num_layers: int, num_experts: int):
         self.num_layers = num_layers
@@ -38,8 +30,7 @@ class ContiguousKVCache:
         self._buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def append_kv(self, layer, seq_ids, experts, positions, k, v) -> ContiguousRows:
-        """Append each pair's k, v (n, Hkv, Dh) to its (seq_id, layer, expert) buffer. Checks every
-        row first, so that a call that raises changes nothing."""
+        """Checks every row first, so that a call that raises changes nothing."""
         seq_ids, experts = torch.as_tensor(seq_ids).tolist(), torch.as_tensor(experts).tolist()
         index: dict[tuple[int, int, int], int] = {}                  # each distinct row, in order
         pair_row = torch.tensor([index.setdefault((seq_id, layer, expert), len(index))
@@ -59,7 +50,6 @@ class ContiguousKVCache:
         return ContiguousRows(keys, pair_row, positions)
 
     def attend(self, appended: ContiguousRows, q):
-        """Each pair's query over its buffer's keys at positions <= its own. Returns (n, H, Dh)."""
         out = torch.empty_like(q)
         for i, key in enumerate(appended.keys):
             pairs = (appended.pair_row == i).nonzero().squeeze(1)
@@ -68,7 +58,6 @@ class ContiguousKVCache:
         return out
 
     def token_counts(self, seq_ids: list[int]) -> torch.Tensor:
-        """Tokens held per (sequence, layer, expert): (num_seqs, L, E) int64."""
         counts = torch.zeros(len(seq_ids), self.num_layers, self.num_experts, dtype=torch.int64)
         for i, seq_id in enumerate(seq_ids):
             for (held, layer, expert), (_, _, positions) in self._buffers.items():

@@ -1,7 +1,6 @@
 """The KV cache manager: a block table and a token count per (sequence, layer, expert) row.
 
-Rows are numbered as rows.py says (seq_index: a slot the manager gives a sequence id when it first
-appears, reused after `free`). Everything is a tensor over rows, so that one call serves a whole
+Rows are numbered as rows.py says. Everything is a tensor over rows, so that one call serves a whole
 step, for the model's attention (a few rows) and the cache-only simulator (tens of thousands) alike:
 
     row_tokens      (num_rows,)             int64  tokens stored in the row
@@ -21,17 +20,11 @@ range on purpose), never read.
 Invariants (`assert_consistent`, driven by property tests): a row of n tokens owns exactly
 ceil(n / P) blocks, of its own device; no block is owned twice; a call that raises changes nothing.
 
-Devices: each expert of each layer lives on one of D devices (`device_of_expert`, (L, E), zeros by
-default) and its rows take blocks of that device's range (block_pool.py), so memory is short per
-device: an append raises OutOfBlocksError naming the full device, and a scheduler reserves device
-by device (`num_free_blocks_per_device`, `blocks_needed_per_device`). With `home_devices` every row
-of sequence s lives on s % D instead (a pool sharded by sequence, as expert parallelism's
-kv_with_sequence and replicated_attention placements keep theirs): ask `device_of_expert_of`.
-
-Parts (vLLM's style: one manager with components), each owning its state, called where it differs:
-tails=SharedTails() (shared_tail_manager.py) and prefix_cache=PrefixCache() (prefix_cache.py), each
-with one device or several; the two do not combine (the constructor says why). `truncate` and
-`snapshot_rows` / `restore_rows` undo appends (a forward that failed half-way).
+Each expert of each layer lives on one of D devices (`device_of_expert`, (L, E)) and its rows take
+blocks of that device's range, so memory is short per device; with `home_devices` every row of
+sequence s lives on s % D instead (a pool sharded by sequence, as expert parallelism's
+kv_with_sequence and replicated_attention placements keep theirs). Parts, vLLM's style, each own
+their state and are called where they differ: SharedTails and PrefixCache (which do not combine).
 """
 
 from __future__ import annotations
@@ -42,7 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .block_pool import BlockPool, OutOfBlocksError, a_type, checked_ids, integer_dtype, preview
+from .block_pool import (BlockPool, OutOfBlocksError, a_type, checked_ids, entries, integer_dtype,
+                         preview)
 from .rows import RowIndex, ceil_div
 
 Moves = list[tuple[torch.Tensor, torch.Tensor]]   # (source slots, destination slots), in order
@@ -50,22 +44,16 @@ Moves = list[tuple[torch.Tensor, torch.Tensor]]   # (source slots, destination s
 
 @dataclass
 class SlotAllocation:
-    """What `allocate_slots` hands back: all a caller needs to write the new tokens' K/V (one
-    result rather than two calls to make in order, as vLLM's KVCacheBlocks).
-
-    slot_mapping  (n,) int64: each new token's slot (indexes key_cache.view(-1, Hkv, Dh)), row
-                  after row as given, in token order; None with with_slots=False.
-    moves         K/V copies (source slots, destination slots) to apply, in order, *before* the new
-                  tokens are written: shared tails only (a tail fills a block, tails are compacted).
-    """
-    slot_mapping: torch.Tensor | None
+    """What `allocate_slots` hands back (one result, as vLLM's KVCacheBlocks: docs/design.md)."""
+    # (n,) each new token's slot in key_cache.view(-1, Hkv, Dh), row after row, in token order
+    slot_mapping: torch.Tensor | None               # None with with_slots=False
+    # shared tails only: K/V copies to apply, in order, *before* the new tokens are written
     moves: Moves = field(default_factory=list)
 
 
 @dataclass
 class RowSnapshot:
-    """What `snapshot_rows` remembers: the held sequences' rows, counts and last positions, and the
-    sequences not held then (freed on restore)."""
+    """What `snapshot_rows` remembers; the sequences not held then are freed on restore."""
     absent_seq_ids: list[int]
     rows: torch.Tensor              # (r,) int64
     num_tokens: torch.Tensor        # (r,) int64
@@ -121,22 +109,16 @@ def _first_value(placement) -> str:
         return "device_of_expert"
     if flat.numel() == 0:
         return "device_of_expert=[]"
-    broken = (flat != flat.round()).nonzero() if flat.is_floating_point() else flat[:0]
-    i = int(broken[0]) if broken.numel() else 0
+    i = int((flat != flat.round()).int().argmax()) if flat.is_floating_point() else 0
     index = ", ".join(str(int(k)) for k in np.unravel_index(i, tuple(placement.shape)))
     return f"device_of_expert[{index}]={preview(flat[i:i + 1])[1:-1]}"
 
 
 def _placement_from_lists(values, allowed: str) -> torch.Tensor:
     """(Nested) lists of ints as an int64 tensor; the first entry that is not an int is named."""
-    def walk(value, index):
-        if isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                walk(v, index + [i])
-        elif not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
-            where = "".join(f"[{i}]" for i in index)
+    for where, value in entries(values):
+        if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
             raise ValueError(f"device_of_expert{where}={value!r} is {a_type(value)}; allowed: {allowed}")
-    walk(values, [])
     try:
         return torch.tensor(values, dtype=torch.int64)
     except (TypeError, ValueError) as error:                   # ragged lists
@@ -145,10 +127,7 @@ def _placement_from_lists(values, allowed: str) -> torch.Tensor:
 
 class KVCacheManager:
     """Block tables and token counts for every (sequence, layer, expert) row over one BlockPool.
-
-    num_blocks, blocks_per_device: the pool (BlockPool). device_of_expert: (E,) or (L, E) devices
-    0..D-1, all zeros when left out; home_devices: every row of sequence s on device s % D instead.
-    tails, prefix_cache: the parts it is built with (module docstring), None for none."""
+    device_of_expert: (E,) or (L, E), all zeros when left out; tails, prefix_cache: its parts."""
 
     def __init__(self, num_layers: int, num_experts: int, block_size: int, num_blocks: int | None = None,
                  shuffle_seed: int | None = None, initial_num_seqs: int = 4,
@@ -160,17 +139,14 @@ class KVCacheManager:
         if not isinstance(home_devices, bool) or (home_devices and device_of_expert is not None):
             raise ValueError(f"home_devices={home_devices!r} must be a bool, and True only without "
                              f"device_of_expert (a row's device is then its sequence's home, not its expert's)")
-        self.home_devices = home_devices
-        self.num_layers = num_layers
-        self.num_experts = num_experts
+        self.home_devices, self.num_layers, self.num_experts = home_devices, num_layers, num_experts
         self.block_size = check_block_size(block_size)
         self.pool = BlockPool(num_blocks, shuffle_seed, blocks_per_device)
         if tails is not None and prefix_cache is not None:
             raise ValueError("shared tails and prefix caching do not combine: a prefix hit copies "
-                             "the block straddling its end, but with shared tails a row's last "
-                             "tokens live in slots of its sequence's tail blocks, not in a block "
-                             "of its own to copy; use one or the other (each works with one device "
-                             "or several)")
+                             "the block straddling its end, but a shared-tail row keeps its last "
+                             "tokens in its sequence's tail blocks, not in a block of its own; use "
+                             "one or the other (each works with one device or several)")
         if device_of_expert is None:
             device_of_expert = torch.zeros(num_experts, dtype=torch.int64)
         self._placement = checked_placement(device_of_expert, num_layers, num_experts,
@@ -198,33 +174,17 @@ class KVCacheManager:
         """Whether a scheduler may evict single rows (`free_rows`): plain, unshared pages only."""
         return self.tails is None and self.prefix_cache is None
 
-    # ----- the pool and its devices --------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def num_devices(self) -> int:
-        return self.pool.num_devices
-
-    @property
-    def blocks_per_device(self) -> torch.Tensor:
-        """(D,) blocks of each device."""
-        return self.pool.blocks_per_device
-
-    @property
-    def num_free_blocks_per_device(self) -> torch.Tensor:
-        """(D,) free blocks of each device."""
-        return self.pool.num_free_blocks_per_device
+    # ----- the pool and its devices (the pool's answers; (D,) ones per device) -------------------
+    num_blocks = property(lambda self: self.pool.num_blocks)
+    num_free_blocks = property(lambda self: self.pool.num_free_blocks)
+    num_devices = property(lambda self: self.pool.num_devices)
+    blocks_per_device = property(lambda self: self.pool.blocks_per_device)
+    num_free_blocks_per_device = property(lambda self: self.pool.num_free_blocks_per_device)
 
     @property
     def device_of_expert(self) -> torch.Tensor:
-        """(L, E) the device of each expert's rows. With home_devices there is none: it raises
-        rather than answer device 0 for every row (`device_of_expert_of(seq_ids)` suits both)."""
+        """(L, E) the device of each expert's rows; with home_devices it raises rather than answer
+        device 0 for every row."""
         if self.home_devices:
             raise ValueError("with home_devices a row's device is its sequence's home (s % D), not its "
                              "expert's: ask device_of_expert_of(seq_ids) for the (m, L, E) devices of "
@@ -236,8 +196,7 @@ class KVCacheManager:
         return self.row_device[checked_ids(rows, "rows")]
 
     def device_of_expert_of(self, seq_ids) -> torch.Tensor:
-        """(m, L, E) the device of each row of these sequences, held or not: device_of_expert, or
-        with home_devices the sequence's home s % D."""
+        """(m, L, E) the device of each row of these sequences, held or not."""
         seq_ids = torch.tensor([int(s) for s in seq_ids], dtype=torch.int64)                # (m,)
         if self.home_devices:
             return (seq_ids % self.num_devices).view(-1, 1, 1).expand(-1, self.num_layers, self.num_experts)
@@ -250,8 +209,7 @@ class KVCacheManager:
                                            minlength=self.num_devices) for s in seq_ids])
 
     def blocks_needed_per_device(self, rows, num_new_tokens) -> torch.Tensor:
-        """(D,) blocks that appending num_new_tokens[i] tokens to rows[i] would take on each device
-        (with shared tails: before compaction gives some back)."""
+        """(D,) blocks appending num_new_tokens[i] tokens to rows[i] takes (before compaction)."""
         rows = checked_ids(rows, "rows")
         num_new_tokens = checked_ids(num_new_tokens, "num_new_tokens")
         if self.tails is not None:
@@ -260,9 +218,7 @@ class KVCacheManager:
         new_blocks = ceil_div(old + num_new_tokens, self.block_size) - ceil_div(old, self.block_size)
         return torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, self.device_of_rows(rows), new_blocks)
 
-    @property
-    def sequences(self) -> list[int]:
-        return list(self._seq_index)
+    sequences = property(lambda self: list(self._seq_index))
 
     def holds(self, seq_id: int) -> bool:
         return int(seq_id) in self._seq_index
@@ -289,8 +245,7 @@ class KVCacheManager:
         return self._seq_index[int(seq_id)]
 
     def rows(self, seq_ids, layer: int, experts) -> torch.Tensor:
-        """Row ids of (seq_ids[i], layer, experts[i]): (m,) int64. experts may be one int for all.
-        Raises KeyError for a sequence the manager does not hold, ValueError for a bad layer/expert."""
+        """Row ids of (seq_ids[i], layer, experts[i]); experts may be one int for all."""
         if not isinstance(layer, numbers.Integral) or isinstance(layer, bool):
             raise ValueError(f"layer={layer!r} is {a_type(layer)}; allowed: an integer in [0, {self.num_layers})")
         seq_ids = checked_ids(seq_ids, "seq_ids").reshape(-1)
@@ -306,18 +261,15 @@ class KVCacheManager:
         return self.index.row(slots, layer, experts)
 
     def sequence_rows(self, seq_index: torch.Tensor) -> torch.Tensor:
-        """All L * E rows of sequences given by seq_index (m,): (m, L * E) int64, layer-major."""
         return self.index.sequence_rows(seq_index)
 
     def _used_columns(self, rows=slice(None)) -> torch.Tensor:
-        """(m, W) bool: the block table entries of each row that list a block: all ceil(n / P), or
-        with shared tails (which keep partial tails elsewhere) the n // P full ones."""
+        """(m, W) the table entries that list a block: ceil(n / P), or n // P with shared tails."""
         n = self.row_tokens[rows]
         num_used = n // self.block_size if self.tails is not None else ceil_div(n, self.block_size)
         return torch.arange(self.block_tables.shape[1]) < num_used[:, None]
 
     def _clear_rows(self, rows) -> None:
-        """Empty rows whose blocks went back to the pool."""
         self.row_tokens[rows] = 0
         self.block_tables[rows] = self.pad
         self.last_position[rows] = -1
@@ -325,17 +277,16 @@ class KVCacheManager:
 
     # ----- the scheduler's questions --------------------------------------------------------------
     def num_blocks_needed(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> int:
-        """Blocks that appending num_new_tokens[i] tokens to rows[i] would take from the pool."""
         return int(self.blocks_needed_per_device(rows, num_new_tokens).sum())
 
     def can_allocate(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> bool:
-        """Whether the append fits the pool: with several devices, every device."""
+        """Whether the append fits every device's pool."""
         needed = self.blocks_needed_per_device(rows, num_new_tokens)                         # (D,)
         return bool((needed <= self.num_free_blocks_per_device).all())
 
     def blocks_of_sequence(self, seq_id: int) -> torch.Tensor:
-        """Every block the sequence owns, row by row in token order (then its tail blocks, with
-        shared tails): (b,) int64. What a swap to a CPU pool copies, and what `free` returns."""
+        """Every block the sequence owns, row by row in token order, then its tail blocks: what a
+        swap to a CPU pool copies, and what `free` returns."""
         index = self.seq_index(seq_id)
         rows = self.sequence_rows(torch.tensor([index]))[0]                       # (L*E,)
         tail_blocks = [] if self.tails is None else self.tails.blocks_of_sequence(index)
@@ -343,8 +294,7 @@ class KVCacheManager:
                           torch.tensor(tail_blocks, dtype=torch.int64)])
 
     def token_counts(self, seq_ids) -> torch.Tensor:
-        """Tokens held per (sequence, layer, expert): (num_seqs, L, E) int64; zeros for a sequence
-        the cache does not hold."""
+        """(num_seqs, L, E) tokens held per row; zeros for a sequence the cache does not hold."""
         seq_ids = [int(s) for s in seq_ids]
         counts = torch.zeros(len(seq_ids), self.num_layers, self.num_experts, dtype=torch.int64)
         held = [(i, self._seq_index[s]) for i, s in enumerate(seq_ids) if s in self._seq_index]
@@ -355,16 +305,14 @@ class KVCacheManager:
         return counts
 
     def row_last_used(self, seq_id: int) -> torch.Tensor:
-        """(L, E) the clock of the last append to each row of the sequence (-1: never, or a sequence
-        the cache does not hold)."""
+        """(L, E) the clock of each row's last append (-1: never, or a sequence not held)."""
         if int(seq_id) not in self._seq_index:
             return torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int64)
         rows = self.sequence_rows(torch.tensor([self._seq_index[int(seq_id)]]))[0]     # (L*E,)
         return self.last_appended[rows].view(self.num_layers, self.num_experts).clone()
 
     def block_owners(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Who owns each block and how full it is, for drawing the pool: owner_row (N,) int64, -1
-        for a free block, and used_slots (N,) int64 (P for all but a row's last block)."""
+        """For drawing the pool: owner_row (N,) (-1: free) and used_slots (N,) of each block."""
         P = self.block_size
         row, column = self._used_columns().nonzero(as_tuple=True)
         blocks = self.block_tables[row, column].to(torch.int64)
@@ -375,17 +323,17 @@ class KVCacheManager:
         return owner_row, used_slots
 
     def context_lens(self, rows: torch.Tensor) -> torch.Tensor:
-        """Tokens of each row as int32, the layout a decode kernel reads: (m,)."""
+        """Tokens of each row as int32, the layout a decode kernel reads."""
         return self.row_tokens[rows].to(torch.int32)
 
     # ----- allocate / slots / free ----------------------------------------------------------------
     def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor,
                        rows_are_distinct: bool = False, with_slots: bool = True) -> SlotAllocation:
-        """Make room for num_new_tokens[i] (>= 0) more tokens in the distinct rows[i], count them as
-        stored, and say where they go (a SlotAllocation). Raises OutOfBlocksError, changing nothing,
-        when the pool is short (a scheduler asks `can_allocate` first). rows_are_distinct=True skips
-        the distinctness check (a sort). with_slots=False leaves slot_mapping None: the cache-only
-        simulator writes no K/V, and every token's slot would cost it as much as allocating."""
+        """Make room for num_new_tokens[i] more tokens in the distinct rows[i] and count them as
+        stored. Raises OutOfBlocksError, changing nothing, when the pool is short (a scheduler asks
+        `can_allocate` first). rows_are_distinct=True skips the distinctness check (a sort);
+        with_slots=False skips the slots, which would cost the cache-only simulator (no K/V to
+        write) as much as allocating."""
         P = self.block_size
         rows, num_new_tokens = self._check_allocation(rows, num_new_tokens, rows_are_distinct)
         if self.tails is not None:
@@ -419,8 +367,8 @@ class KVCacheManager:
         return SlotAllocation(self._slot_of(rows, old) if one_each else self._slots(rows, old, num_new_tokens))
 
     def _take_blocks(self, rows: torch.Tensor, needed: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
-        """needed[i] fresh blocks for rows[i], each from its row's device, row after row:
-        (needed.sum(),) int64 block ids. Raises OutOfBlocksError, changing nothing, when short."""
+        """needed[i] fresh blocks for rows[i], from its row's device, row after row; raises
+        OutOfBlocksError, changing nothing, when short."""
         if self.num_devices == 1:
             total = int(needed.sum())
             if total == 0:
@@ -442,8 +390,7 @@ class KVCacheManager:
         return block_ids
 
     def raise_short(self, needed: torch.Tensor, rows, num_new_tokens) -> None:
-        """OutOfBlocksError naming the pool (with several devices, the first device) that lacks the
-        needed (D,) blocks of an append of num_new_tokens to rows; nothing if all fit."""
+        """OutOfBlocksError naming the pool (or first device) short of the needed (D,) blocks."""
         free = self.num_free_blocks_per_device                                              # (D,)
         short = (needed > free).nonzero().squeeze(1)
         if not short.numel():
@@ -458,7 +405,6 @@ class KVCacheManager:
 
     @staticmethod
     def _check_allocation(rows, num_new_tokens, rows_are_distinct: bool):
-        """The arguments of allocate_slots as int64 tensors, or ValueError before any change."""
         rows = checked_ids(rows, "rows")
         num_new_tokens = checked_ids(num_new_tokens, "num_new_tokens")
         if rows.shape != num_new_tokens.shape or rows.dim() != 1:
@@ -471,18 +417,17 @@ class KVCacheManager:
         return rows, num_new_tokens
 
     def row_slots(self, row: int) -> torch.Tensor:
-        """Slots of every token of one row, in token order: (n,) int64."""
         return self.rows_slots(torch.tensor([int(row)]))
 
     def rows_slots(self, rows: torch.Tensor) -> torch.Tensor:
-        """Slots of every token of each row, row after row, in token order: (sum of counts,)."""
+        """Slots of every token of each row, row after row, in token order."""
         rows = torch.as_tensor(rows, dtype=torch.int64)
         counts = self.row_tokens[rows]
         return self._slots(rows, torch.zeros_like(counts), counts)
 
     def padded_slots(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots of every token of each row, padded to the longest row: slots (m, Lmax) int64 and
-        valid (m, Lmax) bool. Padding holds slot 0, a real slot: mask it, never read it as data."""
+        """Slots (m, Lmax) of each row's tokens, padded, and valid (m, Lmax). Padding holds slot 0,
+        a real slot: mask it, never read it as data."""
         rows = torch.as_tensor(rows, dtype=torch.int64)
         lens = self.row_tokens[rows]                                      # (m,)
         token = torch.arange(int(lens.max()) if rows.numel() else 0)               # (Lmax,)
@@ -507,8 +452,8 @@ class KVCacheManager:
         return self.block_tables[row, token // P].to(torch.int64) * P + token % P
 
     def free(self, seq_id: int) -> None:
-        """Return every block of a finished (or preempted) sequence to the pool and forget it;
-        KeyError, changing nothing, for a sequence the cache does not hold."""
+        """Return every block of the sequence to the pool and forget it; KeyError, changing
+        nothing, for a sequence the cache does not hold."""
         index = self.seq_index(seq_id)                       # KeyError before any change
         self.pool.free(self.blocks_of_sequence(seq_id))
         rows = self.sequence_rows(torch.tensor([index]))[0]
@@ -521,9 +466,8 @@ class KVCacheManager:
         self._free_seq_indices.append(index)
 
     def free_rows(self, rows) -> int:
-        """Empty some rows of held sequences (an eviction of single rows: their sequences stay, but
-        cannot attend over them until rebuilt); returns how many blocks went back to the pool.
-        Raises ValueError, changing nothing, for repeated rows or rows of no held sequence."""
+        """Empty some rows of held sequences (an eviction of single rows: the sequences stay, but
+        cannot attend over them until rebuilt); returns how many blocks went back to the pool."""
         if self.tails is not None:
             # rows' tails live outside the block tables: they would have to be compacted too
             raise NotImplementedError("a manager with shared tails does not free single rows")
@@ -541,10 +485,9 @@ class KVCacheManager:
 
     # ----- undoing appends -------------------------------------------------------------------------
     def truncate(self, rows: torch.Tensor, num_tokens: torch.Tensor) -> None:
-        """Keep only the first num_tokens[i] (<= held) tokens of rows[i], returning blocks past
-        ceil(num_tokens / P) to the pool: what undoes a forward that failed half-way. A row cut to 0
-        forgets its last position; otherwise the caller restores it (`restore_rows`). Raises
-        ValueError, changing nothing, for bad arguments; NotImplementedError with shared tails."""
+        """Keep only the first num_tokens[i] (<= held) tokens of rows[i], undoing a forward that
+        failed half-way. A row cut to 0 forgets its last position; otherwise the caller restores it
+        (`restore_rows`)."""
         if self.tails is not None:
             raise NotImplementedError("a manager with shared tails cannot truncate rows: undoing tail moves "
                                       "is not implemented; use plain pages where steps must be undone")
@@ -569,8 +512,7 @@ class KVCacheManager:
         self._clear_rows(rows[keep == 0])
 
     def snapshot_rows(self, seq_ids) -> "RowSnapshot":
-        """Remember the counts and last positions of every row of these sequences (and which are not
-        held yet), so that `restore_rows` can undo later appends."""
+        """Remember these sequences' rows, so that `restore_rows` can undo later appends."""
         seq_ids = sorted({int(s) for s in seq_ids})
         held = [s for s in seq_ids if s in self._seq_index]
         slots = torch.tensor([self._seq_index[s] for s in held], dtype=torch.int64)
@@ -579,17 +521,16 @@ class KVCacheManager:
                            self.row_tokens[rows].clone(), self.last_position[rows].clone())
 
     def restore_rows(self, snapshot: "RowSnapshot") -> None:
-        """Undo every append to the snapshot's sequences since it was taken (sequences added since
-        are freed); valid while none of them was freed or re-added in between."""
+        """Undo every append to the snapshot's sequences since; valid while none of them was freed
+        or re-added in between."""
         for seq_id in snapshot.absent_seq_ids:
             if seq_id in self._seq_index:
                 self.free(seq_id)
         self.truncate(snapshot.rows, snapshot.num_tokens)
         self.last_position[snapshot.rows] = snapshot.last_positions
 
-    # ----- growth of the bookkeeping tensors ------------------------------------------------------
     def _grow_rows(self) -> None:
-        """Double the number of sequence slots (bookkeeping only; the pool never grows)."""
+        """Double the sequence slots (bookkeeping only; the pool never grows)."""
         num_seqs = self.row_tokens.numel() // self.rows_per_seq
         extra = num_seqs * self.rows_per_seq
         for name, fill in (("row_tokens", 0), ("row_device", 0), ("last_position", -1),
@@ -609,9 +550,8 @@ class KVCacheManager:
                            dtype=torch.int32)
         self.block_tables = torch.cat([self.block_tables, extra], dim=1)
 
-    # ----- checking --------------------------------------------------------------------------------
     def assert_consistent(self) -> None:
-        """Check the invariants in the module docstring; raise AssertionError naming the broken one."""
+        """The invariants of the module docstring; AssertionError names the broken one."""
         self.pool.assert_consistent()
         used = self._used_columns()                                                # (R, W)
         owned = self.block_tables[used].to(torch.int64)

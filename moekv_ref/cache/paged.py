@@ -1,10 +1,7 @@
 """The paged per-expert KV cache: one pool of K/V blocks for every (sequence, layer, expert) row.
 
-`append_kv` (bookkeeping and store) and `attend` (the math only) are the cache contract of
-cache/__init__.py: two verbs, because under expert parallelism the two run in different places.
-Blocks are taken here, layer by layer, not by the scheduler before the forward: they depend on the
-routing, known only once each layer's router has run (the scheduler reserves the step's worst case:
-engine/demand.py).
+`append_kv` (bookkeeping and store) and `attend` (the math only) are the contract of
+cache/__init__.py; docs/design.md tells why two verbs, and why blocks are taken here, per layer.
 
 Memory layout (the Triton kernels read exactly this): key_cache and value_cache (N, P, Hkv, Dh),
 one pool for all layers and experts in the model dtype; block_tables (num_rows, W) int32 and
@@ -15,13 +12,12 @@ A sequence's tokens reach a row in position order (the model keeps token order w
 expert), so the query at row index i sees keys 0..i; `append_kv` checks that positions increase
 from the row's last cached one, so a caller that breaks this gets an error, not a wrong mask.
 
-Attention paths (all equal to rounding; tests): "reference" gathers row by row and calls the same
-`attend_by_position` every cache uses (slow and clear); "batched" pads all rows to the longest and
-runs one fused scaled_dot_product_attention, decode rows and prefill rows in separate batches so
-that a decode row is never padded to a prompt's length; "triton" runs decode rows on
-kernels.paged_attention and stores K/V with kernels.store_kv, prefill rows batched. Padding gathers
-a real block (or slot 0) whose K/V are zeroed before any product, so whatever it holds (a GPU's
-uninitialised memory can hold NaN) cannot reach another row's output.
+Attention paths (all equal to rounding; tests): "reference" calls `attend_by_position` row by row,
+as every cache does (slow and clear); "batched" pads rows to the longest and runs one fused
+scaled_dot_product_attention, decode and prefill rows apart so that a decode row is never padded to
+a prompt's length; "triton" runs decode rows on kernels.paged_attention and stores K/V with
+kernels.store_kv. Padding gathers a real block (or slot 0) whose K/V are zeroed before any product,
+so whatever it holds (a GPU's uninitialised memory can hold NaN) cannot reach another row's output.
 
 Dimensions: N blocks, P block size, H heads, Hkv key/value heads, Dh head width, n (token, expert)
 pairs of the call, m distinct rows of the call, Lmax longest row, Qmax most new tokens of one row.
@@ -38,7 +34,7 @@ from ..attention import attend_by_position, score_dtype
 from ..backends import require_backend
 from ..config import ModelConfig
 from .block_pool import checked_blocks_per_device
-from .kv_cache_manager import KVCacheManager, check_block_size, checked_placement
+from .kv_cache_manager import KVCacheManager, check_block_size
 from .rows import worst_case_lifetime_blocks
 from .prefix_cache import PrefixCache
 from .shared_tail_manager import SharedTails
@@ -48,33 +44,21 @@ ATTENTION_PATHS = ("reference", "batched", "triton")
 
 @dataclass
 class AppendedRows:
-    """What `append_kv` hands to `attend`: the rows a call's (token, expert) pairs went to.
-
-    rows          (m,) int64   the call's distinct rows: ascending, or in pair order when every
-                               pair is its own row (a decode step)
-    num_new       (m,) int64   pairs of this call in each row
-    context_lens  (m,) int64   tokens each row holds after the append
-    pair_row      (n,) int64   for each pair, its row as an index into `rows`
-    pair_index    (n,) int64   index of the pair's token inside its row: it sees tokens 0..pair_index
-    """
-    rows: torch.Tensor
-    num_new: torch.Tensor
-    context_lens: torch.Tensor
-    pair_row: torch.Tensor
-    pair_index: torch.Tensor
+    """What `append_kv` hands to `attend` (all int64)."""
+    rows: torch.Tensor          # (m,) the call's distinct rows: ascending, or in pair order when
+                                #      every pair is its own row (a decode step)
+    num_new: torch.Tensor       # (m,) pairs of this call in each row
+    context_lens: torch.Tensor  # (m,) tokens each row holds after the append
+    pair_row: torch.Tensor      # (n,) each pair's row, as an index into `rows`
+    pair_index: torch.Tensor    # (n,) index of the pair's token in its row: it sees 0..pair_index
 
 
 class PagedKVCache:
     """append_kv / attend over a paged block pool shared by every (sequence, layer, expert).
 
-    num_blocks: blocks in the pool (each P slots of one expert's Hkv x Dh keys and values).
-    shuffle_seed: scatter the free block queue (BlockPool). attention: one of ATTENTION_PATHS.
-    shared_tails: a manager with SharedTails (shared_tail_manager.py); not with "triton", whose
-             kernels read a row through its block table only. enable_prefix_caching: a manager
-             with a PrefixCache (prefix_cache.py); not with shared tails. blocks_per_device with
-             device_of_expert or home_devices: per-device pools (KVCacheManager; num_blocks must be
-             their sum); append_kv raises OutOfBlocksError naming the device that is short.
-    """
+    shared_tails: a manager with SharedTails, not with "triton" (its kernels read a row through its
+    block table only); enable_prefix_caching: with a PrefixCache. blocks_per_device (summing to
+    num_blocks) with device_of_expert or home_devices: per-device pools (KVCacheManager)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -106,13 +90,21 @@ class PagedKVCache:
         if not home_devices and (blocks_per_device is None) != (device_of_expert is None):
             raise ValueError("per-device pools need both blocks_per_device and device_of_expert "
                              "(or home_devices=True instead of device_of_expert)")
-        if blocks_per_device is not None:       # device_of_expert None: home devices
-            blocks_per_device, device_of_expert = self._checked_devices(config, num_blocks, blocks_per_device,
-                                                                        device_of_expert)
         self.manager = KVCacheManager(L, E, block_size, num_blocks, shuffle_seed,
                                       blocks_per_device=blocks_per_device, device_of_expert=device_of_expert,
                                       home_devices=home_devices, tails=SharedTails() if shared_tails else None,
                                       prefix_cache=PrefixCache() if enable_prefix_caching else None)
+        # each device must hold one token: a block in each of its experts a token can reach, every
+        # layer (with home devices, all k of them)
+        for d, n in enumerate(self.manager.blocks_per_device.tolist()):
+            if home_devices:
+                least, where = L * K, "a sequence homed there"
+            else:
+                least = int(torch.clamp((self.manager.device_of_expert == d).sum(1), max=K).sum())
+                where = "its experts"
+            if n < least:
+                raise ValueError(f"blocks_per_device[{d}]={n} is too small for even one token of "
+                                 f"{where}: allow at least {least}")
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.key_cache = torch.zeros(shape, dtype=dtype, device=device)     # (N, P, Hkv, Dh)
         self.value_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -121,32 +113,7 @@ class PagedKVCache:
             import kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
             self._kernels = kernels
 
-    @property
-    def block_size(self) -> int:
-        """P, slots per block: held by the manager, which checked it."""
-        return self.manager.block_size
-
-    @staticmethod
-    def _checked_devices(config, num_blocks, blocks_per_device, device_of_expert) -> tuple[list[int], torch.Tensor | None]:
-        """blocks_per_device as D ints summing to num_blocks and device_of_expert as (L, E) (None:
-        home devices), each device large enough for one token (a block in each of its experts a
-        token can reach, every layer; with homes, all k); ValueError naming the device otherwise."""
-        L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
-        blocks_per_device = checked_blocks_per_device(blocks_per_device)
-        if sum(blocks_per_device) != num_blocks:
-            raise ValueError(f"num_blocks={num_blocks} must equal sum(blocks_per_device)="
-                             f"{sum(blocks_per_device)}")
-        placement = None if device_of_expert is None else checked_placement(device_of_expert, L, E,
-                                                                              len(blocks_per_device))
-        for d, n in enumerate(blocks_per_device):
-            if placement is None:
-                least, where = L * K, "a sequence homed there"
-            else:
-                least, where = int(torch.clamp((placement == d).sum(1), max=K).sum()), "its experts"  # over layers
-            if n < least:
-                raise ValueError(f"blocks_per_device[{d}]={n} is too small for even one token of {where}: "
-                                 f"allow at least {least}")
-        return blocks_per_device, placement
+    block_size = property(lambda self: self.manager.block_size)
 
     @classmethod
     def for_model(cls, model, block_size: int = 16, num_blocks: int | None = None,
@@ -173,10 +140,8 @@ class PagedKVCache:
 
     # ----- verb 1: bookkeeping and store ----------------------------------------------------------
     def append_kv(self, layer: int, seq_ids, experts, positions, k, v) -> AppendedRows:
-        """Store the K/V (n, Hkv, Dh) of n (token, expert) pairs of one layer (seq_ids, experts,
-        positions: (n,)) under their rows, taking blocks as rows grow. Within a row the pairs must
-        continue the row's positions in order. Raises ValueError (bad shapes or order) or
-        OutOfBlocksError (pool short) before anything is stored or allocated."""
+        """Raises ValueError (bad shapes or order) or OutOfBlocksError (pool short) before anything
+        is stored or allocated."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         n = k.shape[0]
         if k.shape != (n, Hkv, Dh) or v.shape != k.shape:
@@ -198,16 +163,14 @@ class PagedKVCache:
             one_per_row = len(set(pair_rows.tolist())) == n
             if one_per_row:
                 rows, pair_row, num_new = pair_rows, torch.arange(n), torch.ones(n, dtype=torch.int64)
-                order = first = None
                 self._check_positions(rows, positions, rows, None)
-                allocation = manager.allocate_slots(rows, num_new, rows_are_distinct=True)   # may raise
             else:   # the call's rows ascending, each pair's row among them, each row's number of pairs
                 rows, pair_row, num_new = torch.unique(pair_rows, return_inverse=True, return_counts=True)
                 order = torch.argsort(pair_rows, stable=True)                         # (n,) grouped by row
                 sorted_rows, sorted_positions = pair_rows[order], positions[order]    # (n,) each
                 first = torch.cumsum(num_new, 0) - num_new                            # (m,) into order
                 self._check_positions(sorted_rows, sorted_positions, rows, first)
-                allocation = manager.allocate_slots(rows, num_new, rows_are_distinct=True)   # may raise
+            allocation = manager.allocate_slots(rows, num_new, rows_are_distinct=True)   # may raise
         except Exception:
             for s in new_seqs:                                                        # as it was
                 manager.free(s)
@@ -233,8 +196,8 @@ class PagedKVCache:
         return AppendedRows(rows, num_new, context_lens, pair_row, pair_index)
 
     def _check_positions(self, sorted_rows, sorted_positions, rows, first) -> None:
-        """Positions must increase within each row, from the row's last cached position on.
-        first (m,): each row's first pair in the sorted order; None when every pair is its own row."""
+        """Positions must increase within each row, from its last cached one. first (m,): each row's
+        first pair in the sorted order; None when every pair is its own row."""
         last = self.manager.last_position[rows]                                       # (m,) -1: empty
         if first is None:
             bad, bad_first = None, sorted_positions <= last
@@ -270,16 +233,12 @@ class PagedKVCache:
 
     # ----- verb 2: the math -----------------------------------------------------------------------
     def attend(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
-        """Each pair's query q (n, H, Dh) over the keys its row holds up to and including its own
-        token. Returns (n, H, Dh)."""
+        """Each pair's query q (n, H, Dh) over its row's keys up to its own token: (n, H, Dh)."""
         if q.shape[0] != appended.pair_row.numel():
             raise ValueError(f"q has {q.shape[0]} queries for {appended.pair_row.numel()} appended pairs")
         if self.attention == "reference":
             return self._attend_row_by_row(appended, q)
         out = torch.empty_like(q)
-        if self.attention == "batched" and 0 < appended.rows.numel() == q.shape[0]:
-            self._attend_padded(appended, None, q, out)     # decode only: every row one pair, one group
-            return out
         decode = appended.num_new == 1                                              # (m,)
         groups = [decode, ~decode]                                                  # each padded alone
         if self.attention == "triton" and decode.any():
@@ -306,37 +265,25 @@ class PagedKVCache:
     def _attend_padded(self, appended: AppendedRows, group: torch.Tensor, q: torch.Tensor,
                        out: torch.Tensor) -> None:
         """The rows where group is True, at once, into out: keys padded to the longest row, queries
-        to the most new tokens of a row, one fused grouped-query attention. group None: each row of
-        the call has exactly one pair (decode): rows are taken in pair order, queries in place."""
+        to the most new tokens of a row, one fused grouped-query attention."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         device = q.device
-        if group is None:                                                          # row i: pair i's
-            rows, lens = appended.rows[appended.pair_row], appended.context_lens[appended.pair_row]
-            num_new, max_new = None, 1
-        else:
-            members = group.nonzero().squeeze(1)                                   # (g,) into rows
-            rows, lens = appended.rows[members], appended.context_lens[members]    # (g,)
-            num_new = appended.num_new[members]
-            max_new = int(num_new.max())
+        members = group.nonzero().squeeze(1)                                       # (g,) into rows
+        rows, lens = appended.rows[members], appended.context_lens[members]        # (g,)
+        num_new = appended.num_new[members]
+        max_new = int(num_new.max())
         g = rows.numel()
         compute = score_dtype(q.dtype)                                             # float32 at least
         keys, values, key_valid = self._gather_rows(rows, lens, compute)           # (g, Lmax, Hkv, Dh), (g, Lmax)
         max_len = keys.shape[1]
-        if group is None:                                                          # (n, 1, H, Dh): pair p, row p
-            result = F.scaled_dot_product_attention(                              # (n, H, 1, Dh)
-                q.to(compute)[:, None].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=key_valid[:, None, None, :], enable_gqa=Hkv != q.shape[1])
-            out.copy_(result[:, :, 0])
-            return
         # the group's pairs in a padded (g, Qmax) table of queries
         if g == appended.rows.numel():                                           # every row of the call
             pairs, pair_slot = None, appended.pair_row                             # (n,)
-            column = appended.pair_index - (lens - num_new)[pair_slot]
             pair_q, pair_index = q, appended.pair_index
         else:
             pairs, pair_slot = self._pairs_of(appended, members)                   # (p,) each
-            column = appended.pair_index[pairs] - (lens - num_new)[pair_slot]     # (p,) 0..Qmax-1
             pair_q, pair_index = q[pairs], appended.pair_index[pairs]
+        column = pair_index - (lens - num_new)[pair_slot]                          # (p,) 0..Qmax-1
         queries = q.new_zeros(g, max_new, q.shape[1], Dh, dtype=compute)           # (g, Qmax, H, Dh)
         queries[pair_slot, column] = pair_q.to(compute)
         if max_new == 1:        # decode: each row's one query is its newest token and sees the whole row
@@ -356,12 +303,10 @@ class PagedKVCache:
             out[pairs] = result
 
     def _gather_rows(self, rows: torch.Tensor, lens: torch.Tensor, dtype: torch.dtype):
-        """K/V of every token of each row, padded to the longest row: keys and values (g, Lmax, Hkv,
-        Dh) in dtype, zeros past a row's end, and valid (g, Lmax) bool. Plain pages gather whole
-        blocks (Lmax rounded up to blocks; table padding clamped to a real block); shared tails
-        gather slot by slot (`padded_slots`). index_select and index_fill_ on the padded tokens are,
-        on a CPU, 4x and 5x faster than advanced indexing and a broadcast masked_fill (measured at
-        16 rows of 64 tokens)."""
+        """keys, values (g, Lmax, Hkv, Dh) in dtype, zeros past a row's end, and valid (g, Lmax).
+        Plain pages gather whole blocks (table padding clamped to a real block), shared tails by
+        slot. index_select and index_fill_ are, on a CPU, 4x and 5x faster than advanced indexing
+        and a broadcast masked_fill (measured at 16 rows of 64 tokens)."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         device = self.key_cache.device
         if self.manager.tails is not None:
@@ -400,8 +345,7 @@ class PagedKVCache:
 
     @staticmethod
     def _pairs_of(appended: AppendedRows, members: torch.Tensor):
-        """The pairs whose rows are `members` (indices into appended.rows), and each one's index in
-        members: (p,) each."""
+        """The pairs whose rows are `members` (into appended.rows), and each one's index there."""
         slot_of_row = torch.full((appended.rows.numel(),), -1, dtype=torch.int64)
         slot_of_row[members] = torch.arange(members.numel())
         pairs = (slot_of_row[appended.pair_row] >= 0).nonzero().squeeze(1)
@@ -412,13 +356,9 @@ class PagedKVCache:
         return self.manager.token_counts(seq_ids)
 
     def free(self, seq_id: int) -> None:
-        """Return the sequence's blocks to the pool. KeyError, changing nothing, if it holds none."""
         self.manager.free(seq_id)
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.manager.num_free_blocks
+    num_free_blocks = property(lambda self: self.manager.num_free_blocks)
 
     def kv_bytes(self) -> int:
-        """Bytes of the K and V pool tensors."""
         return 2 * self.key_cache.numel() * self.key_cache.element_size()

@@ -1,12 +1,11 @@
 """Prefix caching over per-expert KV caches: a new request reuses the full blocks an earlier request
 with the same first tokens left in its (layer, expert) rows. Notebook 06 tells the why at length.
 
-Token-choice routing is causal (token t's experts depend only on tokens 0..t), so sequences whose
-first p tokens are equal hold equal entries below position p in every row, in the same blocks at the
-same offsets. But a request may skip tokens 0..s-1 only if *every* row's entries below s are there,
-and rows fill at different rates. So the cache keeps *chunk records*: under the hash-chain key of
-each prefix of whole chunks of C = P tokens, how many of the last chunk's tokens went to each of
-the L * E rows; a request's first i records give, row by row, its entries below s = i * C.
+Routing is causal, so equal prefixes hold equal entries in every row; but rows fill at different
+rates and a request may skip tokens 0..s-1 only if *every* row's entries below s are there. So the
+cache keeps *chunk records*: under the hash-chain key of each prefix of whole chunks of C = P
+tokens, how many of the last chunk's tokens went to each of the L * E rows; a request's first i
+records give, row by row, its entries below s = i * C.
 
     chunk keys   key_i = blake2b(key_{i-1} || tokens[i*C:(i+1)*C])      (16 bytes; key_-1 = b"")
     block keys   (device, layer * E + expert, j, key_m)  for the j-th block of a row, registered
@@ -20,20 +19,17 @@ is *shared* (one more owner); the block j = c_r // P straddling s (c_r % P > 0),
 key_{i-1}, is *copied* (copy-on-write) into a fresh block whose first c_r % P slots the request
 keeps. A key matches only if the producer's first (m + 1) * C tokens equal the request's, so by
 causality the entries needed are the request's own; keys hash the token bytes (never Python's
-salted `hash`), chained so that equal keys mean equal prefixes. Copying costs at most L * E blocks
-per request, where lowering s until no row straddles would usually reach 0. A partial block is never
-shared (its producer keeps appending) but may be a copy source: otherwise a rarely chosen expert
-with fewer than P entries would cap every hit. s is the largest multiple of C whose blocks are all
-found (validity is monotone in s), at most len(tokens) - 1: the last token always runs.
+salted `hash`). Copying costs at most L * E blocks per request, where lowering s until no row
+straddles would usually reach 0. A partial block is never shared (its producer keeps appending) but
+may be a copy source: otherwise a rarely chosen expert with fewer than P entries would cap every
+hit. s is the largest multiple of C whose blocks are all found (validity is monotone in s), at most
+len(tokens) - 1: the last token always runs.
 
-Devices: a block lies on its row's device, so the device is part of the block key; with home
-devices, sequences of different homes never share a block, and a lookup names its sequence
-(`find_cached_prefix(tokens, seq_id)`). Chunk records do not depend on devices.
-
-This relies on a deterministic forward (true of this repository's CPU forward, which the tests check
-by comparing tokens with and without the cache; a GPU kernel would have to be batch-invariant).
-Cached blocks outlive their sequences as cached-free blocks (block_pool.py) until reused or evicted;
-chunk records are an LRU of bounded size (a missing record only shortens a hit).
+A block lies on its row's device, so the device is part of the block key (sequences of different
+home devices never share a block); chunk records do not depend on devices. This relies on a
+deterministic forward (true of the CPU forward, which the tests check; a GPU kernel would have to
+be batch-invariant). Cached blocks outlive their sequences as cached-free blocks until reused or
+evicted; chunk records are an LRU of bounded size (a missing record only shortens a hit).
 """
 
 from __future__ import annotations
@@ -53,8 +49,7 @@ DIGEST_BYTES = 16
 
 
 def chain_keys(token_ids, chunk_size: int, previous: bytes = b"") -> list[bytes]:
-    """The hash-chain keys of the complete chunks of `token_ids`: key_i = blake2b(key_{i-1} ||
-    int64 bytes of chunk i). previous: the key of the chunk before the first one given (b"": none)."""
+    """The chain keys of the complete chunks of `token_ids`; previous: the key before the first."""
     keys = []
     for start in range(0, len(token_ids) - chunk_size + 1, chunk_size):
         digest = hashlib.blake2b(previous, digest_size=DIGEST_BYTES)
@@ -66,7 +61,7 @@ def chain_keys(token_ids, chunk_size: int, previous: bytes = b"") -> list[bytes]
 
 @dataclass
 class PrefixHit:
-    """What a lookup found for a request: where it may start, and the blocks that get it there."""
+    """Where a request may start, and the blocks that get it there."""
     num_tokens: int = 0                       # the request starts at this position
     row_counts: torch.Tensor | None = None    # (L*E,) entries of each row below num_tokens
     # (b,) blocks shared as they are, at block table row (layer * E + expert) and column:
@@ -81,9 +76,7 @@ class PrefixHit:
     free_taken_per_device: torch.Tensor | None = None   # the same, (D,) per device
     row_devices: torch.Tensor | None = None   # (L*E,) devices of the rows it applies to (only those)
 
-    @property
-    def num_blocks(self) -> int:
-        return int(self.shared.numel() + self.cow_source.numel())
+    num_blocks = property(lambda self: int(self.shared.numel() + self.cow_source.numel()))
 
 
 @dataclass
@@ -99,15 +92,11 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    """A KVCacheManager's prefix cache (`KVCacheManager(..., prefix_cache=PrefixCache())`): its
-    full blocks outlive their sequences and are found again by prefix. One per manager (`attach`).
-
-    State: block_positions (N, P), the position of the token at each slot (what tells which chunks
-    a block spans); the index (block keys <-> blocks, chunk records); per held sequence, its chain
-    keys and how far its blocks are registered. Invariants (`assert_consistent`): a block listed by
-    several rows is full in each, at the same (layer, expert) and column; keys and cached blocks
-    match one to one in the index; ref_cnt == the rows listing a block.
-    """
+    """A KVCacheManager's part (`prefix_cache=PrefixCache()`, one per manager): full blocks outlive
+    their sequences and are found again by prefix. block_positions (N, P), the position of the
+    token at each slot, tells which chunks a block spans. Invariants (`assert_consistent`): a block
+    listed by several rows is full in each, at the same (layer, expert) and column; keys and cached
+    blocks match one to one; ref_cnt == the rows listing a block."""
 
     def __init__(self, max_chunk_records: int | None = None):
         self.max_chunk_records = max_chunk_records
@@ -124,16 +113,12 @@ class PrefixCache:
         manager.pool.on_evict = self._forget_blocks
         self.stats = PrefixCacheStats()
 
-    # ----- positions ------------------------------------------------------------------------------
     def record_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """Remember the position of the token written at each slot: (n,) each."""
         self.block_positions.view(-1)[slots] = positions
 
     # ----- registration (after a step computed tokens) ----------------------------------------------
     def cache_computed_blocks(self, seq_id: int, token_ids: list[int]) -> int:
-        """Make the sequence's computed prefix findable (token_ids: the tokens whose K/V the cache
-        holds): record every newly complete chunk and register its blocks under the keys of the
-        complete chunks they span (module docstring). Returns the number of blocks newly cached."""
+        """Make the prefix whose K/V the cache holds findable; returns the blocks newly cached."""
         m = self.manager
         P = C = m.block_size
         index = m.seq_index(seq_id)
@@ -178,7 +163,6 @@ class PrefixCache:
         return len(newly_cached)
 
     def _record_chunks(self, rows, keys, first: int, end: int) -> None:
-        """Chunk records for chunks first .. end - 1: entries of each row per chunk."""
         C = self.chunk_size
         slots, valid = self.manager.padded_slots(rows)                                  # (R, Lmax)
         chunk = self.block_positions.view(-1)[slots] // C                                   # (R, Lmax)
@@ -194,15 +178,13 @@ class PrefixCache:
             self._chunk_counts.popitem(last=False)
 
     def _forget_blocks(self, blocks: list[int]) -> None:
-        """The pool evicted these cached-free blocks: drop their keys."""
         for block in blocks:
             for key in self._keys_of_block.pop(block, []):
                 del self._block_of_key[key]
 
     # ----- lookup ---------------------------------------------------------------------------------
     def row_devices(self, seq_id: int | None = None) -> torch.Tensor:
-        """(L*E,) the device each row of sequence seq_id takes its blocks from (held or not); seq_id
-        may be left out unless rows live on home devices (D > 1)."""
+        """(L*E,) the device of each row of sequence seq_id, held or not."""
         m = self.manager
         if seq_id is None:
             if m.home_devices and m.num_devices > 1:
@@ -212,8 +194,8 @@ class PrefixCache:
         return m.device_of_expert_of([seq_id])[0].reshape(-1)
 
     def find_cached_prefix(self, token_ids: list[int], seq_id: int | None = None) -> PrefixHit:
-        """The longest usable cached prefix of a request with these tokens for sequence seq_id (its
-        rows' devices); PrefixHit() when none. Changes nothing but LRU order of chunk records."""
+        """The longest usable cached prefix for sequence seq_id (PrefixHit() when none). Changes
+        nothing but the LRU order of chunk records."""
         devices = self.row_devices(seq_id).tolist()                                        # (R,)
         C = self.chunk_size
         max_chunks = (len(token_ids) - 1) // C               # the last token always runs
@@ -228,22 +210,20 @@ class PrefixCache:
         if not counts:
             return PrefixHit()
         cumulative = torch.stack(counts).cumsum(0)                                         # (I, R)
-        best = self._hit_at(keys, cumulative, len(counts), devices)      # the common case: the whole run of records
-        if best is not None:
-            return best
-        low, high, best = 1, len(counts) - 1, None             # validity is monotone in i: bisect
+        # validity is monotone in i: bisect, trying the whole run of records (the common case) first
+        low, high, best = 1, len(counts), None
+        middle = high
         while low <= high:
-            middle = (low + high) // 2
             hit = self._hit_at(keys, cumulative, middle, devices)
             if hit is None:
                 high = middle - 1
             else:
                 best, low = hit, middle + 1
+            middle = (low + high) // 2
         return best if best is not None else PrefixHit()
 
     def _hit_at(self, keys, cumulative, i: int, devices: list[int]) -> PrefixHit | None:
-        """The hit for s = i * C with row r on device devices[r], or None if some needed block is
-        not cached there."""
+        """The hit for s = i * C, or None if some needed block is not cached on its row's device."""
         m = self.manager
         P = m.block_size
         s = i * self.chunk_size
@@ -280,9 +260,8 @@ class PrefixCache:
                          int(per_device.sum()), per_device, torch.tensor(devices, dtype=torch.int64))
 
     def apply_prefix_hit(self, seq_id: int, hit: PrefixHit) -> tuple[torch.Tensor, torch.Tensor]:
-        """Give a new sequence its rows from a hit: shared blocks gain an owner, straddling ones are
-        copied into fresh ones. Returns the copies' (source, destination) block ids, to copy before
-        anything writes the destinations. Raises OutOfBlocksError, changing nothing, when short."""
+        """Give a new sequence its rows from a hit; returns the copies' (source, destination)
+        block ids, to copy before anything writes the destinations."""
         m = self.manager
         P = m.block_size
         if hit.num_tokens == 0:
@@ -325,38 +304,30 @@ class PrefixCache:
         last = hit.row_counts[held] - 1
         last_block = m.block_tables[rows[held], last // P].to(torch.int64)
         m.last_position[rows[held]] = self.block_positions[last_block, last % P]
-        stats = self.stats
-        stats.num_hit_tokens += hit.num_tokens
-        stats.num_shared_blocks += hit.shared.numel()
-        stats.num_cow_blocks += hit.cow_source.numel()
+        self.stats.num_hit_tokens += hit.num_tokens
+        self.stats.num_shared_blocks += hit.shared.numel()
+        self.stats.num_cow_blocks += hit.cow_source.numel()
         return hit.cow_source.clone(), destination
 
     # ----- what a scheduler asks -------------------------------------------------------------------
     def hit_for(self, token_ids: list[int], seq_id: int | None = None) -> PrefixHit | None:
-        """What a new sequence with these tokens would start from, with its cost (a PrefixHit), or
-        None when nothing usable is cached."""
+        """What a new sequence with these tokens would start from, or None."""
         hit = self.find_cached_prefix(token_ids, seq_id)
         return hit if hit.num_tokens else None
 
     def start_sequence(self, seq_id: int, num_tokens: int, hit: PrefixHit | None):
-        """A looked-up sequence of num_tokens tokens starts from `hit` (apply_prefix_hit, whose
-        copies it returns) or from nothing (None). Counted in `stats`."""
+        """A looked-up sequence starts from `hit` (returning its copies) or from nothing (None)."""
         self.stats.num_lookups += 1
         self.stats.num_lookup_tokens += int(num_tokens)
         return None if hit is None else self.apply_prefix_hit(seq_id, hit)
 
     def forget_sequence(self, seq_id: int) -> None:
-        """The manager freed the sequence: its cached blocks stay findable until evicted."""
-        self._seq_state.pop(int(seq_id), None)
+        self._seq_state.pop(int(seq_id), None)              # its blocks stay findable until evicted
 
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks findable by prefix (in use or cached-free)."""
-        return len(self._keys_of_block)
+    num_cached_blocks = property(lambda self: len(self._keys_of_block))
 
-    # ----- checking --------------------------------------------------------------------------------
     def assert_consistent(self) -> None:
-        """The invariants above, after the manager checked its own (ref_cnt == rows listing a block)."""
+        """The class docstring's invariants, after the manager checked ref_cnt."""
         m, P = self.manager, self.manager.block_size
         row, column = m._used_columns().nonzero(as_tuple=True)
         owned = m.block_tables[row, column].to(torch.int64)

@@ -1,7 +1,5 @@
-"""Rows: how one (sequence, layer, expert) cache is numbered, and the one `ceil_div`.
-
-A *row* is the cache of one sequence at one layer for one attention expert. Every table over rows
-(token counts, block tables, the simulator's counters) numbers them sequence-major,
+"""A *row* is the cache of one sequence at one layer for one attention expert. Every table over
+rows (token counts, block tables, the simulator's counters) numbers them sequence-major,
 
     row = seq_index * (L * E) + layer * E + expert
 
@@ -18,7 +16,7 @@ import torch
 
 
 def ceil_div(a, b):
-    """ceil(a / b) for non-negative integers or integer tensors: blocks needed for a tokens."""
+    """ceil(a / b) for non-negative integers or integer tensors."""
     return (a + b - 1) // b
 
 
@@ -26,17 +24,14 @@ def ceil_div(a, b):
 class RowIndex:
     num_layers: int       # L
     num_experts: int      # E
-
-    @property
-    def rows_per_seq(self) -> int:
-        return self.num_layers * self.num_experts
+    rows_per_seq = property(lambda self: self.num_layers * self.num_experts)
 
     def row(self, seq_index, layer, expert):
         """Row id of (seq_index, layer, expert); ints or broadcastable int64 tensors."""
         return seq_index * self.rows_per_seq + layer * self.num_experts + expert
 
     def split(self, row):
-        """(seq_index, layer, expert) of row ids: the inverse of `row`."""
+        """The inverse of `row`."""
         seq_index, rest = row // self.rows_per_seq, row % self.rows_per_seq
         return seq_index, rest // self.num_experts, rest % self.num_experts
 

@@ -2,9 +2,9 @@
 
 With plain pages every row wastes the unused end of its last block, and fine-grained experts make
 rows short (E = 64, top-8, 16 layers: ~32 tokens per row on average), so at a block size a GPU reads
-well (P = 16) that is a large share of memory (the memory benchmark measures 0.87 utilization). Here
-a row's full blocks stay private and its last n % P tokens live in *tail blocks* owned by the
-sequence and shared, slot by slot, by all its rows:
+well (P = 16) that is a large share of memory (the memory benchmark measures 0.87 utilization).
+Here a row's full blocks stay private and its last n % P tokens live in the sequence's *tail
+blocks*, shared slot by slot by all its rows:
 
     row (s, l, e), n = 37, P = 16:    block_table = [12, 40]               tokens 0..31
                                       tail_slots  = [161, 167, 170, 171, 175]   tokens 32..36
@@ -19,8 +19,8 @@ slots; group g holds ceil(T_g / P) blocks of device g % D for its T_g tail token
 is used once or free, and a block is a row's or a group's, never both.
 
 The price, measured by bench memory: the moves, a slot index per tail token, and a decode that
-gathers up to P - 1 scattered tail slots per row. Bookkeeping loops over the rows of a call; the
-simulator's SharedTailDesign replays the same accounting from counts (a test checks they agree).
+gathers up to P - 1 scattered tail slots per row. The simulator's SharedTailDesign replays the same
+accounting from counts (a test checks they agree).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from .kv_cache_manager import KVCacheManager, Moves, SlotAllocation
 
 
 class SharedTails:
-    """A KVCacheManager's shared tails (`KVCacheManager(..., tails=SharedTails())`): it owns the
-    tail state, and the manager hands it the calls that differ. One per manager (see `attach`)."""
+    """A KVCacheManager's part (`tails=SharedTails()`, one per manager): it owns the tail state,
+    and the manager hands it the calls that differ."""
 
     def attach(self, manager: KVCacheManager) -> None:
         self.manager = manager
@@ -47,31 +47,26 @@ class SharedTails:
         self.free_tail_slots: dict[int, list[int]] = {}  # group -> free slots (a stack)
 
     def blocks(self) -> torch.Tensor:
-        """Every tail block, of all sequences: (b,) int64 (owned outside the block tables)."""
+        """Every tail block, of all sequences (owned outside the block tables)."""
         return torch.tensor([b for blocks in self.tail_blocks.values() for b in blocks], dtype=torch.int64)
 
     def groups_of_sequence(self, index: int) -> range:
-        """The tail groups of sequence slot `index`: one per device."""
         D = self.manager.num_devices
         return range(index * D, (index + 1) * D)
 
     def group_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """(m,) the tail group of each row: its sequence slot's group on the row's device."""
         m = self.manager
         return (rows // m.rows_per_seq) * m.num_devices + m.row_device[rows]
 
     def blocks_of_sequence(self, index: int) -> list[int]:
-        """The tail blocks of sequence slot `index`, device after device."""
         return [b for g in self.groups_of_sequence(index) for b in self.tail_blocks[g]]
 
     def add_sequence(self, index: int) -> None:
         for g in self.groups_of_sequence(index):
-            self.tail_blocks[g] = []
-            self.free_tail_slots[g] = []
+            self.tail_blocks[g], self.free_tail_slots[g] = [], []
 
     def num_blocks_needed_per_device(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
-        """(D,) blocks the append would take from each device: its rows' new full blocks, and the
-        new tail blocks of each tail group, on the group's device."""
+        """(D,) the rows' new full blocks and each tail group's new tail blocks, per device."""
         m, P, D = self.manager, self.manager.block_size, self.manager.num_devices
         old = m.row_tokens[rows]
         new = old + num_new_tokens
@@ -86,9 +81,7 @@ class SharedTails:
 
     # ----- allocate / slots / free ----------------------------------------------------------------
     def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor, with_slots: bool) -> SlotAllocation:
-        """KVCacheManager.allocate_slots with shared tails (rows checked): the new tokens' slots and
-        the K/V moves to apply, in order, before writing them. Raises, changing nothing, when the
-        pool is short."""
+        """KVCacheManager.allocate_slots with shared tails, rows checked."""
         m, P, D = self.manager, self.manager.block_size, self.manager.num_devices
         m.raise_short(self.num_blocks_needed_per_device(rows, num_new_tokens), rows, num_new_tokens)
         old = m.row_tokens[rows]
@@ -161,7 +154,6 @@ class SharedTails:
         return moves
 
     def slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """Tokens in the row's full blocks are found through its table, the rest in its tail slots."""
         m, P = self.manager, self.manager.block_size
         full = (m.row_tokens[row] // P) * P                              # tokens in blocks
         in_table = token < full
@@ -171,7 +163,7 @@ class SharedTails:
         return torch.where(in_table, body, tail)
 
     def free(self, index: int, rows: torch.Tensor) -> None:
-        """Forget the freed sequence's tails (the manager has returned its tail blocks to the pool)."""
+        """Forget the freed sequence's tails (the manager returned its tail blocks)."""
         P = self.manager.block_size
         self.tail_slots[rows] = -1
         for block in self.blocks_of_sequence(index):
@@ -183,7 +175,6 @@ class SharedTails:
         extra = torch.full((num_rows - len(self.tail_slots), self.manager.block_size), -1)
         self.tail_slots = torch.cat([self.tail_slots, extra])
 
-    # ----- checking --------------------------------------------------------------------------------
     def assert_consistent(self) -> None:
         m, P = self.manager, self.manager.block_size
         tails = m.row_tokens % P                                            # (R,)
@@ -211,5 +202,4 @@ class SharedTails:
 
 
 def SharedTailKVCacheManager(*args, **kwargs) -> KVCacheManager:
-    """KVCacheManager(*args, **kwargs, tails=SharedTails()): the shared-tail manager by one name."""
     return KVCacheManager(*args, tails=SharedTails(), **kwargs)
