@@ -233,12 +233,16 @@ class PagedKVCache:
 
     # ----- verb 2: the math -----------------------------------------------------------------------
     def attend(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
-        """Each pair's query q (n, H, Dh) over its row's keys up to its own token: (n, H, Dh)."""
+        """Each pair's query q (n, H, Dh) over the keys its row holds up to and including its own
+        token. Returns (n, H, Dh)."""
         if q.shape[0] != appended.pair_row.numel():
             raise ValueError(f"q has {q.shape[0]} queries for {appended.pair_row.numel()} appended pairs")
         if self.attention == "reference":
             return self._attend_row_by_row(appended, q)
         out = torch.empty_like(q)
+        if self.attention == "batched" and 0 < appended.rows.numel() == q.shape[0]:
+            self._attend_padded(appended, None, q, out)     # decode only: every row one pair, one group
+            return out
         decode = appended.num_new == 1                                              # (m,)
         groups = [decode, ~decode]                                                  # each padded alone
         if self.attention == "triton" and decode.any():
@@ -265,25 +269,37 @@ class PagedKVCache:
     def _attend_padded(self, appended: AppendedRows, group: torch.Tensor, q: torch.Tensor,
                        out: torch.Tensor) -> None:
         """The rows where group is True, at once, into out: keys padded to the longest row, queries
-        to the most new tokens of a row, one fused grouped-query attention."""
+        to the most new tokens of a row, one fused grouped-query attention. group None: each row of
+        the call has exactly one pair (decode): rows are taken in pair order, queries in place."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         device = q.device
-        members = group.nonzero().squeeze(1)                                       # (g,) into rows
-        rows, lens = appended.rows[members], appended.context_lens[members]        # (g,)
-        num_new = appended.num_new[members]
-        max_new = int(num_new.max())
+        if group is None:                                                          # row i: pair i's
+            rows, lens = appended.rows[appended.pair_row], appended.context_lens[appended.pair_row]
+            num_new, max_new = None, 1
+        else:
+            members = group.nonzero().squeeze(1)                                   # (g,) into rows
+            rows, lens = appended.rows[members], appended.context_lens[members]    # (g,)
+            num_new = appended.num_new[members]
+            max_new = int(num_new.max())
         g = rows.numel()
         compute = score_dtype(q.dtype)                                             # float32 at least
         keys, values, key_valid = self._gather_rows(rows, lens, compute)           # (g, Lmax, Hkv, Dh), (g, Lmax)
         max_len = keys.shape[1]
+        if group is None:                                                          # (n, 1, H, Dh): pair p, row p
+            result = F.scaled_dot_product_attention(                              # (n, H, 1, Dh)
+                q.to(compute)[:, None].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                attn_mask=key_valid[:, None, None, :], enable_gqa=Hkv != q.shape[1])
+            out.copy_(result[:, :, 0])
+            return
         # the group's pairs in a padded (g, Qmax) table of queries
         if g == appended.rows.numel():                                           # every row of the call
             pairs, pair_slot = None, appended.pair_row                             # (n,)
+            column = appended.pair_index - (lens - num_new)[pair_slot]
             pair_q, pair_index = q, appended.pair_index
         else:
             pairs, pair_slot = self._pairs_of(appended, members)                   # (p,) each
+            column = appended.pair_index[pairs] - (lens - num_new)[pair_slot]     # (p,) 0..Qmax-1
             pair_q, pair_index = q[pairs], appended.pair_index[pairs]
-        column = pair_index - (lens - num_new)[pair_slot]                          # (p,) 0..Qmax-1
         queries = q.new_zeros(g, max_new, q.shape[1], Dh, dtype=compute)           # (g, Qmax, H, Dh)
         queries[pair_slot, column] = pair_q.to(compute)
         if max_new == 1:        # decode: each row's one query is its newest token and sees the whole row
