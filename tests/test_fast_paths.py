@@ -147,6 +147,24 @@ def test_batched_path_reaches_the_logits(models, torch_logits, monkeypatch):
         _logits(models["torch"])
 
 
+def test_the_decode_only_batched_path_reaches_the_logits(models, monkeypatch):
+    """A decode step (every row one new token) takes _attend_padded's own branch (group None: no
+    padded query table); NaN from that branch alone must reach the logits."""
+    original = PagedKVCache._attend_padded
+    calls = []
+
+    def nan_when_decode_only(self, appended, group, q, out):
+        original(self, appended, group, q, out)
+        if group is None:
+            calls.append(q.shape[0])
+            out.fill_(float("nan"))
+
+    monkeypatch.setattr(PagedKVCache, "_attend_padded", nan_when_decode_only)
+    with pytest.raises(SamplingError, match="not finite"):
+        _logits(models["torch"])
+    assert calls, "no decode step took the decode-only branch"
+
+
 def test_reference_path_reaches_the_logits(models, torch_logits, monkeypatch):
     assert (_logits(models["torch"], attention="reference") - torch_logits).abs().max() < 1e-5
     original = paged.attend_by_position
