@@ -11,6 +11,7 @@ import pytest
 from moekv_ref.cache.block_pool import BlockPool, OutOfBlocksError
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
 from moekv_ref.cache.prefix_cache import PrefixCache, chain_keys
+from moekv_ref.engine.undo import Snapshot
 
 
 def append_tokens(manager, seq_id, start, routing):
@@ -218,11 +219,11 @@ def run_program(ops):
             end = min(len(tokens), computed + op[2])
             if end == computed:
                 continue
-            snapshot = manager.snapshot_rows([seq_id])
+            snapshot = Snapshot(manager)
             try:
                 append_tokens(manager, seq_id, computed, [routing_of(tokens, t) for t in range(computed, end)])
             except OutOfBlocksError:            # a layer ran short: undo the earlier layers, as the engine does
-                manager.restore_rows(snapshot)
+                snapshot.restore()
                 manager.assert_consistent()
                 continue
             live[seq_id][1] = end

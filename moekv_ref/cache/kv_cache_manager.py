@@ -51,15 +51,6 @@ class SlotAllocation:
     moves: Moves = field(default_factory=list)
 
 
-@dataclass
-class RowSnapshot:
-    """What `snapshot_rows` remembers; the sequences not held then are freed on restore."""
-    absent_seq_ids: list[int]
-    rows: torch.Tensor              # (r,) int64
-    num_tokens: torch.Tensor        # (r,) int64
-    last_positions: torch.Tensor    # (r,) int64
-
-
 def check_block_size(block_size) -> int:
     """Block sizes are powers of two: a GPU kernel then splits a slot into block and offset with a
     shift and a mask, and the sweeps of the memory benchmark go 1, 2, 4, ... 256."""
@@ -482,52 +473,6 @@ class KVCacheManager:
         self.pool.free(blocks)
         self._clear_rows(rows)
         return blocks.numel()
-
-    # ----- undoing appends -------------------------------------------------------------------------
-    def truncate(self, rows: torch.Tensor, num_tokens: torch.Tensor) -> None:
-        """Keep only the first num_tokens[i] (<= held) tokens of rows[i], undoing a forward that
-        failed half-way. A row cut to 0 forgets its last position; otherwise the caller restores it
-        (`restore_rows`)."""
-        if self.tails is not None:
-            raise NotImplementedError("a manager with shared tails cannot truncate rows: undoing tail moves "
-                                      "is not implemented; use plain pages where steps must be undone")
-        P = self.block_size
-        rows, keep = self._check_allocation(rows, num_tokens, rows_are_distinct=False)
-        if rows.numel() == 0:
-            return
-        if (rows < 0).any() or (rows >= self.row_tokens.numel()).any():
-            raise ValueError(f"rows must be in [0, {self.row_tokens.numel()})")
-        held = self.row_tokens[rows]                                      # (m,)
-        if (keep > held).any():
-            i = int((keep > held).nonzero()[0])
-            raise ValueError(f"cannot truncate row {int(rows[i])} to {int(keep[i])} tokens: it holds "
-                             f"{int(held[i])}")
-        column = torch.arange(self.block_tables.shape[1])                         # (W,)
-        cut = (column >= ceil_div(keep, P)[:, None]) & (column < ceil_div(held, P)[:, None])   # (m, W)
-        tables = self.block_tables[rows]                                           # (m, W)
-        self.pool.free(tables[cut].to(torch.int64))
-        tables[cut] = self.pad
-        self.block_tables[rows] = tables
-        self.row_tokens[rows] = keep
-        self._clear_rows(rows[keep == 0])
-
-    def snapshot_rows(self, seq_ids) -> "RowSnapshot":
-        """Remember these sequences' rows, so that `restore_rows` can undo later appends."""
-        seq_ids = sorted({int(s) for s in seq_ids})
-        held = [s for s in seq_ids if s in self._seq_index]
-        slots = torch.tensor([self._seq_index[s] for s in held], dtype=torch.int64)
-        rows = self.sequence_rows(slots).reshape(-1)                               # (h * L * E,)
-        return RowSnapshot([s for s in seq_ids if s not in self._seq_index], rows,
-                           self.row_tokens[rows].clone(), self.last_position[rows].clone())
-
-    def restore_rows(self, snapshot: "RowSnapshot") -> None:
-        """Undo every append to the snapshot's sequences since; valid while none of them was freed
-        or re-added in between."""
-        for seq_id in snapshot.absent_seq_ids:
-            if seq_id in self._seq_index:
-                self.free(seq_id)
-        self.truncate(snapshot.rows, snapshot.num_tokens)
-        self.last_position[snapshot.rows] = snapshot.last_positions
 
     def _grow_rows(self) -> None:
         """Double the sequence slots (bookkeeping only; the pool never grows)."""
