@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..routing import Routing
 from .comm import Communicator
 
 
@@ -69,6 +68,11 @@ class DispatchPlan:
         """(token, expert) pairs on other ranks: what a once-per-expert dispatch would send."""
         return int(((self.experts >= 0) & (self.rank != home_rank)[:, None]).sum())
 
+    def count(self, traffic: Counter, kind: str, home_rank: int) -> None:
+        """Add both counts to traffic, as {kind}_pairs_to_peers and {kind}_expert_pairs_to_peers."""
+        traffic[f"{kind}_pairs_to_peers"] += self.pairs_to_peers(home_rank)
+        traffic[f"{kind}_expert_pairs_to_peers"] += self.expert_pairs_to_peers(home_rank)
+
 
 @dataclass
 class Received:
@@ -81,16 +85,10 @@ class Received:
     recv_counts: list[int]              # R
 
 
-def dispatch(comm: Communicator, kind: str, routing: Routing, rank_of_expert: torch.Tensor,
-             slots: int, hidden: torch.Tensor, traffic: Counter, seq_ids=None,
-             positions=None) -> tuple[DispatchPlan, Received]:
-    """Plan where the tokens go (slots = K), count it in traffic, and send them: split sizes, then
-    one all-to-all of floats and one of ints, in the module docstring's format."""
-    plan = DispatchPlan.build(routing.selected, routing.gates, rank_of_expert, comm.world_size,
-                              slots)
-    traffic[f"{kind}_pairs_to_peers"] += plan.pairs_to_peers(comm.rank)
-    traffic[f"{kind}_expert_pairs_to_peers"] += plan.expert_pairs_to_peers(comm.rank)
-    category = f"{kind}_dispatch"
+def dispatch(comm: Communicator, plan: DispatchPlan, hidden: torch.Tensor, category: str,
+             seq_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> Received:
+    """Send each pair's hidden state, gates and expert ids (and, for attention, its sequence id and
+    position) to its rank: split sizes, then one all-to-all of floats and one of ints."""
     floats = torch.cat([hidden[plan.token.to(hidden.device)], plan.gates.to(hidden.device, hidden.dtype)],
                        dim=1)                                                                # (P, D + K)
     ints = plan.experts
@@ -104,9 +102,8 @@ def dispatch(comm: Communicator, kind: str, routing: Routing, rank_of_expert: to
     D = hidden.shape[1]
     hidden_in, gates_in = floats_in[:, :D], floats_in[:, D:]                              # (n, D), (n, K)
     if seq_ids is None:
-        return plan, Received(hidden_in, gates_in, ints_in, None, None, recv_counts)
-    seq_ids_in, positions_in, ints_in = ints_in[:, 0], ints_in[:, 1], ints_in[:, 2:]
-    return plan, Received(hidden_in, gates_in, ints_in, seq_ids_in, positions_in, recv_counts)
+        return Received(hidden_in, gates_in, ints_in, None, None, recv_counts)
+    return Received(hidden_in, gates_in, ints_in[:, 2:], ints_in[:, 0], ints_in[:, 1], recv_counts)
 
 
 def combine(comm: Communicator, plan: DispatchPlan, received: Received, pairs: "LocalPairs",

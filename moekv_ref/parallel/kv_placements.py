@@ -52,8 +52,10 @@ class _PlacedAttention:
         """Route the home tokens and send them to their experts' ranks: (plan, received)."""
         routing = self.shard.route_attention(layer, h)                                   # (N, E)
         k_max = self.shard.config.num_attention_experts_per_tok
-        return dispatch(self.comm, "attention", routing, self.attention_ranks[layer], k_max, h,
-                        traffic, seq_ids, positions)
+        plan = DispatchPlan.build(routing.selected, routing.gates, self.attention_ranks[layer],
+                                  self.comm.world_size, k_max)
+        plan.count(traffic, "attention", self.comm.rank)
+        return plan, dispatch(self.comm, plan, h, "attention_dispatch", seq_ids, positions)
 
     def _experts(self, layer: int, h, plan: DispatchPlan, received, cache):
         """The received tokens through this rank's attention experts, their K/V in `cache`, combined

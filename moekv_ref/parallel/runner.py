@@ -24,7 +24,7 @@ import torch
 from ..cache import PagedKVCache
 from ..model import MoEKVTransformer, swiglu_experts
 from .comm import Communicator
-from .dispatch import combine, dispatch, local_pairs
+from .dispatch import DispatchPlan, combine, dispatch, local_pairs
 from .kv_placements import KV_PLACEMENTS, PLACEMENT_CLASSES
 from .shard import RankShard
 
@@ -75,8 +75,10 @@ class ParallelRunner:
     def _ffn(self, layer: int, h: torch.Tensor, traffic: Counter) -> torch.Tensor:
         part = self.shard.layers[layer]
         routing = self.shard.route_ffn(layer, h)                                          # (N, E_ffn)
-        plan, received = dispatch(self.comm, "ffn", routing, self.ffn_ranks[layer],
-                                  self.shard.config.num_experts_per_tok, h, traffic)
+        plan = DispatchPlan.build(routing.selected, routing.gates, self.ffn_ranks[layer],
+                                  self.comm.world_size, self.shard.config.num_experts_per_tok)
+        plan.count(traffic, "ffn", self.comm.rank)
+        received = dispatch(self.comm, plan, h, "ffn_dispatch")
         pairs = local_pairs(received, part.ffn_experts)
         y = swiglu_experts(received.hidden[pairs.token], pairs.counts, part.w_gate, part.w_up, part.w_down,
                            self.shard.backend)                                            # (M, D)
