@@ -130,6 +130,8 @@ class LLMEngine:
 
     num_swap_blocks: the CPU swap space (default: the pool's size when preempting by swap).
     attention: PagedKVCache's attention path (None: "triton" on the Triton backend, else "batched").
+    enable_prefix_caching: start a request from a cached prefix (cache/prefix_cache.py); a hit
+    reuses only blocks of the device each row takes blocks from.
     blocks_per_device: D integers >= 1, never rounded (num_blocks their sum if left out);
     device_of_expert: (E,) or (L, E) devices (placement.place_experts). With home_devices
     device_of_expert is None: ask memory.device_of_expert_of.
@@ -248,7 +250,8 @@ class LLMEngine:
 
     # ----- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample, account; returns the requests that finished.
+        """Schedule, run one forward, sample, account; returns the requests that finished (served
+        to the end, or failed in their own sampling: "error", while the others go on).
 
         A step happens whole or not at all (undo.py): if anything raises, every object is put back
         as it was before the step (past scheduling: after its preemptions and admissions, which are
