@@ -11,6 +11,7 @@ environment).
   imports `kernels` or `triton` is skipped, with the reason in pytest's summary (`-rs`).
 """
 
+import fnmatch
 import os
 import re
 from pathlib import Path
@@ -56,10 +57,18 @@ def pytest_pycollect_makemodule(module_path, parent):
     return None
 
 
+@pytest.hookimpl(trylast=True)         # after -k and -m have deselected what they deselect
 def pytest_collection_modifyitems(config, items):
-    """Notebooks (nbval's items) that import the kernels: skipped, cell by cell, without triton."""
-    if triton_available():
-        return
+    """Notebooks (nbval's items) skipped, cell by cell: those that import the kernels, without triton;
+    and those the browser test runs in this session (it is collected only where Chromium and
+    playwright are), because it compares their outputs with the stored ones as nbval does."""
+    browser_runs = any(item.path.name == "test_browser.py" for item in items)
+    chosen = os.environ.get("BROWSER_TEST_NOTEBOOKS", "*.ipynb")       # the browser test's choice
     for item in items:
-        if item.path.suffix == ".ipynb" and needs_triton(item.path):
+        if item.path.suffix != ".ipynb":
+            continue
+        if not triton_available() and needs_triton(item.path):
             item.add_marker(pytest.mark.skip(reason=_skip_reason(item.path)))
+        elif browser_runs and fnmatch.fnmatch(item.path.name, chosen):
+            item.add_marker(pytest.mark.skip(reason="tests/test_browser.py runs this notebook in JupyterLab "
+                                                    "in this session and compares its outputs as nbval does"))

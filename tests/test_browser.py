@@ -1,13 +1,18 @@
 """Every notebook in JupyterLab, in a real browser, as a reader opens it.
 
 JupyterLab starts with the README's own launch line, `jupyter lab`, from the repository root (so the
-notebooks' links to docs/ resolve), plus only what a headless run needs (no browser of its own, loopback, a free port, a token, and
---allow-root when run as root); PYTHONPATH is removed from its environment. Debian's Chromium, driven
-through Playwright (its Python package only: no browser is downloaded), opens each notebook found by
-glob, clears the stored outputs and runs all cells top to bottom from the Run menu. Two notebooks run
-at a time, each in a browser and a kernel of its own (BROWSER_TEST_BROWSERS=1: one at a time), so the
-run-all times are those of a notebook sharing a two-core machine with another. The test fails on:
+notebooks' links to docs/ resolve), plus only what a headless run needs (no browser of its own,
+loopback, a free port, a token, the app exposed to the page so its notebook model can be read, and
+--allow-root when run as root); PYTHONPATH is removed from its environment. Debian's Chromium,
+driven through Playwright (its Python package only: no browser is downloaded), opens each notebook
+found by glob, clears the stored outputs and runs all cells top to bottom from the Run menu. Two
+notebooks run at a time, each in a browser and a kernel of its own (BROWSER_TEST_BROWSERS=1: one at
+a time), so the run-all times are those of a notebook sharing a two-core machine with another.
+The test fails on:
 
+- an output that differs from the committed one, compared as nbval compares (the same skipped fields,
+  cell tags and sanitizing file), read from JupyterLab's model of the notebook after run-all: this is
+  nbval's check, so conftest.py skips nbval's run of the notebooks this test runs in the session;
 - an error output (a traceback) or "Error displaying widget" anywhere, or a widget left as its text
   form ("IntSlider(value=...", "interactive(children=...");
 - a notebook that imports ipywidgets but shows no working widget: in every cell with widgets, up to two
@@ -33,6 +38,7 @@ Skips, saying why, where Chromium (`apt-get install chromium`) or the playwright
 from __future__ import annotations
 
 import base64
+import configparser
 import hashlib
 import io
 import json
@@ -51,8 +57,10 @@ import urllib.request
 from pathlib import Path
 from queue import Empty
 
+import nbformat
 import numpy as np
 import pytest
+from nbval.plugin import coalesce_streams, transform_streams_for_comparison
 
 from moekv_ref.plots.tables import text_table
 
@@ -87,6 +95,9 @@ JS_KERNEL_STATUS = """() => {
 JS_STDERR_TEXTS = """() => [...document.querySelectorAll(
     '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')].map(e => e.textContent)"""
 JS_OUTPUT_TEXTS = "() => [...document.querySelectorAll('.jp-OutputArea-output')].map(e => e.textContent)"
+# the open notebook as JupyterLab holds it (expose_app_in_browser gives the page window.jupyterapp)
+JS_NOTEBOOK = """() => { const panel = window.jupyterapp.shell.currentWidget;
+    return {path: panel.context.path, cells: panel.content.model.toJSON().cells}; }"""
 JS_FIGURE_WIDTHS = """() => [...document.querySelectorAll('.jp-OutputArea-output img')]
     .filter(i => i.naturalWidth > 0).map(i => [i.naturalWidth, i.clientWidth])"""
 JS_RUN_ALL_DONE = """() => {
@@ -98,6 +109,61 @@ JS_RUN_ALL_DONE = """() => {
     return [...document.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
         .some(e => e.textContent.includes('Traceback') || /Error/.test(e.textContent));
 }"""
+
+
+# What nbval leaves out of a comparison (its defaults without nbdime) and how it sanitizes the rest:
+# the browser run checks the stored outputs exactly as nbval would, so nbval need not run them again.
+NBVAL_SKIPS = ("metadata", "traceback", "prompt_number", "output_type", "name", "execution_count",
+               "application/vnd.jupyter.widget-view+json", "image/png", "image/jpeg")
+SANITIZE = configparser.ConfigParser()
+SANITIZE.read(ROOT / "tests" / "nbval_sanitize.cfg")
+
+
+def sanitized(value):
+    if isinstance(value, list):                          # a multi-line string as the JSON stores it
+        value = "".join(value)
+    if not isinstance(value, str):
+        return value
+    for section in SANITIZE.sections():
+        value = re.sub(SANITIZE[section]["regex"], SANITIZE[section]["replace"], value)
+    return value
+
+
+def compared_fields(outputs) -> dict[str, list]:
+    """A cell's outputs as nbval compares them: streams merged per name, each field (a stream name, a
+    MIME type of data) mapped to its sanitized values in order."""
+    outputs = [nbformat.from_dict({k: "".join(v) if isinstance(v, list) and k == "text" else v
+                                   for k, v in o.items()}) for o in outputs]
+    fields: dict[str, list] = {}
+    for output in transform_streams_for_comparison(coalesce_streams(outputs)):
+        for key, value in output.items():
+            if key in NBVAL_SKIPS:
+                continue
+            for field, item in (value.items() if key == "data" else [(key, value)]):
+                if field not in NBVAL_SKIPS:
+                    fields.setdefault(field, []).append(sanitized(item))
+    return fields
+
+
+def stored_output_differences(path: Path, cells: list[dict]) -> list[str]:
+    """Code cells whose outputs after run-all (JupyterLab's model) differ from the committed ones,
+    cell tags honoured as nbval honours them."""
+    stored = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    ran = [c for c in cells if c["cell_type"] == "code"]
+    if len(ran) != len(stored):
+        return [f"{path.name}: {len(ran)} code cells in JupyterLab, {len(stored)} in the file"]
+    problems = []
+    for i, (old, new) in enumerate(zip(stored, ran)):
+        tags = old.metadata.get("tags", [])
+        if "nbval-skip" in tags or "nbval-ignore-output" in tags:
+            continue
+        expected, got = compared_fields(old.outputs), compared_fields(new.get("outputs", []))
+        if expected != got:
+            field = next(f for f in sorted(set(expected) | set(got)) if expected.get(f) != got.get(f))
+            problems.append(f"{path.name}: code cell {i} ({''.join(old.source)[:60]!r}...): its '{field}' "
+                            f"output differs from the stored one:\nstored: {expected.get(field)!r:.1500}"
+                            f"\nnow:    {got.get(field)!r:.1500}")
+    return problems
 
 
 def free_port() -> int:
@@ -125,7 +191,8 @@ class Lab:
         launcher = [str(jupyter)] if jupyter.exists() else [sys.executable, "-m", "jupyter"]
         command = launcher + ["lab",                                                # the README's line
                               "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
-                              "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}"]
+                              "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
+                              "--LabApp.expose_app_in_browser=True"]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             command.append("--allow-root")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
@@ -320,6 +387,10 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
             pass
         page.wait_for_timeout(1000)
     shot(page, "run-all")
+    model = page.evaluate(JS_NOTEBOOK)
+    if model["path"] != f"notebooks/{name}":
+        problems.append(f"{name}: the page shows {model['path']}, not the notebook")
+    problems += stored_output_differences(path, model["cells"])
 
     prompts = page.evaluate(JS_CODE_PROMPTS)
     if not all(re.search(r"\[\d+\]", p) for p in prompts):

@@ -5,7 +5,8 @@ with ModuleNotFoundError while nbval (which ran with the path set by the test se
 
 Every notebook's first code cell (its imports and set-up) runs here through `jupyter nbconvert
 --execute`, in a subprocess started in notebooks/ with PYTHONPATH removed from its environment. The
-whole notebooks run in tests/test_browser.py (in JupyterLab itself) and through nbval.
+whole notebooks run in tests/test_browser.py (in JupyterLab itself), or through nbval where there is
+no browser.
 """
 
 import json
