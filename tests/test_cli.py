@@ -109,16 +109,36 @@ def test_cli_generate_paged_gives_the_contiguous_tokens(capsys):
 
 
 @needs_triton
-def test_cli_triton_backend_gives_the_torch_tokens(capsys):
-    """`generate --backend triton --cache paged --json` (through the serving engine) = `--backend torch`."""
-    tokens = {}
+def test_cli_triton_backend_gives_the_torch_tokens(capsys, monkeypatch):
+    """`generate --backend triton --cache paged --json` (through the serving engine) = `--backend torch`.
+
+    3 new tokens (6 before: on a CPU each step of the Triton interpreter takes seconds): the prefill
+    and two decode steps, the second reading K/V the first stored; that the kernels ran, in both
+    decode steps of every layer, is counted below (the 4 + 6 tokens of before fit in one block too)."""
+    import kernels
+    calls = {name: 0 for name in ("paged_attention", "store_kv", "expert_gemm")}
+
+    def counted(name, kernel):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+        return run
+
+    for name in calls:
+        monkeypatch.setattr(kernels, name, counted(name, getattr(kernels, name)))
+    tokens, launches = {}, {}
     for backend in ("torch", "triton"):
-        assert main(["generate", "--prompt", "def ", "--max-new-tokens", "6", "--greedy", "--json",
+        calls.update(dict.fromkeys(calls, 0))
+        assert main(["generate", "--prompt", "def ", "--max-new-tokens", "3", "--greedy", "--json",
                      "--cache", "paged", "--backend", backend]) == 0
         output = json.loads(capsys.readouterr().out)
         assert output["backend"] == backend
-        tokens[backend] = output["tokens"]
-    assert len(tokens["torch"]) == 6 and tokens["triton"] == tokens["torch"]
+        tokens[backend], launches[backend] = output["tokens"], dict(calls)
+    assert len(tokens["torch"]) == 3 and tokens["triton"] == tokens["torch"]
+    num_layers = get_config("tiny").num_hidden_layers
+    assert launches["torch"] == dict.fromkeys(calls, 0), launches
+    assert launches["triton"]["paged_attention"] >= 2 * num_layers, launches      # each decode step, each layer
+    assert launches["triton"]["store_kv"] >= 3 * num_layers and launches["triton"]["expert_gemm"] > 0, launches
 
 
 def test_cli_triton_backend_needs_the_paged_cache(capsys):
