@@ -565,3 +565,32 @@ def test_every_notebook_runs_and_its_widgets_work_in_jupyterlab(tmp_path, record
     for record in records:
         if record["notebook"] in interactive:
             assert record["widgets_changed"], record
+
+
+def test_the_output_comparison_is_nbvals():
+    """stored_output_differences on a committed notebook against itself, changed: a changed printed
+    character is found, a changed timing is sanitized away, and a cell tagged nbval-ignore-output
+    is not compared."""
+    path = ROOT / "notebooks" / "01_why_a_kv_cache.ipynb"     # it prints in tagged cells too
+
+    def changed(text, ignored=False):
+        """The notebook's cells, as the page's model holds them, with the first stdout of the first
+        cell that is (ignored=True) or is not tagged nbval-ignore-output replaced by text."""
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        output = next(o for c in cells if c["cell_type"] == "code"
+                      and ("nbval-ignore-output" in c["metadata"].get("tags", [])) == ignored
+                      for o in c["outputs"] if o["output_type"] == "stream")
+        if text is not None:
+            output["text"] = text
+        return cells
+
+    assert stored_output_differences(path, changed(None)) == []
+    found = stored_output_differences(path, changed("a line it does not print\n"))
+    assert len(found) == 1 and "'stdout' output differs" in found[0], found
+    assert stored_output_differences(path, changed("anything\n", ignored=True)) == []
+
+    def stdout(text):
+        return compared_fields([{"output_type": "stream", "name": "stdout", "text": text}])
+
+    assert stdout(["took 1.5 s", " for 3 tokens\n"]) == stdout("took 9.25 ms for 3 tokens\n")
+    assert stdout("took 1.5 s for 3 tokens\n") != stdout("took 1.5 s for 4 tokens\n")
