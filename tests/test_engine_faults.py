@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import moekv_ref.engine.engine as engine_module
+from moekv_ref.cache.rows import worst_case_lifetime_blocks
 from moekv_ref.engine import LLMEngine, RequestStatus, SchedulerConfig
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
@@ -221,12 +222,13 @@ def test_soak_of_thousands_of_short_requests_keeps_memory_flat():
 # ----- seeded random runs ---------------------------------------------------------------------------
 def test_seeded_random_runs_with_aborts_and_faults():
     """30 runs, each a random pool, policy, preemption mode, swap space and workload, with random
-    aborts and faults injected into random layers and steps.
+    aborts and faults injected into random layers and steps. Every third run is tight (see below):
+    without those, a random pool of this size never filled and no run preempted.
 
-    30 (60 before): the runs are seeded, and the first 30 reach every kind of run and event the 60
-    did (counted below, `seen`): each policy, both preemption modes and both admissions of
-    continuous_paged, faults before and after a layer's append, aborts, and requests refused because
-    they can never fit (2 in all 60 runs, both in the first 30)."""
+    The runs are seeded, and `seen` counts what they reached; the test fails unless it saw each
+    policy, both preemption modes and both admissions of continuous_paged, faults before and after
+    a layer's append, aborts, requests refused because they can never fit, preemptions by
+    recompute and by swap (blocks swapped out), and a run that both preempts and faults."""
     model = random_model(small_config("expert", "threshold", vocab_size=32, hidden_size=16,
                                       num_attention_heads=2, num_key_value_heads=1,
                                       moe_intermediate_size=16), seed=7)
@@ -238,7 +240,8 @@ def test_seeded_random_runs_with_aborts_and_faults():
             cache[key] = generate(model, [prompt], [params], cache="contiguous").tokens[0]
         return cache[key]
 
-    L, K = model.config.num_hidden_layers, model.config.num_attention_experts_per_tok
+    L, E, K = (model.config.num_hidden_layers, model.config.num_attention_experts,
+               model.config.num_attention_experts_per_tok)
     seen = set()
     for run in range(30):
         g = torch.Generator().manual_seed(run)
@@ -246,16 +249,28 @@ def test_seeded_random_runs_with_aborts_and_faults():
         def rand(low, high):
             return int(torch.randint(low, high + 1, (), generator=g))
 
-        policy = ["continuous_paged", "continuous_paged", "continuous_reserved", "static"][rand(0, 3)]
-        mode = ["recompute", "swap"][rand(0, 1)] if policy == "continuous_paged" else "recompute"
-        config = SchedulerConfig(max_num_seqs=rand(1, 6), max_num_batched_tokens=rand(4, 32), policy=policy,
-                                 admission=["predicted", "optimistic"][rand(0, 1)] if policy == "continuous_paged" else None,
+        # every third run is tight: optimistic admission of several longer requests into a pool that
+        # holds the largest alone at its worst, so that decode outgrows it and requests are preempted
+        tight = run % 3 == 2
+        policy = "continuous_paged" if tight else ["continuous_paged", "continuous_paged",
+                                                   "continuous_reserved", "static"][rand(0, 3)]
+        modes = ["recompute", "swap"]
+        mode = modes[run // 3 % 2 if tight else rand(0, 1)] if policy == "continuous_paged" else "recompute"
+        admission = "optimistic" if tight else ["predicted", "optimistic"][rand(0, 1)]
+        config = SchedulerConfig(max_num_seqs=rand(3 if tight else 1, 6), max_num_batched_tokens=rand(4, 32),
+                                 policy=policy, admission=admission if policy == "continuous_paged" else None,
                                  preemption_mode=mode)
-        num_blocks = rand(L * K * 6, 90)
+        specs = [([rand(0, 31) for _ in range(rand(1, 10))],
+                  SamplingParams(max_new_tokens=rand(1, 24 if tight else 8), temperature=[0.0, 0.8][rand(0, 1)],
+                                 seed=rand(0, 99))) for _ in range(rand(3 if tight else 2, 6))]
+        # (all but the last: the last is refused when it alone is the largest)
+        num_blocks = (max(worst_case_lifetime_blocks(len(prompt) + params.max_new_tokens, L, E, K, BLOCK_SIZE)
+                          for prompt, params in specs[:-1]) if tight else rand(L * K * 6, 90))
         seen.update([policy, (policy, mode), (policy, config.admission)])
         engine = LLMEngine(model, num_blocks, BLOCK_SIZE, config, shuffle_seed=rand(0, 9),
                            num_swap_blocks=rand(1, 30) if mode == "swap" else None)
         fault_steps = {rand(0, 15): (rand(0, L - 1), bool(rand(0, 1))) for _ in range(rand(0, 2))}
+        planned_faults = dict(fault_steps)
         original = engine.cache.append_kv
 
         def append_kv(layer_index, *args, engine=engine, original=original, fault_steps=fault_steps):
@@ -269,9 +284,7 @@ def test_seeded_random_runs_with_aborts_and_faults():
 
         engine.cache.append_kv = append_kv
         requests = {}
-        for _ in range(rand(2, 6)):
-            prompt = [rand(0, 31) for _ in range(rand(1, 10))]
-            params = SamplingParams(max_new_tokens=rand(1, 8), temperature=[0.0, 0.8][rand(0, 1)], seed=rand(0, 99))
+        for prompt, params in specs:
             try:
                 requests[engine.add_request(prompt, params)] = (prompt, params)
             except ValueError as error:
@@ -294,9 +307,15 @@ def test_seeded_random_runs_with_aborts_and_faults():
             if rid not in aborted:
                 assert outputs[rid].token_ids == alone_of(prompt, params), (run, rid, config)
         engine.memory.assert_no_leak()
+        stats = engine.stats()
+        if stats.num_preemptions and (mode == "recompute" or stats.num_swapped_out_blocks):
+            seen.add(f"preempted by {mode}")
+        if stats.num_preemptions and fault_steps != planned_faults:
+            seen.add("preempted and faulted")
     expected = {"continuous_paged", "continuous_reserved", "static", ("continuous_paged", "recompute"),
                 ("continuous_paged", "swap"), ("continuous_paged", "predicted"), ("continuous_paged", "optimistic"),
-                "refused", "aborted", "fault before", "fault after"}
+                "refused", "aborted", "fault before", "fault after", "preempted by recompute", "preempted by swap",
+                "preempted and faulted"}
     assert expected <= seen, expected - seen
 
 
