@@ -64,10 +64,11 @@ def pytest_collection_modifyitems(config, items):
     playwright are), because it compares their outputs with the stored ones as nbval does."""
     browser_runs = any(item.path.name == "test_browser.py" for item in items)
     chosen = os.environ.get("BROWSER_TEST_NOTEBOOKS", "*.ipynb")       # the browser test's choice
+    no_triton = not triton_available()                                 # a search of sys.path: once
     for item in items:
         if item.path.suffix != ".ipynb":
             continue
-        if not triton_available() and needs_triton(item.path):
+        if no_triton and needs_triton(item.path):
             item.add_marker(pytest.mark.skip(reason=_skip_reason(item.path)))
         elif browser_runs and fnmatch.fnmatch(item.path.name, chosen):
             item.add_marker(pytest.mark.skip(reason="tests/test_browser.py runs this notebook in JupyterLab "
