@@ -19,7 +19,8 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     """
     num_positions = int(positions.max()) + 1 if positions.numel() else 1
     cos, signed_sin = rotary_pair_table(x.shape[-1], theta, num_positions, x.device, x.dtype)
-    cos, signed_sin = cos[positions][..., None, :], signed_sin[positions][..., None, :]   # (..., 1, Dh)
+    cos, signed_sin = (table.index_select(0, positions.reshape(-1)).view(*positions.shape, 1, x.shape[-1])
+                       for table in (cos, signed_sin))                         # (..., 1, Dh)
     swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)                   # (x2, x1) in each pair
     return x * cos + swapped * signed_sin
 

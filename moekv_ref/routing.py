@@ -35,19 +35,20 @@ def route(logits: torch.Tensor, rule: str, k: int, threshold: float = 0.5) -> Ro
     if not 1 <= k <= num_experts:
         raise ValueError(f"k={k} must be in [1, {num_experts}] (the number of experts)")
     probs = torch.softmax(logits, dim=-1)                        # (..., E)
-    order = torch.argsort(probs, dim=-1, descending=True, stable=True)
-    sorted_probs = torch.gather(probs, -1, order)                # (..., E) largest first
-    rank = torch.arange(num_experts, device=logits.device)
-    if rule == "topk":
-        keep_sorted = (rank < k).expand_as(sorted_probs)
+    # largest first; stable, so that among equal probabilities the lower-numbered expert wins
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)   # (..., E) each
+    selected = torch.zeros_like(probs, dtype=torch.bool)
+    if rule == "topk":                                           # the first k in sorted order
+        selected.scatter_(-1, order[..., :k], True)
     elif rule == "threshold":
         # keep expert j (in sorted order) while the mass of the experts before it is below p
+        rank = torch.arange(num_experts, device=logits.device)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         keep_sorted = (mass_before < threshold) & (rank < k)
         keep_sorted[..., 0] = True                               # at least one expert
+        selected.scatter_(-1, order, keep_sorted)                # back to expert order
     else:
         raise ValueError(f"unknown routing rule {rule!r}; allowed: ('topk', 'threshold')")
-    selected = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)  # back to expert order
     gates = probs * selected
     gates = gates / gates.sum(-1, keepdim=True)
     return Routing(probs=probs, selected=selected, gates=gates)

@@ -148,21 +148,19 @@ def test_batched_path_reaches_the_logits(models, torch_logits, monkeypatch):
 
 
 def test_the_decode_only_batched_path_reaches_the_logits(models, monkeypatch):
-    """A decode step (every row one new token) takes _attend_padded's own branch (group None: no
-    padded query table); NaN from that branch alone must reach the logits."""
-    original = PagedKVCache._attend_padded
+    """A decode step (every row one new token) takes its own method, _attend_decode (no padded
+    query table); NaN from it alone must reach the logits."""
+    original = PagedKVCache._attend_decode
     calls = []
 
-    def nan_when_decode_only(self, appended, group, q, out):
-        original(self, appended, group, q, out)
-        if group is None:
-            calls.append(q.shape[0])
-            out.fill_(float("nan"))
+    def nan_when_decode_only(self, appended, q):
+        calls.append(q.shape[0])
+        return torch.full_like(original(self, appended, q), float("nan"))
 
-    monkeypatch.setattr(PagedKVCache, "_attend_padded", nan_when_decode_only)
+    monkeypatch.setattr(PagedKVCache, "_attend_decode", nan_when_decode_only)
     with pytest.raises(SamplingError, match="not finite"):
         _logits(models["torch"])
-    assert calls, "no decode step took the decode-only branch"
+    assert calls, "no decode step took the decode-only path"
 
 
 def test_reference_path_reaches_the_logits(models, torch_logits, monkeypatch):

@@ -241,8 +241,8 @@ class KVCacheManager:
             raise ValueError(f"layer={layer!r} is {a_type(layer)}; allowed: an integer in [0, {self.num_layers})")
         seq_ids = checked_ids(seq_ids, "seq_ids").reshape(-1)
         experts = checked_ids(experts, "experts").expand_as(seq_ids)
-        if not 0 <= layer < self.num_layers or (experts.numel() and not (
-                0 <= int(experts.min()) and int(experts.max()) < self.num_experts)):
+        lowest, highest = torch.aminmax(experts) if experts.numel() else (0, 0)
+        if not 0 <= layer < self.num_layers or not 0 <= int(lowest) <= int(highest) < self.num_experts:
             raise ValueError(f"layer {layer} or experts {sorted(set(experts.tolist()))[:8]} outside "
                              f"[0, {self.num_layers}) x [0, {self.num_experts})")
         try:            # one dict lookup per id: cheaper than sorting out the few distinct ones first

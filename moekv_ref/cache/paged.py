@@ -228,8 +228,8 @@ class PagedKVCache:
             self._kernels.store_kv(k.to(self.key_cache.dtype).contiguous(), v.to(self.value_cache.dtype).contiguous(),
                                    self.key_cache, self.value_cache, slots)
             return
-        self.key_cache.view(-1, Hkv, Dh)[slots] = k.to(self.key_cache.dtype)
-        self.value_cache.view(-1, Hkv, Dh)[slots] = v.to(self.value_cache.dtype)
+        self.key_cache.view(-1, Hkv, Dh).index_copy_(0, slots, k.to(self.key_cache.dtype))
+        self.value_cache.view(-1, Hkv, Dh).index_copy_(0, slots, v.to(self.value_cache.dtype))
 
     # ----- verb 2: the math -----------------------------------------------------------------------
     def attend(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
@@ -239,10 +239,9 @@ class PagedKVCache:
             raise ValueError(f"q has {q.shape[0]} queries for {appended.pair_row.numel()} appended pairs")
         if self.attention == "reference":
             return self._attend_row_by_row(appended, q)
-        out = torch.empty_like(q)
         if self.attention == "batched" and 0 < appended.rows.numel() == q.shape[0]:
-            self._attend_padded(appended, None, q, out)     # decode only: every row one pair, one group
-            return out
+            return self._attend_decode(appended, q)         # decode only: every row one pair, one group
+        out = torch.empty_like(q)
         decode = appended.num_new == 1                                              # (m,)
         groups = [decode, ~decode]                                                  # each padded alone
         if self.attention == "triton" and decode.any():
@@ -266,31 +265,31 @@ class PagedKVCache:
             out[pairs] = attend_by_position(q[pairs], keys, values, query_index, key_index)
         return out
 
+    def _attend_decode(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
+        """A decode step: every row of the call has exactly one pair, and append_kv gave the rows in
+        pair order, so row i's one query is q[i], its newest token, which sees the whole row."""
+        Hkv = self.key_cache.shape[2]
+        compute = score_dtype(q.dtype)                                             # float32 at least
+        keys, values, key_valid = self._gather_rows(appended.rows, appended.context_lens, compute)
+        result = F.scaled_dot_product_attention(                                   # (n, H, 1, Dh)
+            q.to(compute)[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=key_valid[:, None, None, :], enable_gqa=Hkv != q.shape[1])   # keys (n, Lmax, Hkv, Dh)
+        return result.reshape(q.shape).to(q.dtype)                                 # (n, H, Dh)
+
     def _attend_padded(self, appended: AppendedRows, group: torch.Tensor, q: torch.Tensor,
                        out: torch.Tensor) -> None:
         """The rows where group is True, at once, into out: keys padded to the longest row, queries
-        to the most new tokens of a row, one fused grouped-query attention. group None: each row of
-        the call has exactly one pair (decode): rows are taken in pair order, queries in place."""
+        to the most new tokens of a row, one fused grouped-query attention."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         device = q.device
-        if group is None:                                                          # row i: pair i's
-            rows, lens = appended.rows[appended.pair_row], appended.context_lens[appended.pair_row]
-            num_new, max_new = None, 1
-        else:
-            members = group.nonzero().squeeze(1)                                   # (g,) into rows
-            rows, lens = appended.rows[members], appended.context_lens[members]    # (g,)
-            num_new = appended.num_new[members]
-            max_new = int(num_new.max())
+        members = group.nonzero().squeeze(1)                                       # (g,) into rows
+        rows, lens = appended.rows[members], appended.context_lens[members]        # (g,)
+        num_new = appended.num_new[members]
+        max_new = int(num_new.max())
         g = rows.numel()
         compute = score_dtype(q.dtype)                                             # float32 at least
         keys, values, key_valid = self._gather_rows(rows, lens, compute)           # (g, Lmax, Hkv, Dh), (g, Lmax)
         max_len = keys.shape[1]
-        if group is None:                                                          # (n, 1, H, Dh): pair p, row p
-            result = F.scaled_dot_product_attention(                              # (n, H, 1, Dh)
-                q.to(compute)[:, None].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=key_valid[:, None, None, :], enable_gqa=Hkv != q.shape[1])
-            out.copy_(result[:, :, 0])
-            return
         # the group's pairs in a padded (g, Qmax) table of queries
         if g == appended.rows.numel():                                           # every row of the call
             pairs, pair_slot = None, appended.pair_row                             # (n,)
@@ -332,10 +331,10 @@ class PagedKVCache:
         else:
             P, num_pool_blocks = self.block_size, self.key_cache.shape[0]
             width = -(-int(lens.max()) // P)                                       # blocks of the longest row
-            blocks = self.manager.block_tables[rows, :width].to(torch.int64).clamp_(0, num_pool_blocks - 1)
+            blocks = self.manager.block_tables.index_select(0, rows)[:, :width].to(torch.int64).clamp_(max=num_pool_blocks - 1)
             index = blocks.reshape(-1).to(device)                                  # (g * width,) blocks
             pool = (self.key_cache, self.value_cache)
-            valid = torch.arange(width * P)[None, :] < lens[:, None]               # (g, width * P)
+            valid = torch.arange(width * P) < lens[:, None]                        # (g, width * P)
         g, max_len = valid.shape
         padding = (~valid).reshape(-1).nonzero().squeeze(1).to(device)             # (g * Lmax - sum(lens),)
         gathered = []

@@ -317,7 +317,8 @@ class LLMEngine:
                 if not item.samples:
                     continue
                 request = item.request
-                states[request.request_id] = (request.generator, request.generator.get_state())
+                if not request.sampling_params.greedy:      # a greedy choice draws nothing from it
+                    states[request.request_id] = (request.generator, request.generator.get_state())
                 try:
                     sampled[request.request_id] = sample_next(logits, request.sampling_params, request.generator)
                 except Exception as error:          # this request's own failure: it alone finishes
