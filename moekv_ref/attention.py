@@ -34,9 +34,10 @@ def rotary_pair_table(head_dim: int, theta: float, num_positions: int, device, d
     key = (head_dim, float(theta), torch.device(device), dtype)
     cached = _PAIR_TABLES.get(key)
     if cached is None or cached[0].shape[0] < num_positions:
-        cos, sin = rotary_table(head_dim, theta, num_positions, device)        # (P, Dh/2) float64
-        cached = _PAIR_TABLES[key] = (cos.repeat_interleave(2, dim=-1).to(dtype),
-                                      torch.stack([-sin, sin], dim=-1).flatten(-2).to(dtype))
+        with torch.inference_mode(False):   # kept across calls: never inference tensors, unfit for training
+            cos, sin = rotary_table(head_dim, theta, num_positions, device)    # (P, Dh/2) float64
+            cached = _PAIR_TABLES[key] = (cos.repeat_interleave(2, dim=-1).to(dtype),
+                                          torch.stack([-sin, sin], dim=-1).flatten(-2).to(dtype))
     return cached
 
 

@@ -47,8 +47,8 @@ def sort_by_expert(selected: torch.Tensor):
     """The (token, expert) pairs of selected (N, E) sorted by expert, stably: a sequence's tokens
     reach each expert's cache in position order. token (M,), expert (M,), counts (E,)."""
     token, expert = selected.nonzero(as_tuple=True)                      # (M,) sorted by token
-    order = torch.argsort(expert, stable=True)
-    token, expert = token[order], expert[order]                          # (M,) sorted by expert
+    expert, order = torch.sort(expert, stable=True)                      # (M,) sorted by expert
+    token = token[order]
     return token, expert, torch.bincount(expert, minlength=selected.shape[1])
 
 

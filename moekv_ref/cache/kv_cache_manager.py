@@ -326,7 +326,7 @@ class KVCacheManager:
         with_slots=False skips the slots, which would cost the cache-only simulator (no K/V to
         write) as much as allocating."""
         P = self.block_size
-        rows, num_new_tokens = self._check_allocation(rows, num_new_tokens, rows_are_distinct)
+        rows, num_new_tokens, fewest, most = self._check_allocation(rows, num_new_tokens, rows_are_distinct)
         if self.tails is not None:
             return self.tails.allocate_slots(rows, num_new_tokens, with_slots)
         if rows.numel() == 0:
@@ -334,7 +334,7 @@ class KVCacheManager:
         old = self.row_tokens[rows]                                       # (m,)
         new = old + num_new_tokens
         # decode: one token for each row, and a row needs a block only when its last one is full
-        one_each = bool((num_new_tokens == 1).all())
+        one_each = fewest == most == 1
         needed = (old % P == 0).to(torch.int64) if one_each else ceil_div(new, P) - ceil_div(old, P)   # (m,)
         block_ids = self._take_blocks(rows, needed, num_new_tokens)                # (total,) may raise
         if block_ids.numel():               # with equal lengths, a decode step takes none P - 1 of P times
@@ -401,11 +401,12 @@ class KVCacheManager:
         if rows.shape != num_new_tokens.shape or rows.dim() != 1:
             raise ValueError(f"rows and num_new_tokens must be 1-D of equal length, got "
                              f"{tuple(rows.shape)} and {tuple(num_new_tokens.shape)}")
-        if (num_new_tokens < 0).any():
-            raise ValueError("num_new_tokens must be >= 0")
+        fewest, most = (int(t) for t in torch.aminmax(num_new_tokens)) if num_new_tokens.numel() else (0, 0)
+        if fewest < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {fewest}")
         if not rows_are_distinct and rows.unique().numel() != rows.numel():
             raise ValueError("rows must be distinct within one allocate_slots call")
-        return rows, num_new_tokens
+        return rows, num_new_tokens, fewest, most
 
     def row_slots(self, row: int) -> torch.Tensor:
         return self.rows_slots(torch.tensor([int(row)]))

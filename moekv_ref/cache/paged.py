@@ -266,8 +266,7 @@ class PagedKVCache:
         return out
 
     def _attend_decode(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
-        """A decode step: every row of the call has exactly one pair, and append_kv gave the rows in
-        pair order, so row i's one query is q[i], its newest token, which sees the whole row."""
+        """Decode: one pair per row, rows in pair order; q[i] is row i's newest token, seeing it all."""
         Hkv = self.key_cache.shape[2]
         compute = score_dtype(q.dtype)                                             # float32 at least
         keys, values, key_valid = self._gather_rows(appended.rows, appended.context_lens, compute)
@@ -280,13 +279,11 @@ class PagedKVCache:
                        out: torch.Tensor) -> None:
         """The rows where group is True, at once, into out: keys padded to the longest row, queries
         to the most new tokens of a row, one fused grouped-query attention."""
-        Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
-        device = q.device
+        Hkv, Dh, device = self.key_cache.shape[2], self.key_cache.shape[3], q.device
         members = group.nonzero().squeeze(1)                                       # (g,) into rows
         rows, lens = appended.rows[members], appended.context_lens[members]        # (g,)
         num_new = appended.num_new[members]
-        max_new = int(num_new.max())
-        g = rows.numel()
+        max_new, g = int(num_new.max()), rows.numel()
         compute = score_dtype(q.dtype)                                             # float32 at least
         keys, values, key_valid = self._gather_rows(rows, lens, compute)           # (g, Lmax, Hkv, Dh), (g, Lmax)
         max_len = keys.shape[1]
