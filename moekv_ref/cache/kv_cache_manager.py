@@ -475,6 +475,7 @@ class KVCacheManager:
         self._clear_rows(rows)
         return blocks.numel()
 
+    @torch.inference_mode(False)      # tables kept across steps: never inference tensors
     def _grow_rows(self) -> None:
         """Double the sequence slots (bookkeeping only; the pool never grows)."""
         num_seqs = self.row_tokens.numel() // self.rows_per_seq
@@ -488,12 +489,12 @@ class KVCacheManager:
         if self.tails is not None:
             self.tails.grow_rows(self.row_tokens.numel())
 
+    @torch.inference_mode(False)
     def _grow_tables(self, min_width: int) -> None:
         width = self.block_tables.shape[1]
         while width < min_width:
             width *= 2
-        extra = torch.full((self.block_tables.shape[0], width - self.block_tables.shape[1]), self.pad,
-                           dtype=torch.int32)
+        extra = torch.full((len(self.block_tables), width - self.block_tables.shape[1]), self.pad, dtype=torch.int32)
         self.block_tables = torch.cat([self.block_tables, extra], dim=1)
 
     def assert_consistent(self) -> None:
