@@ -266,7 +266,7 @@ class PagedKVCache:
         return out
 
     def _attend_decode(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
-        """Decode: one pair per row, rows in pair order; q[i] is row i's newest token, seeing it all."""
+        """Decode: one pair per row, rows in pair order; q[i] is row i's newest token and sees all of row i."""
         Hkv = self.key_cache.shape[2]
         compute = score_dtype(q.dtype)                                             # float32 at least
         keys, values, key_valid = self._gather_rows(appended.rows, appended.context_lens, compute)
