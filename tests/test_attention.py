@@ -37,3 +37,27 @@ def test_attend_by_position_masks_later_keys_and_groups_heads():
     out = attend_by_position(q, k, v, torch.tensor([5]), torch.tensor([2, 5, 9]))
     assert out.shape == (1, 2, 4)
     assert torch.equal(out[0, :, 0], torch.tensor([2.0, 2.0], dtype=torch.float64))
+
+
+def test_training_and_in_place_changes_work_after_generate_in_inference_mode(monkeypatch):
+    """generate() runs in inference mode; the rotary tables it builds are kept for later calls, so
+    they must be ordinary tensors (training saves them for backward), and what it returns must be
+    changeable in place. Fresh tables, so that this generate() is the one that builds them."""
+    from moekv_ref import attention
+    from moekv_ref.config import get_config
+    from moekv_ref.generate import generate
+    from moekv_ref.model import MoEKVTransformer
+    from moekv_ref.sampling import SamplingParams
+    monkeypatch.setattr(attention, "_PAIR_TABLES", {})
+    monkeypatch.setattr(attention, "_ROTARY_TABLES", {})
+    torch.manual_seed(0)
+    model = MoEKVTransformer(get_config("tiny"))
+    result = generate(model, [[1, 2, 3, 4]], SamplingParams(max_new_tokens=3, temperature=0.0),
+                      cache="paged", record_logits=True)
+    assert attention._PAIR_TABLES and not any(t.is_inference() for pair in attention._PAIR_TABLES.values()
+                                              for t in pair)
+    result.cache_counts += 1                                        # in place, outside inference mode
+    result.logits[0] *= 2
+    model(torch.tensor([[1, 2, 3, 4]])).logits.square().mean().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
