@@ -46,7 +46,7 @@ def test_failed_rank_is_named_and_everyone_exits(mode):
     elapsed = failure.value.ended_at - failure.value.fault_at   # from the fault to the last rank gone
     message = str(failure.value)
     # the message starts with the rank that kept its peer waiting; rank 0 names it, with the collective
-    assert failure.value.missing == (1,)
+    assert failure.value.missing == (1,), message
     assert message.startswith("rank 1 kept its peers waiting in vain"), message
     assert re.search(r"rank 0: CollectiveError: rank 1 never reached all_to_all_single #\d+ \(\w+, step 2\): "
                      r"hung or dead \(rank 1 last reached all_to_all_single #\d+ \(\w+, step 1\)\); "
