@@ -38,7 +38,6 @@ class CountingPagedDesign:
         self.rows_per_seq = RowIndex(num_layers, num_experts).rows_per_seq
         self.tokens = torch.zeros(num_sequences * self.rows_per_seq, dtype=torch.int64)  # (S*L*E,)
         self._num_blocks = 0                            # private blocks of the rows, all together
-        self._num_rows_in_use = 0
 
     def _row_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
         return ceil_div(tokens, self.block_size)      # private blocks; shared tails: full ones only
@@ -50,7 +49,6 @@ class CountingPagedDesign:
         old = self.tokens[rows]                                                    # (a,)
         new = old + num_new
         self._num_blocks += int((self._row_blocks(new) - self._row_blocks(old)).sum())
-        self._num_rows_in_use += int((old == 0).sum())
         self.tokens[rows] = new
 
     def _sequence_tokens(self, seqs) -> torch.Tensor:
@@ -59,7 +57,6 @@ class CountingPagedDesign:
     def release(self, seqs) -> None:
         old = self._sequence_tokens(seqs)
         self._num_blocks -= int(self._row_blocks(old).sum())
-        self._num_rows_in_use -= int((old > 0).sum())
         self.tokens.view(-1, self.rows_per_seq)[seqs] = 0
 
     def live_slots_of(self, seqs) -> int:
@@ -70,7 +67,7 @@ class CountingPagedDesign:
 
     def metadata_bytes(self) -> int:
         # a table entry and a ref_cnt per block, a token count per row in use
-        return BYTES_PER_INDEX * (2 * self._num_blocks + self._num_rows_in_use)
+        return BYTES_PER_INDEX * (2 * self._num_blocks + int((self.tokens > 0).sum()))
 
     def reads(self, rows) -> int:
         return int(self._row_blocks(self.tokens[rows]).sum())
@@ -158,7 +155,7 @@ class SharedTailDesign(CountingPagedDesign):
         # body table entries and a ref_cnt per body block, a slot index per tail token, the
         # sequence's list of tail blocks and their ref_cnt, a token count per row in use
         return BYTES_PER_INDEX * (2 * self._num_blocks + int(self.tail_tokens.sum())
-                                  + 2 * int(self.tail_blocks.sum()) + self._num_rows_in_use)
+                                  + 2 * int(self.tail_blocks.sum()) + int((self.tokens > 0).sum()))
 
     def reads(self, rows) -> int:
         tokens = self.tokens[rows]
