@@ -93,9 +93,7 @@ def max_concurrent_sequences(trace: RoutingTrace, make_design, budget_bytes: int
     """The largest n such that the trace's first n sequences, run together to completion, never
     take more than `budget_bytes` (allocated + metadata). make_design(n) builds a fresh design."""
     def fits(n: int) -> bool:
-        if n == 0:
-            return True
-        return replay(trace.subset(list(range(n))), make_design(n)).peak_bytes <= budget_bytes
+        return n == 0 or replay(trace.subset(list(range(n))), make_design(n)).peak_bytes <= budget_bytes
 
     low, high = 0, trace.num_sequences          # fits(low) holds; find the largest n that fits
     if fits(high):

@@ -101,8 +101,7 @@ def _check_sizes(skews: dict, **sizes) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if sizes["top_k"] > sizes["num_experts"]:
-        top_k, num_experts = sizes["top_k"], sizes["num_experts"]
-        raise ValueError(f"top_k={top_k} is greater than num_experts={num_experts}")
+        raise ValueError(f"top_k={sizes['top_k']} is greater than num_experts={sizes['num_experts']}")
     for name, value in skews.items():
         if value < 0:
             raise ValueError(f"{name}={value} must be >= 0")
