@@ -54,9 +54,7 @@ class Snapshot:
             return value
         if isinstance(value, torch.Tensor):
             return value.clone()
-        if kind is list:                                         # token ids, free slots: atoms, usually
-            return [v if type(v) in _ATOMS else self._copy(v) for v in value]
-        if isinstance(value, (list, set)):
+        if isinstance(value, (list, set)):                       # token ids, free slots: atoms, usually
             return kind(v if type(v) in _ATOMS else self._copy(v) for v in value)
         if isinstance(value, deque):
             return deque((self._copy(v) for v in value), maxlen=value.maxlen)
