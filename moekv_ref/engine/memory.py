@@ -76,7 +76,7 @@ class MemoryView:
 
     @property
     def num_swap_blocks(self) -> int:
-        return 0 if self._swap_space is None else self._swap_space.num_blocks
+        return 0 if self._swap_space is None else self._swap_space.pool.num_blocks
 
     @property
     def num_swapped_blocks(self) -> int:
@@ -126,7 +126,7 @@ class MemoryView:
         """(D,) blocks a swapped sequence takes on each device to come back (zeros if not swapped)."""
         if not self.is_swapped(seq_id):
             return torch.zeros(self.num_devices, dtype=torch.int64)
-        return self._swap_space.blocks_per_device(seq_id)
+        return self._swap_space.swapped[seq_id].blocks_per_device
 
     def row_last_used(self, seq_id: int) -> torch.Tensor | None:
         """(L, E) the step each row was last appended at (-1: never); None: rows never evicted."""

@@ -48,10 +48,6 @@ class SwapSpace:
         self.pool = BlockPool(num_blocks)
         self.swapped: dict[int, SwappedSequence] = {}
 
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
     def can_swap_out(self, seq_id: int) -> bool:
         return self.manager.blocks_of_sequence(seq_id).numel() <= self.pool.num_free_blocks
 
@@ -70,9 +66,6 @@ class SwapSpace:
 
     def num_blocks_to_swap_in(self, seq_id: int) -> int:
         return self.swapped[seq_id].host_block_ids.numel()
-
-    def blocks_per_device(self, seq_id: int) -> torch.Tensor:
-        return self.swapped[seq_id].blocks_per_device
 
     def token_counts(self, seq_id: int) -> torch.Tensor:                        # (L, E)
         return self.swapped[seq_id].token_counts.view(self.manager.num_layers, self.manager.num_experts)
