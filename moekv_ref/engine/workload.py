@@ -55,9 +55,8 @@ def make_workload(num_requests: int = 24, prompt_len: tuple[int, int] = (8, 192)
                   output_len: tuple[int, int] = (8, 128), arrival_rate: float | None = None,
                   temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
                   vocab_size: int = 256) -> list[WorkloadRequest]:
-    """`num_requests` requests, prompt and output lengths log-uniform in the given ranges, Poisson
-    arrivals of `arrival_rate` per step (None: all at step 0). Request i samples with seed seed + i.
-    Token ids are bytes, folded modulo `vocab_size` for models with a smaller vocabulary (tests)."""
+    """`num_requests` requests, lengths and arrivals as the module docstring says. Request i samples
+    with seed seed + i. Token ids are bytes, folded modulo `vocab_size` for smaller vocabularies (tests)."""
     check_int("num_requests", num_requests, 1)
     for name, bounds in (("prompt_len", prompt_len), ("output_len", output_len)):
         if not (isinstance(bounds, (tuple, list)) and len(bounds) == 2
@@ -98,12 +97,12 @@ def few_shot_workload(num_requests: int = 16, prompt_len: int = 256, shared_shar
     if not (isinstance(shared_share, (int, float)) and not isinstance(shared_share, bool) and 0 <= shared_share <= 1):
         raise ValueError(f"shared_share={shared_share!r} must be a number in [0, 1] (the shared part of each prompt)")
     shared_len = round(shared_share * prompt_len)
-    if shared_len > len(text) or prompt_len - shared_len > len(own_text):
+    own_len = prompt_len - shared_len
+    if shared_len > len(text) or own_len > len(own_text):
         raise ValueError(f"prompt_len={prompt_len} with shared_share={shared_share} needs {shared_len} shared tokens "
-                         f"(at most {len(text)}) and {prompt_len - shared_len} own (at most {len(own_text)})")
+                         f"(at most {len(text)}) and {own_len} own (at most {len(own_text)})")
     _check_arrivals_and_sampling(arrival_rate, temperature, top_p)
     generator = torch.Generator().manual_seed(seed)
-    own_len = prompt_len - shared_len
     starts = torch.randperm(len(own_text) - own_len + 1, generator=generator)[:num_requests].tolist()
     requests, clock = [], 0.0
     for i in range(num_requests):
@@ -144,5 +143,4 @@ def run_workload(engine: LLMEngine, workload: list[WorkloadRequest],
             engine.idle_step()
         if on_step is not None:
             on_step(engine)
-    outputs = {i: finished[rid] for i, rid in ids.items()}
-    return WorkloadResult(outputs, refused)
+    return WorkloadResult({i: finished[rid] for i, rid in ids.items()}, refused)

@@ -219,7 +219,6 @@ class TraceRunner:
 
 def simulate(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup, policy,
              cost: CostModel, max_steps: int = 100_000) -> EvictionStats:
-    """Run one policy over the trace (module docstring)."""
     return TraceRunner(trace, device_of_expert, setup, policy, cost).run(max_steps)
 
 
