@@ -87,7 +87,7 @@ class MemoryView:
 
     def num_blocks_swapped(self, seq_id: int) -> int:
         """Host blocks the sequence holds (what it takes from the device pool to swap back in)."""
-        return self._swap_space.num_blocks_to_swap_in(seq_id) if self.is_swapped(seq_id) else 0
+        return self._swap_space.swapped[seq_id].host_block_ids.numel() if self.is_swapped(seq_id) else 0
 
     def swapped_token_counts(self, seq_id: int) -> torch.Tensor:
         return self._swap_space.token_counts(seq_id)                          # (L, E)

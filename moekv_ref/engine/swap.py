@@ -64,9 +64,6 @@ class SwapSpace:
         self.manager.free(seq_id)
         return BlockCopy(SWAP_OUT, device_blocks, host_blocks)
 
-    def num_blocks_to_swap_in(self, seq_id: int) -> int:
-        return self.swapped[seq_id].host_block_ids.numel()
-
     def token_counts(self, seq_id: int) -> torch.Tensor:                        # (L, E)
         return self.swapped[seq_id].token_counts.view(self.manager.num_layers, self.manager.num_experts)
 
