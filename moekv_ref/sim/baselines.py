@@ -17,26 +17,10 @@ import bisect
 import numpy as np
 import torch
 
-from ..cache.rows import RowIndex
-from .designs import BYTES_PER_INDEX
+from .designs import BYTES_PER_INDEX, RowTokens
 
 
-class _RowTokens:
-    """Token counts per row (rows.py numbering, seq_index = trace sequence), for both baselines."""
-
-    def __init__(self, num_sequences: int, num_layers: int, num_experts: int):
-        self.index = RowIndex(num_layers, num_experts)
-        self.rows_per_seq = self.index.rows_per_seq
-        self.tokens = torch.zeros(num_sequences * self.rows_per_seq, dtype=torch.int64)   # (S*L*E,)
-
-    def live_slots_of(self, seqs) -> int:
-        return int(self.tokens.view(-1, self.rows_per_seq)[seqs].sum())
-
-    def reads(self, rows) -> int:
-        return int((self.tokens[rows] > 0).sum())    # one contiguous run per row
-
-
-class ReservedDesign(_RowTokens):
+class ReservedDesign(RowTokens):
     """Worst-case contiguous reservation per row (module docstring)."""
 
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int):
@@ -108,7 +92,7 @@ class AddressSpace:
         return int(self.hole_sizes.sum())
 
 
-class FirstFitDesign(_RowTokens):
+class FirstFitDesign(RowTokens):
     """Per-row buffers grown by doubling, placed first fit (module docstring)."""
 
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int):
@@ -117,9 +101,6 @@ class FirstFitDesign(_RowTokens):
         self.capacity = torch.zeros_like(self.tokens)        # (S*L*E,) buffer sizes, 0 = none
         self.start = torch.zeros_like(self.tokens)           # (S*L*E,) addresses
         self.space = AddressSpace()
-
-    def admit(self, seqs, final_lens) -> None:
-        pass
 
     def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
         new = self.tokens[rows] + num_new                                         # (a,)

@@ -28,22 +28,40 @@ from ..cache.rows import RowIndex, ceil_div
 BYTES_PER_INDEX = 4
 
 
-class CountingPagedDesign:
+class RowTokens:
+    """Token counts per row (rows.py numbering, seq_index = trace sequence), for the designs that
+    keep counts only (the paged ones here, baselines.py's)."""
+
+    def __init__(self, num_sequences: int, num_layers: int, num_experts: int):
+        self.index = RowIndex(num_layers, num_experts)
+        self.rows_per_seq = self.index.rows_per_seq
+        self.tokens = torch.zeros(num_sequences * self.rows_per_seq, dtype=torch.int64)   # (S*L*E,)
+
+    def admit(self, seqs, final_lens) -> None:
+        pass
+
+    def _sequence_tokens(self, seqs) -> torch.Tensor:
+        return self.tokens.view(-1, self.rows_per_seq)[seqs]                      # (m, L*E)
+
+    def live_slots_of(self, seqs) -> int:
+        return int(self._sequence_tokens(seqs).sum())
+
+    def reads(self, rows) -> int:
+        return int((self.tokens[rows] > 0).sum())    # one contiguous run per row (the baselines)
+
+
+class CountingPagedDesign(RowTokens):
     """Plain per-row pages from token counts alone (a row of n tokens owns ceil(n / P) blocks):
     ManagerPagedDesign's numbers, cheap enough to sweep block sizes."""
 
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int, block_size: int):
         self.name = f"paged(P={block_size})"
         self.block_size = check_block_size(block_size)
-        self.rows_per_seq = RowIndex(num_layers, num_experts).rows_per_seq
-        self.tokens = torch.zeros(num_sequences * self.rows_per_seq, dtype=torch.int64)  # (S*L*E,)
+        super().__init__(num_sequences, num_layers, num_experts)
         self._num_blocks = 0                            # private blocks of the rows, all together
 
     def _row_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
         return ceil_div(tokens, self.block_size)      # private blocks; shared tails: full ones only
-
-    def admit(self, seqs, final_lens) -> None:
-        pass
 
     def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
         old = self.tokens[rows]                                                    # (a,)
@@ -51,16 +69,10 @@ class CountingPagedDesign:
         self._num_blocks += int((self._row_blocks(new) - self._row_blocks(old)).sum())
         self.tokens[rows] = new
 
-    def _sequence_tokens(self, seqs) -> torch.Tensor:
-        return self.tokens.view(-1, self.rows_per_seq)[seqs]                      # (m, L*E)
-
     def release(self, seqs) -> None:
         old = self._sequence_tokens(seqs)
         self._num_blocks -= int(self._row_blocks(old).sum())
         self.tokens.view(-1, self.rows_per_seq)[seqs] = 0
-
-    def live_slots_of(self, seqs) -> int:
-        return int(self._sequence_tokens(seqs).sum())
 
     def allocated_slots(self) -> int:
         return self._num_blocks * self.block_size
