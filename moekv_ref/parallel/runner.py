@@ -84,11 +84,6 @@ class ParallelRunner:
                            self.shard.backend)                                            # (M, D)
         return combine(self.comm, plan, received, pairs, y, h.shape[0], "ffn_combine")
 
-    def free(self, seq_id: int) -> None:
-        """Return the sequence's blocks on this rank (nothing if this rank holds none of it)."""
-        if self.pool.manager.holds(seq_id):
-            self.pool.free(seq_id)
-
     def pool_usage(self) -> dict[str, int]:
         manager = self.pool.manager
         return {"num_blocks": manager.num_blocks, "used_blocks": manager.num_blocks - manager.num_free_blocks,

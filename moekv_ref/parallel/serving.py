@@ -138,7 +138,8 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
         comm.broadcast(body, 0, "plan")
         tokens, seq_ids, positions, frees = body[:N], body[N:2 * N], body[2 * N:3 * N], body[3 * N:]
         for seq_id in frees.tolist():
-            runner.free(seq_id)
+            if runner.pool.manager.holds(seq_id):        # a rank may hold none of it
+                runner.pool.free(seq_id)
         # ---- every rank runs its home sequences' tokens
         mine = (seq_ids % R) == rank
         device = context.device
