@@ -32,7 +32,6 @@ class CollectiveError(RuntimeError):
 
 
 def first_line(error: BaseException) -> str:
-    """An error's first line (at most 200 characters), or its type's name when it has no message."""
     text = str(error).strip()
     return text.splitlines()[0][:200] if text else type(error).__name__
 
@@ -54,11 +53,10 @@ class Communicator:
     """The caller sets `step`, the step that records belong to. store: the key-value store for
     progress (None: errors name only the collective and this rank)."""
 
-    def __init__(self, rank: int, world_size: int, device: str | torch.device = "cpu", store=None,
-                 group=None):
+    def __init__(self, rank: int, world_size: int, device: torch.device, store, group):
         self.rank = rank
         self.world_size = world_size
-        self.device = torch.device(device)
+        self.device = device
         self.store = store
         self.group = group
         self.step = -1
