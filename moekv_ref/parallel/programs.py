@@ -112,10 +112,8 @@ def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
     for spec in specs:
         comm = context.comm
         comm.reset()
-        model = spec.model.build().to(context.device)
-        runner = ParallelRunner(model, comm, spec.kv_placement, spec.attention_ranks, spec.ffn_ranks,
-                                spec.num_blocks, spec.block_size)
-        del model
+        runner = ParallelRunner(spec.model.build().to(context.device), comm, spec.kv_placement,
+                                spec.attention_ranks, spec.ffn_ranks, spec.num_blocks, spec.block_size)
         mine = [i for i in range(len(spec.prompts)) if i % context.world_size == context.rank]
         result = RankResult(context.rank, weight_bytes=runner.shard.weight_bytes())
         for step in range(spec.num_decode_steps + 1):

@@ -91,11 +91,9 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
     """Worker: rank 0 schedules and samples, every rank runs the model. Greedy sampling."""
     comm, rank, R = context.comm, context.rank, context.world_size
     comm.reset()
-    model = spec.model.build().to(context.device)
-    config = model.config
-    runner = ParallelRunner(model, comm, spec.kv_placement, spec.attention_ranks, spec.ffn_ranks,
-                            spec.num_blocks, spec.block_size)
-    del model
+    runner = ParallelRunner(spec.model.build().to(context.device), comm, spec.kv_placement,
+                            spec.attention_ranks, spec.ffn_ranks, spec.num_blocks, spec.block_size)
+    config = runner.shard.config
     L, E = config.num_hidden_layers, config.num_attention_experts
     scheduler = requests = mirror = None
     on_ranks: set[int] = set()                  # the sequences the ranks hold, from their last reports
