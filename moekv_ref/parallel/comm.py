@@ -91,8 +91,7 @@ class Communicator:
         if recv_counts is None:
             sizes = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
             received_sizes = torch.empty_like(sizes)
-            ones = [1] * self.world_size
-            self._run("all_to_all_single", "split_sizes", sizes.element_size(), ones,
+            self._run("all_to_all_single", "split_sizes", sizes.element_size(), [1] * self.world_size,
                       lambda: dist.all_to_all_single(received_sizes, sizes, group=self.group))
             recv_counts = received_sizes.tolist()
         tensor = tensor.contiguous()
@@ -102,14 +101,13 @@ class Communicator:
                   lambda: dist.all_to_all_single(out, tensor, recv_counts, send_counts, self.group))
         return out, recv_counts
 
-    def broadcast(self, tensor: torch.Tensor, src: int, category: str) -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, src: int, category: str) -> None:
         """tensor from rank src, in place on every rank."""
         on_device = tensor.to(self.device)
         self._run("broadcast", category, tensor.numel() * tensor.element_size(),
                   [int(self.rank == src)] * self.world_size,
                   lambda: dist.broadcast(on_device, src, group=self.group))
         tensor.copy_(on_device)
-        return tensor
 
     def _run(self, collective: str, category: str, unit: int, send_counts: list[int], call) -> None:
         """call(), counted as send_counts[r] units of `unit` bytes to each rank r, and guarded."""
