@@ -21,7 +21,6 @@ K expert slots per pair, D model width, n tokens a rank received, M (token, expe
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -67,11 +66,6 @@ class DispatchPlan:
     def expert_pairs_to_peers(self, home_rank: int | torch.Tensor) -> int:
         """(token, expert) pairs on other ranks: what a once-per-expert dispatch would send."""
         return int(((self.experts >= 0) & (self.rank != home_rank)[:, None]).sum())
-
-    def count(self, traffic: Counter, kind: str, home_rank: int) -> None:
-        """Add both counts to traffic, as {kind}_pairs_to_peers and {kind}_expert_pairs_to_peers."""
-        traffic[f"{kind}_pairs_to_peers"] += self.pairs_to_peers(home_rank)
-        traffic[f"{kind}_expert_pairs_to_peers"] += self.expert_pairs_to_peers(home_rank)
 
 
 @dataclass

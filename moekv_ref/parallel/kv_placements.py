@@ -52,7 +52,8 @@ class _PlacedAttention:
         routing = self.shard.route_attention(layer, h)                                   # (N, E)
         plan = DispatchPlan.build(routing.selected, routing.gates, self.attention_ranks[layer],
                                   self.comm.world_size, self.shard.config.num_attention_experts_per_tok)
-        plan.count(traffic, "attention", self.comm.rank)
+        traffic["attention_pairs_to_peers"] += plan.pairs_to_peers(self.comm.rank)
+        traffic["attention_expert_pairs_to_peers"] += plan.expert_pairs_to_peers(self.comm.rank)
         return plan, dispatch(self.comm, plan, h, "attention_dispatch", seq_ids, positions)
 
     def _experts(self, layer: int, h, plan: DispatchPlan, received, cache):
