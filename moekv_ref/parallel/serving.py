@@ -140,8 +140,7 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
                 runner.pool.free(seq_id)
         # ---- every rank runs its home sequences' tokens
         mine = (seq_ids % R) == rank
-        device = context.device
-        logits = runner.step(step, tokens[mine].to(device), seq_ids[mine].to(device), positions[mine].to(device))
+        logits = runner.step(step, *(t[mine].to(context.device) for t in (tokens, seq_ids, positions)))
         my_seqs = seq_ids[mine]
         last = torch.ones_like(my_seqs, dtype=torch.bool)                # last token of each seq
         last[:-1] = my_seqs[1:] != my_seqs[:-1]
@@ -158,9 +157,8 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
         if rank == 0:
             on_ranks = follow_ranks(mirror, list(reports.cpu().split(counts)))
             by_seq = {int(r[0]): r[1:] for r in gathered.cpu()}
-            sampled = {item.request.request_id: sample_next(by_seq[item.request.request_id], item.request.sampling_params,
-                                                            item.request.generator)
-                       for item in decision.scheduled if item.samples}
+            sampled = {r.request_id: sample_next(by_seq[r.request_id], r.sampling_params, r.generator)
+                       for r in (item.request for item in decision.scheduled if item.samples)}
             for request in scheduler.update_from_output(decision, sampled):
                 result.events.append((step, "finished", request.request_id))
     if rank != 0:
