@@ -140,8 +140,7 @@ class KVWithSequence(_PlacedAttention):
 
 class ReplicatedAttention(_PlacedAttention):
     def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
-        out, _ = self.shard.layers[layer].attention.forward_cached(h, seq_ids, positions, self.pool)
-        return out
+        return self.shard.layers[layer].attention.forward_cached(h, seq_ids, positions, self.pool)[0]
 
 
 PLACEMENT_CLASSES = dict(zip(KV_PLACEMENTS, (KVWithExpert, KVWithSequence, ReplicatedAttention)))
