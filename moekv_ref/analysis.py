@@ -125,13 +125,11 @@ def decode_flops(config, context_length: int, cached: bool) -> int:
     return 2 * (tokens * per_token + tokens * attention_per_query / 2)      # causal: half on average
 
 
-@torch.no_grad()
-def time_decode_step(model, context_length: int, cached: bool, seed: int = 0,
-                     clock=time.perf_counter, num_cached_steps: int = 1) -> float:
+def time_decode_step(model, context_length: int, cached: bool, clock, num_cached_steps: int) -> float:
     """Seconds for one decode step after `context_length` tokens: recompute, one full forward;
     cached, the mean of the last `num_cached_steps` decode tokens after an untimed prefill (a few in
     a row average out the jitter; their contexts cost the same within a few percent here)."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.config.vocab_size, (context_length + 1,), generator=generator)
     if not cached:
         start = clock()
@@ -149,7 +147,7 @@ def time_decode_step(model, context_length: int, cached: bool, seed: int = 0,
 
 
 @torch.no_grad()
-def time_decode_steps(model, lengths: list[int], repeats: int = 5, seed: int = 0, clock=time.perf_counter,
+def time_decode_steps(model, lengths: list[int], repeats: int = 5, clock=time.perf_counter,
                       num_cached_steps: int = 8) -> dict[int, tuple[float, float]]:
     """{t: (recompute seconds, cached seconds)} after each t in `lengths`: the best of `repeats`
     rounds, each timing every (t, recompute / cached) once, after an untimed warm-up round. Rounds
@@ -160,7 +158,7 @@ def time_decode_steps(model, lengths: list[int], repeats: int = 5, seed: int = 0
     for round_index in range(repeats + 1):                  # round 0: warm-up, not kept
         for t in lengths:
             for cached in (False, True):
-                seconds = time_decode_step(model, t, cached, seed, clock, num_cached_steps)
+                seconds = time_decode_step(model, t, cached, clock, num_cached_steps)
                 if round_index:
                     best[t, cached] = min(best[t, cached], seconds)
     return {t: (best[t, False], best[t, True]) for t in lengths}

@@ -29,31 +29,19 @@ _PAIR_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def rotary_pair_table(head_dim: int, theta: float, num_positions: int, device, dtype):
-    """rotary_table laid out for `rotary`, in dtype: cos (P, Dh), each pair's cosine twice, and sin
-    (P, Dh) signed (-sin, +sin) per pair. Kept per dtype, so that a step converts nothing."""
+    """cos and sin of position * theta^(-2i/Dh), positions 0..P-1, computed in float64, laid out for
+    `rotary` in dtype: cos (P, Dh), each pair's cosine twice, and sin (P, Dh) signed (-sin, +sin) per
+    pair. Computed once per dtype and kept (not for every layer of every step), regrown by doubling."""
     key = (head_dim, float(theta), torch.device(device), dtype)
     cached = _PAIR_TABLES.get(key)
     if cached is None or cached[0].shape[0] < num_positions:
+        size = max(num_positions, 2 * cached[0].shape[0] if cached is not None else 256)
         with torch.inference_mode(False):   # kept across calls: never inference tensors, unfit for training
-            cos, sin = rotary_table(head_dim, theta, num_positions, device)    # (P, Dh/2) float64
+            inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+            angles = torch.arange(size, dtype=torch.float64, device=device)[:, None] * inv_freq   # (P, Dh/2)
+            cos, sin = torch.cos(angles), torch.sin(angles)
             cached = _PAIR_TABLES[key] = (cos.repeat_interleave(2, dim=-1).to(dtype),
                                           torch.stack([-sin, sin], dim=-1).flatten(-2).to(dtype))
-    return cached
-
-
-_ROTARY_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def rotary_table(head_dim: int, theta: float, num_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position * theta^(-2i/Dh), positions 0..P-1: (P, Dh/2) float64 each, computed
-    once and kept (not for every layer of every step), regrown by doubling when P grows."""
-    key = (head_dim, float(theta), torch.device(device))
-    cached = _ROTARY_TABLES.get(key)
-    if cached is None or cached[0].shape[0] < num_positions:
-        size = max(num_positions, 2 * cached[0].shape[0] if cached is not None else 256)
-        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
-        angles = torch.arange(size, dtype=torch.float64, device=device)[:, None] * inv_freq   # (P, Dh/2)
-        cached = _ROTARY_TABLES[key] = (torch.cos(angles), torch.sin(angles))
     return cached
 
 

@@ -19,13 +19,8 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def require_triton() -> None:
-    if not triton_available():
+def require_backend(backend: str) -> None:
+    if backend == "triton" and not triton_available():
         raise BackendUnavailableError("the 'triton' backend needs the triton package, which has "
                                       "wheels for Linux x86_64/aarch64 only; on this machine use "
                                       "--backend torch")
-
-
-def require_backend(backend: str) -> None:
-    if backend == "triton":
-        require_triton()

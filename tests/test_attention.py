@@ -4,14 +4,16 @@ import math
 
 import torch
 
-from moekv_ref.attention import attend_by_position, rotary, rotary_table
+from moekv_ref.attention import attend_by_position, rotary, rotary_pair_table
 
 
 def test_rotary_table_equals_the_formula_and_grows():
-    cos, sin = rotary_table(8, 10000.0, 5, "cpu")
+    cos, signed_sin = rotary_pair_table(8, 10000.0, 5, "cpu", torch.float64)
     angles = torch.arange(5, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
-    assert torch.equal(cos[:5], torch.cos(angles)) and torch.equal(sin[:5], torch.sin(angles))
-    longer, _ = rotary_table(8, 10000.0, 3000, "cpu")          # regrown past the first size
+    assert torch.equal(cos[:5], torch.cos(angles).repeat_interleave(2, dim=-1))
+    assert torch.equal(signed_sin[:5, 1::2], torch.sin(angles))
+    assert torch.equal(signed_sin[:5, ::2], -torch.sin(angles))
+    longer, _ = rotary_pair_table(8, 10000.0, 3000, "cpu", torch.float64)     # regrown past the first size
     assert longer.shape[0] >= 3000 and torch.equal(longer[:5], cos[:5])
 
 
@@ -49,7 +51,6 @@ def test_training_and_in_place_changes_work_after_generate_in_inference_mode(mon
     from moekv_ref.model import MoEKVTransformer
     from moekv_ref.sampling import SamplingParams
     monkeypatch.setattr(attention, "_PAIR_TABLES", {})
-    monkeypatch.setattr(attention, "_ROTARY_TABLES", {})
     torch.manual_seed(0)
     model = MoEKVTransformer(get_config("tiny"))
     result = generate(model, [[1, 2, 3, 4]], SamplingParams(max_new_tokens=3, temperature=0.0),

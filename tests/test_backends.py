@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from moekv_ref.apps import cli
-from moekv_ref.backends import BackendUnavailableError, require_backend, require_triton, triton_available
+from moekv_ref.backends import BackendUnavailableError, require_backend, triton_available
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,9 +22,7 @@ def no_triton(monkeypatch):
 
 
 def test_require_triton_without_triton(no_triton):
-    with pytest.raises(RuntimeError, match="use --backend torch"):
-        require_triton()
-    with pytest.raises(BackendUnavailableError, match="Linux x86_64/aarch64 only"):
+    with pytest.raises(BackendUnavailableError, match="Linux x86_64/aarch64 only.*use --backend torch"):
         require_backend("triton")
     require_backend("torch")
 
@@ -32,7 +30,7 @@ def test_require_triton_without_triton(no_triton):
 def test_require_triton_with_triton():
     pytest.importorskip("triton")
     assert triton_available()
-    require_triton()
+    require_backend("triton")
 
 
 def test_cli_backend_triton_refuses_without_triton(no_triton, capsys):

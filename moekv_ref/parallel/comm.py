@@ -32,7 +32,6 @@ class CollectiveError(RuntimeError):
 
 
 def first_line(error: BaseException) -> str:
-    """An error's first line (at most 200 characters), or its type's name when it has no message."""
     text = str(error).strip()
     return text.splitlines()[0][:200] if text else type(error).__name__
 
@@ -54,11 +53,10 @@ class Communicator:
     """The caller sets `step`, the step that records belong to. store: the key-value store for
     progress (None: errors name only the collective and this rank)."""
 
-    def __init__(self, rank: int, world_size: int, device: str | torch.device = "cpu", store=None,
-                 group=None):
+    def __init__(self, rank: int, world_size: int, device: torch.device, store, group):
         self.rank = rank
         self.world_size = world_size
-        self.device = torch.device(device)
+        self.device = device
         self.store = store
         self.group = group
         self.step = -1
@@ -93,8 +91,7 @@ class Communicator:
         if recv_counts is None:
             sizes = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
             received_sizes = torch.empty_like(sizes)
-            ones = [1] * self.world_size
-            self._run("all_to_all_single", "split_sizes", sizes.element_size(), ones,
+            self._run("all_to_all_single", "split_sizes", sizes.element_size(), [1] * self.world_size,
                       lambda: dist.all_to_all_single(received_sizes, sizes, group=self.group))
             recv_counts = received_sizes.tolist()
         tensor = tensor.contiguous()
@@ -104,14 +101,13 @@ class Communicator:
                   lambda: dist.all_to_all_single(out, tensor, recv_counts, send_counts, self.group))
         return out, recv_counts
 
-    def broadcast(self, tensor: torch.Tensor, src: int, category: str) -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, src: int, category: str) -> None:
         """tensor from rank src, in place on every rank."""
         on_device = tensor.to(self.device)
         self._run("broadcast", category, tensor.numel() * tensor.element_size(),
                   [int(self.rank == src)] * self.world_size,
                   lambda: dist.broadcast(on_device, src, group=self.group))
         tensor.copy_(on_device)
-        return tensor
 
     def _run(self, collective: str, category: str, unit: int, send_counts: list[int], call) -> None:
         """call(), counted as send_counts[r] units of `unit` bytes to each rank r, and guarded."""

@@ -21,7 +21,6 @@ K expert slots per pair, D model width, n tokens a rank received, M (token, expe
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -60,18 +59,13 @@ class DispatchPlan:
         send_counts = torch.bincount(rank, minlength=world_size).tolist()
         return cls(token, rank, experts, pair_gates.to(gates.dtype), send_counts)
 
-    def pairs_to_peers(self, home_rank: int) -> int:
-        """(token, rank) pairs whose rank is not the home rank: hidden states that travel."""
+    def pairs_to_peers(self, home_rank: int | torch.Tensor) -> int:
+        """(token, rank) pairs whose rank is not home_rank (or each pair's (P,)): hidden states sent."""
         return int((self.rank != home_rank).sum())
 
-    def expert_pairs_to_peers(self, home_rank: int) -> int:
+    def expert_pairs_to_peers(self, home_rank: int | torch.Tensor) -> int:
         """(token, expert) pairs on other ranks: what a once-per-expert dispatch would send."""
         return int(((self.experts >= 0) & (self.rank != home_rank)[:, None]).sum())
-
-    def count(self, traffic: Counter, kind: str, home_rank: int) -> None:
-        """Add both counts to traffic, as {kind}_pairs_to_peers and {kind}_expert_pairs_to_peers."""
-        traffic[f"{kind}_pairs_to_peers"] += self.pairs_to_peers(home_rank)
-        traffic[f"{kind}_expert_pairs_to_peers"] += self.expert_pairs_to_peers(home_rank)
 
 
 @dataclass
@@ -95,9 +89,8 @@ def dispatch(comm: Communicator, plan: DispatchPlan, hidden: torch.Tensor, categ
     if seq_ids is not None:
         seq_ids, positions = seq_ids.cpu(), positions.cpu()
         ints = torch.cat([seq_ids[plan.token, None], positions[plan.token, None], ints], dim=1)  # (P, 2 + K)
-    device = comm.device
-    floats_in, recv_counts = comm.all_to_all(floats.to(device), plan.send_counts, category)
-    ints_in, _ = comm.all_to_all(ints.to(device), plan.send_counts, category, recv_counts)
+    floats_in, recv_counts = comm.all_to_all(floats.to(comm.device), plan.send_counts, category)
+    ints_in, _ = comm.all_to_all(ints.to(comm.device), plan.send_counts, category, recv_counts)
     floats_in, ints_in = floats_in.to(hidden.device), ints_in.cpu()      # math on the model's device, ids on the CPU
     D = hidden.shape[1]
     hidden_in, gates_in = floats_in[:, :D], floats_in[:, D:]                              # (n, D), (n, K)

@@ -45,16 +45,15 @@ class _PlacedAttention:
     """What every placement holds; attention_ranks (L, E): the rank of every attention expert."""
 
     def __init__(self, shard: RankShard, comm: Communicator, pool: PagedKVCache, attention_ranks: torch.Tensor):
-        self.shard, self.comm, self.pool = shard, comm, pool
-        self.attention_ranks = torch.as_tensor(attention_ranks)
+        self.shard, self.comm, self.pool, self.attention_ranks = shard, comm, pool, attention_ranks
 
     def _dispatch(self, layer: int, h, seq_ids, positions, traffic: Counter):
         """Route the home tokens and send them to their experts' ranks: (plan, received)."""
         routing = self.shard.route_attention(layer, h)                                   # (N, E)
-        k_max = self.shard.config.num_attention_experts_per_tok
         plan = DispatchPlan.build(routing.selected, routing.gates, self.attention_ranks[layer],
-                                  self.comm.world_size, k_max)
-        plan.count(traffic, "attention", self.comm.rank)
+                                  self.comm.world_size, self.shard.config.num_attention_experts_per_tok)
+        traffic["attention_pairs_to_peers"] += plan.pairs_to_peers(self.comm.rank)
+        traffic["attention_expert_pairs_to_peers"] += plan.expert_pairs_to_peers(self.comm.rank)
         return plan, dispatch(self.comm, plan, h, "attention_dispatch", seq_ids, positions)
 
     def _experts(self, layer: int, h, plan: DispatchPlan, received, cache):
@@ -141,10 +140,7 @@ class KVWithSequence(_PlacedAttention):
 
 class ReplicatedAttention(_PlacedAttention):
     def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
-        if h.shape[0] == 0:
-            return torch.zeros_like(h)
-        out, _ = self.shard.layers[layer].attention.forward_cached(h, seq_ids, positions, self.pool)
-        return out
+        return self.shard.layers[layer].attention.forward_cached(h, seq_ids, positions, self.pool)[0]
 
 
 PLACEMENT_CLASSES = dict(zip(KV_PLACEMENTS, (KVWithExpert, KVWithSequence, ReplicatedAttention)))

@@ -2,7 +2,7 @@
 
     results = launch(module_level_function, world_size=4, args=(spec,))
 
-Each rank is a new process (`start_method`), so the function must be importable by name. A rank
+Each rank is a new process (see `launch`), so the function must be importable by name. A rank
 runs in the caller's environment of the moment, joins the group through `join_group` (gloo on CPU,
 NCCL with CUDA) and returns function(context, *args) to the parent. The rendezvous store lives in
 the parent, so a rank whose collective failed can still read how far its peers got (comm.py).
@@ -146,14 +146,6 @@ def join_group(backend: str, timeout_s: float, start_timeout_s: float, store=Non
                          device)
 
 
-def start_method() -> str:
-    """How ranks start: on Linux from a fork server, which imports torch and the rank programs once
-    and then forks each rank (0.2 s per launch of 2 ranks here, against 3 s spawning them, each
-    importing torch afresh: notebook 07's widget launches ranks at every change); elsewhere spawned
-    (Windows has no fork, and macOS frameworks are not safe to fork once loaded)."""
-    return "forkserver" if sys.platform.startswith("linux") else "spawn"
-
-
 def _worker_main(rank, world_size, port, backend, timeout_s, start_timeout_s, function, args, results,
                  environment):
     os.environ.clear()            # the caller's environment now, not the fork server's at its start
@@ -177,16 +169,12 @@ def _worker_main(rank, world_size, port, backend, timeout_s, start_timeout_s, fu
         os._exit(1)   # skip destroy_process_group, which can itself wait on dead peers
 
 
-def launch(function, world_size: int, args: tuple = (), backend: str | None = None,
-           timeout_s: float = DEFAULT_TIMEOUT_S, start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
-           grace_s: float = DEFAULT_GRACE_S) -> list:
+def launch(function, world_size: int, args: tuple = (), timeout_s: float = DEFAULT_TIMEOUT_S,
+           start_timeout_s: float = DEFAULT_START_TIMEOUT_S, grace_s: float = DEFAULT_GRACE_S) -> list:
     """Run function(context, *args) on world_size ranks: their return values in rank order, or
     WorkerFailed naming every rank that failed. The timeouts and grace_s: module docstring."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer")
-    backend = backend or default_backend()
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r} is not one of ('gloo', 'nccl')")
     timeout_s = check_seconds("timeout_s", timeout_s)
     start_timeout_s = check_seconds("start_timeout_s", start_timeout_s)
     if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not 0 <= grace_s <= 60:
@@ -198,14 +186,18 @@ def launch(function, world_size: int, args: tuple = (), backend: str | None = No
     fault_from_environment()   # a bad MOEKV_FAULT fails here, not in every rank
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=start_timeout_s))
-    method = start_method()
+    # Ranks start on Linux from a fork server, which imports torch and the rank programs once and then
+    # forks each rank (0.2 s per launch of 2 ranks here, against 3 s spawning them, each importing
+    # torch afresh: notebook 07's widget launches ranks at every change); elsewhere they are spawned
+    # (Windows has no fork, and macOS frameworks are not safe to fork once loaded).
+    method = "forkserver" if sys.platform.startswith("linux") else "spawn"
     context = mp.get_context(method)
     if method == "forkserver":
         context.set_forkserver_preload(["moekv_ref.parallel.programs", function.__module__])
     results = context.Queue()
     processes = [context.Process(target=_worker_main, daemon=True,
-                                 args=(rank, world_size, store.port, backend, timeout_s, start_timeout_s,
-                                       function, args, results, dict(os.environ)))
+                                 args=(rank, world_size, store.port, default_backend(), timeout_s,
+                                       start_timeout_s, function, args, results, dict(os.environ)))
                  for rank in range(world_size)]
     for process in processes:
         process.start()

@@ -51,9 +51,8 @@ def compare_placements(selected_per_layer: list[torch.Tensor], world_sizes=(2, 4
                 rank_of_expert = place_experts(num_experts, world_size, strategy, counts)  # (E,)
                 touched.append(devices_touched(test, rank_of_expert, world_size).double().mean())
                 plan = DispatchPlan.build(test, test.double(), rank_of_expert, world_size, k_max)
-                remote = plan.rank != home[plan.token]                                   # (P,)
-                per_rank_pairs += int(remote.sum())
-                per_expert_pairs += int(((plan.experts >= 0) & remote[:, None]).sum())
+                per_rank_pairs += plan.pairs_to_peers(home[plan.token])
+                per_expert_pairs += plan.expert_pairs_to_peers(home[plan.token])
                 load.index_add_(0, rank_of_expert, test.sum(0).to(torch.int64))
             rows.append({
                 "world_size": world_size, "strategy": strategy,

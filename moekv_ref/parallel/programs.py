@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import PagedKVCache
-from ..checkpoint import COMPUTE_DTYPES, load_default_model
+from ..checkpoint import COMPUTE_DTYPES
 from ..config import ModelConfig
 from ..model import MoEKVTransformer
 from .launcher import DEFAULT_START_TIMEOUT_S, DEFAULT_TIMEOUT_S, FAULT_KEY, WorkerContext, launch
@@ -30,28 +30,24 @@ from .runner import ParallelRunner
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """config=None: the embedded model with `routing`; else a random model of that config, seeded,
-    its attention routers scaled by router_scale (decisive, as a trained model's are). router_skew
-    > 0 biases every attention router from +skew (expert 0) down to -skew, to load low experts."""
-    config: dict | None = None
+    """A random model of `config` (ModelConfig.to_dict()), seeded, its attention routers scaled by
+    router_scale (decisive, as a trained model's are). router_skew > 0 biases every attention router
+    from +skew (expert 0) down to -skew, to load low experts."""
+    config: dict
     seed: int = 0
     dtype: str = "float32"
-    routing: str = "topk"
     router_scale: float = 4.0
     router_skew: float = 0.0
 
     def build(self) -> MoEKVTransformer:
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {tuple(COMPUTE_DTYPES)}")
-        if self.config is None:
-            model = load_default_model(self.routing, COMPUTE_DTYPES[self.dtype])
-        else:
-            torch.manual_seed(self.seed)
-            model = MoEKVTransformer(ModelConfig.from_dict(self.config))
-            with torch.no_grad():
-                for block in model.blocks:
-                    block.attention.router.weight.mul_(self.router_scale)
-            model = model.to(COMPUTE_DTYPES[self.dtype])
+        torch.manual_seed(self.seed)
+        model = MoEKVTransformer(ModelConfig.from_dict(self.config))
+        with torch.no_grad():
+            for block in model.blocks:
+                block.attention.router.weight.mul_(self.router_scale)
+        model = model.to(COMPUTE_DTYPES[self.dtype])
         skew = self.router_skew
         for router in (block.attention.router for block in model.blocks) if skew else ():
             bias = torch.linspace(skew, -skew, router.out_features, dtype=router.weight.dtype)
@@ -116,10 +112,8 @@ def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
     for spec in specs:
         comm = context.comm
         comm.reset()
-        model = spec.model.build().to(context.device)
-        runner = ParallelRunner(model, comm, spec.kv_placement, spec.attention_ranks, spec.ffn_ranks,
-                                spec.num_blocks, spec.block_size)
-        del model
+        runner = ParallelRunner(spec.model.build().to(context.device), comm, spec.kv_placement,
+                                spec.attention_ranks, spec.ffn_ranks, spec.num_blocks, spec.block_size)
         mine = [i for i in range(len(spec.prompts)) if i % context.world_size == context.rank]
         result = RankResult(context.rank, weight_bytes=runner.shard.weight_bytes())
         for step in range(spec.num_decode_steps + 1):

@@ -77,17 +77,13 @@ class ParallelRunner:
         routing = self.shard.route_ffn(layer, h)                                          # (N, E_ffn)
         plan = DispatchPlan.build(routing.selected, routing.gates, self.ffn_ranks[layer],
                                   self.comm.world_size, self.shard.config.num_experts_per_tok)
-        plan.count(traffic, "ffn", self.comm.rank)
+        traffic["ffn_pairs_to_peers"] += plan.pairs_to_peers(self.comm.rank)
+        traffic["ffn_expert_pairs_to_peers"] += plan.expert_pairs_to_peers(self.comm.rank)
         received = dispatch(self.comm, plan, h, "ffn_dispatch")
         pairs = local_pairs(received, part.ffn_experts)
         y = swiglu_experts(received.hidden[pairs.token], pairs.counts, part.w_gate, part.w_up, part.w_down,
                            self.shard.backend)                                            # (M, D)
         return combine(self.comm, plan, received, pairs, y, h.shape[0], "ffn_combine")
-
-    def free(self, seq_id: int) -> None:
-        """Return the sequence's blocks on this rank (nothing if this rank holds none of it)."""
-        if self.pool.manager.holds(seq_id):
-            self.pool.free(seq_id)
 
     def pool_usage(self) -> dict[str, int]:
         manager = self.pool.manager

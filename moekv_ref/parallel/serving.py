@@ -91,11 +91,9 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
     """Worker: rank 0 schedules and samples, every rank runs the model. Greedy sampling."""
     comm, rank, R = context.comm, context.rank, context.world_size
     comm.reset()
-    model = spec.model.build().to(context.device)
-    config = model.config
-    runner = ParallelRunner(model, comm, spec.kv_placement, spec.attention_ranks, spec.ffn_ranks,
-                            spec.num_blocks, spec.block_size)
-    del model
+    runner = ParallelRunner(spec.model.build().to(context.device), comm, spec.kv_placement,
+                            spec.attention_ranks, spec.ffn_ranks, spec.num_blocks, spec.block_size)
+    config = runner.shard.config
     L, E = config.num_hidden_layers, config.num_attention_experts
     scheduler = requests = mirror = None
     on_ranks: set[int] = set()                  # the sequences the ranks hold, from their last reports
@@ -138,11 +136,11 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
         comm.broadcast(body, 0, "plan")
         tokens, seq_ids, positions, frees = body[:N], body[N:2 * N], body[2 * N:3 * N], body[3 * N:]
         for seq_id in frees.tolist():
-            runner.free(seq_id)
+            if runner.pool.manager.holds(seq_id):        # a rank may hold none of it
+                runner.pool.free(seq_id)
         # ---- every rank runs its home sequences' tokens
         mine = (seq_ids % R) == rank
-        device = context.device
-        logits = runner.step(step, tokens[mine].to(device), seq_ids[mine].to(device), positions[mine].to(device))
+        logits = runner.step(step, *(t[mine].to(context.device) for t in (tokens, seq_ids, positions)))
         my_seqs = seq_ids[mine]
         last = torch.ones_like(my_seqs, dtype=torch.bool)                # last token of each seq
         last[:-1] = my_seqs[1:] != my_seqs[:-1]
@@ -159,9 +157,8 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
         if rank == 0:
             on_ranks = follow_ranks(mirror, list(reports.cpu().split(counts)))
             by_seq = {int(r[0]): r[1:] for r in gathered.cpu()}
-            sampled = {item.request.request_id: sample_next(by_seq[item.request.request_id], item.request.sampling_params,
-                                                            item.request.generator)
-                       for item in decision.scheduled if item.samples}
+            sampled = {r.request_id: sample_next(by_seq[r.request_id], r.sampling_params, r.generator)
+                       for r in (item.request for item in decision.scheduled if item.samples)}
             for request in scheduler.update_from_output(decision, sampled):
                 result.events.append((step, "finished", request.request_id))
     if rank != 0:
