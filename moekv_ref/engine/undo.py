@@ -38,8 +38,9 @@ class Snapshot:
             if id(obj) in self._saved:
                 continue
             shared = getattr(type(obj), "_UNDO_SHARED", ())
-            self._saved[id(obj)] = (obj, {name: value if name in shared else self._copy(value)
-                                          for name, value in vars(obj).items()})
+            # atoms inline: most attributes are ints and strings, and a call each was most of the cost
+            self._saved[id(obj)] = (obj, {name: value if type(value) in _ATOMS or name in shared
+                                          else self._copy(value) for name, value in vars(obj).items()})
 
     def restore(self) -> None:
         """Once only: the saved copies become the objects' state."""
@@ -55,6 +56,8 @@ class Snapshot:
         if isinstance(value, torch.Tensor):
             return value.clone()
         if isinstance(value, (list, set)):                       # token ids, free slots: atoms, usually
+            if _ATOMS.issuperset(map(type, value)):              # then one copy in C
+                return kind(value)
             return kind(v if type(v) in _ATOMS else self._copy(v) for v in value)
         if isinstance(value, deque):
             return deque((self._copy(v) for v in value), maxlen=value.maxlen)
