@@ -104,7 +104,8 @@ def test_bad_input_leaves_everything_unchanged():
         manager.free(5)
     assert unchanged()
     rows = manager.rows([0], 1, 2)
-    assert manager.num_blocks_needed(rows, torch.tensor([16])) == 4 and not manager.can_allocate(rows, torch.tensor([16]))
+    assert manager.blocks_needed_per_device(rows, torch.tensor([16])).tolist() == [4]
+    assert not manager.can_allocate(rows, torch.tensor([16]))
     with pytest.raises(OutOfBlocksError, match="needs 4 blocks; 3 are free"):
         manager.allocate_slots(rows, torch.tensor([16]))
     assert unchanged()

@@ -260,9 +260,6 @@ class KVCacheManager:
         self.last_appended[rows] = -1
 
     # ----- the scheduler's questions --------------------------------------------------------------
-    def num_blocks_needed(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> int:
-        return int(self.blocks_needed_per_device(rows, num_new_tokens).sum())
-
     def can_allocate(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> bool:
         """Whether the append fits every device's pool."""
         needed = self.blocks_needed_per_device(rows, num_new_tokens)                         # (D,)
@@ -305,10 +302,6 @@ class KVCacheManager:
         owner_row[blocks] = row
         used_slots[blocks] = (self.row_tokens[row] - column * P).clamp(max=P)
         return owner_row, used_slots
-
-    def context_lens(self, rows: torch.Tensor) -> torch.Tensor:
-        """Tokens of each row as int32, the layout a decode kernel reads."""
-        return self.row_tokens[rows].to(torch.int32)
 
     # ----- allocate / slots / free ----------------------------------------------------------------
     def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor,
