@@ -490,6 +490,8 @@ class KVCacheManager:
         owned = self.block_tables[used].to(torch.int64)
         assert (self.block_tables[~used] == self.pad).all(), "a table entry past a row's blocks is set"
         assert (owned < self.num_blocks).all(), "a row's used table entry is padding"
+        assert torch.equal(self.pool.device_of_blocks(owned), self.device_of_rows(used.nonzero()[:, 0])), \
+            "a row holds a block of another device than its own"
         if self.tails is not None:
             owned = torch.cat([owned, self.tails.blocks()])
         distinct = owned.unique()
@@ -498,9 +500,6 @@ class KVCacheManager:
         owners = torch.bincount(owned, minlength=self.num_blocks)
         assert torch.equal(owners.to(torch.int32), self.pool.ref_cnt), "ref_cnt != number of owners"
         assert distinct.numel() + self.pool.num_free_blocks == self.num_blocks, "free + owned != total"
-        row, _ = used.nonzero(as_tuple=True)
-        assert torch.equal(self.pool.device_of_blocks(self.block_tables[used].to(torch.int64)),
-                           self.device_of_rows(row)), "a row holds a block of another device than its own"
         live = torch.zeros(self.row_tokens.numel() // self.rows_per_seq, dtype=torch.bool)
         live[list(self._seq_index.values())] = True
         idle_rows = (~live).repeat_interleave(self.rows_per_seq)
