@@ -136,10 +136,10 @@ def test_append_kv_rejects_out_of_order_positions_without_storing():
         cache.append_kv(0, torch.tensor([4, 4]), expert, torch.tensor([2, 2]), k, k)
     assert 4 not in cache.manager.sequences
     cache.free(3)
-    assert cache.num_free_blocks == 16
+    assert cache.manager.num_free_blocks == 16
     with pytest.raises(KeyError, match="sequence 3 is not in the cache"):
         cache.free(3)
-    assert cache.num_free_blocks == 16
+    assert cache.manager.num_free_blocks == 16
 
 
 def test_append_kv_groups_pairs_into_rows_exactly():

@@ -370,7 +370,5 @@ class PagedKVCache:
     def free(self, seq_id: int) -> None:
         self.manager.free(seq_id)
 
-    num_free_blocks = property(lambda self: self.manager.num_free_blocks)
-
     def kv_bytes(self) -> int:
         return 2 * self.key_cache.numel() * self.key_cache.element_size()
