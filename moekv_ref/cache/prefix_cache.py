@@ -296,9 +296,8 @@ class PrefixCache:
         self.block_positions[destination] = self.block_positions[hit.cow_source]
         m.row_tokens[rows] = hit.row_counts
         held = (hit.row_counts > 0).nonzero().squeeze(1)                                   # (h,)
-        last = hit.row_counts[held] - 1
-        last_block = m.block_tables[rows[held], last // P].to(torch.int64)
-        m.last_position[rows[held]] = self.block_positions[last_block, last % P]
+        last_slot = m._slot_of(rows[held], hit.row_counts[held] - 1)                       # (h,)
+        m.last_position[rows[held]] = self.block_positions.view(-1)[last_slot]
         self.stats.num_hit_tokens += hit.num_tokens
         self.stats.num_shared_blocks += hit.shared.numel()
         self.stats.num_cow_blocks += hit.cow_source.numel()
