@@ -178,7 +178,7 @@ def check_random_program(kind, block_size, num_blocks, shuffle, program):
                 merged[(layer, expert)] = merged.get((layer, expert), 0) + n
             rows = torch.cat([manager.rows([seq], l, e) for (l, e) in merged])
             counts = torch.tensor(list(merged.values()))
-            needed = manager.num_blocks_needed(rows, counts)
+            needed = int(manager.blocks_needed_per_device(rows, counts).sum())
             fits = manager.can_allocate(rows, counts)          # with devices: on every device
             assert fits <= (needed <= manager.num_free_blocks)
             assert manager.num_devices > 1 or fits == (needed <= manager.num_free_blocks)

@@ -86,7 +86,7 @@ def test_triton_decode_output_is_the_kernels_output_bitwise(models):
     rows = appended.rows
     direct = kernels.paged_attention(q[torch.argsort(appended.pair_row)].contiguous(), cache.key_cache,
                                      cache.value_cache, cache.manager.block_tables[rows],
-                                     cache.manager.context_lens(rows))
+                                     cache.manager.row_tokens[rows].to(torch.int32))
     assert torch.equal(out, direct[appended.pair_row])
     reference = PagedKVCache.for_model(model, block_size=4, num_blocks=64, shuffle_seed=0, attention="reference")
     reference.key_cache.copy_(cache.key_cache), reference.value_cache.copy_(cache.value_cache)

@@ -104,7 +104,8 @@ def test_bad_input_leaves_everything_unchanged():
         manager.free(5)
     assert unchanged()
     rows = manager.rows([0], 1, 2)
-    assert manager.num_blocks_needed(rows, torch.tensor([16])) == 4 and not manager.can_allocate(rows, torch.tensor([16]))
+    assert manager.blocks_needed_per_device(rows, torch.tensor([16])).tolist() == [4]
+    assert not manager.can_allocate(rows, torch.tensor([16]))
     with pytest.raises(OutOfBlocksError, match="needs 4 blocks; 3 are free"):
         manager.allocate_slots(rows, torch.tensor([16]))
     assert unchanged()
@@ -135,10 +136,10 @@ def test_append_kv_rejects_out_of_order_positions_without_storing():
         cache.append_kv(0, torch.tensor([4, 4]), expert, torch.tensor([2, 2]), k, k)
     assert 4 not in cache.manager.sequences
     cache.free(3)
-    assert cache.num_free_blocks == 16
+    assert cache.manager.num_free_blocks == 16
     with pytest.raises(KeyError, match="sequence 3 is not in the cache"):
         cache.free(3)
-    assert cache.num_free_blocks == 16
+    assert cache.manager.num_free_blocks == 16
 
 
 def test_append_kv_groups_pairs_into_rows_exactly():

@@ -96,14 +96,11 @@ def checked_count(value, name: str, minimum: int = 0, maximum: int | None = None
     return int(value)
 
 
-BLOCKS_PER_DEVICE_ALLOWED = ("a list or tuple of D integers >= 1 (Python or numpy ints), or a 1-D "
-                             "integer tensor or numpy array of them")
-
-
 def checked_blocks_per_device(blocks_per_device, name: str = "blocks_per_device") -> list[int]:
     """blocks_per_device as D Python ints, each >= 1 (a device with no block could hold no row of
     its experts), or ValueError naming the first bad entry."""
-    given, allowed = blocks_per_device, BLOCKS_PER_DEVICE_ALLOWED
+    given, allowed = blocks_per_device, ("a list or tuple of D integers >= 1 (Python or numpy ints), or a "
+                                         "1-D integer tensor or numpy array of them")
     if isinstance(given, (torch.Tensor, np.ndarray)):
         if not integer_dtype(given.dtype):
             raise ValueError(f"{name}={preview(given)} has dtype {given.dtype}; allowed: "
@@ -293,12 +290,9 @@ class BlockPool:
             released = released[~cached]
         device = self._device_of(released)                                             # (r,)
         for d in range(self.num_devices):               # each device's onto its own stack, in order
-            self._push(d, released[device == d])
-
-    def _push(self, device: int, block_ids: torch.Tensor) -> None:
-        top = self._first_block[device] + self._num_free[device]
-        self._free_stack[top: top + block_ids.numel()] = block_ids
-        self._num_free[device] += block_ids.numel()
+            mine, top = released[device == d], self._first_block[d] + self._num_free[d]
+            self._free_stack[top: top + mine.numel()] = mine
+            self._num_free[d] += mine.numel()
 
     def _device_of(self, block_ids: torch.Tensor) -> torch.Tensor:
         first = torch.tensor(self._first_block, dtype=torch.int64)                   # (D,)

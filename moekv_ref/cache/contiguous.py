@@ -16,7 +16,7 @@ from ..attention import attend_by_position
 class ContiguousRows:
     """What `append_kv` hands to `attend`."""
     keys: list[tuple[int, int, int]]     # (seq_id, layer, expert) of each distinct row of the call
-    pair_row: torch.Tensor               # (n,) each pair's row, as an index into keys
+    pairs: list[torch.Tensor]            # each row's pairs, as indices into the call
     positions: torch.Tensor              # (n,) each pair's position (the mask is by position here)
 
 
@@ -47,12 +47,11 @@ class ContiguousKVCache:
             old_k, old_v, old_positions = self._buffers.get(key, (k[:0], v[:0], positions[:0]))
             self._buffers[key] = (torch.cat([old_k, k[pairs]]), torch.cat([old_v, v[pairs]]),
                                   torch.cat([old_positions, positions[pairs]]))
-        return ContiguousRows(keys, pair_row, positions)
+        return ContiguousRows(keys, mine, positions)
 
     def attend(self, appended: ContiguousRows, q):
         out = torch.empty_like(q)
-        for i, key in enumerate(appended.keys):
-            pairs = (appended.pair_row == i).nonzero().squeeze(1)
+        for key, pairs in zip(appended.keys, appended.pairs):
             cached_k, cached_v, cached_pos = self._buffers[key]
             out[pairs] = attend_by_position(q[pairs], cached_k, cached_v, appended.positions[pairs], cached_pos)
         return out

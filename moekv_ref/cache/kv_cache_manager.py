@@ -61,18 +61,22 @@ def check_block_size(block_size) -> int:
     return block_size
 
 
-PLACEMENT_ALLOWED = "an integer tensor or numpy array, or (nested) lists of ints"
-
-
 def checked_placement(device_of_expert, num_layers: int, num_experts: int,
                       num_devices: int) -> torch.Tensor:
     """device_of_expert as (L, E) int64: given (E,) for every layer or (L, E), devices in [0, D), or
     ValueError naming the first bad value (nothing is rounded or read as digits)."""
     devices = f"0..{num_devices - 1}"
-    allowed = (f"devices {devices} as {PLACEMENT_ALLOWED}, of shape (E,) = ({num_experts},) or (L, E) = "
-               f"({num_layers}, {num_experts})")
+    allowed = (f"devices {devices} as an integer tensor or numpy array, or (nested) lists of ints, of shape "
+               f"(E,) = ({num_experts},) or (L, E) = ({num_layers}, {num_experts})")
     if isinstance(device_of_expert, (list, tuple)):
-        placement = _placement_from_lists(device_of_expert, allowed)
+        for where, value in entries(device_of_expert):
+            if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"device_of_expert{where}={value!r} is {a_type(value)}; allowed: {allowed}")
+        try:
+            placement = torch.tensor(device_of_expert, dtype=torch.int64)
+        except (TypeError, ValueError) as error:                   # ragged lists
+            raise ValueError(f"device_of_expert is not a rectangular table ({error}); "
+                             f"allowed: {allowed}") from None
     elif isinstance(device_of_expert, (torch.Tensor, np.ndarray)):
         if not integer_dtype(device_of_expert.dtype):
             raise ValueError(f"{_first_value(device_of_expert)} has dtype "
@@ -103,17 +107,6 @@ def _first_value(placement) -> str:
     i = int((flat != flat.round()).int().argmax()) if flat.is_floating_point() else 0
     index = ", ".join(str(int(k)) for k in np.unravel_index(i, tuple(placement.shape)))
     return f"device_of_expert[{index}]={preview(flat[i:i + 1])[1:-1]}"
-
-
-def _placement_from_lists(values, allowed: str) -> torch.Tensor:
-    """(Nested) lists of ints as an int64 tensor; the first entry that is not an int is named."""
-    for where, value in entries(values):
-        if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
-            raise ValueError(f"device_of_expert{where}={value!r} is {a_type(value)}; allowed: {allowed}")
-    try:
-        return torch.tensor(values, dtype=torch.int64)
-    except (TypeError, ValueError) as error:                   # ragged lists
-        raise ValueError(f"device_of_expert is not a rectangular table ({error}); allowed: {allowed}") from None
 
 
 class KVCacheManager:
@@ -267,9 +260,6 @@ class KVCacheManager:
         self.last_appended[rows] = -1
 
     # ----- the scheduler's questions --------------------------------------------------------------
-    def num_blocks_needed(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> int:
-        return int(self.blocks_needed_per_device(rows, num_new_tokens).sum())
-
     def can_allocate(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> bool:
         """Whether the append fits every device's pool."""
         needed = self.blocks_needed_per_device(rows, num_new_tokens)                         # (D,)
@@ -312,10 +302,6 @@ class KVCacheManager:
         owner_row[blocks] = row
         used_slots[blocks] = (self.row_tokens[row] - column * P).clamp(max=P)
         return owner_row, used_slots
-
-    def context_lens(self, rows: torch.Tensor) -> torch.Tensor:
-        """Tokens of each row as int32, the layout a decode kernel reads."""
-        return self.row_tokens[rows].to(torch.int32)
 
     # ----- allocate / slots / free ----------------------------------------------------------------
     def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor,
@@ -504,6 +490,8 @@ class KVCacheManager:
         owned = self.block_tables[used].to(torch.int64)
         assert (self.block_tables[~used] == self.pad).all(), "a table entry past a row's blocks is set"
         assert (owned < self.num_blocks).all(), "a row's used table entry is padding"
+        assert torch.equal(self.pool.device_of_blocks(owned), self.device_of_rows(used.nonzero()[:, 0])), \
+            "a row holds a block of another device than its own"
         if self.tails is not None:
             owned = torch.cat([owned, self.tails.blocks()])
         distinct = owned.unique()
@@ -512,9 +500,6 @@ class KVCacheManager:
         owners = torch.bincount(owned, minlength=self.num_blocks)
         assert torch.equal(owners.to(torch.int32), self.pool.ref_cnt), "ref_cnt != number of owners"
         assert distinct.numel() + self.pool.num_free_blocks == self.num_blocks, "free + owned != total"
-        row, _ = used.nonzero(as_tuple=True)
-        assert torch.equal(self.pool.device_of_blocks(self.block_tables[used].to(torch.int64)),
-                           self.device_of_rows(row)), "a row holds a block of another device than its own"
         live = torch.zeros(self.row_tokens.numel() // self.rows_per_seq, dtype=torch.bool)
         live[list(self._seq_index.values())] = True
         idle_rows = (~live).repeat_interleave(self.rows_per_seq)

@@ -348,7 +348,7 @@ class PagedKVCache:
         pairs, pair_slot = self._pairs_of(appended, members)                   # (d,) one per row
         rows = appended.rows[members]
         block_tables = self.manager.block_tables[rows].to(device)                 # (d, W) int32
-        context_lens = self.manager.context_lens(rows).to(device)                 # (d,) int32
+        context_lens = self.manager.row_tokens[rows].to(device, torch.int32)      # (d,) int32
         queries = q.new_empty(members.numel(), q.shape[1], q.shape[2])
         queries[pair_slot] = q[pairs]
         result = self._kernels.paged_attention(queries.contiguous(), self.key_cache, self.value_cache,
@@ -369,8 +369,6 @@ class PagedKVCache:
 
     def free(self, seq_id: int) -> None:
         self.manager.free(seq_id)
-
-    num_free_blocks = property(lambda self: self.manager.num_free_blocks)
 
     def kv_bytes(self) -> int:
         return 2 * self.key_cache.numel() * self.key_cache.element_size()

@@ -76,8 +76,6 @@ class PrefixHit:
     free_taken_per_device: torch.Tensor | None = None   # the same, (D,) per device
     row_devices: torch.Tensor | None = None   # (L*E,) devices of the rows it applies to (only those)
 
-    num_blocks = property(lambda self: int(self.shared.numel() + self.cow_source.numel()))
-
 
 @dataclass
 class PrefixCacheStats:
@@ -98,16 +96,13 @@ class PrefixCache:
     listed by several rows is full in each, at the same (layer, expert) and column; keys and cached
     blocks match one to one; ref_cnt == the rows listing a block."""
 
-    def __init__(self, max_chunk_records: int | None = None):
-        self.max_chunk_records = max_chunk_records
-
     def attach(self, manager: KVCacheManager) -> None:
         self.manager, self.chunk_size, num_blocks = manager, manager.block_size, manager.num_blocks
         self.block_positions = torch.full((num_blocks, manager.block_size), -1, dtype=torch.int64)   # (N, P)
         self._block_of_key: dict[tuple[int, int, int, bytes], int] = {}      # (device, row, column, key)
         self._keys_of_block: dict[int, list[tuple[int, int, int, bytes]]] = {}
         self._chunk_counts: OrderedDict[bytes, torch.Tensor] = OrderedDict()   # key -> (L*E,) int64
-        self.max_chunk_records = self.max_chunk_records or max(64, num_blocks)
+        self.max_chunk_records = max(64, num_blocks)
         # per held sequence: [chain keys, chunks recorded, full blocks registered per row (L*E,)]
         self._seq_state: dict[int, list] = {}
         manager.pool.on_evict = self._forget_blocks
@@ -301,9 +296,8 @@ class PrefixCache:
         self.block_positions[destination] = self.block_positions[hit.cow_source]
         m.row_tokens[rows] = hit.row_counts
         held = (hit.row_counts > 0).nonzero().squeeze(1)                                   # (h,)
-        last = hit.row_counts[held] - 1
-        last_block = m.block_tables[rows[held], last // P].to(torch.int64)
-        m.last_position[rows[held]] = self.block_positions[last_block, last % P]
+        last_slot = m._slot_of(rows[held], hit.row_counts[held] - 1)                       # (h,)
+        m.last_position[rows[held]] = self.block_positions.view(-1)[last_slot]
         self.stats.num_hit_tokens += hit.num_tokens
         self.stats.num_shared_blocks += hit.shared.numel()
         self.stats.num_cow_blocks += hit.cow_source.numel()

@@ -130,19 +130,18 @@ class SharedTails:
             free.extend(range(block * P + P - 1, block * P - 1, -1))
         return free.pop()
 
-    def _compact(self, index: int) -> Moves:
-        """Give back tail blocks of tail group `index` while a block's worth of its slots is free."""
+    def _compact(self, group: int) -> Moves:
         P = self.manager.block_size
         moves: Moves = []
-        while len(self.free_tail_slots[index]) >= P:
-            blocks = self.tail_blocks[index]
+        while len(self.free_tail_slots[group]) >= P:
+            blocks = self.tail_blocks[group]
             used = [int((self.slot_row[b * P:(b + 1) * P] >= 0).sum()) for b in blocks]
             victim = blocks[min(range(len(blocks)), key=lambda i: (used[i], -i))]   # emptiest, newest
             victim_slots = torch.arange(victim * P, (victim + 1) * P)
             sources = victim_slots[self.slot_row[victim_slots] >= 0]
-            free = [s for s in self.free_tail_slots[index] if s // P != victim]
+            free = [s for s in self.free_tail_slots[group] if s // P != victim]
             destinations = torch.tensor(free[len(free) - sources.numel():][::-1], dtype=torch.int64)
-            self.free_tail_slots[index] = free[: len(free) - sources.numel()]
+            self.free_tail_slots[group] = free[: len(free) - sources.numel()]
             if sources.numel():
                 row, position = self.slot_row[sources], self.slot_position[sources]
                 self.tail_slots[row, position] = destinations
