@@ -220,10 +220,11 @@ def test_no_name_is_defined_in_two_library_modules():
 # The library's size, counted as `wc -l` counts it (docstrings, comments and blank lines included):
 # 10,489 lines when it held one class per concept for the first time, 9,480 after the duplicated
 # checks and prose went, 8,697 after a second pass (prose said once, a second undo mechanism and
-# 80 lines of prompt text in the engine moved to data files). The goal is 8,000 (nano-vllm's whole
+# 80 lines of prompt text in the engine moved to data files), 8,588 after a third (forwarders,
+# parameters never passed, a second rotary table cache). The goal is 8,000 (nano-vllm's whole
 # engine is about 1,200); until then the budget only falls, so that a feature comes with lines
 # removed elsewhere.
-LIBRARY_LINE_BUDGET = 8_700
+LIBRARY_LINE_BUDGET = 8_590
 
 
 def test_the_library_stays_within_its_line_budget():
