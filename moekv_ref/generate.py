@@ -9,7 +9,6 @@ tokens).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
@@ -18,7 +17,7 @@ from torch.nn.utils.rnn import pad_sequence
 from .cache import ContiguousKVCache, PagedKVCache
 from .cache.block_pool import a_type
 from .model import MoEKVTransformer
-from .prompts import check_prompt
+from .prompts import check_batch
 from .results import GenerationResult
 from .sampling import SamplingParams, sample_rows
 
@@ -26,11 +25,12 @@ CACHE_KINDS = ["none", "contiguous", "paged"]
 
 
 def generate(model: MoEKVTransformer, prompts: list[list[int]],
-             params: SamplingParams | list[SamplingParams] = SamplingParams(),
+             params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
              cache: str = "contiguous", record_logits: bool = False,
              on_token: Callable[[int, int], None] | None = None,
              **cache_options) -> GenerationResult:
-    """`params` may be one per prompt (own seeds). cache_options apply to cache="paged" only;
+    """`params` may be one per prompt (own seeds), each a SamplingParams, a dict of its fields, or
+    None (the defaults), as the engine takes them. cache_options apply to cache="paged" only;
     without num_blocks its pool is sized for every prompt at once. `record_logits` keeps the logits
     of every position processed (the equivalence tests compare them with a full forward)."""
     if not isinstance(model, MoEKVTransformer):
@@ -46,20 +46,8 @@ def generate(model: MoEKVTransformer, prompts: list[list[int]],
             raise ValueError(f"{flag}={value!r} is {a_type(value)}; allowed: True or False")
     if on_token is not None and not callable(on_token):
         raise ValueError(f"on_token must be callable (or None), got {type(on_token).__name__}")
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a non-empty list of prompts (lists of token ids)")
-    per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-    if len(per_prompt) != len(prompts):
-        raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
-    for i, p in enumerate(per_prompt):
-        if not isinstance(p, SamplingParams):
-            raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
-    # validated again: a frozen dataclass can be forced
-    per_prompt = [SamplingParams(**dataclasses.asdict(p)) for p in per_prompt]
     config = model.config
-    prompts = [check_prompt(prompt, config.vocab_size, config.max_position_embeddings,
-                            p.max_new_tokens, f"prompt {i}")
-               for i, (prompt, p) in enumerate(zip(prompts, per_prompt))]
+    prompts, per_prompt = map(list, zip(*check_batch(prompts, params, config, "params")))
     if cache == "paged" and "num_blocks" not in cache_options and "max_num_seqs" not in cache_options:
         cache_options = {**cache_options, "max_num_seqs": len(prompts)}   # a pool for all of them
     generators = [p.generator() for p in per_prompt]

@@ -1,4 +1,5 @@
-"""Prompts: text as token ids, and what `generate` and the serving engine accept as token ids.
+"""Prompts: text as token ids, and what `generate` and the serving engine accept as prompts and
+sampling parameters (`check_batch`: one check for both).
 
 Bytes are tokens: vocabulary 256, nothing to download, any text round-trips (`encode`, `decode`).
 
@@ -9,9 +10,12 @@ it would hide it.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
+
+from .sampling import SamplingParams
 
 
 def encode(text: str) -> list[int]:
@@ -58,4 +62,40 @@ def check_prompt(prompt, vocab_size: int, max_positions: int, max_new_tokens: in
         raise ValueError(f"{name} ({len(checked)} tokens) + max_new_tokens={max_new_tokens} would pass "
                          f"max_position_embeddings={max_positions}; ask for at most "
                          f"{max_positions - len(checked) + 1} new tokens")
+    return checked
+
+
+def check_sampling_params(sampling_params, name: str = "sampling_params") -> SamplingParams:
+    """A SamplingParams, a dict of its fields, or None (the defaults), as a validated SamplingParams."""
+    if sampling_params is None:
+        return SamplingParams()
+    if isinstance(sampling_params, dict):
+        allowed = [f.name for f in dataclasses.fields(SamplingParams)]
+        unknown = sorted(map(str, set(sampling_params) - set(allowed)))
+        if unknown:
+            raise ValueError(f"{name}: unknown keys {unknown}; allowed keys: {allowed}")
+        return SamplingParams(**sampling_params)                           # validates
+    if not isinstance(sampling_params, SamplingParams):
+        raise ValueError(f"{name} must be a SamplingParams or a dict, got "
+                         f"{type(sampling_params).__name__}")
+    # validate again: a frozen dataclass can still be forced into a bad state
+    return SamplingParams(**dataclasses.asdict(sampling_params))
+
+
+def check_batch(prompts, sampling_params, config, params_name: str) -> list[tuple]:
+    """(prompt, params) pairs, each checked; sampling_params: one for all, or a list of one each."""
+    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)):
+        raise ValueError("prompts must be a list of prompts (lists of token ids), got "
+                         f"{type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("no prompts given: pass a non-empty list of prompts")
+    per_prompt = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompts))
+    if len(per_prompt) != len(prompts):
+        raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
+    checked = []
+    for i, (prompt, params) in enumerate(zip(prompts, per_prompt)):
+        params = check_sampling_params(params, f"{params_name}[{i}]")
+        checked.append((check_prompt(prompt, config.vocab_size, config.max_position_embeddings,
+                                     params.max_new_tokens, f"prompt {i}"), params))
     return checked

@@ -144,7 +144,8 @@ CASES = [
     ("generate block_size with contiguous", lambda: generate(MODEL, [[1, 2]], P4, cache="contiguous", block_size=4),
      "apply to cache='paged' only"),
     ("generate float token", lambda: generate(MODEL, [[1, 2.5]], P4), "token 1 is 2.5"),
-    ("generate params as a dict", lambda: generate(MODEL, [[1]], {"max_new_tokens": 2}), "params[0] must be a SamplingParams"),
+    ("generate params='greedy'", lambda: generate(MODEL, [[1]], "greedy"), "params[0] must be a SamplingParams or a dict"),
+    ("generate unknown params key", lambda: generate(MODEL, [[1]], {"temprature": 1.0}), "allowed keys"),
     ("generate over-long prompt + tokens", lambda: generate(MODEL, [[1] * 96], SamplingParams(max_new_tokens=5)),
      "ask for at most 1 new tokens"),
     ("generate_with_engine block_size=0", lambda: generate_with_engine(MODEL, [[1]], P4, block_size=0), "block_size=0"),
@@ -485,6 +486,17 @@ def test_generate_checks_each_prompt_against_its_own_limit():
     result = generate(MODEL, prompts, params)
     assert [len(t) for t in result.tokens] == [5, 50]
     assert [o.token_ids for o in engine(num_blocks=4096).generate(prompts, params)] == result.tokens
+
+
+def test_generate_takes_sampling_params_as_the_engine_does():
+    # one check for both (prompts.check_batch): a dict of fields, or None for the defaults
+    prompts = [[1, 2], [3]]
+    as_dicts = generate(MODEL, prompts, [{"max_new_tokens": 3, "temperature": 0}, None])
+    expected = generate(MODEL, prompts, [SamplingParams(max_new_tokens=3, temperature=0), SamplingParams()])
+    assert as_dicts.tokens == expected.tokens
+    assert [len(t) for t in as_dicts.tokens] == [3, SamplingParams().max_new_tokens]
+    served = engine(num_blocks=4096).generate(prompts, [{"max_new_tokens": 3, "temperature": 0}, None])
+    assert [o.token_ids for o in served] == expected.tokens
 
 
 def test_paged_generate_sizes_its_pool_for_the_prompts_given():

@@ -32,7 +32,7 @@ from ..cache.block_pool import checked_blocks_per_device
 from ..cache.kv_cache_manager import check_block_size
 from ..cache.paged import ATTENTION_PATHS, PagedKVCache
 from ..model import MoEKVTransformer
-from ..prompts import check_prompt
+from ..prompts import check_batch, check_prompt, check_sampling_params
 from ..results import GenerationResult
 from ..sampling import SamplingParams, sample_next
 from .demand import worst_case_lifetime_blocks
@@ -88,41 +88,6 @@ class EngineStats:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _checked_params(sampling_params, name: str = "sampling_params") -> SamplingParams:
-    if sampling_params is None:
-        return SamplingParams()
-    if isinstance(sampling_params, dict):
-        allowed = [f.name for f in dataclasses.fields(SamplingParams)]
-        unknown = sorted(map(str, set(sampling_params) - set(allowed)))
-        if unknown:
-            raise ValueError(f"{name}: unknown keys {unknown}; allowed keys: {allowed}")
-        return SamplingParams(**sampling_params)                           # validates
-    if not isinstance(sampling_params, SamplingParams):
-        raise ValueError(f"{name} must be a SamplingParams or a dict, got "
-                         f"{type(sampling_params).__name__}")
-    # validate again: a frozen dataclass can still be forced into a bad state
-    return SamplingParams(**dataclasses.asdict(sampling_params))
-
-
-def _checked_batch(prompts, sampling_params, config, params_name: str) -> list[tuple]:
-    """(prompt, params) pairs, each checked; sampling_params: one for all, or a list of one each."""
-    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)):
-        raise ValueError("prompts must be a list of prompts (lists of token ids), got "
-                         f"{type(prompts).__name__}")
-    if not prompts:
-        raise ValueError("no prompts given: pass a non-empty list of prompts")
-    per_prompt = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
-                  else [sampling_params] * len(prompts))
-    if len(per_prompt) != len(prompts):
-        raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
-    checked = []
-    for i, (prompt, params) in enumerate(zip(prompts, per_prompt)):
-        params = _checked_params(params, f"{params_name}[{i}]")
-        checked.append((check_prompt(prompt, config.vocab_size, config.max_position_embeddings,
-                                     params.max_new_tokens, f"prompt {i}"), params))
-    return checked
 
 
 class LLMEngine:
@@ -199,7 +164,7 @@ class LLMEngine:
     def add_request(self, prompt: list[int], sampling_params: SamplingParams | dict | None = None) -> int:
         """Queue a request and return its id; ValueError, changing nothing, for a bad prompt or
         sampling parameters, or a request that might not fit the pool even alone."""
-        params = _checked_params(sampling_params)
+        params = check_sampling_params(sampling_params)
         prompt = check_prompt(prompt, self.config.vocab_size, self.config.max_position_embeddings,
                               params.max_new_tokens, "the prompt")
         self.scheduler.check_fits_alone(len(prompt), params.max_new_tokens, self._next_request_id)
@@ -363,7 +328,7 @@ class LLMEngine:
                  on_step: Callable[["LLMEngine"], None] | None = None) -> list[RequestOutput]:
         """Serve every prompt to the end, checking all before queueing any; outputs in prompt order.
         If interrupted (KeyboardInterrupt, a failed step), its unfinished requests are aborted."""
-        checked = _checked_batch(prompts, sampling_params, self.config, "sampling_params")
+        checked = check_batch(prompts, sampling_params, self.config, "sampling_params")
         for i, (prompt, params) in enumerate(checked):
             self.scheduler.check_fits_alone(len(prompt), params.max_new_tokens, self._next_request_id + i)
         ids = [self._queue(prompt, params) for prompt, params in checked]
@@ -435,7 +400,7 @@ def generate_with_engine(model: MoEKVTransformer, prompts: list[list[int]], para
         raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
     check_block_size(block_size)
     c = model.config
-    prompts, per_prompt = map(list, zip(*_checked_batch(prompts, params, c, "params")))
+    prompts, per_prompt = map(list, zip(*check_batch(prompts, params, c, "params")))
     if num_blocks is None:
         num_blocks = sum(worst_case_lifetime_blocks(len(p) + q.max_new_tokens - 1, c.num_hidden_layers,
                                                     c.num_attention_experts, c.num_attention_experts_per_tok,
