@@ -59,12 +59,6 @@ class SamplingParams:
         return torch.Generator().manual_seed(self.seed)
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from logits (V,); SamplingError if they are not all finite."""
-    with phase("sampling"):
-        return _sample_next(logits, params, generator)
-
-
 def _sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     if not bool(torch.isfinite(logits).all()):
         bad = int((~torch.isfinite(logits)).sum())
@@ -80,18 +74,27 @@ def _sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
-    """sample_next for each row of logits (b, V), with row i's params and generator: the same tokens.
-    The greedy rows take one finiteness check and one argmax for all of them (not four small tensor
-    ops per row); the others sample one by one."""
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+                errors: dict | None = None) -> list[int | None]:
+    """One token for each row of logits (b, V), with row i's params and generator. The greedy rows
+    take one finiteness check and one argmax for all of them (not four small tensor ops per row);
+    the others sample one by one. A row that cannot be sampled (SamplingError: logits not all
+    finite) raises; with `errors`, it gets None and its exception in errors[i] instead, so that the
+    engine fails that request alone."""
     with phase("sampling"):
         greedy = [i for i, p in enumerate(params) if p.greedy]
         argmax = {}
         if greedy:
             rows = logits if len(greedy) == len(params) else logits[greedy]            # (g, V)
-            if not bool(torch.isfinite(rows).all()):
-                for i in greedy:                                                       # raise for the first bad row
-                    _sample_next(logits[i], params[i], generators[i])
-            argmax = dict(zip(greedy, rows.argmax(-1).tolist()))
-        return [argmax[i] if p.greedy else _sample_next(logits[i], p, generators[i])
-                for i, p in enumerate(params)]
+            if bool(torch.isfinite(rows).all()):   # else each greedy row is checked on its own
+                argmax = dict(zip(greedy, rows.argmax(-1).tolist()))
+        tokens = []
+        for i, p in enumerate(params):
+            try:
+                tokens.append(argmax[i] if i in argmax else _sample_next(logits[i], p, generators[i]))
+            except Exception as error:     # the request's own failure
+                if errors is None:
+                    raise
+                errors[i] = error
+                tokens.append(None)
+        return tokens

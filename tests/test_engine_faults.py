@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-import moekv_ref.engine.engine as engine_module
+import moekv_ref.sampling as sampling_module
 from moekv_ref.cache.rows import worst_case_lifetime_blocks
 from moekv_ref.engine import LLMEngine, RequestStatus, SchedulerConfig
 from moekv_ref.generate import generate
@@ -130,14 +130,14 @@ def test_a_fault_in_one_requests_sampling_fails_it_alone(model, workload, alone,
     prompts, params = workload
     engine = LLMEngine(model, num_blocks=60, block_size=BLOCK_SIZE,
                        scheduler_config=SchedulerConfig(admission="optimistic"))
-    real = engine_module.sample_next
+    real = sampling_module._sample_next
 
     def sample_next(logits, sampling_params, generator):
         if sampling_params.seed == 2 and engine.step_count == 4:      # request 2's own seed
             return real(torch.full_like(logits, float("nan")), sampling_params, generator)   # SamplingError
         return real(logits, sampling_params, generator)
 
-    monkeypatch.setattr(engine_module, "sample_next", sample_next)
+    monkeypatch.setattr(sampling_module, "_sample_next", sample_next)
     ids, outputs = serve(engine, prompts, params)
     failed = outputs[ids[2]]
     assert failed.finish_reason == "error" and "not finite" in failed.error

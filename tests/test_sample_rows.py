@@ -1,18 +1,28 @@
-"""sample_rows (a decode step's rows at once) gives sample_next's tokens, greedy and sampled rows mixed,
-and raises SamplingError for non-finite logits as sample_next does."""
+"""sample_rows (a decode step's rows at once, for generate and the engine alike) gives each row's own
+token, greedy and sampled rows mixed, as sampling them one by one does; raises SamplingError for
+non-finite logits, or, given an `errors` dict, fails only the rows that have them."""
 
 import pytest
 import torch
 
-from moekv_ref.sampling import SamplingError, SamplingParams, sample_next, sample_rows
+import moekv_ref.sampling as sampling_module
+from moekv_ref.engine import LLMEngine
+from moekv_ref.generate import generate
+from moekv_ref.sampling import SamplingError, SamplingParams, sample_rows
+
+from helpers import random_model, random_prompts, small_config
+
+MIXED = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8, seed=3),
+         SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=4), SamplingParams(temperature=0.0)]
 
 
-def test_sample_rows_equals_sample_next_row_by_row():
+def one_by_one(logits, params):
+    return [sampling_module._sample_next(row, p, p.generator()) for row, p in zip(logits, params)]
+
+
+def test_sample_rows_equals_sampling_row_by_row():
     logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(0))
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8, seed=3),
-              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=4), SamplingParams(temperature=0.0)]
-    one_by_one = [sample_next(row, p, p.generator()) for row, p in zip(logits, params)]
-    assert sample_rows(logits, params, [p.generator() for p in params]) == one_by_one
+    assert sample_rows(logits, MIXED, [p.generator() for p in MIXED]) == one_by_one(logits, MIXED)
     greedy = [SamplingParams(temperature=0.0)] * 5
     assert sample_rows(logits, greedy, [p.generator() for p in greedy]) == logits.argmax(-1).tolist()
 
@@ -23,3 +33,28 @@ def test_sample_rows_refuses_non_finite_logits():
     params = [SamplingParams(temperature=0.0)] * 3
     with pytest.raises(SamplingError, match="not finite"):
         sample_rows(logits, params, [p.generator() for p in params])
+
+
+@pytest.mark.parametrize("bad_row", [0, 1, 4])        # a greedy row, a sampled one, the last greedy one
+def test_with_errors_only_the_rows_with_bad_logits_fail(bad_row):
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(1))
+    expected = one_by_one(logits, MIXED)
+    logits[bad_row, 7] = float("inf")
+    errors = {}
+    tokens = sample_rows(logits, MIXED, [p.generator() for p in MIXED], errors)
+    assert list(errors) == [bad_row] and isinstance(errors[bad_row], SamplingError) and tokens[bad_row] is None
+    assert [t for i, t in enumerate(tokens) if i != bad_row] == [t for i, t in enumerate(expected) if i != bad_row]
+
+
+def test_the_engine_samples_its_greedy_rows_with_one_argmax(monkeypatch):
+    """The batched greedy choice is the path the engine runs: no row is sampled on its own in a greedy
+    run (it would pass the token check just as well, so the calls are counted), and the tokens are
+    generate's."""
+    model = random_model(small_config(), seed=2)
+    prompts = random_prompts([5, 1, 9], model.config.vocab_size, seed=3)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    expected = generate(model, prompts, params).tokens
+    calls, real = [], sampling_module._sample_next
+    monkeypatch.setattr(sampling_module, "_sample_next", lambda *args: calls.append(1) or real(*args))
+    outputs = LLMEngine(model, num_blocks=256, block_size=4).generate(prompts, params)
+    assert [o.token_ids for o in outputs] == expected and calls == []

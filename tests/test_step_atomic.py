@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-import moekv_ref.engine.engine as engine_module
+import moekv_ref.sampling as sampling_module
 from moekv_ref.checkpoint import load_default_model
 from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.generate import generate
@@ -176,7 +176,7 @@ def test_the_sampler_failing_fails_its_request_alone(model, workload, alone, mon
     """Sampling is the request's own: a fault there finishes that request with finish_reason "error"
     (not the step), and the others are served."""
     prompts, params = workload
-    original, calls = engine_module.sample_next, [0]
+    original, calls = sampling_module._sample_next, [0]
 
     def sample_next(*args):
         calls[0] += 1
@@ -184,7 +184,7 @@ def test_the_sampler_failing_fails_its_request_alone(model, workload, alone, mon
             raise InjectedFault("sampling")
         return original(*args)
 
-    monkeypatch.setattr(engine_module, "sample_next", sample_next)
+    monkeypatch.setattr(sampling_module, "_sample_next", sample_next)
     engine = make_engine(model, FAULT_POOL)
     ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
     outputs = {}

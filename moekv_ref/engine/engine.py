@@ -34,7 +34,7 @@ from ..cache.paged import ATTENTION_PATHS, PagedKVCache
 from ..model import MoEKVTransformer
 from ..prompts import check_batch, check_prompt, check_sampling_params
 from ..results import GenerationResult
-from ..sampling import SamplingParams, sample_next
+from ..sampling import SamplingParams, sample_rows
 from .demand import worst_case_lifetime_blocks
 from .memory import ModelShape
 from .model_runner import ModelRunner
@@ -277,17 +277,17 @@ class LLMEngine:
             result = self.runner.forward(decision.scheduled)
             # the step's peak on each device: finished requests free their blocks after it
             self._used_after_forward = self.memory.num_used_blocks_per_device
-            sampled, failed = {}, {}
-            for item, logits in zip(decision.scheduled, result.last_logits):
-                if not item.samples:
-                    continue
-                request = item.request
+            rows = [i for i, item in enumerate(decision.scheduled) if item.samples]
+            requests = [decision.scheduled[i].request for i in rows]
+            for request in requests:
                 if not request.sampling_params.greedy:      # a greedy choice draws nothing from it
                     states[request.request_id] = (request.generator, request.generator.get_state())
-                try:
-                    sampled[request.request_id] = sample_next(logits, request.sampling_params, request.generator)
-                except Exception as error:          # this request's own failure: it alone finishes
-                    failed[request.request_id] = f"sampling failed: {type(error).__name__}: {error}"
+            errors = {}                             # a request's own failure: it alone finishes
+            tokens = sample_rows(result.last_logits[rows], [r.sampling_params for r in requests],
+                                 [r.generator for r in requests], errors)
+            sampled = {r.request_id: t for i, (r, t) in enumerate(zip(requests, tokens)) if i not in errors}
+            failed = {requests[i].request_id: f"sampling failed: {type(e).__name__}: {e}"
+                      for i, e in errors.items()}
             used_blocks = self.memory.num_used_blocks
             num_generated = sum(len(r.output_token_ids) < r.max_new_tokens
                                 for r in (item.request for item in decision.scheduled)

@@ -23,7 +23,7 @@ from ..engine.memory import ModelShape
 from ..engine.model_runner import flatten_batch
 from ..engine.request import Request, RequestOutput
 from ..engine.scheduler import Scheduler, SchedulerConfig
-from ..sampling import SamplingParams, sample_next
+from ..sampling import SamplingParams, sample_rows
 from .launcher import WorkerContext
 from .programs import ModelSpec
 from .runner import ParallelRunner
@@ -157,8 +157,11 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
         if rank == 0:
             on_ranks = follow_ranks(mirror, list(reports.cpu().split(counts)))
             by_seq = {int(r[0]): r[1:] for r in gathered.cpu()}
-            sampled = {r.request_id: sample_next(by_seq[r.request_id], r.sampling_params, r.generator)
-                       for r in (item.request for item in decision.scheduled if item.samples)}
+            sampling = [item.request for item in decision.scheduled if item.samples]
+            chosen = [] if not sampling else sample_rows(torch.stack([by_seq[r.request_id] for r in sampling]),
+                                                         [r.sampling_params for r in sampling],
+                                                         [r.generator for r in sampling])
+            sampled = {r.request_id: t for r, t in zip(sampling, chosen)}
             for request in scheduler.update_from_output(decision, sampled):
                 result.events.append((step, "finished", request.request_id))
     if rank != 0:
