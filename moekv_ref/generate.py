@@ -15,7 +15,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from .cache import ContiguousKVCache, PagedKVCache
-from .cache.block_pool import a_type
+from .cache.block_pool import check_flag
 from .model import MoEKVTransformer
 from .prompts import check_batch
 from .results import GenerationResult
@@ -39,11 +39,7 @@ def generate(model: MoEKVTransformer, prompts: list[list[int]],
         raise ValueError(f"unknown cache kind {cache!r}; allowed: {CACHE_KINDS}")
     if cache_options and cache != "paged":
         raise ValueError(f"{sorted(cache_options)} apply to cache='paged' only, not cache={cache!r}")
-    switches = {flag: cache_options[flag] for flag in ("shared_tails", "enable_prefix_caching",
-                                                       "home_devices") if flag in cache_options}
-    for flag, value in {"record_logits": record_logits, **switches}.items():   # never truthy text
-        if not isinstance(value, bool):
-            raise ValueError(f"{flag}={value!r} is {a_type(value)}; allowed: True or False")
+    check_flag("record_logits", record_logits)         # the cache's own flags: PagedKVCache checks them
     if on_token is not None and not callable(on_token):
         raise ValueError(f"on_token must be callable (or None), got {type(on_token).__name__}")
     config = model.config

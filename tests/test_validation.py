@@ -259,7 +259,7 @@ CASES = [
     ("generate home_devices='no'", lambda: generate(MODEL, [[1, 2]], P4, cache="paged", blocks_per_device=[90, 90],
                                                     home_devices="no"), "home_devices='no' is a str; allowed: True or False"),
     ("LLMEngine home_devices=1", lambda: LLMEngine(MODEL, blocks_per_device=[90, 90], home_devices=1),
-     "home_devices=1 must be True or False"),
+     "home_devices=1 is an int; allowed: True or False"),
     ("LLMEngine home_devices without blocks_per_device", lambda: LLMEngine(MODEL, 90, home_devices=True),
      "home_devices=True needs blocks_per_device"),
 ]

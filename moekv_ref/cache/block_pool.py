@@ -42,6 +42,13 @@ def a_type(value) -> str:
     return ("an " if name[0] in "aeiou" else "a ") + name
 
 
+def check_flag(name: str, value) -> bool:
+    """A flag is True or False, never a truthy string or 1."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is {a_type(value)}; allowed: True or False")
+    return value
+
+
 def preview(values) -> str:
     """The first values as a user would write them (1.7, not 1.7000000476837158; 3.0, not 3)."""
     flat = values.reshape(-1)

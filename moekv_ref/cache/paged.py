@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ..attention import attend_by_position, score_dtype
 from ..backends import require_backend
 from ..config import ModelConfig
-from .block_pool import checked_blocks_per_device
+from .block_pool import check_flag, checked_blocks_per_device
 from .kv_cache_manager import KVCacheManager, check_block_size
 from .rows import worst_case_lifetime_blocks
 from .prefix_cache import PrefixCache
@@ -80,8 +80,7 @@ class PagedKVCache:
                              f"num_attention_experts_per_tok={K}); allow at least {minimum}")
         for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("shared_tails", shared_tails),
                            ("home_devices", home_devices)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name}={flag!r} must be True or False")
+            check_flag(name, flag)
         self.config = config
         self.attention = attention
         if home_devices and (blocks_per_device is None or device_of_expert is not None):

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from ..cache.block_pool import checked_blocks_per_device
+from ..cache.block_pool import check_flag, checked_blocks_per_device
 from ..cache.kv_cache_manager import check_block_size
 from ..cache.paged import ATTENTION_PATHS, PagedKVCache
 from ..model import MoEKVTransformer
@@ -124,10 +124,8 @@ class LLMEngine:
         check_int("shuffle_seed", shuffle_seed, 0, allow_none=True)
         if attention is not None and attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS} (or None)")
-        for name, flag in (("record_history", record_history),
-                           ("enable_prefix_caching", enable_prefix_caching)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name}={flag!r} must be True or False")
+        check_flag("record_history", record_history)
+        check_flag("enable_prefix_caching", enable_prefix_caching)
         if num_swap_blocks is None:
             num_swap_blocks = num_blocks if scheduler_config.preemption_mode == "swap" else 0
         self.model = model
