@@ -84,7 +84,7 @@ class Communicator:
                    recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
         """Send send_counts[r] rows of tensor (grouped by destination rank) to rank r, through
         `all_to_all_single` (gloo's list form rejects uneven sizes): the rows received, grouped by
-        source rank, and recv_counts (exchanged first when None)."""
+        source rank, on this rank's device, and recv_counts (exchanged first when None)."""
         if len(send_counts) != self.world_size or sum(send_counts) != tensor.shape[0]:
             raise ValueError(f"send_counts={send_counts} must have {self.world_size} entries summing "
                              f"to the {tensor.shape[0]} rows of the tensor")
@@ -94,7 +94,7 @@ class Communicator:
             self._run("all_to_all_single", "split_sizes", sizes.element_size(), [1] * self.world_size,
                       lambda: dist.all_to_all_single(received_sizes, sizes, group=self.group))
             recv_counts = received_sizes.tolist()
-        tensor = tensor.contiguous()
+        tensor = tensor.to(self.device).contiguous()        # NCCL takes CUDA tensors only
         out = tensor.new_empty((sum(recv_counts),) + tuple(tensor.shape[1:]))
         row_bytes = tensor.element_size() * tensor.shape[1:].numel()
         self._run("all_to_all_single", category, row_bytes, send_counts,
