@@ -36,12 +36,20 @@ def rotary_pair_table(head_dim: int, theta: float, num_positions: int, device, d
     cached = _PAIR_TABLES.get(key)
     if cached is None or cached[0].shape[0] < num_positions:
         size = max(num_positions, 2 * cached[0].shape[0] if cached is not None else 256)
-        with torch.inference_mode(False):   # kept across calls: never inference tensors, unfit for training
-            inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
-            angles = torch.arange(size, dtype=torch.float64, device=device)[:, None] * inv_freq   # (P, Dh/2)
-            cos, sin = torch.cos(angles), torch.sin(angles)
-            cached = _PAIR_TABLES[key] = (cos.repeat_interleave(2, dim=-1).to(dtype),
-                                          torch.stack([-sin, sin], dim=-1).flatten(-2).to(dtype))
+        # on the CPU, on one thread: a process's first torch.cos on two threads can differ in its last
+        # bits (12 of 40 fresh processes; none of 40 on one thread), and the table is kept for good;
+        # kept across calls, so never inference tensors (unfit for training)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.inference_mode(False):
+                inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+                angles = torch.arange(size, dtype=torch.float64)[:, None] * inv_freq         # (P, Dh/2)
+                cos, sin = torch.cos(angles).to(device), torch.sin(angles).to(device)
+                cached = _PAIR_TABLES[key] = (cos.repeat_interleave(2, dim=-1).to(dtype),
+                                              torch.stack([-sin, sin], dim=-1).flatten(-2).to(dtype))
+        finally:
+            torch.set_num_threads(threads)
     return cached
 
 

@@ -38,7 +38,7 @@ def append_tokens(manager, seq_id, start, routing):
 
 def table(manager, seq_id, row):
     """Block ids of one row (layer * E + expert) of a sequence."""
-    r = manager.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0][row]
+    r = manager.index.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0][row]
     n = -(-int(manager.row_tokens[r]) // manager.block_size)
     return manager.block_tables[r, :n].tolist()
 
@@ -76,7 +76,7 @@ def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
     # the copies get the next blocks of the stack, 4 and 5; blocks 1 and 2 stay cached-free
     assert source.tolist() == [1, 2] and destination.tolist() == [4, 5]
     assert table(manager, 1, 0) == [0, 4] and table(manager, 1, 1) == [5]
-    assert manager.last_position[manager.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]].tolist() == [3, 2]
+    assert manager.last_position[manager.index.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]].tolist() == [3, 2]
     assert manager.pool.ref_cnt[0] == 1 and manager.pool.cached_free_block_ids() == [3, 1, 2]
     manager.assert_consistent()
 
@@ -113,7 +113,7 @@ def test_partial_tail_is_copied_never_shared():
     append_tokens(manager, 0, 6, [[[0]]])
     assert table(manager, 0, 0) == [0, 1] and manager.prefix_cache.block_positions[1].tolist() == [3, 6]
     assert table(manager, 1, 0) == [0, 4] and manager.row_tokens[
-        manager.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]].tolist() == [3, 1]
+        manager.index.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]].tolist() == [3, 1]
     manager.assert_consistent()
     # the last token always runs: a request equal to the producer's first 4 tokens gets s = 2 at most
     assert manager.prefix_cache.find_cached_prefix([10, 11, 12, 13]).num_tokens == 2
@@ -239,7 +239,7 @@ def run_program(ops):
         manager.assert_consistent()
         # each live sequence's rows hold exactly its routed entries, at the right positions
         for seq_id, (tokens, computed) in live.items():
-            rows = manager.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]
+            rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]
             for layer in range(L):
                 for e in range(E):
                     want = [t for t in range(computed) if e in routing_of(tokens, t)[layer]]
@@ -419,7 +419,7 @@ def check_rows_on_their_devices(engine):
     pool, P = manager.pool, manager.block_size
     listed_by = {}                                           # block -> the homes of the rows listing it
     for seq_id in manager.sequences:
-        rows = manager.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]       # (L*E,)
+        rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]       # (L*E,)
         devices = manager.device_of_expert_of([seq_id])[0].reshape(-1)                 # (L*E,)
         for row, device in zip(rows.tolist(), devices.tolist()):
             blocks = manager.block_tables[row, : -(-int(manager.row_tokens[row]) // P)].to(torch.int64)

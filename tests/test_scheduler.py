@@ -123,7 +123,7 @@ def run_forward(scheduler, out, experts=EXPERTS_01):
         seq_id = item.request.request_id
         if seq_id not in manager.sequences:
             manager.add_sequence(seq_id)
-        rows = manager.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]       # (L*E,)
+        rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]       # (L*E,)
         manager.allocate_slots(rows, (experts * item.num_tokens).repeat(SHAPE.num_layers))
     sampled = {item.request.request_id: 1 for item in out.scheduled if item.samples}
     return scheduler.update_from_output(out, sampled)

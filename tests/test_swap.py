@@ -15,7 +15,7 @@ L, E, P = 2, 3, 4
 def sequence_with(manager, seq_id, counts):
     """Add a sequence whose (L*E,) rows hold `counts` tokens."""
     index = manager.add_sequence(seq_id)
-    rows = manager.sequence_rows(torch.tensor([index]))[0]
+    rows = manager.index.sequence_rows(torch.tensor([index]))[0]
     manager.allocate_slots(rows, torch.tensor(counts))
 
 

@@ -216,7 +216,7 @@ class KVCacheManager:
             self._grow_rows()
         index = self._free_seq_indices.pop()
         self._seq_index[seq_id] = index
-        rows = self.sequence_rows(torch.tensor([index]))[0]                                  # (L*E,)
+        rows = self.index.sequence_rows(torch.tensor([index]))[0]                                  # (L*E,)
         self.row_device[rows] = self.device_of_expert_of([seq_id])[0].reshape(-1)
         if self.tails is not None:
             self.tails.add_sequence(index)
@@ -244,9 +244,6 @@ class KVCacheManager:
             self.seq_index(missing.args[0])                                       # raises its KeyError
         return self.index.row(slots, layer, experts)
 
-    def sequence_rows(self, seq_index: torch.Tensor) -> torch.Tensor:
-        return self.index.sequence_rows(seq_index)
-
     def _used_columns(self, rows=slice(None)) -> torch.Tensor:
         """(m, W) the table entries that list a block: ceil(n / P), or n // P with shared tails."""
         n = self.row_tokens[rows]
@@ -269,7 +266,7 @@ class KVCacheManager:
         """Every block the sequence owns, row by row in token order, then its tail blocks: what a
         swap to a CPU pool copies, and what `free` returns."""
         index = self.seq_index(seq_id)
-        rows = self.sequence_rows(torch.tensor([index]))[0]                       # (L*E,)
+        rows = self.index.sequence_rows(torch.tensor([index]))[0]                       # (L*E,)
         tail_blocks = [] if self.tails is None else self.tails.blocks_of_sequence(index)
         return torch.cat([self.block_tables[rows][self._used_columns(rows)].to(torch.int64),
                           torch.tensor(tail_blocks, dtype=torch.int64)])
@@ -281,7 +278,7 @@ class KVCacheManager:
         held = [(i, self._seq_index[s]) for i, s in enumerate(seq_ids) if s in self._seq_index]
         if held:   # one gather for every held sequence (the scheduler asks for the whole batch)
             at, slots = torch.tensor(held, dtype=torch.int64).unbind(1)                     # (h,), (h,)
-            rows = self.sequence_rows(slots)                                                 # (h, L*E)
+            rows = self.index.sequence_rows(slots)                                                 # (h, L*E)
             counts[at] = self.row_tokens[rows].view(-1, self.num_layers, self.num_experts)
         return counts
 
@@ -289,7 +286,7 @@ class KVCacheManager:
         """(L, E) the clock of each row's last append (-1: never, or a sequence not held)."""
         if int(seq_id) not in self._seq_index:
             return torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int64)
-        rows = self.sequence_rows(torch.tensor([self._seq_index[int(seq_id)]]))[0]     # (L*E,)
+        rows = self.index.sequence_rows(torch.tensor([self._seq_index[int(seq_id)]]))[0]     # (L*E,)
         return self.last_appended[rows].view(self.num_layers, self.num_experts).clone()
 
     def block_owners(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,7 +431,7 @@ class KVCacheManager:
         nothing, for a sequence the cache does not hold."""
         index = self.seq_index(seq_id)                       # KeyError before any change
         self.pool.free(self.blocks_of_sequence(seq_id))
-        rows = self.sequence_rows(torch.tensor([index]))[0]
+        rows = self.index.sequence_rows(torch.tensor([index]))[0]
         if self.tails is not None:
             self.tails.free(index, rows)
         if self.prefix_cache is not None:

@@ -85,9 +85,6 @@ class PrefixCacheStats:
     num_shared_blocks: int = 0        # full blocks reused as they are
     num_cow_blocks: int = 0           # straddling blocks copied
 
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
 
 class PrefixCache:
     """A KVCacheManager's part (`prefix_cache=PrefixCache()`, one per manager): full blocks outlive
@@ -125,7 +122,7 @@ class PrefixCache:
             return 0
         if num_complete > len(keys):
             keys += chain_keys(token_ids[len(keys) * C: num_complete * C], C, keys[-1] if keys else b"")
-        rows = m.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
+        rows = m.index.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
         counts = m.row_tokens[rows]                                             # (R,)
         if num_complete > num_recorded:
             self._record_chunks(rows, keys, num_recorded, num_complete)
@@ -282,7 +279,7 @@ class PrefixCache:
             d = int((copies > available).nonzero()[0])
             raise OutOfBlocksError(f"the hit's {int(copies[d])} copies on device {d} need blocks; "
                                    f"{int(available[d])} are free there beside the blocks it reuses")
-        rows = m.sequence_rows(torch.tensor([m.add_sequence(seq_id)]))[0]                # (R,)
+        rows = m.index.sequence_rows(torch.tensor([m.add_sequence(seq_id)]))[0]                # (R,)
         m.pool.reuse(hit.shared)
         m.pool.reuse(hit.cow_source)                # pinned: the copies' allocation cannot evict them
         one_each = torch.ones_like(hit.cow_rows)            # a block per copy, on its row's device

@@ -351,7 +351,8 @@ class LLMEngine:
         prefix = manager.prefix_cache
         if prefix is None:
             return None
-        return {**prefix.stats.to_dict(), "num_evicted_cached_blocks": manager.pool.num_evicted_cached_blocks,
+        return {**dataclasses.asdict(prefix.stats),
+                "num_evicted_cached_blocks": manager.pool.num_evicted_cached_blocks,
                 "num_cached_blocks": prefix.num_cached_blocks}
 
     @property

@@ -76,7 +76,7 @@ class SwapSpace:
             raise RuntimeError(f"swap_in of sequence {seq_id} needs {saved.host_block_ids.numel()} "
                                f"blocks, {manager.num_free_blocks} free: check first")
         index = manager.add_sequence(seq_id)
-        rows = manager.sequence_rows(torch.tensor([index]))[0]                         # (L*E,)
+        rows = manager.index.sequence_rows(torch.tensor([index]))[0]                         # (L*E,)
         manager.allocate_slots(rows, saved.token_counts)
         device_blocks = manager.blocks_of_sequence(seq_id)                             # (b,) new ids
         assert device_blocks.numel() == saved.host_block_ids.numel()

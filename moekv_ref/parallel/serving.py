@@ -78,8 +78,8 @@ def follow_ranks(mirror: KVCacheManager, reports: list[torch.Tensor]) -> set[int
         if (gained < 0).any():
             raise RuntimeError(f"rank 0's mirror of the pools drifted: rows of sequences "
                                f"{[s for s, g in zip(seq_ids, gained) if (g < 0).any()]} hold fewer tokens on the ranks")
-        slots = torch.tensor([mirror.seq_index(s) for s in seq_ids])
-        mirror.allocate_slots(mirror.sequence_rows(slots).reshape(-1), gained.reshape(-1), with_slots=False)
+        grown = mirror.index.sequence_rows(torch.tensor([mirror.seq_index(s) for s in seq_ids]))  # (m, L*E)
+        mirror.allocate_slots(grown.reshape(-1), gained.reshape(-1), with_slots=False)
     reported = torch.stack([report[0, 1] for report in reports])                                # (R,)
     if not torch.equal(reported, mirror.num_free_blocks_per_device):
         raise RuntimeError(f"rank 0's mirror of the pools drifted: the ranks report {reported.tolist()} free "
