@@ -17,7 +17,20 @@ MIXED = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=
 
 
 def one_by_one(logits, params):
-    return [sampling_module._sample_next(row, p, p.generator()) for row, p in zip(logits, params)]
+    """The rule written out for one row at a time, each with a fresh generator from its seed: the
+    reference the batched sampler must equal token for token."""
+    tokens = []
+    for row, p in zip(logits, params):
+        if p.greedy:
+            tokens.append(int(row.argmax()))
+            continue
+        probs = torch.softmax(row.double() / p.temperature, dim=-1)
+        if p.top_p < 1:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            sorted_probs[torch.cumsum(sorted_probs, 0) - sorted_probs >= p.top_p] = 0
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        tokens.append(int(torch.multinomial(probs, 1, generator=p.generator())))
+    return tokens
 
 
 def test_sample_rows_equals_sampling_row_by_row():
@@ -25,6 +38,20 @@ def test_sample_rows_equals_sampling_row_by_row():
     assert sample_rows(logits, MIXED, [p.generator() for p in MIXED]) == one_by_one(logits, MIXED)
     greedy = [SamplingParams(temperature=0.0)] * 5
     assert sample_rows(logits, greedy, [p.generator() for p in greedy]) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sample_rows_equals_row_by_row_on_ties_and_every_temperature_and_top_p(seed):
+    """Fresh random batches, logits rounded so that many tie (a sort's order among equal values
+    matters to the nucleus), temperatures and top_p mixed in one batch."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(25):
+        b, scale = int(torch.randint(1, 9, (1,), generator=g)), [0.1, 1.0, 5.0, 30.0][seed]
+        logits = torch.round(torch.randn(b, 64, generator=g) * scale)
+        pick = torch.randint(0, 5, (b, 3), generator=g).tolist()
+        params = [SamplingParams(temperature=[0.0, 0.3, 0.8, 1.0, 2.5][t], top_p=[1.0, 0.95, 0.5, 0.1, 1e-9][q],
+                                 seed=s) for t, q, s in pick]
+        assert sample_rows(logits, params, [p.generator() for p in params]) == one_by_one(logits, params)
 
 
 def test_sample_rows_refuses_non_finite_logits():
