@@ -135,8 +135,8 @@ def plot_run(engine: LLMEngine, title: str = "") -> Figure:
     was still drawing on the main thread was then shown half drawn (mostly blank) and closed, in most
     fresh kernels on the first one or two changes of notebook 04's widgets."""
     fig = Figure(figsize=(9.4, 8.2))    # two rows; under 10 in wide, so JupyterLab shows it unshrunk
-    # fixed margins, not a layout engine: constrained layout measured every tick label again on each
-    # draw, a third of the time a redraw of notebook 04's widget took (measured)
+    # fixed margins, not a layout engine: constrained layout measures every tick label again on each
+    # draw; rendered as IPython does, 0.47 s with it, 0.39 s without (measured)
     grid = fig.add_gridspec(2, 2, height_ratios=[1, 1.15], left=0.08, right=0.86, bottom=0.2,
                             top=0.9 if title else 0.96, hspace=0.35, wspace=0.3)
     plot_timeline(engine, fig.add_subplot(grid[0, :]))
