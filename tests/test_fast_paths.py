@@ -195,37 +195,40 @@ def test_torch_grouped_mm_reaches_the_logits(models, torch_logits, monkeypatch):
 
 def test_decode_slots_run_in_pair_order_and_reach_the_logits(models, torch_logits, monkeypatch):
     """A decode append (every pair the one new token of its row) is not sorted: append_kv hands
-    allocate_slots its rows in pair order, and allocate_slots takes each new token's slot directly
-    (_slot_of at the row's old length), never the general per-token _slots, and some decode appends
-    give rows a block (the one-token column). Shifting those direct slots by one, and only those,
-    shows in the logits."""
-    calls, general = [], []
-    original_allocate, original_slots, original_slot_of = (
-        KVCacheManager.allocate_slots, KVCacheManager._slots, KVCacheManager._slot_of)
+    allocate_slots its rows in pair order with one_each=True, and allocate_slots computes each new
+    token's slot directly (block * P + offset at the row's old length), never through the general
+    per-token _slots, and some decode appends give rows a block (the one-token column). Shifting
+    those direct slots by one, and only those, shows in the logits."""
+    calls, in_general = [], []
+    original_allocate, original_slots = KVCacheManager.allocate_slots, KVCacheManager._slots
 
     def recording_allocate(self, rows, num_new_tokens, *args, **kwargs):
         full = bool((self.row_tokens[torch.as_tensor(rows)] % self.block_size == 0).any())  # takes a block
-        calls.append((torch.as_tensor(rows).clone(), torch.as_tensor(num_new_tokens).clone(), full))
-        return original_allocate(self, rows, num_new_tokens, *args, **kwargs)
+        before = len(in_general)
+        allocation = original_allocate(self, rows, num_new_tokens, *args, **kwargs)
+        calls.append((torch.as_tensor(rows).clone(), torch.as_tensor(num_new_tokens).clone(), full,
+                      kwargs.get("one_each", False), len(in_general) > before))
+        return allocation
 
     def recording_slots(self, rows, starts, counts):
-        general.append(counts.clone())
-        try:
-            return original_slots(self, rows, starts, counts)
-        finally:
-            general.pop()
+        in_general.append(counts.clone())
+        return original_slots(self, rows, starts, counts)
 
     monkeypatch.setattr(KVCacheManager, "allocate_slots", recording_allocate)
     monkeypatch.setattr(KVCacheManager, "_slots", recording_slots)
     assert (_logits(models["torch"]) - torch_logits).abs().max() == 0        # unbroken: equal
-    decode = [rows for rows, counts, _ in calls if bool((counts == 1).all())]
+    decode = [call for call in calls if bool((call[1] == 1).all())]
     assert decode, "no append had one new token per row"
-    assert any(full for _, counts, full in calls if bool((counts == 1).all())), "no decode append took a block"
-    assert any(bool((rows[1:] < rows[:-1]).any()) for rows in decode), "decode rows were sorted first"
+    assert all(one_each and not general for _, _, _, one_each, general in decode), \
+        "a decode append did not take the direct one-token-each slots"
+    assert any(full for _, _, full, _, _ in decode), "no decode append took a block"
+    assert any(bool((rows[1:] < rows[:-1]).any()) for rows, *_ in decode), "decode rows were sorted first"
 
-    def shifted_slot_of(self, row, token):
-        slots = original_slot_of(self, row, token)
-        return slots if general else slots + 1                                 # direct calls only
+    def shifted_decode_slots(self, rows, num_new_tokens, *args, **kwargs):
+        allocation = original_allocate(self, rows, num_new_tokens, *args, **kwargs)
+        if kwargs.get("one_each"):                                             # the direct slots only
+            allocation.slot_mapping.add_(1)
+        return allocation
 
-    monkeypatch.setattr(KVCacheManager, "_slot_of", shifted_slot_of)
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", shifted_decode_slots)
     assert (_logits(models["torch"]) - torch_logits).abs().max() > 1e-2

@@ -75,6 +75,8 @@ def entries(values, where=""):
 def checked_ids(ids, name: str = "block_ids") -> torch.Tensor:
     """`ids` as an int64 tensor of the same shape, or ValueError naming the first non-integer (text
     is never read as digits); empty input of any dtype is allowed."""
+    if type(ids) is torch.Tensor and ids.dtype == torch.int64:   # already ids: most calls, at once
+        return ids
     if isinstance(ids, (str, bytes)):
         raise ValueError(f"{name}={ids!r} is text ({type(ids).__name__}); allowed: {IDS_ALLOWED}")
     if isinstance(ids, (list, tuple)):

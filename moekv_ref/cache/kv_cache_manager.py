@@ -40,6 +40,7 @@ from .block_pool import (BlockPool, OutOfBlocksError, a_type, checked_ids, entri
 from .rows import RowIndex, ceil_div
 
 Moves = list[tuple[torch.Tensor, torch.Tensor]]   # (source slots, destination slots), in order
+_NO_BLOCKS = torch.zeros(0, dtype=torch.int64)     # what most decode appends take (never written to)
 
 
 @dataclass
@@ -301,44 +302,47 @@ class KVCacheManager:
         return owner_row, used_slots
 
     # ----- allocate / slots / free ----------------------------------------------------------------
-    def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor,
-                       rows_are_distinct: bool = False, with_slots: bool = True) -> SlotAllocation:
+    def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor, rows_are_distinct: bool = False,
+                       with_slots: bool = True, one_each: bool = False) -> SlotAllocation:
         """Make room for num_new_tokens[i] more tokens in the distinct rows[i] and count them as
         stored. Raises OutOfBlocksError, changing nothing, when the pool is short (a scheduler asks
         `can_allocate` first). rows_are_distinct=True skips the distinctness check (a sort);
         with_slots=False skips the slots, which would cost the cache-only simulator (no K/V to
-        write) as much as allocating."""
+        write) as much as allocating; one_each=True skips every check: the caller's rows are
+        distinct int64 ids taking one token each (a decode append)."""
         P = self.block_size
-        rows, num_new_tokens, fewest, most = self._check_allocation(rows, num_new_tokens, rows_are_distinct)
+        if not one_each:
+            rows, num_new_tokens, fewest, most = self._check_allocation(rows, num_new_tokens, rows_are_distinct)
+            one_each = fewest == most == 1
         if self.tails is not None:
             return self.tails.allocate_slots(rows, num_new_tokens, with_slots)
         if rows.numel() == 0:
             return SlotAllocation(torch.zeros(0, dtype=torch.int64))
         old = self.row_tokens[rows]                                       # (m,)
         new = old + num_new_tokens
-        # decode: one token for each row, and a row needs a block only when its last one is full
-        one_each = fewest == most == 1
-        needed = (old % P == 0).to(torch.int64) if one_each else ceil_div(new, P) - ceil_div(old, P)   # (m,)
+        # decode: the new token goes to column old // P, offset old % P, and needs a block at offset 0
+        column, offset = (old // P, old % P) if one_each else (None, None)
+        needed = offset == 0 if one_each else ceil_div(new, P) - ceil_div(old, P)      # (m,) bool or int
         block_ids = self._take_blocks(rows, needed, num_new_tokens)                # (total,) may raise
         if block_ids.numel():               # with equal lengths, a decode step takes none P - 1 of P times
-            if one_each:                    # a row whose last block is full: one block, at column old // P
+            if one_each:                    # a row whose last block is full: one block, at its column
                 getting = needed.nonzero().squeeze(1)                                 # (total,)
-                owner_rows, column = rows[getting], old[getting] // P
+                owner_rows, block_column = rows[getting], column[getting]
             else:                           # the k-th new block of row i: column ceil(old[i] / P) + k
                 owner = torch.repeat_interleave(torch.arange(rows.numel()), needed)  # (total,)
                 first_new = torch.cumsum(needed, 0) - needed                          # (m,)
                 owner_rows = rows[owner]
-                column = torch.arange(block_ids.numel()) - first_new[owner] + ceil_div(old, P)[owner]
-            widest = int(column.max()) + 1
+                block_column = torch.arange(block_ids.numel()) - first_new[owner] + ceil_div(old, P)[owner]
+            widest = int(block_column.max()) + 1
             if widest > self.block_tables.shape[1]:
                 self._grow_tables(widest)
-            self.block_tables[owner_rows, column] = block_ids.to(torch.int32)
+            self.block_tables[owner_rows, block_column] = block_ids.to(torch.int32)
         self.row_tokens[rows] = new
         self.last_appended[rows if one_each else rows[num_new_tokens > 0]] = self.clock
         if not with_slots:
             return SlotAllocation(None)
-        # one token each: the new token's slot is that of index old in its row
-        return SlotAllocation(self._slot_of(rows, old) if one_each else self._slots(rows, old, num_new_tokens))
+        return SlotAllocation(offset.add_(self.block_tables[rows, column], alpha=P) if one_each  # block * P + offset
+                              else self._slots(rows, old, num_new_tokens))
 
     def _take_blocks(self, rows: torch.Tensor, needed: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
         """needed[i] fresh blocks for rows[i], from its row's device, row after row; raises
@@ -346,12 +350,12 @@ class KVCacheManager:
         if self.num_devices == 1:
             total = int(needed.sum())
             if total == 0:
-                return torch.zeros(0, dtype=torch.int64)
+                return _NO_BLOCKS
             if total > self.pool.num_free_blocks:
                 self.raise_short(torch.tensor([total]), rows, num_new_tokens)
             block_ids = self.pool.allocate(total)
         else:
-            device = self.device_of_rows(rows)                                          # (m,)
+            device, needed = self.device_of_rows(rows), needed.to(torch.int64)          # (m,) each
             per_device = torch.zeros(self.num_devices, dtype=torch.int64)
             per_device.index_add_(0, device, needed)                                    # (D,)
             self.raise_short(per_device, rows, num_new_tokens)
@@ -424,7 +428,7 @@ class KVCacheManager:
         if self.tails is not None:
             return self.tails.slot_of(row, token)
         P = self.block_size
-        return self.block_tables[row, token // P].to(torch.int64) * P + token % P
+        return (token % P).add_(self.block_tables[row, token // P], alpha=P)       # offset + P * block
 
     def free(self, seq_id: int) -> None:
         """Return every block of the sequence to the pool and forget it; KeyError, changing

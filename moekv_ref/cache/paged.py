@@ -151,14 +151,13 @@ class PagedKVCache:
             raise ValueError(f"seq_ids, experts and positions must be (n,) = ({n},); got "
                              f"{tuple(seq_ids.shape)}, {tuple(experts.shape)}, {tuple(positions.shape)}")
         manager = self.manager
-        new_seqs = sorted({s for s in seq_ids.tolist() if not manager.holds(s)})    # ascending
+        new_seqs = sorted(set(seq_ids.tolist()).difference(manager.sequences))       # ascending
         for s in new_seqs:
             manager.add_sequence(s)
         try:
             pair_rows = manager.rows(seq_ids, layer, experts)                         # (n,)
-            # decode: every pair is the one new token of its row (m = n; a set of n ints tells it
-            # faster than a sort). The rows are then the pairs' own, in pair order, and the checks,
-            # the allocation and the slots need no sorting
+            # decode: every pair the one new token of its row (a set of n ints tells it faster than a
+            # sort); the rows are then the pairs' own, in pair order, and nothing needs sorting
             one_per_row = len(set(pair_rows.tolist())) == n
             if one_per_row:
                 rows, pair_row, num_new = pair_rows, torch.arange(n), torch.ones(n, dtype=torch.int64)
@@ -169,7 +168,7 @@ class PagedKVCache:
                 sorted_rows, sorted_positions = pair_rows[order], positions[order]    # (n,) each
                 first = torch.cumsum(num_new, 0) - num_new                            # (m,) into order
                 self._check_positions(sorted_rows, sorted_positions, rows, first)
-            allocation = manager.allocate_slots(rows, num_new, rows_are_distinct=True)   # may raise
+            allocation = manager.allocate_slots(rows, num_new, rows_are_distinct=True, one_each=one_per_row)
         except Exception:
             for s in new_seqs:                                                        # as it was
                 manager.free(s)
@@ -327,12 +326,12 @@ class PagedKVCache:
         else:
             P, num_pool_blocks = self.block_size, self.key_cache.shape[0]
             width = -(-int(lens.max()) // P)                                       # blocks of the longest row
-            blocks = self.manager.block_tables.index_select(0, rows)[:, :width].to(torch.int64).clamp_(max=num_pool_blocks - 1)
-            index = blocks.reshape(-1).to(device)                                  # (g * width,) blocks
+            blocks = self.manager.block_tables.index_select(0, rows)[:, :width].clamp(max=num_pool_blocks - 1)
+            index = blocks.view(-1).to(device)                                     # (g * width,) int32 ids
             pool = (self.key_cache, self.value_cache)
             valid = torch.arange(width * P) < lens[:, None]                        # (g, width * P)
         g, max_len = valid.shape
-        padding = (~valid).reshape(-1).nonzero().squeeze(1).to(device)             # (g * Lmax - sum(lens),)
+        padding = (~valid).view(-1).nonzero().squeeze(1).to(device)                # (g * Lmax - sum(lens),)
         gathered = []
         for cache in pool:                                                         # keys, then values
             tokens = cache.index_select(0, index).to(dtype).view(g * max_len, Hkv * Dh)   # a fresh copy
