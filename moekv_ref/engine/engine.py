@@ -371,23 +371,15 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Totals so far, in O(1): counters, not a scan of the history."""
         counts = self._counts
+        s = self.scheduler
         return EngineStats(
-            num_steps=self.step_count,
-            num_admitted=counts["admitted"],
-            num_preemptions=self.scheduler.num_preemptions,
-            num_resumed=counts["resumed"],
-            num_finished=counts["finished"],
-            num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
-            num_swapped_out_blocks=self.scheduler.num_swapped_out_blocks,
-            num_generated_tokens=counts["generated_tokens"],
-            max_concurrent_sequences=counts["max_running"],
-            peak_used_blocks=counts["peak_used"],
-            seconds=self._seconds,
+            num_steps=self.step_count, num_admitted=counts["admitted"], num_preemptions=s.num_preemptions,
+            num_resumed=counts["resumed"], num_finished=counts["finished"],
+            num_recomputed_tokens=s.num_recomputed_tokens, num_swapped_out_blocks=s.num_swapped_out_blocks,
+            num_generated_tokens=counts["generated_tokens"], max_concurrent_sequences=counts["max_running"],
+            peak_used_blocks=counts["peak_used"], seconds=self._seconds,
             mean_concurrent_sequences=counts["running_sum"] / max(1, counts["records"]),
-            num_aborted=counts["aborted"],
-            num_failed=counts["failed"],
-            num_failed_steps=counts["failed_steps"],
-        )
+            num_aborted=counts["aborted"], num_failed=counts["failed"], num_failed_steps=counts["failed_steps"])
 
 
 def generate_with_engine(model: MoEKVTransformer, prompts: list[list[int]], params, block_size: int = 16,

@@ -288,8 +288,7 @@ class Scheduler:
                 self.num_evictions += 1
                 self.freed_on_short_device += int(freed[device])
                 mode = "rows" if isinstance(choice, RowEviction) else "swap" if victim.swapped else "recompute"
-                out.evictions.append(EvictionRecord(step, victim.request_id, mode, device,
-                                                    freed.tolist()))
+                out.evictions.append(EvictionRecord(step, victim.request_id, mode, device, freed.tolist()))
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
