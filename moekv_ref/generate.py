@@ -27,8 +27,7 @@ CACHE_KINDS = ["none", "contiguous", "paged"]
 def generate(model: MoEKVTransformer, prompts: list[list[int]],
              params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
              cache: str = "contiguous", record_logits: bool = False,
-             on_token: Callable[[int, int], None] | None = None,
-             **cache_options) -> GenerationResult:
+             on_token: Callable[[int, int], None] | None = None, **cache_options) -> GenerationResult:
     """`params` may be one per prompt (own seeds), each a SamplingParams, a dict of its fields, or
     None (the defaults), as the engine takes them. cache_options apply to cache="paged" only;
     without num_blocks its pool is sized for every prompt at once. `record_logits` keeps the logits

@@ -153,6 +153,24 @@ def test_optimistic_admission_admits_while_the_step_worst_case_fits():
     assert not out.admitted
 
 
+def test_a_step_where_every_running_request_fits_asks_the_pool_once(monkeypatch):
+    """The usual decode step: the running requests' worst cases fit the pool all together, so the
+    scheduler checks the pool once for all of them, not once a request, and schedules each with its
+    own worst case (step_blocks, asked here afterwards). When they do not all fit, it goes request
+    by request and preempts: test_the_newest_request_is_preempted_when_the_step_does_not_fit."""
+    scheduler = make_scheduler(40, admission="optimistic")
+    requests = [add(scheduler, i, prompt_len=3, max_new_tokens=4) for i in range(3)]
+    run_forward(scheduler, scheduler.schedule(0))
+    assert not scheduler.waiting and len(scheduler.running) == 3
+    checks = []
+    original = Scheduler.fits
+    monkeypatch.setattr(Scheduler, "fits", lambda self, demand: checks.append(demand.clone()) or original(self, demand))
+    out = scheduler.schedule(1)
+    expected = [(r.request_id, 1, int(scheduler.step_blocks(r, 1).sum())) for r in requests]
+    assert [(s.request.request_id, s.num_tokens, s.reserved_blocks) for s in out.scheduled] == expected
+    assert len(checks) == 1 and int(checks[0].sum()) == out.reserved_blocks == sum(e[2] for e in expected) > 0
+
+
 def test_predicted_admission_refuses_what_the_predicted_peak_cannot_hold():
     # Before any routing is observed the predictor assumes k_max = 2 experts per token. Request 0
     # (running, holding nothing yet) is predicted to end at 6 tokens x 2 experts = 12 entries per

@@ -260,9 +260,14 @@ class Scheduler:
         reserved = torch.zeros(self.num_devices, dtype=torch.int64)             # (D,)
         # every running request's need, in one call; a request the budget cuts short is asked again
         planned = [min(r.num_pending_tokens, token_budget) for r in self.running]
-        planned_needs = dict(zip(map(id, self.running),
-                                 zip(planned, self.step_blocks_many(self.running, planned))))
+        needs = self.step_blocks_many(self.running, planned)
+        planned_needs = dict(zip(map(id, self.running), zip(planned, needs)))
         i = 0
+        if needs and sum(planned) <= token_budget and self.fits(total := torch.stack(needs).sum(0)):
+            # all of them fit the budget and the pool at once (most decode steps): none is asked again
+            for request, num_tokens, need in zip(self.running, planned, needs):
+                self.schedule_tokens(out, request, num_tokens, need)
+            i, reserved, token_budget = len(self.running), total, token_budget - sum(planned)
         while i < len(self.running) and token_budget > 0:
             request = self.current = self.running[i]
             num_tokens = min(request.num_pending_tokens, token_budget)
