@@ -176,8 +176,7 @@ def record_model_trace(model, prompts: list[list[int]], output_lens: list[int],
     result = generate(model, prompts, params, cache="contiguous")
     parts = []
     for prompt, generated in zip(prompts, result.tokens):
-        sequence = torch.tensor([prompt + generated[:-1]])
-        routing = model(sequence).attention_routing                                  # L x (1, T, E)
+        routing = model(torch.tensor([prompt + generated[:-1]])).attention_routing   # L x (1, T, E)
         selected = torch.stack([r.selected[0] for r in routing], dim=1)              # (T, L, E)
         K = config.num_attention_experts_per_tok
         # selected experts first (in expert order), padded with -1 up to K

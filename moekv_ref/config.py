@@ -98,9 +98,8 @@ class ModelConfig:
 
     def kv_bytes_per_entry(self, bytes_per_value: int | None = None) -> int:
         """Bytes one token adds to one (layer, expert) row, in kv_cache_dtype by default."""
-        if bytes_per_value is None:
-            bytes_per_value = BYTES_PER_DTYPE[self.kv_cache_dtype]
-        return self.kv_values_per_entry * bytes_per_value
+        b = BYTES_PER_DTYPE[self.kv_cache_dtype] if bytes_per_value is None else bytes_per_value
+        return self.kv_values_per_entry * b
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -182,8 +181,7 @@ PRESETS: dict[str, ModelConfig] = {
         name="jetmoe-8b", vocab_size=32000, hidden_size=2048, num_hidden_layers=24,
         num_attention_heads=16, num_key_value_heads=16, head_dim=128, max_position_embeddings=4096,
         attention_mode="expert", num_attention_experts=8, num_attention_experts_per_tok=2,
-        num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=5632,
-        kv_cache_dtype="bfloat16",
+        num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=5632, kv_cache_dtype="bfloat16",
     ),
 }
 

@@ -82,15 +82,12 @@ SM_LIMITS = {
 }
 
 LINKS = {
-    "pcie_gen5_x16": Link("PCIe Gen5 x16", 64e9,
-                          "PCI-SIG: 32 GT/s x 16 lanes, about 64 GB/s each direction (NVIDIA's H100 PCIe "
-                          "figure, 128 GB/s, counts both directions)"),
-    "nvlink_c2c": Link("NVLink-C2C", 450e9,
-                       "NVIDIA GH200 datasheet: NVLink-C2C 900 GB/s between Grace and Hopper, 450 GB/s "
-                       "each direction"),
-    "nvlink": Link("NVLink, intranode", 153e9,
-                   "DeepEP README (deepseek-ai/DeepEP): 153 GB/s measured intranode dispatch on H800 "
-                   "(about 160 GB/s the NVLink maximum there)"),
+    "pcie_gen5_x16": Link("PCIe Gen5 x16", 64e9, "PCI-SIG: 32 GT/s x 16 lanes, about 64 GB/s each direction "
+                          "(NVIDIA's H100 PCIe figure, 128 GB/s, counts both directions)"),
+    "nvlink_c2c": Link("NVLink-C2C", 450e9, "NVIDIA GH200 datasheet: NVLink-C2C 900 GB/s between Grace and "
+                       "Hopper, 450 GB/s each direction"),
+    "nvlink": Link("NVLink, intranode", 153e9, "DeepEP README (deepseek-ai/DeepEP): 153 GB/s measured "
+                   "intranode dispatch on H800 (about 160 GB/s the NVLink maximum there)"),
     "rdma": Link("RDMA, internode", 50e9,
                  "DeepEP README (deepseek-ai/DeepEP): 43-58 GB/s internode over CX7 400 Gb/s InfiniBand"),
 }
@@ -132,8 +129,7 @@ def measured_shape_bytes(config: ModelConfig, kv_placement: str, world_size: int
     # attention dispatch unless attention is replicated, the K/V rows' metadata for kv_with_sequence
     exchanges = 1 + (kv_placement != "replicated_attention") + (kv_placement == "kv_with_sequence")
     return {
-        "split_sizes": config.num_hidden_layers * exchanges * world_size * (world_size - 1)
-        * INT64_BYTES,
+        "split_sizes": config.num_hidden_layers * exchanges * world_size * (world_size - 1) * INT64_BYTES,
         # floats: hidden state + K gates; ints: seq_id, position + K expert ids
         "attention_dispatch": attention_pairs * ((D + Ka) * b + (2 + Ka) * INT64_BYTES),
         "attention_combine": attention_pairs * D * b,

@@ -76,8 +76,7 @@ def check_sampling_params(sampling_params, name: str = "sampling_params") -> Sam
             raise ValueError(f"{name}: unknown keys {unknown}; allowed keys: {allowed}")
         return SamplingParams(**sampling_params)                           # validates
     if not isinstance(sampling_params, SamplingParams):
-        raise ValueError(f"{name} must be a SamplingParams or a dict, got "
-                         f"{type(sampling_params).__name__}")
+        raise ValueError(f"{name} must be a SamplingParams or a dict, got {type(sampling_params).__name__}")
     # validate again: a frozen dataclass can still be forced into a bad state
     return SamplingParams(**dataclasses.asdict(sampling_params))
 

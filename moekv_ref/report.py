@@ -31,12 +31,8 @@ def cache_report(counts: torch.Tensor, config: ModelConfig, bytes_per_value: int
             "kl_from_uniform_bits": kl,
         })
     total_tokens = int(counts.sum())
-    return {
-        "bytes_per_token_per_expert": bytes_per_token,
-        "total_tokens": total_tokens,
-        "total_bytes": total_tokens * bytes_per_token,
-        "layers": layers,
-    }
+    return {"bytes_per_token_per_expert": bytes_per_token, "total_tokens": total_tokens,
+            "total_bytes": total_tokens * bytes_per_token, "layers": layers}
 
 
 def format_cache_report(report: dict) -> str:

@@ -50,5 +50,4 @@ def route(logits: torch.Tensor, rule: str, k: int, threshold: float = 0.5) -> Ro
     else:
         raise ValueError(f"unknown routing rule {rule!r}; allowed: ('topk', 'threshold')")
     gates = probs * selected
-    gates = gates / gates.sum(-1, keepdim=True)
-    return Routing(probs=probs, selected=selected, gates=gates)
+    return Routing(probs=probs, selected=selected, gates=gates / gates.sum(-1, keepdim=True))

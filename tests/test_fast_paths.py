@@ -15,8 +15,9 @@ Paths and what stands in for them:
     grouped matmul     torch._grouped_mm             every expert projection of a float32 torch model
                                                      at inference (model.grouped_matmul), several experts
     reference          attention.attend_by_position  the row-by-row path (via paged.py's import)
-    decode slots       KVCacheManager._slot_of       a decode append's new slots, computed directly in
+    decode slots       allocate_slots(one_each=True)  a decode append's new slots, computed directly in
                                                      pair order (no sort, no per-token _slots)
+(The dense decode plan, PagedKVCache._append_planned, is broken the same way in test_paged_cache.py.)
 """
 
 import pytest

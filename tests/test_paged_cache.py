@@ -339,3 +339,93 @@ def test_shared_tails_on_two_devices_keep_each_devices_tails_apart_exact_ids():
     manager.free(0)
     assert manager.num_free_blocks_per_device.tolist() == [4, 4]
     manager.assert_consistent()
+
+
+def _dense_decode_run(model, monkeypatch, planned=None):
+    """generate through the paged cache with PagedKVCache._append_planned replaced by `planned`
+    (None: counted only); returns the result and the layers of the appends the plan served."""
+    served, original = [], PagedKVCache._append_planned
+
+    def counting(self, plan, layer, *args):
+        appended = (planned or original)(self, plan, layer, *args)
+        if appended is not None:
+            served.append(layer)
+        return appended
+
+    monkeypatch.setattr(PagedKVCache, "_append_planned", counting)
+    prompts = random_prompts([5, 9, 3], model.config.vocab_size, seed=6)
+    result = generate(model, prompts, SamplingParams(max_new_tokens=12, temperature=0.0), cache="paged",
+                      record_logits=True, block_size=4, shuffle_seed=1)
+    return result, served
+
+
+def test_a_dense_decode_step_plans_its_bookkeeping_once_and_the_plan_reaches_the_logits(monkeypatch):
+    """With one attention expert a decode append's lengths, columns, offsets and gather padding are
+    worked out at the first layer and reused at the others (DecodePlan). Prompts of 5, 9 and 3
+    tokens, blocks of 4: of the 11 decode steps, those before tokens 1, 3, 5, 7 and 9 give some row
+    a block and are not planned; the other 6 serve layers 1 and 2 from the plan. The logits equal
+    full recompute (float64); shifting the planned slots by one, and only those, shows in them."""
+    model = random_model(small_config("dense", num_hidden_layers=3), seed=5)
+    result, served = _dense_decode_run(model, monkeypatch)
+    assert served == [1, 2] * 6
+    assert max_logit_error(model, result) <= TOLERANCE[torch.float64]
+    original = PagedKVCache._append_planned
+
+    def shifted(self, plan, *args):                           # each new token one slot on in its block
+        if plan is None:
+            return None
+        plan.offset = (plan.offset + 1) % self.block_size
+        try:
+            return original(self, plan, *args)
+        finally:
+            plan.offset = (plan.offset - 1) % self.block_size
+
+    broken, _ = _dense_decode_run(model, monkeypatch, shifted)
+    assert max(float((a - b).abs().max()) for a, b in zip(broken.logits, result.logits)) > 1e-3
+
+
+def test_a_plan_is_not_used_where_the_next_layers_rows_hold_other_counts():
+    """A caller that appended different tokens to each layer: the plan made at layer 0 does not fit
+    layer 1's rows (6 tokens, not 5), so layer 1's append takes the general path, and its slots and
+    attention are those of a cache that never planned."""
+    config = small_config("dense")
+    generator = torch.Generator().manual_seed(7)
+    Hkv, H, Dh = config.num_key_value_heads, config.num_attention_heads, config.head_dim
+    kv = [torch.randn(8, Hkv, Dh, generator=generator, dtype=torch.float64) for _ in range(4)]
+    q = torch.randn(1, H, Dh, generator=generator, dtype=torch.float64)
+    outputs = []
+    for plans in (True, False):
+        cache = PagedKVCache(config, num_blocks=16, block_size=4, dtype=torch.float64)
+        for layer, n in ((0, 5), (1, 6)):                       # uneven layers, then one decode token
+            cache.append_kv(layer, [0] * n, [0] * n, list(range(n)), kv[0][:n], kv[1][:n])
+        one = [torch.tensor([0]), torch.tensor([0]), torch.tensor([6])]
+        first = cache.append_kv(0, *one, kv[2][:1], kv[3][:1])
+        assert cache.plan is not None and cache.plan.layer == 0            # layer 0's append planned
+        if not plans:
+            cache.plan = None
+        second = cache.append_kv(1, *one, kv[2][1:2], kv[3][1:2])
+        outputs.append((first.context_lens.tolist(), second.context_lens.tolist(), cache.manager.row_slots(1).tolist(),
+                        cache.attend(second, q)))
+    assert outputs[0][1] == [7] and outputs[0][:3] == outputs[1][:3]
+    assert torch.equal(outputs[0][3], outputs[1][3])
+
+
+def test_a_plan_is_not_used_for_a_sequence_freed_since_whose_slot_another_took():
+    """Sequence 0's decode append at layer 0 plans layer 1; then the manager, as a scheduler would
+    (free, then a swap-in's allocation), frees 0 and gives its slot of rows to sequence 1, with as
+    many tokens. Layer 1's append of sequence 0 must not go to sequence 1's row: the plan checks the
+    pairs' slots, and the append registers 0 anew."""
+    config = small_config("dense")
+    cache = PagedKVCache(config, num_blocks=16, block_size=4, dtype=torch.float64)
+    kv = torch.randn(8, config.num_key_value_heads, config.head_dim, dtype=torch.float64)
+    for layer in (0, 1):
+        cache.append_kv(layer, [0] * 5, [0] * 5, list(range(5)), kv[:5], kv[:5])
+    cache.append_kv(0, torch.tensor([0]), torch.tensor([0]), torch.tensor([5]), kv[:1], kv[:1])
+    assert cache.plan is not None
+    manager = cache.manager
+    manager.free(0)
+    assert manager.add_sequence(1) == 0                                                # 0's old slot
+    rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]      # layers 0 and 1
+    manager.allocate_slots(rows, torch.tensor([5, 5]))
+    cache.append_kv(1, torch.tensor([0]), torch.tensor([0]), torch.tensor([5]), kv[:1], kv[:1])
+    assert cache.token_counts([1, 0])[:, :, 0].tolist() == [[5, 5], [0, 1]]

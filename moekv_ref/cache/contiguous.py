@@ -24,8 +24,7 @@ class ContiguousKVCache:
     """append_kv / attend (the contract of cache/__init__.py) over a buffer per row."""
 
     def __init__(self, num_layers: int, num_experts: int):
-        self.num_layers = num_layers
-        self.num_experts = num_experts
+        self.num_layers, self.num_experts = num_layers, num_experts
         # (seq_id, layer, expert) -> (k (m, Hkv, Dh), v (m, Hkv, Dh), positions (m,))
         self._buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 

@@ -229,6 +229,10 @@ class KVCacheManager:
                            f"known: {sorted(self._seq_index)[:10]}")
         return self._seq_index[int(seq_id)]
 
+    def seq_slots(self, seq_ids: list[int]) -> list[int | None]:
+        """Each sequence's slot of rows (None: not held)."""
+        return [self._seq_index.get(s) for s in seq_ids]
+
     def rows(self, seq_ids, layer: int, experts) -> torch.Tensor:
         """Row ids of (seq_ids[i], layer, experts[i]); experts may be one int for all."""
         if not isinstance(layer, numbers.Integral) or isinstance(layer, bool):

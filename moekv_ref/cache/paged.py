@@ -25,7 +25,7 @@ pairs of the call, m distinct rows of the call, Lmax longest row, Qmax most new 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,23 @@ class AppendedRows:
     context_lens: torch.Tensor  # (m,) tokens each row holds after the append
     pair_row: torch.Tensor      # (n,) each pair's row, as an index into `rows`
     pair_index: torch.Tensor    # (n,) index of the pair's token in its row: it sees 0..pair_index
+
+
+@dataclass
+class DecodePlan:
+    """A decode append's layer-independent work, for the next layer's append of the same pairs: with
+    one attention expert every layer's row of a sequence holds as many tokens, so the next layer's
+    rows (E further on) take the same columns, offsets, lengths and gather padding; only their block
+    ids differ. Used where the pairs, their sequences' slots and the rows' counts are the planned."""
+    layer: int                  # the layer it last served
+    key: tuple                  # (seq_ids, experts, positions) of the pairs, as lists of ints
+    slots: list                 # each pair's sequence slot (manager.seq_slots)
+    rows: torch.Tensor          # (n,) the rows at `layer`
+    old: torch.Tensor           # (n,) tokens each row held before the append
+    column: torch.Tensor        # (n,) block-table column and offset of each new token
+    offset: torch.Tensor
+    appended: AppendedRows      # what attend needs: the same at every layer but the rows
+    padding: tuple              # the gather's (width, valid, padding index): PagedKVCache._padding
 
 
 class PagedKVCache:
@@ -107,6 +124,7 @@ class PagedKVCache:
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.key_cache = torch.zeros(shape, dtype=dtype, device=device)     # (N, P, Hkv, Dh)
         self.value_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.plan: DecodePlan | None = None          # the last decode append's, for the next layer
         if attention == "triton":
             require_backend("triton")       # triton is installed only where it has wheels (Linux)
             import kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
@@ -150,8 +168,12 @@ class PagedKVCache:
         if not seq_ids.shape == experts.shape == positions.shape == (n,):
             raise ValueError(f"seq_ids, experts and positions must be (n,) = ({n},); got "
                              f"{tuple(seq_ids.shape)}, {tuple(experts.shape)}, {tuple(positions.shape)}")
-        manager = self.manager
-        new_seqs = sorted(set(seq_ids.tolist()).difference(manager.sequences))       # ascending
+        manager, key = self.manager, (seq_ids.tolist(), experts.tolist(), positions.tolist())
+        appended = self._append_planned(self.plan, layer, key, positions, k, v)
+        if appended is not None:
+            return appended
+        self.plan = None
+        new_seqs = sorted(set(key[0]).difference(manager.sequences))                 # ascending
         for s in new_seqs:
             manager.add_sequence(s)
         try:
@@ -185,13 +207,39 @@ class PagedKVCache:
             manager.prefix_cache.record_positions(slots, positions)      # which chunks each block spans
         self._store(k, v, slots)
         context_lens = manager.row_tokens[rows]                              # (m,)
-        if one_per_row:                                                               # pair i is row i
-            pair_index = context_lens - 1
-        else:
+        if not one_per_row:
             rank = torch.empty_like(order)
             rank[order] = torch.arange(n) - first[pair_row[order]]                    # (n,) in the call
             pair_index = context_lens[pair_row] - num_new[pair_row] + rank
-        return AppendedRows(rows, num_new, context_lens, pair_row, pair_index)
+            return AppendedRows(rows, num_new, context_lens, pair_row, pair_index)
+        appended = AppendedRows(rows, num_new, context_lens, pair_row, context_lens - 1)   # pair i is row i
+        if manager.num_experts == 1 and manager.tails is None:          # one expert, plain pages: plan
+            column, offset = appended.pair_index // self.block_size, appended.pair_index % self.block_size
+            if not bool((offset == 0).any()):       # no row took a block: the next layer's take none either
+                self.plan = DecodePlan(layer, key, manager.seq_slots(key[0]), rows, appended.pair_index,
+                                       column, offset, appended, self._padding(context_lens))
+        return appended
+
+    def _append_planned(self, plan, layer, key, positions, k, v) -> AppendedRows | None:
+        """append_kv of the plan's pairs at the next layer; None (nothing changed) where the plan does
+        not apply: other pairs or layer, a sequence's slot changed, rows holding other counts."""
+        manager = self.manager
+        if plan is None or type(layer) is not int or not layer == plan.layer + 1 < manager.num_layers \
+                or key != plan.key or manager.seq_slots(key[0]) != plan.slots:
+            return None
+        rows = plan.rows + manager.num_experts                            # the same (sequence, expert)
+        if not torch.equal(manager.row_tokens[rows], plan.old):
+            return None
+        self._check_positions(rows, positions, rows, None)
+        manager.row_tokens[rows] = plan.appended.context_lens
+        manager.last_appended[rows] = manager.clock
+        manager.last_position[rows] = positions
+        slots = plan.offset.add(manager.block_tables[rows, plan.column], alpha=self.block_size)
+        if manager.prefix_cache is not None:
+            manager.prefix_cache.record_positions(slots, positions)
+        self._store(k, v, slots)
+        plan.layer, plan.rows = layer, rows
+        return replace(plan.appended, rows=rows)
 
     def _check_positions(self, sorted_rows, sorted_positions, rows, first) -> None:
         """Positions must increase within each row, from its last cached one. first (m,): each row's
@@ -323,20 +371,26 @@ class PagedKVCache:
             slots, valid = self.manager.padded_slots(rows)                         # (g, Lmax) each
             index = slots.reshape(-1).to(device)                                   # (g * Lmax,) slots
             pool = (self.key_cache.view(-1, Hkv, Dh), self.value_cache.view(-1, Hkv, Dh))
+            padding = (~valid).view(-1).nonzero().squeeze(1).to(device)            # (g * Lmax - sum(lens),)
         else:
-            P, num_pool_blocks = self.block_size, self.key_cache.shape[0]
-            width = -(-int(lens.max()) // P)                                       # blocks of the longest row
-            blocks = self.manager.block_tables.index_select(0, rows)[:, :width].clamp(max=num_pool_blocks - 1)
+            plan = self.plan
+            width, valid, padding = (plan.padding if plan is not None and lens is plan.appended.context_lens
+                                     else self._padding(lens))
+            blocks = self.manager.block_tables.index_select(0, rows)[:, :width].clamp(max=self.key_cache.shape[0] - 1)
             index = blocks.view(-1).to(device)                                     # (g * width,) int32 ids
             pool = (self.key_cache, self.value_cache)
-            valid = torch.arange(width * P) < lens[:, None]                        # (g, width * P)
         g, max_len = valid.shape
-        padding = (~valid).view(-1).nonzero().squeeze(1).to(device)                # (g * Lmax - sum(lens),)
         gathered = []
         for cache in pool:                                                         # keys, then values
             tokens = cache.index_select(0, index).to(dtype).view(g * max_len, Hkv * Dh)   # a fresh copy
             gathered.append(tokens.index_fill_(0, padding, 0.0).view(g, max_len, Hkv, Dh))
         return gathered[0], gathered[1], valid.to(device)
+
+    def _padding(self, lens: torch.Tensor):
+        """Blocks of the longest row, valid (g, width * P) and the padding's index, of plain pages."""
+        width = -(-int(lens.max()) // self.block_size)
+        valid = torch.arange(width * self.block_size) < lens[:, None]
+        return width, valid, (~valid).view(-1).nonzero().squeeze(1).to(self.key_cache.device)
 
     def _attend_with_kernels(self, appended: AppendedRows, decode: torch.Tensor, q: torch.Tensor,
                              out: torch.Tensor) -> None:

@@ -216,8 +216,7 @@ class PrefixCache:
 
     def _hit_at(self, keys, cumulative, i: int, devices: list[int]) -> PrefixHit | None:
         """The hit for s = i * C, or None if some needed block is not cached on its row's device."""
-        m = self.manager
-        P = m.block_size
+        m, P = self.manager, self.manager.block_size
         s = i * self.chunk_size
         row_counts = cumulative[i - 1]                                                      # (R,)
         num_full = row_counts // P                                                          # (R,)
@@ -231,8 +230,7 @@ class PrefixCache:
         # the (row, column, chunk key) each needed block is found under: shared ones, then copies
         wanted = [(r, j, keys[c]) for r, j, c in zip(shared_rows.tolist(), shared_columns.tolist(),
                                                      chunk.tolist())]
-        cow_columns = num_full[cow_rows].tolist()
-        wanted += [(r, j, keys[i - 1]) for r, j in zip(cow_rows.tolist(), cow_columns)]
+        wanted += [(r, j, keys[i - 1]) for r, j in zip(cow_rows.tolist(), num_full[cow_rows].tolist())]
         blocks = [self._block_of_key.get((devices[r], r, j, key)) for r, j, key in wanted]
         if None in blocks:
             return None
@@ -254,8 +252,7 @@ class PrefixCache:
     def apply_prefix_hit(self, seq_id: int, hit: PrefixHit) -> tuple[torch.Tensor, torch.Tensor]:
         """Give a new sequence its rows from a hit; returns the copies' (source, destination)
         block ids, to copy before anything writes the destinations."""
-        m = self.manager
-        P = m.block_size
+        m, P = self.manager, self.manager.block_size
         if hit.num_tokens == 0:
             raise ValueError("apply_prefix_hit of an empty hit: nothing to apply")
         if m.holds(seq_id):

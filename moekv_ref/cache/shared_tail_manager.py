@@ -114,9 +114,7 @@ class SharedTails:
                 self.tail_slots[row, position] = slot
                 self.slot_row[slot], self.slot_position[slot] = row, position
         m.row_tokens[rows] = new
-        moves: Moves = []
-        if promotion_src:
-            moves.append((torch.cat(promotion_src), torch.cat(promotion_dst)))
+        moves: Moves = [(torch.cat(promotion_src), torch.cat(promotion_dst))] if promotion_src else []
         # 3. compaction: give back tail blocks while a whole block's worth of tail slots is free
         for group in groups.unique().tolist():
             moves += self._compact(group)
@@ -176,8 +174,7 @@ class SharedTails:
 
     def assert_consistent(self) -> None:
         m, P = self.manager, self.manager.block_size
-        tails = m.row_tokens % P                                            # (R,)
-        valid = torch.arange(P) < tails[:, None]                                    # (R, P)
+        valid = torch.arange(P) < (m.row_tokens % P)[:, None]                       # (R, P)
         assert (self.tail_slots[~valid] == -1).all(), "a tail slot past a row's tail is set"
         used = self.tail_slots[valid]
         assert used.unique().numel() == used.numel(), "a tail slot is used twice"

@@ -67,15 +67,13 @@ def predicted_peak(requests: Sequence[Request], memory: MemoryView, predictor: D
             b = memory.num_blocks_swapped(r.request_id)
         else:  # its prefill (or recompute) arrives in one go
             b = predictor.predict(r.num_tokens)
-        f = max(predictor.predict(r.max_cached_tokens), b)
         held.append(b)
-        final.append(f)
+        final.append(max(predictor.predict(r.max_cached_tokens), b))
         remaining.append(max(1, r.max_new_tokens - len(r.output_token_ids)))
     b, f, g = (torch.tensor(x, dtype=torch.float64) for x in (held, final, remaining))  # (k,) each
     s = g - 1                                                                  # (k,) peaks to test
     progress = torch.clamp((s[:, None] + 1) / g[None, :], max=1.0)             # (k steps, k requests)
-    alive = s[:, None] < g[None, :]
-    demand = torch.where(alive, b + (f - b) * progress, torch.zeros(()))       # (k, k)
+    demand = torch.where(s[:, None] < g[None, :], b + (f - b) * progress, torch.zeros(()))   # (k, k)
     return int(math.ceil(float(demand.sum(1).max()) - 1e-9))
 
 

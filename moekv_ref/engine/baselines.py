@@ -36,8 +36,7 @@ class ContinuousReserved(ContinuousBatching):
     def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
         return _reservation(num_cached_tokens, shape)
 
-    def __repr__(self) -> str:
-        return "ContinuousReserved()"
+    __repr__ = BatchingPolicy.__repr__          # "ContinuousReserved()": its admission is fixed
 
 
 class StaticBatching(BatchingPolicy):

@@ -88,9 +88,8 @@ class DemandPredictor:
 def worst_case_step_blocks(token_counts: torch.Tensor, num_new_tokens: torch.Tensor, k_max: int,
                            block_size: int) -> torch.Tensor:
     """token_counts (m, L, E), num_new_tokens (m,) -> (m,): the one-pool (D = 1) worst case."""
-    one_device = torch.zeros(token_counts.shape, dtype=torch.int64)
     return worst_case_step_blocks_per_device(token_counts, num_new_tokens, k_max, block_size,
-                                             one_device, 1)[:, 0]
+                                             torch.zeros(token_counts.shape, dtype=torch.int64), 1)[:, 0]
 
 
 def _per_device(values: torch.Tensor, device_of_expert: torch.Tensor, num_devices: int) -> torch.Tensor:
@@ -125,12 +124,7 @@ def worst_case_lifetime_blocks_per_device(num_tokens: torch.Tensor, k_max: int, 
                                           device_of_expert: torch.Tensor, num_devices: int) -> torch.Tensor:
     """num_tokens (m,), device_of_expert (m, L, E) -> (m, D): the most blocks T cached tokens can
     hold on each device; per layer min(E_d * ceil(T / P), r + (k_d * T - r) // P),
-    r = min(E_d, k_d * T)."""
-    ones = torch.ones(device_of_expert.shape, dtype=torch.int64)
-    experts_on = _per_device(ones, device_of_expert, num_devices)                    # (m, L, D)
-    T = num_tokens.to(torch.int64).view(-1, 1, 1)                                    # (m, 1, 1)
-    entries = torch.clamp(experts_on, max=k_max) * T
-    rows = torch.minimum(entries, experts_on)
-    per_layer = torch.minimum(experts_on * ceil_div(T, block_size),
-                              rows + (entries - rows) // block_size)                 # (m, L, D)
-    return per_layer.sum(1)
+    r = min(E_d, k_d * T): bounds A and B of one step of T tokens into empty rows."""
+    empty = torch.zeros(device_of_expert.shape, dtype=torch.int64)                   # (m, L, E)
+    return worst_case_step_blocks_per_device(empty, num_tokens, k_max, block_size, device_of_expert,
+                                             num_devices)

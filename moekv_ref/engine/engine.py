@@ -132,9 +132,8 @@ class LLMEngine:
         self.config = model.config
         self.cache = PagedKVCache.for_model(model, block_size, num_blocks, shuffle_seed=shuffle_seed,
                                             attention=attention, blocks_per_device=blocks_per_device,
-                                            device_of_expert=device_of_expert,
-                                            enable_prefix_caching=enable_prefix_caching,
-                                            home_devices=home_devices)
+                                            device_of_expert=device_of_expert, home_devices=home_devices,
+                                            enable_prefix_caching=enable_prefix_caching)
         self.blocks_per_device = self.cache.manager.blocks_per_device.tolist()         # D ints
         manager = self.cache.manager
         self.device_of_expert = None if manager.home_devices else manager.device_of_expert  # (L, E)
@@ -255,8 +254,7 @@ class LLMEngine:
 
     def _fail_step(self, error, step, start, num_running, scheduled_used, where: str) -> None:
         self._counts["failed_steps"] += 1
-        if hasattr(error, "add_note"):
-            error.add_note(f"engine step {step} failed {where}; the step was undone, stepping on is safe")
+        error.add_note(f"engine step {step} failed {where}; the step was undone, stepping on is safe")
         self._end_step(step, 0, 0, start, num_running, self.memory.num_used_blocks, scheduled_used)
 
     def _run(self, decision):
@@ -270,16 +268,14 @@ class LLMEngine:
         if not decision.scheduled:
             return [], self.memory.num_used_blocks, 0
         before_forward = Snapshot(self.scheduler)
-        states = {}
+        rows = [i for i, item in enumerate(decision.scheduled) if item.samples]
+        requests = [decision.scheduled[i].request for i in rows]
+        states = [(r.generator, r.generator.get_state()) for r in requests
+                  if not r.sampling_params.greedy]          # a greedy choice draws nothing from it
         try:
             result = self.runner.forward(decision.scheduled)
             # the step's peak on each device: finished requests free their blocks after it
             self._used_after_forward = self.memory.num_used_blocks_per_device
-            rows = [i for i, item in enumerate(decision.scheduled) if item.samples]
-            requests = [decision.scheduled[i].request for i in rows]
-            for request in requests:
-                if not request.sampling_params.greedy:      # a greedy choice draws nothing from it
-                    states[request.request_id] = (request.generator, request.generator.get_state())
             errors = {}                             # a request's own failure: it alone finishes
             tokens = sample_rows(result.last_logits[rows], [r.sampling_params for r in requests],
                                  [r.generator for r in requests], errors)
@@ -288,12 +284,11 @@ class LLMEngine:
                       for i, e in errors.items()}
             used_blocks = self.memory.num_used_blocks
             num_generated = sum(len(r.output_token_ids) < r.max_new_tokens
-                                for r in (item.request for item in decision.scheduled)
-                                if r.request_id in sampled)
+                                for r in requests if r.request_id in sampled)
             done = self.scheduler.update_from_output(decision, sampled, result.entries_per_layer, failed)
         except BaseException:
             before_forward.restore()
-            for generator, state in states.values():
+            for generator, state in states:
                 generator.set_state(state)          # a token sampled before the fault is drawn again
             raise
         return done, used_blocks, num_generated
@@ -347,12 +342,11 @@ class LLMEngine:
         return [outputs[i] for i in ids]
 
     def prefix_cache_stats(self) -> dict | None:
-        manager = self.cache.manager
-        prefix = manager.prefix_cache
+        prefix = self.cache.manager.prefix_cache
         if prefix is None:
             return None
         return {**dataclasses.asdict(prefix.stats),
-                "num_evicted_cached_blocks": manager.pool.num_evicted_cached_blocks,
+                "num_evicted_cached_blocks": self.cache.manager.pool.num_evicted_cached_blocks,
                 "num_cached_blocks": prefix.num_cached_blocks}
 
     @property
@@ -370,8 +364,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """Totals so far, in O(1): counters, not a scan of the history."""
-        counts = self._counts
-        s = self.scheduler
+        counts, s = self._counts, self.scheduler
         return EngineStats(
             num_steps=self.step_count, num_admitted=counts["admitted"], num_preemptions=s.num_preemptions,
             num_resumed=counts["resumed"], num_finished=counts["finished"],

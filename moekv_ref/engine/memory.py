@@ -141,5 +141,4 @@ class MemoryView:
         assert manager.num_free_blocks == manager.num_blocks, (
             f"leak: {manager.num_blocks - manager.num_free_blocks} blocks still in use")
         if self._swap_space is not None:
-            assert not self._swap_space.swapped and self._swap_space.pool.num_used_blocks == 0, \
-                "swap space still holds blocks"
+            assert not (self._swap_space.swapped or self.num_swapped_blocks), "swap space still holds blocks"

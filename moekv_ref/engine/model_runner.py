@@ -69,8 +69,7 @@ class ModelRunner:
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         """In order: SWAP_OUT device -> host, SWAP_IN host -> device, COPY device -> device."""
         device = self.cache.key_cache.device
-        pairs = ((self.cache.key_cache, self.host_key_cache),
-                 (self.cache.value_cache, self.host_value_cache))
+        pairs = ((self.cache.key_cache, self.host_key_cache), (self.cache.value_cache, self.host_value_cache))
         for copy in copies:
             source, destination = copy.source.to(torch.int64), copy.destination.to(torch.int64)
             if copy.direction not in (SWAP_OUT, SWAP_IN, COPY):

@@ -89,8 +89,7 @@ def few_shot_workload(num_requests: int = 16, prompt_len: int = 256, shared_shar
     a slice of PROMPT_TEXT at a seeded position, different per request. Greedy by default; seeds and
     arrivals as make_workload."""
     for name, value, low in (("num_requests", num_requests, 1), ("prompt_len", prompt_len, 1),
-                             ("output_len", output_len, 1), ("seed", seed, 0),
-                             ("vocab_size", vocab_size, 1)):
+                             ("output_len", output_len, 1), ("seed", seed, 0), ("vocab_size", vocab_size, 1)):
         check_int(name, value, low)
     text = [t % vocab_size for t in encode(FEW_SHOT_TEXT)]
     own_text = [t % vocab_size for t in encode(PROMPT_TEXT)]

@@ -124,8 +124,7 @@ class Communicator:
             message, missing = self._diagnose(label, error, time.perf_counter() - start)
             raise CollectiveError(message, missing) from error
         sent = unit * (sum(send_counts) - send_counts[self.rank])
-        seconds = time.perf_counter() - start
-        self.records.append(CollectiveRecord(self.step, category, sent, seconds))
+        self.records.append(CollectiveRecord(self.step, category, sent, time.perf_counter() - start))
 
     def _diagnose(self, label: str, error: Exception, waited: float) -> tuple[str, tuple]:
         """(message, missing ranks): the ranks that never reached this collective (the store's

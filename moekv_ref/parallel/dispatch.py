@@ -135,5 +135,4 @@ def local_pairs(received: Received, local_experts: torch.Tensor) -> LocalPairs:
                            f"does not hold (its experts: {local_experts.tolist()})")
     order = torch.argsort(local, stable=True)                                 # (M,) sorted by expert
     counts = torch.bincount(local, minlength=local_experts.numel())
-    return LocalPairs(token[order], expert[order], received.gates[token[order], slot[order]],
-                      counts, order)
+    return LocalPairs(token[order], expert[order], received.gates[token[order], slot[order]], counts, order)

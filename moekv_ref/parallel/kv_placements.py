@@ -100,9 +100,8 @@ class KVWithSequence(_PlacedAttention):
         meta = torch.stack([q_seq, q_expert, counts], dim=1)                              # (Q, 3)
         meta_in, rows_in = comm.all_to_all(meta.to(comm.device), rows_per_rank, "kv_context")
         meta_in = meta_in.cpu()
-        kv_in, _ = comm.all_to_all(kv_flat.to(comm.device), tokens_per_rank, "kv_context",
-                                   _sum_per_source(rows_in, meta_in[:, 2]))
-        kv_in = kv_in.to(h.device)
+        kv_in = comm.all_to_all(kv_flat.to(comm.device), tokens_per_rank, "kv_context",
+                                _sum_per_source(rows_in, meta_in[:, 2]))[0].to(h.device)
 
         # expert side: the rows' cached K/V, then this step's tokens, in a cache that lives for one
         # call. The cached tokens get stand-in positions 0..count-1: only their order matters (all
@@ -120,8 +119,7 @@ class KVWithSequence(_PlacedAttention):
         new_kv[pairs.order] = torch.stack([k, v], dim=1)                                  # (M, 2, Hkv, Dh)
         send_back = _sum_per_source(received.recv_counts, (received.experts >= 0).sum(1))
         expect = torch.bincount(row_rank, minlength=R).tolist()
-        kv_home, _ = comm.all_to_all(new_kv.to(comm.device), send_back, "kv_new", expect)
-        kv_home = kv_home.to(h.device)
+        kv_home = comm.all_to_all(new_kv.to(comm.device), send_back, "kv_new", expect)[0].to(h.device)
         traffic["kv_new_pairs_to_peers"] += int((row_rank != comm.rank).sum())
         self.pool.append_kv(layer, row_seq, row_expert, positions.cpu()[plan.token[pair]],
                             kv_home[:, 0], kv_home[:, 1])

@@ -55,9 +55,7 @@ class WorkerFailed(RuntimeError):
 
     def __init__(self, message: str, ended_at: float, fault_at: float | None, missing: tuple = ()):
         super().__init__(message)
-        self.ended_at = ended_at
-        self.fault_at = fault_at
-        self.missing = tuple(missing)
+        self.ended_at, self.fault_at, self.missing = ended_at, fault_at, tuple(missing)
 
 
 @dataclass
@@ -201,10 +199,8 @@ def launch(function, world_size: int, args: tuple = (), timeout_s: float = DEFAU
                  for rank in range(world_size)]
     for process in processes:
         process.start()
-    values: dict[int, object] = {}
-    errors: dict[int, str] = {}
-    missing: set[int] = set()
-    failed_at = None
+    values, errors = {}, {}               # by rank: its return value, its error message
+    missing, failed_at = set(), None      # the ranks a peer waited for in vain; when the first failed
     try:
         while len(values) + len(errors) < world_size:
             with contextlib.suppress(queue_module.Empty):

@@ -48,8 +48,7 @@ class ParallelRunner:
                                  f"{num_experts}), got {tuple(ranks.shape)}")
             if ranks.numel() and not (0 <= int(ranks.min()) and int(ranks.max()) < comm.world_size):
                 raise ValueError(f"{name} holds ranks outside [0, {comm.world_size})")
-        self.comm = comm
-        self.ffn_ranks = ffn_ranks
+        self.comm, self.ffn_ranks = comm, ffn_ranks
         replicated = kv_placement == "replicated_attention"
         self.shard = RankShard(model, comm.rank, None if replicated else attention_ranks, ffn_ranks)
         parameter = next(model.parameters())

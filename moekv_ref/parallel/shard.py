@@ -62,9 +62,7 @@ class RankShard:
     @staticmethod
     def _keep(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Experts `ids` of weight (E, ...): a copy of a subset, the tensor itself for all."""
-        if ids.numel() == weight.shape[0]:
-            return weight.detach()
-        return weight.detach()[ids].clone()
+        return weight.detach() if ids.numel() == weight.shape[0] else weight.detach()[ids].clone()
 
     def route_attention(self, layer: int, x: torch.Tensor) -> Routing:
         c = self.config

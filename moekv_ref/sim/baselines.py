@@ -53,8 +53,7 @@ class AddressSpace:
     arrays, so first fit is one vectorized scan."""
 
     def __init__(self):
-        self.hole_starts = np.zeros(0, dtype=np.int64)
-        self.hole_sizes = np.zeros(0, dtype=np.int64)
+        self.hole_starts, self.hole_sizes = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         self.top = 0
 
     def allocate(self, size: int) -> int:
@@ -67,8 +66,7 @@ class AddressSpace:
         self.hole_starts[i] += size
         self.hole_sizes[i] -= size
         if self.hole_sizes[i] == 0:
-            self.hole_starts = np.delete(self.hole_starts, i)
-            self.hole_sizes = np.delete(self.hole_sizes, i)
+            self.hole_starts, self.hole_sizes = np.delete(self.hole_starts, i), np.delete(self.hole_sizes, i)
         return start
 
     def free(self, start: int, size: int) -> None:
@@ -112,8 +110,7 @@ class FirstFitDesign(RowTokens):
             start = self.space.allocate(size)
             if old_size:
                 self.space.free(int(self.start[row]), old_size)
-            self.start[row] = start
-            self.capacity[row] = size
+            self.start[row], self.capacity[row] = start, size
         self.tokens[rows] = new
 
     def release(self, seqs) -> None:
@@ -121,8 +118,7 @@ class FirstFitDesign(RowTokens):
         held = rows[self.capacity[rows] > 0]
         for start, size in zip(self.start[held].tolist(), self.capacity[held].tolist()):
             self.space.free(start, size)
-        self.tokens[rows] = 0
-        self.capacity[rows] = 0
+        self.tokens[rows] = self.capacity[rows] = 0
 
     def allocated_slots(self) -> int:
         return self.space.top
@@ -137,6 +133,5 @@ class FirstFitDesign(RowTokens):
         seq, layer, expert = self.index.split(rows)
         columns = dict(start=self.start[rows], size=self.capacity[rows], used=self.tokens[rows],
                        seq=seq, layer=layer, expert=expert)
-        space = self.space
-        return {**{name: column.numpy() for name, column in columns.items()}, "top": space.top,
-                "hole_start": space.hole_starts.copy(), "hole_size": space.hole_sizes.copy()}
+        return {**{name: column.numpy() for name, column in columns.items()}, "top": self.space.top,
+                "hole_start": self.space.hole_starts.copy(), "hole_size": self.space.hole_sizes.copy()}

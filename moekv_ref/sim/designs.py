@@ -70,8 +70,7 @@ class CountingPagedDesign(RowTokens):
         self.tokens[rows] = new
 
     def release(self, seqs) -> None:
-        old = self._sequence_tokens(seqs)
-        self._num_blocks -= int(self._row_blocks(old).sum())
+        self._num_blocks -= int(self._row_blocks(self._sequence_tokens(seqs)).sum())
         self.tokens.view(-1, self.rows_per_seq)[seqs] = 0
 
     def allocated_slots(self) -> int:
@@ -124,8 +123,7 @@ class ManagerPagedDesign:
         return BYTES_PER_INDEX * (2 * self.manager.pool.num_used_blocks + num_rows_in_use)
 
     def reads(self, rows) -> int:
-        tokens = self.manager.row_tokens[self._manager_rows(rows)]
-        return int(ceil_div(tokens, self.block_size).sum())
+        return int(ceil_div(self.manager.row_tokens[self._manager_rows(rows)], self.block_size).sum())
 
 
 class SharedTailDesign(CountingPagedDesign):

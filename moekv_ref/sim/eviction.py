@@ -176,8 +176,7 @@ class TraceRunner:
     def step_seconds(self, out) -> float:
         """A step's fixed cost, each decode token or prefill / recompute chunk over its context, and
         its swaps (each direction half of a swap)."""
-        cost = self.cost
-        seconds = cost.seconds_per_step
+        cost, seconds = self.cost, self.cost.seconds_per_step
         for item in out.scheduled:
             start, n = item.request.num_computed_tokens, item.num_tokens
             seconds += float(cost.decode_seconds(start) if n == 1 and start > 0

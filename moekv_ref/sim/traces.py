@@ -176,6 +176,5 @@ def topic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k: in
     popularity = torch.arange(1, num_topics + 1, dtype=torch.float64) ** -topic_popularity_s
     topic = torch.multinomial(popularity, num_sequences, replacement=True, generator=generator)   # (S,)
     token_topic = torch.repeat_interleave(topic, offsets[1:] - offsets[:-1])               # (N,)
-    experts = _gumbel_top_k(global_weight + topic_weight, int(offsets[-1]), top_k, generator,
-                            token_topic)
+    experts = _gumbel_top_k(global_weight + topic_weight, int(offsets[-1]), top_k, generator, token_topic)
     return RoutingTrace(experts, offsets, prompts, num_experts, kv_bytes_per_slot, name), topic
