@@ -278,14 +278,12 @@ class KVCacheManager:
 
     def token_counts(self, seq_ids) -> torch.Tensor:
         """(num_seqs, L, E) tokens held per row; zeros for a sequence the cache does not hold."""
-        seq_ids = [int(s) for s in seq_ids]
-        counts = torch.zeros(len(seq_ids), self.num_layers, self.num_experts, dtype=torch.int64)
-        held = [(i, self._seq_index[s]) for i, s in enumerate(seq_ids) if s in self._seq_index]
-        if held:   # one gather for every held sequence (the scheduler asks for the whole batch)
-            at, slots = torch.tensor(held, dtype=torch.int64).unbind(1)                     # (h,), (h,)
-            rows = self.index.sequence_rows(slots)                                                 # (h, L*E)
-            counts[at] = self.row_tokens[rows].view(-1, self.num_layers, self.num_experts)
-        return counts
+        seq_ids = [int(s) for s in seq_ids]      # one gather (the scheduler asks for the whole batch)
+        slots = [self._seq_index.get(s, 0) for s in seq_ids]                  # slot 0 stands in, zeroed
+        counts = self.row_tokens[self.index.sequence_rows(slots)].view(-1, self.num_layers, self.num_experts)
+        if missing := [i for i, s in enumerate(seq_ids) if s not in self._seq_index]:
+            counts[missing] = 0
+        return counts                                                          # (m, L, E), a copy
 
     def row_last_used(self, seq_id: int) -> torch.Tensor:
         """(L, E) the clock of each row's last append (-1: never, or a sequence not held)."""

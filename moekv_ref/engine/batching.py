@@ -74,7 +74,7 @@ class AdmissionStep:
         num_tokens = min(request.num_pending_tokens, self.token_budget)
         if num_tokens > 0:
             need = self._scheduler.step_blocks(request, num_tokens)
-            self._scheduler.schedule_tokens(self._out, request, num_tokens, need)
+            self._scheduler.schedule_tokens(self._out, request, num_tokens, int(need.sum()))
             self.reserved = self.reserved + need
             self.token_budget -= num_tokens
         return request

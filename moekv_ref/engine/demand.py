@@ -94,8 +94,8 @@ def worst_case_step_blocks(token_counts: torch.Tensor, num_new_tokens: torch.Ten
 
 def _per_device(values: torch.Tensor, device_of_expert: torch.Tensor, num_devices: int) -> torch.Tensor:
     """(m, L, E) values of rows, device_of_expert (m, L, E) -> (m, L, D): summed per device."""
-    m, L, _ = values.shape
-    return torch.zeros(m, L, num_devices, dtype=torch.int64).scatter_add_(2, device_of_expert, values)
+    return (values.sum(2, keepdim=True) if num_devices == 1                      # one pool: over experts
+            else torch.zeros(values.shape[:2] + (num_devices,), dtype=torch.int64).scatter_add_(2, device_of_expert, values))
 
 
 def blocks_held_per_device(token_counts: torch.Tensor, block_size: int, device_of_expert: torch.Tensor,

@@ -89,5 +89,5 @@ class ModelRunner:
         output = self.model.forward_cached(torch.tensor(batch.token_ids, device=device),
                                            torch.tensor(batch.seq_ids, device=device),
                                            torch.tensor(batch.positions, device=device), self.cache)
-        entries = torch.stack([r.selected.sum() for r in output.attention_routing])     # (L,)
+        entries = torch.stack([r.selected for r in output.attention_routing]).sum((1, 2))   # (L,)
         return RunnerOutput(output.logits[batch.last_index.to(device)].cpu(), entries.cpu(), len(batch.token_ids))

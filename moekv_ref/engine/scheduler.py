@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.kv_cache_manager import KVCacheManager
+from ..cache.rows import worst_case_lifetime_blocks
 from .admission import ADMISSIONS, AdmissionPolicy
 from .baselines import ContinuousReserved, StaticBatching
 from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
@@ -263,10 +264,10 @@ class Scheduler:
         needs = self.step_blocks_many(self.running, planned)
         planned_needs = dict(zip(map(id, self.running), zip(planned, needs)))
         i = 0
-        if needs and sum(planned) <= token_budget and self.fits(total := torch.stack(needs).sum(0)):
+        if needs and sum(planned) <= token_budget and self.fits(total := (stacked := torch.stack(needs)).sum(0)):
             # all of them fit the budget and the pool at once (most decode steps): none is asked again
-            for request, num_tokens, need in zip(self.running, planned, needs):
-                self.schedule_tokens(out, request, num_tokens, need)
+            for request, num_tokens, blocks in zip(self.running, planned, stacked.sum(1).tolist()):
+                self.schedule_tokens(out, request, num_tokens, blocks)
             i, reserved, token_budget = len(self.running), total, token_budget - sum(planned)
         while i < len(self.running) and token_budget > 0:
             request = self.current = self.running[i]
@@ -298,7 +299,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue                               # it was the victim: running[i] is the next one
-            self.schedule_tokens(out, request, num_tokens, need)
+            self.schedule_tokens(out, request, num_tokens, int(need.sum()))
             reserved = reserved + need
             token_budget -= num_tokens
             i += 1
@@ -318,8 +319,8 @@ class Scheduler:
         device = int(missing.argmax())
         return device, Shortage(device, int(missing[device]), int(need[device]))
 
-    def schedule_tokens(self, out: SchedulerOutput, request: Request, num_tokens: int, need: torch.Tensor) -> None:
-        out.scheduled.append(ScheduledRequest(request, num_tokens, int(need.sum()),
+    def schedule_tokens(self, out: SchedulerOutput, request: Request, num_tokens: int, blocks: int) -> None:
+        out.scheduled.append(ScheduledRequest(request, num_tokens, blocks,
                                               samples=num_tokens == request.num_pending_tokens))
 
     def start_head(self, out: SchedulerOutput, hit=None) -> Request:
@@ -377,12 +378,13 @@ class Scheduler:
     def _worst_case_need(self, counts: torch.Tensor, num_tokens: list[int], totals: list[int],
                          devices: torch.Tensor) -> list[torch.Tensor]:
         """counts, devices (m, L, E), rows growing by num_tokens[i] to totals[i] -> m (D,) needs."""
-        shape, D = self.shape, self.num_devices
-        held = blocks_held_per_device(counts, shape.block_size, devices, D)                      # (m, D)
-        step = worst_case_step_blocks_per_device(counts, torch.tensor(num_tokens), shape.k_max, shape.block_size,
-                                                 devices, D)                                     # (m, D)
-        lifetime = worst_case_lifetime_blocks_per_device(torch.tensor(totals), shape.k_max, shape.block_size,
-                                                         devices, D)                             # (m, D)
+        s, D = self.shape, self.num_devices
+        L, E, K, P = s.num_layers, s.num_experts, s.k_max, s.block_size
+        held = blocks_held_per_device(counts, P, devices, D)                                     # (m, D)
+        step = worst_case_step_blocks_per_device(counts, torch.tensor(num_tokens), K, P, devices, D)   # (m, D)
+        # one pool: rows.py's integer bound, in Python (a tenth of the tensor form's time at decode)
+        lifetime = (torch.tensor([[worst_case_lifetime_blocks(t, L, E, K, P)] for t in totals]) if D == 1
+                    else worst_case_lifetime_blocks_per_device(torch.tensor(totals), K, P, devices, D))  # (m, D)
         return list(torch.clamp(torch.minimum(step, lifetime - held), min=0))
 
     # ----- prefix caching ------------------------------------------------------------------------------
