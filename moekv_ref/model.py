@@ -59,19 +59,19 @@ def _grouped_mm_applies(x: torch.Tensor, weights: torch.Tensor) -> bool:
             and x.dtype == weights.dtype and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
-def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, backend: str, offs=None) -> torch.Tensor:
     """x (M, D) sorted by expert, counts[e] rows for expert e, times weights[e] (E, D, F): (M, F).
 
     torch: one matmul per expert's slice, the readable reference; where it applies, one
-    `torch._grouped_mm` (bitwise equal to the loop, 1.6x faster for a decode step's four FFN
-    experts, measured). triton: the grouped GEMM kernel (kernels/expert_gemm.py)."""
+    `torch._grouped_mm` (bitwise equal to the loop, 1.6x faster for a decode step's four FFN experts,
+    measured; offs: int32 cumsum(counts), if made). triton: the GEMM kernel (kernels/expert_gemm.py)."""
     if backend == "triton":
         import kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
         return kernels.expert_gemm(x, weights, counts)
     if weights.shape[0] == 1:                       # one expert (dense attention): every row is its
         return x @ weights[0]
     if _grouped_mm_applies(x, weights):
-        return torch._grouped_mm(x, weights, offs=torch.cumsum(counts, 0, dtype=torch.int32))
+        return torch._grouped_mm(x, weights, offs=torch.cumsum(counts, 0, dtype=torch.int32) if offs is None else offs)
     return torch.cat([rows @ w for rows, w in zip(torch.split(x, counts.tolist()), weights)])
 
 
@@ -90,8 +90,16 @@ def project_qkv(config: ModelConfig, xs, positions, counts, w_q, w_k, w_v, backe
 
 def swiglu_experts(xs, counts, w_gate, w_up, w_down, backend: str) -> torch.Tensor:
     """SwiGLU of rows xs (M, D) sorted by expert, for any subset of experts (as project_qkv)."""
-    h = F.silu(grouped_matmul(xs, w_gate, counts, backend)) * grouped_matmul(xs, w_up, counts, backend)  # (M, F)
-    return grouped_matmul(h, w_down, counts, backend)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)                      # the three products' groups
+    h = F.silu(grouped_matmul(xs, w_gate, counts, backend, offs)) * grouped_matmul(xs, w_up, counts, backend, offs)
+    return grouped_matmul(h, w_down, counts, backend, offs)                  # (M, D)
+
+
+def dense_pairs(N: int, device, dtype) -> tuple[Routing, torch.Tensor, torch.Tensor]:
+    """One attention expert: every token goes to it with gate 1. The routing `route` would give, each
+    pair's expert (N,) and the expert's count (1,): the same at every layer, so made once a forward."""
+    ones = torch.ones(N, 1, device=device, dtype=dtype)
+    return Routing(ones, ones.bool(), ones), torch.zeros(N, dtype=torch.int64, device=device), torch.tensor([N])
 
 
 class ExpertAttention(nn.Module):
@@ -143,17 +151,15 @@ class ExpertAttention(nn.Module):
         out = einsum(attn, self.w_o, "b t e f, e f d -> b t e d")            # (B, T, E, D)
         return (out * routing.gates[..., None]).sum(2), routing
 
-    def forward_cached(self, x, seq_ids, positions, cache) -> tuple[torch.Tensor, Routing]:
+    def forward_cached(self, x, seq_ids, positions, cache, pairs=None) -> tuple[torch.Tensor, Routing]:
         """x: (N, D) new tokens of many sequences, each continuing what the cache holds for it;
-        seq_ids, positions: (N,). Returns (N, D)."""
+        seq_ids, positions: (N,); pairs: dense_pairs(N, ...) when the caller made them. Returns (N, D)."""
         N = x.shape[0]
         dense = self.config.num_attention_experts == 1
         with phase("routing"):
-            if dense:       # one expert: every token goes to it with gate 1, the pairs are the tokens
-                ones = torch.ones(N, 1, device=x.device, dtype=x.dtype)     # what `route` would say
-                routing = Routing(ones, torch.ones_like(ones, dtype=torch.bool), ones)
+            if dense:       # one expert: the pairs are the tokens
+                routing, expert, counts = pairs if pairs is not None else dense_pairs(N, x.device, x.dtype)
                 xs, ps, pair_seq_ids = x, positions, seq_ids                 # (M, D), (M,), (M,) with M = N
-                expert, counts = torch.zeros(N, dtype=torch.int64, device=x.device), torch.tensor([N])
             else:
                 routing = self.route(x)                                      # (N, E)
                 token, expert, counts = sort_by_expert(routing.selected)     # (M,), (M,), (E,)
@@ -208,7 +214,7 @@ class Block(nn.Module):
         self.ffn = MoEFeedForward(config, backend)
 
     def forward(self, x, cached=None) -> tuple[torch.Tensor, Routing, Routing]:
-        """x: (B, T, D) full recompute, or (N, D) with cached = (seq_ids, positions, cache)."""
+        """x: (B, T, D) full recompute, or (N, D) with cached = (seq_ids, positions, cache[, pairs])."""
         if cached is None:
             h, attention_routing = self.attention.forward_full(self.attention_norm(x))
         else:
@@ -267,8 +273,11 @@ class MoEKVTransformer(nn.Module):
         if self.backend == "triton" and dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"backend='triton' runs float32, float16 or bfloat16 weights, not "
                              f"{dtype}")
+        cached = (seq_ids, positions, cache)
+        if self.config.num_attention_experts == 1:                          # every layer's pairs
+            cached += (dense_pairs(tokens.shape[0], self.embed.weight.device, self.embed.weight.dtype),)
         with phase("forward"):
-            return self._run(self.embed(tokens), (seq_ids, positions, cache))  # (N, V)
+            return self._run(self.embed(tokens), cached)                     # (N, V)
 
     def _run(self, x, cached) -> ModelOutput:
         attention_routing, ffn_routing = [], []

@@ -33,7 +33,7 @@ from moekv_ref.cache.kv_cache_manager import KVCacheManager  # noqa: E402
 from moekv_ref.generate import generate  # noqa: E402
 from moekv_ref.sampling import SamplingError, SamplingParams  # noqa: E402
 
-from helpers import random_model, random_prompts, small_config  # noqa: E402
+from helpers import max_logit_error, random_model, random_prompts, small_config  # noqa: E402
 
 # a 1-token prompt makes the prefill hold a decode row too; 3 forwards in all
 PROMPT_LENGTHS = [5, 1, 9]
@@ -233,3 +233,18 @@ def test_decode_slots_run_in_pair_order_and_reach_the_logits(models, torch_logit
 
     monkeypatch.setattr(KVCacheManager, "allocate_slots", shifted_decode_slots)
     assert (_logits(models["torch"]) - torch_logits).abs().max() > 1e-2
+
+
+def test_dense_pairs_are_made_once_a_forward(monkeypatch):
+    """With one attention expert every layer's (token, expert) pairs are the tokens: the model makes
+    them once a forward and hands them to each layer (not once a layer), and cached decoding still
+    equals full recompute."""
+    model = random_model(small_config("dense"), seed=7, dtype=torch.float64)
+    calls = []
+    original = model_module.dense_pairs
+    monkeypatch.setattr(model_module, "dense_pairs", lambda *args: calls.append(args) or original(*args))
+    prompts = random_prompts([6, 3], model.config.vocab_size, seed=8)
+    result = generate(model, prompts, SamplingParams(max_new_tokens=4, temperature=0.0), cache="paged",
+                      record_logits=True)
+    assert model.config.num_hidden_layers == 2 and len(calls) == 4     # the prefill and 3 decode forwards
+    assert max_logit_error(model, result) < 1e-10

@@ -35,8 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .block_pool import (BlockPool, OutOfBlocksError, a_type, checked_ids, entries, integer_dtype,
-                         preview)
+from .block_pool import BlockPool, OutOfBlocksError, a_type, checked_ids, entries, integer_dtype, preview
 from .rows import RowIndex, ceil_div
 
 Moves = list[tuple[torch.Tensor, torch.Tensor]]   # (source slots, destination slots), in order

@@ -184,14 +184,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.stalled: dict[int, Request] = {}  # request id -> request whose rows were evicted, in order
         self.current: Request | None = None    # the request schedule() was deciding on
-        self.num_preemptions = 0
-        self.num_recomputed_tokens = 0
-        self.num_swapped_out_blocks = 0
-        self.num_evictions = 0
-        self.freed_on_short_device = 0
-        self.num_row_evictions = 0
-        self.num_evicted_rows = 0
-        self.num_dead_rows_freed = 0
+        self.num_preemptions = self.num_recomputed_tokens = self.num_swapped_out_blocks = self.num_evictions = 0
+        self.freed_on_short_device = self.num_row_evictions = self.num_evicted_rows = self.num_dead_rows_freed = 0
 
     # ----- requests in ------------------------------------------------------------------------------
     def max_blocks_alone(self, num_cached_tokens: int) -> int:
@@ -398,9 +392,8 @@ class Scheduler:
         """(D,) step_blocks for a request starting from `hit`, plus the free blocks it takes."""
         L, E = self.shape.num_layers, self.shape.num_experts
         counts = hit.row_counts.view(1, L, E)                                                     # (1, L, E)
-        need = self._worst_case_need(counts, [num_tokens], [hit.num_tokens + num_tokens],
-                                     hit.row_devices.view(1, L, E))[0]
-        return need + hit.free_taken_per_device
+        return self._worst_case_need(counts, [num_tokens], [hit.num_tokens + num_tokens],
+                                     hit.row_devices.view(1, L, E))[0] + hit.free_taken_per_device
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -458,8 +451,7 @@ class Scheduler:
         return freed
 
     def _free_rows(self, request_id: int, layer_experts) -> int:
-        rows = torch.cat([self.manager.rows([request_id], layer, expert)
-                          for layer, expert in layer_experts])
+        rows = torch.cat([self.manager.rows([request_id], layer, expert) for layer, expert in layer_experts])
         self.manager.free_rows(rows)
         return rows.numel()
 
