@@ -165,8 +165,7 @@ def time_decode_steps(model, lengths: list[int], repeats: int = 5, clock=time.pe
 
 
 @torch.no_grad()
-def record_model_trace(model, prompts: list[list[int]], output_lens: list[int],
-                       name: str = "model") -> RoutingTrace:
+def record_model_trace(model, prompts: list[list[int]], output_lens: list[int], name: str = "model") -> RoutingTrace:
     """The model's attention routing on these prompts, continued greedily. Routing is causal, so one
     full forward over each finished sequence gives the decisions the cached decode made."""
     config = model.config

@@ -11,6 +11,7 @@ import torch
 from moekv_ref.engine.demand import (DemandPredictor, blocks_held_per_device, min_lifetime_blocks, reserved_blocks,
                                      worst_case_lifetime_blocks, worst_case_lifetime_blocks_per_device,
                                      worst_case_step_blocks, worst_case_step_blocks_per_device)
+import moekv_ref.engine.scheduler as scheduler_module
 from moekv_ref.engine.scheduler import SchedulerConfig
 
 
@@ -169,6 +170,33 @@ def test_a_step_where_every_running_request_fits_asks_the_pool_once(monkeypatch)
     expected = [(r.request_id, 1, int(scheduler.step_blocks(r, 1).sum())) for r in requests]
     assert [(s.request.request_id, s.num_tokens, s.reserved_blocks) for s in out.scheduled] == expected
     assert len(checks) == 1 and int(checks[0].sum()) == out.reserved_blocks == sum(e[2] for e in expected) > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_one_pool_need_is_the_per_device_bounds_with_one_device(seed, monkeypatch):
+    """With one pool the scheduler takes its need (a step's worst case, capped by the lifetime's
+    minus what is held) in fewer tensor calls than demand.py's per-device form: the same numbers,
+    on random rows, decode and prefill steps, with the lifetime cap binding on some; and the
+    per-device form is not what ran (it raises here)."""
+    generator = torch.Generator().manual_seed(seed)
+    scheduler = make_scheduler(40)
+    L, E, K, P = SHAPE.num_layers, SHAPE.num_experts, SHAPE.k_max, SHAPE.block_size
+    m = 12
+    counts = torch.randint(0, 3 * P + 2, (m, L, E), generator=generator)
+    num_tokens = torch.randint(1, 2 * P + 3, (m,), generator=generator).tolist()
+    # totals from a row's largest count (each token reaches a row at most once) to well above it
+    extra = torch.randint(0, 4 * P, (m,), generator=generator) * (torch.arange(m) % 2)     # 0 on even rows
+    totals = (counts.amax((1, 2)) + torch.tensor(num_tokens) + extra).tolist()
+    devices = torch.zeros(m, L, E, dtype=torch.int64)
+    held = blocks_held_per_device(counts, P, devices, 1)
+    step = worst_case_step_blocks_per_device(counts, torch.tensor(num_tokens), K, P, devices, 1)
+    lifetime = worst_case_lifetime_blocks_per_device(torch.tensor(totals), K, P, devices, 1)
+    expected = torch.clamp(torch.minimum(step, lifetime - held), min=0)
+    for name in ("blocks_held_per_device", "worst_case_step_blocks_per_device", "worst_case_lifetime_blocks_per_device"):
+        monkeypatch.setattr(scheduler_module, name, lambda *args: pytest.fail("the per-device form ran"))
+    need = scheduler._worst_case_need(counts, num_tokens, totals, None)
+    assert need.dtype == torch.int64 and need.tolist() == expected.tolist()
+    assert (expected < step).any() and (expected > 0).any()     # the cap binds on some, not on all
 
 
 def test_predicted_admission_refuses_what_the_predicted_peak_cannot_hold():

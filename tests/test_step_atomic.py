@@ -158,6 +158,37 @@ def test_the_workload_preempts_swaps_and_hits(model, workload, alone):
     assert hits["num_hit_tokens"] > 0 and hits["num_cow_blocks"] > 0
 
 
+@pytest.mark.parametrize("kind, expected", [("plain decode", 1), ("preempting", 2)])
+def test_a_fault_in_the_forward_is_undone_from_the_snapshot_that_still_holds(model, workload, alone, kind, expected,
+                                                                             monkeypatch):
+    """A step snapshots the scheduler before scheduling, and again before the forward only if
+    scheduling moved a request or freed a block (the blocks it freed may take the forward's K/V):
+    a fault just after the forward of a plain decode step (one snapshot) and of a step that
+    preempted by recompute (two) is undone, and every request gets its tokens of generating alone."""
+    import moekv_ref.engine.engine as engine_module
+    snapshots, decisions, taken = [], [], []
+    original = engine_module.Snapshot
+    monkeypatch.setattr(engine_module, "Snapshot", type("Counted", (original,), {
+        "__init__": lambda self, root: snapshots.append(1) or original.__init__(self, root)}))
+    engine = make_engine(model, FAULT_POOL, mode="recompute", max_num_seqs=6)     # it preempts by recompute
+    schedule, forward = engine.scheduler.schedule, engine.runner.forward
+    engine.scheduler.schedule = lambda step: decisions.append((len(snapshots), schedule(step))) or decisions[-1][1]
+
+    def faulty_forward(scheduled):
+        before, d = decisions[-1]                 # snapshots before this step's schedule: one of them
+        plain = not (d.events or d.evictions or d.block_copies) and all(s.num_tokens == 1 for s in d.scheduled)
+        result = forward(scheduled)               # then the fault: the step's K/V is written
+        if not taken and engine.step_count > 2 and (plain if kind == "plain decode" else bool(d.preempted)):
+            taken.append(len(snapshots) - before + 1)
+            raise InjectedFault("after the forward")
+        return result
+
+    engine.runner.forward = faulty_forward
+    outputs, faults = serve_twice(engine, *workload)
+    assert taken == [expected] and faults == 1 and engine.stats().num_failed_steps == 1
+    check_served(engine, outputs, alone)
+
+
 def test_a_fault_while_scheduling_names_the_request_and_keeps_it_queued(model, workload):
     prompts, params = workload
     engine = make_engine(model, FAULT_POOL)

@@ -331,8 +331,7 @@ class BlockPool:
         stacks = [self._free_stack[first: first + n] for first, n in zip(self._first_block, self._num_free)]
         queues = [torch.tensor(list(queue), dtype=torch.int64) for queue in self._cached_free]
         for d, (stack, queue) in enumerate(zip(stacks, queues)):
-            assert (self._device_of(stack) == d).all(), \
-                f"device {d}'s free stack holds a block of another device"
+            assert (self._device_of(stack) == d).all(), f"device {d}'s free stack holds a block of another device"
             assert (self._device_of(queue) == d).all(), \
                 f"device {d}'s cached-free queue holds a block of another device"
         stack, cached = torch.cat(stacks), torch.cat(queues)

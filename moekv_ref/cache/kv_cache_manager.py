@@ -61,8 +61,7 @@ def check_block_size(block_size) -> int:
     return block_size
 
 
-def checked_placement(device_of_expert, num_layers: int, num_experts: int,
-                      num_devices: int) -> torch.Tensor:
+def checked_placement(device_of_expert, num_layers: int, num_experts: int, num_devices: int) -> torch.Tensor:
     """device_of_expert as (L, E) int64: given (E,) for every layer or (L, E), devices in [0, D), or
     ValueError naming the first bad value (nothing is rounded or read as digits)."""
     devices = f"0..{num_devices - 1}"
@@ -279,7 +278,7 @@ class KVCacheManager:
         """(num_seqs, L, E) tokens held per row; zeros for a sequence the cache does not hold."""
         seq_ids = [int(s) for s in seq_ids]      # one gather (the scheduler asks for the whole batch)
         slots = [self._seq_index.get(s, 0) for s in seq_ids]                  # slot 0 stands in, zeroed
-        counts = self.row_tokens[self.index.sequence_rows(slots)].view(-1, self.num_layers, self.num_experts)
+        counts = self.row_tokens.view(-1, self.num_layers, self.num_experts)[slots]   # a slot's rows: L * E in a row
         if missing := [i for i, s in enumerate(seq_ids) if s not in self._seq_index]:
             counts[missing] = 0
         return counts                                                          # (m, L, E), a copy

@@ -152,8 +152,7 @@ class PagedKVCache:
             attention = "triton" if model.backend == "triton" else "batched"
         parameter = next(model.parameters())
         return cls(config, num_blocks, block_size, parameter.dtype, parameter.device, shuffle_seed,
-                   attention, shared_tails, blocks_per_device, device_of_expert, enable_prefix_caching,
-                   home_devices)
+                   attention, shared_tails, blocks_per_device, device_of_expert, enable_prefix_caching, home_devices)
 
     # ----- verb 1: bookkeeping and store ----------------------------------------------------------
     def append_kv(self, layer: int, seq_ids, experts, positions, k, v) -> AppendedRows:

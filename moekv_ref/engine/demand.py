@@ -126,5 +126,4 @@ def worst_case_lifetime_blocks_per_device(num_tokens: torch.Tensor, k_max: int, 
     hold on each device; per layer min(E_d * ceil(T / P), r + (k_d * T - r) // P),
     r = min(E_d, k_d * T): bounds A and B of one step of T tokens into empty rows."""
     empty = torch.zeros(device_of_expert.shape, dtype=torch.int64)                   # (m, L, E)
-    return worst_case_step_blocks_per_device(empty, num_tokens, k_max, block_size, device_of_expert,
-                                             num_devices)
+    return worst_case_step_blocks_per_device(empty, num_tokens, k_max, block_size, device_of_expert, num_devices)

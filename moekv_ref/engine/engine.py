@@ -231,12 +231,14 @@ class LLMEngine:
             raise
         for kind, request in decision.events:
             self._event(step, request.request_id, kind)
-        num_running, scheduled_used = len(self.scheduler.running), self.memory.num_used_blocks
+        num_running, scheduled_used, used_before = len(self.scheduler.running), self.memory.num_used_blocks, scheduled_used
+        # scheduling that moved no request and freed no block leaves the state `before` holds
+        moved = decision.events or decision.evictions or decision.block_copies or scheduled_used != used_before
         if not decision.scheduled and not decision.block_copies and self.scheduler.has_unfinished:
             raise RuntimeError(f"step {step}: nothing could be scheduled with {len(self.scheduler.waiting)} "
                                f"waiting and {len(self.scheduler.running)} running requests")
         try:
-            done, used_blocks, num_generated = self._run(decision)
+            done, used_blocks, num_generated = self._run(decision, None if moved else before)
         except BaseException as error:
             ids = [item.request.request_id for item in decision.scheduled]
             self._fail_step(error, step, start, num_running, scheduled_used, f"running requests {ids}")
@@ -245,8 +247,7 @@ class LLMEngine:
         finished = [self._hand_out(request, step) for request in done]
         self._end_step(step, decision.num_scheduled_tokens, decision.reserved_blocks, start, num_running,
                        used_blocks, scheduled_used)
-        used = self._used_after_forward                                              # (D,)
-        peak = self._peak_used_per_device
+        used, peak = self._used_after_forward, self._peak_used_per_device            # (D,) each
         self._peak_used_per_device = used.clone() if peak is None else torch.maximum(peak, used)
         if self.record_history:
             self.device_timeline.append(used)
@@ -257,9 +258,10 @@ class LLMEngine:
         error.add_note(f"engine step {step} failed {where}; the step was undone, stepping on is safe")
         self._end_step(step, 0, 0, start, num_running, self.memory.num_used_blocks, scheduled_used)
 
-    def _run(self, decision):
-        """Copies, forward, sampling, accounting; undone past the copies if any raises. Returns
-        (finished requests, blocks in use after the forward: the step's peak, tokens generated)."""
+    def _run(self, decision, before_forward: Snapshot | None):
+        """Copies, forward, sampling, accounting; undone past the copies if any raises (to
+        `before_forward` if given: the state is still the one it holds). Returns (finished requests,
+        blocks in use after the forward: the step's peak, tokens generated)."""
         try:
             self.runner.copy_blocks(decision.block_copies)
         except BaseException:
@@ -267,7 +269,7 @@ class LLMEngine:
             raise
         if not decision.scheduled:
             return [], self.memory.num_used_blocks, 0
-        before_forward = Snapshot(self.scheduler)
+        before_forward = before_forward or Snapshot(self.scheduler)
         rows = [i for i, item in enumerate(decision.scheduled) if item.samples]
         requests = [decision.scheduled[i].request for i in rows]
         states = [(r.generator, r.generator.get_state()) for r in requests
@@ -277,14 +279,13 @@ class LLMEngine:
             # the step's peak on each device: finished requests free their blocks after it
             self._used_after_forward = self.memory.num_used_blocks_per_device
             errors = {}                             # a request's own failure: it alone finishes
-            tokens = sample_rows(result.last_logits[rows], [r.sampling_params for r in requests],
+            logits = result.last_logits if len(rows) == len(decision.scheduled) else result.last_logits[rows]
+            tokens = sample_rows(logits, [r.sampling_params for r in requests],
                                  [r.generator for r in requests], errors)
             sampled = {r.request_id: t for i, (r, t) in enumerate(zip(requests, tokens)) if i not in errors}
-            failed = {requests[i].request_id: f"sampling failed: {type(e).__name__}: {e}"
-                      for i, e in errors.items()}
+            failed = {requests[i].request_id: f"sampling failed: {type(e).__name__}: {e}" for i, e in errors.items()}
             used_blocks = self.memory.num_used_blocks
-            num_generated = sum(len(r.output_token_ids) < r.max_new_tokens
-                                for r in requests if r.request_id in sampled)
+            num_generated = sum(len(r.output_token_ids) < r.max_new_tokens for r in requests if r.request_id in sampled)
             done = self.scheduler.update_from_output(decision, sampled, result.entries_per_layer, failed)
         except BaseException:
             before_forward.restore()

@@ -31,8 +31,7 @@ class ModelShape:
     def from_config(cls, config: ModelConfig, block_size: int) -> "ModelShape":
         k_max = config.num_attention_experts_per_tok
         return cls(config.num_hidden_layers, config.num_attention_experts, k_max,
-                   k_max if config.attention_routing == "topk" else 1, block_size,
-                   config.max_position_embeddings)
+                   k_max if config.attention_routing == "topk" else 1, block_size, config.max_position_embeddings)
 
 
 class MemoryView:

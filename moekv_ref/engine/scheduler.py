@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache.kv_cache_manager import KVCacheManager
-from ..cache.rows import worst_case_lifetime_blocks
+from ..cache.rows import ceil_div, worst_case_lifetime_blocks
 from .admission import ADMISSIONS, AdmissionPolicy
 from .baselines import ContinuousReserved, StaticBatching
 from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
@@ -92,8 +92,7 @@ class SchedulerConfig:
         if self.policy != "continuous_paged":
             return StaticBatching() if self.policy == "static" else ContinuousReserved()
         admission = self.admission or "predicted"
-        return ContinuousBatching(ADMISSIONS[admission]() if isinstance(admission, str)
-                                  else admission)
+        return ContinuousBatching(ADMISSIONS[admission]() if isinstance(admission, str) else admission)
 
     def make_victim_policy(self) -> VictimPolicy:
         return self.victim if isinstance(self.victim, VictimPolicy) else VICTIM_POLICIES[self.victim]()
@@ -244,25 +243,25 @@ class Scheduler:
             return self._schedule(step)
         except BaseException as error:
             if self.current is not None and hasattr(error, "add_note"):
-                error.add_note(f"while scheduling request {self.current.request_id} "
-                               f"({self.current.status.value}) at step {step}")
+                error.add_note(f"while scheduling request {self.current.request_id} ({self.current.status.value}) at step {step}")
             raise
 
     def _schedule(self, step: int) -> SchedulerOutput:
         out = SchedulerOutput(step)
         self.manager.clock = step                  # the rows this step appends to remember it
         token_budget = self.config.max_num_batched_tokens
-        reserved = torch.zeros(self.num_devices, dtype=torch.int64)             # (D,)
         # every running request's need, in one call; a request the budget cuts short is asked again
         planned = [min(r.num_pending_tokens, token_budget) for r in self.running]
-        needs = self.step_blocks_many(self.running, planned)
-        planned_needs = dict(zip(map(id, self.running), zip(planned, needs)))
+        needs = self.step_blocks_many(self.running, planned)                                     # (m, D)
         i = 0
-        if needs and sum(planned) <= token_budget and self.fits(total := (stacked := torch.stack(needs)).sum(0)):
+        if self.running and sum(planned) <= token_budget and self.fits(total := needs.sum(0)):
             # all of them fit the budget and the pool at once (most decode steps): none is asked again
-            for request, num_tokens, blocks in zip(self.running, planned, stacked.sum(1).tolist()):
+            for request, num_tokens, blocks in zip(self.running, planned, needs.sum(1).tolist()):
                 self.schedule_tokens(out, request, num_tokens, blocks)
             i, reserved, token_budget = len(self.running), total, token_budget - sum(planned)
+        else:                                          # request by request, in order
+            planned_needs = dict(zip(map(id, self.running), zip(planned, needs)))
+            reserved = torch.zeros(self.num_devices, dtype=torch.int64)                             # (D,)
         while i < len(self.running) and token_budget > 0:
             request = self.current = self.running[i]
             num_tokens = min(request.num_pending_tokens, token_budget)
@@ -352,34 +351,42 @@ class Scheduler:
         lifetime's minus what it holds (so a request alone always fits)."""
         return self.step_blocks_many([request], [num_tokens])[0]
 
-    def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> list[torch.Tensor]:
-        """`step_blocks` in one pass (per-request tensor calls cost more than a small model's decode
-        forward). A swapped request grows from the rows it saved; a stalled one restarts empty."""
-        if not requests:
-            return []
-        shape, memory = self.shape, self.memory
+    def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
+        """`step_blocks` in one pass, (m, D) (per-request tensor calls cost more than a small model's
+        decode forward). A swapped request grows from the rows it saved; a stalled one restarts empty."""
+        memory = self.memory
         resident = [r.request_id for r in requests if not r.swapped]
-        held = iter(memory.token_counts(resident) if resident else ())                  # (h, L, E)
-        empty = torch.zeros(shape.num_layers, shape.num_experts, dtype=torch.int64)     # (L, E)
-        rows = []
-        for request in requests:
-            row = memory.swapped_token_counts(request.request_id) if request.swapped else next(held)
-            rows.append(empty if request.request_id in self.stalled else row)
+        counts = memory.token_counts(resident)                                               # (h, L, E)
+        if len(resident) < len(requests) or any(r.request_id in self.stalled for r in requests):
+            held, rows = iter(counts), []
+            for request in requests:
+                row = memory.swapped_token_counts(request.request_id) if request.swapped else next(held)
+                rows.append(torch.zeros_like(row) if request.request_id in self.stalled else row)
+            counts = torch.stack(rows)                                                       # (m, L, E)
         totals = [r.num_computed_tokens + n for r, n in zip(requests, num_tokens)]
-        return self._worst_case_need(torch.stack(rows), num_tokens, totals,
-                                     memory.device_of_expert_of([r.request_id for r in requests]))
+        devices = memory.device_of_expert_of([r.request_id for r in requests]) if self.num_devices > 1 else None
+        return self._worst_case_need(counts, num_tokens, totals, devices)
 
     def _worst_case_need(self, counts: torch.Tensor, num_tokens: list[int], totals: list[int],
-                         devices: torch.Tensor) -> list[torch.Tensor]:
-        """counts, devices (m, L, E), rows growing by num_tokens[i] to totals[i] -> m (D,) needs."""
+                         devices: torch.Tensor | None) -> torch.Tensor:
+        """counts, devices (m, L, E), rows growing by num_tokens[i] to totals[i] -> (m, D) needs:
+        the step's worst case, capped by the lifetime's minus what is held. devices: None for one pool."""
         s, D = self.shape, self.num_devices
         L, E, K, P = s.num_layers, s.num_experts, s.k_max, s.block_size
-        held = blocks_held_per_device(counts, P, devices, D)                                     # (m, D)
-        step = worst_case_step_blocks_per_device(counts, torch.tensor(num_tokens), K, P, devices, D)   # (m, D)
-        # one pool: rows.py's integer bound, in Python (a tenth of the tensor form's time at decode)
-        lifetime = (torch.tensor([[worst_case_lifetime_blocks(t, L, E, K, P)] for t in totals]) if D == 1
-                    else worst_case_lifetime_blocks_per_device(torch.tensor(totals), K, P, devices, D))  # (m, D)
-        return list(torch.clamp(torch.minimum(step, lifetime - held), min=0))
+        if D > 1:
+            held = blocks_held_per_device(counts, P, devices, D)                                     # (m, D)
+            step = worst_case_step_blocks_per_device(counts, torch.tensor(num_tokens), K, P, devices, D)   # (m, D)
+            lifetime = worst_case_lifetime_blocks_per_device(torch.tensor(totals), K, P, devices, D)   # (m, D)
+        else:
+            # one pool: demand.py's bounds in a third of the tensor calls. Bound B does not depend on the
+            # rows and A <= E * ceil(n / P), so min(A, B) = min(A, rows.py's one-layer lifetime bound)
+            new = torch.tensor(num_tokens, dtype=torch.int64).view(-1, 1, 1)                       # (m, 1, 1)
+            blocks, grown = ceil_div(counts, P).sum(2), ceil_div(counts + new, P).sum(2)            # (m, L)
+            limits = torch.tensor([[worst_case_lifetime_blocks(n, 1, E, K, P), worst_case_lifetime_blocks(t, L, E, K, P)]
+                                   for n, t in zip(num_tokens, totals)], dtype=torch.int64).view(-1, 2)   # (m, 2)
+            step = torch.minimum(grown - blocks, limits[:, :1]).sum(1, keepdim=True)              # (m, 1)
+            held, lifetime = blocks.sum(1, keepdim=True), limits[:, 1:]                           # (m, 1)
+        return torch.clamp(torch.minimum(step, lifetime - held), min=0)                           # (m, D)
 
     # ----- prefix caching ------------------------------------------------------------------------------
     def prefix_hit(self, request: Request):

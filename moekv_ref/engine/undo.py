@@ -7,7 +7,8 @@ it raises, restores every object it reached, in place (every reference stays val
 
     before schedule()   nothing has moved K/V yet: the state is exactly the one before the step
     before the forward  after the block copies: a later fault frees the blocks the forward took and
-                        gives finishing requests theirs back (nothing allocates after the forward)
+                        gives finishing requests theirs back (nothing allocates after the forward);
+                        the first one again if scheduling moved no request and freed no block
 
 A snapshot copies the attributes of the scheduler and, recursively, of every object of this package
 they reach (tensors cloned, containers copied). Not copied: frozen dataclasses, objects of other
@@ -25,8 +26,8 @@ from collections import deque
 import torch
 
 _PACKAGE = __name__.split(".")[0]
-_ATOMS = {int, float, bool, str, bytes, type(None)}       # immutable: copied by reference
-_STATE_KINDS: dict[type, bool] = {}                       # class -> whether its objects are state
+_KEPT = {int, float, bool, str, bytes, type(None)}   # by reference: atoms, and classes found not to be state
+_STATE_KINDS: dict[type, bool] = {}                  # class -> whether its objects are state
 
 
 class Snapshot:
@@ -39,7 +40,7 @@ class Snapshot:
                 continue
             shared = getattr(type(obj), "_UNDO_SHARED", ())
             # atoms inline: most attributes are ints and strings, and a call each was most of the cost
-            self._saved[id(obj)] = (obj, {name: value if type(value) in _ATOMS or name in shared
+            self._saved[id(obj)] = (obj, {name: value if type(value) in _KEPT or name in shared
                                           else self._copy(value) for name, value in vars(obj).items()})
 
     def restore(self) -> None:
@@ -51,14 +52,14 @@ class Snapshot:
 
     def _copy(self, value):
         kind = type(value)
-        if kind in _ATOMS:
+        if kind in _KEPT:
             return value
         if isinstance(value, torch.Tensor):
             return value.clone()
         if isinstance(value, (list, set)):                       # token ids, free slots: atoms, usually
-            if _ATOMS.issuperset(map(type, value)):              # then one copy in C
+            if _KEPT.issuperset(map(type, value)):               # then one copy in C
                 return kind(value)
-            return kind(v if type(v) in _ATOMS else self._copy(v) for v in value)
+            return kind(v if type(v) in _KEPT else self._copy(v) for v in value)
         if isinstance(value, deque):
             return deque((self._copy(v) for v in value), maxlen=value.maxlen)
         if isinstance(value, dict):
@@ -67,6 +68,8 @@ class Snapshot:
             return tuple(self._copy(v) for v in value)
         if self._is_state(value):
             self._pending.append(value)          # restored in place: the reference stays
+        else:
+            _KEPT.add(kind)                      # not a container, not state: kept, decided once
         return value
 
     @staticmethod

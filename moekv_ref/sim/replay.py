@@ -46,8 +46,7 @@ class ReplayStats:
         return self.decode_reads / max(1, self.decode_tokens)
 
 
-def replay(trace: RoutingTrace, design, count_reads: bool = False,
-           max_steps: int | None = None) -> ReplayStats:
+def replay(trace: RoutingTrace, design, count_reads: bool = False, max_steps: int | None = None) -> ReplayStats:
     """max_steps stops early, leaving the design as it is then (to draw its memory mid-run)."""
     started = time.perf_counter()
     S, lengths, bytes_per_slot = trace.num_sequences, trace.lengths, trace.kv_bytes_per_slot
