@@ -84,8 +84,7 @@ def save_checkpoint(model: MoEKVTransformer, path: str | Path, metadata: dict | 
             raise ValueError(f"weight {name!r} has non-finite values (in {dtype}): not saving {path}")
     config = model.config.to_dict()
     torch.save({"format": FORMAT, "config": config, "dtype": str(dtype).removeprefix("torch."),
-                "state_dict": state, "sha256": checkpoint_sha256(config, state),
-                "metadata": metadata or {}}, path)
+                "state_dict": state, "sha256": checkpoint_sha256(config, state), "metadata": metadata or {}}, path)
 
 
 def _load_file(path: Path):

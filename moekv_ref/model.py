@@ -95,6 +95,12 @@ def swiglu_experts(xs, counts, w_gate, w_up, w_down, backend: str) -> torch.Tens
     return grouped_matmul(h, w_down, counts, backend, offs)                  # (M, D)
 
 
+def swiglu_every_expert(x, gates, w_gate, w_up, w_down) -> torch.Tensor:
+    """SwiGLU of every expert on every token of x (N, D), summed by gates (N, E), zero where not chosen."""
+    h = F.silu(torch.matmul(x, w_gate)) * torch.matmul(x, w_up)                       # (E, N, F)
+    return torch.matmul(h * gates.T[:, :, None], w_down).sum(0)                       # (N, D)
+
+
 def dense_pairs(N: int, device, dtype) -> tuple[Routing, torch.Tensor, torch.Tensor]:
     """One attention expert: every token goes to it with gate 1. The routing `route` would give, each
     pair's expert (N,) and the expert's count (1,): the same at every layer, so made once a forward."""
@@ -177,6 +183,11 @@ class ExpertAttention(nn.Module):
         return y, routing
 
 
+# Up to this many (token, expert) products an FFN step runs every expert on every token: E/K times the
+# arithmetic in a third of the calls (8 decode tokens, 4 experts: a dense step -12% on a CPU, measured)
+EVERY_EXPERT_MAX_PRODUCTS = 64
+
+
 class MoEFeedForward(nn.Module):
     """Top-k mixture of SwiGLU experts (Mixtral's FFN). Position-wise: it holds no KV."""
 
@@ -195,10 +206,13 @@ class MoEFeedForward(nn.Module):
         x = x.reshape(-1, shape[-1])                                         # (N, D)
         with phase("routing"):
             routing = route(self.router(x), "topk", self.config.num_experts_per_tok)  # (N, E)
-            token, expert, counts = sort_by_expert(routing.selected)         # (M,), (M,), (E,)
         with phase("ffn"):
-            y = swiglu_experts(x[token], counts, self.w_gate, self.w_up, self.w_down, self.backend)  # (M, D)
-            out = torch.zeros_like(x).index_add_(0, token, routing.gates[token, expert, None] * y)
+            if self.backend == "torch" and x.shape[0] * self.w_gate.shape[0] <= EVERY_EXPERT_MAX_PRODUCTS:
+                out = swiglu_every_expert(x, routing.gates, self.w_gate, self.w_up, self.w_down)   # (N, D)
+            else:
+                token, expert, counts = sort_by_expert(routing.selected)     # (M,), (M,), (E,)
+                y = swiglu_experts(x[token], counts, self.w_gate, self.w_up, self.w_down, self.backend)  # (M, D)
+                out = torch.zeros_like(x).index_add_(0, token, routing.gates[token, expert, None] * y)
         return out.view(shape), routing
 
 

@@ -14,6 +14,8 @@ Paths and what stands in for them:
     batched            PagedKVCache._attend_padded   the torch path for every row (the default)
     grouped matmul     torch._grouped_mm             every expert projection of a float32 torch model
                                                      at inference (model.grouped_matmul), several experts
+    every expert       model.swiglu_every_expert     an FFN step of few (token, expert) products: every
+                                                     expert on every token, gated
     reference          attention.attend_by_position  the row-by-row path (via paged.py's import)
     decode slots       allocate_slots(one_each=True)  a decode append's new slots, computed directly in
                                                      pair order (no sort, no per-token _slots)
@@ -182,7 +184,8 @@ def test_torch_grouped_mm_reaches_the_logits(models, torch_logits, monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(torch, "_grouped_mm", counting)
-    assert (_logits(models["torch"]) - torch_logits).abs().max() == 0
+    monkeypatch.setattr(model_module, "EVERY_EXPERT_MAX_PRODUCTS", 0)    # the FFN's small steps grouped too
+    assert (_logits(models["torch"]) - torch_logits).abs().max() < 1e-5    # the every-expert FFN's rounding
     config = models["torch"].config
     # 3 forwards x 2 layers x (2 attention projections: QKV fused, O; 3 FFN projections)
     assert calls.count(config.num_attention_experts) == 3 * config.num_hidden_layers * 2
@@ -192,6 +195,20 @@ def test_torch_grouped_mm_reaches_the_logits(models, torch_logits, monkeypatch):
         assert (_logits(models["torch"]) - torch_logits).abs().max() < 1e-5
     monkeypatch.setattr(torch, "_grouped_mm", lambda *args, **kwargs: original(*args, **kwargs) + 1.0)
     assert (_logits(models["torch"]) - torch_logits).abs().max() > 1e-2
+
+
+def test_small_ffn_steps_run_every_expert_and_reach_the_logits(models, torch_logits, monkeypatch):
+    """Up to EVERY_EXPERT_MAX_PRODUCTS (token, expert) products -- every forward here: 15 and 3
+    tokens, 3 experts -- the FFN runs every expert on every token (model.swiglu_every_expert): the
+    grouped path's logits, to 1e-12 in float64; and NaN from it reaches the logits."""
+    model = random_model(small_config(routing="threshold"), seed=3)                          # float64
+    with monkeypatch.context() as patch:
+        patch.setattr(model_module, "EVERY_EXPERT_MAX_PRODUCTS", 0)
+        grouped = _logits(model)
+    assert 0 < (_logits(model) - grouped).abs().max() < 1e-12          # other arithmetic, same logits
+    monkeypatch.setattr(model_module, "swiglu_every_expert", lambda x, *args: torch.full_like(x, float("nan")))
+    with pytest.raises(SamplingError):
+        _logits(models["torch"])
 
 
 def test_decode_slots_run_in_pair_order_and_reach_the_logits(models, torch_logits, monkeypatch):

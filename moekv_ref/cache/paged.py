@@ -320,8 +320,7 @@ class PagedKVCache:
             attn_mask=key_valid[:, None, None, :], enable_gqa=Hkv != q.shape[1])   # keys (n, Lmax, Hkv, Dh)
         return result.reshape(q.shape).to(q.dtype)                                 # (n, H, Dh)
 
-    def _attend_padded(self, appended: AppendedRows, group: torch.Tensor, q: torch.Tensor,
-                       out: torch.Tensor) -> None:
+    def _attend_padded(self, appended: AppendedRows, group: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
         """The rows where group is True, at once, into out: keys padded to the longest row, queries
         to the most new tokens of a row, one fused grouped-query attention."""
         Hkv, Dh, device = self.key_cache.shape[2], self.key_cache.shape[3], q.device

@@ -228,8 +228,7 @@ class PrefixCache:
         chunk = (cumulative[:i, shared_rows] <= last_entry[None, :]).sum(0)                 # (f,)
         cow_rows = (row_counts % P > 0).nonzero().squeeze(1)                                 # (c,)
         # the (row, column, chunk key) each needed block is found under: shared ones, then copies
-        wanted = [(r, j, keys[c]) for r, j, c in zip(shared_rows.tolist(), shared_columns.tolist(),
-                                                     chunk.tolist())]
+        wanted = [(r, j, keys[c]) for r, j, c in zip(shared_rows.tolist(), shared_columns.tolist(), chunk.tolist())]
         wanted += [(r, j, keys[i - 1]) for r, j in zip(cow_rows.tolist(), num_full[cow_rows].tolist())]
         blocks = [self._block_of_key.get((devices[r], r, j, key)) for r, j, key in wanted]
         if None in blocks:

@@ -41,8 +41,7 @@ class RowIndex:
             + torch.arange(self.rows_per_seq)
 
 
-def worst_case_lifetime_blocks(num_tokens: int, num_layers: int, num_experts: int, k_max: int,
-                               block_size: int) -> int:
+def worst_case_lifetime_blocks(num_tokens: int, num_layers: int, num_experts: int, k_max: int, block_size: int) -> int:
     """The most blocks a sequence of T = `num_tokens` cached tokens can hold under any routing: per
     layer k_max * T entries over E rows of at most T each, so at most min(E * ceil(T / P), m +
     (k_max * T - m) // P) blocks, m = min(E, k_max * T)."""

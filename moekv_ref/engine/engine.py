@@ -280,8 +280,7 @@ class LLMEngine:
             self._used_after_forward = self.memory.num_used_blocks_per_device
             errors = {}                             # a request's own failure: it alone finishes
             logits = result.last_logits if len(rows) == len(decision.scheduled) else result.last_logits[rows]
-            tokens = sample_rows(logits, [r.sampling_params for r in requests],
-                                 [r.generator for r in requests], errors)
+            tokens = sample_rows(logits, [r.sampling_params for r in requests], [r.generator for r in requests], errors)
             sampled = {r.request_id: t for i, (r, t) in enumerate(zip(requests, tokens)) if i not in errors}
             failed = {requests[i].request_id: f"sampling failed: {type(e).__name__}: {e}" for i, e in errors.items()}
             used_blocks = self.memory.num_used_blocks
@@ -391,8 +390,7 @@ def generate_with_engine(model: MoEKVTransformer, prompts: list[list[int]], para
                                                     c.num_attention_experts, c.num_attention_experts_per_tok,
                                                     block_size) for p, q in zip(prompts, per_prompt))
         num_blocks = max(num_blocks, c.num_hidden_layers * c.num_attention_experts_per_tok)
-    engine = LLMEngine(model, num_blocks, block_size, scheduler_config, shuffle_seed=shuffle_seed,
-                       record_history=True)
+    engine = LLMEngine(model, num_blocks, block_size, scheduler_config, shuffle_seed=shuffle_seed, record_history=True)
     streamed = [0] * len(prompts)
 
     def stream(engine):

@@ -148,8 +148,7 @@ class Scheduler:
     `running` (RUNNING), or is FINISHED and in neither; only a swap-PREEMPTED request holds swap
     blocks, and it holds no pool blocks."""
 
-    def __init__(self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape,
-                 num_swap_blocks: int = 0):
+    def __init__(self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape, num_swap_blocks: int = 0):
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
         if not isinstance(shape, ModelShape):
@@ -209,8 +208,7 @@ class Scheduler:
             longest = max(t for t in range(prompt_len, num_tokens + 1) if self.max_blocks_alone(t) <= num_blocks)
             fix = (f"lower max_new_tokens to at most {longest - prompt_len + 1}, or give the pool at least "
                    f"{worst} blocks")
-        raise ValueError(
-            f"request of {prompt_len} prompt tokens + max_new_tokens={max_new_tokens} {verdict} in the "
+        raise ValueError(f"request of {prompt_len} prompt tokens + max_new_tokens={max_new_tokens} {verdict} in the "
             f"pool of {num_blocks} blocks: it needs at least {least} and up to {worst} blocks "
             f"({shape.num_layers} layers, up to {shape.k_max} experts per token, block size {shape.block_size}); {fix}")
 

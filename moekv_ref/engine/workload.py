@@ -82,8 +82,7 @@ def make_workload(num_requests: int = 24, prompt_len: tuple[int, int] = (8, 192)
 
 def few_shot_workload(num_requests: int = 16, prompt_len: int = 256, shared_share: float = 0.875,
                       output_len: int = 16, temperature: float = 0.0, top_p: float = 1.0,
-                      arrival_rate: float | None = None, seed: int = 0,
-                      vocab_size: int = 256) -> list[WorkloadRequest]:
+                      arrival_rate: float | None = None, seed: int = 0, vocab_size: int = 256) -> list[WorkloadRequest]:
     """Requests sharing a long prefix, as few-shot prompting makes them: the first
     round(shared_share * prompt_len) of each prompt's prompt_len tokens are FEW_SHOT_TEXT, the rest
     a slice of PROMPT_TEXT at a seeded position, different per request. Greedy by default; seeds and

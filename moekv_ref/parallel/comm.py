@@ -105,8 +105,7 @@ class Communicator:
         """tensor from rank src, in place on every rank."""
         on_device = tensor.to(self.device)
         self._run("broadcast", category, tensor.numel() * tensor.element_size(),
-                  [int(self.rank == src)] * self.world_size,
-                  lambda: dist.broadcast(on_device, src, group=self.group))
+                  [int(self.rank == src)] * self.world_size, lambda: dist.broadcast(on_device, src, group=self.group))
         tensor.copy_(on_device)
 
     def _run(self, collective: str, category: str, unit: int, send_counts: list[int], call) -> None:

@@ -121,8 +121,7 @@ class KVWithSequence(_PlacedAttention):
         expect = torch.bincount(row_rank, minlength=R).tolist()
         kv_home = comm.all_to_all(new_kv.to(comm.device), send_back, "kv_new", expect)[0].to(h.device)
         traffic["kv_new_pairs_to_peers"] += int((row_rank != comm.rank).sum())
-        self.pool.append_kv(layer, row_seq, row_expert, positions.cpu()[plan.token[pair]],
-                            kv_home[:, 0], kv_home[:, 1])
+        self.pool.append_kv(layer, row_seq, row_expert, positions.cpu()[plan.token[pair]], kv_home[:, 0], kv_home[:, 1])
         return out
 
     def _cached_rows(self, layer: int, seq_ids: torch.Tensor, experts: torch.Tensor):

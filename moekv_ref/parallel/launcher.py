@@ -140,18 +140,15 @@ def join_group(backend: str, timeout_s: float, start_timeout_s: float, store=Non
     # every rank has joined: a peer keeping a collective waiting past timeout_s has hung (or died)
     group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    return WorkerContext(rank, world_size, Communicator(rank, world_size, device, store=progress, group=group),
-                         device)
+    return WorkerContext(rank, world_size, Communicator(rank, world_size, device, store=progress, group=group), device)
 
 
-def _worker_main(rank, world_size, port, backend, timeout_s, start_timeout_s, function, args, results,
-                 environment):
+def _worker_main(rank, world_size, port, backend, timeout_s, start_timeout_s, function, args, results, environment):
     os.environ.clear()            # the caller's environment now, not the fork server's at its start
     os.environ.update(environment)
     torch.set_num_threads(1)
     try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                              timeout=datetime.timedelta(seconds=start_timeout_s))
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=start_timeout_s))
         context = join_group(backend, timeout_s, start_timeout_s, store, rank, world_size, rank)
         value = function(context, *args)
         results.put((rank, "ok", pickle.dumps(value)))

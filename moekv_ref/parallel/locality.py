@@ -60,8 +60,7 @@ def compare_placements(selected_per_layer: list[torch.Tensor], world_sizes=(2, 4
                 "dispatch_bytes_per_token_layer_once_per_rank": per_rank_pairs * hidden_size * bytes_per_value / per_token_layer,
                 "dispatch_bytes_per_token_layer_once_per_expert": per_expert_pairs * hidden_size * bytes_per_value / per_token_layer,
                 "kv_tokens_per_rank": load.tolist(),
-                "kv_imbalance_max_over_mean": float(load.max() / load.double().mean()),
-                "tokens_evaluated": evaluated,
+                "kv_imbalance_max_over_mean": float(load.max() / load.double().mean()), "tokens_evaluated": evaluated,
             })
     return rows
 
