@@ -21,16 +21,11 @@ from .sampling import SamplingParams
 from .sim.traces import RoutingTrace
 
 CHARACTER_CLASSES = {
-    "lowercase": lambda c: "a" <= c <= "z",
-    "uppercase": lambda c: "A" <= c <= "Z",
-    "digit": lambda c: c.isdigit(),
-    "space": lambda c: c == " ",
-    "newline": lambda c: c == "\n",
-    "quote": lambda c: c in "'\"",
-    "bracket": lambda c: c in "()[]{}",
-    "operator": lambda c: c in "=+-*/<>%&|^~!",
-    "separator": lambda c: c in ".,:;",
-    "other": lambda c: True,
+    "lowercase": lambda c: "a" <= c <= "z",       "uppercase": lambda c: "A" <= c <= "Z",
+    "digit": lambda c: c.isdigit(),               "space": lambda c: c == " ",
+    "newline": lambda c: c == "\n",               "quote": lambda c: c in "'\"",
+    "bracket": lambda c: c in "()[]{}",           "operator": lambda c: c in "=+-*/<>%&|^~!",
+    "separator": lambda c: c in ".,:;",           "other": lambda c: True,
 }
 
 

@@ -142,6 +142,7 @@ class BlockPool:
     """Block ids of D devices (num_blocks: one), a free block queue per device and a reference
     count per block. shuffle_seed: each device's queue starts in a random order (device d's seed
     is shuffle_seed + d): tests use it to show nothing depends on a row's blocks being adjacent."""
+    _UNDO_SHARED = ("_device_sizes", "_first_block")        # engine/undo.py: set once, never changed
 
     def __init__(self, num_blocks: int | None = None, shuffle_seed: int | None = None, blocks_per_device=None):
         if blocks_per_device is None:

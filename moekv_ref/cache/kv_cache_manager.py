@@ -111,6 +111,7 @@ def _first_value(placement) -> str:
 class KVCacheManager:
     """Block tables and token counts for every (sequence, layer, expert) row over one BlockPool.
     device_of_expert: (E,) or (L, E), all zeros when left out; tails, prefix_cache: its parts."""
+    _UNDO_SHARED = ("_placement",)                          # engine/undo.py: set once, never changed
 
     def __init__(self, num_layers: int, num_experts: int, block_size: int, num_blocks: int | None = None,
                  shuffle_seed: int | None = None, initial_num_seqs: int = 4,

@@ -65,7 +65,7 @@ class DemandPredictor:
         self.num_tokens = 0
 
     def observe(self, entries_per_layer: torch.Tensor, num_tokens: int) -> None:
-        self.num_entries += entries_per_layer.to(torch.float64)      # (L,) over a step's tokens
+        self.num_entries += entries_per_layer                        # (L,) over a step's tokens, into float64
         self.num_tokens += int(num_tokens)
 
     @property
