@@ -22,18 +22,12 @@ def pytest_xdist_auto_num_workers(config):
     return None
 
 
-# The longest module first, so that a worker starts it at once instead of it running alone at the end;
-# then the two that mostly wait (a hung rank's timeout, the package registry) on the other worker, so
-# that they wait while the browser test's kernels keep both cores busy, not after. pytest-xdist gives
-# the browser's worker one more module at the start, run after it: the short one between them.
-FIRST = ("tests/test_browser.py", "tests/test_parallel_failure.py", "tests/test_layout.py",
-         "tests/test_requirements_platforms.py")
+# The longest module first, so that a worker starts it at once instead of it running alone at the end.
+FIRST = ("tests/test_browser.py",)
 
 
 def pytest_collection_modifyitems(items):
-    def rank(item):
-        return next((i for i, path in enumerate(FIRST) if item.nodeid.startswith(path)), len(FIRST))
-    items.sort(key=rank)                                  # a stable sort: otherwise in order
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))     # a stable sort: otherwise in order
 
 
 def pytest_terminal_summary(terminalreporter):
