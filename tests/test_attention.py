@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+import moekv_ref.attention as attention_module
 from moekv_ref.attention import attend_by_position, rotary, rotary_pair_table
 
 
@@ -33,9 +34,10 @@ def test_the_rotary_table_is_built_on_one_thread_and_leaves_the_threads_as_they_
     happens: on two threads, every cos the build calls runs on one, and the two come back after."""
     threads, seen, cos = torch.get_num_threads(), [], torch.cos
     monkeypatch.setattr(torch, "cos", lambda x: seen.append(torch.get_num_threads()) or cos(x))
+    monkeypatch.setattr(attention_module, "_PAIR_TABLES", {})          # none kept: this call builds one
     torch.set_num_threads(2)
     try:
-        rotary_pair_table(30, 12345.0, 8, "cpu", torch.float64)      # a size no other test keeps
+        rotary_pair_table(32, 10000.0, 8, "cpu", torch.float64)
         after = torch.get_num_threads()
     finally:
         torch.set_num_threads(threads)
