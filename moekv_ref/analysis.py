@@ -67,16 +67,10 @@ def routing_statistics(model, text: str, max_tokens: int | None = None) -> dict:
                         "share": float(share[e, b])} if held[e].any() else
                        {"expert": e, "class": None, "enrichment": 0.0}
                        for e, b in enumerate(enrichment.argmax(1).tolist())]
-        layers.append({
-            "layer": layer,
-            "load": load.tolist(),
-            "max_load_over_uniform": float(load.max() * num_experts),
-            "min_load_over_uniform": float(load.min() * num_experts),
-            "router_entropy_bits": entropy,
-            "uniform_entropy_bits": math.log2(num_experts),
-            "experts_per_token": float(selected.sum(-1).double().mean()),
-            "preferences": preferences,
-        })
+        layers.append({"layer": layer, "load": load.tolist(), "max_load_over_uniform": float(load.max() * num_experts),
+                       "min_load_over_uniform": float(load.min() * num_experts), "router_entropy_bits": entropy,
+                       "uniform_entropy_bits": math.log2(num_experts),
+                       "experts_per_token": float(selected.sum(-1).double().mean()), "preferences": preferences})
     return {"num_tokens": len(tokens), "layers": layers}
 
 

@@ -11,19 +11,22 @@ import math
 import torch
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def rotary(x: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels (x1, x2) of x (..., heads, Dh) to (x1 cos - x2 sin, x1 sin + x2 cos)
     at angles position * theta^(-2i/Dh): read as the complex number x1 + i x2, one product with
-    e^(i angle), as the LLaMA reference code writes it: half the time of x * cos + swapped x *
-    signed sin on a CPU (measured), equal to it up to the last bit. In float32 at least (there is no
-    complex bfloat16). positions (...,) are absolute, never indices inside an expert's cache (a
-    gappy subset whose distances must stay the true ones)."""
+    turns = e^(i angle) (..., 1, Dh/2) from `rotary_turns`, as the LLaMA reference code writes it:
+    half the time of x * cos + swapped x * signed sin on a CPU (measured), equal to it up to the
+    last bit. In float32 at least (there is no complex bfloat16)."""
+    pairs = torch.view_as_complex(x.to(score_dtype(x.dtype)).unflatten(-1, (-1, 2)))   # (..., H, Dh/2)
+    return torch.view_as_real(pairs * turns).flatten(-2).to(x.dtype)
+
+
+def rotary_turns(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> torch.Tensor:
+    """(..., 1, Dh/2) turns at positions (...,) for `dtype` inputs; made once a forward for every layer.
+    Positions are absolute, never indices inside an expert's cache (whose distances must stay true)."""
     num_positions = int(positions.max()) + 1 if positions.numel() else 1
-    compute = score_dtype(x.dtype)                                            # float32 at least
-    table = rotary_pair_table(x.shape[-1], theta, num_positions, x.device, compute)   # (P, Dh/2)
-    turn = table.index_select(0, positions.reshape(-1)).view(*positions.shape, 1, table.shape[1])  # (..., 1, Dh/2)
-    pairs = torch.view_as_complex(x.to(compute).unflatten(-1, (-1, 2)))                # (..., H, Dh/2)
-    return torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)
+    table = rotary_pair_table(head_dim, theta, num_positions, positions.device, score_dtype(dtype))   # (P, Dh/2)
+    return table.index_select(0, positions.reshape(-1)).view(*positions.shape, 1, table.shape[1])
 
 
 _PAIR_TABLES: dict[tuple, torch.Tensor] = {}

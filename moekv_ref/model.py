@@ -21,7 +21,7 @@ from torch import nn
 
 from einops import einsum, rearrange
 
-from .attention import rotary
+from .attention import rotary, rotary_turns
 from .backends import require_backend
 from .profiling import phase
 from .config import ModelConfig
@@ -75,16 +75,16 @@ def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
     return torch.cat([rows @ w for rows, w in zip(torch.split(x, counts.tolist()), weights)])
 
 
-def project_qkv(config: ModelConfig, xs, positions, counts, w_q, w_k, w_v, backend: str):
-    """q (M, H, Dh), k and v (M, Hkv, Dh) of rows xs (M, D) sorted by expert, rotated at positions
-    (M,); w_q (E', D, H*Dh) etc. may be any subset of the layer's experts (a rank's own, under
+def project_qkv(config: ModelConfig, xs, turns, counts, w_q, w_k, w_v, backend: str):
+    """q (M, H, Dh), k and v (M, Hkv, Dh) of rows xs (M, D) sorted by expert, rotated by turns
+    (M, 1, Dh/2); w_q (E', D, H*Dh) etc. may be any subset of the layer's experts (a rank's own, under
     expert parallelism)."""
     H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     # one product for the three: the weights side by side (E', D, (H + 2 Hkv) Dh), a copy of a few
     # hundred kB per layer that costs less than the two products it saves at decode sizes
     qkv = grouped_matmul(xs, torch.cat([w_q, w_k, w_v], dim=2), counts, backend)
     qkv = qkv.unflatten(1, (-1, Dh))                                         # (M, H + 2 Hkv, Dh)
-    qk = rotary(qkv[:, :H + Hkv], positions, config.rope_theta)              # queries and keys at once
+    qk = rotary(qkv[:, :H + Hkv], turns)                                     # queries and keys at once
     return qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
 
 
@@ -143,10 +143,10 @@ class ExpertAttention(nn.Module):
         routing = self.route(x)                                              # (B, T, E)
         q, k, v = (einsum(x, w, "b t d, e d f -> b t e f").unflatten(-1, (-1, Dh))
                    for w in (self.w_q, self.w_k, self.w_v))                 # (B, T, E, H|Hkv, Dh)
-        positions = torch.arange(T, device=x.device)[None, :, None].expand(B, T, E)
-        q = rearrange(rotary(q, positions, c.rope_theta), "b t e h d -> b e h t d")
+        turns = rotary_turns(torch.arange(T, device=x.device)[None, :, None].expand(B, T, E), Dh, c.rope_theta, x.dtype)
+        q = rearrange(rotary(q, turns), "b t e h d -> b e h t d")
         k, v = (rearrange(t, "b t e h d -> b e h t d").repeat_interleave(H // Hkv, dim=2)
-                for t in (rotary(k, positions, c.rope_theta), v))            # (B, E, H, T, Dh)
+                for t in (rotary(k, turns), v))                              # (B, E, H, T, Dh)
         # query i at expert e sees key j iff j <= i and j was routed to e; it also always sees
         # itself, so that rows of tokens not routed to e stay finite (their gate is 0 anyway)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()   # (T, T)
@@ -157,21 +157,22 @@ class ExpertAttention(nn.Module):
         out = einsum(attn, self.w_o, "b t e f, e f d -> b t e d")            # (B, T, E, D)
         return (out * routing.gates[..., None]).sum(2), routing
 
-    def forward_cached(self, x, seq_ids, positions, cache, pairs=None) -> tuple[torch.Tensor, Routing]:
-        """x: (N, D) new tokens of many sequences, each continuing what the cache holds for it;
-        seq_ids, positions: (N,); pairs: dense_pairs(N, ...) when the caller made them. Returns (N, D)."""
-        N = x.shape[0]
-        dense = self.config.num_attention_experts == 1
+    def forward_cached(self, x, seq_ids, positions, cache, turns=None, pairs=None) -> tuple[torch.Tensor, Routing]:
+        """x: (N, D) new tokens of many sequences, each continuing what the cache holds for it; seq_ids,
+        positions: (N,); turns, pairs: rotary_turns, dense_pairs of them if the caller made them. Returns (N, D)."""
+        N, c = x.shape[0], self.config
+        dense = c.num_attention_experts == 1
+        turns = turns if turns is not None else rotary_turns(positions, c.head_dim, c.rope_theta, x.dtype)
         with phase("routing"):
             if dense:       # one expert: the pairs are the tokens
                 routing, expert, counts = pairs if pairs is not None else dense_pairs(N, x.device, x.dtype)
-                xs, ps, pair_seq_ids = x, positions, seq_ids                 # (M, D), (M,), (M,) with M = N
+                xs, ps, ts, pair_seq_ids = x, positions, turns, seq_ids      # pair i is token i (M = N)
             else:
                 routing = self.route(x)                                      # (N, E)
                 token, expert, counts = sort_by_expert(routing.selected)     # (M,), (M,), (E,)
-                xs, ps, pair_seq_ids = x[token], positions[token], seq_ids[token]
+                xs, ps, ts, pair_seq_ids = x[token], positions[token], turns[token], seq_ids[token]
         with phase("projections"):
-            q, k, v = project_qkv(self.config, xs, ps, counts, self.w_q, self.w_k, self.w_v, self.backend)
+            q, k, v = project_qkv(c, xs, ts, counts, self.w_q, self.w_k, self.w_v, self.backend)
         with phase("append_kv"):
             appended = cache.append_kv(self.layer_index, pair_seq_ids, expert, ps, k, v)
         with phase("attend"):
@@ -283,14 +284,15 @@ class MoEKVTransformer(nn.Module):
             raise ValueError(f"tokens, seq_ids and positions must be 1-D of equal length, got shapes "
                              f"{tuple(tokens.shape)}, {tuple(seq_ids.shape)}, {tuple(positions.shape)}")
         self._check_tokens(tokens, positions)
-        dtype = next(self.parameters()).dtype
+        dtype, c = next(self.parameters()).dtype, self.config
         if self.backend == "triton" and dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"backend='triton' runs float32, float16 or bfloat16 weights, not "
                              f"{dtype}")
-        cached = (seq_ids, positions, cache)
-        if self.config.num_attention_experts == 1:                          # every layer's pairs
-            cached += (dense_pairs(tokens.shape[0], self.embed.weight.device, self.embed.weight.dtype),)
         with phase("forward"):
+            with phase("projections"):                                      # every layer's rotations
+                cached = (seq_ids, positions, cache, rotary_turns(positions, c.head_dim, c.rope_theta, dtype))
+            if c.num_attention_experts == 1:                                # every layer's pairs
+                cached += (dense_pairs(tokens.shape[0], self.embed.weight.device, self.embed.weight.dtype),)
             return self._run(self.embed(tokens), cached)                     # (N, V)
 
     def _run(self, x, cached) -> ModelOutput:

@@ -22,14 +22,8 @@ def cache_report(counts: torch.Tensor, config: ModelConfig, bytes_per_value: int
         total = sum(row)
         share = [c / total for c in row] if total else [0.0] * num_experts
         kl = sum(s * math.log2(s * num_experts) for s in share if s > 0)
-        layers.append({
-            "layer": layer,
-            "tokens": row,
-            "bytes": [c * bytes_per_token for c in row],
-            "total_tokens": total,
-            "max_over_mean": (max(row) / (total / num_experts)) if total else 0.0,
-            "kl_from_uniform_bits": kl,
-        })
+        layers.append({"layer": layer, "tokens": row, "bytes": [c * bytes_per_token for c in row], "total_tokens": total,
+                       "max_over_mean": (max(row) / (total / num_experts)) if total else 0.0, "kl_from_uniform_bits": kl})
     total_tokens = int(counts.sum())
     return {"bytes_per_token_per_expert": bytes_per_token, "total_tokens": total_tokens,
             "total_bytes": total_tokens * bytes_per_token, "layers": layers}

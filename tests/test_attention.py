@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import moekv_ref.attention as attention_module
-from moekv_ref.attention import attend_by_position, rotary, rotary_pair_table
+from moekv_ref.attention import attend_by_position, rotary, rotary_pair_table, rotary_turns
 
 
 def test_rotary_table_equals_the_formula_and_grows():
@@ -61,8 +61,8 @@ def test_rotary_keeps_norms_and_scores_depend_only_on_distance():
     generator = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 1, 16, generator=generator, dtype=torch.float64)
     for shift in (0, 7, 1000):
-        qr = rotary(q[None], torch.tensor([3 + shift]), 10000.0)[0]
-        kr = rotary(k[None], torch.tensor([1 + shift]), 10000.0)[0]
+        qr = rotary(q[None], rotary_turns(torch.tensor([3 + shift]), 16, 10000.0, q.dtype))[0]
+        kr = rotary(k[None], rotary_turns(torch.tensor([1 + shift]), 16, 10000.0, k.dtype))[0]
         assert torch.allclose(qr.norm(), q.norm()) and torch.allclose(kr.norm(), k.norm())
         score = float((qr * kr).sum())
         if shift == 0:
@@ -84,11 +84,11 @@ def test_rotary_equals_the_pair_rotation_written_out():
             x1, x2 = x[..., 0::2], x[..., 1::2]
             expected = torch.stack([x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()],
                                    dim=-1).flatten(-2)
-            out = rotary(x.to(dtype), positions, 10000.0)
+            out = rotary(x.to(dtype), rotary_turns(positions, shape[-1], 10000.0, dtype))
             assert out.dtype == dtype and out.shape == x.shape
             scale = 1.0 if dtype != torch.bfloat16 else float(expected.abs().max())
             assert (out.double() - expected).abs().max() <= tolerance * scale, (dtype, shape)
-    assert rotary(torch.zeros(0, 2, 8), torch.zeros(0, dtype=torch.int64), 10000.0).shape == (0, 2, 8)
+    assert rotary(torch.zeros(0, 2, 8), rotary_turns(torch.zeros(0, dtype=torch.int64), 8, 10000.0, torch.float32)).shape == (0, 2, 8)
 
 
 def test_attend_by_position_masks_later_keys_and_groups_heads():

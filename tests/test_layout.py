@@ -224,10 +224,11 @@ def test_no_name_is_defined_in_two_library_modules():
 # parameters never passed, a second rotary table cache), 8,587 with the dense decode plan paid for by
 # one-use locals and wrapped calls in 28 files, 8,586 with the one-pool step demand and the engine's
 # one snapshot a plain step paid for by joined lines, 8,585 with the every-expert FFN of small steps
-# (joined lines again), 8,582 with the character classes two to a line. The goal is 8,000 (nano-vllm's whole
+# (joined lines again), 8,582 with the character classes two to a line, 8,576 with the rotary turns made
+# once a forward (two reports' dicts written several keys to a line). The goal is 8,000 (nano-vllm's whole
 # engine is about 1,200); until then the budget only falls, so that a feature comes with lines
 # removed elsewhere.
-LIBRARY_LINE_BUDGET = 8_582
+LIBRARY_LINE_BUDGET = 8_576
 
 
 def test_the_library_stays_within_its_line_budget():

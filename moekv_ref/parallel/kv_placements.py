@@ -33,7 +33,7 @@ import torch
 from einops import rearrange
 
 from ..cache import ContiguousKVCache, PagedKVCache
-from ..model import grouped_matmul, project_qkv
+from ..model import grouped_matmul, project_qkv, rotary_turns
 from .comm import Communicator
 from .dispatch import DispatchPlan, combine, dispatch, local_pairs
 from .shard import RankShard
@@ -62,7 +62,8 @@ class _PlacedAttention:
         config, part, backend = self.shard.config, self.shard.layers[layer], self.shard.backend
         pairs = local_pairs(received, part.attention_experts)
         xs, ps = received.hidden[pairs.token], received.positions[pairs.token].to(h.device)   # (M, D), (M,)
-        q, k, v = project_qkv(config, xs, ps, pairs.counts, part.w_q, part.w_k, part.w_v, backend)
+        turns = rotary_turns(ps, config.head_dim, config.rope_theta, xs.dtype)                      # (M, 1, Dh/2)
+        q, k, v = project_qkv(config, xs, turns, pairs.counts, part.w_q, part.w_k, part.w_v, backend)
         appended = cache.append_kv(layer, received.seq_ids[pairs.token], pairs.expert, ps, k, v)
         attention = rearrange(cache.attend(appended, q), "m h d -> m (h d)")      # (M, H * Dh)
         y = grouped_matmul(attention, part.w_o, pairs.counts, backend)
