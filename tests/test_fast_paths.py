@@ -265,3 +265,20 @@ def test_dense_pairs_are_made_once_a_forward(monkeypatch):
                       record_logits=True)
     assert model.config.num_hidden_layers == 2 and len(calls) == 4     # the prefill and 3 decode forwards
     assert max_logit_error(model, result) < 1e-10
+
+
+@pytest.mark.parametrize("mode", ["dense", "expert"])
+def test_rotary_turns_are_made_once_a_forward(monkeypatch, mode):
+    """Every layer rotates the same positions: the cached forward looks their turns up once and
+    hands them to each layer (expert pairs index them by token), and cached decoding still equals
+    full recompute."""
+    model = random_model(small_config(mode), seed=7, dtype=torch.float64)
+    calls = []
+    original = model_module.rotary_turns
+    monkeypatch.setattr(model_module, "rotary_turns", lambda *args: calls.append(args[0].tolist()) or original(*args))
+    prompts = random_prompts([6, 3], model.config.vocab_size, seed=8)
+    result = generate(model, prompts, SamplingParams(max_new_tokens=4, temperature=0.0), cache="paged",
+                      record_logits=True)
+    assert model.config.num_hidden_layers == 2 and len(calls) == 4     # the prefill and 3 decode forwards
+    assert calls[1] == [6, 3]                                           # the first decode: each sequence's position
+    assert max_logit_error(model, result) < 1e-10
