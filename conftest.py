@@ -1,14 +1,14 @@
 """Test-session settings shared by tests/ and the notebooks nbval runs (their kernels inherit the
 environment).
 
-- `import moekv_ref` and `import kernels` work because `pip install -r requirements.txt` installs this
+- `import moekv_ref` and `import moekv_kernels` work because `pip install -r requirements.txt` installs this
   repository as a package (editable): nothing here touches PYTHONPATH, so the notebooks are tested as
   a reader's `jupyter lab` runs them.
 - One intra-op thread: the models here are tiny, and on a shared 2-core machine OpenMP threads that
   spin-wait for a busy core made a 256-token forward 40x slower (0.15 s -> 6 s measured). Results do
   not depend on the thread count beyond float rounding, which every tolerance here covers.
 - Where triton is not installed (it has wheels for Linux only), every test module and notebook that
-  imports `kernels` or `triton` is skipped, with the reason in pytest's summary (`-rs`).
+  imports `moekv_kernels` or `triton` is skipped, with the reason in pytest's summary (`-rs`).
 """
 
 import fnmatch
@@ -25,9 +25,9 @@ from moekv_ref.backends import triton_available  # noqa: E402
 
 torch.set_num_threads(1)
 
-# `import kernels`, `from kernels.x import y`, `import triton` at the start of a line (a notebook's
+# `import moekv_kernels`, `from moekv_kernels.x import y`, `import triton` at the start of a line (a notebook's
 # JSON source lines start with a quote)
-_NEEDS_TRITON = re.compile(r'^[\s"]*(import|from)\s+(kernels|triton)\b', re.MULTILINE)
+_NEEDS_TRITON = re.compile(r'^[\s"]*(import|from)\s+(moekv_kernels|triton)\b', re.MULTILINE)
 
 
 def _skip_reason(path: Path) -> str:

@@ -1,7 +1,7 @@
 """What a step, a recompute and a swap cost, in seconds, on hardware from one table.
 
 1. The hardware table: every number with its source, none measured here. The cost models below and
-   kernels/report.py pick their hardware from it by name.
+   moekv_kernels/report.py pick their hardware from it by name.
 2. One decode step under expert parallelism: `measured_shape_bytes` is the wire format of
    parallel/dispatch.py and parallel/kv_placements.py as arithmetic (a test checks it against the
    Communicator's counts); `project_step` takes the counts in expectation (uniform routing) and sums

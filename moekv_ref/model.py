@@ -64,10 +64,10 @@ def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
 
     torch: one matmul per expert's slice, the readable reference; where it applies, one
     `torch._grouped_mm` (bitwise equal to the loop, 1.6x faster for a decode step's four FFN experts,
-    measured; offs: int32 cumsum(counts), if made). triton: the GEMM kernel (kernels/expert_gemm.py)."""
+    measured; offs: int32 cumsum(counts), if made). triton: the GEMM kernel (moekv_kernels/expert_gemm.py)."""
     if backend == "triton":
-        import kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
-        return kernels.expert_gemm(x, weights, counts)
+        import moekv_kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
+        return moekv_kernels.expert_gemm(x, weights, counts)
     if weights.shape[0] == 1:                       # one expert (dense attention): every row is its
         return x @ weights[0]
     if _grouped_mm_applies(x, weights):

@@ -115,7 +115,7 @@ def test_cli_triton_backend_gives_the_torch_tokens(capsys, monkeypatch):
     3 new tokens (6 before: on a CPU each step of the Triton interpreter takes seconds): the prefill
     and two decode steps, the second reading K/V the first stored; that the kernels ran, in both
     decode steps of every layer, is counted below (the 4 + 6 tokens of before fit in one block too)."""
-    import kernels
+    import moekv_kernels
     calls = {name: 0 for name in ("paged_attention", "store_kv", "expert_gemm")}
 
     def counted(name, kernel):
@@ -125,7 +125,7 @@ def test_cli_triton_backend_gives_the_torch_tokens(capsys, monkeypatch):
         return run
 
     for name in calls:
-        monkeypatch.setattr(kernels, name, counted(name, getattr(kernels, name)))
+        monkeypatch.setattr(moekv_kernels, name, counted(name, getattr(moekv_kernels, name)))
     tokens, launches = {}, {}
     for backend in ("torch", "triton"):
         calls.update(dict.fromkeys(calls, 0))

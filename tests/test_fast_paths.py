@@ -8,9 +8,9 @@ must be seen (NaN logits stop sampling with SamplingError, which is how NaN is s
 of each one checks the unbroken path against the torch model, so the breakage is what changes.
 
 Paths and what stands in for them:
-    triton decode      kernels.paged_attention   decode rows (one new token) of a layer, one launch
-    triton store       kernels.store_kv          every new K/V written into the pool
-    triton projections kernels.expert_gemm       every expert projection (Q/K/V/O and the FFN)
+    triton decode      moekv_kernels.paged_attention   decode rows (one new token) of a layer, one launch
+    triton store       moekv_kernels.store_kv          every new K/V written into the pool
+    triton projections moekv_kernels.expert_gemm       every expert projection (Q/K/V/O and the FFN)
     batched            PagedKVCache._attend_padded   the torch path for every row (the default)
     grouped matmul     torch._grouped_mm             every expert projection of a float32 torch model
                                                      at inference (model.grouped_matmul), several experts
@@ -27,7 +27,7 @@ import torch
 
 pytest.importorskip("triton")
 
-import kernels  # noqa: E402
+import moekv_kernels  # noqa: E402
 import moekv_ref.cache.paged as paged  # noqa: E402
 import moekv_ref.model as model_module  # noqa: E402
 from moekv_ref.cache import PagedKVCache  # noqa: E402
@@ -67,7 +67,7 @@ def _nan_like(result):
 
 
 def test_triton_decode_output_is_the_kernels_output_bitwise(models):
-    """The decode rows' attention is exactly what kernels.paged_attention returned (no other path
+    """The decode rows' attention is exactly what moekv_kernels.paged_attention returned (no other path
     writes over it)."""
     model = models["triton"]
     config = model.config
@@ -87,7 +87,7 @@ def test_triton_decode_output_is_the_kernels_output_bitwise(models):
     q = torch.randn(3, H, Dh, generator=generator)
     out = cache.attend(appended, q)
     rows = appended.rows
-    direct = kernels.paged_attention(q[torch.argsort(appended.pair_row)].contiguous(), cache.key_cache,
+    direct = moekv_kernels.paged_attention(q[torch.argsort(appended.pair_row)].contiguous(), cache.key_cache,
                                      cache.value_cache, cache.manager.block_tables[rows],
                                      cache.manager.row_tokens[rows].to(torch.int32))
     assert torch.equal(out, direct[appended.pair_row])
@@ -100,7 +100,7 @@ def test_triton_decode_output_is_the_kernels_output_bitwise(models):
 @pytest.mark.parametrize("broken", ["nan", "shifted"])
 def test_triton_decode_kernel_reaches_the_logits(models, torch_logits, monkeypatch, broken):
     assert (_logits(models["triton"]) - torch_logits).abs().max() < 1e-4  # unbroken: equal
-    original = kernels.paged_attention
+    original = moekv_kernels.paged_attention
     launches = []
 
     def broken_paged_attention(*args, **kwargs):
@@ -108,7 +108,7 @@ def test_triton_decode_kernel_reaches_the_logits(models, torch_logits, monkeypat
         result = original(*args, **kwargs)
         return _nan_like(result) if broken == "nan" else result + 1.0
 
-    monkeypatch.setattr(kernels, "paged_attention", broken_paged_attention)
+    monkeypatch.setattr(moekv_kernels, "paged_attention", broken_paged_attention)
     if broken == "nan":
         with pytest.raises(SamplingError, match="not finite"):     # NaN reached the logits
             _logits(models["triton"])
@@ -118,22 +118,22 @@ def test_triton_decode_kernel_reaches_the_logits(models, torch_logits, monkeypat
 
 
 def test_triton_store_kernel_reaches_the_logits(models, torch_logits, monkeypatch):
-    original = kernels.store_kv
+    original = moekv_kernels.store_kv
 
     def shifted_store_kv(k, v, key_cache, value_cache, slots):
         original(k + 1.0, v + 1.0, key_cache, value_cache, slots)
 
-    monkeypatch.setattr(kernels, "store_kv", shifted_store_kv)
+    monkeypatch.setattr(moekv_kernels, "store_kv", shifted_store_kv)
     assert (_logits(models["triton"]) - torch_logits).abs().max() > 1e-2
 
 
 def test_triton_expert_gemm_reaches_the_logits(models, monkeypatch):
-    original = kernels.expert_gemm
+    original = moekv_kernels.expert_gemm
 
     def nan_expert_gemm(*args, **kwargs):
         return _nan_like(original(*args, **kwargs))
 
-    monkeypatch.setattr(kernels, "expert_gemm", nan_expert_gemm)
+    monkeypatch.setattr(moekv_kernels, "expert_gemm", nan_expert_gemm)
     with pytest.raises(SamplingError, match="not finite"):
         _logits(models["triton"])
 

@@ -5,7 +5,7 @@ the cases are small but each one hits an edge the kernels must handle — scatte
 length 1 and exact block multiples, block sizes smaller and larger than the token tile and not powers
 of two, head widths that are not powers of two, GQA groups, experts with no tokens.
 
-Error measure: max |out - ref| / max |ref| (kernels._utils.max_relative_error), against bounds per
+Error measure: max |out - ref| / max |ref| (moekv_kernels._utils.max_relative_error), against bounds per
 dtype: float32 summation order, plus for float16 / bfloat16 the rounding of the output and of the
 softmax weights to the storage dtype. The references compute in float32 from the same stored values, so the error is
 float32 summation order plus the final rounding to the output dtype.
@@ -16,11 +16,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels._utils import max_relative_error  # noqa: E402
-from kernels.expert_gemm import expert_gemm, expert_gemm_reference, random_gemm_inputs, tile_schedule  # noqa: E402
-from kernels.paged_attention import paged_attention, paged_attention_reference, random_paged_inputs  # noqa: E402
-from kernels.paged_attention_split_k import paged_attention_split_k  # noqa: E402
-from kernels.store_kv import random_store_inputs, store_kv, store_kv_reference  # noqa: E402
+from moekv_kernels._utils import max_relative_error  # noqa: E402
+from moekv_kernels.expert_gemm import expert_gemm, expert_gemm_reference, random_gemm_inputs, tile_schedule  # noqa: E402
+from moekv_kernels.paged_attention import paged_attention, paged_attention_reference, random_paged_inputs  # noqa: E402
+from moekv_kernels.paged_attention_split_k import paged_attention_split_k  # noqa: E402
+from moekv_kernels.store_kv import random_store_inputs, store_kv, store_kv_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -164,7 +164,7 @@ def test_expert_gemm_rejects_counts_that_do_not_cover_x():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark runs for real")
 def test_bench_refuses_to_run_without_a_gpu():
     """No fake numbers: on a CPU the benchmark says why it measured nothing, and exits non-zero."""
-    from kernels import bench
+    from moekv_kernels import bench
 
     with pytest.raises(SystemExit, match="no CUDA device: nothing was measured"):
         bench.main(["--out", "/nonexistent/never-written.json"])

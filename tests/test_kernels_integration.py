@@ -2,7 +2,7 @@
 
 The backend is chosen once, when the model is built: the experts' projections run on the grouped GEMM
 kernel, and a paged cache made for the model (`PagedKVCache.for_model`) stores new K/V with
-kernels.store_kv and attends decode rows (one new token) with kernels.paged_attention, one launch per
+moekv_kernels.store_kv and attends decode rows (one new token) with moekv_kernels.paged_attention, one launch per
 layer; rows with several new tokens (prefill) take the batched torch path. On a CPU that is Triton's
 interpreter, so the cases are a few tokens of a small model.
 """
@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-import kernels  # noqa: E402
+import moekv_kernels  # noqa: E402
 from moekv_ref.cache import PagedKVCache  # noqa: E402
 from moekv_ref.generate import generate  # noqa: E402
 from moekv_ref.sampling import SamplingParams  # noqa: E402
@@ -26,21 +26,21 @@ from helpers import random_model, random_prompts, small_config  # noqa: E402
 
 def test_generate_triton_backend_gives_the_same_tokens(monkeypatch):
     launches = []
-    original = kernels.paged_attention
+    original = moekv_kernels.paged_attention
 
     def counting_paged_attention(*args, **kwargs):
         launches.append(args[0].shape[0])                               # rows in this launch
         return original(*args, **kwargs)
 
     gemm_launches = []
-    original_gemm = kernels.expert_gemm
+    original_gemm = moekv_kernels.expert_gemm
 
     def counting_expert_gemm(*args, **kwargs):
         gemm_launches.append(args[0].shape[0])                          # (token, expert) pairs
         return original_gemm(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "paged_attention", counting_paged_attention)
-    monkeypatch.setattr(kernels, "expert_gemm", counting_expert_gemm)
+    monkeypatch.setattr(moekv_kernels, "paged_attention", counting_paged_attention)
+    monkeypatch.setattr(moekv_kernels, "expert_gemm", counting_expert_gemm)
     # threshold routing: tokens use 1 to 3 experts, so rows of one sequence have ragged lengths
     models = {backend: random_model(small_config(routing="threshold"), seed=3, dtype=torch.float32,
                                      backend=backend) for backend in ("torch", "triton")}

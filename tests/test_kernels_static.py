@@ -1,7 +1,7 @@
 """Every kernel compiles for the GPUs it is meant for, without one: sm_90 (H100/H200) and sm_80 (A100).
 
-kernels.report compiles each kernel ahead of time with the ptxas Triton ships, at the configurations
-the model and the real-shape presets use (kernels.report.CONFIGS: Dh 64 and 128, query groups 1 to
+moekv_kernels.report compiles each kernel ahead of time with the ptxas Triton ships, at the configurations
+the model and the real-shape presets use (moekv_kernels.report.CONFIGS: Dh 64 and 128, query groups 1 to
 8, block sizes 1 to 64, float16 / bfloat16 / float32 caches, the tiles the launchers and the
 benchmark choose), and reads registers, local memory and instructions from the cubins. A compile
 error fails here, and so does any local memory (spilled registers), which a kernel bound by memory
@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from kernels import report  # noqa: E402
+from moekv_kernels import report  # noqa: E402
 
 TARGETS = ("sm_90", "sm_80")
 
@@ -46,7 +46,7 @@ def test_no_kernel_spills_registers(rows):
 def test_decode_kernels_leave_room_for_four_blocks_per_sm(rows):
     """At Dh = 128, query groups up to 8, float16 and bfloat16: at most 128 registers per thread, so at
     least 4 blocks of 4 warps are resident on an SM (the bytes in flight they need: see the
-    docstring of kernels/paged_attention.py)."""
+    docstring of moekv_kernels/paged_attention.py)."""
     decode = [r for r in rows if r["kernel"] in ("paged_attention", "paged_attention_split_k")
               and r["settings"]["head_dim"] == 128 and r["settings"]["dtype"] in ("float16", "bfloat16")]
     assert {r["settings"]["group"] for r in decode} >= {1, 4, 8}
@@ -66,7 +66,7 @@ def test_tensor_cores_where_the_kernels_use_tl_dot(rows):
 
 
 def test_occupancy_arithmetic():
-    """The resident-block formula of kernels.report on numbers worked by hand."""
+    """The resident-block formula of moekv_kernels.report on numbers worked by hand."""
     h100 = report.TARGETS["sm_90"]
     # 255 registers: 256 * 32 = 8192 per warp, 8 warps per SM, 2 blocks of 4 warps
     assert report.occupancy(h100, 255, 5 * 1024, 4) == {"blocks_per_sm": 2, "warps_per_sm": 8, "limited_by": "registers"}

@@ -1,5 +1,5 @@
 """Where a reader finds things: the README's layout table names every module of the package and only
-paths that exist; the modules of moekv_ref/ and kernels/ import each other without a cycle -- counting
+paths that exist; the modules of moekv_ref/ and moekv_kernels/ import each other without a cycle -- counting
 every import outside a function, those under `if TYPE_CHECKING:` and `if __name__ == "__main__":`
 too, since a reader follows those as well; and no function hides an import of the package (the way
 one dodges a cycle), except the few with a stated reason."""
@@ -10,12 +10,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "moekv_ref"
-PACKAGES = (PACKAGE, ROOT / "kernels")
+PACKAGES = (PACKAGE, ROOT / "moekv_kernels")
 
 # Function-level imports that are there on purpose, each with its reason.
 ALLOWED_LAZY = {
-    ("moekv_ref/model.py", "kernels"),            # triton is optional, and kernels must set the interpreter flag first
-    ("moekv_ref/cache/paged.py", "kernels"),      # the same
+    ("moekv_ref/model.py", "moekv_kernels"),            # triton is optional, and kernels must set the interpreter flag first
+    ("moekv_ref/cache/paged.py", "moekv_kernels"),      # the same
     ("moekv_ref/apps/bench_step.py", "moekv_ref.checkpoint"),   # a worker importing another checkout's package
     ("moekv_ref/apps/bench_step.py", "moekv_ref.engine"),
     ("moekv_ref/apps/bench_step.py", "moekv_ref.sampling"),
@@ -86,7 +86,7 @@ def _import_graph(modules) -> dict[str, set[str]]:
         targets = set()
         for node in _module_imports(tree):
             targets.update(t for t in _resolve(module, node)
-                           if t.split(".")[0] in ("moekv_ref", "kernels") and t != module)
+                           if t.split(".")[0] in ("moekv_ref", "moekv_kernels") and t != module)
         graph[module] = targets
     return graph
 
@@ -160,17 +160,17 @@ def test_the_cycle_check_sees_type_checking_and_main_imports():
         cycle = _find_cycle(_import_graph(injected({"moekv_ref.config": f"{guard}\n    from moekv_ref.apps import cli\n"})))
         assert cycle is not None and "moekv_ref.config" in cycle, (guard, cycle)
     cycle = _find_cycle(_import_graph(injected({
-        "kernels.store_kv": 'if __name__ == "__main__":\n    from .report import occupancy\n',
-        "kernels.report": "if TYPE_CHECKING:\n    from .store_kv import store_kv\n"})))
-    assert cycle is not None and {"kernels.store_kv", "kernels.report"} <= set(cycle), cycle
+        "moekv_kernels.store_kv": 'if __name__ == "__main__":\n    from .report import occupancy\n',
+        "moekv_kernels.report": "if TYPE_CHECKING:\n    from .store_kv import store_kv\n"})))
+    assert cycle is not None and {"moekv_kernels.store_kv", "moekv_kernels.report"} <= set(cycle), cycle
 
 
 def test_no_kernel_imports_the_benchmark():
-    """kernels/bench.py is a program over the kernels: none of them imports it, anywhere."""
+    """moekv_kernels/bench.py is a program over the kernels: none of them imports it, anywhere."""
     importers = []
-    for path, module, tree in _modules((ROOT / "kernels",)):
+    for path, module, tree in _modules((ROOT / "moekv_kernels",)):
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and "kernels.bench" in _resolve(module, node):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and "moekv_kernels.bench" in _resolve(module, node):
                 importers.append(module)
     assert not importers, importers
 
@@ -184,7 +184,7 @@ def test_no_function_hides_an_import_of_the_package():
             for node in ast.walk(function):
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     for target in _resolve(module, node):
-                        if target.split(".")[0] in ("moekv_ref", "kernels"):
+                        if target.split(".")[0] in ("moekv_ref", "moekv_kernels"):
                             hidden.add((str(path.relative_to(ROOT)), target))
     assert hidden <= ALLOWED_LAZY, f"imports hidden in functions: {sorted(hidden - ALLOWED_LAZY)}"
 
@@ -238,3 +238,16 @@ def test_the_library_stays_within_its_line_budget():
     assert sum(lines.values()) <= LIBRARY_LINE_BUDGET, (
         f"the library has {sum(lines.values())} lines, over its budget of {LIBRARY_LINE_BUDGET}; "
         f"largest: {largest}")
+
+
+def test_every_importable_package_has_the_project_s_prefix():
+    """The packages pip installs from this repository are named moekv_*: a top-level package named
+    like another distribution shadows it, or is shadowed by it, depending on the directory Python
+    starts in. The kernels were once the package `kernels`, which is also Hugging Face's distribution
+    of that name, a dependency of transformers (the `bench peer` extra): with it installed, notebook
+    08 imported Hugging Face's package and transformers imported ours."""
+    import tomllib
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert all(pattern.startswith("moekv_") for pattern in found["include"]), found["include"]
+    top_level = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert top_level == {"moekv_ref", "moekv_kernels"}, top_level

@@ -15,8 +15,8 @@ from the row's last cached one, so a caller that breaks this gets an error, not 
 Attention paths (all equal to rounding; tests): "reference" calls `attend_by_position` row by row,
 as every cache does (slow and clear); "batched" pads rows to the longest and runs one fused
 scaled_dot_product_attention, decode and prefill rows apart so that a decode row is never padded to
-a prompt's length; "triton" runs decode rows on kernels.paged_attention and stores K/V with
-kernels.store_kv. Padding gathers a real block (or slot 0) whose K/V are zeroed before any product,
+a prompt's length; "triton" runs decode rows on moekv_kernels.paged_attention and stores K/V with
+moekv_kernels.store_kv. Padding gathers a real block (or slot 0) whose K/V are zeroed before any product,
 so whatever it holds (a GPU's uninitialised memory can hold NaN) cannot reach another row's output.
 
 Dimensions: N blocks, P block size, H heads, Hkv key/value heads, Dh head width, n (token, expert)
@@ -127,8 +127,8 @@ class PagedKVCache:
         self.plan: DecodePlan | None = None          # the last decode append's, for the next layer
         if attention == "triton":
             require_backend("triton")       # triton is installed only where it has wheels (Linux)
-            import kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
-            self._kernels = kernels
+            import moekv_kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
+            self._kernels = moekv_kernels
 
     block_size = property(lambda self: self.manager.block_size)
 
@@ -392,7 +392,7 @@ class PagedKVCache:
 
     def _attend_with_kernels(self, appended: AppendedRows, decode: torch.Tensor, q: torch.Tensor,
                              out: torch.Tensor) -> None:
-        """Decode rows (one new token each) in one launch of kernels.paged_attention."""
+        """Decode rows (one new token each) in one launch of moekv_kernels.paged_attention."""
         device = self.key_cache.device
         members = decode.nonzero().squeeze(1)                                      # (d,) into rows
         pairs, pair_slot = self._pairs_of(appended, members)                   # (d,) one per row

@@ -1,6 +1,6 @@
 """What each kernel asks of a GPU, read from its compiled code on a machine without one.
 
-    python -m kernels.report [--json PATH] [--quick] [--target sm_90|sm_80]
+    python -m moekv_kernels.report [--json PATH] [--quick] [--target sm_90|sm_80]
 
 Why this works without a GPU
 ----------------------------
@@ -16,7 +16,7 @@ tells, through Triton's `cuobjdump`:
 - the machine code (SASS), where tensor-core instructions are visible: HMMA (Ampere's mma.sync,
   also used on Hopper for small tiles) and HGMMA (Hopper's warpgroup wgmma).
 
-Each kernel is compiled from the same launch description its launcher runs (kernels._utils.Launch:
+Each kernel is compiled from the same launch description its launcher runs (moekv_kernels._utils.Launch:
 grid, arguments, constexprs, num_warps), built from small CPU tensors of the configuration's shapes
 and specialized by Triton's own argument binder (integers equal to 1 become constants, integers
 and pointers divisible by 16 are marked so), so the code measured is the code a launch would run.
@@ -35,7 +35,7 @@ Bandwidth bound
 ---------------
 The least time one launch can take at a stated shape is the bytes it must move (every K/V byte of
 every row read once, queries read, outputs written, block tables read; for a GEMM the inputs read
-and the output written once) over the GPU's memory bandwidth. kernels/bench.py measures the same
+and the output written once) over the GPU's memory bandwidth. moekv_kernels/bench.py measures the same
 launches on a GPU against this bound.
 """
 
@@ -163,7 +163,7 @@ CONFIGS: list[Config] = [
     Config("paged_attention_split_k", "float16", head_dim=64, num_kv_heads=8, group=1, rows=4, context_len=32768),
     *[Config("store_kv", d, num_kv_heads=8, head_dim=128, rows=64) for d in DTYPES],
     *[Config("expert_gemm", d) for d in DTYPES],
-    # two of the larger tiles kernels/bench.py sweeps on a GPU
+    # two of the larger tiles moekv_kernels/bench.py sweeps on a GPU
     *[Config("expert_gemm", "bfloat16", tiles=t) for t in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3)]],
 ]
 
@@ -355,7 +355,7 @@ def _collect_in_child(configs, targets, jobs) -> list[dict]:
         env = dict(os.environ, TRITON_INTERPRET="0")
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "kernels.report", "--configs", request, "--json", answer,
+        command = [sys.executable, "-m", "moekv_kernels.report", "--configs", request, "--json", answer,
                    "--jobs", str(jobs), "--silent", *[arg for t in targets for arg in ("--target", t)]]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:

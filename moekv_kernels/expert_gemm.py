@@ -103,7 +103,7 @@ def tile_schedule(counts: torch.Tensor, block_m: int):
 
 
 def expert_gemm_launch(x, weights, counts, block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3) -> Launch:
-    """Checks, the tile schedule, the output and the launch (kernels/report.py compiles it)."""
+    """Checks, the tile schedule, the output and the launch (moekv_kernels/report.py compiles it)."""
     assert x.dim() == 2 and weights.dim() == 3, f"x (N, D), weights (E, D, F); got {tuple(x.shape)}, {tuple(weights.shape)}"
     num_tokens, model_dim = x.shape
     num_experts, weight_rows, out_dim = weights.shape
@@ -139,7 +139,7 @@ def expert_gemm(
 ) -> torch.Tensor:
     """x (N, D) sorted by expert, weights (E, D, F), counts (E,) -> out (N, F) in x's dtype.
 
-    Tile sizes are fixed arguments (no autotune: it needs a GPU, and kernels/bench.py sweeps them).
+    Tile sizes are fixed arguments (no autotune: it needs a GPU, and moekv_kernels/bench.py sweeps them).
     """
     launch = expert_gemm_launch(x, weights, counts, block_m, block_n, block_k, num_warps, num_stages)
     if launch.grid[0] > 0 and launch.grid[1] > 0:
@@ -173,7 +173,7 @@ def random_gemm_inputs(
     return x, weights, torch.tensor(counts, dtype=torch.int32, device=device)
 
 
-# ----- a check against the reference (time it with python -m kernels.bench) ---------------------
+# ----- a check against the reference (time it with python -m moekv_kernels.bench) ---------------------
 if __name__ == "__main__":
     from ._utils import max_relative_error
 
@@ -181,4 +181,4 @@ if __name__ == "__main__":
     inputs = random_gemm_inputs([5, 0, 70, 33], 96, 80, torch.bfloat16, device)
     error = max_relative_error(expert_gemm(*inputs), expert_gemm_reference(*inputs))
     print(f"expert_gemm vs reference, bfloat16: max relative error {error:.1e}")
-    print("timings: python -m kernels.bench (on a GPU)")
+    print("timings: python -m moekv_kernels.bench (on a GPU)")

@@ -52,7 +52,7 @@ def store_kv_kernel(
 
 # ----- the launcher -------------------------------------------------------------------------------
 def store_kv_launch(key, value, key_cache, value_cache, slot_mapping) -> Launch:
-    """Checks, the conversion to the pool's dtype, and the launch (kernels/report.py compiles it)."""
+    """Checks, the conversion to the pool's dtype, and the launch (moekv_kernels/report.py compiles it)."""
     assert key.dim() == 3 and key.shape == value.shape, f"key/value must be (n, Hkv, Dh), got {tuple(key.shape)}"
     assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape and key_cache.dtype == value_cache.dtype
     assert key_cache.is_contiguous() and value_cache.is_contiguous(), "the KV pools must be contiguous"
@@ -115,7 +115,7 @@ def random_store_inputs(
     return key, value, key_cache, value_cache, slot_mapping
 
 
-# ----- a check against the reference (time it with python -m kernels.bench) ---------------------
+# ----- a check against the reference (time it with python -m moekv_kernels.bench) ---------------------
 if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() else "cpu"
     inputs = random_store_inputs(100, 2, 64, 16, 20, torch.bfloat16, device)
@@ -124,4 +124,4 @@ if __name__ == "__main__":
     store_kv_reference(*expected)
     same = torch.equal(inputs[2], expected[2]) and torch.equal(inputs[3], expected[3])
     print(f"store_kv vs reference, bfloat16: bit-exact {same}")
-    print("timings: python -m kernels.bench (on a GPU)")
+    print("timings: python -m moekv_kernels.bench (on a GPU)")

@@ -2,8 +2,8 @@
 
 Each file reads like a Triton tutorial, top to bottom: what it computes, the @triton.jit kernel with
 a comment per argument, a thin launcher with asserts, the plain-PyTorch reference it must equal, and
-a check against the reference under `if __name__ == "__main__"` (`python -m kernels.paged_attention`).
-The benchmark is a program over the kernels (`python -m kernels.bench`); no kernel imports it.
+a check against the reference under `if __name__ == "__main__"` (`python -m moekv_kernels.paged_attention`).
+The benchmark is a program over the kernels (`python -m moekv_kernels.bench`); no kernel imports it.
 
     paged_attention.py          decode attention over the paged per-expert cache: one query per
                                 row (sequence, layer, expert), online softmax in float32, both
@@ -14,7 +14,7 @@ The benchmark is a program over the kernels (`python -m kernels.bench`); no kern
     expert_gemm.py              grouped GEMM: tokens sorted by expert times each expert's weight
     report.py                   what each kernel asks of a GPU, compiled for sm_90 / sm_80 without one:
                                 registers, spills, shared memory, occupancy, tensor-core
-                                instructions, and the bandwidth bound (python -m kernels.report)
+                                instructions, and the bandwidth bound (python -m moekv_kernels.report)
     bench.py                    GPU benchmark: time against the references and the bandwidth bound,
                                 bandwidth against a device copy, TFLOP/s against torch.matmul; JSON
 

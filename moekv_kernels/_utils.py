@@ -1,5 +1,5 @@
 """Small helpers shared by the kernel files: interpreter detection, the error measure of the tests,
-and the description of a launch that the launchers run and kernels/report.py compiles."""
+and the description of a launch that the launchers run and moekv_kernels/report.py compiles."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ _describing_only = False
 @contextmanager
 def describing_launches():
     """Within this block launchers' descriptions (Launch) may be built from small CPU tensors without
-    the interpreter: kernels/report.py does so to compile them for a GPU, and never runs them."""
+    the interpreter: moekv_kernels/report.py does so to compile them for a GPU, and never runs them."""
     global _describing_only
     _describing_only = True
     try:
@@ -63,7 +63,7 @@ class Launch:
     """One kernel launch, described before it runs: the @triton.jit kernel, its grid, its arguments
     and its compile-time parameters (constexprs and num_warps / num_stages).
 
-    The launchers build these and run them; kernels/report.py compiles the very same description for
+    The launchers build these and run them; moekv_kernels/report.py compiles the very same description for
     a named GPU (sm_80, sm_90) without running it, so what the report measures is what a launch runs.
     """
 

@@ -129,7 +129,7 @@ def combine_splits_kernel(
 def paged_attention_split_k_launches(q, key_cache, value_cache, block_tables, context_lens,
                                      tokens_per_split=512, token_tile=None) -> list[Launch]:
     """Checks, buffers and the two launches (splits, then their combination) that
-    kernels/report.py compiles and the launcher runs."""
+    moekv_kernels/report.py compiles and the launcher runs."""
     check_paged_inputs(q, key_cache, value_cache, block_tables, context_lens)
     assert tokens_per_split >= 1, f"tokens_per_split={tokens_per_split} must be positive"
     q = q.contiguous()
@@ -169,7 +169,7 @@ def paged_attention_split_k(
 ) -> torch.Tensor:
     """Decode attention of q (R, H, Dh) over each row's paged K/V, split along tokens.
 
-    Same contract as kernels.paged_attention.paged_attention; the result equals it up to the order
+    Same contract as moekv_kernels.paged_attention.paged_attention; the result equals it up to the order
     of float32 additions. tokens_per_split is rounded up to a multiple of the token tile.
     """
     launches = paged_attention_split_k_launches(q, key_cache, value_cache, block_tables, context_lens,
@@ -180,7 +180,7 @@ def paged_attention_split_k(
     return launches[1].args[0]
 
 
-# ----- a check against the reference (time it with python -m kernels.bench) ---------------------
+# ----- a check against the reference (time it with python -m moekv_kernels.bench) ---------------------
 if __name__ == "__main__":
     from ._utils import max_relative_error
 
@@ -189,4 +189,4 @@ if __name__ == "__main__":
     out = paged_attention_split_k(*inputs, tokens_per_split=128)
     error = max_relative_error(out, paged_attention_reference(*inputs))
     print(f"paged_attention_split_k vs reference, float16: max relative error {error:.1e}")
-    print("timings: python -m kernels.bench (on a GPU)")
+    print("timings: python -m moekv_kernels.bench (on a GPU)")

@@ -1,14 +1,14 @@
 """GPU benchmark of the kernels: time against the references and the bandwidth bound, TFLOP/s.
 
-    python -m kernels.bench [--out kernels/bench_results.json] [--quick]
+    python -m moekv_kernels.bench [--out moekv_kernels/bench_results.json] [--quick]
 
 What each number means
 ----------------------
 - time: median of triton.testing.do_bench (CUDA events, warm caches flushed between runs).
-- bound: the bytes the launch must move (kernels.report.bound_bytes: each cached K/V byte read once,
+- bound: the bytes the launch must move (moekv_kernels.report.bound_bytes: each cached K/V byte read once,
   queries read, outputs written; for store_kv the new K/V read and written; for the GEMM inputs
   read and output written once) over the datasheet HBM bandwidth of the GPU (H200, H100 SXM, A100
-  80GB; kernels.report cites the datasheets). fraction_of_bound = bound / time: 1 is the best a
+  80GB; moekv_kernels.report cites the datasheets). fraction_of_bound = bound / time: 1 is the best a
   launch can do.
 - bandwidth: the same bytes over the measured time. It is also compared with a device-to-device copy
   (`dst.copy_(src)`, read + write bytes) measured in the same run, because the copy is what the
@@ -33,7 +33,7 @@ import torch
 from .report import Config, bound_bytes, hbm_bandwidth
 
 NO_GPU_MESSAGE = (
-    "kernels/bench.py measures Triton kernels on a GPU and this machine has no CUDA device: nothing was measured.\n"
+    "moekv_kernels/bench.py measures Triton kernels on a GPU and this machine has no CUDA device: nothing was measured.\n"
     "On a CPU, correctness is checked in the interpreter instead: python -m pytest tests/test_kernels.py"
 )
 
@@ -194,7 +194,7 @@ def format_table(report: dict) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="kernels/bench_results.json", help="where to write the JSON")
+    parser.add_argument("--out", default="moekv_kernels/bench_results.json", help="where to write the JSON")
     parser.add_argument("--quick", action="store_true", help="a smaller sweep (fewer contexts and shapes)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -41,7 +41,7 @@ bound by memory, not arithmetic: registers. Written as elementwise products redu
 (group, tokens, Dh) float32 product is materialized in registers: 255 registers per thread at
 Dh = 128 and a group of 8 (Triton 3.7, sm_90), so only 2 blocks of 4 warps fit on an SM. tl.dot
 keeps operands in the tensor cores' fragments instead: 72 registers, 7 blocks (python -m
-kernels.report measures such numbers from the compiled code).
+moekv_kernels.report measures such numbers from the compiled code).
 
 Precision. With a float16 / bfloat16 cache (and a query of the same dtype) the dot multiplies the
 stored values in their own type, which is exact (11- or 8-bit significands: the product fits in
@@ -225,7 +225,7 @@ def decode_tiles(group: int, head_dim: int, token_tile: int | None = None) -> di
     GROUP_TILE: the query group padded to 16 rows, tl.dot's smallest tile (most groups are 1 to 8).
     TOKEN_TILE: 16 tokens per step at Dh = 128 (8 KB of bfloat16 K and V), 32 at Dh = 64, the same
     bytes. 32 tokens at Dh = 128 measured 124 registers on sm_90 (4 blocks per SM), and 168 with a
-    32-byte stack frame for a float32 cache; 16 measure 72 (python -m kernels.report).
+    32-byte stack frame for a float32 cache; 16 measure 72 (python -m moekv_kernels.report).
     num_stages=2: with 1, ptxas spilled 8 bytes in the float32 split-K kernel on sm_80.
     """
     head_dim_tile = max(16, triton.next_power_of_2(head_dim))
@@ -243,7 +243,7 @@ def products_in_float32(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
 
 
 def paged_attention_launch(q, key_cache, value_cache, block_tables, context_lens, token_tile=None) -> Launch:
-    """Checks, output buffer and the one launch of the decode kernel (kernels/report.py compiles it)."""
+    """Checks, output buffer and the one launch of the decode kernel (moekv_kernels/report.py compiles it)."""
     check_paged_inputs(q, key_cache, value_cache, block_tables, context_lens)
     q = q.contiguous()
     num_rows, num_heads, head_dim = q.shape
@@ -331,7 +331,7 @@ def random_paged_inputs(
     return q, key_cache, value_cache, block_tables, lens
 
 
-# ----- a check against the reference (time it with python -m kernels.bench) ---------------------
+# ----- a check against the reference (time it with python -m moekv_kernels.bench) ---------------------
 if __name__ == "__main__":
     from ._utils import max_relative_error
 
@@ -339,4 +339,4 @@ if __name__ == "__main__":
     inputs = random_paged_inputs([1, 37, 64, 200], 8, 2, 64, 16, torch.float16, device)
     error = max_relative_error(paged_attention(*inputs), paged_attention_reference(*inputs))
     print(f"paged_attention vs reference, float16: max relative error {error:.1e}")
-    print("timings: python -m kernels.bench (on a GPU)")
+    print("timings: python -m moekv_kernels.bench (on a GPU)")
