@@ -105,8 +105,7 @@ def _load_file(path: Path):
             raise CheckpointError(
                 f"checkpoint {str(path)!r} was refused: it contains pickled code or objects "
                 f"({refused.group(1)}), which weights_only loading does not allow; it was not executed. "
-                "A checkpoint holds only plain values and tensors: re-save the model with "
-                "save_checkpoint") from None
+                "A checkpoint holds only plain values and tensors: re-save the model with save_checkpoint") from None
         if "central directory" in message or isinstance(error, EOFError):
             reason = "its zip archive is incomplete: the file is truncated"
         elif "zip archive" in message:

@@ -79,8 +79,7 @@ class ModelConfig:
         for k, e in (("num_attention_experts_per_tok", "num_attention_experts"),
                      ("num_experts_per_tok", "num_local_experts")):
             if getattr(self, k) > getattr(self, e):
-                raise ValueError(f"{k}={getattr(self, k)} is greater than {e}={getattr(self, e)}: "
-                                 "top-k needs k <= E")
+                raise ValueError(f"{k}={getattr(self, k)} is greater than {e}={getattr(self, e)}: top-k needs k <= E")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")

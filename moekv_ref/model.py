@@ -75,15 +75,12 @@ def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
     return torch.cat([rows @ w for rows, w in zip(torch.split(x, counts.tolist()), weights)])
 
 
-def project_qkv(config: ModelConfig, xs, turns, counts, w_q, w_k, w_v, backend: str):
+def project_qkv(config: ModelConfig, xs, turns, counts, w_qkv, backend: str):
     """q (M, H, Dh), k and v (M, Hkv, Dh) of rows xs (M, D) sorted by expert, rotated by turns
-    (M, 1, Dh/2); w_q (E', D, H*Dh) etc. may be any subset of the layer's experts (a rank's own, under
-    expert parallelism)."""
+    (M, 1, Dh/2), in one product: w_qkv (E', D, (H + 2 Hkv) Dh) is W_q, W_k, W_v side by side, of any
+    subset of the layer's experts (a rank's own, under expert parallelism)."""
     H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    # one product for the three: the weights side by side (E', D, (H + 2 Hkv) Dh), a copy of a few
-    # hundred kB per layer that costs less than the two products it saves at decode sizes
-    qkv = grouped_matmul(xs, torch.cat([w_q, w_k, w_v], dim=2), counts, backend)
-    qkv = qkv.unflatten(1, (-1, Dh))                                         # (M, H + 2 Hkv, Dh)
+    qkv = grouped_matmul(xs, w_qkv, counts, backend).unflatten(1, (-1, Dh))  # (M, H + 2 Hkv, Dh)
     qk = rotary(qkv[:, :H + Hkv], turns)                                     # queries and keys at once
     return qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
 
@@ -126,10 +123,23 @@ class ExpertAttention(nn.Module):
         E, D = config.num_attention_experts, config.hidden_size
         H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.router = nn.Linear(D, E, bias=False)
-        self.w_q = nn.Parameter(torch.randn(E, D, H * Dh) * D**-0.5)
-        self.w_k = nn.Parameter(torch.randn(E, D, Hkv * Dh) * D**-0.5)
-        self.w_v = nn.Parameter(torch.randn(E, D, Hkv * Dh) * D**-0.5)
+        # W_q, W_k, W_v: views of one buffer, which the cached forward's one product for the three reads
+        self._qkv = torch.cat([torch.randn(E, D, H * Dh) * D**-0.5, torch.randn(E, D, Hkv * Dh) * D**-0.5,
+                               torch.randn(E, D, Hkv * Dh) * D**-0.5], dim=2)      # (E, D, (H + 2 Hkv) Dh)
+        self.w_q, self.w_k, self.w_v = (nn.Parameter(w) for w in self._qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], 2))
+        self._qkv_views = self._layout()
         self.w_o = nn.Parameter(torch.randn(E, H * Dh, D) * (H * Dh) ** -0.5 / config.num_hidden_layers**0.5)
+
+    def _layout(self) -> list:      # where W_q, W_k, W_v lie: the buffer's views, or other tensors
+        return [(w.data_ptr(), w.shape, w.stride(), w.dtype) for w in (self.w_q, self.w_k, self.w_v)]
+
+    def qkv_weight(self) -> torch.Tensor:
+        """(E, D, (H + 2 Hkv) Dh): the buffer W_q, W_k, W_v are views of while they are (in-place writes,
+        as an optimizer's, load_state_dict's or p.data.copy_, land in it); a copy where autograd must reach
+        them or one was replaced (.to(dtype), p.data = ...). The copy was 10% of notebook 04's widget."""
+        if (torch.is_grad_enabled() and self.w_q.requires_grad) or self._layout() != self._qkv_views:
+            return torch.cat([self.w_q, self.w_k, self.w_v], dim=2)
+        return self._qkv
 
     def route(self, x: torch.Tensor) -> Routing:
         c = self.config
@@ -172,7 +182,7 @@ class ExpertAttention(nn.Module):
                 token, expert, counts = sort_by_expert(routing.selected)     # (M,), (M,), (E,)
                 xs, ps, ts, pair_seq_ids = x[token], positions[token], turns[token], seq_ids[token]
         with phase("projections"):
-            q, k, v = project_qkv(c, xs, ts, counts, self.w_q, self.w_k, self.w_v, self.backend)
+            q, k, v = project_qkv(c, xs, ts, counts, self.qkv_weight(), self.backend)
         with phase("append_kv"):
             appended = cache.append_kv(self.layer_index, pair_seq_ids, expert, ps, k, v)
         with phase("attend"):
@@ -270,8 +280,7 @@ class MoEKVTransformer(nn.Module):
                              f"[{int(tokens.min())}, {int(tokens.max())}]")
         last = int(positions.max()) if positions.numel() else 0
         if last >= self.config.max_position_embeddings:
-            raise ValueError(f"position {last} is beyond max_position_embeddings="
-                             f"{self.config.max_position_embeddings}")
+            raise ValueError(f"position {last} is beyond max_position_embeddings={self.config.max_position_embeddings}")
 
     def forward(self, tokens: torch.Tensor) -> ModelOutput:
         """Full recompute. tokens: (B, T), right-padded; every row starts at position 0."""
@@ -286,8 +295,7 @@ class MoEKVTransformer(nn.Module):
         self._check_tokens(tokens, positions)
         dtype, c = next(self.parameters()).dtype, self.config
         if self.backend == "triton" and dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"backend='triton' runs float32, float16 or bfloat16 weights, not "
-                             f"{dtype}")
+            raise ValueError(f"backend='triton' runs float32, float16 or bfloat16 weights, not {dtype}")
         with phase("forward"):
             with phase("projections"):                                      # every layer's rotations
                 cached = (seq_ids, positions, cache, rotary_turns(positions, c.head_dim, c.rope_theta, dtype))

@@ -84,8 +84,7 @@ def check_sampling_params(sampling_params, name: str = "sampling_params") -> Sam
 def check_batch(prompts, sampling_params, config, params_name: str) -> list[tuple]:
     """(prompt, params) pairs, each checked; sampling_params: one for all, or a list of one each."""
     if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, (list, tuple)):
-        raise ValueError("prompts must be a list of prompts (lists of token ids), got "
-                         f"{type(prompts).__name__}")
+        raise ValueError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
     if not prompts:
         raise ValueError("no prompts given: pass a non-empty list of prompts")
     per_prompt = (list(sampling_params) if isinstance(sampling_params, (list, tuple))

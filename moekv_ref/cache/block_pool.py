@@ -112,8 +112,7 @@ def checked_blocks_per_device(blocks_per_device, name: str = "blocks_per_device"
                                          "1-D integer tensor or numpy array of them")
     if isinstance(given, (torch.Tensor, np.ndarray)):
         if not integer_dtype(given.dtype):
-            raise ValueError(f"{name}={preview(given)} has dtype {given.dtype}; allowed: "
-                             f"{allowed}, never rounded")
+            raise ValueError(f"{name}={preview(given)} has dtype {given.dtype}; allowed: {allowed}, never rounded")
         if given.ndim != 1:
             raise ValueError(f"{name} has shape {tuple(given.shape)}; allowed: {allowed}")
         values = given.tolist()
@@ -128,8 +127,7 @@ def checked_blocks_per_device(blocks_per_device, name: str = "blocks_per_device"
             raise ValueError(f"{name}[{d}]={n!r} is {a_type(n)}; allowed: an integer >= 1 "
                              f"(the blocks of device {d}), never rounded")
         if n < 1:
-            raise ValueError(f"{name}[{d}]={n!r} is not allowed; allowed: an integer >= 1 (the blocks of "
-                             f"device {d})")
+            raise ValueError(f"{name}[{d}]={n!r} is not allowed; allowed: an integer >= 1 (the blocks of device {d})")
     return [int(n) for n in values]
 
 

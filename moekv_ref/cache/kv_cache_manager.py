@@ -74,16 +74,13 @@ def checked_placement(device_of_expert, num_layers: int, num_experts: int, num_d
         try:
             placement = torch.tensor(device_of_expert, dtype=torch.int64)
         except (TypeError, ValueError) as error:                   # ragged lists
-            raise ValueError(f"device_of_expert is not a rectangular table ({error}); "
-                             f"allowed: {allowed}") from None
+            raise ValueError(f"device_of_expert is not a rectangular table ({error}); allowed: {allowed}") from None
     elif isinstance(device_of_expert, (torch.Tensor, np.ndarray)):
         if not integer_dtype(device_of_expert.dtype):
-            raise ValueError(f"{_first_value(device_of_expert)} has dtype "
-                             f"{device_of_expert.dtype}; allowed: {allowed}")
+            raise ValueError(f"{_first_value(device_of_expert)} has dtype {device_of_expert.dtype}; allowed: {allowed}")
         placement = torch.as_tensor(device_of_expert).to(torch.int64)
     else:
-        raise ValueError(f"device_of_expert={device_of_expert!r} is {a_type(device_of_expert)}; "
-                         f"allowed: {allowed}")
+        raise ValueError(f"device_of_expert={device_of_expert!r} is {a_type(device_of_expert)}; allowed: {allowed}")
     if placement.dim() == 1:
         placement = placement.expand(num_layers, -1)
     if placement.shape != (num_layers, num_experts):

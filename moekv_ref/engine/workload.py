@@ -46,8 +46,7 @@ def _check_arrivals_and_sampling(arrival_rate, temperature: float, top_p: float)
     if arrival_rate is not None and not (isinstance(arrival_rate, (int, float))
                                          and not isinstance(arrival_rate, bool)
                                          and math.isfinite(arrival_rate) and arrival_rate > 0):
-        raise ValueError(f"arrival_rate={arrival_rate!r} must be a finite number > 0 of requests "
-                         "per step (or None)")
+        raise ValueError(f"arrival_rate={arrival_rate!r} must be a finite number > 0 of requests per step (or None)")
     SamplingParams(temperature=temperature, top_p=top_p)          # checks both before any work
 
 

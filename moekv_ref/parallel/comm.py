@@ -151,6 +151,5 @@ class Communicator:
             return (f"{name_ranks(list(behind))} never reached {label}: hung or dead ({details}); "
                     f"{seen}", tuple(behind))
         if unknown:
-            return (f"{label} failed on rank {self.rank}: could not read the progress of ranks {unknown}; "
-                    f"{seen}", ())
+            return (f"{label} failed on rank {self.rank}: could not read the progress of ranks {unknown}; {seen}", ())
         return f"{label} failed on rank {self.rank} although every peer reached it; {seen}", ()

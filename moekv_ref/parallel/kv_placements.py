@@ -63,7 +63,7 @@ class _PlacedAttention:
         pairs = local_pairs(received, part.attention_experts)
         xs, ps = received.hidden[pairs.token], received.positions[pairs.token].to(h.device)   # (M, D), (M,)
         turns = rotary_turns(ps, config.head_dim, config.rope_theta, xs.dtype)                      # (M, 1, Dh/2)
-        q, k, v = project_qkv(config, xs, turns, pairs.counts, part.w_q, part.w_k, part.w_v, backend)
+        q, k, v = project_qkv(config, xs, turns, pairs.counts, torch.cat([part.w_q, part.w_k, part.w_v], 2), backend)
         appended = cache.append_kv(layer, received.seq_ids[pairs.token], pairs.expert, ps, k, v)
         attention = rearrange(cache.attend(appended, q), "m h d -> m (h d)")      # (M, H * Dh)
         y = grouped_matmul(attention, part.w_o, pairs.counts, backend)
