@@ -137,8 +137,9 @@ class ExpertAttention(nn.Module):
         """(E, D, (H + 2 Hkv) Dh): the buffer W_q, W_k, W_v are views of while they are (in-place writes,
         as an optimizer's, load_state_dict's or p.data.copy_, land in it); a copy where autograd must reach
         them or one was replaced (.to(dtype), p.data = ...). The copy was 10% of notebook 04's widget."""
-        if (torch.is_grad_enabled() and self.w_q.requires_grad) or self._layout() != self._qkv_views:
-            return torch.cat([self.w_q, self.w_k, self.w_v], dim=2)
+        parts = (self.w_q, self.w_k, self.w_v)
+        if (torch.is_grad_enabled() and any(w.requires_grad for w in parts)) or self._layout() != self._qkv_views:
+            return torch.cat(parts, dim=2)
         return self._qkv
 
     def route(self, x: torch.Tensor) -> Routing:

@@ -132,9 +132,11 @@ def test_a_replaced_qkv_parameter_is_copied_never_read_stale():
 
 
 def test_under_autograd_the_qkv_weight_reaches_the_parameters():
+    """Also when only some of the three are trained (W_q frozen here)."""
     attention = random_model(small_config(), seed=5, dtype=torch.float32).blocks[0].attention
+    attention.w_q.requires_grad_(False)
     attention.qkv_weight().sum().backward()
-    assert all(torch.equal(w.grad, torch.ones_like(w)) for w in (attention.w_q, attention.w_k, attention.w_v))
+    assert all(torch.equal(w.grad, torch.ones_like(w)) for w in (attention.w_k, attention.w_v))
 
 
 def test_the_qkv_weight_reaches_the_cached_logits(monkeypatch):
