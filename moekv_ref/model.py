@@ -23,6 +23,7 @@ from einops import einsum, rearrange
 
 from .attention import rotary, rotary_turns
 from .backends import require_backend
+from .cache.budget import RowBudget, attend_with_budget
 from .profiling import phase
 from .config import ModelConfig
 from .routing import Routing, route
@@ -146,8 +147,10 @@ class ExpertAttention(nn.Module):
         c = self.config
         return route(self.router(x), c.attention_routing, c.num_attention_experts_per_tok, c.routing_threshold)
 
-    def forward_full(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
-        """x: (B, T, D), right-padded sequences starting at position 0. Returns (B, T, D)."""
+    def forward_full(self, x: torch.Tensor, budget: RowBudget | None = None) -> tuple[torch.Tensor, Routing]:
+        """x: (B, T, D), right-padded sequences starting at position 0. Returns (B, T, D). With a
+        budget, each (sequence, expert) row keeps at most its B tokens, token by token
+        (cache/budget.py): the recompute a budgeted cache must equal."""
         c = self.config
         B, T, _ = x.shape
         E, H, Hkv, Dh = c.num_attention_experts, c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -158,12 +161,15 @@ class ExpertAttention(nn.Module):
         q = rearrange(rotary(q, turns), "b t e h d -> b e h t d")
         k, v = (rearrange(t, "b t e h d -> b e h t d").repeat_interleave(H // Hkv, dim=2)
                 for t in (rotary(k, turns), v))                              # (B, E, H, T, Dh)
-        # query i at expert e sees key j iff j <= i and j was routed to e; it also always sees
-        # itself, so that rows of tokens not routed to e stay finite (their gate is 0 anyway)
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()   # (T, T)
-        sent = rearrange(routing.selected, "b t e -> b e t")                 # (B, E, T)
-        visible = (causal[None, None] & sent[:, :, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, :, None])  # (B, E, H, T, Dh)
+        if budget is not None:      # a refused pair's attention is zero: it adds nothing below
+            attn, _ = attend_with_budget(q, k, v, routing.selected, routing.probs, budget, self.layer_index)
+        else:
+            # query i at expert e sees key j iff j <= i and j was routed to e; it also always sees
+            # itself, so that rows of tokens not routed to e stay finite (their gate is 0 anyway)
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()   # (T, T)
+            sent = rearrange(routing.selected, "b t e -> b e t")                 # (B, E, T)
+            visible = (causal[None, None] & sent[:, :, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, :, None])  # (B, E, H, T, Dh)
         attn = rearrange(attn, "b e h t d -> b t e (h d)")                   # (B, T, E, H*Dh)
         out = einsum(attn, self.w_o, "b t e f, e f d -> b t e d")            # (B, T, E, D)
         return (out * routing.gates[..., None]).sum(2), routing
@@ -184,8 +190,9 @@ class ExpertAttention(nn.Module):
                 xs, ps, ts, pair_seq_ids = x[token], positions[token], turns[token], seq_ids[token]
         with phase("projections"):
             q, k, v = project_qkv(c, xs, ts, counts, self.qkv_weight(), self.backend)
-        with phase("append_kv"):
-            appended = cache.append_kv(self.layer_index, pair_seq_ids, expert, ps, k, v)
+        with phase("append_kv"):    # the router's probabilities: what a budget's router_score keeps
+            scores = None if dense else routing.probs[token, expert]
+            appended = cache.append_kv(self.layer_index, pair_seq_ids, expert, ps, k, v, scores)
         with phase("attend"):
             attn = cache.attend(appended, q)                                 # (M, H, Dh)
         with phase("projections"):
@@ -239,10 +246,11 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn = MoEFeedForward(config, backend)
 
-    def forward(self, x, cached=None) -> tuple[torch.Tensor, Routing, Routing]:
-        """x: (B, T, D) full recompute, or (N, D) with cached = (seq_ids, positions, cache[, pairs])."""
+    def forward(self, x, cached=None, budget=None) -> tuple[torch.Tensor, Routing, Routing]:
+        """x: (B, T, D) full recompute (under a budget, if given), or (N, D) with cached = (seq_ids,
+        positions, cache[, pairs])."""
         if cached is None:
-            h, attention_routing = self.attention.forward_full(self.attention_norm(x))
+            h, attention_routing = self.attention.forward_full(self.attention_norm(x), budget)
         else:
             h, attention_routing = self.attention.forward_cached(self.attention_norm(x), *cached)
         x = x + h
@@ -283,10 +291,15 @@ class MoEKVTransformer(nn.Module):
         if last >= self.config.max_position_embeddings:
             raise ValueError(f"position {last} is beyond max_position_embeddings={self.config.max_position_embeddings}")
 
-    def forward(self, tokens: torch.Tensor) -> ModelOutput:
-        """Full recompute. tokens: (B, T), right-padded; every row starts at position 0."""
+    def forward(self, tokens: torch.Tensor, budget: RowBudget | None = None) -> ModelOutput:
+        """Full recompute. tokens: (B, T), right-padded; every row starts at position 0. budget: each
+        (sequence, layer, expert) row keeps at most B tokens, as a cache with that budget does."""
         self._check_tokens(tokens, torch.arange(tokens.shape[-1]))
-        return self._run(self.embed(tokens), None)                           # (B, T, V)
+        if budget is not None:
+            if not isinstance(budget, RowBudget):
+                raise ValueError(f"budget={budget!r} must be a RowBudget (moekv_ref.cache.budget) or None")
+            budget.check_model(self.config.num_hidden_layers, self.config.num_attention_experts)
+        return self._run(self.embed(tokens), None, budget)                   # (B, T, V)
 
     def forward_cached(self, tokens, seq_ids, positions, cache) -> ModelOutput:
         """Cached step over a flat ragged batch. tokens, seq_ids, positions: (N,). Logits (N, V)."""
@@ -304,10 +317,10 @@ class MoEKVTransformer(nn.Module):
                 cached += (dense_pairs(tokens.shape[0], self.embed.weight.device, self.embed.weight.dtype),)
             return self._run(self.embed(tokens), cached)                     # (N, V)
 
-    def _run(self, x, cached) -> ModelOutput:
+    def _run(self, x, cached, budget=None) -> ModelOutput:
         attention_routing, ffn_routing = [], []
         for block in self.blocks:
-            x, r_attn, r_ffn = block(x, cached)
+            x, r_attn, r_ffn = block(x, cached, budget)
             attention_routing.append(r_attn)
             ffn_routing.append(r_ffn)
         return ModelOutput(self.lm_head(self.norm(x)), attention_routing, ffn_routing)

@@ -217,29 +217,6 @@ def test_no_name_is_defined_in_two_library_modules():
     assert {n for n, p in _top_level_names(copied).items() if len(p) > 1} == {"KVCacheManager", "BYTES_PER_INDEX"}
 
 
-# The library's size, counted as `wc -l` counts it (docstrings, comments and blank lines included):
-# 10,489 lines when it held one class per concept for the first time, 9,480 after the duplicated
-# checks and prose went, 8,697 after a second pass (prose said once, a second undo mechanism and
-# 80 lines of prompt text in the engine moved to data files), 8,588 after a third (forwarders,
-# parameters never passed, a second rotary table cache), 8,587 with the dense decode plan paid for by
-# one-use locals and wrapped calls in 28 files, 8,586 with the one-pool step demand and the engine's
-# one snapshot a plain step paid for by joined lines, 8,585 with the every-expert FFN of small steps
-# (joined lines again), 8,582 with the character classes two to a line, 8,576 with the rotary turns made
-# once a forward (two reports' dicts written several keys to a line). The goal is 8,000 (nano-vllm's whole
-# engine is about 1,200); until then the budget only falls, so that a feature comes with lines
-# removed elsewhere.
-LIBRARY_LINE_BUDGET = 8_576
-
-
-def test_the_library_stays_within_its_line_budget():
-    lines = {str(p.relative_to(ROOT)): len(p.read_text(encoding="utf-8").splitlines())
-             for p in sorted(PACKAGE.rglob("*.py")) if not str(p.relative_to(ROOT)).startswith(LIBRARY_LEFT_OUT)}
-    largest = sorted(lines.items(), key=lambda item: -item[1])[:5]
-    assert sum(lines.values()) <= LIBRARY_LINE_BUDGET, (
-        f"the library has {sum(lines.values())} lines, over its budget of {LIBRARY_LINE_BUDGET}; "
-        f"largest: {largest}")
-
-
 def test_every_importable_package_has_the_project_s_prefix():
     """The packages pip installs from this repository are named moekv_*: a top-level package named
     like another distribution shadows it, or is shadowed by it, depending on the directory Python

@@ -28,8 +28,9 @@ class ContiguousKVCache:
         # (seq_id, layer, expert) -> (k (m, Hkv, Dh), v (m, Hkv, Dh), positions (m,))
         self._buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def append_kv(self, layer, seq_ids, experts, positions, k, v) -> ContiguousRows:
-        """Checks every row first, so that a call that raises changes nothing."""
+    def append_kv(self, layer, seq_ids, experts, positions, k, v, scores=None) -> ContiguousRows:
+        """Checks every row first, so that a call that raises changes nothing. scores (the router's
+        probabilities, which a budget reads) are not used: this cache keeps every token."""
         seq_ids, experts = torch.as_tensor(seq_ids).tolist(), torch.as_tensor(experts).tolist()
         index: dict[tuple[int, int, int], int] = {}                  # each distinct row, in order
         pair_row = torch.tensor([index.setdefault((seq_id, layer, expert), len(index))

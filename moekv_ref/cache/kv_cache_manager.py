@@ -24,7 +24,8 @@ Each expert of each layer lives on one of D devices (`device_of_expert`, (L, E))
 blocks of that device's range, so memory is short per device; with `home_devices` every row of
 sequence s lives on s % D instead (a pool sharded by sequence, as expert parallelism's
 kv_with_sequence and replicated_attention placements keep theirs). Parts, vLLM's style, each own
-their state and are called where they differ: SharedTails and PrefixCache (which do not combine).
+their state and are called where they differ: SharedTails and PrefixCache (which do not combine), and
+RowBudget (budget.py: at most B tokens a row, a policy at a full row), which combines with neither.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class KVCacheManager:
     def __init__(self, num_layers: int, num_experts: int, block_size: int, num_blocks: int | None = None,
                  shuffle_seed: int | None = None, initial_num_seqs: int = 4,
                  initial_blocks_per_row: int = 4, blocks_per_device=None, device_of_expert=None,
-                 home_devices: bool = False, tails=None, prefix_cache=None):
+                 home_devices: bool = False, tails=None, prefix_cache=None, budget=None):
         for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} is not allowed: it must be a positive integer")
@@ -128,6 +129,11 @@ class KVCacheManager:
                              "the block straddling its end, but a shared-tail row keeps its last "
                              "tokens in its sequence's tail blocks, not in a block of its own; use "
                              "one or the other (each works with one device or several)")
+        if budget is not None and (tails is not None or prefix_cache is not None):
+            raise ValueError("a row budget combines with neither shared tails nor prefix caching: a full "
+                             "budgeted row replaces tokens in place, so its blocks hold what its policy "
+                             "kept, not a prefix another request could reuse, and its last tokens are "
+                             "not a tail to share; build the cache with the budget alone")
         if device_of_expert is None:
             device_of_expert = torch.zeros(num_experts, dtype=torch.int64)
         self._placement = checked_placement(device_of_expert, num_layers, num_experts,
@@ -145,8 +151,8 @@ class KVCacheManager:
         self.last_appended = torch.full((num_rows,), -1, dtype=torch.int64)         # (R,)
         self._seq_index: dict[int, int] = {}        # sequence id -> its slot of rows
         self._free_seq_indices = list(range(initial_num_seqs - 1, -1, -1))
-        self.tails, self.prefix_cache = tails, prefix_cache
-        for part in (tails, prefix_cache):
+        self.tails, self.prefix_cache, self.budget = tails, prefix_cache, budget
+        for part in (tails, prefix_cache, budget):
             if part is not None:
                 part.attach(self)
 
@@ -196,7 +202,10 @@ class KVCacheManager:
         if self.tails is not None:
             return self.tails.num_blocks_needed_per_device(rows, num_new_tokens)
         old = self.row_tokens[rows]
-        new_blocks = ceil_div(old + num_new_tokens, self.block_size) - ceil_div(old, self.block_size)
+        new = old + num_new_tokens
+        if self.budget is not None:                              # a row stops growing at its budget
+            new = torch.minimum(new, self.budget.limit_of_rows(rows))
+        new_blocks = ceil_div(new, self.block_size) - ceil_div(old, self.block_size)
         return torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, self.device_of_rows(rows), new_blocks)
 
     sequences = property(lambda self: list(self._seq_index))
@@ -256,6 +265,8 @@ class KVCacheManager:
         self.block_tables[rows] = self.pad
         self.last_position[rows] = -1
         self.last_appended[rows] = -1
+        if self.budget is not None:
+            self.budget.clear_rows(rows)
 
     # ----- the scheduler's questions --------------------------------------------------------------
     def can_allocate(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> bool:
@@ -341,6 +352,23 @@ class KVCacheManager:
             return SlotAllocation(None)
         return SlotAllocation(offset.add_(self.block_tables[rows, column], alpha=P) if one_each  # block * P + offset
                               else self._slots(rows, old, num_new_tokens))
+
+    def allocate_within_budget(self, rows: torch.Tensor, positions: torch.Tensor,
+                               scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One newcomer for each of the distinct rows (a manager with a budget): the budget's policy
+        says where each goes (budget.py); a row below its budget appends it (which may take a block,
+        OutOfBlocksError changing nothing), a full row gives it the victim's slot, or refuses it.
+        Returns the accepted newcomers' slots (a,) and accepted (m,) bool."""
+        index = self.budget.choose(rows, positions, scores)                             # (m,) -1: refused
+        accepted = index >= 0
+        taken, slot_index = rows[accepted], index[accepted]                             # (a,) each
+        appending = slot_index == self.row_tokens[taken]                                # (a,) below budget
+        self.allocate_slots(taken[appending], torch.ones(int(appending.sum()), dtype=torch.int64),
+                            rows_are_distinct=True, with_slots=False)
+        self.budget.record(rows, index, positions, scores)
+        self.last_position[taken] = positions[accepted]
+        self.last_appended[taken] = self.clock
+        return self._slot_of(taken, slot_index), accepted
 
     def _take_blocks(self, rows: torch.Tensor, needed: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
         """needed[i] fresh blocks for rows[i], from its row's device, row after row; raises
@@ -471,8 +499,9 @@ class KVCacheManager:
             new = torch.full((extra, *old.shape[1:]), fill, dtype=old.dtype)
             setattr(self, name, torch.cat([old, new]))
         self._free_seq_indices = list(range(2 * num_seqs - 1, num_seqs - 1, -1)) + self._free_seq_indices
-        if self.tails is not None:
-            self.tails.grow_rows(self.row_tokens.numel())
+        for part in (self.tails, self.budget):
+            if part is not None:
+                part.grow_rows(self.row_tokens.numel())
 
     @torch.inference_mode(False)
     def _grow_tables(self, min_width: int) -> None:
@@ -503,6 +532,6 @@ class KVCacheManager:
         live[list(self._seq_index.values())] = True
         idle_rows = (~live).repeat_interleave(self.rows_per_seq)
         assert (self.row_tokens[idle_rows] == 0).all(), "a free sequence slot holds tokens"
-        for part in (self.tails, self.prefix_cache):
+        for part in (self.tails, self.prefix_cache, self.budget):
             if part is not None:
                 part.assert_consistent()

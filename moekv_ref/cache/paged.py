@@ -34,6 +34,7 @@ from ..attention import attend_by_position, score_dtype
 from ..backends import require_backend
 from ..config import ModelConfig
 from .block_pool import check_flag, checked_blocks_per_device
+from .budget import RowBudget
 from .kv_cache_manager import KVCacheManager, check_block_size
 from .rows import worst_case_lifetime_blocks
 from .prefix_cache import PrefixCache
@@ -51,6 +52,23 @@ class AppendedRows:
     context_lens: torch.Tensor  # (m,) tokens each row holds after the append
     pair_row: torch.Tensor      # (n,) each pair's row, as an index into `rows`
     pair_index: torch.Tensor    # (n,) index of the pair's token in its row: it sees 0..pair_index
+    # a cache with a budget: the pairs of the call these rows hold (None: all), and the pairs that
+    # arrive at full rows, placed one wave at a time by `attend` (AppendedRows.waiting)
+    pairs: torch.Tensor | None = None
+    waiting: list | None = None
+
+
+@dataclass
+class WaitingPairs:
+    """Pairs of a budgeted call that reach rows full by then, one pair per row: the i-th such pair of
+    every row is in wave i. `attend` places them (the budget's policy decides, as each must see the
+    row its predecessors left) and attends, wave after wave."""
+    pairs: torch.Tensor         # (w,) indices into the call
+    rows: torch.Tensor          # (w,) distinct rows
+    positions: torch.Tensor     # (w,)
+    scores: torch.Tensor        # (w,) router probabilities
+    k: torch.Tensor             # (w, Hkv, Dh) each
+    v: torch.Tensor
 
 
 @dataclass
@@ -74,14 +92,15 @@ class PagedKVCache:
     """append_kv / attend over a paged block pool shared by every (sequence, layer, expert).
 
     shared_tails: a manager with SharedTails, not with "triton" (its kernels read a row through its
-    block table only); enable_prefix_caching: with a PrefixCache. blocks_per_device (summing to
+    block table only); enable_prefix_caching: with a PrefixCache; budget: a RowBudget (budget.py),
+    alone. blocks_per_device (summing to
     num_blocks) with device_of_expert or home_devices: per-device pools (KVCacheManager)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  shuffle_seed: int | None = None, attention: str = "batched", shared_tails: bool = False,
                  blocks_per_device=None, device_of_expert=None, enable_prefix_caching: bool = False,
-                 home_devices: bool = False):
+                 home_devices: bool = False, budget: RowBudget | None = None):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS}")
         if shared_tails and attention == "triton":
@@ -98,6 +117,8 @@ class PagedKVCache:
         for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("shared_tails", shared_tails),
                            ("home_devices", home_devices)):
             check_flag(name, flag)
+        if budget is not None and not isinstance(budget, RowBudget):
+            raise ValueError(f"budget={budget!r} must be a RowBudget (moekv_ref.cache.budget) or None")
         self.config = config
         self.attention = attention
         if home_devices and (blocks_per_device is None or device_of_expert is not None):
@@ -109,7 +130,8 @@ class PagedKVCache:
         self.manager = KVCacheManager(L, E, block_size, num_blocks, shuffle_seed,
                                       blocks_per_device=blocks_per_device, device_of_expert=device_of_expert,
                                       home_devices=home_devices, tails=SharedTails() if shared_tails else None,
-                                      prefix_cache=PrefixCache() if enable_prefix_caching else None)
+                                      prefix_cache=PrefixCache() if enable_prefix_caching else None,
+                                      budget=None if budget is None else budget.fresh())
         # each device must hold one token: a block in each of its experts a token can reach, every
         # layer (with home devices, all k of them)
         for d, n in enumerate(self.manager.blocks_per_device.tolist()):
@@ -137,27 +159,31 @@ class PagedKVCache:
                   max_num_seqs: int = 8, shuffle_seed: int | None = None,
                   attention: str | None = None, shared_tails: bool = False,
                   blocks_per_device=None, device_of_expert=None,
-                  enable_prefix_caching: bool = False, home_devices: bool = False) -> "PagedKVCache":
+                  enable_prefix_caching: bool = False, home_devices: bool = False,
+                  budget: RowBudget | None = None) -> "PagedKVCache":
         """A cache in the model's dtype and device; attention=None follows the model's backend.
         Without num_blocks, the pool holds max_num_seqs sequences of max_position_embeddings tokens
-        at their worst (rows.worst_case_lifetime_blocks)."""
+        at their worst (rows.worst_case_lifetime_blocks, each row capped by the budget if any)."""
         config = model.config
         if num_blocks is None and blocks_per_device is not None:
             num_blocks = sum(checked_blocks_per_device(blocks_per_device))
         if num_blocks is None:
+            cap = int(budget.limits(config.num_hidden_layers).max()) if isinstance(budget, RowBudget) else None
             num_blocks = max_num_seqs * worst_case_lifetime_blocks(
                 config.max_position_embeddings, config.num_hidden_layers, config.num_attention_experts,
-                config.num_attention_experts_per_tok, check_block_size(block_size))
+                config.num_attention_experts_per_tok, check_block_size(block_size), cap)
         if attention is None:
             attention = "triton" if model.backend == "triton" else "batched"
         parameter = next(model.parameters())
         return cls(config, num_blocks, block_size, parameter.dtype, parameter.device, shuffle_seed,
-                   attention, shared_tails, blocks_per_device, device_of_expert, enable_prefix_caching, home_devices)
+                   attention, shared_tails, blocks_per_device, device_of_expert, enable_prefix_caching, home_devices,
+                   budget)
 
     # ----- verb 1: bookkeeping and store ----------------------------------------------------------
-    def append_kv(self, layer: int, seq_ids, experts, positions, k, v) -> AppendedRows:
+    def append_kv(self, layer: int, seq_ids, experts, positions, k, v, scores=None) -> AppendedRows:
         """Raises ValueError (bad shapes or order) or OutOfBlocksError (pool short) before anything
-        is stored or allocated."""
+        is stored or allocated. scores (n,): each pair's router probability, which a budget's
+        router_score policy reads (ones when left out)."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         n = k.shape[0]
         if k.shape != (n, Hkv, Dh) or v.shape != k.shape:
@@ -167,6 +193,11 @@ class PagedKVCache:
         if not seq_ids.shape == experts.shape == positions.shape == (n,):
             raise ValueError(f"seq_ids, experts and positions must be (n,) = ({n},); got "
                              f"{tuple(seq_ids.shape)}, {tuple(experts.shape)}, {tuple(positions.shape)}")
+        if self.manager.budget is not None:
+            scores = torch.ones(n, dtype=torch.float64) if scores is None else torch.as_tensor(scores).cpu().reshape(-1)
+            if scores.shape != (n,):
+                raise ValueError(f"scores must be (n,) = ({n},); got {tuple(scores.shape)}")
+            return self._append_with_budget(layer, seq_ids, experts, positions, k, v, scores)
         manager, key = self.manager, (seq_ids.tolist(), experts.tolist(), positions.tolist())
         appended = self._append_planned(self.plan, layer, key, positions, k, v)
         if appended is not None:
@@ -217,6 +248,50 @@ class PagedKVCache:
                 self.plan = DecodePlan(layer, key, manager.seq_slots(key[0]), rows, appended.pair_index,
                                        column, offset, appended, self._padding(context_lens))
         return appended
+
+    def _append_with_budget(self, layer, seq_ids, experts, positions, k, v, scores) -> AppendedRows:
+        """append_kv for a cache with a budget. The pairs a row has room for are appended now, as
+        without a budget (the same operations, so a budget no row reaches changes no bit); the rest
+        wait for `attend`, which places them one per row at a time (WaitingPairs)."""
+        manager = self.manager
+        new_seqs = sorted(set(seq_ids.tolist()).difference(manager.sequences))
+        for s in new_seqs:
+            manager.add_sequence(s)
+        try:
+            pair_rows = manager.rows(seq_ids, layer, experts)                         # (n,)
+            rows, pair_row, num_new = torch.unique(pair_rows, return_inverse=True, return_counts=True)
+            order = torch.argsort(pair_rows, stable=True)                             # (n,) grouped by row
+            first = torch.cumsum(num_new, 0) - num_new                                # (m,) into order
+            self._check_positions(pair_rows[order], positions[order], rows, first)
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(order.numel()) - first[pair_row[order]]         # (n,) i-th of its row
+            room = manager.budget.limit_of_rows(rows) - manager.row_tokens[rows]      # (m,)
+            fits = rank < room[pair_row]                                              # (n,)
+            now = fits.nonzero().squeeze(1)                                           # (f,) in call order
+            fit_rows, fit_pair_row, fit_new = torch.unique(pair_rows[now], return_inverse=True, return_counts=True)
+            old = manager.row_tokens[fit_rows]                                        # (r,)
+            allocation = manager.allocate_slots(fit_rows, fit_new, rows_are_distinct=True)   # may raise
+        except Exception:
+            for s in new_seqs:                                                        # as it was
+                manager.free(s)
+            raise
+        pair_index = old[fit_pair_row] + rank[now]                                    # (f,) index in its row
+        manager.budget.record(pair_rows[now], pair_index, positions[now], scores[now])
+        last = torch.zeros(fit_rows.numel(), dtype=torch.int64).scatter_reduce_(
+            0, fit_pair_row, positions[now], "amax", include_self=False)               # (r,)
+        manager.last_position[fit_rows] = last
+        slots = torch.empty(now.numel(), dtype=torch.int64)
+        slots[torch.argsort(pair_rows[now], stable=True)] = allocation.slot_mapping    # row after row -> pairs
+        self._store(k[now], v[now], slots)
+        waiting = []
+        late = rank - room[pair_row]                                                  # (n,) >= 0: waits
+        for wave in range(int(late.max()) + 1 if not bool(fits.all()) else 0):
+            pairs = (late == wave).nonzero().squeeze(1)                               # (w,) one per row
+            waiting.append(WaitingPairs(pairs, pair_rows[pairs], positions[pairs], scores[pairs], k[pairs], v[pairs]))
+        if fit_rows.numel() == now.numel():          # each pair its own row: rows in pair order (a decode)
+            fit_rows, fit_new, fit_pair_row = pair_rows[now], torch.ones_like(now), torch.arange(now.numel())
+        context_lens = manager.row_tokens[fit_rows]
+        return AppendedRows(fit_rows, fit_new, context_lens, fit_pair_row, pair_index, now, waiting)
 
     def _append_planned(self, plan, layer, key, positions, k, v) -> AppendedRows | None:
         """append_kv of the plan's pairs at the next layer; None (nothing changed) where the plan does
@@ -280,8 +355,56 @@ class PagedKVCache:
     def attend(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
         """Each pair's query q (n, H, Dh) over the keys its row holds up to and including its own
         token. Returns (n, H, Dh)."""
+        if appended.pairs is not None:
+            return self._attend_with_budget(appended, q)
         if q.shape[0] != appended.pair_row.numel():
             raise ValueError(f"q has {q.shape[0]} queries for {appended.pair_row.numel()} appended pairs")
+        return self._attend_rows(appended, q)
+
+    def _attend_with_budget(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
+        """attend for a cache with a budget: the pairs appended by append_kv, then each wave of
+        waiting pairs placed (KVCacheManager.allocate_within_budget) and attended in turn. A refused
+        pair's output stays zero: it adds nothing to its token's gated sum (budget.py)."""
+        n = appended.pairs.numel() + sum(wave.pairs.numel() for wave in appended.waiting)
+        if q.shape[0] != n:
+            raise ValueError(f"q has {q.shape[0]} queries for {n} appended pairs")
+        out = q.new_zeros(q.shape)                                                 # (n, H, Dh)
+        self._attend_budgeted_group(appended, appended.pairs, q, out)
+        for wave in appended.waiting:          # after the last wave's attention: it may overwrite a key
+            slots, accepted = self.manager.allocate_within_budget(wave.rows, wave.positions, wave.scores)
+            self._store(wave.k[accepted], wave.v[accepted], slots)
+            rows = wave.rows[accepted]                                             # (a,) one pair each
+            lens = self.manager.row_tokens[rows]
+            # the newcomer sees its whole row: every slot holds an earlier position, or its own
+            placed = AppendedRows(rows, torch.ones_like(rows), lens, torch.arange(rows.numel()), lens - 1)
+            self._attend_budgeted_group(placed, wave.pairs[accepted], q, out)
+        return out
+
+    def _attend_budgeted_group(self, appended: AppendedRows, pairs: torch.Tensor, q: torch.Tensor, out) -> None:
+        """out[pairs] = attention of those pairs (the path without a budget); under heavy_hitter their
+        rows' slots also receive the attention probabilities (H2O's accumulated attention)."""
+        if not pairs.numel():
+            return
+        out[pairs] = self._attend_rows(appended, q[pairs])
+        if self.manager.budget.policy == "heavy_hitter":
+            self.manager.budget.add_attention(appended.rows, self._attention_received(appended, q[pairs]))
+
+    def _attention_received(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
+        """(m, Lmax) the probability each slot of each row received from the call's queries, summed
+        over queries and heads. The fused attention does not return its probabilities, so they are
+        computed beside it: the outputs stay exactly those of the path without a budget."""
+        H, Dh = q.shape[1], q.shape[2]
+        compute = score_dtype(q.dtype)
+        keys, _, valid = self._gather_rows(appended.rows, appended.context_lens, compute)   # (m, Lmax, Hkv, Dh)
+        keys = keys[appended.pair_row].repeat_interleave(H // keys.shape[2], dim=2)        # (n, Lmax, H, Dh)
+        logits = torch.einsum("nhd,nlhd->nhl", q.to(compute), keys) / Dh**0.5             # (n, H, Lmax)
+        slot = torch.arange(keys.shape[1], device=keys.device)
+        visible = valid[appended.pair_row] & (slot[None, :] <= appended.pair_index[:, None].to(keys.device))
+        probs = torch.softmax(logits.masked_fill(~visible[:, None, :], -torch.inf), dim=-1)   # (n, H, Lmax)
+        received = torch.zeros(appended.rows.numel(), keys.shape[1], dtype=compute, device=keys.device)
+        return received.index_add_(0, appended.pair_row.to(keys.device), probs.sum(1)).cpu()   # (m, Lmax)
+
+    def _attend_rows(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
         if self.attention == "reference":
             return self._attend_row_by_row(appended, q)
         if self.attention == "batched" and 0 < appended.rows.numel() == q.shape[0]:

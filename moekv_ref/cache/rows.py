@@ -41,11 +41,14 @@ class RowIndex:
             + torch.arange(self.rows_per_seq)
 
 
-def worst_case_lifetime_blocks(num_tokens: int, num_layers: int, num_experts: int, k_max: int, block_size: int) -> int:
+def worst_case_lifetime_blocks(num_tokens: int, num_layers: int, num_experts: int, k_max: int, block_size: int,
+                               max_row_tokens: int | None = None) -> int:
     """The most blocks a sequence of T = `num_tokens` cached tokens can hold under any routing: per
-    layer k_max * T entries over E rows of at most T each, so at most min(E * ceil(T / P), m +
-    (k_max * T - m) // P) blocks, m = min(E, k_max * T)."""
-    entries = k_max * num_tokens
+    layer k_max * T entries over E rows of at most C = T tokens each (C = min(T, B) under a row
+    budget of B tokens), so at most min(E * ceil(C / P), m + (N - m) // P) blocks, N = min(k_max *
+    T, E * C) entries, m = min(E, N)."""
+    most = num_tokens if max_row_tokens is None else min(num_tokens, max_row_tokens)          # C
+    entries = min(k_max * num_tokens, num_experts * most)
     rows = min(num_experts, entries)
-    per_layer = min(num_experts * ceil_div(num_tokens, block_size), rows + (entries - rows) // block_size)
+    per_layer = min(num_experts * ceil_div(most, block_size), rows + (entries - rows) // block_size)
     return num_layers * per_layer

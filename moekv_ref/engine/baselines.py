@@ -12,7 +12,9 @@ from .request import Request
 
 
 def _reservation(num_cached_tokens: int, shape: ModelShape) -> int:
-    return reserved_blocks(num_cached_tokens, shape.num_layers, shape.num_experts, shape.block_size)
+    """Every row's worst case: all the tokens, or its budget's B."""
+    cap = num_cached_tokens if shape.max_row_tokens is None else min(num_cached_tokens, shape.max_row_tokens)
+    return reserved_blocks(cap, shape.num_layers, shape.num_experts, shape.block_size)
 
 
 class ReserveEveryRow(AdmissionPolicy):

@@ -112,7 +112,7 @@ class ContinuousBatching(BatchingPolicy):
 
     def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
         return worst_case_lifetime_blocks(num_cached_tokens, shape.num_layers, shape.num_experts,
-                                          shape.k_max, shape.block_size)
+                                          shape.k_max, shape.block_size, shape.max_row_tokens)
 
     def admit(self, step: AdmissionStep) -> None:
         while step.head is not None and step.has_room:

@@ -58,9 +58,11 @@ class DemandPredictor:
     routing k_avg = k exactly, and only the split across experts, hence the tail, is unknown.
     """
 
-    def __init__(self, num_layers: int, num_experts: int, k_max: int, block_size: int):
+    def __init__(self, num_layers: int, num_experts: int, k_max: int, block_size: int,
+                 max_row_tokens: int | None = None):
         self.num_layers, self.num_experts = num_layers, num_experts
         self.k_max, self.block_size = k_max, block_size
+        self.max_row_tokens = max_row_tokens         # a row budget caps every prediction's worst case
         self.num_entries = torch.zeros(num_layers, dtype=torch.float64)   # (L,) routed (token, expert)
         self.num_tokens = 0
 
@@ -81,7 +83,7 @@ class DemandPredictor:
         entries = self.k_avg * num_tokens                                        # (L,)
         rows = torch.clamp(entries, max=self.num_experts)
         per_layer = entries / P + rows * (P - 1) / P
-        worst = worst_case_lifetime_blocks(num_tokens, 1, self.num_experts, self.k_max, P)
+        worst = worst_case_lifetime_blocks(num_tokens, 1, self.num_experts, self.k_max, P, self.max_row_tokens)
         return int(sum(min(math.ceil(x - 1e-9), worst) for x in per_layer.tolist()))
 
 
@@ -106,12 +108,14 @@ def blocks_held_per_device(token_counts: torch.Tensor, block_size: int, device_o
 
 def worst_case_step_blocks_per_device(token_counts: torch.Tensor, num_new_tokens: torch.Tensor, k_max: int,
                                       block_size: int, device_of_expert: torch.Tensor,
-                                      num_devices: int) -> torch.Tensor:
+                                      num_devices: int, max_row_tokens: int | None = None) -> torch.Tensor:
     """token_counts (m, L, E), num_new_tokens (m,), device_of_expert (m, L, E) -> (m, D): the most
-    blocks each sequence's next tokens could take on each device (min of bounds A and B)."""
+    blocks each sequence's next tokens could take on each device (min of bounds A and B); a row
+    budget caps each row at max_row_tokens."""
     m = token_counts.shape[0]
     n = num_new_tokens.to(torch.int64).view(m, 1, 1)                                 # (m, 1, 1)
-    grow = ceil_div(token_counts + n, block_size) - ceil_div(token_counts, block_size)   # (m, L, E)
+    grown = token_counts + n if max_row_tokens is None else torch.clamp(token_counts + n, max=max_row_tokens)
+    grow = ceil_div(grown, block_size) - ceil_div(token_counts, block_size)          # (m, L, E)
     bound_a = _per_device(grow, device_of_expert, num_devices)                       # (m, L, D)
     experts_on = _per_device(torch.ones_like(token_counts), device_of_expert, num_devices)   # (m, L, D)
     entries = torch.clamp(experts_on, max=k_max) * n                                 # (m, L, D) k_d * n
@@ -121,9 +125,12 @@ def worst_case_step_blocks_per_device(token_counts: torch.Tensor, num_new_tokens
 
 
 def worst_case_lifetime_blocks_per_device(num_tokens: torch.Tensor, k_max: int, block_size: int,
-                                          device_of_expert: torch.Tensor, num_devices: int) -> torch.Tensor:
+                                          device_of_expert: torch.Tensor, num_devices: int,
+                                          max_row_tokens: int | None = None) -> torch.Tensor:
     """num_tokens (m,), device_of_expert (m, L, E) -> (m, D): the most blocks T cached tokens can
     hold on each device; per layer min(E_d * ceil(T / P), r + (k_d * T - r) // P),
-    r = min(E_d, k_d * T): bounds A and B of one step of T tokens into empty rows."""
+    r = min(E_d, k_d * T): bounds A and B of one step of T tokens into empty rows (A with each row
+    capped at max_row_tokens under a budget)."""
     empty = torch.zeros(device_of_expert.shape, dtype=torch.int64)                   # (m, L, E)
-    return worst_case_step_blocks_per_device(empty, num_tokens, k_max, block_size, device_of_expert, num_devices)
+    return worst_case_step_blocks_per_device(empty, num_tokens, k_max, block_size, device_of_expert, num_devices,
+                                             max_row_tokens)

@@ -100,13 +100,15 @@ class LLMEngine:
     blocks_per_device: D integers >= 1, never rounded (num_blocks their sum if left out);
     device_of_expert: (E,) or (L, E) devices (placement.place_experts). With home_devices
     device_of_expert is None: ask memory.device_of_expert_of.
+    budget: a RowBudget (cache/budget.py), at most B tokens in each (sequence, layer, expert) row;
+    with preemption by recompute (a swapped sequence would also have to carry its rows' policy state).
     """
 
     def __init__(self, model: MoEKVTransformer, num_blocks: int | None = None, block_size: int = 16,
                  scheduler_config: SchedulerConfig | None = None, num_swap_blocks: int | None = None,
                  shuffle_seed: int | None = None, attention: str | None = None, record_history: bool = False,
                  enable_prefix_caching: bool = False, blocks_per_device=None, device_of_expert=None,
-                 home_devices: bool = False):
+                 home_devices: bool = False, budget=None):
         if not isinstance(model, MoEKVTransformer):
             raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
         if blocks_per_device is not None:
@@ -126,6 +128,10 @@ class LLMEngine:
             raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS} (or None)")
         check_flag("record_history", record_history)
         check_flag("enable_prefix_caching", enable_prefix_caching)
+        if budget is not None and scheduler_config.preemption_mode == "swap":
+            raise ValueError("a budget works with preemption_mode='recompute', not 'swap': the swap space "
+                             "saves a sequence's blocks and counts, not the positions and scores its "
+                             "rows' policy keeps")
         if num_swap_blocks is None:
             num_swap_blocks = num_blocks if scheduler_config.preemption_mode == "swap" else 0
         self.model = model
@@ -133,11 +139,11 @@ class LLMEngine:
         self.cache = PagedKVCache.for_model(model, block_size, num_blocks, shuffle_seed=shuffle_seed,
                                             attention=attention, blocks_per_device=blocks_per_device,
                                             device_of_expert=device_of_expert, home_devices=home_devices,
-                                            enable_prefix_caching=enable_prefix_caching)
+                                            enable_prefix_caching=enable_prefix_caching, budget=budget)
         self.blocks_per_device = self.cache.manager.blocks_per_device.tolist()         # D ints
         manager = self.cache.manager
         self.device_of_expert = None if manager.home_devices else manager.device_of_expert  # (L, E)
-        self.scheduler = Scheduler(scheduler_config, self.cache.manager, ModelShape.from_config(self.config, block_size),
+        self.scheduler = Scheduler(scheduler_config, self.cache.manager, ModelShape.from_config(self.config, block_size, budget),
                                    num_swap_blocks)
         self.memory = self.scheduler.memory          # read-only: the pool and the swap space
         self.predictor = self.scheduler.predictor

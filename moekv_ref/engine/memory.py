@@ -26,12 +26,14 @@ class ModelShape:
     k_min: int                # fewest: k under top-k routing, 1 under threshold routing
     block_size: int           # P slots per block
     max_num_positions: int    # the model's max_position_embeddings
+    max_row_tokens: int | None = None   # a row budget's largest B (cache/budget.py), None: no budget
 
     @classmethod
-    def from_config(cls, config: ModelConfig, block_size: int) -> "ModelShape":
+    def from_config(cls, config: ModelConfig, block_size: int, budget=None) -> "ModelShape":
         k_max = config.num_attention_experts_per_tok
+        cap = None if budget is None else int(budget.limits(config.num_hidden_layers).max())
         return cls(config.num_hidden_layers, config.num_attention_experts, k_max,
-                   k_max if config.attention_routing == "topk" else 1, block_size, config.max_position_embeddings)
+                   k_max if config.attention_routing == "topk" else 1, block_size, config.max_position_embeddings, cap)
 
 
 class MemoryView:

@@ -170,7 +170,12 @@ class Scheduler:
         self.memory = MemoryView(manager, shape, self.swap_space)
         self.num_devices = self.memory.num_devices
         self.shape = shape
-        self.predictor = DemandPredictor(shape.num_layers, shape.num_experts, shape.k_max, shape.block_size)
+        budget = manager.budget
+        if shape.max_row_tokens != (None if budget is None else int(budget.layer_limits.max())):
+            raise ValueError(f"the shape's max_row_tokens={shape.max_row_tokens} is not the manager's budget "
+                             f"({budget}): build the shape with ModelShape.from_config(config, block_size, budget)")
+        self.predictor = DemandPredictor(shape.num_layers, shape.num_experts, shape.k_max, shape.block_size,
+                                         shape.max_row_tokens)
         self.batching = config.make_batching_policy()
         if self.prefix_cache is not None and not isinstance(self.batching, ContinuousBatching):
             raise ValueError(f"prefix caching works with policy='continuous_paged' only, not {config.policy!r}: "
@@ -216,7 +221,7 @@ class Scheduler:
         shape, memory = self.shape, self.memory
         worst = worst_case_lifetime_blocks_per_device(torch.tensor([prompt_len + max_new_tokens - 1]), shape.k_max,
                                                       shape.block_size, memory.device_of_expert_of([request_id]),
-                                                      self.num_devices)[0]                               # (D,)
+                                                      self.num_devices, shape.max_row_tokens)[0]         # (D,)
         over = (worst > memory.blocks_per_device).nonzero().squeeze(1)
         if over.numel():
             d = int(over[0])
@@ -370,17 +375,18 @@ class Scheduler:
         """counts, devices (m, L, E), rows growing by num_tokens[i] to totals[i] -> (m, D) needs:
         the step's worst case, capped by the lifetime's minus what is held. devices: None for one pool."""
         s, D = self.shape, self.num_devices
-        L, E, K, P = s.num_layers, s.num_experts, s.k_max, s.block_size
+        L, E, K, P, C = s.num_layers, s.num_experts, s.k_max, s.block_size, s.max_row_tokens
         if D > 1:
             held = blocks_held_per_device(counts, P, devices, D)                                     # (m, D)
-            step = worst_case_step_blocks_per_device(counts, torch.tensor(num_tokens), K, P, devices, D)   # (m, D)
-            lifetime = worst_case_lifetime_blocks_per_device(torch.tensor(totals), K, P, devices, D)   # (m, D)
+            step = worst_case_step_blocks_per_device(counts, torch.tensor(num_tokens), K, P, devices, D, C)   # (m, D)
+            lifetime = worst_case_lifetime_blocks_per_device(torch.tensor(totals), K, P, devices, D, C)   # (m, D)
         else:
             # one pool: demand.py's bounds in a third of the tensor calls. Bound B does not depend on the
             # rows and A <= E * ceil(n / P), so min(A, B) = min(A, rows.py's one-layer lifetime bound)
             new = torch.tensor(num_tokens, dtype=torch.int64).view(-1, 1, 1)                       # (m, 1, 1)
-            blocks, grown = ceil_div(counts, P).sum(2), ceil_div(counts + new, P).sum(2)            # (m, L)
-            limits = torch.tensor([[worst_case_lifetime_blocks(n, 1, E, K, P), worst_case_lifetime_blocks(t, L, E, K, P)]
+            after = counts + new if C is None else torch.clamp(counts + new, max=C)                # a budget caps rows
+            blocks, grown = ceil_div(counts, P).sum(2), ceil_div(after, P).sum(2)                  # (m, L)
+            limits = torch.tensor([[worst_case_lifetime_blocks(n, 1, E, K, P, C), worst_case_lifetime_blocks(t, L, E, K, P, C)]
                                    for n, t in zip(num_tokens, totals)], dtype=torch.int64).view(-1, 2)   # (m, 2)
             step = torch.minimum(grown - blocks, limits[:, :1]).sum(1, keepdim=True)              # (m, 1)
             held, lifetime = blocks.sum(1, keepdim=True), limits[:, 1:]                           # (m, 1)
