@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass
 
 ATTENTION_MODES = ("expert", "dense")
-ROUTINGS = ("topk", "threshold")
+TOKEN_CHOICE_ROUTINGS = ("topk", "threshold")
+ROUTINGS = TOKEN_CHOICE_ROUTINGS + ("expert_choice",)
 BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8": 1}
 
 
@@ -37,6 +38,9 @@ class ModelConfig:
     num_attention_experts_per_tok: int = 2   # K (k_max under threshold routing)
     attention_routing: str = "topk"
     routing_threshold: float = 0.5
+    # at most this many tokens per (sequence, expert) row in training and recompute (routing.py's
+    # apply_capacity) and in a cache (its budget: cache/budget.py's model_budget); 0: none
+    attention_capacity: int = 0
     # feed-forward experts (Mixtral's names)
     num_local_experts: int = 4
     num_experts_per_tok: int = 2
@@ -50,7 +54,7 @@ class ModelConfig:
     def __post_init__(self):
         for field in (f.name for f in dataclasses.fields(self) if f.type == "int"):
             value = getattr(self, field)
-            least = 0 if field in ("kv_lora_rank", "qk_rope_head_dim") else 1     # MLA's may be 0
+            least = 0 if field in ("kv_lora_rank", "qk_rope_head_dim", "attention_capacity") else 1   # may be 0
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 must = "a positive integer" if least else "an integer >= 0"
                 raise ValueError(f"{field}={value!r} is not allowed: it must be {must}")
@@ -76,6 +80,11 @@ class ModelConfig:
             raise ValueError("attention_mode='dense' is the E=1, k=1 case: num_attention_experts "
                              f"and num_attention_experts_per_tok must be 1, got {E} and {K} "
                              "(or use attention_mode='expert')")
+        if self.attention_routing == "expert_choice" and (K != E or self.attention_capacity == 0 or E == 1):
+            raise ValueError("attention_routing='expert_choice' lets each of several experts choose its "
+                             "tokens: it needs num_attention_experts > 1, num_attention_experts_per_tok equal "
+                             f"to it (every token is a candidate of every expert; got {K} of {E}) and "
+                             f"attention_capacity >= 1 (the tokens an expert keeps; got {self.attention_capacity})")
         for k, e in (("num_attention_experts_per_tok", "num_attention_experts"),
                      ("num_experts_per_tok", "num_local_experts")):
             if getattr(self, k) > getattr(self, e):

@@ -26,7 +26,7 @@ from .backends import require_backend
 from .cache.budget import RowBudget, attend_with_budget
 from .profiling import phase
 from .config import ModelConfig
-from .routing import Routing, route
+from .routing import Routing, apply_capacity, route
 
 
 class RMSNorm(nn.Module):
@@ -155,6 +155,8 @@ class ExpertAttention(nn.Module):
         B, T, _ = x.shape
         E, H, Hkv, Dh = c.num_attention_experts, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         routing = self.route(x)                                              # (B, T, E)
+        if budget is None and c.attention_capacity:     # the config's capacity, over the whole window
+            routing = apply_capacity(routing, c.attention_routing, c.attention_capacity)
         q, k, v = (einsum(x, w, "b t d, e d f -> b t e f").unflatten(-1, (-1, Dh))
                    for w in (self.w_q, self.w_k, self.w_v))                 # (B, T, E, H|Hkv, Dh)
         turns = rotary_turns(torch.arange(T, device=x.device)[None, :, None].expand(B, T, E), Dh, c.rope_theta, x.dtype)
@@ -162,7 +164,8 @@ class ExpertAttention(nn.Module):
         k, v = (rearrange(t, "b t e h d -> b e h t d").repeat_interleave(H // Hkv, dim=2)
                 for t in (rotary(k, turns), v))                              # (B, E, H, T, Dh)
         if budget is not None:      # a refused pair's attention is zero: it adds nothing below
-            attn, _ = attend_with_budget(q, k, v, routing.selected, routing.probs, budget, self.layer_index)
+            attn, accepted = attend_with_budget(q, k, v, routing.selected, routing.probs, budget, self.layer_index)
+            routing = Routing(routing.probs, accepted, routing.gates * accepted)    # what the rows took
         else:
             # query i at expert e sees key j iff j <= i and j was routed to e; it also always sees
             # itself, so that rows of tokens not routed to e stay finite (their gate is 0 anyway)

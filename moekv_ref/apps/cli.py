@@ -6,6 +6,7 @@
     bench          benchmarks: `bench memory`, `bench serving`, `bench eviction`, `bench parallel`, `bench step`,
                    `bench peer`
     train-family   train dense and expert-attention variants the same way and measure them (about an hour)
+    capacity       train variants at 512 bytes and measure what per-row KV budgets cost in quality
     figures        regenerate every PNG in figures/ from the package
 """
 
@@ -23,12 +24,12 @@ from ..generate import CACHE_KINDS, generate
 from ..analysis import format_routing_statistics, heldout_text, routing_statistics
 from ..backends import BackendUnavailableError
 from ..checkpoint import COMPUTE_DTYPES, DEFAULT_CHECKPOINT, load_checkpoint
-from ..config import ROUTINGS, get_config
+from ..config import TOKEN_CHOICE_ROUTINGS, get_config
 from ..prompts import check_prompt, decode, encode
 from ..report import cache_report, format_cache_report
 from ..sampling import MIN_TEMPERATURE, SamplingParams
-from . import (bench_eviction, bench_memory, bench_parallel, bench_peer, bench_serving, bench_step, demo, family,
-               figures, options)
+from . import (bench_eviction, bench_memory, bench_parallel, bench_peer, bench_serving, bench_step, capacity, demo,
+               family, figures, options)
 
 # Sampling defaults of `generate`, chosen by looking at samples of the embedded model (validation loss
 # 1.63 nats per byte) for six prompts, five seeds each, at (temperature, top_p) = (0.7, 0.8), (0.8,
@@ -131,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_options(p):
-        p.add_argument("--routing", choices=ROUTINGS, default="topk", help="attention routing rule")
+        p.add_argument("--routing", choices=TOKEN_CHOICE_ROUTINGS, default="topk", help="attention routing rule")
         p.add_argument("--threshold", type=float, default=None,
                        help="probability mass for --routing threshold (default: the preset's, 0.35 for tiny)")
         p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
@@ -175,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=demo.main, check=demo.check_args, command_parser=d)
     t = family.build_parser(sub.add_parser("train-family", help="train dense and expert-attention variants, measure them"))
     t.set_defaults(func=family.main, check=family.check_args, command_parser=t)
+    c = capacity.build_parser(sub.add_parser("capacity", help="train variants at 512 bytes, measure KV budgets' quality"))
+    c.set_defaults(func=capacity.main, check=capacity.check_args, command_parser=c)
     f = figures.build_parser(sub.add_parser("figures", help="regenerate every PNG in figures/"))
     f.set_defaults(func=figures.main, check=figures.check_args, command_parser=f)
     return parser

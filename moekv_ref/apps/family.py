@@ -133,8 +133,9 @@ def run_name(name: str, seed: int, steps: int, batch_size: int, context: int) ->
 
 
 def train_run(name: str, seed: int, steps: int, batch_size: int, context: int, train_data, valid_data,
-              runs: Path, bar=None) -> dict:
-    """One variant, one seed: trained (or resumed, or read back if done), measured."""
+              runs: Path, bar=None, config: ModelConfig | None = None) -> dict:
+    """One variant, one seed: trained (or resumed, or read back if done), measured. config: the
+    variant's (default: this family's variant of that name)."""
     runs.mkdir(parents=True, exist_ok=True)
     done, state, weights = (runs / f"{run_name(name, seed, steps, batch_size, context)}{suffix}"
                             for suffix in (".json", ".state.pt", ".pt"))
@@ -143,7 +144,7 @@ def train_run(name: str, seed: int, steps: int, batch_size: int, context: int, t
             bar.update(steps)
         return json.loads(done.read_text())
     torch.manual_seed(seed)
-    model = MoEKVTransformer(variant_config(name))
+    model = MoEKVTransformer(config if config is not None else variant_config(name))
     start = time.time()
     last = [0]
 

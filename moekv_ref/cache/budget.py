@@ -173,6 +173,16 @@ class RowBudget:
         assert torch.equal(self.slot_position >= 0, filled), "a row's slot positions do not match its count"
 
 
+def model_budget(config) -> RowBudget | None:
+    """The budget a model's own capacity implies for its caches (config.attention_capacity): under
+    expert choice the causal version of its training rule, router_score; under token choice the
+    same rule, drop. None without a capacity."""
+    if not config.attention_capacity:
+        return None
+    policy = "router_score" if config.attention_routing == "expert_choice" else "drop"
+    return RowBudget(config.attention_capacity, policy)
+
+
 def initial_scores(policy: str, router_scores: torch.Tensor) -> torch.Tensor:
     """A newcomer's score: its router probability (router_score), else zero (heavy_hitter adds the
     attention it receives, starting with its own query's)."""

@@ -34,7 +34,7 @@ from ..attention import attend_by_position, score_dtype
 from ..backends import require_backend
 from ..config import ModelConfig
 from .block_pool import check_flag, checked_blocks_per_device
-from .budget import RowBudget
+from .budget import RowBudget, model_budget
 from .kv_cache_manager import KVCacheManager, check_block_size
 from .rows import worst_case_lifetime_blocks
 from .prefix_cache import PrefixCache
@@ -162,9 +162,11 @@ class PagedKVCache:
                   enable_prefix_caching: bool = False, home_devices: bool = False,
                   budget: RowBudget | None = None) -> "PagedKVCache":
         """A cache in the model's dtype and device; attention=None follows the model's backend.
+        Without a budget, the model's own capacity's (budget.model_budget), if it has one.
         Without num_blocks, the pool holds max_num_seqs sequences of max_position_embeddings tokens
         at their worst (rows.worst_case_lifetime_blocks, each row capped by the budget if any)."""
         config = model.config
+        budget = budget if budget is not None else model_budget(config)
         if num_blocks is None and blocks_per_device is not None:
             num_blocks = sum(checked_blocks_per_device(blocks_per_device))
         if num_blocks is None:

@@ -1,0 +1,115 @@
+"""Capacity in training and its causal inference (routing.apply_capacity, ModelConfig.attention_capacity),
+and the capacity study's accounting (apps/capacity.py).
+
+Token choice with a capacity drops the tokens after an expert's first C, which is causal: the training
+forward (one mask over the window), the budgeted recompute with a `drop` budget of C (token by token)
+and the paged cache the model builds by default all agree. Expert choice keeps each expert's C
+best-scored tokens of the window, which looks ahead: its cache keeps the best so far (router_score),
+equal to the budgeted recompute, and differs from the training forward once a row fills.
+"""
+
+import pytest
+import torch
+
+from moekv_ref.apps import capacity
+from moekv_ref.cache import PagedKVCache
+from moekv_ref.cache.budget import RowBudget, model_budget
+from moekv_ref.config import ModelConfig
+from moekv_ref.model import MoEKVTransformer
+from moekv_ref.routing import Routing, apply_capacity
+
+from helpers import random_model, random_prompts, small_config
+
+
+def _prefill_then_decode(model, sequences, prefill):
+    cache = PagedKVCache.for_model(model, block_size=2)
+    B, T = sequences.shape
+    seq_ids = torch.arange(B)
+    first = model.forward_cached(sequences[:, :prefill].reshape(-1), seq_ids.repeat_interleave(prefill),
+                                 torch.arange(prefill).repeat(B), cache).logits.view(B, prefill, -1)
+    rest = [model.forward_cached(sequences[:, t], seq_ids, torch.full((B,), t), cache).logits for t in range(prefill, T)]
+    cache.manager.assert_consistent()
+    return torch.cat([first, torch.stack(rest, 1)], 1), cache
+
+
+def test_apply_capacity_keeps_the_first_c_or_the_best_c():
+    probs = torch.tensor([[[0.9, 0.1], [0.2, 0.8], [0.7, 0.3], [0.6, 0.4]]])          # (1, T=4, E=2)
+    selected = torch.tensor([[[True, False], [True, True], [True, False], [True, True]]])
+    routing = Routing(probs, selected, probs * selected)
+    dropped = apply_capacity(routing, "topk", 2)
+    assert dropped.selected[0, :, 0].tolist() == [True, True, False, False]          # first two routed to 0
+    assert dropped.selected[0, :, 1].tolist() == [False, True, False, True]          # only two were
+    assert torch.equal(dropped.gates, probs * dropped.selected)                       # not renormalised
+    chosen = apply_capacity(Routing(probs, torch.ones_like(selected), probs), "expert_choice", 2)
+    assert chosen.selected[0, :, 0].tolist() == [True, False, True, False]           # 0.9 and 0.7
+    assert chosen.selected[0, :, 1].tolist() == [False, True, False, True]           # 0.8 and 0.4
+
+
+@pytest.mark.parametrize("routing", ["topk", "threshold"])
+def test_token_choice_capacity_is_causal_training_equals_cache_and_recompute(routing):
+    """Trained with a capacity of 3: model(x) (one mask), model(x, budget=drop 3) and the paged cache
+    the model builds by default (model_budget: drop 3) give the same logits (float64, 1e-10)."""
+    model = random_model(small_config("expert", routing, attention_capacity=3), seed=4)
+    sequences = torch.tensor(random_prompts([20, 20], model.config.vocab_size, seed=2))
+    with torch.inference_mode():
+        trained = model(sequences).logits
+        recompute = model(sequences, budget=RowBudget(3, "drop")).logits
+        cached, cache = _prefill_then_decode(model, sequences, prefill=7)
+    assert cache.manager.budget.policy == "drop" and cache.manager.budget.num_refused > 0
+    assert (trained - recompute).abs().max() <= 1e-10
+    assert (cached - recompute).abs().max() <= 1e-10
+
+
+def test_expert_choice_decodes_causally_and_differs_from_its_training_rule():
+    """Expert choice with C = 4 of 5 experts: the cache (router_score 4, built by default) equals the
+    budgeted recompute. The training rule picks each expert's best 4 of the whole window, so a token
+    can lose its place to a later one before it is ever decoded: it differs from the causal rule on
+    windows longer than C, and on a window of C tokens (every token chosen by both) it agrees."""
+    config = small_config("expert", num_attention_experts=5, num_attention_experts_per_tok=5,
+                          attention_routing="expert_choice", attention_capacity=4)
+    model = random_model(config, seed=8)
+    sequences = torch.tensor(random_prompts([18, 18], model.config.vocab_size, seed=3))
+    with torch.inference_mode():
+        trained = model(sequences).logits
+        causal = model(sequences, budget=model_budget(config)).logits
+        cached, cache = _prefill_then_decode(model, sequences, prefill=5)
+        short = sequences[:, :4]
+        short_gap = (model(short).logits - model(short, budget=model_budget(config)).logits).abs().max()
+    assert cache.manager.budget.policy == "router_score"
+    assert (cached - causal).abs().max() <= 1e-10
+    assert (trained - causal).abs().max() > 1e-3
+    assert short_gap <= 1e-10
+
+
+def test_expert_choice_needs_every_expert_and_a_capacity():
+    for fields in (dict(attention_routing="expert_choice", num_attention_experts=8, num_attention_experts_per_tok=2,
+                        attention_capacity=4),
+                   dict(attention_routing="expert_choice", num_attention_experts=8, num_attention_experts_per_tok=8)):
+        with pytest.raises(ValueError, match="expert_choice' lets each of several experts choose"):
+            ModelConfig(**fields)
+    with pytest.raises(ValueError, match="attention_capacity=-1"):
+        ModelConfig(attention_capacity=-1)
+
+
+def test_the_study_measures_what_the_rows_hold():
+    """measure() on a random model: without a budget every routed entry is held (k x T x L entries of
+    a top-k model); with a window of B, min(routed, B) per row; the pool rounds rows up to blocks."""
+    model = capacity.variant_config("expert_topk")
+    torch.manual_seed(0)
+    net = MoEKVTransformer(model).eval()
+    x = torch.randint(0, 256, (2, 64))
+    y = torch.randint(0, 256, (2, 64))
+    per_entry = model.kv_bytes_per_entry(4)
+    exact = capacity.measure(net, x, y, None)
+    assert exact["kv_bytes_per_token"] == model.num_hidden_layers * 2 * per_entry
+    windowed = capacity.measure(net, x, y, RowBudget(4, "window"))
+    routed = torch.stack([r.selected.sum(1) for r in net(x).attention_routing])             # (L, B, E)
+    assert windowed["kv_bytes_per_token"] == routed.clamp(max=4).sum().item() * per_entry / x.numel()
+    assert windowed["pool_bytes_per_token"] == (-(-routed.clamp(max=4) // 16) * 16).sum().item() * per_entry / x.numel()
+
+
+def test_the_frontier_keeps_only_settings_nothing_smaller_beats():
+    table = [dict(variant="v", kv_bytes_per_token=b, bits_per_byte_mean=q, policy=p, budget_tokens=t)
+             for b, q, p, t in ((100, 3.0, "a", 1), (200, 2.5, "b", 2), (200, 2.9, "c", 3), (300, 2.6, "d", 4),
+                                (400, 2.4, "e", 5))]
+    assert [r["policy"] for r in capacity.frontier(table, "v")] == ["a", "b", "e"]
