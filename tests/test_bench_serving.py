@@ -7,6 +7,7 @@ speedup is printed by the benchmark (the command itself is tested in test_cli.py
 """
 
 from moekv_ref.apps.bench_serving import DESIGNS, run_serving_benchmark
+from moekv_ref.cache.budget import RowBudget
 
 from helpers import random_model, small_config
 
@@ -25,3 +26,18 @@ def test_designs_share_tokens_and_paged_batches_more():
     assert paged["max_concurrent_sequences"] > reserved["max_concurrent_sequences"] >= static["max_concurrent_sequences"]
     assert static["steps"] >= 2 * paged["steps"]
     assert report["speedup_paged_vs_static"] > 0
+
+
+def test_a_budget_makes_the_reservation_exact_and_small():
+    """With at most 4 tokens per row, the reserved design's lifetime reservation is the capped worst case:
+    it never preempts and holds more sequences at once than without the budget; the budgeted designs
+    generate the same tokens as each other (not as the exact cache: the window evicts)."""
+    model = random_model(small_config("expert", "threshold"), seed=0)
+    report = run_serving_benchmark(model, num_requests=10, num_blocks=160, block_size=4, prompt_len=(2, 20),
+                                   output_len=(4, 24), max_num_seqs=16, budget=RowBudget(4, "window"))
+    reserved, budgeted = report["designs"]["continuous_reserved"], report["designs"]["continuous_reserved + budget"]
+    assert budgeted["preemptions"] == 0 and budgeted["refused"] == 0
+    assert budgeted["max_concurrent_sequences"] > reserved["max_concurrent_sequences"]
+    assert report["same_tokens_in_every_budgeted_design"]
+    assert report["budget"] == {"max_tokens": 4, "policy": "window", "num_sinks": 4}
+    assert all(0 < row["mean_used_fraction"] <= 1 for row in report["designs"].values())

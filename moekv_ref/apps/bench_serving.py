@@ -16,6 +16,13 @@ not padded: that only favours `static`.)
 
 tokens_per_second counts the tokens requests asked for (padding excluded) over the wall time of the
 engine's steps. The three designs run one after another in one process, in the same order every time.
+
+With `--budget B`, the two continuous designs run again with a row budget (cache/budget.py): every
+(sequence, layer, expert) row holds at most B tokens, so a request's largest cache is bounded whatever
+its length or routing, and the reserved design's lifetime reservation shrinks to that exact bound.
+A budget changes what the model sees (the policy evicts or refuses), so those rows' tokens are
+compared among themselves, not with the exact cache's. mean_used_fraction: the pool's blocks in use
+after each step, averaged over steps.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import json
 
 import torch
 
+from ..cache.budget import BUDGET_POLICIES, RowBudget
 from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..config import get_config
 from ..engine import LLMEngine, SchedulerConfig
@@ -36,12 +44,13 @@ DESIGNS = ("static", "continuous_reserved", "continuous_paged")
 
 def serve_design(model: MoEKVTransformer, workload, design: str, num_blocks: int, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
-                 preemption_mode: str = "recompute") -> dict:
-    """Serve `workload` with one design; returns its row of the benchmark table."""
+                 preemption_mode: str = "recompute", budget: RowBudget | None = None) -> dict:
+    """Serve `workload` with one design (under a row budget, if given); returns its row of the table."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              policy=design, preemption_mode=preemption_mode)
-    engine = LLMEngine(model, num_blocks, block_size, config)
-    result = run_workload(engine, workload)
+    engine = LLMEngine(model, num_blocks, block_size, config, budget=budget)
+    used = []
+    result = run_workload(engine, workload, on_step=lambda e: used.append(e.memory.num_used_blocks))
     stats = engine.stats()
     engine.memory.assert_no_leak()
     served = bool(result.outputs) and stats.seconds > 0
@@ -56,6 +65,7 @@ def serve_design(model: MoEKVTransformer, workload, design: str, num_blocks: int
         "seconds": stats.seconds,
         "peak_used_blocks": stats.peak_used_blocks,
         "mean_concurrent_sequences": stats.mean_concurrent_sequences,
+        "mean_used_fraction": sum(used) / len(used) / num_blocks if used else 0.0,
         "refused": len(result.refused),
         "tokens": {i: out.token_ids for i, out in result.outputs.items()},
     }
@@ -64,14 +74,15 @@ def serve_design(model: MoEKVTransformer, workload, design: str, num_blocks: int
 def run_serving_benchmark(model: MoEKVTransformer, num_requests: int = 32, num_blocks: int = 1024,
                           block_size: int = 16, prompt_len=(8, 256), output_len=(8, 192),
                           max_num_seqs: int = 32, max_num_batched_tokens: int = 512, seed: int = 0,
-                          designs=DESIGNS, num_threads: int | None = 1) -> dict:
+                          designs=DESIGNS, num_threads: int | None = 1, budget: RowBudget | None = None) -> dict:
     """Every design on the same workload and memory budget, in one run. Also checks that the
     designs generate the same tokens (they must: sampling is per request, seeded).
 
     num_threads: torch intra-op threads during the run (None: leave as is). One by default: on a
     small shared machine, intra-op threads that wait for a core taken by another process slow the
     designs with larger batches far more than the others, and the benchmark would measure that
-    contention instead of scheduling and memory."""
+    contention instead of scheduling and memory. budget: also run the continuous designs under it,
+    as rows named "<design> + budget"."""
     workload = make_workload(num_requests, prompt_len, output_len, seed=seed,
                              vocab_size=model.config.vocab_size)
     previous_threads = torch.get_num_threads()
@@ -80,9 +91,14 @@ def run_serving_benchmark(model: MoEKVTransformer, num_requests: int = 32, num_b
     try:
         rows = {d: serve_design(model, workload, d, num_blocks, block_size, max_num_seqs,
                                 max_num_batched_tokens) for d in designs}
+        budgeted = [d for d in designs if d != "static"] if budget is not None else []
+        for d in budgeted:
+            rows[f"{d} + budget"] = serve_design(model, workload, d, num_blocks, block_size, max_num_seqs,
+                                                 max_num_batched_tokens, budget=budget)
     finally:
         torch.set_num_threads(previous_threads)
     token_sets = [rows[d].pop("tokens") for d in designs]
+    budget_token_sets = [rows[f"{d} + budget"].pop("tokens") for d in budgeted]
     for design, row in rows.items():
         if row["tokens_per_second"] is None:
             raise ValueError(f"every request was refused under {design}: {row.pop('first_refusal')} -- give "
@@ -102,6 +118,9 @@ def run_serving_benchmark(model: MoEKVTransformer, num_requests: int = 32, num_b
         "designs": rows,
         "same_tokens_in_every_design": same,
     }
+    if budget is not None:
+        report["budget"] = {"max_tokens": budget.max_tokens, "policy": budget.policy, "num_sinks": budget.num_sinks}
+        report["same_tokens_in_every_budgeted_design"] = all(t == budget_token_sets[0] for t in budget_token_sets[1:])
     if "static" in rows and "continuous_paged" in rows:
         report["speedup_paged_vs_static"] = (rows["continuous_paged"]["tokens_per_second"]
                                              / rows["static"]["tokens_per_second"])
@@ -119,17 +138,22 @@ def format_serving_report(report: dict) -> str:
         f"memory budget: {budget['num_blocks']} blocks of {budget['block_size']} slots "
         f"({budget['kv_bytes'] / 2**20:.1f} MiB of K/V), same for every design",
         "",
-        f"{'design':<22}{'tokens/s':>10}{'max seqs':>10}{'mean seqs':>11}{'steps':>8}{'preempt':>9}{'recomputed':>12}",
+        f"{'design':<31}{'tokens/s':>10}{'max seqs':>10}{'mean seqs':>11}{'steps':>8}{'preempt':>9}"
+        f"{'recomputed':>12}{'pool used':>11}",
     ]
     for design, row in report["designs"].items():
-        lines.append(f"{design:<22}{row['tokens_per_second']:>10.1f}{row['max_concurrent_sequences']:>10}"
+        lines.append(f"{design:<31}{row['tokens_per_second']:>10.1f}{row['max_concurrent_sequences']:>10}"
                      f"{row['mean_concurrent_sequences']:>11.1f}{row['steps']:>8}{row['preemptions']:>9}"
-                     f"{row['recomputed_tokens']:>12}")
+                     f"{row['recomputed_tokens']:>12}{row['mean_used_fraction']:>11.2f}")
     if "speedup_paged_vs_static" in report:
         lines.append(f"\nspeedup continuous_paged vs static: {report['speedup_paged_vs_static']:.2f}x")
     if "speedup_paged_vs_reserved" in report:
         lines.append(f"speedup continuous_paged vs continuous_reserved: {report['speedup_paged_vs_reserved']:.2f}x")
     lines.append(f"same tokens in every design: {report['same_tokens_in_every_design']}")
+    if "budget" in report:
+        b = report["budget"]
+        lines.append(f"budget: at most {b['max_tokens']} tokens per (sequence, layer, expert) row, policy {b['policy']}; "
+                     f"same tokens in every budgeted design: {report['same_tokens_in_every_budgeted_design']}")
     return "\n".join(lines)
 
 
@@ -146,6 +170,10 @@ def build_parser(parser):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
     parser.add_argument("--quick", action="store_true", help="a small workload (for tests and a first look)")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="also run the continuous designs with at most this many tokens per row")
+    parser.add_argument("--budget-policy", choices=BUDGET_POLICIES, default="window",
+                        help="what a full row does (with --budget)")
     return parser
 
 
@@ -161,6 +189,7 @@ def check_args(args) -> None:
     options.count("--num-blocks", args.num_blocks, least, meaning=f"one token of one sequence takes {least} blocks")
     options.block_size("--block-size", args.block_size)
     options.seed("--seed", args.seed)
+    options.count("--budget", args.budget, 1, meaning="tokens per (sequence, layer, expert) row")
     options.output_file("--json", args.json)
 
 
@@ -171,7 +200,8 @@ def main(args) -> int:
         num_requests=32 if args.num_requests is None else args.num_requests,
         num_blocks=1024 if args.num_blocks is None else args.num_blocks)
     model = load_checkpoint(args.checkpoint, get_config("tiny").with_routing(args.routing))
-    report = run_serving_benchmark(model, block_size=args.block_size, seed=args.seed, **sizes)
+    budget = None if args.budget is None else RowBudget(args.budget, args.budget_policy)
+    report = run_serving_benchmark(model, block_size=args.block_size, seed=args.seed, budget=budget, **sizes)
     print(format_serving_report(report))
     if args.json:
         with open(args.json, "w") as handle:
