@@ -16,6 +16,7 @@ from moekv_ref.cache import PagedKVCache
 from moekv_ref.cache.budget import RowBudget, model_budget
 from moekv_ref.config import ModelConfig
 from moekv_ref.model import MoEKVTransformer
+from moekv_ref.plots.capacity import frontier_rows
 from moekv_ref.routing import Routing, apply_capacity
 
 from helpers import random_model, random_prompts, small_config
@@ -112,4 +113,4 @@ def test_the_frontier_keeps_only_settings_nothing_smaller_beats():
     table = [dict(variant="v", kv_bytes_per_token=b, bits_per_byte_mean=q, policy=p, budget_tokens=t)
              for b, q, p, t in ((100, 3.0, "a", 1), (200, 2.5, "b", 2), (200, 2.9, "c", 3), (300, 2.6, "d", 4),
                                 (400, 2.4, "e", 5))]
-    assert [r["policy"] for r in capacity.frontier(table, "v")] == ["a", "b", "e"]
+    assert [r["policy"] for r in frontier_rows(table, "v")] == ["a", "b", "e"]

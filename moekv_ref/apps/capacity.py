@@ -23,7 +23,8 @@ expert_choice without a budget is its training rule, which looks ahead: the gap 
 router_score at B = 128 is the price of decoding causally.
 
 Resumable: training state and every finished run live in runs/capacity/, named like train-family's;
-running the command again continues where it stopped. Writes figures/capacity.json.
+running the command again continues where it stopped. Writes figures/capacity.json and
+figures/capacity_frontier.png (`python -m moekv_ref figures` redraws the PNG from the JSON).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from tqdm import tqdm
 from ..cache.budget import BUDGET_POLICIES, RowBudget
 from ..config import ModelConfig, get_config
 from ..model import MoEKVTransformer
+from ..plots.capacity import frontier_rows, plot_capacity
 from ..plots.tables import text_table
 from . import options
 from .family import run_name, train_run
@@ -170,18 +172,6 @@ def summarize(rows: list[dict], variants) -> list[dict]:
     return table
 
 
-def frontier(table: list[dict], variant: str) -> list[dict]:
-    """The variant's best bits per byte reachable at each KV size: the settings no other setting of
-    the variant beats with fewer or equal bytes held, ascending in bytes."""
-    mine = sorted((r for r in table if r["variant"] == variant), key=lambda r: (r["kv_bytes_per_token"], r["bits_per_byte_mean"]))
-    best, front = math.inf, []
-    for row in mine:
-        if row["bits_per_byte_mean"] < best:
-            best = row["bits_per_byte_mean"]
-            front.append(row)
-    return front
-
-
 def capacity_study(steps: int = 200, batch_size: int = 4, out: Path = OUT, runs: Path = RUNS,
                    variants=tuple(VARIANTS), seeds=SEEDS, progress: bool = True) -> dict:
     """Train (or resume) every variant for every seed, measure every setting, write `out`."""
@@ -213,7 +203,7 @@ def capacity_study(steps: int = 200, batch_size: int = 4, out: Path = OUT, runs:
         "wall_seconds_this_call": round(time.time() - start, 1),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread, torch {torch.__version__}",
         "table": table,
-        "frontier": {name: [(r["policy"], r["budget_tokens"]) for r in frontier(table, name)] for name in variants},
+        "frontier": {name: [(r["policy"], r["budget_tokens"]) for r in frontier_rows(table, name)] for name in variants},
         "runs": rows,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -252,7 +242,9 @@ def check_args(args) -> None:
 
 def main(args) -> int:
     study = capacity_study(args.steps, args.batch_size, args.out, variants=tuple(args.variants), seeds=tuple(args.seeds))
+    figure = args.out.with_name("capacity_frontier.png")
+    plot_capacity(study).savefig(figure, dpi=110)
     print(format_table(study))
     print(f"training: {study['train_seconds_total'] / 60:.1f} min of runs, measuring "
-          f"{study['measure_seconds_total'] / 60:.1f} min; wrote {args.out}")
+          f"{study['measure_seconds_total'] / 60:.1f} min; wrote {args.out} and {figure}")
     return 0

@@ -5,6 +5,7 @@ Each figure is drawn by the same package functions the notebooks call, from a fr
     decode_cost.png                        counted work of a decode step, recompute vs cached (01)
     bench_memory_*.png, bench_memory.json  the memory designs of `bench memory` (03)
     demo_serving_*.png                     the serving demo's runs (04)
+    capacity_frontier.png                  from figures/capacity.json (`capacity` trains and measures: 10)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from matplotlib.figure import Figure
 from ..analysis import decode_flops, route_prompt
 from ..checkpoint import load_default_model
 from ..generate import generate
+from ..plots.capacity import plot_capacity
 from ..plots.routing import plot_cache_sizes, plot_routing
 from ..sampling import SamplingParams
 from . import bench_memory, demo, options
@@ -63,6 +65,11 @@ def make_figures(directory: Path = Path("figures"), quick: bool = False) -> list
     for admission in ("predicted", "optimistic"):
         summary, _ = demo.run_demo(admission=admission, figures=directory, progress=False)
         paths.append(Path(summary["figure"]))
+
+    study = directory / "capacity.json"        # an hour of training: redrawn from its JSON, not rerun
+    if study.exists():
+        paths.append(directory / "capacity_frontier.png")
+        plot_capacity(json.loads(study.read_text())).savefig(paths[-1], dpi=110)
     return paths
 
 

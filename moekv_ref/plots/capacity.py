@@ -1,0 +1,71 @@
+"""What a per-row KV budget costs in quality (apps/capacity.py) as a figure: held-out bits per byte
+against the KV bytes per token the rows actually hold, every (variant, policy, budget) a point and each
+variant's frontier a line. Notebook 10 and `python -m moekv_ref capacity` draw it from
+figures/capacity.json."""
+
+from __future__ import annotations
+
+from matplotlib.figure import Figure
+
+COLORS = {"dense": "#7f7f7f", "expert_topk": "#1f77b4", "expert_topk_capacity": "#2ca02c",
+          "expert_choice": "#d62728"}
+MARKERS = {"none": "*", "drop": "v", "window": "s", "heavy_hitter": "o", "router_score": "D"}
+# what a setting pays, as the x axes: (JSON key, axis label, scale)
+COSTS = {
+    "kv": ("kv_bytes_per_token", "KV bytes per token held at the window's end", 1.0),
+    "flops": ("attention_flops_per_token", "attention FLOPs per token (thousands)", 1e-3),
+}
+
+
+def frontier_rows(table: list[dict], variant: str) -> list[dict]:
+    """The variant's settings that no setting of it with fewer or equal bytes held beats."""
+    mine = sorted((r for r in table if r["variant"] == variant),
+                  key=lambda r: (r["kv_bytes_per_token"], r["bits_per_byte_mean"]))
+    best, front = float("inf"), []
+    for row in mine:
+        if row["bits_per_byte_mean"] < best:
+            best = row["bits_per_byte_mean"]
+            front.append(row)
+    return front
+
+
+def plot_capacity(study: dict, costs=("kv", "flops"), variants=None, width: float = 9.5) -> Figure:
+    """One panel per cost: each setting's mean bits per byte over seeds (error bar: one standard
+    deviation) against that cost, colour by variant, marker by policy (a star: no budget); on the KV
+    panel, each variant's frontier as a line. Lower and further left is better."""
+    for cost in costs:
+        if cost not in COSTS:
+            raise ValueError(f"cost={cost!r} is not one of {tuple(COSTS)}")
+    names = list(study["variants"]) if variants is None else list(variants)
+    fig = Figure(figsize=(width, 4.4), layout="constrained")
+    axes = fig.subplots(1, len(costs), squeeze=False, sharey=True)[0]
+    seeds = len(study["budget"]["seeds"])
+    for ax, cost in zip(axes, costs):
+        key, label, scale = COSTS[cost]
+        for row in study["table"]:
+            if row["variant"] not in names:
+                continue
+            ax.errorbar(row[key] * scale, row["bits_per_byte_mean"], yerr=row["bits_per_byte_std"],
+                        fmt=MARKERS[row["policy"]], ms=9 if row["policy"] == "none" else 5, capsize=2,
+                        color=COLORS.get(row["variant"], "black"), alpha=0.85)
+        if cost == "kv":
+            for name in names:
+                front = frontier_rows(study["table"], name)
+                ax.plot([r[key] * scale for r in front], [r["bits_per_byte_mean"] for r in front], "-",
+                        color=COLORS.get(name, "black"), lw=1.5, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"held-out bits per byte (mean of {seeds} seeds)")
+    for policy, marker in MARKERS.items():
+        axes[-1].plot([], [], marker, color="black", ls="", label="no budget" if policy == "none" else policy)
+    handles, labels = [], []
+    for ax in axes:
+        h, l = ax.get_legend_handles_labels()
+        handles += h
+        labels += l
+    fig.legend(handles, labels, loc="outside right center", fontsize=10)
+    context = study["budget"]["context"]
+    fig.suptitle(f"budgets per (sequence, layer, expert) row, windows of {context} bytes: lower is better",
+                 fontsize=11)
+    return fig
