@@ -246,3 +246,31 @@ def test_no_figure_text_is_smaller_than_the_notebooks_own():
     # the pattern sees what it must: a size of 8 written the ways the plots write sizes
     assert all(SMALL_TEXT.search(code) for code in ("ax.legend(fontsize=8)", "t.set_fontsize(8)",
                                                    "ax.tick_params(labelsize=8)", "rcParams['font.size'] = 8"))
+
+
+def test_readme_serving_budget_table_is_what_its_json_says():
+    """Each row of the README's budgeted `bench serving` table, the pool and budget it states and the
+    ratio under it, against figures/bench_serving_budget.json."""
+    measured = json.loads((ROOT / "figures" / "bench_serving_budget.json").read_text(encoding="utf-8"))
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("(`capacity`, `bench serving --budget`)", 1)[1].split("\n## ", 1)[0]
+    memory, budget, n = measured["memory_budget"], measured["budget"], measured["workload"]["num_requests"]
+    prose = " ".join(section.split())                                          # lines folded
+    assert f"a pool of {memory['num_blocks']} blocks of {memory['block_size']}" in prose
+    assert f"a window of {budget['max_tokens']} tokens a row" in prose and budget["policy"] == "window"
+    rows = re.findall(r"^\| ([a-z_]+(?: \+ budget)?) \| (\d+) of (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \| (\d+) \| ([\d.]+) \|$",
+                      section, re.M)
+    assert [r[0] for r in rows] == list(measured["designs"]), rows
+    for design, served, total, tokens_per_s, steps, running, preemptions, used in rows:
+        row = measured["designs"][design]
+        assert (int(served), int(total)) == (n - row["refused"], n), design
+        assert int(tokens_per_s) == round(row["tokens_per_second"]), design
+        assert (int(steps), int(preemptions)) == (row["steps"], row["preemptions"]), design
+        assert running == f"{row['mean_concurrent_sequences']:.1f}" and used == f"{row['mean_used_fraction']:.2f}", design
+    designs = measured["designs"]
+    refused = re.search(r"refuses the (\d+) requests", prose)
+    assert int(refused[1]) == designs["continuous_reserved"]["refused"]
+    ratio = re.search(r"at (\d\.\d)x the tokens/s", prose)
+    assert float(ratio[1]) == round(designs["continuous_reserved + budget"]["tokens_per_second"]
+                                    / designs["continuous_reserved"]["tokens_per_second"], 1)
+    assert measured["same_tokens_in_every_budgeted_design"]

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..cache.budget import BUDGET_POLICIES, RowBudget
+from ..cache.budget import BUDGET_POLICIES, RowBudget, model_budget
 from ..config import ModelConfig, get_config
 from ..model import MoEKVTransformer
 from ..plots.capacity import frontier_rows, plot_capacity
@@ -172,6 +172,24 @@ def summarize(rows: list[dict], variants) -> list[dict]:
     return table
 
 
+def train_inference_gaps(rows: list[dict], variants) -> dict:
+    """For each variant trained with a capacity: bits per byte under the budget its caches decode with
+    (budget.model_budget: drop, or router_score for expert choice) minus under its training rule (no
+    budget), per seed, with their mean and spread. Token choice's drop is causal, so its gap is 0."""
+    gaps = {}
+    for name in variants:
+        budget = model_budget(variant_config(name))
+        if budget is None:
+            continue
+        per_seed = {r["seed"]: r["bits_per_byte"] for r in rows if r["variant"] == name and r["policy"] == "none"}
+        causal = {r["seed"]: r["bits_per_byte"] for r in rows if r["variant"] == name
+                  and (r["policy"], r["budget_tokens"]) == (budget.policy, budget.max_tokens)}
+        gap = [causal[s] - per_seed[s] for s in sorted(per_seed)]
+        gaps[name] = {"decoding_policy": budget.policy, "budget_tokens": budget.max_tokens, "gap": gap,
+                      "gap_mean": statistics.mean(gap), "gap_std": statistics.pstdev(gap)}
+    return gaps
+
+
 def capacity_study(steps: int = 200, batch_size: int = 4, out: Path = OUT, runs: Path = RUNS,
                    variants=tuple(VARIANTS), seeds=SEEDS, progress: bool = True) -> dict:
     """Train (or resume) every variant for every seed, measure every setting, write `out`."""
@@ -203,6 +221,7 @@ def capacity_study(steps: int = 200, batch_size: int = 4, out: Path = OUT, runs:
         "wall_seconds_this_call": round(time.time() - start, 1),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread, torch {torch.__version__}",
         "table": table,
+        "train_inference_gap": train_inference_gaps(rows, variants),
         "frontier": {name: [(r["policy"], r["budget_tokens"]) for r in frontier_rows(table, name)] for name in variants},
         "runs": rows,
     }
