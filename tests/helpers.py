@@ -65,3 +65,16 @@ def random_workload(num_requests: int, prompt_lengths: tuple[int, int], output_l
 def alone_tokens(model, prompts, params) -> list[list[int]]:
     """What each request generates when it is served alone (the reference every batching must equal)."""
     return [generate(model, [p], [q], cache="contiguous").tokens[0] for p, q in zip(prompts, params)]
+
+
+def prefill_then_decode(model, cache, sequences: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits (B, T, V) of a cache driven as generate drives it: a prefill chunk of `prefill` tokens of
+    every sequence (B, T) in one forward, then one decode step per position; the manager's invariants
+    checked at the end."""
+    B, T = sequences.shape
+    seq_ids = torch.arange(B)
+    first = model.forward_cached(sequences[:, :prefill].reshape(-1), seq_ids.repeat_interleave(prefill),
+                                 torch.arange(prefill).repeat(B), cache).logits.view(B, prefill, -1)
+    rest = [model.forward_cached(sequences[:, t], seq_ids, torch.full((B,), t), cache).logits for t in range(prefill, T)]
+    cache.manager.assert_consistent()
+    return torch.cat([first, torch.stack(rest, 1)], 1)

@@ -23,7 +23,7 @@ from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
 
-from helpers import random_model, random_prompts, small_config
+from helpers import prefill_then_decode, random_model, random_prompts, small_config
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
 CASES = [(mode, policy) for mode in ("expert", "dense") for policy in BUDGET_POLICIES
@@ -101,17 +101,6 @@ def _decode_one_at_a_time(model, cache, sequences):
     return torch.stack(logits, 1)
 
 
-def _paged_prefill_then_decode(model, cache, sequences, prefill: int):
-    """The paged cache as generate drives it: a prefill chunk of every sequence, then decode steps."""
-    B, T = sequences.shape
-    seq_ids = torch.arange(B)
-    first = model.forward_cached(sequences[:, :prefill].reshape(-1), seq_ids.repeat_interleave(prefill),
-                                 torch.arange(prefill).repeat(B), cache).logits.view(B, prefill, -1)
-    rest = [model.forward_cached(sequences[:, t], seq_ids, torch.full((B,), t), cache).logits for t in range(prefill, T)]
-    cache.manager.assert_consistent()
-    return torch.cat([first, torch.stack(rest, 1)], 1)
-
-
 @pytest.mark.parametrize("mode,policy", CASES)
 @pytest.mark.parametrize("max_tokens", [1, 3, [2, 5]])
 def test_each_policy_equals_the_plain_reference_and_the_recompute(mode, policy, max_tokens):
@@ -127,7 +116,7 @@ def test_each_policy_equals_the_plain_reference_and_the_recompute(mode, policy, 
         recompute = model(sequences, budget=budget).logits
         for attention in ("batched", "reference"):
             paged = PagedKVCache.for_model(model, block_size=2, attention=attention, budget=budget, shuffle_seed=1)
-            logits = _paged_prefill_then_decode(model, paged, sequences, prefill=9)
+            logits = prefill_then_decode(model, paged, sequences, prefill=9)
             assert (logits - reference).abs().max() <= TOLERANCE[torch.float64]
             manager = paged.manager
             for s in range(len(sequences)):
@@ -167,7 +156,7 @@ def test_an_evicted_token_s_kv_never_reaches_an_output(policy, monkeypatch):
     sequences = torch.tensor(random_prompts([40, 40], model.config.vocab_size, seed=8))
     budget = RowBudget(3, policy, num_sinks=1)
     with torch.inference_mode():
-        clean = _paged_prefill_then_decode(model, PagedKVCache.for_model(model, block_size=2, budget=budget),
+        clean = prefill_then_decode(model, PagedKVCache.for_model(model, block_size=2, budget=budget),
                                            sequences, prefill=11)
     cache = PagedKVCache.for_model(model, block_size=2, budget=budget)
     allocate = cache.manager.allocate_within_budget
@@ -191,7 +180,7 @@ def test_an_evicted_token_s_kv_never_reaches_an_output(policy, monkeypatch):
 
     monkeypatch.setattr(model, "forward_cached", poison_unheld)
     with torch.inference_mode():
-        poisoned = _paged_prefill_then_decode(model, cache, sequences, prefill=11)
+        poisoned = prefill_then_decode(model, cache, sequences, prefill=11)
     assert cache.manager.budget.num_evicted + cache.manager.budget.num_refused > 0
     assert torch.isfinite(poisoned).all()
     assert torch.equal(poisoned, clean)

@@ -19,18 +19,7 @@ from moekv_ref.model import MoEKVTransformer
 from moekv_ref.plots.capacity import frontier_rows
 from moekv_ref.routing import Routing, apply_capacity
 
-from helpers import random_model, random_prompts, small_config
-
-
-def _prefill_then_decode(model, sequences, prefill):
-    cache = PagedKVCache.for_model(model, block_size=2)
-    B, T = sequences.shape
-    seq_ids = torch.arange(B)
-    first = model.forward_cached(sequences[:, :prefill].reshape(-1), seq_ids.repeat_interleave(prefill),
-                                 torch.arange(prefill).repeat(B), cache).logits.view(B, prefill, -1)
-    rest = [model.forward_cached(sequences[:, t], seq_ids, torch.full((B,), t), cache).logits for t in range(prefill, T)]
-    cache.manager.assert_consistent()
-    return torch.cat([first, torch.stack(rest, 1)], 1), cache
+from helpers import prefill_then_decode, random_model, random_prompts, small_config
 
 
 def test_apply_capacity_keeps_the_first_c_or_the_best_c():
@@ -55,7 +44,8 @@ def test_token_choice_capacity_is_causal_training_equals_cache_and_recompute(rou
     with torch.inference_mode():
         trained = model(sequences).logits
         recompute = model(sequences, budget=RowBudget(3, "drop")).logits
-        cached, cache = _prefill_then_decode(model, sequences, prefill=7)
+        cache = PagedKVCache.for_model(model, block_size=2)
+        cached = prefill_then_decode(model, cache, sequences, prefill=7)
     assert cache.manager.budget.policy == "drop" and cache.manager.budget.num_refused > 0
     assert (trained - recompute).abs().max() <= 1e-10
     assert (cached - recompute).abs().max() <= 1e-10
@@ -73,7 +63,8 @@ def test_expert_choice_decodes_causally_and_differs_from_its_training_rule():
     with torch.inference_mode():
         trained = model(sequences).logits
         causal = model(sequences, budget=model_budget(config)).logits
-        cached, cache = _prefill_then_decode(model, sequences, prefill=5)
+        cache = PagedKVCache.for_model(model, block_size=2)
+        cached = prefill_then_decode(model, cache, sequences, prefill=5)
         short = sequences[:, :4]
         short_gap = (model(short).logits - model(short, budget=model_budget(config)).logits).abs().max()
     assert cache.manager.budget.policy == "router_score"

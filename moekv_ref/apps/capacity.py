@@ -41,11 +41,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..cache.budget import BUDGET_POLICIES, RowBudget, model_budget
-from ..config import ModelConfig, get_config
+from ..config import ModelConfig
 from ..model import MoEKVTransformer
 from ..plots.capacity import frontier_rows, plot_capacity
 from ..plots.tables import text_table
-from . import options
+from . import family, options
 from .family import run_name, train_run
 from .train import batches, load_corpus
 
@@ -68,9 +68,7 @@ RUNS = Path("runs") / "capacity"
 
 
 def variant_config(name: str) -> ModelConfig:
-    if name not in VARIANTS:
-        raise ValueError(f"variant={name!r} is not one of {tuple(VARIANTS)}")
-    return get_config("tiny", **VARIANTS[name][0])
+    return family.variant_config(name, VARIANTS)
 
 
 def mean_row(config: ModelConfig, context: int = CONTEXT) -> int:

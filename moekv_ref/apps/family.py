@@ -62,10 +62,11 @@ OUT = Path("figures") / "family.json"
 RUNS = Path("runs") / "family"
 
 
-def variant_config(name: str) -> ModelConfig:
-    if name not in VARIANTS:
-        raise ValueError(f"variant={name!r} is not one of {tuple(VARIANTS)}")
-    return get_config("tiny", **VARIANTS[name][0])
+def variant_config(name: str, variants: dict = VARIANTS) -> ModelConfig:
+    """The embedded model's configuration with a variant's fields (of this family, or `variants`)."""
+    if name not in variants:
+        raise ValueError(f"variant={name!r} is not one of {tuple(variants)}")
+    return get_config("tiny", **variants[name][0])
 
 
 def attention_flops_per_token(config: ModelConfig, context: int, experts_per_token: float | None = None) -> float:
