@@ -240,6 +240,50 @@ def test_the_engine_under_preemption_serves_what_each_request_gets_alone(policy)
     assert [outputs[i] for i in sorted(outputs)] == alone
 
 
+class InjectedFault(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("site,policy", [("allocate_within_budget", "router_score"), ("allocate_within_budget", "window"),
+                                         ("add_attention", "heavy_hitter")])
+@pytest.mark.parametrize("at_call", [1, 3, 9])
+def test_a_fault_inside_a_budgeted_wave_is_undone_whole(site, policy, at_call, monkeypatch):
+    """A budgeted prefill places its waiting tokens inside attend; a fault at the at_call-th placement
+    (or heavy_hitter's attention record) raises out of the step, which is undone whole: stepping on,
+    every request gets its tokens alone, and no block leaks."""
+    model = random_model(small_config("expert"), seed=6, dtype=torch.float32)
+    prompts = random_prompts([12, 5, 9], model.config.vocab_size, seed=4)
+    params = [SamplingParams(max_new_tokens=10, temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(3)]
+    budget = RowBudget(3, policy, num_sinks=1)
+    alone = [generate(model, [p], [q], cache="paged", block_size=2, budget=budget).tokens[0]
+             for p, q in zip(prompts, params)]
+    engine = LLMEngine(model, num_blocks=80, block_size=2, budget=budget)
+    owner = engine.cache.manager if site == "allocate_within_budget" else engine.cache.manager.budget
+    calls = [0]
+    original = getattr(type(owner), site)
+
+    def faulty(self, *args):
+        calls[0] += 1
+        if calls[0] == at_call:
+            raise InjectedFault(f"{site} call {at_call}")
+        return original(self, *args)
+
+    monkeypatch.setattr(type(owner), site, faulty)
+    for prompt, param in zip(prompts, params):
+        engine.add_request(prompt, param)
+    outputs, faults = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            for output in engine.step():
+                outputs[output.request_id] = output.token_ids
+        except InjectedFault:
+            faults += 1
+        engine.cache.manager.assert_consistent()
+    assert faults == 1 and engine.stats().num_failed_steps == 1
+    assert [outputs[i] for i in sorted(outputs)] == alone
+    engine.memory.assert_no_leak()
+
+
 def test_combinations_that_cannot_work_are_refused_with_their_reason():
     model = random_model(small_config("dense"), seed=1)
     with pytest.raises(ValueError, match="neither shared tails nor prefix caching"):
