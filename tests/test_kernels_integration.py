@@ -18,10 +18,11 @@ pytest.importorskip("triton")
 
 import moekv_kernels  # noqa: E402
 from moekv_ref.cache import PagedKVCache  # noqa: E402
+from moekv_ref.cache.budget import RowBudget  # noqa: E402
 from moekv_ref.generate import generate  # noqa: E402
 from moekv_ref.sampling import SamplingParams  # noqa: E402
 
-from helpers import random_model, random_prompts, small_config  # noqa: E402
+from helpers import prefill_then_decode, random_model, random_prompts, small_config  # noqa: E402
 
 
 def test_generate_triton_backend_gives_the_same_tokens(monkeypatch):
@@ -100,3 +101,25 @@ def test_the_interpreter_does_not_depend_on_import_order():
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("True"), done.stdout
+
+
+def test_a_budgeted_cache_attends_full_rows_on_the_kernel(monkeypatch):
+    """Under a window budget of 3 the decode rows a wave places (each full, its newcomer in a victim's
+    slot) go to moekv_kernels.paged_attention like any decode row: the logits equal the batched torch
+    path's (float32, 1e-4), and the kernel ran."""
+    model = random_model(small_config("expert"), seed=3, dtype=torch.float32)
+    sequences = torch.tensor(random_prompts([10, 10], model.config.vocab_size, seed=1))
+    launches = []
+    original = moekv_kernels.paged_attention
+
+    def counting(*args, **kwargs):
+        launches.append(args[0].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(moekv_kernels, "paged_attention", counting)
+    with torch.inference_mode():
+        logits = {attention: prefill_then_decode(model, PagedKVCache.for_model(
+            model, block_size=2, attention=attention, budget=RowBudget(3, "window", num_sinks=1)), sequences, prefill=4)
+            for attention in ("batched", "triton")}
+    assert launches
+    assert (logits["triton"] - logits["batched"]).abs().max() <= 1e-4
