@@ -217,10 +217,11 @@ def test_no_row_ever_holds_more_than_its_budget(policy, limits, block_size, chun
 
 
 @pytest.mark.parametrize("policy", BUDGET_POLICIES)
-def test_the_engine_under_preemption_serves_what_each_request_gets_alone(policy):
-    """A pool too small for the batch: requests are preempted (recompute) and resumed, the manager
-    stays consistent after every step, and every request gets the tokens it gets alone under the same
-    budget."""
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_engine_under_preemption_serves_what_each_request_gets_alone(policy, mode):
+    """A pool too small for the batch: requests are preempted (by recompute, or by swap, which keeps the
+    rows' policy state with their blocks) and resumed, the manager stays consistent after every step,
+    and every request gets the tokens it gets alone under the same budget."""
     model = random_model(small_config("expert"), seed=6, dtype=torch.float32)
     prompts = random_prompts([3, 5, 2, 4, 6, 3], model.config.vocab_size, seed=9)
     params = [SamplingParams(max_new_tokens=24, temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(6)]
@@ -228,7 +229,7 @@ def test_the_engine_under_preemption_serves_what_each_request_gets_alone(policy)
     alone = [generate(model, [p], [q], cache="paged", block_size=2, budget=budget).tokens[0]
              for p, q in zip(prompts, params)]
     engine = LLMEngine(model, num_blocks=80, block_size=2, budget=budget,
-                       scheduler_config=SchedulerConfig(admission="optimistic"))
+                       scheduler_config=SchedulerConfig(admission="optimistic", preemption_mode=mode))
     for prompt, param in zip(prompts, params):
         engine.add_request(prompt, param)
     outputs = {}
@@ -237,6 +238,7 @@ def test_the_engine_under_preemption_serves_what_each_request_gets_alone(policy)
             outputs[output.request_id] = output.token_ids
         engine.cache.manager.assert_consistent()
     assert engine.stats().num_preemptions > 0
+    assert (engine.stats().num_swapped_out_blocks > 0) == (mode == "swap")
     assert [outputs[i] for i in sorted(outputs)] == alone
 
 
@@ -296,8 +298,6 @@ def test_combinations_that_cannot_work_are_refused_with_their_reason():
         model(torch.zeros(1, 3, dtype=torch.int64), budget=RowBudget(4, "router_score"))
     with pytest.raises(ValueError, match="one per layer"):
         PagedKVCache.for_model(model, budget=RowBudget([4, 4, 4]))
-    with pytest.raises(ValueError, match="not 'swap'"):
-        LLMEngine(model, 100, budget=RowBudget(4), scheduler_config=SchedulerConfig(preemption_mode="swap"))
     with pytest.raises(ValueError, match="must be a RowBudget"):
         PagedKVCache.for_model(model, budget=4)
     for bad, match in (((0,), "max_tokens=0"), ((2.5,), "max_tokens=2.5"), (([],), r"max_tokens=\[\]"),

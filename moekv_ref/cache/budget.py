@@ -160,6 +160,14 @@ class RowBudget:
         width = min(weights.shape[1], self.num_slots)
         self.slot_score[rows, :width] += weights[:, :width].to(torch.float64)
 
+    def rows_state(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, scores) of these rows' slots, copies: what a swapped-out sequence keeps."""
+        return self.slot_position[rows].clone(), self.slot_score[rows].clone()
+
+    def restore_rows(self, rows: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Put back what rows_state saved, for rows the manager refilled with the same counts."""
+        self.slot_position[rows], self.slot_score[rows] = state
+
     def kept_positions(self, rows) -> list[list[int]]:
         """The positions each row keeps, ascending (what the notebooks draw)."""
         return [sorted(p for p in self.slot_position[int(r)].tolist() if p >= 0) for r in rows]

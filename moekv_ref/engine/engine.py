@@ -100,8 +100,8 @@ class LLMEngine:
     blocks_per_device: D integers >= 1, never rounded (num_blocks their sum if left out);
     device_of_expert: (E,) or (L, E) devices (placement.place_experts). With home_devices
     device_of_expert is None: ask memory.device_of_expert_of.
-    budget: a RowBudget (cache/budget.py), at most B tokens in each (sequence, layer, expert) row;
-    with preemption by recompute (a swapped sequence would also have to carry its rows' policy state).
+    budget: a RowBudget (cache/budget.py), at most B tokens in each (sequence, layer, expert) row
+    (a swapped-out sequence keeps its rows' policy state with its blocks).
     """
 
     def __init__(self, model: MoEKVTransformer, num_blocks: int | None = None, block_size: int = 16,
@@ -128,10 +128,6 @@ class LLMEngine:
             raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS} (or None)")
         check_flag("record_history", record_history)
         check_flag("enable_prefix_caching", enable_prefix_caching)
-        if budget is not None and scheduler_config.preemption_mode == "swap":
-            raise ValueError("a budget works with preemption_mode='recompute', not 'swap': the swap space "
-                             "saves a sequence's blocks and counts, not the positions and scores its "
-                             "rows' policy keeps")
         if num_swap_blocks is None:
             num_swap_blocks = num_blocks if scheduler_config.preemption_mode == "swap" else 0
         self.model = model

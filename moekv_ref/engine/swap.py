@@ -37,6 +37,7 @@ class SwappedSequence:
     last_appended: torch.Tensor | None = None   # (L * E,) each row's last append (the manager's clock)
     positions: torch.Tensor | None = None   # (b, P) each slot's token position (prefix caching only)
     blocks_per_device: torch.Tensor | None = None   # (D,) of the b blocks, on each device (swap_in takes as many)
+    budget_state: tuple | None = None        # the rows' slot positions and scores (a row budget only)
 
 
 class SwapSpace:
@@ -58,9 +59,12 @@ class SwapSpace:
         counts = self.manager.token_counts([seq_id])[0].reshape(-1)                    # (L*E,)
         host_blocks = self.pool.allocate(device_blocks.numel())                        # may raise
         prefix = self.manager.prefix_cache                   # its slots' positions travel too
+        budget = self.manager.budget                         # and what a budget's policy reads
+        rows = self.manager.index.sequence_rows(torch.tensor([self.manager.seq_index(seq_id)]))[0]    # (L*E,)
         self.swapped[seq_id] = SwappedSequence(host_blocks, counts, self.manager.row_last_used(seq_id).reshape(-1),
                                                None if prefix is None else prefix.block_positions[device_blocks].clone(),
-                                               self.manager.blocks_held_per_device([seq_id])[0])
+                                               self.manager.blocks_held_per_device([seq_id])[0],
+                                               None if budget is None else budget.rows_state(rows))
         self.manager.free(seq_id)
         return BlockCopy(SWAP_OUT, device_blocks, host_blocks)
 
@@ -83,6 +87,8 @@ class SwapSpace:
         manager.last_appended[rows] = saved.last_appended        # coming back is not a use
         if saved.positions is not None:
             manager.prefix_cache.block_positions[device_blocks] = saved.positions
+        if saved.budget_state is not None:                   # same counts, same slot order: same state
+            manager.budget.restore_rows(rows, saved.budget_state)
         self.pool.free(saved.host_block_ids)
         del self.swapped[seq_id]
         return BlockCopy(SWAP_IN, saved.host_block_ids, device_blocks)
