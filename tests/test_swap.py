@@ -54,9 +54,25 @@ def test_a_swap_that_does_not_fit_raises_and_changes_nothing():
     sequence_with(manager, 1, [4, 0, 0, 0, 0, 0])
     swap.swap_out(1)                                   # 1 block out
     sequence_with(manager, 2, [32, 0, 0, 0, 0, 0])     # 8 blocks: the device pool is full again
-    with pytest.raises(RuntimeError, match="needs 1 blocks, 0 free"):
+    with pytest.raises(RuntimeError, match="needs 1 blocks on device 0, 0 free there"):
         swap.swap_in(1)
     assert 1 in swap.swapped and 1 not in manager.sequences
+    manager.assert_consistent()
+
+
+def test_a_swap_in_short_on_one_device_raises_and_changes_nothing():
+    """Two devices: enough free blocks in all, but not on the device the sequence's rows live on.
+    swap_in raises RuntimeError (as its docstring says) before adding the sequence or taking a block."""
+    manager = KVCacheManager(L, E, P, blocks_per_device=[6, 6], device_of_expert=[0, 1, 1])
+    swap = SwapSpace(manager, num_blocks=8)
+    sequence_with(manager, 0, [8, 0, 0, 4, 0, 0])      # 3 blocks, all on device 0 (expert 0)
+    swap.swap_out(0)
+    sequence_with(manager, 1, [16, 0, 0, 4, 0, 0])     # 5 blocks on device 0: 1 free there, 6 on device 1
+    free = manager.num_free_blocks_per_device.tolist()
+    with pytest.raises(RuntimeError, match="needs 3 blocks on device 0, 1 free there"):
+        swap.swap_in(0)
+    assert 0 in swap.swapped and 0 not in manager.sequences
+    assert manager.num_free_blocks_per_device.tolist() == free
     manager.assert_consistent()
 
 

@@ -76,9 +76,12 @@ class SwapSpace:
         freed. Raises RuntimeError, changing nothing, if the device pool is short."""
         manager = self.manager
         saved = self.swapped[seq_id]
-        if saved.host_block_ids.numel() > manager.num_free_blocks:
-            raise RuntimeError(f"swap_in of sequence {seq_id} needs {saved.host_block_ids.numel()} "
-                               f"blocks, {manager.num_free_blocks} free: check first")
+        free = manager.num_free_blocks_per_device                                           # (D,)
+        short = (saved.blocks_per_device > free).nonzero().squeeze(1)      # each device, not the total
+        if short.numel():
+            d = int(short[0])
+            raise RuntimeError(f"swap_in of sequence {seq_id} needs {int(saved.blocks_per_device[d])} blocks "
+                               f"on device {d}, {int(free[d])} free there: check first")
         index = manager.add_sequence(seq_id)
         rows = manager.index.sequence_rows(torch.tensor([index]))[0]                         # (L*E,)
         manager.allocate_slots(rows, saved.token_counts)
