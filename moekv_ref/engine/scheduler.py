@@ -177,10 +177,12 @@ class Scheduler:
         self.predictor = DemandPredictor(shape.num_layers, shape.num_experts, shape.k_max, shape.block_size,
                                          shape.max_row_tokens)
         self.batching = config.make_batching_policy()
-        if self.prefix_cache is not None and not isinstance(self.batching, ContinuousBatching):
+        # by name: continuous_reserved is a ContinuousBatching too, with an admission of its own
+        paged = self.batching.name == ContinuousBatching.name
+        if self.prefix_cache is not None and not paged:
             raise ValueError(f"prefix caching works with policy='continuous_paged' only, not {config.policy!r}: "
                              "a hit takes blocks at admission, which only that policy's step check counts")
-        if self.num_devices > 1 and not isinstance(self.batching, ContinuousBatching):
+        if self.num_devices > 1 and not paged:
             raise ValueError(f"per-device pools run policy='continuous_paged' only, not {config.policy!r}")
         self.victims = config.make_victim_policy()
         self.waiting: deque[Request] = deque()
