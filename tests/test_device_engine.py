@@ -14,8 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moekv_ref.cache import BlockPool, KVCacheManager, OutOfBlocksError, SharedTailKVCacheManager
-from moekv_ref.engine import LLMEngine, SchedulerConfig
+from moekv_ref.cache import BlockPool, KVCacheManager, OutOfBlocksError, PrefixCache, SharedTailKVCacheManager
+from moekv_ref.engine import LLMEngine, ModelShape, SchedulerConfig
+from moekv_ref.engine.scheduler import Scheduler
 from moekv_ref.engine.swap import SwapSpace
 from moekv_ref.engine.victims import ExpertLRU, PressureAware, RowEviction, SequenceLRU, Shortage
 from moekv_ref.generate import generate
@@ -200,10 +201,14 @@ def test_victim_choices_exact():
     assert ExpertLRU().choose_victim(requests((1, 2)), memory, short1) is not None
 
 
-def test_expert_lru_needs_a_scheduler_that_tracks_rows():
-    memory = SimpleNamespace(row_last_used=lambda i: None, token_counts=None, device_of_expert=None)
-    with pytest.raises(ValueError, match="needs a scheduler that tracks and evicts rows"):
-        ExpertLRU().choose_victim(requests((0, 1)), memory, 3)
+def test_expert_lru_is_refused_where_rows_cannot_be_evicted():
+    """Shared tails and prefix caching share blocks between rows: the scheduler refuses a victim
+    policy that drops single rows when it is built, not at its first eviction."""
+    shape = ModelShape(num_layers=2, num_experts=3, k_max=2, k_min=2, block_size=4, max_num_positions=64)
+    for manager in (KVCacheManager(2, 3, 4, 64, prefix_cache=PrefixCache()), SharedTailKVCacheManager(2, 3, 4, 64)):
+        with pytest.raises(ValueError, match="victim='expert_lru' drops single rows, which this cache cannot"):
+            Scheduler(SchedulerConfig(victim="expert_lru"), manager, shape)
+    Scheduler(SchedulerConfig(victim="expert_lru"), KVCacheManager(2, 3, 4, 64), shape)      # plain pages: fine
 
 
 # ----- the per-device pool and manager ---------------------------------------------------------------

@@ -185,6 +185,10 @@ class Scheduler:
         if self.num_devices > 1 and not paged:
             raise ValueError(f"per-device pools run policy='continuous_paged' only, not {config.policy!r}")
         self.victims = config.make_victim_policy()
+        if self.victims.evicts_rows and not manager.can_evict_rows:
+            raise ValueError(f"victim={self.victims.name!r} drops single rows, which this cache cannot: shared "
+                             "tails and prefix caching share blocks between rows; use a victim that preempts "
+                             "whole sequences (newest_first, sequence_lru, pressure_aware)")
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stalled: dict[int, Request] = {}  # request id -> request whose rows were evicted, in order

@@ -45,6 +45,7 @@ class RowEviction:
 
 class VictimPolicy:
     name = "victim"
+    evicts_rows = False     # True: may answer a RowEviction, which needs a manager that can_evict_rows
 
     def choose_victim(self, candidates: Sequence[Request], memory: MemoryView, need: int) -> Request:
         raise NotImplementedError
@@ -79,15 +80,13 @@ class ExpertLRU(VictimPolicy):
     It fits badly: the least recently used rows belong to sequences running now, and each dropped
     row costs a whole recompute. With no row on the short device, the scheduled request waits."""
     name = "expert_lru"
+    evicts_rows = True
 
     def choose_victim(self, candidates, memory, need):
         shortage = shortage_of(need)
         keys = []
         for order, request in enumerate(candidates):
             last_used = memory.row_last_used(request.request_id)
-            if last_used is None:
-                raise ValueError("victim='expert_lru' drops single rows: it needs a scheduler that tracks and "
-                                 "evicts rows (the engine's Scheduler on plain pages, without prefix caching)")
             counts = memory.token_counts([request.request_id])[0]                       # (L, E)
             devices = memory.device_of_expert_of([request.request_id])[0]              # (L, E) its rows'
             on_short = (counts > 0) & (devices == shortage.device)                       # (L, E)
