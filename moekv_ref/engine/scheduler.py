@@ -251,7 +251,7 @@ class Scheduler:
         try:
             return self._schedule(step)
         except BaseException as error:
-            if self.current is not None and hasattr(error, "add_note"):
+            if self.current is not None:                      # every exception has add_note (Python 3.11+)
                 error.add_note(f"while scheduling request {self.current.request_id} ({self.current.status.value}) at step {step}")
             raise
 

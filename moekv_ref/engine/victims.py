@@ -47,7 +47,9 @@ class VictimPolicy:
     name = "victim"
     evicts_rows = False     # True: may answer a RowEviction, which needs a manager that can_evict_rows
 
-    def choose_victim(self, candidates: Sequence[Request], memory: MemoryView, need: int) -> Request:
+    def choose_victim(self, candidates: Sequence[Request], memory: MemoryView,
+                      need: Shortage | int) -> Request | RowEviction:
+        """need: the step's Shortage (an int is read as that many blocks on device 0: shortage_of)."""
         raise NotImplementedError
 
     def admits(self, request: Request, running: Sequence[Request], memory: MemoryView) -> bool:
