@@ -188,6 +188,32 @@ def train_inference_gaps(rows: list[dict], variants) -> dict:
     return gaps
 
 
+def against_dense(table: list[dict], variants) -> list[dict]:
+    """Each routed variant's frontier point beside the best dense setting holding no more KV bytes per
+    token: the difference in bits per byte, and a verdict: "beats" or "loses" when it exceeds twice
+    the larger spread over seeds of the two, else "ties"."""
+    dense = [r for r in table if r["variant"] == "dense"]
+    rows = []
+    for name in variants:
+        if name == "dense" or not dense:
+            continue
+        for point in frontier_rows(table, name):
+            rival = min((r for r in dense if r["kv_bytes_per_token"] <= point["kv_bytes_per_token"] + 1e-9),
+                        key=lambda r: r["bits_per_byte_mean"], default=None)
+            if rival is None:
+                continue
+            difference = point["bits_per_byte_mean"] - rival["bits_per_byte_mean"]
+            noise = 2 * max(point["bits_per_byte_std"], rival["bits_per_byte_std"])
+            verdict = "ties" if abs(difference) <= noise else "beats" if difference < 0 else "loses"
+            rows.append({"variant": name, "policy": point["policy"], "budget_tokens": point["budget_tokens"],
+                         "kv_bytes_per_token": point["kv_bytes_per_token"], "bits_per_byte": point["bits_per_byte_mean"],
+                         "dense_policy": rival["policy"], "dense_budget_tokens": rival["budget_tokens"],
+                         "dense_kv_bytes_per_token": rival["kv_bytes_per_token"],
+                         "dense_bits_per_byte": rival["bits_per_byte_mean"], "difference": difference,
+                         "verdict": verdict})
+    return rows
+
+
 def capacity_study(steps: int = 200, batch_size: int = 4, out: Path = OUT, runs: Path = RUNS,
                    variants=tuple(VARIANTS), seeds=SEEDS, progress: bool = True) -> dict:
     """Train (or resume) every variant for every seed, measure every setting, write `out`."""
@@ -220,6 +246,7 @@ def capacity_study(steps: int = 200, batch_size: int = 4, out: Path = OUT, runs:
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread, torch {torch.__version__}",
         "table": table,
         "train_inference_gap": train_inference_gaps(rows, variants),
+        "against_dense": against_dense(table, variants),
         "frontier": {name: [(r["policy"], r["budget_tokens"]) for r in frontier_rows(table, name)] for name in variants},
         "runs": rows,
     }
@@ -238,6 +265,21 @@ def format_table(study: dict) -> str:
     n = len(study["budget"]["seeds"])
     return text_table(["variant", "policy", "B", "of mean row", f"bits/byte ({n} seeds)", "KV B/token held",
                        "pool B/token", "attn FLOPs/token"], rows)
+
+
+def readme_table(study: dict) -> str:
+    """The README's table: per variant and policy, bits per byte (mean ± spread over seeds) with no
+    budget and at each fraction of the mean row, each with the KV bytes per token held there."""
+    fractions = study["budget"]["fractions"]
+    header = "| variant | policy | no budget | " + " | ".join(f"B = {f * 100:g}% of the mean row" for f in fractions) + " |"
+    lines = [header, "|" + " --- |" * (3 + len(fractions))]
+    cell = lambda r: f"{r['bits_per_byte_mean']:.3f} ± {r['bits_per_byte_std']:.3f} ({round(r['kv_bytes_per_token'])} B)"
+    for name in study["variants"]:
+        none = next(r for r in study["table"] if r["variant"] == name and r["policy"] == "none")
+        for policy in dict.fromkeys(r["policy"] for r in study["table"] if r["variant"] == name and r["policy"] != "none"):
+            mine = {r["fraction"]: r for r in study["table"] if (r["variant"], r["policy"]) == (name, policy)}
+            lines.append(f"| {name} | {policy} | {cell(none)} | " + " | ".join(cell(mine[f]) for f in fractions) + " |")
+    return "\n".join(lines)
 
 
 def build_parser(parser):
