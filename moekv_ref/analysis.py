@@ -1,5 +1,6 @@
 """What the router learned (expert load, router entropy, the characters each expert prefers), what a
-decode step costs, and the model's real routing as a RoutingTrace for the simulator (moekv_ref/sim).
+decode step costs, the model's real routing as a RoutingTrace for the simulator (moekv_ref/sim), and
+what a row budget did to each (expert, position) of a layer (`budget_map`, notebook 10).
 
 Read the statistics against an untrained model (tests/test_analysis.py does): a random router
 projects each byte's embedding, so it too prefers kinds of characters and loads unevenly. Training
@@ -14,7 +15,8 @@ from pathlib import Path
 import torch
 from torch.nn.functional import one_hot
 
-from .cache import ContiguousKVCache
+from .cache import ContiguousKVCache, PagedKVCache
+from .cache.budget import RowBudget
 from .generate import generate
 from .prompts import encode
 from .sampling import SamplingParams
@@ -175,3 +177,55 @@ def record_model_trace(model, prompts: list[list[int]], output_lens: list[int], 
     bytes_per_value = next(model.parameters()).element_size()
     return RoutingTrace(torch.cat(parts), offsets, torch.tensor([len(p) for p in prompts]),
                         config.num_attention_experts, config.kv_bytes_per_entry(bytes_per_value), name)
+
+
+# What budget_map's codes mean: code i is BUDGET_MAP_CODES[i].
+BUDGET_MAP_CODES = ("not routed", "kept", "evicted", "refused")
+
+
+@torch.inference_mode()
+def budget_map(model, tokens, layer: int, budget: RowBudget) -> tuple[torch.Tensor, dict[str, int]]:
+    """What each (expert, position) of one layer became when one sequence of `tokens` (T,) went
+    through a cache with a row budget (cache/budget.py): an (E, T) int64 tensor of codes,
+
+        0 not routed  the router did not send the token to this expert
+        1 kept        routed, taken by the row, and still in it at the end
+        2 evicted     taken by the row when it arrived, then replaced by a later token
+                      (window, heavy_hitter, router_score)
+        3 refused     routed to a full row and turned away on arrival (drop, router_score)
+
+    and how many cells hold each code, {name: count} in BUDGET_MAP_CODES' order.
+
+    The routing and what each row keeps at the end are the paged cache's (the tokens as one prefill,
+    then `kept_positions`); which routed pairs the rows took on arrival is the budgeted recompute's
+    (`model(tokens, budget=...)`, whose routing is then the pairs the rows accepted), which the tests
+    hold equal to the cache. From layer 1 on, the routing itself is the one under the budget: a token
+    refused or evicted below changes the hidden states that later routers see."""
+    if not isinstance(budget, RowBudget):
+        raise ValueError(f"budget={budget!r} must be a RowBudget (moekv_ref.cache.budget)")
+    config = model.config
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < config.num_hidden_layers:
+        raise ValueError(f"layer={layer!r} must be an integer in [0, {config.num_hidden_layers})")
+    tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+    if tokens.numel() == 0:
+        raise ValueError("tokens is empty: give at least one token")
+    T, E = tokens.numel(), config.num_attention_experts
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
+
+    cache = PagedKVCache.for_model(model, max_num_seqs=1, budget=budget)
+    positions = torch.arange(T, device=device)
+    output = model.forward_cached(tokens, torch.zeros_like(positions), positions, cache)
+    routed = output.attention_routing[layer].selected.T.cpu()                          # (E, T)
+    rows = cache.manager.rows([0] * E, layer, list(range(E)))
+    kept = torch.zeros(E, T, dtype=torch.bool)
+    for expert, held in enumerate(cache.manager.budget.kept_positions(rows)):
+        kept[expert, held] = True
+    accepted = model(tokens[None], budget=budget).attention_routing[layer].selected[0].T.cpu()   # (E, T)
+
+    codes = torch.zeros(E, T, dtype=torch.int64)                                       # not routed
+    codes[routed] = BUDGET_MAP_CODES.index("refused")
+    codes[routed & accepted] = BUDGET_MAP_CODES.index("evicted")
+    codes[kept] = BUDGET_MAP_CODES.index("kept")              # the cache holds only what it was routed
+    counts = torch.bincount(codes.reshape(-1), minlength=len(BUDGET_MAP_CODES)).tolist()
+    return codes, dict(zip(BUDGET_MAP_CODES, counts))

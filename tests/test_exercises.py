@@ -1,4 +1,4 @@
-"""The exercise checks of notebooks 01-08: the solution passes, the placeholder asks for an answer, and
+"""The exercise checks of notebooks 01-08 and 10: the solution passes, the placeholder asks for an answer, and
 each usual wrong answer gets the explanation that names its mistake (not just "wrong")."""
 
 import pytest
@@ -231,3 +231,43 @@ def test_tokens_per_split_wrong_answers_are_explained():
     assert "Use smaller splits" in check_tokens_per_split(512, 8)
     assert "largest split that still fills it" in check_tokens_per_split(256, 8)
     assert "positive whole number" in check_tokens_per_split(-16, 8)
+
+
+# --- 10 -------------------------------------------------------------------------------------------
+
+check_drop_budget = _unwrapped(exercises.check_drop_budget)
+
+
+def test_drop_budget_solution_is_the_smallest_budget_refusing_nothing_and_passes():
+    """The longest row of the embedded model over the snippet: drop refuses nothing there and something
+    one token lower (the paged cache's count), and it is well above the mean row k T / E."""
+    lengths = exercises.exercise_10_row_lengths()                          # (L, E)
+    right = exercises.solution_drop_budget()
+    num_tokens = len(exercises.exercise_10_text().encode())
+    assert lengths.shape == (CONFIG.num_hidden_layers, CONFIG.num_attention_experts)
+    assert (lengths.sum(1) == CONFIG.num_attention_experts_per_tok * num_tokens).all()     # top-2
+    assert right == int(lengths.max()) > 1.5 * float(lengths.double().mean())
+    assert exercises._exercise_10_refused(right) == 0 < exercises._exercise_10_refused(right - 1)
+    assert check_drop_budget(right).startswith("Right")
+
+
+def test_drop_budget_wrong_answers_are_explained():
+    lengths = exercises.exercise_10_row_lengths()
+    right = exercises.solution_drop_budget()
+    num_tokens = len(exercises.exercise_10_text().encode())
+    mean = float(lengths.double().mean())
+    assert check_drop_budget(None).startswith("No answer yet")
+    for bad in (0, -3, 2.5, True, "70"):
+        assert "positive whole number" in check_drop_budget(bad)
+    assert "whatever the routing" in check_drop_budget(num_tokens)
+    assert "whatever the routing" in check_drop_budget(10 ** 9)            # not a cache of 10^9 slots
+    larger = check_drop_budget(right + 1)
+    assert larger.startswith("Not yet") and "so does a smaller B" in larger
+    assert "is the mean row" in check_drop_budget(round(mean))
+    shorter = [(layer, int(n)) for layer, n in enumerate(lengths.max(1).values) if n < right and abs(n - mean) >= 1]
+    assert shorter                                     # some layer's longest row is shorter than the answer
+    layer, n = shorter[0]
+    assert f"longest row of layer {layer}" in check_drop_budget(n)
+    below = check_drop_budget(right - 1)
+    assert below.startswith("Not yet") and "refuses 1 pair(s)" in below
+

@@ -1,11 +1,18 @@
 """What a per-row KV budget costs in quality (apps/capacity.py) as a figure: held-out bits per byte
 against the KV bytes per token the rows actually hold, every (variant, policy, budget) a point and each
 variant's frontier a line. Notebook 10 and `python -m moekv_ref capacity` draw it from
-figures/capacity.json."""
+figures/capacity.json. And what a budget did to one layer's rows (`plot_budget_map`, of
+analysis.budget_map), notebook 10's map."""
 
 from __future__ import annotations
 
+import numpy as np
+from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from ..analysis import BUDGET_MAP_CODES
+from .routing import ROUTED_COLOUR
 
 COLORS = {"dense": "#7f7f7f", "expert_topk": "#1f77b4", "expert_topk_capacity": "#2ca02c",
           "expert_choice": "#d62728"}
@@ -68,4 +75,41 @@ def plot_capacity(study: dict, costs=("kv", "flops"), variants=None, width: floa
     context = study["budget"]["context"]
     fig.suptitle(f"budgets per (sequence, layer, expert) row, windows of {context} bytes: lower is better",
                  fontsize=11)
+    return fig
+
+
+# budget_map's codes, in BUDGET_MAP_CODES' order: not routed, kept, evicted, refused
+BUDGET_MAP_COLOURS = ("#f4f4f4", ROUTED_COLOUR, "#f6ad55", "#c53030")
+
+
+def plot_budget_map(codes, layer: int, budget, width: float = 9.5) -> Figure:
+    """One layer under a row budget (analysis.budget_map's codes, (E, T)): experts as rows, positions
+    as columns, each cell not routed, kept, evicted or refused; at the right of each row, the tokens
+    it keeps at the end and the tokens routed to it."""
+    codes = np.asarray(codes)
+    num_experts, num_tokens = codes.shape
+    fig = Figure(figsize=(width, 1.2 + 0.32 * num_experts), layout="constrained")
+    ax = fig.subplots()
+    ax.imshow(codes, aspect="auto", cmap=ListedColormap(BUDGET_MAP_COLOURS), vmin=0,
+              vmax=len(BUDGET_MAP_CODES) - 1, interpolation="nearest")
+    ax.set_yticks(range(num_experts), [f"e{e}" for e in range(num_experts)])
+    ax.set_xticks(range(0, num_tokens, 16))
+    ax.set_xticks(np.arange(-0.5, num_tokens), minor=True)
+    ax.set_yticks(np.arange(-0.5, num_experts), minor=True)
+    ax.grid(which="minor", axis="y", color="white", linewidth=1.0)
+    ax.tick_params(which="minor", length=0)
+    kept = (codes == BUDGET_MAP_CODES.index("kept")).sum(1)
+    routed = (codes != BUDGET_MAP_CODES.index("not routed")).sum(1)
+    for e in range(num_experts):
+        ax.text(num_tokens, e, f" {kept[e]} of {routed[e]}", va="center", fontsize=10)
+    ax.text(num_tokens, -0.6, " kept of routed", va="bottom", fontsize=10)
+    ax.set_xlabel("position in the sequence (one byte-token per column)")
+    ax.set_ylabel("attention expert")
+    limit = budget.limit_of_layer(layer)
+    ax.set_title(f"layer {layer}, {budget.policy}, at most B = {limit} tokens per row: "
+                 f"what each token became in each expert's row", fontsize=11)
+    counts = np.bincount(codes.reshape(-1), minlength=len(BUDGET_MAP_CODES))
+    handles = [Patch(facecolor=colour, edgecolor="grey", label=f"{name} ({count})")
+               for name, colour, count in zip(BUDGET_MAP_CODES, BUDGET_MAP_COLOURS, counts)]
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=10, frameon=False)
     return fig
