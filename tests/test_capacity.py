@@ -8,6 +8,9 @@ best-scored tokens of the window, which looks ahead: its cache keeps the best so
 equal to the budgeted recompute, and differs from the training forward once a row fills.
 """
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -101,7 +104,44 @@ def test_the_study_measures_what_the_rows_hold():
 
 
 def test_the_frontier_keeps_only_settings_nothing_smaller_beats():
+    """c is beaten by b at the same size, d by b with fewer bytes; f holds 1% less than g (the same
+    size) and is worse, so g replaces it."""
     table = [dict(variant="v", kv_bytes_per_token=b, bits_per_byte_mean=q, policy=p, budget_tokens=t)
              for b, q, p, t in ((100, 3.0, "a", 1), (200, 2.5, "b", 2), (200, 2.9, "c", 3), (300, 2.6, "d", 4),
-                                (400, 2.4, "e", 5))]
-    assert [r["policy"] for r in frontier_rows(table, "v")] == ["a", "b", "e"]
+                                (400, 2.4, "e", 5), (495, 2.3, "f", 6), (500, 2.1, "g", 7))]
+    assert [r["policy"] for r in frontier_rows(table, "v")] == ["a", "b", "e", "g"]
+
+
+def test_the_readme_quotes_the_committed_study():
+    """README's capacity table is readme_table(figures/capacity.json), and each number of the prose
+    under it is the JSON's (a hand-edited number fails)."""
+    root = Path(__file__).resolve().parents[1]
+    study = json.loads((root / "figures" / "capacity.json").read_text())
+    readme = (root / "README.md").read_text()
+    assert capacity.readme_table(study) in readme
+    prose = " ".join(readme.split("## A budget per row", 1)[1].split("\n## ", 1)[0].split())
+    table = {(r["variant"], r["policy"], r["budget_tokens"]): r["bits_per_byte_mean"] for r in study["table"]}
+    cost = lambda variant, policy, tokens: table[variant, policy, tokens] - table[variant, "none", None]
+    beside = study["against_dense"]
+    assert beside and all(row["verdict"] == "loses" for row in beside)
+    best = min((r for r in beside if round(r["kv_bytes_per_token"]) == 512), key=lambda r: r["bits_per_byte"])
+    gaps = study["train_inference_gap"]
+    quoted = [
+        f"`{best['variant']}` under `{best['policy']}` at B = {best['budget_tokens']}, reaches {best['bits_per_byte']:.3f} "
+        f"bits per byte against dense attention's {best['dense_bits_per_byte']:.3f} (`{best['dense_policy']}` at "
+        f"B = {best['dense_budget_tokens']})",
+        f"lie {min(r['difference'] for r in beside):.3f} to {max(r['difference'] for r in beside):.3f} bits per byte",
+        f"gives {table['dense', 'window', 64]:.3f} against {table['dense', 'none', None]:.3f} with no budget",
+        f"window of 16 gives {table['expert_topk', 'window', 16]:.3f} against {table['expert_topk', 'none', None]:.3f}",
+        f"costs dense attention {cost('dense', 'drop', 64):.3f} bits per byte",
+        f"costs `expert_topk` {cost('expert_topk', 'router_score', 16):.3f}",
+        f"at 12.5% loses {cost('expert_topk_capacity', 'drop', 16):.3f} where the model trained without a capacity "
+        f"loses {cost('expert_topk', 'drop', 16):.3f}",
+        f"it is {table['expert_topk_capacity', 'none', None] - table['expert_topk', 'none', None]:.3f} worse",
+        f"a gap of {gaps['expert_topk_capacity']['gap_mean']:.3f}",
+        f"costs {gaps['expert_choice']['gap_mean']:.3f} ± {gaps['expert_choice']['gap_std']:.3f} bits per byte",
+        f"Training took {study['train_seconds_total'] / 60:.0f} minutes",
+        f"measuring {study['measure_seconds_total'] / 60:.0f} minutes",
+    ]
+    for phrase in quoted:
+        assert phrase in prose, phrase

@@ -24,15 +24,24 @@ COSTS = {
 }
 
 
+# Bytes held within this fraction of each other count as one size: policies at the same B hold a few
+# bytes apart (a row routed fewer than B tokens holds them all), and the frontier should not step
+# through a worse policy that happens to hold 0.1% less.
+SAME_SIZE = 0.02
+
+
 def frontier_rows(table: list[dict], variant: str) -> list[dict]:
-    """The variant's settings that no setting of it with fewer or equal bytes held beats."""
+    """The variant's settings that no setting of it with fewer bytes held (or as many, within
+    SAME_SIZE) beats, ascending in bytes."""
     mine = sorted((r for r in table if r["variant"] == variant),
                   key=lambda r: (r["kv_bytes_per_token"], r["bits_per_byte_mean"]))
-    best, front = float("inf"), []
+    front = []
     for row in mine:
-        if row["bits_per_byte_mean"] < best:
-            best = row["bits_per_byte_mean"]
-            front.append(row)
+        if front and row["bits_per_byte_mean"] >= front[-1]["bits_per_byte_mean"]:
+            continue                                                  # beaten by a smaller setting
+        while front and front[-1]["kv_bytes_per_token"] >= row["kv_bytes_per_token"] * (1 - SAME_SIZE):
+            front.pop()                                               # the same size, and worse
+        front.append(row)
     return front
 
 
