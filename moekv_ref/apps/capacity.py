@@ -46,7 +46,7 @@ from ..model import MoEKVTransformer
 from ..plots.capacity import frontier_rows, plot_capacity
 from ..plots.tables import text_table
 from . import family, options
-from .family import run_name, train_run
+from .family import run_name
 from .train import batches, load_corpus
 
 CONTEXT = 512
@@ -113,7 +113,9 @@ def measure(model: MoEKVTransformer, x: torch.Tensor, y: torch.Tensor, budget: R
     config = model.config
     output = model(x, budget=budget)
     loss = F.cross_entropy(output.logits.reshape(-1, output.logits.shape[-1]), y.reshape(-1)).item()
-    entries = slots = flops = 0.0
+    entries = 0.0
+    slots = 0.0
+    flops = 0.0
     for layer, routing in enumerate(output.attention_routing):                    # accepted pairs
         limit = None if budget is None else budget.limit_of_layer(layer)
         held = routing.selected.sum(1)                                             # (B, E) accepted
@@ -220,13 +222,8 @@ def capacity_study(steps: int = 200, batch_size: int = 4, out: Path = OUT, runs:
     torch.set_num_threads(1)
     train_data, valid_data = load_corpus()
     start = time.time()
-    trained = []
-    with tqdm(total=steps * len(variants) * len(seeds), desc="train", unit="step",
-              disable=None if progress else True) as bar:
-        for seed in seeds:                      # a whole family per seed: a stopped run has all variants
-            for name in variants:
-                trained.append(train_run(name, seed, steps, batch_size, CONTEXT, train_data, valid_data, runs,
-                                         bar, config=variant_config(name)))
+    trained = family.train_runs(steps, batch_size, CONTEXT, train_data, valid_data, runs, variants, seeds, progress,
+                                variant_config)
     x, y = heldout_windows(valid_data)
     total = sum(len(settings(variant_config(name))) for name in variants) * len(seeds)
     rows = []

@@ -166,6 +166,20 @@ def train_run(name: str, seed: int, steps: int, batch_size: int, context: int, t
     return result
 
 
+def train_runs(steps: int, batch_size: int, context: int, train_data, valid_data, runs: Path, variants, seeds,
+               progress: bool = True, config_of=variant_config) -> list[dict]:
+    """Every variant for every seed (config_of(name) its configuration), a whole family per seed so that
+    a stopped run has all variants, under one progress bar; each run's result, in that order."""
+    results = []
+    with tqdm(total=steps * len(variants) * len(seeds), desc="train", unit="step",
+              disable=None if progress else True) as bar:
+        for seed in seeds:
+            for name in variants:
+                results.append(train_run(name, seed, steps, batch_size, context, train_data, valid_data, runs, bar,
+                                         config=config_of(name)))
+    return results
+
+
 def summarize(results: list[dict], measured: dict, speeds: dict, context: int, variants=tuple(VARIANTS)) -> dict:
     """Per variant: bits per byte over seeds (mean, population spread, each), KV bytes, FLOPs,
     parameters, decode tokens/s."""
@@ -195,12 +209,7 @@ def train_family(steps: int = 240, batch_size: int = 8, context: int = 128, out:
     torch.set_num_threads(1)
     train_data, valid_data = load_corpus()
     start = time.time()
-    results = []
-    with tqdm(total=steps * len(variants) * len(seeds), desc="family", unit="step",
-              disable=None if progress else True) as bar:
-        for seed in seeds:                     # a whole family per seed: a stopped run has all variants
-            for name in variants:
-                results.append(train_run(name, seed, steps, batch_size, context, train_data, valid_data, runs, bar))
+    results = train_runs(steps, batch_size, context, train_data, valid_data, runs, variants, seeds, progress)
     models, measured = {}, {}
     for name in variants:
         model = MoEKVTransformer(variant_config(name))
