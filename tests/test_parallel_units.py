@@ -8,8 +8,10 @@ import torch
 
 from moekv_ref.config import get_config
 from moekv_ref.costs import expected_remote_ranks, project_step
+from moekv_ref.model import MoEKVTransformer
 from moekv_ref.parallel.dispatch import DispatchPlan, Received, local_pairs
 from moekv_ref.parallel.locality import compare_placements
+from moekv_ref.parallel.runner import ParallelRunner
 
 
 def test_dispatch_plan_sends_each_token_once_per_rank():
@@ -136,3 +138,11 @@ def test_projected_step_bars_stand_on_the_axis_and_pcie_is_slower_by_its_bandwid
     sweep = [project_step(config, "kv_with_expert", 8, 256, c, "H200", "nvlink").to_dict() for c in (1024, 4096)]
     draw_step_vs_context(ax, sweep, 4096)
     assert ax.lines[-2].get_xdata().tolist() == [4096]          # the chosen context, circled
+
+
+def test_a_model_with_a_capacity_is_refused_by_expert_parallelism():
+    """Its ranks' caches would need its budget and each pair's router score: refused with the reason,
+    before any cache or collective is made."""
+    model = MoEKVTransformer(get_config("tiny", attention_capacity=16))
+    with pytest.raises(ValueError, match="attention_capacity=16: expert parallelism does not run models with a capacity"):
+        ParallelRunner(model, None, "kv_with_expert", torch.zeros(4, 8), torch.zeros(4, 4), num_blocks=64)

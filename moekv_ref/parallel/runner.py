@@ -38,6 +38,10 @@ class ParallelRunner:
         if kv_placement not in KV_PLACEMENTS:
             raise ValueError(f"kv_placement={kv_placement!r} is not one of {KV_PLACEMENTS}")
         config = model.config
+        if config.attention_capacity:
+            raise ValueError(f"attention_capacity={config.attention_capacity}: expert parallelism does not run "
+                             "models with a capacity yet (their ranks' caches would need the budget, and each "
+                             "pair's router score sent with it); run them in one process")
         attention_ranks = torch.as_tensor(attention_ranks, dtype=torch.int64)
         ffn_ranks = torch.as_tensor(ffn_ranks, dtype=torch.int64)
         shapes = {"attention_ranks": (attention_ranks, config.num_attention_experts),
