@@ -18,9 +18,12 @@ from moekv_ref.apps import capacity
 from moekv_ref.cache import PagedKVCache
 from moekv_ref.cache.budget import RowBudget, model_budget
 from moekv_ref.config import ModelConfig
+from moekv_ref.engine import LLMEngine
+from moekv_ref.generate import generate
 from moekv_ref.model import MoEKVTransformer
 from moekv_ref.plots.capacity import frontier_rows
 from moekv_ref.routing import Routing, apply_capacity
+from moekv_ref.sampling import SamplingParams
 
 from helpers import prefill_then_decode, random_model, random_prompts, small_config
 
@@ -145,3 +148,15 @@ def test_the_readme_quotes_the_committed_study():
     ]
     for phrase in quoted:
         assert phrase in prose, phrase
+
+
+def test_the_engine_serves_a_model_with_a_capacity_as_generate_does():
+    """A model trained with a capacity gets the budget it implies in the engine's cache too (and the
+    scheduler's bounds with it): the engine's tokens are generate's."""
+    model = random_model(small_config("expert", attention_capacity=3), seed=4, dtype=torch.float32)
+    prompts = random_prompts([9, 4], model.config.vocab_size, seed=6)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    engine = LLMEngine(model, num_blocks=80, block_size=2)
+    assert engine.cache.manager.budget.policy == "drop" and engine.scheduler.shape.max_row_tokens == 3
+    outputs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == generate(model, prompts, params, cache="paged", block_size=2).tokens

@@ -139,7 +139,7 @@ class LLMEngine:
         self.blocks_per_device = self.cache.manager.blocks_per_device.tolist()         # D ints
         manager = self.cache.manager
         self.device_of_expert = None if manager.home_devices else manager.device_of_expert  # (L, E)
-        self.scheduler = Scheduler(scheduler_config, self.cache.manager, ModelShape.from_config(self.config, block_size, budget),
+        self.scheduler = Scheduler(scheduler_config, self.cache.manager, ModelShape.from_config(self.config, block_size, manager.budget),
                                    num_swap_blocks)
         self.memory = self.scheduler.memory          # read-only: the pool and the swap space
         self.predictor = self.scheduler.predictor
