@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from moekv_ref.apps.bench_eviction import strict_json
 from moekv_ref.config import get_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -274,3 +275,15 @@ def test_readme_serving_budget_table_is_what_its_json_says():
     assert float(ratio[1]) == round(designs["continuous_reserved + budget"]["tokens_per_second"]
                                     / designs["continuous_reserved"]["tokens_per_second"], 1)
     assert measured["same_tokens_in_every_budgeted_design"]
+
+
+def test_every_committed_json_is_strict_json():
+    """JSON has no Infinity or NaN: a strict parser (JupyterLab's) refuses a file that holds one. bench
+    eviction once wrote swap_bytes_per_second = Infinity; its writer now writes null (strict_json)."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    for path in sorted((ROOT / "figures").glob("*.json")):
+        json.loads(path.read_text(encoding="utf-8"), parse_constant=refuse)
+    assert strict_json({"a": [1.0, float("inf"), {"b": float("nan")}], "c": (2, -float("inf"))}) == \
+        {"a": [1.0, None, {"b": None}], "c": [2, None]}
