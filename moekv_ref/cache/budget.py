@@ -98,6 +98,10 @@ class RowBudget:
                              "layers: give one int, or one per layer")
         return torch.tensor(self.max_tokens, dtype=torch.int64)
 
+    def largest(self, num_layers: int) -> int:
+        """The largest B over the layers: what bounds any row (the scheduler's worst cases cap rows at it)."""
+        return int(self.limits(num_layers).max())
+
     def limit_of_layer(self, layer: int) -> int:
         """B of one layer (the model checked the per-layer list's length: check_model)."""
         return self.max_tokens if isinstance(self.max_tokens, int) else self.max_tokens[layer]
@@ -118,7 +122,7 @@ class RowBudget:
         self.check_model(manager.num_layers, manager.num_experts)
         self.manager = manager
         self.layer_limits = self.limits(manager.num_layers)                                   # (L,)
-        self.num_slots = int(self.layer_limits.max())                                         # S
+        self.num_slots = self.largest(manager.num_layers)                                     # S
         num_rows = manager.row_tokens.numel()
         self.slot_position = torch.full((num_rows, self.num_slots), -1, dtype=torch.int64)   # (R, S)
         self.slot_score = torch.zeros(num_rows, self.num_slots, dtype=torch.float64)         # (R, S)

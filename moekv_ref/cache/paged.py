@@ -170,7 +170,7 @@ class PagedKVCache:
         if num_blocks is None and blocks_per_device is not None:
             num_blocks = sum(checked_blocks_per_device(blocks_per_device))
         if num_blocks is None:
-            cap = int(budget.limits(config.num_hidden_layers).max()) if isinstance(budget, RowBudget) else None
+            cap = budget.largest(config.num_hidden_layers) if isinstance(budget, RowBudget) else None
             num_blocks = max_num_seqs * worst_case_lifetime_blocks(
                 config.max_position_embeddings, config.num_hidden_layers, config.num_attention_experts,
                 config.num_attention_experts_per_tok, check_block_size(block_size), cap)

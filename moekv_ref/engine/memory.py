@@ -31,7 +31,7 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: ModelConfig, block_size: int, budget=None) -> "ModelShape":
         k_max = config.num_attention_experts_per_tok
-        cap = None if budget is None else int(budget.limits(config.num_hidden_layers).max())
+        cap = None if budget is None else budget.largest(config.num_hidden_layers)
         return cls(config.num_hidden_layers, config.num_attention_experts, k_max,
                    k_max if config.attention_routing == "topk" else 1, block_size, config.max_position_embeddings, cap)
 

@@ -171,7 +171,7 @@ class Scheduler:
         self.num_devices = self.memory.num_devices
         self.shape = shape
         budget = manager.budget
-        if shape.max_row_tokens != (None if budget is None else int(budget.layer_limits.max())):
+        if shape.max_row_tokens != (None if budget is None else budget.num_slots):    # the largest B
             raise ValueError(f"the shape's max_row_tokens={shape.max_row_tokens} is not the manager's budget "
                              f"({budget}): build the shape with ModelShape.from_config(config, block_size, budget)")
         self.predictor = DemandPredictor(shape.num_layers, shape.num_experts, shape.k_max, shape.block_size,
