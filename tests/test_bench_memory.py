@@ -106,7 +106,7 @@ def test_recorded_trace_matches_what_the_cache_held(routing):
     design.append(*trace.prefill_appends(torch.arange(2)))
     for step in range(max(outputs) - 1):
         running = torch.tensor([s for s in range(2) if len(prompts[s]) + step < trace.lengths[s]])
-        rows = trace.decode_appends(running, trace.prompt_lens[running] + step)
+        rows = trace.decode_appends(running, trace.prompt_lens[running] + step)[0]
         design.append(rows, torch.ones_like(rows))
     assert torch.equal(design.tokens.view(2, trace.num_layers, trace.num_experts), result.cache_counts)
 

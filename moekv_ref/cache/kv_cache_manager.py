@@ -10,6 +10,15 @@ step, for the model's attention (a few rows) and the cache-only simulator (tens 
     last_appended   (num_rows,)             int64  the `clock` of the row's last append (-1: none),
                                                    what an expert-level LRU reads (`row_last_used`)
 
+and two tables over sequence slots that follow from row_tokens, kept up to date where it changes
+(`set_row_tokens`, its one writer), so that a scheduler reads a decode step's worst case without
+touching every row of every running sequence (engine/demand.py, `decode_need`):
+
+    open_rows       (num_slots, L, D)       int32  rows of each (layer, device) whose last block is
+                                                   full or which are empty: the next token there
+                                                   opens a block
+    count_blocks    (num_slots, D)          int64  ceil(n / P) summed over the rows on each device
+
 Token j of a row lives at offset j % P of block block_tables[row, j // P], slot block_id * P +
 offset of the flat pool; entries past a row's ceil(n / P) blocks are padding (`num_blocks`, out of
 range on purpose), never read.
@@ -149,6 +158,9 @@ class KVCacheManager:
         self.last_position = torch.full((num_rows,), -1, dtype=torch.int64)         # (R,)
         self.clock = 0                              # stamped on the rows each append grows
         self.last_appended = torch.full((num_rows,), -1, dtype=torch.int64)         # (R,)
+        D = self.pool.num_devices
+        self.open_rows = torch.zeros(initial_num_seqs, num_layers, D, dtype=torch.int32)   # (S, L, D)
+        self.count_blocks = torch.zeros(initial_num_seqs, D, dtype=torch.int64)            # (S, D)
         self._seq_index: dict[int, int] = {}        # sequence id -> its slot of rows
         self._free_seq_indices = list(range(initial_num_seqs - 1, -1, -1))
         self.tails, self.prefix_cache, self.budget = tails, prefix_cache, budget
@@ -223,7 +235,10 @@ class KVCacheManager:
         index = self._free_seq_indices.pop()
         self._seq_index[seq_id] = index
         rows = self.index.sequence_rows(torch.tensor([index]))[0]                                  # (L*E,)
-        self.row_device[rows] = self.device_of_expert_of([seq_id])[0].reshape(-1)
+        devices = self.device_of_expert_of([seq_id])[0]                                             # (L, E)
+        self.row_device[rows] = devices.reshape(-1)
+        self.open_rows[index] = torch.zeros(self.num_layers, self.num_devices, dtype=torch.int32).scatter_add_(
+            1, devices, torch.ones_like(devices, dtype=torch.int32))          # every row is empty: all open
         if self.tails is not None:
             self.tails.add_sequence(index)
         return index
@@ -260,8 +275,22 @@ class KVCacheManager:
         num_used = n // self.block_size if self.tails is not None else ceil_div(n, self.block_size)
         return torch.arange(self.block_tables.shape[1]) < num_used[:, None]
 
+    def set_row_tokens(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
+        """Rows (distinct int64 ids of held sequences) now hold `counts` tokens: the one place
+        row_tokens changes, with open_rows and count_blocks (module docstring) following it. The
+        caller has taken or returned the blocks."""
+        P, L, E, D = self.block_size, self.num_layers, self.num_experts, self.num_devices
+        old = self.row_tokens[rows]                                                         # (m,)
+        self.row_tokens[rows] = counts
+        where = (rows // E) * D + self.row_device[rows]                           # (slot * L + layer) * D + device
+        opened = ((counts & (P - 1)) == 0).to(torch.int32) - ((old & (P - 1)) == 0).to(torch.int32)
+        self.open_rows.view(-1).index_add_(0, where, opened)
+        grown = ceil_div(counts, P) - ceil_div(old, P)                                      # (m,)
+        self.count_blocks.view(-1).index_add_(0, (rows // (L * E)) * D + self.row_device[rows], grown)
+
     def _clear_rows(self, rows) -> None:
-        self.row_tokens[rows] = 0
+        self.set_row_tokens(torch.as_tensor(rows, dtype=torch.int64).reshape(-1),
+                            torch.zeros(torch.as_tensor(rows).numel(), dtype=torch.int64))
         self.block_tables[rows] = self.pad
         self.last_position[rows] = -1
         self.last_appended[rows] = -1
@@ -282,6 +311,12 @@ class KVCacheManager:
         tail_blocks = [] if self.tails is None else self.tails.blocks_of_sequence(index)
         return torch.cat([self.block_tables[rows][self._used_columns(rows)].to(torch.int64),
                           torch.tensor(tail_blocks, dtype=torch.int64)])
+
+    def num_blocks_of_sequence(self, seq_id: int) -> int:
+        """blocks_of_sequence(seq_id).numel(), from count_blocks where no tail blocks exist."""
+        if self.tails is not None:
+            return int(self.blocks_of_sequence(seq_id).numel())
+        return int(self.count_blocks[self.seq_index(seq_id)].sum())
 
     def token_counts(self, seq_ids) -> torch.Tensor:
         """(num_seqs, L, E) tokens held per row; zeros for a sequence the cache does not hold."""
@@ -346,7 +381,7 @@ class KVCacheManager:
             if widest > self.block_tables.shape[1]:
                 self._grow_tables(widest)
             self.block_tables[owner_rows, block_column] = block_ids.to(torch.int32)
-        self.row_tokens[rows] = new
+        self.set_row_tokens(rows, new)
         self.last_appended[rows if one_each else rows[num_new_tokens > 0]] = self.clock
         if not with_slots:
             return SlotAllocation(None)
@@ -387,8 +422,8 @@ class KVCacheManager:
             self.raise_short(per_device, rows, num_new_tokens)
             block_device = torch.repeat_interleave(device, needed)                      # (total,)
             block_ids = torch.empty(block_device.numel(), dtype=torch.int64)
-            for d in per_device.nonzero().squeeze(1).tolist():
-                block_ids[block_device == d] = self.pool.allocate(int(per_device[d]), device=d)
+            # device after device, each device's in row order
+            block_ids[torch.argsort(block_device, stable=True)] = self.pool.allocate_per_device(per_device)
         if self.prefix_cache is not None:                # their slots hold no position yet
             self.prefix_cache.block_positions[block_ids] = -1
         return block_ids
@@ -498,6 +533,9 @@ class KVCacheManager:
             old = getattr(self, name)
             new = torch.full((extra, *old.shape[1:]), fill, dtype=old.dtype)
             setattr(self, name, torch.cat([old, new]))
+        for name in ("open_rows", "count_blocks"):                                   # over slots
+            old = getattr(self, name)
+            setattr(self, name, torch.cat([old, torch.zeros_like(old)]))
         self._free_seq_indices = list(range(2 * num_seqs - 1, num_seqs - 1, -1)) + self._free_seq_indices
         for part in (self.tails, self.budget):
             if part is not None:
@@ -532,6 +570,18 @@ class KVCacheManager:
         live[list(self._seq_index.values())] = True
         idle_rows = (~live).repeat_interleave(self.rows_per_seq)
         assert (self.row_tokens[idle_rows] == 0).all(), "a free sequence slot holds tokens"
+        slots = sorted(self._seq_index.values())
+        if slots:
+            rows = self.index.sequence_rows(torch.tensor(slots))                            # (h, L*E)
+            counts = self.row_tokens[rows].view(-1, self.num_layers, self.num_experts)     # (h, L, E)
+            devices = self.row_device[rows].view(-1, self.num_layers, self.num_experts)    # (h, L, E)
+            opened = ((counts % self.block_size) == 0).to(torch.int32)
+            expected = torch.zeros(len(slots), self.num_layers, self.num_devices, dtype=torch.int32)
+            assert torch.equal(self.open_rows[slots], expected.scatter_add_(2, devices, opened)), \
+                "open_rows does not follow row_tokens"
+            blocks = torch.zeros(len(slots), self.num_layers, self.num_devices, dtype=torch.int64)
+            blocks.scatter_add_(2, devices, ceil_div(counts, self.block_size))
+            assert torch.equal(self.count_blocks[slots], blocks.sum(1)), "count_blocks does not follow row_tokens"
         for part in (self.tails, self.prefix_cache, self.budget):
             if part is not None:
                 part.assert_consistent()

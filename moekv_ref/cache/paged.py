@@ -306,7 +306,7 @@ class PagedKVCache:
         if not torch.equal(manager.row_tokens[rows], plan.old):
             return None
         self._check_positions(rows, positions, rows, None)
-        manager.row_tokens[rows] = plan.appended.context_lens
+        manager.set_row_tokens(rows, plan.appended.context_lens)
         manager.last_appended[rows] = manager.clock
         manager.last_position[rows] = positions
         slots = plan.offset.add(manager.block_tables[rows, plan.column], alpha=self.block_size)

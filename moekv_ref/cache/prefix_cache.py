@@ -287,7 +287,7 @@ class PrefixCache:
         m.block_tables[rows[hit.shared_rows], hit.shared_columns] = hit.shared.to(torch.int32)
         m.block_tables[rows[hit.cow_rows], hit.row_counts[hit.cow_rows] // P] = destination.to(torch.int32)
         self.block_positions[destination] = self.block_positions[hit.cow_source]
-        m.row_tokens[rows] = hit.row_counts
+        m.set_row_tokens(rows, hit.row_counts)
         held = (hit.row_counts > 0).nonzero().squeeze(1)                                   # (h,)
         last_slot = m._slot_of(rows[held], hit.row_counts[held] - 1)                       # (h,)
         m.last_position[rows[held]] = self.block_positions.view(-1)[last_slot]

@@ -113,7 +113,7 @@ class SharedTails:
                 slot = self._take_tail_slot(group)
                 self.tail_slots[row, position] = slot
                 self.slot_row[slot], self.slot_position[slot] = row, position
-        m.row_tokens[rows] = new
+        m.set_row_tokens(rows, new)
         moves: Moves = [(torch.cat(promotion_src), torch.cat(promotion_dst))] if promotion_src else []
         # 3. compaction: give back tail blocks while a whole block's worth of tail slots is free
         for group in groups.unique().tolist():

@@ -124,6 +124,14 @@ def worst_case_step_blocks_per_device(token_counts: torch.Tensor, num_new_tokens
     return torch.minimum(bound_a, bound_b).sum(1)                                    # (m, D)
 
 
+def decode_step_blocks_per_device(open_rows: torch.Tensor, k_max: int, experts_on: torch.Tensor) -> torch.Tensor:
+    """open_rows (m, L, D): rows of each (layer, device) whose next token opens a block (empty or
+    last block full); experts_on (L, D): experts of each layer on each device -> (m, D): the most
+    blocks one decode token can take on each device. That is the step bound for n = 1, read from
+    two small tables instead of every row: bound A is the open rows, bound B is k_d = min(k_max, E_d)."""
+    return torch.minimum(open_rows, torch.clamp(experts_on, max=k_max).to(open_rows.dtype)).sum(1).to(torch.int64)
+
+
 def worst_case_lifetime_blocks_per_device(num_tokens: torch.Tensor, k_max: int, block_size: int,
                                           device_of_expert: torch.Tensor, num_devices: int,
                                           max_row_tokens: int | None = None) -> torch.Tensor:

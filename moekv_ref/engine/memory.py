@@ -61,14 +61,20 @@ class MemoryView:
 
     # ----- sequences on the device ------------------------------------------------------------------
     def holds(self, seq_id: int) -> bool:
-        return seq_id in self._manager.sequences
+        return self._manager.holds(seq_id)
 
     def token_counts(self, seq_ids: list[int]) -> torch.Tensor:
         """(m, L, E) tokens held per row; zeros for a sequence the pool does not hold."""
         return self._manager.token_counts(seq_ids)
 
+    def open_rows(self, seq_ids: list[int]) -> torch.Tensor | None:
+        """(m, L, D) rows of each (layer, device) whose next token opens a block, of held sequences
+        (the manager's table); None if one is not held."""
+        slots = self._manager.seq_slots(seq_ids)
+        return None if None in slots else self._manager.open_rows[slots]
+
     def num_blocks_held(self, seq_id: int) -> int:
-        return int(self._manager.blocks_of_sequence(seq_id).numel()) if self.holds(seq_id) else 0
+        return self._manager.num_blocks_of_sequence(seq_id) if self.holds(seq_id) else 0
 
     # ----- the swap space ---------------------------------------------------------------------------
     @property

@@ -46,7 +46,7 @@ from ..cache.rows import ceil_div, worst_case_lifetime_blocks
 from .admission import ADMISSIONS, AdmissionPolicy
 from .baselines import ContinuousReserved, StaticBatching
 from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
-from .demand import (DemandPredictor, blocks_held_per_device, min_lifetime_blocks,
+from .demand import (DemandPredictor, blocks_held_per_device, decode_step_blocks_per_device, min_lifetime_blocks,
                      worst_case_lifetime_blocks_per_device, worst_case_step_blocks_per_device)
 from .memory import MemoryView, ModelShape
 from .request import Request, RequestStatus, check_int
@@ -147,6 +147,8 @@ class Scheduler:
     """Between steps every request is in exactly one of `waiting` (WAITING or PREEMPTED) and
     `running` (RUNNING), or is FINISHED and in neither; only a swap-PREEMPTED request holds swap
     blocks, and it holds no pool blocks."""
+    _UNDO_SHARED = ("_experts_on",)                  # engine/undo.py: fixed at construction
+
 
     def __init__(self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape, num_swap_blocks: int = 0):
         if not isinstance(config, SchedulerConfig):
@@ -189,6 +191,11 @@ class Scheduler:
             raise ValueError(f"victim={self.victims.name!r} drops single rows, which this cache cannot: shared "
                              "tails and prefix caching share blocks between rows; use a victim that preempts "
                              "whole sequences (newest_first, sequence_lru, pressure_aware)")
+        # a decode step's need from the manager's per-slot tables (`_decode_need`): the experts of each
+        # (layer, device), where rows live on their experts' devices and no budget caps them
+        self._experts_on = None if manager.home_devices or shape.max_row_tokens is not None else \
+            torch.zeros(shape.num_layers, self.num_devices, dtype=torch.int64).scatter_add_(
+                1, manager.device_of_expert, torch.ones_like(manager.device_of_expert))         # (L, D)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stalled: dict[int, Request] = {}  # request id -> request whose rows were evicted, in order
@@ -363,6 +370,9 @@ class Scheduler:
     def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
         """`step_blocks` in one pass, (m, D) (per-request tensor calls cost more than a small model's
         decode forward). A swapped request grows from the rows it saved; a stalled one restarts empty."""
+        decode = self._decode_need(requests, num_tokens)
+        if decode is not None:
+            return decode
         memory = self.memory
         resident = [r.request_id for r in requests if not r.swapped]
         counts = memory.token_counts(resident)                                               # (h, L, E)
@@ -375,6 +385,22 @@ class Scheduler:
         totals = [r.num_computed_tokens + n for r, n in zip(requests, num_tokens)]
         devices = memory.device_of_expert_of([r.request_id for r in requests]) if self.num_devices > 1 else None
         return self._worst_case_need(counts, num_tokens, totals, devices)
+
+    def _decode_need(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor | None:
+        """step_blocks_many when every request decodes one token into the rows it holds: the same
+        (m, D), read from the manager's open_rows instead of every row (the
+        simulator's 256 sequences x 24 layers x 64 experts); None where it does not apply (a
+        budget, home devices, a prefill, a swapped or stalled request)."""
+        if self._experts_on is None or not requests or any(n != 1 for n in num_tokens) or \
+                any(r.swapped or r.request_id in self.stalled for r in requests):
+            return None
+        open_rows = self.memory.open_rows([r.request_id for r in requests])                # (m, L, D)
+        if open_rows is None:
+            return None
+        # the lifetime cap of _worst_case_need never binds here: one token's worst case (k_d open rows
+        # of device d) is a routing the token can take, so held + step is a state some routing
+        # reaches, within the lifetime worst case (tests/test_sim_fast_paths.py compares the two)
+        return decode_step_blocks_per_device(open_rows, self.shape.k_max, self._experts_on)        # (m, D)
 
     def _worst_case_need(self, counts: torch.Tensor, num_tokens: list[int], totals: list[int],
                          devices: torch.Tensor | None) -> torch.Tensor:

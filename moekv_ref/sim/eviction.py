@@ -169,9 +169,17 @@ class TraceRunner:
         seqs, starts, counts, slots = torch.tensor(                                    # (m,) each
             [(seq, item.request.num_computed_tokens, item.num_tokens, manager.seq_index(seq))
              for seq, item in zip(ids, scheduled)], dtype=torch.int64).reshape(-1, 4).unbind(1)
-        rows, hits, per_layer = self.trace.appends(seqs, starts, counts, row_seqs=slots)
-        manager.allocate_slots(rows, hits, rows_are_distinct=True, with_slots=False)
-        return per_layer
+        decode = counts == 1                       # distinct rows, one slot each: no counting needed
+        rows, per_layer = self.trace.decode_appends(seqs[decode], starts[decode], row_seqs=slots[decode])
+        if bool(decode.all()):
+            manager.allocate_slots(rows, torch.ones_like(rows), with_slots=False, one_each=True)
+            return per_layer
+        chunk = ~decode                            # prefills and recomputes: rows of other sequences
+        chunk_rows, hits, chunk_per_layer = self.trace.appends(seqs[chunk], starts[chunk], counts[chunk],
+                                                               row_seqs=slots[chunk])
+        manager.allocate_slots(torch.cat([rows, chunk_rows]), torch.cat([torch.ones_like(rows), hits]),
+                               rows_are_distinct=True, with_slots=False)
+        return per_layer + chunk_per_layer
 
     def step_seconds(self, out) -> float:
         """A step's fixed cost, each decode token or prefill / recompute chunk over its context, and

@@ -76,7 +76,7 @@ def replay(trace: RoutingTrace, design, count_reads: bool = False, max_steps: in
         running = (~finished).nonzero().squeeze(1)                                     # (m,)
         if running.numel() == 0:
             break
-        rows = trace.decode_appends(running, stored[running])                          # (a,)
+        rows = trace.decode_appends(running, stored[running])[0]                       # (a,)
         design.append(rows, torch.ones_like(rows))
         live += rows.numel()
         appends += rows.numel()

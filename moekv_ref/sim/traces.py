@@ -87,13 +87,17 @@ class RoutingTrace:
         count = self.prompt_lens[seqs]
         return self.appends(seqs, torch.zeros_like(count), count)[:2]
 
-    def decode_appends(self, seqs: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
-        """The rows that token token_index[i] of sequence seqs[i] appends one slot to: (a,) int64,
-        distinct (a token's experts are distinct, and each sequence decodes one token)."""
+    def decode_appends(self, seqs: torch.Tensor, token_index: torch.Tensor,
+                       row_seqs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows that token token_index[i] of sequence seqs[i] appends one slot to, numbered
+        with seq_index row_seqs[i] (default seqs[i]): (a,) int64, distinct (a token's experts are
+        distinct, and each sequence decodes one token); (L,) experts chosen per layer."""
         index = RowIndex(self.num_layers, self.num_experts)
         chosen = self.experts[self.offsets[seqs] + token_index].to(torch.int64)      # (m, L, K)
-        rows = index.row(seqs[:, None, None], torch.arange(self.num_layers)[None, :, None], chosen)
-        return rows[chosen >= 0]
+        row_seq = seqs if row_seqs is None else row_seqs
+        rows = index.row(row_seq[:, None, None], torch.arange(self.num_layers)[None, :, None], chosen)
+        used = chosen >= 0
+        return rows[used], used.sum((0, 2))
 
 
 def _check_sizes(skews: dict, **sizes) -> None:
