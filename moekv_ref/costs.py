@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -276,6 +276,9 @@ class CostModel:
     seconds_per_block: float         # per block copied (descriptor / small-copy overhead)
     seconds_per_swap: float          # per swap out or in of one sequence (launch, synchronisation)
     block_bytes: int                 # bytes of K and V one block holds
+    # per earlier token one decode token reads K/V of (all layers); a decode token over context c
+    # takes c * max(pair compute, this read): memory-bound on a GPU (0: compute only, as fitted here)
+    seconds_per_context_read: float = 0.0
 
     def recompute_seconds(self, context):     # context, num_blocks: an int or a tensor
         return context * self.seconds_per_token + context * (context + 1) / 2 * self.seconds_per_token_pair
@@ -285,7 +288,7 @@ class CostModel:
         return 2 * (self.seconds_per_swap + num_blocks * per_block)
 
     def decode_seconds(self, context):        # what one decode token adds to a step
-        return self.seconds_per_token + context * self.seconds_per_token_pair
+        return self.seconds_per_token + context * max(self.seconds_per_token_pair, self.seconds_per_context_read)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -306,6 +309,29 @@ def projected_gpu_cost_model(active_params: float, kv_bytes_per_slot: int, num_l
     pair_flops = 4 * num_heads * head_dim * num_layers * experts_per_token * experts_per_token / num_experts
     return CostModel(name, seconds_per_step, per_token, gpu.compute_seconds(pair_flops, mfu), link.bytes_per_s,
                      seconds_per_block, seconds_per_swap, kv_bytes_per_slot * block_size)
+
+
+def cluster_cost_model(config: ModelConfig, active_params: float, num_devices: int, block_size: int,
+                       accelerator: str = "H200", host_link: str = "pcie_gen5_x16", mfu: float = 0.5) -> CostModel:
+    """`projected_gpu_cost_model` for `config` served by num_devices GPUs together, by expert
+    parallelism: a step's compute and weight reads split evenly over them, communication and load
+    imbalance left out. A lower bound on step time (notebook 07 adds the links); swaps stay per GPU.
+    A decode token reads, per earlier token, L * k * k / E K/V entries (in each of its k experts, the
+    k / E of the context routed there) at the GPU's HBM bandwidth."""
+    if not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1:
+        raise ValueError(f"num_devices={num_devices!r} must be a positive integer")
+    one = projected_gpu_cost_model(active_params, config.kv_bytes_per_entry(), config.num_hidden_layers,
+                                   config.num_attention_experts_per_tok, config.num_attention_experts,
+                                   config.head_dim, config.num_attention_heads, block_size, accelerator,
+                                   host_link, mfu)
+    name = f"{config.name} on {num_devices} x {accelerator} (projected, compute split evenly, links left out)"
+    L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
+    read_bytes = L * K * K / E * config.kv_bytes_per_entry()                       # per context token
+    gpu = pick(ACCELERATORS, accelerator, "accelerator")
+    return replace(one, name=name, seconds_per_step=one.seconds_per_step / num_devices,
+                   seconds_per_token=one.seconds_per_token / num_devices,
+                   seconds_per_token_pair=one.seconds_per_token_pair / num_devices,
+                   seconds_per_context_read=gpu.read_seconds(read_bytes) / num_devices)
 
 
 def fit_cost_model(contexts, recompute_seconds, swapped_blocks, swap_seconds, block_bytes: int,

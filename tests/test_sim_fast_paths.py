@@ -140,3 +140,15 @@ def test_ceil_div_by_shift_equals_the_floor_division():
     for block_size in (1, 2, 16, 256):
         assert torch.equal(ceil_div(values, block_size), (values + block_size - 1) // block_size)
     assert torch.equal(ceil_div(values, 3), (values + 2) // 3)              # not a power of two
+
+
+def test_the_runner_fails_at_the_first_short_layer_with_that_layers_shortfall():
+    """As the engine's forward, layer after layer: 4 blocks a layer, 5 free -> layer 1 is short by
+    3 (not the whole step's 7)."""
+    trace = synthetic_trace(1, 3, 2, 2, mean_prompt=4, mean_output=4, seed=0)
+    setup = EvictionSetup(blocks_per_device=5, block_size=1, max_num_seqs=1, reservation="optimistic")
+    runner = TraceRunner(trace, [0, 0], setup, "sequence_lru", FREE)
+    runner.manager.add_sequence(0)
+    with pytest.raises(OutOfBlocksError, match="layer 1") as raised:
+        runner._raise_at_the_first_short_layer(torch.arange(6), torch.full((6,), 2))
+    assert raised.value.shortfall.tolist() == [3]

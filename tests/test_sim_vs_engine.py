@@ -72,3 +72,34 @@ def test_the_runner_makes_the_engines_decisions_step_by_step(model, workload, vi
         assert stats.swapped_bytes > 0
     if victim == "expert_lru":
         assert any(record.mode == "rows" for record in stats.evictions)
+
+
+@pytest.mark.parametrize("victim", ["sequence_lru", "pressure_aware"])
+def test_under_optimistic_reservation_the_runner_retries_as_the_engine_does(model, workload, victim):
+    """Decode tokens reserve nothing; a layer that finds its device full undoes the step, which is
+    scheduled again with the missing blocks freed first. The runner (failing at the first short
+    layer, as the forward does) and the engine retry the same steps, take the same victims and hold
+    the same blocks; the engine's tokens are those of worst-case reservation."""
+    prompts, output_lens, trace = workload
+    setup = EvictionSetup(BLOCKS_PER_DEVICE, BLOCK_SIZE, max_num_seqs=16, max_num_batched_tokens=256,
+                          admission="optimistic", reservation="optimistic")
+    stats = simulate(trace, PLACEMENT, setup, victim, FLAT)
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in output_lens]
+    engines = {}
+    for reservation in ("optimistic", "worst_case"):
+        engines[reservation] = LLMEngine(
+            model, block_size=BLOCK_SIZE, blocks_per_device=[BLOCKS_PER_DEVICE] * 4, device_of_expert=PLACEMENT,
+            record_history=True, scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256,
+                                                                  victim=victim, admission="optimistic",
+                                                                  reservation=reservation))
+    outputs = {name: engine.generate(prompts, params) for name, engine in engines.items()}
+    engine = engines["optimistic"]
+    assert [o.token_ids for o in outputs["optimistic"]] == [o.token_ids for o in outputs["worst_case"]]
+    events = [(e.step, e.request_id, e.kind) for e in engine.events if e.kind in DECISIONS]
+    assert stats.events == events
+    assert stats.used_blocks.tolist() == torch.stack(engine.device_timeline).tolist()
+    engine_stats = engine.stats()
+    assert (stats.num_retries, stats.thrown_away_tokens) == (engine_stats.num_retries,
+                                                             engine_stats.num_thrown_away_tokens)
+    assert stats.num_retries > 0                                    # the retry path ran
+    assert stats.num_steps < engines["worst_case"].step_count      # fewer steps than worst-case reservation

@@ -28,7 +28,7 @@ from ..config import TOKEN_CHOICE_ROUTINGS, get_config
 from ..prompts import check_prompt, decode, encode
 from ..report import cache_report, format_cache_report
 from ..sampling import MIN_TEMPERATURE, SamplingParams
-from . import (bench_eviction, bench_memory, bench_parallel, bench_peer, bench_serving, bench_step, capacity, demo,
+from . import (bench_cluster, bench_eviction, bench_memory, bench_parallel, bench_peer, bench_serving, bench_step, capacity, demo,
                family, figures, options)
 
 # Sampling defaults of `generate`, chosen by looking at samples of the embedded model (validation loss
@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                   ("serving", bench_serving, bench_serving.main, "static vs continuous batching, one budget"),
                   ("parallel", bench_parallel, bench_parallel.main, "expert parallelism: bytes per step, placements"),
                   ("step", bench_step, bench_step.main, "one decode step's CPU time, optionally against another checkout"),
-                  ("peer", bench_peer, bench_peer.main, "dense decode against Hugging Face Mixtral, same weights")]
+                  ("peer", bench_peer, bench_peer.main, "dense decode against Hugging Face Mixtral, same weights"),
+                  ("cluster", bench_cluster, bench_cluster.main, "victim policies on a cluster: latency, goodput, SLOs")]
     for name, module, run, help_text in benchmarks:
         b = module.build_parser(bench.add_parser(name, help=help_text))
         b.set_defaults(func=run, check=getattr(module, "check_args", None), command_parser=b)

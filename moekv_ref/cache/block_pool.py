@@ -133,7 +133,13 @@ def checked_blocks_per_device(blocks_per_device, name: str = "blocks_per_device"
 
 class OutOfBlocksError(RuntimeError):
     """The pool has fewer free blocks than a request needs. Not a bug: a scheduler checks
-    `can_allocate` first and preempts a sequence when memory is short."""
+    `can_allocate` first and preempts a sequence when memory is short, or (optimistic reservation)
+    undoes the step and retries it with `shortfall` more blocks freed: (D,) blocks missing per
+    device, where the manager knows them (None otherwise)."""
+
+    def __init__(self, message: str, shortfall=None):
+        super().__init__(message)
+        self.shortfall = shortfall
 
 
 class BlockPool:

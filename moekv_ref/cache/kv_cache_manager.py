@@ -435,12 +435,13 @@ class KVCacheManager:
         if not short.numel():
             return
         tokens, d = int(num_new_tokens.sum()), int(short[0])
+        shortfall = torch.clamp(needed - free, min=0)                                        # (D,)
         if self.num_devices == 1:
             raise OutOfBlocksError(f"appending {tokens} tokens to {rows.numel()} rows needs "
-                                   f"{int(needed[0])} blocks; {int(free[0])} are free")
+                                   f"{int(needed[0])} blocks; {int(free[0])} are free", shortfall)
         raise OutOfBlocksError(f"device {d} is short: appending {tokens} tokens needs "
                                f"{int(needed[d])} blocks there, {int(free[d])} of "
-                               f"{int(self.blocks_per_device[d])} are free")
+                               f"{int(self.blocks_per_device[d])} are free", shortfall)
 
     @staticmethod
     def _check_allocation(rows, num_new_tokens, rows_are_distinct: bool):

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from ..cache.block_pool import check_flag, checked_blocks_per_device
+from ..cache.block_pool import OutOfBlocksError, check_flag, checked_blocks_per_device
 from ..cache.kv_cache_manager import check_block_size
 from ..cache.paged import ATTENTION_PATHS, PagedKVCache
 from ..model import MoEKVTransformer
@@ -85,6 +85,8 @@ class EngineStats:
     num_aborted: int = 0
     num_failed: int = 0         # finished with finish_reason "error"
     num_failed_steps: int = 0   # steps that raised (anywhere) and were undone
+    num_retries: int = 0        # tries of a step undone for lack of blocks (optimistic reservation)
+    num_thrown_away_tokens: int = 0   # tokens those tries had scheduled (their forwards thrown away)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -154,7 +156,7 @@ class LLMEngine:
         self._generating: dict[int, RequestOutput] | None = None    # outputs, while generate() runs
         self._counts = dict.fromkeys(("admitted", "resumed", "finished", "aborted", "failed",
                                       "generated_tokens", "failed_steps", "running_sum", "records",
-                                      "max_running", "peak_used"), 0)
+                                      "max_running", "peak_used", "retries", "thrown_away_tokens"), 0)
         self.device_timeline: list[torch.Tensor] = []    # (D,) blocks in use after each step, with record_history
         self._used_after_forward = self.memory.num_used_blocks_per_device   # (D,) at the last forward
         self._peak_used_per_device: torch.Tensor | None = None   # (D,) running maximum, once a step ran
@@ -223,28 +225,41 @@ class LLMEngine:
         in the block copies makes the sequences they moved recompute."""
         start = time.perf_counter()
         step = self.step_count
-        num_running, scheduled_used = len(self.scheduler.running), self.memory.num_used_blocks
-        before = Snapshot(self.scheduler)
-        try:
-            decision = self.scheduler.schedule(step)
-        except BaseException as error:
-            before.restore()
-            self._fail_step(error, step, start, num_running, scheduled_used, "while scheduling")
-            raise
+        used_before = self.memory.num_used_blocks
+        shortfall = None            # optimistic reservation: blocks the tries so far lacked, per device
+        while True:
+            num_running, scheduled_used = len(self.scheduler.running), used_before
+            before = Snapshot(self.scheduler)
+            try:
+                decision = self.scheduler.schedule(step, shortfall)
+            except BaseException as error:
+                before.restore()
+                self._fail_step(error, step, start, num_running, scheduled_used, "while scheduling")
+                raise
+            num_running, scheduled_used = len(self.scheduler.running), self.memory.num_used_blocks
+            # scheduling that moved no request and freed no block leaves the state `before` holds
+            moved = decision.events or decision.evictions or decision.block_copies or scheduled_used != used_before
+            if not decision.scheduled and not decision.block_copies and self.scheduler.has_unfinished:
+                raise RuntimeError(f"step {step}: nothing could be scheduled with {len(self.scheduler.waiting)} "
+                                   f"waiting and {len(self.scheduler.running)} running requests")
+            try:
+                done, used_blocks, num_generated = self._run(decision, None if moved else before)
+                break
+            except OutOfBlocksError as error:
+                if self.scheduler.config.reservation != "optimistic" or error.shortfall is None:
+                    self._fail_running(error, decision, step, start, num_running, scheduled_used)
+                    raise
+                # a layer found its device full: the step starts over, scheduling included, with the
+                # missing blocks freed first (the forward so far is thrown away)
+                before.restore()
+                self._counts["retries"] += 1
+                self._counts["thrown_away_tokens"] += decision.num_scheduled_tokens
+                shortfall = error.shortfall if shortfall is None else shortfall + error.shortfall
+            except BaseException as error:
+                self._fail_running(error, decision, step, start, num_running, scheduled_used)
+                raise
         for kind, request in decision.events:
             self._event(step, request.request_id, kind)
-        num_running, scheduled_used, used_before = len(self.scheduler.running), self.memory.num_used_blocks, scheduled_used
-        # scheduling that moved no request and freed no block leaves the state `before` holds
-        moved = decision.events or decision.evictions or decision.block_copies or scheduled_used != used_before
-        if not decision.scheduled and not decision.block_copies and self.scheduler.has_unfinished:
-            raise RuntimeError(f"step {step}: nothing could be scheduled with {len(self.scheduler.waiting)} "
-                               f"waiting and {len(self.scheduler.running)} running requests")
-        try:
-            done, used_blocks, num_generated = self._run(decision, None if moved else before)
-        except BaseException as error:
-            ids = [item.request.request_id for item in decision.scheduled]
-            self._fail_step(error, step, start, num_running, scheduled_used, f"running requests {ids}")
-            raise
         self._counts["generated_tokens"] += num_generated
         finished = [self._hand_out(request, step) for request in done]
         self._end_step(step, decision.num_scheduled_tokens, decision.reserved_blocks, start, num_running,
@@ -254,6 +269,13 @@ class LLMEngine:
         if self.record_history:
             self.device_timeline.append(used)
         return finished
+
+    def _fail_running(self, error, decision, step, start, num_running, scheduled_used) -> None:
+        """The step failed past scheduling: its admissions and preemptions are kept (recorded)."""
+        for kind, request in decision.events:
+            self._event(step, request.request_id, kind)
+        ids = [item.request.request_id for item in decision.scheduled]
+        self._fail_step(error, step, start, num_running, scheduled_used, f"running requests {ids}")
 
     def _fail_step(self, error, step, start, num_running, scheduled_used, where: str) -> None:
         self._counts["failed_steps"] += 1
@@ -374,7 +396,8 @@ class LLMEngine:
             num_generated_tokens=counts["generated_tokens"], max_concurrent_sequences=counts["max_running"],
             peak_used_blocks=counts["peak_used"], seconds=self._seconds,
             mean_concurrent_sequences=counts["running_sum"] / max(1, counts["records"]),
-            num_aborted=counts["aborted"], num_failed=counts["failed"], num_failed_steps=counts["failed_steps"])
+            num_aborted=counts["aborted"], num_failed=counts["failed"], num_failed_steps=counts["failed_steps"],
+            num_retries=counts["retries"], num_thrown_away_tokens=counts["thrown_away_tokens"])
 
 
 def generate_with_engine(model: MoEKVTransformer, prompts: list[list[int]], params, block_size: int = 16,

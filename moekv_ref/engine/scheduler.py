@@ -55,6 +55,7 @@ from .victims import VICTIM_POLICIES, RowEviction, Shortage, VictimPolicy
 
 POLICIES = ("static", "continuous_reserved", "continuous_paged")
 PREEMPTION_MODES = ("recompute", "swap")
+RESERVATIONS = ("worst_case", "optimistic")
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,11 @@ class SchedulerConfig:
     admission: str | AdmissionPolicy | None = None
     preemption_mode: str = "recompute"
     victim: str | VictimPolicy = "newest_first"
+    # worst_case: a step reserves what its tokens could take at most (demand.py), so it never runs
+    # short; optimistic: decode tokens reserve nothing (prefill chunks still their worst case), and
+    # a step that runs short is undone and scheduled again with the missing blocks freed first
+    # (`schedule(step, shortfall)`; the engine and the trace runner retry). continuous_paged only.
+    reservation: str = "worst_case"
 
     def __post_init__(self):
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -74,6 +80,7 @@ class SchedulerConfig:
         for name, allowed, kind in (("policy", POLICIES, BatchingPolicy),
                                     ("admission", tuple(ADMISSIONS), AdmissionPolicy),
                                     ("preemption_mode", PREEMPTION_MODES, None),
+                                    ("reservation", RESERVATIONS, None),
                                     ("victim", tuple(VICTIM_POLICIES), VictimPolicy)):
             value = getattr(self, name)
             if (value is None and name == "admission") or (kind and isinstance(value, kind)):
@@ -81,6 +88,9 @@ class SchedulerConfig:
             if not isinstance(value, str) or value not in allowed:
                 also = f", or a policy object ({kind.__name__})" if kind is not None else ""
                 raise ValueError(f"{name}={value!r} is not one of {allowed}{also}")
+        if self.reservation == "optimistic" and self.policy != "continuous_paged":
+            raise ValueError(f"reservation='optimistic' applies to policy='continuous_paged' only, not "
+                             f"policy={self.policy!r} (whose admission reserves whole lifetimes)")
         if self.admission is not None and self.policy != "continuous_paged":
             raise ValueError(f"admission={self.admission!r} applies to policy='continuous_paged' only, "
                              f"not policy={self.policy!r} (which has its own admission rule)")
@@ -251,33 +261,40 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ----- one step ---------------------------------------------------------------------------------
-    def schedule(self, step: int) -> SchedulerOutput:
+    def schedule(self, step: int, shortfall: torch.Tensor | None = None) -> SchedulerOutput:
         """One step's decisions; an exception gets a note naming the request being decided on (the
-        engine undoes the partial decisions: undo.py)."""
+        engine undoes the partial decisions: undo.py). shortfall (D,): under optimistic
+        reservation, the blocks per device an earlier try of this step lacked (summed over tries);
+        this try first frees that many beyond what is free now, by the victim policy."""
         self.current = None
+        if shortfall is not None and self.config.reservation != "optimistic":
+            raise ValueError("a shortfall is given only to retry a step under reservation='optimistic'")
         try:
-            return self._schedule(step)
+            return self._schedule(step, shortfall)
         except BaseException as error:
             if self.current is not None:                      # every exception has add_note (Python 3.11+)
                 error.add_note(f"while scheduling request {self.current.request_id} ({self.current.status.value}) at step {step}")
             raise
 
-    def _schedule(self, step: int) -> SchedulerOutput:
+    def _schedule(self, step: int, shortfall: torch.Tensor | None) -> SchedulerOutput:
         out = SchedulerOutput(step)
         self.manager.clock = step                  # the rows this step appends to remember it
         token_budget = self.config.max_num_batched_tokens
+        # a retry reserves every block free now plus the shortfall: victims go until that many are free
+        base = torch.zeros(self.num_devices, dtype=torch.int64) if shortfall is None else \
+            self.memory.num_free_blocks_per_device + shortfall                                     # (D,)
         # every running request's need, in one call; a request the budget cuts short is asked again
         planned = [min(r.num_pending_tokens, token_budget) for r in self.running]
         needs = self.step_blocks_many(self.running, planned)                                     # (m, D)
         i = 0
-        if self.running and sum(planned) <= token_budget and self.fits(total := needs.sum(0)):
+        if self.running and sum(planned) <= token_budget and self.fits(total := base + needs.sum(0)):
             # all of them fit the budget and the pool at once (most decode steps): none is asked again
             for request, num_tokens, blocks in zip(self.running, planned, needs.sum(1).tolist()):
                 self.schedule_tokens(out, request, num_tokens, blocks)
             i, reserved, token_budget = len(self.running), total, token_budget - sum(planned)
         else:                                          # request by request, in order
             planned_needs = dict(zip(map(id, self.running), zip(planned, needs)))
-            reserved = torch.zeros(self.num_devices, dtype=torch.int64)                             # (D,)
+            reserved = base
         while i < len(self.running) and token_budget > 0:
             request = self.current = self.running[i]
             num_tokens = min(request.num_pending_tokens, token_budget)
@@ -289,6 +306,9 @@ class Scheduler:
                 if self._free_dead_rows(device):
                     continue                           # dead rows went first: look again
                 candidates = self.running[i:]          # not yet scheduled this step
+                if shortfall is not None and i == 0 and len(candidates) == 1:
+                    reserved = torch.zeros_like(reserved)   # the oldest alone fits (check_fits_alone)
+                    continue
                 free_before = self.memory.num_free_blocks_per_device                        # (D,)
                 choice = self.victims.choose_victim(tuple(candidates), self.memory, shortage)
                 victim = choice.request if isinstance(choice, RowEviction) else choice
@@ -312,7 +332,7 @@ class Scheduler:
             reserved = reserved + need
             token_budget -= num_tokens
             i += 1
-        if not out.preempted:          # do not admit in a step that had to preempt: it would thrash
+        if not out.preempted and shortfall is None:   # a step that had to preempt (or retries) admits none
             if not self.running:
                 self._free_dead_rows(None)
             self.batching.admit(AdmissionStep(self, out, token_budget, reserved))
@@ -369,7 +389,19 @@ class Scheduler:
 
     def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
         """`step_blocks` in one pass, (m, D) (per-request tensor calls cost more than a small model's
-        decode forward). A swapped request grows from the rows it saved; a stalled one restarts empty."""
+        decode forward). A swapped request grows from the rows it saved; a stalled one restarts empty.
+        Under optimistic reservation a decode token reserves nothing (zeros): its blocks are found
+        as the routers decide; prefill and recompute chunks still reserve their worst case, so a
+        step never runs short for a request it admits."""
+        if self.config.reservation == "optimistic":
+            chunks = [i for i, (r, n) in enumerate(zip(requests, num_tokens)) if n > 1 or r.num_computed_tokens == 0]
+            needs = torch.zeros(len(requests), self.num_devices, dtype=torch.int64)
+            if chunks:
+                needs[chunks] = self._worst_case_step_blocks([requests[i] for i in chunks], [num_tokens[i] for i in chunks])
+            return needs
+        return self._worst_case_step_blocks(requests, num_tokens)
+
+    def _worst_case_step_blocks(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
         decode = self._decode_need(requests, num_tokens)
         if decode is not None:
             return decode

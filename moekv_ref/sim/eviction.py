@@ -14,16 +14,20 @@ Dimension legend: D devices, L layers, E experts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.block_pool import OutOfBlocksError
 from ..cache.kv_cache_manager import KVCacheManager
+from ..cache.rows import ceil_div
 from ..engine.demand import (blocks_held_per_device, worst_case_lifetime_blocks_per_device,
                              worst_case_step_blocks_per_device)
 from ..engine.memory import ModelShape
 from ..engine.request import Request
 from ..engine.scheduler import EvictionRecord, Scheduler, SchedulerConfig
+from ..engine.undo import Snapshot
 from ..engine.victims import VICTIM_POLICIES, OfflinePolicy, VictimPolicy
 from ..sampling import SamplingParams
 from ..costs import CostModel
@@ -39,6 +43,7 @@ class EvictionSetup:
     max_num_batched_tokens: int = 4096  # tokens of one step (prefills, recomputes, decodes)
     num_host_blocks: int = 0            # host swap space, in blocks (0: preemption by recompute)
     admission: str = "optimistic"       # the scheduler's admission policy (admission.py)
+    reservation: str = "worst_case"     # or "optimistic": a step that runs short is undone and retried
 
 
 @dataclass
@@ -58,6 +63,13 @@ class EvictionStats:
     num_running: torch.Tensor           # (steps,) running after each step's scheduling
     evictions: list[EvictionRecord] = field(default_factory=list)
     events: list[tuple[int, int, str]] = field(default_factory=list)   # (step, request id, admitted/resumed/preempted)
+    # per trace sequence (S,) float64 modelled seconds, NaN where it never happened (refused)
+    num_retries: int = 0                # tries undone for lack of blocks (optimistic reservation)
+    thrown_away_tokens: int = 0         # tokens those tries had scheduled: forward work thrown away
+    arrival_seconds: torch.Tensor | None = None
+    first_token_seconds: torch.Tensor | None = None   # the end of the step that sampled its first token
+    finish_seconds: torch.Tensor | None = None
+    num_output_tokens: torch.Tensor | None = None     # (S,) int64 generated tokens of finished requests
 
     @property
     def tokens_per_step(self) -> float:
@@ -77,6 +89,7 @@ class EvictionStats:
                 "finished": self.num_finished, "refused": self.num_refused,
                 "evictions": self.num_evictions, "victim_sequences": self.num_victim_sequences,
                 "recomputed_tokens": self.recomputed_tokens, "swapped_bytes": self.swapped_bytes,
+                "retries": self.num_retries, "thrown_away_tokens": self.thrown_away_tokens,
                 "freed_on_short_device_per_eviction": self.freed_per_eviction}
 
 
@@ -128,7 +141,17 @@ class TraceRunner:
     """One run of one policy over a trace (module docstring)."""
 
     def __init__(self, trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup,
-                 policy: VictimPolicy | str, cost: CostModel):
+                 policy: VictimPolicy | str, cost: CostModel, arrivals: torch.Tensor | None = None):
+        """arrivals: (S,) seconds at which each trace sequence arrives (None: all at once, before
+        the first step); steps then take `cost`'s seconds and requests join the waiting line in
+        arrival order once the clock has reached them."""
+        if arrivals is not None:
+            arrivals = torch.as_tensor(arrivals, dtype=torch.float64)
+            if arrivals.shape != (trace.num_sequences,) or not bool(torch.isfinite(arrivals).all()) \
+                    or bool((arrivals < 0).any()) or cost is None:
+                raise ValueError(f"arrivals must be ({trace.num_sequences},) finite seconds >= 0, one per trace "
+                                 f"sequence, with a cost model to advance the clock; got shape "
+                                 f"{tuple(arrivals.shape)} and cost={cost!r}")
         self.trace, self.setup, self.cost = trace, setup, cost
         L, E, K = trace.num_layers, trace.num_experts, int(trace.experts.shape[2])
         num_devices = int(torch.as_tensor(device_of_expert).max()) + 1
@@ -144,11 +167,15 @@ class TraceRunner:
             policy = cls(self.future) if issubclass(cls, OfflinePolicy) else cls()
         self.policy = policy
         config = SchedulerConfig(max_num_seqs=setup.max_num_seqs, max_num_batched_tokens=setup.max_num_batched_tokens,
-                                 admission=setup.admission, victim=policy,
+                                 admission=setup.admission, victim=policy, reservation=setup.reservation,
                                  preemption_mode="swap" if setup.num_host_blocks else "recompute")
         self.scheduler = Scheduler(config, self.manager, self.shape, setup.num_host_blocks)
         self.num_refused = 0
-        for s in range(trace.num_sequences):
+        self.num_retries = 0
+        self.thrown_away_tokens = 0
+        self.arrivals = torch.zeros(trace.num_sequences, dtype=torch.float64) if arrivals is None else arrivals
+        self.pending: list[Request] = []                 # not yet arrived, latest first
+        for s in torch.argsort(self.arrivals, stable=True).tolist():
             prompt = int(trace.prompt_lens[s])
             max_new_tokens = int(trace.lengths[s]) - prompt + 1     # the last sampled token is never stored
             try:
@@ -156,7 +183,12 @@ class TraceRunner:
             except ValueError:
                 self.num_refused += 1
                 continue
-            self.scheduler.add_request(Request(s, [0] * prompt, SamplingParams(max_new_tokens=max_new_tokens)))
+            request = Request(s, [0] * prompt, SamplingParams(max_new_tokens=max_new_tokens))
+            if arrivals is None:
+                self.scheduler.add_request(request)
+            else:
+                self.pending.append(request)
+        self.pending.reverse()
 
     def append(self, scheduled) -> torch.Tensor:
         """The model's part of a step (blocks only, as PagedKVCache.append_kv allocates them); (L,)
@@ -171,15 +203,52 @@ class TraceRunner:
              for seq, item in zip(ids, scheduled)], dtype=torch.int64).reshape(-1, 4).unbind(1)
         decode = counts == 1                       # distinct rows, one slot each: no counting needed
         rows, per_layer = self.trace.decode_appends(seqs[decode], starts[decode], row_seqs=slots[decode])
-        if bool(decode.all()):
-            manager.allocate_slots(rows, torch.ones_like(rows), with_slots=False, one_each=True)
-            return per_layer
-        chunk = ~decode                            # prefills and recomputes: rows of other sequences
-        chunk_rows, hits, chunk_per_layer = self.trace.appends(seqs[chunk], starts[chunk], counts[chunk],
-                                                               row_seqs=slots[chunk])
-        manager.allocate_slots(torch.cat([rows, chunk_rows]), torch.cat([torch.ones_like(rows), hits]),
-                               rows_are_distinct=True, with_slots=False)
-        return per_layer + chunk_per_layer
+        hits = torch.ones_like(rows)
+        if not bool(decode.all()):
+            chunk = ~decode                        # prefills and recomputes: rows of other sequences
+            chunk_rows, chunk_hits, chunk_per_layer = self.trace.appends(seqs[chunk], starts[chunk], counts[chunk],
+                                                                         row_seqs=slots[chunk])
+            rows, hits, per_layer = torch.cat([rows, chunk_rows]), torch.cat([hits, chunk_hits]), per_layer + chunk_per_layer
+        if self.setup.reservation == "optimistic":
+            self._raise_at_the_first_short_layer(rows, hits)
+        manager.allocate_slots(rows, hits, rows_are_distinct=True, with_slots=False, one_each=bool(decode.all()))
+        return per_layer
+
+    def _raise_at_the_first_short_layer(self, rows: torch.Tensor, hits: torch.Tensor) -> None:
+        """OutOfBlocksError as the engine's forward raises it: layer by layer, each layer's rows
+        allocated at once, the first layer some device cannot serve, and the blocks it lacks there."""
+        manager, L, E = self.manager, self.manager.num_layers, self.manager.num_experts
+        old = manager.row_tokens[rows]
+        opened = ceil_div(old + hits, manager.block_size) - ceil_div(old, manager.block_size)       # (a,)
+        per_layer = torch.zeros(L, manager.num_devices, dtype=torch.int64)
+        per_layer.index_put_(((rows // E) % L, manager.device_of_rows(rows)), opened, accumulate=True)    # (L, D)
+        taken = per_layer.cumsum(0)                                                                 # (L, D)
+        free = manager.num_free_blocks_per_device                                                   # (D,)
+        short = (taken > free).any(1).nonzero().squeeze(1)
+        if short.numel():
+            layer = int(short[0])
+            raise OutOfBlocksError(f"layer {layer} is short of blocks", torch.clamp(taken[layer] - free, min=0))
+
+    def _step(self, step: int):
+        """Schedule and append one step: (SchedulerOutput, (L,) experts chosen per layer). Under
+        optimistic reservation an append that runs short is undone with the scheduling before it
+        (engine/undo.py, as LLMEngine.step does) and the step scheduled again with the missing
+        blocks, summed over tries, freed first."""
+        scheduler = self.scheduler
+        if self.setup.reservation != "optimistic":
+            out = scheduler.schedule(step)
+            return out, self.append(out.scheduled)
+        shortfall = None
+        while True:
+            before = Snapshot(scheduler)
+            out = scheduler.schedule(step, shortfall)
+            try:
+                return out, self.append(out.scheduled)
+            except OutOfBlocksError as error:
+                before.restore()
+                self.num_retries += 1
+                self.thrown_away_tokens += out.num_scheduled_tokens
+                shortfall = error.shortfall if shortfall is None else shortfall + error.shortfall
 
     def step_seconds(self, out) -> float:
         """A step's fixed cost, each decode token or prefill / recompute chunk over its context, and
@@ -197,21 +266,35 @@ class TraceRunner:
         scheduler, manager = self.scheduler, self.manager
         block_bytes = self.setup.block_size * self.trace.kv_bytes_per_slot
         used, running, evictions, events, victims = [], [], [], [], set()
+        S = self.trace.num_sequences
+        first_token = torch.full((S,), float("nan"), dtype=torch.float64)
+        finish = torch.full((S,), float("nan"), dtype=torch.float64)
+        num_output = torch.zeros(S, dtype=torch.int64)
         seconds = 0.0
         finished_tokens = num_finished = swapped_blocks = step = 0
-        while scheduler.has_unfinished and step < max_steps:
-            out = scheduler.schedule(step)
+        while (scheduler.has_unfinished or self.pending) and step < max_steps:
+            if not scheduler.has_unfinished:            # idle: the clock jumps to the next arrival
+                seconds = max(seconds, float(self.arrivals[self.pending[-1].request_id]))
+            while self.pending and float(self.arrivals[self.pending[-1].request_id]) <= seconds:
+                scheduler.add_request(self.pending.pop())
+            out, entries = self._step(step)
             if not out.scheduled and not out.block_copies:
                 raise RuntimeError(f"step {step}: nothing could be scheduled (as the engine would raise)")
-            seconds += self.step_seconds(out)
+            seconds += self.step_seconds(out) if self.cost is not None else 0.0
             swapped_blocks += sum(copy.source.numel() for copy in out.block_copies)
             evictions += out.evictions
             events += [(step, request.request_id, kind) for kind, request in out.events]
             victims.update(request.request_id for request in out.preempted)
             running.append(len(scheduler.running))
-            entries = self.append(out.scheduled)
             used.append(manager.blocks_per_device - manager.num_free_blocks_per_device)
             done = scheduler.update_from_output(out, {item.request.request_id: 0 for item in out.scheduled}, entries)
+            for item in out.scheduled:
+                rid = item.request.request_id
+                if item.samples and math.isnan(first_token[rid]):
+                    first_token[rid] = seconds
+            for request in done:
+                finish[request.request_id] = seconds
+                num_output[request.request_id] = len(request.output_token_ids)
             finished_tokens += sum(len(r.output_token_ids) for r in done)
             num_finished += len(done)
             step += 1
@@ -221,7 +304,8 @@ class TraceRunner:
                              scheduler.num_evictions, len(victims), scheduler.num_recomputed_tokens,
                              swapped_blocks * block_bytes, scheduler.freed_on_short_device,
                              torch.stack(used) if used else torch.zeros(0, manager.num_devices, dtype=torch.int64),
-                             torch.tensor(running), evictions, events)
+                             torch.tensor(running), evictions, events, self.num_retries, self.thrown_away_tokens,
+                             self.arrivals.clone(), first_token, finish, num_output)
 
 
 def simulate(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup, policy,

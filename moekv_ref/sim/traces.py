@@ -111,12 +111,20 @@ def _check_sizes(skews: dict, **sizes) -> None:
             raise ValueError(f"{name}={value} must be >= 0")
 
 
-def _lengths(num_sequences: int, mean_prompt, mean_output, sigma, generator):
-    """Log-normal prompt and output lengths >= 1 of the given means (mu = ln(mean) - sigma^2 / 2):
-    prompts (S,), and the offsets (S + 1,) of the whole sequences."""
-    mus = [torch.log(torch.tensor(mean)) - sigma**2 / 2 for mean in (mean_prompt, mean_output)]
-    prompts, outputs = (torch.exp(mu + sigma * torch.randn(num_sequences, generator=generator))
-                        .round().clamp(min=1).to(torch.int64) for mu in mus)
+def _lengths(num_sequences: int, mean_prompt, mean_output, sigma, generator, lengths=None):
+    """Log-normal prompt and output lengths >= 1 of the given means (mu = ln(mean) - sigma^2 / 2),
+    or the given (prompts, outputs) (S,) each (workloads.sample_lengths): prompts (S,), and the
+    offsets (S + 1,) of the whole sequences."""
+    if lengths is not None:
+        prompts, outputs = (torch.as_tensor(x, dtype=torch.int64) for x in lengths)
+        if prompts.shape != (num_sequences,) or outputs.shape != (num_sequences,) or \
+                bool((prompts < 1).any()) or bool((outputs < 1).any()):
+            raise ValueError(f"lengths must be (prompts, outputs) of shape ({num_sequences},) each, every "
+                             f"length >= 1; got shapes {tuple(prompts.shape)} and {tuple(outputs.shape)}")
+    else:
+        mus = [torch.log(torch.tensor(mean)) - sigma**2 / 2 for mean in (mean_prompt, mean_output)]
+        prompts, outputs = (torch.exp(mu + sigma * torch.randn(num_sequences, generator=generator))
+                            .round().clamp(min=1).to(torch.int64) for mu in mus)
     return prompts, torch.cat([torch.zeros(1, dtype=torch.int64), (prompts + outputs).cumsum(0)])
 
 
@@ -145,14 +153,15 @@ def _log_rank(n: int, num_layers: int, num_experts: int, generator) -> torch.Ten
 def synthetic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k: int,
                     mean_prompt: float = 256, mean_output: float = 256, sigma: float = 0.5,
                     zipf_s: float = 1.0, kv_bytes_per_slot: int = 512, seed: int = 0,
-                    name: str = "synthetic") -> RoutingTrace:
+                    name: str = "synthetic", lengths=None) -> RoutingTrace:
     """Top-k routing, Zipf(s) expert popularity, log-normal prompt and output lengths: each layer
     ranks its experts at random (the hot expert differs per layer), rank r weighs 1 / r^s, and a
-    token takes k distinct experts by those weights (Gumbel top-k). zipf_s = 0 is uniform."""
+    token takes k distinct experts by those weights (Gumbel top-k). zipf_s = 0 is uniform. lengths:
+    (prompts, outputs) to use instead of the log-normal ones (also in topic_trace)."""
     _check_sizes(dict(zipf_s=zipf_s), num_sequences=num_sequences, num_layers=num_layers,
                  num_experts=num_experts, top_k=top_k)
     generator = torch.Generator().manual_seed(seed)
-    prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator)
+    prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator, lengths)
     log_weight = -zipf_s * _log_rank(1, num_layers, num_experts, generator)[0]          # (L, E)
     experts = _gumbel_top_k(log_weight, int(offsets[-1]), top_k, generator)
     return RoutingTrace(experts, offsets, prompts, num_experts, kv_bytes_per_slot, name)
@@ -161,7 +170,8 @@ def synthetic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k
 def topic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k: int, num_topics: int = 4,
                 topic_s: float = 1.5, global_s: float = 0.5, topic_popularity_s: float = 1.0,
                 mean_prompt: float = 256, mean_output: float = 256, sigma: float = 0.5,
-                kv_bytes_per_slot: int = 512, seed: int = 0, name: str = "topics") -> tuple[RoutingTrace, torch.Tensor]:
+                kv_bytes_per_slot: int = 512, seed: int = 0, name: str = "topics",
+                lengths=None) -> tuple[RoutingTrace, torch.Tensor]:
     """A RoutingTrace and the topic of each sequence, (S,) int64. Learned routers specialise
     (`routing-stats`): sequences lean on their topic's experts, so under per-device pools the
     victim matters (notebook 05). A token of topic t takes k distinct experts by Gumbel top-k on
@@ -174,7 +184,7 @@ def topic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k: in
                  num_sequences=num_sequences, num_layers=num_layers, num_experts=num_experts,
                  top_k=top_k, num_topics=num_topics)
     generator = torch.Generator().manual_seed(seed)
-    prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator)
+    prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator, lengths)
     global_weight = -global_s * _log_rank(1, num_layers, num_experts, generator)[0]      # (L, E)
     topic_weight = -topic_s * _log_rank(num_topics, num_layers, num_experts, generator)  # (T, L, E)
     popularity = torch.arange(1, num_topics + 1, dtype=torch.float64) ** -topic_popularity_s

@@ -1,0 +1,205 @@
+"""`python -m moekv_ref bench cluster [--json PATH]`: where the victim policies differ on a cluster.
+
+An expert-attention model of JetMoE-8B's size (24 layers, 8 attention experts, top-2, 16 K/V heads
+of 128 in bfloat16: 8 KiB per (token, layer, expert) entry, 2.2 B active parameters) served by
+expert parallelism on D H200s, each holding E / D experts of every layer and their rows' blocks.
+Requests have the lengths of a published trace (sim/workloads.py), cut to the model's 4,096
+positions, and arrive as a Poisson or bursty process at a given rate; routing is a topic trace
+(sequences lean on their topic's experts, so one device's pool fills first). The engine's own
+Scheduler runs over it (sim/eviction.py), each step costing the projected cluster time
+(costs.cluster_cost_model: compute split evenly over the GPUs, links left out).
+
+For every (device count, KV memory per GPU, arrival rate, victim policy): TTFT and TPOT at p50 and
+p99, SLO attainment and good requests per second under DistServe's chatbot SLOs (TTFT 0.25 s,
+TPOT 0.1 s), preemptions and recomputed tokens. The summary marks where the best policy serves
+more than 5% more good requests per second than sequence_lru, and goodput as DistServe defines
+it: the highest swept rate whose attainment reaches 90%.
+
+JetMoE has 8 attention experts, so one expert-parallel group has at most 8 GPUs: 64 GPUs are 8
+such groups, each serving an eighth of the traffic, which is the 8-GPU table at an eighth of the
+rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+from tqdm import tqdm
+
+from ..config import get_config
+from ..costs import cluster_cost_model
+from ..sim.eviction import EvictionSetup, TraceRunner
+from ..sim.traces import topic_trace
+from ..sim.workloads import ARRIVALS, arrival_times, latency_summary, length_workloads, sample_lengths
+from . import options
+
+MODEL = "jetmoe-8b"
+ACTIVE_PARAMS = 2.2e9                       # JetMoE-8B's active parameters (Shen et al., arXiv 2404.07413)
+BLOCK_SIZE = 16
+TTFT_SLO, TPOT_SLO = 0.25, 0.1              # DistServe's chatbot SLOs (Zhong et al., OSDI 2024, Table 1)
+ATTAINMENT_TARGET = 0.9                     # DistServe's goodput: the highest rate at 90% attainment
+POLICIES = ("sequence_lru", "pressure_aware", "expert_lru")
+BETTER_BY = 0.05                            # "the policy matters": more than 5% more good requests/s
+
+
+def cluster_workload(num_requests: int, workload: str, seed: int):
+    """The routing trace (jetmoe-8b's shape, lengths of `workload` cut to 4,096 tokens)."""
+    config = get_config(MODEL)
+    lengths = sample_lengths(workload, num_requests, seed, max_tokens=config.max_position_embeddings)
+    trace, _ = topic_trace(num_requests, config.num_hidden_layers, config.num_attention_experts,
+                           config.num_attention_experts_per_tok, kv_bytes_per_slot=config.kv_bytes_per_entry(),
+                           seed=seed, name=workload, lengths=lengths)
+    return trace
+
+
+def run_one(trace, num_devices: int, gib_per_device: float, rate: float, arrivals: str, policy: str,
+            max_num_seqs: int, seed: int) -> dict:
+    config = get_config(MODEL)
+    E = config.num_attention_experts
+    placement = torch.arange(E) // (E // num_devices)                     # contiguous: E / D experts a GPU
+    block_bytes = BLOCK_SIZE * config.kv_bytes_per_entry()
+    blocks = int(gib_per_device * 2**30 // block_bytes)
+    setup = EvictionSetup(blocks_per_device=blocks, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=8192)
+    cost = cluster_cost_model(config, ACTIVE_PARAMS, num_devices, BLOCK_SIZE)
+    arrival = arrival_times(trace.num_sequences, rate, arrivals, seed=seed)
+    started = time.perf_counter()
+    stats = TraceRunner(trace, placement, setup, policy, cost, arrivals=arrival).run(max_steps=10_000_000)
+    wall = time.perf_counter() - started
+    latency = latency_summary(stats.arrival_seconds, stats.first_token_seconds, stats.finish_seconds,
+                              stats.num_output_tokens, TTFT_SLO, TPOT_SLO)
+    return {"devices": num_devices, "gib_per_device": gib_per_device, "blocks_per_device": blocks,
+            "rate": rate, "arrivals": arrivals, "policy": policy, **latency,
+            "steps": stats.num_steps, "modelled_seconds": stats.seconds, "refused": stats.num_refused,
+            "evictions": stats.num_evictions, "victim_sequences": stats.num_victim_sequences,
+            "recomputed_tokens": stats.recomputed_tokens, "tokens_per_second": stats.tokens_per_second,
+            "wall_seconds": wall, "steps_per_wall_second": stats.num_steps / max(wall, 1e-9)}
+
+
+def where_policies_differ(runs: list[dict]) -> list[dict]:
+    """Per setting (devices, memory, rate, arrivals): the best policy's good requests/s against
+    sequence_lru's, and whether it is more than BETTER_BY ahead."""
+    settings = {}
+    for run in runs:
+        key = (run["devices"], run["gib_per_device"], run["rate"], run["arrivals"])
+        settings.setdefault(key, {})[run["policy"]] = run
+    rows = []
+    for (devices, gib, rate, arrivals), by_policy in settings.items():
+        baseline = by_policy.get("sequence_lru")
+        best = max(by_policy.values(), key=lambda r: r["good_requests_per_s"])
+        base = baseline["good_requests_per_s"] if baseline else float("nan")
+        gain = best["good_requests_per_s"] / base - 1 if base and base > 0 else float("nan")
+        rows.append({"devices": devices, "gib_per_device": gib, "rate": rate, "arrivals": arrivals,
+                     "best_policy": best["policy"], "best_good_requests_per_s": best["good_requests_per_s"],
+                     "sequence_lru_good_requests_per_s": base, "gain": gain,
+                     "policy_matters": bool(gain > BETTER_BY) if not math.isnan(gain) else False})
+    return rows
+
+
+def goodput(runs: list[dict]) -> list[dict]:
+    """Per (devices, memory, arrivals, policy): the highest swept rate with attainment >= 90%."""
+    groups = {}
+    for run in runs:
+        groups.setdefault((run["devices"], run["gib_per_device"], run["arrivals"], run["policy"]), []).append(run)
+    rows = []
+    for (devices, gib, arrivals, policy), group in groups.items():
+        met = [r["rate"] for r in group if r["slo_attainment"] >= ATTAINMENT_TARGET]
+        rows.append({"devices": devices, "gib_per_device": gib, "arrivals": arrivals, "policy": policy,
+                     "goodput_requests_per_s": max(met) if met else 0.0,
+                     "rates_swept": sorted(r["rate"] for r in group)})
+    return rows
+
+
+def print_tables(result: dict) -> None:
+    print(f"\n{result['workload']} lengths, {result['requests']} requests; {MODEL} on H200s (projected); "
+          f"SLOs TTFT {TTFT_SLO} s, TPOT {TPOT_SLO} s")
+    print(f"{'D':>2} {'GiB':>5} {'rate':>6} {'arrivals':>8} {'policy':>15} {'TTFT p50':>9} {'p99':>7} "
+          f"{'TPOT p50':>9} {'p99':>7} {'attain':>6} {'good/s':>7} {'victims':>7} {'recomputed':>10}")
+    for r in result["runs"]:
+        print(f"{r['devices']:>2} {r['gib_per_device']:>5} {r['rate']:>6} {r['arrivals']:>8} {r['policy']:>15} "
+              f"{r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>7.3f} {r['tpot_p50_s'] * 1e3:>7.2f}ms "
+              f"{r['tpot_p99_s'] * 1e3:>5.1f}ms {r['slo_attainment']:>6.3f} {r['good_requests_per_s']:>7.2f} "
+              f"{r['victim_sequences']:>7} {r['recomputed_tokens']:>10}")
+    print("\nwhere the best policy beats sequence_lru by more than 5% on good requests/s:")
+    for r in result["where_policies_differ"]:
+        mark = "  <- matters" if r["policy_matters"] else ""
+        print(f"  D={r['devices']} {r['gib_per_device']} GiB rate {r['rate']} {r['arrivals']}: best {r['best_policy']} "
+              f"{r['best_good_requests_per_s']:.2f}/s vs sequence_lru {r['sequence_lru_good_requests_per_s']:.2f}/s "
+              f"({r['gain']:+.1%}){mark}")
+    print("\ngoodput (the highest swept rate with >= 90% of requests within both SLOs):")
+    for r in result["goodput"]:
+        print(f"  D={r['devices']} {r['gib_per_device']} GiB {r['arrivals']} {r['policy']}: "
+              f"{r['goodput_requests_per_s']} requests/s")
+
+
+# ----- the program -------------------------------------------------------------------------------------------
+def build_parser(parser=None):
+    parser = parser or argparse.ArgumentParser(prog="python -m moekv_ref bench cluster")
+    parser.add_argument("--json", default=None, help="write every number to this file")
+    parser.add_argument("--requests", type=int, default=1000, help="requests of the workload (default 1000)")
+    parser.add_argument("--workload", default="azure_conversation_2023",
+                        help=f"published lengths: one of {tuple(length_workloads())}")
+    parser.add_argument("--devices", type=int, nargs="+", default=[8], help="GPUs of one group: 1, 2, 4 or 8")
+    parser.add_argument("--gib-per-device", type=float, nargs="+", default=[2.0, 4.0],
+                        help="KV memory per GPU in GiB (default 2 4)")
+    parser.add_argument("--rates", type=float, nargs="+", default=[20.0, 40.0, 60.0],
+                        help="mean arrival rates, requests per second (default 20 40 60)")
+    parser.add_argument("--arrivals", nargs="+", default=["poisson"], help=f"arrival processes: {ARRIVALS}")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), help=f"victim policies (default {POLICIES})")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="200 requests, one memory, two rates")
+    return parser
+
+
+def check_args(args) -> None:
+    options.output_file("--json", args.json)
+    options.count("--requests", args.requests, 1)
+    options.count("--max-num-seqs", args.max_num_seqs, 1)
+    options.seed("--seed", args.seed)
+    if args.workload not in length_workloads():
+        raise ValueError(f"--workload {args.workload!r} is not one of {tuple(length_workloads())}")
+    experts = get_config(MODEL).num_attention_experts
+    for d in args.devices:
+        if not isinstance(d, int) or d < 1 or experts % d:
+            raise ValueError(f"--devices {d} must divide {MODEL}'s {experts} attention experts: one of "
+                             f"{[n for n in range(1, experts + 1) if experts % n == 0]}")
+    for name, values in (("--gib-per-device", args.gib_per_device), ("--rates", args.rates)):
+        for value in values:
+            options.real(name, value, 0.0, low_open=True)
+    for process in args.arrivals:
+        if process not in ARRIVALS:
+            raise ValueError(f"--arrivals {process!r} is not one of {ARRIVALS}")
+    from ..engine.victims import VICTIM_POLICIES
+    for policy in args.policies:
+        if policy not in VICTIM_POLICIES:
+            raise ValueError(f"--policies {policy!r} is not one of {tuple(VICTIM_POLICIES)}")
+    if "sequence_lru" not in args.policies:
+        raise ValueError("--policies must include sequence_lru, the baseline the others are compared with")
+
+
+def main(args) -> int:
+    if args.quick:
+        args.requests, args.gib_per_device, args.rates = 200, args.gib_per_device[:1], args.rates[:2]
+    trace = cluster_workload(args.requests, args.workload, args.seed)
+    grid = [(d, gib, rate, process, policy) for d in args.devices for gib in args.gib_per_device
+            for rate in args.rates for process in args.arrivals for policy in args.policies]
+    runs = []
+    for d, gib, rate, process, policy in tqdm(grid, desc="cluster", unit="run", disable=None):
+        runs.append(run_one(trace, d, gib, rate, process, policy, args.max_num_seqs, args.seed))
+    result = {"model": MODEL, "workload": args.workload, "workload_source": length_workloads()[args.workload]["source"],
+              "requests": args.requests, "prompt_tokens_mean": float(trace.prompt_lens.double().mean()),
+              "output_tokens_mean": float((trace.lengths - trace.prompt_lens + 1).double().mean()),
+              "cost_model": cluster_cost_model(get_config(MODEL), ACTIVE_PARAMS, args.devices[0], BLOCK_SIZE).to_dict(),
+              "ttft_slo_s": TTFT_SLO, "tpot_slo_s": TPOT_SLO, "seed": args.seed, "max_num_seqs": args.max_num_seqs,
+              "runs": runs, "where_policies_differ": where_policies_differ(runs), "goodput": goodput(runs)}
+    print_tables(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"\nwrote {args.json}")
+    return 0

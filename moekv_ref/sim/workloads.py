@@ -1,0 +1,116 @@
+"""Workloads people serve: request lengths from published traces, arrivals in time, and the
+latency a run gives them (TTFT, TPOT, goodput under SLOs).
+
+Lengths come from data/serving_lengths.json: quantiles of prompt and output tokens of the Azure
+LLM inference traces of 2023 (code and conversation, computed from the released files) and of
+ShareGPT as Vidur uses it (median and p90; log-normal between). A length is drawn by inverse
+transform, linear between quantiles.
+
+Arrivals: Poisson (exponential gaps), or bursty with gamma gaps of the same mean rate and a
+coefficient of variation cv > 1 (cv = 1 is Poisson).
+
+Latency, as DistServe (Zhong et al., OSDI 2024) defines it: TTFT is a request's first token time
+minus its arrival; TPOT the mean time per output token after the first; a request is good when it
+meets both SLOs, SLO attainment is the share of good requests, and goodput the highest request
+rate whose attainment reaches a target (90% there). `latency_summary` gives one run's attainment
+and good requests per second; bench cluster sweeps the rate to find goodput.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+
+import numpy as np
+import torch
+
+ARRIVALS = ("poisson", "gamma")
+
+
+def length_workloads() -> dict:
+    """The published length statistics, by name (each with its `source`)."""
+    text = resources.files("moekv_ref").joinpath("data/serving_lengths.json").read_text()
+    return json.loads(text)["workloads"]
+
+
+def _quantiles(stats) -> torch.Tensor:
+    """(q, 2) knots [p, tokens] of one length distribution, from a list of knots or a
+    {median, p90} pair (log-normal through them, 0.1% to 99.9%)."""
+    if isinstance(stats, list):
+        return torch.tensor(stats, dtype=torch.float64)
+    mu, z90 = math.log(stats["median"]), 1.2815515655446004              # Phi^-1(0.9)
+    sigma = (math.log(stats["p90"]) - mu) / z90
+    p = torch.tensor([0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999], dtype=torch.float64)
+    z = math.sqrt(2) * torch.erfinv(2 * p - 1)
+    return torch.stack([p, torch.exp(mu + sigma * z)], 1)
+
+
+def sample_lengths(name: str, num_requests: int, seed: int = 0, max_tokens: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompts, outputs), (S,) int64 each, >= 1, drawn from workload `name`'s quantiles; with
+    max_tokens, a request's prompt + output is cut to fit (the prompt first keeps its share)."""
+    workloads = length_workloads()
+    if name not in workloads:
+        raise ValueError(f"workload={name!r} is not one of {tuple(workloads)}")
+    if not isinstance(num_requests, int) or isinstance(num_requests, bool) or num_requests < 1:
+        raise ValueError(f"num_requests={num_requests!r} must be a positive integer")
+    generator = torch.Generator().manual_seed(seed)
+    drawn = []
+    for part in ("prompt", "output"):
+        knots = _quantiles(workloads[name][part])                                       # (q, 2)
+        u = torch.rand(num_requests, generator=generator, dtype=torch.float64)          # (S,)
+        i = torch.searchsorted(knots[:, 0].contiguous(), u).clamp(1, knots.shape[0] - 1)
+        p0, p1, x0, x1 = knots[i - 1, 0], knots[i, 0], knots[i - 1, 1], knots[i, 1]
+        value = x0 + (x1 - x0) * ((u - p0) / (p1 - p0)).clamp(0, 1)
+        drawn.append(value.round().clamp(min=1).to(torch.int64))
+    prompts, outputs = drawn
+    if max_tokens is not None:
+        total = prompts + outputs
+        over = total > max_tokens
+        prompts = torch.where(over, (prompts * max_tokens // total).clamp(min=1), prompts)
+        outputs = torch.where(over, (max_tokens - prompts).clamp(min=1), outputs)
+    return prompts, outputs
+
+
+def arrival_times(num_requests: int, rate: float, process: str = "poisson", cv: float = 2.0,
+                  seed: int = 0) -> torch.Tensor:
+    """(S,) float64 seconds, increasing from the first gap: `rate` requests per second on average,
+    Poisson or gamma gaps with coefficient of variation cv (shape 1 / cv^2: bursts and lulls)."""
+    if process not in ARRIVALS:
+        raise ValueError(f"process={process!r} is not one of {ARRIVALS}")
+    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate={rate!r} must be a positive number of requests per second")
+    if process == "gamma" and not (isinstance(cv, (int, float)) and math.isfinite(cv) and cv > 0):
+        raise ValueError(f"cv={cv!r} must be a positive number")
+    generator = torch.Generator().manual_seed(seed)
+    if process == "poisson":
+        gaps = torch.empty(num_requests, dtype=torch.float64).exponential_(rate, generator=generator)
+    else:
+        shape = 1.0 / cv**2                        # mean shape * scale = 1 / rate
+        # torch's gamma sampler takes no generator: numpy's seeded one draws the gaps
+        gaps = torch.from_numpy(np.random.default_rng(seed).gamma(shape, 1.0 / (rate * shape), num_requests))
+    return torch.cumsum(gaps, 0)
+
+
+def latency_summary(arrival: torch.Tensor, first_token: torch.Tensor, finish: torch.Tensor,
+                    num_output: torch.Tensor, ttft_slo: float, tpot_slo: float) -> dict:
+    """Per request (S,) arrival, first token and finish seconds (NaN: never served) and output
+    tokens: TTFT and TPOT at p50 and p99 over served requests, SLO attainment over all, and good
+    requests per second over the run (first arrival to last finish)."""
+    served = ~torch.isnan(finish)
+    ttft = (first_token - arrival)[served]
+    decode = (finish - first_token)[served]
+    tokens = num_output[served].to(torch.float64)
+    tpot = torch.where(tokens > 1, decode / (tokens - 1).clamp(min=1), torch.zeros_like(decode))
+    good = (ttft <= ttft_slo) & (tpot <= tpot_slo)
+    span = float(finish[served].max() - arrival.min()) if served.any() else float("nan")
+
+    def quantile(x: torch.Tensor, q: float) -> float:
+        return float(torch.quantile(x, q)) if x.numel() else float("nan")
+    return {"served": int(served.sum()), "requests": int(arrival.numel()),
+            "ttft_p50_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
+            "tpot_p50_s": quantile(tpot, 0.5), "tpot_p99_s": quantile(tpot, 0.99),
+            "ttft_slo_s": ttft_slo, "tpot_slo_s": tpot_slo,
+            "slo_attainment": float(good.sum()) / max(1, arrival.numel()),
+            "good_requests_per_s": float(good.sum()) / span if span > 0 else float("nan")}
