@@ -172,7 +172,7 @@ def test_a_fault_in_the_forward_is_undone_from_the_snapshot_that_still_holds(mod
         "__init__": lambda self, root: snapshots.append(1) or original.__init__(self, root)}))
     engine = make_engine(model, FAULT_POOL, mode="recompute", max_num_seqs=6)     # it preempts by recompute
     schedule, forward = engine.scheduler.schedule, engine.runner.forward
-    engine.scheduler.schedule = lambda step: decisions.append((len(snapshots), schedule(step))) or decisions[-1][1]
+    engine.scheduler.schedule = lambda step, retry=None: decisions.append((len(snapshots), schedule(step, retry))) or decisions[-1][1]
 
     def faulty_forward(scheduled):
         before, d = decisions[-1]                 # snapshots before this step's schedule: one of them

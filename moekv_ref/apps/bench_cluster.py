@@ -32,6 +32,8 @@ from tqdm import tqdm
 
 from ..config import get_config
 from ..costs import cluster_cost_model
+from ..engine.scheduler import RESERVATIONS
+from ..engine.victims import VICTIM_POLICIES
 from ..sim.eviction import EvictionSetup, TraceRunner
 from ..sim.traces import topic_trace
 from ..sim.workloads import ARRIVALS, arrival_times, latency_summary, length_workloads, sample_lengths
@@ -57,14 +59,14 @@ def cluster_workload(num_requests: int, workload: str, seed: int):
 
 
 def run_one(trace, num_devices: int, gib_per_device: float, rate: float, arrivals: str, policy: str,
-            max_num_seqs: int, seed: int) -> dict:
+            reservation: str, max_num_seqs: int, seed: int) -> dict:
     config = get_config(MODEL)
     E = config.num_attention_experts
     placement = torch.arange(E) // (E // num_devices)                     # contiguous: E / D experts a GPU
     block_bytes = BLOCK_SIZE * config.kv_bytes_per_entry()
     blocks = int(gib_per_device * 2**30 // block_bytes)
     setup = EvictionSetup(blocks_per_device=blocks, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=8192)
+                          max_num_batched_tokens=8192, admission="predicted", reservation=reservation)
     cost = cluster_cost_model(config, ACTIVE_PARAMS, num_devices, BLOCK_SIZE)
     arrival = arrival_times(trace.num_sequences, rate, arrivals, seed=seed)
     started = time.perf_counter()
@@ -73,10 +75,13 @@ def run_one(trace, num_devices: int, gib_per_device: float, rate: float, arrival
     latency = latency_summary(stats.arrival_seconds, stats.first_token_seconds, stats.finish_seconds,
                               stats.num_output_tokens, TTFT_SLO, TPOT_SLO)
     return {"devices": num_devices, "gib_per_device": gib_per_device, "blocks_per_device": blocks,
-            "rate": rate, "arrivals": arrivals, "policy": policy, **latency,
+            "rate": rate, "arrivals": arrivals, "policy": policy, "reservation": reservation, **latency,
             "steps": stats.num_steps, "modelled_seconds": stats.seconds, "refused": stats.num_refused,
             "evictions": stats.num_evictions, "victim_sequences": stats.num_victim_sequences,
             "recomputed_tokens": stats.recomputed_tokens, "tokens_per_second": stats.tokens_per_second,
+            "retries": stats.num_retries, "thrown_away_tokens": stats.thrown_away_tokens,
+            "thrown_away_seconds": stats.thrown_away_seconds,
+            "mean_used_fraction": float(stats.used_blocks.double().mean() / blocks) if stats.num_steps else 0.0,
             "wall_seconds": wall, "steps_per_wall_second": stats.num_steps / max(wall, 1e-9)}
 
 
@@ -85,16 +90,16 @@ def where_policies_differ(runs: list[dict]) -> list[dict]:
     sequence_lru's, and whether it is more than BETTER_BY ahead."""
     settings = {}
     for run in runs:
-        key = (run["devices"], run["gib_per_device"], run["rate"], run["arrivals"])
+        key = (run["devices"], run["gib_per_device"], run["rate"], run["arrivals"], run["reservation"])
         settings.setdefault(key, {})[run["policy"]] = run
     rows = []
-    for (devices, gib, rate, arrivals), by_policy in settings.items():
+    for (devices, gib, rate, arrivals, reservation), by_policy in settings.items():
         baseline = by_policy.get("sequence_lru")
         best = max(by_policy.values(), key=lambda r: r["good_requests_per_s"])
         base = baseline["good_requests_per_s"] if baseline else float("nan")
         gain = best["good_requests_per_s"] / base - 1 if base and base > 0 else float("nan")
         rows.append({"devices": devices, "gib_per_device": gib, "rate": rate, "arrivals": arrivals,
-                     "best_policy": best["policy"], "best_good_requests_per_s": best["good_requests_per_s"],
+                     "reservation": reservation, "best_policy": best["policy"], "best_good_requests_per_s": best["good_requests_per_s"],
                      "sequence_lru_good_requests_per_s": base, "gain": gain,
                      "policy_matters": bool(gain > BETTER_BY) if not math.isnan(gain) else False})
     return rows
@@ -104,11 +109,13 @@ def goodput(runs: list[dict]) -> list[dict]:
     """Per (devices, memory, arrivals, policy): the highest swept rate with attainment >= 90%."""
     groups = {}
     for run in runs:
-        groups.setdefault((run["devices"], run["gib_per_device"], run["arrivals"], run["policy"]), []).append(run)
+        groups.setdefault((run["devices"], run["gib_per_device"], run["arrivals"], run["reservation"], run["policy"]),
+                          []).append(run)
     rows = []
-    for (devices, gib, arrivals, policy), group in groups.items():
+    for (devices, gib, arrivals, reservation, policy), group in groups.items():
         met = [r["rate"] for r in group if r["slo_attainment"] >= ATTAINMENT_TARGET]
-        rows.append({"devices": devices, "gib_per_device": gib, "arrivals": arrivals, "policy": policy,
+        rows.append({"devices": devices, "gib_per_device": gib, "arrivals": arrivals, "reservation": reservation,
+                     "policy": policy,
                      "goodput_requests_per_s": max(met) if met else 0.0,
                      "rates_swept": sorted(r["rate"] for r in group)})
     return rows
@@ -117,22 +124,25 @@ def goodput(runs: list[dict]) -> list[dict]:
 def print_tables(result: dict) -> None:
     print(f"\n{result['workload']} lengths, {result['requests']} requests; {MODEL} on H200s (projected); "
           f"SLOs TTFT {TTFT_SLO} s, TPOT {TPOT_SLO} s")
-    print(f"{'D':>2} {'GiB':>5} {'rate':>6} {'arrivals':>8} {'policy':>15} {'TTFT p50':>9} {'p99':>7} "
-          f"{'TPOT p50':>9} {'p99':>7} {'attain':>6} {'good/s':>7} {'victims':>7} {'recomputed':>10}")
+    print(f"{'D':>2} {'GiB':>5} {'rate':>6} {'arrivals':>8} {'reservation':>11} {'policy':>15} {'TTFT p50':>9} "
+          f"{'p99':>7} {'TPOT p50':>9} {'p99':>7} {'attain':>6} {'good/s':>7} {'used':>5} {'victims':>7} "
+          f"{'recomputed':>10} {'retries':>7} {'thrown':>7}")
     for r in result["runs"]:
-        print(f"{r['devices']:>2} {r['gib_per_device']:>5} {r['rate']:>6} {r['arrivals']:>8} {r['policy']:>15} "
-              f"{r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>7.3f} {r['tpot_p50_s'] * 1e3:>7.2f}ms "
+        print(f"{r['devices']:>2} {r['gib_per_device']:>5} {r['rate']:>6} {r['arrivals']:>8} {r['reservation']:>11} "
+              f"{r['policy']:>15} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>7.3f} {r['tpot_p50_s'] * 1e3:>7.2f}ms "
               f"{r['tpot_p99_s'] * 1e3:>5.1f}ms {r['slo_attainment']:>6.3f} {r['good_requests_per_s']:>7.2f} "
-              f"{r['victim_sequences']:>7} {r['recomputed_tokens']:>10}")
+              f"{r['mean_used_fraction']:>5.2f} {r['victim_sequences']:>7} {r['recomputed_tokens']:>10} "
+              f"{r['retries']:>7} {r['thrown_away_tokens']:>7}")
     print("\nwhere the best policy beats sequence_lru by more than 5% on good requests/s:")
     for r in result["where_policies_differ"]:
         mark = "  <- matters" if r["policy_matters"] else ""
-        print(f"  D={r['devices']} {r['gib_per_device']} GiB rate {r['rate']} {r['arrivals']}: best {r['best_policy']} "
+        print(f"  D={r['devices']} {r['gib_per_device']} GiB rate {r['rate']} {r['arrivals']} {r['reservation']}: "
+              f"best {r['best_policy']} "
               f"{r['best_good_requests_per_s']:.2f}/s vs sequence_lru {r['sequence_lru_good_requests_per_s']:.2f}/s "
               f"({r['gain']:+.1%}){mark}")
     print("\ngoodput (the highest swept rate with >= 90% of requests within both SLOs):")
     for r in result["goodput"]:
-        print(f"  D={r['devices']} {r['gib_per_device']} GiB {r['arrivals']} {r['policy']}: "
+        print(f"  D={r['devices']} {r['gib_per_device']} GiB {r['arrivals']} {r['reservation']} {r['policy']}: "
               f"{r['goodput_requests_per_s']} requests/s")
 
 
@@ -149,6 +159,8 @@ def build_parser(parser=None):
     parser.add_argument("--rates", type=float, nargs="+", default=[20.0, 40.0, 60.0],
                         help="mean arrival rates, requests per second (default 20 40 60)")
     parser.add_argument("--arrivals", nargs="+", default=["poisson"], help=f"arrival processes: {ARRIVALS}")
+    parser.add_argument("--reservations", nargs="+", default=list(RESERVATIONS),
+                        help=f"the scheduler's reservation strategies (default {RESERVATIONS})")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), help=f"victim policies (default {POLICIES})")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
@@ -174,7 +186,9 @@ def check_args(args) -> None:
     for process in args.arrivals:
         if process not in ARRIVALS:
             raise ValueError(f"--arrivals {process!r} is not one of {ARRIVALS}")
-    from ..engine.victims import VICTIM_POLICIES
+    for reservation in args.reservations:
+        if reservation not in RESERVATIONS:
+            raise ValueError(f"--reservations {reservation!r} is not one of {RESERVATIONS}")
     for policy in args.policies:
         if policy not in VICTIM_POLICIES:
             raise ValueError(f"--policies {policy!r} is not one of {tuple(VICTIM_POLICIES)}")
@@ -186,11 +200,12 @@ def main(args) -> int:
     if args.quick:
         args.requests, args.gib_per_device, args.rates = 200, args.gib_per_device[:1], args.rates[:2]
     trace = cluster_workload(args.requests, args.workload, args.seed)
-    grid = [(d, gib, rate, process, policy) for d in args.devices for gib in args.gib_per_device
-            for rate in args.rates for process in args.arrivals for policy in args.policies]
+    grid = [(d, gib, rate, process, reservation, policy) for d in args.devices for gib in args.gib_per_device
+            for rate in args.rates for process in args.arrivals for reservation in args.reservations
+            for policy in args.policies]
     runs = []
-    for d, gib, rate, process, policy in tqdm(grid, desc="cluster", unit="run", disable=None):
-        runs.append(run_one(trace, d, gib, rate, process, policy, args.max_num_seqs, args.seed))
+    for d, gib, rate, process, reservation, policy in tqdm(grid, desc="cluster", unit="run", disable=None):
+        runs.append(run_one(trace, d, gib, rate, process, policy, reservation, args.max_num_seqs, args.seed))
     result = {"model": MODEL, "workload": args.workload, "workload_source": length_workloads()[args.workload]["source"],
               "requests": args.requests, "prompt_tokens_mean": float(trace.prompt_lens.double().mean()),
               "output_tokens_mean": float((trace.lengths - trace.prompt_lens + 1).double().mean()),

@@ -20,9 +20,11 @@ class AdmissionStep:
     reservation; `start_next` is the policy's only move. The Scheduler is not imported here: it uses
     the policies, never the other way round."""
 
-    def __init__(self, scheduler: "Scheduler", out: "SchedulerOutput", token_budget: int, reserved):
+    def __init__(self, scheduler: "Scheduler", out: "SchedulerOutput", token_budget: int, reserved,
+                 max_admissions: int | None = None):
         self._scheduler = scheduler
         self._out = out
+        self._max_admissions = max_admissions     # a retried step's limit (scheduler.Retry); None: none
         self.token_budget = token_budget      # tokens the step may still run
         self.reserved = reserved              # worst case already reserved by the step ((D,): per device)
         self.memory: MemoryView = scheduler.memory
@@ -46,7 +48,9 @@ class AdmissionStep:
 
     @property
     def has_room(self) -> bool:
-        return len(self._scheduler.running) < self.max_num_seqs and self.token_budget > 0
+        joined = len(self._out.admitted) + len(self._out.resumed)
+        return len(self._scheduler.running) < self.max_num_seqs and self.token_budget > 0 and (
+            self._max_admissions is None or joined < self._max_admissions)
 
     def step_fits(self, request: Request) -> bool:
         """Would the request's next tokens (and its swap-in) fit every device beside the step's

@@ -226,12 +226,12 @@ class LLMEngine:
         start = time.perf_counter()
         step = self.step_count
         used_before = self.memory.num_used_blocks
-        shortfall = None            # optimistic reservation: blocks the tries so far lacked, per device
+        retry = None                # optimistic reservation: how to try again a step that ran short
         while True:
             num_running, scheduled_used = len(self.scheduler.running), used_before
             before = Snapshot(self.scheduler)
             try:
-                decision = self.scheduler.schedule(step, shortfall)
+                decision = self.scheduler.schedule(step, retry)
             except BaseException as error:
                 before.restore()
                 self._fail_step(error, step, start, num_running, scheduled_used, "while scheduling")
@@ -249,12 +249,12 @@ class LLMEngine:
                 if self.scheduler.config.reservation != "optimistic" or error.shortfall is None:
                     self._fail_running(error, decision, step, start, num_running, scheduled_used)
                     raise
-                # a layer found its device full: the step starts over, scheduling included, with the
-                # missing blocks freed first (the forward so far is thrown away)
+                # a layer found its device full: the step starts over, scheduling included, with
+                # fewer admissions or the missing blocks freed first (the forward so far is thrown away)
                 before.restore()
                 self._counts["retries"] += 1
                 self._counts["thrown_away_tokens"] += decision.num_scheduled_tokens
-                shortfall = error.shortfall if shortfall is None else shortfall + error.shortfall
+                retry = self.scheduler.retry(decision, error, retry)
             except BaseException as error:
                 self._fail_running(error, decision, step, start, num_running, scheduled_used)
                 raise

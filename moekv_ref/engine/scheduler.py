@@ -69,9 +69,10 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     victim: str | VictimPolicy = "newest_first"
     # worst_case: a step reserves what its tokens could take at most (demand.py), so it never runs
-    # short; optimistic: decode tokens reserve nothing (prefill chunks still their worst case), and
-    # a step that runs short is undone and scheduled again with the missing blocks freed first
-    # (`schedule(step, shortfall)`; the engine and the trace runner retry). continuous_paged only.
+    # short; optimistic: it reserves nothing, and a step that runs short is undone and scheduled
+    # again (`schedule(step, shortfall)`; the engine and the trace runner retry, `retry_shortfall`):
+    # without its admissions if it had any, else with the missing blocks freed first by the victim
+    # policy. continuous_paged only.
     reservation: str = "worst_case"
 
     def __post_init__(self):
@@ -114,6 +115,15 @@ class ScheduledRequest:
     num_tokens: int            # tokens this step runs for it
     reserved_blocks: int       # worst case those tokens can take from the pool (summed over devices)
     samples: bool = True       # the tokens end its pending ones: the step samples its next token
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How to schedule a step again after a try ran short (optimistic reservation, `Scheduler.retry`):
+    free `shortfall` (D,) blocks beyond those free now, by the victim policy, and admit at most
+    `max_admissions` requests."""
+    shortfall: torch.Tensor
+    max_admissions: int
 
 
 @dataclass(frozen=True)
@@ -261,26 +271,27 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ----- one step ---------------------------------------------------------------------------------
-    def schedule(self, step: int, shortfall: torch.Tensor | None = None) -> SchedulerOutput:
+    def schedule(self, step: int, retry: Retry | None = None) -> SchedulerOutput:
         """One step's decisions; an exception gets a note naming the request being decided on (the
-        engine undoes the partial decisions: undo.py). shortfall (D,): under optimistic
-        reservation, the blocks per device an earlier try of this step lacked (summed over tries);
-        this try first frees that many beyond what is free now, by the victim policy."""
+        engine undoes the partial decisions: undo.py). retry: under optimistic reservation, how to
+        try again a step whose earlier try ran short (`retry`)."""
         self.current = None
-        if shortfall is not None and self.config.reservation != "optimistic":
-            raise ValueError("a shortfall is given only to retry a step under reservation='optimistic'")
+        if retry is not None and self.config.reservation != "optimistic":
+            raise ValueError("a retry is given only to schedule a step again under reservation='optimistic'")
         try:
-            return self._schedule(step, shortfall)
+            return self._schedule(step, retry)
         except BaseException as error:
             if self.current is not None:                      # every exception has add_note (Python 3.11+)
                 error.add_note(f"while scheduling request {self.current.request_id} ({self.current.status.value}) at step {step}")
             raise
 
-    def _schedule(self, step: int, shortfall: torch.Tensor | None) -> SchedulerOutput:
+    def _schedule(self, step: int, retry: Retry | None) -> SchedulerOutput:
         out = SchedulerOutput(step)
         self.manager.clock = step                  # the rows this step appends to remember it
         token_budget = self.config.max_num_batched_tokens
-        # a retry reserves every block free now plus the shortfall: victims go until that many are free
+        # a retry short of blocks reserves every block free now plus the shortfall: victims go until
+        # that many are free
+        shortfall = None if retry is None or not bool(retry.shortfall.any()) else retry.shortfall
         base = torch.zeros(self.num_devices, dtype=torch.int64) if shortfall is None else \
             self.memory.num_free_blocks_per_device + shortfall                                     # (D,)
         # every running request's need, in one call; a request the budget cuts short is asked again
@@ -332,11 +343,39 @@ class Scheduler:
             reserved = reserved + need
             token_budget -= num_tokens
             i += 1
-        if not out.preempted and shortfall is None:   # a step that had to preempt (or retries) admits none
+        max_admissions = None if retry is None else retry.max_admissions
+        if not out.preempted and max_admissions != 0:  # a step that had to preempt admits none: it would thrash
             if not self.running:
                 self._free_dead_rows(None)
-            self.batching.admit(AdmissionStep(self, out, token_budget, reserved))
+            self.batching.admit(AdmissionStep(self, out, token_budget, reserved, max_admissions))
         return out
+
+    def may_run_short(self) -> bool:
+        """Under optimistic reservation: whether the next step could find a device full, that is,
+        whether a request may join it or the worst case of every running request's next tokens
+        exceeds some device's free blocks. False: no try of the next step needs undoing (the
+        trace runner then takes no snapshot)."""
+        if self.config.reservation != "optimistic":
+            return False
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return True
+        budget = self.config.max_num_batched_tokens
+        planned = [min(r.num_pending_tokens, budget) for r in self.running]
+        return bool(self.running) and not self.fits(self._worst_case_step_blocks(self.running, planned).sum(0))
+
+    def retry(self, out: SchedulerOutput, error, previous: Retry | None) -> Retry:
+        """How to schedule the step again after the try that decided `out` ran short (an
+        OutOfBlocksError with its shortfall). A try that admitted or resumed k requests is retried
+        with at most k // 2 of them (at least one when nothing else runs: a request alone fits),
+        since dropping joiners may be enough and preempting running requests to make room for new
+        ones would thrash; a try that admitted none is retried admitting none, with its shortfall
+        added to the tries' so far, which the victim policy frees first."""
+        joined = len(out.admitted) + len(out.resumed)
+        shortfall = torch.zeros_like(error.shortfall) if previous is None else previous.shortfall
+        if joined:
+            alone = joined == len(out.scheduled)              # nothing else ran in the try
+            return Retry(shortfall, max(joined // 2, 1 if alone else 0))
+        return Retry(shortfall + error.shortfall, 0)
 
     # ----- the step's reservation: a (D,) vector, D = 1 for one pool ------------------------------
     def fits(self, demand: torch.Tensor) -> bool:
@@ -390,15 +429,10 @@ class Scheduler:
     def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
         """`step_blocks` in one pass, (m, D) (per-request tensor calls cost more than a small model's
         decode forward). A swapped request grows from the rows it saved; a stalled one restarts empty.
-        Under optimistic reservation a decode token reserves nothing (zeros): its blocks are found
-        as the routers decide; prefill and recompute chunks still reserve their worst case, so a
-        step never runs short for a request it admits."""
+        Under optimistic reservation, zeros: the blocks are found as the routers decide (the
+        admission policy still bounds what joins)."""
         if self.config.reservation == "optimistic":
-            chunks = [i for i, (r, n) in enumerate(zip(requests, num_tokens)) if n > 1 or r.num_computed_tokens == 0]
-            needs = torch.zeros(len(requests), self.num_devices, dtype=torch.int64)
-            if chunks:
-                needs[chunks] = self._worst_case_step_blocks([requests[i] for i in chunks], [num_tokens[i] for i in chunks])
-            return needs
+            return torch.zeros(len(requests), self.num_devices, dtype=torch.int64)
         return self._worst_case_step_blocks(requests, num_tokens)
 
     def _worst_case_step_blocks(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:

@@ -66,6 +66,7 @@ class EvictionStats:
     # per trace sequence (S,) float64 modelled seconds, NaN where it never happened (refused)
     num_retries: int = 0                # tries undone for lack of blocks (optimistic reservation)
     thrown_away_tokens: int = 0         # tokens those tries had scheduled: forward work thrown away
+    thrown_away_seconds: float = 0.0    # modelled time of those tries (their layers up to the fault), in `seconds`
     arrival_seconds: torch.Tensor | None = None
     first_token_seconds: torch.Tensor | None = None   # the end of the step that sampled its first token
     finish_seconds: torch.Tensor | None = None
@@ -90,6 +91,7 @@ class EvictionStats:
                 "evictions": self.num_evictions, "victim_sequences": self.num_victim_sequences,
                 "recomputed_tokens": self.recomputed_tokens, "swapped_bytes": self.swapped_bytes,
                 "retries": self.num_retries, "thrown_away_tokens": self.thrown_away_tokens,
+                "thrown_away_seconds": self.thrown_away_seconds,
                 "freed_on_short_device_per_eviction": self.freed_per_eviction}
 
 
@@ -173,6 +175,8 @@ class TraceRunner:
         self.num_refused = 0
         self.num_retries = 0
         self.thrown_away_tokens = 0
+        self.thrown_away_seconds = 0.0              # modelled time of the tries undone
+        self.failed_fraction = 1.0
         self.arrivals = torch.zeros(trace.num_sequences, dtype=torch.float64) if arrivals is None else arrivals
         self.pending: list[Request] = []                 # not yet arrived, latest first
         for s in torch.argsort(self.arrivals, stable=True).tolist():
@@ -227,6 +231,7 @@ class TraceRunner:
         short = (taken > free).any(1).nonzero().squeeze(1)
         if short.numel():
             layer = int(short[0])
+            self.failed_fraction = (layer + 1) / L      # of the forward, run before the fault
             raise OutOfBlocksError(f"layer {layer} is short of blocks", torch.clamp(taken[layer] - free, min=0))
 
     def _step(self, step: int):
@@ -238,17 +243,23 @@ class TraceRunner:
         if self.setup.reservation != "optimistic":
             out = scheduler.schedule(step)
             return out, self.append(out.scheduled)
-        shortfall = None
+        retry = None
         while True:
-            before = Snapshot(scheduler)
-            out = scheduler.schedule(step, shortfall)
+            # a snapshot only where a try can fail: most steps' worst case fits, and copying every
+            # table each step would cost more than the step
+            before = Snapshot(scheduler) if retry is not None or scheduler.may_run_short() else None
+            out = scheduler.schedule(step, retry)
             try:
                 return out, self.append(out.scheduled)
             except OutOfBlocksError as error:
+                if before is None:
+                    raise RuntimeError(f"step {step} ran short although its worst case fit") from error
                 before.restore()
                 self.num_retries += 1
                 self.thrown_away_tokens += out.num_scheduled_tokens
-                shortfall = error.shortfall if shortfall is None else shortfall + error.shortfall
+                if self.cost is not None:            # the layers run before the fault cost their time
+                    self.thrown_away_seconds += self.step_seconds(out) * self.failed_fraction
+                retry = scheduler.retry(out, error, retry)
 
     def step_seconds(self, out) -> float:
         """A step's fixed cost, each decode token or prefill / recompute chunk over its context, and
@@ -277,7 +288,9 @@ class TraceRunner:
                 seconds = max(seconds, float(self.arrivals[self.pending[-1].request_id]))
             while self.pending and float(self.arrivals[self.pending[-1].request_id]) <= seconds:
                 scheduler.add_request(self.pending.pop())
+            thrown_before = self.thrown_away_seconds
             out, entries = self._step(step)
+            seconds += self.thrown_away_seconds - thrown_before      # a retried step costs its failed tries too
             if not out.scheduled and not out.block_copies:
                 raise RuntimeError(f"step {step}: nothing could be scheduled (as the engine would raise)")
             seconds += self.step_seconds(out) if self.cost is not None else 0.0
@@ -305,6 +318,7 @@ class TraceRunner:
                              swapped_blocks * block_bytes, scheduler.freed_on_short_device,
                              torch.stack(used) if used else torch.zeros(0, manager.num_devices, dtype=torch.int64),
                              torch.tensor(running), evictions, events, self.num_retries, self.thrown_away_tokens,
+                             self.thrown_away_seconds,
                              self.arrivals.clone(), first_token, finish, num_output)
 
 

@@ -1,0 +1,96 @@
+"""Workloads for the trace runner: published lengths, arrivals in time, latency and goodput."""
+
+import math
+
+import pytest
+import torch
+
+from moekv_ref.apps.cli import main as cli_main
+from moekv_ref.costs import CostModel
+from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
+from moekv_ref.sim.traces import synthetic_trace
+from moekv_ref.sim.workloads import arrival_times, latency_summary, length_workloads, sample_lengths
+
+# a step costs 1 s plus 1 s per token it computes: times are step counts one can follow by hand
+STEPS = CostModel("steps", 1.0, 1.0, 0.0, float("inf"), 0.0, 0.0, 1)
+
+
+@pytest.mark.parametrize("name", ["azure_code_2023", "azure_conversation_2023", "sharegpt"])
+def test_sampled_lengths_have_the_published_medians(name):
+    stats = length_workloads()[name]
+    prompts, outputs = sample_lengths(name, 20000, seed=1)
+    for drawn, part in ((prompts, "prompt"), (outputs, "output")):
+        quantiles = stats[part]
+        published = dict(quantiles)[0.5] if isinstance(quantiles, list) else quantiles["median"]
+        assert abs(float(drawn.double().median()) / published - 1) < 0.05, (part, published)
+    assert "source" in stats and (prompts >= 1).all() and (outputs >= 1).all()
+
+
+def test_lengths_are_cut_to_the_context():
+    prompts, outputs = sample_lengths("azure_code_2023", 5000, seed=0, max_tokens=4096)
+    assert int((prompts + outputs).max()) <= 4096 and (prompts >= 1).all() and (outputs >= 1).all()
+
+
+@pytest.mark.parametrize("process,cv", [("poisson", 1.0), ("gamma", 3.0)])
+def test_arrivals_have_the_rate_and_burstiness_asked_for(process, cv):
+    times = arrival_times(40000, 8.0, process, cv=cv, seed=2)
+    gaps = torch.diff(times)
+    assert (gaps >= 0).all()
+    assert abs(float(times[-1]) / 40000 - 1 / 8.0) < 0.01 / 8.0 * 10       # mean gap 1 / rate, within 10%
+    assert abs(float(gaps.std() / gaps.mean()) - cv) < 0.1 * cv
+
+
+def test_bad_workload_inputs_are_named():
+    with pytest.raises(ValueError, match="workload='nope'"):
+        sample_lengths("nope", 10)
+    with pytest.raises(ValueError, match="rate=0"):
+        arrival_times(10, 0)
+    with pytest.raises(ValueError, match="process='uniform'"):
+        arrival_times(10, 1.0, "uniform")
+
+
+def test_latency_of_a_hand_run():
+    """Two requests: arrival 0 and 1, first tokens at 2 and 4, finishes at 5 and 4 with 4 and 1
+    tokens: TTFT 2 and 3, TPOT 1 and 0; the SLOs (TTFT 2.5, TPOT 2) keep the first only."""
+    summary = latency_summary(torch.tensor([0.0, 1.0]), torch.tensor([2.0, 4.0]), torch.tensor([5.0, 4.0]),
+                              torch.tensor([4, 1]), ttft_slo=2.5, tpot_slo=2.0)
+    assert summary["slo_attainment"] == 0.5
+    assert summary["good_requests_per_s"] == pytest.approx(1 / 5)
+    assert summary["ttft_p50_s"] == pytest.approx(2.5) and summary["tpot_p50_s"] == pytest.approx(0.5)
+
+
+def test_the_runner_waits_for_arrivals_and_times_first_tokens():
+    """One-token prompts and 3 stored output tokens (4 generated: the last is never stored),
+    arriving at 0 and at 100 s: the second waits for its arrival (the clock jumps over the idle
+    time); each step costs 1 s + 1 s a token."""
+    trace = synthetic_trace(2, 2, 4, 2, mean_prompt=1, mean_output=3, sigma=0.0, seed=0)
+    setup = EvictionSetup(blocks_per_device=200, block_size=4, max_num_seqs=4)
+    stats = TraceRunner(trace, [0, 0, 0, 0], setup, "sequence_lru", STEPS, arrivals=torch.tensor([0.0, 100.0])).run()
+    assert stats.first_token_seconds.tolist() == [2.0, 102.0]        # a 1-token prefill step: 2 s
+    assert stats.finish_seconds.tolist() == [8.0, 108.0]             # three decode steps of 2 s
+    assert stats.num_output_tokens.tolist() == [4, 4]
+    with pytest.raises(ValueError, match="arrivals must be"):
+        TraceRunner(trace, [0, 0, 0, 0], setup, "sequence_lru", STEPS, arrivals=torch.tensor([0.0]))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--devices", "3"], "--devices 3 must divide"),
+    (["--policies", "pressure_aware"], "must include sequence_lru"),
+    (["--reservations", "lazy"], "--reservations 'lazy'"),
+    (["--rates", "0"], "--rates"),
+])
+def test_bench_cluster_refuses_bad_options(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "cluster", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_bench_cluster_writes_its_json(tmp_path):
+    path = tmp_path / "cluster.json"
+    assert cli_main(["bench", "cluster", "--requests", "12", "--gib-per-device", "0.25", "--rates", "50",
+                     "--policies", "sequence_lru", "--json", str(path)]) == 0
+    import json
+    result = json.loads(path.read_text())
+    assert len(result["runs"]) == 2 and {r["reservation"] for r in result["runs"]} == {"worst_case", "optimistic"}
+    assert all(r["served"] + r["refused"] == 12 for r in result["runs"])
+    assert not math.isnan(result["runs"][0]["ttft_p50_s"])
