@@ -18,6 +18,10 @@ it: the highest swept rate whose attainment reaches 90%.
 JetMoE has 8 attention experts, so one expert-parallel group has at most 8 GPUs: 64 GPUs are 8
 such groups, each serving an eighth of the traffic, which is the 8-GPU table at an eighth of the
 rate.
+
+`--speed [--against DIR]` times the simulator itself instead: the trace runner on two shapes (8
+experts top-2 on 8 devices; 64 experts top-8 on 64), this checkout beside another one in turn, on
+the same traces, checking that both made the same decisions.
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -38,6 +46,7 @@ from ..sim.eviction import EvictionSetup, TraceRunner
 from ..sim.traces import topic_trace
 from ..sim.workloads import ARRIVALS, arrival_times, latency_summary, length_workloads, sample_lengths
 from . import options
+from .bench_step import REPOSITORY, commit_of
 
 MODEL = "jetmoe-8b"
 ACTIVE_PARAMS = 2.2e9                       # JetMoE-8B's active parameters (Shen et al., arXiv 2404.07413)
@@ -146,6 +155,77 @@ def print_tables(result: dict) -> None:
               f"{r['goodput_requests_per_s']} requests/s")
 
 
+# ----- the simulator's own speed -----------------------------------------------------------------------------
+# (layers, experts, top-k, devices, blocks per device): 8 experts top-2 on 8 devices, and DeepSeek-like
+# granularity, 64 experts top-8 on 64; pools that let up to 256 sequences run at once
+SPEED_SHAPES = ((24, 8, 2, 8, 80_000), (24, 64, 8, 64, 40_000))
+
+# Runs in a fresh process with a checkout's root on sys.path, using only what every version of the
+# runner has had: a synthetic trace (mean prompt 512, mean output 256), TraceRunner(trace, placement,
+# setup, policy, cost) with step costs off, run().
+SPEED_WORKER = """
+import json, sys, time
+import torch
+torch.set_num_threads(1)
+from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
+from moekv_ref.sim.traces import synthetic_trace
+L, E, K, D, blocks, n = (int(x) for x in sys.argv[1:7])
+trace = synthetic_trace(n, L, E, K, mean_prompt=512, mean_output=256, seed=0)
+setup = EvictionSetup(blocks_per_device=blocks, max_num_seqs=256, max_num_batched_tokens=8192)
+runner = TraceRunner(trace, torch.arange(E) % D, setup, "sequence_lru", None)
+runner.step_seconds = lambda out: 0.0
+started = time.perf_counter()
+stats = runner.run()
+wall = time.perf_counter() - started
+print(json.dumps({"wall_seconds": wall, "steps": stats.num_steps, "max_running": int(stats.num_running.max()),
+                  "evictions": stats.num_evictions, "blocks_in_use_summed": int(stats.used_blocks.sum())}))
+"""
+
+
+def speed_run(root: Path, shape: tuple, num_requests: int) -> dict:
+    """One timed run of the trace runner of the checkout at `root` (module comment above)."""
+    env = dict(os.environ, PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", SPEED_WORKER, *map(str, shape), str(num_requests)], cwd=root,
+                          env=env, capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result | {"requests_per_second": num_requests / result["wall_seconds"],
+                     "steps_per_second": result["steps"] / result["wall_seconds"]}
+
+
+def measure_speed(num_requests: int, against: Path | None) -> dict:
+    """Both shapes, this checkout and `against` (if given) in turn, who goes first alternating: the
+    same traces and decisions (the blocks in use, summed over steps, must agree), wall seconds."""
+    roots = {"this": REPOSITORY} | ({"against": against.resolve()} if against is not None else {})
+    rows = []
+    for i, shape in enumerate(tqdm(SPEED_SHAPES, desc="speed", unit="shape", disable=None)):
+        order = list(roots) if i % 2 == 0 else list(roots)[::-1]
+        runs = {name: speed_run(roots[name], shape, num_requests) for name in order}
+        row = {"layers": shape[0], "experts": shape[1], "top_k": shape[2], "devices": shape[3],
+               "blocks_per_device": shape[4], "requests": num_requests, "this": runs["this"]}
+        if against is not None:
+            if runs["against"]["blocks_in_use_summed"] != runs["this"]["blocks_in_use_summed"]:
+                raise RuntimeError(f"the two checkouts made different decisions on shape {shape}")
+            row |= {"against": runs["against"],
+                    "speedup": runs["against"]["wall_seconds"] / runs["this"]["wall_seconds"]}
+        rows.append(row)
+    return {"shapes": rows, "this_commit": commit_of(REPOSITORY),
+            "against_commit": commit_of(against) if against is not None else None,
+            "threads": 1, "victim": "sequence_lru", "mean_prompt": 512, "mean_output": 256}
+
+
+def print_speed(result: dict) -> None:
+    print(f"\nthe trace runner, {result['shapes'][0]['requests']} requests (mean prompt 512, output 256), one thread:")
+    for row in result["shapes"]:
+        shape = f"{row['layers']} layers, {row['experts']} experts top-{row['top_k']}, {row['devices']} devices"
+        for name in ("against", "this"):
+            if name in row:
+                r = row[name]
+                print(f"  {shape:<44} {name:>7}: {r['wall_seconds']:6.1f} s  {r['requests_per_second']:6.1f} requests/s  "
+                      f"{r['steps_per_second']:6.1f} steps/s  (up to {r['max_running']} running)")
+        if "speedup" in row:
+            print(f"  {'':<44} {row['speedup']:.2f}x faster, the same decisions")
+
+
 # ----- the program -------------------------------------------------------------------------------------------
 def build_parser(parser=None):
     parser = parser or argparse.ArgumentParser(prog="python -m moekv_ref bench cluster")
@@ -165,11 +245,19 @@ def build_parser(parser=None):
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="200 requests, one memory, two rates")
+    parser.add_argument("--speed", action="store_true",
+                        help="time the simulator itself instead, on two shapes (with --against: beside another checkout)")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="with --speed: the root of another checkout of this repository to time beside this one")
     return parser
 
 
 def check_args(args) -> None:
     options.output_file("--json", args.json)
+    if args.against is not None and not args.speed:
+        raise ValueError("--against applies to --speed only")
+    if args.against is not None and not (args.against / "moekv_ref" / "__init__.py").is_file():
+        raise ValueError(f"--against={args.against} has no moekv_ref package; allowed: the root of a checkout")
     options.count("--requests", args.requests, 1)
     options.count("--max-num-seqs", args.max_num_seqs, 1)
     options.seed("--seed", args.seed)
@@ -197,6 +285,14 @@ def check_args(args) -> None:
 
 
 def main(args) -> int:
+    if args.speed:
+        result = measure_speed(args.requests, args.against)
+        print_speed(result)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+            print(f"\nwrote {args.json}")
+        return 0
     if args.quick:
         args.requests, args.gib_per_device, args.rates = 200, args.gib_per_device[:1], args.rates[:2]
     trace = cluster_workload(args.requests, args.workload, args.seed)

@@ -69,10 +69,10 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     victim: str | VictimPolicy = "newest_first"
     # worst_case: a step reserves what its tokens could take at most (demand.py), so it never runs
-    # short; optimistic: it reserves nothing, and a step that runs short is undone and scheduled
-    # again (`schedule(step, shortfall)`; the engine and the trace runner retry, `retry_shortfall`):
-    # without its admissions if it had any, else with the missing blocks freed first by the victim
-    # policy. continuous_paged only.
+    # short; optimistic: a decode token reserves nothing and a prefill chunk what the predictor
+    # expects, and a step that runs short is undone and scheduled again (`Scheduler.retry`; the
+    # engine and the trace runner retry): with half its admissions if it had any, else with the
+    # missing blocks freed first by the victim policy. continuous_paged only.
     reservation: str = "worst_case"
 
     def __post_init__(self):
@@ -429,11 +429,25 @@ class Scheduler:
     def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
         """`step_blocks` in one pass, (m, D) (per-request tensor calls cost more than a small model's
         decode forward). A swapped request grows from the rows it saved; a stalled one restarts empty.
-        Under optimistic reservation, zeros: the blocks are found as the routers decide (the
-        admission policy still bounds what joins)."""
-        if self.config.reservation == "optimistic":
-            return torch.zeros(len(requests), self.num_devices, dtype=torch.int64)
-        return self._worst_case_step_blocks(requests, num_tokens)
+        Under optimistic reservation a decode token reserves nothing (its blocks are found as the
+        routers decide) and a prefill or recompute chunk the blocks the predictor expects of it,
+        spread over the devices by their share of the experts (the worst case where rows live on
+        their sequence's home device)."""
+        if self.config.reservation != "optimistic":
+            return self._worst_case_step_blocks(requests, num_tokens)
+        needs = torch.zeros(len(requests), self.num_devices, dtype=torch.int64)
+        chunks = [i for i, (r, n) in enumerate(zip(requests, num_tokens)) if n > 1 or r.num_computed_tokens == 0]
+        if not chunks:
+            return needs
+        if self._experts_on is None:
+            needs[chunks] = self._worst_case_step_blocks([requests[i] for i in chunks], [num_tokens[i] for i in chunks])
+            return needs
+        share = self._experts_on.sum(0).double() / self._experts_on.sum()                        # (D,)
+        for i in chunks:
+            done = requests[i].num_computed_tokens
+            expected = self.predictor.predict(done + num_tokens[i]) - (self.predictor.predict(done) if done else 0)
+            needs[i] = torch.ceil(share * max(expected, 0)).to(torch.int64)
+        return needs
 
     def _worst_case_step_blocks(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
         decode = self._decode_need(requests, num_tokens)

@@ -202,3 +202,34 @@ def plot_prefix_cache_summary(results: dict, ax=None):
     ax.set_ylim(0, 1.4 * max(off + on))              # room above the bars for the legend
     ax.legend(fontsize=10, loc="upper right")
     return ax
+
+
+def plot_cluster(result: dict, axes=None):
+    """bench cluster's result (its JSON): per setting (memory per GPU, arrival rate), good requests
+    per second under the SLOs (left) and the mean share of the pools in use (right), one bar per
+    (reservation, victim policy): color the policy, hatching optimistic reservation."""
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(10, 3.4), layout="constrained")
+    runs = result["runs"]
+    settings = sorted({(r["gib_per_device"], r["rate"]) for r in runs})
+    series = sorted({(r["reservation"], r["policy"]) for r in runs}, key=lambda s: (s[0] != "worst_case", s[1]))
+    policies = sorted({policy for _, policy in series})
+    colors = {policy: plt.cm.tab10(i) for i, policy in enumerate(policies)}
+    width = 0.8 / len(series)
+    for ax, key, label in ((axes[0], "good_requests_per_s", "good requests / s"),
+                           (axes[1], "mean_used_fraction", "share of the pools in use")):
+        for j, (reservation, policy) in enumerate(series):
+            value = {(r["gib_per_device"], r["rate"]): r[key] for r in runs
+                     if (r["reservation"], r["policy"]) == (reservation, policy)}
+            x = np.arange(len(settings)) + (j - (len(series) - 1) / 2) * width
+            ax.bar(x, [value.get(s, np.nan) for s in settings], width, color=colors[policy],
+                   hatch="//" if reservation == "optimistic" else None, edgecolor="white",
+                   label=f"{policy}, {reservation}")
+        ax.set_xticks(np.arange(len(settings)))
+        ax.set_xticklabels([f"{gib:g} GiB\n{rate:g}/s" for gib, rate in settings], fontsize=10)
+        ax.set_ylabel(label, fontsize=10)
+        ax.tick_params(labelsize=10)
+    axes[0].set_title(f"within TTFT {result['ttft_slo_s']} s and TPOT {result['tpot_slo_s']} s", fontsize=10)
+    axes[1].set_title("KV memory per GPU, arrival rate", fontsize=10)
+    axes[1].legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return axes
