@@ -287,3 +287,59 @@ def test_every_committed_json_is_strict_json():
         json.loads(path.read_text(encoding="utf-8"), parse_constant=refuse)
     assert strict_json({"a": [1.0, float("inf"), {"b": float("nan")}], "c": (2, -float("inf"))}) == \
         {"a": [1.0, None, {"b": None}], "c": [2, None]}
+
+
+def cluster_rows(result: dict) -> list[str]:
+    """The README's `bench cluster` table rows, from figures/bench_cluster.json."""
+    return [f"| {r['gib_per_device']:g} | {r['rate']:g} | {r['reservation']} | {r['policy']} | {r['slo_attainment']:.3f} "
+            f"| {r['good_requests_per_s']:.1f} | {r['ttft_p99_s']:.3f} | {r['mean_used_fraction']:.2f} "
+            f"| {r['victim_sequences']} | {r['retries']} | {r['thrown_away_tokens']} |" for r in result["runs"]]
+
+
+def speed_rows(result: dict) -> list[str]:
+    """The README's simulator-speed table rows, from figures/bench_cluster_speed.json."""
+    return [f"| {r['layers']} layers, {r['experts']} experts top-{r['top_k']}, {r['devices']} devices "
+            f"| {r['against']['requests_per_second']:.1f} | {r['against']['steps_per_second']:.1f} "
+            f"| {r['this']['requests_per_second']:.1f} | {r['this']['steps_per_second']:.1f} | {r['speedup']:.2f}x |"
+            for r in result["shapes"]]
+
+
+def test_readme_cluster_tables_are_what_their_json_says():
+    """Every row of the README's `bench cluster` tables, and the settings its prose states, against
+    figures/bench_cluster.json and figures/bench_cluster_speed.json."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("(`bench cluster`)", 1)[1].split("\n## ", 1)[0]
+    cluster = json.loads((ROOT / "figures" / "bench_cluster.json").read_text(encoding="utf-8"))
+    speed = json.loads((ROOT / "figures" / "bench_cluster_speed.json").read_text(encoding="utf-8"))
+    table = [line for line in section.splitlines() if re.match(r"^\| [\d.]+ \| [\d.]+ \| (worst_case|optimistic) ", line)]
+    assert table == cluster_rows(cluster)
+    assert [line for line in section.splitlines() if " experts top-" in line and line.startswith("|")] == speed_rows(speed)
+    prose = " ".join(section.split())
+    assert f"{cluster['requests']} requests" in prose and f"{speed['shapes'][0]['requests']} requests" in prose
+    for line in re.findall(r"(\d+\.\d+)x faster", prose):
+        assert any(f"{r['speedup']:.2f}" == line for r in speed["shapes"]), line
+    fine = speed["shapes"][1]["this"]["requests_per_second"]
+    assert f"At {fine:.1f} requests/s, 10^5 requests take about {round(1e5 / fine / 60)} minutes" in prose
+    assert f"10^6 about {round(1e6 / fine / 3600)} hours" in prose
+    runs = cluster["runs"]
+    worst = [r["mean_used_fraction"] for r in runs if r["reservation"] == "worst_case"]
+    assert f"stay {round(100 * min(worst))}-{round(100 * max(worst))}% full" in prose
+    short = [r for r in runs if r["reservation"] == "optimistic" and r["retries"]]
+    used = [r["mean_used_fraction"] for r in short]
+    assert f"fills them to {round(100 * min(used))}-{round(100 * max(used))}%" in prose
+    thrown = [r["thrown_away_tokens"] / 1e6 for r in short]
+    assert f"{min(thrown):.1f} to {max(thrown):.1f} million tokens" in prose
+    needed = cluster["requests"] * (cluster["prompt_tokens_mean"] + cluster["output_tokens_mean"]) / 1e6
+    assert f"the {needed:.1f} million the requests need" in prose
+    good = {(r["gib_per_device"], r["rate"], r["policy"]): r["good_requests_per_s"] for r in short}
+    assert round(good[0.5, 300.0, "pressure_aware"] / good[0.5, 300.0, "sequence_lru"]) == 4     # "serves 4x"
+    seed1 = json.loads((ROOT / "figures" / "bench_cluster_seed1.json").read_text(encoding="utf-8"))
+    other = {(r["gib_per_device"], r["rate"], r["reservation"], r["policy"]): r["good_requests_per_s"]
+             for r in seed1["runs"]}
+    assert (f"{other[0.5, 300.0, 'optimistic', 'pressure_aware']:.1f} against "
+            f"{other[0.5, 300.0, 'optimistic', 'sequence_lru']:.1f}") in prose
+    assert (f"{other[0.5, 150.0, 'optimistic', 'sequence_lru']:.1f} against "
+            f"{other[0.5, 150.0, 'worst_case', 'sequence_lru']:.1f} good requests/s") in prose
+    for result in (cluster, seed1):                                  # "expert_lru is never the best"
+        assert all(row["best_policy"] != "expert_lru" for row in result["where_policies_differ"]
+                   if row["gain"] and row["gain"] > 0)

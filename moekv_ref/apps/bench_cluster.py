@@ -46,6 +46,7 @@ from ..sim.eviction import EvictionSetup, TraceRunner
 from ..sim.traces import topic_trace
 from ..sim.workloads import ARRIVALS, arrival_times, latency_summary, length_workloads, sample_lengths
 from . import options
+from .bench_eviction import strict_json
 from .bench_step import REPOSITORY, commit_of
 
 MODEL = "jetmoe-8b"
@@ -290,7 +291,7 @@ def main(args) -> int:
         print_speed(result)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+                json.dump(strict_json(result), f, indent=1)
             print(f"\nwrote {args.json}")
         return 0
     if args.quick:
@@ -311,6 +312,6 @@ def main(args) -> int:
     print_tables(result)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(strict_json(result), f, indent=1)
         print(f"\nwrote {args.json}")
     return 0

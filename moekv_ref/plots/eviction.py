@@ -227,9 +227,10 @@ def plot_cluster(result: dict, axes=None):
                    label=f"{policy}, {reservation}")
         ax.set_xticks(np.arange(len(settings)))
         ax.set_xticklabels([f"{gib:g} GiB\n{rate:g}/s" for gib, rate in settings], fontsize=10)
+        ax.set_xlabel("KV memory per GPU, arrival rate", fontsize=10)
         ax.set_ylabel(label, fontsize=10)
         ax.tick_params(labelsize=10)
     axes[0].set_title(f"within TTFT {result['ttft_slo_s']} s and TPOT {result['tpot_slo_s']} s", fontsize=10)
-    axes[1].set_title("KV memory per GPU, arrival rate", fontsize=10)
+    axes[1].set_title("mean over steps", fontsize=10)
     axes[1].legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return axes
