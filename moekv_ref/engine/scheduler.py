@@ -169,7 +169,6 @@ class Scheduler:
     blocks, and it holds no pool blocks."""
     _UNDO_SHARED = ("_experts_on",)                  # engine/undo.py: fixed at construction
 
-
     def __init__(self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape, num_swap_blocks: int = 0):
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
@@ -450,9 +449,23 @@ class Scheduler:
         return needs
 
     def _worst_case_step_blocks(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
+        """The worst case of step_blocks_many: decode tokens from the manager's table where it
+        applies (`_decode_need`), the others over their rows (`_worst_case_over_rows`)."""
+        decoding = [i for i, (r, n) in enumerate(zip(requests, num_tokens)) if n == 1 and r.num_computed_tokens > 0]
+        if len(decoding) < len(requests) and decoding:               # a step with prefills: two parts
+            needs = torch.zeros(len(requests), self.num_devices, dtype=torch.int64)
+            chosen = set(decoding)
+            others = [i for i in range(len(requests)) if i not in chosen]
+            for part in (decoding, others):
+                needs[part] = self._worst_case_step_blocks([requests[i] for i in part], [num_tokens[i] for i in part])
+            return needs
         decode = self._decode_need(requests, num_tokens)
         if decode is not None:
             return decode
+        return self._worst_case_over_rows(requests, num_tokens)
+
+    def _worst_case_over_rows(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
+        """The worst case from every row's count (demand.py's bounds)."""
         memory = self.memory
         resident = [r.request_id for r in requests if not r.swapped]
         counts = memory.token_counts(resident)                                               # (h, L, E)
