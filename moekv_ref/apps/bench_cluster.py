@@ -52,10 +52,14 @@ from .bench_step import REPOSITORY, commit_of
 MODEL = "jetmoe-8b"
 ACTIVE_PARAMS = 2.2e9                       # JetMoE-8B's active parameters (Shen et al., arXiv 2404.07413)
 BLOCK_SIZE = 16
-TTFT_SLO, TPOT_SLO = 0.25, 0.1              # DistServe's chatbot SLOs (Zhong et al., OSDI 2024, Table 1)
+# DistServe's chatbot SLOs (Zhong et al., OSDI 2024, Table 1)
+TTFT_SLO = 0.25
+TPOT_SLO = 0.1
 ATTAINMENT_TARGET = 0.9                     # DistServe's goodput: the highest rate at 90% attainment
 POLICIES = ("sequence_lru", "pressure_aware", "expert_lru")
 BETTER_BY = 0.05                            # "the policy matters": more than 5% more good requests/s
+REQUESTS = 150                              # the default of a sweep
+SPEED_REQUESTS = 1000                       # the default of --speed
 
 
 def cluster_workload(num_requests: int, workload: str, seed: int):
@@ -231,21 +235,22 @@ def print_speed(result: dict) -> None:
 def build_parser(parser=None):
     parser = parser or argparse.ArgumentParser(prog="python -m moekv_ref bench cluster")
     parser.add_argument("--json", default=None, help="write every number to this file")
-    parser.add_argument("--requests", type=int, default=1000, help="requests of the workload (default 1000)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests of the workload (default 150; with --speed, 1000 unless given)")
     parser.add_argument("--workload", default="azure_conversation_2023",
                         help=f"published lengths: one of {tuple(length_workloads())}")
     parser.add_argument("--devices", type=int, nargs="+", default=[8], help="GPUs of one group: 1, 2, 4 or 8")
-    parser.add_argument("--gib-per-device", type=float, nargs="+", default=[2.0, 4.0],
-                        help="KV memory per GPU in GiB (default 2 4)")
-    parser.add_argument("--rates", type=float, nargs="+", default=[20.0, 40.0, 60.0],
-                        help="mean arrival rates, requests per second (default 20 40 60)")
+    parser.add_argument("--gib-per-device", type=float, nargs="+", default=[0.5, 1.0],
+                        help="KV memory per GPU in GiB (default 0.5 1: small, so that memory binds)")
+    parser.add_argument("--rates", type=float, nargs="+", default=[150.0, 300.0],
+                        help="mean arrival rates, requests per second (default 150 300)")
     parser.add_argument("--arrivals", nargs="+", default=["poisson"], help=f"arrival processes: {ARRIVALS}")
     parser.add_argument("--reservations", nargs="+", default=list(RESERVATIONS),
                         help=f"the scheduler's reservation strategies (default {RESERVATIONS})")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), help=f"victim policies (default {POLICIES})")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="200 requests, one memory, two rates")
+    parser.add_argument("--quick", action="store_true", help="40 requests, one memory, one rate")
     parser.add_argument("--speed", action="store_true",
                         help="time the simulator itself instead, on two shapes (with --against: beside another checkout)")
     parser.add_argument("--against", type=Path, default=None,
@@ -259,7 +264,8 @@ def check_args(args) -> None:
         raise ValueError("--against applies to --speed only")
     if args.against is not None and not (args.against / "moekv_ref" / "__init__.py").is_file():
         raise ValueError(f"--against={args.against} has no moekv_ref package; allowed: the root of a checkout")
-    options.count("--requests", args.requests, 1)
+    if args.requests is not None:
+        options.count("--requests", args.requests, 1)
     options.count("--max-num-seqs", args.max_num_seqs, 1)
     options.seed("--seed", args.seed)
     if args.workload not in length_workloads():
@@ -287,7 +293,7 @@ def check_args(args) -> None:
 
 def main(args) -> int:
     if args.speed:
-        result = measure_speed(args.requests, args.against)
+        result = measure_speed(args.requests or SPEED_REQUESTS, args.against)
         print_speed(result)
         if args.json:
             with open(args.json, "w") as f:
@@ -295,7 +301,10 @@ def main(args) -> int:
             print(f"\nwrote {args.json}")
         return 0
     if args.quick:
-        args.requests, args.gib_per_device, args.rates = 200, args.gib_per_device[:1], args.rates[:2]
+        args.requests = 40
+        args.gib_per_device = args.gib_per_device[:1]
+        args.rates = args.rates[:1]
+    args.requests = args.requests or REQUESTS
     trace = cluster_workload(args.requests, args.workload, args.seed)
     grid = [(d, gib, rate, process, reservation, policy) for d in args.devices for gib in args.gib_per_device
             for rate in args.rates for process in args.arrivals for reservation in args.reservations

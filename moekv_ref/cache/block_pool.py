@@ -328,7 +328,8 @@ class BlockPool:
         # each device's onto its own stack, in order: one scatter, not a pass per device
         device = self._device_of(released)                                             # (r,)
         order = torch.argsort(device, stable=True)
-        released, device = released[order], device[order]
+        released = released[order]
+        device = device[order]
         per_device = torch.bincount(device, minlength=self.num_devices)                # (D,)
         top = torch.tensor(self._first_block, dtype=torch.int64) + torch.tensor(self._num_free, dtype=torch.int64)
         rank = torch.arange(released.numel()) - (torch.cumsum(per_device, 0) - per_device)[device]

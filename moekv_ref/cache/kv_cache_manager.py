@@ -279,7 +279,10 @@ class KVCacheManager:
         """Rows (distinct int64 ids of held sequences) now hold `counts` tokens: the one place
         row_tokens changes, with open_rows and count_blocks (module docstring) following it. The
         caller has taken or returned the blocks."""
-        P, L, E, D = self.block_size, self.num_layers, self.num_experts, self.num_devices
+        P = self.block_size
+        L = self.num_layers
+        E = self.num_experts
+        D = self.num_devices
         old = self.row_tokens[rows]                                                         # (m,)
         self.row_tokens[rows] = counts
         where = (rows // E) * D + self.row_device[rows]                           # (slot * L + layer) * D + device

@@ -212,7 +212,9 @@ class TraceRunner:
             chunk = ~decode                        # prefills and recomputes: rows of other sequences
             chunk_rows, chunk_hits, chunk_per_layer = self.trace.appends(seqs[chunk], starts[chunk], counts[chunk],
                                                                          row_seqs=slots[chunk])
-            rows, hits, per_layer = torch.cat([rows, chunk_rows]), torch.cat([hits, chunk_hits]), per_layer + chunk_per_layer
+            rows = torch.cat([rows, chunk_rows])
+            hits = torch.cat([hits, chunk_hits])
+            per_layer = per_layer + chunk_per_layer
         if self.setup.reservation == "optimistic":
             self._raise_at_the_first_short_layer(rows, hits)
         manager.allocate_slots(rows, hits, rows_are_distinct=True, with_slots=False, one_each=bool(decode.all()))
@@ -221,7 +223,9 @@ class TraceRunner:
     def _raise_at_the_first_short_layer(self, rows: torch.Tensor, hits: torch.Tensor) -> None:
         """OutOfBlocksError as the engine's forward raises it: layer by layer, each layer's rows
         allocated at once, the first layer some device cannot serve, and the blocks it lacks there."""
-        manager, L, E = self.manager, self.manager.num_layers, self.manager.num_experts
+        manager = self.manager
+        L = manager.num_layers
+        E = manager.num_experts
         old = manager.row_tokens[rows]
         opened = ceil_div(old + hits, manager.block_size) - ceil_div(old, manager.block_size)       # (a,)
         per_layer = torch.zeros(L, manager.num_devices, dtype=torch.int64)

@@ -39,7 +39,8 @@ def _quantiles(stats) -> torch.Tensor:
     {median, p90} pair (log-normal through them, 0.1% to 99.9%)."""
     if isinstance(stats, list):
         return torch.tensor(stats, dtype=torch.float64)
-    mu, z90 = math.log(stats["median"]), 1.2815515655446004              # Phi^-1(0.9)
+    mu = math.log(stats["median"])
+    z90 = 1.2815515655446004                                               # Phi^-1(0.9)
     sigma = (math.log(stats["p90"]) - mu) / z90
     p = torch.tensor([0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999], dtype=torch.float64)
     z = math.sqrt(2) * torch.erfinv(2 * p - 1)
@@ -61,8 +62,10 @@ def sample_lengths(name: str, num_requests: int, seed: int = 0, max_tokens: int 
         knots = _quantiles(workloads[name][part])                                       # (q, 2)
         u = torch.rand(num_requests, generator=generator, dtype=torch.float64)          # (S,)
         i = torch.searchsorted(knots[:, 0].contiguous(), u).clamp(1, knots.shape[0] - 1)
-        p0, p1, x0, x1 = knots[i - 1, 0], knots[i, 0], knots[i - 1, 1], knots[i, 1]
-        value = x0 + (x1 - x0) * ((u - p0) / (p1 - p0)).clamp(0, 1)
+        below = knots[i - 1]                                                            # (S, 2) each
+        above = knots[i]
+        fraction = ((u - below[:, 0]) / (above[:, 0] - below[:, 0])).clamp(0, 1)
+        value = below[:, 1] + (above[:, 1] - below[:, 1]) * fraction
         drawn.append(value.round().clamp(min=1).to(torch.int64))
     prompts, outputs = drawn
     if max_tokens is not None:
