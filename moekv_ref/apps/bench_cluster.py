@@ -15,9 +15,8 @@ TPOT 0.1 s), preemptions and recomputed tokens. The summary marks where the best
 more than 5% more good requests per second than sequence_lru, and goodput as DistServe defines
 it: the highest swept rate whose attainment reaches 90%.
 
-JetMoE has 8 attention experts, so one expert-parallel group has at most 8 GPUs: 64 GPUs are 8
-such groups, each serving an eighth of the traffic, which is the 8-GPU table at an eighth of the
-rate.
+JetMoE has 8 attention experts, so one expert-parallel group has at most 8 GPUs: on 64 GPUs, 8
+such groups would each serve an eighth of the traffic (`--devices` takes 1, 2, 4 or 8).
 
 `--speed [--against DIR]` times the simulator itself instead: the trace runner on two shapes (8
 experts top-2 on 8 devices; 64 experts top-8 on 64), this checkout beside another one in turn, on
