@@ -209,7 +209,7 @@ def plot_cluster(result: dict, axes=None):
     per second under the SLOs (left) and the mean share of the pools in use (right), one bar per
     (reservation, victim policy): color the policy, hatching optimistic reservation."""
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(10, 3.4), layout="constrained")
+        _, axes = plt.subplots(1, 2, figsize=(9.2, 3.4), layout="constrained")
     runs = result["runs"]
     settings = sorted({(r["gib_per_device"], r["rate"]) for r in runs})
     series = sorted({(r["reservation"], r["policy"]) for r in runs}, key=lambda s: (s[0] != "worst_case", s[1]))
