@@ -7,7 +7,10 @@ part (the scheduled tokens appended, blocks only, to the rows the trace routed t
 `update_from_output`. So every number, the scheduler's worst-case caution included, is one the
 engine would produce on the same routing (tests/test_sim_vs_engine.py checks it step by step; the
 README's eviction section reads the numbers). Steps cost CostModel seconds (costs.py); the offline
-policies (oracle, belady) read the trace's future through a TraceFuture.
+policies (oracle, belady) read the trace's future through a TraceFuture. Requests may arrive in
+time (`arrivals`: the clock is the steps' modelled seconds), and each one's first-token and finish
+times are recorded (sim/workloads.py turns them into TTFT, TPOT and goodput). Under optimistic
+reservation a step whose appends find a device short is undone and retried, as the engine does.
 
 Dimension legend: D devices, L layers, E experts.
 """
@@ -241,8 +244,8 @@ class TraceRunner:
     def _step(self, step: int):
         """Schedule and append one step: (SchedulerOutput, (L,) experts chosen per layer). Under
         optimistic reservation an append that runs short is undone with the scheduling before it
-        (engine/undo.py, as LLMEngine.step does) and the step scheduled again with the missing
-        blocks, summed over tries, freed first."""
+        (engine/undo.py, as LLMEngine.step does) and the step scheduled again as Scheduler.retry
+        says (fewer admissions, or the missing blocks freed first)."""
         scheduler = self.scheduler
         if self.setup.reservation != "optimistic":
             out = scheduler.schedule(step)
