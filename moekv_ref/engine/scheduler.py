@@ -167,8 +167,6 @@ class Scheduler:
     """Between steps every request is in exactly one of `waiting` (WAITING or PREEMPTED) and
     `running` (RUNNING), or is FINISHED and in neither; only a swap-PREEMPTED request holds swap
     blocks, and it holds no pool blocks."""
-    _UNDO_SHARED = ("_experts_on",)                  # engine/undo.py: fixed at construction
-
     def __init__(self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape, num_swap_blocks: int = 0):
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
