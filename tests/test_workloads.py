@@ -94,3 +94,15 @@ def test_bench_cluster_writes_its_json(tmp_path):
     assert len(result["runs"]) == 2 and {r["reservation"] for r in result["runs"]} == {"worst_case", "optimistic"}
     assert all(r["served"] + r["refused"] == 12 for r in result["runs"])
     assert not math.isnan(result["runs"][0]["ttft_p50_s"])
+
+
+def test_bench_cluster_speed_times_both_shapes(tmp_path):
+    """--speed runs the trace runner of a checkout in a fresh process on both shapes (here this
+    checkout alone, 3 requests each) and writes what it measured."""
+    import json
+    path = tmp_path / "speed.json"
+    assert cli_main(["bench", "cluster", "--speed", "--requests", "3", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert [(r["experts"], r["devices"]) for r in result["shapes"]] == [(8, 8), (64, 64)]
+    assert all(r["this"]["steps"] > 0 and r["this"]["requests_per_second"] > 0 for r in result["shapes"])
+    assert "against" not in result["shapes"][0]

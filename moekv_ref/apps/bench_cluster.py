@@ -87,15 +87,29 @@ def run_one(trace, num_devices: int, gib_per_device: float, rate: float, arrival
     wall = time.perf_counter() - started
     latency = latency_summary(stats.arrival_seconds, stats.first_token_seconds, stats.finish_seconds,
                               stats.num_output_tokens, TTFT_SLO, TPOT_SLO)
-    return {"devices": num_devices, "gib_per_device": gib_per_device, "blocks_per_device": blocks,
-            "rate": rate, "arrivals": arrivals, "policy": policy, "reservation": reservation, **latency,
-            "steps": stats.num_steps, "modelled_seconds": stats.seconds, "refused": stats.num_refused,
-            "evictions": stats.num_evictions, "victim_sequences": stats.num_victim_sequences,
-            "recomputed_tokens": stats.recomputed_tokens, "tokens_per_second": stats.tokens_per_second,
-            "retries": stats.num_retries, "thrown_away_tokens": stats.thrown_away_tokens,
-            "thrown_away_seconds": stats.thrown_away_seconds,
-            "mean_used_fraction": float(stats.used_blocks.double().mean() / blocks) if stats.num_steps else 0.0,
-            "wall_seconds": wall, "steps_per_wall_second": stats.num_steps / max(wall, 1e-9)}
+    return {
+        "devices": num_devices,
+        "gib_per_device": gib_per_device,
+        "blocks_per_device": blocks,
+        "rate": rate,
+        "arrivals": arrivals,
+        "policy": policy,
+        "reservation": reservation,
+        **latency,
+        "steps": stats.num_steps,
+        "modelled_seconds": stats.seconds,
+        "refused": stats.num_refused,
+        "evictions": stats.num_evictions,
+        "victim_sequences": stats.num_victim_sequences,
+        "recomputed_tokens": stats.recomputed_tokens,
+        "tokens_per_second": stats.tokens_per_second,
+        "retries": stats.num_retries,
+        "thrown_away_tokens": stats.thrown_away_tokens,
+        "thrown_away_seconds": stats.thrown_away_seconds,
+        "mean_used_fraction": float(stats.used_blocks.double().mean() / blocks) if stats.num_steps else 0.0,
+        "wall_seconds": wall,
+        "steps_per_wall_second": stats.num_steps / max(wall, 1e-9),
+    }
 
 
 def where_policies_differ(runs: list[dict]) -> list[dict]:
@@ -111,10 +125,18 @@ def where_policies_differ(runs: list[dict]) -> list[dict]:
         best = max(by_policy.values(), key=lambda r: r["good_requests_per_s"])
         base = baseline["good_requests_per_s"] if baseline else float("nan")
         gain = best["good_requests_per_s"] / base - 1 if base and base > 0 else float("nan")
-        rows.append({"devices": devices, "gib_per_device": gib, "rate": rate, "arrivals": arrivals,
-                     "reservation": reservation, "best_policy": best["policy"], "best_good_requests_per_s": best["good_requests_per_s"],
-                     "sequence_lru_good_requests_per_s": base, "gain": gain,
-                     "policy_matters": bool(gain > BETTER_BY) if not math.isnan(gain) else False})
+        rows.append({
+            "devices": devices,
+            "gib_per_device": gib,
+            "rate": rate,
+            "arrivals": arrivals,
+            "reservation": reservation,
+            "best_policy": best["policy"],
+            "best_good_requests_per_s": best["good_requests_per_s"],
+            "sequence_lru_good_requests_per_s": base,
+            "gain": gain,
+            "policy_matters": bool(gain > BETTER_BY) if not math.isnan(gain) else False,
+        })
     return rows
 
 
@@ -127,10 +149,15 @@ def goodput(runs: list[dict]) -> list[dict]:
     rows = []
     for (devices, gib, arrivals, reservation, policy), group in groups.items():
         met = [r["rate"] for r in group if r["slo_attainment"] >= ATTAINMENT_TARGET]
-        rows.append({"devices": devices, "gib_per_device": gib, "arrivals": arrivals, "reservation": reservation,
-                     "policy": policy,
-                     "goodput_requests_per_s": max(met) if met else 0.0,
-                     "rates_swept": sorted(r["rate"] for r in group)})
+        rows.append({
+            "devices": devices,
+            "gib_per_device": gib,
+            "arrivals": arrivals,
+            "reservation": reservation,
+            "policy": policy,
+            "goodput_requests_per_s": max(met) if met else 0.0,
+            "rates_swept": sorted(r["rate"] for r in group),
+        })
     return rows
 
 
@@ -192,8 +219,10 @@ def speed_run(root: Path, shape: tuple, num_requests: int) -> dict:
     done = subprocess.run([sys.executable, "-c", SPEED_WORKER, *map(str, shape), str(num_requests)], cwd=root,
                           env=env, capture_output=True, text=True, check=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    return result | {"requests_per_second": num_requests / result["wall_seconds"],
-                     "steps_per_second": result["steps"] / result["wall_seconds"]}
+    return result | {
+        "requests_per_second": num_requests / result["wall_seconds"],
+        "steps_per_second": result["steps"] / result["wall_seconds"],
+    }
 
 
 def measure_speed(num_requests: int, against: Path | None) -> dict:
@@ -204,17 +233,30 @@ def measure_speed(num_requests: int, against: Path | None) -> dict:
     for i, shape in enumerate(tqdm(SPEED_SHAPES, desc="speed", unit="shape", disable=None)):
         order = list(roots) if i % 2 == 0 else list(roots)[::-1]
         runs = {name: speed_run(roots[name], shape, num_requests) for name in order}
-        row = {"layers": shape[0], "experts": shape[1], "top_k": shape[2], "devices": shape[3],
-               "blocks_per_device": shape[4], "requests": num_requests, "this": runs["this"]}
+        row = {
+            "layers": shape[0],
+            "experts": shape[1],
+            "top_k": shape[2],
+            "devices": shape[3],
+            "blocks_per_device": shape[4],
+            "requests": num_requests,
+            "this": runs["this"],
+        }
         if against is not None:
             if runs["against"]["blocks_in_use_summed"] != runs["this"]["blocks_in_use_summed"]:
                 raise RuntimeError(f"the two checkouts made different decisions on shape {shape}")
-            row |= {"against": runs["against"],
-                    "speedup": runs["against"]["wall_seconds"] / runs["this"]["wall_seconds"]}
+            row["against"] = runs["against"]
+            row["speedup"] = runs["against"]["wall_seconds"] / runs["this"]["wall_seconds"]
         rows.append(row)
-    return {"shapes": rows, "this_commit": commit_of(REPOSITORY),
-            "against_commit": commit_of(against) if against is not None else None,
-            "threads": 1, "victim": "sequence_lru", "mean_prompt": 512, "mean_output": 256}
+    return {
+        "shapes": rows,
+        "this_commit": commit_of(REPOSITORY),
+        "against_commit": commit_of(against) if against is not None else None,
+        "threads": 1,
+        "victim": "sequence_lru",
+        "mean_prompt": 512,
+        "mean_output": 256,
+    }
 
 
 def print_speed(result: dict) -> None:
@@ -294,10 +336,7 @@ def main(args) -> int:
     if args.speed:
         result = measure_speed(args.requests or SPEED_REQUESTS, args.against)
         print_speed(result)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(strict_json(result), f, indent=1)
-            print(f"\nwrote {args.json}")
+        write_result(result, args.json)
         return 0
     if args.quick:
         args.requests = 40
@@ -311,15 +350,31 @@ def main(args) -> int:
     runs = []
     for d, gib, rate, process, reservation, policy in tqdm(grid, desc="cluster", unit="run", disable=None):
         runs.append(run_one(trace, d, gib, rate, process, policy, reservation, args.max_num_seqs, args.seed))
-    result = {"model": MODEL, "workload": args.workload, "workload_source": length_workloads()[args.workload]["source"],
-              "requests": args.requests, "prompt_tokens_mean": float(trace.prompt_lens.double().mean()),
-              "output_tokens_mean": float((trace.lengths - trace.prompt_lens + 1).double().mean()),
-              "cost_model": cluster_cost_model(get_config(MODEL), ACTIVE_PARAMS, args.devices[0], BLOCK_SIZE).to_dict(),
-              "ttft_slo_s": TTFT_SLO, "tpot_slo_s": TPOT_SLO, "seed": args.seed, "max_num_seqs": args.max_num_seqs,
-              "runs": runs, "where_policies_differ": where_policies_differ(runs), "goodput": goodput(runs)}
+    cost = cluster_cost_model(get_config(MODEL), ACTIVE_PARAMS, args.devices[0], BLOCK_SIZE)
+    result = {
+        "model": MODEL,
+        "workload": args.workload,
+        "workload_source": length_workloads()[args.workload]["source"],
+        "requests": args.requests,
+        "prompt_tokens_mean": float(trace.prompt_lens.double().mean()),
+        "output_tokens_mean": float((trace.lengths - trace.prompt_lens + 1).double().mean()),
+        "cost_model": cost.to_dict(),
+        "ttft_slo_s": TTFT_SLO,
+        "tpot_slo_s": TPOT_SLO,
+        "seed": args.seed,
+        "max_num_seqs": args.max_num_seqs,
+        "runs": runs,
+        "where_policies_differ": where_policies_differ(runs),
+        "goodput": goodput(runs),
+    }
     print_tables(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(strict_json(result), f, indent=1)
-        print(f"\nwrote {args.json}")
+    write_result(result, args.json)
     return 0
+
+
+def write_result(result: dict, path: str | None) -> None:
+    """The result as strict JSON (no Infinity or NaN: null), if a path was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(strict_json(result), f, indent=1)
+        print(f"\nwrote {path}")

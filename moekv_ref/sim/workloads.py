@@ -111,9 +111,15 @@ def latency_summary(arrival: torch.Tensor, first_token: torch.Tensor, finish: to
 
     def quantile(x: torch.Tensor, q: float) -> float:
         return float(torch.quantile(x, q)) if x.numel() else float("nan")
-    return {"served": int(served.sum()), "requests": int(arrival.numel()),
-            "ttft_p50_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
-            "tpot_p50_s": quantile(tpot, 0.5), "tpot_p99_s": quantile(tpot, 0.99),
-            "ttft_slo_s": ttft_slo, "tpot_slo_s": tpot_slo,
-            "slo_attainment": float(good.sum()) / max(1, arrival.numel()),
-            "good_requests_per_s": float(good.sum()) / span if span > 0 else float("nan")}
+    return {
+        "served": int(served.sum()),
+        "requests": int(arrival.numel()),
+        "ttft_p50_s": quantile(ttft, 0.5),
+        "ttft_p99_s": quantile(ttft, 0.99),
+        "tpot_p50_s": quantile(tpot, 0.5),
+        "tpot_p99_s": quantile(tpot, 0.99),
+        "ttft_slo_s": ttft_slo,
+        "tpot_slo_s": tpot_slo,
+        "slo_attainment": float(good.sum()) / max(1, arrival.numel()),
+        "good_requests_per_s": float(good.sum()) / span if span > 0 else float("nan"),
+    }
