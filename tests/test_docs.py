@@ -340,6 +340,18 @@ def test_readme_cluster_tables_are_what_their_json_says():
             f"{other[0.5, 300.0, 'optimistic', 'sequence_lru']:.1f}") in prose
     assert (f"{other[0.5, 150.0, 'optimistic', 'sequence_lru']:.1f} against "
             f"{other[0.5, 150.0, 'worst_case', 'sequence_lru']:.1f} good requests/s") in prose
+    bursty = json.loads((ROOT / "figures" / "bench_cluster_gamma.json").read_text(encoding="utf-8"))
+    from moekv_ref.apps.bench_cluster import GAMMA_CV
+    assert GAMMA_CV == 2 and {r["arrivals"] for r in bursty["runs"]} == {"gamma"}
+    assert "a coefficient of variation of 2" in prose
+    assert all(r["victim_sequences"] == 0 for r in bursty["runs"] if r["reservation"] == "worst_case")
+    gamma = {(r["rate"], r["reservation"], r["policy"]): r["good_requests_per_s"] for r in bursty["runs"]}
+    assert (f"{gamma[150.0, 'optimistic', 'expert_lru']:.1f} against "
+            f"{gamma[150.0, 'optimistic', 'sequence_lru']:.1f} good requests/s") in prose
+    assert max(gamma[k] for k in gamma if k[:2] == (150.0, "optimistic")) == gamma[150.0, "optimistic", "expert_lru"]
+    for result in (cluster, seed1):                                  # "nothing is ever preempted"
+        assert all(r["victim_sequences"] == 0 and r["retries"] == 0 for r in result["runs"]
+                   if r["reservation"] == "worst_case")
     for result in (cluster, seed1):                                  # "expert_lru is never the best"
         assert all(row["best_policy"] != "expert_lru" for row in result["where_policies_differ"]
                    if row["gain"] and row["gain"] > 0)

@@ -57,6 +57,7 @@ TPOT_SLO = 0.1
 ATTAINMENT_TARGET = 0.9                     # DistServe's goodput: the highest rate at 90% attainment
 POLICIES = ("sequence_lru", "pressure_aware", "expert_lru")
 BETTER_BY = 0.05                            # "the policy matters": more than 5% more good requests/s
+GAMMA_CV = 2.0                              # bursty arrivals: gaps' coefficient of variation (Poisson: 1)
 REQUESTS = 150                              # the default of a sweep
 SPEED_REQUESTS = 1000                       # the default of --speed
 
@@ -81,7 +82,7 @@ def run_one(trace, num_devices: int, gib_per_device: float, rate: float, arrival
     setup = EvictionSetup(blocks_per_device=blocks, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=8192, admission="predicted", reservation=reservation)
     cost = cluster_cost_model(config, ACTIVE_PARAMS, num_devices, BLOCK_SIZE)
-    arrival = arrival_times(trace.num_sequences, rate, arrivals, seed=seed)
+    arrival = arrival_times(trace.num_sequences, rate, arrivals, cv=GAMMA_CV, seed=seed)
     started = time.perf_counter()
     stats = TraceRunner(trace, placement, setup, policy, cost, arrivals=arrival).run(max_steps=10_000_000)
     wall = time.perf_counter() - started
@@ -361,6 +362,7 @@ def main(args) -> int:
         "cost_model": cost.to_dict(),
         "ttft_slo_s": TTFT_SLO,
         "tpot_slo_s": TPOT_SLO,
+        "gamma_cv": GAMMA_CV,
         "seed": args.seed,
         "max_num_seqs": args.max_num_seqs,
         "runs": runs,
