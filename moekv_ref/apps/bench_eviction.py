@@ -212,7 +212,7 @@ def compare_engine_policies(model, workload, blocks_per_device, placement, block
                             preemption_mode: str = "recompute", policies=ENGINE_POLICIES) -> dict:
     """Every victim policy on LLMEngine over per-device pools and the same requests (all arriving at step 0),
     optimistic admission (so that memory runs short and victims are chosen). Returns per policy the
-    engine's eviction statistics, goodput (generated tokens per step and per wall second) and whether
+    engine's eviction statistics, throughput (generated tokens per step and per wall second) and whether
     every policy produced the same tokens (each equals generating alone: tests)."""
     results, tokens = {}, {}
     for name in policies:

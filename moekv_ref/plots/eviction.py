@@ -75,9 +75,9 @@ def plot_policy_comparison(comparison: dict, axes=None):
     axes[0].axhline(bound, color="k", ls="--", lw=0.8)
     axes[0].text(-0.4, bound, "memory-time bound", fontsize=10, va="bottom")       # above the line, off the bars
     axes[0].set_ylim(0, 1.15 * bound)
-    axes[0].set(title="goodput per step", ylabel="finished tokens / step")
+    axes[0].set(title="finished tokens per step", ylabel="finished tokens / step")
     axes[1].bar(names, [s.tokens_per_second for s in stats], color="#5bb974")
-    axes[1].set(title="goodput per modelled second", ylabel="finished tokens / s")
+    axes[1].set(title="finished tokens per modelled second", ylabel="finished tokens / s")
     axes[2].bar(names, [s.recomputed_tokens for s in stats], color="#e8a33d")
     axes[2].set(title="recomputed tokens", ylabel="tokens")
     for ax in axes:
