@@ -18,6 +18,7 @@ placeholder the notebooks are saved with), so a notebook cell just prints it.
 
 from __future__ import annotations
 
+import functools
 import textwrap
 from functools import lru_cache
 from itertools import combinations
@@ -45,9 +46,9 @@ RIGHT, WRONG, MISSING = "Right", "Not yet", "No answer yet"
 
 def _wrapped(check):
     """Checks return one paragraph; wrap it at 100 columns so that it reads at notebook width."""
+    @functools.wraps(check)
     def wrapped(*args, **kwargs):
         return textwrap.fill(check(*args, **kwargs), width=100)
-    wrapped.__name__, wrapped.__doc__ = check.__name__, check.__doc__
     return wrapped
 
 

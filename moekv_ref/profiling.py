@@ -1,6 +1,6 @@
 """Where a step's time goes: named phases timed in CPU time, for `bench step --profile`.
 
-The forward marks its phases where they happen (`with phase("attend"): ...`); outside `collect()`,
+The forward and the engine mark their phases where they happen (`with phase("attend"): ...`); outside `collect()`,
 `phase` returns one shared null context (well under a microsecond), so the marks stay in the code.
 CPU time because the machines are shared: with one thread it is the phase's own work. Named scopes
 rather than torch.profiler, which splits Python around small tensor ops into hundreds of ops with

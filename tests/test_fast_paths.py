@@ -18,7 +18,7 @@ Paths and what stands in for them:
                                                      expert on every token, gated
     reference          attention.attend_by_position  the row-by-row path (via paged.py's import)
     decode slots       allocate_slots(one_each=True)  a decode append's new slots, computed directly in
-                                                     pair order (no sort, no per-token _slots)
+                                                     pair order (no sort, no per-token slots)
 (The dense decode plan, PagedKVCache._append_planned, is broken the same way in test_paged_cache.py.)
 """
 
@@ -215,10 +215,10 @@ def test_decode_slots_run_in_pair_order_and_reach_the_logits(models, torch_logit
     """A decode append (every pair the one new token of its row) is not sorted: append_kv hands
     allocate_slots its rows in pair order with one_each=True, and allocate_slots computes each new
     token's slot directly (block * P + offset at the row's old length), never through the general
-    per-token _slots, and some decode appends give rows a block (the one-token column). Shifting
+    per-token slots, and some decode appends give rows a block (the one-token column). Shifting
     those direct slots by one, and only those, shows in the logits."""
     calls, in_general = [], []
-    original_allocate, original_slots = KVCacheManager.allocate_slots, KVCacheManager._slots
+    original_allocate, original_slots = KVCacheManager.allocate_slots, KVCacheManager.slots
 
     def recording_allocate(self, rows, num_new_tokens, *args, **kwargs):
         full = bool((self.row_tokens[torch.as_tensor(rows)] % self.block_size == 0).any())  # takes a block
@@ -233,7 +233,7 @@ def test_decode_slots_run_in_pair_order_and_reach_the_logits(models, torch_logit
         return original_slots(self, rows, starts, counts)
 
     monkeypatch.setattr(KVCacheManager, "allocate_slots", recording_allocate)
-    monkeypatch.setattr(KVCacheManager, "_slots", recording_slots)
+    monkeypatch.setattr(KVCacheManager, "slots", recording_slots)
     assert (_logits(models["torch"]) - torch_logits).abs().max() == 0        # unbroken: equal
     decode = [call for call in calls if bool((call[1] == 1).all())]
     assert decode, "no append had one new token per row"

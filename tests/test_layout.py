@@ -228,3 +228,207 @@ def test_every_importable_package_has_the_project_s_prefix():
     assert all(pattern.startswith("moekv_") for pattern in found["include"]), found["include"]
     top_level = {p.parent.name for p in ROOT.glob("*/__init__.py")}
     assert top_level == {"moekv_ref", "moekv_kernels"}, top_level
+
+
+# One writer per state: a module changes its own objects' attributes (through `self`), the objects a
+# function builds, and nothing else; it asks the owner of any other state to change it, through a
+# public method. The few exceptions are objects of other libraries, each with its reason.
+ALLOWED_WRITES = {
+    ("moekv_ref/apps/demo.py", "bar"): "tqdm's progress is set through its `n` attribute",
+    ("moekv_ref/cache/prefix_cache.py", "self.stats"): "its own counters, a record it made and hands out",
+    **{(f"moekv_ref/apps/{name}.py", "args"): "the options argparse made for this program"
+       for name in ("parallel_run",)},
+    ("moekv_ref/parallel/programs.py", "block"): "scaling the routers of the model this function just built",
+    **{("moekv_ref/apps/bench_peer.py", name): "our weights copied into the Hugging Face model this function built"
+       for name in ("attention", "layer", "mlp", "experts")},
+}
+ALLOWED_PRIVATE = {
+    ("moekv_kernels/report.py", "kernel._pack_args"): "triton has no public call that compiles a launch for "
+                                                      "another GPU's target",
+}
+_OWN = ("self", "cls")
+
+
+def _imported_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(alias.asname or alias.name for alias in node.names)
+    return names
+
+
+def _root(node: ast.expr) -> ast.expr:
+    """The name an expression starts from: `manager` in manager.block_tables.view(-1)[rows]."""
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def _attribute_path(node: ast.expr) -> str:
+    """'self.stats' for self.stats.num_lookups, self.stats[i].x: the data attributes from the root,
+    less the last one written."""
+    names = []
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        if isinstance(node, ast.Attribute):
+            names.append(node.attr)
+        node = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else \
+            node.func if isinstance(node, ast.Call) else node.value
+    return ".".join([node.id if isinstance(node, ast.Name) else "?", *reversed(names[1:])])
+
+
+def _attribute_depth(node: ast.expr) -> int:
+    """How many data attributes an assignment target goes through: 1 for self.x and self.x[i], 2
+    for self.manager.clock."""
+    depth = 0
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        if isinstance(node, ast.Attribute):
+            depth += 1
+        node = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else \
+            node.func if isinstance(node, ast.Call) else node.value
+    return depth
+
+
+def _through_attribute(node: ast.expr) -> bool:
+    """Whether the object an expression names is reached through a data attribute (x.table[i],
+    x.table.view(-1)[i]), not only through items and method calls of a name (key_cache.view(-1)[i],
+    counts.setdefault(k, {})[j], the objects a caller hands in to be filled)."""
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        if isinstance(node, ast.Call):
+            node = node.func.value if isinstance(node.func, ast.Attribute) else node.func
+            continue
+        if isinstance(node, ast.Attribute):
+            return True
+        node = node.value
+    return False
+
+
+def _builds(value: ast.expr) -> bool:
+    """A call that makes a new object: `f(...)`, `module.Class(...)`, `Class(...).eval()`; not a
+    method's answer (`self.waiting.popleft()` hands back an object someone else holds)."""
+    if not isinstance(value, ast.Call):
+        return False
+    if isinstance(value.func, ast.Name) or (isinstance(value.func, ast.Attribute) and value.func.attr[:1].isupper()):
+        return True
+    # a new object's own methods handing it back: Model(config).float().eval()
+    return isinstance(value.func, ast.Attribute) and _builds(value.func.value)
+
+
+def _built_here(function: ast.AST) -> set[str]:
+    """Names a function (or its enclosing function, for a closure) binds to a new object, which it
+    may fill in."""
+    names, pending = set(), list(ast.iter_child_nodes(function))
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue                                 # its own scope
+        if isinstance(node, ast.Assign) and _builds(node.value):
+            names.update(target.id for target in node.targets if isinstance(target, ast.Name))
+        pending.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def outside_writes(source: str, path: str) -> list[str]:
+    """'path:line: what' for every write to another object's state and every use of another object's
+    `_private` member in `source`: an assignment (plain, augmented or to an item) to `x.attr` or an
+    in-place tensor method (`x.attr.add_(...)`) whose `x` is neither self, cls, an imported module,
+    nor an object the function built; and `x._name` with `x` neither self nor cls nor a module."""
+    tree = ast.parse(source)
+    modules = _imported_names(tree)
+    found = []
+
+    def check(function: ast.AST, built: set[str]) -> None:
+        built = built | _built_here(function)
+        for node in ast.iter_child_nodes(function):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                check(node, built)
+                continue
+            visit(node, built)
+
+    def visit(node: ast.AST, built: set[str]) -> None:
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            for part in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(part, (ast.Attribute, ast.Subscript)) and _foreign(part, built):
+                    found.append(f"{path}:{node.lineno}: assigns {ast.unparse(part)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            method, owner = node.func.attr, node.func.value
+            in_place = method.endswith("_") and not method.endswith("__")
+            if in_place and isinstance(owner, (ast.Attribute, ast.Subscript)) and _foreign(owner, built):
+                found.append(f"{path}:{node.lineno}: changes {ast.unparse(owner)} in place")
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = _root(node.value)
+            if not (isinstance(base, ast.Name) and (base.id in _OWN or base.id in modules)):
+                found.append(f"{path}:{node.lineno}: uses {ast.unparse(node)}")
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                check(child, built)
+            else:
+                visit(child, built)
+
+    def _foreign(target: ast.expr, built: set[str]) -> bool:
+        base = _root(target)
+        if not isinstance(base, ast.Name):
+            return True
+        if not _through_attribute(target):
+            return False
+        if base.id in _OWN:                          # its own attribute, not one of an object it holds
+            return _attribute_depth(target) > 1 and (path, _attribute_path(target)) not in ALLOWED_WRITES
+        if base.id in modules or base.id in built:
+            return False
+        return (path, base.id) not in ALLOWED_WRITES
+
+    check(tree, set())
+    return [line for line in found if not any(line.startswith(f"{p}:") and f" {what}" in line
+                                              for p, what in ALLOWED_PRIVATE)]
+
+
+def test_no_module_writes_another_object_s_state_or_calls_its_private_members():
+    found = []
+    for package in PACKAGES:
+        for path in sorted(package.rglob("*.py")):
+            found += outside_writes(path.read_text(), str(path.relative_to(ROOT)))
+    assert not found, "writes to another object's state (ask its owner through a method):\n" + "\n".join(found)
+
+
+def test_the_one_writer_check_sees_each_kind_of_outside_write():
+    """Injected cases: each kind the check looks for is found, and each kind it allows is allowed."""
+    caught = '''
+def f(manager, request, hit):
+    manager.block_tables[0, 1] = 5
+    manager.last_position[rows] = positions
+    request.status = 1
+    request.num_computed_tokens += 1
+    manager.row_tokens.index_add_(0, rows, ones)
+    a, manager.clock = 1, 2
+    manager._take_blocks(rows)
+    return hit._secret
+class B:
+    def g(self, step):
+        self.manager.clock = step
+        self.manager.row_tokens.view(-1)[0] = 1
+'''
+    found = outside_writes(caught, "x.py")
+    assert len(found) == 10, found
+    allowed = '''
+import os
+from dataclasses import dataclass
+class A:
+    def f(self, rows):
+        self.table[rows] = 0
+        self.table.view(-1)[rows] = 1
+        self.table.index_add_(0, rows, rows)
+        self._private()
+        result = Result()
+        result.value = 1
+        items = {}
+        items[1] = 2
+        os.environ["X"] = "1"
+        os._exit(0)
+'''
+    assert outside_writes(allowed, "x.py") == []

@@ -32,7 +32,7 @@ def append_tokens(manager, seq_id, start, routing):
         slots = torch.empty_like(order)
         slots[order] = allocation.slot_mapping
         first = torch.cumsum(num_new, 0) - num_new
-        manager.last_position[rows] = positions[order][first + num_new - 1]
+        manager.note_positions(rows, positions[order][first + num_new - 1])
         manager.prefix_cache.record_positions(slots, positions)
 
 

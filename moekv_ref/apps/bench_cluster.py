@@ -339,14 +339,16 @@ def main(args) -> int:
         print_speed(result)
         write_result(result, args.json)
         return 0
+    requests = args.requests or REQUESTS
+    gib_per_device = args.gib_per_device
+    rates = args.rates
     if args.quick:
-        args.requests = 40
-        args.gib_per_device = args.gib_per_device[:1]
-        args.rates = args.rates[:1]
-    args.requests = args.requests or REQUESTS
-    trace = cluster_workload(args.requests, args.workload, args.seed)
-    grid = [(d, gib, rate, process, reservation, policy) for d in args.devices for gib in args.gib_per_device
-            for rate in args.rates for process in args.arrivals for reservation in args.reservations
+        requests = 40
+        gib_per_device = gib_per_device[:1]
+        rates = rates[:1]
+    trace = cluster_workload(requests, args.workload, args.seed)
+    grid = [(d, gib, rate, process, reservation, policy) for d in args.devices for gib in gib_per_device
+            for rate in rates for process in args.arrivals for reservation in args.reservations
             for policy in args.policies]
     runs = []
     for d, gib, rate, process, reservation, policy in tqdm(grid, desc="cluster", unit="run", disable=None):
@@ -356,7 +358,7 @@ def main(args) -> int:
         "model": MODEL,
         "workload": args.workload,
         "workload_source": length_workloads()[args.workload]["source"],
-        "requests": args.requests,
+        "requests": requests,
         "prompt_tokens_mean": float(trace.prompt_lens.double().mean()),
         "output_tokens_mean": float((trace.lengths - trace.prompt_lens + 1).double().mean()),
         "cost_model": cost.to_dict(),

@@ -12,8 +12,8 @@ quoted is the median over pairs of decode steps (every sequence running, one tok
 With `--profile`, the same decode steps run in this process, for the embedded model and for a dense
 model of its dimensions (one attention expert, random weights), and the time of each step is split
 into phases (moekv_ref/profiling.py): the routers, the experts' projections, `append_kv`, `attend`,
-the FFN experts, sampling, the scheduler (`schedule` and `update_from_output`, timed by wrapping the
-engine's scheduler from here), what the forward spends outside those (embedding, norms, residuals,
+the FFN experts, sampling, the scheduler (`schedule` and `update_from_output`, marked in the engine's
+step), what the forward spends outside those (embedding, norms, residuals,
 the LM head) and the rest of the step (batch flattening, undo snapshots, records): bookkeeping.
 
 The worker uses only what every version of the engine has had: `load_default_model`, `LLMEngine(model,
@@ -143,15 +143,6 @@ PHASE_NAMES = {"routing": "routing (both routers, sort by expert)", "projections
                "scheduler": "scheduler", "bookkeeping": "bookkeeping (rest of the step)"}
 
 
-def _timed(method, name: str):
-    from moekv_ref.profiling import phase
-
-    def wrapper(*args, **kwargs):
-        with phase(name):
-            return method(*args, **kwargs)
-    return wrapper
-
-
 def profile_steps(model, num_seqs: int, max_new_tokens: int, num_rounds: int, num_blocks: int | None = None) -> dict:
     """ms per decode step of each phase (see the module docstring), averaged over the decode steps
     (all num_seqs sequences running) of num_rounds workloads, in this process."""
@@ -162,9 +153,6 @@ def profile_steps(model, num_seqs: int, max_new_tokens: int, num_rounds: int, nu
     torch.set_num_threads(1)
     engine = LLMEngine(model, num_blocks=num_blocks or NUM_BLOCKS, block_size=16,
                        scheduler_config=SchedulerConfig(max_num_seqs=num_seqs), record_history=True)
-    scheduler = engine.scheduler
-    scheduler.schedule = _timed(scheduler.schedule, "scheduler")
-    scheduler.update_from_output = _timed(scheduler.update_from_output, "scheduler")
     totals, num_steps = {}, 0
     for round_index in range(num_rounds + 1):                           # round 0 warms up
         for prompt in prompts(num_seqs):

@@ -10,8 +10,9 @@ stay as they are, and only which free block a row gets changes (`allocate(n, dev
 full while others are empty). On hardware each range is its own device's memory; here, a slice.
 
 Free blocks are, per device, plain (a LIFO stack) or cached (holding a full block of a known
-prefix, prefix_cache.py: an LRU queue). `allocate` evicts d's cached-free blocks, LRU first and told
-to `on_evict`, only when d's stack is empty; `reuse` takes a cached block back (a prefix hit). Why
+prefix, prefix_cache.py: an LRU queue). `allocate` evicts d's cached-free blocks, LRU first and
+told to the eviction listener (`listen_for_evictions`), only when d's stack is empty; `reuse` takes
+a cached block back (a prefix hit). Why
 not vLLM's doubly linked free list: most blocks are never cached, so they enter and leave at one
 end, and a tensor stack hands out n blocks with one slice (the simulator allocates thousands per
 step); only cached blocks need LRU order and removal from the middle (an OrderedDict). LIFO reuses
@@ -178,8 +179,13 @@ class BlockPool:
         self.is_cached = torch.zeros(self.num_blocks, dtype=torch.bool)     # (N,)
         self._cached_free: list[OrderedDict[int, None]] = [OrderedDict() for _ in blocks_per_device]
         self._any_cached = False                  # a block was ever marked: `free` must sort released ones
-        self.on_evict: Callable[[list[int]], None] | None = None       # told which cached blocks left
+        self._on_evict: Callable[[list[int]], None] | None = None      # told which cached blocks left
         self.num_evicted_cached_blocks = 0
+
+    def listen_for_evictions(self, callback: Callable[[list[int]], None]) -> None:
+        """callback(block_ids) is told which cached-free blocks an allocation evicted (the prefix
+        cache forgets their keys)."""
+        self._on_evict = callback
 
     # ----- queries -------------------------------------------------------------------------------
     num_devices = property(lambda self: len(self._device_sizes))
@@ -238,8 +244,8 @@ class BlockPool:
             evicted = [cached_here.popitem(last=False)[0] for _ in range(num_blocks - from_stack)]
             self.is_cached[evicted] = False
             self.num_evicted_cached_blocks += len(evicted)
-            if self.on_evict is not None:
-                self.on_evict(evicted)
+            if self._on_evict is not None:
+                self._on_evict(evicted)
             block_ids = torch.cat([block_ids, torch.tensor(evicted, dtype=torch.int64)])
         self.ref_cnt[block_ids] = 1
         return block_ids

@@ -269,7 +269,7 @@ class KVCacheManager:
             self.seq_index(missing.args[0])                                       # raises its KeyError
         return self.index.row(slots, layer, experts)
 
-    def _used_columns(self, rows=slice(None)) -> torch.Tensor:
+    def used_columns(self, rows=slice(None)) -> torch.Tensor:
         """(m, W) the table entries that list a block: ceil(n / P), or n // P with shared tails."""
         n = self.row_tokens[rows]
         num_used = n // self.block_size if self.tails is not None else ceil_div(n, self.block_size)
@@ -300,6 +300,69 @@ class KVCacheManager:
         if self.budget is not None:
             self.budget.clear_rows(rows)
 
+    # ----- the other writers' operations: what paged.py, the prefix cache, shared tails, the swap
+    # space and the scheduler change here, each through one of these -----------------------------
+    def start_step(self, step: int) -> None:
+        """The rows the coming appends grow remember `step` (last_appended, which row-evicting
+        victim policies read)."""
+        self.clock = step
+
+    def note_positions(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """The position of the last token each of the rows now holds (paged attention masks and
+        rotates by it)."""
+        self.last_position[rows] = positions
+
+    def extend_rows_in_place(self, rows: torch.Tensor, counts: torch.Tensor, positions: torch.Tensor) -> None:
+        """Distinct rows whose new tokens fit the blocks they hold now hold `counts` tokens, the last
+        at `positions`: an append that takes no block (paged.py's decode plan)."""
+        self.set_row_tokens(rows, counts)
+        self.last_appended[rows] = self.clock
+        self.last_position[rows] = positions
+
+    def place_blocks(self, rows: torch.Tensor, columns: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Table entries block_ids[i] at column columns[i] of row rows[i], the tables widened first
+        where a column lies past them: blocks a part took or shares (prefix hits' shared blocks
+        and copies, shared tails' promoted blocks). The caller counts the rows' tokens."""
+        if columns.numel() and int(columns.max()) >= self.block_tables.shape[1]:
+            self._grow_tables(int(columns.max()) + 1)
+        self.block_tables[rows, columns] = block_ids.to(torch.int32)
+
+    def start_from_blocks(self, seq_id: int, row_counts: torch.Tensor, shared_rows: torch.Tensor,
+                          shared_columns: torch.Tensor, shared_blocks: torch.Tensor,
+                          copied_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A new sequence whose rows (indexed 0..L*E-1) hold row_counts tokens from the start: the
+        blocks shared_blocks[i] listed at column shared_columns[i] of row shared_rows[i], and one
+        fresh block (a copy's destination, on its row's device) at the last column of each
+        copied_rows row. Returns the sequence's rows (L*E,) and the fresh blocks; OutOfBlocksError,
+        changing nothing, when a device is short of them (a prefix hit: prefix_cache.py)."""
+        one_each = torch.ones_like(copied_rows)
+        index = self.add_sequence(seq_id)
+        rows = self.index.sequence_rows(torch.tensor([index]))[0]                          # (L*E,)
+        try:
+            fresh = self._take_blocks(rows[copied_rows], one_each, one_each)
+        except OutOfBlocksError:
+            self.free(seq_id)
+            raise
+        self.place_blocks(rows[shared_rows], shared_columns, shared_blocks)
+        self.place_blocks(rows[copied_rows], row_counts[copied_rows] // self.block_size, fresh)
+        self.set_row_tokens(rows, row_counts)
+        return rows, fresh
+
+    def restore_sequence(self, seq_id: int, token_counts: torch.Tensor, last_appended: torch.Tensor) -> torch.Tensor:
+        """A sequence back from the swap space: its rows hold token_counts (L*E,) tokens again in
+        fresh blocks, with the clocks last_appended (L*E,) they had (coming back is not a use).
+        Returns the new blocks in blocks_of_sequence's order; OutOfBlocksError, changing nothing,
+        when a device is short."""
+        index = self.add_sequence(seq_id)
+        rows = self.index.sequence_rows(torch.tensor([index]))[0]                          # (L*E,)
+        try:
+            self.allocate_slots(rows, token_counts, rows_are_distinct=True, with_slots=False)
+        except OutOfBlocksError:
+            self.free(seq_id)
+            raise
+        self.last_appended[rows] = last_appended
+        return self.blocks_of_sequence(seq_id)
+
     # ----- the scheduler's questions --------------------------------------------------------------
     def can_allocate(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> bool:
         """Whether the append fits every device's pool."""
@@ -312,7 +375,7 @@ class KVCacheManager:
         index = self.seq_index(seq_id)
         rows = self.index.sequence_rows(torch.tensor([index]))[0]                       # (L*E,)
         tail_blocks = [] if self.tails is None else self.tails.blocks_of_sequence(index)
-        return torch.cat([self.block_tables[rows][self._used_columns(rows)].to(torch.int64),
+        return torch.cat([self.block_tables[rows][self.used_columns(rows)].to(torch.int64),
                           torch.tensor(tail_blocks, dtype=torch.int64)])
 
     def num_blocks_of_sequence(self, seq_id: int) -> int:
@@ -340,7 +403,7 @@ class KVCacheManager:
     def block_owners(self) -> tuple[torch.Tensor, torch.Tensor]:
         """For drawing the pool: owner_row (N,) (-1: free) and used_slots (N,) of each block."""
         P = self.block_size
-        row, column = self._used_columns().nonzero(as_tuple=True)
+        row, column = self.used_columns().nonzero(as_tuple=True)
         blocks = self.block_tables[row, column].to(torch.int64)
         owner_row = torch.full((self.num_blocks,), -1, dtype=torch.int64)
         used_slots = torch.zeros(self.num_blocks, dtype=torch.int64)
@@ -389,7 +452,7 @@ class KVCacheManager:
         if not with_slots:
             return SlotAllocation(None)
         return SlotAllocation(offset.add_(self.block_tables[rows, column], alpha=P) if one_each  # block * P + offset
-                              else self._slots(rows, old, num_new_tokens))
+                              else self.slots(rows, old, num_new_tokens))
 
     def allocate_within_budget(self, rows: torch.Tensor, positions: torch.Tensor,
                                scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,7 +469,7 @@ class KVCacheManager:
         self.budget.record(rows, index, positions, scores)
         self.last_position[taken] = positions[accepted]
         self.last_appended[taken] = self.clock
-        return self._slot_of(taken, slot_index), accepted
+        return self.slot_of(taken, slot_index), accepted
 
     def _take_blocks(self, rows: torch.Tensor, needed: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
         """needed[i] fresh blocks for rows[i], from its row's device, row after row; raises
@@ -428,7 +491,7 @@ class KVCacheManager:
             # device after device, each device's in row order
             block_ids[torch.argsort(block_device, stable=True)] = self.pool.allocate_per_device(per_device)
         if self.prefix_cache is not None:                # their slots hold no position yet
-            self.prefix_cache.block_positions[block_ids] = -1
+            self.prefix_cache.clear_positions(block_ids)
         return block_ids
 
     def raise_short(self, needed: torch.Tensor, rows, num_new_tokens) -> None:
@@ -467,7 +530,7 @@ class KVCacheManager:
         """Slots of every token of each row, row after row, in token order."""
         rows = torch.as_tensor(rows, dtype=torch.int64)
         counts = self.row_tokens[rows]
-        return self._slots(rows, torch.zeros_like(counts), counts)
+        return self.slots(rows, torch.zeros_like(counts), counts)
 
     def padded_slots(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots (m, Lmax) of each row's tokens, padded, and valid (m, Lmax). Padding holds slot 0,
@@ -477,18 +540,18 @@ class KVCacheManager:
         token = torch.arange(int(lens.max()) if rows.numel() else 0)               # (Lmax,)
         valid = token[None, :] < lens[:, None]                                     # (m, Lmax)
         token = torch.minimum(token[None, :], (lens - 1).clamp(min=0)[:, None])    # (m, Lmax) in range
-        slots = self._slot_of(rows[:, None].expand_as(token), token)
+        slots = self.slot_of(rows[:, None].expand_as(token), token)
         return torch.where(valid, slots, 0), valid
 
-    def _slots(self, rows, starts, counts) -> torch.Tensor:
+    def slots(self, rows, starts, counts) -> torch.Tensor:
         """Slots of tokens starts[i] .. starts[i] + counts[i] - 1 of each row, row after row."""
         total = int(counts.sum())
         owner = torch.repeat_interleave(torch.arange(rows.numel()), counts)      # (t,)
         first = torch.cumsum(counts, 0) - counts                                  # (m,)
         token = torch.arange(total) - first[owner] + starts[owner]                # (t,) index in row
-        return self._slot_of(rows[owner], token)
+        return self.slot_of(rows[owner], token)
 
-    def _slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    def slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """The slot of token `token` of row `row`, elementwise (or SharedTails.slot_of's)."""
         if self.tails is not None:
             return self.tails.slot_of(row, token)
@@ -522,7 +585,7 @@ class KVCacheManager:
         if rows.numel() and (rows.min() < 0 or rows.max() >= self.row_tokens.numel() or not set(
                 (rows // self.rows_per_seq).tolist()) <= held):
             raise ValueError(f"rows {rows.tolist()[:8]} are not all rows of sequences the cache holds")
-        blocks = self.block_tables[rows][self._used_columns(rows)].to(torch.int64)
+        blocks = self.block_tables[rows][self.used_columns(rows)].to(torch.int64)
         self.pool.free(blocks)
         self._clear_rows(rows)
         return blocks.numel()
@@ -556,7 +619,7 @@ class KVCacheManager:
     def assert_consistent(self) -> None:
         """The invariants of the module docstring; AssertionError names the broken one."""
         self.pool.assert_consistent()
-        used = self._used_columns()                                                # (R, W)
+        used = self.used_columns()                                                # (R, W)
         owned = self.block_tables[used].to(torch.int64)
         assert (self.block_tables[~used] == self.pad).all(), "a table entry past a row's blocks is set"
         assert (owned < self.num_blocks).all(), "a row's used table entry is padding"

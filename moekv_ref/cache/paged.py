@@ -87,6 +87,11 @@ class DecodePlan:
     appended: AppendedRows      # what attend needs: the same at every layer but the rows
     padding: tuple              # the gather's (width, valid, padding index): PagedKVCache._padding
 
+    def served(self, layer: int, rows: torch.Tensor) -> None:
+        """The plan now stands at `layer`, whose rows are `rows`."""
+        self.layer = layer
+        self.rows = rows
+
 
 class PagedKVCache:
     """append_kv / attend over a paged block pool shared by every (sequence, layer, expert).
@@ -228,10 +233,10 @@ class PagedKVCache:
             raise
         self._apply_moves(allocation.moves)
         if one_per_row:
-            manager.last_position[rows] = positions
+            manager.note_positions(rows, positions)
             slots = allocation.slot_mapping                                           # (n,) per pair
         else:
-            manager.last_position[rows] = sorted_positions[first + num_new - 1]
+            manager.note_positions(rows, sorted_positions[first + num_new - 1])
             slots = torch.empty(n, dtype=torch.int64)
             slots[order] = allocation.slot_mapping                                    # (n,) per pair
         if manager.prefix_cache is not None:
@@ -281,7 +286,7 @@ class PagedKVCache:
         manager.budget.record(pair_rows[now], pair_index, positions[now], scores[now])
         last = torch.zeros(fit_rows.numel(), dtype=torch.int64).scatter_reduce_(
             0, fit_pair_row, positions[now], "amax", include_self=False)               # (r,)
-        manager.last_position[fit_rows] = last
+        manager.note_positions(fit_rows, last)
         slots = torch.empty(now.numel(), dtype=torch.int64)
         slots[torch.argsort(pair_rows[now], stable=True)] = allocation.slot_mapping    # row after row -> pairs
         self._store(k[now], v[now], slots)
@@ -306,14 +311,12 @@ class PagedKVCache:
         if not torch.equal(manager.row_tokens[rows], plan.old):
             return None
         self._check_positions(rows, positions, rows, None)
-        manager.set_row_tokens(rows, plan.appended.context_lens)
-        manager.last_appended[rows] = manager.clock
-        manager.last_position[rows] = positions
+        manager.extend_rows_in_place(rows, plan.appended.context_lens, positions)
         slots = plan.offset.add(manager.block_tables[rows, plan.column], alpha=self.block_size)
         if manager.prefix_cache is not None:
             manager.prefix_cache.record_positions(slots, positions)
         self._store(k, v, slots)
-        plan.layer, plan.rows = layer, rows
+        plan.served(layer, rows)
         a = plan.appended                         # (dataclasses.replace costs ten times this)
         return AppendedRows(rows, a.num_new, a.context_lens, a.pair_row, a.pair_index)
 

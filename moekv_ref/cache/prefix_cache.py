@@ -102,11 +102,19 @@ class PrefixCache:
         self.max_chunk_records = max(64, num_blocks)
         # per held sequence: [chain keys, chunks recorded, full blocks registered per row (L*E,)]
         self._seq_state: dict[int, list] = {}
-        manager.pool.on_evict = self._forget_blocks
+        manager.pool.listen_for_evictions(self._forget_blocks)
         self.stats = PrefixCacheStats()
 
     def record_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         self.block_positions.view(-1)[slots] = positions
+
+    def clear_positions(self, block_ids: torch.Tensor) -> None:
+        """Fresh blocks: their slots hold no position yet."""
+        self.block_positions[block_ids] = -1
+
+    def restore_positions(self, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Blocks back from the swap space hold the positions (b, P) they held before."""
+        self.block_positions[block_ids] = positions
 
     # ----- registration (after a step computed tokens) ----------------------------------------------
     def cache_computed_blocks(self, seq_id: int, token_ids: list[int]) -> int:
@@ -251,7 +259,7 @@ class PrefixCache:
     def apply_prefix_hit(self, seq_id: int, hit: PrefixHit) -> tuple[torch.Tensor, torch.Tensor]:
         """Give a new sequence its rows from a hit; returns the copies' (source, destination)
         block ids, to copy before anything writes the destinations."""
-        m, P = self.manager, self.manager.block_size
+        m = self.manager
         if hit.num_tokens == 0:
             raise ValueError("apply_prefix_hit of an empty hit: nothing to apply")
         if m.holds(seq_id):
@@ -275,22 +283,20 @@ class PrefixCache:
             d = int((copies > available).nonzero()[0])
             raise OutOfBlocksError(f"the hit's {int(copies[d])} copies on device {d} need blocks; "
                                    f"{int(available[d])} are free there beside the blocks it reuses")
-        rows = m.index.sequence_rows(torch.tensor([m.add_sequence(seq_id)]))[0]                # (R,)
         m.pool.reuse(hit.shared)
         m.pool.reuse(hit.cow_source)                # pinned: the copies' allocation cannot evict them
-        one_each = torch.ones_like(hit.cow_rows)            # a block per copy, on its row's device
-        destination = m._take_blocks(rows[hit.cow_rows], one_each, one_each)
-        m.pool.free(hit.cow_source)
-        widest = int(ceil_div(hit.row_counts, P).max())
-        if widest > m.block_tables.shape[1]:
-            m._grow_tables(widest)
-        m.block_tables[rows[hit.shared_rows], hit.shared_columns] = hit.shared.to(torch.int32)
-        m.block_tables[rows[hit.cow_rows], hit.row_counts[hit.cow_rows] // P] = destination.to(torch.int32)
+        try:
+            rows, destination = m.start_from_blocks(seq_id, hit.row_counts, hit.shared_rows, hit.shared_columns,
+                                                    hit.shared, hit.cow_rows)
+        except OutOfBlocksError:
+            m.pool.free(hit.shared)                 # its reuse undone: as before the call
+            raise
+        finally:
+            m.pool.free(hit.cow_source)
         self.block_positions[destination] = self.block_positions[hit.cow_source]
-        m.set_row_tokens(rows, hit.row_counts)
         held = (hit.row_counts > 0).nonzero().squeeze(1)                                   # (h,)
-        last_slot = m._slot_of(rows[held], hit.row_counts[held] - 1)                       # (h,)
-        m.last_position[rows[held]] = self.block_positions.view(-1)[last_slot]
+        last_slot = m.slot_of(rows[held], hit.row_counts[held] - 1)                        # (h,)
+        m.note_positions(rows[held], self.block_positions.view(-1)[last_slot])
         self.stats.num_hit_tokens += hit.num_tokens
         self.stats.num_shared_blocks += hit.shared.numel()
         self.stats.num_cow_blocks += hit.cow_source.numel()
@@ -316,7 +322,7 @@ class PrefixCache:
     def assert_consistent(self) -> None:
         """The class docstring's invariants, after the manager checked ref_cnt."""
         m, P = self.manager, self.manager.block_size
-        row, column = m._used_columns().nonzero(as_tuple=True)
+        row, column = m.used_columns().nonzero(as_tuple=True)
         owned = m.block_tables[row, column].to(torch.int64)
         shared = torch.bincount(owned, minlength=m.num_blocks)[owned] > 1
         full = m.row_tokens[row] >= (column + 1) * P

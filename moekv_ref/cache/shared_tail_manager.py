@@ -86,9 +86,6 @@ class SharedTails:
         m.raise_short(self.num_blocks_needed_per_device(rows, num_new_tokens), rows, num_new_tokens)
         old = m.row_tokens[rows]
         new = old + num_new_tokens
-        widest = int((new // P).max()) if rows.numel() else 0
-        if widest > m.block_tables.shape[1]:
-            m._grow_tables(widest)
         groups = self.group_of_rows(rows)
         each_row = list(zip(rows.tolist(), groups.tolist(), old.tolist(), new.tolist()))
         promotion_src, promotion_dst = [], []
@@ -98,7 +95,7 @@ class SharedTails:
             if last == first:
                 continue
             block_ids = m.pool.allocate(last - first, device=group % D)
-            m.block_tables[row, first:last] = block_ids.to(torch.int32)
+            m.place_blocks(torch.full((last - first,), row), torch.arange(first, last), block_ids)
             tail = self.tail_slots[row, : n_old % P].clone()
             if tail.numel():
                 promotion_src.append(tail)
@@ -118,7 +115,7 @@ class SharedTails:
         # 3. compaction: give back tail blocks while a whole block's worth of tail slots is free
         for group in groups.unique().tolist():
             moves += self._compact(group)
-        return SlotAllocation(m._slots(rows, old, num_new_tokens) if with_slots else None, moves)
+        return SlotAllocation(m.slots(rows, old, num_new_tokens) if with_slots else None, moves)
 
     def _take_tail_slot(self, group: int) -> int:
         P, free = self.manager.block_size, self.free_tail_slots[group]

@@ -56,7 +56,7 @@ class AdmissionStep:
         """Would the request's next tokens (and its swap-in) fit every device beside the step's
         reservation?"""
         scheduler = self._scheduler
-        scheduler.current = request
+        scheduler.deciding_on(request)
         memory, request_id = scheduler.memory, request.request_id
         need = scheduler.step_blocks(request, min(request.num_pending_tokens, self.token_budget))
         hit = scheduler.prefix_hit(request)

@@ -32,6 +32,7 @@ from ..cache.block_pool import OutOfBlocksError, check_flag, checked_blocks_per_
 from ..cache.kv_cache_manager import check_block_size
 from ..cache.paged import ATTENTION_PATHS, PagedKVCache
 from ..model import MoEKVTransformer
+from ..profiling import phase
 from ..prompts import check_batch, check_prompt, check_sampling_params
 from ..results import GenerationResult
 from ..sampling import SamplingParams, sample_rows
@@ -231,7 +232,8 @@ class LLMEngine:
             num_running, scheduled_used = len(self.scheduler.running), used_before
             before = Snapshot(self.scheduler)
             try:
-                decision = self.scheduler.schedule(step, retry)
+                with phase("scheduler"):
+                    decision = self.scheduler.schedule(step, retry)
             except BaseException as error:
                 before.restore()
                 self._fail_step(error, step, start, num_running, scheduled_used, "while scheduling")
@@ -309,7 +311,8 @@ class LLMEngine:
             failed = {requests[i].request_id: f"sampling failed: {type(e).__name__}: {e}" for i, e in errors.items()}
             used_blocks = self.memory.num_used_blocks
             num_generated = sum(len(r.output_token_ids) < r.max_new_tokens for r in requests if r.request_id in sampled)
-            done = self.scheduler.update_from_output(decision, sampled, result.entries_per_layer, failed)
+            with phase("scheduler"):
+                done = self.scheduler.update_from_output(decision, sampled, result.entries_per_layer, failed)
         except BaseException:
             before_forward.restore()
             for generator, state in states:

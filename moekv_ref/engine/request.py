@@ -68,6 +68,58 @@ class Request:
     def __post_init__(self):
         self.generator: torch.Generator = self.sampling_params.generator()
 
+    # ----- the transitions (the scheduler calls them; the diagram in the module docstring) -----------
+    def admit(self, predicted_blocks: int) -> None:
+        """WAITING -> RUNNING for the first time, with the blocks admission predicted for it."""
+        self.predicted_blocks = predicted_blocks
+        self.status = RequestStatus.RUNNING
+
+    def resume(self) -> None:
+        """PREEMPTED -> RUNNING."""
+        self.status = RequestStatus.RUNNING
+
+    def start_from_prefix(self, hit) -> None:
+        """Its first hit.num_tokens tokens' K/V come from the prefix cache's blocks."""
+        self.num_computed_tokens = hit.num_tokens
+        self.prefix_hit = hit
+
+    def leave_swap_space(self) -> None:
+        """Its blocks are back in the device pool (or dropped from the swap space)."""
+        self.swapped = False
+
+    def preempt(self, swapped: bool) -> None:
+        """RUNNING -> PREEMPTED, its blocks in the swap space (swapped) or freed."""
+        self.status = RequestStatus.PREEMPTED
+        self.swapped = swapped
+        self.num_preemptions += 1
+
+    def forget_computed(self, recomputed: bool = True) -> int:
+        """Its K/V are gone: every token runs again. Returns how many computed tokens were lost,
+        counted as recomputed unless recomputed=False (a prefix copy that never completed)."""
+        lost = self.num_computed_tokens
+        if recomputed:
+            self.num_recomputed_tokens += lost
+        self.num_computed_tokens = 0
+        return lost
+
+    def advance(self, num_tokens: int) -> None:
+        """A step ran its next num_tokens tokens."""
+        self.num_computed_tokens += num_tokens
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def finish(self, step: int, reason: str, error: str | None, actual_blocks: int,
+               final_token_counts: torch.Tensor) -> None:
+        """Any unfinished state -> FINISHED, with what it held at the end."""
+        self.actual_blocks = actual_blocks
+        self.final_token_counts = final_token_counts
+        self.swapped = False
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.finished_step = step
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -284,7 +284,7 @@ class Scheduler:
 
     def _schedule(self, step: int, retry: Retry | None) -> SchedulerOutput:
         out = SchedulerOutput(step)
-        self.manager.clock = step                  # the rows this step appends to remember it
+        self.manager.start_step(step)              # the rows this step appends remember it
         token_budget = self.config.max_num_batched_tokens
         # a retry short of blocks reserves every block free now plus the shortfall: victims go until
         # that many are free
@@ -347,6 +347,10 @@ class Scheduler:
             self.batching.admit(AdmissionStep(self, out, token_budget, reserved, max_admissions))
         return out
 
+    def deciding_on(self, request: Request) -> None:
+        """The request the step is deciding on, named in the note of an exception raised meanwhile."""
+        self.current = request
+
     def may_run_short(self) -> bool:
         """Under optimistic reservation: whether the next step could find a device full, that is,
         whether a request may join it or the worst case of every running request's next tokens
@@ -398,23 +402,23 @@ class Scheduler:
         if request.swapped:
             out.block_copies.append(self.swap_space.swap_in(request.request_id))
             out.swapped_in.append(request)
-            request.swapped = False
+            request.leave_swap_space()
         elif self.prefix_cache is not None and not self.memory.holds(request.request_id):
             copies = self.prefix_cache.start_sequence(request.request_id, request.num_tokens, hit)
             if hit is not None:
-                request.num_computed_tokens, request.prefix_hit = hit.num_tokens, hit
+                request.start_from_prefix(hit)
                 if copies[0].numel():
                     out.block_copies.append(BlockCopy(COPY, *copies))
                     out.prefix_copied.append(request)
         if request.status is RequestStatus.PREEMPTED:
             out.resumed.append(request)
             out.events.append(("resumed", request))
+            request.resume()
         else:
             out.admitted.append(request)
             out.events.append(("admitted", request))
             num_cached = len(request.prompt_token_ids) + self.batching.num_new_tokens(request) - 1
-            request.predicted_blocks = self.predictor.predict(num_cached)
-        request.status = RequestStatus.RUNNING
+            request.admit(self.predictor.predict(num_cached))
         self.running.append(request)
         return request
 
@@ -533,23 +537,22 @@ class Scheduler:
         self.running.remove(request)
         seq_id = request.request_id
         holds = self.memory.holds(seq_id)
-        if self.config.preemption_mode == "swap" and holds and self.swap_space.can_swap_out(seq_id):
+        swapped = self.config.preemption_mode == "swap" and holds and self.swap_space.can_swap_out(seq_id)
+        if swapped:
             copy = self.swap_space.swap_out(seq_id)
             out.block_copies.append(copy)
             out.swapped_out.append(request)
             self.num_swapped_out_blocks += copy.source.numel()
-            request.swapped = True
         else:  # recompute (or the swap space is full): forget the K/V, re-run every token later
             if holds:
                 self.manager.free(seq_id)
                 out.freed.append(seq_id)
             self._forget_computed(request)
-        self._requeue_preempted(request, out)
+        self._requeue_preempted(request, out, swapped)
 
-    def _requeue_preempted(self, request: Request, out: SchedulerOutput) -> None:
+    def _requeue_preempted(self, request: Request, out: SchedulerOutput, swapped: bool = False) -> None:
         """Back to the head of the waiting line: a preempted request keeps its place."""
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
+        request.preempt(swapped)
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         out.preempted.append(request)
@@ -557,9 +560,7 @@ class Scheduler:
 
     def _forget_computed(self, request: Request) -> None:
         """Its K/V are gone: every token runs again."""
-        request.num_recomputed_tokens += request.num_computed_tokens
-        self.num_recomputed_tokens += request.num_computed_tokens
-        request.num_computed_tokens = 0
+        self.num_recomputed_tokens += request.forget_computed()
 
     def _evict_rows(self, eviction: RowEviction, out: SchedulerOutput) -> None:
         """Drop the chosen rows; the request stalls (module docstring)."""
@@ -602,7 +603,7 @@ class Scheduler:
         finished = []
         for item in out.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_tokens
+            request.advance(item.num_tokens)
             if request.request_id in failed:
                 self.finish(request, out.step, "error", failed[request.request_id])
                 finished.append(request)
@@ -613,7 +614,7 @@ class Scheduler:
                                                         request.all_token_ids[: request.num_computed_tokens])
             if not item.samples:
                 continue                           # a prefill chunk: more of it next step
-            request.output_token_ids.append(int(sampled_token_ids[request.request_id]))
+            request.append_output(int(sampled_token_ids[request.request_id]))
             if len(request.output_token_ids) >= self.batching.num_new_tokens(request):
                 self.finish(request, out.step)
                 finished.append(request)
@@ -622,17 +623,14 @@ class Scheduler:
     def finish(self, request: Request, step: int, reason: str = "length", error: str | None = None) -> None:
         """The request leaves, from any unfinished state; its device and swap blocks go back now."""
         seq_id = request.request_id
-        request.actual_blocks = self.memory.num_blocks_held(seq_id)
-        request.final_token_counts = self.memory.token_counts([seq_id])[0]
+        actual_blocks = self.memory.num_blocks_held(seq_id)
+        final_token_counts = self.memory.token_counts([seq_id])[0]
         if self.memory.holds(seq_id):
             self.manager.free(seq_id)
         if request.swapped:
             self.swap_space.discard(seq_id)
-            request.swapped = False
         self.batching.release(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason, request.error = reason, error
-        request.finished_step = step
+        request.finish(step, reason, error, actual_blocks, final_token_counts)
         if request in self.running:
             self.running.remove(request)
         else:
@@ -645,7 +643,7 @@ class Scheduler:
         for request in out.swapped_out:
             if request.swapped:
                 self.swap_space.discard(request.request_id)
-                request.swapped = False
+                request.leave_swap_space()
                 self._forget_computed(request)
         for request in out.swapped_in:
             if request.status is RequestStatus.RUNNING and self.memory.holds(request.request_id):
@@ -654,4 +652,4 @@ class Scheduler:
         for request in out.prefix_copied:       # its copies of straddling blocks may be incomplete
             if request.status is RequestStatus.RUNNING and self.memory.holds(request.request_id):
                 self.manager.free(request.request_id)
-                request.num_computed_tokens = 0  # nothing of its own was computed: not a recompute
+                request.forget_computed(recomputed=False)   # nothing of its own was computed

@@ -82,14 +82,11 @@ class SwapSpace:
             d = int(short[0])
             raise RuntimeError(f"swap_in of sequence {seq_id} needs {int(saved.blocks_per_device[d])} blocks "
                                f"on device {d}, {int(free[d])} free there: check first")
-        index = manager.add_sequence(seq_id)
-        rows = manager.index.sequence_rows(torch.tensor([index]))[0]                         # (L*E,)
-        manager.allocate_slots(rows, saved.token_counts)
-        device_blocks = manager.blocks_of_sequence(seq_id)                             # (b,) new ids
+        device_blocks = manager.restore_sequence(seq_id, saved.token_counts, saved.last_appended)   # (b,) new ids
         assert device_blocks.numel() == saved.host_block_ids.numel()
-        manager.last_appended[rows] = saved.last_appended        # coming back is not a use
+        rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]       # (L*E,)
         if saved.positions is not None:
-            manager.prefix_cache.block_positions[device_blocks] = saved.positions
+            manager.prefix_cache.restore_positions(device_blocks, saved.positions)
         if saved.budget_state is not None:                   # same counts, same slot order: same state
             manager.budget.restore_rows(rows, saved.budget_state)
         self.pool.free(saved.host_block_ids)

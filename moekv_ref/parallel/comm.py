@@ -67,6 +67,10 @@ class Communicator:
         self.records = []
         self.step = -1
 
+    def start_step(self, step: int) -> None:
+        """The collectives from now on belong to `step` (their records and timeout messages say so)."""
+        self.step = step
+
     def bytes_by_step(self) -> dict[int, dict[str, int]]:
         """{step: {category: bytes sent to other ranks}} for this rank."""
         table: dict[int, dict[str, int]] = {}

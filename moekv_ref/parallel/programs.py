@@ -51,7 +51,7 @@ class ModelSpec:
         skew = self.router_skew
         for router in (block.attention.router for block in model.blocks) if skew else ():
             bias = torch.linspace(skew, -skew, router.out_features, dtype=router.weight.dtype)
-            router.bias = torch.nn.Parameter(bias)
+            router.register_parameter("bias", torch.nn.Parameter(bias))
         return model.eval()
 
 

@@ -64,7 +64,7 @@ class ParallelRunner:
     @torch.no_grad()
     def step(self, step: int, tokens: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """This rank's home tokens (N,) of a flat ragged batch -> logits (N, V). Every rank calls it."""
-        self.comm.step = step
+        self.comm.start_step(step)
         traffic = self.traffic.setdefault(step, Counter())
         start = time.perf_counter()
         x = self.shard.embed(tokens)                                                      # (N, D)

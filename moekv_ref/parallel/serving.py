@@ -126,7 +126,7 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
             frees = sorted(on_ranks - set(mirror.sequences))     # finished or preempted since
             body = torch.tensor(batch.token_ids + batch.seq_ids + batch.positions + frees, dtype=torch.int64)
             header[0], header[1] = len(batch.token_ids), len(frees)
-        comm.step = step
+        comm.start_step(step)
         comm.broadcast(header, 0, "plan")
         if int(header[2]):
             break

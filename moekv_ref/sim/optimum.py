@@ -41,6 +41,10 @@ class ScriptedVictims(VictimPolicy):
     name = "scripted"
 
     def __init__(self, script=()):
+        self.follow(script)
+
+    def follow(self, script) -> None:
+        """From the next decision on, take the choices of `script`, from its first."""
         self.script = list(script)
         self.used = 0                     # decisions taken from the script so far
 
@@ -103,7 +107,7 @@ def search_optimum(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: E
                 return                                # cannot beat the best, nor tie it
             if step >= max_steps:
                 raise RuntimeError(f"a branch ran past max_steps={max_steps} without finishing")
-            runner.policy.script, runner.policy.used = script, 0
+            runner.policy.follow(script)
             try:
                 out = scheduler.schedule(step)
             except NeedChoice as need:
