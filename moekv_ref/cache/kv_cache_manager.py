@@ -35,6 +35,17 @@ sequence s lives on s % D instead (a pool sharded by sequence, as expert paralle
 kv_with_sequence and replicated_attention placements keep theirs). Parts, vLLM's style, each own
 their state and are called where they differ: SharedTails and PrefixCache (which do not combine), and
 RowBudget (budget.py: at most B tokens a row, a policy at a full row), which combines with neither.
+
+The manager is the only writer of these tables. Whoever else changes a row asks it:
+
+    allocate_slots, allocate_within_budget   appends (the model's attention, the simulator)
+    note_positions, extend_rows_in_place     the newest tokens' positions; an append that takes no
+                                             block (paged.py's decode plan)
+    place_blocks                             table entries a part took or shares (shared tails)
+    start_from_blocks                        a sequence that starts from shared and copied blocks
+                                             (a prefix hit: prefix_cache.py)
+    restore_sequence                         a sequence back from the swap space (engine/swap.py)
+    free, free_rows, start_step              a sequence or single rows let go; the step's clock
 """
 
 from __future__ import annotations
