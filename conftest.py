@@ -31,8 +31,10 @@ _NEEDS_TRITON = re.compile(r'^[\s"]*(import|from)\s+(moekv_kernels|triton)\b', r
 
 
 def _skip_reason(path: Path) -> str:
-    return (f"{path.name} runs the Triton kernels, and triton is not installed "
-            "(it has wheels for Linux x86_64/aarch64 only)")
+    return (
+        f"{path.name} runs the Triton kernels, and triton is not installed "
+        "(it has wheels for Linux x86_64/aarch64 only)"
+    )
 
 
 def needs_triton(path: Path) -> bool:
@@ -57,19 +59,23 @@ def pytest_pycollect_makemodule(module_path, parent):
     return None
 
 
-@pytest.hookimpl(trylast=True)         # after -k and -m have deselected what they deselect
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected what they deselect
 def pytest_collection_modifyitems(config, items):
     """Notebooks (nbval's items) skipped, cell by cell: those that import the kernels, without triton;
     and those the browser test runs in this session (it is collected only where Chromium and
     playwright are), because it compares their outputs with the stored ones as nbval does."""
     browser_runs = any(item.path.name == "test_browser.py" for item in items)
-    chosen = os.environ.get("BROWSER_TEST_NOTEBOOKS", "*.ipynb")       # the browser test's choice
-    no_triton = not triton_available()                                 # a search of sys.path: once
+    chosen = os.environ.get("BROWSER_TEST_NOTEBOOKS", "*.ipynb")  # the browser test's choice
+    no_triton = not triton_available()  # a search of sys.path: once
     for item in items:
         if item.path.suffix != ".ipynb":
             continue
         if no_triton and needs_triton(item.path):
             item.add_marker(pytest.mark.skip(reason=_skip_reason(item.path)))
         elif browser_runs and fnmatch.fnmatch(item.path.name, chosen):
-            item.add_marker(pytest.mark.skip(reason="tests/test_browser.py runs this notebook in JupyterLab "
-                                                    "in this session and compares its outputs as nbval does"))
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="tests/test_browser.py runs this notebook in JupyterLab "
+                    "in this session and compares its outputs as nbval does"
+                )
+            )

@@ -23,7 +23,8 @@ The memory layout they share is the paged cache's (moekv_ref/cache/paged.py): on
 context_lens (rows,) int32 >= 0 (a row of length 0 gets zeros); slot = block_id * P + offset.
 
 On a CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here when no GPU is
-visible; if another library imported triton first, triton is imported again under the flag). Three rules keep what passes there compiling on a GPU:
+visible; if another library imported triton first, triton is imported again under the flag). Three
+rules keep what passes there compiling on a GPU:
 tiles of 16 or more for tl.dot, no autotune (it needs a GPU; bench.py sweeps tile sizes instead),
 and no bfloat16 arithmetic in the interpreter (kernels convert tiles to float32; stores of new K/V
 are pure copies, converted by torch beforehand). What the interpreter cannot show, a GPU's limits, is
@@ -54,8 +55,9 @@ def _choose_the_interpreter() -> None:
         return
     from triton.language import standard
     from triton.runtime.interpreter import InterpretedFunction
+
     if isinstance(standard.sum, InterpretedFunction):
-        return                                      # imported under the interpreter already
+        return  # imported under the interpreter already
     for name in [n for n in sys.modules if n.split(".")[0] == "triton" and not n.startswith("triton._C")]:
         del sys.modules[name]
 
@@ -68,7 +70,11 @@ from .paged_attention_split_k import paged_attention_split_k  # noqa: E402
 from .store_kv import store_kv, store_kv_reference  # noqa: E402
 
 __all__ = [
-    "expert_gemm", "expert_gemm_reference",
-    "paged_attention", "paged_attention_reference", "paged_attention_split_k",
-    "store_kv", "store_kv_reference",
+    "expert_gemm",
+    "expert_gemm_reference",
+    "paged_attention",
+    "paged_attention_reference",
+    "paged_attention_split_k",
+    "store_kv",
+    "store_kv_reference",
 ]

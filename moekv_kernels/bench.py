@@ -33,7 +33,8 @@ import torch
 from .report import Config, bound_bytes, hbm_bandwidth
 
 NO_GPU_MESSAGE = (
-    "moekv_kernels/bench.py measures Triton kernels on a GPU and this machine has no CUDA device: nothing was measured.\n"
+    "moekv_kernels/bench.py measures Triton kernels on a GPU and this machine has no CUDA device: "
+    "nothing was measured.\n"
     "On a CPU, correctness is checked in the interpreter instead: python -m pytest tests/test_kernels.py"
 )
 
@@ -56,28 +57,52 @@ def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes / (ms * 1e-3) / 1e9
 
 
-def bench_paged_attention(num_rows, context_len, block_size, num_heads=32, num_kv_heads=8, head_dim=128,
-                          dtype=torch.bfloat16, split_k=False, tokens_per_split=512,
-                          with_reference=True) -> dict:
+def bench_paged_attention(
+    num_rows,
+    context_len,
+    block_size,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    dtype=torch.bfloat16,
+    split_k=False,
+    tokens_per_split=512,
+    with_reference=True,
+) -> dict:
     """One paged decode configuration: every row holds context_len tokens in scattered blocks."""
     from .paged_attention import paged_attention, paged_attention_reference, random_paged_inputs
     from .paged_attention_split_k import paged_attention_split_k
 
-    inputs = random_paged_inputs([context_len] * num_rows, num_heads, num_kv_heads, head_dim, block_size,
-                                 dtype, "cuda", spare_blocks=0)
+    inputs = random_paged_inputs(
+        [context_len] * num_rows, num_heads, num_kv_heads, head_dim, block_size, dtype, "cuda", spare_blocks=0
+    )
     if split_k:
         ms = _time_ms(lambda: paged_attention_split_k(*inputs, tokens_per_split=tokens_per_split))
     else:
         ms = _time_ms(lambda: paged_attention(*inputs))
-    config = Config("paged_attention_split_k" if split_k else "paged_attention", _name(dtype), head_dim,
-                    num_kv_heads, num_heads // num_kv_heads, block_size, num_rows, context_len, tokens_per_split)
+    config = Config(
+        "paged_attention_split_k" if split_k else "paged_attention",
+        _name(dtype),
+        head_dim,
+        num_kv_heads,
+        num_heads // num_kv_heads,
+        block_size,
+        num_rows,
+        context_len,
+        tokens_per_split,
+    )
     moved = bound_bytes(config, config.kernel) + (bound_bytes(config, "combine_splits") if split_k else 0)
     result = {
         "kernel": "paged_attention_split_k" if split_k else "paged_attention",
-        "rows": num_rows, "context_len": context_len, "block_size": block_size,
-        "cached_tokens": num_rows * context_len, "heads": f"{num_heads}/{num_kv_heads}x{head_dim}",
-        "dtype": str(dtype).replace("torch.", ""), "time_ms": ms,
-        "bound_bytes": moved, "bandwidth_gb_s": moved / (ms * 1e-3) / 1e9,
+        "rows": num_rows,
+        "context_len": context_len,
+        "block_size": block_size,
+        "cached_tokens": num_rows * context_len,
+        "heads": f"{num_heads}/{num_kv_heads}x{head_dim}",
+        "dtype": str(dtype).replace("torch.", ""),
+        "time_ms": ms,
+        "bound_bytes": moved,
+        "bandwidth_gb_s": moved / (ms * 1e-3) / 1e9,
     }
     if with_reference:
         result["reference_ms"] = _time_ms(lambda: paged_attention_reference(*inputs))
@@ -90,23 +115,37 @@ def bench_store_kv(num_tokens, block_size, num_kv_heads=8, head_dim=128, dtype=t
 
     num_blocks = 2 * num_tokens // block_size + 1
     key, value, key_cache, value_cache, slots = random_store_inputs(
-        num_tokens, num_kv_heads, head_dim, block_size, num_blocks, dtype, "cuda")
-    key, value = key.to(dtype), value.to(dtype)                          # the model hands the pool's dtype
+        num_tokens, num_kv_heads, head_dim, block_size, num_blocks, dtype, "cuda"
+    )
+    key, value = key.to(dtype), value.to(dtype)  # the model hands the pool's dtype
     ms = _time_ms(lambda: store_kv(key, value, key_cache, value_cache, slots))
     reference_ms = _time_ms(lambda: store_kv_reference(key, value, key_cache, value_cache, slots))
     moved = bound_bytes(Config("store_kv", _name(dtype), head_dim, num_kv_heads, rows=num_tokens), "store_kv")
-    return {"kernel": "store_kv", "tokens": num_tokens, "block_size": block_size,
-            "dtype": str(dtype).replace("torch.", ""), "time_ms": ms, "bound_bytes": moved,
-            "bandwidth_gb_s": moved / (ms * 1e-3) / 1e9, "reference_ms": reference_ms,
-            "speedup": reference_ms / ms}
+    return {
+        "kernel": "store_kv",
+        "tokens": num_tokens,
+        "block_size": block_size,
+        "dtype": str(dtype).replace("torch.", ""),
+        "time_ms": ms,
+        "bound_bytes": moved,
+        "bandwidth_gb_s": moved / (ms * 1e-3) / 1e9,
+        "reference_ms": reference_ms,
+        "speedup": reference_ms / ms,
+    }
 
 
 GEMM_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages), swept instead of autotuned
-    (64, 64, 32, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 8, 4),
+    (64, 64, 32, 4, 3),
+    (64, 128, 64, 4, 3),
+    (128, 128, 64, 8, 3),
+    (128, 256, 64, 8, 3),
+    (64, 256, 64, 8, 4),
 ]
 
 
-def bench_expert_gemm(num_tokens, num_experts, model_dim, out_dim, dtype=torch.bfloat16, tiles=GEMM_TILES) -> dict:
+def bench_expert_gemm(
+    num_tokens, num_experts, model_dim, out_dim, dtype=torch.bfloat16, tiles=GEMM_TILES
+) -> dict:
     """Tokens spread unevenly over experts (a Zipf-like split), every tile config tried, best kept."""
     from .expert_gemm import expert_gemm, expert_gemm_reference, random_gemm_inputs
 
@@ -118,8 +157,9 @@ def bench_expert_gemm(num_tokens, num_experts, model_dim, out_dim, dtype=torch.b
     for tile in tiles:
         block_m, block_n, block_k, num_warps, num_stages = tile
         try:
-            times[tile] = _time_ms(lambda: expert_gemm(x, weights, counts, block_m, block_n, block_k,
-                                                       num_warps, num_stages))
+            times[tile] = _time_ms(
+                lambda: expert_gemm(x, weights, counts, block_m, block_n, block_k, num_warps, num_stages)
+            )
         except Exception as error:  # a config the device cannot hold (shared memory) is skipped
             print(f"  tile {tile} skipped: {type(error).__name__}", file=sys.stderr)
     best_tile = min(times, key=times.get)
@@ -127,14 +167,23 @@ def bench_expert_gemm(num_tokens, num_experts, model_dim, out_dim, dtype=torch.b
     matmul_ms = _time_ms(lambda: dense_x @ weights[0])
     reference_ms = _time_ms(lambda: expert_gemm_reference(x, weights, counts))
     flop = 2 * num_tokens * model_dim * out_dim
-    return {"kernel": "expert_gemm", "tokens": num_tokens, "experts": num_experts,
-            "shape": f"{model_dim}x{out_dim}", "dtype": str(dtype).replace("torch.", ""),
-            "best_tile": list(best_tile), "time_ms": times[best_tile],
-            "bound_bytes": bound_bytes(Config("expert_gemm", _name(dtype),
-                                              gemm=(num_tokens, num_experts, model_dim, out_dim)), "expert_gemm"),
-            "tflops": flop / (times[best_tile] * 1e-3) / 1e12,
-            "matmul_tflops": flop / (matmul_ms * 1e-3) / 1e12,
-            "reference_ms": reference_ms, "speedup": reference_ms / times[best_tile]}
+    return {
+        "kernel": "expert_gemm",
+        "tokens": num_tokens,
+        "experts": num_experts,
+        "shape": f"{model_dim}x{out_dim}",
+        "dtype": str(dtype).replace("torch.", ""),
+        "best_tile": list(best_tile),
+        "time_ms": times[best_tile],
+        "bound_bytes": bound_bytes(
+            Config("expert_gemm", _name(dtype), gemm=(num_tokens, num_experts, model_dim, out_dim)),
+            "expert_gemm",
+        ),
+        "tflops": flop / (times[best_tile] * 1e-3) / 1e12,
+        "matmul_tflops": flop / (matmul_ms * 1e-3) / 1e12,
+        "reference_ms": reference_ms,
+        "speedup": reference_ms / times[best_tile],
+    }
 
 
 def run(quick: bool = False) -> dict:
@@ -164,17 +213,24 @@ def run(quick: bool = False) -> dict:
         if "tflops" in result:
             result["fraction_of_matmul"] = result["tflops"] / result["matmul_tflops"]
     return {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "cuda": torch.version.cuda, "python": platform.python_version(),
-        "copy_bandwidth_gb_s": copy_gb_s, "datasheet_bandwidth": datasheet, "results": results,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "copy_bandwidth_gb_s": copy_gb_s,
+        "datasheet_bandwidth": datasheet,
+        "results": results,
     }
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{report['device']}  torch {report['torch']}  triton {report['triton']}  "
-             f"copy bandwidth {report['copy_bandwidth_gb_s']:.0f} GB/s",
-             f"{'kernel':<26}{'configuration':<44}{'time ms':>9}{'bound ms':>9}{'of bound':>9}{'GB/s':>8}{'of copy':>9}"
-             f"{'TFLOP/s':>9}{'of mm':>7}{'speed-up':>10}"]
+    lines = [
+        f"{report['device']}  torch {report['torch']}  triton {report['triton']}  "
+        f"copy bandwidth {report['copy_bandwidth_gb_s']:.0f} GB/s",
+        f"{'kernel':<26}{'configuration':<44}{'time ms':>9}{'bound ms':>9}{'of bound':>9}{'GB/s':>8}{'of copy':>9}"
+        f"{'TFLOP/s':>9}{'of mm':>7}{'speed-up':>10}",
+    ]
     for r in report["results"]:
         if r["kernel"].startswith("paged"):
             config = f"rows {r['rows']} ctx {r['context_len']} P {r['block_size']} {r['heads']} {r['dtype']}"
@@ -185,10 +241,13 @@ def format_table(report: dict) -> str:
 
         def cell(key, width, fmt):
             return f"{r[key]:{width}{fmt}}" if key in r else " " * width
-        lines.append(f"{r['kernel']:<26}{config:<44}{cell('time_ms', 9, '.3f')}{cell('bound_ms', 9, '.3f')}"
-                     f"{cell('fraction_of_bound', 9, '.0%')}{cell('bandwidth_gb_s', 8, '.0f')}"
-                     f"{cell('fraction_of_copy', 9, '.0%')}{cell('tflops', 9, '.1f')}{cell('fraction_of_matmul', 7, '.0%')}"
-                     f"{cell('speedup', 10, '.1f')}")
+
+        lines.append(
+            f"{r['kernel']:<26}{config:<44}{cell('time_ms', 9, '.3f')}{cell('bound_ms', 9, '.3f')}"
+            f"{cell('fraction_of_bound', 9, '.0%')}{cell('bandwidth_gb_s', 8, '.0f')}"
+            f"{cell('fraction_of_copy', 9, '.0%')}{cell('tflops', 9, '.1f')}{cell('fraction_of_matmul', 7, '.0%')}"
+            f"{cell('speedup', 10, '.1f')}"
+        )
     return "\n".join(lines)
 
 

@@ -38,29 +38,33 @@ from ._utils import Launch, check_device, is_interpreting
 # ----- the kernel ---------------------------------------------------------------------------------
 @triton.jit
 def expert_gemm_kernel(
-    out_ptr,                # output (N, F), dtype of x
-    x_ptr,                  # tokens sorted by expert (N, D)
-    weights_ptr,            # (E, D, F), any strides
-    tile_expert_ptr,        # (num_tiles,) int32: expert of each row tile
-    tile_row_start_ptr,     # (num_tiles,) int32: first row of each row tile
-    tile_row_end_ptr,       # (num_tiles,) int32: end row of the tile's expert (masks the padding)
-    model_dim,              # D, the reduction length
-    out_dim,                # F
-    stride_x_row, stride_x_col,                          # x strides
-    stride_w_expert, stride_w_row, stride_w_col,         # weight strides
-    stride_out_row, stride_out_col,                      # out strides
+    out_ptr,  # output (N, F), dtype of x
+    x_ptr,  # tokens sorted by expert (N, D)
+    weights_ptr,  # (E, D, F), any strides
+    tile_expert_ptr,  # (num_tiles,) int32: expert of each row tile
+    tile_row_start_ptr,  # (num_tiles,) int32: first row of each row tile
+    tile_row_end_ptr,  # (num_tiles,) int32: end row of the tile's expert (masks the padding)
+    model_dim,  # D, the reduction length
+    out_dim,  # F
+    stride_x_row,
+    stride_x_col,  # x strides
+    stride_w_expert,
+    stride_w_row,
+    stride_w_col,  # weight strides
+    stride_out_row,
+    stride_out_col,  # out strides
     BLOCK_M: tl.constexpr,  # rows per tile (>= 16)
     BLOCK_N: tl.constexpr,  # output columns per tile (>= 16)
     BLOCK_K: tl.constexpr,  # reduction step (>= 16)
-    UPCAST: tl.constexpr,   # convert tiles to float32 before tl.dot (float32 inputs, or the interpreter)
+    UPCAST: tl.constexpr,  # convert tiles to float32 before tl.dot (float32 inputs, or the interpreter)
 ):
     tile = tl.program_id(0)
     column_tile = tl.program_id(1)
     expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
     row_start = tl.load(tile_row_start_ptr + tile)
     row_end = tl.load(tile_row_end_ptr + tile)
-    rows = row_start + tl.arange(0, BLOCK_M)                            # (BLOCK_M,)
-    columns = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)             # (BLOCK_N,)
+    rows = row_start + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    columns = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_valid = rows < row_end
     column_valid = columns < out_dim
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
@@ -69,18 +73,24 @@ def expert_gemm_kernel(
     for k_start in range(0, model_dim, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         k_valid = ks < model_dim
-        x_tile = tl.load(x_rows + ks[None, :] * stride_x_col,
-                         mask=row_valid[:, None] & k_valid[None, :], other=0.0)           # (BLOCK_M, BLOCK_K)
-        w_tile = tl.load(w_columns + ks[:, None] * stride_w_row,
-                         mask=k_valid[:, None] & column_valid[None, :], other=0.0)        # (BLOCK_K, BLOCK_N)
+        x_tile = tl.load(
+            x_rows + ks[None, :] * stride_x_col, mask=row_valid[:, None] & k_valid[None, :], other=0.0
+        )  # (BLOCK_M, BLOCK_K)
+        w_tile = tl.load(
+            w_columns + ks[:, None] * stride_w_row, mask=k_valid[:, None] & column_valid[None, :], other=0.0
+        )  # (BLOCK_K, BLOCK_N)
         if UPCAST:
-            accumulator = tl.dot(x_tile.to(tl.float32), w_tile.to(tl.float32), accumulator,
-                                 input_precision="ieee")
+            accumulator = tl.dot(
+                x_tile.to(tl.float32), w_tile.to(tl.float32), accumulator, input_precision="ieee"
+            )
         else:
             accumulator = tl.dot(x_tile, w_tile, accumulator)
     out_offsets = rows.to(tl.int64)[:, None] * stride_out_row + columns[None, :] * stride_out_col
-    tl.store(out_ptr + out_offsets, accumulator.to(out_ptr.dtype.element_ty),
-             mask=row_valid[:, None] & column_valid[None, :])
+    tl.store(
+        out_ptr + out_offsets,
+        accumulator.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & column_valid[None, :],
+    )
 
 
 # ----- the launcher -------------------------------------------------------------------------------
@@ -91,24 +101,30 @@ def tile_schedule(counts: torch.Tensor, block_m: int):
     and BLOCK_M = 4: tiles (expert 0, rows 0..3 end 3), (expert 2, rows 3..7 end 8), (2, 7..11, 8).
     """
     counts = counts.long()
-    ends = counts.cumsum(0)                                              # (E,)
+    ends = counts.cumsum(0)  # (E,)
     starts = ends - counts
-    tiles_per_expert = (counts + block_m - 1) // block_m                 # (E,)
+    tiles_per_expert = (counts + block_m - 1) // block_m  # (E,)
     experts = torch.arange(counts.numel(), device=counts.device)
-    tile_expert = experts.repeat_interleave(tiles_per_expert)            # (num_tiles,)
-    first_tile = tiles_per_expert.cumsum(0) - tiles_per_expert           # (E,)
+    tile_expert = experts.repeat_interleave(tiles_per_expert)  # (num_tiles,)
+    first_tile = tiles_per_expert.cumsum(0) - tiles_per_expert  # (E,)
     index_in_expert = torch.arange(tile_expert.numel(), device=counts.device) - first_tile[tile_expert]
     tile_row_start = starts[tile_expert] + index_in_expert * block_m
     return tile_expert.int(), tile_row_start.int(), ends[tile_expert].int()
 
 
-def expert_gemm_launch(x, weights, counts, block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3) -> Launch:
+def expert_gemm_launch(
+    x, weights, counts, block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3
+) -> Launch:
     """Checks, the tile schedule, the output and the launch (moekv_kernels/report.py compiles it)."""
-    assert x.dim() == 2 and weights.dim() == 3, f"x (N, D), weights (E, D, F); got {tuple(x.shape)}, {tuple(weights.shape)}"
+    assert x.dim() == 2 and weights.dim() == 3, (
+        f"x (N, D), weights (E, D, F); got {tuple(x.shape)}, {tuple(weights.shape)}"
+    )
     num_tokens, model_dim = x.shape
     num_experts, weight_rows, out_dim = weights.shape
     assert weight_rows == model_dim, f"weights rows {weight_rows} != x columns {model_dim}"
-    assert counts.shape == (num_experts,), f"counts must be (E,) = ({num_experts},), got {tuple(counts.shape)}"
+    assert counts.shape == (num_experts,), (
+        f"counts must be (E,) = ({num_experts},), got {tuple(counts.shape)}"
+    )
     assert x.dtype == weights.dtype, f"x is {x.dtype}, weights {weights.dtype}"
     assert min(block_m, block_n, block_k) >= 16, "tiles under 16 do not compile for tl.dot on a GPU"
     check_device(x, weights, counts)
@@ -118,12 +134,33 @@ def expert_gemm_launch(x, weights, counts, block_m=64, block_n=64, block_k=32, n
     out = torch.empty(num_tokens, out_dim, dtype=x.dtype, device=x.device)
     grid = (tile_expert.numel(), triton.cdiv(out_dim, block_n))
     return Launch(
-        expert_gemm_kernel, grid,
-        (out, x, weights, tile_expert, tile_row_start, tile_row_end, model_dim, out_dim,
-         x.stride(0), x.stride(1), weights.stride(0), weights.stride(1), weights.stride(2),
-         out.stride(0), out.stride(1)),
-        dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-             UPCAST=x.dtype == torch.float32 or is_interpreting(), num_warps=num_warps, num_stages=num_stages),
+        expert_gemm_kernel,
+        grid,
+        (
+            out,
+            x,
+            weights,
+            tile_expert,
+            tile_row_start,
+            tile_row_end,
+            model_dim,
+            out_dim,
+            x.stride(0),
+            x.stride(1),
+            weights.stride(0),
+            weights.stride(1),
+            weights.stride(2),
+            out.stride(0),
+            out.stride(1),
+        ),
+        dict(
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            UPCAST=x.dtype == torch.float32 or is_interpreting(),
+            num_warps=num_warps,
+            num_stages=num_stages,
+        ),
     )
 
 
@@ -153,7 +190,7 @@ def expert_gemm_reference(x, weights, counts) -> torch.Tensor:
     out = torch.empty(x.shape[0], weights.shape[2], dtype=x.dtype, device=x.device)
     start = 0
     for expert, count in enumerate(counts.tolist()):
-        out[start:start + count] = (x[start:start + count].float() @ weights[expert].float()).to(x.dtype)
+        out[start : start + count] = (x[start : start + count].float() @ weights[expert].float()).to(x.dtype)
         start += count
     return out
 
@@ -167,9 +204,11 @@ def random_gemm_inputs(
     seed: int = 0,
 ):
     """x (sum(counts), D), weights (E, D, F) scaled so outputs are O(1), counts (E,) int32."""
-    generator = torch.Generator(device).manual_seed(seed)   # drawn on the device: large pools are cheap
+    generator = torch.Generator(device).manual_seed(seed)  # drawn on the device: large pools are cheap
     x = torch.randn(sum(counts), model_dim, generator=generator, device=device).to(dtype)
-    weights = (torch.randn(len(counts), model_dim, out_dim, generator=generator, device=device) * model_dim**-0.5).to(dtype)
+    weights = (
+        torch.randn(len(counts), model_dim, out_dim, generator=generator, device=device) * model_dim**-0.5
+    ).to(dtype)
     return x, weights, torch.tensor(counts, dtype=torch.int32, device=device)
 
 

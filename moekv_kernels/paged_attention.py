@@ -83,22 +83,22 @@ from ._utils import Launch, check_device, is_interpreting
 # ----- the kernel ---------------------------------------------------------------------------------
 @triton.jit
 def attend_token_range(
-    query,                  # (GROUP_TILE, HEAD_DIM_TILE) query heads of one KV head, zero-padded rows
-    key_cache_ptr,          # key pool, (num_blocks, P, Hkv, Dh) contiguous
-    value_cache_ptr,        # value pool, same layout as the key pool
-    block_table_ptr,        # this row's block table: logical block i -> physical block id (int32)
-    kv_head,                # which KV head of the pool this program reads
-    token_start,            # first logical token of the row to attend over
-    token_end,              # one past the last (the row's context length, or a split's end)
-    stride_slot,            # elements between consecutive slots of the pool (Hkv * Dh)
-    stride_head,            # elements between consecutive KV heads of a slot (Dh)
-    head_dim,               # Dh, the real width; HEAD_DIM_TILE >= Dh is its power-of-two tile
-    scale,                  # 1 / sqrt(Dh), applied to the float32 scores
-    BLOCK_SIZE: tl.constexpr,     # P, tokens per block
-    TOKEN_TILE: tl.constexpr,     # logical tokens per loop iteration (>= 16, a power of two)
-    GROUP_TILE: tl.constexpr,     # query heads in `query`, a power of two >= 16 (tl.dot's minimum)
+    query,  # (GROUP_TILE, HEAD_DIM_TILE) query heads of one KV head, zero-padded rows
+    key_cache_ptr,  # key pool, (num_blocks, P, Hkv, Dh) contiguous
+    value_cache_ptr,  # value pool, same layout as the key pool
+    block_table_ptr,  # this row's block table: logical block i -> physical block id (int32)
+    kv_head,  # which KV head of the pool this program reads
+    token_start,  # first logical token of the row to attend over
+    token_end,  # one past the last (the row's context length, or a split's end)
+    stride_slot,  # elements between consecutive slots of the pool (Hkv * Dh)
+    stride_head,  # elements between consecutive KV heads of a slot (Dh)
+    head_dim,  # Dh, the real width; HEAD_DIM_TILE >= Dh is its power-of-two tile
+    scale,  # 1 / sqrt(Dh), applied to the float32 scores
+    BLOCK_SIZE: tl.constexpr,  # P, tokens per block
+    TOKEN_TILE: tl.constexpr,  # logical tokens per loop iteration (>= 16, a power of two)
+    GROUP_TILE: tl.constexpr,  # query heads in `query`, a power of two >= 16 (tl.dot's minimum)
     HEAD_DIM_TILE: tl.constexpr,  # next power of two >= max(Dh, 16)
-    UPCAST: tl.constexpr,         # convert K/V tiles to float32 before tl.dot (see the module docstring)
+    UPCAST: tl.constexpr,  # convert K/V tiles to float32 before tl.dot (see the module docstring)
 ):
     """Online softmax of `query` over logical tokens [token_start, token_end) of one row.
 
@@ -113,11 +113,11 @@ def attend_token_range(
     running_sum = tl.zeros([GROUP_TILE], tl.float32)
     accumulator = tl.zeros([GROUP_TILE, HEAD_DIM_TILE], tl.float32)
     for tile_start in range(token_start, token_end, TOKEN_TILE):
-        tokens = tile_start + tl.arange(0, TOKEN_TILE)                   # logical token indices
+        tokens = tile_start + tl.arange(0, TOKEN_TILE)  # logical token indices
         token_valid = tokens < token_end
         block_ids = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=token_valid, other=0)
         slots = block_ids.to(tl.int64) * BLOCK_SIZE + tokens % BLOCK_SIZE  # (TOKEN_TILE,)
-        row_offsets = slots * stride_slot + kv_head * stride_head          # int64, one per token
+        row_offsets = slots * stride_slot + kv_head * stride_head  # int64, one per token
         load_mask = token_valid[:, None] & dim_valid[None, :]
         keys = tl.load((key_cache_ptr + row_offsets)[:, None] + dims[None, :], mask=load_mask, other=0.0)
         values = tl.load((value_cache_ptr + row_offsets)[:, None] + dims[None, :], mask=load_mask, other=0.0)
@@ -129,28 +129,29 @@ def attend_token_range(
         scores = tl.where(token_valid[None, :], scores, float("-inf"))
         # every tile holds >= 1 valid token, so new_max is finite and no -inf - -inf appears
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp(running_max - new_max)                       # 0 on the first tile
+        correction = tl.exp(running_max - new_max)  # 0 on the first tile
         # softmax weights in the cache's dtype, the operand type of the second product; the sum is
         # taken of the same rounded weights, so each row's weights still add up to exactly one
         weights = tl.exp(scores - new_max[:, None]).to(value_cache_ptr.dtype.element_ty)
         running_sum = running_sum * correction + tl.sum(weights.to(tl.float32), axis=1)
-        accumulator = tl.dot(weights.to(values.dtype), values, accumulator * correction[:, None],
-                             input_precision="ieee")
+        accumulator = tl.dot(
+            weights.to(values.dtype), values, accumulator * correction[:, None], input_precision="ieee"
+        )
         running_max = new_max
     return accumulator, running_max, running_sum
 
 
 @triton.jit
 def load_query_group(
-    q_ptr,                  # queries (R, H, Dh), contiguous
-    row,                    # which row
-    kv_head,                # which KV head; its query heads are kv_head * group ... + group - 1
-    num_heads,              # H
-    group,                  # H // Hkv, query heads per KV head
-    head_dim,               # Dh
-    GROUP_TILE: tl.constexpr,     # power of two >= max(group, 16)
+    q_ptr,  # queries (R, H, Dh), contiguous
+    row,  # which row
+    kv_head,  # which KV head; its query heads are kv_head * group ... + group - 1
+    num_heads,  # H
+    group,  # H // Hkv, query heads per KV head
+    head_dim,  # Dh
+    GROUP_TILE: tl.constexpr,  # power of two >= max(group, 16)
     HEAD_DIM_TILE: tl.constexpr,  # power of two >= max(Dh, 16)
-    UPCAST: tl.constexpr,         # float32 (the K/V tiles are converted too), else the cache's dtype
+    UPCAST: tl.constexpr,  # float32 (the K/V tiles are converted too), else the cache's dtype
 ):
     """The query heads of one KV head as a (GROUP_TILE, HEAD_DIM_TILE) tile, zero-padded."""
     heads = kv_head * group + tl.arange(0, GROUP_TILE)
@@ -165,33 +166,48 @@ def load_query_group(
 
 @triton.jit
 def paged_attention_kernel(
-    out_ptr,                # output (R, H, Dh), contiguous, dtype of q
-    q_ptr,                  # queries (R, H, Dh), contiguous, one decode token per row
-    key_cache_ptr,          # key pool (num_blocks, P, Hkv, Dh), contiguous
-    value_cache_ptr,        # value pool, same layout
-    block_tables_ptr,       # (R, max_blocks_per_row) int32
-    context_lens_ptr,       # (R,) int32, tokens cached per row (0 gives a zero output)
-    max_blocks_per_row,     # row stride of block_tables
-    num_heads,              # H
-    group,                  # H // Hkv
-    head_dim,               # Dh
-    stride_slot,            # Hkv * Dh
-    stride_head,            # Dh
-    scale,                  # 1 / sqrt(Dh)
-    BLOCK_SIZE: tl.constexpr,     # P
-    TOKEN_TILE: tl.constexpr,     # tokens per loop iteration, >= 16
-    GROUP_TILE: tl.constexpr,     # power of two >= max(group, 16)
+    out_ptr,  # output (R, H, Dh), contiguous, dtype of q
+    q_ptr,  # queries (R, H, Dh), contiguous, one decode token per row
+    key_cache_ptr,  # key pool (num_blocks, P, Hkv, Dh), contiguous
+    value_cache_ptr,  # value pool, same layout
+    block_tables_ptr,  # (R, max_blocks_per_row) int32
+    context_lens_ptr,  # (R,) int32, tokens cached per row (0 gives a zero output)
+    max_blocks_per_row,  # row stride of block_tables
+    num_heads,  # H
+    group,  # H // Hkv
+    head_dim,  # Dh
+    stride_slot,  # Hkv * Dh
+    stride_head,  # Dh
+    scale,  # 1 / sqrt(Dh)
+    BLOCK_SIZE: tl.constexpr,  # P
+    TOKEN_TILE: tl.constexpr,  # tokens per loop iteration, >= 16
+    GROUP_TILE: tl.constexpr,  # power of two >= max(group, 16)
     HEAD_DIM_TILE: tl.constexpr,  # power of two >= max(Dh, 16)
-    UPCAST: tl.constexpr,         # products in float32 (float32 cache, mixed dtypes, interpreter)
+    UPCAST: tl.constexpr,  # products in float32 (float32 cache, mixed dtypes, interpreter)
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + row)
-    query = load_query_group(q_ptr, row, kv_head, num_heads, group, head_dim, GROUP_TILE, HEAD_DIM_TILE, UPCAST)
+    query = load_query_group(
+        q_ptr, row, kv_head, num_heads, group, head_dim, GROUP_TILE, HEAD_DIM_TILE, UPCAST
+    )
     accumulator, _, running_sum = attend_token_range(
-        query, key_cache_ptr, value_cache_ptr, block_tables_ptr + row.to(tl.int64) * max_blocks_per_row,
-        kv_head, 0, context_len, stride_slot, stride_head, head_dim, scale,
-        BLOCK_SIZE, TOKEN_TILE, GROUP_TILE, HEAD_DIM_TILE, UPCAST,
+        query,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_tables_ptr + row.to(tl.int64) * max_blocks_per_row,
+        kv_head,
+        0,
+        context_len,
+        stride_slot,
+        stride_head,
+        head_dim,
+        scale,
+        BLOCK_SIZE,
+        TOKEN_TILE,
+        GROUP_TILE,
+        HEAD_DIM_TILE,
+        UPCAST,
     )
     # an empty row (context_len 0) has running_sum 0 and an all-zero accumulator: it writes zeros
     out = accumulator / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
@@ -231,8 +247,13 @@ def decode_tiles(group: int, head_dim: int, token_tile: int | None = None) -> di
     head_dim_tile = max(16, triton.next_power_of_2(head_dim))
     token_tile = token_tile or max(16, 2048 // head_dim_tile)
     assert token_tile >= 16 and token_tile & (token_tile - 1) == 0, "token_tile: a power of two >= 16"
-    return dict(GROUP_TILE=max(16, triton.next_power_of_2(group)), HEAD_DIM_TILE=head_dim_tile,
-                TOKEN_TILE=token_tile, num_warps=4, num_stages=2)
+    return dict(
+        GROUP_TILE=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM_TILE=head_dim_tile,
+        TOKEN_TILE=token_tile,
+        num_warps=4,
+        num_stages=2,
+    )
 
 
 def products_in_float32(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -251,11 +272,28 @@ def paged_attention_launch(q, key_cache, value_cache, block_tables, context_lens
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     return Launch(
-        paged_attention_kernel, (num_rows, num_kv_heads),
-        (out, q, key_cache, value_cache, block_tables, context_lens, block_tables.shape[1], num_heads, group,
-         head_dim, num_kv_heads * head_dim, head_dim, 1.0 / math.sqrt(head_dim)),
-        dict(BLOCK_SIZE=block_size, UPCAST=products_in_float32(q, key_cache),
-             **decode_tiles(group, head_dim, token_tile)),
+        paged_attention_kernel,
+        (num_rows, num_kv_heads),
+        (
+            out,
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            block_tables.shape[1],
+            num_heads,
+            group,
+            head_dim,
+            num_kv_heads * head_dim,
+            head_dim,
+            1.0 / math.sqrt(head_dim),
+        ),
+        dict(
+            BLOCK_SIZE=block_size,
+            UPCAST=products_in_float32(q, key_cache),
+            **decode_tiles(group, head_dim, token_tile),
+        ),
     )
 
 
@@ -280,8 +318,8 @@ def gather_row(cache: torch.Tensor, block_table: torch.Tensor, context_len: int)
     """The row's tokens in logical order: (context_len, Hkv, Dh). Only the used blocks are read."""
     block_size = cache.shape[1]
     num_blocks = -(-context_len // block_size)
-    blocks = cache[block_table[:num_blocks].long()]                      # (num_blocks, P, Hkv, Dh)
-    return blocks.flatten(0, 1)[:context_len]                            # (context_len, Hkv, Dh)
+    blocks = cache[block_table[:num_blocks].long()]  # (num_blocks, P, Hkv, Dh)
+    return blocks.flatten(0, 1)[:context_len]  # (context_len, Hkv, Dh)
 
 
 def paged_attention_reference(q, key_cache, value_cache, block_tables, context_lens) -> torch.Tensor:
@@ -291,9 +329,9 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, context_l
     out = torch.empty_like(q)
     for row in range(num_rows):
         context_len = int(context_lens[row])
-        keys = gather_row(key_cache, block_tables[row], context_len).float()      # (n, Hkv, Dh)
+        keys = gather_row(key_cache, block_tables[row], context_len).float()  # (n, Hkv, Dh)
         values = gather_row(value_cache, block_tables[row], context_len).float()
-        keys = keys.repeat_interleave(group, dim=1)                               # (n, H, Dh)
+        keys = keys.repeat_interleave(group, dim=1)  # (n, H, Dh)
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[row].float(), keys) / math.sqrt(head_dim)  # (H, n)
         out[row] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), values).to(q.dtype)
@@ -314,17 +352,19 @@ def random_paged_inputs(
 ):
     """A pool whose blocks are handed to rows in a shuffled order (scattered block ids), plus the
     queries, block tables (padded with -1, which the kernel must never read) and context lengths."""
-    generator = torch.Generator(device).manual_seed(seed)   # drawn on the device: large pools are cheap
+    generator = torch.Generator(device).manual_seed(seed)  # drawn on the device: large pools are cheap
     blocks_per_row = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(blocks_per_row) + spare_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache = torch.randn(shape, generator=generator, device=device).to(dtype)
     value_cache = torch.randn(shape, generator=generator, device=device).to(dtype)
     order = torch.randperm(num_blocks, generator=generator, device=device)
-    block_tables = torch.full((len(context_lens), max(blocks_per_row) + 1), -1, dtype=torch.int32, device=device)
+    block_tables = torch.full(
+        (len(context_lens), max(blocks_per_row) + 1), -1, dtype=torch.int32, device=device
+    )
     used = 0
     for row, count in enumerate(blocks_per_row):
-        block_tables[row, :count] = order[used:used + count].int()
+        block_tables[row, :count] = order[used : used + count].int()
         used += count
     q = torch.randn(len(context_lens), num_heads, head_dim, generator=generator, device=device).to(dtype)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)

@@ -39,8 +39,8 @@ from .paged_attention import (  # noqa: F401  (re-exported)
     check_paged_inputs,
     decode_tiles,
     load_query_group,
-    products_in_float32,
     paged_attention_reference,
+    products_in_float32,
     random_paged_inputs,
 )
 
@@ -48,49 +48,64 @@ from .paged_attention import (  # noqa: F401  (re-exported)
 # ----- the kernels --------------------------------------------------------------------------------
 @triton.jit
 def paged_attention_split_kernel(
-    partial_out_ptr,        # (R, H, num_splits, Dh) float32: each split's normalized output
-    partial_lse_ptr,        # (R, H, num_splits) float32: each split's log-sum-exp of scores
-    q_ptr,                  # queries (R, H, Dh), contiguous
-    key_cache_ptr,          # key pool (num_blocks, P, Hkv, Dh), contiguous
-    value_cache_ptr,        # value pool, same layout
-    block_tables_ptr,       # (R, max_blocks_per_row) int32
-    context_lens_ptr,       # (R,) int32, >= 0
-    max_blocks_per_row,     # row stride of block_tables
-    num_heads,              # H
-    group,                  # H // Hkv
-    head_dim,               # Dh
-    stride_slot,            # Hkv * Dh
-    stride_head,            # Dh
-    scale,                  # 1 / sqrt(Dh)
-    num_splits,             # splits per row
-    tokens_per_split,       # S, a multiple of TOKEN_TILE
-    BLOCK_SIZE: tl.constexpr,     # P
-    TOKEN_TILE: tl.constexpr,     # tokens per loop iteration, >= 16
-    GROUP_TILE: tl.constexpr,     # power of two >= max(group, 16)
+    partial_out_ptr,  # (R, H, num_splits, Dh) float32: each split's normalized output
+    partial_lse_ptr,  # (R, H, num_splits) float32: each split's log-sum-exp of scores
+    q_ptr,  # queries (R, H, Dh), contiguous
+    key_cache_ptr,  # key pool (num_blocks, P, Hkv, Dh), contiguous
+    value_cache_ptr,  # value pool, same layout
+    block_tables_ptr,  # (R, max_blocks_per_row) int32
+    context_lens_ptr,  # (R,) int32, >= 0
+    max_blocks_per_row,  # row stride of block_tables
+    num_heads,  # H
+    group,  # H // Hkv
+    head_dim,  # Dh
+    stride_slot,  # Hkv * Dh
+    stride_head,  # Dh
+    scale,  # 1 / sqrt(Dh)
+    num_splits,  # splits per row
+    tokens_per_split,  # S, a multiple of TOKEN_TILE
+    BLOCK_SIZE: tl.constexpr,  # P
+    TOKEN_TILE: tl.constexpr,  # tokens per loop iteration, >= 16
+    GROUP_TILE: tl.constexpr,  # power of two >= max(group, 16)
     HEAD_DIM_TILE: tl.constexpr,  # power of two >= max(Dh, 16)
-    UPCAST: tl.constexpr,         # products in float32 (float32 cache, mixed dtypes, interpreter)
+    UPCAST: tl.constexpr,  # products in float32 (float32 cache, mixed dtypes, interpreter)
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + row)
     token_start = split * tokens_per_split
-    token_end = tl.minimum(token_start + tokens_per_split, context_len)   # <= start when empty
-    query = load_query_group(q_ptr, row, kv_head, num_heads, group, head_dim, GROUP_TILE, HEAD_DIM_TILE, UPCAST)
-    accumulator, running_max, running_sum = attend_token_range(
-        query, key_cache_ptr, value_cache_ptr, block_tables_ptr + row.to(tl.int64) * max_blocks_per_row,
-        kv_head, token_start, token_end, stride_slot, stride_head, head_dim, scale,
-        BLOCK_SIZE, TOKEN_TILE, GROUP_TILE, HEAD_DIM_TILE, UPCAST,
+    token_end = tl.minimum(token_start + tokens_per_split, context_len)  # <= start when empty
+    query = load_query_group(
+        q_ptr, row, kv_head, num_heads, group, head_dim, GROUP_TILE, HEAD_DIM_TILE, UPCAST
     )
-    nonempty = running_sum > 0                                           # (GROUP_TILE,)
-    safe_sum = tl.where(nonempty, running_sum, 1.0)                      # no 0/0, no log(0)
-    out = accumulator / safe_sum[:, None]                                # an empty split writes 0
+    accumulator, running_max, running_sum = attend_token_range(
+        query,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_tables_ptr + row.to(tl.int64) * max_blocks_per_row,
+        kv_head,
+        token_start,
+        token_end,
+        stride_slot,
+        stride_head,
+        head_dim,
+        scale,
+        BLOCK_SIZE,
+        TOKEN_TILE,
+        GROUP_TILE,
+        HEAD_DIM_TILE,
+        UPCAST,
+    )
+    nonempty = running_sum > 0  # (GROUP_TILE,)
+    safe_sum = tl.where(nonempty, running_sum, 1.0)  # no 0/0, no log(0)
+    out = accumulator / safe_sum[:, None]  # an empty split writes 0
     lse = tl.where(nonempty, running_max + tl.log(safe_sum), float("-inf"))
     group_index = tl.arange(0, GROUP_TILE)
     heads = kv_head * group + group_index
     dims = tl.arange(0, HEAD_DIM_TILE)
     head_valid = group_index < group
-    lse_offsets = (row * num_heads + heads) * num_splits + split                     # (GROUP_TILE,)
+    lse_offsets = (row * num_heads + heads) * num_splits + split  # (GROUP_TILE,)
     tl.store(partial_lse_ptr + lse_offsets, lse, mask=head_valid)
     out_offsets = lse_offsets[:, None] * head_dim + dims[None, :]
     tl.store(partial_out_ptr + out_offsets, out, mask=head_valid[:, None] & (dims < head_dim)[None, :])
@@ -98,15 +113,15 @@ def paged_attention_split_kernel(
 
 @triton.jit
 def combine_splits_kernel(
-    out_ptr,                # output (R, H, Dh), dtype of q
-    partial_out_ptr,        # (R, H, num_splits, Dh) float32
-    partial_lse_ptr,        # (R, H, num_splits) float32
-    num_splits,             # splits per row
-    head_dim,               # Dh
-    SPLIT_TILE: tl.constexpr,     # next power of two >= num_splits
+    out_ptr,  # output (R, H, Dh), dtype of q
+    partial_out_ptr,  # (R, H, num_splits, Dh) float32
+    partial_lse_ptr,  # (R, H, num_splits) float32
+    num_splits,  # splits per row
+    head_dim,  # Dh
+    SPLIT_TILE: tl.constexpr,  # next power of two >= num_splits
     HEAD_DIM_TILE: tl.constexpr,  # next power of two >= Dh
 ):
-    row_head = tl.program_id(0)                                          # row * H + head
+    row_head = tl.program_id(0)  # row * H + head
     splits = tl.arange(0, SPLIT_TILE)
     dims = tl.arange(0, HEAD_DIM_TILE)
     split_valid = splits < num_splits
@@ -116,18 +131,21 @@ def combine_splits_kernel(
     # the row gets zeros
     split_max = tl.max(lse, axis=0)
     split_max = tl.where(split_max > float("-inf"), split_max, 0.0)
-    weights = tl.exp(lse - split_max)                                    # (SPLIT_TILE,)
+    weights = tl.exp(lse - split_max)  # (SPLIT_TILE,)
     total = tl.sum(weights, axis=0)
     offsets = (row_head * num_splits + splits)[:, None] * head_dim + dims[None, :]
     # an empty split's partial output is never read (its weight is 0 either way)
-    partial = tl.load(partial_out_ptr + offsets, mask=(weights > 0)[:, None] & (dims < head_dim)[None, :], other=0.0)
+    partial = tl.load(
+        partial_out_ptr + offsets, mask=(weights > 0)[:, None] & (dims < head_dim)[None, :], other=0.0
+    )
     out = tl.sum(weights[:, None] * partial, axis=0) / tl.where(total > 0, total, 1.0)  # (HEAD_DIM_TILE,)
     tl.store(out_ptr + row_head * head_dim + dims, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
 # ----- the launcher -------------------------------------------------------------------------------
-def paged_attention_split_k_launches(q, key_cache, value_cache, block_tables, context_lens,
-                                     tokens_per_split=512, token_tile=None) -> list[Launch]:
+def paged_attention_split_k_launches(
+    q, key_cache, value_cache, block_tables, context_lens, tokens_per_split=512, token_tile=None
+) -> list[Launch]:
     """Checks, buffers and the two launches (splits, then their combination) that
     moekv_kernels/report.py compiles and the launcher runs."""
     check_paged_inputs(q, key_cache, value_cache, block_tables, context_lens)
@@ -138,22 +156,41 @@ def paged_attention_split_k_launches(q, key_cache, value_cache, block_tables, co
     group = num_heads // num_kv_heads
     tiles = decode_tiles(group, head_dim, token_tile)
     tokens_per_split = triton.cdiv(tokens_per_split, tiles["TOKEN_TILE"]) * tiles["TOKEN_TILE"]
-    max_tokens = block_tables.shape[1] * block_size                      # an upper bound, no sync
+    max_tokens = block_tables.shape[1] * block_size  # an upper bound, no sync
     num_splits = max(1, triton.cdiv(max_tokens, tokens_per_split))
     out = torch.empty_like(q)
     partial_out = torch.empty(num_rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=q.device)
     splits = Launch(
-        paged_attention_split_kernel, (num_rows, num_kv_heads, num_splits),
-        (partial_out, partial_lse, q, key_cache, value_cache, block_tables, context_lens,
-         block_tables.shape[1], num_heads, group, head_dim, num_kv_heads * head_dim, head_dim,
-         1.0 / math.sqrt(head_dim), num_splits, tokens_per_split),
+        paged_attention_split_kernel,
+        (num_rows, num_kv_heads, num_splits),
+        (
+            partial_out,
+            partial_lse,
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            block_tables.shape[1],
+            num_heads,
+            group,
+            head_dim,
+            num_kv_heads * head_dim,
+            head_dim,
+            1.0 / math.sqrt(head_dim),
+            num_splits,
+            tokens_per_split,
+        ),
         dict(BLOCK_SIZE=block_size, UPCAST=products_in_float32(q, key_cache), **tiles),
     )
     combine = Launch(
-        combine_splits_kernel, (num_rows * num_heads,),
+        combine_splits_kernel,
+        (num_rows * num_heads,),
         (out, partial_out, partial_lse, num_splits, head_dim),
-        dict(SPLIT_TILE=triton.next_power_of_2(num_splits), HEAD_DIM_TILE=tiles["HEAD_DIM_TILE"], num_warps=4),
+        dict(
+            SPLIT_TILE=triton.next_power_of_2(num_splits), HEAD_DIM_TILE=tiles["HEAD_DIM_TILE"], num_warps=4
+        ),
     )
     return [splits, combine]
 
@@ -172,8 +209,9 @@ def paged_attention_split_k(
     Same contract as moekv_kernels.paged_attention.paged_attention; the result equals it up to the order
     of float32 additions. tokens_per_split is rounded up to a multiple of the token tile.
     """
-    launches = paged_attention_split_k_launches(q, key_cache, value_cache, block_tables, context_lens,
-                                                tokens_per_split, token_tile)
+    launches = paged_attention_split_k_launches(
+        q, key_cache, value_cache, block_tables, context_lens, tokens_per_split, token_tile
+    )
     if q.shape[0] > 0:
         for launch in launches:
             launch()

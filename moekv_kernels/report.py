@@ -65,9 +65,9 @@ from ._utils import Launch, describing_launches, is_interpreting
 
 @dataclass(frozen=True)
 class Target:
-    name: str                   # as printed: "sm_90"
-    capability: int             # 90 = compute capability 9.0
-    gpus: tuple                 # ((GPU name, HBM bytes per second), ...) built on this architecture
+    name: str  # as printed: "sm_90"
+    capability: int  # 90 = compute capability 9.0
+    gpus: tuple  # ((GPU name, HBM bytes per second), ...) built on this architecture
     registers_per_sm: int
     shared_per_sm: int
     max_warps_per_sm: int
@@ -77,10 +77,16 @@ class Target:
 
 def _target(architecture: str) -> Target:
     limits = SM_LIMITS[architecture]
-    return Target(architecture, int(architecture.split("_")[1]),
-                  tuple((gpu.name, gpu.hbm_bytes_per_s) for gpu in gpus_of(architecture)),
-                  limits.registers_per_sm, limits.shared_per_sm, limits.max_warps_per_sm,
-                  limits.max_blocks_per_sm, limits.reserved_shared_per_block)
+    return Target(
+        architecture,
+        int(architecture.split("_")[1]),
+        tuple((gpu.name, gpu.hbm_bytes_per_s) for gpu in gpus_of(architecture)),
+        limits.registers_per_sm,
+        limits.shared_per_sm,
+        limits.max_warps_per_sm,
+        limits.max_blocks_per_sm,
+        limits.reserved_shared_per_block,
+    )
 
 
 TARGETS = {architecture: _target(architecture) for architecture in ("sm_90", "sm_80")}
@@ -118,22 +124,24 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 class Config:
     """One kernel at one configuration, and the shape its bandwidth bound is stated for."""
 
-    kernel: str                 # paged_attention | paged_attention_split_k | store_kv | expert_gemm
-    dtype: str                  # bfloat16 | float16 | float32 (cache, or GEMM operands)
-    head_dim: int = 128         # Dh
-    num_kv_heads: int = 8       # Hkv
-    group: int = 4              # query heads per KV head
-    block_size: int = 16        # P
-    rows: int = 64              # bound shape: rows of one decode launch (or new tokens for store_kv)
-    context_len: int = 4096     # bound shape: tokens per row
+    kernel: str  # paged_attention | paged_attention_split_k | store_kv | expert_gemm
+    dtype: str  # bfloat16 | float16 | float32 (cache, or GEMM operands)
+    head_dim: int = 128  # Dh
+    num_kv_heads: int = 8  # Hkv
+    group: int = 4  # query heads per KV head
+    block_size: int = 16  # P
+    rows: int = 64  # bound shape: rows of one decode launch (or new tokens for store_kv)
+    context_len: int = 4096  # bound shape: tokens per row
     tokens_per_split: int = 512  # bound shape of the split-K kernels
-    gemm: tuple = (4096, 8, 4096, 14336)     # bound shape of expert_gemm: N tokens, E experts, D, F
-    tiles: tuple = (64, 64, 32, 4, 3)        # expert_gemm's block_m, block_n, block_k, warps, stages
+    gemm: tuple = (4096, 8, 4096, 14336)  # bound shape of expert_gemm: N tokens, E experts, D, F
+    tiles: tuple = (64, 64, 32, 4, 3)  # expert_gemm's block_m, block_n, block_k, warps, stages
 
     @property
     def name(self) -> str:
         if self.kernel == "expert_gemm":
-            return f"{self.dtype} tiles {'x'.join(map(str, self.tiles[:3]))} w{self.tiles[3]} s{self.tiles[4]}"
+            return (
+                f"{self.dtype} tiles {'x'.join(map(str, self.tiles[:3]))} w{self.tiles[3]} s{self.tiles[4]}"
+            )
         if self.kernel == "store_kv":
             return f"{self.dtype} Hkv {self.num_kv_heads} Dh {self.head_dim}"
         return f"{self.dtype} Dh {self.head_dim} group {self.group} P {self.block_size}"
@@ -158,9 +166,13 @@ CONFIGS: list[Config] = [
     Config("paged_attention", "bfloat16", head_dim=128, num_kv_heads=4, group=8, block_size=1),
     Config("paged_attention", "bfloat16", head_dim=128, num_kv_heads=4, group=8, block_size=64),
     Config("paged_attention", "float32", head_dim=32, num_kv_heads=2, group=1, block_size=16),
-    *[Config("paged_attention_split_k", d, head_dim=128, num_kv_heads=4, group=8, rows=4, context_len=32768)
-      for d in ("bfloat16", "float32")],
-    Config("paged_attention_split_k", "float16", head_dim=64, num_kv_heads=8, group=1, rows=4, context_len=32768),
+    *[
+        Config("paged_attention_split_k", d, head_dim=128, num_kv_heads=4, group=8, rows=4, context_len=32768)
+        for d in ("bfloat16", "float32")
+    ],
+    Config(
+        "paged_attention_split_k", "float16", head_dim=64, num_kv_heads=8, group=1, rows=4, context_len=32768
+    ),
     *[Config("store_kv", d, num_kv_heads=8, head_dim=128, rows=64) for d in DTYPES],
     *[Config("expert_gemm", d) for d in DTYPES],
     # two of the larger tiles moekv_kernels/bench.py sweeps on a GPU
@@ -172,13 +184,21 @@ QUICK = [
     Config("paged_attention", "bfloat16", head_dim=128, num_kv_heads=4, group=8),
     Config("paged_attention", "bfloat16", head_dim=128, num_kv_heads=16, group=1),
     Config("paged_attention", "float32", head_dim=128, num_kv_heads=4, group=8),
-    Config("paged_attention_split_k", "bfloat16", head_dim=128, num_kv_heads=4, group=8, rows=4, context_len=32768),
+    Config(
+        "paged_attention_split_k",
+        "bfloat16",
+        head_dim=128,
+        num_kv_heads=4,
+        group=8,
+        rows=4,
+        context_len=32768,
+    ),
     Config("store_kv", "bfloat16", rows=64),
     Config("expert_gemm", "bfloat16"),
 ]
 
 
-USES_DOT = {"paged_attention", "paged_attention_split_k", "expert_gemm"}   # kernels built on tl.dot
+USES_DOT = {"paged_attention", "paged_attention_split_k", "expert_gemm"}  # kernels built on tl.dot
 
 
 def launches(config: Config) -> list[tuple[str, Launch]]:
@@ -223,16 +243,16 @@ def bound_bytes(config: Config, kernel: str) -> int:
         tokens, experts, model_dim, out_dim = config.gemm
         return e * (tokens * model_dim + experts * model_dim * out_dim + tokens * out_dim)
     if kernel == "store_kv":
-        return 2 * 2 * rows * hkv * dh * e + rows * 8          # K and V read and written, slots read
-    kv = 2 * rows * ctx * hkv * dh * e                          # every cached K/V byte once
+        return 2 * 2 * rows * hkv * dh * e + rows * 8  # K and V read and written, slots read
+    kv = 2 * rows * ctx * hkv * dh * e  # every cached K/V byte once
     tables = rows * (math.ceil(ctx / config.block_size) * 4 + 4)
     splits = math.ceil(ctx / config.tokens_per_split)
-    partial = rows * heads * splits * (dh + 1) * 4              # float32 partial outputs and lse
+    partial = rows * heads * splits * (dh + 1) * 4  # float32 partial outputs and lse
     if kernel == "paged_attention":
-        return kv + tables + 2 * rows * heads * dh * e          # + q read, out written
+        return kv + tables + 2 * rows * heads * dh * e  # + q read, out written
     if kernel == "paged_attention_split_k":
-        return kv + tables + rows * heads * dh * e + partial    # + q read, partials written
-    return partial + rows * heads * dh * e                      # combine: partials read, out written
+        return kv + tables + rows * heads * dh * e + partial  # + q read, partials written
+    return partial + rows * heads * dh * e  # combine: partials read, out written
 
 
 def bound_shape(config: Config, kernel: str) -> str:
@@ -265,14 +285,18 @@ def compile_launch(launch: Launch, target: Target):
 
     kernel = launch.kernel
     assert isinstance(kernel, JITFunction), (
-        f"{kernel!r} is not compiled code: the interpreter (TRITON_INTERPRET=1) was on when triton was imported")
+        f"{kernel!r} is not compiled code: the interpreter (TRITON_INTERPRET=1) was on when triton was imported"
+    )
     gpu = GPUTarget("cuda", target.capability, 32)
     backend = make_backend(gpu)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound_args, specialization, options = binder(*launch.args, **launch.meta)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, launch.meta, bound_args, specialization,
-                                                              options)
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=gpu, options=options.__dict__)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, launch.meta, bound_args, specialization, options
+    )
+    return triton.compile(
+        ASTSource(kernel, signature, constexprs, attrs), target=gpu, options=options.__dict__
+    )
 
 
 def read_cubin(cubin: bytes) -> dict:
@@ -282,12 +306,21 @@ def read_cubin(cubin: bytes) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
         file.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", file.name], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([cuobjdump, "-sass", file.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run(
+            [cuobjdump, "-res-usage", file.name], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            [cuobjdump, "-sass", file.name], capture_output=True, text=True, check=True
+        ).stdout
     found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage))
     mma = sorted({m for m in re.findall(r"\b(HGMMA|HMMA)\b", sass)})
-    return {"registers": int(found["REG"]), "stack_bytes": int(found["STACK"]), "local_bytes": int(found["LOCAL"]),
-            "static_shared_bytes": int(found["SHARED"]), "tensor_core": "+".join(mma) or "none"}
+    return {
+        "registers": int(found["REG"]),
+        "stack_bytes": int(found["STACK"]),
+        "local_bytes": int(found["LOCAL"]),
+        "static_shared_bytes": int(found["SHARED"]),
+        "tensor_core": "+".join(mma) or "none",
+    }
 
 
 def spilled_bytes(ptx: str, target: Target) -> int:
@@ -302,10 +335,20 @@ def spilled_bytes(ptx: str, target: Target) -> int:
         source = os.path.join(folder, "kernel.ptx")
         with open(source, "w") as file:
             file.write(ptx)
-        log = subprocess.run([triton_tool("ptxas"), "-v", "--regAllocOptLevel=2",
-                              f"--gpu-name={sm_arch_from_capability(target.capability)}",
-                              source, "-o", os.path.join(folder, "kernel.cubin")],
-                             capture_output=True, text=True, check=True).stderr
+        log = subprocess.run(
+            [
+                triton_tool("ptxas"),
+                "-v",
+                "--regAllocOptLevel=2",
+                f"--gpu-name={sm_arch_from_capability(target.capability)}",
+                source,
+                "-o",
+                os.path.join(folder, "kernel.cubin"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
 
 
@@ -318,10 +361,16 @@ def measure(config: Config, target: Target, kernel_name: str, launch: Launch) ->
     warps = compiled.metadata.num_warps
     moved = bound_bytes(config, kernel_name)
     return {
-        "kernel": kernel_name, "config": config.name, "target": target.name, **usage,
-        "shared_bytes": shared, "warps": warps, **occupancy(target, usage["registers"], shared, warps),
+        "kernel": kernel_name,
+        "config": config.name,
+        "target": target.name,
+        **usage,
+        "shared_bytes": shared,
+        "warps": warps,
+        **occupancy(target, usage["registers"], shared, warps),
         "uses_dot": kernel_name in USES_DOT,
-        "bound_shape": bound_shape(config, kernel_name), "bound_bytes": moved,
+        "bound_shape": bound_shape(config, kernel_name),
+        "bound_bytes": moved,
         "bound_us": {gpu: moved / bandwidth * 1e6 for gpu, bandwidth in target.gpus},
         "settings": asdict(config),
     }
@@ -334,14 +383,20 @@ def collect(configs=None, targets=("sm_90", "sm_80"), jobs: int = 2) -> list[dic
     compiled: the work then runs in a child process started with TRITON_INTERPRET=0."""
     configs = CONFIGS if configs is None else configs
     if triton_tool("ptxas") is None or triton_tool("cuobjdump") is None:
-        raise FileNotFoundError("ptxas / cuobjdump not found (Triton ships them in triton/backends/nvidia/bin)")
+        raise FileNotFoundError(
+            "ptxas / cuobjdump not found (Triton ships them in triton/backends/nvidia/bin)"
+        )
     if is_interpreting():
         return _collect_in_child(configs, targets, jobs)
-    work = [(config, TARGETS[name], kernel_name, launch)
-            for config in configs for kernel_name, launch in launches(config) for name in targets]
+    work = [
+        (config, TARGETS[name], kernel_name, launch)
+        for config in configs
+        for kernel_name, launch in launches(config)
+        for name in targets
+    ]
     if jobs == 1:
         return [measure(*item) for item in work]
-    from concurrent.futures import ThreadPoolExecutor      # ptxas and cuobjdump run as child processes
+    from concurrent.futures import ThreadPoolExecutor  # ptxas and cuobjdump run as child processes
 
     with ThreadPoolExecutor(jobs) as pool:
         return list(pool.map(lambda item: measure(*item), work))
@@ -355,8 +410,19 @@ def _collect_in_child(configs, targets, jobs) -> list[dict]:
         env = dict(os.environ, TRITON_INTERPRET="0")
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "moekv_kernels.report", "--configs", request, "--json", answer,
-                   "--jobs", str(jobs), "--silent", *[arg for t in targets for arg in ("--target", t)]]
+        command = [
+            sys.executable,
+            "-m",
+            "moekv_kernels.report",
+            "--configs",
+            request,
+            "--json",
+            answer,
+            "--jobs",
+            str(jobs),
+            "--silent",
+            *[arg for t in targets for arg in ("--target", t)],
+        ]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"compiling for a GPU failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -367,9 +433,11 @@ def _collect_in_child(configs, targets, jobs) -> list[dict]:
 # ----- the table ----------------------------------------------------------------------------------
 def format_table(rows: list[dict]) -> str:
     gpus = [gpu for target in TARGETS.values() for gpu, _ in target.gpus]
-    header = (f"{'kernel':<24}{'configuration':<32}{'target':<7}{'regs':>5}{'spill B':>8}{'smem KB':>8}"
-              f"{'warps':>6}{'blocks/SM':>10}{'warps/SM':>9}  {'limited by':<11}{'tensor core':<12}"
-              f"{'moves MB':>9}  bound at HBM bandwidth")
+    header = (
+        f"{'kernel':<24}{'configuration':<32}{'target':<7}{'regs':>5}{'spill B':>8}{'smem KB':>8}"
+        f"{'warps':>6}{'blocks/SM':>10}{'warps/SM':>9}  {'limited by':<11}{'tensor core':<12}"
+        f"{'moves MB':>9}  bound at HBM bandwidth"
+    )
     lines = [header, "-" * (len(header) + 12)]
     for r in rows:
         bounds = ", ".join(f"{gpu} {us:.1f} us" for gpu, us in r["bound_us"].items() if gpu in gpus)
@@ -378,7 +446,8 @@ def format_table(rows: list[dict]) -> str:
             f"{r['kernel']:<24}{r['config']:<32}{r['target']:<7}{r['registers']:>5}"
             f"{r['spill_bytes']:>8}{r['shared_bytes'] / 1024:>8.1f}{r['warps']:>6}"
             f"{r['blocks_per_sm']:>10}{r['warps_per_sm']:>9}  {r['limited_by']:<11}{tensor_core:<12}"
-            f"{r['bound_bytes'] / 1e6:>9.1f}  {bounds}   [{r['bound_shape']}]")
+            f"{r['bound_bytes'] / 1e6:>9.1f}  {bounds}   [{r['bound_shape']}]"
+        )
     return "\n".join(lines)
 
 
@@ -388,13 +457,15 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="a few configurations instead of all")
     parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="default: all")
     parser.add_argument("--jobs", type=int, default=2, help="compilations at once (default 2)")
-    parser.add_argument("--configs", help=argparse.SUPPRESS)     # JSON list of Config fields (child)
+    parser.add_argument("--configs", help=argparse.SUPPRESS)  # JSON list of Config fields (child)
     parser.add_argument("--silent", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.configs:
         with open(args.configs) as file:
-            configs = [Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()})
-                       for c in json.load(file)]
+            configs = [
+                Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()})
+                for c in json.load(file)
+            ]
     else:
         configs = QUICK if args.quick else CONFIGS
     rows = collect(configs, tuple(args.target or TARGETS), args.jobs)

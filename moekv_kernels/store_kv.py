@@ -31,17 +31,17 @@ from ._utils import Launch, check_device
 # ----- the kernel ---------------------------------------------------------------------------------
 @triton.jit
 def store_kv_kernel(
-    key_ptr,                # new keys (n, Hkv, Dh), contiguous, pool dtype
-    value_ptr,              # new values, same layout
-    key_cache_ptr,          # key pool (num_blocks, P, Hkv, Dh), contiguous
-    value_cache_ptr,        # value pool, same layout
-    slot_mapping_ptr,       # (n,) int64, slot of each new token; < 0 means skip
-    values_per_token,       # Hkv * Dh: one token's K (or V) is this many contiguous elements
-    TILE: tl.constexpr,     # elements copied per program, a power of two
+    key_ptr,  # new keys (n, Hkv, Dh), contiguous, pool dtype
+    value_ptr,  # new values, same layout
+    key_cache_ptr,  # key pool (num_blocks, P, Hkv, Dh), contiguous
+    value_cache_ptr,  # value pool, same layout
+    slot_mapping_ptr,  # (n,) int64, slot of each new token; < 0 means skip
+    values_per_token,  # Hkv * Dh: one token's K (or V) is this many contiguous elements
+    TILE: tl.constexpr,  # elements copied per program, a power of two
 ):
     token = tl.program_id(0)
-    tile = tl.program_id(1)                                              # which TILE of the token
-    slot = tl.load(slot_mapping_ptr + token)                            # int64
+    tile = tl.program_id(1)  # which TILE of the token
+    slot = tl.load(slot_mapping_ptr + token)  # int64
     offsets = tile * TILE + tl.arange(0, TILE)
     mask = (offsets < values_per_token) & (slot >= 0)
     source = token.to(tl.int64) * values_per_token + offsets
@@ -53,10 +53,16 @@ def store_kv_kernel(
 # ----- the launcher -------------------------------------------------------------------------------
 def store_kv_launch(key, value, key_cache, value_cache, slot_mapping) -> Launch:
     """Checks, the conversion to the pool's dtype, and the launch (moekv_kernels/report.py compiles it)."""
-    assert key.dim() == 3 and key.shape == value.shape, f"key/value must be (n, Hkv, Dh), got {tuple(key.shape)}"
-    assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape and key_cache.dtype == value_cache.dtype
+    assert key.dim() == 3 and key.shape == value.shape, (
+        f"key/value must be (n, Hkv, Dh), got {tuple(key.shape)}"
+    )
+    assert (
+        key_cache.dim() == 4 and key_cache.shape == value_cache.shape and key_cache.dtype == value_cache.dtype
+    )
     assert key_cache.is_contiguous() and value_cache.is_contiguous(), "the KV pools must be contiguous"
-    assert key.shape[1:] == key_cache.shape[2:], f"(Hkv, Dh) differ: {tuple(key.shape[1:])} vs {tuple(key_cache.shape[2:])}"
+    assert key.shape[1:] == key_cache.shape[2:], (
+        f"(Hkv, Dh) differ: {tuple(key.shape[1:])} vs {tuple(key_cache.shape[2:])}"
+    )
     assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (key.shape[0],)
     check_device(key, value, key_cache, value_cache, slot_mapping)
     key = key.to(key_cache.dtype).contiguous()
@@ -64,9 +70,12 @@ def store_kv_launch(key, value, key_cache, value_cache, slot_mapping) -> Launch:
     values_per_token = key.shape[1] * key.shape[2]
     tile = min(triton.next_power_of_2(values_per_token), 1024)
     grid = (key.shape[0], triton.cdiv(values_per_token, tile))
-    return Launch(store_kv_kernel, grid,
-                  (key, value, key_cache, value_cache, slot_mapping.contiguous(), values_per_token),
-                  dict(TILE=tile, num_warps=4))
+    return Launch(
+        store_kv_kernel,
+        grid,
+        (key, value, key_cache, value_cache, slot_mapping.contiguous(), values_per_token),
+        dict(TILE=tile, num_warps=4),
+    )
 
 
 def store_kv(
@@ -102,7 +111,7 @@ def random_store_inputs(
     seed: int = 0,
 ):
     """New K/V in float32, pools of `dtype`, and distinct scattered slots; the last slot is -1."""
-    generator = torch.Generator(device).manual_seed(seed)   # drawn on the device: large pools are cheap
+    generator = torch.Generator(device).manual_seed(seed)  # drawn on the device: large pools are cheap
     assert num_tokens <= num_blocks * block_size
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator, device=device)
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator, device=device)

@@ -23,11 +23,16 @@ from .sampling import SamplingParams
 from .sim.traces import RoutingTrace
 
 CHARACTER_CLASSES = {
-    "lowercase": lambda c: "a" <= c <= "z",       "uppercase": lambda c: "A" <= c <= "Z",
-    "digit": lambda c: c.isdigit(),               "space": lambda c: c == " ",
-    "newline": lambda c: c == "\n",               "quote": lambda c: c in "'\"",
-    "bracket": lambda c: c in "()[]{}",           "operator": lambda c: c in "=+-*/<>%&|^~!",
-    "separator": lambda c: c in ".,:;",           "other": lambda c: True,
+    "lowercase": lambda c: "a" <= c <= "z",
+    "uppercase": lambda c: "A" <= c <= "Z",
+    "digit": lambda c: c.isdigit(),
+    "space": lambda c: c == " ",
+    "newline": lambda c: c == "\n",
+    "quote": lambda c: c in "'\"",
+    "bracket": lambda c: c in "()[]{}",
+    "operator": lambda c: c in "=+-*/<>%&|^~!",
+    "separator": lambda c: c in ".,:;",
+    "other": lambda c: True,
 }
 
 
@@ -39,7 +44,7 @@ def heldout_text() -> str:
 
 def character_class(byte: int) -> str:
     char = chr(byte) if byte < 128 else "\x80"
-    return next(name for name, test in CHARACTER_CLASSES.items() if test(char))    # "other": any
+    return next(name for name, test in CHARACTER_CLASSES.items() if test(char))  # "other": any
 
 
 @torch.no_grad()
@@ -57,22 +62,37 @@ def routing_statistics(model, text: str, max_tokens: int | None = None) -> dict:
     class_share = torch.bincount(class_of, minlength=len(classes)).double() / len(tokens)
     layers = []
     for layer in range(model.config.num_hidden_layers):
-        selected = torch.cat([r[layer].selected[0].cpu() for r in routings])            # (T, E)
-        probs = torch.cat([r[layer].probs[0].double().cpu() for r in routings])         # (T, E)
+        selected = torch.cat([r[layer].selected[0].cpu() for r in routings])  # (T, E)
+        probs = torch.cat([r[layer].probs[0].double().cpu() for r in routings])  # (T, E)
         load = selected.sum(0).double() / selected.sum()
         entropy = -(probs * probs.clamp_min(1e-30).log2()).sum(-1).mean().item()
-        held = selected.T.double() @ one_hot(class_of, len(classes)).double()      # (E, classes)
+        held = selected.T.double() @ one_hot(class_of, len(classes)).double()  # (E, classes)
         share = held / held.sum(1, keepdim=True)
         enrichment = share / class_share.clamp_min(1e-12)
-        enrichment[:, class_share < 0.01] = 0        # ignore classes too rare to judge
-        preferences = [{"expert": e, "class": classes[b], "enrichment": float(enrichment[e, b]),
-                        "share": float(share[e, b])} if held[e].any() else
-                       {"expert": e, "class": None, "enrichment": 0.0}
-                       for e, b in enumerate(enrichment.argmax(1).tolist())]
-        layers.append({"layer": layer, "load": load.tolist(), "max_load_over_uniform": float(load.max() * num_experts),
-                       "min_load_over_uniform": float(load.min() * num_experts), "router_entropy_bits": entropy,
-                       "uniform_entropy_bits": math.log2(num_experts),
-                       "experts_per_token": float(selected.sum(-1).double().mean()), "preferences": preferences})
+        enrichment[:, class_share < 0.01] = 0  # ignore classes too rare to judge
+        preferences = [
+            {
+                "expert": e,
+                "class": classes[b],
+                "enrichment": float(enrichment[e, b]),
+                "share": float(share[e, b]),
+            }
+            if held[e].any()
+            else {"expert": e, "class": None, "enrichment": 0.0}
+            for e, b in enumerate(enrichment.argmax(1).tolist())
+        ]
+        layers.append(
+            {
+                "layer": layer,
+                "load": load.tolist(),
+                "max_load_over_uniform": float(load.max() * num_experts),
+                "min_load_over_uniform": float(load.min() * num_experts),
+                "router_entropy_bits": entropy,
+                "uniform_entropy_bits": math.log2(num_experts),
+                "experts_per_token": float(selected.sum(-1).double().mean()),
+                "preferences": preferences,
+            }
+        )
     return {"num_tokens": len(tokens), "layers": layers}
 
 
@@ -80,9 +100,11 @@ def format_routing_statistics(stats: dict) -> str:
     lines = [f"routing statistics over {stats['num_tokens']} tokens"]
     for layer in stats["layers"]:
         load = " ".join(f"{x:.2f}" for x in layer["load"])
-        lines.append(f"layer {layer['layer']}: load [{load}]  max/uniform {layer['max_load_over_uniform']:.2f}  "
-                     f"entropy {layer['router_entropy_bits']:.2f} bits (uniform {layer['uniform_entropy_bits']:.2f})  "
-                     f"experts/token {layer['experts_per_token']:.2f}")
+        lines.append(
+            f"layer {layer['layer']}: load [{load}]  max/uniform {layer['max_load_over_uniform']:.2f}  "
+            f"entropy {layer['router_entropy_bits']:.2f} bits (uniform {layer['uniform_entropy_bits']:.2f})  "
+            f"experts/token {layer['experts_per_token']:.2f}"
+        )
         prefs = ", ".join(f"e{p['expert']}:{p['class']} x{p['enrichment']:.1f}" for p in layer["preferences"])
         lines.append(f"   prefers: {prefs}")
     return "\n".join(lines)
@@ -102,18 +124,23 @@ def decode_flops(config, context_length: int, cached: bool) -> int:
     """Multiply-adds x 2 for ONE decode step at `context_length` tokens already in the sequence:
     recompute runs every token through every layer again, cached only the new one (its attention
     reads the cache). Attention is counted for an average expert holding k/E of the tokens."""
-    D, H, Hkv, Dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    D, H, Hkv, Dh = (
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
     k, E = config.num_attention_experts_per_tok, config.num_attention_experts
-    projections = k * (D * H * Dh * 2 + D * Hkv * Dh * 2)                  # q, o and k, v
+    projections = k * (D * H * Dh * 2 + D * Hkv * Dh * 2)  # q, o and k, v
     ffn = config.num_experts_per_tok * 3 * D * config.moe_intermediate_size
     router = D * (E + config.num_local_experts)
     per_token = config.num_hidden_layers * (projections + ffn + router) + D * config.vocab_size
-    held = (context_length + 1) * k / E                                     # tokens per expert cache
+    held = (context_length + 1) * k / E  # tokens per expert cache
     attention_per_query = config.num_hidden_layers * k * 2 * H * Dh * held
     if cached:
         return 2 * (per_token + attention_per_query)
     tokens = context_length + 1
-    return 2 * (tokens * per_token + tokens * attention_per_query / 2)      # causal: half on average
+    return 2 * (tokens * per_token + tokens * attention_per_query / 2)  # causal: half on average
 
 
 def time_decode_step(model, context_length: int, cached: bool, clock, num_cached_steps: int) -> float:
@@ -127,7 +154,7 @@ def time_decode_step(model, context_length: int, cached: bool, clock, num_cached
         model(tokens[None])
         return clock() - start
     num_steps = max(1, min(num_cached_steps, context_length))
-    first = context_length + 1 - num_steps                  # the first timed token's position
+    first = context_length + 1 - num_steps  # the first timed token's position
     cache = ContiguousKVCache(model.config.num_hidden_layers, model.config.num_attention_experts)
     zeros = torch.zeros(first, dtype=torch.long)
     model.forward_cached(tokens[:first], zeros, torch.arange(first), cache)
@@ -138,15 +165,16 @@ def time_decode_step(model, context_length: int, cached: bool, clock, num_cached
 
 
 @torch.no_grad()
-def time_decode_steps(model, lengths: list[int], repeats: int = 5, clock=time.perf_counter,
-                      num_cached_steps: int = 8) -> dict[int, tuple[float, float]]:
+def time_decode_steps(
+    model, lengths: list[int], repeats: int = 5, clock=time.perf_counter, num_cached_steps: int = 8
+) -> dict[int, tuple[float, float]]:
     """{t: (recompute seconds, cached seconds)} after each t in `lengths`: the best of `repeats`
     rounds, each timing every (t, recompute / cached) once, after an untimed warm-up round. Rounds
     spread a burst of the machine's load over every length (notebook 01 tells why)."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be at least 1")
     best = {(t, cached): float("inf") for t in lengths for cached in (False, True)}
-    for round_index in range(repeats + 1):                  # round 0: warm-up, not kept
+    for round_index in range(repeats + 1):  # round 0: warm-up, not kept
         for t in lengths:
             for cached in (False, True):
                 seconds = time_decode_step(model, t, cached, clock, num_cached_steps)
@@ -156,7 +184,9 @@ def time_decode_steps(model, lengths: list[int], repeats: int = 5, clock=time.pe
 
 
 @torch.no_grad()
-def record_model_trace(model, prompts: list[list[int]], output_lens: list[int], name: str = "model") -> RoutingTrace:
+def record_model_trace(
+    model, prompts: list[list[int]], output_lens: list[int], name: str = "model"
+) -> RoutingTrace:
     """The model's attention routing on these prompts, continued greedily. Routing is causal, so one
     full forward over each finished sequence gives the decisions the cached decode made."""
     config = model.config
@@ -166,8 +196,8 @@ def record_model_trace(model, prompts: list[list[int]], output_lens: list[int], 
     result = generate(model, prompts, params, cache="contiguous")
     parts = []
     for prompt, generated in zip(prompts, result.tokens):
-        routing = model(torch.tensor([prompt + generated[:-1]])).attention_routing   # L x (1, T, E)
-        selected = torch.stack([r.selected[0] for r in routing], dim=1)              # (T, L, E)
+        routing = model(torch.tensor([prompt + generated[:-1]])).attention_routing  # L x (1, T, E)
+        selected = torch.stack([r.selected[0] for r in routing], dim=1)  # (T, L, E)
         K = config.num_attention_experts_per_tok
         # selected experts first (in expert order), padded with -1 up to K
         order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices[..., :K]
@@ -175,8 +205,14 @@ def record_model_trace(model, prompts: list[list[int]], output_lens: list[int], 
         parts.append(chosen.to(torch.int16))
     offsets = torch.tensor([0] + [p.shape[0] for p in parts], dtype=torch.int64).cumsum(0)
     bytes_per_value = next(model.parameters()).element_size()
-    return RoutingTrace(torch.cat(parts), offsets, torch.tensor([len(p) for p in prompts]),
-                        config.num_attention_experts, config.kv_bytes_per_entry(bytes_per_value), name)
+    return RoutingTrace(
+        torch.cat(parts),
+        offsets,
+        torch.tensor([len(p) for p in prompts]),
+        config.num_attention_experts,
+        config.kv_bytes_per_entry(bytes_per_value),
+        name,
+    )
 
 
 # What budget_map's codes mean: code i is BUDGET_MAP_CODES[i].
@@ -216,16 +252,16 @@ def budget_map(model, tokens, layer: int, budget: RowBudget) -> tuple[torch.Tens
     cache = PagedKVCache.for_model(model, max_num_seqs=1, budget=budget)
     positions = torch.arange(T, device=device)
     output = model.forward_cached(tokens, torch.zeros_like(positions), positions, cache)
-    routed = output.attention_routing[layer].selected.T.cpu()                          # (E, T)
+    routed = output.attention_routing[layer].selected.T.cpu()  # (E, T)
     rows = cache.manager.rows([0] * E, layer, list(range(E)))
     kept = torch.zeros(E, T, dtype=torch.bool)
     for expert, held in enumerate(cache.manager.budget.kept_positions(rows)):
         kept[expert, held] = True
-    accepted = model(tokens[None], budget=budget).attention_routing[layer].selected[0].T.cpu()   # (E, T)
+    accepted = model(tokens[None], budget=budget).attention_routing[layer].selected[0].T.cpu()  # (E, T)
 
-    codes = torch.zeros(E, T, dtype=torch.int64)                                       # not routed
+    codes = torch.zeros(E, T, dtype=torch.int64)  # not routed
     codes[routed] = BUDGET_MAP_CODES.index("refused")
     codes[routed & accepted] = BUDGET_MAP_CODES.index("evicted")
-    codes[kept] = BUDGET_MAP_CODES.index("kept")              # the cache holds only what it was routed
+    codes[kept] = BUDGET_MAP_CODES.index("kept")  # the cache holds only what it was routed
     counts = torch.bincount(codes.reshape(-1), minlength=len(BUDGET_MAP_CODES)).tolist()
     return codes, dict(zip(BUDGET_MAP_CODES, counts))

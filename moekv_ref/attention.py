@@ -17,7 +17,7 @@ def rotary(x: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
     turns = e^(i angle) (..., 1, Dh/2) from `rotary_turns`, as the LLaMA reference code writes it:
     half the time of x * cos + swapped x * signed sin on a CPU (measured), equal to it up to the
     last bit. In float32 at least (there is no complex bfloat16)."""
-    pairs = torch.view_as_complex(x.to(score_dtype(x.dtype)).unflatten(-1, (-1, 2)))   # (..., H, Dh/2)
+    pairs = torch.view_as_complex(x.to(score_dtype(x.dtype)).unflatten(-1, (-1, 2)))  # (..., H, Dh/2)
     return torch.view_as_real(pairs * turns).flatten(-2).to(x.dtype)
 
 
@@ -25,7 +25,9 @@ def rotary_turns(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     """(..., 1, Dh/2) turns at positions (...,) for `dtype` inputs; made once a forward for every layer.
     Positions are absolute, never indices inside an expert's cache (whose distances must stay true)."""
     num_positions = int(positions.max()) + 1 if positions.numel() else 1
-    table = rotary_pair_table(head_dim, theta, num_positions, positions.device, score_dtype(dtype))   # (P, Dh/2)
+    table = rotary_pair_table(
+        head_dim, theta, num_positions, positions.device, score_dtype(dtype)
+    )  # (P, Dh/2)
     return table.index_select(0, positions.reshape(-1)).view(*positions.shape, 1, table.shape[1])
 
 
@@ -48,7 +50,7 @@ def rotary_pair_table(head_dim: int, theta: float, num_positions: int, device, d
         try:
             with torch.inference_mode(False):
                 inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-                angles = torch.arange(size, dtype=torch.float64)[:, None] * inv_freq         # (P, Dh/2)
+                angles = torch.arange(size, dtype=torch.float64)[:, None] * inv_freq  # (P, Dh/2)
                 table = torch.complex(torch.cos(angles), torch.sin(angles))
                 cached = _PAIR_TABLES[key] = table.to(device, torch.promote_types(dtype, torch.complex64))
         finally:
@@ -56,20 +58,21 @@ def rotary_pair_table(head_dim: int, theta: float, num_positions: int, device, d
     return cached
 
 
-def attend_by_position(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                       k_positions: torch.Tensor) -> torch.Tensor:
+def attend_by_position(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor
+) -> torch.Tensor:
     """Causal attention of queries q (n, H, Dh) over keys k, v (m, Hkv, Dh) of ONE sequence: a query
     at position p sees the keys at positions <= p, at least one (itself, written before attending).
     Returns (n, H, Dh) in q's dtype; scores, softmax and sum run in `score_dtype(q.dtype)`."""
-    group = q.shape[1] // k.shape[1]                                   # H // Hkv
+    group = q.shape[1] // k.shape[1]  # H // Hkv
     compute = score_dtype(q.dtype)
-    k = k.to(compute).repeat_interleave(group, dim=1)                 # (m, H, Dh)
+    k = k.to(compute).repeat_interleave(group, dim=1)  # (m, H, Dh)
     v = v.to(compute).repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,mhd->hnm", q.to(compute), k) / math.sqrt(q.shape[-1])  # (H, n, m)
-    visible = k_positions[None, :] <= q_positions[:, None]             # (n, m)
+    visible = k_positions[None, :] <= q_positions[:, None]  # (n, m)
     scores = scores.masked_fill(~visible[None], float("-inf"))
     weights = torch.softmax(scores, dim=-1)
-    return torch.einsum("hnm,mhd->nhd", weights, v).to(q.dtype)        # (n, H, Dh)
+    return torch.einsum("hnm,mhd->nhd", weights, v).to(q.dtype)  # (n, H, Dh)
 
 
 def score_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -21,5 +21,7 @@ def triton_available() -> bool:
 
 def require_backend(backend: str) -> None:
     if backend == "triton" and not triton_available():
-        raise BackendUnavailableError("the 'triton' backend needs the triton package, which has wheels for "
-                                      "Linux x86_64/aarch64 only; on this machine use --backend torch")
+        raise BackendUnavailableError(
+            "the 'triton' backend needs the triton package, which has wheels for "
+            "Linux x86_64/aarch64 only; on this machine use --backend torch"
+        )

@@ -34,9 +34,13 @@ from .model import MoEKVTransformer
 
 DEFAULT_CHECKPOINT = Path(__file__).parent / "weights" / "tiny.pt"
 FORMAT = "moekv_ref-checkpoint-v2"
-FORMAT_V1 = "moekv_ref-checkpoint-v1"          # weights-only hash: refused at load, see add_manifest
-MANIFEST_KEYS = ("format", "config", "dtype", "state_dict", "sha256")    # metadata is optional
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}   # what a checkpoint stores
+FORMAT_V1 = "moekv_ref-checkpoint-v1"  # weights-only hash: refused at load, see add_manifest
+MANIFEST_KEYS = ("format", "config", "dtype", "state_dict", "sha256")  # metadata is optional
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}  # what a checkpoint stores
 # what a run may compute in, by name (the command line, the parallel programs): float64 for the equivalences
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -71,20 +75,35 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def save_checkpoint(model: MoEKVTransformer, path: str | Path, metadata: dict | None = None,
-                    dtype: torch.dtype = torch.bfloat16) -> None:
+def save_checkpoint(
+    model: MoEKVTransformer,
+    path: str | Path,
+    metadata: dict | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> None:
     """Weights are stored as `dtype` (bfloat16 keeps the embedded model at a few MB); they load
     back into float32 exactly, which holds every bfloat16 and float16 value."""
     if dtype not in DTYPES.values():
-        raise ValueError(f"dtype={dtype!r} is not allowed for a checkpoint: use one of "
-                         f"{', '.join('torch.' + name for name in DTYPES)}")
+        raise ValueError(
+            f"dtype={dtype!r} is not allowed for a checkpoint: use one of "
+            f"{', '.join('torch.' + name for name in DTYPES)}"
+        )
     state = {name: tensor.detach().to(dtype).clone() for name, tensor in model.state_dict().items()}
     for name, tensor in state.items():
         if not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"weight {name!r} has non-finite values (in {dtype}): not saving {path}")
     config = model.config.to_dict()
-    torch.save({"format": FORMAT, "config": config, "dtype": str(dtype).removeprefix("torch."),
-                "state_dict": state, "sha256": checkpoint_sha256(config, state), "metadata": metadata or {}}, path)
+    torch.save(
+        {
+            "format": FORMAT,
+            "config": config,
+            "dtype": str(dtype).removeprefix("torch."),
+            "state_dict": state,
+            "sha256": checkpoint_sha256(config, state),
+            "metadata": metadata or {},
+        },
+        path,
+    )
 
 
 def _load_file(path: Path):
@@ -96,7 +115,7 @@ def _load_file(path: Path):
         raise CheckpointError(f"checkpoint {str(path)!r} is empty (0 bytes)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:          # zip, pickle, unicode and EOF errors all mean the same here
+    except Exception as error:  # zip, pickle, unicode and EOF errors all mean the same here
         message = str(error)
         # the weights-only unpickler names the first class or function outside its allowlist that the
         # pickle asks for ("GLOBAL posix.system") and stops there: nothing in the file was called or built
@@ -105,15 +124,18 @@ def _load_file(path: Path):
             raise CheckpointError(
                 f"checkpoint {str(path)!r} was refused: it contains pickled code or objects "
                 f"({refused.group(1)}), which weights_only loading does not allow; it was not executed. "
-                "A checkpoint holds only plain values and tensors: re-save the model with save_checkpoint") from None
+                "A checkpoint holds only plain values and tensors: re-save the model with save_checkpoint"
+            ) from None
         if "central directory" in message or isinstance(error, EOFError):
             reason = "its zip archive is incomplete: the file is truncated"
         elif "zip archive" in message:
             reason = "its zip archive is damaged"
         else:
             reason = "its bytes are not a torch save file"
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read as a torch file: {reason} (it is "
-                              f"truncated, corrupted or not a checkpoint; {type(error).__name__} from torch.load)") from None
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} cannot be read as a torch file: {reason} (it is "
+            f"truncated, corrupted or not a checkpoint; {type(error).__name__} from torch.load)"
+        ) from None
 
 
 def _read(path: Path) -> dict:
@@ -123,27 +145,37 @@ def _read(path: Path) -> dict:
     is_dict = isinstance(payload, dict)
     if not is_dict or ("format" not in payload and not {"config", "state_dict"} <= payload.keys()):
         got = f"keys {sorted(map(str, payload))[:8]}" if is_dict else f"a {type(payload).__name__}"
-        raise CheckpointError(f"{str(path)!r} is not a moekv_ref checkpoint (expected a dict with "
-                              f"{', '.join(map(repr, MANIFEST_KEYS))}, found {got})")
+        raise CheckpointError(
+            f"{str(path)!r} is not a moekv_ref checkpoint (expected a dict with "
+            f"{', '.join(map(repr, MANIFEST_KEYS))}, found {got})"
+        )
     if "format" not in payload:
-        raise CheckpointError(f"{where} has no manifest (no 'format' key; this version reads {FORMAT!r}): "
-                              "re-save it with save_checkpoint, or add one with moekv_ref.checkpoint.add_manifest")
+        raise CheckpointError(
+            f"{where} has no manifest (no 'format' key; this version reads {FORMAT!r}): "
+            "re-save it with save_checkpoint, or add one with moekv_ref.checkpoint.add_manifest"
+        )
     found = payload["format"]
     if isinstance(found, str) and found == FORMAT_V1:
-        raise CheckpointError(f"{where} has format {FORMAT_V1!r}, this version reads {FORMAT!r} only: a v1 hash "
-                              "covers the weights but not the config, so an edited config would go unnoticed; "
-                              "if you trust its config, upgrade it with moekv_ref.checkpoint.add_manifest")
+        raise CheckpointError(
+            f"{where} has format {FORMAT_V1!r}, this version reads {FORMAT!r} only: a v1 hash "
+            "covers the weights but not the config, so an edited config would go unnoticed; "
+            "if you trust its config, upgrade it with moekv_ref.checkpoint.add_manifest"
+        )
     if not isinstance(found, str) or found != FORMAT:
         raise CheckpointError(f"{where} has format {_short(found)}, this version reads {FORMAT!r} only")
     missing = [key for key in MANIFEST_KEYS if key not in payload]
     if missing:
-        raise CheckpointError(f"{where}: its manifest (format {FORMAT!r}) lacks the key(s) {missing}; it needs "
-                              f"{list(MANIFEST_KEYS)}: re-save it with save_checkpoint")
+        raise CheckpointError(
+            f"{where}: its manifest (format {FORMAT!r}) lacks the key(s) {missing}; it needs "
+            f"{list(MANIFEST_KEYS)}: re-save it with save_checkpoint"
+        )
     sha = payload["sha256"]
     if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
         raise CheckpointError(f"{where}: its 'sha256' is {_short(sha)}, not 64 lowercase hex digits")
     if not isinstance(payload["dtype"], str) or payload["dtype"] not in DTYPES:
-        raise CheckpointError(f"{where}: its 'dtype' is {_short(payload['dtype'])}; allowed: {sorted(DTYPES)}")
+        raise CheckpointError(
+            f"{where}: its 'dtype' is {_short(payload['dtype'])}; allowed: {sorted(DTYPES)}"
+        )
     _check_tensors(where, payload["state_dict"], DTYPES[payload["dtype"]])
     return payload
 
@@ -154,18 +186,26 @@ def _check_tensors(where: str, state, dtype: torch.dtype | None) -> None:
         raise CheckpointError(f"{where}: 'state_dict' is not a non-empty dict of tensors")
     for name, tensor in state.items():
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(f"{where}: 'state_dict' is not a dict of tensors (entry {_short(name)} is a "
-                                  f"{type(tensor).__name__})")
+            raise CheckpointError(
+                f"{where}: 'state_dict' is not a dict of tensors (entry {_short(name)} is a "
+                f"{type(tensor).__name__})"
+            )
         if tensor.layout != torch.strided or tensor.device.type != "cpu":
-            raise CheckpointError(f"{where}: tensor {name!r} is a {tensor.layout} tensor on {tensor.device}; "
-                                  "allowed: dense (torch.strided) tensors with their data in the file")
+            raise CheckpointError(
+                f"{where}: tensor {name!r} is a {tensor.layout} tensor on {tensor.device}; "
+                "allowed: dense (torch.strided) tensors with their data in the file"
+            )
         if tensor.dtype not in DTYPES.values():
-            raise CheckpointError(f"{where}: tensor {name!r} has dtype {tensor.dtype}; allowed: "
-                                  f"{', '.join('torch.' + n for n in DTYPES)} (weights are floating point)")
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has dtype {tensor.dtype}; allowed: "
+                f"{', '.join('torch.' + n for n in DTYPES)} (weights are floating point)"
+            )
         dtype = dtype or tensor.dtype
         if tensor.dtype != dtype:
-            raise CheckpointError(f"{where}: tensor {name!r} has dtype {tensor.dtype}, the checkpoint says its "
-                                  f"tensors are {dtype}")
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has dtype {tensor.dtype}, the checkpoint says its "
+                f"tensors are {dtype}"
+            )
 
 
 def _sha256(where: str, config, state: dict) -> str:
@@ -186,12 +226,26 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shape of every tensor of MoEKVTransformer(config)'s state dict, in its order, nothing
     built (tests/test_checkpoint.py checks that the two agree)."""
     V, D, L = config.vocab_size, config.hidden_size, config.num_hidden_layers
-    E, H, Hkv, Dh = config.num_attention_experts, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    E, H, Hkv, Dh = (
+        config.num_attention_experts,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
     Ef, Fw = config.num_local_experts, config.moe_intermediate_size
-    block = {"attention_norm.weight": (D,), "attention.w_q": (E, D, H * Dh), "attention.w_k": (E, D, Hkv * Dh),
-             "attention.w_v": (E, D, Hkv * Dh), "attention.w_o": (E, H * Dh, D), "attention.router.weight": (E, D),
-             "ffn_norm.weight": (D,), "ffn.w_gate": (Ef, D, Fw), "ffn.w_up": (Ef, D, Fw),
-             "ffn.w_down": (Ef, Fw, D), "ffn.router.weight": (Ef, D)}
+    block = {
+        "attention_norm.weight": (D,),
+        "attention.w_q": (E, D, H * Dh),
+        "attention.w_k": (E, D, Hkv * Dh),
+        "attention.w_v": (E, D, Hkv * Dh),
+        "attention.w_o": (E, H * Dh, D),
+        "attention.router.weight": (E, D),
+        "ffn_norm.weight": (D,),
+        "ffn.w_gate": (Ef, D, Fw),
+        "ffn.w_up": (Ef, D, Fw),
+        "ffn.w_down": (Ef, Fw, D),
+        "ffn.router.weight": (Ef, D),
+    }
     shapes = {"embed.weight": (V, D)}
     for i in range(L):
         shapes.update({f"blocks.{i}.{name}": shape for name, shape in block.items()})
@@ -200,30 +254,40 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _checked_state(where: str, state: dict, config: ModelConfig) -> None:
     """Steps 6 and 7 of the module docstring."""
-    if config.num_hidden_layers > len(state):       # every layer has weights: it cannot match
-        raise CheckpointError(f"{where}: its config has num_hidden_layers={config.num_hidden_layers} but the file "
-                              f"holds {len(state)} tensors in all: refusing before building the model")
+    if config.num_hidden_layers > len(state):  # every layer has weights: it cannot match
+        raise CheckpointError(
+            f"{where}: its config has num_hidden_layers={config.num_hidden_layers} but the file "
+            f"holds {len(state)} tensors in all: refusing before building the model"
+        )
     expected = weight_shapes(config)
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise CheckpointError(f"{where} does not hold this model's tensors: missing "
-                              f"{missing[:5]}, unexpected {unexpected[:5]}")
+        raise CheckpointError(
+            f"{where} does not hold this model's tensors: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     implied = sum(math.prod(shape) for shape in expected.values())
     held = sum(tensor.numel() for tensor in state.values())
-    for name in expected:                           # in the model's order: embed.weight first
+    for name in expected:  # in the model's order: embed.weight first
         if tuple(state[name].shape) != expected[name]:
-            raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(state[name].shape)}, the model needs "
-                                  f"{expected[name]} (its config implies {implied:,} weights in all, the file "
-                                  f"holds {held:,}): refusing before building the model")
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has shape {tuple(state[name].shape)}, the model needs "
+                f"{expected[name]} (its config implies {implied:,} weights in all, the file "
+                f"holds {held:,}): refusing before building the model"
+            )
     for name, tensor in state.items():
         if not bool(torch.isfinite(tensor).all()):
             count = int((~torch.isfinite(tensor)).sum())
-            raise CheckpointError(f"{where}: weight {name!r} has {count} non-finite values "
-                                  "(NaN or inf): refusing to load it")
+            raise CheckpointError(
+                f"{where}: weight {name!r} has {count} non-finite values (NaN or inf): refusing to load it"
+            )
 
 
-def load_checkpoint(path: str | Path | None = None, config: ModelConfig | None = None,
-                    dtype: torch.dtype = torch.float32, backend: str = "torch") -> MoEKVTransformer:
+def load_checkpoint(
+    path: str | Path | None = None,
+    config: ModelConfig | None = None,
+    dtype: torch.dtype = torch.float32,
+    backend: str = "torch",
+) -> MoEKVTransformer:
     """The model a checkpoint describes, on `backend`. With `config`, the checkpoint must have been
     made for its architecture (routing may differ: it is not in the weights); the model runs it."""
     if config is not None and not isinstance(config, ModelConfig):
@@ -234,13 +298,18 @@ def load_checkpoint(path: str | Path | None = None, config: ModelConfig | None =
     where = f"checkpoint {str(path)!r}"
     payload = _read(path)
     if _sha256(where, payload["config"], payload["state_dict"]) != payload["sha256"]:
-        raise CheckpointError(f"{where}: its config and weights do not match the content hash in its "
-                              "manifest: the file was altered or corrupted")
+        raise CheckpointError(
+            f"{where}: its config and weights do not match the content hash in its "
+            "manifest: the file was altered or corrupted"
+        )
     saved = _config(where, payload)
     if config is not None:
         made, asked = saved.architecture(), config.architecture()
-        details = ", ".join(f"{key}: checkpoint has {made[key]!r}, config asks for {asked[key]!r}"
-                            for key in asked if made[key] != asked[key])
+        details = ", ".join(
+            f"{key}: checkpoint has {made[key]!r}, config asks for {asked[key]!r}"
+            for key in asked
+            if made[key] != asked[key]
+        )
         if details:
             raise CheckpointError(f"{where} was made for another config ({details})")
         saved = config
@@ -259,18 +328,23 @@ def add_manifest(path: str | Path) -> None:
     where = f"checkpoint {str(path)!r}"
     payload = _load_file(path)
     if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:
-        raise CheckpointError(f"{str(path)!r} is not a moekv_ref checkpoint (expected a dict with 'config' "
-                              "and 'state_dict')")
+        raise CheckpointError(
+            f"{str(path)!r} is not a moekv_ref checkpoint (expected a dict with 'config' and 'state_dict')"
+        )
     found = payload.get("format")
     if found is not None and not (isinstance(found, str) and found == FORMAT_V1):
-        raise CheckpointError(f"{where} has format {_short(found)}: add_manifest upgrades files without a "
-                              f"manifest or of format {FORMAT_V1!r} only")
+        raise CheckpointError(
+            f"{where} has format {_short(found)}: add_manifest upgrades files without a "
+            f"manifest or of format {FORMAT_V1!r} only"
+        )
     state = payload["state_dict"]
     _check_tensors(where, state, None)
     v1_sha = payload.get("sha256")
     if found is not None and not (isinstance(v1_sha, str) and v1_sha == state_dict_sha256(state)):
-        raise CheckpointError(f"{where}: its weights do not match its {FORMAT_V1} content hash: the file was "
-                              "altered or corrupted; not upgrading it")
+        raise CheckpointError(
+            f"{where}: its weights do not match its {FORMAT_V1} content hash: the file was "
+            "altered or corrupted; not upgrading it"
+        )
     _checked_state(where, state, _config(where, payload))
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     payload.update(format=FORMAT, dtype=dtype, sha256=_sha256(where, payload["config"], state))
@@ -278,8 +352,9 @@ def add_manifest(path: str | Path) -> None:
     torch.save(payload, path)
 
 
-def load_default_model(routing: str | None = None, dtype: torch.dtype = torch.float32,
-                       backend: str = "torch") -> MoEKVTransformer:
+def load_default_model(
+    routing: str | None = None, dtype: torch.dtype = torch.float32, backend: str = "torch"
+) -> MoEKVTransformer:
     """The embedded `tiny` model, optionally with another attention routing."""
     config = get_config("tiny") if routing is None else get_config("tiny").with_routing(routing)
     return load_checkpoint(DEFAULT_CHECKPOINT, config, dtype, backend)

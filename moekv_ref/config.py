@@ -24,18 +24,18 @@ class ModelConfig:
 
     name: str = "custom"
     vocab_size: int = 256
-    hidden_size: int = 128                   # D
-    num_hidden_layers: int = 4               # L
-    num_attention_heads: int = 2             # H, per attention expert
-    num_key_value_heads: int = 2             # Hkv, per attention expert (GQA when < H)
-    head_dim: int = 32                       # Dh
+    hidden_size: int = 128  # D
+    num_hidden_layers: int = 4  # L
+    num_attention_heads: int = 2  # H, per attention expert
+    num_key_value_heads: int = 2  # Hkv, per attention expert (GQA when < H)
+    head_dim: int = 32  # Dh
     max_position_embeddings: int = 512
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     # attention experts (our addition)
     attention_mode: str = "expert"
-    num_attention_experts: int = 8           # E
-    num_attention_experts_per_tok: int = 2   # K (k_max under threshold routing)
+    num_attention_experts: int = 8  # E
+    num_attention_experts_per_tok: int = 2  # K (k_max under threshold routing)
     attention_routing: str = "topk"
     routing_threshold: float = 0.5
     # at most this many tokens per (sequence, expert) row in training and recompute (routing.py's
@@ -54,14 +54,19 @@ class ModelConfig:
     def __post_init__(self):
         for field in (f.name for f in dataclasses.fields(self) if f.type == "int"):
             value = getattr(self, field)
-            least = 0 if field in ("kv_lora_rank", "qk_rope_head_dim", "attention_capacity") else 1   # may be 0
+            least = (
+                0 if field in ("kv_lora_rank", "qk_rope_head_dim", "attention_capacity") else 1
+            )  # may be 0
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 must = "a positive integer" if least else "an integer >= 0"
                 raise ValueError(f"{field}={value!r} is not allowed: it must be {must}")
         for field, ok, must in (
             ("rope_theta", lambda v: v > 0, "positive"),
-            ("rms_norm_eps", lambda v: 0 < v < 1,
-             "in (0, 1): it keeps RMSNorm from dividing by zero and should be small"),
+            (
+                "rms_norm_eps",
+                lambda v: 0 < v < 1,
+                "in (0, 1): it keeps RMSNorm from dividing by zero and should be small",
+            ),
             ("routing_threshold", lambda v: 0 < v <= 1, "in (0, 1]"),
         ):
             value = getattr(self, field)
@@ -71,27 +76,40 @@ class ModelConfig:
                 raise ValueError(f"{field}={value} must be {must}")
         if not isinstance(self.name, str):
             raise ValueError(f"name={self.name!r} must be a string")
-        for field, allowed in (("attention_mode", ATTENTION_MODES), ("attention_routing", ROUTINGS),
-                               ("kv_cache_dtype", tuple(BYTES_PER_DTYPE))):
+        for field, allowed in (
+            ("attention_mode", ATTENTION_MODES),
+            ("attention_routing", ROUTINGS),
+            ("kv_cache_dtype", tuple(BYTES_PER_DTYPE)),
+        ):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")
         E, K = self.num_attention_experts, self.num_attention_experts_per_tok
         if self.attention_mode == "dense" and (E, K) != (1, 1):
-            raise ValueError("attention_mode='dense' is the E=1, k=1 case: num_attention_experts "
-                             f"and num_attention_experts_per_tok must be 1, got {E} and {K} "
-                             "(or use attention_mode='expert')")
+            raise ValueError(
+                "attention_mode='dense' is the E=1, k=1 case: num_attention_experts "
+                f"and num_attention_experts_per_tok must be 1, got {E} and {K} "
+                "(or use attention_mode='expert')"
+            )
         if self.attention_routing == "expert_choice" and (K != E or self.attention_capacity == 0 or E == 1):
-            raise ValueError("attention_routing='expert_choice' lets each of several experts choose its "
-                             "tokens: it needs num_attention_experts > 1, num_attention_experts_per_tok equal "
-                             f"to it (every token is a candidate of every expert; got {K} of {E}) and "
-                             f"attention_capacity >= 1 (the tokens an expert keeps; got {self.attention_capacity})")
-        for k, e in (("num_attention_experts_per_tok", "num_attention_experts"),
-                     ("num_experts_per_tok", "num_local_experts")):
+            raise ValueError(
+                "attention_routing='expert_choice' lets each of several experts choose its "
+                "tokens: it needs num_attention_experts > 1, num_attention_experts_per_tok equal "
+                f"to it (every token is a candidate of every expert; got {K} of {E}) and "
+                f"attention_capacity >= 1 (the tokens an expert keeps; got {self.attention_capacity})"
+            )
+        for k, e in (
+            ("num_attention_experts_per_tok", "num_attention_experts"),
+            ("num_experts_per_tok", "num_local_experts"),
+        ):
             if getattr(self, k) > getattr(self, e):
-                raise ValueError(f"{k}={getattr(self, k)} is greater than {e}={getattr(self, e)}: top-k needs k <= E")
+                raise ValueError(
+                    f"{k}={getattr(self, k)} is greater than {e}={getattr(self, e)}: top-k needs k <= E"
+                )
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
         if self.head_dim % 2 != 0 and self.kv_lora_rank == 0:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
 
@@ -125,9 +143,18 @@ class ModelConfig:
 
     def architecture(self) -> dict:
         """The fields that decide the shapes of the weights; a checkpoint must match these."""
-        keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "attention_mode", "num_attention_experts",
-                "num_local_experts", "moe_intermediate_size")
+        keys = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "attention_mode",
+            "num_attention_experts",
+            "num_local_experts",
+            "moe_intermediate_size",
+        )
         return {key: getattr(self, key) for key in keys}
 
     def to_dict(self) -> dict:
@@ -148,8 +175,16 @@ class ModelConfig:
 def _ffn_only_moe(**fields) -> ModelConfig:
     """A model whose experts are only in the FFN (Mixtral, Qwen3-MoE, DeepSeek-V3): one dense
     attention per layer, heads of 128, its KV cache stored in bfloat16, like a dense model's."""
-    return ModelConfig(**{"head_dim": 128, "attention_mode": "dense", "num_attention_experts": 1,
-                          "num_attention_experts_per_tok": 1, "kv_cache_dtype": "bfloat16", **fields})
+    return ModelConfig(
+        **{
+            "head_dim": 128,
+            "attention_mode": "dense",
+            "num_attention_experts": 1,
+            "num_attention_experts_per_tok": 1,
+            "kv_cache_dtype": "bfloat16",
+            **fields,
+        }
+    )
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -161,24 +196,48 @@ PRESETS: dict[str, ModelConfig] = {
     # Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json; Jiang et al., arXiv 2401.04088):
     # dense GQA attention (32 query heads, 8 KV heads of 128), 8 FFN experts, top-2.
     "mixtral-8x7b": _ffn_only_moe(
-        name="mixtral-8x7b", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rope_theta=1e6,
-        num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336,
+        name="mixtral-8x7b",
+        vocab_size=32000,
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=14336,
     ),
     # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json; Qwen3 technical report, arXiv 2505.09388):
     # 48 layers, 32 query heads / 4 KV heads of 128, 128 fine-grained FFN experts, top-8.
     "qwen3-30b-a3b": _ffn_only_moe(
-        name="qwen3-30b-a3b", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
-        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=40960, rope_theta=1e6,
-        num_local_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        name="qwen3-30b-a3b",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=40960,
+        rope_theta=1e6,
+        num_local_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
     ),
     # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json; arXiv 2412.19437): 61 layers, 128 heads,
     # multi-head latent attention caching kv_lora_rank=512 + qk_rope_head_dim=64 values per token,
     # 256 routed FFN experts, top-8 (the shared expert is not modelled: it holds no KV).
     "deepseek-v3": _ffn_only_moe(
-        name="deepseek-v3", vocab_size=129280, hidden_size=7168, num_hidden_layers=61,
-        num_attention_heads=128, num_key_value_heads=128, max_position_embeddings=163840,
-        num_local_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, kv_lora_rank=512,
+        name="deepseek-v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        max_position_embeddings=163840,
+        num_local_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=2048,
+        kv_lora_rank=512,
         qk_rope_head_dim=64,
     ),
     # JetMoE-8B (jetmoe/jetmoe-8b config.json; Shen et al., arXiv 2404.07413, Table 1): 8 attention
@@ -186,10 +245,21 @@ PRESETS: dict[str, ModelConfig] = {
     # Its num_attention_heads=32 counts the query heads of both chosen experts; ours, per expert.
     # Its experts share K/V (docs/design.md): we size it as if each expert kept its own.
     "jetmoe-8b": ModelConfig(
-        name="jetmoe-8b", vocab_size=32000, hidden_size=2048, num_hidden_layers=24,
-        num_attention_heads=16, num_key_value_heads=16, head_dim=128, max_position_embeddings=4096,
-        attention_mode="expert", num_attention_experts=8, num_attention_experts_per_tok=2,
-        num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=5632, kv_cache_dtype="bfloat16",
+        name="jetmoe-8b",
+        vocab_size=32000,
+        hidden_size=2048,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+        max_position_embeddings=4096,
+        attention_mode="expert",
+        num_attention_experts=8,
+        num_attention_experts_per_tok=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=5632,
+        kv_cache_dtype="bfloat16",
     ),
 }
 

@@ -28,11 +28,11 @@ from .config import BYTES_PER_DTYPE, ModelConfig, get_config
 @dataclass(frozen=True)
 class GPU:
     name: str
-    architecture: str           # the ptxas target, "sm_90"
-    hbm_bytes_per_s: float      # peak memory bandwidth
-    bf16_flops_per_s: float     # dense BF16 tensor-core peak (no sparsity)
+    architecture: str  # the ptxas target, "sm_90"
+    hbm_bytes_per_s: float  # peak memory bandwidth
+    bf16_flops_per_s: float  # dense BF16 tensor-core peak (no sparsity)
     num_sms: int
-    device_name_parts: tuple    # how torch.cuda.get_device_name() names it (all parts appear)
+    device_name_parts: tuple  # how torch.cuda.get_device_name() names it (all parts appear)
     source: str
 
     def compute_seconds(self, flops, utilization: float = 1.0):
@@ -49,47 +49,83 @@ class GPU:
 class SMLimits:
     architecture: str
     registers_per_sm: int
-    shared_per_sm: int          # bytes of shared memory a block may use, all blocks of an SM together
+    shared_per_sm: int  # bytes of shared memory a block may use, all blocks of an SM together
     max_warps_per_sm: int
     max_blocks_per_sm: int
-    reserved_shared_per_block: int   # the driver's share of each block
+    reserved_shared_per_block: int  # the driver's share of each block
     source: str
 
 
 @dataclass(frozen=True)
 class Link:
     name: str
-    bytes_per_s: float          # one direction, per GPU
+    bytes_per_s: float  # one direction, per GPU
     source: str
 
 
 GPUS = {
-    "H200": GPU("H200", "sm_90", 4.8e12, 989e12, 132, ("H200",),
-                "NVIDIA H200 Tensor Core GPU datasheet (SXM): 4.8 TB/s HBM3e, 989 TFLOP/s dense BF16"),
-    "H100": GPU("H100 SXM", "sm_90", 3.35e12, 989e12, 132, ("H100", "HBM3"),
-                "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 3.35 TB/s HBM3, 989 TFLOP/s dense BF16 "
-                "(1,979 with sparsity); 132 SMs: NVIDIA H100 Tensor Core GPU architecture whitepaper"),
-    "A100": GPU("A100 80GB", "sm_80", 2.039e12, 312e12, 108, ("A100-SXM4-80GB",),
-                "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 2,039 GB/s HBM2e, 312 TFLOP/s dense "
-                "BF16; 108 SMs: NVIDIA A100 Tensor Core GPU architecture whitepaper"),
+    "H200": GPU(
+        "H200",
+        "sm_90",
+        4.8e12,
+        989e12,
+        132,
+        ("H200",),
+        "NVIDIA H200 Tensor Core GPU datasheet (SXM): 4.8 TB/s HBM3e, 989 TFLOP/s dense BF16",
+    ),
+    "H100": GPU(
+        "H100 SXM",
+        "sm_90",
+        3.35e12,
+        989e12,
+        132,
+        ("H100", "HBM3"),
+        "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 3.35 TB/s HBM3, 989 TFLOP/s dense BF16 "
+        "(1,979 with sparsity); 132 SMs: NVIDIA H100 Tensor Core GPU architecture whitepaper",
+    ),
+    "A100": GPU(
+        "A100 80GB",
+        "sm_80",
+        2.039e12,
+        312e12,
+        108,
+        ("A100-SXM4-80GB",),
+        "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 2,039 GB/s HBM2e, 312 TFLOP/s dense "
+        "BF16; 108 SMs: NVIDIA A100 Tensor Core GPU architecture whitepaper",
+    ),
 }
 
-_PROGRAMMING_GUIDE = ("NVIDIA CUDA C++ Programming Guide, table 'Technical Specifications per Compute "
-                      "Capability'")
+_PROGRAMMING_GUIDE = (
+    "NVIDIA CUDA C++ Programming Guide, table 'Technical Specifications per Compute Capability'"
+)
 SM_LIMITS = {
     "sm_90": SMLimits("sm_90", 65536, 228 * 1024, 64, 32, 1024, _PROGRAMMING_GUIDE + " (9.0)"),
     "sm_80": SMLimits("sm_80", 65536, 164 * 1024, 64, 32, 1024, _PROGRAMMING_GUIDE + " (8.0)"),
 }
 
 LINKS = {
-    "pcie_gen5_x16": Link("PCIe Gen5 x16", 64e9, "PCI-SIG: 32 GT/s x 16 lanes, about 64 GB/s each direction "
-                          "(NVIDIA's H100 PCIe figure, 128 GB/s, counts both directions)"),
-    "nvlink_c2c": Link("NVLink-C2C", 450e9, "NVIDIA GH200 datasheet: NVLink-C2C 900 GB/s between Grace and "
-                       "Hopper, 450 GB/s each direction"),
-    "nvlink": Link("NVLink, intranode", 153e9, "DeepEP README (deepseek-ai/DeepEP): 153 GB/s measured "
-                   "intranode dispatch on H800 (about 160 GB/s the NVLink maximum there)"),
-    "rdma": Link("RDMA, internode", 50e9,
-                 "DeepEP README (deepseek-ai/DeepEP): 43-58 GB/s internode over CX7 400 Gb/s InfiniBand"),
+    "pcie_gen5_x16": Link(
+        "PCIe Gen5 x16",
+        64e9,
+        "PCI-SIG: 32 GT/s x 16 lanes, about 64 GB/s each direction "
+        "(NVIDIA's H100 PCIe figure, 128 GB/s, counts both directions)",
+    ),
+    "nvlink_c2c": Link(
+        "NVLink-C2C",
+        450e9,
+        "NVIDIA GH200 datasheet: NVLink-C2C 900 GB/s between Grace and Hopper, 450 GB/s each direction",
+    ),
+    "nvlink": Link(
+        "NVLink, intranode",
+        153e9,
+        "DeepEP README (deepseek-ai/DeepEP): 153 GB/s measured "
+        "intranode dispatch on H800 (about 160 GB/s the NVLink maximum there)",
+    ),
+    "rdma": Link(
+        "RDMA, internode",
+        50e9,
+        "DeepEP README (deepseek-ai/DeepEP): 43-58 GB/s internode over CX7 400 Gb/s InfiniBand",
+    ),
 }
 
 
@@ -114,16 +150,17 @@ def pick(choices: dict, name: str, what: str):
 INT64_BYTES = 8
 
 
-def measured_shape_bytes(config: ModelConfig, kv_placement: str, world_size: int, traffic: dict,
-                         bytes_per_value: int) -> dict[str, int]:
+def measured_shape_bytes(
+    config: ModelConfig, kv_placement: str, world_size: int, traffic: dict, bytes_per_value: int
+) -> dict[str, int]:
     """Bytes sent to peers in one step, summed over ranks, per category. traffic:
     attention_pairs_to_peers, ffn_pairs_to_peers ((token, rank) pairs off the token's home rank);
     under kv_with_sequence kv_rows_to_peers, kv_tokens_to_peers (cached K/V sent) and
     kv_new_pairs_to_peers ((token, expert) pairs whose new k, v come home)."""
     D, b = config.hidden_size, bytes_per_value
     Ka, Kf = config.num_attention_experts_per_tok, config.num_experts_per_tok
-    kv_row_values = 2 * config.num_key_value_heads * config.head_dim              # k and v of one token
-    count = lambda name: int(traffic.get(name, 0))                                  # noqa: E731
+    kv_row_values = 2 * config.num_key_value_heads * config.head_dim  # k and v of one token
+    count = lambda name: int(traffic.get(name, 0))  # noqa: E731
     attention_pairs, ffn_pairs = count("attention_pairs_to_peers"), count("ffn_pairs_to_peers")
     # all-to-alls per layer whose split sizes are exchanged first: the FFN dispatch always, the
     # attention dispatch unless attention is replicated, the K/V rows' metadata for kv_with_sequence
@@ -134,7 +171,8 @@ def measured_shape_bytes(config: ModelConfig, kv_placement: str, world_size: int
         "attention_dispatch": attention_pairs * ((D + Ka) * b + (2 + Ka) * INT64_BYTES),
         "attention_combine": attention_pairs * D * b,
         # rows: [seq_id, expert, count]; then every cached token's k and v
-        "kv_context": count("kv_rows_to_peers") * 3 * INT64_BYTES + count("kv_tokens_to_peers") * kv_row_values * b,
+        "kv_context": count("kv_rows_to_peers") * 3 * INT64_BYTES
+        + count("kv_tokens_to_peers") * kv_row_values * b,
         "kv_new": count("kv_new_pairs_to_peers") * kv_row_values * b,
         # floats: hidden state + K gates; ints: K expert ids
         "ffn_dispatch": ffn_pairs * ((D + Kf) * b + Kf * INT64_BYTES),
@@ -150,8 +188,9 @@ def expected_remote_ranks(num_experts: int, k: int, world_size: int) -> float:
     return (world_size - 1) * (1.0 - miss)
 
 
-def expected_traffic(config: ModelConfig, kv_placement: str, world_size: int, num_seqs: int,
-                     context: int) -> dict[str, float]:
+def expected_traffic(
+    config: ModelConfig, kv_placement: str, world_size: int, num_seqs: int, context: int
+) -> dict[str, float]:
     """The counts of `measured_shape_bytes` for one decode step (one new token per sequence, each with
     `context` earlier tokens), expected under uniform routing, summed over layers."""
     L, R = config.num_hidden_layers, world_size
@@ -168,8 +207,9 @@ def expected_traffic(config: ModelConfig, kv_placement: str, world_size: int, nu
     return traffic
 
 
-def step_flops_and_reads(config: ModelConfig, kv_placement: str, world_size: int, num_seqs: int,
-                         context: int) -> dict[str, float]:
+def step_flops_and_reads(
+    config: ModelConfig, kv_placement: str, world_size: int, num_seqs: int, context: int
+) -> dict[str, float]:
     """FLOPs and HBM bytes of one decode step over all ranks. Weights are read once per step by each
     rank that uses them; K/V once per (token, expert) pair that attends over it (twice under
     kv_with_sequence: read to send, read to attend)."""
@@ -177,9 +217,9 @@ def step_flops_and_reads(config: ModelConfig, kv_placement: str, world_size: int
     H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     Ea, Ka = config.num_attention_experts, config.num_attention_experts_per_tok
     Ef, Kf, F = config.num_local_experts, config.num_experts_per_tok, config.moe_intermediate_size
-    pairs = num_seqs * Ka                                                     # (token, expert) per layer
-    row_context = context * Ka / Ea + 1                                       # keys one pair attends over
-    if config.kv_lora_rank > 0:   # MLA, absorbed: q and o of H heads, one shared latent of kv_lora + rope
+    pairs = num_seqs * Ka  # (token, expert) per layer
+    row_context = context * Ka / Ea + 1  # keys one pair attends over
+    if config.kv_lora_rank > 0:  # MLA, absorbed: q and o of H heads, one shared latent of kv_lora + rope
         latent = config.kv_lora_rank + config.qk_rope_head_dim
         projection_flops = 2 * D * H * Dh * 2 + 2 * D * latent
         score_flops = 2 * H * latent * row_context + 2 * H * config.kv_lora_rank * row_context
@@ -189,7 +229,13 @@ def step_flops_and_reads(config: ModelConfig, kv_placement: str, world_size: int
         score_flops = 2 * 2 * H * Dh * row_context
         expert_weight_bytes = (2 * D * H * Dh + 2 * D * Hkv * Dh) * b
     attention_flops = L * pairs * (projection_flops + score_flops)
-    kv_reads = L * pairs * row_context * config.kv_bytes_per_entry() * (2 if kv_placement == "kv_with_sequence" else 1)
+    kv_reads = (
+        L
+        * pairs
+        * row_context
+        * config.kv_bytes_per_entry()
+        * (2 if kv_placement == "kv_with_sequence" else 1)
+    )
     # attention weights: every rank reads all of them when replicated, its own experts otherwise
     copies = world_size if kv_placement == "replicated_attention" else 1
     attention_weight_reads = L * Ea * expert_weight_bytes * copies
@@ -197,8 +243,12 @@ def step_flops_and_reads(config: ModelConfig, kv_placement: str, world_size: int
     active = Ef * (1 - (1 - Kf / Ef) ** num_seqs)
     expert_flops = L * num_seqs * Kf * 3 * 2 * D * F
     expert_reads = L * active * 3 * D * F * b
-    return {"attention_flops": attention_flops, "attention_hbm_bytes": attention_weight_reads + kv_reads,
-            "expert_flops": expert_flops, "expert_hbm_bytes": expert_reads}
+    return {
+        "attention_flops": attention_flops,
+        "attention_hbm_bytes": attention_weight_reads + kv_reads,
+        "expert_flops": expert_flops,
+        "expert_hbm_bytes": expert_reads,
+    }
 
 
 @dataclass
@@ -210,7 +260,7 @@ class StepProjection:
     context: int
     accelerator: str
     interconnect: str
-    bytes_per_step: dict          # category -> bytes, all ranks
+    bytes_per_step: dict  # category -> bytes, all ranks
     attention_ms: float
     experts_ms: float
     communication_ms: float
@@ -221,98 +271,159 @@ class StepProjection:
         return asdict(self)
 
 
-def project_step(config: ModelConfig, kv_placement: str, world_size: int, num_seqs: int, context: int,
-                 accelerator: str = "H100", interconnect: str = "nvlink") -> StepProjection:
+def project_step(
+    config: ModelConfig,
+    kv_placement: str,
+    world_size: int,
+    num_seqs: int,
+    context: int,
+    accelerator: str = "H100",
+    interconnect: str = "nvlink",
+) -> StepProjection:
     """Decode step time (ms) of num_seqs sequences at `context`, balanced over world_size ranks."""
-    gpu, link = pick(ACCELERATORS, accelerator, "accelerator"), pick(INTERCONNECTS, interconnect, "interconnect")
+    gpu, link = (
+        pick(ACCELERATORS, accelerator, "accelerator"),
+        pick(INTERCONNECTS, interconnect, "interconnect"),
+    )
     if config.attention_mode == "dense" and kv_placement != "replicated_attention":
-        raise ValueError(f"{config.name} has dense attention: its KV placement is data-parallel attention, "
-                         f"kv_placement='replicated_attention', not {kv_placement!r}")
-    sharded = [config.num_local_experts] + [config.num_attention_experts] * (kv_placement != "replicated_attention")
+        raise ValueError(
+            f"{config.name} has dense attention: its KV placement is data-parallel attention, "
+            f"kv_placement='replicated_attention', not {kv_placement!r}"
+        )
+    sharded = [config.num_local_experts] + [config.num_attention_experts] * (
+        kv_placement != "replicated_attention"
+    )
     if any(experts % world_size for experts in sharded):
         # expected_remote_ranks spreads E // R experts per rank: with fewer experts than ranks it would
         # project no traffic at all, and with an uneven split the wrong traffic
-        raise ValueError(f"world_size={world_size} does not split {config.name}'s {sharded} experts per layer "
-                         f"evenly: at least one expert per rank, the same number on each")
+        raise ValueError(
+            f"world_size={world_size} does not split {config.name}'s {sharded} experts per layer "
+            f"evenly: at least one expert per rank, the same number on each"
+        )
     traffic = expected_traffic(config, kv_placement, world_size, num_seqs, context)
     b = BYTES_PER_DTYPE[config.kv_cache_dtype]
     moved = measured_shape_bytes(config, kv_placement, world_size, traffic, b)
     work = step_flops_and_reads(config, kv_placement, world_size, num_seqs, context)
 
-    per_rank = {name: value / world_size for name, value in work.items()}            # balanced
+    per_rank = {name: value / world_size for name, value in work.items()}  # balanced
     attention_ms = gpu.roofline_seconds(per_rank["attention_flops"], per_rank["attention_hbm_bytes"]) * 1e3
     experts_ms = gpu.roofline_seconds(per_rank["expert_flops"], per_rank["expert_hbm_bytes"]) * 1e3
     communication_ms = sum(moved.values()) / world_size / link.bytes_per_s * 1e3
-    return StepProjection(config.name, kv_placement, world_size, num_seqs, context, gpu.name, link.name,
-                          {k: int(round(v)) for k, v in moved.items()}, attention_ms, experts_ms,
-                          communication_ms, attention_ms + experts_ms + communication_ms,
-                          {"accelerator": gpu.source, "interconnect": link.source})
+    return StepProjection(
+        config.name,
+        kv_placement,
+        world_size,
+        num_seqs,
+        context,
+        gpu.name,
+        link.name,
+        {k: int(round(v)) for k, v in moved.items()},
+        attention_ms,
+        experts_ms,
+        communication_ms,
+        attention_ms + experts_ms + communication_ms,
+        {"accelerator": gpu.source, "interconnect": link.source},
+    )
 
 
 # Clusters the projections use: which presets, how many GPUs, which link between them.
 REAL_SHAPE_SETUPS = (
-    ("mixtral-8x7b", 8, "nvlink", ("replicated_attention",)),       # one node of 8 GPUs
-    ("deepseek-v3", 32, "rdma", ("replicated_attention",)),         # 4 nodes: most dispatch crosses
+    ("mixtral-8x7b", 8, "nvlink", ("replicated_attention",)),  # one node of 8 GPUs
+    ("deepseek-v3", 32, "rdma", ("replicated_attention",)),  # 4 nodes: most dispatch crosses
     # JetMoE-8B sized as an expert-attention model (each attention expert keeps its own K/V)
     ("jetmoe-8b", 8, "nvlink", ("kv_with_expert", "kv_with_sequence", "replicated_attention")),
 )
 
 
-def real_shape_projections(contexts=(4096, 32768), seqs_per_rank: int = 32, accelerator: str = "H100") -> list[dict]:
-    return [project_step(get_config(name), placement, world_size, seqs_per_rank * world_size,
-                         context, accelerator, link).to_dict()
-            for name, world_size, link, placements in REAL_SHAPE_SETUPS
-            for placement in placements for context in contexts]
+def real_shape_projections(
+    contexts=(4096, 32768), seqs_per_rank: int = 32, accelerator: str = "H100"
+) -> list[dict]:
+    return [
+        project_step(
+            get_config(name), placement, world_size, seqs_per_rank * world_size, context, accelerator, link
+        ).to_dict()
+        for name, world_size, link, placements in REAL_SHAPE_SETUPS
+        for placement in placements
+        for context in contexts
+    ]
 
 
 # ===== 3. recompute or swap =================================================================================
 @dataclass(frozen=True)
 class CostModel:
     name: str
-    seconds_per_step: float          # fixed cost of one forward, whatever it computes
-    seconds_per_token: float         # per token computed (prefill, recompute or decode)
-    seconds_per_token_pair: float    # per (query, earlier key) pair of one sequence, all layers
-    swap_bytes_per_second: float     # host link, each direction
-    seconds_per_block: float         # per block copied (descriptor / small-copy overhead)
-    seconds_per_swap: float          # per swap out or in of one sequence (launch, synchronisation)
-    block_bytes: int                 # bytes of K and V one block holds
+    seconds_per_step: float  # fixed cost of one forward, whatever it computes
+    seconds_per_token: float  # per token computed (prefill, recompute or decode)
+    seconds_per_token_pair: float  # per (query, earlier key) pair of one sequence, all layers
+    swap_bytes_per_second: float  # host link, each direction
+    seconds_per_block: float  # per block copied (descriptor / small-copy overhead)
+    seconds_per_swap: float  # per swap out or in of one sequence (launch, synchronisation)
+    block_bytes: int  # bytes of K and V one block holds
     # per earlier token one decode token reads K/V of (all layers); a decode token over context c
     # takes c * max(pair compute, this read): memory-bound on a GPU (0: compute only, as fitted here)
     seconds_per_context_read: float = 0.0
 
-    def recompute_seconds(self, context):     # context, num_blocks: an int or a tensor
+    def recompute_seconds(self, context):  # context, num_blocks: an int or a tensor
         return context * self.seconds_per_token + context * (context + 1) / 2 * self.seconds_per_token_pair
 
-    def swap_seconds(self, num_blocks):       # out and back in
+    def swap_seconds(self, num_blocks):  # out and back in
         per_block = self.block_bytes / self.swap_bytes_per_second + self.seconds_per_block
         return 2 * (self.seconds_per_swap + num_blocks * per_block)
 
-    def decode_seconds(self, context):        # what one decode token adds to a step
-        return self.seconds_per_token + context * max(self.seconds_per_token_pair, self.seconds_per_context_read)
+    def decode_seconds(self, context):  # what one decode token adds to a step
+        return self.seconds_per_token + context * max(
+            self.seconds_per_token_pair, self.seconds_per_context_read
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def projected_gpu_cost_model(active_params: float, kv_bytes_per_slot: int, num_layers: int,
-                             experts_per_token: int, num_experts: int, head_dim: int, num_heads: int,
-                             block_size: int, accelerator: str = "H100", host_link: str = "pcie_gen5_x16",
-                             mfu: float = 0.5, seconds_per_swap: float = 20e-6,
-                             seconds_per_block: float = 0.0, name: str = "H100 + PCIe Gen5 x16 (projected)") -> CostModel:
+def projected_gpu_cost_model(
+    active_params: float,
+    kv_bytes_per_slot: int,
+    num_layers: int,
+    experts_per_token: int,
+    num_experts: int,
+    head_dim: int,
+    num_heads: int,
+    block_size: int,
+    accelerator: str = "H100",
+    host_link: str = "pcie_gen5_x16",
+    mfu: float = 0.5,
+    seconds_per_swap: float = 20e-6,
+    seconds_per_block: float = 0.0,
+    name: str = "H100 + PCIe Gen5 x16 (projected)",
+) -> CostModel:
     """A cost model from datasheet numbers. Assumed: prefill and recompute reach `mfu` of peak; a
     query meets about k / E of the keys in each of its k experts, 4 * H * Dh FLOPs per pair; swaps
     are one copy per sequence and direction (as vLLM's swap kernel does), `seconds_per_swap` each;
     a step reads the active bf16 weights from HBM at least once."""
     gpu, link = pick(ACCELERATORS, accelerator, "accelerator"), pick(HOST_LINKS, host_link, "host_link")
     per_token = gpu.compute_seconds(2.0 * active_params, mfu)
-    seconds_per_step = gpu.read_seconds(2.0 * active_params)                 # active weights read once
+    seconds_per_step = gpu.read_seconds(2.0 * active_params)  # active weights read once
     pair_flops = 4 * num_heads * head_dim * num_layers * experts_per_token * experts_per_token / num_experts
-    return CostModel(name, seconds_per_step, per_token, gpu.compute_seconds(pair_flops, mfu), link.bytes_per_s,
-                     seconds_per_block, seconds_per_swap, kv_bytes_per_slot * block_size)
+    return CostModel(
+        name,
+        seconds_per_step,
+        per_token,
+        gpu.compute_seconds(pair_flops, mfu),
+        link.bytes_per_s,
+        seconds_per_block,
+        seconds_per_swap,
+        kv_bytes_per_slot * block_size,
+    )
 
 
-def cluster_cost_model(config: ModelConfig, active_params: float, num_devices: int, block_size: int,
-                       accelerator: str = "H200", host_link: str = "pcie_gen5_x16", mfu: float = 0.5) -> CostModel:
+def cluster_cost_model(
+    config: ModelConfig,
+    active_params: float,
+    num_devices: int,
+    block_size: int,
+    accelerator: str = "H200",
+    host_link: str = "pcie_gen5_x16",
+    mfu: float = 0.5,
+) -> CostModel:
     """`projected_gpu_cost_model` for `config` served by num_devices GPUs together, by expert
     parallelism: a step's compute and weight reads split evenly over them, communication and load
     imbalance left out. A lower bound on step time (notebook 07 adds the links); swaps stay per GPU.
@@ -320,33 +431,64 @@ def cluster_cost_model(config: ModelConfig, active_params: float, num_devices: i
     k / E of the context routed there) at the GPU's HBM bandwidth."""
     if not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1:
         raise ValueError(f"num_devices={num_devices!r} must be a positive integer")
-    one = projected_gpu_cost_model(active_params, config.kv_bytes_per_entry(), config.num_hidden_layers,
-                                   config.num_attention_experts_per_tok, config.num_attention_experts,
-                                   config.head_dim, config.num_attention_heads, block_size, accelerator,
-                                   host_link, mfu)
+    one = projected_gpu_cost_model(
+        active_params,
+        config.kv_bytes_per_entry(),
+        config.num_hidden_layers,
+        config.num_attention_experts_per_tok,
+        config.num_attention_experts,
+        config.head_dim,
+        config.num_attention_heads,
+        block_size,
+        accelerator,
+        host_link,
+        mfu,
+    )
     name = f"{config.name} on {num_devices} x {accelerator} (projected, compute split evenly, links left out)"
     L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
-    read_bytes = L * K * K / E * config.kv_bytes_per_entry()                       # per context token
+    read_bytes = L * K * K / E * config.kv_bytes_per_entry()  # per context token
     gpu = pick(ACCELERATORS, accelerator, "accelerator")
-    return replace(one, name=name, seconds_per_step=one.seconds_per_step / num_devices,
-                   seconds_per_token=one.seconds_per_token / num_devices,
-                   seconds_per_token_pair=one.seconds_per_token_pair / num_devices,
-                   seconds_per_context_read=gpu.read_seconds(read_bytes) / num_devices)
+    return replace(
+        one,
+        name=name,
+        seconds_per_step=one.seconds_per_step / num_devices,
+        seconds_per_token=one.seconds_per_token / num_devices,
+        seconds_per_token_pair=one.seconds_per_token_pair / num_devices,
+        seconds_per_context_read=gpu.read_seconds(read_bytes) / num_devices,
+    )
 
 
-def fit_cost_model(contexts, recompute_seconds, swapped_blocks, swap_seconds, block_bytes: int,
-                   name: str = "this machine (measured)") -> CostModel:
+def fit_cost_model(
+    contexts,
+    recompute_seconds,
+    swapped_blocks,
+    swap_seconds,
+    block_bytes: int,
+    name: str = "this machine (measured)",
+) -> CostModel:
     """Least-squares constants from measurements: recompute_seconds[i] of a prefill of contexts[i]
     tokens (fit a + b c + q c^2/2, a dropped: a step's fixed cost is paid anyway), and swap_seconds[i]
     for swapped_blocks[i] blocks out and in (fit 2 (s + n t)). Coefficients are clamped at 0."""
     c = torch.as_tensor(contexts, dtype=torch.float64)
-    design = torch.stack([torch.ones_like(c), c, c * (c + 1) / 2], 1)                     # (m, 3)
-    a, b, q = torch.linalg.lstsq(design, torch.as_tensor(recompute_seconds, dtype=torch.float64)[:, None]).solution[:, 0]
+    design = torch.stack([torch.ones_like(c), c, c * (c + 1) / 2], 1)  # (m, 3)
+    a, b, q = torch.linalg.lstsq(
+        design, torch.as_tensor(recompute_seconds, dtype=torch.float64)[:, None]
+    ).solution[:, 0]
     n = torch.as_tensor(swapped_blocks, dtype=torch.float64)
-    design = torch.stack([2 * torch.ones_like(n), 2 * n], 1)                              # (m, 2)
-    s, t = torch.linalg.lstsq(design, torch.as_tensor(swap_seconds, dtype=torch.float64)[:, None]).solution[:, 0]
-    return CostModel(name, max(float(a), 0.0), max(float(b), 0.0), max(float(q), 0.0), float("inf"),
-                     max(float(t), 0.0), max(float(s), 0.0), block_bytes)
+    design = torch.stack([2 * torch.ones_like(n), 2 * n], 1)  # (m, 2)
+    s, t = torch.linalg.lstsq(design, torch.as_tensor(swap_seconds, dtype=torch.float64)[:, None]).solution[
+        :, 0
+    ]
+    return CostModel(
+        name,
+        max(float(a), 0.0),
+        max(float(b), 0.0),
+        max(float(q), 0.0),
+        float("inf"),
+        max(float(t), 0.0),
+        max(float(s), 0.0),
+        block_bytes,
+    )
 
 
 def crossover_context(cost: CostModel, contexts, blocks_at_context) -> int | None:

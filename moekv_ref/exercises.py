@@ -46,9 +46,11 @@ RIGHT, WRONG, MISSING = "Right", "Not yet", "No answer yet"
 
 def _wrapped(check):
     """Checks return one paragraph; wrap it at 100 columns so that it reads at notebook width."""
+
     @functools.wraps(check)
     def wrapped(*args, **kwargs):
         return textwrap.fill(check(*args, **kwargs), width=100)
+
     return wrapped
 
 
@@ -61,44 +63,60 @@ def _close(value: float, target: float, rel: float) -> bool:
 
 
 EXERCISE_01_CONTEXT_LENGTH = 384
-FLOP_RATIO_TOLERANCE = 0.03     # relative: the ratio sits 5% under t + 1 at t = 384, so a looser band would pass t + 1
+FLOP_RATIO_TOLERANCE = (
+    0.03  # relative: the ratio sits 5% under t + 1 at t = 384, so a looser band would pass t + 1
+)
 
 
 def solution_flop_ratio(config, context_length: int = EXERCISE_01_CONTEXT_LENGTH) -> float:
     """Recompute FLOPs / cached FLOPs of one decode step after `context_length` tokens."""
-    return decode_flops(config, context_length, cached=False) / decode_flops(config, context_length, cached=True)
+    return decode_flops(config, context_length, cached=False) / decode_flops(
+        config, context_length, cached=True
+    )
 
 
 @_wrapped
 def check_flop_ratio(answer, config, context_length: int = EXERCISE_01_CONTEXT_LENGTH) -> str:
     """Is `answer` within 3% of the recompute / cached FLOP ratio at `context_length`?"""
     if answer is None:
-        return (f"{MISSING}: replace None with your prediction of recompute / cached FLOPs at "
-                f"t = {context_length}. Hint: recompute runs all t + 1 tokens through every layer; the "
-                f"cached step runs one, and reads t * k / E cached keys per expert.")
+        return (
+            f"{MISSING}: replace None with your prediction of recompute / cached FLOPs at "
+            f"t = {context_length}. Hint: recompute runs all t + 1 tokens through every layer; the "
+            f"cached step runs one, and reads t * k / E cached keys per expert."
+        )
     answer = float(answer)
     right = solution_flop_ratio(config, context_length)
     tokens = context_length + 1
     if _close(answer, right, FLOP_RATIO_TOLERANCE):
-        return (f"{RIGHT}: the ratio is {right:.0f}x (you said {answer:.0f}). It is a little under "
-                f"t + 1 = {tokens}: recompute does the per-token work (projections, FFN, output head) "
-                f"for all {tokens} tokens, the cached step for one, and the attention the cached step "
-                f"still pays over its t * k / E cached keys per expert keeps the ratio below t + 1.")
+        return (
+            f"{RIGHT}: the ratio is {right:.0f}x (you said {answer:.0f}). It is a little under "
+            f"t + 1 = {tokens}: recompute does the per-token work (projections, FFN, output head) "
+            f"for all {tokens} tokens, the cached step for one, and the attention the cached step "
+            f"still pays over its t * k / E cached keys per expert keeps the ratio below t + 1."
+        )
     if answer > 0 and _close(1 / answer, right, FLOP_RATIO_TOLERANCE):
-        return (f"{WRONG}: {answer:.4f} is cached / recompute, the inverse. The ratio asked for is "
-                f"recompute / cached, which is far above 1.")
+        return (
+            f"{WRONG}: {answer:.4f} is cached / recompute, the inverse. The ratio asked for is "
+            f"recompute / cached, which is far above 1."
+        )
     if _close(answer, tokens**2, 0.25) or answer > 4 * right:
-        return (f"{WRONG}: {answer:.0f} is far too large (the ratio is {right:.0f}x). Only the attention "
-                f"scores grow quadratically under recompute; at this model's size most of the work is "
-                f"the per-token projections and FFN, which grow linearly, so the ratio is close to "
-                f"t + 1 = {tokens}, not (t + 1)^2.")
+        return (
+            f"{WRONG}: {answer:.0f} is far too large (the ratio is {right:.0f}x). Only the attention "
+            f"scores grow quadratically under recompute; at this model's size most of the work is "
+            f"the per-token projections and FFN, which grow linearly, so the ratio is close to "
+            f"t + 1 = {tokens}, not (t + 1)^2."
+        )
     if _close(answer, tokens, 0.1):
-        return (f"{WRONG}: {answer:.0f} = t + 1 is the ratio if the cached step cost nothing but its one "
-                f"token. It also reads t * k / E cached keys per expert, so the true ratio is "
-                f"{right:.0f}x, {100 * (1 - right / tokens):.0f}% below t + 1 (use decode_flops).")
-    return (f"{WRONG}: {answer:.0f} is {100 * (answer / right - 1):+.0f}% from the ratio. Recompute pays "
-            f"for all t + 1 = {tokens} tokens in every layer; the cached step for one token plus "
-            f"attention over its cache; decode_flops(config, t, cached) counts both.")
+        return (
+            f"{WRONG}: {answer:.0f} = t + 1 is the ratio if the cached step cost nothing but its one "
+            f"token. It also reads t * k / E cached keys per expert, so the true ratio is "
+            f"{right:.0f}x, {100 * (1 - right / tokens):.0f}% below t + 1 (use decode_flops)."
+        )
+    return (
+        f"{WRONG}: {answer:.0f} is {100 * (answer / right - 1):+.0f}% from the ratio. Recompute pays "
+        f"for all t + 1 = {tokens} tokens in every layer; the cached step for one token plus "
+        f"attention over its cache; decode_flops(config, t, cached) counts both."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -108,12 +126,16 @@ def check_flop_ratio(answer, config, context_length: int = EXERCISE_01_CONTEXT_L
 EXERCISE_02_PROMPT = "class Cache:\n    def __init__(self, size):"
 EXERCISE_02_LAYER = 2
 EXERCISE_02_EXPERT = 5
-EXERCISE_02_BYTES_PER_VALUE = 4   # float32
+EXERCISE_02_BYTES_PER_VALUE = 4  # float32
 
 
-def solution_expert_cache_bytes(selected, config, layer: int = EXERCISE_02_LAYER,
-                                expert: int = EXERCISE_02_EXPERT,
-                                bytes_per_value: int = EXERCISE_02_BYTES_PER_VALUE) -> int:
+def solution_expert_cache_bytes(
+    selected,
+    config,
+    layer: int = EXERCISE_02_LAYER,
+    expert: int = EXERCISE_02_EXPERT,
+    bytes_per_value: int = EXERCISE_02_BYTES_PER_VALUE,
+) -> int:
     """Bytes held by (layer, expert)'s cache after a prompt: the tokens routed to the expert, times
     K and V (2) x key/value heads x head dim x bytes per value. `selected`: one (T, E) bool tensor per
     layer, as `moekv_ref.analysis.route_prompt` returns."""
@@ -122,50 +144,75 @@ def solution_expert_cache_bytes(selected, config, layer: int = EXERCISE_02_LAYER
 
 
 @_wrapped
-def check_expert_cache_bytes(answer, selected, config, layer: int = EXERCISE_02_LAYER,
-                             expert: int = EXERCISE_02_EXPERT,
-                             bytes_per_value: int = EXERCISE_02_BYTES_PER_VALUE) -> str:
+def check_expert_cache_bytes(
+    answer,
+    selected,
+    config,
+    layer: int = EXERCISE_02_LAYER,
+    expert: int = EXERCISE_02_EXPERT,
+    bytes_per_value: int = EXERCISE_02_BYTES_PER_VALUE,
+) -> str:
     """Is `answer` the number of bytes (layer, expert)'s cache holds? Names the usual mistakes."""
     if answer is None:
-        return (f"{MISSING}: replace None with the bytes that expert {expert} of layer {layer} holds. "
-                f"Hint: count the tokens routed to it (a column of selected[{layer}]), then multiply by "
-                f"the bytes one token takes in one expert's cache.")
+        return (
+            f"{MISSING}: replace None with the bytes that expert {expert} of layer {layer} holds. "
+            f"Hint: count the tokens routed to it (a column of selected[{layer}]), then multiply by "
+            f"the bytes one token takes in one expert's cache."
+        )
     answer = int(answer)
     num_tokens, num_experts = selected[layer].shape
     tokens = int(selected[layer][:, expert].sum())
-    per_value = config.num_key_value_heads * config.head_dim                # one of K or V, one token
+    per_value = config.num_key_value_heads * config.head_dim  # one of K or V, one token
     per_token = 2 * per_value * bytes_per_value
     right = tokens * per_token
     if answer == right:
-        return (f"{RIGHT}: {tokens} of the {num_tokens} tokens chose expert {expert} in layer {layer}, "
-                f"and each takes 2 (K and V) x {config.num_key_value_heads} heads x {config.head_dim} "
-                f"dims x {bytes_per_value} bytes = {per_token} bytes: {right} bytes.")
+        return (
+            f"{RIGHT}: {tokens} of the {num_tokens} tokens chose expert {expert} in layer {layer}, "
+            f"and each takes 2 (K and V) x {config.num_key_value_heads} heads x {config.head_dim} "
+            f"dims x {bytes_per_value} bytes = {per_token} bytes: {right} bytes."
+        )
     if answer == tokens:
-        return (f"{WRONG}: {answer} is the token count. Multiply by the bytes per token in one expert's "
-                f"cache: 2 x {config.num_key_value_heads} x {config.head_dim} x {bytes_per_value}.")
-    if answer == tokens * per_value * bytes_per_value:     # also what K and V in 2-byte values give
-        return (f"{WRONG}: that is half of it: K only (the cache keeps K and V), or 2 bytes per value "
-                f"(the model here runs in float32: {bytes_per_value} bytes per value).")
+        return (
+            f"{WRONG}: {answer} is the token count. Multiply by the bytes per token in one expert's "
+            f"cache: 2 x {config.num_key_value_heads} x {config.head_dim} x {bytes_per_value}."
+        )
+    if answer == tokens * per_value * bytes_per_value:  # also what K and V in 2-byte values give
+        return (
+            f"{WRONG}: that is half of it: K only (the cache keeps K and V), or 2 bytes per value "
+            f"(the model here runs in float32: {bytes_per_value} bytes per value)."
+        )
     if answer == num_tokens * per_token:
-        return (f"{WRONG}: that counts all {num_tokens} tokens of the prompt. A token is stored only by "
-                f"the experts its router chose: here {tokens} of them chose expert {expert}.")
+        return (
+            f"{WRONG}: that counts all {num_tokens} tokens of the prompt. A token is stored only by "
+            f"the experts its router chose: here {tokens} of them chose expert {expert}."
+        )
     total_in_layer = int(selected[layer].sum())
     if answer == total_in_layer * per_token:
-        return (f"{WRONG}: that is the whole layer's cache ({total_in_layer} entries over all "
-                f"{num_experts} experts); the question is about expert {expert} alone.")
+        return (
+            f"{WRONG}: that is the whole layer's cache ({total_in_layer} entries over all "
+            f"{num_experts} experts); the question is about expert {expert} alone."
+        )
     average = total_in_layer / num_experts
     if abs(answer - average * per_token) < per_token:
-        return (f"{WRONG}: that is the average expert ({average:.1f} tokens). Routing is skewed: expert "
-                f"{expert} holds {tokens}; count its column of the routing matrix.")
+        return (
+            f"{WRONG}: that is the average expert ({average:.1f} tokens). Routing is skewed: expert "
+            f"{expert} holds {tokens}; count its column of the routing matrix."
+        )
     for other in range(len(selected)):
         if other != layer and answer == int(selected[other][:, expert].sum()) * per_token:
-            return (f"{WRONG}: that is expert {expert} of layer {other}; every layer routes on its own, "
-                    f"and the question is about layer {layer}.")
+            return (
+                f"{WRONG}: that is expert {expert} of layer {other}; every layer routes on its own, "
+                f"and the question is about layer {layer}."
+            )
     for other in range(num_experts):
         if other != expert and answer == int(selected[layer][:, other].sum()) * per_token:
-            return f"{WRONG}: that is expert {other}'s cache; experts are numbered from 0 (e0 is the first row)."
-    return (f"{WRONG}: {answer} bytes is not it. Count the tokens in column {expert} of selected[{layer}] "
-            f"and multiply by {per_token} bytes per token.")
+            return (
+                f"{WRONG}: that is expert {other}'s cache; experts are numbered from 0 (e0 is the first row)."
+            )
+    return (
+        f"{WRONG}: {answer} bytes is not it. Count the tokens in column {expert} of selected[{layer}] "
+        f"and multiply by {per_token} bytes per token."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -180,8 +227,17 @@ def exercise_03_workload() -> RoutingTrace:
     """The first 8 sequences of bench memory's W3 (E = 8, top-2, 16 layers, prompt and output lengths
     log-normal of mean 256 each, Zipf(1) expert popularity), built here so that the exercise does not
     change if the benchmark's workloads do."""
-    return synthetic_trace(8, num_layers=16, num_experts=8, top_k=2, mean_prompt=256, mean_output=256,
-                           zipf_s=1.0, seed=3, name="W3")
+    return synthetic_trace(
+        8,
+        num_layers=16,
+        num_experts=8,
+        top_k=2,
+        mean_prompt=256,
+        mean_output=256,
+        zipf_s=1.0,
+        seed=3,
+        name="W3",
+    )
 
 
 @lru_cache(maxsize=None)
@@ -194,15 +250,19 @@ def _exercise_03_utilization(block_size: int) -> float:
 def solution_block_size() -> int:
     """The largest block size in EXERCISE_03_BLOCK_SIZES at which plain pages keep effective
     utilization >= 0.96 on the exercise's workload."""
-    return max(P for P in EXERCISE_03_BLOCK_SIZES if _exercise_03_utilization(P) >= TARGET_EFFECTIVE_UTILIZATION)
+    return max(
+        P for P in EXERCISE_03_BLOCK_SIZES if _exercise_03_utilization(P) >= TARGET_EFFECTIVE_UTILIZATION
+    )
 
 
 @_wrapped
 def check_block_size(answer) -> str:
     """Is `answer` the largest block size reaching effective utilization >= 0.96 on the workload?"""
     if answer is None:
-        return (f"{MISSING}: replace None with a block size from {EXERCISE_03_BLOCK_SIZES}. Hint: a row "
-                f"wastes on average about half a block; estimate the tokens per row first.")
+        return (
+            f"{MISSING}: replace None with a block size from {EXERCISE_03_BLOCK_SIZES}. Hint: a row "
+            f"wastes on average about half a block; estimate the tokens per row first."
+        )
     if answer not in EXERCISE_03_BLOCK_SIZES:
         return f"{WRONG}: {answer!r} is not one of the block sizes offered, {EXERCISE_03_BLOCK_SIZES}."
     trace = exercise_03_workload()
@@ -211,18 +271,24 @@ def check_block_size(answer) -> str:
     right = solution_block_size()
     if answer == right:
         larger = EXERCISE_03_BLOCK_SIZES[EXERCISE_03_BLOCK_SIZES.index(right) + 1]
-        return (f"{RIGHT}: P = {right} keeps effective utilization at {mine:.3f}; P = {larger} drops to "
-                f"{_exercise_03_utilization(larger):.3f}. Rows end holding about {tokens_per_row:.0f} "
-                f"tokens and waste about half a block each, and larger blocks would mean fewer, longer "
-                f"reads per decode token, so the largest block that meets the target is the one to take.")
+        return (
+            f"{RIGHT}: P = {right} keeps effective utilization at {mine:.3f}; P = {larger} drops to "
+            f"{_exercise_03_utilization(larger):.3f}. Rows end holding about {tokens_per_row:.0f} "
+            f"tokens and waste about half a block each, and larger blocks would mean fewer, longer "
+            f"reads per decode token, so the largest block that meets the target is the one to take."
+        )
     if mine < TARGET_EFFECTIVE_UTILIZATION:
-        return (f"{WRONG}: at P = {answer} effective utilization is {mine:.3f} < "
-                f"{TARGET_EFFECTIVE_UTILIZATION}. Each row wastes about P/2 slots of its last block, "
-                f"and rows here end near {tokens_per_row:.0f} tokens (fewer early in the run), so that "
-                f"waste is too large a share: try smaller blocks.")
-    return (f"{WRONG}: P = {answer} reaches {mine:.3f}, but a larger block size also stays >= "
-            f"{TARGET_EFFECTIVE_UTILIZATION}; larger blocks mean fewer block-table entries and fewer, "
-            f"longer reads per decode token, so take the largest that meets the target.")
+        return (
+            f"{WRONG}: at P = {answer} effective utilization is {mine:.3f} < "
+            f"{TARGET_EFFECTIVE_UTILIZATION}. Each row wastes about P/2 slots of its last block, "
+            f"and rows here end near {tokens_per_row:.0f} tokens (fewer early in the run), so that "
+            f"waste is too large a share: try smaller blocks."
+        )
+    return (
+        f"{WRONG}: P = {answer} reaches {mine:.3f}, but a larger block size also stays >= "
+        f"{TARGET_EFFECTIVE_UTILIZATION}; larger blocks mean fewer block-table entries and fewer, "
+        f"longer reads per decode token, so take the largest that meets the target."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -243,10 +309,18 @@ def exercise_04_workload():
 @lru_cache(maxsize=None)
 def _exercise_04_run(max_num_seqs: int) -> dict:
     """One serving run: optimistic admission, preemption by recompute, a pool of 200 blocks of 16."""
-    engine, result = serve(load_default_model("threshold"), exercise_04_workload(), EXERCISE_04_NUM_BLOCKS,
-                           admission="optimistic", preemption_mode="recompute", max_num_seqs=max_num_seqs)
+    engine, result = serve(
+        load_default_model("threshold"),
+        exercise_04_workload(),
+        EXERCISE_04_NUM_BLOCKS,
+        admission="optimistic",
+        preemption_mode="recompute",
+        max_num_seqs=max_num_seqs,
+    )
     summary = summarize(engine, result)
-    return {key: summary[key] for key in ("steps", "preempted", "recomputed_tokens", "max_concurrent_sequences")}
+    return {
+        key: summary[key] for key in ("steps", "preempted", "recomputed_tokens", "max_concurrent_sequences")
+    }
 
 
 def solution_max_num_seqs() -> int:
@@ -265,33 +339,44 @@ def check_max_num_seqs(answer) -> str:
     """Is `answer` the largest max_num_seqs at which optimistic admission never preempts? Runs the
     engine at the answer and at the next larger choice."""
     if answer is None:
-        return (f"{MISSING}: replace None with a max_num_seqs from {EXERCISE_04_MAX_NUM_SEQS}. Hint: "
-                f"optimistic admission lets a request in whenever its next step fits; what stops the "
-                f"pool from running short later is how many sequences grow in it at once.")
+        return (
+            f"{MISSING}: replace None with a max_num_seqs from {EXERCISE_04_MAX_NUM_SEQS}. Hint: "
+            f"optimistic admission lets a request in whenever its next step fits; what stops the "
+            f"pool from running short later is how many sequences grow in it at once."
+        )
     if answer not in EXERCISE_04_MAX_NUM_SEQS:
         return f"{WRONG}: {answer!r} is not one of the choices offered, {EXERCISE_04_MAX_NUM_SEQS}."
     mine = _exercise_04_run(answer)
     if mine["preempted"]:
-        return (f"{WRONG}: at max_num_seqs = {answer} the engine preempted {mine['preempted']} time(s) and "
-                f"recomputed {mine['recomputed_tokens']} tokens: with up to {mine['max_concurrent_sequences']} "
-                f"sequences admitted on their next step alone, their decode growth outran the "
-                f"{EXERCISE_04_NUM_BLOCKS}-block pool. Allow fewer sequences at once.")
+        return (
+            f"{WRONG}: at max_num_seqs = {answer} the engine preempted {mine['preempted']} time(s) and "
+            f"recomputed {mine['recomputed_tokens']} tokens: with up to {mine['max_concurrent_sequences']} "
+            f"sequences admitted on their next step alone, their decode growth outran the "
+            f"{EXERCISE_04_NUM_BLOCKS}-block pool. Allow fewer sequences at once."
+        )
     index = EXERCISE_04_MAX_NUM_SEQS.index(answer)
     if index + 1 == len(EXERCISE_04_MAX_NUM_SEQS):
-        return (f"{RIGHT}: even {answer} sequences at once never preempt ({mine['steps']} steps); the pool "
-                f"holds everything this workload runs at once.")
+        return (
+            f"{RIGHT}: even {answer} sequences at once never preempt ({mine['steps']} steps); the pool "
+            f"holds everything this workload runs at once."
+        )
     larger = EXERCISE_04_MAX_NUM_SEQS[index + 1]
     next_run = _exercise_04_run(larger)
     if next_run["preempted"]:
-        return (f"{RIGHT}: max_num_seqs = {answer} serves the {EXERCISE_04_NUM_REQUESTS} requests in {mine['steps']} steps without "
-                f"a preemption; {larger} lets in one sequence too many, which the pool cannot keep as it "
-                f"grows: {next_run['preempted']} preemption(s), {next_run['recomputed_tokens']} tokens "
-                f"recomputed. A cap on running sequences is a crude prediction of demand: the right cap "
-                f"depends on the requests' lengths and the pool, so it must be found again for every "
-                f"workload; predicted admission adapts by itself.")
-    return (f"{WRONG}: max_num_seqs = {answer} never preempts, but neither does {larger}, which finishes in "
-            f"{next_run['steps']} steps instead of {mine['steps']}: more sequences per step is faster as long "
-            f"as the pool holds them. Take a larger value.")
+        return (
+            f"{RIGHT}: max_num_seqs = {answer} serves the {EXERCISE_04_NUM_REQUESTS} requests in "
+            f"{mine['steps']} steps without "
+            f"a preemption; {larger} lets in one sequence too many, which the pool cannot keep as it "
+            f"grows: {next_run['preempted']} preemption(s), {next_run['recomputed_tokens']} tokens "
+            f"recomputed. A cap on running sequences is a crude prediction of demand: the right cap "
+            f"depends on the requests' lengths and the pool, so it must be found again for every "
+            f"workload; predicted admission adapts by itself."
+        )
+    return (
+        f"{WRONG}: max_num_seqs = {answer} never preempts, but neither does {larger}, which finishes in "
+        f"{next_run['steps']} steps instead of {mine['steps']}: more sequences per step is faster as long "
+        f"as the pool holds them. Take a larger value."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -302,8 +387,9 @@ def exercise_05_setup():
     """(trace, device_of_expert, setup, cost): notebook 05's widget workload (20 sequences of 32 prompt
     and 128 output tokens on average, 4 layers, 16 experts on 4 devices placed by co-activation, topic
     skew 1.5), 160 blocks of 16 per device, recompute only."""
-    trace, _, placement = skewed_workload(num_sequences=20, num_layers=4, num_devices=4, mean_prompt=32,
-                                          mean_output=128, topic_s=1.5, seed=0)
+    trace, _, placement = skewed_workload(
+        num_sequences=20, num_layers=4, num_devices=4, mean_prompt=32, mean_output=128, topic_s=1.5, seed=0
+    )
     setup = EvictionSetup(blocks_per_device=160, block_size=16, max_num_seqs=16)
     return trace, placement, setup, workload_cost_model(trace, setup.block_size)
 
@@ -317,7 +403,9 @@ def room_on_short_device(order: int, request, memory, need) -> int:
 
 def solution_victim_rule(candidates, memory, need):
     """Preempt the candidate that makes the most room on the short device (ties: the newest)."""
-    return max(enumerate(candidates), key=lambda item: (room_on_short_device(*item, memory, need), item[0]))[1]
+    return max(enumerate(candidates), key=lambda item: (room_on_short_device(*item, memory, need), item[0]))[
+        1
+    ]
 
 
 def _run_victim_rule(choose) -> tuple:
@@ -335,16 +423,23 @@ def _run_victim_rule(choose) -> tuple:
                 raise ValueError(f"the rule returned {choice!r}; return one of the candidates given to it")
             entries = []
             for order, request in enumerate(candidates):
-                held = memory.blocks_held_per_device(request.request_id)                   # (D,)
-                entries.append((request.request_id, order, int(held[need.device]),
-                                need.request_need if order == 0 else 0, int(held.sum())))
+                held = memory.blocks_held_per_device(request.request_id)  # (D,)
+                entries.append(
+                    (
+                        request.request_id,
+                        order,
+                        int(held[need.device]),
+                        need.request_need if order == 0 else 0,
+                        int(held.sum()),
+                    )
+                )
             decisions.append((need.device, entries, choice.request_id))
             return choice
 
     trace, placement, setup, cost = exercise_05_setup()
     try:
         stats = simulate(trace, placement, setup, ReaderRule(), cost)
-    except Exception as error:      # the reader's code: report it, do not crash the notebook
+    except Exception as error:  # the reader's code: report it, do not crash the notebook
         return None, decisions, error
     return stats, decisions, None
 
@@ -361,17 +456,21 @@ def check_victim_rule(choose) -> str:
     short device? Runs it as the scheduler's victim policy over a trace and checks every decision;
     names the usual mistakes."""
     if choose is None:
-        return (f"{MISSING}: replace None with your function choose(candidates, memory, need) that returns "
-                f"one of the candidates. Hint: memory.blocks_held_per_device(r.request_id)[need.device] is "
-                f"what request r holds on the short device; the first candidate's step would also take "
-                f"need.request_need blocks there.")
+        return (
+            f"{MISSING}: replace None with your function choose(candidates, memory, need) that returns "
+            f"one of the candidates. Hint: memory.blocks_held_per_device(r.request_id)[need.device] is "
+            f"what request r holds on the short device; the first candidate's step would also take "
+            f"need.request_need blocks there."
+        )
     if not callable(choose):
         return f"{WRONG}: {choose!r} is not a function; write def choose(candidates, memory, need): ..."
     stats, decisions, error = _run_victim_rule(choose)
     if error is not None:
         return f"{WRONG}: the run stopped with an error from your rule: {type(error).__name__}: {error}"
     if not decisions:
-        return f"{WRONG}: the workload needed no eviction, so the rule was never asked (this should not happen)."
+        return (
+            f"{WRONG}: the workload needed no eviction, so the rule was never asked (this should not happen)."
+        )
 
     def room(entry):
         return entry[2] + entry[3]
@@ -383,36 +482,52 @@ def check_victim_rule(choose) -> str:
             missed.append((device, entries, chosen_entry))
     base = _exercise_05_baseline()
     if not missed:
-        return (f"{RIGHT}: every one of the {len(decisions)} decisions took a request making the most room "
-                f"on the short device. Over the run it freed {stats.freed_per_eviction:.1f} blocks there per "
-                f"eviction ({stats.num_evictions} evictions, {stats.recomputed_tokens} tokens recomputed, "
-                f"{stats.num_steps} steps) where sequence_lru, which takes the newest request wherever its "
-                f"blocks are, freed {base.freed_per_eviction:.1f} ({base.num_evictions} evictions, "
-                f"{base.num_steps} steps). pressure_aware also divides the room by what the eviction costs.")
+        return (
+            f"{RIGHT}: every one of the {len(decisions)} decisions took a request making the most room "
+            f"on the short device. Over the run it freed {stats.freed_per_eviction:.1f} blocks there per "
+            f"eviction ({stats.num_evictions} evictions, {stats.recomputed_tokens} tokens recomputed, "
+            f"{stats.num_steps} steps) where sequence_lru, which takes the newest request wherever its "
+            f"blocks are, freed {base.freed_per_eviction:.1f} ({base.num_evictions} evictions, "
+            f"{base.num_steps} steps). pressure_aware also divides the room by what the eviction costs."
+        )
     device, entries, chosen_entry = missed[0]
     best = max(entries, key=room)
     newest = all(chosen == max(entries, key=lambda e: e[1])[0] for _, entries, chosen in decisions)
-    held_only = all(next(e for e in entries if e[0] == chosen)[2] == max(e[2] for e in entries)
-                    for _, entries, chosen in decisions)
-    everywhere = all(next(e for e in entries if e[0] == chosen)[4] == max(e[4] for e in entries)
-                     for _, entries, chosen in decisions)
-    lowest = all(room(next(e for e in entries if e[0] == chosen)) == min(room(e) for e in entries)
-                 for _, entries, chosen in decisions)
-    where = (f"In {len(missed)} of {len(decisions)} decisions it did not take the request making the most "
-             f"room; the first: device {device} was short and you took request {chosen_entry[0]} "
-             f"({room(chosen_entry)} blocks there), while request {best[0]} would have made {room(best)}.")
+    held_only = all(
+        next(e for e in entries if e[0] == chosen)[2] == max(e[2] for e in entries)
+        for _, entries, chosen in decisions
+    )
+    everywhere = all(
+        next(e for e in entries if e[0] == chosen)[4] == max(e[4] for e in entries)
+        for _, entries, chosen in decisions
+    )
+    lowest = all(
+        room(next(e for e in entries if e[0] == chosen)) == min(room(e) for e in entries)
+        for _, entries, chosen in decisions
+    )
+    where = (
+        f"In {len(missed)} of {len(decisions)} decisions it did not take the request making the most "
+        f"room; the first: device {device} was short and you took request {chosen_entry[0]} "
+        f"({room(chosen_entry)} blocks there), while request {best[0]} would have made {room(best)}."
+    )
     if newest:
-        return (f"{WRONG}: your rule takes the newest request, sequence_lru's rule, which never looks at "
-                f"where memory is short. {where}")
+        return (
+            f"{WRONG}: your rule takes the newest request, sequence_lru's rule, which never looks at "
+            f"where memory is short. {where}"
+        )
     if lowest:
         return f"{WRONG}: your rule takes the request making the *least* room (min instead of max?). {where}"
     if held_only:
-        return (f"{WRONG}: your rule counts the blocks a request holds on the short device but not the "
-                f"blocks the first candidate's step would take there (need.request_need), which preempting "
-                f"it also spares. {where}")
+        return (
+            f"{WRONG}: your rule counts the blocks a request holds on the short device but not the "
+            f"blocks the first candidate's step would take there (need.request_need), which preempting "
+            f"it also spares. {where}"
+        )
     if everywhere:
-        return (f"{WRONG}: your rule counts a request's blocks on every device; only the short device is "
-                f"short, and blocks freed elsewhere do not help it. {where}")
+        return (
+            f"{WRONG}: your rule counts a request's blocks on every device; only the short device is "
+            f"short, and blocks freed elsewhere do not help it. {where}"
+        )
     return f"{WRONG}: {where}"
 
 
@@ -422,8 +537,8 @@ def check_victim_rule(choose) -> str:
 
 EXERCISE_07_LAYER = 0
 EXERCISE_07_WORLD_SIZE = 2
-MAX_KV_IMBALANCE = 1.10           # max / mean K/V entries per rank under kv_with_expert
-RANKS_TOUCHED_SLACK = 1.05        # within 5% of the fewest ranks touched that the balance bound allows
+MAX_KV_IMBALANCE = 1.10  # max / mean K/V entries per rank under kv_with_expert
+RANKS_TOUCHED_SLACK = 1.05  # within 5% of the fewest ranks touched that the balance bound allows
 
 
 def placement_measures(selected, rank_of_expert, world_size: int) -> tuple[float, float]:
@@ -431,7 +546,9 @@ def placement_measures(selected, rank_of_expert, world_size: int) -> tuple[float
     `selected` (N, E) bool under the placement `rank_of_expert` (E,)."""
     rank_of_expert = torch.as_tensor(rank_of_expert, dtype=torch.int64)
     touched = float(devices_touched(selected, rank_of_expert, world_size).double().mean())
-    load = torch.zeros(world_size, dtype=torch.int64).index_add_(0, rank_of_expert, selected.sum(0).to(torch.int64))
+    load = torch.zeros(world_size, dtype=torch.int64).index_add_(
+        0, rank_of_expert, selected.sum(0).to(torch.int64)
+    )
     return touched, float(load.max() / load.double().mean())
 
 
@@ -444,7 +561,7 @@ def _balanced_placements(num_experts: int, world_size: int):
         if not free:
             yield tuple(rank_of_expert)
             return
-        first = free[0]            # the lowest free expert opens the next rank: no renamed duplicates
+        first = free[0]  # the lowest free expert opens the next rank: no renamed duplicates
         for others in combinations(free[1:], per_rank - 1):
             placed = list(rank_of_expert)
             for e in (first, *others):
@@ -459,11 +576,16 @@ def solution_expert_placement(selected, world_size: int = EXERCISE_07_WORLD_SIZE
     whose K/V imbalance is at most MAX_KV_IMBALANCE: exhaustive search (35 placements for 8 experts
     on 2 ranks), where the package's co-activation placement is a greedy heuristic."""
     num_experts = selected.shape[1]
-    scored = [(placement_measures(selected, p, world_size), p) for p in _balanced_placements(num_experts, world_size)]
+    scored = [
+        (placement_measures(selected, p, world_size), p)
+        for p in _balanced_placements(num_experts, world_size)
+    ]
     allowed = [(m, p) for m, p in scored if m[1] <= MAX_KV_IMBALANCE]
     if not allowed:
-        raise ValueError(f"no placement of {num_experts} experts on {world_size} ranks keeps this routing's K/V "
-                         f"imbalance <= {MAX_KV_IMBALANCE}: an expert's load alone exceeds what one rank may hold")
+        raise ValueError(
+            f"no placement of {num_experts} experts on {world_size} ranks keeps this routing's K/V "
+            f"imbalance <= {MAX_KV_IMBALANCE}: an expert's load alone exceeds what one rank may hold"
+        )
     return list(min(allowed, key=lambda mp: mp[0])[1])
 
 
@@ -474,18 +596,25 @@ def check_expert_placement(answer, selected, world_size: int = EXERCISE_07_WORLD
     num_experts = selected.shape[1]
     per_rank = num_experts // world_size
     if answer is None:
-        return (f"{MISSING}: replace None with a list of {num_experts} ranks, one per expert (0 to "
-                f"{world_size - 1}), {per_rank} experts per rank. Hint: put experts that are chosen together "
-                f"on one rank, and keep the most loaded experts apart.")
+        return (
+            f"{MISSING}: replace None with a list of {num_experts} ranks, one per expert (0 to "
+            f"{world_size - 1}), {per_rank} experts per rank. Hint: put experts that are chosen together "
+            f"on one rank, and keep the most loaded experts apart."
+        )
     answer = list(answer)
-    if len(answer) != num_experts or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size
-                                         for r in answer):
-        return (f"{WRONG}: the answer must list {num_experts} ranks, each an integer from 0 to "
-                f"{world_size - 1} (expert e goes to rank answer[e]); got {answer}.")
+    if len(answer) != num_experts or any(
+        isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size for r in answer
+    ):
+        return (
+            f"{WRONG}: the answer must list {num_experts} ranks, each an integer from 0 to "
+            f"{world_size - 1} (expert e goes to rank answer[e]); got {answer}."
+        )
     per_rank_counts = torch.bincount(torch.tensor(answer), minlength=world_size).tolist()
     if any(count != per_rank for count in per_rank_counts):
-        return (f"{WRONG}: ranks hold {per_rank_counts} experts; each must hold {per_rank}, so that every "
-                f"rank stores the same weights and runs the same expert work per token.")
+        return (
+            f"{WRONG}: ranks hold {per_rank_counts} experts; each must hold {per_rank}, so that every "
+            f"rank stores the same weights and runs the same expert work per token."
+        )
     touched, imbalance = placement_measures(selected, answer, world_size)
     round_robin = placement_measures(selected, torch.arange(num_experts) % world_size, world_size)
     greedy_map = place_experts(num_experts, world_size, "coactivation", coactivation_counts(selected))
@@ -493,39 +622,49 @@ def check_expert_placement(answer, selected, world_size: int = EXERCISE_07_WORLD
     load = selected.sum(0)
     if imbalance > MAX_KV_IMBALANCE:
         heaviest = load.argsort(descending=True)[:2].tolist()
-        return (f"{WRONG}: the K/V imbalance is {imbalance:.3f} > {MAX_KV_IMBALANCE:.2f}: under kv_with_expert one "
-                f"rank stores {imbalance:.2f}x the mean of the K/V and fills its pool first. Expert loads "
-                f"differ (the heaviest, {heaviest[0]} and {heaviest[1]}, hold {int(load[heaviest[0]])} and "
-                f"{int(load[heaviest[1]])} entries); spread the heavy ones. (The package's greedy co-activation "
-                f"placement, {greedy_map.tolist()}, has this problem too: imbalance {greedy[1]:.3f}.)")
+        return (
+            f"{WRONG}: the K/V imbalance is {imbalance:.3f} > {MAX_KV_IMBALANCE:.2f}: under kv_with_expert one "
+            f"rank stores {imbalance:.2f}x the mean of the K/V and fills its pool first. Expert loads "
+            f"differ (the heaviest, {heaviest[0]} and {heaviest[1]}, hold {int(load[heaviest[0]])} and "
+            f"{int(load[heaviest[1]])} entries); spread the heavy ones. (The package's greedy co-activation "
+            f"placement, {greedy_map.tolist()}, has this problem too: imbalance {greedy[1]:.3f}.)"
+        )
     best = placement_measures(selected, solution_expert_placement(selected, world_size), world_size)
     if touched > RANKS_TOUCHED_SLACK * best[0]:
         pairs = coactivation_counts(selected).triu(1)
         top = [divmod(int(i), num_experts) for i in pairs.flatten().argsort(descending=True)[:3]]
-        return (f"{WRONG}: balanced ({imbalance:.3f}), but a token touches {touched:.3f} ranks on average "
-                f"(round-robin {round_robin[0]:.3f}); a placement within the balance bound reaches "
-                f"{best[0]:.3f}. Each rank a token touches receives one copy of its hidden state, so put "
-                f"experts that are chosen together on one rank: the most frequent pairs are "
-                f"{', '.join(f'{a}+{b}' for a, b in top)}.")
-    return (f"{RIGHT}: a token touches {touched:.3f} ranks on average (round-robin {round_robin[0]:.3f}, the "
-            f"best balanced placement {best[0]:.3f}) and the K/V imbalance is {imbalance:.3f}. The package's "
-            f"greedy co-activation placement touches {greedy[0]:.3f} but its imbalance is {greedy[1]:.3f}: "
-            f"grouping experts that fire together also groups load, and a placement must watch both.")
+        return (
+            f"{WRONG}: balanced ({imbalance:.3f}), but a token touches {touched:.3f} ranks on average "
+            f"(round-robin {round_robin[0]:.3f}); a placement within the balance bound reaches "
+            f"{best[0]:.3f}. Each rank a token touches receives one copy of its hidden state, so put "
+            f"experts that are chosen together on one rank: the most frequent pairs are "
+            f"{', '.join(f'{a}+{b}' for a, b in top)}."
+        )
+    return (
+        f"{RIGHT}: a token touches {touched:.3f} ranks on average (round-robin {round_robin[0]:.3f}, the "
+        f"best balanced placement {best[0]:.3f}) and the K/V imbalance is {imbalance:.3f}. The package's "
+        f"greedy co-activation placement touches {greedy[0]:.3f} but its imbalance is {greedy[1]:.3f}: "
+        f"grouping experts that fire together also groups load, and a placement must watch both."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # 08: a split size for split-K decode attention
 
 
-EXERCISE_08_NUM_ROWS = 4           # the split-K line of the report: 4 rows x 32768 tokens, Hkv 4
+EXERCISE_08_NUM_ROWS = 4  # the split-K line of the report: 4 rows x 32768 tokens, Hkv 4
 EXERCISE_08_CONTEXT = 32768
 EXERCISE_08_NUM_KV_HEADS = 4
-EXERCISE_08_NUM_SMS = GPUS["H100"].num_sms   # 132, H100 SXM and H200
-EXERCISE_08_TOKEN_TILE = 16        # TOKEN_TILE at Dh = 128: a split is a whole number of tiles
+EXERCISE_08_NUM_SMS = GPUS["H100"].num_sms  # 132, H100 SXM and H200
+EXERCISE_08_TOKEN_TILE = 16  # TOKEN_TILE at Dh = 128: a split is a whole number of tiles
 
 
-def split_k_programs(tokens_per_split: int, num_rows: int = EXERCISE_08_NUM_ROWS,
-                     context: int = EXERCISE_08_CONTEXT, num_kv_heads: int = EXERCISE_08_NUM_KV_HEADS) -> int:
+def split_k_programs(
+    tokens_per_split: int,
+    num_rows: int = EXERCISE_08_NUM_ROWS,
+    context: int = EXERCISE_08_CONTEXT,
+    num_kv_heads: int = EXERCISE_08_NUM_KV_HEADS,
+) -> int:
     """Programs of one split-K launch: one per (row, KV head, split of tokens_per_split tokens)."""
     return num_rows * num_kv_heads * ceil_div(context, tokens_per_split)
 
@@ -545,39 +684,49 @@ def check_tokens_per_split(answer, blocks_per_sm: int, num_sms: int = EXERCISE_0
     needed = num_sms * blocks_per_sm
     per_split = EXERCISE_08_NUM_ROWS * EXERCISE_08_NUM_KV_HEADS
     if answer is None:
-        return (f"{MISSING}: replace None with a tokens_per_split. Hint: the launch runs {EXERCISE_08_NUM_ROWS} "
-                f"rows x {EXERCISE_08_NUM_KV_HEADS} KV heads = {per_split} programs per split; the GPU holds "
-                f"{num_sms} SMs x {blocks_per_sm} blocks at once.")
+        return (
+            f"{MISSING}: replace None with a tokens_per_split. Hint: the launch runs {EXERCISE_08_NUM_ROWS} "
+            f"rows x {EXERCISE_08_NUM_KV_HEADS} KV heads = {per_split} programs per split; the GPU holds "
+            f"{num_sms} SMs x {blocks_per_sm} blocks at once."
+        )
     if isinstance(answer, bool) or not isinstance(answer, int) or answer < 1:
         return f"{WRONG}: {answer!r} must be a positive whole number of tokens."
     if answer % EXERCISE_08_TOKEN_TILE:
         rounded = ceil_div(answer, EXERCISE_08_TOKEN_TILE) * EXERCISE_08_TOKEN_TILE
-        return (f"{WRONG}: {answer} is not a multiple of the {EXERCISE_08_TOKEN_TILE}-token tile the kernel "
-                f"walks a split in; the launcher would round it up to {rounded}. Give a multiple of "
-                f"{EXERCISE_08_TOKEN_TILE}.")
+        return (
+            f"{WRONG}: {answer} is not a multiple of the {EXERCISE_08_TOKEN_TILE}-token tile the kernel "
+            f"walks a split in; the launcher would round it up to {rounded}. Give a multiple of "
+            f"{EXERCISE_08_TOKEN_TILE}."
+        )
     programs = split_k_programs(answer)
     right = solution_tokens_per_split(blocks_per_sm, num_sms)
     splits = ceil_div(EXERCISE_08_CONTEXT, answer)
     if programs < needed:
-        return (f"{WRONG}: {splits} split(s) per row give {programs} programs, fewer than the {needed} "
-                f"({num_sms} SMs x {blocks_per_sm} resident blocks) the GPU can run at once: "
-                f"{100 * (1 - programs / needed):.0f}% of its slots wait for work, and a decode kernel that "
-                f"cannot keep enough loads in flight runs below memory bandwidth. Use smaller splits.")
+        return (
+            f"{WRONG}: {splits} split(s) per row give {programs} programs, fewer than the {needed} "
+            f"({num_sms} SMs x {blocks_per_sm} resident blocks) the GPU can run at once: "
+            f"{100 * (1 - programs / needed):.0f}% of its slots wait for work, and a decode kernel that "
+            f"cannot keep enough loads in flight runs below memory bandwidth. Use smaller splits."
+        )
     if answer == right:
-        return (f"{RIGHT}: {splits} splits per row, {programs} programs for {needed} slots. Twice as large "
-                f"({2 * answer} tokens) gives {split_k_programs(2 * answer)} programs and leaves SMs idle; "
-                f"smaller splits would only add partial results for the combine kernel to read back.")
+        return (
+            f"{RIGHT}: {splits} splits per row, {programs} programs for {needed} slots. Twice as large "
+            f"({2 * answer} tokens) gives {split_k_programs(2 * answer)} programs and leaves SMs idle; "
+            f"smaller splits would only add partial results for the combine kernel to read back."
+        )
     extra = (splits - ceil_div(EXERCISE_08_CONTEXT, right)) * per_split
-    return (f"{WRONG}: {programs} programs fill the GPU, but so does a larger split ({right} is the largest); "
-            f"yours adds {extra} programs, each writing a partial output and its log-sum-exp that the combine "
-            f"kernel must read back: more bytes for nothing. Take the largest split that still fills it.")
+    return (
+        f"{WRONG}: {programs} programs fill the GPU, but so does a larger split ({right} is the largest); "
+        f"yours adds {extra} programs, each writing a partial output and its log-sum-exp that the combine "
+        f"kernel must read back: more bytes for nothing. Take the largest split that still fills it."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # 10: the smallest row budget at which drop refuses nothing
 
 
-EXERCISE_10_SPAN = (3602, 3756)      # 154 bytes of the held-out text: an attention layer's __init__
+EXERCISE_10_SPAN = (3602, 3756)  # 154 bytes of the held-out text: an attention layer's __init__
 
 
 def exercise_10_text() -> str:
@@ -619,41 +768,55 @@ def solution_drop_budget() -> int:
 def check_drop_budget(answer) -> str:
     """Is `answer` the smallest row budget B at which drop refuses no token of the snippet? Caches
     the snippet under a drop budget of `answer` and counts what is refused; names the usual mistakes."""
-    lengths = exercise_10_row_lengths()                                                   # (L, E)
+    lengths = exercise_10_row_lengths()  # (L, E)
     num_layers, num_experts = lengths.shape
     num_tokens = len(exercise_10_text().encode())
-    mean = float(lengths.double().mean())                                                 # k T / E
+    mean = float(lengths.double().mean())  # k T / E
     if answer is None:
-        return (f"{MISSING}: replace None with the smallest B. Hint: drop refuses a token only when "
-                f"its row already holds B tokens, so the answer is set by the rows that grow longest; "
-                f"the mean row holds k T / E = {mean:.1f} tokens, and there are {num_layers} layers.")
+        return (
+            f"{MISSING}: replace None with the smallest B. Hint: drop refuses a token only when "
+            f"its row already holds B tokens, so the answer is set by the rows that grow longest; "
+            f"the mean row holds k T / E = {mean:.1f} tokens, and there are {num_layers} layers."
+        )
     if isinstance(answer, bool) or not isinstance(answer, int) or answer < 1:
         return f"{WRONG}: {answer!r} must be a positive whole number of tokens per row."
     right = solution_drop_budget()
     layer, expert = divmod(int(lengths.argmax()), num_experts)
-    refused = 0 if answer >= num_tokens else _exercise_10_refused(answer)     # no row exceeds T
+    refused = 0 if answer >= num_tokens else _exercise_10_refused(answer)  # no row exceeds T
     if answer == right and refused == 0:
-        return (f"{RIGHT}: the longest row, expert {expert} of layer {layer}, is routed {right} of the "
-                f"{num_tokens} tokens, so B = {right} refuses nothing and B = {right - 1} refuses "
-                f"{_exercise_10_refused(right - 1)} pair(s). The mean row holds k T / E = {mean:.1f}: "
-                f"routing is uneven, so a cap that never bites is {right / mean:.1f}x the mean row, and "
-                f"is known only once the router has run. A budget set before the routing is known "
-                f"bounds memory by binding on the busiest rows first.")
+        return (
+            f"{RIGHT}: the longest row, expert {expert} of layer {layer}, is routed {right} of the "
+            f"{num_tokens} tokens, so B = {right} refuses nothing and B = {right - 1} refuses "
+            f"{_exercise_10_refused(right - 1)} pair(s). The mean row holds k T / E = {mean:.1f}: "
+            f"routing is uneven, so a cap that never bites is {right / mean:.1f}x the mean row, and "
+            f"is known only once the router has run. A budget set before the routing is known "
+            f"bounds memory by binding on the busiest rows first."
+        )
     if refused == 0 and answer >= num_tokens:
-        return (f"{WRONG}: B = {answer} refuses nothing, whatever the routing: no row can be routed "
-                f"more than the {num_tokens} tokens of the sequence. But the router spreads them over "
-                f"{num_experts} experts, and a far smaller B refuses nothing here too.")
+        return (
+            f"{WRONG}: B = {answer} refuses nothing, whatever the routing: no row can be routed "
+            f"more than the {num_tokens} tokens of the sequence. But the router spreads them over "
+            f"{num_experts} experts, and a far smaller B refuses nothing here too."
+        )
     if refused == 0:
-        return (f"{WRONG}: B = {answer} refuses nothing, but so does a smaller B: no row here is routed "
-                f"{answer} tokens. Find the length of the longest row.")
+        return (
+            f"{WRONG}: B = {answer} refuses nothing, but so does a smaller B: no row here is routed "
+            f"{answer} tokens. Find the length of the longest row."
+        )
     if abs(answer - mean) < 1:
-        return (f"{WRONG}: {answer} is the mean row, k T / E = {mean:.1f} tokens, and drop refuses "
-                f"{refused} pair(s) there: routing is uneven, some rows are routed far more than the "
-                f"mean, and drop refuses each of their tokens beyond the first B.")
+        return (
+            f"{WRONG}: {answer} is the mean row, k T / E = {mean:.1f} tokens, and drop refuses "
+            f"{refused} pair(s) there: routing is uneven, some rows are routed far more than the "
+            f"mean, and drop refuses each of their tokens beyond the first B."
+        )
     longest_per_layer = lengths.max(1).values.tolist()
     if answer in longest_per_layer:
         other = longest_per_layer.index(answer)
-        return (f"{WRONG}: {answer} is the longest row of layer {other}, and drop refuses {refused} "
-                f"pair(s) there: the budget holds in every layer, and layer {layer} has a longer row.")
-    return (f"{WRONG}: at B = {answer} drop refuses {refused} pair(s): some row is routed more than "
-            f"{answer} tokens. Count the tokens routed to each (layer, expert) row and take the longest.")
+        return (
+            f"{WRONG}: {answer} is the longest row of layer {other}, and drop refuses {refused} "
+            f"pair(s) there: the budget holds in every layer, and layer {layer} has a longer row."
+        )
+    return (
+        f"{WRONG}: at B = {answer} drop refuses {refused} pair(s): some row is routed more than "
+        f"{answer} tokens. Count the tokens routed to each (layer, expert) row and take the longest."
+    )

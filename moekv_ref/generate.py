@@ -24,10 +24,15 @@ from .sampling import SamplingParams, sample_rows
 CACHE_KINDS = ["none", "contiguous", "paged"]
 
 
-def generate(model: MoEKVTransformer, prompts: list[list[int]],
-             params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
-             cache: str = "contiguous", record_logits: bool = False,
-             on_token: Callable[[int, int], None] | None = None, **cache_options) -> GenerationResult:
+def generate(
+    model: MoEKVTransformer,
+    prompts: list[list[int]],
+    params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
+    cache: str = "contiguous",
+    record_logits: bool = False,
+    on_token: Callable[[int, int], None] | None = None,
+    **cache_options,
+) -> GenerationResult:
     """`params` may be one per prompt (own seeds), each a SamplingParams, a dict of its fields, or
     None (the defaults), as the engine takes them. cache_options apply to cache="paged" only;
     without num_blocks its pool is sized for every prompt at once. `record_logits` keeps the logits
@@ -38,13 +43,13 @@ def generate(model: MoEKVTransformer, prompts: list[list[int]],
         raise ValueError(f"unknown cache kind {cache!r}; allowed: {CACHE_KINDS}")
     if cache_options and cache != "paged":
         raise ValueError(f"{sorted(cache_options)} apply to cache='paged' only, not cache={cache!r}")
-    check_flag("record_logits", record_logits)         # the cache's own flags: PagedKVCache checks them
+    check_flag("record_logits", record_logits)  # the cache's own flags: PagedKVCache checks them
     if on_token is not None and not callable(on_token):
         raise ValueError(f"on_token must be callable (or None), got {type(on_token).__name__}")
     config = model.config
     prompts, per_prompt = map(list, zip(*check_batch(prompts, params, config, "params")))
     if cache == "paged" and "num_blocks" not in cache_options and "max_num_seqs" not in cache_options:
-        cache_options = {**cache_options, "max_num_seqs": len(prompts)}   # a pool for all of them
+        cache_options = {**cache_options, "max_num_seqs": len(prompts)}  # a pool for all of them
     generators = [p.generator() for p in per_prompt]
     generated: list[list[int]] = [[] for _ in prompts]
     logits_log: list[list[torch.Tensor]] | None = [[] for _ in prompts] if record_logits else None
@@ -65,10 +70,13 @@ def generate(model: MoEKVTransformer, prompts: list[list[int]],
         if cache == "none":
             counts = _generate_recompute(model, prompts, generated, logits_log, active, sample)
         else:
-            kv_cache = (ContiguousKVCache(config.num_hidden_layers, config.num_attention_experts)
-                        if cache == "contiguous" else PagedKVCache.for_model(model, **cache_options))
+            kv_cache = (
+                ContiguousKVCache(config.num_hidden_layers, config.num_attention_experts)
+                if cache == "contiguous"
+                else PagedKVCache.for_model(model, **cache_options)
+            )
             counts = _generate_cached(model, kv_cache, prompts, generated, logits_log, active, sample)
-    logits = [torch.cat(chunks) for chunks in logits_log] if record_logits else None   # new tensors
+    logits = [torch.cat(chunks) for chunks in logits_log] if record_logits else None  # new tensors
     return GenerationResult(prompts, generated, counts.clone(), logits, {"cache": cache, **cache_options})
 
 
@@ -77,23 +85,23 @@ def _generate_cached(model, kv_cache, prompts, generated, logits_log, active, sa
     B = len(prompts)
     # prefill: all prompts as one flat ragged batch
     lengths = [len(p) for p in prompts]
-    tokens = torch.tensor([t for p in prompts for t in p], device=device)               # (N,)
+    tokens = torch.tensor([t for p in prompts for t in p], device=device)  # (N,)
     seq_ids = torch.repeat_interleave(torch.arange(B, device=device), torch.tensor(lengths, device=device))
-    positions = torch.cat([torch.arange(n, device=device) for n in lengths])            # (N,)
-    logits = model.forward_cached(tokens, seq_ids, positions, kv_cache).logits          # (N, V)
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])  # (N,)
+    logits = model.forward_cached(tokens, seq_ids, positions, kv_cache).logits  # (N, V)
     if logits_log is not None:
         for i, chunk in enumerate(torch.split(logits, lengths)):
             logits_log[i].append(chunk.float() if chunk.dtype == torch.bfloat16 else chunk)
     sample(logits[torch.tensor(lengths, device=device).cumsum(0) - 1], list(range(B)))
     # decode: one token per still-active sequence
     while rows := active():
-        tokens = torch.tensor([generated[i][-1] for i in rows], device=device)          # (b,)
+        tokens = torch.tensor([generated[i][-1] for i in rows], device=device)  # (b,)
         seq_ids = torch.tensor(rows, device=device)
         positions = torch.tensor([lengths[i] + len(generated[i]) - 1 for i in rows], device=device)
-        logits = model.forward_cached(tokens, seq_ids, positions, kv_cache).logits      # (b, V)
+        logits = model.forward_cached(tokens, seq_ids, positions, kv_cache).logits  # (b, V)
         if logits_log is not None:
             for row, i in enumerate(rows):
-                logits_log[i].append(logits[row: row + 1])
+                logits_log[i].append(logits[row : row + 1])
         sample(logits, rows)
     return kv_cache.token_counts(list(range(B)))
 
@@ -108,7 +116,7 @@ def _generate_recompute(model, prompts, generated, logits_log, active, sample):
     first = True
     while rows := active():
         sequences = [prompts[i] + generated[i] for i in rows]
-        logits = model(_right_padded(sequences, device)).logits                       # (b, T, V)
+        logits = model(_right_padded(sequences, device)).logits  # (b, T, V)
         ends = [len(s) - 1 for s in sequences]
         if logits_log is not None:
             for row, (i, n) in enumerate(zip(rows, ends)):
@@ -118,7 +126,7 @@ def _generate_recompute(model, prompts, generated, logits_log, active, sample):
     # what a cache would hold: every processed token (the last sampled one is never fed back)
     batch = _right_padded([p + g[:-1] for p, g in zip(prompts, generated)], device)
     lengths = torch.tensor([len(p) + len(g) - 1 for p, g in zip(prompts, generated)], device=device)
-    valid = torch.arange(batch.shape[1], device=device) < lengths[:, None]             # (B, T)
+    valid = torch.arange(batch.shape[1], device=device) < lengths[:, None]  # (B, T)
     routing = model(batch).attention_routing
-    counts = [(r.selected & valid[..., None]).sum(1) for r in routing]               # L x (B, E)
-    return torch.stack(counts, dim=1).cpu()                                          # (B, L, E)
+    counts = [(r.selected & valid[..., None]).sum(1) for r in routing]  # L x (B, E)
+    return torch.stack(counts, dim=1).cpu()  # (B, L, E)

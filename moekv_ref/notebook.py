@@ -34,7 +34,7 @@ def setup(seed: int = SEED, num_threads: int = NUM_THREADS) -> None:
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed={seed!r} must be an integer")
     torch.set_num_threads(num_threads)
-    os.environ["OMP_NUM_THREADS"] = str(num_threads)     # for processes started from the notebook
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)  # for processes started from the notebook
     torch.manual_seed(seed)
     _inline_figures()
 

@@ -23,12 +23,13 @@ PLACEMENTS = ("contiguous", "round_robin", "coactivation")
 def coactivation_counts(selected: torch.Tensor) -> torch.Tensor:
     """How often each pair of experts was chosen for the same token: (E, E) int64, the diagonal each
     expert's load. selected: (N, E) bool, one layer's routing decisions."""
-    chosen = selected.to(torch.int64)                                         # (N, E)
-    return chosen.T @ chosen                                                  # (E, E)
+    chosen = selected.to(torch.int64)  # (N, E)
+    return chosen.T @ chosen  # (E, E)
 
 
-def place_experts(num_experts: int, num_devices: int, strategy: str = "contiguous",
-                  coactivation: torch.Tensor | None = None) -> torch.Tensor:
+def place_experts(
+    num_experts: int, num_devices: int, strategy: str = "contiguous", coactivation: torch.Tensor | None = None
+) -> torch.Tensor:
     """The device of each expert of one layer: (E,) int64. coactivation: (E, E) counts from
     `coactivation_counts`, for strategy="coactivation"."""
     if strategy not in PLACEMENTS:
@@ -37,19 +38,23 @@ def place_experts(num_experts: int, num_devices: int, strategy: str = "contiguou
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if num_experts % num_devices:
-        raise ValueError(f"num_devices={num_devices} must divide num_experts={num_experts}, so that every "
-                         f"device holds the same number of experts; try one of "
-                         f"{[d for d in range(1, num_experts + 1) if num_experts % d == 0]}")
+        raise ValueError(
+            f"num_devices={num_devices} must divide num_experts={num_experts}, so that every "
+            f"device holds the same number of experts; try one of "
+            f"{[d for d in range(1, num_experts + 1) if num_experts % d == 0]}"
+        )
     per_device = num_experts // num_devices
     if strategy == "contiguous":
         return torch.arange(num_experts) // per_device
     if strategy == "round_robin":
         return torch.arange(num_experts) % num_devices
     if coactivation is None or coactivation.shape != (num_experts, num_experts):
-        raise ValueError(f"strategy='coactivation' needs an ({num_experts}, {num_experts}) co-activation "
-                         f"matrix (coactivation_counts of the layer's routing)")
+        raise ValueError(
+            f"strategy='coactivation' needs an ({num_experts}, {num_experts}) co-activation "
+            f"matrix (coactivation_counts of the layer's routing)"
+        )
     together = coactivation.to(torch.float64).clone()
-    load = together.diagonal().clone()                                        # (E,)
+    load = together.diagonal().clone()  # (E,)
     together.fill_diagonal_(0)
     device = torch.full((num_experts,), -1, dtype=torch.int64)
     for d in range(num_devices):
@@ -57,7 +62,7 @@ def place_experts(num_experts: int, num_devices: int, strategy: str = "contiguou
         for _ in range(per_device):
             # the seed: the most loaded expert left; then the one most co-activated with the
             # members (ties: by load)
-            score = together[:, members].sum(1) + 1e-9 * load if members else load      # (E,)
+            score = together[:, members].sum(1) + 1e-9 * load if members else load  # (E,)
             best = int(torch.where(device < 0, score, -1.0).argmax())
             device[best] = d
             members.append(best)
@@ -68,7 +73,7 @@ def place_layers(selected_per_layer: list[torch.Tensor], num_devices: int, strat
     """One placement per layer: (L, E) int64. selected_per_layer: L tensors (..., E) bool."""
     maps = []
     for selected in selected_per_layer:
-        selected = selected.flatten(0, -2)                                    # (N, E)
+        selected = selected.flatten(0, -2)  # (N, E)
         counts = coactivation_counts(selected) if strategy == "coactivation" else None
         maps.append(place_experts(selected.shape[1], num_devices, strategy, counts))
     return torch.stack(maps)
@@ -77,6 +82,6 @@ def place_layers(selected_per_layer: list[torch.Tensor], num_devices: int, strat
 def devices_touched(selected: torch.Tensor, device_of_expert: torch.Tensor, num_devices: int) -> torch.Tensor:
     """How many distinct devices each token's chosen experts live on: (N,) int64.
     selected: (N, E) bool; device_of_expert: (E,)."""
-    one_hot = torch.nn.functional.one_hot(device_of_expert, num_devices).to(torch.int64)   # (E, D)
-    per_device = selected.to(torch.int64) @ one_hot                                        # (N, D)
+    one_hot = torch.nn.functional.one_hot(device_of_expert, num_devices).to(torch.int64)  # (E, D)
+    per_device = selected.to(torch.int64) @ one_hot  # (N, D)
     return (per_device > 0).sum(1)

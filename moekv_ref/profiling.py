@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager, nullcontext
 
 _NULL = nullcontext()
-_totals: dict[str, float] | None = None      # phase -> seconds, while collect() is active
+_totals: dict[str, float] | None = None  # phase -> seconds, while collect() is active
 
 
 class _Timed:

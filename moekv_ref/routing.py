@@ -30,9 +30,9 @@ import torch
 class Routing:
     """The router's decision for a set of tokens: three (..., E) tensors."""
 
-    probs: torch.Tensor          # softmax of the router logits
-    selected: torch.Tensor       # bool, True where the token goes to the expert
-    gates: torch.Tensor          # each selected expert's weight (renormalised over them), else 0
+    probs: torch.Tensor  # softmax of the router logits
+    selected: torch.Tensor  # bool, True where the token goes to the expert
+    gates: torch.Tensor  # each selected expert's weight (renormalised over them), else 0
 
     @property
     def experts_per_token(self) -> torch.Tensor:
@@ -45,11 +45,11 @@ def route(logits: torch.Tensor, rule: str, k: int, threshold: float = 0.5) -> Ro
     num_experts = logits.shape[-1]
     if not 1 <= k <= num_experts:
         raise ValueError(f"k={k} must be in [1, {num_experts}] (the number of experts)")
-    probs = torch.softmax(logits, dim=-1)                        # (..., E)
+    probs = torch.softmax(logits, dim=-1)  # (..., E)
     # largest first; stable, so that among equal probabilities the lower-numbered expert wins
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)   # (..., E) each
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # (..., E) each
     selected = torch.zeros_like(probs, dtype=torch.bool)
-    if rule == "topk":                                           # the first k in sorted order
+    if rule == "topk":  # the first k in sorted order
         selected.scatter_(-1, order[..., :k], True)
     elif rule == "expert_choice":
         return Routing(probs=probs, selected=torch.ones_like(probs, dtype=torch.bool), gates=probs)
@@ -58,8 +58,8 @@ def route(logits: torch.Tensor, rule: str, k: int, threshold: float = 0.5) -> Ro
         rank = torch.arange(num_experts, device=logits.device)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         keep_sorted = (mass_before < threshold) & (rank < k)
-        keep_sorted[..., 0] = True                               # at least one expert
-        selected.scatter_(-1, order, keep_sorted)                # back to expert order
+        keep_sorted[..., 0] = True  # at least one expert
+        selected.scatter_(-1, order, keep_sorted)  # back to expert order
     else:
         raise ValueError(f"unknown routing rule {rule!r}; allowed: ('topk', 'threshold', 'expert_choice')")
     gates = probs * selected
@@ -74,9 +74,9 @@ def apply_capacity(routing: Routing, rule: str, capacity: int) -> Routing:
     selected = routing.selected
     if rule == "expert_choice":
         keep = min(capacity, selected.shape[1])
-        best = routing.probs.topk(keep, dim=1).indices                         # (B, C, E) along T
+        best = routing.probs.topk(keep, dim=1).indices  # (B, C, E) along T
         kept = torch.zeros_like(selected).scatter_(1, best, True)
     else:
-        kept = torch.cumsum(selected.long(), dim=1) <= capacity                # (B, T, E) first C
+        kept = torch.cumsum(selected.long(), dim=1) <= capacity  # (B, T, E) first C
     selected = selected & kept
     return Routing(routing.probs, selected, routing.gates * selected)

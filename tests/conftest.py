@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pytest.ini) runs the suite on every core, but a run naming test files only runs
     here, in this process: starting workers would take longer than the tests (`python -m pytest
@@ -27,7 +28,7 @@ FIRST = ("tests/test_browser.py",)
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))     # a stable sort: otherwise in order
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))  # a stable sort: otherwise in order
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -3,10 +3,9 @@ give the same logits and the same greedy tokens (timing is not asserted; transfo
 
 import pytest
 import torch
+from helpers import small_config
 
 from moekv_ref.apps import bench_peer
-
-from helpers import small_config
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +45,9 @@ def test_rotate_half_order_puts_even_channels_first():
 
 def test_without_transformers_it_says_so_and_exits_2(monkeypatch, capsys):
     import sys
+
     from moekv_ref.apps import cli
-    monkeypatch.setitem(sys.modules, "transformers", None)        # import transformers raises ImportError
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     assert cli.main(["bench", "peer"]) == 2
     assert "transformers" in capsys.readouterr().out

@@ -10,31 +10,47 @@ without changing anything.
 
 from collections import Counter
 
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-
-import pytest
 
 from moekv_ref.cache import BlockPool, KVCacheManager, OutOfBlocksError, SharedTailKVCacheManager
 
 L, E = 2, 3
 
-append = st.tuples(st.just("append"), st.integers(0, 2),
-                   st.lists(st.tuples(st.integers(0, L - 1), st.integers(0, E - 1), st.integers(0, 5)),
-                            min_size=1, max_size=4))
+append = st.tuples(
+    st.just("append"),
+    st.integers(0, 2),
+    st.lists(
+        st.tuples(st.integers(0, L - 1), st.integers(0, E - 1), st.integers(0, 5)), min_size=1, max_size=4
+    ),
+)
 # appends weigh three times as much as adds and frees: promotions and compactions need many of them
-operation = st.one_of(st.tuples(st.just("add"), st.integers(0, 3)), append, append, append,
-                      st.tuples(st.just("free"), st.integers(0, 3)))
+operation = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 3)),
+    append,
+    append,
+    append,
+    st.tuples(st.just("free"), st.integers(0, 3)),
+)
 
 
 def snapshot(manager):
-    state = (manager.pool.free_block_ids(), manager.pool.ref_cnt.clone(), manager.block_tables.clone(),
-             manager.row_tokens.clone(), dict(manager._seq_index))
+    state = (
+        manager.pool.free_block_ids(),
+        manager.pool.ref_cnt.clone(),
+        manager.block_tables.clone(),
+        manager.row_tokens.clone(),
+        dict(manager._seq_index),
+    )
     if manager.tails is not None:
-        state += (manager.tails.tail_slots.clone(), manager.tails.slot_row.clone(),
-                  {k: list(v) for k, v in manager.tails.tail_blocks.items()},
-                  {k: list(v) for k, v in manager.tails.free_tail_slots.items()})
+        state += (
+            manager.tails.tail_slots.clone(),
+            manager.tails.slot_row.clone(),
+            {k: list(v) for k, v in manager.tails.tail_blocks.items()},
+            {k: list(v) for k, v in manager.tails.free_tail_slots.items()},
+        )
     return state
 
 
@@ -52,35 +68,47 @@ def shared_tail_blocks(rows: dict, P: int, seq: int) -> int:
     return sum(n // P for n in rows.values()) + -(-sum(n % P for n in rows.values()) // P)
 
 
-PLACEMENT = [0, 1, 0]                      # with two devices: experts 0 and 2 on device 0, 1 on 1
+PLACEMENT = [0, 1, 0]  # with two devices: experts 0 and 2 on device 0, 1 on 1
 
 
 def shared_tail_blocks_on(device_of):
     """Full blocks per row, plus ceil(tail tokens / P) tail blocks per sequence *and device*: the
     rows of a sequence on one device share tail blocks of that device only. device_of(seq, expert)."""
+
     def count(rows: dict, P: int, seq: int) -> int:
         tails: dict[int, int] = {}
         for (_, expert), n in rows.items():
             device = device_of(seq, expert)
             tails[device] = tails.get(device, 0) + n % P
         return sum(n // P for n in rows.values()) + sum(-(-t // P) for t in tails.values())
+
     return count
 
 
 def on_two_devices(manager_class, **placement):
     """A manager over two devices of half the blocks each."""
+
     def make(L, E, P, num_blocks, **options):
-        return manager_class(L, E, P, blocks_per_device=[num_blocks // 2, num_blocks - num_blocks // 2],
-                             **placement, **options)
+        return manager_class(
+            L, E, P, blocks_per_device=[num_blocks // 2, num_blocks - num_blocks // 2], **placement, **options
+        )
+
     return make
 
 
-MANAGERS = {"plain": (KVCacheManager, plain_blocks), "shared_tail": (SharedTailKVCacheManager, shared_tail_blocks),
-            "plain_by_expert": (on_two_devices(KVCacheManager, device_of_expert=PLACEMENT), plain_blocks),
-            "shared_tail_by_expert": (on_two_devices(SharedTailKVCacheManager, device_of_expert=PLACEMENT),
-                                      shared_tail_blocks_on(lambda seq, expert: PLACEMENT[expert])),
-            "shared_tail_by_home": (on_two_devices(SharedTailKVCacheManager, home_devices=True),
-                                    shared_tail_blocks_on(lambda seq, expert: seq % 2))}
+MANAGERS = {
+    "plain": (KVCacheManager, plain_blocks),
+    "shared_tail": (SharedTailKVCacheManager, shared_tail_blocks),
+    "plain_by_expert": (on_two_devices(KVCacheManager, device_of_expert=PLACEMENT), plain_blocks),
+    "shared_tail_by_expert": (
+        on_two_devices(SharedTailKVCacheManager, device_of_expert=PLACEMENT),
+        shared_tail_blocks_on(lambda seq, expert: PLACEMENT[expert]),
+    ),
+    "shared_tail_by_home": (
+        on_two_devices(SharedTailKVCacheManager, home_devices=True),
+        shared_tail_blocks_on(lambda seq, expert: seq % 2),
+    ),
+}
 ONE_DEVICE = ["plain", "shared_tail"]
 
 
@@ -95,18 +123,25 @@ TWO_DEVICE_OUTCOMES = {"device short, pool not"}
 
 
 def expected_outcomes(kind):
-    return OUTCOMES | (SHARED_TAIL_OUTCOMES if "shared_tail" in kind else set()) | (
-        TWO_DEVICE_OUTCOMES if kind not in ONE_DEVICE else set())
+    return (
+        OUTCOMES
+        | (SHARED_TAIL_OUTCOMES if "shared_tail" in kind else set())
+        | (TWO_DEVICE_OUTCOMES if kind not in ONE_DEVICE else set())
+    )
 
 
 # One program written out, run first by every test below: it reaches each outcome (on one device and
 # two: sequence 1's rows of expert 1 need 4 blocks of device 1's 3), so that none is left to chance;
 # compactions are the rarest in random programs (1-3 in 60 of them, 12-23 in 150).
-EVERY_OUTCOME = [("add", 0), ("free", 3),                                        # add twice, free unknown
-                 ("append", 0, [(0, 0, 1), (0, 2, 1)]), ("append", 0, [(0, 0, 1), (0, 2, 1)]),  # promote, compact
-                 ("append", 1, [(0, 1, 5), (1, 1, 2)]),                         # device 1 short, pool not
-                 ("append", 1, [(0, 0, 5), (1, 0, 5), (0, 1, 5), (1, 1, 5)]),   # beyond the pool
-                 ("free", 0)]
+EVERY_OUTCOME = [
+    ("add", 0),
+    ("free", 3),  # add twice, free unknown
+    ("append", 0, [(0, 0, 1), (0, 2, 1)]),
+    ("append", 0, [(0, 0, 1), (0, 2, 1)]),  # promote, compact
+    ("append", 1, [(0, 1, 5), (1, 1, 2)]),  # device 1 short, pool not
+    ("append", 1, [(0, 0, 5), (1, 0, 5), (0, 1, 5), (1, 1, 5)]),  # beyond the pool
+    ("free", 0),
+]
 
 
 def random_programs(kind, max_examples):
@@ -116,8 +151,12 @@ def random_programs(kind, max_examples):
 
     @settings(max_examples=max_examples, deadline=None)
     @example(block_size=2, num_blocks=6, shuffle=False, program=EVERY_OUTCOME)
-    @given(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 40),
-           shuffle=st.booleans(), program=st.lists(operation, min_size=15, max_size=40))
+    @given(
+        block_size=st.sampled_from([1, 2, 4]),
+        num_blocks=st.integers(6, 40),
+        shuffle=st.booleans(),
+        program=st.lists(operation, min_size=15, max_size=40),
+    )
     def run(block_size, num_blocks, shuffle, program):
         seen.update(check_random_program(kind, block_size, num_blocks, shuffle, program))
 
@@ -143,13 +182,20 @@ def test_random_programs_on_two_devices_keep_invariants(kind):
 
 def check_random_program(kind, block_size, num_blocks, shuffle, program):
     manager_class, blocks_of = MANAGERS[kind]
-    manager = manager_class(L, E, block_size, num_blocks, shuffle_seed=7 if shuffle else None,
-                            initial_num_seqs=1, initial_blocks_per_row=1)
-    model: dict[int, dict[tuple[int, int], int]] = {}        # seq -> (layer, expert) -> tokens
-    data = torch.full((num_blocks * block_size,), -1)       # what each slot holds: a token's value
+    manager = manager_class(
+        L,
+        E,
+        block_size,
+        num_blocks,
+        shuffle_seed=7 if shuffle else None,
+        initial_num_seqs=1,
+        initial_blocks_per_row=1,
+    )
+    model: dict[int, dict[tuple[int, int], int]] = {}  # seq -> (layer, expert) -> tokens
+    data = torch.full((num_blocks * block_size,), -1)  # what each slot holds: a token's value
     next_value = 0
-    expected: dict[tuple[int, int, int], list[int]] = {}     # (seq, layer, expert) -> values in order
-    outcomes: Counter = Counter()                            # what happened, for random_programs
+    expected: dict[tuple[int, int, int], list[int]] = {}  # (seq, layer, expert) -> values in order
+    outcomes: Counter = Counter()  # what happened, for random_programs
 
     def blocks_in_use():
         return sum(blocks_of(rows, block_size, seq) for seq, rows in model.items())
@@ -174,12 +220,12 @@ def check_random_program(kind, block_size, num_blocks, shuffle, program):
             if seq not in model:
                 continue
             merged: dict[tuple[int, int], int] = {}
-            for layer, expert, n in requests:                 # distinct rows per call
+            for layer, expert, n in requests:  # distinct rows per call
                 merged[(layer, expert)] = merged.get((layer, expert), 0) + n
-            rows = torch.cat([manager.rows([seq], l, e) for (l, e) in merged])
+            rows = torch.cat([manager.rows([seq], layer, e) for (layer, e) in merged])
             counts = torch.tensor(list(merged.values()))
             needed = int(manager.blocks_needed_per_device(rows, counts).sum())
-            fits = manager.can_allocate(rows, counts)          # with devices: on every device
+            fits = manager.can_allocate(rows, counts)  # with devices: on every device
             assert fits <= (needed <= manager.num_free_blocks)
             assert manager.num_devices > 1 or fits == (needed <= manager.num_free_blocks)
             if not fits:
@@ -195,11 +241,13 @@ def check_random_program(kind, block_size, num_blocks, shuffle, program):
                 held_before = set(manager.blocks_of_sequence(seq).tolist())
                 allocation = manager.allocate_slots(rows, counts)
                 outcomes["append"] += 1
-                if any(o % block_size and (o + n) // block_size > o // block_size
-                       for o, n in zip([model[seq].get(key, 0) for key in merged], merged.values())):
-                    outcomes["promotion"] += 1          # a row with a tail filled a block (shared tails: moves)
+                if any(
+                    o % block_size and (o + n) // block_size > o // block_size
+                    for o, n in zip([model[seq].get(key, 0) for key in merged], merged.values())
+                ):
+                    outcomes["promotion"] += 1  # a row with a tail filled a block (shared tails: moves)
                 if held_before - set(manager.blocks_of_sequence(seq).tolist()):
-                    outcomes["compaction"] += 1         # an append gave a block back: shared tails compacted
+                    outcomes["compaction"] += 1  # an append gave a block back: shared tails compacted
                 for source, destination in allocation.moves:
                     data[destination] = data[source].clone()
                 for key, n in merged.items():
@@ -209,7 +257,7 @@ def check_random_program(kind, block_size, num_blocks, shuffle, program):
                 assert slots.unique().numel() == slots.numel()
                 assert slots.numel() == 0 or int(slots.max()) < num_blocks * block_size
                 data[slots] = torch.arange(next_value, next_value + slots.numel())
-                for (layer, expert), n in merged.items():            # slot_mapping is row by row
+                for (layer, expert), n in merged.items():  # slot_mapping is row by row
                     expected.setdefault((seq, layer, expert), []).extend(range(next_value, next_value + n))
                     next_value += n
         else:
@@ -221,7 +269,7 @@ def check_random_program(kind, block_size, num_blocks, shuffle, program):
                 del model[seq]
                 expected = {key: values for key, values in expected.items() if key[0] != seq}
                 outcomes["free"] += 1
-            else:                                               # unknown or already freed
+            else:  # unknown or already freed
                 try:
                     manager.free(seq)
                     raise AssertionError("freeing an unknown sequence must fail")
@@ -230,7 +278,7 @@ def check_random_program(kind, block_size, num_blocks, shuffle, program):
                 outcomes["free unknown"] += 1
         manager.assert_consistent()
         assert manager.num_free_blocks == num_blocks - blocks_in_use()
-        live, lengths, want = [], [], []           # every row of a live sequence, its tokens, their values
+        live, lengths, want = [], [], []  # every row of a live sequence, its tokens, their values
         for seq, rows in model.items():
             counts = manager.token_counts([seq])[0]
             for (layer, expert), n in rows.items():
@@ -257,12 +305,16 @@ def check_random_program(kind, block_size, num_blocks, shuffle, program):
 
 
 @settings(max_examples=100, deadline=None)
-@given(num_blocks=st.integers(1, 16), program=st.lists(
-    st.tuples(st.sampled_from(["allocate", "incref", "free"]), st.integers(0, 5)), max_size=30))
+@given(
+    num_blocks=st.integers(1, 16),
+    program=st.lists(
+        st.tuples(st.sampled_from(["allocate", "incref", "free"]), st.integers(0, 5)), max_size=30
+    ),
+)
 def test_pool_ref_counts_with_sharing(num_blocks, program):
     """Blocks with several owners (incref) return to the free queue only when the last owner frees."""
     pool = BlockPool(num_blocks, shuffle_seed=1)
-    owners: list[int] = []                                  # one entry per (block, owner)
+    owners: list[int] = []  # one entry per (block, owner)
     for action, amount in program:
         if action == "allocate":
             if amount > pool.num_free_blocks:

@@ -71,25 +71,37 @@ OUT = ROOT / "runs" / "browser"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 RUN_ALL_TIMEOUT_S = 900
 UPDATE_TIMEOUT_S = 180
-MANUAL_RETRY_S = 30          # an interact_manual cell's press that changed nothing by then is pressed again
+MANUAL_RETRY_S = 30  # an interact_manual cell's press that changed nothing by then is pressed again
 CONTROLS_PER_CELL = 2
-BROWSERS = int(os.environ.get("BROWSER_TEST_BROWSERS", "2"))   # notebooks run at once
+BROWSERS = int(os.environ.get("BROWSER_TEST_BROWSERS", "2"))  # notebooks run at once
 
 if CHROMIUM is None:
-    pytest.skip("the browser test needs Chromium: on Debian/Ubuntu `apt-get install chromium` "
-                "(no chromium or chromium-browser on PATH here)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test needs the playwright package "
-                               "(pip install -r requirements.txt installs it)")
+    pytest.skip(
+        "the browser test needs Chromium: on Debian/Ubuntu `apt-get install chromium` "
+        "(no chromium or chromium-browser on PATH here)",
+        allow_module_level=True,
+    )
+sync_api = pytest.importorskip(
+    "playwright.sync_api",
+    reason="the browser test needs the playwright package (pip install -r requirements.txt installs it)",
+)
 Image = pytest.importorskip("PIL.Image")
 
 # A widget shown as its repr instead of its view, or a view that failed.
-WIDGET_TEXT_FORM = re.compile(r"Error displaying widget|interactive\(children=|"
-                              r"\b[A-Z][A-Za-z]*(Slider|Dropdown|Buttons|Box|Text|Textarea|Checkbox|Output)\(")
-TRACEBACK = re.compile(r"Traceback \(most recent call last\)|^\s*Cell In\[\d+\], line \d+|"
-                       r"^[A-Za-z_.]*(Error|Exception)\b.*$", re.MULTILINE)
+WIDGET_TEXT_FORM = re.compile(
+    r"Error displaying widget|interactive\(children=|"
+    r"\b[A-Z][A-Za-z]*(Slider|Dropdown|Buttons|Box|Text|Textarea|Checkbox|Output)\("
+)
+TRACEBACK = re.compile(
+    r"Traceback \(most recent call last\)|^\s*Cell In\[\d+\], line \d+|"
+    r"^[A-Za-z_.]*(Error|Exception)\b.*$",
+    re.MULTILINE,
+)
 
 # State of the page, read in the browser.
-JS_CODE_PROMPTS = "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')].map(e => e.textContent)"
+JS_CODE_PROMPTS = (
+    "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')].map(e => e.textContent)"
+)
 JS_KERNEL_STATUS = """() => {
     const e = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook-ExecutionIndicator');
     return e ? e.getAttribute('data-status') : null; }"""
@@ -114,14 +126,23 @@ JS_RUN_ALL_DONE = """() => {
 
 # What nbval leaves out of a comparison (its defaults without nbdime) and how it sanitizes the rest:
 # the browser run checks the stored outputs exactly as nbval would, so nbval need not run them again.
-NBVAL_SKIPS = ("metadata", "traceback", "prompt_number", "output_type", "name", "execution_count",
-               "application/vnd.jupyter.widget-view+json", "image/png", "image/jpeg")
+NBVAL_SKIPS = (
+    "metadata",
+    "traceback",
+    "prompt_number",
+    "output_type",
+    "name",
+    "execution_count",
+    "application/vnd.jupyter.widget-view+json",
+    "image/png",
+    "image/jpeg",
+)
 SANITIZE = configparser.ConfigParser()
 SANITIZE.read(ROOT / "tests" / "nbval_sanitize.cfg")
 
 
 def sanitized(value):
-    if isinstance(value, list):                          # a multi-line string as the JSON stores it
+    if isinstance(value, list):  # a multi-line string as the JSON stores it
         value = "".join(value)
     if not isinstance(value, str):
         return value
@@ -133,14 +154,18 @@ def sanitized(value):
 def compared_fields(outputs) -> dict[str, list]:
     """A cell's outputs as nbval compares them: streams merged per name, each field (a stream name, a
     MIME type of data) mapped to its sanitized values in order."""
-    outputs = [nbformat.from_dict({k: "".join(v) if isinstance(v, list) and k == "text" else v
-                                   for k, v in o.items()}) for o in outputs]
+    outputs = [
+        nbformat.from_dict(
+            {k: "".join(v) if isinstance(v, list) and k == "text" else v for k, v in o.items()}
+        )
+        for o in outputs
+    ]
     fields: dict[str, list] = {}
     for output in transform_streams_for_comparison(coalesce_streams(outputs)):
         for key, value in output.items():
             if key in NBVAL_SKIPS:
                 continue
-            for field, item in (value.items() if key == "data" else [(key, value)]):
+            for field, item in value.items() if key == "data" else [(key, value)]:
                 if field not in NBVAL_SKIPS:
                     fields.setdefault(field, []).append(sanitized(item))
     return fields
@@ -161,9 +186,11 @@ def stored_output_differences(path: Path, cells: list[dict]) -> list[str]:
         expected, got = compared_fields(old.outputs), compared_fields(new.get("outputs", []))
         if expected != got:
             field = next(f for f in sorted(set(expected) | set(got)) if expected.get(f) != got.get(f))
-            problems.append(f"{path.name}: code cell {i} ({''.join(old.source)[:60]!r}...): its '{field}' "
-                            f"output differs from the stored one:\nstored: {expected.get(field)!r:.1500}"
-                            f"\nnow:    {got.get(field)!r:.1500}")
+            problems.append(
+                f"{path.name}: code cell {i} ({''.join(old.source)[:60]!r}...): its '{field}' "
+                f"output differs from the stored one:\nstored: {expected.get(field)!r:.1500}"
+                f"\nnow:    {got.get(field)!r:.1500}"
+            )
     return problems
 
 
@@ -190,21 +217,30 @@ class Lab:
         self.port, self.token = free_port(), base64.urlsafe_b64encode(os.urandom(18)).decode()
         jupyter = Path(sys.executable).with_name("jupyter")
         launcher = [str(jupyter)] if jupyter.exists() else [sys.executable, "-m", "jupyter"]
-        command = launcher + ["lab",                                                # the README's line
-                              "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
-                              "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
-                              "--LabApp.expose_app_in_browser=True"]
+        command = launcher + [
+            "lab",  # the README's line
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={self.port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={self.token}",
+            "--LabApp.expose_app_in_browser=True",
+        ]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             command.append("--allow-root")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
         env.update(JUPYTERLAB_SETTINGS_DIR=str(settings), JUPYTERLAB_WORKSPACES_DIR=str(workspaces))
         self.log = log
-        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 120
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"jupyter lab exited ({self.process.returncode}):\n{log.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"jupyter lab exited ({self.process.returncode}):\n{log.read_text()[-3000:]}"
+                )
             try:
                 self.api("GET", "/api/status")
                 return
@@ -214,15 +250,20 @@ class Lab:
                 time.sleep(0.5)
 
     def api(self, method: str, path: str):
-        request = urllib.request.Request(self.url + path, method=method,
-                                         headers={"Authorization": f"token {self.token}"})
+        request = urllib.request.Request(
+            self.url + path, method=method, headers={"Authorization": f"token {self.token}"}
+        )
         with urllib.request.urlopen(request, timeout=10) as response:
             body = response.read()
         return json.loads(body) if body else None
 
     def kernel_idle(self, notebook: str) -> bool:
-        return any(session["path"].endswith(notebook) and session["kernel"]
-                   and session["kernel"]["execution_state"] == "idle" for session in self.api("GET", "/api/sessions"))
+        return any(
+            session["path"].endswith(notebook)
+            and session["kernel"]
+            and session["kernel"]["execution_state"] == "idle"
+            for session in self.api("GET", "/api/sessions")
+        )
 
     def shut_down_kernel(self, notebook: str):
         for session in self.api("GET", "/api/sessions"):
@@ -239,8 +280,10 @@ class Lab:
 
 
 def lab_settings(folder: Path) -> Path:
-    for plugin, values in {"@jupyterlab/docmanager-extension/plugin": {"autosave": False},
-                           "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"}}.items():
+    for plugin, values in {
+        "@jupyterlab/docmanager-extension/plugin": {"autosave": False},
+        "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+    }.items():
         path = folder / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
@@ -265,9 +308,14 @@ def widget_snapshot(cell) -> dict:
 def png_bytes(page, src: str) -> bytes:
     if src.startswith("data:image/png;base64,"):
         return base64.b64decode(src.split(",", 1)[1])
-    return base64.b64decode(page.evaluate("""async (src) => {
+    return base64.b64decode(
+        page.evaluate(
+            """async (src) => {
         const b = new Uint8Array(await (await fetch(src)).arrayBuffer()); let s = '';
-        for (const x of b) s += String.fromCharCode(x); return btoa(s); }""", src))
+        for (const x of b) s += String.fromCharCode(x); return btoa(s); }""",
+            src,
+        )
+    )
 
 
 def change_control(page, control) -> str | None:
@@ -275,7 +323,7 @@ def change_control(page, control) -> str | None:
     kind = control.evaluate("e => e.className")
     label = control.evaluate("e => (e.querySelector('.widget-label') || {}).textContent || ''").strip()
     if control.locator("select:disabled, input:disabled, button:disabled, .noUi-target[disabled]").count():
-        return None                       # a control that does not apply now is disabled: a user cannot move it
+        return None  # a control that does not apply now is disabled: a user cannot move it
     if "widget-toggle-buttons" in kind:
         buttons = control.locator("button:not(.mod-active)")
         if buttons.count() == 0:
@@ -320,8 +368,9 @@ def press_run_interact(cell) -> bool:
     return True
 
 
-def wait_for_update(page, cell, before: dict, figures: int, timeout_s: float,
-                    hold_s: float = 1.0) -> tuple[dict, float]:
+def wait_for_update(
+    page, cell, before: dict, figures: int, timeout_s: float, hold_s: float = 1.0
+) -> tuple[dict, float]:
     """Wait until the cell's output differs from `before`, shows at least `figures` images (those of
     the first render: text arrives before the figure that follows it) and has held still for hold_s
     with the kernel idle. Returns the output and the moment (time.monotonic) it first appeared whole:
@@ -331,8 +380,12 @@ def wait_for_update(page, cell, before: dict, figures: int, timeout_s: float,
     last, since = None, None
     while time.monotonic() - start < timeout_s:
         now = widget_snapshot(cell)
-        settled = (page.evaluate(JS_KERNEL_STATUS) == "idle" and now != before
-                   and (now["text"].strip() or now["images"]) and len(now["images"]) >= figures)
+        settled = (
+            page.evaluate(JS_KERNEL_STATUS) == "idle"
+            and now != before
+            and (now["text"].strip() or now["images"])
+            and len(now["images"]) >= figures
+        )
         if settled and now == last:
             if time.monotonic() - since >= hold_s:
                 return now, since
@@ -349,8 +402,13 @@ def wait_for_update(page, cell, before: dict, figures: int, timeout_s: float,
 
 def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
     stem, name = path.stem, path.name
-    record = {"notebook": name, "run_all_s": None, "widgets_changed": [], "update_latency_s": [],
-              "screenshots": []}
+    record = {
+        "notebook": name,
+        "run_all_s": None,
+        "widgets_changed": [],
+        "update_latency_s": [],
+        "screenshots": [],
+    }
 
     def shot(locator, suffix):
         file = f"{stem}-{suffix}.png"
@@ -361,7 +419,7 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
     page.goto(f"{lab.url}/lab/workspaces/test-{stem}/tree/notebooks/{name}?reset&token={lab.token}")
     page.wait_for_selector(".jp-NotebookPanel .jp-CodeCell", timeout=120_000)
     deadline = time.monotonic() + 180
-    while not lab.kernel_idle(name):          # JupyterLab may ask which kernel, as it would ask a reader
+    while not lab.kernel_idle(name):  # JupyterLab may ask which kernel, as it would ask a reader
         dialog = page.locator(".jp-Dialog", has_text="Select Kernel")
         if dialog.count() and dialog.first.is_visible():
             dialog.locator("button", has_text=re.compile(r"^Select$")).click()
@@ -369,19 +427,24 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
             raise TimeoutError("the notebook's kernel did not start within 180 s")
         page.wait_for_timeout(250)
     page.wait_for_function(f"({JS_KERNEL_STATUS})() === 'idle'", timeout=60_000)
-    page.wait_for_timeout(500)                 # JupyterLab writes the kernel's name into the model now
+    page.wait_for_timeout(500)  # JupyterLab writes the kernel's name into the model now
     if page.locator(".lm-TabBar-tab.jp-mod-dirty").count():
-        problems.append(f"{name}: opening it marks it modified (its stored kernel name or language "
-                        "differs from what the kernel reports), and autosave would rewrite it")
+        problems.append(
+            f"{name}: opening it marks it modified (its stored kernel name or language "
+            "differs from what the kernel reports), and autosave would rewrite it"
+        )
     menu(page, "Edit", "Clear Outputs of All Cells")
-    page.wait_for_function("() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]"
-                           ".every(e => !/\\d/.test(e.textContent))", timeout=30_000)
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]"
+        ".every(e => !/\\d/.test(e.textContent))",
+        timeout=30_000,
+    )
     start = time.monotonic()
     menu(page, "Run", "Run All Cells")
     page.wait_for_function(JS_RUN_ALL_DONE, timeout=RUN_ALL_TIMEOUT_S * 1000, polling=250)
     record["run_all_s"] = round(time.monotonic() - start, 1)
     interactive = "ipywidgets" in path.read_text(encoding="utf-8")
-    if interactive:              # widget views render after the kernel is idle
+    if interactive:  # widget views render after the kernel is idle
         try:
             page.wait_for_selector(".jp-OutputArea-output .jupyter-widgets", timeout=30_000)
         except sync_api.TimeoutError:
@@ -404,7 +467,10 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
         for text in page.evaluate(JS_OUTPUT_TEXTS):
             match = WIDGET_TEXT_FORM.search(text)
             if match:
-                problems.append(f"{name} ({when}): a widget did not render: ...{text[max(0, match.start() - 60):match.end() + 60]}")
+                problems.append(
+                    f"{name} ({when}): a widget did not render: "
+                    f"...{text[max(0, match.start() - 60) : match.end() + 60]}"
+                )
 
     check_outputs("after run-all")
     # a figure wider than the output area is shrunk to fit, and its text with it
@@ -412,8 +478,10 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
     record["figure_widths"] = [{"natural": n, "shown": w} for n, w in sizes]
     for natural, shown in sizes:
         if shown and shown < natural - 2:
-            problems.append(f"{name}: a figure {natural} px wide is shown {shown} px wide: its text shrinks to "
-                            f"{shown / natural:.0%}; draw it narrower")
+            problems.append(
+                f"{name}: a figure {natural} px wide is shown {shown} px wide: its text shrinks to "
+                f"{shown / natural:.0%}; draw it narrower"
+            )
     if not interactive:
         return record
 
@@ -422,7 +490,7 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
         problems.append(f"{name}: imports ipywidgets but no widget view rendered")
     for c in range(cells.count()):
         cell = cells.nth(c)
-        manual = press_run_interact(cell)     # an interact_manual cell draws only when asked to
+        manual = press_run_interact(cell)  # an interact_manual cell draws only when asked to
         # the first render, settled: on a loaded machine the page can show a widget's text seconds
         # before the figure that follows it, though the kernel is done
         wait_for_update(page, cell, {"text": "", "images": []}, 0, UPDATE_TIMEOUT_S, hold_s=3.0)
@@ -442,15 +510,16 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
             done = change_control(page, controls.nth(i))
             if done is None:
                 continue
-            if manual:      # a reader presses after choosing, not within a millisecond of it
+            if manual:  # a reader presses after choosing, not within a millisecond of it
                 page.wait_for_timeout(300)
                 page.wait_for_function(f"({JS_KERNEL_STATUS})() === 'idle'", timeout=60_000)
-                t0 = time.monotonic()                # the latency a reader waits: from the press
+                t0 = time.monotonic()  # the latency a reader waits: from the press
                 press_run_interact(cell)
             try:
                 try:
-                    after, appeared = wait_for_update(page, cell, before, len(first_pixels),
-                                                      MANUAL_RETRY_S if manual else UPDATE_TIMEOUT_S)
+                    after, appeared = wait_for_update(
+                        page, cell, before, len(first_pixels), MANUAL_RETRY_S if manual else UPDATE_TIMEOUT_S
+                    )
                 except TimeoutError:
                     if not manual:
                         raise
@@ -464,7 +533,7 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
                 problems.append(f"{name}: widget cell {c}: after '{done}': {error}")
                 shot(cell, f"cell{c}-change{changed + 1}-after")
                 break
-            latency = round(appeared - t0, 2)       # from the change to the whole new output
+            latency = round(appeared - t0, 2)  # from the change to the whole new output
             changed += 1
             record["widgets_changed"].append(done)
             record["update_latency_s"].append(latency)
@@ -472,14 +541,18 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
             pixels = [drawn_pixels(png_bytes(page, src)) for src in after["images"]]
             record.setdefault("figure_pixels_after_changes", []).append(pixels)
             if len(pixels) != len(first_pixels):
-                problems.append(f"{name}: widget cell {c}: after '{done}' {len(pixels)} figures, first {len(first_pixels)}")
+                problems.append(
+                    f"{name}: widget cell {c}: after '{done}' {len(pixels)} figures, first {len(first_pixels)}"
+                )
             # a blank redraw keeps only its frame: 5% of the first figure's drawn pixels in notebook 04's
             # old bug; a correct redraw can lose more than half (notebook 05: a policy that never
             # evicts leaves its evictions panel empty, 19%), so the line is drawn at 15%
             for k, (n, n0) in enumerate(zip(pixels, first_pixels)):
                 if n < 0.15 * n0:
-                    problems.append(f"{name}: widget cell {c}: after '{done}' figure {k} is incomplete: "
-                                    f"{n} drawn pixels against {n0} in the first figure")
+                    problems.append(
+                        f"{name}: widget cell {c}: after '{done}' figure {k} is incomplete: "
+                        f"{n} drawn pixels against {n0} in the first figure"
+                    )
         if changed == 0:
             problems.append(f"{name}: widget cell {c}: no control could be changed")
         check_outputs(f"after changing widgets in cell {c}")
@@ -496,12 +569,24 @@ def widest(record: dict) -> str:
 
 
 def format_table(records: list[dict]) -> str:
-    return text_table(["notebook", "run all (s)", "widgets changed", "latency (s)", "widest figure (shown/px)"],
-                      [[r["notebook"], r["run_all_s"] or 0, "; ".join(r["widgets_changed"]) or "-",
-                        ", ".join(f"{x:.1f}" for x in r["update_latency_s"]) or "-", widest(r)]
-                       for r in records], [None, "{:.1f}", None, None, None]) + "".join(
+    return text_table(
+        ["notebook", "run all (s)", "widgets changed", "latency (s)", "widest figure (shown/px)"],
+        [
+            [
+                r["notebook"],
+                r["run_all_s"] or 0,
+                "; ".join(r["widgets_changed"]) or "-",
+                ", ".join(f"{x:.1f}" for x in r["update_latency_s"]) or "-",
+                widest(r),
+            ]
+            for r in records
+        ],
+        [None, "{:.1f}", None, None, None],
+    ) + "".join(
         f"\n{r['notebook']}: drew only at a second press of Run Interact after: {'; '.join(r['pressed_twice'])}"
-        for r in records if r.get("pressed_twice"))
+        for r in records
+        if r.get("pressed_twice")
+    )
 
 
 def unreachable_links(lab: Lab) -> list[str]:
@@ -519,15 +604,18 @@ def unreachable_links(lab: Lab) -> list[str]:
                 try:
                     lab.api("GET", "/api/contents/" + urllib.parse.quote(served) + "?content=0")
                 except urllib.error.HTTPError as error:
-                    problems.append(f"{path.name}: link {target} -> {served}: HTTP {error.code} from JupyterLab")
+                    problems.append(
+                        f"{path.name}: link {target} -> {served}: HTTP {error.code} from JupyterLab"
+                    )
     return problems
 
 
 def run_notebooks(lab: Lab, queue: "queue.Queue[Path]", problems: list[str], records: list[dict]) -> None:
     """One browser of its own, taking notebooks from the queue until it is empty."""
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM,
-                                             args=["--no-sandbox", "--disable-dev-shm-usage"])
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"]
+        )
         while True:
             try:
                 path = queue.get_nowait()
@@ -537,7 +625,7 @@ def run_notebooks(lab: Lab, queue: "queue.Queue[Path]", problems: list[str], rec
             page.set_default_timeout(60_000)
             try:
                 records.append(run_notebook(page, lab, path, problems))
-            except Exception as error:                                  # keep going: report all notebooks
+            except Exception as error:  # keep going: report all notebooks
                 problems.append(f"{path.name}: {type(error).__name__}: {error}")
                 page.screenshot(path=str(OUT / f"{path.stem}-failure.png"))
             finally:
@@ -561,8 +649,10 @@ def test_every_notebook_runs_and_its_widgets_work_in_jupyterlab(tmp_path, record
         work: queue.Queue[Path] = queue.Queue()
         for path in NOTEBOOKS:
             work.put(path)
-        workers = [threading.Thread(target=run_notebooks, args=(lab, work, problems, records))
-                   for _ in range(min(BROWSERS, len(NOTEBOOKS)))]
+        workers = [
+            threading.Thread(target=run_notebooks, args=(lab, work, problems, records))
+            for _ in range(min(BROWSERS, len(NOTEBOOKS)))
+        ]
         for worker in workers:
             worker.start()
         for worker in workers:
@@ -588,15 +678,20 @@ def test_the_output_comparison_is_nbvals():
     """stored_output_differences on a committed notebook against itself, changed: a changed printed
     character is found, a changed timing is sanitized away, and a cell tagged nbval-ignore-output
     is not compared."""
-    path = ROOT / "notebooks" / "01_why_a_kv_cache.ipynb"     # it prints in tagged cells too
+    path = ROOT / "notebooks" / "01_why_a_kv_cache.ipynb"  # it prints in tagged cells too
 
     def changed(text, ignored=False):
         """The notebook's cells, as the page's model holds them, with the first stdout of the first
         cell that is (ignored=True) or is not tagged nbval-ignore-output replaced by text."""
         cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-        output = next(o for c in cells if c["cell_type"] == "code"
-                      and ("nbval-ignore-output" in c["metadata"].get("tags", [])) == ignored
-                      for o in c["outputs"] if o["output_type"] == "stream")
+        output = next(
+            o
+            for c in cells
+            if c["cell_type"] == "code"
+            and ("nbval-ignore-output" in c["metadata"].get("tags", [])) == ignored
+            for o in c["outputs"]
+            if o["output_type"] == "stream"
+        )
         if text is not None:
             output["text"] = text
         return cells

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from helpers import prefill_then_decode, random_model, random_prompts, small_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,11 +24,13 @@ from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
 
-from helpers import prefill_then_decode, random_model, random_prompts, small_config
-
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
-CASES = [(mode, policy) for mode in ("expert", "dense") for policy in BUDGET_POLICIES
-         if not (mode == "dense" and policy == "router_score")]
+CASES = [
+    (mode, policy)
+    for mode in ("expert", "dense")
+    for policy in BUDGET_POLICIES
+    if not (mode == "dense" and policy == "router_score")
+]
 
 
 # ----- the plain reference: one Python list per row, tokens one at a time ----------------------------
@@ -36,8 +39,12 @@ class PlainBudgetCache:
     decode), with budget.py's rules written as plainly as they read."""
 
     def __init__(self, budget: RowBudget, num_layers: int):
-        self.limits, self.policy, self.sinks = budget.limits(num_layers).tolist(), budget.policy, budget.num_sinks
-        self.rows = {}          # (seq, layer, expert) -> list of dicts: position, score, k, v, received
+        self.limits, self.policy, self.sinks = (
+            budget.limits(num_layers).tolist(),
+            budget.policy,
+            budget.num_sinks,
+        )
+        self.rows = {}  # (seq, layer, expert) -> list of dicts: position, score, k, v, received
 
     def append_kv(self, layer, seq_ids, experts, positions, k, v, scores=None):
         placed = []
@@ -51,9 +58,9 @@ class PlainBudgetCache:
                     placed.append(None)
                     continue
                 if self.policy == "window":
-                    victim = min(self.sinks, B - 1)                   # the list stays in arrival order
+                    victim = min(self.sinks, B - 1)  # the list stays in arrival order
                 elif self.policy == "heavy_hitter":
-                    older = sorted(range(B), key=lambda j: row[j]["position"])[:B - B // 2]
+                    older = sorted(range(B), key=lambda j: row[j]["position"])[: B - B // 2]
                     victim = self._lowest(row, older, "received")
                 else:
                     victim = self._lowest(row, range(B), "score")
@@ -69,19 +76,21 @@ class PlainBudgetCache:
     def _lowest(row, candidates, key):
         """The candidate of lowest score, the oldest among those within SCORE_TIE of it."""
         lowest = min(row[j][key] for j in candidates)
-        return min((j for j in candidates if row[j][key] <= lowest + SCORE_TIE), key=lambda j: row[j]["position"])
+        return min(
+            (j for j in candidates if row[j][key] <= lowest + SCORE_TIE), key=lambda j: row[j]["position"]
+        )
 
     def attend(self, placed, q):
         out = torch.zeros_like(q)
         for i, row in enumerate(placed):
             if row is None:
-                continue                                              # refused: adds nothing
+                continue  # refused: adds nothing
             keys = torch.stack([t["k"] for t in row])
             values = torch.stack([t["v"] for t in row])
             every = torch.arange(len(row))
-            out[i] = attend_by_position(q[i:i + 1], keys, values, torch.tensor([len(row)]), every)[0]
+            out[i] = attend_by_position(q[i : i + 1], keys, values, torch.tensor([len(row)]), every)[0]
             if self.policy == "heavy_hitter":
-                keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)              # (n, H, Dh)
+                keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)  # (n, H, Dh)
                 probs = torch.softmax(torch.einsum("hd,nhd->hn", q[i], keys) / math.sqrt(q.shape[2]), -1)
                 for t, p in zip(row, probs.sum(0).tolist()):
                     t["received"] += p
@@ -115,17 +124,20 @@ def test_each_policy_equals_the_plain_reference_and_the_recompute(mode, policy, 
         reference = _decode_one_at_a_time(model, plain, sequences)
         recompute = model(sequences, budget=budget).logits
         for attention in ("batched", "reference"):
-            paged = PagedKVCache.for_model(model, block_size=2, attention=attention, budget=budget, shuffle_seed=1)
+            paged = PagedKVCache.for_model(
+                model, block_size=2, attention=attention, budget=budget, shuffle_seed=1
+            )
             logits = prefill_then_decode(model, paged, sequences, prefill=9)
             assert (logits - reference).abs().max() <= TOLERANCE[torch.float64]
             manager = paged.manager
             for s in range(len(sequences)):
                 for layer in range(model.config.num_hidden_layers):
                     rows = manager.rows([s] * manager.num_experts, layer, list(range(manager.num_experts)))
-                    assert manager.budget.kept_positions(rows) == [plain.kept_positions(s, layer, e)
-                                                                   for e in range(manager.num_experts)]
+                    assert manager.budget.kept_positions(rows) == [
+                        plain.kept_positions(s, layer, e) for e in range(manager.num_experts)
+                    ]
     assert (recompute - reference).abs().max() <= TOLERANCE[torch.float64]
-    assert manager.budget.num_evicted + manager.budget.num_refused > 0          # the budget did bind
+    assert manager.budget.num_evicted + manager.budget.num_refused > 0  # the budget did bind
 
 
 @pytest.mark.parametrize("mode,policy", CASES)
@@ -138,8 +150,16 @@ def test_a_budget_at_or_above_the_length_is_the_exact_cache_bit_for_bit(mode, po
     exact = generate(model, prompts, params, cache="paged", block_size=4, record_logits=True)
     longest = max(len(p) + q.max_new_tokens for p, q in zip(prompts, params))
     for attention in ("batched", "reference"):
-        budgeted = generate(model, prompts, params, cache="paged", block_size=4, record_logits=True,
-                            attention=attention, budget=RowBudget(longest, policy))
+        budgeted = generate(
+            model,
+            prompts,
+            params,
+            cache="paged",
+            block_size=4,
+            record_logits=True,
+            attention=attention,
+            budget=RowBudget(longest, policy),
+        )
         if attention == "batched":
             assert budgeted.tokens == exact.tokens
             assert all(torch.equal(a, b) for a, b in zip(budgeted.logits, exact.logits))
@@ -156,15 +176,16 @@ def test_an_evicted_token_s_kv_never_reaches_an_output(policy, monkeypatch):
     sequences = torch.tensor(random_prompts([40, 40], model.config.vocab_size, seed=8))
     budget = RowBudget(3, policy, num_sinks=1)
     with torch.inference_mode():
-        clean = prefill_then_decode(model, PagedKVCache.for_model(model, block_size=2, budget=budget),
-                                           sequences, prefill=11)
+        clean = prefill_then_decode(
+            model, PagedKVCache.for_model(model, block_size=2, budget=budget), sequences, prefill=11
+        )
     cache = PagedKVCache.for_model(model, block_size=2, budget=budget)
     allocate = cache.manager.allocate_within_budget
 
     def poisoning(rows, positions, scores):
         slots, accepted = allocate(rows, positions, scores)
         for pool in (cache.key_cache, cache.value_cache):
-            pool.view(-1, *pool.shape[2:])[slots] = math.nan             # the victims' K/V, now gone
+            pool.view(-1, *pool.shape[2:])[slots] = math.nan  # the victims' K/V, now gone
         return slots, accepted
 
     monkeypatch.setattr(cache.manager, "allocate_within_budget", poisoning)
@@ -173,9 +194,9 @@ def test_an_evicted_token_s_kv_never_reaches_an_output(policy, monkeypatch):
     def poison_unheld(*args):
         owner, used = cache.manager.block_owners()
         for pool in (cache.key_cache, cache.value_cache):
-            pool[owner < 0] = math.nan                                   # free blocks
+            pool[owner < 0] = math.nan  # free blocks
             for block in (used < cache.block_size).nonzero().squeeze(1).tolist():
-                pool[block, int(used[block]):] = math.nan                # past a row's last token
+                pool[block, int(used[block]) :] = math.nan  # past a row's last token
         return forward(*args)
 
     monkeypatch.setattr(model, "forward_cached", poison_unheld)
@@ -187,17 +208,28 @@ def test_an_evicted_token_s_kv_never_reaches_an_output(policy, monkeypatch):
 
 
 @settings(max_examples=25, deadline=None)
-@given(policy=st.sampled_from(BUDGET_POLICIES), limits=st.lists(st.integers(1, 6), min_size=2, max_size=2),
-       block_size=st.sampled_from([1, 2, 4]), chunks=st.lists(st.integers(1, 7), min_size=1, max_size=6),
-       seed=st.integers(0, 1000))
+@given(
+    policy=st.sampled_from(BUDGET_POLICIES),
+    limits=st.lists(st.integers(1, 6), min_size=2, max_size=2),
+    block_size=st.sampled_from([1, 2, 4]),
+    chunks=st.lists(st.integers(1, 7), min_size=1, max_size=6),
+    seed=st.integers(0, 1000),
+)
 def test_no_row_ever_holds_more_than_its_budget(policy, limits, block_size, chunks, seed):
     """Random chunks of random routing through PagedKVCache: after every call every row holds at most
     its layer's B tokens in at most ceil(B / P) blocks, and the manager's invariants hold."""
     config = small_config("expert")
-    cache = PagedKVCache(config, num_blocks=400, block_size=block_size, budget=RowBudget(limits, policy, num_sinks=1))
+    cache = PagedKVCache(
+        config, num_blocks=400, block_size=block_size, budget=RowBudget(limits, policy, num_sinks=1)
+    )
     manager = cache.manager
     generator = torch.Generator().manual_seed(seed)
-    E, Hkv, H, Dh = config.num_attention_experts, config.num_key_value_heads, config.num_attention_heads, config.head_dim
+    E, Hkv, H, Dh = (
+        config.num_attention_experts,
+        config.num_key_value_heads,
+        config.num_attention_heads,
+        config.head_dim,
+    )
     start = [0, 0]
     for n in chunks:
         for seq in (0, 1):
@@ -207,7 +239,9 @@ def test_no_row_ever_holds_more_than_its_budget(policy, limits, block_size, chun
                 experts = torch.randint(0, E, (n,), generator=generator)
                 k, v, q = (torch.randn(n, h, Dh, generator=generator) for h in (Hkv, Hkv, H))
                 scores = torch.rand(n, generator=generator)
-                cache.attend(cache.append_kv(layer, torch.full((n,), seq), experts, positions, k, v, scores), q)
+                cache.attend(
+                    cache.append_kv(layer, torch.full((n,), seq), experts, positions, k, v, scores), q
+                )
         manager.assert_consistent()
         limit = torch.tensor(limits).repeat_interleave(E).repeat(manager.row_tokens.numel() // (2 * E))
         assert (manager.row_tokens <= limit).all()
@@ -226,10 +260,17 @@ def test_the_engine_under_preemption_serves_what_each_request_gets_alone(policy,
     prompts = random_prompts([3, 5, 2, 4, 6, 3], model.config.vocab_size, seed=9)
     params = [SamplingParams(max_new_tokens=24, temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(6)]
     budget = RowBudget(6, policy, num_sinks=1)
-    alone = [generate(model, [p], [q], cache="paged", block_size=2, budget=budget).tokens[0]
-             for p, q in zip(prompts, params)]
-    engine = LLMEngine(model, num_blocks=80, block_size=2, budget=budget,
-                       scheduler_config=SchedulerConfig(admission="optimistic", preemption_mode=mode))
+    alone = [
+        generate(model, [p], [q], cache="paged", block_size=2, budget=budget).tokens[0]
+        for p, q in zip(prompts, params)
+    ]
+    engine = LLMEngine(
+        model,
+        num_blocks=80,
+        block_size=2,
+        budget=budget,
+        scheduler_config=SchedulerConfig(admission="optimistic", preemption_mode=mode),
+    )
     for prompt, param in zip(prompts, params):
         engine.add_request(prompt, param)
     outputs = {}
@@ -246,8 +287,14 @@ class InjectedFault(RuntimeError):
     pass
 
 
-@pytest.mark.parametrize("site,policy", [("allocate_within_budget", "router_score"), ("allocate_within_budget", "window"),
-                                         ("add_attention", "heavy_hitter")])
+@pytest.mark.parametrize(
+    "site,policy",
+    [
+        ("allocate_within_budget", "router_score"),
+        ("allocate_within_budget", "window"),
+        ("add_attention", "heavy_hitter"),
+    ],
+)
 @pytest.mark.parametrize("at_call", [1, 3, 9])
 def test_a_fault_inside_a_budgeted_wave_is_undone_whole(site, policy, at_call, monkeypatch):
     """A budgeted prefill places its waiting tokens inside attend; a fault at the at_call-th placement
@@ -257,8 +304,10 @@ def test_a_fault_inside_a_budgeted_wave_is_undone_whole(site, policy, at_call, m
     prompts = random_prompts([12, 5, 9], model.config.vocab_size, seed=4)
     params = [SamplingParams(max_new_tokens=10, temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(3)]
     budget = RowBudget(3, policy, num_sinks=1)
-    alone = [generate(model, [p], [q], cache="paged", block_size=2, budget=budget).tokens[0]
-             for p, q in zip(prompts, params)]
+    alone = [
+        generate(model, [p], [q], cache="paged", block_size=2, budget=budget).tokens[0]
+        for p, q in zip(prompts, params)
+    ]
     engine = LLMEngine(model, num_blocks=80, block_size=2, budget=budget)
     owner = engine.cache.manager if site == "allocate_within_budget" else engine.cache.manager.budget
     calls = [0]
@@ -300,9 +349,14 @@ def test_combinations_that_cannot_work_are_refused_with_their_reason():
         PagedKVCache.for_model(model, budget=RowBudget([4, 4, 4]))
     with pytest.raises(ValueError, match="must be a RowBudget"):
         PagedKVCache.for_model(model, budget=4)
-    for bad, match in (((0,), "max_tokens=0"), ((2.5,), "max_tokens=2.5"), (([],), r"max_tokens=\[\]"),
-                       (([3, True],), r"max_tokens\[1\]=True"), ((4, "lru"), "policy='lru'"),
-                       ((4, "window", -1), "num_sinks=-1")):
+    for bad, match in (
+        ((0,), "max_tokens=0"),
+        ((2.5,), "max_tokens=2.5"),
+        (([],), r"max_tokens=\[\]"),
+        (([3, True],), r"max_tokens\[1\]=True"),
+        ((4, "lru"), "policy='lru'"),
+        ((4, "window", -1), "num_sinks=-1"),
+    ):
         with pytest.raises(ValueError, match=match):
             RowBudget(*bad)
 
@@ -319,7 +373,9 @@ def _feed(manager, row, positions, scores=None):
 
 
 def _manager(policy, max_tokens=4, **options):
-    manager = KVCacheManager(1, 2, block_size=2, num_blocks=8, budget=RowBudget(max_tokens, policy, **options))
+    manager = KVCacheManager(
+        1, 2, block_size=2, num_blocks=8, budget=RowBudget(max_tokens, policy, **options)
+    )
     manager.add_sequence(0)
     return manager, int(manager.rows([0], 0, 0)[0])
 
@@ -355,7 +411,7 @@ def test_heavy_hitter_keeps_the_most_attended_and_the_newest_half():
     manager, row = _manager("heavy_hitter")
     _feed(manager, row, range(4))
     manager.budget.add_attention(torch.tensor([row]), torch.tensor([[0.1, 0.7, 0.9, 0.05]]))
-    assert _feed(manager, row, [4]) == [0]                  # token 0 (0.1) leaves; 3 (0.05) is recent
+    assert _feed(manager, row, [4]) == [0]  # token 0 (0.1) leaves; 3 (0.05) is recent
     assert manager.budget.kept_positions([row]) == [[1, 2, 3, 4]]
-    assert _feed(manager, row, [5]) == [1]                  # newest 4 and 3; token 1 (0.7 < 0.9) leaves
+    assert _feed(manager, row, [5]) == [1]  # newest 4 and 3; token 1 (0.7 < 0.9) leaves
     assert manager.budget.kept_positions([row]) == [[2, 3, 4, 5]]

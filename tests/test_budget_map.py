@@ -7,6 +7,7 @@ codes of drop and window are also written out from the rules alone. And the figu
 
 import pytest
 import torch
+from helpers import random_model, random_prompts, small_config
 
 from moekv_ref.analysis import BUDGET_MAP_CODES, budget_map
 from moekv_ref.cache import PagedKVCache
@@ -16,10 +17,9 @@ from moekv_ref.exercises import exercise_10_text
 from moekv_ref.plots.capacity import plot_budget_map
 from moekv_ref.prompts import encode
 
-from helpers import random_model, random_prompts, small_config
-
-NOT_ROUTED, KEPT, EVICTED, REFUSED = (BUDGET_MAP_CODES.index(name)
-                                      for name in ("not routed", "kept", "evicted", "refused"))
+NOT_ROUTED, KEPT, EVICTED, REFUSED = (
+    BUDGET_MAP_CODES.index(name) for name in ("not routed", "kept", "evicted", "refused")
+)
 
 
 def one_token_at_a_time(model, tokens: torch.Tensor, budget: RowBudget) -> torch.Tensor:
@@ -32,7 +32,9 @@ def one_token_at_a_time(model, tokens: torch.Tensor, budget: RowBudget) -> torch
     accepted = torch.zeros(L, E, T, dtype=torch.bool)
     with torch.inference_mode():
         for t in range(T):
-            output = model.forward_cached(tokens[t:t + 1], torch.zeros(1, dtype=torch.int64), torch.tensor([t]), cache)
+            output = model.forward_cached(
+                tokens[t : t + 1], torch.zeros(1, dtype=torch.int64), torch.tensor([t]), cache
+            )
             for layer in range(L):
                 routed[layer, :, t] = output.attention_routing[layer].selected[0]
                 rows = manager.rows([0] * E, layer, list(range(E)))
@@ -50,8 +52,15 @@ def one_token_at_a_time(model, tokens: torch.Tensor, budget: RowBudget) -> torch
     return codes
 
 
-@pytest.mark.parametrize("mode,policy", [(mode, policy) for mode in ("expert", "dense") for policy in BUDGET_POLICIES
-                                         if not (mode == "dense" and policy == "router_score")])
+@pytest.mark.parametrize(
+    "mode,policy",
+    [
+        (mode, policy)
+        for mode in ("expert", "dense")
+        for policy in BUDGET_POLICIES
+        if not (mode == "dense" and policy == "router_score")
+    ],
+)
 def test_the_map_is_what_a_cache_fed_one_token_at_a_time_keeps(mode, policy):
     model = random_model(small_config(mode), seed=5)
     tokens = torch.tensor(random_prompts([40], model.config.vocab_size, seed=2)[0])
@@ -63,9 +72,9 @@ def test_the_map_is_what_a_cache_fed_one_token_at_a_time_keeps(mode, policy):
         assert counts == {name: int((codes == i).sum()) for i, name in enumerate(BUDGET_MAP_CODES)}
         assert list(counts) == list(BUDGET_MAP_CODES) and sum(counts.values()) == codes.numel()
     changed = {"drop": REFUSED, "window": EVICTED, "heavy_hitter": EVICTED}.get(policy)
-    if changed is not None:                                 # the budget binds, the way its policy does
+    if changed is not None:  # the budget binds, the way its policy does
         assert (reference == changed).any()
-    else:                                                   # router_score: evicts and refuses
+    else:  # router_score: evicts and refuses
         assert (reference == EVICTED).any() and (reference == REFUSED).any()
 
 
@@ -79,7 +88,7 @@ def test_the_map_of_the_embedded_model_on_the_notebook_s_snippet(policy):
     for layer in (0, 3):
         codes, counts = budget_map(model, tokens, layer, budget)
         assert torch.equal(codes, reference[layer]), layer
-        assert counts["kept"] + counts["evicted"] + counts["refused"] == 2 * len(tokens)     # top-2: routed
+        assert counts["kept"] + counts["evicted"] + counts["refused"] == 2 * len(tokens)  # top-2: routed
         assert ((codes == KEPT).sum(1) <= 16).all()
 
 
@@ -90,7 +99,7 @@ def test_drop_and_window_at_layer_0_follow_their_rules():
     model = load_default_model()
     tokens = torch.tensor(encode(exercise_10_text()))
     with torch.inference_mode():
-        routed = model(tokens[None]).attention_routing[0].selected[0].T              # (E, T)
+        routed = model(tokens[None]).attention_routing[0].selected[0].T  # (E, T)
     B, sinks = 12, 4
     for policy in ("drop", "window"):
         expected = torch.full(routed.shape, NOT_ROUTED)
@@ -102,7 +111,7 @@ def test_drop_and_window_at_layer_0_follow_their_rules():
             else:
                 expected[e, positions] = EVICTED
                 expected[e, positions[:sinks]] = KEPT
-                expected[e, positions[max(0, len(positions) - (B - sinks)):]] = KEPT
+                expected[e, positions[max(0, len(positions) - (B - sinks)) :]] = KEPT
         codes, _ = budget_map(model, tokens, 0, RowBudget(B, policy, num_sinks=sinks))
         assert torch.equal(codes, expected), policy
 
@@ -134,12 +143,18 @@ def test_the_figure_draws_every_code_at_notebook_width():
     model = load_default_model()
     budget = RowBudget(16, "router_score")
     codes, counts = budget_map(model, encode(exercise_10_text()), 1, budget)
-    assert all(counts[name] for name in BUDGET_MAP_CODES)          # every colour appears
+    assert all(counts[name] for name in BUDGET_MAP_CODES)  # every colour appears
     fig = plot_budget_map(codes, 1, budget)
     width, height = fig.get_size_inches() * fig.dpi
     assert width <= 1100
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert legend == [f"{name} ({counts[name]})" for name in BUDGET_MAP_CODES]
-    kept = [t.get_text() for t in fig.axes[0].texts if " of " in t.get_text() and t.get_text() != " kept of routed"]
-    assert kept == [f" {int((codes[e] == KEPT).sum())} of {int((codes[e] != NOT_ROUTED).sum())}"
-                    for e in range(codes.shape[0])]
+    kept = [
+        t.get_text()
+        for t in fig.axes[0].texts
+        if " of " in t.get_text() and t.get_text() != " kept of routed"
+    ]
+    assert kept == [
+        f" {int((codes[e] == KEPT).sum())} of {int((codes[e] != NOT_ROUTED).sum())}"
+        for e in range(codes.shape[0])
+    ]

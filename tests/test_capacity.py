@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import prefill_then_decode, random_model, random_prompts, small_config
 
 from moekv_ref.apps import capacity
 from moekv_ref.cache import PagedKVCache
@@ -25,20 +26,18 @@ from moekv_ref.plots.capacity import frontier_rows
 from moekv_ref.routing import Routing, apply_capacity
 from moekv_ref.sampling import SamplingParams
 
-from helpers import prefill_then_decode, random_model, random_prompts, small_config
-
 
 def test_apply_capacity_keeps_the_first_c_or_the_best_c():
-    probs = torch.tensor([[[0.9, 0.1], [0.2, 0.8], [0.7, 0.3], [0.6, 0.4]]])          # (1, T=4, E=2)
+    probs = torch.tensor([[[0.9, 0.1], [0.2, 0.8], [0.7, 0.3], [0.6, 0.4]]])  # (1, T=4, E=2)
     selected = torch.tensor([[[True, False], [True, True], [True, False], [True, True]]])
     routing = Routing(probs, selected, probs * selected)
     dropped = apply_capacity(routing, "topk", 2)
-    assert dropped.selected[0, :, 0].tolist() == [True, True, False, False]          # first two routed to 0
-    assert dropped.selected[0, :, 1].tolist() == [False, True, False, True]          # only two were
-    assert torch.equal(dropped.gates, probs * dropped.selected)                       # not renormalised
+    assert dropped.selected[0, :, 0].tolist() == [True, True, False, False]  # first two routed to 0
+    assert dropped.selected[0, :, 1].tolist() == [False, True, False, True]  # only two were
+    assert torch.equal(dropped.gates, probs * dropped.selected)  # not renormalised
     chosen = apply_capacity(Routing(probs, torch.ones_like(selected), probs), "expert_choice", 2)
-    assert chosen.selected[0, :, 0].tolist() == [True, False, True, False]           # 0.9 and 0.7
-    assert chosen.selected[0, :, 1].tolist() == [False, True, False, True]           # 0.8 and 0.4
+    assert chosen.selected[0, :, 0].tolist() == [True, False, True, False]  # 0.9 and 0.7
+    assert chosen.selected[0, :, 1].tolist() == [False, True, False, True]  # 0.8 and 0.4
 
 
 @pytest.mark.parametrize("routing", ["topk", "threshold"])
@@ -62,8 +61,13 @@ def test_expert_choice_decodes_causally_and_differs_from_its_training_rule():
     budgeted recompute. The training rule picks each expert's best 4 of the whole window, so a token
     can lose its place to a later one before it is ever decoded: it differs from the causal rule on
     windows longer than C, and on a window of C tokens (every token chosen by both) it agrees."""
-    config = small_config("expert", num_attention_experts=5, num_attention_experts_per_tok=5,
-                          attention_routing="expert_choice", attention_capacity=4)
+    config = small_config(
+        "expert",
+        num_attention_experts=5,
+        num_attention_experts_per_tok=5,
+        attention_routing="expert_choice",
+        attention_capacity=4,
+    )
     model = random_model(config, seed=8)
     sequences = torch.tensor(random_prompts([18, 18], model.config.vocab_size, seed=3))
     with torch.inference_mode():
@@ -80,9 +84,15 @@ def test_expert_choice_decodes_causally_and_differs_from_its_training_rule():
 
 
 def test_expert_choice_needs_every_expert_and_a_capacity():
-    for fields in (dict(attention_routing="expert_choice", num_attention_experts=8, num_attention_experts_per_tok=2,
-                        attention_capacity=4),
-                   dict(attention_routing="expert_choice", num_attention_experts=8, num_attention_experts_per_tok=8)):
+    for fields in (
+        dict(
+            attention_routing="expert_choice",
+            num_attention_experts=8,
+            num_attention_experts_per_tok=2,
+            attention_capacity=4,
+        ),
+        dict(attention_routing="expert_choice", num_attention_experts=8, num_attention_experts_per_tok=8),
+    ):
         with pytest.raises(ValueError, match="expert_choice' lets each of several experts choose"):
             ModelConfig(**fields)
     with pytest.raises(ValueError, match="attention_capacity=-1"):
@@ -101,17 +111,29 @@ def test_the_study_measures_what_the_rows_hold():
     exact = capacity.measure(net, x, y, None)
     assert exact["kv_bytes_per_token"] == model.num_hidden_layers * 2 * per_entry
     windowed = capacity.measure(net, x, y, RowBudget(4, "window"))
-    routed = torch.stack([r.selected.sum(1) for r in net(x).attention_routing])             # (L, B, E)
+    routed = torch.stack([r.selected.sum(1) for r in net(x).attention_routing])  # (L, B, E)
     assert windowed["kv_bytes_per_token"] == routed.clamp(max=4).sum().item() * per_entry / x.numel()
-    assert windowed["pool_bytes_per_token"] == (-(-routed.clamp(max=4) // 16) * 16).sum().item() * per_entry / x.numel()
+    assert (
+        windowed["pool_bytes_per_token"]
+        == (-(-routed.clamp(max=4) // 16) * 16).sum().item() * per_entry / x.numel()
+    )
 
 
 def test_the_frontier_keeps_only_settings_nothing_smaller_beats():
     """c is beaten by b at the same size, d by b with fewer bytes; f holds 1% less than g (the same
     size) and is worse, so g replaces it."""
-    table = [dict(variant="v", kv_bytes_per_token=b, bits_per_byte_mean=q, policy=p, budget_tokens=t)
-             for b, q, p, t in ((100, 3.0, "a", 1), (200, 2.5, "b", 2), (200, 2.9, "c", 3), (300, 2.6, "d", 4),
-                                (400, 2.4, "e", 5), (495, 2.3, "f", 6), (500, 2.1, "g", 7))]
+    table = [
+        dict(variant="v", kv_bytes_per_token=b, bits_per_byte_mean=q, policy=p, budget_tokens=t)
+        for b, q, p, t in (
+            (100, 3.0, "a", 1),
+            (200, 2.5, "b", 2),
+            (200, 2.9, "c", 3),
+            (300, 2.6, "d", 4),
+            (400, 2.4, "e", 5),
+            (495, 2.3, "f", 6),
+            (500, 2.1, "g", 7),
+        )
+    ]
     assert [r["policy"] for r in frontier_rows(table, "v")] == ["a", "b", "e", "g"]
 
 
@@ -124,13 +146,17 @@ def test_the_readme_quotes_the_committed_study():
     assert capacity.readme_table(study) in readme
     prose = " ".join(readme.split("## A budget per row", 1)[1].split("\n## ", 1)[0].split())
     table = {(r["variant"], r["policy"], r["budget_tokens"]): r["bits_per_byte_mean"] for r in study["table"]}
-    cost = lambda variant, policy, tokens: table[variant, policy, tokens] - table[variant, "none", None]
+
+    def cost(variant, policy, tokens):
+        return table[variant, policy, tokens] - table[variant, "none", None]
+
     beside = study["against_dense"]
     assert beside and all(row["verdict"] == "loses" for row in beside)
     best = min((r for r in beside if round(r["kv_bytes_per_token"]) == 512), key=lambda r: r["bits_per_byte"])
     gaps = study["train_inference_gap"]
     quoted = [
-        f"`{best['variant']}` under `{best['policy']}` at B = {best['budget_tokens']}, reaches {best['bits_per_byte']:.3f} "
+        f"`{best['variant']}` under `{best['policy']}` at B = {best['budget_tokens']}, "
+        f"reaches {best['bits_per_byte']:.3f} "
         f"bits per byte against dense attention's {best['dense_bits_per_byte']:.3f} (`{best['dense_policy']}` at "
         f"B = {best['dense_budget_tokens']})",
         f"lie {min(r['difference'] for r in beside):.3f} to {max(r['difference'] for r in beside):.3f} bits per byte",
@@ -159,4 +185,6 @@ def test_the_engine_serves_a_model_with_a_capacity_as_generate_does():
     engine = LLMEngine(model, num_blocks=80, block_size=2)
     assert engine.cache.manager.budget.policy == "drop" and engine.scheduler.shape.max_row_tokens == 3
     outputs = engine.generate(prompts, params)
-    assert [o.token_ids for o in outputs] == generate(model, prompts, params, cache="paged", block_size=2).tokens
+    assert [o.token_ids for o in outputs] == generate(
+        model, prompts, params, cache="paged", block_size=2
+    ).tokens

@@ -10,9 +10,17 @@ import pytest
 import torch
 
 import moekv_ref.checkpoint as checkpoint
-from moekv_ref.checkpoint import (DEFAULT_CHECKPOINT, CheckpointError, add_manifest, checkpoint_sha256,
-                                  load_checkpoint, load_default_model, save_checkpoint, state_dict_sha256,
-                                  weight_shapes)
+from moekv_ref.checkpoint import (
+    DEFAULT_CHECKPOINT,
+    CheckpointError,
+    add_manifest,
+    checkpoint_sha256,
+    load_checkpoint,
+    load_default_model,
+    save_checkpoint,
+    state_dict_sha256,
+    weight_shapes,
+)
 from moekv_ref.config import get_config
 from moekv_ref.model import MoEKVTransformer
 
@@ -72,7 +80,11 @@ def broken_files(tmp_path, path):
         ("missing", tmp_path / "absent.pt", "does not exist"),
         ("a directory", folder, "is a directory"),
         ("empty", empty, "is empty (0 bytes)"),
-        ("truncated", truncated, "cannot be read as a torch file: its zip archive is incomplete: the file is truncated"),
+        (
+            "truncated",
+            truncated,
+            "cannot be read as a torch file: its zip archive is incomplete: the file is truncated",
+        ),
         ("a text file", text, "cannot be read as a torch file: its bytes are not a torch save file"),
         ("random bytes", noise, "cannot be read as a torch file: its bytes are not a torch save file"),
         ("a saved list", a_list, "is not a moekv_ref checkpoint"),
@@ -118,8 +130,10 @@ def test_missing_extra_and_misshapen_tensors_are_named(saved):
     rewrite(path, lambda payload: payload["state_dict"].pop("embed.weight"))
     with pytest.raises(CheckpointError, match=r"missing \['embed.weight'\]"):
         load_checkpoint(path, CONFIG)
-    bf16 = torch.bfloat16                   # the dtype the manifest says: shapes are what is wrong here
-    rewrite(path, lambda payload: payload["state_dict"].__setitem__("embed.weight", torch.zeros(3, 3, dtype=bf16)))
+    bf16 = torch.bfloat16  # the dtype the manifest says: shapes are what is wrong here
+    rewrite(
+        path, lambda payload: payload["state_dict"].__setitem__("embed.weight", torch.zeros(3, 3, dtype=bf16))
+    )
     with pytest.raises(CheckpointError, match=r"'embed.weight' has shape \(3, 3\)"):
         load_checkpoint(path, CONFIG)
     rewrite(path, lambda payload: payload["state_dict"].__setitem__("extra", torch.zeros(1, dtype=bf16)))
@@ -169,20 +183,29 @@ def test_an_edited_config_fails_the_content_hash(saved):
 def test_a_v1_file_is_refused_and_add_manifest_upgrades_it(saved):
     model, path = saved
 
-    def v1(payload):             # what the previous save_checkpoint wrote: a weights-only hash
-        payload["format"], payload["sha256"] = "moekv_ref-checkpoint-v1", state_dict_sha256(payload["state_dict"])
+    def v1(payload):  # what the previous save_checkpoint wrote: a weights-only hash
+        payload["format"], payload["sha256"] = (
+            "moekv_ref-checkpoint-v1",
+            state_dict_sha256(payload["state_dict"]),
+        )
         del payload["dtype"]
 
     rewrite(path, v1, rehash=False)
-    with pytest.raises(CheckpointError, match="has format 'moekv_ref-checkpoint-v1', this version reads "
-                                              "'moekv_ref-checkpoint-v2' only"):
+    with pytest.raises(
+        CheckpointError,
+        match="has format 'moekv_ref-checkpoint-v1', this version reads 'moekv_ref-checkpoint-v2' only",
+    ):
         load_checkpoint(path, CONFIG)
     add_manifest(path)
-    assert torch.equal(load_checkpoint(path, CONFIG).embed.weight, model.embed.weight.to(torch.bfloat16).float())
+    assert torch.equal(
+        load_checkpoint(path, CONFIG).embed.weight, model.embed.weight.to(torch.bfloat16).float()
+    )
     with pytest.raises(CheckpointError, match="add_manifest upgrades files without a manifest or of format"):
-        add_manifest(path)                                    # a v2 file is never re-hashed
+        add_manifest(path)  # a v2 file is never re-hashed
     rewrite(path, v1, rehash=False)
-    rewrite(path, lambda payload: payload["state_dict"]["embed.weight"].view(-1).__setitem__(0, 9.0), rehash=False)
+    rewrite(
+        path, lambda payload: payload["state_dict"]["embed.weight"].view(-1).__setitem__(0, 9.0), rehash=False
+    )
     before = path.read_bytes()
     with pytest.raises(CheckpointError, match="do not match its moekv_ref-checkpoint-v1 content hash"):
         add_manifest(path)
@@ -191,27 +214,48 @@ def test_a_v1_file_is_refused_and_add_manifest_upgrades_it(saved):
 
 def test_an_integer_weight_is_refused_naming_tensor_and_dtype(saved):
     _, path = saved
-    rewrite(path, lambda payload: payload["state_dict"].__setitem__(
-        "embed.weight", torch.zeros(CONFIG.vocab_size, CONFIG.hidden_size, dtype=torch.int8)))
-    with pytest.raises(CheckpointError, match=r"tensor 'embed.weight' has dtype torch.int8; allowed: "
-                                              r"torch.bfloat16, torch.float16, torch.float32") as info:
+    rewrite(
+        path,
+        lambda payload: payload["state_dict"].__setitem__(
+            "embed.weight", torch.zeros(CONFIG.vocab_size, CONFIG.hidden_size, dtype=torch.int8)
+        ),
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor 'embed.weight' has dtype torch.int8; allowed: "
+        r"torch.bfloat16, torch.float16, torch.float32",
+    ) as info:
         load_checkpoint(path, CONFIG)
     assert str(path) in str(info.value)
-    rewrite(path, lambda payload: payload["state_dict"].__setitem__(
-        "embed.weight", payload["state_dict"]["embed.weight"].float()))
-    with pytest.raises(CheckpointError, match=r"'embed.weight' has dtype torch.float32, the checkpoint says its "
-                                              r"tensors are torch.bfloat16"):
+    rewrite(
+        path,
+        lambda payload: payload["state_dict"].__setitem__(
+            "embed.weight", payload["state_dict"]["embed.weight"].float()
+        ),
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"'embed.weight' has dtype torch.float32, the checkpoint says its "
+        r"tensors are torch.bfloat16",
+    ):
         load_checkpoint(path, CONFIG)
     with pytest.raises(ValueError, match="dtype=torch.int8 is not allowed for a checkpoint"):
         save_checkpoint(MoEKVTransformer(CONFIG), path.with_name("int8.pt"), dtype=torch.int8)
     assert not path.with_name("int8.pt").exists()
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("hidden_size", 2**20, r"tensor 'embed.weight' has shape \(256, 128\), the model needs \(256, 1048576\) "
-                           r"\(its config implies [\d,]+ weights in all, the file holds [\d,]+\)"),
-    ("num_hidden_layers", 10**9, r"num_hidden_layers=1000000000 but the file holds 14 tensors in all"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        (
+            "hidden_size",
+            2**20,
+            r"tensor 'embed.weight' has shape \(256, 128\), the model needs \(256, 1048576\) "
+            r"\(its config implies [\d,]+ weights in all, the file holds [\d,]+\)",
+        ),
+        ("num_hidden_layers", 10**9, r"num_hidden_layers=1000000000 but the file holds 14 tensors in all"),
+    ],
+)
 def test_a_huge_config_is_refused_before_anything_is_allocated(saved, monkeypatch, field, value, message):
     """A config whose model would take gigabytes (or a billion layers), with the small tensors of the
     file and a hash made for it: refused from the shapes it implies, no model built at all."""
@@ -232,10 +276,15 @@ def test_a_huge_config_is_refused_before_anything_is_allocated(saved, monkeypatc
     assert built == []
 
 
-@pytest.mark.parametrize("config", [
-    CONFIG, get_config("tiny"), get_config("tiny", num_key_value_heads=1, num_local_experts=3, vocab_size=100),
-    get_config("tiny", attention_mode="dense", num_attention_experts=1, num_attention_experts_per_tok=1),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        CONFIG,
+        get_config("tiny"),
+        get_config("tiny", num_key_value_heads=1, num_local_experts=3, vocab_size=100),
+        get_config("tiny", attention_mode="dense", num_attention_experts=1, num_attention_experts_per_tok=1),
+    ],
+)
 def test_weight_shapes_are_the_models(config):
     model = MoEKVTransformer(config)
     assert weight_shapes(config) == {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -256,8 +305,11 @@ class RunsACommand:
 def test_a_pickle_that_would_run_code_is_refused_and_not_run(tmp_path, zipped):
     marker = tmp_path / "it-ran"
     path = tmp_path / "malicious.pt"
-    torch.save({"format": "moekv_ref-checkpoint-v2", "config": RunsACommand(marker)}, path,
-               _use_new_zipfile_serialization=zipped)
+    torch.save(
+        {"format": "moekv_ref-checkpoint-v2", "config": RunsACommand(marker)},
+        path,
+        _use_new_zipfile_serialization=zipped,
+    )
     assert not marker.exists()
     for load in (load_checkpoint, add_manifest):
         with pytest.raises(CheckpointError) as info:
@@ -268,7 +320,9 @@ def test_a_pickle_that_would_run_code_is_refused_and_not_run(tmp_path, zipped):
     assert not marker.exists()
     module = tmp_path / "module.pt"
     torch.save({"state_dict": torch.nn.Linear(2, 2)}, module)
-    with pytest.raises(CheckpointError, match=r"contains pickled code or objects \(torch.nn.modules.linear.Linear\)"):
+    with pytest.raises(
+        CheckpointError, match=r"contains pickled code or objects \(torch.nn.modules.linear.Linear\)"
+    ):
         load_checkpoint(module)
 
 
@@ -276,7 +330,10 @@ def test_a_pickle_that_would_run_code_is_refused_and_not_run(tmp_path, zipped):
 def test_a_manifest_missing_a_key_names_it(saved, key):
     _, path = saved
     rewrite(path, lambda payload: payload.pop(key), rehash=False)
-    with pytest.raises(CheckpointError, match=rf"its manifest \(format 'moekv_ref-checkpoint-v2'\) lacks the "
-                                              rf"key\(s\) \['{key}'\]") as info:
+    with pytest.raises(
+        CheckpointError,
+        match=rf"its manifest \(format 'moekv_ref-checkpoint-v2'\) lacks the "
+        rf"key\(s\) \['{key}'\]",
+    ) as info:
         load_checkpoint(path, CONFIG)
     assert str(path) in str(info.value)

@@ -12,8 +12,9 @@ from moekv_ref.checkpoint import load_checkpoint, save_checkpoint
 from moekv_ref.config import get_config
 from moekv_ref.model import MoEKVTransformer
 
-
-needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed (Linux wheels only)")
+needs_triton = pytest.mark.skipif(
+    not triton_available(), reason="triton is not installed (Linux wheels only)"
+)
 
 
 def run_json(capsys, *argv):
@@ -39,14 +40,23 @@ def test_generate_streams_text_and_report(capsys):
     assert "KV cache per (layer, expert)" in out and "max/mean" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--prompt", ""], "--prompt='' is empty"),
-    (["--prompt", "x" * 600], "600 tokens, more than the model's max_position_embeddings=512"),
-    (["--prompt", "x" * 500, "--max-new-tokens", "20"], "ask for at most 13 new tokens"),
-    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens=0 is not allowed; allowed: an integer in [1, 512]"),
-    (["--prompt", "x", "--temperature", "-1"], "--temperature=-1.0 is not allowed; allowed: a finite number in [0, inf)"),
-    (["--prompt", "x", "--top-p", "0"], "--top-p=0.0 is not allowed; allowed: a finite number in (0, 1]"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt", ""], "--prompt='' is empty"),
+        (["--prompt", "x" * 600], "600 tokens, more than the model's max_position_embeddings=512"),
+        (["--prompt", "x" * 500, "--max-new-tokens", "20"], "ask for at most 13 new tokens"),
+        (
+            ["--prompt", "x", "--max-new-tokens", "0"],
+            "--max-new-tokens=0 is not allowed; allowed: an integer in [1, 512]",
+        ),
+        (
+            ["--prompt", "x", "--temperature", "-1"],
+            "--temperature=-1.0 is not allowed; allowed: a finite number in [0, inf)",
+        ),
+        (["--prompt", "x", "--top-p", "0"], "--top-p=0.0 is not allowed; allowed: a finite number in (0, 1]"),
+    ],
+)
 def test_bad_option_is_a_parser_error(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", *argv])
@@ -71,7 +81,9 @@ def test_checkpoint_for_another_config_is_refused(tmp_path, capsys):
     other = get_config("tiny", hidden_size=64, num_attention_experts=4)
     path = tmp_path / "other.pt"
     save_checkpoint(MoEKVTransformer(other), path)
-    with pytest.raises(ValueError, match=r"made for another config \(hidden_size: checkpoint has 64, config asks for 128"):
+    with pytest.raises(
+        ValueError, match=r"made for another config \(hidden_size: checkpoint has 64, config asks for 128"
+    ):
         load_checkpoint(path, get_config("tiny"))
     assert main(["generate", "--prompt", "x", "--checkpoint", str(path)]) == 2
     assert "made for another config" in capsys.readouterr().err
@@ -88,8 +100,23 @@ def test_checkpoint_round_trip_is_exact_and_weights_only(tmp_path):
 
 
 def test_module_entry_point_runs():
-    done = subprocess.run([sys.executable, "-m", "moekv_ref", "generate", "--prompt", "def ", "--max-new-tokens",
-                           "4", "--greedy", "--json"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moekv_ref",
+            "generate",
+            "--prompt",
+            "def ",
+            "--max-new-tokens",
+            "4",
+            "--greedy",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)["tokens"]) == 4
 
@@ -99,7 +126,17 @@ def test_cli_generate_paged_gives_the_contiguous_tokens(capsys):
     """`generate --cache paged [--block-size P] --json` = `--cache contiguous` on the embedded model."""
     tokens = {}
     for cache in (["contiguous"], ["paged"], ["paged", "--block-size", "1"]):
-        argv = ["generate", "--prompt", "def ", "--max-new-tokens", "24", "--greedy", "--json", "--cache", *cache]
+        argv = [
+            "generate",
+            "--prompt",
+            "def ",
+            "--max-new-tokens",
+            "24",
+            "--greedy",
+            "--json",
+            "--cache",
+            *cache,
+        ]
         assert main(argv) == 0
         tokens[" ".join(cache)] = json.loads(capsys.readouterr().out)["tokens"]
     assert tokens["paged"] == tokens["contiguous"] == tokens["paged --block-size 1"]
@@ -116,12 +153,14 @@ def test_cli_triton_backend_gives_the_torch_tokens(capsys, monkeypatch):
     and two decode steps, the second reading K/V the first stored; that the kernels ran, in both
     decode steps of every layer, is counted below (the 4 + 6 tokens of before fit in one block too)."""
     import moekv_kernels
+
     calls = {name: 0 for name in ("paged_attention", "store_kv", "expert_gemm")}
 
     def counted(name, kernel):
         def run(*args, **kwargs):
             calls[name] += 1
             return kernel(*args, **kwargs)
+
         return run
 
     for name in calls:
@@ -129,16 +168,34 @@ def test_cli_triton_backend_gives_the_torch_tokens(capsys, monkeypatch):
     tokens, launches = {}, {}
     for backend in ("torch", "triton"):
         calls.update(dict.fromkeys(calls, 0))
-        assert main(["generate", "--prompt", "def ", "--max-new-tokens", "3", "--greedy", "--json",
-                     "--cache", "paged", "--backend", backend]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--prompt",
+                    "def ",
+                    "--max-new-tokens",
+                    "3",
+                    "--greedy",
+                    "--json",
+                    "--cache",
+                    "paged",
+                    "--backend",
+                    backend,
+                ]
+            )
+            == 0
+        )
         output = json.loads(capsys.readouterr().out)
         assert output["backend"] == backend
         tokens[backend], launches[backend] = output["tokens"], dict(calls)
     assert len(tokens["torch"]) == 3 and tokens["triton"] == tokens["torch"]
     num_layers = get_config("tiny").num_hidden_layers
     assert launches["torch"] == dict.fromkeys(calls, 0), launches
-    assert launches["triton"]["paged_attention"] >= 2 * num_layers, launches      # each decode step, each layer
-    assert launches["triton"]["store_kv"] >= 3 * num_layers and launches["triton"]["expert_gemm"] > 0, launches
+    assert launches["triton"]["paged_attention"] >= 2 * num_layers, launches  # each decode step, each layer
+    assert launches["triton"]["store_kv"] >= 3 * num_layers and launches["triton"]["expert_gemm"] > 0, (
+        launches
+    )
 
 
 def test_cli_triton_backend_needs_the_paged_cache(capsys):
@@ -149,7 +206,10 @@ def test_cli_triton_backend_needs_the_paged_cache(capsys):
 
 
 def test_demo_cli_writes_summary_and_figures(tmp_path, capsys):
-    assert main(["demo", "--num-requests", "3", "--num-blocks", "200", "--figures", str(tmp_path), "--json"]) == 0
+    assert (
+        main(["demo", "--num-requests", "3", "--num-blocks", "200", "--figures", str(tmp_path), "--json"])
+        == 0
+    )
     summaries = json.loads(capsys.readouterr().out)
     assert set(summaries) == {"predicted", "optimistic"}
     for admission, summary in summaries.items():
@@ -174,19 +234,39 @@ def test_bench_step_against_itself(tmp_path, capsys):
     """Two workers on the same checkout, interleaved: the per-pair ratio is measured, not assumed,
     and stays near 1 (a loose band: the two processes share a noisy machine)."""
     from moekv_ref.apps import bench_step
+
     out = tmp_path / "step.json"
-    assert main(["bench", "step", "--against", str(bench_step.REPOSITORY), "--num-seqs", "3",
-                 "--max-new-tokens", "4", "--rounds", "1", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "step",
+                "--against",
+                str(bench_step.REPOSITORY),
+                "--num-seqs",
+                "3",
+                "--max-new-tokens",
+                "4",
+                "--rounds",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
-    assert result["num_decode_pairs"] == 3          # 1 prefill step + 3 decode steps per round
+    assert result["num_decode_pairs"] == 3  # 1 prefill step + 3 decode steps per round
     assert result["this_decode_step_cpu_ms"] > 0 and result["against_decode_step_cpu_ms"] > 0
     assert 0.2 < result["speedup_median"] < 5
     assert "speedup (median of per-pair ratios)" in capsys.readouterr().out
 
 
 def test_bench_step_refuses_a_folder_without_the_package(tmp_path, capsys):
-    for argv, message in ((["--against", str(tmp_path)], f"--against={tmp_path} has no moekv_ref package"),
-                          (["--rounds", "0"], "--rounds=0 is not allowed; allowed: an integer >= 1")):
+    for argv, message in (
+        (["--against", str(tmp_path)], f"--against={tmp_path} has no moekv_ref package"),
+        (["--rounds", "0"], "--rounds=0 is not allowed; allowed: an integer >= 1"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             main(["bench", "step", *argv])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -201,35 +281,45 @@ def test_readme_first_generate_example_prints_python_shaped_text(capsys):
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    line = next(l for l in readme.splitlines() if l.startswith("python -m moekv_ref generate"))
-    argv = shlex.split(line.split("#")[0])[3:]                       # after `python -m moekv_ref`
+    line = next(text for text in readme.splitlines() if text.startswith("python -m moekv_ref generate"))
+    argv = shlex.split(line.split("#")[0])[3:]  # after `python -m moekv_ref`
     assert main(argv) == 0
     text = capsys.readouterr().out.split("\n\n\n")[0]
     assert text.startswith("if __name__ == self.stoption()") and "`if __name__ == self.stoption()`" in readme
-    assert re.search(r"\n {4,}\S", text)                              # an indented line
+    assert re.search(r"\n {4,}\S", text)  # an indented line
     assert max(len(run) for run in re.findall(r" +", text)) <= 12
 
 
 # ----- the parallel programs: every option checked before anything starts --------------------------
-@pytest.mark.parametrize("argv, message", [
-    (["--nproc", "0"], "--nproc 0: must be 1, 2, 4 or 8"),
-    (["--nproc", "3"], "--nproc 3: must be 1, 2, 4 or 8"),
-    (["--timeout", "0"], "--timeout 0: must be a number of seconds > 0 and at most 86400"),
-    (["--timeout", "nan"], "--timeout nan: must be a number of seconds > 0"),
-    (["--timeout", "inf"], "--timeout inf: must be a number of seconds > 0"),
-    (["--start-timeout", "-1"], "--start-timeout -1: must be a number of seconds > 0"),
-    (["--decode-steps", "-1"], "--decode-steps -1: must be an integer from 1 to 4095"),
-    (["--decode-steps", "0"], "--decode-steps 0: must be an integer from 1 to 4095"),
-    (["--context", "100000"], "--context 100000: must be an integer from 1 to 4092: the sweep model's "
-                              "max_position_embeddings=4096 positions hold the context and the 4 decode steps"),
-    (["--context", "0"], "--context 0: must be an integer from 1 to 4092"),
-    (["--context", "4000", "--decode-steps", "100"], "--context 4000: must be an integer from 1 to 3996"),
-    (["--context", "x"], "argument --context: invalid int value: 'x'"),
-    (["--placement", "kv_everywhere"], "argument --placement: invalid choice: 'kv_everywhere'"),
-    (["--expert-placement", "coactivation"], "argument --expert-placement: invalid choice: 'coactivation'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nproc", "0"], "--nproc 0: must be 1, 2, 4 or 8"),
+        (["--nproc", "3"], "--nproc 3: must be 1, 2, 4 or 8"),
+        (["--timeout", "0"], "--timeout 0: must be a number of seconds > 0 and at most 86400"),
+        (["--timeout", "nan"], "--timeout nan: must be a number of seconds > 0"),
+        (["--timeout", "inf"], "--timeout inf: must be a number of seconds > 0"),
+        (["--start-timeout", "-1"], "--start-timeout -1: must be a number of seconds > 0"),
+        (["--decode-steps", "-1"], "--decode-steps -1: must be an integer from 1 to 4095"),
+        (["--decode-steps", "0"], "--decode-steps 0: must be an integer from 1 to 4095"),
+        (
+            ["--context", "100000"],
+            "--context 100000: must be an integer from 1 to 4092: the sweep model's "
+            "max_position_embeddings=4096 positions hold the context and the 4 decode steps",
+        ),
+        (["--context", "0"], "--context 0: must be an integer from 1 to 4092"),
+        (["--context", "4000", "--decode-steps", "100"], "--context 4000: must be an integer from 1 to 3996"),
+        (["--context", "x"], "argument --context: invalid int value: 'x'"),
+        (["--placement", "kv_everywhere"], "argument --placement: invalid choice: 'kv_everywhere'"),
+        (
+            ["--expert-placement", "coactivation"],
+            "argument --expert-placement: invalid choice: 'coactivation'",
+        ),
+    ],
+)
 def test_parallel_cli_refuses_bad_values(capsys, monkeypatch, argv, message):
     from moekv_ref.apps import parallel_run as parallel_main
+
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("MOEKV_FAULT", raising=False)
     with pytest.raises(SystemExit) as exit_info:
@@ -238,14 +328,21 @@ def test_parallel_cli_refuses_bad_values(capsys, monkeypatch, argv, message):
     assert f"python -m moekv_ref.parallel: error: {message}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("environment, message", [
-    ({"RANK": "0", "WORLD_SIZE": "3"}, "torchrun started WORLD_SIZE=3 ranks: must be 1, 2, 4 or 8"),
-    ({"MOEKV_FAULT": "hang"}, "MOEKV_FAULT='hang' must be MODE@RANK:AT"),
-    ({"MOEKV_FAULT": "hang@2:1"}, "MOEKV_FAULT=hang@2:1: rank 2 does not exist: the ranks are 0 to 1"),
-    ({"MOEKV_FAULT": "die@1:5"}, "MOEKV_FAULT=die@1:5: step 5 never comes: the run has steps 0 (the prefill) to 4"),
-])
+@pytest.mark.parametrize(
+    "environment, message",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "3"}, "torchrun started WORLD_SIZE=3 ranks: must be 1, 2, 4 or 8"),
+        ({"MOEKV_FAULT": "hang"}, "MOEKV_FAULT='hang' must be MODE@RANK:AT"),
+        ({"MOEKV_FAULT": "hang@2:1"}, "MOEKV_FAULT=hang@2:1: rank 2 does not exist: the ranks are 0 to 1"),
+        (
+            {"MOEKV_FAULT": "die@1:5"},
+            "MOEKV_FAULT=die@1:5: step 5 never comes: the run has steps 0 (the prefill) to 4",
+        ),
+    ],
+)
 def test_parallel_cli_refuses_bad_environments(capsys, monkeypatch, environment, message):
     from moekv_ref.apps import parallel_run as parallel_main
+
     monkeypatch.delenv("RANK", raising=False)
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
@@ -255,16 +352,24 @@ def test_parallel_cli_refuses_bad_environments(capsys, monkeypatch, environment,
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--contexts", "-5"], "--contexts -5: must be an integer from 1 to 4094: the sweep model's "
-                           "max_position_embeddings=4096 positions hold the context and the 2 decode steps"),
-    (["--contexts", "128", "4095"], "--contexts 4095: must be an integer from 1 to 4094"),
-    (["--decode-steps", "0"], "--decode-steps 0: must be an integer from 1 to 4095"),
-    (["--world-size", "3"], "--world-size 3: must be 2, 4 or 8"),
-    (["--world-size", "1"], "--world-size 1: must be 2, 4 or 8"),
-    (["--json", "/nonexistent-folder/parallel.json"],
-     "--json /nonexistent-folder/parallel.json: must be a file in an existing folder"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--contexts", "-5"],
+            "--contexts -5: must be an integer from 1 to 4094: the sweep model's "
+            "max_position_embeddings=4096 positions hold the context and the 2 decode steps",
+        ),
+        (["--contexts", "128", "4095"], "--contexts 4095: must be an integer from 1 to 4094"),
+        (["--decode-steps", "0"], "--decode-steps 0: must be an integer from 1 to 4095"),
+        (["--world-size", "3"], "--world-size 3: must be 2, 4 or 8"),
+        (["--world-size", "1"], "--world-size 1: must be 2, 4 or 8"),
+        (
+            ["--json", "/nonexistent-folder/parallel.json"],
+            "--json /nonexistent-folder/parallel.json: must be a file in an existing folder",
+        ),
+    ],
+)
 def test_bench_parallel_refuses_bad_values(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "parallel", *argv])
@@ -275,7 +380,13 @@ def test_bench_parallel_refuses_bad_values(capsys, argv, message):
 def test_parallel_cli_exit_code_from_the_shell():
     """The same check through a real process: exit code 2 and the message, no traceback."""
     from pathlib import Path
-    done = subprocess.run([sys.executable, "-m", "moekv_ref.parallel", "--context", "100000"], capture_output=True,
-                          text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+
+    done = subprocess.run(
+        [sys.executable, "-m", "moekv_ref.parallel", "--context", "100000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert done.returncode == 2 and "--context 100000: must be an integer from 1 to 4092" in done.stderr
     assert "Traceback" not in done.stderr

@@ -25,14 +25,25 @@ def test_unknown_preset_names_the_choices():
 
 
 def test_top_k_greater_than_experts():
-    with pytest.raises(ValueError, match=r"num_attention_experts_per_tok=9 is greater than num_attention_experts=8"):
+    with pytest.raises(
+        ValueError, match=r"num_attention_experts_per_tok=9 is greater than num_attention_experts=8"
+    ):
         get_config("tiny", num_attention_experts_per_tok=9)
     with pytest.raises(ValueError, match=r"num_experts_per_tok=5 is greater than num_local_experts=4"):
         get_config("tiny", num_experts_per_tok=5)
 
 
-@pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "head_dim", "num_attention_experts",
-                                   "max_position_embeddings", "vocab_size"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "hidden_size",
+        "num_hidden_layers",
+        "head_dim",
+        "num_attention_experts",
+        "max_position_embeddings",
+        "vocab_size",
+    ],
+)
 @pytest.mark.parametrize("value", [0, -3])
 def test_sizes_must_be_positive(field, value):
     with pytest.raises(ValueError, match=rf"{field}={value} is not allowed: it must be a positive integer"):

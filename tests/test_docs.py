@@ -29,8 +29,13 @@ def _links(page: Path):
 
 def _headings(notebook: Path) -> list[str]:
     cells = json.loads(notebook.read_text())["cells"]
-    return [" ".join(line.lstrip("#").split()) for cell in cells if cell["cell_type"] == "markdown"
-            for line in "".join(cell["source"]).splitlines() if line.startswith("#")]
+    return [
+        " ".join(line.lstrip("#").split())
+        for cell in cells
+        if cell["cell_type"] == "markdown"
+        for line in "".join(cell["source"]).splitlines()
+        if line.startswith("#")
+    ]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
@@ -69,18 +74,22 @@ def test_glossary_notebook_sections_are_headings():
 
 def test_every_glossary_row_links_code_and_a_notebook():
     rows = [line for line in (DOCS / "glossary.md").read_text().splitlines() if line.startswith("| **")]
-    assert len(rows) >= 20     # six problems and the concepts
+    assert len(rows) >= 20  # six problems and the concepts
     for row in rows:
         targets = [target for _, target in LINK.findall(row)]
         assert any(t.endswith(".py") for t in targets), f"no code link in: {row[:80]}"
-        assert any(t.endswith(".ipynb") for t in targets) or "not built yet" in row, f"no notebook in: {row[:80]}"
+        assert any(t.endswith(".ipynb") for t in targets) or "not built yet" in row, (
+            f"no notebook in: {row[:80]}"
+        )
 
 
 def test_readme_bytes_per_token_table_is_what_the_configs_compute():
     """The README's bytes-per-token table, row by row, against kv_bytes_per_token (changing either
     makes this fail)."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    rows = re.findall(r"^\| `([\w.-]+)`[^|]*\| [^|]+\| (\d+) \| (\d+) \| ([\d,]+) \(\w+\) \| ([\d,]+) \|$", readme, re.M)
+    rows = re.findall(
+        r"^\| `([\w.-]+)`[^|]*\| [^|]+\| (\d+) \| (\d+) \| ([\d,]+) \(\w+\) \| ([\d,]+) \|$", readme, re.M
+    )
     assert len(rows) == 5, rows
     for name, entries, layers, per_entry, per_token in rows:
         config = get_config(name)
@@ -96,7 +105,12 @@ def test_readme_bench_peer_table_is_what_its_json_says():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("(`bench peer`)", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| (.+?) \| ([\d,]+) \| (\d\.\d\d) \|$", section, re.M)
-    keys = {"Hugging Face": "hf", '"paged"': "paged", '"contiguous"': "contiguous", "generate_with_engine": "engine"}
+    keys = {
+        "Hugging Face": "hf",
+        '"paged"': "paged",
+        '"contiguous"': "contiguous",
+        "generate_with_engine": "engine",
+    }
     assert len(rows) == 4, rows
     for label, tokens_per_s, ratio in rows:
         key = next(k for word, k in keys.items() if word in label)
@@ -114,7 +128,9 @@ def test_readme_parallel_table_is_what_its_json_says():
     assert f"over {measured['world_size']} CPU ranks" in section
     header = re.search(r"^\| placement \| context (\d+) \| (\d+) \| (\d+) \|", section, re.M)
     contexts = [int(c) for c in header.groups()]
-    rows = re.findall(r"^\| `(\w+)`[^|]* \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) B \|$", section, re.M)
+    rows = re.findall(
+        r"^\| `(\w+)`[^|]* \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) B \|$", section, re.M
+    )
     assert [name for name, *_ in rows] == measured["kv_placements"], rows
     by_key = {(r["kv_placement"], r["context"]): r for r in measured["bytes_per_decode_step"]}
     for name, *cells in rows:
@@ -128,26 +144,42 @@ def test_readme_parallel_table_is_what_its_json_says():
 def test_readme_eviction_table_is_what_its_json_says():
     """Each row of the README's `bench eviction` policy table against figures/bench_eviction.json
     (recompute) and figures/bench_eviction_swap.json (swap)."""
-    runs = [json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))["workload"]
-            for name in ("bench_eviction.json", "bench_eviction_swap.json")]
+    runs = [
+        json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))["workload"]
+        for name in ("bench_eviction.json", "bench_eviction_swap.json")
+    ]
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("(`bench eviction`)", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| (\w+)[^|]* \| (\d+) \| (\d+\.\d\d) \| (\d+) \| (\d+) \| (\d+\.\d\d) \| (\d+\.\d) \|$",
-                      section, re.M)
+    rows = re.findall(
+        r"^\| (\w+)[^|]* \| (\d+) \| (\d+\.\d\d) \| (\d+) \| (\d+) \| (\d+\.\d\d) \| (\d+\.\d) \|$",
+        section,
+        re.M,
+    )
     assert len(rows) == 5, rows
     for name, *cells in rows:
         recompute, swap = (run["policies"][name] for run in runs)
-        assert cells == [str(recompute["steps"]), f"{recompute['tokens_per_step']:.2f}", str(recompute["recomputed_tokens"]),
-                         str(swap["steps"]), f"{swap['tokens_per_step']:.2f}", f"{swap['swapped_bytes'] / 1e6:.1f}"], name
+        assert cells == [
+            str(recompute["steps"]),
+            f"{recompute['tokens_per_step']:.2f}",
+            str(recompute["recomputed_tokens"]),
+            str(swap["steps"]),
+            f"{swap['tokens_per_step']:.2f}",
+            f"{swap['swapped_bytes'] / 1e6:.1f}",
+        ], name
     bound = re.search(r"^\| memory-time bound \| (\d+) \| (\d+\.\d\d) \|", section, re.M)
-    assert bound.groups() == (f"{runs[0]['bound']['steps']:.0f}", f"{runs[0]['bound']['tokens_per_step']:.2f}")
+    assert bound.groups() == (
+        f"{runs[0]['bound']['steps']:.0f}",
+        f"{runs[0]['bound']['tokens_per_step']:.2f}",
+    )
 
 
 def test_readme_eviction_prose_is_what_its_json_says():
     """The numbers in the words around the README's eviction tables: the policies' spread, the
     evictions they make, the optimum's spread, the engine run and the prefix-cache table."""
-    runs = [json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))
-            for name in ("bench_eviction.json", "bench_eviction_swap.json")]
+    runs = [
+        json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))
+        for name in ("bench_eviction.json", "bench_eviction_swap.json")
+    ]
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = re.sub(r"\s+", " ", readme.split("(`bench eviction`)", 1)[1].split("\n## ", 1)[0])
     policies = [run["workload"]["policies"] for run in runs]
@@ -159,34 +191,59 @@ def test_readme_eviction_prose_is_what_its_json_says():
     assert (fewest, most) == (min(evictions), max(evictions))
     assert all(run["oracle"]["evictions"] == 0 for run in policies)
 
-    instances = json.loads((ROOT / "figures" / "eviction_optimum.json").read_text(encoding="utf-8"))["instances"]
+    instances = json.loads((ROOT / "figures" / "eviction_optimum.json").read_text(encoding="utf-8"))[
+        "instances"
+    ]
     extra = [100 * (i["optimum"]["worst_steps"] / i["optimum"]["steps"] - 1) for i in instances]
-    assert re.search(rf"the worst schedule takes {round(min(extra))}-{round(max(extra))}% more steps", section)
+    assert re.search(
+        rf"the worst schedule takes {round(min(extra))}-{round(max(extra))}% more steps", section
+    )
 
     engine = runs[0]["engine"]["policies"]
-    line = re.search(r"steps (\d+) \(newest_first, sequence_lru\), (\d+) \(expert_lru, (\d+) row evictions, "
-                     r"([\d.]+) blocks freed on the short device per eviction\), (\d+) \(pressure_aware, (\d+) "
-                     r"tokens recomputed against (\d+)\)", section)
+    line = re.search(
+        r"steps (\d+) \(newest_first, sequence_lru\), (\d+) \(expert_lru, (\d+) row evictions, "
+        r"([\d.]+) blocks freed on the short device per eviction\), (\d+) \(pressure_aware, (\d+) "
+        r"tokens recomputed against (\d+)\)",
+        section,
+    )
     assert line.groups() == (
-        str(engine["newest_first"]["num_steps"]), str(engine["expert_lru"]["num_steps"]),
-        str(engine["expert_lru"]["num_row_evictions"]), f"{engine['expert_lru']['freed_on_short_device_per_eviction']:.1f}",
-        str(engine["pressure_aware"]["num_steps"]), str(engine["pressure_aware"]["num_recomputed_tokens"]),
-        str(engine["sequence_lru"]["num_recomputed_tokens"])), line.groups()
+        str(engine["newest_first"]["num_steps"]),
+        str(engine["expert_lru"]["num_steps"]),
+        str(engine["expert_lru"]["num_row_evictions"]),
+        f"{engine['expert_lru']['freed_on_short_device_per_eviction']:.1f}",
+        str(engine["pressure_aware"]["num_steps"]),
+        str(engine["pressure_aware"]["num_recomputed_tokens"]),
+        str(engine["sequence_lru"]["num_recomputed_tokens"]),
+    ), line.groups()
     assert engine["newest_first"]["num_steps"] == engine["sequence_lru"]["num_steps"]
 
-    table = re.findall(r"\| (topk|threshold) \| (off|on) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|", section)
+    table = re.findall(
+        r"\| (topk|threshold) \| (off|on) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|",
+        section,
+    )
     assert len(table) == 4, table
     for routing, cache, *cells in table:
         run = runs[0]["prefix_cache"]["routings"][routing][cache]
         hits = run["prefix_cache"] or {}
-        assert cells == [str(v) for v in (run["num_steps"], run["num_computed_tokens"], hits.get("num_hit_tokens", 0),
-                                          hits.get("num_shared_blocks", 0), hits.get("num_cow_blocks", 0),
-                                          run["num_prompt_blocks"], round(run["tokens_per_second"]))], (routing, cache)
+        assert cells == [
+            str(v)
+            for v in (
+                run["num_steps"],
+                run["num_computed_tokens"],
+                hits.get("num_hit_tokens", 0),
+                hits.get("num_shared_blocks", 0),
+                hits.get("num_cow_blocks", 0),
+                run["num_prompt_blocks"],
+                round(run["tokens_per_second"]),
+            )
+        ], (routing, cache)
     for routing in ("topk", "threshold"):
         r = runs[0]["prefix_cache"]["routings"][routing]
-        assert (f"- {routing}: hit rate {r['token_hit_rate']:.3f} of tokens, {r['block_hit_rate']:.3f} of the prompts' "
-                f"blocks; prefill tokens saved {r['prefill_tokens_saved']}, steps saved {r['steps_saved']}, tokens/s "
-                f"x{r['tokens_per_second_ratio']:.2f}; outputs equal: {r['outputs_equal']}") in section, routing
+        assert (
+            f"- {routing}: hit rate {r['token_hit_rate']:.3f} of tokens, {r['block_hit_rate']:.3f} of the prompts' "
+            f"blocks; prefill tokens saved {r['prefill_tokens_saved']}, steps saved {r['steps_saved']}, tokens/s "
+            f"x{r['tokens_per_second_ratio']:.2f}; outputs equal: {r['outputs_equal']}"
+        ) in section, routing
 
 
 def test_readme_optimum_table_is_what_its_json_says():
@@ -194,13 +251,25 @@ def test_readme_optimum_table_is_what_its_json_says():
     rows = json.loads((ROOT / "figures" / "eviction_optimum.json").read_text(encoding="utf-8"))["instances"]
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("(`bench eviction --optimum`", 1)[1].split("\n## ", 1)[0]
-    header = re.search(r"^\| instance \| optimum \| worst \| (.+) \| schedules \|$", section, re.M).group(1).split(" | ")
+    header = (
+        re.search(r"^\| instance \| optimum \| worst \| (.+) \| schedules \|$", section, re.M)
+        .group(1)
+        .split(" | ")
+    )
     found = re.findall(r"^\| (\d+) seqs, (\d+) out, seed (\d+) \| ([\d |]+) \|$", section, re.M)
     assert len(found) == len(rows) == 4, found
     for (sequences, output, seed, cells), row in zip(found, rows):
-        assert (int(sequences), int(output), int(seed)) == (row["num_sequences"], row["mean_output"], row["seed"])
-        expected = [row["optimum"]["steps"], row["optimum"]["worst_steps"],
-                    *(row["policies"][name]["steps"] for name in header), row["optimum"]["leaves"]]
+        assert (int(sequences), int(output), int(seed)) == (
+            row["num_sequences"],
+            row["mean_output"],
+            row["seed"],
+        )
+        expected = [
+            row["optimum"]["steps"],
+            row["optimum"]["worst_steps"],
+            *(row["policies"][name]["steps"] for name in header),
+            row["optimum"]["leaves"],
+        ]
         assert [int(c) for c in cells.split(" | ")] == expected, sequences
 
 
@@ -211,23 +280,39 @@ def test_notebook_07_prose_numbers_are_its_outputs_or_its_hardware():
     (moekv_ref/costs.py). A re-run that changes a result, or a hand edit of the prose, fails here."""
     from moekv_ref.costs import GPUS, LINKS
 
-    cells = json.loads((ROOT / "notebooks" / "07_expert_parallelism.ipynb").read_text(encoding="utf-8"))["cells"]
+    cells = json.loads((ROOT / "notebooks" / "07_expert_parallelism.ipynb").read_text(encoding="utf-8"))[
+        "cells"
+    ]
     prose = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
-    outputs = "\n".join("".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c["outputs"])
-    quoted = (re.findall(r"\b(\d+(?:\.\d+)?x)\b", prose) + re.findall(r"\b(\d+(?:\.\d+)? ms)\b", prose)
-              + [n.replace(",", "") for n in re.findall(r"\b\d{1,3}(?:,\d{3})+\b", prose)])
+    outputs = "\n".join(
+        "".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c["outputs"]
+    )
+    quoted = (
+        re.findall(r"\b(\d+(?:\.\d+)?x)\b", prose)
+        + re.findall(r"\b(\d+(?:\.\d+)? ms)\b", prose)
+        + [n.replace(",", "") for n in re.findall(r"\b\d{1,3}(?:,\d{3})+\b", prose)]
+    )
     assert quoted, "the prose quotes no result: the pattern has drifted from the text"
     missing = [q for q in quoted if not re.search(rf"(?<![\d.]){re.escape(q)}(?![\d])", outputs)]
     assert not missing, f"notebook 07's prose quotes {missing}, which no stored output shows"
-    stated = {float(n) * {"TB/s": 1e12, "GB/s": 1e9, "TFLOP/s": 1e12}[unit]
-              for n, unit in re.findall(r"\b(\d+(?:\.\d+)?) (TB/s|GB/s|TFLOP/s)", prose)}
-    known = ({g.hbm_bytes_per_s for g in GPUS.values()} | {g.bf16_flops_per_s for g in GPUS.values()}
-             | {link.bytes_per_s for link in LINKS.values()})
-    assert stated and stated <= known, f"rates in the prose but not in the hardware table: {sorted(stated - known)}"
+    stated = {
+        float(n) * {"TB/s": 1e12, "GB/s": 1e9, "TFLOP/s": 1e12}[unit]
+        for n, unit in re.findall(r"\b(\d+(?:\.\d+)?) (TB/s|GB/s|TFLOP/s)", prose)
+    }
+    known = (
+        {g.hbm_bytes_per_s for g in GPUS.values()}
+        | {g.bf16_flops_per_s for g in GPUS.values()}
+        | {link.bytes_per_s for link in LINKS.values()}
+    )
+    assert stated and stated <= known, (
+        f"rates in the prose but not in the hardware table: {sorted(stated - known)}"
+    )
 
 
-SMALL_TEXT = re.compile(r"(?:fontsize|labelsize|title_fontsize)\s*=\s*(\d+(?:\.\d+)?)|set_fontsize\((\d+(?:\.\d+)?)\)"
-                        r"|[\"'](?:font\.size|(?:x|y)tick\.labelsize|legend\.fontsize)[\"']\s*(?:\]\s*=|:|,)\s*(\d+(?:\.\d+)?)")
+SMALL_TEXT = re.compile(
+    r"(?:fontsize|labelsize|title_fontsize)\s*=\s*(\d+(?:\.\d+)?)|set_fontsize\((\d+(?:\.\d+)?)\)"
+    r"|[\"'](?:font\.size|(?:x|y)tick\.labelsize|legend\.fontsize)[\"']\s*(?:\]\s*=|:|,)\s*(\d+(?:\.\d+)?)"
+)
 
 
 def _figure_code():
@@ -241,12 +326,24 @@ def _figure_code():
 def test_no_figure_text_is_smaller_than_the_notebooks_own():
     """JupyterLab's text is 14 px; a figure shown at 100 dpi draws a point as 100/72 px, so 10 pt
     (matplotlib's default size) is the notebook's size. No plot and no notebook asks for less."""
-    small = [(name, size) for name, code in _figure_code()
-             for match in SMALL_TEXT.finditer(code) for size in match.groups() if size and float(size) < 10]
+    small = [
+        (name, size)
+        for name, code in _figure_code()
+        for match in SMALL_TEXT.finditer(code)
+        for size in match.groups()
+        if size and float(size) < 10
+    ]
     assert not small, small
     # the pattern sees what it must: a size of 8 written the ways the plots write sizes
-    assert all(SMALL_TEXT.search(code) for code in ("ax.legend(fontsize=8)", "t.set_fontsize(8)",
-                                                   "ax.tick_params(labelsize=8)", "rcParams['font.size'] = 8"))
+    assert all(
+        SMALL_TEXT.search(code)
+        for code in (
+            "ax.legend(fontsize=8)",
+            "t.set_fontsize(8)",
+            "ax.tick_params(labelsize=8)",
+            "rcParams['font.size'] = 8",
+        )
+    )
 
 
 def test_readme_serving_budget_table_is_what_its_json_says():
@@ -256,52 +353,69 @@ def test_readme_serving_budget_table_is_what_its_json_says():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("(`capacity`, `bench serving --budget`)", 1)[1].split("\n## ", 1)[0]
     memory, budget, n = measured["memory_budget"], measured["budget"], measured["workload"]["num_requests"]
-    prose = " ".join(section.split())                                          # lines folded
+    prose = " ".join(section.split())  # lines folded
     assert f"a pool of {memory['num_blocks']} blocks of {memory['block_size']}" in prose
     assert f"a window of {budget['max_tokens']} tokens a row" in prose and budget["policy"] == "window"
-    rows = re.findall(r"^\| ([a-z_]+(?: \+ budget)?) \| (\d+) of (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \| (\d+) \| ([\d.]+) \|$",
-                      section, re.M)
+    rows = re.findall(
+        r"^\| ([a-z_]+(?: \+ budget)?) \| (\d+) of (\d+) \| (\d+) \| (\d+) \| ([\d.]+) \| (\d+) \| ([\d.]+) \|$",
+        section,
+        re.M,
+    )
     assert [r[0] for r in rows] == list(measured["designs"]), rows
     for design, served, total, tokens_per_s, steps, running, preemptions, used in rows:
         row = measured["designs"][design]
         assert (int(served), int(total)) == (n - row["refused"], n), design
         assert int(tokens_per_s) == round(row["tokens_per_second"]), design
         assert (int(steps), int(preemptions)) == (row["steps"], row["preemptions"]), design
-        assert running == f"{row['mean_concurrent_sequences']:.1f}" and used == f"{row['mean_used_fraction']:.2f}", design
+        assert (
+            running == f"{row['mean_concurrent_sequences']:.1f}"
+            and used == f"{row['mean_used_fraction']:.2f}"
+        ), design
     designs = measured["designs"]
     refused = re.search(r"refuses the (\d+) requests", prose)
     assert int(refused[1]) == designs["continuous_reserved"]["refused"]
     ratio = re.search(r"at (\d\.\d)x the tokens/s", prose)
-    assert float(ratio[1]) == round(designs["continuous_reserved + budget"]["tokens_per_second"]
-                                    / designs["continuous_reserved"]["tokens_per_second"], 1)
+    assert float(ratio[1]) == round(
+        designs["continuous_reserved + budget"]["tokens_per_second"]
+        / designs["continuous_reserved"]["tokens_per_second"],
+        1,
+    )
     assert measured["same_tokens_in_every_budgeted_design"]
 
 
 def test_every_committed_json_is_strict_json():
     """JSON has no Infinity or NaN: a strict parser (JupyterLab's) refuses a file that holds one. bench
     eviction once wrote swap_bytes_per_second = Infinity; its writer now writes null (strict_json)."""
+
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
 
     for path in sorted((ROOT / "figures").glob("*.json")):
         json.loads(path.read_text(encoding="utf-8"), parse_constant=refuse)
-    assert strict_json({"a": [1.0, float("inf"), {"b": float("nan")}], "c": (2, -float("inf"))}) == \
-        {"a": [1.0, None, {"b": None}], "c": [2, None]}
+    assert strict_json({"a": [1.0, float("inf"), {"b": float("nan")}], "c": (2, -float("inf"))}) == {
+        "a": [1.0, None, {"b": None}],
+        "c": [2, None],
+    }
 
 
 def cluster_rows(result: dict) -> list[str]:
     """The README's `bench cluster` table rows, from figures/bench_cluster.json."""
-    return [f"| {r['gib_per_device']:g} | {r['rate']:g} | {r['reservation']} | {r['policy']} | {r['slo_attainment']:.3f} "
-            f"| {r['good_requests_per_s']:.1f} | {r['ttft_p99_s']:.3f} | {r['mean_used_fraction']:.2f} "
-            f"| {r['victim_sequences']} | {r['retries']} | {r['thrown_away_tokens']} |" for r in result["runs"]]
+    return [
+        f"| {r['gib_per_device']:g} | {r['rate']:g} | {r['reservation']} | {r['policy']} | {r['slo_attainment']:.3f} "
+        f"| {r['good_requests_per_s']:.1f} | {r['ttft_p99_s']:.3f} | {r['mean_used_fraction']:.2f} "
+        f"| {r['victim_sequences']} | {r['retries']} | {r['thrown_away_tokens']} |"
+        for r in result["runs"]
+    ]
 
 
 def speed_rows(result: dict) -> list[str]:
     """The README's simulator-speed table rows, from figures/bench_cluster_speed.json."""
-    return [f"| {r['layers']} layers, {r['experts']} experts top-{r['top_k']}, {r['devices']} devices "
-            f"| {r['against']['requests_per_second']:.1f} | {r['against']['steps_per_second']:.1f} "
-            f"| {r['this']['requests_per_second']:.1f} | {r['this']['steps_per_second']:.1f} | {r['speedup']:.2f}x |"
-            for r in result["shapes"]]
+    return [
+        f"| {r['layers']} layers, {r['experts']} experts top-{r['top_k']}, {r['devices']} devices "
+        f"| {r['against']['requests_per_second']:.1f} | {r['against']['steps_per_second']:.1f} "
+        f"| {r['this']['requests_per_second']:.1f} | {r['this']['steps_per_second']:.1f} | {r['speedup']:.2f}x |"
+        for r in result["shapes"]
+    ]
 
 
 def test_readme_cluster_tables_are_what_their_json_says():
@@ -311,11 +425,19 @@ def test_readme_cluster_tables_are_what_their_json_says():
     section = readme.split("(`bench cluster`)", 1)[1].split("\n## ", 1)[0]
     cluster = json.loads((ROOT / "figures" / "bench_cluster.json").read_text(encoding="utf-8"))
     speed = json.loads((ROOT / "figures" / "bench_cluster_speed.json").read_text(encoding="utf-8"))
-    table = [line for line in section.splitlines() if re.match(r"^\| [\d.]+ \| [\d.]+ \| (worst_case|optimistic) ", line)]
+    table = [
+        line
+        for line in section.splitlines()
+        if re.match(r"^\| [\d.]+ \| [\d.]+ \| (worst_case|optimistic) ", line)
+    ]
     assert table == cluster_rows(cluster)
-    assert [line for line in section.splitlines() if " experts top-" in line and line.startswith("|")] == speed_rows(speed)
+    assert [
+        line for line in section.splitlines() if " experts top-" in line and line.startswith("|")
+    ] == speed_rows(speed)
     prose = " ".join(section.split())
-    assert f"{cluster['requests']} requests" in prose and f"{speed['shapes'][0]['requests']} requests" in prose
+    assert (
+        f"{cluster['requests']} requests" in prose and f"{speed['shapes'][0]['requests']} requests" in prose
+    )
     for line in re.findall(r"(\d+\.\d+)x faster", prose):
         assert any(f"{r['speedup']:.2f}" == line for r in speed["shapes"]), line
     fine = speed["shapes"][1]["this"]["requests_per_second"]
@@ -332,26 +454,44 @@ def test_readme_cluster_tables_are_what_their_json_says():
     needed = cluster["requests"] * (cluster["prompt_tokens_mean"] + cluster["output_tokens_mean"]) / 1e6
     assert f"the {needed:.1f} million the requests need" in prose
     good = {(r["gib_per_device"], r["rate"], r["policy"]): r["good_requests_per_s"] for r in short}
-    assert round(good[0.5, 300.0, "pressure_aware"] / good[0.5, 300.0, "sequence_lru"]) == 4     # "serves 4x"
+    assert round(good[0.5, 300.0, "pressure_aware"] / good[0.5, 300.0, "sequence_lru"]) == 4  # "serves 4x"
     seed1 = json.loads((ROOT / "figures" / "bench_cluster_seed1.json").read_text(encoding="utf-8"))
-    other = {(r["gib_per_device"], r["rate"], r["reservation"], r["policy"]): r["good_requests_per_s"]
-             for r in seed1["runs"]}
-    assert (f"{other[0.5, 300.0, 'optimistic', 'pressure_aware']:.1f} against "
-            f"{other[0.5, 300.0, 'optimistic', 'sequence_lru']:.1f}") in prose
-    assert (f"{other[0.5, 150.0, 'optimistic', 'sequence_lru']:.1f} against "
-            f"{other[0.5, 150.0, 'worst_case', 'sequence_lru']:.1f} good requests/s") in prose
+    other = {
+        (r["gib_per_device"], r["rate"], r["reservation"], r["policy"]): r["good_requests_per_s"]
+        for r in seed1["runs"]
+    }
+    assert (
+        f"{other[0.5, 300.0, 'optimistic', 'pressure_aware']:.1f} against "
+        f"{other[0.5, 300.0, 'optimistic', 'sequence_lru']:.1f}"
+    ) in prose
+    assert (
+        f"{other[0.5, 150.0, 'optimistic', 'sequence_lru']:.1f} against "
+        f"{other[0.5, 150.0, 'worst_case', 'sequence_lru']:.1f} good requests/s"
+    ) in prose
     bursty = json.loads((ROOT / "figures" / "bench_cluster_gamma.json").read_text(encoding="utf-8"))
     from moekv_ref.apps.bench_cluster import GAMMA_CV
+
     assert GAMMA_CV == 2 and {r["arrivals"] for r in bursty["runs"]} == {"gamma"}
     assert "a coefficient of variation of 2" in prose
     assert all(r["victim_sequences"] == 0 for r in bursty["runs"] if r["reservation"] == "worst_case")
     gamma = {(r["rate"], r["reservation"], r["policy"]): r["good_requests_per_s"] for r in bursty["runs"]}
-    assert (f"{gamma[150.0, 'optimistic', 'expert_lru']:.1f} against "
-            f"{gamma[150.0, 'optimistic', 'sequence_lru']:.1f} good requests/s") in prose
-    assert max(gamma[k] for k in gamma if k[:2] == (150.0, "optimistic")) == gamma[150.0, "optimistic", "expert_lru"]
-    for result in (cluster, seed1):                                  # "nothing is ever preempted"
-        assert all(r["victim_sequences"] == 0 and r["retries"] == 0 for r in result["runs"]
-                   if r["reservation"] == "worst_case")
-    for result in (cluster, seed1):                                  # "expert_lru is never the best"
-        assert all(row["best_policy"] != "expert_lru" for row in result["where_policies_differ"]
-                   if row["gain"] and row["gain"] > 0)
+    assert (
+        f"{gamma[150.0, 'optimistic', 'expert_lru']:.1f} against "
+        f"{gamma[150.0, 'optimistic', 'sequence_lru']:.1f} good requests/s"
+    ) in prose
+    assert (
+        max(gamma[k] for k in gamma if k[:2] == (150.0, "optimistic"))
+        == gamma[150.0, "optimistic", "expert_lru"]
+    )
+    for result in (cluster, seed1):  # "nothing is ever preempted"
+        assert all(
+            r["victim_sequences"] == 0 and r["retries"] == 0
+            for r in result["runs"]
+            if r["reservation"] == "worst_case"
+        )
+    for result in (cluster, seed1):  # "expert_lru is never the best"
+        assert all(
+            row["best_policy"] != "expert_lru"
+            for row in result["where_policies_differ"]
+            if row["gain"] and row["gain"] > 0
+        )

@@ -9,14 +9,13 @@ Small random float64 models from helpers, so that a tie in argmax cannot flip be
 
 import pytest
 import torch
+from helpers import alone_tokens, random_model, random_prompts, random_workload, small_config
 
 from moekv_ref.engine import LLMEngine, RequestStatus, SchedulerConfig, generate_with_engine
-from moekv_ref.plots.serving import demand_table, pool_use, request_segments
 from moekv_ref.engine.workload import make_workload, run_workload
 from moekv_ref.generate import generate
+from moekv_ref.plots.serving import demand_table, pool_use, request_segments
 from moekv_ref.sampling import SamplingParams
-
-from helpers import alone_tokens, random_workload, random_model, random_prompts, small_config
 
 BLOCK_SIZE = 4
 
@@ -41,8 +40,9 @@ def alone(model, workload):
 @pytest.fixture(scope="module")
 def peak(model, workload, alone):
     """Blocks in use at the peak when every request runs at once in an unbounded pool."""
-    engine = LLMEngine(model, num_blocks=4096, block_size=BLOCK_SIZE,
-                       scheduler_config=SchedulerConfig(max_num_seqs=64))
+    engine = LLMEngine(
+        model, num_blocks=4096, block_size=BLOCK_SIZE, scheduler_config=SchedulerConfig(max_num_seqs=64)
+    )
     outputs = engine.generate(*workload)
     assert [o.token_ids for o in outputs] == alone
     assert engine.stats().max_concurrent_sequences == len(alone)
@@ -66,17 +66,23 @@ def check_running_order(engine):
 @pytest.mark.parametrize("admission", ["optimistic", "predicted"])
 def test_quarter_pool_serves_everything_as_if_alone(model, workload, alone, peak, mode, admission):
     config = SchedulerConfig(preemption_mode=mode, admission=admission)
-    engine = LLMEngine(model, num_blocks=peak // 4, block_size=BLOCK_SIZE, scheduler_config=config,
-                       shuffle_seed=3, record_history=True)
+    engine = LLMEngine(
+        model,
+        num_blocks=peak // 4,
+        block_size=BLOCK_SIZE,
+        scheduler_config=config,
+        shuffle_seed=3,
+        record_history=True,
+    )
     outputs = engine.generate(*workload)
     assert [o.token_ids for o in outputs] == alone
     assert all(r.status is RequestStatus.FINISHED for r in engine.requests.values())
     engine.memory.assert_no_leak()
     stats = engine.stats()
     assert stats.peak_used_blocks <= peak // 4
-    use = pool_use(engine)      # the step's worst case was reserved before it ran
+    use = pool_use(engine)  # the step's worst case was reserved before it ran
     assert (use["scheduled_used_blocks"] + use["reserved_blocks"] <= peak // 4).all()
-    if admission == "optimistic":      # admitting on the next step alone must run short here
+    if admission == "optimistic":  # admitting on the next step alone must run short here
         assert stats.num_preemptions > 0 and stats.num_resumed == stats.num_preemptions
         if mode == "recompute":
             assert stats.num_recomputed_tokens > 0 and stats.num_swapped_out_blocks == 0
@@ -87,8 +93,9 @@ def test_quarter_pool_serves_everything_as_if_alone(model, workload, alone, peak
 
 def test_swap_falls_back_to_recompute_when_the_swap_space_is_full(model, workload, alone, peak):
     config = SchedulerConfig(preemption_mode="swap", admission="optimistic")
-    engine = LLMEngine(model, num_blocks=peak // 4, block_size=BLOCK_SIZE, scheduler_config=config,
-                       num_swap_blocks=1)
+    engine = LLMEngine(
+        model, num_blocks=peak // 4, block_size=BLOCK_SIZE, scheduler_config=config, num_swap_blocks=1
+    )
     assert [o.token_ids for o in engine.generate(*workload)] == alone
     assert engine.stats().num_recomputed_tokens > 0
     engine.memory.assert_no_leak()
@@ -96,8 +103,9 @@ def test_swap_falls_back_to_recompute_when_the_swap_space_is_full(model, workloa
 
 @pytest.mark.parametrize("policy", ["static", "continuous_reserved"])
 def test_reserving_policies_never_preempt_and_give_the_same_tokens(model, workload, alone, peak, policy):
-    engine = LLMEngine(model, num_blocks=peak // 2, block_size=BLOCK_SIZE,
-                       scheduler_config=SchedulerConfig(policy=policy))
+    engine = LLMEngine(
+        model, num_blocks=peak // 2, block_size=BLOCK_SIZE, scheduler_config=SchedulerConfig(policy=policy)
+    )
     assert [o.token_ids for o in engine.generate(*workload)] == alone
     assert engine.stats().num_preemptions == 0
     engine.memory.assert_no_leak()
@@ -114,8 +122,12 @@ def test_dense_attention_and_topk_routing_equal_alone():
     prompts = random_prompts([3, 9, 5], 64, seed=2)
     params = [SamplingParams(max_new_tokens=8, temperature=0.7, seed=i) for i in range(3)]
     expected = [generate(model, [p], [q], cache="contiguous").tokens[0] for p, q in zip(prompts, params)]
-    engine = LLMEngine(model, num_blocks=64, block_size=BLOCK_SIZE,
-                       scheduler_config=SchedulerConfig(max_num_batched_tokens=4))   # chunked prefill
+    engine = LLMEngine(
+        model,
+        num_blocks=64,
+        block_size=BLOCK_SIZE,
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=4),
+    )  # chunked prefill
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected
     engine.memory.assert_no_leak()
 
@@ -138,12 +150,15 @@ def test_a_request_that_cannot_fit_is_refused_and_the_others_are_served(model):
     engine.memory.assert_no_leak()
 
 
-@pytest.mark.parametrize("params,match", [
-    ({"temperature": -0.5}, "temperature=-0.5"),
-    ({"top_p": 0.0}, "top_p=0.0"),
-    ({"top_p": 1.5}, "top_p=1.5"),
-    ({"max_new_tokens": 0}, "max_new_tokens=0"),
-])
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        ({"temperature": -0.5}, "temperature=-0.5"),
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0"),
+    ],
+)
 def test_invalid_sampling_params_are_refused_before_any_change(model, params, match):
     engine = LLMEngine(model, num_blocks=64, block_size=BLOCK_SIZE)
     with pytest.raises(ValueError, match=match):
@@ -166,16 +181,23 @@ def test_bad_prompts_are_refused(model, prompt, match):
 
 
 def test_timeline_segments_and_demand_table(model):
-    workload = make_workload(6, prompt_len=(2, 8), output_len=(4, 12), arrival_rate=0.5, seed=4, vocab_size=64)
-    engine = LLMEngine(model, num_blocks=48, block_size=BLOCK_SIZE,
-                       scheduler_config=SchedulerConfig(admission="optimistic"), record_history=True)
+    workload = make_workload(
+        6, prompt_len=(2, 8), output_len=(4, 12), arrival_rate=0.5, seed=4, vocab_size=64
+    )
+    engine = LLMEngine(
+        model,
+        num_blocks=48,
+        block_size=BLOCK_SIZE,
+        scheduler_config=SchedulerConfig(admission="optimistic"),
+        record_history=True,
+    )
     result = run_workload(engine, workload)
     assert len(result.outputs) == 6 and not result.refused
     segments = request_segments(engine)
     for rid, segs in segments.items():
         request = engine.requests[rid]
         assert segs[0][0] == request.arrival_step and segs[-1][1] == request.finished_step + 1
-        assert all(a[1] == b[0] for a, b in zip(segs, segs[1:]))           # no gaps
+        assert all(a[1] == b[0] for a, b in zip(segs, segs[1:]))  # no gaps
         assert sum(end - start for start, end, state in segs if state == "running") >= 1
     use = pool_use(engine)
     assert len(use["step"]) == engine.step_count and use["used_blocks"].max() <= 48

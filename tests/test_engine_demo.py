@@ -11,11 +11,17 @@ matplotlib.use("Agg")
 
 @pytest.mark.parametrize("routing,preemption", [("topk", "swap"), ("threshold", "recompute")])
 def test_explore_runs_each_widget_setting(routing, preemption):
-    summary, engine = explore(arrival_rate=2.0, num_blocks=180, routing=routing, preemption_mode=preemption,
-                              admission="optimistic", num_requests=3)
+    summary, engine = explore(
+        arrival_rate=2.0,
+        num_blocks=180,
+        routing=routing,
+        preemption_mode=preemption,
+        admission="optimistic",
+        num_requests=3,
+    )
     assert summary["finished"] == 3
     engine.memory.assert_no_leak()
-    if routing == "topk":      # every token goes to exactly k experts
+    if routing == "topk":  # every token goes to exactly k experts
         assert summary["experts_per_token_per_layer"] == [2.0] * 4
 
 

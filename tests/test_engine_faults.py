@@ -12,14 +12,13 @@ import sys
 
 import pytest
 import torch
+from helpers import alone_tokens, random_model, random_workload, small_config
 
 import moekv_ref.sampling as sampling_module
 from moekv_ref.cache.rows import worst_case_lifetime_blocks
 from moekv_ref.engine import LLMEngine, RequestStatus, SchedulerConfig
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
-
-from helpers import alone_tokens, random_model, random_workload, small_config
 
 BLOCK_SIZE = 4
 
@@ -84,18 +83,30 @@ def test_abort_from_every_state_frees_memory_at_once(model, workload, alone, mod
     seen, aborted, outputs = set(), set(), {}
     while engine.has_unfinished_requests():
         states = {rid: (r.status, r.swapped) for rid, r in engine.requests.items()}
-        for rid, state in states.items():          # abort the first request seen in each new state
+        for rid, state in states.items():  # abort the first request seen in each new state
             key = (state[0], state[1])
-            if key not in seen and len(aborted) < 3 and rid not in aborted and state[0] is not RequestStatus.FINISHED:
+            if (
+                key not in seen
+                and len(aborted) < 3
+                and rid not in aborted
+                and state[0] is not RequestStatus.FINISHED
+            ):
                 seen.add(key)
                 held = engine.memory.num_blocks_held(rid) + engine.memory.num_blocks_swapped(rid)
-                free = engine.memory.num_free_blocks + engine.memory.num_swap_blocks - engine.memory.num_swapped_blocks
+                free = (
+                    engine.memory.num_free_blocks
+                    + engine.memory.num_swap_blocks
+                    - engine.memory.num_swapped_blocks
+                )
                 output = engine.abort_request(rid)
                 aborted.add(rid)
                 assert output.finish_reason == "aborted" and rid not in engine.requests
-                assert (engine.memory.num_free_blocks + engine.memory.num_swap_blocks
-                        - engine.memory.num_swapped_blocks) == free + held
-                assert engine.abort_request(rid) is None           # already gone: nothing to do
+                assert (
+                    engine.memory.num_free_blocks
+                    + engine.memory.num_swap_blocks
+                    - engine.memory.num_swapped_blocks
+                ) == free + held
+                assert engine.abort_request(rid) is None  # already gone: nothing to do
                 break
         for output in engine.step():
             outputs[output.request_id] = output
@@ -112,13 +123,14 @@ def test_abort_from_every_state_frees_memory_at_once(model, workload, alone, mod
 @pytest.mark.parametrize("after_append", [False, True], ids=["before_append", "after_append"])
 @pytest.mark.parametrize("layer", [0, 1])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_a_fault_in_any_layer_is_undone_and_stepping_on_gives_alone_tokens(model, workload, alone, layer,
-                                                                           after_append, mode):
+def test_a_fault_in_any_layer_is_undone_and_stepping_on_gives_alone_tokens(
+    model, workload, alone, layer, after_append, mode
+):
     prompts, params = workload
     config = SchedulerConfig(preemption_mode=mode, admission="optimistic")
     engine = LLMEngine(model, num_blocks=60, block_size=BLOCK_SIZE, scheduler_config=config)
     faults = []
-    for step in (0, 3, 9):                       # in a prefill, in decode, and later under pressure
+    for step in (0, 3, 9):  # in a prefill, in decode, and later under pressure
         fail_at(engine, layer, step, after_append)
     ids, outputs = serve(engine, prompts, params, fault_steps=(0, 3, 9), on_fault=faults.append)
     assert len(faults) == 3 and engine.stats().num_failed_steps == 3
@@ -128,13 +140,14 @@ def test_a_fault_in_any_layer_is_undone_and_stepping_on_gives_alone_tokens(model
 
 def test_a_fault_in_one_requests_sampling_fails_it_alone(model, workload, alone, monkeypatch):
     prompts, params = workload
-    engine = LLMEngine(model, num_blocks=60, block_size=BLOCK_SIZE,
-                       scheduler_config=SchedulerConfig(admission="optimistic"))
+    engine = LLMEngine(
+        model, num_blocks=60, block_size=BLOCK_SIZE, scheduler_config=SchedulerConfig(admission="optimistic")
+    )
     real = sampling_module._sample_next
 
     def sample_next(logits, sampling_params, generator):
-        if sampling_params.seed == 2 and engine.step_count == 4:      # request 2's own seed
-            return real(torch.full_like(logits, float("nan")), sampling_params, generator)   # SamplingError
+        if sampling_params.seed == 2 and engine.step_count == 4:  # request 2's own seed
+            return real(torch.full_like(logits, float("nan")), sampling_params, generator)  # SamplingError
         return real(logits, sampling_params, generator)
 
     monkeypatch.setattr(sampling_module, "_sample_next", sample_next)
@@ -187,22 +200,38 @@ def test_a_failed_swap_copy_makes_its_sequences_recompute(model, workload, alone
 
 # ----- bounded memory -----------------------------------------------------------------------------
 def test_soak_of_thousands_of_short_requests_keeps_memory_flat():
-    model = random_model(small_config("expert", "topk", vocab_size=32, hidden_size=16, num_attention_heads=2,
-                                      num_key_value_heads=1, moe_intermediate_size=16), seed=3)
-    engine = LLMEngine(model, num_blocks=200, block_size=BLOCK_SIZE,
-                       scheduler_config=SchedulerConfig(max_num_seqs=32, admission="optimistic"))
+    model = random_model(
+        small_config(
+            "expert",
+            "topk",
+            vocab_size=32,
+            hidden_size=16,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            moe_intermediate_size=16,
+        ),
+        seed=3,
+    )
+    engine = LLMEngine(
+        model,
+        num_blocks=200,
+        block_size=BLOCK_SIZE,
+        scheduler_config=SchedulerConfig(max_num_seqs=32, admission="optimistic"),
+    )
     generator = torch.Generator().manual_seed(0)
 
     def serve_batch(num_requests):
         for _ in range(num_requests):
-            prompt = torch.randint(0, 32, (int(torch.randint(1, 4, (), generator=generator)),), generator=generator)
+            prompt = torch.randint(
+                0, 32, (int(torch.randint(1, 4, (), generator=generator)),), generator=generator
+            )
             engine.add_request(prompt.tolist(), SamplingParams(max_new_tokens=2, temperature=1.0))
         while engine.has_unfinished_requests():
             engine.step()
 
-    serve_batch(400)                              # warm up: bookkeeping tensors reach their size
+    serve_batch(400)  # warm up: bookkeeping tensors reach their size
     gc.collect()
-    first = sys.getallocatedblocks()              # Python objects alive (cheap, unlike tracemalloc)
+    first = sys.getallocatedblocks()  # Python objects alive (cheap, unlike tracemalloc)
     serve_batch(800)
     gc.collect()
     second = sys.getallocatedblocks()
@@ -229,9 +258,18 @@ def test_seeded_random_runs_with_aborts_and_faults():
     policy, both preemption modes and both admissions of continuous_paged, faults before and after
     a layer's append, aborts, requests refused because they can never fit, preemptions by
     recompute and by swap (blocks swapped out), and a run that both preempts and faults."""
-    model = random_model(small_config("expert", "threshold", vocab_size=32, hidden_size=16,
-                                      num_attention_heads=2, num_key_value_heads=1,
-                                      moe_intermediate_size=16), seed=7)
+    model = random_model(
+        small_config(
+            "expert",
+            "threshold",
+            vocab_size=32,
+            hidden_size=16,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            moe_intermediate_size=16,
+        ),
+        seed=7,
+    )
     cache = {}
 
     def alone_of(prompt, params):
@@ -240,8 +278,11 @@ def test_seeded_random_runs_with_aborts_and_faults():
             cache[key] = generate(model, [prompt], [params], cache="contiguous").tokens[0]
         return cache[key]
 
-    L, E, K = (model.config.num_hidden_layers, model.config.num_attention_experts,
-               model.config.num_attention_experts_per_tok)
+    L, E, K = (
+        model.config.num_hidden_layers,
+        model.config.num_attention_experts,
+        model.config.num_attention_experts_per_tok,
+    )
     seen = set()
     for run in range(30):
         g = torch.Generator().manual_seed(run)
@@ -252,23 +293,50 @@ def test_seeded_random_runs_with_aborts_and_faults():
         # every third run is tight: optimistic admission of several longer requests into a pool that
         # holds the largest alone at its worst, so that decode outgrows it and requests are preempted
         tight = run % 3 == 2
-        policy = "continuous_paged" if tight else ["continuous_paged", "continuous_paged",
-                                                   "continuous_reserved", "static"][rand(0, 3)]
+        policy = (
+            "continuous_paged"
+            if tight
+            else ["continuous_paged", "continuous_paged", "continuous_reserved", "static"][rand(0, 3)]
+        )
         modes = ["recompute", "swap"]
         mode = modes[run // 3 % 2 if tight else rand(0, 1)] if policy == "continuous_paged" else "recompute"
         admission = "optimistic" if tight else ["predicted", "optimistic"][rand(0, 1)]
-        config = SchedulerConfig(max_num_seqs=rand(3 if tight else 1, 6), max_num_batched_tokens=rand(4, 32),
-                                 policy=policy, admission=admission if policy == "continuous_paged" else None,
-                                 preemption_mode=mode)
-        specs = [([rand(0, 31) for _ in range(rand(1, 10))],
-                  SamplingParams(max_new_tokens=rand(1, 24 if tight else 8), temperature=[0.0, 0.8][rand(0, 1)],
-                                 seed=rand(0, 99))) for _ in range(rand(3 if tight else 2, 6))]
+        config = SchedulerConfig(
+            max_num_seqs=rand(3 if tight else 1, 6),
+            max_num_batched_tokens=rand(4, 32),
+            policy=policy,
+            admission=admission if policy == "continuous_paged" else None,
+            preemption_mode=mode,
+        )
+        specs = [
+            (
+                [rand(0, 31) for _ in range(rand(1, 10))],
+                SamplingParams(
+                    max_new_tokens=rand(1, 24 if tight else 8),
+                    temperature=[0.0, 0.8][rand(0, 1)],
+                    seed=rand(0, 99),
+                ),
+            )
+            for _ in range(rand(3 if tight else 2, 6))
+        ]
         # (all but the last: the last is refused when it alone is the largest)
-        num_blocks = (max(worst_case_lifetime_blocks(len(prompt) + params.max_new_tokens, L, E, K, BLOCK_SIZE)
-                          for prompt, params in specs[:-1]) if tight else rand(L * K * 6, 90))
+        num_blocks = (
+            max(
+                worst_case_lifetime_blocks(len(prompt) + params.max_new_tokens, L, E, K, BLOCK_SIZE)
+                for prompt, params in specs[:-1]
+            )
+            if tight
+            else rand(L * K * 6, 90)
+        )
         seen.update([policy, (policy, mode), (policy, config.admission)])
-        engine = LLMEngine(model, num_blocks, BLOCK_SIZE, config, shuffle_seed=rand(0, 9),
-                           num_swap_blocks=rand(1, 30) if mode == "swap" else None)
+        engine = LLMEngine(
+            model,
+            num_blocks,
+            BLOCK_SIZE,
+            config,
+            shuffle_seed=rand(0, 9),
+            num_swap_blocks=rand(1, 30) if mode == "swap" else None,
+        )
         fault_steps = {rand(0, 15): (rand(0, L - 1), bool(rand(0, 1))) for _ in range(rand(0, 2))}
         planned_faults = dict(fault_steps)
         original = engine.cache.append_kv
@@ -302,7 +370,7 @@ def test_seeded_random_runs_with_aborts_and_faults():
                 outputs.update((o.request_id, o) for o in engine.step())
             except InjectedFault as fault:
                 fault_steps.pop(engine.step_count - 1)
-                seen.add(f"fault {fault}")                  # "fault before", "fault after" (the append)
+                seen.add(f"fault {fault}")  # "fault before", "fault after" (the append)
         for rid, (prompt, params) in requests.items():
             if rid not in aborted:
                 assert outputs[rid].token_ids == alone_of(prompt, params), (run, rid, config)
@@ -312,10 +380,22 @@ def test_seeded_random_runs_with_aborts_and_faults():
             seen.add(f"preempted by {mode}")
         if stats.num_preemptions and fault_steps != planned_faults:
             seen.add("preempted and faulted")
-    expected = {"continuous_paged", "continuous_reserved", "static", ("continuous_paged", "recompute"),
-                ("continuous_paged", "swap"), ("continuous_paged", "predicted"), ("continuous_paged", "optimistic"),
-                "refused", "aborted", "fault before", "fault after", "preempted by recompute", "preempted by swap",
-                "preempted and faulted"}
+    expected = {
+        "continuous_paged",
+        "continuous_reserved",
+        "static",
+        ("continuous_paged", "recompute"),
+        ("continuous_paged", "swap"),
+        ("continuous_paged", "predicted"),
+        ("continuous_paged", "optimistic"),
+        "refused",
+        "aborted",
+        "fault before",
+        "fault after",
+        "preempted by recompute",
+        "preempted by swap",
+        "preempted and faulted",
+    }
     assert expected <= seen, expected - seen
 
 
@@ -328,6 +408,9 @@ def test_a_request_aborted_during_generate_comes_back_aborted(model, workload, a
             engine.abort_request(2)
 
     outputs = engine.generate(prompts, params, on_step=abort_the_third)
-    assert outputs[2].finish_reason == "aborted" and outputs[2].token_ids == alone[2][: len(outputs[2].token_ids)]
+    assert (
+        outputs[2].finish_reason == "aborted"
+        and outputs[2].token_ids == alone[2][: len(outputs[2].token_ids)]
+    )
     assert [o.token_ids for i, o in enumerate(outputs) if i != 2] == alone[:2] + alone[3:]
     engine.memory.assert_no_leak()

@@ -7,15 +7,20 @@ crossover, and density. tests/test_sim_vs_engine.py checks the runner against th
 import pytest
 import torch
 
-from moekv_ref.apps.bench_eviction import compare_policies, format_comparison, skewed_workload, workload_cost_model
+from moekv_ref.apps.bench_eviction import (
+    compare_policies,
+    format_comparison,
+    skewed_workload,
+    workload_cost_model,
+)
+from moekv_ref.costs import CostModel, crossover_context, fit_cost_model
 from moekv_ref.engine import SchedulerConfig
 from moekv_ref.engine.victims import VICTIM_POLICIES, Belady, Oracle
-from moekv_ref.costs import CostModel, crossover_context, fit_cost_model
 from moekv_ref.sim.density import density_per_expert, mean_blocks_at_context
 from moekv_ref.sim.eviction import EvictionSetup, memory_time_bound, simulate
 from moekv_ref.sim.traces import RoutingTrace
 
-FLAT = CostModel("flat", 0.0, 1.0, 0.0, float("inf"), 1.0, 0.0, 1)    # recompute 1 s/token, swap 2 s/block
+FLAT = CostModel("flat", 0.0, 1.0, 0.0, float("inf"), 1.0, 0.0, 1)  # recompute 1 s/token, swap 2 s/block
 
 
 def hand_trace(experts_of_seq, lengths, prompt=1):
@@ -58,7 +63,7 @@ def test_expert_lru_drops_the_least_recently_used_row_and_stalls_its_sequence():
     records, stats = first_evictions("expert_lru")
     # the only row on device 0 among the candidates is C's (appended at step 0): it goes, C stalls
     assert records[0] == (1, 1, "rows", [1, 0])
-    assert stats.recomputed_tokens >= 1          # C must run its context again
+    assert stats.recomputed_tokens >= 1  # C must run its context again
     assert stats.num_finished == 3
 
 
@@ -89,11 +94,13 @@ def test_with_host_blocks_victims_are_swapped():
 
 
 def test_every_policy_finishes_a_skewed_workload_without_leaks_and_under_the_bound():
-    trace, _, placement = skewed_workload(num_sequences=10, num_layers=2, mean_prompt=8, mean_output=48, seed=1)
+    trace, _, placement = skewed_workload(
+        num_sequences=10, num_layers=2, mean_prompt=8, mean_output=48, seed=1
+    )
     setup = EvictionSetup(blocks_per_device=80, block_size=4, max_num_seqs=8, num_host_blocks=30)
     comparison = compare_policies(trace, placement, setup, workload_cost_model(trace, 4))
     bound = memory_time_bound(trace, placement, setup)
-    for name, stats in comparison["stats"].items():     # the runner asserts no leak on every device
+    for name, stats in comparison["stats"].items():  # the runner asserts no leak on every device
         assert stats.num_finished + stats.num_refused == trace.num_sequences, name
         assert stats.finished_tokens == bound["finished_tokens"], name
         assert stats.tokens_per_step <= bound["tokens_per_step"] + 1e-9, name
@@ -105,7 +112,14 @@ def test_every_policy_finishes_a_skewed_workload_without_leaks_and_under_the_bou
 def test_unknown_and_offline_policies_are_named():
     with pytest.raises(ValueError, match="policy='lfu' is not one of"):
         simulate(TRACE, PLACEMENT, SETUP, "lfu", FLAT)
-    assert set(VICTIM_POLICIES) == {"newest_first", "sequence_lru", "expert_lru", "pressure_aware", "oracle", "belady"}
+    assert set(VICTIM_POLICIES) == {
+        "newest_first",
+        "sequence_lru",
+        "expert_lru",
+        "pressure_aware",
+        "oracle",
+        "belady",
+    }
     for policy in (Oracle, Belady):
         with pytest.raises(ValueError, match=rf"victim='{policy.name}' reads the future .* give it future="):
             policy()

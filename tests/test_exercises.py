@@ -4,12 +4,15 @@ each usual wrong answer gets the explanation that names its mistake (not just "w
 import pytest
 import torch
 
-from moekv_ref import get_config
+from moekv_ref import exercises, get_config
 from moekv_ref.analysis import decode_flops
-from moekv_ref import exercises
 from moekv_ref.exercises import (
-    EXERCISE_01_CONTEXT_LENGTH, EXERCISE_03_BLOCK_SIZES, exercise_03_workload, solution_block_size,
-    solution_expert_cache_bytes, solution_flop_ratio,
+    EXERCISE_01_CONTEXT_LENGTH,
+    EXERCISE_03_BLOCK_SIZES,
+    exercise_03_workload,
+    solution_block_size,
+    solution_expert_cache_bytes,
+    solution_flop_ratio,
 )
 from moekv_ref.sim.designs import CountingPagedDesign
 from moekv_ref.sim.replay import replay
@@ -19,10 +22,12 @@ CONFIG = get_config("tiny")
 
 def _unwrapped(check):
     """The check's message with its line breaks (wrapped at 100 columns for notebooks) undone."""
+
     def call(*args, **kwargs):
         message = check(*args, **kwargs)
         assert all(len(line) <= 100 for line in message.splitlines())
         return " ".join(message.split())
+
     return call
 
 
@@ -32,6 +37,7 @@ check_block_size = _unwrapped(exercises.check_block_size)
 
 
 # --- 01 -------------------------------------------------------------------------------------------
+
 
 def test_flop_ratio_solution_is_the_counted_ratio_and_passes():
     t = EXERCISE_01_CONTEXT_LENGTH
@@ -45,13 +51,16 @@ def test_flop_ratio_wrong_answers_are_explained():
     t = EXERCISE_01_CONTEXT_LENGTH
     right = solution_flop_ratio(CONFIG)
     assert check_flop_ratio(None, CONFIG).startswith("No answer yet")
-    assert "t + 1" in check_flop_ratio(t + 1, CONFIG) and check_flop_ratio(t + 1, CONFIG).startswith("Not yet")
+    assert "t + 1" in check_flop_ratio(t + 1, CONFIG) and check_flop_ratio(t + 1, CONFIG).startswith(
+        "Not yet"
+    )
     assert "inverse" in check_flop_ratio(1 / right, CONFIG)
     assert "far too large" in check_flop_ratio((t + 1) ** 2, CONFIG)
     assert "-50%" in check_flop_ratio(right / 2, CONFIG)
 
 
 # --- 02 -------------------------------------------------------------------------------------------
+
 
 def _selected(seed=0, num_tokens=30, num_layers=4, num_experts=8, top_k=2):
     """Random top-k routing decisions: one (T, E) bool tensor per layer."""
@@ -76,7 +85,7 @@ def test_expert_cache_bytes_names_each_mistake(seed):
     selected = _selected(seed)
     tokens = int(selected[2][:, 5].sum())
     num_tokens = selected[2].shape[0]
-    check = lambda answer: check_expert_cache_bytes(answer, selected, CONFIG)   # noqa: E731
+    check = lambda answer: check_expert_cache_bytes(answer, selected, CONFIG)  # noqa: E731
     assert check(None).startswith("No answer yet")
     assert "token count" in check(tokens)
     assert "K only" in check(tokens * 256) and "2 bytes per value" in check(tokens * 256)
@@ -94,17 +103,21 @@ def test_expert_cache_bytes_names_another_layer_or_expert():
         for expert in range(8):
             selected[layer][: 1 + layer + 4 * expert, expert] = True
     assert "layer 0" in check_expert_cache_bytes(int(selected[0][:, 5].sum()) * 512, selected, CONFIG)
-    assert "expert 4's cache" in check_expert_cache_bytes(int(selected[2][:, 4].sum()) * 512, selected, CONFIG)
+    assert "expert 4's cache" in check_expert_cache_bytes(
+        int(selected[2][:, 4].sum()) * 512, selected, CONFIG
+    )
 
 
 # --- 03 -------------------------------------------------------------------------------------------
+
 
 def test_block_size_solution_is_the_largest_reaching_the_target():
     trace = exercise_03_workload()
 
     def utilization(P):
-        return replay(trace, CountingPagedDesign(trace.num_sequences, trace.num_layers, trace.num_experts,
-                                                 P)).effective_utilization
+        return replay(
+            trace, CountingPagedDesign(trace.num_sequences, trace.num_layers, trace.num_experts, P)
+        ).effective_utilization
 
     right = solution_block_size()
     larger = EXERCISE_03_BLOCK_SIZES[EXERCISE_03_BLOCK_SIZES.index(right) + 1]
@@ -138,8 +151,15 @@ def test_max_num_seqs_right_answer_runs_the_engine_and_passes():
 
 def test_max_num_seqs_messages_for_each_mistake(monkeypatch):
     """The check's reasoning on made-up runs, so that every branch is covered without serving."""
-    runs = {m: {"steps": 600 // m, "preempted": 0 if m <= 2 else m, "recomputed_tokens": 0 if m <= 2 else 40 * m,
-                "max_concurrent_sequences": m} for m in exercises.EXERCISE_04_MAX_NUM_SEQS}
+    runs = {
+        m: {
+            "steps": 600 // m,
+            "preempted": 0 if m <= 2 else m,
+            "recomputed_tokens": 0 if m <= 2 else 40 * m,
+            "max_concurrent_sequences": m,
+        }
+        for m in exercises.EXERCISE_04_MAX_NUM_SEQS
+    }
     monkeypatch.setattr(exercises, "_exercise_04_run", runs.__getitem__)
     assert check_max_num_seqs(None).startswith("No answer yet")
     assert "not one of the choices" in check_max_num_seqs(5)
@@ -157,7 +177,7 @@ check_victim_rule = _unwrapped(exercises.check_victim_rule)
 def test_victim_rule_solution_makes_the_most_room_at_every_decision_and_passes():
     stats, decisions, error = exercises._run_victim_rule(exercises.solution_victim_rule)
     assert error is None and decisions and stats.num_finished == 20
-    assert any(entries[-1][0] != chosen for _, entries, chosen in decisions)      # not always the newest
+    assert any(entries[-1][0] != chosen for _, entries, chosen in decisions)  # not always the newest
     for _, entries, chosen in decisions:
         room = {seq_id: held + step for seq_id, _, held, step, _ in entries}
         assert room[chosen] == max(room.values())
@@ -169,8 +189,11 @@ def test_victim_rule_wrong_rules_are_named():
     assert "not a function" in check_victim_rule(3)
     newest = check_victim_rule(lambda candidates, memory, need: candidates[-1])
     assert newest.startswith("Not yet") and "sequence_lru" in newest
-    least = check_victim_rule(lambda candidates, memory, need: min(
-        enumerate(candidates), key=lambda item: exercises.room_on_short_device(*item, memory, need))[1])
+    least = check_victim_rule(
+        lambda candidates, memory, need: min(
+            enumerate(candidates), key=lambda item: exercises.room_on_short_device(*item, memory, need)
+        )[1]
+    )
     assert "least" in least
     assert "ZeroDivisionError" in check_victim_rule(lambda candidates, memory, need: 1 / 0)
     assert "return one of the candidates" in check_victim_rule(lambda candidates, memory, need: -5)
@@ -197,7 +220,9 @@ def test_expert_placement_solution_is_the_best_balanced_placement_and_passes():
     best = exercises.solution_expert_placement(selected)
     assert exercises.placement_measures(selected, best, 2) == (1.0, 1.0)
     assert check_expert_placement(best, selected).startswith("Right")
-    assert check_expert_placement([0, 1, 0, 1, 0, 1, 0, 1], selected).startswith("Right")   # pairs together too
+    assert check_expert_placement([0, 1, 0, 1, 0, 1, 0, 1], selected).startswith(
+        "Right"
+    )  # pairs together too
 
 
 def test_expert_placement_wrong_answers_are_explained():
@@ -205,10 +230,10 @@ def test_expert_placement_wrong_answers_are_explained():
     assert check_expert_placement(None, selected).startswith("No answer yet")
     assert "each an integer from 0 to 1" in check_expert_placement([0, 1, 2, 0, 1, 0, 1, 0], selected)
     assert "each must hold 4" in check_expert_placement([0, 0, 0, 0, 0, 1, 1, 1], selected)
-    split = check_expert_placement([0, 0, 0, 0, 1, 1, 1, 1], selected)      # every pair across ranks
+    split = check_expert_placement([0, 0, 0, 0, 1, 1, 1, 1], selected)  # every pair across ranks
     assert split.startswith("Not yet") and "2.000 ranks" in split and "0+4" in split
     skewed = selected.clone()
-    skewed[:200, 0] = True                     # expert 0 now takes many more tokens than the others
+    skewed[:200, 0] = True  # expert 0 now takes many more tokens than the others
     assert "imbalance" in check_expert_placement([0, 0, 1, 1, 0, 0, 1, 1], skewed)
 
 
@@ -241,11 +266,11 @@ check_drop_budget = _unwrapped(exercises.check_drop_budget)
 def test_drop_budget_solution_is_the_smallest_budget_refusing_nothing_and_passes():
     """The longest row of the embedded model over the snippet: drop refuses nothing there and something
     one token lower (the paged cache's count), and it is well above the mean row k T / E."""
-    lengths = exercises.exercise_10_row_lengths()                          # (L, E)
+    lengths = exercises.exercise_10_row_lengths()  # (L, E)
     right = exercises.solution_drop_budget()
     num_tokens = len(exercises.exercise_10_text().encode())
     assert lengths.shape == (CONFIG.num_hidden_layers, CONFIG.num_attention_experts)
-    assert (lengths.sum(1) == CONFIG.num_attention_experts_per_tok * num_tokens).all()     # top-2
+    assert (lengths.sum(1) == CONFIG.num_attention_experts_per_tok * num_tokens).all()  # top-2
     assert right == int(lengths.max()) > 1.5 * float(lengths.double().mean())
     assert exercises._exercise_10_refused(right) == 0 < exercises._exercise_10_refused(right - 1)
     assert check_drop_budget(right).startswith("Right")
@@ -260,14 +285,15 @@ def test_drop_budget_wrong_answers_are_explained():
     for bad in (0, -3, 2.5, True, "70"):
         assert "positive whole number" in check_drop_budget(bad)
     assert "whatever the routing" in check_drop_budget(num_tokens)
-    assert "whatever the routing" in check_drop_budget(10 ** 9)            # not a cache of 10^9 slots
+    assert "whatever the routing" in check_drop_budget(10**9)  # not a cache of 10^9 slots
     larger = check_drop_budget(right + 1)
     assert larger.startswith("Not yet") and "so does a smaller B" in larger
     assert "is the mean row" in check_drop_budget(round(mean))
-    shorter = [(layer, int(n)) for layer, n in enumerate(lengths.max(1).values) if n < right and abs(n - mean) >= 1]
-    assert shorter                                     # some layer's longest row is shorter than the answer
+    shorter = [
+        (layer, int(n)) for layer, n in enumerate(lengths.max(1).values) if n < right and abs(n - mean) >= 1
+    ]
+    assert shorter  # some layer's longest row is shorter than the answer
     layer, n = shorter[0]
     assert f"longest row of layer {layer}" in check_drop_budget(n)
     below = check_drop_budget(right - 1)
     assert below.startswith("Not yet") and "refuses 1 pair(s)" in below
-

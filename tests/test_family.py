@@ -10,8 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from moekv_ref.apps.family import (VARIANTS, attention_flops_per_token, format_table, train_family,
-                                   variant_config)
+from moekv_ref.apps.family import (
+    VARIANTS,
+    attention_flops_per_token,
+    format_table,
+    train_family,
+    variant_config,
+)
 from moekv_ref.apps.train import fit, load_corpus
 from moekv_ref.model import MoEKVTransformer
 
@@ -19,8 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_variant_trains_a_few_steps_and_is_measured(tmp_path):
-    family = train_family(steps=2, batch_size=2, context=16, out=tmp_path / "family.json", runs=tmp_path / "runs",
-                          progress=False, speed_rounds=1)
+    family = train_family(
+        steps=2,
+        batch_size=2,
+        context=16,
+        out=tmp_path / "family.json",
+        runs=tmp_path / "runs",
+        progress=False,
+        speed_rounds=1,
+    )
     assert json.loads((tmp_path / "family.json").read_text()) == json.loads(json.dumps(family))
     assert set(family["variants"]) == set(VARIANTS) and len(family["runs"]) == 3 * len(VARIANTS)
     for name, v in family["variants"].items():
@@ -36,8 +48,15 @@ def test_every_variant_trains_a_few_steps_and_is_measured(tmp_path):
         assert v[name]["kv_bytes_per_token_measured"] == v[name]["kv_bytes_per_token_config"], name
     assert v["dense_kv_matched"]["kv_bytes_per_token_config"] == v["expert_topk"]["kv_bytes_per_token_config"]
     # a second call finds every run done and trains nothing
-    again = train_family(steps=2, batch_size=2, context=16, out=tmp_path / "again.json", runs=tmp_path / "runs",
-                         progress=False, speed_rounds=1)
+    again = train_family(
+        steps=2,
+        batch_size=2,
+        context=16,
+        out=tmp_path / "again.json",
+        runs=tmp_path / "runs",
+        progress=False,
+        speed_rounds=1,
+    )
     assert again["runs"] == family["runs"]
 
 
@@ -46,7 +65,10 @@ def test_the_matched_variants_match_what_they_say_at_the_training_context():
     expert = attention_flops_per_token(variant_config("expert_topk"), context)
     assert abs(attention_flops_per_token(variant_config("dense_flops_matched"), context) / expert - 1) < 0.03
     assert attention_flops_per_token(variant_config("dense"), context) < 0.7 * expert
-    assert variant_config("dense_kv_matched").kv_bytes_per_token == variant_config("expert_topk").kv_bytes_per_token
+    assert (
+        variant_config("dense_kv_matched").kv_bytes_per_token
+        == variant_config("expert_topk").kv_bytes_per_token
+    )
 
 
 def test_an_interrupted_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path):
@@ -63,11 +85,12 @@ def test_an_interrupted_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_p
     def crash(step, loss):
         if step == 3:
             raise KeyboardInterrupt
+
     state = tmp_path / "state.pt"
     with pytest.raises(KeyboardInterrupt):
         fit(fresh(), train_data, state_path=state, on_step=crash, **options)
     assert torch.load(state, weights_only=True)["step"] == 2
-    resumed = fresh()                                  # a new process: initial weights, then the state file
+    resumed = fresh()  # a new process: initial weights, then the state file
     fit(resumed, train_data, state_path=state, **options)
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
@@ -76,9 +99,15 @@ def test_an_interrupted_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_p
 def test_notebook_09_prints_the_committed_table():
     family = json.loads((ROOT / "figures" / "family.json").read_text())
     notebook = json.loads((ROOT / "notebooks" / "09_why_route_attention.ipynb").read_text())
-    printed = ["".join(output.get("text", "")) for cell in notebook["cells"] if cell["cell_type"] == "code"
-               for output in cell.get("outputs", [])]
-    assert any(format_table(family) in text for text in printed), "notebook 09's table differs from figures/family.json"
+    printed = [
+        "".join(output.get("text", ""))
+        for cell in notebook["cells"]
+        if cell["cell_type"] == "code"
+        for output in cell.get("outputs", [])
+    ]
+    assert any(format_table(family) in text for text in printed), (
+        "notebook 09's table differs from figures/family.json"
+    )
 
 
 def test_what_notebook_09_says_in_words_holds_for_the_committed_numbers():
@@ -88,13 +117,20 @@ def test_what_notebook_09_says_in_words_holds_for_the_committed_numbers():
     v = json.loads((ROOT / "figures" / "family.json").read_text())["variants"]
     longer = json.loads((ROOT / "figures" / "family_longer.json").read_text())
     gap = v["expert_topk"]["bits_per_byte_mean"] - v["dense"]["bits_per_byte_mean"]
-    assert 0.25 <= gap < 0.35 and gap > 3 * max(v["expert_topk"]["bits_per_byte_std"], v["dense"]["bits_per_byte_std"])
+    assert 0.25 <= gap < 0.35 and gap > 3 * max(
+        v["expert_topk"]["bits_per_byte_std"], v["dense"]["bits_per_byte_std"]
+    )
     for dense in ("dense_kv_matched", "dense_flops_matched"):
         assert v["expert_topk"]["bits_per_byte_mean"] - v[dense]["bits_per_byte_mean"] >= 0.25, dense
-    held = v["expert_threshold"]["kv_bytes_per_token_measured"] / v["expert_topk"]["kv_bytes_per_token_measured"]
+    held = (
+        v["expert_threshold"]["kv_bytes_per_token_measured"] / v["expert_topk"]["kv_bytes_per_token_measured"]
+    )
     assert 0.65 <= held <= 0.8
     assert v["expert_threshold"]["bits_per_byte_mean"] > v["expert_topk"]["bits_per_byte_mean"]
-    assert longer["budget"]["steps"] == 4 * json.loads((ROOT / "figures" / "family.json").read_text())["budget"]["steps"]
+    assert (
+        longer["budget"]["steps"]
+        == 4 * json.loads((ROOT / "figures" / "family.json").read_text())["budget"]["steps"]
+    )
     w = longer["variants"]
     assert w["expert_topk"]["bits_per_byte_mean"] - w["dense"]["bits_per_byte_mean"] > gap
 
@@ -104,15 +140,25 @@ def test_the_readme_table_is_the_committed_json():
     family = json.loads((ROOT / "figures" / "family.json").read_text())
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Does routing attention pay here?", 1)[1].split("\n## ", 1)[0]
-    rows = {line.split("|")[1].split("(")[0].strip(): [c.strip() for c in line.split("|")[2:5]]
-            for line in section.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
+    rows = {
+        line.split("|")[1].split("(")[0].strip(): [c.strip() for c in line.split("|")[2:5]]
+        for line in section.splitlines()
+        if line.startswith("| ") and not line.startswith("| variant")
+    }
     assert set(rows) == set(family["variants"])
     for name, v in family["variants"].items():
-        assert rows[name] == [f"{v['bits_per_byte_mean']:.3f} ± {v['bits_per_byte_std']:.3f}",
-                              str(round(v["kv_bytes_per_token_measured"])),
-                              f"{v['attention_flops_per_token'] / 1e3:.0f}k"], name
+        assert rows[name] == [
+            f"{v['bits_per_byte_mean']:.3f} ± {v['bits_per_byte_std']:.3f}",
+            str(round(v["kv_bytes_per_token_measured"])),
+            f"{v['attention_flops_per_token'] / 1e3:.0f}k",
+        ], name
     budget = family["budget"]
-    assert (f"{budget['steps']} steps of {budget['batch_size']} windows of {budget['context']} bytes" in section
-            and f"{family['train_seconds_total'] / 60:.0f} minutes" in section)
+    assert (
+        f"{budget['steps']} steps of {budget['batch_size']} windows of {budget['context']} bytes" in section
+        and f"{family['train_seconds_total'] / 60:.0f} minutes" in section
+    )
     longer = json.loads((ROOT / "figures" / "family_longer.json").read_text())["variants"]
-    assert f"{longer['expert_topk']['bits_per_byte_mean'] - longer['dense']['bits_per_byte_mean']:.2f} at four" in section
+    assert (
+        f"{longer['expert_topk']['bits_per_byte_mean'] - longer['dense']['bits_per_byte_mean']:.2f} at four"
+        in section
+    )

@@ -4,7 +4,8 @@ A fast path proven only by "gives the same tokens as the slow path" proves nothi
 quietly runs instead (a fallback that overwrites the fast result, a flag that never reaches the
 dispatch). So every test here replaces one fast function with a broken one -- NaN, or the right
 answer shifted by one -- and checks that the model's logits change: NaN must appear, or the shift
-must be seen (NaN logits stop sampling with SamplingError, which is how NaN is seen here). Each test would pass if the path were bypassed, so none is vacuous; and a first part
+must be seen (NaN logits stop sampling with SamplingError, which is how NaN is seen here). Each
+test would pass if the path were bypassed, so none is vacuous; and a first part
 of each one checks the unbroken path against the torch model, so the breakage is what changes.
 
 Paths and what stands in for them:
@@ -27,6 +28,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import max_logit_error, random_model, random_prompts, small_config  # noqa: E402
+
 import moekv_kernels  # noqa: E402
 import moekv_ref.cache.paged as paged  # noqa: E402
 import moekv_ref.model as model_module  # noqa: E402
@@ -34,8 +37,6 @@ from moekv_ref.cache import PagedKVCache  # noqa: E402
 from moekv_ref.cache.kv_cache_manager import KVCacheManager  # noqa: E402
 from moekv_ref.generate import generate  # noqa: E402
 from moekv_ref.sampling import SamplingError, SamplingParams  # noqa: E402
-
-from helpers import max_logit_error, random_model, random_prompts, small_config  # noqa: E402
 
 # a 1-token prompt makes the prefill hold a decode row too; 3 forwards in all
 PROMPT_LENGTHS = [5, 1, 9]
@@ -45,16 +46,27 @@ PARAMS = SamplingParams(max_new_tokens=3, temperature=0.0)
 def _logits(model, attention=None):
     prompts = random_prompts(PROMPT_LENGTHS, model.config.vocab_size, seed=4)
     options = {} if attention is None else {"attention": attention}
-    result = generate(model, prompts, PARAMS, cache="paged", record_logits=True, block_size=4,
-                      num_blocks=256, shuffle_seed=0, **options)
-    return torch.cat(result.logits)                                       # (positions, V)
+    result = generate(
+        model,
+        prompts,
+        PARAMS,
+        cache="paged",
+        record_logits=True,
+        block_size=4,
+        num_blocks=256,
+        shuffle_seed=0,
+        **options,
+    )
+    return torch.cat(result.logits)  # (positions, V)
 
 
 @pytest.fixture(scope="module")
 def models():
     # threshold routing: tokens use 1 to 3 experts, so the rows of one sequence have ragged lengths
-    return {backend: random_model(small_config(routing="threshold"), seed=3, dtype=torch.float32,
-                                  backend=backend) for backend in ("torch", "triton")}
+    return {
+        backend: random_model(small_config(routing="threshold"), seed=3, dtype=torch.float32, backend=backend)
+        for backend in ("torch", "triton")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -79,22 +91,39 @@ def test_triton_decode_output_is_the_kernels_output_bitwise(models):
     experts = torch.tensor([0] * 6 + [2] * 3 + [4])
     positions = torch.tensor(list(range(6)) + list(range(3)) + [0])
     n = seq_ids.numel()
-    cache.append_kv(0, seq_ids, experts, positions, torch.randn(n, Hkv, Dh, generator=generator),
-                    torch.randn(n, Hkv, Dh, generator=generator))
-    appended = cache.append_kv(0, torch.tensor([0, 1, 2]), torch.tensor([0, 2, 4]), torch.tensor([6, 3, 1]),
-                               torch.randn(3, Hkv, Dh, generator=generator),
-                               torch.randn(3, Hkv, Dh, generator=generator))
+    cache.append_kv(
+        0,
+        seq_ids,
+        experts,
+        positions,
+        torch.randn(n, Hkv, Dh, generator=generator),
+        torch.randn(n, Hkv, Dh, generator=generator),
+    )
+    appended = cache.append_kv(
+        0,
+        torch.tensor([0, 1, 2]),
+        torch.tensor([0, 2, 4]),
+        torch.tensor([6, 3, 1]),
+        torch.randn(3, Hkv, Dh, generator=generator),
+        torch.randn(3, Hkv, Dh, generator=generator),
+    )
     q = torch.randn(3, H, Dh, generator=generator)
     out = cache.attend(appended, q)
     rows = appended.rows
-    direct = moekv_kernels.paged_attention(q[torch.argsort(appended.pair_row)].contiguous(), cache.key_cache,
-                                     cache.value_cache, cache.manager.block_tables[rows],
-                                     cache.manager.row_tokens[rows].to(torch.int32))
+    direct = moekv_kernels.paged_attention(
+        q[torch.argsort(appended.pair_row)].contiguous(),
+        cache.key_cache,
+        cache.value_cache,
+        cache.manager.block_tables[rows],
+        cache.manager.row_tokens[rows].to(torch.int32),
+    )
     assert torch.equal(out, direct[appended.pair_row])
-    reference = PagedKVCache.for_model(model, block_size=4, num_blocks=64, shuffle_seed=0, attention="reference")
+    reference = PagedKVCache.for_model(
+        model, block_size=4, num_blocks=64, shuffle_seed=0, attention="reference"
+    )
     reference.key_cache.copy_(cache.key_cache), reference.value_cache.copy_(cache.value_cache)
     reference.manager = cache.manager
-    assert (reference.attend(appended, q) - out).abs().max() < 1e-5     # and it is right
+    assert (reference.attend(appended, q) - out).abs().max() < 1e-5  # and it is right
 
 
 @pytest.mark.parametrize("broken", ["nan", "shifted"])
@@ -110,7 +139,7 @@ def test_triton_decode_kernel_reaches_the_logits(models, torch_logits, monkeypat
 
     monkeypatch.setattr(moekv_kernels, "paged_attention", broken_paged_attention)
     if broken == "nan":
-        with pytest.raises(SamplingError, match="not finite"):     # NaN reached the logits
+        with pytest.raises(SamplingError, match="not finite"):  # NaN reached the logits
             _logits(models["triton"])
     else:
         assert (_logits(models["triton"]) - torch_logits).abs().max() > 1e-2
@@ -184,8 +213,8 @@ def test_torch_grouped_mm_reaches_the_logits(models, torch_logits, monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(torch, "_grouped_mm", counting)
-    monkeypatch.setattr(model_module, "EVERY_EXPERT_MAX_PRODUCTS", 0)    # the FFN's small steps grouped too
-    assert (_logits(models["torch"]) - torch_logits).abs().max() < 1e-5    # the every-expert FFN's rounding
+    monkeypatch.setattr(model_module, "EVERY_EXPERT_MAX_PRODUCTS", 0)  # the FFN's small steps grouped too
+    assert (_logits(models["torch"]) - torch_logits).abs().max() < 1e-5  # the every-expert FFN's rounding
     config = models["torch"].config
     # 3 forwards x 2 layers x (2 attention projections: QKV fused, O; 3 FFN projections)
     assert calls.count(config.num_attention_experts) == 3 * config.num_hidden_layers * 2
@@ -201,12 +230,14 @@ def test_small_ffn_steps_run_every_expert_and_reach_the_logits(models, torch_log
     """Up to EVERY_EXPERT_MAX_PRODUCTS (token, expert) products -- every forward here: 15 and 3
     tokens, 3 experts -- the FFN runs every expert on every token (model.swiglu_every_expert): the
     grouped path's logits, to 1e-12 in float64; and NaN from it reaches the logits."""
-    model = random_model(small_config(routing="threshold"), seed=3)                          # float64
+    model = random_model(small_config(routing="threshold"), seed=3)  # float64
     with monkeypatch.context() as patch:
         patch.setattr(model_module, "EVERY_EXPERT_MAX_PRODUCTS", 0)
         grouped = _logits(model)
-    assert 0 < (_logits(model) - grouped).abs().max() < 1e-12          # other arithmetic, same logits
-    monkeypatch.setattr(model_module, "swiglu_every_expert", lambda x, *args: torch.full_like(x, float("nan")))
+    assert 0 < (_logits(model) - grouped).abs().max() < 1e-12  # other arithmetic, same logits
+    monkeypatch.setattr(
+        model_module, "swiglu_every_expert", lambda x, *args: torch.full_like(x, float("nan"))
+    )
     with pytest.raises(SamplingError):
         _logits(models["torch"])
 
@@ -224,8 +255,15 @@ def test_decode_slots_run_in_pair_order_and_reach_the_logits(models, torch_logit
         full = bool((self.row_tokens[torch.as_tensor(rows)] % self.block_size == 0).any())  # takes a block
         before = len(in_general)
         allocation = original_allocate(self, rows, num_new_tokens, *args, **kwargs)
-        calls.append((torch.as_tensor(rows).clone(), torch.as_tensor(num_new_tokens).clone(), full,
-                      kwargs.get("one_each", False), len(in_general) > before))
+        calls.append(
+            (
+                torch.as_tensor(rows).clone(),
+                torch.as_tensor(num_new_tokens).clone(),
+                full,
+                kwargs.get("one_each", False),
+                len(in_general) > before,
+            )
+        )
         return allocation
 
     def recording_slots(self, rows, starts, counts):
@@ -234,17 +272,18 @@ def test_decode_slots_run_in_pair_order_and_reach_the_logits(models, torch_logit
 
     monkeypatch.setattr(KVCacheManager, "allocate_slots", recording_allocate)
     monkeypatch.setattr(KVCacheManager, "slots", recording_slots)
-    assert (_logits(models["torch"]) - torch_logits).abs().max() == 0        # unbroken: equal
+    assert (_logits(models["torch"]) - torch_logits).abs().max() == 0  # unbroken: equal
     decode = [call for call in calls if bool((call[1] == 1).all())]
     assert decode, "no append had one new token per row"
-    assert all(one_each and not general for _, _, _, one_each, general in decode), \
+    assert all(one_each and not general for _, _, _, one_each, general in decode), (
         "a decode append did not take the direct one-token-each slots"
+    )
     assert any(full for _, _, full, _, _ in decode), "no decode append took a block"
     assert any(bool((rows[1:] < rows[:-1]).any()) for rows, *_ in decode), "decode rows were sorted first"
 
     def shifted_decode_slots(self, rows, num_new_tokens, *args, **kwargs):
         allocation = original_allocate(self, rows, num_new_tokens, *args, **kwargs)
-        if kwargs.get("one_each"):                                             # the direct slots only
+        if kwargs.get("one_each"):  # the direct slots only
             allocation.slot_mapping.add_(1)
         return allocation
 
@@ -261,9 +300,10 @@ def test_dense_pairs_are_made_once_a_forward(monkeypatch):
     original = model_module.dense_pairs
     monkeypatch.setattr(model_module, "dense_pairs", lambda *args: calls.append(args) or original(*args))
     prompts = random_prompts([6, 3], model.config.vocab_size, seed=8)
-    result = generate(model, prompts, SamplingParams(max_new_tokens=4, temperature=0.0), cache="paged",
-                      record_logits=True)
-    assert model.config.num_hidden_layers == 2 and len(calls) == 4     # the prefill and 3 decode forwards
+    result = generate(
+        model, prompts, SamplingParams(max_new_tokens=4, temperature=0.0), cache="paged", record_logits=True
+    )
+    assert model.config.num_hidden_layers == 2 and len(calls) == 4  # the prefill and 3 decode forwards
     assert max_logit_error(model, result) < 1e-10
 
 
@@ -275,10 +315,13 @@ def test_rotary_turns_are_made_once_a_forward(monkeypatch, mode):
     model = random_model(small_config(mode), seed=7, dtype=torch.float64)
     calls = []
     original = model_module.rotary_turns
-    monkeypatch.setattr(model_module, "rotary_turns", lambda *args: calls.append(args[0].tolist()) or original(*args))
+    monkeypatch.setattr(
+        model_module, "rotary_turns", lambda *args: calls.append(args[0].tolist()) or original(*args)
+    )
     prompts = random_prompts([6, 3], model.config.vocab_size, seed=8)
-    result = generate(model, prompts, SamplingParams(max_new_tokens=4, temperature=0.0), cache="paged",
-                      record_logits=True)
-    assert model.config.num_hidden_layers == 2 and len(calls) == 4     # the prefill and 3 decode forwards
-    assert calls[1] == [6, 3]                                           # the first decode: each sequence's position
+    result = generate(
+        model, prompts, SamplingParams(max_new_tokens=4, temperature=0.0), cache="paged", record_logits=True
+    )
+    assert model.config.num_hidden_layers == 2 and len(calls) == 4  # the prefill and 3 decode forwards
+    assert calls[1] == [6, 3]  # the first decode: each sequence's position
     assert max_logit_error(model, result) < 1e-10

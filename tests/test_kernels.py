@@ -38,8 +38,16 @@ CONTEXT_LENS = [1, 80, 37, 17, 3]
 @pytest.mark.parametrize("shape", PAGED_SHAPES, ids=lambda s: "H{}-Hkv{}-Dh{}-P{}".format(*s))
 def test_paged_attention_matches_reference(dtype, shape):
     num_heads, num_kv_heads, head_dim, block_size = shape
-    inputs = random_paged_inputs(CONTEXT_LENS, num_heads, num_kv_heads, head_dim, block_size, dtype, DEVICE,
-                                 seed=PAGED_SHAPES.index(shape) + 10 * DTYPES.index(dtype))
+    inputs = random_paged_inputs(
+        CONTEXT_LENS,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        DEVICE,
+        seed=PAGED_SHAPES.index(shape) + 10 * DTYPES.index(dtype),
+    )
     out = paged_attention(*inputs, token_tile=16)
     assert out.shape == inputs[0].shape and out.dtype == dtype
     assert max_relative_error(out, paged_attention_reference(*inputs)) <= TOLERANCE[dtype]
@@ -50,8 +58,9 @@ def test_paged_attention_matches_reference(dtype, shape):
 def test_paged_attention_split_k_matches_reference(dtype, shape):
     num_heads, num_kv_heads, head_dim, block_size = shape
     # 70 tokens in splits of 32: a full split, a partial one, and (for short rows) empty ones
-    inputs = random_paged_inputs([1, 70, 32, 5], num_heads, num_kv_heads, head_dim, block_size, dtype, DEVICE,
-                                 seed=7)
+    inputs = random_paged_inputs(
+        [1, 70, 32, 5], num_heads, num_kv_heads, head_dim, block_size, dtype, DEVICE, seed=7
+    )
     out = paged_attention_split_k(*inputs, tokens_per_split=32, token_tile=16)
     assert max_relative_error(out, paged_attention_reference(*inputs)) <= TOLERANCE[dtype]
 
@@ -60,7 +69,7 @@ def test_paged_attention_never_reads_padding():
     """Block-table entries past a row's blocks are garbage here (huge ids): a read would fault or differ."""
     inputs = random_paged_inputs([1, 16, 20], 2, 2, 16, 16, torch.float32, DEVICE, seed=3)
     q, key_cache, value_cache, block_tables, context_lens = inputs
-    used = (context_lens.long() + 15) // 16                              # blocks each row uses
+    used = (context_lens.long() + 15) // 16  # blocks each row uses
     columns = torch.arange(block_tables.shape[1], device=block_tables.device)
     poisoned = block_tables.masked_fill(columns[None, :] >= used[:, None], 10**9)
     expected = paged_attention_reference(q, key_cache, value_cache, block_tables, context_lens)
@@ -91,14 +100,17 @@ def test_decode_kernels_read_only_the_rows_tokens(dtype):
     key_cache = only_rows_are_finite(key_cache, block_tables, context_lens)
     value_cache = only_rows_are_finite(value_cache, block_tables, context_lens)
     assert key_cache.isnan().any() and value_cache.isnan().any()
-    used = (context_lens.long() + 4) // 5                                 # blocks each row uses
+    used = (context_lens.long() + 4) // 5  # blocks each row uses
     columns = torch.arange(block_tables.shape[1], device=block_tables.device)
     block_tables = block_tables.masked_fill(columns[None, :] >= used[:, None], 10**9)
     expected = paged_attention_reference(q, key_cache, value_cache, block_tables, context_lens)
     assert expected.isfinite().all()
-    for out in (paged_attention(q, key_cache, value_cache, block_tables, context_lens, token_tile=16),
-                paged_attention_split_k(q, key_cache, value_cache, block_tables, context_lens,
-                                        tokens_per_split=16, token_tile=16)):
+    for out in (
+        paged_attention(q, key_cache, value_cache, block_tables, context_lens, token_tile=16),
+        paged_attention_split_k(
+            q, key_cache, value_cache, block_tables, context_lens, tokens_per_split=16, token_tile=16
+        ),
+    ):
         assert out.isfinite().all()
         assert max_relative_error(out, expected) <= TOLERANCE[dtype]
 
@@ -127,15 +139,20 @@ def test_store_kv_is_bit_exact(dtype):
 def test_store_then_attend_sees_the_new_token():
     """The decode order of the cache: store the new token's K/V, then attend over all of the row."""
     q, key_cache, value_cache, block_tables, context_lens = random_paged_inputs(
-        [4], 2, 2, 16, 16, torch.float32, DEVICE, seed=5)
-    new_key = torch.randn(1, 2, 16, device=DEVICE) * 10                 # a key that dominates
+        [4], 2, 2, 16, 16, torch.float32, DEVICE, seed=5
+    )
+    new_key = torch.randn(1, 2, 16, device=DEVICE) * 10  # a key that dominates
     new_value = torch.randn(1, 2, 16, device=DEVICE)
-    slot = block_tables[0, 0].long() * 16 + 4                            # logical token 4
+    slot = block_tables[0, 0].long() * 16 + 4  # logical token 4
     store_kv(new_key, new_value, key_cache, value_cache, slot.view(1))
     context_lens += 1
     out = paged_attention(q, key_cache, value_cache, block_tables, context_lens)
-    assert max_relative_error(out, paged_attention_reference(q, key_cache, value_cache, block_tables,
-                                                              context_lens)) <= 1e-5
+    assert (
+        max_relative_error(
+            out, paged_attention_reference(q, key_cache, value_cache, block_tables, context_lens)
+        )
+        <= 1e-5
+    )
 
 
 def test_tile_schedule_example():

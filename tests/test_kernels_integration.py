@@ -16,13 +16,13 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import prefill_then_decode, random_model, random_prompts, small_config  # noqa: E402
+
 import moekv_kernels  # noqa: E402
 from moekv_ref.cache import PagedKVCache  # noqa: E402
 from moekv_ref.cache.budget import RowBudget  # noqa: E402
 from moekv_ref.generate import generate  # noqa: E402
 from moekv_ref.sampling import SamplingParams  # noqa: E402
-
-from helpers import prefill_then_decode, random_model, random_prompts, small_config  # noqa: E402
 
 
 def test_generate_triton_backend_gives_the_same_tokens(monkeypatch):
@@ -30,29 +30,39 @@ def test_generate_triton_backend_gives_the_same_tokens(monkeypatch):
     original = moekv_kernels.paged_attention
 
     def counting_paged_attention(*args, **kwargs):
-        launches.append(args[0].shape[0])                               # rows in this launch
+        launches.append(args[0].shape[0])  # rows in this launch
         return original(*args, **kwargs)
 
     gemm_launches = []
     original_gemm = moekv_kernels.expert_gemm
 
     def counting_expert_gemm(*args, **kwargs):
-        gemm_launches.append(args[0].shape[0])                          # (token, expert) pairs
+        gemm_launches.append(args[0].shape[0])  # (token, expert) pairs
         return original_gemm(*args, **kwargs)
 
     monkeypatch.setattr(moekv_kernels, "paged_attention", counting_paged_attention)
     monkeypatch.setattr(moekv_kernels, "expert_gemm", counting_expert_gemm)
     # threshold routing: tokens use 1 to 3 experts, so rows of one sequence have ragged lengths
-    models = {backend: random_model(small_config(routing="threshold"), seed=3, dtype=torch.float32,
-                                     backend=backend) for backend in ("torch", "triton")}
+    models = {
+        backend: random_model(small_config(routing="threshold"), seed=3, dtype=torch.float32, backend=backend)
+        for backend in ("torch", "triton")
+    }
     config = models["torch"].config
     prompts = random_prompts([5, 1, 9], config.vocab_size, seed=4)
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
     # block_size 4: decode tiles of 16 tokens span several blocks of a row
     results = {}
     for backend, model in models.items():
-        results[backend] = generate(model, prompts, params, cache="paged", record_logits=True,
-                                    block_size=4, num_blocks=256, shuffle_seed=0)
+        results[backend] = generate(
+            model,
+            prompts,
+            params,
+            cache="paged",
+            record_logits=True,
+            block_size=4,
+            num_blocks=256,
+            shuffle_seed=0,
+        )
     assert results["triton"].tokens == results["torch"].tokens
     assert torch.equal(results["triton"].cache_counts, results["torch"].cache_counts)
     for torch_logits, triton_logits in zip(results["torch"].logits, results["triton"].logits):
@@ -88,7 +98,7 @@ def test_the_interpreter_does_not_depend_on_import_order():
     program = (
         "import os, sys\n"
         "os.environ.pop('TRITON_INTERPRET', None)\n"
-        "import triton\n"                       # first, as another library would
+        "import triton\n"  # first, as another library would
         "from moekv_ref.checkpoint import load_default_model\n"
         "from moekv_ref.generate import generate\n"
         "from moekv_ref.sampling import SamplingParams\n"
@@ -98,7 +108,9 @@ def test_the_interpreter_does_not_depend_on_import_order():
         "print(tokens[0] == tokens[1], tokens[1])\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("True"), done.stdout
 
@@ -118,8 +130,16 @@ def test_a_budgeted_cache_attends_full_rows_on_the_kernel(monkeypatch):
 
     monkeypatch.setattr(moekv_kernels, "paged_attention", counting)
     with torch.inference_mode():
-        logits = {attention: prefill_then_decode(model, PagedKVCache.for_model(
-            model, block_size=2, attention=attention, budget=RowBudget(3, "window", num_sinks=1)), sequences, prefill=4)
-            for attention in ("batched", "triton")}
+        logits = {
+            attention: prefill_then_decode(
+                model,
+                PagedKVCache.for_model(
+                    model, block_size=2, attention=attention, budget=RowBudget(3, "window", num_sinks=1)
+                ),
+                sequences,
+                prefill=4,
+            )
+            for attention in ("batched", "triton")
+        }
     assert launches
     assert (logits["triton"] - logits["batched"]).abs().max() <= 1e-4

@@ -23,14 +23,22 @@ TARGETS = ("sm_90", "sm_80")
 @pytest.fixture(scope="module")
 def rows():
     if report.triton_tool("ptxas") is None or report.triton_tool("cuobjdump") is None:
-        pytest.skip("ptxas / cuobjdump not found: the static GPU check needs the CUDA tools Triton ships "
-                    "(triton/backends/nvidia/bin); install a triton wheel that bundles them")
+        pytest.skip(
+            "ptxas / cuobjdump not found: the static GPU check needs the CUDA tools Triton ships "
+            "(triton/backends/nvidia/bin); install a triton wheel that bundles them"
+        )
     return report.collect(report.CONFIGS, TARGETS, jobs=2)
 
 
 def test_every_kernel_compiles_for_every_target(rows):
     compiled = {(r["kernel"], r["config"], r["target"]) for r in rows}
-    expected_kernels = {"paged_attention", "paged_attention_split_k", "combine_splits", "store_kv", "expert_gemm"}
+    expected_kernels = {
+        "paged_attention",
+        "paged_attention_split_k",
+        "combine_splits",
+        "store_kv",
+        "expert_gemm",
+    }
     assert {kernel for kernel, _, _ in compiled} == expected_kernels
     for target in TARGETS:
         for config in report.CONFIGS:
@@ -38,8 +46,11 @@ def test_every_kernel_compiles_for_every_target(rows):
 
 
 def test_no_kernel_spills_registers(rows):
-    spilling = [(r["kernel"], r["config"], r["target"], r["registers"], r["stack_bytes"], r["local_bytes"])
-                for r in rows if r["stack_bytes"] or r["local_bytes"]]
+    spilling = [
+        (r["kernel"], r["config"], r["target"], r["registers"], r["stack_bytes"], r["local_bytes"])
+        for r in rows
+        if r["stack_bytes"] or r["local_bytes"]
+    ]
     assert not spilling, f"local memory (spilled registers) in: {spilling}"
 
 
@@ -47,8 +58,13 @@ def test_decode_kernels_leave_room_for_four_blocks_per_sm(rows):
     """At Dh = 128, query groups up to 8, float16 and bfloat16: at most 128 registers per thread, so at
     least 4 blocks of 4 warps are resident on an SM (the bytes in flight they need: see the
     docstring of moekv_kernels/paged_attention.py)."""
-    decode = [r for r in rows if r["kernel"] in ("paged_attention", "paged_attention_split_k")
-              and r["settings"]["head_dim"] == 128 and r["settings"]["dtype"] in ("float16", "bfloat16")]
+    decode = [
+        r
+        for r in rows
+        if r["kernel"] in ("paged_attention", "paged_attention_split_k")
+        and r["settings"]["head_dim"] == 128
+        and r["settings"]["dtype"] in ("float16", "bfloat16")
+    ]
     assert {r["settings"]["group"] for r in decode} >= {1, 4, 8}
     for r in decode:
         assert r["registers"] <= 128, r
@@ -69,11 +85,19 @@ def test_occupancy_arithmetic():
     """The resident-block formula of moekv_kernels.report on numbers worked by hand."""
     h100 = report.TARGETS["sm_90"]
     # 255 registers: 256 * 32 = 8192 per warp, 8 warps per SM, 2 blocks of 4 warps
-    assert report.occupancy(h100, 255, 5 * 1024, 4) == {"blocks_per_sm": 2, "warps_per_sm": 8, "limited_by": "registers"}
+    assert report.occupancy(h100, 255, 5 * 1024, 4) == {
+        "blocks_per_sm": 2,
+        "warps_per_sm": 8,
+        "limited_by": "registers",
+    }
     # 80 registers: 2560 per warp, 25 warps, 6 blocks of 4
     assert report.occupancy(h100, 80, 10 * 1024, 4)["blocks_per_sm"] == 6
     # 32 registers: registers allow 16 blocks of 4 warps, the 64-warp limit too: 16
-    assert report.occupancy(h100, 32, 0, 4) == {"blocks_per_sm": 16, "warps_per_sm": 64, "limited_by": "warps"}
+    assert report.occupancy(h100, 32, 0, 4) == {
+        "blocks_per_sm": 16,
+        "warps_per_sm": 64,
+        "limited_by": "warps",
+    }
     # 100 KB of shared memory: 2 blocks on an H100 (228 KB), 1 on an A100 (164 KB)
     assert report.occupancy(h100, 32, 100 * 1024, 4)["blocks_per_sm"] == 2
     assert report.occupancy(report.TARGETS["sm_80"], 32, 100 * 1024, 4)["limited_by"] == "shared"
@@ -89,4 +113,7 @@ def test_bandwidth_bound_counts_each_byte_once():
     assert round(report.bound_bytes(config, "paged_attention") / 4.8e12 * 1e6, 1) == 112.1
     assert report.hbm_bandwidth("NVIDIA H200") == ("H200", 4.8e12)
     assert report.hbm_bandwidth("NVIDIA A100-SXM4-80GB") == ("A100 80GB", 2.039e12)
-    assert report.hbm_bandwidth("NVIDIA H100 PCIe") is None and report.hbm_bandwidth("NVIDIA GeForce RTX 4090") is None
+    assert (
+        report.hbm_bandwidth("NVIDIA H100 PCIe") is None
+        and report.hbm_bandwidth("NVIDIA GeForce RTX 4090") is None
+    )

@@ -14,12 +14,15 @@ PACKAGES = (PACKAGE, ROOT / "moekv_kernels")
 
 # Function-level imports that are there on purpose, each with its reason.
 ALLOWED_LAZY = {
-    ("moekv_ref/model.py", "moekv_kernels"),            # triton is optional, and kernels must set the interpreter flag first
-    ("moekv_ref/cache/paged.py", "moekv_kernels"),      # the same
-    ("moekv_ref/apps/bench_step.py", "moekv_ref.checkpoint"),   # a worker importing another checkout's package
+    (
+        "moekv_ref/model.py",
+        "moekv_kernels",
+    ),  # triton is optional, and kernels must set the interpreter flag first
+    ("moekv_ref/cache/paged.py", "moekv_kernels"),  # the same
+    ("moekv_ref/apps/bench_step.py", "moekv_ref.checkpoint"),  # a worker importing another checkout's package
     ("moekv_ref/apps/bench_step.py", "moekv_ref.engine"),
     ("moekv_ref/apps/bench_step.py", "moekv_ref.sampling"),
-    ("moekv_ref/apps/bench_step.py", "moekv_ref.apps.options"),   # this module runs in that worker too
+    ("moekv_ref/apps/bench_step.py", "moekv_ref.apps.options"),  # this module runs in that worker too
     ("moekv_ref/apps/bench_step.py", "moekv_ref.profiling"),
     ("moekv_ref/apps/bench_step.py", "moekv_ref.apps.bench_peer"),
 }
@@ -85,8 +88,11 @@ def _import_graph(modules) -> dict[str, set[str]]:
     for path, module, tree in modules:
         targets = set()
         for node in _module_imports(tree):
-            targets.update(t for t in _resolve(module, node)
-                           if t.split(".")[0] in ("moekv_ref", "moekv_kernels") and t != module)
+            targets.update(
+                t
+                for t in _resolve(module, node)
+                if t.split(".")[0] in ("moekv_ref", "moekv_kernels") and t != module
+            )
         graph[module] = targets
     return graph
 
@@ -94,6 +100,7 @@ def _import_graph(modules) -> dict[str, set[str]]:
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """An import cycle as a list of modules (first == last), or None. An import of `moekv_ref.x.y`
     also runs the packages above it, so those count as edges too."""
+
     def parents(name):
         parts = name.split(".")
         return [".".join(parts[:i]) for i in range(2, len(parts))]
@@ -108,7 +115,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
                 if step == module or step not in graph:
                     continue
                 if state.get(step) == "open" and not module.startswith(step + "."):
-                    return stack[stack.index(step):] + [step]
+                    return stack[stack.index(step) :] + [step]
                 if step not in state:
                     found = visit(step)
                     if found:
@@ -140,7 +147,9 @@ def test_readme_layout_names_every_module_and_only_paths_that_exist():
         if "*" in name:
             assert list(ROOT.glob(name)), f"layout table: nothing matches `{name}`"
             continue
-        found = (ROOT / name).exists() or any(p for p in ROOT.rglob(Path(name).name) if ".venv" not in p.parts)
+        found = (ROOT / name).exists() or any(
+            p for p in ROOT.rglob(Path(name).name) if ".venv" not in p.parts
+        )
         assert found, f"the README's layout table names `{name}`, which does not exist"
 
 
@@ -152,16 +161,28 @@ def test_the_packages_import_without_a_cycle():
 def test_the_cycle_check_sees_type_checking_and_main_imports():
     """The check above is not vacuous: a circle closed only by an import under TYPE_CHECKING, or only
     under `if __name__ == "__main__":`, is found, and it is the injected one."""
+
     def injected(changes):
-        return [(path, module, ast.parse(changes[module]) if module in changes else tree)
-                for path, module, tree in _modules()]
+        return [
+            (path, module, ast.parse(changes[module]) if module in changes else tree)
+            for path, module, tree in _modules()
+        ]
 
     for guard in ("if TYPE_CHECKING:", 'if __name__ == "__main__":'):
-        cycle = _find_cycle(_import_graph(injected({"moekv_ref.config": f"{guard}\n    from moekv_ref.apps import cli\n"})))
+        cycle = _find_cycle(
+            _import_graph(injected({"moekv_ref.config": f"{guard}\n    from moekv_ref.apps import cli\n"}))
+        )
         assert cycle is not None and "moekv_ref.config" in cycle, (guard, cycle)
-    cycle = _find_cycle(_import_graph(injected({
-        "moekv_kernels.store_kv": 'if __name__ == "__main__":\n    from .report import occupancy\n',
-        "moekv_kernels.report": "if TYPE_CHECKING:\n    from .store_kv import store_kv\n"})))
+    cycle = _find_cycle(
+        _import_graph(
+            injected(
+                {
+                    "moekv_kernels.store_kv": 'if __name__ == "__main__":\n    from .report import occupancy\n',
+                    "moekv_kernels.report": "if TYPE_CHECKING:\n    from .store_kv import store_kv\n",
+                }
+            )
+        )
+    )
     assert cycle is not None and {"moekv_kernels.store_kv", "moekv_kernels.report"} <= set(cycle), cycle
 
 
@@ -170,7 +191,9 @@ def test_no_kernel_imports_the_benchmark():
     importers = []
     for path, module, tree in _modules((ROOT / "moekv_kernels",)):
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and "moekv_kernels.bench" in _resolve(module, node):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and "moekv_kernels.bench" in _resolve(
+                module, node
+            ):
                 importers.append(module)
     assert not importers, importers
 
@@ -198,8 +221,13 @@ def _top_level_names(sources: dict[str, str]) -> dict[str, list[str]]:
     defined: dict[str, list[str]] = {}
     for path, source in sources.items():
         for node in ast.parse(source).body:
-            names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else \
-                [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name) and t.id.isupper()]
+            names = (
+                [node.name]
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+                else [
+                    t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name) and t.id.isupper()
+                ]
+            )
             for name in names:
                 defined.setdefault(name, []).append(path)
     return defined
@@ -209,12 +237,18 @@ def test_no_name_is_defined_in_two_library_modules():
     """One name, one meaning: no function, class or constant of the library is defined in two of its
     modules (the second would be a copy, or a different thing under the same name); and the check
     sees a copy when one is made."""
-    sources = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in sorted(PACKAGE.rglob("*.py"))
-               if not str(p.relative_to(ROOT)).startswith(LIBRARY_LEFT_OUT)}
+    sources = {
+        str(p.relative_to(ROOT)): p.read_text(encoding="utf-8")
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if not str(p.relative_to(ROOT)).startswith(LIBRARY_LEFT_OUT)
+    }
     twice = {name: paths for name, paths in _top_level_names(sources).items() if len(paths) > 1}
     assert not twice, twice
     copied = dict(sources, **{"moekv_ref/copy.py": "class KVCacheManager:\n    pass\nBYTES_PER_INDEX = 4\n"})
-    assert {n for n, p in _top_level_names(copied).items() if len(p) > 1} == {"KVCacheManager", "BYTES_PER_INDEX"}
+    assert {n for n, p in _top_level_names(copied).items() if len(p) > 1} == {
+        "KVCacheManager",
+        "BYTES_PER_INDEX",
+    }
 
 
 def test_every_importable_package_has_the_project_s_prefix():
@@ -224,6 +258,7 @@ def test_every_importable_package_has_the_project_s_prefix():
     of that name, a dependency of transformers (the `bench peer` extra): with it installed, notebook
     08 imported Hugging Face's package and transformers imported ours."""
     import tomllib
+
     found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     assert all(pattern.startswith("moekv_") for pattern in found["include"]), found["include"]
     top_level = {p.parent.name for p in ROOT.glob("*/__init__.py")}
@@ -236,15 +271,22 @@ def test_every_importable_package_has_the_project_s_prefix():
 ALLOWED_WRITES = {
     ("moekv_ref/apps/demo.py", "bar"): "tqdm's progress is set through its `n` attribute",
     ("moekv_ref/cache/prefix_cache.py", "self.stats"): "its own counters, a record it made and hands out",
-    **{(f"moekv_ref/apps/{name}.py", "args"): "the options argparse made for this program"
-       for name in ("parallel_run",)},
+    **{
+        (f"moekv_ref/apps/{name}.py", "args"): "the options argparse made for this program"
+        for name in ("parallel_run",)
+    },
     ("moekv_ref/parallel/programs.py", "block"): "scaling the routers of the model this function just built",
-    **{("moekv_ref/apps/bench_peer.py", name): "our weights copied into the Hugging Face model this function built"
-       for name in ("attention", "layer", "mlp", "experts")},
+    **{
+        (
+            "moekv_ref/apps/bench_peer.py",
+            name,
+        ): "our weights copied into the Hugging Face model this function built"
+        for name in ("attention", "layer", "mlp", "experts")
+    },
 }
 ALLOWED_PRIVATE = {
     ("moekv_kernels/report.py", "kernel._pack_args"): "triton has no public call that compiles a launch for "
-                                                      "another GPU's target",
+    "another GPU's target",
 }
 _OWN = ("self", "cls")
 
@@ -273,8 +315,13 @@ def _attribute_path(node: ast.expr) -> str:
     while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
         if isinstance(node, ast.Attribute):
             names.append(node.attr)
-        node = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else \
-            node.func if isinstance(node, ast.Call) else node.value
+        node = (
+            node.func.value
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            else node.func
+            if isinstance(node, ast.Call)
+            else node.value
+        )
     return ".".join([node.id if isinstance(node, ast.Name) else "?", *reversed(names[1:])])
 
 
@@ -285,8 +332,13 @@ def _attribute_depth(node: ast.expr) -> int:
     while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
         if isinstance(node, ast.Attribute):
             depth += 1
-        node = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else \
-            node.func if isinstance(node, ast.Call) else node.value
+        node = (
+            node.func.value
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            else node.func
+            if isinstance(node, ast.Call)
+            else node.value
+        )
     return depth
 
 
@@ -309,7 +361,9 @@ def _builds(value: ast.expr) -> bool:
     method's answer (`self.waiting.popleft()` hands back an object someone else holds)."""
     if not isinstance(value, ast.Call):
         return False
-    if isinstance(value.func, ast.Name) or (isinstance(value.func, ast.Attribute) and value.func.attr[:1].isupper()):
+    if isinstance(value.func, ast.Name) or (
+        isinstance(value.func, ast.Attribute) and value.func.attr[:1].isupper()
+    ):
         return True
     # a new object's own methods handing it back: Model(config).float().eval()
     return isinstance(value.func, ast.Attribute) and _builds(value.func.value)
@@ -322,7 +376,7 @@ def _built_here(function: ast.AST) -> set[str]:
     while pending:
         node = pending.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
-            continue                                 # its own scope
+            continue  # its own scope
         if isinstance(node, ast.Assign) and _builds(node.value):
             names.update(target.id for target in node.targets if isinstance(target, ast.Name))
         pending.extend(ast.iter_child_nodes(node))
@@ -353,7 +407,7 @@ def outside_writes(source: str, path: str) -> list[str]:
         elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
             targets = [node.target]
         for target in targets:
-            for part in (target.elts if isinstance(target, ast.Tuple) else [target]):
+            for part in target.elts if isinstance(target, ast.Tuple) else [target]:
                 if isinstance(part, (ast.Attribute, ast.Subscript)) and _foreign(part, built):
                     found.append(f"{path}:{node.lineno}: assigns {ast.unparse(part)}")
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
@@ -377,15 +431,18 @@ def outside_writes(source: str, path: str) -> list[str]:
             return True
         if not _through_attribute(target):
             return False
-        if base.id in _OWN:                          # its own attribute, not one of an object it holds
+        if base.id in _OWN:  # its own attribute, not one of an object it holds
             return _attribute_depth(target) > 1 and (path, _attribute_path(target)) not in ALLOWED_WRITES
         if base.id in modules or base.id in built:
             return False
         return (path, base.id) not in ALLOWED_WRITES
 
     check(tree, set())
-    return [line for line in found if not any(line.startswith(f"{p}:") and f" {what}" in line
-                                              for p, what in ALLOWED_PRIVATE)]
+    return [
+        line
+        for line in found
+        if not any(line.startswith(f"{p}:") and f" {what}" in line for p, what in ALLOWED_PRIVATE)
+    ]
 
 
 def test_no_module_writes_another_object_s_state_or_calls_its_private_members():
@@ -393,12 +450,14 @@ def test_no_module_writes_another_object_s_state_or_calls_its_private_members():
     for package in PACKAGES:
         for path in sorted(package.rglob("*.py")):
             found += outside_writes(path.read_text(), str(path.relative_to(ROOT)))
-    assert not found, "writes to another object's state (ask its owner through a method):\n" + "\n".join(found)
+    assert not found, "writes to another object's state (ask its owner through a method):\n" + "\n".join(
+        found
+    )
 
 
 def test_the_one_writer_check_sees_each_kind_of_outside_write():
     """Injected cases: each kind the check looks for is found, and each kind it allows is allowed."""
-    caught = '''
+    caught = """
 def f(manager, request, hit):
     manager.block_tables[0, 1] = 5
     manager.last_position[rows] = positions
@@ -412,10 +471,10 @@ class B:
     def g(self, step):
         self.manager.clock = step
         self.manager.row_tokens.view(-1)[0] = 1
-'''
+"""
     found = outside_writes(caught, "x.py")
     assert len(found) == 10, found
-    allowed = '''
+    allowed = """
 import os
 from dataclasses import dataclass
 class A:
@@ -430,5 +489,5 @@ class A:
         items[1] = 2
         os.environ["X"] = "1"
         os._exit(0)
-'''
+"""
     assert outside_writes(allowed, "x.py") == []

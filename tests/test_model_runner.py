@@ -3,6 +3,7 @@ with their positions), and the swap copies it performs, in the order decided, mo
 K/V of the blocks named."""
 
 import torch
+from helpers import random_model, small_config
 
 from moekv_ref.cache.paged import PagedKVCache
 from moekv_ref.engine.model_runner import ModelRunner, flatten_batch
@@ -11,17 +12,16 @@ from moekv_ref.engine.scheduler import ScheduledRequest, SchedulerOutput
 from moekv_ref.engine.swap import SWAP_IN, SWAP_OUT, BlockCopy
 from moekv_ref.sampling import SamplingParams
 
-from helpers import random_model, small_config
-
 
 def test_flat_batch_continues_each_request_where_its_cache_ends():
     prefill = Request(4, [10, 11, 12, 13, 14], SamplingParams())
     decode = Request(1, [20, 21], SamplingParams())
-    decode.output_token_ids, decode.num_computed_tokens = [22, 23], 3     # 23 is pending
+    decode.output_token_ids, decode.num_computed_tokens = [22, 23], 3  # 23 is pending
     chunk = Request(7, list(range(30, 40)), SamplingParams())
     chunk.num_computed_tokens = 4
-    batch = flatten_batch([ScheduledRequest(prefill, 5, 0), ScheduledRequest(decode, 1, 0),
-                           ScheduledRequest(chunk, 3, 0)])
+    batch = flatten_batch(
+        [ScheduledRequest(prefill, 5, 0), ScheduledRequest(decode, 1, 0), ScheduledRequest(chunk, 3, 0)]
+    )
     assert batch.token_ids == [10, 11, 12, 13, 14, 23, 34, 35, 36]
     assert batch.seq_ids == [4] * 5 + [1] + [7] * 3
     assert batch.positions == [0, 1, 2, 3, 4, 3, 4, 5, 6]
@@ -32,14 +32,20 @@ def test_block_copies_move_exactly_the_named_blocks_in_order():
     model = random_model(small_config("expert", "threshold"), seed=0)
     cache = PagedKVCache.for_model(model, block_size=4, num_blocks=16)
     runner = ModelRunner(model, cache, num_swap_blocks=4)
-    cache.key_cache.copy_(torch.arange(cache.key_cache.numel(), dtype=cache.key_cache.dtype).view_as(cache.key_cache))
+    cache.key_cache.copy_(
+        torch.arange(cache.key_cache.numel(), dtype=cache.key_cache.dtype).view_as(cache.key_cache)
+    )
     cache.value_cache.copy_(-cache.key_cache)
     keys, values = cache.key_cache.clone(), cache.value_cache.clone()
     # out: device 5, 3 -> host 0, 1; then the freed device blocks are reused by a swap-in that
     # crosses them over (host 0 -> device 3, host 1 -> device 5): the copies out must have read them
     # first, or the swap-in would bring back the host pool's zeros
-    runner.copy_blocks([BlockCopy(SWAP_OUT, torch.tensor([5, 3]), torch.tensor([0, 1])),
-                        BlockCopy(SWAP_IN, torch.tensor([0, 1]), torch.tensor([3, 5]))])
+    runner.copy_blocks(
+        [
+            BlockCopy(SWAP_OUT, torch.tensor([5, 3]), torch.tensor([0, 1])),
+            BlockCopy(SWAP_IN, torch.tensor([0, 1]), torch.tensor([3, 5])),
+        ]
+    )
     assert torch.equal(runner.host_key_cache[0], keys[5]) and torch.equal(runner.host_key_cache[1], keys[3])
     assert torch.equal(runner.host_value_cache[0], values[5])
     assert torch.equal(cache.key_cache[3], keys[5]) and torch.equal(cache.key_cache[5], keys[3])
@@ -48,12 +54,15 @@ def test_block_copies_move_exactly_the_named_blocks_in_order():
     assert torch.equal(cache.key_cache[untouched], keys[untouched])
     assert torch.equal(runner.host_key_cache[2:], torch.zeros_like(runner.host_key_cache[2:]))
 
+
 def test_copies_then_a_forward_over_the_scheduled_requests():
     model = random_model(small_config("expert", "threshold"), seed=0)
     cache = PagedKVCache.for_model(model, block_size=4, num_blocks=16)
     runner = ModelRunner(model, cache, num_swap_blocks=2)
     cache.key_cache[2] = 7.0
-    decision = SchedulerOutput(step=0, block_copies=[BlockCopy(SWAP_OUT, torch.tensor([2]), torch.tensor([1]))])
+    decision = SchedulerOutput(
+        step=0, block_copies=[BlockCopy(SWAP_OUT, torch.tensor([2]), torch.tensor([1]))]
+    )
     runner.copy_blocks(decision.block_copies)
     assert (runner.host_key_cache[1] == 7.0).all()
     request = Request(0, [1, 2, 3], SamplingParams())

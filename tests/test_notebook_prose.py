@@ -21,8 +21,13 @@ def _texts(name: str) -> tuple[str, str]:
     line breaks folded into spaces, so a phrase may wrap."""
     cells = json.loads((NOTEBOOKS / name).read_text(encoding="utf-8"))["cells"]
     markdown = " ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
-    printed = "\n".join("".join(o.get("text", "")) for c in cells if c["cell_type"] == "code"
-                        for o in c.get("outputs", []) if o.get("output_type") == "stream")
+    printed = "\n".join(
+        "".join(o.get("text", ""))
+        for c in cells
+        if c["cell_type"] == "code"
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "stream"
+    )
     return re.sub(r"\s+", " ", markdown), printed
 
 
@@ -37,11 +42,11 @@ def _table(printed: str, header: str) -> list[list[str]]:
     lines = printed.split("\n")
     start = next(i for i, line in enumerate(lines) if line.strip().startswith(header))
     rows = []
-    for line in lines[start + 1:]:
-        if set(line.strip()) <= {"-", " "} and line.strip():      # the rule under the header
+    for line in lines[start + 1 :]:
+        if set(line.strip()) <= {"-", " "} and line.strip():  # the rule under the header
             continue
         if not line.strip() or (rows and len(line.split()) != len(rows[0])):
-            break                                                  # the table has ended
+            break  # the table has ended
         rows.append(line.split())
     return rows
 
@@ -49,16 +54,24 @@ def _table(printed: str, header: str) -> list[list[str]]:
 def test_notebook_03_quotes_its_tables():
     markdown, printed = _texts("03_fragmentation_and_paging.ipynb")
     designs = {(r[0], r[1]): r for r in _table(printed, "design")}
-    assert _number(r"at P = 16 most of a row's single block is empty \(effective ([\d.]+)\)", markdown, "P=16") \
-        == float(designs["paged", "16"][3])
+    assert _number(
+        r"at P = 16 most of a row's single block is empty \(effective ([\d.]+)\)", markdown, "P=16"
+    ) == float(designs["paged", "16"][3])
     assert _number(r"and at P = 4 much less \(([\d.]+)\)", markdown, "P=4") == float(designs["paged", "4"][3])
-    assert _number(r"It gets less, ([\d.]+), because", markdown, "reserved") == float(designs["reserved", "-"][3])
-    assert _number(r"can never exceed \$k/E\$ = ([\d.]+)", markdown, "k/E") \
-        == _number(r"k/E = \d+/\d+ = ([\d.]+)", printed, "k/E printed")
+    assert _number(r"It gets less, ([\d.]+), because", markdown, "reserved") == float(
+        designs["reserved", "-"][3]
+    )
+    assert _number(r"can never exceed \$k/E\$ = ([\d.]+)", markdown, "k/E") == _number(
+        r"k/E = \d+/\d+ = ([\d.]+)", printed, "k/E printed"
+    )
     tokens_per_row = _number(r"a row ends holding ([\d.]+) tokens on average", printed, "tokens per row")
-    assert _number(r"Rows here end with only about (\d+) tokens", markdown, "tokens per row") == round(tokens_per_row)
+    assert _number(r"Rows here end with only about (\d+) tokens", markdown, "tokens per row") == round(
+        tokens_per_row
+    )
     by_experts = {(r[0], r[3]): r for r in _table(printed, "E  k")}
-    assert _number(r"so plain pages keep ([\d.]+) here", markdown, "E=8") == float(by_experts["8", "paged"][4])
+    assert _number(r"so plain pages keep ([\d.]+) here", markdown, "E=8") == float(
+        by_experts["8", "paged"][4]
+    )
     assert _number(r"against ([\d.]+) there", markdown, "section 2") == float(designs["paged", "16"][3])
 
 
@@ -68,9 +81,11 @@ def test_notebook_04_quotes_its_summary():
     share = _number(r"pool / that sum\s+([\d.]+)", printed, "pool share")
     pool = _number(r"The pool has (\d+) blocks of 16 slots", markdown, "pool")
     assert _number(r"of the ([\d,]+) blocks the twenty requests hold", markdown, "held") == held
-    assert _number(r"slots: (\d+)% of the", markdown, "share") == round(100 * share) == round(100 * pool / held)
-    assert _number(r"requests admitted\s+(\d+)", printed, "admitted") == 20     # "Twenty requests"
-    assert _number(r"requests refused\s+(\d+)", printed, "refused") == 1        # "the twenty-first"
+    assert (
+        _number(r"slots: (\d+)% of the", markdown, "share") == round(100 * share) == round(100 * pool / held)
+    )
+    assert _number(r"requests admitted\s+(\d+)", printed, "admitted") == 20  # "Twenty requests"
+    assert _number(r"requests refused\s+(\d+)", printed, "refused") == 1  # "the twenty-first"
 
 
 def test_notebook_05_quotes_its_tables():
@@ -78,13 +93,19 @@ def test_notebook_05_quotes_its_tables():
     policies = {r[0]: r for r in _table(printed, "policy") if r[0] != "bound"}
     evicting = [p for p in policies.values() if int(p[6]) > 0]
     goodputs = [float(p[3]) for p in evicting]
-    assert 100 * (max(goodputs) / min(goodputs) - 1) < _number(r"evict are within (\d+)% of each other", markdown, "spread")
+    assert 100 * (max(goodputs) / min(goodputs) - 1) < _number(
+        r"evict are within (\d+)% of each other", markdown, "spread"
+    )
     evictions = [int(p[6]) for p in evicting]
-    assert all(abs(e - 10) <= 2 for e in evictions), evictions                 # "about ten evictions"
-    freed = [float(p[8]) for name, p in policies.items() if name in ("sequence_lru", "pressure_aware", "belady")]
-    assert all(abs(f - _number(r"a whole sequence frees about (\d+) there", markdown, "freed")) < 1.5 for f in freed)
-    assert float(policies["expert_lru"][8]) == 1.0                            # "frees one block there"
-    assert int(policies["oracle"][1]) == max(int(p[1]) for p in policies.values())   # "the most steps"
+    assert all(abs(e - 10) <= 2 for e in evictions), evictions  # "about ten evictions"
+    freed = [
+        float(p[8]) for name, p in policies.items() if name in ("sequence_lru", "pressure_aware", "belady")
+    ]
+    assert all(
+        abs(f - _number(r"a whole sequence frees about (\d+) there", markdown, "freed")) < 1.5 for f in freed
+    )
+    assert float(policies["expert_lru"][8]) == 1.0  # "frees one block there"
+    assert int(policies["oracle"][1]) == max(int(p[1]) for p in policies.values())  # "the most steps"
 
     # recompute or swap: the text's range is the printed one
     horizon = _number(r"swap cheaper from context never, up to (\d+)", printed, "PCIe horizon")
@@ -95,33 +116,42 @@ def test_notebook_05_quotes_its_tables():
     names = ["sequence_lru", "expert_lru", "pressure_aware", "oracle", "belady"]
     instances = [dict(zip(["optimum"] + names + ["worst"], map(int, r[6:13]))) for r in rows]
     spread = max(100 * (i["worst"] / i["optimum"] - 1) for i in instances)
-    assert round(spread) == _number(r"up to (\d+)% more steps between the best and the worst", markdown, "spread")
+    assert round(spread) == _number(
+        r"up to (\d+)% more steps between the best and the worst", markdown, "spread"
+    )
     worst_for_lru = sum(i["sequence_lru"] == i["worst"] for i in instances)
-    assert re.search(rf"worst schedule of all on {['no', 'one', 'two', 'three', 'four'][worst_for_lru]} of the four",
-                     markdown), worst_for_lru
+    assert re.search(
+        rf"worst schedule of all on {['no', 'one', 'two', 'three', 'four'][worst_for_lru]} of the four",
+        markdown,
+    ), worst_for_lru
     first, last = instances[0], instances[-1]
-    assert last["pressure_aware"] == last["optimum"]                          # "matches the optimum on the last"
+    assert last["pressure_aware"] == last["optimum"]  # "matches the optimum on the last"
     above = 100 * (first["pressure_aware"] / first["optimum"] - 1)
     assert round(above) == _number(r"is (\d+)% above it on the first", markdown, "pressure_aware")
-    assert last["belady"] == last["worst"]                                    # "the worst schedule on the last one"
+    assert last["belady"] == last["worst"]  # "the worst schedule on the last one"
     online = ["sequence_lru", "expert_lru", "pressure_aware"]
     closest = sum(i["belady"] <= min(i[n] for n in online) for i in instances[:-1])
-    assert closest == 3                                                        # "closest ... on three instances"
+    assert closest == 3  # "closest ... on three instances"
 
 
-@pytest.mark.parametrize("name", ["03_fragmentation_and_paging.ipynb", "04_continuous_batching.ipynb",
-                                  "05_eviction.ipynb"])
+@pytest.mark.parametrize(
+    "name", ["03_fragmentation_and_paging.ipynb", "04_continuous_batching.ipynb", "05_eviction.ipynb"]
+)
 def test_a_changed_output_is_caught(name, monkeypatch):
     """The checks above fail when a stored number changes: each notebook's first quoted number is
     altered in its output and the notebook's test must raise."""
     original = _texts(name)
-    altered = {"03_fragmentation_and_paging.ipynb": ("0.556", "0.566"),
-               "04_continuous_batching.ipynb": ("1289", "1298"),
-               "05_eviction.ipynb": ("never, up to 2048", "never, up to 1024")}[name]
+    altered = {
+        "03_fragmentation_and_paging.ipynb": ("0.556", "0.566"),
+        "04_continuous_batching.ipynb": ("1289", "1298"),
+        "05_eviction.ipynb": ("never, up to 2048", "never, up to 1024"),
+    }[name]
     assert altered[0] in original[1]
     monkeypatch.setitem(globals(), "_texts", lambda n: (original[0], original[1].replace(*altered)))
-    test = {"03_fragmentation_and_paging.ipynb": test_notebook_03_quotes_its_tables,
-            "04_continuous_batching.ipynb": test_notebook_04_quotes_its_summary,
-            "05_eviction.ipynb": test_notebook_05_quotes_its_tables}[name]
+    test = {
+        "03_fragmentation_and_paging.ipynb": test_notebook_03_quotes_its_tables,
+        "04_continuous_batching.ipynb": test_notebook_04_quotes_its_summary,
+        "05_eviction.ipynb": test_notebook_05_quotes_its_tables,
+    }[name]
     with pytest.raises(AssertionError):
         test()

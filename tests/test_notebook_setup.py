@@ -31,7 +31,7 @@ def test_setup_sets_one_thread_for_torch_and_child_processes_and_seeds(restore_t
     assert os.environ["OMP_NUM_THREADS"] == "1"
     first = torch.rand(3)
     setup()
-    assert torch.equal(torch.rand(3), first)      # seeded again: the same draw
+    assert torch.equal(torch.rand(3), first)  # seeded again: the same draw
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
@@ -72,4 +72,4 @@ def test_setup_switches_on_inline_figures_in_a_kernel_only(restore_torch_state, 
         setup()
         assert shell.magics == expected
     monkeypatch.setattr(IPython, "get_ipython", lambda: None)
-    setup()                                   # a plain script: nothing to switch on, no error
+    setup()  # a plain script: nothing to switch on, no error

@@ -40,19 +40,39 @@ def test_first_cells_run_in_notebooks_directory_without_pythonpath():
     for path in NOTEBOOKS:
         source = path.read_text(encoding="utf-8")
         if not triton_available() and ("import moekv_kernels" in source or "from moekv_kernels" in source):
-            continue                      # the kernels' notebook; conftest.py skips it under nbval too
+            continue  # the kernels' notebook; conftest.py skips it under nbval too
         names.append(path.name)
         cells.append(first_code_cell(json.loads(source)))
     notebook = json.loads(NOTEBOOKS[0].read_text(encoding="utf-8"))
     notebook["cells"] = cells
     done = subprocess.run(
-        [sys.executable, "-m", "jupyter", "nbconvert", "--stdin", "--to", "notebook", "--execute", "--stdout",
-         "--allow-errors", "--ExecutePreprocessor.timeout=300"],
-        input=json.dumps(notebook), capture_output=True, text=True, cwd=ROOT / "notebooks",
-        env=clean_environment(), timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "nbconvert",
+            "--stdin",
+            "--to",
+            "notebook",
+            "--execute",
+            "--stdout",
+            "--allow-errors",
+            "--ExecutePreprocessor.timeout=300",
+        ],
+        input=json.dumps(notebook),
+        capture_output=True,
+        text=True,
+        cwd=ROOT / "notebooks",
+        env=clean_environment(),
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     executed = json.loads(done.stdout)["cells"]
     assert [c["execution_count"] for c in executed] == list(range(1, len(names) + 1))
-    failures = {name: f"{o['ename']}: {o['evalue']}" for name, cell in zip(names, executed)
-                for o in cell["outputs"] if o["output_type"] == "error"}
+    failures = {
+        name: f"{o['ename']}: {o['evalue']}"
+        for name, cell in zip(names, executed)
+        for o in cell["outputs"]
+        if o["output_type"] == "error"
+    }
     assert not failures, f"first code cells failing in a kernel started in notebooks/: {failures}"

@@ -53,14 +53,17 @@ def test_search_visits_exactly_the_leaves_of_a_naive_enumeration():
     instance = small_instance()
     found = search_optimum(*instance, prune=False, keep_leaves=True)
     leaves, dead = naive_leaves(*instance)
-    assert len(leaves) >= 3 and max(map(len, leaves)) >= 2      # a tree, not one decision
+    assert len(leaves) >= 3 and max(map(len, leaves)) >= 2  # a tree, not one decision
     assert dict(found.leaves) == leaves and len(found.leaves) == found.num_leaves == len(leaves)
     assert found.num_dead_ends == dead
     assert found.steps == min(leaves.values()) and found.worst_steps == max(leaves.values())
 
 
-@pytest.mark.parametrize("instance", [dict(), dict(num_sequences=5, seed=0), dict(blocks_per_device=80, seed=2)],
-                         ids=["6seq", "5seq", "6seq-80blocks"])
+@pytest.mark.parametrize(
+    "instance",
+    [dict(), dict(num_sequences=5, seed=0), dict(blocks_per_device=80, seed=2)],
+    ids=["6seq", "5seq", "6seq-80blocks"],
+)
 def test_every_whole_victim_policy_is_a_branch_and_none_beats_the_optimum(instance):
     trace, placement, setup, cost = small_instance(**instance)
     full = search_optimum(trace, placement, setup, cost, prune=False, keep_leaves=True)
@@ -70,11 +73,14 @@ def test_every_whole_victim_policy_is_a_branch_and_none_beats_the_optimum(instan
     leaves = dict(full.leaves)
     for name in WHOLE_VICTIM_POLICIES:
         stats, choices = recorded_run(name, trace, placement, setup, cost)
-        assert leaves[tuple(choices)] == stats.num_steps, name          # its run is that branch
+        assert leaves[tuple(choices)] == stats.num_steps, name  # its run is that branch
         assert full.steps <= stats.num_steps, name
     replay = simulate(trace, placement, setup, ScriptedVictims(full.choices), cost)
-    assert (replay.num_steps, replay.seconds, replay.finished_tokens) == (full.steps, full.seconds,
-                                                                          full.finished_tokens)
+    assert (replay.num_steps, replay.seconds, replay.finished_tokens) == (
+        full.steps,
+        full.seconds,
+        full.finished_tokens,
+    )
 
 
 def test_the_optimum_beats_some_policy_strictly():
@@ -94,9 +100,10 @@ def test_a_script_index_out_of_range_is_named():
 
 def test_bench_optimum_refuses_the_options_it_would_ignore():
     from moekv_ref.apps.bench_eviction import build_parser, check_args
+
     with pytest.raises(ValueError, match="--optimum runs .* alone: --quick, --host-blocks would be ignored"):
         check_args(build_parser().parse_args(["--optimum", "--quick", "--host-blocks", "4"]))
-    check_args(build_parser().parse_args(["--optimum"]))          # alone: accepted
+    check_args(build_parser().parse_args(["--optimum"]))  # alone: accepted
 
 
 def test_figures_optimum_json_is_what_the_bench_computes_and_no_whole_victim_policy_beats_it():
@@ -106,14 +113,23 @@ def test_figures_optimum_json_is_what_the_bench_computes_and_no_whole_victim_pol
     from pathlib import Path
 
     from moekv_ref.apps.bench_eviction import OPTIMUM_INSTANCES, compare_with_optimum
-    rows = json.loads((Path(__file__).resolve().parent.parent / "figures" / "eviction_optimum.json").read_text())["instances"]
+
+    rows = json.loads(
+        (Path(__file__).resolve().parent.parent / "figures" / "eviction_optimum.json").read_text()
+    )["instances"]
     assert [(r["num_sequences"], r["mean_output"], r["seed"]) for r in rows] == list(OPTIMUM_INSTANCES)
     for row in rows:
         steps = row["optimum"]["steps"]
-        assert all(steps <= row["policies"][name]["steps"] for name in row["policies"] if name in WHOLE_VICTIM_POLICIES)
+        assert all(
+            steps <= row["policies"][name]["steps"]
+            for name in row["policies"]
+            if name in WHOLE_VICTIM_POLICIES
+        )
         assert row["bound"]["steps"] <= steps <= row["optimum"]["worst_steps"]
     quickest = next(r for r in rows if r["num_sequences"] == 10)
     again = compare_with_optimum([(10, 24, 0)])[0]
     assert again["optimum"]["steps"] == quickest["optimum"]["steps"]
     assert again["optimum"]["worst_steps"] == quickest["optimum"]["worst_steps"]
-    assert {k: v["steps"] for k, v in again["policies"].items()} == {k: v["steps"] for k, v in quickest["policies"].items()}
+    assert {k: v["steps"] for k, v in again["policies"].items()} == {
+        k: v["steps"] for k, v in quickest["policies"].items()
+    }

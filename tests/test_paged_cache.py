@@ -8,12 +8,11 @@ of full recompute. Scenarios: exact block ids and slots; bad input raises before
 
 import pytest
 import torch
+from helpers import max_logit_error, random_model, random_prompts, small_config
 
 from moekv_ref.cache import KVCacheManager, OutOfBlocksError, PagedKVCache, SharedTailKVCacheManager
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
-
-from helpers import max_logit_error, random_model, random_prompts, small_config
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
 
@@ -35,8 +34,9 @@ def assert_same_run(model, paged, reference, dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("mode,routing", [("expert", "topk"), ("expert", "threshold"),
-                                          ("dense", "topk"), ("dense", "threshold")])
+@pytest.mark.parametrize(
+    "mode,routing", [("expert", "topk"), ("expert", "threshold"), ("dense", "topk"), ("dense", "threshold")]
+)
 @pytest.mark.parametrize("attention", ["reference", "batched"])
 def test_paged_equals_contiguous_and_recompute(mode, routing, dtype, attention):
     model = random_model(small_config(mode, routing), seed=1, dtype=dtype)
@@ -56,10 +56,10 @@ def test_blocks_are_scattered_and_slots_follow_tables():
     last = manager.allocate_slots(rows, torch.tensor([3]))
     table = manager.block_tables[rows[0], :3].to(torch.int64)
     assert (table.diff().abs() != 1).any()
-    expected = torch.cat([table[j // 4:j // 4 + 1] * 4 + j % 4 for j in range(10)])
+    expected = torch.cat([table[j // 4 : j // 4 + 1] * 4 + j % 4 for j in range(10)])
     assert torch.equal(manager.row_slots(int(rows[0])), expected)
     assert torch.equal(first.slot_mapping, expected[:7]) and torch.equal(last.slot_mapping, expected[7:])
-    assert first.moves == [] and last.moves == []                       # plain pages never move
+    assert first.moves == [] and last.moves == []  # plain pages never move
 
 
 def test_exact_block_ids_unshuffled():
@@ -68,14 +68,14 @@ def test_exact_block_ids_unshuffled():
     manager.add_sequence(0)
     manager.add_sequence(1)
     a, b = manager.rows([0], 0, 0), manager.rows([1], 0, 1)
-    manager.allocate_slots(a, torch.tensor([3]))          # blocks 0, 1
-    manager.allocate_slots(b, torch.tensor([1]))          # block 2
-    manager.allocate_slots(a, torch.tensor([1]))          # fills block 1: no new block
-    manager.allocate_slots(a, torch.tensor([1]))          # block 3
+    manager.allocate_slots(a, torch.tensor([3]))  # blocks 0, 1
+    manager.allocate_slots(b, torch.tensor([1]))  # block 2
+    manager.allocate_slots(a, torch.tensor([1]))  # fills block 1: no new block
+    manager.allocate_slots(a, torch.tensor([1]))  # block 3
     assert manager.blocks_of_sequence(0).tolist() == [0, 1, 3]
     assert manager.blocks_of_sequence(1).tolist() == [2]
     manager.free(0)
-    manager.allocate_slots(b, torch.tensor([5]))          # 6 tokens -> 3 blocks: 2 new ones
+    manager.allocate_slots(b, torch.tensor([5]))  # 6 tokens -> 3 blocks: 2 new ones
     assert manager.blocks_of_sequence(1).tolist() == [2, 3, 1]
     manager.assert_consistent()
 
@@ -91,13 +91,21 @@ def test_bad_input_leaves_everything_unchanged():
 
     manager = KVCacheManager(num_layers=2, num_experts=3, block_size=4, num_blocks=6)
     manager.add_sequence(0)
-    manager.allocate_slots(manager.rows([0], 0, 0), torch.tensor([9]))   # 3 blocks
-    before = (manager.pool.free_block_ids(), manager.pool.ref_cnt.clone(),
-              manager.block_tables.clone(), manager.row_tokens.clone())
+    manager.allocate_slots(manager.rows([0], 0, 0), torch.tensor([9]))  # 3 blocks
+    before = (
+        manager.pool.free_block_ids(),
+        manager.pool.ref_cnt.clone(),
+        manager.block_tables.clone(),
+        manager.row_tokens.clone(),
+    )
 
     def unchanged():
-        after = (manager.pool.free_block_ids(), manager.pool.ref_cnt,
-                 manager.block_tables, manager.row_tokens)
+        after = (
+            manager.pool.free_block_ids(),
+            manager.pool.ref_cnt,
+            manager.block_tables,
+            manager.row_tokens,
+        )
         return all(torch.equal(x, y) for x, y in zip(before, after))
 
     with pytest.raises(KeyError, match="sequence 5"):
@@ -113,7 +121,7 @@ def test_bad_input_leaves_everything_unchanged():
         manager.allocate_slots(torch.cat([rows, rows]), torch.tensor([1, 1]))
     assert unchanged()
     with pytest.raises(ValueError, match="double free"):
-        manager.pool.free(torch.tensor([5]))            # block 5 is free
+        manager.pool.free(torch.tensor([5]))  # block 5 is free
     assert unchanged()
     manager.free(0)
     with pytest.raises(KeyError, match="already freed"):
@@ -145,7 +153,7 @@ def test_append_kv_rejects_out_of_order_positions_without_storing():
 def test_append_kv_groups_pairs_into_rows_exactly():
     """One call, every expert of a layer: pairs of two sequences and three experts, interleaved as
     the model sends them (sorted by expert). P = 2, blocks handed out 0, 1, 2, ... in row order."""
-    config = small_config("expert", "topk")                       # L = 2, E = 5, Hkv = 2, Dh = 8
+    config = small_config("expert", "topk")  # L = 2, E = 5, Hkv = 2, Dh = 8
     seq_ids = torch.tensor([9, 9, 9, 9, 5, 9])
     experts = torch.tensor([0, 0, 0, 3, 3, 4])
     positions = torch.tensor([0, 1, 2, 1, 0, 2])
@@ -154,7 +162,7 @@ def test_append_kv_groups_pairs_into_rows_exactly():
     appended = cache.append_kv(1, seq_ids, experts, positions, k, -k)
     # new sequences get slots in id order: 5 -> slot 0, 9 -> slot 1; L * E = 10 rows per sequence,
     # row = slot * 10 + layer * 5 + expert
-    assert appended.rows.tolist() == [8, 15, 18, 19]              # (5,1,3) (9,1,0) (9,1,3) (9,1,4)
+    assert appended.rows.tolist() == [8, 15, 18, 19]  # (5,1,3) (9,1,0) (9,1,3) (9,1,4)
     assert appended.num_new.tolist() == [1, 3, 1, 1] and appended.context_lens.tolist() == [1, 3, 1, 1]
     assert appended.pair_row.tolist() == [1, 1, 1, 2, 0, 3]
     assert appended.pair_index.tolist() == [0, 1, 2, 0, 0, 0]
@@ -164,7 +172,11 @@ def test_append_kv_groups_pairs_into_rows_exactly():
     assert torch.equal(cache.value_cache.view(-1, 2, 8)[6], -k[3])
     # a second call continues the rows: expert 0 of sequence 9 gets its 4th token at index 3
     again = cache.append_kv(1, torch.tensor([9]), torch.tensor([0]), torch.tensor([3]), k[:1], k[:1])
-    assert again.rows.tolist() == [15] and again.pair_index.tolist() == [3] and again.context_lens.tolist() == [4]
+    assert (
+        again.rows.tolist() == [15]
+        and again.pair_index.tolist() == [3]
+        and again.context_lens.tolist() == [4]
+    )
 
 
 @pytest.mark.parametrize("attention", ["reference", "batched", "triton"])
@@ -183,11 +195,11 @@ def test_padding_and_free_slots_are_never_read_as_data(attention):
     cache.value_cache.fill_(float("nan"))
     reference = ContiguousKVCache(config.num_hidden_layers, config.num_attention_experts)
     generator = torch.Generator().manual_seed(0)
-    lengths = {0: 9, 1: 2, 2: 5}                                     # ragged prompts, one per expert
+    lengths = {0: 9, 1: 2, 2: 5}  # ragged prompts, one per expert
     seq_ids = torch.tensor([s for s, n in lengths.items() for _ in range(n)])
     positions = torch.tensor([p for n in lengths.values() for p in range(n)])
-    experts = seq_ids.clone()                                        # sequence s -> expert s
-    for step in range(3):                                             # a prefill, then two decode steps
+    experts = seq_ids.clone()  # sequence s -> expert s
+    for step in range(3):  # a prefill, then two decode steps
         k, v = torch.randn(2, seq_ids.numel(), Hkv, Dh, generator=generator)
         q = torch.randn(seq_ids.numel(), H, Dh, generator=generator)
         out = cache.attend(cache.append_kv(0, seq_ids, experts, positions, k, v), q)
@@ -205,21 +217,36 @@ def test_paged_equals_recompute_on_the_embedded_model(routing):
 
     model = load_default_model(routing)
     prompts = [list(b"def fibonacci(n):\n    "), list(b"import os"), list(b"x")]
-    result = generate(model, prompts, SamplingParams(max_new_tokens=12, temperature=0.0), cache="paged",
-                      record_logits=True, block_size=16, shuffle_seed=0)
+    result = generate(
+        model,
+        prompts,
+        SamplingParams(max_new_tokens=12, temperature=0.0),
+        cache="paged",
+        record_logits=True,
+        block_size=16,
+        shuffle_seed=0,
+    )
     assert max_logit_error(model, result) <= TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("mode,routing", [("expert", "topk"), ("expert", "threshold"), ("dense", "threshold")])
+@pytest.mark.parametrize(
+    "mode,routing", [("expert", "topk"), ("expert", "threshold"), ("dense", "threshold")]
+)
 @pytest.mark.parametrize("attention", ["reference", "batched"])
 def test_shared_tails_equal_contiguous_and_recompute(mode, routing, dtype, attention):
     """Shared tails move K/V (promotion, compaction): the model must not notice."""
     model = random_model(small_config(mode, routing), seed=1, dtype=dtype)
     reference = _run(model, "contiguous")
     for block_size in (1, 2, 4, 16, 64):
-        paged = _run(model, "paged", block_size=block_size, shuffle_seed=block_size, shared_tails=True,
-                     attention=attention)
+        paged = _run(
+            model,
+            "paged",
+            block_size=block_size,
+            shuffle_seed=block_size,
+            shared_tails=True,
+            attention=attention,
+        )
         assert paged.tokens == reference.tokens
         for a, b in zip(paged.logits, reference.logits):
             assert (a - b).abs().max().item() <= TOLERANCE[dtype]
@@ -240,10 +267,10 @@ def test_shared_tail_promotion_and_compaction_exact_moves():
     # expert 1's token at slot 3) is compacted into block 1 (slot 3 -> 7) and given back.
     allocation = manager.allocate_slots(rows[:1], torch.tensor([1]))
     assert [(s.tolist(), d.tolist()) for s, d in allocation.moves] == [([0, 1, 2], [8, 9, 10]), ([3], [7])]
-    assert allocation.slot_mapping.tolist() == [11]                      # written straight to block 2
+    assert allocation.slot_mapping.tolist() == [11]  # written straight to block 2
     assert manager.tails.tail_blocks[0] == [1] and manager.pool.num_free_blocks == 16 - 2
     assert manager.row_slots(int(rows[0])).tolist() == [8, 9, 10, 11]
-    assert manager.row_slots(int(rows[1])).tolist() == [7, 4, 5]      # its first tail token moved
+    assert manager.row_slots(int(rows[1])).tolist() == [7, 4, 5]  # its first tail token moved
     manager.assert_consistent()
     manager.free(0)
     assert manager.pool.num_free_blocks == 16
@@ -256,8 +283,15 @@ def test_shared_tail_design_equals_the_real_manager(block_size):
     from moekv_ref.sim import ManagerPagedDesign, SharedTailDesign, replay, synthetic_trace
 
     trace = synthetic_trace(5, num_layers=2, num_experts=8, top_k=3, mean_prompt=12, mean_output=20, seed=6)
-    real = ManagerPagedDesign(5, 2, 8, block_size, num_blocks=trace.num_slot_appends + 1, shuffle_seed=1,
-                              manager_class=SharedTailKVCacheManager)
+    real = ManagerPagedDesign(
+        5,
+        2,
+        8,
+        block_size,
+        num_blocks=trace.num_slot_appends + 1,
+        shuffle_seed=1,
+        manager_class=SharedTailKVCacheManager,
+    )
     counted = SharedTailDesign(5, 2, 8, block_size)
     assert replay(trace, real).allocated_bytes_time_sum == replay(trace, counted).allocated_bytes_time_sum
     real.manager.assert_consistent()
@@ -278,11 +312,15 @@ def test_prefix_caching_and_shared_tails_combine_with_several_devices_not_with_e
     """The paged cache takes prefix caching, and shared tails, over per-device pools, by expert or by
     home; shared tails with prefix caching do not combine and are refused with the reason."""
     from moekv_ref.cache import PrefixCache, SharedTails
-    config = small_config("expert", "topk")                   # L = 2, E = 5, k = 3
+
+    config = small_config("expert", "topk")  # L = 2, E = 5, k = 3
     placement = torch.tensor([0, 0, 1, 1, 1])
-    by_expert = PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement,
-                             enable_prefix_caching=True)
-    by_home = PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], home_devices=True, enable_prefix_caching=True)
+    by_expert = PagedKVCache(
+        config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement, enable_prefix_caching=True
+    )
+    by_home = PagedKVCache(
+        config, 40, 4, blocks_per_device=[20, 20], home_devices=True, enable_prefix_caching=True
+    )
     assert by_expert.manager.prefix_cache is not None and by_expert.manager.num_devices == 2
     assert by_home.manager.home_devices and by_home.manager.prefix_cache is not None
     assert torch.equal(by_home.manager.device_of_expert_of([0, 1])[:, 0, 0], torch.tensor([0, 1]))
@@ -290,14 +328,23 @@ def test_prefix_caching_and_shared_tails_combine_with_several_devices_not_with_e
         PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement, home_devices=True)
     with pytest.raises(ValueError, match=r"blocks_per_device\[1\]=5 is too small .* homed there"):
         PagedKVCache(config, 25, 4, blocks_per_device=[20, 5], home_devices=True)
-    tails = PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement, shared_tails=True)
+    tails = PagedKVCache(
+        config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement, shared_tails=True
+    )
     assert tails.manager.tails is not None and tails.manager.num_devices == 2
     assert KVCacheManager(2, 5, 4, blocks_per_device=[20, 20], home_devices=True, tails=SharedTails()).tails
     with pytest.raises(ValueError, match="shared tails and prefix caching do not combine"):
         KVCacheManager(2, 5, 4, 40, tails=SharedTails(), prefix_cache=PrefixCache())
     with pytest.raises(ValueError, match="shared tails and prefix caching do not combine"):
-        PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], home_devices=True, shared_tails=True,
-                     enable_prefix_caching=True)
+        PagedKVCache(
+            config,
+            40,
+            4,
+            blocks_per_device=[20, 20],
+            home_devices=True,
+            shared_tails=True,
+            enable_prefix_caching=True,
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -308,10 +355,21 @@ def test_shared_tails_on_several_devices_equal_contiguous_and_recompute(dtype, p
     full recompute."""
     model = random_model(small_config("expert", "threshold"), seed=1, dtype=dtype)
     reference = _run(model, "contiguous")
-    devices = dict(device_of_expert=torch.tensor([0, 1, 1, 0, 1])) if placement == "expert" else dict(home_devices=True)
+    devices = (
+        dict(device_of_expert=torch.tensor([0, 1, 1, 0, 1]))
+        if placement == "expert"
+        else dict(home_devices=True)
+    )
     for block_size in (2, 4, 16):
-        paged = _run(model, "paged", block_size=block_size, shuffle_seed=block_size, shared_tails=True,
-                     blocks_per_device=[200, 200], **devices)
+        paged = _run(
+            model,
+            "paged",
+            block_size=block_size,
+            shuffle_seed=block_size,
+            shared_tails=True,
+            blocks_per_device=[200, 200],
+            **devices,
+        )
         assert_same_run(model, paged, reference, dtype)
 
 
@@ -325,16 +383,18 @@ def test_shared_tails_on_two_devices_keep_each_devices_tails_apart_exact_ids():
     rows = manager.rows([0, 0], 0, [0, 1])
     first = manager.allocate_slots(rows, torch.tensor([1, 1]))
     assert first.slot_mapping.tolist() == [0, 8] and first.moves == []
-    assert manager.tails.tail_blocks == {0: [0], 1: [4]}                   # group = seq slot * D + device
+    assert manager.tails.tail_blocks == {0: [0], 1: [4]}  # group = seq slot * D + device
     assert manager.blocks_needed_per_device(rows[:1], torch.tensor([1])).tolist() == [1, 0]
     second = manager.allocate_slots(rows[:1], torch.tensor([1]))
-    assert second.slot_mapping.tolist() == [3] and [(s.tolist(), d.tolist()) for s, d in second.moves] == [([0], [2])]
+    assert second.slot_mapping.tolist() == [3] and [(s.tolist(), d.tolist()) for s, d in second.moves] == [
+        ([0], [2])
+    ]
     assert manager.tails.tail_blocks == {0: [], 1: [4]} and manager.block_tables[rows[0], 0] == 1
     assert manager.num_free_blocks_per_device.tolist() == [3, 3]
     assert manager.blocks_of_sequence(0).tolist() == [1, 4]
     manager.assert_consistent()
     with pytest.raises(OutOfBlocksError, match="device 1 is short"):
-        manager.allocate_slots(rows[1:], torch.tensor([9]))       # 4 full blocks + a tail on device 1
+        manager.allocate_slots(rows[1:], torch.tensor([9]))  # 4 full blocks + a tail on device 1
     manager.assert_consistent()
     manager.free(0)
     assert manager.num_free_blocks_per_device.tolist() == [4, 4]
@@ -354,8 +414,15 @@ def _dense_decode_run(model, monkeypatch, planned=None):
 
     monkeypatch.setattr(PagedKVCache, "_append_planned", counting)
     prompts = random_prompts([5, 9, 3], model.config.vocab_size, seed=6)
-    result = generate(model, prompts, SamplingParams(max_new_tokens=12, temperature=0.0), cache="paged",
-                      record_logits=True, block_size=4, shuffle_seed=1)
+    result = generate(
+        model,
+        prompts,
+        SamplingParams(max_new_tokens=12, temperature=0.0),
+        cache="paged",
+        record_logits=True,
+        block_size=4,
+        shuffle_seed=1,
+    )
     return result, served
 
 
@@ -371,7 +438,7 @@ def test_a_dense_decode_step_plans_its_bookkeeping_once_and_the_plan_reaches_the
     assert max_logit_error(model, result) <= TOLERANCE[torch.float64]
     original = PagedKVCache._append_planned
 
-    def shifted(self, plan, *args):                           # each new token one slot on in its block
+    def shifted(self, plan, *args):  # each new token one slot on in its block
         if plan is None:
             return None
         plan.offset = (plan.offset + 1) % self.block_size
@@ -396,16 +463,22 @@ def test_a_plan_is_not_used_where_the_next_layers_rows_hold_other_counts():
     outputs = []
     for plans in (True, False):
         cache = PagedKVCache(config, num_blocks=16, block_size=4, dtype=torch.float64)
-        for layer, n in ((0, 5), (1, 6)):                       # uneven layers, then one decode token
+        for layer, n in ((0, 5), (1, 6)):  # uneven layers, then one decode token
             cache.append_kv(layer, [0] * n, [0] * n, list(range(n)), kv[0][:n], kv[1][:n])
         one = [torch.tensor([0]), torch.tensor([0]), torch.tensor([6])]
         first = cache.append_kv(0, *one, kv[2][:1], kv[3][:1])
-        assert cache.plan is not None and cache.plan.layer == 0            # layer 0's append planned
+        assert cache.plan is not None and cache.plan.layer == 0  # layer 0's append planned
         if not plans:
             cache.plan = None
         second = cache.append_kv(1, *one, kv[2][1:2], kv[3][1:2])
-        outputs.append((first.context_lens.tolist(), second.context_lens.tolist(), cache.manager.row_slots(1).tolist(),
-                        cache.attend(second, q)))
+        outputs.append(
+            (
+                first.context_lens.tolist(),
+                second.context_lens.tolist(),
+                cache.manager.row_slots(1).tolist(),
+                cache.attend(second, q),
+            )
+        )
     assert outputs[0][1] == [7] and outputs[0][:3] == outputs[1][:3]
     assert torch.equal(outputs[0][3], outputs[1][3])
 
@@ -424,8 +497,8 @@ def test_a_plan_is_not_used_for_a_sequence_freed_since_whose_slot_another_took()
     assert cache.plan is not None
     manager = cache.manager
     manager.free(0)
-    assert manager.add_sequence(1) == 0                                                # 0's old slot
-    rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]      # layers 0 and 1
+    assert manager.add_sequence(1) == 0  # 0's old slot
+    rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]  # layers 0 and 1
     manager.allocate_slots(rows, torch.tensor([5, 5]))
     cache.append_kv(1, torch.tensor([0]), torch.tensor([0]), torch.tensor([5]), kv[:1], kv[:1])
     assert cache.token_counts([1, 0])[:, :, 0].tolist() == [[5, 5], [0, 1]]

@@ -10,20 +10,28 @@ a token's hidden state travels once per rank, and that the byte counters agree w
 
 import pytest
 import torch
+from helpers import random_prompts, small_config
 
 from moekv_ref.config import ModelConfig
 from moekv_ref.costs import measured_shape_bytes
 from moekv_ref.parallel.kv_placements import KV_PLACEMENTS
-from moekv_ref.parallel.programs import (ModelSpec, RunSpec, max_difference, merged_logits, reference_run,
-                                         run_parallel, total_bytes, total_traffic)
+from moekv_ref.parallel.programs import (
+    ModelSpec,
+    RunSpec,
+    max_difference,
+    merged_logits,
+    reference_run,
+    run_parallel,
+    total_bytes,
+    total_traffic,
+)
 from moekv_ref.placement import place_experts
-
-from helpers import random_prompts, small_config
 
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
 NUM_DECODE_STEPS = 32
-CONFIG = small_config(num_attention_experts=8, num_attention_experts_per_tok=3, num_local_experts=4,
-                      num_experts_per_tok=2)
+CONFIG = small_config(
+    num_attention_experts=8, num_attention_experts_per_tok=3, num_local_experts=4, num_experts_per_tok=2
+)
 # expert placements differ between the world sizes so both strategies are exercised
 EXPERT_PLACEMENT = {2: ("round_robin", "contiguous"), 4: ("contiguous", "round_robin")}
 
@@ -31,21 +39,50 @@ EXPERT_PLACEMENT = {2: ("round_robin", "contiguous"), 4: ("contiguous", "round_r
 def make_specs(world_size: int) -> list[RunSpec]:
     prompts = tuple(tuple(p) for p in random_prompts([3, 11, 6, 1, 17], CONFIG.vocab_size, seed=5))
     generator = torch.Generator().manual_seed(6)
-    decode = tuple(tuple(torch.randint(0, CONFIG.vocab_size, (NUM_DECODE_STEPS,), generator=generator).tolist())
-                   for _ in prompts)
+    decode = tuple(
+        tuple(torch.randint(0, CONFIG.vocab_size, (NUM_DECODE_STEPS,), generator=generator).tolist())
+        for _ in prompts
+    )
     attention_strategy, ffn_strategy = EXPERT_PLACEMENT[world_size]
     L = CONFIG.num_hidden_layers
-    attention = tuple(tuple(place_experts(CONFIG.num_attention_experts, world_size, attention_strategy).tolist())
-                      for _ in range(L))
-    ffn = tuple(tuple(place_experts(CONFIG.num_local_experts, world_size, ffn_strategy).tolist()) for _ in range(L))
-    specs = [RunSpec(ModelSpec(CONFIG.to_dict(), seed=11, dtype=dtype), placement, attention, ffn, prompts, decode,
-                     num_blocks=400, block_size=4, label=f"{placement}/{dtype}")
-             for placement in KV_PLACEMENTS for dtype in ("float32", "float64")]
-    if world_size == 2:   # a variable number of experts per token, too
+    attention = tuple(
+        tuple(place_experts(CONFIG.num_attention_experts, world_size, attention_strategy).tolist())
+        for _ in range(L)
+    )
+    ffn = tuple(
+        tuple(place_experts(CONFIG.num_local_experts, world_size, ffn_strategy).tolist()) for _ in range(L)
+    )
+    specs = [
+        RunSpec(
+            ModelSpec(CONFIG.to_dict(), seed=11, dtype=dtype),
+            placement,
+            attention,
+            ffn,
+            prompts,
+            decode,
+            num_blocks=400,
+            block_size=4,
+            label=f"{placement}/{dtype}",
+        )
+        for placement in KV_PLACEMENTS
+        for dtype in ("float32", "float64")
+    ]
+    if world_size == 2:  # a variable number of experts per token, too
         threshold = CONFIG.with_routing("threshold").to_dict()
-        specs += [RunSpec(ModelSpec(threshold, seed=12, dtype="float64"), placement, attention, ffn, prompts, decode,
-                          num_blocks=400, block_size=4, label=f"{placement}/threshold")
-                  for placement in ("kv_with_expert", "kv_with_sequence")]
+        specs += [
+            RunSpec(
+                ModelSpec(threshold, seed=12, dtype="float64"),
+                placement,
+                attention,
+                ffn,
+                prompts,
+                decode,
+                num_blocks=400,
+                block_size=4,
+                label=f"{placement}/threshold",
+            )
+            for placement in ("kv_with_expert", "kv_with_sequence")
+        ]
     return specs
 
 
@@ -57,12 +94,16 @@ def runs(world_size: int):
     """{label: (spec, rank results)} of one launch per world size, made on first use."""
     if world_size not in _RUNS:
         specs = make_specs(world_size)
-        _RUNS[world_size] = {spec.label: (spec, results) for spec, results in zip(specs, run_parallel(specs, world_size))}
+        _RUNS[world_size] = {
+            spec.label: (spec, results) for spec, results in zip(specs, run_parallel(specs, world_size))
+        }
     return _RUNS[world_size]
 
 
-CASES = [(w, f"{p}/{d}") for w in (2, 4) for p in KV_PLACEMENTS for d in ("float32", "float64")] + \
-        [(2, "kv_with_expert/threshold"), (2, "kv_with_sequence/threshold")]
+CASES = [(w, f"{p}/{d}") for w in (2, 4) for p in KV_PLACEMENTS for d in ("float32", "float64")] + [
+    (2, "kv_with_expert/threshold"),
+    (2, "kv_with_sequence/threshold"),
+]
 
 
 @pytest.mark.parametrize("world_size,label", CASES)
@@ -77,31 +118,34 @@ def test_parallel_logits_equal_single_process(world_size, label):
     assert len(parallel) == len(spec.prompts) * (NUM_DECODE_STEPS + 1)
     assert max_difference(parallel, reference) <= TOLERANCE[spec.model.dtype]
     # the K/V kept over all ranks is exactly the single process's, expert by expert
-    kept = torch.stack([torch.tensor(r.kv_tokens_per_expert) for r in results]).sum(0)    # (L, E)
+    kept = torch.stack([torch.tensor(r.kv_tokens_per_expert) for r in results]).sum(0)  # (L, E)
     assert kept.tolist() == reference_kv
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_where_the_kv_lives(world_size):
     for label, (spec, results) in runs(world_size).items():
-        ranks = torch.tensor(spec.attention_ranks)                                         # (L, E)
+        ranks = torch.tensor(spec.attention_ranks)  # (L, E)
         for result in results:
-            held = torch.tensor(result.kv_tokens_per_expert)                               # (L, E)
-            if spec.kv_placement == "kv_with_expert":     # only the experts placed on this rank
+            held = torch.tensor(result.kv_tokens_per_expert)  # (L, E)
+            if spec.kv_placement == "kv_with_expert":  # only the experts placed on this rank
                 assert (held[ranks != result.rank] == 0).all(), label
                 assert held[ranks == result.rank].sum() > 0, label
-            else:                                           # whole sequences: only its home sequences
+            else:  # whole sequences: only its home sequences
                 mine = [i for i in range(len(spec.prompts)) if i % world_size == result.rank]
                 expected = sum(len(spec.prompts[i]) + NUM_DECODE_STEPS for i in mine)
                 # every token sits in k of E experts of every layer (top-k routing)
                 if "threshold" not in label:
-                    assert int(held.sum()) == expected * CONFIG.num_hidden_layers * CONFIG.num_attention_experts_per_tok
+                    assert (
+                        int(held.sum())
+                        == expected * CONFIG.num_hidden_layers * CONFIG.num_attention_experts_per_tok
+                    )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_attention_bytes_by_placement(world_size):
     for label, (spec, results) in runs(world_size).items():
-        step = NUM_DECODE_STEPS   # the last decode step
+        step = NUM_DECODE_STEPS  # the last decode step
         moved = total_bytes(results, step)
         attention = {c for c in moved if c.startswith(("attention", "kv_"))}
         if spec.kv_placement == "replicated_attention":
@@ -129,6 +173,11 @@ def test_cost_model_bytes_equal_measured(world_size):
         config = ModelConfig.from_dict(spec.model.config)
         for step in range(NUM_DECODE_STEPS + 1):
             measured = total_bytes(results, step)
-            modelled = measured_shape_bytes(config, spec.kv_placement, world_size, total_traffic(results, step),
-                                            bytes_per_value=4 if spec.model.dtype == "float32" else 8)
+            modelled = measured_shape_bytes(
+                config,
+                spec.kv_placement,
+                world_size,
+                total_traffic(results, step),
+                bytes_per_value=4 if spec.model.dtype == "float32" else 8,
+            )
             assert {c: b for c, b in modelled.items() if b} == measured, (label, step)

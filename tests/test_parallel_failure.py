@@ -21,12 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers import small_config
 
 from moekv_ref.apps import parallel_run as parallel_main
 from moekv_ref.parallel import CollectiveError, WorkerFailed, launch, launcher
 from moekv_ref.parallel.programs import ModelSpec, RunSpec, run_parallel, run_specs
-
-from helpers import small_config
 
 CONFIG = small_config(num_attention_experts=4, num_attention_experts_per_tok=2, num_local_experts=2)
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -34,29 +33,42 @@ REPOSITORY = Path(__file__).resolve().parent.parent
 
 def spec(mode: str = "") -> RunSpec:
     ranks = ((0, 0, 1, 1),) * CONFIG.num_hidden_layers
-    return RunSpec(ModelSpec(CONFIG.to_dict(), seed=0), "kv_with_expert", ranks, ((0, 1),) * CONFIG.num_hidden_layers,
-                   prompts=((1, 2, 3), (4, 5)), decode_tokens=((6,) * 4, (7,) * 4), num_blocks=64, block_size=4,
-                   fail_rank=1 if mode else -1, fail_step=2 if mode else -1, fail_mode=mode)
+    return RunSpec(
+        ModelSpec(CONFIG.to_dict(), seed=0),
+        "kv_with_expert",
+        ranks,
+        ((0, 1),) * CONFIG.num_hidden_layers,
+        prompts=((1, 2, 3), (4, 5)),
+        decode_tokens=((6,) * 4, (7,) * 4),
+        num_blocks=64,
+        block_size=4,
+        fail_rank=1 if mode else -1,
+        fail_step=2 if mode else -1,
+        fail_mode=mode,
+    )
 
 
 @pytest.mark.parametrize("mode", ["die", "hang"])
 def test_failed_rank_is_named_and_everyone_exits(mode):
     with pytest.raises(WorkerFailed) as failure:
         launch(run_specs, 2, ([spec(mode)],), timeout_s=3.0, grace_s=2.0)
-    elapsed = failure.value.ended_at - failure.value.fault_at   # from the fault to the last rank gone
+    elapsed = failure.value.ended_at - failure.value.fault_at  # from the fault to the last rank gone
     message = str(failure.value)
     # the message starts with the rank that kept its peer waiting; rank 0 names it, with the collective
     assert failure.value.missing == (1,), message
     assert message.startswith("rank 1 kept its peers waiting in vain"), message
-    assert re.search(r"rank 0: CollectiveError: rank 1 never reached all_to_all_single #\d+ \(\w+, step 2\): "
-                     r"hung or dead \(rank 1 last reached all_to_all_single #\d+ \(\w+, step 1\)\); "
-                     r"rank 0 waited [\d.]+ s in it", message), message
+    assert re.search(
+        r"rank 0: CollectiveError: rank 1 never reached all_to_all_single #\d+ \(\w+, step 2\): "
+        r"hung or dead \(rank 1 last reached all_to_all_single #\d+ \(\w+, step 1\)\); "
+        r"rank 0 waited [\d.]+ s in it",
+        message,
+    ), message
     if mode == "die":
         assert "rank 1: exited with code 3" in message
     else:
         assert "rank 1: killed by the launcher" in message
         waited = float(re.search(r"rank 0 waited ([\d.]+) s", message).group(1))
-        assert 2.9 <= waited < 10, message                                # the collective timeout
+        assert 2.9 <= waited < 10, message  # the collective timeout
     print(f"{mode}: every rank gone {elapsed:.1f} s after the fault")
     assert 0 < elapsed < (10 if mode == "hang" else 5), f"took {elapsed:.1f} s"
 
@@ -72,10 +84,14 @@ def test_a_slow_start_is_waited_for(monkeypatch):
 
 def test_a_rank_that_never_joins_is_named():
     """Here, in this process, as rank 0 of 2: rank 1 never comes, and the start-up timeout says who."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=5))
-    with pytest.raises(CollectiveError, match=r"^rank 1 never joined the process group: rank 0 waited [\d.]+ s "
-                                              r"for it \(start timeout 1 s\)") as error:
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
+    )
+    with pytest.raises(
+        CollectiveError,
+        match=r"^rank 1 never joined the process group: rank 0 waited [\d.]+ s "
+        r"for it \(start timeout 1 s\)",
+    ) as error:
         launcher.join_group("gloo", 1.5, 1.0, store, rank=0, world_size=2)
     assert error.value.missing == (1,) and not dist.is_initialized()
 
@@ -85,12 +101,17 @@ def test_default_timeouts_clear_a_hung_rank_within_30_s():
     what is left 3 s later (18 s, measured by the torchrun test below and 18.0 s by hand for launch);
     joining may take 120 s. torchrun's monitor notices a failed rank within its interval (0.1 s)."""
     import inspect
+
     from torch.distributed import run as torchrun
+
     timeout, grace = launcher.DEFAULT_TIMEOUT_S, launcher.DEFAULT_GRACE_S
     assert timeout + grace + 5 <= 30 and launcher.DEFAULT_START_TIMEOUT_S >= 60
     for function in (launch, run_parallel):
         defaults = {name: p.default for name, p in inspect.signature(function).parameters.items()}
-        assert defaults["timeout_s"] == timeout and defaults["start_timeout_s"] == launcher.DEFAULT_START_TIMEOUT_S
+        assert (
+            defaults["timeout_s"] == timeout
+            and defaults["start_timeout_s"] == launcher.DEFAULT_START_TIMEOUT_S
+        )
     assert inspect.signature(launch).parameters["grace_s"].default == grace
     args = parallel_main.build_parser().parse_args([])
     assert (args.timeout, args.start_timeout) == (timeout, launcher.DEFAULT_START_TIMEOUT_S)
@@ -98,12 +119,33 @@ def test_default_timeouts_clear_a_hung_rank_within_30_s():
 
 
 def test_torchrun_with_defaults_names_the_hung_rank_within_30_s():
-    env = dict(os.environ, MOEKV_FAULT="hang@1:2", PYTHONPATH=os.pathsep.join(
-        [str(REPOSITORY)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = dict(
+        os.environ,
+        MOEKV_FAULT="hang@1:2",
+        PYTHONPATH=os.pathsep.join(
+            [str(REPOSITORY)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        ),
+    )
     env.pop("RANK", None)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
-                           "moekv_ref.parallel", "--context", "16", "--decode-steps", "2"],
-                          capture_output=True, text=True, env=env, timeout=180, cwd=REPOSITORY)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "-m",
+            "moekv_ref.parallel",
+            "--context",
+            "16",
+            "--decode-steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+        cwd=REPOSITORY,
+    )
     ended = time.time()
     output = done.stdout + done.stderr
     assert done.returncode != 0, output
@@ -114,4 +156,4 @@ def test_torchrun_with_defaults_names_the_hung_rank_within_30_s():
     named = r"rank 1 never reached all_to_all_single #\d+ \(\w+, step 2\): hung or dead"
     assert re.search(r"\[rank0\] error: CollectiveError: " + named, output), output
     root_cause = output.split("Root Cause")[-1]
-    assert re.search(named + r".*rank 0 waited 1[5-9]\.\d s", root_cause), output   # the default 15 s
+    assert re.search(named + r".*rank 0 waited 1[5-9]\.\d s", root_cause), output  # the default 15 s

@@ -32,11 +32,12 @@ def test_dispatch_plan_sends_each_token_once_per_rank():
 
 
 def test_local_pairs_sorted_by_expert_keep_token_order():
-    experts = torch.tensor([[5, 7], [7, -1], [5, -1]])     # rank holds experts 5 and 7
-    received = Received(torch.zeros(3, 2), torch.tensor([[0.5, 0.5], [1.0, 0], [1.0, 0]]), experts,
-                        None, None, [3])
+    experts = torch.tensor([[5, 7], [7, -1], [5, -1]])  # rank holds experts 5 and 7
+    received = Received(
+        torch.zeros(3, 2), torch.tensor([[0.5, 0.5], [1.0, 0], [1.0, 0]]), experts, None, None, [3]
+    )
     pairs = local_pairs(received, torch.tensor([5, 7]))
-    assert pairs.token.tolist() == [0, 2, 0, 1]            # expert 5: tokens 0, 2; expert 7: tokens 0, 1
+    assert pairs.token.tolist() == [0, 2, 0, 1]  # expert 5: tokens 0, 2; expert 7: tokens 0, 1
     assert pairs.expert.tolist() == [5, 5, 7, 7]
     assert pairs.counts.tolist() == [2, 2]
     # order: each sorted pair's index among the row-major slots (0,0)=0 (0,1)=1 (1,0)=2 (2,0)=3
@@ -56,8 +57,11 @@ def test_expected_remote_ranks_by_enumeration(num_experts, k, world_size):
 
 def test_projection_bytes_grow_with_context_only_when_kv_travels():
     config = get_config("jetmoe-8b")
-    steps = {(p, c): project_step(config, p, 8, 256, c) for p in ("kv_with_expert", "kv_with_sequence",
-                                                                  "replicated_attention") for c in (4096, 32768)}
+    steps = {
+        (p, c): project_step(config, p, 8, 256, c)
+        for p in ("kv_with_expert", "kv_with_sequence", "replicated_attention")
+        for c in (4096, 32768)
+    }
     total = {key: sum(step.bytes_per_step.values()) for key, step in steps.items()}
     assert total[("kv_with_expert", 4096)] == total[("kv_with_expert", 32768)]
     assert total[("replicated_attention", 4096)] == total[("replicated_attention", 32768)]
@@ -72,20 +76,23 @@ def test_coactivation_placement_keeps_pairs_together():
     # (one rank touched per token); round-robin (e % 2) splits all four pairs (two ranks per token)
     generator = torch.Generator().manual_seed(0)
     pairs = torch.tensor([[0, 5], [1, 4], [2, 7], [3, 6]])
-    choice = pairs[torch.randint(0, 4, (2048,), generator=generator)]                  # (N, 2)
+    choice = pairs[torch.randint(0, 4, (2048,), generator=generator)]  # (N, 2)
     selected = torch.zeros(2048, 8, dtype=torch.bool).scatter_(1, choice, True)
     rows = {r["strategy"]: r for r in compare_placements([selected], world_sizes=(2,), hidden_size=4)}
     assert rows["coactivation"]["ranks_touched_per_token_layer"] == 1.0
     assert rows["round_robin"]["ranks_touched_per_token_layer"] == 2.0
     # once-per-rank dispatch: a pair on one rank travels once, not twice
-    assert rows["coactivation"]["dispatch_bytes_per_token_layer_once_per_expert"] == \
-        2 * rows["coactivation"]["dispatch_bytes_per_token_layer_once_per_rank"]
+    assert (
+        rows["coactivation"]["dispatch_bytes_per_token_layer_once_per_expert"]
+        == 2 * rows["coactivation"]["dispatch_bytes_per_token_layer_once_per_rank"]
+    )
 
 
 def test_bad_inputs_are_refused_before_anything_starts():
     # (the command lines' options: tests/test_cli.py)
     from moekv_ref.parallel import launch
     from moekv_ref.parallel.locality import kv_location_map
+
     with pytest.raises(ValueError, match="module-level function"):
         launch(lambda context: None, 2)
     with pytest.raises(ValueError, match="world_size=0"):
@@ -114,6 +121,7 @@ def test_projected_step_bars_stand_on_the_axis_and_pcie_is_slower_by_its_bandwid
     another, whose height a log scale would misstate), and PCIe's communication is NVLink's times the
     ratio of their bandwidths, the rest of the step unchanged."""
     import matplotlib
+
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
@@ -122,8 +130,10 @@ def test_projected_step_bars_stand_on_the_axis_and_pcie_is_slower_by_its_bandwid
     from moekv_ref.plots.parallel import draw_projected_step, draw_step_vs_context
 
     config = get_config("jetmoe-8b")
-    rows = {link: [project_step(config, p, 8, 256, 4096, "H200", link).to_dict() for p in KV_PLACEMENTS]
-            for link in ("nvlink", "pcie_gen5_x16")}
+    rows = {
+        link: [project_step(config, p, 8, 256, 4096, "H200", link).to_dict() for p in KV_PLACEMENTS]
+        for link in ("nvlink", "pcie_gen5_x16")
+    }
     for nvlink, pcie in zip(rows["nvlink"], rows["pcie_gen5_x16"]):
         ratio = LINKS["nvlink"].bytes_per_s / LINKS["pcie_gen5_x16"].bytes_per_s
         assert pcie["communication_ms"] == pytest.approx(nvlink["communication_ms"] * ratio)
@@ -133,16 +143,20 @@ def test_projected_step_bars_stand_on_the_axis_and_pcie_is_slower_by_its_bandwid
     assert ax.get_yscale() == "log"
     assert len(ax.patches) == 3 * len(KV_PLACEMENTS) and all(bar.get_y() == 0 for bar in ax.patches)
     with pytest.raises(ValueError, match="evenly"):
-        project_step(config, "kv_with_expert", 16, 256, 4096)       # 8 experts cannot fill 16 ranks
+        project_step(config, "kv_with_expert", 16, 256, 4096)  # 8 experts cannot fill 16 ranks
     ax = Figure().subplots()
-    sweep = [project_step(config, "kv_with_expert", 8, 256, c, "H200", "nvlink").to_dict() for c in (1024, 4096)]
+    sweep = [
+        project_step(config, "kv_with_expert", 8, 256, c, "H200", "nvlink").to_dict() for c in (1024, 4096)
+    ]
     draw_step_vs_context(ax, sweep, 4096)
-    assert ax.lines[-2].get_xdata().tolist() == [4096]          # the chosen context, circled
+    assert ax.lines[-2].get_xdata().tolist() == [4096]  # the chosen context, circled
 
 
 def test_a_model_with_a_capacity_is_refused_by_expert_parallelism():
     """Its ranks' caches would need its budget and each pair's router score: refused with the reason,
     before any cache or collective is made."""
     model = MoEKVTransformer(get_config("tiny", attention_capacity=16))
-    with pytest.raises(ValueError, match="attention_capacity=16: expert parallelism does not run models with a capacity"):
+    with pytest.raises(
+        ValueError, match="attention_capacity=16: expert parallelism does not run models with a capacity"
+    ):
         ParallelRunner(model, None, "kv_with_expert", torch.zeros(4, 8), torch.zeros(4, 4), num_blocks=64)

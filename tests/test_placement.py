@@ -18,16 +18,16 @@ def test_coactivation_puts_pairs_together_and_touches_fewer_devices():
     # devices (e % 4) splits every pair; co-activation must keep each pair on one device.
     generator = torch.Generator().manual_seed(0)
     pairs = torch.tensor([[0, 5], [1, 4], [2, 7], [3, 6]])
-    chosen = pairs[torch.randint(0, 4, (400,), generator=generator)]          # (N, 2)
+    chosen = pairs[torch.randint(0, 4, (400,), generator=generator)]  # (N, 2)
     selected = torch.zeros(400, 8, dtype=torch.bool)
     selected[torch.arange(400)[:, None], chosen] = True
     device = place_experts(8, 4, "coactivation", coactivation_counts(selected))
-    assert torch.bincount(device, minlength=4).tolist() == [2, 2, 2, 2]     # balanced
+    assert torch.bincount(device, minlength=4).tolist() == [2, 2, 2, 2]  # balanced
     for a, b in pairs.tolist():
         assert device[a] == device[b]
     assert devices_touched(selected, device, 4).float().mean() == 1.0
     round_robin = devices_touched(selected, place_experts(8, 4, "round_robin"), 4).float().mean()
-    assert round_robin == 2.0                                                  # every pair split
+    assert round_robin == 2.0  # every pair split
 
 
 def test_place_layers_and_bad_arguments():

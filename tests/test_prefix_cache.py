@@ -2,11 +2,10 @@
 copy-on-write and an LRU eviction; random programs keep reference counts and ownership exact; the
 engine gives the same tokens with and without the cache, under both routings."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import pytest
 
 from moekv_ref.cache.block_pool import BlockPool, OutOfBlocksError
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
@@ -45,17 +44,17 @@ def table(manager, seq_id, row):
 
 def test_chain_keys_are_a_chain_of_the_whole_prefix():
     keys = chain_keys([1, 2, 3, 4, 5], 2)
-    assert len(keys) == 2 and len(keys[0]) == 16                     # the incomplete chunk has no key
+    assert len(keys) == 2 and len(keys[0]) == 16  # the incomplete chunk has no key
     assert chain_keys([1, 2, 3, 4], 2, b"") == keys
     assert chain_keys([3, 4], 2, keys[0]) == keys[1:]
-    assert chain_keys([9, 2, 3, 4], 2)[1] != keys[1]                  # an earlier token changes later keys
+    assert chain_keys([9, 2, 3, 4], 2)[1] != keys[1]  # an earlier token changes later keys
 
 
 def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
     # one layer, two experts, blocks of 2 slots (chunks of 2 tokens), 8 blocks handed out 0, 1, 2, ...
     manager = KVCacheManager(1, 2, 2, 8, prefix_cache=PrefixCache())
     producer = [10, 11, 12, 13, 14, 15, 16, 17]
-    route = [[[0]], [[0]], [[1]], [[0]], [[1]], [[1]], [[0]], [[1]]]    # token t -> expert, top-1
+    route = [[[0]], [[0]], [[1]], [[0]], [[1]], [[1]], [[0]], [[1]]]  # token t -> expert, top-1
     append_tokens(manager, 0, 0, route)
     # expert 0 holds positions 0 1 | 3 6 in blocks 0, 1; expert 1 holds 2 4 | 5 7 in blocks 2, 3
     assert table(manager, 0, 0) == [0, 1] and table(manager, 0, 1) == [2, 3]
@@ -76,7 +75,9 @@ def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
     # the copies get the next blocks of the stack, 4 and 5; blocks 1 and 2 stay cached-free
     assert source.tolist() == [1, 2] and destination.tolist() == [4, 5]
     assert table(manager, 1, 0) == [0, 4] and table(manager, 1, 1) == [5]
-    assert manager.last_position[manager.index.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]].tolist() == [3, 2]
+    assert manager.last_position[
+        manager.index.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]
+    ].tolist() == [3, 2]
     assert manager.pool.ref_cnt[0] == 1 and manager.pool.cached_free_block_ids() == [3, 1, 2]
     manager.assert_consistent()
 
@@ -107,13 +108,14 @@ def test_partial_tail_is_copied_never_shared():
     hit = manager.prefix_cache.find_cached_prefix([10, 11, 12, 13, 14, 99, 98])
     assert hit.num_tokens == 4 and hit.shared.tolist() == [0] and hit.cow_source.tolist() == [1, 2]
     source, destination = manager.prefix_cache.apply_prefix_hit(1, hit)
-    assert destination.tolist() == [4, 5]                 # blocks 0-3 are the producer's
+    assert destination.tolist() == [4, 5]  # blocks 0-3 are the producer's
     assert manager.pool.ref_cnt[[0, 1, 2]].tolist() == [2, 1, 1]
     # the producer appends position 6 to expert 0: it lands in its own block 1, after position 3
     append_tokens(manager, 0, 6, [[[0]]])
     assert table(manager, 0, 0) == [0, 1] and manager.prefix_cache.block_positions[1].tolist() == [3, 6]
     assert table(manager, 1, 0) == [0, 4] and manager.row_tokens[
-        manager.index.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]].tolist() == [3, 1]
+        manager.index.sequence_rows(torch.tensor([manager.seq_index(1)]))[0]
+    ].tolist() == [3, 1]
     manager.assert_consistent()
     # the last token always runs: a request equal to the producer's first 4 tokens gets s = 2 at most
     assert manager.prefix_cache.find_cached_prefix([10, 11, 12, 13]).num_tokens == 2
@@ -137,24 +139,36 @@ def test_reuse_and_mark_cached_refuse_bad_blocks():
 
 # ----- random programs -------------------------------------------------------------------------------
 L, E, P = 2, 3, 2
-BASES = ([1, 2, 3, 0, 1, 2, 3, 0, 2, 2, 1, 3], [1, 2, 3, 0, 3, 3, 0, 1, 2, 0, 0, 1])   # share 4 tokens
+BASES = ([1, 2, 3, 0, 1, 2, 3, 0, 2, 2, 1, 3], [1, 2, 3, 0, 3, 3, 0, 1, 2, 0, 0, 1])  # share 4 tokens
 # a request: the first n tokens of a base (prefixes repeat, so hits happen), then its own tokens
-request = st.tuples(st.integers(0, 1), st.integers(0, 12), st.lists(st.integers(0, 3), max_size=4)).map(
-    lambda x: BASES[x[0]][: x[1]] + x[2]).filter(bool)
-run = st.tuples(st.just("run"), st.integers(0, 5), st.integers(1, 12))     # compute more tokens
-program = st.lists(st.one_of(
-    st.tuples(st.just("start"), request),                                     # a request, maybe a hit
-    run, run, run,                               # runs weigh three times: producers must fill blocks
-    st.tuples(st.just("free"), st.integers(0, 5)),                           # finish or preempt
-    st.tuples(st.just("evict"), st.integers(1, 4)),      # the pool needs every plain block and k more
-), min_size=1, max_size=40)
+request = (
+    st.tuples(st.integers(0, 1), st.integers(0, 12), st.lists(st.integers(0, 3), max_size=4))
+    .map(lambda x: BASES[x[0]][: x[1]] + x[2])
+    .filter(bool)
+)
+run = st.tuples(st.just("run"), st.integers(0, 5), st.integers(1, 12))  # compute more tokens
+program = st.lists(
+    st.one_of(
+        st.tuples(st.just("start"), request),  # a request, maybe a hit
+        run,
+        run,
+        run,  # runs weigh three times: producers must fill blocks
+        st.tuples(st.just("free"), st.integers(0, 5)),  # finish or preempt
+        st.tuples(st.just("evict"), st.integers(1, 4)),  # the pool needs every plain block and k more
+    ),
+    min_size=1,
+    max_size=40,
+)
 
 
 def routing_of(tokens, position):
     """A causal routing, deterministic in the prefix: layer l sends token t to 1 or 2 experts from a
     hash of tokens 0..t (threshold-like: the count varies)."""
     h = sum((i + 1) * (x + 1) * 7919 for i, x in enumerate(tokens[: position + 1]))
-    return [sorted({(h + l) % E, (h // 3 + 2 * l) % E} if (h + l) % 2 else {(h + l) % E}) for l in range(L)]
+    return [
+        sorted({(h + layer) % E, (h // 3 + 2 * layer) % E} if (h + layer) % 2 else {(h + layer) % E})
+        for layer in range(L)
+    ]
 
 
 @settings(max_examples=60, deadline=None)
@@ -167,6 +181,7 @@ def test_seeded_programs_hit_copy_and_evict():
     """The same checks over seeded programs built to exercise every path: hypothesis's random programs
     may or may not reach a hit, a copy-on-write and an eviction; these must reach all three."""
     import random
+
     rng = random.Random(0)
     totals = torch.zeros(3, dtype=torch.int64)
     for _ in range(12):
@@ -189,7 +204,7 @@ def test_seeded_programs_hit_copy_and_evict():
 def run_program(ops):
     """Run one program, checking after every operation; returns (shared, copied, evicted) blocks."""
     manager = KVCacheManager(L, E, P, 24, prefix_cache=PrefixCache())
-    live = {}                                   # seq id -> [tokens, computed]
+    live = {}  # seq id -> [tokens, computed]
     next_id = 0
     for op in ops:
         if op[0] == "start":
@@ -221,8 +236,10 @@ def run_program(ops):
                 continue
             snapshot = Snapshot(manager)
             try:
-                append_tokens(manager, seq_id, computed, [routing_of(tokens, t) for t in range(computed, end)])
-            except OutOfBlocksError:            # a layer ran short: undo the earlier layers, as the engine does
+                append_tokens(
+                    manager, seq_id, computed, [routing_of(tokens, t) for t in range(computed, end)]
+                )
+            except OutOfBlocksError:  # a layer ran short: undo the earlier layers, as the engine does
                 snapshot.restore()
                 manager.assert_consistent()
                 continue
@@ -235,7 +252,7 @@ def run_program(ops):
         elif op[0] == "evict":
             pool = manager.pool
             n = min(pool.num_free_blocks - pool.num_cached_free_blocks + op[1], pool.num_free_blocks)
-            pool.free(pool.allocate(n))               # evicts min(k, cached-free) cached blocks
+            pool.free(pool.allocate(n))  # evicts min(k, cached-free) cached blocks
         manager.assert_consistent()
         # each live sequence's rows hold exactly its routed entries, at the right positions
         for seq_id, (tokens, computed) in live.items():
@@ -249,24 +266,33 @@ def run_program(ops):
         manager.free(seq_id)
     manager.assert_consistent()
     assert manager.pool.num_free_blocks == manager.num_blocks
-    return manager.prefix_cache.stats.num_shared_blocks, manager.prefix_cache.stats.num_cow_blocks, manager.pool.num_evicted_cached_blocks
+    return (
+        manager.prefix_cache.stats.num_shared_blocks,
+        manager.prefix_cache.stats.num_cow_blocks,
+        manager.pool.num_evicted_cached_blocks,
+    )
 
 
 # ----- the engine: the same tokens with and without the cache ---------------------------------------------
-from helpers import alone_tokens, random_model, random_prompts, small_config   # noqa: E402
+from helpers import alone_tokens, random_model, random_prompts, small_config  # noqa: E402
 
-from moekv_ref.checkpoint import load_default_model   # noqa: E402
-from moekv_ref.engine.engine import LLMEngine   # noqa: E402
-from moekv_ref.engine.scheduler import SchedulerConfig   # noqa: E402
-from moekv_ref.engine.workload import few_shot_workload, run_workload   # noqa: E402
-from moekv_ref.sampling import SamplingParams   # noqa: E402
+from moekv_ref.checkpoint import load_default_model  # noqa: E402
+from moekv_ref.engine.engine import LLMEngine  # noqa: E402
+from moekv_ref.engine.scheduler import SchedulerConfig  # noqa: E402
+from moekv_ref.engine.workload import few_shot_workload, run_workload  # noqa: E402
+from moekv_ref.sampling import SamplingParams  # noqa: E402
 
 
 def serve(model, workload, enable_prefix_caching, num_blocks, block_size=4, **config):
-    engine = LLMEngine(model, num_blocks, block_size, SchedulerConfig(**{"max_num_seqs": 8,
-                       "max_num_batched_tokens": 64, **config}), enable_prefix_caching=enable_prefix_caching)
+    engine = LLMEngine(
+        model,
+        num_blocks,
+        block_size,
+        SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 64, **config}),
+        enable_prefix_caching=enable_prefix_caching,
+    )
     result = run_workload(engine, workload, on_step=lambda e: e.cache.manager.assert_consistent())
-    engine.memory.assert_no_leak()           # cached-free blocks count as free: nothing is held
+    engine.memory.assert_no_leak()  # cached-free blocks count as free: nothing is held
     return [result.outputs[i].token_ids for i in range(len(workload))], engine
 
 
@@ -274,27 +300,32 @@ def serve(model, workload, enable_prefix_caching, num_blocks, block_size=4, **co
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_embedded_model_gives_the_same_tokens_with_the_prefix_cache(routing, temperature):
     model = load_default_model(routing=routing)
-    workload = few_shot_workload(6, prompt_len=80, shared_share=0.8, output_len=6, temperature=temperature,
-                                 top_p=0.95)
+    workload = few_shot_workload(
+        6, prompt_len=80, shared_share=0.8, output_len=6, temperature=temperature, top_p=0.95
+    )
     without, _ = serve(model, workload, False, 400)
     with_cache, engine = serve(model, workload, True, 400)
     assert with_cache == without
     stats = engine.prefix_cache_stats()
     # the test must exercise the cache: later requests skip most of the 64 shared tokens, with copies
-    assert stats["num_hit_tokens"] >= 5 * 48 and stats["num_shared_blocks"] > 0 and stats["num_cow_blocks"] > 0
+    assert (
+        stats["num_hit_tokens"] >= 5 * 48 and stats["num_shared_blocks"] > 0 and stats["num_cow_blocks"] > 0
+    )
 
 
 def test_embedded_model_under_pressure_preempts_evicts_and_keeps_the_tokens():
     """A pool too small for the batch: requests are preempted (recompute), cached-free blocks are
     evicted for new ones, and re-admitted requests hit their own cached prefix again."""
     model = load_default_model(routing="threshold")
-    workload = few_shot_workload(6, prompt_len=80, shared_share=0.8, output_len=16, temperature=0.8, top_p=0.95)
+    workload = few_shot_workload(
+        6, prompt_len=80, shared_share=0.8, output_len=16, temperature=0.8, top_p=0.95
+    )
     without, _ = serve(model, workload, False, 240, admission="optimistic")
     with_cache, engine = serve(model, workload, True, 240, admission="optimistic")
     assert with_cache == without
     stats = engine.prefix_cache_stats()
     assert engine.stats().num_preemptions > 0 and stats["num_evicted_cached_blocks"] > 0
-    assert stats["num_lookups"] > len(workload)          # preempted requests looked up again
+    assert stats["num_lookups"] > len(workload)  # preempted requests looked up again
 
 
 def shared_prefix_requests(num_requests=10):
@@ -303,19 +334,29 @@ def shared_prefix_requests(num_requests=10):
     shared = random_prompts([37], 64, seed=5)[0]
     own = random_prompts([2 + i % 5 for i in range(num_requests)], 64, seed=6)
     prompts = [shared[: 20 + 2 * i] + tail for i, tail in enumerate(own)]
-    params = [SamplingParams(max_new_tokens=8 + i % 7, temperature=0.0 if i % 2 else 1.0, top_p=0.9, seed=i)
-              for i in range(num_requests)]
+    params = [
+        SamplingParams(max_new_tokens=8 + i % 7, temperature=0.0 if i % 2 else 1.0, top_p=0.9, seed=i)
+        for i in range(num_requests)
+    ]
     return prompts, params
 
 
-@pytest.mark.parametrize("routing, mode", [("threshold", "recompute"), ("threshold", "swap"), ("topk", "recompute")])
+@pytest.mark.parametrize(
+    "routing, mode", [("threshold", "recompute"), ("threshold", "swap"), ("topk", "recompute")]
+)
 def test_random_model_float64_with_shared_prefixes_equals_generating_alone(routing, mode):
     model = random_model(small_config("expert", routing), seed=0)
     prompts, params = shared_prefix_requests()
     alone = alone_tokens(model, prompts, params)
-    engine = LLMEngine(model, 120, 4, SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=48,
-                                                      preemption_mode=mode, admission="optimistic"),
-                       enable_prefix_caching=True)
+    engine = LLMEngine(
+        model,
+        120,
+        4,
+        SchedulerConfig(
+            max_num_seqs=6, max_num_batched_tokens=48, preemption_mode=mode, admission="optimistic"
+        ),
+        enable_prefix_caching=True,
+    )
     outputs = engine.generate(prompts, params)
     assert [o.token_ids for o in outputs] == alone
     engine.memory.assert_no_leak()
@@ -342,8 +383,9 @@ def test_a_failed_copy_on_write_or_forward_after_a_hit_is_undone_and_the_tokens_
     model = random_model(small_config("expert", "threshold"), seed=0)
     prompts, params = shared_prefix_requests(6)
     alone = alone_tokens(model, prompts, params)
-    engine = LLMEngine(model, 200, 4, SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24),
-                       enable_prefix_caching=True)
+    engine = LLMEngine(
+        model, 200, 4, SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24), enable_prefix_caching=True
+    )
     copy_blocks, append_kv = engine.runner.copy_blocks, engine.cache.append_kv
     faults = []
 
@@ -376,7 +418,7 @@ def test_a_failed_copy_on_write_or_forward_after_a_hit_is_undone_and_the_tokens_
 def test_few_shot_workload_shares_its_prefix_and_refuses_bad_shares():
     workload = few_shot_workload(4, prompt_len=64, shared_share=0.75, output_len=3)
     assert all(len(r.prompt) == 64 and r.prompt[:48] == workload[0].prompt[:48] for r in workload)
-    assert len({tuple(r.prompt[48:]) for r in workload}) == 4             # each question its own
+    assert len({tuple(r.prompt[48:]) for r in workload}) == 4  # each question its own
     with pytest.raises(ValueError, match="shared_share"):
         few_shot_workload(4, shared_share=1.5)
     with pytest.raises(ValueError, match="at most"):
@@ -385,10 +427,12 @@ def test_few_shot_workload_shares_its_prefix_and_refuses_bad_shares():
 
 def test_bench_comparison_counts_hits_and_saved_work():
     from moekv_ref.apps.bench_eviction import compare_prefix_caching, format_prefix_caching
+
     model = random_model(small_config("expert", "topk"), seed=1)
     workload = few_shot_workload(5, prompt_len=48, shared_share=0.75, output_len=4, vocab_size=64)
-    result = compare_prefix_caching(model, workload, num_blocks=300, block_size=4, max_num_batched_tokens=64,
-                                    repeats=1)
+    result = compare_prefix_caching(
+        model, workload, num_blocks=300, block_size=4, max_num_batched_tokens=64, repeats=1
+    )
     off, on = result["off"], result["on"]
     assert result["outputs_equal"] and off["prefix_cache"] is None
     # every token skipped is a token not computed; hit tokens are multiples of the block size
@@ -400,13 +444,14 @@ def test_bench_comparison_counts_hits_and_saved_work():
 def test_cached_free_blocks_count_as_free_not_used():
     """num_free_blocks + num_used_blocks == num_blocks holds with cached-free blocks in the pool."""
     from moekv_ref.cache.block_pool import BlockPool
+
     pool = BlockPool(8)
     blocks = pool.allocate(3)
     pool.mark_cached(blocks[:2])
-    pool.free(blocks)                       # two wait in the cached-free queue, one on the stack
+    pool.free(blocks)  # two wait in the cached-free queue, one on the stack
     assert pool.num_cached_free_blocks == 2
     assert (pool.num_free_blocks, pool.num_used_blocks) == (8, 0)
-    pool.reuse(blocks[:1])                  # a hit: one cached block has an owner again
+    pool.reuse(blocks[:1])  # a hit: one cached block has an owner again
     assert (pool.num_free_blocks, pool.num_used_blocks) == (7, 1)
     pool.assert_consistent()
 
@@ -417,10 +462,10 @@ def check_rows_on_their_devices(engine):
     no block is listed by two sequences of different homes."""
     manager = engine.cache.manager
     pool, P = manager.pool, manager.block_size
-    listed_by = {}                                           # block -> the homes of the rows listing it
+    listed_by = {}  # block -> the homes of the rows listing it
     for seq_id in manager.sequences:
-        rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]       # (L*E,)
-        devices = manager.device_of_expert_of([seq_id])[0].reshape(-1)                 # (L*E,)
+        rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]  # (L*E,)
+        devices = manager.device_of_expert_of([seq_id])[0].reshape(-1)  # (L*E,)
         for row, device in zip(rows.tolist(), devices.tolist()):
             blocks = manager.block_tables[row, : -(-int(manager.row_tokens[row]) // P)].to(torch.int64)
             assert (pool.device_of_blocks(blocks) == device).all(), (seq_id, row, blocks.tolist(), device)
@@ -433,17 +478,34 @@ def check_rows_on_their_devices(engine):
 def device_prefix_engine(model, placement, enable_prefix_caching, mode="recompute", **options):
     """The engine over 4 devices with blocks placed by expert (placement "expert"), or over 2 devices
     with every row of request s on device s % 2 (placement "home"); pools small enough to preempt."""
-    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=48, preemption_mode=mode, admission="optimistic")
+    config = SchedulerConfig(
+        max_num_seqs=6, max_num_batched_tokens=48, preemption_mode=mode, admission="optimistic"
+    )
     if placement == "expert":
         E = model.config.num_attention_experts
-        return LLMEngine(model, block_size=4, scheduler_config=config, blocks_per_device=[52, 26, 26, 26],
-                         device_of_expert=torch.arange(E) % 4, enable_prefix_caching=enable_prefix_caching,
-                         **options)
-    return LLMEngine(model, block_size=4, scheduler_config=config, blocks_per_device=[90, 90],
-                     home_devices=True, enable_prefix_caching=enable_prefix_caching, **options)
+        return LLMEngine(
+            model,
+            block_size=4,
+            scheduler_config=config,
+            blocks_per_device=[52, 26, 26, 26],
+            device_of_expert=torch.arange(E) % 4,
+            enable_prefix_caching=enable_prefix_caching,
+            **options,
+        )
+    return LLMEngine(
+        model,
+        block_size=4,
+        scheduler_config=config,
+        blocks_per_device=[90, 90],
+        home_devices=True,
+        enable_prefix_caching=enable_prefix_caching,
+        **options,
+    )
 
 
-@pytest.mark.parametrize("placement, mode", [("expert", "recompute"), ("expert", "swap"), ("home", "recompute")])
+@pytest.mark.parametrize(
+    "placement, mode", [("expert", "recompute"), ("expert", "swap"), ("home", "recompute")]
+)
 def test_prefix_caching_on_several_devices_gives_the_tokens_of_no_cache_and_of_alone(placement, mode):
     """A random float64 model (exact tokens: no tie can flip between batchings), requests sharing
     prefixes: with the prefix cache on D devices the engine generates exactly what it generates without
@@ -473,35 +535,37 @@ def test_home_devices_two_homes_never_share_a_block_and_each_home_caches_its_own
     manager = KVCacheManager(1, 2, 2, blocks_per_device=[8, 8], home_devices=True, prefix_cache=PrefixCache())
     prefix = manager.prefix_cache
     tokens = [10, 11, 12, 13, 14]
-    route = [[[0]], [[0]], [[1]], [[1]]]                 # 4 tokens: one full block per expert
+    route = [[[0]], [[0]], [[1]], [[1]]]  # 4 tokens: one full block per expert
     append_tokens(manager, 0, 0, route)
     assert prefix.cache_computed_blocks(0, tokens[:4]) == 2
     home0 = sorted(table(manager, 0, 0) + table(manager, 0, 1))
     assert all(b < 8 for b in home0)
     with pytest.raises(ValueError, match="needs the sequence id"):
         prefix.find_cached_prefix(tokens)
-    assert prefix.find_cached_prefix(tokens, seq_id=1).num_tokens == 0          # other home: no hit
+    assert prefix.find_cached_prefix(tokens, seq_id=1).num_tokens == 0  # other home: no hit
     hit = prefix.find_cached_prefix(tokens, seq_id=2)
     assert hit.num_tokens == 4 and sorted(hit.shared.tolist()) == home0
-    assert hit.free_taken_per_device.tolist() == [0, 0]          # shared blocks in use, no copy
+    assert hit.free_taken_per_device.tolist() == [0, 0]  # shared blocks in use, no copy
     with pytest.raises(ValueError, match="other devices"):
-        prefix.apply_prefix_hit(1, hit)                            # a home-0 hit for a home-1 sequence
+        prefix.apply_prefix_hit(1, hit)  # a home-0 hit for a home-1 sequence
     prefix.apply_prefix_hit(2, hit)
-    append_tokens(manager, 1, 0, route)                           # home 1 computes the prefix itself
+    append_tokens(manager, 1, 0, route)  # home 1 computes the prefix itself
     assert prefix.cache_computed_blocks(1, tokens[:4]) == 2
     home1 = sorted(table(manager, 1, 0) + table(manager, 1, 1))
     assert all(b >= 8 for b in home1)
     manager.free(0)
-    manager.free(1)                                               # both copies stay cached
+    manager.free(1)  # both copies stay cached
     hit = prefix.find_cached_prefix(tokens, seq_id=3)
     assert sorted(hit.shared.tolist()) == home1
-    assert hit.free_taken_per_device.tolist() == [0, 2]          # two cached-free blocks of device 1
+    assert hit.free_taken_per_device.tolist() == [0, 2]  # two cached-free blocks of device 1
     prefix.apply_prefix_hit(3, hit)
     manager.assert_consistent()
-    for seq_id in (2, 3):                                         # every row's blocks on its home
+    for seq_id in (2, 3):  # every row's blocks on its home
         for row in range(2):
             assert all(b // 8 == seq_id % 2 for b in table(manager, seq_id, row))
-    assert not set(table(manager, 2, 0) + table(manager, 2, 1)) & set(table(manager, 3, 0) + table(manager, 3, 1))
+    assert not set(table(manager, 2, 0) + table(manager, 2, 1)) & set(
+        table(manager, 3, 0) + table(manager, 3, 1)
+    )
 
 
 def test_a_short_device_evicts_its_own_cached_blocks_not_another_devices():
@@ -509,11 +573,13 @@ def test_a_short_device_evicts_its_own_cached_blocks_not_another_devices():
     first, so they are the least recently used of the pool: an allocation on device 1 that needs
     more than its plain free blocks must still evict device 1's cached blocks, and device 0's stay
     findable."""
-    manager = KVCacheManager(1, 2, 2, blocks_per_device=[4, 4], device_of_expert=[0, 1], prefix_cache=PrefixCache())
+    manager = KVCacheManager(
+        1, 2, 2, blocks_per_device=[4, 4], device_of_expert=[0, 1], prefix_cache=PrefixCache()
+    )
     prefix, pool = manager.prefix_cache, manager.pool
-    append_tokens(manager, 0, 0, [[[0]], [[0]], [[0]], [[0]]])                # expert 0: blocks 0, 1
+    append_tokens(manager, 0, 0, [[[0]], [[0]], [[0]], [[0]]])  # expert 0: blocks 0, 1
     prefix.cache_computed_blocks(0, [1, 2, 3, 4])
-    append_tokens(manager, 1, 0, [[[1]], [[1]], [[1]], [[1]]])                # expert 1: blocks 4, 5
+    append_tokens(manager, 1, 0, [[[1]], [[1]], [[1]], [[1]]])  # expert 1: blocks 4, 5
     prefix.cache_computed_blocks(1, [5, 6, 7, 8])
     assert (table(manager, 0, 0), table(manager, 1, 1)) == ([0, 1], [4, 5])
     manager.free(0)
@@ -526,10 +592,10 @@ def test_a_short_device_evicts_its_own_cached_blocks_not_another_devices():
     assert pool.cached_free_block_ids(0) == [0, 1] and pool.cached_free_block_ids(1) == [5]
     assert pool.num_evicted_cached_blocks == 1
     pool.assert_consistent()
-    assert prefix.find_cached_prefix([1, 2, 3, 4, 9]).shared.tolist() == [0, 1]     # device 0 kept all
-    assert prefix.find_cached_prefix([5, 6, 7, 8, 9]).num_tokens == 0               # its first block is gone
+    assert prefix.find_cached_prefix([1, 2, 3, 4, 9]).shared.tolist() == [0, 1]  # device 0 kept all
+    assert prefix.find_cached_prefix([5, 6, 7, 8, 9]).num_tokens == 0  # its first block is gone
     with pytest.raises(OutOfBlocksError, match="device 1 is short"):
-        pool.allocate(2, device=1)                      # one free there, although device 0 has four
+        pool.allocate(2, device=1)  # one free there, although device 0 has four
     assert pool.cached_free_block_ids(0) == [0, 1]
     pool.free(taken)
     manager.assert_consistent()

@@ -3,14 +3,13 @@ phases add up to no more than its forward, and bench step's profile splits a ste
 
 import pytest
 import torch
+from helpers import random_model, small_config
 
 from moekv_ref import profiling
 from moekv_ref.apps import bench_step
 from moekv_ref.apps.bench_peer import random_dense_model
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
-
-from helpers import random_model, small_config
 
 
 def test_phase_is_a_shared_no_op_outside_collect():
@@ -39,5 +38,6 @@ def test_profile_steps_splits_a_step_into_its_phases():
     phases = result["phases_ms"]
     assert set(phases) == set(bench_step.PHASE_NAMES)
     assert sum(phases.values()) == pytest.approx(result["step_ms"])
-    assert "attend" in bench_step.format_profile({"num_seqs": 2, "max_new_tokens": 3, "dense": result,
-                                                  "embedded": result})
+    assert "attend" in bench_step.format_profile(
+        {"num_seqs": 2, "max_new_tokens": 3, "dense": result, "embedded": result}
+    )

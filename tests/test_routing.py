@@ -1,11 +1,10 @@
 import torch
+from helpers import random_model, random_prompts, small_config
 
 from moekv_ref.checkpoint import load_default_model
 from moekv_ref.generate import generate
 from moekv_ref.routing import route
 from moekv_ref.sampling import SamplingParams
-
-from helpers import random_model, random_prompts, small_config
 
 
 def test_topk_selects_exactly_k_and_gates_sum_to_one():
@@ -14,7 +13,9 @@ def test_topk_selects_exactly_k_and_gates_sum_to_one():
     assert (routing.experts_per_token == 3).all()
     assert torch.allclose(routing.gates.sum(-1), torch.ones(50))
     # the selected experts are the 3 most probable
-    assert (routing.selected == torch.zeros_like(routing.selected).scatter(-1, logits.topk(3).indices, True)).all()
+    assert (
+        routing.selected == torch.zeros_like(routing.selected).scatter(-1, logits.topk(3).indices, True)
+    ).all()
 
 
 def test_threshold_keeps_mass_between_one_and_kmax():
@@ -26,7 +27,9 @@ def test_threshold_keeps_mass_between_one_and_kmax():
     # below k_max, the kept mass reaches the threshold; dropping the last kept expert would not
     full = counts < 4
     assert (mass[full] >= 0.7 - 1e-12).all()
-    smallest_kept = torch.where(routing.selected, routing.probs, torch.ones_like(routing.probs)).min(-1).values
+    smallest_kept = (
+        torch.where(routing.selected, routing.probs, torch.ones_like(routing.probs)).min(-1).values
+    )
     assert (mass - smallest_kept < 0.7).all()
 
 
@@ -37,9 +40,9 @@ def test_topk_caches_hold_exactly_k_times_T_per_layer():
     k = model.config.num_attention_experts_per_tok
     for i, prompt in enumerate(prompts):
         processed = len(prompt) + 10 - 1
-        per_layer = result.cache_counts[i].sum(-1)                            # (L,)
+        per_layer = result.cache_counts[i].sum(-1)  # (L,)
         assert per_layer.tolist() == [k * processed] * model.config.num_hidden_layers
-        assert (result.cache_counts[i] > 0).sum() > k                         # the split itself varies
+        assert (result.cache_counts[i] > 0).sum() > k  # the split itself varies
 
 
 def test_random_topk_config_identity():

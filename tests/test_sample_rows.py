@@ -4,16 +4,20 @@ non-finite logits, or, given an `errors` dict, fails only the rows that have the
 
 import pytest
 import torch
+from helpers import random_model, random_prompts, small_config
 
 import moekv_ref.sampling as sampling_module
 from moekv_ref.engine import LLMEngine
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingError, SamplingParams, sample_rows
 
-from helpers import random_model, random_prompts, small_config
-
-MIXED = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8, seed=3),
-         SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=4), SamplingParams(temperature=0.0)]
+MIXED = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.9, top_p=0.8, seed=3),
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.0, seed=4),
+    SamplingParams(temperature=0.0),
+]
 
 
 def one_by_one(logits, params):
@@ -49,8 +53,12 @@ def test_sample_rows_equals_row_by_row_on_ties_and_every_temperature_and_top_p(s
         b, scale = int(torch.randint(1, 9, (1,), generator=g)), [0.1, 1.0, 5.0, 30.0][seed]
         logits = torch.round(torch.randn(b, 64, generator=g) * scale)
         pick = torch.randint(0, 5, (b, 3), generator=g).tolist()
-        params = [SamplingParams(temperature=[0.0, 0.3, 0.8, 1.0, 2.5][t], top_p=[1.0, 0.95, 0.5, 0.1, 1e-9][q],
-                                 seed=s) for t, q, s in pick]
+        params = [
+            SamplingParams(
+                temperature=[0.0, 0.3, 0.8, 1.0, 2.5][t], top_p=[1.0, 0.95, 0.5, 0.1, 1e-9][q], seed=s
+            )
+            for t, q, s in pick
+        ]
         assert sample_rows(logits, params, [p.generator() for p in params]) == one_by_one(logits, params)
 
 
@@ -62,15 +70,19 @@ def test_sample_rows_refuses_non_finite_logits():
         sample_rows(logits, params, [p.generator() for p in params])
 
 
-@pytest.mark.parametrize("bad_row", [0, 1, 4])        # a greedy row, a sampled one, the last greedy one
+@pytest.mark.parametrize("bad_row", [0, 1, 4])  # a greedy row, a sampled one, the last greedy one
 def test_with_errors_only_the_rows_with_bad_logits_fail(bad_row):
     logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(1))
     expected = one_by_one(logits, MIXED)
     logits[bad_row, 7] = float("inf")
     errors = {}
     tokens = sample_rows(logits, MIXED, [p.generator() for p in MIXED], errors)
-    assert list(errors) == [bad_row] and isinstance(errors[bad_row], SamplingError) and tokens[bad_row] is None
-    assert [t for i, t in enumerate(tokens) if i != bad_row] == [t for i, t in enumerate(expected) if i != bad_row]
+    assert (
+        list(errors) == [bad_row] and isinstance(errors[bad_row], SamplingError) and tokens[bad_row] is None
+    )
+    assert [t for i, t in enumerate(tokens) if i != bad_row] == [
+        t for i, t in enumerate(expected) if i != bad_row
+    ]
 
 
 def test_the_engine_samples_its_greedy_rows_with_one_argmax(monkeypatch):

@@ -8,11 +8,25 @@ follows what it observes. Bad configurations raise before anything exists.
 import pytest
 import torch
 
-from moekv_ref.engine.demand import (DemandPredictor, blocks_held_per_device, min_lifetime_blocks, reserved_blocks,
-                                     worst_case_lifetime_blocks, worst_case_lifetime_blocks_per_device,
-                                     worst_case_step_blocks, worst_case_step_blocks_per_device)
 import moekv_ref.engine.scheduler as scheduler_module
-from moekv_ref.engine.scheduler import SchedulerConfig
+from moekv_ref.cache.kv_cache_manager import KVCacheManager
+from moekv_ref.engine.admission import predicted_peak
+from moekv_ref.engine.demand import (
+    DemandPredictor,
+    blocks_held_per_device,
+    min_lifetime_blocks,
+    reserved_blocks,
+    worst_case_lifetime_blocks,
+    worst_case_lifetime_blocks_per_device,
+    worst_case_step_blocks,
+    worst_case_step_blocks_per_device,
+)
+from moekv_ref.engine.memory import ModelShape
+from moekv_ref.engine.request import Request, RequestStatus
+from moekv_ref.engine.scheduler import Scheduler, SchedulerConfig
+from moekv_ref.engine.swap import SWAP_IN, SWAP_OUT
+from moekv_ref.engine.victims import Shortage, VictimPolicy
+from moekv_ref.sampling import SamplingParams
 
 
 def blocks(counts, P):
@@ -47,14 +61,20 @@ def test_step_and_lifetime_bounds_hold_for_random_routings(seed):
         before = blocks(counts, P)
         # the scheduler's per-device bounds: with D = 1 the one-pool ones; with every row on device 1
         # of 2 (a pool with home devices), the one-pool ones there and nothing on device 0
-        for devices, D, expected in ((torch.zeros(1, L, E, dtype=torch.int64), 1, [[bound]]),
-                                     (torch.ones(1, L, E, dtype=torch.int64), 2, [[0, bound]])):
-            assert worst_case_step_blocks_per_device(counts, torch.tensor([n]), k_max, P, devices, D).tolist() == expected
+        for devices, D, expected in (
+            (torch.zeros(1, L, E, dtype=torch.int64), 1, [[bound]]),
+            (torch.ones(1, L, E, dtype=torch.int64), 2, [[0, bound]]),
+        ):
+            assert (
+                worst_case_step_blocks_per_device(counts, torch.tensor([n]), k_max, P, devices, D).tolist()
+                == expected
+            )
             assert blocks_held_per_device(counts, P, devices, D).tolist()[0][-1] == before
             lifetime = worst_case_lifetime_blocks(total + n, L, E, k_max, P)
-            assert worst_case_lifetime_blocks_per_device(torch.tensor([total + n]), k_max, P, devices, D).tolist() == [
-                [lifetime] if D == 1 else [0, lifetime]]
-        for _ in range(n):                      # each token to 1..k_max random experts per layer
+            assert worst_case_lifetime_blocks_per_device(
+                torch.tensor([total + n]), k_max, P, devices, D
+            ).tolist() == [[lifetime] if D == 1 else [0, lifetime]]
+        for _ in range(n):  # each token to 1..k_max random experts per layer
             for layer in range(L):
                 k = int(torch.randint(1, k_max + 1, (), generator=generator))
                 experts = torch.randperm(E, generator=generator)[:k]
@@ -69,16 +89,23 @@ def test_step_and_lifetime_bounds_hold_for_random_routings(seed):
 def test_predictor_starts_at_k_max_and_follows_observations():
     predictor = DemandPredictor(num_layers=2, num_experts=8, k_max=2, block_size=16)
     assert predictor.k_avg.tolist() == [2.0, 2.0]
-    predictor.observe(torch.tensor([10, 15]), num_tokens=10)     # 1.0 and 1.5 experts per token
+    predictor.observe(torch.tensor([10, 15]), num_tokens=10)  # 1.0 and 1.5 experts per token
     assert predictor.k_avg.tolist() == [1.0, 1.5]
     # 64 tokens: layer 0 has 64 entries over min(8, 64) = 8 rows -> 64/16 + 8 * 15/16 = 11.5 -> 12;
     # layer 1 has 96 entries -> 6 + 7.5 = 13.5 -> 14
     assert predictor.predict(64) == 12 + 14
 
 
-@pytest.mark.parametrize("field,value", [("max_num_seqs", 0), ("max_num_batched_tokens", -1),
-                                         ("policy", "fifo"), ("admission", "lucky"),
-                                         ("preemption_mode", "evict_one_expert")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_num_seqs", 0),
+        ("max_num_batched_tokens", -1),
+        ("policy", "fifo"),
+        ("admission", "lucky"),
+        ("preemption_mode", "evict_one_expert"),
+    ],
+)
 def test_bad_scheduler_config_names_the_value(field, value):
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: value})
@@ -90,17 +117,9 @@ def test_bad_scheduler_config_names_the_value(field, value):
 # with a made-up sampled token. L=2 layers, E=4 experts, k_max=2, P=4 slots per block; the pool is
 # unshuffled, so it hands out blocks 0, 1, 2, ... and reuses the last freed first.
 
-from moekv_ref.cache.kv_cache_manager import KVCacheManager
-from moekv_ref.engine.admission import predicted_peak
-from moekv_ref.engine.memory import ModelShape
-from moekv_ref.engine.request import Request, RequestStatus
-from moekv_ref.engine.scheduler import Scheduler
-from moekv_ref.engine.swap import SWAP_IN, SWAP_OUT
-from moekv_ref.engine.victims import Shortage, VictimPolicy
-from moekv_ref.sampling import SamplingParams
 
 SHAPE = ModelShape(num_layers=2, num_experts=4, k_max=2, k_min=1, block_size=4, max_num_positions=64)
-EXPERTS_01 = torch.tensor([1, 1, 0, 0])      # a token routed to experts 0 and 1, in every layer
+EXPERTS_01 = torch.tensor([1, 1, 0, 0])  # a token routed to experts 0 and 1, in every layer
 EXPERTS_23 = torch.tensor([0, 0, 1, 1])
 
 
@@ -110,7 +129,9 @@ def make_scheduler(num_blocks, num_swap_blocks=0, **config):
 
 
 def add(scheduler, request_id, prompt_len, max_new_tokens):
-    request = Request(request_id, [7] * prompt_len, SamplingParams(max_new_tokens=max_new_tokens, temperature=0))
+    request = Request(
+        request_id, [7] * prompt_len, SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
+    )
     scheduler.check_fits_alone(prompt_len, max_new_tokens)
     scheduler.add_request(request)
     return request
@@ -124,7 +145,7 @@ def run_forward(scheduler, out, experts=EXPERTS_01):
         seq_id = item.request.request_id
         if seq_id not in manager.sequences:
             manager.add_sequence(seq_id)
-        rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]       # (L*E,)
+        rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]  # (L*E,)
         manager.allocate_slots(rows, (experts * item.num_tokens).repeat(SHAPE.num_layers))
     sampled = {item.request.request_id: 1 for item in out.scheduled if item.samples}
     return scheduler.update_from_output(out, sampled)
@@ -141,7 +162,10 @@ def test_optimistic_admission_admits_while_the_step_worst_case_fits():
     out = scheduler.schedule(0)
     # a 3-token prompt may open min(bound A = 4 rows x 1, bound B = 4 + (6 - 4) // 4) = 4 blocks per
     # layer: 8 reserved each; 8 + 8 <= 20, but a third 8 would make 24 > 20
-    assert [(s.request.request_id, s.num_tokens, s.reserved_blocks) for s in out.scheduled] == [(0, 3, 8), (1, 3, 8)]
+    assert [(s.request.request_id, s.num_tokens, s.reserved_blocks) for s in out.scheduled] == [
+        (0, 3, 8),
+        (1, 3, 8),
+    ]
     assert ids(out.admitted) == [0, 1] and ids(scheduler.waiting) == [2] and not out.block_copies
     run_forward(scheduler, out)
     # each sequence: rows (layer, expert 0/1) got a block each, in row order
@@ -165,7 +189,9 @@ def test_a_step_where_every_running_request_fits_asks_the_pool_once(monkeypatch)
     assert not scheduler.waiting and len(scheduler.running) == 3
     checks = []
     original = Scheduler.fits
-    monkeypatch.setattr(Scheduler, "fits", lambda self, demand: checks.append(demand.clone()) or original(self, demand))
+    monkeypatch.setattr(
+        Scheduler, "fits", lambda self, demand: checks.append(demand.clone()) or original(self, demand)
+    )
     out = scheduler.schedule(1)
     expected = [(r.request_id, 1, int(scheduler.step_blocks(r, 1).sum())) for r in requests]
     assert [(s.request.request_id, s.num_tokens, s.reserved_blocks) for s in out.scheduled] == expected
@@ -185,18 +211,22 @@ def test_the_one_pool_need_is_the_per_device_bounds_with_one_device(seed, monkey
     counts = torch.randint(0, 3 * P + 2, (m, L, E), generator=generator)
     num_tokens = torch.randint(1, 2 * P + 3, (m,), generator=generator).tolist()
     # totals from a row's largest count (each token reaches a row at most once) to well above it
-    extra = torch.randint(0, 4 * P, (m,), generator=generator) * (torch.arange(m) % 2)     # 0 on even rows
+    extra = torch.randint(0, 4 * P, (m,), generator=generator) * (torch.arange(m) % 2)  # 0 on even rows
     totals = (counts.amax((1, 2)) + torch.tensor(num_tokens) + extra).tolist()
     devices = torch.zeros(m, L, E, dtype=torch.int64)
     held = blocks_held_per_device(counts, P, devices, 1)
     step = worst_case_step_blocks_per_device(counts, torch.tensor(num_tokens), K, P, devices, 1)
     lifetime = worst_case_lifetime_blocks_per_device(torch.tensor(totals), K, P, devices, 1)
     expected = torch.clamp(torch.minimum(step, lifetime - held), min=0)
-    for name in ("blocks_held_per_device", "worst_case_step_blocks_per_device", "worst_case_lifetime_blocks_per_device"):
+    for name in (
+        "blocks_held_per_device",
+        "worst_case_step_blocks_per_device",
+        "worst_case_lifetime_blocks_per_device",
+    ):
         monkeypatch.setattr(scheduler_module, name, lambda *args: pytest.fail("the per-device form ran"))
     need = scheduler._worst_case_need(counts, num_tokens, totals, None)
     assert need.dtype == torch.int64 and need.tolist() == expected.tolist()
-    assert (expected < step).any() and (expected > 0).any()     # the cap binds on some, not on all
+    assert (expected < step).any() and (expected > 0).any()  # the cap binds on some, not on all
 
 
 def test_predicted_admission_refuses_what_the_predicted_peak_cannot_hold():
@@ -218,8 +248,9 @@ def preemption_scenario(mode):
     """Two requests (3-token prompts, 4 new tokens) in a pool of 16 blocks. Steps 0-2 fill it:
     prefill routes to experts 0/1 (blocks 0-3 and 4-7), the first decode token to experts 2/3
     (blocks 8-11 and 12-15), the second to experts 0/1 again (rows 0 and 1 reach 4 tokens: full)."""
-    scheduler = make_scheduler(16, num_swap_blocks=8 if mode == "swap" else 0,
-                               admission="optimistic", preemption_mode=mode)
+    scheduler = make_scheduler(
+        16, num_swap_blocks=8 if mode == "swap" else 0, admission="optimistic", preemption_mode=mode
+    )
     add(scheduler, 0, 3, 4)
     add(scheduler, 1, 3, 4)
     for step, experts in enumerate([EXPERTS_01, EXPERTS_23, EXPERTS_01]):
@@ -247,8 +278,9 @@ def test_the_newest_request_is_preempted_when_the_step_does_not_fit(mode):
         assert request.num_computed_tokens == 0 and request.num_recomputed_tokens == 5
     else:
         # its device blocks, row by row, go to host blocks 0..7 of the (unshuffled) swap space
-        assert [(c.direction, c.source.tolist(), c.destination.tolist()) for c in out.block_copies] == \
-            [(SWAP_OUT, [4, 5, 12, 13, 6, 7, 14, 15], list(range(8)))]
+        assert [(c.direction, c.source.tolist(), c.destination.tolist()) for c in out.block_copies] == [
+            (SWAP_OUT, [4, 5, 12, 13, 6, 7, 14, 15], list(range(8)))
+        ]
         assert out.freed == [] and request.num_computed_tokens == 5 and request.swapped
         assert scheduler.memory.num_swapped_blocks == 8
     # request 0 decodes its last token into 2 new blocks per layer, taken from the freed ones, last
@@ -265,8 +297,9 @@ def test_the_newest_request_is_preempted_when_the_step_does_not_fit(mode):
         # swap-in: its saved counts (4, 4, 1, 1 per layer: 8 blocks) are allocated again, row by
         # row, from the free queue, whose top is request 0's blocks in reverse of their freeing
         # order (0, 15, 1, 14, 8, 9, 2, 7, 3, 6, 10, 11); the host blocks return to the swap space
-        assert [(c.direction, c.source.tolist(), c.destination.tolist()) for c in out.block_copies] == \
-            [(SWAP_IN, list(range(8)), [11, 10, 6, 3, 7, 2, 9, 8])]
+        assert [(c.direction, c.source.tolist(), c.destination.tolist()) for c in out.block_copies] == [
+            (SWAP_IN, list(range(8)), [11, 10, 6, 3, 7, 2, 9, 8])
+        ]
         assert scheduler.manager.blocks_of_sequence(1).tolist() == [11, 10, 6, 3, 7, 2, 9, 8]
         assert scheduler.memory.num_swapped_blocks == 0
         assert [(s.num_tokens, s.reserved_blocks) for s in out.scheduled] == [(1, 4)]
@@ -277,6 +310,7 @@ def test_the_newest_request_is_preempted_when_the_step_does_not_fit(mode):
 
 class OldestFirst(VictimPolicy):
     """For the test: preempt the oldest candidate."""
+
     name = "oldest_first"
 
     def choose_victim(self, candidates, memory, need):
@@ -302,6 +336,7 @@ def test_a_victim_outside_the_candidates_is_an_error():
     class Wrong(VictimPolicy):
         def choose_victim(self, candidates, memory, need):
             return Request(99, [1], SamplingParams())
+
     scheduler = make_scheduler(16, admission="optimistic", victim=Wrong())
     add(scheduler, 0, 3, 4)
     add(scheduler, 1, 3, 4)
@@ -334,7 +369,7 @@ def test_static_batch_is_padded_by_the_policy_and_admits_only_when_done():
         if step == 0:
             assert ids(out.admitted) == [0, 1]
         if 2 in ids(out.admitted):
-            assert set(finished_at) == {0, 1}        # only once the whole first batch is done
+            assert set(finished_at) == {0, 1}  # only once the whole first batch is done
             assert finished_at[0] == finished_at[1] == step - 1
         for request in run_forward(scheduler, out):
             finished_at[request.request_id] = step
@@ -345,11 +380,14 @@ def test_static_batch_is_padded_by_the_policy_and_admits_only_when_done():
     scheduler.memory.assert_no_leak()
 
 
-@pytest.mark.parametrize("config,match", [
-    ({"policy": "static", "admission": "optimistic"}, "applies to policy='continuous_paged' only"),
-    ({"victim": "random"}, "victim='random' is not one of"),
-    ({"policy": object()}, "policy=<object"),
-])
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        ({"policy": "static", "admission": "optimistic"}, "applies to policy='continuous_paged' only"),
+        ({"victim": "random"}, "victim='random' is not one of"),
+        ({"policy": object()}, "policy=<object"),
+    ],
+)
 def test_options_that_do_not_apply_or_do_not_exist_are_refused(config, match):
     with pytest.raises(ValueError, match=match):
         SchedulerConfig(**config)

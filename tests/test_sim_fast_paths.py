@@ -34,7 +34,7 @@ def random_runner(seed: int, policy: str = "sequence_lru", blocks: int = 80) -> 
     evictions on these seeds)."""
     trace, _ = topic_trace(40, 3, 8, 2, mean_prompt=8, mean_output=24, seed=seed)
     generator = torch.Generator().manual_seed(seed)
-    placement = torch.stack([torch.randperm(8, generator=generator) % 2 for _ in range(3)])      # (L, E)
+    placement = torch.stack([torch.randperm(8, generator=generator) % 2 for _ in range(3)])  # (L, E)
     setup = EvictionSetup(blocks_per_device=blocks, block_size=4, max_num_seqs=12, max_num_batched_tokens=64)
     return TraceRunner(trace, placement, setup, policy, FREE)
 
@@ -51,9 +51,9 @@ def test_decode_need_makes_the_decisions_of_the_row_by_row_bound(seed, policy, m
     assert fast[1], "no eviction happened: the comparison would not test victims"
     monkeypatch.setattr(scheduler_module.Scheduler, "_decode_need", lambda self, requests, num_tokens: None)
     plain = decisions(random_runner(seed, policy))
-    assert fast[0] == plain[0]                            # admitted / resumed / preempted, each step
-    assert fast[1] == plain[1]                            # victims, modes, blocks freed per device
-    assert torch.equal(fast[2], plain[2])                 # blocks in use per device after each step
+    assert fast[0] == plain[0]  # admitted / resumed / preempted, each step
+    assert fast[1] == plain[1]  # victims, modes, blocks freed per device
+    assert torch.equal(fast[2], plain[2])  # blocks in use per device after each step
 
 
 def test_a_broken_decode_need_changes_the_decisions(monkeypatch):
@@ -65,6 +65,7 @@ def test_a_broken_decode_need_changes_the_decisions(monkeypatch):
     def one_more(self, requests, num_tokens):
         need = real(self, requests, num_tokens)
         return None if need is None else need + 1
+
     monkeypatch.setattr(scheduler_module.Scheduler, "_decode_need", one_more)
     broken = decisions(random_runner(0))
     assert broken[0] != plain[0] or broken[1] != plain[1] or not torch.equal(broken[2], plain[2])
@@ -75,19 +76,25 @@ def test_decode_need_equals_the_bound_over_rows_on_random_states(seed):
     """Random placements and row counts (a decode step of every held sequence): the (m, D) needs of
     the two paths are equal (the plain one with its lifetime cap, which a decode token never reaches)."""
     generator = torch.Generator().manual_seed(seed)
-    L, E, D, K, P = 3, 8, 2, 3, 4         # 4 experts a device, k_d = 3: the min of bounds A and B matters
+    L, E, D, K, P = 3, 8, 2, 3, 4  # 4 experts a device, k_d = 3: the min of bounds A and B matters
     placement = torch.stack([torch.randperm(E, generator=generator) % D for _ in range(L)])
     trace = synthetic_trace(16, L, E, K, mean_prompt=12, mean_output=8, seed=seed)
-    runner = TraceRunner(trace, placement, EvictionSetup(blocks_per_device=4000, block_size=P, max_num_seqs=16), "newest_first", FREE)
+    runner = TraceRunner(
+        trace,
+        placement,
+        EvictionSetup(blocks_per_device=4000, block_size=P, max_num_seqs=16),
+        "newest_first",
+        FREE,
+    )
     scheduler = runner.scheduler
-    for _ in range(int(torch.randint(1, 12, (1,), generator=generator))):            # a few random steps
+    for _ in range(int(torch.randint(1, 12, (1,), generator=generator))):  # a few random steps
         out = scheduler.schedule(0)
         runner.append(out.scheduled)
         scheduler.update_from_output(out, {item.request.request_id: 0 for item in out.scheduled})
     requests = list(scheduler.running)
     assert requests and all(r.num_pending_tokens == 1 for r in requests)
     fast = scheduler._decode_need(requests, [1] * len(requests))
-    scheduler._experts_on = None                                        # the plain path from here
+    scheduler._experts_on = None  # the plain path from here
     plain = scheduler.step_blocks_many(requests, [1] * len(requests))
     assert fast is not None and torch.equal(fast, plain)
 
@@ -101,7 +108,7 @@ def test_manager_tables_follow_row_tokens_and_a_missed_update_is_caught():
     manager.allocate_slots(rows, torch.randint(0, 9, (rows.numel(),), generator=generator))
     manager.free(1)
     manager.assert_consistent()
-    for table in (manager.open_rows, manager.count_blocks):    # an update set_row_tokens missed
+    for table in (manager.open_rows, manager.count_blocks):  # an update set_row_tokens missed
         table[manager.seq_index(2)].view(-1)[0] += 1
         with pytest.raises(AssertionError, match="does not follow row_tokens"):
             manager.assert_consistent()
@@ -110,7 +117,10 @@ def test_manager_tables_follow_row_tokens_and_a_missed_update_is_caught():
 
 def test_allocate_per_device_equals_allocate_device_after_device():
     sizes = [7, 1, 12, 5]
-    fast, plain = BlockPool(blocks_per_device=sizes, shuffle_seed=3), BlockPool(blocks_per_device=sizes, shuffle_seed=3)
+    fast, plain = (
+        BlockPool(blocks_per_device=sizes, shuffle_seed=3),
+        BlockPool(blocks_per_device=sizes, shuffle_seed=3),
+    )
     for counts in ([2, 0, 5, 1], [0, 0, 4, 4], [5, 0, 3, 0]):
         got = fast.allocate_per_device(torch.tensor(counts))
         expected = torch.cat([plain.allocate(n, device=d) for d, n in enumerate(counts) if n])
@@ -122,7 +132,7 @@ def test_allocate_per_device_equals_allocate_device_after_device():
     before = fast.num_free_blocks_per_device.tolist()
     with pytest.raises(OutOfBlocksError, match="device 0 is short"):
         fast.allocate_per_device(torch.tensor([100, 0, 0, 0]))
-    assert fast.num_free_blocks_per_device.tolist() == before          # nothing taken
+    assert fast.num_free_blocks_per_device.tolist() == before  # nothing taken
 
 
 def test_decode_appends_are_the_counted_appends_of_one_token_each():
@@ -139,7 +149,7 @@ def test_ceil_div_by_shift_equals_the_floor_division():
     values = torch.randint(-1000, 1000, (5000,), generator=torch.Generator().manual_seed(1))
     for block_size in (1, 2, 16, 256):
         assert torch.equal(ceil_div(values, block_size), (values + block_size - 1) // block_size)
-    assert torch.equal(ceil_div(values, 3), (values + 2) // 3)              # not a power of two
+    assert torch.equal(ceil_div(values, 3), (values + 2) // 3)  # not a power of two
 
 
 def test_the_runner_fails_at_the_first_short_layer_with_that_layers_shortfall():

@@ -10,16 +10,15 @@ so that preemptions happen (asserted: a run without any would compare little).""
 
 import pytest
 import torch
-
-from moekv_ref.analysis import record_model_trace
-from moekv_ref.engine import LLMEngine, SchedulerConfig
-from moekv_ref.sampling import SamplingParams
-from moekv_ref.costs import CostModel
-from moekv_ref.sim.eviction import EvictionSetup, simulate
-
 from helpers import random_model, random_workload, small_config
 
-PLACEMENT = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3])     # 8 experts on 4 devices, device 0 the busiest
+from moekv_ref.analysis import record_model_trace
+from moekv_ref.costs import CostModel
+from moekv_ref.engine import LLMEngine, SchedulerConfig
+from moekv_ref.sampling import SamplingParams
+from moekv_ref.sim.eviction import EvictionSetup, simulate
+
+PLACEMENT = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3])  # 8 experts on 4 devices, device 0 the busiest
 BLOCK_SIZE, BLOCKS_PER_DEVICE, SWAP_BLOCKS = 4, 36, 64
 FLAT = CostModel("flat", 0.0, 1.0, 0.0, float("inf"), 1.0, 0.0, 1)
 DECISIONS = ("admitted", "resumed", "preempted")
@@ -27,8 +26,9 @@ DECISIONS = ("admitted", "resumed", "preempted")
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model(small_config("expert", "topk", num_attention_experts=8, num_attention_experts_per_tok=2),
-                        seed=0)
+    return random_model(
+        small_config("expert", "topk", num_attention_experts=8, num_attention_experts_per_tok=2), seed=0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,33 +38,59 @@ def workload(model):
     return prompts, output_lens, record_model_trace(model, prompts, output_lens)
 
 
-@pytest.mark.parametrize("victim,mode,admission", [("newest_first", "recompute", "optimistic"),
-                                                   ("pressure_aware", "swap", "optimistic"),
-                                                   ("expert_lru", "recompute", "optimistic"),
-                                                   ("pressure_aware", "recompute", "predicted")])
+@pytest.mark.parametrize(
+    "victim,mode,admission",
+    [
+        ("newest_first", "recompute", "optimistic"),
+        ("pressure_aware", "swap", "optimistic"),
+        ("expert_lru", "recompute", "optimistic"),
+        ("pressure_aware", "recompute", "predicted"),
+    ],
+)
 def test_the_runner_makes_the_engines_decisions_step_by_step(model, workload, victim, mode, admission):
     prompts, output_lens, trace = workload
     swap_blocks = SWAP_BLOCKS if mode == "swap" else 0
-    setup = EvictionSetup(BLOCKS_PER_DEVICE, BLOCK_SIZE, max_num_seqs=16, max_num_batched_tokens=256,
-                          num_host_blocks=swap_blocks, admission=admission)
+    setup = EvictionSetup(
+        BLOCKS_PER_DEVICE,
+        BLOCK_SIZE,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        num_host_blocks=swap_blocks,
+        admission=admission,
+    )
     stats = simulate(trace, PLACEMENT, setup, victim, FLAT)
 
-    engine = LLMEngine(model, block_size=BLOCK_SIZE, blocks_per_device=[BLOCKS_PER_DEVICE] * 4,
-                       device_of_expert=PLACEMENT, num_swap_blocks=swap_blocks or None, record_history=True,
-                       scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, victim=victim,
-                                                        admission=admission, preemption_mode=mode))
-    outputs = engine.generate(prompts, [SamplingParams(max_new_tokens=n, temperature=0.0) for n in output_lens])
+    engine = LLMEngine(
+        model,
+        block_size=BLOCK_SIZE,
+        blocks_per_device=[BLOCKS_PER_DEVICE] * 4,
+        device_of_expert=PLACEMENT,
+        num_swap_blocks=swap_blocks or None,
+        record_history=True,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+            victim=victim,
+            admission=admission,
+            preemption_mode=mode,
+        ),
+    )
+    outputs = engine.generate(
+        prompts, [SamplingParams(max_new_tokens=n, temperature=0.0) for n in output_lens]
+    )
     assert [len(o.token_ids) for o in outputs] == output_lens
     events = [(e.step, e.request_id, e.kind) for e in engine.events if e.kind in DECISIONS]
 
-    assert stats.events == events                                   # admissions, preemptions (victims)
+    assert stats.events == events  # admissions, preemptions (victims)
     assert stats.num_steps == engine.step_count
-    assert stats.used_blocks.tolist() == torch.stack(engine.device_timeline).tolist()   # (steps, D)
+    assert stats.used_blocks.tolist() == torch.stack(engine.device_timeline).tolist()  # (steps, D)
     assert stats.num_running.tolist() == [record.num_running for record in engine.timeline]
     counts = engine.eviction_stats()
     assert (stats.num_evictions, stats.recomputed_tokens, stats.freed_on_short_device) == (
-        counts["num_evictions"], counts["num_recomputed_tokens"],
-        counts["freed_on_short_device"])
+        counts["num_evictions"],
+        counts["num_recomputed_tokens"],
+        counts["freed_on_short_device"],
+    )
     assert stats.num_finished == len(prompts) and stats.finished_tokens == sum(output_lens)
     if admission == "optimistic":
         assert any(kind == "preempted" for _, _, kind in events)
@@ -81,17 +107,32 @@ def test_under_optimistic_reservation_the_runner_retries_as_the_engine_does(mode
     layer, as the forward does) and the engine retry the same steps, take the same victims and hold
     the same blocks; the engine's tokens are those of worst-case reservation."""
     prompts, output_lens, trace = workload
-    setup = EvictionSetup(BLOCKS_PER_DEVICE, BLOCK_SIZE, max_num_seqs=16, max_num_batched_tokens=256,
-                          admission="optimistic", reservation="optimistic")
+    setup = EvictionSetup(
+        BLOCKS_PER_DEVICE,
+        BLOCK_SIZE,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        admission="optimistic",
+        reservation="optimistic",
+    )
     stats = simulate(trace, PLACEMENT, setup, victim, FLAT)
     params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in output_lens]
     engines = {}
     for reservation in ("optimistic", "worst_case"):
         engines[reservation] = LLMEngine(
-            model, block_size=BLOCK_SIZE, blocks_per_device=[BLOCKS_PER_DEVICE] * 4, device_of_expert=PLACEMENT,
-            record_history=True, scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256,
-                                                                  victim=victim, admission="optimistic",
-                                                                  reservation=reservation))
+            model,
+            block_size=BLOCK_SIZE,
+            blocks_per_device=[BLOCKS_PER_DEVICE] * 4,
+            device_of_expert=PLACEMENT,
+            record_history=True,
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=16,
+                max_num_batched_tokens=256,
+                victim=victim,
+                admission="optimistic",
+                reservation=reservation,
+            ),
+        )
     outputs = {name: engine.generate(prompts, params) for name, engine in engines.items()}
     engine = engines["optimistic"]
     assert [o.token_ids for o in outputs["optimistic"]] == [o.token_ids for o in outputs["worst_case"]]
@@ -99,7 +140,9 @@ def test_under_optimistic_reservation_the_runner_retries_as_the_engine_does(mode
     assert stats.events == events
     assert stats.used_blocks.tolist() == torch.stack(engine.device_timeline).tolist()
     engine_stats = engine.stats()
-    assert (stats.num_retries, stats.thrown_away_tokens) == (engine_stats.num_retries,
-                                                             engine_stats.num_thrown_away_tokens)
-    assert stats.num_retries > 0                                    # the retry path ran
-    assert stats.num_steps < engines["worst_case"].step_count      # fewer steps than worst-case reservation
+    assert (stats.num_retries, stats.thrown_away_tokens) == (
+        engine_stats.num_retries,
+        engine_stats.num_thrown_away_tokens,
+    )
+    assert stats.num_retries > 0  # the retry path ran
+    assert stats.num_steps < engines["worst_case"].step_count  # fewer steps than worst-case reservation

@@ -15,6 +15,7 @@ step on, with nothing lost and nothing leaked, and every request gets the tokens
 import numpy as np
 import pytest
 import torch
+from helpers import alone_tokens, random_model, random_prompts, small_config
 
 import moekv_ref.sampling as sampling_module
 from moekv_ref.checkpoint import load_default_model
@@ -22,10 +23,8 @@ from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
 
-from helpers import alone_tokens, random_model, random_prompts, small_config
-
 BLOCK_SIZE = 4
-FAULT_POOL = 92      # blocks: the workload below swaps 4 times, hits and copies (the smallest it allows: 72)
+FAULT_POOL = 92  # blocks: the workload below swaps 4 times, hits and copies (the smallest it allows: 72)
 # 5 requests (8 before; with the same pool: 59 steps instead of 92): they still swap out and in 4
 # times each, the most any site needs (a fault at call 4); `raised` checks each site's call was made,
 # and test_the_workload_preempts_swaps_and_hits the preemptions, swaps, hits and copies.
@@ -42,8 +41,12 @@ def shared_prefix_workload(num_requests=8, seed=5, min_new_tokens=14):
     shared = random_prompts([30], 64, seed=seed)[0]
     own = random_prompts([2 + i % 4 for i in range(num_requests)], 64, seed=seed + 1)
     prompts = [shared[: 12 + 3 * (i % 5)] + tail for i, tail in enumerate(own)]
-    params = [SamplingParams(max_new_tokens=min_new_tokens + i % 5, temperature=0.0 if i % 2 else 1.0, top_p=0.9, seed=i)
-              for i in range(num_requests)]
+    params = [
+        SamplingParams(
+            max_new_tokens=min_new_tokens + i % 5, temperature=0.0 if i % 2 else 1.0, top_p=0.9, seed=i
+        )
+        for i in range(num_requests)
+    ]
     return prompts, params
 
 
@@ -63,8 +66,9 @@ def alone(model, workload):
 
 
 def make_engine(model, num_blocks, mode="swap", admission="optimistic", max_num_seqs=4):
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=32, preemption_mode=mode,
-                             admission=admission)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=32, preemption_mode=mode, admission=admission
+    )
     return LLMEngine(model, num_blocks, BLOCK_SIZE, config, enable_prefix_caching=True)
 
 
@@ -154,30 +158,43 @@ def test_the_workload_preempts_swaps_and_hits(model, workload, alone):
     outputs, _ = serve_twice(engine, *workload)
     check_served(engine, outputs, alone)
     stats, hits = engine.stats(), engine.prefix_cache_stats()
-    assert stats.num_preemptions >= 4 and stats.num_swapped_out_blocks > 0      # a fault at swap call 4
+    assert stats.num_preemptions >= 4 and stats.num_swapped_out_blocks > 0  # a fault at swap call 4
     assert hits["num_hit_tokens"] > 0 and hits["num_cow_blocks"] > 0
 
 
 @pytest.mark.parametrize("kind, expected", [("plain decode", 1), ("preempting", 2)])
-def test_a_fault_in_the_forward_is_undone_from_the_snapshot_that_still_holds(model, workload, alone, kind, expected,
-                                                                             monkeypatch):
+def test_a_fault_in_the_forward_is_undone_from_the_snapshot_that_still_holds(
+    model, workload, alone, kind, expected, monkeypatch
+):
     """A step snapshots the scheduler before scheduling, and again before the forward only if
     scheduling moved a request or freed a block (the blocks it freed may take the forward's K/V):
     a fault just after the forward of a plain decode step (one snapshot) and of a step that
     preempted by recompute (two) is undone, and every request gets its tokens of generating alone."""
     import moekv_ref.engine.engine as engine_module
+
     snapshots, decisions, taken = [], [], []
     original = engine_module.Snapshot
-    monkeypatch.setattr(engine_module, "Snapshot", type("Counted", (original,), {
-        "__init__": lambda self, root: snapshots.append(1) or original.__init__(self, root)}))
-    engine = make_engine(model, FAULT_POOL, mode="recompute", max_num_seqs=6)     # it preempts by recompute
+    monkeypatch.setattr(
+        engine_module,
+        "Snapshot",
+        type(
+            "Counted",
+            (original,),
+            {"__init__": lambda self, root: snapshots.append(1) or original.__init__(self, root)},
+        ),
+    )
+    engine = make_engine(model, FAULT_POOL, mode="recompute", max_num_seqs=6)  # it preempts by recompute
     schedule, forward = engine.scheduler.schedule, engine.runner.forward
-    engine.scheduler.schedule = lambda step, retry=None: decisions.append((len(snapshots), schedule(step, retry))) or decisions[-1][1]
+    engine.scheduler.schedule = lambda step, retry=None: (
+        decisions.append((len(snapshots), schedule(step, retry))) or decisions[-1][1]
+    )
 
     def faulty_forward(scheduled):
-        before, d = decisions[-1]                 # snapshots before this step's schedule: one of them
-        plain = not (d.events or d.evictions or d.block_copies) and all(s.num_tokens == 1 for s in d.scheduled)
-        result = forward(scheduled)               # then the fault: the step's K/V is written
+        before, d = decisions[-1]  # snapshots before this step's schedule: one of them
+        plain = not (d.events or d.evictions or d.block_copies) and all(
+            s.num_tokens == 1 for s in d.scheduled
+        )
+        result = forward(scheduled)  # then the fault: the step's K/V is written
         if not taken and engine.step_count > 2 and (plain if kind == "plain decode" else bool(d.preempted)):
             taken.append(len(snapshots) - before + 1)
             raise InjectedFault("after the forward")
@@ -199,7 +216,7 @@ def test_a_fault_while_scheduling_names_the_request_and_keeps_it_queued(model, w
     assert any("request 0" in note for note in fault.value.__notes__)
     assert [r.request_id for r in engine.scheduler.waiting] == [0] and not engine.scheduler.running
     assert engine.memory.num_used_blocks == 0
-    engine.abort_request(0)                  # it is still there to abort
+    engine.abort_request(0)  # it is still there to abort
     engine.memory.assert_no_leak()
 
 
@@ -244,7 +261,9 @@ def test_prefix_caching_with_tight_pools_loses_nothing(model, short_workload, sh
     prompts, params = short_workload
     alone = short_alone
     probe = make_engine(model, 1000)
-    smallest = max(probe.scheduler.max_blocks_alone(len(p) + q.max_new_tokens - 1) for p, q in zip(prompts, params))
+    smallest = max(
+        probe.scheduler.max_blocks_alone(len(p) + q.max_new_tokens - 1) for p, q in zip(prompts, params)
+    )
     generator = torch.Generator().manual_seed(seed)
     num_blocks = smallest + int(torch.randint(0, 40, (1,), generator=generator)) if seed else smallest
     mode = ("recompute", "swap")[seed % 2]

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import random_model, small_config
 
 from moekv_ref.apps import bench_eviction, bench_memory, bench_serving, bench_step, cli, demo, figures
 from moekv_ref.apps.cli import main
@@ -29,12 +30,10 @@ from moekv_ref.engine.workload import make_workload
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
 
-from helpers import random_model, small_config
-
-MODEL = random_model(small_config("expert", "threshold"), seed=0)        # vocab 64, 96 positions, L=2, E=5
+MODEL = random_model(small_config("expert", "threshold"), seed=0)  # vocab 64, 96 positions, L=2, E=5
 P4 = SamplingParams(max_new_tokens=4)
-PLACEMENT = torch.tensor([0, 0, 1, 1, 1])                                # 5 experts on 2 devices
-A_FILE, A_FOLDER = str(Path(__file__).resolve()), str(Path(__file__).resolve().parent)   # whatever the cwd
+PLACEMENT = torch.tensor([0, 0, 1, 1, 1])  # 5 experts on 2 devices
+A_FILE, A_FOLDER = str(Path(__file__).resolve()), str(Path(__file__).resolve().parent)  # whatever the cwd
 
 
 def engine(**options):
@@ -42,8 +41,9 @@ def engine(**options):
 
 
 def device_engine(blocks_per_device=(40, 40), device_of_expert=PLACEMENT, **options):
-    return LLMEngine(MODEL, block_size=4, blocks_per_device=blocks_per_device, device_of_expert=device_of_expert,
-                     **options)
+    return LLMEngine(
+        MODEL, block_size=4, blocks_per_device=blocks_per_device, device_of_expert=device_of_expert, **options
+    )
 
 
 def pool_in_use():
@@ -85,82 +85,181 @@ CASES = [
     ("temperature=-0.5", lambda: SamplingParams(temperature=-0.5), "temperature=-0.5 must be >= 0"),
     ("top_p=nan", lambda: SamplingParams(top_p=math.nan), "top_p=nan must be in (0, 1]"),
     ("top_p=0", lambda: SamplingParams(top_p=0), "top_p=0 must be in (0, 1]"),
-    ("max_new_tokens=2.0", lambda: SamplingParams(max_new_tokens=2.0), "max_new_tokens=2.0 must be an integer"),
+    (
+        "max_new_tokens=2.0",
+        lambda: SamplingParams(max_new_tokens=2.0),
+        "max_new_tokens=2.0 must be an integer",
+    ),
     ("max_new_tokens=True", lambda: SamplingParams(max_new_tokens=True), "max_new_tokens=True"),
     ("seed=-1", lambda: SamplingParams(seed=-1), "seed=-1 must be an integer in [0, 2**63 - 1]"),
     ("seed=1.5", lambda: SamplingParams(seed=1.5), "seed=1.5"),
-    ("LLMEngine num_blocks=200.0", lambda: engine(num_blocks=200.0), "num_blocks=200.0 must be an integer >= 1"),
+    (
+        "LLMEngine num_blocks=200.0",
+        lambda: engine(num_blocks=200.0),
+        "num_blocks=200.0 must be an integer >= 1",
+    ),
     ("LLMEngine num_blocks=0", lambda: engine(num_blocks=0), "num_blocks=0 must be an integer >= 1"),
     ("LLMEngine num_blocks=True", lambda: engine(num_blocks=True), "num_blocks=True"),
     ("LLMEngine num_blocks=4 (< one token)", lambda: engine(num_blocks=4), "too small for even one sequence"),
     ("LLMEngine block_size=0", lambda: engine(block_size=0), "block_size=0 is not allowed"),
     ("LLMEngine block_size=3", lambda: engine(block_size=3), "power of two"),
     ("LLMEngine num_swap_blocks=-1", lambda: engine(num_swap_blocks=-1), "num_swap_blocks=-1"),
-    ("num_swap_blocks under recompute", lambda: engine(num_swap_blocks=8),
-     "applies to preemption_mode='swap', not 'recompute'"),
+    (
+        "num_swap_blocks under recompute",
+        lambda: engine(num_swap_blocks=8),
+        "applies to preemption_mode='swap', not 'recompute'",
+    ),
     ("LLMEngine attention='fast'", lambda: engine(attention="fast"), "attention='fast' is not one of"),
-    ("scheduler_config as a dict", lambda: engine(scheduler_config={"max_num_seqs": 4}), "must be a SchedulerConfig"),
+    (
+        "scheduler_config as a dict",
+        lambda: engine(scheduler_config={"max_num_seqs": 4}),
+        "must be a SchedulerConfig",
+    ),
     ("LLMEngine model='tiny'", lambda: LLMEngine("tiny", 64), "model must be a MoEKVTransformer"),
     ("LLMEngine shuffle_seed=-3", lambda: engine(shuffle_seed=-3), "shuffle_seed=-3"),
     ("LLMEngine record_history='yes'", lambda: engine(record_history="yes"), "record_history='yes'"),
-    ("SchedulerConfig max_num_seqs=0", lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs=0 must be an integer >= 1"),
-    ("SchedulerConfig max_num_batched_tokens=2.5", lambda: SchedulerConfig(max_num_batched_tokens=2.5),
-     "max_num_batched_tokens=2.5"),
+    (
+        "SchedulerConfig max_num_seqs=0",
+        lambda: SchedulerConfig(max_num_seqs=0),
+        "max_num_seqs=0 must be an integer >= 1",
+    ),
+    (
+        "SchedulerConfig max_num_batched_tokens=2.5",
+        lambda: SchedulerConfig(max_num_batched_tokens=2.5),
+        "max_num_batched_tokens=2.5",
+    ),
     ("SchedulerConfig policy='fifo'", lambda: SchedulerConfig(policy="fifo"), "policy='fifo' is not one of"),
     ("SchedulerConfig admission='lucky'", lambda: SchedulerConfig(admission="lucky"), "admission='lucky'"),
-    ("SchedulerConfig preemption_mode='evict'", lambda: SchedulerConfig(preemption_mode="evict"), "preemption_mode='evict'"),
+    (
+        "SchedulerConfig preemption_mode='evict'",
+        lambda: SchedulerConfig(preemption_mode="evict"),
+        "preemption_mode='evict'",
+    ),
     ("SchedulerConfig victim='random'", lambda: SchedulerConfig(victim="random"), "victim='random'"),
-    ("admission under policy='static'", lambda: SchedulerConfig(policy="static", admission="optimistic"),
-     "applies to policy='continuous_paged' only"),
-    ("expert_lru with prefix caching", lambda: engine(enable_prefix_caching=True,
-                                                      scheduler_config=SchedulerConfig(victim="expert_lru")),
-     "victim='expert_lru' drops single rows, which this cache cannot"),
-    ("prefix caching under continuous_reserved", lambda: engine(enable_prefix_caching=True,
-                                                                scheduler_config=SchedulerConfig(policy="continuous_reserved")),
-     "prefix caching works with policy='continuous_paged' only, not 'continuous_reserved'"),
-    ("swap with no swap space", lambda: engine(scheduler_config=SchedulerConfig(preemption_mode="swap"),
-                                               num_swap_blocks=0), "needs a swap space"),
+    (
+        "admission under policy='static'",
+        lambda: SchedulerConfig(policy="static", admission="optimistic"),
+        "applies to policy='continuous_paged' only",
+    ),
+    (
+        "expert_lru with prefix caching",
+        lambda: engine(enable_prefix_caching=True, scheduler_config=SchedulerConfig(victim="expert_lru")),
+        "victim='expert_lru' drops single rows, which this cache cannot",
+    ),
+    (
+        "prefix caching under continuous_reserved",
+        lambda: engine(
+            enable_prefix_caching=True, scheduler_config=SchedulerConfig(policy="continuous_reserved")
+        ),
+        "prefix caching works with policy='continuous_paged' only, not 'continuous_reserved'",
+    ),
+    (
+        "swap with no swap space",
+        lambda: engine(scheduler_config=SchedulerConfig(preemption_mode="swap"), num_swap_blocks=0),
+        "needs a swap space",
+    ),
     ("add_request prompt []", lambda: engine().add_request([], P4), "is empty"),
     ("add_request float token ids", lambda: engine().add_request([1.0, 2.0], P4), "token 0 is 1.0 (float)"),
     ("add_request bool token id", lambda: engine().add_request([1, True], P4), "token 1 is True"),
-    ("add_request token 64 (vocab 64)", lambda: engine().add_request([1, 64], P4), "outside the vocabulary [0, 64)"),
+    (
+        "add_request token 64 (vocab 64)",
+        lambda: engine().add_request([1, 64], P4),
+        "outside the vocabulary [0, 64)",
+    ),
     ("add_request token -1", lambda: engine().add_request([-1], P4), "token 0 is -1, outside"),
     ("add_request a str prompt", lambda: engine().add_request("hello", P4), "is text (str)"),
-    ("add_request float tensor", lambda: engine().add_request(torch.tensor([1.0, 2.0]), P4), "1-D integer tensor"),
-    ("add_request 2-D tensor", lambda: engine().add_request(torch.tensor([[1, 2]]), P4), "1-D integer tensor"),
+    (
+        "add_request float tensor",
+        lambda: engine().add_request(torch.tensor([1.0, 2.0]), P4),
+        "1-D integer tensor",
+    ),
+    (
+        "add_request 2-D tensor",
+        lambda: engine().add_request(torch.tensor([[1, 2]]), P4),
+        "1-D integer tensor",
+    ),
     ("add_request prompt=5", lambda: engine().add_request(5, P4), "must be a sequence of token ids"),
-    ("add_request prompt over max positions", lambda: engine(num_blocks=4096).add_request([1] * 200, P4),
-     "has 200 tokens, more than the model's max_position_embeddings=96"),
-    ("add_request prompt + max_new_tokens over positions",
-     lambda: engine(num_blocks=4096).add_request([1] * 90, SamplingParams(max_new_tokens=10)),
-     "ask for at most 7 new tokens"),
-    ("add_request unknown sampling key", lambda: engine().add_request([1], {"temprature": 1.0}), "allowed keys"),
-    ("add_request sampling_params='greedy'", lambda: engine().add_request([1], "greedy"),
-     "must be a SamplingParams or a dict"),
-    ("add_request that can never fit", lambda: engine(num_blocks=40).add_request([5] * 80, SamplingParams(max_new_tokens=10)),
-     "can never fit in the pool of 40 blocks"),
+    (
+        "add_request prompt over max positions",
+        lambda: engine(num_blocks=4096).add_request([1] * 200, P4),
+        "has 200 tokens, more than the model's max_position_embeddings=96",
+    ),
+    (
+        "add_request prompt + max_new_tokens over positions",
+        lambda: engine(num_blocks=4096).add_request([1] * 90, SamplingParams(max_new_tokens=10)),
+        "ask for at most 7 new tokens",
+    ),
+    (
+        "add_request unknown sampling key",
+        lambda: engine().add_request([1], {"temprature": 1.0}),
+        "allowed keys",
+    ),
+    (
+        "add_request sampling_params='greedy'",
+        lambda: engine().add_request([1], "greedy"),
+        "must be a SamplingParams or a dict",
+    ),
+    (
+        "add_request that can never fit",
+        lambda: engine(num_blocks=40).add_request([5] * 80, SamplingParams(max_new_tokens=10)),
+        "can never fit in the pool of 40 blocks",
+    ),
     ("engine.generate([])", lambda: engine().generate([]), "no prompts given"),
     ("engine.generate('abc')", lambda: engine().generate("abc"), "prompts must be a list"),
-    ("engine.generate params count", lambda: engine().generate([[1], [2]], [P4]), "got 1 sampling params for 2 prompts"),
+    (
+        "engine.generate params count",
+        lambda: engine().generate([[1], [2]], [P4]),
+        "got 1 sampling params for 2 prompts",
+    ),
     ("engine.generate bad prompt 1", lambda: engine().generate([[1], [2.5]], P4), "prompt 1: token 0 is 2.5"),
-    ("abort_request(99) unknown", lambda: engine().abort_request(99), "request_id=99 is not a request of this engine"),
+    (
+        "abort_request(99) unknown",
+        lambda: engine().abort_request(99),
+        "request_id=99 is not a request of this engine",
+    ),
     ("abort_request('0')", lambda: engine().abort_request("0"), "request_id='0'"),
     ("generate(model, [])", lambda: generate(MODEL, []), "non-empty list of prompts"),
     ("generate cache='mmap'", lambda: generate(MODEL, [[1, 2]], cache="mmap"), "unknown cache kind 'mmap'"),
-    ("generate block_size with contiguous", lambda: generate(MODEL, [[1, 2]], P4, cache="contiguous", block_size=4),
-     "apply to cache='paged' only"),
+    (
+        "generate block_size with contiguous",
+        lambda: generate(MODEL, [[1, 2]], P4, cache="contiguous", block_size=4),
+        "apply to cache='paged' only",
+    ),
     ("generate float token", lambda: generate(MODEL, [[1, 2.5]], P4), "token 1 is 2.5"),
-    ("generate params='greedy'", lambda: generate(MODEL, [[1]], "greedy"), "params[0] must be a SamplingParams or a dict"),
+    (
+        "generate params='greedy'",
+        lambda: generate(MODEL, [[1]], "greedy"),
+        "params[0] must be a SamplingParams or a dict",
+    ),
     ("generate unknown params key", lambda: generate(MODEL, [[1]], {"temprature": 1.0}), "allowed keys"),
-    ("generate over-long prompt + tokens", lambda: generate(MODEL, [[1] * 96], SamplingParams(max_new_tokens=5)),
-     "ask for at most 1 new tokens"),
-    ("generate_with_engine block_size=0", lambda: generate_with_engine(MODEL, [[1]], P4, block_size=0), "block_size=0"),
+    (
+        "generate over-long prompt + tokens",
+        lambda: generate(MODEL, [[1] * 96], SamplingParams(max_new_tokens=5)),
+        "ask for at most 1 new tokens",
+    ),
+    (
+        "generate_with_engine block_size=0",
+        lambda: generate_with_engine(MODEL, [[1]], P4, block_size=0),
+        "block_size=0",
+    ),
     ("generate_with_engine no prompts", lambda: generate_with_engine(MODEL, [], P4), "non-empty list"),
     ("ModelConfig rope_theta=nan", lambda: ModelConfig(rope_theta=math.nan), "rope_theta=nan is not allowed"),
-    ("ModelConfig rms_norm_eps=-1", lambda: ModelConfig(rms_norm_eps=-1), "rms_norm_eps=-1 must be in (0, 1)"),
+    (
+        "ModelConfig rms_norm_eps=-1",
+        lambda: ModelConfig(rms_norm_eps=-1),
+        "rms_norm_eps=-1 must be in (0, 1)",
+    ),
     ("ModelConfig rms_norm_eps=inf", lambda: ModelConfig(rms_norm_eps=math.inf), "rms_norm_eps=inf"),
-    ("ModelConfig routing_threshold=nan", lambda: ModelConfig(routing_threshold=math.nan), "routing_threshold=nan"),
-    ("ModelConfig hidden_size=128.0", lambda: ModelConfig(hidden_size=128.0), "hidden_size=128.0 is not allowed"),
+    (
+        "ModelConfig routing_threshold=nan",
+        lambda: ModelConfig(routing_threshold=math.nan),
+        "routing_threshold=nan",
+    ),
+    (
+        "ModelConfig hidden_size=128.0",
+        lambda: ModelConfig(hidden_size=128.0),
+        "hidden_size=128.0 is not allowed",
+    ),
     ("ModelConfig kv_lora_rank=1.5", lambda: ModelConfig(kv_lora_rank=1.5), "kv_lora_rank=1.5"),
     ("ModelConfig.from_dict([1, 2])", lambda: ModelConfig.from_dict([1, 2]), "must be a dict of fields"),
     ("make_workload(0)", lambda: make_workload(0), "num_requests=0"),
@@ -168,61 +267,151 @@ CASES = [
     ("make_workload prompt_len=(5, 2)", lambda: make_workload(4, prompt_len=(5, 2)), "prompt_len=(5, 2)"),
     ("make_workload temperature=-1", lambda: make_workload(4, temperature=-1), "temperature=-1"),
     # per-device pools: block counts and placements as given, never rounded or read as digits
-    ("LLMEngine per-device blocks [100.7, 100.2]", lambda: device_engine([100.7, 100.2]),
-     "blocks_per_device[0]=100.7 is a float; allowed: an integer >= 1"),
-    ("LLMEngine per-device blocks [40.0, 40.0]", lambda: device_engine([40.0, 40.0]), "blocks_per_device[0]=40.0 is a float"),
-    ("LLMEngine per-device blocks '4040'", lambda: device_engine("4040"), "blocks_per_device='4040' is a str; allowed: a list"),
-    ("LLMEngine per-device blocks [40, True]", lambda: device_engine([40, True]), "blocks_per_device[1]=True is a bool"),
-    ("LLMEngine per-device blocks [40, 0]", lambda: device_engine([40, 0]),
-     "blocks_per_device[1]=0 is not allowed; allowed: an integer >= 1"),
+    (
+        "LLMEngine per-device blocks [100.7, 100.2]",
+        lambda: device_engine([100.7, 100.2]),
+        "blocks_per_device[0]=100.7 is a float; allowed: an integer >= 1",
+    ),
+    (
+        "LLMEngine per-device blocks [40.0, 40.0]",
+        lambda: device_engine([40.0, 40.0]),
+        "blocks_per_device[0]=40.0 is a float",
+    ),
+    (
+        "LLMEngine per-device blocks '4040'",
+        lambda: device_engine("4040"),
+        "blocks_per_device='4040' is a str; allowed: a list",
+    ),
+    (
+        "LLMEngine per-device blocks [40, True]",
+        lambda: device_engine([40, True]),
+        "blocks_per_device[1]=True is a bool",
+    ),
+    (
+        "LLMEngine per-device blocks [40, 0]",
+        lambda: device_engine([40, 0]),
+        "blocks_per_device[1]=0 is not allowed; allowed: an integer >= 1",
+    ),
     ("LLMEngine per-device blocks []", lambda: device_engine([]), "blocks_per_device=[] is empty"),
-    ("LLMEngine per-device blocks 80", lambda: device_engine(80), "blocks_per_device=80 is an int; allowed: a list"),
-    ("LLMEngine per-device blocks float tensor", lambda: device_engine(torch.tensor([40.0, 40.0])),
-     "blocks_per_device=[40.0, 40.0] has dtype torch.float32"),
-    ("LLMEngine per-device blocks 2-D array", lambda: device_engine(np.array([[40, 40]])), "blocks_per_device has shape (1, 2)"),
+    (
+        "LLMEngine per-device blocks 80",
+        lambda: device_engine(80),
+        "blocks_per_device=80 is an int; allowed: a list",
+    ),
+    (
+        "LLMEngine per-device blocks float tensor",
+        lambda: device_engine(torch.tensor([40.0, 40.0])),
+        "blocks_per_device=[40.0, 40.0] has dtype torch.float32",
+    ),
+    (
+        "LLMEngine per-device blocks 2-D array",
+        lambda: device_engine(np.array([[40, 40]])),
+        "blocks_per_device has shape (1, 2)",
+    ),
     ("LLMEngine per-device blocks {0: 40}", lambda: device_engine({0: 40, 1: 40}), "is a dict"),
-    ("LLMEngine per-device placement 0.4", lambda: device_engine(device_of_expert=torch.tensor([0.4, 0, 1, 1, 1])),
-     "device_of_expert[0]=0.4 has dtype torch.float32; allowed: devices 0..1"),
-    ("LLMEngine per-device placement whole floats", lambda: device_engine(device_of_expert=PLACEMENT.double()),
-     "device_of_expert[0]=0.0 has dtype torch.float64"),
-    ("LLMEngine per-device placement list with 1.0", lambda: device_engine(device_of_expert=[0, 0, 1, 1, 1.0]),
-     "device_of_expert[4]=1.0 is a float; allowed: devices 0..1"),
-    ("LLMEngine per-device placement (L, E) list with True", lambda: device_engine(device_of_expert=[[0, 0, 1, 1, 1],
-                                                                                               [0, 0, 1, 1, True]]),
-     "device_of_expert[1][4]=True is a bool"),
-    ("LLMEngine per-device placement '00111'", lambda: device_engine(device_of_expert="00111"),
-     "device_of_expert='00111' is a str"),
-    ("LLMEngine per-device placement bool tensor", lambda: device_engine(device_of_expert=PLACEMENT.bool()),
-     "has dtype torch.bool"),
-    ("LLMEngine per-device placement float array", lambda: device_engine(device_of_expert=np.array([0, 0, 1, 1, 1.5])),
-     "device_of_expert[4]=1.5 has dtype float64"),
-    ("LLMEngine per-device placement device 2 of 2", lambda: device_engine(device_of_expert=[0, 0, 1, 1, 2]),
-     "device_of_expert names devices [0, 1, 2]; allowed: 0..1"),
-    ("LLMEngine per-device placement (4,)", lambda: device_engine(device_of_expert=[0, 0, 1, 1]),
-     "device_of_expert must be (E,) = (5,) or (L, E) = (2, 5); got (2, 4)"),
-    ("LLMEngine per-device placement ragged", lambda: device_engine(device_of_expert=[[0, 0, 1, 1, 1], [0, 1]]),
-     "not a rectangular table"),
-    ("LLMEngine per-device record_history='yes'", lambda: device_engine(record_history="yes"), "record_history='yes'"),
-    ("KVCacheManager blocks_per_device [3.5, 4]",
-     lambda: KVCacheManager(1, 4, 2, blocks_per_device=[3.5, 4], device_of_expert=[0, 0, 1, 1]),
-     "blocks_per_device[0]=3.5 is a float"),
-    ("KVCacheManager home_devices=1", lambda: KVCacheManager(1, 4, 2, blocks_per_device=[4, 4], home_devices=1),
-     "home_devices=1 must be a bool"),
-    ("KVCacheManager home_devices with a placement",
-     lambda: KVCacheManager(1, 4, 2, blocks_per_device=[4, 4], device_of_expert=[0, 0, 1, 1], home_devices=True),
-     "True only without device_of_expert"),
-    ("BlockPool blocks_per_device (2, 2.0)", lambda: BlockPool(blocks_per_device=(2, 2.0)),
-     "blocks_per_device[1]=2.0 is a float"),
-    ("BlockPool 2 devices shuffle_seed=1.5", lambda: BlockPool(blocks_per_device=[2, 2], shuffle_seed=1.5),
-     "shuffle_seed=1.5"),
-    ("KVCacheManager blocks_per_device 4.0", lambda: KVCacheManager(2, 5, 2, blocks_per_device=4.0, device_of_expert=PLACEMENT),
-     "blocks_per_device=4.0 is a float"),
-    ("KVCacheManager placement 0.4", lambda: KVCacheManager(2, 5, 2, blocks_per_device=[4, 4], device_of_expert=[0.4, 0, 1, 1, 1]),
-     "device_of_expert[0]=0.4 is a float; allowed: devices 0..1"),
-    ("checked_placement of a float", lambda: checked_placement(0.4, 2, 5, 2), "device_of_expert=0.4 is a float"),
+    (
+        "LLMEngine per-device placement 0.4",
+        lambda: device_engine(device_of_expert=torch.tensor([0.4, 0, 1, 1, 1])),
+        "device_of_expert[0]=0.4 has dtype torch.float32; allowed: devices 0..1",
+    ),
+    (
+        "LLMEngine per-device placement whole floats",
+        lambda: device_engine(device_of_expert=PLACEMENT.double()),
+        "device_of_expert[0]=0.0 has dtype torch.float64",
+    ),
+    (
+        "LLMEngine per-device placement list with 1.0",
+        lambda: device_engine(device_of_expert=[0, 0, 1, 1, 1.0]),
+        "device_of_expert[4]=1.0 is a float; allowed: devices 0..1",
+    ),
+    (
+        "LLMEngine per-device placement (L, E) list with True",
+        lambda: device_engine(device_of_expert=[[0, 0, 1, 1, 1], [0, 0, 1, 1, True]]),
+        "device_of_expert[1][4]=True is a bool",
+    ),
+    (
+        "LLMEngine per-device placement '00111'",
+        lambda: device_engine(device_of_expert="00111"),
+        "device_of_expert='00111' is a str",
+    ),
+    (
+        "LLMEngine per-device placement bool tensor",
+        lambda: device_engine(device_of_expert=PLACEMENT.bool()),
+        "has dtype torch.bool",
+    ),
+    (
+        "LLMEngine per-device placement float array",
+        lambda: device_engine(device_of_expert=np.array([0, 0, 1, 1, 1.5])),
+        "device_of_expert[4]=1.5 has dtype float64",
+    ),
+    (
+        "LLMEngine per-device placement device 2 of 2",
+        lambda: device_engine(device_of_expert=[0, 0, 1, 1, 2]),
+        "device_of_expert names devices [0, 1, 2]; allowed: 0..1",
+    ),
+    (
+        "LLMEngine per-device placement (4,)",
+        lambda: device_engine(device_of_expert=[0, 0, 1, 1]),
+        "device_of_expert must be (E,) = (5,) or (L, E) = (2, 5); got (2, 4)",
+    ),
+    (
+        "LLMEngine per-device placement ragged",
+        lambda: device_engine(device_of_expert=[[0, 0, 1, 1, 1], [0, 1]]),
+        "not a rectangular table",
+    ),
+    (
+        "LLMEngine per-device record_history='yes'",
+        lambda: device_engine(record_history="yes"),
+        "record_history='yes'",
+    ),
+    (
+        "KVCacheManager blocks_per_device [3.5, 4]",
+        lambda: KVCacheManager(1, 4, 2, blocks_per_device=[3.5, 4], device_of_expert=[0, 0, 1, 1]),
+        "blocks_per_device[0]=3.5 is a float",
+    ),
+    (
+        "KVCacheManager home_devices=1",
+        lambda: KVCacheManager(1, 4, 2, blocks_per_device=[4, 4], home_devices=1),
+        "home_devices=1 must be a bool",
+    ),
+    (
+        "KVCacheManager home_devices with a placement",
+        lambda: KVCacheManager(
+            1, 4, 2, blocks_per_device=[4, 4], device_of_expert=[0, 0, 1, 1], home_devices=True
+        ),
+        "True only without device_of_expert",
+    ),
+    (
+        "BlockPool blocks_per_device (2, 2.0)",
+        lambda: BlockPool(blocks_per_device=(2, 2.0)),
+        "blocks_per_device[1]=2.0 is a float",
+    ),
+    (
+        "BlockPool 2 devices shuffle_seed=1.5",
+        lambda: BlockPool(blocks_per_device=[2, 2], shuffle_seed=1.5),
+        "shuffle_seed=1.5",
+    ),
+    (
+        "KVCacheManager blocks_per_device 4.0",
+        lambda: KVCacheManager(2, 5, 2, blocks_per_device=4.0, device_of_expert=PLACEMENT),
+        "blocks_per_device=4.0 is a float",
+    ),
+    (
+        "KVCacheManager placement 0.4",
+        lambda: KVCacheManager(2, 5, 2, blocks_per_device=[4, 4], device_of_expert=[0.4, 0, 1, 1, 1]),
+        "device_of_expert[0]=0.4 is a float; allowed: devices 0..1",
+    ),
+    (
+        "checked_placement of a float",
+        lambda: checked_placement(0.4, 2, 5, 2),
+        "device_of_expert=0.4 is a float",
+    ),
     # ids: never rounded to a block, row or expert, never read as 0 / 1
-    ("BlockPool.free(tensor([1.7]))", lambda: pool_in_use().free(torch.tensor([1.7])),
-     "block_ids=[1.7] has dtype torch.float32; allowed: integer ids"),
+    (
+        "BlockPool.free(tensor([1.7]))",
+        lambda: pool_in_use().free(torch.tensor([1.7])),
+        "block_ids=[1.7] has dtype torch.float32; allowed: integer ids",
+    ),
     ("BlockPool.free([1.0])", lambda: pool_in_use().free([1.0]), "block_ids[0]=1.0 is a float"),
     ("BlockPool.free([0, True])", lambda: pool_in_use().free([0, True]), "block_ids[1]=True is a bool"),
     ("BlockPool.free(bool tensor)", lambda: pool_in_use().free(torch.tensor([True])), "has dtype torch.bool"),
@@ -230,125 +419,351 @@ CASES = [
     ("BlockPool.free(1.0)", lambda: pool_in_use().free(1.0), "block_ids=[1.0] has dtype"),
     ("BlockPool.free(float array)", lambda: pool_in_use().free(np.array([1.0])), "has dtype torch.float64"),
     ("BlockPool.incref([1.5])", lambda: pool_in_use().incref([1.5]), "block_ids[0]=1.5 is a float"),
-    ("BlockPool.mark_cached(float)", lambda: pool_in_use().mark_cached(torch.tensor([2.0])), "has dtype torch.float32"),
+    (
+        "BlockPool.mark_cached(float)",
+        lambda: pool_in_use().mark_cached(torch.tensor([2.0])),
+        "has dtype torch.float32",
+    ),
     ("BlockPool.reuse(float)", lambda: pool_in_use().reuse(torch.tensor([2.0])), "has dtype torch.float32"),
-    ("BlockPool.allocate(2.0)", lambda: pool_in_use().allocate(2.0), "num_blocks=2.0 is not allowed; allowed: an integer >= 0"),
+    (
+        "BlockPool.allocate(2.0)",
+        lambda: pool_in_use().allocate(2.0),
+        "num_blocks=2.0 is not allowed; allowed: an integer >= 0",
+    ),
     ("BlockPool.allocate(True)", lambda: pool_in_use().allocate(True), "num_blocks=True"),
     ("BlockPool.allocate(-1)", lambda: pool_in_use().allocate(-1), "num_blocks=-1"),
-    ("BlockPool shuffle_seed=True", lambda: BlockPool(4, shuffle_seed=True), "shuffle_seed=True is not allowed"),
-    ("BlockPool 2 devices .free(tensor([3.0]))", lambda: device_pool_in_use().free(torch.tensor([3.0])),
-     "block_ids=[3.0] has dtype torch.float32"),
-    ("BlockPool 2 devices .incref([0.5])", lambda: device_pool_in_use().incref([0.5]), "block_ids[0]=0.5 is a float"),
-    ("BlockPool.device_of_blocks([True])", lambda: device_pool_in_use().device_of_blocks([True]),
-     "block_ids[0]=True is a bool"),
-    ("BlockPool.allocate(1, device=0.4)", lambda: device_pool_in_use().allocate(1, device=0.4),
-     "device=0.4 is not allowed; allowed: an integer in 0..1"),
-    ("BlockPool.allocate(1, device=True)", lambda: device_pool_in_use().allocate(1, device=True), "device=True"),
-    ("BlockPool.allocate(1.0, device=0)", lambda: device_pool_in_use().allocate(1.0, device=0), "num_blocks=1.0"),
-    ("KVCacheManager 2 devices .free_rows([0.0])", lambda: pools_in_use().free_rows([0.0]), "rows[0]=0.0 is a float"),
-    ("KVCacheManager 2 devices .allocate_slots float tokens", lambda: pools_in_use().allocate_slots(torch.tensor([0]), torch.tensor([1.5])),
-     "num_new_tokens=[1.5] has dtype torch.float32"),
-    ("KVCacheManager.blocks_needed_per_device float rows",
-     lambda: pools_in_use().blocks_needed_per_device(torch.tensor([0.0]), [1]),
-     "rows=[0.0] has dtype"),
-    ("KVCacheManager.rows float experts", lambda: manager_in_use().rows([7], 0, 1.0), "experts=[1.0] has dtype"),
+    (
+        "BlockPool shuffle_seed=True",
+        lambda: BlockPool(4, shuffle_seed=True),
+        "shuffle_seed=True is not allowed",
+    ),
+    (
+        "BlockPool 2 devices .free(tensor([3.0]))",
+        lambda: device_pool_in_use().free(torch.tensor([3.0])),
+        "block_ids=[3.0] has dtype torch.float32",
+    ),
+    (
+        "BlockPool 2 devices .incref([0.5])",
+        lambda: device_pool_in_use().incref([0.5]),
+        "block_ids[0]=0.5 is a float",
+    ),
+    (
+        "BlockPool.device_of_blocks([True])",
+        lambda: device_pool_in_use().device_of_blocks([True]),
+        "block_ids[0]=True is a bool",
+    ),
+    (
+        "BlockPool.allocate(1, device=0.4)",
+        lambda: device_pool_in_use().allocate(1, device=0.4),
+        "device=0.4 is not allowed; allowed: an integer in 0..1",
+    ),
+    (
+        "BlockPool.allocate(1, device=True)",
+        lambda: device_pool_in_use().allocate(1, device=True),
+        "device=True",
+    ),
+    (
+        "BlockPool.allocate(1.0, device=0)",
+        lambda: device_pool_in_use().allocate(1.0, device=0),
+        "num_blocks=1.0",
+    ),
+    (
+        "KVCacheManager 2 devices .free_rows([0.0])",
+        lambda: pools_in_use().free_rows([0.0]),
+        "rows[0]=0.0 is a float",
+    ),
+    (
+        "KVCacheManager 2 devices .allocate_slots float tokens",
+        lambda: pools_in_use().allocate_slots(torch.tensor([0]), torch.tensor([1.5])),
+        "num_new_tokens=[1.5] has dtype torch.float32",
+    ),
+    (
+        "KVCacheManager.blocks_needed_per_device float rows",
+        lambda: pools_in_use().blocks_needed_per_device(torch.tensor([0.0]), [1]),
+        "rows=[0.0] has dtype",
+    ),
+    (
+        "KVCacheManager.rows float experts",
+        lambda: manager_in_use().rows([7], 0, 1.0),
+        "experts=[1.0] has dtype",
+    ),
     ("KVCacheManager.rows layer=0.5", lambda: manager_in_use().rows([7], 0.5, 1), "layer=0.5 is a float"),
-    ("KVCacheManager.free_rows([True])", lambda: manager_in_use().free_rows([True]), "rows[0]=True is a bool"),
+    (
+        "KVCacheManager.free_rows([True])",
+        lambda: manager_in_use().free_rows([True]),
+        "rows[0]=True is a bool",
+    ),
     # flags: True or False, never a truthy string or 1
-    ("generate record_logits='no'", lambda: generate(MODEL, [[1, 2]], P4, record_logits="no"),
-     "record_logits='no' is a str; allowed: True or False"),
-    ("generate record_logits=1", lambda: generate(MODEL, [[1, 2]], P4, record_logits=1), "record_logits=1 is an int"),
-    ("generate shared_tails='no'", lambda: generate(MODEL, [[1, 2]], P4, cache="paged", shared_tails="no"),
-     "shared_tails='no' is a str; allowed: True or False"),
-    ("generate enable_prefix_caching=0", lambda: generate(MODEL, [[1, 2]], P4, cache="paged", enable_prefix_caching=0),
-     "enable_prefix_caching=0 is an int"),
-    ("generate home_devices='no'", lambda: generate(MODEL, [[1, 2]], P4, cache="paged", blocks_per_device=[90, 90],
-                                                    home_devices="no"), "home_devices='no' is a str; allowed: True or False"),
-    ("LLMEngine home_devices=1", lambda: LLMEngine(MODEL, blocks_per_device=[90, 90], home_devices=1),
-     "home_devices=1 is an int; allowed: True or False"),
-    ("LLMEngine home_devices without blocks_per_device", lambda: LLMEngine(MODEL, 90, home_devices=True),
-     "home_devices=True needs blocks_per_device"),
+    (
+        "generate record_logits='no'",
+        lambda: generate(MODEL, [[1, 2]], P4, record_logits="no"),
+        "record_logits='no' is a str; allowed: True or False",
+    ),
+    (
+        "generate record_logits=1",
+        lambda: generate(MODEL, [[1, 2]], P4, record_logits=1),
+        "record_logits=1 is an int",
+    ),
+    (
+        "generate shared_tails='no'",
+        lambda: generate(MODEL, [[1, 2]], P4, cache="paged", shared_tails="no"),
+        "shared_tails='no' is a str; allowed: True or False",
+    ),
+    (
+        "generate enable_prefix_caching=0",
+        lambda: generate(MODEL, [[1, 2]], P4, cache="paged", enable_prefix_caching=0),
+        "enable_prefix_caching=0 is an int",
+    ),
+    (
+        "generate home_devices='no'",
+        lambda: generate(MODEL, [[1, 2]], P4, cache="paged", blocks_per_device=[90, 90], home_devices="no"),
+        "home_devices='no' is a str; allowed: True or False",
+    ),
+    (
+        "LLMEngine home_devices=1",
+        lambda: LLMEngine(MODEL, blocks_per_device=[90, 90], home_devices=1),
+        "home_devices=1 is an int; allowed: True or False",
+    ),
+    (
+        "LLMEngine home_devices without blocks_per_device",
+        lambda: LLMEngine(MODEL, 90, home_devices=True),
+        "home_devices=True needs blocks_per_device",
+    ),
 ]
 
 # command-line options refused by parser.error before the command runs: (what, argv, fragment)
 OPTION_CASES = [
-    ("generate --cache paged --block-size 0", ["generate", "--prompt", "x", "--cache", "paged", "--block-size", "0"],
-     "--block-size=0 is not allowed; allowed: a power of two"),
-    ("generate --block-size 4 (contiguous)", ["generate", "--prompt", "x", "--block-size", "4"],
-     "--block-size applies to --cache paged"),
-    ("generate --temperature inf", ["generate", "--prompt", "x", "--temperature", "inf"],
-     "--temperature=inf is not allowed; allowed: a finite number in [0, inf)"),
-    ("generate --temperature nan", ["generate", "--prompt", "x", "--temperature", "nan"], "--temperature=nan"),
-    ("generate --temperature 1e-320", ["generate", "--prompt", "x", "--temperature", "1e-320"],
-     "--temperature=1e-320 is too small to sample with; allowed: 0 (greedy) or at least 0.0001"),
-    ("generate --temperature -1", ["generate", "--prompt", "x", "--temperature", "-1"], "--temperature=-1.0 is not allowed"),
-    ("generate --threshold under --routing topk", ["generate", "--prompt", "x", "--threshold", "0.3"],
-     "--threshold applies to --routing threshold"),
-    ("generate --threshold 1.5", ["generate", "--prompt", "x", "--routing", "threshold", "--threshold", "1.5"],
-     "--threshold=1.5 is not allowed; allowed: a finite number in (0, 1]"),
-    ("generate --threshold nan", ["generate", "--prompt", "x", "--routing", "threshold", "--threshold", "nan"],
-     "--threshold=nan"),
-    ("generate --greedy --temperature 0.5", ["generate", "--prompt", "x", "--greedy", "--temperature", "0.5"],
-     "contradict"),
-    ("generate --seed -1", ["generate", "--prompt", "x", "--seed", "-1"],
-     "--seed=-1 is not allowed; allowed: an integer in [0, 9223372036854775807]"),
-    ("generate --seed 2**63", ["generate", "--prompt", "x", "--seed", str(2**63)], "--seed=9223372036854775808"),
+    (
+        "generate --cache paged --block-size 0",
+        ["generate", "--prompt", "x", "--cache", "paged", "--block-size", "0"],
+        "--block-size=0 is not allowed; allowed: a power of two",
+    ),
+    (
+        "generate --block-size 4 (contiguous)",
+        ["generate", "--prompt", "x", "--block-size", "4"],
+        "--block-size applies to --cache paged",
+    ),
+    (
+        "generate --temperature inf",
+        ["generate", "--prompt", "x", "--temperature", "inf"],
+        "--temperature=inf is not allowed; allowed: a finite number in [0, inf)",
+    ),
+    (
+        "generate --temperature nan",
+        ["generate", "--prompt", "x", "--temperature", "nan"],
+        "--temperature=nan",
+    ),
+    (
+        "generate --temperature 1e-320",
+        ["generate", "--prompt", "x", "--temperature", "1e-320"],
+        "--temperature=1e-320 is too small to sample with; allowed: 0 (greedy) or at least 0.0001",
+    ),
+    (
+        "generate --temperature -1",
+        ["generate", "--prompt", "x", "--temperature", "-1"],
+        "--temperature=-1.0 is not allowed",
+    ),
+    (
+        "generate --threshold under --routing topk",
+        ["generate", "--prompt", "x", "--threshold", "0.3"],
+        "--threshold applies to --routing threshold",
+    ),
+    (
+        "generate --threshold 1.5",
+        ["generate", "--prompt", "x", "--routing", "threshold", "--threshold", "1.5"],
+        "--threshold=1.5 is not allowed; allowed: a finite number in (0, 1]",
+    ),
+    (
+        "generate --threshold nan",
+        ["generate", "--prompt", "x", "--routing", "threshold", "--threshold", "nan"],
+        "--threshold=nan",
+    ),
+    (
+        "generate --greedy --temperature 0.5",
+        ["generate", "--prompt", "x", "--greedy", "--temperature", "0.5"],
+        "contradict",
+    ),
+    (
+        "generate --seed -1",
+        ["generate", "--prompt", "x", "--seed", "-1"],
+        "--seed=-1 is not allowed; allowed: an integer in [0, 9223372036854775807]",
+    ),
+    (
+        "generate --seed 2**63",
+        ["generate", "--prompt", "x", "--seed", str(2**63)],
+        "--seed=9223372036854775808",
+    ),
     ("generate --top-p nan", ["generate", "--prompt", "x", "--top-p", "nan"], "--top-p=nan is not allowed"),
-    ("generate --top-p 0", ["generate", "--prompt", "x", "--top-p", "0"], "--top-p=0.0 is not allowed; allowed: a finite number in (0, 1]"),
+    (
+        "generate --top-p 0",
+        ["generate", "--prompt", "x", "--top-p", "0"],
+        "--top-p=0.0 is not allowed; allowed: a finite number in (0, 1]",
+    ),
     ("generate --top-p 1.5", ["generate", "--prompt", "x", "--top-p", "1.5"], "--top-p=1.5"),
-    ("generate --max-new-tokens 0", ["generate", "--prompt", "x", "--max-new-tokens", "0"],
-     "--max-new-tokens=0 is not allowed; allowed: an integer in [1, 512]"),
-    ("generate --max-new-tokens 600", ["generate", "--prompt", "x", "--max-new-tokens", "600"], "--max-new-tokens=600"),
-    ("generate --backend triton (contiguous)", ["generate", "--prompt", "x", "--backend", "triton"], "add --cache paged"),
+    (
+        "generate --max-new-tokens 0",
+        ["generate", "--prompt", "x", "--max-new-tokens", "0"],
+        "--max-new-tokens=0 is not allowed; allowed: an integer in [1, 512]",
+    ),
+    (
+        "generate --max-new-tokens 600",
+        ["generate", "--prompt", "x", "--max-new-tokens", "600"],
+        "--max-new-tokens=600",
+    ),
+    (
+        "generate --backend triton (contiguous)",
+        ["generate", "--prompt", "x", "--backend", "triton"],
+        "add --cache paged",
+    ),
     ("generate a 600-byte prompt", ["generate", "--prompt", "x" * 600], "600 tokens, more than"),
-    ("generate prompt + new tokens past 512", ["generate", "--prompt", "x" * 500, "--max-new-tokens", "20"],
-     "ask for at most 13 new tokens"),
-    ("generate --prompt ''", ["generate", "--prompt", ""], "--prompt='' is empty; allowed: at least one character"),
-    ("generate --max-new-tokens 1.5", ["generate", "--prompt", "x", "--max-new-tokens", "1.5"], "invalid int value: '1.5'"),
-    ("routing-stats --max-tokens 0", ["routing-stats", "--max-tokens", "0"],
-     "--max-tokens=0 is not allowed; allowed: an integer >= 1"),
+    (
+        "generate prompt + new tokens past 512",
+        ["generate", "--prompt", "x" * 500, "--max-new-tokens", "20"],
+        "ask for at most 13 new tokens",
+    ),
+    (
+        "generate --prompt ''",
+        ["generate", "--prompt", ""],
+        "--prompt='' is empty; allowed: at least one character",
+    ),
+    (
+        "generate --max-new-tokens 1.5",
+        ["generate", "--prompt", "x", "--max-new-tokens", "1.5"],
+        "invalid int value: '1.5'",
+    ),
+    (
+        "routing-stats --max-tokens 0",
+        ["routing-stats", "--max-tokens", "0"],
+        "--max-tokens=0 is not allowed; allowed: an integer >= 1",
+    ),
     ("routing-stats --max-tokens -5", ["routing-stats", "--max-tokens", "-5"], "--max-tokens=-5"),
-    ("routing-stats --threshold 0", ["routing-stats", "--routing", "threshold", "--threshold", "0"], "--threshold=0.0"),
-    ("bench memory --block-size 12", ["bench", "memory", "--block-size", "12"], "--block-size=12 is not allowed"),
+    (
+        "routing-stats --threshold 0",
+        ["routing-stats", "--routing", "threshold", "--threshold", "0"],
+        "--threshold=0.0",
+    ),
+    (
+        "bench memory --block-size 12",
+        ["bench", "memory", "--block-size", "12"],
+        "--block-size=12 is not allowed",
+    ),
     ("bench memory --block-size 0", ["bench", "memory", "--block-size", "0"], "--block-size=0"),
-    ("bench memory --figures a file", ["bench", "memory", "--figures", A_FILE], f"--figures={A_FILE} is a file"),
-    ("bench memory --json a folder", ["bench", "memory", "--json", A_FOLDER], f"--json={A_FOLDER} is a folder"),
-    ("bench eviction --host-blocks -1", ["bench", "eviction", "--host-blocks", "-1"],
-     "--host-blocks=-1 is not allowed; allowed: an integer >= 0 (0: recompute only"),
-    ("bench eviction --sequences 0", ["bench", "eviction", "--sequences", "0"], "--sequences=0 is not allowed; allowed: an integer >= 1"),
-    ("bench eviction --blocks-per-device 0", ["bench", "eviction", "--blocks-per-device", "0"],
-     "--blocks-per-device=0 is not allowed; allowed: an integer >= 1"),
-    ("bench eviction --blocks-per-device 10 (no request fits)", ["bench", "eviction", "--blocks-per-device", "10"],
-     "--blocks-per-device=10 is not allowed; allowed: an integer >= 160 (with fewer, none of the 48 requests"),
-    ("bench eviction --quick --sequences 8", ["bench", "eviction", "--quick", "--sequences", "8"], "--quick sets its own --sequences"),
-    ("bench eviction --only-prefix-cache --host-blocks 4", ["bench", "eviction", "--only-prefix-cache", "--host-blocks", "4"],
-     "--host-blocks would be ignored"),
-    ("bench eviction --only-prefix-cache --skip-prefix-cache", ["bench", "eviction", "--only-prefix-cache",
-                                                                "--skip-prefix-cache"], "--skip-prefix-cache would be ignored"),
-    ("bench eviction --json in a missing folder", ["bench", "eviction", "--json", "/nonexistent/e.json"],
-     "--json=/nonexistent/e.json: its folder /nonexistent does not exist"),
-    ("bench eviction --host-blocks 1.5", ["bench", "eviction", "--host-blocks", "1.5"], "invalid int value: '1.5'"),
-    ("bench serving --block-size 3", ["bench", "serving", "--block-size", "3"], "--block-size=3 is not allowed"),
-    ("bench serving --quick --num-requests 4", ["bench", "serving", "--quick", "--num-requests", "4"],
-     "--quick sets its own"),
-    ("bench serving --num-requests 0", ["bench", "serving", "--num-requests", "0"], "--num-requests=0 is not allowed"),
-    ("bench serving --num-blocks 7", ["bench", "serving", "--num-blocks", "7"],
-     "--num-blocks=7 is not allowed; allowed: an integer >= 8 (one token of one sequence takes 8 blocks)"),
+    (
+        "bench memory --figures a file",
+        ["bench", "memory", "--figures", A_FILE],
+        f"--figures={A_FILE} is a file",
+    ),
+    (
+        "bench memory --json a folder",
+        ["bench", "memory", "--json", A_FOLDER],
+        f"--json={A_FOLDER} is a folder",
+    ),
+    (
+        "bench eviction --host-blocks -1",
+        ["bench", "eviction", "--host-blocks", "-1"],
+        "--host-blocks=-1 is not allowed; allowed: an integer >= 0 (0: recompute only",
+    ),
+    (
+        "bench eviction --sequences 0",
+        ["bench", "eviction", "--sequences", "0"],
+        "--sequences=0 is not allowed; allowed: an integer >= 1",
+    ),
+    (
+        "bench eviction --blocks-per-device 0",
+        ["bench", "eviction", "--blocks-per-device", "0"],
+        "--blocks-per-device=0 is not allowed; allowed: an integer >= 1",
+    ),
+    (
+        "bench eviction --blocks-per-device 10 (no request fits)",
+        ["bench", "eviction", "--blocks-per-device", "10"],
+        "--blocks-per-device=10 is not allowed; allowed: an integer >= 160 (with fewer, none of the 48 requests",
+    ),
+    (
+        "bench eviction --quick --sequences 8",
+        ["bench", "eviction", "--quick", "--sequences", "8"],
+        "--quick sets its own --sequences",
+    ),
+    (
+        "bench eviction --only-prefix-cache --host-blocks 4",
+        ["bench", "eviction", "--only-prefix-cache", "--host-blocks", "4"],
+        "--host-blocks would be ignored",
+    ),
+    (
+        "bench eviction --only-prefix-cache --skip-prefix-cache",
+        ["bench", "eviction", "--only-prefix-cache", "--skip-prefix-cache"],
+        "--skip-prefix-cache would be ignored",
+    ),
+    (
+        "bench eviction --json in a missing folder",
+        ["bench", "eviction", "--json", "/nonexistent/e.json"],
+        "--json=/nonexistent/e.json: its folder /nonexistent does not exist",
+    ),
+    (
+        "bench eviction --host-blocks 1.5",
+        ["bench", "eviction", "--host-blocks", "1.5"],
+        "invalid int value: '1.5'",
+    ),
+    (
+        "bench serving --block-size 3",
+        ["bench", "serving", "--block-size", "3"],
+        "--block-size=3 is not allowed",
+    ),
+    (
+        "bench serving --quick --num-requests 4",
+        ["bench", "serving", "--quick", "--num-requests", "4"],
+        "--quick sets its own",
+    ),
+    (
+        "bench serving --num-requests 0",
+        ["bench", "serving", "--num-requests", "0"],
+        "--num-requests=0 is not allowed",
+    ),
+    (
+        "bench serving --num-blocks 7",
+        ["bench", "serving", "--num-blocks", "7"],
+        "--num-blocks=7 is not allowed; allowed: an integer >= 8 (one token of one sequence takes 8 blocks)",
+    ),
     ("bench serving --seed -1", ["bench", "serving", "--seed", "-1"], "--seed=-1"),
-    ("bench serving --json in a missing folder", ["bench", "serving", "--json", "/nonexistent/s.json"], "does not exist"),
-    ("bench step --rounds 0", ["bench", "step", "--rounds", "0"], "--rounds=0 is not allowed; allowed: an integer >= 1"),
+    (
+        "bench serving --json in a missing folder",
+        ["bench", "serving", "--json", "/nonexistent/s.json"],
+        "does not exist",
+    ),
+    (
+        "bench step --rounds 0",
+        ["bench", "step", "--rounds", "0"],
+        "--rounds=0 is not allowed; allowed: an integer >= 1",
+    ),
     ("bench step --num-seqs 0", ["bench", "step", "--num-seqs", "0"], "--num-seqs=0 is not allowed"),
-    ("bench step --num-seqs 600", ["bench", "step", "--num-seqs", "600"], "--num-seqs=600 is not allowed; allowed: an integer in [1, 512]"),
-    ("bench step --max-new-tokens 1", ["bench", "step", "--max-new-tokens", "1"],
-     "--max-new-tokens=1 is not allowed; allowed: an integer in [2, "),
+    (
+        "bench step --num-seqs 600",
+        ["bench", "step", "--num-seqs", "600"],
+        "--num-seqs=600 is not allowed; allowed: an integer in [1, 512]",
+    ),
+    (
+        "bench step --max-new-tokens 1",
+        ["bench", "step", "--max-new-tokens", "1"],
+        "--max-new-tokens=1 is not allowed; allowed: an integer in [2, ",
+    ),
     ("bench step --max-new-tokens 500", ["bench", "step", "--max-new-tokens", "500"], "--max-new-tokens=500"),
-    ("bench step --against a folder without the package", ["bench", "step", "--against", "/"],
-     "--against=/ has no moekv_ref package"),
-    ("demo --arrival-rate 0", ["demo", "--arrival-rate", "0"], "--arrival-rate=0.0 is not allowed; allowed: a finite number in (0, inf)"),
+    (
+        "bench step --against a folder without the package",
+        ["bench", "step", "--against", "/"],
+        "--against=/ has no moekv_ref package",
+    ),
+    (
+        "demo --arrival-rate 0",
+        ["demo", "--arrival-rate", "0"],
+        "--arrival-rate=0.0 is not allowed; allowed: a finite number in (0, inf)",
+    ),
     ("demo --arrival-rate nan", ["demo", "--arrival-rate", "nan"], "--arrival-rate=nan"),
     ("demo --arrival-rate inf", ["demo", "--arrival-rate", "inf"], "--arrival-rate=inf"),
     ("demo --num-requests 0", ["demo", "--num-requests", "0"], "--num-requests=0 is not allowed"),
-    ("demo --num-blocks -1", ["demo", "--num-blocks", "-1"], "--num-blocks=-1 is not allowed; allowed: an integer >= 8"),
+    (
+        "demo --num-blocks -1",
+        ["demo", "--num-blocks", "-1"],
+        "--num-blocks=-1 is not allowed; allowed: an integer >= 8",
+    ),
     ("demo --seed -2", ["demo", "--seed", "-2"], "--seed=-2"),
     ("demo --figures a file", ["demo", "--figures", A_FILE], f"--figures={A_FILE} is a file"),
     ("figures --out a file", ["figures", "--out", A_FILE], f"--out={A_FILE} is a file"),
@@ -356,10 +771,21 @@ OPTION_CASES = [
 
 # errors while a command runs: one line `error: ...`, status 2
 CLI_CASES = [
-    ("generate --checkpoint a directory", ["generate", "--prompt", "x", "--checkpoint", "/tmp"], "is a directory"),
-    ("generate --checkpoint missing", ["generate", "--prompt", "x", "--checkpoint", "/nonexistent.pt"], "does not exist"),
-    ("bench serving, every request refused", ["bench", "serving", "--num-blocks", "8", "--num-requests", "2"],
-     "every request was refused"),
+    (
+        "generate --checkpoint a directory",
+        ["generate", "--prompt", "x", "--checkpoint", "/tmp"],
+        "is a directory",
+    ),
+    (
+        "generate --checkpoint missing",
+        ["generate", "--prompt", "x", "--checkpoint", "/nonexistent.pt"],
+        "does not exist",
+    ),
+    (
+        "bench serving, every request refused",
+        ["bench", "serving", "--num-blocks", "8", "--num-requests", "2"],
+        "every request was refused",
+    ),
 ]
 
 
@@ -377,11 +803,21 @@ def test_bad_api_input_gets_a_clear_error(name, call, fragment):
 @pytest.fixture
 def nothing_runs(monkeypatch):
     """Every command (and the model loader) replaced by a failure: a bad option must stop first."""
+
     def ran(*args, **kwargs):
         raise AssertionError("the command ran although an option was bad")
-    for module, name in ((cli, "cmd_generate"), (cli, "cmd_routing_stats"), (cli, "load_checkpoint"),
-                         (bench_eviction, "main"), (bench_memory, "run_bench_memory"), (bench_serving, "main"),
-                         (bench_step, "main"), (demo, "main"), (figures, "main")):
+
+    for module, name in (
+        (cli, "cmd_generate"),
+        (cli, "cmd_routing_stats"),
+        (cli, "load_checkpoint"),
+        (bench_eviction, "main"),
+        (bench_memory, "run_bench_memory"),
+        (bench_serving, "main"),
+        (bench_step, "main"),
+        (demo, "main"),
+        (figures, "main"),
+    ):
         monkeypatch.setattr(module, name, ran)
 
 
@@ -390,7 +826,7 @@ def test_bad_cli_option_is_a_parser_error_before_anything_runs(name, argv, fragm
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     err = capsys.readouterr().err
-    last = err.strip().splitlines()[-1]                 # `python -m moekv_ref CMD: error: ...`
+    last = err.strip().splitlines()[-1]  # `python -m moekv_ref CMD: error: ...`
     assert exit_info.value.code == 2 and err.startswith("usage: python -m moekv_ref ")
     assert ": error: " in last and fragment in last and "Traceback" not in err
 
@@ -427,13 +863,20 @@ def same_state(a, b):
 def test_refused_ids_and_counts_leave_the_pools_unchanged():
     pool = pool_in_use()
     before = pool_state(pool)
-    for call in (lambda: pool.free(torch.tensor([1.7])), lambda: pool.free([0, True]), lambda: pool.free("1"),
-                 lambda: pool.incref([1.5]), lambda: pool.mark_cached(torch.tensor([2.0])),
-                 lambda: pool.reuse(torch.tensor([2.0])), lambda: pool.allocate(2.0), lambda: pool.allocate(True)):
+    for call in (
+        lambda: pool.free(torch.tensor([1.7])),
+        lambda: pool.free([0, True]),
+        lambda: pool.free("1"),
+        lambda: pool.incref([1.5]),
+        lambda: pool.mark_cached(torch.tensor([2.0])),
+        lambda: pool.reuse(torch.tensor([2.0])),
+        lambda: pool.allocate(2.0),
+        lambda: pool.allocate(True),
+    ):
         with pytest.raises(ValueError):
             call()
         assert same_state(before, pool_state(pool))
-    pool.free(torch.tensor([1, 1]))                      # integer ids still work, of any integer dtype
+    pool.free(torch.tensor([1, 1]))  # integer ids still work, of any integer dtype
     pool.free(np.array([2], dtype=np.int32))
     pool.free([np.int64(3)])
     assert pool.num_free_blocks == 7
@@ -441,34 +884,55 @@ def test_refused_ids_and_counts_leave_the_pools_unchanged():
 
     device_pool = device_pool_in_use()
     before = device_pool.ref_cnt.clone(), device_pool.num_free_blocks_per_device
-    for call in (lambda: device_pool.free(torch.tensor([3.0])), lambda: device_pool.incref([0.5]),
-                 lambda: device_pool.allocate(1, device=0.4), lambda: device_pool.allocate(1.0, device=0)):
+    for call in (
+        lambda: device_pool.free(torch.tensor([3.0])),
+        lambda: device_pool.incref([0.5]),
+        lambda: device_pool.allocate(1, device=0.4),
+        lambda: device_pool.allocate(1.0, device=0),
+    ):
         with pytest.raises(ValueError):
             call()
-        assert torch.equal(before[0], device_pool.ref_cnt) and torch.equal(before[1],
-                                                                           device_pool.num_free_blocks_per_device)
+        assert torch.equal(before[0], device_pool.ref_cnt) and torch.equal(
+            before[1], device_pool.num_free_blocks_per_device
+        )
     device_pool.assert_consistent()
 
     pools = pools_in_use()
     counts = pools.token_counts([7]).clone()
     free = pools.num_free_blocks_per_device
-    for call in (lambda: pools.free_rows([0.0]), lambda: pools.allocate_slots(torch.tensor([0]), torch.tensor([1.5])),
-                 lambda: pools.allocate_slots(torch.tensor([0.0]), torch.tensor([1]))):
+    for call in (
+        lambda: pools.free_rows([0.0]),
+        lambda: pools.allocate_slots(torch.tensor([0]), torch.tensor([1.5])),
+        lambda: pools.allocate_slots(torch.tensor([0.0]), torch.tensor([1])),
+    ):
         with pytest.raises(ValueError):
             call()
-        assert torch.equal(counts, pools.token_counts([7])) and torch.equal(free, pools.num_free_blocks_per_device)
+        assert torch.equal(counts, pools.token_counts([7])) and torch.equal(
+            free, pools.num_free_blocks_per_device
+        )
     pools.assert_consistent()
 
 
 def test_per_device_inputs_that_are_integers_are_taken_as_they_are():
     """Lists, tuples, integer tensors and arrays, numpy integers: all the same pools and placement."""
-    for blocks in ([40, 40], (40, 40), torch.tensor([40, 40]), np.array([40, 40], dtype=np.int32),
-                   [np.int64(40), np.int16(40)]):
+    for blocks in (
+        [40, 40],
+        (40, 40),
+        torch.tensor([40, 40]),
+        np.array([40, 40], dtype=np.int32),
+        [np.int64(40), np.int16(40)],
+    ):
         assert checked_blocks_per_device(blocks) == [40, 40]
         assert all(type(n) is int for n in checked_blocks_per_device(blocks))
     expected = PLACEMENT.expand(2, -1)
-    for placement in (PLACEMENT, PLACEMENT.to(torch.uint8), PLACEMENT.numpy(), PLACEMENT.tolist(),
-                      [[0, 0, 1, 1, 1]] * 2, [np.int64(d) for d in PLACEMENT.tolist()]):
+    for placement in (
+        PLACEMENT,
+        PLACEMENT.to(torch.uint8),
+        PLACEMENT.numpy(),
+        PLACEMENT.tolist(),
+        [[0, 0, 1, 1, 1]] * 2,
+        [np.int64(d) for d in PLACEMENT.tolist()],
+    ):
         assert torch.equal(checked_placement(placement, 2, 5, 2), expected)
     served = device_engine(np.array([40, 40]), PLACEMENT.numpy())
     assert served.blocks_per_device == [40, 40] and torch.equal(served.device_of_expert, expected)
@@ -488,7 +952,10 @@ def test_a_refused_request_changes_nothing():
 def test_generate_checks_each_prompt_against_its_own_limit():
     # 90 + 5 - 1 = 94 <= 96 positions; 2 + 50 - 1 = 51: both fit, although 90 + 50 would not
     prompts = [[1] * 90, [2, 3]]
-    params = [SamplingParams(max_new_tokens=5, temperature=0), SamplingParams(max_new_tokens=50, temperature=0)]
+    params = [
+        SamplingParams(max_new_tokens=5, temperature=0),
+        SamplingParams(max_new_tokens=50, temperature=0),
+    ]
     result = generate(MODEL, prompts, params)
     assert [len(t) for t in result.tokens] == [5, 50]
     assert [o.token_ids for o in engine(num_blocks=4096).generate(prompts, params)] == result.tokens

@@ -36,7 +36,7 @@ def test_arrivals_have_the_rate_and_burstiness_asked_for(process, cv):
     times = arrival_times(40000, 8.0, process, cv=cv, seed=2)
     gaps = torch.diff(times)
     assert (gaps >= 0).all()
-    assert abs(float(times[-1]) / 40000 - 1 / 8.0) < 0.01 / 8.0 * 10       # mean gap 1 / rate, within 10%
+    assert abs(float(times[-1]) / 40000 - 1 / 8.0) < 0.01 / 8.0 * 10  # mean gap 1 / rate, within 10%
     assert abs(float(gaps.std() / gaps.mean()) - cv) < 0.1 * cv
 
 
@@ -52,8 +52,14 @@ def test_bad_workload_inputs_are_named():
 def test_latency_of_a_hand_run():
     """Two requests: arrival 0 and 1, first tokens at 2 and 4, finishes at 5 and 4 with 4 and 1
     tokens: TTFT 2 and 3, TPOT 1 and 0; the SLOs (TTFT 2.5, TPOT 2) keep the first only."""
-    summary = latency_summary(torch.tensor([0.0, 1.0]), torch.tensor([2.0, 4.0]), torch.tensor([5.0, 4.0]),
-                              torch.tensor([4, 1]), ttft_slo=2.5, tpot_slo=2.0)
+    summary = latency_summary(
+        torch.tensor([0.0, 1.0]),
+        torch.tensor([2.0, 4.0]),
+        torch.tensor([5.0, 4.0]),
+        torch.tensor([4, 1]),
+        ttft_slo=2.5,
+        tpot_slo=2.0,
+    )
     assert summary["slo_attainment"] == 0.5
     assert summary["good_requests_per_s"] == pytest.approx(1 / 5)
     assert summary["ttft_p50_s"] == pytest.approx(2.5) and summary["tpot_p50_s"] == pytest.approx(0.5)
@@ -65,20 +71,25 @@ def test_the_runner_waits_for_arrivals_and_times_first_tokens():
     time); each step costs 1 s + 1 s a token."""
     trace = synthetic_trace(2, 2, 4, 2, mean_prompt=1, mean_output=3, sigma=0.0, seed=0)
     setup = EvictionSetup(blocks_per_device=200, block_size=4, max_num_seqs=4)
-    stats = TraceRunner(trace, [0, 0, 0, 0], setup, "sequence_lru", STEPS, arrivals=torch.tensor([0.0, 100.0])).run()
-    assert stats.first_token_seconds.tolist() == [2.0, 102.0]        # a 1-token prefill step: 2 s
-    assert stats.finish_seconds.tolist() == [8.0, 108.0]             # three decode steps of 2 s
+    stats = TraceRunner(
+        trace, [0, 0, 0, 0], setup, "sequence_lru", STEPS, arrivals=torch.tensor([0.0, 100.0])
+    ).run()
+    assert stats.first_token_seconds.tolist() == [2.0, 102.0]  # a 1-token prefill step: 2 s
+    assert stats.finish_seconds.tolist() == [8.0, 108.0]  # three decode steps of 2 s
     assert stats.num_output_tokens.tolist() == [4, 4]
     with pytest.raises(ValueError, match="arrivals must be"):
         TraceRunner(trace, [0, 0, 0, 0], setup, "sequence_lru", STEPS, arrivals=torch.tensor([0.0]))
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--devices", "3"], "--devices 3 must divide"),
-    (["--policies", "pressure_aware"], "must include sequence_lru"),
-    (["--reservations", "lazy"], "--reservations 'lazy'"),
-    (["--rates", "0"], "--rates"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--devices", "3"], "--devices 3 must divide"),
+        (["--policies", "pressure_aware"], "must include sequence_lru"),
+        (["--reservations", "lazy"], "--reservations 'lazy'"),
+        (["--rates", "0"], "--rates"),
+    ],
+)
 def test_bench_cluster_refuses_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
         cli_main(["bench", "cluster", *argv])
@@ -87,11 +98,32 @@ def test_bench_cluster_refuses_bad_options(argv, message, capsys):
 
 def test_bench_cluster_writes_its_json(tmp_path):
     path = tmp_path / "cluster.json"
-    assert cli_main(["bench", "cluster", "--requests", "12", "--gib-per-device", "0.25", "--rates", "50",
-                     "--policies", "sequence_lru", "--json", str(path)]) == 0
+    assert (
+        cli_main(
+            [
+                "bench",
+                "cluster",
+                "--requests",
+                "12",
+                "--gib-per-device",
+                "0.25",
+                "--rates",
+                "50",
+                "--policies",
+                "sequence_lru",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     import json
+
     result = json.loads(path.read_text())
-    assert len(result["runs"]) == 2 and {r["reservation"] for r in result["runs"]} == {"worst_case", "optimistic"}
+    assert len(result["runs"]) == 2 and {r["reservation"] for r in result["runs"]} == {
+        "worst_case",
+        "optimistic",
+    }
     assert all(r["served"] + r["refused"] == 12 for r in result["runs"])
     assert not math.isnan(result["runs"][0]["ttft_p50_s"])
 
@@ -100,6 +132,7 @@ def test_bench_cluster_speed_times_both_shapes(tmp_path):
     """--speed runs the trace runner of a checkout in a fresh process on both shapes (here this
     checkout alone, 3 requests each) and writes what it measured."""
     import json
+
     path = tmp_path / "speed.json"
     assert cli_main(["bench", "cluster", "--speed", "--requests", "3", "--json", str(path)]) == 0
     result = json.loads(path.read_text())

@@ -49,45 +49,73 @@ from .bench_eviction import strict_json
 from .bench_step import REPOSITORY, commit_of
 
 MODEL = "jetmoe-8b"
-ACTIVE_PARAMS = 2.2e9                       # JetMoE-8B's active parameters (Shen et al., arXiv 2404.07413)
+ACTIVE_PARAMS = 2.2e9  # JetMoE-8B's active parameters (Shen et al., arXiv 2404.07413)
 BLOCK_SIZE = 16
 # DistServe's chatbot SLOs (Zhong et al., OSDI 2024, Table 1)
 TTFT_SLO = 0.25
 TPOT_SLO = 0.1
-ATTAINMENT_TARGET = 0.9                     # DistServe's goodput: the highest rate at 90% attainment
+ATTAINMENT_TARGET = 0.9  # DistServe's goodput: the highest rate at 90% attainment
 POLICIES = ("sequence_lru", "pressure_aware", "expert_lru")
-BETTER_BY = 0.05                            # "the policy matters": more than 5% more good requests/s
-GAMMA_CV = 2.0                              # bursty arrivals: gaps' coefficient of variation (Poisson: 1)
-REQUESTS = 150                              # the default of a sweep
-SPEED_REQUESTS = 1000                       # the default of --speed
+BETTER_BY = 0.05  # "the policy matters": more than 5% more good requests/s
+GAMMA_CV = 2.0  # bursty arrivals: gaps' coefficient of variation (Poisson: 1)
+REQUESTS = 150  # the default of a sweep
+SPEED_REQUESTS = 1000  # the default of --speed
 
 
 def cluster_workload(num_requests: int, workload: str, seed: int):
     """The routing trace (jetmoe-8b's shape, lengths of `workload` cut to 4,096 tokens)."""
     config = get_config(MODEL)
     lengths = sample_lengths(workload, num_requests, seed, max_tokens=config.max_position_embeddings)
-    trace, _ = topic_trace(num_requests, config.num_hidden_layers, config.num_attention_experts,
-                           config.num_attention_experts_per_tok, kv_bytes_per_slot=config.kv_bytes_per_entry(),
-                           seed=seed, name=workload, lengths=lengths)
+    trace, _ = topic_trace(
+        num_requests,
+        config.num_hidden_layers,
+        config.num_attention_experts,
+        config.num_attention_experts_per_tok,
+        kv_bytes_per_slot=config.kv_bytes_per_entry(),
+        seed=seed,
+        name=workload,
+        lengths=lengths,
+    )
     return trace
 
 
-def run_one(trace, num_devices: int, gib_per_device: float, rate: float, arrivals: str, policy: str,
-            reservation: str, max_num_seqs: int, seed: int) -> dict:
+def run_one(
+    trace,
+    num_devices: int,
+    gib_per_device: float,
+    rate: float,
+    arrivals: str,
+    policy: str,
+    reservation: str,
+    max_num_seqs: int,
+    seed: int,
+) -> dict:
     config = get_config(MODEL)
     E = config.num_attention_experts
-    placement = torch.arange(E) // (E // num_devices)                     # contiguous: E / D experts a GPU
+    placement = torch.arange(E) // (E // num_devices)  # contiguous: E / D experts a GPU
     block_bytes = BLOCK_SIZE * config.kv_bytes_per_entry()
     blocks = int(gib_per_device * 2**30 // block_bytes)
-    setup = EvictionSetup(blocks_per_device=blocks, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=8192, admission="predicted", reservation=reservation)
+    setup = EvictionSetup(
+        blocks_per_device=blocks,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=8192,
+        admission="predicted",
+        reservation=reservation,
+    )
     cost = cluster_cost_model(config, ACTIVE_PARAMS, num_devices, BLOCK_SIZE)
     arrival = arrival_times(trace.num_sequences, rate, arrivals, cv=GAMMA_CV, seed=seed)
     started = time.perf_counter()
     stats = TraceRunner(trace, placement, setup, policy, cost, arrivals=arrival).run(max_steps=10_000_000)
     wall = time.perf_counter() - started
-    latency = latency_summary(stats.arrival_seconds, stats.first_token_seconds, stats.finish_seconds,
-                              stats.num_output_tokens, TTFT_SLO, TPOT_SLO)
+    latency = latency_summary(
+        stats.arrival_seconds,
+        stats.first_token_seconds,
+        stats.finish_seconds,
+        stats.num_output_tokens,
+        TTFT_SLO,
+        TPOT_SLO,
+    )
     return {
         "devices": num_devices,
         "gib_per_device": gib_per_device,
@@ -126,18 +154,20 @@ def where_policies_differ(runs: list[dict]) -> list[dict]:
         best = max(by_policy.values(), key=lambda r: r["good_requests_per_s"])
         base = baseline["good_requests_per_s"] if baseline else float("nan")
         gain = best["good_requests_per_s"] / base - 1 if base and base > 0 else float("nan")
-        rows.append({
-            "devices": devices,
-            "gib_per_device": gib,
-            "rate": rate,
-            "arrivals": arrivals,
-            "reservation": reservation,
-            "best_policy": best["policy"],
-            "best_good_requests_per_s": best["good_requests_per_s"],
-            "sequence_lru_good_requests_per_s": base,
-            "gain": gain,
-            "policy_matters": bool(gain > BETTER_BY) if not math.isnan(gain) else False,
-        })
+        rows.append(
+            {
+                "devices": devices,
+                "gib_per_device": gib,
+                "rate": rate,
+                "arrivals": arrivals,
+                "reservation": reservation,
+                "best_policy": best["policy"],
+                "best_good_requests_per_s": best["good_requests_per_s"],
+                "sequence_lru_good_requests_per_s": base,
+                "gain": gain,
+                "policy_matters": bool(gain > BETTER_BY) if not math.isnan(gain) else False,
+            }
+        )
     return rows
 
 
@@ -145,46 +175,59 @@ def goodput(runs: list[dict]) -> list[dict]:
     """Per (devices, memory, arrivals, policy): the highest swept rate with attainment >= 90%."""
     groups = {}
     for run in runs:
-        groups.setdefault((run["devices"], run["gib_per_device"], run["arrivals"], run["reservation"], run["policy"]),
-                          []).append(run)
+        groups.setdefault(
+            (run["devices"], run["gib_per_device"], run["arrivals"], run["reservation"], run["policy"]), []
+        ).append(run)
     rows = []
     for (devices, gib, arrivals, reservation, policy), group in groups.items():
         met = [r["rate"] for r in group if r["slo_attainment"] >= ATTAINMENT_TARGET]
-        rows.append({
-            "devices": devices,
-            "gib_per_device": gib,
-            "arrivals": arrivals,
-            "reservation": reservation,
-            "policy": policy,
-            "goodput_requests_per_s": max(met) if met else 0.0,
-            "rates_swept": sorted(r["rate"] for r in group),
-        })
+        rows.append(
+            {
+                "devices": devices,
+                "gib_per_device": gib,
+                "arrivals": arrivals,
+                "reservation": reservation,
+                "policy": policy,
+                "goodput_requests_per_s": max(met) if met else 0.0,
+                "rates_swept": sorted(r["rate"] for r in group),
+            }
+        )
     return rows
 
 
 def print_tables(result: dict) -> None:
-    print(f"\n{result['workload']} lengths, {result['requests']} requests; {MODEL} on H200s (projected); "
-          f"SLOs TTFT {TTFT_SLO} s, TPOT {TPOT_SLO} s")
-    print(f"{'D':>2} {'GiB':>5} {'rate':>6} {'arrivals':>8} {'reservation':>11} {'policy':>15} {'TTFT p50':>9} "
-          f"{'p99':>7} {'TPOT p50':>9} {'p99':>7} {'attain':>6} {'good/s':>7} {'used':>5} {'victims':>7} "
-          f"{'recomputed':>10} {'retries':>7} {'thrown':>7}")
+    print(
+        f"\n{result['workload']} lengths, {result['requests']} requests; {MODEL} on H200s (projected); "
+        f"SLOs TTFT {TTFT_SLO} s, TPOT {TPOT_SLO} s"
+    )
+    print(
+        f"{'D':>2} {'GiB':>5} {'rate':>6} {'arrivals':>8} {'reservation':>11} {'policy':>15} {'TTFT p50':>9} "
+        f"{'p99':>7} {'TPOT p50':>9} {'p99':>7} {'attain':>6} {'good/s':>7} {'used':>5} {'victims':>7} "
+        f"{'recomputed':>10} {'retries':>7} {'thrown':>7}"
+    )
     for r in result["runs"]:
-        print(f"{r['devices']:>2} {r['gib_per_device']:>5} {r['rate']:>6} {r['arrivals']:>8} {r['reservation']:>11} "
-              f"{r['policy']:>15} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>7.3f} {r['tpot_p50_s'] * 1e3:>7.2f}ms "
-              f"{r['tpot_p99_s'] * 1e3:>5.1f}ms {r['slo_attainment']:>6.3f} {r['good_requests_per_s']:>7.2f} "
-              f"{r['mean_used_fraction']:>5.2f} {r['victim_sequences']:>7} {r['recomputed_tokens']:>10} "
-              f"{r['retries']:>7} {r['thrown_away_tokens']:>7}")
+        print(
+            f"{r['devices']:>2} {r['gib_per_device']:>5} {r['rate']:>6} {r['arrivals']:>8} {r['reservation']:>11} "
+            f"{r['policy']:>15} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>7.3f} {r['tpot_p50_s'] * 1e3:>7.2f}ms "
+            f"{r['tpot_p99_s'] * 1e3:>5.1f}ms {r['slo_attainment']:>6.3f} {r['good_requests_per_s']:>7.2f} "
+            f"{r['mean_used_fraction']:>5.2f} {r['victim_sequences']:>7} {r['recomputed_tokens']:>10} "
+            f"{r['retries']:>7} {r['thrown_away_tokens']:>7}"
+        )
     print("\nwhere the best policy beats sequence_lru by more than 5% on good requests/s:")
     for r in result["where_policies_differ"]:
         mark = "  <- matters" if r["policy_matters"] else ""
-        print(f"  D={r['devices']} {r['gib_per_device']} GiB rate {r['rate']} {r['arrivals']} {r['reservation']}: "
-              f"best {r['best_policy']} "
-              f"{r['best_good_requests_per_s']:.2f}/s vs sequence_lru {r['sequence_lru_good_requests_per_s']:.2f}/s "
-              f"({r['gain']:+.1%}){mark}")
+        print(
+            f"  D={r['devices']} {r['gib_per_device']} GiB rate {r['rate']} {r['arrivals']} {r['reservation']}: "
+            f"best {r['best_policy']} "
+            f"{r['best_good_requests_per_s']:.2f}/s vs sequence_lru {r['sequence_lru_good_requests_per_s']:.2f}/s "
+            f"({r['gain']:+.1%}){mark}"
+        )
     print("\ngoodput (the highest swept rate with >= 90% of requests within both SLOs):")
     for r in result["goodput"]:
-        print(f"  D={r['devices']} {r['gib_per_device']} GiB {r['arrivals']} {r['reservation']} {r['policy']}: "
-              f"{r['goodput_requests_per_s']} requests/s")
+        print(
+            f"  D={r['devices']} {r['gib_per_device']} GiB {r['arrivals']} {r['reservation']} {r['policy']}: "
+            f"{r['goodput_requests_per_s']} requests/s"
+        )
 
 
 # ----- the simulator's own speed -----------------------------------------------------------------------------
@@ -217,8 +260,14 @@ print(json.dumps({"wall_seconds": wall, "steps": stats.num_steps, "max_running":
 def speed_run(root: Path, shape: tuple, num_requests: int) -> dict:
     """One timed run of the trace runner of the checkout at `root` (module comment above)."""
     env = dict(os.environ, PYTHONPATH=str(root))
-    done = subprocess.run([sys.executable, "-c", SPEED_WORKER, *map(str, shape), str(num_requests)], cwd=root,
-                          env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", SPEED_WORKER, *map(str, shape), str(num_requests)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     return result | {
         "requests_per_second": num_requests / result["wall_seconds"],
@@ -261,14 +310,20 @@ def measure_speed(num_requests: int, against: Path | None) -> dict:
 
 
 def print_speed(result: dict) -> None:
-    print(f"\nthe trace runner, {result['shapes'][0]['requests']} requests (mean prompt 512, output 256), one thread:")
+    print(
+        f"\nthe trace runner, {result['shapes'][0]['requests']} requests (mean prompt 512, output 256), one thread:"
+    )
     for row in result["shapes"]:
-        shape = f"{row['layers']} layers, {row['experts']} experts top-{row['top_k']}, {row['devices']} devices"
+        shape = (
+            f"{row['layers']} layers, {row['experts']} experts top-{row['top_k']}, {row['devices']} devices"
+        )
         for name in ("against", "this"):
             if name in row:
                 r = row[name]
-                print(f"  {shape:<44} {name:>7}: {r['wall_seconds']:6.1f} s  {r['requests_per_second']:6.1f} requests/s  "
-                      f"{r['steps_per_second']:6.1f} steps/s  (up to {r['max_running']} running)")
+                print(
+                    f"  {shape:<44} {name:>7}: {r['wall_seconds']:6.1f} s  {r['requests_per_second']:6.1f} requests/s  "
+                    f"{r['steps_per_second']:6.1f} steps/s  (up to {r['max_running']} running)"
+                )
         if "speedup" in row:
             print(f"  {'':<44} {row['speedup']:.2f}x faster, the same decisions")
 
@@ -277,26 +332,56 @@ def print_speed(result: dict) -> None:
 def build_parser(parser=None):
     parser = parser or argparse.ArgumentParser(prog="python -m moekv_ref bench cluster")
     parser.add_argument("--json", default=None, help="write every number to this file")
-    parser.add_argument("--requests", type=int, default=None,
-                        help="requests of the workload (default 150; with --speed, 1000 unless given)")
-    parser.add_argument("--workload", default="azure_conversation_2023",
-                        help=f"published lengths: one of {tuple(length_workloads())}")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests of the workload (default 150; with --speed, 1000 unless given)",
+    )
+    parser.add_argument(
+        "--workload",
+        default="azure_conversation_2023",
+        help=f"published lengths: one of {tuple(length_workloads())}",
+    )
     parser.add_argument("--devices", type=int, nargs="+", default=[8], help="GPUs of one group: 1, 2, 4 or 8")
-    parser.add_argument("--gib-per-device", type=float, nargs="+", default=[0.5, 1.0],
-                        help="KV memory per GPU in GiB (default 0.5 1: small, so that memory binds)")
-    parser.add_argument("--rates", type=float, nargs="+", default=[150.0, 300.0],
-                        help="mean arrival rates, requests per second (default 150 300)")
+    parser.add_argument(
+        "--gib-per-device",
+        type=float,
+        nargs="+",
+        default=[0.5, 1.0],
+        help="KV memory per GPU in GiB (default 0.5 1: small, so that memory binds)",
+    )
+    parser.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        default=[150.0, 300.0],
+        help="mean arrival rates, requests per second (default 150 300)",
+    )
     parser.add_argument("--arrivals", nargs="+", default=["poisson"], help=f"arrival processes: {ARRIVALS}")
-    parser.add_argument("--reservations", nargs="+", default=list(RESERVATIONS),
-                        help=f"the scheduler's reservation strategies (default {RESERVATIONS})")
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), help=f"victim policies (default {POLICIES})")
+    parser.add_argument(
+        "--reservations",
+        nargs="+",
+        default=list(RESERVATIONS),
+        help=f"the scheduler's reservation strategies (default {RESERVATIONS})",
+    )
+    parser.add_argument(
+        "--policies", nargs="+", default=list(POLICIES), help=f"victim policies (default {POLICIES})"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="40 requests, one memory, one rate")
-    parser.add_argument("--speed", action="store_true",
-                        help="time the simulator itself instead, on two shapes (with --against: beside another checkout)")
-    parser.add_argument("--against", type=Path, default=None,
-                        help="with --speed: the root of another checkout of this repository to time beside this one")
+    parser.add_argument(
+        "--speed",
+        action="store_true",
+        help="time the simulator itself instead, on two shapes (with --against: beside another checkout)",
+    )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help="with --speed: the root of another checkout of this repository to time beside this one",
+    )
     return parser
 
 
@@ -305,7 +390,9 @@ def check_args(args) -> None:
     if args.against is not None and not args.speed:
         raise ValueError("--against applies to --speed only")
     if args.against is not None and not (args.against / "moekv_ref" / "__init__.py").is_file():
-        raise ValueError(f"--against={args.against} has no moekv_ref package; allowed: the root of a checkout")
+        raise ValueError(
+            f"--against={args.against} has no moekv_ref package; allowed: the root of a checkout"
+        )
     if args.requests is not None:
         options.count("--requests", args.requests, 1)
     options.count("--max-num-seqs", args.max_num_seqs, 1)
@@ -315,8 +402,10 @@ def check_args(args) -> None:
     experts = get_config(MODEL).num_attention_experts
     for d in args.devices:
         if not isinstance(d, int) or d < 1 or experts % d:
-            raise ValueError(f"--devices {d} must divide {MODEL}'s {experts} attention experts: one of "
-                             f"{[n for n in range(1, experts + 1) if experts % n == 0]}")
+            raise ValueError(
+                f"--devices {d} must divide {MODEL}'s {experts} attention experts: one of "
+                f"{[n for n in range(1, experts + 1) if experts % n == 0]}"
+            )
     for name, values in (("--gib-per-device", args.gib_per_device), ("--rates", args.rates)):
         for value in values:
             options.real(name, value, 0.0, low_open=True)
@@ -347,9 +436,15 @@ def main(args) -> int:
         gib_per_device = gib_per_device[:1]
         rates = rates[:1]
     trace = cluster_workload(requests, args.workload, args.seed)
-    grid = [(d, gib, rate, process, reservation, policy) for d in args.devices for gib in gib_per_device
-            for rate in rates for process in args.arrivals for reservation in args.reservations
-            for policy in args.policies]
+    grid = [
+        (d, gib, rate, process, reservation, policy)
+        for d in args.devices
+        for gib in gib_per_device
+        for rate in rates
+        for process in args.arrivals
+        for reservation in args.reservations
+        for policy in args.policies
+    ]
     runs = []
     for d, gib, rate, process, reservation, policy in tqdm(grid, desc="cluster", unit="run", disable=None):
         runs.append(run_one(trace, d, gib, rate, process, policy, reservation, args.max_num_seqs, args.seed))

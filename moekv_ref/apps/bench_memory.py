@@ -30,9 +30,8 @@ import json
 import time
 from pathlib import Path
 
-from matplotlib.figure import Figure
-
 import torch
+from matplotlib.figure import Figure
 
 from ..analysis import record_model_trace
 from ..checkpoint import DEFAULT_CHECKPOINT, load_default_model
@@ -50,11 +49,22 @@ TARGET_EFFECTIVE_UTILIZATION = 0.96
 
 # W1: short code-like prompts, the kind of text the embedded model was trained on.
 W1_PROMPTS = [
-    "def ", "import torch\n", "class Cache:\n    def __init__(self", "for i in range(",
-    "# compute the mean\n", "def forward(self, x):\n    ", "return ", "if __name__ == ",
-    "x = torch.zeros(", "with open(path) as f:\n", "    def free(self, seq_id):\n",
-    "\"\"\"A block pool", "from dataclasses import dataclass\n", "while True:\n    ",
-    "assert ", "def attend(q, k, v):\n",
+    "def ",
+    "import torch\n",
+    "class Cache:\n    def __init__(self",
+    "for i in range(",
+    "# compute the mean\n",
+    "def forward(self, x):\n    ",
+    "return ",
+    "if __name__ == ",
+    "x = torch.zeros(",
+    "with open(path) as f:\n",
+    "    def free(self, seq_id):\n",
+    '"""A block pool',
+    "from dataclasses import dataclass\n",
+    "while True:\n    ",
+    "assert ",
+    "def attend(q, k, v):\n",
 ]
 
 
@@ -75,13 +85,31 @@ def workload_w1(num_prompts: int = 16) -> tuple[RoutingTrace, str]:
 
 
 def workload_w2(num_sequences: int = 64, seed: int = 2) -> RoutingTrace:
-    return synthetic_trace(num_sequences, num_layers=16, num_experts=64, top_k=8, mean_prompt=256,
-                           mean_output=256, zipf_s=1.0, seed=seed, name="W2")
+    return synthetic_trace(
+        num_sequences,
+        num_layers=16,
+        num_experts=64,
+        top_k=8,
+        mean_prompt=256,
+        mean_output=256,
+        zipf_s=1.0,
+        seed=seed,
+        name="W2",
+    )
 
 
 def workload_w3(num_sequences: int = 64, seed: int = 3) -> RoutingTrace:
-    return synthetic_trace(num_sequences, num_layers=16, num_experts=8, top_k=2, mean_prompt=256,
-                           mean_output=256, zipf_s=1.0, seed=seed, name="W3")
+    return synthetic_trace(
+        num_sequences,
+        num_layers=16,
+        num_experts=8,
+        top_k=2,
+        mean_prompt=256,
+        mean_output=256,
+        zipf_s=1.0,
+        seed=seed,
+        name="W3",
+    )
 
 
 def design_factories(trace: RoutingTrace, block_size: int) -> dict:
@@ -107,8 +135,12 @@ def budget_bytes(trace: RoutingTrace, budget_sequences: int) -> int:
     return first.num_slot_appends * trace.kv_bytes_per_slot
 
 
-def evaluate_workload(trace: RoutingTrace, block_size: int = DEFAULT_BLOCK_SIZE,
-                      budget_sequences: int = 16, designs: list[str] | None = None) -> dict:
+def evaluate_workload(
+    trace: RoutingTrace,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    budget_sequences: int = 16,
+    designs: list[str] | None = None,
+) -> dict:
     """Every design on one trace: utilization, effective_utilization, max_concurrent_sequences."""
     budget = budget_bytes(trace, budget_sequences)
     results = {}
@@ -124,12 +156,18 @@ def evaluate_workload(trace: RoutingTrace, block_size: int = DEFAULT_BLOCK_SIZE,
             "peak_bytes": stats.peak_bytes,
             "reads_per_decode_token": stats.reads_per_decode_token,
         }
-        if hasattr(design, "copied_slots"):   # the price of shared tails: extra K/V writes
+        if hasattr(design, "copied_slots"):  # the price of shared tails: extra K/V writes
             results[name]["copied_slots_per_slot_append"] = design.copied_slots / stats.slot_appends
-    return {"results": results, "budget_bytes": budget, "num_sequences": trace.num_sequences,
-            "slot_appends": trace.num_slot_appends, "kv_bytes_per_slot": trace.kv_bytes_per_slot,
-            "num_layers": trace.num_layers, "num_experts": trace.num_experts,
-            "top_k": trace.experts.shape[2]}
+    return {
+        "results": results,
+        "budget_bytes": budget,
+        "num_sequences": trace.num_sequences,
+        "slot_appends": trace.num_slot_appends,
+        "kv_bytes_per_slot": trace.kv_bytes_per_slot,
+        "num_layers": trace.num_layers,
+        "num_experts": trace.num_experts,
+        "top_k": trace.experts.shape[2],
+    }
 
 
 def sweep_block_sizes(trace: RoutingTrace, block_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> list[dict]:
@@ -137,34 +175,50 @@ def sweep_block_sizes(trace: RoutingTrace, block_sizes=(1, 2, 4, 8, 16, 32, 64, 
     L, E = trace.num_layers, trace.num_experts
     rows = []
     for P in block_sizes:
-        for name, design in (("paged", CountingPagedDesign(trace.num_sequences, L, E, P)),
-                             ("paged_shared_tail", SharedTailDesign(trace.num_sequences, L, E, P))):
+        for name, design in (
+            ("paged", CountingPagedDesign(trace.num_sequences, L, E, P)),
+            ("paged_shared_tail", SharedTailDesign(trace.num_sequences, L, E, P)),
+        ):
             stats = replay(trace, design, count_reads=True)
-            rows.append({
-                "block_size": P, "design": name, "utilization": stats.utilization,
-                "effective_utilization": stats.effective_utilization,
-                "tail_waste": 1 - stats.utilization,
-                "metadata_fraction": stats.metadata_bytes_time_sum / max(
-                    1, stats.allocated_bytes_time_sum + stats.metadata_bytes_time_sum),
-                "reads_per_decode_token": stats.reads_per_decode_token,
-                "copied_slots_per_slot_append": getattr(design, "copied_slots", 0) / stats.slot_appends,
-            })
+            rows.append(
+                {
+                    "block_size": P,
+                    "design": name,
+                    "utilization": stats.utilization,
+                    "effective_utilization": stats.effective_utilization,
+                    "tail_waste": 1 - stats.utilization,
+                    "metadata_fraction": stats.metadata_bytes_time_sum
+                    / max(1, stats.allocated_bytes_time_sum + stats.metadata_bytes_time_sum),
+                    "reads_per_decode_token": stats.reads_per_decode_token,
+                    "copied_slots_per_slot_append": getattr(design, "copied_slots", 0) / stats.slot_appends,
+                }
+            )
     return rows
 
 
-def largest_block_size_reaching(trace: RoutingTrace, target: float = TARGET_EFFECTIVE_UTILIZATION,
-                                block_sizes=(1, 2, 4, 8, 16, 32, 64)) -> int | None:
+def largest_block_size_reaching(
+    trace: RoutingTrace, target: float = TARGET_EFFECTIVE_UTILIZATION, block_sizes=(1, 2, 4, 8, 16, 32, 64)
+) -> int | None:
     """The largest block size at which plain per-row pages keep effective_utilization >= target on
     this trace (None if even P = 1 does not)."""
     L, E = trace.num_layers, trace.num_experts
-    reaching = [P for P in block_sizes
-                if replay(trace, CountingPagedDesign(trace.num_sequences, L, E, P)).effective_utilization >= target]
+    reaching = [
+        P
+        for P in block_sizes
+        if replay(trace, CountingPagedDesign(trace.num_sequences, L, E, P)).effective_utilization >= target
+    ]
     return max(reaching) if reaching else None
 
 
-def sweep_num_experts(num_experts_list=(8, 16, 32, 64, 128), block_size: int = DEFAULT_BLOCK_SIZE,
-                      top_k: int = 2, num_sequences: int = 16, num_layers: int = 16,
-                      zipf_s: float = 1.0, seed: int = 4) -> list[dict]:
+def sweep_num_experts(
+    num_experts_list=(8, 16, 32, 64, 128),
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    top_k: int = 2,
+    num_sequences: int = 16,
+    num_layers: int = 16,
+    zipf_s: float = 1.0,
+    seed: int = 4,
+) -> list[dict]:
     """More experts at a fixed top-k and block size: the same KV per token spread over more, shorter
     rows, each with its own partly filled last block. (With top-k = E / 8 instead, rows keep their
     length and plain pages keep their utilization: it is tokens per row that matters.)"""
@@ -172,29 +226,52 @@ def sweep_num_experts(num_experts_list=(8, 16, 32, 64, 128), block_size: int = D
     for E in num_experts_list:
         k = min(top_k, E)
         trace = synthetic_trace(num_sequences, num_layers, E, k, zipf_s=zipf_s, seed=seed)
-        for name, design in (("paged", CountingPagedDesign(num_sequences, num_layers, E, block_size)),
-                             ("paged_shared_tail", SharedTailDesign(num_sequences, num_layers, E, block_size))):
+        for name, design in (
+            ("paged", CountingPagedDesign(num_sequences, num_layers, E, block_size)),
+            ("paged_shared_tail", SharedTailDesign(num_sequences, num_layers, E, block_size)),
+        ):
             stats = replay(trace, design)
-            rows.append({"num_experts": E, "top_k": k, "design": name,
-                         "tokens_per_row": int(trace.lengths.float().mean()) * k / E,
-                         "utilization": stats.utilization,
-                         "effective_utilization": stats.effective_utilization})
+            rows.append(
+                {
+                    "num_experts": E,
+                    "top_k": k,
+                    "design": name,
+                    "tokens_per_row": int(trace.lengths.float().mean()) * k / E,
+                    "utilization": stats.utilization,
+                    "effective_utilization": stats.effective_utilization,
+                }
+            )
     return rows
 
 
-def compare_designs(num_experts: int = 64, block_size: int = DEFAULT_BLOCK_SIZE, zipf_s: float = 1.0,
-                    num_sequences: int = 8, num_layers: int = 4, mean_length: float = 128,
-                    seed: int = 0) -> dict:
+def compare_designs(
+    num_experts: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    zipf_s: float = 1.0,
+    num_sequences: int = 8,
+    num_layers: int = 4,
+    mean_length: float = 128,
+    seed: int = 0,
+) -> dict:
     """Utilization of every design on a small synthetic trace (top-k = E / 8): what the notebook's
     sliders call. Returns {design: {"utilization": .., "effective_utilization": ..}}."""
-    trace = synthetic_trace(num_sequences, num_layers, num_experts, max(1, num_experts // 8),
-                            mean_prompt=mean_length / 2, mean_output=mean_length / 2, zipf_s=zipf_s,
-                            seed=seed)
+    trace = synthetic_trace(
+        num_sequences,
+        num_layers,
+        num_experts,
+        max(1, num_experts // 8),
+        mean_prompt=mean_length / 2,
+        mean_output=mean_length / 2,
+        zipf_s=zipf_s,
+        seed=seed,
+    )
     results = {}
     for name, make in design_factories(trace, block_size).items():
         stats = replay(trace, make(num_sequences))
-        results[name] = {"utilization": stats.utilization,
-                         "effective_utilization": stats.effective_utilization}
+        results[name] = {
+            "utilization": stats.utilization,
+            "effective_utilization": stats.effective_utilization,
+        }
     return results
 
 
@@ -202,8 +279,13 @@ def simulator_speed(trace: RoutingTrace, block_size: int = DEFAULT_BLOCK_SIZE, r
     """Slot appends per second of a replay driving the real KVCacheManager (best of `repeats`)."""
     make = design_factories(trace, block_size)["paged"]
     best = min(replay(trace, make(trace.num_sequences)).seconds for _ in range(repeats))
-    return {"slot_appends_per_second": trace.num_slot_appends / best, "slot_appends": trace.num_slot_appends,
-            "seconds": best, "workload": trace.name, "design": "paged (KVCacheManager)"}
+    return {
+        "slot_appends_per_second": trace.num_slot_appends / best,
+        "slot_appends": trace.num_slot_appends,
+        "seconds": best,
+        "workload": trace.name,
+        "design": "paged (KVCacheManager)",
+    }
 
 
 def run(block_size: int = DEFAULT_BLOCK_SIZE, quick: bool = False) -> dict:
@@ -221,45 +303,65 @@ def run(block_size: int = DEFAULT_BLOCK_SIZE, quick: bool = False) -> dict:
         torch.set_num_threads(threads)
 
 
-def build_report(traces: dict[str, RoutingTrace], block_size: int = DEFAULT_BLOCK_SIZE,
-                 w1_source: str = "", speed_repeats: int = 3, sweep_sequences: int = 16) -> dict:
+def build_report(
+    traces: dict[str, RoutingTrace],
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    w1_source: str = "",
+    speed_repeats: int = 3,
+    sweep_sequences: int = 16,
+) -> dict:
     """Evaluate the traces {"W1": .., "W2": .., "W3": ..}, the sweeps and the simulator's speed.
     The budget for max_concurrent_sequences is a quarter of each workload's sequences."""
-    report = {"block_size": block_size, "workloads": {}, "notes": {
-        "W1": f"routing recorded from {w1_source}",
-        "paged": "plain per-(sequence, layer, expert) pages through the real KVCacheManager; "
-                 "what the model's PagedKVCache uses",
-        "paged_shared_tail": "private full blocks, each row's partial tail in tail blocks shared by the "
-                             "sequence's rows at token granularity (cache/shared_tail_manager.py; the "
-                             "model runs it with PagedKVCache(shared_tails=True), torch backend only). "
-                             "Numbers from its count-level model sim/designs.SharedTailDesign, which a "
-                             "test checks against the real manager step by step",
-        "max_concurrent_sequences": "first n sequences started together and run to completion, "
-                                    "allocated + metadata bytes <= budget_bytes throughout",
-        "reserved": "oracle worst case: knows each sequence's final length",
-    }}
+    report = {
+        "block_size": block_size,
+        "workloads": {},
+        "notes": {
+            "W1": f"routing recorded from {w1_source}",
+            "paged": "plain per-(sequence, layer, expert) pages through the real KVCacheManager; "
+            "what the model's PagedKVCache uses",
+            "paged_shared_tail": "private full blocks, each row's partial tail in tail blocks shared by the "
+            "sequence's rows at token granularity (cache/shared_tail_manager.py; the "
+            "model runs it with PagedKVCache(shared_tails=True), torch backend only). "
+            "Numbers from its count-level model sim/designs.SharedTailDesign, which a "
+            "test checks against the real manager step by step",
+            "max_concurrent_sequences": "first n sequences started together and run to completion, "
+            "allocated + metadata bytes <= budget_bytes throughout",
+            "reserved": "oracle worst case: knows each sequence's final length",
+        },
+    }
     for name, trace in traces.items():
         budget_sequences = max(1, trace.num_sequences // 4)
         results = evaluate_workload(trace, block_size, budget_sequences)["results"]
         report["workloads"][name] = results | {
             "workload": _describe(trace, budget_sequences),
-            "paged_largest_block_size_reaching_target": largest_block_size_reaching(trace)}
+            "paged_largest_block_size_reaching_target": largest_block_size_reaching(trace),
+        }
     report["simulator"] = simulator_speed(traces["W2"], block_size, repeats=speed_repeats)
     sweep_trace = traces["W2"].subset(list(range(min(sweep_sequences, traces["W2"].num_sequences))))
-    report["block_size_sweep"] = {"workload": f"W2 (first {sweep_trace.num_sequences} sequences)",
-                                  "rows": sweep_block_sizes(sweep_trace)}
-    report["num_experts_sweep"] = {"block_size": block_size,
-                                   "rows": sweep_num_experts(num_sequences=sweep_sequences // 2)}
+    report["block_size_sweep"] = {
+        "workload": f"W2 (first {sweep_trace.num_sequences} sequences)",
+        "rows": sweep_block_sizes(sweep_trace),
+    }
+    report["num_experts_sweep"] = {
+        "block_size": block_size,
+        "rows": sweep_num_experts(num_sequences=sweep_sequences // 2),
+    }
     report["targets"] = _targets(report)
     return report
 
 
 def _describe(trace: RoutingTrace, budget_sequences: int) -> dict:
-    return {"num_sequences": trace.num_sequences, "num_layers": trace.num_layers,
-            "num_experts": trace.num_experts, "top_k": trace.experts.shape[2],
-            "mean_length": float(trace.lengths.float().mean()), "slot_appends": trace.num_slot_appends,
-            "kv_bytes_per_slot": trace.kv_bytes_per_slot,
-            "budget_bytes": budget_bytes(trace, budget_sequences), "budget_sequences": budget_sequences}
+    return {
+        "num_sequences": trace.num_sequences,
+        "num_layers": trace.num_layers,
+        "num_experts": trace.num_experts,
+        "top_k": trace.experts.shape[2],
+        "mean_length": float(trace.lengths.float().mean()),
+        "slot_appends": trace.num_slot_appends,
+        "kv_bytes_per_slot": trace.kv_bytes_per_slot,
+        "budget_bytes": budget_bytes(trace, budget_sequences),
+        "budget_sequences": budget_sequences,
+    }
 
 
 def _targets(report: dict) -> dict:
@@ -269,53 +371,66 @@ def _targets(report: dict) -> dict:
     return {
         f"{design}_effective_utilization_ge_{TARGET_EFFECTIVE_UTILIZATION}": {
             name: workloads[name][design]["effective_utilization"] >= TARGET_EFFECTIVE_UTILIZATION
-            for name in workloads}
+            for name in workloads
+        }
         for design in ("paged", "paged_shared_tail")
     } | {
-        "paged_max_concurrent_ge_3x_reserved_on_W2":
-            workloads["W2"]["paged"]["max_concurrent_sequences"]
-            >= 3 * workloads["W2"]["reserved"]["max_concurrent_sequences"],
-        "simulator_ge_5M_slot_appends_per_second":
-            report["simulator"]["slot_appends_per_second"] >= 5e6,
+        "paged_max_concurrent_ge_3x_reserved_on_W2": workloads["W2"]["paged"]["max_concurrent_sequences"]
+        >= 3 * workloads["W2"]["reserved"]["max_concurrent_sequences"],
+        "simulator_ge_5M_slot_appends_per_second": report["simulator"]["slot_appends_per_second"] >= 5e6,
     }
 
 
 def format_table(report: dict) -> str:
     designs = ["paged", "paged_shared_tail", "reserved", "first_fit"]
-    lines = [f"block size {report['block_size']}",
-             f"{'workload':8} {'design':18} {'utilization':>11} {'effective':>9} {'max seqs':>8} {'reads/token':>11}"]
+    lines = [
+        f"block size {report['block_size']}",
+        f"{'workload':8} {'design':18} {'utilization':>11} {'effective':>9} {'max seqs':>8} {'reads/token':>11}",
+    ]
     for name, workload in report["workloads"].items():
         for design in designs:
             r = workload[design]
-            lines.append(f"{name:8} {design:18} {r['utilization']:11.3f} {r['effective_utilization']:9.3f} "
-                         f"{r['max_concurrent_sequences']:8d} {r['reads_per_decode_token']:11.1f}")
-        lines.append(f"{name:8} plain pages reach {TARGET_EFFECTIVE_UTILIZATION} up to block size "
-                     f"{workload['paged_largest_block_size_reaching_target']}; budget "
-                     f"{workload['workload']['budget_bytes'] / 2**20:.0f} MiB")
+            lines.append(
+                f"{name:8} {design:18} {r['utilization']:11.3f} {r['effective_utilization']:9.3f} "
+                f"{r['max_concurrent_sequences']:8d} {r['reads_per_decode_token']:11.1f}"
+            )
+        lines.append(
+            f"{name:8} plain pages reach {TARGET_EFFECTIVE_UTILIZATION} up to block size "
+            f"{workload['paged_largest_block_size_reaching_target']}; budget "
+            f"{workload['workload']['budget_bytes'] / 2**20:.0f} MiB"
+        )
     sim = report["simulator"]
-    lines.append(f"simulator: {sim['slot_appends_per_second'] / 1e6:.1f} M slot appends/s "
-                 f"({sim['slot_appends']} appends, {sim['design']}, {sim['workload']})")
+    lines.append(
+        f"simulator: {sim['slot_appends_per_second'] / 1e6:.1f} M slot appends/s "
+        f"({sim['slot_appends']} appends, {sim['design']}, {sim['workload']})"
+    )
     lines.append("")
     lines.append(f"block-size sweep ({report['block_size_sweep']['workload']})")
-    lines.append(f"{'P':>4} {'design':18} {'utilization':>11} {'effective':>9} {'metadata':>8} "
-                 f"{'reads/token':>11} {'copies/append':>13}")
+    lines.append(
+        f"{'P':>4} {'design':18} {'utilization':>11} {'effective':>9} {'metadata':>8} "
+        f"{'reads/token':>11} {'copies/append':>13}"
+    )
     for row in report["block_size_sweep"]["rows"]:
-        lines.append(f"{row['block_size']:4d} {row['design']:18} {row['utilization']:11.3f} "
-                     f"{row['effective_utilization']:9.3f} {row['metadata_fraction']:8.4f} "
-                     f"{row['reads_per_decode_token']:11.1f} {row['copied_slots_per_slot_append']:13.3f}")
+        lines.append(
+            f"{row['block_size']:4d} {row['design']:18} {row['utilization']:11.3f} "
+            f"{row['effective_utilization']:9.3f} {row['metadata_fraction']:8.4f} "
+            f"{row['reads_per_decode_token']:11.1f} {row['copied_slots_per_slot_append']:13.3f}"
+        )
     lines.append("")
     lines.append("targets: " + json.dumps(report["targets"]))
     return "\n".join(lines)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="python -m moekv_ref bench memory",
-                                               description=__doc__.splitlines()[0])
+    parser = parser or argparse.ArgumentParser(
+        prog="python -m moekv_ref bench memory", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--quick", action="store_true", help="fewer sequences (for tests and a first look)")
-    parser.add_argument("--figures", metavar="DIR", default=None,
-                        help="also draw the sweeps as PNGs into DIR (e.g. figures/)")
+    parser.add_argument(
+        "--figures", metavar="DIR", default=None, help="also draw the sweeps as PNGs into DIR (e.g. figures/)"
+    )
     return parser
 
 
@@ -349,7 +464,9 @@ def save_figures(report: dict, directory: Path) -> list[Path]:
     plot_block_size_sweep(left, report["block_size_sweep"]["rows"], "effective_utilization")
     plot_block_size_sweep(right, report["block_size_sweep"]["rows"], "reads_per_decode_token")
     right.set_yscale("log")
-    fig.suptitle(f"block size: memory kept vs pieces a decode reads ({report['block_size_sweep']['workload']})")
+    fig.suptitle(
+        f"block size: memory kept vs pieces a decode reads ({report['block_size_sweep']['workload']})"
+    )
     fig.tight_layout()
     paths.append(directory / "bench_memory_block_size.png")
     fig.savefig(paths[-1], dpi=110)

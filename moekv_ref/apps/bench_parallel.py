@@ -31,8 +31,7 @@ from ..plots.tables import text_table
 from . import parallel_options as options
 from .parallel_measure import bytes_table, context_sweep_specs, pool_table
 
-
-WORLD_SIZES = tuple(w for w in options.WORLD_SIZES if w >= 2)   # a sweep of one rank moves nothing
+WORLD_SIZES = tuple(w for w in options.WORLD_SIZES if w >= 2)  # a sweep of one rank moves nothing
 # a collective's wait for a peer, kept generous (not the launcher's 15 s): --contexts up to 4095 on 8
 # ranks of a loaded 2-core machine can keep peers waiting far longer than the ~1 s measured at 4 ranks
 # and context 2048, and a benchmark is not where hangs are caught
@@ -41,13 +40,22 @@ COLLECTIVE_TIMEOUT_S = 120
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="python -m moekv_ref bench parallel", description=__doc__)
-    parser.add_argument("--world-size", type=int, default=4,
-                        help=f"ranks (processes) to start: {options.one_of(WORLD_SIZES)}")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048],
-                        help=f"context lengths of the sweep (each from 1 to {options.MAX_POSITIONS} "
-                             f"minus --decode-steps)")
-    parser.add_argument("--decode-steps", type=int, default=2, help="decode steps measured per context (at least 1)")
-    parser.add_argument("--json", default=None, help="write every figure to this JSON file (its folder must exist)")
+    parser.add_argument(
+        "--world-size", type=int, default=4, help=f"ranks (processes) to start: {options.one_of(WORLD_SIZES)}"
+    )
+    parser.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        default=[128, 512, 2048],
+        help=f"context lengths of the sweep (each from 1 to {options.MAX_POSITIONS} minus --decode-steps)",
+    )
+    parser.add_argument(
+        "--decode-steps", type=int, default=2, help="decode steps measured per context (at least 1)"
+    )
+    parser.add_argument(
+        "--json", default=None, help="write every figure to this JSON file (its folder must exist)"
+    )
     return parser
 
 
@@ -62,8 +70,10 @@ def check_args(args) -> None:
     if args.json is not None:
         folder = os.path.dirname(os.path.abspath(args.json))
         if os.path.isdir(args.json) or not os.path.isdir(folder):
-            raise ValueError(f"--json {args.json}: must be a file in an existing folder "
-                             f"({'it is a folder' if os.path.isdir(args.json) else f'{folder} does not exist'})")
+            raise ValueError(
+                f"--json {args.json}: must be a file in an existing folder "
+                f"({'it is a folder' if os.path.isdir(args.json) else f'{folder} does not exist'})"
+            )
 
 
 def run_sweep(world_size: int, contexts, decode_steps: int):
@@ -79,35 +89,83 @@ def cost_model_check(specs, runs) -> list[dict]:
         config = ModelConfig.from_dict(spec.model.config)
         for step in range(spec.num_decode_steps + 1):
             measured = total_bytes(results, step)
-            modelled = measured_shape_bytes(config, spec.kv_placement, len(results), total_traffic(results, step), 4)
+            modelled = measured_shape_bytes(
+                config, spec.kv_placement, len(results), total_traffic(results, step), 4
+            )
             modelled = {c: b for c, b in modelled.items() if b}
-            rows.append({"label": spec.label, "step": step, "measured": sum(measured.values()),
-                         "modelled": sum(modelled.values()), "equal": measured == modelled})
+            rows.append(
+                {
+                    "label": spec.label,
+                    "step": step,
+                    "measured": sum(measured.values()),
+                    "modelled": sum(modelled.values()),
+                    "equal": measured == modelled,
+                }
+            )
     return rows
 
 
 def format_bytes_table(rows: list[dict]) -> str:
     return text_table(
         ["placement", "context", "bytes/step", "attention", "ffn", "attn weights/rank", "step ms", "comm ms"],
-        [[r["kv_placement"], r["context"], r["bytes_per_decode_step"], r["attention_bytes"], r["ffn_bytes"],
-          r["attention_weight_bytes_per_rank"][0], r["decode_step_ms"], r["communication_ms"]] for r in rows],
-        [None, "{}", "{:.0f}", "{:.0f}", "{:.0f}", "{}", "{:.1f}", "{:.1f}"])
+        [
+            [
+                r["kv_placement"],
+                r["context"],
+                r["bytes_per_decode_step"],
+                r["attention_bytes"],
+                r["ffn_bytes"],
+                r["attention_weight_bytes_per_rank"][0],
+                r["decode_step_ms"],
+                r["communication_ms"],
+            ]
+            for r in rows
+        ],
+        [None, "{}", "{:.0f}", "{:.0f}", "{:.0f}", "{}", "{:.1f}", "{:.1f}"],
+    )
 
 
 def ratios(rows: list[dict]) -> dict[int, float]:
     """kv_with_sequence / kv_with_expert bytes per decode step, per context."""
     by = {(r["kv_placement"], r["context"]): r["bytes_per_decode_step"] for r in rows}
-    return {context: by[("kv_with_sequence", context)] / by[("kv_with_expert", context)]
-            for (placement, context) in by if placement == "kv_with_expert" and ("kv_with_sequence", context) in by}
+    return {
+        context: by[("kv_with_sequence", context)] / by[("kv_with_expert", context)]
+        for (placement, context) in by
+        if placement == "kv_with_expert" and ("kv_with_sequence", context) in by
+    }
 
 
 def format_projections(rows: list[dict]) -> str:
     return text_table(
-        ["model", "placement", "GPUs", "link", "context", "MB/step", "attn ms", "experts ms", "comm ms", "step ms"],
-        [[r["model"], r["kv_placement"], r["world_size"], r["interconnect"], r["context"],
-          sum(r["bytes_per_step"].values()) / 1e6, r["attention_ms"], r["experts_ms"], r["communication_ms"],
-          r["step_ms"]] for r in rows],
-        [None, None, "{}", None, "{}", "{:.1f}", "{:.3f}", "{:.3f}", "{:.3f}", "{:.3f}"])
+        [
+            "model",
+            "placement",
+            "GPUs",
+            "link",
+            "context",
+            "MB/step",
+            "attn ms",
+            "experts ms",
+            "comm ms",
+            "step ms",
+        ],
+        [
+            [
+                r["model"],
+                r["kv_placement"],
+                r["world_size"],
+                r["interconnect"],
+                r["context"],
+                sum(r["bytes_per_step"].values()) / 1e6,
+                r["attention_ms"],
+                r["experts_ms"],
+                r["communication_ms"],
+                r["step_ms"],
+            ]
+            for r in rows
+        ],
+        [None, None, "{}", None, "{}", "{:.1f}", "{:.3f}", "{:.3f}", "{:.3f}", "{:.3f}"],
+    )
 
 
 def main(args) -> int:
@@ -115,34 +173,58 @@ def main(args) -> int:
     start = time.perf_counter()
     specs, runs = run_sweep(args.world_size, args.contexts, args.decode_steps)
     rows = [bytes_table(spec, results) for spec, results in zip(specs, runs)]
-    print(f"1. Bytes per decode step, {args.world_size} ranks, summed over ranks (measured by the counters; "
-          f"{args.world_size} sequences, one per rank)")
+    print(
+        f"1. Bytes per decode step, {args.world_size} ranks, summed over ranks (measured by the counters; "
+        f"{args.world_size} sequences, one per rank)"
+    )
     print(format_bytes_table(rows))
     ratio = ratios(rows)
     print("kv_with_sequence / kv_with_expert: " + ", ".join(f"{c}: {r:.1f}x" for c, r in ratio.items()))
     longest = max(args.contexts)
-    pools = {spec.kv_placement: pool_table(results) for spec, results in zip(specs, runs) if len(spec.prompts[0]) == longest}
+    pools = {
+        spec.kv_placement: pool_table(results)
+        for spec, results in zip(specs, runs)
+        if len(spec.prompts[0]) == longest
+    }
     print(f"\n2. Blocks used per rank after the last step, context {longest}")
     for placement, per_rank in pools.items():
-        print(f"  {placement:<21} " + "  ".join(f"rank {r}: {steps[-1]['used_blocks']}/{steps[-1]['num_blocks']}"
-                                                 for r, steps in enumerate(per_rank)))
-    print("\n3. Expert placements on the embedded model's attention routing (held-out text; bytes: hidden "
-          "states per token per layer, float32)")
+        print(
+            f"  {placement:<21} "
+            + "  ".join(
+                f"rank {r}: {steps[-1]['used_blocks']}/{steps[-1]['num_blocks']}"
+                for r, steps in enumerate(per_rank)
+            )
+        )
+    print(
+        "\n3. Expert placements on the embedded model's attention routing (held-out text; bytes: hidden "
+        "states per token per layer, float32)"
+    )
     model = load_default_model()
     placements = compare_placements(attention_routing_of_text(model), hidden_size=model.config.hidden_size)
     print(format_placement_table(placements))
     check = cost_model_check(specs, runs)
-    print(f"\n4. Cost model: bytes equal the measured ones in {sum(r['equal'] for r in check)} of {len(check)} steps")
+    print(
+        f"\n4. Cost model: bytes equal the measured ones in {sum(r['equal'] for r in check)} of {len(check)} steps"
+    )
     projections = real_shape_projections()
     print(format_projections(projections))
     print("sources: " + "; ".join(sorted({s for p in projections for s in p["sources"].values()})))
     print(f"\n{time.perf_counter() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"world_size": args.world_size, "bytes_per_decode_step": rows,
-                       "kv_with_sequence_over_kv_with_expert": {str(c): r for c, r in ratio.items()},
-                       "pools_after_longest_context": pools, "expert_placements": placements,
-                       "cost_model_check": check, "projections": projections,
-                       "kv_placements": list(KV_PLACEMENTS)}, handle, indent=1)
+            json.dump(
+                {
+                    "world_size": args.world_size,
+                    "bytes_per_decode_step": rows,
+                    "kv_with_sequence_over_kv_with_expert": {str(c): r for c, r in ratio.items()},
+                    "pools_after_longest_context": pools,
+                    "expert_placements": placements,
+                    "cost_model_check": check,
+                    "projections": projections,
+                    "kv_placements": list(KV_PLACEMENTS),
+                },
+                handle,
+                indent=1,
+            )
         print(f"wrote {args.json}")
     return 0

@@ -42,12 +42,24 @@ from . import options
 DESIGNS = ("static", "continuous_reserved", "continuous_paged")
 
 
-def serve_design(model: MoEKVTransformer, workload, design: str, num_blocks: int, block_size: int = 16,
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
-                 preemption_mode: str = "recompute", budget: RowBudget | None = None) -> dict:
+def serve_design(
+    model: MoEKVTransformer,
+    workload,
+    design: str,
+    num_blocks: int,
+    block_size: int = 16,
+    max_num_seqs: int = 32,
+    max_num_batched_tokens: int = 512,
+    preemption_mode: str = "recompute",
+    budget: RowBudget | None = None,
+) -> dict:
     """Serve `workload` with one design (under a row budget, if given); returns its row of the table."""
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             policy=design, preemption_mode=preemption_mode)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        policy=design,
+        preemption_mode=preemption_mode,
+    )
     engine = LLMEngine(model, num_blocks, block_size, config, budget=budget)
     used = []
     result = run_workload(engine, workload, on_step=lambda e: used.append(e.memory.num_used_blocks))
@@ -71,10 +83,20 @@ def serve_design(model: MoEKVTransformer, workload, design: str, num_blocks: int
     }
 
 
-def run_serving_benchmark(model: MoEKVTransformer, num_requests: int = 32, num_blocks: int = 1024,
-                          block_size: int = 16, prompt_len=(8, 256), output_len=(8, 192),
-                          max_num_seqs: int = 32, max_num_batched_tokens: int = 512, seed: int = 0,
-                          designs=DESIGNS, num_threads: int | None = 1, budget: RowBudget | None = None) -> dict:
+def run_serving_benchmark(
+    model: MoEKVTransformer,
+    num_requests: int = 32,
+    num_blocks: int = 1024,
+    block_size: int = 16,
+    prompt_len=(8, 256),
+    output_len=(8, 192),
+    max_num_seqs: int = 32,
+    max_num_batched_tokens: int = 512,
+    seed: int = 0,
+    designs=DESIGNS,
+    num_threads: int | None = 1,
+    budget: RowBudget | None = None,
+) -> dict:
     """Every design on the same workload and memory budget, in one run. Also checks that the
     designs generate the same tokens (they must: sampling is per request, seeded).
 
@@ -83,34 +105,57 @@ def run_serving_benchmark(model: MoEKVTransformer, num_requests: int = 32, num_b
     designs with larger batches far more than the others, and the benchmark would measure that
     contention instead of scheduling and memory. budget: also run the continuous designs under it,
     as rows named "<design> + budget"."""
-    workload = make_workload(num_requests, prompt_len, output_len, seed=seed,
-                             vocab_size=model.config.vocab_size)
+    workload = make_workload(
+        num_requests, prompt_len, output_len, seed=seed, vocab_size=model.config.vocab_size
+    )
     previous_threads = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     try:
-        rows = {d: serve_design(model, workload, d, num_blocks, block_size, max_num_seqs,
-                                max_num_batched_tokens) for d in designs}
+        rows = {
+            d: serve_design(model, workload, d, num_blocks, block_size, max_num_seqs, max_num_batched_tokens)
+            for d in designs
+        }
         budgeted = [d for d in designs if d != "static"] if budget is not None else []
         for d in budgeted:
-            rows[f"{d} + budget"] = serve_design(model, workload, d, num_blocks, block_size, max_num_seqs,
-                                                 max_num_batched_tokens, budget=budget)
+            rows[f"{d} + budget"] = serve_design(
+                model,
+                workload,
+                d,
+                num_blocks,
+                block_size,
+                max_num_seqs,
+                max_num_batched_tokens,
+                budget=budget,
+            )
     finally:
         torch.set_num_threads(previous_threads)
     token_sets = [rows[d].pop("tokens") for d in designs]
     budget_token_sets = [rows[f"{d} + budget"].pop("tokens") for d in budgeted]
     for design, row in rows.items():
         if row["tokens_per_second"] is None:
-            raise ValueError(f"every request was refused under {design}: {row.pop('first_refusal')} -- give "
-                             f"more blocks than {num_blocks} or shorter requests")
+            raise ValueError(
+                f"every request was refused under {design}: {row.pop('first_refusal')} -- give "
+                f"more blocks than {num_blocks} or shorter requests"
+            )
         row.pop("first_refusal")
     same = all(t == token_sets[0] for t in token_sets[1:])
-    kv_bytes = 2 * num_blocks * block_size * model.config.num_key_value_heads * model.config.head_dim * \
-        next(model.parameters()).element_size()
+    kv_bytes = (
+        2
+        * num_blocks
+        * block_size
+        * model.config.num_key_value_heads
+        * model.config.head_dim
+        * next(model.parameters()).element_size()
+    )
     report = {
-        "workload": {"num_requests": num_requests, "prompt_len": list(prompt_len),
-                     "output_len": list(output_len), "routing": model.config.attention_routing,
-                     "seed": seed},
+        "workload": {
+            "num_requests": num_requests,
+            "prompt_len": list(prompt_len),
+            "output_len": list(output_len),
+            "routing": model.config.attention_routing,
+            "seed": seed,
+        },
         "memory_budget": {"num_blocks": num_blocks, "block_size": block_size, "kv_bytes": kv_bytes},
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
@@ -119,14 +164,22 @@ def run_serving_benchmark(model: MoEKVTransformer, num_requests: int = 32, num_b
         "same_tokens_in_every_design": same,
     }
     if budget is not None:
-        report["budget"] = {"max_tokens": budget.max_tokens, "policy": budget.policy, "num_sinks": budget.num_sinks}
-        report["same_tokens_in_every_budgeted_design"] = all(t == budget_token_sets[0] for t in budget_token_sets[1:])
+        report["budget"] = {
+            "max_tokens": budget.max_tokens,
+            "policy": budget.policy,
+            "num_sinks": budget.num_sinks,
+        }
+        report["same_tokens_in_every_budgeted_design"] = all(
+            t == budget_token_sets[0] for t in budget_token_sets[1:]
+        )
     if "static" in rows and "continuous_paged" in rows:
-        report["speedup_paged_vs_static"] = (rows["continuous_paged"]["tokens_per_second"]
-                                             / rows["static"]["tokens_per_second"])
+        report["speedup_paged_vs_static"] = (
+            rows["continuous_paged"]["tokens_per_second"] / rows["static"]["tokens_per_second"]
+        )
     if "continuous_reserved" in rows and "continuous_paged" in rows:
-        report["speedup_paged_vs_reserved"] = (rows["continuous_paged"]["tokens_per_second"]
-                                               / rows["continuous_reserved"]["tokens_per_second"])
+        report["speedup_paged_vs_reserved"] = (
+            rows["continuous_paged"]["tokens_per_second"] / rows["continuous_reserved"]["tokens_per_second"]
+        )
     return report
 
 
@@ -142,18 +195,24 @@ def format_serving_report(report: dict) -> str:
         f"{'recomputed':>12}{'pool used':>11}",
     ]
     for design, row in report["designs"].items():
-        lines.append(f"{design:<31}{row['tokens_per_second']:>10.1f}{row['max_concurrent_sequences']:>10}"
-                     f"{row['mean_concurrent_sequences']:>11.1f}{row['steps']:>8}{row['preemptions']:>9}"
-                     f"{row['recomputed_tokens']:>12}{row['mean_used_fraction']:>11.2f}")
+        lines.append(
+            f"{design:<31}{row['tokens_per_second']:>10.1f}{row['max_concurrent_sequences']:>10}"
+            f"{row['mean_concurrent_sequences']:>11.1f}{row['steps']:>8}{row['preemptions']:>9}"
+            f"{row['recomputed_tokens']:>12}{row['mean_used_fraction']:>11.2f}"
+        )
     if "speedup_paged_vs_static" in report:
         lines.append(f"\nspeedup continuous_paged vs static: {report['speedup_paged_vs_static']:.2f}x")
     if "speedup_paged_vs_reserved" in report:
-        lines.append(f"speedup continuous_paged vs continuous_reserved: {report['speedup_paged_vs_reserved']:.2f}x")
+        lines.append(
+            f"speedup continuous_paged vs continuous_reserved: {report['speedup_paged_vs_reserved']:.2f}x"
+        )
     lines.append(f"same tokens in every design: {report['same_tokens_in_every_design']}")
     if "budget" in report:
         b = report["budget"]
-        lines.append(f"budget: at most {b['max_tokens']} tokens per (sequence, layer, expert) row, policy {b['policy']}; "
-                     f"same tokens in every budgeted design: {report['same_tokens_in_every_budgeted_design']}")
+        lines.append(
+            f"budget: at most {b['max_tokens']} tokens per (sequence, layer, expert) row, policy {b['policy']}; "
+            f"same tokens in every budgeted design: {report['same_tokens_in_every_budgeted_design']}"
+        )
     return "\n".join(lines)
 
 
@@ -162,18 +221,29 @@ QUICK = dict(num_requests=8, prompt_len=(8, 64), output_len=(8, 32), num_blocks=
 
 def build_parser(parser):
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
-    parser.add_argument("--num-requests", type=int, default=None, help="requests in the workload (default 32)")
-    parser.add_argument("--num-blocks", type=int, default=None,
-                        help="the memory budget every design gets (default 1024)")
+    parser.add_argument(
+        "--num-requests", type=int, default=None, help="requests in the workload (default 32)"
+    )
+    parser.add_argument(
+        "--num-blocks", type=int, default=None, help="the memory budget every design gets (default 1024)"
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--routing", choices=["threshold", "topk"], default="threshold")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
     parser.add_argument("--quick", action="store_true", help="a small workload (for tests and a first look)")
-    parser.add_argument("--budget", type=int, default=None,
-                        help="also run the continuous designs with at most this many tokens per row")
-    parser.add_argument("--budget-policy", choices=BUDGET_POLICIES, default="window",
-                        help="what a full row does (with --budget)")
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help="also run the continuous designs with at most this many tokens per row",
+    )
+    parser.add_argument(
+        "--budget-policy",
+        choices=BUDGET_POLICIES,
+        default="window",
+        help="what a full row does (with --budget)",
+    )
     return parser
 
 
@@ -186,7 +256,9 @@ def check_args(args) -> None:
     config = get_config("tiny").with_routing(args.routing)
     least = config.num_hidden_layers * config.num_attention_experts_per_tok
     options.count("--num-requests", args.num_requests, 1)
-    options.count("--num-blocks", args.num_blocks, least, meaning=f"one token of one sequence takes {least} blocks")
+    options.count(
+        "--num-blocks", args.num_blocks, least, meaning=f"one token of one sequence takes {least} blocks"
+    )
     options.block_size("--block-size", args.block_size)
     options.seed("--seed", args.seed)
     options.count("--budget", args.budget, 1, meaning="tokens per (sequence, layer, expert) row")
@@ -196,9 +268,14 @@ def check_args(args) -> None:
 def main(args) -> int:
     """Entry point of `python -m moekv_ref bench serving`."""
     check_args(args)
-    sizes = dict(QUICK) if args.quick else dict(
-        num_requests=32 if args.num_requests is None else args.num_requests,
-        num_blocks=1024 if args.num_blocks is None else args.num_blocks)
+    sizes = (
+        dict(QUICK)
+        if args.quick
+        else dict(
+            num_requests=32 if args.num_requests is None else args.num_requests,
+            num_blocks=1024 if args.num_blocks is None else args.num_blocks,
+        )
+    )
     model = load_checkpoint(args.checkpoint, get_config("tiny").with_routing(args.routing))
     budget = None if args.budget is None else RowBudget(args.budget, args.budget_policy)
     report = run_serving_benchmark(model, block_size=args.block_size, seed=args.seed, budget=budget, **sizes)

@@ -32,28 +32,37 @@ import sys
 import time
 from pathlib import Path
 
-REPOSITORY = Path(__file__).resolve().parents[2]     # the checkout this file belongs to
+REPOSITORY = Path(__file__).resolve().parents[2]  # the checkout this file belongs to
 
 
 def prompts(num_seqs: int) -> list[list[int]]:
     """Distinct prompts of different lengths (20 + i bytes), so the rows fill their blocks unevenly."""
-    return [list(f"def function_{i}(x, y):\n    return {i} * x + y".encode())[: 20 + i] for i in range(num_seqs)]
+    return [
+        list(f"def function_{i}(x, y):\n    return {i} * x + y".encode())[: 20 + i] for i in range(num_seqs)
+    ]
 
 
 def worker(num_seqs: int, max_new_tokens: int, num_blocks: int) -> None:
     """Serve step requests on stdin ("step" per line), answering one JSON line per step. Restarts the
     workload when it finishes. Runs under whichever checkout is first on PYTHONPATH."""
-    import torch                                               # imported here: this function runs in a
-    from moekv_ref.checkpoint import load_default_model        # process whose moekv_ref may be another
-    from moekv_ref.engine import LLMEngine, SchedulerConfig    # checkout's (see the module docstring)
+    import torch  # imported here: this function runs in a
+
+    from moekv_ref.checkpoint import load_default_model  # process whose moekv_ref may be another
+    from moekv_ref.engine import LLMEngine, SchedulerConfig  # checkout's (see the module docstring)
     from moekv_ref.sampling import SamplingParams
+
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = load_default_model()
     config = SchedulerConfig(max_num_seqs=num_seqs)
-    try:        # the per-step timeline (which steps decode) is opt-in today; older engines always kept it
-        engine = LLMEngine(model, num_blocks=num_blocks or NUM_BLOCKS, block_size=16, scheduler_config=config,
-                           record_history=True)
+    try:  # the per-step timeline (which steps decode) is opt-in today; older engines always kept it
+        engine = LLMEngine(
+            model,
+            num_blocks=num_blocks or NUM_BLOCKS,
+            block_size=16,
+            scheduler_config=config,
+            record_history=True,
+        )
     except TypeError:
         engine = LLMEngine(model, num_blocks=num_blocks or NUM_BLOCKS, block_size=16, scheduler_config=config)
     for line in sys.stdin:
@@ -75,11 +84,18 @@ class Worker:
 
     def __init__(self, root: Path, num_seqs: int, max_new_tokens: int, num_blocks: int):
         env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-        command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(num_seqs),
-                   str(max_new_tokens), str(num_blocks)]
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            str(num_seqs),
+            str(max_new_tokens),
+            str(num_blocks),
+        ]
         self.root = root
-        self.process = subprocess.Popen(command, env=env, cwd=root, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            command, env=env, cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
 
     def step(self) -> dict:
         self.process.stdin.write("step\n")
@@ -97,21 +113,34 @@ class Worker:
 def commit_of(root: Path) -> str | None:
     """The git commit checked out at root (None outside a git checkout)."""
     try:
-        return subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "-C", str(root), "describe", "--always", "--dirty"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 
 
-def measure(against: Path | None, num_seqs: int = 16, max_new_tokens: int = 48, num_rounds: int = 3,
-            num_blocks: int = 4096) -> dict:
+def measure(
+    against: Path | None,
+    num_seqs: int = 16,
+    max_new_tokens: int = 48,
+    num_rounds: int = 3,
+    num_blocks: int = 4096,
+) -> dict:
     """Interleave this checkout's steps with `against`'s (if given) for `num_rounds` whole workloads."""
     roots = {"this": REPOSITORY} | ({"against": against.resolve()} if against is not None else {})
     if not (roots.get("against", REPOSITORY) / "moekv_ref" / "__init__.py").is_file():
         raise ValueError(f"--against {against}: no moekv_ref package there (give the root of a checkout)")
     workers = {name: Worker(root, num_seqs, max_new_tokens, num_blocks) for name, root in roots.items()}
     decode = {name: [] for name in workers}
-    try:   # a round is one prefill step and max_new_tokens - 1 decode steps; workers restart by themselves
+    try:  # a round is one prefill step and max_new_tokens - 1 decode steps; workers restart by themselves
         for pair in range(num_rounds * max_new_tokens):
             order = list(workers) if pair % 2 == 0 else list(reversed(workers))
             results = {name: workers[name].step() for name in order}
@@ -122,39 +151,64 @@ def measure(against: Path | None, num_seqs: int = 16, max_new_tokens: int = 48, 
         for w in workers.values():
             w.close()
     if not decode["this"]:
-        raise ValueError(f"no step decoded all {num_seqs} sequences at once: give max_new_tokens >= 2 "
-                         f"(got {max_new_tokens})")
-    result = {"num_seqs": num_seqs, "max_new_tokens": max_new_tokens, "num_decode_pairs": len(decode["this"]),
-              "this_commit": commit_of(REPOSITORY), "this_decode_step_cpu_ms": 1000 * statistics.median(decode["this"])}
+        raise ValueError(
+            f"no step decoded all {num_seqs} sequences at once: give max_new_tokens >= 2 "
+            f"(got {max_new_tokens})"
+        )
+    result = {
+        "num_seqs": num_seqs,
+        "max_new_tokens": max_new_tokens,
+        "num_decode_pairs": len(decode["this"]),
+        "this_commit": commit_of(REPOSITORY),
+        "this_decode_step_cpu_ms": 1000 * statistics.median(decode["this"]),
+    }
     if against is not None:
         ratios = sorted(a / t for a, t in zip(decode["against"], decode["this"]))
         quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-        result |= {"against_commit": commit_of(against),
-                   "against_decode_step_cpu_ms": 1000 * statistics.median(decode["against"]),
-                   "speedup_median": statistics.median(ratios),
-                   "speedup_quartiles": [quartiles[0], quartiles[2]]}
+        result |= {
+            "against_commit": commit_of(against),
+            "against_decode_step_cpu_ms": 1000 * statistics.median(decode["against"]),
+            "speedup_median": statistics.median(ratios),
+            "speedup_quartiles": [quartiles[0], quartiles[2]],
+        }
     return result
 
 
 MODEL_PHASES = ("routing", "projections", "append_kv", "attend", "ffn")
-PHASE_NAMES = {"routing": "routing (both routers, sort by expert)", "projections": "projections (QKV, rotary, O)",
-               "append_kv": "append_kv", "attend": "attend", "ffn": "FFN dispatch (experts, combine)",
-               "rest_of_forward": "rest of forward (embed, norms, head)", "sampling": "sampling",
-               "scheduler": "scheduler", "bookkeeping": "bookkeeping (rest of the step)"}
+PHASE_NAMES = {
+    "routing": "routing (both routers, sort by expert)",
+    "projections": "projections (QKV, rotary, O)",
+    "append_kv": "append_kv",
+    "attend": "attend",
+    "ffn": "FFN dispatch (experts, combine)",
+    "rest_of_forward": "rest of forward (embed, norms, head)",
+    "sampling": "sampling",
+    "scheduler": "scheduler",
+    "bookkeeping": "bookkeeping (rest of the step)",
+}
 
 
-def profile_steps(model, num_seqs: int, max_new_tokens: int, num_rounds: int, num_blocks: int | None = None) -> dict:
+def profile_steps(
+    model, num_seqs: int, max_new_tokens: int, num_rounds: int, num_blocks: int | None = None
+) -> dict:
     """ms per decode step of each phase (see the module docstring), averaged over the decode steps
     (all num_seqs sequences running) of num_rounds workloads, in this process."""
     import torch
+
     from moekv_ref.engine import LLMEngine, SchedulerConfig
     from moekv_ref.profiling import collect
     from moekv_ref.sampling import SamplingParams
+
     torch.set_num_threads(1)
-    engine = LLMEngine(model, num_blocks=num_blocks or NUM_BLOCKS, block_size=16,
-                       scheduler_config=SchedulerConfig(max_num_seqs=num_seqs), record_history=True)
+    engine = LLMEngine(
+        model,
+        num_blocks=num_blocks or NUM_BLOCKS,
+        block_size=16,
+        scheduler_config=SchedulerConfig(max_num_seqs=num_seqs),
+        record_history=True,
+    )
     totals, num_steps = {}, 0
-    for round_index in range(num_rounds + 1):                           # round 0 warms up
+    for round_index in range(num_rounds + 1):  # round 0 warms up
         for prompt in prompts(num_seqs):
             engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
         while engine.has_unfinished_requests():
@@ -180,17 +234,24 @@ def profile(num_seqs: int, max_new_tokens: int, num_rounds: int) -> dict:
     """profile_steps for the embedded model and for the dense model of its dimensions."""
     from moekv_ref.apps.bench_peer import random_dense_model
     from moekv_ref.checkpoint import load_default_model
-    return {"num_seqs": num_seqs, "max_new_tokens": max_new_tokens, "this_commit": commit_of(REPOSITORY),
-            "dense": profile_steps(random_dense_model(seed=0), num_seqs, max_new_tokens, num_rounds),
-            "embedded": profile_steps(load_default_model(), num_seqs, max_new_tokens, num_rounds)}
+
+    return {
+        "num_seqs": num_seqs,
+        "max_new_tokens": max_new_tokens,
+        "this_commit": commit_of(REPOSITORY),
+        "dense": profile_steps(random_dense_model(seed=0), num_seqs, max_new_tokens, num_rounds),
+        "embedded": profile_steps(load_default_model(), num_seqs, max_new_tokens, num_rounds),
+    }
 
 
 def format_profile(result: dict) -> str:
     models = ("dense", "embedded")
-    lines = [f"one decode step of {result['num_seqs']} sequences by phase, CPU ms per step (mean over "
-             f"{result['dense']['num_decode_steps']} and {result['embedded']['num_decode_steps']} steps), "
-             "one thread",
-             f"  {'phase':<40}" + "".join(f"{m:>10} {'share':>6}" for m in models)]
+    lines = [
+        f"one decode step of {result['num_seqs']} sequences by phase, CPU ms per step (mean over "
+        f"{result['dense']['num_decode_steps']} and {result['embedded']['num_decode_steps']} steps), "
+        "one thread",
+        f"  {'phase':<40}" + "".join(f"{m:>10} {'share':>6}" for m in models),
+    ]
     for name, label in PHASE_NAMES.items():
         cells = ""
         for m in models:
@@ -202,38 +263,60 @@ def format_profile(result: dict) -> str:
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--against", type=Path, default=None,
-                        help="root of another checkout (e.g. `git worktree add /tmp/old <commit>`) to compare with")
+    parser.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help="root of another checkout (e.g. `git worktree add /tmp/old <commit>`) to compare with",
+    )
     parser.add_argument("--num-seqs", type=int, default=16, help="sequences decoding at once (default 16)")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens each sequence decodes (default 48)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=48, help="tokens each sequence decodes (default 48)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="times the whole workload runs (default 3)")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
-    parser.add_argument("--profile", action="store_true",
-                        help="split a decode step into phases, for the embedded and a dense model (this checkout)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="split a decode step into phases, for the embedded and a dense model (this checkout)",
+    )
     return parser
 
 
-MAX_POSITIONS = 512        # the embedded model's max_position_embeddings (the tiny preset)
-BLOCKS_PER_TOKEN = 8       # one token of one sequence: a block in each of k = 2 experts of 4 layers
-NUM_BLOCKS = 4096          # the workers' pool (measure's default)
+MAX_POSITIONS = 512  # the embedded model's max_position_embeddings (the tiny preset)
+BLOCKS_PER_TOKEN = 8  # one token of one sequence: a block in each of k = 2 experts of 4 layers
+NUM_BLOCKS = 4096  # the workers' pool (measure's default)
 
 
 def check_args(args) -> None:
     """The options, checked before a worker starts. A round needs a decode step after the prefill
     (--max-new-tokens >= 2), and the longest prompt plus its new tokens must fit the model's positions."""
-    from moekv_ref.apps import options     # here, not at the top: a worker may run another checkout
+    from moekv_ref.apps import options  # here, not at the top: a worker may run another checkout
+
     if args.against is not None and not (args.against / "moekv_ref" / "__init__.py").is_file():
-        raise ValueError(f"--against={args.against} has no moekv_ref package; allowed: the root of a checkout "
-                         "of this repository (e.g. `git worktree add /tmp/old <commit>`)")
-    options.count("--num-seqs", args.num_seqs, 1, NUM_BLOCKS // BLOCKS_PER_TOKEN,
-                  f"all decode at once in a pool of {NUM_BLOCKS} blocks, each taking at least {BLOCKS_PER_TOKEN}")
+        raise ValueError(
+            f"--against={args.against} has no moekv_ref package; allowed: the root of a checkout "
+            "of this repository (e.g. `git worktree add /tmp/old <commit>`)"
+        )
+    options.count(
+        "--num-seqs",
+        args.num_seqs,
+        1,
+        NUM_BLOCKS // BLOCKS_PER_TOKEN,
+        f"all decode at once in a pool of {NUM_BLOCKS} blocks, each taking at least {BLOCKS_PER_TOKEN}",
+    )
     options.count("--rounds", args.rounds, 1)
     if getattr(args, "profile", False) and args.against is not None:
         raise ValueError("--profile runs this checkout only; drop --against")
     options.output_file("--json", args.json)
     longest = max(len(p) for p in prompts(args.num_seqs))
-    options.count("--max-new-tokens", args.max_new_tokens, 2, MAX_POSITIONS - longest + 1,
-                  f"a prefill, then decode steps; the longest prompt has {longest} tokens of {MAX_POSITIONS} positions")
+    options.count(
+        "--max-new-tokens",
+        args.max_new_tokens,
+        2,
+        MAX_POSITIONS - longest + 1,
+        f"a prefill, then decode steps; the longest prompt has {longest} tokens of {MAX_POSITIONS} positions",
+    )
 
 
 def main(args) -> int:
@@ -248,13 +331,22 @@ def main(args) -> int:
         result = measure(args.against, args.num_seqs, args.max_new_tokens, args.rounds)
     except ValueError as error:
         raise SystemExit(f"bench step: {error}") from None
-    print(f"decode step of {result['num_seqs']} sequences, CPU ms (median of {result['num_decode_pairs']} steps)")
-    print(f"  this checkout    {result['this_decode_step_cpu_ms']:8.1f}   {REPOSITORY} ({result['this_commit']})")
+    print(
+        f"decode step of {result['num_seqs']} sequences, CPU ms (median of {result['num_decode_pairs']} steps)"
+    )
+    print(
+        f"  this checkout    {result['this_decode_step_cpu_ms']:8.1f}   {REPOSITORY} ({result['this_commit']})"
+    )
     if args.against is not None:
         low, high = result["speedup_quartiles"]
-        print(f"  --against        {result['against_decode_step_cpu_ms']:8.1f}   {args.against} ({result['against_commit']})")
-        print(f"  speedup (median of per-pair ratios): {result['speedup_median']:.2f}x "
-              f"(quartiles {low:.2f}-{high:.2f})")
+        print(
+            f"  --against        {result['against_decode_step_cpu_ms']:8.1f}   "
+            f"{args.against} ({result['against_commit']})"
+        )
+        print(
+            f"  speedup (median of per-pair ratios): {result['speedup_median']:.2f}x "
+            f"(quartiles {low:.2f}-{high:.2f})"
+        )
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
@@ -265,5 +357,9 @@ if __name__ == "__main__":
         worker(*(int(a) for a in sys.argv[2:]))
     else:
         from moekv_ref.apps.options import parse_checked
-        main(parse_checked(build_parser(argparse.ArgumentParser(description=__doc__.splitlines()[0])),
-                           check=check_args))
+
+        main(
+            parse_checked(
+                build_parser(argparse.ArgumentParser(description=__doc__.splitlines()[0])), check=check_args
+            )
+        )

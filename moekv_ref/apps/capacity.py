@@ -50,16 +50,21 @@ from .family import run_name
 from .train import batches, load_corpus
 
 CONTEXT = 512
-CAPACITY = 128                  # 512 tokens x 2 experts / 8 experts: top-2's mean row
+CAPACITY = 128  # 512 tokens x 2 experts / 8 experts: top-2's mean row
 DENSE = dict(attention_mode="dense", num_attention_experts=1, num_attention_experts_per_tok=1)
 VARIANTS = {
     "dense": (DENSE, "dense attention, 2 heads of 32"),
     "expert_topk": ({}, "8 attention experts, top-2"),
-    "expert_topk_capacity": (dict(attention_capacity=CAPACITY), "8 experts, top-2, trained with a capacity of 128"),
-    "expert_choice": (dict(attention_routing="expert_choice", num_attention_experts_per_tok=8,
-                           attention_capacity=CAPACITY), "8 experts, each choosing 128 tokens of a window"),
+    "expert_topk_capacity": (
+        dict(attention_capacity=CAPACITY),
+        "8 experts, top-2, trained with a capacity of 128",
+    ),
+    "expert_choice": (
+        dict(attention_routing="expert_choice", num_attention_experts_per_tok=8, attention_capacity=CAPACITY),
+        "8 experts, each choosing 128 tokens of a window",
+    ),
 }
-FRACTIONS = (1.0, 0.5, 0.25, 0.125)     # of the mean row
+FRACTIONS = (1.0, 0.5, 0.25, 0.125)  # of the mean row
 SEEDS = (0, 1, 2)
 BLOCK_SIZE = 16
 NUM_WINDOWS = 16
@@ -82,8 +87,9 @@ def settings(config: ModelConfig) -> list[tuple[str, int | None, float | None]]:
     """(policy, B, fraction of the mean row) measured for one variant: no budget, then every policy
     the model can have at every fraction."""
     policies = [p for p in BUDGET_POLICIES if not (p == "router_score" and config.num_attention_experts == 1)]
-    return [("none", None, None)] + [(policy, max(1, round(f * mean_row(config))), f)
-                                     for policy in policies for f in FRACTIONS]
+    return [("none", None, None)] + [
+        (policy, max(1, round(f * mean_row(config))), f) for policy in policies for f in FRACTIONS
+    ]
 
 
 def heldout_windows(valid_data: torch.Tensor, num_windows: int = NUM_WINDOWS, context: int = CONTEXT):
@@ -95,12 +101,17 @@ def attention_flops(config: ModelConfig, accepted: torch.Tensor, budget_tokens: 
     """FLOPs (2 x multiply-adds) of attention per token, one layer's accepted (B, T, E) pairs: the
     router, the q, k, v, o projections of every accepted pair, and scores plus weighted sum over the
     keys its row held when it attended (its earlier accepted tokens and itself, at most B)."""
-    D, H, Hkv, Dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    D, H, Hkv, Dh = (
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
     E = config.num_attention_experts
-    seen = torch.cumsum(accepted.long(), dim=1)                                    # (B, T, E) row size then
+    seen = torch.cumsum(accepted.long(), dim=1)  # (B, T, E) row size then
     if budget_tokens is not None:
         seen = seen.clamp(max=budget_tokens)
-    keys = (seen * accepted).sum().item()                                          # over every query
+    keys = (seen * accepted).sum().item()  # over every query
     pairs = accepted.sum().item()
     tokens = accepted.shape[0] * accepted.shape[1]
     router = D * E if E > 1 else 0
@@ -116,9 +127,9 @@ def measure(model: MoEKVTransformer, x: torch.Tensor, y: torch.Tensor, budget: R
     entries = 0.0
     slots = 0.0
     flops = 0.0
-    for layer, routing in enumerate(output.attention_routing):                    # accepted pairs
+    for layer, routing in enumerate(output.attention_routing):  # accepted pairs
         limit = None if budget is None else budget.limit_of_layer(layer)
-        held = routing.selected.sum(1)                                             # (B, E) accepted
+        held = routing.selected.sum(1)  # (B, E) accepted
         if limit is not None:
             held = held.clamp(max=limit)
         entries += held.sum().item()
@@ -126,8 +137,12 @@ def measure(model: MoEKVTransformer, x: torch.Tensor, y: torch.Tensor, budget: R
         flops += attention_flops(config, routing.selected, limit)
     tokens = x.numel()
     per_entry = config.kv_bytes_per_entry(4)
-    return {"bits_per_byte": loss / math.log(2), "kv_bytes_per_token": entries * per_entry / tokens,
-            "pool_bytes_per_token": slots * per_entry / tokens, "attention_flops_per_token": flops}
+    return {
+        "bits_per_byte": loss / math.log(2),
+        "kv_bytes_per_token": entries * per_entry / tokens,
+        "pool_bytes_per_token": slots * per_entry / tokens,
+        "attention_flops_per_token": flops,
+    }
 
 
 def measure_run(name: str, seed: int, steps: int, batch_size: int, runs: Path, x, y, bar=None) -> list[dict]:
@@ -145,9 +160,17 @@ def measure_run(name: str, seed: int, steps: int, batch_size: int, runs: Path, x
         for policy, tokens, fraction in settings(config):
             start = time.time()
             budget = None if policy == "none" else RowBudget(tokens, policy)
-            rows.append({"variant": name, "seed": seed, "policy": policy, "budget_tokens": tokens,
-                         "fraction": fraction, **measure(model, x, y, budget),
-                         "seconds": round(time.time() - start, 1)})
+            rows.append(
+                {
+                    "variant": name,
+                    "seed": seed,
+                    "policy": policy,
+                    "budget_tokens": tokens,
+                    "fraction": fraction,
+                    **measure(model, x, y, budget),
+                    "seconds": round(time.time() - start, 1),
+                }
+            )
             if bar is not None:
                 bar.update(1)
         done.write_text(json.dumps(rows))
@@ -162,13 +185,26 @@ def summarize(rows: list[dict], variants) -> list[dict]:
     table = []
     for name in variants:
         for policy, tokens, fraction in settings(variant_config(name)):
-            runs = [r for r in rows if (r["variant"], r["policy"], r["budget_tokens"]) == (name, policy, tokens)]
+            runs = [
+                r for r in rows if (r["variant"], r["policy"], r["budget_tokens"]) == (name, policy, tokens)
+            ]
             bpb = [r["bits_per_byte"] for r in runs]
-            table.append({"variant": name, "policy": policy, "budget_tokens": tokens, "fraction": fraction,
-                          "bits_per_byte_mean": statistics.mean(bpb), "bits_per_byte_std": statistics.pstdev(bpb),
-                          "bits_per_byte": bpb, "seeds": [r["seed"] for r in runs],
-                          **{key: statistics.mean(r[key] for r in runs)
-                             for key in ("kv_bytes_per_token", "pool_bytes_per_token", "attention_flops_per_token")}})
+            table.append(
+                {
+                    "variant": name,
+                    "policy": policy,
+                    "budget_tokens": tokens,
+                    "fraction": fraction,
+                    "bits_per_byte_mean": statistics.mean(bpb),
+                    "bits_per_byte_std": statistics.pstdev(bpb),
+                    "bits_per_byte": bpb,
+                    "seeds": [r["seed"] for r in runs],
+                    **{
+                        key: statistics.mean(r[key] for r in runs)
+                        for key in ("kv_bytes_per_token", "pool_bytes_per_token", "attention_flops_per_token")
+                    },
+                }
+            )
     return table
 
 
@@ -181,12 +217,23 @@ def train_inference_gaps(rows: list[dict], variants) -> dict:
         budget = model_budget(variant_config(name))
         if budget is None:
             continue
-        per_seed = {r["seed"]: r["bits_per_byte"] for r in rows if r["variant"] == name and r["policy"] == "none"}
-        causal = {r["seed"]: r["bits_per_byte"] for r in rows if r["variant"] == name
-                  and (r["policy"], r["budget_tokens"]) == (budget.policy, budget.max_tokens)}
+        per_seed = {
+            r["seed"]: r["bits_per_byte"] for r in rows if r["variant"] == name and r["policy"] == "none"
+        }
+        causal = {
+            r["seed"]: r["bits_per_byte"]
+            for r in rows
+            if r["variant"] == name
+            and (r["policy"], r["budget_tokens"]) == (budget.policy, budget.max_tokens)
+        }
         gap = [causal[s] - per_seed[s] for s in sorted(per_seed)]
-        gaps[name] = {"decoding_policy": budget.policy, "budget_tokens": budget.max_tokens, "gap": gap,
-                      "gap_mean": statistics.mean(gap), "gap_std": statistics.pstdev(gap)}
+        gaps[name] = {
+            "decoding_policy": budget.policy,
+            "budget_tokens": budget.max_tokens,
+            "gap": gap,
+            "gap_mean": statistics.mean(gap),
+            "gap_std": statistics.pstdev(gap),
+        }
     return gaps
 
 
@@ -200,30 +247,50 @@ def against_dense(table: list[dict], variants) -> list[dict]:
         if name == "dense" or not dense:
             continue
         for point in frontier_rows(table, name):
-            rival = min((r for r in dense if r["kv_bytes_per_token"] <= point["kv_bytes_per_token"] + 1e-9),
-                        key=lambda r: r["bits_per_byte_mean"], default=None)
+            rival = min(
+                (r for r in dense if r["kv_bytes_per_token"] <= point["kv_bytes_per_token"] + 1e-9),
+                key=lambda r: r["bits_per_byte_mean"],
+                default=None,
+            )
             if rival is None:
                 continue
             difference = point["bits_per_byte_mean"] - rival["bits_per_byte_mean"]
             noise = 2 * max(point["bits_per_byte_std"], rival["bits_per_byte_std"])
             verdict = "ties" if abs(difference) <= noise else "beats" if difference < 0 else "loses"
-            rows.append({"variant": name, "policy": point["policy"], "budget_tokens": point["budget_tokens"],
-                         "kv_bytes_per_token": point["kv_bytes_per_token"], "bits_per_byte": point["bits_per_byte_mean"],
-                         "dense_policy": rival["policy"], "dense_budget_tokens": rival["budget_tokens"],
-                         "dense_kv_bytes_per_token": rival["kv_bytes_per_token"],
-                         "dense_bits_per_byte": rival["bits_per_byte_mean"], "difference": difference,
-                         "verdict": verdict})
+            rows.append(
+                {
+                    "variant": name,
+                    "policy": point["policy"],
+                    "budget_tokens": point["budget_tokens"],
+                    "kv_bytes_per_token": point["kv_bytes_per_token"],
+                    "bits_per_byte": point["bits_per_byte_mean"],
+                    "dense_policy": rival["policy"],
+                    "dense_budget_tokens": rival["budget_tokens"],
+                    "dense_kv_bytes_per_token": rival["kv_bytes_per_token"],
+                    "dense_bits_per_byte": rival["bits_per_byte_mean"],
+                    "difference": difference,
+                    "verdict": verdict,
+                }
+            )
     return rows
 
 
-def capacity_study(steps: int = 200, batch_size: int = 4, out: Path = OUT, runs: Path = RUNS,
-                   variants=tuple(VARIANTS), seeds=SEEDS, progress: bool = True) -> dict:
+def capacity_study(
+    steps: int = 200,
+    batch_size: int = 4,
+    out: Path = OUT,
+    runs: Path = RUNS,
+    variants=tuple(VARIANTS),
+    seeds=SEEDS,
+    progress: bool = True,
+) -> dict:
     """Train (or resume) every variant for every seed, measure every setting, write `out`."""
     torch.set_num_threads(1)
     train_data, valid_data = load_corpus()
     start = time.time()
-    trained = family.train_runs(steps, batch_size, CONTEXT, train_data, valid_data, runs, variants, seeds, progress,
-                                variant_config)
+    trained = family.train_runs(
+        steps, batch_size, CONTEXT, train_data, valid_data, runs, variants, seeds, progress, variant_config
+    )
     x, y = heldout_windows(valid_data)
     total = sum(len(settings(variant_config(name))) for name in variants) * len(seeds)
     rows = []
@@ -233,9 +300,16 @@ def capacity_study(steps: int = 200, batch_size: int = 4, out: Path = OUT, runs:
                 rows.extend(measure_run(name, seed, steps, batch_size, runs, x, y, bar))
     table = summarize(rows, variants)
     study = {
-        "budget": {"steps": steps, "batch_size": batch_size, "context": CONTEXT,
-                   "tokens_per_run": steps * batch_size * CONTEXT, "seeds": list(seeds),
-                   "heldout_windows": NUM_WINDOWS, "block_size": BLOCK_SIZE, "fractions": list(FRACTIONS)},
+        "budget": {
+            "steps": steps,
+            "batch_size": batch_size,
+            "context": CONTEXT,
+            "tokens_per_run": steps * batch_size * CONTEXT,
+            "seeds": list(seeds),
+            "heldout_windows": NUM_WINDOWS,
+            "block_size": BLOCK_SIZE,
+            "fractions": list(FRACTIONS),
+        },
         "variants": {name: VARIANTS[name][1] for name in variants},
         "train_seconds_total": round(sum(r["train_seconds"] for r in trained), 1),
         "measure_seconds_total": round(sum(r["seconds"] for r in rows), 1),
@@ -244,7 +318,9 @@ def capacity_study(steps: int = 200, batch_size: int = 4, out: Path = OUT, runs:
         "table": table,
         "train_inference_gap": train_inference_gaps(rows, variants),
         "against_dense": against_dense(table, variants),
-        "frontier": {name: [(r["policy"], r["budget_tokens"]) for r in frontier_rows(table, name)] for name in variants},
+        "frontier": {
+            name: [(r["policy"], r["budget_tokens"]) for r in frontier_rows(table, name)] for name in variants
+        },
         "runs": rows,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -254,28 +330,58 @@ def capacity_study(steps: int = 200, batch_size: int = 4, out: Path = OUT, runs:
 
 def format_table(study: dict) -> str:
     """The table as the command and the notebook print it (rounded to what reproduces)."""
-    rows = [[r["variant"], r["policy"], "-" if r["budget_tokens"] is None else r["budget_tokens"],
-             "-" if r["fraction"] is None else f"{r['fraction']:g}",
-             f"{r['bits_per_byte_mean']:.3f} ± {r['bits_per_byte_std']:.3f}",
-             round(r["kv_bytes_per_token"]), round(r["pool_bytes_per_token"]),
-             f"{r['attention_flops_per_token'] / 1e3:.0f}k"] for r in study["table"]]
+    rows = [
+        [
+            r["variant"],
+            r["policy"],
+            "-" if r["budget_tokens"] is None else r["budget_tokens"],
+            "-" if r["fraction"] is None else f"{r['fraction']:g}",
+            f"{r['bits_per_byte_mean']:.3f} ± {r['bits_per_byte_std']:.3f}",
+            round(r["kv_bytes_per_token"]),
+            round(r["pool_bytes_per_token"]),
+            f"{r['attention_flops_per_token'] / 1e3:.0f}k",
+        ]
+        for r in study["table"]
+    ]
     n = len(study["budget"]["seeds"])
-    return text_table(["variant", "policy", "B", "of mean row", f"bits/byte ({n} seeds)", "KV B/token held",
-                       "pool B/token", "attn FLOPs/token"], rows)
+    return text_table(
+        [
+            "variant",
+            "policy",
+            "B",
+            "of mean row",
+            f"bits/byte ({n} seeds)",
+            "KV B/token held",
+            "pool B/token",
+            "attn FLOPs/token",
+        ],
+        rows,
+    )
 
 
 def readme_table(study: dict) -> str:
     """The README's table: per variant and policy, bits per byte (mean ± spread over seeds) with no
     budget and at each fraction of the mean row, each with the KV bytes per token held there."""
     fractions = study["budget"]["fractions"]
-    header = "| variant | policy | no budget | " + " | ".join(f"B = {f * 100:g}% of the mean row" for f in fractions) + " |"
+    header = (
+        "| variant | policy | no budget | "
+        + " | ".join(f"B = {f * 100:g}% of the mean row" for f in fractions)
+        + " |"
+    )
     lines = [header, "|" + " --- |" * (3 + len(fractions))]
-    cell = lambda r: f"{r['bits_per_byte_mean']:.3f} ± {r['bits_per_byte_std']:.3f} ({round(r['kv_bytes_per_token'])} B)"
+
+    def cell(r):
+        return f"{r['bits_per_byte_mean']:.3f} ± {r['bits_per_byte_std']:.3f} ({round(r['kv_bytes_per_token'])} B)"
+
     for name in study["variants"]:
         none = next(r for r in study["table"] if r["variant"] == name and r["policy"] == "none")
-        for policy in dict.fromkeys(r["policy"] for r in study["table"] if r["variant"] == name and r["policy"] != "none"):
+        for policy in dict.fromkeys(
+            r["policy"] for r in study["table"] if r["variant"] == name and r["policy"] != "none"
+        ):
             mine = {r["fraction"]: r for r in study["table"] if (r["variant"], r["policy"]) == (name, policy)}
-            lines.append(f"| {name} | {policy} | {cell(none)} | " + " | ".join(cell(mine[f]) for f in fractions) + " |")
+            lines.append(
+                f"| {name} | {policy} | {cell(none)} | " + " | ".join(cell(mine[f]) for f in fractions) + " |"
+            )
     return "\n".join(lines)
 
 
@@ -297,10 +403,14 @@ def check_args(args) -> None:
 
 
 def main(args) -> int:
-    study = capacity_study(args.steps, args.batch_size, args.out, variants=tuple(args.variants), seeds=tuple(args.seeds))
+    study = capacity_study(
+        args.steps, args.batch_size, args.out, variants=tuple(args.variants), seeds=tuple(args.seeds)
+    )
     figure = args.out.with_name("capacity_frontier.png")
     plot_capacity(study).savefig(figure, dpi=110)
     print(format_table(study))
-    print(f"training: {study['train_seconds_total'] / 60:.1f} min of runs, measuring "
-          f"{study['measure_seconds_total'] / 60:.1f} min; wrote {args.out} and {figure}")
+    print(
+        f"training: {study['train_seconds_total'] / 60:.1f} min of runs, measuring "
+        f"{study['measure_seconds_total'] / 60:.1f} min; wrote {args.out} and {figure}"
+    )
     return 0

@@ -1,13 +1,13 @@
 """Command line: `python -m moekv_ref COMMAND ...`
 
-    generate       generate from a prompt with the embedded model and report its per-expert caches
-    routing-stats  what the embedded model's routers learned (load, entropy, character preferences)
-    demo           serve a stream of requests through a small pool: continuous batching, preemption
-    bench          benchmarks: `bench memory`, `bench serving`, `bench eviction`, `bench parallel`, `bench step`,
-                   `bench peer`
-    train-family   train dense and expert-attention variants the same way and measure them (about an hour)
-    capacity       train variants at 512 bytes and measure what per-row KV budgets cost in quality
-    figures        regenerate every PNG in figures/ from the package
+generate       generate from a prompt with the embedded model and report its per-expert caches
+routing-stats  what the embedded model's routers learned (load, entropy, character preferences)
+demo           serve a stream of requests through a small pool: continuous batching, preemption
+bench          benchmarks: `bench memory`, `bench serving`, `bench eviction`, `bench parallel`, `bench step`,
+               `bench peer`
+train-family   train dense and expert-attention variants the same way and measure them (about an hour)
+capacity       train variants at 512 bytes and measure what per-row KV budgets cost in quality
+figures        regenerate every PNG in figures/ from the package
 """
 
 from __future__ import annotations
@@ -19,17 +19,29 @@ import sys
 
 import torch
 
-from ..engine import generate_with_engine
-from ..generate import CACHE_KINDS, generate
 from ..analysis import format_routing_statistics, heldout_text, routing_statistics
 from ..backends import BackendUnavailableError
 from ..checkpoint import COMPUTE_DTYPES, DEFAULT_CHECKPOINT, load_checkpoint
 from ..config import TOKEN_CHOICE_ROUTINGS, get_config
+from ..engine import generate_with_engine
+from ..generate import CACHE_KINDS, generate
 from ..prompts import check_prompt, decode, encode
 from ..report import cache_report, format_cache_report
 from ..sampling import MIN_TEMPERATURE, SamplingParams
-from . import (bench_cluster, bench_eviction, bench_memory, bench_parallel, bench_peer, bench_serving, bench_step, capacity, demo,
-               family, figures, options)
+from . import (
+    bench_cluster,
+    bench_eviction,
+    bench_memory,
+    bench_parallel,
+    bench_peer,
+    bench_serving,
+    bench_step,
+    capacity,
+    demo,
+    family,
+    figures,
+    options,
+)
 
 # Sampling defaults of `generate`, chosen by looking at samples of the embedded model (validation loss
 # 1.63 nats per byte) for six prompts, five seeds each, at (temperature, top_p) = (0.7, 0.8), (0.8,
@@ -44,8 +56,14 @@ def _check_model_options(args) -> None:
     """Options of every model command, checked before anything is loaded."""
     if args.threshold is not None and args.routing != "threshold":
         raise ValueError(f"--threshold applies to --routing threshold, not --routing {args.routing}")
-    options.real("--threshold", args.threshold, 0, 1, low_open=True,
-                 meaning="a probability mass: the router keeps experts up to it")
+    options.real(
+        "--threshold",
+        args.threshold,
+        0,
+        1,
+        low_open=True,
+        meaning="a probability mass: the router keeps experts up to it",
+    )
 
 
 def check_generate(args) -> None:
@@ -60,9 +78,13 @@ def check_generate(args) -> None:
         raise ValueError("--greedy and --temperature contradict each other: greedy is --temperature 0")
     options.real("--temperature", args.temperature, 0, meaning="0: greedy")
     if args.temperature is not None and 0 < args.temperature < MIN_TEMPERATURE:
-        raise ValueError(f"--temperature={args.temperature} is too small to sample with; allowed: 0 (greedy) "
-                         f"or at least {MIN_TEMPERATURE}")
-    options.real("--top-p", args.top_p, 0, 1, low_open=True, meaning="nucleus sampling: the probability mass kept")
+        raise ValueError(
+            f"--temperature={args.temperature} is too small to sample with; allowed: 0 (greedy) "
+            f"or at least {MIN_TEMPERATURE}"
+        )
+    options.real(
+        "--top-p", args.top_p, 0, 1, low_open=True, meaning="nucleus sampling: the probability mass kept"
+    )
     options.seed("--seed", args.seed)
     limit = get_config("tiny").max_position_embeddings
     options.count("--max-new-tokens", args.max_new_tokens, 1, limit)
@@ -72,7 +94,9 @@ def check_generate(args) -> None:
     try:
         check_prompt(prompt, 256, limit, args.max_new_tokens)
     except ValueError as error:
-        raise ValueError(f"--prompt of {len(prompt)} bytes with --max-new-tokens={args.max_new_tokens}: {error}") from None
+        raise ValueError(
+            f"--prompt of {len(prompt)} bytes with --max-new-tokens={args.max_new_tokens}: {error}"
+        ) from None
 
 
 def check_routing_stats(args) -> None:
@@ -86,10 +110,13 @@ def _load_model(args, backend: str = "torch"):
 
 
 def cmd_generate(args) -> int:
-    check_generate(args)        # cli.main has checked already; again for a caller of cmd_generate
-    temperature = 0.0 if args.greedy else (DEFAULT_TEMPERATURE if args.temperature is None else args.temperature)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
-                            top_p=args.top_p, seed=args.seed)
+    check_generate(args)  # cli.main has checked already; again for a caller of cmd_generate
+    temperature = (
+        0.0 if args.greedy else (DEFAULT_TEMPERATURE if args.temperature is None else args.temperature)
+    )
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p, seed=args.seed
+    )
     prompt = encode(args.prompt)
     model = _load_model(args, args.backend)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span tokens
@@ -102,7 +129,7 @@ def cmd_generate(args) -> int:
         sys.stdout.write(args.prompt)
 
     on_token = None if args.json else stream
-    if args.cache == "paged":   # served by the continuous-batching engine, as a server would
+    if args.cache == "paged":  # served by the continuous-batching engine, as a server would
         engine_options = {} if args.block_size is None else {"block_size": args.block_size}
         result = generate_with_engine(model, [prompt], params, on_token=on_token, **engine_options)
     else:
@@ -110,9 +137,19 @@ def cmd_generate(args) -> int:
     bytes_per_value = torch.finfo(COMPUTE_DTYPES[args.dtype]).bits // 8
     report = cache_report(result.cache_counts, model.config, bytes_per_value)
     if args.json:
-        print(json.dumps({"prompt": args.prompt, "tokens": result.tokens[0], "text": decode(result.tokens[0]),
-                          "cache_kind": args.cache, "backend": args.backend, "routing": args.routing,
-                          "cache": report}))
+        print(
+            json.dumps(
+                {
+                    "prompt": args.prompt,
+                    "tokens": result.tokens[0],
+                    "text": decode(result.tokens[0]),
+                    "cache_kind": args.cache,
+                    "backend": args.backend,
+                    "routing": args.routing,
+                    "cache": report,
+                }
+            )
+        )
     else:
         print("\n")
         print(format_cache_report(report))
@@ -132,9 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_options(p):
-        p.add_argument("--routing", choices=TOKEN_CHOICE_ROUTINGS, default="topk", help="attention routing rule")
-        p.add_argument("--threshold", type=float, default=None,
-                       help="probability mass for --routing threshold (default: the preset's, 0.35 for tiny)")
+        p.add_argument(
+            "--routing", choices=TOKEN_CHOICE_ROUTINGS, default="topk", help="attention routing rule"
+        )
+        p.add_argument(
+            "--threshold",
+            type=float,
+            default=None,
+            help="probability mass for --routing threshold (default: the preset's, 0.35 for tiny)",
+        )
         p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
         p.add_argument("--dtype", choices=sorted(COMPUTE_DTYPES), default="float32")
         p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -143,17 +186,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--cache", choices=CACHE_KINDS, default="contiguous")
-    g.add_argument("--block-size", type=int, default=None,
-                   help="tokens per block for --cache paged (a power of two; default 16)")
-    g.add_argument("--backend", choices=["torch", "triton"], default="torch",
-                   help="decode attention in PyTorch or in the Triton kernels (on a CPU: the interpreter; "
-                        "Linux only, where triton has wheels)")
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per block for --cache paged (a power of two; default 16)",
+    )
+    g.add_argument(
+        "--backend",
+        choices=["torch", "triton"],
+        default="torch",
+        help="decode attention in PyTorch or in the Triton kernels (on a CPU: the interpreter; "
+        "Linux only, where triton has wheels)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
-    g.add_argument("--temperature", type=float, default=None,
-                   help=f"sampling temperature (default {DEFAULT_TEMPERATURE})")
-    g.add_argument("--top-p", type=float, default=DEFAULT_TOP_P,
-                   help=f"nucleus sampling: keep the most probable tokens up to this mass (default {DEFAULT_TOP_P})")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"sampling temperature (default {DEFAULT_TEMPERATURE})",
+    )
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=DEFAULT_TOP_P,
+        help=f"nucleus sampling: keep the most probable tokens up to this mass (default {DEFAULT_TOP_P})",
+    )
     model_options(g)
     g.set_defaults(func=cmd_generate, check=check_generate, command_parser=g)
 
@@ -163,21 +222,37 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_routing_stats, check=check_routing_stats, command_parser=r)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    benchmarks = [("memory", bench_memory, bench_memory.run_bench_memory, "memory designs on the same workloads"),
-                  ("eviction", bench_eviction, bench_eviction.main, "victim policies under per-device pools"),
-                  ("serving", bench_serving, bench_serving.main, "static vs continuous batching, one budget"),
-                  ("parallel", bench_parallel, bench_parallel.main, "expert parallelism: bytes per step, placements"),
-                  ("step", bench_step, bench_step.main, "one decode step's CPU time, optionally against another checkout"),
-                  ("peer", bench_peer, bench_peer.main, "dense decode against Hugging Face Mixtral, same weights"),
-                  ("cluster", bench_cluster, bench_cluster.main, "victim policies on a cluster: latency, goodput, SLOs")]
+    benchmarks = [
+        ("memory", bench_memory, bench_memory.run_bench_memory, "memory designs on the same workloads"),
+        ("eviction", bench_eviction, bench_eviction.main, "victim policies under per-device pools"),
+        ("serving", bench_serving, bench_serving.main, "static vs continuous batching, one budget"),
+        ("parallel", bench_parallel, bench_parallel.main, "expert parallelism: bytes per step, placements"),
+        (
+            "step",
+            bench_step,
+            bench_step.main,
+            "one decode step's CPU time, optionally against another checkout",
+        ),
+        ("peer", bench_peer, bench_peer.main, "dense decode against Hugging Face Mixtral, same weights"),
+        (
+            "cluster",
+            bench_cluster,
+            bench_cluster.main,
+            "victim policies on a cluster: latency, goodput, SLOs",
+        ),
+    ]
     for name, module, run, help_text in benchmarks:
         b = module.build_parser(bench.add_parser(name, help=help_text))
         b.set_defaults(func=run, check=getattr(module, "check_args", None), command_parser=b)
     d = demo.build_parser(sub.add_parser("demo", help="serve requests through a small pool (the main demo)"))
     d.set_defaults(func=demo.main, check=demo.check_args, command_parser=d)
-    t = family.build_parser(sub.add_parser("train-family", help="train dense and expert-attention variants, measure them"))
+    t = family.build_parser(
+        sub.add_parser("train-family", help="train dense and expert-attention variants, measure them")
+    )
     t.set_defaults(func=family.main, check=family.check_args, command_parser=t)
-    c = capacity.build_parser(sub.add_parser("capacity", help="train variants at 512 bytes, measure KV budgets' quality"))
+    c = capacity.build_parser(
+        sub.add_parser("capacity", help="train variants at 512 bytes, measure KV budgets' quality")
+    )
     c.set_defaults(func=capacity.main, check=capacity.check_args, command_parser=c)
     f = figures.build_parser(sub.add_parser("figures", help="regenerate every PNG in figures/"))
     f.set_defaults(func=figures.main, check=figures.check_args, command_parser=f)

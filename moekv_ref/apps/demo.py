@@ -39,35 +39,68 @@ FIGURES = Path("figures")
 SPARK = " ▁▂▃▄▅▆▇█"
 
 
-def demo_workload(num_requests: int = 20, arrival_rate: float | None = 0.5, seed: int = 0,
-                  with_oversized: bool = True) -> list[WorkloadRequest]:
+def demo_workload(
+    num_requests: int = 20, arrival_rate: float | None = 0.5, seed: int = 0, with_oversized: bool = True
+) -> list[WorkloadRequest]:
     """The demo's requests; with_oversized adds one whose worst case exceeds the demo pool."""
-    workload = make_workload(num_requests, prompt_len=(16, 160), output_len=(16, 128),
-                             arrival_rate=arrival_rate, seed=seed)
+    workload = make_workload(
+        num_requests, prompt_len=(16, 160), output_len=(16, 128), arrival_rate=arrival_rate, seed=seed
+    )
     if with_oversized:
         prompt = (encode("# a very long request\n") * 20)[:300]
-        workload.insert(len(workload) // 2, WorkloadRequest(
-            workload[len(workload) // 2].arrival_step, prompt, SamplingParams(max_new_tokens=200, seed=99)))
+        workload.insert(
+            len(workload) // 2,
+            WorkloadRequest(
+                workload[len(workload) // 2].arrival_step, prompt, SamplingParams(max_new_tokens=200, seed=99)
+            ),
+        )
     return workload
 
 
-def serve(model, workload, num_blocks: int, block_size: int = 16, preemption_mode: str = "recompute",
-          admission: str = "predicted", max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
-          on_step=None):
+def serve(
+    model,
+    workload,
+    num_blocks: int,
+    block_size: int = 16,
+    preemption_mode: str = "recompute",
+    admission: str = "predicted",
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 256,
+    on_step=None,
+):
     """Serve `workload` on a fresh engine; returns (engine, WorkloadResult)."""
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             admission=admission, preemption_mode=preemption_mode)
-    engine = LLMEngine(model, num_blocks, block_size, config, record_history=True)   # for the figures
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        admission=admission,
+        preemption_mode=preemption_mode,
+    )
+    engine = LLMEngine(model, num_blocks, block_size, config, record_history=True)  # for the figures
     return engine, run_workload(engine, workload, on_step)
 
 
-def explore(arrival_rate: float = 0.5, num_blocks: int = 200, routing: str = "threshold",
-            preemption_mode: str = "recompute", admission: str = "predicted", num_requests: int = 12,
-            seed: int = 0):
+def explore(
+    arrival_rate: float = 0.5,
+    num_blocks: int = 200,
+    routing: str = "threshold",
+    preemption_mode: str = "recompute",
+    admission: str = "predicted",
+    num_requests: int = 12,
+    seed: int = 0,
+):
     """One serving run for notebook 04's widgets: the demo workload at this arrival rate through a
     pool of `num_blocks`, with this routing and preemption mode. Returns (summary, engine)."""
-    return run_demo(num_requests, num_blocks, preemption_mode, admission, arrival_rate, seed,
-                    figures=None, progress=False, model=_explore_model(routing))
+    return run_demo(
+        num_requests,
+        num_blocks,
+        preemption_mode,
+        admission,
+        arrival_rate,
+        seed,
+        figures=None,
+        progress=False,
+        model=_explore_model(routing),
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,8 +116,10 @@ def sparkline(values, width: int = 60, top: float | None = None) -> str:
     if not values:
         return ""
     top = top or max(values) or 1
-    buckets = [values[i * len(values) // width: max((i + 1) * len(values) // width, i * len(values) // width + 1)]
-               for i in range(min(width, len(values)))]
+    buckets = [
+        values[i * len(values) // width : max((i + 1) * len(values) // width, i * len(values) // width + 1)]
+        for i in range(min(width, len(values)))
+    ]
     return "".join(SPARK[min(len(SPARK) - 1, round(max(b) / top * (len(SPARK) - 1)))] for b in buckets)
 
 
@@ -129,8 +164,12 @@ def format_summary(summary: dict, engine: LLMEngine) -> str:
         f"generated {summary['generated_tokens']} tokens; recomputed {summary['recomputed_tokens']} tokens; "
         f"swapped out {summary['swapped_out_blocks']} blocks",
         f"pool: {summary['pool_blocks']} blocks of {summary['block_size']} slots"
-        + (f" = {summary['pool_fraction_of_all_at_once']:.0%} of the blocks the requests held in the end "
-           f"({summary['sum_of_actual_demand_blocks']})" if summary["sum_of_actual_demand_blocks"] else ""),
+        + (
+            f" = {summary['pool_fraction_of_all_at_once']:.0%} of the blocks the requests held in the end "
+            f"({summary['sum_of_actual_demand_blocks']})"
+            if summary["sum_of_actual_demand_blocks"]
+            else ""
+        ),
         f"pool use over time (peak {summary['peak_used_blocks']}, mean {summary['mean_used_fraction']:.0%}, "
         f"max {summary['max_concurrent_sequences']} sequences at once):",
         f"  blocks    |{sparkline(use['used_blocks'], top=engine.memory.num_blocks)}|",
@@ -146,24 +185,39 @@ def format_summary(summary: dict, engine: LLMEngine) -> str:
     return "\n".join(lines)
 
 
-def run_demo(num_requests: int = 20, num_blocks: int = 200, preemption_mode: str = "recompute",
-             admission: str = "predicted", arrival_rate: float | None = 0.5, seed: int = 0,
-             figures: Path | None = FIGURES, progress: bool = True, model=None):
+def run_demo(
+    num_requests: int = 20,
+    num_blocks: int = 200,
+    preemption_mode: str = "recompute",
+    admission: str = "predicted",
+    arrival_rate: float | None = 0.5,
+    seed: int = 0,
+    figures: Path | None = FIGURES,
+    progress: bool = True,
+    model=None,
+):
     """Serve the demo workload; returns (summary, engine). Writes figures unless figures is None."""
 
     model = model or load_default_model("threshold")
     workload = demo_workload(num_requests, arrival_rate, seed)
     # disable=None: no bar when stderr is not a terminal (CI logs, pipes), where each refresh would be a line
-    bar = tqdm(total=len(workload), desc=f"admission {admission}", unit="req", disable=None if progress else True)
+    bar = tqdm(
+        total=len(workload), desc=f"admission {admission}", unit="req", disable=None if progress else True
+    )
 
     def on_step(engine):
         bar.n = sum(r.is_finished for r in engine.requests.values())
-        bar.set_postfix(step=engine.step_count, running=len(engine.scheduler.running),
-                        pool=f"{engine.memory.num_used_blocks}/{engine.memory.num_blocks}", refresh=False)
+        bar.set_postfix(
+            step=engine.step_count,
+            running=len(engine.scheduler.running),
+            pool=f"{engine.memory.num_used_blocks}/{engine.memory.num_blocks}",
+            refresh=False,
+        )
         bar.refresh()
 
-    engine, result = serve(model, workload, num_blocks, preemption_mode=preemption_mode,
-                           admission=admission, on_step=on_step)
+    engine, result = serve(
+        model, workload, num_blocks, preemption_mode=preemption_mode, admission=admission, on_step=on_step
+    )
     bar.n = len(workload)
     bar.refresh()
     bar.close()
@@ -172,10 +226,13 @@ def run_demo(num_requests: int = 20, num_blocks: int = 200, preemption_mode: str
     if figures is not None:
         figures = Path(figures)
         figures.mkdir(parents=True, exist_ok=True)
-        fig = plot_run(engine, f"demo: {summary['requests']} requests through a pool of {num_blocks} blocks, "
-                               f"admission {admission}, preemption by {preemption_mode}")
+        fig = plot_run(
+            engine,
+            f"demo: {summary['requests']} requests through a pool of {num_blocks} blocks, "
+            f"admission {admission}, preemption by {preemption_mode}",
+        )
         path = figures / f"demo_serving_{admission}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")     # fixed margins: trim what they leave
+        fig.savefig(path, dpi=110, bbox_inches="tight")  # fixed margins: trim what they leave
         summary["figure"] = str(path)
     return summary, engine
 
@@ -184,8 +241,12 @@ def build_parser(parser):
     parser.add_argument("--num-requests", type=int, default=20)
     parser.add_argument("--num-blocks", type=int, default=200, help="blocks in the pool (16 slots each)")
     parser.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
-    parser.add_argument("--admission", choices=["both", "predicted", "optimistic"], default="both",
-                        help="admit on the predicted demand, on the next step only (vLLM's rule), or run both")
+    parser.add_argument(
+        "--admission",
+        choices=["both", "predicted", "optimistic"],
+        default="both",
+        help="admit on the predicted demand, on the next step only (vLLM's rule), or run both",
+    )
     parser.add_argument("--arrival-rate", type=float, default=0.5, help="requests per engine step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--figures", default=str(FIGURES), help="folder for the figures")
@@ -196,7 +257,7 @@ def build_parser(parser):
 def main(args) -> int:
     matplotlib.use("Agg")
     previous_threads = torch.get_num_threads()
-    torch.set_num_threads(1)     # a small shared machine: see bench_serving.run_serving_benchmark
+    torch.set_num_threads(1)  # a small shared machine: see bench_serving.run_serving_benchmark
     try:
         return _run(args)
     finally:
@@ -210,8 +271,12 @@ def check_args(args) -> None:
     config = get_config("tiny").with_routing("threshold")
     least = config.num_hidden_layers * config.num_attention_experts_per_tok
     options.count("--num-requests", args.num_requests, 1)
-    options.count("--num-blocks", args.num_blocks, least,
-                  meaning=f"blocks of 16 slots; one token of one sequence takes {least}")
+    options.count(
+        "--num-blocks",
+        args.num_blocks,
+        least,
+        meaning=f"blocks of 16 slots; one token of one sequence takes {least}",
+    )
     options.real("--arrival-rate", args.arrival_rate, 0, low_open=True, meaning="requests per engine step")
     options.seed("--seed", args.seed)
     options.folder("--figures", args.figures)
@@ -223,8 +288,16 @@ def _run(args) -> int:
     admissions = ["predicted", "optimistic"] if args.admission == "both" else [args.admission]
     summaries = {}
     for admission in admissions:
-        summary, engine = run_demo(args.num_requests, args.num_blocks, args.preemption, admission,
-                                   args.arrival_rate, args.seed, Path(args.figures), progress=not args.json)
+        summary, engine = run_demo(
+            args.num_requests,
+            args.num_blocks,
+            args.preemption,
+            admission,
+            args.arrival_rate,
+            args.seed,
+            Path(args.figures),
+            progress=not args.json,
+        )
         summaries[admission] = summary
         if not args.json:
             print(f"\n== admission {admission}: " + ADMISSION_STORY[admission])

@@ -52,9 +52,14 @@ DENSE = dict(attention_mode="dense", num_attention_experts=1, num_attention_expe
 VARIANTS = {
     "dense": (DENSE, "dense attention, 2 heads of 32 (the width of one expert)"),
     "expert_topk": ({}, "8 attention experts, top-2 (the embedded model)"),
-    "expert_threshold": (dict(attention_routing="threshold"), "8 attention experts, threshold p = 0.5, 1..2 per token"),
-    "dense_kv_matched": ({**DENSE, "num_attention_heads": 4, "num_key_value_heads": 4},
-                         "dense, 4 heads of 32: expert_topk's KV bytes per token"),
+    "expert_threshold": (
+        dict(attention_routing="threshold"),
+        "8 attention experts, threshold p = 0.5, 1..2 per token",
+    ),
+    "dense_kv_matched": (
+        {**DENSE, "num_attention_heads": 4, "num_key_value_heads": 4},
+        "dense, 4 heads of 32: expert_topk's KV bytes per token",
+    ),
     "dense_flops_matched": ({**DENSE, "head_dim": 56}, "dense, 2 heads of 56: expert_topk's attention FLOPs"),
 }
 SEEDS = (0, 1, 2)
@@ -69,13 +74,20 @@ def variant_config(name: str, variants: dict = VARIANTS) -> ModelConfig:
     return get_config("tiny", **variants[name][0])
 
 
-def attention_flops_per_token(config: ModelConfig, context: int, experts_per_token: float | None = None) -> float:
+def attention_flops_per_token(
+    config: ModelConfig, context: int, experts_per_token: float | None = None
+) -> float:
     """FLOPs (2 x multiply-adds) of one token's attention, all layers, for a token at the average
     position of a causal window of `context` tokens (it attends (context + 1) / 2 of them; an expert
     holds experts_per_token / E of those): the router, the q, k, v, o projections of every expert the
     token reaches, and the scores and weighted sum over what each expert holds. experts_per_token:
     measured mean (threshold routing); default k."""
-    D, H, Hkv, Dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    D, H, Hkv, Dh = (
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
     E = config.num_attention_experts
     k = config.num_attention_experts_per_tok if experts_per_token is None else experts_per_token
     router = D * E if E > 1 else 0
@@ -92,8 +104,8 @@ def heldout_bits_per_byte(model, valid_data: torch.Tensor, context: int, num_win
     x, y = next(batches(valid_data, num_windows, context, generator))
     losses = []
     for i in range(0, num_windows, 8):
-        logits = model(x[i:i + 8]).logits
-        losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[i:i + 8].reshape(-1)).item())
+        logits = model(x[i : i + 8]).logits
+        losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[i : i + 8].reshape(-1)).item())
     return statistics.mean(losses) / math.log(2)
 
 
@@ -104,21 +116,27 @@ def cache_measurements(model, valid_data: torch.Tensor, context: int) -> dict:
     generator = torch.Generator().manual_seed(99)
     x, _ = next(batches(valid_data, 8, context, generator))
     prompts = [row.tolist() for row in x]
-    counts = generate(model, prompts, SamplingParams(max_new_tokens=1, temperature=0.0), cache="paged").cache_counts
+    counts = generate(
+        model, prompts, SamplingParams(max_new_tokens=1, temperature=0.0), cache="paged"
+    ).cache_counts
     config = model.config
     tokens = sum(len(p) for p in prompts)
     entries = int(counts.sum())
-    return {"kv_bytes_per_token": entries * config.kv_bytes_per_entry(4) / tokens,
-            "experts_per_token": entries / tokens / config.num_hidden_layers}
+    return {
+        "kv_bytes_per_token": entries * config.kv_bytes_per_entry(4) / tokens,
+        "experts_per_token": entries / tokens / config.num_hidden_layers,
+    }
 
 
-def decode_tokens_per_second(models: dict, rounds: int = 5, num_prompts: int = 8, new_tokens: int = 32) -> dict:
+def decode_tokens_per_second(
+    models: dict, rounds: int = 5, num_prompts: int = 8, new_tokens: int = 32
+) -> dict:
     """Greedy decode through the paged cache, every variant once per round (alternating, so that a
     noisy machine slows all alike); the median over rounds of tokens / second."""
     prompts = [[(7 * i + j) % 200 + 32 for j in range(16)] for i in range(num_prompts)]
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
     times = {name: [] for name in models}
-    for name, model in models.items():                      # warm up
+    for name, model in models.items():  # warm up
         generate(model, prompts[:1], SamplingParams(max_new_tokens=2, temperature=0.0), cache="paged")
     for _ in range(rounds):
         for name, model in models.items():
@@ -133,13 +151,25 @@ def run_name(name: str, seed: int, steps: int, batch_size: int, context: int) ->
     return f"{name}-seed{seed}-{steps}x{batch_size}x{context}"
 
 
-def train_run(name: str, seed: int, steps: int, batch_size: int, context: int, train_data, valid_data,
-              runs: Path, bar=None, config: ModelConfig | None = None) -> dict:
+def train_run(
+    name: str,
+    seed: int,
+    steps: int,
+    batch_size: int,
+    context: int,
+    train_data,
+    valid_data,
+    runs: Path,
+    bar=None,
+    config: ModelConfig | None = None,
+) -> dict:
     """One variant, one seed: trained (or resumed, or read back if done), measured. config: the
     variant's (default: this family's variant of that name)."""
     runs.mkdir(parents=True, exist_ok=True)
-    done, state, weights = (runs / f"{run_name(name, seed, steps, batch_size, context)}{suffix}"
-                            for suffix in (".json", ".state.pt", ".pt"))
+    done, state, weights = (
+        runs / f"{run_name(name, seed, steps, batch_size, context)}{suffix}"
+        for suffix in (".json", ".state.pt", ".pt")
+    )
     if done.exists():
         if bar is not None:
             bar.update(steps)
@@ -155,32 +185,72 @@ def train_run(name: str, seed: int, steps: int, batch_size: int, context: int, t
             bar.set_postfix(run=f"{name}/{seed}", loss=f"{loss:.2f}", refresh=False)
         last[0] = step
 
-    fit(model, train_data, batch_size=batch_size, context=context, seed=seed, num_steps=steps, state_path=state,
-        on_step=on_step)
-    result = {"variant": name, "seed": seed, "budget": [steps, batch_size, context],
-              "train_seconds": round(time.time() - start, 1),
-              "bits_per_byte": heldout_bits_per_byte(model, valid_data, context)}
+    fit(
+        model,
+        train_data,
+        batch_size=batch_size,
+        context=context,
+        seed=seed,
+        num_steps=steps,
+        state_path=state,
+        on_step=on_step,
+    )
+    result = {
+        "variant": name,
+        "seed": seed,
+        "budget": [steps, batch_size, context],
+        "train_seconds": round(time.time() - start, 1),
+        "bits_per_byte": heldout_bits_per_byte(model, valid_data, context),
+    }
     torch.save(model.state_dict(), weights)
     state.unlink()
     done.write_text(json.dumps(result))
     return result
 
 
-def train_runs(steps: int, batch_size: int, context: int, train_data, valid_data, runs: Path, variants, seeds,
-               progress: bool = True, config_of=variant_config) -> list[dict]:
+def train_runs(
+    steps: int,
+    batch_size: int,
+    context: int,
+    train_data,
+    valid_data,
+    runs: Path,
+    variants,
+    seeds,
+    progress: bool = True,
+    config_of=variant_config,
+) -> list[dict]:
     """Every variant for every seed (config_of(name) its configuration), a whole family per seed so that
     a stopped run has all variants, under one progress bar; each run's result, in that order."""
     results = []
-    with tqdm(total=steps * len(variants) * len(seeds), desc="train", unit="step",
-              disable=None if progress else True) as bar:
+    with tqdm(
+        total=steps * len(variants) * len(seeds),
+        desc="train",
+        unit="step",
+        disable=None if progress else True,
+    ) as bar:
         for seed in seeds:
             for name in variants:
-                results.append(train_run(name, seed, steps, batch_size, context, train_data, valid_data, runs, bar,
-                                         config=config_of(name)))
+                results.append(
+                    train_run(
+                        name,
+                        seed,
+                        steps,
+                        batch_size,
+                        context,
+                        train_data,
+                        valid_data,
+                        runs,
+                        bar,
+                        config=config_of(name),
+                    )
+                )
     return results
 
 
-def summarize(results: list[dict], measured: dict, speeds: dict, context: int, variants=tuple(VARIANTS)) -> dict:
+def summarize(
+    results: list[dict], measured: dict, speeds: dict, context: int, variants=tuple(VARIANTS)
+) -> dict:
     """Per variant: bits per byte over seeds (mean, population spread, each), KV bytes, FLOPs,
     parameters, decode tokens/s."""
     table = {}
@@ -190,21 +260,32 @@ def summarize(results: list[dict], measured: dict, speeds: dict, context: int, v
         bpb = [r["bits_per_byte"] for r in results if r["variant"] == name]
         table[name] = {
             "description": description,
-            "bits_per_byte_mean": statistics.mean(bpb), "bits_per_byte_std": statistics.pstdev(bpb),
+            "bits_per_byte_mean": statistics.mean(bpb),
+            "bits_per_byte_std": statistics.pstdev(bpb),
             "bits_per_byte": bpb,
             "kv_bytes_per_token_config": config.kv_bytes_per_token,
             "kv_bytes_per_token_measured": measured[name]["kv_bytes_per_token"],
             "experts_per_token_measured": measured[name]["experts_per_token"],
-            "attention_flops_per_token": attention_flops_per_token(config, context,
-                                                                   measured[name]["experts_per_token"]),
+            "attention_flops_per_token": attention_flops_per_token(
+                config, context, measured[name]["experts_per_token"]
+            ),
             "parameters": MoEKVTransformer(config).num_parameters(),
             "decode_tokens_per_second": speeds[name],
         }
     return table
 
 
-def train_family(steps: int = 240, batch_size: int = 8, context: int = 128, out: Path = OUT, runs: Path = RUNS,
-                 variants=tuple(VARIANTS), seeds=SEEDS, progress: bool = True, speed_rounds: int = 5) -> dict:
+def train_family(
+    steps: int = 240,
+    batch_size: int = 8,
+    context: int = 128,
+    out: Path = OUT,
+    runs: Path = RUNS,
+    variants=tuple(VARIANTS),
+    seeds=SEEDS,
+    progress: bool = True,
+    speed_rounds: int = 5,
+) -> dict:
     """Train (or resume) every variant for every seed, measure, write `out`; returns what it wrote."""
     torch.set_num_threads(1)
     train_data, valid_data = load_corpus()
@@ -220,8 +301,13 @@ def train_family(steps: int = 240, batch_size: int = 8, context: int = 128, out:
         measured[name] = cache_measurements(model, valid_data, context)
     speeds = decode_tokens_per_second(models, rounds=speed_rounds)
     family = {
-        "budget": {"steps": steps, "batch_size": batch_size, "context": context,
-                   "tokens_per_run": steps * batch_size * context, "seeds": list(seeds)},
+        "budget": {
+            "steps": steps,
+            "batch_size": batch_size,
+            "context": context,
+            "tokens_per_run": steps * batch_size * context,
+            "seeds": list(seeds),
+        },
         "train_seconds_total": round(sum(r["train_seconds"] for r in results), 1),
         "wall_seconds_this_call": round(time.time() - start, 1),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread, torch {torch.__version__}",
@@ -235,14 +321,31 @@ def train_family(steps: int = 240, batch_size: int = 8, context: int = 128, out:
 
 def format_table(family: dict) -> str:
     """The variants as the notebook and the command print them (rounded to what reproduces)."""
-    rows = [[name, f"{v['bits_per_byte_mean']:.3f} ± {v['bits_per_byte_std']:.3f}",
-             v["kv_bytes_per_token_config"], round(v["kv_bytes_per_token_measured"]),
-             f"{v['attention_flops_per_token'] / 1e3:.0f}k", f"{v['parameters'] / 1e6:.2f}M",
-             round(v["decode_tokens_per_second"], -1)]
-            for name, v in family["variants"].items()]
+    rows = [
+        [
+            name,
+            f"{v['bits_per_byte_mean']:.3f} ± {v['bits_per_byte_std']:.3f}",
+            v["kv_bytes_per_token_config"],
+            round(v["kv_bytes_per_token_measured"]),
+            f"{v['attention_flops_per_token'] / 1e3:.0f}k",
+            f"{v['parameters'] / 1e6:.2f}M",
+            round(v["decode_tokens_per_second"], -1),
+        ]
+        for name, v in family["variants"].items()
+    ]
     n = len(family["budget"]["seeds"])
-    return text_table(["variant", f"bits/byte ({n} seed{'s' if n > 1 else ''})", "KV B/token (config)", "KV B/token (held)",
-                       "attn FLOPs/token", "params", "decode tok/s"], rows)
+    return text_table(
+        [
+            "variant",
+            f"bits/byte ({n} seed{'s' if n > 1 else ''})",
+            "KV B/token (config)",
+            "KV B/token (held)",
+            "attn FLOPs/token",
+            "params",
+            "decode tok/s",
+        ],
+        rows,
+    )
 
 
 def build_parser(parser):
@@ -260,8 +363,13 @@ def check_args(args) -> None:
     """The options, checked before anything trains."""
     options.count("--steps", args.steps, 1, meaning="optimizer steps per run")
     options.count("--batch-size", args.batch_size, 1, meaning="windows per step")
-    options.count("--context", args.context, 2, get_config("tiny").max_position_embeddings,
-                  meaning="bytes per window, within the model's positions")
+    options.count(
+        "--context",
+        args.context,
+        2,
+        get_config("tiny").max_position_embeddings,
+        meaning="bytes per window, within the model's positions",
+    )
     for seed in args.seeds:
         options.seed("--seeds", seed)
     options.output_file("--out", args.out, parents_made=True)
@@ -271,8 +379,14 @@ def main(args) -> int:
     if args.fresh and RUNS.exists():
         for path in RUNS.iterdir():
             path.unlink()
-    family = train_family(args.steps, args.batch_size, args.context, args.out, variants=tuple(args.variants),
-                          seeds=tuple(args.seeds))
+    family = train_family(
+        args.steps,
+        args.batch_size,
+        args.context,
+        args.out,
+        variants=tuple(args.variants),
+        seeds=tuple(args.seeds),
+    )
     print(format_table(family))
     print(f"training: {family['train_seconds_total'] / 60:.1f} min of runs; wrote {args.out}")
     return 0

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-
 from ..analysis import decode_flops, route_prompt
 from ..checkpoint import load_default_model
 from ..generate import generate
@@ -38,7 +37,9 @@ def make_figures(directory: Path = Path("figures"), quick: bool = False) -> list
     paths.append(directory / "routing_layer0.png")
     fig.savefig(paths[-1], dpi=110)
 
-    result = generate(model, [list(b"import os\n\ndef main():\n    ")], SamplingParams(max_new_tokens=48, temperature=0))
+    result = generate(
+        model, [list(b"import os\n\ndef main():\n    ")], SamplingParams(max_new_tokens=48, temperature=0)
+    )
     fig = Figure(figsize=(9, 3))
     ax = fig.subplots()
     plot_cache_sizes(result.cache_counts[0], ax=ax)
@@ -51,8 +52,12 @@ def make_figures(directory: Path = Path("figures"), quick: bool = False) -> list
     ax = fig.subplots()
     for cached, label in ((False, "recompute"), (True, "cached")):
         ax.plot(lengths, [decode_flops(model.config, t, cached) / 1e6 for t in lengths], "o-", label=label)
-    ax.set(xlabel="tokens already in the sequence", ylabel="MFLOP per decode step", yscale="log",
-           title="tiny: work of one decode step")
+    ax.set(
+        xlabel="tokens already in the sequence",
+        ylabel="MFLOP per decode step",
+        yscale="log",
+        title="tiny: work of one decode step",
+    )
     ax.legend()
     fig.tight_layout()
     paths.append(directory / "decode_cost.png")
@@ -66,7 +71,7 @@ def make_figures(directory: Path = Path("figures"), quick: bool = False) -> list
         summary, _ = demo.run_demo(admission=admission, figures=directory, progress=False)
         paths.append(Path(summary["figure"]))
 
-    study = directory / "capacity.json"        # an hour of training: redrawn from its JSON, not rerun
+    study = directory / "capacity.json"  # an hour of training: redrawn from its JSON, not rerun
     if study.exists():
         paths.append(directory / "capacity_frontier.png")
         plot_capacity(json.loads(study.read_text())).savefig(paths[-1], dpi=110)

@@ -24,12 +24,21 @@ def count(option: str, value, minimum: int = 1, maximum: int | None = None, mean
         return
     if value < minimum or (maximum is not None and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{option}={value} is not allowed; allowed: an integer {bound}"
-                         + (f" ({meaning})" if meaning else ""))
+        raise ValueError(
+            f"{option}={value} is not allowed; allowed: an integer {bound}"
+            + (f" ({meaning})" if meaning else "")
+        )
 
 
-def real(option: str, value, low: float, high: float = math.inf, low_open: bool = False,
-         high_open: bool = False, meaning: str = "") -> None:
+def real(
+    option: str,
+    value,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+    meaning: str = "",
+) -> None:
     """A finite number option in the interval from low to high (open at an end where *_open is set)."""
     if value is None:
         return
@@ -37,8 +46,10 @@ def real(option: str, value, low: float, high: float = math.inf, low_open: bool 
     if not (math.isfinite(value) and inside):
         left, right = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
         interval = f"{left}{low:g}, {'inf' if high == math.inf else format(high, 'g')}{right}"
-        raise ValueError(f"{option}={value} is not allowed; allowed: a finite number in {interval}"
-                         + (f" ({meaning})" if meaning else ""))
+        raise ValueError(
+            f"{option}={value} is not allowed; allowed: a finite number in {interval}"
+            + (f" ({meaning})" if meaning else "")
+        )
 
 
 def block_size(option: str, value) -> None:
@@ -66,8 +77,10 @@ def output_file(option: str, value, parents_made: bool = False) -> None:
     if path.is_dir():
         raise ValueError(f"{option}={value} is a folder; allowed: a file path")
     if not parents_made and not path.parent.is_dir():
-        raise ValueError(f"{option}={value}: its folder {path.parent} does not exist; allowed: a file in an "
-                         "existing folder")
+        raise ValueError(
+            f"{option}={value}: its folder {path.parent} does not exist; allowed: a file in an "
+            "existing folder"
+        )
 
 
 def parse_checked(parser: argparse.ArgumentParser, argv=None, check=None) -> argparse.Namespace:

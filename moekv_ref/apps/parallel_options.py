@@ -28,20 +28,27 @@ def world_size_problem(world_size: int, allowed=WORLD_SIZES, why: str = "") -> s
     """Ranks: a divisor of the sweep model's experts per layer (and one of `allowed`)."""
     if world_size in allowed:
         return None
-    return (f"must be {one_of(allowed)}: the sweep model has {EXPERTS} experts per layer, and every rank "
-            f"holds the same number of them{why}")
+    return (
+        f"must be {one_of(allowed)}: the sweep model has {EXPERTS} experts per layer, and every rank "
+        f"holds the same number of them{why}"
+    )
 
 
 def positions_problems(contexts, decode_steps: int, context_option: str = "--context") -> list[str]:
     """The sweep model's positions hold the context and every decode step: problems, as messages."""
     if not 1 <= decode_steps < MAX_POSITIONS:
-        return [f"--decode-steps {decode_steps}: must be an integer from 1 to {MAX_POSITIONS - 1} (the sweep "
-                f"model's max_position_embeddings={MAX_POSITIONS} positions hold the context and the decode steps)"]
+        return [
+            f"--decode-steps {decode_steps}: must be an integer from 1 to {MAX_POSITIONS - 1} (the sweep "
+            f"model's max_position_embeddings={MAX_POSITIONS} positions hold the context and the decode steps)"
+        ]
     limit = MAX_POSITIONS - decode_steps
-    return [f"{context_option} {context}: must be an integer from 1 to {limit}: the sweep model's "
-            f"max_position_embeddings={MAX_POSITIONS} positions hold the context and the {decode_steps} "
-            f"decode steps (--decode-steps {decode_steps})"
-            for context in contexts if not 1 <= context <= limit]
+    return [
+        f"{context_option} {context}: must be an integer from 1 to {limit}: the sweep model's "
+        f"max_position_embeddings={MAX_POSITIONS} positions hold the context and the {decode_steps} "
+        f"decode steps (--decode-steps {decode_steps})"
+        for context in contexts
+        if not 1 <= context <= limit
+    ]
 
 
 def seconds_problem(option: str, value: float) -> str | None:

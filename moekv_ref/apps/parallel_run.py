@@ -34,30 +34,67 @@ import torch.distributed as dist
 
 from ..parallel.comm import CollectiveError
 from ..parallel.kv_placements import KV_PLACEMENTS
-from ..parallel.launcher import (DEFAULT_START_TIMEOUT_S, DEFAULT_TIMEOUT_S, FAULT_ENV, WorkerFailed,
-                                 default_backend, join_group, parse_fault)
+from ..parallel.launcher import (
+    DEFAULT_START_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    FAULT_ENV,
+    WorkerFailed,
+    default_backend,
+    join_group,
+    parse_fault,
+)
 from ..parallel.programs import run_parallel, run_specs
 from ..placement import PLACEMENTS
 from .parallel_measure import bytes_table, context_sweep_specs
-from .parallel_options import (MAX_POSITIONS, WORLD_SIZES, one_of, positions_problems, seconds_problem,
-                               world_size_problem)
+from .parallel_options import (
+    MAX_POSITIONS,
+    WORLD_SIZES,
+    one_of,
+    positions_problems,
+    seconds_problem,
+    world_size_problem,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moekv_ref.parallel", description=__doc__.splitlines()[0])
-    parser.add_argument("--placement", choices=KV_PLACEMENTS, default="kv_with_expert", help="where the K/V lives")
-    parser.add_argument("--expert-placement", choices=[p for p in PLACEMENTS if p != "coactivation"],
-                        default="round_robin", help="which rank holds which expert")
-    parser.add_argument("--context", type=int, default=256,
-                        help=f"prompt tokens per sequence (1 to {MAX_POSITIONS} minus --decode-steps)")
-    parser.add_argument("--decode-steps", type=int, default=4, help="decode steps after the prefill (at least 1)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                        help=f"seconds a collective may wait on a peer before the run fails (default "
-                             f"{DEFAULT_TIMEOUT_S:g}: a hung rank is named and every rank gone within 30 s)")
-    parser.add_argument("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT_S,
-                        help=f"seconds a rank may wait for every rank to join (default {DEFAULT_START_TIMEOUT_S:g})")
-    parser.add_argument("--nproc", type=int, default=2,
-                        help=f"ranks to start without torchrun ({one_of(WORLD_SIZES)}; torchrun decides its own)")
+    parser.add_argument(
+        "--placement", choices=KV_PLACEMENTS, default="kv_with_expert", help="where the K/V lives"
+    )
+    parser.add_argument(
+        "--expert-placement",
+        choices=[p for p in PLACEMENTS if p != "coactivation"],
+        default="round_robin",
+        help="which rank holds which expert",
+    )
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=256,
+        help=f"prompt tokens per sequence (1 to {MAX_POSITIONS} minus --decode-steps)",
+    )
+    parser.add_argument(
+        "--decode-steps", type=int, default=4, help="decode steps after the prefill (at least 1)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds a collective may wait on a peer before the run fails (default "
+        f"{DEFAULT_TIMEOUT_S:g}: a hung rank is named and every rank gone within 30 s)",
+    )
+    parser.add_argument(
+        "--start-timeout",
+        type=float,
+        default=DEFAULT_START_TIMEOUT_S,
+        help=f"seconds a rank may wait for every rank to join (default {DEFAULT_START_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=2,
+        help=f"ranks to start without torchrun ({one_of(WORLD_SIZES)}; torchrun decides its own)",
+    )
     return parser
 
 
@@ -69,7 +106,7 @@ def parse(argv=None):
     if problem:
         parser.error(f"--nproc {args.nproc}: {problem}")
     args.world_size = args.nproc
-    if "RANK" in os.environ:          # under torchrun, which decides the world size
+    if "RANK" in os.environ:  # under torchrun, which decides the world size
         args.world_size = int(os.environ.get("WORLD_SIZE", 1))
         problem = world_size_problem(args.world_size)
         if problem:
@@ -88,31 +125,41 @@ def parse(argv=None):
             parser.error(str(error))
         value = f"{FAULT_ENV}={os.environ[FAULT_ENV].strip()}"
         if args.fault.rank >= args.world_size:
-            parser.error(f"{value}: rank {args.fault.rank} does not exist: the ranks are 0 to {args.world_size - 1}")
+            parser.error(
+                f"{value}: rank {args.fault.rank} does not exist: the ranks are 0 to {args.world_size - 1}"
+            )
         if args.fault.mode != "slow_start" and args.fault.at > args.decode_steps:
-            parser.error(f"{value}: step {args.fault.at:.0f} never comes: the run has steps 0 (the prefill) to "
-                         f"{args.decode_steps} (--decode-steps {args.decode_steps})")
+            parser.error(
+                f"{value}: step {args.fault.at:.0f} never comes: the run has steps 0 (the prefill) to "
+                f"{args.decode_steps} (--decode-steps {args.decode_steps})"
+            )
     return args
 
 
 def report(spec, results) -> None:
     row = bytes_table(spec, results)
-    print(f"{row['kv_placement']}, context {row['context']}, {row['world_size']} ranks: "
-          f"{row['bytes_per_decode_step']:.0f} bytes per decode step (attention {row['attention_bytes']:.0f}, "
-          f"FFN {row['ffn_bytes']:.0f}, split sizes {row['split_size_bytes']:.0f}); "
-          f"step {row['decode_step_ms']:.1f} ms of which {row['communication_ms']:.1f} ms in collectives")
+    print(
+        f"{row['kv_placement']}, context {row['context']}, {row['world_size']} ranks: "
+        f"{row['bytes_per_decode_step']:.0f} bytes per decode step (attention {row['attention_bytes']:.0f}, "
+        f"FFN {row['ffn_bytes']:.0f}, split sizes {row['split_size_bytes']:.0f}); "
+        f"step {row['decode_step_ms']:.1f} ms of which {row['communication_ms']:.1f} ms in collectives"
+    )
     for result in results:
         pool = result.pool[max(result.pool)]
-        print(f"  rank {result.rank}: {pool['used_blocks']}/{pool['num_blocks']} blocks, {pool['tokens']} K/V tokens, "
-              f"weights {result.weight_bytes['total']} bytes")
+        print(
+            f"  rank {result.rank}: {pool['used_blocks']}/{pool['num_blocks']} blocks, {pool['tokens']} K/V tokens, "
+            f"weights {result.weight_bytes['total']} bytes"
+        )
 
 
 def the_spec(args, world_size: int):
-    spec = context_sweep_specs(world_size, (args.context,), (args.placement,), args.decode_steps,
-                               strategy=args.expert_placement)[0]
-    if args.fault is not None and args.fault.mode != "slow_start":   # slow_start acts in join_group
-        spec = dataclasses.replace(spec, fail_rank=args.fault.rank, fail_step=int(args.fault.at),
-                                   fail_mode=args.fault.mode)
+    spec = context_sweep_specs(
+        world_size, (args.context,), (args.placement,), args.decode_steps, strategy=args.expert_placement
+    )[0]
+    if args.fault is not None and args.fault.mode != "slow_start":  # slow_start acts in join_group
+        spec = dataclasses.replace(
+            spec, fail_rank=args.fault.rank, fail_step=int(args.fault.at), fail_mode=args.fault.mode
+        )
     return spec
 
 
@@ -124,12 +171,19 @@ def fail_rank(rank: int, error: BaseException) -> None:
     else:
         message = "".join(traceback.format_exception(error)).rstrip()
     print(f"[rank{rank}] error: {message}", file=sys.stderr, flush=True)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")   # what torchrun's "Root Cause" shows
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # what torchrun's "Root Cause" shows
     if error_file:
         try:
             with open(error_file, "w") as handle:
-                json.dump({"message": {"message": message, "extraInfo": {
-                    "py_callstack": message, "timestamp": str(int(time.time()))}}}, handle)
+                json.dump(
+                    {
+                        "message": {
+                            "message": message,
+                            "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))},
+                        }
+                    },
+                    handle,
+                )
         except OSError:
             pass
     os._exit(1)
@@ -138,10 +192,12 @@ def fail_rank(rank: int, error: BaseException) -> None:
 def main(argv=None) -> int:
     args = parse(argv)
     torch.set_num_threads(1)
-    if "RANK" not in os.environ:      # not under torchrun: start the ranks here
+    if "RANK" not in os.environ:  # not under torchrun: start the ranks here
         spec = the_spec(args, args.nproc)
         try:
-            results = run_parallel([spec], args.nproc, timeout_s=args.timeout, start_timeout_s=args.start_timeout)
+            results = run_parallel(
+                [spec], args.nproc, timeout_s=args.timeout, start_timeout_s=args.start_timeout
+            )
         except WorkerFailed as failure:
             print(f"error: {failure}", file=sys.stderr)
             return 1
@@ -149,13 +205,19 @@ def main(argv=None) -> int:
         return 0
     rank = int(os.environ["RANK"])
     try:
-        context = join_group(default_backend(), args.timeout, args.start_timeout,
-                             local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+        context = join_group(
+            default_backend(),
+            args.timeout,
+            args.start_timeout,
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        )
         spec = the_spec(args, context.world_size)
         mine = run_specs(context, [spec])[0]
         everyone = [None] * context.world_size
-        dist.all_gather_object(everyone, mine, group=context.comm.group)   # the report, after the measured steps
-    except BaseException as error:   # noqa: BLE001: a failed rank says why and goes at once
+        dist.all_gather_object(
+            everyone, mine, group=context.comm.group
+        )  # the report, after the measured steps
+    except BaseException as error:  # noqa: BLE001 -- a failed rank says why and goes at once
         fail_rank(rank, error)
     if context.rank == 0:
         report(spec, everyone)

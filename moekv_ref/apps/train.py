@@ -64,9 +64,21 @@ def evaluate(model, data: torch.Tensor, context: int, num_batches: int = 8) -> f
     return sum(losses) / len(losses)
 
 
-def fit(model: MoEKVTransformer, train_data: torch.Tensor, *, batch_size: int, context: int, lr: float = 3e-3,
-        balance_weight: float = 0.01, seed: int = 0, minutes: float | None = None, num_steps: int | None = None,
-        state_path: Path | None = None, on_step=None, save_every: int = 50) -> int:
+def fit(
+    model: MoEKVTransformer,
+    train_data: torch.Tensor,
+    *,
+    batch_size: int,
+    context: int,
+    lr: float = 3e-3,
+    balance_weight: float = 0.01,
+    seed: int = 0,
+    minutes: float | None = None,
+    num_steps: int | None = None,
+    state_path: Path | None = None,
+    on_step=None,
+    save_every: int = 50,
+) -> int:
     """Train `model` in place: AdamW, 100 warm-up steps, then a cosine decay over the budget, which is
     either wall-clock `minutes` (how the embedded model was trained) or `num_steps` (a token budget:
     num_steps * batch_size * context bytes, the same on every machine). Returns the steps taken.
@@ -88,8 +100,15 @@ def fit(model: MoEKVTransformer, train_data: torch.Tensor, *, batch_size: int, c
 
     def save():
         if state_path is not None and num_steps is not None:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "generator": generator.get_state(), "step": step}, state_path)
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "generator": generator.get_state(),
+                    "step": step,
+                },
+                state_path,
+            )
 
     start = time.time()
     stream = batches(train_data, batch_size, context, generator)
@@ -122,33 +141,66 @@ def fit(model: MoEKVTransformer, train_data: torch.Tensor, *, batch_size: int, c
 def load_corpus() -> tuple[torch.Tensor, torch.Tensor]:
     """(train, validation) byte tensors of stdlib_corpus()."""
     train_bytes, valid_bytes = stdlib_corpus()
-    return (torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8),
-            torch.frombuffer(bytearray(valid_bytes), dtype=torch.uint8))
+    return (
+        torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8),
+        torch.frombuffer(bytearray(valid_bytes), dtype=torch.uint8),
+    )
 
 
-def train(minutes: float, out: Path, batch_size: int = 16, context: int = 256, lr: float = 3e-3,
-          balance_weight: float = 0.01, seed: int = 0) -> MoEKVTransformer:
+def train(
+    minutes: float,
+    out: Path,
+    batch_size: int = 16,
+    context: int = 256,
+    lr: float = 3e-3,
+    balance_weight: float = 0.01,
+    seed: int = 0,
+) -> MoEKVTransformer:
     torch.manual_seed(seed)
     random.seed(seed)
     train_data, valid_data = load_corpus()
-    print(f"corpus: {train_data.numel() / 1e6:.1f} MB train, {valid_data.numel() / 1e6:.2f} MB validation "
-          f"(stdlib *.py)", flush=True)
+    print(
+        f"corpus: {train_data.numel() / 1e6:.1f} MB train, {valid_data.numel() / 1e6:.2f} MB validation "
+        f"(stdlib *.py)",
+        flush=True,
+    )
     model = MoEKVTransformer(get_config("tiny"))
     print(f"model: {model.num_parameters() / 1e6:.2f} M parameters", flush=True)
     start = time.time()
 
     def report(step, loss):
         if step % 50 == 0:
-            print(f"step {step:5d}  {(time.time() - start) / 60:5.1f}/{minutes:.0f} min  loss {loss:.3f}", flush=True)
+            print(
+                f"step {step:5d}  {(time.time() - start) / 60:5.1f}/{minutes:.0f} min  loss {loss:.3f}",
+                flush=True,
+            )
 
-    step = fit(model, train_data, batch_size=batch_size, context=context, lr=lr, balance_weight=balance_weight,
-               seed=seed, minutes=minutes, on_step=report)
+    step = fit(
+        model,
+        train_data,
+        batch_size=batch_size,
+        context=context,
+        lr=lr,
+        balance_weight=balance_weight,
+        seed=seed,
+        minutes=minutes,
+        on_step=report,
+    )
     valid_loss = evaluate(model, valid_data, context)
     train_seconds = time.time() - start
-    print(f"done: {step} steps in {train_seconds / 60:.1f} min, validation loss {valid_loss:.3f} nats/byte "
-          f"({valid_loss / math.log(2):.2f} bits/byte)", flush=True)
-    metadata = {"steps": step, "train_seconds": round(train_seconds), "validation_loss": round(valid_loss, 4),
-                "batch_size": batch_size, "context": context, "corpus": "CPython stdlib top-level *.py"}
+    print(
+        f"done: {step} steps in {train_seconds / 60:.1f} min, validation loss {valid_loss:.3f} nats/byte "
+        f"({valid_loss / math.log(2):.2f} bits/byte)",
+        flush=True,
+    )
+    metadata = {
+        "steps": step,
+        "train_seconds": round(train_seconds),
+        "validation_loss": round(valid_loss, 4),
+        "batch_size": batch_size,
+        "context": context,
+        "corpus": "CPython stdlib top-level *.py",
+    }
     save_checkpoint(model, out, metadata)
     print(f"saved {out} ({out.stat().st_size / 1e6:.1f} MB)")
     return model

@@ -27,6 +27,18 @@ from .prefix_cache import PrefixCache
 from .rows import RowIndex, ceil_div
 from .shared_tail_manager import SharedTailKVCacheManager, SharedTails
 
-__all__ = ["ATTENTION_PATHS", "AppendedRows", "BlockPool", "ContiguousKVCache", "KVCacheManager",
-           "OutOfBlocksError", "PagedKVCache", "PrefixCache", "RowIndex",
-           "SharedTailKVCacheManager", "SharedTails", "SlotAllocation", "ceil_div"]
+__all__ = [
+    "ATTENTION_PATHS",
+    "AppendedRows",
+    "BlockPool",
+    "ContiguousKVCache",
+    "KVCacheManager",
+    "OutOfBlocksError",
+    "PagedKVCache",
+    "PrefixCache",
+    "RowIndex",
+    "SharedTailKVCacheManager",
+    "SharedTails",
+    "SlotAllocation",
+    "ceil_div",
+]

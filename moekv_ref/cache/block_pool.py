@@ -38,7 +38,7 @@ IDS_ALLOWED = "integer ids (an integer tensor or array, a list of ints, or one i
 
 
 def a_type(value) -> str:
-    """"an int", "a float", "a str": the type of a refused value, for an error message."""
+    """ "an int", "a float", "a str": the type of a refused value, for an error message."""
     name = type(value).__name__
     return ("an " if name[0] in "aeiou" else "a ") + name
 
@@ -76,7 +76,7 @@ def entries(values, where=""):
 def checked_ids(ids, name: str = "block_ids") -> torch.Tensor:
     """`ids` as an int64 tensor of the same shape, or ValueError naming the first non-integer (text
     is never read as digits); empty input of any dtype is allowed."""
-    if type(ids) is torch.Tensor and ids.dtype == torch.int64:   # already ids: most calls, at once
+    if type(ids) is torch.Tensor and ids.dtype == torch.int64:  # already ids: most calls, at once
         return ids
     if isinstance(ids, (str, bytes)):
         raise ValueError(f"{name}={ids!r} is text ({type(ids).__name__}); allowed: {IDS_ALLOWED}")
@@ -87,11 +87,14 @@ def checked_ids(ids, name: str = "block_ids") -> torch.Tensor:
     try:
         tensor = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids)
     except (TypeError, ValueError, RuntimeError) as error:
-        raise ValueError(f"{name} of type {type(ids).__name__} are not integer ids ({error}); "
-                         f"allowed: {IDS_ALLOWED}") from None
+        raise ValueError(
+            f"{name} of type {type(ids).__name__} are not integer ids ({error}); allowed: {IDS_ALLOWED}"
+        ) from None
     if tensor.numel() and not integer_dtype(tensor.dtype):
-        raise ValueError(f"{name}={preview(tensor)} has dtype {tensor.dtype}; allowed: "
-                         f"{IDS_ALLOWED}, never rounded or read as 0/1")
+        raise ValueError(
+            f"{name}={preview(tensor)} has dtype {tensor.dtype}; allowed: "
+            f"{IDS_ALLOWED}, never rounded or read as 0/1"
+        )
     return tensor.to(torch.int64)
 
 
@@ -99,8 +102,12 @@ def checked_count(value, name: str, minimum: int = 0, maximum: int | None = None
     """A count (of blocks, tokens; a seed) in [minimum, maximum] as an int (a 0-d tensor is one)."""
     if isinstance(value, torch.Tensor) and value.dim() == 0 and integer_dtype(value.dtype):
         value = int(value)
-    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value < minimum or (
-            maximum is not None and value > maximum):
+    if (
+        not isinstance(value, numbers.Integral)
+        or isinstance(value, (bool, np.bool_))
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ValueError(f"{name}={value!r} is not allowed; allowed: an integer {bound}")
     return int(value)
@@ -109,11 +116,18 @@ def checked_count(value, name: str, minimum: int = 0, maximum: int | None = None
 def checked_blocks_per_device(blocks_per_device, name: str = "blocks_per_device") -> list[int]:
     """blocks_per_device as D Python ints, each >= 1 (a device with no block could hold no row of
     its experts), or ValueError naming the first bad entry."""
-    given, allowed = blocks_per_device, ("a list or tuple of D integers >= 1 (Python or numpy ints), or a "
-                                         "1-D integer tensor or numpy array of them")
+    given, allowed = (
+        blocks_per_device,
+        (
+            "a list or tuple of D integers >= 1 (Python or numpy ints), or a "
+            "1-D integer tensor or numpy array of them"
+        ),
+    )
     if isinstance(given, (torch.Tensor, np.ndarray)):
         if not integer_dtype(given.dtype):
-            raise ValueError(f"{name}={preview(given)} has dtype {given.dtype}; allowed: {allowed}, never rounded")
+            raise ValueError(
+                f"{name}={preview(given)} has dtype {given.dtype}; allowed: {allowed}, never rounded"
+            )
         if given.ndim != 1:
             raise ValueError(f"{name} has shape {tuple(given.shape)}; allowed: {allowed}")
         values = given.tolist()
@@ -125,10 +139,14 @@ def checked_blocks_per_device(blocks_per_device, name: str = "blocks_per_device"
         raise ValueError(f"{name}={given!r} is empty; allowed: {allowed} (D >= 1)")
     for d, n in enumerate(values):
         if not isinstance(n, numbers.Integral) or isinstance(n, (bool, np.bool_)):
-            raise ValueError(f"{name}[{d}]={n!r} is {a_type(n)}; allowed: an integer >= 1 "
-                             f"(the blocks of device {d}), never rounded")
+            raise ValueError(
+                f"{name}[{d}]={n!r} is {a_type(n)}; allowed: an integer >= 1 "
+                f"(the blocks of device {d}), never rounded"
+            )
         if n < 1:
-            raise ValueError(f"{name}[{d}]={n!r} is not allowed; allowed: an integer >= 1 (the blocks of device {d})")
+            raise ValueError(
+                f"{name}[{d}]={n!r} is not allowed; allowed: an integer >= 1 (the blocks of device {d})"
+            )
     return [int(n) for n in values]
 
 
@@ -147,9 +165,12 @@ class BlockPool:
     """Block ids of D devices (num_blocks: one), a free block queue per device and a reference
     count per block. shuffle_seed: each device's queue starts in a random order (device d's seed
     is shuffle_seed + d): tests use it to show nothing depends on a row's blocks being adjacent."""
-    _UNDO_SHARED = ("_device_sizes", "_first_block")        # engine/undo.py: set once, never changed
 
-    def __init__(self, num_blocks: int | None = None, shuffle_seed: int | None = None, blocks_per_device=None):
+    _UNDO_SHARED = ("_device_sizes", "_first_block")  # engine/undo.py: set once, never changed
+
+    def __init__(
+        self, num_blocks: int | None = None, shuffle_seed: int | None = None, blocks_per_device=None
+    ):
         if blocks_per_device is None:
             if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
                 raise ValueError(f"num_blocks={num_blocks!r} is not allowed: it must be a positive integer")
@@ -157,29 +178,33 @@ class BlockPool:
         else:
             blocks_per_device = checked_blocks_per_device(blocks_per_device)
             if num_blocks is not None and num_blocks != sum(blocks_per_device):
-                raise ValueError(f"num_blocks={num_blocks!r} must equal sum(blocks_per_device)="
-                                 f"{sum(blocks_per_device)}")
+                raise ValueError(
+                    f"num_blocks={num_blocks!r} must equal sum(blocks_per_device)={sum(blocks_per_device)}"
+                )
         num_devices = len(blocks_per_device)
         if shuffle_seed is not None:
             shuffle_seed = checked_count(shuffle_seed, "shuffle_seed", 0, MAX_SEED - (num_devices - 1))
         self.num_blocks = sum(blocks_per_device)
-        self._device_sizes = blocks_per_device                                          # (D,)
-        self._first_block = [sum(blocks_per_device[:d]) for d in range(num_devices)]    # (D,)
+        self._device_sizes = blocks_per_device  # (D,)
+        self._first_block = [sum(blocks_per_device[:d]) for d in range(num_devices)]  # (D,)
         # device d's plain free ids are _free_stack[first : first + _num_free[d]], first =
         # _first_block[d], popped from the end; stored reversed, so that an unshuffled device hands
         # out its ids in increasing order
-        self._free_stack = torch.empty(self.num_blocks, dtype=torch.int64)               # (N,)
+        self._free_stack = torch.empty(self.num_blocks, dtype=torch.int64)  # (N,)
         for d, (first, size) in enumerate(zip(self._first_block, blocks_per_device)):
-            order = torch.arange(size) if shuffle_seed is None else \
-                torch.randperm(size, generator=torch.Generator().manual_seed(shuffle_seed + d))
-            self._free_stack[first: first + size] = order.flip(0) + first
-        self._num_free = list(blocks_per_device)                            # (D,)
-        self.ref_cnt = torch.zeros(self.num_blocks, dtype=torch.int32)      # (N,) owners of each block
+            order = (
+                torch.arange(size)
+                if shuffle_seed is None
+                else torch.randperm(size, generator=torch.Generator().manual_seed(shuffle_seed + d))
+            )
+            self._free_stack[first : first + size] = order.flip(0) + first
+        self._num_free = list(blocks_per_device)  # (D,)
+        self.ref_cnt = torch.zeros(self.num_blocks, dtype=torch.int32)  # (N,) owners of each block
         # prefix caching only: which blocks hold a known prefix, and each device's LRU queue
-        self.is_cached = torch.zeros(self.num_blocks, dtype=torch.bool)     # (N,)
+        self.is_cached = torch.zeros(self.num_blocks, dtype=torch.bool)  # (N,)
         self._cached_free: list[OrderedDict[int, None]] = [OrderedDict() for _ in blocks_per_device]
-        self._any_cached = False                  # a block was ever marked: `free` must sort released ones
-        self._on_evict: Callable[[list[int]], None] | None = None      # told which cached blocks left
+        self._any_cached = False  # a block was ever marked: `free` must sort released ones
+        self._on_evict: Callable[[list[int]], None] | None = None  # told which cached blocks left
         self.num_evicted_cached_blocks = 0
 
     def listen_for_evictions(self, callback: Callable[[list[int]], None]) -> None:
@@ -199,8 +224,9 @@ class BlockPool:
 
     @property
     def num_free_blocks_per_device(self) -> torch.Tensor:
-        return torch.tensor([n + len(cached) for n, cached in zip(self._num_free, self._cached_free)],
-                            dtype=torch.int64)
+        return torch.tensor(
+            [n + len(cached) for n, cached in zip(self._num_free, self._cached_free)], dtype=torch.int64
+        )
 
     def cached_free_block_ids(self, device: int | None = None) -> list[int]:
         """The cached free blocks of `device` (None: all), in eviction order."""
@@ -219,7 +245,10 @@ class BlockPool:
         """The free blocks, device by device, in the order handed out: stack, then cached ones."""
         queues = []
         for first, n, cached in zip(self._first_block, self._num_free, self._cached_free):
-            queues += [self._free_stack[first: first + n].flip(0), torch.tensor(list(cached), dtype=torch.int64)]
+            queues += [
+                self._free_stack[first : first + n].flip(0),
+                torch.tensor(list(cached), dtype=torch.int64),
+            ]
         return torch.cat(queues)
 
     # ----- allocate / free -----------------------------------------------------------------------
@@ -232,15 +261,18 @@ class BlockPool:
         free_here = self._num_free[device] + len(cached_here)
         if num_blocks > free_here:
             if self.num_devices == 1:
-                raise OutOfBlocksError(f"need {num_blocks} blocks but only {self.num_free_blocks} "
-                                       f"of {self.num_blocks} are free")
-            raise OutOfBlocksError(f"device {device} is short: need {num_blocks} blocks, "
-                                   f"{free_here} of {self._device_sizes[device]} are free")
+                raise OutOfBlocksError(
+                    f"need {num_blocks} blocks but only {self.num_free_blocks} of {self.num_blocks} are free"
+                )
+            raise OutOfBlocksError(
+                f"device {device} is short: need {num_blocks} blocks, "
+                f"{free_here} of {self._device_sizes[device]} are free"
+            )
         top = self._first_block[device] + self._num_free[device]
         from_stack = min(num_blocks, self._num_free[device])
-        block_ids = self._free_stack[top - from_stack: top].flip(0).clone()
+        block_ids = self._free_stack[top - from_stack : top].flip(0).clone()
         self._num_free[device] -= from_stack
-        if num_blocks > from_stack:                 # evict this device's cached-free blocks, LRU first
+        if num_blocks > from_stack:  # evict this device's cached-free blocks, LRU first
             evicted = [cached_here.popitem(last=False)[0] for _ in range(num_blocks - from_stack)]
             self.is_cached[evicted] = False
             self.num_evicted_cached_blocks += len(evicted)
@@ -259,16 +291,19 @@ class BlockPool:
         free = [n + len(cached) for n, cached in zip(self._num_free, self._cached_free)]
         for d, (n, available) in enumerate(zip(counts, free)):
             if n > available:
-                raise OutOfBlocksError(f"device {d} is short: need {n} blocks, {available} of "
-                                       f"{self._device_sizes[d]} are free")
+                raise OutOfBlocksError(
+                    f"device {d} is short: need {n} blocks, {available} of {self._device_sizes[d]} are free"
+                )
         if self._any_cached or any(n > free for n, free in zip(counts, self._num_free)):
             parts = [self.allocate(n, device=d) for d, n in enumerate(counts) if n]
             return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-        per_device = torch.tensor(counts, dtype=torch.int64)                                 # (D,)
-        device = torch.repeat_interleave(torch.arange(self.num_devices), per_device)         # (n,)
+        per_device = torch.tensor(counts, dtype=torch.int64)  # (D,)
+        device = torch.repeat_interleave(torch.arange(self.num_devices), per_device)  # (n,)
         rank = torch.arange(device.numel()) - (torch.cumsum(per_device, 0) - per_device)[device]
-        top = torch.tensor(self._first_block, dtype=torch.int64) + torch.tensor(self._num_free, dtype=torch.int64)
-        block_ids = self._free_stack[top[device] - 1 - rank]            # popped from the end, as allocate does
+        top = torch.tensor(self._first_block, dtype=torch.int64) + torch.tensor(
+            self._num_free, dtype=torch.int64
+        )
+        block_ids = self._free_stack[top[device] - 1 - rank]  # popped from the end, as allocate does
         self._num_free = [free - n for free, n in zip(self._num_free, counts)]
         self.ref_cnt[block_ids] = 1
         return block_ids
@@ -312,67 +347,83 @@ class BlockPool:
         # work over the distinct blocks given, not the whole pool: freeing a sequence touches a few
         # thousand blocks of a pool that may hold millions
         unique_ids, inverse, drops = torch.unique(block_ids, return_inverse=True, return_counts=True)
-        owners = self.ref_cnt[unique_ids]                                             # (u,)
+        owners = self.ref_cnt[unique_ids]  # (u,)
         over = (drops > owners).nonzero().squeeze(1)
         if over.numel():
             i = int(over[0])
-            raise ValueError(f"block {int(unique_ids[i])} is freed {int(drops[i])} time(s) but has "
-                             f"ref_cnt {int(owners[i])}: a double free (pool unchanged)")
+            raise ValueError(
+                f"block {int(unique_ids[i])} is freed {int(drops[i])} time(s) but has "
+                f"ref_cnt {int(owners[i])}: a double free (pool unchanged)"
+            )
         remaining = owners - drops.to(torch.int32)
         self.ref_cnt[unique_ids] = remaining
         # push the released blocks in the order given (first occurrence): the block freed last is
         # the first handed out again
         first = torch.full((unique_ids.numel(),), block_ids.numel(), dtype=torch.int64)
         first = first.scatter_reduce(0, inverse, torch.arange(block_ids.numel()), reduce="amin")
-        released = (remaining == 0).nonzero().squeeze(1)                              # (r,)
+        released = (remaining == 0).nonzero().squeeze(1)  # (r,)
         released = unique_ids[released[first[released].argsort()]]
         if self._any_cached:
             cached = self.is_cached[released]
             for block, device in zip(released[cached].tolist(), self._device_of(released[cached]).tolist()):
-                self._cached_free[device][block] = None      # most recently used: the end of its LRU queue
+                self._cached_free[device][block] = None  # most recently used: the end of its LRU queue
             released = released[~cached]
         # each device's onto its own stack, in order: one scatter, not a pass per device
-        device = self._device_of(released)                                             # (r,)
+        device = self._device_of(released)  # (r,)
         order = torch.argsort(device, stable=True)
         released = released[order]
         device = device[order]
-        per_device = torch.bincount(device, minlength=self.num_devices)                # (D,)
-        top = torch.tensor(self._first_block, dtype=torch.int64) + torch.tensor(self._num_free, dtype=torch.int64)
+        per_device = torch.bincount(device, minlength=self.num_devices)  # (D,)
+        top = torch.tensor(self._first_block, dtype=torch.int64) + torch.tensor(
+            self._num_free, dtype=torch.int64
+        )
         rank = torch.arange(released.numel()) - (torch.cumsum(per_device, 0) - per_device)[device]
         self._free_stack[top[device] + rank] = released
         self._num_free = [n + int(k) for n, k in zip(self._num_free, per_device.tolist())]
 
     def _device_of(self, block_ids: torch.Tensor) -> torch.Tensor:
-        first = torch.tensor(self._first_block, dtype=torch.int64)                   # (D,)
+        first = torch.tensor(self._first_block, dtype=torch.int64)  # (D,)
         return torch.searchsorted(first, block_ids, right=True) - 1
 
     def _checked_device(self, device) -> int:
         """device as an int in [0, D), or ValueError (TypeError when left out on several devices)."""
         if device is None:
             if self.num_devices > 1:
-                raise TypeError(f"allocate on a pool of {self.num_devices} devices needs a device: "
-                                "allocate(num_blocks, device=d)")
+                raise TypeError(
+                    f"allocate on a pool of {self.num_devices} devices needs a device: "
+                    "allocate(num_blocks, device=d)"
+                )
             return 0
-        if not isinstance(device, numbers.Integral) or isinstance(device, (bool, np.bool_)) \
-                or not 0 <= device < self.num_devices:
-            raise ValueError(f"device={device!r} is not allowed; allowed: an integer in 0..{self.num_devices - 1}")
+        if (
+            not isinstance(device, numbers.Integral)
+            or isinstance(device, (bool, np.bool_))
+            or not 0 <= device < self.num_devices
+        ):
+            raise ValueError(
+                f"device={device!r} is not allowed; allowed: an integer in 0..{self.num_devices - 1}"
+            )
         return int(device)
 
     def _checked_ids(self, block_ids) -> torch.Tensor:
         block_ids = checked_ids(block_ids, "block_ids").reshape(-1)
         if block_ids.numel() and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
-            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got "
-                             f"[{int(block_ids.min())}, {int(block_ids.max())}]")
+            raise ValueError(
+                f"block ids must be in [0, {self.num_blocks}), got "
+                f"[{int(block_ids.min())}, {int(block_ids.max())}]"
+            )
         return block_ids
 
     def assert_consistent(self) -> None:
         """The invariants of the module docstring; AssertionError names the broken one."""
-        stacks = [self._free_stack[first: first + n] for first, n in zip(self._first_block, self._num_free)]
+        stacks = [self._free_stack[first : first + n] for first, n in zip(self._first_block, self._num_free)]
         queues = [torch.tensor(list(queue), dtype=torch.int64) for queue in self._cached_free]
         for d, (stack, queue) in enumerate(zip(stacks, queues)):
-            assert (self._device_of(stack) == d).all(), f"device {d}'s free stack holds a block of another device"
-            assert (self._device_of(queue) == d).all(), \
+            assert (self._device_of(stack) == d).all(), (
+                f"device {d}'s free stack holds a block of another device"
+            )
+            assert (self._device_of(queue) == d).all(), (
                 f"device {d}'s cached-free queue holds a block of another device"
+            )
         stack, cached = torch.cat(stacks), torch.cat(queues)
         free = torch.cat([stack, cached])
         assert free.unique().numel() == free.numel(), "a block is in the free queues twice"
@@ -381,5 +432,6 @@ class BlockPool:
         assert self.is_cached[cached].all(), "a block in the cached-free queue is not cached"
         assert (self.ref_cnt >= 0).all(), "negative ref_cnt"
         num_used = int((self.ref_cnt > 0).sum())
-        assert num_used + free.numel() == self.num_blocks, \
+        assert num_used + free.numel() == self.num_blocks, (
             f"leak: {num_used} used + {free.numel()} free != {self.num_blocks} blocks"
+        )

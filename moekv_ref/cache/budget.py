@@ -78,8 +78,8 @@ class RowBudget:
         self.policy = policy
         self.num_sinks = _check_count("num_sinks", num_sinks, 0)
         self.manager = None
-        self.num_refused = 0        # pairs refused at a full row (drop, router_score)
-        self.num_evicted = 0        # tokens that left a row for a newcomer
+        self.num_refused = 0  # pairs refused at a full row (drop, router_score)
+        self.num_evicted = 0  # tokens that left a row for a newcomer
 
     def fresh(self) -> "RowBudget":
         """The same settings with no rows: what a cache is built with, so that one RowBudget can be
@@ -87,15 +87,19 @@ class RowBudget:
         return RowBudget(self.max_tokens, self.policy, self.num_sinks)
 
     def __repr__(self) -> str:
-        return f"RowBudget(max_tokens={self.max_tokens!r}, policy={self.policy!r}, num_sinks={self.num_sinks})"
+        return (
+            f"RowBudget(max_tokens={self.max_tokens!r}, policy={self.policy!r}, num_sinks={self.num_sinks})"
+        )
 
     def limits(self, num_layers: int) -> torch.Tensor:
         """(L,) int64 B of each layer; ValueError when a per-layer list has another length."""
         if isinstance(self.max_tokens, int):
             return torch.full((num_layers,), self.max_tokens, dtype=torch.int64)
         if len(self.max_tokens) != num_layers:
-            raise ValueError(f"max_tokens has {len(self.max_tokens)} entries; the model has {num_layers} "
-                             "layers: give one int, or one per layer")
+            raise ValueError(
+                f"max_tokens has {len(self.max_tokens)} entries; the model has {num_layers} "
+                "layers: give one int, or one per layer"
+            )
         return torch.tensor(self.max_tokens, dtype=torch.int64)
 
     def largest(self, num_layers: int) -> int:
@@ -112,8 +116,10 @@ class RowBudget:
         the policy would be drop under another name)."""
         self.limits(num_layers)
         if self.policy == "router_score" and num_experts == 1:
-            raise ValueError("policy='router_score' needs routed attention: with one attention expert "
-                             "every token's router probability is 1; use 'drop' for a capacity")
+            raise ValueError(
+                "policy='router_score' needs routed attention: with one attention expert "
+                "every token's router probability is 1; use 'drop' for a capacity"
+            )
 
     # ----- the part's life in a manager --------------------------------------------------------
     def attach(self, manager) -> None:
@@ -121,22 +127,26 @@ class RowBudget:
             raise ValueError("this RowBudget already belongs to a cache; make one per cache")
         self.check_model(manager.num_layers, manager.num_experts)
         self.manager = manager
-        self.layer_limits = self.limits(manager.num_layers)                                   # (L,)
-        self.num_slots = self.largest(manager.num_layers)                                     # S
+        self.layer_limits = self.limits(manager.num_layers)  # (L,)
+        self.num_slots = self.largest(manager.num_layers)  # S
         num_rows = manager.row_tokens.numel()
-        self.slot_position = torch.full((num_rows, self.num_slots), -1, dtype=torch.int64)   # (R, S)
-        self.slot_score = torch.zeros(num_rows, self.num_slots, dtype=torch.float64)         # (R, S)
+        self.slot_position = torch.full((num_rows, self.num_slots), -1, dtype=torch.int64)  # (R, S)
+        self.slot_score = torch.zeros(num_rows, self.num_slots, dtype=torch.float64)  # (R, S)
 
     def limit_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """(m,) B of each row (its layer's)."""
         _, layer, _ = self.manager.index.split(rows)
         return self.layer_limits[layer]
 
-    @torch.inference_mode(False)      # kept across steps: never inference tensors
+    @torch.inference_mode(False)  # kept across steps: never inference tensors
     def grow_rows(self, num_rows: int) -> None:
         extra = num_rows - self.slot_position.shape[0]
-        self.slot_position = torch.cat([self.slot_position, torch.full((extra, self.num_slots), -1, dtype=torch.int64)])
-        self.slot_score = torch.cat([self.slot_score, torch.zeros(extra, self.num_slots, dtype=torch.float64)])
+        self.slot_position = torch.cat(
+            [self.slot_position, torch.full((extra, self.num_slots), -1, dtype=torch.int64)]
+        )
+        self.slot_score = torch.cat(
+            [self.slot_score, torch.zeros(extra, self.num_slots, dtype=torch.float64)]
+        )
 
     def clear_rows(self, rows) -> None:
         self.slot_position[rows] = -1
@@ -145,10 +155,20 @@ class RowBudget:
     # ----- the policy ---------------------------------------------------------------------------
     def choose(self, rows: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """(m,) the slot index each newcomer takes in its distinct row, -1 where it is refused."""
-        return choose_slots(self.policy, self.num_sinks, self.limit_of_rows(rows), self.manager.row_tokens[rows],
-                            self.slot_position[rows], self.slot_score[rows], positions, scores)
+        return choose_slots(
+            self.policy,
+            self.num_sinks,
+            self.limit_of_rows(rows),
+            self.manager.row_tokens[rows],
+            self.slot_position[rows],
+            self.slot_score[rows],
+            positions,
+            scores,
+        )
 
-    def record(self, rows: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor) -> None:
+    def record(
+        self, rows: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor
+    ) -> None:
         """Newcomers placed as `choose` said: at slot index[i] of rows[i], or refused (-1). Keeps
         their positions and scores, and counts the refused and the evicted."""
         accepted = index >= 0
@@ -181,7 +201,7 @@ class RowBudget:
         limits = self.limit_of_rows(torch.arange(manager.row_tokens.numel()))
         assert (manager.row_tokens <= limits).all(), "a row holds more tokens than its budget"
         # a row of n tokens fills exactly its slots 0 .. n - 1 (a row below its budget never lost one)
-        filled = torch.arange(self.num_slots)[None, :] < manager.row_tokens[:, None]                # (R, S)
+        filled = torch.arange(self.num_slots)[None, :] < manager.row_tokens[:, None]  # (R, S)
         assert torch.equal(self.slot_position >= 0, filled), "a row's slot positions do not match its count"
 
 
@@ -213,35 +233,47 @@ SCORE_TIE = 1e-6
 def _oldest_lowest(score: torch.Tensor, position: torch.Tensor, candidate: torch.Tensor):
     """Per row (m,) the candidate slot of lowest score, the oldest (lowest position) among the tied,
     and (m,) that lowest score."""
-    lowest = torch.where(candidate, score, math.inf).amin(1)                                 # (m,)
-    tied = candidate & (score <= lowest[:, None] + SCORE_TIE)                                # (m, S)
-    return torch.where(tied, position, torch.iinfo(torch.int64).max).argmin(1), lowest       # (m,) each
+    lowest = torch.where(candidate, score, math.inf).amin(1)  # (m,)
+    tied = candidate & (score <= lowest[:, None] + SCORE_TIE)  # (m, S)
+    return torch.where(tied, position, torch.iinfo(torch.int64).max).argmin(1), lowest  # (m,) each
 
 
-def choose_slots(policy: str, num_sinks: int, limit: torch.Tensor, count: torch.Tensor, slot_position: torch.Tensor,
-                 slot_score: torch.Tensor, position: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+def choose_slots(
+    policy: str,
+    num_sinks: int,
+    limit: torch.Tensor,
+    count: torch.Tensor,
+    slot_position: torch.Tensor,
+    slot_score: torch.Tensor,
+    position: torch.Tensor,
+    score: torch.Tensor,
+) -> torch.Tensor:
     """Where each newcomer goes in its row, for m distinct rows: the index of the slot it takes, or
     -1 where it is refused. limit, count (m,) B and tokens held; slot_position, slot_score (m, S)
     the rows' slots (-1: empty); position, score (m,) the newcomers'. A row below its limit appends."""
     m, S = slot_position.shape
-    index = count.clone()                                                                    # (m,) append
+    index = count.clone()  # (m,) append
     full = count >= limit
     if not bool(full.any()):
         return index
-    slot = torch.arange(S)[None, :]                                                          # (1, S)
-    kept = slot < limit[:, None]                                                             # (m, S) a full row's slots
+    slot = torch.arange(S)[None, :]  # (1, S)
+    kept = slot < limit[:, None]  # (m, S) a full row's slots
     if policy == "drop":
         victim = torch.full((m,), -1, dtype=torch.int64)
     elif policy == "window":
-        sinks = torch.clamp(limit - 1, max=num_sinks)                                        # (m,) at least 1 slot moves
-        victim, _ = _oldest_lowest(slot_position.to(torch.float64), slot_position, kept & (slot >= sinks[:, None]))
+        sinks = torch.clamp(limit - 1, max=num_sinks)  # (m,) at least 1 slot moves
+        victim, _ = _oldest_lowest(
+            slot_position.to(torch.float64), slot_position, kept & (slot >= sinks[:, None])
+        )
     elif policy == "heavy_hitter":
-        newer = (slot_position[:, None, :] > slot_position[:, :, None]) & kept[:, None, :]   # (m, S, S) j newer than i
-        recent = newer.sum(2) < (limit // 2)[:, None]                                        # (m, S) among the newest B // 2
+        newer = (slot_position[:, None, :] > slot_position[:, :, None]) & kept[
+            :, None, :
+        ]  # (m, S, S) j newer than i
+        recent = newer.sum(2) < (limit // 2)[:, None]  # (m, S) among the newest B // 2
         victim, _ = _oldest_lowest(slot_score, slot_position, kept & ~recent)
-    else:                                                                                    # router_score
+    else:  # router_score
         victim, lowest = _oldest_lowest(slot_score, slot_position, kept)
-        victim = torch.where(score.to(torch.float64) > lowest + SCORE_TIE, victim, -1)       # ties: refused
+        victim = torch.where(score.to(torch.float64) > lowest + SCORE_TIE, victim, -1)  # ties: refused
     return torch.where(full, victim, index)
 
 
@@ -257,29 +289,39 @@ def attend_with_budget(q, k, v, selected, scores, budget: RowBudget, layer: int)
     B, E, H, T, Dh = q.shape
     limit = budget.limit_of_layer(layer)
     rows = B * E
-    slot_token = torch.full((rows, limit), -1, dtype=torch.int64)                            # (R, S) token index
+    slot_token = torch.full((rows, limit), -1, dtype=torch.int64)  # (R, S) token index
     slot_score = torch.zeros(rows, limit, dtype=torch.float64)
     count = torch.zeros(rows, dtype=torch.int64)
-    q, k, v = (t.reshape(rows, H, T, Dh) for t in (q, k, v))                                 # (R, H, T, Dh)
-    routed = selected.permute(0, 2, 1).reshape(rows, T)                                      # (R, T)
+    q, k, v = (t.reshape(rows, H, T, Dh) for t in (q, k, v))  # (R, H, T, Dh)
+    routed = selected.permute(0, 2, 1).reshape(rows, T)  # (R, T)
     router_score = scores.permute(0, 2, 1).reshape(rows, T)
     out = torch.zeros_like(q)
     accepted = torch.zeros(rows, T, dtype=torch.bool)
     for t in range(T):
-        here = routed[:, t].nonzero().squeeze(1)                                             # (m,) rows t goes to
-        index = choose_slots(budget.policy, budget.num_sinks, torch.full_like(here, limit), count[here],
-                             slot_token[here], slot_score[here], torch.full_like(here, t), router_score[here, t])
-        here, index = here[index >= 0], index[index >= 0]                                    # accepted ones
+        here = routed[:, t].nonzero().squeeze(1)  # (m,) rows t goes to
+        index = choose_slots(
+            budget.policy,
+            budget.num_sinks,
+            torch.full_like(here, limit),
+            count[here],
+            slot_token[here],
+            slot_score[here],
+            torch.full_like(here, t),
+            router_score[here, t],
+        )
+        here, index = here[index >= 0], index[index >= 0]  # accepted ones
         slot_token[here, index] = t
         slot_score[here, index] = initial_scores(budget.policy, router_score[here, t])
         count[here] = torch.clamp(count[here] + 1, max=limit)
         accepted[here, t] = True
-        keys_at = slot_token[here].clamp(min=0)                                              # (a, S)
-        gather = keys_at[:, None, :, None].expand(-1, H, -1, Dh)                             # (a, H, S, Dh)
-        keys, values = k[here].gather(2, gather), v[here].gather(2, gather)                  # (a, H, S, Dh)
-        logits = torch.einsum("ahd,ahsd->ahs", q[here, :, t], keys) / math.sqrt(Dh)          # (a, H, S)
+        keys_at = slot_token[here].clamp(min=0)  # (a, S)
+        gather = keys_at[:, None, :, None].expand(-1, H, -1, Dh)  # (a, H, S, Dh)
+        keys, values = k[here].gather(2, gather), v[here].gather(2, gather)  # (a, H, S, Dh)
+        logits = torch.einsum("ahd,ahsd->ahs", q[here, :, t], keys) / math.sqrt(Dh)  # (a, H, S)
         logits = logits.masked_fill((slot_token[here] < 0)[:, None, :], -math.inf)
-        probs = torch.softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1)
+        probs = torch.softmax(
+            logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1
+        )
         out[here, :, t] = torch.einsum("ahs,ahsd->ahd", probs.to(values.dtype), values)
         if budget.policy == "heavy_hitter":
             slot_score[here] += probs.sum(1).to(torch.float64)

@@ -59,15 +59,16 @@ import torch
 from .block_pool import BlockPool, OutOfBlocksError, a_type, checked_ids, entries, integer_dtype, preview
 from .rows import RowIndex, ceil_div
 
-Moves = list[tuple[torch.Tensor, torch.Tensor]]   # (source slots, destination slots), in order
-_NO_BLOCKS = torch.zeros(0, dtype=torch.int64)     # what most decode appends take (never written to)
+Moves = list[tuple[torch.Tensor, torch.Tensor]]  # (source slots, destination slots), in order
+_NO_BLOCKS = torch.zeros(0, dtype=torch.int64)  # what most decode appends take (never written to)
 
 
 @dataclass
 class SlotAllocation:
     """What `allocate_slots` hands back (one result, as vLLM's KVCacheBlocks: docs/design.md)."""
+
     # (n,) each new token's slot in key_cache.view(-1, Hkv, Dh), row after row, in token order
-    slot_mapping: torch.Tensor | None               # None with with_slots=False
+    slot_mapping: torch.Tensor | None  # None with with_slots=False
     # shared tails only: K/V copies to apply, in order, *before* the new tokens are written
     moves: Moves = field(default_factory=list)
 
@@ -75,10 +76,16 @@ class SlotAllocation:
 def check_block_size(block_size) -> int:
     """Block sizes are powers of two: a GPU kernel then splits a slot into block and offset with a
     shift and a mask, and the sweeps of the memory benchmark go 1, 2, 4, ... 256."""
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0 or (
-            block_size & (block_size - 1)):
-        raise ValueError(f"block_size={block_size!r} is not allowed: it must be a positive power "
-                         "of two (1, 2, 4, ..., 256)")
+    if (
+        not isinstance(block_size, int)
+        or isinstance(block_size, bool)
+        or block_size <= 0
+        or (block_size & (block_size - 1))
+    ):
+        raise ValueError(
+            f"block_size={block_size!r} is not allowed: it must be a positive power "
+            "of two (1, 2, 4, ..., 256)"
+        )
     return block_size
 
 
@@ -86,30 +93,42 @@ def checked_placement(device_of_expert, num_layers: int, num_experts: int, num_d
     """device_of_expert as (L, E) int64: given (E,) for every layer or (L, E), devices in [0, D), or
     ValueError naming the first bad value (nothing is rounded or read as digits)."""
     devices = f"0..{num_devices - 1}"
-    allowed = (f"devices {devices} as an integer tensor or numpy array, or (nested) lists of ints, of shape "
-               f"(E,) = ({num_experts},) or (L, E) = ({num_layers}, {num_experts})")
+    allowed = (
+        f"devices {devices} as an integer tensor or numpy array, or (nested) lists of ints, of shape "
+        f"(E,) = ({num_experts},) or (L, E) = ({num_layers}, {num_experts})"
+    )
     if isinstance(device_of_expert, (list, tuple)):
         for where, value in entries(device_of_expert):
             if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"device_of_expert{where}={value!r} is {a_type(value)}; allowed: {allowed}")
         try:
             placement = torch.tensor(device_of_expert, dtype=torch.int64)
-        except (TypeError, ValueError) as error:                   # ragged lists
-            raise ValueError(f"device_of_expert is not a rectangular table ({error}); allowed: {allowed}") from None
+        except (TypeError, ValueError) as error:  # ragged lists
+            raise ValueError(
+                f"device_of_expert is not a rectangular table ({error}); allowed: {allowed}"
+            ) from None
     elif isinstance(device_of_expert, (torch.Tensor, np.ndarray)):
         if not integer_dtype(device_of_expert.dtype):
-            raise ValueError(f"{_first_value(device_of_expert)} has dtype {device_of_expert.dtype}; allowed: {allowed}")
+            raise ValueError(
+                f"{_first_value(device_of_expert)} has dtype {device_of_expert.dtype}; allowed: {allowed}"
+            )
         placement = torch.as_tensor(device_of_expert).to(torch.int64)
     else:
-        raise ValueError(f"device_of_expert={device_of_expert!r} is {a_type(device_of_expert)}; allowed: {allowed}")
+        raise ValueError(
+            f"device_of_expert={device_of_expert!r} is {a_type(device_of_expert)}; allowed: {allowed}"
+        )
     if placement.dim() == 1:
         placement = placement.expand(num_layers, -1)
     if placement.shape != (num_layers, num_experts):
-        raise ValueError(f"device_of_expert must be (E,) = ({num_experts},) or (L, E) = ({num_layers}, "
-                         f"{num_experts}); got {tuple(placement.shape)}")
+        raise ValueError(
+            f"device_of_expert must be (E,) = ({num_experts},) or (L, E) = ({num_layers}, "
+            f"{num_experts}); got {tuple(placement.shape)}"
+        )
     if placement.numel() and (int(placement.min()) < 0 or int(placement.max()) >= num_devices):
-        raise ValueError(f"device_of_expert names devices {sorted(set(placement.reshape(-1).tolist()))}; "
-                         f"allowed: {devices} (one per entry of blocks_per_device)")
+        raise ValueError(
+            f"device_of_expert names devices {sorted(set(placement.reshape(-1).tolist()))}; "
+            f"allowed: {devices} (one per entry of blocks_per_device)"
+        )
     return placement.contiguous()
 
 
@@ -117,62 +136,83 @@ def _first_value(placement) -> str:
     """`device_of_expert[i]=v` for the first entry that is not a whole number (else the first)."""
     try:
         flat = torch.as_tensor(placement).reshape(-1)
-    except TypeError:                                             # a numpy array of text or objects
+    except TypeError:  # a numpy array of text or objects
         return "device_of_expert"
     if flat.numel() == 0:
         return "device_of_expert=[]"
     i = int((flat != flat.round()).int().argmax()) if flat.is_floating_point() else 0
     index = ", ".join(str(int(k)) for k in np.unravel_index(i, tuple(placement.shape)))
-    return f"device_of_expert[{index}]={preview(flat[i:i + 1])[1:-1]}"
+    return f"device_of_expert[{index}]={preview(flat[i : i + 1])[1:-1]}"
 
 
 class KVCacheManager:
     """Block tables and token counts for every (sequence, layer, expert) row over one BlockPool.
     device_of_expert: (E,) or (L, E), all zeros when left out; tails, prefix_cache: its parts."""
-    _UNDO_SHARED = ("_placement",)                          # engine/undo.py: set once, never changed
 
-    def __init__(self, num_layers: int, num_experts: int, block_size: int, num_blocks: int | None = None,
-                 shuffle_seed: int | None = None, initial_num_seqs: int = 4,
-                 initial_blocks_per_row: int = 4, blocks_per_device=None, device_of_expert=None,
-                 home_devices: bool = False, tails=None, prefix_cache=None, budget=None):
+    _UNDO_SHARED = ("_placement",)  # engine/undo.py: set once, never changed
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        block_size: int,
+        num_blocks: int | None = None,
+        shuffle_seed: int | None = None,
+        initial_num_seqs: int = 4,
+        initial_blocks_per_row: int = 4,
+        blocks_per_device=None,
+        device_of_expert=None,
+        home_devices: bool = False,
+        tails=None,
+        prefix_cache=None,
+        budget=None,
+    ):
         for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} is not allowed: it must be a positive integer")
         if not isinstance(home_devices, bool) or (home_devices and device_of_expert is not None):
-            raise ValueError(f"home_devices={home_devices!r} must be a bool, and True only without "
-                             f"device_of_expert (a row's device is then its sequence's home, not its expert's)")
+            raise ValueError(
+                f"home_devices={home_devices!r} must be a bool, and True only without "
+                f"device_of_expert (a row's device is then its sequence's home, not its expert's)"
+            )
         self.home_devices, self.num_layers, self.num_experts = home_devices, num_layers, num_experts
         self.block_size = check_block_size(block_size)
         self.pool = BlockPool(num_blocks, shuffle_seed, blocks_per_device)
         if tails is not None and prefix_cache is not None:
-            raise ValueError("shared tails and prefix caching do not combine: a prefix hit copies "
-                             "the block straddling its end, but a shared-tail row keeps its last "
-                             "tokens in its sequence's tail blocks, not in a block of its own; use "
-                             "one or the other (each works with one device or several)")
+            raise ValueError(
+                "shared tails and prefix caching do not combine: a prefix hit copies "
+                "the block straddling its end, but a shared-tail row keeps its last "
+                "tokens in its sequence's tail blocks, not in a block of its own; use "
+                "one or the other (each works with one device or several)"
+            )
         if budget is not None and (tails is not None or prefix_cache is not None):
-            raise ValueError("a row budget combines with neither shared tails nor prefix caching: a full "
-                             "budgeted row replaces tokens in place, so its blocks hold what its policy "
-                             "kept, not a prefix another request could reuse, and its last tokens are "
-                             "not a tail to share; build the cache with the budget alone")
+            raise ValueError(
+                "a row budget combines with neither shared tails nor prefix caching: a full "
+                "budgeted row replaces tokens in place, so its blocks hold what its policy "
+                "kept, not a prefix another request could reuse, and its last tokens are "
+                "not a tail to share; build the cache with the budget alone"
+            )
         if device_of_expert is None:
             device_of_expert = torch.zeros(num_experts, dtype=torch.int64)
-        self._placement = checked_placement(device_of_expert, num_layers, num_experts,
-                                            self.pool.num_devices)                          # (L, E)
+        self._placement = checked_placement(
+            device_of_expert, num_layers, num_experts, self.pool.num_devices
+        )  # (L, E)
         self.index = RowIndex(num_layers, num_experts)
         self.rows_per_seq = self.index.rows_per_seq
-        self.pad = self.pool.num_blocks             # padding in block tables: never a real block
+        self.pad = self.pool.num_blocks  # padding in block tables: never a real block
         num_rows = initial_num_seqs * self.rows_per_seq
-        self.row_tokens = torch.zeros(num_rows, dtype=torch.int64)          # (R,)
-        self.row_device = torch.zeros(num_rows, dtype=torch.int64)                  # (R,) set by add_sequence
-        self.block_tables = torch.full((num_rows, initial_blocks_per_row), self.pad,
-                                       dtype=torch.int32)                          # (R, W)
-        self.last_position = torch.full((num_rows,), -1, dtype=torch.int64)         # (R,)
-        self.clock = 0                              # stamped on the rows each append grows
-        self.last_appended = torch.full((num_rows,), -1, dtype=torch.int64)         # (R,)
+        self.row_tokens = torch.zeros(num_rows, dtype=torch.int64)  # (R,)
+        self.row_device = torch.zeros(num_rows, dtype=torch.int64)  # (R,) set by add_sequence
+        self.block_tables = torch.full(
+            (num_rows, initial_blocks_per_row), self.pad, dtype=torch.int32
+        )  # (R, W)
+        self.last_position = torch.full((num_rows,), -1, dtype=torch.int64)  # (R,)
+        self.clock = 0  # stamped on the rows each append grows
+        self.last_appended = torch.full((num_rows,), -1, dtype=torch.int64)  # (R,)
         D = self.pool.num_devices
-        self.open_rows = torch.zeros(initial_num_seqs, num_layers, D, dtype=torch.int32)   # (S, L, D)
-        self.count_blocks = torch.zeros(initial_num_seqs, D, dtype=torch.int64)            # (S, D)
-        self._seq_index: dict[int, int] = {}        # sequence id -> its slot of rows
+        self.open_rows = torch.zeros(initial_num_seqs, num_layers, D, dtype=torch.int32)  # (S, L, D)
+        self.count_blocks = torch.zeros(initial_num_seqs, D, dtype=torch.int64)  # (S, D)
+        self._seq_index: dict[int, int] = {}  # sequence id -> its slot of rows
         self._free_seq_indices = list(range(initial_num_seqs - 1, -1, -1))
         self.tails, self.prefix_cache, self.budget = tails, prefix_cache, budget
         for part in (tails, prefix_cache, budget):
@@ -196,9 +236,11 @@ class KVCacheManager:
         """(L, E) the device of each expert's rows; with home_devices it raises rather than answer
         device 0 for every row."""
         if self.home_devices:
-            raise ValueError("with home_devices a row's device is its sequence's home (s % D), not its "
-                             "expert's: ask device_of_expert_of(seq_ids) for the (m, L, E) devices of "
-                             "those sequences' rows")
+            raise ValueError(
+                "with home_devices a row's device is its sequence's home (s % D), not its "
+                "expert's: ask device_of_expert_of(seq_ids) for the (m, L, E) devices of "
+                "those sequences' rows"
+            )
         return self._placement
 
     def device_of_rows(self, rows) -> torch.Tensor:
@@ -207,16 +249,23 @@ class KVCacheManager:
 
     def device_of_expert_of(self, seq_ids) -> torch.Tensor:
         """(m, L, E) the device of each row of these sequences, held or not."""
-        seq_ids = torch.tensor([int(s) for s in seq_ids], dtype=torch.int64)                # (m,)
+        seq_ids = torch.tensor([int(s) for s in seq_ids], dtype=torch.int64)  # (m,)
         if self.home_devices:
             return (seq_ids % self.num_devices).view(-1, 1, 1).expand(-1, self.num_layers, self.num_experts)
         return self._placement.expand(seq_ids.numel(), -1, -1)
 
     def blocks_held_per_device(self, seq_ids) -> torch.Tensor:
         """(m, D) blocks each sequence owns on each device (tail blocks too); zeros if not held."""
-        return torch.stack([torch.zeros(self.num_devices, dtype=torch.int64) if not self.holds(s) else
-                            torch.bincount(self.pool.device_of_blocks(self.blocks_of_sequence(s)),
-                                           minlength=self.num_devices) for s in seq_ids])
+        return torch.stack(
+            [
+                torch.zeros(self.num_devices, dtype=torch.int64)
+                if not self.holds(s)
+                else torch.bincount(
+                    self.pool.device_of_blocks(self.blocks_of_sequence(s)), minlength=self.num_devices
+                )
+                for s in seq_ids
+            ]
+        )
 
     def blocks_needed_per_device(self, rows, num_new_tokens) -> torch.Tensor:
         """(D,) blocks appending num_new_tokens[i] tokens to rows[i] takes (before compaction)."""
@@ -226,10 +275,12 @@ class KVCacheManager:
             return self.tails.num_blocks_needed_per_device(rows, num_new_tokens)
         old = self.row_tokens[rows]
         new = old + num_new_tokens
-        if self.budget is not None:                              # a row stops growing at its budget
+        if self.budget is not None:  # a row stops growing at its budget
             new = torch.minimum(new, self.budget.limit_of_rows(rows))
         new_blocks = ceil_div(new, self.block_size) - ceil_div(old, self.block_size)
-        return torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, self.device_of_rows(rows), new_blocks)
+        return torch.zeros(self.num_devices, dtype=torch.int64).index_add_(
+            0, self.device_of_rows(rows), new_blocks
+        )
 
     sequences = property(lambda self: list(self._seq_index))
 
@@ -245,19 +296,24 @@ class KVCacheManager:
             self._grow_rows()
         index = self._free_seq_indices.pop()
         self._seq_index[seq_id] = index
-        rows = self.index.sequence_rows(torch.tensor([index]))[0]                                  # (L*E,)
-        devices = self.device_of_expert_of([seq_id])[0]                                             # (L, E)
+        rows = self.index.sequence_rows(torch.tensor([index]))[0]  # (L*E,)
+        devices = self.device_of_expert_of([seq_id])[0]  # (L, E)
         self.row_device[rows] = devices.reshape(-1)
-        self.open_rows[index] = torch.zeros(self.num_layers, self.num_devices, dtype=torch.int32).scatter_add_(
-            1, devices, torch.ones_like(devices, dtype=torch.int32))          # every row is empty: all open
+        self.open_rows[index] = torch.zeros(
+            self.num_layers, self.num_devices, dtype=torch.int32
+        ).scatter_add_(
+            1, devices, torch.ones_like(devices, dtype=torch.int32)
+        )  # every row is empty: all open
         if self.tails is not None:
             self.tails.add_sequence(index)
         return index
 
     def seq_index(self, seq_id: int) -> int:
         if int(seq_id) not in self._seq_index:
-            raise KeyError(f"sequence {seq_id} is not in the cache (unknown, or already freed); "
-                           f"known: {sorted(self._seq_index)[:10]}")
+            raise KeyError(
+                f"sequence {seq_id} is not in the cache (unknown, or already freed); "
+                f"known: {sorted(self._seq_index)[:10]}"
+            )
         return self._seq_index[int(seq_id)]
 
     def seq_slots(self, seq_ids: list[int]) -> list[int | None]:
@@ -267,17 +323,21 @@ class KVCacheManager:
     def rows(self, seq_ids, layer: int, experts) -> torch.Tensor:
         """Row ids of (seq_ids[i], layer, experts[i]); experts may be one int for all."""
         if not isinstance(layer, numbers.Integral) or isinstance(layer, bool):
-            raise ValueError(f"layer={layer!r} is {a_type(layer)}; allowed: an integer in [0, {self.num_layers})")
+            raise ValueError(
+                f"layer={layer!r} is {a_type(layer)}; allowed: an integer in [0, {self.num_layers})"
+            )
         seq_ids = checked_ids(seq_ids, "seq_ids").reshape(-1)
         experts = checked_ids(experts, "experts").expand_as(seq_ids)
         lowest, highest = torch.aminmax(experts) if experts.numel() else (0, 0)
         if not 0 <= layer < self.num_layers or not 0 <= int(lowest) <= int(highest) < self.num_experts:
-            raise ValueError(f"layer {layer} or experts {sorted(set(experts.tolist()))[:8]} outside "
-                             f"[0, {self.num_layers}) x [0, {self.num_experts})")
-        try:            # one dict lookup per id: cheaper than sorting out the few distinct ones first
+            raise ValueError(
+                f"layer {layer} or experts {sorted(set(experts.tolist()))[:8]} outside "
+                f"[0, {self.num_layers}) x [0, {self.num_experts})"
+            )
+        try:  # one dict lookup per id: cheaper than sorting out the few distinct ones first
             slots = torch.tensor([self._seq_index[s] for s in seq_ids.tolist()], dtype=torch.int64)
         except KeyError as missing:
-            self.seq_index(missing.args[0])                                       # raises its KeyError
+            self.seq_index(missing.args[0])  # raises its KeyError
         return self.index.row(slots, layer, experts)
 
     def used_columns(self, rows=slice(None)) -> torch.Tensor:
@@ -294,17 +354,19 @@ class KVCacheManager:
         L = self.num_layers
         E = self.num_experts
         D = self.num_devices
-        old = self.row_tokens[rows]                                                         # (m,)
+        old = self.row_tokens[rows]  # (m,)
         self.row_tokens[rows] = counts
-        where = (rows // E) * D + self.row_device[rows]                           # (slot * L + layer) * D + device
+        where = (rows // E) * D + self.row_device[rows]  # (slot * L + layer) * D + device
         opened = ((counts & (P - 1)) == 0).to(torch.int32) - ((old & (P - 1)) == 0).to(torch.int32)
         self.open_rows.view(-1).index_add_(0, where, opened)
-        grown = ceil_div(counts, P) - ceil_div(old, P)                                      # (m,)
+        grown = ceil_div(counts, P) - ceil_div(old, P)  # (m,)
         self.count_blocks.view(-1).index_add_(0, (rows // (L * E)) * D + self.row_device[rows], grown)
 
     def _clear_rows(self, rows) -> None:
-        self.set_row_tokens(torch.as_tensor(rows, dtype=torch.int64).reshape(-1),
-                            torch.zeros(torch.as_tensor(rows).numel(), dtype=torch.int64))
+        self.set_row_tokens(
+            torch.as_tensor(rows, dtype=torch.int64).reshape(-1),
+            torch.zeros(torch.as_tensor(rows).numel(), dtype=torch.int64),
+        )
         self.block_tables[rows] = self.pad
         self.last_position[rows] = -1
         self.last_appended[rows] = -1
@@ -338,9 +400,15 @@ class KVCacheManager:
             self._grow_tables(int(columns.max()) + 1)
         self.block_tables[rows, columns] = block_ids.to(torch.int32)
 
-    def start_from_blocks(self, seq_id: int, row_counts: torch.Tensor, shared_rows: torch.Tensor,
-                          shared_columns: torch.Tensor, shared_blocks: torch.Tensor,
-                          copied_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def start_from_blocks(
+        self,
+        seq_id: int,
+        row_counts: torch.Tensor,
+        shared_rows: torch.Tensor,
+        shared_columns: torch.Tensor,
+        shared_blocks: torch.Tensor,
+        copied_rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A new sequence whose rows (indexed 0..L*E-1) hold row_counts tokens from the start: the
         blocks shared_blocks[i] listed at column shared_columns[i] of row shared_rows[i], and one
         fresh block (a copy's destination, on its row's device) at the last column of each
@@ -348,7 +416,7 @@ class KVCacheManager:
         changing nothing, when a device is short of them (a prefix hit: prefix_cache.py)."""
         one_each = torch.ones_like(copied_rows)
         index = self.add_sequence(seq_id)
-        rows = self.index.sequence_rows(torch.tensor([index]))[0]                          # (L*E,)
+        rows = self.index.sequence_rows(torch.tensor([index]))[0]  # (L*E,)
         try:
             fresh = self._take_blocks(rows[copied_rows], one_each, one_each)
         except OutOfBlocksError:
@@ -359,13 +427,15 @@ class KVCacheManager:
         self.set_row_tokens(rows, row_counts)
         return rows, fresh
 
-    def restore_sequence(self, seq_id: int, token_counts: torch.Tensor, last_appended: torch.Tensor) -> torch.Tensor:
+    def restore_sequence(
+        self, seq_id: int, token_counts: torch.Tensor, last_appended: torch.Tensor
+    ) -> torch.Tensor:
         """A sequence back from the swap space: its rows hold token_counts (L*E,) tokens again in
         fresh blocks, with the clocks last_appended (L*E,) they had (coming back is not a use).
         Returns the new blocks in blocks_of_sequence's order; OutOfBlocksError, changing nothing,
         when a device is short."""
         index = self.add_sequence(seq_id)
-        rows = self.index.sequence_rows(torch.tensor([index]))[0]                          # (L*E,)
+        rows = self.index.sequence_rows(torch.tensor([index]))[0]  # (L*E,)
         try:
             self.allocate_slots(rows, token_counts, rows_are_distinct=True, with_slots=False)
         except OutOfBlocksError:
@@ -377,17 +447,21 @@ class KVCacheManager:
     # ----- the scheduler's questions --------------------------------------------------------------
     def can_allocate(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> bool:
         """Whether the append fits every device's pool."""
-        needed = self.blocks_needed_per_device(rows, num_new_tokens)                         # (D,)
+        needed = self.blocks_needed_per_device(rows, num_new_tokens)  # (D,)
         return bool((needed <= self.num_free_blocks_per_device).all())
 
     def blocks_of_sequence(self, seq_id: int) -> torch.Tensor:
         """Every block the sequence owns, row by row in token order, then its tail blocks: what a
         swap to a CPU pool copies, and what `free` returns."""
         index = self.seq_index(seq_id)
-        rows = self.index.sequence_rows(torch.tensor([index]))[0]                       # (L*E,)
+        rows = self.index.sequence_rows(torch.tensor([index]))[0]  # (L*E,)
         tail_blocks = [] if self.tails is None else self.tails.blocks_of_sequence(index)
-        return torch.cat([self.block_tables[rows][self.used_columns(rows)].to(torch.int64),
-                          torch.tensor(tail_blocks, dtype=torch.int64)])
+        return torch.cat(
+            [
+                self.block_tables[rows][self.used_columns(rows)].to(torch.int64),
+                torch.tensor(tail_blocks, dtype=torch.int64),
+            ]
+        )
 
     def num_blocks_of_sequence(self, seq_id: int) -> int:
         """blocks_of_sequence(seq_id).numel(), from count_blocks where no tail blocks exist."""
@@ -397,18 +471,20 @@ class KVCacheManager:
 
     def token_counts(self, seq_ids) -> torch.Tensor:
         """(num_seqs, L, E) tokens held per row; zeros for a sequence the cache does not hold."""
-        seq_ids = [int(s) for s in seq_ids]      # one gather (the scheduler asks for the whole batch)
-        slots = [self._seq_index.get(s, 0) for s in seq_ids]                  # slot 0 stands in, zeroed
-        counts = self.row_tokens.view(-1, self.num_layers, self.num_experts)[slots]   # a slot's rows: L * E in a row
+        seq_ids = [int(s) for s in seq_ids]  # one gather (the scheduler asks for the whole batch)
+        slots = [self._seq_index.get(s, 0) for s in seq_ids]  # slot 0 stands in, zeroed
+        counts = self.row_tokens.view(-1, self.num_layers, self.num_experts)[
+            slots
+        ]  # a slot's rows: L * E in a row
         if missing := [i for i, s in enumerate(seq_ids) if s not in self._seq_index]:
             counts[missing] = 0
-        return counts                                                          # (m, L, E), a copy
+        return counts  # (m, L, E), a copy
 
     def row_last_used(self, seq_id: int) -> torch.Tensor:
         """(L, E) the clock of each row's last append (-1: never, or a sequence not held)."""
         if int(seq_id) not in self._seq_index:
             return torch.full((self.num_layers, self.num_experts), -1, dtype=torch.int64)
-        rows = self.index.sequence_rows(torch.tensor([self._seq_index[int(seq_id)]]))[0]     # (L*E,)
+        rows = self.index.sequence_rows(torch.tensor([self._seq_index[int(seq_id)]]))[0]  # (L*E,)
         return self.last_appended[rows].view(self.num_layers, self.num_experts).clone()
 
     def block_owners(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -423,8 +499,14 @@ class KVCacheManager:
         return owner_row, used_slots
 
     # ----- allocate / slots / free ----------------------------------------------------------------
-    def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor, rows_are_distinct: bool = False,
-                       with_slots: bool = True, one_each: bool = False) -> SlotAllocation:
+    def allocate_slots(
+        self,
+        rows: torch.Tensor,
+        num_new_tokens: torch.Tensor,
+        rows_are_distinct: bool = False,
+        with_slots: bool = True,
+        one_each: bool = False,
+    ) -> SlotAllocation:
         """Make room for num_new_tokens[i] more tokens in the distinct rows[i] and count them as
         stored. Raises OutOfBlocksError, changing nothing, when the pool is short (a scheduler asks
         `can_allocate` first). rows_are_distinct=True skips the distinctness check (a sort);
@@ -433,25 +515,27 @@ class KVCacheManager:
         distinct int64 ids taking one token each (a decode append)."""
         P = self.block_size
         if not one_each:
-            rows, num_new_tokens, fewest, most = self._check_allocation(rows, num_new_tokens, rows_are_distinct)
+            rows, num_new_tokens, fewest, most = self._check_allocation(
+                rows, num_new_tokens, rows_are_distinct
+            )
             one_each = fewest == most == 1
         if self.tails is not None:
             return self.tails.allocate_slots(rows, num_new_tokens, with_slots)
         if rows.numel() == 0:
             return SlotAllocation(torch.zeros(0, dtype=torch.int64))
-        old = self.row_tokens[rows]                                       # (m,)
+        old = self.row_tokens[rows]  # (m,)
         new = old + num_new_tokens
         # decode: the new token goes to column old // P, offset old % P, and needs a block at offset 0
         column, offset = (old // P, old % P) if one_each else (None, None)
-        needed = offset == 0 if one_each else ceil_div(new, P) - ceil_div(old, P)      # (m,) bool or int
-        block_ids = self._take_blocks(rows, needed, num_new_tokens)                # (total,) may raise
-        if block_ids.numel():               # with equal lengths, a decode step takes none P - 1 of P times
-            if one_each:                    # a row whose last block is full: one block, at its column
-                getting = needed.nonzero().squeeze(1)                                 # (total,)
+        needed = offset == 0 if one_each else ceil_div(new, P) - ceil_div(old, P)  # (m,) bool or int
+        block_ids = self._take_blocks(rows, needed, num_new_tokens)  # (total,) may raise
+        if block_ids.numel():  # with equal lengths, a decode step takes none P - 1 of P times
+            if one_each:  # a row whose last block is full: one block, at its column
+                getting = needed.nonzero().squeeze(1)  # (total,)
                 owner_rows, block_column = rows[getting], column[getting]
-            else:                           # the k-th new block of row i: column ceil(old[i] / P) + k
+            else:  # the k-th new block of row i: column ceil(old[i] / P) + k
                 owner = torch.repeat_interleave(torch.arange(rows.numel()), needed)  # (total,)
-                first_new = torch.cumsum(needed, 0) - needed                          # (m,)
+                first_new = torch.cumsum(needed, 0) - needed  # (m,)
                 owner_rows = rows[owner]
                 block_column = torch.arange(block_ids.numel()) - first_new[owner] + ceil_div(old, P)[owner]
             widest = int(block_column.max()) + 1
@@ -462,27 +546,37 @@ class KVCacheManager:
         self.last_appended[rows if one_each else rows[num_new_tokens > 0]] = self.clock
         if not with_slots:
             return SlotAllocation(None)
-        return SlotAllocation(offset.add_(self.block_tables[rows, column], alpha=P) if one_each  # block * P + offset
-                              else self.slots(rows, old, num_new_tokens))
+        return SlotAllocation(
+            offset.add_(self.block_tables[rows, column], alpha=P)
+            if one_each  # block * P + offset
+            else self.slots(rows, old, num_new_tokens)
+        )
 
-    def allocate_within_budget(self, rows: torch.Tensor, positions: torch.Tensor,
-                               scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def allocate_within_budget(
+        self, rows: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One newcomer for each of the distinct rows (a manager with a budget): the budget's policy
         says where each goes (budget.py); a row below its budget appends it (which may take a block,
         OutOfBlocksError changing nothing), a full row gives it the victim's slot, or refuses it.
         Returns the accepted newcomers' slots (a,) and accepted (m,) bool."""
-        index = self.budget.choose(rows, positions, scores)                             # (m,) -1: refused
+        index = self.budget.choose(rows, positions, scores)  # (m,) -1: refused
         accepted = index >= 0
-        taken, slot_index = rows[accepted], index[accepted]                             # (a,) each
-        appending = slot_index == self.row_tokens[taken]                                # (a,) below budget
-        self.allocate_slots(taken[appending], torch.ones(int(appending.sum()), dtype=torch.int64),
-                            rows_are_distinct=True, with_slots=False)
+        taken, slot_index = rows[accepted], index[accepted]  # (a,) each
+        appending = slot_index == self.row_tokens[taken]  # (a,) below budget
+        self.allocate_slots(
+            taken[appending],
+            torch.ones(int(appending.sum()), dtype=torch.int64),
+            rows_are_distinct=True,
+            with_slots=False,
+        )
         self.budget.record(rows, index, positions, scores)
         self.last_position[taken] = positions[accepted]
         self.last_appended[taken] = self.clock
         return self.slot_of(taken, slot_index), accepted
 
-    def _take_blocks(self, rows: torch.Tensor, needed: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
+    def _take_blocks(
+        self, rows: torch.Tensor, needed: torch.Tensor, num_new_tokens: torch.Tensor
+    ) -> torch.Tensor:
         """needed[i] fresh blocks for rows[i], from its row's device, row after row; raises
         OutOfBlocksError, changing nothing, when short."""
         if self.num_devices == 1:
@@ -493,40 +587,48 @@ class KVCacheManager:
                 self.raise_short(torch.tensor([total]), rows, num_new_tokens)
             block_ids = self.pool.allocate(total)
         else:
-            device, needed = self.device_of_rows(rows), needed.to(torch.int64)          # (m,) each
+            device, needed = self.device_of_rows(rows), needed.to(torch.int64)  # (m,) each
             per_device = torch.zeros(self.num_devices, dtype=torch.int64)
-            per_device.index_add_(0, device, needed)                                    # (D,)
+            per_device.index_add_(0, device, needed)  # (D,)
             self.raise_short(per_device, rows, num_new_tokens)
-            block_device = torch.repeat_interleave(device, needed)                      # (total,)
+            block_device = torch.repeat_interleave(device, needed)  # (total,)
             block_ids = torch.empty(block_device.numel(), dtype=torch.int64)
             # device after device, each device's in row order
             block_ids[torch.argsort(block_device, stable=True)] = self.pool.allocate_per_device(per_device)
-        if self.prefix_cache is not None:                # their slots hold no position yet
+        if self.prefix_cache is not None:  # their slots hold no position yet
             self.prefix_cache.clear_positions(block_ids)
         return block_ids
 
     def raise_short(self, needed: torch.Tensor, rows, num_new_tokens) -> None:
         """OutOfBlocksError naming the pool (or first device) short of the needed (D,) blocks."""
-        free = self.num_free_blocks_per_device                                              # (D,)
+        free = self.num_free_blocks_per_device  # (D,)
         short = (needed > free).nonzero().squeeze(1)
         if not short.numel():
             return
         tokens, d = int(num_new_tokens.sum()), int(short[0])
-        shortfall = torch.clamp(needed - free, min=0)                                        # (D,)
+        shortfall = torch.clamp(needed - free, min=0)  # (D,)
         if self.num_devices == 1:
-            raise OutOfBlocksError(f"appending {tokens} tokens to {rows.numel()} rows needs "
-                                   f"{int(needed[0])} blocks; {int(free[0])} are free", shortfall)
-        raise OutOfBlocksError(f"device {d} is short: appending {tokens} tokens needs "
-                               f"{int(needed[d])} blocks there, {int(free[d])} of "
-                               f"{int(self.blocks_per_device[d])} are free", shortfall)
+            raise OutOfBlocksError(
+                f"appending {tokens} tokens to {rows.numel()} rows needs "
+                f"{int(needed[0])} blocks; {int(free[0])} are free",
+                shortfall,
+            )
+        raise OutOfBlocksError(
+            f"device {d} is short: appending {tokens} tokens needs "
+            f"{int(needed[d])} blocks there, {int(free[d])} of "
+            f"{int(self.blocks_per_device[d])} are free",
+            shortfall,
+        )
 
     @staticmethod
     def _check_allocation(rows, num_new_tokens, rows_are_distinct: bool):
         rows = checked_ids(rows, "rows")
         num_new_tokens = checked_ids(num_new_tokens, "num_new_tokens")
         if rows.shape != num_new_tokens.shape or rows.dim() != 1:
-            raise ValueError(f"rows and num_new_tokens must be 1-D of equal length, got "
-                             f"{tuple(rows.shape)} and {tuple(num_new_tokens.shape)}")
+            raise ValueError(
+                f"rows and num_new_tokens must be 1-D of equal length, got "
+                f"{tuple(rows.shape)} and {tuple(num_new_tokens.shape)}"
+            )
         fewest, most = (int(t) for t in torch.aminmax(num_new_tokens)) if num_new_tokens.numel() else (0, 0)
         if fewest < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {fewest}")
@@ -547,19 +649,19 @@ class KVCacheManager:
         """Slots (m, Lmax) of each row's tokens, padded, and valid (m, Lmax). Padding holds slot 0,
         a real slot: mask it, never read it as data."""
         rows = torch.as_tensor(rows, dtype=torch.int64)
-        lens = self.row_tokens[rows]                                      # (m,)
-        token = torch.arange(int(lens.max()) if rows.numel() else 0)               # (Lmax,)
-        valid = token[None, :] < lens[:, None]                                     # (m, Lmax)
-        token = torch.minimum(token[None, :], (lens - 1).clamp(min=0)[:, None])    # (m, Lmax) in range
+        lens = self.row_tokens[rows]  # (m,)
+        token = torch.arange(int(lens.max()) if rows.numel() else 0)  # (Lmax,)
+        valid = token[None, :] < lens[:, None]  # (m, Lmax)
+        token = torch.minimum(token[None, :], (lens - 1).clamp(min=0)[:, None])  # (m, Lmax) in range
         slots = self.slot_of(rows[:, None].expand_as(token), token)
         return torch.where(valid, slots, 0), valid
 
     def slots(self, rows, starts, counts) -> torch.Tensor:
         """Slots of tokens starts[i] .. starts[i] + counts[i] - 1 of each row, row after row."""
         total = int(counts.sum())
-        owner = torch.repeat_interleave(torch.arange(rows.numel()), counts)      # (t,)
-        first = torch.cumsum(counts, 0) - counts                                  # (m,)
-        token = torch.arange(total) - first[owner] + starts[owner]                # (t,) index in row
+        owner = torch.repeat_interleave(torch.arange(rows.numel()), counts)  # (t,)
+        first = torch.cumsum(counts, 0) - counts  # (m,)
+        token = torch.arange(total) - first[owner] + starts[owner]  # (t,) index in row
         return self.slot_of(rows[owner], token)
 
     def slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
@@ -567,12 +669,12 @@ class KVCacheManager:
         if self.tails is not None:
             return self.tails.slot_of(row, token)
         P = self.block_size
-        return (token % P).add_(self.block_tables[row, token // P], alpha=P)       # offset + P * block
+        return (token % P).add_(self.block_tables[row, token // P], alpha=P)  # offset + P * block
 
     def free(self, seq_id: int) -> None:
         """Return every block of the sequence to the pool and forget it; KeyError, changing
         nothing, for a sequence the cache does not hold."""
-        index = self.seq_index(seq_id)                       # KeyError before any change
+        index = self.seq_index(seq_id)  # KeyError before any change
         self.pool.free(self.blocks_of_sequence(seq_id))
         rows = self.index.sequence_rows(torch.tensor([index]))[0]
         if self.tails is not None:
@@ -593,25 +695,33 @@ class KVCacheManager:
         if rows.unique().numel() != rows.numel():
             raise ValueError("rows must be distinct within one free_rows call")
         held = set(self._seq_index.values())
-        if rows.numel() and (rows.min() < 0 or rows.max() >= self.row_tokens.numel() or not set(
-                (rows // self.rows_per_seq).tolist()) <= held):
+        if rows.numel() and (
+            rows.min() < 0
+            or rows.max() >= self.row_tokens.numel()
+            or not set((rows // self.rows_per_seq).tolist()) <= held
+        ):
             raise ValueError(f"rows {rows.tolist()[:8]} are not all rows of sequences the cache holds")
         blocks = self.block_tables[rows][self.used_columns(rows)].to(torch.int64)
         self.pool.free(blocks)
         self._clear_rows(rows)
         return blocks.numel()
 
-    @torch.inference_mode(False)      # tables kept across steps: never inference tensors
+    @torch.inference_mode(False)  # tables kept across steps: never inference tensors
     def _grow_rows(self) -> None:
         """Double the sequence slots (bookkeeping only; the pool never grows)."""
         num_seqs = self.row_tokens.numel() // self.rows_per_seq
         extra = num_seqs * self.rows_per_seq
-        for name, fill in (("row_tokens", 0), ("row_device", 0), ("last_position", -1),
-                           ("last_appended", -1), ("block_tables", self.pad)):
+        for name, fill in (
+            ("row_tokens", 0),
+            ("row_device", 0),
+            ("last_position", -1),
+            ("last_appended", -1),
+            ("block_tables", self.pad),
+        ):
             old = getattr(self, name)
             new = torch.full((extra, *old.shape[1:]), fill, dtype=old.dtype)
             setattr(self, name, torch.cat([old, new]))
-        for name in ("open_rows", "count_blocks"):                                   # over slots
+        for name in ("open_rows", "count_blocks"):  # over slots
             old = getattr(self, name)
             setattr(self, name, torch.cat([old, torch.zeros_like(old)]))
         self._free_seq_indices = list(range(2 * num_seqs - 1, num_seqs - 1, -1)) + self._free_seq_indices
@@ -624,23 +734,27 @@ class KVCacheManager:
         width = self.block_tables.shape[1]
         while width < min_width:
             width *= 2
-        extra = torch.full((len(self.block_tables), width - self.block_tables.shape[1]), self.pad, dtype=torch.int32)
+        extra = torch.full(
+            (len(self.block_tables), width - self.block_tables.shape[1]), self.pad, dtype=torch.int32
+        )
         self.block_tables = torch.cat([self.block_tables, extra], dim=1)
 
     def assert_consistent(self) -> None:
         """The invariants of the module docstring; AssertionError names the broken one."""
         self.pool.assert_consistent()
-        used = self.used_columns()                                                # (R, W)
+        used = self.used_columns()  # (R, W)
         owned = self.block_tables[used].to(torch.int64)
         assert (self.block_tables[~used] == self.pad).all(), "a table entry past a row's blocks is set"
         assert (owned < self.num_blocks).all(), "a row's used table entry is padding"
-        assert torch.equal(self.pool.device_of_blocks(owned), self.device_of_rows(used.nonzero()[:, 0])), \
+        assert torch.equal(self.pool.device_of_blocks(owned), self.device_of_rows(used.nonzero()[:, 0])), (
             "a row holds a block of another device than its own"
+        )
         if self.tails is not None:
             owned = torch.cat([owned, self.tails.blocks()])
         distinct = owned.unique()
-        assert self.prefix_cache is not None or distinct.numel() == owned.numel(), \
+        assert self.prefix_cache is not None or distinct.numel() == owned.numel(), (
             "a block is owned by two rows (or twice)"
+        )
         owners = torch.bincount(owned, minlength=self.num_blocks)
         assert torch.equal(owners.to(torch.int32), self.pool.ref_cnt), "ref_cnt != number of owners"
         assert distinct.numel() + self.pool.num_free_blocks == self.num_blocks, "free + owned != total"
@@ -650,16 +764,19 @@ class KVCacheManager:
         assert (self.row_tokens[idle_rows] == 0).all(), "a free sequence slot holds tokens"
         slots = sorted(self._seq_index.values())
         if slots:
-            rows = self.index.sequence_rows(torch.tensor(slots))                            # (h, L*E)
-            counts = self.row_tokens[rows].view(-1, self.num_layers, self.num_experts)     # (h, L, E)
-            devices = self.row_device[rows].view(-1, self.num_layers, self.num_experts)    # (h, L, E)
+            rows = self.index.sequence_rows(torch.tensor(slots))  # (h, L*E)
+            counts = self.row_tokens[rows].view(-1, self.num_layers, self.num_experts)  # (h, L, E)
+            devices = self.row_device[rows].view(-1, self.num_layers, self.num_experts)  # (h, L, E)
             opened = ((counts % self.block_size) == 0).to(torch.int32)
             expected = torch.zeros(len(slots), self.num_layers, self.num_devices, dtype=torch.int32)
-            assert torch.equal(self.open_rows[slots], expected.scatter_add_(2, devices, opened)), \
+            assert torch.equal(self.open_rows[slots], expected.scatter_add_(2, devices, opened)), (
                 "open_rows does not follow row_tokens"
+            )
             blocks = torch.zeros(len(slots), self.num_layers, self.num_devices, dtype=torch.int64)
             blocks.scatter_add_(2, devices, ceil_div(counts, self.block_size))
-            assert torch.equal(self.count_blocks[slots], blocks.sum(1)), "count_blocks does not follow row_tokens"
+            assert torch.equal(self.count_blocks[slots], blocks.sum(1)), (
+                "count_blocks does not follow row_tokens"
+            )
         for part in (self.tails, self.prefix_cache, self.budget):
             if part is not None:
                 part.assert_consistent()

@@ -36,8 +36,8 @@ from ..config import ModelConfig
 from .block_pool import check_flag, checked_blocks_per_device
 from .budget import RowBudget, model_budget
 from .kv_cache_manager import KVCacheManager, check_block_size
-from .rows import worst_case_lifetime_blocks
 from .prefix_cache import PrefixCache
+from .rows import worst_case_lifetime_blocks
 from .shared_tail_manager import SharedTails
 
 ATTENTION_PATHS = ("reference", "batched", "triton")
@@ -46,12 +46,13 @@ ATTENTION_PATHS = ("reference", "batched", "triton")
 @dataclass
 class AppendedRows:
     """What `append_kv` hands to `attend` (all int64)."""
-    rows: torch.Tensor          # (m,) the call's distinct rows: ascending, or in pair order when
-                                #      every pair is its own row (a decode step)
-    num_new: torch.Tensor       # (m,) pairs of this call in each row
+
+    rows: torch.Tensor  # (m,) the call's distinct rows: ascending, or in pair order when
+    #      every pair is its own row (a decode step)
+    num_new: torch.Tensor  # (m,) pairs of this call in each row
     context_lens: torch.Tensor  # (m,) tokens each row holds after the append
-    pair_row: torch.Tensor      # (n,) each pair's row, as an index into `rows`
-    pair_index: torch.Tensor    # (n,) index of the pair's token in its row: it sees 0..pair_index
+    pair_row: torch.Tensor  # (n,) each pair's row, as an index into `rows`
+    pair_index: torch.Tensor  # (n,) index of the pair's token in its row: it sees 0..pair_index
     # a cache with a budget: the pairs of the call these rows hold (None: all), and the pairs that
     # arrive at full rows, placed one wave at a time by `attend` (AppendedRows.waiting)
     pairs: torch.Tensor | None = None
@@ -63,11 +64,12 @@ class WaitingPairs:
     """Pairs of a budgeted call that reach rows full by then, one pair per row: the i-th such pair of
     every row is in wave i. `attend` places them (the budget's policy decides, as each must see the
     row its predecessors left) and attends, wave after wave."""
-    pairs: torch.Tensor         # (w,) indices into the call
-    rows: torch.Tensor          # (w,) distinct rows
-    positions: torch.Tensor     # (w,)
-    scores: torch.Tensor        # (w,) router probabilities
-    k: torch.Tensor             # (w, Hkv, Dh) each
+
+    pairs: torch.Tensor  # (w,) indices into the call
+    rows: torch.Tensor  # (w,) distinct rows
+    positions: torch.Tensor  # (w,)
+    scores: torch.Tensor  # (w,) router probabilities
+    k: torch.Tensor  # (w, Hkv, Dh) each
     v: torch.Tensor
 
 
@@ -77,15 +79,16 @@ class DecodePlan:
     one attention expert every layer's row of a sequence holds as many tokens, so the next layer's
     rows (E further on) take the same columns, offsets, lengths and gather padding; only their block
     ids differ. Used where the pairs, their sequences' slots and the rows' counts are the planned."""
-    layer: int                  # the layer it last served
-    key: tuple                  # (seq_ids, experts, positions) of the pairs, as lists of ints
-    slots: list                 # each pair's sequence slot (manager.seq_slots)
-    rows: torch.Tensor          # (n,) the rows at `layer`
-    old: torch.Tensor           # (n,) tokens each row held before the append
-    column: torch.Tensor        # (n,) block-table column and offset of each new token
+
+    layer: int  # the layer it last served
+    key: tuple  # (seq_ids, experts, positions) of the pairs, as lists of ints
+    slots: list  # each pair's sequence slot (manager.seq_slots)
+    rows: torch.Tensor  # (n,) the rows at `layer`
+    old: torch.Tensor  # (n,) tokens each row held before the append
+    column: torch.Tensor  # (n,) block-table column and offset of each new token
     offset: torch.Tensor
-    appended: AppendedRows      # what attend needs: the same at every layer but the rows
-    padding: tuple              # the gather's (width, valid, padding index): PagedKVCache._padding
+    appended: AppendedRows  # what attend needs: the same at every layer but the rows
+    padding: tuple  # the gather's (width, valid, padding index): PagedKVCache._padding
 
     def served(self, layer: int, rows: torch.Tensor) -> None:
         """The plan now stands at `layer`, whose rows are `rows`."""
@@ -101,42 +104,74 @@ class PagedKVCache:
     alone. blocks_per_device (summing to
     num_blocks) with device_of_expert or home_devices: per-device pools (KVCacheManager)."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 shuffle_seed: int | None = None, attention: str = "batched", shared_tails: bool = False,
-                 blocks_per_device=None, device_of_expert=None, enable_prefix_caching: bool = False,
-                 home_devices: bool = False, budget: RowBudget | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        shuffle_seed: int | None = None,
+        attention: str = "batched",
+        shared_tails: bool = False,
+        blocks_per_device=None,
+        device_of_expert=None,
+        enable_prefix_caching: bool = False,
+        home_devices: bool = False,
+        budget: RowBudget | None = None,
+    ):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS}")
         if shared_tails and attention == "triton":
-            raise ValueError("shared_tails=True cannot use attention='triton': the Triton kernels read a "
-                             "row through its block table only, and shared tails live outside it")
+            raise ValueError(
+                "shared_tails=True cannot use attention='triton': the Triton kernels read a "
+                "row through its block table only, and shared tails live outside it"
+            )
         L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
-        minimum = L * K             # one token: a block in each of its k rows of every layer
+        minimum = L * K  # one token: a block in each of its k rows of every layer
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool):
-            raise ValueError(f"num_blocks={num_blocks!r} must be an integer (a count of blocks), at least {minimum}")
+            raise ValueError(
+                f"num_blocks={num_blocks!r} must be an integer (a count of blocks), at least {minimum}"
+            )
         if num_blocks < minimum:
-            raise ValueError(f"num_blocks={num_blocks} is too small for even one sequence: one "
-                             f"token needs {minimum} blocks (num_hidden_layers={L} x "
-                             f"num_attention_experts_per_tok={K}); allow at least {minimum}")
-        for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("shared_tails", shared_tails),
-                           ("home_devices", home_devices)):
+            raise ValueError(
+                f"num_blocks={num_blocks} is too small for even one sequence: one "
+                f"token needs {minimum} blocks (num_hidden_layers={L} x "
+                f"num_attention_experts_per_tok={K}); allow at least {minimum}"
+            )
+        for name, flag in (
+            ("enable_prefix_caching", enable_prefix_caching),
+            ("shared_tails", shared_tails),
+            ("home_devices", home_devices),
+        ):
             check_flag(name, flag)
         if budget is not None and not isinstance(budget, RowBudget):
             raise ValueError(f"budget={budget!r} must be a RowBudget (moekv_ref.cache.budget) or None")
         self.config = config
         self.attention = attention
         if home_devices and (blocks_per_device is None or device_of_expert is not None):
-            raise ValueError("home_devices=True needs blocks_per_device and no device_of_expert: "
-                             "every row of sequence s lives on device s % D, whatever its expert")
+            raise ValueError(
+                "home_devices=True needs blocks_per_device and no device_of_expert: "
+                "every row of sequence s lives on device s % D, whatever its expert"
+            )
         if not home_devices and (blocks_per_device is None) != (device_of_expert is None):
-            raise ValueError("per-device pools need both blocks_per_device and device_of_expert "
-                             "(or home_devices=True instead of device_of_expert)")
-        self.manager = KVCacheManager(L, E, block_size, num_blocks, shuffle_seed,
-                                      blocks_per_device=blocks_per_device, device_of_expert=device_of_expert,
-                                      home_devices=home_devices, tails=SharedTails() if shared_tails else None,
-                                      prefix_cache=PrefixCache() if enable_prefix_caching else None,
-                                      budget=None if budget is None else budget.fresh())
+            raise ValueError(
+                "per-device pools need both blocks_per_device and device_of_expert "
+                "(or home_devices=True instead of device_of_expert)"
+            )
+        self.manager = KVCacheManager(
+            L,
+            E,
+            block_size,
+            num_blocks,
+            shuffle_seed,
+            blocks_per_device=blocks_per_device,
+            device_of_expert=device_of_expert,
+            home_devices=home_devices,
+            tails=SharedTails() if shared_tails else None,
+            prefix_cache=PrefixCache() if enable_prefix_caching else None,
+            budget=None if budget is None else budget.fresh(),
+        )
         # each device must hold one token: a block in each of its experts a token can reach, every
         # layer (with home devices, all k of them)
         for d, n in enumerate(self.manager.blocks_per_device.tolist()):
@@ -146,26 +181,38 @@ class PagedKVCache:
                 least = int(torch.clamp((self.manager.device_of_expert == d).sum(1), max=K).sum())
                 where = "its experts"
             if n < least:
-                raise ValueError(f"blocks_per_device[{d}]={n} is too small for even one token of "
-                                 f"{where}: allow at least {least}")
+                raise ValueError(
+                    f"blocks_per_device[{d}]={n} is too small for even one token of "
+                    f"{where}: allow at least {least}"
+                )
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.key_cache = torch.zeros(shape, dtype=dtype, device=device)     # (N, P, Hkv, Dh)
+        self.key_cache = torch.zeros(shape, dtype=dtype, device=device)  # (N, P, Hkv, Dh)
         self.value_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.plan: DecodePlan | None = None          # the last decode append's, for the next layer
+        self.plan: DecodePlan | None = None  # the last decode append's, for the next layer
         if attention == "triton":
-            require_backend("triton")       # triton is installed only where it has wheels (Linux)
+            require_backend("triton")  # triton is installed only where it has wheels (Linux)
             import moekv_kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
+
             self._kernels = moekv_kernels
 
     block_size = property(lambda self: self.manager.block_size)
 
     @classmethod
-    def for_model(cls, model, block_size: int = 16, num_blocks: int | None = None,
-                  max_num_seqs: int = 8, shuffle_seed: int | None = None,
-                  attention: str | None = None, shared_tails: bool = False,
-                  blocks_per_device=None, device_of_expert=None,
-                  enable_prefix_caching: bool = False, home_devices: bool = False,
-                  budget: RowBudget | None = None) -> "PagedKVCache":
+    def for_model(
+        cls,
+        model,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_seqs: int = 8,
+        shuffle_seed: int | None = None,
+        attention: str | None = None,
+        shared_tails: bool = False,
+        blocks_per_device=None,
+        device_of_expert=None,
+        enable_prefix_caching: bool = False,
+        home_devices: bool = False,
+        budget: RowBudget | None = None,
+    ) -> "PagedKVCache":
         """A cache in the model's dtype and device; attention=None follows the model's backend.
         Without a budget, the model's own capacity's (budget.model_budget), if it has one.
         Without num_blocks, the pool holds max_num_seqs sequences of max_position_embeddings tokens
@@ -177,14 +224,31 @@ class PagedKVCache:
         if num_blocks is None:
             cap = budget.largest(config.num_hidden_layers) if isinstance(budget, RowBudget) else None
             num_blocks = max_num_seqs * worst_case_lifetime_blocks(
-                config.max_position_embeddings, config.num_hidden_layers, config.num_attention_experts,
-                config.num_attention_experts_per_tok, check_block_size(block_size), cap)
+                config.max_position_embeddings,
+                config.num_hidden_layers,
+                config.num_attention_experts,
+                config.num_attention_experts_per_tok,
+                check_block_size(block_size),
+                cap,
+            )
         if attention is None:
             attention = "triton" if model.backend == "triton" else "batched"
         parameter = next(model.parameters())
-        return cls(config, num_blocks, block_size, parameter.dtype, parameter.device, shuffle_seed,
-                   attention, shared_tails, blocks_per_device, device_of_expert, enable_prefix_caching, home_devices,
-                   budget)
+        return cls(
+            config,
+            num_blocks,
+            block_size,
+            parameter.dtype,
+            parameter.device,
+            shuffle_seed,
+            attention,
+            shared_tails,
+            blocks_per_device,
+            device_of_expert,
+            enable_prefix_caching,
+            home_devices,
+            budget,
+        )
 
     # ----- verb 1: bookkeeping and store ----------------------------------------------------------
     def append_kv(self, layer: int, seq_ids, experts, positions, k, v, scores=None) -> AppendedRows:
@@ -195,13 +259,20 @@ class PagedKVCache:
         n = k.shape[0]
         if k.shape != (n, Hkv, Dh) or v.shape != k.shape:
             raise ValueError(f"k and v must be (n, {Hkv}, {Dh}); got {tuple(k.shape)}, {tuple(v.shape)}")
-        seq_ids, experts, positions = (torch.as_tensor(t, dtype=torch.int64).cpu().reshape(-1)
-                                       for t in (seq_ids, experts, positions))
+        seq_ids, experts, positions = (
+            torch.as_tensor(t, dtype=torch.int64).cpu().reshape(-1) for t in (seq_ids, experts, positions)
+        )
         if not seq_ids.shape == experts.shape == positions.shape == (n,):
-            raise ValueError(f"seq_ids, experts and positions must be (n,) = ({n},); got "
-                             f"{tuple(seq_ids.shape)}, {tuple(experts.shape)}, {tuple(positions.shape)}")
+            raise ValueError(
+                f"seq_ids, experts and positions must be (n,) = ({n},); got "
+                f"{tuple(seq_ids.shape)}, {tuple(experts.shape)}, {tuple(positions.shape)}"
+            )
         if self.manager.budget is not None:
-            scores = torch.ones(n, dtype=torch.float64) if scores is None else torch.as_tensor(scores).cpu().reshape(-1)
+            scores = (
+                torch.ones(n, dtype=torch.float64)
+                if scores is None
+                else torch.as_tensor(scores).cpu().reshape(-1)
+            )
             if scores.shape != (n,):
                 raise ValueError(f"scores must be (n,) = ({n},); got {tuple(scores.shape)}")
             return self._append_with_budget(layer, seq_ids, experts, positions, k, v, scores)
@@ -210,50 +281,59 @@ class PagedKVCache:
         if appended is not None:
             return appended
         self.plan = None
-        new_seqs = sorted(set(key[0]).difference(manager.sequences))                 # ascending
+        new_seqs = sorted(set(key[0]).difference(manager.sequences))  # ascending
         for s in new_seqs:
             manager.add_sequence(s)
         try:
-            pair_rows = manager.rows(seq_ids, layer, experts)                         # (n,)
+            pair_rows = manager.rows(seq_ids, layer, experts)  # (n,)
             # decode: each pair the one new token of its own row, in pair order (a set tells it faster than a sort)
             one_per_row = len(set(pair_rows.tolist())) == n
             if one_per_row:
                 rows, pair_row, num_new = pair_rows, torch.arange(n), torch.ones(n, dtype=torch.int64)
                 self._check_positions(rows, positions, rows, None)
-            else:   # the call's rows ascending, each pair's row among them, each row's number of pairs
+            else:  # the call's rows ascending, each pair's row among them, each row's number of pairs
                 rows, pair_row, num_new = torch.unique(pair_rows, return_inverse=True, return_counts=True)
-                order = torch.argsort(pair_rows, stable=True)                         # (n,) grouped by row
-                sorted_rows, sorted_positions = pair_rows[order], positions[order]    # (n,) each
-                first = torch.cumsum(num_new, 0) - num_new                            # (m,) into order
+                order = torch.argsort(pair_rows, stable=True)  # (n,) grouped by row
+                sorted_rows, sorted_positions = pair_rows[order], positions[order]  # (n,) each
+                first = torch.cumsum(num_new, 0) - num_new  # (m,) into order
                 self._check_positions(sorted_rows, sorted_positions, rows, first)
             allocation = manager.allocate_slots(rows, num_new, rows_are_distinct=True, one_each=one_per_row)
         except Exception:
-            for s in new_seqs:                                                        # as it was
+            for s in new_seqs:  # as it was
                 manager.free(s)
             raise
         self._apply_moves(allocation.moves)
         if one_per_row:
             manager.note_positions(rows, positions)
-            slots = allocation.slot_mapping                                           # (n,) per pair
+            slots = allocation.slot_mapping  # (n,) per pair
         else:
             manager.note_positions(rows, sorted_positions[first + num_new - 1])
             slots = torch.empty(n, dtype=torch.int64)
-            slots[order] = allocation.slot_mapping                                    # (n,) per pair
+            slots[order] = allocation.slot_mapping  # (n,) per pair
         if manager.prefix_cache is not None:
-            manager.prefix_cache.record_positions(slots, positions)      # which chunks each block spans
+            manager.prefix_cache.record_positions(slots, positions)  # which chunks each block spans
         self._store(k, v, slots)
-        context_lens = manager.row_tokens[rows]                              # (m,)
+        context_lens = manager.row_tokens[rows]  # (m,)
         if not one_per_row:
             rank = torch.empty_like(order)
-            rank[order] = torch.arange(n) - first[pair_row[order]]                    # (n,) in the call
+            rank[order] = torch.arange(n) - first[pair_row[order]]  # (n,) in the call
             pair_index = context_lens[pair_row] - num_new[pair_row] + rank
             return AppendedRows(rows, num_new, context_lens, pair_row, pair_index)
-        appended = AppendedRows(rows, num_new, context_lens, pair_row, context_lens - 1)   # pair i is row i
-        if manager.num_experts == 1 and manager.tails is None:          # one expert, plain pages: plan
+        appended = AppendedRows(rows, num_new, context_lens, pair_row, context_lens - 1)  # pair i is row i
+        if manager.num_experts == 1 and manager.tails is None:  # one expert, plain pages: plan
             column, offset = appended.pair_index // self.block_size, appended.pair_index % self.block_size
-            if not bool((offset == 0).any()):       # no row took a block: the next layer's take none either
-                self.plan = DecodePlan(layer, key, manager.seq_slots(key[0]), rows, appended.pair_index,
-                                       column, offset, appended, self._padding(context_lens))
+            if not bool((offset == 0).any()):  # no row took a block: the next layer's take none either
+                self.plan = DecodePlan(
+                    layer,
+                    key,
+                    manager.seq_slots(key[0]),
+                    rows,
+                    appended.pair_index,
+                    column,
+                    offset,
+                    appended,
+                    self._padding(context_lens),
+                )
         return appended
 
     def _append_with_budget(self, layer, seq_ids, experts, positions, k, v, scores) -> AppendedRows:
@@ -265,37 +345,42 @@ class PagedKVCache:
         for s in new_seqs:
             manager.add_sequence(s)
         try:
-            pair_rows = manager.rows(seq_ids, layer, experts)                         # (n,)
+            pair_rows = manager.rows(seq_ids, layer, experts)  # (n,)
             rows, pair_row, num_new = torch.unique(pair_rows, return_inverse=True, return_counts=True)
-            order = torch.argsort(pair_rows, stable=True)                             # (n,) grouped by row
-            first = torch.cumsum(num_new, 0) - num_new                                # (m,) into order
+            order = torch.argsort(pair_rows, stable=True)  # (n,) grouped by row
+            first = torch.cumsum(num_new, 0) - num_new  # (m,) into order
             self._check_positions(pair_rows[order], positions[order], rows, first)
             rank = torch.empty_like(order)
-            rank[order] = torch.arange(order.numel()) - first[pair_row[order]]         # (n,) i-th of its row
-            room = manager.budget.limit_of_rows(rows) - manager.row_tokens[rows]      # (m,)
-            fits = rank < room[pair_row]                                              # (n,)
-            now = fits.nonzero().squeeze(1)                                           # (f,) in call order
-            fit_rows, fit_pair_row, fit_new = torch.unique(pair_rows[now], return_inverse=True, return_counts=True)
-            old = manager.row_tokens[fit_rows]                                        # (r,)
-            allocation = manager.allocate_slots(fit_rows, fit_new, rows_are_distinct=True)   # may raise
+            rank[order] = torch.arange(order.numel()) - first[pair_row[order]]  # (n,) i-th of its row
+            room = manager.budget.limit_of_rows(rows) - manager.row_tokens[rows]  # (m,)
+            fits = rank < room[pair_row]  # (n,)
+            now = fits.nonzero().squeeze(1)  # (f,) in call order
+            fit_rows, fit_pair_row, fit_new = torch.unique(
+                pair_rows[now], return_inverse=True, return_counts=True
+            )
+            old = manager.row_tokens[fit_rows]  # (r,)
+            allocation = manager.allocate_slots(fit_rows, fit_new, rows_are_distinct=True)  # may raise
         except Exception:
-            for s in new_seqs:                                                        # as it was
+            for s in new_seqs:  # as it was
                 manager.free(s)
             raise
-        pair_index = old[fit_pair_row] + rank[now]                                    # (f,) index in its row
+        pair_index = old[fit_pair_row] + rank[now]  # (f,) index in its row
         manager.budget.record(pair_rows[now], pair_index, positions[now], scores[now])
         last = torch.zeros(fit_rows.numel(), dtype=torch.int64).scatter_reduce_(
-            0, fit_pair_row, positions[now], "amax", include_self=False)               # (r,)
+            0, fit_pair_row, positions[now], "amax", include_self=False
+        )  # (r,)
         manager.note_positions(fit_rows, last)
         slots = torch.empty(now.numel(), dtype=torch.int64)
-        slots[torch.argsort(pair_rows[now], stable=True)] = allocation.slot_mapping    # row after row -> pairs
+        slots[torch.argsort(pair_rows[now], stable=True)] = allocation.slot_mapping  # row after row -> pairs
         self._store(k[now], v[now], slots)
         waiting = []
-        late = rank - room[pair_row]                                                  # (n,) >= 0: waits
+        late = rank - room[pair_row]  # (n,) >= 0: waits
         for wave in range(int(late.max()) + 1 if not bool(fits.all()) else 0):
-            pairs = (late == wave).nonzero().squeeze(1)                               # (w,) one per row
-            waiting.append(WaitingPairs(pairs, pair_rows[pairs], positions[pairs], scores[pairs], k[pairs], v[pairs]))
-        if fit_rows.numel() == now.numel():          # each pair its own row: rows in pair order (a decode)
+            pairs = (late == wave).nonzero().squeeze(1)  # (w,) one per row
+            waiting.append(
+                WaitingPairs(pairs, pair_rows[pairs], positions[pairs], scores[pairs], k[pairs], v[pairs])
+            )
+        if fit_rows.numel() == now.numel():  # each pair its own row: rows in pair order (a decode)
             fit_rows, fit_new, fit_pair_row = pair_rows[now], torch.ones_like(now), torch.arange(now.numel())
         context_lens = manager.row_tokens[fit_rows]
         return AppendedRows(fit_rows, fit_new, context_lens, fit_pair_row, pair_index, now, waiting)
@@ -304,10 +389,15 @@ class PagedKVCache:
         """append_kv of the plan's pairs at the next layer; None (nothing changed) where the plan does
         not apply: other pairs or layer, a sequence's slot changed, rows holding other counts."""
         manager = self.manager
-        if plan is None or type(layer) is not int or not layer == plan.layer + 1 < manager.num_layers \
-                or key != plan.key or manager.seq_slots(key[0]) != plan.slots:
+        if (
+            plan is None
+            or type(layer) is not int
+            or not layer == plan.layer + 1 < manager.num_layers
+            or key != plan.key
+            or manager.seq_slots(key[0]) != plan.slots
+        ):
             return None
-        rows = plan.rows + manager.num_experts                            # the same (sequence, expert)
+        rows = plan.rows + manager.num_experts  # the same (sequence, expert)
         if not torch.equal(manager.row_tokens[rows], plan.old):
             return None
         self._check_positions(rows, positions, rows, None)
@@ -317,17 +407,17 @@ class PagedKVCache:
             manager.prefix_cache.record_positions(slots, positions)
         self._store(k, v, slots)
         plan.served(layer, rows)
-        a = plan.appended                         # (dataclasses.replace costs ten times this)
+        a = plan.appended  # (dataclasses.replace costs ten times this)
         return AppendedRows(rows, a.num_new, a.context_lens, a.pair_row, a.pair_index)
 
     def _check_positions(self, sorted_rows, sorted_positions, rows, first) -> None:
         """Positions must increase within each row, from its last cached one. first (m,): each row's
         first pair in the sorted order; None when every pair is its own row."""
-        last = self.manager.last_position[rows]                                       # (m,) -1: empty
+        last = self.manager.last_position[rows]  # (m,) -1: empty
         if first is None:
             bad, bad_first = None, sorted_positions <= last
         else:
-            later = sorted_rows[1:] == sorted_rows[:-1]                               # same row as before
+            later = sorted_rows[1:] == sorted_rows[:-1]  # same row as before
             bad = later & (sorted_positions[1:] <= sorted_positions[:-1])
             bad_first = sorted_positions[first] <= last
         if bad_first.any() or (bad is not None and bad.any()):
@@ -335,8 +425,10 @@ class PagedKVCache:
             row = int(rows[i]) if i is not None else int(sorted_rows[1:][bad][0])
             mine = sorted_positions[sorted_rows == row].tolist()
             cached = int(self.manager.last_position[row])
-            raise ValueError(f"row {row}: positions {mine[:8]} do not increase from the cached ones (last "
-                             f"{None if cached < 0 else cached}): a sequence's tokens must arrive in order")
+            raise ValueError(
+                f"row {row}: positions {mine[:8]} do not increase from the cached ones (last "
+                f"{None if cached < 0 else cached}): a sequence's tokens must arrive in order"
+            )
 
     def _apply_moves(self, moves) -> None:
         """Shared tails only: copy K/V between slots, in order, before new tokens are written."""
@@ -350,8 +442,13 @@ class PagedKVCache:
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         slots = slots.to(self.key_cache.device)
         if self.attention == "triton":
-            self._kernels.store_kv(k.to(self.key_cache.dtype).contiguous(), v.to(self.value_cache.dtype).contiguous(),
-                                   self.key_cache, self.value_cache, slots)
+            self._kernels.store_kv(
+                k.to(self.key_cache.dtype).contiguous(),
+                v.to(self.value_cache.dtype).contiguous(),
+                self.key_cache,
+                self.value_cache,
+                slots,
+            )
             return
         self.key_cache.view(-1, Hkv, Dh).index_copy_(0, slots, k.to(self.key_cache.dtype))
         self.value_cache.view(-1, Hkv, Dh).index_copy_(0, slots, v.to(self.value_cache.dtype))
@@ -373,19 +470,21 @@ class PagedKVCache:
         n = appended.pairs.numel() + sum(wave.pairs.numel() for wave in appended.waiting)
         if q.shape[0] != n:
             raise ValueError(f"q has {q.shape[0]} queries for {n} appended pairs")
-        out = q.new_zeros(q.shape)                                                 # (n, H, Dh)
+        out = q.new_zeros(q.shape)  # (n, H, Dh)
         self._attend_budgeted_group(appended, appended.pairs, q, out)
-        for wave in appended.waiting:          # after the last wave's attention: it may overwrite a key
+        for wave in appended.waiting:  # after the last wave's attention: it may overwrite a key
             slots, accepted = self.manager.allocate_within_budget(wave.rows, wave.positions, wave.scores)
             self._store(wave.k[accepted], wave.v[accepted], slots)
-            rows = wave.rows[accepted]                                             # (a,) one pair each
+            rows = wave.rows[accepted]  # (a,) one pair each
             lens = self.manager.row_tokens[rows]
             # the newcomer sees its whole row: every slot holds an earlier position, or its own
             placed = AppendedRows(rows, torch.ones_like(rows), lens, torch.arange(rows.numel()), lens - 1)
             self._attend_budgeted_group(placed, wave.pairs[accepted], q, out)
         return out
 
-    def _attend_budgeted_group(self, appended: AppendedRows, pairs: torch.Tensor, q: torch.Tensor, out) -> None:
+    def _attend_budgeted_group(
+        self, appended: AppendedRows, pairs: torch.Tensor, q: torch.Tensor, out
+    ) -> None:
         """out[pairs] = attention of those pairs (the path without a budget); under heavy_hitter their
         rows' slots also receive the attention probabilities (H2O's accumulated attention)."""
         if not pairs.numel():
@@ -400,25 +499,27 @@ class PagedKVCache:
         computed beside it: the outputs stay exactly those of the path without a budget."""
         H, Dh = q.shape[1], q.shape[2]
         compute = score_dtype(q.dtype)
-        keys, _, valid = self._gather_rows(appended.rows, appended.context_lens, compute)   # (m, Lmax, Hkv, Dh)
-        keys = keys[appended.pair_row].repeat_interleave(H // keys.shape[2], dim=2)        # (n, Lmax, H, Dh)
-        logits = torch.einsum("nhd,nlhd->nhl", q.to(compute), keys) / Dh**0.5             # (n, H, Lmax)
+        keys, _, valid = self._gather_rows(
+            appended.rows, appended.context_lens, compute
+        )  # (m, Lmax, Hkv, Dh)
+        keys = keys[appended.pair_row].repeat_interleave(H // keys.shape[2], dim=2)  # (n, Lmax, H, Dh)
+        logits = torch.einsum("nhd,nlhd->nhl", q.to(compute), keys) / Dh**0.5  # (n, H, Lmax)
         slot = torch.arange(keys.shape[1], device=keys.device)
         visible = valid[appended.pair_row] & (slot[None, :] <= appended.pair_index[:, None].to(keys.device))
-        probs = torch.softmax(logits.masked_fill(~visible[:, None, :], -torch.inf), dim=-1)   # (n, H, Lmax)
+        probs = torch.softmax(logits.masked_fill(~visible[:, None, :], -torch.inf), dim=-1)  # (n, H, Lmax)
         received = torch.zeros(appended.rows.numel(), keys.shape[1], dtype=compute, device=keys.device)
-        return received.index_add_(0, appended.pair_row.to(keys.device), probs.sum(1)).cpu()   # (m, Lmax)
+        return received.index_add_(0, appended.pair_row.to(keys.device), probs.sum(1)).cpu()  # (m, Lmax)
 
     def _attend_rows(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
         if self.attention == "reference":
             return self._attend_row_by_row(appended, q)
         if self.attention == "batched" and 0 < appended.rows.numel() == q.shape[0]:
-            return self._attend_decode(appended, q)         # decode only: every row one pair, one group
+            return self._attend_decode(appended, q)  # decode only: every row one pair, one group
         out = torch.empty_like(q)
-        decode = appended.num_new == 1                                              # (m,)
-        groups = [decode, ~decode]                                                  # each padded alone
+        decode = appended.num_new == 1  # (m,)
+        groups = [decode, ~decode]  # each padded alone
         if self.attention == "triton" and decode.any():
-            self._attend_with_kernels(appended, decode, q, out)                     # decode rows: done
+            self._attend_with_kernels(appended, decode, q, out)  # decode rows: done
             groups = [~decode]
         for group in groups:
             if group.any():
@@ -429,9 +530,9 @@ class PagedKVCache:
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         out = torch.empty_like(q)
         for i, row in enumerate(appended.rows.tolist()):
-            pairs = (appended.pair_row == i).nonzero().squeeze(1)                    # this row's queries
-            slots = self.manager.row_slots(row).to(self.key_cache.device)            # (Lr,)
-            keys = self.key_cache.view(-1, Hkv, Dh)[slots].to(q.dtype)               # (Lr, Hkv, Dh)
+            pairs = (appended.pair_row == i).nonzero().squeeze(1)  # this row's queries
+            slots = self.manager.row_slots(row).to(self.key_cache.device)  # (Lr,)
+            keys = self.key_cache.view(-1, Hkv, Dh)[slots].to(q.dtype)  # (Lr, Hkv, Dh)
             values = self.value_cache.view(-1, Hkv, Dh)[slots].to(q.dtype)
             key_index = torch.arange(slots.numel(), device=q.device)
             query_index = appended.pair_index[pairs].to(q.device)
@@ -441,46 +542,57 @@ class PagedKVCache:
     def _attend_decode(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
         """Decode: one pair per row, rows in pair order; q[i] is row i's newest token and sees all of row i."""
         Hkv = self.key_cache.shape[2]
-        compute = score_dtype(q.dtype)                                             # float32 at least
+        compute = score_dtype(q.dtype)  # float32 at least
         keys, values, key_valid = self._gather_rows(appended.rows, appended.context_lens, compute)
-        result = F.scaled_dot_product_attention(                                   # (n, H, 1, Dh)
-            q.to(compute)[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=key_valid[:, None, None, :], enable_gqa=Hkv != q.shape[1])   # keys (n, Lmax, Hkv, Dh)
-        return result.reshape(q.shape).to(q.dtype)                                 # (n, H, Dh)
+        result = F.scaled_dot_product_attention(  # (n, H, 1, Dh)
+            q.to(compute)[:, :, None],
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=key_valid[:, None, None, :],
+            enable_gqa=Hkv != q.shape[1],
+        )  # keys (n, Lmax, Hkv, Dh)
+        return result.reshape(q.shape).to(q.dtype)  # (n, H, Dh)
 
-    def _attend_padded(self, appended: AppendedRows, group: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
+    def _attend_padded(
+        self, appended: AppendedRows, group: torch.Tensor, q: torch.Tensor, out: torch.Tensor
+    ) -> None:
         """The rows where group is True, at once, into out: keys padded to the longest row, queries
         to the most new tokens of a row, one fused grouped-query attention."""
         Hkv, Dh, device = self.key_cache.shape[2], self.key_cache.shape[3], q.device
-        members = group.nonzero().squeeze(1)                                       # (g,) into rows
-        rows, lens = appended.rows[members], appended.context_lens[members]        # (g,)
+        members = group.nonzero().squeeze(1)  # (g,) into rows
+        rows, lens = appended.rows[members], appended.context_lens[members]  # (g,)
         num_new = appended.num_new[members]
         max_new, g = int(num_new.max()), rows.numel()
-        compute = score_dtype(q.dtype)                                             # float32 at least
-        keys, values, key_valid = self._gather_rows(rows, lens, compute)           # (g, Lmax, Hkv, Dh), (g, Lmax)
+        compute = score_dtype(q.dtype)  # float32 at least
+        keys, values, key_valid = self._gather_rows(rows, lens, compute)  # (g, Lmax, Hkv, Dh), (g, Lmax)
         max_len = keys.shape[1]
         # the group's pairs in a padded (g, Qmax) table of queries
-        if g == appended.rows.numel():                                           # every row of the call
-            pairs, pair_slot = None, appended.pair_row                             # (n,)
+        if g == appended.rows.numel():  # every row of the call
+            pairs, pair_slot = None, appended.pair_row  # (n,)
             column = appended.pair_index - (lens - num_new)[pair_slot]
             pair_q, pair_index = q, appended.pair_index
         else:
-            pairs, pair_slot = self._pairs_of(appended, members)                   # (p,) each
-            column = appended.pair_index[pairs] - (lens - num_new)[pair_slot]     # (p,) 0..Qmax-1
+            pairs, pair_slot = self._pairs_of(appended, members)  # (p,) each
+            column = appended.pair_index[pairs] - (lens - num_new)[pair_slot]  # (p,) 0..Qmax-1
             pair_q, pair_index = q[pairs], appended.pair_index[pairs]
-        queries = q.new_zeros(g, max_new, q.shape[1], Dh, dtype=compute)           # (g, Qmax, H, Dh)
+        queries = q.new_zeros(g, max_new, q.shape[1], Dh, dtype=compute)  # (g, Qmax, H, Dh)
         queries[pair_slot, column] = pair_q.to(compute)
-        if max_new == 1:        # decode: each row's one query is its newest token and sees the whole row
-            visible = key_valid[:, None, :]                                        # (g, 1, Lmax)
+        if max_new == 1:  # decode: each row's one query is its newest token and sees the whole row
+            visible = key_valid[:, None, :]  # (g, 1, Lmax)
         else:
             query_index = torch.full((g, max_new), max_len - 1, dtype=torch.int64)  # padding sees all
             query_index[pair_slot, column] = pair_index
-            visible = key_valid[:, None, :] & (torch.arange(max_len)[None, None, :]
-                                               <= query_index[:, :, None]).to(device)  # (g, Qmax, Lmax)
-        result = F.scaled_dot_product_attention(                                   # (g, H, Qmax, Dh)
-            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=visible[:, None], enable_gqa=Hkv != q.shape[1])
-        result = result.transpose(1, 2)[pair_slot, column].to(out.dtype)           # (p, H, Dh)
+            visible = key_valid[:, None, :] & (
+                torch.arange(max_len)[None, None, :] <= query_index[:, :, None]
+            ).to(device)  # (g, Qmax, Lmax)
+        result = F.scaled_dot_product_attention(  # (g, H, Qmax, Dh)
+            queries.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=visible[:, None],
+            enable_gqa=Hkv != q.shape[1],
+        )
+        result = result.transpose(1, 2)[pair_slot, column].to(out.dtype)  # (p, H, Dh)
         if pairs is None:
             out.copy_(result)
         else:
@@ -494,21 +606,26 @@ class PagedKVCache:
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         device = self.key_cache.device
         if self.manager.tails is not None:
-            slots, valid = self.manager.padded_slots(rows)                         # (g, Lmax) each
-            index = slots.reshape(-1).to(device)                                   # (g * Lmax,) slots
+            slots, valid = self.manager.padded_slots(rows)  # (g, Lmax) each
+            index = slots.reshape(-1).to(device)  # (g * Lmax,) slots
             pool = (self.key_cache.view(-1, Hkv, Dh), self.value_cache.view(-1, Hkv, Dh))
-            padding = (~valid).view(-1).nonzero().squeeze(1).to(device)            # (g * Lmax - sum(lens),)
+            padding = (~valid).view(-1).nonzero().squeeze(1).to(device)  # (g * Lmax - sum(lens),)
         else:
             plan = self.plan
-            width, valid, padding = (plan.padding if plan is not None and lens is plan.appended.context_lens
-                                     else self._padding(lens))
-            blocks = self.manager.block_tables.index_select(0, rows)[:, :width].clamp(max=self.key_cache.shape[0] - 1)
-            index = blocks.view(-1).to(device)                                     # (g * width,) int32 ids
+            width, valid, padding = (
+                plan.padding
+                if plan is not None and lens is plan.appended.context_lens
+                else self._padding(lens)
+            )
+            blocks = self.manager.block_tables.index_select(0, rows)[:, :width].clamp(
+                max=self.key_cache.shape[0] - 1
+            )
+            index = blocks.view(-1).to(device)  # (g * width,) int32 ids
             pool = (self.key_cache, self.value_cache)
         g, max_len = valid.shape
         gathered = []
-        for cache in pool:                                                         # keys, then values
-            tokens = cache.index_select(0, index).to(dtype).view(g * max_len, Hkv * Dh)   # a fresh copy
+        for cache in pool:  # keys, then values
+            tokens = cache.index_select(0, index).to(dtype).view(g * max_len, Hkv * Dh)  # a fresh copy
             gathered.append(tokens.index_fill_(0, padding, 0.0).view(g, max_len, Hkv, Dh))
         return gathered[0], gathered[1], valid.to(device)
 
@@ -518,19 +635,21 @@ class PagedKVCache:
         valid = torch.arange(width * self.block_size) < lens[:, None]
         return width, valid, (~valid).view(-1).nonzero().squeeze(1).to(self.key_cache.device)
 
-    def _attend_with_kernels(self, appended: AppendedRows, decode: torch.Tensor, q: torch.Tensor,
-                             out: torch.Tensor) -> None:
+    def _attend_with_kernels(
+        self, appended: AppendedRows, decode: torch.Tensor, q: torch.Tensor, out: torch.Tensor
+    ) -> None:
         """Decode rows (one new token each) in one launch of moekv_kernels.paged_attention."""
         device = self.key_cache.device
-        members = decode.nonzero().squeeze(1)                                      # (d,) into rows
-        pairs, pair_slot = self._pairs_of(appended, members)                   # (d,) one per row
+        members = decode.nonzero().squeeze(1)  # (d,) into rows
+        pairs, pair_slot = self._pairs_of(appended, members)  # (d,) one per row
         rows = appended.rows[members]
-        block_tables = self.manager.block_tables[rows].to(device)                 # (d, W) int32
-        context_lens = self.manager.row_tokens[rows].to(device, torch.int32)      # (d,) int32
+        block_tables = self.manager.block_tables[rows].to(device)  # (d, W) int32
+        context_lens = self.manager.row_tokens[rows].to(device, torch.int32)  # (d,) int32
         queries = q.new_empty(members.numel(), q.shape[1], q.shape[2])
         queries[pair_slot] = q[pairs]
-        result = self._kernels.paged_attention(queries.contiguous(), self.key_cache, self.value_cache,
-                                               block_tables, context_lens)
+        result = self._kernels.paged_attention(
+            queries.contiguous(), self.key_cache, self.value_cache, block_tables, context_lens
+        )
         out[pairs] = result[pair_slot].to(q.dtype)
 
     @staticmethod

@@ -53,7 +53,7 @@ def chain_keys(token_ids, chunk_size: int, previous: bytes = b"") -> list[bytes]
     keys = []
     for start in range(0, len(token_ids) - chunk_size + 1, chunk_size):
         digest = hashlib.blake2b(previous, digest_size=DIGEST_BYTES)
-        digest.update(array("q", token_ids[start: start + chunk_size]).tobytes())
+        digest.update(array("q", token_ids[start : start + chunk_size]).tobytes())
         previous = digest.digest()
         keys.append(previous)
     return keys
@@ -62,8 +62,9 @@ def chain_keys(token_ids, chunk_size: int, previous: bytes = b"") -> list[bytes]
 @dataclass
 class PrefixHit:
     """Where a request may start, and the blocks that get it there."""
-    num_tokens: int = 0                       # the request starts at this position
-    row_counts: torch.Tensor | None = None    # (L*E,) entries of each row below num_tokens
+
+    num_tokens: int = 0  # the request starts at this position
+    row_counts: torch.Tensor | None = None  # (L*E,) entries of each row below num_tokens
     # (b,) blocks shared as they are, at block table row (layer * E + expert) and column:
     shared: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     shared_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
@@ -73,17 +74,17 @@ class PrefixHit:
     cow_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     # free blocks applying it takes: cached-free ones reused, copy sources pinned until copied, copies
     num_free_taken: int = 0
-    free_taken_per_device: torch.Tensor | None = None   # the same, (D,) per device
-    row_devices: torch.Tensor | None = None   # (L*E,) devices of the rows it applies to (only those)
+    free_taken_per_device: torch.Tensor | None = None  # the same, (D,) per device
+    row_devices: torch.Tensor | None = None  # (L*E,) devices of the rows it applies to (only those)
 
 
 @dataclass
 class PrefixCacheStats:
     num_lookups: int = 0
-    num_lookup_tokens: int = 0        # tokens of the requests looked up (prompt, or all so far)
-    num_hit_tokens: int = 0           # tokens skipped (sum of s)
-    num_shared_blocks: int = 0        # full blocks reused as they are
-    num_cow_blocks: int = 0           # straddling blocks copied
+    num_lookup_tokens: int = 0  # tokens of the requests looked up (prompt, or all so far)
+    num_hit_tokens: int = 0  # tokens skipped (sum of s)
+    num_shared_blocks: int = 0  # full blocks reused as they are
+    num_cow_blocks: int = 0  # straddling blocks copied
 
 
 class PrefixCache:
@@ -95,10 +96,10 @@ class PrefixCache:
 
     def attach(self, manager: KVCacheManager) -> None:
         self.manager, self.chunk_size, num_blocks = manager, manager.block_size, manager.num_blocks
-        self.block_positions = torch.full((num_blocks, manager.block_size), -1, dtype=torch.int64)   # (N, P)
-        self._block_of_key: dict[tuple[int, int, int, bytes], int] = {}      # (device, row, column, key)
+        self.block_positions = torch.full((num_blocks, manager.block_size), -1, dtype=torch.int64)  # (N, P)
+        self._block_of_key: dict[tuple[int, int, int, bytes], int] = {}  # (device, row, column, key)
         self._keys_of_block: dict[int, list[tuple[int, int, int, bytes]]] = {}
-        self._chunk_counts: OrderedDict[bytes, torch.Tensor] = OrderedDict()   # key -> (L*E,) int64
+        self._chunk_counts: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # key -> (L*E,) int64
         self.max_chunk_records = max(64, num_blocks)
         # per held sequence: [chain keys, chunks recorded, full blocks registered per row (L*E,)]
         self._seq_state: dict[int, list] = {}
@@ -126,31 +127,34 @@ class PrefixCache:
         state = self._seq_state.setdefault(int(seq_id), [[], 0, torch.full((m.rows_per_seq, width), -1)])
         keys, num_recorded, registered_through = state
         num_complete = len(token_ids) // C
-        if num_complete == num_recorded:        # entries added since lie in the incomplete chunk
+        if num_complete == num_recorded:  # entries added since lie in the incomplete chunk
             return 0
         if num_complete > len(keys):
-            keys += chain_keys(token_ids[len(keys) * C: num_complete * C], C, keys[-1] if keys else b"")
-        rows = m.index.sequence_rows(torch.tensor([index]))[0]                                 # (R,)
-        counts = m.row_tokens[rows]                                             # (R,)
+            keys += chain_keys(token_ids[len(keys) * C : num_complete * C], C, keys[-1] if keys else b"")
+        rows = m.index.sequence_rows(torch.tensor([index]))[0]  # (R,)
+        counts = m.row_tokens[rows]  # (R,)
         if num_complete > num_recorded:
             self._record_chunks(rows, keys, num_recorded, num_complete)
             state[1] = num_complete
-        if registered_through.shape[1] < width:                                             # tables grew
-            registered_through = torch.cat([registered_through, torch.full(
-                (m.rows_per_seq, width - registered_through.shape[1]), -1)], 1)
-        column = torch.arange(width)                                                        # (W,)
-        used = column < ceil_div(counts, P)[:, None]                                        # (R, W)
-        full = column < (counts // P)[:, None]                                              # (R, W)
-        blocks = torch.where(used, m.block_tables[rows].to(torch.int64), 0)              # (R, W)
-        first_chunk = self.block_positions[blocks, 0] // C                                  # (R, W)
+        if registered_through.shape[1] < width:  # tables grew
+            registered_through = torch.cat(
+                [registered_through, torch.full((m.rows_per_seq, width - registered_through.shape[1]), -1)], 1
+            )
+        column = torch.arange(width)  # (W,)
+        used = column < ceil_div(counts, P)[:, None]  # (R, W)
+        full = column < (counts // P)[:, None]  # (R, W)
+        blocks = torch.where(used, m.block_tables[rows].to(torch.int64), 0)  # (R, W)
+        first_chunk = self.block_positions[blocks, 0] // C  # (R, W)
         last_chunk = torch.where(full, self.block_positions[blocks, P - 1] // C, num_complete - 1)
-        through = torch.clamp(last_chunk, max=num_complete - 1)                             # (R, W)
+        through = torch.clamp(last_chunk, max=num_complete - 1)  # (R, W)
         todo = used & (through > registered_through) & (through >= first_chunk)
-        device = m.row_device[rows].tolist()                                                # (R,)
+        device = m.row_device[rows].tolist()  # (R,)
         newly_cached = []
         for r, j in todo.nonzero().tolist():
             block = int(blocks[r, j])
-            for c in range(max(int(first_chunk[r, j]), int(registered_through[r, j]) + 1), int(through[r, j]) + 1):
+            for c in range(
+                max(int(first_chunk[r, j]), int(registered_through[r, j]) + 1), int(through[r, j]) + 1
+            ):
                 key = (device[r], r, j, keys[c])
                 if key not in self._block_of_key:
                     self._block_of_key[key] = block
@@ -164,13 +168,16 @@ class PrefixCache:
 
     def _record_chunks(self, rows, keys, first: int, end: int) -> None:
         C = self.chunk_size
-        slots, valid = self.manager.padded_slots(rows)                                  # (R, Lmax)
-        chunk = self.block_positions.view(-1)[slots] // C                                   # (R, Lmax)
+        slots, valid = self.manager.padded_slots(rows)  # (R, Lmax)
+        chunk = self.block_positions.view(-1)[slots] // C  # (R, Lmax)
         keep = valid & (chunk >= first) & (chunk < end)
-        row_of = torch.arange(rows.numel())[:, None].expand_as(chunk)                       # (R, Lmax)
-        per_chunk = torch.zeros(end - first, rows.numel(), dtype=torch.int64)               # (k, R)
-        per_chunk.index_put_((chunk[keep] - first, row_of[keep]), torch.ones(int(keep.sum()), dtype=torch.int64),
-                             accumulate=True)
+        row_of = torch.arange(rows.numel())[:, None].expand_as(chunk)  # (R, Lmax)
+        per_chunk = torch.zeros(end - first, rows.numel(), dtype=torch.int64)  # (k, R)
+        per_chunk.index_put_(
+            (chunk[keep] - first, row_of[keep]),
+            torch.ones(int(keep.sum()), dtype=torch.int64),
+            accumulate=True,
+        )
         for i in range(first, end):
             self._chunk_counts[keys[i]] = per_chunk[i - first].clone()
             self._chunk_counts.move_to_end(keys[i])
@@ -188,17 +195,19 @@ class PrefixCache:
         m = self.manager
         if seq_id is None:
             if m.home_devices and m.num_devices > 1:
-                raise ValueError("a prefix lookup on a pool with home devices needs the sequence id "
-                                 "(find_cached_prefix(tokens, seq_id)): its rows' device is its home")
-            seq_id = 0                              # rows follow their experts: every id gives the same
+                raise ValueError(
+                    "a prefix lookup on a pool with home devices needs the sequence id "
+                    "(find_cached_prefix(tokens, seq_id)): its rows' device is its home"
+                )
+            seq_id = 0  # rows follow their experts: every id gives the same
         return m.device_of_expert_of([seq_id])[0].reshape(-1)
 
     def find_cached_prefix(self, token_ids: list[int], seq_id: int | None = None) -> PrefixHit:
         """The longest usable cached prefix for sequence seq_id (PrefixHit() when none). Changes
         nothing but the LRU order of chunk records."""
-        devices = self.row_devices(seq_id).tolist()                                        # (R,)
+        devices = self.row_devices(seq_id).tolist()  # (R,)
         C = self.chunk_size
-        max_chunks = (len(token_ids) - 1) // C               # the last token always runs
+        max_chunks = (len(token_ids) - 1) // C  # the last token always runs
         keys = chain_keys(token_ids[: max_chunks * C], C)
         counts = []
         for key in keys:
@@ -209,7 +218,7 @@ class PrefixCache:
             counts.append(record)
         if not counts:
             return PrefixHit()
-        cumulative = torch.stack(counts).cumsum(0)                                         # (I, R)
+        cumulative = torch.stack(counts).cumsum(0)  # (I, R)
         # validity is monotone in i: bisect, trying the whole run of records (the common case) first
         low, high, best = 1, len(counts), None
         middle = high
@@ -226,23 +235,26 @@ class PrefixCache:
         """The hit for s = i * C, or None if some needed block is not cached on its row's device."""
         m, P = self.manager, self.manager.block_size
         s = i * self.chunk_size
-        row_counts = cumulative[i - 1]                                                      # (R,)
-        num_full = row_counts // P                                                          # (R,)
+        row_counts = cumulative[i - 1]  # (R,)
+        num_full = row_counts // P  # (R,)
         # full blocks below s: (row, column) pairs and the chunk of each one's last entry
-        shared_rows = torch.repeat_interleave(torch.arange(row_counts.numel()), num_full)    # (f,)
+        shared_rows = torch.repeat_interleave(torch.arange(row_counts.numel()), num_full)  # (f,)
         shared_columns = torch.arange(shared_rows.numel()) - torch.repeat_interleave(
-            torch.cumsum(num_full, 0) - num_full, num_full)                                 # (f,)
-        last_entry = shared_columns * P + P - 1                                             # (f,)
-        chunk = (cumulative[:i, shared_rows] <= last_entry[None, :]).sum(0)                 # (f,)
-        cow_rows = (row_counts % P > 0).nonzero().squeeze(1)                                 # (c,)
+            torch.cumsum(num_full, 0) - num_full, num_full
+        )  # (f,)
+        last_entry = shared_columns * P + P - 1  # (f,)
+        chunk = (cumulative[:i, shared_rows] <= last_entry[None, :]).sum(0)  # (f,)
+        cow_rows = (row_counts % P > 0).nonzero().squeeze(1)  # (c,)
         # the (row, column, chunk key) each needed block is found under: shared ones, then copies
-        wanted = [(r, j, keys[c]) for r, j, c in zip(shared_rows.tolist(), shared_columns.tolist(), chunk.tolist())]
+        wanted = [
+            (r, j, keys[c]) for r, j, c in zip(shared_rows.tolist(), shared_columns.tolist(), chunk.tolist())
+        ]
         wanted += [(r, j, keys[i - 1]) for r, j in zip(cow_rows.tolist(), num_full[cow_rows].tolist())]
         blocks = [self._block_of_key.get((devices[r], r, j, key)) for r, j, key in wanted]
         if None in blocks:
             return None
-        shared_t = torch.tensor(blocks[:shared_rows.numel()], dtype=torch.int64)
-        cow_t = torch.tensor(blocks[shared_rows.numel():], dtype=torch.int64)
+        shared_t = torch.tensor(blocks[: shared_rows.numel()], dtype=torch.int64)
+        cow_t = torch.tensor(blocks[shared_rows.numel() :], dtype=torch.int64)
         # a block is shared only whole: its last slot written, below s (by causality it always is when
         # found under its last entry's chunk; checked all the same)
         last = self.block_positions[shared_t, P - 1]
@@ -251,10 +263,20 @@ class PrefixCache:
         # free blocks the hit holds while it is applied: the cached-free blocks it reuses, shared or
         # copy sources (pinned so that the copies' allocation cannot evict them), and the copies
         found = torch.cat([shared_t, cow_t]).unique()
-        taken = torch.cat([found[m.pool.ref_cnt[found] == 0], cow_t])        # reused idle blocks, copies
-        per_device = torch.bincount(m.pool.device_of_blocks(taken), minlength=m.num_devices)      # (D,)
-        return PrefixHit(s, row_counts.clone(), shared_t, shared_rows, shared_columns, cow_t, cow_rows,
-                         int(per_device.sum()), per_device, torch.tensor(devices, dtype=torch.int64))
+        taken = torch.cat([found[m.pool.ref_cnt[found] == 0], cow_t])  # reused idle blocks, copies
+        per_device = torch.bincount(m.pool.device_of_blocks(taken), minlength=m.num_devices)  # (D,)
+        return PrefixHit(
+            s,
+            row_counts.clone(),
+            shared_t,
+            shared_rows,
+            shared_columns,
+            cow_t,
+            cow_rows,
+            int(per_device.sum()),
+            per_device,
+            torch.tensor(devices, dtype=torch.int64),
+        )
 
     def apply_prefix_hit(self, seq_id: int, hit: PrefixHit) -> tuple[torch.Tensor, torch.Tensor]:
         """Give a new sequence its rows from a hit; returns the copies' (source, destination)
@@ -267,10 +289,12 @@ class PrefixCache:
         found = torch.cat([hit.shared, hit.cow_source])
         if not m.pool.is_cached[found].all():
             raise ValueError("the hit lists blocks that are no longer cached: look up again")
-        devices = self.row_devices(seq_id)                                                 # (R,)
+        devices = self.row_devices(seq_id)  # (R,)
         if hit.row_devices is not None and not torch.equal(hit.row_devices, devices):
-            raise ValueError(f"the hit was looked up for rows on other devices than sequence {seq_id}'s: "
-                             "look up with its id (find_cached_prefix(tokens, seq_id))")
+            raise ValueError(
+                f"the hit was looked up for rows on other devices than sequence {seq_id}'s: "
+                "look up with its id (find_cached_prefix(tokens, seq_id))"
+            )
         rows_of = torch.cat([hit.shared_rows, hit.cow_rows])
         if not torch.equal(m.pool.device_of_blocks(found), devices[rows_of]):
             raise ValueError("the hit lists a block of another device than its row's: look up again")
@@ -278,24 +302,27 @@ class PrefixCache:
         idle = found.unique()
         idle = idle[m.pool.ref_cnt[idle] == 0]
         available = m.num_free_blocks_per_device - torch.bincount(m.pool.device_of_blocks(idle), minlength=D)
-        copies = torch.bincount(devices[hit.cow_rows], minlength=D)                        # (D,)
+        copies = torch.bincount(devices[hit.cow_rows], minlength=D)  # (D,)
         if (copies > available).any():
             d = int((copies > available).nonzero()[0])
-            raise OutOfBlocksError(f"the hit's {int(copies[d])} copies on device {d} need blocks; "
-                                   f"{int(available[d])} are free there beside the blocks it reuses")
+            raise OutOfBlocksError(
+                f"the hit's {int(copies[d])} copies on device {d} need blocks; "
+                f"{int(available[d])} are free there beside the blocks it reuses"
+            )
         m.pool.reuse(hit.shared)
-        m.pool.reuse(hit.cow_source)                # pinned: the copies' allocation cannot evict them
+        m.pool.reuse(hit.cow_source)  # pinned: the copies' allocation cannot evict them
         try:
-            rows, destination = m.start_from_blocks(seq_id, hit.row_counts, hit.shared_rows, hit.shared_columns,
-                                                    hit.shared, hit.cow_rows)
+            rows, destination = m.start_from_blocks(
+                seq_id, hit.row_counts, hit.shared_rows, hit.shared_columns, hit.shared, hit.cow_rows
+            )
         except OutOfBlocksError:
-            m.pool.free(hit.shared)                 # its reuse undone: as before the call
+            m.pool.free(hit.shared)  # its reuse undone: as before the call
             raise
         finally:
             m.pool.free(hit.cow_source)
         self.block_positions[destination] = self.block_positions[hit.cow_source]
-        held = (hit.row_counts > 0).nonzero().squeeze(1)                                   # (h,)
-        last_slot = m.slot_of(rows[held], hit.row_counts[held] - 1)                        # (h,)
+        held = (hit.row_counts > 0).nonzero().squeeze(1)  # (h,)
+        last_slot = m.slot_of(rows[held], hit.row_counts[held] - 1)  # (h,)
         m.note_positions(rows[held], self.block_positions.view(-1)[last_slot])
         self.stats.num_hit_tokens += hit.num_tokens
         self.stats.num_shared_blocks += hit.shared.numel()
@@ -315,7 +342,7 @@ class PrefixCache:
         return None if hit is None else self.apply_prefix_hit(seq_id, hit)
 
     def forget_sequence(self, seq_id: int) -> None:
-        self._seq_state.pop(int(seq_id), None)              # its blocks stay findable until evicted
+        self._seq_state.pop(int(seq_id), None)  # its blocks stay findable until evicted
 
     num_cached_blocks = property(lambda self: len(self._keys_of_block))
 
@@ -327,7 +354,7 @@ class PrefixCache:
         shared = torch.bincount(owned, minlength=m.num_blocks)[owned] > 1
         full = m.row_tokens[row] >= (column + 1) * P
         assert full[shared].all(), "a partly filled block is shared (copy-on-write broken)"
-        where = (row % m.rows_per_seq) * m.block_tables.shape[1] + column              # (r_le, column)
+        where = (row % m.rows_per_seq) * m.block_tables.shape[1] + column  # (r_le, column)
         first = torch.full((m.num_blocks,), -1, dtype=torch.int64).scatter_(0, owned, where)
         assert (first[owned] == where).all(), "a block is listed at two different (layer, expert, column)"
         for key, block in self._block_of_key.items():
@@ -335,7 +362,9 @@ class PrefixCache:
         if self._block_of_key:
             key_device = torch.tensor([key[0] for key in self._block_of_key])
             blocks = torch.tensor(list(self._block_of_key.values()))
-            assert torch.equal(m.pool.device_of_blocks(blocks), key_device), "a block is keyed under another device"
+            assert torch.equal(m.pool.device_of_blocks(blocks), key_device), (
+                "a block is keyed under another device"
+            )
         assert sum(map(len, self._keys_of_block.values())) == len(self._block_of_key), "stale block keys"
         cached = torch.zeros(m.num_blocks, dtype=torch.bool)
         cached[list(self._keys_of_block)] = True

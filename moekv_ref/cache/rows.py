@@ -25,8 +25,8 @@ def ceil_div(a, b):
 
 @dataclass(frozen=True)
 class RowIndex:
-    num_layers: int       # L
-    num_experts: int      # E
+    num_layers: int  # L
+    num_experts: int  # E
     rows_per_seq = property(lambda self: self.num_layers * self.num_experts)
 
     def row(self, seq_index, layer, expert):
@@ -40,17 +40,24 @@ class RowIndex:
 
     def sequence_rows(self, seq_index: torch.Tensor) -> torch.Tensor:
         """All L * E rows of each sequence slot in seq_index (m,): (m, L * E) int64, layer-major."""
-        return torch.as_tensor(seq_index, dtype=torch.int64)[:, None] * self.rows_per_seq \
-            + torch.arange(self.rows_per_seq)
+        return torch.as_tensor(seq_index, dtype=torch.int64)[:, None] * self.rows_per_seq + torch.arange(
+            self.rows_per_seq
+        )
 
 
-def worst_case_lifetime_blocks(num_tokens: int, num_layers: int, num_experts: int, k_max: int, block_size: int,
-                               max_row_tokens: int | None = None) -> int:
+def worst_case_lifetime_blocks(
+    num_tokens: int,
+    num_layers: int,
+    num_experts: int,
+    k_max: int,
+    block_size: int,
+    max_row_tokens: int | None = None,
+) -> int:
     """The most blocks a sequence of T = `num_tokens` cached tokens can hold under any routing: per
     layer k_max * T entries over E rows of at most C = T tokens each (C = min(T, B) under a row
     budget of B tokens), so at most min(E * ceil(C / P), m + (N - m) // P) blocks, N = min(k_max *
     T, E * C) entries, m = min(E, N)."""
-    most = num_tokens if max_row_tokens is None else min(num_tokens, max_row_tokens)          # C
+    most = num_tokens if max_row_tokens is None else min(num_tokens, max_row_tokens)  # C
     entries = min(k_max * num_tokens, num_experts * most)
     rows = min(num_experts, entries)
     per_layer = min(num_experts * ceil_div(most, block_size), rows + (entries - rows) // block_size)

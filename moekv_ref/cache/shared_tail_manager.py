@@ -38,12 +38,12 @@ class SharedTails:
         self.manager = manager
         P, num_slots = manager.block_size, manager.num_blocks * manager.block_size
         num_rows = manager.row_tokens.numel()
-        self.tail_slots = torch.full((num_rows, P), -1, dtype=torch.int64)      # (R, P) -1 = none
+        self.tail_slots = torch.full((num_rows, P), -1, dtype=torch.int64)  # (R, P) -1 = none
         # who uses each slot of a tail block: the row and the position in its tail (-1: nobody)
-        self.slot_row = torch.full((num_slots,), -1, dtype=torch.int64)          # (N*P,)
+        self.slot_row = torch.full((num_slots,), -1, dtype=torch.int64)  # (N*P,)
         self.slot_position = torch.full((num_slots,), -1, dtype=torch.int64)
         # tail group g = seq_index * D + device (module docstring); g = seq_index with one device
-        self.tail_blocks: dict[int, list[int]] = {}      # group -> its tail block ids
+        self.tail_blocks: dict[int, list[int]] = {}  # group -> its tail block ids
         self.free_tail_slots: dict[int, list[int]] = {}  # group -> free slots (a stack)
 
     def blocks(self) -> torch.Tensor:
@@ -80,7 +80,9 @@ class SharedTails:
         return need
 
     # ----- allocate / slots / free ----------------------------------------------------------------
-    def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor, with_slots: bool) -> SlotAllocation:
+    def allocate_slots(
+        self, rows: torch.Tensor, num_new_tokens: torch.Tensor, with_slots: bool
+    ) -> SlotAllocation:
         """KVCacheManager.allocate_slots with shared tails, rows checked."""
         m, P, D = self.manager, self.manager.block_size, self.manager.num_devices
         m.raise_short(self.num_blocks_needed_per_device(rows, num_new_tokens), rows, num_new_tokens)
@@ -130,12 +132,12 @@ class SharedTails:
         moves: Moves = []
         while len(self.free_tail_slots[group]) >= P:
             blocks = self.tail_blocks[group]
-            used = [int((self.slot_row[b * P:(b + 1) * P] >= 0).sum()) for b in blocks]
-            victim = blocks[min(range(len(blocks)), key=lambda i: (used[i], -i))]   # emptiest, newest
+            used = [int((self.slot_row[b * P : (b + 1) * P] >= 0).sum()) for b in blocks]
+            victim = blocks[min(range(len(blocks)), key=lambda i: (used[i], -i))]  # emptiest, newest
             victim_slots = torch.arange(victim * P, (victim + 1) * P)
             sources = victim_slots[self.slot_row[victim_slots] >= 0]
             free = [s for s in self.free_tail_slots[group] if s // P != victim]
-            destinations = torch.tensor(free[len(free) - sources.numel():][::-1], dtype=torch.int64)
+            destinations = torch.tensor(free[len(free) - sources.numel() :][::-1], dtype=torch.int64)
             self.free_tail_slots[group] = free[: len(free) - sources.numel()]
             if sources.numel():
                 row, position = self.slot_row[sources], self.slot_position[sources]
@@ -149,7 +151,7 @@ class SharedTails:
 
     def slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         m, P = self.manager, self.manager.block_size
-        full = (m.row_tokens[row] // P) * P                              # tokens in blocks
+        full = (m.row_tokens[row] // P) * P  # tokens in blocks
         in_table = token < full
         column = torch.where(in_table, token // P, 0)
         body = m.block_tables[row, column].to(torch.int64) * P + token % P
@@ -171,27 +173,31 @@ class SharedTails:
 
     def assert_consistent(self) -> None:
         m, P = self.manager, self.manager.block_size
-        valid = torch.arange(P) < (m.row_tokens % P)[:, None]                       # (R, P)
+        valid = torch.arange(P) < (m.row_tokens % P)[:, None]  # (R, P)
         assert (self.tail_slots[~valid] == -1).all(), "a tail slot past a row's tail is set"
         used = self.tail_slots[valid]
         assert used.unique().numel() == used.numel(), "a tail slot is used twice"
         row, position = valid.nonzero(as_tuple=True)
-        assert torch.equal(self.slot_row[used], row) and torch.equal(self.slot_position[used], position), \
+        assert torch.equal(self.slot_row[used], row) and torch.equal(self.slot_position[used], position), (
             "slot owner map disagrees with tail_slots"
+        )
         assert int((self.slot_row >= 0).sum()) == used.numel(), "a slot has an owner but no row uses it"
         group_of_row = self.group_of_rows(row)
         for index, blocks in self.tail_blocks.items():
-            assert all(int(d) == index % m.num_devices for d in m.pool.device_of_blocks(blocks).tolist()), \
+            assert all(int(d) == index % m.num_devices for d in m.pool.device_of_blocks(blocks).tolist()), (
                 f"tail group {index} holds a block of another device than its own"
+            )
             mine = used[group_of_row == index]
             free = torch.tensor(self.free_tail_slots[index], dtype=torch.int64)
             held = torch.tensor(blocks, dtype=torch.int64)
-            assert torch.isin(mine // P, held).all() and torch.isin(free // P, held).all(), \
+            assert torch.isin(mine // P, held).all() and torch.isin(free // P, held).all(), (
                 "a tail slot lies outside its sequence's tail blocks"
+            )
             assert mine.numel() + free.numel() == len(blocks) * P, "tail slots leaked"
             assert not torch.isin(free, mine).any(), "a free tail slot is in use"
             assert len(blocks) == -(-mine.numel() // P), (
-                f"tail group {index} holds {len(blocks)} tail blocks for {mine.numel()} tail tokens")
+                f"tail group {index} holds {len(blocks)} tail blocks for {mine.numel()} tail tokens"
+            )
 
 
 def SharedTailKVCacheManager(*args, **kwargs) -> KVCacheManager:

@@ -1,19 +1,19 @@
 """Serving: continuous batching over the paged per-expert KV cache, module by module.
 
-    request.py       Request, its states (waiting, running, preempted, finished) and its output
-    demand.py        blocks a request needs: worst case of a step, of a lifetime, and a prediction
-    memory.py        ModelShape (the model's integer facts) and MemoryView (read-only memory facts)
-    swap.py          SwapSpace: host block ids of sequences preempted by swap; BlockCopy
-    admission.py     admission policies: predicted, optimistic
-    victims.py       victim policies: newest_first, sequence_lru, expert_lru, pressure_aware, and
-                     oracle and belady for trace replay (sim/eviction.py)
-    batching.py      BatchingPolicy; continuous batching on the paged pool (continuous_paged)
-    baselines.py     the benchmark's baselines as batching policies: continuous_reserved, static
-    scheduler.py     Scheduler: the paged loop over integers (reserve per device, preempt, admit)
-    model_runner.py  ModelRunner: the swap copies, then one forward_cached over the flat batch
-    undo.py          Snapshot: the scheduler's state, restored in place when a step raises
-    engine.py        LLMEngine (add_request / step / abort_request / generate), generate_with_engine
-    workload.py      workloads with arrivals, and running one through an engine
+request.py       Request, its states (waiting, running, preempted, finished) and its output
+demand.py        blocks a request needs: worst case of a step, of a lifetime, and a prediction
+memory.py        ModelShape (the model's integer facts) and MemoryView (read-only memory facts)
+swap.py          SwapSpace: host block ids of sequences preempted by swap; BlockCopy
+admission.py     admission policies: predicted, optimistic
+victims.py       victim policies: newest_first, sequence_lru, expert_lru, pressure_aware, and
+                 oracle and belady for trace replay (sim/eviction.py)
+batching.py      BatchingPolicy; continuous batching on the paged pool (continuous_paged)
+baselines.py     the benchmark's baselines as batching policies: continuous_reserved, static
+scheduler.py     Scheduler: the paged loop over integers (reserve per device, preempt, admit)
+model_runner.py  ModelRunner: the swap copies, then one forward_cached over the flat batch
+undo.py          Snapshot: the scheduler's state, restored in place when a step raises
+engine.py        LLMEngine (add_request / step / abort_request / generate), generate_with_engine
+workload.py      workloads with arrivals, and running one through an engine
 """
 
 from .admission import AdmissionPolicy, OptimisticAdmission, PredictedAdmission
@@ -26,8 +26,31 @@ from .scheduler import POLICIES, PREEMPTION_MODES, Scheduler, SchedulerConfig, S
 from .swap import BlockCopy, SwapSpace
 from .victims import NewestFirst, VictimPolicy
 
-__all__ = ["AdmissionPolicy", "BatchingPolicy", "BlockCopy", "ContinuousBatching", "ContinuousReserved",
-           "EngineStats", "LLMEngine", "MemoryView", "ModelShape", "NewestFirst", "OptimisticAdmission",
-           "POLICIES", "PREEMPTION_MODES", "PredictedAdmission", "Request", "RequestEvent", "RequestOutput",
-           "RequestStatus", "Scheduler", "SchedulerConfig", "SchedulerOutput", "StaticBatching",
-           "StepRecord", "SwapSpace", "VictimPolicy", "generate_with_engine"]
+__all__ = [
+    "AdmissionPolicy",
+    "BatchingPolicy",
+    "BlockCopy",
+    "ContinuousBatching",
+    "ContinuousReserved",
+    "EngineStats",
+    "LLMEngine",
+    "MemoryView",
+    "ModelShape",
+    "NewestFirst",
+    "OptimisticAdmission",
+    "POLICIES",
+    "PREEMPTION_MODES",
+    "PredictedAdmission",
+    "Request",
+    "RequestEvent",
+    "RequestOutput",
+    "RequestStatus",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "StaticBatching",
+    "StepRecord",
+    "SwapSpace",
+    "VictimPolicy",
+    "generate_with_engine",
+]

@@ -21,8 +21,9 @@ from .request import Request, RequestStatus
 class AdmissionPolicy:
     name = "admission"
 
-    def allows(self, request: Request, running: Sequence[Request], memory: MemoryView,
-               predictor: DemandPredictor) -> bool:
+    def allows(
+        self, request: Request, running: Sequence[Request], memory: MemoryView, predictor: DemandPredictor
+    ) -> bool:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -33,6 +34,7 @@ class OptimisticAdmission(AdmissionPolicy):
     """Admit whenever the next step fits (vLLM's rule). Keeps the pool full and recovers by
     preempting when decode growth outruns it: cheap when preemption is cheap (swap), wasteful when it
     throws away prefill work (recompute)."""
+
     name = "optimistic"
 
     def allows(self, request, running, memory, predictor) -> bool:
@@ -42,6 +44,7 @@ class OptimisticAdmission(AdmissionPolicy):
 class PredictedAdmission(AdmissionPolicy):
     """Admit while the pool's predicted peak fits (the default): the next step alone would let in
     requests that will certainly be preempted later (wasted prefill)."""
+
     name = "predicted"
 
     def allows(self, request, running, memory, predictor) -> bool:
@@ -71,9 +74,9 @@ def predicted_peak(requests: Sequence[Request], memory: MemoryView, predictor: D
         final.append(max(predictor.predict(r.max_cached_tokens), b))
         remaining.append(max(1, r.max_new_tokens - len(r.output_token_ids)))
     b, f, g = (torch.tensor(x, dtype=torch.float64) for x in (held, final, remaining))  # (k,) each
-    s = g - 1                                                                  # (k,) peaks to test
-    progress = torch.clamp((s[:, None] + 1) / g[None, :], max=1.0)             # (k steps, k requests)
-    demand = torch.where(s[:, None] < g[None, :], b + (f - b) * progress, torch.zeros(()))   # (k, k)
+    s = g - 1  # (k,) peaks to test
+    progress = torch.clamp((s[:, None] + 1) / g[None, :], max=1.0)  # (k steps, k requests)
+    demand = torch.where(s[:, None] < g[None, :], b + (f - b) * progress, torch.zeros(()))  # (k, k)
     return int(math.ceil(float(demand.sum(1).max()) - 1e-9))
 
 

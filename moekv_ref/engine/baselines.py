@@ -20,6 +20,7 @@ def _reservation(num_cached_tokens: int, shape: ModelShape) -> int:
 class ReserveEveryRow(AdmissionPolicy):
     """Admit while every request's lifetime reservation (room for all its tokens in every row)
     fits the pool together: what a per-expert contiguous cache must do, not knowing the routing."""
+
     name = "reserved"
 
     def allows(self, request, running, memory, predictor) -> bool:
@@ -30,6 +31,7 @@ class ReserveEveryRow(AdmissionPolicy):
 class ContinuousReserved(ContinuousBatching):
     """Continuous batching, each request reserving every (layer, expert) row's worst case for its
     whole life: the pool never runs short (no preemption) and few requests run at once."""
+
     name = "continuous_reserved"
 
     def __init__(self):
@@ -38,7 +40,7 @@ class ContinuousReserved(ContinuousBatching):
     def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
         return _reservation(num_cached_tokens, shape)
 
-    __repr__ = BatchingPolicy.__repr__          # "ContinuousReserved()": its admission is fixed
+    __repr__ = BatchingPolicy.__repr__  # "ContinuousReserved()": its admission is fixed
 
 
 class StaticBatching(BatchingPolicy):
@@ -46,10 +48,11 @@ class StaticBatching(BatchingPolicy):
     whose members, each reserving every row's worst case for the padded length (longest prompt +
     longest output), fit the pool. Every member decodes (and throws away) tokens until the batch's
     longest output is done, as a padded batch does; the padding is kept here, per request."""
+
     name = "static"
 
     def __init__(self):
-        self._padding: dict[int, int] = {}           # request id -> tokens decoded past its output
+        self._padding: dict[int, int] = {}  # request id -> tokens decoded past its output
 
     def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
         return _reservation(num_cached_tokens, shape)
@@ -64,12 +67,13 @@ class StaticBatching(BatchingPolicy):
         batch: list[Request] = []
         for request in step.peek(step.max_num_seqs):
             candidate = batch + [request]
-            padded = (max(len(r.prompt_token_ids) for r in candidate)
-                      + max(r.max_new_tokens for r in candidate) - 1)
+            padded = (
+                max(len(r.prompt_token_ids) for r in candidate) + max(r.max_new_tokens for r in candidate) - 1
+            )
             if len(candidate) * _reservation(padded, shape) > step.memory.num_blocks:
                 break
             batch.append(request)
-        batch = batch or [step.head]            # fits alone: checked at add_request
+        batch = batch or [step.head]  # fits alone: checked at add_request
         longest_output = max(r.max_new_tokens for r in batch)
         for request in batch:
             # padding: decode until the batch's longest output ends, within the model's positions

@@ -20,19 +20,25 @@ class AdmissionStep:
     reservation; `start_next` is the policy's only move. The Scheduler is not imported here: it uses
     the policies, never the other way round."""
 
-    def __init__(self, scheduler: "Scheduler", out: "SchedulerOutput", token_budget: int, reserved,
-                 max_admissions: int | None = None):
+    def __init__(
+        self,
+        scheduler: "Scheduler",  # noqa: F821 (not imported: the scheduler imports this module)
+        out: "SchedulerOutput",  # noqa: F821
+        token_budget: int,
+        reserved,
+        max_admissions: int | None = None,
+    ):
         self._scheduler = scheduler
         self._out = out
-        self._max_admissions = max_admissions     # a retried step's limit (scheduler.Retry); None: none
-        self.token_budget = token_budget      # tokens the step may still run
-        self.reserved = reserved              # worst case already reserved by the step ((D,): per device)
+        self._max_admissions = max_admissions  # a retried step's limit (scheduler.Retry); None: none
+        self.token_budget = token_budget  # tokens the step may still run
+        self.reserved = reserved  # worst case already reserved by the step ((D,): per device)
         self.memory: MemoryView = scheduler.memory
         self.predictor: DemandPredictor = scheduler.predictor
         self.shape: ModelShape = scheduler.memory.shape
         self.max_num_seqs: int = scheduler.config.max_num_seqs
-        self.victims = scheduler.victims      # its `admits` may veto too
-        self._hits = {}                       # request id -> the prefix hit step_fits chose it starts from
+        self.victims = scheduler.victims  # its `admits` may veto too
+        self._hits = {}  # request id -> the prefix hit step_fits chose it starts from
 
     @property
     def head(self) -> Request | None:
@@ -49,8 +55,11 @@ class AdmissionStep:
     @property
     def has_room(self) -> bool:
         joined = len(self._out.admitted) + len(self._out.resumed)
-        return len(self._scheduler.running) < self.max_num_seqs and self.token_budget > 0 and (
-            self._max_admissions is None or joined < self._max_admissions)
+        return (
+            len(self._scheduler.running) < self.max_num_seqs
+            and self.token_budget > 0
+            and (self._max_admissions is None or joined < self._max_admissions)
+        )
 
     def step_fits(self, request: Request) -> bool:
         """Would the request's next tokens (and its swap-in) fit every device beside the step's
@@ -61,14 +70,16 @@ class AdmissionStep:
         need = scheduler.step_blocks(request, min(request.num_pending_tokens, self.token_budget))
         hit = scheduler.prefix_hit(request)
         if hit is not None:
-            hit_need = scheduler.hit_step_blocks(hit, min(request.num_tokens - hit.num_tokens, self.token_budget))
+            hit_need = scheduler.hit_step_blocks(
+                hit, min(request.num_tokens - hit.num_tokens, self.token_budget)
+            )
             if scheduler.fits(self.reserved + hit_need):
                 self._hits[request.request_id] = hit
                 return True
             # the hit holds more free blocks than it saves now (cached-free blocks it shares, copy
             # sources pinned while it is applied): start from nothing if that fits
             return scheduler.fits(self.reserved + need)
-        if request_id in scheduler.stalled:            # its dead rows go when it starts
+        if request_id in scheduler.stalled:  # its dead rows go when it starts
             need = need - memory.blocks_held_per_device(request_id)
         return scheduler.fits(self.reserved + memory.swapped_blocks_per_device(request_id) + need)
 
@@ -86,6 +97,7 @@ class AdmissionStep:
 
 class BatchingPolicy:
     """One object serves one scheduler: it may keep per-request state, dropped in `release`."""
+
     name = "batching"
 
     def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
@@ -109,23 +121,32 @@ class ContinuousBatching(BatchingPolicy):
     """Admit the head of the line while its next step fits and the admission policy (and the victim
     policy's `admits`) allows: more sequences share the pool than under any lifetime reservation,
     and the admission policy keeps that from turning into preemptions."""
+
     name = "continuous_paged"
 
     def __init__(self, admission: AdmissionPolicy | None = None):
         self.admission = admission if admission is not None else PredictedAdmission()
 
     def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
-        return worst_case_lifetime_blocks(num_cached_tokens, shape.num_layers, shape.num_experts,
-                                          shape.k_max, shape.block_size, shape.max_row_tokens)
+        return worst_case_lifetime_blocks(
+            num_cached_tokens,
+            shape.num_layers,
+            shape.num_experts,
+            shape.k_max,
+            shape.block_size,
+            shape.max_row_tokens,
+        )
 
     def admit(self, step: AdmissionStep) -> None:
         while step.head is not None and step.has_room:
             request = step.head
             if not step.step_fits(request):
                 break
-            if step.running and not (self.admission.allows(request, step.running, step.memory, step.predictor)
-                                     and step.victims.admits(request, step.running, step.memory)):
-                break                  # FIFO: no request overtakes the head of the line
+            if step.running and not (
+                self.admission.allows(request, step.running, step.memory, step.predictor)
+                and step.victims.admits(request, step.running, step.memory)
+            ):
+                break  # FIFO: no request overtakes the head of the line
             step.start_next()
 
     def __repr__(self) -> str:

@@ -58,16 +58,22 @@ class DemandPredictor:
     routing k_avg = k exactly, and only the split across experts, hence the tail, is unknown.
     """
 
-    def __init__(self, num_layers: int, num_experts: int, k_max: int, block_size: int,
-                 max_row_tokens: int | None = None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        k_max: int,
+        block_size: int,
+        max_row_tokens: int | None = None,
+    ):
         self.num_layers, self.num_experts = num_layers, num_experts
         self.k_max, self.block_size = k_max, block_size
-        self.max_row_tokens = max_row_tokens         # a row budget caps every prediction's worst case
-        self.num_entries = torch.zeros(num_layers, dtype=torch.float64)   # (L,) routed (token, expert)
+        self.max_row_tokens = max_row_tokens  # a row budget caps every prediction's worst case
+        self.num_entries = torch.zeros(num_layers, dtype=torch.float64)  # (L,) routed (token, expert)
         self.num_tokens = 0
 
     def observe(self, entries_per_layer: torch.Tensor, num_tokens: int) -> None:
-        self.num_entries += entries_per_layer                        # (L,) over a step's tokens, into float64
+        self.num_entries += entries_per_layer  # (L,) over a step's tokens, into float64
         self.num_tokens += int(num_tokens)
 
     @property
@@ -80,65 +86,93 @@ class DemandPredictor:
         """Predicted blocks for `num_tokens` cached tokens (capped: for short sequences the tail
         bound alone could exceed E * ceil(T / P))."""
         P = self.block_size
-        entries = self.k_avg * num_tokens                                        # (L,)
+        entries = self.k_avg * num_tokens  # (L,)
         rows = torch.clamp(entries, max=self.num_experts)
         per_layer = entries / P + rows * (P - 1) / P
-        worst = worst_case_lifetime_blocks(num_tokens, 1, self.num_experts, self.k_max, P, self.max_row_tokens)
+        worst = worst_case_lifetime_blocks(
+            num_tokens, 1, self.num_experts, self.k_max, P, self.max_row_tokens
+        )
         return int(sum(min(math.ceil(x - 1e-9), worst) for x in per_layer.tolist()))
 
 
-def worst_case_step_blocks(token_counts: torch.Tensor, num_new_tokens: torch.Tensor, k_max: int,
-                           block_size: int) -> torch.Tensor:
+def worst_case_step_blocks(
+    token_counts: torch.Tensor, num_new_tokens: torch.Tensor, k_max: int, block_size: int
+) -> torch.Tensor:
     """token_counts (m, L, E), num_new_tokens (m,) -> (m,): the one-pool (D = 1) worst case."""
-    return worst_case_step_blocks_per_device(token_counts, num_new_tokens, k_max, block_size,
-                                             torch.zeros(token_counts.shape, dtype=torch.int64), 1)[:, 0]
+    return worst_case_step_blocks_per_device(
+        token_counts, num_new_tokens, k_max, block_size, torch.zeros(token_counts.shape, dtype=torch.int64), 1
+    )[:, 0]
 
 
 def _per_device(values: torch.Tensor, device_of_expert: torch.Tensor, num_devices: int) -> torch.Tensor:
     """(m, L, E) values of rows, device_of_expert (m, L, E) -> (m, L, D): summed per device."""
-    return (values.sum(2, keepdim=True) if num_devices == 1                      # one pool: over experts
-            else torch.zeros(values.shape[:2] + (num_devices,), dtype=torch.int64).scatter_add_(2, device_of_expert, values))
+    return (
+        values.sum(2, keepdim=True)
+        if num_devices == 1  # one pool: over experts
+        else torch.zeros(values.shape[:2] + (num_devices,), dtype=torch.int64).scatter_add_(
+            2, device_of_expert, values
+        )
+    )
 
 
-def blocks_held_per_device(token_counts: torch.Tensor, block_size: int, device_of_expert: torch.Tensor,
-                           num_devices: int) -> torch.Tensor:
+def blocks_held_per_device(
+    token_counts: torch.Tensor, block_size: int, device_of_expert: torch.Tensor, num_devices: int
+) -> torch.Tensor:
     """token_counts (m, L, E), device_of_expert (m, L, E) -> (m, D): blocks held (ceil(c / P))."""
     return _per_device(ceil_div(token_counts, block_size), device_of_expert, num_devices).sum(1)
 
 
-def worst_case_step_blocks_per_device(token_counts: torch.Tensor, num_new_tokens: torch.Tensor, k_max: int,
-                                      block_size: int, device_of_expert: torch.Tensor,
-                                      num_devices: int, max_row_tokens: int | None = None) -> torch.Tensor:
+def worst_case_step_blocks_per_device(
+    token_counts: torch.Tensor,
+    num_new_tokens: torch.Tensor,
+    k_max: int,
+    block_size: int,
+    device_of_expert: torch.Tensor,
+    num_devices: int,
+    max_row_tokens: int | None = None,
+) -> torch.Tensor:
     """token_counts (m, L, E), num_new_tokens (m,), device_of_expert (m, L, E) -> (m, D): the most
     blocks each sequence's next tokens could take on each device (min of bounds A and B); a row
     budget caps each row at max_row_tokens."""
     m = token_counts.shape[0]
-    n = num_new_tokens.to(torch.int64).view(m, 1, 1)                                 # (m, 1, 1)
+    n = num_new_tokens.to(torch.int64).view(m, 1, 1)  # (m, 1, 1)
     grown = token_counts + n if max_row_tokens is None else torch.clamp(token_counts + n, max=max_row_tokens)
-    grow = ceil_div(grown, block_size) - ceil_div(token_counts, block_size)          # (m, L, E)
-    bound_a = _per_device(grow, device_of_expert, num_devices)                       # (m, L, D)
-    experts_on = _per_device(torch.ones_like(token_counts), device_of_expert, num_devices)   # (m, L, D)
-    entries = torch.clamp(experts_on, max=k_max) * n                                 # (m, L, D) k_d * n
+    grow = ceil_div(grown, block_size) - ceil_div(token_counts, block_size)  # (m, L, E)
+    bound_a = _per_device(grow, device_of_expert, num_devices)  # (m, L, D)
+    experts_on = _per_device(torch.ones_like(token_counts), device_of_expert, num_devices)  # (m, L, D)
+    entries = torch.clamp(experts_on, max=k_max) * n  # (m, L, D) k_d * n
     rows = torch.minimum(entries, experts_on)
-    bound_b = rows + (entries - rows) // block_size                                  # (m, L, D)
-    return torch.minimum(bound_a, bound_b).sum(1)                                    # (m, D)
+    bound_b = rows + (entries - rows) // block_size  # (m, L, D)
+    return torch.minimum(bound_a, bound_b).sum(1)  # (m, D)
 
 
-def decode_step_blocks_per_device(open_rows: torch.Tensor, k_max: int, experts_on: torch.Tensor) -> torch.Tensor:
+def decode_step_blocks_per_device(
+    open_rows: torch.Tensor, k_max: int, experts_on: torch.Tensor
+) -> torch.Tensor:
     """open_rows (m, L, D): rows of each (layer, device) whose next token opens a block (empty or
     last block full); experts_on (L, D): experts of each layer on each device -> (m, D): the most
     blocks one decode token can take on each device. That is the step bound for n = 1, read from
     two small tables instead of every row: bound A is the open rows, bound B is k_d = min(k_max, E_d)."""
-    return torch.minimum(open_rows, torch.clamp(experts_on, max=k_max).to(open_rows.dtype)).sum(1).to(torch.int64)
+    return (
+        torch.minimum(open_rows, torch.clamp(experts_on, max=k_max).to(open_rows.dtype))
+        .sum(1)
+        .to(torch.int64)
+    )
 
 
-def worst_case_lifetime_blocks_per_device(num_tokens: torch.Tensor, k_max: int, block_size: int,
-                                          device_of_expert: torch.Tensor, num_devices: int,
-                                          max_row_tokens: int | None = None) -> torch.Tensor:
+def worst_case_lifetime_blocks_per_device(
+    num_tokens: torch.Tensor,
+    k_max: int,
+    block_size: int,
+    device_of_expert: torch.Tensor,
+    num_devices: int,
+    max_row_tokens: int | None = None,
+) -> torch.Tensor:
     """num_tokens (m,), device_of_expert (m, L, E) -> (m, D): the most blocks T cached tokens can
     hold on each device; per layer min(E_d * ceil(T / P), r + (k_d * T - r) // P),
     r = min(E_d, k_d * T): bounds A and B of one step of T tokens into empty rows (A with each row
     capped at max_row_tokens under a budget)."""
-    empty = torch.zeros(device_of_expert.shape, dtype=torch.int64)                   # (m, L, E)
-    return worst_case_step_blocks_per_device(empty, num_tokens, k_max, block_size, device_of_expert, num_devices,
-                                             max_row_tokens)
+    empty = torch.zeros(device_of_expert.shape, dtype=torch.int64)  # (m, L, E)
+    return worst_case_step_blocks_per_device(
+        empty, num_tokens, k_max, block_size, device_of_expert, num_devices, max_row_tokens
+    )

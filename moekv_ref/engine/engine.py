@@ -43,30 +43,30 @@ from .request import Request, RequestOutput, RequestStatus, check_int
 from .scheduler import Scheduler, SchedulerConfig
 from .undo import Snapshot
 
-
-_COUNTED_AS = {"length": "finished", "aborted": "aborted", "error": "failed"}   # by finish_reason
+_COUNTED_AS = {"length": "finished", "aborted": "aborted", "error": "failed"}  # by finish_reason
 
 
 @dataclass
 class StepRecord:
     """The state after one step (or one idle tick waiting for arrivals)."""
+
     step: int
-    num_running: int            # sequences holding the pool during the step
-    num_waiting: int            # never run yet
-    num_preempted: int          # waiting to resume
+    num_running: int  # sequences holding the pool during the step
+    num_waiting: int  # never run yet
+    num_preempted: int  # waiting to resume
     num_scheduled_tokens: int
-    used_blocks: int            # pool blocks owned by sequences after the forward, before finishing
+    used_blocks: int  # pool blocks owned by sequences after the forward, before finishing
     scheduled_used_blocks: int  # blocks in use when the step was scheduled: + reserved <= pool
-    reserved_blocks: int        # worst case the step reserved before running
-    swapped_blocks: int         # blocks in the CPU swap space
-    seconds: float              # wall time of the step (not reproducible; never printed rounded)
+    reserved_blocks: int  # worst case the step reserved before running
+    swapped_blocks: int  # blocks in the CPU swap space
+    seconds: float  # wall time of the step (not reproducible; never printed rounded)
 
 
 @dataclass
 class RequestEvent:
     step: int
     request_id: int
-    kind: str                   # "arrived", "admitted", "preempted", "resumed", "finished", "aborted", "failed"
+    kind: str  # "arrived", "admitted", "preempted", "resumed", "finished", "aborted", "failed"
 
 
 @dataclass
@@ -75,19 +75,19 @@ class EngineStats:
     num_admitted: int
     num_preemptions: int
     num_resumed: int
-    num_finished: int           # served to the end (finish_reason "length")
+    num_finished: int  # served to the end (finish_reason "length")
     num_recomputed_tokens: int
     num_swapped_out_blocks: int
     num_generated_tokens: int
     max_concurrent_sequences: int
     peak_used_blocks: int
     seconds: float
-    mean_concurrent_sequences: float = 0.0   # over every recorded step, idle ones included
+    mean_concurrent_sequences: float = 0.0  # over every recorded step, idle ones included
     num_aborted: int = 0
-    num_failed: int = 0         # finished with finish_reason "error"
-    num_failed_steps: int = 0   # steps that raised (anywhere) and were undone
-    num_retries: int = 0        # tries of a step undone for lack of blocks (optimistic reservation)
-    num_thrown_away_tokens: int = 0   # tokens those tries had scheduled (their forwards thrown away)
+    num_failed: int = 0  # finished with finish_reason "error"
+    num_failed_steps: int = 0  # steps that raised (anywhere) and were undone
+    num_retries: int = 0  # tries of a step undone for lack of blocks (optimistic reservation)
+    num_thrown_away_tokens: int = 0  # tokens those tries had scheduled (their forwards thrown away)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -107,11 +107,22 @@ class LLMEngine:
     (a swapped-out sequence keeps its rows' policy state with its blocks).
     """
 
-    def __init__(self, model: MoEKVTransformer, num_blocks: int | None = None, block_size: int = 16,
-                 scheduler_config: SchedulerConfig | None = None, num_swap_blocks: int | None = None,
-                 shuffle_seed: int | None = None, attention: str | None = None, record_history: bool = False,
-                 enable_prefix_caching: bool = False, blocks_per_device=None, device_of_expert=None,
-                 home_devices: bool = False, budget=None):
+    def __init__(
+        self,
+        model: MoEKVTransformer,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        scheduler_config: SchedulerConfig | None = None,
+        num_swap_blocks: int | None = None,
+        shuffle_seed: int | None = None,
+        attention: str | None = None,
+        record_history: bool = False,
+        enable_prefix_caching: bool = False,
+        blocks_per_device=None,
+        device_of_expert=None,
+        home_devices: bool = False,
+        budget=None,
+    ):
         if not isinstance(model, MoEKVTransformer):
             raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
         if blocks_per_device is not None:
@@ -120,12 +131,16 @@ class LLMEngine:
         check_int("num_blocks", num_blocks, 1)
         check_block_size(block_size)
         if scheduler_config is not None and not isinstance(scheduler_config, SchedulerConfig):
-            raise ValueError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
+            raise ValueError(
+                f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}"
+            )
         scheduler_config = scheduler_config or SchedulerConfig()
         check_int("num_swap_blocks", num_swap_blocks, 0, allow_none=True)
         if num_swap_blocks and scheduler_config.preemption_mode != "swap":
-            raise ValueError(f"num_swap_blocks={num_swap_blocks} applies to preemption_mode='swap', not "
-                             f"{scheduler_config.preemption_mode!r}")
+            raise ValueError(
+                f"num_swap_blocks={num_swap_blocks} applies to preemption_mode='swap', not "
+                f"{scheduler_config.preemption_mode!r}"
+            )
         check_int("shuffle_seed", shuffle_seed, 0, allow_none=True)
         if attention is not None and attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS} (or None)")
@@ -135,40 +150,74 @@ class LLMEngine:
             num_swap_blocks = num_blocks if scheduler_config.preemption_mode == "swap" else 0
         self.model = model
         self.config = model.config
-        self.cache = PagedKVCache.for_model(model, block_size, num_blocks, shuffle_seed=shuffle_seed,
-                                            attention=attention, blocks_per_device=blocks_per_device,
-                                            device_of_expert=device_of_expert, home_devices=home_devices,
-                                            enable_prefix_caching=enable_prefix_caching, budget=budget)
-        self.blocks_per_device = self.cache.manager.blocks_per_device.tolist()         # D ints
+        self.cache = PagedKVCache.for_model(
+            model,
+            block_size,
+            num_blocks,
+            shuffle_seed=shuffle_seed,
+            attention=attention,
+            blocks_per_device=blocks_per_device,
+            device_of_expert=device_of_expert,
+            home_devices=home_devices,
+            enable_prefix_caching=enable_prefix_caching,
+            budget=budget,
+        )
+        self.blocks_per_device = self.cache.manager.blocks_per_device.tolist()  # D ints
         manager = self.cache.manager
         self.device_of_expert = None if manager.home_devices else manager.device_of_expert  # (L, E)
-        self.scheduler = Scheduler(scheduler_config, self.cache.manager, ModelShape.from_config(self.config, block_size, manager.budget),
-                                   num_swap_blocks)
-        self.memory = self.scheduler.memory          # read-only: the pool and the swap space
+        self.scheduler = Scheduler(
+            scheduler_config,
+            self.cache.manager,
+            ModelShape.from_config(self.config, block_size, manager.budget),
+            num_swap_blocks,
+        )
+        self.memory = self.scheduler.memory  # read-only: the pool and the swap space
         self.predictor = self.scheduler.predictor
         self.runner = ModelRunner(model, self.cache, num_swap_blocks)
         self.record_history = record_history
-        self.requests: dict[int, Request] = {}       # unfinished ones (and finished, with history)
+        self.requests: dict[int, Request] = {}  # unfinished ones (and finished, with history)
         self.step_count = 0
-        self.timeline: list[StepRecord] = []         # with record_history only
-        self.events: list[RequestEvent] = []         # with record_history only
+        self.timeline: list[StepRecord] = []  # with record_history only
+        self.events: list[RequestEvent] = []  # with record_history only
         self._next_request_id = 0
         self._seconds = 0.0
-        self._generating: dict[int, RequestOutput] | None = None    # outputs, while generate() runs
-        self._counts = dict.fromkeys(("admitted", "resumed", "finished", "aborted", "failed",
-                                      "generated_tokens", "failed_steps", "running_sum", "records",
-                                      "max_running", "peak_used", "retries", "thrown_away_tokens"), 0)
-        self.device_timeline: list[torch.Tensor] = []    # (D,) blocks in use after each step, with record_history
-        self._used_after_forward = self.memory.num_used_blocks_per_device   # (D,) at the last forward
-        self._peak_used_per_device: torch.Tensor | None = None   # (D,) running maximum, once a step ran
+        self._generating: dict[int, RequestOutput] | None = None  # outputs, while generate() runs
+        self._counts = dict.fromkeys(
+            (
+                "admitted",
+                "resumed",
+                "finished",
+                "aborted",
+                "failed",
+                "generated_tokens",
+                "failed_steps",
+                "running_sum",
+                "records",
+                "max_running",
+                "peak_used",
+                "retries",
+                "thrown_away_tokens",
+            ),
+            0,
+        )
+        self.device_timeline: list[
+            torch.Tensor
+        ] = []  # (D,) blocks in use after each step, with record_history
+        self._used_after_forward = self.memory.num_used_blocks_per_device  # (D,) at the last forward
+        self._peak_used_per_device: torch.Tensor | None = None  # (D,) running maximum, once a step ran
 
     # ----- requests in ------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], sampling_params: SamplingParams | dict | None = None) -> int:
         """Queue a request and return its id; ValueError, changing nothing, for a bad prompt or
         sampling parameters, or a request that might not fit the pool even alone."""
         params = check_sampling_params(sampling_params)
-        prompt = check_prompt(prompt, self.config.vocab_size, self.config.max_position_embeddings,
-                              params.max_new_tokens, "the prompt")
+        prompt = check_prompt(
+            prompt,
+            self.config.vocab_size,
+            self.config.max_position_embeddings,
+            params.max_new_tokens,
+            "the prompt",
+        )
         self.scheduler.check_fits_alone(len(prompt), params.max_new_tokens, self._next_request_id)
         return self._queue(prompt, params)
 
@@ -189,8 +238,11 @@ class LLMEngine:
         or None if it had already finished."""
         is_int = isinstance(request_id, numbers.Integral) and not isinstance(request_id, bool)
         if not is_int or not 0 <= request_id < self._next_request_id:
-            given = (f"ids 0..{self._next_request_id - 1} were given out" if self._next_request_id
-                     else "no request has been added yet")
+            given = (
+                f"ids 0..{self._next_request_id - 1} were given out"
+                if self._next_request_id
+                else "no request has been added yet"
+            )
             raise ValueError(f"request_id={request_id!r} is not a request of this engine ({given})")
         request = self.requests.get(int(request_id))
         if request is None or request.is_finished:
@@ -205,7 +257,7 @@ class LLMEngine:
         output = RequestOutput.from_request(request)
         if not self.record_history:
             del self.requests[request.request_id]
-        if self._generating is not None:            # generate() collects what it asked for
+        if self._generating is not None:  # generate() collects what it asked for
             self._generating[request.request_id] = output
         return output
 
@@ -227,7 +279,7 @@ class LLMEngine:
         start = time.perf_counter()
         step = self.step_count
         used_before = self.memory.num_used_blocks
-        retry = None                # optimistic reservation: how to try again a step that ran short
+        retry = None  # optimistic reservation: how to try again a step that ran short
         while True:
             num_running, scheduled_used = len(self.scheduler.running), used_before
             before = Snapshot(self.scheduler)
@@ -240,10 +292,17 @@ class LLMEngine:
                 raise
             num_running, scheduled_used = len(self.scheduler.running), self.memory.num_used_blocks
             # scheduling that moved no request and freed no block leaves the state `before` holds
-            moved = decision.events or decision.evictions or decision.block_copies or scheduled_used != used_before
+            moved = (
+                decision.events
+                or decision.evictions
+                or decision.block_copies
+                or scheduled_used != used_before
+            )
             if not decision.scheduled and not decision.block_copies and self.scheduler.has_unfinished:
-                raise RuntimeError(f"step {step}: nothing could be scheduled with {len(self.scheduler.waiting)} "
-                                   f"waiting and {len(self.scheduler.running)} running requests")
+                raise RuntimeError(
+                    f"step {step}: nothing could be scheduled with {len(self.scheduler.waiting)} "
+                    f"waiting and {len(self.scheduler.running)} running requests"
+                )
             try:
                 done, used_blocks, num_generated = self._run(decision, None if moved else before)
                 break
@@ -264,9 +323,16 @@ class LLMEngine:
             self._event(step, request.request_id, kind)
         self._counts["generated_tokens"] += num_generated
         finished = [self._hand_out(request, step) for request in done]
-        self._end_step(step, decision.num_scheduled_tokens, decision.reserved_blocks, start, num_running,
-                       used_blocks, scheduled_used)
-        used, peak = self._used_after_forward, self._peak_used_per_device            # (D,) each
+        self._end_step(
+            step,
+            decision.num_scheduled_tokens,
+            decision.reserved_blocks,
+            start,
+            num_running,
+            used_blocks,
+            scheduled_used,
+        )
+        used, peak = self._used_after_forward, self._peak_used_per_device  # (D,) each
         self._peak_used_per_device = used.clone() if peak is None else torch.maximum(peak, used)
         if self.record_history:
             self.device_timeline.append(used)
@@ -298,25 +364,32 @@ class LLMEngine:
         before_forward = before_forward or Snapshot(self.scheduler)
         rows = [i for i, item in enumerate(decision.scheduled) if item.samples]
         requests = [decision.scheduled[i].request for i in rows]
-        states = [(r.generator, r.generator.get_state()) for r in requests
-                  if not r.sampling_params.greedy]          # a greedy choice draws nothing from it
+        states = [
+            (r.generator, r.generator.get_state()) for r in requests if not r.sampling_params.greedy
+        ]  # a greedy choice draws nothing from it
         try:
             result = self.runner.forward(decision.scheduled)
             # the step's peak on each device: finished requests free their blocks after it
             self._used_after_forward = self.memory.num_used_blocks_per_device
-            errors = {}                             # a request's own failure: it alone finishes
+            errors = {}  # a request's own failure: it alone finishes
             logits = result.last_logits if len(rows) == len(decision.scheduled) else result.last_logits[rows]
-            tokens = sample_rows(logits, [r.sampling_params for r in requests], [r.generator for r in requests], errors)
+            tokens = sample_rows(
+                logits, [r.sampling_params for r in requests], [r.generator for r in requests], errors
+            )
             sampled = {r.request_id: t for i, (r, t) in enumerate(zip(requests, tokens)) if i not in errors}
-            failed = {requests[i].request_id: f"sampling failed: {type(e).__name__}: {e}" for i, e in errors.items()}
+            failed = {
+                requests[i].request_id: f"sampling failed: {type(e).__name__}: {e}" for i, e in errors.items()
+            }
             used_blocks = self.memory.num_used_blocks
-            num_generated = sum(len(r.output_token_ids) < r.max_new_tokens for r in requests if r.request_id in sampled)
+            num_generated = sum(
+                len(r.output_token_ids) < r.max_new_tokens for r in requests if r.request_id in sampled
+            )
             with phase("scheduler"):
                 done = self.scheduler.update_from_output(decision, sampled, result.entries_per_layer, failed)
         except BaseException:
             before_forward.restore()
             for generator, state in states:
-                generator.set_state(state)          # a token sampled before the fault is drawn again
+                generator.set_state(state)  # a token sampled before the fault is drawn again
             raise
         return done, used_blocks, num_generated
 
@@ -339,13 +412,28 @@ class LLMEngine:
             return
         waiting = self.scheduler.waiting
         num_preempted = sum(r.status is RequestStatus.PREEMPTED for r in waiting)
-        self.timeline.append(StepRecord(step, num_running, len(waiting) - num_preempted, num_preempted,
-                                        num_tokens, used_blocks, scheduled_used, reserved,
-                                        self.memory.num_swapped_blocks, seconds))
+        self.timeline.append(
+            StepRecord(
+                step,
+                num_running,
+                len(waiting) - num_preempted,
+                num_preempted,
+                num_tokens,
+                used_blocks,
+                scheduled_used,
+                reserved,
+                self.memory.num_swapped_blocks,
+                seconds,
+            )
+        )
 
     # ----- whole workloads ----------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | list | None = None,
-                 on_step: Callable[["LLMEngine"], None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling_params: SamplingParams | list | None = None,
+        on_step: Callable[["LLMEngine"], None] | None = None,
+    ) -> list[RequestOutput]:
         """Serve every prompt to the end, checking all before queueing any; outputs in prompt order.
         If interrupted (KeyboardInterrupt, a failed step), its unfinished requests are aborted."""
         checked = check_batch(prompts, sampling_params, self.config, "sampling_params")
@@ -353,7 +441,7 @@ class LLMEngine:
             self.scheduler.check_fits_alone(len(prompt), params.max_new_tokens, self._next_request_id + i)
         ids = [self._queue(prompt, params) for prompt, params in checked]
         outputs: dict[int, RequestOutput] = {}
-        self._generating = outputs       # every request handed out while it runs, aborted ones too
+        self._generating = outputs  # every request handed out while it runs, aborted ones too
         try:
             while self.has_unfinished_requests():
                 self.step()
@@ -372,9 +460,11 @@ class LLMEngine:
         prefix = self.cache.manager.prefix_cache
         if prefix is None:
             return None
-        return {**dataclasses.asdict(prefix.stats),
-                "num_evicted_cached_blocks": self.cache.manager.pool.num_evicted_cached_blocks,
-                "num_cached_blocks": prefix.num_cached_blocks}
+        return {
+            **dataclasses.asdict(prefix.stats),
+            "num_evicted_cached_blocks": self.cache.manager.pool.num_evicted_cached_blocks,
+            "num_cached_blocks": prefix.num_cached_blocks,
+        }
 
     @property
     def peak_used_blocks_per_device(self) -> list[int]:
@@ -383,29 +473,51 @@ class LLMEngine:
 
     def eviction_stats(self) -> dict:
         s = self.scheduler
-        return {**self.stats().to_dict(), "num_evictions": s.num_evictions, "num_row_evictions": s.num_row_evictions,
-                "num_evicted_rows": s.num_evicted_rows, "num_dead_rows_freed": s.num_dead_rows_freed,
-                "freed_on_short_device": s.freed_on_short_device,
-                "freed_on_short_device_per_eviction": s.freed_on_short_device / max(1, s.num_evictions),
-                "peak_used_blocks_per_device": self.peak_used_blocks_per_device}
+        return {
+            **self.stats().to_dict(),
+            "num_evictions": s.num_evictions,
+            "num_row_evictions": s.num_row_evictions,
+            "num_evicted_rows": s.num_evicted_rows,
+            "num_dead_rows_freed": s.num_dead_rows_freed,
+            "freed_on_short_device": s.freed_on_short_device,
+            "freed_on_short_device_per_eviction": s.freed_on_short_device / max(1, s.num_evictions),
+            "peak_used_blocks_per_device": self.peak_used_blocks_per_device,
+        }
 
     def stats(self) -> EngineStats:
         """Totals so far, in O(1): counters, not a scan of the history."""
         counts, s = self._counts, self.scheduler
         return EngineStats(
-            num_steps=self.step_count, num_admitted=counts["admitted"], num_preemptions=s.num_preemptions,
-            num_resumed=counts["resumed"], num_finished=counts["finished"],
-            num_recomputed_tokens=s.num_recomputed_tokens, num_swapped_out_blocks=s.num_swapped_out_blocks,
-            num_generated_tokens=counts["generated_tokens"], max_concurrent_sequences=counts["max_running"],
-            peak_used_blocks=counts["peak_used"], seconds=self._seconds,
+            num_steps=self.step_count,
+            num_admitted=counts["admitted"],
+            num_preemptions=s.num_preemptions,
+            num_resumed=counts["resumed"],
+            num_finished=counts["finished"],
+            num_recomputed_tokens=s.num_recomputed_tokens,
+            num_swapped_out_blocks=s.num_swapped_out_blocks,
+            num_generated_tokens=counts["generated_tokens"],
+            max_concurrent_sequences=counts["max_running"],
+            peak_used_blocks=counts["peak_used"],
+            seconds=self._seconds,
             mean_concurrent_sequences=counts["running_sum"] / max(1, counts["records"]),
-            num_aborted=counts["aborted"], num_failed=counts["failed"], num_failed_steps=counts["failed_steps"],
-            num_retries=counts["retries"], num_thrown_away_tokens=counts["thrown_away_tokens"])
+            num_aborted=counts["aborted"],
+            num_failed=counts["failed"],
+            num_failed_steps=counts["failed_steps"],
+            num_retries=counts["retries"],
+            num_thrown_away_tokens=counts["thrown_away_tokens"],
+        )
 
 
-def generate_with_engine(model: MoEKVTransformer, prompts: list[list[int]], params, block_size: int = 16,
-                         num_blocks: int | None = None, on_token: Callable[[int, int], None] | None = None,
-                         scheduler_config: SchedulerConfig | None = None, shuffle_seed: int | None = None):
+def generate_with_engine(
+    model: MoEKVTransformer,
+    prompts: list[list[int]],
+    params,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    on_token: Callable[[int, int], None] | None = None,
+    scheduler_config: SchedulerConfig | None = None,
+    shuffle_seed: int | None = None,
+):
     """`generate.generate(..., cache="paged")` through the serving engine (the same result);
     without num_blocks the pool holds every prompt's worst case at once."""
     if not isinstance(model, MoEKVTransformer):
@@ -414,21 +526,35 @@ def generate_with_engine(model: MoEKVTransformer, prompts: list[list[int]], para
     c = model.config
     prompts, per_prompt = map(list, zip(*check_batch(prompts, params, c, "params")))
     if num_blocks is None:
-        num_blocks = sum(worst_case_lifetime_blocks(len(p) + q.max_new_tokens - 1, c.num_hidden_layers,
-                                                    c.num_attention_experts, c.num_attention_experts_per_tok,
-                                                    block_size) for p, q in zip(prompts, per_prompt))
+        num_blocks = sum(
+            worst_case_lifetime_blocks(
+                len(p) + q.max_new_tokens - 1,
+                c.num_hidden_layers,
+                c.num_attention_experts,
+                c.num_attention_experts_per_tok,
+                block_size,
+            )
+            for p, q in zip(prompts, per_prompt)
+        )
         num_blocks = max(num_blocks, c.num_hidden_layers * c.num_attention_experts_per_tok)
-    engine = LLMEngine(model, num_blocks, block_size, scheduler_config, shuffle_seed=shuffle_seed, record_history=True)
+    engine = LLMEngine(
+        model, num_blocks, block_size, scheduler_config, shuffle_seed=shuffle_seed, record_history=True
+    )
     streamed = [0] * len(prompts)
 
     def stream(engine):
         for i, request in enumerate(engine.requests.values()):
-            for token in request.output_token_ids[streamed[i]:]:
+            for token in request.output_token_ids[streamed[i] :]:
                 on_token(i, token)
             streamed[i] = len(request.output_token_ids)
 
     outputs = engine.generate(prompts, per_prompt, on_step=stream if on_token is not None else None)
-    counts = torch.stack([engine.requests[o.request_id].final_token_counts for o in outputs])   # (B, L, E)
+    counts = torch.stack([engine.requests[o.request_id].final_token_counts for o in outputs])  # (B, L, E)
     engine.memory.assert_no_leak()
-    return GenerationResult([list(p) for p in prompts], [o.token_ids for o in outputs], counts, None,
-                            {"cache": "paged", "engine": True, "block_size": block_size, "num_blocks": num_blocks})
+    return GenerationResult(
+        [list(p) for p in prompts],
+        [o.token_ids for o in outputs],
+        counts,
+        None,
+        {"cache": "paged", "engine": True, "block_size": block_size, "num_blocks": num_blocks},
+    )

@@ -20,20 +20,27 @@ from .swap import SwapSpace
 
 @dataclass(frozen=True)
 class ModelShape:
-    num_layers: int           # L
-    num_experts: int          # E attention experts per layer
-    k_max: int                # most experts a token is routed to per layer
-    k_min: int                # fewest: k under top-k routing, 1 under threshold routing
-    block_size: int           # P slots per block
-    max_num_positions: int    # the model's max_position_embeddings
-    max_row_tokens: int | None = None   # a row budget's largest B (cache/budget.py), None: no budget
+    num_layers: int  # L
+    num_experts: int  # E attention experts per layer
+    k_max: int  # most experts a token is routed to per layer
+    k_min: int  # fewest: k under top-k routing, 1 under threshold routing
+    block_size: int  # P slots per block
+    max_num_positions: int  # the model's max_position_embeddings
+    max_row_tokens: int | None = None  # a row budget's largest B (cache/budget.py), None: no budget
 
     @classmethod
     def from_config(cls, config: ModelConfig, block_size: int, budget=None) -> "ModelShape":
         k_max = config.num_attention_experts_per_tok
         cap = None if budget is None else budget.largest(config.num_hidden_layers)
-        return cls(config.num_hidden_layers, config.num_attention_experts, k_max,
-                   k_max if config.attention_routing == "topk" else 1, block_size, config.max_position_embeddings, cap)
+        return cls(
+            config.num_hidden_layers,
+            config.num_attention_experts,
+            k_max,
+            k_max if config.attention_routing == "topk" else 1,
+            block_size,
+            config.max_position_embeddings,
+            cap,
+        )
 
 
 class MemoryView:
@@ -97,7 +104,7 @@ class MemoryView:
         return self._swap_space.swapped[seq_id].host_block_ids.numel() if self.is_swapped(seq_id) else 0
 
     def swapped_token_counts(self, seq_id: int) -> torch.Tensor:
-        return self._swap_space.token_counts(seq_id)                          # (L, E)
+        return self._swap_space.token_counts(seq_id)  # (L, E)
 
     # ----- devices (one pool: D = 1) ----------------------------------------------------------------
     @property
@@ -146,6 +153,7 @@ class MemoryView:
         manager.assert_consistent()
         assert not manager.sequences, f"sequences still in the cache: {manager.sequences}"
         assert manager.num_free_blocks == manager.num_blocks, (
-            f"leak: {manager.num_blocks - manager.num_free_blocks} blocks still in use")
+            f"leak: {manager.num_blocks - manager.num_free_blocks} blocks still in use"
+        )
         if self._swap_space is not None:
             assert not (self._swap_space.swapped or self.num_swapped_blocks), "swap space still holds blocks"

@@ -25,10 +25,10 @@ from .swap import COPY, SWAP_IN, SWAP_OUT, BlockCopy
 
 @dataclass
 class FlatBatch:
-    token_ids: list[int]          # (N,)
-    seq_ids: list[int]            # (N,) the request id of each token
-    positions: list[int]          # (N,) each token's position in its sequence
-    num_tokens: list[int]         # (m,) tokens of each request, in batch order
+    token_ids: list[int]  # (N,)
+    seq_ids: list[int]  # (N,) the request id of each token
+    positions: list[int]  # (N,) each token's position in its sequence
+    num_tokens: list[int]  # (m,) tokens of each request, in batch order
 
 
 def flatten_batch(scheduled) -> FlatBatch:
@@ -36,7 +36,7 @@ def flatten_batch(scheduled) -> FlatBatch:
     for item in scheduled:
         request, n = item.request, item.num_tokens
         start = request.num_computed_tokens
-        tokens += request.all_token_ids[start: start + n]
+        tokens += request.all_token_ids[start : start + n]
         seq_ids += [request.request_id] * n
         positions += range(start, start + n)
         lengths.append(n)
@@ -45,9 +45,9 @@ def flatten_batch(scheduled) -> FlatBatch:
 
 @dataclass
 class RunnerOutput:
-    last_logits: torch.Tensor          # (m, V) logits at each scheduled request's last token
-    entries_per_layer: torch.Tensor    # (L,) sum over the step's tokens of experts chosen
-    num_tokens: int                    # N
+    last_logits: torch.Tensor  # (m, V) logits at each scheduled request's last token
+    entries_per_layer: torch.Tensor  # (L,) sum over the step's tokens of experts chosen
+    num_tokens: int  # N
 
 
 class ModelRunner:
@@ -57,7 +57,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = next(model.parameters()).device
-        shape = (num_swap_blocks,) + tuple(cache.key_cache.shape[1:])                  # (Ns, P, Hkv, Dh)
+        shape = (num_swap_blocks,) + tuple(cache.key_cache.shape[1:])  # (Ns, P, Hkv, Dh)
         self.host_key_cache = torch.zeros(shape, dtype=cache.key_cache.dtype, device="cpu")
         self.host_value_cache = torch.zeros(shape, dtype=cache.value_cache.dtype, device="cpu")
 
@@ -69,7 +69,7 @@ class ModelRunner:
             source, destination = copy.source.to(torch.int64), copy.destination.to(torch.int64)
             if copy.direction not in (SWAP_OUT, SWAP_IN, COPY):
                 raise ValueError(f"unknown block copy direction {copy.direction!r}")
-            for pool, host in pairs:                             # keys, then values
+            for pool, host in pairs:  # keys, then values
                 if copy.direction == SWAP_OUT:
                     host[destination] = pool[source.to(device)].cpu()
                 elif copy.direction == SWAP_IN:
@@ -77,12 +77,14 @@ class ModelRunner:
                 else:
                     pool[destination.to(device)] = pool[source.to(device)]
 
-    @torch.inference_mode()     # not only no_grad: 11% of a dense engine step (measured)
+    @torch.inference_mode()  # not only no_grad: 11% of a dense engine step (measured)
     def forward(self, scheduled) -> RunnerOutput:
         batch = flatten_batch(scheduled)
-        tokens = torch.tensor([batch.token_ids, batch.seq_ids, batch.positions], device=self.device)   # (3, N)
+        tokens = torch.tensor([batch.token_ids, batch.seq_ids, batch.positions], device=self.device)  # (3, N)
         output = self.model.forward_cached(*tokens.unbind(), self.cache)
-        entries = torch.stack([r.selected for r in output.attention_routing]).sum((1, 2))   # (L,)
-        n = len(batch.token_ids)                 # n = m: decode, one token a request, each its last one
-        last = None if n == len(scheduled) else torch.tensor(batch.num_tokens, device=self.device).cumsum(0) - 1
+        entries = torch.stack([r.selected for r in output.attention_routing]).sum((1, 2))  # (L,)
+        n = len(batch.token_ids)  # n = m: decode, one token a request, each its last one
+        last = (
+            None if n == len(scheduled) else torch.tensor(batch.num_tokens, device=self.device).cumsum(0) - 1
+        )
         return RunnerOutput((output.logits if last is None else output.logits[last]).cpu(), entries.cpu(), n)

@@ -53,17 +53,17 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    swapped: bool = False                 # preempted by swap (its blocks wait in the swap space)
+    swapped: bool = False  # preempted by swap (its blocks wait in the swap space)
     # statistics
-    predicted_blocks: int | None = None   # the admission prediction, made when first admitted
-    actual_blocks: int | None = None      # blocks it held when it finished
-    final_token_counts: torch.Tensor | None = None   # (L, E) tokens its rows held when it finished
+    predicted_blocks: int | None = None  # the admission prediction, made when first admitted
+    actual_blocks: int | None = None  # blocks it held when it finished
+    final_token_counts: torch.Tensor | None = None  # (L, E) tokens its rows held when it finished
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
-    prefix_hit: object | None = None      # the cache/prefix_cache.PrefixHit it last started from, if any
+    prefix_hit: object | None = None  # the cache/prefix_cache.PrefixHit it last started from, if any
     finished_step: int | None = None
-    finish_reason: str | None = None      # "length" (all its tokens), "aborted", or "error"
-    error: str | None = None              # why, when finish_reason is "error"
+    finish_reason: str | None = None  # "length" (all its tokens), "aborted", or "error"
+    error: str | None = None  # why, when finish_reason is "error"
 
     def __post_init__(self):
         self.generator: torch.Generator = self.sampling_params.generator()
@@ -109,8 +109,9 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
-    def finish(self, step: int, reason: str, error: str | None, actual_blocks: int,
-               final_token_counts: torch.Tensor) -> None:
+    def finish(
+        self, step: int, reason: str, error: str | None, actual_blocks: int, final_token_counts: torch.Tensor
+    ) -> None:
         """Any unfinished state -> FINISHED, with what it held at the end."""
         self.actual_blocks = actual_blocks
         self.final_token_counts = final_token_counts
@@ -160,11 +161,18 @@ class RequestOutput:
     num_preemptions: int
     predicted_blocks: int | None
     actual_blocks: int | None
-    finish_reason: str | None = None      # "length", "aborted", "error"; None while unfinished
+    finish_reason: str | None = None  # "length", "aborted", "error"; None while unfinished
     error: str | None = None
 
     @classmethod
     def from_request(cls, request: Request) -> "RequestOutput":
-        return cls(request.request_id, request.prompt_token_ids, request.generated_token_ids,
-                   request.num_preemptions, request.predicted_blocks, request.actual_blocks,
-                   request.finish_reason, request.error)
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.generated_token_ids,
+            request.num_preemptions,
+            request.predicted_blocks,
+            request.actual_blocks,
+            request.finish_reason,
+            request.error,
+        )

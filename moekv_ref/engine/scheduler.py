@@ -46,8 +46,14 @@ from ..cache.rows import ceil_div, worst_case_lifetime_blocks
 from .admission import ADMISSIONS, AdmissionPolicy
 from .baselines import ContinuousReserved, StaticBatching
 from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
-from .demand import (DemandPredictor, blocks_held_per_device, decode_step_blocks_per_device, min_lifetime_blocks,
-                     worst_case_lifetime_blocks_per_device, worst_case_step_blocks_per_device)
+from .demand import (
+    DemandPredictor,
+    blocks_held_per_device,
+    decode_step_blocks_per_device,
+    min_lifetime_blocks,
+    worst_case_lifetime_blocks_per_device,
+    worst_case_step_blocks_per_device,
+)
 from .memory import MemoryView, ModelShape
 from .request import Request, RequestStatus, check_int
 from .swap import COPY, BlockCopy, SwapSpace
@@ -62,8 +68,9 @@ RESERVATIONS = ("worst_case", "optimistic")
 class SchedulerConfig:
     """The scheduler's limits and policies, each given by name or as a policy object; admission
     (default "predicted") applies to continuous_paged only."""
-    max_num_seqs: int = 16                 # sequences running at once
-    max_num_batched_tokens: int = 256      # tokens in one forward (prefill chunks + decode tokens)
+
+    max_num_seqs: int = 16  # sequences running at once
+    max_num_batched_tokens: int = 256  # tokens in one forward (prefill chunks + decode tokens)
     policy: str | BatchingPolicy = "continuous_paged"
     admission: str | AdmissionPolicy | None = None
     preemption_mode: str = "recompute"
@@ -78,11 +85,13 @@ class SchedulerConfig:
     def __post_init__(self):
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        for name, allowed, kind in (("policy", POLICIES, BatchingPolicy),
-                                    ("admission", tuple(ADMISSIONS), AdmissionPolicy),
-                                    ("preemption_mode", PREEMPTION_MODES, None),
-                                    ("reservation", RESERVATIONS, None),
-                                    ("victim", tuple(VICTIM_POLICIES), VictimPolicy)):
+        for name, allowed, kind in (
+            ("policy", POLICIES, BatchingPolicy),
+            ("admission", tuple(ADMISSIONS), AdmissionPolicy),
+            ("preemption_mode", PREEMPTION_MODES, None),
+            ("reservation", RESERVATIONS, None),
+            ("victim", tuple(VICTIM_POLICIES), VictimPolicy),
+        ):
             value = getattr(self, name)
             if (value is None and name == "admission") or (kind and isinstance(value, kind)):
                 continue
@@ -90,11 +99,15 @@ class SchedulerConfig:
                 also = f", or a policy object ({kind.__name__})" if kind is not None else ""
                 raise ValueError(f"{name}={value!r} is not one of {allowed}{also}")
         if self.reservation == "optimistic" and self.policy != "continuous_paged":
-            raise ValueError(f"reservation='optimistic' applies to policy='continuous_paged' only, not "
-                             f"policy={self.policy!r} (whose admission reserves whole lifetimes)")
+            raise ValueError(
+                f"reservation='optimistic' applies to policy='continuous_paged' only, not "
+                f"policy={self.policy!r} (whose admission reserves whole lifetimes)"
+            )
         if self.admission is not None and self.policy != "continuous_paged":
-            raise ValueError(f"admission={self.admission!r} applies to policy='continuous_paged' only, "
-                             f"not policy={self.policy!r} (which has its own admission rule)")
+            raise ValueError(
+                f"admission={self.admission!r} applies to policy='continuous_paged' only, "
+                f"not policy={self.policy!r} (which has its own admission rule)"
+            )
 
     def make_batching_policy(self) -> BatchingPolicy:
         """A fresh policy object for a name; a policy object is used as given."""
@@ -112,9 +125,9 @@ class SchedulerConfig:
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_tokens: int            # tokens this step runs for it
-    reserved_blocks: int       # worst case those tokens can take from the pool (summed over devices)
-    samples: bool = True       # the tokens end its pending ones: the step samples its next token
+    num_tokens: int  # tokens this step runs for it
+    reserved_blocks: int  # worst case those tokens can take from the pool (summed over devices)
+    samples: bool = True  # the tokens end its pending ones: the step samples its next token
 
 
 @dataclass(frozen=True)
@@ -122,6 +135,7 @@ class Retry:
     """How to schedule a step again after a try ran short (optimistic reservation, `Scheduler.retry`):
     free `shortfall` (D,) blocks beyond those free now, by the victim policy, and admit at most
     `max_admissions` requests."""
+
     shortfall: torch.Tensor
     max_admissions: int
 
@@ -130,29 +144,31 @@ class Retry:
 class EvictionRecord:
     """One victim taken off at `step` while `short_device` was short (mode "recompute", "swap" or
     "rows"), and the blocks that freed on each device."""
+
     step: int
     request_id: int
     mode: str
     short_device: int
-    freed: list[int]            # (D,)
+    freed: list[int]  # (D,)
 
 
 @dataclass
 class SchedulerOutput:
     """What one `schedule` decided: the runner performs `block_copies`, in order, then runs
     `scheduled`; the engine records the rest."""
+
     step: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    block_copies: list[BlockCopy] = field(default_factory=list)   # swap-outs and swap-ins, in order
-    admitted: list[Request] = field(default_factory=list)     # first time running
-    resumed: list[Request] = field(default_factory=list)      # running again after a preemption
+    block_copies: list[BlockCopy] = field(default_factory=list)  # swap-outs and swap-ins, in order
+    admitted: list[Request] = field(default_factory=list)  # first time running
+    resumed: list[Request] = field(default_factory=list)  # running again after a preemption
     preempted: list[Request] = field(default_factory=list)
     swapped_out: list[Request] = field(default_factory=list)  # preempted by swap (a SWAP_OUT copy each)
-    swapped_in: list[Request] = field(default_factory=list)   # resumed from swap (a SWAP_IN copy each)
+    swapped_in: list[Request] = field(default_factory=list)  # resumed from swap (a SWAP_IN copy each)
     prefix_copied: list[Request] = field(default_factory=list)  # started from a hit with COPY block copies
-    freed: list[int] = field(default_factory=list)            # sequences whose blocks went back
-    events: list[tuple[str, Request]] = field(default_factory=list)   # admitted/resumed/preempted, in order
-    evictions: list[EvictionRecord] = field(default_factory=list)     # every victim chosen, in order
+    freed: list[int] = field(default_factory=list)  # sequences whose blocks went back
+    events: list[tuple[str, Request]] = field(default_factory=list)  # admitted/resumed/preempted, in order
+    evictions: list[EvictionRecord] = field(default_factory=list)  # every victim chosen, in order
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -167,7 +183,10 @@ class Scheduler:
     """Between steps every request is in exactly one of `waiting` (WAITING or PREEMPTED) and
     `running` (RUNNING), or is FINISHED and in neither; only a swap-PREEMPTED request holds swap
     blocks, and it holds no pool blocks."""
-    def __init__(self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape, num_swap_blocks: int = 0):
+
+    def __init__(
+        self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape, num_swap_blocks: int = 0
+    ):
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
         if not isinstance(shape, ModelShape):
@@ -175,50 +194,70 @@ class Scheduler:
         if not isinstance(manager, KVCacheManager):
             raise ValueError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
         if (manager.num_layers, manager.num_experts, manager.block_size) != (
-                shape.num_layers, shape.num_experts, shape.block_size):
-            raise ValueError(f"the manager's (layers, experts, block size) = ({manager.num_layers}, "
-                             f"{manager.num_experts}, {manager.block_size}) differ from the shape's "
-                             f"({shape.num_layers}, {shape.num_experts}, {shape.block_size})")
+            shape.num_layers,
+            shape.num_experts,
+            shape.block_size,
+        ):
+            raise ValueError(
+                f"the manager's (layers, experts, block size) = ({manager.num_layers}, "
+                f"{manager.num_experts}, {manager.block_size}) differ from the shape's "
+                f"({shape.num_layers}, {shape.num_experts}, {shape.block_size})"
+            )
         check_int("num_swap_blocks", num_swap_blocks, 0)
         if config.preemption_mode == "swap" and not num_swap_blocks:
             raise ValueError("preemption_mode='swap' needs a swap space: give the engine num_swap_blocks > 0")
         self.config = config
         self.manager = manager
         self.swap_space = SwapSpace(manager, num_swap_blocks) if num_swap_blocks else None
-        self.prefix_cache = manager.prefix_cache           # None: no prefix caching
+        self.prefix_cache = manager.prefix_cache  # None: no prefix caching
         self.memory = MemoryView(manager, shape, self.swap_space)
         self.num_devices = self.memory.num_devices
         self.shape = shape
         budget = manager.budget
-        if shape.max_row_tokens != (None if budget is None else budget.num_slots):    # the largest B
-            raise ValueError(f"the shape's max_row_tokens={shape.max_row_tokens} is not the manager's budget "
-                             f"({budget}): build the shape with ModelShape.from_config(config, block_size, budget)")
-        self.predictor = DemandPredictor(shape.num_layers, shape.num_experts, shape.k_max, shape.block_size,
-                                         shape.max_row_tokens)
+        if shape.max_row_tokens != (None if budget is None else budget.num_slots):  # the largest B
+            raise ValueError(
+                f"the shape's max_row_tokens={shape.max_row_tokens} is not the manager's budget "
+                f"({budget}): build the shape with ModelShape.from_config(config, block_size, budget)"
+            )
+        self.predictor = DemandPredictor(
+            shape.num_layers, shape.num_experts, shape.k_max, shape.block_size, shape.max_row_tokens
+        )
         self.batching = config.make_batching_policy()
         # by name: continuous_reserved is a ContinuousBatching too, with an admission of its own
         paged = self.batching.name == ContinuousBatching.name
         if self.prefix_cache is not None and not paged:
-            raise ValueError(f"prefix caching works with policy='continuous_paged' only, not {config.policy!r}: "
-                             "a hit takes blocks at admission, which only that policy's step check counts")
+            raise ValueError(
+                f"prefix caching works with policy='continuous_paged' only, not {config.policy!r}: "
+                "a hit takes blocks at admission, which only that policy's step check counts"
+            )
         if self.num_devices > 1 and not paged:
             raise ValueError(f"per-device pools run policy='continuous_paged' only, not {config.policy!r}")
         self.victims = config.make_victim_policy()
         if self.victims.evicts_rows and not manager.can_evict_rows:
-            raise ValueError(f"victim={self.victims.name!r} drops single rows, which this cache cannot: shared "
-                             "tails and prefix caching share blocks between rows; use a victim that preempts "
-                             "whole sequences (newest_first, sequence_lru, pressure_aware)")
+            raise ValueError(
+                f"victim={self.victims.name!r} drops single rows, which this cache cannot: shared "
+                "tails and prefix caching share blocks between rows; use a victim that preempts "
+                "whole sequences (newest_first, sequence_lru, pressure_aware)"
+            )
         # a decode step's need from the manager's per-slot tables (`_decode_need`): the experts of each
         # (layer, device), where rows live on their experts' devices and no budget caps them
-        self._experts_on = None if manager.home_devices or shape.max_row_tokens is not None else \
-            torch.zeros(shape.num_layers, self.num_devices, dtype=torch.int64).scatter_add_(
-                1, manager.device_of_expert, torch.ones_like(manager.device_of_expert))         # (L, D)
+        self._experts_on = (
+            None
+            if manager.home_devices or shape.max_row_tokens is not None
+            else torch.zeros(shape.num_layers, self.num_devices, dtype=torch.int64).scatter_add_(
+                1, manager.device_of_expert, torch.ones_like(manager.device_of_expert)
+            )
+        )  # (L, D)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stalled: dict[int, Request] = {}  # request id -> request whose rows were evicted, in order
-        self.current: Request | None = None    # the request schedule() was deciding on
-        self.num_preemptions = self.num_recomputed_tokens = self.num_swapped_out_blocks = self.num_evictions = 0
-        self.freed_on_short_device = self.num_row_evictions = self.num_evicted_rows = self.num_dead_rows_freed = 0
+        self.current: Request | None = None  # the request schedule() was deciding on
+        self.num_preemptions = self.num_recomputed_tokens = self.num_swapped_out_blocks = (
+            self.num_evictions
+        ) = 0
+        self.freed_on_short_device = self.num_row_evictions = self.num_evicted_rows = (
+            self.num_dead_rows_freed
+        ) = 0
 
     # ----- requests in ------------------------------------------------------------------------------
     def max_blocks_alone(self, num_cached_tokens: int) -> int:
@@ -238,27 +277,43 @@ class Scheduler:
         verdict = "can never fit" if least > num_blocks else "may not fit even alone"
         prompt_worst = self.max_blocks_alone(prompt_len)
         if prompt_worst > num_blocks:
-            fix = f"the prompt alone may need {prompt_worst}: give the pool at least {worst} blocks or shorten the prompt"
+            fix = (
+                f"the prompt alone may need {prompt_worst}: give the pool at least {worst} blocks "
+                "or shorten the prompt"
+            )
         else:
-            longest = max(t for t in range(prompt_len, num_tokens + 1) if self.max_blocks_alone(t) <= num_blocks)
-            fix = (f"lower max_new_tokens to at most {longest - prompt_len + 1}, or give the pool at least "
-                   f"{worst} blocks")
-        raise ValueError(f"request of {prompt_len} prompt tokens + max_new_tokens={max_new_tokens} {verdict} in the "
+            longest = max(
+                t for t in range(prompt_len, num_tokens + 1) if self.max_blocks_alone(t) <= num_blocks
+            )
+            fix = (
+                f"lower max_new_tokens to at most {longest - prompt_len + 1}, or give the pool at least "
+                f"{worst} blocks"
+            )
+        raise ValueError(
+            f"request of {prompt_len} prompt tokens + max_new_tokens={max_new_tokens} {verdict} in the "
             f"pool of {num_blocks} blocks: it needs at least {least} and up to {worst} blocks "
-            f"({shape.num_layers} layers, up to {shape.k_max} experts per token, block size {shape.block_size}); {fix}")
+            f"({shape.num_layers} layers, up to {shape.k_max} experts per token, block size {shape.block_size}); {fix}"
+        )
 
     def _check_fits_each_device(self, prompt_len: int, max_new_tokens: int, request_id: int) -> None:
         shape, memory = self.shape, self.memory
-        worst = worst_case_lifetime_blocks_per_device(torch.tensor([prompt_len + max_new_tokens - 1]), shape.k_max,
-                                                      shape.block_size, memory.device_of_expert_of([request_id]),
-                                                      self.num_devices, shape.max_row_tokens)[0]         # (D,)
+        worst = worst_case_lifetime_blocks_per_device(
+            torch.tensor([prompt_len + max_new_tokens - 1]),
+            shape.k_max,
+            shape.block_size,
+            memory.device_of_expert_of([request_id]),
+            self.num_devices,
+            shape.max_row_tokens,
+        )[0]  # (D,)
         over = (worst > memory.blocks_per_device).nonzero().squeeze(1)
         if over.numel():
             d = int(over[0])
-            raise ValueError(f"request of {prompt_len} prompt tokens + max_new_tokens={max_new_tokens} may not "
-                             f"fit device {d} even alone: its rows there may need up to {int(worst[d])} blocks, "
-                             f"the device has {int(memory.blocks_per_device[d])}; lower max_new_tokens or give "
-                             f"device {d} at least {int(worst[d])} blocks")
+            raise ValueError(
+                f"request of {prompt_len} prompt tokens + max_new_tokens={max_new_tokens} may not "
+                f"fit device {d} even alone: its rows there may need up to {int(worst[d])} blocks, "
+                f"the device has {int(memory.blocks_per_device[d])}; lower max_new_tokens or give "
+                f"device {d} at least {int(worst[d])} blocks"
+            )
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -278,29 +333,34 @@ class Scheduler:
         try:
             return self._schedule(step, retry)
         except BaseException as error:
-            if self.current is not None:                      # every exception has add_note (Python 3.11+)
-                error.add_note(f"while scheduling request {self.current.request_id} ({self.current.status.value}) at step {step}")
+            if self.current is not None:  # every exception has add_note (Python 3.11+)
+                error.add_note(
+                    f"while scheduling request {self.current.request_id} ({self.current.status.value}) at step {step}"
+                )
             raise
 
     def _schedule(self, step: int, retry: Retry | None) -> SchedulerOutput:
         out = SchedulerOutput(step)
-        self.manager.start_step(step)              # the rows this step appends remember it
+        self.manager.start_step(step)  # the rows this step appends remember it
         token_budget = self.config.max_num_batched_tokens
         # a retry short of blocks reserves every block free now plus the shortfall: victims go until
         # that many are free
         shortfall = None if retry is None or not bool(retry.shortfall.any()) else retry.shortfall
-        base = torch.zeros(self.num_devices, dtype=torch.int64) if shortfall is None else \
-            self.memory.num_free_blocks_per_device + shortfall                                     # (D,)
+        base = (
+            torch.zeros(self.num_devices, dtype=torch.int64)
+            if shortfall is None
+            else self.memory.num_free_blocks_per_device + shortfall
+        )  # (D,)
         # every running request's need, in one call; a request the budget cuts short is asked again
         planned = [min(r.num_pending_tokens, token_budget) for r in self.running]
-        needs = self.step_blocks_many(self.running, planned)                                     # (m, D)
+        needs = self.step_blocks_many(self.running, planned)  # (m, D)
         i = 0
         if self.running and sum(planned) <= token_budget and self.fits(total := base + needs.sum(0)):
             # all of them fit the budget and the pool at once (most decode steps): none is asked again
             for request, num_tokens, blocks in zip(self.running, planned, needs.sum(1).tolist()):
                 self.schedule_tokens(out, request, num_tokens, blocks)
             i, reserved, token_budget = len(self.running), total, token_budget - sum(planned)
-        else:                                          # request by request, in order
+        else:  # request by request, in order
             planned_needs = dict(zip(map(id, self.running), zip(planned, needs)))
             reserved = base
         while i < len(self.running) and token_budget > 0:
@@ -312,36 +372,42 @@ class Scheduler:
             while not self.fits(reserved + need):
                 device, shortage = self._shortage(reserved + need, need)
                 if self._free_dead_rows(device):
-                    continue                           # dead rows went first: look again
-                candidates = self.running[i:]          # not yet scheduled this step
+                    continue  # dead rows went first: look again
+                candidates = self.running[i:]  # not yet scheduled this step
                 if shortfall is not None and i == 0 and len(candidates) == 1:
-                    reserved = torch.zeros_like(reserved)   # the oldest alone fits (check_fits_alone)
+                    reserved = torch.zeros_like(reserved)  # the oldest alone fits (check_fits_alone)
                     continue
-                free_before = self.memory.num_free_blocks_per_device                        # (D,)
+                free_before = self.memory.num_free_blocks_per_device  # (D,)
                 choice = self.victims.choose_victim(tuple(candidates), self.memory, shortage)
                 victim = choice.request if isinstance(choice, RowEviction) else choice
                 if not any(victim is c for c in candidates):
-                    raise RuntimeError(f"victim policy {self.victims!r} chose request "
-                                       f"{getattr(victim, 'request_id', victim)!r}, not one of the candidates")
+                    raise RuntimeError(
+                        f"victim policy {self.victims!r} chose request "
+                        f"{getattr(victim, 'request_id', victim)!r}, not one of the candidates"
+                    )
                 if isinstance(choice, RowEviction):
                     self._evict_rows(choice, out)
                 else:
                     self._preempt(victim, out)
-                freed = self.memory.num_free_blocks_per_device - free_before                # (D,)
+                freed = self.memory.num_free_blocks_per_device - free_before  # (D,)
                 self.num_evictions += 1
                 self.freed_on_short_device += int(freed[device])
-                mode = "rows" if isinstance(choice, RowEviction) else "swap" if victim.swapped else "recompute"
+                mode = (
+                    "rows" if isinstance(choice, RowEviction) else "swap" if victim.swapped else "recompute"
+                )
                 out.evictions.append(EvictionRecord(step, victim.request_id, mode, device, freed.tolist()))
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
-                continue                               # it was the victim: running[i] is the next one
+                continue  # it was the victim: running[i] is the next one
             self.schedule_tokens(out, request, num_tokens, int(need.sum()))
             reserved = reserved + need
             token_budget -= num_tokens
             i += 1
         max_admissions = None if retry is None else retry.max_admissions
-        if not out.preempted and max_admissions != 0:  # a step that had to preempt admits none: it would thrash
+        if (
+            not out.preempted and max_admissions != 0
+        ):  # a step that had to preempt admits none: it would thrash
             if not self.running:
                 self._free_dead_rows(None)
             self.batching.admit(AdmissionStep(self, out, token_budget, reserved, max_admissions))
@@ -362,7 +428,9 @@ class Scheduler:
             return True
         budget = self.config.max_num_batched_tokens
         planned = [min(r.num_pending_tokens, budget) for r in self.running]
-        return bool(self.running) and not self.fits(self._worst_case_step_blocks(self.running, planned).sum(0))
+        return bool(self.running) and not self.fits(
+            self._worst_case_step_blocks(self.running, planned).sum(0)
+        )
 
     def retry(self, out: SchedulerOutput, error, previous: Retry | None) -> Retry:
         """How to schedule the step again after the try that decided `out` ran short (an
@@ -374,7 +442,7 @@ class Scheduler:
         joined = len(out.admitted) + len(out.resumed)
         shortfall = torch.zeros_like(error.shortfall) if previous is None else previous.shortfall
         if joined:
-            alone = joined == len(out.scheduled)              # nothing else ran in the try
+            alone = joined == len(out.scheduled)  # nothing else ran in the try
             return Retry(shortfall, max(joined // 2, 1 if alone else 0))
         return Retry(shortfall + error.shortfall, 0)
 
@@ -384,13 +452,14 @@ class Scheduler:
 
     def _shortage(self, demand: torch.Tensor, need: torch.Tensor) -> tuple[int, Shortage]:
         """The device short by the most blocks, and a Shortage naming it for the victim policy."""
-        missing = demand - self.memory.num_free_blocks_per_device                    # (D,)
+        missing = demand - self.memory.num_free_blocks_per_device  # (D,)
         device = int(missing.argmax())
         return device, Shortage(device, int(missing[device]), int(need[device]))
 
     def schedule_tokens(self, out: SchedulerOutput, request: Request, num_tokens: int, blocks: int) -> None:
-        out.scheduled.append(ScheduledRequest(request, num_tokens, blocks,
-                                              samples=num_tokens == request.num_pending_tokens))
+        out.scheduled.append(
+            ScheduledRequest(request, num_tokens, blocks, samples=num_tokens == request.num_pending_tokens)
+        )
 
     def start_head(self, out: SchedulerOutput, hit=None) -> Request:
         """The head of the waiting line starts running: swapped back in, or a stalled one without
@@ -437,29 +506,39 @@ class Scheduler:
         if self.config.reservation != "optimistic":
             return self._worst_case_step_blocks(requests, num_tokens)
         needs = torch.zeros(len(requests), self.num_devices, dtype=torch.int64)
-        chunks = [i for i, (r, n) in enumerate(zip(requests, num_tokens)) if n > 1 or r.num_computed_tokens == 0]
+        chunks = [
+            i for i, (r, n) in enumerate(zip(requests, num_tokens)) if n > 1 or r.num_computed_tokens == 0
+        ]
         if not chunks:
             return needs
         if self._experts_on is None:
-            needs[chunks] = self._worst_case_step_blocks([requests[i] for i in chunks], [num_tokens[i] for i in chunks])
+            needs[chunks] = self._worst_case_step_blocks(
+                [requests[i] for i in chunks], [num_tokens[i] for i in chunks]
+            )
             return needs
-        share = self._experts_on.sum(0).double() / self._experts_on.sum()                        # (D,)
+        share = self._experts_on.sum(0).double() / self._experts_on.sum()  # (D,)
         for i in chunks:
             done = requests[i].num_computed_tokens
-            expected = self.predictor.predict(done + num_tokens[i]) - (self.predictor.predict(done) if done else 0)
+            expected = self.predictor.predict(done + num_tokens[i]) - (
+                self.predictor.predict(done) if done else 0
+            )
             needs[i] = torch.ceil(share * max(expected, 0)).to(torch.int64)
         return needs
 
     def _worst_case_step_blocks(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
         """The worst case of step_blocks_many: decode tokens from the manager's table where it
         applies (`_decode_need`), the others over their rows (`_worst_case_over_rows`)."""
-        decoding = [i for i, (r, n) in enumerate(zip(requests, num_tokens)) if n == 1 and r.num_computed_tokens > 0]
-        if len(decoding) < len(requests) and decoding:               # a step with prefills: two parts
+        decoding = [
+            i for i, (r, n) in enumerate(zip(requests, num_tokens)) if n == 1 and r.num_computed_tokens > 0
+        ]
+        if len(decoding) < len(requests) and decoding:  # a step with prefills: two parts
             needs = torch.zeros(len(requests), self.num_devices, dtype=torch.int64)
             chosen = set(decoding)
             others = [i for i in range(len(requests)) if i not in chosen]
             for part in (decoding, others):
-                needs[part] = self._worst_case_step_blocks([requests[i] for i in part], [num_tokens[i] for i in part])
+                needs[part] = self._worst_case_step_blocks(
+                    [requests[i] for i in part], [num_tokens[i] for i in part]
+                )
             return needs
         decode = self._decode_need(requests, num_tokens)
         if decode is not None:
@@ -470,15 +549,17 @@ class Scheduler:
         """The worst case from every row's count (demand.py's bounds)."""
         memory = self.memory
         resident = [r.request_id for r in requests if not r.swapped]
-        counts = memory.token_counts(resident)                                               # (h, L, E)
+        counts = memory.token_counts(resident)  # (h, L, E)
         if len(resident) < len(requests) or any(r.request_id in self.stalled for r in requests):
             held, rows = iter(counts), []
             for request in requests:
                 row = memory.swapped_token_counts(request.request_id) if request.swapped else next(held)
                 rows.append(torch.zeros_like(row) if request.request_id in self.stalled else row)
-            counts = torch.stack(rows)                                                       # (m, L, E)
+            counts = torch.stack(rows)  # (m, L, E)
         totals = [r.num_computed_tokens + n for r, n in zip(requests, num_tokens)]
-        devices = memory.device_of_expert_of([r.request_id for r in requests]) if self.num_devices > 1 else None
+        devices = (
+            memory.device_of_expert_of([r.request_id for r in requests]) if self.num_devices > 1 else None
+        )
         return self._worst_case_need(counts, num_tokens, totals, devices)
 
     def _decode_need(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor | None:
@@ -486,38 +567,55 @@ class Scheduler:
         (m, D), read from the manager's open_rows instead of every row (the
         simulator's 256 sequences x 24 layers x 64 experts); None where it does not apply (a
         budget, home devices, a prefill, a swapped or stalled request)."""
-        if self._experts_on is None or not requests or any(n != 1 for n in num_tokens) or \
-                any(r.swapped or r.request_id in self.stalled for r in requests):
+        if (
+            self._experts_on is None
+            or not requests
+            or any(n != 1 for n in num_tokens)
+            or any(r.swapped or r.request_id in self.stalled for r in requests)
+        ):
             return None
-        open_rows = self.memory.open_rows([r.request_id for r in requests])                # (m, L, D)
+        open_rows = self.memory.open_rows([r.request_id for r in requests])  # (m, L, D)
         if open_rows is None:
             return None
         # the lifetime cap of _worst_case_need never binds here: one token's worst case (k_d open rows
         # of device d) is a routing the token can take, so held + step is a state some routing
         # reaches, within the lifetime worst case (tests/test_sim_fast_paths.py compares the two)
-        return decode_step_blocks_per_device(open_rows, self.shape.k_max, self._experts_on)        # (m, D)
+        return decode_step_blocks_per_device(open_rows, self.shape.k_max, self._experts_on)  # (m, D)
 
-    def _worst_case_need(self, counts: torch.Tensor, num_tokens: list[int], totals: list[int],
-                         devices: torch.Tensor | None) -> torch.Tensor:
+    def _worst_case_need(
+        self, counts: torch.Tensor, num_tokens: list[int], totals: list[int], devices: torch.Tensor | None
+    ) -> torch.Tensor:
         """counts, devices (m, L, E), rows growing by num_tokens[i] to totals[i] -> (m, D) needs:
         the step's worst case, capped by the lifetime's minus what is held. devices: None for one pool."""
         s, D = self.shape, self.num_devices
         L, E, K, P, C = s.num_layers, s.num_experts, s.k_max, s.block_size, s.max_row_tokens
         if D > 1:
-            held = blocks_held_per_device(counts, P, devices, D)                                     # (m, D)
-            step = worst_case_step_blocks_per_device(counts, torch.tensor(num_tokens), K, P, devices, D, C)   # (m, D)
-            lifetime = worst_case_lifetime_blocks_per_device(torch.tensor(totals), K, P, devices, D, C)   # (m, D)
+            held = blocks_held_per_device(counts, P, devices, D)  # (m, D)
+            step = worst_case_step_blocks_per_device(
+                counts, torch.tensor(num_tokens), K, P, devices, D, C
+            )  # (m, D)
+            lifetime = worst_case_lifetime_blocks_per_device(
+                torch.tensor(totals), K, P, devices, D, C
+            )  # (m, D)
         else:
             # one pool: demand.py's bounds in a third of the tensor calls. Bound B does not depend on the
             # rows and A <= E * ceil(n / P), so min(A, B) = min(A, rows.py's one-layer lifetime bound)
-            new = torch.tensor(num_tokens, dtype=torch.int64).view(-1, 1, 1)                       # (m, 1, 1)
-            after = counts + new if C is None else torch.clamp(counts + new, max=C)                # a budget caps rows
-            blocks, grown = ceil_div(counts, P).sum(2), ceil_div(after, P).sum(2)                  # (m, L)
-            limits = torch.tensor([[worst_case_lifetime_blocks(n, 1, E, K, P, C), worst_case_lifetime_blocks(t, L, E, K, P, C)]
-                                   for n, t in zip(num_tokens, totals)], dtype=torch.int64).view(-1, 2)   # (m, 2)
-            step = torch.minimum(grown - blocks, limits[:, :1]).sum(1, keepdim=True)              # (m, 1)
-            held, lifetime = blocks.sum(1, keepdim=True), limits[:, 1:]                           # (m, 1)
-        return torch.clamp(torch.minimum(step, lifetime - held), min=0)                           # (m, D)
+            new = torch.tensor(num_tokens, dtype=torch.int64).view(-1, 1, 1)  # (m, 1, 1)
+            after = counts + new if C is None else torch.clamp(counts + new, max=C)  # a budget caps rows
+            blocks, grown = ceil_div(counts, P).sum(2), ceil_div(after, P).sum(2)  # (m, L)
+            limits = torch.tensor(
+                [
+                    [
+                        worst_case_lifetime_blocks(n, 1, E, K, P, C),
+                        worst_case_lifetime_blocks(t, L, E, K, P, C),
+                    ]
+                    for n, t in zip(num_tokens, totals)
+                ],
+                dtype=torch.int64,
+            ).view(-1, 2)  # (m, 2)
+            step = torch.minimum(grown - blocks, limits[:, :1]).sum(1, keepdim=True)  # (m, 1)
+            held, lifetime = blocks.sum(1, keepdim=True), limits[:, 1:]  # (m, 1)
+        return torch.clamp(torch.minimum(step, lifetime - held), min=0)  # (m, D)
 
     # ----- prefix caching ------------------------------------------------------------------------------
     def prefix_hit(self, request: Request):
@@ -529,9 +627,13 @@ class Scheduler:
     def hit_step_blocks(self, hit, num_tokens: int) -> torch.Tensor:
         """(D,) step_blocks for a request starting from `hit`, plus the free blocks it takes."""
         L, E = self.shape.num_layers, self.shape.num_experts
-        counts = hit.row_counts.view(1, L, E)                                                     # (1, L, E)
-        return self._worst_case_need(counts, [num_tokens], [hit.num_tokens + num_tokens],
-                                     hit.row_devices.view(1, L, E))[0] + hit.free_taken_per_device
+        counts = hit.row_counts.view(1, L, E)  # (1, L, E)
+        return (
+            self._worst_case_need(
+                counts, [num_tokens], [hit.num_tokens + num_tokens], hit.row_devices.view(1, L, E)
+            )[0]
+            + hit.free_taken_per_device
+        )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -577,7 +679,7 @@ class Scheduler:
         whether any was freed."""
         freed = False
         for request_id in self.stalled:
-            dead = self.memory.token_counts([request_id])[0] > 0                       # (L, E)
+            dead = self.memory.token_counts([request_id])[0] > 0  # (L, E)
             if device is not None:
                 dead &= self.memory.device_of_expert_of([request_id])[0] == device
             if dead.any():
@@ -591,9 +693,13 @@ class Scheduler:
         return rows.numel()
 
     # ----- after the forward ----------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[int, int],
-                           entries_per_layer: torch.Tensor | None = None,
-                           failed: dict[int, str] | None = None) -> list[Request]:
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled_token_ids: dict[int, int],
+        entries_per_layer: torch.Tensor | None = None,
+        failed: dict[int, str] | None = None,
+    ) -> list[Request]:
         """Account for the step that ran `out`; returns the requests that finished, in order.
         entries_per_layer (L,): experts chosen over the step's tokens (for the predictor). failed:
         request id -> why its own sampling failed (it finishes with "error")."""
@@ -610,10 +716,11 @@ class Scheduler:
                 continue
             if self.prefix_cache is not None and self.memory.holds(request.request_id):
                 # its computed tokens' blocks become findable (prefix_cache.py)
-                self.prefix_cache.cache_computed_blocks(request.request_id,
-                                                        request.all_token_ids[: request.num_computed_tokens])
+                self.prefix_cache.cache_computed_blocks(
+                    request.request_id, request.all_token_ids[: request.num_computed_tokens]
+                )
             if not item.samples:
-                continue                           # a prefill chunk: more of it next step
+                continue  # a prefill chunk: more of it next step
             request.append_output(int(sampled_token_ids[request.request_id]))
             if len(request.output_token_ids) >= self.batching.num_new_tokens(request):
                 self.finish(request, out.step)
@@ -635,7 +742,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.stalled.pop(seq_id, None)           # a stalled request aborted while it waits
+        self.stalled.pop(seq_id, None)  # a stalled request aborted while it waits
 
     def recover_from_failed_copies(self, out: SchedulerOutput) -> None:
         """The step's block copies raised part-way: every sequence they moved may have incomplete
@@ -649,7 +756,7 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING and self.memory.holds(request.request_id):
                 self.manager.free(request.request_id)
                 self._forget_computed(request)
-        for request in out.prefix_copied:       # its copies of straddling blocks may be incomplete
+        for request in out.prefix_copied:  # its copies of straddling blocks may be incomplete
             if request.status is RequestStatus.RUNNING and self.memory.holds(request.request_id):
                 self.manager.free(request.request_id)
-                request.forget_computed(recomputed=False)   # nothing of its own was computed
+                request.forget_computed(recomputed=False)  # nothing of its own was computed

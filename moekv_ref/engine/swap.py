@@ -18,26 +18,29 @@ from ..cache.block_pool import BlockPool
 from ..cache.kv_cache_manager import KVCacheManager
 from .request import check_int
 
-SWAP_OUT = "swap_out"     # device blocks -> host blocks
-SWAP_IN = "swap_in"       # host blocks -> device blocks
-COPY = "copy"             # device blocks -> device blocks (copy-on-write of a prefix-cache hit)
+SWAP_OUT = "swap_out"  # device blocks -> host blocks
+SWAP_IN = "swap_in"  # host blocks -> device blocks
+COPY = "copy"  # device blocks -> device blocks (copy-on-write of a prefix-cache hit)
 
 
 class BlockCopy(NamedTuple):
     """One copy the model runner performs before the forward: block source[i] -> destination[i]."""
-    direction: str               # SWAP_OUT, SWAP_IN or COPY
-    source: torch.Tensor         # (b,) int64 block ids (device for SWAP_OUT and COPY, host for SWAP_IN)
-    destination: torch.Tensor    # (b,) int64 block ids (host for SWAP_OUT, device for SWAP_IN and COPY)
+
+    direction: str  # SWAP_OUT, SWAP_IN or COPY
+    source: torch.Tensor  # (b,) int64 block ids (device for SWAP_OUT and COPY, host for SWAP_IN)
+    destination: torch.Tensor  # (b,) int64 block ids (host for SWAP_OUT, device for SWAP_IN and COPY)
 
 
 @dataclass
 class SwappedSequence:
-    host_block_ids: torch.Tensor      # (b,) int64, in the order of blocks_of_sequence
-    token_counts: torch.Tensor        # (L * E,) int64, layer-major
-    last_appended: torch.Tensor | None = None   # (L * E,) each row's last append (the manager's clock)
-    positions: torch.Tensor | None = None   # (b, P) each slot's token position (prefix caching only)
-    blocks_per_device: torch.Tensor | None = None   # (D,) of the b blocks, on each device (swap_in takes as many)
-    budget_state: tuple | None = None        # the rows' slot positions and scores (a row budget only)
+    host_block_ids: torch.Tensor  # (b,) int64, in the order of blocks_of_sequence
+    token_counts: torch.Tensor  # (L * E,) int64, layer-major
+    last_appended: torch.Tensor | None = None  # (L * E,) each row's last append (the manager's clock)
+    positions: torch.Tensor | None = None  # (b, P) each slot's token position (prefix caching only)
+    blocks_per_device: torch.Tensor | None = (
+        None  # (D,) of the b blocks, on each device (swap_in takes as many)
+    )
+    budget_state: tuple | None = None  # the rows' slot positions and scores (a row budget only)
 
 
 class SwapSpace:
@@ -55,20 +58,24 @@ class SwapSpace:
     def swap_out(self, seq_id: int) -> BlockCopy:
         """Host blocks for the sequence's device blocks, which are freed. Raises OutOfBlocksError,
         changing nothing, if the host pool is short (ask can_swap_out first)."""
-        device_blocks = self.manager.blocks_of_sequence(seq_id)                        # (b,)
-        counts = self.manager.token_counts([seq_id])[0].reshape(-1)                    # (L*E,)
-        host_blocks = self.pool.allocate(device_blocks.numel())                        # may raise
-        prefix = self.manager.prefix_cache                   # its slots' positions travel too
-        budget = self.manager.budget                         # and what a budget's policy reads
-        rows = self.manager.index.sequence_rows(torch.tensor([self.manager.seq_index(seq_id)]))[0]    # (L*E,)
-        self.swapped[seq_id] = SwappedSequence(host_blocks, counts, self.manager.row_last_used(seq_id).reshape(-1),
-                                               None if prefix is None else prefix.block_positions[device_blocks].clone(),
-                                               self.manager.blocks_held_per_device([seq_id])[0],
-                                               None if budget is None else budget.rows_state(rows))
+        device_blocks = self.manager.blocks_of_sequence(seq_id)  # (b,)
+        counts = self.manager.token_counts([seq_id])[0].reshape(-1)  # (L*E,)
+        host_blocks = self.pool.allocate(device_blocks.numel())  # may raise
+        prefix = self.manager.prefix_cache  # its slots' positions travel too
+        budget = self.manager.budget  # and what a budget's policy reads
+        rows = self.manager.index.sequence_rows(torch.tensor([self.manager.seq_index(seq_id)]))[0]  # (L*E,)
+        self.swapped[seq_id] = SwappedSequence(
+            host_blocks,
+            counts,
+            self.manager.row_last_used(seq_id).reshape(-1),
+            None if prefix is None else prefix.block_positions[device_blocks].clone(),
+            self.manager.blocks_held_per_device([seq_id])[0],
+            None if budget is None else budget.rows_state(rows),
+        )
         self.manager.free(seq_id)
         return BlockCopy(SWAP_OUT, device_blocks, host_blocks)
 
-    def token_counts(self, seq_id: int) -> torch.Tensor:                        # (L, E)
+    def token_counts(self, seq_id: int) -> torch.Tensor:  # (L, E)
         return self.swapped[seq_id].token_counts.view(self.manager.num_layers, self.manager.num_experts)
 
     def swap_in(self, seq_id: int) -> BlockCopy:
@@ -76,18 +83,22 @@ class SwapSpace:
         freed. Raises RuntimeError, changing nothing, if the device pool is short."""
         manager = self.manager
         saved = self.swapped[seq_id]
-        free = manager.num_free_blocks_per_device                                           # (D,)
-        short = (saved.blocks_per_device > free).nonzero().squeeze(1)      # each device, not the total
+        free = manager.num_free_blocks_per_device  # (D,)
+        short = (saved.blocks_per_device > free).nonzero().squeeze(1)  # each device, not the total
         if short.numel():
             d = int(short[0])
-            raise RuntimeError(f"swap_in of sequence {seq_id} needs {int(saved.blocks_per_device[d])} blocks "
-                               f"on device {d}, {int(free[d])} free there: check first")
-        device_blocks = manager.restore_sequence(seq_id, saved.token_counts, saved.last_appended)   # (b,) new ids
+            raise RuntimeError(
+                f"swap_in of sequence {seq_id} needs {int(saved.blocks_per_device[d])} blocks "
+                f"on device {d}, {int(free[d])} free there: check first"
+            )
+        device_blocks = manager.restore_sequence(
+            seq_id, saved.token_counts, saved.last_appended
+        )  # (b,) new ids
         assert device_blocks.numel() == saved.host_block_ids.numel()
-        rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]       # (L*E,)
+        rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]  # (L*E,)
         if saved.positions is not None:
             manager.prefix_cache.restore_positions(device_blocks, saved.positions)
-        if saved.budget_state is not None:                   # same counts, same slot order: same state
+        if saved.budget_state is not None:  # same counts, same slot order: same state
             manager.budget.restore_rows(rows, saved.budget_state)
         self.pool.free(saved.host_block_ids)
         del self.swapped[seq_id]

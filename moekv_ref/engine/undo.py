@@ -26,8 +26,8 @@ from collections import deque
 import torch
 
 _PACKAGE = __name__.split(".")[0]
-_KEPT = {int, float, bool, str, bytes, type(None)}   # by reference: atoms, and classes found not to be state
-_STATE_KINDS: dict[type, bool] = {}                  # class -> whether its objects are state
+_KEPT = {int, float, bool, str, bytes, type(None)}  # by reference: atoms, and classes found not to be state
+_STATE_KINDS: dict[type, bool] = {}  # class -> whether its objects are state
 
 
 class Snapshot:
@@ -40,8 +40,13 @@ class Snapshot:
                 continue
             shared = getattr(type(obj), "_UNDO_SHARED", ())
             # atoms inline: most attributes are ints and strings, and a call each was most of the cost
-            self._saved[id(obj)] = (obj, {name: value if type(value) in _KEPT or name in shared
-                                          else self._copy(value) for name, value in vars(obj).items()})
+            self._saved[id(obj)] = (
+                obj,
+                {
+                    name: value if type(value) in _KEPT or name in shared else self._copy(value)
+                    for name, value in vars(obj).items()
+                },
+            )
 
     def restore(self) -> None:
         """Once only: the saved copies become the objects' state."""
@@ -56,8 +61,8 @@ class Snapshot:
             return value
         if isinstance(value, torch.Tensor):
             return value.clone()
-        if isinstance(value, (list, set)):                       # token ids, free slots: atoms, usually
-            if _KEPT.issuperset(map(type, value)):               # then one copy in C
+        if isinstance(value, (list, set)):  # token ids, free slots: atoms, usually
+            if _KEPT.issuperset(map(type, value)):  # then one copy in C
                 return kind(value)
             return kind(v if type(v) in _KEPT else self._copy(v) for v in value)
         if isinstance(value, deque):
@@ -67,9 +72,9 @@ class Snapshot:
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
             return tuple(self._copy(v) for v in value)
         if self._is_state(value):
-            self._pending.append(value)          # restored in place: the reference stays
+            self._pending.append(value)  # restored in place: the reference stays
         else:
-            _KEPT.add(kind)                      # not a container, not state: kept, decided once
+            _KEPT.add(kind)  # not a container, not state: kept, decided once
         return value
 
     @staticmethod
@@ -77,8 +82,11 @@ class Snapshot:
         """An object of this package with attributes, not an enum member, a frozen dataclass or a
         network module (weights are never a step's state)."""
         kind = type(value)
-        if kind not in _STATE_KINDS:             # a property of the class: decided once per class
-            _STATE_KINDS[kind] = (kind.__module__.startswith(_PACKAGE + ".") and hasattr(value, "__dict__")
-                                  and not issubclass(kind, (enum.Enum, torch.nn.Module))
-                                  and not (dataclasses.is_dataclass(kind) and kind.__dataclass_params__.frozen))
+        if kind not in _STATE_KINDS:  # a property of the class: decided once per class
+            _STATE_KINDS[kind] = (
+                kind.__module__.startswith(_PACKAGE + ".")
+                and hasattr(value, "__dict__")
+                and not issubclass(kind, (enum.Enum, torch.nn.Module))
+                and not (dataclasses.is_dataclass(kind) and kind.__dataclass_params__.frozen)
+            )
         return _STATE_KINDS[kind]

@@ -25,6 +25,7 @@ from .request import Request
 class Shortage:
     """A step lacks `num_blocks` free blocks on `device`; the request being scheduled
     (candidates[0]) would take `request_need` of them itself."""
+
     device: int
     num_blocks: int
     request_need: int = 0
@@ -39,16 +40,18 @@ def shortage_of(need) -> Shortage:
 class RowEviction:
     """Drop the (layer, expert) rows `layer_experts` of `request`, which then cannot run until its
     whole context is recomputed (a row at layer l is rebuilt only by re-running layers 0..l)."""
+
     request: Request
     layer_experts: tuple[tuple[int, int], ...]
 
 
 class VictimPolicy:
     name = "victim"
-    evicts_rows = False     # True: may answer a RowEviction, which needs a manager that can_evict_rows
+    evicts_rows = False  # True: may answer a RowEviction, which needs a manager that can_evict_rows
 
-    def choose_victim(self, candidates: Sequence[Request], memory: MemoryView,
-                      need: Shortage | int) -> Request | RowEviction:
+    def choose_victim(
+        self, candidates: Sequence[Request], memory: MemoryView, need: Shortage | int
+    ) -> Request | RowEviction:
         """need: the step's Shortage (an int is read as that many blocks on device 0: shortage_of)."""
         raise NotImplementedError
 
@@ -63,6 +66,7 @@ class VictimPolicy:
 class NewestFirst(VictimPolicy):
     """The newest running request (vLLM's rule): it has done the least work, and the oldest, which
     have waited longest, keep their place."""
+
     name = "newest_first"
 
     def choose_victim(self, candidates, memory, need) -> Request:
@@ -73,6 +77,7 @@ class SequenceLRU(NewestFirst):
     """LRU over whole sequences: every running sequence is used at every step, so it ties and the
     tie-break, the newest, decides. Blind to *where* memory is short: the newest may hold nothing
     on the short device, and then another must go, and another."""
+
     name = "sequence_lru"
 
 
@@ -81,6 +86,7 @@ class ExpertLRU(VictimPolicy):
     expert) row on the short device (ties: the newest request, then the lowest layer and expert).
     It fits badly: the least recently used rows belong to sequences running now, and each dropped
     row costs a whole recompute. With no row on the short device, the scheduled request waits."""
+
     name = "expert_lru"
     evicts_rows = True
 
@@ -89,21 +95,25 @@ class ExpertLRU(VictimPolicy):
         keys = []
         for order, request in enumerate(candidates):
             last_used = memory.row_last_used(request.request_id)
-            counts = memory.token_counts([request.request_id])[0]                       # (L, E)
-            devices = memory.device_of_expert_of([request.request_id])[0]              # (L, E) its rows'
-            on_short = (counts > 0) & (devices == shortage.device)                       # (L, E)
-            keys += [(int(last_used[layer, expert]), -order, layer, expert)
-                     for layer, expert in on_short.nonzero().tolist()]
+            counts = memory.token_counts([request.request_id])[0]  # (L, E)
+            devices = memory.device_of_expert_of([request.request_id])[0]  # (L, E) its rows'
+            on_short = (counts > 0) & (devices == shortage.device)  # (L, E)
+            keys += [
+                (int(last_used[layer, expert]), -order, layer, expert)
+                for layer, expert in on_short.nonzero().tolist()
+            ]
         if not keys:
             return candidates[0]
         _, order, layer, expert = min(keys)
         return RowEviction(candidates[-order], ((layer, expert),))
 
 
-def room_and_lost_work(order: int, request: Request, memory: MemoryView, shortage: Shortage) -> tuple[int, int]:
+def room_and_lost_work(
+    order: int, request: Request, memory: MemoryView, shortage: Shortage
+) -> tuple[int, int]:
     """(blocks preempting candidates[order] frees on the short device, with its own step's need
     for order 0; the work lost, >= 1: tokens to recompute, or blocks to swap)."""
-    held = memory.blocks_held_per_device(request.request_id)                            # (D,)
+    held = memory.blocks_held_per_device(request.request_id)  # (D,)
     room = int(held[shortage.device]) + (shortage.request_need if order == 0 else 0)
     lost = int(held.sum()) if memory.has_swap_space else request.num_computed_tokens
     return room, max(1, lost)
@@ -112,6 +122,7 @@ def room_and_lost_work(order: int, request: Request, memory: MemoryView, shortag
 def most_per_lost_work(candidates, memory: MemoryView, shortage: Shortage, value) -> Request:
     """The candidate with the most value(request, room) per work lost among those making room on
     the short device (ties: the newest); candidates[0] if none does."""
+
     def score(item):
         room, lost = room_and_lost_work(*item, memory, shortage)
         return (room > 0, (value(item[1], room) if room > 0 else 0) / lost, item[0])
@@ -123,6 +134,7 @@ def most_per_lost_work(candidates, memory: MemoryView, shortage: Shortage, value
 class PressureAware(VictimPolicy):
     """The whole request freeing the most blocks on the *short* device per unit of work lost (ties:
     the newest). If none frees any there, the request being scheduled waits."""
+
     name = "pressure_aware"
 
     def choose_victim(self, candidates, memory, need):
@@ -145,10 +157,12 @@ class OfflinePolicy(VictimPolicy):
 
     def __init__(self, future: FutureView | None = None):
         if future is None:
-            raise ValueError(f"victim={self.name!r} reads the future of a routing trace: give it future=, a "
-                             "FutureView (sim/eviction.py's trace runner builds one); the engine serving live "
-                             "requests has no future to give, so use an online policy there: "
-                             f"{[name for name, cls in VICTIM_POLICIES.items() if not issubclass(cls, OfflinePolicy)]}")
+            raise ValueError(
+                f"victim={self.name!r} reads the future of a routing trace: give it future=, a "
+                "FutureView (sim/eviction.py's trace runner builds one); the engine serving live "
+                "requests has no future to give, so use an online policy there: "
+                f"{[name for name, cls in VICTIM_POLICIES.items() if not issubclass(cls, OfflinePolicy)]}"
+            )
         self.future = future
 
 
@@ -156,14 +170,17 @@ class Oracle(OfflinePolicy):
     """Admit only what `future.fits_to_completion` says fits, so nothing admitted is preempted (a
     heuristic, not the best schedule). If a step is short anyway: the request with the most tokens
     still to generate (Belady's rule: the one needed furthest into the future)."""
+
     name = "oracle"
 
     def admits(self, request, running, memory):
         return self.future.fits_to_completion(request, running)
 
     def choose_victim(self, candidates, memory, need):
-        return max(enumerate(candidates),
-                   key=lambda item: (item[1].max_new_tokens - len(item[1].output_token_ids), item[0]))[1]
+        return max(
+            enumerate(candidates),
+            key=lambda item: (item[1].max_new_tokens - len(item[1].output_token_ids), item[0]),
+        )[1]
 
 
 class Belady(OfflinePolicy):
@@ -171,6 +188,7 @@ class Belady(OfflinePolicy):
     1966: evict the page next used furthest away) has no direct analogue, since every running
     request is used at every step; so: among the requests making room on the short device, the most
     *block-steps still to come there* per work lost (one about to finish frees its blocks soon)."""
+
     name = "belady"
 
     def choose_victim(self, candidates, memory, need):
@@ -179,4 +197,6 @@ class Belady(OfflinePolicy):
         return most_per_lost_work(candidates, memory, shortage, lambda r, room: steps(r, device))
 
 
-VICTIM_POLICIES = {cls.name: cls for cls in (NewestFirst, SequenceLRU, ExpertLRU, PressureAware, Oracle, Belady)}
+VICTIM_POLICIES = {
+    cls.name: cls for cls in (NewestFirst, SequenceLRU, ExpertLRU, PressureAware, Oracle, Belady)
+}

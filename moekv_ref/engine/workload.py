@@ -43,24 +43,38 @@ def _log_uniform(low: int, high: int, generator: torch.Generator) -> int:
 
 
 def _check_arrivals_and_sampling(arrival_rate, temperature: float, top_p: float) -> None:
-    if arrival_rate is not None and not (isinstance(arrival_rate, (int, float))
-                                         and not isinstance(arrival_rate, bool)
-                                         and math.isfinite(arrival_rate) and arrival_rate > 0):
-        raise ValueError(f"arrival_rate={arrival_rate!r} must be a finite number > 0 of requests per step (or None)")
-    SamplingParams(temperature=temperature, top_p=top_p)          # checks both before any work
+    if arrival_rate is not None and not (
+        isinstance(arrival_rate, (int, float))
+        and not isinstance(arrival_rate, bool)
+        and math.isfinite(arrival_rate)
+        and arrival_rate > 0
+    ):
+        raise ValueError(
+            f"arrival_rate={arrival_rate!r} must be a finite number > 0 of requests per step (or None)"
+        )
+    SamplingParams(temperature=temperature, top_p=top_p)  # checks both before any work
 
 
-def make_workload(num_requests: int = 24, prompt_len: tuple[int, int] = (8, 192),
-                  output_len: tuple[int, int] = (8, 128), arrival_rate: float | None = None,
-                  temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
-                  vocab_size: int = 256) -> list[WorkloadRequest]:
+def make_workload(
+    num_requests: int = 24,
+    prompt_len: tuple[int, int] = (8, 192),
+    output_len: tuple[int, int] = (8, 128),
+    arrival_rate: float | None = None,
+    temperature: float = 0.8,
+    top_p: float = 0.95,
+    seed: int = 0,
+    vocab_size: int = 256,
+) -> list[WorkloadRequest]:
     """`num_requests` requests, lengths and arrivals as the module docstring says. Request i samples
     with seed seed + i. Token ids are bytes, folded modulo `vocab_size` for smaller vocabularies (tests)."""
     check_int("num_requests", num_requests, 1)
     for name, bounds in (("prompt_len", prompt_len), ("output_len", output_len)):
-        if not (isinstance(bounds, (tuple, list)) and len(bounds) == 2
-                and all(isinstance(b, int) and not isinstance(b, bool) for b in bounds)
-                and 1 <= bounds[0] <= bounds[1]):
+        if not (
+            isinstance(bounds, (tuple, list))
+            and len(bounds) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) for b in bounds)
+            and 1 <= bounds[0] <= bounds[1]
+        ):
             raise ValueError(f"{name}={bounds!r} must be two integers (low, high) with 1 <= low <= high")
     check_int("seed", seed, 0)
     check_int("vocab_size", vocab_size, 1)
@@ -73,31 +87,54 @@ def make_workload(num_requests: int = 24, prompt_len: tuple[int, int] = (8, 192)
         start = int(torch.randint(0, len(text) - length + 1, (), generator=generator))
         num_new = _log_uniform(*output_len, generator)
         if arrival_rate is not None and i > 0:
-            clock += float(torch.empty((), dtype=torch.float64).exponential_(arrival_rate, generator=generator))
+            clock += float(
+                torch.empty((), dtype=torch.float64).exponential_(arrival_rate, generator=generator)
+            )
         params = SamplingParams(max_new_tokens=num_new, temperature=temperature, top_p=top_p, seed=seed + i)
-        requests.append(WorkloadRequest(int(clock), text[start: start + length], params))
+        requests.append(WorkloadRequest(int(clock), text[start : start + length], params))
     return requests
 
 
-def few_shot_workload(num_requests: int = 16, prompt_len: int = 256, shared_share: float = 0.875,
-                      output_len: int = 16, temperature: float = 0.0, top_p: float = 1.0,
-                      arrival_rate: float | None = None, seed: int = 0, vocab_size: int = 256) -> list[WorkloadRequest]:
+def few_shot_workload(
+    num_requests: int = 16,
+    prompt_len: int = 256,
+    shared_share: float = 0.875,
+    output_len: int = 16,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    arrival_rate: float | None = None,
+    seed: int = 0,
+    vocab_size: int = 256,
+) -> list[WorkloadRequest]:
     """Requests sharing a long prefix, as few-shot prompting makes them: the first
     round(shared_share * prompt_len) of each prompt's prompt_len tokens are FEW_SHOT_TEXT, the rest
     a slice of PROMPT_TEXT at a seeded position, different per request. Greedy by default; seeds and
     arrivals as make_workload."""
-    for name, value, low in (("num_requests", num_requests, 1), ("prompt_len", prompt_len, 1),
-                             ("output_len", output_len, 1), ("seed", seed, 0), ("vocab_size", vocab_size, 1)):
+    for name, value, low in (
+        ("num_requests", num_requests, 1),
+        ("prompt_len", prompt_len, 1),
+        ("output_len", output_len, 1),
+        ("seed", seed, 0),
+        ("vocab_size", vocab_size, 1),
+    ):
         check_int(name, value, low)
     text = [t % vocab_size for t in encode(FEW_SHOT_TEXT)]
     own_text = [t % vocab_size for t in encode(PROMPT_TEXT)]
-    if not (isinstance(shared_share, (int, float)) and not isinstance(shared_share, bool) and 0 <= shared_share <= 1):
-        raise ValueError(f"shared_share={shared_share!r} must be a number in [0, 1] (the shared part of each prompt)")
+    if not (
+        isinstance(shared_share, (int, float))
+        and not isinstance(shared_share, bool)
+        and 0 <= shared_share <= 1
+    ):
+        raise ValueError(
+            f"shared_share={shared_share!r} must be a number in [0, 1] (the shared part of each prompt)"
+        )
     shared_len = round(shared_share * prompt_len)
     own_len = prompt_len - shared_len
     if shared_len > len(text) or own_len > len(own_text):
-        raise ValueError(f"prompt_len={prompt_len} with shared_share={shared_share} needs {shared_len} shared tokens "
-                         f"(at most {len(text)}) and {own_len} own (at most {len(own_text)})")
+        raise ValueError(
+            f"prompt_len={prompt_len} with shared_share={shared_share} needs {shared_len} shared tokens "
+            f"(at most {len(text)}) and {own_len} own (at most {len(own_text)})"
+        )
     _check_arrivals_and_sampling(arrival_rate, temperature, top_p)
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randperm(len(own_text) - own_len + 1, generator=generator)[:num_requests].tolist()
@@ -105,26 +142,33 @@ def few_shot_workload(num_requests: int = 16, prompt_len: int = 256, shared_shar
     for i in range(num_requests):
         start = starts[i % len(starts)]
         if arrival_rate is not None and i > 0:
-            clock += float(torch.empty((), dtype=torch.float64).exponential_(arrival_rate, generator=generator))
-        params = SamplingParams(max_new_tokens=output_len, temperature=temperature, top_p=top_p, seed=seed + i)
-        requests.append(WorkloadRequest(int(clock), text[:shared_len] + own_text[start: start + own_len], params))
+            clock += float(
+                torch.empty((), dtype=torch.float64).exponential_(arrival_rate, generator=generator)
+            )
+        params = SamplingParams(
+            max_new_tokens=output_len, temperature=temperature, top_p=top_p, seed=seed + i
+        )
+        requests.append(
+            WorkloadRequest(int(clock), text[:shared_len] + own_text[start : start + own_len], params)
+        )
     return requests
 
 
 @dataclass
 class WorkloadResult:
-    outputs: dict[int, RequestOutput]               # by position in the workload
-    refused: dict[int, str] = field(default_factory=dict)   # position -> the error add_request gave
+    outputs: dict[int, RequestOutput]  # by position in the workload
+    refused: dict[int, str] = field(default_factory=dict)  # position -> the error add_request gave
 
 
-def run_workload(engine: LLMEngine, workload: list[WorkloadRequest],
-                 on_step: Callable[[LLMEngine], None] | None = None) -> WorkloadResult:
+def run_workload(
+    engine: LLMEngine, workload: list[WorkloadRequest], on_step: Callable[[LLMEngine], None] | None = None
+) -> WorkloadResult:
     """Add each request when its arrival step comes, step until everything is served. A request that
     add_request refuses is recorded with its error and the others are served."""
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_step)
     ids: dict[int, int] = {}
     refused: dict[int, str] = {}
-    finished: dict[int, RequestOutput] = {}                    # by request id
+    finished: dict[int, RequestOutput] = {}  # by request id
     next_index = 0
     while next_index < len(order) or engine.has_unfinished_requests():
         while next_index < len(order) and workload[order[next_index]].arrival_step <= engine.step_count:

@@ -44,8 +44,8 @@ def name_ranks(ranks) -> str:
 @dataclass
 class CollectiveRecord:
     step: int
-    category: str            # what travelled: "attention_dispatch", "kv_context", "split_sizes", ...
-    bytes_sent: int          # to other ranks
+    category: str  # what travelled: "attention_dispatch", "kv_context", "split_sizes", ...
+    bytes_sent: int  # to other ranks
     seconds: float
 
 
@@ -84,32 +84,54 @@ class Communicator:
             table[record.step] += record.seconds
         return dict(table)
 
-    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int], category: str,
-                   recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    def all_to_all(
+        self,
+        tensor: torch.Tensor,
+        send_counts: list[int],
+        category: str,
+        recv_counts: list[int] | None = None,
+    ) -> tuple[torch.Tensor, list[int]]:
         """Send send_counts[r] rows of tensor (grouped by destination rank) to rank r, through
         `all_to_all_single` (gloo's list form rejects uneven sizes): the rows received, grouped by
         source rank, on this rank's device, and recv_counts (exchanged first when None)."""
         if len(send_counts) != self.world_size or sum(send_counts) != tensor.shape[0]:
-            raise ValueError(f"send_counts={send_counts} must have {self.world_size} entries summing "
-                             f"to the {tensor.shape[0]} rows of the tensor")
+            raise ValueError(
+                f"send_counts={send_counts} must have {self.world_size} entries summing "
+                f"to the {tensor.shape[0]} rows of the tensor"
+            )
         if recv_counts is None:
             sizes = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
             received_sizes = torch.empty_like(sizes)
-            self._run("all_to_all_single", "split_sizes", sizes.element_size(), [1] * self.world_size,
-                      lambda: dist.all_to_all_single(received_sizes, sizes, group=self.group))
+            self._run(
+                "all_to_all_single",
+                "split_sizes",
+                sizes.element_size(),
+                [1] * self.world_size,
+                lambda: dist.all_to_all_single(received_sizes, sizes, group=self.group),
+            )
             recv_counts = received_sizes.tolist()
-        tensor = tensor.to(self.device).contiguous()        # NCCL takes CUDA tensors only
+        tensor = tensor.to(self.device).contiguous()  # NCCL takes CUDA tensors only
         out = tensor.new_empty((sum(recv_counts),) + tuple(tensor.shape[1:]))
         row_bytes = tensor.element_size() * tensor.shape[1:].numel()
-        self._run("all_to_all_single", category, row_bytes, send_counts,
-                  lambda: dist.all_to_all_single(out, tensor, recv_counts, send_counts, self.group))
+        self._run(
+            "all_to_all_single",
+            category,
+            row_bytes,
+            send_counts,
+            lambda: dist.all_to_all_single(out, tensor, recv_counts, send_counts, self.group),
+        )
         return out, recv_counts
 
     def broadcast(self, tensor: torch.Tensor, src: int, category: str) -> None:
         """tensor from rank src, in place on every rank."""
         on_device = tensor.to(self.device)
-        self._run("broadcast", category, tensor.numel() * tensor.element_size(),
-                  [int(self.rank == src)] * self.world_size, lambda: dist.broadcast(on_device, src, group=self.group))
+        self._run(
+            "broadcast",
+            category,
+            tensor.numel() * tensor.element_size(),
+            [int(self.rank == src)] * self.world_size,
+            lambda: dist.broadcast(on_device, src, group=self.group),
+        )
         tensor.copy_(on_device)
 
     def _run(self, collective: str, category: str, unit: int, send_counts: list[int], call) -> None:
@@ -123,7 +145,7 @@ class Communicator:
             call()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-        except Exception as error:   # gloo raises RuntimeError, NCCL DistBackendError: both are failures
+        except Exception as error:  # gloo raises RuntimeError, NCCL DistBackendError: both are failures
             message, missing = self._diagnose(label, error, time.perf_counter() - start)
             raise CollectiveError(message, missing) from error
         sent = unit * (sum(send_counts) - send_counts[self.rank])
@@ -150,10 +172,15 @@ class Communicator:
                     behind[peer] = f"last reached {last}"
             except Exception:
                 unknown.append(peer)
-        if behind:                                                      # ascending, as peers are
+        if behind:  # ascending, as peers are
             details = "; ".join(f"rank {peer} {reason}" for peer, reason in behind.items())
-            return (f"{name_ranks(list(behind))} never reached {label}: hung or dead ({details}); "
-                    f"{seen}", tuple(behind))
+            return (
+                f"{name_ranks(list(behind))} never reached {label}: hung or dead ({details}); {seen}",
+                tuple(behind),
+            )
         if unknown:
-            return (f"{label} failed on rank {self.rank}: could not read the progress of ranks {unknown}; {seen}", ())
+            return (
+                f"{label} failed on rank {self.rank}: could not read the progress of ranks {unknown}; {seen}",
+                (),
+            )
         return f"{label} failed on rank {self.rank} although every peer reached it; {seen}", ()

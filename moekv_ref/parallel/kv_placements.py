@@ -44,14 +44,21 @@ KV_PLACEMENTS = ("kv_with_expert", "kv_with_sequence", "replicated_attention")
 class _PlacedAttention:
     """What every placement holds; attention_ranks (L, E): the rank of every attention expert."""
 
-    def __init__(self, shard: RankShard, comm: Communicator, pool: PagedKVCache, attention_ranks: torch.Tensor):
+    def __init__(
+        self, shard: RankShard, comm: Communicator, pool: PagedKVCache, attention_ranks: torch.Tensor
+    ):
         self.shard, self.comm, self.pool, self.attention_ranks = shard, comm, pool, attention_ranks
 
     def _dispatch(self, layer: int, h, seq_ids, positions, traffic: Counter):
         """Route the home tokens and send them to their experts' ranks: (plan, received)."""
-        routing = self.shard.route_attention(layer, h)                                   # (N, E)
-        plan = DispatchPlan.build(routing.selected, routing.gates, self.attention_ranks[layer],
-                                  self.comm.world_size, self.shard.config.num_attention_experts_per_tok)
+        routing = self.shard.route_attention(layer, h)  # (N, E)
+        plan = DispatchPlan.build(
+            routing.selected,
+            routing.gates,
+            self.attention_ranks[layer],
+            self.comm.world_size,
+            self.shard.config.num_attention_experts_per_tok,
+        )
         traffic["attention_pairs_to_peers"] += plan.pairs_to_peers(self.comm.rank)
         traffic["attention_expert_pairs_to_peers"] += plan.expert_pairs_to_peers(self.comm.rank)
         return plan, dispatch(self.comm, plan, h, "attention_dispatch", seq_ids, positions)
@@ -61,11 +68,13 @@ class _PlacedAttention:
         back home: (N, D), and the pairs run here with their new k, v."""
         config, part, backend = self.shard.config, self.shard.layers[layer], self.shard.backend
         pairs = local_pairs(received, part.attention_experts)
-        xs, ps = received.hidden[pairs.token], received.positions[pairs.token].to(h.device)   # (M, D), (M,)
-        turns = rotary_turns(ps, config.head_dim, config.rope_theta, xs.dtype)                      # (M, 1, Dh/2)
-        q, k, v = project_qkv(config, xs, turns, pairs.counts, torch.cat([part.w_q, part.w_k, part.w_v], 2), backend)
+        xs, ps = received.hidden[pairs.token], received.positions[pairs.token].to(h.device)  # (M, D), (M,)
+        turns = rotary_turns(ps, config.head_dim, config.rope_theta, xs.dtype)  # (M, 1, Dh/2)
+        q, k, v = project_qkv(
+            config, xs, turns, pairs.counts, torch.cat([part.w_q, part.w_k, part.w_v], 2), backend
+        )
         appended = cache.append_kv(layer, received.seq_ids[pairs.token], pairs.expert, ps, k, v)
-        attention = rearrange(cache.attend(appended, q), "m h d -> m (h d)")      # (M, H * Dh)
+        attention = rearrange(cache.attend(appended, q), "m h d -> m (h d)")  # (M, H * Dh)
         y = grouped_matmul(attention, part.w_o, pairs.counts, backend)
         out = combine(self.comm, plan, received, pairs, y, h.shape[0], "attention_combine")
         return out, pairs, k, v
@@ -84,45 +93,58 @@ class KVWithSequence(_PlacedAttention):
         plan, received = self._dispatch(layer, h, seq_ids, positions, traffic)
 
         # home side: each destination gets the cached K/V of every (sequence, expert) row it serves
-        pair, slot = (plan.experts >= 0).nonzero(as_tuple=True)                          # row-major
+        pair, slot = (plan.experts >= 0).nonzero(as_tuple=True)  # row-major
         row_rank = plan.rank[pair]
         row_seq, row_expert = seq_ids.cpu()[plan.token[pair]], plan.experts[pair, slot]
-        first = _first_of_each(torch.stack([row_rank, row_seq, row_expert], 1))      # distinct rows
-        q_rank, q_seq, q_expert = row_rank[first], row_seq[first], row_expert[first]     # (Q,) by rank
-        counts, slots = self._cached_rows(layer, q_seq, q_expert)                         # (Q,), (T,)
+        first = _first_of_each(torch.stack([row_rank, row_seq, row_expert], 1))  # distinct rows
+        q_rank, q_seq, q_expert = row_rank[first], row_seq[first], row_expert[first]  # (Q,) by rank
+        counts, slots = self._cached_rows(layer, q_seq, q_expert)  # (Q,), (T,)
         slots = slots.to(self.pool.key_cache.device)
-        kv_flat = torch.stack([self.pool.key_cache.view(-1, Hkv, Dh)[slots],
-                               self.pool.value_cache.view(-1, Hkv, Dh)[slots]], dim=1).to(h.dtype)  # (T, 2, Hkv, Dh)
+        kv_flat = torch.stack(
+            [self.pool.key_cache.view(-1, Hkv, Dh)[slots], self.pool.value_cache.view(-1, Hkv, Dh)[slots]],
+            dim=1,
+        ).to(h.dtype)  # (T, 2, Hkv, Dh)
         rows_per_rank = torch.bincount(q_rank, minlength=R).tolist()
         tokens_per_rank = torch.zeros(R, dtype=torch.int64).index_add_(0, q_rank, counts).tolist()
         remote = q_rank != comm.rank
         traffic["kv_rows_to_peers"] += int(remote.sum())
         traffic["kv_tokens_to_peers"] += int(counts[remote].sum())
-        meta = torch.stack([q_seq, q_expert, counts], dim=1)                              # (Q, 3)
+        meta = torch.stack([q_seq, q_expert, counts], dim=1)  # (Q, 3)
         meta_in, rows_in = comm.all_to_all(meta.to(comm.device), rows_per_rank, "kv_context")
         meta_in = meta_in.cpu()
-        kv_in = comm.all_to_all(kv_flat.to(comm.device), tokens_per_rank, "kv_context",
-                                _sum_per_source(rows_in, meta_in[:, 2]))[0].to(h.device)
+        kv_in = comm.all_to_all(
+            kv_flat.to(comm.device), tokens_per_rank, "kv_context", _sum_per_source(rows_in, meta_in[:, 2])
+        )[0].to(h.device)
 
         # expert side: the rows' cached K/V, then this step's tokens, in a cache that lives for one
         # call. The cached tokens get stand-in positions 0..count-1: only their order matters (all
         # are earlier than every new token, and count <= the first new token's position).
         visiting = ContiguousKVCache(config.num_hidden_layers, config.num_attention_experts)
         if kv_in.shape[0]:
-            row_of_token = torch.repeat_interleave(torch.arange(meta_in.shape[0]), meta_in[:, 2])   # (T,)
-            index_in_row = torch.arange(kv_in.shape[0]) - (torch.cumsum(meta_in[:, 2], 0) - meta_in[:, 2])[row_of_token]
-            visiting.append_kv(layer, meta_in[row_of_token, 0], meta_in[row_of_token, 1],
-                               index_in_row.to(h.device), kv_in[:, 0], kv_in[:, 1])
+            row_of_token = torch.repeat_interleave(torch.arange(meta_in.shape[0]), meta_in[:, 2])  # (T,)
+            index_in_row = (
+                torch.arange(kv_in.shape[0]) - (torch.cumsum(meta_in[:, 2], 0) - meta_in[:, 2])[row_of_token]
+            )
+            visiting.append_kv(
+                layer,
+                meta_in[row_of_token, 0],
+                meta_in[row_of_token, 1],
+                index_in_row.to(h.device),
+                kv_in[:, 0],
+                kv_in[:, 1],
+            )
         out, pairs, k, v = self._experts(layer, h, plan, received, visiting)
 
         # the new tokens' k, v go home, in the order the home listed the pairs (row-major slots)
         new_kv = torch.empty(pairs.order.numel(), 2, Hkv, Dh, dtype=k.dtype, device=k.device)
-        new_kv[pairs.order] = torch.stack([k, v], dim=1)                                  # (M, 2, Hkv, Dh)
+        new_kv[pairs.order] = torch.stack([k, v], dim=1)  # (M, 2, Hkv, Dh)
         send_back = _sum_per_source(received.recv_counts, (received.experts >= 0).sum(1))
         expect = torch.bincount(row_rank, minlength=R).tolist()
         kv_home = comm.all_to_all(new_kv.to(comm.device), send_back, "kv_new", expect)[0].to(h.device)
         traffic["kv_new_pairs_to_peers"] += int((row_rank != comm.rank).sum())
-        self.pool.append_kv(layer, row_seq, row_expert, positions.cpu()[plan.token[pair]], kv_home[:, 0], kv_home[:, 1])
+        self.pool.append_kv(
+            layer, row_seq, row_expert, positions.cpu()[plan.token[pair]], kv_home[:, 0], kv_home[:, 1]
+        )
         return out
 
     def _cached_rows(self, layer: int, seq_ids: torch.Tensor, experts: torch.Tensor):

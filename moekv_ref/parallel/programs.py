@@ -33,6 +33,7 @@ class ModelSpec:
     """A random model of `config` (ModelConfig.to_dict()), seeded, its attention routers scaled by
     router_scale (decisive, as a trained model's are). router_skew > 0 biases every attention router
     from +skew (expert 0) down to -skew, to load low experts."""
+
     config: dict
     seed: int = 0
     dtype: str = "float32"
@@ -59,10 +60,10 @@ class ModelSpec:
 class RunSpec:
     model: ModelSpec
     kv_placement: str
-    attention_ranks: tuple        # (L, E) nested tuples of ints
-    ffn_ranks: tuple              # (L, E_ffn)
-    prompts: tuple                # tuples of token ids
-    decode_tokens: tuple          # per sequence, the token fed at each decode step
+    attention_ranks: tuple  # (L, E) nested tuples of ints
+    ffn_ranks: tuple  # (L, E_ffn)
+    prompts: tuple  # tuples of token ids
+    decode_tokens: tuple  # per sequence, the token fed at each decode step
     num_blocks: int = 512
     block_size: int = 16
     record_logits: bool = True
@@ -79,7 +80,7 @@ class RunSpec:
 
 def step_inputs(spec: RunSpec, step: int, seqs: list[int]):
     """tokens, seq_ids, positions (flat, ragged) of the given sequences at a step of the schedule."""
-    rows = []                                                     # (token, sequence, position)
+    rows = []  # (token, sequence, position)
     for i in seqs:
         prompt = spec.prompts[i]
         if step == 0:
@@ -96,14 +97,14 @@ def split_logits(logits: torch.Tensor, seq_ids: torch.Tensor, step: int) -> dict
 @dataclass
 class RankResult:
     rank: int
-    logits: dict = field(default_factory=dict)        # (step, seq) -> (tokens, V)
-    bytes: dict = field(default_factory=dict)         # step -> {category: bytes sent to peers}
+    logits: dict = field(default_factory=dict)  # (step, seq) -> (tokens, V)
+    bytes: dict = field(default_factory=dict)  # step -> {category: bytes sent to peers}
     comm_seconds: dict = field(default_factory=dict)  # step -> seconds inside collectives
     step_seconds: dict = field(default_factory=dict)  # step -> seconds of the whole step
-    traffic: dict = field(default_factory=dict)       # step -> {count name: int}
-    pool: dict = field(default_factory=dict)          # step -> pool_usage() after the step
+    traffic: dict = field(default_factory=dict)  # step -> {count name: int}
+    pool: dict = field(default_factory=dict)  # step -> pool_usage() after the step
     weight_bytes: dict = field(default_factory=dict)
-    kv_tokens_per_expert: list = field(default_factory=list)   # (L, E) tokens this rank's pool holds
+    kv_tokens_per_expert: list = field(default_factory=list)  # (L, E) tokens this rank's pool holds
 
 
 def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
@@ -112,8 +113,15 @@ def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
     for spec in specs:
         comm = context.comm
         comm.reset()
-        runner = ParallelRunner(spec.model.build().to(context.device), comm, spec.kv_placement,
-                                spec.attention_ranks, spec.ffn_ranks, spec.num_blocks, spec.block_size)
+        runner = ParallelRunner(
+            spec.model.build().to(context.device),
+            comm,
+            spec.kv_placement,
+            spec.attention_ranks,
+            spec.ffn_ranks,
+            spec.num_blocks,
+            spec.block_size,
+        )
         mine = [i for i in range(len(spec.prompts)) if i % context.world_size == context.rank]
         result = RankResult(context.rank, weight_bytes=runner.shard.weight_bytes())
         for step in range(spec.num_decode_steps + 1):
@@ -128,7 +136,7 @@ def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
         result.comm_seconds = comm.seconds_by_step()
         result.step_seconds = dict(runner.step_seconds)
         result.traffic = {step: dict(counts) for step, counts in runner.traffic.items()}
-        held = runner.pool.manager.token_counts(range(len(spec.prompts)))              # (S, L, E)
+        held = runner.pool.manager.token_counts(range(len(spec.prompts)))  # (S, L, E)
         result.kv_tokens_per_expert = held.sum(0).tolist()
         results.append(result)
     return results
@@ -145,13 +153,19 @@ def inject_failure(mode: str, store=None) -> None:
     print(f"injected fault: {mode} at wall-clock time {now:.3f}", file=sys.stderr, flush=True)
     if mode == "die":
         os._exit(3)
-    time.sleep(3600)   # hang: only a signal (the launcher's kill, torchrun's SIGTERM) ends it
+    time.sleep(3600)  # hang: only a signal (the launcher's kill, torchrun's SIGTERM) ends it
 
 
-def run_parallel(specs: list[RunSpec], world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> list[list[RankResult]]:
+def run_parallel(
+    specs: list[RunSpec],
+    world_size: int,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+) -> list[list[RankResult]]:
     """Launch run_specs on world_size ranks: for each spec, the list of its ranks' results."""
-    per_rank = launch(run_specs, world_size, (list(specs),), timeout_s=timeout_s, start_timeout_s=start_timeout_s)
+    per_rank = launch(
+        run_specs, world_size, (list(specs),), timeout_s=timeout_s, start_timeout_s=start_timeout_s
+    )
     return [[per_rank[rank][i] for rank in range(world_size)] for i in range(len(specs))]
 
 
@@ -177,12 +191,14 @@ def reference_run(spec: RunSpec) -> tuple[dict, list]:
 
 def max_difference(parallel: dict, reference: dict) -> float:
     if parallel.keys() != reference.keys():
-        raise ValueError(f"the runs cover different (step, sequence) pairs: {sorted(set(parallel) ^ set(reference))[:5]}")
+        raise ValueError(
+            f"the runs cover different (step, sequence) pairs: {sorted(set(parallel) ^ set(reference))[:5]}"
+        )
     return max(float((parallel[key] - reference[key]).abs().max()) for key in reference)
 
 
 def _summed_over_ranks(per_rank: list[dict], step: int) -> dict[str, int]:
-    total = Counter()                     # update, unlike +, keeps the zero counts
+    total = Counter()  # update, unlike +, keeps the zero counts
     for counts in per_rank:
         total.update(counts.get(step, {}))
     return dict(total)

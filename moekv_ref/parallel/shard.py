@@ -21,25 +21,30 @@ from ..routing import Routing, route
 class LayerShard:
     attention_norm: RMSNorm
     ffn_norm: RMSNorm
-    attention: ExpertAttention | None       # the whole layer, only when attention is replicated
+    attention: ExpertAttention | None  # the whole layer, only when attention is replicated
     attention_router: nn.Linear
-    attention_experts: torch.Tensor         # (E_local,) global ids held here, ascending
-    w_q: torch.Tensor                       # (E_local, D, H*Dh)
-    w_k: torch.Tensor                       # (E_local, D, Hkv*Dh)
+    attention_experts: torch.Tensor  # (E_local,) global ids held here, ascending
+    w_q: torch.Tensor  # (E_local, D, H*Dh)
+    w_k: torch.Tensor  # (E_local, D, Hkv*Dh)
     w_v: torch.Tensor
-    w_o: torch.Tensor                       # (E_local, H*Dh, D)
+    w_o: torch.Tensor  # (E_local, H*Dh, D)
     ffn_router: nn.Linear
-    ffn_experts: torch.Tensor               # (F_local,) global ids held here
-    w_gate: torch.Tensor                    # (F_local, D, F)
+    ffn_experts: torch.Tensor  # (F_local,) global ids held here
+    w_gate: torch.Tensor  # (F_local, D, F)
     w_up: torch.Tensor
-    w_down: torch.Tensor                    # (F_local, F, D)
+    w_down: torch.Tensor  # (F_local, F, D)
 
 
 class RankShard:
     """One rank's part of the model; attention_ranks=None replicates attention on every rank."""
 
-    def __init__(self, model: MoEKVTransformer, rank: int, attention_ranks: torch.Tensor | None,
-                 ffn_ranks: torch.Tensor):
+    def __init__(
+        self,
+        model: MoEKVTransformer,
+        rank: int,
+        attention_ranks: torch.Tensor | None,
+        ffn_ranks: torch.Tensor,
+    ):
         self.config = model.config
         self.backend = model.backend
         self.embed, self.norm, self.lm_head = model.embed, model.norm, model.lm_head
@@ -51,13 +56,25 @@ class RankShard:
             else:
                 attention_experts = (torch.as_tensor(attention_ranks[layer]) == rank).nonzero().squeeze(1)
             ffn_experts = (torch.as_tensor(ffn_ranks[layer]) == rank).nonzero().squeeze(1)
-            qkvo = [self._keep(w, attention_experts)
-                    for w in (attention.w_q, attention.w_k, attention.w_v, attention.w_o)]
+            qkvo = [
+                self._keep(w, attention_experts)
+                for w in (attention.w_q, attention.w_k, attention.w_v, attention.w_o)
+            ]
             gate_up_down = [self._keep(w, ffn_experts) for w in (ffn.w_gate, ffn.w_up, ffn.w_down)]
             whole = attention if attention_ranks is None else None
-            self.layers.append(LayerShard(block.attention_norm, block.ffn_norm, whole,
-                                          attention.router, attention_experts, *qkvo,
-                                          ffn.router, ffn_experts, *gate_up_down))
+            self.layers.append(
+                LayerShard(
+                    block.attention_norm,
+                    block.ffn_norm,
+                    whole,
+                    attention.router,
+                    attention_experts,
+                    *qkvo,
+                    ffn.router,
+                    ffn_experts,
+                    *gate_up_down,
+                )
+            )
 
     @staticmethod
     def _keep(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -66,22 +83,36 @@ class RankShard:
 
     def route_attention(self, layer: int, x: torch.Tensor) -> Routing:
         c = self.config
-        return route(self.layers[layer].attention_router(x), c.attention_routing,
-                     c.num_attention_experts_per_tok, c.routing_threshold)
+        return route(
+            self.layers[layer].attention_router(x),
+            c.attention_routing,
+            c.num_attention_experts_per_tok,
+            c.routing_threshold,
+        )
 
     def route_ffn(self, layer: int, x: torch.Tensor) -> Routing:
         return route(self.layers[layer].ffn_router(x), "topk", self.config.num_experts_per_tok)
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of weights this rank holds: replicated parts, attention experts, FFN experts."""
+
         def size(*tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
+
         replicated = size(*self.embed.parameters(), *self.norm.parameters(), *self.lm_head.parameters())
         attention = ffn = 0
         for shard in self.layers:
-            replicated += size(*shard.attention_norm.parameters(), *shard.ffn_norm.parameters(),
-                               *shard.attention_router.parameters(), *shard.ffn_router.parameters())
+            replicated += size(
+                *shard.attention_norm.parameters(),
+                *shard.ffn_norm.parameters(),
+                *shard.attention_router.parameters(),
+                *shard.ffn_router.parameters(),
+            )
             attention += size(shard.w_q, shard.w_k, shard.w_v, shard.w_o)
             ffn += size(shard.w_gate, shard.w_up, shard.w_down)
-        return {"replicated": replicated, "attention_experts": attention, "ffn_experts": ffn,
-                "total": replicated + attention + ffn}
+        return {
+            "replicated": replicated,
+            "attention_experts": attention,
+            "ffn_experts": ffn,
+            "total": replicated + attention + ffn,
+        }

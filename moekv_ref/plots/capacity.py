@@ -14,8 +14,12 @@ from matplotlib.patches import Patch
 from ..analysis import BUDGET_MAP_CODES
 from .routing import ROUTED_COLOUR
 
-COLORS = {"dense": "#7f7f7f", "expert_topk": "#1f77b4", "expert_topk_capacity": "#2ca02c",
-          "expert_choice": "#d62728"}
+COLORS = {
+    "dense": "#7f7f7f",
+    "expert_topk": "#1f77b4",
+    "expert_topk_capacity": "#2ca02c",
+    "expert_choice": "#d62728",
+}
 MARKERS = {"none": "*", "drop": "v", "window": "s", "heavy_hitter": "o", "router_score": "D"}
 # what a setting pays, as the x axes: (JSON key, axis label, scale)
 COSTS = {
@@ -33,14 +37,16 @@ SAME_SIZE = 0.02
 def frontier_rows(table: list[dict], variant: str) -> list[dict]:
     """The variant's settings that no setting of it with fewer bytes held (or as many, within
     SAME_SIZE) beats, ascending in bytes."""
-    mine = sorted((r for r in table if r["variant"] == variant),
-                  key=lambda r: (r["kv_bytes_per_token"], r["bits_per_byte_mean"]))
+    mine = sorted(
+        (r for r in table if r["variant"] == variant),
+        key=lambda r: (r["kv_bytes_per_token"], r["bits_per_byte_mean"]),
+    )
     front = []
     for row in mine:
         if front and row["bits_per_byte_mean"] >= front[-1]["bits_per_byte_mean"]:
-            continue                                                  # beaten by a smaller setting
+            continue  # beaten by a smaller setting
         while front and front[-1]["kv_bytes_per_token"] >= row["kv_bytes_per_token"] * (1 - SAME_SIZE):
-            front.pop()                                               # the same size, and worse
+            front.pop()  # the same size, and worse
         front.append(row)
     return front
 
@@ -61,14 +67,27 @@ def plot_capacity(study: dict, costs=("kv", "flops"), variants=None, width: floa
         for row in study["table"]:
             if row["variant"] not in names:
                 continue
-            ax.errorbar(row[key] * scale, row["bits_per_byte_mean"], yerr=row["bits_per_byte_std"],
-                        fmt=MARKERS[row["policy"]], ms=9 if row["policy"] == "none" else 5, capsize=2,
-                        color=COLORS.get(row["variant"], "black"), alpha=0.85)
+            ax.errorbar(
+                row[key] * scale,
+                row["bits_per_byte_mean"],
+                yerr=row["bits_per_byte_std"],
+                fmt=MARKERS[row["policy"]],
+                ms=9 if row["policy"] == "none" else 5,
+                capsize=2,
+                color=COLORS.get(row["variant"], "black"),
+                alpha=0.85,
+            )
         if cost == "kv":
             for name in names:
                 front = frontier_rows(study["table"], name)
-                ax.plot([r[key] * scale for r in front], [r["bits_per_byte_mean"] for r in front], "-",
-                        color=COLORS.get(name, "black"), lw=1.5, label=name)
+                ax.plot(
+                    [r[key] * scale for r in front],
+                    [r["bits_per_byte_mean"] for r in front],
+                    "-",
+                    color=COLORS.get(name, "black"),
+                    lw=1.5,
+                    label=name,
+                )
         ax.set_xscale("log", base=2)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
@@ -77,13 +96,14 @@ def plot_capacity(study: dict, costs=("kv", "flops"), variants=None, width: floa
         axes[-1].plot([], [], marker, color="black", ls="", label="no budget" if policy == "none" else policy)
     handles, labels = [], []
     for ax in axes:
-        h, l = ax.get_legend_handles_labels()
-        handles += h
-        labels += l
+        these_handles, these_labels = ax.get_legend_handles_labels()
+        handles += these_handles
+        labels += these_labels
     fig.legend(handles, labels, loc="outside right center", fontsize=10)
     context = study["budget"]["context"]
-    fig.suptitle(f"budgets per (sequence, layer, expert) row, windows of {context} bytes: lower is better",
-                 fontsize=11)
+    fig.suptitle(
+        f"budgets per (sequence, layer, expert) row, windows of {context} bytes: lower is better", fontsize=11
+    )
     return fig
 
 
@@ -99,8 +119,14 @@ def plot_budget_map(codes, layer: int, budget, width: float = 9.5) -> Figure:
     num_experts, num_tokens = codes.shape
     fig = Figure(figsize=(width, 1.2 + 0.32 * num_experts), layout="constrained")
     ax = fig.subplots()
-    ax.imshow(codes, aspect="auto", cmap=ListedColormap(BUDGET_MAP_COLOURS), vmin=0,
-              vmax=len(BUDGET_MAP_CODES) - 1, interpolation="nearest")
+    ax.imshow(
+        codes,
+        aspect="auto",
+        cmap=ListedColormap(BUDGET_MAP_COLOURS),
+        vmin=0,
+        vmax=len(BUDGET_MAP_CODES) - 1,
+        interpolation="nearest",
+    )
     ax.set_yticks(range(num_experts), [f"e{e}" for e in range(num_experts)])
     ax.set_xticks(range(0, num_tokens, 16))
     ax.set_xticks(np.arange(-0.5, num_tokens), minor=True)
@@ -115,10 +141,15 @@ def plot_budget_map(codes, layer: int, budget, width: float = 9.5) -> Figure:
     ax.set_xlabel("position in the sequence (one byte-token per column)")
     ax.set_ylabel("attention expert")
     limit = budget.limit_of_layer(layer)
-    ax.set_title(f"layer {layer}, {budget.policy}, at most B = {limit} tokens per row: "
-                 f"what each token became in each expert's row", fontsize=11)
+    ax.set_title(
+        f"layer {layer}, {budget.policy}, at most B = {limit} tokens per row: "
+        f"what each token became in each expert's row",
+        fontsize=11,
+    )
     counts = np.bincount(codes.reshape(-1), minlength=len(BUDGET_MAP_CODES))
-    handles = [Patch(facecolor=colour, edgecolor="grey", label=f"{name} ({count})")
-               for name, colour, count in zip(BUDGET_MAP_CODES, BUDGET_MAP_COLOURS, counts)]
+    handles = [
+        Patch(facecolor=colour, edgecolor="grey", label=f"{name} ({count})")
+        for name, colour, count in zip(BUDGET_MAP_CODES, BUDGET_MAP_COLOURS, counts)
+    ]
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=10, frameon=False)
     return fig

@@ -15,7 +15,7 @@ def plot_device_pools(stats, blocks_per_device: int, ax=None, legend: bool = Tru
     """Blocks in use on each device after every step; the dashed line is one device's pool.
     legend=False leaves the legend to `shared_device_legend` (a figure of several such panels)."""
     ax = ax or plt.gca()
-    used = stats.used_blocks.numpy()                                         # (steps, D)
+    used = stats.used_blocks.numpy()  # (steps, D)
     for d in range(used.shape[1]):
         ax.plot(used[:, d], label=f"device {d}", lw=1)
     ax.axhline(blocks_per_device, color="k", ls="--", lw=0.8, label="one device's pool")
@@ -34,18 +34,27 @@ def plot_evictions(stats, ax=None, legend: bool = True):
         ax.text(0.5, 0.5, "no evictions", ha="center", transform=ax.transAxes)
         ax.set(title=f"{stats.policy}: evictions")
         return ax
-    freed = np.array([r.freed for r in stats.evictions])                     # (n, D)
+    freed = np.array([r.freed for r in stats.evictions])  # (n, D)
     bottom = np.zeros(freed.shape[0])
     for d in range(freed.shape[1]):
         ax.bar(np.arange(freed.shape[0]), freed[:, d], bottom=bottom, label=f"device {d}", width=1.0)
         bottom += freed[:, d]
     short = np.array([r.short_device for r in stats.evictions])
-    ax.scatter(np.arange(freed.shape[0]), freed[np.arange(freed.shape[0]), short], s=6, c="k", zorder=3,
-               label="on the short device")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))                   # evictions are counted
+    ax.scatter(
+        np.arange(freed.shape[0]),
+        freed[np.arange(freed.shape[0]), short],
+        s=6,
+        c="k",
+        zorder=3,
+        label="on the short device",
+    )
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # evictions are counted
     kind = {r.mode for r in stats.evictions}
-    ax.set(title=f"{stats.policy}: what each eviction freed ({', '.join(sorted(kind))})",
-           xlabel="eviction", ylabel="blocks freed")
+    ax.set(
+        title=f"{stats.policy}: what each eviction freed ({', '.join(sorted(kind))})",
+        xlabel="eviction",
+        ylabel="blocks freed",
+    )
     ax.title.set_fontsize(10)
     if legend:
         ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -59,8 +68,14 @@ def shared_device_legend(fig, axes) -> None:
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             entries.setdefault(label, handle)
-    fig.legend(list(entries.values()), list(entries), loc="outside upper center", fontsize=10,
-               ncol=min(len(entries), 6), frameon=False)
+    fig.legend(
+        list(entries.values()),
+        list(entries),
+        loc="outside upper center",
+        fontsize=10,
+        ncol=min(len(entries), 6),
+        frameon=False,
+    )
 
 
 def plot_policy_comparison(comparison: dict, axes=None):
@@ -73,7 +88,7 @@ def plot_policy_comparison(comparison: dict, axes=None):
     bound = comparison["bound"]["tokens_per_step"]
     axes[0].bar(names, [s.tokens_per_step for s in stats], color="#4c9be8")
     axes[0].axhline(bound, color="k", ls="--", lw=0.8)
-    axes[0].text(-0.4, bound, "memory-time bound", fontsize=10, va="bottom")       # above the line, off the bars
+    axes[0].text(-0.4, bound, "memory-time bound", fontsize=10, va="bottom")  # above the line, off the bars
     axes[0].set_ylim(0, 1.15 * bound)
     axes[0].set(title="finished tokens per step", ylabel="finished tokens / step")
     axes[1].bar(names, [s.tokens_per_second for s in stats], color="#5bb974")
@@ -82,7 +97,7 @@ def plot_policy_comparison(comparison: dict, axes=None):
     axes[2].set(title="recomputed tokens", ylabel="tokens")
     for ax in axes:
         ax.tick_params(axis="x", labelrotation=30, labelsize=10)
-        for label in ax.get_xticklabels():          # right-aligned to its bar, so neighbours do not overlap
+        for label in ax.get_xticklabels():  # right-aligned to its bar, so neighbours do not overlap
             label.set(horizontalalignment="right", rotation_mode="anchor")
         ax.title.set_fontsize(10)
     return axes
@@ -99,8 +114,13 @@ def plot_optimum_comparison(rows: list[dict], ax=None):
         best, worst = row["optimum"]["steps"], row["optimum"]["worst_steps"]
         extra = [100 * (row["policies"][name]["steps"] / best - 1) for name in names]
         x = np.arange(len(names)) + (i - (len(rows) - 1) / 2) * width
-        ax.bar(x, extra, width, label=f"{row['num_sequences']} seqs, out {row['mean_output']}, seed {row['seed']}: "
-                                      f"optimum {best}, worst {worst}")
+        ax.bar(
+            x,
+            extra,
+            width,
+            label=f"{row['num_sequences']} seqs, out {row['mean_output']}, seed {row['seed']}: "
+            f"optimum {best}, worst {worst}",
+        )
     ax.set_xticks(np.arange(len(names)))
     ax.set_xticklabels(names, fontsize=10)
     ax.set(title="steps above the exact optimum over victim choices", ylabel="% more steps than the optimum")
@@ -115,8 +135,8 @@ def plot_density(density, placement=None, ax=None):
     ax = ax or plt.gca()
     image = ax.imshow(np.asarray(density), vmin=0, vmax=1, cmap="viridis", aspect="auto")
     if placement is not None:
-        for (l, e), d in np.ndenumerate(np.asarray(placement)):
-            ax.text(e, l, str(d), ha="center", va="center", fontsize=10, color="w")
+        for (layer, e), d in np.ndenumerate(np.asarray(placement)):
+            ax.text(e, layer, str(d), ha="center", va="center", fontsize=10, color="w")
     ax.set(title="density: fraction of sequences each buffer holds", xlabel="expert", ylabel="layer")
     plt.colorbar(image, ax=ax)
     return ax
@@ -141,8 +161,8 @@ def prefix_hit_grid(request, num_layers: int, num_experts: int, block_size: int)
     request, 2 copied from the cache (copy-on-write of a block straddling s), 3 shared from the cache.
     Rows are layer * E + expert; needs request.final_token_counts (engine with record_history) and
     request.prefix_hit (None: nothing came from the cache)."""
-    counts = request.final_token_counts.reshape(-1).numpy()                    # (L*E,)
-    num_blocks = -(-counts // block_size)                                      # (L*E,)
+    counts = request.final_token_counts.reshape(-1).numpy()  # (L*E,)
+    num_blocks = -(-counts // block_size)  # (L*E,)
     grid = np.zeros((num_layers * num_experts, max(1, int(num_blocks.max()))), dtype=np.int64)
     grid[np.arange(grid.shape[1])[None, :] < num_blocks[:, None]] = 1
     hit = request.prefix_hit
@@ -159,6 +179,7 @@ def plot_prefix_hit_map(requests, num_layers: int, num_experts: int, block_size:
     request. The first request of a workload finds nothing; later ones share most of the prefix."""
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
+
     colours = ["white", "0.75", "tab:orange", "tab:green"]
     if axes is None:
         _, axes = plt.subplots(1, len(requests), figsize=(3.2 * len(requests), 4), squeeze=False)
@@ -167,22 +188,33 @@ def plot_prefix_hit_map(requests, num_layers: int, num_experts: int, block_size:
     width = max(g.shape[1] for g in grids)
     for ax, request, grid in zip(axes, requests, grids):
         padded = np.zeros((grid.shape[0], width), dtype=np.int64)
-        padded[:, :grid.shape[1]] = grid
-        ax.imshow(padded, cmap=ListedColormap(colours), vmin=0, vmax=3, aspect="auto", interpolation="nearest")
+        padded[:, : grid.shape[1]] = grid
+        ax.imshow(
+            padded, cmap=ListedColormap(colours), vmin=0, vmax=3, aspect="auto", interpolation="nearest"
+        )
         skipped = 0 if request.prefix_hit is None else request.prefix_hit.num_tokens
-        ax.set(title=f"request {request.request_id}:\n{skipped} of {len(request.prompt_token_ids)} prompt tokens cached",
-               xlabel="block of the row")
+        ax.set(
+            title=f"request {request.request_id}:\n{skipped} of {len(request.prompt_token_ids)} prompt tokens cached",
+            xlabel="block of the row",
+        )
         ax.title.set_fontsize(10)
         ax.set_yticks(np.arange(0, grid.shape[0], num_experts))
         ax.set_yticklabels([f"layer {layer}" for layer in range(num_layers)], fontsize=10)
         ax.set_yticks(np.arange(grid.shape[0]), minor=True)
         ax.set_xticks(np.arange(width))
-        for layer in range(1, num_layers):                                       # layer boundaries
+        for layer in range(1, num_layers):  # layer boundaries
             ax.axhline(layer * num_experts - 0.5, color="k", lw=0.6)
     axes[0].set_ylabel("(layer, expert) row")
-    axes[0].figure.legend(handles=[Patch(color=c, label=label) for c, label in
-                                   zip(colours[1:], ["computed", "copied (copy-on-write)", "shared"])],
-                          fontsize=10, ncol=3, loc="upper center", bbox_to_anchor=(0.5, 0.0))   # below, off the data
+    axes[0].figure.legend(
+        handles=[
+            Patch(color=c, label=label)
+            for c, label in zip(colours[1:], ["computed", "copied (copy-on-write)", "shared"])
+        ],
+        fontsize=10,
+        ncol=3,
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.0),
+    )  # below, off the data
     return axes
 
 
@@ -197,9 +229,11 @@ def plot_prefix_cache_summary(results: dict, ax=None):
     ax.bar(x + 0.2, on, 0.4, label="with prefix cache", color="tab:green")
     ax.set_xticks(x)
     ax.set_xticklabels(names)
-    ax.set(title=f"hit rate {results['token_hit_rate']:.2f} of prompt tokens",
-           ylabel="steps, or tokens computed / 100")
-    ax.set_ylim(0, 1.4 * max(off + on))              # room above the bars for the legend
+    ax.set(
+        title=f"hit rate {results['token_hit_rate']:.2f} of prompt tokens",
+        ylabel="steps, or tokens computed / 100",
+    )
+    ax.set_ylim(0, 1.4 * max(off + on))  # room above the bars for the legend
     ax.legend(fontsize=10, loc="upper right")
     return ax
 
@@ -212,19 +246,32 @@ def plot_cluster(result: dict, axes=None):
         _, axes = plt.subplots(1, 2, figsize=(9.2, 3.4), layout="constrained")
     runs = result["runs"]
     settings = sorted({(r["gib_per_device"], r["rate"]) for r in runs})
-    series = sorted({(r["reservation"], r["policy"]) for r in runs}, key=lambda s: (s[0] != "worst_case", s[1]))
+    series = sorted(
+        {(r["reservation"], r["policy"]) for r in runs}, key=lambda s: (s[0] != "worst_case", s[1])
+    )
     policies = sorted({policy for _, policy in series})
     colors = {policy: plt.cm.tab10(i) for i, policy in enumerate(policies)}
     width = 0.8 / len(series)
-    for ax, key, label in ((axes[0], "good_requests_per_s", "good requests / s"),
-                           (axes[1], "mean_used_fraction", "share of the pools in use")):
+    for ax, key, label in (
+        (axes[0], "good_requests_per_s", "good requests / s"),
+        (axes[1], "mean_used_fraction", "share of the pools in use"),
+    ):
         for j, (reservation, policy) in enumerate(series):
-            value = {(r["gib_per_device"], r["rate"]): r[key] for r in runs
-                     if (r["reservation"], r["policy"]) == (reservation, policy)}
+            value = {
+                (r["gib_per_device"], r["rate"]): r[key]
+                for r in runs
+                if (r["reservation"], r["policy"]) == (reservation, policy)
+            }
             x = np.arange(len(settings)) + (j - (len(series) - 1) / 2) * width
-            ax.bar(x, [value.get(s, np.nan) for s in settings], width, color=colors[policy],
-                   hatch="//" if reservation == "optimistic" else None, edgecolor="white",
-                   label=f"{policy}, {reservation}")
+            ax.bar(
+                x,
+                [value.get(s, np.nan) for s in settings],
+                width,
+                color=colors[policy],
+                hatch="//" if reservation == "optimistic" else None,
+                edgecolor="white",
+                label=f"{policy}, {reservation}",
+            )
         ax.set_xticks(np.arange(len(settings)))
         ax.set_xticklabels([f"{gib:g} GiB\n{rate:g}/s" for gib, rate in settings], fontsize=10)
         ax.set_xlabel("KV memory per GPU, arrival rate", fontsize=10)

@@ -12,9 +12,14 @@ COSTS = {
     "params": ("parameters", "parameters (millions)", 1e-6),
     "speed": ("decode_tokens_per_second", "decode tokens / s on this CPU (paged cache)", 1.0),
 }
-COLORS = {"dense": "#7f7f7f", "expert_topk": "#1f77b4", "expert_threshold": "#17becf",
-          "dense_kv_matched": "#d62728", "dense_flops_matched": "#ff7f0e"}
-LABEL_OFFSETS = {"dense_kv_matched": (6, -16)}      # points: below, where it would overlap its neighbour
+COLORS = {
+    "dense": "#7f7f7f",
+    "expert_topk": "#1f77b4",
+    "expert_threshold": "#17becf",
+    "dense_kv_matched": "#d62728",
+    "dense_flops_matched": "#ff7f0e",
+}
+LABEL_OFFSETS = {"dense_kv_matched": (6, -16)}  # points: below, where it would overlap its neighbour
 
 
 def plot_family(family: dict, costs=("kv", "flops"), width: float = 9.5) -> Figure:
@@ -29,15 +34,30 @@ def plot_family(family: dict, costs=("kv", "flops"), width: float = 9.5) -> Figu
     for ax, cost in zip(axes, costs):
         key, label, scale = COSTS[cost]
         for name, v in family["variants"].items():
-            ax.errorbar(v[key] * scale, v["bits_per_byte_mean"], yerr=v["bits_per_byte_std"], fmt="o", ms=7,
-                        capsize=4, color=COLORS.get(name, "black"), label=name)
-            ax.annotate(name, (v[key] * scale, v["bits_per_byte_mean"]), textcoords="offset points",
-                        xytext=LABEL_OFFSETS.get(name, (6, 6)), fontsize=10)
+            ax.errorbar(
+                v[key] * scale,
+                v["bits_per_byte_mean"],
+                yerr=v["bits_per_byte_std"],
+                fmt="o",
+                ms=7,
+                capsize=4,
+                color=COLORS.get(name, "black"),
+                label=name,
+            )
+            ax.annotate(
+                name,
+                (v[key] * scale, v["bits_per_byte_mean"]),
+                textcoords="offset points",
+                xytext=LABEL_OFFSETS.get(name, (6, 6)),
+                fontsize=10,
+            )
         ax.set_xlabel(label)
         ax.set_ylabel(f"held-out bits per byte (mean of {seeds} seeds)")
         ax.grid(alpha=0.3)
         ax.margins(x=0.25, y=0.2)
     budget = family["budget"]
-    fig.suptitle(f"same recipe, {budget['tokens_per_run'] / 1e6:.2f} M training bytes each: lower is better",
-                 fontsize=11)
+    fig.suptitle(
+        f"same recipe, {budget['tokens_per_run'] / 1e6:.2f} M training bytes each: lower is better",
+        fontsize=11,
+    )
     return fig

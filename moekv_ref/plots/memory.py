@@ -9,15 +9,24 @@ import numpy as np
 from ..sim.baselines import FirstFitDesign
 from ..sim.designs import ManagerPagedDesign
 
-
 HOLE_STYLE = {"facecolor": "white", "edgecolor": "#555555", "hatch": "////", "linewidth": 0.4}
 OWNER_LABELS = {"seq": "sequence", "layer": "layer", "expert": "expert"}
 
 
 # tab10 without its grey (index 7), which would read as "unused" or "free": 9 owner colours, cycled
-OWNER_PALETTE = np.array([(0.122, 0.467, 0.706), (1.0, 0.498, 0.055), (0.173, 0.627, 0.173),
-                          (0.839, 0.153, 0.157), (0.580, 0.404, 0.741), (0.549, 0.337, 0.294),
-                          (0.890, 0.467, 0.761), (0.737, 0.741, 0.133), (0.090, 0.745, 0.812)])
+OWNER_PALETTE = np.array(
+    [
+        (0.122, 0.467, 0.706),
+        (1.0, 0.498, 0.055),
+        (0.173, 0.627, 0.173),
+        (0.839, 0.153, 0.157),
+        (0.580, 0.404, 0.741),
+        (0.549, 0.337, 0.294),
+        (0.890, 0.467, 0.761),
+        (0.737, 0.741, 0.133),
+        (0.090, 0.745, 0.812),
+    ]
+)
 
 
 def _colours(values) -> np.ndarray:
@@ -29,17 +38,35 @@ def _colours(values) -> np.ndarray:
 def _owner_legend(ax, values: np.ndarray, colour_by: str, extra: list) -> None:
     """A colour legend outside the axes, at its right: one entry per owner value drawn, then `extra`."""
     from matplotlib.patches import Patch
+
     present = sorted({int(v) for v in np.asarray(values)})
-    handles = [Patch(color=_colours([v])[0], label=f"{OWNER_LABELS[colour_by]} {v}") for v in present[:len(OWNER_PALETTE)]]
-    ax.legend(handles=handles + extra, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=10,
-              frameon=False, title=f"colour = {OWNER_LABELS[colour_by]}", title_fontsize=10)
+    handles = [
+        Patch(color=_colours([v])[0], label=f"{OWNER_LABELS[colour_by]} {v}")
+        for v in present[: len(OWNER_PALETTE)]
+    ]
+    ax.legend(
+        handles=handles + extra,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
+        fontsize=10,
+        frameon=False,
+        title=f"colour = {OWNER_LABELS[colour_by]}",
+        title_fontsize=10,
+    )
 
 
-def draw_first_fit_map(ax, design: FirstFitDesign, colour_by: str = "expert", width: int = 256,
-                       title: str | None = None, legend: bool = True) -> None:
+def draw_first_fit_map(
+    ax,
+    design: FirstFitDesign,
+    colour_by: str = "expert",
+    width: int = 256,
+    title: str | None = None,
+    legend: bool = True,
+) -> None:
     """The address space as lines of `width` slots: buffers coloured by `colour_by` (seq, layer or
     expert), their unused ends pale, holes white and hatched grey (never a buffer colour)."""
     from matplotlib.patches import Patch
+
     memory = design.memory_map()
     top = max(1, memory["top"])
     height = -(-top // width)
@@ -65,22 +92,36 @@ def draw_first_fit_map(ax, design: FirstFitDesign, colour_by: str = "expert", wi
     ax.set_ylim(height, 0)
     ax.set_xlabel("slot within the line (one slot = one token's K and V)")
     ax.set_ylabel(f"address // {width} (lines of {width} slots)")
-    ax.set_title(title or f"first_fit address space: {memory['top']} slots up to the top of the heap",
-                 fontsize=11)
+    ax.set_title(
+        title or f"first_fit address space: {memory['top']} slots up to the top of the heap", fontsize=11
+    )
     if legend:
-        _owner_legend(ax, memory[colour_by], colour_by, [
-            Patch(facecolor="grey", alpha=0.25, label="unused end of a buffer"),
-            Patch(label="hole: free, too small to reuse", **HOLE_STYLE)])
+        _owner_legend(
+            ax,
+            memory[colour_by],
+            colour_by,
+            [
+                Patch(facecolor="grey", alpha=0.25, label="unused end of a buffer"),
+                Patch(label="hole: free, too small to reuse", **HOLE_STYLE),
+            ],
+        )
 
 
-def draw_pool(ax, design: ManagerPagedDesign, colour_by: str = "expert", width: int = 32,
-              title: str | None = None, legend: bool = True) -> None:
+def draw_pool(
+    ax,
+    design: ManagerPagedDesign,
+    colour_by: str = "expert",
+    width: int = 32,
+    title: str | None = None,
+    legend: bool = True,
+) -> None:
     """The block pool as a grid of blocks, `width` per line: coloured by the owner's `colour_by`
     (seq, layer or expert), paler the emptier the block, free blocks white."""
     from matplotlib.patches import Patch
+
     manager = design.manager
     owner_row, used_slots = (t.numpy() for t in manager.block_owners())
-    seq, layer, expert = manager.index.split(owner_row)                     # -1 rows are masked below
+    seq, layer, expert = manager.index.split(owner_row)  # -1 rows are masked below
     owners = {"seq": seq, "layer": layer, "expert": expert}[colour_by]
     num_blocks = manager.num_blocks
     height = -(-num_blocks // width)
@@ -88,16 +129,25 @@ def draw_pool(ax, design: ManagerPagedDesign, colour_by: str = "expert", width: 
     taken = owner_row >= 0
     image[:num_blocks][taken] = _colours(owners[taken])
     image[:num_blocks][taken, 3] = 0.25 + 0.75 * used_slots[taken] / manager.block_size
-    image[num_blocks:] = (0.85, 0.85, 0.85, 1.0)                            # past the pool's end
+    image[num_blocks:] = (0.85, 0.85, 0.85, 1.0)  # past the pool's end
     ax.imshow(image.reshape(height, width, 4), interpolation="nearest", aspect="auto")
     ax.set_xlabel(f"block id % {width}")
     ax.set_ylabel(f"block id // {width}")
-    ax.set_title(title or f"paged pool: {int(taken.sum())} of {num_blocks} blocks of "
-                 f"{manager.block_size} slots in use", fontsize=11)
+    ax.set_title(
+        title
+        or f"paged pool: {int(taken.sum())} of {num_blocks} blocks of {manager.block_size} slots in use",
+        fontsize=11,
+    )
     if legend:
-        _owner_legend(ax, owners[taken], colour_by, [
-            Patch(facecolor="grey", alpha=0.4, label="paler: block partly filled"),
-            Patch(facecolor="white", edgecolor="grey", label="free block")])
+        _owner_legend(
+            ax,
+            owners[taken],
+            colour_by,
+            [
+                Patch(facecolor="grey", alpha=0.4, label="paler: block partly filled"),
+                Patch(facecolor="white", edgecolor="grey", label="free block"),
+            ],
+        )
 
 
 METRIC_LABELS = {
@@ -119,12 +169,18 @@ def _finish_sweep(ax, key: str, title: str | None) -> None:
         ax.set_title(title, fontsize=11)
 
 
-def plot_block_size_sweep(ax, rows: list[dict], key: str = "effective_utilization", title: str | None = None) -> None:
+def plot_block_size_sweep(
+    ax, rows: list[dict], key: str = "effective_utilization", title: str | None = None
+) -> None:
     _plot_sweep(ax, rows, "block_size", key, "block size P (slots per block)", title)
 
 
-def plot_num_experts_sweep(ax, rows: list[dict], key: str = "effective_utilization", title: str | None = None) -> None:
-    _plot_sweep(ax, rows, "num_experts", key, f"attention experts per layer E (top-{rows[0]['top_k']})", title)
+def plot_num_experts_sweep(
+    ax, rows: list[dict], key: str = "effective_utilization", title: str | None = None
+) -> None:
+    _plot_sweep(
+        ax, rows, "num_experts", key, f"attention experts per layer E (top-{rows[0]['top_k']})", title
+    )
 
 
 def _plot_sweep(ax, rows: list[dict], x: str, key: str, xlabel: str, title: str | None) -> None:

@@ -10,13 +10,19 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Rectangle
 
-PLACEMENT_COLOURS = {"kv_with_expert": "tab:blue", "kv_with_sequence": "tab:red", "replicated_attention": "tab:green"}
+PLACEMENT_COLOURS = {
+    "kv_with_expert": "tab:blue",
+    "kv_with_sequence": "tab:red",
+    "replicated_attention": "tab:green",
+}
 
 
 def draw_bytes_vs_context(ax, rows: list[dict]) -> None:
     """rows: parallel_measure.bytes_table results. Bytes per decode step against context, one line per placement."""
     for placement, colour in PLACEMENT_COLOURS.items():
-        mine = sorted((r["context"], r["bytes_per_decode_step"]) for r in rows if r["kv_placement"] == placement)
+        mine = sorted(
+            (r["context"], r["bytes_per_decode_step"]) for r in rows if r["kv_placement"] == placement
+        )
         if mine:
             x, y = zip(*mine)
             ax.plot(x, y, "o-", color=colour, label=placement)
@@ -25,7 +31,7 @@ def draw_bytes_vs_context(ax, rows: list[dict]) -> None:
     ax.set_xlabel("context (tokens per sequence)")
     ax.set_ylabel("bytes per decode step, all ranks (B)")
     ax.set_title("what crosses between ranks per decode step")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)    # beside the data, not on it
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)  # beside the data, not on it
     ax.grid(alpha=0.3)
 
 
@@ -33,20 +39,32 @@ def draw_kv_locations(ax, location: np.ndarray, num_experts: int, world_size: in
     """location: locality.kv_location_map, (L * E, T). Each cell coloured by the rank holding it."""
     location = np.asarray(location)
     colours = ["white"] + [matplotlib.colormaps["tab10"](r) for r in range(world_size)]
-    ax.imshow(location + 1, cmap=ListedColormap(colours), vmin=0, vmax=world_size, aspect="auto",
-              interpolation="nearest")
+    ax.imshow(
+        location + 1,
+        cmap=ListedColormap(colours),
+        vmin=0,
+        vmax=world_size,
+        aspect="auto",
+        interpolation="nearest",
+    )
     num_layers = location.shape[0] // num_experts
-    ax.set_yticks([l * num_experts + num_experts / 2 - 0.5 for l in range(num_layers)])
-    ax.set_yticklabels([f"layer {l}" for l in range(num_layers)])
-    for l in range(1, num_layers):
-        ax.axhline(l * num_experts - 0.5, color="black", linewidth=0.8)
+    ax.set_yticks([layer * num_experts + num_experts / 2 - 0.5 for layer in range(num_layers)])
+    ax.set_yticklabels([f"layer {layer}" for layer in range(num_layers)])
+    for layer in range(1, num_layers):
+        ax.axhline(layer * num_experts - 0.5, color="black", linewidth=0.8)
     ax.set_xlabel("token position (tokens)")
     ax.set_ylabel("expert rows, 8 per layer")
     ax.set_title(title)
     handles = [Rectangle((0, 0), 1, 1, color=colours[r + 1]) for r in range(world_size)]
     handles.append(Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="gray"))
-    ax.legend(handles, [f"K/V on rank {r}" for r in range(world_size)] + ["not routed there"], loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), fontsize=10, frameon=False)    # beside the map: covers no cell
+    ax.legend(
+        handles,
+        [f"K/V on rank {r}" for r in range(world_size)] + ["not routed there"],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=10,
+        frameon=False,
+    )  # beside the map: covers no cell
 
 
 def draw_pool_use(ax, per_rank_steps: list[list[dict]], title: str = "") -> None:
@@ -57,7 +75,9 @@ def draw_pool_use(ax, per_rank_steps: list[list[dict]], title: str = "") -> None
     ax.set_xlabel("step (0 = prefill, then decode steps)")
     ax.set_ylabel("blocks used on the rank (blocks)")
     ax.set_title(title)
-    ax.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False)   # below: covers no line
+    ax.legend(
+        fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False
+    )  # below: covers no line
 
 
 def draw_placement_comparison(axes, rows: list[dict]) -> None:
@@ -67,11 +87,19 @@ def draw_placement_comparison(axes, rows: list[dict]) -> None:
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
     width = 0.8 / len(strategies)
     for measure, ax, label, title in (
-            ("ranks_touched_per_token_layer", axes[0], "ranks touched per token per layer", "ranks touched: fewer is less traffic"),
-            ("kv_imbalance_max_over_mean", axes[1], "K/V imbalance (max / mean)", "K/V imbalance: 1.0 is even")):
+        (
+            "ranks_touched_per_token_layer",
+            axes[0],
+            "ranks touched per token per layer",
+            "ranks touched: fewer is less traffic",
+        ),
+        ("kv_imbalance_max_over_mean", axes[1], "K/V imbalance (max / mean)", "K/V imbalance: 1.0 is even"),
+    ):
         for i, strategy in enumerate(strategies):
-            values = [next(r[measure] for r in rows if r["world_size"] == w and r["strategy"] == strategy)
-                      for w in world_sizes]
+            values = [
+                next(r[measure] for r in rows if r["world_size"] == w and r["strategy"] == strategy)
+                for w in world_sizes
+            ]
             ax.bar(np.arange(len(world_sizes)) + i * width, values, width, label=strategy)
         ax.set_xticks(np.arange(len(world_sizes)) + width * (len(strategies) - 1) / 2)
         ax.set_xticklabels([f"{w} ranks" for w in world_sizes])
@@ -80,19 +108,30 @@ def draw_placement_comparison(axes, rows: list[dict]) -> None:
     # one legend under both panels, the figure's (the bars reach the top): anchored to one Axes, it
     # made constrained layout widen that Axes' box and opened a gap between the panels
     handles, labels = axes[0].get_legend_handles_labels()
-    axes[0].figure.legend(handles, labels, fontsize=10, loc="outside lower center", ncol=len(strategies),
-                          frameon=False)
+    axes[0].figure.legend(
+        handles, labels, fontsize=10, loc="outside lower center", ncol=len(strategies), frameon=False
+    )
 
 
-STEP_PARTS = {"attention_ms": ("attention", "tab:purple"), "experts_ms": ("FFN experts", "tab:orange"),
-              "communication_ms": ("communication", "tab:gray")}
+STEP_PARTS = {
+    "attention_ms": ("attention", "tab:purple"),
+    "experts_ms": ("FFN experts", "tab:orange"),
+    "communication_ms": ("communication", "tab:gray"),
+}
 
 
 def draw_bytes_by_category(ax, row: dict) -> None:
     """row: one parallel_measure.bytes_table result. The bytes of one decode step by collective category,
     side by side on a linear axis, so a category that moves nothing shows as no bar."""
-    categories = ("attention_dispatch", "attention_combine", "kv_context", "kv_new", "ffn_dispatch", "ffn_combine",
-                  "split_sizes")
+    categories = (
+        "attention_dispatch",
+        "attention_combine",
+        "kv_context",
+        "kv_new",
+        "ffn_dispatch",
+        "ffn_combine",
+        "split_sizes",
+    )
     values = [row["by_category"].get(c, 0) for c in categories]
     colours = ["tab:blue"] * 2 + ["tab:red"] * 2 + ["tab:orange"] * 2 + ["tab:gray"]
     ax.barh(np.arange(len(categories)), values, color=colours)
@@ -108,14 +147,24 @@ def draw_projected_step(ax, projections: list[dict], title: str = "") -> None:
     context) the three parts of the projected step side by side (not stacked: the axis is log, where
     stacked heights would mislead) and the step, their sum, as a black tick above them."""
     width = 0.8 / len(STEP_PARTS)
-    short = {"kv_with_expert": "K/V with\nexpert", "kv_with_sequence": "K/V with\nsequence",
-             "replicated_attention": "replicated\nattention"}
+    short = {
+        "kv_with_expert": "K/V with\nexpert",
+        "kv_with_sequence": "K/V with\nsequence",
+        "replicated_attention": "replicated\nattention",
+    }
     labels = [f"{short[r['kv_placement']]}\n{r['context'] // 1024}k" for r in projections]
     x = np.arange(len(projections))
     for i, (key, (name, colour)) in enumerate(STEP_PARTS.items()):
         ax.bar(x + (i - 1) * width, [r[key] for r in projections], width, color=colour, label=name)
-    ax.scatter(x, [r["step_ms"] for r in projections], marker="_", s=400, color="black", zorder=3,
-               label="step (the sum)")
+    ax.scatter(
+        x,
+        [r["step_ms"] for r in projections],
+        marker="_",
+        s=400,
+        color="black",
+        zorder=3,
+        label="step (the sum)",
+    )
     ax.set_xticks(x)
     ax.set_xticklabels(labels, fontsize=10)
     ax.set_xlabel("KV placement, context (tokens)")

@@ -22,12 +22,18 @@ def plot_routing(selected, text: str, layer: int, ax=None):
     """One layer's routing: tokens along x, experts along y, a filled cell where the token's K/V go
     into that expert's cache; the count each expert's cache holds is written at the right."""
     ax = ax or plt.gca()
-    matrix = selected[layer].T.numpy().astype(float)                       # (E, T)
+    matrix = selected[layer].T.numpy().astype(float)  # (E, T)
     num_experts, num_tokens = matrix.shape
-    ax.imshow(matrix, aspect="auto", cmap=plt.matplotlib.colors.ListedColormap(["#f4f4f4", ROUTED_COLOUR]),
-              vmin=0, vmax=1, interpolation="nearest")
+    ax.imshow(
+        matrix,
+        aspect="auto",
+        cmap=plt.matplotlib.colors.ListedColormap(["#f4f4f4", ROUTED_COLOUR]),
+        vmin=0,
+        vmax=1,
+        interpolation="nearest",
+    )
     tokens = encode(text)
-    step = -(-num_tokens // 40)              # at most 40 labels: a longer prompt labels every step-th token
+    step = -(-num_tokens // 40)  # at most 40 labels: a longer prompt labels every step-th token
     ax.set_xticks(range(0, num_tokens, step), [show_char(t) for t in tokens[::step]], fontsize=10)
     ax.set_yticks(range(num_experts), [f"e{e}" for e in range(num_experts)], fontsize=10)
     ax.set_xticks(np.arange(-0.5, num_tokens), minor=True)
@@ -41,9 +47,17 @@ def plot_routing(selected, text: str, layer: int, ax=None):
     ax.set_xlabel("prompt, one byte-token per column (␣ = space)")
     ax.set_ylabel("attention expert")
     ax.set_title(f"layer {layer}: which experts' caches each token's K/V go into", fontsize=11)
-    ax.legend(handles=[Patch(color=ROUTED_COLOUR, label="routed: K/V stored in this expert's cache"),
-                       Patch(facecolor="#f4f4f4", edgecolor="grey", label="not routed")],
-              loc="upper left", bbox_to_anchor=(0, -0.28), ncol=2, fontsize=10, frameon=False)
+    ax.legend(
+        handles=[
+            Patch(color=ROUTED_COLOUR, label="routed: K/V stored in this expert's cache"),
+            Patch(facecolor="#f4f4f4", edgecolor="grey", label="not routed"),
+        ],
+        loc="upper left",
+        bbox_to_anchor=(0, -0.28),
+        ncol=2,
+        fontsize=10,
+        frameon=False,
+    )
     return ax
 
 

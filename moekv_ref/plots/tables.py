@@ -5,8 +5,18 @@ from __future__ import annotations
 
 from ..analysis import CHARACTER_CLASSES
 
-CLASS_SHORT = {"lowercase": "a-z", "uppercase": "A-Z", "digit": "0-9", "space": "space", "newline": "\\n",
-               "quote": "quote", "bracket": "()[]{}", "operator": "op", "separator": ".,:;", "other": "other"}
+CLASS_SHORT = {
+    "lowercase": "a-z",
+    "uppercase": "A-Z",
+    "digit": "0-9",
+    "space": "space",
+    "newline": "\\n",
+    "quote": "quote",
+    "bracket": "()[]{}",
+    "operator": "op",
+    "separator": ".,:;",
+    "other": "other",
+}
 assert set(CLASS_SHORT) == set(CHARACTER_CLASSES)
 
 
@@ -25,12 +35,16 @@ def text_table(headers: list[str], rows: list[list], formats: list[str | None] |
         raise ValueError(f"every row and the formats need {len(headers)} columns, one per header {headers}")
     cells = [[_cell(v, f) for v, f in zip(row, formats)] for row in rows]
     # right-align columns of numbers, and of text that starts with one ("17x", "0.93 GB")
-    numeric = [all(isinstance(row[c], (int, float)) or str(row[c])[:1].isdigit() for row in rows)
-               for c in range(len(headers))]
+    numeric = [
+        all(isinstance(row[c], (int, float)) or str(row[c])[:1].isdigit() for row in rows)
+        for c in range(len(headers))
+    ]
     widths = [max([len(h)] + [len(r[c]) for r in cells]) for c, h in enumerate(headers)]
 
     def line(values):
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+        return "  ".join(
+            v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)
+        ).rstrip()
 
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
@@ -38,11 +52,29 @@ def text_table(headers: list[str], rows: list[list], formats: list[str | None] |
 def routing_statistics_table(stats: dict) -> str:
     """Per layer: the router's mean entropy against uniform, the least and most loaded expert's share
     against a uniform 1/E, and experts per token (moekv_ref.analysis.routing_statistics)."""
-    rows = [[layer["layer"], layer["router_entropy_bits"], layer["uniform_entropy_bits"],
-             layer["min_load_over_uniform"], layer["max_load_over_uniform"], layer["experts_per_token"]]
-            for layer in stats["layers"]]
-    return text_table(["layer", "entropy (bits)", "uniform (bits)", "min load / uniform",
-                       "max load / uniform", "experts/token"], rows, ["{}", "{:.2f}", "{:.2f}", "{:.2f}", "{:.2f}", "{:.2f}"])
+    rows = [
+        [
+            layer["layer"],
+            layer["router_entropy_bits"],
+            layer["uniform_entropy_bits"],
+            layer["min_load_over_uniform"],
+            layer["max_load_over_uniform"],
+            layer["experts_per_token"],
+        ]
+        for layer in stats["layers"]
+    ]
+    return text_table(
+        [
+            "layer",
+            "entropy (bits)",
+            "uniform (bits)",
+            "min load / uniform",
+            "max load / uniform",
+            "experts/token",
+        ],
+        rows,
+        ["{}", "{:.2f}", "{:.2f}", "{:.2f}", "{:.2f}", "{:.2f}"],
+    )
 
 
 def expert_preferences_table(stats: dict) -> str:

@@ -1,10 +1,10 @@
 """A cache-only simulator: routing traces replayed through memory designs, without the model.
 
-    traces.py     what the router decided, token by token: synthetic, or recorded (analysis.py)
-    designs.py    paged designs; baselines.py the designs paging must beat (reserved, first fit)
-    replay.py     lock-step replay of a trace through a design; capacity under a budget
-    eviction.py   serving over a trace: the engine's own Scheduler, with the trace playing the model
-    optimum.py    the exact best victim choices on small traces; density.py expert buffer density
+traces.py     what the router decided, token by token: synthetic, or recorded (analysis.py)
+designs.py    paged designs; baselines.py the designs paging must beat (reserved, first fit)
+replay.py     lock-step replay of a trace through a design; capacity under a budget
+eviction.py   serving over a trace: the engine's own Scheduler, with the trace playing the model
+optimum.py    the exact best victim choices on small traces; density.py expert buffer density
 """
 
 from .baselines import AddressSpace, FirstFitDesign, ReservedDesign
@@ -12,6 +12,16 @@ from .designs import CountingPagedDesign, ManagerPagedDesign, SharedTailDesign
 from .replay import ReplayStats, max_concurrent_sequences, replay
 from .traces import RoutingTrace, synthetic_trace
 
-__all__ = ["AddressSpace", "CountingPagedDesign", "FirstFitDesign", "ReservedDesign", "ManagerPagedDesign", "ReplayStats", "RoutingTrace",
-           "SharedTailDesign", "max_concurrent_sequences", "replay",
-           "synthetic_trace"]
+__all__ = [
+    "AddressSpace",
+    "CountingPagedDesign",
+    "FirstFitDesign",
+    "ReservedDesign",
+    "ManagerPagedDesign",
+    "ReplayStats",
+    "RoutingTrace",
+    "SharedTailDesign",
+    "max_concurrent_sequences",
+    "replay",
+    "synthetic_trace",
+]

@@ -26,7 +26,7 @@ class ReservedDesign(RowTokens):
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int):
         super().__init__(num_sequences, num_layers, num_experts)
         self.name = "reserved"
-        self.reserved = torch.zeros(num_sequences, dtype=torch.int64)   # (S,) slots per sequence
+        self.reserved = torch.zeros(num_sequences, dtype=torch.int64)  # (S,) slots per sequence
 
     def admit(self, seqs, final_lens) -> None:
         self.reserved[seqs] = torch.as_tensor(final_lens, dtype=torch.int64) * self.rows_per_seq
@@ -72,11 +72,11 @@ class AddressSpace:
     def free(self, start: int, size: int) -> None:
         i = bisect.bisect_left(self.hole_starts, start)
         starts, sizes = np.insert(self.hole_starts, i, start), np.insert(self.hole_sizes, i, size)
-        for j in (i, i - 1):                # merge with the hole after, then the one before
+        for j in (i, i - 1):  # merge with the hole after, then the one before
             if 0 <= j < starts.size - 1 and starts[j] + sizes[j] == starts[j + 1]:
                 sizes[j] += sizes[j + 1]
                 starts, sizes = np.delete(starts, j + 1), np.delete(sizes, j + 1)
-        if starts[-1] + sizes[-1] == self.top:     # the last hole reaches the top: the heap shrinks
+        if starts[-1] + sizes[-1] == self.top:  # the last hole reaches the top: the heap shrinks
             self.top = int(starts[-1])
             starts, sizes = starts[:-1], sizes[:-1]
         self.hole_starts, self.hole_sizes = starts, sizes
@@ -96,12 +96,12 @@ class FirstFitDesign(RowTokens):
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int):
         super().__init__(num_sequences, num_layers, num_experts)
         self.name = "first_fit"
-        self.capacity = torch.zeros_like(self.tokens)        # (S*L*E,) buffer sizes, 0 = none
-        self.start = torch.zeros_like(self.tokens)           # (S*L*E,) addresses
+        self.capacity = torch.zeros_like(self.tokens)  # (S*L*E,) buffer sizes, 0 = none
+        self.start = torch.zeros_like(self.tokens)  # (S*L*E,) addresses
         self.space = AddressSpace()
 
     def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
-        new = self.tokens[rows] + num_new                                         # (a,)
+        new = self.tokens[rows] + num_new  # (a,)
         grow = new > self.capacity[rows]
         for row, needed in zip(rows[grow].tolist(), new[grow].tolist()):
             old_size = int(self.capacity[row])
@@ -114,7 +114,7 @@ class FirstFitDesign(RowTokens):
         self.tokens[rows] = new
 
     def release(self, seqs) -> None:
-        rows = self.index.sequence_rows(torch.as_tensor(seqs).reshape(-1)).reshape(-1)   # (m*L*E,)
+        rows = self.index.sequence_rows(torch.as_tensor(seqs).reshape(-1)).reshape(-1)  # (m*L*E,)
         held = rows[self.capacity[rows] > 0]
         for start, size in zip(self.start[held].tolist(), self.capacity[held].tolist()):
             self.space.free(start, size)
@@ -131,7 +131,17 @@ class FirstFitDesign(RowTokens):
         """Every live buffer (start, size, used, seq, layer, expert), hole and the top, to draw."""
         rows = (self.capacity > 0).nonzero().squeeze(1)
         seq, layer, expert = self.index.split(rows)
-        columns = dict(start=self.start[rows], size=self.capacity[rows], used=self.tokens[rows],
-                       seq=seq, layer=layer, expert=expert)
-        return {**{name: column.numpy() for name, column in columns.items()}, "top": self.space.top,
-                "hole_start": self.space.hole_starts.copy(), "hole_size": self.space.hole_sizes.copy()}
+        columns = dict(
+            start=self.start[rows],
+            size=self.capacity[rows],
+            used=self.tokens[rows],
+            seq=seq,
+            layer=layer,
+            expert=expert,
+        )
+        return {
+            **{name: column.numpy() for name, column in columns.items()},
+            "top": self.space.top,
+            "hole_start": self.space.hole_starts.copy(),
+            "hole_size": self.space.hole_sizes.copy(),
+        }

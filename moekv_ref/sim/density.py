@@ -18,7 +18,7 @@ def density_per_expert(trace: RoutingTrace, context: int) -> torch.Tensor:
     seqs = (trace.lengths >= context).nonzero().squeeze(1).tolist()
     if not seqs:
         raise ValueError(f"no sequence of the trace has {context} tokens")
-    counts = torch.stack([trace.row_counts(s)[context] for s in seqs])                  # (S', L, E)
+    counts = torch.stack([trace.row_counts(s)[context] for s in seqs])  # (S', L, E)
     return (counts > 0).to(torch.float64).mean(0)
 
 
@@ -26,17 +26,24 @@ def mean_blocks_at_context(trace: RoutingTrace, contexts, block_size: int) -> to
     """(len(contexts),) float64: blocks a sequence holds after c tokens, averaged over the trace's
     sequences of at least c tokens (every row's partly filled tail block counted)."""
     contexts = torch.as_tensor(list(contexts), dtype=torch.int64)
-    total, num = torch.zeros(2, contexts.numel(), dtype=torch.float64)         # (C,) each
+    total, num = torch.zeros(2, contexts.numel(), dtype=torch.float64)  # (C,) each
     for s in range(trace.num_sequences):
-        blocks = ceil_div(trace.row_counts(s)[1:], block_size).sum((1, 2))   # (n,) after t+1 tokens
+        blocks = ceil_div(trace.row_counts(s)[1:], block_size).sum((1, 2))  # (n,) after t+1 tokens
         reached = contexts <= blocks.shape[0]
         total[reached] += blocks[contexts[reached] - 1].to(torch.float64)
         num[reached] += 1
     return total / num.clamp(min=1)
 
 
-def density_sweep(experts=(8, 16, 64), top_ks=(1, 2, 8), skews=(0.0, 1.0, 2.0), context: int = 64,
-                  num_sequences: int = 32, num_layers: int = 2, seed: int = 0) -> list[dict]:
+def density_sweep(
+    experts=(8, 16, 64),
+    top_ks=(1, 2, 8),
+    skews=(0.0, 1.0, 2.0),
+    context: int = 64,
+    num_sequences: int = 32,
+    num_layers: int = 2,
+    seed: int = 0,
+) -> list[dict]:
     """Mean and coldest-expert density over synthetic traces for each (E, k, Zipf skew) with k <= E."""
     out = []
     for E in experts:
@@ -44,10 +51,27 @@ def density_sweep(experts=(8, 16, 64), top_ks=(1, 2, 8), skews=(0.0, 1.0, 2.0), 
             if k > E:
                 continue
             for s in skews:
-                trace = synthetic_trace(num_sequences, num_layers, E, k, mean_prompt=context, mean_output=1,
-                                        sigma=0.0, zipf_s=s, seed=seed)
+                trace = synthetic_trace(
+                    num_sequences,
+                    num_layers,
+                    E,
+                    k,
+                    mean_prompt=context,
+                    mean_output=1,
+                    sigma=0.0,
+                    zipf_s=s,
+                    seed=seed,
+                )
                 density = density_per_expert(trace, context)
-                out.append({"num_experts": E, "top_k": k, "zipf_s": s, "context": context,
-                            "mean": float(density.mean()), "min": float(density.min()),
-                            "uniform_expectation": 1 - (1 - k / E) ** context})
+                out.append(
+                    {
+                        "num_experts": E,
+                        "top_k": k,
+                        "zipf_s": s,
+                        "context": context,
+                        "mean": float(density.mean()),
+                        "min": float(density.min()),
+                        "uniform_expectation": 1 - (1 - k / E) ** context,
+                    }
+                )
     return out

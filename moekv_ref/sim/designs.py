@@ -35,19 +35,19 @@ class RowTokens:
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int):
         self.index = RowIndex(num_layers, num_experts)
         self.rows_per_seq = self.index.rows_per_seq
-        self.tokens = torch.zeros(num_sequences * self.rows_per_seq, dtype=torch.int64)   # (S*L*E,)
+        self.tokens = torch.zeros(num_sequences * self.rows_per_seq, dtype=torch.int64)  # (S*L*E,)
 
     def admit(self, seqs, final_lens) -> None:
         pass
 
     def _sequence_tokens(self, seqs) -> torch.Tensor:
-        return self.tokens.view(-1, self.rows_per_seq)[seqs]                      # (m, L*E)
+        return self.tokens.view(-1, self.rows_per_seq)[seqs]  # (m, L*E)
 
     def live_slots_of(self, seqs) -> int:
         return int(self._sequence_tokens(seqs).sum())
 
     def reads(self, rows) -> int:
-        return int((self.tokens[rows] > 0).sum())    # one contiguous run per row (the baselines)
+        return int((self.tokens[rows] > 0).sum())  # one contiguous run per row (the baselines)
 
 
 class CountingPagedDesign(RowTokens):
@@ -58,13 +58,13 @@ class CountingPagedDesign(RowTokens):
         self.name = f"paged(P={block_size})"
         self.block_size = check_block_size(block_size)
         super().__init__(num_sequences, num_layers, num_experts)
-        self._num_blocks = 0                            # private blocks of the rows, all together
+        self._num_blocks = 0  # private blocks of the rows, all together
 
     def _row_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
-        return ceil_div(tokens, self.block_size)      # private blocks; shared tails: full ones only
+        return ceil_div(tokens, self.block_size)  # private blocks; shared tails: full ones only
 
     def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
-        old = self.tokens[rows]                                                    # (a,)
+        old = self.tokens[rows]  # (a,)
         new = old + num_new
         self._num_blocks += int((self._row_blocks(new) - self._row_blocks(old)).sum())
         self.tokens[rows] = new
@@ -89,13 +89,27 @@ class ManagerPagedDesign:
     ids from the real free block queue). manager_class=SharedTailKVCacheManager drives the real
     shared-tail bookkeeping (a Python loop over rows: for tests, too slow for the benchmarks)."""
 
-    def __init__(self, num_sequences: int, num_layers: int, num_experts: int, block_size: int,
-                 num_blocks: int, shuffle_seed: int | None = None, manager_class=KVCacheManager):
+    def __init__(
+        self,
+        num_sequences: int,
+        num_layers: int,
+        num_experts: int,
+        block_size: int,
+        num_blocks: int,
+        shuffle_seed: int | None = None,
+        manager_class=KVCacheManager,
+    ):
         self.name = f"paged-manager(P={block_size})"
         self.block_size = block_size
         self.rows_per_seq = RowIndex(num_layers, num_experts).rows_per_seq
-        self.manager = manager_class(num_layers, num_experts, block_size, num_blocks, shuffle_seed,
-                                     initial_num_seqs=max(1, num_sequences))
+        self.manager = manager_class(
+            num_layers,
+            num_experts,
+            block_size,
+            num_blocks,
+            shuffle_seed,
+            initial_num_seqs=max(1, num_sequences),
+        )
         self._row_base = torch.zeros(num_sequences, dtype=torch.int64)  # trace seq -> first manager row
 
     def admit(self, seqs, final_lens) -> None:
@@ -106,7 +120,9 @@ class ManagerPagedDesign:
         return self._row_base[rows // self.rows_per_seq] + rows % self.rows_per_seq
 
     def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
-        self.manager.allocate_slots(self._manager_rows(rows), num_new, rows_are_distinct=True, with_slots=False)
+        self.manager.allocate_slots(
+            self._manager_rows(rows), num_new, rows_are_distinct=True, with_slots=False
+        )
 
     def release(self, seqs) -> None:
         for seq in torch.as_tensor(seqs).reshape(-1).tolist():
@@ -132,23 +148,23 @@ class SharedTailDesign(CountingPagedDesign):
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int, block_size: int):
         super().__init__(num_sequences, num_layers, num_experts, block_size)
         self.name = f"paged-shared-tail(P={block_size})"
-        self.tail_tokens = torch.zeros(num_sequences, dtype=torch.int64)          # (S,) now
-        self.tail_blocks = torch.zeros(num_sequences, dtype=torch.int64)          # (S,) held
-        self.copied_slots = 0          # promotions (P - 1 each) + compaction moves (< P each)
+        self.tail_tokens = torch.zeros(num_sequences, dtype=torch.int64)  # (S,) now
+        self.tail_blocks = torch.zeros(num_sequences, dtype=torch.int64)  # (S,) held
+        self.copied_slots = 0  # promotions (P - 1 each) + compaction moves (< P each)
 
     def _row_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens // self.block_size
 
     def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
         P = self.block_size
-        old = self.tokens[rows]                                                    # (a,)
+        old = self.tokens[rows]  # (a,)
         new = old + num_new
         promoted = int((new // P - old // P).sum())
         # a promotion copies the P - 1 tail tokens already written (the filling one goes straight
         # in; prefill could write whole blocks directly: counting its copies keeps an upper bound)
         self.copied_slots += promoted * (P - 1)
         self.tail_tokens.index_add_(0, rows // self.rows_per_seq, new % P - old % P)
-        needed = ceil_div(self.tail_tokens, P)                                    # (S,)
+        needed = ceil_div(self.tail_tokens, P)  # (S,)
         # compaction: each tail block given back moves at most P - 1 live slots into holes
         self.copied_slots += int((self.tail_blocks - needed).clamp(min=0).sum()) * (P - 1)
         self.tail_blocks = needed
@@ -164,8 +180,12 @@ class SharedTailDesign(CountingPagedDesign):
     def metadata_bytes(self) -> int:
         # body table entries and a ref_cnt per body block, a slot index per tail token, the
         # sequence's list of tail blocks and their ref_cnt, a token count per row in use
-        return BYTES_PER_INDEX * (2 * self._num_blocks + int(self.tail_tokens.sum())
-                                  + 2 * int(self.tail_blocks.sum()) + int((self.tokens > 0).sum()))
+        return BYTES_PER_INDEX * (
+            2 * self._num_blocks
+            + int(self.tail_tokens.sum())
+            + 2 * int(self.tail_blocks.sum())
+            + int((self.tokens > 0).sum())
+        )
 
     def reads(self, rows) -> int:
         tokens = self.tokens[rows]

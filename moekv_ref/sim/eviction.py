@@ -25,55 +25,63 @@ import torch
 from ..cache.block_pool import OutOfBlocksError
 from ..cache.kv_cache_manager import KVCacheManager
 from ..cache.rows import ceil_div
-from ..engine.demand import (blocks_held_per_device, worst_case_lifetime_blocks_per_device,
-                             worst_case_step_blocks_per_device)
+from ..costs import CostModel
+from ..engine.demand import (
+    blocks_held_per_device,
+    worst_case_lifetime_blocks_per_device,
+    worst_case_step_blocks_per_device,
+)
 from ..engine.memory import ModelShape
 from ..engine.request import Request
 from ..engine.scheduler import EvictionRecord, Scheduler, SchedulerConfig
 from ..engine.undo import Snapshot
 from ..engine.victims import VICTIM_POLICIES, OfflinePolicy, VictimPolicy
 from ..sampling import SamplingParams
-from ..costs import CostModel
 from .traces import RoutingTrace
 
 
 @dataclass(frozen=True)
 class EvictionSetup:
     """Pools and limits shared by every policy of one comparison."""
+
     blocks_per_device: int
     block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 4096  # tokens of one step (prefills, recomputes, decodes)
-    num_host_blocks: int = 0            # host swap space, in blocks (0: preemption by recompute)
-    admission: str = "optimistic"       # the scheduler's admission policy (admission.py)
-    reservation: str = "worst_case"     # or "optimistic": a step that runs short is undone and retried
+    num_host_blocks: int = 0  # host swap space, in blocks (0: preemption by recompute)
+    admission: str = "optimistic"  # the scheduler's admission policy (admission.py)
+    reservation: str = "worst_case"  # or "optimistic": a step that runs short is undone and retried
 
 
 @dataclass
 class EvictionStats:
     policy: str
     num_steps: int
-    seconds: float                      # modelled
-    finished_tokens: int                # generated tokens of finished requests
+    seconds: float  # modelled
+    finished_tokens: int  # generated tokens of finished requests
     num_finished: int
     num_refused: int
-    num_evictions: int                  # victims chosen (a row eviction counts once)
-    num_victim_sequences: int           # distinct requests made to stop
+    num_evictions: int  # victims chosen (a row eviction counts once)
+    num_victim_sequences: int  # distinct requests made to stop
     recomputed_tokens: int
-    swapped_bytes: int                  # out + in
-    freed_on_short_device: int          # blocks freed on the short device, all evictions together
-    used_blocks: torch.Tensor           # (steps, D) blocks in use after each step's appends
-    num_running: torch.Tensor           # (steps,) running after each step's scheduling
+    swapped_bytes: int  # out + in
+    freed_on_short_device: int  # blocks freed on the short device, all evictions together
+    used_blocks: torch.Tensor  # (steps, D) blocks in use after each step's appends
+    num_running: torch.Tensor  # (steps,) running after each step's scheduling
     evictions: list[EvictionRecord] = field(default_factory=list)
-    events: list[tuple[int, int, str]] = field(default_factory=list)   # (step, request id, admitted/resumed/preempted)
+    events: list[tuple[int, int, str]] = field(
+        default_factory=list
+    )  # (step, request id, admitted/resumed/preempted)
     # per trace sequence (S,) float64 modelled seconds, NaN where it never happened (refused)
-    num_retries: int = 0                # tries undone for lack of blocks (optimistic reservation)
-    thrown_away_tokens: int = 0         # tokens those tries had scheduled: forward work thrown away
-    thrown_away_seconds: float = 0.0    # modelled time of those tries (their layers up to the fault), in `seconds`
+    num_retries: int = 0  # tries undone for lack of blocks (optimistic reservation)
+    thrown_away_tokens: int = 0  # tokens those tries had scheduled: forward work thrown away
+    thrown_away_seconds: float = (
+        0.0  # modelled time of those tries (their layers up to the fault), in `seconds`
+    )
     arrival_seconds: torch.Tensor | None = None
-    first_token_seconds: torch.Tensor | None = None   # the end of the step that sampled its first token
+    first_token_seconds: torch.Tensor | None = None  # the end of the step that sampled its first token
     finish_seconds: torch.Tensor | None = None
-    num_output_tokens: torch.Tensor | None = None     # (S,) int64 generated tokens of finished requests
+    num_output_tokens: torch.Tensor | None = None  # (S,) int64 generated tokens of finished requests
 
     @property
     def tokens_per_step(self) -> float:
@@ -88,14 +96,23 @@ class EvictionStats:
         return self.freed_on_short_device / max(1, self.num_evictions)
 
     def summary(self) -> dict:
-        return {"policy": self.policy, "steps": self.num_steps, "modelled_seconds": self.seconds,
-                "tokens_per_step": self.tokens_per_step, "tokens_per_second": self.tokens_per_second,
-                "finished": self.num_finished, "refused": self.num_refused,
-                "evictions": self.num_evictions, "victim_sequences": self.num_victim_sequences,
-                "recomputed_tokens": self.recomputed_tokens, "swapped_bytes": self.swapped_bytes,
-                "retries": self.num_retries, "thrown_away_tokens": self.thrown_away_tokens,
-                "thrown_away_seconds": self.thrown_away_seconds,
-                "freed_on_short_device_per_eviction": self.freed_per_eviction}
+        return {
+            "policy": self.policy,
+            "steps": self.num_steps,
+            "modelled_seconds": self.seconds,
+            "tokens_per_step": self.tokens_per_step,
+            "tokens_per_second": self.tokens_per_second,
+            "finished": self.num_finished,
+            "refused": self.num_refused,
+            "evictions": self.num_evictions,
+            "victim_sequences": self.num_victim_sequences,
+            "recomputed_tokens": self.recomputed_tokens,
+            "swapped_bytes": self.swapped_bytes,
+            "retries": self.num_retries,
+            "thrown_away_tokens": self.thrown_away_tokens,
+            "thrown_away_seconds": self.thrown_away_seconds,
+            "freed_on_short_device_per_eviction": self.freed_per_eviction,
+        }
 
 
 class TraceFuture:
@@ -104,20 +121,22 @@ class TraceFuture:
 
     def __init__(self, trace: RoutingTrace, manager: KVCacheManager, shape: ModelShape):
         self.trace, self.manager, self.shape = trace, manager, shape
-        lengths = torch.arange(int(trace.lengths.max()) + 1)                     # (n,)
-        self.lifetime = worst_case_lifetime_blocks_per_device(                    # (n, D)
-            lengths, shape.k_max, shape.block_size, self._map(lengths), manager.num_devices)
-        self._held, self._reserved = {}, {}                       # seq -> held(seq), reserved(seq)
+        lengths = torch.arange(int(trace.lengths.max()) + 1)  # (n,)
+        self.lifetime = worst_case_lifetime_blocks_per_device(  # (n, D)
+            lengths, shape.k_max, shape.block_size, self._map(lengths), manager.num_devices
+        )
+        self._held, self._reserved = {}, {}  # seq -> held(seq), reserved(seq)
 
     def _map(self, counts: torch.Tensor) -> torch.Tensor:
-        return self.manager.device_of_expert.expand(counts.shape[0], -1, -1)   # (n, L, E) devices
+        return self.manager.device_of_expert.expand(counts.shape[0], -1, -1)  # (n, L, E) devices
 
     def held(self, seq: int) -> torch.Tensor:
         """(len + 1, D) blocks the sequence holds on each device after its first t tokens."""
         if seq not in self._held:
-            counts = self.trace.row_counts(seq)                                 # (len + 1, L, E)
-            self._held[seq] = blocks_held_per_device(counts, self.shape.block_size, self._map(counts),
-                                                     self.manager.num_devices)
+            counts = self.trace.row_counts(seq)  # (len + 1, L, E)
+            self._held[seq] = blocks_held_per_device(
+                counts, self.shape.block_size, self._map(counts), self.manager.num_devices
+            )
         return self._held[seq]
 
     def reserved(self, seq: int) -> torch.Tensor:
@@ -125,44 +144,68 @@ class TraceFuture:
         worst-case reservation (capped, as the scheduler caps it, by the lifetime worst case)."""
         if seq not in self._reserved:
             counts, held, shape = self.trace.row_counts(seq)[:-1], self.held(seq)[:-1], self.shape
-            step = worst_case_step_blocks_per_device(counts, torch.ones(counts.shape[0], dtype=torch.int64),
-                                                     shape.k_max, shape.block_size, self._map(counts),
-                                                     self.manager.num_devices)               # (len, D)
-            cap = self.lifetime[1: counts.shape[0] + 1] - held
+            step = worst_case_step_blocks_per_device(
+                counts,
+                torch.ones(counts.shape[0], dtype=torch.int64),
+                shape.k_max,
+                shape.block_size,
+                self._map(counts),
+                self.manager.num_devices,
+            )  # (len, D)
+            cap = self.lifetime[1 : counts.shape[0] + 1] - held
             self._reserved[seq] = held + torch.clamp(torch.minimum(step, cap), min=0)
         return self._reserved[seq]
 
     def future_block_steps(self, request: Request, device: int) -> int:
-        return int(self.held(request.request_id)[request.num_computed_tokens + 1:, device].sum())
+        return int(self.held(request.request_id)[request.num_computed_tokens + 1 :, device].sum())
 
     def fits_to_completion(self, request: Request, running) -> bool:
         # from the next step on, each has computed its num_tokens (a decode token, or the prefill)
-        paths = [self.reserved(r.request_id)[r.num_tokens:] for r in (*running, request)]   # (g, D) each
-        total = torch.nn.utils.rnn.pad_sequence(paths).sum(1)                   # (g_max, D)
+        paths = [self.reserved(r.request_id)[r.num_tokens :] for r in (*running, request)]  # (g, D) each
+        total = torch.nn.utils.rnn.pad_sequence(paths).sum(1)  # (g_max, D)
         return bool((total <= self.manager.blocks_per_device).all())
 
 
 class TraceRunner:
     """One run of one policy over a trace (module docstring)."""
 
-    def __init__(self, trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup,
-                 policy: VictimPolicy | str, cost: CostModel, arrivals: torch.Tensor | None = None):
+    def __init__(
+        self,
+        trace: RoutingTrace,
+        device_of_expert: torch.Tensor,
+        setup: EvictionSetup,
+        policy: VictimPolicy | str,
+        cost: CostModel,
+        arrivals: torch.Tensor | None = None,
+    ):
         """arrivals: (S,) seconds at which each trace sequence arrives (None: all at once, before
         the first step); steps then take `cost`'s seconds and requests join the waiting line in
         arrival order once the clock has reached them."""
         if arrivals is not None:
             arrivals = torch.as_tensor(arrivals, dtype=torch.float64)
-            if arrivals.shape != (trace.num_sequences,) or not bool(torch.isfinite(arrivals).all()) \
-                    or bool((arrivals < 0).any()) or cost is None:
-                raise ValueError(f"arrivals must be ({trace.num_sequences},) finite seconds >= 0, one per trace "
-                                 f"sequence, with a cost model to advance the clock; got shape "
-                                 f"{tuple(arrivals.shape)} and cost={cost!r}")
+            if (
+                arrivals.shape != (trace.num_sequences,)
+                or not bool(torch.isfinite(arrivals).all())
+                or bool((arrivals < 0).any())
+                or cost is None
+            ):
+                raise ValueError(
+                    f"arrivals must be ({trace.num_sequences},) finite seconds >= 0, one per trace "
+                    f"sequence, with a cost model to advance the clock; got shape "
+                    f"{tuple(arrivals.shape)} and cost={cost!r}"
+                )
         self.trace, self.setup, self.cost = trace, setup, cost
         L, E, K = trace.num_layers, trace.num_experts, int(trace.experts.shape[2])
         num_devices = int(torch.as_tensor(device_of_expert).max()) + 1
-        self.manager = KVCacheManager(L, E, setup.block_size, blocks_per_device=[setup.blocks_per_device] * num_devices,
-                                      device_of_expert=device_of_expert, initial_num_seqs=setup.max_num_seqs + 1)
-        top_k = bool((trace.experts >= 0).all())           # every token used all K: top-k routing
+        self.manager = KVCacheManager(
+            L,
+            E,
+            setup.block_size,
+            blocks_per_device=[setup.blocks_per_device] * num_devices,
+            device_of_expert=device_of_expert,
+            initial_num_seqs=setup.max_num_seqs + 1,
+        )
+        top_k = bool((trace.experts >= 0).all())  # every token used all K: top-k routing
         self.shape = ModelShape(L, E, K, K if top_k else 1, setup.block_size, int(trace.lengths.max()) + 1)
         self.future = TraceFuture(trace, self.manager, self.shape)
         if isinstance(policy, str):
@@ -171,20 +214,27 @@ class TraceRunner:
             cls = VICTIM_POLICIES[policy]
             policy = cls(self.future) if issubclass(cls, OfflinePolicy) else cls()
         self.policy = policy
-        config = SchedulerConfig(max_num_seqs=setup.max_num_seqs, max_num_batched_tokens=setup.max_num_batched_tokens,
-                                 admission=setup.admission, victim=policy, reservation=setup.reservation,
-                                 preemption_mode="swap" if setup.num_host_blocks else "recompute")
+        config = SchedulerConfig(
+            max_num_seqs=setup.max_num_seqs,
+            max_num_batched_tokens=setup.max_num_batched_tokens,
+            admission=setup.admission,
+            victim=policy,
+            reservation=setup.reservation,
+            preemption_mode="swap" if setup.num_host_blocks else "recompute",
+        )
         self.scheduler = Scheduler(config, self.manager, self.shape, setup.num_host_blocks)
         self.num_refused = 0
         self.num_retries = 0
         self.thrown_away_tokens = 0
-        self.thrown_away_seconds = 0.0              # modelled time of the tries undone
+        self.thrown_away_seconds = 0.0  # modelled time of the tries undone
         self.failed_fraction = 1.0
-        self.arrivals = torch.zeros(trace.num_sequences, dtype=torch.float64) if arrivals is None else arrivals
-        self.pending: list[Request] = []                 # not yet arrived, latest first
+        self.arrivals = (
+            torch.zeros(trace.num_sequences, dtype=torch.float64) if arrivals is None else arrivals
+        )
+        self.pending: list[Request] = []  # not yet arrived, latest first
         for s in torch.argsort(self.arrivals, stable=True).tolist():
             prompt = int(trace.prompt_lens[s])
-            max_new_tokens = int(trace.lengths[s]) - prompt + 1     # the last sampled token is never stored
+            max_new_tokens = int(trace.lengths[s]) - prompt + 1  # the last sampled token is never stored
             try:
                 self.scheduler.check_fits_alone(prompt, max_new_tokens)
             except ValueError:
@@ -202,25 +252,36 @@ class TraceRunner:
         experts chosen per layer over the step's tokens, for the demand predictor."""
         manager = self.manager
         ids = [item.request.request_id for item in scheduled]
-        for seq in sorted(ids):                      # as append_kv adds them: ascending
+        for seq in sorted(ids):  # as append_kv adds them: ascending
             if not manager.holds(seq):
                 manager.add_sequence(seq)
-        seqs, starts, counts, slots = torch.tensor(                                    # (m,) each
-            [(seq, item.request.num_computed_tokens, item.num_tokens, manager.seq_index(seq))
-             for seq, item in zip(ids, scheduled)], dtype=torch.int64).reshape(-1, 4).unbind(1)
-        decode = counts == 1                       # distinct rows, one slot each: no counting needed
+        seqs, starts, counts, slots = (
+            torch.tensor(  # (m,) each
+                [
+                    (seq, item.request.num_computed_tokens, item.num_tokens, manager.seq_index(seq))
+                    for seq, item in zip(ids, scheduled)
+                ],
+                dtype=torch.int64,
+            )
+            .reshape(-1, 4)
+            .unbind(1)
+        )
+        decode = counts == 1  # distinct rows, one slot each: no counting needed
         rows, per_layer = self.trace.decode_appends(seqs[decode], starts[decode], row_seqs=slots[decode])
         hits = torch.ones_like(rows)
         if not bool(decode.all()):
-            chunk = ~decode                        # prefills and recomputes: rows of other sequences
-            chunk_rows, chunk_hits, chunk_per_layer = self.trace.appends(seqs[chunk], starts[chunk], counts[chunk],
-                                                                         row_seqs=slots[chunk])
+            chunk = ~decode  # prefills and recomputes: rows of other sequences
+            chunk_rows, chunk_hits, chunk_per_layer = self.trace.appends(
+                seqs[chunk], starts[chunk], counts[chunk], row_seqs=slots[chunk]
+            )
             rows = torch.cat([rows, chunk_rows])
             hits = torch.cat([hits, chunk_hits])
             per_layer = per_layer + chunk_per_layer
         if self.setup.reservation == "optimistic":
             self._raise_at_the_first_short_layer(rows, hits)
-        manager.allocate_slots(rows, hits, rows_are_distinct=True, with_slots=False, one_each=bool(decode.all()))
+        manager.allocate_slots(
+            rows, hits, rows_are_distinct=True, with_slots=False, one_each=bool(decode.all())
+        )
         return per_layer
 
     def _raise_at_the_first_short_layer(self, rows: torch.Tensor, hits: torch.Tensor) -> None:
@@ -230,16 +291,20 @@ class TraceRunner:
         L = manager.num_layers
         E = manager.num_experts
         old = manager.row_tokens[rows]
-        opened = ceil_div(old + hits, manager.block_size) - ceil_div(old, manager.block_size)       # (a,)
+        opened = ceil_div(old + hits, manager.block_size) - ceil_div(old, manager.block_size)  # (a,)
         per_layer = torch.zeros(L, manager.num_devices, dtype=torch.int64)
-        per_layer.index_put_(((rows // E) % L, manager.device_of_rows(rows)), opened, accumulate=True)    # (L, D)
-        taken = per_layer.cumsum(0)                                                                 # (L, D)
-        free = manager.num_free_blocks_per_device                                                   # (D,)
+        per_layer.index_put_(
+            ((rows // E) % L, manager.device_of_rows(rows)), opened, accumulate=True
+        )  # (L, D)
+        taken = per_layer.cumsum(0)  # (L, D)
+        free = manager.num_free_blocks_per_device  # (D,)
         short = (taken > free).any(1).nonzero().squeeze(1)
         if short.numel():
             layer = int(short[0])
-            self.failed_fraction = (layer + 1) / L      # of the forward, run before the fault
-            raise OutOfBlocksError(f"layer {layer} is short of blocks", torch.clamp(taken[layer] - free, min=0))
+            self.failed_fraction = (layer + 1) / L  # of the forward, run before the fault
+            raise OutOfBlocksError(
+                f"layer {layer} is short of blocks", torch.clamp(taken[layer] - free, min=0)
+            )
 
     def _step(self, step: int):
         """Schedule and append one step: (SchedulerOutput, (L,) experts chosen per layer). Under
@@ -264,7 +329,7 @@ class TraceRunner:
                 before.restore()
                 self.num_retries += 1
                 self.thrown_away_tokens += out.num_scheduled_tokens
-                if self.cost is not None:            # the layers run before the fault cost their time
+                if self.cost is not None:  # the layers run before the fault cost their time
                     self.thrown_away_seconds += self.step_seconds(out) * self.failed_fraction
                 retry = scheduler.retry(out, error, retry)
 
@@ -274,8 +339,11 @@ class TraceRunner:
         cost, seconds = self.cost, self.cost.seconds_per_step
         for item in out.scheduled:
             start, n = item.request.num_computed_tokens, item.num_tokens
-            seconds += float(cost.decode_seconds(start) if n == 1 and start > 0
-                             else cost.recompute_seconds(start + n) - cost.recompute_seconds(start))
+            seconds += float(
+                cost.decode_seconds(start)
+                if n == 1 and start > 0
+                else cost.recompute_seconds(start + n) - cost.recompute_seconds(start)
+            )
         for copy in out.block_copies:
             seconds += float(cost.swap_seconds(copy.source.numel())) / 2
         return seconds
@@ -291,13 +359,13 @@ class TraceRunner:
         seconds = 0.0
         finished_tokens = num_finished = swapped_blocks = step = 0
         while (scheduler.has_unfinished or self.pending) and step < max_steps:
-            if not scheduler.has_unfinished:            # idle: the clock jumps to the next arrival
+            if not scheduler.has_unfinished:  # idle: the clock jumps to the next arrival
                 seconds = max(seconds, float(self.arrivals[self.pending[-1].request_id]))
             while self.pending and float(self.arrivals[self.pending[-1].request_id]) <= seconds:
                 scheduler.add_request(self.pending.pop())
             thrown_before = self.thrown_away_seconds
             out, entries = self._step(step)
-            seconds += self.thrown_away_seconds - thrown_before      # a retried step costs its failed tries too
+            seconds += self.thrown_away_seconds - thrown_before  # a retried step costs its failed tries too
             if not out.scheduled and not out.block_copies:
                 raise RuntimeError(f"step {step}: nothing could be scheduled (as the engine would raise)")
             seconds += self.step_seconds(out) if self.cost is not None else 0.0
@@ -307,7 +375,9 @@ class TraceRunner:
             victims.update(request.request_id for request in out.preempted)
             running.append(len(scheduler.running))
             used.append(manager.blocks_per_device - manager.num_free_blocks_per_device)
-            done = scheduler.update_from_output(out, {item.request.request_id: 0 for item in out.scheduled}, entries)
+            done = scheduler.update_from_output(
+                out, {item.request.request_id: 0 for item in out.scheduled}, entries
+            )
             for item in out.scheduled:
                 rid = item.request.request_id
                 if item.samples and math.isnan(first_token[rid]):
@@ -320,17 +390,40 @@ class TraceRunner:
             step += 1
         if not scheduler.has_unfinished:
             scheduler.memory.assert_no_leak()
-        return EvictionStats(self.policy.name, step, seconds, finished_tokens, num_finished, self.num_refused,
-                             scheduler.num_evictions, len(victims), scheduler.num_recomputed_tokens,
-                             swapped_blocks * block_bytes, scheduler.freed_on_short_device,
-                             torch.stack(used) if used else torch.zeros(0, manager.num_devices, dtype=torch.int64),
-                             torch.tensor(running), evictions, events, self.num_retries, self.thrown_away_tokens,
-                             self.thrown_away_seconds,
-                             self.arrivals.clone(), first_token, finish, num_output)
+        return EvictionStats(
+            self.policy.name,
+            step,
+            seconds,
+            finished_tokens,
+            num_finished,
+            self.num_refused,
+            scheduler.num_evictions,
+            len(victims),
+            scheduler.num_recomputed_tokens,
+            swapped_blocks * block_bytes,
+            scheduler.freed_on_short_device,
+            torch.stack(used) if used else torch.zeros(0, manager.num_devices, dtype=torch.int64),
+            torch.tensor(running),
+            evictions,
+            events,
+            self.num_retries,
+            self.thrown_away_tokens,
+            self.thrown_away_seconds,
+            self.arrivals.clone(),
+            first_token,
+            finish,
+            num_output,
+        )
 
 
-def simulate(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup, policy,
-             cost: CostModel, max_steps: int = 100_000) -> EvictionStats:
+def simulate(
+    trace: RoutingTrace,
+    device_of_expert: torch.Tensor,
+    setup: EvictionSetup,
+    policy,
+    cost: CostModel,
+    max_steps: int = 100_000,
+) -> EvictionStats:
     return TraceRunner(trace, device_of_expert, setup, policy, cost).run(max_steps)
 
 
@@ -338,11 +431,16 @@ def memory_time_bound(trace: RoutingTrace, device_of_expert: torch.Tensor, setup
     """A lower bound on the steps any policy needs: the most, over devices, of the blocks each
     served sequence holds at each of its steps (prefill, then one per decode token) summed, over the
     pool; the longest sequence's steps; and all steps / max_num_seqs."""
-    runner = TraceRunner(trace, device_of_expert, setup, "newest_first", cost=None)     # built, never run
-    paths = [runner.future.held(r.request_id)[r.num_tokens:]       # (steps, D) from the prefill on
-             for r in runner.scheduler.waiting]                     # the served: none has started
-    block_steps = sum(path.sum(0) for path in paths)                                 # (D,)
-    tokens = sum(path.shape[0] for path in paths)           # all steps, one generated token each
-    steps = max(float((block_steps / runner.manager.blocks_per_device).max()),
-                max((path.shape[0] for path in paths), default=0), tokens / setup.max_num_seqs)
+    runner = TraceRunner(trace, device_of_expert, setup, "newest_first", cost=None)  # built, never run
+    paths = [
+        runner.future.held(r.request_id)[r.num_tokens :]  # (steps, D) from the prefill on
+        for r in runner.scheduler.waiting
+    ]  # the served: none has started
+    block_steps = sum(path.sum(0) for path in paths)  # (D,)
+    tokens = sum(path.shape[0] for path in paths)  # all steps, one generated token each
+    steps = max(
+        float((block_steps / runner.manager.blocks_per_device).max()),
+        max((path.shape[0] for path in paths), default=0),
+        tokens / setup.max_num_seqs,
+    )
     return {"steps": steps, "finished_tokens": tokens, "tokens_per_step": tokens / steps}

@@ -19,12 +19,12 @@ from ..cache.rows import RowIndex
 
 @dataclass
 class RoutingTrace:
-    experts: torch.Tensor          # (num_tokens, L, K) int16, sequences concatenated; -1: a token
-                                   # used fewer than K (threshold routing)
-    offsets: torch.Tensor          # (S + 1,) int64: sequence s is tokens offsets[s]:offsets[s + 1]
-    prompt_lens: torch.Tensor      # (S,) int64: the first prompt_lens[s] tokens prefill at once
-    num_experts: int               # E
-    kv_bytes_per_slot: int         # bytes of K and V one token stores in one (layer, expert) row
+    experts: torch.Tensor  # (num_tokens, L, K) int16, sequences concatenated; -1: a token
+    # used fewer than K (threshold routing)
+    offsets: torch.Tensor  # (S + 1,) int64: sequence s is tokens offsets[s]:offsets[s + 1]
+    prompt_lens: torch.Tensor  # (S,) int64: the first prompt_lens[s] tokens prefill at once
+    num_experts: int  # E
+    kv_bytes_per_slot: int  # bytes of K and V one token stores in one (layer, expert) row
     name: str = "trace"
 
     def __post_init__(self):
@@ -54,28 +54,39 @@ class RoutingTrace:
 
     def subset(self, seqs: list[int]) -> "RoutingTrace":
         """The trace of some sequences only, renumbered 0..len(seqs)-1."""
-        parts = [self.experts[self.offsets[s]: self.offsets[s + 1]] for s in seqs]
+        parts = [self.experts[self.offsets[s] : self.offsets[s + 1]] for s in seqs]
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), self.lengths[seqs].cumsum(0)])
-        return RoutingTrace(torch.cat(parts), offsets, self.prompt_lens[seqs].clone(), self.num_experts,
-                            self.kv_bytes_per_slot, self.name)
+        return RoutingTrace(
+            torch.cat(parts),
+            offsets,
+            self.prompt_lens[seqs].clone(),
+            self.num_experts,
+            self.kv_bytes_per_slot,
+            self.name,
+        )
 
     def row_counts(self, seq: int) -> torch.Tensor:
         """(len + 1, L, E): tokens each row of sequence `seq` holds after its first t tokens."""
-        chosen = self.experts[int(self.offsets[seq]): int(self.offsets[seq + 1])].to(torch.int64)
+        chosen = self.experts[int(self.offsets[seq]) : int(self.offsets[seq + 1])].to(torch.int64)
         hits = torch.zeros(chosen.shape[0], self.num_layers, self.num_experts, dtype=torch.int64)
-        hits.scatter_add_(2, chosen.clamp(min=0), (chosen >= 0).to(torch.int64))        # (n, L, E)
+        hits.scatter_add_(2, chosen.clamp(min=0), (chosen >= 0).to(torch.int64))  # (n, L, E)
         return torch.cat([torch.zeros_like(hits[:1]), hits.cumsum(0)])
 
-    def appends(self, seqs: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
-                row_seqs: torch.Tensor | None = None):
+    def appends(
+        self,
+        seqs: torch.Tensor,
+        starts: torch.Tensor,
+        counts: torch.Tensor,
+        row_seqs: torch.Tensor | None = None,
+    ):
         """The distinct rows (a,) that tokens starts[i] .. starts[i] + counts[i] - 1 of sequence
         seqs[i] append to, numbered with seq_index row_seqs[i] (default seqs[i]); the slots each
         gains (a,) >= 1; (L,) experts chosen per layer."""
         index = RowIndex(self.num_layers, self.num_experts)
-        owner = torch.repeat_interleave(torch.arange(len(seqs)), counts)                     # (N,)
+        owner = torch.repeat_interleave(torch.arange(len(seqs)), counts)  # (N,)
         local = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[owner]
-        token = self.offsets[seqs][owner] + starts[owner] + local                          # (N,)
-        chosen = self.experts[token].to(torch.int64)                                  # (N, L, K)
+        token = self.offsets[seqs][owner] + starts[owner] + local  # (N,)
+        chosen = self.experts[token].to(torch.int64)  # (N, L, K)
         row_seq = (seqs if row_seqs is None else row_seqs)[owner][:, None, None]
         row = index.row(row_seq, torch.arange(self.num_layers)[None, :, None], chosen)
         hits = torch.bincount(row[chosen >= 0])
@@ -87,13 +98,14 @@ class RoutingTrace:
         count = self.prompt_lens[seqs]
         return self.appends(seqs, torch.zeros_like(count), count)[:2]
 
-    def decode_appends(self, seqs: torch.Tensor, token_index: torch.Tensor,
-                       row_seqs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_appends(
+        self, seqs: torch.Tensor, token_index: torch.Tensor, row_seqs: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows that token token_index[i] of sequence seqs[i] appends one slot to, numbered
         with seq_index row_seqs[i] (default seqs[i]): (a,) int64, distinct (a token's experts are
         distinct, and each sequence decodes one token); (L,) experts chosen per layer."""
         index = RowIndex(self.num_layers, self.num_experts)
-        chosen = self.experts[self.offsets[seqs] + token_index].to(torch.int64)      # (m, L, K)
+        chosen = self.experts[self.offsets[seqs] + token_index].to(torch.int64)  # (m, L, K)
         row_seq = seqs if row_seqs is None else row_seqs
         rows = index.row(row_seq[:, None, None], torch.arange(self.num_layers)[None, :, None], chosen)
         used = chosen >= 0
@@ -117,14 +129,25 @@ def _lengths(num_sequences: int, mean_prompt, mean_output, sigma, generator, len
     offsets (S + 1,) of the whole sequences."""
     if lengths is not None:
         prompts, outputs = (torch.as_tensor(x, dtype=torch.int64) for x in lengths)
-        if prompts.shape != (num_sequences,) or outputs.shape != (num_sequences,) or \
-                bool((prompts < 1).any()) or bool((outputs < 1).any()):
-            raise ValueError(f"lengths must be (prompts, outputs) of shape ({num_sequences},) each, every "
-                             f"length >= 1; got shapes {tuple(prompts.shape)} and {tuple(outputs.shape)}")
+        if (
+            prompts.shape != (num_sequences,)
+            or outputs.shape != (num_sequences,)
+            or bool((prompts < 1).any())
+            or bool((outputs < 1).any())
+        ):
+            raise ValueError(
+                f"lengths must be (prompts, outputs) of shape ({num_sequences},) each, every "
+                f"length >= 1; got shapes {tuple(prompts.shape)} and {tuple(outputs.shape)}"
+            )
     else:
         mus = [torch.log(torch.tensor(mean)) - sigma**2 / 2 for mean in (mean_prompt, mean_output)]
-        prompts, outputs = (torch.exp(mu + sigma * torch.randn(num_sequences, generator=generator))
-                            .round().clamp(min=1).to(torch.int64) for mu in mus)
+        prompts, outputs = (
+            torch.exp(mu + sigma * torch.randn(num_sequences, generator=generator))
+            .round()
+            .clamp(min=1)
+            .to(torch.int64)
+            for mu in mus
+        )
     return prompts, torch.cat([torch.zeros(1, dtype=torch.int64), (prompts + outputs).cumsum(0)])
 
 
@@ -133,45 +156,76 @@ def _gumbel_top_k(log_weight, num_tokens: int, top_k: int, generator, token_topi
     without replacement) on log_weight (L, E), or on log_weight[token_topic[t]] of a (T, L, E)."""
     L, E = log_weight.shape[-2:]
     experts = torch.empty(num_tokens, L, top_k, dtype=torch.int16)
-    chunk = 8192                                    # bounds the (chunk, L, E) noise tensor
+    chunk = 8192  # bounds the (chunk, L, E) noise tensor
     for start in range(0, num_tokens, chunk):
         n = min(chunk, num_tokens - start)
         uniform = torch.rand(n, L, E, generator=generator).clamp_(1e-12, 1.0)
-        gumbel = -torch.log(-torch.log(uniform))                                  # (n, L, E)
-        weight = log_weight if token_topic is None else log_weight[token_topic[start:start + n]]
-        experts[start:start + n] = (weight + gumbel).topk(top_k, dim=-1).indices.to(torch.int16)
+        gumbel = -torch.log(-torch.log(uniform))  # (n, L, E)
+        weight = log_weight if token_topic is None else log_weight[token_topic[start : start + n]]
+        experts[start : start + n] = (weight + gumbel).topk(top_k, dim=-1).indices.to(torch.int16)
     return experts
 
 
 def _log_rank(n: int, num_layers: int, num_experts: int, generator) -> torch.Tensor:
     """(n, L, E) float32: log(1 + rank) of each expert in a random ranking per layer, n times."""
-    ranks = torch.stack([torch.stack([torch.randperm(num_experts, generator=generator)
-                                      for _ in range(num_layers)]) for _ in range(n)])
+    ranks = torch.stack(
+        [
+            torch.stack([torch.randperm(num_experts, generator=generator) for _ in range(num_layers)])
+            for _ in range(n)
+        ]
+    )
     return torch.log1p(ranks.to(torch.float32))
 
 
-def synthetic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k: int,
-                    mean_prompt: float = 256, mean_output: float = 256, sigma: float = 0.5,
-                    zipf_s: float = 1.0, kv_bytes_per_slot: int = 512, seed: int = 0,
-                    name: str = "synthetic", lengths=None) -> RoutingTrace:
+def synthetic_trace(
+    num_sequences: int,
+    num_layers: int,
+    num_experts: int,
+    top_k: int,
+    mean_prompt: float = 256,
+    mean_output: float = 256,
+    sigma: float = 0.5,
+    zipf_s: float = 1.0,
+    kv_bytes_per_slot: int = 512,
+    seed: int = 0,
+    name: str = "synthetic",
+    lengths=None,
+) -> RoutingTrace:
     """Top-k routing, Zipf(s) expert popularity, log-normal prompt and output lengths: each layer
     ranks its experts at random (the hot expert differs per layer), rank r weighs 1 / r^s, and a
     token takes k distinct experts by those weights (Gumbel top-k). zipf_s = 0 is uniform. lengths:
     (prompts, outputs) to use instead of the log-normal ones (also in topic_trace)."""
-    _check_sizes(dict(zipf_s=zipf_s), num_sequences=num_sequences, num_layers=num_layers,
-                 num_experts=num_experts, top_k=top_k)
+    _check_sizes(
+        dict(zipf_s=zipf_s),
+        num_sequences=num_sequences,
+        num_layers=num_layers,
+        num_experts=num_experts,
+        top_k=top_k,
+    )
     generator = torch.Generator().manual_seed(seed)
     prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator, lengths)
-    log_weight = -zipf_s * _log_rank(1, num_layers, num_experts, generator)[0]          # (L, E)
+    log_weight = -zipf_s * _log_rank(1, num_layers, num_experts, generator)[0]  # (L, E)
     experts = _gumbel_top_k(log_weight, int(offsets[-1]), top_k, generator)
     return RoutingTrace(experts, offsets, prompts, num_experts, kv_bytes_per_slot, name)
 
 
-def topic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k: int, num_topics: int = 4,
-                topic_s: float = 1.5, global_s: float = 0.5, topic_popularity_s: float = 1.0,
-                mean_prompt: float = 256, mean_output: float = 256, sigma: float = 0.5,
-                kv_bytes_per_slot: int = 512, seed: int = 0, name: str = "topics",
-                lengths=None) -> tuple[RoutingTrace, torch.Tensor]:
+def topic_trace(
+    num_sequences: int,
+    num_layers: int,
+    num_experts: int,
+    top_k: int,
+    num_topics: int = 4,
+    topic_s: float = 1.5,
+    global_s: float = 0.5,
+    topic_popularity_s: float = 1.0,
+    mean_prompt: float = 256,
+    mean_output: float = 256,
+    sigma: float = 0.5,
+    kv_bytes_per_slot: int = 512,
+    seed: int = 0,
+    name: str = "topics",
+    lengths=None,
+) -> tuple[RoutingTrace, torch.Tensor]:
     """A RoutingTrace and the topic of each sequence, (S,) int64. Learned routers specialise
     (`routing-stats`): sequences lean on their topic's experts, so under per-device pools the
     victim matters (notebook 05). A token of topic t takes k distinct experts by Gumbel top-k on
@@ -180,15 +234,20 @@ def topic_trace(num_sequences: int, num_layers: int, num_experts: int, top_k: in
 
     with Zipf(topic_popularity_s) topic popularity, so the most popular topic's experts (and, under
     a co-activation placement, the device they share) fill first."""
-    _check_sizes(dict(topic_s=topic_s, global_s=global_s, topic_popularity_s=topic_popularity_s),
-                 num_sequences=num_sequences, num_layers=num_layers, num_experts=num_experts,
-                 top_k=top_k, num_topics=num_topics)
+    _check_sizes(
+        dict(topic_s=topic_s, global_s=global_s, topic_popularity_s=topic_popularity_s),
+        num_sequences=num_sequences,
+        num_layers=num_layers,
+        num_experts=num_experts,
+        top_k=top_k,
+        num_topics=num_topics,
+    )
     generator = torch.Generator().manual_seed(seed)
     prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator, lengths)
-    global_weight = -global_s * _log_rank(1, num_layers, num_experts, generator)[0]      # (L, E)
+    global_weight = -global_s * _log_rank(1, num_layers, num_experts, generator)[0]  # (L, E)
     topic_weight = -topic_s * _log_rank(num_topics, num_layers, num_experts, generator)  # (T, L, E)
     popularity = torch.arange(1, num_topics + 1, dtype=torch.float64) ** -topic_popularity_s
-    topic = torch.multinomial(popularity, num_sequences, replacement=True, generator=generator)   # (S,)
-    token_topic = torch.repeat_interleave(topic, offsets[1:] - offsets[:-1])               # (N,)
+    topic = torch.multinomial(popularity, num_sequences, replacement=True, generator=generator)  # (S,)
+    token_topic = torch.repeat_interleave(topic, offsets[1:] - offsets[:-1])  # (N,)
     experts = _gumbel_top_k(global_weight + topic_weight, int(offsets[-1]), top_k, generator, token_topic)
     return RoutingTrace(experts, offsets, prompts, num_experts, kv_bytes_per_slot, name), topic

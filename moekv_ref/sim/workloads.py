@@ -40,15 +40,16 @@ def _quantiles(stats) -> torch.Tensor:
     if isinstance(stats, list):
         return torch.tensor(stats, dtype=torch.float64)
     mu = math.log(stats["median"])
-    z90 = 1.2815515655446004                                               # Phi^-1(0.9)
+    z90 = 1.2815515655446004  # Phi^-1(0.9)
     sigma = (math.log(stats["p90"]) - mu) / z90
     p = torch.tensor([0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999], dtype=torch.float64)
     z = math.sqrt(2) * torch.erfinv(2 * p - 1)
     return torch.stack([p, torch.exp(mu + sigma * z)], 1)
 
 
-def sample_lengths(name: str, num_requests: int, seed: int = 0, max_tokens: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_lengths(
+    name: str, num_requests: int, seed: int = 0, max_tokens: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(prompts, outputs), (S,) int64 each, >= 1, drawn from workload `name`'s quantiles; with
     max_tokens, a request's prompt + output is cut to fit (the prompt first keeps its share)."""
     workloads = length_workloads()
@@ -59,10 +60,10 @@ def sample_lengths(name: str, num_requests: int, seed: int = 0, max_tokens: int 
     generator = torch.Generator().manual_seed(seed)
     drawn = []
     for part in ("prompt", "output"):
-        knots = _quantiles(workloads[name][part])                                       # (q, 2)
-        u = torch.rand(num_requests, generator=generator, dtype=torch.float64)          # (S,)
+        knots = _quantiles(workloads[name][part])  # (q, 2)
+        u = torch.rand(num_requests, generator=generator, dtype=torch.float64)  # (S,)
         i = torch.searchsorted(knots[:, 0].contiguous(), u).clamp(1, knots.shape[0] - 1)
-        below = knots[i - 1]                                                            # (S, 2) each
+        below = knots[i - 1]  # (S, 2) each
         above = knots[i]
         fraction = ((u - below[:, 0]) / (above[:, 0] - below[:, 0])).clamp(0, 1)
         value = below[:, 1] + (above[:, 1] - below[:, 1]) * fraction
@@ -76,8 +77,9 @@ def sample_lengths(name: str, num_requests: int, seed: int = 0, max_tokens: int 
     return prompts, outputs
 
 
-def arrival_times(num_requests: int, rate: float, process: str = "poisson", cv: float = 2.0,
-                  seed: int = 0) -> torch.Tensor:
+def arrival_times(
+    num_requests: int, rate: float, process: str = "poisson", cv: float = 2.0, seed: int = 0
+) -> torch.Tensor:
     """(S,) float64 seconds, increasing from the first gap: `rate` requests per second on average,
     Poisson or gamma gaps with coefficient of variation cv (shape 1 / cv^2: bursts and lulls)."""
     if process not in ARRIVALS:
@@ -90,14 +92,20 @@ def arrival_times(num_requests: int, rate: float, process: str = "poisson", cv: 
     if process == "poisson":
         gaps = torch.empty(num_requests, dtype=torch.float64).exponential_(rate, generator=generator)
     else:
-        shape = 1.0 / cv**2                        # mean shape * scale = 1 / rate
+        shape = 1.0 / cv**2  # mean shape * scale = 1 / rate
         # torch's gamma sampler takes no generator: numpy's seeded one draws the gaps
         gaps = torch.from_numpy(np.random.default_rng(seed).gamma(shape, 1.0 / (rate * shape), num_requests))
     return torch.cumsum(gaps, 0)
 
 
-def latency_summary(arrival: torch.Tensor, first_token: torch.Tensor, finish: torch.Tensor,
-                    num_output: torch.Tensor, ttft_slo: float, tpot_slo: float) -> dict:
+def latency_summary(
+    arrival: torch.Tensor,
+    first_token: torch.Tensor,
+    finish: torch.Tensor,
+    num_output: torch.Tensor,
+    ttft_slo: float,
+    tpot_slo: float,
+) -> dict:
     """Per request (S,) arrival, first token and finish seconds (NaN: never served) and output
     tokens: TTFT and TPOT at p50 and p99 over served requests, SLO attainment over all, and good
     requests per second over the run (first arrival to last finish)."""
@@ -111,6 +119,7 @@ def latency_summary(arrival: torch.Tensor, first_token: torch.Tensor, finish: to
 
     def quantile(x: torch.Tensor, q: float) -> float:
         return float(torch.quantile(x, q)) if x.numel() else float("nan")
+
     return {
         "served": int(served.sum()),
         "requests": int(arrival.numel()),
