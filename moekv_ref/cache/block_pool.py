@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..sampling import MAX_SEED
+from ..state import Stateful
 
 IDS_ALLOWED = "integer ids (an integer tensor or array, a list of ints, or one int)"
 
@@ -161,12 +162,20 @@ class OutOfBlocksError(RuntimeError):
         self.shortfall = shortfall
 
 
-class BlockPool:
+class BlockPool(Stateful):
     """Block ids of D devices (num_blocks: one), a free block queue per device and a reference
     count per block. shuffle_seed: each device's queue starts in a random order (device d's seed
     is shuffle_seed + d): tests use it to show nothing depends on a row's blocks being adjacent."""
 
-    _UNDO_SHARED = ("_device_sizes", "_first_block")  # engine/undo.py: set once, never changed
+    STATE = (
+        "_free_stack",
+        "_num_free",
+        "ref_cnt",
+        "is_cached",
+        "_cached_free",
+        "_any_cached",
+        "num_evicted_cached_blocks",
+    )
 
     def __init__(
         self, num_blocks: int | None = None, shuffle_seed: int | None = None, blocks_per_device=None

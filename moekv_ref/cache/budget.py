@@ -48,6 +48,8 @@ import numbers
 
 import torch
 
+from ..state import Stateful
+
 BUDGET_POLICIES = ("drop", "window", "heavy_hitter", "router_score")
 
 
@@ -57,7 +59,7 @@ def _check_count(name: str, value, least: int) -> int:
     return int(value)
 
 
-class RowBudget:
+class RowBudget(Stateful):
     """At most `max_tokens` tokens per row (an int, or one int per layer), `policy` at a full row.
 
     A part a KVCacheManager is built with (`KVCacheManager(..., budget=RowBudget(64, "window"))`),
@@ -65,6 +67,8 @@ class RowBudget:
     counts and asks the part where a newcomer goes (`choose`); the part keeps what the policies read
     (`record`, `add_attention`) and nothing else. `attend_with_budget` runs the same rules over a
     whole padded batch, the recompute a budgeted cache must equal."""
+
+    STATE = ("slot_position", "slot_score", "num_refused", "num_evicted")
 
     def __init__(self, max_tokens, policy: str = "window", num_sinks: int = 4):
         if policy not in BUDGET_POLICIES:

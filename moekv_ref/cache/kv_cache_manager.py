@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..state import Stateful
 from .block_pool import BlockPool, OutOfBlocksError, a_type, checked_ids, entries, integer_dtype, preview
 from .rows import RowIndex, ceil_div
 
@@ -145,11 +146,23 @@ def _first_value(placement) -> str:
     return f"device_of_expert[{index}]={preview(flat[i : i + 1])[1:-1]}"
 
 
-class KVCacheManager:
+class KVCacheManager(Stateful):
     """Block tables and token counts for every (sequence, layer, expert) row over one BlockPool.
     device_of_expert: (E,) or (L, E), all zeros when left out; tails, prefix_cache: its parts."""
 
-    _UNDO_SHARED = ("_placement",)  # engine/undo.py: set once, never changed
+    STATE = (
+        "row_tokens",
+        "row_device",
+        "block_tables",
+        "last_position",
+        "clock",
+        "last_appended",
+        "open_rows",
+        "count_blocks",
+        "_seq_index",
+        "_free_seq_indices",
+    )
+    PARTS = ("pool", "tails", "prefix_cache", "budget")
 
     def __init__(
         self,

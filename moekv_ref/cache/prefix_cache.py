@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..state import Stateful
 from .block_pool import OutOfBlocksError
 from .kv_cache_manager import KVCacheManager
 from .rows import ceil_div
@@ -79,7 +80,9 @@ class PrefixHit:
 
 
 @dataclass
-class PrefixCacheStats:
+class PrefixCacheStats(Stateful):
+    STATE = ("num_lookups", "num_lookup_tokens", "num_hit_tokens", "num_shared_blocks", "num_cow_blocks")
+
     num_lookups: int = 0
     num_lookup_tokens: int = 0  # tokens of the requests looked up (prompt, or all so far)
     num_hit_tokens: int = 0  # tokens skipped (sum of s)
@@ -87,12 +90,15 @@ class PrefixCacheStats:
     num_cow_blocks: int = 0  # straddling blocks copied
 
 
-class PrefixCache:
+class PrefixCache(Stateful):
     """A KVCacheManager's part (`prefix_cache=PrefixCache()`, one per manager): full blocks outlive
     their sequences and are found again by prefix. block_positions (N, P), the position of the
     token at each slot, tells which chunks a block spans. Invariants (`assert_consistent`): a block
     listed by several rows is full in each, at the same (layer, expert) and column; keys and cached
     blocks match one to one; ref_cnt == the rows listing a block."""
+
+    STATE = ("block_positions", "_block_of_key", "_keys_of_block", "_chunk_counts", "_seq_state")
+    PARTS = ("stats",)
 
     def attach(self, manager: KVCacheManager) -> None:
         self.manager, self.chunk_size, num_blocks = manager, manager.block_size, manager.num_blocks

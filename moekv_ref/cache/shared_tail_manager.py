@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import torch
 
+from ..state import Stateful
 from .kv_cache_manager import KVCacheManager, Moves, SlotAllocation
 
 
-class SharedTails:
+class SharedTails(Stateful):
     """A KVCacheManager's part (`tails=SharedTails()`, one per manager): it owns the tail state,
     and the manager hands it the calls that differ."""
+
+    STATE = ("tail_slots", "slot_row", "slot_position", "tail_blocks", "free_tail_slots")
 
     def attach(self, manager: KVCacheManager) -> None:
         self.manager = manager

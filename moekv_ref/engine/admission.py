@@ -13,12 +13,15 @@ from typing import Sequence
 
 import torch
 
+from ..state import Stateful
 from .demand import DemandPredictor
 from .memory import MemoryView
 from .request import Request, RequestStatus
 
 
-class AdmissionPolicy:
+class AdmissionPolicy(Stateful):
+    # a policy that remembers something across steps lists it in STATE (moekv_ref/state.py)
+
     name = "admission"
 
     def allows(

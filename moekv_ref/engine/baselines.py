@@ -49,6 +49,8 @@ class StaticBatching(BatchingPolicy):
     longest output), fit the pool. Every member decodes (and throws away) tokens until the batch's
     longest output is done, as a padded batch does; the padding is kept here, per request."""
 
+    STATE = ("_padding",)
+
     name = "static"
 
     def __init__(self):

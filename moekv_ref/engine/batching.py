@@ -8,6 +8,7 @@ request may need alone, and how many tokens a request decodes.
 
 from __future__ import annotations
 
+from ..state import Stateful
 from .admission import AdmissionPolicy, PredictedAdmission
 from .demand import DemandPredictor, worst_case_lifetime_blocks
 from .memory import MemoryView, ModelShape
@@ -95,8 +96,10 @@ class AdmissionStep:
         return request
 
 
-class BatchingPolicy:
+class BatchingPolicy(Stateful):
     """One object serves one scheduler: it may keep per-request state, dropped in `release`."""
+
+    # a policy that remembers something across steps lists it in STATE (moekv_ref/state.py)
 
     name = "batching"
 
@@ -121,6 +124,8 @@ class ContinuousBatching(BatchingPolicy):
     """Admit the head of the line while its next step fits and the admission policy (and the victim
     policy's `admits`) allows: more sequences share the pool than under any lifetime reservation,
     and the admission policy keeps that from turning into preemptions."""
+
+    PARTS = ("admission",)
 
     name = "continuous_paged"
 

@@ -33,6 +33,7 @@ import math
 import torch
 
 from ..cache.rows import ceil_div, worst_case_lifetime_blocks  # noqa: F401 (the pool's bound, used here)
+from ..state import Stateful
 
 
 def min_lifetime_blocks(num_tokens: int, num_layers: int, k_min: int, block_size: int) -> int:
@@ -47,7 +48,7 @@ def reserved_blocks(num_tokens: int, num_layers: int, num_experts: int, block_si
     return num_layers * num_experts * ceil_div(num_tokens, block_size)
 
 
-class DemandPredictor:
+class DemandPredictor(Stateful):
     """Predicts a request's blocks from k_avg[l], the mean experts per token at layer l so far
     (before any token: k_max, the safe prior). For T cached tokens, per layer,
 
@@ -57,6 +58,8 @@ class DemandPredictor:
     the blocks the entries fill plus the partly filled last block of every row touched. Under top-k
     routing k_avg = k exactly, and only the split across experts, hence the tail, is unknown.
     """
+
+    STATE = ("num_entries", "num_tokens")
 
     def __init__(
         self,

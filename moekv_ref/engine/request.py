@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sampling import SamplingParams
+from ..state import Stateful
 
 
 def check_int(name: str, value, minimum: int, allow_none: bool = False) -> None:
@@ -42,9 +43,22 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass
-class Request:
-    # kept by reference when a failed step is undone (engine/undo.py): set once, never changed
-    _UNDO_SHARED = ("prompt_token_ids", "sampling_params")
+class Request(Stateful):
+    STATE = (  # what a step changes (moekv_ref/state.py); the engine restores the generator
+        "status",
+        "output_token_ids",
+        "num_computed_tokens",
+        "swapped",
+        "predicted_blocks",
+        "actual_blocks",
+        "final_token_counts",
+        "num_preemptions",
+        "num_recomputed_tokens",
+        "prefix_hit",
+        "finished_step",
+        "finish_reason",
+        "error",
+    )
 
     request_id: int
     prompt_token_ids: list[int]

@@ -43,6 +43,7 @@ import torch
 
 from ..cache.kv_cache_manager import KVCacheManager
 from ..cache.rows import ceil_div, worst_case_lifetime_blocks
+from ..state import Stateful
 from .admission import ADMISSIONS, AdmissionPolicy
 from .baselines import ContinuousReserved, StaticBatching
 from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
@@ -179,10 +180,27 @@ class SchedulerOutput:
         return sum(s.reserved_blocks for s in self.scheduled)
 
 
-class Scheduler:
+class Scheduler(Stateful):
     """Between steps every request is in exactly one of `waiting` (WAITING or PREEMPTED) and
     `running` (RUNNING), or is FINISHED and in neither; only a swap-PREEMPTED request holds swap
     blocks, and it holds no pool blocks."""
+
+    STATE = (
+        "waiting",
+        "running",
+        "stalled",
+        "current",
+        "num_preemptions",
+        "num_recomputed_tokens",
+        "num_swapped_out_blocks",
+        "num_evictions",
+        "freed_on_short_device",
+        "num_row_evictions",
+        "num_evicted_rows",
+        "num_dead_rows_freed",
+    )
+    # the manager holds the prefix cache, shared tails and budget; the memory view holds nothing
+    PARTS = ("manager", "swap_space", "predictor", "batching", "victims")
 
     def __init__(
         self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape, num_swap_blocks: int = 0
@@ -252,12 +270,25 @@ class Scheduler:
         self.running: list[Request] = []
         self.stalled: dict[int, Request] = {}  # request id -> request whose rows were evicted, in order
         self.current: Request | None = None  # the request schedule() was deciding on
-        self.num_preemptions = self.num_recomputed_tokens = self.num_swapped_out_blocks = (
-            self.num_evictions
-        ) = 0
-        self.freed_on_short_device = self.num_row_evictions = self.num_evicted_rows = (
-            self.num_dead_rows_freed
-        ) = 0
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+        self.num_swapped_out_blocks = 0
+        self.num_evictions = 0
+        self.freed_on_short_device = 0
+        self.num_row_evictions = 0
+        self.num_evicted_rows = 0
+        self.num_dead_rows_freed = 0
+
+    def save(self) -> tuple:
+        """Stateful.save, with every unfinished request's state (engine/undo.py)."""
+        requests = {id(r): r for r in (*self.waiting, *self.running, *self.stalled.values())}
+        return super().save(), [(r, r.save()) for r in requests.values()]
+
+    def restore(self, saved: tuple) -> None:
+        own, requests = saved
+        super().restore(own)
+        for request, state in requests:
+            request.restore(state)
 
     # ----- requests in ------------------------------------------------------------------------------
     def max_blocks_alone(self, num_cached_tokens: int) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from ..cache.block_pool import BlockPool
 from ..cache.kv_cache_manager import KVCacheManager
+from ..state import Stateful
 from .request import check_int
 
 SWAP_OUT = "swap_out"  # device blocks -> host blocks
@@ -43,8 +44,11 @@ class SwappedSequence:
     budget_state: tuple | None = None  # the rows' slot positions and scores (a row budget only)
 
 
-class SwapSpace:
+class SwapSpace(Stateful):
     """Host block ids and saved row counts of the sequences preempted by swap (no tensors of K/V)."""
+
+    STATE = ("swapped",)  # its SwappedSequence records are never changed in place
+    PARTS = ("pool",)
 
     def __init__(self, manager: KVCacheManager, num_blocks: int):
         check_int("swap space num_blocks", num_blocks, 1)

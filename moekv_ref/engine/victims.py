@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from ..state import Stateful
 from .memory import MemoryView
 from .request import Request
 
@@ -45,7 +46,9 @@ class RowEviction:
     layer_experts: tuple[tuple[int, int], ...]
 
 
-class VictimPolicy:
+class VictimPolicy(Stateful):
+    # a policy that remembers something across steps lists it in STATE (moekv_ref/state.py)
+
     name = "victim"
     evicts_rows = False  # True: may answer a RowEviction, which needs a manager that can_evict_rows
 

@@ -41,6 +41,8 @@ class ScriptedVictims(VictimPolicy):
     """At the i-th decision with two or more candidates, preempt candidates[script[i]] (0: the
     request being scheduled, which then waits)."""
 
+    STATE = ("script", "used")
+
     name = "scripted"
 
     def __init__(self, script=()):
