@@ -303,6 +303,10 @@ def test_readme_first_generate_example_prints_python_shaped_text(capsys):
         (["--decode-steps", "-1"], "--decode-steps -1: must be an integer from 1 to 4095"),
         (["--decode-steps", "0"], "--decode-steps 0: must be an integer from 1 to 4095"),
         (
+            ["--contexts", "128", "512", "128"],
+            "--contexts=128 512 128 is not allowed: 128 is given twice; allowed: distinct values",
+        ),
+        (
             ["--context", "100000"],
             "--context 100000: must be an integer from 1 to 4092: the sweep model's "
             "max_position_embeddings=4096 positions hold the context and the 4 decode steps",
@@ -362,6 +366,10 @@ def test_parallel_cli_refuses_bad_environments(capsys, monkeypatch, environment,
         ),
         (["--contexts", "128", "4095"], "--contexts 4095: must be an integer from 1 to 4094"),
         (["--decode-steps", "0"], "--decode-steps 0: must be an integer from 1 to 4095"),
+        (
+            ["--contexts", "128", "512", "128"],
+            "--contexts=128 512 128 is not allowed: 128 is given twice; allowed: distinct values",
+        ),
         (["--world-size", "3"], "--world-size 3: must be 2, 4 or 8"),
         (["--world-size", "1"], "--world-size 1: must be 2, 4 or 8"),
         (

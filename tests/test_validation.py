@@ -19,7 +19,18 @@ import pytest
 import torch
 from helpers import random_model, small_config
 
-from moekv_ref.apps import bench_eviction, bench_memory, bench_serving, bench_step, cli, demo, figures
+from moekv_ref.apps import (
+    bench_cluster,
+    bench_eviction,
+    bench_memory,
+    bench_serving,
+    bench_step,
+    capacity,
+    cli,
+    demo,
+    family,
+    figures,
+)
 from moekv_ref.apps.cli import main
 from moekv_ref.cache import KVCacheManager
 from moekv_ref.cache.block_pool import BlockPool, checked_blocks_per_device
@@ -767,6 +778,52 @@ OPTION_CASES = [
     ("demo --seed -2", ["demo", "--seed", "-2"], "--seed=-2"),
     ("demo --figures a file", ["demo", "--figures", A_FILE], f"--figures={A_FILE} is a file"),
     ("figures --out a file", ["figures", "--out", A_FILE], f"--out={A_FILE} is a file"),
+    (
+        "train-family --seeds 0 0",
+        ["train-family", "--seeds", "0", "0"],
+        "--seeds=0 0 is not allowed: 0 is given twice; allowed: distinct values",
+    ),
+    (
+        "train-family --variants dense dense",
+        ["train-family", "--variants", "dense", "expert_topk", "dense"],
+        "--variants=dense expert_topk dense is not allowed: dense is given twice",
+    ),
+    (
+        "capacity --seeds 1 2 1",
+        ["capacity", "--seeds", "1", "2", "1"],
+        "--seeds=1 2 1 is not allowed: 1 is given twice",
+    ),
+    ("capacity --variants dense dense", ["capacity", "--variants", "dense", "dense"], "dense is given twice"),
+    (
+        "bench cluster --rates 150 150.0",
+        ["bench", "cluster", "--rates", "150", "150.0"],
+        "--rates=150.0 150.0 is not allowed: 150.0 is given twice; allowed: distinct values",
+    ),
+    (
+        "bench cluster --policies sequence_lru sequence_lru",
+        ["bench", "cluster", "--policies", "sequence_lru", "sequence_lru"],
+        "--policies=sequence_lru sequence_lru is not allowed",
+    ),
+    (
+        "bench cluster --devices 8 8",
+        ["bench", "cluster", "--devices", "8", "8"],
+        "--devices=8 8 is not allowed",
+    ),
+    (
+        "bench cluster --gib-per-device 1 1",
+        ["bench", "cluster", "--gib-per-device", "1", "1"],
+        "--gib-per-device=1.0 1.0 is not allowed",
+    ),
+    (
+        "bench cluster --arrivals poisson poisson",
+        ["bench", "cluster", "--arrivals", "poisson", "poisson"],
+        "--arrivals=poisson poisson is not allowed",
+    ),
+    (
+        "bench cluster --reservations twice",
+        ["bench", "cluster", "--reservations", "optimistic", "optimistic"],
+        "--reservations=optimistic optimistic is not allowed",
+    ),
 ]
 
 # errors while a command runs: one line `error: ...`, status 2
@@ -815,8 +872,11 @@ def nothing_runs(monkeypatch):
         (bench_memory, "run_bench_memory"),
         (bench_serving, "main"),
         (bench_step, "main"),
+        (bench_cluster, "main"),
         (demo, "main"),
         (figures, "main"),
+        (family, "main"),
+        (capacity, "main"),
     ):
         monkeypatch.setattr(module, name, ran)
 

@@ -420,6 +420,15 @@ def check_args(args) -> None:
             raise ValueError(f"--policies {policy!r} is not one of {tuple(VICTIM_POLICIES)}")
     if "sequence_lru" not in args.policies:
         raise ValueError("--policies must include sequence_lru, the baseline the others are compared with")
+    for name, values in (
+        ("--devices", args.devices),
+        ("--gib-per-device", args.gib_per_device),
+        ("--rates", args.rates),
+        ("--arrivals", args.arrivals),
+        ("--reservations", args.reservations),
+        ("--policies", args.policies),
+    ):
+        options.distinct(name, values, "each setting of the grid runs once")
 
 
 def main(args) -> int:

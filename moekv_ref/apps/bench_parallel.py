@@ -28,6 +28,7 @@ from ..parallel.kv_placements import KV_PLACEMENTS
 from ..parallel.locality import attention_routing_of_text, compare_placements, format_placement_table
 from ..parallel.programs import run_parallel, total_bytes, total_traffic
 from ..plots.tables import text_table
+from . import options as checks
 from . import parallel_options as options
 from .parallel_measure import bytes_table, context_sweep_specs, pool_table
 
@@ -67,6 +68,7 @@ def check_args(args) -> None:
         raise ValueError(f"--world-size {args.world_size}: {problem}")
     for problem in options.positions_problems(args.contexts, args.decode_steps, "--contexts"):
         raise ValueError(problem)
+    checks.distinct("--contexts", args.contexts, "each context of the sweep runs once")
     if args.json is not None:
         folder = os.path.dirname(os.path.abspath(args.json))
         if os.path.isdir(args.json) or not os.path.isdir(folder):

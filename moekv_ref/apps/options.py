@@ -62,6 +62,22 @@ def seed(option: str, value) -> None:
     count(option, value, 0, MAX_SEED, "a seed for torch.Generator")
 
 
+def distinct(option: str, values, why: str = "each value runs once") -> None:
+    """A list option (nargs="+") without repeats: a repeated seed, rate or policy would run again (or
+    be read back from the first run) and count twice in a mean, a spread or a count of runs. Values
+    compare as parsed, so `--rates 150 150.0` repeats 150.0."""
+    if values is None:
+        return
+    seen = []
+    for value in values:
+        if value in seen:
+            given = " ".join(str(v) for v in values)
+            raise ValueError(
+                f"{option}={given} is not allowed: {value} is given twice; allowed: distinct values ({why})"
+            )
+        seen.append(value)
+
+
 def folder(option: str, value) -> None:
     """A folder to write into: made if missing, but not a path that is already a file."""
     if value is not None and Path(value).exists() and not Path(value).is_dir():
