@@ -638,6 +638,11 @@ OPTION_CASES = [
         "--prompt='' is empty; allowed: at least one character",
     ),
     (
+        "generate --prompt of a byte that is not UTF-8",
+        ["generate", "--prompt", "ab\udcff"],  # how sys.argv holds the byte 0xff
+        "--prompt is not UTF-8 text: at character 2, byte 0xff is not valid UTF-8; allowed: UTF-8 text",
+    ),
+    (
         "generate --max-new-tokens 1.5",
         ["generate", "--prompt", "x", "--max-new-tokens", "1.5"],
         "invalid int value: '1.5'",

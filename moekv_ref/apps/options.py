@@ -99,6 +99,28 @@ def output_file(option: str, value, parents_made: bool = False) -> None:
         )
 
 
+def utf8_text(option: str, value) -> None:
+    """Text to be encoded as UTF-8. Python decodes sys.argv with the locale's encoding and keeps each
+    byte it cannot decode as a lone surrogate (b"\\xff" becomes "\\udcff"), which UTF-8 cannot encode:
+    without this check the codec's own error names no option."""
+    if value is None:
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = value[error.start : error.end]
+        try:  # the bytes the command line held, for surrogates that stand for them
+            raw = bad.encode("utf-8", "surrogateescape")
+            listed = " ".join(f"0x{byte:02x}" for byte in raw)
+            found = f"byte {listed} is" if len(raw) == 1 else f"bytes {listed} are"
+            found = f"{found} not valid UTF-8"
+        except UnicodeEncodeError:  # a lone surrogate passed in from Python, not from a command line
+            found = f"the lone surrogate {ascii(bad)} has no UTF-8 encoding"
+        raise ValueError(
+            f"{option} is not UTF-8 text: at character {error.start}, {found}; allowed: UTF-8 text"
+        ) from None
+
+
 def parse_checked(parser: argparse.ArgumentParser, argv=None, check=None) -> argparse.Namespace:
     """parser.parse_args(argv), then check(args) (a module's check_args) with a ValueError turned into
     parser.error: usage and `error: ...` on stderr, exit status 2, before the command runs."""
