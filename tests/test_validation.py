@@ -12,6 +12,7 @@ from them.
 """
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -901,6 +902,52 @@ def test_bad_cli_input_gets_a_clear_error(name, argv, fragment, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and fragment in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs and /dev/null are POSIX's")
+def test_a_path_option_names_a_symlink_loop_and_what_is_not_a_regular_file(tmp_path, capsys, nothing_runs):
+    """Paths read by a command (a checkpoint, --against's checkout, the --json that --only-prefix-cache
+    updates) are checked by one function: a loop of links is not "missing", a FIFO not "empty"."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    refused = [
+        (["bench", "step", "--against", str(loop)], f"--against={loop} leads into a loop of symbolic links"),
+        (
+            ["bench", "step", "--against", str(fifo)],
+            f"--against={fifo} is a FIFO (named pipe), not a directory",
+        ),
+        (
+            ["bench", "cluster", "--speed", "--against", os.devnull],
+            f"--against={os.devnull} is a character device, not a directory",
+        ),
+        (
+            ["bench", "eviction", "--only-prefix-cache", "--json", str(fifo)],
+            f"--json={fifo} is a FIFO (named pipe), not a regular file",
+        ),
+        (
+            ["bench", "eviction", "--only-prefix-cache", "--json", str(loop)],
+            f"--json={loop} leads into a loop of symbolic links",
+        ),
+    ]
+    for argv, fragment in refused:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exit_info.value.code == 2 and fragment in last, argv
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX's")
+def test_a_checkpoint_option_names_a_symlink_loop_and_a_fifo(tmp_path, capsys):
+    """--checkpoint is checked by the loader, the command's first step: `error: ...`, status 2."""
+    loop = tmp_path / "loop.pt"
+    loop.symlink_to(loop)
+    fifo = tmp_path / "pipe.pt"
+    os.mkfifo(fifo)
+    for path, fragment in ((loop, "leads into a loop of symbolic links"), (fifo, "is a FIFO (named pipe)")):
+        assert main(["generate", "--prompt", "x", "--checkpoint", str(path)]) == 2
+        assert f"error: checkpoint {str(path)!r} {fragment}" in capsys.readouterr().err
 
 
 def test_a_bench_module_run_alone_checks_its_options(capsys):

@@ -389,6 +389,7 @@ def check_args(args) -> None:
     options.output_file("--json", args.json)
     if args.against is not None and not args.speed:
         raise ValueError("--against applies to --speed only")
+    options.input_folder("--against", args.against, "the root of a checkout of this repository")
     if args.against is not None and not (args.against / "moekv_ref" / "__init__.py").is_file():
         raise ValueError(
             f"--against={args.against} has no moekv_ref package; allowed: the root of a checkout"

@@ -14,6 +14,7 @@ import argparse
 import math
 from pathlib import Path
 
+from ..paths import check_input_file, check_input_folder
 from ..sampling import MAX_SEED
 
 
@@ -76,6 +77,28 @@ def distinct(option: str, values, why: str = "each value runs once") -> None:
                 f"{option}={given} is not allowed: {value} is given twice; allowed: distinct values ({why})"
             )
         seen.append(value)
+
+
+def input_file(option: str, value, allowed: str) -> None:
+    """A file the command reads (paths.check_input_file: there, a regular file, not empty), its
+    message ending in what is `allowed`."""
+    if value is None:
+        return
+    try:
+        check_input_file(value, f"{option}={value}")
+    except (FileNotFoundError, ValueError) as error:
+        raise ValueError(f"{error}; allowed: {allowed}") from None
+
+
+def input_folder(option: str, value, allowed: str) -> None:
+    """A folder the command reads from (paths.check_input_folder), its message ending in what is
+    `allowed`."""
+    if value is None:
+        return
+    try:
+        check_input_folder(value, f"{option}={value}")
+    except (FileNotFoundError, ValueError) as error:
+        raise ValueError(f"{error}; allowed: {allowed}") from None
 
 
 def folder(option: str, value) -> None:
