@@ -392,7 +392,8 @@ def test_parallel_cli_refuses_bad_environments(capsys, monkeypatch, environment,
         (["--world-size", "1"], "--world-size 1: must be 2, 4 or 8"),
         (
             ["--json", "/nonexistent-folder/parallel.json"],
-            "--json /nonexistent-folder/parallel.json: must be a file in an existing folder",
+            "--json=/nonexistent-folder/parallel.json: its folder /nonexistent-folder does not exist; "
+            "allowed: a file in an existing folder",
         ),
     ],
 )

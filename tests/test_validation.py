@@ -13,6 +13,7 @@ from them.
 
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,8 @@ from moekv_ref.apps import (
     bench_cluster,
     bench_eviction,
     bench_memory,
+    bench_parallel,
+    bench_peer,
     bench_serving,
     bench_step,
     capacity,
@@ -31,6 +34,8 @@ from moekv_ref.apps import (
     demo,
     family,
     figures,
+    options,
+    train,
 )
 from moekv_ref.apps.cli import main
 from moekv_ref.cache import KVCacheManager
@@ -883,6 +888,8 @@ def nothing_runs(monkeypatch):
         (figures, "main"),
         (family, "main"),
         (capacity, "main"),
+        (bench_peer, "main"),
+        (bench_parallel, "main"),
     ):
         monkeypatch.setattr(module, name, ran)
 
@@ -948,6 +955,102 @@ def test_a_checkpoint_option_names_a_symlink_loop_and_a_fifo(tmp_path, capsys):
     for path, fragment in ((loop, "leads into a loop of symbolic links"), (fifo, "is a FIFO (named pipe)")):
         assert main(["generate", "--prompt", "x", "--checkpoint", str(path)]) == 2
         assert f"error: checkpoint {str(path)!r} {fragment}" in capsys.readouterr().err
+
+
+def can_create_in(folder) -> bool:
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def unwritable_folder(tmp_path):
+    """A folder in which this process cannot create a file: a read-only temporary folder, or, for
+    root (whom permission bits do not stop), sysfs's, which refuses new files to everyone."""
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    try:
+        found = [f for f in (read_only, Path("/sys/kernel")) if f.is_dir() and not can_create_in(f)]
+        if not found:
+            pytest.skip("no folder here refuses new files to this user")
+        yield found[0]
+    finally:
+        read_only.chmod(0o755)
+
+
+OUTPUT_OPTIONS = [
+    ["train-family", "--out", "{}/family.json"],
+    ["train-family", "--out", "{}/made/family.json"],  # a folder train-family would make
+    ["capacity", "--out", "{}/capacity.json"],
+    ["bench", "memory", "--json", "{}/memory.json"],
+    ["bench", "memory", "--figures", "{}/figures"],
+    ["bench", "serving", "--json", "{}/serving.json"],
+    ["bench", "eviction", "--json", "{}/eviction.json"],
+    ["bench", "cluster", "--json", "{}/cluster.json"],
+    ["bench", "step", "--json", "{}/step.json"],
+    ["bench", "peer", "--json", "{}/peer.json"],
+    ["bench", "parallel", "--json", "{}/parallel.json"],
+    ["demo", "--figures", "{}"],
+    ["figures", "--out", "{}/figures"],
+]
+
+
+@pytest.mark.parametrize(
+    "argv", OUTPUT_OPTIONS, ids=[" ".join(a).replace("{}", "FOLDER") for a in OUTPUT_OPTIONS]
+)
+def test_an_output_this_user_cannot_write_is_refused_before_anything_runs(
+    argv, unwritable_folder, capsys, nothing_runs
+):
+    argv = [*argv[:-1], argv[-1].format(unwritable_folder)]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2
+    assert (
+        f"{argv[-2]}={argv[-1]}" in last and f"this user cannot create files in {unwritable_folder}" in last
+    )
+
+
+def test_train_checks_its_out_before_the_minutes_of_training(unwritable_folder, capsys, monkeypatch):
+    def ran(*args, **kwargs):
+        raise AssertionError("training started although --out cannot be written")
+
+    monkeypatch.setattr(train, "train", ran)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--out", f"{unwritable_folder}/tiny.pt"])
+    assert exit_info.value.code == 2 and "this user cannot create files in" in capsys.readouterr().err
+
+
+def test_an_existing_output_this_user_cannot_write_is_refused(tmp_path, capsys, nothing_runs):
+    out = tmp_path / "old.json"
+    out.write_text("{}")
+    out.chmod(0o444)
+    try:
+        with open(out, "a"):
+            pytest.skip("this user writes a read-only file anyway (root)")
+    except PermissionError:
+        pass
+    with pytest.raises(SystemExit):
+        main(["bench", "serving", "--json", str(out)])
+    assert f"--json={out} cannot be written (Permission denied)" in capsys.readouterr().err
+
+
+def test_checking_outputs_leaves_their_folder_and_an_existing_file_as_they_were(tmp_path):
+    """The checks create nothing that outlives them (a file without a name, or one removed at once)
+    and open an existing file without truncating it."""
+    old = tmp_path / "old.json"
+    old.write_text("kept")
+    before = old.stat().st_mtime_ns
+    options.output_file("--json", str(tmp_path / "new.json"))
+    options.output_file("--out", tmp_path / "made" / "family.json", parents_made=True)
+    options.output_file("--json", str(old))
+    options.folder("--figures", str(tmp_path / "figures"))
+    options.folder("--figures", str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["old.json"]
+    assert old.read_text() == "kept" and old.stat().st_mtime_ns == before
 
 
 def test_a_bench_module_run_alone_checks_its_options(capsys):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
@@ -69,13 +68,7 @@ def check_args(args) -> None:
     for problem in options.positions_problems(args.contexts, args.decode_steps, "--contexts"):
         raise ValueError(problem)
     checks.distinct("--contexts", args.contexts, "each context of the sweep runs once")
-    if args.json is not None:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if os.path.isdir(args.json) or not os.path.isdir(folder):
-            raise ValueError(
-                f"--json {args.json}: must be a file in an existing folder "
-                f"({'it is a folder' if os.path.isdir(args.json) else f'{folder} does not exist'})"
-            )
+    checks.output_file("--json", args.json)
 
 
 def run_sweep(world_size: int, contexts, decode_steps: int):
