@@ -321,10 +321,6 @@ def test_readme_first_generate_example_prints_python_shaped_text(capsys):
         (["--decode-steps", "-1"], "--decode-steps -1: must be an integer from 1 to 4095"),
         (["--decode-steps", "0"], "--decode-steps 0: must be an integer from 1 to 4095"),
         (
-            ["--contexts", "128", "512", "128"],
-            "--contexts=128 512 128 is not allowed: 128 is given twice; allowed: distinct values",
-        ),
-        (
             ["--context", "100000"],
             "--context 100000: must be an integer from 1 to 4092: the sweep model's "
             "max_position_embeddings=4096 positions hold the context and the 4 decode steps",
