@@ -1,9 +1,9 @@
 """Files and folders a person names to be read (a checkpoint, another checkout's root), checked in
 one place so that each problem reads the same wherever it is found, and says what it is:
 
-    'x.pt' does not exist                       nothing there (or a symbolic link to nothing)
-    'x.pt' leads into a loop of symbolic links  following the links never ends (ELOOP)
-    'x.pt' is a FIFO (named pipe), not a regular file      also a socket or a device
+    'x.pt' does not exist                              nothing there, or a link to nothing
+    'x.pt' leads into a loop of symbolic links         following the links never ends (ELOOP)
+    'x.pt' is a FIFO (named pipe), not a regular file  likewise a socket or a device
     'x.pt' is a directory, not a regular file
     'x.pt' is empty (0 bytes)
 
