@@ -9,7 +9,8 @@ v1 files are refused, and `add_manifest` upgrades one (or a file without a manif
 
 Loading stops at the first problem with one CheckpointError naming the file and what is wrong (a
 missing file: FileNotFoundError), before any model is built. It checks, in order:
-  1. the file exists, is a file, is not empty;
+  1. the file exists, is a regular file, is not empty (paths.check_input_file: a loop of symbolic
+     links, a FIFO or a device each named as such);
   2. it reads with weights_only=True (the loader refuses pickled code before anything in it runs);
   3. its manifest: this format, every key, a 64-hex-digit sha256, dense tensors in its dtype;
   4. the hash; 5. the config is valid (and of the architecture asked for);
@@ -31,6 +32,7 @@ import torch
 
 from .config import ModelConfig, get_config
 from .model import MoEKVTransformer
+from .paths import check_input_file
 
 DEFAULT_CHECKPOINT = Path(__file__).parent / "weights" / "tiny.pt"
 FORMAT = "moekv_ref-checkpoint-v2"
@@ -107,12 +109,7 @@ def save_checkpoint(
 
 
 def _load_file(path: Path):
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    if path.is_dir():
-        raise CheckpointError(f"checkpoint {str(path)!r} is a directory, not a checkpoint file")
-    if path.stat().st_size == 0:
-        raise CheckpointError(f"checkpoint {str(path)!r} is empty (0 bytes)")
+    check_input_file(path, f"checkpoint {str(path)!r}", CheckpointError)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # zip, pickle, unicode and EOF errors all mean the same here

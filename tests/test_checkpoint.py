@@ -100,6 +100,33 @@ def test_every_broken_file_gets_one_clear_error_naming_it(saved, tmp_path):
         assert fragment in str(info.value) and str(broken) in str(info.value), name
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs and /dev/null are POSIX's")
+def test_a_symlink_loop_a_fifo_and_a_device_are_named_as_such(tmp_path):
+    """Not "does not exist" for a loop of links (Path.exists() is False there), nor "empty" for a FIFO
+    or a device (their size is 0); a link to nothing does not exist, and says so."""
+    loop = tmp_path / "loop.pt"
+    loop.symlink_to(tmp_path / "other.pt")
+    (tmp_path / "other.pt").symlink_to(loop)
+    fifo = tmp_path / "pipe.pt"
+    os.mkfifo(fifo)
+    dangling = tmp_path / "dangling.pt"
+    dangling.symlink_to(tmp_path / "nothing.pt")
+    cases = [
+        (loop, CheckpointError, "leads into a loop of symbolic links"),
+        (fifo, CheckpointError, "is a FIFO (named pipe), not a regular file"),
+        (os.devnull, CheckpointError, "is a character device, not a regular file"),
+        (
+            dangling,
+            FileNotFoundError,
+            f"does not exist: it is a symbolic link to {str(tmp_path / 'nothing.pt')!r}",
+        ),
+    ]
+    for path, error, fragment in cases:
+        with pytest.raises(error) as info:
+            load_checkpoint(path, CONFIG)
+        assert fragment in str(info.value) and str(path) in str(info.value), path
+
+
 def test_altered_weights_fail_the_content_hash(saved):
     _, path = saved
 

@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -119,6 +120,23 @@ def test_module_entry_point_runs():
     )
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)["tokens"]) == 4
+
+
+def test_a_prompt_that_is_not_utf8_is_named_before_anything_loads():
+    """The shell hands over bytes; Python keeps one it cannot decode as a lone surrogate (b"\\xff" as
+    "\\udcff"), which the UTF-8 codec refuses with a message naming no option."""
+    done = subprocess.run(
+        [sys.executable, "-m", "moekv_ref", "generate", "--prompt", b"def \xff"],
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "PYTHONUTF8": "1"},  # argv decoded as UTF-8 whatever the locale
+    )
+    err = done.stderr.decode("utf-8", "replace")
+    assert done.returncode == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        "python -m moekv_ref generate: error: --prompt is not UTF-8 text: at character 4, byte 0xff is "
+        "not valid UTF-8; allowed: UTF-8 text"
+    )
 
 
 # ----- moved here so that every command-line test is in one file ---------------------------------
@@ -362,11 +380,16 @@ def test_parallel_cli_refuses_bad_environments(capsys, monkeypatch, environment,
         ),
         (["--contexts", "128", "4095"], "--contexts 4095: must be an integer from 1 to 4094"),
         (["--decode-steps", "0"], "--decode-steps 0: must be an integer from 1 to 4095"),
+        (
+            ["--contexts", "128", "512", "128"],
+            "--contexts=128 512 128 is not allowed: 128 is given twice; allowed: distinct values",
+        ),
         (["--world-size", "3"], "--world-size 3: must be 2, 4 or 8"),
         (["--world-size", "1"], "--world-size 1: must be 2, 4 or 8"),
         (
             ["--json", "/nonexistent-folder/parallel.json"],
-            "--json /nonexistent-folder/parallel.json: must be a file in an existing folder",
+            "--json=/nonexistent-folder/parallel.json: its folder /nonexistent-folder does not exist; "
+            "allowed: a file in an existing folder",
         ),
     ],
 )

@@ -12,6 +12,8 @@ from them.
 """
 
 import math
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,22 @@ import pytest
 import torch
 from helpers import random_model, small_config
 
-from moekv_ref.apps import bench_eviction, bench_memory, bench_serving, bench_step, cli, demo, figures
+from moekv_ref.apps import (
+    bench_cluster,
+    bench_eviction,
+    bench_memory,
+    bench_parallel,
+    bench_peer,
+    bench_serving,
+    bench_step,
+    capacity,
+    cli,
+    demo,
+    family,
+    figures,
+    options,
+    train,
+)
 from moekv_ref.apps.cli import main
 from moekv_ref.cache import KVCacheManager
 from moekv_ref.cache.block_pool import BlockPool, checked_blocks_per_device
@@ -627,6 +644,11 @@ OPTION_CASES = [
         "--prompt='' is empty; allowed: at least one character",
     ),
     (
+        "generate --prompt of a byte that is not UTF-8",
+        ["generate", "--prompt", "ab\udcff"],  # how sys.argv holds the byte 0xff
+        "--prompt is not UTF-8 text: at character 2, byte 0xff is not valid UTF-8; allowed: UTF-8 text",
+    ),
+    (
         "generate --max-new-tokens 1.5",
         ["generate", "--prompt", "x", "--max-new-tokens", "1.5"],
         "invalid int value: '1.5'",
@@ -767,6 +789,52 @@ OPTION_CASES = [
     ("demo --seed -2", ["demo", "--seed", "-2"], "--seed=-2"),
     ("demo --figures a file", ["demo", "--figures", A_FILE], f"--figures={A_FILE} is a file"),
     ("figures --out a file", ["figures", "--out", A_FILE], f"--out={A_FILE} is a file"),
+    (
+        "train-family --seeds 0 0",
+        ["train-family", "--seeds", "0", "0"],
+        "--seeds=0 0 is not allowed: 0 is given twice; allowed: distinct values",
+    ),
+    (
+        "train-family --variants dense dense",
+        ["train-family", "--variants", "dense", "expert_topk", "dense"],
+        "--variants=dense expert_topk dense is not allowed: dense is given twice",
+    ),
+    (
+        "capacity --seeds 1 2 1",
+        ["capacity", "--seeds", "1", "2", "1"],
+        "--seeds=1 2 1 is not allowed: 1 is given twice",
+    ),
+    ("capacity --variants dense dense", ["capacity", "--variants", "dense", "dense"], "dense is given twice"),
+    (
+        "bench cluster --rates 150 150.0",
+        ["bench", "cluster", "--rates", "150", "150.0"],
+        "--rates=150.0 150.0 is not allowed: 150.0 is given twice; allowed: distinct values",
+    ),
+    (
+        "bench cluster --policies sequence_lru sequence_lru",
+        ["bench", "cluster", "--policies", "sequence_lru", "sequence_lru"],
+        "--policies=sequence_lru sequence_lru is not allowed",
+    ),
+    (
+        "bench cluster --devices 8 8",
+        ["bench", "cluster", "--devices", "8", "8"],
+        "--devices=8 8 is not allowed",
+    ),
+    (
+        "bench cluster --gib-per-device 1 1",
+        ["bench", "cluster", "--gib-per-device", "1", "1"],
+        "--gib-per-device=1.0 1.0 is not allowed",
+    ),
+    (
+        "bench cluster --arrivals poisson poisson",
+        ["bench", "cluster", "--arrivals", "poisson", "poisson"],
+        "--arrivals=poisson poisson is not allowed",
+    ),
+    (
+        "bench cluster --reservations twice",
+        ["bench", "cluster", "--reservations", "optimistic", "optimistic"],
+        "--reservations=optimistic optimistic is not allowed",
+    ),
 ]
 
 # errors while a command runs: one line `error: ...`, status 2
@@ -815,8 +883,13 @@ def nothing_runs(monkeypatch):
         (bench_memory, "run_bench_memory"),
         (bench_serving, "main"),
         (bench_step, "main"),
+        (bench_cluster, "main"),
         (demo, "main"),
         (figures, "main"),
+        (family, "main"),
+        (capacity, "main"),
+        (bench_peer, "main"),
+        (bench_parallel, "main"),
     ):
         monkeypatch.setattr(module, name, ran)
 
@@ -836,6 +909,148 @@ def test_bad_cli_input_gets_a_clear_error(name, argv, fragment, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and fragment in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs and /dev/null are POSIX's")
+def test_a_path_option_names_a_symlink_loop_and_what_is_not_a_regular_file(tmp_path, capsys, nothing_runs):
+    """Paths read by a command (a checkpoint, --against's checkout, the --json that --only-prefix-cache
+    updates) are checked by one function: a loop of links is not "missing", a FIFO not "empty"."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    refused = [
+        (["bench", "step", "--against", str(loop)], f"--against={loop} leads into a loop of symbolic links"),
+        (
+            ["bench", "step", "--against", str(fifo)],
+            f"--against={fifo} is a FIFO (named pipe), not a directory",
+        ),
+        (
+            ["bench", "cluster", "--speed", "--against", os.devnull],
+            f"--against={os.devnull} is a character device, not a directory",
+        ),
+        (
+            ["bench", "eviction", "--only-prefix-cache", "--json", str(fifo)],
+            f"--json={fifo} is a FIFO (named pipe), not a regular file",
+        ),
+        (
+            ["bench", "eviction", "--only-prefix-cache", "--json", str(loop)],
+            f"--json={loop} leads into a loop of symbolic links",
+        ),
+    ]
+    for argv, fragment in refused:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exit_info.value.code == 2 and fragment in last, argv
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX's")
+def test_a_checkpoint_option_names_a_symlink_loop_and_a_fifo(tmp_path, capsys):
+    """--checkpoint is checked by the loader, the command's first step: `error: ...`, status 2."""
+    loop = tmp_path / "loop.pt"
+    loop.symlink_to(loop)
+    fifo = tmp_path / "pipe.pt"
+    os.mkfifo(fifo)
+    for path, fragment in ((loop, "leads into a loop of symbolic links"), (fifo, "is a FIFO (named pipe)")):
+        assert main(["generate", "--prompt", "x", "--checkpoint", str(path)]) == 2
+        assert f"error: checkpoint {str(path)!r} {fragment}" in capsys.readouterr().err
+
+
+def can_create_in(folder) -> bool:
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def unwritable_folder(tmp_path):
+    """A folder in which this process cannot create a file: a read-only temporary folder, or, for
+    root (whom permission bits do not stop), sysfs's, which refuses new files to everyone."""
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    try:
+        found = [f for f in (read_only, Path("/sys/kernel")) if f.is_dir() and not can_create_in(f)]
+        if not found:
+            pytest.skip("no folder here refuses new files to this user")
+        yield found[0]
+    finally:
+        read_only.chmod(0o755)
+
+
+OUTPUT_OPTIONS = [
+    ["train-family", "--out", "{}/family.json"],
+    ["train-family", "--out", "{}/made/family.json"],  # a folder train-family would make
+    ["capacity", "--out", "{}/capacity.json"],
+    ["bench", "memory", "--json", "{}/memory.json"],
+    ["bench", "memory", "--figures", "{}/figures"],
+    ["bench", "serving", "--json", "{}/serving.json"],
+    ["bench", "eviction", "--json", "{}/eviction.json"],
+    ["bench", "cluster", "--json", "{}/cluster.json"],
+    ["bench", "step", "--json", "{}/step.json"],
+    ["bench", "peer", "--json", "{}/peer.json"],
+    ["bench", "parallel", "--json", "{}/parallel.json"],
+    ["demo", "--figures", "{}"],
+    ["figures", "--out", "{}/figures"],
+]
+
+
+@pytest.mark.parametrize(
+    "argv", OUTPUT_OPTIONS, ids=[" ".join(a).replace("{}", "FOLDER") for a in OUTPUT_OPTIONS]
+)
+def test_an_output_this_user_cannot_write_is_refused_before_anything_runs(
+    argv, unwritable_folder, capsys, nothing_runs
+):
+    argv = [*argv[:-1], argv[-1].format(unwritable_folder)]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2
+    assert (
+        f"{argv[-2]}={argv[-1]}" in last and f"this user cannot create files in {unwritable_folder}" in last
+    )
+
+
+def test_train_checks_its_out_before_the_minutes_of_training(unwritable_folder, capsys, monkeypatch):
+    def ran(*args, **kwargs):
+        raise AssertionError("training started although --out cannot be written")
+
+    monkeypatch.setattr(train, "train", ran)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--out", f"{unwritable_folder}/tiny.pt"])
+    assert exit_info.value.code == 2 and "this user cannot create files in" in capsys.readouterr().err
+
+
+def test_an_existing_output_this_user_cannot_write_is_refused(tmp_path, capsys, nothing_runs):
+    out = tmp_path / "old.json"
+    out.write_text("{}")
+    out.chmod(0o444)
+    try:
+        with open(out, "a"):
+            pytest.skip("this user writes a read-only file anyway (root)")
+    except PermissionError:
+        pass
+    with pytest.raises(SystemExit):
+        main(["bench", "serving", "--json", str(out)])
+    assert f"--json={out} cannot be written (Permission denied)" in capsys.readouterr().err
+
+
+def test_checking_outputs_leaves_their_folder_and_an_existing_file_as_they_were(tmp_path):
+    """The checks create nothing that outlives them (a file without a name, or one removed at once)
+    and open an existing file without truncating it."""
+    old = tmp_path / "old.json"
+    old.write_text("kept")
+    before = old.stat().st_mtime_ns
+    options.output_file("--json", str(tmp_path / "new.json"))
+    options.output_file("--out", tmp_path / "made" / "family.json", parents_made=True)
+    options.output_file("--json", str(old))
+    options.folder("--figures", str(tmp_path / "figures"))
+    options.folder("--figures", str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["old.json"]
+    assert old.read_text() == "kept" and old.stat().st_mtime_ns == before
 
 
 def test_a_bench_module_run_alone_checks_its_options(capsys):

@@ -389,6 +389,7 @@ def check_args(args) -> None:
     options.output_file("--json", args.json)
     if args.against is not None and not args.speed:
         raise ValueError("--against applies to --speed only")
+    options.input_folder("--against", args.against, "the root of a checkout of this repository")
     if args.against is not None and not (args.against / "moekv_ref" / "__init__.py").is_file():
         raise ValueError(
             f"--against={args.against} has no moekv_ref package; allowed: the root of a checkout"
@@ -420,6 +421,15 @@ def check_args(args) -> None:
             raise ValueError(f"--policies {policy!r} is not one of {tuple(VICTIM_POLICIES)}")
     if "sequence_lru" not in args.policies:
         raise ValueError("--policies must include sequence_lru, the baseline the others are compared with")
+    for name, values in (
+        ("--devices", args.devices),
+        ("--gib-per-device", args.gib_per_device),
+        ("--rates", args.rates),
+        ("--arrivals", args.arrivals),
+        ("--reservations", args.reservations),
+        ("--policies", args.policies),
+    ):
+        options.distinct(name, values, "each setting of the grid runs once")
 
 
 def main(args) -> int:

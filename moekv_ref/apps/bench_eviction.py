@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import torch
@@ -663,6 +664,8 @@ def check_args(args) -> None:
             )
         return
     if args.only_prefix_cache:
+        if args.json is not None and os.path.lexists(args.json):  # read, then updated
+            options.input_file("--json", args.json, "a JSON file to update, or a path where none is yet")
         given = [
             f"--{name.replace('_', '-')}"
             for name in ("sequences", "blocks_per_device", "host_blocks", "skip_prefix_cache")

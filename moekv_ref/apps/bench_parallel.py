@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
@@ -28,6 +27,7 @@ from ..parallel.kv_placements import KV_PLACEMENTS
 from ..parallel.locality import attention_routing_of_text, compare_placements, format_placement_table
 from ..parallel.programs import run_parallel, total_bytes, total_traffic
 from ..plots.tables import text_table
+from . import options as checks
 from . import parallel_options as options
 from .parallel_measure import bytes_table, context_sweep_specs, pool_table
 
@@ -67,13 +67,8 @@ def check_args(args) -> None:
         raise ValueError(f"--world-size {args.world_size}: {problem}")
     for problem in options.positions_problems(args.contexts, args.decode_steps, "--contexts"):
         raise ValueError(problem)
-    if args.json is not None:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if os.path.isdir(args.json) or not os.path.isdir(folder):
-            raise ValueError(
-                f"--json {args.json}: must be a file in an existing folder "
-                f"({'it is a folder' if os.path.isdir(args.json) else f'{folder} does not exist'})"
-            )
+    checks.distinct("--contexts", args.contexts, "each context of the sweep runs once")
+    checks.output_file("--json", args.json)
 
 
 def run_sweep(world_size: int, contexts, decode_steps: int):

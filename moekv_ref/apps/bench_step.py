@@ -293,6 +293,7 @@ def check_args(args) -> None:
     (--max-new-tokens >= 2), and the longest prompt plus its new tokens must fit the model's positions."""
     from moekv_ref.apps import options  # here, not at the top: a worker may run another checkout
 
+    options.input_folder("--against", args.against, "the root of a checkout of this repository")
     if args.against is not None and not (args.against / "moekv_ref" / "__init__.py").is_file():
         raise ValueError(
             f"--against={args.against} has no moekv_ref package; allowed: the root of a checkout "

@@ -399,14 +399,22 @@ def check_args(args) -> None:
     options.count("--batch-size", args.batch_size, 1, meaning="windows per step")
     for seed in args.seeds:
         options.seed("--seeds", seed)
+    options.distinct("--seeds", args.seeds, "the mean and spread over seeds count each seed once")
+    options.distinct("--variants", args.variants, "each variant is trained and measured once")
     options.output_file("--out", args.out, parents_made=True)
+    options.output_file("--out's figure", figure_path(args.out), parents_made=True)
+
+
+def figure_path(out: Path) -> Path:
+    """The frontier figure, written beside the study's JSON."""
+    return out.with_name("capacity_frontier.png")
 
 
 def main(args) -> int:
     study = capacity_study(
         args.steps, args.batch_size, args.out, variants=tuple(args.variants), seeds=tuple(args.seeds)
     )
-    figure = args.out.with_name("capacity_frontier.png")
+    figure = figure_path(args.out)
     plot_capacity(study).savefig(figure, dpi=110)
     print(format_table(study))
     print(

@@ -88,6 +88,7 @@ def check_generate(args) -> None:
     options.seed("--seed", args.seed)
     limit = get_config("tiny").max_position_embeddings
     options.count("--max-new-tokens", args.max_new_tokens, 1, limit)
+    options.utf8_text("--prompt", args.prompt)
     prompt = encode(args.prompt)
     if not prompt:
         raise ValueError("--prompt='' is empty; allowed: at least one character")

@@ -372,6 +372,8 @@ def check_args(args) -> None:
     )
     for seed in args.seeds:
         options.seed("--seeds", seed)
+    options.distinct("--seeds", args.seeds, "the mean and spread over seeds count each seed once")
+    options.distinct("--variants", args.variants, "each variant is trained and measured once")
     options.output_file("--out", args.out, parents_made=True)
 
 

@@ -11,9 +11,14 @@ and exits with status 2, the status argparse gives an unknown choice. Each comma
 from __future__ import annotations
 
 import argparse
+import errno
 import math
+import os
+import stat
+import tempfile
 from pathlib import Path
 
+from ..paths import check_input_file, check_input_folder, kind_of, stat_named
 from ..sampling import MAX_SEED
 
 
@@ -62,25 +67,165 @@ def seed(option: str, value) -> None:
     count(option, value, 0, MAX_SEED, "a seed for torch.Generator")
 
 
+def distinct(option: str, values, why: str = "each value runs once") -> None:
+    """A list option (nargs="+") without repeats: a repeated seed, rate or policy would run again (or
+    be read back from the first run) and count twice in a mean, a spread or a count of runs. Values
+    compare as parsed, so `--rates 150 150.0` repeats 150.0."""
+    if values is None:
+        return
+    seen = []
+    for value in values:
+        if value in seen:
+            given = " ".join(str(v) for v in values)
+            raise ValueError(
+                f"{option}={given} is not allowed: {value} is given twice; allowed: distinct values ({why})"
+            )
+        seen.append(value)
+
+
+def input_file(option: str, value, allowed: str) -> None:
+    """A file the command reads (paths.check_input_file: there, a regular file, not empty), its
+    message ending in what is `allowed`."""
+    if value is None:
+        return
+    try:
+        check_input_file(value, f"{option}={value}")
+    except (FileNotFoundError, ValueError) as error:
+        raise ValueError(f"{error}; allowed: {allowed}") from None
+
+
+def input_folder(option: str, value, allowed: str) -> None:
+    """A folder the command reads from (paths.check_input_folder), its message ending in what is
+    `allowed`."""
+    if value is None:
+        return
+    try:
+        check_input_folder(value, f"{option}={value}")
+    except (FileNotFoundError, ValueError) as error:
+        raise ValueError(f"{error}; allowed: {allowed}") from None
+
+
+def _mode_of_output(option: str, value, allowed: str) -> int | None:
+    """st_mode of what is at an output path now (links followed), None when nothing is there."""
+    try:
+        return stat_named(value, f"{option}={value}").st_mode
+    except FileNotFoundError:  # nothing there, a link to nothing, or a file where a folder should be
+        return None
+    except ValueError as error:  # a loop of symbolic links, or a path this user cannot look at
+        raise ValueError(f"{error}; allowed: {allowed}") from None
+
+
+def _nearest_existing(folder: Path) -> Path:
+    """folder, or the closest folder above it that is there (where `mkdir(parents=True)` starts)."""
+    while not os.path.lexists(folder) and folder != folder.parent:
+        folder = folder.parent
+    return folder
+
+
+def _can_create_in(option: str, value, folder: Path, label: str, allowed: str) -> None:
+    """folder is a folder in which this process can create a file; else ValueError naming the option.
+
+    Asked by creating a file, not with os.access(folder, os.W_OK): access() reads permission bits, so
+    it says yes to root for any folder, and to folders that refuse new files all the same (sysfs, an
+    access-control list, a network mount that maps root to nobody). tempfile.TemporaryFile creates a
+    file without a name on Linux (O_TMPFILE), which nothing else sees and nothing can leave behind,
+    and elsewhere a named one it removes at once: a run that fails later finds its folder as it was."""
+    try:
+        check_input_folder(folder, label)
+    except (FileNotFoundError, ValueError) as error:
+        raise ValueError(f"{error}; allowed: {allowed}") from None
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"{option}={value}: this user cannot create files in {folder} ({error.strerror}); "
+            f"allowed: {allowed}"
+        ) from None
+
+
 def folder(option: str, value) -> None:
-    """A folder to write into: made if missing, but not a path that is already a file."""
-    if value is not None and Path(value).exists() and not Path(value).is_dir():
-        raise ValueError(f"{option}={value} is a file; allowed: a folder (made if missing)")
+    """A folder to write into: made if missing, but not a path that is already a file; checked by
+    creating (and at once dropping) a file in it, or in the folder that would hold it."""
+    if value is None:
+        return
+    allowed = "a folder this user can write in (made if missing)"
+    mode = _mode_of_output(option, value, allowed)
+    if mode is not None and not stat.S_ISDIR(mode):
+        what = "a file" if stat.S_ISREG(mode) else kind_of(mode)
+        raise ValueError(f"{option}={value} is {what}; allowed: a folder (made if missing)")
+    path = Path(value)
+    above = _nearest_existing(path)
+    label = f"{option}={value}" if above == path else f"{option}={value} cannot be made: {above}"
+    _can_create_in(option, value, above, label, allowed)
 
 
 def output_file(option: str, value, parents_made: bool = False) -> None:
     """A file the command writes at its end: checked now, so that a long run does not end in an
-    error. Not a folder; its folder must exist unless the command makes it (parents_made)."""
+    error. Not a folder; its folder must exist unless the command makes it (parents_made), and this
+    user must be able to create a file there, or to write the file that is there already. Nothing is
+    written or left behind by the check."""
     if value is None:
         return
-    path = Path(value)
-    if path.is_dir():
+    allowed = (
+        "a file in a folder this user can write in (made if missing)"
+        if parents_made
+        else "a file in an existing folder this user can write in"
+    )
+    mode = _mode_of_output(option, value, allowed)
+    if mode is not None and stat.S_ISDIR(mode):
         raise ValueError(f"{option}={value} is a folder; allowed: a file path")
-    if not parents_made and not path.parent.is_dir():
+    if mode is not None:
+        _can_write_over(option, value, mode, allowed)
+        return
+    path = Path(value)
+    if os.path.islink(path):  # a link to nothing: writing creates the file it points to
+        path = Path(os.path.realpath(path))
+    parent = path.parent
+    above = _nearest_existing(parent) if parents_made else parent
+    if above == parent:
+        label = f"{option}={value}: its folder {parent}"
+    else:
+        label = f"{option}={value}: its folder {parent} cannot be made: {above}"
+    _can_create_in(option, value, above, label, allowed)
+
+
+def _can_write_over(option: str, value, mode: int, allowed: str) -> None:
+    """An output that is there already (not a folder) can be written. A regular file is opened for
+    writing as the command will open it, but without O_CREAT or O_TRUNC: nothing is made and nothing
+    it holds is lost. Anything else (a FIFO, a device) is asked with os.access, since opening a FIFO
+    waits for a reader and opening a device may act on it."""
+    try:
+        if stat.S_ISREG(mode):
+            os.close(os.open(value, os.O_WRONLY | os.O_APPEND))
+        elif not os.access(value, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as error:
         raise ValueError(
-            f"{option}={value}: its folder {path.parent} does not exist; allowed: a file in an "
-            "existing folder"
-        )
+            f"{option}={value} cannot be written ({error.strerror}); allowed: {allowed}"
+        ) from None
+
+
+def utf8_text(option: str, value) -> None:
+    """Text to be encoded as UTF-8. Python decodes sys.argv with the locale's encoding and keeps each
+    byte it cannot decode as a lone surrogate (b"\\xff" becomes "\\udcff"), which UTF-8 cannot encode:
+    without this check the codec's own error names no option."""
+    if value is None:
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = value[error.start : error.end]
+        try:  # the bytes the command line held, for surrogates that stand for them
+            raw = bad.encode("utf-8", "surrogateescape")
+            listed = " ".join(f"0x{byte:02x}" for byte in raw)
+            found = f"byte {listed} is" if len(raw) == 1 else f"bytes {listed} are"
+            found = f"{found} not valid UTF-8"
+        except UnicodeEncodeError:  # a lone surrogate passed in from Python, not from a command line
+            found = f"the lone surrogate {ascii(bad)} has no UTF-8 encoding"
+        raise ValueError(
+            f"{option} is not UTF-8 text: at character {error.start}, {found}; allowed: UTF-8 text"
+        ) from None
 
 
 def parse_checked(parser: argparse.ArgumentParser, argv=None, check=None) -> argparse.Namespace:

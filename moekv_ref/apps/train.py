@@ -24,6 +24,7 @@ from ..checkpoint import DEFAULT_CHECKPOINT, save_checkpoint
 from ..config import get_config
 from ..model import MoEKVTransformer
 from ..routing import Routing
+from . import options
 
 
 def stdlib_corpus(max_files: int | None = None) -> tuple[bytes, bytes]:
@@ -206,6 +207,11 @@ def train(
     return model
 
 
+def check_args(args) -> None:
+    """--out is written after the training's minutes: checked before they start."""
+    options.output_file("--out", args.out)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=12.0)
@@ -213,7 +219,7 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = options.parse_checked(parser, argv, check_args)
     train(args.minutes, args.out, batch_size=args.batch_size, context=args.context, seed=args.seed)
 
 
