@@ -23,6 +23,7 @@ from helpers import alone_tokens, random_model, random_prompts, small_config
 import moekv_ref.sampling as sampling_module
 from moekv_ref.checkpoint import load_default_model
 from moekv_ref.engine import LLMEngine, SchedulerConfig, undo
+from moekv_ref.engine.request import RequestOutput
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
 
@@ -123,6 +124,8 @@ SITES = [
     ("forward", lambda e: e.runner, "forward"),
     ("append_kv (a layer's bookkeeping)", lambda e: e.cache, "append_kv"),
     ("attend (a layer's attention)", lambda e: e.cache, "attend"),
+    ("hand-out of a finished request", lambda e: e, "_hand_out"),
+    ("the step's records", lambda e: e, "_end_step"),
 ]
 
 
@@ -389,3 +392,60 @@ def test_an_undone_step_gives_back_every_attribute_the_snapshot_saw(
     serve_twice(engine, prompts, params)
     assert restores, f"{site}: no step was undone"
     assert all(not differences for _, differences in restores), restores
+
+
+@pytest.mark.parametrize("fault", [InjectedFault, KeyboardInterrupt])
+def test_a_request_whose_hand_out_fails_is_handed_out_by_a_later_step(
+    model, workload, alone, fault, monkeypatch
+):
+    """An exception or Ctrl-C while a finished request's output is made (RequestOutput.from_request)
+    undoes the step, the forward included: the request is unfinished again, stays in
+    engine.requests, and a later step hands it out with the tokens it gets alone."""
+    original = RequestOutput.from_request.__func__
+    calls = [0]
+
+    def faulty(cls, request):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise fault("while handing out")
+        return original(cls, request)
+
+    monkeypatch.setattr(RequestOutput, "from_request", classmethod(faulty))
+    engine = make_engine(model, FAULT_POOL, max_num_seqs=6)
+    prompts, params = workload
+    for p, q in zip(prompts, params):
+        engine.add_request(p, q)
+    outputs, faults = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            for output in engine.step():
+                outputs[output.request_id] = output
+        except fault as error:
+            faults += 1
+            assert any("the step was undone" in note for note in error.__notes__)
+            unfinished = [r for r in engine.requests.values() if not r.is_finished]
+            assert unfinished and engine.has_unfinished_requests()
+    assert faults == 1
+    assert sorted(outputs) == list(range(len(prompts))) and not engine.requests
+    assert [outputs[i].token_ids for i in range(len(prompts))] == alone
+    engine.memory.assert_no_leak()
+
+
+def test_an_abort_whose_hand_out_fails_changes_nothing(model, workload, monkeypatch):
+    engine = make_engine(model, FAULT_POOL)
+    prompts, params = workload
+    request_id = engine.add_request(prompts[0], params[0])
+    engine.step()
+    free_before = engine.memory.num_free_blocks
+
+    def faulty(cls, request):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RequestOutput, "from_request", classmethod(faulty))
+        with pytest.raises(KeyboardInterrupt):
+            engine.abort_request(request_id)
+    assert not engine.requests[request_id].is_finished and engine.has_unfinished_requests()
+    assert engine.memory.num_free_blocks == free_before
+    assert engine.abort_request(request_id).finish_reason == "aborted"
+    engine.memory.assert_no_leak()

@@ -93,6 +93,14 @@ class EngineStats:
         return dataclasses.asdict(self)
 
 
+def undo(before_forward: Snapshot, states: list) -> None:
+    """The scheduler's state back to `before_forward`, and each sampling generator to its state
+    (a token sampled before the fault is drawn again)."""
+    before_forward.restore()
+    for generator, state in states:
+        generator.set_state(state)
+
+
 class LLMEngine:
     """Continuous batching over a paged per-expert KV cache of `num_blocks` blocks of `block_size`.
 
@@ -247,8 +255,15 @@ class LLMEngine:
         request = self.requests.get(int(request_id))
         if request is None or request.is_finished:
             return None
-        self.scheduler.finish(request, self.step_count, "aborted")
-        return self._hand_out(request, self.step_count)
+        before = Snapshot(self.scheduler)
+        marks = self._records()
+        try:  # finished and handed out, or neither
+            self.scheduler.finish(request, self.step_count, "aborted")
+            return self._hand_out(request, self.step_count)
+        except BaseException:
+            self._restore_records(marks)
+            before.restore()
+            raise
 
     def _hand_out(self, request: Request, step: int) -> RequestOutput:
         kind = _COUNTED_AS[request.finish_reason]
@@ -304,7 +319,9 @@ class LLMEngine:
                     f"waiting and {len(self.scheduler.running)} running requests"
                 )
             try:
-                done, used_blocks, num_generated = self._run(decision, None if moved else before)
+                done, used_blocks, num_generated, undo_forward = self._run(
+                    decision, None if moved else before
+                )
                 break
             except OutOfBlocksError as error:
                 if self.scheduler.config.reservation != "optimistic" or error.shortfall is None:
@@ -319,24 +336,66 @@ class LLMEngine:
             except BaseException as error:
                 self._fail_running(error, decision, step, start, num_running, scheduled_used)
                 raise
-        for kind, request in decision.events:
-            self._event(step, request.request_id, kind)
-        self._counts["generated_tokens"] += num_generated
-        finished = [self._hand_out(request, step) for request in done]
-        self._end_step(
-            step,
-            decision.num_scheduled_tokens,
-            decision.reserved_blocks,
-            start,
-            num_running,
-            used_blocks,
-            scheduled_used,
-        )
-        used, peak = self._used_after_forward, self._peak_used_per_device  # (D,) each
-        self._peak_used_per_device = used.clone() if peak is None else torch.maximum(peak, used)
-        if self.record_history:
-            self.device_timeline.append(used)
+        # the hand-out and the step's records are part of the step: a fault there (or Ctrl-C) undoes
+        # the forward too, so that the requests it finished are handed out by a later step
+        marks = self._records()
+        try:
+            for kind, request in decision.events:
+                self._event(step, request.request_id, kind)
+            self._counts["generated_tokens"] += num_generated
+            finished = [self._hand_out(request, step) for request in done]
+            self._end_step(
+                step,
+                decision.num_scheduled_tokens,
+                decision.reserved_blocks,
+                start,
+                num_running,
+                used_blocks,
+                scheduled_used,
+            )
+            used, peak = self._used_after_forward, self._peak_used_per_device  # (D,) each
+            self._peak_used_per_device = used.clone() if peak is None else torch.maximum(peak, used)
+            if self.record_history:
+                self.device_timeline.append(used)
+        except BaseException as error:
+            self._restore_records(marks)
+            undo_forward()
+            self._fail_running(error, decision, step, start, num_running, scheduled_used)
+            raise
         return finished
+
+    def _records(self) -> tuple:
+        """What the end of a step changes in the engine's own records, for `_restore_records`: the
+        lists by length (they only grow), the rest copied."""
+        return (
+            dict(self._counts),
+            dict(self.requests),
+            None if self._generating is None else dict(self._generating),
+            len(self.events),
+            len(self.timeline),
+            len(self.device_timeline),
+            self.step_count,
+            self._seconds,
+            self._peak_used_per_device,
+        )
+
+    def _restore_records(self, marks: tuple) -> None:
+        counts, requests, generating, num_events, num_records, num_devices_records, step, seconds, peak = (
+            marks
+        )
+        self._counts.clear()
+        self._counts.update(counts)
+        self.requests.clear()
+        self.requests.update(requests)
+        if generating is not None:  # generate() holds this dict: refilled in place
+            self._generating.clear()
+            self._generating.update(generating)
+        del self.events[num_events:]
+        del self.timeline[num_records:]
+        del self.device_timeline[num_devices_records:]
+        self.step_count = step
+        self._seconds = seconds
+        self._peak_used_per_device = peak
 
     def _fail_running(self, error, decision, step, start, num_running, scheduled_used) -> None:
         """The step failed past scheduling: its admissions and preemptions are kept (recorded)."""
@@ -353,14 +412,15 @@ class LLMEngine:
     def _run(self, decision, before_forward: Snapshot | None):
         """Copies, forward, sampling, accounting; undone past the copies if any raises (to
         `before_forward` if given: the state is still the one it holds). Returns (finished requests,
-        blocks in use after the forward: the step's peak, tokens generated)."""
+        blocks in use after the forward: the step's peak, tokens generated, and a function that
+        undoes it all, for a fault after it)."""
         try:
             self.runner.copy_blocks(decision.block_copies)
         except BaseException:
             self.scheduler.recover_from_failed_copies(decision)
             raise
         if not decision.scheduled:
-            return [], self.memory.num_used_blocks, 0
+            return [], self.memory.num_used_blocks, 0, lambda: None
         before_forward = before_forward or Snapshot(self.scheduler)
         rows = [i for i, item in enumerate(decision.scheduled) if item.samples]
         requests = [decision.scheduled[i].request for i in rows]
@@ -387,11 +447,9 @@ class LLMEngine:
             with phase("scheduler"):
                 done = self.scheduler.update_from_output(decision, sampled, result.entries_per_layer, failed)
         except BaseException:
-            before_forward.restore()
-            for generator, state in states:
-                generator.set_state(state)  # a token sampled before the fault is drawn again
+            undo(before_forward, states)
             raise
-        return done, used_blocks, num_generated
+        return done, used_blocks, num_generated, lambda: undo(before_forward, states)
 
     def idle_step(self) -> None:
         """A step of time with nothing to run (requests have not arrived yet)."""
