@@ -224,7 +224,7 @@ def test_the_one_pool_need_is_the_per_device_bounds_with_one_device(seed, monkey
         "worst_case_lifetime_blocks_per_device",
     ):
         monkeypatch.setattr(scheduler_module, name, lambda *args: pytest.fail("the per-device form ran"))
-    need = scheduler._worst_case_need(counts, num_tokens, totals, None)
+    need = scheduler._worst_case_need(counts, num_tokens, totals, None)  # the one-pool path
     assert need.dtype == torch.int64 and need.tolist() == expected.tolist()
     assert (expected < step).any() and (expected > 0).any()  # the cap binds on some, not on all
 

@@ -179,3 +179,10 @@ def worst_case_lifetime_blocks_per_device(
     return worst_case_step_blocks_per_device(
         empty, num_tokens, k_max, block_size, device_of_expert, num_devices, max_row_tokens
     )
+
+
+def step_need(step: torch.Tensor, lifetime: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """What a scheduler reserves for a step (any shape, elementwise): the step's worst case, capped
+    by the lifetime's worst case minus what is held (so a request alone always fits), never below 0.
+    The one formula the Scheduler and the trace runner's offline policies use."""
+    return torch.clamp(torch.minimum(step, lifetime - held), min=0)

@@ -28,6 +28,7 @@ from ..cache.rows import ceil_div
 from ..costs import CostModel
 from ..engine.demand import (
     blocks_held_per_device,
+    step_need,
     worst_case_lifetime_blocks_per_device,
     worst_case_step_blocks_per_device,
 )
@@ -152,8 +153,8 @@ class TraceFuture:
                 self._map(counts),
                 self.manager.num_devices,
             )  # (len, D)
-            cap = self.lifetime[1 : counts.shape[0] + 1] - held
-            self._reserved[seq] = held + torch.clamp(torch.minimum(step, cap), min=0)
+            lifetime = self.lifetime[1 : counts.shape[0] + 1]
+            self._reserved[seq] = held + step_need(step, lifetime, held)
         return self._reserved[seq]
 
     def future_block_steps(self, request: Request, device: int) -> int:
