@@ -45,6 +45,7 @@ FAULT_MODES = ("die", "hang", "slow_start")
 DEFAULT_START_TIMEOUT_S = 120.0
 DEFAULT_TIMEOUT_S = 15.0  # a collective's wait for a peer
 DEFAULT_GRACE_S = 3.0
+PROCESS_GROUP_BACKENDS = ("gloo", "nccl")
 MAX_TIMEOUT_S = 86400.0  # a day: beyond it a timeout is no longer a limit (and timedelta overflows)
 
 
@@ -108,6 +109,20 @@ def check_seconds(name: str, value) -> float:
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def check_backend(backend: str | None) -> str:
+    """The backend the ranks will use: backend itself, one of PROCESS_GROUP_BACKENDS (NCCL only with CUDA), or
+    default_backend() for None."""
+    if backend is None:
+        return default_backend()
+    if backend not in PROCESS_GROUP_BACKENDS:
+        raise ValueError(
+            f"backend={backend!r} is not one of {PROCESS_GROUP_BACKENDS} (or None: {default_backend()!r} here)"
+        )
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, which this machine lacks: use 'gloo' (or None)")
+    return backend
 
 
 def join_group(
@@ -201,11 +216,14 @@ def launch(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
     grace_s: float = DEFAULT_GRACE_S,
+    backend: str | None = None,
 ) -> list:
     """Run function(context, *args) on world_size ranks: their return values in rank order, or
-    WorkerFailed naming every rank that failed. The timeouts and grace_s: module docstring."""
+    WorkerFailed naming every rank that failed. The timeouts and grace_s: module docstring; backend:
+    one of PROCESS_GROUP_BACKENDS, by default NCCL where CUDA is available and gloo elsewhere."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer")
+    backend = check_backend(backend)
     timeout_s = check_seconds("timeout_s", timeout_s)
     start_timeout_s = check_seconds("start_timeout_s", start_timeout_s)
     if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not 0 <= grace_s <= 60:
@@ -244,7 +262,7 @@ def launch(
                 rank,
                 world_size,
                 store.port,
-                default_backend(),
+                backend,
                 timeout_s,
                 start_timeout_s,
                 function,
