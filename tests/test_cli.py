@@ -325,7 +325,7 @@ def test_parallel_cli_refuses_bad_values(capsys, monkeypatch, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         parallel_main.main(argv)
     assert exit_info.value.code == 2
-    assert f"python -m moekv_ref.parallel: error: {message}" in capsys.readouterr().err
+    assert f"python -m moekv_ref.apps.parallel_run: error: {message}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -382,7 +382,7 @@ def test_parallel_cli_exit_code_from_the_shell():
     from pathlib import Path
 
     done = subprocess.run(
-        [sys.executable, "-m", "moekv_ref.parallel", "--context", "100000"],
+        [sys.executable, "-m", "moekv_ref.apps.parallel_run", "--context", "100000"],
         capture_output=True,
         text=True,
         timeout=120,

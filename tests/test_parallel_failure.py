@@ -134,7 +134,7 @@ def test_torchrun_with_defaults_names_the_hung_rank_within_30_s():
             "torch.distributed.run",
             "--nproc_per_node=2",
             "-m",
-            "moekv_ref.parallel",
+            "moekv_ref.apps.parallel_run",
             "--context",
             "16",
             "--decode-steps",

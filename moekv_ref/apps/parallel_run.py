@@ -1,6 +1,4 @@
-"""`torchrun --nproc_per_node=N -m moekv_ref.parallel [options]`: one run of the context sweep's model.
-
-(moekv_ref/parallel/__main__.py hands the command line to `main` here.)
+"""`torchrun --nproc_per_node=N -m moekv_ref.apps.parallel_run [options]`: one run of the context sweep's model.
 
 Every rank prefills one sequence of --context tokens per rank and decodes --decode-steps tokens under
 the chosen KV placement and expert placement, then rank 0 prints the bytes per decode step (summed
@@ -57,7 +55,9 @@ from .parallel_options import (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m moekv_ref.parallel", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m moekv_ref.apps.parallel_run", description=__doc__.splitlines()[0]
+    )
     parser.add_argument(
         "--placement", choices=KV_PLACEMENTS, default="kv_with_expert", help="where the K/V lives"
     )
