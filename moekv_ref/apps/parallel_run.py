@@ -15,6 +15,7 @@ printed as `error: ...` (exit code 1).
 
 For tests only: MOEKV_FAULT=MODE@RANK:AT injects a fault (parallel/launcher.py: parse_fault): hang@1:2 makes rank 1
 hang at the start of decode step 2, die@1:2 makes it exit, slow_start@1:5 makes it join 5 s late.
+(`bench parallel` honours slow_start only, and refuses the others.)
 """
 
 from __future__ import annotations
