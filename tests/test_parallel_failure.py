@@ -82,17 +82,33 @@ def test_a_slow_start_is_waited_for(monkeypatch):
     assert [r.rank for r in results] == [0, 1] and time.monotonic() - start > 3
 
 
-def test_a_rank_that_never_joins_is_named():
-    """Here, in this process, as rank 0 of 2: rank 1 never comes, and the start-up timeout says who."""
+@pytest.mark.parametrize("started_by", ["launch", "torchrun"])
+def test_a_rank_that_never_joins_is_named(monkeypatch, started_by):
+    """Here, in this process, as rank 0 of 2: rank 1 never comes, and the start-up timeout says who.
+    Under launch a rank is handed the parent's store; under torchrun it finds its agent's store
+    through the environment torchrun sets, which this test sets instead (torchrun adds only the
+    processes, and the agent that hosts the store)."""
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
     )
+    joining = {"store": store, "rank": 0, "world_size": 2}
+    if started_by == "torchrun":
+        environment = {
+            "RANK": "0",
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
+        for name, value in environment.items():
+            monkeypatch.setenv(name, value)
+        joining = {}
     with pytest.raises(
         CollectiveError,
         match=r"^rank 1 never joined the process group: rank 0 waited [\d.]+ s "
         r"for it \(start timeout 1 s\)",
     ) as error:
-        launcher.join_group("gloo", 1.5, 1.0, store, rank=0, world_size=2)
+        launcher.join_group("gloo", 1.5, 1.0, **joining)
     assert error.value.missing == (1,) and not dist.is_initialized()
 
 

@@ -149,39 +149,46 @@ def join_group(
         torch.cuda.set_device(device)
     start = datetime.timedelta(seconds=start_timeout_s)
     if store is None:
-        dist.init_process_group(backend, timeout=start)
-        try:
-            progress = dist.distributed_c10d._get_default_store()  # progress keys for naming a failed rank
-        except Exception:  # noqa: BLE001 -- without it, errors name only the collective
-            progress = None
-    else:
-        store.set(f"moekv/joined/{rank}", "1")
-        began = time.monotonic()
-        try:
-            dist.init_process_group(
-                backend,
-                store=dist.PrefixStore("process_group", store),
-                rank=rank,
-                world_size=world_size,
-                timeout=start,
-            )
-        except Exception as error:  # noqa: BLE001 -- name the ranks that never came, if that is why
-            absent = tuple(r for r in range(world_size) if not store.check([f"moekv/joined/{r}"]))
-            if not absent:
-                raise
-            raise CollectiveError(
-                f"{name_ranks(absent)} never joined the process group: rank {rank} waited "
-                f"{time.monotonic() - began:.1f} s for it (start timeout {start_timeout_s:g} s). "
-                f"Cause seen there: {first_line(error)}",
-                absent,
-            ) from error
-        progress = store
+        store, rank, world_size = environment_store(start_timeout_s)
+    store.set(f"moekv/joined/{rank}", "1")  # progress keys, for naming a failed rank, live here too
+    began = time.monotonic()
+    try:
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("process_group", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=start,
+        )
+    except Exception as error:  # noqa: BLE001 -- name the ranks that never came, if that is why
+        absent = tuple(r for r in range(world_size) if not store.check([f"moekv/joined/{r}"]))
+        if not absent:
+            raise
+        raise CollectiveError(
+            f"{name_ranks(absent)} never joined the process group: rank {rank} waited "
+            f"{time.monotonic() - began:.1f} s for it (start timeout {start_timeout_s:g} s). "
+            f"Cause seen there: {first_line(error)}",
+            absent,
+        ) from error
     # every rank has joined: a peer keeping a collective waiting past timeout_s has hung (or died)
     group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     return WorkerContext(
-        rank, world_size, Communicator(rank, world_size, device, store=progress, group=group), device
+        rank, world_size, Communicator(rank, world_size, device, store=store, group=group), device
     )
+
+
+def environment_store(start_timeout_s: float):
+    """(store, rank, world_size) from the environment torchrun sets (env://: RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT). Under torchrun the store is its agent's, already up, and the ranks
+    join the process group through it as launch's ranks do through the parent's."""
+    try:
+        return next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=start_timeout_s)))
+    except Exception as error:  # noqa: BLE001 -- say which store could not be reached, and for how long
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise CollectiveError(
+            f"rank {os.environ.get('RANK', '?')} could not set up the rendezvous store at {where} "
+            f"within the start timeout ({start_timeout_s:g} s): {first_line(error)}"
+        ) from error
 
 
 def _worker_main(
