@@ -4,8 +4,9 @@ kept the others waiting, and a slow start is not mistaken for a hang.
 Rank 1 of 2 fails at the start of decode step 2, while rank 0 goes on into the step's first
 collective. Dead: its connections close, rank 0's collective raises at once. Hung: rank 0's
 collective times out after the collective timeout (3 s here to keep the tests short, 15 s by
-default), and the launcher (or torchrun) ends the hung rank. The start-up has its own, generous
-timeout (120 s by default), so a rank that joins late is waited for.
+default), and the launcher (or torchrun) ends the hung rank. Among 4 ranks, the healthy ones name
+the dead rank only, even when one of them is still on its way to the collective. The start-up has
+its own, generous timeout (120 s by default), so a rank that joins late is waited for.
 
 One test runs torchrun with the default timeouts, as a user would (about 20 s): every rank must be
 gone within 30 s of the hang, and torchrun's summary must name the hung rank.
@@ -20,12 +21,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from helpers import small_config
 
 from moekv_ref.apps import parallel_run as parallel_main
 from moekv_ref.parallel import CollectiveError, WorkerFailed, launch, launcher
-from moekv_ref.parallel.programs import ModelSpec, RunSpec, run_parallel, run_specs
+from moekv_ref.parallel.programs import ModelSpec, RunSpec, inject_failure, run_parallel, run_specs
 
 CONFIG = small_config(num_attention_experts=4, num_attention_experts_per_tok=2, num_local_experts=2)
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -73,6 +75,37 @@ def test_failed_rank_is_named_and_everyone_exits(mode):
     assert 0 < elapsed < (10 if mode == "hang" else 5), f"took {elapsed:.1f} s"
 
 
+def dawdle_or_die(context, dead: int, slow: int, delay_s: float) -> None:
+    """Worker: three steps of one all-to-all each; at step 2 rank `dead` dies before it, and rank
+    `slow` reaches it delay_s late, healthy but behind the others when the dead rank's connections
+    close."""
+    comm = context.comm
+    for step in range(3):
+        comm.start_step(step)
+        if (step, context.rank) == (2, dead):
+            inject_failure("die", comm.store)
+        if (step, context.rank) == (2, slow):
+            time.sleep(delay_s)
+        comm.all_to_all(torch.zeros(context.world_size, 1), [1] * context.world_size, "test")
+
+
+def test_a_dead_rank_among_four_is_the_only_one_named():
+    """Ranks 0 and 2 fail the moment rank 3 dies, while rank 1 is still on its way to the same
+    collective: none of them may blame rank 1, which is slow, not hung."""
+    with pytest.raises(WorkerFailed) as failure:
+        launch(dawdle_or_die, 4, (3, 1, 0.5), timeout_s=3.0, grace_s=2.0)
+    message = str(failure.value)
+    assert failure.value.missing == (3,), message
+    for rank in (0, 1, 2):
+        assert re.search(
+            rf"^rank {rank}: CollectiveError: rank 3 never reached all_to_all_single #\d+ \(\w+, step 2\)",
+            message,
+            re.MULTILINE,
+        ), message
+    assert "rank 3: exited with code 3" in message
+    print(f"every rank gone {failure.value.ended_at - failure.value.fault_at:.1f} s after the fault")
+
+
 def test_a_slow_start_is_waited_for(monkeypatch):
     """Rank 1 joins 3 s late while a collective may wait only 1.5 s: the start-up timeout, not the
     collective one, governs joining."""
@@ -113,15 +146,18 @@ def test_a_rank_that_never_joins_is_named(monkeypatch, started_by):
 
 
 def test_default_timeouts_clear_a_hung_rank_within_30_s():
-    """The defaults, everywhere they are set: a collective gives up after 15 s and the launcher kills
-    what is left 3 s later (18 s, measured by the torchrun test below and 18.0 s by hand for launch);
-    joining may take 120 s. torchrun's monitor notices a failed rank within its interval (0.1 s)."""
+    """The defaults, everywhere they are set: a collective gives up after 15 s, the rank waits 2 s
+    more for its peers to catch up or fail (SETTLE_S), and the launcher kills what is left 3 s later
+    (20 s); joining may take 120 s. torchrun's monitor notices a failed rank within its interval
+    (0.1 s)."""
     import inspect
 
     from torch.distributed import run as torchrun
 
+    from moekv_ref.parallel.comm import SETTLE_S
+
     timeout, grace = launcher.DEFAULT_TIMEOUT_S, launcher.DEFAULT_GRACE_S
-    assert timeout + grace + 5 <= 30 and launcher.DEFAULT_START_TIMEOUT_S >= 60
+    assert timeout + SETTLE_S + grace + 5 <= 30 and launcher.DEFAULT_START_TIMEOUT_S >= 60
     for function in (launch, run_parallel):
         defaults = {name: p.default for name, p in inspect.signature(function).parameters.items()}
         assert (

@@ -12,11 +12,14 @@ Two timeouts, as starting and waiting differ: `start_timeout_s` (120 s) for ever
 to wait for a peer, instead of the 30-minute default: the longest healthy wait seen on this CPU is
 about a second (`bench parallel`, 4 ranks, context 2048).
 
-When a rank fails, the parent gives the others `grace_s` (3 s) to report, kills the rest (a hung
-rank never returns) and raises WorkerFailed, naming first the ranks that kept a peer waiting: every
-rank is gone timeout_s + grace_s = 18 s after a hang. Under torchrun (apps/parallel_run.py) the
-waiting rank exits, so it is torchrun's "Root Cause", and torchrun ends the others within its 0.1 s
-monitor interval: about timeout_s + 1 s. tests/test_parallel_failure.py measures both.
+A rank whose collective failed first waits up to comm.SETTLE_S (2 s) for its peers to reach the
+collective or fail too, so that it names only the ranks that did neither. When a rank fails, the
+parent gives the others `grace_s` (3 s) to report (plus SETTLE_S if the first failure is a rank
+gone without a word), kills the rest (a hung rank never returns) and raises WorkerFailed, naming
+first the ranks that kept a peer waiting: every rank is gone timeout_s + SETTLE_S + grace_s = 20 s
+after a hang. Under torchrun (apps/parallel_run.py) the waiting rank exits, so it is torchrun's
+"Root Cause", and torchrun ends the others within its 0.1 s monitor interval: about timeout_s +
+SETTLE_S + 1 s. tests/test_parallel_failure.py measures both.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .comm import CollectiveError, Communicator, first_line, name_ranks
+from .comm import SETTLE_S, CollectiveError, Communicator, first_line, name_ranks
 
 FAULT_KEY = "moekv/fault_at"  # where an injected fault notes its wall-clock time
 FAULT_ENV = "MOEKV_FAULT"  # test-only fault injection: see Fault
@@ -283,7 +286,10 @@ def launch(
     for process in processes:
         process.start()
     values, errors = {}, {}  # by rank: its return value, its error message
-    missing, failed_at = set(), None  # the ranks a peer waited for in vain; when the first failed
+    missing = set()  # the ranks a peer waited for in vain
+    failed_at = None  # when the first rank failed
+    kill_at = None  # when the ranks still running are killed
+    reported = False  # whether a rank has reported an error (not only exited)
     try:
         while len(values) + len(errors) < world_size:
             with contextlib.suppress(queue_module.Empty):
@@ -293,6 +299,7 @@ def launch(
                 else:
                     errors[rank], behind = payload
                     missing.update(behind)
+                    reported = True
             for rank, process in enumerate(processes):
                 if (
                     rank not in values
@@ -303,11 +310,15 @@ def launch(
                     errors[rank] = f"exited with code {process.exitcode} without reporting a result"
             if errors and failed_at is None:
                 failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > grace_s:
+                # a rank reports after settling (comm.SETTLE_S); if the first failure is a rank gone
+                # without a word, the others' collectives fail now and they settle before reporting
+                kill_at = failed_at + grace_s + (0.0 if reported else SETTLE_S)
+            if kill_at is not None and time.monotonic() > kill_at:
+                waited = time.monotonic() - failed_at
                 for rank, process in enumerate(processes):
                     if rank not in values and rank not in errors:
                         errors[rank] = (
-                            f"killed by the launcher: still running {grace_s:g} s after another rank failed"
+                            f"killed by the launcher: still running {waited:.1f} s after another rank failed"
                         )
                 break
     finally:
