@@ -14,7 +14,8 @@ torchrun then ends the other ranks. Without torchrun the launcher does the same 
 printed as `error: ...` (exit code 1).
 
 For tests only: MOEKV_FAULT=MODE@RANK:AT injects a fault (parallel/launcher.py: parse_fault): hang@1:2 makes rank 1
-hang at the start of decode step 2, die@1:2 makes it exit, slow_start@1:5 makes it join 5 s late.
+hang at the start of decode step 2, die@1:2 makes it exit, stop@1:2 stops it (SIGSTOP), slow_start@1:5
+makes it join 5 s late.
 (`bench parallel` honours slow_start only, and refuses the others.)
 """
 

@@ -44,7 +44,7 @@ from .comm import SETTLE_S, CollectiveError, Communicator, first_line, name_rank
 
 FAULT_KEY = "moekv/fault_at"  # where an injected fault notes its wall-clock time
 FAULT_ENV = "MOEKV_FAULT"  # test-only fault injection: see Fault
-FAULT_MODES = ("die", "hang", "slow_start")
+FAULT_MODES = ("die", "hang", "stop", "slow_start")
 DEFAULT_START_TIMEOUT_S = 120.0
 DEFAULT_TIMEOUT_S = 15.0  # a collective's wait for a peer
 DEFAULT_GRACE_S = 3.0
@@ -73,7 +73,8 @@ class WorkerContext:
 
 @dataclass(frozen=True)
 class Fault:
-    """MOEKV_FAULT=MODE@RANK:AT: "die" or "hang" at the start of decode step AT (0: the prefill;
+    """MOEKV_FAULT=MODE@RANK:AT: "die", "hang" (sleep) or "stop" (SIGSTOP: nothing runs, not even a
+    signal handler) at the start of decode step AT (0: the prefill;
     RunSpec.fail_*, applied by apps/parallel_run.py), or "slow_start": join AT seconds late."""
 
     mode: str
