@@ -9,7 +9,7 @@ the dead rank only, even when one of them is still on its way to the collective.
 its own, generous timeout (120 s by default), so a rank that joins late is waited for.
 
 One test runs torchrun with the default timeouts, as a user would (about 20 s): every rank must be
-gone within 30 s of the hang, and torchrun's summary must name the hung rank.
+gone within 30 s of a rank's stop (SIGSTOP), and torchrun's summary must name the stopped rank.
 """
 
 import datetime
@@ -170,10 +170,13 @@ def test_default_timeouts_clear_a_hung_rank_within_30_s():
     assert torchrun.get_args_parser().parse_args(["x"]).monitor_interval <= 1
 
 
-def test_torchrun_with_defaults_names_the_hung_rank_within_30_s():
+def test_torchrun_with_defaults_names_a_stopped_rank_and_ends_it_within_30_s():
+    """Rank 0 is stopped (SIGSTOP), which torchrun's SIGTERM cannot end: torchrun would wait 30 s
+    before its SIGKILL. Rank 1 times out, names rank 0 and kills it (both run on this machine) after
+    writing its message, which must be torchrun's root cause although rank 0 is the lower rank."""
     env = dict(
         os.environ,
-        MOEKV_FAULT="hang@1:2",
+        MOEKV_FAULT="stop@0:2",
         PYTHONPATH=os.pathsep.join(
             [str(REPOSITORY)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         ),
@@ -201,11 +204,12 @@ def test_torchrun_with_defaults_names_the_hung_rank_within_30_s():
     ended = time.time()
     output = done.stdout + done.stderr
     assert done.returncode != 0, output
-    fault_at = float(re.search(r"injected fault: hang at wall-clock time ([\d.]+)", output).group(1))
-    print(f"torchrun, defaults: every rank gone {ended - fault_at:.1f} s after the hang")
+    fault_at = float(re.search(r"injected fault: stop at wall-clock time ([\d.]+)", output).group(1))
+    print(f"torchrun, defaults: every rank gone {ended - fault_at:.1f} s after the stop")
     assert ended - fault_at < 30, output
     # the failed rank says so itself, and torchrun's summary (its root cause) carries that message
-    named = r"rank 1 never reached all_to_all_single #\d+ \(\w+, step 2\): hung or dead"
-    assert re.search(r"\[rank0\] error: CollectiveError: " + named, output), output
+    named = r"rank 0 never reached all_to_all_single #\d+ \(\w+, step 2\): hung or dead"
+    assert re.search(r"\[rank1\] error: CollectiveError: " + named, output), output
+    assert re.search(r"\[rank1\] killed rank 0 \(pid \d+\)", output), output
     root_cause = output.split("Root Cause")[-1]
-    assert re.search(named + r".*rank 0 waited 1[5-9]\.\d s", root_cause), output  # the default 15 s
+    assert re.search(named + r".*rank 1 waited 1[5-9]\.\d s", root_cause), output  # the default 15 s

@@ -17,9 +17,12 @@ collective or fail too, so that it names only the ranks that did neither. When a
 parent gives the others `grace_s` (3 s) to report (plus SETTLE_S if the first failure is a rank
 gone without a word), kills the rest (a hung rank never returns) and raises WorkerFailed, naming
 first the ranks that kept a peer waiting: every rank is gone timeout_s + SETTLE_S + grace_s = 20 s
-after a hang. Under torchrun (apps/parallel_run.py) the waiting rank exits, so it is torchrun's
-"Root Cause", and torchrun ends the others within its 0.1 s monitor interval: about timeout_s +
-SETTLE_S + 1 s. tests/test_parallel_failure.py measures both.
+after a hang. Under torchrun (apps/parallel_run.py) the waiting rank kills the silent ranks on its
+machine (kill_silent_peers: torchrun's SIGTERM cannot end a stopped one, and its SIGKILL comes 30 s
+later) and exits, so it is torchrun's "Root Cause", and torchrun ends the others within its 0.1 s
+monitor interval: about timeout_s + SETTLE_S + 1 s (18 s; the kill waits for the next whole second,
+so that torchrun's root cause stays the rank with the message). tests/test_parallel_failure.py
+measures both.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import os
 import pickle
 import queue as queue_module
 import re
+import signal
+import socket
 import sys
 import time
 import traceback
@@ -155,6 +160,7 @@ def join_group(
     if store is None:
         store, rank, world_size = environment_store(start_timeout_s)
     store.set(f"moekv/joined/{rank}", "1")  # progress keys, for naming a failed rank, live here too
+    store.set(f"moekv/process/{rank}", f"{socket.gethostname()}|{os.getpid()}")  # see kill_silent_peers
     began = time.monotonic()
     try:
         dist.init_process_group(
@@ -193,6 +199,34 @@ def environment_store(start_timeout_s: float):
             f"rank {os.environ.get('RANK', '?')} could not set up the rendezvous store at {where} "
             f"within the start timeout ({start_timeout_s:g} s): {first_line(error)}"
         ) from error
+
+
+def kill_silent_peers(store, ranks) -> list[tuple[int, int]]:
+    """SIGKILL those of `ranks` that run on this machine as this process's siblings (children of the
+    same torchrun agent, checked in /proc, so a reused process id is left alone): (rank, pid) of
+    each. For a rank that timed out waiting for them under torchrun, which ends the other ranks
+    with SIGTERM and only 30 s later with SIGKILL: a stopped (SIGSTOP) rank never acts on a SIGTERM,
+    so it would outlive the run by 30 s. A silent rank on another machine is left to its own agent.
+    Under launch the parent kills every rank still running after the grace; nothing to do here."""
+    if not os.path.isdir("/proc"):
+        return []
+    killed = []
+    for rank in ranks:
+        try:
+            key = f"moekv/process/{rank}"
+            if not store.check([key]):  # never joined: no process to end
+                continue
+            host, pid = store.get(key).decode().split("|")
+            pid = int(pid)
+            with open(f"/proc/{pid}/stat") as handle:
+                parent = int(handle.read().rsplit(")", 1)[1].split()[1])  # after "pid (name) state"
+            if host != socket.gethostname() or parent != os.getppid():
+                continue
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError, RuntimeError):  # gone already, or the store out of reach
+            continue
+        killed.append((rank, pid))
+    return killed
 
 
 def _worker_main(
