@@ -72,6 +72,8 @@ def grouped_matmul(
     torch: one matmul per expert's slice, the readable reference; where it applies, one
     `torch._grouped_mm` (bitwise equal to the loop, 1.6x faster for a decode step's four FFN experts,
     measured; offs: int32 cumsum(counts), if made). triton: the GEMM kernel (moekv_kernels/expert_gemm.py)."""
+    if weights.shape[0] == 0:  # no experts, so no rows (a rank holding none of a layer's experts)
+        return x.new_zeros(x.shape[0], weights.shape[-1])
     if backend == "triton":
         import moekv_kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
 

@@ -343,7 +343,7 @@ def test_parallel_cli_refuses_bad_values(capsys, monkeypatch, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         parallel_main.main(argv)
     assert exit_info.value.code == 2
-    assert f"python -m moekv_ref.parallel: error: {message}" in capsys.readouterr().err
+    assert f"python -m moekv_ref.apps.parallel_run: error: {message}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -400,12 +400,34 @@ def test_bench_parallel_refuses_bad_values(capsys, argv, message):
     assert f"python -m moekv_ref bench parallel: error: {message}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        (
+            "hang@1:1",
+            "MOEKV_FAULT=hang@1:1: bench parallel injects only slow_start faults; 'hang' at a decode step "
+            "is injected by `python -m moekv_ref.apps.parallel_run`",
+        ),
+        ("die@0:1", "MOEKV_FAULT=die@0:1: bench parallel injects only slow_start faults; 'die'"),
+        ("slow_start@2:1", "MOEKV_FAULT=slow_start@2:1: rank 2 does not exist: the ranks are 0 to 1"),
+        ("hang", "MOEKV_FAULT='hang' must be MODE@RANK:AT"),
+    ],
+)
+def test_bench_parallel_refuses_a_fault_it_would_not_inject(capsys, monkeypatch, fault, message):
+    """(The options make the run short, should the refusal be missing.)"""
+    monkeypatch.setenv("MOEKV_FAULT", fault)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "parallel", "--world-size", "2", "--contexts", "8", "--decode-steps", "1"])
+    assert exit_info.value.code == 2
+    assert f"python -m moekv_ref bench parallel: error: {message}" in capsys.readouterr().err
+
+
 def test_parallel_cli_exit_code_from_the_shell():
     """The same check through a real process: exit code 2 and the message, no traceback."""
     from pathlib import Path
 
     done = subprocess.run(
-        [sys.executable, "-m", "moekv_ref.parallel", "--context", "100000"],
+        [sys.executable, "-m", "moekv_ref.apps.parallel_run", "--context", "100000"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -215,6 +215,19 @@ def test_no_function_hides_an_import_of_the_package():
 LIBRARY_LEFT_OUT = ("moekv_ref/apps/", "moekv_ref/plots/", "moekv_ref/exercises.py", "moekv_ref/notebook.py")
 
 
+def test_the_library_does_not_import_the_programs():
+    """Data flows from the library to the programs in apps/: only the package's command line,
+    moekv_ref/__main__.py, and the modules left out of the library import from apps/."""
+    upward = []
+    for path, module, tree in _modules((PACKAGE,)):
+        relative = str(path.relative_to(ROOT))
+        if relative.startswith(LIBRARY_LEFT_OUT) or relative == "moekv_ref/__main__.py":
+            continue
+        for node in _module_imports(tree):
+            upward += [(relative, t) for t in _resolve(module, node) if t.startswith("moekv_ref.apps")]
+    assert not upward, f"library modules importing the programs: {upward}"
+
+
 def _top_level_names(sources: dict[str, str]) -> dict[str, list[str]]:
     """name -> the library files that define it at module level (a function, a class, or a constant
     written in capitals); programs, plots and the notebooks' helpers left out."""

@@ -181,3 +181,37 @@ def test_cost_model_bytes_equal_measured(world_size):
                 bytes_per_value=4 if spec.model.dtype == "float32" else 8,
             )
             assert {c: b for c, b in modelled.items() if b} == measured, (label, step)
+
+
+# Three ranks, each without some layer's attention or FFN experts, one (rank 2 in the second map) with
+# no expert at all: a rank holding none of a layer's experts computes nothing for it, yet still
+# sends its home tokens to the experts' ranks and joins every collective.
+UNEVEN_PLACEMENTS = {
+    "each rank short of a layer": (((0, 1, 0, 1, 0, 1, 0, 1), (2,) * 8), ((2, 2, 2, 2), (0, 1, 0, 1))),
+    "rank 2 holds nothing": (((0, 1) * 4, (1, 0) * 4), ((0, 1, 0, 1), (1, 1, 0, 0))),
+}
+
+
+def test_a_rank_without_a_layer_s_experts_computes_nothing_for_it():
+    prompts = tuple(tuple(p) for p in random_prompts([3, 7, 2, 5], CONFIG.vocab_size, seed=3))
+    decode = tuple((1 + i, 9 + i, 17 + i) for i in range(len(prompts)))
+    specs = [
+        RunSpec(
+            ModelSpec(CONFIG.to_dict(), seed=11, dtype="float64"),
+            placement,
+            attention,
+            ffn,
+            prompts,
+            decode,
+            num_blocks=64,
+            block_size=4,
+            label=f"{name}/{placement}",
+        )
+        for name, (attention, ffn) in UNEVEN_PLACEMENTS.items()
+        for placement in KV_PLACEMENTS
+    ]
+    reference, reference_kv = reference_run(specs[0])
+    for spec, results in zip(specs, run_parallel(specs, 3, timeout_s=10.0)):
+        assert max_difference(merged_logits(results), reference) <= TOLERANCE["float64"], spec.label
+        kept = torch.stack([torch.tensor(r.kv_tokens_per_expert) for r in results]).sum(0)
+        assert kept.tolist() == reference_kv, spec.label

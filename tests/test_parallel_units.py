@@ -102,6 +102,11 @@ def test_bad_inputs_are_refused_before_anything_starts():
             launch(compare_placements, 2, **{name: value})
     with pytest.raises(ValueError, match="grace_s=-1 must be"):
         launch(compare_placements, 2, grace_s=-1)
+    with pytest.raises(ValueError, match=r"backend='mpi' is not one of \('gloo', 'nccl'\)"):
+        launch(compare_placements, 2, backend="mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="backend='nccl' needs CUDA"):
+            launch(compare_placements, 2, backend="nccl")
     with pytest.raises(ValueError, match="kv_placement='kv_everywhere'"):
         kv_location_map([torch.ones(3, 4, dtype=torch.bool)], torch.zeros(1, 4), "kv_everywhere", 0)
 

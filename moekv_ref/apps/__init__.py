@@ -6,10 +6,10 @@
     bench_serving.py  static vs continuous batching on one memory budget
     figures.py        regenerates every PNG in figures/
     train.py          trains the embedded checkpoint
-    parallel_run.py   `torchrun -m moekv_ref.parallel`: one run of the context sweep on real ranks
+    parallel_run.py   `torchrun -m moekv_ref.apps.parallel_run`: one run of the context sweep on real ranks
     parallel_measure.py  the context sweep (`bench parallel`, parallel_run, notebook 07) and its tables
     parallel_options.py  the values those two parallel programs accept, checked before anything starts
 
-Nothing in the library imports from it: data flows from the library to the programs. Only the two
-entry points, moekv_ref/__main__.py and moekv_ref/parallel/__main__.py, hand their command lines here.
+Nothing in the library imports from it: data flows from the library to the programs. Only the entry
+point moekv_ref/__main__.py hands its command line here; parallel_run runs as itself (`-m`).
 """

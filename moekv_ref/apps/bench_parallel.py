@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -24,6 +25,7 @@ from ..checkpoint import load_default_model
 from ..config import ModelConfig
 from ..costs import measured_shape_bytes, real_shape_projections
 from ..parallel.kv_placements import KV_PLACEMENTS
+from ..parallel.launcher import FAULT_ENV, fault_from_environment
 from ..parallel.locality import attention_routing_of_text, compare_placements, format_placement_table
 from ..parallel.programs import run_parallel, total_bytes, total_traffic
 from ..plots.tables import text_table
@@ -69,6 +71,28 @@ def check_args(args) -> None:
         raise ValueError(problem)
     checks.distinct("--contexts", args.contexts, "each context of the sweep runs once")
     checks.output_file("--json", args.json)
+    check_fault(args.world_size)
+
+
+def check_fault(world_size: int) -> None:
+    """MOEKV_FAULT (test-only fault injection) as this program honours it: slow_start, which every
+    launch applies as its ranks join, and nothing else (a fault at a decode step would stop the sweep,
+    so the faults at a step belong to parallel_run, one run of it)."""
+    fault = fault_from_environment()  # a malformed value: its own ValueError
+    if fault is None:
+        return
+    value = f"{FAULT_ENV}={os.environ[FAULT_ENV].strip()}"
+    if fault.mode != "slow_start":
+        raise ValueError(
+            f"{value}: bench parallel injects only slow_start faults; {fault.mode!r} at a decode step is "
+            f"injected by `python -m moekv_ref.apps.parallel_run` (or the same under torchrun): unset "
+            f"{FAULT_ENV} here"
+        )
+    if fault.rank >= world_size:
+        raise ValueError(
+            f"{value}: rank {fault.rank} does not exist: the ranks are 0 to {world_size - 1} "
+            f"(--world-size {world_size})"
+        )
 
 
 def run_sweep(world_size: int, contexts, decode_steps: int):

@@ -1,5 +1,5 @@
 """Measurements on real runs: bytes per decode step as the context grows, per-rank pools, time split
-(what `bench parallel`, `python -m moekv_ref.parallel` and notebook 07 run and print).
+(what `bench parallel`, `python -m moekv_ref.apps.parallel_run` and notebook 07 run and print).
 
     context_sweep_specs   one RunSpec per (KV placement, context): world_size sequences (one per
                           rank) prefilled to `context` tokens, then a few decode steps

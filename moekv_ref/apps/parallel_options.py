@@ -1,4 +1,4 @@
-"""The values the parallel programs accept (`python -m moekv_ref.parallel`, `bench parallel`), as
+"""The values the parallel programs accept (`python -m moekv_ref.apps.parallel_run`, `bench parallel`), as
 messages that name the option, the bad value and what is allowed; the programs hand them to
 parser.error (exit code 2) before anything starts.
 

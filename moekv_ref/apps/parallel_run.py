@@ -1,6 +1,4 @@
-"""`torchrun --nproc_per_node=N -m moekv_ref.parallel [options]`: one run of the context sweep's model.
-
-(moekv_ref/parallel/__main__.py hands the command line to `main` here.)
+"""`torchrun --nproc_per_node=N -m moekv_ref.apps.parallel_run [options]`: one run of the context sweep's model.
 
 Every rank prefills one sequence of --context tokens per rank and decodes --decode-steps tokens under
 the chosen KV placement and expert placement, then rank 0 prints the bytes per decode step (summed
@@ -11,12 +9,15 @@ over ranks), each rank's pool and the time split. torchrun's own options (--nnod
 Every option is checked before anything starts (exit code 2 and a message naming the option, its
 value and what is allowed). --start-timeout bounds the wait for every rank to join, --timeout a
 collective's wait for a peer (parallel/launcher.py). When a collective fails, the rank prints which ranks never
-reached it (hung or dead), records that message for torchrun's summary and exits with code 1 at once;
-torchrun then ends the other ranks. Without torchrun the launcher does the same and the message is
+reached it (hung or dead), records that message for torchrun's summary, kills those of them that run
+on its machine (a stopped one outlives torchrun's SIGTERM) and exits with code 1; torchrun then ends
+the other ranks. Without torchrun the launcher does the same and the message is
 printed as `error: ...` (exit code 1).
 
 For tests only: MOEKV_FAULT=MODE@RANK:AT injects a fault (parallel/launcher.py: parse_fault): hang@1:2 makes rank 1
-hang at the start of decode step 2, die@1:2 makes it exit, slow_start@1:5 makes it join 5 s late.
+hang at the start of decode step 2, die@1:2 makes it exit, stop@1:2 stops it (SIGSTOP), slow_start@1:5
+makes it join 5 s late.
+(`bench parallel` honours slow_start only, and refuses the others.)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ..parallel.launcher import (
     WorkerFailed,
     default_backend,
     join_group,
+    kill_silent_peers,
     parse_fault,
 )
 from ..parallel.programs import run_parallel, run_specs
@@ -57,7 +59,9 @@ from .parallel_options import (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m moekv_ref.parallel", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m moekv_ref.apps.parallel_run", description=__doc__.splitlines()[0]
+    )
     parser.add_argument(
         "--placement", choices=KV_PLACEMENTS, default="kv_with_expert", help="where the K/V lives"
     )
@@ -163,15 +167,18 @@ def the_spec(args, world_size: int):
     return spec
 
 
-def fail_rank(rank: int, error: BaseException) -> None:
-    """Print why this rank fails, record it for torchrun's summary, and exit now (code 1): the
-    process group's teardown could wait on the very peer that hangs."""
+def fail_rank(rank: int, error: BaseException, store=None) -> None:
+    """Print why this rank fails, record it for torchrun's summary, end the ranks it waited for in
+    vain if they run on this machine (a stopped rank outlives torchrun's SIGTERM by 30 s:
+    launcher.kill_silent_peers), and exit now (code 1): the process group's teardown could wait on
+    the very peer that hangs. store: the group's store, once joined."""
     if isinstance(error, CollectiveError):
         message = f"{type(error).__name__}: {error}"
     else:
         message = "".join(traceback.format_exception(error)).rstrip()
     print(f"[rank{rank}] error: {message}", file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # what torchrun's "Root Cause" shows
+    failed_at = int(time.time())
     if error_file:
         try:
             with open(error_file, "w") as handle:
@@ -179,13 +186,27 @@ def fail_rank(rank: int, error: BaseException) -> None:
                     {
                         "message": {
                             "message": message,
-                            "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))},
+                            "extraInfo": {"py_callstack": message, "timestamp": str(failed_at)},
                         }
                     },
                     handle,
                 )
         except OSError:
             pass
+    missing = error.missing if isinstance(error, CollectiveError) else ()
+    if store is not None and missing:
+        # torchrun's root cause is the failure of the earliest whole second, a tie going to the lower
+        # rank: the ranks killed here must fail in a later second than this one, or one of them
+        # (no message, only its signal) could be named instead
+        while int(time.time()) <= failed_at:
+            time.sleep(0.05)
+        for peer, pid in kill_silent_peers(store, missing):
+            print(
+                f"[rank{rank}] killed rank {peer} (pid {pid}), silent on this machine: a stopped rank "
+                f"would outlive torchrun's SIGTERM",
+                file=sys.stderr,
+                flush=True,
+            )
     os._exit(1)
 
 
@@ -204,6 +225,7 @@ def main(argv=None) -> int:
         report(spec, results[0])
         return 0
     rank = int(os.environ["RANK"])
+    context = None
     try:
         context = join_group(
             default_backend(),
@@ -218,7 +240,7 @@ def main(argv=None) -> int:
             everyone, mine, group=context.comm.group
         )  # the report, after the measured steps
     except BaseException as error:  # noqa: BLE001 -- a failed rank says why and goes at once
-        fail_rank(rank, error)
+        fail_rank(rank, error, None if context is None else context.comm.store)
     if context.rank == 0:
         report(spec, everyone)
     dist.destroy_process_group()

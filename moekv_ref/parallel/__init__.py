@@ -7,7 +7,8 @@ attention experts' KV caches, every byte that travels counted (costs.py prices t
     runner.py, programs.py   one rank's step; RunSpec, run_parallel, the one-process reference_run
     locality.py              placement of experts on ranks compared on real routing
     serving.py               the engine's scheduler on rank 0, each rank a device of its pool
-    __main__.py              `torchrun -m moekv_ref.parallel`: apps/parallel_run.py
+
+The program that runs it under torchrun is apps/parallel_run.py (`torchrun -m moekv_ref.apps.parallel_run`).
 """
 
 from .comm import CollectiveError, Communicator

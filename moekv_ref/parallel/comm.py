@@ -7,8 +7,9 @@ NVLink, NIC) changes the bytes per link, not these counts; moekv_ref/costs.py tu
 
 Failure: before each collective a rank writes its progress to the key-value store, which lives
 outside the workers (the launcher's parent process, or torchrun's agent) and so outlives a dead
-rank. When a collective raises, the rank reads its peers' progress and raises a CollectiveError
-naming first the ranks that never reached it.
+rank. When a collective raises, the rank notes its failure there, waits briefly for its peers to
+reach the collective or note theirs (a healthy peer may still be on its way), and raises a
+CollectiveError naming first the ranks that did neither.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+SETTLE_S = 2.0  # after a failed collective, how long a rank waits for its peers to reach it or fail
 
 
 class CollectiveError(RuntimeError):
@@ -152,26 +155,23 @@ class Communicator:
         self.records.append(CollectiveRecord(self.step, category, sent, time.perf_counter() - start))
 
     def _diagnose(self, label: str, error: Exception, waited: float) -> tuple[str, tuple]:
-        """(message, missing ranks): the ranks that never reached this collective (the store's
-        progress keys) first, then this rank, how long it waited, and the backend's cause."""
+        """(message, missing ranks): the ranks that never reached this collective first, then this
+        rank, how long it waited, and the backend's cause. This rank notes in the store that it
+        failed here, then gives its peers up to SETTLE_S to reach the collective or note their own
+        failure: a healthy peer still on its way (the moment a dead rank's connections close, the
+        others are not all in the collective yet) is not named; a dead or hung one does neither."""
         cause = first_line(error)
         seen = f"rank {self.rank} waited {waited:.1f} s in it. Cause seen there: {cause}"
         if self.store is None:
             return f"{label} failed on rank {self.rank} after {waited:.1f} s: {cause}", ()
-        behind, unknown = {}, []
         with contextlib.suppress(Exception):
             self.store.set_timeout(datetime.timedelta(seconds=2))
-        for peer in sorted(set(range(self.world_size)) - {self.rank}):
-            try:
-                key = f"moekv/progress/{peer}"
-                if not self.store.check([key]):
-                    behind[peer] = "never started a collective"
-                    continue
-                sequence, last = self.store.get(key).decode().split("|", 1)
-                if int(sequence) < self._sequence:
-                    behind[peer] = f"last reached {last}"
-            except Exception:
-                unknown.append(peer)
+            self.store.set(f"moekv/failed/{self.rank}", str(self._sequence))
+        deadline = time.monotonic() + SETTLE_S
+        behind, unknown = self._peers_behind()
+        while behind and time.monotonic() < deadline:
+            time.sleep(0.05)
+            behind, unknown = self._peers_behind()
         if behind:  # ascending, as peers are
             details = "; ".join(f"rank {peer} {reason}" for peer, reason in behind.items())
             return (
@@ -184,3 +184,22 @@ class Communicator:
                 (),
             )
         return f"{label} failed on rank {self.rank} although every peer reached it; {seen}", ()
+
+    def _peers_behind(self) -> tuple[dict[int, str], list[int]]:
+        """({peer: how far it got} for the peers that neither reached this collective nor noted a
+        failure of their own, [peers whose progress could not be read])."""
+        behind, unknown = {}, []
+        for peer in sorted(set(range(self.world_size)) - {self.rank}):
+            try:
+                if self.store.check([f"moekv/failed/{peer}"]):
+                    continue  # alive: it failed in a collective too, and says so itself
+                key = f"moekv/progress/{peer}"
+                if not self.store.check([key]):
+                    behind[peer] = "never started a collective"
+                    continue
+                sequence, last = self.store.get(key).decode().split("|", 1)
+                if int(sequence) < self._sequence:
+                    behind[peer] = f"last reached {last}"
+            except Exception:
+                unknown.append(peer)
+        return behind, unknown

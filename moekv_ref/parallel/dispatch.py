@@ -152,11 +152,10 @@ class LocalPairs:
 def local_pairs(received: Received, local_experts: torch.Tensor) -> LocalPairs:
     """Expand each received token into its experts here, sorted by local expert (tokens keep their
     received order within an expert, so a sequence's tokens reach a cache row in position order)."""
-    E_max = (
-        int(max(local_experts.max().item(), received.experts.max().item() if received.experts.numel() else 0))
-        + 1
-    )
-    local_of = torch.full((E_max + 1,), -1, dtype=torch.int64)
+    # global id -> index among this rank's experts, -1 for the others; a rank may hold none of the
+    # layer's experts (it then receives no pairs and computes nothing), so either side may be empty
+    ids = torch.cat([local_experts.cpu(), received.experts.flatten(), torch.zeros(1, dtype=torch.int64)])
+    local_of = torch.full((int(ids.max()) + 1,), -1, dtype=torch.int64)
     local_of[local_experts] = torch.arange(local_experts.numel())
     token, slot = (received.experts >= 0).nonzero(as_tuple=True)  # (M,) row-major
     expert = received.experts[token, slot]

@@ -12,11 +12,17 @@ Two timeouts, as starting and waiting differ: `start_timeout_s` (120 s) for ever
 to wait for a peer, instead of the 30-minute default: the longest healthy wait seen on this CPU is
 about a second (`bench parallel`, 4 ranks, context 2048).
 
-When a rank fails, the parent gives the others `grace_s` (3 s) to report, kills the rest (a hung
-rank never returns) and raises WorkerFailed, naming first the ranks that kept a peer waiting: every
-rank is gone timeout_s + grace_s = 18 s after a hang. Under torchrun (apps/parallel_run.py) the
-waiting rank exits, so it is torchrun's "Root Cause", and torchrun ends the others within its 0.1 s
-monitor interval: about timeout_s + 1 s. tests/test_parallel_failure.py measures both.
+A rank whose collective failed first waits up to comm.SETTLE_S (2 s) for its peers to reach the
+collective or fail too, so that it names only the ranks that did neither. When a rank fails, the
+parent gives the others `grace_s` (3 s) to report (plus SETTLE_S if the first failure is a rank
+gone without a word), kills the rest (a hung rank never returns) and raises WorkerFailed, naming
+first the ranks that kept a peer waiting: every rank is gone timeout_s + SETTLE_S + grace_s = 20 s
+after a hang. Under torchrun (apps/parallel_run.py) the waiting rank kills the silent ranks on its
+machine (kill_silent_peers: torchrun's SIGTERM cannot end a stopped one, and its SIGKILL comes 30 s
+later) and exits, so it is torchrun's "Root Cause", and torchrun ends the others within its 0.1 s
+monitor interval: about timeout_s + SETTLE_S + 1 s (18 s; the kill waits for the next whole second,
+so that torchrun's root cause stays the rank with the message). tests/test_parallel_failure.py
+measures both.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import os
 import pickle
 import queue as queue_module
 import re
+import signal
+import socket
 import sys
 import time
 import traceback
@@ -37,14 +45,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .comm import CollectiveError, Communicator, first_line, name_ranks
+from .comm import SETTLE_S, CollectiveError, Communicator, first_line, name_ranks
 
 FAULT_KEY = "moekv/fault_at"  # where an injected fault notes its wall-clock time
 FAULT_ENV = "MOEKV_FAULT"  # test-only fault injection: see Fault
-FAULT_MODES = ("die", "hang", "slow_start")
+FAULT_MODES = ("die", "hang", "stop", "slow_start")
 DEFAULT_START_TIMEOUT_S = 120.0
 DEFAULT_TIMEOUT_S = 15.0  # a collective's wait for a peer
 DEFAULT_GRACE_S = 3.0
+PROCESS_GROUP_BACKENDS = ("gloo", "nccl")
 MAX_TIMEOUT_S = 86400.0  # a day: beyond it a timeout is no longer a limit (and timedelta overflows)
 
 
@@ -69,7 +78,8 @@ class WorkerContext:
 
 @dataclass(frozen=True)
 class Fault:
-    """MOEKV_FAULT=MODE@RANK:AT: "die" or "hang" at the start of decode step AT (0: the prefill;
+    """MOEKV_FAULT=MODE@RANK:AT: "die", "hang" (sleep) or "stop" (SIGSTOP: nothing runs, not even a
+    signal handler) at the start of decode step AT (0: the prefill;
     RunSpec.fail_*, applied by apps/parallel_run.py), or "slow_start": join AT seconds late."""
 
     mode: str
@@ -110,6 +120,20 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def check_backend(backend: str | None) -> str:
+    """The backend the ranks will use: backend itself, one of PROCESS_GROUP_BACKENDS (NCCL only with CUDA), or
+    default_backend() for None."""
+    if backend is None:
+        return default_backend()
+    if backend not in PROCESS_GROUP_BACKENDS:
+        raise ValueError(
+            f"backend={backend!r} is not one of {PROCESS_GROUP_BACKENDS} (or None: {default_backend()!r} here)"
+        )
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, which this machine lacks: use 'gloo' (or None)")
+    return backend
+
+
 def join_group(
     backend: str,
     timeout_s: float,
@@ -134,39 +158,75 @@ def join_group(
         torch.cuda.set_device(device)
     start = datetime.timedelta(seconds=start_timeout_s)
     if store is None:
-        dist.init_process_group(backend, timeout=start)
-        try:
-            progress = dist.distributed_c10d._get_default_store()  # progress keys for naming a failed rank
-        except Exception:  # noqa: BLE001 -- without it, errors name only the collective
-            progress = None
-    else:
-        store.set(f"moekv/joined/{rank}", "1")
-        began = time.monotonic()
-        try:
-            dist.init_process_group(
-                backend,
-                store=dist.PrefixStore("process_group", store),
-                rank=rank,
-                world_size=world_size,
-                timeout=start,
-            )
-        except Exception as error:  # noqa: BLE001 -- name the ranks that never came, if that is why
-            absent = tuple(r for r in range(world_size) if not store.check([f"moekv/joined/{r}"]))
-            if not absent:
-                raise
-            raise CollectiveError(
-                f"{name_ranks(absent)} never joined the process group: rank {rank} waited "
-                f"{time.monotonic() - began:.1f} s for it (start timeout {start_timeout_s:g} s). "
-                f"Cause seen there: {first_line(error)}",
-                absent,
-            ) from error
-        progress = store
+        store, rank, world_size = environment_store(start_timeout_s)
+    store.set(f"moekv/joined/{rank}", "1")  # progress keys, for naming a failed rank, live here too
+    store.set(f"moekv/process/{rank}", f"{socket.gethostname()}|{os.getpid()}")  # see kill_silent_peers
+    began = time.monotonic()
+    try:
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("process_group", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=start,
+        )
+    except Exception as error:  # noqa: BLE001 -- name the ranks that never came, if that is why
+        absent = tuple(r for r in range(world_size) if not store.check([f"moekv/joined/{r}"]))
+        if not absent:
+            raise
+        raise CollectiveError(
+            f"{name_ranks(absent)} never joined the process group: rank {rank} waited "
+            f"{time.monotonic() - began:.1f} s for it (start timeout {start_timeout_s:g} s). "
+            f"Cause seen there: {first_line(error)}",
+            absent,
+        ) from error
     # every rank has joined: a peer keeping a collective waiting past timeout_s has hung (or died)
     group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     return WorkerContext(
-        rank, world_size, Communicator(rank, world_size, device, store=progress, group=group), device
+        rank, world_size, Communicator(rank, world_size, device, store=store, group=group), device
     )
+
+
+def environment_store(start_timeout_s: float):
+    """(store, rank, world_size) from the environment torchrun sets (env://: RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT). Under torchrun the store is its agent's, already up, and the ranks
+    join the process group through it as launch's ranks do through the parent's."""
+    try:
+        return next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=start_timeout_s)))
+    except Exception as error:  # noqa: BLE001 -- say which store could not be reached, and for how long
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise CollectiveError(
+            f"rank {os.environ.get('RANK', '?')} could not set up the rendezvous store at {where} "
+            f"within the start timeout ({start_timeout_s:g} s): {first_line(error)}"
+        ) from error
+
+
+def kill_silent_peers(store, ranks) -> list[tuple[int, int]]:
+    """SIGKILL those of `ranks` that run on this machine as this process's siblings (children of the
+    same torchrun agent, checked in /proc, so a reused process id is left alone): (rank, pid) of
+    each. For a rank that timed out waiting for them under torchrun, which ends the other ranks
+    with SIGTERM and only 30 s later with SIGKILL: a stopped (SIGSTOP) rank never acts on a SIGTERM,
+    so it would outlive the run by 30 s. A silent rank on another machine is left to its own agent.
+    Under launch the parent kills every rank still running after the grace; nothing to do here."""
+    if not os.path.isdir("/proc"):
+        return []
+    killed = []
+    for rank in ranks:
+        try:
+            key = f"moekv/process/{rank}"
+            if not store.check([key]):  # never joined: no process to end
+                continue
+            host, pid = store.get(key).decode().split("|")
+            pid = int(pid)
+            with open(f"/proc/{pid}/stat") as handle:
+                parent = int(handle.read().rsplit(")", 1)[1].split()[1])  # after "pid (name) state"
+            if host != socket.gethostname() or parent != os.getppid():
+                continue
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError, RuntimeError):  # gone already, or the store out of reach
+            continue
+        killed.append((rank, pid))
+    return killed
 
 
 def _worker_main(
@@ -201,11 +261,14 @@ def launch(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
     grace_s: float = DEFAULT_GRACE_S,
+    backend: str | None = None,
 ) -> list:
     """Run function(context, *args) on world_size ranks: their return values in rank order, or
-    WorkerFailed naming every rank that failed. The timeouts and grace_s: module docstring."""
+    WorkerFailed naming every rank that failed. The timeouts and grace_s: module docstring; backend:
+    one of PROCESS_GROUP_BACKENDS, by default NCCL where CUDA is available and gloo elsewhere."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer")
+    backend = check_backend(backend)
     timeout_s = check_seconds("timeout_s", timeout_s)
     start_timeout_s = check_seconds("start_timeout_s", start_timeout_s)
     if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not 0 <= grace_s <= 60:
@@ -244,7 +307,7 @@ def launch(
                 rank,
                 world_size,
                 store.port,
-                default_backend(),
+                backend,
                 timeout_s,
                 start_timeout_s,
                 function,
@@ -258,7 +321,10 @@ def launch(
     for process in processes:
         process.start()
     values, errors = {}, {}  # by rank: its return value, its error message
-    missing, failed_at = set(), None  # the ranks a peer waited for in vain; when the first failed
+    missing = set()  # the ranks a peer waited for in vain
+    failed_at = None  # when the first rank failed
+    kill_at = None  # when the ranks still running are killed
+    reported = False  # whether a rank has reported an error (not only exited)
     try:
         while len(values) + len(errors) < world_size:
             with contextlib.suppress(queue_module.Empty):
@@ -268,6 +334,7 @@ def launch(
                 else:
                     errors[rank], behind = payload
                     missing.update(behind)
+                    reported = True
             for rank, process in enumerate(processes):
                 if (
                     rank not in values
@@ -278,11 +345,15 @@ def launch(
                     errors[rank] = f"exited with code {process.exitcode} without reporting a result"
             if errors and failed_at is None:
                 failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > grace_s:
+                # a rank reports after settling (comm.SETTLE_S); if the first failure is a rank gone
+                # without a word, the others' collectives fail now and they settle before reporting
+                kill_at = failed_at + grace_s + (0.0 if reported else SETTLE_S)
+            if kill_at is not None and time.monotonic() > kill_at:
+                waited = time.monotonic() - failed_at
                 for rank, process in enumerate(processes):
                     if rank not in values and rank not in errors:
                         errors[rank] = (
-                            f"killed by the launcher: still running {grace_s:g} s after another rank failed"
+                            f"killed by the launcher: still running {waited:.1f} s after another rank failed"
                         )
                 break
     finally:

@@ -13,6 +13,7 @@ process group, as starting processes is the slow part.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -68,7 +69,7 @@ class RunSpec:
     block_size: int = 16
     record_logits: bool = True
     label: str = ""
-    # fault injection (MOEKV_FAULT, launcher.Fault): rank fail_rank dies or hangs at fail_step
+    # fault injection (MOEKV_FAULT, launcher.Fault): rank fail_rank dies, hangs or stops at fail_step
     fail_rank: int = -1
     fail_step: int = -1
     fail_mode: str = ""
@@ -143,16 +144,18 @@ def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
 
 
 def inject_failure(mode: str, store=None) -> None:
-    """Die or hang now, noting the time in the store and on stderr first (the launcher reports how
+    """Die, hang or stop now, noting the time in the store and on stderr first (the launcher reports how
     long after it every rank was gone; under torchrun, stderr is all that outlives it)."""
-    if mode not in ("die", "hang"):
-        raise ValueError(f"fail_mode={mode!r} is not one of ('die', 'hang')")
+    if mode not in ("die", "hang", "stop"):
+        raise ValueError(f"fail_mode={mode!r} is not one of ('die', 'hang', 'stop')")
     now = time.time()
     if store is not None:
         store.set(FAULT_KEY, repr(now))
     print(f"injected fault: {mode} at wall-clock time {now:.3f}", file=sys.stderr, flush=True)
     if mode == "die":
         os._exit(3)
+    if mode == "stop":  # stopped: only SIGKILL ends it (a SIGTERM waits, pending, for a SIGCONT)
+        os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(3600)  # hang: only a signal (the launcher's kill, torchrun's SIGTERM) ends it
 
 
