@@ -4,13 +4,19 @@ engine gives the same tokens with and without the cache, under both routings."""
 
 import pytest
 import torch
+from helpers import alone_tokens, random_model, random_prompts, small_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moekv_ref.cache.block_pool import BlockPool, OutOfBlocksError
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
 from moekv_ref.cache.prefix_cache import PrefixCache, chain_keys
+from moekv_ref.checkpoint import load_default_model
+from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.engine.undo import Snapshot
+from moekv_ref.engine.workload import few_shot_workload, run_workload
+from moekv_ref.generate import generate
+from moekv_ref.sampling import SamplingParams
 
 
 def append_tokens(manager, seq_id, start, routing):
@@ -274,13 +280,6 @@ def run_program(ops):
 
 
 # ----- the engine: the same tokens with and without the cache ---------------------------------------------
-from helpers import alone_tokens, random_model, random_prompts, small_config  # noqa: E402
-
-from moekv_ref.checkpoint import load_default_model  # noqa: E402
-from moekv_ref.engine.engine import LLMEngine  # noqa: E402
-from moekv_ref.engine.scheduler import SchedulerConfig  # noqa: E402
-from moekv_ref.engine.workload import few_shot_workload, run_workload  # noqa: E402
-from moekv_ref.sampling import SamplingParams  # noqa: E402
 
 
 def serve(model, workload, enable_prefix_caching, num_blocks, block_size=4, **config):
@@ -599,3 +598,49 @@ def test_a_short_device_evicts_its_own_cached_blocks_not_another_devices():
     assert pool.cached_free_block_ids(0) == [0, 1]
     pool.free(taken)
     manager.assert_consistent()
+
+
+def test_a_recomputed_prefix_takes_over_the_keys_of_its_idle_copy():
+    """A prefix computed again from nothing (say its hit did not fit the pool) is registered: its
+    blocks in use take the keys from the idle blocks that held them, which go back to the plain
+    free stack. Else the keys would leave with the idle blocks once they are evicted, and the prefix,
+    held all along, could not be found."""
+    manager = KVCacheManager(1, 1, 2, 8, prefix_cache=PrefixCache())
+    prompt = [10, 11, 12, 13]
+    route = [[[0]]] * 4
+    append_tokens(manager, 0, 0, route)
+    assert manager.prefix_cache.cache_computed_blocks(0, prompt) == 2
+    first_blocks = table(manager, 0, 0)
+    manager.free(0)  # idle, cached, findable
+    append_tokens(manager, 1, 0, route)  # the same prompt from nothing: fresh blocks
+    second_blocks = table(manager, 1, 0)
+    assert not set(first_blocks) & set(second_blocks)
+    assert manager.prefix_cache.cache_computed_blocks(1, prompt) == 2
+    assert manager.pool.cached_free_block_ids() == []  # the idle copies are plain free blocks again
+    manager.assert_consistent()
+    append_tokens(manager, 2, 0, [[[0]]] * 8)  # takes every free block: the idle copies are gone
+    hit = manager.prefix_cache.find_cached_prefix(prompt + [99])
+    assert hit.num_tokens == 4 and sorted(hit.shared.tolist()) == sorted(second_blocks)
+
+
+def test_a_tight_pool_still_starts_from_the_prefix_it_holds():
+    """Four requests sharing a 224-token prefix, served one after another by the embedded model in
+    pools from the smallest it accepts: each after the first starts from the cached prefix (its
+    hit is at most what starting from nothing needs), with the tokens of a pool without caching."""
+    model = load_default_model("threshold")
+    generator = torch.Generator().manual_seed(0)
+    V = model.config.vocab_size
+    shared = torch.randint(0, V, (224,), generator=generator).tolist()
+    prompts = [shared + torch.randint(0, V, (8,), generator=generator).tolist() for _ in range(4)]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    expected = generate(model, prompts, [params] * 4, cache="paged", block_size=16).tokens
+    for num_blocks in (148, 156):
+        engine = LLMEngine(model, num_blocks, 16, SchedulerConfig(max_num_seqs=4), enable_prefix_caching=True)
+        tokens = []
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+            while engine.has_unfinished_requests():
+                tokens += [output.token_ids for output in engine.step()]
+        assert tokens == expected
+        assert engine.cache.manager.prefix_cache.stats.num_hit_tokens == 3 * 224, num_blocks
+        engine.memory.assert_no_leak()

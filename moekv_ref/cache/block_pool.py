@@ -326,6 +326,18 @@ class BlockPool(Stateful):
         self.is_cached[block_ids] = True
         self._any_cached = True
 
+    def uncache(self, block_ids) -> None:
+        """Cached-free blocks that no longer hold a known prefix (another block took over their
+        keys): back onto their device's plain stack, as any free block."""
+        block_ids = self._checked_ids(block_ids)
+        if not bool((self.is_cached[block_ids] & (self.ref_cnt[block_ids] == 0)).all()):
+            raise ValueError("uncache: only cached-free blocks (held by no sequence) can be uncached")
+        for block, device in zip(block_ids.tolist(), self._device_of(block_ids).tolist()):
+            del self._cached_free[device][block]
+        self.is_cached[block_ids] = False
+        self.ref_cnt[block_ids] += 1  # held for a moment, then freed onto the plain stack
+        self.free(block_ids)
+
     def reuse(self, block_ids) -> None:
         """One more owner for each distinct cached block (a prefix hit); cached-free ones leave the
         LRU queue."""

@@ -156,13 +156,23 @@ class PrefixCache(Stateful):
         todo = used & (through > registered_through) & (through >= first_chunk)
         device = m.row_device[rows].tolist()  # (R,)
         newly_cached = []
+        orphans = []  # idle blocks whose every key went to a block in use
         for r, j in todo.nonzero().tolist():
             block = int(blocks[r, j])
             for c in range(
                 max(int(first_chunk[r, j]), int(registered_through[r, j]) + 1), int(through[r, j]) + 1
             ):
                 key = (device[r], r, j, keys[c])
-                if key not in self._block_of_key:
+                older = self._block_of_key.get(key)
+                if older is not None and older != block and int(m.pool.ref_cnt[older]) == 0:
+                    # the same prefix, recomputed (its hit did not fit): the block in use takes the
+                    # key, or the key would leave with the idle one once it is evicted
+                    self._keys_of_block[older].remove(key)
+                    if not self._keys_of_block[older]:
+                        del self._keys_of_block[older]
+                        orphans.append(older)
+                    older = None
+                if older is None:
                     self._block_of_key[key] = block
                     self._keys_of_block.setdefault(block, []).append(key)
                     newly_cached.append(block)
@@ -170,6 +180,8 @@ class PrefixCache(Stateful):
         newly_cached = sorted(set(newly_cached))
         if newly_cached:
             m.pool.mark_cached(torch.tensor(newly_cached, dtype=torch.int64))
+        if orphans:
+            m.pool.uncache(torch.tensor(orphans, dtype=torch.int64))
         return len(newly_cached)
 
     def _record_chunks(self, rows, keys, first: int, end: int) -> None:

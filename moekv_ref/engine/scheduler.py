@@ -688,15 +688,21 @@ class Scheduler(Stateful):
         return self.prefix_cache.hit_for(request.all_token_ids, request.request_id)
 
     def hit_step_blocks(self, hit, num_tokens: int) -> torch.Tensor:
-        """(D,) step_blocks for a request starting from `hit`, plus the free blocks it takes."""
+        """(D,) step_blocks for a request starting from `hit`, plus the free blocks it takes (the idle
+        cached blocks it shares, its copies); at most what starting from nothing and computing the
+        hit's tokens and these in one step would need, but never less than what applying the hit
+        holds at once (its copies' sources stay pinned until the copies are taken). The cap holds
+        for every routing: each row ends with as many blocks either way, and the blocks the hit
+        lends it that other requests hold are ones it does not take from the free pool."""
         L, E = self.shape.num_layers, self.shape.num_experts
         counts = hit.row_counts.view(1, L, E)  # (1, L, E)
-        return (
-            self._worst_case_need(
-                counts, [num_tokens], [hit.num_tokens + num_tokens], hit.row_devices.view(1, L, E)
-            )[0]
-            + hit.free_taken_per_device
+        devices = hit.row_devices.view(1, L, E)
+        total = hit.num_tokens + num_tokens
+        with_hit = (
+            self._worst_case_need(counts, [num_tokens], [total], devices)[0] + hit.free_taken_per_device
         )
+        from_nothing = self._worst_case_need(torch.zeros_like(counts), [total], [total], devices)[0]
+        return torch.maximum(torch.minimum(with_hit, from_nothing), hit.free_taken_per_device)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
