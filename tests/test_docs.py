@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from moekv_ref.apps.bench_eviction import strict_json
-from moekv_ref.config import get_config
+from moekv_ref.config import PRESETS, get_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -90,10 +90,10 @@ def test_readme_bytes_per_token_table_is_what_the_configs_compute():
     rows = re.findall(
         r"^\| `([\w.-]+)`[^|]*\| [^|]+\| (\d+) \| (\d+) \| ([\d,]+) \(\w+\) \| ([\d,]+) \|$", readme, re.M
     )
-    assert len(rows) == 5, rows
+    assert {name for name, *_ in rows} == set(PRESETS), rows
     for name, entries, layers, per_entry, per_token in rows:
         config = get_config(name)
-        assert int(entries) == config.num_attention_experts_per_tok, name
+        assert int(entries) == config.kv_entries_per_layer, name
         assert int(layers) == config.num_hidden_layers, name
         assert int(per_entry.replace(",", "")) == config.kv_bytes_per_entry(), name
         assert int(per_token.replace(",", "")) == config.kv_bytes_per_token, name
@@ -495,3 +495,19 @@ def test_readme_cluster_tables_are_what_their_json_says():
             for row in result["where_policies_differ"]
             if row["gain"] and row["gain"] > 0
         )
+
+
+def test_committed_projections_and_cluster_runs_name_the_model_the_code_sizes():
+    """bench parallel's projections are what costs.real_shape_projections computes today, and the
+    cluster runs name bench cluster's MODEL (the per-expert-K/V model of JetMoE-8B's shape), so a
+    renamed or resized preset shows here."""
+    from moekv_ref.apps.bench_cluster import MODEL
+    from moekv_ref.costs import real_shape_projections
+
+    parallel = json.loads((ROOT / "figures" / "bench_parallel.json").read_text(encoding="utf-8"))
+    assert parallel["projections"] == real_shape_projections()
+    assert MODEL == "jetmoe-8b-expert-kv"
+    for name in ("bench_cluster.json", "bench_cluster_seed1.json", "bench_cluster_gamma.json"):
+        result = json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))
+        assert result["model"] == MODEL, name
+        assert result["cost_model"]["name"].startswith(f"{MODEL} on "), name
