@@ -5,12 +5,13 @@ every row of the glossary's tables links to code and to a notebook (or says it i
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from moekv_ref.apps.bench_eviction import strict_json
 from moekv_ref.config import PRESETS, get_config
+from moekv_ref.jsonout import dumps, strict_json
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -385,17 +386,35 @@ def test_readme_serving_budget_table_is_what_its_json_says():
 
 def test_every_committed_json_is_strict_json():
     """JSON has no Infinity or NaN: a strict parser (JupyterLab's) refuses a file that holds one. bench
-    eviction once wrote swap_bytes_per_second = Infinity; its writer now writes null (strict_json)."""
+    eviction once wrote swap_bytes_per_second = Infinity; every writer now writes null (jsonout)."""
 
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
 
-    for path in sorted((ROOT / "figures").glob("*.json")):
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    paths = [ROOT / name for name in tracked.stdout.splitlines() if name.endswith((".json", ".ipynb"))]
+    assert any(path.parent.name == "figures" for path in paths)
+    for path in sorted(set(paths) | set((ROOT / "figures").glob("*.json"))):
         json.loads(path.read_text(encoding="utf-8"), parse_constant=refuse)
+    json.loads(dumps({"x": float("nan")}), parse_constant=refuse)
+    with pytest.raises(ValueError):
+        json.loads(json.dumps({"x": float("nan")}), parse_constant=refuse)
     assert strict_json({"a": [1.0, float("inf"), {"b": float("nan")}], "c": (2, -float("inf"))}) == {
         "a": [1.0, None, {"b": None}],
         "c": [2, None],
     }
+
+
+def test_every_json_file_is_written_strict():
+    """Every JSON file the code writes goes through jsonout (no Infinity or NaN), not json.dump or a
+    write_text of json.dumps (which write them)."""
+    for root in ("moekv_ref", "moekv_kernels"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            if path.name == "jsonout.py":
+                continue
+            text = path.read_text(encoding="utf-8")
+            assert "json.dump(" not in text, path
+            assert not re.search(r"write(_text)?\(json\.dumps", text), path
 
 
 def cluster_rows(result: dict) -> list[str]:

@@ -42,11 +42,11 @@ from ..config import get_config
 from ..costs import cluster_cost_model
 from ..engine.scheduler import RESERVATIONS
 from ..engine.victims import VICTIM_POLICIES
+from ..jsonout import dump
 from ..sim.eviction import EvictionSetup, TraceRunner
 from ..sim.traces import topic_trace
 from ..sim.workloads import ARRIVALS, arrival_times, latency_summary, length_workloads, sample_lengths
 from . import options
-from .bench_eviction import strict_json
 from .bench_step import REPOSITORY, commit_of
 
 MODEL = "jetmoe-8b-expert-kv"
@@ -486,5 +486,5 @@ def write_result(result: dict, path: str | None) -> None:
     """The result as strict JSON (no Infinity or NaN: null), if a path was given."""
     if path:
         with open(path, "w") as f:
-            json.dump(strict_json(result), f, indent=1)
+            dump(result, f, indent=1)
         print(f"\nwrote {path}")

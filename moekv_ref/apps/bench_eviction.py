@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 
@@ -44,6 +43,7 @@ from ..engine.model_runner import ModelRunner
 from ..engine.scheduler import SchedulerConfig
 from ..engine.swap import SwapSpace
 from ..engine.workload import few_shot_workload, make_workload, run_workload
+from ..jsonout import dump
 from ..placement import place_layers
 from ..plots.tables import text_table
 from ..sim.density import density_sweep, mean_blocks_at_context
@@ -795,23 +795,10 @@ def main(args) -> int:
     return _write_json(args.json, out)
 
 
-def strict_json(value):
-    """value with every float that is not finite written as None: JSON has no Infinity or NaN, and
-    strict parsers (JupyterLab's among them) refuse the file. The one such number this benchmark makes
-    is a measured swap link whose bytes cost nothing measurable (swap_bytes_per_second = inf)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: strict_json(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(item) for item in value]
-    return value
-
-
 def _write_json(path, out: dict) -> int:
     if path:
         with open(path, "w") as f:
-            json.dump(strict_json(out), f, indent=1, allow_nan=False)
+            dump(out, f, indent=1)
         print(f"wrote {path}")
     return 0
 
