@@ -530,3 +530,45 @@ def test_committed_projections_and_cluster_runs_name_the_model_the_code_sizes():
         result = json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))
         assert result["model"] == MODEL, name
         assert result["cost_model"]["name"].startswith(f"{MODEL} on "), name
+
+
+def test_readme_profile_shares_are_what_notebook_01_shows():
+    """The README quotes two profiles of the engine's own work: a py-spy profile (about a sixth, its
+    setting named) and notebook 01's `bench step --profile` (about a fifth): the scheduler's and the
+    bookkeeping's shares in the notebook's committed table add up to about a fifth for both models."""
+    cells = json.loads((ROOT / "notebooks" / "01_why_a_kv_cache.ipynb").read_text(encoding="utf-8"))["cells"]
+    table = next(
+        "".join(o.get("text", ""))
+        for c in cells
+        if c["cell_type"] == "code"
+        for o in c.get("outputs", [])
+        if "bookkeeping (rest of the step)" in "".join(o.get("text", ""))
+    )
+    shares = [0, 0]  # dense, embedded
+    for line in table.splitlines():
+        if line.strip().startswith(("scheduler", "bookkeeping")):
+            dense, embedded = (int(p.rstrip("%")) for p in re.findall(r"(\d+)%", line))
+            shares = [shares[0] + dense, shares[1] + embedded]
+    assert all(17 <= share <= 23 for share in shares), shares
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert (
+        "notebook 01 runs it on 16 sequences, where the scheduler and the bookkeeping are about a fifth"
+        in readme
+    )
+    assert "about a sixth of a step in this run (a `py-spy` profile" in readme
+
+
+def test_reading_order_and_exercise_list_cover_every_notebook():
+    """The glossary's reading order links every notebook, and the README's list of notebooks without
+    an exercise is exactly those without an Exercise heading."""
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    glossary = (ROOT / "docs" / "glossary.md").read_text(encoding="utf-8")
+    order = glossary.split("## Reading order", 1)[1].split("\n## ", 1)[0]
+    assert all(f"../notebooks/{path.name}" in order for path in notebooks)
+    without = [
+        path.name[:2]
+        for path in notebooks
+        if not any("exercise" in heading.lower() for heading in _headings(path))
+    ]
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert f"every notebook but {' and '.join(without)}" in readme, without
