@@ -24,11 +24,12 @@ says nothing about a GPU's, and a table of CPU numbers would be mistaken for one
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 
 import torch
+
+from moekv_ref.jsonout import dump
 
 from .report import Config, bound_bytes, hbm_bandwidth
 
@@ -261,7 +262,7 @@ def main(argv=None) -> None:
     report = run(quick=args.quick)
     print(format_table(report))
     with open(args.out, "w") as file:
-        json.dump(report, file, indent=1)
+        dump(report, file, indent=1)
     print(f"wrote {args.out}")
 
 

@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moekv_ref.costs import GPUS, SM_LIMITS, gpus_of
+from moekv_ref.jsonout import dump
 
 from ._utils import Launch, describing_launches, is_interpreting
 
@@ -406,7 +407,7 @@ def _collect_in_child(configs, targets, jobs) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         request, answer = os.path.join(folder, "configs.json"), os.path.join(folder, "rows.json")
         with open(request, "w") as file:
-            json.dump([asdict(c) for c in configs], file)
+            dump([asdict(c) for c in configs], file)
         env = dict(os.environ, TRITON_INTERPRET="0")
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
@@ -473,7 +474,7 @@ def main(argv=None) -> None:
         print(format_table(rows))
     if args.json:
         with open(args.json, "w") as file:
-            json.dump(rows, file, indent=1)
+            dump(rows, file, indent=1)
         if not args.silent:
             print(f"wrote {args.json}")
 

@@ -41,6 +41,10 @@ class ModelConfig:
     # at most this many tokens per (sequence, expert) row in training and recompute (routing.py's
     # apply_capacity) and in a cache (its budget: cache/budget.py's model_budget); 0: none
     attention_capacity: int = 0
+    # the attention experts route only queries and outputs; K and V come from one projection that
+    # they all share (Mixture of Attention heads, JetMoE), so a token caches one entry per layer,
+    # not one per expert. Sizing only: model.py gives each expert its own K/V and refuses this.
+    shared_kv: bool = False
     # feed-forward experts (Mixtral's names)
     num_local_experts: int = 4
     num_experts_per_tok: int = 2
@@ -74,6 +78,12 @@ class ModelConfig:
                 raise ValueError(f"{field}={value!r} is not allowed: it must be a finite number")
             if not ok(value):
                 raise ValueError(f"{field}={value} must be {must}")
+        if not isinstance(self.shared_kv, bool):
+            raise ValueError(f"shared_kv={self.shared_kv!r} must be True or False")
+        if self.shared_kv and self.attention_mode == "dense":
+            raise ValueError(
+                "shared_kv=True needs attention_mode='expert': dense attention has one K/V anyway"
+            )
         if not isinstance(self.name, str):
             raise ValueError(f"name={self.name!r} must be a string")
         for field, allowed in (
@@ -133,8 +143,14 @@ class ModelConfig:
         return self.max_kv_entries_per_token * self.kv_bytes_per_entry()
 
     @property
+    def kv_entries_per_layer(self) -> int:
+        """K/V entries one token adds to one layer, at most: one per chosen expert (k_max), or one
+        when the experts share K/V."""
+        return 1 if self.shared_kv else self.num_attention_experts_per_tok
+
+    @property
     def max_kv_entries_per_token(self) -> int:
-        return self.num_hidden_layers * self.num_attention_experts_per_tok
+        return self.num_hidden_layers * self.kv_entries_per_layer
 
     def with_routing(self, routing: str, threshold: float | None = None) -> "ModelConfig":
         """The same architecture with another attention routing (routing is not part of the weights)."""
@@ -181,6 +197,29 @@ def _ffn_only_moe(**fields) -> ModelConfig:
             "attention_mode": "dense",
             "num_attention_experts": 1,
             "num_attention_experts_per_tok": 1,
+            "kv_cache_dtype": "bfloat16",
+            **fields,
+        }
+    )
+
+
+def _jetmoe_8b(**fields) -> ModelConfig:
+    """JetMoE-8B's shape (its preset below), attention experts and all, its cache in bfloat16."""
+    return ModelConfig(
+        **{
+            "vocab_size": 32000,
+            "hidden_size": 2048,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "head_dim": 128,
+            "max_position_embeddings": 4096,
+            "attention_mode": "expert",
+            "num_attention_experts": 8,
+            "num_attention_experts_per_tok": 2,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 5632,
             "kv_cache_dtype": "bfloat16",
             **fields,
         }
@@ -240,27 +279,15 @@ PRESETS: dict[str, ModelConfig] = {
         kv_lora_rank=512,
         qk_rope_head_dim=64,
     ),
-    # JetMoE-8B (jetmoe/jetmoe-8b config.json; Shen et al., arXiv 2404.07413, Table 1): 8 attention
-    # experts, top-2, 16 KV heads of kv_channels=128, 8 FFN experts (ffn_hidden_size 5632), top-2.
-    # Its num_attention_heads=32 counts the query heads of both chosen experts; ours, per expert.
-    # Its experts share K/V (docs/design.md): we size it as if each expert kept its own.
-    "jetmoe-8b": ModelConfig(
-        name="jetmoe-8b",
-        vocab_size=32000,
-        hidden_size=2048,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        head_dim=128,
-        max_position_embeddings=4096,
-        attention_mode="expert",
-        num_attention_experts=8,
-        num_attention_experts_per_tok=2,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=5632,
-        kv_cache_dtype="bfloat16",
-    ),
+    # JetMoE-8B (jetmoe/jetmoe-8b config.json; Shen et al., arXiv 2404.07413, Table 1): 24 layers, 8
+    # attention experts, top-2, 16 KV heads of kv_channels=128, 8 FFN experts (ffn_hidden_size 5632),
+    # top-2. Its num_attention_heads=32 counts the query heads of both chosen experts; ours, per expert.
+    # Its experts share K/V (one kv_proj per layer, docs/design.md): a token caches one entry per layer.
+    "jetmoe-8b": _jetmoe_8b(name="jetmoe-8b", shared_kv=True),
+    # The same shape as a hypothetical expert-attention model in which each attention expert keeps its
+    # own K/V (model.py's ExpertAttention): the per-expert caches this repository is about, at a real
+    # model's size, two entries per layer per token.
+    "jetmoe-8b-expert-kv": _jetmoe_8b(name="jetmoe-8b-expert-kv"),
 }
 
 

@@ -285,6 +285,11 @@ def project_step(
         pick(ACCELERATORS, accelerator, "accelerator"),
         pick(INTERCONNECTS, interconnect, "interconnect"),
     )
+    if config.shared_kv:
+        raise ValueError(
+            f"{config.name}'s attention experts share K/V (shared_kv=True): the projections place "
+            "per-expert caches; project its expert-attention counterpart instead"
+        )
     if config.attention_mode == "dense" and kv_placement != "replicated_attention":
         raise ValueError(
             f"{config.name} has dense attention: its KV placement is data-parallel attention, "
@@ -330,8 +335,8 @@ def project_step(
 REAL_SHAPE_SETUPS = (
     ("mixtral-8x7b", 8, "nvlink", ("replicated_attention",)),  # one node of 8 GPUs
     ("deepseek-v3", 32, "rdma", ("replicated_attention",)),  # 4 nodes: most dispatch crosses
-    # JetMoE-8B sized as an expert-attention model (each attention expert keeps its own K/V)
-    ("jetmoe-8b", 8, "nvlink", ("kv_with_expert", "kv_with_sequence", "replicated_attention")),
+    # JetMoE-8B's shape as an expert-attention model (each attention expert keeps its own K/V)
+    ("jetmoe-8b-expert-kv", 8, "nvlink", ("kv_with_expert", "kv_with_sequence", "replicated_attention")),
 )
 
 
@@ -431,6 +436,11 @@ def cluster_cost_model(
     k / E of the context routed there) at the GPU's HBM bandwidth."""
     if not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1:
         raise ValueError(f"num_devices={num_devices!r} must be a positive integer")
+    if config.shared_kv:
+        raise ValueError(
+            f"{config.name}'s attention experts share K/V (shared_kv=True): this model reads "
+            "per-expert caches; use its expert-attention counterpart"
+        )
     one = projected_gpu_cost_model(
         active_params,
         config.kv_bytes_per_entry(),

@@ -138,6 +138,11 @@ class ExpertAttention(nn.Module):
         self.config = config
         self.layer_index = layer_index
         self.backend = backend  # of the cached path's projections
+        if config.shared_kv:
+            raise ValueError(
+                f"{config.name} shares K/V between its attention experts (shared_kv=True), which is "
+                "for sizing only: this model gives each expert its own K/V"
+            )
         E, D = config.num_attention_experts, config.hidden_size
         H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.router = nn.Linear(D, E, bias=False)

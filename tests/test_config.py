@@ -19,6 +19,41 @@ def test_presets_have_real_kv_sizes():
     assert set(PRESETS) >= {"tiny", "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "jetmoe-8b"}
 
 
+def test_jetmoe_8b_caches_what_the_published_model_caches():
+    # JetMoE-8B's config.json: 24 layers, num_key_value_heads=16, kv_channels=128, bfloat16; one
+    # kv_proj per layer shared by its attention experts, so one K/V entry per layer per token
+    layers, entries_per_layer, kv_heads, head_dim, bytes_per_value = 24, 1, 16, 128, 2
+    real = get_config("jetmoe-8b")
+    assert real.shared_kv
+    assert real.kv_entries_per_layer == entries_per_layer
+    assert real.kv_bytes_per_token == layers * entries_per_layer * 2 * kv_heads * head_dim * bytes_per_value
+    assert real.kv_bytes_per_token == 196_608
+    # the hypothetical expert-attention model of its shape: each of the top-2 experts keeps its own K/V
+    expert_kv = get_config("jetmoe-8b-expert-kv")
+    assert not expert_kv.shared_kv
+    assert expert_kv.kv_entries_per_layer == 2
+    assert expert_kv.kv_bytes_per_token == 2 * real.kv_bytes_per_token == 393_216
+    assert {f: getattr(real, f) for f in real.architecture()} == expert_kv.architecture()
+
+
+def test_shared_kv_is_for_sizing_only():
+    from moekv_ref.costs import cluster_cost_model, project_step
+    from moekv_ref.model import MoEKVTransformer
+
+    shared = get_config("tiny", shared_kv=True)
+    assert shared.max_kv_entries_per_token == 4
+    with pytest.raises(ValueError, match="sizing only"):
+        MoEKVTransformer(shared)
+    with pytest.raises(ValueError, match="share K/V"):
+        project_step(get_config("jetmoe-8b"), "kv_with_expert", 8, 256, 4096)
+    with pytest.raises(ValueError, match="share K/V"):
+        cluster_cost_model(get_config("jetmoe-8b"), 2.2e9, 8, 16)
+    with pytest.raises(ValueError, match="must be True or False"):
+        get_config("tiny", shared_kv=1)
+    with pytest.raises(ValueError, match="needs attention_mode='expert'"):
+        get_config("mixtral-8x7b", shared_kv=True)
+
+
 def test_unknown_preset_names_the_choices():
     with pytest.raises(ValueError, match=r"unknown preset 'gpt5'.*tiny"):
         get_config("gpt5")

@@ -5,12 +5,13 @@ every row of the glossary's tables links to code and to a notebook (or says it i
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from moekv_ref.apps.bench_eviction import strict_json
-from moekv_ref.config import get_config
+from moekv_ref.config import PRESETS, get_config
+from moekv_ref.jsonout import dumps, strict_json
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -90,10 +91,10 @@ def test_readme_bytes_per_token_table_is_what_the_configs_compute():
     rows = re.findall(
         r"^\| `([\w.-]+)`[^|]*\| [^|]+\| (\d+) \| (\d+) \| ([\d,]+) \(\w+\) \| ([\d,]+) \|$", readme, re.M
     )
-    assert len(rows) == 5, rows
+    assert {name for name, *_ in rows} == set(PRESETS), rows
     for name, entries, layers, per_entry, per_token in rows:
         config = get_config(name)
-        assert int(entries) == config.num_attention_experts_per_tok, name
+        assert int(entries) == config.kv_entries_per_layer, name
         assert int(layers) == config.num_hidden_layers, name
         assert int(per_entry.replace(",", "")) == config.kv_bytes_per_entry(), name
         assert int(per_token.replace(",", "")) == config.kv_bytes_per_token, name
@@ -385,17 +386,35 @@ def test_readme_serving_budget_table_is_what_its_json_says():
 
 def test_every_committed_json_is_strict_json():
     """JSON has no Infinity or NaN: a strict parser (JupyterLab's) refuses a file that holds one. bench
-    eviction once wrote swap_bytes_per_second = Infinity; its writer now writes null (strict_json)."""
+    eviction once wrote swap_bytes_per_second = Infinity; every writer now writes null (jsonout)."""
 
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
 
-    for path in sorted((ROOT / "figures").glob("*.json")):
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    paths = [ROOT / name for name in tracked.stdout.splitlines() if name.endswith((".json", ".ipynb"))]
+    assert any(path.parent.name == "figures" for path in paths)
+    for path in sorted(set(paths) | set((ROOT / "figures").glob("*.json"))):
         json.loads(path.read_text(encoding="utf-8"), parse_constant=refuse)
+    json.loads(dumps({"x": float("nan")}), parse_constant=refuse)
+    with pytest.raises(ValueError):
+        json.loads(json.dumps({"x": float("nan")}), parse_constant=refuse)
     assert strict_json({"a": [1.0, float("inf"), {"b": float("nan")}], "c": (2, -float("inf"))}) == {
         "a": [1.0, None, {"b": None}],
         "c": [2, None],
     }
+
+
+def test_every_json_file_is_written_strict():
+    """Every JSON file the code writes goes through jsonout (no Infinity or NaN), not json.dump or a
+    write_text of json.dumps (which write them)."""
+    for root in ("moekv_ref", "moekv_kernels"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            if path.name == "jsonout.py":
+                continue
+            text = path.read_text(encoding="utf-8")
+            assert "json.dump(" not in text, path
+            assert not re.search(r"write(_text)?\(json\.dumps", text), path
 
 
 def cluster_rows(result: dict) -> list[str]:
@@ -495,3 +514,61 @@ def test_readme_cluster_tables_are_what_their_json_says():
             for row in result["where_policies_differ"]
             if row["gain"] and row["gain"] > 0
         )
+
+
+def test_committed_projections_and_cluster_runs_name_the_model_the_code_sizes():
+    """bench parallel's projections are what costs.real_shape_projections computes today, and the
+    cluster runs name bench cluster's MODEL (the per-expert-K/V model of JetMoE-8B's shape), so a
+    renamed or resized preset shows here."""
+    from moekv_ref.apps.bench_cluster import MODEL
+    from moekv_ref.costs import real_shape_projections
+
+    parallel = json.loads((ROOT / "figures" / "bench_parallel.json").read_text(encoding="utf-8"))
+    assert parallel["projections"] == real_shape_projections()
+    assert MODEL == "jetmoe-8b-expert-kv"
+    for name in ("bench_cluster.json", "bench_cluster_seed1.json", "bench_cluster_gamma.json"):
+        result = json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))
+        assert result["model"] == MODEL, name
+        assert result["cost_model"]["name"].startswith(f"{MODEL} on "), name
+
+
+def test_readme_profile_shares_are_what_notebook_01_shows():
+    """The README quotes two profiles of the engine's own work: a py-spy profile (about a sixth, its
+    setting named) and notebook 01's `bench step --profile` (about a fifth): the scheduler's and the
+    bookkeeping's shares in the notebook's committed table add up to about a fifth for both models."""
+    cells = json.loads((ROOT / "notebooks" / "01_why_a_kv_cache.ipynb").read_text(encoding="utf-8"))["cells"]
+    table = next(
+        "".join(o.get("text", ""))
+        for c in cells
+        if c["cell_type"] == "code"
+        for o in c.get("outputs", [])
+        if "bookkeeping (rest of the step)" in "".join(o.get("text", ""))
+    )
+    shares = [0, 0]  # dense, embedded
+    for line in table.splitlines():
+        if line.strip().startswith(("scheduler", "bookkeeping")):
+            dense, embedded = (int(p.rstrip("%")) for p in re.findall(r"(\d+)%", line))
+            shares = [shares[0] + dense, shares[1] + embedded]
+    assert all(17 <= share <= 23 for share in shares), shares
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert (
+        "notebook 01 runs it on 16 sequences, where the scheduler and the bookkeeping are about a fifth"
+        in readme
+    )
+    assert "about a sixth of a step in this run (a `py-spy` profile" in readme
+
+
+def test_reading_order_and_exercise_list_cover_every_notebook():
+    """The glossary's reading order links every notebook, and the README's list of notebooks without
+    an exercise is exactly those without an Exercise heading."""
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    glossary = (ROOT / "docs" / "glossary.md").read_text(encoding="utf-8")
+    order = glossary.split("## Reading order", 1)[1].split("\n## ", 1)[0]
+    assert all(f"../notebooks/{path.name}" in order for path in notebooks)
+    without = [
+        path.name[:2]
+        for path in notebooks
+        if not any("exercise" in heading.lower() for heading in _headings(path))
+    ]
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert f"every notebook but {' and '.join(without)}" in readme, without

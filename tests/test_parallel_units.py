@@ -56,7 +56,7 @@ def test_expected_remote_ranks_by_enumeration(num_experts, k, world_size):
 
 
 def test_projection_bytes_grow_with_context_only_when_kv_travels():
-    config = get_config("jetmoe-8b")
+    config = get_config("jetmoe-8b-expert-kv")
     steps = {
         (p, c): project_step(config, p, 8, 256, c)
         for p in ("kv_with_expert", "kv_with_sequence", "replicated_attention")
@@ -134,7 +134,7 @@ def test_projected_step_bars_stand_on_the_axis_and_pcie_is_slower_by_its_bandwid
     from moekv_ref.parallel.kv_placements import KV_PLACEMENTS
     from moekv_ref.plots.parallel import draw_projected_step, draw_step_vs_context
 
-    config = get_config("jetmoe-8b")
+    config = get_config("jetmoe-8b-expert-kv")
     rows = {
         link: [project_step(config, p, 8, 256, 4096, "H200", link).to_dict() for p in KV_PLACEMENTS]
         for link in ("nvlink", "pcie_gen5_x16")

@@ -1,7 +1,8 @@
 """`python -m moekv_ref bench cluster [--json PATH]`: where the victim policies differ on a cluster.
 
-An expert-attention model of JetMoE-8B's size (24 layers, 8 attention experts, top-2, 16 K/V heads
-of 128 in bfloat16: 8 KiB per (token, layer, expert) entry, 2.2 B active parameters) served by
+An expert-attention model of JetMoE-8B's size (preset jetmoe-8b-expert-kv: 24 layers, 8 attention
+experts, top-2, each keeping its own 16 K/V heads of 128 in bfloat16: 8 KiB per (token, layer,
+expert) entry, 2.2 B active parameters; the real JetMoE shares K/V between its experts) served by
 expert parallelism on D H200s, each holding E / D experts of every layer and their rows' blocks.
 Requests have the lengths of a published trace (sim/workloads.py), cut to the model's 4,096
 positions, and arrive as a Poisson or bursty process at a given rate; routing is a topic trace
@@ -41,14 +42,14 @@ from ..config import get_config
 from ..costs import cluster_cost_model
 from ..engine.scheduler import RESERVATIONS
 from ..engine.victims import VICTIM_POLICIES
+from ..jsonout import dump
 from ..sim.eviction import EvictionSetup, TraceRunner
 from ..sim.traces import topic_trace
 from ..sim.workloads import ARRIVALS, arrival_times, latency_summary, length_workloads, sample_lengths
 from . import options
-from .bench_eviction import strict_json
 from .bench_step import REPOSITORY, commit_of
 
-MODEL = "jetmoe-8b"
+MODEL = "jetmoe-8b-expert-kv"
 ACTIVE_PARAMS = 2.2e9  # JetMoE-8B's active parameters (Shen et al., arXiv 2404.07413)
 BLOCK_SIZE = 16
 # DistServe's chatbot SLOs (Zhong et al., OSDI 2024, Table 1)
@@ -63,7 +64,7 @@ SPEED_REQUESTS = 1000  # the default of --speed
 
 
 def cluster_workload(num_requests: int, workload: str, seed: int):
-    """The routing trace (jetmoe-8b's shape, lengths of `workload` cut to 4,096 tokens)."""
+    """The routing trace (MODEL's shape, lengths of `workload` cut to 4,096 tokens)."""
     config = get_config(MODEL)
     lengths = sample_lengths(workload, num_requests, seed, max_tokens=config.max_position_embeddings)
     trace, _ = topic_trace(
@@ -485,5 +486,5 @@ def write_result(result: dict, path: str | None) -> None:
     """The result as strict JSON (no Infinity or NaN: null), if a path was given."""
     if path:
         with open(path, "w") as f:
-            json.dump(strict_json(result), f, indent=1)
+            dump(result, f, indent=1)
         print(f"\nwrote {path}")

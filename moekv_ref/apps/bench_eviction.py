@@ -5,7 +5,8 @@ Four parts, printed as tables and saved together as JSON:
  1. recompute versus swap, measured on this machine with the embedded model (a prefill of c tokens
     through the paged cache against SwapSpace.swap_out + swap_in of the same sequence), for several
     block sizes; fitted into a CostModel; the crossover context (from where swap is cheaper), here
-    and projected for a GPU from datasheet numbers (moekv_ref/costs.py) at JetMoE-8B's shape;
+    and projected for a GPU from datasheet numbers (moekv_ref/costs.py) at JetMoE-8B's shape with
+    per-expert K/V (the preset jetmoe-8b-expert-kv);
  2. every victim policy on one skewed workload, the engine's Scheduler replaying a routing trace
     (sim/eviction.py): per-device pools (D = 4, E = 16), a topic trace whose popular topic's experts
     share device 0 under the co-activation placement, the offline policies (oracle, belady) beside
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 
@@ -43,6 +43,7 @@ from ..engine.model_runner import ModelRunner
 from ..engine.scheduler import SchedulerConfig
 from ..engine.swap import SwapSpace
 from ..engine.workload import few_shot_workload, make_workload, run_workload
+from ..jsonout import dump
 from ..placement import place_layers
 from ..plots.tables import text_table
 from ..sim.density import density_sweep, mean_blocks_at_context
@@ -123,11 +124,12 @@ def measured_crossovers(rows: list[dict]) -> dict:
 
 
 def projected_crossovers(block_sizes, contexts, links=None, num_sequences: int = 16, seed: int = 0) -> dict:
-    """Crossover contexts projected for an H100 at JetMoE-8B's shape (24 layers, 8 attention experts,
-    top-2, 16 KV heads of 128 in bf16, 2.2 B active parameters), over each host link. Blocks at each
+    """Crossover contexts projected for an H100 at JetMoE-8B's shape with per-expert K/V (preset
+    jetmoe-8b-expert-kv: 24 layers, 8 attention experts, top-2, each keeping 16 KV heads of 128 in
+    bf16; 2.2 B active parameters), over each host link. Blocks at each
     context are counted on a synthetic top-2 trace (Zipf 1.0 expert popularity). links: label -> a
     name in costs.HOST_LINKS."""
-    config = get_config("jetmoe-8b")
+    config = get_config("jetmoe-8b-expert-kv")
     links = links or {"PCIe Gen5 x16 (64 GB/s)": "pcie_gen5_x16", "NVLink-C2C (450 GB/s)": "nvlink_c2c"}
     L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
     trace = synthetic_trace(
@@ -732,7 +734,7 @@ def main(args) -> int:
         out["measured"] = {"rows": rows, "crossovers": {str(k): v for k, v in crossovers.items()}}
     contexts = list(range(8, 4097, 8))
     projected = projected_crossovers([16, 64], contexts)
-    print("projected for an H100 at JetMoE-8B's shape (50% MFU prefill):")
+    print("projected for an H100 at JetMoE-8B's shape, per-expert K/V (50% MFU prefill):")
     for key, value in projected.items():
         print(f"  {key}: swap is cheaper from context {value['crossover_context']}")
     out["projected"] = projected
@@ -793,23 +795,10 @@ def main(args) -> int:
     return _write_json(args.json, out)
 
 
-def strict_json(value):
-    """value with every float that is not finite written as None: JSON has no Infinity or NaN, and
-    strict parsers (JupyterLab's among them) refuse the file. The one such number this benchmark makes
-    is a measured swap link whose bytes cost nothing measurable (swap_bytes_per_second = inf)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: strict_json(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(item) for item in value]
-    return value
-
-
 def _write_json(path, out: dict) -> int:
     if path:
         with open(path, "w") as f:
-            json.dump(strict_json(out), f, indent=1, allow_nan=False)
+            dump(out, f, indent=1)
         print(f"wrote {path}")
     return 0
 

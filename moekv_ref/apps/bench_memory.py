@@ -36,6 +36,7 @@ from matplotlib.figure import Figure
 from ..analysis import record_model_trace
 from ..checkpoint import DEFAULT_CHECKPOINT, load_default_model
 from ..config import get_config
+from ..jsonout import dumps
 from ..model import MoEKVTransformer
 from ..plots.memory import plot_block_size_sweep, plot_num_experts_sweep
 from ..sim.baselines import FirstFitDesign, ReservedDesign
@@ -449,7 +450,7 @@ def run_bench_memory(args) -> int:
     print(format_table(report))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        Path(args.json).write_text(dumps(report, indent=1))
     if args.figures:
         save_figures(report, Path(args.figures))
     return 0

@@ -15,7 +15,6 @@ Four parts, printed and (with --json PATH) saved:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -24,6 +23,7 @@ import torch
 from ..checkpoint import load_default_model
 from ..config import ModelConfig
 from ..costs import measured_shape_bytes, real_shape_projections
+from ..jsonout import dump
 from ..parallel.kv_placements import KV_PLACEMENTS
 from ..parallel.launcher import FAULT_ENV, fault_from_environment
 from ..parallel.locality import attention_routing_of_text, compare_placements, format_placement_table
@@ -231,7 +231,7 @@ def main(args) -> int:
     print(f"\n{time.perf_counter() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(
+            dump(
                 {
                     "world_size": args.world_size,
                     "bytes_per_decode_step": rows,

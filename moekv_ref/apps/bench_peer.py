@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import time
@@ -50,6 +49,7 @@ import torch
 from ..config import get_config
 from ..engine import generate_with_engine
 from ..generate import generate
+from ..jsonout import dumps
 from ..model import MoEKVTransformer
 from ..sampling import SamplingParams
 from . import options
@@ -266,5 +266,5 @@ def main(args) -> int:
     result = measure(args.num_seqs, args.max_new_tokens, args.prompt_len, args.rounds, args.seed)
     print(format_result(result))
     if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        args.json.write_text(dumps(result, indent=2) + "\n")
     return 0 if all(p["identical_tokens"] for p in result["paths"].values()) else 1

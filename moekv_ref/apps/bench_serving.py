@@ -27,8 +27,6 @@ after each step, averaged over steps.
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from ..cache.budget import BUDGET_POLICIES, RowBudget
@@ -36,6 +34,7 @@ from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..config import get_config
 from ..engine import LLMEngine, SchedulerConfig
 from ..engine.workload import make_workload, run_workload
+from ..jsonout import dump
 from ..model import MoEKVTransformer
 from . import options
 
@@ -282,6 +281,6 @@ def main(args) -> int:
     print(format_serving_report(report))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+            dump(report, handle, indent=2)
         print(f"wrote {args.json}")
     return 0

@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..jsonout import dumps
+
 REPOSITORY = Path(__file__).resolve().parents[2]  # the checkout this file belongs to
 
 
@@ -326,7 +328,7 @@ def main(args) -> int:
         result = profile(args.num_seqs, args.max_new_tokens, args.rounds)
         print(format_profile(result))
         if args.json is not None:
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
+            args.json.write_text(dumps(result, indent=2) + "\n")
         return 0
     try:
         result = measure(args.against, args.num_seqs, args.max_new_tokens, args.rounds)
@@ -349,7 +351,7 @@ def main(args) -> int:
             f"(quartiles {low:.2f}-{high:.2f})"
         )
     if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        args.json.write_text(dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from ..cache.budget import BUDGET_POLICIES, RowBudget, model_budget
 from ..config import ModelConfig
+from ..jsonout import dumps
 from ..model import MoEKVTransformer
 from ..plots.capacity import frontier_rows, plot_capacity
 from ..plots.tables import text_table
@@ -173,7 +174,7 @@ def measure_run(name: str, seed: int, steps: int, batch_size: int, runs: Path, x
             )
             if bar is not None:
                 bar.update(1)
-        done.write_text(json.dumps(rows))
+        done.write_text(dumps(rows))
         return rows
     if bar is not None:
         bar.update(len(rows))
@@ -324,7 +325,7 @@ def capacity_study(
         "runs": rows,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(study, indent=1) + "\n")
+    out.write_text(dumps(study, indent=1) + "\n")
     return study
 
 

@@ -226,15 +226,21 @@ def run_demo(
     if figures is not None:
         figures = Path(figures)
         figures.mkdir(parents=True, exist_ok=True)
-        fig = plot_run(
-            engine,
-            f"demo: {summary['requests']} requests through a pool of {num_blocks} blocks, "
-            f"admission {admission}, preemption by {preemption_mode}",
-        )
+        fig = plot_run(engine, demo_title(summary, num_blocks, admission, preemption_mode))
         path = figures / f"demo_serving_{admission}.png"
         fig.savefig(path, dpi=110, bbox_inches="tight")  # fixed margins: trim what they leave
         summary["figure"] = str(path)
     return summary, engine
+
+
+def demo_title(summary: dict, num_blocks: int, admission: str, preemption_mode: str) -> str:
+    """The figure's title: the requests that ran (a refused one never does, so it is counted apart)."""
+    served = summary["requests"] - summary["refused"]
+    refused = f" ({summary['refused']} refused)" if summary["refused"] else ""
+    return (
+        f"demo: {served} requests served{refused}, a pool of {num_blocks} blocks, "
+        f"admission {admission}, preemption by {preemption_mode}"
+    )
 
 
 def build_parser(parser):

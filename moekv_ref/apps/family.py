@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from ..config import ModelConfig, get_config
 from ..generate import generate
+from ..jsonout import dumps
 from ..model import MoEKVTransformer
 from ..plots.tables import text_table
 from ..sampling import SamplingParams
@@ -204,7 +205,7 @@ def train_run(
     }
     torch.save(model.state_dict(), weights)
     state.unlink()
-    done.write_text(json.dumps(result))
+    done.write_text(dumps(result))
     return result
 
 
@@ -315,7 +316,7 @@ def train_family(
         "runs": results,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(family, indent=1) + "\n")
+    out.write_text(dumps(family, indent=1) + "\n")
     return family
 
 

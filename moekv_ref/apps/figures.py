@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 from ..analysis import decode_flops, route_prompt
 from ..checkpoint import load_default_model
 from ..generate import generate
+from ..jsonout import dumps
 from ..plots.capacity import plot_capacity
 from ..plots.routing import plot_cache_sizes, plot_routing
 from ..sampling import SamplingParams
@@ -64,7 +65,7 @@ def make_figures(directory: Path = Path("figures"), quick: bool = False) -> list
     fig.savefig(paths[-1], dpi=110)
 
     report = bench_memory.run(bench_memory.DEFAULT_BLOCK_SIZE, quick=quick)
-    (directory / "bench_memory.json").write_text(json.dumps(report, indent=1))
+    (directory / "bench_memory.json").write_text(dumps(report, indent=1))
     paths += bench_memory.save_figures(report, directory)
 
     for admission in ("predicted", "optimistic"):

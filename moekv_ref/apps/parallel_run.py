@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -33,6 +32,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from ..jsonout import dump
 from ..parallel.comm import CollectiveError
 from ..parallel.kv_placements import KV_PLACEMENTS
 from ..parallel.launcher import (
@@ -182,7 +182,7 @@ def fail_rank(rank: int, error: BaseException, store=None) -> None:
     if error_file:
         try:
             with open(error_file, "w") as handle:
-                json.dump(
+                dump(
                     {
                         "message": {
                             "message": message,

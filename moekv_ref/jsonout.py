@@ -1,0 +1,33 @@
+"""JSON as strict parsers read it, for every file the benchmarks write (figures/ among them).
+
+JSON has no Infinity or NaN; Python's json module writes them unless told not to, and strict
+parsers (JupyterLab's among them) then refuse the whole file. A number that is not finite is
+written as null instead: bench eviction once wrote a measured swap link whose bytes cost nothing
+measurable as swap_bytes_per_second = Infinity.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+
+def strict_json(value):
+    """value with every float that is not finite replaced by None, tuples as lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
+def dumps(value, **options) -> str:
+    """json.dumps of strict_json(value), refusing anything else that is not JSON."""
+    return json.dumps(strict_json(value), allow_nan=False, **options)
+
+
+def dump(value, handle, **options) -> None:
+    """dumps(value) written to an open text file."""
+    handle.write(dumps(value, **options))
