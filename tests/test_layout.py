@@ -24,6 +24,7 @@ ALLOWED_LAZY = {
     ("moekv_ref/apps/bench_step.py", "moekv_ref.sampling"),
     ("moekv_ref/apps/bench_step.py", "moekv_ref.apps.options"),  # this module runs in that worker too
     ("moekv_ref/apps/bench_step.py", "moekv_ref.profiling"),
+    ("moekv_ref/apps/bench_step.py", "moekv_ref.jsonout"),
     ("moekv_ref/apps/bench_step.py", "moekv_ref.apps.bench_peer"),
 }
 

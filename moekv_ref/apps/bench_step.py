@@ -32,8 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-from ..jsonout import dumps
-
 REPOSITORY = Path(__file__).resolve().parents[2]  # the checkout this file belongs to
 
 
@@ -322,13 +320,21 @@ def check_args(args) -> None:
     )
 
 
+def strict_json(result: dict) -> str:
+    """The result as strict JSON (moekv_ref/jsonout.py), imported here: this file also runs as a
+    worker script, outside the package, where a relative import at the top would fail."""
+    from moekv_ref.jsonout import dumps
+
+    return dumps(result, indent=2) + "\n"
+
+
 def main(args) -> int:
     check_args(args)
     if args.profile:
         result = profile(args.num_seqs, args.max_new_tokens, args.rounds)
         print(format_profile(result))
         if args.json is not None:
-            args.json.write_text(dumps(result, indent=2) + "\n")
+            args.json.write_text(strict_json(result))
         return 0
     try:
         result = measure(args.against, args.num_seqs, args.max_new_tokens, args.rounds)
@@ -351,7 +357,7 @@ def main(args) -> int:
             f"(quartiles {low:.2f}-{high:.2f})"
         )
     if args.json is not None:
-        args.json.write_text(dumps(result, indent=2) + "\n")
+        args.json.write_text(strict_json(result))
     return 0
 
 
