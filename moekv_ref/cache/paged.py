@@ -320,21 +320,34 @@ class PagedKVCache:
             pair_index = context_lens[pair_row] - num_new[pair_row] + rank
             return AppendedRows(rows, num_new, context_lens, pair_row, pair_index)
         appended = AppendedRows(rows, num_new, context_lens, pair_row, context_lens - 1)  # pair i is row i
-        if manager.num_experts == 1 and manager.tails is None:  # one expert, plain pages: plan
-            column, offset = appended.pair_index // self.block_size, appended.pair_index % self.block_size
-            if not bool((offset == 0).any()):  # no row took a block: the next layer's take none either
-                self.plan = DecodePlan(
-                    layer,
-                    key,
-                    manager.seq_slots(key[0]),
-                    rows,
-                    appended.pair_index,
-                    column,
-                    offset,
-                    appended,
-                    self._padding(context_lens),
-                )
+        self.plan = self._plan_next_layer(layer, key, rows, appended)
         return appended
+
+    def _plan_next_layer(self, layer, key, rows, appended: AppendedRows) -> DecodePlan | None:
+        """The decode plan (DecodePlan) the next layer's append of the same pairs follows, or None:
+        with one attention expert and plain pages, when no row took a block (so the next layer's
+        take none either). Measured on a dense model of the embedded model's size (generate, 16
+        sequences, 32-token prompts, 64 new tokens, one thread, CPU time of four runs each):
+        0.26-0.29 s with it, 0.28-0.31 s without, about 7%. tests/test_paged_cache.py breaks the
+        planned slots and sees the logits change."""
+        manager = self.manager
+        if manager.num_experts != 1 or manager.tails is not None:
+            return None
+        column = appended.pair_index // self.block_size
+        offset = appended.pair_index % self.block_size
+        if bool((offset == 0).any()):
+            return None
+        return DecodePlan(
+            layer,
+            key,
+            manager.seq_slots(key[0]),
+            rows,
+            appended.pair_index,
+            column,
+            offset,
+            appended,
+            self._padding(appended.context_lens),
+        )
 
     def _append_with_budget(self, layer, seq_ids, experts, positions, k, v, scores) -> AppendedRows:
         """append_kv for a cache with a budget. The pairs a row has room for are appended now, as
