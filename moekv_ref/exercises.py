@@ -33,9 +33,11 @@ from .cache.budget import RowBudget
 from .cache.rows import ceil_div
 from .checkpoint import load_default_model
 from .costs import GPUS
-from .engine.victims import VictimPolicy, room_and_lost_work
+from .engine.request import Request, RequestStatus
+from .engine.victims import Shortage, VictimPolicy, room_and_lost_work
 from .placement import coactivation_counts, devices_touched, place_experts
 from .prompts import encode
+from .sampling import SamplingParams
 from .sim.designs import CountingPagedDesign
 from .sim.eviction import EvictionSetup, simulate
 from .sim.replay import replay
@@ -101,21 +103,28 @@ def check_flop_ratio(answer, config, context_length: int = EXERCISE_01_CONTEXT_L
         )
     if _close(answer, tokens**2, 0.25) or answer > 4 * right:
         return (
-            f"{WRONG}: {answer:.0f} is far too large (the ratio is {right:.0f}x). Only the attention "
+            f"{WRONG}: {answer:.0f} is far too large. Only the attention "
             f"scores grow quadratically under recompute; at this model's size most of the work is "
             f"the per-token projections and FFN, which grow linearly, so the ratio is close to "
             f"t + 1 = {tokens}, not (t + 1)^2."
         )
-    if _close(answer, tokens, 0.1):
+    if _close(answer, tokens, 0.02):
         return (
             f"{WRONG}: {answer:.0f} = t + 1 is the ratio if the cached step cost nothing but its one "
-            f"token. It also reads t * k / E cached keys per expert, so the true ratio is "
-            f"{right:.0f}x, {100 * (1 - right / tokens):.0f}% below t + 1 (use decode_flops)."
+            f"token. It also scores its query against t * k / E cached keys per expert in every layer, "
+            f"work that recompute's per-token count does not cover: estimate what that attention adds "
+            f"to the cached step, as a share of its per-token work, and lower t + 1 by that share."
         )
+    direction = "too low" if answer < right else "too high"
+    distance = (
+        "within 10%, but outside the 3% the check accepts"
+        if _close(answer, right, 0.1)
+        else "by more than 10%"
+    )
     return (
-        f"{WRONG}: {answer:.0f} is {100 * (answer / right - 1):+.0f}% from the ratio. Recompute pays "
-        f"for all t + 1 = {tokens} tokens in every layer; the cached step for one token plus "
-        f"attention over its cache; decode_flops(config, t, cached) counts both."
+        f"{WRONG}: {answer:.0f} is {direction}, {distance}. Recompute pays for all t + 1 = {tokens} "
+        f"tokens in every layer; the cached step for one token plus attention over its cache. Count "
+        f"both per layer from the description in section 2."
     )
 
 
@@ -173,18 +182,20 @@ def check_expert_cache_bytes(
         )
     if answer == tokens:
         return (
-            f"{WRONG}: {answer} is the token count. Multiply by the bytes per token in one expert's "
-            f"cache: 2 x {config.num_key_value_heads} x {config.head_dim} x {bytes_per_value}."
+            f"{WRONG}: {answer} is the token count, not bytes. Multiply it by the bytes one token "
+            f"takes in one expert's cache: section 2 says what a cached token stores, and a float32 "
+            f"value takes {bytes_per_value} bytes."
         )
     if answer == tokens * per_value * bytes_per_value:  # also what K and V in 2-byte values give
         return (
-            f"{WRONG}: that is half of it: K only (the cache keeps K and V), or 2 bytes per value "
-            f"(the model here runs in float32: {bytes_per_value} bytes per value)."
+            f"{WRONG}: your count leaves out part of each token's entry: did you count K only (the "
+            f"cache keeps K and V), or 2 bytes per value (the model here runs in float32: "
+            f"{bytes_per_value} bytes per value)?"
         )
     if answer == num_tokens * per_token:
         return (
             f"{WRONG}: that counts all {num_tokens} tokens of the prompt. A token is stored only by "
-            f"the experts its router chose: here {tokens} of them chose expert {expert}."
+            f"the experts its router chose: count only the tokens that chose expert {expert}."
         )
     total_in_layer = int(selected[layer].sum())
     if answer == total_in_layer * per_token:
@@ -195,8 +206,8 @@ def check_expert_cache_bytes(
     average = total_in_layer / num_experts
     if abs(answer - average * per_token) < per_token:
         return (
-            f"{WRONG}: that is the average expert ({average:.1f} tokens). Routing is skewed: expert "
-            f"{expert} holds {tokens}; count its column of the routing matrix."
+            f"{WRONG}: that is the average expert ({average:.1f} tokens). Routing is skewed, so "
+            f"expert {expert} holds a different number: count its column of the routing matrix."
         )
     for other in range(len(selected)):
         if other != layer and answer == int(selected[other][:, expert].sum()) * per_token:
@@ -373,9 +384,9 @@ def check_max_num_seqs(answer) -> str:
             f"workload; predicted admission adapts by itself."
         )
     return (
-        f"{WRONG}: max_num_seqs = {answer} never preempts, but neither does {larger}, which finishes in "
-        f"{next_run['steps']} steps instead of {mine['steps']}: more sequences per step is faster as long "
-        f"as the pool holds them. Take a larger value."
+        f"{WRONG}: max_num_seqs = {answer} never preempts, but neither does the next choice up, which "
+        f"finishes in {next_run['steps']} steps instead of {mine['steps']}: more sequences per step is "
+        f"faster as long as the pool holds them. Take a larger value."
     )
 
 
@@ -444,6 +455,55 @@ def _run_victim_rule(choose) -> tuple:
     return stats, decisions, None
 
 
+# Shortages the run rarely meets, put to the rule by hand: on the exercise's workload the request
+# being scheduled seldom needs enough blocks for its own step to change the choice, and the request
+# holding most on the short device usually holds most everywhere too. Each: (short device, request
+# need, [blocks held per device of each candidate, oldest first]).
+EXERCISE_05_SHORTAGES = (
+    # the request being scheduled (2 held + 5 for its step) makes more room than request 101 (6 held);
+    # request 102 holds most over every device but little on the short one
+    (1, 5, [[0, 2, 1, 0], [1, 6, 0, 1], [9, 1, 8, 3]]),
+    # request 101 holds most on the short device; request 102 holds most over every device
+    (2, 0, [[1, 0, 1, 1], [0, 1, 4, 0], [5, 1, 2, 4]]),
+)
+
+
+class _ShortageMemory:
+    """The part of the scheduler's MemoryView a victim rule reads, for a hand-built shortage."""
+
+    has_swap_space = False
+
+    def __init__(self, held: dict[int, list[int]]):
+        self._held = {request_id: torch.tensor(blocks) for request_id, blocks in held.items()}
+        self.num_devices = len(next(iter(held.values())))
+
+    def blocks_held_per_device(self, request_id: int) -> torch.Tensor:
+        return self._held[request_id].clone()
+
+
+def _victim_rule_on_shortages(choose) -> list:
+    """The rule's decisions on EXERCISE_05_SHORTAGES, in _run_victim_rule's format."""
+    decisions = []
+    for device, request_need, held in EXERCISE_05_SHORTAGES:
+        candidates = [
+            Request(100 + order, [0] * 16, SamplingParams(max_new_tokens=16), status=RequestStatus.RUNNING)
+            for order in range(len(held))
+        ]
+        for request, blocks in zip(candidates, held):
+            request.num_computed_tokens = 16 * sum(blocks)
+        memory = _ShortageMemory({r.request_id: blocks for r, blocks in zip(candidates, held)})
+        need = Shortage(device, 1, request_need)
+        choice = choose(list(candidates), memory, need)
+        if not any(choice is c for c in candidates):
+            raise ValueError(f"the rule returned {choice!r}; return one of the candidates given to it")
+        entries = [
+            (r.request_id, order, blocks[device], request_need if order == 0 else 0, sum(blocks))
+            for order, (r, blocks) in enumerate(zip(candidates, held))
+        ]
+        decisions.append((device, entries, choice.request_id))
+    return decisions
+
+
 @lru_cache(maxsize=None)
 def _exercise_05_baseline():
     trace, placement, setup, cost = exercise_05_setup()
@@ -453,7 +513,8 @@ def _exercise_05_baseline():
 @_wrapped
 def check_victim_rule(choose) -> str:
     """Does `choose(candidates, memory, need)` always preempt a request making the most room on the
-    short device? Runs it as the scheduler's victim policy over a trace and checks every decision;
+    short device? Runs it as the scheduler's victim policy over a trace, puts it to the hand-built
+    EXERCISE_05_SHORTAGES (where the usual mistakes choose differently), and checks every decision;
     names the usual mistakes."""
     if choose is None:
         return (
@@ -465,6 +526,12 @@ def check_victim_rule(choose) -> str:
     if not callable(choose):
         return f"{WRONG}: {choose!r} is not a function; write def choose(candidates, memory, need): ..."
     stats, decisions, error = _run_victim_rule(choose)
+    num_run = len(decisions)
+    if error is None:
+        try:
+            decisions += _victim_rule_on_shortages(choose)
+        except Exception as raised:  # the reader's code: report it, do not crash the notebook
+            error = raised
     if error is not None:
         return f"{WRONG}: the run stopped with an error from your rule: {type(error).__name__}: {error}"
     if not decisions:
@@ -476,21 +543,22 @@ def check_victim_rule(choose) -> str:
         return entry[2] + entry[3]
 
     missed = []
-    for device, entries, chosen in decisions:
+    for index, (device, entries, chosen) in enumerate(decisions):
         chosen_entry = next(e for e in entries if e[0] == chosen)
         if room(chosen_entry) < max(room(e) for e in entries):
-            missed.append((device, entries, chosen_entry))
+            missed.append((device, entries, chosen_entry, index >= num_run))
     base = _exercise_05_baseline()
     if not missed:
         return (
-            f"{RIGHT}: every one of the {len(decisions)} decisions took a request making the most room "
+            f"{RIGHT}: every one of the {len(decisions)} decisions ({num_run} in the run, "
+            f"{len(decisions) - num_run} on shortages built by hand) took a request making the most room "
             f"on the short device. Over the run it freed {stats.freed_per_eviction:.1f} blocks there per "
             f"eviction ({stats.num_evictions} evictions, {stats.recomputed_tokens} tokens recomputed, "
             f"{stats.num_steps} steps) where sequence_lru, which takes the newest request wherever its "
             f"blocks are, freed {base.freed_per_eviction:.1f} ({base.num_evictions} evictions, "
             f"{base.num_steps} steps). pressure_aware also divides the room by what the eviction costs."
         )
-    device, entries, chosen_entry = missed[0]
+    device, entries, chosen_entry, by_hand = missed[0]
     best = max(entries, key=room)
     newest = all(chosen == max(entries, key=lambda e: e[1])[0] for _, entries, chosen in decisions)
     held_only = all(
@@ -505,10 +573,13 @@ def check_victim_rule(choose) -> str:
         room(next(e for e in entries if e[0] == chosen)) == min(room(e) for e in entries)
         for _, entries, chosen in decisions
     )
+    first = "a shortage the check builds by hand" if by_hand else "one of the run"
     where = (
-        f"In {len(missed)} of {len(decisions)} decisions it did not take the request making the most "
-        f"room; the first: device {device} was short and you took request {chosen_entry[0]} "
-        f"({room(chosen_entry)} blocks there), while request {best[0]} would have made {room(best)}."
+        f"In {len(missed)} of {len(decisions)} decisions ({num_run} in the run, "
+        f"{len(decisions) - num_run} on shortages built by hand) it did not take the request making "
+        f"the most room; the first, {first}: device {device} was short and you took request "
+        f"{chosen_entry[0]}, which makes {room(chosen_entry)} block(s) of room there, while request "
+        f"{best[0]} would have made {room(best)}."
     )
     if newest:
         return (
@@ -635,14 +706,17 @@ def check_expert_placement(answer, selected, world_size: int = EXERCISE_07_WORLD
         top = [divmod(int(i), num_experts) for i in pairs.flatten().argsort(descending=True)[:3]]
         return (
             f"{WRONG}: balanced ({imbalance:.3f}), but a token touches {touched:.3f} ranks on average "
-            f"(round-robin {round_robin[0]:.3f}); a placement within the balance bound reaches "
+            f"(round-robin {round_robin[0]:.3f} on this layer's {selected.shape[0]} tokens; section 4's table "
+            f"averages every layer over the second half of the text); a placement within the balance bound reaches "
             f"{best[0]:.3f}. Each rank a token touches receives one copy of its hidden state, so put "
             f"experts that are chosen together on one rank: the most frequent pairs are "
             f"{', '.join(f'{a}+{b}' for a, b in top)}."
         )
     return (
-        f"{RIGHT}: a token touches {touched:.3f} ranks on average (round-robin {round_robin[0]:.3f}, the "
-        f"best balanced placement {best[0]:.3f}) and the K/V imbalance is {imbalance:.3f}. The package's "
+        f"{RIGHT}: a token touches {touched:.3f} ranks on average (round-robin {round_robin[0]:.3f} on "
+        f"this layer's {selected.shape[0]} tokens, where section 4's table averages every layer over the second "
+        f"half of the text; the best balanced placement {best[0]:.3f}) and the K/V imbalance is "
+        f"{imbalance:.3f}. The package's "
         f"greedy co-activation placement touches {greedy[0]:.3f} but its imbalance is {greedy[1]:.3f}: "
         f"grouping experts that fire together also groups load, and a placement must watch both."
     )
@@ -714,11 +788,11 @@ def check_tokens_per_split(answer, blocks_per_sm: int, num_sms: int = EXERCISE_0
             f"({2 * answer} tokens) gives {split_k_programs(2 * answer)} programs and leaves SMs idle; "
             f"smaller splits would only add partial results for the combine kernel to read back."
         )
-    extra = (splits - ceil_div(EXERCISE_08_CONTEXT, right)) * per_split
     return (
-        f"{WRONG}: {programs} programs fill the GPU, but so does a larger split ({right} is the largest); "
-        f"yours adds {extra} programs, each writing a partial output and its log-sum-exp that the combine "
-        f"kernel must read back: more bytes for nothing. Take the largest split that still fills it."
+        f"{WRONG}: {programs} programs fill the {needed} slots, but a larger split fills them too; every "
+        f"program beyond what the GPU needs writes a partial output and its log-sum-exp that the "
+        f"combine kernel must read back: more bytes for nothing. Take the largest split that still "
+        f"fills it."
     )
 
 

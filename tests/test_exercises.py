@@ -1,6 +1,8 @@
 """The exercise checks of notebooks 01-08 and 10: the solution passes, the placeholder asks for an answer, and
 each usual wrong answer gets the explanation that names its mistake (not just "wrong")."""
 
+import re
+
 import pytest
 import torch
 
@@ -56,7 +58,9 @@ def test_flop_ratio_wrong_answers_are_explained():
     )
     assert "inverse" in check_flop_ratio(1 / right, CONFIG)
     assert "far too large" in check_flop_ratio((t + 1) ** 2, CONFIG)
-    assert "-50%" in check_flop_ratio(right / 2, CONFIG)
+    assert "too low, by more than 10%" in check_flop_ratio(right / 2, CONFIG)
+    assert "too low, within 10%" in check_flop_ratio(0.93 * right, CONFIG)
+    assert "too high, within 10%" in check_flop_ratio(1.09 * right, CONFIG)
 
 
 # --- 02 -------------------------------------------------------------------------------------------
@@ -163,7 +167,9 @@ def test_max_num_seqs_messages_for_each_mistake(monkeypatch):
     monkeypatch.setattr(exercises, "_exercise_04_run", runs.__getitem__)
     assert check_max_num_seqs(None).startswith("No answer yet")
     assert "not one of the choices" in check_max_num_seqs(5)
-    assert "neither does 2" in check_max_num_seqs(1) and "300 steps instead of 600" in check_max_num_seqs(1)
+    assert "neither does the next choice up" in check_max_num_seqs(
+        1
+    ) and "300 steps instead of 600" in check_max_num_seqs(1)
     assert check_max_num_seqs(2).startswith("Right")
     assert exercises.solution_max_num_seqs() == 2
     assert "preempted 6 time(s)" in check_max_num_seqs(6)
@@ -297,3 +303,107 @@ def test_drop_budget_wrong_answers_are_explained():
     assert f"longest row of layer {layer}" in check_drop_budget(n)
     below = check_drop_budget(right - 1)
     assert below.startswith("Not yet") and "refuses 1 pair(s)" in below
+
+
+# --- every check: the right answer passes, plausible wrong ones are refused without the answer ------
+
+
+def _shows(message: str, value) -> bool:
+    """Does `message` show `value` as a number of its own (not a digit inside another number)?"""
+    return re.search(rf"(?<![\w.]){re.escape(str(value))}(?![\w]|\.\d)", message) is not None
+
+
+def _everywhere_rule(candidates, memory, need):
+    """Blocks summed over every device: the short device alone is short."""
+    return max(candidates, key=lambda r: int(memory.blocks_held_per_device(r.request_id).sum()))
+
+
+def _held_only_rule(candidates, memory, need):
+    """Blocks on the short device, forgetting the first candidate's own step."""
+    return max(candidates, key=lambda r: int(memory.blocks_held_per_device(r.request_id)[need.device]))
+
+
+def _refusals():
+    """(check, right answer, what the right answer shows as, wrong answers) for every notebook."""
+    ratio = solution_flop_ratio(CONFIG)
+    t = EXERCISE_01_CONTEXT_LENGTH
+    selected = _selected()
+    bytes_right = solution_expert_cache_bytes(selected, CONFIG)
+    tokens = int(selected[2][:, 5].sum())
+    block = solution_block_size()
+    blocks = EXERCISE_03_BLOCK_SIZES
+    paired = _paired_routing()
+    placement = exercises.solution_expert_placement(paired)
+    split = exercises.solution_tokens_per_split(8)
+    budget = exercises.solution_drop_budget()
+    return {
+        "01": (
+            lambda a: check_flop_ratio(a, CONFIG),
+            ratio,
+            [f"{ratio:.0f}", f"{ratio:.1f}"],
+            [t + 1, (t + 1) ** 2, 1 / ratio, 0.9 * ratio, 1.2 * ratio],
+        ),
+        "02": (
+            lambda a: check_expert_cache_bytes(a, selected, CONFIG),
+            bytes_right,
+            [bytes_right],
+            [tokens, tokens * 256, selected[2].shape[0] * 512, int(selected[2].sum()) * 512],
+        ),
+        "03": (
+            check_block_size,
+            block,
+            [],  # seven choices: the messages name the block sizes the reader tried
+            [blocks[blocks.index(block) - 1], blocks[blocks.index(block) + 1], 64],
+        ),
+        "07": (
+            lambda a: check_expert_placement(a, paired),
+            placement,
+            [placement, [1 - r for r in placement]],
+            [[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 1, 1, 1]],
+        ),
+        "08": (lambda a: check_tokens_per_split(a, 8), split, [split], [split + 16, split - 16, 256, 64]),
+        "10": (check_drop_budget, budget, [budget], [budget + 1, budget + 20, 20, 2 * budget]),
+    }
+
+
+@pytest.mark.parametrize("notebook", ["01", "02", "03", "07", "08", "10"])
+def test_check_accepts_the_answer_and_refuses_wrong_ones_without_giving_it(notebook):
+    check, right, shown, wrong = _refusals()[notebook]
+    assert check(right).startswith("Right")
+    assert len(wrong) >= 2
+    for answer in wrong:
+        message = check(answer)
+        assert message.startswith("Not yet"), (answer, message)
+        for value in shown:
+            assert not _shows(message, value), (answer, value, message)
+
+
+def test_max_num_seqs_check_refuses_wrong_answers_without_giving_the_answer():
+    """The real engine's runs (3 never preempts, 4 does: the test above), no stand-ins."""
+    assert check_max_num_seqs(3).startswith("Right")
+    for answer in (2, 1, 4, 16):
+        message = check_max_num_seqs(answer)
+        assert message.startswith("Not yet") and "max_num_seqs = 3" not in message, message
+        assert "neither does 3" not in message and "try 3" not in message
+
+
+def test_victim_rule_check_refuses_the_rules_that_count_the_wrong_blocks():
+    """Blocks summed over every device, and blocks on the short device without the first candidate's
+    step, make the run's decisions right too: the hand-built shortages tell them apart."""
+    everywhere = check_victim_rule(_everywhere_rule)
+    assert everywhere.startswith("Not yet") and "every device" in everywhere
+    held_only = check_victim_rule(_held_only_rule)
+    assert held_only.startswith("Not yet") and "need.request_need" in held_only
+    newest = check_victim_rule(lambda candidates, memory, need: candidates[-1])
+    assert newest.startswith("Not yet")
+    assert check_victim_rule(lambda candidates, memory, need: candidates[0]).startswith("Not yet")
+    assert check_victim_rule(exercises.solution_victim_rule).startswith("Right")
+
+
+def test_victim_rule_shortages_separate_the_usual_mistakes():
+    """On each hand-built shortage the right rule's choice differs from at least one usual mistake,
+    and every mistake is caught by at least one shortage."""
+    right = exercises._victim_rule_on_shortages(exercises.solution_victim_rule)
+    for rule in (_everywhere_rule, _held_only_rule):
+        wrong = exercises._victim_rule_on_shortages(rule)
+        assert any(r[2] != w[2] for r, w in zip(right, wrong))

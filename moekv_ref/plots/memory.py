@@ -101,7 +101,12 @@ def draw_first_fit_map(
             memory[colour_by],
             colour_by,
             [
-                Patch(facecolor="grey", alpha=0.25, label="unused end of a buffer"),
+                # drawn as the ends are: a buffer's own colour, pale (here the first buffer's)
+                Patch(
+                    facecolor=colours[0] if len(colours) else "grey",
+                    alpha=0.25,
+                    label="unused end of a buffer",
+                ),
                 Patch(label="hole: free, too small to reuse", **HOLE_STYLE),
             ],
         )

@@ -5,6 +5,8 @@ an Axes it is given and computes nothing the package does not test."""
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib
 import numpy as np
 from matplotlib.colors import ListedColormap
@@ -74,7 +76,8 @@ def draw_pool_use(ax, per_rank_steps: list[list[dict]], title: str = "") -> None
     ax.axhline(per_rank_steps[0][0]["num_blocks"], color="gray", linestyle="--", label="pool size")
     ax.set_xlabel("step (0 = prefill, then decode steps)")
     ax.set_ylabel("blocks used on the rank (blocks)")
-    ax.set_title(title)
+    # a long line wraps instead of running into the next panel's title
+    ax.set_title("\n".join(textwrap.fill(line, 40) for line in title.split("\n")))
     ax.legend(
         fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False
     )  # below: covers no line
@@ -139,7 +142,8 @@ def draw_bytes_by_category(ax, row: dict) -> None:
     ax.set_yticklabels(categories)
     ax.invert_yaxis()
     ax.set_xlabel("bytes per decode step, all ranks (B)")
-    ax.set_title(f"{row['kv_placement']}, {row['world_size']} ranks, context {row['context']}")
+    # two lines: the category labels narrow this panel, and a one-line title ran into its neighbour's
+    ax.set_title(f"{row['kv_placement']}\n{row['world_size']} ranks, context {row['context']}")
 
 
 def draw_projected_step(ax, projections: list[dict], title: str = "") -> None:
