@@ -151,6 +151,7 @@ def summarize(engine: LLMEngine, result) -> dict:
         "max_concurrent_sequences": stats.max_concurrent_sequences,
         "experts_per_token_per_layer": k_avg,
         "predicted_over_actual": round(predicted / max(actual, 1), 3),
+        "admission_uses_prediction": engine.scheduler.batching.admits_on_prediction(),
         "refusals": list(result.refused.values()),
     }
 
@@ -177,9 +178,12 @@ def format_summary(summary: dict, engine: LLMEngine) -> str:
         f"  preempted |{sparkline(use['num_preempted'])}|",
         f"routing: experts per token per layer {summary['experts_per_token_per_layer']} "
         f"(k_max {engine.config.num_attention_experts_per_tok})",
-        f"admission predicted {summary['predicted_over_actual']:.2f}x the blocks routing then needed "
-        "(k_avg entries plus the bound of P - 1 wasted slots per row)",
     ]
+    if summary["admission_uses_prediction"]:
+        lines.append(
+            f"admission predicted {summary['predicted_over_actual']:.2f}x the blocks routing then needed "
+            "(k_avg entries plus the bound of P - 1 wasted slots per row)"
+        )
     for reason in summary["refusals"]:
         lines.append(f"refused: {reason}")
     return "\n".join(lines)

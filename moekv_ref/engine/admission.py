@@ -23,6 +23,7 @@ class AdmissionPolicy(Stateful):
     # a policy that remembers something across steps lists it in STATE (moekv_ref/state.py)
 
     name = "admission"
+    uses_prediction = False
 
     def allows(
         self, request: Request, running: Sequence[Request], memory: MemoryView, predictor: DemandPredictor
@@ -49,6 +50,7 @@ class PredictedAdmission(AdmissionPolicy):
     requests that will certainly be preempted later (wasted prefill)."""
 
     name = "predicted"
+    uses_prediction = True  # admission decides on the predictor's estimate
 
     def allows(self, request, running, memory, predictor) -> bool:
         return predicted_peak(list(running) + [request], memory, predictor) <= memory.num_blocks

@@ -110,6 +110,11 @@ class BatchingPolicy(Stateful):
     def num_new_tokens(self, request: Request) -> int:
         return request.max_new_tokens
 
+    def admits_on_prediction(self) -> bool:
+        """Whether admission decides on the predictor's estimate (each request's predicted_blocks is
+        recorded either way)."""
+        return False
+
     def admit(self, step: AdmissionStep) -> None:
         raise NotImplementedError
 
@@ -131,6 +136,9 @@ class ContinuousBatching(BatchingPolicy):
 
     def __init__(self, admission: AdmissionPolicy | None = None):
         self.admission = admission if admission is not None else PredictedAdmission()
+
+    def admits_on_prediction(self) -> bool:
+        return self.admission.uses_prediction
 
     def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
         return worst_case_lifetime_blocks(

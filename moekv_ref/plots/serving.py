@@ -151,7 +151,10 @@ def plot_demand(engine: LLMEngine, ax=None):
     ax.plot([0, top], [0, top], color="k", lw=0.8, ls=":", label="prediction = actual")
     ax.set_xlabel("held by the request at its end (blocks)")
     ax.set_ylabel("predicted at its admission (blocks)")
-    ax.set_title("admission prediction vs routed demand")
+    if engine.scheduler.batching.admits_on_prediction():
+        ax.set_title("admission prediction vs routed demand")
+    else:  # recorded, but this admission rule never consulted it
+        ax.set_title("prediction (unused by this admission)\nvs routed demand")
     ax.legend(fontsize=10, loc="upper left")  # the points sit on or above the diagonal, away from this corner
     return ax
 
