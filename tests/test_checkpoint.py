@@ -337,3 +337,16 @@ def test_a_manifest_missing_a_key_names_it(saved, key):
     ) as info:
         load_checkpoint(path, CONFIG)
     assert str(path) in str(info.value)
+
+
+def test_a_config_beyond_the_int32_sizes_is_refused_at_load(saved):
+    """max_position_embeddings=2**40 used to load, and a paged cache then asked the allocator for
+    terabytes: the config itself is refused, naming the field and its bound."""
+    _, path = saved
+    rewrite(path, lambda payload: payload["config"].__setitem__("max_position_embeddings", 2**40))
+    with pytest.raises(
+        CheckpointError,
+        match=r"has an invalid config: max_position_embeddings=1099511627776 is not allowed; allowed: an "
+        r"integer in \[1, 2\*\*31 - 1\]",
+    ):
+        load_checkpoint(path)

@@ -46,7 +46,9 @@ def test_top_k_greater_than_experts():
 )
 @pytest.mark.parametrize("value", [0, -3])
 def test_sizes_must_be_positive(field, value):
-    with pytest.raises(ValueError, match=rf"{field}={value} is not allowed: it must be a positive integer"):
+    with pytest.raises(
+        ValueError, match=rf"{field}={value} is not allowed; allowed: an integer in \[1, 2\*\*31 - 1\]"
+    ):
         get_config("tiny", **{field: value})
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_pool import OutOfBlocksError
-from .kv_cache_manager import KVCacheManager
+from .kv_cache_manager import KVCacheManager, ManagerPart
 from .rows import ceil_div
 
 DIGEST_BYTES = 16
@@ -87,12 +87,15 @@ class PrefixCacheStats:
     num_cow_blocks: int = 0  # straddling blocks copied
 
 
-class PrefixCache:
+class PrefixCache(ManagerPart):
     """A KVCacheManager's part (`prefix_cache=PrefixCache()`, one per manager): full blocks outlive
     their sequences and are found again by prefix. block_positions (N, P), the position of the
     token at each slot, tells which chunks a block spans. Invariants (`assert_consistent`): a block
     listed by several rows is full in each, at the same (layer, expert) and column; keys and cached
     blocks match one to one; ref_cnt == the rows listing a block."""
+
+    def bytes_needed(self, num_rows: int, num_blocks: int, block_size: int, num_layers: int) -> int:
+        return 8 * num_blocks * block_size  # block_positions
 
     def attach(self, manager: KVCacheManager) -> None:
         self.manager, self.chunk_size, num_blocks = manager, manager.block_size, manager.num_blocks

@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import torch
 
-from .kv_cache_manager import KVCacheManager, Moves, SlotAllocation
+from .kv_cache_manager import KVCacheManager, ManagerPart, Moves, SlotAllocation
 
 
-class SharedTails:
+class SharedTails(ManagerPart):
     """A KVCacheManager's part (`tails=SharedTails()`, one per manager): it owns the tail state,
     and the manager hands it the calls that differ."""
+
+    def bytes_needed(self, num_rows: int, num_blocks: int, block_size: int, num_layers: int) -> int:
+        return 8 * block_size * (num_rows + 2 * num_blocks)  # tail_slots, slot_row, slot_position
 
     def attach(self, manager: KVCacheManager) -> None:
         self.manager = manager

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..validation import MAX_INT32, check_int
 from .comm import CollectiveError, Communicator, first_line, name_ranks
 
 FAULT_KEY = "moekv/fault_at"  # where an injected fault notes its wall-clock time
@@ -204,8 +205,7 @@ def launch(
 ) -> list:
     """Run function(context, *args) on world_size ranks: their return values in rank order, or
     WorkerFailed naming every rank that failed. The timeouts and grace_s: module docstring."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive integer")
+    world_size = check_int("world_size", world_size, 1, MAX_INT32)
     timeout_s = check_seconds("timeout_s", timeout_s)
     start_timeout_s = check_seconds("start_timeout_s", start_timeout_s)
     if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not 0 <= grace_s <= 60:
