@@ -21,7 +21,7 @@ from helpers import random_model, small_config
 
 from moekv_ref.apps import bench_eviction, bench_memory, bench_serving, bench_step, cli, demo, figures
 from moekv_ref.apps.cli import main
-from moekv_ref.cache import KVCacheManager, PagedKVCache
+from moekv_ref.cache import KVCacheManager, PagedKVCache, PrefixCache, SharedTails
 from moekv_ref.cache.block_pool import BlockPool
 from moekv_ref.cache.budget import RowBudget
 from moekv_ref.cache.kv_cache_manager import checked_placement
@@ -547,6 +547,27 @@ CASES = [
         lambda: LLMEngine(MODEL, 90, home_devices=True),
         "home_devices=True needs blocks_per_device",
     ),
+    # a manager's parts: of their kind, or None
+    (
+        "KVCacheManager tails=True",
+        lambda: KVCacheManager(2, 5, 2, 12, tails=True),
+        "tails=True is a bool; allowed: a SharedTails",
+    ),
+    (
+        "KVCacheManager prefix_cache='yes'",
+        lambda: KVCacheManager(2, 5, 2, 12, prefix_cache="yes"),
+        "prefix_cache='yes' is a str; allowed: a PrefixCache",
+    ),
+    (
+        "KVCacheManager budget=4",
+        lambda: KVCacheManager(2, 5, 2, 12, budget=4),
+        "budget=4 is an int; allowed: a RowBudget",
+    ),
+    (
+        "KVCacheManager tails=PrefixCache()",
+        lambda: KVCacheManager(2, 5, 2, 12, tails=PrefixCache()),
+        "tails=<PrefixCache object> is a PrefixCache; allowed: a SharedTails",
+    ),
     # sizes: bounded before anything is allocated
     (
         "ModelConfig max_position_embeddings=2**40",
@@ -1051,6 +1072,23 @@ def test_paged_generate_sizes_its_pool_for_the_prompts_given():
     params = SamplingParams(max_new_tokens=3, temperature=0)
     paged = generate(MODEL, prompts, params, cache="paged", block_size=16)
     assert paged.tokens == generate(MODEL, prompts, params, cache="contiguous").tokens
+
+
+def test_a_part_belongs_to_one_manager():
+    """A SharedTails, PrefixCache or RowBudget keeps one manager's state: given to a second manager it
+    is refused, naming it, and the first manager keeps it as it was."""
+    for name, make in (
+        ("tails", SharedTails),
+        ("prefix_cache", PrefixCache),
+        ("budget", lambda: RowBudget(4)),
+    ):
+        part = make()
+        first = KVCacheManager(2, 5, 2, 12, **{name: part})
+        first.add_sequence(7)
+        with pytest.raises(ValueError, match=f"{name}=.* already belongs to another KVCacheManager"):
+            KVCacheManager(2, 5, 2, 12, **{name: part})
+        assert part.manager is first and first.holds(7)
+        first.assert_consistent()
 
 
 def test_integers_are_python_or_numpy_ints_everywhere():

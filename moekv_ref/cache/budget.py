@@ -119,13 +119,13 @@ class RowBudget(ManagerPart):
             )
 
     # ----- the part's life in a manager --------------------------------------------------------
+    role = "budget"
+
     def bytes_needed(self, num_rows: int, num_blocks: int, block_size: int, num_layers: int) -> int:
         return 16 * num_rows * self.largest(num_layers)  # slot_position and slot_score
 
     def attach(self, manager) -> None:
-        """The manager checked this budget (check_model)."""
-        if self.manager is not None:
-            raise ValueError("this RowBudget already belongs to a cache; make one per cache")
+        """The manager checked this budget (check_model) and that no other manager has it."""
         self.manager = manager
         self.layer_limits = self.limits(manager.num_layers)  # (L,)
         self.num_slots = self.largest(manager.num_layers)  # S

@@ -91,6 +91,7 @@ class ManagerPart:
     """What a KVCacheManager is built with besides its pool (SharedTails, PrefixCache, RowBudget): it
     keeps the state of one manager, which hands it to the part once (`attach`)."""
 
+    role = ""  # the manager's parameter that takes it: "tails", "prefix_cache" or "budget"
     manager = None  # the manager it belongs to, once attached
 
     def attach(self, manager: "KVCacheManager") -> None:
@@ -101,8 +102,29 @@ class ManagerPart:
         raise NotImplementedError
 
 
+PART_KINDS = {
+    "tails": "a SharedTails (cache/shared_tail_manager.py)",
+    "prefix_cache": "a PrefixCache (cache/prefix_cache.py)",
+    "budget": "a RowBudget (cache/budget.py)",
+}
+
+
+def check_part_kind(role: str, part) -> None:
+    """A part given as `role` (a manager's or a cache's parameter) is of its kind, or None."""
+    if part is not None and not (isinstance(part, ManagerPart) and part.role == role):
+        raise ValueError(f"{role}={shown(part)} is {a_type(part)}; allowed: {PART_KINDS[role]}, or None")
+
+
 def check_parts(tails, prefix_cache, budget, num_layers: int, num_experts: int) -> None:
-    """Parts in a combination that works, and a budget the model can have."""
+    """Each part of its kind or None, not yet given to another manager, in a combination that works,
+    and a budget the model can have; ValueError naming the parameter otherwise."""
+    for role, part in (("tails", tails), ("prefix_cache", prefix_cache), ("budget", budget)):
+        check_part_kind(role, part)
+        if part is not None and part.manager is not None:
+            raise ValueError(
+                f"{role}={shown(part)} already belongs to another KVCacheManager: a part keeps one "
+                f"manager's state; build a new {type(part).__name__} for this one"
+            )
     check_parts_combine(tails is not None, prefix_cache is not None, budget is not None)
     if budget is not None:
         budget.check_model(num_layers, num_experts)
@@ -235,7 +257,7 @@ def _first_value(placement) -> str:
 class KVCacheManager:
     """Block tables and token counts for every (sequence, layer, expert) row over one BlockPool.
     device_of_expert: (E,) or (L, E), all zeros when left out; tails, prefix_cache, budget: its
-    parts (ManagerPart)."""
+    parts (ManagerPart), each given to this manager only."""
 
     _UNDO_SHARED = ("_placement",)  # engine/undo.py: set once, never changed
 

@@ -50,6 +50,7 @@ from .kv_cache_manager import (
     KVCacheManager,
     check_bookkeeping_fits,
     check_devices,
+    check_part_kind,
     check_parts_combine,
     checked_placement,
 )
@@ -161,8 +162,7 @@ def check_cache_options(
             "shared_tails=True cannot use attention='triton': the Triton kernels read a "
             "row through its block table only, and shared tails live outside it"
         )
-    if budget is not None and not isinstance(budget, RowBudget):
-        raise ValueError(f"budget={budget!r} must be a RowBudget (moekv_ref.cache.budget) or None")
+    check_part_kind("budget", budget)  # the cache's manager gets a fresh copy of it
     check_devices(home_devices, blocks_per_device, device_of_expert)
     check_parts_combine(shared_tails, enable_prefix_caching, budget is not None)
     L = config.num_hidden_layers

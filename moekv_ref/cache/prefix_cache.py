@@ -94,6 +94,8 @@ class PrefixCache(ManagerPart):
     listed by several rows is full in each, at the same (layer, expert) and column; keys and cached
     blocks match one to one; ref_cnt == the rows listing a block."""
 
+    role = "prefix_cache"
+
     def bytes_needed(self, num_rows: int, num_blocks: int, block_size: int, num_layers: int) -> int:
         return 8 * num_blocks * block_size  # block_positions
 

@@ -34,6 +34,8 @@ class SharedTails(ManagerPart):
     """A KVCacheManager's part (`tails=SharedTails()`, one per manager): it owns the tail state,
     and the manager hands it the calls that differ."""
 
+    role = "tails"
+
     def bytes_needed(self, num_rows: int, num_blocks: int, block_size: int, num_layers: int) -> int:
         return 8 * block_size * (num_rows + 2 * num_blocks)  # tail_slots, slot_row, slot_position
 
