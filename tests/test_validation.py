@@ -235,7 +235,11 @@ CASES = [
         lambda: engine().abort_request(99),
         "request_id=99 is not a request of this engine",
     ),
-    ("abort_request('0')", lambda: engine().abort_request("0"), "request_id='0'"),
+    (
+        "abort_request('0')",
+        lambda: engine().abort_request("0"),
+        "request_id='0' is a str; allowed: an integer >= 0 (the id of a request of this engine",
+    ),
     ("generate(model, [])", lambda: generate(MODEL, []), "non-empty list of prompts"),
     ("generate cache='mmap'", lambda: generate(MODEL, [[1, 2]], cache="mmap"), "cache='mmap' is not one of"),
     (

@@ -21,7 +21,6 @@ scheduler reserves each step device by device, and the model, runner and swap co
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -35,7 +34,7 @@ from ..profiling import phase
 from ..prompts import check_batch, check_prompt, check_sampling_params
 from ..results import GenerationResult
 from ..sampling import SamplingParams, sample_rows
-from ..validation import check_block_size, check_flag
+from ..validation import check_block_size, check_flag, check_int
 from .demand import worst_case_lifetime_blocks
 from .memory import ModelShape
 from .model_runner import ModelRunner
@@ -226,14 +225,15 @@ class LLMEngine:
     def abort_request(self, request_id: int) -> RequestOutput | None:
         """Stop a request, from any state, freeing its blocks now; its output so far ("aborted"),
         or None if it had already finished."""
-        is_int = isinstance(request_id, numbers.Integral) and not isinstance(request_id, bool)
-        if not is_int or not 0 <= request_id < self._next_request_id:
-            given = (
-                f"ids 0..{self._next_request_id - 1} were given out"
-                if self._next_request_id
-                else "no request has been added yet"
-            )
-            raise ValueError(f"request_id={request_id!r} is not a request of this engine ({given})")
+        if self._next_request_id:
+            given = f"ids 0..{self._next_request_id - 1} were given out"
+        else:
+            given = "no request has been added yet"
+        request_id = check_int(
+            "request_id", request_id, 0, meaning=f"the id of a request of this engine; {given}"
+        )
+        if request_id >= self._next_request_id:
+            raise ValueError(f"request_id={request_id} is not a request of this engine ({given})")
         request = self.requests.get(int(request_id))
         if request is None or request.is_finished:
             return None
