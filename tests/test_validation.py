@@ -572,6 +572,17 @@ CASES = [
         lambda: KVCacheManager(2, 5, 2, 12, tails=PrefixCache()),
         "tails=<PrefixCache object> is a PrefixCache; allowed: a SharedTails",
     ),
+    # rows: of sequences the cache holds
+    (
+        "KVCacheManager.allocate_slots to a row of no held sequence",
+        lambda: manager_in_use().allocate_slots(torch.tensor([12]), torch.tensor([1])),
+        "allocate_slots: rows [12] are not all rows of sequences the cache holds",
+    ),
+    (
+        "KVCacheManager.allocate_slots to row -1",
+        lambda: manager_in_use().allocate_slots(torch.tensor([-1]), torch.tensor([1])),
+        "rows [-1] are not all rows of sequences the cache holds",
+    ),
     # sizes: bounded before anything is allocated
     (
         "ModelConfig max_position_embeddings=2**40",
@@ -1093,6 +1104,19 @@ def test_a_part_belongs_to_one_manager():
             KVCacheManager(2, 5, 2, 12, **{name: part})
         assert part.manager is first and first.holds(7)
         first.assert_consistent()
+
+
+def test_allocate_slots_refuses_rows_of_no_held_sequence_and_changes_nothing():
+    manager = manager_in_use()  # sequence 7 holds rows 0..9 (slot 0); rows 10..39 belong to no one
+    free = manager.num_free_blocks
+    for rows in ([12], [0, 12], [40]):
+        with pytest.raises(ValueError, match="are not all rows of sequences the cache holds"):
+            manager.allocate_slots(torch.tensor(rows), torch.ones(len(rows), dtype=torch.int64))
+        assert manager.num_free_blocks == free and int(manager.row_tokens[10:].sum()) == 0
+    manager.free(7)  # a freed sequence's rows are no one's either
+    with pytest.raises(ValueError, match="rows \\[0\\] are not all rows"):
+        manager.allocate_slots(torch.tensor([0]), torch.tensor([1]))
+    manager.assert_consistent()
 
 
 def test_integers_are_python_or_numpy_ints_everywhere():

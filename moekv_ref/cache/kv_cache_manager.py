@@ -328,6 +328,7 @@ class KVCacheManager:
         D = self.pool.num_devices
         self.open_rows = torch.zeros(initial_num_seqs, num_layers, D, dtype=torch.int32)  # (S, L, D)
         self.count_blocks = torch.zeros(initial_num_seqs, D, dtype=torch.int64)  # (S, D)
+        self.slot_held = torch.zeros(initial_num_seqs, dtype=torch.bool)  # (S,) a sequence holds it
         self._seq_index: dict[int, int] = {}  # sequence id -> its slot of rows
         self._free_seq_indices = list(range(initial_num_seqs - 1, -1, -1))
         self.tails = tails
@@ -414,6 +415,7 @@ class KVCacheManager:
             self._grow_rows()
         index = self._free_seq_indices.pop()
         self._seq_index[seq_id] = index
+        self.slot_held[index] = True
         rows = self.index.sequence_rows(torch.tensor([index]))[0]  # (L*E,)
         devices = self.device_of_expert_of([seq_id])[0]  # (L, E)
         self.row_device[rows] = devices.reshape(-1)
@@ -622,12 +624,13 @@ class KVCacheManager:
         with_slots: bool = True,
         one_each: bool = False,
     ) -> SlotAllocation:
-        """Make room for num_new_tokens[i] more tokens in the distinct rows[i] and count them as
-        stored. Raises OutOfBlocksError, changing nothing, when the pool is short (a scheduler asks
-        `can_allocate` first). rows_are_distinct=True skips the distinctness check (a sort);
-        with_slots=False skips the slots, which would cost the cache-only simulator (no K/V to
-        write) as much as allocating; one_each=True skips every check: the caller's rows are
-        distinct int64 ids taking one token each (a decode append)."""
+        """Make room for num_new_tokens[i] more tokens in the distinct rows[i], rows of sequences the
+        cache holds, and count them as stored. Raises ValueError for bad rows or counts, and
+        OutOfBlocksError when the pool is short (a scheduler asks `can_allocate` first), changing
+        nothing. rows_are_distinct=True skips the distinctness check (a sort); with_slots=False skips
+        the slots, which would cost the cache-only simulator (no K/V to write) as much as
+        allocating; one_each=True skips every check: the caller's rows are distinct int64 rows of
+        held sequences taking one token each (a decode append)."""
         P = self.block_size
         if not one_each:
             rows, num_new_tokens, fewest, most = self._check_allocation(
@@ -735,8 +738,7 @@ class KVCacheManager:
             shortfall,
         )
 
-    @staticmethod
-    def _check_allocation(rows, num_new_tokens, rows_are_distinct: bool):
+    def _check_allocation(self, rows, num_new_tokens, rows_are_distinct: bool):
         rows = check_ids(rows, "rows")
         num_new_tokens = check_ids(num_new_tokens, "num_new_tokens")
         if rows.shape != num_new_tokens.shape or rows.dim() != 1:
@@ -749,7 +751,28 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {fewest}")
         if not rows_are_distinct and rows.unique().numel() != rows.numel():
             raise ValueError("rows must be distinct within one allocate_slots call")
+        self._check_rows_held(rows, "allocate_slots")
         return rows, num_new_tokens, fewest, most
+
+    def _check_rows_held(self, rows: torch.Tensor, call: str) -> None:
+        """ValueError unless every row id (int64, 1-D) is a row of a sequence the cache holds: a few
+        tensor operations, whatever the number of rows."""
+        if rows.numel() == 0:
+            return
+        bounds = torch.aminmax(rows)
+        lowest = int(bounds.min)
+        highest = int(bounds.max)
+        in_range = lowest >= 0 and highest < self.row_tokens.numel()
+        if in_range and bool(self.slot_held[rows // self.rows_per_seq].all()):
+            return
+        if in_range:
+            bad = int(rows[~self.slot_held[rows // self.rows_per_seq]][0])
+        else:
+            bad = lowest if lowest < 0 else highest
+        raise ValueError(
+            f"{call}: rows {rows.tolist()[:8]} are not all rows of sequences the cache holds (row {bad} "
+            "is not); allowed: rows of held sequences (add_sequence first, then rows(seq_ids, layer, experts))"
+        )
 
     def row_slots(self, row: int) -> torch.Tensor:
         return self.rows_slots(torch.tensor([int(row)]))
@@ -798,6 +821,7 @@ class KVCacheManager:
             self.prefix_cache.forget_sequence(seq_id)
         self._clear_rows(rows)
         del self._seq_index[int(seq_id)]
+        self.slot_held[index] = False
         self._free_seq_indices.append(index)
 
     def free_rows(self, rows) -> int:
@@ -809,13 +833,7 @@ class KVCacheManager:
         rows = check_ids(rows, "rows").reshape(-1)
         if rows.unique().numel() != rows.numel():
             raise ValueError("rows must be distinct within one free_rows call")
-        held = set(self._seq_index.values())
-        if rows.numel() and (
-            rows.min() < 0
-            or rows.max() >= self.row_tokens.numel()
-            or not set((rows // self.rows_per_seq).tolist()) <= held
-        ):
-            raise ValueError(f"rows {rows.tolist()[:8]} are not all rows of sequences the cache holds")
+        self._check_rows_held(rows, "free_rows")
         blocks = self.block_tables[rows][self.used_columns(rows)].to(torch.int64)
         self.pool.free(blocks)
         self._clear_rows(rows)
@@ -836,7 +854,7 @@ class KVCacheManager:
             old = getattr(self, name)
             new = torch.full((extra, *old.shape[1:]), fill, dtype=old.dtype)
             setattr(self, name, torch.cat([old, new]))
-        for name in ("open_rows", "count_blocks"):  # over slots
+        for name in ("open_rows", "count_blocks", "slot_held"):  # over slots
             old = getattr(self, name)
             setattr(self, name, torch.cat([old, torch.zeros_like(old)]))
         self._free_seq_indices = list(range(2 * num_seqs - 1, num_seqs - 1, -1)) + self._free_seq_indices
@@ -875,6 +893,7 @@ class KVCacheManager:
         assert distinct.numel() + self.pool.num_free_blocks == self.num_blocks, "free + owned != total"
         live = torch.zeros(self.row_tokens.numel() // self.rows_per_seq, dtype=torch.bool)
         live[list(self._seq_index.values())] = True
+        assert torch.equal(self.slot_held, live), "slot_held does not follow the sequences held"
         idle_rows = (~live).repeat_interleave(self.rows_per_seq)
         assert (self.row_tokens[idle_rows] == 0).all(), "a free sequence slot holds tokens"
         slots = sorted(self._seq_index.values())
