@@ -156,9 +156,13 @@ class ModelConfig:
         if not isinstance(values, dict):
             raise ValueError(f"a config must be a dict of fields, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown config fields {unknown}; allowed: {sorted(known)}")
+        unknown = [key for key in values if key not in known]
+        if unknown:  # the first few named: a file may hold any number of them
+            named = ", ".join(shown(key) for key in unknown[:5])
+            more = f", and {len(unknown) - 5:,} more" if len(unknown) > 5 else ""
+            raise ValueError(
+                f"unknown config fields [{named}{more}] ({len(unknown):,} in all); allowed: {sorted(known)}"
+            )
         return cls(**values)
 
 
