@@ -61,12 +61,12 @@ def a_type(value) -> str:
 
 
 def number(n) -> str:
-    """A bound as a message states it: 2**31 - 1 rather than 2147483647."""
+    """A bound as a message states it: 2**31 - 1 rather than 2147483647 (a power of two from 2**20
+    on, less at most 1023)."""
     for power in range(20, 65):
-        if n == 2**power - 1:
-            return f"2**{power} - 1"
-        if n == 2**power:
-            return f"2**{power}"
+        below = 2**power - n
+        if 0 <= below < 1024:
+            return f"2**{power}" + (f" - {below}" if below else "")
     return str(n)
 
 

@@ -44,12 +44,13 @@ from ..validation import (
 BYTES_PER_BLOCK = 13
 
 
-def check_pool_size(num_blocks, blocks_per_device) -> list[int]:
+def check_pool_size(num_blocks, blocks_per_device, meaning: str = "the pool's blocks") -> list[int]:
     """The pool's blocks per device: [num_blocks] (one device), or blocks_per_device (num_blocks, if
     given too, their sum), each a count of MAX_BLOCKS at most in all, whose bookkeeping fits the
-    machine; ValueError naming the bad value before anything is allocated."""
+    machine; ValueError naming the bad value before anything is allocated. `meaning`: what a
+    message says num_blocks is."""
     if blocks_per_device is None:
-        sizes = [check_int("num_blocks", num_blocks, 1, MAX_BLOCKS, "the pool's blocks")]
+        sizes = [check_int("num_blocks", num_blocks, 1, MAX_BLOCKS, meaning)]
     else:
         sizes = check_blocks_per_device(blocks_per_device)
         if num_blocks is not None and num_blocks != sum(sizes):

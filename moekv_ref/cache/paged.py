@@ -187,8 +187,10 @@ def check_cache_options(
                 f"{sized}{num_blocks:,} blocks of {block_size}; allowed: at most {number(MAX_BLOCKS)} "
                 "blocks (block tables are int32): give num_blocks, or a smaller max_num_seqs"
             )
-    sizes = check_pool_size(num_blocks, blocks_per_device)
     minimum = L * K  # one token: a block in each of its k rows of every layer
+    sizes = check_pool_size(
+        num_blocks, blocks_per_device, f"the pool's blocks; one token of one sequence takes {minimum}"
+    )
     if sum(sizes) < minimum:
         raise ValueError(
             f"num_blocks={sum(sizes)} is too small for even one sequence: one "
