@@ -21,6 +21,7 @@ from .generate import generate
 from .prompts import encode
 from .sampling import SamplingParams
 from .sim.traces import RoutingTrace
+from .validation import check_int
 
 CHARACTER_CLASSES = {
     "lowercase": lambda c: "a" <= c <= "z",
@@ -240,8 +241,7 @@ def budget_map(model, tokens, layer: int, budget: RowBudget) -> tuple[torch.Tens
     if not isinstance(budget, RowBudget):
         raise ValueError(f"budget={budget!r} must be a RowBudget (moekv_ref.cache.budget)")
     config = model.config
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < config.num_hidden_layers:
-        raise ValueError(f"layer={layer!r} must be an integer in [0, {config.num_hidden_layers})")
+    layer = check_int("layer", layer, 0, config.num_hidden_layers - 1, "a layer of the model")
     tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
     if tokens.numel() == 0:
         raise ValueError("tokens is empty: give at least one token")

@@ -13,7 +13,9 @@ missing file: FileNotFoundError), before any model is built. It checks, in order
      links, a FIFO or a device each named as such);
   2. it reads with weights_only=True (the loader refuses pickled code before anything in it runs);
   3. its manifest: this format, every key, a 64-hex-digit sha256, dense tensors in its dtype;
-  4. the hash; 5. the config is valid (and of the architecture asked for);
+  4. the config's size (at most MAX_CONFIG_VALUES values, MAX_CONFIG_DEPTH levels deep: hashing
+     writes a list out each time it is referenced, and a file of a few MB can reference one 2**40
+     times), then the hash; 5. the config is valid (and of the architecture asked for);
   6. its tensors' names and shapes against `weight_shapes` (worked out, not built), so a config
      implying a huge model is refused before anything is allocated;
   7. every weight is finite.
@@ -33,6 +35,7 @@ import torch
 from .config import ModelConfig, get_config
 from .model import MoEKVTransformer
 from .paths import check_input_file
+from .validation import shown
 
 DEFAULT_CHECKPOINT = Path(__file__).parent / "weights" / "tiny.pt"
 FORMAT = "moekv_ref-checkpoint-v2"
@@ -45,6 +48,10 @@ DTYPES = {
 }  # what a checkpoint stores
 # what a run may compute in, by name (the command line, the parallel programs): float64 for the equivalences
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# a config is a dict of about 25 plain fields (ModelConfig): these bounds leave it plenty of room and
+# cap the work a hostile file can ask of the hash
+MAX_CONFIG_VALUES = 10_000
+MAX_CONFIG_DEPTH = 8
 
 
 class CheckpointError(ValueError):
@@ -69,12 +76,6 @@ def _hash_tensors(digest, state: dict):
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest
-
-
-def _short(value) -> str:
-    """repr of a value read from a file, cut short: a message quotes it, not all of it."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def save_checkpoint(
@@ -159,7 +160,7 @@ def _read(path: Path) -> dict:
             "if you trust its config, upgrade it with moekv_ref.checkpoint.add_manifest"
         )
     if not isinstance(found, str) or found != FORMAT:
-        raise CheckpointError(f"{where} has format {_short(found)}, this version reads {FORMAT!r} only")
+        raise CheckpointError(f"{where} has format {shown(found)}, this version reads {FORMAT!r} only")
     missing = [key for key in MANIFEST_KEYS if key not in payload]
     if missing:
         raise CheckpointError(
@@ -168,11 +169,9 @@ def _read(path: Path) -> dict:
         )
     sha = payload["sha256"]
     if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
-        raise CheckpointError(f"{where}: its 'sha256' is {_short(sha)}, not 64 lowercase hex digits")
+        raise CheckpointError(f"{where}: its 'sha256' is {shown(sha)}, not 64 lowercase hex digits")
     if not isinstance(payload["dtype"], str) or payload["dtype"] not in DTYPES:
-        raise CheckpointError(
-            f"{where}: its 'dtype' is {_short(payload['dtype'])}; allowed: {sorted(DTYPES)}"
-        )
+        raise CheckpointError(f"{where}: its 'dtype' is {shown(payload['dtype'])}; allowed: {sorted(DTYPES)}")
     _check_tensors(where, payload["state_dict"], DTYPES[payload["dtype"]])
     return payload
 
@@ -184,7 +183,7 @@ def _check_tensors(where: str, state, dtype: torch.dtype | None) -> None:
     for name, tensor in state.items():
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise CheckpointError(
-                f"{where}: 'state_dict' is not a dict of tensors (entry {_short(name)} is a "
+                f"{where}: 'state_dict' is not a dict of tensors (entry {shown(name)} is a "
                 f"{type(tensor).__name__})"
             )
         if tensor.layout != torch.strided or tensor.device.type != "cpu":
@@ -205,7 +204,34 @@ def _check_tensors(where: str, state, dtype: torch.dtype | None) -> None:
             )
 
 
+def _check_config_size(where: str, config) -> None:
+    """Step 4's bound, before anything walks the config whole: a walk that counts every value it
+    reaches (a list referenced twice counts twice, as json.dumps writes it twice) and stops as soon
+    as a limit is passed, so that its cost is bounded by the limits, not by the tree."""
+    allowed = (
+        f"allowed: a dict of ModelConfig's fields, at most {MAX_CONFIG_VALUES:,} values and "
+        f"{MAX_CONFIG_DEPTH} levels deep"
+    )
+    num_values = 1
+    pending = [(config, 1)]  # (value, its depth)
+    while pending:
+        value, depth = pending.pop()
+        if not isinstance(value, (dict, list, tuple)) or not value:
+            continue
+        if depth == MAX_CONFIG_DEPTH:
+            raise CheckpointError(
+                f"{where}: its config nests values more than {MAX_CONFIG_DEPTH} levels deep; {allowed}"
+            )
+        num_values += len(value)
+        if num_values > MAX_CONFIG_VALUES:
+            raise CheckpointError(
+                f"{where}: its config holds more than {MAX_CONFIG_VALUES:,} values; {allowed}"
+            )
+        pending.extend((child, depth + 1) for child in (value.values() if isinstance(value, dict) else value))
+
+
 def _sha256(where: str, config, state: dict) -> str:
+    _check_config_size(where, config)
     try:
         return checkpoint_sha256(config, state)
     except (TypeError, ValueError) as error:
@@ -331,7 +357,7 @@ def add_manifest(path: str | Path) -> None:
     found = payload.get("format")
     if found is not None and not (isinstance(found, str) and found == FORMAT_V1):
         raise CheckpointError(
-            f"{where} has format {_short(found)}: add_manifest upgrades files without a "
+            f"{where} has format {shown(found)}: add_manifest upgrades files without a "
             f"manifest or of format {FORMAT_V1!r} only"
         )
     state = payload["state_dict"]

@@ -8,8 +8,9 @@ fields, which are ours: no mainstream model routes attention with per-expert K/V
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
+
+from .validation import MAX_INT32, a_type, check_choice, check_int, check_real, shown
 
 ATTENTION_MODES = ("expert", "dense")
 TOKEN_CHOICE_ROUTINGS = ("topk", "threshold")
@@ -56,28 +57,22 @@ class ModelConfig:
     kv_cache_dtype: str = "float32"
 
     def __post_init__(self):
+        # every size fits the int32 tables and kernels it ends up in (a row's tokens, block ids);
+        # frozen: the checked value (a Python int) replaces what was given
         for field in (f.name for f in dataclasses.fields(self) if f.type == "int"):
-            value = getattr(self, field)
-            least = (
-                0 if field in ("kv_lora_rank", "qk_rope_head_dim", "attention_capacity") else 1
-            )  # may be 0
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                must = "a positive integer" if least else "an integer >= 0"
-                raise ValueError(f"{field}={value!r} is not allowed: it must be {must}")
-        for field, ok, must in (
-            ("rope_theta", lambda v: v > 0, "positive"),
-            (
-                "rms_norm_eps",
-                lambda v: 0 < v < 1,
-                "in (0, 1): it keeps RMSNorm from dividing by zero and should be small",
-            ),
-            ("routing_threshold", lambda v: 0 < v <= 1, "in (0, 1]"),
-        ):
-            value = getattr(self, field)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise ValueError(f"{field}={value!r} is not allowed: it must be a finite number")
-            if not ok(value):
-                raise ValueError(f"{field}={value} must be {must}")
+            least = 0 if field in ("kv_lora_rank", "qk_rope_head_dim", "attention_capacity") else 1  # 0: none
+            object.__setattr__(self, field, check_int(field, getattr(self, field), least, MAX_INT32))
+        check_real("rope_theta", self.rope_theta, 0, low_open=True)
+        check_real(
+            "rms_norm_eps",
+            self.rms_norm_eps,
+            0,
+            1,
+            low_open=True,
+            high_open=True,
+            meaning="it keeps RMSNorm from dividing by zero and should be small",
+        )
+        check_real("routing_threshold", self.routing_threshold, 0, 1, low_open=True)
         if not isinstance(self.shared_kv, bool):
             raise ValueError(f"shared_kv={self.shared_kv!r} must be True or False")
         if self.shared_kv and self.attention_mode == "dense":
@@ -85,14 +80,10 @@ class ModelConfig:
                 "shared_kv=True needs attention_mode='expert': dense attention has one K/V anyway"
             )
         if not isinstance(self.name, str):
-            raise ValueError(f"name={self.name!r} must be a string")
-        for field, allowed in (
-            ("attention_mode", ATTENTION_MODES),
-            ("attention_routing", ROUTINGS),
-            ("kv_cache_dtype", tuple(BYTES_PER_DTYPE)),
-        ):
-            if getattr(self, field) not in allowed:
-                raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")
+            raise ValueError(f"name={shown(self.name)} is {a_type(self.name)}; allowed: a str")
+        check_choice("attention_mode", self.attention_mode, ATTENTION_MODES)
+        check_choice("attention_routing", self.attention_routing, ROUTINGS)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(BYTES_PER_DTYPE))
         E, K = self.num_attention_experts, self.num_attention_experts_per_tok
         if self.attention_mode == "dense" and (E, K) != (1, 1):
             raise ValueError(
@@ -181,9 +172,13 @@ class ModelConfig:
         if not isinstance(values, dict):
             raise ValueError(f"a config must be a dict of fields, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown config fields {unknown}; allowed: {sorted(known)}")
+        unknown = [key for key in values if key not in known]
+        if unknown:  # the first few named: a file may hold any number of them
+            named = ", ".join(shown(key) for key in unknown[:5])
+            more = f", and {len(unknown) - 5:,} more" if len(unknown) > 5 else ""
+            raise ValueError(
+                f"unknown config fields [{named}{more}] ({len(unknown):,} in all); allowed: {sorted(known)}"
+            )
         return cls(**values)
 
 

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from .config import BYTES_PER_DTYPE, ModelConfig, get_config
+from .validation import MAX_INT32, check_int
 
 
 # ===== 1. the hardware table ================================================================================
@@ -434,8 +435,7 @@ def cluster_cost_model(
     imbalance left out. A lower bound on step time (notebook 07 adds the links); swaps stay per GPU.
     A decode token reads, per earlier token, L * k * k / E K/V entries (in each of its k experts, the
     k / E of the context routed there) at the GPU's HBM bandwidth."""
-    if not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1:
-        raise ValueError(f"num_devices={num_devices!r} must be a positive integer")
+    num_devices = check_int("num_devices", num_devices, 1, MAX_INT32)
     if config.shared_kv:
         raise ValueError(
             f"{config.name}'s attention experts share K/V (shared_kv=True): this model reads "

@@ -42,6 +42,7 @@ from .sim.designs import CountingPagedDesign
 from .sim.eviction import EvictionSetup, simulate
 from .sim.replay import replay
 from .sim.traces import RoutingTrace, synthetic_trace
+from .validation import is_integer
 
 RIGHT, WRONG, MISSING = "Right", "Not yet", "No answer yet"
 
@@ -486,11 +487,15 @@ def _victim_rule_on_shortages(choose) -> list:
     decisions = []
     for device, request_need, held in EXERCISE_05_SHORTAGES:
         candidates = [
-            Request(100 + order, [0] * 16, SamplingParams(max_new_tokens=16), status=RequestStatus.RUNNING)
-            for order in range(len(held))
+            Request(
+                100 + order,
+                [0] * 16,
+                SamplingParams(max_new_tokens=16),
+                status=RequestStatus.RUNNING,
+                num_computed_tokens=16 * sum(blocks),
+            )
+            for order, blocks in enumerate(held)
         ]
-        for request, blocks in zip(candidates, held):
-            request.num_computed_tokens = 16 * sum(blocks)
         memory = _ShortageMemory({r.request_id: blocks for r, blocks in zip(candidates, held)})
         need = Shortage(device, 1, request_need)
         choice = choose(list(candidates), memory, need)
@@ -673,9 +678,7 @@ def check_expert_placement(answer, selected, world_size: int = EXERCISE_07_WORLD
             f"on one rank, and keep the most loaded experts apart."
         )
     answer = list(answer)
-    if len(answer) != num_experts or any(
-        isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size for r in answer
-    ):
+    if len(answer) != num_experts or any(not is_integer(r) or not 0 <= r < world_size for r in answer):
         return (
             f"{WRONG}: the answer must list {num_experts} ranks, each an integer from 0 to "
             f"{world_size - 1} (expert e goes to rank answer[e]); got {answer}."
@@ -763,7 +766,7 @@ def check_tokens_per_split(answer, blocks_per_sm: int, num_sms: int = EXERCISE_0
             f"rows x {EXERCISE_08_NUM_KV_HEADS} KV heads = {per_split} programs per split; the GPU holds "
             f"{num_sms} SMs x {blocks_per_sm} blocks at once."
         )
-    if isinstance(answer, bool) or not isinstance(answer, int) or answer < 1:
+    if not is_integer(answer) or answer < 1:
         return f"{WRONG}: {answer!r} must be a positive whole number of tokens."
     if answer % EXERCISE_08_TOKEN_TILE:
         rounded = ceil_div(answer, EXERCISE_08_TOKEN_TILE) * EXERCISE_08_TOKEN_TILE
@@ -852,7 +855,7 @@ def check_drop_budget(answer) -> str:
             f"its row already holds B tokens, so the answer is set by the rows that grow longest; "
             f"the mean row holds k T / E = {mean:.1f} tokens, and there are {num_layers} layers."
         )
-    if isinstance(answer, bool) or not isinstance(answer, int) or answer < 1:
+    if not is_integer(answer) or answer < 1:
         return f"{WRONG}: {answer!r} must be a positive whole number of tokens per row."
     right = solution_drop_budget()
     layer, expert = divmod(int(lengths.argmax()), num_experts)

@@ -15,11 +15,11 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from .cache import ContiguousKVCache, PagedKVCache
-from .cache.block_pool import check_flag
 from .model import MoEKVTransformer
 from .prompts import check_batch
 from .results import GenerationResult
 from .sampling import SamplingParams, sample_rows
+from .validation import check_choice, check_flag
 
 CACHE_KINDS = ["none", "contiguous", "paged"]
 
@@ -39,8 +39,7 @@ def generate(
     of every position processed (the equivalence tests compare them with a full forward)."""
     if not isinstance(model, MoEKVTransformer):
         raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
-    if cache not in CACHE_KINDS:
-        raise ValueError(f"unknown cache kind {cache!r}; allowed: {CACHE_KINDS}")
+    check_choice("cache", cache, CACHE_KINDS)
     if cache_options and cache != "paged":
         raise ValueError(f"{sorted(cache_options)} apply to cache='paged' only, not cache={cache!r}")
     check_flag("record_logits", record_logits)  # the cache's own flags: PagedKVCache checks them

@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from .validation import MAX_INT32, check_int, check_seed
+
 NUM_THREADS = 1
 SEED = 0
 
@@ -29,10 +31,8 @@ SEED = 0
 def setup(seed: int = SEED, num_threads: int = NUM_THREADS) -> None:
     """Set torch's threads (and its children's) and seed for a notebook. Prints nothing: a notebook's
     stored output must not depend on the machine or the torch version."""
-    if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
-        raise ValueError(f"num_threads={num_threads!r} must be an integer >= 1")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed={seed!r} must be an integer")
+    num_threads = check_int("num_threads", num_threads, 1, MAX_INT32)
+    seed = check_seed("seed", seed)
     torch.set_num_threads(num_threads)
     os.environ["OMP_NUM_THREADS"] = str(num_threads)  # for processes started from the notebook
     torch.manual_seed(seed)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .validation import MAX_INT32, check_choice, check_int
+
 PLACEMENTS = ("contiguous", "round_robin", "coactivation")
 
 
@@ -32,11 +34,9 @@ def place_experts(
 ) -> torch.Tensor:
     """The device of each expert of one layer: (E,) int64. coactivation: (E, E) counts from
     `coactivation_counts`, for strategy="coactivation"."""
-    if strategy not in PLACEMENTS:
-        raise ValueError(f"strategy={strategy!r} is not one of {PLACEMENTS}")
-    for name, value in (("num_experts", num_experts), ("num_devices", num_devices)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
+    check_choice("strategy", strategy, PLACEMENTS)
+    num_experts = check_int("num_experts", num_experts, 1, MAX_INT32)
+    num_devices = check_int("num_devices", num_devices, 1, MAX_INT32)
     if num_experts % num_devices:
         raise ValueError(
             f"num_devices={num_devices} must divide num_experts={num_experts}, so that every "

@@ -13,19 +13,15 @@ from dataclasses import dataclass
 import torch
 
 from .profiling import phase
+from .validation import MAX_INT32, check_int, check_real, check_seed, shown
 
 # Temperatures between 0 and this are refused: logits / T overflows float64 (to inf, then NaN in the
 # softmax) once T is below about 1e-300, and long before that the distribution is argmax anyway.
 MIN_TEMPERATURE = 1e-4
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes up to 2**64 - 1; the engine's bound
 
 
 class SamplingError(RuntimeError):
     """One request's next token could not be sampled; the engine fails that request only."""
-
-
-def _is_number(value, types=(int, float)) -> bool:
-    return isinstance(value, types) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -39,19 +35,18 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not _is_number(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
-        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:  # NaN too
-            raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 means greedy) and finite")
+        # frozen: the checked values (Python ints and floats) replace what was given
+        max_new_tokens = check_int("max_new_tokens", self.max_new_tokens, 1, MAX_INT32)
+        object.__setattr__(self, "max_new_tokens", max_new_tokens)
+        temperature = check_real("temperature", self.temperature, 0, meaning="0: greedy")
+        object.__setattr__(self, "temperature", temperature)
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise ValueError(
-                f"temperature={self.temperature!r} is too small to sample with: use 0 (greedy) "
+                f"temperature={shown(self.temperature)} is too small to sample with; allowed: 0 (greedy) "
                 f"or at least {MIN_TEMPERATURE}"
             )
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:  # also rejects NaN
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if not _is_number(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**63 - 1]")
+        object.__setattr__(self, "top_p", check_real("top_p", self.top_p, 0, 1, low_open=True))
+        object.__setattr__(self, "seed", check_seed("seed", self.seed))
 
     @property
     def greedy(self) -> bool:

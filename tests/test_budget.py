@@ -347,7 +347,7 @@ def test_combinations_that_cannot_work_are_refused_with_their_reason():
         model(torch.zeros(1, 3, dtype=torch.int64), budget=RowBudget(4, "router_score"))
     with pytest.raises(ValueError, match="one per layer"):
         PagedKVCache.for_model(model, budget=RowBudget([4, 4, 4]))
-    with pytest.raises(ValueError, match="must be a RowBudget"):
+    with pytest.raises(ValueError, match="budget=4 is an int; allowed: a RowBudget"):
         PagedKVCache.for_model(model, budget=4)
     for bad, match in (
         ((0,), "max_tokens=0"),

@@ -364,3 +364,42 @@ def test_a_manifest_missing_a_key_names_it(saved, key):
     ) as info:
         load_checkpoint(path, CONFIG)
     assert str(path) in str(info.value)
+
+
+def test_a_config_too_deep_to_hash_is_refused_before_hashing(saved):
+    """The hash writes the config out as JSON, a list once for each reference to it: a config nesting
+    a list [a, a] 40 levels deep (the same list twice at each level: a file of about 1 MB) would
+    write 2**40 values. A walk that stops at the bound refuses it at once, naming the file."""
+    _, path = saved
+    deep = 0
+    for _ in range(40):
+        deep = [deep, deep]
+    rewrite(path, lambda payload: payload["config"].__setitem__("name", deep), rehash=False)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match="its config nests values more than 8 levels deep") as info:
+        load_checkpoint(path)
+    assert time.perf_counter() - start < 5
+    assert str(path) in str(info.value)
+
+
+def test_a_config_of_100000_unknown_fields_gets_a_short_message(saved):
+    """With a matching hash, 100,000 unknown fields were all named: a message of 1.5 MB. Now the file
+    is refused by the bound on the config's size, in one line naming it."""
+    _, path = saved
+    rewrite(path, lambda payload: payload["config"].update({f"extra_{i}": i for i in range(100_000)}))
+    with pytest.raises(CheckpointError, match="its config holds more than 10,000 values") as info:
+        load_checkpoint(path)
+    assert str(path) in str(info.value) and len(str(info.value)) < 1000
+
+
+def test_a_config_beyond_the_int32_sizes_is_refused_at_load(saved):
+    """max_position_embeddings=2**40 used to load, and a paged cache then asked the allocator for
+    terabytes: the config itself is refused, naming the field and its bound."""
+    _, path = saved
+    rewrite(path, lambda payload: payload["config"].__setitem__("max_position_embeddings", 2**40))
+    with pytest.raises(
+        CheckpointError,
+        match=r"has an invalid config: max_position_embeddings=1099511627776 is not allowed; allowed: an "
+        r"integer in \[1, 2\*\*31 - 1\]",
+    ):
+        load_checkpoint(path)

@@ -81,7 +81,9 @@ def test_top_k_greater_than_experts():
 )
 @pytest.mark.parametrize("value", [0, -3])
 def test_sizes_must_be_positive(field, value):
-    with pytest.raises(ValueError, match=rf"{field}={value} is not allowed: it must be a positive integer"):
+    with pytest.raises(
+        ValueError, match=rf"{field}={value} is not allowed; allowed: an integer in \[1, 2\*\*31 - 1\]"
+    ):
         get_config("tiny", **{field: value})
 
 
@@ -102,3 +104,17 @@ def test_routing_is_not_architecture():
     assert ModelConfig.from_dict(tiny.to_dict()) == tiny
     with pytest.raises(ValueError, match="unknown config fields"):
         ModelConfig.from_dict({**tiny.to_dict(), "n_embd": 3})
+
+
+def test_unknown_fields_are_named_a_few_at_a_time():
+    """A dict of 100,000 unknown fields gets a message of a few lines: the first names and the count."""
+    values = {**get_config("tiny").to_dict(), **{f"extra_{i}": i for i in range(100_000)}}
+    with pytest.raises(ValueError) as info:
+        ModelConfig.from_dict(values)
+    message = str(info.value)
+    assert len(message) < 1000, len(message)
+    assert (
+        "unknown config fields ['extra_0', 'extra_1', 'extra_2', 'extra_3', 'extra_4', and 99,995 more]"
+        in message
+    )
+    assert "(100,000 in all); allowed: " in message

@@ -38,14 +38,16 @@ from moekv_ref.apps import (
     train,
 )
 from moekv_ref.apps.cli import main
-from moekv_ref.cache import KVCacheManager
-from moekv_ref.cache.block_pool import BlockPool, checked_blocks_per_device
+from moekv_ref.cache import KVCacheManager, PagedKVCache, PrefixCache, SharedTails
+from moekv_ref.cache.block_pool import BlockPool
+from moekv_ref.cache.budget import RowBudget
 from moekv_ref.cache.kv_cache_manager import checked_placement
 from moekv_ref.config import ModelConfig
 from moekv_ref.engine import LLMEngine, SchedulerConfig, generate_with_engine
 from moekv_ref.engine.workload import make_workload
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
+from moekv_ref.validation import check_blocks_per_device, memory_of
 
 MODEL = random_model(small_config("expert", "threshold"), seed=0)  # vocab 64, 96 positions, L=2, E=5
 P4 = SamplingParams(max_new_tokens=4)
@@ -96,26 +98,42 @@ def manager_in_use():
 # (what is tried, the call, a fragment the error must contain)
 CASES = [
     ("temperature=1e-320", lambda: SamplingParams(temperature=1e-320), "too small to sample with"),
-    ("temperature=inf", lambda: SamplingParams(temperature=math.inf), "temperature=inf must be >= 0"),
+    (
+        "temperature=inf",
+        lambda: SamplingParams(temperature=math.inf),
+        "temperature=inf is not allowed; allowed: a finite number in [0, inf)",
+    ),
     ("temperature=nan", lambda: SamplingParams(temperature=math.nan), "temperature=nan"),
     ("temperature='1'", lambda: SamplingParams(temperature="1"), "temperature='1'"),
-    ("temperature=-0.5", lambda: SamplingParams(temperature=-0.5), "temperature=-0.5 must be >= 0"),
-    ("top_p=nan", lambda: SamplingParams(top_p=math.nan), "top_p=nan must be in (0, 1]"),
-    ("top_p=0", lambda: SamplingParams(top_p=0), "top_p=0 must be in (0, 1]"),
+    ("temperature=-0.5", lambda: SamplingParams(temperature=-0.5), "temperature=-0.5 is not allowed"),
+    (
+        "top_p=nan",
+        lambda: SamplingParams(top_p=math.nan),
+        "top_p=nan is not allowed; allowed: a finite number in (0, 1]",
+    ),
+    ("top_p=0", lambda: SamplingParams(top_p=0), "top_p=0 is not allowed"),
     (
         "max_new_tokens=2.0",
         lambda: SamplingParams(max_new_tokens=2.0),
-        "max_new_tokens=2.0 must be an integer",
+        "max_new_tokens=2.0 is a float; allowed: an integer",
     ),
     ("max_new_tokens=True", lambda: SamplingParams(max_new_tokens=True), "max_new_tokens=True"),
-    ("seed=-1", lambda: SamplingParams(seed=-1), "seed=-1 must be an integer in [0, 2**63 - 1]"),
+    (
+        "seed=-1",
+        lambda: SamplingParams(seed=-1),
+        "seed=-1 is not allowed; allowed: an integer in [0, 2**63 - 1]",
+    ),
     ("seed=1.5", lambda: SamplingParams(seed=1.5), "seed=1.5"),
     (
         "LLMEngine num_blocks=200.0",
         lambda: engine(num_blocks=200.0),
-        "num_blocks=200.0 must be an integer >= 1",
+        "num_blocks=200.0 is a float; allowed: an integer in [1, 2**31 - 1]",
     ),
-    ("LLMEngine num_blocks=0", lambda: engine(num_blocks=0), "num_blocks=0 must be an integer >= 1"),
+    (
+        "LLMEngine num_blocks=0",
+        lambda: engine(num_blocks=0),
+        "num_blocks=0 is not allowed; allowed: an integer in [1, 2**31 - 1]",
+    ),
     ("LLMEngine num_blocks=True", lambda: engine(num_blocks=True), "num_blocks=True"),
     ("LLMEngine num_blocks=4 (< one token)", lambda: engine(num_blocks=4), "too small for even one sequence"),
     ("LLMEngine block_size=0", lambda: engine(block_size=0), "block_size=0 is not allowed"),
@@ -138,7 +156,7 @@ CASES = [
     (
         "SchedulerConfig max_num_seqs=0",
         lambda: SchedulerConfig(max_num_seqs=0),
-        "max_num_seqs=0 must be an integer >= 1",
+        "max_num_seqs=0 is not allowed; allowed: an integer in [1, ",
     ),
     (
         "SchedulerConfig max_num_batched_tokens=2.5",
@@ -234,9 +252,13 @@ CASES = [
         lambda: engine().abort_request(99),
         "request_id=99 is not a request of this engine",
     ),
-    ("abort_request('0')", lambda: engine().abort_request("0"), "request_id='0'"),
+    (
+        "abort_request('0')",
+        lambda: engine().abort_request("0"),
+        "request_id='0' is a str; allowed: an integer >= 0 (the id of a request of this engine",
+    ),
     ("generate(model, [])", lambda: generate(MODEL, []), "non-empty list of prompts"),
-    ("generate cache='mmap'", lambda: generate(MODEL, [[1, 2]], cache="mmap"), "unknown cache kind 'mmap'"),
+    ("generate cache='mmap'", lambda: generate(MODEL, [[1, 2]], cache="mmap"), "cache='mmap' is not one of"),
     (
         "generate block_size with contiguous",
         lambda: generate(MODEL, [[1, 2]], P4, cache="contiguous", block_size=4),
@@ -264,7 +286,7 @@ CASES = [
     (
         "ModelConfig rms_norm_eps=-1",
         lambda: ModelConfig(rms_norm_eps=-1),
-        "rms_norm_eps=-1 must be in (0, 1)",
+        "rms_norm_eps=-1 is not allowed; allowed: a finite number in (0, 1)",
     ),
     ("ModelConfig rms_norm_eps=inf", lambda: ModelConfig(rms_norm_eps=math.inf), "rms_norm_eps=inf"),
     (
@@ -275,7 +297,7 @@ CASES = [
     (
         "ModelConfig hidden_size=128.0",
         lambda: ModelConfig(hidden_size=128.0),
-        "hidden_size=128.0 is not allowed",
+        "hidden_size=128.0 is a float; allowed: an integer",
     ),
     ("ModelConfig kv_lora_rank=1.5", lambda: ModelConfig(kv_lora_rank=1.5), "kv_lora_rank=1.5"),
     ("ModelConfig.from_dict([1, 2])", lambda: ModelConfig.from_dict([1, 2]), "must be a dict of fields"),
@@ -287,7 +309,7 @@ CASES = [
     (
         "LLMEngine per-device blocks [100.7, 100.2]",
         lambda: device_engine([100.7, 100.2]),
-        "blocks_per_device[0]=100.7 is a float; allowed: an integer >= 1",
+        "blocks_per_device[0]=100.7 is a float; allowed: an integer in [1, 2**31 - 1]",
     ),
     (
         "LLMEngine per-device blocks [40.0, 40.0]",
@@ -307,7 +329,7 @@ CASES = [
     (
         "LLMEngine per-device blocks [40, 0]",
         lambda: device_engine([40, 0]),
-        "blocks_per_device[1]=0 is not allowed; allowed: an integer >= 1",
+        "blocks_per_device[1]=0 is not allowed; allowed: an integer in [1, 2**31 - 1]",
     ),
     ("LLMEngine per-device blocks []", lambda: device_engine([]), "blocks_per_device=[] is empty"),
     (
@@ -389,14 +411,14 @@ CASES = [
     (
         "KVCacheManager home_devices=1",
         lambda: KVCacheManager(1, 4, 2, blocks_per_device=[4, 4], home_devices=1),
-        "home_devices=1 must be a bool",
+        "home_devices=1 is an int; allowed: True or False",
     ),
     (
         "KVCacheManager home_devices with a placement",
         lambda: KVCacheManager(
             1, 4, 2, blocks_per_device=[4, 4], device_of_expert=[0, 0, 1, 1], home_devices=True
         ),
-        "True only without device_of_expert",
+        "home_devices=True takes no device_of_expert",
     ),
     (
         "BlockPool blocks_per_device (2, 2.0)",
@@ -445,14 +467,14 @@ CASES = [
     (
         "BlockPool.allocate(2.0)",
         lambda: pool_in_use().allocate(2.0),
-        "num_blocks=2.0 is not allowed; allowed: an integer >= 0",
+        "num_blocks=2.0 is a float; allowed: an integer >= 0",
     ),
     ("BlockPool.allocate(True)", lambda: pool_in_use().allocate(True), "num_blocks=True"),
     ("BlockPool.allocate(-1)", lambda: pool_in_use().allocate(-1), "num_blocks=-1"),
     (
         "BlockPool shuffle_seed=True",
         lambda: BlockPool(4, shuffle_seed=True),
-        "shuffle_seed=True is not allowed",
+        "shuffle_seed=True is a bool",
     ),
     (
         "BlockPool 2 devices .free(tensor([3.0]))",
@@ -472,7 +494,7 @@ CASES = [
     (
         "BlockPool.allocate(1, device=0.4)",
         lambda: device_pool_in_use().allocate(1, device=0.4),
-        "device=0.4 is not allowed; allowed: an integer in 0..1",
+        "device=0.4 is a float; allowed: an integer in [0, 1]",
     ),
     (
         "BlockPool.allocate(1, device=True)",
@@ -546,6 +568,84 @@ CASES = [
         lambda: LLMEngine(MODEL, 90, home_devices=True),
         "home_devices=True needs blocks_per_device",
     ),
+    # a manager's parts: of their kind, or None
+    (
+        "KVCacheManager tails=True",
+        lambda: KVCacheManager(2, 5, 2, 12, tails=True),
+        "tails=True is a bool; allowed: a SharedTails",
+    ),
+    (
+        "KVCacheManager prefix_cache='yes'",
+        lambda: KVCacheManager(2, 5, 2, 12, prefix_cache="yes"),
+        "prefix_cache='yes' is a str; allowed: a PrefixCache",
+    ),
+    (
+        "KVCacheManager budget=4",
+        lambda: KVCacheManager(2, 5, 2, 12, budget=4),
+        "budget=4 is an int; allowed: a RowBudget",
+    ),
+    (
+        "KVCacheManager tails=PrefixCache()",
+        lambda: KVCacheManager(2, 5, 2, 12, tails=PrefixCache()),
+        "tails=<PrefixCache object> is a PrefixCache; allowed: a SharedTails",
+    ),
+    # rows: of sequences the cache holds
+    (
+        "KVCacheManager.allocate_slots to a row of no held sequence",
+        lambda: manager_in_use().allocate_slots(torch.tensor([12]), torch.tensor([1])),
+        "allocate_slots: rows [12] are not all rows of sequences the cache holds",
+    ),
+    (
+        "KVCacheManager.allocate_slots to row -1",
+        lambda: manager_in_use().allocate_slots(torch.tensor([-1]), torch.tensor([1])),
+        "rows [-1] are not all rows of sequences the cache holds",
+    ),
+    # sizes: bounded before anything is allocated
+    (
+        "ModelConfig max_position_embeddings=2**40",
+        lambda: ModelConfig(max_position_embeddings=2**40),
+        "max_position_embeddings=1099511627776 is not allowed; allowed: an integer in [1, 2**31 - 1]",
+    ),
+    (
+        "LLMEngine num_blocks=2**40",
+        lambda: engine(num_blocks=2**40),
+        "num_blocks=1099511627776 is not allowed; allowed: an integer in [1, 2**31 - 1]",
+    ),
+    (
+        "LLMEngine block_size=512",
+        lambda: engine(block_size=512),
+        "block_size=512 is not allowed; allowed: a power of two in [1, 256]",
+    ),
+    (
+        "LLMEngine per-device blocks [2**40, 2**40]",
+        lambda: device_engine([2**40, 2**40]),
+        "blocks_per_device[0]=1099511627776 is not allowed; allowed: an integer in [1, 2**31 - 1]",
+    ),
+    (
+        "LLMEngine per-device blocks summing past 2**31 - 1",
+        lambda: device_engine([2**31 - 1, 2**31 - 1]),
+        "blocks_per_device sums to 4,294,967,294 blocks; allowed: at most 2**31 - 1 in all",
+    ),
+    (
+        "LLMEngine num_swap_blocks=2**40",
+        lambda: engine(scheduler_config=SchedulerConfig(preemption_mode="swap"), num_swap_blocks=2**40),
+        "num_swap_blocks=1099511627776 is not allowed; allowed: an integer in [0, 2**31 - 1]",
+    ),
+    (
+        "KVCacheManager num_blocks=2**40",
+        lambda: KVCacheManager(2, 5, 2, 2**40),
+        "num_blocks=1099511627776 is not allowed; allowed: an integer in [1, 2**31 - 1]",
+    ),
+    (
+        "BlockPool num_blocks=2**40",
+        lambda: BlockPool(2**40),
+        "num_blocks=1099511627776 is not allowed; allowed: an integer in [1, 2**31 - 1]",
+    ),
+    (
+        "RowBudget max_tokens=2**40",
+        lambda: RowBudget(2**40),
+        "max_tokens=1099511627776 is not allowed; allowed: an integer in [1, 2**31 - 1]",
+    ),
 ]
 
 # command-line options refused by parser.error before the command runs: (what, argv, fragment)
@@ -603,7 +703,7 @@ OPTION_CASES = [
     (
         "generate --seed -1",
         ["generate", "--prompt", "x", "--seed", "-1"],
-        "--seed=-1 is not allowed; allowed: an integer in [0, 9223372036854775807]",
+        "--seed=-1 is not allowed; allowed: an integer in [0, 2**63 - 1]",
     ),
     (
         "generate --seed 2**63",
@@ -665,6 +765,11 @@ OPTION_CASES = [
         "--threshold=0.0",
     ),
     (
+        "bench memory --block-size 2**20",
+        ["bench", "memory", "--block-size", str(2**20)],
+        "--block-size=1048576 is not allowed; allowed: a power of two in [1, 256]",
+    ),
+    (
         "bench memory --block-size 12",
         ["bench", "memory", "--block-size", "12"],
         "--block-size=12 is not allowed",
@@ -683,7 +788,7 @@ OPTION_CASES = [
     (
         "bench eviction --host-blocks -1",
         ["bench", "eviction", "--host-blocks", "-1"],
-        "--host-blocks=-1 is not allowed; allowed: an integer >= 0 (0: recompute only",
+        "--host-blocks=-1 is not allowed; allowed: an integer in [0, 2**31 - 1] (0: recompute only",
     ),
     (
         "bench eviction --sequences 0",
@@ -698,7 +803,8 @@ OPTION_CASES = [
     (
         "bench eviction --blocks-per-device 10 (no request fits)",
         ["bench", "eviction", "--blocks-per-device", "10"],
-        "--blocks-per-device=10 is not allowed; allowed: an integer >= 160 (with fewer, none of the 48 requests",
+        "--blocks-per-device=10 is not allowed; allowed: an integer in [160, 2**29 - 1] "
+        "(with fewer, none of the 48 requests",
     ),
     (
         "bench eviction --quick --sequences 8",
@@ -743,7 +849,8 @@ OPTION_CASES = [
     (
         "bench serving --num-blocks 7",
         ["bench", "serving", "--num-blocks", "7"],
-        "--num-blocks=7 is not allowed; allowed: an integer >= 8 (one token of one sequence takes 8 blocks)",
+        "--num-blocks=7 is not allowed; allowed: an integer in [8, 2**31 - 1] "
+        "(one token of one sequence takes 8 blocks)",
     ),
     ("bench serving --seed -1", ["bench", "serving", "--seed", "-1"], "--seed=-1"),
     (
@@ -784,7 +891,7 @@ OPTION_CASES = [
     (
         "demo --num-blocks -1",
         ["demo", "--num-blocks", "-1"],
-        "--num-blocks=-1 is not allowed; allowed: an integer >= 8",
+        "--num-blocks=-1 is not allowed; allowed: an integer in [8, 2**31 - 1]",
     ),
     ("demo --seed -2", ["demo", "--seed", "-2"], "--seed=-2"),
     ("demo --figures a file", ["demo", "--figures", A_FILE], f"--figures={A_FILE} is a file"),
@@ -1137,8 +1244,8 @@ def test_per_device_inputs_that_are_integers_are_taken_as_they_are():
         np.array([40, 40], dtype=np.int32),
         [np.int64(40), np.int16(40)],
     ):
-        assert checked_blocks_per_device(blocks) == [40, 40]
-        assert all(type(n) is int for n in checked_blocks_per_device(blocks))
+        assert check_blocks_per_device(blocks) == [40, 40]
+        assert all(type(n) is int for n in check_blocks_per_device(blocks))
     expected = PLACEMENT.expand(2, -1)
     for placement in (
         PLACEMENT,
@@ -1195,3 +1302,126 @@ def test_paged_generate_sizes_its_pool_for_the_prompts_given():
     params = SamplingParams(max_new_tokens=3, temperature=0)
     paged = generate(MODEL, prompts, params, cache="paged", block_size=16)
     assert paged.tokens == generate(MODEL, prompts, params, cache="contiguous").tokens
+
+
+def test_a_part_belongs_to_one_manager():
+    """A SharedTails, PrefixCache or RowBudget keeps one manager's state: given to a second manager it
+    is refused, naming it, and the first manager keeps it as it was."""
+    for name, make in (
+        ("tails", SharedTails),
+        ("prefix_cache", PrefixCache),
+        ("budget", lambda: RowBudget(4)),
+    ):
+        part = make()
+        first = KVCacheManager(2, 5, 2, 12, **{name: part})
+        first.add_sequence(7)
+        with pytest.raises(ValueError, match=f"{name}=.* already belongs to another KVCacheManager"):
+            KVCacheManager(2, 5, 2, 12, **{name: part})
+        assert part.manager is first and first.holds(7)
+        first.assert_consistent()
+
+
+def test_allocate_slots_refuses_rows_of_no_held_sequence_and_changes_nothing():
+    manager = manager_in_use()  # sequence 7 holds rows 0..9 (slot 0); rows 10..39 belong to no one
+    free = manager.num_free_blocks
+    for rows in ([12], [0, 12], [40]):
+        with pytest.raises(ValueError, match="are not all rows of sequences the cache holds"):
+            manager.allocate_slots(torch.tensor(rows), torch.ones(len(rows), dtype=torch.int64))
+        assert manager.num_free_blocks == free and int(manager.row_tokens[10:].sum()) == 0
+    manager.free(7)  # a freed sequence's rows are no one's either
+    with pytest.raises(ValueError, match="rows \\[0\\] are not all rows"):
+        manager.allocate_slots(torch.tensor([0]), torch.tensor([1]))
+    manager.assert_consistent()
+
+
+def test_integers_are_python_or_numpy_ints_everywhere():
+    """np.int64 (any numpy integer) is an integer for every count, size and seed, as for ids and
+    blocks_per_device: the same pools, caches and results as with Python ints."""
+    served = LLMEngine(MODEL, np.int64(64), np.int64(4), shuffle_seed=np.int32(3))
+    assert served.cache.manager.num_blocks == 64 and type(served.cache.block_size) is int
+    expected = LLMEngine(MODEL, 64, 4, shuffle_seed=3)
+    assert (
+        served.generate([[1, 2, 3]], [P4])[0].token_ids == expected.generate([[1, 2, 3]], [P4])[0].token_ids
+    )
+    manager = KVCacheManager(np.int64(2), np.int64(5), np.int64(2), np.int64(12), shuffle_seed=np.int64(1))
+    assert (manager.num_layers, manager.num_experts, manager.block_size, manager.num_blocks) == (2, 5, 2, 12)
+    assert BlockPool(np.int16(8), shuffle_seed=np.int64(2)).num_blocks == 8
+    config = ModelConfig(num_hidden_layers=np.int64(2), max_position_embeddings=np.int32(64))
+    assert config.to_dict()["num_hidden_layers"] == 2 and type(config.max_position_embeddings) is int
+    params = SamplingParams(max_new_tokens=np.int64(3), seed=np.uint8(5))
+    assert (params.max_new_tokens, params.seed) == (3, 5) and type(params.seed) is int
+    assert SchedulerConfig(max_num_seqs=np.int64(4)).max_num_seqs == 4
+    assert RowBudget(np.int64(4), num_sinks=np.int64(1)).max_tokens == 4
+
+
+def test_each_value_is_checked_once_per_public_entry(monkeypatch):
+    """The engine's cache options are checked once, where it builds the cache: the cache, its manager
+    and its pool trust what was checked; a manager built alone checks them itself, once too."""
+    import moekv_ref.cache.block_pool as block_pool
+    import moekv_ref.cache.kv_cache_manager as kv_cache_manager
+    import moekv_ref.cache.paged as paged
+    import moekv_ref.engine.engine as engine_module
+
+    calls = []
+
+    def counting(module, name):
+        checked = getattr(module, name)
+
+        def check(*args, **kwargs):
+            calls.append(name)
+            return checked(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, check)
+
+    for module in (paged, kv_cache_manager, engine_module):
+        counting(module, "check_block_size")
+    for module in (block_pool,):
+        counting(module, "check_blocks_per_device")
+    for module in (paged, kv_cache_manager, block_pool):
+        counting(module, "check_seed")
+    device_engine(shuffle_seed=3)
+    assert sorted(calls) == ["check_block_size", "check_blocks_per_device", "check_seed"]
+    calls.clear()
+    KVCacheManager(2, 5, 2, shuffle_seed=1, blocks_per_device=[6, 6], device_of_expert=PLACEMENT)
+    assert sorted(calls) == ["check_block_size", "check_blocks_per_device", "check_seed"]
+    calls.clear()
+    PagedKVCache(MODEL.config, 64, 4, shuffle_seed=1)
+    assert sorted(calls) == ["check_block_size", "check_seed"]
+
+
+@pytest.mark.skipif(memory_of("cpu") is None, reason="this machine does not tell its memory")
+def test_a_pool_larger_than_the_machine_is_refused_before_it_is_allocated():
+    """2**30 blocks are within what an int32 block table names, but their K/V are not within any test
+    machine's memory: refused with the bytes they would take, not with the allocator's error."""
+    with pytest.raises(
+        ValueError, match=r"the K/V of 1,073,741,824 blocks of 4 tokens .* would take 1,024.0 GiB"
+    ):
+        engine(num_blocks=2**30)
+
+
+@pytest.mark.skipif(
+    memory_of("cpu") is None or memory_of("cpu") > 26 * 2**30, reason="a machine that holds 26 GiB"
+)
+def test_a_pool_whose_bookkeeping_outgrows_the_machine_is_refused():
+    with pytest.raises(
+        ValueError, match=r"bookkeeping of a pool of 2,147,483,647 blocks would take 26.0 GiB"
+    ):
+        BlockPool(2**31 - 1)
+
+
+def test_paged_generate_of_a_model_with_huge_positions_is_refused_before_allocating():
+    """max_position_embeddings=2**30 is a valid config, but the pool `generate(cache="paged")` sizes
+    for it at its worst (without num_blocks) could not be allocated: refused, saying why."""
+    model = random_model(small_config("expert", "topk", max_position_embeddings=2**30), seed=0)
+    with pytest.raises(ValueError) as info:
+        generate(model, [[1, 2]], P4, cache="paged")
+    message = str(info.value)
+    assert (
+        "num_blocks=None sizes the pool for max_num_seqs=1 sequences of max_position_embeddings=1073741824"
+        in message
+    )
+    assert "give num_blocks" in message
+    assert (
+        generate(model, [[1, 2]], P4, cache="paged", num_blocks=64).tokens
+        == generate(model, [[1, 2]], P4).tokens
+    )

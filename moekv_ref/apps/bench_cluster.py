@@ -46,6 +46,7 @@ from ..jsonout import dump
 from ..sim.eviction import EvictionSetup, TraceRunner
 from ..sim.traces import topic_trace
 from ..sim.workloads import ARRIVALS, arrival_times, latency_summary, length_workloads, sample_lengths
+from ..validation import is_integer
 from . import options
 from .bench_step import REPOSITORY, commit_of
 
@@ -403,7 +404,7 @@ def check_args(args) -> None:
         raise ValueError(f"--workload {args.workload!r} is not one of {tuple(length_workloads())}")
     experts = get_config(MODEL).num_attention_experts
     for d in args.devices:
-        if not isinstance(d, int) or d < 1 or experts % d:
+        if not is_integer(d) or d < 1 or experts % d:
             raise ValueError(
                 f"--devices {d} must divide {MODEL}'s {experts} attention experts: one of "
                 f"{[n for n in range(1, experts + 1) if experts % n == 0]}"

@@ -50,6 +50,7 @@ from ..sim.density import density_sweep, mean_blocks_at_context
 from ..sim.eviction import EvictionSetup, memory_time_bound, simulate
 from ..sim.optimum import search_optimum
 from ..sim.traces import synthetic_trace, topic_trace
+from ..validation import MAX_BLOCKS
 from . import options
 
 # JetMoE-8B: 2.2 B active parameters per token (Shen et al., arXiv 2404.07413, Table 1).
@@ -685,7 +686,7 @@ def check_args(args) -> None:
         )
     options.count("--sequences", args.sequences, 1)
     options.count("--blocks-per-device", args.blocks_per_device, 1)
-    options.count("--host-blocks", args.host_blocks, 0, meaning="0: recompute only, no host swap space")
+    options.blocks("--host-blocks", args.host_blocks, 0, meaning="0: recompute only, no host swap space")
     if args.blocks_per_device is not None:
         trace, _, placement = skewed_workload(_num_sequences(args))
         least = smallest_pool_serving_a_request(trace, placement)
@@ -693,6 +694,7 @@ def check_args(args) -> None:
             "--blocks-per-device",
             args.blocks_per_device,
             least,
+            MAX_BLOCKS // int(placement.max() + 1),  # the devices' blocks name one int32 range
             meaning=f"with fewer, none of the {trace.num_sequences} requests fits a device alone",
         )
 

@@ -36,6 +36,7 @@ from ..engine import LLMEngine, SchedulerConfig
 from ..engine.workload import make_workload, run_workload
 from ..jsonout import dump
 from ..model import MoEKVTransformer
+from ..validation import MAX_INT32
 from . import options
 
 DESIGNS = ("static", "continuous_reserved", "continuous_paged")
@@ -255,12 +256,12 @@ def check_args(args) -> None:
     config = get_config("tiny").with_routing(args.routing)
     least = config.num_hidden_layers * config.num_attention_experts_per_tok
     options.count("--num-requests", args.num_requests, 1)
-    options.count(
+    options.blocks(
         "--num-blocks", args.num_blocks, least, meaning=f"one token of one sequence takes {least} blocks"
     )
     options.block_size("--block-size", args.block_size)
     options.seed("--seed", args.seed)
-    options.count("--budget", args.budget, 1, meaning="tokens per (sequence, layer, expert) row")
+    options.count("--budget", args.budget, 1, MAX_INT32, meaning="tokens per (sequence, layer, expert) row")
     options.output_file("--json", args.json)
 
 

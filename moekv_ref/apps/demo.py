@@ -281,7 +281,7 @@ def check_args(args) -> None:
     config = get_config("tiny").with_routing("threshold")
     least = config.num_hidden_layers * config.num_attention_experts_per_tok
     options.count("--num-requests", args.num_requests, 1)
-    options.count(
+    options.blocks(
         "--num-blocks",
         args.num_blocks,
         least,

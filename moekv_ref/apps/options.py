@@ -19,20 +19,19 @@ import tempfile
 from pathlib import Path
 
 from ..paths import check_input_file, check_input_folder, kind_of, stat_named
-from ..sampling import MAX_SEED
+from ..validation import MAX_BLOCKS, check_block_size, check_int, check_real, check_seed
 
 
 def count(option: str, value, minimum: int = 1, maximum: int | None = None, meaning: str = "") -> None:
     """An integer option in [minimum, maximum] (None: not given, nothing to check). `meaning` says what
     a special value means, e.g. "0: recompute only"."""
-    if value is None:
-        return
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(
-            f"{option}={value} is not allowed; allowed: an integer {bound}"
-            + (f" ({meaning})" if meaning else "")
-        )
+    if value is not None:
+        check_int(option, value, minimum, maximum, meaning)
+
+
+def blocks(option: str, value, minimum: int = 1, meaning: str = "") -> None:
+    """A count of blocks: an integer from minimum to what a block table (int32) can name."""
+    count(option, value, minimum, MAX_BLOCKS, meaning)
 
 
 def real(
@@ -45,26 +44,19 @@ def real(
     meaning: str = "",
 ) -> None:
     """A finite number option in the interval from low to high (open at an end where *_open is set)."""
-    if value is None:
-        return
-    inside = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not (math.isfinite(value) and inside):
-        left, right = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
-        interval = f"{left}{low:g}, {'inf' if high == math.inf else format(high, 'g')}{right}"
-        raise ValueError(
-            f"{option}={value} is not allowed; allowed: a finite number in {interval}"
-            + (f" ({meaning})" if meaning else "")
-        )
+    if value is not None:
+        check_real(option, value, low, high, low_open, high_open, meaning)
 
 
 def block_size(option: str, value) -> None:
-    """Tokens per block: a power of two (cache.kv_cache_manager.check_block_size)."""
-    if value is not None and (value < 1 or value & (value - 1)):
-        raise ValueError(f"{option}={value} is not allowed; allowed: a power of two (1, 2, 4, ..., 256)")
+    """Tokens per block: a power of two, at most validation.MAX_BLOCK_SIZE."""
+    if value is not None:
+        check_block_size(value, option)
 
 
 def seed(option: str, value) -> None:
-    count(option, value, 0, MAX_SEED, "a seed for torch.Generator")
+    if value is not None:
+        check_seed(option, value)
 
 
 def distinct(option: str, values, why: str = "each value runs once") -> None:

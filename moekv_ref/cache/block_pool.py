@@ -25,130 +25,49 @@ float, even 1.0, or a bool is never rounded or read as 0 / 1).
 
 from __future__ import annotations
 
-import numbers
 from collections import OrderedDict
 from typing import Callable
 
-import numpy as np
 import torch
 
-from ..sampling import MAX_SEED
 from ..state import Stateful
+from ..validation import (
+    MAX_BLOCKS,
+    check_blocks_per_device,
+    check_fits_memory,
+    check_ids,
+    check_int,
+    check_seed,
+    shown,
+)
 
-IDS_ALLOWED = "integer ids (an integer tensor or array, a list of ints, or one int)"
-
-
-def a_type(value) -> str:
-    """ "an int", "a float", "a str": the type of a refused value, for an error message."""
-    name = type(value).__name__
-    return ("an " if name[0] in "aeiou" else "a ") + name
-
-
-def check_flag(name: str, value) -> bool:
-    """A flag is True or False, never a truthy string or 1."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is {a_type(value)}; allowed: True or False")
-    return value
+# bytes the pool's own tensors take per block: a free-stack entry (8), a ref count (4), a cached flag (1)
+BYTES_PER_BLOCK = 13
 
 
-def preview(values) -> str:
-    """The first values as a user would write them (1.7, not 1.7000000476837158; 3.0, not 3)."""
-    flat = values.reshape(-1)
-    shown = [repr(float(f"{v:.6g}")) if isinstance(v, float) else repr(v) for v in flat[:4].tolist()]
-    return "[" + ", ".join(shown) + (", ...]" if len(flat) > 4 else "]")
-
-
-def integer_dtype(dtype) -> bool:
-    """Whether a torch or numpy dtype holds integers (bool is not one)."""
-    if isinstance(dtype, torch.dtype):
-        return not (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex)
-    return dtype.kind in "iu"
-
-
-def entries(values, where=""):
-    """(where, value) for each entry of (nested) lists, where = "[i][j]..."."""
-    for i, v in enumerate(values):
-        if isinstance(v, (list, tuple)):
-            yield from entries(v, f"{where}[{i}]")
-        else:
-            yield f"{where}[{i}]", v
-
-
-def checked_ids(ids, name: str = "block_ids") -> torch.Tensor:
-    """`ids` as an int64 tensor of the same shape, or ValueError naming the first non-integer (text
-    is never read as digits); empty input of any dtype is allowed."""
-    if type(ids) is torch.Tensor and ids.dtype == torch.int64:  # already ids: most calls, at once
-        return ids
-    if isinstance(ids, (str, bytes)):
-        raise ValueError(f"{name}={ids!r} is text ({type(ids).__name__}); allowed: {IDS_ALLOWED}")
-    if isinstance(ids, (list, tuple)):
-        for where, v in entries(ids):
-            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Integral, torch.Tensor)):
-                raise ValueError(f"{name}{where}={v!r} is {a_type(v)}; allowed: {IDS_ALLOWED}")
-    try:
-        tensor = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids)
-    except (TypeError, ValueError, RuntimeError) as error:
-        raise ValueError(
-            f"{name} of type {type(ids).__name__} are not integer ids ({error}); allowed: {IDS_ALLOWED}"
-        ) from None
-    if tensor.numel() and not integer_dtype(tensor.dtype):
-        raise ValueError(
-            f"{name}={preview(tensor)} has dtype {tensor.dtype}; allowed: "
-            f"{IDS_ALLOWED}, never rounded or read as 0/1"
-        )
-    return tensor.to(torch.int64)
-
-
-def checked_count(value, name: str, minimum: int = 0, maximum: int | None = None) -> int:
-    """A count (of blocks, tokens; a seed) in [minimum, maximum] as an int (a 0-d tensor is one)."""
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and integer_dtype(value.dtype):
-        value = int(value)
-    if (
-        not isinstance(value, numbers.Integral)
-        or isinstance(value, (bool, np.bool_))
-        or value < minimum
-        or (maximum is not None and value > maximum)
-    ):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{name}={value!r} is not allowed; allowed: an integer {bound}")
-    return int(value)
-
-
-def checked_blocks_per_device(blocks_per_device, name: str = "blocks_per_device") -> list[int]:
-    """blocks_per_device as D Python ints, each >= 1 (a device with no block could hold no row of
-    its experts), or ValueError naming the first bad entry."""
-    given, allowed = (
-        blocks_per_device,
-        (
-            "a list or tuple of D integers >= 1 (Python or numpy ints), or a "
-            "1-D integer tensor or numpy array of them"
-        ),
-    )
-    if isinstance(given, (torch.Tensor, np.ndarray)):
-        if not integer_dtype(given.dtype):
-            raise ValueError(
-                f"{name}={preview(given)} has dtype {given.dtype}; allowed: {allowed}, never rounded"
-            )
-        if given.ndim != 1:
-            raise ValueError(f"{name} has shape {tuple(given.shape)}; allowed: {allowed}")
-        values = given.tolist()
-    elif isinstance(given, (list, tuple)):
-        values = list(given)
+def check_pool_size(num_blocks, blocks_per_device, meaning: str = "the pool's blocks") -> list[int]:
+    """The pool's blocks per device: [num_blocks] (one device), or blocks_per_device (num_blocks, if
+    given too, their sum), each a count of MAX_BLOCKS at most in all, whose bookkeeping fits the
+    machine; ValueError naming the bad value before anything is allocated. `meaning`: what a
+    message says num_blocks is."""
+    if blocks_per_device is None:
+        sizes = [check_int("num_blocks", num_blocks, 1, MAX_BLOCKS, meaning)]
     else:
-        raise ValueError(f"{name}={given!r} is {a_type(given)}; allowed: {allowed}")
-    if not values:
-        raise ValueError(f"{name}={given!r} is empty; allowed: {allowed} (D >= 1)")
-    for d, n in enumerate(values):
-        if not isinstance(n, numbers.Integral) or isinstance(n, (bool, np.bool_)):
-            raise ValueError(
-                f"{name}[{d}]={n!r} is {a_type(n)}; allowed: an integer >= 1 "
-                f"(the blocks of device {d}), never rounded"
-            )
-        if n < 1:
-            raise ValueError(
-                f"{name}[{d}]={n!r} is not allowed; allowed: an integer >= 1 (the blocks of device {d})"
-            )
-    return [int(n) for n in values]
+        sizes = check_blocks_per_device(blocks_per_device)
+        if num_blocks is not None and num_blocks != sum(sizes):
+            raise ValueError(f"num_blocks={shown(num_blocks)} must equal sum(blocks_per_device)={sum(sizes)}")
+    check_pool_fits(sum(sizes))
+    return sizes
+
+
+def check_pool_fits(num_blocks: int) -> None:
+    """ValueError when the pool's own tensors for num_blocks blocks would not fit the machine."""
+    check_fits_memory(
+        f"the bookkeeping of a pool of {num_blocks:,} blocks",
+        BYTES_PER_BLOCK * num_blocks,
+        "cpu",
+        "ask for fewer blocks",
+    )
 
 
 class OutOfBlocksError(RuntimeError):
@@ -178,21 +97,20 @@ class BlockPool(Stateful):
     )
 
     def __init__(
-        self, num_blocks: int | None = None, shuffle_seed: int | None = None, blocks_per_device=None
+        self,
+        num_blocks: int | None = None,
+        shuffle_seed: int | None = None,
+        blocks_per_device=None,
+        checked: bool = False,
     ):
-        if blocks_per_device is None:
-            if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
-                raise ValueError(f"num_blocks={num_blocks!r} is not allowed: it must be a positive integer")
+        """checked=True: the caller (a manager) checked the arguments with check_pool_size and
+        check_seed; blocks_per_device is then a list of ints, or None for [num_blocks]."""
+        if not checked:
+            blocks_per_device = check_pool_size(num_blocks, blocks_per_device)
+            shuffle_seed = check_seed("shuffle_seed", shuffle_seed, len(blocks_per_device), allow_none=True)
+        elif blocks_per_device is None:
             blocks_per_device = [num_blocks]
-        else:
-            blocks_per_device = checked_blocks_per_device(blocks_per_device)
-            if num_blocks is not None and num_blocks != sum(blocks_per_device):
-                raise ValueError(
-                    f"num_blocks={num_blocks!r} must equal sum(blocks_per_device)={sum(blocks_per_device)}"
-                )
         num_devices = len(blocks_per_device)
-        if shuffle_seed is not None:
-            shuffle_seed = checked_count(shuffle_seed, "shuffle_seed", 0, MAX_SEED - (num_devices - 1))
         self.num_blocks = sum(blocks_per_device)
         self._device_sizes = blocks_per_device  # (D,)
         self._first_block = [sum(blocks_per_device[:d]) for d in range(num_devices)]  # (D,)
@@ -265,7 +183,7 @@ class BlockPool(Stateful):
         """Take `num_blocks` blocks of `device` (left out on a one-device pool only), each with
         ref_cnt 1, in the order handed out; OutOfBlocksError, changing nothing, when short."""
         device = self._checked_device(device)
-        num_blocks = checked_count(num_blocks, "num_blocks", 0)
+        num_blocks = check_int("num_blocks", num_blocks, 0)
         cached_here = self._cached_free[device]
         free_here = self._num_free[device] + len(cached_here)
         if num_blocks > free_here:
@@ -296,7 +214,7 @@ class BlockPool(Stateful):
         device after device; OutOfBlocksError, changing nothing, when one is short. One gather from
         the stacks where no device reaches into its cached-free blocks (the simulator's thousands
         of blocks a step over 64 devices)."""
-        counts = [checked_count(int(n), "num_blocks", 0) for n in num_blocks.tolist()]
+        counts = [check_int(f"num_blocks[{d}]", n, 0) for d, n in enumerate(num_blocks.tolist())]
         free = [n + len(cached) for n, cached in zip(self._num_free, self._cached_free)]
         for d, (n, available) in enumerate(zip(counts, free)):
             if n > available:
@@ -415,18 +333,10 @@ class BlockPool(Stateful):
                     "allocate(num_blocks, device=d)"
                 )
             return 0
-        if (
-            not isinstance(device, numbers.Integral)
-            or isinstance(device, (bool, np.bool_))
-            or not 0 <= device < self.num_devices
-        ):
-            raise ValueError(
-                f"device={device!r} is not allowed; allowed: an integer in 0..{self.num_devices - 1}"
-            )
-        return int(device)
+        return check_int("device", device, 0, self.num_devices - 1, "a device of this pool")
 
     def _checked_ids(self, block_ids) -> torch.Tensor:
-        block_ids = checked_ids(block_ids, "block_ids").reshape(-1)
+        block_ids = check_ids(block_ids, "block_ids").reshape(-1)
         if block_ids.numel() and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
             raise ValueError(
                 f"block ids must be in [0, {self.num_blocks}), got "

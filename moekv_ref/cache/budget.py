@@ -44,22 +44,16 @@ cache computes exactly what the exact cache computes, in the same operations.
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
-from ..state import Stateful
+from ..validation import MAX_INT32, check_choice, check_int
+from .kv_cache_manager import ManagerPart
 
 BUDGET_POLICIES = ("drop", "window", "heavy_hitter", "router_score")
 
 
-def _check_count(name: str, value, least: int) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
-        raise ValueError(f"{name}={value!r} is not allowed: it must be an integer >= {least}")
-    return int(value)
-
-
-class RowBudget(Stateful):
+class RowBudget(ManagerPart):
     """At most `max_tokens` tokens per row (an int, or one int per layer), `policy` at a full row.
 
     A part a KVCacheManager is built with (`KVCacheManager(..., budget=RowBudget(64, "window"))`),
@@ -71,16 +65,17 @@ class RowBudget(Stateful):
     STATE = ("slot_position", "slot_score", "num_refused", "num_evicted")
 
     def __init__(self, max_tokens, policy: str = "window", num_sinks: int = 4):
-        if policy not in BUDGET_POLICIES:
-            raise ValueError(f"policy={policy!r} is not one of {BUDGET_POLICIES}")
+        self.policy = check_choice("policy", policy, BUDGET_POLICIES)
         if isinstance(max_tokens, (list, tuple)):
             if not max_tokens:
                 raise ValueError("max_tokens=[] is not allowed: give one int, or one per layer")
-            self.max_tokens = tuple(_check_count(f"max_tokens[{i}]", b, 1) for i, b in enumerate(max_tokens))
+            self.max_tokens = tuple(
+                check_int(f"max_tokens[{i}]", b, 1, MAX_INT32, "tokens a row keeps")
+                for i, b in enumerate(max_tokens)
+            )
         else:
-            self.max_tokens = _check_count("max_tokens", max_tokens, 1)
-        self.policy = policy
-        self.num_sinks = _check_count("num_sinks", num_sinks, 0)
+            self.max_tokens = check_int("max_tokens", max_tokens, 1, MAX_INT32, "tokens a row keeps")
+        self.num_sinks = check_int("num_sinks", num_sinks, 0, MAX_INT32)
         self.manager = None
         self.num_refused = 0  # pairs refused at a full row (drop, router_score)
         self.num_evicted = 0  # tokens that left a row for a newcomer
@@ -126,10 +121,13 @@ class RowBudget(Stateful):
             )
 
     # ----- the part's life in a manager --------------------------------------------------------
+    role = "budget"
+
+    def bytes_needed(self, num_rows: int, num_blocks: int, block_size: int, num_layers: int) -> int:
+        return 16 * num_rows * self.largest(num_layers)  # slot_position and slot_score
+
     def attach(self, manager) -> None:
-        if self.manager is not None:
-            raise ValueError("this RowBudget already belongs to a cache; make one per cache")
-        self.check_model(manager.num_layers, manager.num_experts)
+        """The manager checked this budget (check_model) and that no other manager has it."""
         self.manager = manager
         self.layer_limits = self.limits(manager.num_layers)  # (L,)
         self.num_slots = self.largest(manager.num_layers)  # S

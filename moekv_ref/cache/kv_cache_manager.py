@@ -50,14 +50,28 @@ The manager is the only writer of these tables. Whoever else changes a row asks 
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ..state import Stateful
-from .block_pool import BlockPool, OutOfBlocksError, a_type, checked_ids, entries, integer_dtype, preview
+from ..validation import (
+    MAX_INT32,
+    a_type,
+    check_block_size,
+    check_fits_memory,
+    check_flag,
+    check_ids,
+    check_int,
+    check_seed,
+    entries,
+    integer_dtype,
+    is_integer,
+    preview,
+    shown,
+)
+from .block_pool import BlockPool, OutOfBlocksError, check_pool_size
 from .rows import RowIndex, ceil_div
 
 Moves = list[tuple[torch.Tensor, torch.Tensor]]  # (source slots, destination slots), in order
@@ -74,20 +88,113 @@ class SlotAllocation:
     moves: Moves = field(default_factory=list)
 
 
-def check_block_size(block_size) -> int:
-    """Block sizes are powers of two: a GPU kernel then splits a slot into block and offset with a
-    shift and a mask, and the sweeps of the memory benchmark go 1, 2, 4, ... 256."""
-    if (
-        not isinstance(block_size, int)
-        or isinstance(block_size, bool)
-        or block_size <= 0
-        or (block_size & (block_size - 1))
-    ):
+class ManagerPart(Stateful):
+    """What a KVCacheManager is built with besides its pool (SharedTails, PrefixCache, RowBudget): it
+    keeps the state of one manager, which hands it to the part once (`attach`)."""
+
+    role = ""  # the manager's parameter that takes it: "tails", "prefix_cache" or "budget"
+    manager = None  # the manager it belongs to, once attached
+
+    def attach(self, manager: "KVCacheManager") -> None:
+        raise NotImplementedError
+
+    def bytes_needed(self, num_rows: int, num_blocks: int, block_size: int, num_layers: int) -> int:
+        """Bytes of the tensors `attach` makes for a manager of these sizes (checked before)."""
+        raise NotImplementedError
+
+
+PART_KINDS = {
+    "tails": "a SharedTails (cache/shared_tail_manager.py)",
+    "prefix_cache": "a PrefixCache (cache/prefix_cache.py)",
+    "budget": "a RowBudget (cache/budget.py)",
+}
+
+
+def check_part_kind(role: str, part) -> None:
+    """A part given as `role` (a manager's or a cache's parameter) is of its kind, or None."""
+    if part is not None and not (isinstance(part, ManagerPart) and part.role == role):
+        raise ValueError(f"{role}={shown(part)} is {a_type(part)}; allowed: {PART_KINDS[role]}, or None")
+
+
+def check_parts(tails, prefix_cache, budget, num_layers: int, num_experts: int) -> None:
+    """Each part of its kind or None, not yet given to another manager, in a combination that works,
+    and a budget the model can have; ValueError naming the parameter otherwise."""
+    for role, part in (("tails", tails), ("prefix_cache", prefix_cache), ("budget", budget)):
+        check_part_kind(role, part)
+        if part is not None and part.manager is not None:
+            raise ValueError(
+                f"{role}={shown(part)} already belongs to another KVCacheManager: a part keeps one "
+                f"manager's state; build a new {type(part).__name__} for this one"
+            )
+    check_parts_combine(tails is not None, prefix_cache is not None, budget is not None)
+    if budget is not None:
+        budget.check_model(num_layers, num_experts)
+
+
+def check_parts_combine(tails: bool, prefix_cache: bool, budget: bool) -> None:
+    """The combinations of parts that do not work, refused with their reason."""
+    if tails and prefix_cache:
         raise ValueError(
-            f"block_size={block_size!r} is not allowed: it must be a positive power "
-            "of two (1, 2, 4, ..., 256)"
+            "shared tails and prefix caching do not combine: a prefix hit copies "
+            "the block straddling its end, but a shared-tail row keeps its last "
+            "tokens in its sequence's tail blocks, not in a block of its own; use "
+            "one or the other (each works with one device or several)"
         )
-    return block_size
+    if budget and (tails or prefix_cache):
+        raise ValueError(
+            "a row budget combines with neither shared tails nor prefix caching: a full "
+            "budgeted row replaces tokens in place, so its blocks hold what its policy "
+            "kept, not a prefix another request could reuse, and its last tokens are "
+            "not a tail to share; build the cache with the budget alone"
+        )
+
+
+def check_devices(home_devices, blocks_per_device, device_of_expert) -> bool:
+    """Per-device pools take blocks_per_device with device_of_expert (each expert's rows on its
+    device) or with home_devices=True (every row of sequence s on device s % D); one pool, neither."""
+    check_flag("home_devices", home_devices)
+    if home_devices and device_of_expert is not None:
+        raise ValueError(
+            "home_devices=True takes no device_of_expert: every row of sequence s lives on "
+            "device s % D, whatever its expert"
+        )
+    if home_devices and blocks_per_device is None:
+        raise ValueError(
+            "home_devices=True needs blocks_per_device: every row of sequence s lives on device "
+            "s % D of the pools it gives"
+        )
+    if not home_devices and (blocks_per_device is None) != (device_of_expert is None):
+        raise ValueError(
+            "per-device pools need both blocks_per_device and device_of_expert "
+            "(or home_devices=True instead of device_of_expert)"
+        )
+    return home_devices
+
+
+def check_bookkeeping_fits(
+    num_layers: int,
+    num_experts: int,
+    block_size: int,
+    num_blocks: int,
+    num_devices: int,
+    num_seqs: int,
+    width: int,
+    parts,
+) -> None:
+    """ValueError, before anything is allocated, when the manager's tables for num_seqs sequences of
+    rows `width` blocks wide, and its parts', take more than the machine's memory."""
+    num_rows = num_seqs * num_layers * num_experts
+    # per row a count, a device, a position and a clock (8 bytes each) and `width` int32 table
+    # entries; per sequence slot open_rows (L * D int32) and count_blocks (D int64)
+    needed = num_rows * (4 * 8 + 4 * width) + num_seqs * num_devices * (4 * num_layers + 8)
+    needed += sum(part.bytes_needed(num_rows, num_blocks, block_size, num_layers) for part in parts)
+    check_fits_memory(
+        f"the tables of {num_rows:,} rows (num_layers={num_layers} x num_experts={num_experts} x "
+        f"{num_seqs} sequences) over {num_blocks:,} blocks of {block_size}",
+        needed,
+        "cpu",
+        "ask for fewer layers, experts, sequences or blocks",
+    )
 
 
 def checked_placement(device_of_expert, num_layers: int, num_experts: int, num_devices: int) -> torch.Tensor:
@@ -100,8 +207,10 @@ def checked_placement(device_of_expert, num_layers: int, num_experts: int, num_d
     )
     if isinstance(device_of_expert, (list, tuple)):
         for where, value in entries(device_of_expert):
-            if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
-                raise ValueError(f"device_of_expert{where}={value!r} is {a_type(value)}; allowed: {allowed}")
+            if not is_integer(value):
+                raise ValueError(
+                    f"device_of_expert{where}={shown(value)} is {a_type(value)}; allowed: {allowed}"
+                )
         try:
             placement = torch.tensor(device_of_expert, dtype=torch.int64)
         except (TypeError, ValueError) as error:  # ragged lists
@@ -116,7 +225,7 @@ def checked_placement(device_of_expert, num_layers: int, num_experts: int, num_d
         placement = torch.as_tensor(device_of_expert).to(torch.int64)
     else:
         raise ValueError(
-            f"device_of_expert={device_of_expert!r} is {a_type(device_of_expert)}; allowed: {allowed}"
+            f"device_of_expert={shown(device_of_expert)} is {a_type(device_of_expert)}; allowed: {allowed}"
         )
     if placement.dim() == 1:
         placement = placement.expand(num_layers, -1)
@@ -148,7 +257,8 @@ def _first_value(placement) -> str:
 
 class KVCacheManager(Stateful):
     """Block tables and token counts for every (sequence, layer, expert) row over one BlockPool.
-    device_of_expert: (E,) or (L, E), all zeros when left out; tails, prefix_cache: its parts."""
+    device_of_expert: (E,) or (L, E), all zeros when left out; tails, prefix_cache, budget: its
+    parts (ManagerPart), each given to this manager only."""
 
     STATE = (
         "row_tokens",
@@ -161,6 +271,7 @@ class KVCacheManager(Stateful):
         "count_blocks",
         "_seq_index",
         "_free_seq_indices",
+        "slot_held",
     )
     PARTS = ("pool", "tails", "prefix_cache", "budget")
 
@@ -179,37 +290,43 @@ class KVCacheManager(Stateful):
         tails=None,
         prefix_cache=None,
         budget=None,
+        checked: bool = False,
     ):
-        for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} is not allowed: it must be a positive integer")
-        if not isinstance(home_devices, bool) or (home_devices and device_of_expert is not None):
-            raise ValueError(
-                f"home_devices={home_devices!r} must be a bool, and True only without "
-                f"device_of_expert (a row's device is then its sequence's home, not its expert's)"
+        """checked=True: the caller (a paged cache) checked every argument with the functions this
+        constructor calls otherwise; blocks_per_device is then a list of ints (None: [num_blocks])
+        and device_of_expert an (L, E) int64 tensor (None: all zeros)."""
+        if not checked:
+            num_layers = check_int("num_layers", num_layers, 1, MAX_INT32)
+            num_experts = check_int("num_experts", num_experts, 1, MAX_INT32)
+            block_size = check_block_size(block_size)
+            initial_num_seqs = check_int("initial_num_seqs", initial_num_seqs, 1, MAX_INT32)
+            initial_blocks_per_row = check_int("initial_blocks_per_row", initial_blocks_per_row, 1, MAX_INT32)
+            home_devices = check_devices(home_devices, blocks_per_device, device_of_expert)
+            blocks_per_device = check_pool_size(num_blocks, blocks_per_device)
+            shuffle_seed = check_seed("shuffle_seed", shuffle_seed, len(blocks_per_device), allow_none=True)
+            if device_of_expert is not None:
+                device_of_expert = checked_placement(
+                    device_of_expert, num_layers, num_experts, len(blocks_per_device)
+                )
+            check_parts(tails, prefix_cache, budget, num_layers, num_experts)
+            check_bookkeeping_fits(
+                num_layers,
+                num_experts,
+                block_size,
+                sum(blocks_per_device),
+                len(blocks_per_device),
+                initial_num_seqs,
+                initial_blocks_per_row,
+                [part for part in (tails, prefix_cache, budget) if part is not None],
             )
-        self.home_devices, self.num_layers, self.num_experts = home_devices, num_layers, num_experts
-        self.block_size = check_block_size(block_size)
-        self.pool = BlockPool(num_blocks, shuffle_seed, blocks_per_device)
-        if tails is not None and prefix_cache is not None:
-            raise ValueError(
-                "shared tails and prefix caching do not combine: a prefix hit copies "
-                "the block straddling its end, but a shared-tail row keeps its last "
-                "tokens in its sequence's tail blocks, not in a block of its own; use "
-                "one or the other (each works with one device or several)"
-            )
-        if budget is not None and (tails is not None or prefix_cache is not None):
-            raise ValueError(
-                "a row budget combines with neither shared tails nor prefix caching: a full "
-                "budgeted row replaces tokens in place, so its blocks hold what its policy "
-                "kept, not a prefix another request could reuse, and its last tokens are "
-                "not a tail to share; build the cache with the budget alone"
-            )
+        self.home_devices = home_devices
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, shuffle_seed, blocks_per_device, checked=True)
         if device_of_expert is None:
-            device_of_expert = torch.zeros(num_experts, dtype=torch.int64)
-        self._placement = checked_placement(
-            device_of_expert, num_layers, num_experts, self.pool.num_devices
-        )  # (L, E)
+            device_of_expert = torch.zeros(num_layers, num_experts, dtype=torch.int64)
+        self._placement = device_of_expert  # (L, E)
         self.index = RowIndex(num_layers, num_experts)
         self.rows_per_seq = self.index.rows_per_seq
         self.pad = self.pool.num_blocks  # padding in block tables: never a real block
@@ -225,9 +342,12 @@ class KVCacheManager(Stateful):
         D = self.pool.num_devices
         self.open_rows = torch.zeros(initial_num_seqs, num_layers, D, dtype=torch.int32)  # (S, L, D)
         self.count_blocks = torch.zeros(initial_num_seqs, D, dtype=torch.int64)  # (S, D)
+        self.slot_held = torch.zeros(initial_num_seqs, dtype=torch.bool)  # (S,) a sequence holds it
         self._seq_index: dict[int, int] = {}  # sequence id -> its slot of rows
         self._free_seq_indices = list(range(initial_num_seqs - 1, -1, -1))
-        self.tails, self.prefix_cache, self.budget = tails, prefix_cache, budget
+        self.tails = tails
+        self.prefix_cache = prefix_cache
+        self.budget = budget
         for part in (tails, prefix_cache, budget):
             if part is not None:
                 part.attach(self)
@@ -258,7 +378,7 @@ class KVCacheManager(Stateful):
 
     def device_of_rows(self, rows) -> torch.Tensor:
         """(m,) the device of each row id (of a held sequence)."""
-        return self.row_device[checked_ids(rows, "rows")]
+        return self.row_device[check_ids(rows, "rows")]
 
     def device_of_expert_of(self, seq_ids) -> torch.Tensor:
         """(m, L, E) the device of each row of these sequences, held or not."""
@@ -282,8 +402,8 @@ class KVCacheManager(Stateful):
 
     def blocks_needed_per_device(self, rows, num_new_tokens) -> torch.Tensor:
         """(D,) blocks appending num_new_tokens[i] tokens to rows[i] takes (before compaction)."""
-        rows = checked_ids(rows, "rows")
-        num_new_tokens = checked_ids(num_new_tokens, "num_new_tokens")
+        rows = check_ids(rows, "rows")
+        num_new_tokens = check_ids(num_new_tokens, "num_new_tokens")
         if self.tails is not None:
             return self.tails.num_blocks_needed_per_device(rows, num_new_tokens)
         old = self.row_tokens[rows]
@@ -309,6 +429,7 @@ class KVCacheManager(Stateful):
             self._grow_rows()
         index = self._free_seq_indices.pop()
         self._seq_index[seq_id] = index
+        self.slot_held[index] = True
         rows = self.index.sequence_rows(torch.tensor([index]))[0]  # (L*E,)
         devices = self.device_of_expert_of([seq_id])[0]  # (L, E)
         self.row_device[rows] = devices.reshape(-1)
@@ -335,17 +456,14 @@ class KVCacheManager(Stateful):
 
     def rows(self, seq_ids, layer: int, experts) -> torch.Tensor:
         """Row ids of (seq_ids[i], layer, experts[i]); experts may be one int for all."""
-        if not isinstance(layer, numbers.Integral) or isinstance(layer, bool):
-            raise ValueError(
-                f"layer={layer!r} is {a_type(layer)}; allowed: an integer in [0, {self.num_layers})"
-            )
-        seq_ids = checked_ids(seq_ids, "seq_ids").reshape(-1)
-        experts = checked_ids(experts, "experts").expand_as(seq_ids)
+        layer = check_int("layer", layer, 0, self.num_layers - 1, "a layer of this manager")
+        seq_ids = check_ids(seq_ids, "seq_ids").reshape(-1)
+        experts = check_ids(experts, "experts").expand_as(seq_ids)
         lowest, highest = torch.aminmax(experts) if experts.numel() else (0, 0)
-        if not 0 <= layer < self.num_layers or not 0 <= int(lowest) <= int(highest) < self.num_experts:
+        if not 0 <= int(lowest) <= int(highest) < self.num_experts:
             raise ValueError(
-                f"layer {layer} or experts {sorted(set(experts.tolist()))[:8]} outside "
-                f"[0, {self.num_layers}) x [0, {self.num_experts})"
+                f"experts {sorted(set(experts.tolist()))[:8]} are not allowed; allowed: integers in "
+                f"[0, {self.num_experts - 1}] (the experts of this manager)"
             )
         try:  # one dict lookup per id: cheaper than sorting out the few distinct ones first
             slots = torch.tensor([self._seq_index[s] for s in seq_ids.tolist()], dtype=torch.int64)
@@ -520,12 +638,13 @@ class KVCacheManager(Stateful):
         with_slots: bool = True,
         one_each: bool = False,
     ) -> SlotAllocation:
-        """Make room for num_new_tokens[i] more tokens in the distinct rows[i] and count them as
-        stored. Raises OutOfBlocksError, changing nothing, when the pool is short (a scheduler asks
-        `can_allocate` first). rows_are_distinct=True skips the distinctness check (a sort);
-        with_slots=False skips the slots, which would cost the cache-only simulator (no K/V to
-        write) as much as allocating; one_each=True skips every check: the caller's rows are
-        distinct int64 ids taking one token each (a decode append)."""
+        """Make room for num_new_tokens[i] more tokens in the distinct rows[i], rows of sequences the
+        cache holds, and count them as stored. Raises ValueError for bad rows or counts, and
+        OutOfBlocksError when the pool is short (a scheduler asks `can_allocate` first), changing
+        nothing. rows_are_distinct=True skips the distinctness check (a sort); with_slots=False skips
+        the slots, which would cost the cache-only simulator (no K/V to write) as much as
+        allocating; one_each=True skips every check: the caller's rows are distinct int64 rows of
+        held sequences taking one token each (a decode append)."""
         P = self.block_size
         if not one_each:
             rows, num_new_tokens, fewest, most = self._check_allocation(
@@ -633,10 +752,9 @@ class KVCacheManager(Stateful):
             shortfall,
         )
 
-    @staticmethod
-    def _check_allocation(rows, num_new_tokens, rows_are_distinct: bool):
-        rows = checked_ids(rows, "rows")
-        num_new_tokens = checked_ids(num_new_tokens, "num_new_tokens")
+    def _check_allocation(self, rows, num_new_tokens, rows_are_distinct: bool):
+        rows = check_ids(rows, "rows")
+        num_new_tokens = check_ids(num_new_tokens, "num_new_tokens")
         if rows.shape != num_new_tokens.shape or rows.dim() != 1:
             raise ValueError(
                 f"rows and num_new_tokens must be 1-D of equal length, got "
@@ -647,7 +765,28 @@ class KVCacheManager(Stateful):
             raise ValueError(f"num_new_tokens must be >= 0, got {fewest}")
         if not rows_are_distinct and rows.unique().numel() != rows.numel():
             raise ValueError("rows must be distinct within one allocate_slots call")
+        self._check_rows_held(rows, "allocate_slots")
         return rows, num_new_tokens, fewest, most
+
+    def _check_rows_held(self, rows: torch.Tensor, call: str) -> None:
+        """ValueError unless every row id (int64, 1-D) is a row of a sequence the cache holds: a few
+        tensor operations, whatever the number of rows."""
+        if rows.numel() == 0:
+            return
+        bounds = torch.aminmax(rows)
+        lowest = int(bounds.min)
+        highest = int(bounds.max)
+        in_range = lowest >= 0 and highest < self.row_tokens.numel()
+        if in_range and bool(self.slot_held[rows // self.rows_per_seq].all()):
+            return
+        if in_range:
+            bad = int(rows[~self.slot_held[rows // self.rows_per_seq]][0])
+        else:
+            bad = lowest if lowest < 0 else highest
+        raise ValueError(
+            f"{call}: rows {rows.tolist()[:8]} are not all rows of sequences the cache holds (row {bad} "
+            "is not); allowed: rows of held sequences (add_sequence first, then rows(seq_ids, layer, experts))"
+        )
 
     def row_slots(self, row: int) -> torch.Tensor:
         return self.rows_slots(torch.tensor([int(row)]))
@@ -696,6 +835,7 @@ class KVCacheManager(Stateful):
             self.prefix_cache.forget_sequence(seq_id)
         self._clear_rows(rows)
         del self._seq_index[int(seq_id)]
+        self.slot_held[index] = False
         self._free_seq_indices.append(index)
 
     def free_rows(self, rows) -> int:
@@ -704,16 +844,10 @@ class KVCacheManager(Stateful):
         if self.tails is not None:
             # rows' tails live outside the block tables: they would have to be compacted too
             raise NotImplementedError("a manager with shared tails does not free single rows")
-        rows = checked_ids(rows, "rows").reshape(-1)
+        rows = check_ids(rows, "rows").reshape(-1)
         if rows.unique().numel() != rows.numel():
             raise ValueError("rows must be distinct within one free_rows call")
-        held = set(self._seq_index.values())
-        if rows.numel() and (
-            rows.min() < 0
-            or rows.max() >= self.row_tokens.numel()
-            or not set((rows // self.rows_per_seq).tolist()) <= held
-        ):
-            raise ValueError(f"rows {rows.tolist()[:8]} are not all rows of sequences the cache holds")
+        self._check_rows_held(rows, "free_rows")
         blocks = self.block_tables[rows][self.used_columns(rows)].to(torch.int64)
         self.pool.free(blocks)
         self._clear_rows(rows)
@@ -734,7 +868,7 @@ class KVCacheManager(Stateful):
             old = getattr(self, name)
             new = torch.full((extra, *old.shape[1:]), fill, dtype=old.dtype)
             setattr(self, name, torch.cat([old, new]))
-        for name in ("open_rows", "count_blocks"):  # over slots
+        for name in ("open_rows", "count_blocks", "slot_held"):  # over slots
             old = getattr(self, name)
             setattr(self, name, torch.cat([old, torch.zeros_like(old)]))
         self._free_seq_indices = list(range(2 * num_seqs - 1, num_seqs - 1, -1)) + self._free_seq_indices
@@ -773,6 +907,7 @@ class KVCacheManager(Stateful):
         assert distinct.numel() + self.pool.num_free_blocks == self.num_blocks, "free + owned != total"
         live = torch.zeros(self.row_tokens.numel() // self.rows_per_seq, dtype=torch.bool)
         live[list(self._seq_index.values())] = True
+        assert torch.equal(self.slot_held, live), "slot_held does not follow the sequences held"
         idle_rows = (~live).repeat_interleave(self.rows_per_seq)
         assert (self.row_tokens[idle_rows] == 0).all(), "a free sequence slot holds tokens"
         slots = sorted(self._seq_index.values())

@@ -33,9 +33,27 @@ import torch.nn.functional as F
 from ..attention import attend_by_position, score_dtype
 from ..backends import require_backend
 from ..config import ModelConfig
-from .block_pool import check_flag, checked_blocks_per_device
+from ..validation import (
+    MAX_BLOCKS,
+    MAX_INT32,
+    check_block_size,
+    check_choice,
+    check_fits_memory,
+    check_flag,
+    check_int,
+    check_seed,
+    number,
+)
+from .block_pool import check_pool_size
 from .budget import RowBudget, model_budget
-from .kv_cache_manager import KVCacheManager, check_block_size
+from .kv_cache_manager import (
+    KVCacheManager,
+    check_bookkeeping_fits,
+    check_devices,
+    check_part_kind,
+    check_parts_combine,
+    checked_placement,
+)
 from .prefix_cache import PrefixCache
 from .rows import worst_case_lifetime_blocks
 from .shared_tail_manager import SharedTails
@@ -96,6 +114,119 @@ class DecodePlan:
         self.rows = rows
 
 
+@dataclass(frozen=True)
+class CacheOptions:
+    """A paged cache's sizes, checked and resolved by check_cache_options: what PagedKVCache(...,
+    checked=True) takes as given."""
+
+    num_blocks: int
+    block_size: int
+    shuffle_seed: int | None
+    blocks_per_device: list[int]  # (D,) [num_blocks] for one pool
+    device_of_expert: torch.Tensor | None  # (L, E) int64; None: one pool, or home devices
+
+
+def check_cache_options(
+    config: ModelConfig,
+    num_blocks,
+    block_size,
+    dtype,
+    device,
+    shuffle_seed,
+    attention,
+    shared_tails,
+    blocks_per_device,
+    device_of_expert,
+    enable_prefix_caching,
+    home_devices,
+    budget,
+    max_num_seqs=None,
+) -> CacheOptions:
+    """Every option of a paged cache (PagedKVCache's arguments), checked once, before anything is
+    built or allocated: what the cache, its manager and its pool would otherwise check, and the
+    bytes they would take. num_blocks=None with max_num_seqs (for_model, the engine): a pool for
+    max_num_seqs sequences of max_position_embeddings tokens at their worst
+    (rows.worst_case_lifetime_blocks, each row capped by the budget if any)."""
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype!r} is not allowed; allowed: a floating-point torch dtype")
+    check_choice("attention", attention, ATTENTION_PATHS)
+    for name, flag in (
+        ("enable_prefix_caching", enable_prefix_caching),
+        ("shared_tails", shared_tails),
+    ):
+        check_flag(name, flag)
+    if shared_tails and attention == "triton":
+        raise ValueError(
+            "shared_tails=True cannot use attention='triton': the Triton kernels read a "
+            "row through its block table only, and shared tails live outside it"
+        )
+    check_part_kind("budget", budget)  # the cache's manager gets a fresh copy of it
+    check_devices(home_devices, blocks_per_device, device_of_expert)
+    check_parts_combine(shared_tails, enable_prefix_caching, budget is not None)
+    L = config.num_hidden_layers
+    E = config.num_attention_experts
+    K = config.num_attention_experts_per_tok
+    if budget is not None:
+        budget.check_model(L, E)
+    block_size = check_block_size(block_size)
+    sized = ""  # how a pool not given in blocks was sized, for the messages below
+    if num_blocks is None and blocks_per_device is None and max_num_seqs is not None:
+        max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1, MAX_INT32, "sequences the pool holds")
+        cap = None if budget is None else budget.largest(L)
+        num_blocks = max_num_seqs * worst_case_lifetime_blocks(
+            config.max_position_embeddings, L, E, K, block_size, cap
+        )
+        sized = (
+            f"num_blocks=None sizes the pool for max_num_seqs={max_num_seqs} sequences of "
+            f"max_position_embeddings={config.max_position_embeddings} tokens at their worst: "
+        )
+        if num_blocks > MAX_BLOCKS:
+            raise ValueError(
+                f"{sized}{num_blocks:,} blocks of {block_size}; allowed: at most {number(MAX_BLOCKS)} "
+                "blocks (block tables are int32): give num_blocks, or a smaller max_num_seqs"
+            )
+    minimum = L * K  # one token: a block in each of its k rows of every layer
+    sizes = check_pool_size(
+        num_blocks, blocks_per_device, f"the pool's blocks; one token of one sequence takes {minimum}"
+    )
+    if sum(sizes) < minimum:
+        raise ValueError(
+            f"num_blocks={sum(sizes)} is too small for even one sequence: one "
+            f"token needs {minimum} blocks (num_hidden_layers={L} x "
+            f"num_attention_experts_per_tok={K}); allow at least {minimum}"
+        )
+    shuffle_seed = check_seed("shuffle_seed", shuffle_seed, len(sizes), allow_none=True)
+    placement = None if device_of_expert is None else checked_placement(device_of_expert, L, E, len(sizes))
+    # each device must hold one token: a block in each of its experts a token can reach, every
+    # layer (with home devices, all k of them)
+    where = "a sequence homed there" if home_devices else "its experts"
+    for d, n in enumerate(sizes):
+        if placement is None:  # home devices (or one pool): all k of a token's rows may land on d
+            least = minimum
+        else:
+            least = int(torch.clamp((placement == d).sum(1), max=K).sum())
+        if n < least:
+            raise ValueError(
+                f"blocks_per_device[{d}]={n} is too small for even one token of "
+                f"{where}: allow at least {least}"
+            )
+    parts = [SharedTails()] if shared_tails else []
+    parts += [PrefixCache()] if enable_prefix_caching else []
+    parts += [budget] if budget is not None else []
+    check_bookkeeping_fits(L, E, block_size, sum(sizes), len(sizes), 4, 4, parts)
+    kv_bytes = 2 * sum(sizes) * block_size * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    check_fits_memory(
+        f"{sized}the K/V of {sum(sizes):,} blocks of {block_size} tokens "
+        f"(num_key_value_heads={config.num_key_value_heads} x head_dim={config.head_dim}, {dtype})",
+        kv_bytes,
+        device,
+        "give num_blocks, or a smaller max_num_seqs" if sized else "ask for fewer blocks",
+    )
+    return CacheOptions(sum(sizes), block_size, shuffle_seed, sizes, placement)
+
+
 class PagedKVCache:
     """append_kv / attend over a paged block pool shared by every (sequence, layer, expert).
 
@@ -119,49 +250,36 @@ class PagedKVCache:
         enable_prefix_caching: bool = False,
         home_devices: bool = False,
         budget: RowBudget | None = None,
+        checked: bool = False,
     ):
-        if attention not in ATTENTION_PATHS:
-            raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS}")
-        if shared_tails and attention == "triton":
-            raise ValueError(
-                "shared_tails=True cannot use attention='triton': the Triton kernels read a "
-                "row through its block table only, and shared tails live outside it"
+        """checked=True: the caller (for_model, the engine) checked the options with
+        check_cache_options and passes what it returned."""
+        if not checked:
+            options = check_cache_options(
+                config,
+                num_blocks,
+                block_size,
+                dtype,
+                device,
+                shuffle_seed,
+                attention,
+                shared_tails,
+                blocks_per_device,
+                device_of_expert,
+                enable_prefix_caching,
+                home_devices,
+                budget,
             )
-        L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
-        minimum = L * K  # one token: a block in each of its k rows of every layer
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool):
-            raise ValueError(
-                f"num_blocks={num_blocks!r} must be an integer (a count of blocks), at least {minimum}"
-            )
-        if num_blocks < minimum:
-            raise ValueError(
-                f"num_blocks={num_blocks} is too small for even one sequence: one "
-                f"token needs {minimum} blocks (num_hidden_layers={L} x "
-                f"num_attention_experts_per_tok={K}); allow at least {minimum}"
-            )
-        for name, flag in (
-            ("enable_prefix_caching", enable_prefix_caching),
-            ("shared_tails", shared_tails),
-            ("home_devices", home_devices),
-        ):
-            check_flag(name, flag)
-        if budget is not None and not isinstance(budget, RowBudget):
-            raise ValueError(f"budget={budget!r} must be a RowBudget (moekv_ref.cache.budget) or None")
+            num_blocks = options.num_blocks
+            block_size = options.block_size
+            shuffle_seed = options.shuffle_seed
+            blocks_per_device = options.blocks_per_device
+            device_of_expert = options.device_of_expert
         self.config = config
         self.attention = attention
-        if home_devices and (blocks_per_device is None or device_of_expert is not None):
-            raise ValueError(
-                "home_devices=True needs blocks_per_device and no device_of_expert: "
-                "every row of sequence s lives on device s % D, whatever its expert"
-            )
-        if not home_devices and (blocks_per_device is None) != (device_of_expert is None):
-            raise ValueError(
-                "per-device pools need both blocks_per_device and device_of_expert "
-                "(or home_devices=True instead of device_of_expert)"
-            )
         self.manager = KVCacheManager(
-            L,
-            E,
+            config.num_hidden_layers,
+            config.num_attention_experts,
             block_size,
             num_blocks,
             shuffle_seed,
@@ -171,20 +289,8 @@ class PagedKVCache:
             tails=SharedTails() if shared_tails else None,
             prefix_cache=PrefixCache() if enable_prefix_caching else None,
             budget=None if budget is None else budget.fresh(),
+            checked=True,
         )
-        # each device must hold one token: a block in each of its experts a token can reach, every
-        # layer (with home devices, all k of them)
-        for d, n in enumerate(self.manager.blocks_per_device.tolist()):
-            if home_devices:
-                least, where = L * K, "a sequence homed there"
-            else:
-                least = int(torch.clamp((self.manager.device_of_expert == d).sum(1), max=K).sum())
-                where = "its experts"
-            if n < least:
-                raise ValueError(
-                    f"blocks_per_device[{d}]={n} is too small for even one token of "
-                    f"{where}: allow at least {least}"
-                )
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.key_cache = torch.zeros(shape, dtype=dtype, device=device)  # (N, P, Hkv, Dh)
         self.value_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -219,22 +325,10 @@ class PagedKVCache:
         at their worst (rows.worst_case_lifetime_blocks, each row capped by the budget if any)."""
         config = model.config
         budget = budget if budget is not None else model_budget(config)
-        if num_blocks is None and blocks_per_device is not None:
-            num_blocks = sum(checked_blocks_per_device(blocks_per_device))
-        if num_blocks is None:
-            cap = budget.largest(config.num_hidden_layers) if isinstance(budget, RowBudget) else None
-            num_blocks = max_num_seqs * worst_case_lifetime_blocks(
-                config.max_position_embeddings,
-                config.num_hidden_layers,
-                config.num_attention_experts,
-                config.num_attention_experts_per_tok,
-                check_block_size(block_size),
-                cap,
-            )
         if attention is None:
             attention = "triton" if model.backend == "triton" else "batched"
         parameter = next(model.parameters())
-        return cls(
+        options = check_cache_options(
             config,
             num_blocks,
             block_size,
@@ -248,6 +342,23 @@ class PagedKVCache:
             enable_prefix_caching,
             home_devices,
             budget,
+            max_num_seqs,
+        )
+        return cls(
+            config,
+            options.num_blocks,
+            options.block_size,
+            parameter.dtype,
+            parameter.device,
+            options.shuffle_seed,
+            attention,
+            shared_tails,
+            options.blocks_per_device,
+            options.device_of_expert,
+            enable_prefix_caching,
+            home_devices,
+            budget,
+            checked=True,
         )
 
     # ----- verb 1: bookkeeping and store ----------------------------------------------------------

@@ -43,7 +43,7 @@ import torch
 
 from ..state import Stateful
 from .block_pool import OutOfBlocksError
-from .kv_cache_manager import KVCacheManager
+from .kv_cache_manager import KVCacheManager, ManagerPart
 from .rows import ceil_div
 
 DIGEST_BYTES = 16
@@ -90,7 +90,7 @@ class PrefixCacheStats(Stateful):
     num_cow_blocks: int = 0  # straddling blocks copied
 
 
-class PrefixCache(Stateful):
+class PrefixCache(ManagerPart):
     """A KVCacheManager's part (`prefix_cache=PrefixCache()`, one per manager): full blocks outlive
     their sequences and are found again by prefix. block_positions (N, P), the position of the
     token at each slot, tells which chunks a block spans. Invariants (`assert_consistent`): a block
@@ -99,6 +99,11 @@ class PrefixCache(Stateful):
 
     STATE = ("block_positions", "_block_of_key", "_keys_of_block", "_chunk_counts", "_seq_state")
     PARTS = ("stats",)
+
+    role = "prefix_cache"
+
+    def bytes_needed(self, num_rows: int, num_blocks: int, block_size: int, num_layers: int) -> int:
+        return 8 * num_blocks * block_size  # block_positions
 
     def attach(self, manager: KVCacheManager) -> None:
         self.manager, self.chunk_size, num_blocks = manager, manager.block_size, manager.num_blocks

@@ -27,13 +27,17 @@ from __future__ import annotations
 
 import torch
 
-from ..state import Stateful
-from .kv_cache_manager import KVCacheManager, Moves, SlotAllocation
+from .kv_cache_manager import KVCacheManager, ManagerPart, Moves, SlotAllocation
 
 
-class SharedTails(Stateful):
+class SharedTails(ManagerPart):
     """A KVCacheManager's part (`tails=SharedTails()`, one per manager): it owns the tail state,
     and the manager hands it the calls that differ."""
+
+    role = "tails"
+
+    def bytes_needed(self, num_rows: int, num_blocks: int, block_size: int, num_layers: int) -> int:
+        return 8 * block_size * (num_rows + 2 * num_blocks)  # tail_slots, slot_row, slot_position
 
     STATE = ("tail_slots", "slot_row", "slot_position", "tail_blocks", "free_tail_slots")
 

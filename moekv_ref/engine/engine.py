@@ -21,26 +21,25 @@ scheduler reserves each step device by device, and the model, runner and swap co
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ..cache.block_pool import OutOfBlocksError, check_flag, checked_blocks_per_device
-from ..cache.kv_cache_manager import check_block_size
-from ..cache.paged import ATTENTION_PATHS, PagedKVCache
+from ..cache.block_pool import OutOfBlocksError
+from ..cache.paged import PagedKVCache
 from ..model import MoEKVTransformer
 from ..profiling import phase
 from ..prompts import check_batch, check_prompt, check_sampling_params
 from ..results import GenerationResult
 from ..sampling import SamplingParams, sample_rows
+from ..validation import check_block_size, check_flag, check_int
 from .demand import worst_case_lifetime_blocks
 from .memory import ModelShape
 from .model_runner import ModelRunner
-from .request import Request, RequestOutput, RequestStatus, check_int
-from .scheduler import Scheduler, SchedulerConfig
+from .request import Request, RequestOutput, RequestStatus
+from .scheduler import Scheduler, SchedulerConfig, check_swap_space
 from .undo import Snapshot
 
 _COUNTED_AS = {"length": "finished", "aborted": "aborted", "error": "failed"}  # by finish_reason
@@ -133,31 +132,18 @@ class LLMEngine:
     ):
         if not isinstance(model, MoEKVTransformer):
             raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
-        if blocks_per_device is not None:
-            blocks_per_device = checked_blocks_per_device(blocks_per_device)
-            num_blocks = sum(blocks_per_device) if num_blocks is None else num_blocks
-        check_int("num_blocks", num_blocks, 1)
-        check_block_size(block_size)
         if scheduler_config is not None and not isinstance(scheduler_config, SchedulerConfig):
             raise ValueError(
                 f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}"
             )
         scheduler_config = scheduler_config or SchedulerConfig()
-        check_int("num_swap_blocks", num_swap_blocks, 0, allow_none=True)
-        if num_swap_blocks and scheduler_config.preemption_mode != "swap":
-            raise ValueError(
-                f"num_swap_blocks={num_swap_blocks} applies to preemption_mode='swap', not "
-                f"{scheduler_config.preemption_mode!r}"
-            )
-        check_int("shuffle_seed", shuffle_seed, 0, allow_none=True)
-        if attention is not None and attention not in ATTENTION_PATHS:
-            raise ValueError(f"attention={attention!r} is not one of {ATTENTION_PATHS} (or None)")
+        swap = scheduler_config.preemption_mode == "swap"
+        if num_swap_blocks is not None:
+            num_swap_blocks = check_swap_space(num_swap_blocks, scheduler_config.preemption_mode)
         check_flag("record_history", record_history)
-        check_flag("enable_prefix_caching", enable_prefix_caching)
-        if num_swap_blocks is None:
-            num_swap_blocks = num_blocks if scheduler_config.preemption_mode == "swap" else 0
         self.model = model
         self.config = model.config
+        # every option of the cache is checked there, once, before its pool is allocated
         self.cache = PagedKVCache.for_model(
             model,
             block_size,
@@ -170,14 +156,17 @@ class LLMEngine:
             enable_prefix_caching=enable_prefix_caching,
             budget=budget,
         )
+        if num_swap_blocks is None:  # as large as the pool, when preempting by swap
+            num_swap_blocks = self.cache.manager.num_blocks if swap else 0
         self.blocks_per_device = self.cache.manager.blocks_per_device.tolist()  # D ints
         manager = self.cache.manager
         self.device_of_expert = None if manager.home_devices else manager.device_of_expert  # (L, E)
         self.scheduler = Scheduler(
             scheduler_config,
             self.cache.manager,
-            ModelShape.from_config(self.config, block_size, manager.budget),
+            ModelShape.from_config(self.config, self.cache.block_size, manager.budget),
             num_swap_blocks,
+            checked=True,
         )
         self.memory = self.scheduler.memory  # read-only: the pool and the swap space
         self.predictor = self.scheduler.predictor
@@ -244,14 +233,15 @@ class LLMEngine:
     def abort_request(self, request_id: int) -> RequestOutput | None:
         """Stop a request, from any state, freeing its blocks now; its output so far ("aborted"),
         or None if it had already finished."""
-        is_int = isinstance(request_id, numbers.Integral) and not isinstance(request_id, bool)
-        if not is_int or not 0 <= request_id < self._next_request_id:
-            given = (
-                f"ids 0..{self._next_request_id - 1} were given out"
-                if self._next_request_id
-                else "no request has been added yet"
-            )
-            raise ValueError(f"request_id={request_id!r} is not a request of this engine ({given})")
+        if self._next_request_id:
+            given = f"ids 0..{self._next_request_id - 1} were given out"
+        else:
+            given = "no request has been added yet"
+        request_id = check_int(
+            "request_id", request_id, 0, meaning=f"the id of a request of this engine; {given}"
+        )
+        if request_id >= self._next_request_id:
+            raise ValueError(f"request_id={request_id} is not a request of this engine ({given})")
         request = self.requests.get(int(request_id))
         if request is None or request.is_finished:
             return None
@@ -580,10 +570,10 @@ def generate_with_engine(
     without num_blocks the pool holds every prompt's worst case at once."""
     if not isinstance(model, MoEKVTransformer):
         raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
-    check_block_size(block_size)
     c = model.config
     prompts, per_prompt = map(list, zip(*check_batch(prompts, params, c, "params")))
     if num_blocks is None:
+        block_size = check_block_size(block_size)  # the pool sized here divides by it
         num_blocks = sum(
             worst_case_lifetime_blocks(
                 len(p) + q.max_new_tokens - 1,
@@ -614,5 +604,5 @@ def generate_with_engine(
         [o.token_ids for o in outputs],
         counts,
         None,
-        {"cache": "paged", "engine": True, "block_size": block_size, "num_blocks": num_blocks},
+        {"cache": "paged", "engine": True, "block_size": engine.cache.block_size, "num_blocks": num_blocks},
     )

@@ -27,14 +27,6 @@ from ..sampling import SamplingParams
 from ..state import Stateful
 
 
-def check_int(name: str, value, minimum: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        also = " (or None)" if allow_none else ""
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}{also}")
-
-
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

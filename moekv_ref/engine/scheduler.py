@@ -41,9 +41,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.block_pool import check_pool_fits
 from ..cache.kv_cache_manager import KVCacheManager
 from ..cache.rows import ceil_div, worst_case_lifetime_blocks
 from ..state import Stateful
+from ..validation import MAX_BLOCKS, MAX_INT32, check_choice, check_int
 from .admission import ADMISSIONS, AdmissionPolicy
 from .baselines import ContinuousReserved, StaticBatching
 from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
@@ -57,7 +59,7 @@ from .demand import (
     worst_case_step_blocks_per_device,
 )
 from .memory import MemoryView, ModelShape
-from .request import Request, RequestStatus, check_int
+from .request import Request, RequestStatus
 from .swap import COPY, BlockCopy, SwapSpace
 from .victims import VICTIM_POLICIES, RowEviction, Shortage, VictimPolicy
 
@@ -85,8 +87,8 @@ class SchedulerConfig:
     reservation: str = "worst_case"
 
     def __post_init__(self):
-        check_int("max_num_seqs", self.max_num_seqs, 1)
-        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1, MAX_INT32))
         for name, allowed, kind in (
             ("policy", POLICIES, BatchingPolicy),
             ("admission", tuple(ADMISSIONS), AdmissionPolicy),
@@ -97,9 +99,7 @@ class SchedulerConfig:
             value = getattr(self, name)
             if (value is None and name == "admission") or (kind and isinstance(value, kind)):
                 continue
-            if not isinstance(value, str) or value not in allowed:
-                also = f", or a policy object ({kind.__name__})" if kind is not None else ""
-                raise ValueError(f"{name}={value!r} is not one of {allowed}{also}")
+            check_choice(name, value, allowed, f", or a policy object ({kind.__name__})" if kind else "")
         if self.reservation == "optimistic" and self.policy != "continuous_paged":
             raise ValueError(
                 f"reservation='optimistic' applies to policy='continuous_paged' only, not "
@@ -122,6 +122,20 @@ class SchedulerConfig:
 
     def make_victim_policy(self) -> VictimPolicy:
         return self.victim if isinstance(self.victim, VictimPolicy) else VICTIM_POLICIES[self.victim]()
+
+
+def check_swap_space(num_swap_blocks, preemption_mode: str) -> int:
+    """The swap space's blocks: an integer in [0, MAX_BLOCKS], more than 0 exactly when preempting by
+    swap (the engine and the scheduler's one rule)."""
+    num_swap_blocks = check_int("num_swap_blocks", num_swap_blocks, 0, MAX_BLOCKS, "0: no swap space")
+    if num_swap_blocks and preemption_mode != "swap":
+        raise ValueError(
+            f"num_swap_blocks={num_swap_blocks} applies to preemption_mode='swap', not {preemption_mode!r}"
+        )
+    if preemption_mode == "swap" and not num_swap_blocks:
+        raise ValueError("preemption_mode='swap' needs a swap space: give the engine num_swap_blocks > 0")
+    check_pool_fits(num_swap_blocks)
+    return num_swap_blocks
 
 
 @dataclass
@@ -204,8 +218,15 @@ class Scheduler(Stateful):
     PARTS = ("manager", "swap_space", "predictor", "batching", "victims")
 
     def __init__(
-        self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape, num_swap_blocks: int = 0
+        self,
+        config: SchedulerConfig,
+        manager: KVCacheManager,
+        shape: ModelShape,
+        num_swap_blocks: int = 0,
+        checked: bool = False,
     ):
+        """checked=True: the caller (the engine) checked num_swap_blocks with check_swap_space; the
+        rules comparing the config with the manager are checked here, where the two meet."""
         if not isinstance(config, SchedulerConfig):
             raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
         if not isinstance(shape, ModelShape):
@@ -222,12 +243,11 @@ class Scheduler(Stateful):
                 f"{manager.num_experts}, {manager.block_size}) differ from the shape's "
                 f"({shape.num_layers}, {shape.num_experts}, {shape.block_size})"
             )
-        check_int("num_swap_blocks", num_swap_blocks, 0)
-        if config.preemption_mode == "swap" and not num_swap_blocks:
-            raise ValueError("preemption_mode='swap' needs a swap space: give the engine num_swap_blocks > 0")
+        if not checked:
+            num_swap_blocks = check_swap_space(num_swap_blocks, config.preemption_mode)
         self.config = config
         self.manager = manager
-        self.swap_space = SwapSpace(manager, num_swap_blocks) if num_swap_blocks else None
+        self.swap_space = SwapSpace(manager, num_swap_blocks, checked=True) if num_swap_blocks else None
         self.prefix_cache = manager.prefix_cache  # None: no prefix caching
         self.memory = MemoryView(manager, shape, self.swap_space)
         self.num_devices = self.memory.num_devices

@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..cache.block_pool import BlockPool
+from ..cache.block_pool import BlockPool, check_pool_fits
 from ..cache.kv_cache_manager import KVCacheManager
 from ..state import Stateful
-from .request import check_int
+from ..validation import MAX_BLOCKS, check_int
 
 SWAP_OUT = "swap_out"  # device blocks -> host blocks
 SWAP_IN = "swap_in"  # host blocks -> device blocks
@@ -50,10 +50,13 @@ class SwapSpace(Stateful):
     STATE = ("swapped",)  # its SwappedSequence records are never changed in place
     PARTS = ("pool",)
 
-    def __init__(self, manager: KVCacheManager, num_blocks: int):
-        check_int("swap space num_blocks", num_blocks, 1)
+    def __init__(self, manager: KVCacheManager, num_blocks: int, checked: bool = False):
+        """checked=True: the caller (the scheduler) checked num_blocks (check_swap_space)."""
+        if not checked:
+            num_blocks = check_int("swap space num_blocks", num_blocks, 1, MAX_BLOCKS, "host blocks")
+            check_pool_fits(num_blocks)
         self.manager = manager
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, checked=True)
         self.swapped: dict[int, SwappedSequence] = {}
 
     def can_swap_out(self, seq_id: int) -> bool:

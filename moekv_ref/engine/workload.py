@@ -20,8 +20,9 @@ import torch
 
 from ..prompts import encode
 from ..sampling import SamplingParams
+from ..validation import MAX_INT32, a_type, check_int, check_real, check_seed, shown
 from .engine import LLMEngine
-from .request import RequestOutput, check_int
+from .request import RequestOutput
 
 # a few-shot workload's prompts start with FEW_SHOT_TEXT (an instruction and worked examples);
 # both texts are data, kept as files like the held-out text
@@ -43,15 +44,7 @@ def _log_uniform(low: int, high: int, generator: torch.Generator) -> int:
 
 
 def _check_arrivals_and_sampling(arrival_rate, temperature: float, top_p: float) -> None:
-    if arrival_rate is not None and not (
-        isinstance(arrival_rate, (int, float))
-        and not isinstance(arrival_rate, bool)
-        and math.isfinite(arrival_rate)
-        and arrival_rate > 0
-    ):
-        raise ValueError(
-            f"arrival_rate={arrival_rate!r} must be a finite number > 0 of requests per step (or None)"
-        )
+    check_real("arrival_rate", arrival_rate, 0, low_open=True, meaning="requests per step", allow_none=True)
     SamplingParams(temperature=temperature, top_p=top_p)  # checks both before any work
 
 
@@ -67,17 +60,17 @@ def make_workload(
 ) -> list[WorkloadRequest]:
     """`num_requests` requests, lengths and arrivals as the module docstring says. Request i samples
     with seed seed + i. Token ids are bytes, folded modulo `vocab_size` for smaller vocabularies (tests)."""
-    check_int("num_requests", num_requests, 1)
+    num_requests = check_int("num_requests", num_requests, 1, MAX_INT32)
     for name, bounds in (("prompt_len", prompt_len), ("output_len", output_len)):
-        if not (
-            isinstance(bounds, (tuple, list))
-            and len(bounds) == 2
-            and all(isinstance(b, int) and not isinstance(b, bool) for b in bounds)
-            and 1 <= bounds[0] <= bounds[1]
-        ):
-            raise ValueError(f"{name}={bounds!r} must be two integers (low, high) with 1 <= low <= high")
-    check_int("seed", seed, 0)
-    check_int("vocab_size", vocab_size, 1)
+        allowed = "two integers (low, high) with 1 <= low <= high"
+        if not (isinstance(bounds, (tuple, list)) and len(bounds) == 2):
+            raise ValueError(f"{name}={shown(bounds)} is {a_type(bounds)}; allowed: {allowed}")
+        low = check_int(f"{name}[0]", bounds[0], 1, MAX_INT32)
+        high = check_int(f"{name}[1]", bounds[1], 1, MAX_INT32)
+        if low > high:
+            raise ValueError(f"{name}={shown(bounds)} is not allowed; allowed: {allowed}")
+    seed = check_seed("seed", seed, num_requests)  # request i samples with seed + i
+    check_int("vocab_size", vocab_size, 1, MAX_INT32)
     _check_arrivals_and_sampling(arrival_rate, temperature, top_p)
     text = [t % vocab_size for t in encode(PROMPT_TEXT)]
     generator = torch.Generator().manual_seed(seed)
@@ -110,24 +103,17 @@ def few_shot_workload(
     round(shared_share * prompt_len) of each prompt's prompt_len tokens are FEW_SHOT_TEXT, the rest
     a slice of PROMPT_TEXT at a seeded position, different per request. Greedy by default; seeds and
     arrivals as make_workload."""
-    for name, value, low in (
-        ("num_requests", num_requests, 1),
-        ("prompt_len", prompt_len, 1),
-        ("output_len", output_len, 1),
-        ("seed", seed, 0),
-        ("vocab_size", vocab_size, 1),
+    for name, value in (
+        ("num_requests", num_requests),
+        ("prompt_len", prompt_len),
+        ("output_len", output_len),
+        ("vocab_size", vocab_size),
     ):
-        check_int(name, value, low)
+        check_int(name, value, 1, MAX_INT32)
+    check_seed("seed", seed, num_requests)  # request i samples with seed + i
     text = [t % vocab_size for t in encode(FEW_SHOT_TEXT)]
     own_text = [t % vocab_size for t in encode(PROMPT_TEXT)]
-    if not (
-        isinstance(shared_share, (int, float))
-        and not isinstance(shared_share, bool)
-        and 0 <= shared_share <= 1
-    ):
-        raise ValueError(
-            f"shared_share={shared_share!r} must be a number in [0, 1] (the shared part of each prompt)"
-        )
+    check_real("shared_share", shared_share, 0, 1, meaning="the shared part of each prompt")
     shared_len = round(shared_share * prompt_len)
     own_len = prompt_len - shared_len
     if shared_len > len(text) or own_len > len(own_text):

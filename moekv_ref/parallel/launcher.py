@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..validation import MAX_INT32, check_int
 from .comm import SETTLE_S, CollectiveError, Communicator, first_line, name_ranks
 
 FAULT_KEY = "moekv/fault_at"  # where an injected fault notes its wall-clock time
@@ -266,8 +267,7 @@ def launch(
     """Run function(context, *args) on world_size ranks: their return values in rank order, or
     WorkerFailed naming every rank that failed. The timeouts and grace_s: module docstring; backend:
     one of PROCESS_GROUP_BACKENDS, by default NCCL where CUDA is available and gloo elsewhere."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive integer")
+    world_size = check_int("world_size", world_size, 1, MAX_INT32)
     backend = check_backend(backend)
     timeout_s = check_seconds("timeout_s", timeout_s)
     start_timeout_s = check_seconds("start_timeout_s", start_timeout_s)

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.kv_cache_manager import KVCacheManager, check_block_size
+from ..cache.kv_cache_manager import KVCacheManager
 from ..cache.rows import RowIndex, ceil_div
+from ..validation import check_block_size
 
 BYTES_PER_INDEX = 4
 

@@ -25,6 +25,7 @@ import torch
 
 from ..costs import CostModel
 from ..engine.victims import VictimPolicy
+from ..validation import is_integer, shown
 from .eviction import EvictionSetup, TraceRunner
 from .traces import RoutingTrace
 
@@ -59,9 +60,9 @@ class ScriptedVictims(VictimPolicy):
         if self.used == len(self.script):
             raise NeedChoice(len(candidates))
         choice = self.script[self.used]
-        if not isinstance(choice, int) or isinstance(choice, bool) or not 0 <= choice < len(candidates):
+        if not is_integer(choice) or not 0 <= choice < len(candidates):
             raise ValueError(
-                f"script[{self.used}]={choice!r} is not a candidate index: the decision has "
+                f"script[{self.used}]={shown(choice)} is not a candidate index: the decision has "
                 f"{len(candidates)} candidates, so 0..{len(candidates) - 1}"
             )
         self.used += 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.rows import RowIndex
+from ..validation import MAX_INT32, check_int
 
 
 @dataclass
@@ -114,8 +115,7 @@ class RoutingTrace:
 
 def _check_sizes(skews: dict, **sizes) -> None:
     for name, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
+        check_int(name, value, 1, MAX_INT32)
     if sizes["top_k"] > sizes["num_experts"]:
         raise ValueError(f"top_k={sizes['top_k']} is greater than num_experts={sizes['num_experts']}")
     for name, value in skews.items():

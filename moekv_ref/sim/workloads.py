@@ -25,6 +25,8 @@ from importlib import resources
 import numpy as np
 import torch
 
+from ..validation import MAX_INT32, check_choice, check_int, check_real
+
 ARRIVALS = ("poisson", "gamma")
 
 
@@ -53,10 +55,8 @@ def sample_lengths(
     """(prompts, outputs), (S,) int64 each, >= 1, drawn from workload `name`'s quantiles; with
     max_tokens, a request's prompt + output is cut to fit (the prompt first keeps its share)."""
     workloads = length_workloads()
-    if name not in workloads:
-        raise ValueError(f"workload={name!r} is not one of {tuple(workloads)}")
-    if not isinstance(num_requests, int) or isinstance(num_requests, bool) or num_requests < 1:
-        raise ValueError(f"num_requests={num_requests!r} must be a positive integer")
+    check_choice("workload", name, tuple(workloads))
+    num_requests = check_int("num_requests", num_requests, 1, MAX_INT32)
     generator = torch.Generator().manual_seed(seed)
     drawn = []
     for part in ("prompt", "output"):
@@ -82,12 +82,11 @@ def arrival_times(
 ) -> torch.Tensor:
     """(S,) float64 seconds, increasing from the first gap: `rate` requests per second on average,
     Poisson or gamma gaps with coefficient of variation cv (shape 1 / cv^2: bursts and lulls)."""
-    if process not in ARRIVALS:
-        raise ValueError(f"process={process!r} is not one of {ARRIVALS}")
-    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
-        raise ValueError(f"rate={rate!r} must be a positive number of requests per second")
-    if process == "gamma" and not (isinstance(cv, (int, float)) and math.isfinite(cv) and cv > 0):
-        raise ValueError(f"cv={cv!r} must be a positive number")
+    check_choice("process", process, ARRIVALS)
+    num_requests = check_int("num_requests", num_requests, 1, MAX_INT32)
+    check_real("rate", rate, 0, low_open=True, meaning="requests per second")
+    if process == "gamma":
+        check_real("cv", cv, 0, low_open=True, meaning="the gaps' coefficient of variation")
     generator = torch.Generator().manual_seed(seed)
     if process == "poisson":
         gaps = torch.empty(num_requests, dtype=torch.float64).exponential_(rate, generator=generator)

@@ -1,0 +1,266 @@
+"""Argument checks: one rule per kind of value, the same at every public entry point.
+
+A public entry (a constructor or function a user calls: LLMEngine, generate, PagedKVCache,
+KVCacheManager, BlockPool, ModelConfig, SamplingParams, ...) checks each argument once, with the
+function here for its kind, before it changes or allocates anything. What it builds inside, it
+builds with `checked=True`, and the inner constructor trusts it: the engine checks block_size, and
+the cache and the manager it builds do not check it again. docs/design.md ("Validation") tables
+which function checks what, and where.
+
+An integer is a Python int or a numpy integer (numbers.Integral), never a bool (True is not 1) and
+never a float (2.0 is not rounded); a flag is True or False; a name is one of a fixed set. A
+refused value gets one ValueError, in one of two forms:
+
+    num_blocks=2.5 is a float; allowed: an integer in [1, 2**31 - 1]        the wrong kind of value
+    num_blocks=0 is not allowed; allowed: an integer in [1, 2**31 - 1]      the right kind, out of range
+
+with the value's repr cut short: a message quotes a value, it does not print it whole. Every size an
+argument can ask for has a stated bound, checked before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import reprlib
+
+import numpy as np
+import torch
+
+MAX_INT32 = 2**31 - 1
+MAX_BLOCKS = MAX_INT32  # block tables are int32, and their padding entry is the pool's size
+MAX_BLOCK_SIZE = 256  # the largest block the memory benchmark sweeps and notebook 03 offers
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes up to 2**64 - 1; the engine's bound
+IDS_ALLOWED = "integer ids (an integer tensor or array, a list of ints, or one int)"
+
+_SHORT = reprlib.Repr()  # a refused value as a message quotes it: bounded, however large or deep
+_SHORT.maxlevel = 3
+_SHORT.maxstring = 60
+_SHORT.maxother = 60
+_SHORT.maxlong = 40
+_SHORT.maxlist = 6
+_SHORT.maxtuple = 6
+_SHORT.maxdict = 6
+_SHORT.maxset = 6
+
+
+def shown(value) -> str:
+    """repr(value) cut short, at a cost bounded however large or deeply nested the value is."""
+    if isinstance(value, numbers.Integral) and abs(int(value)).bit_length() > 128:
+        return f"<an integer of {abs(int(value)).bit_length()} bits>"  # repr refuses past 4300 digits
+    if type(value).__repr__ is object.__repr__:  # <module.Class object at 0x...>: the class says it
+        return f"<{type(value).__name__} object>"
+    return _SHORT.repr(value)
+
+
+def a_type(value) -> str:
+    """ "an int", "a float", "a str": the type of a refused value, for an error message."""
+    name = type(value).__name__
+    return ("an " if name[0] in "aeiou" else "a ") + name
+
+
+def number(n) -> str:
+    """A bound as a message states it: 2**31 - 1 rather than 2147483647 (a power of two from 2**20
+    on, less at most 1023)."""
+    for power in range(20, 65):
+        below = 2**power - n
+        if 0 <= below < 1024:
+            return f"2**{power}" + (f" - {below}" if below else "")
+    return str(n)
+
+
+def is_integer(value) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(
+    name: str, value, minimum: int, maximum: int | None = None, meaning: str = "", allow_none: bool = False
+) -> int | None:
+    """An integer in [minimum, maximum] (no maximum: >= minimum), as a Python int; None passes
+    where allow_none. `meaning` says what the number is, or what a special value means."""
+    bound = f">= {number(minimum)}" if maximum is None else f"in [{number(minimum)}, {number(maximum)}]"
+    allowed = (
+        f"an integer {bound}" + (f" ({meaning})" if meaning else "") + (", or None" if allow_none else "")
+    )
+    if value is None and allow_none:
+        return None
+    if not is_integer(value):
+        raise ValueError(f"{name}={shown(value)} is {a_type(value)}; allowed: {allowed}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"{name}={shown(value)} is not allowed; allowed: {allowed}")
+    return int(value)
+
+
+def check_real(
+    name: str,
+    value,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+    meaning: str = "",
+    allow_none: bool = False,
+) -> float | int | None:
+    """A finite real number (an int or a float, not a bool) from low to high, each end closed unless
+    *_open; returned as given (an int stays an int)."""
+    left = "(" if low_open else "["
+    right = ")" if high_open or high == math.inf else "]"
+    interval = f"{left}{low:g}, {'inf' if high == math.inf else format(high, 'g')}{right}"
+    allowed = f"a finite number in {interval}" + (f" ({meaning})" if meaning else "")
+    allowed += ", or None" if allow_none else ""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise ValueError(f"{name}={shown(value)} is {a_type(value)}; allowed: {allowed}")
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (math.isfinite(value) and above and below):
+        raise ValueError(f"{name}={shown(value)} is not allowed; allowed: {allowed}")
+    return value
+
+
+def check_flag(name: str, value) -> bool:
+    """A flag is True or False, never a truthy string or 1."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={shown(value)} is {a_type(value)}; allowed: True or False")
+    return value
+
+
+def check_choice(name: str, value, allowed, also: str = "") -> str:
+    """One of the names `allowed` (a str; `also` names what else the caller takes, e.g. None)."""
+    if not (isinstance(value, str) and value in allowed):
+        raise ValueError(f"{name}={shown(value)} is not one of {tuple(allowed)}{also}")
+    return value
+
+
+def check_seed(name: str, value, num_streams: int = 1, allow_none: bool = False) -> int | None:
+    """A seed for torch.Generator; a caller that seeds num_streams generators with seed, seed + 1,
+    ... (a pool's devices, a workload's requests) keeps the last one in range too."""
+    meaning = "a seed for torch.Generator" + (
+        f"; {num_streams} streams use seed + 0..{num_streams - 1}" if num_streams > 1 else ""
+    )
+    return check_int(name, value, 0, MAX_SEED - (num_streams - 1), meaning, allow_none)
+
+
+def check_block_size(value, name: str = "block_size") -> int:
+    """Tokens per block: a power of two (a GPU kernel then splits a slot into block and offset with a
+    shift and a mask, and the memory benchmark's sweeps go 1, 2, 4, ...), at most MAX_BLOCK_SIZE."""
+    allowed = f"a power of two in [1, {MAX_BLOCK_SIZE}] (1, 2, 4, ..., {MAX_BLOCK_SIZE})"
+    if not is_integer(value):
+        raise ValueError(f"{name}={shown(value)} is {a_type(value)}; allowed: {allowed}")
+    if not 1 <= value <= MAX_BLOCK_SIZE or value & (value - 1):
+        raise ValueError(f"{name}={shown(value)} is not allowed; allowed: {allowed}")
+    return int(value)
+
+
+def check_blocks_per_device(value, name: str = "blocks_per_device") -> list[int]:
+    """Blocks per device as D >= 1 Python ints, each >= 1 (a device with no block could hold no row of
+    its experts), MAX_BLOCKS at most in all; ValueError naming the first bad entry."""
+    allowed = (
+        "a list or tuple of D integers >= 1 (Python or numpy ints), or a 1-D integer tensor or numpy "
+        "array of them"
+    )
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if not integer_dtype(value.dtype):
+            raise ValueError(
+                f"{name}={preview(value)} has dtype {value.dtype}; allowed: {allowed}, never rounded"
+            )
+        if value.ndim != 1:
+            raise ValueError(f"{name} has shape {tuple(value.shape)}; allowed: {allowed}")
+        values = value.tolist()
+    elif isinstance(value, (list, tuple)):
+        values = list(value)
+    else:
+        raise ValueError(f"{name}={shown(value)} is {a_type(value)}; allowed: {allowed}")
+    if not values:
+        raise ValueError(f"{name}={shown(value)} is empty; allowed: {allowed} (D >= 1)")
+    counts = [
+        check_int(f"{name}[{d}]", n, 1, MAX_BLOCKS, f"the blocks of device {d}") for d, n in enumerate(values)
+    ]
+    if sum(counts) > MAX_BLOCKS:
+        raise ValueError(
+            f"{name} sums to {sum(counts):,} blocks; allowed: at most {number(MAX_BLOCKS)} in all "
+            "(block tables are int32)"
+        )
+    return counts
+
+
+# ----- ids: many integers at once, as a tensor ---------------------------------------------------------
+def preview(values) -> str:
+    """The first values as a user would write them (1.7, not 1.7000000476837158; 3.0, not 3)."""
+    flat = values.reshape(-1)
+    shown_values = [repr(float(f"{v:.6g}")) if isinstance(v, float) else repr(v) for v in flat[:4].tolist()]
+    return "[" + ", ".join(shown_values) + (", ...]" if len(flat) > 4 else "]")
+
+
+def integer_dtype(dtype) -> bool:
+    """Whether a torch or numpy dtype holds integers (bool is not one)."""
+    if isinstance(dtype, torch.dtype):
+        return not (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex)
+    return dtype.kind in "iu"
+
+
+def entries(values, where=""):
+    """(where, value) for each entry of (nested) lists, where = "[i][j]..."."""
+    for i, v in enumerate(values):
+        if isinstance(v, (list, tuple)):
+            yield from entries(v, f"{where}[{i}]")
+        else:
+            yield f"{where}[{i}]", v
+
+
+def check_ids(ids, name: str = "block_ids") -> torch.Tensor:
+    """`ids` as an int64 tensor of the same shape, or ValueError naming the first non-integer (text
+    is never read as digits); empty input of any dtype is allowed. Ranges are the caller's."""
+    if type(ids) is torch.Tensor and ids.dtype == torch.int64:  # already ids: most calls, at once
+        return ids
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"{name}={shown(ids)} is text ({type(ids).__name__}); allowed: {IDS_ALLOWED}")
+    if isinstance(ids, (list, tuple)):
+        for where, v in entries(ids):
+            if not (is_integer(v) or isinstance(v, torch.Tensor)):
+                raise ValueError(f"{name}{where}={shown(v)} is {a_type(v)}; allowed: {IDS_ALLOWED}")
+    try:
+        tensor = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(
+            f"{name} of type {type(ids).__name__} are not integer ids ({error}); allowed: {IDS_ALLOWED}"
+        ) from None
+    if tensor.numel() and not integer_dtype(tensor.dtype):
+        raise ValueError(
+            f"{name}={preview(tensor)} has dtype {tensor.dtype}; allowed: "
+            f"{IDS_ALLOWED}, never rounded or read as 0/1"
+        )
+    return tensor.to(torch.int64)
+
+
+# ----- memory: a size no machine here could hold is refused before it is asked for ----------------------
+def memory_of(device) -> int | None:
+    """Bytes of memory `device` has (the machine's, for the CPU), or None where it cannot be told."""
+    device = torch.device(device)
+    try:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError, RuntimeError, AssertionError):
+        return None  # no sysconf (Windows), or no such GPU: the allocation itself will tell
+    return None
+
+
+def gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:,.1f} GiB"
+
+
+def check_fits_memory(what: str, num_bytes: int, device="cpu", hint: str = "") -> None:
+    """ValueError, before anything is allocated, when `what` takes more bytes than `device` has."""
+    total = memory_of(device)
+    if total is not None and num_bytes > total:
+        device = torch.device(device)
+        owner = "this machine's" if device.type == "cpu" else f"{device}'s"
+        raise ValueError(
+            f"{what} would take {gib(num_bytes)} ({num_bytes:,} bytes); allowed: at most {owner} "
+            f"{gib(total)} of memory" + (f": {hint}" if hint else "")
+        )
