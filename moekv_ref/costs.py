@@ -342,7 +342,7 @@ REAL_SHAPE_SETUPS = (
 
 
 def real_shape_projections(
-    contexts=(4096, 32768), seqs_per_rank: int = 32, accelerator: str = "H100"
+    contexts=(4096, 32768), seqs_per_rank: int = 32, accelerator: str = "H200"
 ) -> list[dict]:
     return [
         project_step(
