@@ -572,3 +572,34 @@ def test_reading_order_and_exercise_list_cover_every_notebook():
     ]
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     assert f"every notebook but {' and '.join(without)}" in readme, without
+
+
+def test_notebook_03_names_the_sweeps_of_bench_memory_it_differs_from():
+    """Notebook 03 sweeps smaller traces than `bench memory` (to finish in seconds) and says so: the
+    JSON's numbers it quotes are the JSON's, and its own are what it printed."""
+    cells = json.loads(
+        (ROOT / "notebooks" / "03_fragmentation_and_paging.ipynb").read_text(encoding="utf-8")
+    )["cells"]
+    prose = "".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    printed = "".join(
+        "".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c.get("outputs", [])
+    )
+    memory = json.loads((ROOT / "figures" / "bench_memory.json").read_text(encoding="utf-8"))
+    by_size = {
+        r["block_size"]: r["effective_utilization"]
+        for r in memory["block_size_sweep"]["rows"]
+        if r["design"] == "paged"
+    }
+    by_experts = {
+        r["num_experts"]: r["effective_utilization"]
+        for r in memory["num_experts_sweep"]["rows"]
+        if r["design"] == "paged"
+    }
+    size_mine = re.search(r"plain pages keep ([0-9.]+) at P = 16, against ([0-9.]+) for these 8", prose)
+    experts_mine = re.search(
+        r"plain pages keep ([0-9.]+) at E = 128,\s+against ([0-9.]+) for these four", prose
+    )
+    assert size_mine and experts_mine, "notebook 03 no longer names bench memory's sweeps"
+    assert size_mine.group(1) == f"{by_size[16]:.3f}" and experts_mine.group(1) == f"{by_experts[128]:.3f}"
+    assert re.search(rf"\n\s+16\s+paged\s+[0-9.]+\s+{re.escape(size_mine.group(2))}\s", printed)
+    assert re.search(rf"\n128\s+2\s+[0-9.]+\s+paged\s+{re.escape(experts_mine.group(2))}\s*\n", printed)
