@@ -35,9 +35,10 @@ change) and a summary
 (summary.json: per notebook the run-all time, widgets changed, update latency and screenshot names)
 go to runs/browser/; the table is printed at the end of the pytest run.
 
-The test settings (in a temporary JupyterLab settings folder): autosave off, so the committed
-notebooks are never rewritten (checked by hash), and every cell kept in the page (windowingMode
-"none"; by default JupyterLab adds only the cells on screen), so every output can be checked.
+The test settings (in a temporary JupyterLab settings folder): no news prompt over the screenshots,
+autosave off, so the committed notebooks are never rewritten (checked by hash), and every cell kept
+in the page (windowingMode "none"; by default JupyterLab adds only the cells on screen), so every
+output can be checked.
 
 Skips, saying why, where Chromium (`apt-get install chromium`) or the playwright package is missing.
 """
@@ -395,6 +396,8 @@ def lab_settings(folder: Path) -> Path:
     for plugin, values in {
         "@jupyterlab/docmanager-extension/plugin": {"autosave": False},
         "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+        # no "get notified about Jupyter news?" prompt over the screenshots (nor a request outside)
+        "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
     }.items():
         path = folder / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
