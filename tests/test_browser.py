@@ -3,12 +3,18 @@
 JupyterLab starts with the README's own launch line, `jupyter lab`, from the repository root (so the
 notebooks' links to docs/ resolve), plus only what a headless run needs (no browser of its own,
 loopback, a free port, a token, the app exposed to the page so its notebook model can be read, and
---allow-root when run as root); PYTHONPATH is removed from its environment. Debian's Chromium,
-driven through Playwright (its Python package only: no browser is downloaded), opens each notebook
-found by glob, clears the stored outputs and runs all cells top to bottom from the Run menu. Two
+--allow-root when run as root); PYTHONPATH is removed from its environment. The notebooks are
+trusted first, as the README's `jupyter trust notebooks/*.ipynb` trusts them, but in a trust
+database of the test's own. Debian's Chromium, driven through Playwright (its Python package only:
+no browser is downloaded), opens each notebook found by glob, checks what it shows before anything
+runs, clears the stored outputs and runs all cells top to bottom from the Run menu. Two
 notebooks run at a time, each in a browser and a kernel of its own (BROWSER_TEST_BROWSERS=1: one at
 a time), so the run-all times are those of a notebook sharing a two-core machine with another.
 The test fails on:
+
+- a widget cell that, on open and before anything runs, shows no controls, fewer figures than its
+  saved widget state holds, or the widget's text form; or a widget whose state is not saved in the
+  notebook's metadata (JupyterLab restores the controls and their first output from that state);
 
 - an output that differs from the committed one, compared as nbval compares (the same skipped fields,
   cell tags and sanitizing file), read from JupyterLab's model of the notebook after run-all: this is
@@ -24,13 +30,15 @@ The test fails on:
 - a figure wider than the output area (its natural width above the width it is shown at, in the
   1440 x 900 page): JupyterLab shrinks it to fit, and its text with it.
 
-Screenshots (after run-all, and each widget cell before and after each change) and a summary
+Screenshots (each widget cell on open, after run-all, and each widget cell before and after each
+change) and a summary
 (summary.json: per notebook the run-all time, widgets changed, update latency and screenshot names)
 go to runs/browser/; the table is printed at the end of the pytest run.
 
-The test settings (in a temporary JupyterLab settings folder): autosave off, so the committed
-notebooks are never rewritten (checked by hash), and every cell kept in the page (windowingMode
-"none"; by default JupyterLab adds only the cells on screen), so every output can be checked.
+The test settings (in a temporary JupyterLab settings folder): no news prompt over the screenshots,
+autosave off, so the committed notebooks are never rewritten (checked by hash), and every cell kept
+in the page (windowingMode "none"; by default JupyterLab adds only the cells on screen), so every
+output can be checked.
 
 Skips, saying why, where Chromium (`apt-get install chromium`) or the playwright package is missing.
 """
@@ -194,6 +202,89 @@ def stored_output_differences(path: Path, cells: list[dict]) -> list[str]:
     return problems
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+CONTROLS = ".widget-toggle-buttons, .widget-dropdown, .widget-hslider, .widget-checkbox"
+
+
+def stored_widget_cells(path: Path) -> tuple[dict[int, int], list[str]]:
+    """The code cells (by index among code cells) whose stored outputs show a widget, each with the
+    number of figures its saved widget state holds (the first figure an interact drew into its
+    Output), and the problems found in the file: a widget whose state was not saved cannot be
+    shown when the notebook opens."""
+    notebook = nbformat.read(path, as_version=4)
+    state = notebook.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+
+    def figures(model_id: str) -> int:
+        model = state.get(model_id, {})
+        own = sum("image/png" in o.get("data", {}) for o in model.get("state", {}).get("outputs", []))
+        children = model.get("state", {}).get("children", [])
+        return own + sum(figures(c.removeprefix("IPY_MODEL_")) for c in children)
+
+    cells, problems = {}, []
+    code = [c for c in notebook.cells if c.cell_type == "code"]
+    for i, cell in enumerate(code):
+        for output in cell.get("outputs", []):
+            view = output.get("data", {}).get(WIDGET_VIEW)
+            if not view:
+                continue
+            if view["model_id"] not in state:
+                problems.append(
+                    f"{path.name}: code cell {i}: its widget's state is not saved in the notebook "
+                    "(execute with --ExecutePreprocessor.store_widget_state=True)"
+                )
+            cells[i] = cells.get(i, 0) + figures(view["model_id"])
+    return cells, problems
+
+
+JS_WIDGET_CELLS_ON_OPEN = """([indices, controls]) => {
+    const cells = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')];
+    return indices.map(i => { const c = cells[i]; return c ? {
+        controls: c.querySelectorAll('.jp-OutputArea-output :is(' + controls + ')').length,
+        figures: c.querySelectorAll('.jp-OutputArea-output img').length,
+        text: [...c.querySelectorAll('.jp-OutputArea-output')].map(e => e.textContent).join('\\n')} : null; });
+}"""
+
+
+def widgets_on_open(page, path: Path, problems: list[str], shot) -> int:
+    """The notebook as opened, before anything runs: every widget cell shows its saved controls and
+    its first figure (restored by JupyterLab's widget manager from the notebook's metadata), and no
+    widget is left as its text form. Returns the number of widget cells checked."""
+    name = path.name
+    expected, found = stored_widget_cells(path)
+    problems += found
+    if not expected:
+        return 0
+    indices = sorted(expected)
+    deadline = time.monotonic() + 60  # the manager restores after the kernel connects
+    while True:
+        shown = page.evaluate(JS_WIDGET_CELLS_ON_OPEN, [indices, CONTROLS])
+        ready = all(s and s["controls"] and s["figures"] >= expected[i] for i, s in zip(indices, shown))
+        if ready or time.monotonic() > deadline:
+            break
+        page.wait_for_timeout(250)
+    page.wait_for_timeout(500)  # the last image decoded before the screenshots
+    cells = page.locator(".jp-Notebook .jp-CodeCell")
+    for i, s in zip(indices, shown):
+        if s is None:
+            problems.append(f"{name} (on open): code cell {i} is not in the page")
+            continue
+        shot(cells.nth(i), f"cell{i}-on-open")
+        match = WIDGET_TEXT_FORM.search(s["text"])
+        if match:
+            problems.append(
+                f"{name} (on open): code cell {i}: its widget shows as text: "
+                f"...{s['text'][max(0, match.start() - 60) : match.end() + 60]}"
+            )
+        elif not s["controls"]:
+            problems.append(f"{name} (on open): code cell {i}: its widget shows no controls")
+        if s["figures"] < expected[i]:
+            problems.append(
+                f"{name} (on open): code cell {i}: {s['figures']} figures shown, {expected[i]} saved"
+            )
+    return len(indices)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -210,14 +301,35 @@ def drawn_pixels(png: bytes) -> int:
     return int((np.abs(image - image[0, 0]).max(axis=-1) > 24).sum())
 
 
-class Lab:
-    """`jupyter lab` in the repository root on loopback, with a token; stopped at the end."""
+def jupyter_launcher() -> list[str]:
+    jupyter = Path(sys.executable).with_name("jupyter")
+    return [str(jupyter)] if jupyter.exists() else [sys.executable, "-m", "jupyter"]
 
-    def __init__(self, settings: Path, workspaces: Path, log: Path):
+
+def trusted_notebooks(db_file: Path) -> Path:
+    """A notebook-trust database of its own (not the user's) in which every notebook is trusted, as
+    the README's `jupyter trust notebooks/*.ipynb` trusts them for a reader: JupyterLab renders a
+    stored widget (ipywidgets' renderer is not "safe") only in a trusted notebook, and shows its
+    text form, "interactive(children=...", in any other. Signing writes to the database only."""
+    subprocess.run(
+        jupyter_launcher()
+        + ["trust", f"--NotebookNotary.db_file={db_file}"]
+        + [str(p.relative_to(ROOT)) for p in NOTEBOOKS],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return db_file
+
+
+class Lab:
+    """`jupyter lab` in the repository root on loopback, with a token and the notebook-trust
+    database given; stopped at the end."""
+
+    def __init__(self, settings: Path, workspaces: Path, log: Path, trust_db: Path):
         self.port, self.token = free_port(), base64.urlsafe_b64encode(os.urandom(18)).decode()
-        jupyter = Path(sys.executable).with_name("jupyter")
-        launcher = [str(jupyter)] if jupyter.exists() else [sys.executable, "-m", "jupyter"]
-        command = launcher + [
+        command = jupyter_launcher() + [
             "lab",  # the README's line
             "--no-browser",
             "--ServerApp.ip=127.0.0.1",
@@ -225,6 +337,7 @@ class Lab:
             "--ServerApp.port_retries=0",
             f"--IdentityProvider.token={self.token}",
             "--LabApp.expose_app_in_browser=True",
+            f"--NotebookNotary.db_file={trust_db}",
         ]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             command.append("--allow-root")
@@ -283,6 +396,8 @@ def lab_settings(folder: Path) -> Path:
     for plugin, values in {
         "@jupyterlab/docmanager-extension/plugin": {"autosave": False},
         "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+        # no "get notified about Jupyter news?" prompt over the screenshots (nor a request outside)
+        "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
     }.items():
         path = folder / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -433,6 +548,7 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
             f"{name}: opening it marks it modified (its stored kernel name or language "
             "differs from what the kernel reports), and autosave would rewrite it"
         )
+    record["widget_cells_on_open"] = widgets_on_open(page, path, problems, shot)
     menu(page, "Edit", "Clear Outputs of All Cells")
     page.wait_for_function(
         "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]"
@@ -499,7 +615,7 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
         record.setdefault("first_figure_pixels", []).append(first_pixels)
         if first_pixels and min(first_pixels) == 0:
             problems.append(f"{name}: widget cell {c}: the first figure is blank")
-        controls = cell.locator(".widget-toggle-buttons, .widget-dropdown, .widget-hslider, .widget-checkbox")
+        controls = cell.locator(CONTROLS)
         changed = 0
         for i in range(controls.count()):
             if changed == CONTROLS_PER_CELL:
@@ -570,10 +686,18 @@ def widest(record: dict) -> str:
 
 def format_table(records: list[dict]) -> str:
     return text_table(
-        ["notebook", "run all (s)", "widgets changed", "latency (s)", "widest figure (shown/px)"],
+        [
+            "notebook",
+            "widget cells on open",
+            "run all (s)",
+            "widgets changed",
+            "latency (s)",
+            "widest figure (shown/px)",
+        ],
         [
             [
                 r["notebook"],
+                r.get("widget_cells_on_open", 0),
                 r["run_all_s"] or 0,
                 "; ".join(r["widgets_changed"]) or "-",
                 ", ".join(f"{x:.1f}" for x in r["update_latency_s"]) or "-",
@@ -581,7 +705,7 @@ def format_table(records: list[dict]) -> str:
             ]
             for r in records
         ],
-        [None, "{:.1f}", None, None, None],
+        [None, None, "{:.1f}", None, None, None],
     ) + "".join(
         f"\n{r['notebook']}: drew only at a second press of Run Interact after: {'; '.join(r['pressed_twice'])}"
         for r in records
@@ -640,7 +764,12 @@ def test_every_notebook_runs_and_its_widgets_work_in_jupyterlab(tmp_path, record
     for old in OUT.glob("*.png"):
         old.unlink()
     hashes = {path: digest(path) for path in NOTEBOOKS}
-    lab = Lab(lab_settings(tmp_path / "settings"), tmp_path / "workspaces", OUT / "jupyterlab.log")
+    lab = Lab(
+        lab_settings(tmp_path / "settings"),
+        tmp_path / "workspaces",
+        OUT / "jupyterlab.log",
+        trusted_notebooks(tmp_path / "nbsignatures.db"),
+    )
     problems, records = [], []
     try:
         problems += unreachable_links(lab)
