@@ -603,3 +603,19 @@ def test_notebook_03_names_the_sweeps_of_bench_memory_it_differs_from():
     assert size_mine.group(1) == f"{by_size[16]:.3f}" and experts_mine.group(1) == f"{by_experts[128]:.3f}"
     assert re.search(rf"\n\s+16\s+paged\s+[0-9.]+\s+{re.escape(size_mine.group(2))}\s", printed)
     assert re.search(rf"\n128\s+2\s+[0-9.]+\s+paged\s+{re.escape(experts_mine.group(2))}\s*\n", printed)
+
+
+def test_notebook_05_crossovers_are_bench_eviction_s():
+    """Notebook 05 projects recompute against swap on bench eviction's grid, so the crossovers it
+    prints are the ones figures/bench_eviction.json holds."""
+    cells = json.loads((ROOT / "notebooks" / "05_eviction.ipynb").read_text(encoding="utf-8"))["cells"]
+    printed = "".join(
+        "".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c.get("outputs", [])
+    )
+    projected = json.loads((ROOT / "figures" / "bench_eviction.json").read_text(encoding="utf-8"))[
+        "projected"
+    ]
+    for key, value in projected.items():
+        crossover = value["crossover_context"]
+        said = crossover if crossover is not None else "never, up to 4096"
+        assert f"{key} -> swap cheaper from context {said}\n" in printed, key
