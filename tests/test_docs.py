@@ -619,3 +619,22 @@ def test_notebook_05_crossovers_are_bench_eviction_s():
         crossover = value["crossover_context"]
         said = crossover if crossover is not None else "never, up to 4096"
         assert f"{key} -> swap cheaper from context {said}\n" in printed, key
+
+
+def test_notebook_07_placements_are_bench_parallel_s():
+    """Notebook 07 compares expert placements on the same held-out text as bench parallel (its first
+    8,192 tokens), so each row it prints is the JSON's: ranks touched and K/V imbalance."""
+    cells = json.loads((ROOT / "notebooks" / "07_expert_parallelism.ipynb").read_text(encoding="utf-8"))[
+        "cells"
+    ]
+    printed = "".join(
+        "".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c.get("outputs", [])
+    )
+    placements = json.loads((ROOT / "figures" / "bench_parallel.json").read_text(encoding="utf-8"))[
+        "expert_placements"
+    ]
+    for row in placements:
+        touched = f"{row['ranks_touched_per_token_layer']:.3f}"
+        imbalance = f"{row['kv_imbalance_max_over_mean']:.3f}"
+        pattern = rf"\n\s*{row['world_size']} {row['strategy']}\s+{re.escape(touched)}\s+[0-9.]+\s+[0-9.]+\s+{re.escape(imbalance)}\s"
+        assert re.search(pattern, printed), (row["world_size"], row["strategy"], touched, imbalance)
