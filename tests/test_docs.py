@@ -636,5 +636,6 @@ def test_notebook_07_placements_are_bench_parallel_s():
     for row in placements:
         touched = f"{row['ranks_touched_per_token_layer']:.3f}"
         imbalance = f"{row['kv_imbalance_max_over_mean']:.3f}"
-        pattern = rf"\n\s*{row['world_size']} {row['strategy']}\s+{re.escape(touched)}\s+[0-9.]+\s+[0-9.]+\s+{re.escape(imbalance)}\s"
+        columns = rf"\s+{re.escape(touched)}\s+[0-9.]+\s+[0-9.]+\s+{re.escape(imbalance)}\s"
+        pattern = rf"\n\s*{row['world_size']} {row['strategy']}" + columns
         assert re.search(pattern, printed), (row["world_size"], row["strategy"], touched, imbalance)
