@@ -36,6 +36,7 @@ def _unwrapped(check):
 check_flop_ratio = _unwrapped(exercises.check_flop_ratio)
 check_expert_cache_bytes = _unwrapped(exercises.check_expert_cache_bytes)
 check_block_size = _unwrapped(exercises.check_block_size)
+check_hit_tokens = _unwrapped(exercises.check_hit_tokens)
 
 
 # --- 01 -------------------------------------------------------------------------------------------
@@ -336,6 +337,9 @@ def _refusals():
     placement = exercises.solution_expert_placement(paired)
     split = exercises.solution_tokens_per_split(8)
     budget = exercises.solution_drop_budget()
+    hit = exercises.solution_hit_tokens()
+    shared = exercises.EXERCISE_06_SHARED
+    P = exercises.EXERCISE_06_BLOCK_SIZE
     return {
         "01": (
             lambda a: check_flop_ratio(a, CONFIG),
@@ -355,6 +359,7 @@ def _refusals():
             [],  # seven choices: the messages name the block sizes the reader tried
             [blocks[blocks.index(block) - 1], blocks[blocks.index(block) + 1], 64],
         ),
+        "06": (check_hit_tokens, hit, [hit], [shared, hit + P, 128, hit - P, shared - 1]),
         "07": (
             lambda a: check_expert_placement(a, paired),
             placement,
@@ -366,7 +371,7 @@ def _refusals():
     }
 
 
-@pytest.mark.parametrize("notebook", ["01", "02", "03", "07", "08", "10"])
+@pytest.mark.parametrize("notebook", ["01", "02", "03", "06", "07", "08", "10"])
 def test_check_accepts_the_answer_and_refuses_wrong_ones_without_giving_it(notebook):
     check, right, shown, wrong = _refusals()[notebook]
     assert check(right).startswith("Right")
@@ -407,3 +412,15 @@ def test_victim_rule_shortages_separate_the_usual_mistakes():
     for rule in (_everywhere_rule, _held_only_rule):
         wrong = exercises._victim_rule_on_shortages(rule)
         assert any(r[2] != w[2] for r, w in zip(right, wrong))
+
+
+def test_hit_tokens_is_the_engine_s_and_each_wrong_answer_gets_its_reason():
+    """Notebook 06: the second prompt reuses 96 of the 100 shared tokens (six whole chunks of 16), as
+    the real engine's prefix hit says; the shared count itself, a chunk too many and a number that is
+    not whole chunks each get their own reason."""
+    assert exercises.solution_hit_tokens() == 96
+    assert "whole chunks" in check_hit_tokens(100)
+    assert "share only their first 100" in check_hit_tokens(112)
+    assert "whole number of chunks" in check_hit_tokens(90)
+    assert "too few" in check_hit_tokens(80)
+    assert check_hit_tokens(None).startswith("No answer yet")
