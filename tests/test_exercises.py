@@ -1,7 +1,10 @@
 """The exercise checks of notebooks 01-08 and 10: the solution passes, the placeholder asks for an answer, and
 each usual wrong answer gets the explanation that names its mistake (not just "wrong")."""
 
+import json
+import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +40,7 @@ check_flop_ratio = _unwrapped(exercises.check_flop_ratio)
 check_expert_cache_bytes = _unwrapped(exercises.check_expert_cache_bytes)
 check_block_size = _unwrapped(exercises.check_block_size)
 check_hit_tokens = _unwrapped(exercises.check_hit_tokens)
+check_perplexity_ratio = _unwrapped(exercises.check_perplexity_ratio)
 
 
 # --- 01 -------------------------------------------------------------------------------------------
@@ -338,6 +342,13 @@ def _refusals():
     split = exercises.solution_tokens_per_split(8)
     budget = exercises.solution_drop_budget()
     hit = exercises.solution_hit_tokens()
+    family = json.loads((Path(__file__).resolve().parents[1] / "figures" / "family.json").read_text())
+    perplexity = exercises.solution_perplexity_ratio(family)
+    gap = math.log2(perplexity)
+    variants = family["variants"]
+    against_dense = 2.0 ** (
+        variants["expert_topk"]["bits_per_byte_mean"] - variants["dense"]["bits_per_byte_mean"]
+    )
     shared = exercises.EXERCISE_06_SHARED
     P = exercises.EXERCISE_06_BLOCK_SIZE
     return {
@@ -360,6 +371,12 @@ def _refusals():
             [blocks[blocks.index(block) - 1], blocks[blocks.index(block) + 1], 64],
         ),
         "06": (check_hit_tokens, hit, [hit], [shared, hit + P, 128, hit - P, shared - 1]),
+        "09": (
+            lambda a: check_perplexity_ratio(a, family),
+            perplexity,
+            [f"{perplexity:.2f}", f"{perplexity:.3f}"],
+            [gap, 1 / perplexity, against_dense, 1.5 * ratio],
+        ),
         "07": (
             lambda a: check_expert_placement(a, paired),
             placement,
@@ -371,7 +388,7 @@ def _refusals():
     }
 
 
-@pytest.mark.parametrize("notebook", ["01", "02", "03", "06", "07", "08", "10"])
+@pytest.mark.parametrize("notebook", ["01", "02", "03", "06", "07", "08", "09", "10"])
 def test_check_accepts_the_answer_and_refuses_wrong_ones_without_giving_it(notebook):
     check, right, shown, wrong = _refusals()[notebook]
     assert check(right).startswith("Right")
