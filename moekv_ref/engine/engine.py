@@ -246,7 +246,7 @@ class LLMEngine:
         if request is None or request.is_finished:
             return None
         before = Snapshot(self.scheduler)
-        marks = self._records()
+        marks = self._records([request])
         try:  # finished and handed out, or neither
             self.scheduler.finish(request, self.step_count, "aborted")
             return self._hand_out(request, self.step_count)
@@ -328,7 +328,7 @@ class LLMEngine:
                 raise
         # the hand-out and the step's records are part of the step: a fault there (or Ctrl-C) undoes
         # the forward too, so that the requests it finished are handed out by a later step
-        marks = self._records()
+        marks = self._records(done)
         try:
             for kind, request in decision.events:
                 self._event(step, request.request_id, kind)
@@ -354,13 +354,14 @@ class LLMEngine:
             raise
         return finished
 
-    def _records(self) -> tuple:
+    def _records(self, handing_out: list[Request]) -> tuple:
         """What the end of a step changes in the engine's own records, for `_restore_records`: the
-        lists by length (they only grow), the rest copied."""
+        lists by length (they only grow), the counts copied, and the requests about to be handed
+        out (the only entries of `requests` and of generate()'s outputs a hand-out changes), so
+        that the cost follows the step, not the history."""
         return (
             dict(self._counts),
-            dict(self.requests),
-            None if self._generating is None else dict(self._generating),
+            list(handing_out),
             len(self.events),
             len(self.timeline),
             len(self.device_timeline),
@@ -370,16 +371,13 @@ class LLMEngine:
         )
 
     def _restore_records(self, marks: tuple) -> None:
-        counts, requests, generating, num_events, num_records, num_devices_records, step, seconds, peak = (
-            marks
-        )
+        counts, handing_out, num_events, num_records, num_devices_records, step, seconds, peak = marks
         self._counts.clear()
         self._counts.update(counts)
-        self.requests.clear()
-        self.requests.update(requests)
-        if generating is not None:  # generate() holds this dict: refilled in place
-            self._generating.clear()
-            self._generating.update(generating)
+        for request in handing_out:  # unfinished again: back in `requests`, out of generate()'s outputs
+            self.requests[request.request_id] = request
+            if self._generating is not None:
+                self._generating.pop(request.request_id, None)
         del self.events[num_events:]
         del self.timeline[num_records:]
         del self.device_timeline[num_devices_records:]
