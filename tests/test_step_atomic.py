@@ -92,6 +92,10 @@ def serve_twice(engine, prompts, params):
                     outputs[output.request_id] = output
             except InjectedFault:
                 faults += 1
+                queued = [*engine.scheduler.waiting, *engine.scheduler.running]
+                assert all(engine.requests.get(r.request_id) is r for r in queued), (
+                    "an unfinished request left"
+                )
     return outputs, faults
 
 
@@ -450,4 +454,42 @@ def test_an_abort_whose_hand_out_fails_changes_nothing(model, workload, monkeypa
     assert not engine.requests[request_id].is_finished and engine.has_unfinished_requests()
     assert engine.memory.num_free_blocks == free_before
     assert engine.abort_request(request_id).finish_reason == "aborted"
+    engine.memory.assert_no_leak()
+
+
+def test_a_fault_after_a_step_handed_requests_out_takes_them_back(model, workload, alone):
+    """A fault in the step's last records, after it handed requests out, undoes the hand-out too:
+    those requests are unfinished again and in engine.requests (the engine keeps no history here, so
+    the hand-out had removed them), and a later step hands them out with the tokens they get alone."""
+    engine = make_engine(model, FAULT_POOL, max_num_seqs=6)
+    handed, raised = [], []
+    hand_out, end_step = engine._hand_out, engine._end_step
+
+    def recording_hand_out(request, step):
+        handed.append(request.request_id)
+        return hand_out(request, step)
+
+    def faulty_end_step(*args):
+        if handed and not raised:
+            raised.append(list(handed))
+            raise InjectedFault("after the hand-out")
+        handed.clear()
+        return end_step(*args)
+
+    engine._hand_out = recording_hand_out
+    engine._end_step = faulty_end_step
+    prompts, params = workload
+    for p, q in zip(prompts, params):
+        engine.add_request(p, q)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        try:
+            for output in engine.step():
+                outputs[output.request_id] = output
+        except InjectedFault:
+            taken_back = [engine.requests.get(i) for i in raised[0]]
+            assert all(r is not None and not r.is_finished for r in taken_back), raised
+        handed.clear()
+    assert raised and sorted(outputs) == list(range(len(prompts)))
+    assert [outputs[i].token_ids for i in range(len(prompts))] == alone
     engine.memory.assert_no_leak()
