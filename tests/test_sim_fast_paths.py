@@ -4,7 +4,10 @@
                        open_rows and count_blocks (two small tables per sequence slot) instead of
                        every row; plain: the bounds of demand.py over the rows (_worst_case_need)
     per-slot tables    KVCacheManager.set_row_tokens keeps open_rows and count_blocks following
-                       row_tokens; plain: recounted from the rows
+                       row_tokens, updating them over the rows that reach a block boundary only
+                       (_crossing); plain: recounted from the rows
+    freeing a sequence BlockPool.free(distinct=True): a sequence's blocks, distinct, skip the sorts
+                       that find repeated ids; plain: free()
     pool, per device   BlockPool.allocate_per_device: every device's blocks in one gather; plain:
                        allocate(n, device=d) device after device
     decode appends     TraceRunner.append: decode items' rows straight from the trace; plain:
@@ -113,6 +116,87 @@ def test_manager_tables_follow_row_tokens_and_a_missed_update_is_caught():
         with pytest.raises(AssertionError, match="does not follow row_tokens"):
             manager.assert_consistent()
         table[manager.seq_index(2)].view(-1)[0] -= 1
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_tables_updated_over_the_crossing_rows_equal_a_recount(block_size, monkeypatch):
+    """Random appends (one token each and several), frees of sequences and of single rows: after
+    each, open_rows and count_blocks equal their recount from row_tokens (assert_consistent). A
+    _crossing that misses one row breaks the same run."""
+
+    def run() -> None:
+        generator = torch.Generator().manual_seed(block_size)
+        manager = KVCacheManager(
+            3, 4, block_size, blocks_per_device=[400, 400], device_of_expert=[0, 1, 1, 0]
+        )
+        for seq in range(4):
+            manager.add_sequence(seq)
+        for step in range(40):
+            slot = manager.seq_index(step % 4)
+            rows = torch.arange(slot * manager.rows_per_seq, (slot + 1) * manager.rows_per_seq)
+            rows = rows[torch.randperm(rows.numel(), generator=generator)[: 1 + step % rows.numel()]]
+            if step % 3 == 0:
+                counts = torch.ones_like(rows)
+                manager.allocate_slots(rows, counts, rows_are_distinct=True, one_each=True)
+            else:
+                counts = torch.randint(0, 2 * block_size + 2, (rows.numel(),), generator=generator)
+                manager.allocate_slots(rows, counts)
+            if step % 11 == 10:
+                manager.free_rows(rows[:2])
+            if step % 13 == 12:
+                manager.free(step % 4)
+                manager.add_sequence(step % 4)
+            manager.assert_consistent()
+
+    run()
+    crossing = KVCacheManager._crossing
+    monkeypatch.setattr(KVCacheManager, "_crossing", lambda self, old, new: crossing(self, old, new)[1:])
+    with pytest.raises(AssertionError):  # the tables, or the blocks of the row it missed
+        run()
+
+
+def test_freeing_distinct_blocks_equals_the_general_free_and_a_sequence_frees_that_way(monkeypatch):
+    sizes = [6, 6, 6]
+    generator = torch.Generator().manual_seed(2)
+    fast = BlockPool(blocks_per_device=sizes, shuffle_seed=5)
+    plain = BlockPool(blocks_per_device=sizes, shuffle_seed=5)
+    for _ in range(20):
+        counts = torch.randint(0, 3, (3,), generator=generator)
+        taken = fast.allocate_per_device(counts)
+        assert torch.equal(taken, plain.allocate_per_device(counts))
+        if taken.numel():
+            fast.incref(taken[:1])  # a shared block: freed once, it stays in use
+            plain.incref(taken[:1])
+            order = taken[torch.randperm(taken.numel(), generator=generator)]
+            fast.free(order, distinct=True)
+            plain.free(order)
+        assert torch.equal(fast.free_block_ids(), plain.free_block_ids())  # the same stacks, in order
+        assert torch.equal(fast.ref_cnt, plain.ref_cnt)
+        if taken.numel():  # its last owner lets the shared block go
+            fast.free(taken[:1], distinct=True)
+            plain.free(taken[:1])
+    fast.assert_consistent()
+    calls = []
+    manager = KVCacheManager(2, 2, 4, blocks_per_device=[20, 20], device_of_expert=[0, 1])
+    manager.add_sequence(0)
+    manager.allocate_slots(torch.arange(4), torch.tensor([5, 0, 9, 3]))
+    pool_free = BlockPool.free
+    monkeypatch.setattr(
+        BlockPool,
+        "free",
+        lambda self, ids, distinct=False: calls.append(distinct) or pool_free(self, ids, distinct),
+    )
+    manager.free(0)
+    assert calls == [True]
+    manager.assert_consistent()
+
+
+def test_a_blocks_device_by_division_on_equal_devices_equals_the_search():
+    ids = torch.arange(30)
+    equal = BlockPool(blocks_per_device=[10, 10, 10])
+    unequal = BlockPool(blocks_per_device=[10, 10, 9, 1])
+    assert torch.equal(equal.device_of_blocks(ids), ids // 10)
+    assert unequal.device_of_blocks(ids).tolist() == [0] * 10 + [1] * 10 + [2] * 9 + [3]
 
 
 def test_allocate_per_device_equals_allocate_device_after_device():

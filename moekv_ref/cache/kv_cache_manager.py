@@ -481,23 +481,42 @@ class KVCacheManager(Stateful):
         """Rows (distinct int64 ids of held sequences) now hold `counts` tokens: the one place
         row_tokens changes, with open_rows and count_blocks (module docstring) following it. The
         caller has taken or returned the blocks."""
+        old = self.row_tokens[rows]  # (m,)
+        self._count_rows(rows, old, counts, self._crossing(old, counts))
+
+    def _crossing(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """(c,) the indices i where a row going from old[i] to new[i] tokens may change its block
+        count or whether its next token opens a block: where the range between them reaches a
+        multiple of P (a superset: a few rows that change neither are counted with 0). A decode
+        step moves each row by one token, so about 2 rows in P; the rest only change row_tokens,
+        and the slot tables are updated over these few (a step of the simulator moves tens of
+        thousands of rows)."""
+        shift = self.block_size.bit_length() - 1  # P is a power of two
+        low = torch.minimum(old, new)
+        high = torch.maximum(old, new)
+        return ((low - 1) >> shift).ne_(high >> shift).nonzero().squeeze(1)
+
+    def _count_rows(self, rows: torch.Tensor, old: torch.Tensor, new: torch.Tensor, crossing) -> None:
+        """set_row_tokens with old = row_tokens[rows] read and crossing = _crossing(old, new)."""
         P = self.block_size
         L = self.num_layers
         E = self.num_experts
         D = self.num_devices
-        old = self.row_tokens[rows]  # (m,)
-        self.row_tokens[rows] = counts
-        where = (rows // E) * D + self.row_device[rows]  # (slot * L + layer) * D + device
-        opened = ((counts & (P - 1)) == 0).to(torch.int32) - ((old & (P - 1)) == 0).to(torch.int32)
+        self.row_tokens[rows] = new
+        rows = rows[crossing]
+        old = old[crossing]
+        new = new[crossing]
+        device = self.row_device[rows]
+        where = (rows // E) * D + device  # (slot * L + layer) * D + device
+        opened = ((new & (P - 1)) == 0).to(torch.int32) - ((old & (P - 1)) == 0).to(torch.int32)
         self.open_rows.view(-1).index_add_(0, where, opened)
-        grown = ceil_div(counts, P) - ceil_div(old, P)  # (m,)
-        self.count_blocks.view(-1).index_add_(0, (rows // (L * E)) * D + self.row_device[rows], grown)
+        grown = ceil_div(new, P) - ceil_div(old, P)  # (c,)
+        self.count_blocks.view(-1).index_add_(0, (rows // (L * E)) * D + device, grown)
 
     def _clear_rows(self, rows) -> None:
-        self.set_row_tokens(
-            torch.as_tensor(rows, dtype=torch.int64).reshape(-1),
-            torch.zeros(torch.as_tensor(rows).numel(), dtype=torch.int64),
-        )
+        """Empty the rows: int64 ids, or a slice (a sequence's rows, written without an index)."""
+        ids = torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else torch.as_tensor(rows)
+        self.set_row_tokens(ids.reshape(-1), torch.zeros(ids.numel(), dtype=torch.int64))
         self.block_tables[rows] = self.pad
         self.last_position[rows] = -1
         self.last_appended[rows] = -1
@@ -549,7 +568,7 @@ class KVCacheManager(Stateful):
         index = self.add_sequence(seq_id)
         rows = self.index.sequence_rows(torch.tensor([index]))[0]  # (L*E,)
         try:
-            fresh = self._take_blocks(rows[copied_rows], one_each, one_each)
+            fresh = self._take_blocks(rows[copied_rows], one_each, one_each, one_each.numel())
         except OutOfBlocksError:
             self.free(seq_id)
             raise
@@ -585,11 +604,12 @@ class KVCacheManager(Stateful):
         """Every block the sequence owns, row by row in token order, then its tail blocks: what a
         swap to a CPU pool copies, and what `free` returns."""
         index = self.seq_index(seq_id)
-        rows = self.index.sequence_rows(torch.tensor([index]))[0]  # (L*E,)
+        rows = slice(index * self.rows_per_seq, (index + 1) * self.rows_per_seq)  # its L * E rows
         tail_blocks = [] if self.tails is None else self.tails.blocks_of_sequence(index)
+        used = self.used_columns(rows)  # (L * E, W)
         return torch.cat(
             [
-                self.block_tables[rows][self.used_columns(rows)].to(torch.int64),
+                self.block_tables[rows].masked_select(used).to(torch.int64),
                 torch.tensor(tail_blocks, dtype=torch.int64),
             ]
         )
@@ -646,6 +666,7 @@ class KVCacheManager(Stateful):
         allocating; one_each=True skips every check: the caller's rows are distinct int64 rows of
         held sequences taking one token each (a decode append)."""
         P = self.block_size
+        fewest = 1
         if not one_each:
             rows, num_new_tokens, fewest, most = self._check_allocation(
                 rows, num_new_tokens, rows_are_distinct
@@ -657,32 +678,35 @@ class KVCacheManager(Stateful):
             return SlotAllocation(torch.zeros(0, dtype=torch.int64))
         old = self.row_tokens[rows]  # (m,)
         new = old + num_new_tokens
-        # decode: the new token goes to column old // P, offset old % P, and needs a block at offset 0
-        column, offset = (old // P, old % P) if one_each else (None, None)
-        needed = offset == 0 if one_each else ceil_div(new, P) - ceil_div(old, P)  # (m,) bool or int
-        block_ids = self._take_blocks(rows, needed, num_new_tokens)  # (total,) may raise
+        # only the rows whose range reaches a block boundary can take a block (with one token each,
+        # 1 in P): the blocks and the slot tables are worked out over those
+        crossing = self._crossing(old, new)  # (c,)
+        growing = rows[crossing]
+        needed = ceil_div(new[crossing], P) - ceil_div(old[crossing], P)  # (c,)
+        block_ids = self._take_blocks(growing, needed, num_new_tokens, rows.numel())  # (total,) may raise
         if block_ids.numel():  # with equal lengths, a decode step takes none P - 1 of P times
-            if one_each:  # a row whose last block is full: one block, at its column
-                getting = needed.nonzero().squeeze(1)  # (total,)
-                owner_rows, block_column = rows[getting], column[getting]
-            else:  # the k-th new block of row i: column ceil(old[i] / P) + k
-                owner = torch.repeat_interleave(torch.arange(rows.numel()), needed)  # (total,)
-                first_new = torch.cumsum(needed, 0) - needed  # (m,)
-                owner_rows = rows[owner]
-                block_column = torch.arange(block_ids.numel()) - first_new[owner] + ceil_div(old, P)[owner]
+            # the k-th new block of row i: column ceil(old[i] / P) + k
+            owner = torch.repeat_interleave(torch.arange(growing.numel()), needed)  # (total,)
+            first_new = torch.cumsum(needed, 0) - needed  # (c,)
+            owner_rows = growing[owner]
+            block_column = (
+                torch.arange(block_ids.numel()) - first_new[owner] + ceil_div(old[crossing], P)[owner]
+            )
             widest = int(block_column.max()) + 1
             if widest > self.block_tables.shape[1]:
                 self._grow_tables(widest)
-            self.block_tables[owner_rows, block_column] = block_ids.to(torch.int32)
-        self.set_row_tokens(rows, new)
-        self.last_appended[rows if one_each else rows[num_new_tokens > 0]] = self.clock
+            width = self.block_tables.shape[1]
+            self.block_tables.view(-1).index_copy_(
+                0, owner_rows * width + block_column, block_ids.to(torch.int32)
+            )
+        self._count_rows(rows, old, new, crossing)
+        growing_rows = rows if one_each or fewest > 0 else rows[num_new_tokens > 0]
+        self.last_appended.index_fill_(0, growing_rows, self.clock)
         if not with_slots:
             return SlotAllocation(None)
-        return SlotAllocation(
-            offset.add_(self.block_tables[rows, column], alpha=P)
-            if one_each  # block * P + offset
-            else self.slots(rows, old, num_new_tokens)
-        )
+        if one_each:  # the new token goes to column old // P, offset old % P: block * P + offset
+            return SlotAllocation((old % P).add_(self.block_tables[rows, old // P], alpha=P))
+        return SlotAllocation(self.slots(rows, old, num_new_tokens))
 
     def allocate_within_budget(
         self, rows: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor
@@ -707,22 +731,23 @@ class KVCacheManager(Stateful):
         return self.slot_of(taken, slot_index), accepted
 
     def _take_blocks(
-        self, rows: torch.Tensor, needed: torch.Tensor, num_new_tokens: torch.Tensor
+        self, rows: torch.Tensor, needed: torch.Tensor, num_new_tokens: torch.Tensor, num_rows: int
     ) -> torch.Tensor:
         """needed[i] fresh blocks for rows[i], from its row's device, row after row; raises
-        OutOfBlocksError, changing nothing, when short."""
+        OutOfBlocksError, changing nothing, when short (naming the num_new_tokens appended to
+        num_rows rows)."""
         if self.num_devices == 1:
             total = int(needed.sum())
             if total == 0:
                 return _NO_BLOCKS
             if total > self.pool.num_free_blocks:
-                self.raise_short(torch.tensor([total]), rows, num_new_tokens)
+                self.raise_short(torch.tensor([total]), num_rows, num_new_tokens)
             block_ids = self.pool.allocate(total)
         else:
             device, needed = self.device_of_rows(rows), needed.to(torch.int64)  # (m,) each
             per_device = torch.zeros(self.num_devices, dtype=torch.int64)
             per_device.index_add_(0, device, needed)  # (D,)
-            self.raise_short(per_device, rows, num_new_tokens)
+            self.raise_short(per_device, num_rows, num_new_tokens)
             block_device = torch.repeat_interleave(device, needed)  # (total,)
             block_ids = torch.empty(block_device.numel(), dtype=torch.int64)
             # device after device, each device's in row order
@@ -731,7 +756,7 @@ class KVCacheManager(Stateful):
             self.prefix_cache.clear_positions(block_ids)
         return block_ids
 
-    def raise_short(self, needed: torch.Tensor, rows, num_new_tokens) -> None:
+    def raise_short(self, needed: torch.Tensor, num_rows: int, num_new_tokens) -> None:
         """OutOfBlocksError naming the pool (or first device) short of the needed (D,) blocks."""
         free = self.num_free_blocks_per_device  # (D,)
         short = (needed > free).nonzero().squeeze(1)
@@ -741,7 +766,7 @@ class KVCacheManager(Stateful):
         shortfall = torch.clamp(needed - free, min=0)  # (D,)
         if self.num_devices == 1:
             raise OutOfBlocksError(
-                f"appending {tokens} tokens to {rows.numel()} rows needs "
+                f"appending {tokens} tokens to {num_rows} rows needs "
                 f"{int(needed[0])} blocks; {int(free[0])} are free",
                 shortfall,
             )
@@ -827,8 +852,8 @@ class KVCacheManager(Stateful):
         """Return every block of the sequence to the pool and forget it; KeyError, changing
         nothing, for a sequence the cache does not hold."""
         index = self.seq_index(seq_id)  # KeyError before any change
-        self.pool.free(self.blocks_of_sequence(seq_id))
-        rows = self.index.sequence_rows(torch.tensor([index]))[0]
+        self.pool.free(self.blocks_of_sequence(seq_id), distinct=True)  # a sequence owns a block once
+        rows = slice(index * self.rows_per_seq, (index + 1) * self.rows_per_seq)  # its L * E rows
         if self.tails is not None:
             self.tails.free(index, rows)
         if self.prefix_cache is not None:
@@ -891,8 +916,12 @@ class KVCacheManager(Stateful):
         self.pool.assert_consistent()
         used = self.used_columns()  # (R, W)
         owned = self.block_tables[used].to(torch.int64)
-        assert (self.block_tables[~used] == self.pad).all(), "a table entry past a row's blocks is set"
         assert (owned < self.num_blocks).all(), "a row's used table entry is padding"
+        # every used entry is a block, so a row with as many set entries as used ones has the rest
+        # padding (one pass over the tables, not a second over the unused entries)
+        assert torch.equal((self.block_tables != self.pad).sum(1), used.sum(1)), (
+            "a table entry past a row's blocks is set"
+        )
         assert torch.equal(self.pool.device_of_blocks(owned), self.device_of_rows(used.nonzero()[:, 0])), (
             "a row holds a block of another device than its own"
         )

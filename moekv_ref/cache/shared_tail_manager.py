@@ -92,7 +92,7 @@ class SharedTails(ManagerPart):
     ) -> SlotAllocation:
         """KVCacheManager.allocate_slots with shared tails, rows checked."""
         m, P, D = self.manager, self.manager.block_size, self.manager.num_devices
-        m.raise_short(self.num_blocks_needed_per_device(rows, num_new_tokens), rows, num_new_tokens)
+        m.raise_short(self.num_blocks_needed_per_device(rows, num_new_tokens), rows.numel(), num_new_tokens)
         old = m.row_tokens[rows]
         new = old + num_new_tokens
         groups = self.group_of_rows(rows)

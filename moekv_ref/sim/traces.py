@@ -84,15 +84,22 @@ class RoutingTrace:
         seqs[i] append to, numbered with seq_index row_seqs[i] (default seqs[i]); the slots each
         gains (a,) >= 1; (L,) experts chosen per layer."""
         index = RowIndex(self.num_layers, self.num_experts)
+        row_seqs = seqs if row_seqs is None else row_seqs
+        # counted over the m sequences' own rows (m * L * E bins, not every row up to the highest
+        # slot's), the sequences numbered in the order of their slots so the rows come out ascending
+        order = torch.argsort(row_seqs)  # (m,)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel())
         owner = torch.repeat_interleave(torch.arange(len(seqs)), counts)  # (N,)
         local = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[owner]
         token = self.offsets[seqs][owner] + starts[owner] + local  # (N,)
         chosen = self.experts[token].to(torch.int64)  # (N, L, K)
-        row_seq = (seqs if row_seqs is None else row_seqs)[owner][:, None, None]
-        row = index.row(row_seq, torch.arange(self.num_layers)[None, :, None], chosen)
-        hits = torch.bincount(row[chosen >= 0])
-        rows = hits.nonzero().squeeze(1)
-        return rows, hits[rows], (chosen >= 0).sum((0, 2))
+        row = index.row(rank[owner][:, None, None], torch.arange(self.num_layers)[None, :, None], chosen)
+        hits = torch.bincount(row[chosen >= 0], minlength=order.numel() * index.rows_per_seq)
+        local_rows = hits.nonzero().squeeze(1)  # ascending
+        rows = row_seqs[order][local_rows // index.rows_per_seq] * index.rows_per_seq
+        rows += local_rows % index.rows_per_seq
+        return rows, hits[local_rows], (chosen >= 0).sum((0, 2))
 
     def prefill_appends(self, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows the prompts of `seqs` fill and the slots each gains (`appends`)."""
