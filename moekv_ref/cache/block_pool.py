@@ -376,7 +376,9 @@ class BlockPool(Stateful):
             )
         stack, cached = torch.cat(stacks), torch.cat(queues)
         free = torch.cat([stack, cached])
-        assert free.unique().numel() == free.numel(), "a block is in the free queues twice"
+        assert int(torch.bincount(free, minlength=self.num_blocks).max()) <= 1, (
+            "a block is in the free queues twice"
+        )
         assert (self.ref_cnt[free] == 0).all(), "a block in a free queue has owners"
         assert not self.is_cached[stack].any(), "a cached block is in the plain free stack"
         assert self.is_cached[cached].all(), "a block in the cached-free queue is not cached"

@@ -607,9 +607,10 @@ class KVCacheManager(Stateful):
         rows = slice(index * self.rows_per_seq, (index + 1) * self.rows_per_seq)  # its L * E rows
         tail_blocks = [] if self.tails is None else self.tails.blocks_of_sequence(index)
         used = self.used_columns(rows)  # (L * E, W)
+        width = int(used.sum(1).max())  # the columns any of its rows uses
         return torch.cat(
             [
-                self.block_tables[rows].masked_select(used).to(torch.int64),
+                self.block_tables[rows, :width].masked_select(used[:, :width]).to(torch.int64),
                 torch.tensor(tail_blocks, dtype=torch.int64),
             ]
         )
@@ -917,9 +918,9 @@ class KVCacheManager(Stateful):
         used = self.used_columns()  # (R, W)
         owned = self.block_tables[used].to(torch.int64)
         assert (owned < self.num_blocks).all(), "a row's used table entry is padding"
-        # every used entry is a block, so a row with as many set entries as used ones has the rest
-        # padding (one pass over the tables, not a second over the unused entries)
-        assert torch.equal((self.block_tables != self.pad).sum(1), used.sum(1)), (
+        # every used entry is a block, so tables with as many set entries as used ones have the
+        # rest padding (one count over the tables, not a pass over the unused entries)
+        assert int(torch.count_nonzero(self.block_tables != self.pad)) == owned.numel(), (
             "a table entry past a row's blocks is set"
         )
         assert torch.equal(self.pool.device_of_blocks(owned), self.device_of_rows(used.nonzero()[:, 0])), (
