@@ -5,7 +5,12 @@ row (sequence, l, e). Expert ids, not a (T, L, E) mask, keep a real-model-shaped
 sequences x 512 tokens x 16 layers x top-8 is 4M int16). `synthetic_trace` gives every sequence
 one expert popularity, `topic_trace` each its topic's.
 
-Dimension legend: S sequences, L layers, E experts, K experts per token (k_max), T topics.
+At 10^5 requests even expert ids are too much (7.7e7 tokens x 24 layers x top-8 is 29 GB of int16),
+so a trace can also be compact: a bank of B routings (B, L, K) and, per token, the index of its
+routing in the bank (RoutingTrace.token_routing).
+
+Dimension legend: S sequences, L layers, E experts, K experts per token (k_max), T topics, B routings
+of a compact trace's bank.
 """
 
 from __future__ import annotations
@@ -20,21 +25,48 @@ from ..validation import MAX_INT32, check_int
 
 @dataclass
 class RoutingTrace:
-    experts: torch.Tensor  # (num_tokens, L, K) int16, sequences concatenated; -1: a token
-    # used fewer than K (threshold routing)
+    """Sequences concatenated: token t's experts are routings[t], or routings[token_routing[t]] in
+    the compact form. Read a few tokens' experts with `experts_of`; `experts` builds every token's."""
+
+    routings: torch.Tensor  # (num_tokens, L, K) int16, one per token, or (B, L, K) when token_routing
+    # is given; -1: a token used fewer than K (threshold routing)
     offsets: torch.Tensor  # (S + 1,) int64: sequence s is tokens offsets[s]:offsets[s + 1]
     prompt_lens: torch.Tensor  # (S,) int64: the first prompt_lens[s] tokens prefill at once
     num_experts: int  # E
     kv_bytes_per_slot: int  # bytes of K and V one token stores in one (layer, expert) row
     name: str = "trace"
+    token_routing: torch.Tensor | None = None  # (num_tokens,) int32 rows of routings; None: per token
 
     def __post_init__(self):
-        if self.experts.dim() != 3:
-            raise ValueError(f"experts must be (num_tokens, L, K), got shape {tuple(self.experts.shape)}")
-        if int(self.offsets[-1]) != self.experts.shape[0]:
+        if self.routings.dim() != 3:
+            raise ValueError(f"routings must be (tokens or B, L, K), got shape {tuple(self.routings.shape)}")
+        index = self.token_routing
+        if index is not None and (
+            index.dim() != 1
+            or index.dtype not in (torch.int32, torch.int64)
+            or (index.numel() > 0 and (int(index.min()) < 0 or int(index.max()) >= len(self.routings)))
+        ):
+            raise ValueError(
+                f"token_routing must be (num_tokens,) int32 or int64 indices into the {len(self.routings)} "
+                f"routings; got shape {tuple(index.shape)}, {index.dtype}"
+            )
+        num_tokens = self.routings.shape[0] if index is None else index.numel()
+        if int(self.offsets[-1]) != num_tokens:
             raise ValueError("offsets[-1] must equal the number of tokens")
         if (self.prompt_lens < 1).any() or (self.prompt_lens > self.lengths).any():
             raise ValueError("every prompt needs 1 <= prompt_len <= sequence length")
+
+    def experts_of(self, tokens: torch.Tensor | slice) -> torch.Tensor:
+        """(n, L, K) int16: the experts of the given tokens (indices or a slice of the concatenation)."""
+        if self.token_routing is None:
+            return self.routings[tokens]
+        return self.routings[self.token_routing[tokens]]
+
+    @property
+    def experts(self) -> torch.Tensor:
+        """(num_tokens, L, K) int16: every token's experts. Costly for a compact trace (it builds the
+        whole per-token tensor the bank avoids); the simulator's paths read `experts_of`."""
+        return self.experts_of(slice(None))
 
     @property
     def num_sequences(self) -> int:
@@ -42,7 +74,18 @@ class RoutingTrace:
 
     @property
     def num_layers(self) -> int:
-        return self.experts.shape[1]
+        return self.routings.shape[1]
+
+    @property
+    def k_max(self) -> int:
+        """K: the most experts a token takes at one layer."""
+        return self.routings.shape[2]
+
+    @property
+    def is_top_k(self) -> bool:
+        """Every token took all K experts at every layer (top-k routing, no -1)."""
+        full = (self.routings >= 0).all(2).all(1)  # (tokens or B,)
+        return bool(full.all() if self.token_routing is None else full[self.token_routing].all())
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -51,24 +94,30 @@ class RoutingTrace:
     @property
     def num_slot_appends(self) -> int:
         """Slots the whole trace writes: one per (token, layer, selected expert)."""
-        return int((self.experts >= 0).sum())
+        if self.token_routing is None:
+            return int((self.routings >= 0).sum())
+        slots = (self.routings >= 0).sum((1, 2))  # (B,)
+        return int((torch.bincount(self.token_routing, minlength=len(self.routings)) * slots).sum())
 
     def subset(self, seqs: list[int]) -> "RoutingTrace":
-        """The trace of some sequences only, renumbered 0..len(seqs)-1."""
-        parts = [self.experts[self.offsets[s] : self.offsets[s + 1]] for s in seqs]
+        """The trace of some sequences only, renumbered 0..len(seqs)-1 (a compact one shares the bank)."""
+        per_token = self.routings if self.token_routing is None else self.token_routing
+        parts = torch.cat([per_token[self.offsets[s] : self.offsets[s + 1]] for s in seqs])
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), self.lengths[seqs].cumsum(0)])
         return RoutingTrace(
-            torch.cat(parts),
+            parts if self.token_routing is None else self.routings,
             offsets,
             self.prompt_lens[seqs].clone(),
             self.num_experts,
             self.kv_bytes_per_slot,
             self.name,
+            None if self.token_routing is None else parts,
         )
 
     def row_counts(self, seq: int) -> torch.Tensor:
         """(len + 1, L, E): tokens each row of sequence `seq` holds after its first t tokens."""
-        chosen = self.experts[int(self.offsets[seq]) : int(self.offsets[seq + 1])].to(torch.int64)
+        tokens = slice(int(self.offsets[seq]), int(self.offsets[seq + 1]))
+        chosen = self.experts_of(tokens).to(torch.int64)  # (n, L, K)
         hits = torch.zeros(chosen.shape[0], self.num_layers, self.num_experts, dtype=torch.int64)
         hits.scatter_add_(2, chosen.clamp(min=0), (chosen >= 0).to(torch.int64))  # (n, L, E)
         return torch.cat([torch.zeros_like(hits[:1]), hits.cumsum(0)])
@@ -87,7 +136,7 @@ class RoutingTrace:
         owner = torch.repeat_interleave(torch.arange(len(seqs)), counts)  # (N,)
         local = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[owner]
         token = self.offsets[seqs][owner] + starts[owner] + local  # (N,)
-        chosen = self.experts[token].to(torch.int64)  # (N, L, K)
+        chosen = self.experts_of(token).to(torch.int64)  # (N, L, K)
         row_seq = (seqs if row_seqs is None else row_seqs)[owner][:, None, None]
         row = index.row(row_seq, torch.arange(self.num_layers)[None, :, None], chosen)
         hits = torch.bincount(row[chosen >= 0])
@@ -106,7 +155,7 @@ class RoutingTrace:
         with seq_index row_seqs[i] (default seqs[i]): (a,) int64, distinct (a token's experts are
         distinct, and each sequence decodes one token); (L,) experts chosen per layer."""
         index = RowIndex(self.num_layers, self.num_experts)
-        chosen = self.experts[self.offsets[seqs] + token_index].to(torch.int64)  # (m, L, K)
+        chosen = self.experts_of(self.offsets[seqs] + token_index).to(torch.int64)  # (m, L, K)
         row_seq = seqs if row_seqs is None else row_seqs
         rows = index.row(row_seq[:, None, None], torch.arange(self.num_layers)[None, :, None], chosen)
         used = chosen >= 0
