@@ -7,7 +7,7 @@ one expert popularity, `topic_trace` each its topic's.
 
 At 10^5 requests even expert ids are too much (7.7e7 tokens x 24 layers x top-8 is 29 GB of int16),
 so a trace can also be compact: a bank of B routings (B, L, K) and, per token, the index of its
-routing in the bank (RoutingTrace.token_routing).
+routing in the bank (`distinct_routings` of the two generators; RoutingTrace.token_routing).
 
 Dimension legend: S sequences, L layers, E experts, K experts per token (k_max), T topics, B routings
 of a compact trace's bank.
@@ -215,6 +215,32 @@ def _gumbel_top_k(log_weight, num_tokens: int, top_k: int, generator, token_topi
     return experts
 
 
+def _bank(log_weight, bank_size: int, top_k: int, generator, offsets, topic=None):
+    """A compact trace's routings: bank_size Gumbel top-k draws per topic, topic t's being rows
+    t * B .. (t + 1) * B - 1 of (T * B, L, K) int16, and for every token one of its topic's draws,
+    uniformly at random: (num_tokens,) int32. log_weight (L, E) with topic None (one topic), or
+    (T, L, E) with topic (S,) of each sequence; offsets (S + 1,)."""
+    num_topics = 1 if topic is None else log_weight.shape[0]
+    bank_topic = None if topic is None else torch.arange(num_topics).repeat_interleave(bank_size)  # (T * B,)
+    routings = _gumbel_top_k(log_weight, num_topics * bank_size, top_k, generator, bank_topic)
+    num_tokens = int(offsets[-1])
+    token_routing = torch.randint(bank_size, (num_tokens,), generator=generator, dtype=torch.int32)
+    if topic is not None:
+        token_routing += torch.repeat_interleave((topic * bank_size).to(torch.int32), offsets.diff())
+    return routings, token_routing
+
+
+def _check_bank_size(distinct_routings, num_topics: int = 1) -> int | None:
+    return check_int(
+        "distinct_routings",
+        distinct_routings,
+        1,
+        MAX_INT32 // num_topics,
+        meaning="routings drawn per topic, the bank of a compact trace; None: every token draws its own",
+        allow_none=True,
+    )
+
+
 def _log_rank(n: int, num_layers: int, num_experts: int, generator) -> torch.Tensor:
     """(n, L, E) float32: log(1 + rank) of each expert in a random ranking per layer, n times."""
     ranks = torch.stack(
@@ -239,11 +265,21 @@ def synthetic_trace(
     seed: int = 0,
     name: str = "synthetic",
     lengths=None,
+    distinct_routings: int | None = None,
 ) -> RoutingTrace:
     """Top-k routing, Zipf(s) expert popularity, log-normal prompt and output lengths: each layer
     ranks its experts at random (the hot expert differs per layer), rank r weighs 1 / r^s, and a
     token takes k distinct experts by those weights (Gumbel top-k). zipf_s = 0 is uniform. lengths:
-    (prompts, outputs) to use instead of the log-normal ones (also in topic_trace)."""
+    (prompts, outputs) to use instead of the log-normal ones (also in topic_trace).
+
+    distinct_routings (also in topic_trace): None draws every token's routing (bit-identical to the
+    traces before this option existed). B draws only B routings per topic and gives each token one of
+    its topic's B uniformly at random, in a compact RoutingTrace (token_routing). Tokens stay
+    independent draws, but from the bank's empirical distribution, B samples of the true one: a
+    (layer, expert) frequency moves by about sqrt(p (1 - p) / B), and no more than B routings
+    (duplicates possible) occur per topic. The price buys memory and time: at 10^5 requests of 768
+    tokens, 24 layers and top-8, per-token routing is 29 GB of int16 and most of an hour of Gumbel
+    noise; B = 32768 is a 12 MiB bank plus 4 bytes a token (0.3 GB), built in seconds."""
     _check_sizes(
         dict(zipf_s=zipf_s),
         num_sequences=num_sequences,
@@ -251,9 +287,13 @@ def synthetic_trace(
         num_experts=num_experts,
         top_k=top_k,
     )
+    bank_size = _check_bank_size(distinct_routings)
     generator = torch.Generator().manual_seed(seed)
     prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator, lengths)
     log_weight = -zipf_s * _log_rank(1, num_layers, num_experts, generator)[0]  # (L, E)
+    if bank_size is not None:
+        routings, token_routing = _bank(log_weight, bank_size, top_k, generator, offsets)
+        return RoutingTrace(routings, offsets, prompts, num_experts, kv_bytes_per_slot, name, token_routing)
     experts = _gumbel_top_k(log_weight, int(offsets[-1]), top_k, generator)
     return RoutingTrace(experts, offsets, prompts, num_experts, kv_bytes_per_slot, name)
 
@@ -274,6 +314,7 @@ def topic_trace(
     seed: int = 0,
     name: str = "topics",
     lengths=None,
+    distinct_routings: int | None = None,
 ) -> tuple[RoutingTrace, torch.Tensor]:
     """A RoutingTrace and the topic of each sequence, (S,) int64. Learned routers specialise
     (`routing-stats`): sequences lean on their topic's experts, so under per-device pools the
@@ -291,12 +332,18 @@ def topic_trace(
         top_k=top_k,
         num_topics=num_topics,
     )
+    bank_size = _check_bank_size(distinct_routings, num_topics)
     generator = torch.Generator().manual_seed(seed)
     prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator, lengths)
     global_weight = -global_s * _log_rank(1, num_layers, num_experts, generator)[0]  # (L, E)
     topic_weight = -topic_s * _log_rank(num_topics, num_layers, num_experts, generator)  # (T, L, E)
     popularity = torch.arange(1, num_topics + 1, dtype=torch.float64) ** -topic_popularity_s
     topic = torch.multinomial(popularity, num_sequences, replacement=True, generator=generator)  # (S,)
+    if bank_size is not None:
+        log_weight = global_weight + topic_weight  # (T, L, E)
+        routings, token_routing = _bank(log_weight, bank_size, top_k, generator, offsets, topic)
+        trace = RoutingTrace(routings, offsets, prompts, num_experts, kv_bytes_per_slot, name, token_routing)
+        return trace, topic
     token_topic = torch.repeat_interleave(topic, offsets[1:] - offsets[:-1])  # (N,)
     experts = _gumbel_top_k(global_weight + topic_weight, int(offsets[-1]), top_k, generator, token_topic)
     return RoutingTrace(experts, offsets, prompts, num_experts, kv_bytes_per_slot, name), topic
