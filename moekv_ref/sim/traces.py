@@ -35,7 +35,8 @@ class RoutingTrace:
     num_experts: int  # E
     kv_bytes_per_slot: int  # bytes of K and V one token stores in one (layer, expert) row
     name: str = "trace"
-    token_routing: torch.Tensor | None = None  # (num_tokens,) int32 rows of routings; None: per token
+    # (num_tokens,) int32 (int64 accepted) rows of routings, one per token; None: routings is per token
+    token_routing: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.routings.dim() != 3:
