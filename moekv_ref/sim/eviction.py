@@ -196,7 +196,7 @@ class TraceRunner:
                     f"{tuple(arrivals.shape)} and cost={cost!r}"
                 )
         self.trace, self.setup, self.cost = trace, setup, cost
-        L, E, K = trace.num_layers, trace.num_experts, int(trace.experts.shape[2])
+        L, E, K = trace.num_layers, trace.num_experts, trace.k_max
         num_devices = int(torch.as_tensor(device_of_expert).max()) + 1
         self.manager = KVCacheManager(
             L,
@@ -206,7 +206,7 @@ class TraceRunner:
             device_of_expert=device_of_expert,
             initial_num_seqs=setup.max_num_seqs + 1,
         )
-        top_k = bool((trace.experts >= 0).all())  # every token used all K: top-k routing
+        top_k = trace.is_top_k  # every token used all K: top-k routing
         self.shape = ModelShape(L, E, K, K if top_k else 1, setup.block_size, int(trace.lengths.max()) + 1)
         self.future = TraceFuture(trace, self.manager, self.shape)
         if isinstance(policy, str):

@@ -5,12 +5,18 @@ row (sequence, l, e). Expert ids, not a (T, L, E) mask, keep a real-model-shaped
 sequences x 512 tokens x 16 layers x top-8 is 4M int16). `synthetic_trace` gives every sequence
 one expert popularity, `topic_trace` each its topic's.
 
-Dimension legend: S sequences, L layers, E experts, K experts per token (k_max), T topics.
+At 10^5 requests even expert ids are too much (7.7e7 tokens x 24 layers x top-8 is 29 GB of int16),
+so a trace can also be compact: a bank of B routings (B, L, K) and, per token, the index of its
+routing in the bank (`distinct_routings` of the two generators; RoutingTrace.token_routing).
+
+Dimension legend: S sequences, L layers, E experts, K experts per token (k_max), T topics, B routings
+of a compact trace's bank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -20,21 +26,49 @@ from ..validation import MAX_INT32, check_int
 
 @dataclass
 class RoutingTrace:
-    experts: torch.Tensor  # (num_tokens, L, K) int16, sequences concatenated; -1: a token
-    # used fewer than K (threshold routing)
+    """Sequences concatenated: token t's experts are routings[t], or routings[token_routing[t]] in
+    the compact form. Read a few tokens' experts with `experts_of`; `experts` builds every token's."""
+
+    routings: torch.Tensor  # (num_tokens, L, K) int16, one per token, or (B, L, K) when token_routing
+    # is given; -1: a token used fewer than K (threshold routing)
     offsets: torch.Tensor  # (S + 1,) int64: sequence s is tokens offsets[s]:offsets[s + 1]
     prompt_lens: torch.Tensor  # (S,) int64: the first prompt_lens[s] tokens prefill at once
     num_experts: int  # E
     kv_bytes_per_slot: int  # bytes of K and V one token stores in one (layer, expert) row
     name: str = "trace"
+    # (num_tokens,) int32 (int64 accepted) rows of routings, one per token; None: routings is per token
+    token_routing: torch.Tensor | None = None
 
     def __post_init__(self):
-        if self.experts.dim() != 3:
-            raise ValueError(f"experts must be (num_tokens, L, K), got shape {tuple(self.experts.shape)}")
-        if int(self.offsets[-1]) != self.experts.shape[0]:
+        if self.routings.dim() != 3:
+            raise ValueError(f"routings must be (tokens or B, L, K), got shape {tuple(self.routings.shape)}")
+        index = self.token_routing
+        if index is not None and (
+            index.dim() != 1
+            or index.dtype not in (torch.int32, torch.int64)
+            or (index.numel() > 0 and (int(index.min()) < 0 or int(index.max()) >= len(self.routings)))
+        ):
+            raise ValueError(
+                f"token_routing must be (num_tokens,) int32 or int64 indices into the {len(self.routings)} "
+                f"routings; got shape {tuple(index.shape)}, {index.dtype}"
+            )
+        num_tokens = self.routings.shape[0] if index is None else index.numel()
+        if int(self.offsets[-1]) != num_tokens:
             raise ValueError("offsets[-1] must equal the number of tokens")
         if (self.prompt_lens < 1).any() or (self.prompt_lens > self.lengths).any():
             raise ValueError("every prompt needs 1 <= prompt_len <= sequence length")
+
+    def experts_of(self, tokens: torch.Tensor | slice) -> torch.Tensor:
+        """(n, L, K) int16: the experts of the given tokens (indices or a slice of the concatenation)."""
+        if self.token_routing is None:
+            return self.routings[tokens]
+        return self.routings[self.token_routing[tokens]]
+
+    @property
+    def experts(self) -> torch.Tensor:
+        """(num_tokens, L, K) int16: every token's experts. Costly for a compact trace (it builds the
+        whole per-token tensor the bank avoids); the simulator's paths read `experts_of`."""
+        return self.experts_of(slice(None))
 
     @property
     def num_sequences(self) -> int:
@@ -42,7 +76,19 @@ class RoutingTrace:
 
     @property
     def num_layers(self) -> int:
-        return self.experts.shape[1]
+        return self.routings.shape[1]
+
+    @property
+    def k_max(self) -> int:
+        """K: the most experts a token takes at one layer."""
+        return self.routings.shape[2]
+
+    @cached_property
+    def is_top_k(self) -> bool:
+        """Every token took all K experts at every layer (top-k routing, no -1); read once (the
+        appends of every step skip their masks where it holds)."""
+        full = (self.routings >= 0).all(2).all(1)  # (tokens or B,)
+        return bool(full.all() if self.token_routing is None else full[self.token_routing].all())
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -51,24 +97,30 @@ class RoutingTrace:
     @property
     def num_slot_appends(self) -> int:
         """Slots the whole trace writes: one per (token, layer, selected expert)."""
-        return int((self.experts >= 0).sum())
+        if self.token_routing is None:
+            return int((self.routings >= 0).sum())
+        slots = (self.routings >= 0).sum((1, 2))  # (B,)
+        return int((torch.bincount(self.token_routing, minlength=len(self.routings)) * slots).sum())
 
     def subset(self, seqs: list[int]) -> "RoutingTrace":
-        """The trace of some sequences only, renumbered 0..len(seqs)-1."""
-        parts = [self.experts[self.offsets[s] : self.offsets[s + 1]] for s in seqs]
+        """The trace of some sequences only, renumbered 0..len(seqs)-1 (a compact one shares the bank)."""
+        per_token = self.routings if self.token_routing is None else self.token_routing
+        parts = torch.cat([per_token[self.offsets[s] : self.offsets[s + 1]] for s in seqs])
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), self.lengths[seqs].cumsum(0)])
         return RoutingTrace(
-            torch.cat(parts),
+            parts if self.token_routing is None else self.routings,
             offsets,
             self.prompt_lens[seqs].clone(),
             self.num_experts,
             self.kv_bytes_per_slot,
             self.name,
+            None if self.token_routing is None else parts,
         )
 
     def row_counts(self, seq: int) -> torch.Tensor:
         """(len + 1, L, E): tokens each row of sequence `seq` holds after its first t tokens."""
-        chosen = self.experts[int(self.offsets[seq]) : int(self.offsets[seq + 1])].to(torch.int64)
+        tokens = slice(int(self.offsets[seq]), int(self.offsets[seq + 1]))
+        chosen = self.experts_of(tokens).to(torch.int64)  # (n, L, K)
         hits = torch.zeros(chosen.shape[0], self.num_layers, self.num_experts, dtype=torch.int64)
         hits.scatter_add_(2, chosen.clamp(min=0), (chosen >= 0).to(torch.int64))  # (n, L, E)
         return torch.cat([torch.zeros_like(hits[:1]), hits.cumsum(0)])
@@ -93,13 +145,18 @@ class RoutingTrace:
         owner = torch.repeat_interleave(torch.arange(len(seqs)), counts)  # (N,)
         local = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[owner]
         token = self.offsets[seqs][owner] + starts[owner] + local  # (N,)
-        chosen = self.experts[token].to(torch.int64)  # (N, L, K)
+        chosen = self.experts_of(token).to(torch.int64)  # (N, L, K)
         row = index.row(rank[owner][:, None, None], torch.arange(self.num_layers)[None, :, None], chosen)
-        hits = torch.bincount(row[chosen >= 0], minlength=order.numel() * index.rows_per_seq)
+        if self.is_top_k:  # every entry is an expert: nothing to mask out
+            hits = torch.bincount(row.view(-1), minlength=order.numel() * index.rows_per_seq)
+            per_layer = torch.full((self.num_layers,), chosen.shape[0] * self.k_max, dtype=torch.int64)
+        else:
+            hits = torch.bincount(row[chosen >= 0], minlength=order.numel() * index.rows_per_seq)
+            per_layer = (chosen >= 0).sum((0, 2))
         local_rows = hits.nonzero().squeeze(1)  # ascending
         rows = row_seqs[order][local_rows // index.rows_per_seq] * index.rows_per_seq
         rows += local_rows % index.rows_per_seq
-        return rows, hits[local_rows], (chosen >= 0).sum((0, 2))
+        return rows, hits[local_rows], per_layer
 
     def prefill_appends(self, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows the prompts of `seqs` fill and the slots each gains (`appends`)."""
@@ -113,9 +170,11 @@ class RoutingTrace:
         with seq_index row_seqs[i] (default seqs[i]): (a,) int64, distinct (a token's experts are
         distinct, and each sequence decodes one token); (L,) experts chosen per layer."""
         index = RowIndex(self.num_layers, self.num_experts)
-        chosen = self.experts[self.offsets[seqs] + token_index].to(torch.int64)  # (m, L, K)
+        chosen = self.experts_of(self.offsets[seqs] + token_index).to(torch.int64)  # (m, L, K)
         row_seq = seqs if row_seqs is None else row_seqs
         rows = index.row(row_seq[:, None, None], torch.arange(self.num_layers)[None, :, None], chosen)
+        if self.is_top_k:  # every entry is an expert: nothing to mask out
+            return rows.view(-1), torch.full((self.num_layers,), rows.shape[0] * self.k_max, dtype=torch.int64)
         used = chosen >= 0
         return rows[used], used.sum((0, 2))
 
@@ -173,6 +232,32 @@ def _gumbel_top_k(log_weight, num_tokens: int, top_k: int, generator, token_topi
     return experts
 
 
+def _bank(log_weight, bank_size: int, top_k: int, generator, offsets, topic=None):
+    """A compact trace's routings: bank_size Gumbel top-k draws per topic, topic t's being rows
+    t * B .. (t + 1) * B - 1 of (T * B, L, K) int16, and for every token one of its topic's draws,
+    uniformly at random: (num_tokens,) int32. log_weight (L, E) with topic None (one topic), or
+    (T, L, E) with topic (S,) of each sequence; offsets (S + 1,)."""
+    num_topics = 1 if topic is None else log_weight.shape[0]
+    bank_topic = None if topic is None else torch.arange(num_topics).repeat_interleave(bank_size)  # (T * B,)
+    routings = _gumbel_top_k(log_weight, num_topics * bank_size, top_k, generator, bank_topic)
+    num_tokens = int(offsets[-1])
+    token_routing = torch.randint(bank_size, (num_tokens,), generator=generator, dtype=torch.int32)
+    if topic is not None:
+        token_routing += torch.repeat_interleave((topic * bank_size).to(torch.int32), offsets.diff())
+    return routings, token_routing
+
+
+def _check_bank_size(distinct_routings, num_topics: int = 1) -> int | None:
+    return check_int(
+        "distinct_routings",
+        distinct_routings,
+        1,
+        MAX_INT32 // num_topics,
+        meaning="routings drawn per topic, the bank of a compact trace; None: every token draws its own",
+        allow_none=True,
+    )
+
+
 def _log_rank(n: int, num_layers: int, num_experts: int, generator) -> torch.Tensor:
     """(n, L, E) float32: log(1 + rank) of each expert in a random ranking per layer, n times."""
     ranks = torch.stack(
@@ -197,11 +282,21 @@ def synthetic_trace(
     seed: int = 0,
     name: str = "synthetic",
     lengths=None,
+    distinct_routings: int | None = None,
 ) -> RoutingTrace:
     """Top-k routing, Zipf(s) expert popularity, log-normal prompt and output lengths: each layer
     ranks its experts at random (the hot expert differs per layer), rank r weighs 1 / r^s, and a
     token takes k distinct experts by those weights (Gumbel top-k). zipf_s = 0 is uniform. lengths:
-    (prompts, outputs) to use instead of the log-normal ones (also in topic_trace)."""
+    (prompts, outputs) to use instead of the log-normal ones (also in topic_trace).
+
+    distinct_routings (also in topic_trace): None draws every token's routing (bit-identical to the
+    traces before this option existed). B draws only B routings per topic and gives each token one of
+    its topic's B uniformly at random, in a compact RoutingTrace (token_routing). Tokens stay
+    independent draws, but from the bank's empirical distribution, B samples of the true one: a
+    (layer, expert) frequency moves by about sqrt(p (1 - p) / B), and no more than B routings
+    (duplicates possible) occur per topic. The price buys memory and time: at 10^5 requests of 768
+    tokens, 24 layers and top-8, per-token routing is 29 GB of int16 and most of an hour of Gumbel
+    noise; B = 32768 is a 12 MiB bank plus 4 bytes a token (0.3 GB), built in seconds."""
     _check_sizes(
         dict(zipf_s=zipf_s),
         num_sequences=num_sequences,
@@ -209,9 +304,13 @@ def synthetic_trace(
         num_experts=num_experts,
         top_k=top_k,
     )
+    bank_size = _check_bank_size(distinct_routings)
     generator = torch.Generator().manual_seed(seed)
     prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator, lengths)
     log_weight = -zipf_s * _log_rank(1, num_layers, num_experts, generator)[0]  # (L, E)
+    if bank_size is not None:
+        routings, token_routing = _bank(log_weight, bank_size, top_k, generator, offsets)
+        return RoutingTrace(routings, offsets, prompts, num_experts, kv_bytes_per_slot, name, token_routing)
     experts = _gumbel_top_k(log_weight, int(offsets[-1]), top_k, generator)
     return RoutingTrace(experts, offsets, prompts, num_experts, kv_bytes_per_slot, name)
 
@@ -232,6 +331,7 @@ def topic_trace(
     seed: int = 0,
     name: str = "topics",
     lengths=None,
+    distinct_routings: int | None = None,
 ) -> tuple[RoutingTrace, torch.Tensor]:
     """A RoutingTrace and the topic of each sequence, (S,) int64. Learned routers specialise
     (`routing-stats`): sequences lean on their topic's experts, so under per-device pools the
@@ -249,12 +349,18 @@ def topic_trace(
         top_k=top_k,
         num_topics=num_topics,
     )
+    bank_size = _check_bank_size(distinct_routings, num_topics)
     generator = torch.Generator().manual_seed(seed)
     prompts, offsets = _lengths(num_sequences, mean_prompt, mean_output, sigma, generator, lengths)
     global_weight = -global_s * _log_rank(1, num_layers, num_experts, generator)[0]  # (L, E)
     topic_weight = -topic_s * _log_rank(num_topics, num_layers, num_experts, generator)  # (T, L, E)
     popularity = torch.arange(1, num_topics + 1, dtype=torch.float64) ** -topic_popularity_s
     topic = torch.multinomial(popularity, num_sequences, replacement=True, generator=generator)  # (S,)
+    if bank_size is not None:
+        log_weight = global_weight + topic_weight  # (T, L, E)
+        routings, token_routing = _bank(log_weight, bank_size, top_k, generator, offsets, topic)
+        trace = RoutingTrace(routings, offsets, prompts, num_experts, kv_bytes_per_slot, name, token_routing)
+        return trace, topic
     token_topic = torch.repeat_interleave(topic, offsets[1:] - offsets[:-1])  # (N,)
     experts = _gumbel_top_k(global_weight + topic_weight, int(offsets[-1]), top_k, generator, token_topic)
     return RoutingTrace(experts, offsets, prompts, num_experts, kv_bytes_per_slot, name), topic
