@@ -1,8 +1,9 @@
 """The simulator's fast paths make exactly the decisions of the plain ones.
 
     decode need        Scheduler._decode_need: a decode step's worst case read from the manager's
-                       open_rows and count_blocks (two small tables per sequence slot) instead of
-                       every row; plain: the bounds of demand.py over the rows (_worst_case_need)
+                       open_rows and count_blocks (two small tables per sequence slot), or from
+                       open_per_device where k_max caps no device, instead of every row; plain: the
+                       bounds of demand.py over the rows (_worst_case_need)
     per-slot tables    KVCacheManager.set_row_tokens keeps open_rows and count_blocks following
                        row_tokens, updating them over the rows that reach a block boundary only
                        (_crossing); plain: recounted from the rows
@@ -32,12 +33,17 @@ from moekv_ref.sim.traces import synthetic_trace, topic_trace
 FREE = CostModel("free", 0.0, 0.0, 0.0, float("inf"), 0.0, 0.0, 1)
 
 
-def random_runner(seed: int, policy: str = "sequence_lru", blocks: int = 80) -> TraceRunner:
-    """A small run on two devices and a skewed trace, with blocks tight enough to evict (16 to 25
-    evictions on these seeds)."""
+def random_runner(
+    seed: int, policy: str = "sequence_lru", blocks: int = 80, num_devices: int = 2
+) -> TraceRunner:
+    """A small run on two devices (4 experts each, top-2: k_max caps each device's open rows) or on
+    four (2 experts each: it caps none) and a skewed trace, with blocks tight enough to evict (16
+    to 25 evictions on these seeds, on two devices)."""
     trace, _ = topic_trace(40, 3, 8, 2, mean_prompt=8, mean_output=24, seed=seed)
     generator = torch.Generator().manual_seed(seed)
-    placement = torch.stack([torch.randperm(8, generator=generator) % 2 for _ in range(3)])  # (L, E)
+    placement = torch.stack(
+        [torch.randperm(8, generator=generator) % num_devices for _ in range(3)]
+    )  # (L, E)
     setup = EvictionSetup(blocks_per_device=blocks, block_size=4, max_num_seqs=12, max_num_batched_tokens=64)
     return TraceRunner(trace, placement, setup, policy, FREE)
 
@@ -49,20 +55,24 @@ def decisions(runner: TraceRunner):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("policy", ["sequence_lru", "pressure_aware", "expert_lru"])
-def test_decode_need_makes_the_decisions_of_the_row_by_row_bound(seed, policy, monkeypatch):
-    fast = decisions(random_runner(seed, policy))
+@pytest.mark.parametrize("num_devices", [2, 4])
+def test_decode_need_makes_the_decisions_of_the_row_by_row_bound(seed, policy, num_devices, monkeypatch):
+    fast = decisions(random_runner(seed, policy, blocks=160 // num_devices, num_devices=num_devices))
     assert fast[1], "no eviction happened: the comparison would not test victims"
+    assert random_runner(seed, num_devices=num_devices).scheduler._caps_bind == (num_devices == 2)
     monkeypatch.setattr(scheduler_module.Scheduler, "_decode_need", lambda self, requests, num_tokens: None)
-    plain = decisions(random_runner(seed, policy))
+    plain = decisions(random_runner(seed, policy, blocks=160 // num_devices, num_devices=num_devices))
     assert fast[0] == plain[0]  # admitted / resumed / preempted, each step
     assert fast[1] == plain[1]  # victims, modes, blocks freed per device
     assert torch.equal(fast[2], plain[2])  # blocks in use per device after each step
 
 
-def test_a_broken_decode_need_changes_the_decisions(monkeypatch):
+@pytest.mark.parametrize("num_devices", [2, 4])
+def test_a_broken_decode_need_changes_the_decisions(num_devices, monkeypatch):
     """The comparison above fails when the fast path is wrong by one block (so it is the one that
-    runs): it reserves one block more per device than the bound says."""
-    plain = decisions(random_runner(0))
+    runs), on both of its branches: it reserves one block more per device than the bound says."""
+    blocks = 160 // num_devices
+    plain = decisions(random_runner(0, blocks=blocks, num_devices=num_devices))
     real = scheduler_module.Scheduler._decode_need
 
     def one_more(self, requests, num_tokens):
@@ -70,16 +80,19 @@ def test_a_broken_decode_need_changes_the_decisions(monkeypatch):
         return None if need is None else need + 1
 
     monkeypatch.setattr(scheduler_module.Scheduler, "_decode_need", one_more)
-    broken = decisions(random_runner(0))
+    broken = decisions(random_runner(0, blocks=blocks, num_devices=num_devices))
     assert broken[0] != plain[0] or broken[1] != plain[1] or not torch.equal(broken[2], plain[2])
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_decode_need_equals_the_bound_over_rows_on_random_states(seed):
+@pytest.mark.parametrize("num_devices", [2, 4])
+def test_decode_need_equals_the_bound_over_rows_on_random_states(seed, num_devices):
     """Random placements and row counts (a decode step of every held sequence): the (m, D) needs of
-    the two paths are equal (the plain one with its lifetime cap, which a decode token never reaches)."""
+    the two paths are equal (the plain one with its lifetime cap, which a decode token never reaches).
+    On 2 devices 4 experts a device, k_d = 3: the min of bounds A and B matters; on 4, 2 experts a
+    device: k_max caps none, and the open rows summed over the layers answer."""
     generator = torch.Generator().manual_seed(seed)
-    L, E, D, K, P = 3, 8, 2, 3, 4  # 4 experts a device, k_d = 3: the min of bounds A and B matters
+    L, E, D, K, P = 3, 8, num_devices, 3, 4
     placement = torch.stack([torch.randperm(E, generator=generator) % D for _ in range(L)])
     trace = synthetic_trace(16, L, E, K, mean_prompt=12, mean_output=8, seed=seed)
     runner = TraceRunner(
@@ -97,6 +110,7 @@ def test_decode_need_equals_the_bound_over_rows_on_random_states(seed):
     requests = list(scheduler.running)
     assert requests and all(r.num_pending_tokens == 1 for r in requests)
     fast = scheduler._decode_need(requests, [1] * len(requests))
+    assert scheduler._caps_bind == (num_devices == 2)
     scheduler._experts_on = None  # the plain path from here
     plain = scheduler.step_blocks_many(requests, [1] * len(requests))
     assert fast is not None and torch.equal(fast, plain)
@@ -111,7 +125,7 @@ def test_manager_tables_follow_row_tokens_and_a_missed_update_is_caught():
     manager.allocate_slots(rows, torch.randint(0, 9, (rows.numel(),), generator=generator))
     manager.free(1)
     manager.assert_consistent()
-    for table in (manager.open_rows, manager.count_blocks):  # an update set_row_tokens missed
+    for table in (manager.open_rows, manager.open_per_device, manager.count_blocks):  # a missed update
         table[manager.seq_index(2)].view(-1)[0] += 1
         with pytest.raises(AssertionError, match="does not follow row_tokens"):
             manager.assert_consistent()

@@ -10,13 +10,14 @@ step, for the model's attention (a few rows) and the cache-only simulator (tens 
     last_appended   (num_rows,)             int64  the `clock` of the row's last append (-1: none),
                                                    what an expert-level LRU reads (`row_last_used`)
 
-and two tables over sequence slots that follow from row_tokens, kept up to date where it changes
-(`set_row_tokens`, its one writer), so that a scheduler reads a decode step's worst case without
-touching every row of every running sequence (engine/demand.py, `decode_need`):
+and three tables over sequence slots that follow from row_tokens, kept up to date where it
+changes (`set_row_tokens`, its one writer), so that a scheduler reads a decode step's worst case
+without touching every row of every running sequence (engine/demand.py, `decode_need`):
 
     open_rows       (num_slots, L, D)       int32  rows of each (layer, device) whose last block is
                                                    full or which are empty: the next token there
                                                    opens a block
+    open_per_device (num_slots, D)          int64  open_rows summed over the layers
     count_blocks    (num_slots, D)          int64  ceil(n / P) summed over the rows on each device
 
 Token j of a row lives at offset j % P of block block_tables[row, j // P], slot block_id * P +
@@ -268,6 +269,7 @@ class KVCacheManager(Stateful):
         "clock",
         "last_appended",
         "open_rows",
+        "open_per_device",
         "count_blocks",
         "_seq_index",
         "_free_seq_indices",
@@ -341,6 +343,7 @@ class KVCacheManager(Stateful):
         self.last_appended = torch.full((num_rows,), -1, dtype=torch.int64)  # (R,)
         D = self.pool.num_devices
         self.open_rows = torch.zeros(initial_num_seqs, num_layers, D, dtype=torch.int32)  # (S, L, D)
+        self.open_per_device = torch.zeros(initial_num_seqs, D, dtype=torch.int64)  # (S, D)
         self.count_blocks = torch.zeros(initial_num_seqs, D, dtype=torch.int64)  # (S, D)
         self.slot_held = torch.zeros(initial_num_seqs, dtype=torch.bool)  # (S,) a sequence holds it
         self._seq_index: dict[int, int] = {}  # sequence id -> its slot of rows
@@ -438,6 +441,7 @@ class KVCacheManager(Stateful):
         ).scatter_add_(
             1, devices, torch.ones_like(devices, dtype=torch.int32)
         )  # every row is empty: all open
+        self.open_per_device[index] = self.open_rows[index].sum(0)
         if self.tails is not None:
             self.tails.add_sequence(index)
         return index
@@ -472,10 +476,14 @@ class KVCacheManager(Stateful):
         return self.index.row(slots, layer, experts)
 
     def used_columns(self, rows=slice(None)) -> torch.Tensor:
-        """(m, W) the table entries that list a block: ceil(n / P), or n // P with shared tails."""
+        """(m, W) the table entries that list a block: the first num_used_columns of each row."""
+        return torch.arange(self.block_tables.shape[1]) < self.num_used_columns(rows)[:, None]
+
+    def num_used_columns(self, rows=slice(None)) -> torch.Tensor:
+        """(m,) the table entries of each row that list a block: ceil(n / P), or n // P with shared
+        tails."""
         n = self.row_tokens[rows]
-        num_used = n // self.block_size if self.tails is not None else ceil_div(n, self.block_size)
-        return torch.arange(self.block_tables.shape[1]) < num_used[:, None]
+        return n // self.block_size if self.tails is not None else ceil_div(n, self.block_size)
 
     def set_row_tokens(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
         """Rows (distinct int64 ids of held sequences) now hold `counts` tokens: the one place
@@ -510,8 +518,10 @@ class KVCacheManager(Stateful):
         where = (rows // E) * D + device  # (slot * L + layer) * D + device
         opened = ((new & (P - 1)) == 0).to(torch.int32) - ((old & (P - 1)) == 0).to(torch.int32)
         self.open_rows.view(-1).index_add_(0, where, opened)
+        slot_device = (rows // (L * E)) * D + device
+        self.open_per_device.view(-1).index_add_(0, slot_device, opened.to(torch.int64))
         grown = ceil_div(new, P) - ceil_div(old, P)  # (c,)
-        self.count_blocks.view(-1).index_add_(0, (rows // (L * E)) * D + device, grown)
+        self.count_blocks.view(-1).index_add_(0, slot_device, grown)
 
     def _clear_rows(self, rows) -> None:
         """Empty the rows: int64 ids, or a slice (a sequence's rows, written without an index)."""
@@ -606,11 +616,12 @@ class KVCacheManager(Stateful):
         index = self.seq_index(seq_id)
         rows = slice(index * self.rows_per_seq, (index + 1) * self.rows_per_seq)  # its L * E rows
         tail_blocks = [] if self.tails is None else self.tails.blocks_of_sequence(index)
-        used = self.used_columns(rows)  # (L * E, W)
-        width = int(used.sum(1).max())  # the columns any of its rows uses
+        num_used = self.num_used_columns(rows)  # (L * E,)
+        width = int(num_used.max())  # the columns any of its rows uses
+        used = torch.arange(width) < num_used[:, None]  # (L * E, width)
         return torch.cat(
             [
-                self.block_tables[rows, :width].masked_select(used[:, :width]).to(torch.int64),
+                self.block_tables[rows, :width].masked_select(used).to(torch.int64),
                 torch.tensor(tail_blocks, dtype=torch.int64),
             ]
         )
@@ -894,7 +905,7 @@ class KVCacheManager(Stateful):
             old = getattr(self, name)
             new = torch.full((extra, *old.shape[1:]), fill, dtype=old.dtype)
             setattr(self, name, torch.cat([old, new]))
-        for name in ("open_rows", "count_blocks", "slot_held"):  # over slots
+        for name in ("open_rows", "open_per_device", "count_blocks", "slot_held"):  # over slots
             old = getattr(self, name)
             setattr(self, name, torch.cat([old, torch.zeros_like(old)]))
         self._free_seq_indices = list(range(2 * num_seqs - 1, num_seqs - 1, -1)) + self._free_seq_indices
@@ -949,6 +960,9 @@ class KVCacheManager(Stateful):
             expected = torch.zeros(len(slots), self.num_layers, self.num_devices, dtype=torch.int32)
             assert torch.equal(self.open_rows[slots], expected.scatter_add_(2, devices, opened)), (
                 "open_rows does not follow row_tokens"
+            )
+            assert torch.equal(self.open_per_device[slots], expected.sum(1).to(torch.int64)), (
+                "open_per_device does not follow row_tokens"
             )
             blocks = torch.zeros(len(slots), self.num_layers, self.num_devices, dtype=torch.int64)
             blocks.scatter_add_(2, devices, ceil_div(counts, self.block_size))

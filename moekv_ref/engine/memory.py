@@ -80,6 +80,11 @@ class MemoryView:
         slots = self._manager.seq_slots(seq_ids)
         return None if None in slots else self._manager.open_rows[slots]
 
+    def open_per_device(self, seq_ids: list[int]) -> torch.Tensor | None:
+        """(m, D) open_rows summed over the layers (the manager's table); None if one is not held."""
+        slots = self._manager.seq_slots(seq_ids)
+        return None if None in slots else self._manager.open_per_device[slots]
+
     def num_blocks_held(self, seq_id: int) -> int:
         return self._manager.num_blocks_of_sequence(seq_id) if self.holds(seq_id) else 0
 

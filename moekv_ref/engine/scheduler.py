@@ -287,6 +287,9 @@ class Scheduler(Stateful):
                 1, manager.device_of_expert, torch.ones_like(manager.device_of_expert)
             )
         )  # (L, D)
+        # whether a token can open fewer blocks of some (layer, device) than it has rows there
+        # (k_max below the experts there): only then does _decode_need read open_rows per layer
+        self._caps_bind = self._experts_on is not None and bool((self._experts_on > shape.k_max).any())
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stalled: dict[int, Request] = {}  # request id -> request whose rows were evicted, in order
@@ -639,9 +642,10 @@ class Scheduler(Stateful):
 
     def _decode_need(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor | None:
         """step_blocks_many when every request decodes one token into the rows it holds: the same
-        (m, D), read from the manager's open_rows instead of every row (the
-        simulator's 256 sequences x 24 layers x 64 experts); None where it does not apply (a
-        budget, home devices, a prefill, a swapped or stalled request)."""
+        (m, D), read from the manager's open_rows (or, where k_max caps no device, their sum over the
+        layers, open_per_device) instead of every row (the simulator's 256 sequences x 24 layers x
+        64 experts); None where it does not apply (a budget, home devices, a prefill, a swapped or
+        stalled request)."""
         if (
             self._experts_on is None
             or not requests
@@ -649,7 +653,10 @@ class Scheduler(Stateful):
             or any(r.swapped or r.request_id in self.stalled for r in requests)
         ):
             return None
-        open_rows = self.memory.open_rows([r.request_id for r in requests])  # (m, L, D)
+        ids = [r.request_id for r in requests]
+        if not self._caps_bind:  # min(open rows, k_d) is the open rows: their sum over the layers
+            return self.memory.open_per_device(ids)  # (m, D) or None
+        open_rows = self.memory.open_rows(ids)  # (m, L, D)
         if open_rows is None:
             return None
         # the lifetime cap of _worst_case_need never binds here: one token's worst case (k_d open rows

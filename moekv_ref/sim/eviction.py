@@ -233,9 +233,11 @@ class TraceRunner:
             torch.zeros(trace.num_sequences, dtype=torch.float64) if arrivals is None else arrivals
         )
         self.pending: list[Request] = []  # not yet arrived, latest first
+        prompts = trace.prompt_lens.tolist()
+        lengths = trace.lengths.tolist()  # read once: each read of the property computes all of them
         for s in torch.argsort(self.arrivals, stable=True).tolist():
-            prompt = int(trace.prompt_lens[s])
-            max_new_tokens = int(trace.lengths[s]) - prompt + 1  # the last sampled token is never stored
+            prompt = prompts[s]
+            max_new_tokens = lengths[s] - prompt + 1  # the last sampled token is never stored
             try:
                 self.scheduler.check_fits_alone(prompt, max_new_tokens)
             except ValueError:

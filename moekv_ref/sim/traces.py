@@ -174,7 +174,9 @@ class RoutingTrace:
         row_seq = seqs if row_seqs is None else row_seqs
         rows = index.row(row_seq[:, None, None], torch.arange(self.num_layers)[None, :, None], chosen)
         if self.is_top_k:  # every entry is an expert: nothing to mask out
-            return rows.view(-1), torch.full((self.num_layers,), rows.shape[0] * self.k_max, dtype=torch.int64)
+            return rows.view(-1), torch.full(
+                (self.num_layers,), rows.shape[0] * self.k_max, dtype=torch.int64
+            )
         used = chosen >= 0
         return rows[used], used.sum((0, 2))
 
