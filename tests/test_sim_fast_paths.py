@@ -8,7 +8,10 @@
                        row_tokens, updating them over the rows that reach a block boundary only
                        (_crossing); plain: recounted from the rows
     freeing a sequence BlockPool.free(distinct=True): a sequence's blocks, distinct, skip the sorts
-                       that find repeated ids; plain: free()
+                       that find repeated ids, and come grouped by device (blocks_of_sequence's
+                       by_device), so the pool has nothing to sort; plain: free() of any order
+    a fresh admission  AdmissionStep.start_next reuses the need step_fits read for a request with
+                       nothing computed, held or swapped; plain: step_blocks again
     pool, per device   BlockPool.allocate_per_device: every device's blocks in one gather; plain:
                        allocate(n, device=d) device after device
     decode appends     TraceRunner.append: decode items' rows straight from the trace; plain:
@@ -27,6 +30,7 @@ from moekv_ref.cache.block_pool import BlockPool, OutOfBlocksError
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
 from moekv_ref.cache.rows import ceil_div
 from moekv_ref.costs import CostModel
+from moekv_ref.engine.batching import AdmissionStep
 from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
 from moekv_ref.sim.traces import synthetic_trace, topic_trace
 
@@ -195,14 +199,71 @@ def test_freeing_distinct_blocks_equals_the_general_free_and_a_sequence_frees_th
     manager.add_sequence(0)
     manager.allocate_slots(torch.arange(4), torch.tensor([5, 0, 9, 3]))
     pool_free = BlockPool.free
-    monkeypatch.setattr(
-        BlockPool,
-        "free",
-        lambda self, ids, distinct=False: calls.append(distinct) or pool_free(self, ids, distinct),
+    row_order = manager.blocks_of_sequence(0)
+    grouped = manager.blocks_of_sequence(0, by_device=True)
+    assert torch.equal(
+        grouped, row_order[torch.argsort(manager.pool.device_of_blocks(row_order), stable=True)]
     )
+
+    def spy(self, ids, distinct=False):
+        calls.append((distinct, bool((self.device_of_blocks(ids).diff() >= 0).all())))
+        return pool_free(self, ids, distinct)
+
+    monkeypatch.setattr(BlockPool, "free", spy)
     manager.free(0)
-    assert calls == [True]
+    assert calls == [(True, True)]  # distinct, and grouped by device
     manager.assert_consistent()
+
+
+@pytest.mark.parametrize("reservation", ["worst_case", "optimistic"])
+def test_start_next_reusing_a_fresh_requests_need_makes_the_decisions_of_reading_it_again(
+    reservation, monkeypatch
+):
+    """The same decisions with the reuse as without it, and different ones when the reused need is
+    four blocks a device too large (on 40-block devices), so the reused value is the one used."""
+
+    def runner():
+        trace, _ = topic_trace(40, 3, 8, 2, mean_prompt=8, mean_output=24, seed=1)
+        setup = EvictionSetup(
+            blocks_per_device=40,
+            block_size=4,
+            max_num_seqs=12,
+            max_num_batched_tokens=64,
+            reservation=reservation,
+        )
+        return TraceRunner(trace, torch.arange(8) % 2, setup, "sequence_lru", FREE)
+
+    reused = []
+    step_fits = AdmissionStep.step_fits
+
+    def counting(self, request):
+        fits = step_fits(self, request)
+        reused.append(self._fresh_need is not None)
+        return fits
+
+    monkeypatch.setattr(AdmissionStep, "step_fits", counting)
+    fast = decisions(runner())
+    assert any(reused), "no fresh admission: nothing was reused"
+
+    def forgetting(self, request):
+        fits = step_fits(self, request)
+        self._fresh_need = None
+        return fits
+
+    monkeypatch.setattr(AdmissionStep, "step_fits", forgetting)
+    plain = decisions(runner())
+    assert fast[0] == plain[0] and fast[1] == plain[1] and torch.equal(fast[2], plain[2])
+
+    def one_more(self, request):
+        fits = step_fits(self, request)
+        if self._fresh_need is not None:
+            request_id, num_tokens, need = self._fresh_need
+            self._fresh_need = (request_id, num_tokens, need + 4)
+        return fits
+
+    monkeypatch.setattr(AdmissionStep, "step_fits", one_more)
+    broken = decisions(runner())
+    assert broken[0] != plain[0] or broken[1] != plain[1] or not torch.equal(broken[2], plain[2])
 
 
 def test_a_blocks_device_by_division_on_equal_devices_equals_the_search():

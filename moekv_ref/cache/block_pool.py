@@ -326,9 +326,10 @@ class BlockPool(Stateful):
             released = released[~cached]
         # each device's onto its own stack, in order: one scatter, not a pass per device
         device = self._device_of(released)  # (r,)
-        order = torch.argsort(device, stable=True)
-        released = released[order]
-        device = device[order]
+        if not bool((device[1:] >= device[:-1]).all()):  # not yet grouped by device (as a sequence's are)
+            order = torch.argsort(device, stable=True)
+            released = released[order]
+            device = device[order]
         per_device = torch.bincount(device, minlength=self.num_devices)  # (D,)
         top = torch.tensor(self._first_block, dtype=torch.int64) + torch.tensor(
             self._num_free, dtype=torch.int64

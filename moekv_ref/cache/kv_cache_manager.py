@@ -329,6 +329,9 @@ class KVCacheManager(Stateful):
         if device_of_expert is None:
             device_of_expert = torch.zeros(num_layers, num_experts, dtype=torch.int64)
         self._placement = device_of_expert  # (L, E)
+        # a sequence's L * E rows, device after device (row order within each): `free` hands its
+        # blocks to the pool grouped by device, so the pool has nothing to sort
+        self._rows_by_device = torch.argsort(device_of_expert.reshape(-1), stable=True)
         self.index = RowIndex(num_layers, num_experts)
         self.rows_per_seq = self.index.rows_per_seq
         self.pad = self.pool.num_blocks  # padding in block tables: never a real block
@@ -610,11 +613,14 @@ class KVCacheManager(Stateful):
         needed = self.blocks_needed_per_device(rows, num_new_tokens)  # (D,)
         return bool((needed <= self.num_free_blocks_per_device).all())
 
-    def blocks_of_sequence(self, seq_id: int) -> torch.Tensor:
+    def blocks_of_sequence(self, seq_id: int, by_device: bool = False) -> torch.Tensor:
         """Every block the sequence owns, row by row in token order, then its tail blocks: what a
-        swap to a CPU pool copies, and what `free` returns."""
+        swap to a CPU pool copies, and what `free` returns. by_device=True: its rows device after
+        device (the blocks grouped by device, as the pool pushes them when freed)."""
         index = self.seq_index(seq_id)
         rows = slice(index * self.rows_per_seq, (index + 1) * self.rows_per_seq)  # its L * E rows
+        if by_device:
+            rows = self._rows_by_device + index * self.rows_per_seq
         tail_blocks = [] if self.tails is None else self.tails.blocks_of_sequence(index)
         num_used = self.num_used_columns(rows)  # (L * E,)
         width = int(num_used.max())  # the columns any of its rows uses
@@ -864,7 +870,8 @@ class KVCacheManager(Stateful):
         """Return every block of the sequence to the pool and forget it; KeyError, changing
         nothing, for a sequence the cache does not hold."""
         index = self.seq_index(seq_id)  # KeyError before any change
-        self.pool.free(self.blocks_of_sequence(seq_id), distinct=True)  # a sequence owns a block once
+        blocks = self.blocks_of_sequence(seq_id, by_device=True)
+        self.pool.free(blocks, distinct=True)  # a sequence owns a block once
         rows = slice(index * self.rows_per_seq, (index + 1) * self.rows_per_seq)  # its L * E rows
         if self.tails is not None:
             self.tails.free(index, rows)

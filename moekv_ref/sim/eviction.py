@@ -356,7 +356,7 @@ class TraceRunner:
         block_bytes = self.setup.block_size * self.trace.kv_bytes_per_slot
         used, running, evictions, events, victims = [], [], [], [], set()
         S = self.trace.num_sequences
-        first_token = torch.full((S,), float("nan"), dtype=torch.float64)
+        first_token = [math.nan] * S  # a list while running: read and written per request each step
         finish = torch.full((S,), float("nan"), dtype=torch.float64)
         num_output = torch.zeros(S, dtype=torch.int64)
         seconds = 0.0
@@ -413,7 +413,7 @@ class TraceRunner:
             self.thrown_away_tokens,
             self.thrown_away_seconds,
             self.arrivals.clone(),
-            first_token,
+            torch.tensor(first_token, dtype=torch.float64),
             finish,
             num_output,
         )

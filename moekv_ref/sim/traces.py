@@ -60,9 +60,18 @@ class RoutingTrace:
 
     def experts_of(self, tokens: torch.Tensor | slice) -> torch.Tensor:
         """(n, L, K) int16: the experts of the given tokens (indices or a slice of the concatenation)."""
+        if isinstance(tokens, slice):
+            return (
+                self.routings[tokens]
+                if self.token_routing is None
+                else self._bank(self.token_routing[tokens])
+            )
         if self.token_routing is None:
-            return self.routings[tokens]
-        return self.routings[self.token_routing[tokens]]
+            return self.routings.index_select(0, tokens)  # a few times faster than routings[tokens]
+        return self._bank(self.token_routing.index_select(0, tokens))
+
+    def _bank(self, routing: torch.Tensor) -> torch.Tensor:
+        return self.routings.index_select(0, routing.to(torch.int64))
 
     @property
     def experts(self) -> torch.Tensor:
@@ -145,8 +154,11 @@ class RoutingTrace:
         owner = torch.repeat_interleave(torch.arange(len(seqs)), counts)  # (N,)
         local = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[owner]
         token = self.offsets[seqs][owner] + starts[owner] + local  # (N,)
-        chosen = self.experts_of(token).to(torch.int64)  # (N, L, K)
-        row = index.row(rank[owner][:, None, None], torch.arange(self.num_layers)[None, :, None], chosen)
+        chosen = self.experts_of(token)  # (N, L, K) int16
+        # the rows of this step's sequences number fewer than 2^31: int32, half the bytes of each pass
+        first_row = rank[owner].to(torch.int32)[:, None] * index.rows_per_seq  # (N, 1)
+        first_row = first_row + torch.arange(self.num_layers, dtype=torch.int32) * self.num_experts  # (N, L)
+        row = first_row[:, :, None] + chosen  # (N, L, K) int32
         if self.is_top_k:  # every entry is an expert: nothing to mask out
             hits = torch.bincount(row.view(-1), minlength=order.numel() * index.rows_per_seq)
             per_layer = torch.full((self.num_layers,), chosen.shape[0] * self.k_max, dtype=torch.int64)
