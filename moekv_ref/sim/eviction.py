@@ -351,7 +351,9 @@ class TraceRunner:
             seconds += float(cost.swap_seconds(copy.source.numel())) / 2
         return seconds
 
-    def run(self, max_steps: int = 100_000) -> EvictionStats:
+    def run(self, max_steps: int = 100_000, on_step=None) -> EvictionStats:
+        """Step until every request finished (or max_steps); on_step(num_finished), if given, is
+        called after each step (a progress bar)."""
         scheduler, manager = self.scheduler, self.manager
         block_bytes = self.setup.block_size * self.trace.kv_bytes_per_slot
         used, running, evictions, events, victims = [], [], [], [], set()
@@ -391,6 +393,8 @@ class TraceRunner:
             finished_tokens += sum(len(r.output_token_ids) for r in done)
             num_finished += len(done)
             step += 1
+            if on_step is not None:
+                on_step(num_finished)
         if not scheduler.has_unfinished:
             scheduler.memory.assert_no_leak()
         return EvictionStats(
