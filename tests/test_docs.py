@@ -459,9 +459,22 @@ def test_readme_cluster_tables_are_what_their_json_says():
     )
     for line in re.findall(r"(\d+\.\d+)x faster", prose):
         assert any(f"{r['speedup']:.2f}" == line for r in speed["shapes"]), line
-    fine = speed["shapes"][1]["this"]["requests_per_second"]
-    assert f"At {fine:.1f} requests/s, 10^5 requests take about {round(1e5 / fine / 60)} minutes" in prose
-    assert f"10^6 about {round(1e6 / fine / 3600)} hours" in prose
+    coarse, fine = speed["shapes"]
+    assert f"{fine['speedup']:.2f}x faster at the fine-grained shape and {coarse['speedup']:.2f}x" in prose
+    assert fine["this"]["max_running"] <= 256 and fine["this"]["blocks_in_use_summed"] > 0
+    scale = json.loads((ROOT / "figures" / "bench_cluster_scale.json").read_text(encoding="utf-8"))
+    from moekv_ref.apps.bench_cluster import SCALE_ROUTINGS, SPEED_SHAPES
+
+    assert (scale["layers"], scale["experts"], scale["top_k"], scale["devices"]) == SPEED_SHAPES[1][:4]
+    assert scale["distinct_routings"] == SCALE_ROUTINGS == 32768 and "a bank of 32,768 routings" in prose
+    assert f"{scale['requests']:,} requests on the fine-grained shape" in prose
+    assert scale["finished"] == scale["requests"] and "every request finished" in prose
+    assert f"took {scale['total_seconds'] / 60:.1f} minutes" in prose
+    assert f"{scale['trace_seconds']:.1f} s for the trace, {scale['setup_seconds']:.1f} s to set" in prose
+    assert f"{scale['run_seconds']:.1f} s to run {scale['steps']:,} steps" in prose
+    assert f"({scale['steps_per_second']:.1f} steps/s, up to {scale['max_running']} running)" in prose
+    assert f"would take about {scale['projected_seconds_for_1e6'] / 3600:.1f} hours" in prose
+    assert scale["threads"] == 2 and "two threads" in prose
     runs = cluster["runs"]
     worst = [r["mean_used_fraction"] for r in runs if r["reservation"] == "worst_case"]
     assert f"stay {round(100 * min(worst))}-{round(100 * max(worst))}% full" in prose

@@ -942,6 +942,16 @@ OPTION_CASES = [
         ["bench", "cluster", "--reservations", "optimistic", "optimistic"],
         "--reservations=optimistic optimistic is not allowed",
     ),
+    (
+        "bench cluster --speed --scale",
+        ["bench", "cluster", "--speed", "--scale"],
+        "--speed and --scale are two programs: give one",
+    ),
+    (
+        "bench cluster --scale --threads 0",
+        ["bench", "cluster", "--scale", "--threads", "0"],
+        "--threads=0 is not allowed",
+    ),
 ]
 
 # errors while a command runs: one line `error: ...`, status 2

@@ -139,3 +139,19 @@ def test_bench_cluster_speed_times_both_shapes(tmp_path):
     assert [(r["experts"], r["devices"]) for r in result["shapes"]] == [(8, 8), (64, 64)]
     assert all(r["this"]["steps"] > 0 and r["this"]["requests_per_second"] > 0 for r in result["shapes"])
     assert "against" not in result["shapes"][0]
+
+
+def test_bench_cluster_scale_runs_the_fine_shape_over_a_compact_trace(tmp_path, capsys):
+    """--scale serves every request of a compact trace on the 64-device shape (here 12 requests, one
+    thread) and writes each phase's seconds, the rate and the projection it printed."""
+    import json
+
+    path = tmp_path / "scale.json"
+    argv = ["bench", "cluster", "--scale", "--requests", "12", "--threads", "1", "--json", str(path)]
+    assert cli_main(argv) == 0
+    result = json.loads(path.read_text())
+    assert (result["experts"], result["top_k"], result["devices"]) == (64, 8, 64)
+    assert result["finished"] + result["refused"] == 12 and result["finished"] > 0
+    assert result["total_seconds"] >= result["run_seconds"] > 0
+    assert result["projected_seconds_for_1e6"] == pytest.approx(result["total_seconds"] * 1e6 / 12)
+    assert "(projected, not run)" in capsys.readouterr().out
