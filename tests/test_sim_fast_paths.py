@@ -10,8 +10,8 @@
     freeing a sequence BlockPool.free(distinct=True): a sequence's blocks, distinct, skip the sorts
                        that find repeated ids, and come grouped by device (blocks_of_sequence's
                        by_device), so the pool has nothing to sort; plain: free() of any order
-    a fresh admission  AdmissionStep.start_next reuses the need step_fits read for a request with
-                       nothing computed, held or swapped; plain: step_blocks again
+    a fresh request    Scheduler._fresh_needs: the worst case of a request with nothing computed,
+                       held or swapped, read once per token count; plain: read each time
     pool, per device   BlockPool.allocate_per_device: every device's blocks in one gather; plain:
                        allocate(n, device=d) device after device
     decode appends     TraceRunner.append: decode items' rows straight from the trace; plain:
@@ -30,7 +30,6 @@ from moekv_ref.cache.block_pool import BlockPool, OutOfBlocksError
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
 from moekv_ref.cache.rows import ceil_div
 from moekv_ref.costs import CostModel
-from moekv_ref.engine.batching import AdmissionStep
 from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
 from moekv_ref.sim.traces import synthetic_trace, topic_trace
 
@@ -168,7 +167,11 @@ def test_tables_updated_over_the_crossing_rows_equal_a_recount(block_size, monke
 
     run()
     crossing = KVCacheManager._crossing
-    monkeypatch.setattr(KVCacheManager, "_crossing", lambda self, old, new: crossing(self, old, new)[1:])
+    monkeypatch.setattr(
+        KVCacheManager,
+        "_crossing",
+        lambda self, old, new, one_each=False: crossing(self, old, new, one_each)[1:],
+    )
     with pytest.raises(AssertionError):  # the tables, or the blocks of the row it missed
         run()
 
@@ -213,57 +216,6 @@ def test_freeing_distinct_blocks_equals_the_general_free_and_a_sequence_frees_th
     manager.free(0)
     assert calls == [(True, True)]  # distinct, and grouped by device
     manager.assert_consistent()
-
-
-@pytest.mark.parametrize("reservation", ["worst_case", "optimistic"])
-def test_start_next_reusing_a_fresh_requests_need_makes_the_decisions_of_reading_it_again(
-    reservation, monkeypatch
-):
-    """The same decisions with the reuse as without it, and different ones when the reused need is
-    four blocks a device too large (on 40-block devices), so the reused value is the one used."""
-
-    def runner():
-        trace, _ = topic_trace(40, 3, 8, 2, mean_prompt=8, mean_output=24, seed=1)
-        setup = EvictionSetup(
-            blocks_per_device=40,
-            block_size=4,
-            max_num_seqs=12,
-            max_num_batched_tokens=64,
-            reservation=reservation,
-        )
-        return TraceRunner(trace, torch.arange(8) % 2, setup, "sequence_lru", FREE)
-
-    reused = []
-    step_fits = AdmissionStep.step_fits
-
-    def counting(self, request):
-        fits = step_fits(self, request)
-        reused.append(self._fresh_need is not None)
-        return fits
-
-    monkeypatch.setattr(AdmissionStep, "step_fits", counting)
-    fast = decisions(runner())
-    assert any(reused), "no fresh admission: nothing was reused"
-
-    def forgetting(self, request):
-        fits = step_fits(self, request)
-        self._fresh_need = None
-        return fits
-
-    monkeypatch.setattr(AdmissionStep, "step_fits", forgetting)
-    plain = decisions(runner())
-    assert fast[0] == plain[0] and fast[1] == plain[1] and torch.equal(fast[2], plain[2])
-
-    def one_more(self, request):
-        fits = step_fits(self, request)
-        if self._fresh_need is not None:
-            request_id, num_tokens, need = self._fresh_need
-            self._fresh_need = (request_id, num_tokens, need + 4)
-        return fits
-
-    monkeypatch.setattr(AdmissionStep, "step_fits", one_more)
-    broken = decisions(runner())
-    assert broken[0] != plain[0] or broken[1] != plain[1] or not torch.equal(broken[2], plain[2])
 
 
 def test_a_blocks_device_by_division_on_equal_devices_equals_the_search():
@@ -321,3 +273,34 @@ def test_the_runner_fails_at_the_first_short_layer_with_that_layers_shortfall():
     with pytest.raises(OutOfBlocksError, match="layer 1") as raised:
         runner._raise_at_the_first_short_layer(torch.arange(6), torch.full((6,), 2))
     assert raised.value.shortfall.tolist() == [3]
+
+
+def test_a_fresh_requests_need_read_once_per_token_count_makes_the_decisions_of_reading_it_each_time(
+    monkeypatch,
+):
+    """Scheduler._fresh_needs (worst-case reservation; an optimistic one reserves a chunk's predicted
+    blocks instead): the same decisions as reading every fresh request's need again, and different
+    ones when a remembered need is four blocks a device too large."""
+
+    def runner():
+        trace, _ = topic_trace(40, 3, 8, 2, mean_prompt=8, mean_output=24, seed=2)
+        setup = EvictionSetup(blocks_per_device=40, block_size=4, max_num_seqs=12, max_num_batched_tokens=64)
+        return TraceRunner(trace, torch.arange(8) % 2, setup, "sequence_lru", FREE)
+
+    remembering = runner()
+    fast = decisions(remembering)
+    assert remembering.scheduler._fresh_needs, "no fresh request's need was remembered"
+    monkeypatch.setattr(scheduler_module.Scheduler, "_is_fresh", lambda self, request: False)
+    plain = decisions(runner())
+    assert fast[0] == plain[0] and fast[1] == plain[1] and torch.equal(fast[2], plain[2])
+    monkeypatch.undo()
+    real = scheduler_module.Scheduler._worst_case_over_rows
+
+    def stale(self, requests, num_tokens):
+        remembered = len(requests) == 1 and num_tokens[0] in self._fresh_needs and self._is_fresh(requests[0])
+        need = real(self, requests, num_tokens)
+        return need + 4 if remembered else need
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_worst_case_over_rows", stale)
+    broken = decisions(runner())
+    assert broken[0] != plain[0] or broken[1] != plain[1] or not torch.equal(broken[2], plain[2])

@@ -495,13 +495,16 @@ class KVCacheManager(Stateful):
         old = self.row_tokens[rows]  # (m,)
         self._count_rows(rows, old, counts, self._crossing(old, counts))
 
-    def _crossing(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    def _crossing(self, old: torch.Tensor, new: torch.Tensor, one_each: bool = False) -> torch.Tensor:
         """(c,) the indices i where a row going from old[i] to new[i] tokens may change its block
         count or whether its next token opens a block: where the range between them reaches a
         multiple of P (a superset: a few rows that change neither are counted with 0). A decode
         step moves each row by one token, so about 2 rows in P; the rest only change row_tokens,
         and the slot tables are updated over these few (a step of the simulator moves tens of
-        thousands of rows)."""
+        thousands of rows). one_each: new = old + 1, where that is old % P in {P - 1, 0}: (old + 1) % P
+        is 0 or 1."""
+        if one_each:
+            return ((old + 1) & (self.block_size - 1)).le_(1).nonzero().squeeze(1)
         shift = self.block_size.bit_length() - 1  # P is a power of two
         low = torch.minimum(old, new)
         high = torch.maximum(old, new)
@@ -529,8 +532,10 @@ class KVCacheManager(Stateful):
     def _clear_rows(self, rows) -> None:
         """Empty the rows: int64 ids, or a slice (a sequence's rows, written without an index)."""
         ids = torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else torch.as_tensor(rows)
+        used = self.num_used_columns(rows)
+        width = int(used.max()) if used.numel() else 0  # the entries past it are padding already
         self.set_row_tokens(ids.reshape(-1), torch.zeros(ids.numel(), dtype=torch.int64))
-        self.block_tables[rows] = self.pad
+        self.block_tables[rows, :width] = self.pad
         self.last_position[rows] = -1
         self.last_appended[rows] = -1
         if self.budget is not None:
@@ -694,11 +699,11 @@ class KVCacheManager(Stateful):
             return self.tails.allocate_slots(rows, num_new_tokens, with_slots)
         if rows.numel() == 0:
             return SlotAllocation(torch.zeros(0, dtype=torch.int64))
-        old = self.row_tokens[rows]  # (m,)
+        old = self.row_tokens.index_select(0, rows)  # (m,)
         new = old + num_new_tokens
         # only the rows whose range reaches a block boundary can take a block (with one token each,
         # 1 in P): the blocks and the slot tables are worked out over those
-        crossing = self._crossing(old, new)  # (c,)
+        crossing = self._crossing(old, new, one_each)  # (c,)
         growing = rows[crossing]
         needed = ceil_div(new[crossing], P) - ceil_div(old[crossing], P)  # (c,)
         block_ids = self._take_blocks(growing, needed, num_new_tokens, rows.numel())  # (total,) may raise

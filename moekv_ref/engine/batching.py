@@ -42,9 +42,6 @@ class AdmissionStep:
         self.max_num_seqs: int = scheduler.config.max_num_seqs
         self.victims = scheduler.victims  # its `admits` may veto too
         self._hits = {}  # request id -> the prefix hit step_fits chose it starts from
-        # (request id, tokens, need) of a request step_fits found fresh (nothing computed, held or
-        # swapped): starting it changes none of what its need is read from, so start_next reuses it
-        self._fresh_need = None
 
     @property
     def head(self) -> Request | None:
@@ -76,10 +73,6 @@ class AdmissionStep:
         num_tokens = min(request.num_pending_tokens, self.token_budget)
         need = scheduler.step_blocks(request, num_tokens)
         hit = scheduler.prefix_hit(request)
-        fresh = hit is None and request.num_computed_tokens == 0 and not request.swapped
-        self._fresh_need = (
-            (request_id, num_tokens, need) if fresh and request_id not in scheduler.stalled else None
-        )
         if hit is not None:
             hit_need = scheduler.hit_step_blocks(
                 hit, min(request.num_tokens - hit.num_tokens, self.token_budget)
@@ -99,10 +92,7 @@ class AdmissionStep:
         request = self._scheduler.start_head(self._out, self._hits.pop(self.head.request_id, None))
         num_tokens = min(request.num_pending_tokens, self.token_budget)
         if num_tokens > 0:
-            if self._fresh_need is not None and self._fresh_need[:2] == (request.request_id, num_tokens):
-                need = self._fresh_need[2]
-            else:
-                need = self._scheduler.step_blocks(request, num_tokens)
+            need = self._scheduler.step_blocks(request, num_tokens)
             self._scheduler.schedule_tokens(self._out, request, num_tokens, int(need.sum()))
             self.reserved = self.reserved + need
             self.token_budget -= num_tokens

@@ -213,6 +213,7 @@ class Scheduler(Stateful):
         "num_row_evictions",
         "num_evicted_rows",
         "num_dead_rows_freed",
+        "_fresh_needs",
     )
     # the manager holds the prefix cache, shared tails and budget; the memory view holds nothing
     PARTS = ("manager", "swap_space", "predictor", "batching", "victims")
@@ -290,6 +291,10 @@ class Scheduler(Stateful):
         # whether a token can open fewer blocks of some (layer, device) than it has rows there
         # (k_max below the experts there): only then does _decode_need read open_rows per layer
         self._caps_bind = self._experts_on is not None and bool((self._experts_on > shape.k_max).any())
+        # a fresh request's (nothing held, computed or swapped) worst case depends on its token count
+        # alone where rows live on their experts' devices: read once per count (the head of a line
+        # that does not fit is asked again every step)
+        self._fresh_needs: dict[int, torch.Tensor] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stalled: dict[int, Request] = {}  # request id -> request whose rows were evicted, in order
@@ -625,6 +630,21 @@ class Scheduler(Stateful):
 
     def _worst_case_over_rows(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
         """The worst case from every row's count (demand.py's bounds)."""
+        if len(requests) == 1 and self._experts_on is not None and self._is_fresh(requests[0]):
+            if num_tokens[0] not in self._fresh_needs:
+                self._fresh_needs[num_tokens[0]] = self._worst_case_over_rows_of(requests, num_tokens)
+            return self._fresh_needs[num_tokens[0]].clone()
+        return self._worst_case_over_rows_of(requests, num_tokens)
+
+    def _is_fresh(self, request: Request) -> bool:
+        """Nothing computed, held or swapped: every row count is zero."""
+        return (
+            request.num_computed_tokens == 0
+            and not request.swapped
+            and not self.memory.holds(request.request_id)
+        )
+
+    def _worst_case_over_rows_of(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
         memory = self.memory
         resident = [r.request_id for r in requests if not r.swapped]
         counts = memory.token_counts(resident)  # (h, L, E)
