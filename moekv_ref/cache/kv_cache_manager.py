@@ -723,8 +723,8 @@ class KVCacheManager(Stateful):
                 0, owner_rows * width + block_column, block_ids.to(torch.int32)
             )
         self._count_rows(rows, old, new, crossing)
-        growing_rows = rows if one_each or fewest > 0 else rows[num_new_tokens > 0]
-        self.last_appended.index_fill_(0, growing_rows, self.clock)
+        appended_rows = rows if one_each or fewest > 0 else rows[num_new_tokens > 0]
+        self.last_appended.index_fill_(0, appended_rows, self.clock)
         if not with_slots:
             return SlotAllocation(None)
         if one_each:  # the new token goes to column old // P, offset old % P: block * P + offset

@@ -70,8 +70,7 @@ class AdmissionStep:
         scheduler = self._scheduler
         scheduler.deciding_on(request)
         memory, request_id = scheduler.memory, request.request_id
-        num_tokens = min(request.num_pending_tokens, self.token_budget)
-        need = scheduler.step_blocks(request, num_tokens)
+        need = scheduler.step_blocks(request, min(request.num_pending_tokens, self.token_budget))
         hit = scheduler.prefix_hit(request)
         if hit is not None:
             hit_need = scheduler.hit_step_blocks(
