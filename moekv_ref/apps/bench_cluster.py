@@ -243,19 +243,24 @@ def print_tables(result: dict) -> None:
 # (layers, experts, top-k, devices, blocks per device): 8 experts top-2 on 8 devices, and DeepSeek-like
 # granularity, 64 experts top-8 on 64; pools that let up to 256 sequences run at once
 SPEED_SHAPES = ((24, 8, 2, 8, 80_000), (24, 64, 8, 64, 40_000))
+# the workload of --speed and --scale alike
+SPEED_MEAN_PROMPT = 512
+SPEED_MEAN_OUTPUT = 256
+SPEED_MAX_NUM_SEQS = 256
+SPEED_MAX_BATCHED_TOKENS = 8192
 
 # Runs in a fresh process with a checkout's root on sys.path, using only what every version of the
-# runner has had: a synthetic trace (mean prompt 512, mean output 256), TraceRunner(trace, placement,
-# setup, policy, cost) with step costs off, run().
+# runner has had: a synthetic trace, TraceRunner(trace, placement, setup, policy, cost) with step
+# costs off, run(). Its arguments: a shape of SPEED_SHAPES, the requests, then the workload.
 SPEED_WORKER = """
 import json, sys, time
 import torch
 torch.set_num_threads(1)
 from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
 from moekv_ref.sim.traces import synthetic_trace
-L, E, K, D, blocks, n = (int(x) for x in sys.argv[1:7])
-trace = synthetic_trace(n, L, E, K, mean_prompt=512, mean_output=256, seed=0)
-setup = EvictionSetup(blocks_per_device=blocks, max_num_seqs=256, max_num_batched_tokens=8192)
+L, E, K, D, blocks, n, mean_prompt, mean_output, max_num_seqs, max_batched = (int(x) for x in sys.argv[1:11])
+trace = synthetic_trace(n, L, E, K, mean_prompt=mean_prompt, mean_output=mean_output, seed=0)
+setup = EvictionSetup(blocks_per_device=blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched)
 runner = TraceRunner(trace, torch.arange(E) % D, setup, "sequence_lru", None)
 runner.step_seconds = lambda out: 0.0
 started = time.perf_counter()
@@ -270,7 +275,17 @@ def speed_run(root: Path, shape: tuple, num_requests: int) -> dict:
     """One timed run of the trace runner of the checkout at `root` (module comment above)."""
     env = dict(os.environ, PYTHONPATH=str(root))
     done = subprocess.run(
-        [sys.executable, "-c", SPEED_WORKER, *map(str, shape), str(num_requests)],
+        [
+            sys.executable,
+            "-c",
+            SPEED_WORKER,
+            *map(str, shape),
+            str(num_requests),
+            str(SPEED_MEAN_PROMPT),
+            str(SPEED_MEAN_OUTPUT),
+            str(SPEED_MAX_NUM_SEQS),
+            str(SPEED_MAX_BATCHED_TOKENS),
+        ],
         cwd=root,
         env=env,
         capture_output=True,
@@ -313,8 +328,8 @@ def measure_speed(num_requests: int, against: Path | None) -> dict:
         "against_commit": commit_of(against) if against is not None else None,
         "threads": 1,
         "victim": "sequence_lru",
-        "mean_prompt": 512,
-        "mean_output": 256,
+        "mean_prompt": SPEED_MEAN_PROMPT,
+        "mean_output": SPEED_MEAN_OUTPUT,
     }
 
 
@@ -331,13 +346,17 @@ def measure_scale(num_requests: int, threads: int) -> dict:
         L,
         E,
         K,
-        mean_prompt=512,
-        mean_output=256,
+        mean_prompt=SPEED_MEAN_PROMPT,
+        mean_output=SPEED_MEAN_OUTPUT,
         seed=0,
         distinct_routings=SCALE_ROUTINGS,
     )
     traced = time.perf_counter()
-    setup = EvictionSetup(blocks_per_device=blocks, max_num_seqs=256, max_num_batched_tokens=8192)
+    setup = EvictionSetup(
+        blocks_per_device=blocks,
+        max_num_seqs=SPEED_MAX_NUM_SEQS,
+        max_num_batched_tokens=SPEED_MAX_BATCHED_TOKENS,
+    )
     runner = TraceRunner(trace, torch.arange(E) % D, setup, "sequence_lru", None)
     ready = time.perf_counter()
     with tqdm(total=num_requests, desc="scale", unit="request", disable=None) as bar:
@@ -390,7 +409,8 @@ def print_scale(result: dict) -> None:
 
 def print_speed(result: dict) -> None:
     print(
-        f"\nthe trace runner, {result['shapes'][0]['requests']} requests (mean prompt 512, output 256), one thread:"
+        f"\nthe trace runner, {result['shapes'][0]['requests']} requests (mean prompt {result['mean_prompt']}, "
+        f"output {result['mean_output']}), one thread:"
     )
     for row in result["shapes"]:
         shape = (

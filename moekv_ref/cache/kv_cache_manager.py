@@ -705,16 +705,15 @@ class KVCacheManager(Stateful):
         # 1 in P): the blocks and the slot tables are worked out over those
         crossing = self._crossing(old, new, one_each)  # (c,)
         growing = rows[crossing]
-        needed = ceil_div(new[crossing], P) - ceil_div(old[crossing], P)  # (c,)
+        held = ceil_div(old[crossing], P)  # (c,) blocks each holds: its first new block's column
+        needed = ceil_div(new[crossing], P) - held  # (c,)
         block_ids = self._take_blocks(growing, needed, num_new_tokens, rows.numel())  # (total,) may raise
         if block_ids.numel():  # with equal lengths, a decode step takes none P - 1 of P times
             # the k-th new block of row i: column ceil(old[i] / P) + k
             owner = torch.repeat_interleave(torch.arange(growing.numel()), needed)  # (total,)
             first_new = torch.cumsum(needed, 0) - needed  # (c,)
             owner_rows = growing[owner]
-            block_column = (
-                torch.arange(block_ids.numel()) - first_new[owner] + ceil_div(old[crossing], P)[owner]
-            )
+            block_column = torch.arange(block_ids.numel()) - first_new[owner] + held[owner]
             widest = int(block_column.max()) + 1
             if widest > self.block_tables.shape[1]:
                 self._grow_tables(widest)
