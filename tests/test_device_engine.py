@@ -15,7 +15,14 @@ from helpers import alone_tokens, random_model, random_workload, small_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moekv_ref.cache import BlockPool, KVCacheManager, OutOfBlocksError, PrefixCache, SharedTailKVCacheManager
+from moekv_ref.cache import (
+    BlockPool,
+    KVCacheManager,
+    OutOfBlocksError,
+    PrefixCache,
+    RowPlacement,
+    SharedTailKVCacheManager,
+)
 from moekv_ref.engine import LLMEngine, ModelShape, SchedulerConfig
 from moekv_ref.engine.scheduler import Scheduler
 from moekv_ref.engine.swap import SwapSpace
@@ -191,8 +198,7 @@ def stub_memory(counts: dict, last_used: dict, device_of_expert, block_size=1, s
     return SimpleNamespace(
         token_counts=lambda ids: torch.stack([counts[i] for i in ids]),
         row_last_used=lambda i: last_used[i],
-        device_of_expert=device_of_expert,
-        device_of_expert_of=lambda ids: device_of_expert.expand(len(ids), -1, -1),
+        placement=RowPlacement.by_expert(device_of_expert, D),
         blocks_held_per_device=held,
         has_swap_space=swap,
     )
@@ -398,13 +404,13 @@ def test_with_home_devices_policies_read_each_sequences_devices_not_device_zero(
         manager.add_sequence(seq_id)
         manager.allocate_slots(manager.rows([seq_id, seq_id], 0, [0, 1]), torch.tensor([2, 1]))
     memory = MemoryView(manager, ModelShape(1, 2, 1, 1, 1, 64))
-    assert memory.device_of_expert_of([0, 1])[:, 0].tolist() == [[0, 0], [1, 1]]
+    assert memory.placement.of_sequences([0, 1])[:, 0].tolist() == [[0, 0], [1, 1]]
     cands = requests((0, 3), (1, 3))
     choice = ExpertLRU().choose_victim(cands, memory, Shortage(device=1, num_blocks=1))
     assert isinstance(choice, RowEviction) and choice.request is cands[1]
     assert ExpertLRU().choose_victim(cands, memory, Shortage(device=0, num_blocks=1)).request is cands[0]
-    with pytest.raises(ValueError, match="device_of_expert_of"):
-        memory.device_of_expert  # there is no device per expert to answer with
+    assert memory.placement.expert_devices is None  # there is no device per expert to answer with
+    assert memory.placement.of_sequences([5])[0].unique().tolist() == [1]  # but one for every row
 
     cached = KVCacheManager(1, 2, 2, blocks_per_device=[8, 8], home_devices=True, prefix_cache=PrefixCache())
     scheduler = Scheduler(SchedulerConfig(), cached, ModelShape(1, 2, 1, 1, 2, 64))

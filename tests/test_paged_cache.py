@@ -322,8 +322,8 @@ def test_prefix_caching_and_shared_tails_combine_with_several_devices_not_with_e
         config, 40, 4, blocks_per_device=[20, 20], home_devices=True, enable_prefix_caching=True
     )
     assert by_expert.manager.prefix_cache is not None and by_expert.manager.num_devices == 2
-    assert by_home.manager.home_devices and by_home.manager.prefix_cache is not None
-    assert torch.equal(by_home.manager.device_of_expert_of([0, 1])[:, 0, 0], torch.tensor([0, 1]))
+    assert by_home.manager.placement.follows_sequence and by_home.manager.prefix_cache is not None
+    assert torch.equal(by_home.manager.placement.of_sequences([0, 1])[:, 0, 0], torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="no device_of_expert"):
         PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement, home_devices=True)
     with pytest.raises(ValueError, match=r"blocks_per_device\[1\]=5 is too small .* homed there"):

@@ -4,6 +4,7 @@ chosen together, so tokens touch fewer devices than under round-robin when routi
 import pytest
 import torch
 
+from moekv_ref.cache import KVCacheManager, RowPlacement
 from moekv_ref.placement import coactivation_counts, devices_touched, place_experts, place_layers
 
 
@@ -40,3 +41,38 @@ def test_place_layers_and_bad_arguments():
         place_experts(8, 2, "random")
     with pytest.raises(ValueError, match="co-activation"):
         place_experts(8, 2, "coactivation")
+
+
+# ----- RowPlacement: which device every (sequence, layer, expert) row lives on ----------------------------
+def test_row_placement_answers_for_every_row_by_expert_and_by_sequence():
+    """By expert, every sequence's rows follow the (L, E) table; by sequence, every row of s is on
+    s % D whatever its expert; the per-(layer, device) expert counts exist only by expert."""
+    table = torch.tensor([[0, 1, 1, 2], [2, 2, 0, 1]])  # (L, E) = (2, 4) over 3 devices
+    by_expert = RowPlacement.by_expert(table, 3)
+    assert not by_expert.follows_sequence
+    devices = by_expert.of_sequences([0, 7, 11])
+    assert devices.shape == (3, 2, 4)
+    assert all(torch.equal(devices[i], table) for i in range(3))
+    assert by_expert.experts_per_device().tolist() == [[1, 2, 1], [1, 1, 2]]
+
+    by_sequence = RowPlacement.by_sequence(2, 4, 3)
+    assert by_sequence.follows_sequence and by_sequence.experts_per_device() is None
+    devices = by_sequence.of_sequences([0, 7, 11])
+    assert [devices[i].unique().tolist() for i in range(3)] == [[0], [1], [2]]
+    one_pool = RowPlacement.by_sequence(2, 4, 1)
+    assert not one_pool.follows_sequence and int(one_pool.of_sequences([5]).max()) == 0
+
+
+def test_the_manager_places_each_row_where_its_placement_says():
+    """A row's blocks come from the device the manager's placement names, by expert and by sequence."""
+    table = torch.tensor([[0, 1], [1, 0]])
+    for options in (dict(device_of_expert=table), dict(home_devices=True)):
+        manager = KVCacheManager(2, 2, 2, blocks_per_device=[8, 8], **options)
+        for seq_id in (0, 1):
+            manager.add_sequence(seq_id)
+            rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]
+            manager.allocate_slots(rows, torch.full((4,), 3))
+            expected = manager.placement.of_sequences([seq_id])[0].reshape(-1)  # (L*E,)
+            for row, device in zip(rows.tolist(), expected.tolist()):
+                blocks = manager.block_tables[row, :2].to(torch.int64)
+                assert manager.pool.device_of_blocks(blocks).tolist() == [device, device]

@@ -464,13 +464,13 @@ def check_rows_on_their_devices(engine):
     listed_by = {}  # block -> the homes of the rows listing it
     for seq_id in manager.sequences:
         rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]  # (L*E,)
-        devices = manager.device_of_expert_of([seq_id])[0].reshape(-1)  # (L*E,)
+        devices = manager.placement.of_sequences([seq_id])[0].reshape(-1)  # (L*E,)
         for row, device in zip(rows.tolist(), devices.tolist()):
             blocks = manager.block_tables[row, : -(-int(manager.row_tokens[row]) // P)].to(torch.int64)
             assert (pool.device_of_blocks(blocks) == device).all(), (seq_id, row, blocks.tolist(), device)
             for block in blocks.tolist():
                 listed_by.setdefault(block, set()).add(device)
-    if manager.home_devices:
+    if manager.placement.follows_sequence:
         assert all(len(homes) == 1 for homes in listed_by.values()), "two homes share a block"
 
 

@@ -10,7 +10,8 @@ attention over the keys its row holds at positions <= the query's. Within a row,
 the positions the cache already holds. Caches also answer `token_counts(seq_ids)` -> (num_seqs, L, E)
 and `free(seq_id)`.
 
-    rows.py                 how a (sequence, layer, expert) row is numbered; ceil_div
+    rows.py                 how a (sequence, layer, expert) row is numbered, and on which device
+                            it lives (RowPlacement); ceil_div
     block_pool.py           the free block queues (per device) and reference counts
     kv_cache_manager.py     block tables and token counts per row (integers only)
     shared_tail_manager.py  SharedTails, a manager's part: rows' partly filled tails share blocks
@@ -24,7 +25,7 @@ from .contiguous import ContiguousKVCache
 from .kv_cache_manager import KVCacheManager, SlotAllocation
 from .paged import ATTENTION_PATHS, AppendedRows, PagedKVCache
 from .prefix_cache import PrefixCache
-from .rows import RowIndex, ceil_div
+from .rows import RowIndex, RowPlacement, ceil_div
 from .shared_tail_manager import SharedTailKVCacheManager, SharedTails
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "PagedKVCache",
     "PrefixCache",
     "RowIndex",
+    "RowPlacement",
     "SharedTailKVCacheManager",
     "SharedTails",
     "SlotAllocation",

@@ -30,9 +30,10 @@ range on purpose), never read.
 Invariants (`assert_consistent`, driven by property tests): a row of n tokens owns exactly
 ceil(n / P) blocks, of its own device; no block is owned twice; a call that raises changes nothing.
 
-Each expert of each layer lives on one of D devices (`device_of_expert`, (L, E)) and its rows take
-blocks of that device's range, so memory is short per device; with `home_devices` every row of
-sequence s lives on s % D instead (a pool sharded by sequence, as expert parallelism's
+Each row takes blocks of one device's range, so memory is short per device. Which device is the
+manager's `placement` (rows.py's RowPlacement), which answers for every row: by expert, each expert
+of each layer on one of D devices (`device_of_expert`, (L, E)); or, with `home_devices`, by sequence,
+every row of sequence s on s % D (a pool sharded by sequence, as expert parallelism's
 kv_with_sequence and replicated_attention placements keep theirs). Parts, vLLM's style, each own
 their state and are called where they differ: SharedTails and PrefixCache (which do not combine), and
 RowBudget (budget.py: at most B tokens a row, a policy at a full row), which combines with neither.
@@ -73,7 +74,7 @@ from ..validation import (
     shown,
 )
 from .block_pool import BlockPool, OutOfBlocksError, check_pool_size
-from .rows import RowIndex, ceil_div
+from .rows import RowIndex, RowPlacement, ceil_div
 
 Moves = list[tuple[torch.Tensor, torch.Tensor]]  # (source slots, destination slots), in order
 _NO_BLOCKS = torch.zeros(0, dtype=torch.int64)  # what most decode appends take (never written to)
@@ -321,17 +322,23 @@ class KVCacheManager(Stateful):
                 initial_blocks_per_row,
                 [part for part in (tails, prefix_cache, budget) if part is not None],
             )
-        self.home_devices = home_devices
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, shuffle_seed, blocks_per_device, checked=True)
-        if device_of_expert is None:
-            device_of_expert = torch.zeros(num_layers, num_experts, dtype=torch.int64)
-        self._placement = device_of_expert  # (L, E)
+        if home_devices:
+            self.placement = RowPlacement.by_sequence(num_layers, num_experts, self.pool.num_devices)
+        else:
+            if device_of_expert is None:
+                device_of_expert = torch.zeros(num_layers, num_experts, dtype=torch.int64)
+            self.placement = RowPlacement.by_expert(device_of_expert, self.pool.num_devices)
         # a sequence's L * E rows, device after device (row order within each): `free` hands its
-        # blocks to the pool grouped by device, so the pool has nothing to sort
-        self._rows_by_device = torch.argsort(device_of_expert.reshape(-1), stable=True)
+        # blocks to the pool grouped by device, so the pool has nothing to sort (by sequence, every
+        # row of a sequence is on one device: row order)
+        by_device = torch.zeros(num_layers * num_experts, dtype=torch.int64)
+        if device_of_expert is not None:
+            by_device = device_of_expert.reshape(-1)
+        self._rows_by_device = torch.argsort(by_device, stable=True)
         self.index = RowIndex(num_layers, num_experts)
         self.rows_per_seq = self.index.rows_per_seq
         self.pad = self.pool.num_blocks  # padding in block tables: never a real block
@@ -370,28 +377,9 @@ class KVCacheManager(Stateful):
     blocks_per_device = property(lambda self: self.pool.blocks_per_device)
     num_free_blocks_per_device = property(lambda self: self.pool.num_free_blocks_per_device)
 
-    @property
-    def device_of_expert(self) -> torch.Tensor:
-        """(L, E) the device of each expert's rows; with home_devices it raises rather than answer
-        device 0 for every row."""
-        if self.home_devices:
-            raise ValueError(
-                "with home_devices a row's device is its sequence's home (s % D), not its "
-                "expert's: ask device_of_expert_of(seq_ids) for the (m, L, E) devices of "
-                "those sequences' rows"
-            )
-        return self._placement
-
     def device_of_rows(self, rows) -> torch.Tensor:
         """(m,) the device of each row id (of a held sequence)."""
         return self.row_device[check_ids(rows, "rows")]
-
-    def device_of_expert_of(self, seq_ids) -> torch.Tensor:
-        """(m, L, E) the device of each row of these sequences, held or not."""
-        seq_ids = torch.tensor([int(s) for s in seq_ids], dtype=torch.int64)  # (m,)
-        if self.home_devices:
-            return (seq_ids % self.num_devices).view(-1, 1, 1).expand(-1, self.num_layers, self.num_experts)
-        return self._placement.expand(seq_ids.numel(), -1, -1)
 
     def blocks_held_per_device(self, seq_ids) -> torch.Tensor:
         """(m, D) blocks each sequence owns on each device (tail blocks too); zeros if not held."""
@@ -437,7 +425,7 @@ class KVCacheManager(Stateful):
         self._seq_index[seq_id] = index
         self.slot_held[index] = True
         rows = self.index.sequence_rows(torch.tensor([index]))[0]  # (L*E,)
-        devices = self.device_of_expert_of([seq_id])[0]  # (L, E)
+        devices = self.placement.of_sequences([seq_id])[0]  # (L, E)
         self.row_device[rows] = devices.reshape(-1)
         self.open_rows[index] = torch.zeros(
             self.num_layers, self.num_devices, dtype=torch.int32

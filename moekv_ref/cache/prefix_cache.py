@@ -217,13 +217,13 @@ class PrefixCache(ManagerPart):
         """(L*E,) the device of each row of sequence seq_id, held or not."""
         m = self.manager
         if seq_id is None:
-            if m.home_devices and m.num_devices > 1:
+            if m.placement.follows_sequence:
                 raise ValueError(
                     "a prefix lookup on a pool with home devices needs the sequence id "
                     "(find_cached_prefix(tokens, seq_id)): its rows' device is its home"
                 )
             seq_id = 0  # rows follow their experts: every id gives the same
-        return m.device_of_expert_of([seq_id])[0].reshape(-1)
+        return m.placement.of_sequences([seq_id])[0].reshape(-1)
 
     def find_cached_prefix(self, token_ids: list[int], seq_id: int | None = None) -> PrefixHit:
         """The longest usable cached prefix for sequence seq_id (PrefixHit() when none). Changes

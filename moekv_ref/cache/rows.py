@@ -45,6 +45,52 @@ class RowIndex:
         )
 
 
+@dataclass(frozen=True, eq=False)
+class RowPlacement:
+    """Which device each row takes its blocks from, answered for every row. Two ways to shard:
+
+    by expert    row (s, l, e) on expert_devices[l, e]   expert parallelism's kv_with_expert;
+                                                         one pool is this with every entry 0
+    by sequence  every row of s on its home s % D       kv_with_sequence, replicated_attention
+                 (expert_devices is None)
+    """
+
+    num_layers: int  # L
+    num_experts: int  # E
+    num_devices: int  # D
+    expert_devices: torch.Tensor | None  # (L, E) int64; None: rows follow their sequence's home
+
+    @classmethod
+    def by_expert(cls, expert_devices: torch.Tensor, num_devices: int) -> "RowPlacement":
+        num_layers, num_experts = expert_devices.shape
+        return cls(num_layers, num_experts, num_devices, expert_devices)
+
+    @classmethod
+    def by_sequence(cls, num_layers: int, num_experts: int, num_devices: int) -> "RowPlacement":
+        return cls(num_layers, num_experts, num_devices, None)
+
+    @property
+    def follows_sequence(self) -> bool:
+        """Whether a row's device depends on its sequence (so a question about rows needs the id)."""
+        return self.expert_devices is None and self.num_devices > 1
+
+    def of_sequences(self, seq_ids) -> torch.Tensor:
+        """(m, L, E) the device of every row of these sequence ids, held or not."""
+        seq_ids = torch.tensor([int(s) for s in seq_ids], dtype=torch.int64)  # (m,)
+        if self.expert_devices is None:
+            homes = seq_ids % self.num_devices  # (m,)
+            return homes.view(-1, 1, 1).expand(-1, self.num_layers, self.num_experts)
+        return self.expert_devices.expand(seq_ids.numel(), -1, -1)
+
+    def experts_per_device(self) -> torch.Tensor | None:
+        """(L, D) how many experts of each layer live on each device; None by sequence, where the
+        answer depends on the sequence."""
+        if self.expert_devices is None:
+            return None
+        counts = torch.zeros(self.num_layers, self.num_devices, dtype=torch.int64)
+        return counts.scatter_add_(1, self.expert_devices, torch.ones_like(self.expert_devices))
+
+
 def worst_case_lifetime_blocks(
     num_tokens: int,
     num_layers: int,

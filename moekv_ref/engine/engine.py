@@ -109,7 +109,7 @@ class LLMEngine:
     reuses only blocks of the device each row takes blocks from.
     blocks_per_device: D integers >= 1, never rounded (num_blocks their sum if left out);
     device_of_expert: (E,) or (L, E) devices (placement.place_experts). With home_devices
-    device_of_expert is None: ask memory.device_of_expert_of.
+    device_of_expert is None: ask manager.placement.of_sequences(ids) (cache/rows.py).
     budget: a RowBudget (cache/budget.py), at most B tokens in each (sequence, layer, expert) row
     (a swapped-out sequence keeps its rows' policy state with its blocks).
     """
@@ -160,7 +160,7 @@ class LLMEngine:
             num_swap_blocks = self.cache.manager.num_blocks if swap else 0
         self.blocks_per_device = self.cache.manager.blocks_per_device.tolist()  # D ints
         manager = self.cache.manager
-        self.device_of_expert = None if manager.home_devices else manager.device_of_expert  # (L, E)
+        self.device_of_expert = manager.placement.expert_devices  # (L, E); None: by sequence
         self.scheduler = Scheduler(
             scheduler_config,
             self.cache.manager,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.kv_cache_manager import KVCacheManager
+from ..cache.rows import RowPlacement
 from ..config import ModelConfig
 from .swap import SwapSpace
 
@@ -129,13 +130,9 @@ class MemoryView:
         return self.blocks_per_device - self.num_free_blocks_per_device
 
     @property
-    def device_of_expert(self) -> torch.Tensor:
-        """(L, E) each expert's device; ValueError with home devices (see device_of_expert_of)."""
-        return self._manager.device_of_expert
-
-    def device_of_expert_of(self, seq_ids: list[int]) -> torch.Tensor:
-        """(m, L, E) each row's device, held or not (its expert's, or its sequence's home)."""
-        return self._manager.device_of_expert_of(seq_ids)
+    def placement(self) -> RowPlacement:
+        """Which device each row lives on: placement.of_sequences(ids) is (m, L, E), held or not."""
+        return self._manager.placement
 
     def blocks_held_per_device(self, seq_id: int) -> torch.Tensor:
         """(D,) blocks the sequence holds per device, also any outside its rows (shared tails)."""

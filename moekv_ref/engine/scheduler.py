@@ -282,12 +282,8 @@ class Scheduler(Stateful):
         # a decode step's need from the manager's per-slot tables (`_decode_need`): the experts of each
         # (layer, device), where rows live on their experts' devices and no budget caps them
         self._experts_on = (
-            None
-            if manager.home_devices or shape.max_row_tokens is not None
-            else torch.zeros(shape.num_layers, self.num_devices, dtype=torch.int64).scatter_add_(
-                1, manager.device_of_expert, torch.ones_like(manager.device_of_expert)
-            )
-        )  # (L, D)
+            None if shape.max_row_tokens is not None else manager.placement.experts_per_device()
+        )  # (L, D); None by sequence
         # whether a token can open fewer blocks of some (layer, device) than it has rows there
         # (k_max below the experts there): only then does _decode_need read open_rows per layer
         self._caps_bind = self._experts_on is not None and bool((self._experts_on > shape.k_max).any())
@@ -361,7 +357,7 @@ class Scheduler(Stateful):
             torch.tensor([prompt_len + max_new_tokens - 1]),
             shape.k_max,
             shape.block_size,
-            memory.device_of_expert_of([request_id]),
+            memory.placement.of_sequences([request_id]),
             self.num_devices,
             shape.max_row_tokens,
         )[0]  # (D,)
@@ -656,7 +652,7 @@ class Scheduler(Stateful):
             counts = torch.stack(rows)  # (m, L, E)
         totals = [r.num_computed_tokens + n for r, n in zip(requests, num_tokens)]
         devices = (
-            memory.device_of_expert_of([r.request_id for r in requests]) if self.num_devices > 1 else None
+            memory.placement.of_sequences([r.request_id for r in requests]) if self.num_devices > 1 else None
         )
         return self._worst_case_need(counts, num_tokens, totals, devices)
 
@@ -797,7 +793,7 @@ class Scheduler(Stateful):
         for request_id in self.stalled:
             dead = self.memory.token_counts([request_id])[0] > 0  # (L, E)
             if device is not None:
-                dead &= self.memory.device_of_expert_of([request_id])[0] == device
+                dead &= self.memory.placement.of_sequences([request_id])[0] == device
             if dead.any():
                 self.num_dead_rows_freed += self._free_rows(request_id, dead.nonzero().tolist())
                 freed = True

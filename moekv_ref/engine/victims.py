@@ -99,7 +99,7 @@ class ExpertLRU(VictimPolicy):
         for order, request in enumerate(candidates):
             last_used = memory.row_last_used(request.request_id)
             counts = memory.token_counts([request.request_id])[0]  # (L, E)
-            devices = memory.device_of_expert_of([request.request_id])[0]  # (L, E) its rows'
+            devices = memory.placement.of_sequences([request.request_id])[0]  # (L, E) its rows'
             on_short = (counts > 0) & (devices == shortage.device)  # (L, E)
             keys += [
                 (int(last_used[layer, expert]), -order, layer, expert)

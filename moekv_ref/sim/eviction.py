@@ -129,7 +129,7 @@ class TraceFuture:
         self._held, self._reserved = {}, {}  # seq -> held(seq), reserved(seq)
 
     def _map(self, counts: torch.Tensor) -> torch.Tensor:
-        return self.manager.device_of_expert.expand(counts.shape[0], -1, -1)  # (n, L, E) devices
+        return self.manager.placement.expert_devices.expand(counts.shape[0], -1, -1)  # (n, L, E) devices
 
     def held(self, seq: int) -> torch.Tensor:
         """(len + 1, D) blocks the sequence holds on each device after its first t tokens."""
