@@ -183,7 +183,7 @@ def test_the_engine_serves_a_model_with_a_capacity_as_generate_does():
     prompts = random_prompts([9, 4], model.config.vocab_size, seed=6)
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
     engine = LLMEngine(model, num_blocks=80, block_size=2)
-    assert engine.cache.manager.budget.policy == "drop" and engine.scheduler.shape.max_row_tokens == 3
+    assert engine.cache.manager.budget.policy == "drop" and engine.scheduler.memory.max_row_tokens == 3
     outputs = engine.generate(prompts, params)
     assert [o.token_ids for o in outputs] == generate(
         model, prompts, params, cache="paged", block_size=2

@@ -247,7 +247,7 @@ def test_victim_choices_exact():
 def test_expert_lru_is_refused_where_rows_cannot_be_evicted():
     """Shared tails and prefix caching share blocks between rows: the scheduler refuses a victim
     policy that drops single rows when it is built, not at its first eviction."""
-    shape = ModelShape(num_layers=2, num_experts=3, k_max=2, k_min=2, block_size=4, max_num_positions=64)
+    shape = ModelShape(k_max=2, k_min=2, max_num_positions=64)
     for manager in (
         KVCacheManager(2, 3, 4, 64, prefix_cache=PrefixCache()),
         SharedTailKVCacheManager(2, 3, 4, 64),
@@ -403,7 +403,7 @@ def test_with_home_devices_policies_read_each_sequences_devices_not_device_zero(
     for seq_id in (0, 1):
         manager.add_sequence(seq_id)
         manager.allocate_slots(manager.rows([seq_id, seq_id], 0, [0, 1]), torch.tensor([2, 1]))
-    memory = MemoryView(manager, ModelShape(1, 2, 1, 1, 1, 64))
+    memory = MemoryView(manager, ModelShape(k_max=1, k_min=1, max_num_positions=64))
     assert memory.placement.of_sequences([0, 1])[:, 0].tolist() == [[0, 0], [1, 1]]
     cands = requests((0, 3), (1, 3))
     choice = ExpertLRU().choose_victim(cands, memory, Shortage(device=1, num_blocks=1))
@@ -413,7 +413,7 @@ def test_with_home_devices_policies_read_each_sequences_devices_not_device_zero(
     assert memory.placement.of_sequences([5])[0].unique().tolist() == [1]  # but one for every row
 
     cached = KVCacheManager(1, 2, 2, blocks_per_device=[8, 8], home_devices=True, prefix_cache=PrefixCache())
-    scheduler = Scheduler(SchedulerConfig(), cached, ModelShape(1, 2, 1, 1, 2, 64))
+    scheduler = Scheduler(SchedulerConfig(), cached, ModelShape(k_max=1, k_min=1, max_num_positions=64))
     cached.add_sequence(3)  # home 1: the producer
     rows = cached.rows([3, 3], 0, [0, 1])
     allocation = cached.allocate_slots(rows, torch.tensor([2, 2]))

@@ -118,13 +118,16 @@ def test_bad_scheduler_config_names_the_value(field, value):
 # unshuffled, so it hands out blocks 0, 1, 2, ... and reuses the last freed first.
 
 
-SHAPE = ModelShape(num_layers=2, num_experts=4, k_max=2, k_min=1, block_size=4, max_num_positions=64)
+SHAPE = ModelShape(k_max=2, k_min=1, max_num_positions=64)
+NUM_LAYERS = 2  # the manager's L
+NUM_EXPERTS = 4  # E
+BLOCK_SIZE = 4  # P
 EXPERTS_01 = torch.tensor([1, 1, 0, 0])  # a token routed to experts 0 and 1, in every layer
 EXPERTS_23 = torch.tensor([0, 0, 1, 1])
 
 
 def make_scheduler(num_blocks, num_swap_blocks=0, **config):
-    manager = KVCacheManager(SHAPE.num_layers, SHAPE.num_experts, SHAPE.block_size, num_blocks)
+    manager = KVCacheManager(NUM_LAYERS, NUM_EXPERTS, BLOCK_SIZE, num_blocks)
     return Scheduler(SchedulerConfig(**config), manager, SHAPE, num_swap_blocks)
 
 
@@ -146,7 +149,7 @@ def run_forward(scheduler, out, experts=EXPERTS_01):
         if seq_id not in manager.sequences:
             manager.add_sequence(seq_id)
         rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(seq_id)]))[0]  # (L*E,)
-        manager.allocate_slots(rows, (experts * item.num_tokens).repeat(SHAPE.num_layers))
+        manager.allocate_slots(rows, (experts * item.num_tokens).repeat(NUM_LAYERS))
     sampled = {item.request.request_id: 1 for item in out.scheduled if item.samples}
     return scheduler.update_from_output(out, sampled)
 
@@ -206,7 +209,10 @@ def test_the_one_pool_need_is_the_per_device_bounds_with_one_device(seed, monkey
     per-device form is not what ran (it raises here)."""
     generator = torch.Generator().manual_seed(seed)
     scheduler = make_scheduler(40)
-    L, E, K, P = SHAPE.num_layers, SHAPE.num_experts, SHAPE.k_max, SHAPE.block_size
+    L = NUM_LAYERS
+    E = NUM_EXPERTS
+    K = SHAPE.k_max
+    P = BLOCK_SIZE
     m = 12
     counts = torch.randint(0, 3 * P + 2, (m, L, E), generator=generator)
     num_tokens = torch.randint(1, 2 * P + 3, (m,), generator=generator).tolist()

@@ -2,7 +2,7 @@
 
 request.py       Request, its states (waiting, running, preempted, finished) and its output
 demand.py        blocks a request needs: worst case of a step, of a lifetime, and a prediction
-memory.py        ModelShape (the model's integer facts) and MemoryView (read-only memory facts)
+memory.py        ModelShape (the model's routing facts) and MemoryView (read-only memory facts, the cache's shape)
 swap.py          SwapSpace: host block ids of sequences preempted by swap; BlockCopy
 admission.py     admission policies: predicted, optimistic
 victims.py       victim policies: newest_first, sequence_lru, expert_lru, pressure_aware, and

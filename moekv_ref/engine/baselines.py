@@ -7,14 +7,16 @@ from __future__ import annotations
 from .admission import AdmissionPolicy
 from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
 from .demand import reserved_blocks
-from .memory import ModelShape
+from .memory import MemoryView
 from .request import Request
 
 
-def _reservation(num_cached_tokens: int, shape: ModelShape) -> int:
+def _reservation(num_cached_tokens: int, memory: MemoryView) -> int:
     """Every row's worst case: all the tokens, or its budget's B."""
-    cap = num_cached_tokens if shape.max_row_tokens is None else min(num_cached_tokens, shape.max_row_tokens)
-    return reserved_blocks(cap, shape.num_layers, shape.num_experts, shape.block_size)
+    cap = (
+        num_cached_tokens if memory.max_row_tokens is None else min(num_cached_tokens, memory.max_row_tokens)
+    )
+    return reserved_blocks(cap, memory.num_layers, memory.num_experts, memory.block_size)
 
 
 class ReserveEveryRow(AdmissionPolicy):
@@ -24,7 +26,7 @@ class ReserveEveryRow(AdmissionPolicy):
     name = "reserved"
 
     def allows(self, request, running, memory, predictor) -> bool:
-        total = sum(_reservation(r.max_cached_tokens, memory.shape) for r in list(running) + [request])
+        total = sum(_reservation(r.max_cached_tokens, memory) for r in list(running) + [request])
         return total <= memory.num_blocks
 
 
@@ -37,8 +39,8 @@ class ContinuousReserved(ContinuousBatching):
     def __init__(self):
         super().__init__(ReserveEveryRow())
 
-    def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
-        return _reservation(num_cached_tokens, shape)
+    def max_blocks_alone(self, num_cached_tokens: int, memory: MemoryView) -> int:
+        return _reservation(num_cached_tokens, memory)
 
     __repr__ = BatchingPolicy.__repr__  # "ContinuousReserved()": its admission is fixed
 
@@ -56,8 +58,8 @@ class StaticBatching(BatchingPolicy):
     def __init__(self):
         self._padding: dict[int, int] = {}  # request id -> tokens decoded past its output
 
-    def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
-        return _reservation(num_cached_tokens, shape)
+    def max_blocks_alone(self, num_cached_tokens: int, memory: MemoryView) -> int:
+        return _reservation(num_cached_tokens, memory)
 
     def num_new_tokens(self, request: Request) -> int:
         return request.max_new_tokens + self._padding.get(request.request_id, 0)
@@ -65,21 +67,21 @@ class StaticBatching(BatchingPolicy):
     def admit(self, step: AdmissionStep) -> None:
         if step.running or step.head is None:
             return
-        shape = step.shape
+        memory = step.memory
         batch: list[Request] = []
         for request in step.peek(step.max_num_seqs):
             candidate = batch + [request]
             padded = (
                 max(len(r.prompt_token_ids) for r in candidate) + max(r.max_new_tokens for r in candidate) - 1
             )
-            if len(candidate) * _reservation(padded, shape) > step.memory.num_blocks:
+            if len(candidate) * _reservation(padded, memory) > memory.num_blocks:
                 break
             batch.append(request)
         batch = batch or [step.head]  # fits alone: checked at add_request
         longest_output = max(r.max_new_tokens for r in batch)
         for request in batch:
             # padding: decode until the batch's longest output ends, within the model's positions
-            room = shape.max_num_positions - 1 - request.max_cached_tokens
+            room = memory.shape.max_num_positions - 1 - request.max_cached_tokens
             self._padding[request.request_id] = min(longest_output - request.max_new_tokens, room)
             step.start_next()
 

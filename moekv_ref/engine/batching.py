@@ -13,7 +13,7 @@ from itertools import islice
 from ..state import Stateful
 from .admission import AdmissionPolicy, PredictedAdmission
 from .demand import DemandPredictor, worst_case_lifetime_blocks
-from .memory import MemoryView, ModelShape
+from .memory import MemoryView
 from .request import Request
 
 
@@ -38,7 +38,6 @@ class AdmissionStep:
         self.reserved = reserved  # worst case already reserved by the step ((D,): per device)
         self.memory: MemoryView = scheduler.memory
         self.predictor: DemandPredictor = scheduler.predictor
-        self.shape: ModelShape = scheduler.memory.shape
         self.max_num_seqs: int = scheduler.config.max_num_seqs
         self.victims = scheduler.victims  # its `admits` may veto too
         self._hits = {}  # request id -> the prefix hit step_fits chose it starts from
@@ -105,7 +104,7 @@ class BatchingPolicy(Stateful):
 
     name = "batching"
 
-    def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
+    def max_blocks_alone(self, num_cached_tokens: int, memory: MemoryView) -> int:
         """The most blocks one request could need alone (above the pool: refused when added)."""
         raise NotImplementedError
 
@@ -142,14 +141,14 @@ class ContinuousBatching(BatchingPolicy):
     def admits_on_prediction(self) -> bool:
         return self.admission.uses_prediction
 
-    def max_blocks_alone(self, num_cached_tokens: int, shape: ModelShape) -> int:
+    def max_blocks_alone(self, num_cached_tokens: int, memory: MemoryView) -> int:
         return worst_case_lifetime_blocks(
             num_cached_tokens,
-            shape.num_layers,
-            shape.num_experts,
-            shape.k_max,
-            shape.block_size,
-            shape.max_row_tokens,
+            memory.num_layers,
+            memory.num_experts,
+            memory.shape.k_max,
+            memory.block_size,
+            memory.max_row_tokens,
         )
 
     def admit(self, step: AdmissionStep) -> None:

@@ -164,7 +164,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             scheduler_config,
             self.cache.manager,
-            ModelShape.from_config(self.config, self.cache.block_size, manager.budget),
+            ModelShape.from_config(self.config),
             num_swap_blocks,
             checked=True,
         )

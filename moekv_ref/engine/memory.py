@@ -1,9 +1,13 @@
 """What the scheduler and its policies know about memory: integers only.
 
-ModelShape holds the model's facts that set how many blocks a sequence takes. MemoryView is a
-read-only window onto the block manager and the swap space (per device as (D,) vectors; one pool:
-D = 1); its totals stay sums over devices, for the admission policies that reason about the whole
-pool. The policies get a MemoryView, which has no method that changes anything; the scheduler
+ModelShape holds what the scheduler must know of the model beyond its cache: how many experts a
+token is routed to, and how many positions it has. The cache's own facts (layers, experts, block
+size, a row budget's largest B) are read from its manager, once, by the MemoryView, so there is no
+second copy to disagree with it.
+
+MemoryView is a read-only window onto the block manager and the swap space (per device as (D,)
+vectors; one pool: D = 1); its totals stay sums over devices, for the admission policies that
+reason about the whole pool. The policies get a MemoryView, which has no method that changes anything; the scheduler
 changes memory only through the block manager and the swap space, never touching K/V tensors.
 """
 
@@ -21,27 +25,15 @@ from .swap import SwapSpace
 
 @dataclass(frozen=True)
 class ModelShape:
-    num_layers: int  # L
-    num_experts: int  # E attention experts per layer
     k_max: int  # most experts a token is routed to per layer
     k_min: int  # fewest: k under top-k routing, 1 under threshold routing
-    block_size: int  # P slots per block
     max_num_positions: int  # the model's max_position_embeddings
-    max_row_tokens: int | None = None  # a row budget's largest B (cache/budget.py), None: no budget
 
     @classmethod
-    def from_config(cls, config: ModelConfig, block_size: int, budget=None) -> "ModelShape":
+    def from_config(cls, config: ModelConfig) -> "ModelShape":
         k_max = config.num_attention_experts_per_tok
-        cap = None if budget is None else budget.largest(config.num_hidden_layers)
-        return cls(
-            config.num_hidden_layers,
-            config.num_attention_experts,
-            k_max,
-            k_max if config.attention_routing == "topk" else 1,
-            block_size,
-            config.max_position_embeddings,
-            cap,
-        )
+        k_min = k_max if config.attention_routing == "topk" else 1
+        return cls(k_max, k_min, config.max_position_embeddings)
 
 
 class MemoryView:
@@ -49,11 +41,14 @@ class MemoryView:
         self._manager = manager
         self._swap_space = swap_space
         self.shape = shape
+        # the cache's facts, read from its manager (fixed when it was built)
+        self.num_layers = manager.num_layers  # L
+        self.num_experts = manager.num_experts  # E
+        self.block_size = manager.block_size  # P
+        budget = manager.budget
+        self.max_row_tokens = None if budget is None else budget.largest(manager.num_layers)  # B, None: none
 
     # ----- the pool ---------------------------------------------------------------------------------
-    @property
-    def block_size(self) -> int:
-        return self.shape.block_size
 
     @property
     def num_blocks(self) -> int:

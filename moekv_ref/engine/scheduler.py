@@ -234,16 +234,6 @@ class Scheduler(Stateful):
             raise ValueError(f"shape must be a ModelShape, got {type(shape).__name__}")
         if not isinstance(manager, KVCacheManager):
             raise ValueError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
-        if (manager.num_layers, manager.num_experts, manager.block_size) != (
-            shape.num_layers,
-            shape.num_experts,
-            shape.block_size,
-        ):
-            raise ValueError(
-                f"the manager's (layers, experts, block size) = ({manager.num_layers}, "
-                f"{manager.num_experts}, {manager.block_size}) differ from the shape's "
-                f"({shape.num_layers}, {shape.num_experts}, {shape.block_size})"
-            )
         if not checked:
             num_swap_blocks = check_swap_space(num_swap_blocks, config.preemption_mode)
         self.config = config
@@ -253,14 +243,9 @@ class Scheduler(Stateful):
         self.memory = MemoryView(manager, shape, self.swap_space)
         self.num_devices = self.memory.num_devices
         self.shape = shape
-        budget = manager.budget
-        if shape.max_row_tokens != (None if budget is None else budget.num_slots):  # the largest B
-            raise ValueError(
-                f"the shape's max_row_tokens={shape.max_row_tokens} is not the manager's budget "
-                f"({budget}): build the shape with ModelShape.from_config(config, block_size, budget)"
-            )
+        memory = self.memory
         self.predictor = DemandPredictor(
-            shape.num_layers, shape.num_experts, shape.k_max, shape.block_size, shape.max_row_tokens
+            memory.num_layers, memory.num_experts, shape.k_max, memory.block_size, memory.max_row_tokens
         )
         self.batching = config.make_batching_policy()
         # by name: continuous_reserved is a ContinuousBatching too, with an admission of its own
@@ -282,7 +267,7 @@ class Scheduler(Stateful):
         # a decode step's need from the manager's per-slot tables (`_decode_need`): the experts of each
         # (layer, device), where rows live on their experts' devices and no budget caps them
         self._experts_on = (
-            None if shape.max_row_tokens is not None else manager.placement.experts_per_device()
+            None if memory.max_row_tokens is not None else manager.placement.experts_per_device()
         )  # (L, D); None by sequence
         # whether a token can open fewer blocks of some (layer, device) than it has rows there
         # (k_max below the experts there): only then does _decode_need read open_rows per layer
@@ -317,19 +302,21 @@ class Scheduler(Stateful):
 
     # ----- requests in ------------------------------------------------------------------------------
     def max_blocks_alone(self, num_cached_tokens: int) -> int:
-        return self.batching.max_blocks_alone(num_cached_tokens, self.shape)
+        return self.batching.max_blocks_alone(num_cached_tokens, self.memory)
 
     def check_fits_alone(self, prompt_len: int, max_new_tokens: int, request_id: int = 0) -> None:
         """ValueError if a request of this shape might not fit the pool even alone: preemption frees
         only *other* sequences' memory, so once admitted it could never finish. request_id: whose
         rows' devices to check (with home devices they depend on it)."""
-        shape, num_blocks = self.shape, self.memory.num_blocks
+        shape = self.shape
+        memory = self.memory
+        num_blocks = memory.num_blocks
         num_tokens = prompt_len + max_new_tokens - 1
         worst = self.max_blocks_alone(num_tokens)
         if worst <= num_blocks:
             self._check_fits_each_device(prompt_len, max_new_tokens, request_id)
             return
-        least = min_lifetime_blocks(num_tokens, shape.num_layers, shape.k_min, shape.block_size)
+        least = min_lifetime_blocks(num_tokens, memory.num_layers, shape.k_min, memory.block_size)
         verdict = "can never fit" if least > num_blocks else "may not fit even alone"
         prompt_worst = self.max_blocks_alone(prompt_len)
         if prompt_worst > num_blocks:
@@ -348,7 +335,8 @@ class Scheduler(Stateful):
         raise ValueError(
             f"request of {prompt_len} prompt tokens + max_new_tokens={max_new_tokens} {verdict} in the "
             f"pool of {num_blocks} blocks: it needs at least {least} and up to {worst} blocks "
-            f"({shape.num_layers} layers, up to {shape.k_max} experts per token, block size {shape.block_size}); {fix}"
+            f"({memory.num_layers} layers, up to {shape.k_max} experts per token, "
+            f"block size {memory.block_size}); {fix}"
         )
 
     def _check_fits_each_device(self, prompt_len: int, max_new_tokens: int, request_id: int) -> None:
@@ -356,10 +344,10 @@ class Scheduler(Stateful):
         worst = worst_case_lifetime_blocks_per_device(
             torch.tensor([prompt_len + max_new_tokens - 1]),
             shape.k_max,
-            shape.block_size,
+            memory.block_size,
             memory.placement.of_sequences([request_id]),
             self.num_devices,
-            shape.max_row_tokens,
+            memory.max_row_tokens,
         )[0]  # (D,)
         over = (worst > memory.blocks_per_device).nonzero().squeeze(1)
         if over.numel():
@@ -688,8 +676,10 @@ class Scheduler(Stateful):
         devices: None for one pool, whose need `_one_pool_worst_case_need` takes in fewer calls."""
         if devices is None:
             return self._one_pool_worst_case_need(counts, num_tokens, totals)
-        s, D = self.shape, self.num_devices
-        K, P, C = s.k_max, s.block_size, s.max_row_tokens
+        D = self.num_devices
+        K = self.shape.k_max
+        P = self.memory.block_size
+        C = self.memory.max_row_tokens
         held = blocks_held_per_device(counts, P, devices, D)  # (m, D)
         step = worst_case_step_blocks_per_device(
             counts, torch.tensor(num_tokens), K, P, devices, D, C
@@ -706,8 +696,12 @@ class Scheduler(Stateful):
         Measured on 16 decoding requests of the embedded model's shape (4 layers, 8 experts), one
         thread: 56 us a call against 148 us for the per-device form, 2.7x, where a decode step of
         that model takes a few milliseconds."""
-        s = self.shape
-        L, E, K, P, C = s.num_layers, s.num_experts, s.k_max, s.block_size, s.max_row_tokens
+        memory = self.memory
+        L = memory.num_layers
+        E = memory.num_experts
+        K = self.shape.k_max
+        P = memory.block_size
+        C = memory.max_row_tokens
         new = torch.tensor(num_tokens, dtype=torch.int64).view(-1, 1, 1)  # (m, 1, 1)
         after = counts + new if C is None else torch.clamp(counts + new, max=C)  # a budget caps rows
         blocks = ceil_div(counts, P).sum(2)  # (m, L)
@@ -737,7 +731,8 @@ class Scheduler(Stateful):
         holds at once (its copies' sources stay pinned until the copies are taken). The cap holds
         for every routing: each row ends with as many blocks either way, and the blocks the hit
         lends it that other requests hold are ones it does not take from the free pool."""
-        L, E = self.shape.num_layers, self.shape.num_experts
+        L = self.memory.num_layers
+        E = self.memory.num_experts
         counts = hit.row_counts.view(1, L, E)  # (1, L, E)
         devices = hit.row_devices.view(1, L, E)
         total = hit.num_tokens + num_tokens

@@ -131,7 +131,7 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
                 preemption_mode=spec.preemption_mode,
             ),
             mirror,
-            ModelShape.from_config(config, spec.block_size),
+            ModelShape.from_config(config),
         )
         requests = []
         for i, (prompt, n) in enumerate(zip(spec.prompts, spec.max_new_tokens)):

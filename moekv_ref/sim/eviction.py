@@ -124,7 +124,7 @@ class TraceFuture:
         self.trace, self.manager, self.shape = trace, manager, shape
         lengths = torch.arange(int(trace.lengths.max()) + 1)  # (n,)
         self.lifetime = worst_case_lifetime_blocks_per_device(  # (n, D)
-            lengths, shape.k_max, shape.block_size, self._map(lengths), manager.num_devices
+            lengths, shape.k_max, manager.block_size, self._map(lengths), manager.num_devices
         )
         self._held, self._reserved = {}, {}  # seq -> held(seq), reserved(seq)
 
@@ -136,7 +136,7 @@ class TraceFuture:
         if seq not in self._held:
             counts = self.trace.row_counts(seq)  # (len + 1, L, E)
             self._held[seq] = blocks_held_per_device(
-                counts, self.shape.block_size, self._map(counts), self.manager.num_devices
+                counts, self.manager.block_size, self._map(counts), self.manager.num_devices
             )
         return self._held[seq]
 
@@ -149,7 +149,7 @@ class TraceFuture:
                 counts,
                 torch.ones(counts.shape[0], dtype=torch.int64),
                 shape.k_max,
-                shape.block_size,
+                self.manager.block_size,
                 self._map(counts),
                 self.manager.num_devices,
             )  # (len, D)
@@ -207,7 +207,7 @@ class TraceRunner:
             initial_num_seqs=setup.max_num_seqs + 1,
         )
         top_k = trace.is_top_k  # every token used all K: top-k routing
-        self.shape = ModelShape(L, E, K, K if top_k else 1, setup.block_size, int(trace.lengths.max()) + 1)
+        self.shape = ModelShape(K, K if top_k else 1, int(trace.lengths.max()) + 1)
         self.future = TraceFuture(trace, self.manager, self.shape)
         if isinstance(policy, str):
             if policy not in VICTIM_POLICIES:
