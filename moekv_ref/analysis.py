@@ -17,6 +17,7 @@ from torch.nn.functional import one_hot
 
 from .cache import ContiguousKVCache, PagedKVCache
 from .cache.budget import RowBudget
+from .cache.kv_cache_manager import check_part_kind
 from .generate import generate
 from .prompts import encode
 from .sampling import SamplingParams
@@ -238,8 +239,9 @@ def budget_map(model, tokens, layer: int, budget: RowBudget) -> tuple[torch.Tens
     (`model(tokens, budget=...)`, whose routing is then the pairs the rows accepted), which the tests
     hold equal to the cache. From layer 1 on, the routing itself is the one under the budget: a token
     refused or evicted below changes the hidden states that later routers see."""
-    if not isinstance(budget, RowBudget):
-        raise ValueError(f"budget={budget!r} must be a RowBudget (moekv_ref.cache.budget)")
+    check_part_kind("budget", budget)
+    if budget is None:
+        raise ValueError("budget=None: budget_map needs a RowBudget (moekv_ref.cache.budget)")
     config = model.config
     layer = check_int("layer", layer, 0, config.num_hidden_layers - 1, "a layer of the model")
     tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)

@@ -121,6 +121,23 @@ def check_real(
     return value
 
 
+MAX_TIMEOUT_S = 86400.0  # a day: beyond it a timeout is no longer a limit (and timedelta overflows)
+
+
+def is_seconds(value) -> bool:
+    """Whether value is a timeout: a finite real number (not a bool) > 0 and at most a day."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    return math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S
+
+
+def check_seconds(name: str, value) -> float:
+    """A timeout in seconds (is_seconds), as a float."""
+    if not is_seconds(value):
+        raise ValueError(f"{name}={value!r} must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:.0f}")
+    return float(value)
+
+
 def check_flag(name: str, value) -> bool:
     """A flag is True or False, never a truthy string or 1."""
     if not isinstance(value, bool):

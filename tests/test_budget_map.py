@@ -158,3 +158,12 @@ def test_the_figure_draws_every_code_at_notebook_width():
         f" {int((codes[e] == KEPT).sum())} of {int((codes[e] != NOT_ROUTED).sum())}"
         for e in range(codes.shape[0])
     ]
+
+
+def test_budget_map_refuses_what_is_not_a_budget_as_a_cache_does():
+    """The budget is checked by the rule every cache and manager uses for a part, naming the value."""
+    model = random_model(small_config("expert", "topk"), seed=0)
+    with pytest.raises(ValueError, match=r"budget='drop' is a str; allowed: a RowBudget"):
+        budget_map(model, [1, 2], 0, "drop")
+    with pytest.raises(ValueError, match=r"budget=None: budget_map needs a RowBudget"):
+        budget_map(model, [1, 2], 0, None)

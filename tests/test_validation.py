@@ -1383,12 +1383,14 @@ def test_each_value_is_checked_once_per_public_entry(monkeypatch):
 
         monkeypatch.setattr(module, name, check)
 
-    for module in (paged, kv_cache_manager, engine_module):
+    for module in (kv_cache_manager, engine_module):
         counting(module, "check_block_size")
     for module in (block_pool,):
         counting(module, "check_blocks_per_device")
-    for module in (paged, kv_cache_manager, block_pool):
+    for module in (kv_cache_manager, block_pool):
         counting(module, "check_seed")
+    # the cache and the manager check their options with one function, check_manager_options
+    assert not hasattr(paged, "check_block_size") and not hasattr(paged, "check_seed")
     device_engine(shuffle_seed=3)
     assert sorted(calls) == ["check_block_size", "check_blocks_per_device", "check_seed"]
     calls.clear()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from ..parallel.launcher import MAX_TIMEOUT_S
+from ..validation import MAX_TIMEOUT_S, is_seconds
 from .parallel_measure import SWEEP_CONFIG
 
 MAX_POSITIONS = SWEEP_CONFIG.max_position_embeddings
@@ -53,6 +53,6 @@ def positions_problems(contexts, decode_steps: int, context_option: str = "--con
 
 def seconds_problem(option: str, value: float) -> str | None:
     """A timeout: finite, positive, at most a day (nan and inf parse as floats, so both are checked)."""
-    if math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S:
+    if is_seconds(value):
         return None
     return f"{option} {value:g}: must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:.0f}"

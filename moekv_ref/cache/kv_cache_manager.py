@@ -257,6 +257,67 @@ def _first_value(placement) -> str:
     return f"device_of_expert[{index}]={preview(flat[i : i + 1])[1:-1]}"
 
 
+@dataclass(frozen=True)
+class ManagerOptions:
+    """A manager's sizes and placement, checked and resolved by check_manager_options: what
+    KVCacheManager(..., checked=True) takes as given (and PagedKVCache, which builds one)."""
+
+    block_size: int
+    shuffle_seed: int | None
+    blocks_per_device: list[int]  # (D,) [num_blocks] for one pool
+    device_of_expert: torch.Tensor | None  # (L, E) int64; None: one pool, or home devices
+    home_devices: bool
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.blocks_per_device)
+
+
+def check_manager_options(
+    num_layers: int,
+    num_experts: int,
+    block_size,
+    num_blocks,
+    shuffle_seed,
+    blocks_per_device,
+    device_of_expert,
+    home_devices,
+    tails,
+    prefix_cache,
+    budget,
+    initial_num_seqs: int = 4,
+    initial_blocks_per_row: int = 4,
+    pool_meaning: str = "the pool's blocks",
+) -> ManagerOptions:
+    """Every option a manager takes beyond its layers and experts, checked in one place for both
+    public ways to build one (KVCacheManager and PagedKVCache's check_cache_options), each value
+    once, before anything is allocated. num_blocks: an int, None (blocks_per_device gives the pool),
+    or a function of the checked block size (a pool sized for a workload, once the block size and
+    the parts are checked). pool_meaning: what a block count means, for the pool size's message."""
+    block_size = check_block_size(block_size)
+    home_devices = check_devices(home_devices, blocks_per_device, device_of_expert)
+    check_parts(tails, prefix_cache, budget, num_layers, num_experts)
+    if callable(num_blocks):
+        num_blocks = num_blocks(block_size)
+    blocks_per_device = check_pool_size(num_blocks, blocks_per_device, pool_meaning)
+    shuffle_seed = check_seed("shuffle_seed", shuffle_seed, len(blocks_per_device), allow_none=True)
+    if device_of_expert is not None:
+        device_of_expert = checked_placement(
+            device_of_expert, num_layers, num_experts, len(blocks_per_device)
+        )
+    check_bookkeeping_fits(
+        num_layers,
+        num_experts,
+        block_size,
+        sum(blocks_per_device),
+        len(blocks_per_device),
+        initial_num_seqs,
+        initial_blocks_per_row,
+        [part for part in (tails, prefix_cache, budget) if part is not None],
+    )
+    return ManagerOptions(block_size, shuffle_seed, blocks_per_device, device_of_expert, home_devices)
+
+
 class KVCacheManager(Stateful):
     """Block tables and token counts for every (sequence, layer, expert) row over one BlockPool.
     device_of_expert: (E,) or (L, E), all zeros when left out; tails, prefix_cache, budget: its
@@ -301,27 +362,28 @@ class KVCacheManager(Stateful):
         if not checked:
             num_layers = check_int("num_layers", num_layers, 1, MAX_INT32)
             num_experts = check_int("num_experts", num_experts, 1, MAX_INT32)
-            block_size = check_block_size(block_size)
             initial_num_seqs = check_int("initial_num_seqs", initial_num_seqs, 1, MAX_INT32)
             initial_blocks_per_row = check_int("initial_blocks_per_row", initial_blocks_per_row, 1, MAX_INT32)
-            home_devices = check_devices(home_devices, blocks_per_device, device_of_expert)
-            blocks_per_device = check_pool_size(num_blocks, blocks_per_device)
-            shuffle_seed = check_seed("shuffle_seed", shuffle_seed, len(blocks_per_device), allow_none=True)
-            if device_of_expert is not None:
-                device_of_expert = checked_placement(
-                    device_of_expert, num_layers, num_experts, len(blocks_per_device)
-                )
-            check_parts(tails, prefix_cache, budget, num_layers, num_experts)
-            check_bookkeeping_fits(
+            options = check_manager_options(
                 num_layers,
                 num_experts,
                 block_size,
-                sum(blocks_per_device),
-                len(blocks_per_device),
+                num_blocks,
+                shuffle_seed,
+                blocks_per_device,
+                device_of_expert,
+                home_devices,
+                tails,
+                prefix_cache,
+                budget,
                 initial_num_seqs,
                 initial_blocks_per_row,
-                [part for part in (tails, prefix_cache, budget) if part is not None],
             )
+            block_size = options.block_size
+            shuffle_seed = options.shuffle_seed
+            blocks_per_device = options.blocks_per_device
+            device_of_expert = options.device_of_expert
+            home_devices = options.home_devices
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.block_size = block_size

@@ -36,23 +36,18 @@ from ..config import ModelConfig
 from ..validation import (
     MAX_BLOCKS,
     MAX_INT32,
-    check_block_size,
     check_choice,
     check_fits_memory,
     check_flag,
     check_int,
-    check_seed,
     number,
 )
-from .block_pool import check_pool_size
 from .budget import RowBudget, model_budget
 from .kv_cache_manager import (
     KVCacheManager,
-    check_bookkeeping_fits,
-    check_devices,
+    ManagerOptions,
+    check_manager_options,
     check_part_kind,
-    check_parts_combine,
-    checked_placement,
 )
 from .prefix_cache import PrefixCache
 from .rows import worst_case_lifetime_blocks
@@ -114,18 +109,6 @@ class DecodePlan:
         self.rows = rows
 
 
-@dataclass(frozen=True)
-class CacheOptions:
-    """A paged cache's sizes, checked and resolved by check_cache_options: what PagedKVCache(...,
-    checked=True) takes as given."""
-
-    num_blocks: int
-    block_size: int
-    shuffle_seed: int | None
-    blocks_per_device: list[int]  # (D,) [num_blocks] for one pool
-    device_of_expert: torch.Tensor | None  # (L, E) int64; None: one pool, or home devices
-
-
 def check_cache_options(
     config: ModelConfig,
     num_blocks,
@@ -141,7 +124,7 @@ def check_cache_options(
     home_devices,
     budget,
     max_num_seqs=None,
-) -> CacheOptions:
+) -> ManagerOptions:
     """Every option of a paged cache (PagedKVCache's arguments), checked once, before anything is
     built or allocated: what the cache, its manager and its pool would otherwise check, and the
     bytes they would take. num_blocks=None with max_num_seqs (for_model, the engine): a pool for
@@ -163,42 +146,56 @@ def check_cache_options(
             "row through its block table only, and shared tails live outside it"
         )
     check_part_kind("budget", budget)  # the cache's manager gets a fresh copy of it
-    check_devices(home_devices, blocks_per_device, device_of_expert)
-    check_parts_combine(shared_tails, enable_prefix_caching, budget is not None)
     L = config.num_hidden_layers
     E = config.num_attention_experts
     K = config.num_attention_experts_per_tok
-    if budget is not None:
-        budget.check_model(L, E)
-    block_size = check_block_size(block_size)
     sized = ""  # how a pool not given in blocks was sized, for the messages below
     if num_blocks is None and blocks_per_device is None and max_num_seqs is not None:
         max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1, MAX_INT32, "sequences the pool holds")
-        cap = None if budget is None else budget.largest(L)
-        num_blocks = max_num_seqs * worst_case_lifetime_blocks(
-            config.max_position_embeddings, L, E, K, block_size, cap
-        )
         sized = (
             f"num_blocks=None sizes the pool for max_num_seqs={max_num_seqs} sequences of "
             f"max_position_embeddings={config.max_position_embeddings} tokens at their worst: "
         )
-        if num_blocks > MAX_BLOCKS:
-            raise ValueError(
-                f"{sized}{num_blocks:,} blocks of {block_size}; allowed: at most {number(MAX_BLOCKS)} "
-                "blocks (block tables are int32): give num_blocks, or a smaller max_num_seqs"
+
+        def num_blocks(checked_block_size: int) -> int:
+            """The pool for max_num_seqs sequences at their worst, once the block size and the
+            budget are checked."""
+            cap = None if budget is None else budget.largest(L)
+            blocks = max_num_seqs * worst_case_lifetime_blocks(
+                config.max_position_embeddings, L, E, K, checked_block_size, cap
             )
+            if blocks > MAX_BLOCKS:
+                raise ValueError(
+                    f"{sized}{blocks:,} blocks of {checked_block_size}; allowed: at most "
+                    f"{number(MAX_BLOCKS)} blocks (block tables are int32): give num_blocks, or a "
+                    "smaller max_num_seqs"
+                )
+            return blocks
+
     minimum = L * K  # one token: a block in each of its k rows of every layer
-    sizes = check_pool_size(
-        num_blocks, blocks_per_device, f"the pool's blocks; one token of one sequence takes {minimum}"
+    options = check_manager_options(
+        L,
+        E,
+        block_size,
+        num_blocks,
+        shuffle_seed,
+        blocks_per_device,
+        device_of_expert,
+        home_devices,
+        SharedTails() if shared_tails else None,
+        PrefixCache() if enable_prefix_caching else None,
+        None if budget is None else budget.fresh(),
+        pool_meaning=f"the pool's blocks; one token of one sequence takes {minimum}",
     )
+    block_size = options.block_size
+    sizes = options.blocks_per_device
+    placement = options.device_of_expert
     if sum(sizes) < minimum:
         raise ValueError(
             f"num_blocks={sum(sizes)} is too small for even one sequence: one "
             f"token needs {minimum} blocks (num_hidden_layers={L} x "
             f"num_attention_experts_per_tok={K}); allow at least {minimum}"
         )
-    shuffle_seed = check_seed("shuffle_seed", shuffle_seed, len(sizes), allow_none=True)
-    placement = None if device_of_expert is None else checked_placement(device_of_expert, L, E, len(sizes))
     # each device must hold one token: a block in each of its experts a token can reach, every
     # layer (with home devices, all k of them)
     where = "a sequence homed there" if home_devices else "its experts"
@@ -212,10 +209,6 @@ def check_cache_options(
                 f"blocks_per_device[{d}]={n} is too small for even one token of "
                 f"{where}: allow at least {least}"
             )
-    parts = [SharedTails()] if shared_tails else []
-    parts += [PrefixCache()] if enable_prefix_caching else []
-    parts += [budget] if budget is not None else []
-    check_bookkeeping_fits(L, E, block_size, sum(sizes), len(sizes), 4, 4, parts)
     kv_bytes = 2 * sum(sizes) * block_size * config.num_key_value_heads * config.head_dim * dtype.itemsize
     check_fits_memory(
         f"{sized}the K/V of {sum(sizes):,} blocks of {block_size} tokens "
@@ -224,7 +217,7 @@ def check_cache_options(
         device,
         "give num_blocks, or a smaller max_num_seqs" if sized else "ask for fewer blocks",
     )
-    return CacheOptions(sum(sizes), block_size, shuffle_seed, sizes, placement)
+    return options
 
 
 class PagedKVCache:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import math
 import os
 import pickle
 import queue as queue_module
@@ -45,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..validation import MAX_INT32, check_int
+from ..validation import MAX_INT32, check_int, check_seconds
 from .comm import SETTLE_S, CollectiveError, Communicator, first_line, name_ranks
 
 FAULT_KEY = "moekv/fault_at"  # where an injected fault notes its wall-clock time
@@ -55,7 +54,6 @@ DEFAULT_START_TIMEOUT_S = 120.0
 DEFAULT_TIMEOUT_S = 15.0  # a collective's wait for a peer
 DEFAULT_GRACE_S = 3.0
 PROCESS_GROUP_BACKENDS = ("gloo", "nccl")
-MAX_TIMEOUT_S = 86400.0  # a day: beyond it a timeout is no longer a limit (and timedelta overflows)
 
 
 class WorkerFailed(RuntimeError):
@@ -104,17 +102,6 @@ def parse_fault(text: str) -> Fault:
 def fault_from_environment() -> Fault | None:
     text = os.environ.get(FAULT_ENV, "")
     return parse_fault(text) if text.strip() else None
-
-
-def check_seconds(name: str, value) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not 0 < value <= MAX_TIMEOUT_S
-    ):
-        raise ValueError(f"{name}={value!r} must be a number of seconds > 0 and at most {MAX_TIMEOUT_S:.0f}")
-    return float(value)
 
 
 def default_backend() -> str:
