@@ -784,3 +784,19 @@ def test_notebook_11_states_the_workloads_its_json_and_code_ran():
     text = markdown.split("## 1.", 1)[1].split("## 2.", 1)[0]
     assert "means of 32 prompt and 128 output tokens" in text and "(topic skew 1.5)" in text
     assert "at most 16 requests run at once" in text
+
+
+def test_readme_notebook_table_lists_every_notebook_and_its_total_is_the_sum():
+    """The README's table of notebooks has one row per notebook, in order, each with a time, and the
+    sentence under it gives their sum in minutes (and the hours it rounds to)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(\d\d_\w+)` \| .+ \| about (\d+) min \|$", readme, re.M)
+    assert [name for name, _ in rows] == [path.stem for path in sorted((ROOT / "notebooks").glob("*.ipynb"))]
+    total = sum(int(minutes) for _, minutes in rows)
+    words = " ".join(readme.split())
+    said = re.search(r"(nearly|over|about) (\d+) hours for the course, (\d+) minutes in all", words)
+    assert said and int(said[3]) == total, (said and said.groups(), total)
+    hours = int(said[2])
+    assert {"nearly": hours - 1 < total / 60 < hours, "over": hours < total / 60 < hours + 0.5}.get(
+        said[1], abs(total / 60 - hours) <= 0.25
+    ), (said.groups(), total)
