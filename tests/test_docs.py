@@ -655,3 +655,148 @@ def test_notebook_07_placements_are_bench_parallel_s():
         columns = rf"\s+{re.escape(touched)}\s+[0-9.]+\s+[0-9.]+\s+{re.escape(imbalance)}\s"
         pattern = rf"\n\s*{row['world_size']} {row['strategy']}" + columns
         assert re.search(pattern, printed), (row["world_size"], row["strategy"], touched, imbalance)
+
+
+def _notebook_texts(name: str) -> tuple[str, str, str]:
+    """(markdown, code, printed output) of a notebook, each cell's text joined; the markdown's line
+    breaks folded into spaces, so that a phrase may wrap."""
+    cells = json.loads((ROOT / "notebooks" / name).read_text(encoding="utf-8"))["cells"]
+    markdown = " ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    printed = "".join(
+        "".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c.get("outputs", [])
+    )
+    return " ".join(markdown.split()), code, printed
+
+
+def test_notebook_11_states_the_workloads_its_json_and_code_ran():
+    """Notebook 11 states each workload in words before its table or figure: the cluster's model,
+    GPUs, pools, requests, lengths, rates and SLOs (figures/bench_cluster.json and bench cluster's
+    code), the simulator-speed runs (figures/bench_cluster_speed.json, bench_cluster_scale.json) and
+    the exercise's cluster; every number there is the JSON's or the code's."""
+    from moekv_ref.apps.bench_cluster import (
+        ATTAINMENT_TARGET,
+        BLOCK_SIZE,
+        MODEL,
+        SCALE_ROUTINGS,
+        SPEED_MAX_NUM_SEQS,
+        pool_blocks,
+    )
+    from moekv_ref.exercises import (
+        EXERCISE_11_DEVICES,
+        EXERCISE_11_GIB_PER_DEVICE,
+        EXERCISE_11_PROMPT_TOKENS,
+    )
+
+    markdown, code, _ = _notebook_texts("11_simulating_a_cluster.ipynb")
+    assert re.findall(r"## (\d)\. ", markdown) == ["1", "2", "3", "4", "5"]  # the sections split on
+    config = get_config(MODEL)
+    L = config.num_hidden_layers
+    E = config.num_attention_experts
+    k = config.num_attention_experts_per_tok
+
+    cluster = json.loads((ROOT / "figures" / "bench_cluster.json").read_text(encoding="utf-8"))
+    runs = cluster["runs"]
+    text = markdown.split("## 2.", 1)[1].split("## 3.", 1)[0]
+    assert f"`{cluster['model']}`" in text and cluster["model"] == MODEL
+    assert f"L = {L} layers, E = {E} attention experts, top-{k}" in text
+    assert f"{config.kv_bytes_per_entry() // 1024} KiB per (token, layer, expert) entry" in text
+    (devices,) = {r["devices"] for r in runs}
+    assert f"{devices} H200 GPUs, one expert of every layer per GPU" in text and devices == E
+    gibs = sorted({r["gib_per_device"] for r in runs})
+    blocks = sorted({r["blocks_per_device"] for r in runs})
+    assert blocks == [pool_blocks(g) for g in gibs]
+    assert f"{gibs[0]:g} or {gibs[1]:g} GiB" in text
+    assert f"{blocks[0]:,} or {blocks[1]:,} blocks of {BLOCK_SIZE} tokens" in text
+    assert f"the requests**: {cluster['requests']}, with" in text
+    assert (
+        "Azure LLM inference trace of 2023 (conversation)" in text
+        and "2023, conversation" in (cluster["workload_source"])
+    )
+    assert f"cut to {config.max_position_embeddings:,} tokens" in text
+    assert (
+        f"{cluster['prompt_tokens_mean']:,.0f} prompt and {cluster['output_tokens_mean']:,.0f} output tokens"
+        in text
+    )
+    assert {r["arrivals"] for r in runs} == {"poisson"} and "as a Poisson process" in text
+    rates = sorted({r["rate"] for r in runs})
+    assert f"{rates[0]:g} or {rates[1]:g} requests per second" in text
+    assert f"at most {cluster['max_num_seqs']} run at once" in text
+    assert (
+        f"TTFT is at most {cluster['ttft_slo_s']:g} s and its TPOT at most {cluster['tpot_slo_s']:g} s"
+        in text
+    )
+    assert f"at which {ATTAINMENT_TARGET:.0%} are good" in text
+
+    reading = text.split("Reading it.", 1)[1]
+    assert E // k == 4 and "four times its expected share" in reading
+    assert max(r["mean_used_fraction"] for r in runs if r["reservation"] == "worst_case") < 0.5
+    assert "the pools stay under half full" in reading
+    short = [r for r in runs if r["reservation"] == "optimistic" and r["retries"]]
+    assert round(100 * min(r["mean_used_fraction"] for r in short)) == 70 and "about 70%" in reading
+    needed = cluster["requests"] * (cluster["prompt_tokens_mean"] + cluster["output_tokens_mean"])
+    assert all(r["thrown_away_tokens"] > needed for r in short)  # "more tokens than the requests need"
+    settings = {(r["gib_per_device"], r["rate"]) for r in runs}
+    busy = {(r["gib_per_device"], r["rate"]) for r in runs if r["victim_sequences"] or r["retries"]}
+    (quiet,) = settings - busy
+    assert f"({quiet[0]:g} GiB at {quiet[1]:g} requests per second), nothing matters" in reading
+
+    speed = json.loads((ROOT / "figures" / "bench_cluster_speed.json").read_text(encoding="utf-8"))
+    scale = json.loads((ROOT / "figures" / "bench_cluster_scale.json").read_text(encoding="utf-8"))
+    text = markdown.split("## 3.", 1)[1].split("## 4.", 1)[0]
+    coarse, fine = speed["shapes"]
+    assert f"{coarse['requests']:,} requests of a synthetic trace" in text
+    assert f"mean prompt {speed['mean_prompt']} and output {speed['mean_output']} tokens" in text
+    assert f"at most {SPEED_MAX_NUM_SEQS} running" in text and speed["threads"] == 1 and "one thread" in text
+    assert speed["victim"] == "sequence_lru"
+    for row in (coarse, fine):
+        assert (
+            f"L = {row['layers']} layers of E = {row['experts']} experts, top-{row['top_k']}, on "
+            f"{row['devices']} devices of {row['blocks_per_device']:,} blocks each"
+        ) in text
+    assert fine["this"]["requests_per_second"] < coarse["this"]["requests_per_second"]  # "the slower one"
+    assert f"writes {fine['top_k']} rows a layer instead of {coarse['top_k']}" in text
+    assert f"tracks {fine['devices']} devices" in text
+    assert (scale["layers"], scale["experts"], scale["top_k"], scale["devices"]) == (
+        fine["layers"],
+        fine["experts"],
+        fine["top_k"],
+        fine["devices"],
+    )
+    assert f"second shape on {scale['requests']:,} requests" in text
+    assert scale["threads"] == 2 and "two threads" in text
+    assert scale["distinct_routings"] == SCALE_ROUTINGS and f"a bank of {SCALE_ROUTINGS:,} routings" in text
+
+    text = markdown.split("## 5.", 1)[1]
+    assert (
+        f"L = {L} layers of E = {E} attention experts, top-{k}, on {EXERCISE_11_DEVICES} GPUs that each "
+        f"hold one expert of every layer, blocks of {BLOCK_SIZE} tokens"
+    ) in text
+    assert f"a prompt of {EXERCISE_11_PROMPT_TOKENS:,} tokens" in text
+    assert (
+        f"{EXERCISE_11_GIB_PER_DEVICE:g} GiB of KV memory per GPU is "
+        f"{pool_blocks(EXERCISE_11_GIB_PER_DEVICE):,} blocks"
+    ) in text
+    assert EXERCISE_11_GIB_PER_DEVICE in gibs
+
+    # section 1's workload: the numbers the prose gives that the printed line does not are the code's
+    assert "mean_prompt=32, mean_output=128, topic_s=1.5" in code and "max_num_seqs=16" in code
+    text = markdown.split("## 1.", 1)[1].split("## 2.", 1)[0]
+    assert "means of 32 prompt and 128 output tokens" in text and "(topic skew 1.5)" in text
+    assert "at most 16 requests run at once" in text
+
+
+def test_readme_notebook_table_lists_every_notebook_and_its_total_is_the_sum():
+    """The README's table of notebooks has one row per notebook, in order, each with a time, and the
+    sentence under it gives their sum in minutes (and the hours it rounds to)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(\d\d_\w+)` \| .+ \| about (\d+) min \|$", readme, re.M)
+    assert [name for name, _ in rows] == [path.stem for path in sorted((ROOT / "notebooks").glob("*.ipynb"))]
+    total = sum(int(minutes) for _, minutes in rows)
+    words = " ".join(readme.split())
+    said = re.search(r"(nearly|over|about) (\d+) hours for the course, (\d+) minutes in all", words)
+    assert said and int(said[3]) == total, (said and said.groups(), total)
+    hours = int(said[2])
+    assert {"nearly": hours - 1 < total / 60 < hours, "over": hours < total / 60 < hours + 0.5}.get(
+        said[1], abs(total / 60 - hours) <= 0.25
+    ), (said.groups(), total)

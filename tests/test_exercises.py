@@ -1,4 +1,4 @@
-"""The exercise checks of notebooks 01-08 and 10: the solution passes, the placeholder asks for an answer, and
+"""The exercise checks of notebooks 01-11: the solution passes, the placeholder asks for an answer, and
 each usual wrong answer gets the explanation that names its mistake (not just "wrong")."""
 
 import json
@@ -41,6 +41,7 @@ check_expert_cache_bytes = _unwrapped(exercises.check_expert_cache_bytes)
 check_block_size = _unwrapped(exercises.check_block_size)
 check_hit_tokens = _unwrapped(exercises.check_hit_tokens)
 check_perplexity_ratio = _unwrapped(exercises.check_perplexity_ratio)
+check_prompt_reservation = _unwrapped(exercises.check_prompt_reservation)
 
 
 # --- 01 -------------------------------------------------------------------------------------------
@@ -310,6 +311,51 @@ def test_drop_budget_wrong_answers_are_explained():
     assert below.startswith("Not yet") and "refuses 1 pair(s)" in below
 
 
+# --- 11 -------------------------------------------------------------------------------------------
+
+
+def test_prompt_reservation_solution_is_the_scheduler_s_and_passes():
+    """Notebook 11: the scheduler sets aside, on every GPU of bench cluster's cluster, L rows of
+    ceil(T / P) blocks for a fresh prompt of T tokens under worst-case reservation (each GPU holds one
+    expert of every layer, so a token opens at most one row there per layer), and far less under
+    optimistic reservation; the pool is bench cluster's (its JSON's blocks at 0.5 GiB)."""
+    from moekv_ref.apps.bench_cluster import BLOCK_SIZE, MODEL, cluster_placement, pool_blocks
+
+    config = get_config(MODEL)
+    T = exercises.EXERCISE_11_PROMPT_TOKENS
+    right = exercises.solution_prompt_reservation()
+    assert right == config.num_hidden_layers * math.ceil(T / BLOCK_SIZE) == 24 * 63
+    worst = exercises.exercise_11_reservation("worst_case")
+    assert worst == (right,) * exercises.EXERCISE_11_DEVICES  # the same on every GPU
+    assert cluster_placement(exercises.EXERCISE_11_DEVICES).tolist() == list(range(8))  # one expert a GPU
+    optimistic = exercises.exercise_11_reservation("optimistic")
+    assert len(set(optimistic)) == 1 and 3 * optimistic[0] < right < 4 * optimistic[0]
+    cluster = json.loads((Path(__file__).resolve().parents[1] / "figures" / "bench_cluster.json").read_text())
+    gib = exercises.EXERCISE_11_GIB_PER_DEVICE
+    assert {r["blocks_per_device"] for r in cluster["runs"] if r["gib_per_device"] == gib} == {
+        pool_blocks(gib)
+    }
+    assert check_prompt_reservation(right).startswith("Right")
+
+
+def test_prompt_reservation_wrong_answers_are_explained():
+    right = exercises.solution_prompt_reservation()
+    optimistic = exercises.exercise_11_reservation("optimistic")[0]
+    T = exercises.EXERCISE_11_PROMPT_TOKENS
+    assert check_prompt_reservation(None).startswith("No answer yet")
+    for bad in (0, -3, 2.5, True, "1512"):
+        assert "positive whole number" in check_prompt_reservation(bad)
+    assert "one row" in check_prompt_reservation(right // 24)
+    assert "k = 2" in check_prompt_reservation(2 * right)
+    assert "counts every GPU" in check_prompt_reservation(8 * right)
+    assert "slots (tokens)" in check_prompt_reservation(24 * T)
+    assert "Round up per row" in check_prompt_reservation(24 * T // 16)
+    for expected in (optimistic, 24 * 2 * T // (8 * 16)):
+        assert "*expected*" in check_prompt_reservation(expected)
+    assert "too few" in check_prompt_reservation(right - 100)
+    assert "too many" in check_prompt_reservation(right + 100)
+
+
 # --- every check: the right answer passes, plausible wrong ones are refused without the answer ------
 
 
@@ -341,6 +387,7 @@ def _refusals():
     placement = exercises.solution_expert_placement(paired)
     split = exercises.solution_tokens_per_split(8)
     budget = exercises.solution_drop_budget()
+    reservation = exercises.solution_prompt_reservation()
     hit = exercises.solution_hit_tokens()
     family = json.loads((Path(__file__).resolve().parents[1] / "figures" / "family.json").read_text())
     perplexity = exercises.solution_perplexity_ratio(family)
@@ -385,10 +432,21 @@ def _refusals():
         ),
         "08": (lambda a: check_tokens_per_split(a, 8), split, [split], [split + 16, split - 16, 256, 64]),
         "10": (check_drop_budget, budget, [budget], [budget + 1, budget + 20, 20, 2 * budget]),
+        "11": (
+            check_prompt_reservation,
+            reservation,
+            [reservation],
+            [
+                reservation // 24,
+                2 * reservation,
+                8 * reservation,
+                exercises.exercise_11_reservation("optimistic")[0],
+            ],
+        ),
     }
 
 
-@pytest.mark.parametrize("notebook", ["01", "02", "03", "06", "07", "08", "09", "10"])
+@pytest.mark.parametrize("notebook", ["01", "02", "03", "06", "07", "08", "09", "10", "11"])
 def test_check_accepts_the_answer_and_refuses_wrong_ones_without_giving_it(notebook):
     check, right, shown, wrong = _refusals()[notebook]
     assert check(right).startswith("Right")

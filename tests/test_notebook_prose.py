@@ -17,16 +17,14 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
 def _texts(name: str) -> tuple[str, str]:
-    """(all markdown, all printed output) of a notebook, each cell's text joined; the markdown's
-    line breaks folded into spaces, so a phrase may wrap."""
+    """(all markdown, all printed output) of a notebook, each cell's text joined (a cell's output
+    streams as one); the markdown's line breaks folded into spaces, so a phrase may wrap."""
     cells = json.loads((NOTEBOOKS / name).read_text(encoding="utf-8"))["cells"]
     markdown = " ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
-    printed = "\n".join(
-        "".join(o.get("text", ""))
+    printed = "\n".join(  # a cell's streams joined as printed (a slow loop's lines come in several)
+        "".join("".join(o.get("text", "")) for o in c.get("outputs", []) if o.get("output_type") == "stream")
         for c in cells
         if c["cell_type"] == "code"
-        for o in c.get("outputs", [])
-        if o.get("output_type") == "stream"
     )
     return re.sub(r"\s+", " ", markdown), printed
 
@@ -90,6 +88,17 @@ def test_notebook_04_quotes_its_summary():
 
 def test_notebook_05_quotes_its_tables():
     markdown, printed = _texts("05_eviction.ipynb")
+    # the workload, in words before the first figure, is the one the cell printed
+    shape = re.search(
+        r"(\d+) sequences, L = (\d+) layers, E = (\d+) experts, top-(\d+), (\d+) devices", printed
+    ).groups()
+    sequences, layers, experts, top_k, devices = (int(n) for n in shape)
+    assert sequences == 20  # "Twenty sequences"
+    assert (
+        f"through L = {layers} layers of E = {experts} attention experts each, top-{top_k} (every token goes "
+        f"to {top_k} of a layer's {experts} experts). The experts of every layer are spread over {devices} "
+        "devices"
+    ) in markdown
     policies = {r[0]: r for r in _table(printed, "policy") if r[0] != "bound"}
     evicting = [p for p in policies.values() if int(p[6]) > 0]
     goodputs = [float(p[3]) for p in evicting]
@@ -134,8 +143,44 @@ def test_notebook_05_quotes_its_tables():
     assert closest == 3  # "closest ... on three instances"
 
 
+def test_notebook_11_quotes_its_tables():
+    markdown, printed = _texts("11_simulating_a_cluster.ipynb")
+    # section 1: the workload stated is the one printed
+    shape = re.search(
+        r"(\d+) requests, L = (\d+) layers, E = (\d+) experts, top-(\d+), (\d+) devices of (\d+) blocks of "
+        r"(\d+) slots",
+        printed,
+    ).groups()
+    requests, layers, experts, top_k, devices, blocks, slots = (int(n) for n in shape)
+    assert (
+        f"notebook 05's: {requests} requests, all waiting from the start (no arrival rate)" in markdown
+        and f"L = {layers} layers of E = {experts} attention experts, top-{top_k}" in markdown
+        and f"by co-activation on {devices} devices" in markdown
+        and f"a pool of {blocks} blocks of {slots} slots" in markdown
+    )
+    # "optimistic reservation keeps more of the pools in use and takes fewer steps ... but more modelled
+    # seconds"; "Worst-case reservation never retries"
+    rows = {(r[0], r[1]): r for r in _table(printed, "reservation")}
+    for policy in ("sequence_lru", "pressure_aware"):
+        worst, optimistic = rows["worst_case", policy], rows["optimistic", policy]
+        assert int(optimistic[2]) < int(worst[2]), policy  # steps
+        assert float(optimistic[6]) > float(worst[6]), policy  # pool in use
+        assert float(optimistic[7]) > float(worst[7]), policy  # seconds
+        assert int(worst[4]) == 0 and int(optimistic[4]) > 0 and int(optimistic[5]) > 0, policy
+    # section 2: "by up to N times in good requests per second (the ratios under the table)"
+    ratios = [float(x) for x in re.findall(r"requests/s: (\d+\.\d)x \(", printed)]
+    assert len(ratios) == 3, ratios
+    assert _number(r"by up to ([\d.]+) times in good requests per second", markdown, "ratio") == max(ratios)
+
+
 @pytest.mark.parametrize(
-    "name", ["03_fragmentation_and_paging.ipynb", "04_continuous_batching.ipynb", "05_eviction.ipynb"]
+    "name",
+    [
+        "03_fragmentation_and_paging.ipynb",
+        "04_continuous_batching.ipynb",
+        "05_eviction.ipynb",
+        "11_simulating_a_cluster.ipynb",
+    ],
 )
 def test_a_changed_output_is_caught(name, monkeypatch):
     """The checks above fail when a stored number changes: each notebook's first quoted number is
@@ -145,6 +190,7 @@ def test_a_changed_output_is_caught(name, monkeypatch):
         "03_fragmentation_and_paging.ipynb": ("0.556", "0.566"),
         "04_continuous_batching.ipynb": ("1289", "1298"),
         "05_eviction.ipynb": ("never, up to 4096", "never, up to 1024"),
+        "11_simulating_a_cluster.ipynb": ("4.7x (", "4.2x ("),
     }[name]
     assert altered[0] in original[1]
     monkeypatch.setitem(globals(), "_texts", lambda n: (original[0], original[1].replace(*altered)))
@@ -152,6 +198,7 @@ def test_a_changed_output_is_caught(name, monkeypatch):
         "03_fragmentation_and_paging.ipynb": test_notebook_03_quotes_its_tables,
         "04_continuous_batching.ipynb": test_notebook_04_quotes_its_summary,
         "05_eviction.ipynb": test_notebook_05_quotes_its_tables,
+        "11_simulating_a_cluster.ipynb": test_notebook_11_quotes_its_tables,
     }[name]
     with pytest.raises(AssertionError):
         test()

@@ -88,6 +88,17 @@ def cluster_workload(num_requests: int, workload: str, seed: int):
     return trace
 
 
+def cluster_placement(num_devices: int) -> torch.Tensor:
+    """(E,) the GPU of each of MODEL's attention experts: contiguous, E / D experts of every layer a GPU."""
+    experts = get_config(MODEL).num_attention_experts
+    return torch.arange(experts) // (experts // num_devices)
+
+
+def pool_blocks(gib_per_device: float) -> int:
+    """Blocks of BLOCK_SIZE tokens that `gib_per_device` GiB of KV memory holds on one GPU."""
+    return int(gib_per_device * 2**30 // (BLOCK_SIZE * get_config(MODEL).kv_bytes_per_entry()))
+
+
 def run_one(
     trace,
     num_devices: int,
@@ -100,10 +111,8 @@ def run_one(
     seed: int,
 ) -> dict:
     config = get_config(MODEL)
-    E = config.num_attention_experts
-    placement = torch.arange(E) // (E // num_devices)  # contiguous: E / D experts a GPU
-    block_bytes = BLOCK_SIZE * config.kv_bytes_per_entry()
-    blocks = int(gib_per_device * 2**30 // block_bytes)
+    placement = cluster_placement(num_devices)
+    blocks = pool_blocks(gib_per_device)
     setup = EvictionSetup(
         blocks_per_device=blocks,
         block_size=BLOCK_SIZE,

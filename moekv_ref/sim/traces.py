@@ -349,7 +349,7 @@ def topic_trace(
 ) -> tuple[RoutingTrace, torch.Tensor]:
     """A RoutingTrace and the topic of each sequence, (S,) int64. Learned routers specialise
     (`routing-stats`): sequences lean on their topic's experts, so under per-device pools the
-    victim matters (notebook 05). A token of topic t takes k distinct experts by Gumbel top-k on
+    victim matters (notebooks 05 and 11). A token of topic t takes k distinct experts by Gumbel top-k on
 
         log w[l, e] = -global_s * log(1 + global_rank[l, e]) - topic_s * log(1 + topic_rank[t, l, e])
 
