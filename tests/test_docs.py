@@ -459,6 +459,17 @@ def test_readme_cluster_tables_are_what_their_json_says():
     )
     for line in re.findall(r"(\d+\.\d+)x faster", prose):
         assert any(f"{r['speedup']:.2f}" == line for r in speed["shapes"]), line
+    # the widest spread between victims at one setting (optimistic reservation: worst-case ones tie)
+    by_setting = {}
+    for run in cluster["runs"]:
+        key = (run["gib_per_device"], run["rate"], run["reservation"])
+        by_setting.setdefault(key, {})[run["policy"]] = run["good_requests_per_s"]
+    spread, (gib, rate, _), best, worst = max(
+        (max(g.values()) / min(g.values()), key, max(g, key=g.get), min(g, key=g.get))
+        for key, g in by_setting.items()
+    )
+    assert f"by up to {spread:.1f}x in good requests/s ({gib:g} GiB per GPU, {rate:g} requests/s: " in prose
+    assert f"`{best}` {by_setting[(gib, rate, 'optimistic')][best]:.1f} against `{worst}`" in prose
     coarse, fine = speed["shapes"]
     assert f"{fine['speedup']:.2f}x faster at the fine-grained shape and {coarse['speedup']:.2f}x" in prose
     assert fine["this"]["max_running"] <= 256 and fine["this"]["blocks_in_use_summed"] > 0
