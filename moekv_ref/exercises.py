@@ -8,8 +8,10 @@ notebooks teach, so a check can never disagree with the lesson.
     03  choose the largest block size that keeps plain pages at effective utilization >= 0.96
     04  choose max_num_seqs so that optimistic admission never preempts, as fast as possible
     05  write a victim rule: preempt the request that makes the most room on the short device
+    06  count the prompt tokens a prefix hit reuses, in whole blocks
     07  place experts on ranks: few ranks touched per token, K/V balanced over the ranks
     08  choose the split size of split-K decode attention that keeps every SM of a GPU busy
+    09  the price of routing attention, as a ratio of perplexities
     10  find the smallest row budget at which drop refuses no token of a snippet
     11  count the blocks worst-case reservation sets aside for a prompt on each GPU of a cluster
 
