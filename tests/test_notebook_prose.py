@@ -7,6 +7,7 @@ test reads a number out of a markdown cell and the same number out of an output,
 test_docs.py and test_family.py.)
 """
 
+import inspect
 import json
 import re
 from pathlib import Path
@@ -141,6 +142,26 @@ def test_notebook_05_quotes_its_tables():
     online = ["sequence_lru", "expert_lru", "pressure_aware"]
     closest = sum(i["belady"] <= min(i[n] for n in online) for i in instances[:-1])
     assert closest == 3  # "closest ... on three instances"
+
+
+def test_notebook_07_states_the_placement_workload_it_runs():
+    """Section 4's workload in words: the embedded model's shape, the tokens it routes and the rank
+    counts of the cell that runs it."""
+    from moekv_ref.checkpoint import load_default_model
+    from moekv_ref.parallel.locality import attention_routing_of_text
+
+    markdown, _ = _texts("07_expert_parallelism.ipynb")
+    cells = json.loads((NOTEBOOKS / "07_expert_parallelism.ipynb").read_text(encoding="utf-8"))["cells"]
+    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    config = load_default_model().config
+    tokens = inspect.signature(attention_routing_of_text).parameters["max_tokens"].default
+    assert (
+        f"the embedded model ({config.num_hidden_layers} layers, {config.num_attention_experts} attention "
+        f"experts each, top-{config.num_attention_experts_per_tok}) routing the first {tokens:,} tokens"
+        in markdown
+    )
+    sizes = re.search(r"compare_placements\(routing_of_text, world_sizes=\((\d+), (\d+)\)", code).groups()
+    assert f"placed on {sizes[0]} and then {sizes[1]} ranks" in markdown
 
 
 def test_notebook_11_quotes_its_tables():
