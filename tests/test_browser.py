@@ -28,7 +28,13 @@ The test fails on:
   counted; a redrawn figure must have at least 15% as many as the figure the same cell drew first (a
   blank redraw keeps about 5%: its frame);
 - a figure wider than the output area (its natural width above the width it is shown at, in the
-  1440 x 900 page): JupyterLab shrinks it to fit, and its text with it.
+  1440 x 900 page): JupyterLab shrinks it to fit, and its text with it;
+- an exercise check that does not refuse a wrong answer: in every exercise cell (the one with
+  `answer = None`), each of two usual wrong answers (WRONG_ANSWERS) is typed in place of None and the
+  cell run, and its output must begin "Not yet";
+- a widget cell of an untrusted notebook (a copy not in the trust database, in runs/browser/) that
+  shows the widget's text form, or not the still of its first figure that its stored output holds
+  (JupyterLab shows no widget in an untrusted notebook).
 
 Screenshots (each widget cell on open, after run-all, and each widget cell before and after each
 change) and a summary
@@ -94,6 +100,31 @@ sync_api = pytest.importorskip(
     reason="the browser test needs the playwright package (pip install -r requirements.txt installs it)",
 )
 Image = pytest.importorskip("PIL.Image")
+
+# Two usual wrong answers per exercise, as a reader would type them in place of `answer = None`'s
+# None (tests/test_exercises.py checks these mistakes and more, and what each message says).
+WRONG_ANSWERS = {
+    "01": ["EXERCISE_01_CONTEXT_LENGTH + 1", "(EXERCISE_01_CONTEXT_LENGTH + 1) ** 2"],
+    "02": [
+        "int(selected[EXERCISE_02_LAYER][:, EXERCISE_02_EXPERT].sum())",  # tokens, not bytes
+        "int(selected[EXERCISE_02_LAYER].sum()) * 512",  # every expert's entries
+    ],
+    "03": ["4", "16"],
+    "04": ["4", "16"],
+    "05": [  # blocks summed over every device; blocks on the short device without the request's own step
+        "lambda candidates, memory, need: max(candidates, "
+        "key=lambda r: int(memory.blocks_held_per_device(r.request_id).sum()))",
+        "lambda candidates, memory, need: max(candidates, "
+        "key=lambda r: int(memory.blocks_held_per_device(r.request_id)[need.device]))",
+    ],
+    "06": ["100", "128"],
+    "07": ["[0, 0, 0, 0, 1, 1, 1, 1]", "[0, 0, 1, 1, 1, 1, 0, 0]"],
+    "08": ["256", "512"],
+    "09": ["0.35", "0.78"],
+    "10": ["20", "90"],
+    "11": ["63", "3024"],
+}
+ANSWER_LINE = "answer = None"
 
 # A widget shown as its repr instead of its view, or a view that failed.
 WIDGET_TEXT_FORM = re.compile(
@@ -283,6 +314,108 @@ def widgets_on_open(page, path: Path, problems: list[str], shot) -> int:
                 f"{name} (on open): code cell {i}: {s['figures']} figures shown, {expected[i]} saved"
             )
     return len(indices)
+
+
+def untrusted_copy(path: Path) -> Path:
+    """The notebook with one metadata field added, in runs/browser/untrusted/: its signature is in no
+    trust database, so JupyterLab opens it untrusted, as it opens a notebook nobody has trusted."""
+    notebook = json.loads(path.read_text(encoding="utf-8"))
+    notebook["metadata"]["untrusted_copy"] = True
+    copy = OUT / "untrusted" / path.name
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_text(json.dumps(notebook), encoding="utf-8")
+    return copy
+
+
+def untrusted_on_open(page, lab: "Lab", path: Path, problems: list[str], shot) -> int:
+    """The notebook opened untrusted: every widget cell shows, instead of the widget (JupyterLab
+    renders none in an untrusted notebook), the still its stored output holds (image/png) or its
+    printed text, never the widget's text form. Returns the number of widget cells checked."""
+    expected, _ = stored_widget_cells(path)
+    if not expected:
+        return 0
+    notebook = nbformat.read(path, as_version=4)
+    code = [c for c in notebook.cells if c.cell_type == "code"]
+    stills = {
+        i: sum("image/png" in o.get("data", {}) and WIDGET_VIEW in o["data"] for o in code[i].outputs)
+        for i in expected
+    }
+    copy = untrusted_copy(path)
+    relative = copy.relative_to(ROOT).as_posix()
+    page.goto(f"{lab.url}/lab/workspaces/test-{path.stem}-untrusted/tree/{relative}?reset&token={lab.token}")
+    page.wait_for_selector(".jp-NotebookPanel .jp-CodeCell", timeout=120_000)
+    indices = sorted(expected)
+    deadline = time.monotonic() + 60
+    while True:
+        shown = page.evaluate(JS_WIDGET_CELLS_ON_OPEN, [indices, CONTROLS])
+        ready = all(s and s["figures"] >= stills[i] and s["text"].strip() for i, s in zip(indices, shown))
+        if ready or time.monotonic() > deadline:
+            break
+        page.wait_for_timeout(250)
+    page.wait_for_timeout(500)
+    cells = page.locator(".jp-Notebook .jp-CodeCell")
+    for i, s in zip(indices, shown):
+        where = f"{path.name} (untrusted, on open): code cell {i}"
+        if s is None:
+            problems.append(f"{where} is not in the page")
+            continue
+        shot(cells.nth(i), f"cell{i}-untrusted")
+        match = WIDGET_TEXT_FORM.search(s["text"])
+        if match:
+            problems.append(
+                f"{where}: shows the widget's text form: "
+                f"...{s['text'][max(0, match.start() - 60) : match.end() + 60]}"
+            )
+        if s["figures"] < stills[i]:
+            problems.append(f"{where}: {s['figures']} figures shown, its output stores a still")
+        if not s["figures"] and not s["text"].strip():
+            problems.append(f"{where}: shows nothing")
+    lab.shut_down_kernel(relative)
+    return len(indices)
+
+
+def exercise_cells_refuse_wrong_answers(page, path: Path, problems: list[str], record: dict) -> None:
+    """Each exercise cell (the one setting `answer = None`), with each of the notebook's
+    WRONG_ANSWERS typed over its None as a reader would (click, select all, type, Shift+Enter), must
+    answer "Not yet"."""
+    name = path.name
+    cells = page.evaluate(JS_NOTEBOOK)["cells"]
+    sources = ["".join(c["source"]) if isinstance(c["source"], list) else c["source"] for c in cells]
+    exercises = [
+        i for i, (c, s) in enumerate(zip(cells, sources)) if c["cell_type"] == "code" and ANSWER_LINE in s
+    ]
+    wrong = WRONG_ANSWERS.get(path.stem[:2], [])
+    if exercises and len(wrong) < 2:
+        problems.append(f"{name}: an exercise with fewer than two wrong answers in WRONG_ANSWERS")
+    if wrong and not exercises:
+        problems.append(f"{name}: WRONG_ANSWERS has answers but no cell sets {ANSWER_LINE!r}")
+    for i in exercises:
+        cell = page.locator(".jp-Notebook .jp-Cell").nth(i)
+        for answer in wrong:
+            before = cell.locator(".jp-InputArea-prompt").inner_text()
+            cell.locator(".cm-content").click()
+            page.keyboard.press("Control+a")
+            page.keyboard.insert_text(sources[i].replace(ANSWER_LINE, f"answer = {answer}", 1))
+            page.keyboard.press("Shift+Enter")
+            deadline = time.monotonic() + UPDATE_TIMEOUT_S
+            while True:
+                prompt = cell.locator(".jp-InputArea-prompt").inner_text()
+                done = prompt != before and re.search(r"\[\d+\]", prompt)
+                if done and page.evaluate(JS_KERNEL_STATUS) == "idle":
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"exercise cell {i} did not run answer {answer!r} within {UPDATE_TIMEOUT_S} s"
+                    )
+                page.wait_for_timeout(200)
+            reply = "\n".join(cell.locator(".jp-OutputArea-output").all_inner_texts())
+            record.setdefault("exercise_replies", []).append(
+                {"answer": answer, "reply": reply.strip()[-160:]}
+            )
+            if not re.search(r"^Not yet", reply, re.MULTILINE):
+                problems.append(
+                    f"{name}: exercise cell {i} did not refuse answer = {answer}: {reply.strip()[:300]}"
+                )
 
 
 def free_port() -> int:
@@ -530,6 +663,7 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
         locator.screenshot(path=str(OUT / file))
         record["screenshots"].append(file)
 
+    record["untrusted_widget_cells"] = untrusted_on_open(page, lab, path, problems, shot)
     # a workspace of its own, reset: only this notebook open
     page.goto(f"{lab.url}/lab/workspaces/test-{stem}/tree/notebooks/{name}?reset&token={lab.token}")
     page.wait_for_selector(".jp-NotebookPanel .jp-CodeCell", timeout=120_000)
@@ -589,6 +723,7 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
                 )
 
     check_outputs("after run-all")
+    exercise_cells_refuse_wrong_answers(page, path, problems, record)
     # a figure wider than the output area is shrunk to fit, and its text with it
     sizes = page.evaluate(JS_FIGURE_WIDTHS)
     record["figure_widths"] = [{"natural": n, "shown": w} for n, w in sizes]
