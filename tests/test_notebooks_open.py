@@ -101,7 +101,7 @@ def test_a_press_to_run_widget_opens_with_its_first_figure():
             assert "interact_manual" not in source, (
                 f"{path.name}: interact_manual draws nothing until pressed"
             )
-            if cell["cell_type"] != "code" or '{"manual": True}' not in source:
+            if cell["cell_type"] != "code" or "manual=True" not in source:
                 continue
             views = [
                 output["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
