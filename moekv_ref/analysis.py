@@ -189,15 +189,18 @@ def time_decode_steps(
 def record_model_trace(
     model, prompts: list[list[int]], output_lens: list[int], name: str = "model"
 ) -> RoutingTrace:
-    """The model's attention routing on these prompts, continued greedily. Routing is causal, so one
-    full forward over each finished sequence gives the decisions the cached decode made."""
+    """The model's attention routing on these prompts, continued greedily, with their tokens (the
+    trace's token_ids: a prefix cache finds what two prompts share). Routing is causal, so one full
+    forward over each finished sequence gives the decisions the cached decode made."""
     config = model.config
     if len(prompts) != len(output_lens):
         raise ValueError(f"{len(prompts)} prompts but {len(output_lens)} output lengths")
     params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in output_lens]
     result = generate(model, prompts, params, cache="contiguous")
     parts = []
+    token_ids = []
     for prompt, generated in zip(prompts, result.tokens):
+        token_ids += prompt + generated[:-1]  # the last sampled token is never stored
         routing = model(torch.tensor([prompt + generated[:-1]])).attention_routing  # L x (1, T, E)
         selected = torch.stack([r.selected[0] for r in routing], dim=1)  # (T, L, E)
         K = config.num_attention_experts_per_tok
@@ -214,6 +217,7 @@ def record_model_trace(
         config.num_attention_experts,
         config.kv_bytes_per_entry(bytes_per_value),
         name,
+        token_ids=torch.tensor(token_ids, dtype=torch.int64),
     )
 
 

@@ -540,6 +540,69 @@ def test_readme_cluster_tables_are_what_their_json_says():
         )
 
 
+def session_rows(result: dict) -> list[str]:
+    """The README's multi-turn table rows, from figures/bench_cluster_sessions.json."""
+    pairs = {(p["gib_per_device"], p["rate"]): p for p in result["prefix_caching"]}
+    rows = []
+    for r in result["runs"]:
+        pair = pairs[(r["gib_per_device"], r["rate"])]
+        found = f"{pair['hit_share_of_shareable']:.1%}" if r["prefix_caching"] else "-"
+        rows.append(
+            f"| {r['gib_per_device']:g} | {r['rate']:g} | {'on' if r['prefix_caching'] else 'off'} | {found} "
+            f"| {r['ttft_p50_s'] * 1e3:.2f} | {r['ttft_p99_s'] * 1e3:.2f} | {r['slo_attainment']:.3f} "
+            f"| {r['victim_sequences']} | {r['refused']} |"
+        )
+    return rows
+
+
+def test_readme_sessions_table_and_ranges_are_what_their_json_says():
+    """The multi-turn table row by row, and every range the prose quotes (what the cache found, per
+    memory and seed; TTFT p50 and p99 changes over both seeds; the refused share; prompt means),
+    computed from the two JSON files."""
+    from moekv_ref.sim.workloads import session_workloads
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    flat = " ".join(readme.split())
+    seeds = [
+        json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))
+        for name in ("bench_cluster_sessions.json", "bench_cluster_sessions_seed1.json")
+    ]
+    for row in session_rows(seeds[0]):
+        assert row in readme, row
+
+    def percent_range(values, digits=0):
+        low, high = round(100 * min(values)), round(100 * max(values))
+        return f"{low}-{high}%"
+
+    def found(result, gib):
+        return [p["hit_share_of_shareable"] for p in result["prefix_caching"] if p["gib_per_device"] == gib]
+
+    assert f"finds {percent_range(found(seeds[0], 0.5))} of the history at 0.5 GiB per GPU" in flat
+    assert f"({percent_range(found(seeds[1], 0.5))} with seed 1" in flat
+    small = [percent_range(found(result, 0.125)) for result in seeds]
+    assert f"and {small[0]} at 0.125 GiB ({small[1]} with seed 1)" in flat
+    pairs = [p for result in seeds for p in result["prefix_caching"]]
+    p50 = [1 - p["ttft_p50_ratio"] for p in pairs]
+    p99 = [1 - p["ttft_p99_ratio"] for p in pairs]
+    assert f"move TTFT p50 by {percent_range(p50)} and p99 by at most {round(100 * max(p99))}%" in flat
+    assert all(
+        p["good_requests_per_s_on"] == pytest.approx(p["good_requests_per_s_off"], rel=1e-3) for p in pairs
+    )
+    refused = [
+        r["refused"] / result["turns"]
+        for result in seeds
+        for r in result["runs"]
+        if r["gib_per_device"] == 0.125
+    ]
+    assert all(0.2 < share < 0.3 for share in refused)  # "about a quarter"
+    first = seeds[0]["first_turn_prompt_tokens_mean"]
+    later = seeds[0]["later_turn_prompt_tokens_mean"]
+    assert f"{later:.0f} tokens on average, against {first:.0f} for a first turn" in flat
+    stats = session_workloads()["lmsys_chat_1m"]
+    means = f"{stats['prompt_mean']} new prompt tokens and {stats['output_mean']} output tokens a turn"
+    assert f"({stats['turns_mean']} turns a session, {means}" in flat
+
+
 def test_committed_projections_and_cluster_runs_name_the_model_the_code_sizes():
     """bench parallel's projections are what costs.real_shape_projections computes today, and the
     cluster runs name bench cluster's MODEL (the per-expert-K/V model of JetMoE-8B's shape), so a

@@ -15,11 +15,14 @@ from helpers import random_model, random_workload, small_config
 from moekv_ref.analysis import record_model_trace
 from moekv_ref.costs import CostModel
 from moekv_ref.engine import LLMEngine, SchedulerConfig
+from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
-from moekv_ref.sim.eviction import EvictionSetup, simulate
+from moekv_ref.sim.eviction import EvictionSetup, TraceRunner, simulate
 
 PLACEMENT = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3])  # 8 experts on 4 devices, device 0 the busiest
 BLOCK_SIZE, BLOCKS_PER_DEVICE, SWAP_BLOCKS = 4, 36, 64
+SESSION_BLOCKS = 52  # second turns hold their first turn's tokens too; tight enough to preempt
+ROOMY_BLOCKS = 400  # no preemption, no cached block evicted
 FLAT = CostModel("flat", 0.0, 1.0, 0.0, float("inf"), 1.0, 0.0, 1)
 DECISIONS = ("admitted", "resumed", "preempted")
 
@@ -146,3 +149,87 @@ def test_under_optimistic_reservation_the_runner_retries_as_the_engine_does(mode
     )
     assert stats.num_retries > 0  # the retry path ran
     assert stats.num_steps < engines["worst_case"].step_count  # fewer steps than worst-case reservation
+
+
+@pytest.mark.parametrize(
+    "victim,mode,blocks",
+    [
+        ("pressure_aware", "recompute", SESSION_BLOCKS),
+        ("sequence_lru", "recompute", SESSION_BLOCKS),
+        ("pressure_aware", "swap", SESSION_BLOCKS),
+        ("sequence_lru", "recompute", ROOMY_BLOCKS),
+    ],
+)
+def test_multi_turn_sessions_with_prefix_caching_make_the_engines_decisions(
+    model, workload, victim, mode, blocks
+):
+    """Each request's second turn (its prompt, every token it generated, a few new tokens) arrives
+    when its first finishes and starts from what the first left in the prefix cache. The runner,
+    over the model's trace of both turns (token ids and all), and the engine, fed the second turns
+    as their first turns finish, make the same decisions, hold the same blocks after every step and
+    skip the same prompt tokens. Tight pools preempt (and evict most cached blocks before the second
+    turns come: their hits stay within the first prompts); a roomy one keeps them, so the hits reach
+    into the tokens the first turns generated, which the runner must have "sampled" as the model did."""
+    prompts, output_lens, _ = workload
+    n = len(prompts)
+    greedy = [SamplingParams(max_new_tokens=m, temperature=0.0) for m in output_lens]
+    first_outputs = generate(model, prompts, greedy, cache="contiguous").tokens
+    generator = torch.Generator().manual_seed(5)
+    second = [
+        p
+        + out
+        + torch.randint(
+            64, (int(torch.randint(2, 7, (1,), generator=generator)),), generator=generator
+        ).tolist()
+        for p, out in zip(prompts, first_outputs)
+    ]
+    second_lens = torch.randint(5, 12, (n,), generator=generator).tolist()
+    trace = record_model_trace(model, prompts + second, output_lens + second_lens)
+    follows = torch.tensor([-1] * n + list(range(n)))
+    swap_blocks = SWAP_BLOCKS if mode == "swap" else 0
+    setup = EvictionSetup(
+        blocks,
+        BLOCK_SIZE,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        num_host_blocks=swap_blocks,
+        prefix_caching=True,
+    )
+    think = torch.zeros(2 * n, dtype=torch.float64)  # at once: as the engine below gets them
+    stats = TraceRunner(trace, PLACEMENT, setup, victim, FLAT, arrivals=think, follows=follows).run()
+
+    engine = LLMEngine(
+        model,
+        block_size=BLOCK_SIZE,
+        blocks_per_device=[blocks] * 4,
+        device_of_expert=PLACEMENT,
+        num_swap_blocks=swap_blocks or None,
+        enable_prefix_caching=True,
+        record_history=True,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+            victim=victim,
+            admission="optimistic",
+            preemption_mode=mode,
+        ),
+    )
+    sequence_of = {engine.add_request(p, q): i for i, p, q in zip(range(n), prompts, greedy)}
+    while engine.has_unfinished_requests():
+        done = sorted(sequence_of[o.request_id] for o in engine.step())
+        for i in done:
+            if i < n:  # its second turn arrives now, in trace order as the runner adds them
+                params = SamplingParams(max_new_tokens=second_lens[i], temperature=0.0)
+                sequence_of[engine.add_request(second[i], params)] = n + i
+    events = [(e.step, sequence_of[e.request_id], e.kind) for e in engine.events if e.kind in DECISIONS]
+
+    assert stats.events == events
+    assert stats.num_steps == engine.step_count
+    assert stats.used_blocks.tolist() == torch.stack(engine.device_timeline).tolist()
+    assert stats.num_finished == 2 * n and stats.finished_tokens == sum(output_lens + second_lens)
+    hits = engine.prefix_cache_stats()["num_hit_tokens"]
+    assert stats.prefix_hit_tokens == hits > 0
+    if blocks == SESSION_BLOCKS:
+        assert any(kind == "preempted" for _, _, kind in events)
+    else:
+        assert hits > sum(len(p) for p in prompts)  # into the generated tokens

@@ -945,7 +945,7 @@ OPTION_CASES = [
     (
         "bench cluster --speed --scale",
         ["bench", "cluster", "--speed", "--scale"],
-        "--speed and --scale are two programs: give one",
+        "--speed, --scale and --sessions are three programs: give one",
     ),
     (
         "bench cluster --scale --threads 0",

@@ -8,8 +8,15 @@ import torch
 from moekv_ref.apps.cli import main as cli_main
 from moekv_ref.costs import CostModel
 from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
-from moekv_ref.sim.traces import synthetic_trace
-from moekv_ref.sim.workloads import arrival_times, latency_summary, length_workloads, sample_lengths
+from moekv_ref.sim.traces import conversation_lengths, conversation_turns, synthetic_trace
+from moekv_ref.sim.workloads import (
+    arrival_times,
+    latency_summary,
+    length_workloads,
+    sample_lengths,
+    sample_sessions,
+    session_workloads,
+)
 
 # a step costs 1 s plus 1 s per token it computes: times are step counts one can follow by hand
 STEPS = CostModel("steps", 1.0, 1.0, 0.0, float("inf"), 0.0, 0.0, 1)
@@ -81,6 +88,107 @@ def test_the_runner_waits_for_arrivals_and_times_first_tokens():
         TraceRunner(trace, [0, 0, 0, 0], setup, "sequence_lru", STEPS, arrivals=torch.tensor([0.0]))
 
 
+def test_sampled_sessions_have_the_published_means():
+    """Turns per session and each turn's new prompt and output tokens, over 20,000 sessions,
+    within 3% of the means the data file states (and names the source of)."""
+    stats = session_workloads()["lmsys_chat_1m"]
+    session, prompts, outputs = sample_sessions("lmsys_chat_1m", 20000, seed=3)
+    turns = torch.bincount(session)
+    assert abs(float(turns.double().mean()) / stats["turns_mean"] - 1) < 0.03
+    assert abs(float(prompts.double().mean()) / stats["prompt_mean"] - 1) < 0.03
+    assert abs(float(outputs.double().mean()) / stats["output_mean"] - 1) < 0.03
+    assert bool((turns >= 1).all()) and "source" in stats
+    assert bool((torch.diff(session) >= 0).all())  # a session's turns consecutive
+
+
+def test_sessions_are_cut_to_the_context_turn_by_turn():
+    session, prompts, outputs = sample_sessions("lmsys_chat_1m", 3000, seed=0, max_tokens=512)
+    whole = torch.zeros(int(session.max()) + 1, dtype=torch.int64).index_add_(0, session, prompts + outputs)
+    assert int(whole.max()) <= 512
+    assert torch.equal(torch.unique(session), torch.arange(3000))  # every session keeps its first turn
+    with pytest.raises(ValueError, match="workload='chat'"):
+        sample_sessions("chat", 10)
+
+
+TIGHT_BLOCKS = 10  # some turns fit alone, the longer ones do not
+
+
+def _turns():
+    session = torch.tensor([0, 0, 0, 1, 2, 2])
+    prompts = torch.tensor([5, 3, 2, 7, 4, 6])
+    outputs = torch.tensor([4, 2, 3, 2, 5, 1])
+    lengths = conversation_lengths(session, prompts, outputs)
+    conversations = synthetic_trace(
+        3, 2, 4, 2, lengths=(lengths - 1, torch.ones_like(lengths)), distinct_routings=16, seed=1
+    )
+    return conversations, session, prompts, outputs
+
+
+def test_a_turn_is_its_conversation_so_far_with_the_same_routing_and_tokens():
+    """Turn j's prompt is every earlier turn's prompt and output tokens plus its own new prompt; it
+    stores all but its last sampled token; it begins with the turn before it, token for token, and
+    two sessions share no token."""
+    conversations, session, prompts, outputs = _turns()
+    turns, follows = conversation_turns(conversations, session, prompts, outputs)
+    assert follows.tolist() == [-1, 0, 1, -1, -1, 4]
+    assert turns.prompt_lens.tolist() == [5, 5 + 4 + 3, 5 + 4 + 3 + 2 + 2, 7, 4, 4 + 5 + 6]
+    assert turns.lengths.tolist() == (turns.prompt_lens + outputs - 1).tolist()
+    for t, before in enumerate(follows.tolist()):
+        mine = slice(int(turns.offsets[t]), int(turns.offsets[t + 1]))
+        start = int(conversations.offsets[session[t]])
+        whole = slice(start, start + int(turns.lengths[t]))
+        assert torch.equal(turns.experts_of(mine), conversations.experts_of(whole))
+        if before >= 0:
+            n = int(turns.lengths[before])
+            assert turns.tokens_of(t, 0, n) == turns.tokens_of(before, 0, n)
+    first = [set(turns.tokens_of(t, 0, int(turns.lengths[t]))) for t in (0, 3, 4)]
+    assert not (first[0] & first[1]) and not (first[0] & first[2]) and not (first[1] & first[2])
+
+
+def test_conversation_turns_refuse_turns_out_of_order_or_too_long():
+    conversations, session, prompts, outputs = _turns()
+    with pytest.raises(ValueError, match="consecutive"):
+        conversation_turns(conversations, session[[0, 3, 1, 2, 4, 5]], prompts, outputs)
+    with pytest.raises(ValueError, match="shorter than its turns"):
+        conversation_turns(conversations, session, prompts + 1, outputs)
+
+
+def test_a_follow_up_turn_arrives_its_think_time_after_the_turn_before_finishes():
+    """Two turns of one session and one other request, each step 1 s + 1 s a token: the second
+    turn (3 s of think time) arrives 3 s after the first finished, and its TTFT counts from there;
+    a refused turn's follow-up is refused with it."""
+    conversations, session, prompts, outputs = _turns()
+    turns, follows = conversation_turns(conversations, session, prompts, outputs)
+    setup = EvictionSetup(blocks_per_device=400, block_size=4, max_num_seqs=4, prefix_caching=True)
+    think = torch.tensor([0.0, 3.0, 3.0, 0.0, 50.0, 3.0], dtype=torch.float64)
+    stats = TraceRunner(turns, [0, 0, 1, 1], setup, "sequence_lru", STEPS, think, follows).run()
+    finish, arrival = stats.finish_seconds, stats.arrival_seconds
+    for t, before in enumerate(follows.tolist()):
+        if before >= 0:
+            assert float(arrival[t]) == float(finish[before]) + float(think[t])
+            assert float(stats.first_token_seconds[t]) > float(arrival[t])
+    assert stats.num_finished == 6 and stats.prefix_hit_tokens > 0
+    tight = EvictionSetup(blocks_per_device=TIGHT_BLOCKS, block_size=4, max_num_seqs=4)
+    refused = TraceRunner(turns, [0, 0, 1, 1], tight, "sequence_lru", STEPS, think, follows)
+    fits = []
+    for t in range(6):
+        try:
+            refused.scheduler.check_fits_alone(
+                int(turns.prompt_lens[t]), int(turns.lengths[t] - turns.prompt_lens[t]) + 1
+            )
+            fits.append(follows[t] < 0 or fits[follows[t]])
+        except ValueError:
+            fits.append(False)
+    assert 0 < refused.num_refused == fits.count(False) < 6
+    assert refused.run().num_finished == fits.count(True)
+    with pytest.raises(ValueError, match="follows must be"):
+        TraceRunner(
+            turns, [0, 0, 1, 1], setup, "sequence_lru", STEPS, think, torch.tensor([-1, 1, 1, -1, -1, 4])
+        )
+    with pytest.raises(ValueError, match="reads a trace's future"):
+        TraceRunner(turns, [0, 0, 1, 1], setup, "belady", STEPS, think, follows)
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -88,6 +196,9 @@ def test_the_runner_waits_for_arrivals_and_times_first_tokens():
         (["--policies", "pressure_aware"], "must include sequence_lru"),
         (["--reservations", "lazy"], "--reservations 'lazy'"),
         (["--rates", "0"], "--rates"),
+        (["--sessions", "--speed"], "three programs"),
+        (["--sessions", "--devices", "4", "8"], "--sessions serves one group"),
+        (["--sessions", "--think-seconds", "-1"], "--think-seconds"),
     ],
 )
 def test_bench_cluster_refuses_bad_options(argv, message, capsys):
@@ -126,6 +237,27 @@ def test_bench_cluster_writes_its_json(tmp_path):
     }
     assert all(r["served"] + r["refused"] == 12 for r in result["runs"])
     assert not math.isnan(result["runs"][0]["ttft_p50_s"])
+
+
+def test_bench_cluster_sessions_serves_the_same_turns_with_the_prefix_cache_off_and_on(tmp_path, capsys):
+    """--sessions: each (memory, rate) twice, the prefix cache off (no hit) and on (later turns find
+    part of the turn before), every turn served or refused, and the pair's comparison written."""
+    import json
+
+    path = tmp_path / "sessions.json"
+    argv = ["bench", "cluster", "--sessions", "--requests", "8", "--gib-per-device", "0.5"]
+    assert cli_main([*argv, "--rates", "400", "--think-seconds", "1", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    off, on = result["runs"]
+    assert (off["prefix_caching"], on["prefix_caching"]) == (False, True)
+    assert off["prefix_hit_tokens"] == 0 < on["prefix_hit_tokens"] < on["prompt_tokens"]
+    assert result["turns"] > result["sessions"] == 8  # some session has a second turn
+    for run in (off, on):
+        assert run["served"] + run["refused"] == result["turns"]
+    pair = result["prefix_caching"][0]
+    assert pair["hit_share"] == on["prefix_hit_tokens"] / on["prompt_tokens"]
+    assert 0 < on["prefix_hit_tokens"] <= result["shareable_prompt_tokens"] < result["prompt_tokens"]
+    assert "lmsys_chat_1m" in capsys.readouterr().out
 
 
 def test_bench_cluster_speed_times_both_shapes(tmp_path):

@@ -23,6 +23,11 @@ such groups would each serve an eighth of the traffic (`--devices` takes 1, 2, 4
 experts top-2 on 8 devices; 64 experts top-8 on 64), this checkout beside another one in turn, on
 the same traces, checking that both made the same decisions.
 
+`--sessions [--requests N] [--think-seconds S]` serves multi-turn sessions instead (turns and
+lengths around LMSYS-Chat-1M's means, sim/workloads.py; each turn's prompt the whole conversation
+so far, sim/traces.py), with the engine's prefix cache off and on: what a turn finds of the turn
+before it, at each memory and rate, in hit tokens, TTFT and goodput.
+
 `--scale [--requests N] [--threads T]` runs the second of those shapes at scale: N requests (default
 100,000) of a compact routing trace (sim/traces.py: a bank of routings, each token an index into
 it), timing the trace, the runner's setup and the run, with a progress bar, and projecting 10^6
@@ -49,8 +54,17 @@ from ..engine.scheduler import RESERVATIONS
 from ..engine.victims import VICTIM_POLICIES
 from ..jsonout import dump
 from ..sim.eviction import EvictionSetup, TraceRunner
-from ..sim.traces import synthetic_trace, topic_trace
-from ..sim.workloads import ARRIVALS, arrival_times, latency_summary, length_workloads, sample_lengths
+from ..sim.traces import conversation_lengths, conversation_turns, synthetic_trace, topic_trace
+from ..sim.workloads import (
+    ARRIVALS,
+    arrival_times,
+    latency_summary,
+    length_workloads,
+    sample_lengths,
+    sample_sessions,
+    session_arrivals,
+    session_workloads,
+)
 from ..validation import is_integer
 from . import options
 from .bench_step import REPOSITORY, commit_of
@@ -69,6 +83,12 @@ REQUESTS = 150  # the default of a sweep
 SPEED_REQUESTS = 1000  # the default of --speed
 SCALE_REQUESTS = 100_000  # the default of --scale
 SCALE_ROUTINGS = 32_768  # distinct routings of --scale's compact trace (each token draws one)
+RATES = (150.0, 300.0)  # requests per second of a sweep
+SESSION_WORKLOAD = "lmsys_chat_1m"
+GIB_PER_DEVICE = (0.5, 1.0)  # KV memory per GPU of a sweep: small, so that memory binds
+SESSION_RATES = (200.0, 800.0)  # sessions per second of --sessions
+SESSION_GIB_PER_DEVICE = (0.125, 0.5)  # its memories: where cached blocks outlive a think time, and not
+THINK_SECONDS = 5.0  # the mean pause between a turn's end and the next turn (not published: a setting)
 
 
 def cluster_workload(num_requests: int, workload: str, seed: int):
@@ -86,6 +106,27 @@ def cluster_workload(num_requests: int, workload: str, seed: int):
         lengths=lengths,
     )
     return trace
+
+
+def session_workload(num_sessions: int, seed: int) -> tuple:
+    """The turns of multi-turn sessions (SESSION_WORKLOAD's means, each conversation cut to MODEL's
+    4,096 positions) over a topic routing trace of MODEL's shape: (trace of the turns, follows)."""
+    config = get_config(MODEL)
+    session, prompts, outputs = sample_sessions(
+        SESSION_WORKLOAD, num_sessions, seed, max_tokens=config.max_position_embeddings
+    )
+    lengths = conversation_lengths(session, prompts, outputs)  # (sessions,) each conversation's tokens
+    conversations, _ = topic_trace(
+        num_sessions,
+        config.num_hidden_layers,
+        config.num_attention_experts,
+        config.num_attention_experts_per_tok,
+        kv_bytes_per_slot=config.kv_bytes_per_entry(),
+        seed=seed,
+        name=SESSION_WORKLOAD,
+        lengths=((lengths - 1).clamp(min=1), torch.ones_like(lengths)),
+    )
+    return conversation_turns(conversations, session, prompts, outputs)
 
 
 def cluster_placement(num_devices: int) -> torch.Tensor:
@@ -109,7 +150,13 @@ def run_one(
     reservation: str,
     max_num_seqs: int,
     seed: int,
+    follows: torch.Tensor | None = None,
+    think_seconds: float = THINK_SECONDS,
+    prefix_caching: bool = False,
 ) -> dict:
+    """One run of the sweep: requests arriving at `rate` per second, or, with follows (the turns of
+    sessions), sessions at `rate` per second whose later turns come think_seconds (mean) after the
+    turn before them finished."""
     config = get_config(MODEL)
     placement = cluster_placement(num_devices)
     blocks = pool_blocks(gib_per_device)
@@ -120,11 +167,16 @@ def run_one(
         max_num_batched_tokens=8192,
         admission="predicted",
         reservation=reservation,
+        prefix_caching=prefix_caching,
     )
     cost = cluster_cost_model(config, ACTIVE_PARAMS, num_devices, BLOCK_SIZE)
-    arrival = arrival_times(trace.num_sequences, rate, arrivals, cv=GAMMA_CV, seed=seed)
+    if follows is None:
+        arrival = arrival_times(trace.num_sequences, rate, arrivals, cv=GAMMA_CV, seed=seed)
+    else:
+        arrival = session_arrivals(follows, rate, think_seconds, arrivals, GAMMA_CV, seed)
     started = time.perf_counter()
-    stats = TraceRunner(trace, placement, setup, policy, cost, arrivals=arrival).run(max_steps=10_000_000)
+    runner = TraceRunner(trace, placement, setup, policy, cost, arrivals=arrival, follows=follows)
+    stats = runner.run(max_steps=10_000_000)
     wall = time.perf_counter() - started
     latency = latency_summary(
         stats.arrival_seconds,
@@ -154,6 +206,9 @@ def run_one(
         "thrown_away_tokens": stats.thrown_away_tokens,
         "thrown_away_seconds": stats.thrown_away_seconds,
         "mean_used_fraction": float(stats.used_blocks.double().mean() / blocks) if stats.num_steps else 0.0,
+        "prefix_caching": prefix_caching,
+        "prompt_tokens": int(trace.prompt_lens.sum()),
+        "prefix_hit_tokens": stats.prefix_hit_tokens,
         "wall_seconds": wall,
         "steps_per_wall_second": stats.num_steps / max(wall, 1e-9),
     }
@@ -245,6 +300,100 @@ def print_tables(result: dict) -> None:
         print(
             f"  D={r['devices']} {r['gib_per_device']} GiB {r['arrivals']} {r['reservation']} {r['policy']}: "
             f"{r['goodput_requests_per_s']} requests/s"
+        )
+
+
+# ----- multi-turn sessions, prefix caching off and on --------------------------------------------------
+def measure_sessions(
+    num_sessions: int,
+    devices: int,
+    gib_per_device: list[float],
+    rates: list[float],
+    think_seconds: float,
+    max_num_seqs: int,
+    seed: int,
+) -> dict:
+    """Every (memory, session rate) with the prefix cache off and on (sequence_lru, worst-case
+    reservation, Poisson session arrivals), and per pair what caching changed."""
+    trace, follows = session_workload(num_sessions, seed)
+    grid = [(gib, rate, cached) for gib in gib_per_device for rate in rates for cached in (False, True)]
+    runs = []
+    for gib, rate, cached in tqdm(grid, desc="sessions", unit="run", disable=None):
+        runs.append(
+            run_one(
+                trace,
+                devices,
+                gib,
+                rate,
+                "poisson",
+                "sequence_lru",
+                "worst_case",
+                max_num_seqs,
+                seed,
+                follows=follows,
+                think_seconds=think_seconds,
+                prefix_caching=cached,
+            )
+        )
+    first = follows < 0
+    # a later turn's prompt begins with the tokens the turn before it stored: the most a hit can skip
+    shareable = int(trace.lengths[follows[~first]].sum())
+    pairs = []
+    for off, on in zip(runs[0::2], runs[1::2]):
+        pairs.append(
+            {
+                "gib_per_device": off["gib_per_device"],
+                "rate": off["rate"],
+                "hit_share": on["prefix_hit_tokens"] / on["prompt_tokens"],
+                "hit_share_of_shareable": on["prefix_hit_tokens"] / shareable,
+                "ttft_p50_ratio": on["ttft_p50_s"] / off["ttft_p50_s"],
+                "ttft_p99_ratio": on["ttft_p99_s"] / off["ttft_p99_s"],
+                "good_requests_per_s_off": off["good_requests_per_s"],
+                "good_requests_per_s_on": on["good_requests_per_s"],
+            }
+        )
+    return {
+        "model": MODEL,
+        "workload": SESSION_WORKLOAD,
+        "workload_source": session_workloads()[SESSION_WORKLOAD]["source"],
+        "sessions": num_sessions,
+        "turns": trace.num_sequences,
+        "turns_per_session_mean": trace.num_sequences / num_sessions,
+        "first_turn_prompt_tokens_mean": float(trace.prompt_lens[first].double().mean()),
+        "later_turn_prompt_tokens_mean": float(trace.prompt_lens[~first].double().mean()),
+        "output_tokens_mean": float((trace.lengths - trace.prompt_lens + 1).double().mean()),
+        "prompt_tokens": int(trace.prompt_lens.sum()),
+        "shareable_prompt_tokens": shareable,
+        "think_seconds_mean": think_seconds,
+        "devices": devices,
+        "policy": "sequence_lru",
+        "reservation": "worst_case",
+        "ttft_slo_s": TTFT_SLO,
+        "tpot_slo_s": TPOT_SLO,
+        "seed": seed,
+        "max_num_seqs": max_num_seqs,
+        "runs": runs,
+        "prefix_caching": pairs,
+    }
+
+
+def print_sessions(result: dict) -> None:
+    print(
+        f"\n{result['sessions']} sessions ({result['turns']} turns) around {result['workload']}'s means; "
+        f"prompts {result['first_turn_prompt_tokens_mean']:.0f} tokens on a first turn, "
+        f"{result['later_turn_prompt_tokens_mean']:.0f} on a later one; think time "
+        f"{result['think_seconds_mean']} s (mean); {MODEL} on {result['devices']} H200s (projected)"
+    )
+    print(
+        f"{'GiB':>5} {'rate':>5} {'prefix cache':>12} {'hit share':>9} {'TTFT p50':>9} {'p99':>7} "
+        f"{'attain':>6} {'good/s':>7} {'victims':>7} {'refused':>7}"
+    )
+    for r in result["runs"]:
+        share = r["prefix_hit_tokens"] / r["prompt_tokens"]
+        print(
+            f"{r['gib_per_device']:>5} {r['rate']:>5} {'on' if r['prefix_caching'] else 'off':>12} "
+            f"{share:>9.1%} {r['ttft_p50_s']:>9.4f} {r['ttft_p99_s']:>7.4f} {r['slo_attainment']:>6.3f} "
+            f"{r['good_requests_per_s']:>7.2f} {r['victim_sequences']:>7} {r['refused']:>7}"
         )
 
 
@@ -456,15 +605,17 @@ def build_parser(parser=None):
         "--gib-per-device",
         type=float,
         nargs="+",
-        default=[0.5, 1.0],
-        help="KV memory per GPU in GiB (default 0.5 1: small, so that memory binds)",
+        default=None,
+        help=f"KV memory per GPU in GiB (default {GIB_PER_DEVICE}: small, so that memory binds; with "
+        f"--sessions {SESSION_GIB_PER_DEVICE})",
     )
     parser.add_argument(
         "--rates",
         type=float,
         nargs="+",
-        default=[150.0, 300.0],
-        help="mean arrival rates, requests per second (default 150 300)",
+        default=None,
+        help=f"mean arrival rates, requests per second (default {RATES}; with --sessions, sessions "
+        f"per second, default {SESSION_RATES})",
     )
     parser.add_argument("--arrivals", nargs="+", default=["poisson"], help=f"arrival processes: {ARRIVALS}")
     parser.add_argument(
@@ -483,6 +634,17 @@ def build_parser(parser=None):
         "--speed",
         action="store_true",
         help="time the simulator itself instead, on two shapes (with --against: beside another checkout)",
+    )
+    parser.add_argument(
+        "--sessions",
+        action="store_true",
+        help="serve multi-turn sessions instead, the prefix cache off and on (--requests: sessions)",
+    )
+    parser.add_argument(
+        "--think-seconds",
+        type=float,
+        default=THINK_SECONDS,
+        help=f"with --sessions: mean seconds between a turn's end and the next turn (default {THINK_SECONDS})",
     )
     parser.add_argument(
         "--scale",
@@ -508,8 +670,11 @@ def check_args(args) -> None:
     options.output_file("--json", args.json)
     if args.against is not None and not args.speed:
         raise ValueError("--against applies to --speed only")
-    if args.speed and args.scale:
-        raise ValueError("--speed and --scale are two programs: give one")
+    if args.speed + args.scale + args.sessions > 1:
+        raise ValueError("--speed, --scale and --sessions are three programs: give one")
+    options.real("--think-seconds", args.think_seconds, 0.0)
+    if args.sessions and len(args.devices) != 1:
+        raise ValueError(f"--sessions serves one group: give one --devices, not {args.devices}")
     options.count("--threads", args.threads, 1)
     options.input_folder("--against", args.against, "the root of a checkout of this repository")
     if args.against is not None and not (args.against / "moekv_ref" / "__init__.py").is_file():
@@ -529,7 +694,7 @@ def check_args(args) -> None:
                 f"--devices {d} must divide {MODEL}'s {experts} attention experts: one of "
                 f"{[n for n in range(1, experts + 1) if experts % n == 0]}"
             )
-    for name, values in (("--gib-per-device", args.gib_per_device), ("--rates", args.rates)):
+    for name, values in (("--gib-per-device", args.gib_per_device or ()), ("--rates", args.rates or ())):
         for value in values:
             options.real(name, value, 0.0, low_open=True)
     for process in args.arrivals:
@@ -545,8 +710,8 @@ def check_args(args) -> None:
         raise ValueError("--policies must include sequence_lru, the baseline the others are compared with")
     for name, values in (
         ("--devices", args.devices),
-        ("--gib-per-device", args.gib_per_device),
-        ("--rates", args.rates),
+        ("--gib-per-device", args.gib_per_device or ()),
+        ("--rates", args.rates or ()),
         ("--arrivals", args.arrivals),
         ("--reservations", args.reservations),
         ("--policies", args.policies),
@@ -566,8 +731,19 @@ def main(args) -> int:
         write_result(result, args.json)
         return 0
     requests = args.requests or REQUESTS
-    gib_per_device = args.gib_per_device
-    rates = args.rates
+    gib_per_device = args.gib_per_device or list(SESSION_GIB_PER_DEVICE if args.sessions else GIB_PER_DEVICE)
+    rates = args.rates or list(SESSION_RATES if args.sessions else RATES)
+    if args.sessions:
+        if args.quick:
+            requests = 40
+            gib_per_device = gib_per_device[:1]
+            rates = rates[:1]
+        result = measure_sessions(
+            requests, args.devices[0], gib_per_device, rates, args.think_seconds, args.max_num_seqs, args.seed
+        )
+        print_sessions(result)
+        write_result(result, args.json)
+        return 0
     if args.quick:
         requests = 40
         gib_per_device = gib_per_device[:1]

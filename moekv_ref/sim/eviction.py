@@ -12,11 +12,18 @@ time (`arrivals`: the clock is the steps' modelled seconds), and each one's firs
 times are recorded (sim/workloads.py turns them into TTFT, TPOT and goodput). Under optimistic
 reservation a step whose appends find a device short is undone and retried, as the engine does.
 
+Multi-turn sessions (`follows`): a turn arrives a think time after the turn before it finished, and
+with prefix caching (`EvictionSetup.prefix_caching`: the engine's PrefixCache in the manager) it
+starts from what that turn left in each (layer, expert) row, found by the trace's token ids. The
+runner then records, as paged.py does, the position of every token it appends, and each step
+"samples" the trace's next token, so a request's tokens are the conversation's.
+
 Dimension legend: D devices, L layers, E experts.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -24,6 +31,7 @@ import torch
 
 from ..cache.block_pool import OutOfBlocksError
 from ..cache.kv_cache_manager import KVCacheManager
+from ..cache.prefix_cache import PrefixCache
 from ..cache.rows import ceil_div
 from ..costs import CostModel
 from ..engine.demand import (
@@ -35,6 +43,7 @@ from ..engine.demand import (
 from ..engine.memory import ModelShape
 from ..engine.request import Request
 from ..engine.scheduler import EvictionRecord, Scheduler, SchedulerConfig
+from ..engine.swap import COPY
 from ..engine.undo import Snapshot
 from ..engine.victims import VICTIM_POLICIES, OfflinePolicy, VictimPolicy
 from ..sampling import SamplingParams
@@ -52,6 +61,7 @@ class EvictionSetup:
     num_host_blocks: int = 0  # host swap space, in blocks (0: preemption by recompute)
     admission: str = "optimistic"  # the scheduler's admission policy (admission.py)
     reservation: str = "worst_case"  # or "optimistic": a step that runs short is undone and retried
+    prefix_caching: bool = False  # the manager keeps full blocks findable by prefix (cache/prefix_cache.py)
 
 
 @dataclass
@@ -83,6 +93,8 @@ class EvictionStats:
     first_token_seconds: torch.Tensor | None = None  # the end of the step that sampled its first token
     finish_seconds: torch.Tensor | None = None
     num_output_tokens: torch.Tensor | None = None  # (S,) int64 generated tokens of finished requests
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
+    prefix_copied_blocks: int = 0  # blocks straddling a hit's end, copied within a device (not costed)
 
     @property
     def tokens_per_step(self) -> float:
@@ -113,6 +125,8 @@ class EvictionStats:
             "thrown_away_tokens": self.thrown_away_tokens,
             "thrown_away_seconds": self.thrown_away_seconds,
             "freed_on_short_device_per_eviction": self.freed_per_eviction,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_copied_blocks": self.prefix_copied_blocks,
         }
 
 
@@ -178,12 +192,31 @@ class TraceRunner:
         policy: VictimPolicy | str,
         cost: CostModel,
         arrivals: torch.Tensor | None = None,
+        follows: torch.Tensor | None = None,
     ):
         """arrivals: (S,) seconds at which each trace sequence arrives (None: all at once, before
         the first step); steps then take `cost`'s seconds and requests join the waiting line in
-        arrival order once the clock has reached them."""
+        arrival order once the clock has reached them. follows: (S,) int64, for a session's later
+        turn the index of the turn before it (sim/traces.py's conversation_turns), -1 for the
+        others; such a turn arrives arrivals[s] seconds (the user's think time) after that turn
+        finished, and is refused with it."""
+        if follows is not None:
+            follows = torch.as_tensor(follows)
+            S = trace.num_sequences
+            if (
+                follows.shape != (S,)
+                or follows.dtype != torch.int64
+                or bool((follows < -1).any())
+                or bool((follows >= torch.arange(S)).any())
+                or arrivals is None
+            ):
+                raise ValueError(
+                    f"follows must be ({S},) int64, each -1 or the index of an earlier sequence, "
+                    f"with arrivals (think times for the follow-ups); got shape "
+                    f"{tuple(follows.shape)}, {follows.dtype}, arrivals given: {arrivals is not None}"
+                )
         if arrivals is not None:
-            arrivals = torch.as_tensor(arrivals, dtype=torch.float64)
+            arrivals = torch.as_tensor(arrivals, dtype=torch.float64).clone()  # follow-ups' are filled in
             if (
                 arrivals.shape != (trace.num_sequences,)
                 or not bool(torch.isfinite(arrivals).all())
@@ -198,6 +231,12 @@ class TraceRunner:
         self.trace, self.setup, self.cost = trace, setup, cost
         L, E, K = trace.num_layers, trace.num_experts, trace.k_max
         num_devices = int(torch.as_tensor(device_of_expert).max()) + 1
+        if isinstance(policy, str) and setup.prefix_caching and policy in VICTIM_POLICIES:
+            if issubclass(VICTIM_POLICIES[policy], OfflinePolicy):
+                raise ValueError(
+                    f"policy={policy!r} reads a trace's future as if each request started from "
+                    "nothing, which a prefix hit breaks: use an online policy with prefix_caching"
+                )
         self.manager = KVCacheManager(
             L,
             E,
@@ -205,6 +244,7 @@ class TraceRunner:
             blocks_per_device=[setup.blocks_per_device] * num_devices,
             device_of_expert=device_of_expert,
             initial_num_seqs=setup.max_num_seqs + 1,
+            prefix_cache=PrefixCache() if setup.prefix_caching else None,
         )
         top_k = trace.is_top_k  # every token used all K: top-k routing
         self.shape = ModelShape(K, K if top_k else 1, int(trace.lengths.max()) + 1)
@@ -232,23 +272,35 @@ class TraceRunner:
         self.arrivals = (
             torch.zeros(trace.num_sequences, dtype=torch.float64) if arrivals is None else arrivals
         )
-        self.pending: list[Request] = []  # not yet arrived, latest first
+        # not yet arrived: (arrival seconds, sequence, request), earliest first, ties by sequence
+        self.pending: list[tuple[float, int, Request]] = []
+        self.followers: dict[int, list[Request]] = {}  # sequence -> the turns arriving after it finishes
+        self.follows = follows
         prompts = trace.prompt_lens.tolist()
         lengths = trace.lengths.tolist()  # read once: each read of the property computes all of them
-        for s in torch.argsort(self.arrivals, stable=True).tolist():
+        before = [-1] * trace.num_sequences if follows is None else follows.tolist()
+        self.think = self.arrivals.clone()  # a follow-up's arrival is known once the turn before finishes
+        self.arrivals[torch.tensor(before) >= 0] = float("nan")
+        refused = set()
+        for s in range(trace.num_sequences):  # earlier turns first: a refused turn's follow-ups go too
             prompt = prompts[s]
             max_new_tokens = lengths[s] - prompt + 1  # the last sampled token is never stored
             try:
+                if before[s] in refused:
+                    raise ValueError("the turn before it was refused")
                 self.scheduler.check_fits_alone(prompt, max_new_tokens)
             except ValueError:
                 self.num_refused += 1
+                refused.add(s)
                 continue
-            request = Request(s, [0] * prompt, SamplingParams(max_new_tokens=max_new_tokens))
+            request = Request(s, trace.tokens_of(s, 0, prompt), SamplingParams(max_new_tokens=max_new_tokens))
             if arrivals is None:
                 self.scheduler.add_request(request)
+            elif before[s] >= 0:
+                self.followers.setdefault(before[s], []).append(request)
             else:
-                self.pending.append(request)
-        self.pending.reverse()
+                self.pending.append((float(self.arrivals[s]), s, request))
+        heapq.heapify(self.pending)
 
     def append(self, scheduled) -> torch.Tensor:
         """The model's part of a step (blocks only, as PagedKVCache.append_kv allocates them); (L,)
@@ -270,21 +322,27 @@ class TraceRunner:
             .unbind(1)
         )
         decode = counts == 1  # distinct rows, one slot each: no counting needed
-        rows, per_layer = self.trace.decode_appends(seqs[decode], starts[decode], row_seqs=slots[decode])
+        cached = manager.prefix_cache is not None  # then each slot's position is recorded
+        rows, per_layer, *positions = self.trace.decode_appends(
+            seqs[decode], starts[decode], row_seqs=slots[decode], with_positions=cached
+        )
         hits = torch.ones_like(rows)
         if not bool(decode.all()):
             chunk = ~decode  # prefills and recomputes: rows of other sequences
-            chunk_rows, chunk_hits, chunk_per_layer = self.trace.appends(
-                seqs[chunk], starts[chunk], counts[chunk], row_seqs=slots[chunk]
+            chunk_rows, chunk_hits, chunk_per_layer, *chunk_positions = self.trace.appends(
+                seqs[chunk], starts[chunk], counts[chunk], row_seqs=slots[chunk], with_positions=cached
             )
             rows = torch.cat([rows, chunk_rows])
             hits = torch.cat([hits, chunk_hits])
             per_layer = per_layer + chunk_per_layer
+            positions += chunk_positions
         if self.setup.reservation == "optimistic":
             self._raise_at_the_first_short_layer(rows, hits)
-        manager.allocate_slots(
-            rows, hits, rows_are_distinct=True, with_slots=False, one_each=bool(decode.all())
+        allocation = manager.allocate_slots(
+            rows, hits, rows_are_distinct=True, with_slots=cached, one_each=bool(decode.all())
         )
+        if cached:  # which chunks each block spans, as paged.py records them
+            manager.prefix_cache.record_positions(allocation.slot_mapping, torch.cat(positions))
         return per_layer
 
     def _raise_at_the_first_short_layer(self, rows: torch.Tensor, hits: torch.Tensor) -> None:
@@ -348,7 +406,8 @@ class TraceRunner:
                 else cost.recompute_seconds(start + n) - cost.recompute_seconds(start)
             )
         for copy in out.block_copies:
-            seconds += float(cost.swap_seconds(copy.source.numel())) / 2
+            if copy.direction != COPY:  # a prefix hit's copies stay within one device's memory
+                seconds += float(cost.swap_seconds(copy.source.numel())) / 2
         return seconds
 
     def run(self, max_steps: int = 100_000, on_step=None) -> EvictionStats:
@@ -362,27 +421,30 @@ class TraceRunner:
         finish = torch.full((S,), float("nan"), dtype=torch.float64)
         num_output = torch.zeros(S, dtype=torch.int64)
         seconds = 0.0
-        finished_tokens = num_finished = swapped_blocks = step = 0
+        finished_tokens = 0
+        num_finished = 0
+        swapped_blocks = 0
+        copied_blocks = 0
+        step = 0
         while (scheduler.has_unfinished or self.pending) and step < max_steps:
             if not scheduler.has_unfinished:  # idle: the clock jumps to the next arrival
-                seconds = max(seconds, float(self.arrivals[self.pending[-1].request_id]))
-            while self.pending and float(self.arrivals[self.pending[-1].request_id]) <= seconds:
-                scheduler.add_request(self.pending.pop())
+                seconds = max(seconds, self.pending[0][0])
+            while self.pending and self.pending[0][0] <= seconds:
+                scheduler.add_request(heapq.heappop(self.pending)[2])
             thrown_before = self.thrown_away_seconds
             out, entries = self._step(step)
             seconds += self.thrown_away_seconds - thrown_before  # a retried step costs its failed tries too
             if not out.scheduled and not out.block_copies:
                 raise RuntimeError(f"step {step}: nothing could be scheduled (as the engine would raise)")
             seconds += self.step_seconds(out) if self.cost is not None else 0.0
-            swapped_blocks += sum(copy.source.numel() for copy in out.block_copies)
+            swapped_blocks += sum(c.source.numel() for c in out.block_copies if c.direction != COPY)
+            copied_blocks += sum(c.source.numel() for c in out.block_copies if c.direction == COPY)
             evictions += out.evictions
             events += [(step, request.request_id, kind) for kind, request in out.events]
             victims.update(request.request_id for request in out.preempted)
             running.append(len(scheduler.running))
             used.append(manager.blocks_per_device - manager.num_free_blocks_per_device)
-            done = scheduler.update_from_output(
-                out, {item.request.request_id: 0 for item in out.scheduled}, entries
-            )
+            done = scheduler.update_from_output(out, self.sampled(out), entries)
             for item in out.scheduled:
                 rid = item.request.request_id
                 if item.samples and math.isnan(first_token[rid]):
@@ -390,6 +452,10 @@ class TraceRunner:
             for request in done:
                 finish[request.request_id] = seconds
                 num_output[request.request_id] = len(request.output_token_ids)
+                for follower in self.followers.pop(request.request_id, ()):
+                    arrival = seconds + float(self.think[follower.request_id])
+                    self.arrivals[follower.request_id] = arrival
+                    heapq.heappush(self.pending, (arrival, follower.request_id, follower))
             finished_tokens += sum(len(r.output_token_ids) for r in done)
             num_finished += len(done)
             step += 1
@@ -420,7 +486,23 @@ class TraceRunner:
             torch.tensor(first_token, dtype=torch.float64),
             finish,
             num_output,
+            0 if manager.prefix_cache is None else manager.prefix_cache.stats.num_hit_tokens,
+            copied_blocks,
         )
+
+    def sampled(self, out) -> dict[int, int]:
+        """The token each scheduled request samples this step: the trace's next token (0 where it
+        carries none; a prefill chunk's is never used)."""
+        if self.trace.token_ids is None:
+            return {item.request.request_id: 0 for item in out.scheduled}
+        return {
+            item.request.request_id: self.trace.tokens_of(
+                item.request.request_id,
+                item.request.num_computed_tokens + item.num_tokens,
+                item.request.num_computed_tokens + item.num_tokens + 1,
+            )[0]
+            for item in out.scheduled
+        }
 
 
 def simulate(

@@ -5,6 +5,11 @@ row (sequence, l, e). Expert ids, not a (T, L, E) mask, keep a real-model-shaped
 sequences x 512 tokens x 16 layers x top-8 is 4M int16). `synthetic_trace` gives every sequence
 one expert popularity, `topic_trace` each its topic's.
 
+A trace may carry token ids (`token_ids`): then sequences that begin with the same tokens share a
+prefix a prefix cache can find (`conversation_turns` makes the turns of multi-turn sessions, each
+turn's sequence the whole conversation so far, and its routing that of the same tokens); without
+them every prompt is placeholder tokens and nothing is shared.
+
 At 10^5 requests even expert ids are too much (7.7e7 tokens x 24 layers x top-8 is 29 GB of int16),
 so a trace can also be compact: a bank of B routings (B, L, K) and, per token, the index of its
 routing in the bank (`distinct_routings` of the two generators; RoutingTrace.token_routing).
@@ -38,6 +43,9 @@ class RoutingTrace:
     name: str = "trace"
     # (num_tokens,) int32 (int64 accepted) rows of routings, one per token; None: routings is per token
     token_routing: torch.Tensor | None = None
+    # (num_tokens,) int64 the tokens themselves (a request's prompt, and what it samples); None: none
+    # given (placeholders: no two requests share a prefix a prefix cache could find)
+    token_ids: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.routings.dim() != 3:
@@ -57,6 +65,12 @@ class RoutingTrace:
             raise ValueError("offsets[-1] must equal the number of tokens")
         if (self.prompt_lens < 1).any() or (self.prompt_lens > self.lengths).any():
             raise ValueError("every prompt needs 1 <= prompt_len <= sequence length")
+        ids = self.token_ids
+        if ids is not None and (ids.shape != (num_tokens,) or ids.dtype != torch.int64):
+            raise ValueError(
+                f"token_ids must be ({num_tokens},) int64, one per token; got shape "
+                f"{tuple(ids.shape)}, {ids.dtype}"
+            )
 
     def experts_of(self, tokens: torch.Tensor | slice) -> torch.Tensor:
         """(n, L, K) int16: the experts of the given tokens (indices or a slice of the concatenation)."""
@@ -116,6 +130,7 @@ class RoutingTrace:
         per_token = self.routings if self.token_routing is None else self.token_routing
         parts = torch.cat([per_token[self.offsets[s] : self.offsets[s + 1]] for s in seqs])
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), self.lengths[seqs].cumsum(0)])
+        ids = self.token_ids
         return RoutingTrace(
             parts if self.token_routing is None else self.routings,
             offsets,
@@ -124,7 +139,17 @@ class RoutingTrace:
             self.kv_bytes_per_slot,
             self.name,
             None if self.token_routing is None else parts,
+            None if ids is None else torch.cat([ids[self.offsets[s] : self.offsets[s + 1]] for s in seqs]),
         )
+
+    def tokens_of(self, seq: int, start: int, end: int) -> list[int]:
+        """Token ids start .. end - 1 of sequence `seq` (0 where the trace carries none, and past its
+        last stored token: the one a request samples last is never computed)."""
+        if self.token_ids is None:
+            return [0] * (end - start)
+        first, length = int(self.offsets[seq]), int(self.offsets[seq + 1] - self.offsets[seq])
+        stored = self.token_ids[first + start : first + min(end, length)].tolist()
+        return stored + [0] * (end - start - len(stored))
 
     def row_counts(self, seq: int) -> torch.Tensor:
         """(len + 1, L, E): tokens each row of sequence `seq` holds after its first t tokens."""
@@ -140,10 +165,13 @@ class RoutingTrace:
         starts: torch.Tensor,
         counts: torch.Tensor,
         row_seqs: torch.Tensor | None = None,
+        with_positions: bool = False,
     ):
         """The distinct rows (a,) that tokens starts[i] .. starts[i] + counts[i] - 1 of sequence
         seqs[i] append to, numbered with seq_index row_seqs[i] (default seqs[i]); the slots each
-        gains (a,) >= 1; (L,) experts chosen per layer."""
+        gains (a,) >= 1; (L,) experts chosen per layer; with_positions, also the position of each
+        slot (hits.sum(),), row by row in the order of `rows`, ascending within a row (a prefix
+        cache records them: which chunks each block spans)."""
         index = RowIndex(self.num_layers, self.num_experts)
         row_seqs = seqs if row_seqs is None else row_seqs
         # counted over the m sequences' own rows (m * L * E bins, not every row up to the highest
@@ -168,7 +196,12 @@ class RoutingTrace:
         local_rows = hits.nonzero().squeeze(1)  # ascending
         rows = row_seqs[order][local_rows // index.rows_per_seq] * index.rows_per_seq
         rows += local_rows % index.rows_per_seq
-        return rows, hits[local_rows], per_layer
+        if not with_positions:
+            return rows, hits[local_rows], per_layer
+        position = (starts[owner] + local)[:, None, None].expand_as(row)  # (N, L, K)
+        used = chosen >= 0
+        by_row = torch.argsort(row[used].to(torch.int64), stable=True)  # tokens ascend within a row
+        return rows, hits[local_rows], per_layer, position[used][by_row]
 
     def prefill_appends(self, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows the prompts of `seqs` fill and the slots each gains (`appends`)."""
@@ -176,21 +209,96 @@ class RoutingTrace:
         return self.appends(seqs, torch.zeros_like(count), count)[:2]
 
     def decode_appends(
-        self, seqs: torch.Tensor, token_index: torch.Tensor, row_seqs: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        seqs: torch.Tensor,
+        token_index: torch.Tensor,
+        row_seqs: torch.Tensor | None = None,
+        with_positions: bool = False,
+    ):
         """The rows that token token_index[i] of sequence seqs[i] appends one slot to, numbered
         with seq_index row_seqs[i] (default seqs[i]): (a,) int64, distinct (a token's experts are
-        distinct, and each sequence decodes one token); (L,) experts chosen per layer."""
+        distinct, and each sequence decodes one token); (L,) experts chosen per layer; with_positions,
+        also each row's new token's position (a,) (as `appends` gives them)."""
         index = RowIndex(self.num_layers, self.num_experts)
         chosen = self.experts_of(self.offsets[seqs] + token_index).to(torch.int64)  # (m, L, K)
         row_seq = seqs if row_seqs is None else row_seqs
         rows = index.row(row_seq[:, None, None], torch.arange(self.num_layers)[None, :, None], chosen)
         if self.is_top_k:  # every entry is an expert: nothing to mask out
-            return rows.view(-1), torch.full(
-                (self.num_layers,), rows.shape[0] * self.k_max, dtype=torch.int64
-            )
-        used = chosen >= 0
-        return rows[used], used.sum((0, 2))
+            rows = rows.view(-1)
+            per_layer = torch.full((self.num_layers,), chosen.shape[0] * self.k_max, dtype=torch.int64)
+            used = None
+        else:
+            used = chosen >= 0
+            rows = rows[used]
+            per_layer = used.sum((0, 2))
+        if not with_positions:
+            return rows, per_layer
+        position = token_index[:, None, None].expand_as(chosen)  # (m, L, K)
+        return rows, per_layer, position.reshape(-1) if used is None else position[used]
+
+
+def conversation_lengths(session: torch.Tensor, prompts: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    """(sessions,) tokens each session's conversation stores: every turn's new prompt and output
+    tokens but the last sampled one (sim/workloads.py's sample_sessions gives the three (T,) inputs)."""
+    total = torch.zeros(int(session.max()) + 1, dtype=torch.int64)
+    total.index_add_(0, session, prompts + outputs)
+    return total - 1
+
+
+def conversation_turns(
+    conversations: RoutingTrace, session: torch.Tensor, prompts: torch.Tensor, outputs: torch.Tensor
+) -> tuple[RoutingTrace, torch.Tensor]:
+    """The turns of multi-turn sessions as sequences of their own, and the turn each follows.
+
+    conversations holds one sequence per session, its whole conversation (at least
+    conversation_lengths tokens); turn j of a session (session, prompts, outputs: (T,) each, a
+    session's turns consecutive) is that conversation's first L_j = P_j + O_j - 1 tokens, where its
+    prompt P_j is every earlier turn's prompt and output tokens plus its own new prompt tokens. So a
+    turn's prompt begins with the turn before it, token for token and with the same routing, and a
+    prefix cache finds what that turn left. Token ids are the conversation's tokens' indices (its
+    own `token_ids` if it has them): two sessions share none. Returns the turns' trace (compact:
+    each token an index into the conversations' routings) and follows (T,) int64, the index of the
+    turn before (-1: a session's first turn)."""
+    if not (session.shape == prompts.shape == outputs.shape) or session.dim() != 1:
+        raise ValueError(
+            f"session, prompts and outputs must be (T,) each; got {tuple(session.shape)}, "
+            f"{tuple(prompts.shape)}, {tuple(outputs.shape)}"
+        )
+    first = torch.ones_like(session, dtype=torch.bool)
+    first[1:] = session[1:] != session[:-1]
+    turns_per_session = torch.bincount(session)
+    if int(first.sum()) != int((turns_per_session > 0).sum()):
+        raise ValueError("each session's turns must be consecutive in session, prompts and outputs")
+    if int(session.max()) >= conversations.num_sequences:
+        raise ValueError(
+            f"session {int(session.max())} has no conversation: the trace holds {conversations.num_sequences}"
+        )
+    start = torch.nonzero(first).squeeze(1)  # (sessions,) the first turn of each
+    spent = (prompts + outputs).cumsum(0)  # through each turn, counted from the first session's
+    before = spent - prompts - outputs
+    before = before - before[start].repeat_interleave(turns_per_session[turns_per_session > 0])
+    turn_prompts = before + prompts  # (T,) P_j
+    turn_lengths = turn_prompts + outputs - 1  # (T,) L_j
+    if bool((turn_lengths > conversations.lengths[session]).any()):
+        raise ValueError("a conversation is shorter than its turns: build it with conversation_lengths")
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), turn_lengths.cumsum(0)])
+    owner = torch.repeat_interleave(torch.arange(session.numel()), turn_lengths)  # (N,)
+    position = torch.arange(int(offsets[-1])) - offsets[:-1][owner]
+    index = conversations.offsets[session][owner] + position  # (N,) into the conversations' tokens
+    bank = conversations.token_routing
+    token_ids = index if conversations.token_ids is None else conversations.token_ids[index]
+    trace = RoutingTrace(
+        conversations.routings,
+        offsets,
+        turn_prompts,
+        conversations.num_experts,
+        conversations.kv_bytes_per_slot,
+        f"{conversations.name}-turns",
+        index if bank is None else bank[index],
+        token_ids,
+    )
+    follows = torch.where(first, -1, torch.arange(session.numel()) - 1)
+    return trace, follows
 
 
 def _check_sizes(skews: dict, **sizes) -> None:

@@ -6,6 +6,11 @@ LLM inference traces of 2023 (code and conversation, computed from the released 
 ShareGPT as Vidur uses it (median and p90; log-normal between). A length is drawn by inverse
 transform, linear between quantiles.
 
+Sessions (`sample_sessions`): multi-turn conversations, turns per session and each turn's new
+prompt and output tokens drawn around the means LMSYS-Chat-1M publishes (the same file); each turn's
+prompt is then the whole conversation so far (sim/traces.py, `conversation_turns`), and it arrives a
+think time after the turn before it finished (sim/eviction.py).
+
 Arrivals: Poisson (exponential gaps), or bursty with gamma gaps of the same mean rate and a
 coefficient of variation cv > 1 (cv = 1 is Poisson).
 
@@ -30,10 +35,62 @@ from ..validation import MAX_INT32, check_choice, check_int, check_real
 ARRIVALS = ("poisson", "gamma")
 
 
+def _lengths_file() -> dict:
+    text = resources.files("moekv_ref").joinpath("data/serving_lengths.json").read_text()
+    return json.loads(text)
+
+
 def length_workloads() -> dict:
     """The published length statistics, by name (each with its `source`)."""
-    text = resources.files("moekv_ref").joinpath("data/serving_lengths.json").read_text()
-    return json.loads(text)["workloads"]
+    return _lengths_file()["workloads"]
+
+
+def session_workloads() -> dict:
+    """The published multi-turn statistics, by name (each with its `source`)."""
+    return _lengths_file()["sessions"]
+
+
+def sample_sessions(
+    name: str, num_sessions: int, seed: int = 0, max_tokens: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Multi-turn sessions drawn around workload `name`'s means (session_workloads): (session,
+    new prompt tokens, output tokens), (T,) int64 each, one entry per turn, a session's turns
+    consecutive and in order. Turns per session are 1 + a geometric count (mean turns_mean), new
+    prompt and output tokens log-normal (their means, `sigma`), all >= 1. With max_tokens, a
+    session keeps only the turns whose whole conversation fits (its first turn cut to fit, as
+    sample_lengths cuts)."""
+    sessions = session_workloads()
+    check_choice("workload", name, tuple(sessions))
+    num_sessions = check_int("num_sessions", num_sessions, 1, MAX_INT32)
+    if max_tokens is not None:
+        max_tokens = check_int("max_tokens", max_tokens, 2, MAX_INT32)
+    stats = sessions[name]
+    generator = torch.Generator().manual_seed(seed)
+    stop = 1.0 / stats["turns_mean"]  # a geometric count of mean 1 / p - 1 after the first turn
+    u = torch.rand(num_sessions, generator=generator, dtype=torch.float64)
+    extra = torch.floor(torch.log(u) / math.log1p(-stop)) if stop < 1 else torch.zeros_like(u)
+    turns = 1 + extra.to(torch.int64)  # (sessions,)
+    session = torch.repeat_interleave(torch.arange(num_sessions), turns)  # (T,)
+    sigma = stats["sigma"]
+    drawn = []
+    for mean in (stats["prompt_mean"], stats["output_mean"]):
+        mu = math.log(mean) - sigma**2 / 2
+        normal = torch.randn(session.numel(), generator=generator, dtype=torch.float64)
+        drawn.append(torch.exp(mu + sigma * normal).round().clamp(min=1).to(torch.int64))
+    prompts, outputs = drawn
+    if max_tokens is None:
+        return session, prompts, outputs
+    first = torch.ones_like(session, dtype=torch.bool)
+    first[1:] = session[1:] != session[:-1]
+    start = torch.nonzero(first).squeeze(1)  # (sessions,) each session's first turn
+    conversation = (prompts + outputs).cumsum(0)
+    conversation -= (conversation - prompts - outputs)[start].repeat_interleave(turns)  # per session
+    keep = (conversation <= max_tokens) | first
+    total = prompts + outputs
+    over = first & (total > max_tokens)
+    prompts = torch.where(over, (prompts * max_tokens // total).clamp(min=1), prompts)
+    outputs = torch.where(over, (max_tokens - prompts).clamp(min=1), outputs)
+    return session[keep], prompts[keep], outputs[keep]
 
 
 def _quantiles(stats) -> torch.Tensor:
@@ -97,6 +154,32 @@ def arrival_times(
     return torch.cumsum(gaps, 0)
 
 
+def session_arrivals(
+    follows: torch.Tensor,
+    rate: float,
+    think_seconds: float,
+    process: str = "poisson",
+    cv: float = 2.0,
+    seed: int = 0,
+) -> torch.Tensor:
+    """(T,) float64 for the turns of sessions (follows: sim/traces.py's conversation_turns): a
+    session's first turn arrives as `arrival_times` gives them, `rate` sessions per second; each later
+    turn gets its think time, exponential with mean think_seconds, counted from the turn before it
+    finishing (TraceRunner's `follows`). LMSYS-Chat-1M publishes no think times: the mean is a
+    setting to sweep, not a measured number."""
+    check_real("think_seconds", think_seconds, 0, meaning="mean seconds between a turn's end and the next")
+    first = follows < 0
+    times = torch.zeros(follows.numel(), dtype=torch.float64)
+    times[first] = arrival_times(int(first.sum()), rate, process, cv, seed)
+    if think_seconds > 0:
+        generator = torch.Generator().manual_seed(seed + 1)
+        think = torch.empty(int((~first).sum()), dtype=torch.float64).exponential_(
+            1.0 / think_seconds, generator=generator
+        )
+        times[~first] = think
+    return times
+
+
 def latency_summary(
     arrival: torch.Tensor,
     first_token: torch.Tensor,
@@ -105,16 +188,18 @@ def latency_summary(
     ttft_slo: float,
     tpot_slo: float,
 ) -> dict:
-    """Per request (S,) arrival, first token and finish seconds (NaN: never served) and output
-    tokens: TTFT and TPOT at p50 and p99 over served requests, SLO attainment over all, and good
-    requests per second over the run (first arrival to last finish)."""
+    """Per request (S,) arrival, first token and finish seconds (NaN: never served; an arrival NaN:
+    a session's turn that never came, its turn before refused) and output tokens: TTFT and TPOT at
+    p50 and p99 over served requests, SLO attainment over all, and good requests per second over the
+    run (first arrival to last finish)."""
     served = ~torch.isnan(finish)
     ttft = (first_token - arrival)[served]
     decode = (finish - first_token)[served]
     tokens = num_output[served].to(torch.float64)
     tpot = torch.where(tokens > 1, decode / (tokens - 1).clamp(min=1), torch.zeros_like(decode))
     good = (ttft <= ttft_slo) & (tpot <= tpot_slo)
-    span = float(finish[served].max() - arrival.min()) if served.any() else float("nan")
+    arrived = arrival[~torch.isnan(arrival)]  # NaN: a session's turn that never arrived
+    span = float(finish[served].max() - arrived.min()) if served.any() else float("nan")
 
     def quantile(x: torch.Tensor, q: float) -> float:
         return float(torch.quantile(x, q)) if x.numel() else float("nan")
