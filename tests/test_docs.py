@@ -766,7 +766,25 @@ def test_notebook_11_states_the_workloads_its_json_and_code_ran():
     )
 
     markdown, code, _ = _notebook_texts("11_simulating_a_cluster.ipynb")
-    assert re.findall(r"## (\d)\. ", markdown) == ["1", "2", "3", "4", "5"]  # the sections split on
+    assert re.findall(r"## (\d)\. ", markdown) == ["1", "2", "3", "4", "5", "6"]  # the sections split on
+    # section 4's sessions: the workload stated is the code's and the data file's
+    sessions = re.search(r'sample_sessions\("(\w+)", (\d+), seed=0, max_tokens=(\d+)\)', code).groups()
+    rate, think = re.search(
+        r"session_arrivals\(follows, rate=([\d.]+), think_seconds=([\d.]+)", code
+    ).groups()
+    pools = re.search(r"for blocks in \((\d+), (\d+)\):", code).groups()
+    from moekv_ref.sim.workloads import session_workloads
+
+    means = session_workloads()[sessions[0]]
+    text = markdown.split("## 4.", 1)[1].split("## 5.", 1)[0]
+    assert f"The workload: {sessions[1]} sessions" in text and f"cut to {int(sessions[2]):,}" in text
+    assert (
+        f"({means['turns_mean']} turns a session, {means['prompt_mean']} new prompt tokens and "
+        f"{means['output_mean']} output tokens a turn)"
+    ) in " ".join(text.split())
+    assert f"at {float(rate):g} a second" in " ".join(text.split())
+    assert f"think times of {float(think):g} s on average" in " ".join(text.split())
+    assert f"pools of {pools[0]} and then {pools[1]} blocks a device" in " ".join(text.split())
     config = get_config(MODEL)
     L = config.num_hidden_layers
     E = config.num_attention_experts

@@ -192,6 +192,21 @@ def test_notebook_11_quotes_its_tables():
     ratios = [float(x) for x in re.findall(r"requests/s: (\d+\.\d)x \(", printed)]
     assert len(ratios) == 3, ratios
     assert _number(r"by up to ([\d.]+) times in good requests per second", markdown, "ratio") == max(ratios)
+    # section 4: "with room to spare (640 blocks a device) the later turns find most of their history
+    # and their mean TTFT falls; with 240 blocks ... little is found, and the longest turns are refused"
+    rows = {(r[0], r[1]): r for r in _table(printed, "blocks prefix cache")}
+    roomy, tight = sorted({int(blocks) for blocks, _ in rows}, reverse=True)
+    assert "with room to spare (640 blocks a device)" in " ".join(markdown.split()) and roomy == 640
+    assert f"with {tight} blocks the pools hand most idle blocks" in " ".join(markdown.split())
+
+    def found(blocks):
+        return float(rows[str(blocks), "on"][2].rstrip("%")) / 100
+
+    def ttft(blocks, cache):
+        return float(rows[str(blocks), cache][4].removesuffix("ms"))
+
+    assert found(roomy) > 0.5 and ttft(roomy, "on") < ttft(roomy, "off")
+    assert found(tight) < 0.25 and int(rows[str(tight), "on"][3]) > 0 == int(rows[str(roomy), "on"][3])
 
 
 @pytest.mark.parametrize(

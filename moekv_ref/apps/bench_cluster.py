@@ -378,6 +378,8 @@ def measure_sessions(
 
 
 def print_sessions(result: dict) -> None:
+    """The sessions table: "found" is the share of the history (what each turn before stored) that
+    the later turns started from, as the README's table gives it."""
     print(
         f"\n{result['sessions']} sessions ({result['turns']} turns) around {result['workload']}'s means; "
         f"prompts {result['first_turn_prompt_tokens_mean']:.0f} tokens on a first turn, "
@@ -385,15 +387,16 @@ def print_sessions(result: dict) -> None:
         f"{result['think_seconds_mean']} s (mean); {MODEL} on {result['devices']} H200s (projected)"
     )
     print(
-        f"{'GiB':>5} {'rate':>5} {'prefix cache':>12} {'hit share':>9} {'TTFT p50':>9} {'p99':>7} "
+        f"{'GiB':>5} {'rate':>5} {'prefix cache':>12} {'found':>6} {'TTFT p50':>9} {'p99':>9} "
         f"{'attain':>6} {'good/s':>7} {'victims':>7} {'refused':>7}"
     )
     for r in result["runs"]:
-        share = r["prefix_hit_tokens"] / r["prompt_tokens"]
+        found = r["prefix_hit_tokens"] / result["shareable_prompt_tokens"]
         print(
             f"{r['gib_per_device']:>5} {r['rate']:>5} {'on' if r['prefix_caching'] else 'off':>12} "
-            f"{share:>9.1%} {r['ttft_p50_s']:>9.4f} {r['ttft_p99_s']:>7.4f} {r['slo_attainment']:>6.3f} "
-            f"{r['good_requests_per_s']:>7.2f} {r['victim_sequences']:>7} {r['refused']:>7}"
+            f"{found:>6.1%} {r['ttft_p50_s'] * 1e3:>7.2f}ms {r['ttft_p99_s'] * 1e3:>7.2f}ms "
+            f"{r['slo_attainment']:>6.3f} {r['good_requests_per_s']:>7.2f} {r['victim_sequences']:>7} "
+            f"{r['refused']:>7}"
         )
 
 
