@@ -91,41 +91,36 @@ SESSION_GIB_PER_DEVICE = (0.125, 0.5)  # its memories: where cached blocks outli
 THINK_SECONDS = 5.0  # the mean pause between a turn's end and the next turn (not published: a setting)
 
 
-def cluster_workload(num_requests: int, workload: str, seed: int):
-    """The routing trace (MODEL's shape, lengths of `workload` cut to 4,096 tokens)."""
+def model_trace(lengths: tuple, seed: int, name: str):
+    """A topic routing trace of MODEL's shape over sequences of the given (prompts, outputs)."""
     config = get_config(MODEL)
-    lengths = sample_lengths(workload, num_requests, seed, max_tokens=config.max_position_embeddings)
     trace, _ = topic_trace(
-        num_requests,
+        lengths[0].numel(),
         config.num_hidden_layers,
         config.num_attention_experts,
         config.num_attention_experts_per_tok,
         kv_bytes_per_slot=config.kv_bytes_per_entry(),
         seed=seed,
-        name=workload,
+        name=name,
         lengths=lengths,
     )
     return trace
 
 
+def cluster_workload(num_requests: int, workload: str, seed: int):
+    """The routing trace (MODEL's shape, lengths of `workload` cut to 4,096 tokens)."""
+    max_tokens = get_config(MODEL).max_position_embeddings
+    return model_trace(sample_lengths(workload, num_requests, seed, max_tokens=max_tokens), seed, workload)
+
+
 def session_workload(num_sessions: int, seed: int) -> tuple:
     """The turns of multi-turn sessions (SESSION_WORKLOAD's means, each conversation cut to MODEL's
     4,096 positions) over a topic routing trace of MODEL's shape: (trace of the turns, follows)."""
-    config = get_config(MODEL)
-    session, prompts, outputs = sample_sessions(
-        SESSION_WORKLOAD, num_sessions, seed, max_tokens=config.max_position_embeddings
-    )
+    max_tokens = get_config(MODEL).max_position_embeddings
+    session, prompts, outputs = sample_sessions(SESSION_WORKLOAD, num_sessions, seed, max_tokens=max_tokens)
     lengths = conversation_lengths(session, prompts, outputs)  # (sessions,) each conversation's tokens
-    conversations, _ = topic_trace(
-        num_sessions,
-        config.num_hidden_layers,
-        config.num_attention_experts,
-        config.num_attention_experts_per_tok,
-        kv_bytes_per_slot=config.kv_bytes_per_entry(),
-        seed=seed,
-        name=SESSION_WORKLOAD,
-        lengths=((lengths - 1).clamp(min=1), torch.ones_like(lengths)),
-    )
+    whole = ((lengths - 1).clamp(min=1), torch.ones_like(lengths))  # one sequence a conversation
+    conversations = model_trace(whole, seed, SESSION_WORKLOAD)
     return conversation_turns(conversations, session, prompts, outputs)
 
 
