@@ -231,12 +231,6 @@ class TraceRunner:
         self.trace, self.setup, self.cost = trace, setup, cost
         L, E, K = trace.num_layers, trace.num_experts, trace.k_max
         num_devices = int(torch.as_tensor(device_of_expert).max()) + 1
-        if isinstance(policy, str) and setup.prefix_caching and policy in VICTIM_POLICIES:
-            if issubclass(VICTIM_POLICIES[policy], OfflinePolicy):
-                raise ValueError(
-                    f"policy={policy!r} reads a trace's future as if each request started from "
-                    "nothing, which a prefix hit breaks: use an online policy with prefix_caching"
-                )
         self.manager = KVCacheManager(
             L,
             E,
@@ -254,6 +248,11 @@ class TraceRunner:
                 raise ValueError(f"policy={policy!r} is not one of {tuple(VICTIM_POLICIES)}")
             cls = VICTIM_POLICIES[policy]
             policy = cls(self.future) if issubclass(cls, OfflinePolicy) else cls()
+        if setup.prefix_caching and isinstance(policy, OfflinePolicy):
+            raise ValueError(
+                f"policy={policy.name!r} reads a trace's future as if each request started from "
+                "nothing, which a prefix hit breaks: use an online policy with prefix_caching"
+            )
         self.policy = policy
         config = SchedulerConfig(
             max_num_seqs=setup.max_num_seqs,
@@ -275,7 +274,6 @@ class TraceRunner:
         # not yet arrived: (arrival seconds, sequence, request), earliest first, ties by sequence
         self.pending: list[tuple[float, int, Request]] = []
         self.followers: dict[int, list[Request]] = {}  # sequence -> the turns arriving after it finishes
-        self.follows = follows
         prompts = trace.prompt_lens.tolist()
         lengths = trace.lengths.tolist()  # read once: each read of the property computes all of them
         before = [-1] * trace.num_sequences if follows is None else follows.tolist()
