@@ -348,7 +348,10 @@ def untrusted_on_open(page, lab: "Lab", path: Path, problems: list[str], shot) -
     deadline = time.monotonic() + 60
     while True:
         shown = page.evaluate(JS_WIDGET_CELLS_ON_OPEN, [indices, CONTROLS])
-        ready = all(s and s["figures"] >= stills[i] and s["text"].strip() for i, s in zip(indices, shown))
+        ready = all(  # a still shown, or the text of controls that draw none
+            s and s["figures"] >= stills[i] and (stills[i] or s["text"].strip())
+            for i, s in zip(indices, shown)
+        )
         if ready or time.monotonic() > deadline:
             break
         page.wait_for_timeout(250)
