@@ -27,6 +27,21 @@ FLAT = CostModel("flat", 0.0, 1.0, 0.0, float("inf"), 1.0, 0.0, 1)
 DECISIONS = ("admitted", "resumed", "preempted")
 
 
+def engine_on_pools(model, blocks=BLOCKS_PER_DEVICE, swap_blocks=0, prefix_caching=False, **scheduler):
+    """The engine on the runner's pools: 4 devices of `blocks`, PLACEMENT, the tests' batch limits and
+    the scheduler settings given (victim, admission, reservation, preemption_mode)."""
+    return LLMEngine(
+        model,
+        block_size=BLOCK_SIZE,
+        blocks_per_device=[blocks] * 4,
+        device_of_expert=PLACEMENT,
+        num_swap_blocks=swap_blocks or None,
+        enable_prefix_caching=prefix_caching,
+        record_history=True,
+        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, **scheduler),
+    )
+
+
 @pytest.fixture(scope="module")
 def model():
     return random_model(
@@ -63,20 +78,8 @@ def test_the_runner_makes_the_engines_decisions_step_by_step(model, workload, vi
     )
     stats = simulate(trace, PLACEMENT, setup, victim, FLAT)
 
-    engine = LLMEngine(
-        model,
-        block_size=BLOCK_SIZE,
-        blocks_per_device=[BLOCKS_PER_DEVICE] * 4,
-        device_of_expert=PLACEMENT,
-        num_swap_blocks=swap_blocks or None,
-        record_history=True,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=16,
-            max_num_batched_tokens=256,
-            victim=victim,
-            admission=admission,
-            preemption_mode=mode,
-        ),
+    engine = engine_on_pools(
+        model, swap_blocks=swap_blocks, victim=victim, admission=admission, preemption_mode=mode
     )
     outputs = engine.generate(
         prompts, [SamplingParams(max_new_tokens=n, temperature=0.0) for n in output_lens]
@@ -122,19 +125,8 @@ def test_under_optimistic_reservation_the_runner_retries_as_the_engine_does(mode
     params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in output_lens]
     engines = {}
     for reservation in ("optimistic", "worst_case"):
-        engines[reservation] = LLMEngine(
-            model,
-            block_size=BLOCK_SIZE,
-            blocks_per_device=[BLOCKS_PER_DEVICE] * 4,
-            device_of_expert=PLACEMENT,
-            record_history=True,
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=16,
-                max_num_batched_tokens=256,
-                victim=victim,
-                admission="optimistic",
-                reservation=reservation,
-            ),
+        engines[reservation] = engine_on_pools(
+            model, victim=victim, admission="optimistic", reservation=reservation
         )
     outputs = {name: engine.generate(prompts, params) for name, engine in engines.items()}
     engine = engines["optimistic"]
@@ -198,21 +190,14 @@ def test_multi_turn_sessions_with_prefix_caching_make_the_engines_decisions(
     think = torch.zeros(2 * n, dtype=torch.float64)  # at once: as the engine below gets them
     stats = TraceRunner(trace, PLACEMENT, setup, victim, FLAT, arrivals=think, follows=follows).run()
 
-    engine = LLMEngine(
+    engine = engine_on_pools(
         model,
-        block_size=BLOCK_SIZE,
-        blocks_per_device=[blocks] * 4,
-        device_of_expert=PLACEMENT,
-        num_swap_blocks=swap_blocks or None,
-        enable_prefix_caching=True,
-        record_history=True,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=16,
-            max_num_batched_tokens=256,
-            victim=victim,
-            admission="optimistic",
-            preemption_mode=mode,
-        ),
+        blocks,
+        swap_blocks,
+        prefix_caching=True,
+        victim=victim,
+        admission="optimistic",
+        preemption_mode=mode,
     )
     sequence_of = {engine.add_request(p, q): i for i, p, q in zip(range(n), prompts, greedy)}
     while engine.has_unfinished_requests():
