@@ -131,6 +131,14 @@ WIDGET_TEXT_FORM = re.compile(
     r"Error displaying widget|interactive\(children=|"
     r"\b[A-Z][A-Za-z]*(Slider|Dropdown|Buttons|Box|Text|Textarea|Checkbox|Output)\("
 )
+
+
+def text_form(text: str) -> str | None:
+    """The part of `text` around a widget's text form (or a failed view), or None if it shows none."""
+    match = WIDGET_TEXT_FORM.search(text)
+    return None if match is None else f"...{text[max(0, match.start() - 60) : match.end() + 60]}"
+
+
 TRACEBACK = re.compile(
     r"Traceback \(most recent call last\)|^\s*Cell In\[\d+\], line \d+|"
     r"^[A-Za-z_.]*(Error|Exception)\b.*$",
@@ -301,12 +309,9 @@ def widgets_on_open(page, path: Path, problems: list[str], shot) -> int:
             problems.append(f"{name} (on open): code cell {i} is not in the page")
             continue
         shot(cells.nth(i), f"cell{i}-on-open")
-        match = WIDGET_TEXT_FORM.search(s["text"])
-        if match:
-            problems.append(
-                f"{name} (on open): code cell {i}: its widget shows as text: "
-                f"...{s['text'][max(0, match.start() - 60) : match.end() + 60]}"
-            )
+        shown_as_text = text_form(s["text"])
+        if shown_as_text:
+            problems.append(f"{name} (on open): code cell {i}: its widget shows as text: {shown_as_text}")
         elif not s["controls"]:
             problems.append(f"{name} (on open): code cell {i}: its widget shows no controls")
         if s["figures"] < expected[i]:
@@ -363,12 +368,9 @@ def untrusted_on_open(page, lab: "Lab", path: Path, problems: list[str], shot) -
             problems.append(f"{where} is not in the page")
             continue
         shot(cells.nth(i), f"cell{i}-untrusted")
-        match = WIDGET_TEXT_FORM.search(s["text"])
-        if match:
-            problems.append(
-                f"{where}: shows the widget's text form: "
-                f"...{s['text'][max(0, match.start() - 60) : match.end() + 60]}"
-            )
+        shown_as_text = text_form(s["text"])
+        if shown_as_text:
+            problems.append(f"{where}: shows the widget's text form: {shown_as_text}")
         if s["figures"] < stills[i]:
             problems.append(f"{where}: {s['figures']} figures shown, its output stores a still")
         if not s["figures"] and not s["text"].strip():
@@ -718,12 +720,9 @@ def run_notebook(page, lab: Lab, path: Path, problems: list[str]) -> dict:
             if TRACEBACK.search(text):
                 problems.append(f"{name} ({when}): error output: {text.strip()[:600]}")
         for text in page.evaluate(JS_OUTPUT_TEXTS):
-            match = WIDGET_TEXT_FORM.search(text)
-            if match:
-                problems.append(
-                    f"{name} ({when}): a widget did not render: "
-                    f"...{text[max(0, match.start() - 60) : match.end() + 60]}"
-                )
+            shown_as_text = text_form(text)
+            if shown_as_text:
+                problems.append(f"{name} ({when}): a widget did not render: {shown_as_text}")
 
     check_outputs("after run-all")
     exercise_cells_refuse_wrong_answers(page, path, problems, record)
