@@ -17,6 +17,12 @@
     decode appends     TraceRunner.append: decode items' rows straight from the trace; plain:
                        RoutingTrace.appends (counting rows with bincount)
     ceil_div           a shift for powers of two; plain: the floor division
+    emptying a slot    KVCacheManager.free: a freed sequence's row counts and slot tables zeroed at
+                       once (set_row_tokens on its slice of rows); plain: counted row by row
+    a sequence's       KVCacheManager.blocks_of_sequence: each row's used table entries gathered
+    blocks             (ragged_arange); plain: the table's first columns, masked
+    stable_order       numpy's radix sort for keys below 2**16 (the devices of a step's new
+                       blocks); plain: torch.argsort(stable=True)
 
 Each test runs both on fresh random inputs and compares; where the fast path could be silently
 bypassed, a second part breaks it and checks that the comparison fails.
@@ -25,10 +31,11 @@ bypassed, a second part breaks it and checks that the comparison fails.
 import pytest
 import torch
 
+import moekv_ref.cache.rows as rows_module
 import moekv_ref.engine.scheduler as scheduler_module
 from moekv_ref.cache.block_pool import BlockPool, OutOfBlocksError
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
-from moekv_ref.cache.rows import ceil_div
+from moekv_ref.cache.rows import ceil_div, ragged_arange, stable_order
 from moekv_ref.costs import CostModel
 from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
 from moekv_ref.sim.traces import synthetic_trace, topic_trace
@@ -261,6 +268,77 @@ def test_ceil_div_by_shift_equals_the_floor_division():
     for block_size in (1, 2, 16, 256):
         assert torch.equal(ceil_div(values, block_size), (values + block_size - 1) // block_size)
     assert torch.equal(ceil_div(values, 3), (values + 2) // 3)  # not a power of two
+
+
+def test_ragged_arange_numbers_each_owners_entries():
+    counts = torch.randint(0, 5, (200,), generator=torch.Generator().manual_seed(3))
+    owner, index = ragged_arange(counts)
+    expected = [(i, k) for i, n in enumerate(counts.tolist()) for k in range(n)]
+    assert list(zip(owner.tolist(), index.tolist())) == expected
+    assert ragged_arange(torch.zeros(0, dtype=torch.int64))[0].numel() == 0
+
+
+def test_stable_order_is_the_stable_argsort_and_takes_numpys_radix_sort(monkeypatch):
+    """Many ties (64 devices over 3,000 keys), so an unstable sort would differ; keys past 2**16 go
+    to torch's sort. A numpy argsort that reverses its answer breaks the small keys only."""
+    generator = torch.Generator().manual_seed(4)
+    small = torch.randint(0, 64, (3000,), generator=generator)
+    large = torch.randint(0, 2**20, (3000,), generator=generator) % 7 * 2**17
+    for keys in (small, large, small[:1], small[:0]):
+        assert torch.equal(stable_order(keys), torch.argsort(keys, stable=True))
+    real = rows_module.np.argsort
+    monkeypatch.setattr(rows_module.np, "argsort", lambda a, kind: real(a, kind=kind)[::-1].copy())
+    assert not torch.equal(stable_order(small), torch.argsort(small, stable=True))
+    assert torch.equal(stable_order(large), torch.argsort(large, stable=True))
+
+
+def test_a_sequences_blocks_gathered_row_by_row_equal_the_masked_table():
+    generator = torch.Generator().manual_seed(5)
+    manager = KVCacheManager(3, 4, 4, blocks_per_device=[300, 300], device_of_expert=[0, 1, 1, 0])
+    for seq in range(3):
+        manager.add_sequence(seq)
+    rows = torch.arange(manager.rows_per_seq * 3)
+    manager.allocate_slots(rows, torch.randint(0, 30, (rows.numel(),), generator=generator))
+    for seq in range(3):
+        start = manager.seq_index(seq) * manager.rows_per_seq
+        for order in (torch.arange(manager.rows_per_seq), manager._rows_by_device):
+            own = order + start
+            masked = manager.block_tables[own][manager.used_columns(own)].to(torch.int64)
+            got = manager.blocks_of_sequence(seq, by_device=order is manager._rows_by_device)
+            assert torch.equal(got, masked)
+            assert got.numel() == manager.num_blocks_of_sequence(seq)
+
+
+def test_a_freed_slot_restarts_empty_and_one_left_counting_is_caught(monkeypatch):
+    """free empties the sequence's slot at once; the next sequence in that slot starts from zero
+    counts (assert_consistent recounts them), and a free that left the slot's block count behind
+    would be caught there."""
+
+    def run():
+        manager = KVCacheManager(2, 4, 4, blocks_per_device=[80, 80], device_of_expert=[0, 1, 0, 1])
+        manager.add_sequence(0)
+        slot = manager.seq_index(0)
+        manager.allocate_slots(torch.arange(8), torch.arange(8))
+        manager.free(0)
+        rows = slice(slot * manager.rows_per_seq, (slot + 1) * manager.rows_per_seq)
+        assert manager.row_tokens[rows].eq(0).all()
+        assert manager.add_sequence(1) == slot  # the same slot, reused
+        manager.allocate_slots(
+            torch.arange(8) + slot * manager.rows_per_seq, torch.ones(8, dtype=torch.int64)
+        )
+        manager.assert_consistent()
+
+    run()
+    real = KVCacheManager.set_row_tokens
+
+    def leaves_blocks(self, rows, counts):
+        real(self, rows, counts)
+        if isinstance(rows, slice):
+            self.count_blocks[rows.start // self.rows_per_seq] += 1
+
+    monkeypatch.setattr(KVCacheManager, "set_row_tokens", leaves_blocks)
+    with pytest.raises(AssertionError, match="count_blocks does not follow"):
+        run()
 
 
 def test_the_runner_fails_at_the_first_short_layer_with_that_layers_shortfall():

@@ -41,6 +41,7 @@ from ..validation import (
     preview,
     shown,
 )
+from .rows import stable_order
 
 # bytes the pool's own tensors take per block: a free-stack entry (8), a ref count (4), a cached flag (1)
 BYTES_PER_BLOCK = 13
@@ -115,6 +116,7 @@ class BlockPool(Stateful):
         self.num_blocks = sum(blocks_per_device)
         self._device_sizes = blocks_per_device  # (D,)
         self._first_block = [sum(blocks_per_device[:d]) for d in range(num_devices)]  # (D,)
+        self._first_blocks = torch.tensor(self._first_block, dtype=torch.int64)  # (D,) the same, a tensor
         # devices of one size (the usual case): a block's device is a division, not a search
         self._equal_size = blocks_per_device[0] if len(set(blocks_per_device)) == 1 else None
         # device d's plain free ids are _free_stack[first : first + _num_free[d]], first =
@@ -128,7 +130,8 @@ class BlockPool(Stateful):
                 else torch.randperm(size, generator=torch.Generator().manual_seed(shuffle_seed + d))
             )
             self._free_stack[first : first + size] = order.flip(0) + first
-        self._num_free = list(blocks_per_device)  # (D,)
+        # (D,) plain free blocks per device: a tensor, since the simulator asks for all D each step
+        self._num_free = torch.tensor(blocks_per_device, dtype=torch.int64)
         self.ref_cnt = torch.zeros(self.num_blocks, dtype=torch.int32)  # (N,) owners of each block
         # prefix caching only: which blocks hold a known prefix, and each device's LRU queue
         self.is_cached = torch.zeros(self.num_blocks, dtype=torch.bool)  # (N,)
@@ -150,13 +153,13 @@ class BlockPool(Stateful):
     @property
     def num_free_blocks(self) -> int:
         """Blocks `allocate` can hand out, over all devices: plain free and cached free."""
-        return sum(self._num_free) + self.num_cached_free_blocks
+        return int(self._num_free.sum()) + self.num_cached_free_blocks
 
     @property
     def num_free_blocks_per_device(self) -> torch.Tensor:
-        return torch.tensor(
-            [n + len(cached) for n, cached in zip(self._num_free, self._cached_free)], dtype=torch.int64
-        )
+        if not self._any_cached:
+            return self._num_free.clone()
+        return self._num_free + torch.tensor([len(cached) for cached in self._cached_free], dtype=torch.int64)
 
     def cached_free_block_ids(self, device: int | None = None) -> list[int]:
         """The cached free blocks of `device` (None: all), in eviction order."""
@@ -174,7 +177,7 @@ class BlockPool(Stateful):
     def free_block_ids(self) -> torch.Tensor:
         """The free blocks, device by device, in the order handed out: stack, then cached ones."""
         queues = []
-        for first, n, cached in zip(self._first_block, self._num_free, self._cached_free):
+        for first, n, cached in zip(self._first_block, self._num_free.tolist(), self._cached_free):
             queues += [
                 self._free_stack[first : first + n].flip(0),
                 torch.tensor(list(cached), dtype=torch.int64),
@@ -188,7 +191,8 @@ class BlockPool(Stateful):
         device = self._checked_device(device)
         num_blocks = check_int("num_blocks", num_blocks, 0)
         cached_here = self._cached_free[device]
-        free_here = self._num_free[device] + len(cached_here)
+        on_stack = int(self._num_free[device])
+        free_here = on_stack + len(cached_here)
         if num_blocks > free_here:
             if self.num_devices == 1:
                 raise OutOfBlocksError(
@@ -198,8 +202,8 @@ class BlockPool(Stateful):
                 f"device {device} is short: need {num_blocks} blocks, "
                 f"{free_here} of {self._device_sizes[device]} are free"
             )
-        top = self._first_block[device] + self._num_free[device]
-        from_stack = min(num_blocks, self._num_free[device])
+        top = self._first_block[device] + on_stack
+        from_stack = min(num_blocks, on_stack)
         block_ids = self._free_stack[top - from_stack : top].flip(0).clone()
         self._num_free[device] -= from_stack
         if num_blocks > from_stack:  # evict this device's cached-free blocks, LRU first
@@ -222,24 +226,21 @@ class BlockPool(Stateful):
             raise ValueError(
                 f"num_blocks={preview(num_blocks)} must be ({self.num_devices},) counts >= 0, one per device"
             )
-        counts = num_blocks.tolist()
-        free = [n + len(cached) for n, cached in zip(self._num_free, self._cached_free)]
-        for d, (n, available) in enumerate(zip(counts, free)):
-            if n > available:
-                raise OutOfBlocksError(
-                    f"device {d} is short: need {n} blocks, {available} of {self._device_sizes[d]} are free"
-                )
-        if self._any_cached or any(n > free for n, free in zip(counts, self._num_free)):
-            parts = [self.allocate(n, device=d) for d, n in enumerate(counts) if n]
+        free = self.num_free_blocks_per_device  # (D,)
+        if not bool((num_blocks <= free).all()):
+            d = int((num_blocks > free).nonzero()[0])
+            raise OutOfBlocksError(
+                f"device {d} is short: need {int(num_blocks[d])} blocks, {int(free[d])} of "
+                f"{self._device_sizes[d]} are free"
+            )
+        if self._any_cached and not bool((num_blocks <= self._num_free).all()):
+            parts = [self.allocate(n, device=d) for d, n in enumerate(num_blocks.tolist()) if n]
             return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-        per_device = torch.tensor(counts, dtype=torch.int64)  # (D,)
-        device = torch.repeat_interleave(torch.arange(self.num_devices), per_device)  # (n,)
-        rank = torch.arange(device.numel()) - (torch.cumsum(per_device, 0) - per_device)[device]
-        top = torch.tensor(self._first_block, dtype=torch.int64) + torch.tensor(
-            self._num_free, dtype=torch.int64
-        )
+        device = torch.repeat_interleave(torch.arange(self.num_devices), num_blocks)  # (n,)
+        rank = torch.arange(device.numel()) - (torch.cumsum(num_blocks, 0) - num_blocks)[device]
+        top = self._first_blocks + self._num_free  # (D,)
         block_ids = self._free_stack[top[device] - 1 - rank]  # popped from the end, as allocate does
-        self._num_free = [free - n for free, n in zip(self._num_free, counts)]
+        self._num_free = self._num_free - num_blocks
         self.ref_cnt[block_ids] = 1
         return block_ids
 
@@ -327,22 +328,19 @@ class BlockPool(Stateful):
         # each device's onto its own stack, in order: one scatter, not a pass per device
         device = self._device_of(released)  # (r,)
         if not bool((device[1:] >= device[:-1]).all()):  # not yet grouped by device (as a sequence's are)
-            order = torch.argsort(device, stable=True)
+            order = stable_order(device)
             released = released[order]
             device = device[order]
         per_device = torch.bincount(device, minlength=self.num_devices)  # (D,)
-        top = torch.tensor(self._first_block, dtype=torch.int64) + torch.tensor(
-            self._num_free, dtype=torch.int64
-        )
+        top = self._first_blocks + self._num_free  # (D,)
         rank = torch.arange(released.numel()) - (torch.cumsum(per_device, 0) - per_device)[device]
         self._free_stack[top[device] + rank] = released
-        self._num_free = [n + int(k) for n, k in zip(self._num_free, per_device.tolist())]
+        self._num_free = self._num_free + per_device
 
     def _device_of(self, block_ids: torch.Tensor) -> torch.Tensor:
         if self._equal_size is not None:
             return block_ids // self._equal_size
-        first = torch.tensor(self._first_block, dtype=torch.int64)  # (D,)
-        return torch.searchsorted(first, block_ids, right=True) - 1
+        return torch.searchsorted(self._first_blocks, block_ids, right=True) - 1
 
     def _checked_device(self, device) -> int:
         """device as an int in [0, D), or ValueError (TypeError when left out on several devices)."""
@@ -366,7 +364,10 @@ class BlockPool(Stateful):
 
     def assert_consistent(self) -> None:
         """The invariants of the module docstring; AssertionError names the broken one."""
-        stacks = [self._free_stack[first : first + n] for first, n in zip(self._first_block, self._num_free)]
+        stacks = [
+            self._free_stack[first : first + n]
+            for first, n in zip(self._first_block, self._num_free.tolist())
+        ]
         queues = [torch.tensor(list(queue), dtype=torch.int64) for queue in self._cached_free]
         for d, (stack, queue) in enumerate(zip(stacks, queues)):
             assert (self._device_of(stack) == d).all(), (

@@ -11,8 +11,9 @@ step, for the model's attention (a few rows) and the cache-only simulator (tens 
                                                    what an expert-level LRU reads (`row_last_used`)
 
 and three tables over sequence slots that follow from row_tokens, kept up to date where it
-changes (`set_row_tokens`, its one writer), so that a scheduler reads a decode step's worst case
-without touching every row of every running sequence (engine/demand.py, `decode_need`):
+changes (`set_row_tokens`, its one writer, which empties a freed sequence's slot at once), so that
+a scheduler reads a decode step's worst case without touching every row of every running sequence
+(engine/demand.py, `decode_need`):
 
     open_rows       (num_slots, L, D)       int32  rows of each (layer, device) whose last block is
                                                    full or which are empty: the next token there
@@ -74,7 +75,7 @@ from ..validation import (
     shown,
 )
 from .block_pool import BlockPool, OutOfBlocksError, check_pool_size
-from .rows import RowIndex, RowPlacement, ceil_div
+from .rows import RowIndex, RowPlacement, ceil_div, ragged_arange, stable_order
 
 Moves = list[tuple[torch.Tensor, torch.Tensor]]  # (source slots, destination slots), in order
 _NO_BLOCKS = torch.zeros(0, dtype=torch.int64)  # what most decode appends take (never written to)
@@ -538,10 +539,21 @@ class KVCacheManager(Stateful):
         n = self.row_tokens[rows]
         return n // self.block_size if self.tails is not None else ceil_div(n, self.block_size)
 
-    def set_row_tokens(self, rows: torch.Tensor, counts: torch.Tensor) -> None:
+    def set_row_tokens(self, rows: torch.Tensor | slice, counts: torch.Tensor | None) -> None:
         """Rows (distinct int64 ids of held sequences) now hold `counts` tokens: the one place
         row_tokens changes, with open_rows and count_blocks (module docstring) following it. The
-        caller has taken or returned the blocks."""
+        caller has taken or returned the blocks. rows may be the slice of one sequence's L * E rows
+        and counts None (`free`): they hold nothing, and its slot's tables are zeroed at once, not
+        counted row by row (add_sequence sets them again for the slot's next sequence)."""
+        if isinstance(rows, slice):
+            if counts is not None or (rows.stop - rows.start) != self.rows_per_seq:
+                raise ValueError("a slice of rows is one sequence's rows, emptied: counts=None")
+            index = rows.start // self.rows_per_seq
+            self.row_tokens[rows] = 0
+            self.open_rows[index] = 0
+            self.open_per_device[index] = 0
+            self.count_blocks[index] = 0
+            return
         old = self.row_tokens[rows]  # (m,)
         self._count_rows(rows, old, counts, self._crossing(old, counts))
 
@@ -581,10 +593,13 @@ class KVCacheManager(Stateful):
 
     def _clear_rows(self, rows) -> None:
         """Empty the rows: int64 ids, or a slice (a sequence's rows, written without an index)."""
-        ids = torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else torch.as_tensor(rows)
         used = self.num_used_columns(rows)
         width = int(used.max()) if used.numel() else 0  # the entries past it are padding already
-        self.set_row_tokens(ids.reshape(-1), torch.zeros(ids.numel(), dtype=torch.int64))
+        if isinstance(rows, slice):
+            self.set_row_tokens(rows, None)
+        else:
+            rows = torch.as_tensor(rows).reshape(-1)
+            self.set_row_tokens(rows, torch.zeros(rows.numel(), dtype=torch.int64))
         self.block_tables[rows, :width] = self.pad
         self.last_position[rows] = -1
         self.last_appended[rows] = -1
@@ -673,16 +688,15 @@ class KVCacheManager(Stateful):
         swap to a CPU pool copies, and what `free` returns. by_device=True: its rows device after
         device (the blocks grouped by device, as the pool pushes them when freed)."""
         index = self.seq_index(seq_id)
-        rows = slice(index * self.rows_per_seq, (index + 1) * self.rows_per_seq)  # its L * E rows
-        if by_device:
-            rows = self._rows_by_device + index * self.rows_per_seq
+        order = self._rows_by_device if by_device else torch.arange(self.rows_per_seq)
+        rows = order + index * self.rows_per_seq  # (L * E,) its rows
         tail_blocks = [] if self.tails is None else self.tails.blocks_of_sequence(index)
-        num_used = self.num_used_columns(rows)  # (L * E,)
-        width = int(num_used.max())  # the columns any of its rows uses
-        used = torch.arange(width) < num_used[:, None]  # (L * E, width)
+        # each row's used entries only (a row of the simulator's lists a few of its table's columns)
+        owner, column = ragged_arange(self.num_used_columns(rows))  # (b,) each
+        width = self.block_tables.shape[1]
         return torch.cat(
             [
-                self.block_tables[rows, :width].masked_select(used).to(torch.int64),
+                self.block_tables.view(-1)[rows[owner] * width + column].to(torch.int64),
                 torch.tensor(tail_blocks, dtype=torch.int64),
             ]
         )
@@ -760,10 +774,9 @@ class KVCacheManager(Stateful):
         block_ids = self._take_blocks(growing, needed, num_new_tokens, rows.numel())  # (total,) may raise
         if block_ids.numel():  # with equal lengths, a decode step takes none P - 1 of P times
             # the k-th new block of row i: column ceil(old[i] / P) + k
-            owner = torch.repeat_interleave(torch.arange(growing.numel()), needed)  # (total,)
-            first_new = torch.cumsum(needed, 0) - needed  # (c,)
+            owner, k = ragged_arange(needed)  # (total,) each
             owner_rows = growing[owner]
-            block_column = torch.arange(block_ids.numel()) - first_new[owner] + held[owner]
+            block_column = k + held[owner]
             widest = int(block_column.max()) + 1
             if widest > self.block_tables.shape[1]:
                 self._grow_tables(widest)
@@ -816,14 +829,15 @@ class KVCacheManager(Stateful):
                 self.raise_short(torch.tensor([total]), num_rows, num_new_tokens)
             block_ids = self.pool.allocate(total)
         else:
-            device, needed = self.device_of_rows(rows), needed.to(torch.int64)  # (m,) each
+            device = self.row_device.index_select(0, rows)  # (m,) rows checked by the caller
+            needed = needed.to(torch.int64)
             per_device = torch.zeros(self.num_devices, dtype=torch.int64)
             per_device.index_add_(0, device, needed)  # (D,)
             self.raise_short(per_device, num_rows, num_new_tokens)
             block_device = torch.repeat_interleave(device, needed)  # (total,)
             block_ids = torch.empty(block_device.numel(), dtype=torch.int64)
             # device after device, each device's in row order
-            block_ids[torch.argsort(block_device, stable=True)] = self.pool.allocate_per_device(per_device)
+            block_ids[stable_order(block_device)] = self.pool.allocate_per_device(per_device)
         if self.prefix_cache is not None:  # their slots hold no position yet
             self.prefix_cache.clear_positions(block_ids)
         return block_ids
@@ -831,9 +845,9 @@ class KVCacheManager(Stateful):
     def raise_short(self, needed: torch.Tensor, num_rows: int, num_new_tokens) -> None:
         """OutOfBlocksError naming the pool (or first device) short of the needed (D,) blocks."""
         free = self.num_free_blocks_per_device  # (D,)
-        short = (needed > free).nonzero().squeeze(1)
-        if not short.numel():
+        if bool((needed <= free).all()):
             return
+        short = (needed > free).nonzero().squeeze(1)
         tokens, d = int(num_new_tokens.sum()), int(short[0])
         shortfall = torch.clamp(needed - free, min=0)  # (D,)
         if self.num_devices == 1:
@@ -907,11 +921,8 @@ class KVCacheManager(Stateful):
 
     def slots(self, rows, starts, counts) -> torch.Tensor:
         """Slots of tokens starts[i] .. starts[i] + counts[i] - 1 of each row, row after row."""
-        total = int(counts.sum())
-        owner = torch.repeat_interleave(torch.arange(rows.numel()), counts)  # (t,)
-        first = torch.cumsum(counts, 0) - counts  # (m,)
-        token = torch.arange(total) - first[owner] + starts[owner]  # (t,) index in row
-        return self.slot_of(rows[owner], token)
+        owner, k = ragged_arange(counts)  # (t,) each
+        return self.slot_of(rows[owner], k + starts[owner])
 
     def slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """The slot of token `token` of row `row`, elementwise (or SharedTails.slot_of's)."""

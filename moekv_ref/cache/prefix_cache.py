@@ -44,7 +44,7 @@ import torch
 from ..state import Stateful
 from .block_pool import OutOfBlocksError
 from .kv_cache_manager import KVCacheManager, ManagerPart
-from .rows import ceil_div
+from .rows import ceil_div, ragged_arange
 
 DIGEST_BYTES = 16
 
@@ -261,10 +261,7 @@ class PrefixCache(ManagerPart):
         row_counts = cumulative[i - 1]  # (R,)
         num_full = row_counts // P  # (R,)
         # full blocks below s: (row, column) pairs and the chunk of each one's last entry
-        shared_rows = torch.repeat_interleave(torch.arange(row_counts.numel()), num_full)  # (f,)
-        shared_columns = torch.arange(shared_rows.numel()) - torch.repeat_interleave(
-            torch.cumsum(num_full, 0) - num_full, num_full
-        )  # (f,)
+        shared_rows, shared_columns = ragged_arange(num_full)  # (f,) each
         last_entry = shared_columns * P + P - 1  # (f,)
         chunk = (cumulative[:i, shared_rows] <= last_entry[None, :]).sum(0)  # (f,)
         cow_rows = (row_counts % P > 0).nonzero().squeeze(1)  # (c,)

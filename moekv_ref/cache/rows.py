@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -21,6 +22,26 @@ def ceil_div(a, b):
     if isinstance(a, torch.Tensor) and type(b) is int and b > 0 and not b & (b - 1):
         return (a + (b - 1)) >> (b.bit_length() - 1)
     return (a + b - 1) // b
+
+
+def ragged_arange(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """counts (m,) int64 >= 0 -> owner, index (t,), t = counts.sum(): entry j is number index[j] of
+    the counts[owner[j]] entries of owner[j], owners in order. For counts [2, 0, 3]: owner
+    [0, 0, 2, 2, 2], index [0, 1, 0, 1, 2]. A row's blocks or tokens, for many rows in one pass."""
+    total = int(counts.sum())
+    owner = torch.repeat_interleave(torch.arange(counts.numel()), counts, output_size=total)  # (t,)
+    first = torch.cumsum(counts, 0) - counts  # (m,) the first entry of each owner
+    return owner, torch.arange(total) - first[owner]
+
+
+def stable_order(keys: torch.Tensor) -> torch.Tensor:
+    """The permutation that sorts keys (int64 >= 0) stably, as torch.argsort(keys, stable=True).
+    Keys below 2**16 (devices) go through numpy's radix sort: on one thread, 7 us for 3,000
+    keys against 80 us for torch's sort, which the simulator pays each step when it hands out
+    the blocks of 64 devices."""
+    if keys.numel() and int(keys.max()) < 2**16:
+        return torch.from_numpy(np.argsort(keys.numpy().astype(np.uint16), kind="stable")).to(torch.int64)
+    return torch.argsort(keys, stable=True)
 
 
 @dataclass(frozen=True)
