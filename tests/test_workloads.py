@@ -13,6 +13,7 @@ from moekv_ref.sim.workloads import (
     arrival_times,
     latency_summary,
     length_workloads,
+    round_robin,
     sample_lengths,
     sample_sessions,
     session_workloads,
@@ -193,6 +194,8 @@ def test_a_follow_up_turn_arrives_its_think_time_after_the_turn_before_finishes(
     "argv,message",
     [
         (["--devices", "3"], "--devices 3 must divide"),
+        (["--devices", "12"], "or be a multiple of 8"),
+        (["--sessions", "--devices", "16"], "--sessions serves one group"),
         (["--policies", "pressure_aware"], "must include sequence_lru"),
         (["--reservations", "lazy"], "--reservations 'lazy'"),
         (["--rates", "0"], "--rates"),
@@ -205,6 +208,56 @@ def test_bench_cluster_refuses_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
         cli_main(["bench", "cluster", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_round_robin_hands_requests_out_in_turn_of_arrival():
+    arrival = torch.tensor([0.5, 0.1, 0.9, 0.3, 0.7])  # arrival order: 1, 3, 0, 4, 2
+    groups = round_robin(arrival, 2)
+    assert [g.tolist() for g in groups] == [[0, 1, 2], [3, 4]]
+    assert [g.tolist() for g in round_robin(arrival, 1)] == [[0, 1, 2, 3, 4]]
+    with pytest.raises(ValueError, match="num_groups"):
+        round_robin(arrival, 0)
+
+
+def test_groups_of_gpus_serve_the_requests_handed_to_each_and_the_numbers_are_over_all():
+    """16 GPUs of the cluster model: 2 groups of 8, arrivals twice as fast, requests in turn; the
+    run's numbers are those of running each group's requests on 8 GPUs by hand."""
+    from moekv_ref.apps import bench_cluster as bench
+
+    trace = bench.cluster_workload(24, "azure_conversation_2023", 0)
+    run = bench.run_one(trace, 16, 0.25, 40.0, "poisson", "sequence_lru", "worst_case", 64, 0)
+    assert run["groups"] == 2 and run["requests"] == 24
+    arrival = arrival_times(24, 80.0, "poisson", seed=0)
+    setup = EvictionSetup(
+        blocks_per_device=bench.pool_blocks(0.25),
+        block_size=bench.BLOCK_SIZE,
+        max_num_seqs=64,
+        max_num_batched_tokens=8192,
+        admission="predicted",
+    )
+    cost = bench.cluster_cost_model(bench.get_config(bench.MODEL), bench.ACTIVE_PARAMS, 8, bench.BLOCK_SIZE)
+    by_hand = []
+    for seqs in (torch.arange(0, 24, 2), torch.arange(1, 24, 2)):
+        runner = TraceRunner(
+            trace.subset(seqs.tolist()),
+            bench.cluster_placement(8),
+            setup,
+            "sequence_lru",
+            cost,
+            arrival[seqs],
+        )
+        by_hand.append(runner.run())
+    assert run["steps"] == sum(stats.num_steps for stats in by_hand)
+    assert run["modelled_seconds"] == max(stats.seconds for stats in by_hand)
+    summary = latency_summary(
+        torch.cat([stats.arrival_seconds for stats in by_hand]),
+        torch.cat([stats.first_token_seconds for stats in by_hand]),
+        torch.cat([stats.finish_seconds for stats in by_hand]),
+        torch.cat([stats.num_output_tokens for stats in by_hand]),
+        bench.TTFT_SLO,
+        bench.TPOT_SLO,
+    )
+    assert {key: run[key] for key in summary} == summary
 
 
 def test_bench_cluster_writes_its_json(tmp_path):

@@ -16,8 +16,11 @@ TPOT 0.1 s), preemptions and recomputed tokens. The summary marks where the best
 more than 5% more good requests per second than sequence_lru, and goodput as DistServe defines
 it: the highest swept rate whose attainment reaches 90%.
 
-JetMoE has 8 attention experts, so one expert-parallel group has at most 8 GPUs: on 64 GPUs, 8
-such groups would each serve an eighth of the traffic (`--devices` takes 1, 2, 4 or 8).
+JetMoE has 8 attention experts, so one expert-parallel group has at most 8 GPUs. `--devices` takes
+1, 2, 4 or 8 (one group), or a multiple of 8: G = D / 8 groups of 8 GPUs behind a dispatcher that
+hands arriving requests out in turn (`round_robin`). The groups share nothing, so each is simulated on
+its own requests, one after another, and the latencies are summarized over all of them. `--requests`
+and `--rates` are per group: D GPUs serve G times the requests, arriving G times as fast.
 
 `--speed [--against DIR]` times the simulator itself instead: the trace runner on two shapes (8
 experts top-2 on 8 devices; 64 experts top-8 on 64), this checkout beside another one in turn, on
@@ -60,6 +63,7 @@ from ..sim.workloads import (
     arrival_times,
     latency_summary,
     length_workloads,
+    round_robin,
     sample_lengths,
     sample_sessions,
     session_arrivals,
@@ -83,11 +87,12 @@ REQUESTS = 150  # the default of a sweep
 SPEED_REQUESTS = 1000  # the default of --speed
 SCALE_REQUESTS = 100_000  # the default of --scale
 SCALE_ROUTINGS = 32_768  # distinct routings of --scale's compact trace (each token draws one)
-RATES = (150.0, 300.0)  # requests per second of a sweep
+RATES = (150.0, 300.0)  # requests per second (and group) of a sweep
 SESSION_WORKLOAD = "lmsys_chat_1m"
 GIB_PER_DEVICE = (0.5, 1.0)  # KV memory per GPU of a sweep: small, so that memory binds
 SESSION_RATES = (200.0, 800.0)  # sessions per second of --sessions
 SESSION_GIB_PER_DEVICE = (0.125, 0.5)  # its memories: where cached blocks outlive a think time, and not
+MAX_DEVICES = 1024  # the most GPUs a sweep takes (groups of 8 are simulated one after another)
 THINK_SECONDS = 5.0  # the mean pause between a turn's end and the next turn (not published: a setting)
 
 
@@ -124,8 +129,15 @@ def session_workload(num_sessions: int, seed: int) -> tuple:
     return conversation_turns(conversations, session, prompts, outputs)
 
 
+def num_groups(num_devices: int) -> int:
+    """Expert-parallel groups of num_devices GPUs: one of up to E GPUs, or D / E of E GPUs each."""
+    experts = get_config(MODEL).num_attention_experts
+    return num_devices // experts if num_devices > experts else 1
+
+
 def cluster_placement(num_devices: int) -> torch.Tensor:
-    """(E,) the GPU of each of MODEL's attention experts: contiguous, E / D experts of every layer a GPU."""
+    """(E,) the GPU of each of MODEL's attention experts within one group of num_devices GPUs:
+    contiguous, E / D experts of every layer a GPU."""
     experts = get_config(MODEL).num_attention_experts
     return torch.arange(experts) // (experts // num_devices)
 
@@ -149,11 +161,14 @@ def run_one(
     think_seconds: float = THINK_SECONDS,
     prefix_caching: bool = False,
 ) -> dict:
-    """One run of the sweep: requests arriving at `rate` per second, or, with follows (the turns of
-    sessions), sessions at `rate` per second whose later turns come think_seconds (mean) after the
-    turn before them finished."""
+    """One run of the sweep: requests arriving at `rate` per second and group, or, with follows (the
+    turns of sessions, one group), sessions at `rate` per second whose later turns come think_seconds
+    (mean) after the turn before them finished. On several groups (num_groups) each serves the
+    requests `round_robin` hands it, and the numbers are over all of them."""
     config = get_config(MODEL)
-    placement = cluster_placement(num_devices)
+    groups = num_groups(num_devices)
+    group_devices = num_devices // groups
+    placement = cluster_placement(group_devices)
     blocks = pool_blocks(gib_per_device)
     setup = EvictionSetup(
         blocks_per_device=blocks,
@@ -164,25 +179,34 @@ def run_one(
         reservation=reservation,
         prefix_caching=prefix_caching,
     )
-    cost = cluster_cost_model(config, ACTIVE_PARAMS, num_devices, BLOCK_SIZE)
+    cost = cluster_cost_model(config, ACTIVE_PARAMS, group_devices, BLOCK_SIZE)
     if follows is None:
-        arrival = arrival_times(trace.num_sequences, rate, arrivals, cv=GAMMA_CV, seed=seed)
+        arrival = arrival_times(trace.num_sequences, rate * groups, arrivals, cv=GAMMA_CV, seed=seed)
+    elif groups > 1:
+        raise ValueError(f"sessions are served by one group, not {groups} (num_devices={num_devices})")
     else:
         arrival = session_arrivals(follows, rate, think_seconds, arrivals, GAMMA_CV, seed)
     started = time.perf_counter()
-    runner = TraceRunner(trace, placement, setup, policy, cost, arrivals=arrival, follows=follows)
-    stats = runner.run(max_steps=10_000_000)
+    runs = []  # each group's EvictionStats
+    for seqs in round_robin(arrival, groups):
+        served = trace if groups == 1 else trace.subset(seqs.tolist())
+        runner = TraceRunner(served, placement, setup, policy, cost, arrivals=arrival[seqs], follows=follows)
+        runs.append(runner.run(max_steps=10_000_000))
     wall = time.perf_counter() - started
     latency = latency_summary(
-        stats.arrival_seconds,
-        stats.first_token_seconds,
-        stats.finish_seconds,
-        stats.num_output_tokens,
+        *(
+            torch.cat([getattr(stats, name) for stats in runs])
+            for name in ("arrival_seconds", "first_token_seconds", "finish_seconds", "num_output_tokens")
+        ),
         TTFT_SLO,
         TPOT_SLO,
     )
+    seconds = max(stats.seconds for stats in runs)  # the groups run side by side
+    steps = sum(stats.num_steps for stats in runs)
+    used = [float(stats.used_blocks.double().mean() / blocks) for stats in runs if stats.num_steps]
     return {
         "devices": num_devices,
+        "groups": groups,
         "gib_per_device": gib_per_device,
         "blocks_per_device": blocks,
         "rate": rate,
@@ -190,22 +214,22 @@ def run_one(
         "policy": policy,
         "reservation": reservation,
         **latency,
-        "steps": stats.num_steps,
-        "modelled_seconds": stats.seconds,
-        "refused": stats.num_refused,
-        "evictions": stats.num_evictions,
-        "victim_sequences": stats.num_victim_sequences,
-        "recomputed_tokens": stats.recomputed_tokens,
-        "tokens_per_second": stats.tokens_per_second,
-        "retries": stats.num_retries,
-        "thrown_away_tokens": stats.thrown_away_tokens,
-        "thrown_away_seconds": stats.thrown_away_seconds,
-        "mean_used_fraction": float(stats.used_blocks.double().mean() / blocks) if stats.num_steps else 0.0,
+        "steps": steps,
+        "modelled_seconds": seconds,
+        "refused": sum(stats.num_refused for stats in runs),
+        "evictions": sum(stats.num_evictions for stats in runs),
+        "victim_sequences": sum(stats.num_victim_sequences for stats in runs),
+        "recomputed_tokens": sum(stats.recomputed_tokens for stats in runs),
+        "tokens_per_second": sum(stats.finished_tokens for stats in runs) / seconds if seconds > 0 else 0.0,
+        "retries": sum(stats.num_retries for stats in runs),
+        "thrown_away_tokens": sum(stats.thrown_away_tokens for stats in runs),
+        "thrown_away_seconds": sum(stats.thrown_away_seconds for stats in runs),
+        "mean_used_fraction": sum(used) / len(used) if used else 0.0,  # the groups' mean
         "prefix_caching": prefix_caching,
         "prompt_tokens": int(trace.prompt_lens.sum()),
-        "prefix_hit_tokens": stats.prefix_hit_tokens,
+        "prefix_hit_tokens": sum(stats.prefix_hit_tokens for stats in runs),
         "wall_seconds": wall,
-        "steps_per_wall_second": stats.num_steps / max(wall, 1e-9),
+        "steps_per_wall_second": steps / max(wall, 1e-9),
     }
 
 
@@ -268,6 +292,8 @@ def print_tables(result: dict) -> None:
         f"\n{result['workload']} lengths, {result['requests']} requests; {MODEL} on H200s (projected); "
         f"SLOs TTFT {TTFT_SLO} s, TPOT {TPOT_SLO} s"
     )
+    if any(r["devices"] > get_config(MODEL).num_attention_experts for r in result["runs"]):
+        print("D > 8 GPUs: D / 8 groups of 8, requests handed out in turn; requests and rates are a group's")
     print(
         f"{'D':>2} {'GiB':>5} {'rate':>6} {'arrivals':>8} {'reservation':>11} {'policy':>15} {'TTFT p50':>9} "
         f"{'p99':>7} {'TPOT p50':>9} {'p99':>7} {'attain':>6} {'good/s':>7} {'used':>5} {'victims':>7} "
@@ -598,7 +624,14 @@ def build_parser(parser=None):
         default="azure_conversation_2023",
         help=f"published lengths: one of {tuple(length_workloads())}",
     )
-    parser.add_argument("--devices", type=int, nargs="+", default=[8], help="GPUs of one group: 1, 2, 4 or 8")
+    parser.add_argument(
+        "--devices",
+        type=int,
+        nargs="+",
+        default=[8],
+        help="GPUs: 1, 2, 4 or 8 (one expert-parallel group), or a multiple of 8 (groups of 8, requests "
+        "handed out in turn; --requests and --rates are per group)",
+    )
     parser.add_argument(
         "--gib-per-device",
         type=float,
@@ -671,8 +704,8 @@ def check_args(args) -> None:
     if args.speed + args.scale + args.sessions > 1:
         raise ValueError("--speed, --scale and --sessions are three programs: give one")
     options.real("--think-seconds", args.think_seconds, 0.0)
-    if args.sessions and len(args.devices) != 1:
-        raise ValueError(f"--sessions serves one group: give one --devices, not {args.devices}")
+    if args.sessions and (len(args.devices) != 1 or num_groups(args.devices[0]) > 1):
+        raise ValueError(f"--sessions serves one group: give one --devices of at most 8, not {args.devices}")
     options.count("--threads", args.threads, 1)
     options.input_folder("--against", args.against, "the root of a checkout of this repository")
     if args.against is not None and not (args.against / "moekv_ref" / "__init__.py").is_file():
@@ -687,10 +720,11 @@ def check_args(args) -> None:
         raise ValueError(f"--workload {args.workload!r} is not one of {tuple(length_workloads())}")
     experts = get_config(MODEL).num_attention_experts
     for d in args.devices:
-        if not is_integer(d) or d < 1 or experts % d:
+        if not is_integer(d) or d < 1 or (experts % d and d % experts) or d > MAX_DEVICES:
             raise ValueError(
-                f"--devices {d} must divide {MODEL}'s {experts} attention experts: one of "
-                f"{[n for n in range(1, experts + 1) if experts % n == 0]}"
+                f"--devices {d} must divide {MODEL}'s {experts} attention experts (one group: one of "
+                f"{[n for n in range(1, experts + 1) if experts % n == 0]}) or be a multiple of {experts} "
+                f"(groups of {experts}), at most {MAX_DEVICES}"
             )
     for name, values in (("--gib-per-device", args.gib_per_device or ()), ("--rates", args.rates or ())):
         for value in values:
@@ -746,7 +780,9 @@ def main(args) -> int:
         requests = 40
         gib_per_device = gib_per_device[:1]
         rates = rates[:1]
-    trace = cluster_workload(requests, args.workload, args.seed)
+    # D GPUs serve num_groups(D) times the requests: one trace per device count
+    traces = {d: cluster_workload(requests * num_groups(d), args.workload, args.seed) for d in args.devices}
+    trace = traces[args.devices[0]]
     grid = [
         (d, gib, rate, process, reservation, policy)
         for d in args.devices
@@ -758,13 +794,17 @@ def main(args) -> int:
     ]
     runs = []
     for d, gib, rate, process, reservation, policy in tqdm(grid, desc="cluster", unit="run", disable=None):
-        runs.append(run_one(trace, d, gib, rate, process, policy, reservation, args.max_num_seqs, args.seed))
-    cost = cluster_cost_model(get_config(MODEL), ACTIVE_PARAMS, args.devices[0], BLOCK_SIZE)
+        runs.append(
+            run_one(traces[d], d, gib, rate, process, policy, reservation, args.max_num_seqs, args.seed)
+        )
+    cost = cluster_cost_model(
+        get_config(MODEL), ACTIVE_PARAMS, args.devices[0] // num_groups(args.devices[0]), BLOCK_SIZE
+    )
     result = {
         "model": MODEL,
         "workload": args.workload,
         "workload_source": length_workloads()[args.workload]["source"],
-        "requests": requests,
+        "requests": requests,  # a group's: D GPUs serve num_groups(D) times as many
         "prompt_tokens_mean": float(trace.prompt_lens.double().mean()),
         "output_tokens_mean": float((trace.lengths - trace.prompt_lens + 1).double().mean()),
         "cost_model": cost.to_dict(),

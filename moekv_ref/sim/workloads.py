@@ -154,6 +154,15 @@ def arrival_times(
     return torch.cumsum(gaps, 0)
 
 
+def round_robin(arrival: torch.Tensor, num_groups: int) -> list[torch.Tensor]:
+    """The requests each of num_groups serving groups gets from a dispatcher that hands arriving
+    requests out in turn (the round-robin global scheduler of Vidur, Agrawal et al., MLSys 2024):
+    group g serves the g-th, (g + G)-th, ... arrivals; each group's ids ascending. arrival (S,)."""
+    num_groups = check_int("num_groups", num_groups, 1, MAX_INT32)
+    order = torch.argsort(arrival, stable=True)  # (S,) arrival order
+    return [order[g::num_groups].sort().values for g in range(num_groups)]
+
+
 def session_arrivals(
     follows: torch.Tensor,
     rate: float,
