@@ -437,6 +437,67 @@ def speed_rows(result: dict) -> list[str]:
     ]
 
 
+def group_rows(result: dict) -> list[str]:
+    """The README's table of clusters of several groups, from figures/bench_cluster_groups.json."""
+    return [
+        f"| {r['devices']} ({r['groups']}) | {r['reservation']} | {r['policy']} | {r['slo_attainment']:.3f} "
+        f"| {r['good_requests_per_s'] / r['groups']:.1f} | {r['ttft_p99_s']:.3f} | {r['victim_sequences']} "
+        f"| {r['thrown_away_tokens']} |"
+        for r in result["runs"]
+    ]
+
+
+def test_readme_groups_of_gpus_are_what_their_json_says():
+    """The table of 8, 16 and 64 GPUs and the prose under it, against figures/bench_cluster_groups.json;
+    its 8-GPU runs are those of figures/bench_cluster.json."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("More GPUs than experts", 1)[1].split("Multi-turn sessions", 1)[0]
+    groups = json.loads((ROOT / "figures" / "bench_cluster_groups.json").read_text(encoding="utf-8"))
+    cluster = json.loads((ROOT / "figures" / "bench_cluster.json").read_text(encoding="utf-8"))
+    assert [line for line in section.splitlines() if re.match(r"^\| \d+ \(\d+\) \|", line)] == group_rows(
+        groups
+    )
+    prose = " ".join(section.split())
+    runs = groups["runs"]
+    assert {(r["devices"], r["groups"]) for r in runs} == {(8, 1), (16, 2), (64, 8)}
+    assert all(r["gib_per_device"] == 0.5 and r["rate"] == 150 for r in runs) and groups["requests"] == 150
+    single = {
+        (r["reservation"], r["policy"]): r
+        for r in cluster["runs"]
+        if (r["gib_per_device"], r["rate"]) == (0.5, 150)
+    }
+    for run in runs:
+        if run["devices"] == 8:
+            assert (
+                run["good_requests_per_s"] == single[run["reservation"], run["policy"]]["good_requests_per_s"]
+            )
+    means = {r["devices"]: f"{r['prompt_tokens'] / r['requests']:,.0f}" for r in runs}
+    assert f"({means[16]} and {means[64]} prompt tokens on average, against {means[8]})" in prose
+    worst = [r for r in runs if r["reservation"] == "worst_case"]
+    assert all(abs(r["slo_attainment"] - (1 - r["refused"] / r["requests"])) < 1e-9 for r in worst)
+    shares = [f"{r['slo_attainment']:.3f}" for r in worst[::3]]  # one a cluster: the victims tie
+    assert f"({shares[0]}, {shares[1]} and {shares[2]};" in prose
+    best_share = []
+    for devices in (8, 16, 64):
+        optimistic = {
+            r["policy"]: r["good_requests_per_s"] / r["groups"]
+            for r in runs
+            if r["devices"] == devices and r["reservation"] == "optimistic"
+        }
+        best = max(optimistic, key=optimistic.get)
+        worst_case = next(r["good_requests_per_s"] / r["groups"] for r in worst if r["devices"] == devices)
+        best_share.append(f"{round(100 * optimistic[best] / worst_case)}%")
+        gain = optimistic[best] / optimistic["sequence_lru"] - 1
+        if devices == 8:
+            assert best == "sequence_lru" and "`sequence_lru` at 8 GPUs" in prose
+        else:
+            assert (
+                f"`{best}` at {devices} ({optimistic[best]:.1f} " in prose
+                and f"+{round(100 * gain)}%)" in prose
+            )
+    assert f"serves {best_share[0]}, {best_share[1]} and {best_share[2]} of worst-case" in prose
+
+
 def test_readme_cluster_tables_are_what_their_json_says():
     """Every row of the README's `bench cluster` tables, and the settings its prose states, against
     figures/bench_cluster.json and figures/bench_cluster_speed.json."""
@@ -472,6 +533,7 @@ def test_readme_cluster_tables_are_what_their_json_says():
     assert f"`{best}` {by_setting[(gib, rate, 'optimistic')][best]:.1f} against `{worst}`" in prose
     coarse, fine = speed["shapes"]
     assert f"{fine['speedup']:.2f}x faster at the fine-grained shape and {coarse['speedup']:.2f}x" in prose
+    assert f"the old code took {fine['against']['wall_seconds']:.1f} s at the fine shape" in prose
     assert fine["this"]["max_running"] <= 256 and fine["this"]["blocks_in_use_summed"] > 0
     scale = json.loads((ROOT / "figures" / "bench_cluster_scale.json").read_text(encoding="utf-8"))
     from moekv_ref.apps.bench_cluster import SCALE_ROUTINGS, SPEED_SHAPES
