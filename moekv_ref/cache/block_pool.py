@@ -115,15 +115,15 @@ class BlockPool(Stateful):
         num_devices = len(blocks_per_device)
         self.num_blocks = sum(blocks_per_device)
         self._device_sizes = blocks_per_device  # (D,)
-        self._first_block = [sum(blocks_per_device[:d]) for d in range(num_devices)]  # (D,)
-        self._first_blocks = torch.tensor(self._first_block, dtype=torch.int64)  # (D,) the same, a tensor
+        first_blocks = [sum(blocks_per_device[:d]) for d in range(num_devices)]
+        self._first_blocks = torch.tensor(first_blocks, dtype=torch.int64)  # (D,) device d's first id
         # devices of one size (the usual case): a block's device is a division, not a search
         self._equal_size = blocks_per_device[0] if len(set(blocks_per_device)) == 1 else None
         # device d's plain free ids are _free_stack[first : first + _num_free[d]], first =
-        # _first_block[d], popped from the end; stored reversed, so that an unshuffled device hands
+        # _first_blocks[d], popped from the end; stored reversed, so that an unshuffled device hands
         # out its ids in increasing order
         self._free_stack = torch.empty(self.num_blocks, dtype=torch.int64)  # (N,)
-        for d, (first, size) in enumerate(zip(self._first_block, blocks_per_device)):
+        for d, (first, size) in enumerate(zip(first_blocks, blocks_per_device)):
             order = (
                 torch.arange(size)
                 if shuffle_seed is None
@@ -177,7 +177,7 @@ class BlockPool(Stateful):
     def free_block_ids(self) -> torch.Tensor:
         """The free blocks, device by device, in the order handed out: stack, then cached ones."""
         queues = []
-        for first, n, cached in zip(self._first_block, self._num_free.tolist(), self._cached_free):
+        for first, n, cached in zip(self._first_blocks.tolist(), self._num_free.tolist(), self._cached_free):
             queues += [
                 self._free_stack[first : first + n].flip(0),
                 torch.tensor(list(cached), dtype=torch.int64),
@@ -202,7 +202,7 @@ class BlockPool(Stateful):
                 f"device {device} is short: need {num_blocks} blocks, "
                 f"{free_here} of {self._device_sizes[device]} are free"
             )
-        top = self._first_block[device] + on_stack
+        top = int(self._first_blocks[device]) + on_stack
         from_stack = min(num_blocks, on_stack)
         block_ids = self._free_stack[top - from_stack : top].flip(0).clone()
         self._num_free[device] -= from_stack
@@ -366,7 +366,7 @@ class BlockPool(Stateful):
         """The invariants of the module docstring; AssertionError names the broken one."""
         stacks = [
             self._free_stack[first : first + n]
-            for first, n in zip(self._first_block, self._num_free.tolist())
+            for first, n in zip(self._first_blocks.tolist(), self._num_free.tolist())
         ]
         queues = [torch.tensor(list(queue), dtype=torch.int64) for queue in self._cached_free]
         for d, (stack, queue) in enumerate(zip(stacks, queues)):
