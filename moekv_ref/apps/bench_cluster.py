@@ -292,8 +292,12 @@ def print_tables(result: dict) -> None:
         f"\n{result['workload']} lengths, {result['requests']} requests; {MODEL} on H200s (projected); "
         f"SLOs TTFT {TTFT_SLO} s, TPOT {TPOT_SLO} s"
     )
-    if any(r["devices"] > get_config(MODEL).num_attention_experts for r in result["runs"]):
-        print("D > 8 GPUs: D / 8 groups of 8, requests handed out in turn; requests and rates are a group's")
+    experts = get_config(MODEL).num_attention_experts  # the GPUs of one group, at most
+    if any(r["devices"] > experts for r in result["runs"]):
+        print(
+            f"D > {experts} GPUs: D / {experts} groups of {experts}, requests handed out in turn; "
+            "requests and rates are a group's"
+        )
     print(
         f"{'D':>2} {'GiB':>5} {'rate':>6} {'arrivals':>8} {'reservation':>11} {'policy':>15} {'TTFT p50':>9} "
         f"{'p99':>7} {'TPOT p50':>9} {'p99':>7} {'attain':>6} {'good/s':>7} {'used':>5} {'victims':>7} "
