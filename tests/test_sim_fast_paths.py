@@ -23,6 +23,9 @@
     blocks             (ragged_arange); plain: the table's first columns, masked
     stable_order       numpy's radix sort for keys below 2**16 (the devices of a step's new
                        blocks); plain: torch.argsort(stable=True)
+    counted blocks     the runner's KVCacheManager(counts_only=True) where nothing reads an id:
+                       blocks counted per row and device, no block tables, a pool that lends by
+                       number; plain: every block listed by id (EvictionSetup.list_block_ids)
 
 Each test runs both on fresh random inputs and compares; where the fast path could be silently
 bypassed, a second part breaks it and checks that the comparison fails.
@@ -35,8 +38,11 @@ import moekv_ref.cache.rows as rows_module
 import moekv_ref.engine.scheduler as scheduler_module
 from moekv_ref.cache.block_pool import BlockPool, OutOfBlocksError
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
+from moekv_ref.cache.prefix_cache import PrefixCache
 from moekv_ref.cache.rows import ceil_div, ragged_arange, stable_order
 from moekv_ref.costs import CostModel
+from moekv_ref.engine.memory import ModelShape
+from moekv_ref.engine.scheduler import Scheduler, SchedulerConfig
 from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
 from moekv_ref.sim.traces import synthetic_trace, topic_trace
 
@@ -44,7 +50,12 @@ FREE = CostModel("free", 0.0, 0.0, 0.0, float("inf"), 0.0, 0.0, 1)
 
 
 def random_runner(
-    seed: int, policy: str = "sequence_lru", blocks: int = 80, num_devices: int = 2
+    seed: int,
+    policy: str = "sequence_lru",
+    blocks: int = 80,
+    num_devices: int = 2,
+    reservation: str = "worst_case",
+    list_block_ids: bool = False,
 ) -> TraceRunner:
     """A small run on two devices (4 experts each, top-2: k_max caps each device's open rows) or on
     four (2 experts each: it caps none) and a skewed trace, with blocks tight enough to evict (16
@@ -54,7 +65,14 @@ def random_runner(
     placement = torch.stack(
         [torch.randperm(8, generator=generator) % num_devices for _ in range(3)]
     )  # (L, E)
-    setup = EvictionSetup(blocks_per_device=blocks, block_size=4, max_num_seqs=12, max_num_batched_tokens=64)
+    setup = EvictionSetup(
+        blocks_per_device=blocks,
+        block_size=4,
+        max_num_seqs=12,
+        max_num_batched_tokens=64,
+        reservation=reservation,
+        list_block_ids=list_block_ids,
+    )
     return TraceRunner(trace, placement, setup, policy, FREE)
 
 
@@ -382,3 +400,136 @@ def test_a_fresh_requests_need_read_once_per_token_count_makes_the_decisions_of_
     monkeypatch.setattr(scheduler_module.Scheduler, "_worst_case_over_rows", stale)
     broken = decisions(runner())
     assert broken[0] != plain[0] or broken[1] != plain[1] or not torch.equal(broken[2], plain[2])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("policy", ["sequence_lru", "pressure_aware", "expert_lru"])
+@pytest.mark.parametrize("reservation", ["worst_case", "optimistic"])
+@pytest.mark.parametrize("num_devices", [1, 2, 4])
+def test_counting_blocks_makes_the_decisions_of_listing_them(seed, policy, reservation, num_devices):
+    """The same events, victims (expert_lru evicts single rows: free_rows), retries and blocks in
+    use per device at every step; the counting manager's pool lends, at every step, exactly the
+    blocks its rows count (assert_consistent)."""
+    blocks = 160 // num_devices
+    counting = random_runner(seed, policy, blocks, num_devices, reservation)
+    listing = random_runner(seed, policy, blocks, num_devices, reservation, list_block_ids=True)
+    assert counting.manager.counts_only and not listing.manager.counts_only
+    fast_stats = counting.run(on_step=lambda num_finished: counting.manager.assert_consistent())
+    plain_stats = listing.run()
+    fast = (fast_stats.events, [(e.step, e.request_id, e.mode, e.freed) for e in fast_stats.evictions])
+    plain = (plain_stats.events, [(e.step, e.request_id, e.mode, e.freed) for e in plain_stats.evictions])
+    assert fast_stats.evictions, "no eviction happened: the comparison would not test victims"
+    assert fast == plain
+    assert torch.equal(fast_stats.used_blocks, plain_stats.used_blocks)
+    assert fast_stats.num_retries == plain_stats.num_retries
+    assert counting.manager.block_tables.shape[1] == 0  # nothing was listed
+    assert counting.manager.pool.ref_cnt.numel() == 0
+
+
+@pytest.mark.parametrize("broken", ["free", "free_per_device", "allocate_per_device"])
+def test_a_miscounted_block_changes_the_decisions_or_is_caught(broken, monkeypatch):
+    """Counting one block too few when a sequence is freed, when blocks come back or when they are
+    lent: the run's decisions or its consistency check differ from listing the blocks."""
+    plain = decisions(random_runner(0, "sequence_lru", list_block_ids=True))
+    pool_free = BlockPool.free_per_device
+    pool_allocate = BlockPool.allocate_per_device
+    manager_free = KVCacheManager.free
+
+    def one_fewer(counts: torch.Tensor) -> torch.Tensor:
+        return counts - (torch.arange(counts.numel()) == int(counts.argmax())).to(counts.dtype)
+
+    if broken == "free_per_device":
+        monkeypatch.setattr(BlockPool, "free_per_device", lambda self, n: pool_free(self, one_fewer(n)))
+    elif broken == "allocate_per_device":
+        monkeypatch.setattr(
+            BlockPool, "allocate_per_device", lambda self, n: pool_allocate(self, one_fewer(n))
+        )
+    else:  # a sequence's blocks are back, its slot is not cleared: a later sequence counts on
+
+        def keep_counts(self, seq_id):
+            index = self.seq_index(seq_id)
+            kept = self.count_blocks[index].clone()
+            manager_free(self, seq_id)
+            self.count_blocks[index] = kept
+
+        monkeypatch.setattr(KVCacheManager, "free", keep_counts)
+    runner = random_runner(0, "sequence_lru")
+    try:
+        broken_run = decisions(runner)
+    except (AssertionError, RuntimeError, ValueError):
+        return  # refused or caught on the way
+    assert (
+        broken_run[0] != plain[0] or broken_run[1] != plain[1] or not torch.equal(broken_run[2], plain[2])
+    ), f"a miscounted {broken} changed nothing"
+
+
+def test_a_counting_manager_refuses_what_needs_a_block_id_and_changes_nothing():
+    manager = KVCacheManager(2, 2, 4, blocks_per_device=[20, 20], device_of_expert=[0, 1], counts_only=True)
+    manager.add_sequence(0)
+    rows = torch.arange(4)
+    manager.allocate_slots(rows, torch.tensor([5, 0, 9, 3]), with_slots=False)
+    assert manager.num_free_blocks_per_device.tolist() == [20 - 2 - 3, 20 - 1]  # experts 0 / 1
+    names = ("row_tokens", "last_appended", "open_rows", "count_blocks")
+    before = [getattr(manager, name).clone() for name in names]
+    with pytest.raises(ValueError, match="counts-only manager has no slots; allowed: with_slots=False"):
+        manager.allocate_slots(rows, torch.ones(4, dtype=torch.int64))
+    for call in (
+        lambda: manager.blocks_of_sequence(0),
+        lambda: manager.rows_slots(rows),
+        lambda: manager.block_owners(),
+        lambda: manager.place_blocks(rows[:1], torch.tensor([0]), torch.tensor([3])),
+        lambda: manager.restore_sequence(
+            1, torch.ones(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
+        ),
+    ):
+        with pytest.raises(ValueError, match="counts_only=True"):
+            call()
+    assert all(torch.equal(getattr(manager, name), old) for name, old in zip(names, before))  # unchanged
+    assert manager.num_free_blocks_per_device.tolist() == [15, 19]
+    assert manager.blocks_held_per_device([0, 7]).tolist() == [[5, 1], [0, 0]]
+    assert manager.free_rows(torch.tensor([2])) == 3  # row 2 (expert 0, layer 1): 9 tokens
+    manager.free(0)
+    assert manager.num_free_blocks_per_device.tolist() == [20, 20]
+    manager.assert_consistent()
+    with pytest.raises(ValueError, match="counts_only=True takes no tails, prefix_cache or budget"):
+        KVCacheManager(2, 2, 4, num_blocks=8, prefix_cache=PrefixCache(), counts_only=True)
+    with pytest.raises(ValueError, match="counts_only=1 is an int; allowed: True or False"):
+        KVCacheManager(2, 2, 4, num_blocks=8, counts_only=1)
+
+
+def test_a_counting_pool_lends_by_number_and_refuses_ids_and_double_frees():
+    pool = BlockPool(blocks_per_device=[5, 7], counts_only=True)
+    assert pool.allocate_per_device(torch.tensor([2, 7])) is None
+    assert pool.num_free_blocks_per_device.tolist() == [3, 0]
+    with pytest.raises(OutOfBlocksError, match="device 1 is short"):
+        pool.allocate_per_device(torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="device 0 gets 3 blocks back but has lent 2: a double free"):
+        pool.free_per_device(torch.tensor([3, 0]))
+    assert pool.num_free_blocks_per_device.tolist() == [3, 0]  # unchanged
+    for call in (
+        lambda: pool.allocate(1, device=0),
+        lambda: pool.free(torch.tensor([0])),
+        pool.free_block_ids,
+    ):
+        with pytest.raises(ValueError, match="counts its blocks without ids"):
+            call()
+    pool.free_per_device(torch.tensor([2, 7]))
+    pool.assert_consistent()
+    with pytest.raises(ValueError, match="lists its blocks by id"):
+        BlockPool(blocks_per_device=[5, 7]).free_per_device(torch.tensor([0, 0]))
+
+
+def test_the_runner_lists_block_ids_where_a_prefix_cache_or_swap_space_reads_them():
+    trace = synthetic_trace(4, 2, 4, 2, mean_prompt=8, mean_output=8, seed=0)
+    for setup, lists in (
+        (EvictionSetup(blocks_per_device=64), False),
+        (EvictionSetup(blocks_per_device=64, list_block_ids=True), True),
+        (EvictionSetup(blocks_per_device=64, prefix_caching=True), True),
+        (EvictionSetup(blocks_per_device=64, num_host_blocks=32), True),
+    ):
+        runner = TraceRunner(trace, torch.arange(4) % 2, setup, "sequence_lru", FREE)
+        assert runner.manager.counts_only is not lists
+    counting = KVCacheManager(2, 4, 4, num_blocks=64, counts_only=True)
+    config = SchedulerConfig(preemption_mode="swap")
+    with pytest.raises(ValueError, match="num_swap_blocks=32: a swap copies a sequence's blocks by id"):
+        Scheduler(config, counting, ModelShape(2, 2, 64), 32)

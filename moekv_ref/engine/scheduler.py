@@ -236,6 +236,12 @@ class Scheduler(Stateful):
             raise ValueError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
         if not checked:
             num_swap_blocks = check_swap_space(num_swap_blocks, config.preemption_mode)
+        if num_swap_blocks and manager.counts_only:
+            raise ValueError(
+                f"num_swap_blocks={num_swap_blocks}: a swap copies a sequence's blocks by id, which a "
+                "counts-only manager (counts_only=True) does not list; allowed: num_swap_blocks=0, or "
+                "a manager built with counts_only=False"
+            )
         self.config = config
         self.manager = manager
         self.swap_space = SwapSpace(manager, num_swap_blocks, checked=True) if num_swap_blocks else None
