@@ -578,7 +578,8 @@ class KVCacheManager(Stateful):
             self.count_blocks[index] = 0
             return
         old = self.row_tokens[rows]  # (m,)
-        self._count_rows(rows, old, counts, self._crossing(old, counts))
+        crossing = self._crossing(old, counts)
+        self._count_rows(rows, old, counts, crossing, self.row_device[rows[crossing]])
 
     def _crossing(self, old: torch.Tensor, new: torch.Tensor, one_each: bool = False) -> torch.Tensor:
         """(c,) the indices i where a row going from old[i] to new[i] tokens may change its block
@@ -586,26 +587,26 @@ class KVCacheManager(Stateful):
         multiple of P (a superset: a few rows that change neither are counted with 0). A decode
         step moves each row by one token, so about 2 rows in P; the rest only change row_tokens,
         and the slot tables are updated over these few (a step of the simulator moves tens of
-        thousands of rows). one_each: new = old + 1, where that is old % P in {P - 1, 0}: (old + 1) % P
+        thousands of rows). one_each: new = old + 1, where that is old % P in {P - 1, 0}: new % P
         is 0 or 1."""
         if one_each:
-            return ((old + 1) & (self.block_size - 1)).le_(1).nonzero().squeeze(1)
+            return (new & (self.block_size - 1)).le_(1).nonzero().squeeze(1)
         shift = self.block_size.bit_length() - 1  # P is a power of two
         low = torch.minimum(old, new)
         high = torch.maximum(old, new)
         return ((low - 1) >> shift).ne_(high >> shift).nonzero().squeeze(1)
 
-    def _count_rows(self, rows: torch.Tensor, old: torch.Tensor, new: torch.Tensor, crossing) -> None:
-        """set_row_tokens with old = row_tokens[rows] read and crossing = _crossing(old, new)."""
+    def _count_rows(self, rows: torch.Tensor, old: torch.Tensor, new: torch.Tensor, crossing, device) -> None:
+        """set_row_tokens with old = row_tokens[rows] read, crossing = _crossing(old, new) and
+        device = row_device[rows[crossing]] (allocate_slots has them already)."""
         P = self.block_size
         L = self.num_layers
         E = self.num_experts
         D = self.num_devices
-        self.row_tokens[rows] = new
+        self.row_tokens.index_copy_(0, rows, new)
         rows = rows[crossing]
         old = old[crossing]
         new = new[crossing]
-        device = self.row_device[rows]
         where = (rows // E) * D + device  # (slot * L + layer) * D + device
         opened = ((new & (P - 1)) == 0).to(torch.int32) - ((old & (P - 1)) == 0).to(torch.int32)
         self.open_rows.view(-1).index_add_(0, where, opened)
@@ -675,7 +676,8 @@ class KVCacheManager(Stateful):
         index = self.add_sequence(seq_id)
         rows = self.index.sequence_rows(torch.tensor([index]))[0]  # (L*E,)
         try:
-            fresh = self._take_blocks(rows[copied_rows], one_each, one_each, one_each.numel())
+            copied = rows[copied_rows]
+            fresh = self._take_blocks(copied, self.row_device[copied], one_each, one_each, one_each.numel())
         except OutOfBlocksError:
             self.free(seq_id)
             raise
@@ -799,9 +801,10 @@ class KVCacheManager(Stateful):
         # 1 in P): the blocks and the slot tables are worked out over those
         crossing = self._crossing(old, new, one_each)  # (c,)
         growing = rows[crossing]
+        device = self.row_device.index_select(0, growing)  # (c,)
         held = ceil_div(old[crossing], P)  # (c,) blocks each holds: its first new block's column
         needed = ceil_div(new[crossing], P) - held  # (c,)
-        block_ids = self._take_blocks(growing, needed, num_new_tokens, rows.numel())  # (total,) may raise
+        block_ids = self._take_blocks(growing, device, needed, num_new_tokens, rows.numel())  # may raise
         if block_ids is not None and block_ids.numel():  # a decode step takes none P - 1 of P times
             # the k-th new block of row i: column ceil(old[i] / P) + k
             owner, k = ragged_arange(needed)  # (total,) each
@@ -814,7 +817,7 @@ class KVCacheManager(Stateful):
             self.block_tables.view(-1).index_copy_(
                 0, owner_rows * width + block_column, block_ids.to(torch.int32)
             )
-        self._count_rows(rows, old, new, crossing)
+        self._count_rows(rows, old, new, crossing, device)
         appended_rows = rows if one_each or fewest > 0 else rows[num_new_tokens > 0]
         self.last_appended.index_fill_(0, appended_rows, self.clock)
         if not with_slots:
@@ -846,11 +849,17 @@ class KVCacheManager(Stateful):
         return self.slot_of(taken, slot_index), accepted
 
     def _take_blocks(
-        self, rows: torch.Tensor, needed: torch.Tensor, num_new_tokens: torch.Tensor, num_rows: int
-    ) -> torch.Tensor:
-        """needed[i] fresh blocks for rows[i], from its row's device, row after row (None: a
-        counts-only manager, which only counts them); raises OutOfBlocksError, changing nothing,
-        when short (naming the num_new_tokens appended to num_rows rows)."""
+        self,
+        rows: torch.Tensor,
+        device: torch.Tensor,
+        needed: torch.Tensor,
+        num_new_tokens: torch.Tensor,
+        num_rows: int,
+    ) -> torch.Tensor | None:
+        """needed[i] fresh blocks for rows[i], from its device device[i] (row_device[rows], which
+        the caller has), row after row (None: a counts-only manager, which only counts them);
+        raises OutOfBlocksError, changing nothing, when short (naming the num_new_tokens appended
+        to num_rows rows)."""
         if self.num_devices == 1 and not self.counts_only:
             total = int(needed.sum())
             if total == 0:
@@ -859,7 +868,6 @@ class KVCacheManager(Stateful):
                 self.raise_short(torch.tensor([total]), num_rows, num_new_tokens)
             block_ids = self.pool.allocate(total)
         else:
-            device = self.row_device.index_select(0, rows)  # (m,) rows checked by the caller
             needed = needed.to(torch.int64)
             per_device = torch.zeros(self.num_devices, dtype=torch.int64)
             per_device.index_add_(0, device, needed)  # (D,)
