@@ -533,3 +533,26 @@ def test_the_runner_lists_block_ids_where_a_prefix_cache_or_swap_space_reads_the
     config = SchedulerConfig(preemption_mode="swap")
     with pytest.raises(ValueError, match="num_swap_blocks=32: a swap copies a sequence's blocks by id"):
         Scheduler(config, counting, ModelShape(2, 2, 64), 32)
+
+
+def test_a_requests_fit_alone_checked_once_per_length_refuses_what_checking_each_refuses():
+    """TraceRunner checks whether a request fits alone once per length (prompt + output - 1): the
+    same requests are refused as when the scheduler checks each one. Prompts of 4 and 12 tokens,
+    each with outputs that fit and outputs that do not, so that a check remembered by prompt length
+    (or by anything but the whole length) refuses a different set."""
+    prompts = torch.tensor([4, 12, 4, 12, 4, 12, 4])
+    outputs = torch.tensor([2, 2, 40, 40, 2, 30, 60])
+    trace = synthetic_trace(7, 2, 4, 2, seed=3, lengths=(prompts, outputs))
+    setup = EvictionSetup(blocks_per_device=24, block_size=4, max_num_seqs=4)
+    runner = TraceRunner(trace, torch.arange(4) % 2, setup, "sequence_lru", FREE)
+    refused = 0
+    for s in range(trace.num_sequences):
+        length = int(trace.lengths[s])
+        prompt = int(trace.prompt_lens[s])
+        try:
+            runner.scheduler.check_fits_alone(prompt, length - prompt + 1)
+        except ValueError:
+            refused += 1
+    assert 0 < refused < trace.num_sequences  # some fit, some do not
+    assert runner.num_refused == refused
+    assert runner.run().num_finished == trace.num_sequences - refused

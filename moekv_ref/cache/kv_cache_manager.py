@@ -1003,16 +1003,17 @@ class KVCacheManager(Stateful):
             raise ValueError("rows must be distinct within one free_rows call")
         self._check_rows_held(rows, "free_rows")
         if self.counts_only:  # each row's ceil(n / P) blocks, back on its device
-            num_freed = self.num_used_columns(rows)  # (m,)
+            per_row = self.num_used_columns(rows)  # (m,)
             per_device = torch.zeros(self.num_devices, dtype=torch.int64)
-            per_device.index_add_(0, self.row_device[rows], num_freed)
+            per_device.index_add_(0, self.row_device[rows], per_row)
             self.pool.free_per_device(per_device)
+            num_freed = int(per_row.sum())
         else:
             blocks = self.block_tables[rows][self.used_columns(rows)].to(torch.int64)
             self.pool.free(blocks)
-            num_freed = blocks
+            num_freed = blocks.numel()
         self._clear_rows(rows)
-        return int(num_freed.sum()) if self.counts_only else num_freed.numel()
+        return num_freed
 
     @torch.inference_mode(False)  # tables kept across steps: never inference tensors
     def _grow_rows(self) -> None:

@@ -285,13 +285,18 @@ class TraceRunner:
         self.think = self.arrivals.clone()  # a follow-up's arrival is known once the turn before finishes
         self.arrivals[torch.tensor(before) >= 0] = float("nan")
         refused = set()
+        # whether a request fits alone depends on its length only (prompt + max_new_tokens - 1, over
+        # rows placed by expert): each length that fits is checked once
+        fitting = set()
         for s in range(trace.num_sequences):  # earlier turns first: a refused turn's follow-ups go too
             prompt = prompts[s]
             max_new_tokens = lengths[s] - prompt + 1  # the last sampled token is never stored
             try:
                 if before[s] in refused:
                     raise ValueError("the turn before it was refused")
-                self.scheduler.check_fits_alone(prompt, max_new_tokens)
+                if lengths[s] not in fitting:
+                    self.scheduler.check_fits_alone(prompt, max_new_tokens)
+                    fitting.add(lengths[s])
             except ValueError:
                 self.num_refused += 1
                 refused.add(s)
