@@ -26,6 +26,10 @@
     counted blocks     the runner's KVCacheManager(counts_only=True) where nothing reads an id:
                        blocks counted per row and device, no block tables, a pool that lends by
                        number; plain: every block listed by id (EvictionSetup.list_block_ids)
+    blocks held        KVCacheManager.blocks_held_per_device read from count_blocks; plain: the
+                       devices of the sequence's listed blocks, counted
+    fit alone          TraceRunner asks whether a request fits alone once per length; plain: once
+                       per request
 
 Each test runs both on fresh random inputs and compares; where the fast path could be silently
 bypassed, a second part breaks it and checks that the comparison fails.
@@ -556,3 +560,25 @@ def test_a_requests_fit_alone_checked_once_per_length_refuses_what_checking_each
     assert 0 < refused < trace.num_sequences  # some fit, some do not
     assert runner.num_refused == refused
     assert runner.run().num_finished == trace.num_sequences - refused
+
+
+def test_blocks_held_per_device_read_from_count_blocks_equal_the_listed_blocks_devices():
+    """KVCacheManager.blocks_held_per_device reads count_blocks (no tails); plain: the devices of the
+    sequence's listed blocks, counted. Random appends to three sequences on three devices."""
+    generator = torch.Generator().manual_seed(7)
+    placement = torch.randint(0, 3, (2, 6), generator=generator)  # (L, E)
+    manager = KVCacheManager(2, 6, 4, blocks_per_device=[200, 200, 200], device_of_expert=placement)
+    for seq in (3, 5, 8):
+        manager.add_sequence(seq)
+    for _ in range(12):
+        layer = int(torch.randint(0, 2, (1,), generator=generator))
+        experts = torch.randint(0, 6, (3,), generator=generator)
+        manager.allocate_slots(
+            manager.rows([3, 5, 8], layer, experts), torch.randint(0, 9, (3,), generator=generator)
+        )
+    held = manager.blocks_held_per_device([3, 5, 8, 99])
+    for i, seq in enumerate((3, 5, 8)):
+        devices = manager.pool.device_of_blocks(manager.blocks_of_sequence(seq))
+        assert held[i].tolist() == torch.bincount(devices, minlength=3).tolist()
+    assert held[3].tolist() == [0, 0, 0]  # not held
+    assert bool((held[:3] > 0).all())  # every sequence holds blocks on every device
