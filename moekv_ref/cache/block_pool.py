@@ -135,9 +135,8 @@ class BlockPool(Stateful):
         # out its ids in increasing order
         num_ids = 0 if counts_only else self.num_blocks  # a counts-only pool keeps no per-block state
         self._free_stack = torch.empty(num_ids, dtype=torch.int64)  # (N,)
-        for d, (first, size) in enumerate(zip(first_blocks, blocks_per_device)):
-            if counts_only:
-                break
+        stacked = [] if counts_only else list(zip(first_blocks, blocks_per_device))
+        for d, (first, size) in enumerate(stacked):
             order = (
                 torch.arange(size)
                 if shuffle_seed is None
