@@ -403,7 +403,6 @@ class KVCacheManager(Stateful):
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.block_size = block_size
-        self.counts_only = counts_only
         self.pool = BlockPool(
             num_blocks, shuffle_seed, blocks_per_device, checked=True, counts_only=counts_only
         )
@@ -456,6 +455,7 @@ class KVCacheManager(Stateful):
     num_devices = property(lambda self: self.pool.num_devices)
     blocks_per_device = property(lambda self: self.pool.blocks_per_device)
     num_free_blocks_per_device = property(lambda self: self.pool.num_free_blocks_per_device)
+    counts_only = property(lambda self: self.pool.counts_only)  # blocks counted, never listed
 
     def device_of_rows(self, rows) -> torch.Tensor:
         """(m,) the device of each row id (of a held sequence)."""
