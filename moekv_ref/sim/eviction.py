@@ -64,7 +64,7 @@ class EvictionSetup:
     prefix_caching: bool = False  # the manager keeps full blocks findable by prefix (cache/prefix_cache.py)
     # True: the manager lists every row's block ids, as the engine's does. False: it lists them only
     # where a prefix cache or swap space reads them, and otherwise counts blocks per row and device
-    # (KVCacheManager's counts_only): the same decisions in about half the time per step
+    # (KVCacheManager's counts_only): the same decisions, a step taking 55-60% of the time at 64 experts
     list_block_ids: bool = False
 
 
