@@ -148,13 +148,20 @@ def test_decode_need_equals_the_bound_over_rows_on_random_states(seed, num_devic
     assert fast is not None and torch.equal(fast, plain)
 
 
-def test_manager_tables_follow_row_tokens_and_a_missed_update_is_caught():
-    generator = torch.Generator().manual_seed(0)
-    manager = KVCacheManager(2, 4, 4, blocks_per_device=[50, 50], device_of_expert=[0, 1, 0, 1])
+def three_filled_sequences(num_layers: int, blocks: int, placement: list[int], most: int, seed: int):
+    """A manager of 4 experts on two devices of `blocks` blocks (block size 4) holding sequences 0,
+    1 and 2, each of their rows given 0 to most - 1 random tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    manager = KVCacheManager(num_layers, 4, 4, blocks_per_device=[blocks, blocks], device_of_expert=placement)
     for seq in range(3):
         manager.add_sequence(seq)
     rows = torch.arange(manager.rows_per_seq * 3)
-    manager.allocate_slots(rows, torch.randint(0, 9, (rows.numel(),), generator=generator))
+    manager.allocate_slots(rows, torch.randint(0, most, (rows.numel(),), generator=generator))
+    return manager
+
+
+def test_manager_tables_follow_row_tokens_and_a_missed_update_is_caught():
+    manager = three_filled_sequences(2, 50, [0, 1, 0, 1], most=9, seed=0)
     manager.free(1)
     manager.assert_consistent()
     for table in (manager.open_rows, manager.open_per_device, manager.count_blocks):  # a missed update
@@ -315,12 +322,7 @@ def test_stable_order_is_the_stable_argsort_and_takes_numpys_radix_sort(monkeypa
 
 
 def test_a_sequences_blocks_gathered_row_by_row_equal_the_masked_table():
-    generator = torch.Generator().manual_seed(5)
-    manager = KVCacheManager(3, 4, 4, blocks_per_device=[300, 300], device_of_expert=[0, 1, 1, 0])
-    for seq in range(3):
-        manager.add_sequence(seq)
-    rows = torch.arange(manager.rows_per_seq * 3)
-    manager.allocate_slots(rows, torch.randint(0, 30, (rows.numel(),), generator=generator))
+    manager = three_filled_sequences(3, 300, [0, 1, 1, 0], most=30, seed=5)
     for seq in range(3):
         start = manager.seq_index(seq) * manager.rows_per_seq
         for order in (torch.arange(manager.rows_per_seq), manager._rows_by_device):
