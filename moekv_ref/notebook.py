@@ -16,15 +16,16 @@ One call, so that the notebooks cannot drift apart:
   the picture.
 
 `interact` is ipywidgets' interact for the notebooks' "Try it" cells: the same controls and output,
-plus a still of the first figure they drew (next to the controls in the cell's stored output), so a
-notebook opened untrusted, or shown by a viewer that draws no widgets, shows that
-figure instead of the widget's text form.
+plus a still of what they printed and the first figure they drew (next to the controls in the cell's
+stored output), so a notebook opened untrusted, or shown by a viewer that draws no widgets, shows
+that text and figure instead of the widget's text form.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import html
 import io
 import os
 import sys
@@ -73,9 +74,10 @@ def interact(function, manual: bool = False, **controls):
     first values (also when manual: then each later change waits for the "Run Interact" button, for
     callbacks that take seconds). What that first call prints and the first PNG figure it displays
     go, as they are shown, into the output widget, and are also kept: the cell's output is one bundle
-    holding the widget's view, that figure as image/png and the printed text as text/plain.
-    JupyterLab shows the widget where it may (a trusted notebook, a running kernel) and the figure
-    anywhere else (an untrusted notebook shows only renderers that run no code). Returns the
+    holding the widget's view, the printed text and that figure as one piece of HTML (`still_html`),
+    the figure as image/png and the text as text/plain. JupyterLab shows the widget where it may (a
+    trusted notebook, a running kernel) and the HTML anywhere else (an untrusted notebook shows only
+    renderers that run no code). Returns the
     `interactive` widget (its controls, its output, `.update()`)."""
     import ipywidgets
     from IPython import get_ipython
@@ -104,11 +106,33 @@ def interact(function, manual: bool = False, **controls):
         display(widget)
         return widget
     text = first["text"].getvalue().rstrip("\n")
-    data = {WIDGET_VIEW: bundle[WIDGET_VIEW], "text/plain": f"{text}\n{STILL_NOTE}".lstrip("\n")}
+    data = {
+        WIDGET_VIEW: bundle[WIDGET_VIEW],
+        "text/html": still_html(text, first["png"]),
+        "text/plain": f"{text}\n{STILL_NOTE}".lstrip("\n"),
+    }
     if first["png"] is not None:
         data["image/png"] = first["png"]
     display(data, raw=True)
     return widget
+
+
+def still_html(text: str, png: str | None) -> str:
+    """The still as one piece of HTML: the printed text, then the figure, then the note.
+
+    A viewer shows one format of an output. JupyterLab shows the widget in a trusted notebook; in an
+    untrusted one it shows the richest format that runs no code, which is HTML (sanitized) before
+    image/png before text/plain. So the text and the figure go into the HTML together: with the figure
+    alone as image/png, the printed tables and the hint to trust the notebook were hidden."""
+    parts = []
+    if text:
+        parts.append(f"<pre>{html.escape(text)}</pre>")
+    if png is not None:
+        parts.append(
+            f'<img src="data:image/png;base64,{png.strip()}" alt="the first figure these controls drew">'
+        )
+    parts.append(f"<p><em>{html.escape(STILL_NOTE)}</em></p>")
+    return "\n".join(parts)
 
 
 class _Tee(io.TextIOBase):

@@ -33,8 +33,9 @@ The test fails on:
   `answer = None`), each of two usual wrong answers (WRONG_ANSWERS) is typed in place of None and the
   cell run, and its output must begin "Not yet";
 - a widget cell of an untrusted notebook (a copy not in the trust database, in runs/browser/) that
-  shows the widget's text form, or not the still of its first figure that its stored output holds
-  (JupyterLab shows no widget in an untrusted notebook).
+  shows the widget's text form, or not the still of its first figure that its stored output holds,
+  or hides the text stored beside it (what the controls printed, and the hint to trust the notebook):
+  JupyterLab shows no widget in an untrusted notebook.
 
 Screenshots (each widget cell on open, after run-all, and each widget cell before and after each
 change) and a summary
@@ -345,6 +346,16 @@ def untrusted_on_open(page, lab: "Lab", path: Path, problems: list[str], shot) -
         i: sum("image/png" in o.get("data", {}) and WIDGET_VIEW in o["data"] for o in code[i].outputs)
         for i in expected
     }
+    printed = {  # each widget cell's stored text: what its controls printed, then the hint to trust
+        i: [
+            line.strip()
+            for o in code[i].outputs
+            if WIDGET_VIEW in o.get("data", {})
+            for line in o["data"]["text/plain"].splitlines()
+            if line.strip()
+        ]
+        for i in expected
+    }
     copy = untrusted_copy(path)
     relative = copy.relative_to(ROOT).as_posix()
     page.goto(f"{lab.url}/lab/workspaces/test-{path.stem}-untrusted/tree/{relative}?reset&token={lab.token}")
@@ -375,6 +386,9 @@ def untrusted_on_open(page, lab: "Lab", path: Path, problems: list[str], shot) -
             problems.append(f"{where}: {s['figures']} figures shown, its output stores a still")
         if not s["figures"] and not s["text"].strip():
             problems.append(f"{where}: shows nothing")
+        hidden = [line for line in printed[i] if line not in s["text"]]
+        if hidden:  # beside the figure, the printed tables and the hint to trust must show too
+            problems.append(f"{where}: its stored text is hidden: {hidden[0]!r}")
     lab.shut_down_kernel(relative)
     return len(indices)
 

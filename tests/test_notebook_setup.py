@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moekv_ref.notebook import STILL_NOTE, WIDGET_VIEW, interact, setup
+from moekv_ref.notebook import STILL_NOTE, WIDGET_VIEW, interact, setup, still_html
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -152,6 +152,7 @@ def test_interact_shows_the_widget_with_a_still_of_its_first_figure_and_text(mon
     assert bundle[WIDGET_VIEW]["model_id"] == widget.model_id
     assert _png_bytes(bundle["image/png"]) == red
     assert bundle["text/plain"] == f"n = 3, kind a\ndone\n{STILL_NOTE}"
+    assert bundle["text/html"] == still_html("n = 3, kind a\ndone", bundle["image/png"])
     assert publisher.hooks == []
     publisher.sent.clear()
     widget.children[0].value = 5
@@ -159,6 +160,16 @@ def test_interact_shows_the_widget_with_a_still_of_its_first_figure_and_text(mon
         widget.update()
     assert calls[-1] == (5, "a")
     assert not [d for d in publisher.sent if WIDGET_VIEW in d]  # a later call shows in the widget only
+
+
+def test_the_html_still_holds_the_text_the_figure_and_the_note_in_order():
+    """What an untrusted notebook shows of a widget cell: its printed text (escaped, so a table with
+    `<` stays text), then its first figure, then the hint to trust the notebook; no figure, no image."""
+    html = still_html("p < 0.5 & q", "iVBORw0K\n")
+    assert html.index("<pre>p &lt; 0.5 &amp; q</pre>") < html.index('src="data:image/png;base64,iVBORw0K"')
+    assert html.index("data:image/png") < html.index("jupyter trust")
+    assert "<img" not in still_html("text only", None)
+    assert "<pre>" not in still_html("", "iVBORw0K")
 
 
 def test_interact_outside_ipython_is_plain_interactive(monkeypatch):
@@ -190,7 +201,8 @@ def _first_png(state: dict, model_id: str):
 
 def test_every_widget_cell_stores_a_still_of_its_first_figure():
     """Opened untrusted (JupyterLab then shows no widget) or on GitHub, a "Try it" cell shows the
-    figure its controls drew first, not the widget's text form: the stored bundle holds that figure,
+    text its controls printed and the figure they drew first, not the widget's text form: the stored
+    bundle holds them together as HTML, and that figure,
     the same PNG the saved widget state holds for the widget's output (or, where they print only,
     their text)."""
     checked = 0
@@ -209,6 +221,10 @@ def test_every_widget_cell_stores_a_still_of_its_first_figure():
                 assert text.endswith(STILL_NOTE), where
                 first = _first_png(state.get("state", {}), data[WIDGET_VIEW]["model_id"])
                 assert data.get("image/png") == first, where  # None where the controls draw text only
+                # an untrusted notebook shows the HTML: the printed text and the figure together
+                assert "".join(data["text/html"]) == still_html(
+                    text.removesuffix(STILL_NOTE).rstrip("\n"), first
+                ), where
                 if first is None:
                     assert text.removesuffix(STILL_NOTE).strip(), where  # then their text shows
     assert checked >= 12
