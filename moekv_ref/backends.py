@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 
+from .validation import check_choice
+
+BACKENDS = ("torch", "triton")  # what a model computes with
+
 
 class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run on this machine (its package is not installed)."""
@@ -20,6 +24,8 @@ def triton_available() -> bool:
 
 
 def require_backend(backend: str) -> None:
+    """ValueError for a name not in BACKENDS; BackendUnavailableError for one this machine cannot run."""
+    check_choice("backend", backend, BACKENDS)
     if backend == "triton" and not triton_available():
         raise BackendUnavailableError(
             "the 'triton' backend needs the triton package, which has wheels for "

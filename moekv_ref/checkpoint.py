@@ -32,10 +32,11 @@ from pathlib import Path
 
 import torch
 
+from .backends import require_backend
 from .config import ModelConfig, get_config
 from .model import MoEKVTransformer
 from .paths import check_input_file
-from .validation import shown
+from .validation import check_path, known_keywords, shown
 
 DEFAULT_CHECKPOINT = Path(__file__).parent / "weights" / "tiny.pt"
 FORMAT = "moekv_ref-checkpoint-v2"
@@ -78,6 +79,7 @@ def _hash_tensors(digest, state: dict):
     return digest
 
 
+@known_keywords
 def save_checkpoint(
     model: MoEKVTransformer,
     path: str | Path,
@@ -86,6 +88,9 @@ def save_checkpoint(
 ) -> None:
     """Weights are stored as `dtype` (bfloat16 keeps the embedded model at a few MB); they load
     back into float32 exactly, which holds every bfloat16 and float16 value."""
+    if not isinstance(model, MoEKVTransformer):
+        raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
+    check_path("path", path)
     if dtype not in DTYPES.values():
         raise ValueError(
             f"dtype={dtype!r} is not allowed for a checkpoint: use one of "
@@ -305,6 +310,7 @@ def _checked_state(where: str, state: dict, config: ModelConfig) -> None:
             )
 
 
+@known_keywords
 def load_checkpoint(
     path: str | Path | None = None,
     config: ModelConfig | None = None,
@@ -313,6 +319,8 @@ def load_checkpoint(
 ) -> MoEKVTransformer:
     """The model a checkpoint describes, on `backend`. With `config`, the checkpoint must have been
     made for its architecture (routing may differ: it is not in the weights); the model runs it."""
+    check_path("path", path, allow_none=True)
+    require_backend(backend)  # before the file is read
     if config is not None and not isinstance(config, ModelConfig):
         raise ValueError(f"config must be a ModelConfig (or None), got {type(config).__name__}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -343,11 +351,12 @@ def load_checkpoint(
     return model.to(dtype).eval()
 
 
+@known_keywords
 def add_manifest(path: str | Path) -> None:
     """Give a checkpoint without a manifest, or with a v1 one, the current manifest, in place. A v1
     file's weights must match its v1 hash (its config was never hashed: check it yourself); nothing
     is written unless every check of a load passes."""
-    path = Path(path)
+    path = Path(check_path("path", path))
     where = f"checkpoint {str(path)!r}"
     payload = _load_file(path)
     if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:

@@ -10,7 +10,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .validation import MAX_INT32, a_type, check_choice, check_int, check_real, shown
+from .validation import (
+    MAX_INT32,
+    a_type,
+    check_choice,
+    check_int,
+    check_keywords,
+    check_real,
+    keywords_of,
+    known_keywords,
+    shown,
+)
 
 ATTENTION_MODES = ("expert", "dense")
 TOKEN_CHOICE_ROUTINGS = ("topk", "threshold")
@@ -18,6 +28,7 @@ ROUTINGS = TOKEN_CHOICE_ROUTINGS + ("expert_choice",)
 BYTES_PER_DTYPE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8": 1}
 
 
+@known_keywords
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes of an MoE transformer whose attention may itself be a mixture of experts (model.py's
@@ -288,6 +299,11 @@ PRESETS: dict[str, ModelConfig] = {
 
 def get_config(name: str, **overrides) -> ModelConfig:
     """A preset by name, with optional field overrides (validated like any config)."""
+    if not isinstance(name, str):
+        raise ValueError(
+            f"name={shown(name)} is {a_type(name)}; allowed: a preset name, one of {sorted(PRESETS)}"
+        )
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; allowed: {sorted(PRESETS)}")
+    check_keywords(f"get_config({name!r})", overrides, keywords_of(ModelConfig))
     return dataclasses.replace(PRESETS[name], **overrides) if overrides else PRESETS[name]

@@ -15,13 +15,15 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from .cache import ContiguousKVCache, PagedKVCache
+from .engine.demand import min_lifetime_blocks, worst_case_lifetime_blocks_per_device
 from .model import MoEKVTransformer
 from .prompts import check_batch
 from .results import GenerationResult
 from .sampling import SamplingParams, sample_rows
-from .validation import check_choice, check_flag
+from .validation import check_callable, check_choice, check_flag, check_keywords, keywords_of
 
 CACHE_KINDS = ["none", "contiguous", "paged"]
+PAGED_OPTIONS = keywords_of(PagedKVCache.for_model)[1:]  # what cache_options may name (model left out)
 
 
 def generate(
@@ -34,17 +36,22 @@ def generate(
     **cache_options,
 ) -> GenerationResult:
     """`params` may be one per prompt (own seeds), each a SamplingParams, a dict of its fields, or
-    None (the defaults), as the engine takes them. cache_options apply to cache="paged" only;
-    without num_blocks its pool is sized for every prompt at once. `record_logits` keeps the logits
+    None (the defaults), as the engine takes them. cache_options (PAGED_OPTIONS, an unknown one is
+    named) apply to cache="paged" only; without num_blocks its pool is sized for every prompt at
+    once, and a pool given must hold the batch at its worst (check_pool_holds_batch), refused before
+    any token otherwise. `record_logits` keeps the logits
     of every position processed (the equivalence tests compare them with a full forward)."""
     if not isinstance(model, MoEKVTransformer):
         raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
+    own = ", ".join(keywords_of(generate))
+    check_keywords(
+        "generate", cache_options, PAGED_OPTIONS, f"{own}, and for cache='paged' {', '.join(PAGED_OPTIONS)}"
+    )
     check_choice("cache", cache, CACHE_KINDS)
     if cache_options and cache != "paged":
         raise ValueError(f"{sorted(cache_options)} apply to cache='paged' only, not cache={cache!r}")
     check_flag("record_logits", record_logits)  # the cache's own flags: PagedKVCache checks them
-    if on_token is not None and not callable(on_token):
-        raise ValueError(f"on_token must be callable (or None), got {type(on_token).__name__}")
+    check_callable("on_token", on_token, "(prompt index, token)")
     config = model.config
     prompts, per_prompt = map(list, zip(*check_batch(prompts, params, config, "params")))
     if cache == "paged" and "num_blocks" not in cache_options and "max_num_seqs" not in cache_options:
@@ -74,9 +81,63 @@ def generate(
                 if cache == "contiguous"
                 else PagedKVCache.for_model(model, **cache_options)
             )
+            if cache == "paged":
+                check_pool_holds_batch(kv_cache, prompts, per_prompt, cache_options)
             counts = _generate_cached(model, kv_cache, prompts, generated, logits_log, active, sample)
     logits = [torch.cat(chunks) for chunks in logits_log] if record_logits else None  # new tensors
     return GenerationResult(prompts, generated, counts.clone(), logits, {"cache": cache, **cache_options})
+
+
+def check_pool_holds_batch(kv_cache: PagedKVCache, prompts, per_prompt, cache_options: dict) -> None:
+    """ValueError, before any token, when the pool may not hold the batch: generate keeps every
+    sequence to the end (static batching: it frees none and preempts none), so the pool (each
+    device's, with per-device pools) must hold all of them at once at their worst, prompt + max_new_tokens
+    - 1 cached tokens each (the last sampled token is never fed back). The engine, which preempts,
+    needs each request to fit alone only."""
+    manager = kv_cache.manager
+    config = kv_cache.config
+    L = config.num_hidden_layers
+    K = config.num_attention_experts_per_tok
+    P = manager.block_size
+    num_tokens = torch.tensor([len(p) + q.max_new_tokens - 1 for p, q in zip(prompts, per_prompt)])  # (B,)
+    budget = manager.budget
+    worst = worst_case_lifetime_blocks_per_device(
+        num_tokens,
+        K,
+        P,
+        manager.placement.of_sequences(range(len(prompts))),  # (B, L, E)
+        manager.num_devices,
+        None if budget is None else budget.largest(L),
+    ).sum(0)  # (D,)
+    have = manager.blocks_per_device  # (D,)
+    if bool((worst <= have).all()):
+        return
+    B = len(prompts)
+    held = (
+        f"generate holds its {B} sequence{'s' if B > 1 else ''} ({int(num_tokens.sum()):,} cached tokens) "
+        "to the end, freeing none"
+    )
+    k_min = K if config.attention_routing == "topk" else 1
+    least = sum(min_lifetime_blocks(int(t), L, k_min, P) for t in num_tokens.tolist())
+    shape = f"{L} layers, up to {K} experts per token, block size {P}"
+    needs = f"{held}, and may need up to {int(worst.sum())} blocks ({shape}; at least {least})"
+    if "num_blocks" in cache_options and "blocks_per_device" not in cache_options:
+        raise ValueError(
+            f"num_blocks={int(have.sum())} is too small for this batch: {needs}; allowed: num_blocks >= "
+            f"{int(worst.sum())}, or no num_blocks (a pool for every prompt at max_position_embeddings tokens)"
+        )
+    if "blocks_per_device" not in cache_options:  # sized by max_num_seqs: that many sequences at their worst
+        max_num_seqs = cache_options["max_num_seqs"]
+        smallest = -(-int(worst.sum()) * max_num_seqs // int(have.sum()))
+        raise ValueError(
+            f"max_num_seqs={max_num_seqs} sizes a pool of {int(have.sum())} blocks, too small for this "
+            f"batch: {needs}; allowed: max_num_seqs >= {smallest}, or num_blocks >= {int(worst.sum())}"
+        )
+    raise ValueError(
+        f"blocks_per_device={have.tolist()} is too small for this batch: {held}, and its rows on each "
+        f"device may need up to {worst.tolist()} blocks ({shape}); allowed: blocks_per_device >= "
+        f"{worst.tolist()} entry by entry"
+    )
 
 
 def _generate_cached(model, kv_cache, prompts, generated, logits_log, active, sample):

@@ -21,7 +21,7 @@ from einops import einsum, rearrange
 from torch import nn
 
 from .attention import rotary, rotary_turns
-from .backends import require_backend
+from .backends import BACKENDS, require_backend
 from .cache.budget import RowBudget, attend_with_budget
 from .config import ModelConfig
 from .profiling import phase
@@ -38,9 +38,6 @@ class RMSNorm(nn.Module):
         # x * rsqrt(mean(x^2) + eps) * weight, as PyTorch's one fused op (five ops otherwise); the op
         # itself, not F.rms_norm's wrapper, which costs as much again at decode sizes (measured)
         return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-BACKENDS = ("torch", "triton")
 
 
 def sort_by_expert(selected: torch.Tensor):

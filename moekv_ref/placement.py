@@ -17,15 +17,27 @@ from __future__ import annotations
 
 import torch
 
-from .validation import MAX_INT32, check_choice, check_int
+from .validation import MAX_INT32, a_type, check_choice, check_device_table, check_int, shown
 
 PLACEMENTS = ("contiguous", "round_robin", "coactivation")
+
+
+def check_selected(selected, name: str = "selected") -> torch.Tensor:
+    """One layer's routing decisions: a bool tensor (N, E), returned as given."""
+    allowed = "a bool tensor (N, E), True where token n chose expert e"
+    if not isinstance(selected, torch.Tensor):
+        raise ValueError(f"{name}={shown(selected)} is {a_type(selected)}; allowed: {allowed}")
+    if selected.dtype != torch.bool or selected.dim() != 2:
+        raise ValueError(
+            f"{name} is a {selected.dtype} tensor of shape {tuple(selected.shape)}; allowed: {allowed}"
+        )
+    return selected
 
 
 def coactivation_counts(selected: torch.Tensor) -> torch.Tensor:
     """How often each pair of experts was chosen for the same token: (E, E) int64, the diagonal each
     expert's load. selected: (N, E) bool, one layer's routing decisions."""
-    chosen = selected.to(torch.int64)  # (N, E)
+    chosen = check_selected(selected).to(torch.int64)  # (N, E)
     return chosen.T @ chosen  # (E, E)
 
 
@@ -48,7 +60,7 @@ def place_experts(
         return torch.arange(num_experts) // per_device
     if strategy == "round_robin":
         return torch.arange(num_experts) % num_devices
-    if coactivation is None or coactivation.shape != (num_experts, num_experts):
+    if not isinstance(coactivation, torch.Tensor) or coactivation.shape != (num_experts, num_experts):
         raise ValueError(
             f"strategy='coactivation' needs an ({num_experts}, {num_experts}) co-activation "
             f"matrix (coactivation_counts of the layer's routing)"
@@ -71,8 +83,19 @@ def place_experts(
 
 def place_layers(selected_per_layer: list[torch.Tensor], num_devices: int, strategy: str) -> torch.Tensor:
     """One placement per layer: (L, E) int64. selected_per_layer: L tensors (..., E) bool."""
+    check_choice("strategy", strategy, PLACEMENTS)
+    num_devices = check_int("num_devices", num_devices, 1, MAX_INT32)
+    if not isinstance(selected_per_layer, (list, tuple)) or not selected_per_layer:
+        raise ValueError(
+            f"selected_per_layer={shown(selected_per_layer)} is {a_type(selected_per_layer)}; allowed: a "
+            "non-empty list of bool tensors (..., E), one per layer"
+        )
     maps = []
     for selected in selected_per_layer:
+        if not isinstance(selected, torch.Tensor) or selected.dim() < 2:
+            raise ValueError(
+                f"selected_per_layer holds {shown(selected)}; allowed: bool tensors (..., E), one per layer"
+            )
         selected = selected.flatten(0, -2)  # (N, E)
         counts = coactivation_counts(selected) if strategy == "coactivation" else None
         maps.append(place_experts(selected.shape[1], num_devices, strategy, counts))
@@ -81,7 +104,17 @@ def place_layers(selected_per_layer: list[torch.Tensor], num_devices: int, strat
 
 def devices_touched(selected: torch.Tensor, device_of_expert: torch.Tensor, num_devices: int) -> torch.Tensor:
     """How many distinct devices each token's chosen experts live on: (N,) int64.
-    selected: (N, E) bool; device_of_expert: (E,)."""
+    selected: (N, E) bool; device_of_expert: (E,) in [0, num_devices)."""
+    selected = check_selected(selected)
+    num_devices = check_int("num_devices", num_devices, 1, MAX_INT32)
+    device_of_expert = check_device_table(
+        device_of_expert,
+        num_devices,
+        1,
+        selected.shape[1],
+        every_layer=True,
+        devices_meaning=f"num_devices={num_devices}",
+    )[0]  # (E,)
     one_hot = torch.nn.functional.one_hot(device_of_expert, num_devices).to(torch.int64)  # (E, D)
     per_device = selected.to(torch.int64) @ one_hot  # (N, D)
     return (per_device > 0).sum(1)

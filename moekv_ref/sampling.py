@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .profiling import phase
-from .validation import MAX_INT32, check_int, check_real, check_seed, shown
+from .validation import MAX_INT32, check_int, check_real, check_seed, known_keywords, shown
 
 # Temperatures between 0 and this are refused: logits / T overflows float64 (to inf, then NaN in the
 # softmax) once T is below about 1e-300, and long before that the distribution is argmax anyway.
@@ -24,6 +24,7 @@ class SamplingError(RuntimeError):
     """One request's next token could not be sampled; the engine fails that request only."""
 
 
+@known_keywords
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 means greedy; top_p in (0, 1] keeps the smallest set of tokens whose

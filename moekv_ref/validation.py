@@ -20,6 +20,8 @@ argument can ask for has a stated bound, checked before anything is allocated.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 import os
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 MAX_INT32 = 2**31 - 1
+MAX_INT64 = 2**63 - 1  # ids held in int64 tensors (sequence ids)
 MAX_BLOCKS = MAX_INT32  # block tables are int32, and their padding entry is the pool's size
 MAX_BLOCK_SIZE = 256  # the largest block the memory benchmark sweeps and notebook 03 offers
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes up to 2**64 - 1; the engine's bound
@@ -153,6 +156,67 @@ def check_choice(name: str, value, allowed, also: str = "") -> str:
     return value
 
 
+def check_callable(name: str, value, takes: str = "", allow_none: bool = True):
+    """A function to call back (`takes` says with what), or None where allow_none: refused where it
+    is passed, not when it is first called, deep inside a run."""
+    if callable(value) or (value is None and allow_none):
+        return value
+    allowed = "a callable" + (f" taking {takes}" if takes else "") + (", or None" if allow_none else "")
+    raise ValueError(f"{name}={shown(value)} is {a_type(value)}; allowed: {allowed}")
+
+
+def check_path(name: str, value, allow_none: bool = False):
+    """A file's path: a str or an os.PathLike (pathlib.Path), or None where allow_none; never a number
+    or bytes (whether the file is there and readable is paths.py's to tell)."""
+    if isinstance(value, (str, os.PathLike)) or (value is None and allow_none):
+        return value
+    allowed = "a path, as a str or a pathlib.Path" + (", or None" if allow_none else "")
+    raise ValueError(f"{name}={shown(value)} is {a_type(value)}; allowed: {allowed}")
+
+
+# ----- keywords: a call names only the parameters its function has ---------------------------------------
+def check_keywords(where: str, given: dict, allowed, listed: str = "") -> None:
+    """ValueError naming every keyword of `given` (name -> value) that `where` does not take, and
+    listing those it does (`listed`, where they need more words than their names); Python's own
+    TypeError names one and not what is allowed."""
+    unknown = [name for name in given if name not in allowed]
+    if unknown:  # the first few named: a caller may unpack any dict
+        named = ", ".join(f"{name}={shown(given[name])}" for name in unknown[:5])
+        named += f", and {len(unknown) - 5:,} more" if len(unknown) > 5 else ""
+        plural = "s" if len(unknown) > 1 else ""
+        raise ValueError(
+            f"unknown keyword{plural} {named} for {where}; allowed: {listed or ', '.join(allowed)}"
+        )
+
+
+def keywords_of(function) -> tuple[str, ...]:
+    """The parameters `function` takes by keyword (a method's self or cls left out), in order."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    parameters = inspect.signature(function).parameters.values()
+    return tuple(p.name for p in parameters if p.kind in kinds and p.name not in ("self", "cls"))
+
+
+def known_keywords(function):
+    """`function` (or a class: its __init__) answering an unknown keyword with check_keywords'
+    ValueError. Its signature, as help() shows it, is unchanged."""
+    if isinstance(function, type):
+        function.__init__ = known_keywords(function.__init__)
+        return function
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(function).parameters.values()):
+        raise TypeError(f"{function.__qualname__} takes **keywords: it checks their names itself")
+    allowed = keywords_of(function)
+    taken = frozenset(allowed)
+    where = function.__qualname__.removesuffix(".__init__")
+
+    @functools.wraps(function)
+    def checked(*args, **kwargs):
+        if not taken.issuperset(kwargs):
+            check_keywords(where, kwargs, allowed)
+        return function(*args, **kwargs)
+
+    return checked
+
+
 def check_seed(name: str, value, num_streams: int = 1, allow_none: bool = False) -> int | None:
     """A seed for torch.Generator; a caller that seeds num_streams generators with seed, seed + 1,
     ... (a pool's devices, a workload's requests) keeps the last one in range too."""
@@ -203,6 +267,73 @@ def check_blocks_per_device(value, name: str = "blocks_per_device") -> list[int]
             "(block tables are int32)"
         )
     return counts
+
+
+def check_device_table(
+    value,
+    num_devices: int,
+    num_layers: int | None = None,
+    num_experts: int | None = None,
+    name: str = "device_of_expert",
+    every_layer: bool = False,
+    devices_meaning: str = "one per entry of blocks_per_device",
+) -> torch.Tensor:
+    """The device of every expert of every layer, as an (L, E) int64 tensor with entries in [0, D),
+    D = num_devices; ValueError naming the first bad value (nothing is rounded or read as digits).
+    num_layers and num_experts None: any (L, E) with L, E >= 1, read from the table; every_layer:
+    an (E,) table is given for every layer."""
+    devices = f"0..{num_devices - 1}"
+    if num_layers is None or num_experts is None:
+        shapes = "(L, E) with L, E >= 1"
+    elif every_layer:
+        shapes = f"(E,) = ({num_experts},) or (L, E) = ({num_layers}, {num_experts})"
+    else:
+        shapes = f"(L, E) = ({num_layers}, {num_experts})"
+    allowed = (
+        f"devices {devices} as an integer tensor or numpy array, or (nested) lists of ints, of shape {shapes}"
+    )
+    if isinstance(value, (list, tuple)):
+        for where, entry in entries(value):
+            if not is_integer(entry):
+                raise ValueError(f"{name}{where}={shown(entry)} is {a_type(entry)}; allowed: {allowed}")
+        try:
+            table = torch.tensor(value, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError) as error:  # ragged lists, or an int past int64
+            raise ValueError(
+                f"{name} is not a rectangular table of int64 ({error}); allowed: {allowed}"
+            ) from None
+    elif isinstance(value, (torch.Tensor, np.ndarray)):
+        if not integer_dtype(value.dtype):
+            raise ValueError(f"{_first_value(name, value)} has dtype {value.dtype}; allowed: {allowed}")
+        table = torch.as_tensor(value).to(torch.int64)
+    else:
+        raise ValueError(f"{name}={shown(value)} is {a_type(value)}; allowed: {allowed}")
+    if every_layer and table.dim() == 1 and num_layers is not None:
+        table = table.expand(num_layers, -1)
+    if num_layers is None or num_experts is None:
+        right = table.dim() == 2 and table.numel() > 0
+    else:
+        right = tuple(table.shape) == (num_layers, num_experts)
+    if not right:
+        raise ValueError(f"{name} must be {shapes}; got {tuple(table.shape)}")
+    if table.numel() and (int(table.min()) < 0 or int(table.max()) >= num_devices):
+        named = sorted(set(table.reshape(-1).tolist()))
+        meaning = f" ({devices_meaning})" if devices_meaning else ""
+        raise ValueError(f"{name} names devices {shown(named)}; allowed: {devices}{meaning}")
+    return table.contiguous()
+
+
+def _first_value(name: str, table) -> str:
+    """`name[i]=v` for the first entry of `table` that is not a whole number (else the first)."""
+    try:
+        flat = torch.as_tensor(table).reshape(-1)
+    except TypeError:  # a numpy array of text or objects
+        return name
+    if flat.numel() == 0:
+        return f"{name}=[]"
+    i = int((flat != flat.round()).int().argmax()) if flat.is_floating_point() else 0
+    index = ", ".join(str(int(k)) for k in np.unravel_index(i, tuple(table.shape)))
+    return f"{name}[{index}]={preview(flat[i : i + 1])[1:-1]}"
 
 
 # ----- ids: many integers at once, as a tensor ---------------------------------------------------------

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..state import Stateful
@@ -70,15 +69,12 @@ from ..validation import (
     MAX_INT32,
     a_type,
     check_block_size,
+    check_device_table,
     check_fits_memory,
     check_flag,
     check_ids,
     check_int,
     check_seed,
-    entries,
-    integer_dtype,
-    is_integer,
-    preview,
     shown,
 )
 from .block_pool import BlockPool, OutOfBlocksError, check_pool_size
@@ -209,60 +205,9 @@ def check_bookkeeping_fits(
 
 def checked_placement(device_of_expert, num_layers: int, num_experts: int, num_devices: int) -> torch.Tensor:
     """device_of_expert as (L, E) int64: given (E,) for every layer or (L, E), devices in [0, D), or
-    ValueError naming the first bad value (nothing is rounded or read as digits)."""
-    devices = f"0..{num_devices - 1}"
-    allowed = (
-        f"devices {devices} as an integer tensor or numpy array, or (nested) lists of ints, of shape "
-        f"(E,) = ({num_experts},) or (L, E) = ({num_layers}, {num_experts})"
-    )
-    if isinstance(device_of_expert, (list, tuple)):
-        for where, value in entries(device_of_expert):
-            if not is_integer(value):
-                raise ValueError(
-                    f"device_of_expert{where}={shown(value)} is {a_type(value)}; allowed: {allowed}"
-                )
-        try:
-            placement = torch.tensor(device_of_expert, dtype=torch.int64)
-        except (TypeError, ValueError) as error:  # ragged lists
-            raise ValueError(
-                f"device_of_expert is not a rectangular table ({error}); allowed: {allowed}"
-            ) from None
-    elif isinstance(device_of_expert, (torch.Tensor, np.ndarray)):
-        if not integer_dtype(device_of_expert.dtype):
-            raise ValueError(
-                f"{_first_value(device_of_expert)} has dtype {device_of_expert.dtype}; allowed: {allowed}"
-            )
-        placement = torch.as_tensor(device_of_expert).to(torch.int64)
-    else:
-        raise ValueError(
-            f"device_of_expert={shown(device_of_expert)} is {a_type(device_of_expert)}; allowed: {allowed}"
-        )
-    if placement.dim() == 1:
-        placement = placement.expand(num_layers, -1)
-    if placement.shape != (num_layers, num_experts):
-        raise ValueError(
-            f"device_of_expert must be (E,) = ({num_experts},) or (L, E) = ({num_layers}, "
-            f"{num_experts}); got {tuple(placement.shape)}"
-        )
-    if placement.numel() and (int(placement.min()) < 0 or int(placement.max()) >= num_devices):
-        raise ValueError(
-            f"device_of_expert names devices {sorted(set(placement.reshape(-1).tolist()))}; "
-            f"allowed: {devices} (one per entry of blocks_per_device)"
-        )
-    return placement.contiguous()
-
-
-def _first_value(placement) -> str:
-    """`device_of_expert[i]=v` for the first entry that is not a whole number (else the first)."""
-    try:
-        flat = torch.as_tensor(placement).reshape(-1)
-    except TypeError:  # a numpy array of text or objects
-        return "device_of_expert"
-    if flat.numel() == 0:
-        return "device_of_expert=[]"
-    i = int((flat != flat.round()).int().argmax()) if flat.is_floating_point() else 0
-    index = ", ".join(str(int(k)) for k in np.unravel_index(i, tuple(placement.shape)))
-    return f"device_of_expert[{index}]={preview(flat[i : i + 1])[1:-1]}"
+    ValueError naming the first bad value (validation.check_device_table, the rule of every table of
+    devices)."""
+    return check_device_table(device_of_expert, num_devices, num_layers, num_experts, every_layer=True)
 
 
 @dataclass(frozen=True)

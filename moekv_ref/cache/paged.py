@@ -40,6 +40,7 @@ from ..validation import (
     check_fits_memory,
     check_flag,
     check_int,
+    known_keywords,
     number,
 )
 from .budget import RowBudget, model_budget
@@ -228,6 +229,7 @@ class PagedKVCache:
     alone. blocks_per_device (summing to
     num_blocks) with device_of_expert or home_devices: per-device pools (KVCacheManager)."""
 
+    @known_keywords
     def __init__(
         self,
         config: ModelConfig,
@@ -297,6 +299,7 @@ class PagedKVCache:
     block_size = property(lambda self: self.manager.block_size)
 
     @classmethod
+    @known_keywords
     def for_model(
         cls,
         model,

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..validation import MAX_INT32, MAX_INT64, check_device_table, check_ids, check_int, number, shown
+
 
 def ceil_div(a, b):
     """ceil(a / b) for integers or integer tensors; a tensor over a power of two (every block size)
@@ -81,10 +83,31 @@ class RowPlacement:
     num_devices: int  # D
     expert_devices: torch.Tensor | None  # (L, E) int64; None: rows follow their sequence's home
 
+    def __post_init__(self):
+        """Each size an integer >= 1, the table (L, E) integers in [0, D) (a list of lists is read as
+        the tensor it makes); frozen: the checked values replace what was given."""
+        for name in ("num_layers", "num_experts", "num_devices"):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1, MAX_INT32))
+        if self.expert_devices is not None:
+            table = check_device_table(
+                self.expert_devices,
+                self.num_devices,
+                self.num_layers,
+                self.num_experts,
+                "expert_devices",
+                devices_meaning=f"num_devices={self.num_devices}",
+            )
+            object.__setattr__(self, "expert_devices", table)
+
     @classmethod
-    def by_expert(cls, expert_devices: torch.Tensor, num_devices: int) -> "RowPlacement":
-        num_layers, num_experts = expert_devices.shape
-        return cls(num_layers, num_experts, num_devices, expert_devices)
+    def by_expert(cls, expert_devices, num_devices: int) -> "RowPlacement":
+        """expert_devices: (L, E) integers in [0, num_devices), L and E read from its shape."""
+        num_devices = check_int("num_devices", num_devices, 1, MAX_INT32)
+        table = check_device_table(
+            expert_devices, num_devices, name="expert_devices", devices_meaning=f"num_devices={num_devices}"
+        )
+        num_layers, num_experts = table.shape
+        return cls(num_layers, num_experts, num_devices, table)
 
     @classmethod
     def by_sequence(cls, num_layers: int, num_experts: int, num_devices: int) -> "RowPlacement":
@@ -96,8 +119,24 @@ class RowPlacement:
         return self.expert_devices is None and self.num_devices > 1
 
     def of_sequences(self, seq_ids) -> torch.Tensor:
-        """(m, L, E) the device of every row of these sequence ids, held or not."""
-        seq_ids = torch.tensor([int(s) for s in seq_ids], dtype=torch.int64)  # (m,)
+        """(m, L, E) the device of every row of these sequence ids (integers >= 0), held or not."""
+        if type(seq_ids) is list and all(type(s) is int for s in seq_ids):  # the engine's, at once
+            if seq_ids and not 0 <= min(seq_ids) <= max(seq_ids) <= MAX_INT64:
+                raise ValueError(
+                    f"seq_ids={shown(seq_ids)} is not allowed; allowed: sequence ids in [0, {number(MAX_INT64)}]"
+                )
+            seq_ids = torch.tensor(seq_ids, dtype=torch.int64)  # (m,)
+        else:
+            if hasattr(seq_ids, "__iter__") and not isinstance(
+                seq_ids, (list, torch.Tensor, np.ndarray, str, bytes)
+            ):
+                seq_ids = list(seq_ids)  # a range, a generator, a dict's keys
+            seq_ids = check_ids(seq_ids, "seq_ids").reshape(-1)  # (m,)
+            if seq_ids.numel() and int(seq_ids.min()) < 0:
+                raise ValueError(
+                    f"seq_ids={shown(seq_ids.tolist())} is not allowed; allowed: sequence ids in "
+                    f"[0, {number(MAX_INT64)}]"
+                )
         if self.expert_devices is None:
             homes = seq_ids % self.num_devices  # (m,)
             return homes.view(-1, 1, 1).expand(-1, self.num_layers, self.num_experts)

@@ -34,7 +34,7 @@ from ..profiling import phase
 from ..prompts import check_batch, check_prompt, check_sampling_params
 from ..results import GenerationResult
 from ..sampling import SamplingParams, sample_rows
-from ..validation import check_block_size, check_flag, check_int
+from ..validation import check_block_size, check_callable, check_flag, check_int, known_keywords
 from .demand import worst_case_lifetime_blocks
 from .memory import ModelShape
 from .model_runner import ModelRunner
@@ -114,6 +114,7 @@ class LLMEngine:
     (a swapped-out sequence keeps its rows' policy state with its blocks).
     """
 
+    @known_keywords
     def __init__(
         self,
         model: MoEKVTransformer,
@@ -554,6 +555,7 @@ class LLMEngine:
         )
 
 
+@known_keywords
 def generate_with_engine(
     model: MoEKVTransformer,
     prompts: list[list[int]],
@@ -568,6 +570,7 @@ def generate_with_engine(
     without num_blocks the pool holds every prompt's worst case at once."""
     if not isinstance(model, MoEKVTransformer):
         raise ValueError(f"model must be a MoEKVTransformer, got {type(model).__name__}")
+    check_callable("on_token", on_token, "(prompt index, token)")
     c = model.config
     prompts, per_prompt = map(list, zip(*check_batch(prompts, params, c, "params")))
     if num_blocks is None:

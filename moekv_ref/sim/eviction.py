@@ -47,6 +47,7 @@ from ..engine.swap import COPY
 from ..engine.undo import Snapshot
 from ..engine.victims import VICTIM_POLICIES, OfflinePolicy, VictimPolicy
 from ..sampling import SamplingParams
+from ..validation import MAX_BLOCKS, check_device_table, check_int, number
 from .traces import RoutingTrace
 
 
@@ -234,7 +235,18 @@ class TraceRunner:
                 )
         self.trace, self.setup, self.cost = trace, setup, cost
         L, E, K = trace.num_layers, trace.num_experts, trace.k_max
-        num_devices = int(torch.as_tensor(device_of_expert).max()) + 1
+        # the table names the devices: each of 0..its largest gets a pool of setup.blocks_per_device
+        per_device = check_int("setup.blocks_per_device", setup.blocks_per_device, 1, MAX_BLOCKS)
+        device_of_expert = check_device_table(
+            device_of_expert,
+            MAX_BLOCKS // per_device,
+            L,
+            E,
+            every_layer=True,
+            devices_meaning=f"devices 0 up to the largest named get setup.blocks_per_device={per_device} "
+            f"blocks each, at most {number(MAX_BLOCKS)} in all",
+        )
+        num_devices = int(device_of_expert.max()) + 1
         self.manager = KVCacheManager(
             L,
             E,
