@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .validation import MAX_INT32, a_type, check_choice, check_device_table, check_int, shown
+from .validation import MAX_INT32, a_type, check_choice, check_device_table, check_int, known_keywords, shown
 
 PLACEMENTS = ("contiguous", "round_robin", "coactivation")
 
@@ -34,6 +34,7 @@ def check_selected(selected, name: str = "selected") -> torch.Tensor:
     return selected
 
 
+@known_keywords
 def coactivation_counts(selected: torch.Tensor) -> torch.Tensor:
     """How often each pair of experts was chosen for the same token: (E, E) int64, the diagonal each
     expert's load. selected: (N, E) bool, one layer's routing decisions."""
@@ -41,6 +42,7 @@ def coactivation_counts(selected: torch.Tensor) -> torch.Tensor:
     return chosen.T @ chosen  # (E, E)
 
 
+@known_keywords
 def place_experts(
     num_experts: int, num_devices: int, strategy: str = "contiguous", coactivation: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -81,6 +83,7 @@ def place_experts(
     return device
 
 
+@known_keywords
 def place_layers(selected_per_layer: list[torch.Tensor], num_devices: int, strategy: str) -> torch.Tensor:
     """One placement per layer: (L, E) int64. selected_per_layer: L tensors (..., E) bool."""
     check_choice("strategy", strategy, PLACEMENTS)
@@ -102,6 +105,7 @@ def place_layers(selected_per_layer: list[torch.Tensor], num_devices: int, strat
     return torch.stack(maps)
 
 
+@known_keywords
 def devices_touched(selected: torch.Tensor, device_of_expert: torch.Tensor, num_devices: int) -> torch.Tensor:
     """How many distinct devices each token's chosen experts live on: (N,) int64.
     selected: (N, E) bool; device_of_expert: (E,) in [0, num_devices)."""

@@ -249,6 +249,12 @@ KEYWORD_CASES = [
         "unknown keyword backend='cuda' for PagedKVCache.for_model; allowed: model, block_size, num_blocks",
     ),
     (
+        "place_experts(stratgy='round_robin')",
+        lambda: place_experts(8, 2, stratgy="round_robin"),
+        "unknown keyword stratgy='round_robin' for place_experts; allowed: num_experts, num_devices, strategy, "
+        "coactivation",
+    ),
+    (
         "load_checkpoint(device='cuda')",
         lambda: load_checkpoint(device="cuda"),
         "unknown keyword device='cuda' for load_checkpoint; allowed: path, config, dtype, backend",
@@ -386,3 +392,21 @@ def test_a_paged_generate_names_max_num_seqs_where_it_sized_the_pool():
     assert len(generate(model, [[1, 2, 3, 4]] * 3, P4, max_num_seqs=3, **options).tokens) == 3
     with pytest.raises(ValueError, match="max_num_seqs=2 sizes a pool of 96 blocks"):
         generate(model, [[1, 2, 3, 4]] * 3, P4, max_num_seqs=2, **options)
+
+
+def test_a_paged_generate_caps_each_rows_worst_case_at_its_budget():
+    """With a row budget of 4 tokens a row never holds more than one block of 4: the batch of the test
+    above, which may need 3 x 2 x (5 + 70 // 4) = 132 blocks of 4 without one, needs at most 3
+    sequences x 2 layers x 5 rows = 30."""
+    from moekv_ref.cache.budget import RowBudget
+
+    prompts = [[1, 2, 3, 4, 5, 6]] * 3
+    params = SamplingParams(max_new_tokens=20)
+    options = dict(cache="paged", block_size=4, budget=RowBudget(4, "window"))
+    with pytest.raises(ValueError) as caught:
+        generate(MODEL, prompts, params, cache="paged", block_size=4, num_blocks=29)
+    assert smallest_pool(str(caught.value)) == 132
+    with pytest.raises(ValueError) as caught:
+        generate(MODEL, prompts, params, num_blocks=29, **options)
+    assert smallest_pool(str(caught.value)) == 30
+    assert [len(t) for t in generate(MODEL, prompts, params, num_blocks=30, **options).tokens] == [20, 20, 20]
