@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from moekv_ref.jsonout import dump
+from moekv_ref.jsonout import write
 
 from .report import Config, bound_bytes, hbm_bandwidth
 
@@ -261,8 +261,7 @@ def main(argv=None) -> None:
         raise SystemExit(NO_GPU_MESSAGE)
     report = run(quick=args.quick)
     print(format_table(report))
-    with open(args.out, "w") as file:
-        dump(report, file, indent=1)
+    write(args.out, report, indent=1)
     print(f"wrote {args.out}")
 
 

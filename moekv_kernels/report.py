@@ -54,8 +54,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from moekv_ref.apps import options
 from moekv_ref.costs import GPUS, SM_LIMITS, gpus_of
-from moekv_ref.jsonout import dump
+from moekv_ref.jsonout import dump, write
 
 from ._utils import Launch, describing_launches, is_interpreting
 
@@ -461,6 +462,10 @@ def main(argv=None) -> None:
     parser.add_argument("--configs", help=argparse.SUPPRESS)  # JSON list of Config fields (child)
     parser.add_argument("--silent", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    try:  # before the compiling (a minute with every configuration): the folder is made if missing
+        options.output_file("--json", args.json, parents_made=True)
+    except ValueError as error:
+        parser.error(str(error))
     if args.configs:
         with open(args.configs) as file:
             configs = [
@@ -473,8 +478,7 @@ def main(argv=None) -> None:
     if not args.silent:
         print(format_table(rows))
     if args.json:
-        with open(args.json, "w") as file:
-            dump(rows, file, indent=1)
+        write(args.json, rows, indent=1)
         if not args.silent:
             print(f"wrote {args.json}")
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 
+from .paths import output_path
+
 
 def strict_json(value):
     """value with every float that is not finite replaced by None, tuples as lists."""
@@ -31,3 +33,8 @@ def dumps(value, **options) -> str:
 def dump(value, handle, **options) -> None:
     """dumps(value) written to an open text file."""
     handle.write(dumps(value, **options))
+
+
+def write(path, value, **options) -> None:
+    """dumps(value) (and a final newline) written to the file at path, its missing folders made."""
+    output_path(path).write_text(dumps(value, **options) + "\n")

@@ -10,6 +10,8 @@ one place so that each problem reads the same wherever it is found, and says wha
 os.stat (which follows links) is asked once and its answer read: Path.exists() answers False for a
 loop of links, which reads as "does not exist", and a FIFO's or a device's size is 0, which reads
 as "empty".
+
+Files a program writes go through `output_path`, which makes their missing folders.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from pathlib import Path
 
 # st_mode tests and what they say a path is, in the order asked
 _KINDS = (
@@ -76,3 +79,12 @@ def check_input_folder(path, name: str, error: type[Exception] = ValueError) -> 
     mode = stat_named(path, name, error).st_mode
     if not stat.S_ISDIR(mode):
         raise error(f"{name} is {kind_of(mode)}, not a directory")
+
+
+def output_path(path) -> Path:
+    """A file about to be written, as a Path, with its missing parent folders made first: every
+    program's --json, --out and figure files go through it, so that `--json runs/x.json` works in a
+    fresh clone, which has no runs/ (options.output_file checked before the run that they can be made)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path

@@ -387,9 +387,10 @@ def test_parallel_cli_refuses_bad_environments(capsys, monkeypatch, environment,
         (["--world-size", "3"], "--world-size 3: must be 2, 4 or 8"),
         (["--world-size", "1"], "--world-size 1: must be 2, 4 or 8"),
         (
-            ["--json", "/nonexistent-folder/parallel.json"],
-            "--json=/nonexistent-folder/parallel.json: its folder /nonexistent-folder does not exist; "
-            "allowed: a file in an existing folder",
+            ["--json", "/dev/null/runs/parallel.json"],
+            "--json=/dev/null/runs/parallel.json: its folder /dev/null/runs cannot be made: /dev/null is a "
+            "character device, not a directory; allowed: a file in a folder this user can write in (made "
+            "if missing)",
         ),
     ],
 )

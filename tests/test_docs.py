@@ -957,3 +957,42 @@ def test_readme_notebook_table_lists_every_notebook_and_its_total_is_the_sum():
     assert {"nearly": hours - 1 < total / 60 < hours, "over": hours < total / 60 < hours + 0.5}.get(
         said[1], abs(total / 60 - hours) <= 0.25
     ), (said.groups(), total)
+
+
+def test_readme_public_api_example_runs_as_written_and_writes_text(capsys):
+    """The README's public-API block, run as written: at temperature 0 the embedded model once
+    answered its prompts with nothing but spaces. Every continuation it makes (the static batch, the
+    engine's, the budgeted one, the engine's own requests) holds more than whitespace, and the
+    continuations it prints are the static batch's."""
+    pytest.importorskip("triton")  # the block loads the model on the Triton backend too
+    from moekv_ref.prompts import decode
+
+    block = re.search(r"## The public API\n\n```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    names = {}
+    exec(compile(block.group(1), "README.md", "exec"), names)
+    texts = [decode(t) for t in names["result"].tokens + names["same"].tokens + names["capped"].tokens]
+    texts += [decode(output.token_ids) for output in names["outputs"]]
+    assert len(texts) == 7 and all(text.strip() for text in texts), texts
+    assert names["same"].tokens == names["result"].tokens
+    printed = capsys.readouterr().out
+    assert printed == f"{[decode(t) for t in names['result'].tokens]}\n"
+
+
+def test_readme_parallel_failure_times_are_the_default_timeouts():
+    """The README's promise of how soon every rank exits after a fault: within 30 s once every rank
+    has joined (a collective's timeout, then the settle and the grace), but a fault during start-up
+    waits out the start timeout, so about 125 s there."""
+    from moekv_ref.parallel import launcher
+    from moekv_ref.parallel.comm import SETTLE_S
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    after = SETTLE_S + launcher.DEFAULT_GRACE_S
+    start = launcher.DEFAULT_START_TIMEOUT_S
+    sentence = (
+        f"at the default timeouts within 30 s once every rank has joined the process group "
+        f"({launcher.DEFAULT_TIMEOUT_S:g} s per collective, then {after:g} s to settle and end the others), "
+        f"and within about {start + after:g} s when a rank hangs or stops during start-up, before every "
+        f"rank has joined (the {start:g} s start timeout, then up to {after:g} s more)."
+    )
+    assert sentence in text
+    assert launcher.DEFAULT_TIMEOUT_S + after <= 30

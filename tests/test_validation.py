@@ -822,9 +822,10 @@ OPTION_CASES = [
         "--skip-prefix-cache would be ignored",
     ),
     (
-        "bench eviction --json in a missing folder",
-        ["bench", "eviction", "--json", "/nonexistent/e.json"],
-        "--json=/nonexistent/e.json: its folder /nonexistent does not exist",
+        "bench eviction --json in a folder that cannot be made",
+        ["bench", "eviction", "--json", "/dev/null/runs/e.json"],
+        "--json=/dev/null/runs/e.json: its folder /dev/null/runs cannot be made: /dev/null is a character "
+        "device, not a directory",
     ),
     (
         "bench eviction --host-blocks 1.5",
@@ -854,9 +855,9 @@ OPTION_CASES = [
     ),
     ("bench serving --seed -1", ["bench", "serving", "--seed", "-1"], "--seed=-1"),
     (
-        "bench serving --json in a missing folder",
-        ["bench", "serving", "--json", "/nonexistent/s.json"],
-        "does not exist",
+        "bench serving --json in a folder that cannot be made",
+        ["bench", "serving", "--json", "/dev/null/runs/s.json"],
+        "cannot be made: /dev/null is a character device",
     ),
     (
         "bench step --rounds 0",

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -56,6 +55,7 @@ from ..costs import cluster_cost_model
 from ..engine.scheduler import RESERVATIONS
 from ..engine.victims import VICTIM_POLICIES
 from ..jsonout import dump
+from ..paths import output_path
 from ..sim.eviction import EvictionSetup, TraceRunner
 from ..sim.traces import conversation_lengths, conversation_turns, synthetic_trace, topic_trace
 from ..sim.workloads import (
@@ -435,16 +435,58 @@ SPEED_MEAN_OUTPUT = 256
 SPEED_MAX_NUM_SEQS = 256
 SPEED_MAX_BATCHED_TOKENS = 8192
 
-# Runs in a fresh process with a checkout's root on sys.path, using only what every version of the
-# runner has had: a synthetic trace, TraceRunner(trace, placement, setup, policy, cost) with step
-# costs off, run(). Its arguments: a shape of SPEED_SHAPES, the requests, then the workload.
+# Runs in a fresh process (`python -I`: no PYTHONPATH, no user site, not the current folder) that imports
+# moekv_ref from one checkout's root and nowhere else, using only what every version of the runner has
+# had: a synthetic trace, TraceRunner(trace, placement, setup, policy, cost) with step costs off,
+# run(). This checkout is installed in editable mode, and the installer's import finder (the
+# __editable__ finder in site-packages) would otherwise fill in every module the other root lacks
+# with this checkout's own, and time this code under the other's name; OnlyFromRoot stops that, and
+# every moekv_ref or moekv_kernels module loaded is checked to lie under the root. Its arguments: the
+# root, then "check" (import and check only), or a shape of SPEED_SHAPES, the requests and the workload.
 SPEED_WORKER = """
-import json, sys, time
-import torch
+import importlib.machinery, json, os, sys, time
+root = os.path.realpath(sys.argv[1])
+PACKAGES = ("moekv_ref", "moekv_kernels")
+
+
+class OnlyFromRoot:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.partition(".")[0] not in PACKAGES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, [root] if path is None else path)
+        if spec is None:
+            raise ModuleNotFoundError(f"{name} is not there", name=name)
+        return spec
+
+
+def outside_root():
+    found = []
+    for name, module in sorted(sys.modules.items()):
+        if name.partition(".")[0] in PACKAGES:
+            places = [module.__file__] if getattr(module, "__file__", None) else []
+            places += list(getattr(module, "__path__", []))
+            found += [f"{name} from {p}" for p in places if not os.path.realpath(p).startswith(root + os.sep)]
+    return found
+
+
+sys.meta_path.insert(0, OnlyFromRoot)
+sys.path.insert(0, root)
+try:
+    import torch
+    from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
+    from moekv_ref.sim.traces import synthetic_trace
+except ImportError as error:
+    print(json.dumps({"not_in_checkout": f"importing {error.name or 'a module'} failed: {error}"}))
+    sys.exit(3)
+if outside_root():
+    print(json.dumps({"not_in_checkout": "modules loaded from elsewhere: " + ", ".join(outside_root())}))
+    sys.exit(3)
+if sys.argv[2] == "check":
+    print(json.dumps({"modules": sorted(n for n in sys.modules if n.partition(".")[0] in PACKAGES)}))
+    sys.exit(0)
 torch.set_num_threads(1)
-from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
-from moekv_ref.sim.traces import synthetic_trace
-L, E, K, D, blocks, n, mean_prompt, mean_output, max_num_seqs, max_batched = (int(x) for x in sys.argv[1:11])
+L, E, K, D, blocks, n, mean_prompt, mean_output, max_num_seqs, max_batched = (int(x) for x in sys.argv[2:12])
 trace = synthetic_trace(n, L, E, K, mean_prompt=mean_prompt, mean_output=mean_output, seed=0)
 setup = EvictionSetup(blocks_per_device=blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched)
 runner = TraceRunner(trace, torch.arange(E) % D, setup, "sequence_lru", None)
@@ -455,16 +497,42 @@ wall = time.perf_counter() - started
 print(json.dumps({"wall_seconds": wall, "steps": stats.num_steps, "max_running": int(stats.num_running.max()),
                   "evictions": stats.num_evictions, "blocks_in_use_summed": int(stats.used_blocks.sum())}))
 """
+# the files of a checkout the worker imports by name (what they import is checked when it runs)
+SPEED_WORKER_FILES = ("moekv_ref/__init__.py", "moekv_ref/sim/eviction.py", "moekv_ref/sim/traces.py")
+
+
+def run_speed_worker(root: Path, arguments: list[str]) -> dict:
+    """The last line SPEED_WORKER prints, as a dict, run on the checkout at root. ValueError when
+    root is not a whole checkout: a module the worker needs is not there, or came from elsewhere."""
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", SPEED_WORKER, str(root), *arguments],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    lines = done.stdout.strip().splitlines()
+    answer = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+    if "not_in_checkout" in answer:
+        raise ValueError(
+            f"--against={root} is not a complete checkout of this repository: {answer['not_in_checkout']}; "
+            "allowed: the root of a checkout"
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"the speed run at {root} failed:\n{done.stderr[-3000:]}")
+    return answer
+
+
+def check_speed_checkout(root: Path) -> list[str]:
+    """The moekv_ref and moekv_kernels modules the speed worker loads at root, all of them from root
+    (ValueError otherwise, before anything is timed)."""
+    return run_speed_worker(root, ["check"])["modules"]
 
 
 def speed_run(root: Path, shape: tuple, num_requests: int) -> dict:
     """One timed run of the trace runner of the checkout at `root` (module comment above)."""
-    env = dict(os.environ, PYTHONPATH=str(root))
-    done = subprocess.run(
+    result = run_speed_worker(
+        root,
         [
-            sys.executable,
-            "-c",
-            SPEED_WORKER,
             *map(str, shape),
             str(num_requests),
             str(SPEED_MEAN_PROMPT),
@@ -472,13 +540,7 @@ def speed_run(root: Path, shape: tuple, num_requests: int) -> dict:
             str(SPEED_MAX_NUM_SEQS),
             str(SPEED_MAX_BATCHED_TOKENS),
         ],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
     )
-    result = json.loads(done.stdout.strip().splitlines()[-1])
     return result | {
         "requests_per_second": num_requests / result["wall_seconds"],
         "steps_per_second": result["steps"] / result["wall_seconds"],
@@ -487,8 +549,11 @@ def speed_run(root: Path, shape: tuple, num_requests: int) -> dict:
 
 def measure_speed(num_requests: int, against: Path | None) -> dict:
     """Both shapes, this checkout and `against` (if given) in turn, who goes first alternating: the
-    same traces and decisions (the blocks in use, summed over steps, must agree), wall seconds."""
+    same traces and decisions (the blocks in use, summed over steps, must agree), wall seconds. Each
+    run imports only its own checkout's code; `against` is checked to be whole before anything runs."""
     roots = {"this": REPOSITORY} | ({"against": against.resolve()} if against is not None else {})
+    if against is not None:
+        check_speed_checkout(roots["against"])
     rows = []
     for i, shape in enumerate(tqdm(SPEED_SHAPES, desc="speed", unit="shape", disable=None)):
         order = list(roots) if i % 2 == 0 else list(roots)[::-1]
@@ -702,7 +767,7 @@ def build_parser(parser=None):
 
 
 def check_args(args) -> None:
-    options.output_file("--json", args.json)
+    options.output_file("--json", args.json, parents_made=True)
     if args.against is not None and not args.speed:
         raise ValueError("--against applies to --speed only")
     if args.speed + args.scale + args.sessions > 1:
@@ -715,6 +780,12 @@ def check_args(args) -> None:
     if args.against is not None and not (args.against / "moekv_ref" / "__init__.py").is_file():
         raise ValueError(
             f"--against={args.against} has no moekv_ref package; allowed: the root of a checkout"
+        )
+    missing = [name for name in SPEED_WORKER_FILES if args.against and not (args.against / name).is_file()]
+    if missing:
+        raise ValueError(
+            f"--against={args.against} is not a complete checkout of this repository: it lacks "
+            f"{', '.join(missing)}; allowed: the root of a checkout"
         )
     if args.requests is not None:
         options.count("--requests", args.requests, 1)
@@ -829,6 +900,6 @@ def main(args) -> int:
 def write_result(result: dict, path: str | None) -> None:
     """The result as strict JSON (no Infinity or NaN: null), if a path was given."""
     if path:
-        with open(path, "w") as f:
+        with open(output_path(path), "w") as f:
             dump(result, f, indent=1)
         print(f"\nwrote {path}")

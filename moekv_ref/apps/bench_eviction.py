@@ -44,6 +44,7 @@ from ..engine.scheduler import SchedulerConfig
 from ..engine.swap import SwapSpace
 from ..engine.workload import few_shot_workload, make_workload, run_workload
 from ..jsonout import dump
+from ..paths import output_path
 from ..placement import place_layers
 from ..plots.tables import text_table
 from ..sim.density import density_sweep, mean_blocks_at_context
@@ -644,7 +645,7 @@ def check_args(args) -> None:
     """Every option, before anything runs. --only-prefix-cache runs one part: the options of the
     others would be ignored, so they are refused. --blocks-per-device must serve at least one request
     of the workload alone (smallest_pool_serving_a_request: the workload is built to find it, ~1 s)."""
-    options.output_file("--json", args.json)
+    options.output_file("--json", args.json, parents_made=True)
     if args.optimum:
         given = [
             f"--{name.replace('_', '-')}"
@@ -799,7 +800,7 @@ def main(args) -> int:
 
 def _write_json(path, out: dict) -> int:
     if path:
-        with open(path, "w") as f:
+        with open(output_path(path), "w") as f:
             dump(out, f, indent=1)
         print(f"wrote {path}")
     return 0

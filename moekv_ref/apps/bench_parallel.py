@@ -28,6 +28,7 @@ from ..parallel.kv_placements import KV_PLACEMENTS
 from ..parallel.launcher import FAULT_ENV, fault_from_environment
 from ..parallel.locality import attention_routing_of_text, compare_placements, format_placement_table
 from ..parallel.programs import run_parallel, total_bytes, total_traffic
+from ..paths import output_path
 from ..plots.tables import text_table
 from . import options as checks
 from . import parallel_options as options
@@ -70,7 +71,7 @@ def check_args(args) -> None:
     for problem in options.positions_problems(args.contexts, args.decode_steps, "--contexts"):
         raise ValueError(problem)
     checks.distinct("--contexts", args.contexts, "each context of the sweep runs once")
-    checks.output_file("--json", args.json)
+    checks.output_file("--json", args.json, parents_made=True)
     check_fault(args.world_size)
 
 
@@ -230,7 +231,7 @@ def main(args) -> int:
     print("sources: " + "; ".join(sorted({s for p in projections for s in p["sources"].values()})))
     print(f"\n{time.perf_counter() - start:.0f} s")
     if args.json:
-        with open(args.json, "w") as handle:
+        with open(output_path(args.json), "w") as handle:
             dump(
                 {
                     "world_size": args.world_size,

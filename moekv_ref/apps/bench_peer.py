@@ -51,6 +51,7 @@ from ..engine import generate_with_engine
 from ..generate import generate
 from ..jsonout import dumps
 from ..model import MoEKVTransformer
+from ..paths import output_path
 from ..sampling import SamplingParams
 from . import options
 
@@ -253,7 +254,7 @@ def check_args(args) -> None:
     options.count("--prompt-len", args.prompt_len, 1, positions - 1)
     options.count("--max-new-tokens", args.max_new_tokens, 1, positions - args.prompt_len)
     options.seed("--seed", args.seed)
-    options.output_file("--json", args.json)
+    options.output_file("--json", args.json, parents_made=True)
 
 
 def main(args) -> int:
@@ -266,5 +267,5 @@ def main(args) -> int:
     result = measure(args.num_seqs, args.max_new_tokens, args.prompt_len, args.rounds, args.seed)
     print(format_result(result))
     if args.json is not None:
-        args.json.write_text(dumps(result, indent=2) + "\n")
+        output_path(args.json).write_text(dumps(result, indent=2) + "\n")
     return 0 if all(p["identical_tokens"] for p in result["paths"].values()) else 1

@@ -36,6 +36,7 @@ from ..engine import LLMEngine, SchedulerConfig
 from ..engine.workload import make_workload, run_workload
 from ..jsonout import dump
 from ..model import MoEKVTransformer
+from ..paths import output_path
 from ..validation import MAX_INT32
 from . import options
 
@@ -262,7 +263,7 @@ def check_args(args) -> None:
     options.block_size("--block-size", args.block_size)
     options.seed("--seed", args.seed)
     options.count("--budget", args.budget, 1, MAX_INT32, meaning="tokens per (sequence, layer, expert) row")
-    options.output_file("--json", args.json)
+    options.output_file("--json", args.json, parents_made=True)
 
 
 def main(args) -> int:
@@ -281,7 +282,7 @@ def main(args) -> int:
     report = run_serving_benchmark(model, block_size=args.block_size, seed=args.seed, budget=budget, **sizes)
     print(format_serving_report(report))
     if args.json:
-        with open(args.json, "w") as handle:
+        with open(output_path(args.json), "w") as handle:
             dump(report, handle, indent=2)
         print(f"wrote {args.json}")
     return 0

@@ -309,7 +309,7 @@ def check_args(args) -> None:
     options.count("--rounds", args.rounds, 1)
     if getattr(args, "profile", False) and args.against is not None:
         raise ValueError("--profile runs this checkout only; drop --against")
-    options.output_file("--json", args.json)
+    options.output_file("--json", args.json, parents_made=True)
     longest = max(len(p) for p in prompts(args.num_seqs))
     options.count(
         "--max-new-tokens",
@@ -328,13 +328,20 @@ def strict_json(result: dict) -> str:
     return dumps(result, indent=2) + "\n"
 
 
+def write_json(path, result: dict) -> None:
+    """strict_json(result) written to path, its missing folders made (moekv_ref/paths.py)."""
+    from moekv_ref.paths import output_path
+
+    output_path(path).write_text(strict_json(result))
+
+
 def main(args) -> int:
     check_args(args)
     if args.profile:
         result = profile(args.num_seqs, args.max_new_tokens, args.rounds)
         print(format_profile(result))
         if args.json is not None:
-            args.json.write_text(strict_json(result))
+            write_json(args.json, result)
         return 0
     try:
         result = measure(args.against, args.num_seqs, args.max_new_tokens, args.rounds)
@@ -357,7 +364,7 @@ def main(args) -> int:
             f"(quartiles {low:.2f}-{high:.2f})"
         )
     if args.json is not None:
-        args.json.write_text(strict_json(result))
+        write_json(args.json, result)
     return 0
 
 

@@ -50,6 +50,15 @@ from . import (
 # and its text keeps Python's shape (calls, `self.`, indented lines).
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 0.9
+# torch threads of `generate`: one decode step of the tiny model is small work, and an intra-op thread
+# that waits for a core another process holds stalls every step. 64 tokens (the whole command) on a
+# two-core machine under a load of 5: 3.9-6.4 s on one thread, 7.2-37.5 s on two (torch's default
+# there: a thread a core).
+GENERATE_THREADS = 1
+INTERPRETER_NOTICE = (
+    "note: --backend triton without a GPU runs the kernels in Triton's CPU interpreter "
+    "(TRITON_INTERPRET=1), much slower than --backend torch: minutes for 64 tokens, not seconds"
+)
 
 
 def _check_model_options(args) -> None:
@@ -86,6 +95,7 @@ def check_generate(args) -> None:
         "--top-p", args.top_p, 0, 1, low_open=True, meaning="nucleus sampling: the probability mass kept"
     )
     options.seed("--seed", args.seed)
+    options.count("--threads", args.threads, 1, meaning="torch threads while generating")
     limit = get_config("tiny").max_position_embeddings
     options.count("--max-new-tokens", args.max_new_tokens, 1, limit)
     options.utf8_text("--prompt", args.prompt)
@@ -120,6 +130,22 @@ def cmd_generate(args) -> int:
     )
     prompt = encode(args.prompt)
     model = _load_model(args, args.backend)
+    if args.backend == "triton":
+        # the load imported moekv_kernels, which sets TRITON_INTERPRET=1 where no GPU is visible
+        from moekv_kernels._utils import is_interpreting
+
+        if is_interpreting():
+            print(INTERPRETER_NOTICE, file=sys.stderr, flush=True)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _generate_and_report(args, model, prompt, params)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _generate_and_report(args, model, prompt: list[int], params: SamplingParams) -> int:
+    """cmd_generate's work once the model is loaded: stream (or collect) the tokens, then report."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span tokens
 
     def stream(_, token):
@@ -201,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         "Linux only, where triton has wheels)",
     )
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=GENERATE_THREADS,
+        help=f"torch threads while generating (default {GENERATE_THREADS}: on a small or busy machine more "
+        "threads wait for cores and slow every step)",
+    )
     g.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
     g.add_argument(
         "--temperature",

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ..checkpoint import DEFAULT_CHECKPOINT, save_checkpoint
 from ..config import get_config
 from ..model import MoEKVTransformer
+from ..paths import output_path
 from ..routing import Routing
 from . import options
 
@@ -202,14 +203,14 @@ def train(
         "context": context,
         "corpus": "CPython stdlib top-level *.py",
     }
-    save_checkpoint(model, out, metadata)
+    save_checkpoint(model, output_path(out), metadata)
     print(f"saved {out} ({out.stat().st_size / 1e6:.1f} MB)")
     return model
 
 
 def check_args(args) -> None:
     """--out is written after the training's minutes: checked before they start."""
-    options.output_file("--out", args.out)
+    options.output_file("--out", args.out, parents_made=True)
 
 
 def main(argv=None):
