@@ -36,6 +36,16 @@ MAX_BLOCKS = MAX_INT32  # block tables are int32, and their padding entry is the
 MAX_BLOCK_SIZE = 256  # the largest block the memory benchmark sweeps and notebook 03 offers
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes up to 2**64 - 1; the engine's bound
 IDS_ALLOWED = "integer ids (an integer tensor or array, a list of ints, or one int)"
+# `bench serving` serves every request through the model on this machine, once per design (three, five
+# with --budget), at a few hundred tokens a second: 4,096 requests of its default lengths take about an
+# hour. Beyond that the benchmark measures nothing more; it only runs for days.
+MAX_SERVING_REQUESTS = 4096
+# The cluster simulator's routing traces keep every token's experts (int16, layers x top-k: 96 bytes a
+# token for JetMoE's 24 layers, top-2) plus what building them takes: about 0.2 MB a request of the
+# published lengths (1,400 tokens on average, measured), so 10^5 requests fill some 20 GB and take half
+# an hour to build. --scale's compact trace keeps one int32 a token: 10^6 requests of its 768 tokens, 3 GB.
+MAX_TRACE_REQUESTS = 100_000
+MAX_COMPACT_TRACE_REQUESTS = 1_000_000
 
 _SHORT = reprlib.Repr()  # a refused value as a message quotes it: bounded, however large or deep
 _SHORT.maxlevel = 3

@@ -63,5 +63,5 @@ def test_a_budget_makes_the_reservation_exact_and_small():
     assert budgeted["preemptions"] == 0 and budgeted["refused"] == 0
     assert budgeted["max_concurrent_sequences"] > reserved["max_concurrent_sequences"]
     assert report["same_tokens_in_every_budgeted_design"]
-    assert report["budget"] == {"max_tokens": 4, "policy": "window", "num_sinks": 4}
+    assert report["budget"] == {"max_tokens": 4, "policy": "window", "num_sinks": 3}  # one slot moves
     assert all(0 < row["mean_used_fraction"] <= 1 for row in report["designs"].values())

@@ -69,7 +69,7 @@ from ..sim.workloads import (
     session_arrivals,
     session_workloads,
 )
-from ..validation import is_integer
+from ..validation import MAX_COMPACT_TRACE_REQUESTS, MAX_TRACE_REQUESTS, is_integer
 from . import options
 from .bench_step import REPOSITORY, commit_of
 
@@ -92,8 +92,41 @@ SESSION_WORKLOAD = "lmsys_chat_1m"
 GIB_PER_DEVICE = (0.5, 1.0)  # KV memory per GPU of a sweep: small, so that memory binds
 SESSION_RATES = (200.0, 800.0)  # sessions per second of --sessions
 SESSION_GIB_PER_DEVICE = (0.125, 0.5)  # its memories: where cached blocks outlive a think time, and not
+H200_GIB = 141e9 / 2**30  # an H200's memory (141 GB), the most KV memory one of its GPUs could have
 MAX_DEVICES = 1024  # the most GPUs a sweep takes (groups of 8 are simulated one after another)
 THINK_SECONDS = 5.0  # the mean pause between a turn's end and the next turn (not published: a setting)
+WORKLOAD = "azure_conversation_2023"  # the sweep's published lengths
+QUICK_REQUESTS = 40  # --quick's requests (or sessions)
+# The options left out, as each program reads them (the parser's defaults are None, so that an option
+# given to a program that does not read it can be told apart from one left out, and refused)
+DEFAULTS = {
+    "workload": WORKLOAD,
+    "devices": [8],
+    "arrivals": ["poisson"],
+    "reservations": list(RESERVATIONS),
+    "policies": list(POLICIES),
+    "max_num_seqs": 256,
+    "seed": 0,
+    "think_seconds": THINK_SECONDS,
+    "threads": 2,
+}
+# The programs each option is read by: the sweep (no --speed, --scale or --sessions), --sessions (one
+# group, Poisson arrivals, sequence_lru, worst-case reservation: its own grid), --speed and --scale
+# (fixed shapes and workloads of synthetic traces); --requests and --json are read by all four.
+READ_BY = {
+    "--workload": ("sweep",),
+    "--devices": ("sweep", "--sessions"),
+    "--gib-per-device": ("sweep", "--sessions"),
+    "--rates": ("sweep", "--sessions"),
+    "--arrivals": ("sweep",),
+    "--reservations": ("sweep",),
+    "--policies": ("sweep",),
+    "--max-num-seqs": ("sweep", "--sessions"),
+    "--seed": ("sweep", "--sessions"),
+    "--quick": ("sweep", "--sessions"),
+    "--think-seconds": ("--sessions",),
+    "--threads": ("--scale",),
+}
 
 
 def model_trace(lengths: tuple, seed: int, name: str):
@@ -686,19 +719,20 @@ def build_parser(parser=None):
         "--requests",
         type=int,
         default=None,
-        help="requests of the workload (default 150; with --speed, 1000 unless given)",
+        help=f"requests of the workload (default {REQUESTS}; with --speed {SPEED_REQUESTS}, with --scale "
+        f"{SCALE_REQUESTS:,})",
     )
     parser.add_argument(
         "--workload",
-        default="azure_conversation_2023",
-        help=f"published lengths: one of {tuple(length_workloads())}",
+        default=None,
+        help=f"published lengths: one of {tuple(length_workloads())} (default {WORKLOAD})",
     )
     parser.add_argument(
         "--devices",
         type=int,
         nargs="+",
-        default=[8],
-        help="GPUs: 1, 2, 4 or 8 (one expert-parallel group), or a multiple of 8 (groups of 8, requests "
+        default=None,
+        help="GPUs (default 8): 1, 2, 4 or 8 (one expert-parallel group), or a multiple of 8 (groups of 8, requests "
         "handed out in turn; --requests and --rates are per group)",
     )
     parser.add_argument(
@@ -717,19 +751,21 @@ def build_parser(parser=None):
         help=f"mean arrival rates, requests per second (default {RATES}; with --sessions, sessions "
         f"per second, default {SESSION_RATES})",
     )
-    parser.add_argument("--arrivals", nargs="+", default=["poisson"], help=f"arrival processes: {ARRIVALS}")
+    parser.add_argument(
+        "--arrivals", nargs="+", default=None, help=f"arrival processes: {ARRIVALS} (default poisson)"
+    )
     parser.add_argument(
         "--reservations",
         nargs="+",
-        default=list(RESERVATIONS),
+        default=None,
         help=f"the scheduler's reservation strategies (default {RESERVATIONS})",
     )
+    parser.add_argument("--policies", nargs="+", default=None, help=f"victim policies (default {POLICIES})")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default 256")
+    parser.add_argument("--seed", type=int, default=None, help="default 0")
     parser.add_argument(
-        "--policies", nargs="+", default=list(POLICIES), help=f"victim policies (default {POLICIES})"
+        "--quick", action="store_true", help=f"{QUICK_REQUESTS} requests, the first memory and rate"
     )
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="40 requests, one memory, one rate")
     parser.add_argument(
         "--speed",
         action="store_true",
@@ -743,7 +779,7 @@ def build_parser(parser=None):
     parser.add_argument(
         "--think-seconds",
         type=float,
-        default=THINK_SECONDS,
+        default=None,
         help=f"with --sessions: mean seconds between a turn's end and the next turn (default {THINK_SECONDS})",
     )
     parser.add_argument(
@@ -754,7 +790,7 @@ def build_parser(parser=None):
     parser.add_argument(
         "--threads",
         type=int,
-        default=2,
+        default=None,
         help="with --scale: torch threads (default 2, a two-core laptop)",
     )
     parser.add_argument(
@@ -772,6 +808,8 @@ def check_args(args) -> None:
         raise ValueError("--against applies to --speed only")
     if args.speed + args.scale + args.sessions > 1:
         raise ValueError("--speed, --scale and --sessions are three programs: give one")
+    check_read(args)
+    args = with_defaults(args)
     options.real("--think-seconds", args.think_seconds, 0.0)
     if args.sessions and (len(args.devices) != 1 or num_groups(args.devices[0]) > 1):
         raise ValueError(f"--sessions serves one group: give one --devices of at most 8, not {args.devices}")
@@ -787,8 +825,6 @@ def check_args(args) -> None:
             f"--against={args.against} is not a complete checkout of this repository: it lacks "
             f"{', '.join(missing)}; allowed: the root of a checkout"
         )
-    if args.requests is not None:
-        options.count("--requests", args.requests, 1)
     options.count("--max-num-seqs", args.max_num_seqs, 1)
     options.seed("--seed", args.seed)
     if args.workload not in length_workloads():
@@ -801,9 +837,19 @@ def check_args(args) -> None:
                 f"{[n for n in range(1, experts + 1) if experts % n == 0]}) or be a multiple of {experts} "
                 f"(groups of {experts}), at most {MAX_DEVICES}"
             )
-    for name, values in (("--gib-per-device", args.gib_per_device or ()), ("--rates", args.rates or ())):
-        for value in values:
-            options.real(name, value, 0.0, low_open=True)
+    check_requests(args)
+    least = least_blocks_per_device(args.devices)
+    for value in args.gib_per_device or ():
+        options.real(
+            "--gib-per-device",
+            value,
+            least * block_bytes() / 2**30,
+            H200_GIB,
+            meaning=f"one token takes {least} blocks of {block_bytes() // 1024} KiB on a GPU of --devices "
+            f"{' '.join(map(str, args.devices))}; at most an H200's 141 GB",
+        )
+    for value in args.rates or ():
+        options.real("--rates", value, 0.0, low_open=True)
     for process in args.arrivals:
         if process not in ARRIVALS:
             raise ValueError(f"--arrivals {process!r} is not one of {ARRIVALS}")
@@ -826,7 +872,87 @@ def check_args(args) -> None:
         options.distinct(name, values, "each setting of the grid runs once")
 
 
+def check_read(args) -> None:
+    """ValueError for an option given to a program that does not read it (READ_BY), naming both, and
+    for --quick beside what it sets."""
+    program = (
+        "--sessions" if args.sessions else "--speed" if args.speed else "--scale" if args.scale else "sweep"
+    )
+    for option, programs in READ_BY.items():
+        value = getattr(args, option[2:].replace("-", "_"))
+        if value not in (None, False) and program not in programs:
+            runs = "the sweep (none of --speed, --scale, --sessions)" if program == "sweep" else program
+            readers = " and ".join("the sweep" if p == "sweep" else p for p in programs)
+            raise ValueError(
+                f"{option} applies to {readers}, not to {runs}: it would be ignored; drop {option}"
+            )
+    if args.quick and args.requests is not None:
+        raise ValueError(
+            f"--quick sets its own --requests ({QUICK_REQUESTS}): give either --quick or --requests"
+        )
+    for option, values in (("--gib-per-device", args.gib_per_device), ("--rates", args.rates)):
+        if args.quick and values is not None and len(values) > 1:
+            raise ValueError(
+                f"--quick runs the first of {option} only: give --quick one {option}, not {len(values)}"
+            )
+
+
+def with_defaults(args) -> argparse.Namespace:
+    """args with every option left out (None) set to what the programs read (DEFAULTS)."""
+    filled = argparse.Namespace(**vars(args))
+    for name, value in DEFAULTS.items():
+        if getattr(filled, name) is None:
+            setattr(filled, name, value)
+    return filled
+
+
+def block_bytes() -> int:
+    """Bytes of one block of BLOCK_SIZE tokens of MODEL's K/V."""
+    return BLOCK_SIZE * get_config(MODEL).kv_bytes_per_entry()
+
+
+def least_blocks_per_device(devices: list[int]) -> int:
+    """The fewest blocks per GPU that hold one token on every GPU of a group of each D of `devices`: a
+    block in each of the token's rows there, every layer (the pool's own rule)."""
+    config = get_config(MODEL)
+    experts = config.num_attention_experts
+    most = 0
+    for d in devices:
+        on_each = experts // (d // num_groups(d))  # a group's experts per GPU
+        most = max(most, config.num_hidden_layers * min(on_each, config.num_attention_experts_per_tok))
+    return most
+
+
+def check_requests(args) -> None:
+    """--requests (given, or a program's default) within the trace bounds of validation.py: the sweep
+    builds a trace for each --devices of requests x its groups, all kept; --scale a compact trace."""
+    if args.scale:
+        options.count(
+            "--requests",
+            args.requests,
+            1,
+            MAX_COMPACT_TRACE_REQUESTS,
+            meaning="--scale's compact trace keeps 4 bytes a token",
+        )
+        return
+    meaning = "a routing trace keeps every token's experts, about 0.2 MB a request"
+    options.count("--requests", args.requests, 1, MAX_TRACE_REQUESTS, meaning=meaning)
+    if args.speed or args.sessions:
+        return
+    requests = args.requests or (QUICK_REQUESTS if args.quick else REQUESTS)
+    groups = sum(num_groups(d) for d in args.devices)
+    if requests * groups > MAX_TRACE_REQUESTS:
+        given = f"--requests={requests}" if args.requests else f"--requests (default {requests})"
+        raise ValueError(
+            f"{given} with --devices {' '.join(map(str, args.devices))} is not allowed: the sweep builds "
+            f"{groups} groups' traces of {requests} requests each, {requests * groups:,} in all; allowed: "
+            f"at most {MAX_TRACE_REQUESTS:,} in all (--requests at most {MAX_TRACE_REQUESTS // groups:,} "
+            f"here; {meaning})"
+        )
+
+
 def main(args) -> int:
+    args = with_defaults(args)
     if args.scale:
         result = measure_scale(args.requests or SCALE_REQUESTS, args.threads)
         print_scale(result)
@@ -842,7 +968,7 @@ def main(args) -> int:
     rates = args.rates or list(SESSION_RATES if args.sessions else RATES)
     if args.sessions:
         if args.quick:
-            requests = 40
+            requests = QUICK_REQUESTS
             gib_per_device = gib_per_device[:1]
             rates = rates[:1]
         result = measure_sessions(
@@ -852,7 +978,7 @@ def main(args) -> int:
         write_result(result, args.json)
         return 0
     if args.quick:
-        requests = 40
+        requests = QUICK_REQUESTS
         gib_per_device = gib_per_device[:1]
         rates = rates[:1]
     # D GPUs serve num_groups(D) times the requests: one trace per device count

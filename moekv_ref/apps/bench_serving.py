@@ -37,7 +37,7 @@ from ..engine.workload import make_workload, run_workload
 from ..jsonout import dump
 from ..model import MoEKVTransformer
 from ..paths import output_path
-from ..validation import MAX_INT32
+from ..validation import MAX_INT32, MAX_SERVING_REQUESTS
 from . import options
 
 DESIGNS = ("static", "continuous_reserved", "continuous_paged")
@@ -223,7 +223,10 @@ QUICK = dict(num_requests=8, prompt_len=(8, 64), output_len=(8, 32), num_blocks=
 def build_parser(parser):
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
     parser.add_argument(
-        "--num-requests", type=int, default=None, help="requests in the workload (default 32)"
+        "--num-requests",
+        type=int,
+        default=None,
+        help=f"requests in the workload (default 32, at most {MAX_SERVING_REQUESTS})",
     )
     parser.add_argument(
         "--num-blocks", type=int, default=None, help="the memory budget every design gets (default 1024)"
@@ -242,8 +245,8 @@ def build_parser(parser):
     parser.add_argument(
         "--budget-policy",
         choices=BUDGET_POLICIES,
-        default="window",
-        help="what a full row does (with --budget)",
+        default=None,
+        help="what a full row does (with --budget; default window)",
     )
     return parser
 
@@ -256,13 +259,23 @@ def check_args(args) -> None:
         raise ValueError("--quick sets its own --num-requests and --num-blocks: give either --quick or those")
     config = get_config("tiny").with_routing(args.routing)
     least = config.num_hidden_layers * config.num_attention_experts_per_tok
-    options.count("--num-requests", args.num_requests, 1)
+    options.count(
+        "--num-requests",
+        args.num_requests,
+        1,
+        MAX_SERVING_REQUESTS,
+        meaning=f"{MAX_SERVING_REQUESTS} take about an hour to serve on a CPU",
+    )
     options.blocks(
         "--num-blocks", args.num_blocks, least, meaning=f"one token of one sequence takes {least} blocks"
     )
     options.block_size("--block-size", args.block_size)
     options.seed("--seed", args.seed)
     options.count("--budget", args.budget, 1, MAX_INT32, meaning="tokens per (sequence, layer, expert) row")
+    if args.budget_policy is not None and args.budget is None:
+        raise ValueError(
+            f"--budget-policy {args.budget_policy} applies to --budget, which is not given: add --budget B"
+        )
     options.output_file("--json", args.json, parents_made=True)
 
 
@@ -278,7 +291,8 @@ def main(args) -> int:
         )
     )
     model = load_checkpoint(args.checkpoint, get_config("tiny").with_routing(args.routing))
-    budget = None if args.budget is None else RowBudget(args.budget, args.budget_policy)
+    policy = "window" if args.budget_policy is None else args.budget_policy
+    budget = None if args.budget is None else RowBudget(args.budget, policy)
     report = run_serving_benchmark(model, block_size=args.block_size, seed=args.seed, budget=budget, **sizes)
     print(format_serving_report(report))
     if args.json:

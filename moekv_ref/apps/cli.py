@@ -297,7 +297,7 @@ def main(argv=None) -> int:
     """Run one command. A bad option is parser.error (usage, `error: ...`, exit status 2) before the
     command starts; an error while it runs (a missing checkpoint, every request refused) prints
     `error: ...` and returns 2."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(options.signed_values(argv))
     options.fail_on(args.command_parser, args.check, args)
     try:
         return args.func(args)

@@ -15,6 +15,7 @@ import errno
 import math
 import os
 import stat
+import sys
 import tempfile
 from pathlib import Path
 
@@ -220,10 +221,39 @@ def utf8_text(option: str, value) -> None:
         ) from None
 
 
+def signed_values(argv=None) -> list[str]:
+    """argv (None: sys.argv[1:]) with each `--option VALUE` whose VALUE is a number written with a
+    leading minus (-inf, -1e3, -nan) joined into `--option=VALUE`. argparse reads only -1 and -0.5 as
+    negative numbers and takes any other word that starts with "-" for an option, so that
+    `--temperature -inf` would end in "expected one argument" instead of the option's own rule."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    joined = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        following = argv[i + 1] if i + 1 < len(argv) else ""
+        if word.startswith("--") and "=" not in word and following.startswith("-") and _is_number(following):
+            joined.append(f"{word}={following}")
+            i += 2
+        else:
+            joined.append(word)
+            i += 1
+    return joined
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_checked(parser: argparse.ArgumentParser, argv=None, check=None) -> argparse.Namespace:
     """parser.parse_args(argv), then check(args) (a module's check_args) with a ValueError turned into
-    parser.error: usage and `error: ...` on stderr, exit status 2, before the command runs."""
-    args = parser.parse_args(argv)
+    parser.error: usage and `error: ...` on stderr, exit status 2, before the command runs. A negative
+    number after an option is its value (signed_values)."""
+    args = parser.parse_args(signed_values(argv))
     fail_on(parser, check, args)
     return args
 

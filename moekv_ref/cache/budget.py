@@ -35,7 +35,13 @@ The part owns, per row and slot index i < B (the rows' slot arrays, what the pol
     slot_score     (R, S) float64  its router probability (router_score) or the attention it has
                                    received (heavy_hitter); unused by drop and window
 
-S is the largest B over layers. A row never holds more than B tokens, so never more than
+S is the largest B over layers, or fewer where fewer is all a row can ever hold: a cache built for a
+model (PagedKVCache, the engine) gives its part the model's max_position_embeddings, and a row never
+holds more tokens than its sequence has positions, nor more than the pool's blocks hold. A B above
+that never binds (a budget at or above the length is the exact cache), so it is kept as given (in
+max_tokens, and in what a report shows) but its slot arrays are sized, and its rows limited, to what
+can be held: RowBudget(10**6) on a model of 512 positions allocates 512 slots a row, not 10**6. A row
+never holds more than B tokens, so never more than
 ceil(B / P) blocks; a full row keeps its blocks (one token in, one out), and blocks go back to the
 pool when the sequence is freed. With B at or above a row's length nothing ever leaves, and the
 cache computes exactly what the exact cache computes, in the same operations.
@@ -47,10 +53,11 @@ import math
 
 import torch
 
-from ..validation import MAX_INT32, check_choice, check_int
+from ..validation import MAX_INT32, check_choice, check_fits_memory, check_int, memory_of, number, shown
 from .kv_cache_manager import ManagerPart
 
 BUDGET_POLICIES = ("drop", "window", "heavy_hitter", "router_score")
+DEFAULT_SINKS = 4  # StreamingLLM's attention sinks
 
 
 class RowBudget(ManagerPart):
@@ -60,11 +67,18 @@ class RowBudget(ManagerPart):
     as it is built with shared tails or a prefix cache: the manager keeps its block tables and
     counts and asks the part where a newcomer goes (`choose`); the part keeps what the policies read
     (`record`, `add_attention`) and nothing else. `attend_with_budget` runs the same rules over a
-    whole padded batch, the recompute a budgeted cache must equal."""
+    whole padded batch, the recompute a budgeted cache must equal.
+
+    num_sinks: the tokens `window` keeps for good, each below every layer's B (at least one slot must
+    move), or None: StreamingLLM's 4, or B - 1 where the smallest B is 4 or less. A num_sinks at or
+    above a B is refused (a window of no slot would be drop under another name).
+
+    max_row_tokens: set by `fresh` for a cache's own copy: the most tokens one of its rows can hold
+    (the model's positions); None: no bound but the pool's (the module's docstring)."""
 
     STATE = ("slot_position", "slot_score", "num_refused", "num_evicted")
 
-    def __init__(self, max_tokens, policy: str = "window", num_sinks: int = 4):
+    def __init__(self, max_tokens, policy: str = "window", num_sinks: int | None = None):
         self.policy = check_choice("policy", policy, BUDGET_POLICIES)
         if isinstance(max_tokens, (list, tuple)):
             if not max_tokens:
@@ -75,15 +89,31 @@ class RowBudget(ManagerPart):
             )
         else:
             self.max_tokens = check_int("max_tokens", max_tokens, 1, MAX_INT32, "tokens a row keeps")
-        self.num_sinks = check_int("num_sinks", num_sinks, 0, MAX_INT32)
+        smallest = min(self.max_tokens) if isinstance(self.max_tokens, tuple) else self.max_tokens
+        if num_sinks is None:
+            self.num_sinks = min(DEFAULT_SINKS, smallest - 1)
+        elif policy == "window":
+            self.num_sinks = check_int(
+                "num_sinks",
+                num_sinks,
+                0,
+                smallest - 1,
+                f"window keeps them for good; below max_tokens={shown(max_tokens)}, so that a slot moves",
+            )
+        else:
+            self.num_sinks = check_int("num_sinks", num_sinks, 0, MAX_INT32, "read by policy='window' only")
+        self.max_row_tokens = None
         self.manager = None
         self.num_refused = 0  # pairs refused at a full row (drop, router_score)
         self.num_evicted = 0  # tokens that left a row for a newcomer
 
-    def fresh(self) -> "RowBudget":
+    def fresh(self, max_row_tokens: int | None = None) -> "RowBudget":
         """The same settings with no rows: what a cache is built with, so that one RowBudget can be
-        handed to many caches (each keeps its own rows)."""
-        return RowBudget(self.max_tokens, self.policy, self.num_sinks)
+        handed to many caches (each keeps its own rows). max_row_tokens: the most tokens a row of that
+        cache can hold (its model's max_position_embeddings), to which a larger B is lowered."""
+        copy = RowBudget(self.max_tokens, self.policy, self.num_sinks)
+        copy.max_row_tokens = max_row_tokens
+        return copy
 
     def __repr__(self) -> str:
         return (
@@ -123,14 +153,40 @@ class RowBudget(ManagerPart):
     # ----- the part's life in a manager --------------------------------------------------------
     role = "budget"
 
+    def slots_of_rows(self, num_blocks: int, block_size: int, num_layers: int) -> int:
+        """S: the largest B, lowered to the most tokens a row can hold (max_row_tokens, and the
+        pool's num_blocks * block_size slots)."""
+        held = num_blocks * block_size
+        if self.max_row_tokens is not None:
+            held = min(held, self.max_row_tokens)
+        return min(self.largest(num_layers), held)
+
     def bytes_needed(self, num_rows: int, num_blocks: int, block_size: int, num_layers: int) -> int:
-        return 16 * num_rows * self.largest(num_layers)  # slot_position and slot_score
+        """slot_position and slot_score: 16 bytes a slot. ValueError, naming this budget, where
+        they alone would not fit this machine's memory."""
+        slots = self.slots_of_rows(num_blocks, block_size, num_layers)
+        needed = 16 * num_rows * slots
+        fits = max(1, (memory_of("cpu") or needed) // (16 * num_rows))
+        check_fits_memory(
+            f"the slot arrays of {self!r}, {number(slots)} slots for each of {num_rows:,} rows "
+            f"(16 bytes a slot; a row holds at most {number(slots)} tokens of a pool of {num_blocks:,} "
+            f"blocks of {block_size})",
+            needed,
+            "cpu",
+            f"max_tokens at most {number(min(fits, MAX_INT32))} here, or a smaller pool",
+        )
+        return needed
 
     def attach(self, manager) -> None:
         """The manager checked this budget (check_model) and that no other manager has it."""
         self.manager = manager
+        self.num_slots = self.slots_of_rows(manager.num_blocks, manager.block_size, manager.num_layers)  # S
+        # rows limited to the positions a row can have, which changes no decision (no row reaches
+        # them); the pool's bound sizes the slots only: a row that fills the pool runs out of blocks
+        # before it could need another slot
         self.layer_limits = self.limits(manager.num_layers)  # (L,)
-        self.num_slots = self.largest(manager.num_layers)  # S
+        if self.max_row_tokens is not None:
+            self.layer_limits = self.layer_limits.clamp(max=self.max_row_tokens)
         num_rows = manager.row_tokens.numel()
         self.slot_position = torch.full((num_rows, self.num_slots), -1, dtype=torch.int64)  # (R, S)
         self.slot_score = torch.zeros(num_rows, self.num_slots, dtype=torch.float64)  # (R, S)
@@ -289,7 +345,7 @@ def attend_with_budget(q, k, v, selected, scores, budget: RowBudget, layer: int)
     not routed or was refused, and accepted (B, T, E). Its cost is T small steps per layer: a
     reference, not a training path."""
     B, E, H, T, Dh = q.shape
-    limit = budget.limit_of_layer(layer)
+    limit = min(budget.limit_of_layer(layer), T)  # a row of T tokens never fills more than T slots
     rows = B * E
     slot_token = torch.full((rows, limit), -1, dtype=torch.int64)  # (R, S) token index
     slot_score = torch.zeros(rows, limit, dtype=torch.float64)

@@ -185,7 +185,7 @@ def check_cache_options(
         home_devices,
         SharedTails() if shared_tails else None,
         PrefixCache() if enable_prefix_caching else None,
-        None if budget is None else budget.fresh(),
+        None if budget is None else budget.fresh(config.max_position_embeddings),
         pool_meaning=f"the pool's blocks; one token of one sequence takes {minimum}",
     )
     block_size = options.block_size
@@ -283,7 +283,7 @@ class PagedKVCache:
             home_devices=home_devices,
             tails=SharedTails() if shared_tails else None,
             prefix_cache=PrefixCache() if enable_prefix_caching else None,
-            budget=None if budget is None else budget.fresh(),
+            budget=None if budget is None else budget.fresh(config.max_position_embeddings),
             checked=True,
         )
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)

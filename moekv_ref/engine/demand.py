@@ -36,10 +36,16 @@ from ..cache.rows import ceil_div, worst_case_lifetime_blocks  # noqa: F401 (the
 from ..state import Stateful
 
 
-def min_lifetime_blocks(num_tokens: int, num_layers: int, k_min: int, block_size: int) -> int:
+def min_lifetime_blocks(
+    num_tokens: int, num_layers: int, k_min: int, block_size: int, row_limits=None
+) -> int:
     """The fewest blocks `num_tokens` cached tokens can hold: k_min entries per token per layer,
-    packed into full blocks."""
-    return num_layers * ceil_div(k_min * num_tokens, block_size)
+    packed into full blocks. row_limits: each layer's row budget B (None: none); a layer then
+    keeps at least k_min * min(T, B) entries (k_min rows of T tokens each, each cut to B, is the
+    fewest: a row's share of T tokens, cut to B, never falls below its share of min(T, B))."""
+    if row_limits is None:
+        return num_layers * ceil_div(k_min * num_tokens, block_size)
+    return sum(ceil_div(k_min * min(num_tokens, int(b)), block_size) for b in row_limits)
 
 
 def reserved_blocks(num_tokens: int, num_layers: int, num_experts: int, block_size: int) -> int:

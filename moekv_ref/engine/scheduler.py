@@ -322,7 +322,9 @@ class Scheduler(Stateful):
         if worst <= num_blocks:
             self._check_fits_each_device(prompt_len, max_new_tokens, request_id)
             return
-        least = min_lifetime_blocks(num_tokens, memory.num_layers, shape.k_min, memory.block_size)
+        budget = self.manager.budget  # a row budget lowers the fewest blocks as it lowers the most
+        limits = None if budget is None else budget.layer_limits.tolist()
+        least = min_lifetime_blocks(num_tokens, memory.num_layers, shape.k_min, memory.block_size, limits)
         verdict = "can never fit" if least > num_blocks else "may not fit even alone"
         prompt_worst = self.max_blocks_alone(prompt_len)
         if prompt_worst > num_blocks:
