@@ -69,6 +69,24 @@ def test_bench_cluster_speed_imports_a_checkout_from_its_own_files_only(tmp_path
         bench_cluster.check_speed_checkout(linked)
 
 
+def test_bench_step_against_times_the_other_checkouts_code_only(tmp_path):
+    """bench step --against had the same hole: its worker put DIR first on PYTHONPATH and the editable
+    finder lent this checkout's modules. A folder with an empty package, or a copy missing a module the
+    engine imports, is refused before a step is timed; a whole copy runs from its own files."""
+    (tmp_path / "empty" / "moekv_ref").mkdir(parents=True)
+    (tmp_path / "empty" / "moekv_ref" / "__init__.py").write_text("")
+    with pytest.raises(ValueError, match="is not a complete checkout of this repository: importing"):
+        bench_step.measure(tmp_path / "empty", num_seqs=2, max_new_tokens=2, num_rounds=1)
+    lacking = copy_of_the_package(tmp_path / "lacking")
+    (lacking / "moekv_ref" / "cache" / "paged.py").unlink()
+    with pytest.raises(ValueError, match=r"importing moekv_ref\.cache\.paged failed"):
+        bench_step.measure(lacking, num_seqs=2, max_new_tokens=2, num_rounds=1)
+    whole = copy_of_the_package(tmp_path / "whole")
+    shutil.copy(ROOT / "moekv_ref" / "weights" / "tiny.pt", whole / "moekv_ref" / "weights" / "tiny.pt")
+    result = bench_step.measure(whole, num_seqs=2, max_new_tokens=2, num_rounds=1)
+    assert result["num_decode_pairs"] >= 1
+
+
 # ----- output paths: folders made ----------------------------------------------------------------------
 @pytest.mark.parametrize(
     "argv",

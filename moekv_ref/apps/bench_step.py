@@ -44,7 +44,7 @@ def prompts(num_seqs: int) -> list[list[int]]:
 
 def worker(num_seqs: int, max_new_tokens: int, num_blocks: int) -> None:
     """Serve step requests on stdin ("step" per line), answering one JSON line per step. Restarts the
-    workload when it finishes. Runs under whichever checkout is first on PYTHONPATH."""
+    workload when it finishes. Runs in a process whose moekv_ref is one checkout's (`Worker`)."""
     import torch  # imported here: this function runs in a
 
     from moekv_ref.checkpoint import load_default_model  # process whose moekv_ref may be another
@@ -79,28 +79,48 @@ def worker(num_seqs: int, max_new_tokens: int, num_blocks: int) -> None:
         print(json.dumps({"cpu_s": seconds, "decode": decode}), flush=True)
 
 
+# the worker's imports, checked to come from its checkout alone (apps/checkout.py says why)
+WORKER_IMPORTS = [
+    "import torch",
+    "from moekv_ref.checkpoint import load_default_model",
+    "from moekv_ref.engine import LLMEngine, SchedulerConfig",
+    "from moekv_ref.sampling import SamplingParams",
+]
+# then this file, imported by its path as a module outside both checkouts, runs `worker`
+WORKER_BODY = f"""
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+import bench_step
+bench_step.worker(*(int(a) for a in sys.argv[2:5]))
+"""
+
+
 class Worker:
-    """A worker process whose `moekv_ref` is the checkout at `root`."""
+    """A worker process whose `moekv_ref` is the checkout at `root`, and no other's."""
 
     def __init__(self, root: Path, num_seqs: int, max_new_tokens: int, num_blocks: int):
-        env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-        command = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--worker",
-            str(num_seqs),
-            str(max_new_tokens),
-            str(num_blocks),
-        ]
+        from . import checkout  # here: the worker imports this file outside the package
+
+        code = checkout.worker_code(WORKER_IMPORTS, WORKER_BODY)
+        command = checkout.worker_command(root, code, [str(num_seqs), str(max_new_tokens), str(num_blocks)])
         self.root = root
         self.process = subprocess.Popen(
-            command, env=env, cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            command,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            cwd=root,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
 
     def step(self) -> dict:
         self.process.stdin.write("step\n")
         self.process.stdin.flush()
+        from . import checkout
+
         line = self.process.stdout.readline()
+        error = checkout.refusal(self.root, line)
+        if error is not None:
+            raise error
         if not line:
             raise RuntimeError(f"the worker for {self.root} stopped (exit code {self.process.wait()})")
         return json.loads(line)
@@ -136,8 +156,10 @@ def measure(
 ) -> dict:
     """Interleave this checkout's steps with `against`'s (if given) for `num_rounds` whole workloads."""
     roots = {"this": REPOSITORY} | ({"against": against.resolve()} if against is not None else {})
-    if not (roots.get("against", REPOSITORY) / "moekv_ref" / "__init__.py").is_file():
-        raise ValueError(f"--against {against}: no moekv_ref package there (give the root of a checkout)")
+    if against is not None:
+        from . import checkout
+
+        checkout.check_checkout(roots["against"], WORKER_IMPORTS)
     workers = {name: Worker(root, num_seqs, max_new_tokens, num_blocks) for name, root in roots.items()}
     decode = {name: [] for name in workers}
     try:  # a round is one prefill step and max_new_tokens - 1 decode steps; workers restart by themselves
@@ -369,13 +391,10 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
-        worker(*(int(a) for a in sys.argv[2:]))
-    else:
-        from moekv_ref.apps.options import parse_checked
+    from moekv_ref.apps.options import parse_checked
 
-        main(
-            parse_checked(
-                build_parser(argparse.ArgumentParser(description=__doc__.splitlines()[0])), check=check_args
-            )
+    main(
+        parse_checked(
+            build_parser(argparse.ArgumentParser(description=__doc__.splitlines()[0])), check=check_args
         )
+    )
