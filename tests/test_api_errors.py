@@ -19,7 +19,7 @@ from helpers import random_model, small_config
 
 from moekv_ref import ModelConfig, get_config
 from moekv_ref.backends import require_backend
-from moekv_ref.cache import PagedKVCache, RowPlacement
+from moekv_ref.cache import KVCacheManager, PagedKVCache, RowPlacement
 from moekv_ref.checkpoint import load_checkpoint, save_checkpoint
 from moekv_ref.engine import LLMEngine, generate_with_engine
 from moekv_ref.generate import generate
@@ -410,3 +410,16 @@ def test_a_paged_generate_caps_each_rows_worst_case_at_its_budget():
         generate(MODEL, prompts, params, num_blocks=29, **options)
     assert smallest_pool(str(caught.value)) == 30
     assert [len(t) for t in generate(MODEL, prompts, params, num_blocks=30, **options).tokens] == [20, 20, 20]
+
+
+@pytest.mark.parametrize("seq_id", [1.7, "a", True, -1])
+def test_a_manager_refuses_a_sequence_id_that_is_not_one_and_changes_nothing(seq_id):
+    """add_sequence read int(1.7) as sequence 1, silently; now any id that is not a non-negative
+    integer is refused, naming it, before a slot is taken."""
+    manager = KVCacheManager(2, 4, 4, 16)
+    with pytest.raises(ValueError, match="seq_id="):
+        manager.add_sequence(seq_id)
+    assert not manager.holds(1) and not manager.holds(0)
+    slots = [manager.add_sequence(i) for i in range(2)]
+    assert sorted(slots) == [0, 1]  # no slot was taken by the refused id
+    manager.assert_consistent()

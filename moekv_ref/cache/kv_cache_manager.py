@@ -67,6 +67,7 @@ import torch
 from ..state import Stateful
 from ..validation import (
     MAX_INT32,
+    MAX_INT64,
     a_type,
     check_block_size,
     check_device_table,
@@ -447,7 +448,7 @@ class KVCacheManager(Stateful):
 
     def add_sequence(self, seq_id: int) -> int:
         """Give a new sequence a slot of L * E empty rows; returns its seq_index."""
-        seq_id = int(seq_id)
+        seq_id = check_int("seq_id", seq_id, 0, MAX_INT64, "a sequence id")  # 1.7 is not sequence 1
         if seq_id in self._seq_index:
             raise ValueError(f"sequence {seq_id} is already in the cache")
         if not self._free_seq_indices:
