@@ -43,7 +43,6 @@ import argparse
 import json
 import math
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -70,7 +69,7 @@ from ..sim.workloads import (
     session_workloads,
 )
 from ..validation import MAX_COMPACT_TRACE_REQUESTS, MAX_TRACE_REQUESTS, is_integer
-from . import options
+from . import checkout, options
 from .bench_step import REPOSITORY, commit_of
 
 MODEL = "jetmoe-8b-expert-kv"
@@ -468,56 +467,19 @@ SPEED_MEAN_OUTPUT = 256
 SPEED_MAX_NUM_SEQS = 256
 SPEED_MAX_BATCHED_TOKENS = 8192
 
-# Runs in a fresh process (`python -I`: no PYTHONPATH, no user site, not the current folder) that imports
-# moekv_ref from one checkout's root and nowhere else, using only what every version of the runner has
-# had: a synthetic trace, TraceRunner(trace, placement, setup, policy, cost) with step costs off,
-# run(). This checkout is installed in editable mode, and the installer's import finder (the
-# __editable__ finder in site-packages) would otherwise fill in every module the other root lacks
-# with this checkout's own, and time this code under the other's name; OnlyFromRoot stops that, and
-# every moekv_ref or moekv_kernels module loaded is checked to lie under the root. Its arguments: the
-# root, then "check" (import and check only), or a shape of SPEED_SHAPES, the requests and the workload.
-SPEED_WORKER = """
-import importlib.machinery, json, os, sys, time
-root = os.path.realpath(sys.argv[1])
-PACKAGES = ("moekv_ref", "moekv_kernels")
-
-
-class OnlyFromRoot:
-    @staticmethod
-    def find_spec(name, path=None, target=None):
-        if name.partition(".")[0] not in PACKAGES:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, [root] if path is None else path)
-        if spec is None:
-            raise ModuleNotFoundError(f"{name} is not there", name=name)
-        return spec
-
-
-def outside_root():
-    found = []
-    for name, module in sorted(sys.modules.items()):
-        if name.partition(".")[0] in PACKAGES:
-            places = [module.__file__] if getattr(module, "__file__", None) else []
-            places += list(getattr(module, "__path__", []))
-            found += [f"{name} from {p}" for p in places if not os.path.realpath(p).startswith(root + os.sep)]
-    return found
-
-
-sys.meta_path.insert(0, OnlyFromRoot)
-sys.path.insert(0, root)
-try:
-    import torch
-    from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
-    from moekv_ref.sim.traces import synthetic_trace
-except ImportError as error:
-    print(json.dumps({"not_in_checkout": f"importing {error.name or 'a module'} failed: {error}"}))
-    sys.exit(3)
-if outside_root():
-    print(json.dumps({"not_in_checkout": "modules loaded from elsewhere: " + ", ".join(outside_root())}))
-    sys.exit(3)
-if sys.argv[2] == "check":
-    print(json.dumps({"modules": sorted(n for n in sys.modules if n.partition(".")[0] in PACKAGES)}))
-    sys.exit(0)
+# Runs in a fresh process that imports moekv_ref from one checkout's root and nowhere else
+# (apps/checkout.py says why that takes more than PYTHONPATH), using only what every version of the
+# runner has had: a synthetic trace, TraceRunner(trace, placement, setup, policy, cost) with step costs
+# off, run(). Its arguments: the root, a shape of SPEED_SHAPES, the requests and the workload.
+SPEED_IMPORTS = [
+    "import torch",
+    "from moekv_ref.sim.eviction import EvictionSetup, TraceRunner",
+    "from moekv_ref.sim.traces import synthetic_trace",
+]
+SPEED_WORKER = checkout.worker_code(
+    SPEED_IMPORTS,
+    """
+import time
 torch.set_num_threads(1)
 L, E, K, D, blocks, n, mean_prompt, mean_output, max_num_seqs, max_batched = (int(x) for x in sys.argv[2:12])
 trace = synthetic_trace(n, L, E, K, mean_prompt=mean_prompt, mean_output=mean_output, seed=0)
@@ -529,7 +491,8 @@ stats = runner.run()
 wall = time.perf_counter() - started
 print(json.dumps({"wall_seconds": wall, "steps": stats.num_steps, "max_running": int(stats.num_running.max()),
                   "evictions": stats.num_evictions, "blocks_in_use_summed": int(stats.used_blocks.sum())}))
-"""
+""",
+)
 # the files of a checkout the worker imports by name (what they import is checked when it runs)
 SPEED_WORKER_FILES = ("moekv_ref/__init__.py", "moekv_ref/sim/eviction.py", "moekv_ref/sim/traces.py")
 
@@ -537,28 +500,21 @@ SPEED_WORKER_FILES = ("moekv_ref/__init__.py", "moekv_ref/sim/eviction.py", "moe
 def run_speed_worker(root: Path, arguments: list[str]) -> dict:
     """The last line SPEED_WORKER prints, as a dict, run on the checkout at root. ValueError when
     root is not a whole checkout: a module the worker needs is not there, or came from elsewhere."""
-    done = subprocess.run(
-        [sys.executable, "-I", "-c", SPEED_WORKER, str(root), *arguments],
-        cwd=root,
-        capture_output=True,
-        text=True,
-    )
+    command = checkout.worker_command(root, SPEED_WORKER, arguments)
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True)
     lines = done.stdout.strip().splitlines()
-    answer = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
-    if "not_in_checkout" in answer:
-        raise ValueError(
-            f"--against={root} is not a complete checkout of this repository: {answer['not_in_checkout']}; "
-            "allowed: the root of a checkout"
-        )
+    error = checkout.refusal(root, lines[-1]) if lines else None
+    if error is not None:
+        raise error
     if done.returncode != 0:
         raise RuntimeError(f"the speed run at {root} failed:\n{done.stderr[-3000:]}")
-    return answer
+    return json.loads(lines[-1])
 
 
 def check_speed_checkout(root: Path) -> list[str]:
     """The moekv_ref and moekv_kernels modules the speed worker loads at root, all of them from root
     (ValueError otherwise, before anything is timed)."""
-    return run_speed_worker(root, ["check"])["modules"]
+    return checkout.check_checkout(root, SPEED_IMPORTS)
 
 
 def speed_run(root: Path, shape: tuple, num_requests: int) -> dict:
@@ -880,7 +836,8 @@ def check_read(args) -> None:
     )
     for option, programs in READ_BY.items():
         value = getattr(args, option[2:].replace("-", "_"))
-        if value not in (None, False) and program not in programs:
+        given = value is not None and value is not False  # not `in (None, False)`: 0 == False
+        if given and program not in programs:
             runs = "the sweep (none of --speed, --scale, --sessions)" if program == "sweep" else program
             readers = " and ".join("the sweep" if p == "sweep" else p for p in programs)
             raise ValueError(
