@@ -102,6 +102,7 @@ def test_the_largest_sizes_within_the_bounds_pass_the_checks():
         (["--threads", "4"], "--threads applies to --scale, not to the sweep"),
         (["--speed", "--quick"], "--quick applies to the sweep and --sessions, not to --speed"),
         (["--scale", "--seed", "1"], "--seed applies to the sweep and --sessions, not to --scale"),
+        (["--speed", "--seed", "0"], "--seed applies to the sweep and --sessions, not to --speed"),
         (["--sessions", "--policies", "sequence_lru"], "--policies applies to the sweep, not to --sessions"),
         (
             ["--sessions", "--workload", "splitwise_code"],
