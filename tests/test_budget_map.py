@@ -13,7 +13,7 @@ from moekv_ref.analysis import BUDGET_MAP_CODES, budget_map
 from moekv_ref.cache import PagedKVCache
 from moekv_ref.cache.budget import BUDGET_POLICIES, RowBudget
 from moekv_ref.checkpoint import load_default_model
-from moekv_ref.exercises import exercise_10_text
+from moekv_ref.course.exercise_10 import exercise_10_text
 from moekv_ref.plots.capacity import plot_budget_map
 from moekv_ref.prompts import encode
 

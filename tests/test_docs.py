@@ -821,7 +821,7 @@ def test_notebook_11_states_the_workloads_its_json_and_code_ran():
         SPEED_MAX_NUM_SEQS,
         pool_blocks,
     )
-    from moekv_ref.exercises import (
+    from moekv_ref.course.exercise_11 import (
         EXERCISE_11_DEVICES,
         EXERCISE_11_GIB_PER_DEVICE,
         EXERCISE_11_PROMPT_TOKENS,

@@ -37,8 +37,8 @@ def test_notebook_04_names_the_pools_that_refuse_its_requests():
     import re
     from pathlib import Path
 
-    from moekv_ref.apps.demo import demo_workload
     from moekv_ref.checkpoint import load_default_model
+    from moekv_ref.demo_workload import demo_workload
     from moekv_ref.engine.engine import LLMEngine
     from moekv_ref.engine.scheduler import SchedulerConfig
 

@@ -7,18 +7,14 @@ crossover, and density. tests/test_sim_vs_engine.py checks the runner against th
 import pytest
 import torch
 
-from moekv_ref.apps.bench_eviction import (
-    compare_policies,
-    format_comparison,
-    skewed_workload,
-    workload_cost_model,
-)
+from moekv_ref.apps.bench_eviction import compare_policies, format_comparison
 from moekv_ref.costs import CostModel, crossover_context, fit_cost_model
 from moekv_ref.engine import SchedulerConfig
 from moekv_ref.engine.victims import VICTIM_POLICIES, Belady, Oracle
 from moekv_ref.sim.density import density_per_expert, mean_blocks_at_context
 from moekv_ref.sim.eviction import EvictionSetup, memory_time_bound, simulate
 from moekv_ref.sim.traces import RoutingTrace
+from moekv_ref.sim.workloads import skewed_workload, workload_cost_model
 
 FLAT = CostModel("flat", 0.0, 1.0, 0.0, float("inf"), 1.0, 0.0, 1)  # recompute 1 s/token, swap 2 s/block
 

@@ -9,16 +9,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from moekv_ref import exercises, get_config
+from moekv_ref import get_config
 from moekv_ref.analysis import decode_flops
-from moekv_ref.exercises import (
-    EXERCISE_01_CONTEXT_LENGTH,
-    EXERCISE_03_BLOCK_SIZES,
-    exercise_03_workload,
-    solution_block_size,
-    solution_expert_cache_bytes,
-    solution_flop_ratio,
+from moekv_ref.course import (
+    exercise_01,
+    exercise_02,
+    exercise_03,
+    exercise_04,
+    exercise_05,
+    exercise_06,
+    exercise_07,
+    exercise_08,
+    exercise_09,
+    exercise_10,
+    exercise_11,
 )
+from moekv_ref.course.exercise_01 import EXERCISE_01_CONTEXT_LENGTH, solution_flop_ratio
+from moekv_ref.course.exercise_02 import solution_expert_cache_bytes
+from moekv_ref.course.exercise_03 import EXERCISE_03_BLOCK_SIZES, exercise_03_workload, solution_block_size
 from moekv_ref.sim.designs import CountingPagedDesign
 from moekv_ref.sim.replay import replay
 
@@ -36,12 +44,12 @@ def _unwrapped(check):
     return call
 
 
-check_flop_ratio = _unwrapped(exercises.check_flop_ratio)
-check_expert_cache_bytes = _unwrapped(exercises.check_expert_cache_bytes)
-check_block_size = _unwrapped(exercises.check_block_size)
-check_hit_tokens = _unwrapped(exercises.check_hit_tokens)
-check_perplexity_ratio = _unwrapped(exercises.check_perplexity_ratio)
-check_prompt_reservation = _unwrapped(exercises.check_prompt_reservation)
+check_flop_ratio = _unwrapped(exercise_01.check_flop_ratio)
+check_expert_cache_bytes = _unwrapped(exercise_02.check_expert_cache_bytes)
+check_block_size = _unwrapped(exercise_03.check_block_size)
+check_hit_tokens = _unwrapped(exercise_06.check_hit_tokens)
+check_perplexity_ratio = _unwrapped(exercise_09.check_perplexity_ratio)
+check_prompt_reservation = _unwrapped(exercise_11.check_prompt_reservation)
 
 
 # --- 01 -------------------------------------------------------------------------------------------
@@ -146,14 +154,14 @@ def test_block_size_wrong_answers_are_explained():
 
 # --- 04 -------------------------------------------------------------------------------------------
 
-check_max_num_seqs = _unwrapped(exercises.check_max_num_seqs)
+check_max_num_seqs = _unwrapped(exercise_04.check_max_num_seqs)
 
 
 def test_max_num_seqs_right_answer_runs_the_engine_and_passes():
     """Measured on the exercise's workload: 3 sequences at once never preempt, 4 do (the runs are
     the real engine, optimistic admission, 200 blocks)."""
-    assert exercises._exercise_04_run(3)["preempted"] == 0
-    assert exercises._exercise_04_run(4)["preempted"] > 0
+    assert exercise_04._exercise_04_run(3)["preempted"] == 0
+    assert exercise_04._exercise_04_run(4)["preempted"] > 0
     assert check_max_num_seqs(3).startswith("Right")
     message = check_max_num_seqs(4)
     assert message.startswith("Not yet") and "preempted" in message and "fewer sequences" in message
@@ -168,32 +176,32 @@ def test_max_num_seqs_messages_for_each_mistake(monkeypatch):
             "recomputed_tokens": 0 if m <= 2 else 40 * m,
             "max_concurrent_sequences": m,
         }
-        for m in exercises.EXERCISE_04_MAX_NUM_SEQS
+        for m in exercise_04.EXERCISE_04_MAX_NUM_SEQS
     }
-    monkeypatch.setattr(exercises, "_exercise_04_run", runs.__getitem__)
+    monkeypatch.setattr(exercise_04, "_exercise_04_run", runs.__getitem__)
     assert check_max_num_seqs(None).startswith("No answer yet")
     assert "not one of the choices" in check_max_num_seqs(5)
     assert "neither does the next choice up" in check_max_num_seqs(
         1
     ) and "300 steps instead of 600" in check_max_num_seqs(1)
     assert check_max_num_seqs(2).startswith("Right")
-    assert exercises.solution_max_num_seqs() == 2
+    assert exercise_04.solution_max_num_seqs() == 2
     assert "preempted 6 time(s)" in check_max_num_seqs(6)
 
 
 # --- 05 -------------------------------------------------------------------------------------------
 
-check_victim_rule = _unwrapped(exercises.check_victim_rule)
+check_victim_rule = _unwrapped(exercise_05.check_victim_rule)
 
 
 def test_victim_rule_solution_makes_the_most_room_at_every_decision_and_passes():
-    stats, decisions, error = exercises._run_victim_rule(exercises.solution_victim_rule)
+    stats, decisions, error = exercise_05._run_victim_rule(exercise_05.solution_victim_rule)
     assert error is None and decisions and stats.num_finished == 20
     assert any(entries[-1][0] != chosen for _, entries, chosen in decisions)  # not always the newest
     for _, entries, chosen in decisions:
         room = {seq_id: held + step for seq_id, _, held, step, _ in entries}
         assert room[chosen] == max(room.values())
-    assert check_victim_rule(exercises.solution_victim_rule).startswith("Right")
+    assert check_victim_rule(exercise_05.solution_victim_rule).startswith("Right")
 
 
 def test_victim_rule_wrong_rules_are_named():
@@ -203,7 +211,7 @@ def test_victim_rule_wrong_rules_are_named():
     assert newest.startswith("Not yet") and "sequence_lru" in newest
     least = check_victim_rule(
         lambda candidates, memory, need: min(
-            enumerate(candidates), key=lambda item: exercises.room_on_short_device(*item, memory, need)
+            enumerate(candidates), key=lambda item: exercise_05.room_on_short_device(*item, memory, need)
         )[1]
     )
     assert "least" in least
@@ -213,7 +221,7 @@ def test_victim_rule_wrong_rules_are_named():
 
 # --- 07 -------------------------------------------------------------------------------------------
 
-check_expert_placement = _unwrapped(exercises.check_expert_placement)
+check_expert_placement = _unwrapped(exercise_07.check_expert_placement)
 
 
 def _paired_routing():
@@ -229,8 +237,8 @@ def _paired_routing():
 
 def test_expert_placement_solution_is_the_best_balanced_placement_and_passes():
     selected = _paired_routing()
-    best = exercises.solution_expert_placement(selected)
-    assert exercises.placement_measures(selected, best, 2) == (1.0, 1.0)
+    best = exercise_07.solution_expert_placement(selected)
+    assert exercise_07.placement_measures(selected, best, 2) == (1.0, 1.0)
     assert check_expert_placement(best, selected).startswith("Right")
     assert check_expert_placement([0, 1, 0, 1, 0, 1, 0, 1], selected).startswith(
         "Right"
@@ -251,14 +259,14 @@ def test_expert_placement_wrong_answers_are_explained():
 
 # --- 08 -------------------------------------------------------------------------------------------
 
-check_tokens_per_split = _unwrapped(exercises.check_tokens_per_split)
+check_tokens_per_split = _unwrapped(exercise_08.check_tokens_per_split)
 
 
 def test_tokens_per_split_solution_is_the_largest_split_filling_the_gpu():
     # 8 resident blocks x 132 SMs = 1056 programs; 16 programs per split -> 66 splits -> 496 tokens
-    right = exercises.solution_tokens_per_split(blocks_per_sm=8)
+    right = exercise_08.solution_tokens_per_split(blocks_per_sm=8)
     assert right == 496
-    assert exercises.split_k_programs(right) >= 1056 > exercises.split_k_programs(right + 16)
+    assert exercise_08.split_k_programs(right) >= 1056 > exercise_08.split_k_programs(right + 16)
     assert check_tokens_per_split(right, 8).startswith("Right")
 
 
@@ -272,26 +280,26 @@ def test_tokens_per_split_wrong_answers_are_explained():
 
 # --- 10 -------------------------------------------------------------------------------------------
 
-check_drop_budget = _unwrapped(exercises.check_drop_budget)
+check_drop_budget = _unwrapped(exercise_10.check_drop_budget)
 
 
 def test_drop_budget_solution_is_the_smallest_budget_refusing_nothing_and_passes():
     """The longest row of the embedded model over the snippet: drop refuses nothing there and something
     one token lower (the paged cache's count), and it is well above the mean row k T / E."""
-    lengths = exercises.exercise_10_row_lengths()  # (L, E)
-    right = exercises.solution_drop_budget()
-    num_tokens = len(exercises.exercise_10_text().encode())
+    lengths = exercise_10.exercise_10_row_lengths()  # (L, E)
+    right = exercise_10.solution_drop_budget()
+    num_tokens = len(exercise_10.exercise_10_text().encode())
     assert lengths.shape == (CONFIG.num_hidden_layers, CONFIG.num_attention_experts)
     assert (lengths.sum(1) == CONFIG.num_attention_experts_per_tok * num_tokens).all()  # top-2
     assert right == int(lengths.max()) > 1.5 * float(lengths.double().mean())
-    assert exercises._exercise_10_refused(right) == 0 < exercises._exercise_10_refused(right - 1)
+    assert exercise_10._exercise_10_refused(right) == 0 < exercise_10._exercise_10_refused(right - 1)
     assert check_drop_budget(right).startswith("Right")
 
 
 def test_drop_budget_wrong_answers_are_explained():
-    lengths = exercises.exercise_10_row_lengths()
-    right = exercises.solution_drop_budget()
-    num_tokens = len(exercises.exercise_10_text().encode())
+    lengths = exercise_10.exercise_10_row_lengths()
+    right = exercise_10.solution_drop_budget()
+    num_tokens = len(exercise_10.exercise_10_text().encode())
     mean = float(lengths.double().mean())
     assert check_drop_budget(None).startswith("No answer yet")
     for bad in (0, -3, 2.5, True, "70"):
@@ -319,19 +327,19 @@ def test_prompt_reservation_solution_is_the_scheduler_s_and_passes():
     ceil(T / P) blocks for a fresh prompt of T tokens under worst-case reservation (each GPU holds one
     expert of every layer, so a token opens at most one row there per layer), and far less under
     optimistic reservation; the pool is bench cluster's (its JSON's blocks at 0.5 GiB)."""
-    from moekv_ref.apps.bench_cluster import BLOCK_SIZE, MODEL, cluster_placement, pool_blocks
+    from moekv_ref.sim.cluster import BLOCK_SIZE, MODEL, cluster_placement, pool_blocks
 
     config = get_config(MODEL)
-    T = exercises.EXERCISE_11_PROMPT_TOKENS
-    right = exercises.solution_prompt_reservation()
+    T = exercise_11.EXERCISE_11_PROMPT_TOKENS
+    right = exercise_11.solution_prompt_reservation()
     assert right == config.num_hidden_layers * math.ceil(T / BLOCK_SIZE) == 24 * 63
-    worst = exercises.exercise_11_reservation("worst_case")
-    assert worst == (right,) * exercises.EXERCISE_11_DEVICES  # the same on every GPU
-    assert cluster_placement(exercises.EXERCISE_11_DEVICES).tolist() == list(range(8))  # one expert a GPU
-    optimistic = exercises.exercise_11_reservation("optimistic")
+    worst = exercise_11.exercise_11_reservation("worst_case")
+    assert worst == (right,) * exercise_11.EXERCISE_11_DEVICES  # the same on every GPU
+    assert cluster_placement(exercise_11.EXERCISE_11_DEVICES).tolist() == list(range(8))  # one expert a GPU
+    optimistic = exercise_11.exercise_11_reservation("optimistic")
     assert len(set(optimistic)) == 1 and 3 * optimistic[0] < right < 4 * optimistic[0]
     cluster = json.loads((Path(__file__).resolve().parents[1] / "figures" / "bench_cluster.json").read_text())
-    gib = exercises.EXERCISE_11_GIB_PER_DEVICE
+    gib = exercise_11.EXERCISE_11_GIB_PER_DEVICE
     assert {r["blocks_per_device"] for r in cluster["runs"] if r["gib_per_device"] == gib} == {
         pool_blocks(gib)
     }
@@ -339,9 +347,9 @@ def test_prompt_reservation_solution_is_the_scheduler_s_and_passes():
 
 
 def test_prompt_reservation_wrong_answers_are_explained():
-    right = exercises.solution_prompt_reservation()
-    optimistic = exercises.exercise_11_reservation("optimistic")[0]
-    T = exercises.EXERCISE_11_PROMPT_TOKENS
+    right = exercise_11.solution_prompt_reservation()
+    optimistic = exercise_11.exercise_11_reservation("optimistic")[0]
+    T = exercise_11.EXERCISE_11_PROMPT_TOKENS
     assert check_prompt_reservation(None).startswith("No answer yet")
     for bad in (0, -3, 2.5, True, "1512"):
         assert "positive whole number" in check_prompt_reservation(bad)
@@ -384,20 +392,20 @@ def _refusals():
     block = solution_block_size()
     blocks = EXERCISE_03_BLOCK_SIZES
     paired = _paired_routing()
-    placement = exercises.solution_expert_placement(paired)
-    split = exercises.solution_tokens_per_split(8)
-    budget = exercises.solution_drop_budget()
-    reservation = exercises.solution_prompt_reservation()
-    hit = exercises.solution_hit_tokens()
+    placement = exercise_07.solution_expert_placement(paired)
+    split = exercise_08.solution_tokens_per_split(8)
+    budget = exercise_10.solution_drop_budget()
+    reservation = exercise_11.solution_prompt_reservation()
+    hit = exercise_06.solution_hit_tokens()
     family = json.loads((Path(__file__).resolve().parents[1] / "figures" / "family.json").read_text())
-    perplexity = exercises.solution_perplexity_ratio(family)
+    perplexity = exercise_09.solution_perplexity_ratio(family)
     gap = math.log2(perplexity)
     variants = family["variants"]
     against_dense = 2.0 ** (
         variants["expert_topk"]["bits_per_byte_mean"] - variants["dense"]["bits_per_byte_mean"]
     )
-    shared = exercises.EXERCISE_06_SHARED
-    P = exercises.EXERCISE_06_BLOCK_SIZE
+    shared = exercise_06.EXERCISE_06_SHARED
+    P = exercise_06.EXERCISE_06_BLOCK_SIZE
     return {
         "01": (
             lambda a: check_flop_ratio(a, CONFIG),
@@ -440,7 +448,7 @@ def _refusals():
                 reservation // 24,
                 2 * reservation,
                 8 * reservation,
-                exercises.exercise_11_reservation("optimistic")[0],
+                exercise_11.exercise_11_reservation("optimistic")[0],
             ],
         ),
     }
@@ -477,15 +485,15 @@ def test_victim_rule_check_refuses_the_rules_that_count_the_wrong_blocks():
     newest = check_victim_rule(lambda candidates, memory, need: candidates[-1])
     assert newest.startswith("Not yet")
     assert check_victim_rule(lambda candidates, memory, need: candidates[0]).startswith("Not yet")
-    assert check_victim_rule(exercises.solution_victim_rule).startswith("Right")
+    assert check_victim_rule(exercise_05.solution_victim_rule).startswith("Right")
 
 
 def test_victim_rule_shortages_separate_the_usual_mistakes():
     """On each hand-built shortage the right rule's choice differs from at least one usual mistake,
     and every mistake is caught by at least one shortage."""
-    right = exercises._victim_rule_on_shortages(exercises.solution_victim_rule)
+    right = exercise_05._victim_rule_on_shortages(exercise_05.solution_victim_rule)
     for rule in (_everywhere_rule, _held_only_rule):
-        wrong = exercises._victim_rule_on_shortages(rule)
+        wrong = exercise_05._victim_rule_on_shortages(rule)
         assert any(r[2] != w[2] for r, w in zip(right, wrong))
 
 
@@ -493,7 +501,7 @@ def test_hit_tokens_is_the_engine_s_and_each_wrong_answer_gets_its_reason():
     """Notebook 06: the second prompt reuses 96 of the 100 shared tokens (six whole chunks of 16), as
     the real engine's prefix hit says; the shared count itself, a chunk too many and a number that is
     not whole chunks each get their own reason."""
-    assert exercises.solution_hit_tokens() == 96
+    assert exercise_06.solution_hit_tokens() == 96
     assert "whole chunks" in check_hit_tokens(100)
     assert "share only their first 100" in check_hit_tokens(112)
     assert "whole number of chunks" in check_hit_tokens(90)

@@ -213,20 +213,67 @@ def test_no_function_hides_an_import_of_the_package():
     assert hidden <= ALLOWED_LAZY, f"imports hidden in functions: {sorted(hidden - ALLOWED_LAZY)}"
 
 
-LIBRARY_LEFT_OUT = ("moekv_ref/apps/", "moekv_ref/plots/", "moekv_ref/exercises.py", "moekv_ref/notebook.py")
+LIBRARY_LEFT_OUT = ("moekv_ref/apps/", "moekv_ref/plots/", "moekv_ref/course/")
 
 
-def test_the_library_does_not_import_the_programs():
-    """Data flows from the library to the programs in apps/: only the package's command line,
-    moekv_ref/__main__.py, and the modules left out of the library import from apps/."""
-    upward = []
-    for path, module, tree in _modules((PACKAGE,)):
+def _package_imports(prefix: str, modules=None) -> list[tuple[str, str]]:
+    """(importing file, imported module) for every import of a module whose name starts with
+    `prefix`, outside a function or inside one."""
+    found = []
+    for path, module, tree in modules if modules is not None else _modules((PACKAGE,)):
         relative = str(path.relative_to(ROOT))
-        if relative.startswith(LIBRARY_LEFT_OUT) or relative == "moekv_ref/__main__.py":
-            continue
-        for node in _module_imports(tree):
-            upward += [(relative, t) for t in _resolve(module, node) if t.startswith("moekv_ref.apps")]
-    assert not upward, f"library modules importing the programs: {upward}"
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found += [
+                    (relative, t) for t in _resolve(module, node) if t == prefix or t.startswith(prefix + ".")
+                ]
+    return found
+
+
+def test_nothing_outside_the_programs_imports_them():
+    """Data flows from the library to the programs in apps/: no module outside apps/ -- the library,
+    the plots, the course -- imports from apps/, except the package's command line,
+    moekv_ref/__main__.py, which hands its arguments to apps/cli.py."""
+    upward = [
+        (path, target)
+        for path, target in _package_imports("moekv_ref.apps")
+        if not path.startswith("moekv_ref/apps/") and path != "moekv_ref/__main__.py"
+    ]
+    assert not upward, f"modules outside apps/ importing the programs: {upward}"
+
+
+def test_the_course_imports_only_the_library_and_nothing_imports_the_course():
+    """The course (the notebooks' helpers and exercises, course/) stands on the library alone: it
+    imports neither the programs nor the plots, and no module of the package imports it."""
+    course = [
+        (path, target)
+        for path, target in _package_imports("moekv_ref")
+        if path.startswith("moekv_ref/course/") and target.startswith(("moekv_ref.apps", "moekv_ref.plots"))
+    ]
+    assert not course, f"the course importing more than the library: {course}"
+    inward = [
+        (path, target)
+        for path, target in _package_imports("moekv_ref.course")
+        if not path.startswith("moekv_ref/course/")
+    ]
+    assert not inward, f"modules importing the course: {inward}"
+
+
+def test_the_import_checks_see_an_injected_import():
+    """The two checks above are not vacuous: an import of apps/ from a library module, and of the
+    plots from the course, are found."""
+    injected = [
+        (ROOT / "moekv_ref/costs.py", "moekv_ref.costs", ast.parse("from .apps import cli\n")),
+        (
+            ROOT / "moekv_ref/course/checks.py",
+            "moekv_ref.course.checks",
+            ast.parse("def f():\n    from ..plots import tables\n"),
+        ),
+    ]
+    assert _package_imports("moekv_ref.apps", injected) == [("moekv_ref/costs.py", "moekv_ref.apps.cli")]
+    assert _package_imports("moekv_ref.plots", injected) == [
+        ("moekv_ref/course/checks.py", "moekv_ref.plots.tables")
+    ]
 
 
 def _top_level_names(sources: dict[str, str]) -> dict[str, list[str]]:

@@ -1,4 +1,4 @@
-"""moekv_ref.notebook: setup, the one call every notebook's first cell makes (threads, seed), and
+"""moekv_ref.course.notebook: setup, the one call every notebook's first cell makes (threads, seed), and
 interact, the "Try it" cells' controls with a still of their first figure."""
 
 import base64
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moekv_ref.notebook import STILL_NOTE, WIDGET_VIEW, interact, setup, still_html
+from moekv_ref.course.notebook import STILL_NOTE, WIDGET_VIEW, interact, setup, still_html
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -52,7 +52,7 @@ def test_notebooks_call_setup_in_their_first_code_cell_and_set_no_threads_themse
         cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
         first = "".join(cells[0]["source"])
         assert "setup()" in first, path.name
-        assert re.search(r"from moekv_ref\.notebook import (\w+, )*setup\b", first), path.name
+        assert re.search(r"from moekv_ref\.course\.notebook import (\w+, )*setup\b", first), path.name
         every = "".join("".join(c["source"]) for c in cells)
         assert "set_num_threads" not in every, path.name
 

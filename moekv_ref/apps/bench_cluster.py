@@ -55,6 +55,7 @@ from ..engine.scheduler import RESERVATIONS
 from ..engine.victims import VICTIM_POLICIES
 from ..jsonout import dump
 from ..paths import output_path
+from ..sim.cluster import BLOCK_SIZE, MODEL, cluster_placement, pool_blocks
 from ..sim.eviction import EvictionSetup, TraceRunner
 from ..sim.traces import conversation_lengths, conversation_turns, synthetic_trace, topic_trace
 from ..sim.workloads import (
@@ -72,9 +73,7 @@ from ..validation import MAX_COMPACT_TRACE_REQUESTS, MAX_TRACE_REQUESTS, is_inte
 from . import checkout, options
 from .bench_step import REPOSITORY, commit_of
 
-MODEL = "jetmoe-8b-expert-kv"
 ACTIVE_PARAMS = 2.2e9  # JetMoE-8B's active parameters (Shen et al., arXiv 2404.07413)
-BLOCK_SIZE = 16
 # DistServe's chatbot SLOs (Zhong et al., OSDI 2024, Table 1)
 TTFT_SLO = 0.25
 TPOT_SLO = 0.1
@@ -165,18 +164,6 @@ def num_groups(num_devices: int) -> int:
     """Expert-parallel groups of num_devices GPUs: one of up to E GPUs, or D / E of E GPUs each."""
     experts = get_config(MODEL).num_attention_experts
     return num_devices // experts if num_devices > experts else 1
-
-
-def cluster_placement(num_devices: int) -> torch.Tensor:
-    """(E,) the GPU of each of MODEL's attention experts within one group of num_devices GPUs:
-    contiguous, E / D experts of every layer a GPU."""
-    experts = get_config(MODEL).num_attention_experts
-    return torch.arange(experts) // (experts // num_devices)
-
-
-def pool_blocks(gib_per_device: float) -> int:
-    """Blocks of BLOCK_SIZE tokens that `gib_per_device` GiB of KV memory holds on one GPU."""
-    return int(gib_per_device * 2**30 // (BLOCK_SIZE * get_config(MODEL).kv_bytes_per_entry()))
 
 
 def run_one(

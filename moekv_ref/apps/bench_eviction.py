@@ -45,12 +45,12 @@ from ..engine.swap import SwapSpace
 from ..engine.workload import few_shot_workload, make_workload, run_workload
 from ..jsonout import dump
 from ..paths import output_path
-from ..placement import place_layers
 from ..plots.tables import text_table
 from ..sim.density import density_sweep, mean_blocks_at_context
 from ..sim.eviction import EvictionSetup, memory_time_bound, simulate
 from ..sim.optimum import search_optimum
-from ..sim.traces import synthetic_trace, topic_trace
+from ..sim.traces import synthetic_trace
+from ..sim.workloads import skewed_workload, workload_cost_model
 from ..validation import MAX_BLOCKS
 from . import options
 
@@ -174,55 +174,6 @@ def projected_crossovers(block_sizes, contexts, links=None, num_sequences: int =
 
 
 # ----- 2. the policies on one skewed workload --------------------------------------------------------------
-def skewed_workload(
-    num_sequences: int = 48,
-    num_layers: int = 8,
-    num_experts: int = 16,
-    top_k: int = 2,
-    num_devices: int = 4,
-    mean_prompt: float = 128,
-    mean_output: float = 128,
-    topic_s: float = 1.5,
-    seed: int = 0,
-    placement: str = "coactivation",
-):
-    """The trace and the placement: per-sequence topics (sim/traces.py: topic_trace), experts placed by
-    co-activation, which puts the popular topic's experts together on device 0 (it fills first).
-    KV per (layer, expert) slot: 2 KV heads of 128 in bf16 (1 KiB)."""
-    trace, topic = topic_trace(
-        num_sequences,
-        num_layers,
-        num_experts,
-        top_k,
-        topic_s=topic_s,
-        mean_prompt=mean_prompt,
-        mean_output=mean_output,
-        kv_bytes_per_slot=1024,
-        seed=seed,
-    )
-    selected = [
-        torch.nn.functional.one_hot(trace.experts[:, layer].long(), num_experts).sum(1).bool()
-        for layer in range(num_layers)
-    ]
-    return trace, topic, place_layers(selected, num_devices, placement)
-
-
-def workload_cost_model(trace, block_size: int, host_link: str = "pcie_gen5_x16") -> CostModel:
-    """The projected H100 cost model at the skewed workload's shape (2 B active parameters, 4 query
-    heads of 128 per expert), swapping over `host_link` (a name in costs.HOST_LINKS)."""
-    return projected_gpu_cost_model(
-        2e9,
-        trace.kv_bytes_per_slot,
-        trace.num_layers,
-        int(trace.experts.shape[2]),
-        trace.num_experts,
-        128,
-        4,
-        block_size,
-        host_link=host_link,
-    )
-
-
 SIM_POLICIES = (
     "sequence_lru",
     "expert_lru",

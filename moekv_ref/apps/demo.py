@@ -28,55 +28,13 @@ from tqdm import tqdm
 
 from ..checkpoint import load_default_model
 from ..config import get_config
-from ..engine import LLMEngine, SchedulerConfig
-from ..engine.workload import WorkloadRequest, make_workload, run_workload
+from ..demo_workload import demo_workload, serve_workload
+from ..engine import LLMEngine
 from ..plots.serving import demand_table, plot_run, pool_use
-from ..prompts import encode
-from ..sampling import SamplingParams
 from . import options
 
 FIGURES = Path("figures")
 SPARK = " ▁▂▃▄▅▆▇█"
-
-
-def demo_workload(
-    num_requests: int = 20, arrival_rate: float | None = 0.5, seed: int = 0, with_oversized: bool = True
-) -> list[WorkloadRequest]:
-    """The demo's requests; with_oversized adds one whose worst case exceeds the demo pool."""
-    workload = make_workload(
-        num_requests, prompt_len=(16, 160), output_len=(16, 128), arrival_rate=arrival_rate, seed=seed
-    )
-    if with_oversized:
-        prompt = (encode("# a very long request\n") * 20)[:300]
-        workload.insert(
-            len(workload) // 2,
-            WorkloadRequest(
-                workload[len(workload) // 2].arrival_step, prompt, SamplingParams(max_new_tokens=200, seed=99)
-            ),
-        )
-    return workload
-
-
-def serve(
-    model,
-    workload,
-    num_blocks: int,
-    block_size: int = 16,
-    preemption_mode: str = "recompute",
-    admission: str = "predicted",
-    max_num_seqs: int = 16,
-    max_num_batched_tokens: int = 256,
-    on_step=None,
-):
-    """Serve `workload` on a fresh engine; returns (engine, WorkloadResult)."""
-    config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        admission=admission,
-        preemption_mode=preemption_mode,
-    )
-    engine = LLMEngine(model, num_blocks, block_size, config, record_history=True)  # for the figures
-    return engine, run_workload(engine, workload, on_step)
 
 
 def explore(
@@ -219,7 +177,7 @@ def run_demo(
         )
         bar.refresh()
 
-    engine, result = serve(
+    engine, result = serve_workload(
         model, workload, num_blocks, preemption_mode=preemption_mode, admission=admission, on_step=on_step
     )
     bar.n = len(workload)

@@ -5,6 +5,8 @@ designs.py    paged designs; baselines.py the designs paging must beat (reserved
 replay.py     lock-step replay of a trace through a design; capacity under a budget
 eviction.py   serving over a trace: the engine's own Scheduler, with the trace playing the model
 optimum.py    the exact best victim choices on small traces; density.py expert buffer density
+workloads.py  published request lengths, arrivals, latency under SLOs; a skewed workload
+cluster.py    the cluster bench cluster simulates: its model, block size, placement, pools
 """
 
 from .baselines import AddressSpace, FirstFitDesign, ReservedDesign

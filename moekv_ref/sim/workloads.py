@@ -19,6 +19,10 @@ minus its arrival; TPOT the mean time per output token after the first; a reques
 meets both SLOs, SLO attainment is the share of good requests, and goodput the highest request
 rate whose attainment reaches a target (90% there). `latency_summary` gives one run's attainment
 and good requests per second; bench cluster sweeps the rate to find goodput.
+
+A skewed workload (`skewed_workload`, bench eviction's and notebooks 05 and 11's): a topic trace whose
+popular topic's experts the co-activation placement puts together on one device, which fills first;
+`workload_cost_model` is the projected H100 cost model at its shape.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ from importlib import resources
 import numpy as np
 import torch
 
+from ..costs import CostModel, projected_gpu_cost_model
+from ..placement import place_layers
 from ..validation import MAX_INT32, check_choice, check_int, check_real
+from .traces import topic_trace
 
 ARRIVALS = ("poisson", "gamma")
 
@@ -225,3 +232,53 @@ def latency_summary(
         "slo_attainment": float(good.sum()) / max(1, arrival.numel()),
         "good_requests_per_s": float(good.sum()) / span if span > 0 else float("nan"),
     }
+
+
+# ----- a skewed workload on per-device pools (bench eviction, notebooks 05 and 11) ------------------
+def skewed_workload(
+    num_sequences: int = 48,
+    num_layers: int = 8,
+    num_experts: int = 16,
+    top_k: int = 2,
+    num_devices: int = 4,
+    mean_prompt: float = 128,
+    mean_output: float = 128,
+    topic_s: float = 1.5,
+    seed: int = 0,
+    placement: str = "coactivation",
+):
+    """The trace and the placement: per-sequence topics (sim/traces.py: topic_trace), experts placed by
+    co-activation, which puts the popular topic's experts together on device 0 (it fills first).
+    KV per (layer, expert) slot: 2 KV heads of 128 in bf16 (1 KiB)."""
+    trace, topic = topic_trace(
+        num_sequences,
+        num_layers,
+        num_experts,
+        top_k,
+        topic_s=topic_s,
+        mean_prompt=mean_prompt,
+        mean_output=mean_output,
+        kv_bytes_per_slot=1024,
+        seed=seed,
+    )
+    selected = [
+        torch.nn.functional.one_hot(trace.experts[:, layer].long(), num_experts).sum(1).bool()
+        for layer in range(num_layers)
+    ]
+    return trace, topic, place_layers(selected, num_devices, placement)
+
+
+def workload_cost_model(trace, block_size: int, host_link: str = "pcie_gen5_x16") -> CostModel:
+    """The projected H100 cost model at the skewed workload's shape (2 B active parameters, 4 query
+    heads of 128 per expert), swapping over `host_link` (a name in costs.HOST_LINKS)."""
+    return projected_gpu_cost_model(
+        2e9,
+        trace.kv_bytes_per_slot,
+        trace.num_layers,
+        int(trace.experts.shape[2]),
+        trace.num_experts,
+        128,
+        4,
+        block_size,
+        host_link=host_link,
+    )

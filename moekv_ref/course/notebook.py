@@ -1,4 +1,4 @@
-"""What every notebook sets before its first cell runs: `from moekv_ref.notebook import setup; setup()`.
+"""What every notebook sets before its first cell runs: `from moekv_ref.course.notebook import setup; setup()`.
 
 One call, so that the notebooks cannot drift apart:
 
@@ -32,7 +32,7 @@ import sys
 
 import torch
 
-from .validation import MAX_INT32, check_int, check_seed
+from ..validation import MAX_INT32, check_int, check_seed
 
 NUM_THREADS = 1
 SEED = 0
