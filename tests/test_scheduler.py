@@ -27,6 +27,7 @@ from moekv_ref.engine.scheduler import Scheduler, SchedulerConfig
 from moekv_ref.engine.swap import SWAP_IN, SWAP_OUT
 from moekv_ref.engine.victims import Shortage, VictimPolicy
 from moekv_ref.sampling import SamplingParams
+from moekv_ref.sim.fast_scheduler import FastScheduler
 
 
 def blocks(counts, P):
@@ -126,9 +127,16 @@ EXPERTS_01 = torch.tensor([1, 1, 0, 0])  # a token routed to experts 0 and 1, in
 EXPERTS_23 = torch.tensor([0, 0, 1, 1])
 
 
-def make_scheduler(num_blocks, num_swap_blocks=0, **config):
+@pytest.fixture(params=[Scheduler, FastScheduler], ids=["plain", "fast"])
+def scheduler_class(request):
+    """Every behaviour test runs on the engine's plain Scheduler and on the trace runner's
+    FastScheduler (sim/fast_scheduler.py): the same decisions, step by step."""
+    return request.param
+
+
+def make_scheduler(scheduler_class, num_blocks, num_swap_blocks=0, **config):
     manager = KVCacheManager(NUM_LAYERS, NUM_EXPERTS, BLOCK_SIZE, num_blocks)
-    return Scheduler(SchedulerConfig(**config), manager, SHAPE, num_swap_blocks)
+    return scheduler_class(SchedulerConfig(**config), manager, SHAPE, num_swap_blocks)
 
 
 def add(scheduler, request_id, prompt_len, max_new_tokens):
@@ -158,8 +166,8 @@ def ids(requests):
     return [r.request_id for r in requests]
 
 
-def test_optimistic_admission_admits_while_the_step_worst_case_fits():
-    scheduler = make_scheduler(20, admission="optimistic")
+def test_optimistic_admission_admits_while_the_step_worst_case_fits(scheduler_class):
+    scheduler = make_scheduler(scheduler_class, 20, admission="optimistic")
     for i in range(3):
         add(scheduler, i, prompt_len=3, max_new_tokens=4)
     out = scheduler.schedule(0)
@@ -181,12 +189,15 @@ def test_optimistic_admission_admits_while_the_step_worst_case_fits():
     assert not out.admitted
 
 
-def test_a_step_where_every_running_request_fits_asks_the_pool_once(monkeypatch):
-    """The usual decode step: the running requests' worst cases fit the pool all together, so the
-    scheduler checks the pool once for all of them, not once a request, and schedules each with its
-    own worst case (step_blocks, asked here afterwards). When they do not all fit, it goes request
-    by request and preempts: test_the_newest_request_is_preempted_when_the_step_does_not_fit."""
-    scheduler = make_scheduler(40, admission="optimistic")
+def test_a_step_where_every_running_request_fits_asks_the_pool_once_on_the_fast_path(
+    scheduler_class, monkeypatch
+):
+    """The usual decode step: the running requests' worst cases fit the pool all together. The plain
+    scheduler checks the pool once a request, as the module docstring's loop says; the fast one once
+    for all of them; both schedule each with its own worst case (step_blocks, asked here
+    afterwards). When they do not all fit, it goes request by request and preempts:
+    test_the_newest_request_is_preempted_when_the_step_does_not_fit."""
+    scheduler = make_scheduler(scheduler_class, 40, admission="optimistic")
     requests = [add(scheduler, i, prompt_len=3, max_new_tokens=4) for i in range(3)]
     run_forward(scheduler, scheduler.schedule(0))
     assert not scheduler.waiting and len(scheduler.running) == 3
@@ -198,17 +209,18 @@ def test_a_step_where_every_running_request_fits_asks_the_pool_once(monkeypatch)
     out = scheduler.schedule(1)
     expected = [(r.request_id, 1, int(scheduler.step_blocks(r, 1).sum())) for r in requests]
     assert [(s.request.request_id, s.num_tokens, s.reserved_blocks) for s in out.scheduled] == expected
-    assert len(checks) == 1 and int(checks[0].sum()) == out.reserved_blocks == sum(e[2] for e in expected) > 0
+    assert int(checks[-1].sum()) == out.reserved_blocks == sum(e[2] for e in expected) > 0
+    assert len(checks) == (1 if scheduler_class is FastScheduler else len(requests))
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_one_pool_need_is_the_per_device_bounds_with_one_device(seed, monkeypatch):
-    """With one pool the scheduler takes its need (a step's worst case, capped by the lifetime's
+    """With one pool the fast scheduler takes its need (a step's worst case, capped by the lifetime's
     minus what is held) in fewer tensor calls than demand.py's per-device form: the same numbers,
     on random rows, decode and prefill steps, with the lifetime cap binding on some; and the
     per-device form is not what ran (it raises here)."""
     generator = torch.Generator().manual_seed(seed)
-    scheduler = make_scheduler(40)
+    scheduler = make_scheduler(FastScheduler, 40)
     L = NUM_LAYERS
     E = NUM_EXPERTS
     K = SHAPE.k_max
@@ -230,18 +242,18 @@ def test_the_one_pool_need_is_the_per_device_bounds_with_one_device(seed, monkey
         "worst_case_lifetime_blocks_per_device",
     ):
         monkeypatch.setattr(scheduler_module, name, lambda *args: pytest.fail("the per-device form ran"))
-    need = scheduler._worst_case_need(counts, num_tokens, totals, None)  # the one-pool path
+    need = scheduler.worst_case_need(counts, num_tokens, totals, devices)  # the one-pool path
     assert need.dtype == torch.int64 and need.tolist() == expected.tolist()
     assert (expected < step).any() and (expected > 0).any()  # the cap binds on some, not on all
 
 
-def test_predicted_admission_refuses_what_the_predicted_peak_cannot_hold():
+def test_predicted_admission_refuses_what_the_predicted_peak_cannot_hold(scheduler_class):
     # Before any routing is observed the predictor assumes k_max = 2 experts per token. Request 0
     # (running, holding nothing yet) is predicted to end at 6 tokens x 2 experts = 12 entries per
     # layer: 12/4 + 4 rows x 3/4 = 6 blocks, 12 in all; request 1 the same. Both peak in the same
     # last step: 24 > 20, so the prediction refuses request 1, which the optimistic rule admits.
-    predicted = make_scheduler(20, admission="predicted")
-    optimistic = make_scheduler(20, admission="optimistic")
+    predicted = make_scheduler(scheduler_class, 20, admission="predicted")
+    optimistic = make_scheduler(scheduler_class, 20, admission="optimistic")
     for scheduler in (predicted, optimistic):
         first, second = add(scheduler, 0, 3, 4), add(scheduler, 1, 3, 4)
     out = predicted.schedule(0)
@@ -250,12 +262,16 @@ def test_predicted_admission_refuses_what_the_predicted_peak_cannot_hold():
     assert ids(optimistic.schedule(0).admitted) == [0, 1]
 
 
-def preemption_scenario(mode):
+def preemption_scenario(scheduler_class, mode):
     """Two requests (3-token prompts, 4 new tokens) in a pool of 16 blocks. Steps 0-2 fill it:
     prefill routes to experts 0/1 (blocks 0-3 and 4-7), the first decode token to experts 2/3
     (blocks 8-11 and 12-15), the second to experts 0/1 again (rows 0 and 1 reach 4 tokens: full)."""
     scheduler = make_scheduler(
-        16, num_swap_blocks=8 if mode == "swap" else 0, admission="optimistic", preemption_mode=mode
+        scheduler_class,
+        16,
+        num_swap_blocks=8 if mode == "swap" else 0,
+        admission="optimistic",
+        preemption_mode=mode,
     )
     add(scheduler, 0, 3, 4)
     add(scheduler, 1, 3, 4)
@@ -269,8 +285,8 @@ def preemption_scenario(mode):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_the_newest_request_is_preempted_when_the_step_does_not_fit(mode):
-    scheduler = preemption_scenario(mode)
+def test_the_newest_request_is_preempted_when_the_step_does_not_fit(scheduler_class, mode):
+    scheduler = preemption_scenario(scheduler_class, mode)
     out = scheduler.schedule(3)
     # request 0's full rows 0 and 1 may each open a block in both layers: 4 blocks, none free. The
     # newest running request, 1, is preempted; its 8 blocks return and request 0 runs alone.
@@ -325,8 +341,8 @@ class OldestFirst(VictimPolicy):
         return candidates[0]
 
 
-def test_a_victim_policy_object_chooses_who_is_preempted():
-    scheduler = make_scheduler(16, admission="optimistic", victim=OldestFirst())
+def test_a_victim_policy_object_chooses_who_is_preempted(scheduler_class):
+    scheduler = make_scheduler(scheduler_class, 16, admission="optimistic", victim=OldestFirst())
     add(scheduler, 0, 3, 4)
     add(scheduler, 1, 3, 4)
     for step, experts in enumerate([EXPERTS_01, EXPERTS_23, EXPERTS_01]):
@@ -338,12 +354,12 @@ def test_a_victim_policy_object_chooses_who_is_preempted():
     assert [(s.request.request_id, s.reserved_blocks) for s in out.scheduled] == [(1, 4)]
 
 
-def test_a_victim_outside_the_candidates_is_an_error():
+def test_a_victim_outside_the_candidates_is_an_error(scheduler_class):
     class Wrong(VictimPolicy):
         def choose_victim(self, candidates, memory, need):
             return Request(99, [1], SamplingParams())
 
-    scheduler = make_scheduler(16, admission="optimistic", victim=Wrong())
+    scheduler = make_scheduler(scheduler_class, 16, admission="optimistic", victim=Wrong())
     add(scheduler, 0, 3, 4)
     add(scheduler, 1, 3, 4)
     for step, experts in enumerate([EXPERTS_01, EXPERTS_23, EXPERTS_01]):
@@ -352,19 +368,19 @@ def test_a_victim_outside_the_candidates_is_an_error():
         scheduler.schedule(3)
 
 
-def test_continuous_reserved_admits_while_lifetime_reservations_fit():
+def test_continuous_reserved_admits_while_lifetime_reservations_fit(scheduler_class):
     # 6 cached tokens reserve ceil(6/4) = 2 blocks in each of the 8 rows: 16 per request. Two fit a
     # pool of 40; the third would make 48, although its step (8 blocks) fits the 24 left.
-    scheduler = make_scheduler(40, policy="continuous_reserved")
+    scheduler = make_scheduler(scheduler_class, 40, policy="continuous_reserved")
     for i in range(3):
         add(scheduler, i, 3, 4)
     assert ids(scheduler.schedule(0).admitted) == [0, 1]
 
 
-def test_static_batch_is_padded_by_the_policy_and_admits_only_when_done():
+def test_static_batch_is_padded_by_the_policy_and_admits_only_when_done(scheduler_class):
     # padded length = longest prompt 5 + longest output 6 - 1 = 10 tokens: 8 rows x 3 blocks = 24
     # reserved each, two fit 48. Request 0 decodes 6 tokens (4 of padding), as its batch does.
-    scheduler = make_scheduler(48, policy="static")
+    scheduler = make_scheduler(scheduler_class, 48, policy="static")
     short, long = add(scheduler, 0, 3, 2), add(scheduler, 1, 5, 6)
     assert not hasattr(short, "num_padding_tokens")
     finished_at = {}

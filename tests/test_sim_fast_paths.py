@@ -1,17 +1,21 @@
 """The simulator's fast paths make exactly the decisions of the plain ones.
 
-    decode need        Scheduler._decode_need: a decode step's worst case read from the manager's
+    the scheduler      FastScheduler (sim/fast_scheduler.py), the trace runner's: every decision
+                       of the engine's plain Scheduler, over whole runs; its parts below
+    decode need        FastScheduler._decode_need: a decode step's worst case read from the manager's
                        open_rows and count_blocks (two small tables per sequence slot), or from
                        open_per_device where k_max caps no device, instead of every row; plain: the
-                       bounds of demand.py over the rows (_worst_case_need)
+                       bounds of demand.py over the rows (Scheduler.worst_case_need)
     per-slot tables    KVCacheManager.set_row_tokens keeps open_rows and count_blocks following
                        row_tokens, updating them over the rows that reach a block boundary only
                        (_crossing); plain: recounted from the rows
     freeing a sequence BlockPool.free(distinct=True): a sequence's blocks, distinct, skip the sorts
                        that find repeated ids, and come grouped by device (blocks_of_sequence's
                        by_device), so the pool has nothing to sort; plain: free() of any order
-    a fresh request    Scheduler._fresh_needs: the worst case of a request with nothing computed,
+    a fresh request    FastScheduler._fresh_needs: the worst case of a request with nothing computed,
                        held or swapped, read once per token count; plain: read each time
+    one pool, all at   FastScheduler.worst_case_need with D = 1 and schedule_running:
+    once               tests/test_scheduler.py, which runs every behaviour test on both classes
     pool, per device   BlockPool.allocate_per_device: every device's blocks in one gather; plain:
                        allocate(n, device=d) device after device
     decode appends     TraceRunner.append: decode items' rows straight from the trace; plain:
@@ -39,7 +43,7 @@ import pytest
 import torch
 
 import moekv_ref.cache.rows as rows_module
-import moekv_ref.engine.scheduler as scheduler_module
+import moekv_ref.sim.eviction as runner_module
 from moekv_ref.cache.block_pool import BlockPool, OutOfBlocksError
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
 from moekv_ref.cache.prefix_cache import PrefixCache
@@ -48,6 +52,7 @@ from moekv_ref.costs import CostModel
 from moekv_ref.engine.memory import ModelShape
 from moekv_ref.engine.scheduler import Scheduler, SchedulerConfig
 from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
+from moekv_ref.sim.fast_scheduler import FastScheduler
 from moekv_ref.sim.traces import synthetic_trace, topic_trace
 
 FREE = CostModel("free", 0.0, 0.0, 0.0, float("inf"), 0.0, 0.0, 1)
@@ -87,12 +92,37 @@ def decisions(runner: TraceRunner):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("policy", ["sequence_lru", "pressure_aware", "expert_lru"])
+@pytest.mark.parametrize("reservation", ["worst_case", "optimistic"])
+@pytest.mark.parametrize("num_devices", [1, 2, 4])
+def test_the_fast_scheduler_makes_the_plain_schedulers_decisions(
+    seed, policy, reservation, num_devices, monkeypatch
+):
+    """The trace runner's FastScheduler against the engine's Scheduler on the same runs: the same
+    events, victims, blocks in use per device at every step and retries."""
+    blocks = 160 // num_devices
+    fast_runner = random_runner(seed, policy, blocks, num_devices, reservation)
+    assert type(fast_runner.scheduler) is FastScheduler
+    fast_stats = fast_runner.run()
+    monkeypatch.setattr(runner_module, "FastScheduler", Scheduler)  # the runner builds the plain one
+    plain_runner = random_runner(seed, policy, blocks, num_devices, reservation)
+    assert type(plain_runner.scheduler) is Scheduler
+    plain_stats = plain_runner.run()
+    assert fast_stats.evictions, "no eviction happened: the comparison would not test victims"
+    assert fast_stats.events == plain_stats.events
+    fast = [(e.step, e.request_id, e.mode, e.freed) for e in fast_stats.evictions]
+    assert fast == [(e.step, e.request_id, e.mode, e.freed) for e in plain_stats.evictions]
+    assert torch.equal(fast_stats.used_blocks, plain_stats.used_blocks)
+    assert fast_stats.num_retries == plain_stats.num_retries
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("policy", ["sequence_lru", "pressure_aware", "expert_lru"])
 @pytest.mark.parametrize("num_devices", [2, 4])
 def test_decode_need_makes_the_decisions_of_the_row_by_row_bound(seed, policy, num_devices, monkeypatch):
     fast = decisions(random_runner(seed, policy, blocks=160 // num_devices, num_devices=num_devices))
     assert fast[1], "no eviction happened: the comparison would not test victims"
     assert random_runner(seed, num_devices=num_devices).scheduler._caps_bind == (num_devices == 2)
-    monkeypatch.setattr(scheduler_module.Scheduler, "_decode_need", lambda self, requests, num_tokens: None)
+    monkeypatch.setattr(FastScheduler, "_decode_need", lambda self, requests, num_tokens: None)
     plain = decisions(random_runner(seed, policy, blocks=160 // num_devices, num_devices=num_devices))
     assert fast[0] == plain[0]  # admitted / resumed / preempted, each step
     assert fast[1] == plain[1]  # victims, modes, blocks freed per device
@@ -105,13 +135,13 @@ def test_a_broken_decode_need_changes_the_decisions(num_devices, monkeypatch):
     runs), on both of its branches: it reserves one block more per device than the bound says."""
     blocks = 160 // num_devices
     plain = decisions(random_runner(0, blocks=blocks, num_devices=num_devices))
-    real = scheduler_module.Scheduler._decode_need
+    real = FastScheduler._decode_need
 
     def one_more(self, requests, num_tokens):
         need = real(self, requests, num_tokens)
         return None if need is None else need + 1
 
-    monkeypatch.setattr(scheduler_module.Scheduler, "_decode_need", one_more)
+    monkeypatch.setattr(FastScheduler, "_decode_need", one_more)
     broken = decisions(random_runner(0, blocks=blocks, num_devices=num_devices))
     assert broken[0] != plain[0] or broken[1] != plain[1] or not torch.equal(broken[2], plain[2])
 
@@ -143,8 +173,7 @@ def test_decode_need_equals_the_bound_over_rows_on_random_states(seed, num_devic
     assert requests and all(r.num_pending_tokens == 1 for r in requests)
     fast = scheduler._decode_need(requests, [1] * len(requests))
     assert scheduler._caps_bind == (num_devices == 2)
-    scheduler._experts_on = None  # the plain path from here
-    plain = scheduler.step_blocks_many(requests, [1] * len(requests))
+    plain = Scheduler.worst_case_step_blocks(scheduler, requests, [1] * len(requests))  # over every row
     assert fast is not None and torch.equal(fast, plain)
 
 
@@ -380,7 +409,7 @@ def test_the_runner_fails_at_the_first_short_layer_with_that_layers_shortfall():
 def test_a_fresh_requests_need_read_once_per_token_count_makes_the_decisions_of_reading_it_each_time(
     monkeypatch,
 ):
-    """Scheduler._fresh_needs (worst-case reservation; an optimistic one reserves a chunk's predicted
+    """FastScheduler._fresh_needs (worst-case reservation; an optimistic one reserves a chunk's predicted
     blocks instead): the same decisions as reading every fresh request's need again, and different
     ones when a remembered need is four blocks a device too large."""
 
@@ -392,18 +421,18 @@ def test_a_fresh_requests_need_read_once_per_token_count_makes_the_decisions_of_
     remembering = runner()
     fast = decisions(remembering)
     assert remembering.scheduler._fresh_needs, "no fresh request's need was remembered"
-    monkeypatch.setattr(scheduler_module.Scheduler, "_is_fresh", lambda self, request: False)
+    monkeypatch.setattr(FastScheduler, "_is_fresh", lambda self, request: False)
     plain = decisions(runner())
     assert fast[0] == plain[0] and fast[1] == plain[1] and torch.equal(fast[2], plain[2])
     monkeypatch.undo()
-    real = scheduler_module.Scheduler._worst_case_over_rows
+    real = FastScheduler.worst_case_step_blocks
 
     def stale(self, requests, num_tokens):
         remembered = len(requests) == 1 and num_tokens[0] in self._fresh_needs and self._is_fresh(requests[0])
         need = real(self, requests, num_tokens)
         return need + 4 if remembered else need
 
-    monkeypatch.setattr(scheduler_module.Scheduler, "_worst_case_over_rows", stale)
+    monkeypatch.setattr(FastScheduler, "worst_case_step_blocks", stale)
     broken = decisions(runner())
     assert broken[0] != plain[0] or broken[1] != plain[1] or not torch.equal(broken[2], plain[2])
 

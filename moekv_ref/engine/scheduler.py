@@ -43,7 +43,6 @@ import torch
 
 from ..cache.block_pool import check_pool_fits
 from ..cache.kv_cache_manager import KVCacheManager
-from ..cache.rows import ceil_div, worst_case_lifetime_blocks
 from ..state import Stateful
 from ..validation import MAX_BLOCKS, MAX_INT32, check_choice, check_int
 from .admission import ADMISSIONS, AdmissionPolicy
@@ -52,7 +51,6 @@ from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
 from .demand import (
     DemandPredictor,
     blocks_held_per_device,
-    decode_step_blocks_per_device,
     min_lifetime_blocks,
     step_need,
     worst_case_lifetime_blocks_per_device,
@@ -213,7 +211,6 @@ class Scheduler(Stateful):
         "num_row_evictions",
         "num_evicted_rows",
         "num_dead_rows_freed",
-        "_fresh_needs",
     )
     # the manager holds the prefix cache, shared tails and budget; the memory view holds nothing
     PARTS = ("manager", "swap_space", "predictor", "batching", "victims")
@@ -270,18 +267,12 @@ class Scheduler(Stateful):
                 "tails and prefix caching share blocks between rows; use a victim that preempts "
                 "whole sequences (newest_first, sequence_lru, pressure_aware)"
             )
-        # a decode step's need from the manager's per-slot tables (`_decode_need`): the experts of each
-        # (layer, device), where rows live on their experts' devices and no budget caps them
-        self._experts_on = (
-            None if memory.max_row_tokens is not None else manager.placement.experts_per_device()
-        )  # (L, D); None by sequence
-        # whether a token can open fewer blocks of some (layer, device) than it has rows there
-        # (k_max below the experts there): only then does _decode_need read open_rows per layer
-        self._caps_bind = self._experts_on is not None and bool((self._experts_on > shape.k_max).any())
-        # a fresh request's (nothing held, computed or swapped) worst case depends on its token count
-        # alone where rows live on their experts' devices: read once per count (the head of a line
-        # that does not fit is asked again every step)
-        self._fresh_needs: dict[int, torch.Tensor] = {}
+        # optimistic reservation spreads a prefill chunk's expected blocks over the devices by their
+        # share of the experts, where rows live on their experts' devices and no budget caps them
+        experts_on = None if memory.max_row_tokens is not None else manager.placement.experts_per_device()
+        self.expert_share = (
+            None if experts_on is None else experts_on.sum(0).double() / experts_on.sum()
+        )  # (D,)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stalled: dict[int, Request] = {}  # request id -> request whose rows were evicted, in order
@@ -406,14 +397,30 @@ class Scheduler(Stateful):
         # every running request's need, in one call; a request the budget cuts short is asked again
         planned = [min(r.num_pending_tokens, token_budget) for r in self.running]
         needs = self.step_blocks_many(self.running, planned)  # (m, D)
-        reserved = self._schedule_all_at_once(out, planned, needs, base, token_budget)
-        if reserved is not None:  # every running request is scheduled
-            i = len(self.running)
-            token_budget -= sum(planned)
-        else:  # request by request, in order
-            i = 0
-            planned_needs = dict(zip(map(id, self.running), zip(planned, needs)))
-            reserved = base
+        reserved, token_budget = self.schedule_running(out, planned, needs, base, token_budget, shortfall)
+        max_admissions = None if retry is None else retry.max_admissions
+        if (
+            not out.preempted and max_admissions != 0
+        ):  # a step that had to preempt admits none: it would thrash
+            if not self.running:
+                self._free_dead_rows(None)
+            self.batching.admit(AdmissionStep(self, out, token_budget, reserved, max_admissions))
+        return out
+
+    def schedule_running(
+        self,
+        out: SchedulerOutput,
+        planned: list[int],
+        needs: torch.Tensor,
+        reserved: torch.Tensor,
+        token_budget: int,
+        shortfall: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, int]:
+        """Step 1 of the module docstring: the running requests, oldest first, each given its planned
+        tokens (needs[i], (D,), reserved for them) while they fit on top of `reserved`, victims
+        preempted until they do. Returns the step's reservation and the token budget left."""
+        planned_needs = dict(zip(map(id, self.running), zip(planned, needs)))
+        i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.current = self.running[i]
             num_tokens = min(request.num_pending_tokens, token_budget)
@@ -446,7 +453,9 @@ class Scheduler(Stateful):
                 mode = (
                     "rows" if isinstance(choice, RowEviction) else "swap" if victim.swapped else "recompute"
                 )
-                out.evictions.append(EvictionRecord(step, victim.request_id, mode, device, freed.tolist()))
+                out.evictions.append(
+                    EvictionRecord(out.step, victim.request_id, mode, device, freed.tolist())
+                )
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
@@ -455,38 +464,7 @@ class Scheduler(Stateful):
             reserved = reserved + need
             token_budget -= num_tokens
             i += 1
-        max_admissions = None if retry is None else retry.max_admissions
-        if (
-            not out.preempted and max_admissions != 0
-        ):  # a step that had to preempt admits none: it would thrash
-            if not self.running:
-                self._free_dead_rows(None)
-            self.batching.admit(AdmissionStep(self, out, token_budget, reserved, max_admissions))
-        return out
-
-    def _schedule_all_at_once(
-        self,
-        out: SchedulerOutput,
-        planned: list[int],
-        needs: torch.Tensor,
-        base: torch.Tensor,
-        token_budget: int,
-    ) -> torch.Tensor | None:
-        """Every running request's planned tokens, scheduled after one check, when together they fit
-        the token budget and every device (most decode steps): the decisions of the loop in
-        `_schedule`, which would find each request fits in turn and preempt none, with one `fits`
-        instead of one per request (tests/test_scheduler.py checks that one check ran). Returns the
-        step's reservation, or None, scheduling nothing, when they do not all fit. Measured on the
-        trace runner (300 requests, 24 layers, 64 experts top-8 on 64 devices, up to 256 running,
-        one thread, CPU time of two runs each): 9.1-9.3 s with it, 10.5-12.2 s without."""
-        if not self.running or sum(planned) > token_budget:
-            return None
-        total = base + needs.sum(0)  # (D,)
-        if not self.fits(total):
-            return None
-        for request, num_tokens, blocks in zip(self.running, planned, needs.sum(1).tolist()):
-            self.schedule_tokens(out, request, num_tokens, blocks)
-        return total
+        return reserved, token_budget
 
     def deciding_on(self, request: Request) -> None:
         """The request the step is deciding on, named in the note of an exception raised meanwhile."""
@@ -503,9 +481,7 @@ class Scheduler(Stateful):
             return True
         budget = self.config.max_num_batched_tokens
         planned = [min(r.num_pending_tokens, budget) for r in self.running]
-        return bool(self.running) and not self.fits(
-            self._worst_case_step_blocks(self.running, planned).sum(0)
-        )
+        return bool(self.running) and not self.fits(self.worst_case_step_blocks(self.running, planned).sum(0))
 
     def retry(self, out: SchedulerOutput, error, previous: Retry | None) -> Retry:
         """How to schedule the step again after the try that decided `out` ran short (an
@@ -579,64 +555,29 @@ class Scheduler(Stateful):
         spread over the devices by their share of the experts (the worst case where rows live on
         their sequence's home device)."""
         if self.config.reservation != "optimistic":
-            return self._worst_case_step_blocks(requests, num_tokens)
+            return self.worst_case_step_blocks(requests, num_tokens)
         needs = torch.zeros(len(requests), self.num_devices, dtype=torch.int64)
         chunks = [
             i for i, (r, n) in enumerate(zip(requests, num_tokens)) if n > 1 or r.num_computed_tokens == 0
         ]
         if not chunks:
             return needs
-        if self._experts_on is None:
-            needs[chunks] = self._worst_case_step_blocks(
+        if self.expert_share is None:
+            needs[chunks] = self.worst_case_step_blocks(
                 [requests[i] for i in chunks], [num_tokens[i] for i in chunks]
             )
             return needs
-        share = self._experts_on.sum(0).double() / self._experts_on.sum()  # (D,)
         for i in chunks:
             done = requests[i].num_computed_tokens
             expected = self.predictor.predict(done + num_tokens[i]) - (
                 self.predictor.predict(done) if done else 0
             )
-            needs[i] = torch.ceil(share * max(expected, 0)).to(torch.int64)
+            needs[i] = torch.ceil(self.expert_share * max(expected, 0)).to(torch.int64)
         return needs
 
-    def _worst_case_step_blocks(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
-        """The worst case of step_blocks_many: decode tokens from the manager's table where it
-        applies (`_decode_need`), the others over their rows (`_worst_case_over_rows`)."""
-        decoding = [
-            i for i, (r, n) in enumerate(zip(requests, num_tokens)) if n == 1 and r.num_computed_tokens > 0
-        ]
-        if len(decoding) < len(requests) and decoding:  # a step with prefills: two parts
-            needs = torch.zeros(len(requests), self.num_devices, dtype=torch.int64)
-            chosen = set(decoding)
-            others = [i for i in range(len(requests)) if i not in chosen]
-            for part in (decoding, others):
-                needs[part] = self._worst_case_step_blocks(
-                    [requests[i] for i in part], [num_tokens[i] for i in part]
-                )
-            return needs
-        decode = self._decode_need(requests, num_tokens)
-        if decode is not None:
-            return decode
-        return self._worst_case_over_rows(requests, num_tokens)
-
-    def _worst_case_over_rows(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
-        """The worst case from every row's count (demand.py's bounds)."""
-        if len(requests) == 1 and self._experts_on is not None and self._is_fresh(requests[0]):
-            if num_tokens[0] not in self._fresh_needs:
-                self._fresh_needs[num_tokens[0]] = self._worst_case_over_rows_of(requests, num_tokens)
-            return self._fresh_needs[num_tokens[0]].clone()
-        return self._worst_case_over_rows_of(requests, num_tokens)
-
-    def _is_fresh(self, request: Request) -> bool:
-        """Nothing computed, held or swapped: every row count is zero."""
-        return (
-            request.num_computed_tokens == 0
-            and not request.swapped
-            and not self.memory.holds(request.request_id)
-        )
-
-    def _worst_case_over_rows_of(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
+    def worst_case_step_blocks(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
+        """(m, D) the most blocks each request's next num_tokens[i] tokens can take on each device,
+        from every row's count: demand.py's bounds, as notebook 04 teaches them (`worst_case_need`)."""
         memory = self.memory
         resident = [r.request_id for r in requests if not r.swapped]
         counts = memory.token_counts(resident)  # (h, L, E)
@@ -647,43 +588,14 @@ class Scheduler(Stateful):
                 rows.append(torch.zeros_like(row) if request.request_id in self.stalled else row)
             counts = torch.stack(rows)  # (m, L, E)
         totals = [r.num_computed_tokens + n for r, n in zip(requests, num_tokens)]
-        devices = (
-            memory.placement.of_sequences([r.request_id for r in requests]) if self.num_devices > 1 else None
-        )
-        return self._worst_case_need(counts, num_tokens, totals, devices)
+        devices = memory.placement.of_sequences([r.request_id for r in requests])  # (m, L, E)
+        return self.worst_case_need(counts, num_tokens, totals, devices)
 
-    def _decode_need(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor | None:
-        """step_blocks_many when every request decodes one token into the rows it holds: the same
-        (m, D), read from the manager's open_rows (or, where k_max caps no device, their sum over the
-        layers, open_per_device) instead of every row (the simulator's 256 sequences x 24 layers x
-        64 experts); None where it does not apply (a budget, home devices, a prefill, a swapped or
-        stalled request)."""
-        if (
-            self._experts_on is None
-            or not requests
-            or any(n != 1 for n in num_tokens)
-            or any(r.swapped or r.request_id in self.stalled for r in requests)
-        ):
-            return None
-        ids = [r.request_id for r in requests]
-        if not self._caps_bind:  # min(open rows, k_d) is the open rows: their sum over the layers
-            return self.memory.open_per_device(ids)  # (m, D) or None
-        open_rows = self.memory.open_rows(ids)  # (m, L, D)
-        if open_rows is None:
-            return None
-        # the lifetime cap of _worst_case_need never binds here: one token's worst case (k_d open rows
-        # of device d) is a routing the token can take, so held + step is a state some routing
-        # reaches, within the lifetime worst case (tests/test_sim_fast_paths.py compares the two)
-        return decode_step_blocks_per_device(open_rows, self.shape.k_max, self._experts_on)  # (m, D)
-
-    def _worst_case_need(
-        self, counts: torch.Tensor, num_tokens: list[int], totals: list[int], devices: torch.Tensor | None
+    def worst_case_need(
+        self, counts: torch.Tensor, num_tokens: list[int], totals: list[int], devices: torch.Tensor
     ) -> torch.Tensor:
         """counts, devices (m, L, E), rows growing by num_tokens[i] to totals[i] -> (m, D) needs:
-        the step's worst case, capped by the lifetime's minus what is held (demand.step_need).
-        devices: None for one pool, whose need `_one_pool_worst_case_need` takes in fewer calls."""
-        if devices is None:
-            return self._one_pool_worst_case_need(counts, num_tokens, totals)
+        the step's worst case, capped by the lifetime's minus what is held (demand.step_need)."""
         D = self.num_devices
         K = self.shape.k_max
         P = self.memory.block_size
@@ -694,36 +606,6 @@ class Scheduler(Stateful):
         )  # (m, D)
         lifetime = worst_case_lifetime_blocks_per_device(torch.tensor(totals), K, P, devices, D, C)  # (m, D)
         return step_need(step, lifetime, held)
-
-    def _one_pool_worst_case_need(
-        self, counts: torch.Tensor, num_tokens: list[int], totals: list[int]
-    ) -> torch.Tensor:
-        """_worst_case_need with one pool, (m, 1): demand.py's bounds in a third of the tensor calls
-        (tests/test_scheduler.py compares the two on random rows). Bound B does not depend on the
-        rows and A <= E * ceil(n / P), so min(A, B) = min(A, rows.py's one-layer lifetime bound).
-        Measured on 16 decoding requests of the embedded model's shape (4 layers, 8 experts), one
-        thread: 56 us a call against 148 us for the per-device form, 2.7x, where a decode step of
-        that model takes a few milliseconds."""
-        memory = self.memory
-        L = memory.num_layers
-        E = memory.num_experts
-        K = self.shape.k_max
-        P = memory.block_size
-        C = memory.max_row_tokens
-        new = torch.tensor(num_tokens, dtype=torch.int64).view(-1, 1, 1)  # (m, 1, 1)
-        after = counts + new if C is None else torch.clamp(counts + new, max=C)  # a budget caps rows
-        blocks = ceil_div(counts, P).sum(2)  # (m, L)
-        grown = ceil_div(after, P).sum(2)  # (m, L)
-        limits = torch.tensor(
-            [
-                [worst_case_lifetime_blocks(n, 1, E, K, P, C), worst_case_lifetime_blocks(t, L, E, K, P, C)]
-                for n, t in zip(num_tokens, totals)
-            ],
-            dtype=torch.int64,
-        ).view(-1, 2)  # (m, 2): one layer's bound on the step, the whole lifetime's
-        step = torch.minimum(grown - blocks, limits[:, :1]).sum(1, keepdim=True)  # (m, 1)
-        held = blocks.sum(1, keepdim=True)  # (m, 1)
-        return step_need(step, limits[:, 1:], held)
 
     # ----- prefix caching ------------------------------------------------------------------------------
     def prefix_hit(self, request: Request):
@@ -744,10 +626,8 @@ class Scheduler(Stateful):
         counts = hit.row_counts.view(1, L, E)  # (1, L, E)
         devices = hit.row_devices.view(1, L, E)
         total = hit.num_tokens + num_tokens
-        with_hit = (
-            self._worst_case_need(counts, [num_tokens], [total], devices)[0] + hit.free_taken_per_device
-        )
-        from_nothing = self._worst_case_need(torch.zeros_like(counts), [total], [total], devices)[0]
+        with_hit = self.worst_case_need(counts, [num_tokens], [total], devices)[0] + hit.free_taken_per_device
+        from_nothing = self.worst_case_need(torch.zeros_like(counts), [total], [total], devices)[0]
         return torch.maximum(torch.minimum(with_hit, from_nothing), hit.free_taken_per_device)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:

@@ -42,12 +42,13 @@ from ..engine.demand import (
 )
 from ..engine.memory import ModelShape
 from ..engine.request import Request
-from ..engine.scheduler import EvictionRecord, Scheduler, SchedulerConfig
+from ..engine.scheduler import EvictionRecord, SchedulerConfig
 from ..engine.swap import COPY
 from ..engine.undo import Snapshot
 from ..engine.victims import VICTIM_POLICIES, OfflinePolicy, VictimPolicy
 from ..sampling import SamplingParams
 from ..validation import MAX_BLOCKS, check_device_table, check_int, number
+from .fast_scheduler import FastScheduler
 from .traces import RoutingTrace
 
 
@@ -279,7 +280,8 @@ class TraceRunner:
             reservation=setup.reservation,
             preemption_mode="swap" if setup.num_host_blocks else "recompute",
         )
-        self.scheduler = Scheduler(config, self.manager, self.shape, setup.num_host_blocks)
+        # the engine's Scheduler with the simulator's speed-ups, deciding the same (fast_scheduler.py)
+        self.scheduler = FastScheduler(config, self.manager, self.shape, setup.num_host_blocks)
         self.num_refused = 0
         self.num_retries = 0
         self.thrown_away_tokens = 0
