@@ -137,14 +137,14 @@ def test_the_frontier_keeps_only_settings_nothing_smaller_beats():
     assert [r["policy"] for r in frontier_rows(table, "v")] == ["a", "b", "e", "g"]
 
 
-def test_the_readme_quotes_the_committed_study():
-    """README's capacity table is readme_table(figures/capacity.json), and each number of the prose
+def test_the_results_quote_the_committed_study():
+    """docs/results.md's capacity table is readme_table(figures/capacity.json), and each number of the prose
     under it is the JSON's (a hand-edited number fails)."""
     root = Path(__file__).resolve().parents[1]
     study = json.loads((root / "figures" / "capacity.json").read_text())
-    readme = (root / "README.md").read_text()
-    assert capacity.readme_table(study) in readme
-    prose = " ".join(readme.split("## A budget per row", 1)[1].split("\n## ", 1)[0].split())
+    results = (root / "docs" / "results.md").read_text()
+    assert capacity.readme_table(study) in results
+    prose = " ".join(results.split("## A budget per row", 1)[1].split("\n## ", 1)[0].split())
     table = {(r["variant"], r["policy"], r["budget_tokens"]): r["bits_per_byte_mean"] for r in study["table"]}
 
     def cost(variant, policy, tokens):

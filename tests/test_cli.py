@@ -290,20 +290,20 @@ def test_bench_step_refuses_a_folder_without_the_package(tmp_path, capsys):
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_readme_first_generate_example_prints_python_shaped_text(capsys):
-    """The README's first `generate` command, at the CLI's sampling defaults, prints what the README
-    says: the prompt continued by a call and an indented line, without the runs of dozens of spaces
+def test_results_first_generate_example_prints_python_shaped_text(capsys):
+    """docs/results.md's first `generate` command, at the CLI's sampling defaults, prints what
+    docs/results.md says: the prompt continued by a call and an indented line, without the runs of dozens of spaces
     that lower temperatures fall into."""
     import re
     import shlex
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    line = next(text for text in readme.splitlines() if text.startswith("python -m moekv_ref generate"))
+    results = (Path(__file__).resolve().parent.parent / "docs" / "results.md").read_text()
+    line = next(text for text in results.splitlines() if text.startswith("python -m moekv_ref generate"))
     argv = shlex.split(line.split("#")[0])[3:]  # after `python -m moekv_ref`
     assert main(argv) == 0
     text = capsys.readouterr().out.split("\n\n\n")[0]
-    assert text.startswith("if __name__ == self.stoption()") and "`if __name__ == self.stoption()`" in readme
+    assert text.startswith("if __name__ == self.stoption()") and "`if __name__ == self.stoption()`" in results
     assert re.search(r"\n {4,}\S", text)  # an indented line
     assert max(len(run) for run in re.findall(r" +", text)) <= 12
 

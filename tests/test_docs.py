@@ -1,7 +1,9 @@
 """The documentation points only at things a reader can open: every file, notebook and figure that
-docs/glossary.md and docs/design.md name exists; every function or class a glossary link names is
-defined in the file it links to; every notebook section it names is a heading of that notebook; and
-every row of the glossary's tables links to code and to a notebook (or says it is not built yet)."""
+README.md, docs/glossary.md, docs/design.md and docs/results.md name exists, and every link to a
+section names a heading of its page; every function or class a glossary link names is defined in the
+file it links to; every notebook section it names is a heading of that notebook; and every row of the
+glossary's tables links to code and to a notebook (or says it is not built yet). Every number the
+README's findings and docs/results.md's tables quote is read here from its JSON in figures/."""
 
 import json
 import re
@@ -15,7 +17,9 @@ from moekv_ref.jsonout import dumps, strict_json
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PAGES = [DOCS / "glossary.md", DOCS / "design.md"]
+README = ROOT / "README.md"
+RESULTS = DOCS / "results.md"  # the benchmarks' tables, moved out of the README
+PAGES = [README, DOCS / "glossary.md", DOCS / "design.md", RESULTS]
 LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
 PATH_IN_BACKTICKS = re.compile(r"`([\w.-]+/[\w./-]*)`")
 FILE_SUFFIXES = (".py", ".ipynb", ".png", ".json", ".md", ".txt", ".pt")
@@ -84,12 +88,12 @@ def test_every_glossary_row_links_code_and_a_notebook():
         )
 
 
-def test_readme_bytes_per_token_table_is_what_the_configs_compute():
-    """The README's bytes-per-token table, row by row, against kv_bytes_per_token (changing either
+def test_results_bytes_per_token_table_is_what_the_configs_compute():
+    """docs/results.md's bytes-per-token table, row by row, against kv_bytes_per_token (changing either
     makes this fail)."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    results = RESULTS.read_text(encoding="utf-8")
     rows = re.findall(
-        r"^\| `([\w.-]+)`[^|]*\| [^|]+\| (\d+) \| (\d+) \| ([\d,]+) \(\w+\) \| ([\d,]+) \|$", readme, re.M
+        r"^\| `([\w.-]+)`[^|]*\| [^|]+\| (\d+) \| (\d+) \| ([\d,]+) \(\w+\) \| ([\d,]+) \|$", results, re.M
     )
     assert {name for name, *_ in rows} == set(PRESETS), rows
     for name, entries, layers, per_entry, per_token in rows:
@@ -100,11 +104,11 @@ def test_readme_bytes_per_token_table_is_what_the_configs_compute():
         assert int(per_token.replace(",", "")) == config.kv_bytes_per_token, name
 
 
-def test_readme_bench_peer_table_is_what_its_json_says():
-    """Each tokens/s and ratio of the README's `bench peer` table against figures/bench_peer.json."""
+def test_results_bench_peer_table_is_what_its_json_says():
+    """Each tokens/s and ratio of docs/results.md's `bench peer` table against figures/bench_peer.json."""
     measured = json.loads((ROOT / "figures" / "bench_peer.json").read_text(encoding="utf-8"))["paths"]
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("(`bench peer`)", 1)[1].split("\n## ", 1)[0]
+    results = RESULTS.read_text(encoding="utf-8")
+    section = results.split("(`bench peer`)", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| (.+?) \| ([\d,]+) \| (\d\.\d\d) \|$", section, re.M)
     keys = {
         "Hugging Face": "hf",
@@ -120,12 +124,12 @@ def test_readme_bench_peer_table_is_what_its_json_says():
         assert measured[key]["identical_tokens"], label
 
 
-def test_readme_parallel_table_is_what_its_json_says():
-    """Each byte count of the README's `bench parallel` table, its weight bytes per rank and the
+def test_results_parallel_table_is_what_its_json_says():
+    """Each byte count of docs/results.md's `bench parallel` table, its weight bytes per rank and the
     ratio quoted under it, against figures/bench_parallel.json."""
     measured = json.loads((ROOT / "figures" / "bench_parallel.json").read_text(encoding="utf-8"))
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("(`bench parallel`)", 1)[1].split("\n## ", 1)[0]
+    results = RESULTS.read_text(encoding="utf-8")
+    section = results.split("(`bench parallel`)", 1)[1].split("\n## ", 1)[0]
     assert f"over {measured['world_size']} CPU ranks" in section
     header = re.search(r"^\| placement \| context (\d+) \| (\d+) \| (\d+) \|", section, re.M)
     contexts = [int(c) for c in header.groups()]
@@ -142,15 +146,15 @@ def test_readme_parallel_table_is_what_its_json_says():
     assert int(ratio[1]) == round(measured["kv_with_sequence_over_kv_with_expert"][ratio[2]]), ratio[0]
 
 
-def test_readme_eviction_table_is_what_its_json_says():
-    """Each row of the README's `bench eviction` policy table against figures/bench_eviction.json
+def test_results_eviction_table_is_what_its_json_says():
+    """Each row of docs/results.md's `bench eviction` policy table against figures/bench_eviction.json
     (recompute) and figures/bench_eviction_swap.json (swap)."""
     runs = [
         json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))["workload"]
         for name in ("bench_eviction.json", "bench_eviction_swap.json")
     ]
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("(`bench eviction`)", 1)[1].split("\n## ", 1)[0]
+    results = RESULTS.read_text(encoding="utf-8")
+    section = results.split("(`bench eviction`)", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(
         r"^\| (\w+)[^|]* \| (\d+) \| (\d+\.\d\d) \| (\d+) \| (\d+) \| (\d+\.\d\d) \| (\d+\.\d) \|$",
         section,
@@ -174,15 +178,15 @@ def test_readme_eviction_table_is_what_its_json_says():
     )
 
 
-def test_readme_eviction_prose_is_what_its_json_says():
-    """The numbers in the words around the README's eviction tables: the policies' spread, the
+def test_results_eviction_prose_is_what_its_json_says():
+    """The numbers in the words around docs/results.md's eviction tables: the policies' spread, the
     evictions they make, the optimum's spread, the engine run and the prefix-cache table."""
     runs = [
         json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))
         for name in ("bench_eviction.json", "bench_eviction_swap.json")
     ]
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = re.sub(r"\s+", " ", readme.split("(`bench eviction`)", 1)[1].split("\n## ", 1)[0])
+    results = RESULTS.read_text(encoding="utf-8")
+    section = re.sub(r"\s+", " ", results.split("(`bench eviction`)", 1)[1].split("\n## ", 1)[0])
     policies = [run["workload"]["policies"] for run in runs]
     rates = [p["tokens_per_step"] for run in policies for p in run.values()]
     spread = 100 * (max(rates) / min(rates) - 1)
@@ -247,11 +251,11 @@ def test_readme_eviction_prose_is_what_its_json_says():
         ) in section, routing
 
 
-def test_readme_optimum_table_is_what_its_json_says():
-    """Each row of the README's table of the exact optimum against figures/eviction_optimum.json."""
+def test_results_optimum_table_is_what_its_json_says():
+    """Each row of docs/results.md's table of the exact optimum against figures/eviction_optimum.json."""
     rows = json.loads((ROOT / "figures" / "eviction_optimum.json").read_text(encoding="utf-8"))["instances"]
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("(`bench eviction --optimum`", 1)[1].split("\n## ", 1)[0]
+    results = RESULTS.read_text(encoding="utf-8")
+    section = results.split("(`bench eviction --optimum`", 1)[1].split("\n## ", 1)[0]
     header = (
         re.search(r"^\| instance \| optimum \| worst \| (.+) \| schedules \|$", section, re.M)
         .group(1)
@@ -347,12 +351,12 @@ def test_no_figure_text_is_smaller_than_the_notebooks_own():
     )
 
 
-def test_readme_serving_budget_table_is_what_its_json_says():
-    """Each row of the README's budgeted `bench serving` table, the pool and budget it states and the
+def test_results_serving_budget_table_is_what_its_json_says():
+    """Each row of docs/results.md's budgeted `bench serving` table, the pool and budget it states and the
     ratio under it, against figures/bench_serving_budget.json."""
     measured = json.loads((ROOT / "figures" / "bench_serving_budget.json").read_text(encoding="utf-8"))
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("(`capacity`, `bench serving --budget`)", 1)[1].split("\n## ", 1)[0]
+    results = RESULTS.read_text(encoding="utf-8")
+    section = results.split("(`capacity`, `bench serving --budget`)", 1)[1].split("\n## ", 1)[0]
     memory, budget, n = measured["memory_budget"], measured["budget"], measured["workload"]["num_requests"]
     prose = " ".join(section.split())  # lines folded
     assert f"a pool of {memory['num_blocks']} blocks of {memory['block_size']}" in prose
@@ -418,7 +422,7 @@ def test_every_json_file_is_written_strict():
 
 
 def cluster_rows(result: dict) -> list[str]:
-    """The README's `bench cluster` table rows, from figures/bench_cluster.json."""
+    """docs/results.md's `bench cluster` table rows, from figures/bench_cluster.json."""
     return [
         f"| {r['gib_per_device']:g} | {r['rate']:g} | {r['reservation']} | {r['policy']} | {r['slo_attainment']:.3f} "
         f"| {r['good_requests_per_s']:.1f} | {r['ttft_p99_s']:.3f} | {r['mean_used_fraction']:.2f} "
@@ -428,7 +432,7 @@ def cluster_rows(result: dict) -> list[str]:
 
 
 def speed_rows(result: dict) -> list[str]:
-    """The README's simulator-speed table rows, from figures/bench_cluster_speed.json."""
+    """docs/results.md's simulator-speed table rows, from figures/bench_cluster_speed.json."""
     return [
         f"| {r['layers']} layers, {r['experts']} experts top-{r['top_k']}, {r['devices']} devices "
         f"| {r['against']['requests_per_second']:.1f} | {r['against']['steps_per_second']:.1f} "
@@ -438,7 +442,7 @@ def speed_rows(result: dict) -> list[str]:
 
 
 def group_rows(result: dict) -> list[str]:
-    """The README's table of clusters of several groups, from figures/bench_cluster_groups.json."""
+    """docs/results.md's table of clusters of several groups, from figures/bench_cluster_groups.json."""
     return [
         f"| {r['devices']} ({r['groups']}) | {r['reservation']} | {r['policy']} | {r['slo_attainment']:.3f} "
         f"| {r['good_requests_per_s'] / r['groups']:.1f} | {r['ttft_p99_s']:.3f} | {r['victim_sequences']} "
@@ -447,11 +451,11 @@ def group_rows(result: dict) -> list[str]:
     ]
 
 
-def test_readme_groups_of_gpus_are_what_their_json_says():
+def test_results_groups_of_gpus_are_what_their_json_says():
     """The table of 8, 16 and 64 GPUs and the prose under it, against figures/bench_cluster_groups.json;
     its 8-GPU runs are those of figures/bench_cluster.json."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("More GPUs than experts", 1)[1].split("Multi-turn sessions", 1)[0]
+    results = RESULTS.read_text(encoding="utf-8")
+    section = results.split("More GPUs than experts", 1)[1].split("Multi-turn sessions", 1)[0]
     groups = json.loads((ROOT / "figures" / "bench_cluster_groups.json").read_text(encoding="utf-8"))
     cluster = json.loads((ROOT / "figures" / "bench_cluster.json").read_text(encoding="utf-8"))
     assert [line for line in section.splitlines() if re.match(r"^\| \d+ \(\d+\) \|", line)] == group_rows(
@@ -498,11 +502,11 @@ def test_readme_groups_of_gpus_are_what_their_json_says():
     assert f"serves {best_share[0]}, {best_share[1]} and {best_share[2]} of worst-case" in prose
 
 
-def test_readme_cluster_tables_are_what_their_json_says():
-    """Every row of the README's `bench cluster` tables, and the settings its prose states, against
+def test_results_cluster_tables_are_what_their_json_says():
+    """Every row of docs/results.md's `bench cluster` tables, and the settings its prose states, against
     figures/bench_cluster.json and figures/bench_cluster_speed.json."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("(`bench cluster`)", 1)[1].split("\n## ", 1)[0]
+    results = RESULTS.read_text(encoding="utf-8")
+    section = results.split("(`bench cluster`)", 1)[1].split("\n## ", 1)[0]
     cluster = json.loads((ROOT / "figures" / "bench_cluster.json").read_text(encoding="utf-8"))
     speed = json.loads((ROOT / "figures" / "bench_cluster_speed.json").read_text(encoding="utf-8"))
     table = [
@@ -603,7 +607,7 @@ def test_readme_cluster_tables_are_what_their_json_says():
 
 
 def session_rows(result: dict) -> list[str]:
-    """The README's multi-turn table rows, from figures/bench_cluster_sessions.json."""
+    """docs/results.md's multi-turn table rows, from figures/bench_cluster_sessions.json."""
     pairs = {(p["gib_per_device"], p["rate"]): p for p in result["prefix_caching"]}
     rows = []
     for r in result["runs"]:
@@ -617,20 +621,20 @@ def session_rows(result: dict) -> list[str]:
     return rows
 
 
-def test_readme_sessions_table_and_ranges_are_what_their_json_says():
+def test_results_sessions_table_and_ranges_are_what_their_json_says():
     """The multi-turn table row by row, and every range the prose quotes (what the cache found, per
     memory and seed; TTFT p50 and p99 changes over both seeds; the refused share; prompt means),
     computed from the two JSON files."""
     from moekv_ref.sim.workloads import session_workloads
 
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    flat = " ".join(readme.split())
+    results = RESULTS.read_text(encoding="utf-8")
+    flat = " ".join(results.split())
     seeds = [
         json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))
         for name in ("bench_cluster_sessions.json", "bench_cluster_sessions_seed1.json")
     ]
     for row in session_rows(seeds[0]):
-        assert row in readme, row
+        assert row in results, row
 
     def percent_range(values, digits=0):
         low, high = round(100 * min(values)), round(100 * max(values))
@@ -681,10 +685,10 @@ def test_committed_projections_and_cluster_runs_name_the_model_the_code_sizes():
         assert result["cost_model"]["name"].startswith(f"{MODEL} on "), name
 
 
-def test_readme_profile_shares_are_what_notebook_01_shows():
-    """The README quotes two profiles of the engine's own work: a py-spy profile (about a sixth, its
+def test_results_profile_shares_are_what_notebook_01_shows():
+    """docs/results.md quotes two profiles of the engine's own work: a py-spy profile (about a sixth, its
     setting named) and notebook 01's `bench step --profile`: the scheduler's and the bookkeeping's
-    shares in the notebook's committed table add up to the two percentages the README gives."""
+    shares in the notebook's committed table add up to the two percentages docs/results.md gives."""
     cells = json.loads((ROOT / "notebooks" / "01_why_a_kv_cache.ipynb").read_text(encoding="utf-8"))["cells"]
     table = next(
         "".join(o.get("text", ""))
@@ -698,21 +702,21 @@ def test_readme_profile_shares_are_what_notebook_01_shows():
         if line.strip().startswith(("scheduler", "bookkeeping")):
             dense, embedded = (int(p.rstrip("%")) for p in re.findall(r"(\d+)%", line))
             shares = [shares[0] + dense, shares[1] + embedded]
-    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    results = " ".join(RESULTS.read_text(encoding="utf-8").split())
     quoted = re.search(
         r"notebook 01 runs it on 16 sequences, where the scheduler and the bookkeeping are about an "
         r"eighth of a step: (\d+)% for the embedded model, (\d+)% for a dense one",
-        readme,
+        results,
     )
-    assert quoted, "the README's sentence on notebook 01's profile"
+    assert quoted, "docs/results.md's sentence on notebook 01's profile"
     assert [int(quoted[2]), int(quoted[1])] == shares  # dense, embedded
     assert all(10 <= share <= 15 for share in shares), shares  # "about an eighth"
-    assert "about a sixth of a step in this run (a `py-spy` profile" in readme
+    assert "about a sixth of a step in this run (a `py-spy` profile" in results
 
 
 def test_reading_order_and_exercise_list_cover_every_notebook():
-    """The glossary's reading order links every notebook, and the README's list of notebooks without
-    an exercise is exactly those without an Exercise heading."""
+    """The glossary's reading order links every notebook, and the layout table's list of notebooks
+    without an exercise (docs/design.md) is exactly those without an Exercise heading."""
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
     glossary = (ROOT / "docs" / "glossary.md").read_text(encoding="utf-8")
     order = glossary.split("## Reading order", 1)[1].split("\n## ", 1)[0]
@@ -722,11 +726,11 @@ def test_reading_order_and_exercise_list_cover_every_notebook():
         for path in notebooks
         if not any("exercise" in heading.lower() for heading in _headings(path))
     ]
-    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    layout = " ".join((DOCS / "design.md").read_text(encoding="utf-8").split("## Layout", 1)[1].split())
     if without:
-        assert f"every notebook but {' and '.join(without)}" in readme, without
+        assert f"every notebook but {' and '.join(without)}" in layout, without
     else:
-        assert "one at the end of every notebook," in readme
+        assert "one at the end of every notebook," in layout
 
 
 def test_notebook_03_names_the_sweeps_of_bench_memory_it_differs_from():
@@ -978,14 +982,14 @@ def test_readme_public_api_example_runs_as_written_and_writes_text(capsys):
     assert printed == f"{[decode(t) for t in names['result'].tokens]}\n"
 
 
-def test_readme_parallel_failure_times_are_the_default_timeouts():
-    """The README's promise of how soon every rank exits after a fault: within 30 s once every rank
+def test_results_parallel_failure_times_are_the_default_timeouts():
+    """docs/results.md's promise of how soon every rank exits after a fault: within 30 s once every rank
     has joined (a collective's timeout, then the settle and the grace), but a fault during start-up
     waits out the start timeout, so about 125 s there."""
     from moekv_ref.parallel import launcher
     from moekv_ref.parallel.comm import SETTLE_S
 
-    text = " ".join((ROOT / "README.md").read_text().split())
+    text = " ".join(RESULTS.read_text().split())
     after = SETTLE_S + launcher.DEFAULT_GRACE_S
     start = launcher.DEFAULT_START_TIMEOUT_S
     sentence = (
@@ -996,3 +1000,172 @@ def test_readme_parallel_failure_times_are_the_default_timeouts():
     )
     assert sentence in text
     assert launcher.DEFAULT_TIMEOUT_S + after <= 30
+
+
+def _figure(name: str) -> dict:
+    return json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))
+
+
+def findings_phrases() -> list[str]:
+    """Every phrase of the README's "What it finds" that holds a number, each number computed from
+    its committed JSON in figures/ (with what the words around it claim checked there too)."""
+    memory = _figure("bench_memory.json")["workloads"]["W2"]
+    trace = memory["workload"]
+    paged, tails, first_fit, reserved = (
+        memory[design] for design in ("paged", "paged_shared_tail", "first_fit", "reserved")
+    )
+    parallel = _figure("bench_parallel.json")
+    context = max(parallel["kv_with_sequence_over_kv_with_expert"], key=int)
+    eviction = [_figure(name) for name in ("bench_eviction.json", "bench_eviction_swap.json")]
+    rates = [p["tokens_per_step"] for run in eviction for p in run["workload"]["policies"].values()]
+    extra = [
+        100 * (i["optimum"]["worst_steps"] / i["optimum"]["steps"] - 1)
+        for i in _figure("eviction_optimum.json")["instances"]
+    ]
+    prefix = eviction[0]["prefix_cache"]
+    topk = prefix["routings"]["topk"]
+    assert topk["outputs_equal"]  # "with the same outputs"
+    cluster = _figure("bench_cluster.json")
+    (devices,) = {r["devices"] for r in cluster["runs"]}
+    by_setting = {}
+    for run in cluster["runs"]:
+        key = (run["gib_per_device"], run["rate"], run["reservation"])
+        by_setting.setdefault(key, {})[run["policy"]] = run["good_requests_per_s"]
+    spread, (gib, rate, _) = max((max(g.values()) / min(g.values()), key) for key, g in by_setting.items())
+    optimistic = max(by_setting[gib, rate, "optimistic"].values())
+    worst_case = max(by_setting[gib, rate, "worst_case"].values())
+    assert optimistic < worst_case  # "serves fewer requests within their latency targets"
+    family = _figure("family.json")["variants"]
+    gaps = ", ".join(
+        f"{family['expert_topk']['bits_per_byte_mean'] - family[name]['bits_per_byte_mean']:.2f}"
+        for name in ("dense", "dense_kv_matched")
+    )
+    flops = family["expert_topk"]["bits_per_byte_mean"] - family["dense_flops_matched"]["bits_per_byte_mean"]
+    capacity = {
+        (r["variant"], r["policy"], r["budget_tokens"]): r["bits_per_byte_mean"]
+        for r in _figure("capacity.json")["table"]
+    }
+    serving = _figure("bench_serving_budget.json")
+    designs = serving["designs"]
+    requests = serving["workload"]["num_requests"]
+    assert designs["continuous_reserved + budget"]["refused"] == 0  # "serve all"
+    speedup = (
+        designs["continuous_reserved + budget"]["tokens_per_second"]
+        / designs["continuous_reserved"]["tokens_per_second"]
+    )
+    peer = _figure("bench_peer.json")["paths"]["paged"]
+    assert peer["identical_tokens"]  # "gives its tokens exactly"
+    return [
+        f"a trace of {trace['num_experts']} attention experts, top-{trace['top_k']}",
+        f"{paged['effective_utilization']:.1%} of the bytes it holds are live K/V",
+        f"({tails['effective_utilization']:.1%} with shared tails)",
+        f"against {first_fit['effective_utilization']:.1%} for first-fit buffers and "
+        f"{reserved['effective_utilization']:.1%} for reserving",
+        f"in the same memory {paged['max_concurrent_sequences']} requests run at once, against "
+        f"{first_fit['max_concurrent_sequences']} and {reserved['max_concurrent_sequences']}",
+        f"{parallel['world_size']} CPU ranks",
+        f"moves {round(parallel['kv_with_sequence_over_kv_with_expert'][context])}x the bytes",
+        f"at a context of {context}",
+        f"differ by at most {100 * (max(rates) / min(rates) - 1):.1f}%",
+        f"takes {round(min(extra))}-{round(max(extra))}% more steps",
+        f"{prefix['num_requests']} requests whose first {prefix['shared_len']} of {prefix['prompt_len']} tokens",
+        f"skip {topk['token_hit_rate']:.1%} of their prompt tokens",
+        f"serve {topk['tokens_per_second_ratio']:.2f}x the tokens/s",
+        f"`bench cluster`, {devices} GPUs",
+        f"({optimistic:.1f} against {worst_case:.1f} a second at {gib:g} GiB per GPU and {rate:g} requests/s)",
+        f"by up to {spread:.1f}x",
+        f"by {gaps} and {flops:.2f} bits per byte",
+        f"newest 16 tokens costs the routed model {capacity['expert_topk', 'window', 16]:.3f} against "
+        f"{capacity['expert_topk', 'none', None]:.3f} bits per byte",
+        f"a window of {serving['budget']['max_tokens']} tokens a row",
+        f"serve all {requests} requests, not {requests - designs['continuous_reserved']['refused']}",
+        f"at {speedup:.1f}x the tokens/s",
+        f"decodes {peer['ratio_vs_hf']:.2f}x the tokens/s",
+    ]
+
+
+def test_readme_findings_are_what_their_json_says():
+    """The README's few lines of findings: each phrase with a number is computed from its JSON, and
+    no number stands there outside those phrases (a number added by hand fails)."""
+    readme = README.read_text(encoding="utf-8")
+    section = readme.split("\n## What it finds\n", 1)[1].split("\n## ", 1)[0]
+    bullets = [line for line in section.splitlines() if line.startswith("- ")]
+    assert 5 <= len(bullets) <= 8, bullets
+    text = " ".join(LINK.sub(r"\1", section).split())  # link targets dropped, lines folded
+    for phrase in findings_phrases():
+        assert phrase in text, phrase
+        text = text.replace(phrase, " ")
+    assert not re.search(r"\d", text), re.findall(r".{30}\d.{30}", text)
+
+
+def test_readme_is_a_front_door():
+    """README.md stays short and in its order: what it is and for whom, the two commands (the
+    demo's and the tests'), the notebooks, the findings, the files of one decode token, the API,
+    then links; the benchmarks' tables live in docs/results.md."""
+    readme = README.read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 200
+    order = [
+        "Python 3.11 or newer and PyTorch basics",
+        "No GPU is\nneeded",
+        "\n```bash\npython3 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt "
+        "&& python -m moekv_ref demo\n```\n",
+        "On Windows, activate with `.venv\\Scripts\\activate`",
+        "What runs where:",
+        "\n```bash\npython3 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt "
+        "&& python -m pytest\n```\n",
+        "\n## Start here: open notebook 01\n",
+        "jupyter trust notebooks/*.ipynb && jupyter lab",
+        "\n## What it finds\n",
+        "\n## One decode token, file by file\n",
+        "\n## The public API\n",
+        "\n## Read on\n",
+    ]
+    places = [readme.find(text) for text in order]
+    assert -1 not in places, [text for text, at in zip(order, places) if at == -1]
+    assert places == sorted(places), order
+    for core in (
+        "model.py",
+        "attention.py",
+        "cache/paged.py",
+        "cache/kv_cache_manager.py",
+        "cache/block_pool.py",
+        "engine/scheduler.py",
+        "engine/engine.py",
+    ):
+        assert f"`moekv_ref/{core}`" in readme.split("## One decode token", 1)[1], core
+    links = [target for _, target in LINK.findall(readme.split("\n## Read on\n", 1)[1])]
+    assert links[:4] == ["docs/results.md", "docs/design.md", "docs/glossary.md", "notebooks/"], links
+    assert "| placement |" not in readme and "| policy |" not in readme  # tables live in results.md
+
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but - and _ dropped, spaces -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _page_anchors(page: Path) -> set[str]:
+    anchors, fenced = set(), False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            anchors.add(_slug(line.lstrip("#")))
+    return anchors
+
+
+def test_every_link_to_a_section_names_a_heading():
+    """A link `page.md#section` (or `#section` on its own page) names a heading of that page, as
+    GitHub spells its anchors; the README's links into docs/ and docs/results.md's contents too."""
+    assert _slug("A budget per row (`capacity`, `bench serving --budget`)") == (
+        "a-budget-per-row-capacity-bench-serving---budget"
+    )
+    unknown = []
+    for page in PAGES:
+        for _, target in LINK.findall(page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+://", target) or "#" not in target:
+                continue
+            path, anchor = target.split("#", 1)
+            linked = (page.parent / path).resolve() if path else page
+            if linked.suffix == ".md" and anchor not in _page_anchors(linked):
+                unknown.append(f"{page.name}: {target}")
+    assert not unknown, unknown

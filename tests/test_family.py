@@ -135,11 +135,11 @@ def test_what_notebook_09_says_in_words_holds_for_the_committed_numbers():
     assert w["expert_topk"]["bits_per_byte_mean"] - w["dense"]["bits_per_byte_mean"] > gap
 
 
-def test_the_readme_table_is_the_committed_json():
-    """README's train-family table quotes figures/family.json (a hand-edited number fails)."""
+def test_the_results_table_is_the_committed_json():
+    """docs/results.md's train-family table quotes figures/family.json (a hand-edited number fails)."""
     family = json.loads((ROOT / "figures" / "family.json").read_text())
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Does routing attention pay here?", 1)[1].split("\n## ", 1)[0]
+    results = (ROOT / "docs" / "results.md").read_text()
+    section = results.split("## Does routing attention pay here?", 1)[1].split("\n## ", 1)[0]
     rows = {
         line.split("|")[1].split("(")[0].strip(): [c.strip() for c in line.split("|")[2:5]]
         for line in section.splitlines()
@@ -164,9 +164,9 @@ def test_the_readme_table_is_the_committed_json():
     )
 
 
-def test_notebook_09_and_the_readme_quote_the_gaps_and_minutes_of_the_json():
+def test_notebook_09_and_the_results_quote_the_gaps_and_minutes_of_the_json():
     """The bits per byte between expert_topk and dense, dense_kv_matched and dense_flops_matched, as
-    printed (two decimals) in notebook 09 and the README; the minutes each training took; and only
+    printed (two decimals) in notebook 09 and docs/results.md; the minutes each training took; and only
     panels the figure has (plot_family draws two: left and right)."""
     family = json.loads((ROOT / "figures" / "family.json").read_text())
     longer = json.loads((ROOT / "figures" / "family_longer.json").read_text())
@@ -178,12 +178,12 @@ def test_notebook_09_and_the_readme_quote_the_gaps_and_minutes_of_the_json():
     gaps = f"{first}, {kv} and {flops}"
     cells = json.loads((ROOT / "notebooks" / "09_why_route_attention.ipynb").read_text())["cells"]
     prose = " ".join(" ".join("".join(c["source"]).split()) for c in cells if c["cell_type"] == "markdown")
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    results = " ".join((ROOT / "docs" / "results.md").read_text().split())
     quoted = f"by {gaps} bits per byte"
-    assert quoted in prose and quoted in readme, quoted
-    assert "0.3 bits" not in prose and "0.3 bits" not in readme
+    assert quoted in prose and quoted in results, quoted
+    assert "0.3 bits" not in prose and "0.3 bits" not in results
     assert f"(seed 0 only; {longer['train_seconds_total'] / 60:.0f} minutes of training)" in prose
     assert f"the longer pair, about {longer['train_seconds_total'] / 60:.0f} minutes" in prose
     assert f"about {family['train_seconds_total'] / 60:.0f} minutes of training" in prose
-    assert f"{family['train_seconds_total'] / 60:.0f} minutes of training for all" in readme
+    assert f"{family['train_seconds_total'] / 60:.0f} minutes of training for all" in results
     assert set(re.findall(r"(\w+) panels?\b", prose)) <= {"both", "left", "right"}

@@ -1,8 +1,8 @@
-"""Where a reader finds things: the README's layout table names every module of the package and only
-paths that exist; the modules of moekv_ref/ and moekv_kernels/ import each other without a cycle -- counting
-every import outside a function, those under `if TYPE_CHECKING:` and `if __name__ == "__main__":`
-too, since a reader follows those as well; and no function hides an import of the package (the way
-one dodges a cycle), except the few with a stated reason."""
+"""Where a reader finds things: the layout table (docs/design.md, "Layout") names every module of the
+package and only paths that exist; the modules of moekv_ref/ and moekv_kernels/ import each other
+without a cycle -- counting every import outside a function, those under `if TYPE_CHECKING:` and
+`if __name__ == "__main__":` too, since a reader follows those as well; and no function hides an
+import of the package (the way one dodges a cycle), except the few with a stated reason."""
 
 import ast
 import re
@@ -30,8 +30,8 @@ ALLOWED_LAZY = {
 
 
 def _layout_section() -> str:
-    readme = (ROOT / "README.md").read_text()
-    return readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    design = (ROOT / "docs" / "design.md").read_text()
+    return design.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
 
 
 def _module_name(path: Path) -> str:
@@ -133,7 +133,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_readme_layout_names_every_module_and_only_paths_that_exist():
+def test_layout_table_names_every_module_and_only_paths_that_exist():
     layout = _layout_section()
     missing = []
     for path in sorted(PACKAGE.iterdir()):
@@ -143,7 +143,7 @@ def test_readme_layout_names_every_module_and_only_paths_that_exist():
             continue
         if path.name not in layout:
             missing.append(path.name)
-    assert not missing, f"the README's layout table does not name {missing}"
+    assert not missing, f"docs/design.md's layout table does not name {missing}"
     for name in re.findall(r"`([\w./*-]+\.(?:py|pt|md)|[\w.-]+/)`", layout):
         if "*" in name:
             assert list(ROOT.glob(name)), f"layout table: nothing matches `{name}`"
@@ -151,7 +151,7 @@ def test_readme_layout_names_every_module_and_only_paths_that_exist():
         found = (ROOT / name).exists() or any(
             p for p in ROOT.rglob(Path(name).name) if ".venv" not in p.parts
         )
-        assert found, f"the README's layout table names `{name}`, which does not exist"
+        assert found, f"docs/design.md's layout table names `{name}`, which does not exist"
 
 
 def test_the_packages_import_without_a_cycle():

@@ -3,8 +3,8 @@
 The browser test (or nbval) checks that every stored output is what a fresh run prints; these tests
 check that the prose beside it says what the stored output says, so neither can drift alone: each
 test reads a number out of a markdown cell and the same number out of an output, and compares them.
-(The README's tables and notebooks 07 and 09's prose are tied to the benchmarks' JSON in
-test_docs.py and test_family.py.)
+(docs/results.md's tables, the README's findings and notebooks 07 and 09's prose are tied to the
+benchmarks' JSON in test_docs.py, test_family.py and test_capacity.py.)
 """
 
 import inspect

@@ -361,7 +361,7 @@ def format_table(study: dict) -> str:
 
 
 def readme_table(study: dict) -> str:
-    """The README's table: per variant and policy, bits per byte (mean ± spread over seeds) with no
+    """docs/results.md's table: per variant and policy, bits per byte (mean ± spread over seeds) with no
     budget and at each fraction of the mean row, each with the KV bytes per token held there."""
     fractions = study["budget"]["fractions"]
     header = (
