@@ -20,7 +20,11 @@ the most recently freed blocks, likeliest in a hardware cache.
 
 Invariants (`assert_consistent`): each block is plain free, cached free or in use (ref_cnt >= 1),
 on its own device's queue; a call that raises changes nothing; ids and counts must be integers (a
-float, even 1.0, or a bool is never rounded or read as 0 / 1).
+float, even 1.0, or a bool is never rounded or read as 0 / 1); no tensor of the pool is an inference
+tensor. The engine's forward runs in inference mode and allocates there (engine/model_runner.py),
+and an inference tensor cannot be changed in place outside it: so the pool's tensors are made
+outside inference mode, whatever the caller's, and a call changes them in place, never replacing
+one with a new tensor (which, made inside the forward, would be an inference tensor).
 
 A pool built with counts_only=True keeps only each device's number of free blocks: it lends blocks
 by number (`allocate_per_device`, `free_per_device`) and names none. That is all the cache-only
@@ -105,6 +109,7 @@ class BlockPool(Stateful):
         "num_evicted_cached_blocks",
     )
 
+    @torch.inference_mode(False)  # kept across steps: never inference tensors (module docstring)
     def __init__(
         self,
         num_blocks: int | None = None,
@@ -246,7 +251,7 @@ class BlockPool(Stateful):
                 f"{self._device_sizes[d]} are free"
             )
         if self.counts_only:
-            self._num_free = self._num_free - num_blocks
+            self._num_free -= num_blocks
             return None
         if self._any_cached and not bool((num_blocks <= self._num_free).all()):
             parts = [self.allocate(n, device=d) for d, n in enumerate(num_blocks.tolist()) if n]
@@ -255,7 +260,7 @@ class BlockPool(Stateful):
         rank = torch.arange(device.numel()) - (torch.cumsum(num_blocks, 0) - num_blocks)[device]
         top = self._first_blocks + self._num_free  # (D,)
         block_ids = self._free_stack[top[device] - 1 - rank]  # popped from the end, as allocate does
-        self._num_free = self._num_free - num_blocks
+        self._num_free -= num_blocks
         self.ref_cnt[block_ids] = 1
         return block_ids
 
@@ -275,7 +280,7 @@ class BlockPool(Stateful):
                 f"free_per_device: device {d} gets {int(num_blocks[d])} blocks back but has lent "
                 f"{int(lent[d])}: a double free (pool unchanged)"
             )
-        self._num_free = self._num_free + num_blocks
+        self._num_free += num_blocks
 
     def mark_cached(self, block_ids) -> None:
         """Blocks in use that now hold a full block of a known prefix: freed, they wait in their
@@ -368,7 +373,7 @@ class BlockPool(Stateful):
         top = self._first_blocks + self._num_free  # (D,)
         rank = torch.arange(released.numel()) - (torch.cumsum(per_device, 0) - per_device)[device]
         self._free_stack[top[device] + rank] = released
-        self._num_free = self._num_free + per_device
+        self._num_free += per_device
 
     def _device_of(self, block_ids: torch.Tensor) -> torch.Tensor:
         if self._equal_size is not None:
@@ -416,6 +421,14 @@ class BlockPool(Stateful):
 
     def assert_consistent(self) -> None:
         """The invariants of the module docstring; AssertionError names the broken one."""
+        inference = [
+            name
+            for name in self.STATE
+            if isinstance(getattr(self, name), torch.Tensor) and getattr(self, name).is_inference()
+        ]
+        assert not inference, (
+            f"{inference} are inference tensors: changed in place outside inference mode, they raise"
+        )
         if self.counts_only:
             assert bool(((self._num_free >= 0) & (self._num_free <= self.blocks_per_device)).all()), (
                 f"free blocks per device {self._num_free.tolist()} outside [0, {self._device_sizes}]"

@@ -231,6 +231,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     # ----- requests out -------------------------------------------------------------------------------
+    @torch.inference_mode(False)  # what it changes outlives it: never inference tensors (step)
     def abort_request(self, request_id: int) -> RequestOutput | None:
         """Stop a request, from any state, freeing its blocks now; its output so far ("aborted"),
         or None if it had already finished."""
@@ -274,9 +275,14 @@ class LLMEngine:
             self.events.append(RequestEvent(step, request_id, kind))
 
     # ----- one step -----------------------------------------------------------------------------------
+    @torch.inference_mode(False)  # the state it changes outlives it (only the forward runs in it)
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, account; returns the requests that finished (served
         to the end, or failed in their own sampling: "error", while the others go on).
+
+        Whatever the caller's mode, the step's bookkeeping runs outside inference mode and only its
+        forward inside (model_runner.py): an inference tensor kept in the engine's state (a table,
+        a count, an undo's copy) could not be changed in place by a later step run outside it.
 
         A step happens whole or not at all (undo.py): if anything raises, every object is put back
         as it was before the step (past scheduling: after its preemptions and admissions, which are
