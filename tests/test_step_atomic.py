@@ -4,6 +4,10 @@ step on, with nothing lost and nothing leaked, and every request gets the tokens
 - Fault injection at every call site of a step: each site in SITES raises once, at its k-th call
   (k = 1, 2, 4), and the run goes on to the end. The workload (prefix caching, preemption by swap,
   optimistic admission, a tight pool) reaches every site; a site that never raised fails the test.
+- Fault injection at every line from the forward's return to the step's end (the hand-out and the
+  step's records included): each line the engine's own code runs there raises once, in its own run
+  (a trace function raises into the line), as an exception, Ctrl-C or MemoryError; the scheduler
+  and the generators come back as they were when the forward started, nothing is handed out.
 - Prefix caching under tight pools: 60 seeded runs, from the smallest pool the engine accepts for
   the workload up, each serving the same prompts twice (the second time from the cache): 0 lost
   requests, 0 leaked blocks, the tokens of generating alone. And the case that once lost a request:
@@ -13,6 +17,7 @@ step on, with nothing lost and nothing leaked, and every request gets the tokens
 """
 
 import enum
+import sys
 from collections import deque
 
 import numpy as np
@@ -20,6 +25,7 @@ import pytest
 import torch
 from helpers import alone_tokens, random_model, random_prompts, small_config
 
+import moekv_ref.engine.engine as engine_module
 import moekv_ref.sampling as sampling_module
 from moekv_ref.checkpoint import load_default_model
 from moekv_ref.engine import LLMEngine, SchedulerConfig, undo
@@ -69,11 +75,11 @@ def alone(model, workload):
     return alone_tokens(model, *workload)
 
 
-def make_engine(model, num_blocks, mode="swap", admission="optimistic", max_num_seqs=4):
+def make_engine(model, num_blocks, mode="swap", admission="optimistic", max_num_seqs=4, **options):
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=32, preemption_mode=mode, admission=admission
     )
-    return LLMEngine(model, num_blocks, BLOCK_SIZE, config, enable_prefix_caching=True)
+    return LLMEngine(model, num_blocks, BLOCK_SIZE, config, enable_prefix_caching=True, **options)
 
 
 def serve_twice(engine, prompts, params):
@@ -129,6 +135,7 @@ SITES = [
     ("append_kv (a layer's bookkeeping)", lambda e: e.cache, "append_kv"),
     ("attend (a layer's attention)", lambda e: e.cache, "attend"),
     ("hand-out of a finished request", lambda e: e, "_hand_out"),
+    ("what the step's records were (kept for an undo)", lambda e: e, "_records"),
     ("the step's records", lambda e: e, "_end_step"),
 ]
 
@@ -180,8 +187,6 @@ def test_a_fault_in_the_forward_is_undone_from_the_snapshot_that_still_holds(
     scheduling moved a request or freed a block (the blocks it freed may take the forward's K/V):
     a fault just after the forward of a plain decode step (one snapshot) and of a step that
     preempted by recompute (two) is undone, and every request gets its tokens of generating alone."""
-    import moekv_ref.engine.engine as engine_module
-
     snapshots, decisions, taken = [], [], []
     original = engine_module.Snapshot
     monkeypatch.setattr(
@@ -493,3 +498,153 @@ def test_a_fault_after_a_step_handed_requests_out_takes_them_back(model, workloa
     assert raised and sorted(outputs) == list(range(len(prompts)))
     assert [outputs[i].token_ids for i in range(len(prompts))] == alone
     engine.memory.assert_no_leak()
+
+
+# ----- a fault at every line from the forward to the step's commit ------------------------------------
+ENGINE_FILE = engine_module.__file__
+
+
+class LineFaults:
+    """engine.step() with every line the engine's own code (engine.py) executes from the return of
+    the forward of step `at_step` to the step's end listed in `lines`, as (function, line number);
+    with `at_line`, `fault` is raised there (counted from 1, each execution of a line once), as if
+    the line raised it: a trace function's exception enters the frame it traces. A seeded program
+    runs the same lines every time, so a run without a fault lists the lines of the runs with one.
+    `before` is what the scheduler reaches when that forward starts (`_everything`), and each
+    request's sampling generator state."""
+
+    def __init__(self, engine, at_step: int | None, at_line: int | None = None, fault=InjectedFault):
+        """at_step None: every step's lines, in `lines_per_step`, and no fault."""
+        self.engine, self.at_step, self.at_line, self.fault = engine, at_step, at_line, fault
+        self.lines_per_step, self.armed, self.raised, self.before = {}, False, False, None
+        forward = engine.runner.forward
+
+        def armed_after(scheduled):
+            step = engine.step_count
+            if step == at_step:
+                self.before = (_everything(engine.scheduler), _generator_states(engine))
+            result = forward(scheduled)
+            self.armed = at_step in (None, step)
+            self.lines_per_step[step] = []
+            return result
+
+        engine.runner.forward = armed_after
+
+    @property
+    def lines(self) -> list:
+        return self.lines_per_step.get(self.at_step, [])
+
+    def _global(self, frame, event, arg):
+        return self._local if frame.f_code.co_filename == ENGINE_FILE else None
+
+    def _local(self, frame, event, arg):
+        if event == "line" and self.armed:
+            lines = self.lines_per_step[max(self.lines_per_step)]
+            lines.append((frame.f_code.co_name, frame.f_lineno))
+            if len(lines) == self.at_line:
+                self.armed, self.raised = False, True
+                raise self.fault(f"line {frame.f_lineno} ({frame.f_code.co_name})")
+        return self._local
+
+    def step(self) -> list:
+        if self.at_step not in (None, self.engine.step_count):
+            return self.engine.step()
+        previous = sys.gettrace()
+        sys.settrace(self._global)
+        try:
+            return self.engine.step()
+        finally:
+            sys.settrace(previous)
+            self.armed = False
+
+
+def _generator_states(engine) -> dict:
+    return {i: r.generator.get_state() for i, r in engine.requests.items() if not r.is_finished}
+
+
+@pytest.fixture(scope="module")
+def line_workload(short_workload):
+    """Three requests, two at a time (the third waits for a slot)."""
+    prompts, params = short_workload
+    return prompts[:3], params[:3]
+
+
+@pytest.fixture(scope="module")
+def line_alone(short_alone):
+    return short_alone[:3]
+
+
+def serve_with_line_fault(model, workload, at_step, at_line=None, fault=InjectedFault, **options):
+    """Serve the workload to the end, step `at_step` through LineFaults, stepping on past its fault.
+    Returns (engine, outputs by request id, the LineFaults, (requests, stats) before and after the
+    faulted step or None)."""
+    engine = make_engine(model, FAULT_POOL, max_num_seqs=2, **options)
+    faults = LineFaults(engine, at_step, at_line, fault)
+    for p, q in zip(*workload):
+        engine.add_request(p, q)
+    outputs, left = {}, None
+    while engine.has_unfinished_requests():
+        assert engine.step_count < 100, "the engine does not make progress"
+        requests, stats = dict(engine.requests), engine.stats()
+        try:
+            for output in faults.step():
+                outputs[output.request_id] = output
+        except fault as error:
+            assert faults.raised and left is None, "a fault of the kind injected came from elsewhere"
+            assert any("the step was undone" in note for note in error.__notes__)
+            left = (requests, stats, dict(engine.requests), engine.stats())
+            faults.after = (_everything(engine.scheduler), _generator_states(engine))
+    return engine, outputs, faults, left
+
+
+def check_line_fault_undone(engine, faults, left, at_line):
+    where = f"fault at {faults.lines[at_line - 1]}, line event {at_line}"
+    assert faults.raised and left is not None, where
+    requests, stats, requests_after, stats_after = left
+    # nothing lost, nothing handed out: the same requests, none finished by the undone step
+    assert requests_after == requests, where
+    assert [r.is_finished for r in requests_after.values()] == [r.is_finished for r in requests.values()]
+    # its admissions and preemptions are kept (scheduling is not undone), the rest of its counts not
+    counted = {**stats.to_dict(), "num_failed_steps": stats.num_failed_steps + 1}
+    for name in ("num_finished", "num_failed", "num_generated_tokens", "num_failed_steps"):
+        assert stats_after.to_dict()[name] == counted[name], (where, name)
+    # the scheduler (queues, requests, cache, pool, swap space, ...) and the generators as they were
+    # when the forward started
+    (everything, generators), (everything_after, generators_after) = faults.before, faults.after
+    assert not _differences(everything, everything_after), where
+    assert generators.keys() == generators_after.keys(), where
+    assert all(torch.equal(generators[i], generators_after[i]) for i in generators), where
+
+
+@pytest.mark.parametrize("history", [False, True], ids=["counters", "history"])
+@pytest.mark.parametrize(
+    "kinds", [(InjectedFault,), (KeyboardInterrupt, MemoryError)], ids=["exception", "interrupt"]
+)
+def test_a_fault_at_any_line_between_the_forward_and_the_commit_is_undone(
+    model, line_workload, line_alone, history, kinds
+):
+    """Every line the engine executes from the forward's return to the end of a step that finishes
+    requests (the sampling's bookkeeping, the step's records, each hand-out, the counts and the
+    history) raises, once per run: an exception, or Ctrl-C and MemoryError in turn. The step is
+    undone, the forward included. Nothing is lost: the requests that step finished are unfinished
+    again and still in engine.requests, the counts are the ones before the step (but the failed
+    step's), the scheduler and the generators are as at the forward's start, and stepping on serves
+    every request with the tokens it gets alone, leaking no block."""
+    # a run without a fault: the step whose end runs the most lines (it finishes requests)
+    _, outputs, dry, _ = serve_with_line_fault(model, line_workload, None, record_history=history)
+    assert [outputs[i].token_ids for i in range(3)] == line_alone
+    at_step = max(dry.lines_per_step, key=lambda step: len(dry.lines_per_step[step]))
+    lines = dry.lines_per_step[at_step]
+    functions = {function for function, _ in lines}
+    assert {"_run", "_records", "_event", "_hand_out", "_end_step"} <= functions, functions
+    for at_line in range(1, len(lines) + 1):
+        fault = kinds[at_line % len(kinds)]
+        engine, outputs, faults, left = serve_with_line_fault(
+            model, line_workload, at_step, at_line, fault, record_history=history
+        )
+        check_line_fault_undone(engine, faults, left, at_line)
+        assert faults.lines == lines[:at_line], "the run took another path before its fault"
+        assert sorted(outputs) == [0, 1, 2] and engine.stats().num_failed_steps == 1
+        assert [outputs[i].token_ids for i in range(3)] == line_alone, at_line
+        engine.memory.assert_no_leak()
+        engine.cache.manager.assert_consistent()

@@ -21,6 +21,7 @@ scheduler reserves each step device by device, and the model, runner and swap co
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -315,11 +316,12 @@ class LLMEngine:
                     f"step {step}: nothing could be scheduled with {len(self.scheduler.waiting)} "
                     f"waiting and {len(self.scheduler.running)} running requests"
                 )
-            try:
-                done, used_blocks, num_generated, undo_forward = self._run(
-                    decision, None if moved else before
+            try:  # _run ends the step (commit) inside its protected region: no line of it runs after
+                return self._run(
+                    decision,
+                    None if moved else before,
+                    functools.partial(self._commit, step, decision, start, num_running, scheduled_used),
                 )
-                break
             except OutOfBlocksError as error:
                 if self.scheduler.config.reservation != "optimistic" or error.shortfall is None:
                     self._fail_running(error, decision, step, start, num_running, scheduled_used)
@@ -333,9 +335,15 @@ class LLMEngine:
             except BaseException as error:
                 self._fail_running(error, decision, step, start, num_running, scheduled_used)
                 raise
-        # the hand-out and the step's records are part of the step: a fault there (or Ctrl-C) undoes
-        # the forward too, so that the requests it finished are handed out by a later step
-        marks = self._records(done)
+
+    def _commit(
+        self, step, decision, start, num_running, scheduled_used, done, used_blocks, num_generated
+    ) -> list[RequestOutput]:
+        """The end of a step: its events, the hand-out of the requests it finished, its records. Part
+        of the step: `_run` calls it inside its protected region, so that a fault at any line here
+        (or Ctrl-C) undoes the forward too and the requests it finished are handed out by a later
+        step; the records it changed are put back first. Returns the step's outputs."""
+        marks = self._records(done)  # a fault here has changed nothing of the records yet
         try:
             for kind, request in decision.events:
                 self._event(step, request.request_id, kind)
@@ -354,12 +362,10 @@ class LLMEngine:
             self._peak_used_per_device = used.clone() if peak is None else torch.maximum(peak, used)
             if self.record_history:
                 self.device_timeline.append(used)
-        except BaseException as error:
+            return finished  # the commit: no line of the step runs after it
+        except BaseException:
             self._restore_records(marks)
-            undo_forward()
-            self._fail_running(error, decision, step, start, num_running, scheduled_used)
             raise
-        return finished
 
     def _records(self, handing_out: list[Request]) -> tuple:
         """What the end of a step changes in the engine's own records, for `_restore_records`: the
@@ -404,18 +410,18 @@ class LLMEngine:
         error.add_note(f"engine step {step} failed {where}; the step was undone, stepping on is safe")
         self._end_step(step, 0, 0, start, num_running, self.memory.num_used_blocks, scheduled_used)
 
-    def _run(self, decision, before_forward: Snapshot | None):
-        """Copies, forward, sampling, accounting; undone past the copies if any raises (to
-        `before_forward` if given: the state is still the one it holds). Returns (finished requests,
-        blocks in use after the forward: the step's peak, tokens generated, and a function that
-        undoes it all, for a fault after it)."""
+    def _run(self, decision, before_forward: Snapshot | None, commit: Callable[..., list]):
+        """Copies, forward, sampling, accounting, then commit(finished requests, blocks in use after
+        the forward: the step's peak, tokens generated), whose outputs it returns; undone past the
+        copies if any of it raises, commit included (to `before_forward` if given: the state is
+        still the one it holds)."""
         try:
             self.runner.copy_blocks(decision.block_copies)
         except BaseException:
             self.scheduler.recover_from_failed_copies(decision)
             raise
-        if not decision.scheduled:
-            return [], self.memory.num_used_blocks, 0, lambda: None
+        if not decision.scheduled:  # copies only: no forward to undo
+            return commit([], self.memory.num_used_blocks, 0)
         before_forward = before_forward or Snapshot(self.scheduler)
         rows = [i for i, item in enumerate(decision.scheduled) if item.samples]
         requests = [decision.scheduled[i].request for i in rows]
@@ -441,10 +447,10 @@ class LLMEngine:
             )
             with phase("scheduler"):
                 done = self.scheduler.update_from_output(decision, sampled, result.entries_per_layer, failed)
+            return commit(done, used_blocks, num_generated)
         except BaseException:
             undo(before_forward, states)
             raise
-        return done, used_blocks, num_generated, lambda: undo(before_forward, states)
 
     def idle_step(self) -> None:
         """A step of time with nothing to run (requests have not arrived yet)."""
