@@ -8,7 +8,7 @@
    per-rank rooflines and link time: an upper bound, nothing overlaps (notebook 07, section 5).
    DeepSeek-V3's latent attention is counted absorbed (against the 576-value latent), its shared
    expert and three dense first layers left out, as in the preset.
-3. Recompute or swap (sim/eviction.py): a preempted sequence of c tokens in b blocks comes back by a
+3. Recompute or swap (sim/runner.py): a preempted sequence of c tokens in b blocks comes back by a
    prefill of c tokens (quadratic in attention) or by copying its blocks out and in (linear in b,
    tail padding included); `crossover_context` finds the context from which swap wins. Constants are
    fitted to this machine (`fit_cost_model`) or derived from the table (`projected_gpu_cost_model`).

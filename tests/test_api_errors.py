@@ -25,7 +25,7 @@ from moekv_ref.engine import LLMEngine, generate_with_engine
 from moekv_ref.generate import generate
 from moekv_ref.placement import coactivation_counts, devices_touched, place_experts, place_layers
 from moekv_ref.sampling import SamplingParams
-from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
+from moekv_ref.sim.runner import RunnerSetup, TraceRunner
 from moekv_ref.sim.traces import RoutingTrace
 from moekv_ref.validation import check_device_table, check_keywords, known_keywords
 
@@ -127,19 +127,19 @@ PLACEMENT_CASES = [
     (
         "the trace runner with every expert on device -1",
         lambda: TraceRunner(
-            hand_trace(), torch.tensor([-1, -1]), EvictionSetup(4, block_size=1), "newest_first", None
+            hand_trace(), torch.tensor([-1, -1]), RunnerSetup(4, block_size=1), "newest_first", None
         ),
         "device_of_expert names devices [-1]; allowed: 0..536870910 (devices 0 up to the largest named "
         "get setup.blocks_per_device=4 blocks each, at most 2**31 - 1 in all)",
     ),
     (
         "the trace runner with a float table",
-        lambda: TraceRunner(hand_trace(), torch.tensor([0.0, 1.0]), EvictionSetup(4), "newest_first", None),
+        lambda: TraceRunner(hand_trace(), torch.tensor([0.0, 1.0]), RunnerSetup(4), "newest_first", None),
         "device_of_expert[0]=0.0 has dtype torch.float32",
     ),
     (
         "the trace runner with a table of 3 experts for 2",
-        lambda: TraceRunner(hand_trace(), torch.tensor([0, 1, 1]), EvictionSetup(4), "newest_first", None),
+        lambda: TraceRunner(hand_trace(), torch.tensor([0, 1, 1]), RunnerSetup(4), "newest_first", None),
         "device_of_expert must be (E,) = (2,) or (L, E) = (1, 2); got (1, 3)",
     ),
     (

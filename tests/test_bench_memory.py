@@ -25,7 +25,7 @@ from moekv_ref.sim import (
     replay,
     synthetic_trace,
 )
-from moekv_ref.sim.baselines import AddressSpace, FirstFitDesign, ReservedDesign
+from moekv_ref.sim.contiguous_designs import AddressSpace, FirstFitDesign, ReservedDesign
 
 
 def hand_trace(kv_bytes_per_slot=1) -> RoutingTrace:

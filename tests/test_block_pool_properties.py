@@ -15,7 +15,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from moekv_ref.cache import BlockPool, KVCacheManager, OutOfBlocksError, SharedTailKVCacheManager
+from moekv_ref.cache import BlockPool, KVCacheManager, OutOfBlocksError, manager_with_shared_tails
 
 L, E = 2, 3
 
@@ -98,14 +98,14 @@ def on_two_devices(manager_class, **placement):
 
 MANAGERS = {
     "plain": (KVCacheManager, plain_blocks),
-    "shared_tail": (SharedTailKVCacheManager, shared_tail_blocks),
+    "shared_tail": (manager_with_shared_tails, shared_tail_blocks),
     "plain_by_expert": (on_two_devices(KVCacheManager, device_of_expert=PLACEMENT), plain_blocks),
     "shared_tail_by_expert": (
-        on_two_devices(SharedTailKVCacheManager, device_of_expert=PLACEMENT),
+        on_two_devices(manager_with_shared_tails, device_of_expert=PLACEMENT),
         shared_tail_blocks_on(lambda seq, expert: PLACEMENT[expert]),
     ),
     "shared_tail_by_home": (
-        on_two_devices(SharedTailKVCacheManager, home_devices=True),
+        on_two_devices(manager_with_shared_tails, home_devices=True),
         shared_tail_blocks_on(lambda seq, expert: seq % 2),
     ),
 }

@@ -21,7 +21,7 @@ from moekv_ref.cache import (
     OutOfBlocksError,
     PrefixCache,
     RowPlacement,
-    SharedTailKVCacheManager,
+    manager_with_shared_tails,
 )
 from moekv_ref.engine import LLMEngine, ModelShape, SchedulerConfig
 from moekv_ref.engine.scheduler import Scheduler
@@ -250,7 +250,7 @@ def test_expert_lru_is_refused_where_rows_cannot_be_evicted():
     shape = ModelShape(k_max=2, k_min=2, max_num_positions=64)
     for manager in (
         KVCacheManager(2, 3, 4, 64, prefix_cache=PrefixCache()),
-        SharedTailKVCacheManager(2, 3, 4, 64),
+        manager_with_shared_tails(2, 3, 4, 64),
     ):
         with pytest.raises(
             ValueError, match="victim='expert_lru' drops single rows, which this cache cannot"
@@ -302,7 +302,7 @@ def test_manager_free_rows_refuses_shared_tails_and_bad_rows():
     manager.assert_consistent()
     with pytest.raises(ValueError, match="not all rows"):
         manager.free_rows(torch.tensor([2 * 4]))
-    shared = SharedTailKVCacheManager(2, 4, 2, 10)
+    shared = manager_with_shared_tails(2, 4, 2, 10)
     shared.add_sequence(1)
     with pytest.raises(NotImplementedError):
         shared.free_rows(torch.tensor([0]))

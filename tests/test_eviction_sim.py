@@ -12,7 +12,7 @@ from moekv_ref.costs import CostModel, crossover_context, fit_cost_model
 from moekv_ref.engine import SchedulerConfig
 from moekv_ref.engine.victims import VICTIM_POLICIES, Belady, Oracle
 from moekv_ref.sim.density import density_per_expert, mean_blocks_at_context
-from moekv_ref.sim.eviction import EvictionSetup, memory_time_bound, simulate
+from moekv_ref.sim.runner import RunnerSetup, memory_time_bound, simulate
 from moekv_ref.sim.traces import RoutingTrace
 from moekv_ref.sim.workloads import skewed_workload, workload_cost_model
 
@@ -33,7 +33,7 @@ def hand_trace(experts_of_seq, lengths, prompt=1):
 # the victim is chosen among the requests not yet scheduled, C and B.
 TRACE = hand_trace([0, 0, 1], [3, 3, 3])
 PLACEMENT = torch.tensor([0, 1])
-SETUP = EvictionSetup(blocks_per_device=3, block_size=1, max_num_seqs=4)
+SETUP = RunnerSetup(blocks_per_device=3, block_size=1, max_num_seqs=4)
 
 
 def first_evictions(policy, trace=TRACE, setup=SETUP):
@@ -76,7 +76,7 @@ def test_belady_evicts_the_sequence_that_would_hold_the_short_device_longest():
     # step's block counts as room too); belady reads the future: C ends after 2 tokens (2 block-steps
     # to come on device 0), D after 4 (2 + 3 + 4 = 9): D goes
     trace = hand_trace([0, 0, 0, 1], [3, 2, 4, 3])
-    setup = EvictionSetup(blocks_per_device=4, block_size=1, max_num_seqs=4)
+    setup = RunnerSetup(blocks_per_device=4, block_size=1, max_num_seqs=4)
     aware, _ = first_evictions("pressure_aware", trace, setup)
     belady, stats = first_evictions("belady", trace, setup)
     assert aware[0] == (1, 1, "recompute", [1, 0])
@@ -84,7 +84,7 @@ def test_belady_evicts_the_sequence_that_would_hold_the_short_device_longest():
 
 
 def test_with_host_blocks_victims_are_swapped():
-    setup = EvictionSetup(blocks_per_device=3, block_size=1, max_num_seqs=4, num_host_blocks=8)
+    setup = RunnerSetup(blocks_per_device=3, block_size=1, max_num_seqs=4, num_host_blocks=8)
     records, stats = first_evictions("pressure_aware", setup=setup)
     assert records[0] == (1, 1, "swap", [1, 0]) and stats.swapped_bytes > 0 and stats.recomputed_tokens == 0
 
@@ -93,7 +93,7 @@ def test_every_policy_finishes_a_skewed_workload_without_leaks_and_under_the_bou
     trace, _, placement = skewed_workload(
         num_sequences=10, num_layers=2, mean_prompt=8, mean_output=48, seed=1
     )
-    setup = EvictionSetup(blocks_per_device=80, block_size=4, max_num_seqs=8, num_host_blocks=30)
+    setup = RunnerSetup(blocks_per_device=80, block_size=4, max_num_seqs=8, num_host_blocks=30)
     comparison = compare_policies(trace, placement, setup, workload_cost_model(trace, 4))
     bound = memory_time_bound(trace, placement, setup)
     for name, stats in comparison["stats"].items():  # the runner asserts no leak on every device

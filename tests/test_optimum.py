@@ -7,8 +7,8 @@ import pytest
 
 from moekv_ref.apps.bench_eviction import small_instance
 from moekv_ref.engine.victims import VictimPolicy
-from moekv_ref.sim.eviction import TraceRunner, simulate
 from moekv_ref.sim.optimum import NeedChoice, ScriptedVictims, search_optimum
+from moekv_ref.sim.runner import TraceRunner, simulate
 
 WHOLE_VICTIM_POLICIES = ("newest_first", "sequence_lru", "pressure_aware", "belady")
 

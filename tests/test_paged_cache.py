@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import max_logit_error, random_model, random_prompts, small_config
 
-from moekv_ref.cache import KVCacheManager, OutOfBlocksError, PagedKVCache, SharedTailKVCacheManager
+from moekv_ref.cache import KVCacheManager, OutOfBlocksError, PagedKVCache, manager_with_shared_tails
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
 
@@ -255,7 +255,7 @@ def test_shared_tails_equal_contiguous_and_recompute(mode, routing, dtype, atten
 
 def test_shared_tail_promotion_and_compaction_exact_moves():
     """P = 4, one layer, three experts, one sequence; tail blocks 0 and 1 are handed out in order."""
-    manager = SharedTailKVCacheManager(num_layers=1, num_experts=3, block_size=4, num_blocks=16)
+    manager = manager_with_shared_tails(num_layers=1, num_experts=3, block_size=4, num_blocks=16)
     manager.add_sequence(0)
     rows = torch.cat([manager.rows([0], 0, e) for e in range(3)])
     # 3 + 3 + 1 tail tokens: no full block yet, 7 tail slots in tail blocks 0 and 1 (slots 0..6)
@@ -279,7 +279,7 @@ def test_shared_tail_promotion_and_compaction_exact_moves():
 
 @pytest.mark.parametrize("block_size", [2, 4, 16])
 def test_shared_tail_design_equals_the_real_manager(block_size):
-    """The simulator's count-level SharedTailDesign allocates what SharedTailKVCacheManager does."""
+    """The simulator's count-level SharedTailDesign allocates what manager_with_shared_tails does."""
     from moekv_ref.sim import ManagerPagedDesign, SharedTailDesign, replay, synthetic_trace
 
     trace = synthetic_trace(5, num_layers=2, num_experts=8, top_k=3, mean_prompt=12, mean_output=20, seed=6)
@@ -290,7 +290,7 @@ def test_shared_tail_design_equals_the_real_manager(block_size):
         block_size,
         num_blocks=trace.num_slot_appends + 1,
         shuffle_seed=1,
-        manager_class=SharedTailKVCacheManager,
+        manager_class=manager_with_shared_tails,
     )
     counted = SharedTailDesign(5, 2, 8, block_size)
     assert replay(trace, real).allocated_bytes_time_sum == replay(trace, counted).allocated_bytes_time_sum
@@ -378,7 +378,7 @@ def test_shared_tails_on_two_devices_keep_each_devices_tails_apart_exact_ids():
     each row: on one device the two tails would share one tail block; here each device's row gets a
     tail block of its own device. The second token of expert 0 promotes its tail into a full block of
     device 0 (a move of slot 0 to slot 2), and device 0's emptied tail block goes back."""
-    manager = SharedTailKVCacheManager(1, 2, 2, blocks_per_device=[4, 4], device_of_expert=[0, 1])
+    manager = manager_with_shared_tails(1, 2, 2, blocks_per_device=[4, 4], device_of_expert=[0, 1])
     manager.add_sequence(0)
     rows = manager.rows([0, 0], 0, [0, 1])
     first = manager.allocate_slots(rows, torch.tensor([1, 1]))

@@ -12,7 +12,7 @@ import torch
 
 from moekv_ref.cache.rows import RowIndex
 from moekv_ref.costs import CostModel
-from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
+from moekv_ref.sim.runner import RunnerSetup, TraceRunner
 from moekv_ref.sim.traces import RoutingTrace, synthetic_trace, topic_trace
 from moekv_ref.validation import MAX_INT32
 
@@ -141,7 +141,7 @@ def run_stats(trace: RoutingTrace, policy: str):
     placement = torch.stack(
         [torch.randperm(trace.num_experts, generator=generator) % 2 for _ in range(trace.num_layers)]
     )
-    setup = EvictionSetup(blocks_per_device=60, block_size=4, max_num_seqs=12, max_num_batched_tokens=64)
+    setup = RunnerSetup(blocks_per_device=60, block_size=4, max_num_seqs=12, max_num_batched_tokens=64)
     return TraceRunner(trace, placement, setup, policy, FREE).run()
 
 

@@ -29,7 +29,7 @@
                        blocks); plain: torch.argsort(stable=True)
     counted blocks     the runner's KVCacheManager(counts_only=True) where nothing reads an id:
                        blocks counted per row and device, no block tables, a pool that lends by
-                       number; plain: every block listed by id (EvictionSetup.list_block_ids)
+                       number; plain: every block listed by id (RunnerSetup.list_block_ids)
     blocks held        KVCacheManager.blocks_held_per_device read from count_blocks; plain: the
                        devices of the sequence's listed blocks, counted
     fit alone          TraceRunner asks whether a request fits alone once per length; plain: once
@@ -43,7 +43,7 @@ import pytest
 import torch
 
 import moekv_ref.cache.rows as rows_module
-import moekv_ref.sim.eviction as runner_module
+import moekv_ref.sim.runner as runner_module
 from moekv_ref.cache.block_pool import BlockPool, OutOfBlocksError
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
 from moekv_ref.cache.prefix_cache import PrefixCache
@@ -51,8 +51,8 @@ from moekv_ref.cache.rows import ceil_div, ragged_arange, stable_order
 from moekv_ref.costs import CostModel
 from moekv_ref.engine.memory import ModelShape
 from moekv_ref.engine.scheduler import Scheduler, SchedulerConfig
-from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
 from moekv_ref.sim.fast_scheduler import FastScheduler
+from moekv_ref.sim.runner import RunnerSetup, TraceRunner
 from moekv_ref.sim.traces import synthetic_trace, topic_trace
 
 FREE = CostModel("free", 0.0, 0.0, 0.0, float("inf"), 0.0, 0.0, 1)
@@ -74,7 +74,7 @@ def random_runner(
     placement = torch.stack(
         [torch.randperm(8, generator=generator) % num_devices for _ in range(3)]
     )  # (L, E)
-    setup = EvictionSetup(
+    setup = RunnerSetup(
         blocks_per_device=blocks,
         block_size=4,
         max_num_seqs=12,
@@ -160,7 +160,7 @@ def test_decode_need_equals_the_bound_over_rows_on_random_states(seed, num_devic
     runner = TraceRunner(
         trace,
         placement,
-        EvictionSetup(blocks_per_device=4000, block_size=P, max_num_seqs=16),
+        RunnerSetup(blocks_per_device=4000, block_size=P, max_num_seqs=16),
         "newest_first",
         FREE,
     )
@@ -398,7 +398,7 @@ def test_the_runner_fails_at_the_first_short_layer_with_that_layers_shortfall():
     """As the engine's forward, layer after layer: 4 blocks a layer, 5 free -> layer 1 is short by
     3 (not the whole step's 7)."""
     trace = synthetic_trace(1, 3, 2, 2, mean_prompt=4, mean_output=4, seed=0)
-    setup = EvictionSetup(blocks_per_device=5, block_size=1, max_num_seqs=1, reservation="optimistic")
+    setup = RunnerSetup(blocks_per_device=5, block_size=1, max_num_seqs=1, reservation="optimistic")
     runner = TraceRunner(trace, [0, 0], setup, "sequence_lru", FREE)
     runner.manager.add_sequence(0)
     with pytest.raises(OutOfBlocksError, match="layer 1") as raised:
@@ -415,7 +415,7 @@ def test_a_fresh_requests_need_read_once_per_token_count_makes_the_decisions_of_
 
     def runner():
         trace, _ = topic_trace(40, 3, 8, 2, mean_prompt=8, mean_output=24, seed=2)
-        setup = EvictionSetup(blocks_per_device=40, block_size=4, max_num_seqs=12, max_num_batched_tokens=64)
+        setup = RunnerSetup(blocks_per_device=40, block_size=4, max_num_seqs=12, max_num_batched_tokens=64)
         return TraceRunner(trace, torch.arange(8) % 2, setup, "sequence_lru", FREE)
 
     remembering = runner()
@@ -557,10 +557,10 @@ def test_a_counting_pool_lends_by_number_and_refuses_ids_and_double_frees():
 def test_the_runner_lists_block_ids_where_a_prefix_cache_or_swap_space_reads_them():
     trace = synthetic_trace(4, 2, 4, 2, mean_prompt=8, mean_output=8, seed=0)
     for setup, lists in (
-        (EvictionSetup(blocks_per_device=64), False),
-        (EvictionSetup(blocks_per_device=64, list_block_ids=True), True),
-        (EvictionSetup(blocks_per_device=64, prefix_caching=True), True),
-        (EvictionSetup(blocks_per_device=64, num_host_blocks=32), True),
+        (RunnerSetup(blocks_per_device=64), False),
+        (RunnerSetup(blocks_per_device=64, list_block_ids=True), True),
+        (RunnerSetup(blocks_per_device=64, prefix_caching=True), True),
+        (RunnerSetup(blocks_per_device=64, num_host_blocks=32), True),
     ):
         runner = TraceRunner(trace, torch.arange(4) % 2, setup, "sequence_lru", FREE)
         assert runner.manager.counts_only is not lists
@@ -578,7 +578,7 @@ def test_a_requests_fit_alone_checked_once_per_length_refuses_what_checking_each
     prompts = torch.tensor([4, 12, 4, 12, 4, 12, 4])
     outputs = torch.tensor([2, 2, 40, 40, 2, 30, 60])
     trace = synthetic_trace(7, 2, 4, 2, seed=3, lengths=(prompts, outputs))
-    setup = EvictionSetup(blocks_per_device=24, block_size=4, max_num_seqs=4)
+    setup = RunnerSetup(blocks_per_device=24, block_size=4, max_num_seqs=4)
     runner = TraceRunner(trace, torch.arange(4) % 2, setup, "sequence_lru", FREE)
     refused = 0
     for s in range(trace.num_sequences):

@@ -1,4 +1,4 @@
-"""The trace runner (sim/eviction.py) makes the engine's decisions: on the routing the engine's own
+"""The trace runner (sim/runner.py) makes the engine's decisions: on the routing the engine's own
 model produces, the runner -- the Scheduler with the trace playing the model -- and LLMEngine with
 the model admit, resume and preempt the same requests at the same steps, hold the same blocks on
 every device after every step, and count the same evictions and recomputed tokens.
@@ -17,7 +17,7 @@ from moekv_ref.costs import CostModel
 from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
-from moekv_ref.sim.eviction import EvictionSetup, TraceRunner, simulate
+from moekv_ref.sim.runner import RunnerSetup, TraceRunner, simulate
 
 PLACEMENT = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3])  # 8 experts on 4 devices, device 0 the busiest
 BLOCK_SIZE, BLOCKS_PER_DEVICE, SWAP_BLOCKS = 4, 36, 64
@@ -68,7 +68,7 @@ def workload(model):
 def test_the_runner_makes_the_engines_decisions_step_by_step(model, workload, victim, mode, admission):
     prompts, output_lens, trace = workload
     swap_blocks = SWAP_BLOCKS if mode == "swap" else 0
-    setup = EvictionSetup(
+    setup = RunnerSetup(
         BLOCKS_PER_DEVICE,
         BLOCK_SIZE,
         max_num_seqs=16,
@@ -113,7 +113,7 @@ def test_under_optimistic_reservation_the_runner_retries_as_the_engine_does(mode
     layer, as the forward does) and the engine retry the same steps, take the same victims and hold
     the same blocks; the engine's tokens are those of worst-case reservation."""
     prompts, output_lens, trace = workload
-    setup = EvictionSetup(
+    setup = RunnerSetup(
         BLOCKS_PER_DEVICE,
         BLOCK_SIZE,
         max_num_seqs=16,
@@ -179,7 +179,7 @@ def test_multi_turn_sessions_with_prefix_caching_make_the_engines_decisions(
     trace = record_model_trace(model, prompts + second, output_lens + second_lens)
     follows = torch.tensor([-1] * n + list(range(n)))
     swap_blocks = SWAP_BLOCKS if mode == "swap" else 0
-    setup = EvictionSetup(
+    setup = RunnerSetup(
         blocks,
         BLOCK_SIZE,
         max_num_seqs=16,

@@ -7,7 +7,7 @@ import torch
 
 from moekv_ref.apps.cli import main as cli_main
 from moekv_ref.costs import CostModel
-from moekv_ref.sim.eviction import EvictionSetup, TraceRunner
+from moekv_ref.sim.runner import RunnerSetup, TraceRunner
 from moekv_ref.sim.traces import conversation_lengths, conversation_turns, synthetic_trace
 from moekv_ref.sim.workloads import (
     arrival_times,
@@ -78,7 +78,7 @@ def test_the_runner_waits_for_arrivals_and_times_first_tokens():
     arriving at 0 and at 100 s: the second waits for its arrival (the clock jumps over the idle
     time); each step costs 1 s + 1 s a token."""
     trace = synthetic_trace(2, 2, 4, 2, mean_prompt=1, mean_output=3, sigma=0.0, seed=0)
-    setup = EvictionSetup(blocks_per_device=200, block_size=4, max_num_seqs=4)
+    setup = RunnerSetup(blocks_per_device=200, block_size=4, max_num_seqs=4)
     stats = TraceRunner(
         trace, [0, 0, 0, 0], setup, "sequence_lru", STEPS, arrivals=torch.tensor([0.0, 100.0])
     ).run()
@@ -160,7 +160,7 @@ def test_a_follow_up_turn_arrives_its_think_time_after_the_turn_before_finishes(
     a refused turn's follow-up is refused with it."""
     conversations, session, prompts, outputs = _turns()
     turns, follows = conversation_turns(conversations, session, prompts, outputs)
-    setup = EvictionSetup(blocks_per_device=400, block_size=4, max_num_seqs=4, prefix_caching=True)
+    setup = RunnerSetup(blocks_per_device=400, block_size=4, max_num_seqs=4, prefix_caching=True)
     think = torch.tensor([0.0, 3.0, 3.0, 0.0, 50.0, 3.0], dtype=torch.float64)
     stats = TraceRunner(turns, [0, 0, 1, 1], setup, "sequence_lru", STEPS, think, follows).run()
     finish, arrival = stats.finish_seconds, stats.arrival_seconds
@@ -169,7 +169,7 @@ def test_a_follow_up_turn_arrives_its_think_time_after_the_turn_before_finishes(
             assert float(arrival[t]) == float(finish[before]) + float(think[t])
             assert float(stats.first_token_seconds[t]) > float(arrival[t])
     assert stats.num_finished == 6 and stats.prefix_hit_tokens > 0
-    tight = EvictionSetup(blocks_per_device=TIGHT_BLOCKS, block_size=4, max_num_seqs=4)
+    tight = RunnerSetup(blocks_per_device=TIGHT_BLOCKS, block_size=4, max_num_seqs=4)
     refused = TraceRunner(turns, [0, 0, 1, 1], tight, "sequence_lru", STEPS, think, follows)
     fits = []
     for t in range(6):
@@ -228,7 +228,7 @@ def test_groups_of_gpus_serve_the_requests_handed_to_each_and_the_numbers_are_ov
     run = bench.run_one(trace, 16, 0.25, 40.0, "poisson", "sequence_lru", "worst_case", 64, 0)
     assert run["groups"] == 2 and run["requests"] == 24
     arrival = arrival_times(24, 80.0, "poisson", seed=0)
-    setup = EvictionSetup(
+    setup = RunnerSetup(
         blocks_per_device=bench.pool_blocks(0.25),
         block_size=bench.BLOCK_SIZE,
         max_num_seqs=64,

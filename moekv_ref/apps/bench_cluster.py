@@ -7,7 +7,7 @@ expert parallelism on D H200s, each holding E / D experts of every layer and the
 Requests have the lengths of a published trace (sim/workloads.py), cut to the model's 4,096
 positions, and arrive as a Poisson or bursty process at a given rate; routing is a topic trace
 (sequences lean on their topic's experts, so one device's pool fills first). The engine's own
-Scheduler runs over it (sim/eviction.py), each step costing the projected cluster time
+Scheduler runs over it (sim/runner.py), each step costing the projected cluster time
 (costs.cluster_cost_model: compute split evenly over the GPUs, links left out).
 
 For every (device count, KV memory per GPU, arrival rate, victim policy): TTFT and TPOT at p50 and
@@ -56,7 +56,7 @@ from ..engine.victims import VICTIM_POLICIES
 from ..jsonout import dump
 from ..paths import output_path
 from ..sim.cluster import BLOCK_SIZE, MODEL, cluster_placement, pool_blocks
-from ..sim.eviction import EvictionSetup, TraceRunner
+from ..sim.runner import RunnerSetup, TraceRunner
 from ..sim.traces import conversation_lengths, conversation_turns, synthetic_trace, topic_trace
 from ..sim.workloads import (
     ARRIVALS,
@@ -189,7 +189,7 @@ def run_one(
     group_devices = num_devices // groups
     placement = cluster_placement(group_devices)
     blocks = pool_blocks(gib_per_device)
-    setup = EvictionSetup(
+    setup = RunnerSetup(
         blocks_per_device=blocks,
         block_size=BLOCK_SIZE,
         max_num_seqs=max_num_seqs,
@@ -206,7 +206,7 @@ def run_one(
     else:
         arrival = session_arrivals(follows, rate, think_seconds, arrivals, GAMMA_CV, seed)
     started = time.perf_counter()
-    runs = []  # each group's EvictionStats
+    runs = []  # each group's RunnerStats
     for seqs in round_robin(arrival, groups):
         served = trace if groups == 1 else trace.subset(seqs.tolist())
         runner = TraceRunner(served, placement, setup, policy, cost, arrivals=arrival[seqs], follows=follows)
@@ -460,7 +460,12 @@ SPEED_MAX_BATCHED_TOKENS = 8192
 # off, run(). Its arguments: the root, a shape of SPEED_SHAPES, the requests and the workload.
 SPEED_IMPORTS = [
     "import torch",
-    "from moekv_ref.sim.eviction import EvictionSetup, TraceRunner",
+    "try:",
+    "    from moekv_ref.sim.runner import RunnerSetup, TraceRunner",
+    "except ModuleNotFoundError as missing:  # a checkout from before sim/eviction.py became sim/runner.py",
+    "    if missing.name != 'moekv_ref.sim.runner':",
+    "        raise",
+    "    from moekv_ref.sim.eviction import EvictionSetup as RunnerSetup, TraceRunner",
     "from moekv_ref.sim.traces import synthetic_trace",
 ]
 SPEED_WORKER = checkout.worker_code(
@@ -470,7 +475,7 @@ import time
 torch.set_num_threads(1)
 L, E, K, D, blocks, n, mean_prompt, mean_output, max_num_seqs, max_batched = (int(x) for x in sys.argv[2:12])
 trace = synthetic_trace(n, L, E, K, mean_prompt=mean_prompt, mean_output=mean_output, seed=0)
-setup = EvictionSetup(blocks_per_device=blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched)
+setup = RunnerSetup(blocks_per_device=blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched)
 runner = TraceRunner(trace, torch.arange(E) % D, setup, "sequence_lru", None)
 runner.step_seconds = lambda out: 0.0
 started = time.perf_counter()
@@ -481,7 +486,11 @@ print(json.dumps({"wall_seconds": wall, "steps": stats.num_steps, "max_running":
 """,
 )
 # the files of a checkout the worker imports by name (what they import is checked when it runs)
-SPEED_WORKER_FILES = ("moekv_ref/__init__.py", "moekv_ref/sim/eviction.py", "moekv_ref/sim/traces.py")
+SPEED_WORKER_FILES = (
+    ("moekv_ref/__init__.py",),
+    ("moekv_ref/sim/runner.py", "moekv_ref/sim/eviction.py"),  # its name before, in older checkouts
+    ("moekv_ref/sim/traces.py",),
+)
 
 
 def run_speed_worker(root: Path, arguments: list[str]) -> dict:
@@ -579,7 +588,7 @@ def measure_scale(num_requests: int, threads: int) -> dict:
         distinct_routings=SCALE_ROUTINGS,
     )
     traced = time.perf_counter()
-    setup = EvictionSetup(
+    setup = RunnerSetup(
         blocks_per_device=blocks,
         max_num_seqs=SPEED_MAX_NUM_SEQS,
         max_num_batched_tokens=SPEED_MAX_BATCHED_TOKENS,
@@ -762,7 +771,11 @@ def check_args(args) -> None:
         raise ValueError(
             f"--against={args.against} has no moekv_ref package; allowed: the root of a checkout"
         )
-    missing = [name for name in SPEED_WORKER_FILES if args.against and not (args.against / name).is_file()]
+    missing = [
+        names[0]
+        for names in SPEED_WORKER_FILES
+        if args.against and not any((args.against / name).is_file() for name in names)
+    ]
     if missing:
         raise ValueError(
             f"--against={args.against} is not a complete checkout of this repository: it lacks "

@@ -8,7 +8,7 @@ Four parts, printed as tables and saved together as JSON:
     and projected for a GPU from datasheet numbers (moekv_ref/costs.py) at JetMoE-8B's shape with
     per-expert K/V (the preset jetmoe-8b-expert-kv);
  2. every victim policy on one skewed workload, the engine's Scheduler replaying a routing trace
-    (sim/eviction.py): per-device pools (D = 4, E = 16), a topic trace whose popular topic's experts
+    (sim/runner.py): per-device pools (D = 4, E = 16), a topic trace whose popular topic's experts
     share device 0 under the co-activation placement, the offline policies (oracle, belady) beside
     the online ones, and the memory-time bound; then the online policies on the engine over
     per-device pools (LLMEngine with blocks_per_device) with the embedded model;
@@ -47,8 +47,8 @@ from ..jsonout import dump
 from ..paths import output_path
 from ..plots.tables import text_table
 from ..sim.density import density_sweep, mean_blocks_at_context
-from ..sim.eviction import EvictionSetup, memory_time_bound, simulate
 from ..sim.optimum import search_optimum
+from ..sim.runner import RunnerSetup, memory_time_bound, simulate
 from ..sim.traces import synthetic_trace
 from ..sim.workloads import skewed_workload, workload_cost_model
 from ..validation import MAX_BLOCKS
@@ -183,8 +183,8 @@ SIM_POLICIES = (
 )  # newest_first is sequence_lru
 
 
-def compare_policies(trace, placement, setup: EvictionSetup, cost: CostModel, policies=SIM_POLICIES) -> dict:
-    """Every policy on the same workload (the scheduler over the trace, sim/eviction.py), and the
+def compare_policies(trace, placement, setup: RunnerSetup, cost: CostModel, policies=SIM_POLICIES) -> dict:
+    """Every policy on the same workload (the scheduler over the trace, sim/runner.py), and the
     memory-time bound."""
     results = {}
     for name in policies:
@@ -455,7 +455,7 @@ def small_instance(
         mean_output=mean_output,
         seed=seed,
     )
-    setup = EvictionSetup(blocks_per_device=blocks_per_device, block_size=4, max_num_seqs=8)
+    setup = RunnerSetup(blocks_per_device=blocks_per_device, block_size=4, max_num_seqs=8)
     return trace, placement, setup, workload_cost_model(trace, setup.block_size)
 
 
@@ -695,7 +695,7 @@ def main(args) -> int:
 
     num_sequences = _num_sequences(args)
     trace, topic, placement = skewed_workload(num_sequences)
-    setup = EvictionSetup(
+    setup = RunnerSetup(
         blocks_per_device=BLOCKS_PER_DEVICE if args.blocks_per_device is None else args.blocks_per_device,
         block_size=16,
         max_num_seqs=32,

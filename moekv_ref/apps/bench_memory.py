@@ -38,7 +38,7 @@ from ..config import get_config
 from ..jsonout import write
 from ..model import MoEKVTransformer
 from ..plots.memory import plot_block_size_sweep, plot_num_experts_sweep
-from ..sim.baselines import FirstFitDesign, ReservedDesign
+from ..sim.contiguous_designs import FirstFitDesign, ReservedDesign
 from ..sim.designs import CountingPagedDesign, ManagerPagedDesign, SharedTailDesign
 from ..sim.replay import max_concurrent_sequences, replay
 from ..sim.traces import RoutingTrace, synthetic_trace

@@ -26,7 +26,7 @@ from .kv_cache_manager import KVCacheManager, SlotAllocation
 from .paged import ATTENTION_PATHS, AppendedRows, PagedKVCache
 from .prefix_cache import PrefixCache
 from .rows import RowIndex, RowPlacement, ceil_div
-from .shared_tail_manager import SharedTailKVCacheManager, SharedTails
+from .shared_tail_manager import SharedTails, manager_with_shared_tails
 
 __all__ = [
     "ATTENTION_PATHS",
@@ -39,7 +39,7 @@ __all__ = [
     "PrefixCache",
     "RowIndex",
     "RowPlacement",
-    "SharedTailKVCacheManager",
+    "manager_with_shared_tails",
     "SharedTails",
     "SlotAllocation",
     "ceil_div",

@@ -207,5 +207,5 @@ class SharedTails(ManagerPart):
             )
 
 
-def SharedTailKVCacheManager(*args, **kwargs) -> KVCacheManager:
+def manager_with_shared_tails(*args, **kwargs) -> KVCacheManager:
     return KVCacheManager(*args, tails=SharedTails(), **kwargs)

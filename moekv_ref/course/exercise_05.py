@@ -9,7 +9,7 @@ import torch
 from ..engine.request import Request, RequestStatus
 from ..engine.victims import Shortage, VictimPolicy, room_and_lost_work
 from ..sampling import SamplingParams
-from ..sim.eviction import EvictionSetup, simulate
+from ..sim.runner import RunnerSetup, simulate
 from ..sim.workloads import skewed_workload, workload_cost_model
 from .checks import MISSING, RIGHT, WRONG, wrapped
 
@@ -21,7 +21,7 @@ def exercise_05_setup():
     trace, _, placement = skewed_workload(
         num_sequences=20, num_layers=4, num_devices=4, mean_prompt=32, mean_output=128, topic_s=1.5, seed=0
     )
-    setup = EvictionSetup(blocks_per_device=160, block_size=16, max_num_seqs=16)
+    setup = RunnerSetup(blocks_per_device=160, block_size=16, max_num_seqs=16)
     return trace, placement, setup, workload_cost_model(trace, setup.block_size)
 
 

@@ -7,7 +7,7 @@ from functools import lru_cache
 from ..cache.rows import ceil_div
 from ..config import get_config
 from ..sim.cluster import BLOCK_SIZE, MODEL, cluster_placement, pool_blocks
-from ..sim.eviction import EvictionSetup, TraceRunner
+from ..sim.runner import RunnerSetup, TraceRunner
 from ..sim.traces import topic_trace
 from ..validation import is_integer
 from .checks import MISSING, RIGHT, WRONG, close, wrapped
@@ -32,7 +32,7 @@ def exercise_11_reservation(reservation: str) -> tuple[int, ...]:
         kv_bytes_per_slot=config.kv_bytes_per_entry(),
         lengths=([EXERCISE_11_PROMPT_TOKENS], [1]),
     )
-    setup = EvictionSetup(
+    setup = RunnerSetup(
         blocks_per_device=pool_blocks(EXERCISE_11_GIB_PER_DEVICE),
         block_size=BLOCK_SIZE,
         max_num_batched_tokens=8192,

@@ -6,9 +6,9 @@ memory.py        ModelShape (the model's routing facts) and MemoryView (read-onl
 swap.py          SwapSpace: host block ids of sequences preempted by swap; BlockCopy
 admission.py     admission policies: predicted, optimistic
 victims.py       victim policies: newest_first, sequence_lru, expert_lru, pressure_aware, and
-                 oracle and belady for trace replay (sim/eviction.py)
+                 oracle and belady for trace replay (sim/runner.py)
 batching.py      BatchingPolicy; continuous batching on the paged pool (continuous_paged)
-baselines.py     the benchmark's baselines as batching policies: continuous_reserved, static
+baseline_batching.py  the benchmark's baselines as batching policies: continuous_reserved, static
 scheduler.py     Scheduler: the paged loop over integers (reserve per device, preempt, admit)
 model_runner.py  ModelRunner: the swap copies, then one forward_cached over the flat batch
 undo.py          Snapshot: the scheduler's state, restored in place when a step raises
@@ -17,7 +17,7 @@ workload.py      workloads with arrivals, and running one through an engine
 """
 
 from .admission import AdmissionPolicy, OptimisticAdmission, PredictedAdmission
-from .baselines import ContinuousReserved, StaticBatching
+from .baseline_batching import ContinuousReserved, StaticBatching
 from .batching import BatchingPolicy, ContinuousBatching
 from .engine import EngineStats, LLMEngine, RequestEvent, StepRecord, generate_with_engine
 from .memory import MemoryView, ModelShape

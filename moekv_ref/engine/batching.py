@@ -2,8 +2,8 @@
 request may need alone, and how many tokens a request decodes.
 
     continuous_paged     ContinuousBatching (here)
-    continuous_reserved  baselines.py: the same, each request reserving every row's worst case
-    static               baselines.py: fixed batches, each padded to its longest output
+    continuous_reserved  baseline_batching.py: the same, each request reserving every row's worst case
+    static               baseline_batching.py: fixed batches, each padded to its longest output
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from ..cache.kv_cache_manager import KVCacheManager
 from ..state import Stateful
 from ..validation import MAX_BLOCKS, MAX_INT32, check_choice, check_int
 from .admission import ADMISSIONS, AdmissionPolicy
-from .baselines import ContinuousReserved, StaticBatching
+from .baseline_batching import ContinuousReserved, StaticBatching
 from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
 from .demand import (
     DemandPredictor,

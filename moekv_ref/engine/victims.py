@@ -7,7 +7,7 @@ request being scheduled (picking it makes it wait); memory: a read-only MemoryVi
 `Shortage`. The scheduler preempts the answer and asks again while the step does not fit.
 
     newest_first, sequence_lru, expert_lru, pressure_aware    online (newest_first: the default)
-    oracle, belady    offline: they read a routing trace's future (a FutureView, sim/eviction.py)
+    oracle, belady    offline: they read a routing trace's future (a FutureView, sim/runner.py)
 
 A policy may also veto admissions (`admits`); only the oracle does.
 """
@@ -145,7 +145,7 @@ class PressureAware(VictimPolicy):
 
 
 class FutureView(Protocol):
-    """What the offline policies read of a trace's future (sim/eviction.py's TraceFuture)."""
+    """What the offline policies read of a trace's future (sim/runner.py's TraceFuture)."""
 
     def future_block_steps(self, request: Request, device: int) -> int:
         """Blocks the request will hold on `device`, summed over its remaining steps."""
@@ -162,7 +162,7 @@ class OfflinePolicy(VictimPolicy):
         if future is None:
             raise ValueError(
                 f"victim={self.name!r} reads the future of a routing trace: give it future=, a "
-                "FutureView (sim/eviction.py's trace runner builds one); the engine serving live "
+                "FutureView (sim/runner.py's trace runner builds one); the engine serving live "
                 "requests has no future to give, so use an online policy there: "
                 f"{[name for name, cls in VICTIM_POLICIES.items() if not issubclass(cls, OfflinePolicy)]}"
             )

@@ -1,7 +1,7 @@
 """Figures of eviction over a trace: each device's pool over time under a policy, what every
 eviction freed on each device, the policies side by side, density per expert buffer, and the
 recompute-versus-swap crossover, the policies against the exact optimum; for prefix caching, the
-hit map and a summary. Inputs are the objects sim/eviction.py (the scheduler over a trace),
+hit map and a summary. Inputs are the objects sim/runner.py (the scheduler over a trace),
 sim/density.py and apps/bench_eviction.py return. Legends sit beside the data, not on it."""
 
 from __future__ import annotations

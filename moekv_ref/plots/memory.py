@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..sim.baselines import FirstFitDesign
+from ..sim.contiguous_designs import FirstFitDesign
 from ..sim.designs import ManagerPagedDesign
 
 HOLE_STYLE = {"facecolor": "white", "edgecolor": "#555555", "hatch": "////", "linewidth": 0.4}

@@ -1,15 +1,15 @@
 """A cache-only simulator: routing traces replayed through memory designs, without the model.
 
 traces.py     what the router decided, token by token: synthetic, or recorded (analysis.py)
-designs.py    paged designs; baselines.py the designs paging must beat (reserved, first fit)
+designs.py    paged designs; contiguous_designs.py the designs paging must beat (reserved, first fit)
 replay.py     lock-step replay of a trace through a design; capacity under a budget
-eviction.py   serving over a trace: the engine's own Scheduler, with the trace playing the model
+runner.py     serving over a trace: the engine's own Scheduler, with the trace playing the model
 optimum.py    the exact best victim choices on small traces; density.py expert buffer density
 workloads.py  published request lengths, arrivals, latency under SLOs; a skewed workload
 cluster.py    the cluster bench cluster simulates: its model, block size, placement, pools
 """
 
-from .baselines import AddressSpace, FirstFitDesign, ReservedDesign
+from .contiguous_designs import AddressSpace, FirstFitDesign, ReservedDesign
 from .designs import CountingPagedDesign, ManagerPagedDesign, SharedTailDesign
 from .replay import ReplayStats, max_concurrent_sequences, replay
 from .traces import RoutingTrace, synthetic_trace

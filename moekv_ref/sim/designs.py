@@ -31,7 +31,7 @@ BYTES_PER_INDEX = 4
 
 class RowTokens:
     """Token counts per row (rows.py numbering, seq_index = trace sequence), for the designs that
-    keep counts only (the paged ones here, baselines.py's)."""
+    keep counts only (the paged ones here, contiguous_designs.py's)."""
 
     def __init__(self, num_sequences: int, num_layers: int, num_experts: int):
         self.index = RowIndex(num_layers, num_experts)
@@ -87,7 +87,7 @@ class CountingPagedDesign(RowTokens):
 
 class ManagerPagedDesign:
     """Plain per-row pages through the real KVCacheManager, one `allocate_slots` a step (real block
-    ids from the real free block queue). manager_class=SharedTailKVCacheManager drives the real
+    ids from the real free block queue). manager_class=manager_with_shared_tails drives the real
     shared-tail bookkeeping (a Python loop over rows: for tests, too slow for the benchmarks)."""
 
     def __init__(

@@ -1,6 +1,6 @@
 """The exact offline optimum over victim choices, on small instances: an exhaustive search.
 
-Every decision of the Scheduler that eviction.py's runner drives stays as it is but one: each time
+Every decision of the Scheduler that the trace runner (runner.py) drives stays as it is but one: each time
 a step does not fit, which candidate (a running request not yet scheduled this step, or the one
 being scheduled) is preempted, whole. The optimum finishes every served request in the fewest steps
 (ties: fewest modelled seconds; every schedule generates the same tokens). It is a floor for the
@@ -26,7 +26,7 @@ import torch
 from ..costs import CostModel
 from ..engine.victims import VictimPolicy
 from ..validation import is_integer, shown
-from .eviction import EvictionSetup, TraceRunner
+from .runner import RunnerSetup, TraceRunner
 from .traces import RoutingTrace
 
 
@@ -106,7 +106,7 @@ class Optimum:
 def search_optimum(
     trace: RoutingTrace,
     device_of_expert: torch.Tensor,
-    setup: EvictionSetup,
+    setup: RunnerSetup,
     cost: CostModel,
     prune: bool = True,
     keep_leaves: bool = False,

@@ -9,7 +9,7 @@ transform, linear between quantiles.
 Sessions (`sample_sessions`): multi-turn conversations, turns per session and each turn's new
 prompt and output tokens drawn around the means LMSYS-Chat-1M publishes (the same file); each turn's
 prompt is then the whole conversation so far (sim/traces.py, `conversation_turns`), and it arrives a
-think time after the turn before it finished (sim/eviction.py).
+think time after the turn before it finished (sim/runner.py).
 
 Arrivals: Poisson (exponential gaps), or bursty with gamma gaps of the same mean rate and a
 coefficient of variation cv > 1 (cv = 1 is Poisson).

@@ -13,7 +13,7 @@ times are recorded (sim/workloads.py turns them into TTFT, TPOT and goodput). Un
 reservation a step whose appends find a device short is undone and retried, as the engine does.
 
 Multi-turn sessions (`follows`): a turn arrives a think time after the turn before it finished, and
-with prefix caching (`EvictionSetup.prefix_caching`: the engine's PrefixCache in the manager) it
+with prefix caching (`RunnerSetup.prefix_caching`: the engine's PrefixCache in the manager) it
 starts from what that turn left in each (layer, expert) row, found by the trace's token ids. The
 runner then records, as paged.py does, the position of every token it appends, and each step
 "samples" the trace's next token, so a request's tokens are the conversation's.
@@ -53,7 +53,7 @@ from .traces import RoutingTrace
 
 
 @dataclass(frozen=True)
-class EvictionSetup:
+class RunnerSetup:
     """Pools and limits shared by every policy of one comparison."""
 
     blocks_per_device: int
@@ -71,7 +71,7 @@ class EvictionSetup:
 
 
 @dataclass
-class EvictionStats:
+class RunnerStats:
     policy: str
     num_steps: int
     seconds: float  # modelled
@@ -194,7 +194,7 @@ class TraceRunner:
         self,
         trace: RoutingTrace,
         device_of_expert: torch.Tensor,
-        setup: EvictionSetup,
+        setup: RunnerSetup,
         policy: VictimPolicy | str,
         cost: CostModel,
         arrivals: torch.Tensor | None = None,
@@ -432,7 +432,7 @@ class TraceRunner:
                 seconds += float(cost.swap_seconds(copy.source.numel())) / 2
         return seconds
 
-    def run(self, max_steps: int = 100_000, on_step=None) -> EvictionStats:
+    def run(self, max_steps: int = 100_000, on_step=None) -> RunnerStats:
         """Step until every request finished (or max_steps); on_step(num_finished), if given, is
         called after each step (a progress bar)."""
         scheduler, manager = self.scheduler, self.manager
@@ -485,7 +485,7 @@ class TraceRunner:
                 on_step(num_finished)
         if not scheduler.has_unfinished:
             scheduler.memory.assert_no_leak()
-        return EvictionStats(
+        return RunnerStats(
             self.policy.name,
             step,
             seconds,
@@ -530,15 +530,15 @@ class TraceRunner:
 def simulate(
     trace: RoutingTrace,
     device_of_expert: torch.Tensor,
-    setup: EvictionSetup,
+    setup: RunnerSetup,
     policy,
     cost: CostModel,
     max_steps: int = 100_000,
-) -> EvictionStats:
+) -> RunnerStats:
     return TraceRunner(trace, device_of_expert, setup, policy, cost).run(max_steps)
 
 
-def memory_time_bound(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: EvictionSetup) -> dict:
+def memory_time_bound(trace: RoutingTrace, device_of_expert: torch.Tensor, setup: RunnerSetup) -> dict:
     """A lower bound on the steps any policy needs: the most, over devices, of the blocks each
     served sequence holds at each of its steps (prefill, then one per decode token) summed, over the
     pool; the longest sequence's steps; and all steps / max_num_seqs."""
