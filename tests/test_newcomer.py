@@ -1,6 +1,7 @@
-"""What a newcomer meets in a fresh clone: the README's commands from a folder with no runs/, the
-Triton backend on a CPU, the thread count of `generate`, `bench memory` leaving the committed figures
-alone, and `bench cluster --speed --against DIR` timing DIR's code and nothing else."""
+"""What a newcomer meets in a fresh clone: the commands of the README and docs/results.md from a
+folder with no runs/, the Triton backend on a CPU, the thread count of `generate`, `bench memory`
+leaving the committed figures alone, and `bench cluster --speed --against DIR` timing DIR's code and
+nothing else."""
 
 import re
 import shutil
@@ -104,7 +105,7 @@ def test_bench_step_against_times_the_other_checkouts_code_only(tmp_path):
     ids=lambda argv: " ".join(argv[:2]),
 )
 def test_every_command_accepts_an_output_in_a_folder_not_made_yet(tmp_path, monkeypatch, argv):
-    """A fresh clone has no runs/: the README's `--json runs/...` commands once stopped at their
+    """A fresh clone has no runs/: docs/results.md's `--json runs/...` commands once stopped at their
     checks (or, `moekv_kernels.report`, after the work) because the folder was missing."""
     monkeypatch.chdir(tmp_path)
     args = cli.build_parser().parse_args(argv)
@@ -185,9 +186,9 @@ def test_bench_memory_writes_under_runs_by_default_and_leaves_figures_alone(tmp_
         "runs/bench_memory.json",
     ]
     assert "wrote runs/bench_memory.json" in capsys.readouterr().out
-    readme = (ROOT / "README.md").read_text()
-    assert "python -m moekv_ref bench memory --json figures/" not in readme
-    assert f"(writes {bench_memory.DEFAULT_JSON})" in readme
+    docs = (ROOT / "README.md").read_text() + (ROOT / "docs" / "results.md").read_text()
+    assert "python -m moekv_ref bench memory --json figures/" not in docs
+    assert f"(writes {bench_memory.DEFAULT_JSON})" in (ROOT / "docs" / "results.md").read_text()
     figures_source = (ROOT / "moekv_ref" / "apps" / "figures.py").read_text()
     assert '(directory / "bench_memory.json")' in figures_source
 
