@@ -290,3 +290,18 @@ def test_a_step_undone_inside_inference_mode_restores_no_inference_tensor(model,
         outputs.update((o.request_id, o) for o in engine.step())
     assert {r: o.token_ids for r, o in outputs.items()} == {r: menu[i][2] for r, i in requests.items()}
     engine.memory.assert_no_leak()
+
+
+def test_an_engine_built_inside_inference_mode_steps_outside_it(model, menu):
+    """An engine constructed inside the caller's torch.inference_mode holds no inference tensor (its
+    pool, tables and demand predictor are made outside it), so steps run outside it can change them in
+    place, and serve every request with its tokens of generating alone."""
+    with torch.inference_mode():
+        engine = LLMEngine(model, block_size=BLOCK_SIZE, blocks_per_device=[120, 120], home_devices=True)
+    assert not inference_tensors(engine.scheduler)
+    requests = {engine.add_request(*menu[i][:2]): i for i in (0, 2, 4)}
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step())
+    assert {r: o.token_ids for r, o in outputs.items()} == {r: menu[i][2] for r, i in requests.items()}
+    engine.memory.assert_no_leak()

@@ -30,6 +30,7 @@ import moekv_ref.sampling as sampling_module
 from moekv_ref.checkpoint import load_default_model
 from moekv_ref.engine import LLMEngine, SchedulerConfig, undo
 from moekv_ref.engine.request import RequestOutput
+from moekv_ref.engine.swap import SWAP_OUT
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
 
@@ -646,5 +647,77 @@ def test_a_fault_at_any_line_between_the_forward_and_the_commit_is_undone(
         assert faults.lines == lines[:at_line], "the run took another path before its fault"
         assert sorted(outputs) == [0, 1, 2] and engine.stats().num_failed_steps == 1
         assert [outputs[i].token_ids for i in range(3)] == line_alone, at_line
+        engine.memory.assert_no_leak()
+        engine.cache.manager.assert_consistent()
+
+
+# ----- a fault at every line from the schedule to the forward, the block copies included -------------
+class ScheduleLineFaults(LineFaults):
+    """LineFaults over another region: the lines engine.py executes from the return of `schedule` at
+    step `at_step` to the start of its forward, the block copies included (a swap-out's copy to the
+    host and a swap-in's back)."""
+
+    def __init__(self, engine, at_step: int | None, at_line: int | None = None, fault=InjectedFault):
+        self.engine, self.at_step, self.at_line, self.fault = engine, at_step, at_line, fault
+        self.lines_per_step, self.armed, self.raised, self.before = {}, False, False, None
+        self.copies_per_step = {}
+        schedule, forward = engine.scheduler.schedule, engine.runner.forward
+
+        def armed_after(step, retry=None):
+            decision = schedule(step, retry)
+            self.armed = at_step in (None, step)
+            self.lines_per_step[step] = []
+            self.copies_per_step[step] = sorted(copy.direction for copy in decision.block_copies)
+            return decision
+
+        def disarmed_before(scheduled):
+            self.armed = False
+            return forward(scheduled)
+
+        engine.scheduler.schedule = armed_after
+        engine.runner.forward = disarmed_before
+
+
+@pytest.mark.parametrize(
+    "kinds", [(InjectedFault,), (KeyboardInterrupt, MemoryError)], ids=["exception", "interrupt"]
+)
+def test_a_fault_at_any_line_between_the_schedule_and_the_forward_loses_nothing(
+    model, workload, alone, kinds
+):
+    """Every line the engine executes between scheduling a step that swaps sequences out and in and
+    that step's forward raises, once per run. Before the copies start, the step is undone whole (its
+    scheduling too); once they have started, the sequences they move recompute. Either way nothing is
+    lost: stepping on serves every request with the tokens it gets alone, leaking no block. (Before,
+    a fault between the schedule and the copies kept a swap-out whose copy never ran.)"""
+
+    def serve(at_step, at_line=None, fault=InjectedFault):
+        engine = make_engine(model, FAULT_POOL, max_num_seqs=6)
+        faults = ScheduleLineFaults(engine, at_step, at_line, fault)
+        for p, q in zip(*workload):
+            engine.add_request(p, q)
+        outputs = {}
+        while engine.has_unfinished_requests():
+            assert engine.step_count < 200, "the engine does not make progress"
+            try:
+                for output in faults.step():
+                    outputs[output.request_id] = output
+            except fault as error:
+                assert faults.raised, "a fault of the kind injected came from elsewhere"
+                assert any("the step was undone" in note for note in error.__notes__)
+        return engine, outputs, faults
+
+    _, outputs, dry = serve(None)
+    assert [outputs[i].token_ids for i in range(len(alone))] == alone
+    swapping = [step for step, kinds_of in dry.copies_per_step.items() if SWAP_OUT in kinds_of]
+    assert swapping, "no step swapped a sequence out: the copies would not be tested"
+    at_step = max(swapping, key=lambda step: len(dry.lines_per_step[step]))
+    lines = dry.lines_per_step[at_step]
+    assert {"step"} <= {function for function, _ in lines}
+    for at_line in range(1, len(lines) + 1):
+        engine, outputs, faults = serve(at_step, at_line, kinds[at_line % len(kinds)])
+        where = f"fault at {lines[at_line - 1]}, line event {at_line}"
+        assert faults.raised and faults.lines == lines[:at_line], where
+        assert engine.stats().num_failed_steps == 1, where
+        assert [outputs[i].token_ids for i in range(len(alone))] == alone, where
         engine.memory.assert_no_leak()
         engine.cache.manager.assert_consistent()

@@ -116,6 +116,7 @@ class LLMEngine:
     """
 
     @known_keywords
+    @torch.inference_mode(False)  # what it builds outlives it (steps run outside inference mode)
     def __init__(
         self,
         model: MoEKVTransformer,
@@ -286,9 +287,9 @@ class LLMEngine:
         a count, an undo's copy) could not be changed in place by a later step run outside it.
 
         A step happens whole or not at all (undo.py): if anything raises, every object is put back
-        as it was before the step (past scheduling: after its preemptions and admissions, which are
-        kept), and the exception propagates with a note naming the step; no block leaks. A fault
-        in the block copies makes the sequences they moved recompute."""
+        as it was before the step (once its block copies have started: as it was after them, its
+        preemptions and admissions kept), and the exception propagates with a note naming the step;
+        no block leaks. A fault in the block copies makes the sequences they moved recompute."""
         start = time.perf_counter()
         step = self.step_count
         used_before = self.memory.num_used_blocks
@@ -296,35 +297,47 @@ class LLMEngine:
         while True:
             num_running, scheduled_used = len(self.scheduler.running), used_before
             before = Snapshot(self.scheduler)
+            # what a fault undoes: while "scheduling", no block has moved and the step is undone whole;
+            # while "copying", a copy may be half done and the sequences the copies move recompute;
+            # while "running", the forward is undone and the step's scheduling kept
+            stage = "scheduling"
             try:
                 with phase("scheduler"):
                     decision = self.scheduler.schedule(step, retry)
+                if not decision.scheduled and not decision.block_copies and self.scheduler.has_unfinished:
+                    raise RuntimeError(
+                        f"step {step}: nothing could be scheduled with {len(self.scheduler.waiting)} "
+                        f"waiting and {len(self.scheduler.running)} running requests"
+                    )
+                running_scheduled = len(self.scheduler.running)
+                used_scheduled = self.memory.num_used_blocks
+                # scheduling that moved no request and freed no block leaves the state `before` holds
+                moved = (
+                    decision.events
+                    or decision.evictions
+                    or decision.block_copies
+                    or used_scheduled != used_before
+                )
+                commit = functools.partial(
+                    self._commit, step, decision, start, running_scheduled, used_scheduled
+                )
+                stage = "copying"
+                self.runner.copy_blocks(decision.block_copies)
+                stage = "running"
+                # _run ends the step (commit) inside its protected region: no line of it runs after
+                return self._run(decision, None if moved else before, commit)
             except BaseException as error:
-                before.restore()
-                self._fail_step(error, step, start, num_running, scheduled_used, "while scheduling")
-                raise
-            num_running, scheduled_used = len(self.scheduler.running), self.memory.num_used_blocks
-            # scheduling that moved no request and freed no block leaves the state `before` holds
-            moved = (
-                decision.events
-                or decision.evictions
-                or decision.block_copies
-                or scheduled_used != used_before
-            )
-            if not decision.scheduled and not decision.block_copies and self.scheduler.has_unfinished:
-                raise RuntimeError(
-                    f"step {step}: nothing could be scheduled with {len(self.scheduler.waiting)} "
-                    f"waiting and {len(self.scheduler.running)} running requests"
-                )
-            try:  # _run ends the step (commit) inside its protected region: no line of it runs after
-                return self._run(
-                    decision,
-                    None if moved else before,
-                    functools.partial(self._commit, step, decision, start, num_running, scheduled_used),
-                )
-            except OutOfBlocksError as error:
-                if self.scheduler.config.reservation != "optimistic" or error.shortfall is None:
-                    self._fail_running(error, decision, step, start, num_running, scheduled_used)
+                if stage == "scheduling":
+                    before.restore()
+                    self._fail_step(error, step, start, num_running, scheduled_used, "while scheduling")
+                    raise
+                if stage == "copying":
+                    self.scheduler.recover_from_failed_copies(decision)
+                    self._fail_running(error, decision, step, start, running_scheduled, used_scheduled)
+                    raise
+                short = isinstance(error, OutOfBlocksError) and error.shortfall is not None
+                if not short or self.scheduler.config.reservation != "optimistic":
+                    self._fail_running(error, decision, step, start, running_scheduled, used_scheduled)
                     raise
                 # a layer found its device full: the step starts over, scheduling included, with
                 # fewer admissions or the missing blocks freed first (the forward so far is thrown away)
@@ -332,9 +345,6 @@ class LLMEngine:
                 self._counts["retries"] += 1
                 self._counts["thrown_away_tokens"] += decision.num_scheduled_tokens
                 retry = self.scheduler.retry(decision, error, retry)
-            except BaseException as error:
-                self._fail_running(error, decision, step, start, num_running, scheduled_used)
-                raise
 
     def _commit(
         self, step, decision, start, num_running, scheduled_used, done, used_blocks, num_generated
@@ -411,15 +421,10 @@ class LLMEngine:
         self._end_step(step, 0, 0, start, num_running, self.memory.num_used_blocks, scheduled_used)
 
     def _run(self, decision, before_forward: Snapshot | None, commit: Callable[..., list]):
-        """Copies, forward, sampling, accounting, then commit(finished requests, blocks in use after
-        the forward: the step's peak, tokens generated), whose outputs it returns; undone past the
-        copies if any of it raises, commit included (to `before_forward` if given: the state is
-        still the one it holds)."""
-        try:
-            self.runner.copy_blocks(decision.block_copies)
-        except BaseException:
-            self.scheduler.recover_from_failed_copies(decision)
-            raise
+        """Forward, sampling, accounting, then commit(finished requests, blocks in use after the
+        forward: the step's peak, tokens generated), whose outputs it returns; undone to the state
+        after the block copies if any of it raises, commit included (to `before_forward` if given:
+        the state is still the one it holds)."""
         if not decision.scheduled:  # copies only: no forward to undo
             return commit([], self.memory.num_used_blocks, 0)
         before_forward = before_forward or Snapshot(self.scheduler)
