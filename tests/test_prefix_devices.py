@@ -23,6 +23,7 @@ from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.engine.demand import worst_case_lifetime_blocks_per_device
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
+from moekv_ref.sim.counting import CountingBlockPool
 from moekv_ref.state import Stateful
 
 BLOCK_SIZE = 4
@@ -242,8 +243,8 @@ def test_a_pool_used_inside_inference_mode_is_changed_in_place_outside_it():
     assert built_inside.num_free_blocks_per_device.tolist() == [3, 1]
 
 
-def test_a_counts_only_pool_lent_inside_inference_mode_takes_blocks_back_outside_it():
-    pool = BlockPool(blocks_per_device=[5, 5], counts_only=True)
+def test_a_counting_pool_lent_inside_inference_mode_takes_blocks_back_outside_it():
+    pool = CountingBlockPool(blocks_per_device=[5, 5])
     with torch.inference_mode():
         pool.allocate_per_device(torch.tensor([2, 1]))
     assert not inference_tensors(pool, "pool")

@@ -27,9 +27,10 @@
     blocks             (ragged_arange); plain: the table's first columns, masked
     stable_order       numpy's radix sort for keys below 2**16 (the devices of a step's new
                        blocks); plain: torch.argsort(stable=True)
-    counted blocks     the runner's KVCacheManager(counts_only=True) where nothing reads an id:
-                       blocks counted per row and device, no block tables, a pool that lends by
-                       number; plain: every block listed by id (RunnerSetup.list_block_ids)
+    counted blocks     the runner's CountingKVCacheManager (sim/counting.py) where nothing reads an
+                       id: blocks counted per row and device, no block tables, a CountingBlockPool
+                       that lends by number; plain: every block listed by id in a KVCacheManager
+                       (RunnerSetup.list_block_ids)
     blocks held        KVCacheManager.blocks_held_per_device read from count_blocks; plain: the
                        devices of the sequence's listed blocks, counted
     fit alone          TraceRunner asks whether a request fits alone once per length; plain: once
@@ -45,12 +46,15 @@ import torch
 import moekv_ref.cache.rows as rows_module
 import moekv_ref.sim.runner as runner_module
 from moekv_ref.cache.block_pool import BlockPool, OutOfBlocksError
+from moekv_ref.cache.budget import RowBudget
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
 from moekv_ref.cache.prefix_cache import PrefixCache
 from moekv_ref.cache.rows import ceil_div, ragged_arange, stable_order
+from moekv_ref.cache.shared_tail_manager import SharedTails
 from moekv_ref.costs import CostModel
 from moekv_ref.engine.memory import ModelShape
 from moekv_ref.engine.scheduler import Scheduler, SchedulerConfig
+from moekv_ref.sim.counting import CountingBlockPool, CountingKVCacheManager
 from moekv_ref.sim.fast_scheduler import FastScheduler
 from moekv_ref.sim.runner import RunnerSetup, TraceRunner
 from moekv_ref.sim.traces import synthetic_trace, topic_trace
@@ -448,7 +452,7 @@ def test_counting_blocks_makes_the_decisions_of_listing_them(seed, policy, reser
     blocks = 160 // num_devices
     counting = random_runner(seed, policy, blocks, num_devices, reservation)
     listing = random_runner(seed, policy, blocks, num_devices, reservation, list_block_ids=True)
-    assert counting.manager.counts_only and not listing.manager.counts_only
+    assert type(counting.manager) is CountingKVCacheManager and type(listing.manager) is KVCacheManager
     fast_stats = counting.run(on_step=lambda num_finished: counting.manager.assert_consistent())
     plain_stats = listing.run()
     fast = (fast_stats.events, [(e.step, e.request_id, e.mode, e.freed) for e in fast_stats.evictions])
@@ -461,24 +465,50 @@ def test_counting_blocks_makes_the_decisions_of_listing_them(seed, policy, reser
     assert counting.manager.pool.ref_cnt.numel() == 0
 
 
-@pytest.mark.parametrize("broken", ["free", "free_per_device", "allocate_per_device"])
+@pytest.mark.parametrize(
+    "broken", ["free", "free_per_device", "allocate_per_device", "take_blocks", "return_row_blocks"]
+)
 def test_a_miscounted_block_changes_the_decisions_or_is_caught(broken, monkeypatch):
     """Counting one block too few when a sequence is freed, when blocks come back or when they are
-    lent: the run's decisions or its consistency check differ from listing the blocks."""
-    plain = decisions(random_runner(0, "sequence_lru", list_block_ids=True))
-    pool_free = BlockPool.free_per_device
-    pool_allocate = BlockPool.allocate_per_device
-    manager_free = KVCacheManager.free
+    lent, one too many lent for an append, or one too few back from evicted rows (expert_lru, which
+    evicts single rows): the run's decisions or its consistency check differ from listing the
+    blocks."""
+    policy = "expert_lru" if broken == "return_row_blocks" else "sequence_lru"
+    plain = decisions(random_runner(0, policy, list_block_ids=True))
+    pool_free = CountingBlockPool.free_per_device
+    pool_allocate = CountingBlockPool.allocate_per_device
+    manager_free = CountingKVCacheManager.free
+    take_blocks = CountingKVCacheManager._take_blocks
+    return_row_blocks = CountingKVCacheManager._return_row_blocks
 
     def one_fewer(counts: torch.Tensor) -> torch.Tensor:
         return counts - (torch.arange(counts.numel()) == int(counts.argmax())).to(counts.dtype)
 
     if broken == "free_per_device":
-        monkeypatch.setattr(BlockPool, "free_per_device", lambda self, n: pool_free(self, one_fewer(n)))
+        monkeypatch.setattr(
+            CountingBlockPool, "free_per_device", lambda self, n: pool_free(self, one_fewer(n))
+        )
     elif broken == "allocate_per_device":
         monkeypatch.setattr(
-            BlockPool, "allocate_per_device", lambda self, n: pool_allocate(self, one_fewer(n))
+            CountingBlockPool, "allocate_per_device", lambda self, n: pool_allocate(self, one_fewer(n))
         )
+    elif broken == "take_blocks":  # the first row taking blocks takes one more
+
+        def one_more(self, rows, device, needed, num_new_tokens, num_rows):
+            return take_blocks(
+                self, rows, device, needed + (torch.arange(needed.numel()) == 0), num_new_tokens, num_rows
+            )
+
+        monkeypatch.setattr(CountingKVCacheManager, "_take_blocks", one_more)
+    elif broken == "return_row_blocks":  # evicted rows give one block fewer back than they held
+
+        def one_kept(self, rows):
+            per_device = torch.zeros(self.num_devices, dtype=torch.int64)
+            per_device[int(self.row_device[rows[0]])] = 1
+            self.pool.allocate_per_device(per_device)  # taken again right after the return
+            return return_row_blocks(self, rows) - 1
+
+        monkeypatch.setattr(CountingKVCacheManager, "_return_row_blocks", one_kept)
     else:  # a sequence's blocks are back, its slot is not cleared: a later sequence counts on
 
         def keep_counts(self, seq_id):
@@ -487,8 +517,8 @@ def test_a_miscounted_block_changes_the_decisions_or_is_caught(broken, monkeypat
             manager_free(self, seq_id)
             self.count_blocks[index] = kept
 
-        monkeypatch.setattr(KVCacheManager, "free", keep_counts)
-    runner = random_runner(0, "sequence_lru")
+        monkeypatch.setattr(CountingKVCacheManager, "free", keep_counts)
+    runner = random_runner(0, policy)
     try:
         broken_run = decisions(runner)
     except (AssertionError, RuntimeError, ValueError):
@@ -499,14 +529,14 @@ def test_a_miscounted_block_changes_the_decisions_or_is_caught(broken, monkeypat
 
 
 def test_a_counting_manager_refuses_what_needs_a_block_id_and_changes_nothing():
-    manager = KVCacheManager(2, 2, 4, blocks_per_device=[20, 20], device_of_expert=[0, 1], counts_only=True)
+    manager = CountingKVCacheManager(2, 2, 4, blocks_per_device=[20, 20], device_of_expert=[0, 1])
     manager.add_sequence(0)
     rows = torch.arange(4)
     manager.allocate_slots(rows, torch.tensor([5, 0, 9, 3]), with_slots=False)
     assert manager.num_free_blocks_per_device.tolist() == [20 - 2 - 3, 20 - 1]  # experts 0 / 1
     names = ("row_tokens", "last_appended", "open_rows", "count_blocks")
     before = [getattr(manager, name).clone() for name in names]
-    with pytest.raises(ValueError, match="counts-only manager has no slots; allowed: with_slots=False"):
+    with pytest.raises(ValueError, match="CountingKVCacheManager has no slots; allowed: with_slots=False"):
         manager.allocate_slots(rows, torch.ones(4, dtype=torch.int64))
     for call in (
         lambda: manager.blocks_of_sequence(0),
@@ -516,9 +546,13 @@ def test_a_counting_manager_refuses_what_needs_a_block_id_and_changes_nothing():
         lambda: manager.restore_sequence(
             1, torch.ones(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
         ),
+        lambda: manager.start_from_blocks(
+            1, torch.full((4,), 5), rows[:0], rows[:0], rows[:0], torch.tensor([0, 1, 2, 3])
+        ),
     ):
-        with pytest.raises(ValueError, match="counts_only=True"):
+        with pytest.raises(ValueError, match="counts blocks without listing them; allowed: a KVCacheManager"):
             call()
+    assert manager.sequences == [0]
     assert all(torch.equal(getattr(manager, name), old) for name, old in zip(names, before))  # unchanged
     assert manager.num_free_blocks_per_device.tolist() == [15, 19]
     assert manager.blocks_held_per_device([0, 7]).tolist() == [[5, 1], [0, 0]]
@@ -526,14 +560,15 @@ def test_a_counting_manager_refuses_what_needs_a_block_id_and_changes_nothing():
     manager.free(0)
     assert manager.num_free_blocks_per_device.tolist() == [20, 20]
     manager.assert_consistent()
-    with pytest.raises(ValueError, match="counts_only=True takes no tails, prefix_cache or budget"):
-        KVCacheManager(2, 2, 4, num_blocks=8, prefix_cache=PrefixCache(), counts_only=True)
-    with pytest.raises(ValueError, match="counts_only=1 is an int; allowed: True or False"):
-        KVCacheManager(2, 2, 4, num_blocks=8, counts_only=1)
+    for part in ({"prefix_cache": PrefixCache()}, {"tails": SharedTails()}, {"budget": RowBudget(4)}):
+        with pytest.raises(
+            ValueError, match="a CountingKVCacheManager takes no tails, prefix_cache or budget"
+        ):
+            CountingKVCacheManager(2, 2, 4, num_blocks=8, **part)
 
 
 def test_a_counting_pool_lends_by_number_and_refuses_ids_and_double_frees():
-    pool = BlockPool(blocks_per_device=[5, 7], counts_only=True)
+    pool = CountingBlockPool(blocks_per_device=[5, 7])
     assert pool.allocate_per_device(torch.tensor([2, 7])) is None
     assert pool.num_free_blocks_per_device.tolist() == [3, 0]
     with pytest.raises(OutOfBlocksError, match="device 1 is short"):
@@ -550,8 +585,7 @@ def test_a_counting_pool_lends_by_number_and_refuses_ids_and_double_frees():
             call()
     pool.free_per_device(torch.tensor([2, 7]))
     pool.assert_consistent()
-    with pytest.raises(ValueError, match="lists its blocks by id"):
-        BlockPool(blocks_per_device=[5, 7]).free_per_device(torch.tensor([0, 0]))
+    assert not hasattr(BlockPool, "free_per_device")  # the plain pool takes its blocks back by id
 
 
 def test_the_runner_lists_block_ids_where_a_prefix_cache_or_swap_space_reads_them():
@@ -563,8 +597,8 @@ def test_the_runner_lists_block_ids_where_a_prefix_cache_or_swap_space_reads_the
         (RunnerSetup(blocks_per_device=64, num_host_blocks=32), True),
     ):
         runner = TraceRunner(trace, torch.arange(4) % 2, setup, "sequence_lru", FREE)
-        assert runner.manager.counts_only is not lists
-    counting = KVCacheManager(2, 4, 4, num_blocks=64, counts_only=True)
+        assert isinstance(runner.manager, CountingKVCacheManager) is not lists
+    counting = CountingKVCacheManager(2, 4, 4, num_blocks=64)
     config = SchedulerConfig(preemption_mode="swap")
     with pytest.raises(ValueError, match="num_swap_blocks=32: a swap copies a sequence's blocks by id"):
         Scheduler(config, counting, ModelShape(2, 2, 64), 32)

@@ -25,11 +25,6 @@ tensor. The engine's forward runs in inference mode and allocates there (engine/
 and an inference tensor cannot be changed in place outside it: so the pool's tensors are made
 outside inference mode, whatever the caller's, and a call changes them in place, never replacing
 one with a new tensor (which, made inside the forward, would be an inference tensor).
-
-A pool built with counts_only=True keeps only each device's number of free blocks: it lends blocks
-by number (`allocate_per_device`, `free_per_device`) and names none. That is all the cache-only
-simulator needs when no block is shared or swapped (it writes no K/V), and it skips the stacks'
-and reference counts' scattered reads and writes, a large part of a step there.
 """
 
 from __future__ import annotations
@@ -44,7 +39,6 @@ from ..validation import (
     MAX_BLOCKS,
     check_blocks_per_device,
     check_fits_memory,
-    check_flag,
     check_ids,
     check_int,
     check_seed,
@@ -96,8 +90,7 @@ class OutOfBlocksError(RuntimeError):
 class BlockPool(Stateful):
     """Block ids of D devices (num_blocks: one), a free block queue per device and a reference
     count per block. shuffle_seed: each device's queue starts in a random order (device d's seed
-    is shuffle_seed + d): tests use it to show nothing depends on a row's blocks being adjacent.
-    counts_only: free blocks counted per device, no ids (module docstring)."""
+    is shuffle_seed + d): tests use it to show nothing depends on a row's blocks being adjacent."""
 
     STATE = (
         "_free_stack",
@@ -116,47 +109,45 @@ class BlockPool(Stateful):
         shuffle_seed: int | None = None,
         blocks_per_device=None,
         checked: bool = False,
-        counts_only: bool = False,
     ):
-        """checked=True: the caller (a manager) checked the arguments with check_pool_size,
-        check_seed and check_flag; blocks_per_device is then a list of ints, or None for
-        [num_blocks]."""
+        """checked=True: the caller (a manager) checked the arguments with check_pool_size and
+        check_seed; blocks_per_device is then a list of ints, or None for [num_blocks]."""
         if not checked:
             blocks_per_device = check_pool_size(num_blocks, blocks_per_device)
             shuffle_seed = check_seed("shuffle_seed", shuffle_seed, len(blocks_per_device), allow_none=True)
-            counts_only = check_flag("counts_only", counts_only)
         elif blocks_per_device is None:
             blocks_per_device = [num_blocks]
         num_devices = len(blocks_per_device)
         self.num_blocks = sum(blocks_per_device)
-        self.counts_only = counts_only
         self._device_sizes = blocks_per_device  # (D,)
         first_blocks = [sum(blocks_per_device[:d]) for d in range(num_devices)]
         self._first_blocks = torch.tensor(first_blocks, dtype=torch.int64)  # (D,) device d's first id
         # devices of one size (the usual case): a block's device is a division, not a search
         self._equal_size = blocks_per_device[0] if len(set(blocks_per_device)) == 1 else None
-        # device d's plain free ids are _free_stack[first : first + _num_free[d]], first =
-        # _first_blocks[d], popped from the end; stored reversed, so that an unshuffled device hands
-        # out its ids in increasing order
-        num_ids = 0 if counts_only else self.num_blocks  # a counts-only pool keeps no per-block state
-        self._free_stack = torch.empty(num_ids, dtype=torch.int64)  # (N,)
-        stacked = [] if counts_only else list(zip(first_blocks, blocks_per_device))
-        for d, (first, size) in enumerate(stacked):
+        # (D,) plain free blocks per device: a tensor, since the simulator asks for all D each step
+        self._num_free = torch.tensor(blocks_per_device, dtype=torch.int64)
+        self._make_block_state(shuffle_seed)
+        self._cached_free: list[OrderedDict[int, None]] = [OrderedDict() for _ in blocks_per_device]
+        self._any_cached = False  # a block was ever marked: `free` must sort released ones
+        self._on_evict: Callable[[list[int]], None] | None = None  # told which cached blocks left
+        self.num_evicted_cached_blocks = 0
+
+    def _make_block_state(self, shuffle_seed: int | None) -> None:
+        """The state kept per block: each device's free stack, a reference count and a cached flag.
+        Device d's plain free ids are _free_stack[first : first + _num_free[d]], first =
+        _first_blocks[d], popped from the end; stored reversed, so that an unshuffled device hands
+        out its ids in increasing order."""
+        self._free_stack = torch.empty(self.num_blocks, dtype=torch.int64)  # (N,)
+        for d, (first, size) in enumerate(zip(self._first_blocks.tolist(), self._device_sizes)):
             order = (
                 torch.arange(size)
                 if shuffle_seed is None
                 else torch.randperm(size, generator=torch.Generator().manual_seed(shuffle_seed + d))
             )
             self._free_stack[first : first + size] = order.flip(0) + first
-        # (D,) plain free blocks per device: a tensor, since the simulator asks for all D each step
-        self._num_free = torch.tensor(blocks_per_device, dtype=torch.int64)
-        self.ref_cnt = torch.zeros(num_ids, dtype=torch.int32)  # (N,) owners of each block
-        # prefix caching only: which blocks hold a known prefix, and each device's LRU queue
-        self.is_cached = torch.zeros(num_ids, dtype=torch.bool)  # (N,)
-        self._cached_free: list[OrderedDict[int, None]] = [OrderedDict() for _ in blocks_per_device]
-        self._any_cached = False  # a block was ever marked: `free` must sort released ones
-        self._on_evict: Callable[[list[int]], None] | None = None  # told which cached blocks left
-        self.num_evicted_cached_blocks = 0
+        self.ref_cnt = torch.zeros(self.num_blocks, dtype=torch.int32)  # (N,) owners of each block
+        # prefix caching only: which blocks hold a known prefix (each device's LRU queue: _cached_free)
+        self.is_cached = torch.zeros(self.num_blocks, dtype=torch.bool)  # (N,)
 
     def listen_for_evictions(self, callback: Callable[[list[int]], None]) -> None:
         """callback(block_ids) is told which cached-free blocks an allocation evicted (the prefix
@@ -194,7 +185,6 @@ class BlockPool(Stateful):
 
     def free_block_ids(self) -> torch.Tensor:
         """The free blocks, device by device, in the order handed out: stack, then cached ones."""
-        self._check_lists_ids("free_block_ids")
         queues = []
         for first, n, cached in zip(self._first_blocks.tolist(), self._num_free.tolist(), self._cached_free):
             queues += [
@@ -207,7 +197,6 @@ class BlockPool(Stateful):
     def allocate(self, num_blocks: int, device: int | None = None) -> torch.Tensor:
         """Take `num_blocks` blocks of `device` (left out on a one-device pool only), each with
         ref_cnt 1, in the order handed out; OutOfBlocksError, changing nothing, when short."""
-        self._check_lists_ids("allocate")
         device = self._checked_device(device)
         num_blocks = check_int("num_blocks", num_blocks, 0)
         cached_here = self._cached_free[device]
@@ -236,23 +225,13 @@ class BlockPool(Stateful):
         self.ref_cnt[block_ids] = 1
         return block_ids
 
-    def allocate_per_device(self, num_blocks: torch.Tensor) -> torch.Tensor | None:
+    def allocate_per_device(self, num_blocks: torch.Tensor) -> torch.Tensor:
         """num_blocks (D,): `allocate(num_blocks[d], device=d)` for every device at once, the ids
-        device after device (None from a counts-only pool, which counts them as lent);
-        OutOfBlocksError, changing nothing, when one is short. One gather from the stacks where no
-        device reaches into its cached-free blocks (the simulator's thousands of blocks a step over
-        64 devices)."""
+        device after device; OutOfBlocksError, changing nothing, when one is short. One gather from
+        the stacks where no device reaches into its cached-free blocks (the simulator's thousands of
+        blocks a step over 64 devices)."""
         num_blocks = self._checked_counts(num_blocks)
-        free = self.num_free_blocks_per_device  # (D,)
-        if not bool((num_blocks <= free).all()):
-            d = int((num_blocks > free).nonzero()[0])
-            raise OutOfBlocksError(
-                f"device {d} is short: need {int(num_blocks[d])} blocks, {int(free[d])} of "
-                f"{self._device_sizes[d]} are free"
-            )
-        if self.counts_only:
-            self._num_free -= num_blocks
-            return None
+        self._check_free(num_blocks)
         if self._any_cached and not bool((num_blocks <= self._num_free).all()):
             parts = [self.allocate(n, device=d) for d, n in enumerate(num_blocks.tolist()) if n]
             return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
@@ -263,24 +242,6 @@ class BlockPool(Stateful):
         self._num_free -= num_blocks
         self.ref_cnt[block_ids] = 1
         return block_ids
-
-    def free_per_device(self, num_blocks: torch.Tensor) -> None:
-        """num_blocks (D,) blocks back on each device of a counts-only pool (a pool with ids takes
-        its blocks back by id: `free`). ValueError, pool unchanged, when more come back to a device
-        than it has lent."""
-        if not self.counts_only:
-            raise ValueError(
-                "free_per_device: this pool lists its blocks by id; give them back with free(block_ids)"
-            )
-        num_blocks = self._checked_counts(num_blocks)
-        lent = self.blocks_per_device - self._num_free  # (D,)
-        if not bool((num_blocks <= lent).all()):
-            d = int((num_blocks > lent).nonzero()[0])
-            raise ValueError(
-                f"free_per_device: device {d} gets {int(num_blocks[d])} blocks back but has lent "
-                f"{int(lent[d])}: a double free (pool unchanged)"
-            )
-        self._num_free += num_blocks
 
     def mark_cached(self, block_ids) -> None:
         """Blocks in use that now hold a full block of a known prefix: freed, they wait in their
@@ -391,14 +352,6 @@ class BlockPool(Stateful):
             return 0
         return check_int("device", device, 0, self.num_devices - 1, "a device of this pool")
 
-    def _check_lists_ids(self, call: str) -> None:
-        """ValueError for a call that names blocks by id on a counts-only pool."""
-        if self.counts_only:
-            raise ValueError(
-                f"{call}: this pool counts its blocks without ids (counts_only=True); allowed: "
-                "allocate_per_device and free_per_device, or a pool built with counts_only=False"
-            )
-
     def _checked_counts(self, num_blocks) -> torch.Tensor:
         """num_blocks as (D,) int64 counts >= 0, one per device, or ValueError."""
         num_blocks = check_ids(num_blocks, "num_blocks")
@@ -408,9 +361,18 @@ class BlockPool(Stateful):
             )
         return num_blocks
 
+    def _check_free(self, num_blocks: torch.Tensor) -> None:
+        """OutOfBlocksError naming the first device with fewer free blocks than num_blocks (D,)."""
+        free = self.num_free_blocks_per_device  # (D,)
+        if not bool((num_blocks <= free).all()):
+            d = int((num_blocks > free).nonzero()[0])
+            raise OutOfBlocksError(
+                f"device {d} is short: need {int(num_blocks[d])} blocks, {int(free[d])} of "
+                f"{self._device_sizes[d]} are free"
+            )
+
     def _checked_ids(self, block_ids) -> torch.Tensor:
-        """block_ids as 1-D int64 ids of this pool, or ValueError (also on a counts-only pool)."""
-        self._check_lists_ids("a call with block ids")
+        """block_ids as 1-D int64 ids of this pool, or ValueError."""
         block_ids = check_ids(block_ids, "block_ids").reshape(-1)
         if block_ids.numel() and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
             raise ValueError(
@@ -419,8 +381,8 @@ class BlockPool(Stateful):
             )
         return block_ids
 
-    def assert_consistent(self) -> None:
-        """The invariants of the module docstring; AssertionError names the broken one."""
+    def _assert_no_inference_tensors(self) -> None:
+        """No tensor of the pool's state is an inference tensor (module docstring)."""
         inference = [
             name
             for name in self.STATE
@@ -429,11 +391,10 @@ class BlockPool(Stateful):
         assert not inference, (
             f"{inference} are inference tensors: changed in place outside inference mode, they raise"
         )
-        if self.counts_only:
-            assert bool(((self._num_free >= 0) & (self._num_free <= self.blocks_per_device)).all()), (
-                f"free blocks per device {self._num_free.tolist()} outside [0, {self._device_sizes}]"
-            )
-            return
+
+    def assert_consistent(self) -> None:
+        """The invariants of the module docstring; AssertionError names the broken one."""
+        self._assert_no_inference_tensors()
         stacks = [
             self._free_stack[first : first + n]
             for first, n in zip(self._first_blocks.tolist(), self._num_free.tolist())

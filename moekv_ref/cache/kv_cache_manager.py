@@ -31,13 +31,6 @@ range on purpose), never read.
 Invariants (`assert_consistent`, driven by property tests): a row of n tokens owns exactly
 ceil(n / P) blocks, of its own device; no block is owned twice; a call that raises changes nothing.
 
-A manager built with counts_only=True counts each row's blocks (ceil(n / P), as above) and lists
-none: its block tables have no columns and its pool lends blocks by number (block_pool.py). Every
-count, and so every scheduling decision, is the same as with ids; what needs an id (slots, a
-sequence's block list, swapping, prefix caching, shared tails, budgets) is refused. The cache-only
-simulator uses it where nothing reads an id: a step then writes no table entries and no reference
-counts (tests/test_sim_fast_paths.py runs both and compares every step).
-
 Each row takes blocks of one device's range, so memory is short per device. Which device is the
 manager's `placement` (rows.py's RowPlacement), which answers for every row: by expert, each expert
 of each layer on one of D devices (`device_of_expert`, (L, E)); or, with `home_devices`, by sequence,
@@ -275,8 +268,7 @@ def check_manager_options(
 class KVCacheManager(Stateful):
     """Block tables and token counts for every (sequence, layer, expert) row over one BlockPool.
     device_of_expert: (E,) or (L, E), all zeros when left out; tails, prefix_cache, budget: its
-    parts (ManagerPart), each given to this manager only; counts_only: blocks counted, never
-    listed (module docstring)."""
+    parts (ManagerPart), each given to this manager only."""
 
     STATE = (
         "row_tokens",
@@ -310,18 +302,11 @@ class KVCacheManager(Stateful):
         prefix_cache=None,
         budget=None,
         checked: bool = False,
-        counts_only: bool = False,
     ):
         """checked=True: the caller (a paged cache) checked every argument with the functions this
         constructor calls otherwise; blocks_per_device is then a list of ints (None: [num_blocks])
         and device_of_expert an (L, E) int64 tensor (None: all zeros)."""
         if not checked:
-            counts_only = check_flag("counts_only", counts_only)
-            if counts_only and (tails, prefix_cache, budget) != (None, None, None):
-                raise ValueError(
-                    "counts_only=True takes no tails, prefix_cache or budget: each reads or places "
-                    "block ids, which a counts-only manager does not keep; allowed: counts_only=False"
-                )
             num_layers = check_int("num_layers", num_layers, 1, MAX_INT32)
             num_experts = check_int("num_experts", num_experts, 1, MAX_INT32)
             initial_num_seqs = check_int("initial_num_seqs", initial_num_seqs, 1, MAX_INT32)
@@ -349,9 +334,7 @@ class KVCacheManager(Stateful):
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.block_size = block_size
-        self.pool = BlockPool(
-            num_blocks, shuffle_seed, blocks_per_device, checked=True, counts_only=counts_only
-        )
+        self.pool = self._make_pool(num_blocks, shuffle_seed, blocks_per_device)
         if home_devices:
             self.placement = RowPlacement.by_sequence(num_layers, num_experts, self.pool.num_devices)
         else:
@@ -371,7 +354,7 @@ class KVCacheManager(Stateful):
         num_rows = initial_num_seqs * self.rows_per_seq
         self.row_tokens = torch.zeros(num_rows, dtype=torch.int64)  # (R,)
         self.row_device = torch.zeros(num_rows, dtype=torch.int64)  # (R,) set by add_sequence
-        width = 0 if counts_only else initial_blocks_per_row  # counts only: no entries, ever
+        width = self._initial_table_width(initial_blocks_per_row)
         self.block_tables = torch.full((num_rows, width), self.pad, dtype=torch.int32)  # (R, W)
         self.last_position = torch.full((num_rows,), -1, dtype=torch.int64)  # (R,)
         self.clock = 0  # stamped on the rows each append grows
@@ -390,10 +373,22 @@ class KVCacheManager(Stateful):
             if part is not None:
                 part.attach(self)
 
+    def _make_pool(self, num_blocks: int | None, shuffle_seed: int | None, blocks_per_device) -> BlockPool:
+        """The pool this manager's rows take blocks from (arguments checked by the constructor)."""
+        return BlockPool(num_blocks, shuffle_seed, blocks_per_device, checked=True)
+
+    def _initial_table_width(self, initial_blocks_per_row: int) -> int:
+        """Columns each row's block table starts with (the tables widen as rows grow)."""
+        return initial_blocks_per_row
+
     @property
     def can_evict_rows(self) -> bool:
         """Whether a scheduler may evict single rows (`free_rows`): plain, unshared pages only."""
         return self.tails is None and self.prefix_cache is None
+
+    # whether a swap space may copy this manager's sequences out: it reads their blocks by id
+    # (blocks_of_sequence) and gives them back in fresh blocks (restore_sequence)
+    can_swap = True
 
     # ----- the pool and its devices (the pool's answers; (D,) ones per device) -------------------
     num_blocks = property(lambda self: self.pool.num_blocks)
@@ -401,7 +396,6 @@ class KVCacheManager(Stateful):
     num_devices = property(lambda self: self.pool.num_devices)
     blocks_per_device = property(lambda self: self.pool.blocks_per_device)
     num_free_blocks_per_device = property(lambda self: self.pool.num_free_blocks_per_device)
-    counts_only = property(lambda self: self.pool.counts_only)  # blocks counted, never listed
 
     def device_of_rows(self, rows) -> torch.Tensor:
         """(m,) the device of each row id (of a held sequence)."""
@@ -599,7 +593,6 @@ class KVCacheManager(Stateful):
         """Table entries block_ids[i] at column columns[i] of row rows[i], the tables widened first
         where a column lies past them: blocks a part took or shares (prefix hits' shared blocks
         and copies, shared tails' promoted blocks). The caller counts the rows' tokens."""
-        self._check_lists_blocks("place_blocks")
         if columns.numel() and int(columns.max()) >= self.block_tables.shape[1]:
             self._grow_tables(int(columns.max()) + 1)
         self.block_tables[rows, columns] = block_ids.to(torch.int32)
@@ -639,7 +632,6 @@ class KVCacheManager(Stateful):
         fresh blocks, with the clocks last_appended (L*E,) they had (coming back is not a use).
         Returns the new blocks in blocks_of_sequence's order; OutOfBlocksError, changing nothing,
         when a device is short."""
-        self._check_lists_blocks("restore_sequence")
         index = self.add_sequence(seq_id)
         rows = self.index.sequence_rows(torch.tensor([index]))[0]  # (L*E,)
         try:
@@ -660,7 +652,6 @@ class KVCacheManager(Stateful):
         """Every block the sequence owns, row by row in token order, then its tail blocks: what a
         swap to a CPU pool copies, and what `free` returns. by_device=True: its rows device after
         device (the blocks grouped by device, as the pool pushes them when freed)."""
-        self._check_lists_blocks("blocks_of_sequence")
         index = self.seq_index(seq_id)
         order = self._rows_by_device if by_device else torch.arange(self.rows_per_seq)
         rows = order + index * self.rows_per_seq  # (L * E,) its rows
@@ -701,7 +692,6 @@ class KVCacheManager(Stateful):
 
     def block_owners(self) -> tuple[torch.Tensor, torch.Tensor]:
         """For drawing the pool: owner_row (N,) (-1: free) and used_slots (N,) of each block."""
-        self._check_lists_blocks("block_owners")
         P = self.block_size
         row, column = self.used_columns().nonzero(as_tuple=True)
         blocks = self.block_tables[row, column].to(torch.int64)
@@ -726,10 +716,7 @@ class KVCacheManager(Stateful):
         nothing. rows_are_distinct=True skips the distinctness check (a sort); with_slots=False skips
         the slots, which would cost the cache-only simulator (no K/V to write) as much as
         allocating; one_each=True skips every check: the caller's rows are distinct int64 rows of
-        held sequences taking one token each (a decode append). A counts-only manager has no
-        slots: with_slots=False."""
-        if with_slots and self.counts_only:
-            raise ValueError("allocate_slots: a counts-only manager has no slots; allowed: with_slots=False")
+        held sequences taking one token each (a decode append)."""
         P = self.block_size
         fewest = 1
         if not one_each:
@@ -751,7 +738,7 @@ class KVCacheManager(Stateful):
         held = ceil_div(old[crossing], P)  # (c,) blocks each holds: its first new block's column
         needed = ceil_div(new[crossing], P) - held  # (c,)
         block_ids = self._take_blocks(growing, device, needed, num_new_tokens, rows.numel())  # may raise
-        if block_ids is not None and block_ids.numel():  # a decode step takes none P - 1 of P times
+        if block_ids.numel():  # a decode step takes none P - 1 of P times
             # the k-th new block of row i: column ceil(old[i] / P) + k
             owner, k = ragged_arange(needed)  # (total,) each
             owner_rows = growing[owner]
@@ -801,12 +788,11 @@ class KVCacheManager(Stateful):
         needed: torch.Tensor,
         num_new_tokens: torch.Tensor,
         num_rows: int,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         """needed[i] fresh blocks for rows[i], from its device device[i] (row_device[rows], which
-        the caller has), row after row (None: a counts-only manager, which only counts them);
-        raises OutOfBlocksError, changing nothing, when short (naming the num_new_tokens appended
-        to num_rows rows)."""
-        if self.num_devices == 1 and not self.counts_only:
+        the caller has), row after row; raises OutOfBlocksError, changing nothing, when short
+        (naming the num_new_tokens appended to num_rows rows)."""
+        if self.num_devices == 1:
             total = int(needed.sum())
             if total == 0:
                 return _NO_BLOCKS
@@ -815,12 +801,7 @@ class KVCacheManager(Stateful):
             block_ids = self.pool.allocate(total)
         else:
             needed = needed.to(torch.int64)
-            per_device = torch.zeros(self.num_devices, dtype=torch.int64)
-            per_device.index_add_(0, device, needed)  # (D,)
-            self.raise_short(per_device, num_rows, num_new_tokens)
-            if self.counts_only:
-                self.pool.allocate_per_device(per_device)
-                return None
+            per_device = self._sum_needed_per_device(device, needed, num_rows, num_new_tokens)  # (D,)
             block_device = torch.repeat_interleave(device, needed)  # (total,)
             block_ids = torch.empty(block_device.numel(), dtype=torch.int64)
             # device after device, each device's in row order
@@ -828,6 +809,16 @@ class KVCacheManager(Stateful):
         if self.prefix_cache is not None:  # their slots hold no position yet
             self.prefix_cache.clear_positions(block_ids)
         return block_ids
+
+    def _sum_needed_per_device(
+        self, device: torch.Tensor, needed: torch.Tensor, num_rows: int, num_new_tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """(D,) the needed[i] (int64) blocks of rows on device[i], summed per device;
+        OutOfBlocksError (raise_short), changing nothing, where a device has fewer free."""
+        per_device = torch.zeros(self.num_devices, dtype=torch.int64)
+        per_device.index_add_(0, device, needed)  # (D,)
+        self.raise_short(per_device, num_rows, num_new_tokens)
+        return per_device
 
     def raise_short(self, needed: torch.Tensor, num_rows: int, num_new_tokens) -> None:
         """OutOfBlocksError naming the pool (or first device) short of the needed (D,) blocks."""
@@ -913,7 +904,6 @@ class KVCacheManager(Stateful):
 
     def slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """The slot of token `token` of row `row`, elementwise (or SharedTails.slot_of's)."""
-        self._check_lists_blocks("slots")
         if self.tails is not None:
             return self.tails.slot_of(row, token)
         P = self.block_size
@@ -923,11 +913,7 @@ class KVCacheManager(Stateful):
         """Return every block of the sequence to the pool and forget it; KeyError, changing
         nothing, for a sequence the cache does not hold."""
         index = self.seq_index(seq_id)  # KeyError before any change
-        if self.counts_only:  # its blocks per device, counted
-            self.pool.free_per_device(self.count_blocks[index])
-        else:
-            blocks = self.blocks_of_sequence(seq_id, by_device=True)
-            self.pool.free(blocks, distinct=True)  # a sequence owns a block once
+        self._return_sequence_blocks(seq_id, index)
         rows = slice(index * self.rows_per_seq, (index + 1) * self.rows_per_seq)  # its L * E rows
         if self.tails is not None:
             self.tails.free(index, rows)
@@ -937,6 +923,12 @@ class KVCacheManager(Stateful):
         del self._seq_index[int(seq_id)]
         self.slot_held[index] = False
         self._free_seq_indices.append(index)
+
+    def _return_sequence_blocks(self, seq_id: int, index: int) -> None:
+        """Every block of the sequence (held in slot `index`) back to the pool, its rows not yet
+        emptied (`free`)."""
+        blocks = self.blocks_of_sequence(seq_id, by_device=True)
+        self.pool.free(blocks, distinct=True)  # a sequence owns a block once
 
     def free_rows(self, rows) -> int:
         """Empty some rows of held sequences (an eviction of single rows: the sequences stay, but
@@ -948,18 +940,16 @@ class KVCacheManager(Stateful):
         if rows.unique().numel() != rows.numel():
             raise ValueError("rows must be distinct within one free_rows call")
         self._check_rows_held(rows, "free_rows")
-        if self.counts_only:  # each row's ceil(n / P) blocks, back on its device
-            per_row = self.num_used_columns(rows)  # (m,)
-            per_device = torch.zeros(self.num_devices, dtype=torch.int64)
-            per_device.index_add_(0, self.row_device[rows], per_row)
-            self.pool.free_per_device(per_device)
-            num_freed = int(per_row.sum())
-        else:
-            blocks = self.block_tables[rows][self.used_columns(rows)].to(torch.int64)
-            self.pool.free(blocks)
-            num_freed = blocks.numel()
+        num_freed = self._return_row_blocks(rows)
         self._clear_rows(rows)
         return num_freed
+
+    def _return_row_blocks(self, rows: torch.Tensor) -> int:
+        """The blocks of the rows (distinct, checked) back to the pool, the rows not yet emptied
+        (`free_rows`); returns how many."""
+        blocks = self.block_tables[rows][self.used_columns(rows)].to(torch.int64)
+        self.pool.free(blocks)
+        return blocks.numel()
 
     @torch.inference_mode(False)  # tables kept across steps: never inference tensors
     def _grow_rows(self) -> None:
@@ -994,20 +984,15 @@ class KVCacheManager(Stateful):
         )
         self.block_tables = torch.cat([self.block_tables, extra], dim=1)
 
-    def _check_lists_blocks(self, call: str) -> None:
-        """ValueError for a call that reads or places block ids on a counts-only manager."""
-        if self.counts_only:
-            raise ValueError(
-                f"{call}: this manager counts blocks without listing them (counts_only=True); "
-                "build it with counts_only=False to read or place block ids"
-            )
-
     def assert_consistent(self) -> None:
         """The invariants of the module docstring; AssertionError names the broken one."""
         self.pool.assert_consistent()
-        if self.counts_only:
-            self._assert_counts_consistent()
-            return
+        self._assert_counts_consistent()
+        self._assert_blocks_consistent()
+
+    def _assert_blocks_consistent(self) -> None:
+        """The invariants over block ids: each row's used table entries list blocks of its device,
+        the rest padding; a block owned once (shared through a prefix cache); ref_cnt its owners."""
         used = self.used_columns()  # (R, W)
         owned = self.block_tables[used].to(torch.int64)
         assert (owned < self.num_blocks).all(), "a row's used table entry is padding"
@@ -1028,11 +1013,9 @@ class KVCacheManager(Stateful):
         owners = torch.bincount(owned, minlength=self.num_blocks)
         assert torch.equal(owners.to(torch.int32), self.pool.ref_cnt), "ref_cnt != number of owners"
         assert distinct.numel() + self.pool.num_free_blocks == self.num_blocks, "free + owned != total"
-        self._assert_counts_consistent()
 
     def _assert_counts_consistent(self) -> None:
-        """The invariants over counts (both kinds of manager): slots held, row_tokens and the
-        tables that follow it; and, counts only, the pool lends what the held rows count."""
+        """The invariants over counts: slots held, row_tokens and the tables that follow it."""
         live = torch.zeros(self.row_tokens.numel() // self.rows_per_seq, dtype=torch.bool)
         live[list(self._seq_index.values())] = True
         assert torch.equal(self.slot_held, live), "slot_held does not follow the sequences held"
@@ -1055,12 +1038,6 @@ class KVCacheManager(Stateful):
             blocks.scatter_add_(2, devices, ceil_div(counts, self.block_size))
             assert torch.equal(self.count_blocks[slots], blocks.sum(1)), (
                 "count_blocks does not follow row_tokens"
-            )
-        if self.counts_only:
-            counted = self.count_blocks[slots].sum(0)  # (D,) zeros when nothing is held
-            lent = self.blocks_per_device - self.num_free_blocks_per_device
-            assert torch.equal(counted, lent), (
-                f"the pool lends {lent.tolist()} blocks per device, the held rows count {counted.tolist()}"
             )
         for part in (self.tails, self.prefix_cache, self.budget):
             if part is not None:

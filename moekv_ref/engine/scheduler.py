@@ -233,11 +233,11 @@ class Scheduler(Stateful):
             raise ValueError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
         if not checked:
             num_swap_blocks = check_swap_space(num_swap_blocks, config.preemption_mode)
-        if num_swap_blocks and manager.counts_only:
+        if num_swap_blocks and not manager.can_swap:
             raise ValueError(
-                f"num_swap_blocks={num_swap_blocks}: a swap copies a sequence's blocks by id, which a "
-                "counts-only manager (counts_only=True) does not list; allowed: num_swap_blocks=0, or "
-                "a manager built with counts_only=False"
+                f"num_swap_blocks={num_swap_blocks}: a swap copies a sequence's blocks by id, which "
+                f"this manager ({type(manager).__name__}) does not list; allowed: num_swap_blocks=0, "
+                "or a KVCacheManager, which lists them"
             )
         self.config = config
         self.manager = manager

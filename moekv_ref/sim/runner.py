@@ -48,6 +48,7 @@ from ..engine.undo import Snapshot
 from ..engine.victims import VICTIM_POLICIES, OfflinePolicy, VictimPolicy
 from ..sampling import SamplingParams
 from ..validation import MAX_BLOCKS, check_device_table, check_int, number
+from .counting import CountingKVCacheManager
 from .fast_scheduler import FastScheduler
 from .traces import RoutingTrace
 
@@ -66,7 +67,8 @@ class RunnerSetup:
     prefix_caching: bool = False  # the manager keeps full blocks findable by prefix (cache/prefix_cache.py)
     # True: the manager lists every row's block ids, as the engine's does. False: it lists them only
     # where a prefix cache or swap space reads them, and otherwise counts blocks per row and device
-    # (KVCacheManager's counts_only): the same decisions, a step taking 55-60% of the time at 64 experts
+    # (CountingKVCacheManager, counting.py): the same decisions, a step taking 55-60% of the time at
+    # 64 experts
     list_block_ids: bool = False
 
 
@@ -248,7 +250,10 @@ class TraceRunner:
             f"blocks each, at most {number(MAX_BLOCKS)} in all",
         )
         num_devices = int(device_of_expert.max()) + 1
-        self.manager = KVCacheManager(
+        lists_ids = setup.list_block_ids or setup.prefix_caching or setup.num_host_blocks
+        # counting.py: the same counts, no ids, where nothing reads one
+        manager_class = KVCacheManager if lists_ids else CountingKVCacheManager
+        self.manager = manager_class(
             L,
             E,
             setup.block_size,
@@ -256,7 +261,6 @@ class TraceRunner:
             device_of_expert=device_of_expert,
             initial_num_seqs=setup.max_num_seqs + 1,
             prefix_cache=PrefixCache() if setup.prefix_caching else None,
-            counts_only=not (setup.list_block_ids or setup.prefix_caching or setup.num_host_blocks),
         )
         top_k = trace.is_top_k  # every token used all K: top-k routing
         self.shape = ModelShape(K, K if top_k else 1, int(trace.lengths.max()) + 1)
