@@ -43,7 +43,8 @@ MAX_SERVING_REQUESTS = 4096
 # The cluster simulator's routing traces keep every token's experts (int16, layers x top-k: 96 bytes a
 # token for JetMoE's 24 layers, top-2) plus what building them takes: about 0.2 MB a request of the
 # published lengths (1,400 tokens on average, measured), so 10^5 requests fill some 20 GB and take half
-# an hour to build. --scale's compact trace keeps one int32 a token: 10^6 requests of its 768 tokens, 3 GB.
+# an hour to build. bench simulator --scale's compact trace keeps one int32 a token: 10^6 requests of
+# its 768 tokens, 3 GB.
 MAX_TRACE_REQUESTS = 100_000
 MAX_COMPACT_TRACE_REQUESTS = 1_000_000
 

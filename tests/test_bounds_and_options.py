@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import random_model, random_prompts, small_config
 
-from moekv_ref.apps import bench_cluster, bench_serving
+from moekv_ref.apps import bench_cluster, bench_serving, bench_simulator
 from moekv_ref.apps.cli import main
 from moekv_ref.cache import KVCacheManager, PagedKVCache
 from moekv_ref.cache.budget import RowBudget
@@ -32,8 +32,8 @@ def nothing_runs(monkeypatch):
         (bench_serving, "run_serving_benchmark"),
         (bench_cluster, "cluster_workload"),
         (bench_cluster, "measure_sessions"),
-        (bench_cluster, "measure_speed"),
-        (bench_cluster, "measure_scale"),
+        (bench_simulator, "measure_speed"),
+        (bench_simulator, "measure_scale"),
     ):
         monkeypatch.setattr(module, name, ran)
 
@@ -63,7 +63,7 @@ def refusal(capsys, argv) -> str:
             f"--requests=1000000000 is not allowed; allowed: an integer in [1, {MAX_TRACE_REQUESTS}]",
         ),
         (
-            ["bench", "cluster", "--scale", "--requests", "1000000000"],
+            ["bench", "simulator", "--scale", "--requests", "1000000000"],
             f"--requests=1000000000 is not allowed; allowed: an integer in [1, {MAX_COMPACT_TRACE_REQUESTS}]",
         ),
         (  # 1,000 requests for each of 1 + 128 groups: the bound is on every trace the sweep builds
@@ -80,7 +80,8 @@ def test_the_largest_sizes_within_the_bounds_pass_the_checks():
     for module, argv in (
         (bench_serving, ["--num-requests", str(MAX_SERVING_REQUESTS)]),
         (bench_cluster, ["--requests", str(MAX_TRACE_REQUESTS)]),
-        (bench_cluster, ["--scale", "--requests", str(MAX_COMPACT_TRACE_REQUESTS)]),
+        (bench_simulator, ["--scale", "--requests", str(MAX_COMPACT_TRACE_REQUESTS)]),
+        (bench_simulator, ["--requests", str(MAX_TRACE_REQUESTS)]),
         (bench_cluster, ["--requests", str(MAX_TRACE_REQUESTS // 129), "--devices", "8", "1024"]),
     ):
         module.check_args(module.build_parser(bench_cluster.argparse.ArgumentParser()).parse_args(argv))
@@ -96,19 +97,13 @@ def test_the_largest_sizes_within_the_bounds_pass_the_checks():
         ),
         (
             ["--think-seconds", "3"],
-            "--think-seconds applies to --sessions, not to the sweep (none of --speed, --scale, --sessions)",
+            "--think-seconds applies to --sessions, not to the sweep (no --sessions)",
         ),
-        (["--scale", "--think-seconds", "3"], "--think-seconds applies to --sessions, not to --scale"),
-        (["--threads", "4"], "--threads applies to --scale, not to the sweep"),
-        (["--speed", "--quick"], "--quick applies to the sweep and --sessions, not to --speed"),
-        (["--scale", "--seed", "1"], "--seed applies to the sweep and --sessions, not to --scale"),
-        (["--speed", "--seed", "0"], "--seed applies to the sweep and --sessions, not to --speed"),
         (["--sessions", "--policies", "sequence_lru"], "--policies applies to the sweep, not to --sessions"),
         (
             ["--sessions", "--workload", "splitwise_code"],
             "--workload applies to the sweep, not to --sessions",
         ),
-        (["--speed", "--devices", "8"], "--devices applies to the sweep and --sessions, not to --speed"),
         (["--quick", "--rates", "100", "200"], "--quick runs the first of --rates only"),
         (["--quick", "--gib-per-device", "0.5", "1"], "--quick runs the first of --gib-per-device only"),
     ],
@@ -126,7 +121,6 @@ def test_bench_serving_refuses_a_budget_policy_without_a_budget(capsys, nothing_
     "argv",
     [
         ["--sessions", "--think-seconds", "3"],
-        ["--scale", "--threads", "1"],
         ["--quick", "--gib-per-device", "0.5"],
         ["--sessions", "--quick", "--rates", "400"],
         ["--devices", "2", "--gib-per-device", "0.005859375"],  # the least: 48 blocks of 128 KiB
@@ -139,7 +133,7 @@ def test_bench_cluster_takes_those_options_where_they_are_read(argv):
 def test_bench_cluster_options_left_out_are_the_documented_defaults():
     args = bench_cluster.with_defaults(bench_cluster.build_parser().parse_args([]))
     assert (args.devices, args.workload, args.arrivals) == ([8], "azure_conversation_2023", ["poisson"])
-    assert (args.think_seconds, args.threads, args.seed, args.max_num_seqs) == (5.0, 2, 0, 256)
+    assert (args.think_seconds, args.seed, args.max_num_seqs) == (5.0, 0, 256)
     assert args.policies == list(bench_cluster.POLICIES)
 
 

@@ -540,7 +540,7 @@ def test_results_cluster_tables_are_what_their_json_says():
     assert f"the old code took {fine['against']['wall_seconds']:.1f} s at the fine shape" in prose
     assert fine["this"]["max_running"] <= 256 and fine["this"]["blocks_in_use_summed"] > 0
     scale = json.loads((ROOT / "figures" / "bench_cluster_scale.json").read_text(encoding="utf-8"))
-    from moekv_ref.apps.bench_cluster import SCALE_ROUTINGS, SPEED_SHAPES
+    from moekv_ref.apps.bench_simulator import SCALE_ROUTINGS, SPEED_SHAPES
 
     assert (scale["layers"], scale["experts"], scale["top_k"], scale["devices"]) == SPEED_SHAPES[1][:4]
     assert scale["distinct_routings"] == SCALE_ROUTINGS == 32768 and "a bank of 32,768 routings" in prose
@@ -817,19 +817,14 @@ def test_notebook_11_states_the_workloads_its_json_and_code_ran():
     GPUs, pools, requests, lengths, rates and SLOs (figures/bench_cluster.json and bench cluster's
     code), the simulator-speed runs (figures/bench_cluster_speed.json, bench_cluster_scale.json) and
     the exercise's cluster; every number there is the JSON's or the code's."""
-    from moekv_ref.apps.bench_cluster import (
-        ATTAINMENT_TARGET,
-        BLOCK_SIZE,
-        MODEL,
-        SCALE_ROUTINGS,
-        SPEED_MAX_NUM_SEQS,
-        pool_blocks,
-    )
+    from moekv_ref.apps.bench_cluster import ATTAINMENT_TARGET
+    from moekv_ref.apps.bench_simulator import SCALE_ROUTINGS, SPEED_MAX_NUM_SEQS
     from moekv_ref.course.exercise_11 import (
         EXERCISE_11_DEVICES,
         EXERCISE_11_GIB_PER_DEVICE,
         EXERCISE_11_PROMPT_TOKENS,
     )
+    from moekv_ref.sim.cluster import BLOCK_SIZE, MODEL, pool_blocks
 
     markdown, code, _ = _notebook_texts("11_simulating_a_cluster.ipynb")
     assert re.findall(r"## (\d)\. ", markdown) == ["1", "2", "3", "4", "5", "6"]  # the sections split on

@@ -1,6 +1,6 @@
 """What a newcomer meets in a fresh clone: the commands of the README and docs/results.md from a
 folder with no runs/, the Triton backend on a CPU, the thread count of `generate`, `bench memory`
-leaving the committed figures alone, and `bench cluster --speed --against DIR` timing DIR's code and
+leaving the committed figures alone, and `bench simulator --against DIR` timing DIR's code and
 nothing else."""
 
 import re
@@ -11,7 +11,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moekv_ref.apps import bench_cluster, bench_eviction, bench_memory, bench_step, cli, options
+from moekv_ref.apps import (
+    bench_cluster,
+    bench_eviction,
+    bench_memory,
+    bench_simulator,
+    bench_step,
+    cli,
+    options,
+)
 from moekv_ref.apps.cli import main
 from moekv_ref.sim import synthetic_trace
 
@@ -24,7 +32,7 @@ class Stop(Exception):
 
 
 # ----- --against: only the other checkout's code ---------------------------------------------------
-def test_bench_cluster_speed_refuses_a_folder_holding_only_an_empty_package(tmp_path, capsys):
+def test_bench_simulator_refuses_a_folder_holding_only_an_empty_package(tmp_path, capsys):
     """A folder with an empty moekv_ref/__init__.py once reported "faster, the same decisions": the
     editable install's import finder filled in every module it lacked with this checkout's, so this
     code was timed against itself. Now it is refused before anything is timed, by the command's
@@ -32,9 +40,9 @@ def test_bench_cluster_speed_refuses_a_folder_holding_only_an_empty_package(tmp_
     (tmp_path / "moekv_ref").mkdir()
     (tmp_path / "moekv_ref" / "__init__.py").write_text("")
     with pytest.raises(ValueError, match=f"--against={tmp_path} is not a complete checkout"):
-        bench_cluster.measure_speed(2, tmp_path)
+        bench_simulator.measure_speed(2, tmp_path)
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "cluster", "--speed", "--requests", "2", "--against", str(tmp_path)])
+        main(["bench", "simulator", "--requests", "2", "--against", str(tmp_path)])
     assert exit_info.value.code == 2
     assert (
         f"--against={tmp_path} is not a complete checkout of this repository: it lacks "
@@ -50,24 +58,24 @@ def copy_of_the_package(root: Path) -> Path:
     return root
 
 
-def test_bench_cluster_speed_imports_a_checkout_from_its_own_files_only(tmp_path):
+def test_bench_simulator_imports_a_checkout_from_its_own_files_only(tmp_path):
     """A whole copy passes, every module loaded from the copy; a copy missing a module the runner
     imports is refused naming it (the editable finder would have lent this checkout's); a module that
     is a link into this checkout is refused too (it would time this code)."""
     whole = copy_of_the_package(tmp_path / "whole")
-    modules = bench_cluster.check_speed_checkout(whole)
+    modules = bench_simulator.check_speed_checkout(whole)
     assert {"moekv_ref", "moekv_ref.sim.runner", "moekv_ref.costs"} <= set(modules)
 
     lacking = copy_of_the_package(tmp_path / "lacking")
     (lacking / "moekv_ref" / "costs.py").unlink()
     with pytest.raises(ValueError, match=r"importing moekv_ref\.costs failed: moekv_ref\.costs is not there"):
-        bench_cluster.check_speed_checkout(lacking)
+        bench_simulator.check_speed_checkout(lacking)
 
     linked = copy_of_the_package(tmp_path / "linked")
     (linked / "moekv_ref" / "costs.py").unlink()
     (linked / "moekv_ref" / "costs.py").symlink_to(ROOT / "moekv_ref" / "costs.py")
     with pytest.raises(ValueError, match=r"modules loaded from elsewhere: moekv_ref\.costs from "):
-        bench_cluster.check_speed_checkout(linked)
+        bench_simulator.check_speed_checkout(linked)
 
 
 def test_bench_step_against_times_the_other_checkouts_code_only(tmp_path):
@@ -98,6 +106,7 @@ def test_bench_step_against_times_the_other_checkouts_code_only(tmp_path):
         ["bench", "step", "--json", "runs/step.json"],
         ["bench", "peer", "--json", "runs/peer.json"],
         ["bench", "cluster", "--json", "runs/c.json"],
+        ["bench", "simulator", "--json", "runs/sim.json"],
         ["bench", "memory", "--json", "runs/m.json"],
         ["train-family", "--out", "runs/family.json"],
         ["capacity", "--out", "runs/capacity.json"],
@@ -129,8 +138,9 @@ def test_every_writer_makes_the_folders_of_its_file(tmp_path, monkeypatch):
     write("runs/a/plain.json", {"x": 1.0})
     bench_eviction._write_json("runs/b/eviction.json", {"x": 1})
     bench_cluster.write_result({"x": 1}, "runs/c/cluster.json")
+    bench_simulator.write_result({"x": 1}, "runs/e/simulator.json")
     bench_step.write_json("runs/d/step.json", {"x": 1})
-    for name in ("a/plain", "b/eviction", "c/cluster", "d/step"):
+    for name in ("a/plain", "b/eviction", "c/cluster", "d/step", "e/simulator"):
         assert (tmp_path / "runs" / f"{name}.json").read_text().startswith("{")
 
 

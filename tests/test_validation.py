@@ -944,13 +944,8 @@ OPTION_CASES = [
         "--reservations=optimistic optimistic is not allowed",
     ),
     (
-        "bench cluster --speed --scale",
-        ["bench", "cluster", "--speed", "--scale"],
-        "--speed, --scale and --sessions are three programs: give one",
-    ),
-    (
-        "bench cluster --scale --threads 0",
-        ["bench", "cluster", "--scale", "--threads", "0"],
+        "bench simulator --scale --threads 0",
+        ["bench", "simulator", "--scale", "--threads", "0"],
         "--threads=0 is not allowed",
     ),
 ]
@@ -1044,7 +1039,7 @@ def test_a_path_option_names_a_symlink_loop_and_what_is_not_a_regular_file(tmp_p
             f"--against={fifo} is a FIFO (named pipe), not a directory",
         ),
         (
-            ["bench", "cluster", "--speed", "--against", os.devnull],
+            ["bench", "simulator", "--against", os.devnull],
             f"--against={os.devnull} is a character device, not a directory",
         ),
         (

@@ -199,7 +199,6 @@ def test_a_follow_up_turn_arrives_its_think_time_after_the_turn_before_finishes(
         (["--policies", "pressure_aware"], "must include sequence_lru"),
         (["--reservations", "lazy"], "--reservations 'lazy'"),
         (["--rates", "0"], "--rates"),
-        (["--sessions", "--speed"], "three programs"),
         (["--sessions", "--devices", "4", "8"], "--sessions serves one group"),
         (["--sessions", "--think-seconds", "-1"], "--think-seconds"),
     ],
@@ -313,26 +312,26 @@ def test_bench_cluster_sessions_serves_the_same_turns_with_the_prefix_cache_off_
     assert "lmsys_chat_1m" in capsys.readouterr().out
 
 
-def test_bench_cluster_speed_times_both_shapes(tmp_path):
-    """--speed runs the trace runner of a checkout in a fresh process on both shapes (here this
+def test_bench_simulator_times_both_shapes(tmp_path):
+    """bench simulator runs the trace runner of a checkout in a fresh process on both shapes (here this
     checkout alone, 3 requests each) and writes what it measured."""
     import json
 
     path = tmp_path / "speed.json"
-    assert cli_main(["bench", "cluster", "--speed", "--requests", "3", "--json", str(path)]) == 0
+    assert cli_main(["bench", "simulator", "--requests", "3", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
     assert [(r["experts"], r["devices"]) for r in result["shapes"]] == [(8, 8), (64, 64)]
     assert all(r["this"]["steps"] > 0 and r["this"]["requests_per_second"] > 0 for r in result["shapes"])
     assert "against" not in result["shapes"][0]
 
 
-def test_bench_cluster_scale_runs_the_fine_shape_over_a_compact_trace(tmp_path, capsys):
-    """--scale serves every request of a compact trace on the 64-device shape (here 12 requests, one
+def test_bench_simulator_scale_runs_the_fine_shape_over_a_compact_trace(tmp_path, capsys):
+    """bench simulator --scale serves every request of a compact trace on the 64-device shape (here 12 requests, one
     thread) and writes each phase's seconds, the rate and the projection it printed."""
     import json
 
     path = tmp_path / "scale.json"
-    argv = ["bench", "cluster", "--scale", "--requests", "12", "--threads", "1", "--json", str(path)]
+    argv = ["bench", "simulator", "--scale", "--requests", "12", "--threads", "1", "--json", str(path)]
     assert cli_main(argv) == 0
     result = json.loads(path.read_text())
     assert (result["experts"], result["top_k"], result["devices"]) == (64, 8, 64)

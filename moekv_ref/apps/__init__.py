@@ -4,6 +4,7 @@
     demo.py           the main job: a stream of requests served through a small paged pool
     bench_memory.py   memory designs (paged, shared tails, reserved, first-fit) on routing traces
     bench_serving.py  static vs continuous batching on one memory budget
+    bench_simulator.py  the simulator's own speed: beside another checkout, or at scale
     figures.py        regenerates every PNG in figures/
     train.py          trains the embedded checkpoint
     parallel_run.py   `torchrun -m moekv_ref.apps.parallel_run`: one run of the context sweep on real ranks

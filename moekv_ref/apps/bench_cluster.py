@@ -22,29 +22,19 @@ hands arriving requests out in turn (`round_robin`). The groups share nothing, s
 its own requests, one after another, and the latencies are summarized over all of them. `--requests`
 and `--rates` are per group: D GPUs serve G times the requests, arriving G times as fast.
 
-`--speed [--against DIR]` times the simulator itself instead: the trace runner on two shapes (8
-experts top-2 on 8 devices; 64 experts top-8 on 64), this checkout beside another one in turn, on
-the same traces, checking that both made the same decisions.
-
 `--sessions [--requests N] [--think-seconds S]` serves multi-turn sessions instead (turns and
 lengths around LMSYS-Chat-1M's means, sim/workloads.py; each turn's prompt the whole conversation
 so far, sim/traces.py), with the engine's prefix cache off and on: what a turn finds of the turn
 before it, at each memory and rate, in hit tokens, TTFT and goodput.
 
-`--scale [--requests N] [--threads T]` runs the second of those shapes at scale: N requests (default
-100,000) of a compact routing trace (sim/traces.py: a bank of routings, each token an index into
-it), timing the trace, the runner's setup and the run, with a progress bar, and projecting 10^6
-requests from the measured rate (linearly: stated as projected).
+The simulator's own speed is `bench simulator`'s (apps/bench_simulator.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -57,7 +47,7 @@ from ..jsonout import dump
 from ..paths import output_path
 from ..sim.cluster import BLOCK_SIZE, MODEL, cluster_placement, pool_blocks
 from ..sim.runner import RunnerSetup, TraceRunner
-from ..sim.traces import conversation_lengths, conversation_turns, synthetic_trace, topic_trace
+from ..sim.traces import conversation_lengths, conversation_turns, topic_trace
 from ..sim.workloads import (
     ARRIVALS,
     arrival_times,
@@ -69,9 +59,8 @@ from ..sim.workloads import (
     session_arrivals,
     session_workloads,
 )
-from ..validation import MAX_COMPACT_TRACE_REQUESTS, MAX_TRACE_REQUESTS, is_integer
-from . import checkout, options
-from .bench_step import REPOSITORY, commit_of
+from ..validation import MAX_TRACE_REQUESTS, is_integer
+from . import options
 
 ACTIVE_PARAMS = 2.2e9  # JetMoE-8B's active parameters (Shen et al., arXiv 2404.07413)
 # DistServe's chatbot SLOs (Zhong et al., OSDI 2024, Table 1)
@@ -82,9 +71,6 @@ POLICIES = ("sequence_lru", "pressure_aware", "expert_lru")
 BETTER_BY = 0.05  # "the policy matters": more than 5% more good requests/s
 GAMMA_CV = 2.0  # bursty arrivals: gaps' coefficient of variation (Poisson: 1)
 REQUESTS = 150  # the default of a sweep
-SPEED_REQUESTS = 1000  # the default of --speed
-SCALE_REQUESTS = 100_000  # the default of --scale
-SCALE_ROUTINGS = 32_768  # distinct routings of --scale's compact trace (each token draws one)
 RATES = (150.0, 300.0)  # requests per second (and group) of a sweep
 SESSION_WORKLOAD = "lmsys_chat_1m"
 GIB_PER_DEVICE = (0.5, 1.0)  # KV memory per GPU of a sweep: small, so that memory binds
@@ -106,11 +92,9 @@ DEFAULTS = {
     "max_num_seqs": 256,
     "seed": 0,
     "think_seconds": THINK_SECONDS,
-    "threads": 2,
 }
-# The programs each option is read by: the sweep (no --speed, --scale or --sessions), --sessions (one
-# group, Poisson arrivals, sequence_lru, worst-case reservation: its own grid), --speed and --scale
-# (fixed shapes and workloads of synthetic traces); --requests and --json are read by all four.
+# The programs each option is read by: the sweep (no --sessions) and --sessions (one group, Poisson
+# arrivals, sequence_lru, worst-case reservation: its own grid); --requests and --json are read by both.
 READ_BY = {
     "--workload": ("sweep",),
     "--devices": ("sweep", "--sessions"),
@@ -123,7 +107,6 @@ READ_BY = {
     "--seed": ("sweep", "--sessions"),
     "--quick": ("sweep", "--sessions"),
     "--think-seconds": ("--sessions",),
-    "--threads": ("--scale",),
 }
 
 
@@ -444,225 +427,6 @@ def print_sessions(result: dict) -> None:
         )
 
 
-# ----- the simulator's own speed -----------------------------------------------------------------------------
-# (layers, experts, top-k, devices, blocks per device): 8 experts top-2 on 8 devices, and DeepSeek-like
-# granularity, 64 experts top-8 on 64; pools that let up to 256 sequences run at once
-SPEED_SHAPES = ((24, 8, 2, 8, 80_000), (24, 64, 8, 64, 40_000))
-# the workload of --speed and --scale alike
-SPEED_MEAN_PROMPT = 512
-SPEED_MEAN_OUTPUT = 256
-SPEED_MAX_NUM_SEQS = 256
-SPEED_MAX_BATCHED_TOKENS = 8192
-
-# Runs in a fresh process that imports moekv_ref from one checkout's root and nowhere else
-# (apps/checkout.py says why that takes more than PYTHONPATH), using only what every version of the
-# runner has had: a synthetic trace, TraceRunner(trace, placement, setup, policy, cost) with step costs
-# off, run(). Its arguments: the root, a shape of SPEED_SHAPES, the requests and the workload.
-SPEED_IMPORTS = [
-    "import torch",
-    "try:",
-    "    from moekv_ref.sim.runner import RunnerSetup, TraceRunner",
-    "except ModuleNotFoundError as missing:  # a checkout from before sim/eviction.py became sim/runner.py",
-    "    if missing.name != 'moekv_ref.sim.runner':",
-    "        raise",
-    "    from moekv_ref.sim.eviction import EvictionSetup as RunnerSetup, TraceRunner",
-    "from moekv_ref.sim.traces import synthetic_trace",
-]
-SPEED_WORKER = checkout.worker_code(
-    SPEED_IMPORTS,
-    """
-import time
-torch.set_num_threads(1)
-L, E, K, D, blocks, n, mean_prompt, mean_output, max_num_seqs, max_batched = (int(x) for x in sys.argv[2:12])
-trace = synthetic_trace(n, L, E, K, mean_prompt=mean_prompt, mean_output=mean_output, seed=0)
-setup = RunnerSetup(blocks_per_device=blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched)
-runner = TraceRunner(trace, torch.arange(E) % D, setup, "sequence_lru", None)
-runner.step_seconds = lambda out: 0.0
-started = time.perf_counter()
-stats = runner.run()
-wall = time.perf_counter() - started
-print(json.dumps({"wall_seconds": wall, "steps": stats.num_steps, "max_running": int(stats.num_running.max()),
-                  "evictions": stats.num_evictions, "blocks_in_use_summed": int(stats.used_blocks.sum())}))
-""",
-)
-# the files of a checkout the worker imports by name (what they import is checked when it runs)
-SPEED_WORKER_FILES = (
-    ("moekv_ref/__init__.py",),
-    ("moekv_ref/sim/runner.py", "moekv_ref/sim/eviction.py"),  # its name before, in older checkouts
-    ("moekv_ref/sim/traces.py",),
-)
-
-
-def run_speed_worker(root: Path, arguments: list[str]) -> dict:
-    """The last line SPEED_WORKER prints, as a dict, run on the checkout at root. ValueError when
-    root is not a whole checkout: a module the worker needs is not there, or came from elsewhere."""
-    command = checkout.worker_command(root, SPEED_WORKER, arguments)
-    done = subprocess.run(command, cwd=root, capture_output=True, text=True)
-    lines = done.stdout.strip().splitlines()
-    error = checkout.refusal(root, lines[-1]) if lines else None
-    if error is not None:
-        raise error
-    if done.returncode != 0:
-        raise RuntimeError(f"the speed run at {root} failed:\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1])
-
-
-def check_speed_checkout(root: Path) -> list[str]:
-    """The moekv_ref and moekv_kernels modules the speed worker loads at root, all of them from root
-    (ValueError otherwise, before anything is timed)."""
-    return checkout.check_checkout(root, SPEED_IMPORTS)
-
-
-def speed_run(root: Path, shape: tuple, num_requests: int) -> dict:
-    """One timed run of the trace runner of the checkout at `root` (module comment above)."""
-    result = run_speed_worker(
-        root,
-        [
-            *map(str, shape),
-            str(num_requests),
-            str(SPEED_MEAN_PROMPT),
-            str(SPEED_MEAN_OUTPUT),
-            str(SPEED_MAX_NUM_SEQS),
-            str(SPEED_MAX_BATCHED_TOKENS),
-        ],
-    )
-    return result | {
-        "requests_per_second": num_requests / result["wall_seconds"],
-        "steps_per_second": result["steps"] / result["wall_seconds"],
-    }
-
-
-def measure_speed(num_requests: int, against: Path | None) -> dict:
-    """Both shapes, this checkout and `against` (if given) in turn, who goes first alternating: the
-    same traces and decisions (the blocks in use, summed over steps, must agree), wall seconds. Each
-    run imports only its own checkout's code; `against` is checked to be whole before anything runs."""
-    roots = {"this": REPOSITORY} | ({"against": against.resolve()} if against is not None else {})
-    if against is not None:
-        check_speed_checkout(roots["against"])
-    rows = []
-    for i, shape in enumerate(tqdm(SPEED_SHAPES, desc="speed", unit="shape", disable=None)):
-        order = list(roots) if i % 2 == 0 else list(roots)[::-1]
-        runs = {name: speed_run(roots[name], shape, num_requests) for name in order}
-        row = {
-            "layers": shape[0],
-            "experts": shape[1],
-            "top_k": shape[2],
-            "devices": shape[3],
-            "blocks_per_device": shape[4],
-            "requests": num_requests,
-            "this": runs["this"],
-        }
-        if against is not None:
-            if runs["against"]["blocks_in_use_summed"] != runs["this"]["blocks_in_use_summed"]:
-                raise RuntimeError(f"the two checkouts made different decisions on shape {shape}")
-            row["against"] = runs["against"]
-            row["speedup"] = runs["against"]["wall_seconds"] / runs["this"]["wall_seconds"]
-        rows.append(row)
-    return {
-        "shapes": rows,
-        "this_commit": commit_of(REPOSITORY),
-        "against_commit": commit_of(against) if against is not None else None,
-        "threads": 1,
-        "victim": "sequence_lru",
-        "mean_prompt": SPEED_MEAN_PROMPT,
-        "mean_output": SPEED_MEAN_OUTPUT,
-    }
-
-
-def measure_scale(num_requests: int, threads: int) -> dict:
-    """The fine-grained speed shape (64 experts top-8 on 64 devices) at num_requests, in this process
-    on `threads` threads: the same runner and Scheduler as --speed, over a compact trace of
-    SCALE_ROUTINGS distinct routings (a trace of every token's experts would not fit: 29 GB at
-    10^5 requests). Seconds of each phase, and 10^6 requests projected from the measured rate."""
-    torch.set_num_threads(threads)
-    L, E, K, D, blocks = SPEED_SHAPES[1]
-    started = time.perf_counter()
-    trace = synthetic_trace(
-        num_requests,
-        L,
-        E,
-        K,
-        mean_prompt=SPEED_MEAN_PROMPT,
-        mean_output=SPEED_MEAN_OUTPUT,
-        seed=0,
-        distinct_routings=SCALE_ROUTINGS,
-    )
-    traced = time.perf_counter()
-    setup = RunnerSetup(
-        blocks_per_device=blocks,
-        max_num_seqs=SPEED_MAX_NUM_SEQS,
-        max_num_batched_tokens=SPEED_MAX_BATCHED_TOKENS,
-    )
-    runner = TraceRunner(trace, torch.arange(E) % D, setup, "sequence_lru", None)
-    ready = time.perf_counter()
-    with tqdm(total=num_requests, desc="scale", unit="request", disable=None) as bar:
-        stats = runner.run(
-            max_steps=100 * num_requests, on_step=lambda finished: bar.update(finished - bar.n)
-        )
-    done = time.perf_counter()
-    total = done - started
-    return {
-        "layers": L,
-        "experts": E,
-        "top_k": K,
-        "devices": D,
-        "blocks_per_device": blocks,
-        "requests": num_requests,
-        "distinct_routings": SCALE_ROUTINGS,
-        "threads": threads,
-        "commit": commit_of(REPOSITORY),
-        "trace_seconds": traced - started,
-        "setup_seconds": ready - traced,
-        "run_seconds": done - ready,
-        "total_seconds": total,
-        "steps": stats.num_steps,
-        "finished": stats.num_finished,
-        "refused": stats.num_refused,
-        "max_running": int(stats.num_running.max()),
-        "evictions": stats.num_evictions,
-        "requests_per_second": num_requests / total,
-        "steps_per_second": stats.num_steps / (done - ready),
-        "projected_seconds_for_1e6": total * 1e6 / num_requests,
-    }
-
-
-def print_scale(result: dict) -> None:
-    r = result
-    print(
-        f"\nthe trace runner at scale: {r['requests']:,} requests, {r['layers']} layers, {r['experts']} "
-        f"experts top-{r['top_k']}, {r['devices']} devices, {r['threads']} thread(s)"
-    )
-    print(
-        f"  trace {r['trace_seconds']:.1f} s, setup {r['setup_seconds']:.1f} s, run {r['run_seconds']:.1f} s: "
-        f"{r['total_seconds'] / 60:.1f} min in all"
-    )
-    print(
-        f"  {r['steps']:,} steps ({r['steps_per_second']:.1f} steps/s), {r['finished']:,} finished, "
-        f"up to {r['max_running']} running, {r['evictions']} evictions: {r['requests_per_second']:.1f} requests/s"
-    )
-    print(f"  10^6 requests at this rate: {r['projected_seconds_for_1e6'] / 3600:.1f} h (projected, not run)")
-
-
-def print_speed(result: dict) -> None:
-    print(
-        f"\nthe trace runner, {result['shapes'][0]['requests']} requests (mean prompt {result['mean_prompt']}, "
-        f"output {result['mean_output']}), one thread:"
-    )
-    for row in result["shapes"]:
-        shape = (
-            f"{row['layers']} layers, {row['experts']} experts top-{row['top_k']}, {row['devices']} devices"
-        )
-        for name in ("against", "this"):
-            if name in row:
-                r = row[name]
-                print(
-                    f"  {shape:<44} {name:>7}: {r['wall_seconds']:6.1f} s  {r['requests_per_second']:6.1f} requests/s  "
-                    f"{r['steps_per_second']:6.1f} steps/s  (up to {r['max_running']} running)"
-                )
-        if "speedup" in row:
-            print(f"  {'':<44} {row['speedup']:.2f}x faster, the same decisions")
-
-
 # ----- the program -------------------------------------------------------------------------------------------
 def build_parser(parser=None):
     parser = parser or argparse.ArgumentParser(prog="python -m moekv_ref bench cluster")
@@ -671,8 +435,7 @@ def build_parser(parser=None):
         "--requests",
         type=int,
         default=None,
-        help=f"requests of the workload (default {REQUESTS}; with --speed {SPEED_REQUESTS}, with --scale "
-        f"{SCALE_REQUESTS:,})",
+        help=f"requests of the workload (default {REQUESTS}; with --sessions: sessions)",
     )
     parser.add_argument(
         "--workload",
@@ -719,11 +482,6 @@ def build_parser(parser=None):
         "--quick", action="store_true", help=f"{QUICK_REQUESTS} requests, the first memory and rate"
     )
     parser.add_argument(
-        "--speed",
-        action="store_true",
-        help="time the simulator itself instead, on two shapes (with --against: beside another checkout)",
-    )
-    parser.add_argument(
         "--sessions",
         action="store_true",
         help="serve multi-turn sessions instead, the prefix cache off and on (--requests: sessions)",
@@ -734,53 +492,16 @@ def build_parser(parser=None):
         default=None,
         help=f"with --sessions: mean seconds between a turn's end and the next turn (default {THINK_SECONDS})",
     )
-    parser.add_argument(
-        "--scale",
-        action="store_true",
-        help="run the 64-device speed shape at scale instead (--requests, default 100000)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="with --scale: torch threads (default 2, a two-core laptop)",
-    )
-    parser.add_argument(
-        "--against",
-        type=Path,
-        default=None,
-        help="with --speed: the root of another checkout of this repository to time beside this one",
-    )
     return parser
 
 
 def check_args(args) -> None:
     options.output_file("--json", args.json, parents_made=True)
-    if args.against is not None and not args.speed:
-        raise ValueError("--against applies to --speed only")
-    if args.speed + args.scale + args.sessions > 1:
-        raise ValueError("--speed, --scale and --sessions are three programs: give one")
     check_read(args)
     args = with_defaults(args)
     options.real("--think-seconds", args.think_seconds, 0.0)
     if args.sessions and (len(args.devices) != 1 or num_groups(args.devices[0]) > 1):
         raise ValueError(f"--sessions serves one group: give one --devices of at most 8, not {args.devices}")
-    options.count("--threads", args.threads, 1)
-    options.input_folder("--against", args.against, "the root of a checkout of this repository")
-    if args.against is not None and not (args.against / "moekv_ref" / "__init__.py").is_file():
-        raise ValueError(
-            f"--against={args.against} has no moekv_ref package; allowed: the root of a checkout"
-        )
-    missing = [
-        names[0]
-        for names in SPEED_WORKER_FILES
-        if args.against and not any((args.against / name).is_file() for name in names)
-    ]
-    if missing:
-        raise ValueError(
-            f"--against={args.against} is not a complete checkout of this repository: it lacks "
-            f"{', '.join(missing)}; allowed: the root of a checkout"
-        )
     options.count("--max-num-seqs", args.max_num_seqs, 1)
     options.seed("--seed", args.seed)
     if args.workload not in length_workloads():
@@ -831,14 +552,12 @@ def check_args(args) -> None:
 def check_read(args) -> None:
     """ValueError for an option given to a program that does not read it (READ_BY), naming both, and
     for --quick beside what it sets."""
-    program = (
-        "--sessions" if args.sessions else "--speed" if args.speed else "--scale" if args.scale else "sweep"
-    )
+    program = "--sessions" if args.sessions else "sweep"
     for option, programs in READ_BY.items():
         value = getattr(args, option[2:].replace("-", "_"))
         given = value is not None and value is not False  # not `in (None, False)`: 0 == False
         if given and program not in programs:
-            runs = "the sweep (none of --speed, --scale, --sessions)" if program == "sweep" else program
+            runs = "the sweep (no --sessions)" if program == "sweep" else program
             readers = " and ".join("the sweep" if p == "sweep" else p for p in programs)
             raise ValueError(
                 f"{option} applies to {readers}, not to {runs}: it would be ignored; drop {option}"
@@ -882,19 +601,10 @@ def least_blocks_per_device(devices: list[int]) -> int:
 
 def check_requests(args) -> None:
     """--requests (given, or a program's default) within the trace bounds of validation.py: the sweep
-    builds a trace for each --devices of requests x its groups, all kept; --scale a compact trace."""
-    if args.scale:
-        options.count(
-            "--requests",
-            args.requests,
-            1,
-            MAX_COMPACT_TRACE_REQUESTS,
-            meaning="--scale's compact trace keeps 4 bytes a token",
-        )
-        return
+    builds a trace for each --devices of requests x its groups, all kept."""
     meaning = "a routing trace keeps every token's experts, about 0.2 MB a request"
     options.count("--requests", args.requests, 1, MAX_TRACE_REQUESTS, meaning=meaning)
-    if args.speed or args.sessions:
+    if args.sessions:
         return
     requests = args.requests or (QUICK_REQUESTS if args.quick else REQUESTS)
     groups = sum(num_groups(d) for d in args.devices)
@@ -910,16 +620,6 @@ def check_requests(args) -> None:
 
 def main(args) -> int:
     args = with_defaults(args)
-    if args.scale:
-        result = measure_scale(args.requests or SCALE_REQUESTS, args.threads)
-        print_scale(result)
-        write_result(result, args.json)
-        return 0
-    if args.speed:
-        result = measure_speed(args.requests or SPEED_REQUESTS, args.against)
-        print_speed(result)
-        write_result(result, args.json)
-        return 0
     requests = args.requests or REQUESTS
     gib_per_device = args.gib_per_device or list(SESSION_GIB_PER_DEVICE if args.sessions else GIB_PER_DEVICE)
     rates = args.rates or list(SESSION_RATES if args.sessions else RATES)

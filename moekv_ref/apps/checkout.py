@@ -1,5 +1,5 @@
 """Running code against another checkout of this repository, importing that checkout's files and
-no others: what `bench step --against DIR` and `bench cluster --speed --against DIR` time.
+no others: what `bench step --against DIR` and `bench simulator --against DIR` time.
 
 This repository is installed in editable mode, and the installer's import finder (the `__editable__`
 finder in site-packages) answers for `moekv_ref` and `moekv_kernels` from this checkout. Putting
