@@ -36,7 +36,7 @@ from .report import Config, bound_bytes, hbm_bandwidth
 NO_GPU_MESSAGE = (
     "moekv_kernels/bench.py measures Triton kernels on a GPU and this machine has no CUDA device: "
     "nothing was measured.\n"
-    "On a CPU, correctness is checked in the interpreter instead: python -m pytest tests/test_kernels.py"
+    "On a CPU, correctness is checked in the interpreter instead: python -m pytest tests/spec/test_kernels.py"
 )
 
 

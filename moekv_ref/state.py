@@ -6,7 +6,7 @@ objects that keep state of their own in PARTS. `save` copies the first and asks 
 reference to them stays valid. Attributes set once by the constructor (sizes, placements, the
 configuration, references to the objects a class works with but does not own) are not listed:
 nothing in a step changes them. A class that adds an attribute a step changes lists it in STATE;
-tests/test_step_atomic.py compares every attribute before a failed step and after its undo, so a
+tests/spec/test_step_atomic.py compares every attribute before a failed step and after its undo, so a
 forgotten one shows.
 """
 

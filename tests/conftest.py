@@ -17,7 +17,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pytest.ini) runs the suite on every core, but a run naming test files only runs
     here, in this process: starting workers would take longer than the tests (`python -m pytest
-    tests/test_routing.py`: 2 s instead of 12). None: pytest-xdist's own count, one per core."""
+    tests/spec/test_routing.py`: 2 s instead of 12). None: pytest-xdist's own count, one per core."""
     if config.args and all(Path(arg.split("::")[0]).is_file() for arg in config.args):
         return 0
     return None

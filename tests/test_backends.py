@@ -46,7 +46,7 @@ def test_kernel_tests_and_notebook_skip_without_triton():
     script = (
         "import sys; sys.modules['triton'] = None; import pytest; "
         "sys.exit(pytest.main(['-o', 'addopts=', '-p', 'no:cacheprovider', '--nbval', '--nbval-current-env', "
-        "'-rs', '-q', 'tests/test_kernels.py', 'tests/test_kernels_integration.py', "
+        "'-rs', '-q', 'tests/spec/test_kernels.py', 'tests/spec/test_kernels_integration.py', "
         "'notebooks/08_kernels.ipynb']))"
     )
     done = subprocess.run(

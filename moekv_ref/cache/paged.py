@@ -435,7 +435,7 @@ class PagedKVCache:
         with one attention expert and plain pages, when no row took a block (so the next layer's
         take none either). Measured on a dense model of the embedded model's size (generate, 16
         sequences, 32-token prompts, 64 new tokens, one thread, CPU time of four runs each):
-        0.26-0.29 s with it, 0.28-0.31 s without, about 7%. tests/test_paged_cache.py breaks the
+        0.26-0.29 s with it, 0.28-0.31 s without, about 7%. tests/spec/test_paged_cache.py breaks the
         planned slots and sees the logits change."""
         manager = self.manager
         if manager.num_experts != 1 or manager.tails is not None:

@@ -21,7 +21,7 @@ after a hang. Under torchrun (apps/parallel_run.py) the waiting rank kills the s
 machine (kill_silent_peers: torchrun's SIGTERM cannot end a stopped one, and its SIGKILL comes 30 s
 later) and exits, so it is torchrun's "Root Cause", and torchrun ends the others within its 0.1 s
 monitor interval: about timeout_s + SETTLE_S + 1 s (18 s; the kill waits for the next whole second,
-so that torchrun's root cause stays the rank with the message). tests/test_parallel_failure.py
+so that torchrun's root cause stays the rank with the message). tests/spec/test_parallel_failure.py
 measures both.
 """
 

@@ -9,7 +9,7 @@ A sequence's home rank holds its hidden states between layers and runs the repli
     x = x + combine(experts(dispatch(h)))      FFN experts are expert-parallel in every placement
 
 which is `Block.forward` of model.py with the experts' work moved to their ranks; the logits equal
-the single-process model's (tests/test_parallel.py). Every rank calls `step` at every step, with an
+the single-process model's (tests/spec/test_parallel.py). Every rank calls `step` at every step, with an
 empty batch if need be, as each layer's collectives pair up across ranks. `traffic` counts per
 step the integers the cost model needs.
 """

@@ -21,7 +21,7 @@ prefix cache, a swap space or RunnerSetup.list_block_ids asks for ids: a step th
 the time at 64 experts, 1.7-1.8x at the fine shape (24 layers, 64 experts top-8 on 64 devices) in
 two side-by-side runs of 1,000 requests. What needs an id (slots, a sequence's block list, the
 block owners, placing or restoring blocks, a swap space, shared tails, prefix caching, a row
-budget) is refused by name, changing nothing. tests/test_sim_fast_paths.py runs the runner with
+budget) is refused by name, changing nothing. tests/spec/test_sim_fast_paths.py runs the runner with
 both managers on random traces and compares every step, and miscounts a block on purpose to show
 the comparison sees it.
 """

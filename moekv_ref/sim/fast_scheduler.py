@@ -18,7 +18,7 @@ step; this class reads the same numbers from smaller tables:
                      check schedules them all, instead of one check per request
 
 Each is tested against the plain Scheduler, decision by decision over whole runs and on random
-states, and broken on purpose to show the tests would see it (tests/test_sim_fast_paths.py).
+states, and broken on purpose to show the tests would see it (tests/spec/test_sim_fast_paths.py).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class FastScheduler(Scheduler):
             return None
         # the lifetime cap of worst_case_need never binds here: one token's worst case (k_d open rows
         # of device d) is a routing the token can take, so held + step is a state some routing
-        # reaches, within the lifetime worst case (tests/test_sim_fast_paths.py compares the two)
+        # reaches, within the lifetime worst case (tests/spec/test_sim_fast_paths.py compares the two)
         return decode_step_blocks_per_device(open_rows, self.shape.k_max, self._experts_on)  # (m, D)
 
     def worst_case_need(

@@ -5,7 +5,7 @@ The runner builds what the engine builds (per-device pools, a ModelShape, the re
 policies), refuses what `LLMEngine.add_request` refuses, and each step runs `schedule`, the model's
 part (the scheduled tokens appended, blocks only, to the rows the trace routed them to), then
 `update_from_output`. So every number, the scheduler's worst-case caution included, is one the
-engine would produce on the same routing (tests/test_sim_vs_engine.py checks it step by step; the
+engine would produce on the same routing (tests/spec/test_sim_vs_engine.py checks it step by step; the
 README's eviction section reads the numbers). Steps cost CostModel seconds (costs.py); the offline
 policies (oracle, belady) read the trace's future through a TraceFuture. Requests may arrive in
 time (`arrivals`: the clock is the steps' modelled seconds), and each one's first-token and finish

@@ -61,7 +61,7 @@ def test_the_rotary_table_has_the_same_bits_in_every_process():
             text=True,
             env=env,
             timeout=120,
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=Path(__file__).resolve().parents[2],
             check=True,
         ).stdout.strip()
         for _ in range(3)

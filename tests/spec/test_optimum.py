@@ -115,7 +115,7 @@ def test_figures_optimum_json_is_what_the_bench_computes_and_no_whole_victim_pol
     from moekv_ref.apps.bench_eviction import OPTIMUM_INSTANCES, compare_with_optimum
 
     rows = json.loads(
-        (Path(__file__).resolve().parent.parent / "figures" / "eviction_optimum.json").read_text()
+        (Path(__file__).resolve().parents[2] / "figures" / "eviction_optimum.json").read_text()
     )["instances"]
     assert [(r["num_sequences"], r["mean_output"], r["seed"]) for r in rows] == list(OPTIMUM_INSTANCES)
     for row in rows:

@@ -15,7 +15,7 @@
     a fresh request    FastScheduler._fresh_needs: the worst case of a request with nothing computed,
                        held or swapped, read once per token count; plain: read each time
     one pool, all at   FastScheduler.worst_case_need with D = 1 and schedule_running:
-    once               tests/test_scheduler.py, which runs every behaviour test on both classes
+    once               tests/spec/test_scheduler.py, which runs every behaviour test on both classes
     pool, per device   BlockPool.allocate_per_device: every device's blocks in one gather; plain:
                        allocate(n, device=d) device after device
     decode appends     TraceRunner.append: decode items' rows straight from the trace; plain:

@@ -2,7 +2,7 @@
 victims on hand-made traces (why in each comment), every policy runs a skewed workload to the end
 with no leaked block on any device and every request finished or refused, the memory-time bound is
 never beaten, offline policies refuse to run without the future, the cost model's fit and
-crossover, and density. tests/test_sim_vs_engine.py checks the runner against the engine itself."""
+crossover, and density. tests/spec/test_sim_vs_engine.py checks the runner against the engine itself."""
 
 import pytest
 import torch

@@ -30,7 +30,7 @@ from moekv_ref.parallel import CollectiveError, WorkerFailed, launch, launcher
 from moekv_ref.parallel.programs import ModelSpec, RunSpec, inject_failure, run_parallel, run_specs
 
 CONFIG = small_config(num_attention_experts=4, num_attention_experts_per_tok=2, num_local_experts=2)
-REPOSITORY = Path(__file__).resolve().parent.parent
+REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 def spec(mode: str = "") -> RunSpec:
