@@ -43,8 +43,7 @@ from ..config import get_config
 from ..costs import cluster_cost_model
 from ..engine.scheduler import RESERVATIONS
 from ..engine.victims import VICTIM_POLICIES
-from ..jsonout import dump
-from ..paths import output_path
+from ..jsonout import write
 from ..sim.cluster import BLOCK_SIZE, MODEL, cluster_placement, pool_blocks
 from ..sim.runner import RunnerSetup, TraceRunner
 from ..sim.traces import conversation_lengths, conversation_turns, topic_trace
@@ -632,7 +631,9 @@ def main(args) -> int:
             requests, args.devices[0], gib_per_device, rates, args.think_seconds, args.max_num_seqs, args.seed
         )
         print_sessions(result)
-        write_result(result, args.json)
+        if args.json:
+            write(args.json, result, indent=1)  # strict JSON: no Infinity or NaN
+            print(f"\nwrote {args.json}")
         return 0
     if args.quick:
         requests = QUICK_REQUESTS
@@ -676,13 +677,7 @@ def main(args) -> int:
         "goodput": goodput(runs),
     }
     print_tables(result)
-    write_result(result, args.json)
+    if args.json:
+        write(args.json, result, indent=1)  # strict JSON: no Infinity or NaN
+        print(f"\nwrote {args.json}")
     return 0
-
-
-def write_result(result: dict, path: str | None) -> None:
-    """The result as strict JSON (no Infinity or NaN: null), if a path was given."""
-    if path:
-        with open(output_path(path), "w") as f:
-            dump(result, f, indent=1)
-        print(f"\nwrote {path}")

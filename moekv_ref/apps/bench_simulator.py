@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..jsonout import dump
-from ..paths import output_path
+from ..jsonout import write
 from ..sim.runner import RunnerSetup, TraceRunner
 from ..sim.traces import synthetic_trace
 from ..validation import MAX_COMPACT_TRACE_REQUESTS, MAX_TRACE_REQUESTS
@@ -340,13 +339,7 @@ def main(args) -> int:
     else:
         result = measure_speed(args.requests or SPEED_REQUESTS, args.against)
         print_speed(result)
-    write_result(result, args.json)
+    if args.json:
+        write(args.json, result, indent=1)  # strict JSON: no Infinity or NaN
+        print(f"\nwrote {args.json}")
     return 0
-
-
-def write_result(result: dict, path: str | None) -> None:
-    """The result as strict JSON (no Infinity or NaN: null), if a path was given."""
-    if path:
-        with open(output_path(path), "w") as f:
-            dump(result, f, indent=1)
-        print(f"\nwrote {path}")
