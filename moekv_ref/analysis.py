@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.nn.functional import one_hot
 
-from .cache import ContiguousKVCache, PagedKVCache
+from .cache import BudgetedPagedKVCache, ContiguousKVCache
 from .cache.budget import RowBudget
 from .cache.kv_cache_manager import check_part_kind
 from .generate import generate
@@ -255,7 +255,7 @@ def budget_map(model, tokens, layer: int, budget: RowBudget) -> tuple[torch.Tens
     device = next(model.parameters()).device
     tokens = tokens.to(device)
 
-    cache = PagedKVCache.for_model(model, max_num_seqs=1, budget=budget)
+    cache = BudgetedPagedKVCache.for_model(model, max_num_seqs=1, budget=budget)
     positions = torch.arange(T, device=device)
     output = model.forward_cached(tokens, torch.zeros_like(positions), positions, cache)
     routed = output.attention_routing[layer].selected.T.cpu()  # (E, T)

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from .cache import ContiguousKVCache, PagedKVCache
+from .cache import BudgetedPagedKVCache, ContiguousKVCache, PagedKVCache, make_paged_cache
 from .engine.demand import min_lifetime_blocks, worst_case_lifetime_blocks_per_device
 from .model import MoEKVTransformer
 from .prompts import check_batch
@@ -23,7 +23,8 @@ from .sampling import SamplingParams, sample_rows
 from .validation import check_callable, check_choice, check_flag, check_keywords, keywords_of
 
 CACHE_KINDS = ["none", "contiguous", "paged"]
-PAGED_OPTIONS = keywords_of(PagedKVCache.for_model)[1:]  # what cache_options may name (model left out)
+# what cache_options may name (model left out): the paged cache's options and its budget
+PAGED_OPTIONS = keywords_of(BudgetedPagedKVCache.for_model)[1:]
 
 
 def generate(
@@ -79,7 +80,7 @@ def generate(
             kv_cache = (
                 ContiguousKVCache(config.num_hidden_layers, config.num_attention_experts)
                 if cache == "contiguous"
-                else PagedKVCache.for_model(model, **cache_options)
+                else make_paged_cache(model, **cache_options)
             )
             if cache == "paged":
                 check_pool_holds_batch(kv_cache, prompts, per_prompt, cache_options)

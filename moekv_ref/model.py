@@ -14,6 +14,7 @@ Dimension legend:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -22,10 +23,23 @@ from torch import nn
 
 from .attention import rotary, rotary_turns
 from .backends import BACKENDS, require_backend
-from .cache.budget import RowBudget, attend_with_budget
 from .config import ModelConfig
 from .profiling import phase
 from .routing import Routing, apply_capacity, route
+
+
+@runtime_checkable
+class RowRule(Protocol):
+    """What `model(tokens, budget=...)` needs of a budget: the model computes each layer's rotated
+    q, k, v and routing, and the budget says what each (sequence, expert) row keeps and attends.
+    cache/budget.py's RowBudget is one; the model imports nothing from the caches."""
+
+    def check_model(self, num_layers: int, num_experts: int) -> None:
+        """ValueError for a budget this model cannot have."""
+
+    def recompute_attention(self, q, k, v, selected, scores, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k, v (B, E, H, T, Dh), selected and scores (B, T, E): attention (B, E, H, T, Dh), zero
+        where a pair is not routed or refused, and accepted (B, T, E)."""
 
 
 class RMSNorm(nn.Module):
@@ -178,10 +192,10 @@ class ExpertAttention(nn.Module):
             self.router(x), c.attention_routing, c.num_attention_experts_per_tok, c.routing_threshold
         )
 
-    def forward_full(self, x: torch.Tensor, budget: RowBudget | None = None) -> tuple[torch.Tensor, Routing]:
+    def forward_full(self, x: torch.Tensor, budget: RowRule | None = None) -> tuple[torch.Tensor, Routing]:
         """x: (B, T, D), right-padded sequences starting at position 0. Returns (B, T, D). With a
-        budget, each (sequence, expert) row keeps at most its B tokens, token by token
-        (cache/budget.py): the recompute a budgeted cache must equal."""
+        budget, each (sequence, expert) row keeps at most its B tokens, token by token, by the
+        budget's own recompute (RowRule): the recompute a budgeted cache must equal."""
         c = self.config
         B, T, _ = x.shape
         E, H, Hkv, Dh = c.num_attention_experts, c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -201,8 +215,8 @@ class ExpertAttention(nn.Module):
             for t in (rotary(k, turns), v)
         )  # (B, E, H, T, Dh)
         if budget is not None:  # a refused pair's attention is zero: it adds nothing below
-            attn, accepted = attend_with_budget(
-                q, k, v, routing.selected, routing.probs, budget, self.layer_index
+            attn, accepted = budget.recompute_attention(
+                q, k, v, routing.selected, routing.probs, self.layer_index
             )
             routing = Routing(routing.probs, accepted, routing.gates * accepted)  # what the rows took
         else:
@@ -343,12 +357,13 @@ class MoEKVTransformer(nn.Module):
                 f"position {last} is beyond max_position_embeddings={self.config.max_position_embeddings}"
             )
 
-    def forward(self, tokens: torch.Tensor, budget: RowBudget | None = None) -> ModelOutput:
-        """Full recompute. tokens: (B, T), right-padded; every row starts at position 0. budget: each
-        (sequence, layer, expert) row keeps at most B tokens, as a cache with that budget does."""
+    def forward(self, tokens: torch.Tensor, budget: RowRule | None = None) -> ModelOutput:
+        """Full recompute. tokens: (B, T), right-padded; every row starts at position 0. budget (a
+        RowRule: cache/budget.py's RowBudget): each (sequence, layer, expert) row keeps at most B
+        tokens, as a cache with that budget does."""
         self._check_tokens(tokens, torch.arange(tokens.shape[-1]))
         if budget is not None:
-            if not isinstance(budget, RowBudget):
+            if not isinstance(budget, RowRule):
                 raise ValueError(f"budget={budget!r} must be a RowBudget (moekv_ref.cache.budget) or None")
             budget.check_model(self.config.num_hidden_layers, self.config.num_attention_experts)
         return self._run(self.embed(tokens), None, budget)  # (B, T, V)

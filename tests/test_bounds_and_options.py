@@ -10,7 +10,7 @@ from helpers import random_model, random_prompts, small_config
 
 from moekv_ref.apps import bench_cluster, bench_serving, bench_simulator
 from moekv_ref.apps.cli import main
-from moekv_ref.cache import KVCacheManager, PagedKVCache
+from moekv_ref.cache import BudgetedPagedKVCache, KVCacheManager
 from moekv_ref.cache.budget import RowBudget
 from moekv_ref.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from moekv_ref.config import get_config
@@ -157,7 +157,7 @@ def test_a_budget_above_the_model_s_positions_allocates_for_the_positions_and_is
     positions per row (not B), and generate gives the exact cache's tokens and logits, bit for bit."""
     model = random_model(small_config("expert"), seed=2, dtype=torch.float32)
     positions = model.config.max_position_embeddings
-    cache = PagedKVCache.for_model(model, budget=RowBudget(max_tokens, "window"))
+    cache = BudgetedPagedKVCache.for_model(model, budget=RowBudget(max_tokens, "window"))
     assert cache.manager.budget.num_slots <= positions
     assert cache.manager.budget.slot_position.shape[1] <= positions
     assert cache.manager.budget.max_tokens == max_tokens  # kept as given, for what a report shows

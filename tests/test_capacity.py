@@ -16,7 +16,7 @@ import torch
 from helpers import prefill_then_decode, random_model, random_prompts, small_config
 
 from moekv_ref.apps import capacity
-from moekv_ref.cache import PagedKVCache
+from moekv_ref.cache import make_paged_cache
 from moekv_ref.cache.budget import RowBudget, model_budget
 from moekv_ref.config import ModelConfig
 from moekv_ref.engine import LLMEngine
@@ -49,7 +49,7 @@ def test_token_choice_capacity_is_causal_training_equals_cache_and_recompute(rou
     with torch.inference_mode():
         trained = model(sequences).logits
         recompute = model(sequences, budget=RowBudget(3, "drop")).logits
-        cache = PagedKVCache.for_model(model, block_size=2)
+        cache = make_paged_cache(model, block_size=2)
         cached = prefill_then_decode(model, cache, sequences, prefill=7)
     assert cache.manager.budget.policy == "drop" and cache.manager.budget.num_refused > 0
     assert (trained - recompute).abs().max() <= 1e-10
@@ -73,7 +73,7 @@ def test_expert_choice_decodes_causally_and_differs_from_its_training_rule():
     with torch.inference_mode():
         trained = model(sequences).logits
         causal = model(sequences, budget=model_budget(config)).logits
-        cache = PagedKVCache.for_model(model, block_size=2)
+        cache = make_paged_cache(model, block_size=2)
         cached = prefill_then_decode(model, cache, sequences, prefill=5)
         short = sequences[:, :4]
         short_gap = (model(short).logits - model(short, budget=model_budget(config)).logits).abs().max()

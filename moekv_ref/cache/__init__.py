@@ -17,10 +17,15 @@ and `free(seq_id)`.
     shared_tail_manager.py  SharedTails, a manager's part: rows' partly filled tails share blocks
     prefix_cache.py         PrefixCache, a manager's part: full blocks found again by prefix
     paged.py                PagedKVCache: K/V pool tensors + a manager; the attention paths
+    budget.py               RowBudget, a manager's part: at most B tokens a row, a policy at a full
+                            row; the budgeted recompute the model runs
+    budget_paged.py         BudgetedPagedKVCache: a PagedKVCache whose rows keep a RowBudget;
+                            make_paged_cache, which picks the class for a model
     contiguous.py           ContiguousKVCache: one growing buffer per row, the reference
 """
 
 from .block_pool import BlockPool, OutOfBlocksError
+from .budget_paged import BudgetedPagedKVCache, make_paged_cache
 from .contiguous import ContiguousKVCache
 from .kv_cache_manager import KVCacheManager, SlotAllocation
 from .paged import ATTENTION_PATHS, AppendedRows, PagedKVCache
@@ -32,6 +37,7 @@ __all__ = [
     "ATTENTION_PATHS",
     "AppendedRows",
     "BlockPool",
+    "BudgetedPagedKVCache",
     "ContiguousKVCache",
     "KVCacheManager",
     "OutOfBlocksError",
@@ -43,4 +49,5 @@ __all__ = [
     "SharedTails",
     "SlotAllocation",
     "ceil_div",
+    "make_paged_cache",
 ]

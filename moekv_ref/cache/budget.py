@@ -67,7 +67,8 @@ class RowBudget(ManagerPart):
     as it is built with shared tails or a prefix cache: the manager keeps its block tables and
     counts and asks the part where a newcomer goes (`choose`); the part keeps what the policies read
     (`record`, `add_attention`) and nothing else. `attend_with_budget` runs the same rules over a
-    whole padded batch, the recompute a budgeted cache must equal.
+    whole padded batch, the recompute a budgeted cache must equal, which the model reaches through
+    `recompute_attention`.
 
     num_sinks: the tokens `window` keeps for good, each below every layer's B (at least one slot must
     move), or None: StreamingLLM's 4, or B - 1 where the smallest B is 4 or less. A num_sinks at or
@@ -249,6 +250,12 @@ class RowBudget(ManagerPart):
     def restore_rows(self, rows: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Put back what rows_state saved, for rows the manager refilled with the same counts."""
         self.slot_position[rows], self.slot_score[rows] = state
+
+    # ----- the recompute ---------------------------------------------------------------------------
+    def recompute_attention(self, q, k, v, selected, scores, layer: int):
+        """What `model(tokens, budget=self)` calls at each layer (model.RowRule): this budget's
+        rule over the whole padded batch, attend_with_budget."""
+        return attend_with_budget(q, k, v, selected, scores, self, layer)
 
     def kept_positions(self, rows) -> list[list[int]]:
         """The positions each row keeps, ascending (what the notebooks draw)."""

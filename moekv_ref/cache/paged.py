@@ -43,12 +43,12 @@ from ..validation import (
     known_keywords,
     number,
 )
-from .budget import RowBudget, model_budget
 from .kv_cache_manager import (
+    PART_KINDS,
     KVCacheManager,
     ManagerOptions,
+    ManagerPart,
     check_manager_options,
-    check_part_kind,
 )
 from .prefix_cache import PrefixCache
 from .rows import worst_case_lifetime_blocks
@@ -67,24 +67,6 @@ class AppendedRows:
     context_lens: torch.Tensor  # (m,) tokens each row holds after the append
     pair_row: torch.Tensor  # (n,) each pair's row, as an index into `rows`
     pair_index: torch.Tensor  # (n,) index of the pair's token in its row: it sees 0..pair_index
-    # a cache with a budget: the pairs of the call these rows hold (None: all), and the pairs that
-    # arrive at full rows, placed one wave at a time by `attend` (AppendedRows.waiting)
-    pairs: torch.Tensor | None = None
-    waiting: list | None = None
-
-
-@dataclass
-class WaitingPairs:
-    """Pairs of a budgeted call that reach rows full by then, one pair per row: the i-th such pair of
-    every row is in wave i. `attend` places them (the budget's policy decides, as each must see the
-    row its predecessors left) and attends, wave after wave."""
-
-    pairs: torch.Tensor  # (w,) indices into the call
-    rows: torch.Tensor  # (w,) distinct rows
-    positions: torch.Tensor  # (w,)
-    scores: torch.Tensor  # (w,) router probabilities
-    k: torch.Tensor  # (w, Hkv, Dh) each
-    v: torch.Tensor
 
 
 @dataclass
@@ -123,14 +105,16 @@ def check_cache_options(
     device_of_expert,
     enable_prefix_caching,
     home_devices,
-    budget,
     max_num_seqs=None,
+    part: ManagerPart | None = None,
+    row_cap: int | None = None,
 ) -> ManagerOptions:
     """Every option of a paged cache (PagedKVCache's arguments), checked once, before anything is
     built or allocated: what the cache, its manager and its pool would otherwise check, and the
     bytes they would take. num_blocks=None with max_num_seqs (for_model, the engine): a pool for
     max_num_seqs sequences of max_position_embeddings tokens at their worst
-    (rows.worst_case_lifetime_blocks, each row capped by the budget if any)."""
+    (rows.worst_case_lifetime_blocks, each row capped at row_cap tokens if given). part: a further
+    ManagerPart a subclass builds its manager with (cache_parts), checked with the others."""
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -146,7 +130,6 @@ def check_cache_options(
             "shared_tails=True cannot use attention='triton': the Triton kernels read a "
             "row through its block table only, and shared tails live outside it"
         )
-    check_part_kind("budget", budget)  # the cache's manager gets a fresh copy of it
     L = config.num_hidden_layers
     E = config.num_attention_experts
     K = config.num_attention_experts_per_tok
@@ -160,10 +143,9 @@ def check_cache_options(
 
         def num_blocks(checked_block_size: int) -> int:
             """The pool for max_num_seqs sequences at their worst, once the block size and the
-            budget are checked."""
-            cap = None if budget is None else budget.largest(L)
+            parts are checked."""
             blocks = max_num_seqs * worst_case_lifetime_blocks(
-                config.max_position_embeddings, L, E, K, checked_block_size, cap
+                config.max_position_embeddings, L, E, K, checked_block_size, row_cap
             )
             if blocks > MAX_BLOCKS:
                 raise ValueError(
@@ -183,9 +165,7 @@ def check_cache_options(
         blocks_per_device,
         device_of_expert,
         home_devices,
-        SharedTails() if shared_tails else None,
-        PrefixCache() if enable_prefix_caching else None,
-        None if budget is None else budget.fresh(config.max_position_embeddings),
+        **cache_parts(shared_tails, enable_prefix_caching, part),
         pool_meaning=f"the pool's blocks; one token of one sequence takes {minimum}",
     )
     block_size = options.block_size
@@ -221,13 +201,26 @@ def check_cache_options(
     return options
 
 
+def cache_parts(shared_tails: bool, enable_prefix_caching: bool, part: ManagerPart | None) -> dict:
+    """The parts a cache's manager is built with, by the manager's parameter (PART_KINDS, None where
+    absent): fresh ones for its flags, and `part`, a subclass's own, under its role."""
+    parts = dict.fromkeys(PART_KINDS)
+    parts["tails"] = SharedTails() if shared_tails else None
+    parts["prefix_cache"] = PrefixCache() if enable_prefix_caching else None
+    if part is not None:
+        parts[part.role] = part
+    return parts
+
+
 class PagedKVCache:
     """append_kv / attend over a paged block pool shared by every (sequence, layer, expert).
 
     shared_tails: a manager with SharedTails, not with "triton" (its kernels read a row through its
-    block table only); enable_prefix_caching: with a PrefixCache; budget: a RowBudget (budget.py),
-    alone. blocks_per_device (summing to
-    num_blocks) with device_of_expert or home_devices: per-device pools (KVCacheManager)."""
+    block table only); enable_prefix_caching: with a PrefixCache. blocks_per_device (summing to
+    num_blocks) with device_of_expert or home_devices: per-device pools (KVCacheManager).
+
+    A subclass whose manager holds one more part says which in `manager_part`, and sizes a pool
+    for_model builds through `_for_model`'s part and row_cap."""
 
     @known_keywords
     def __init__(
@@ -244,7 +237,6 @@ class PagedKVCache:
         device_of_expert=None,
         enable_prefix_caching: bool = False,
         home_devices: bool = False,
-        budget: RowBudget | None = None,
         checked: bool = False,
     ):
         """checked=True: the caller (for_model, the engine) checked the options with
@@ -263,7 +255,7 @@ class PagedKVCache:
                 device_of_expert,
                 enable_prefix_caching,
                 home_devices,
-                budget,
+                part=self.manager_part(config),
             )
             num_blocks = options.num_blocks
             block_size = options.block_size
@@ -281,10 +273,8 @@ class PagedKVCache:
             blocks_per_device=blocks_per_device,
             device_of_expert=device_of_expert,
             home_devices=home_devices,
-            tails=SharedTails() if shared_tails else None,
-            prefix_cache=PrefixCache() if enable_prefix_caching else None,
-            budget=None if budget is None else budget.fresh(config.max_position_embeddings),
             checked=True,
+            **cache_parts(shared_tails, enable_prefix_caching, self.manager_part(config)),
         )
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.key_cache = torch.zeros(shape, dtype=dtype, device=device)  # (N, P, Hkv, Dh)
@@ -297,6 +287,10 @@ class PagedKVCache:
             self._kernels = moekv_kernels
 
     block_size = property(lambda self: self.manager.block_size)
+
+    def manager_part(self, config: ModelConfig) -> ManagerPart | None:
+        """A fresh further part for this cache's manager, beside its flags' (none here)."""
+        return None
 
     @classmethod
     @known_keywords
@@ -313,14 +307,46 @@ class PagedKVCache:
         device_of_expert=None,
         enable_prefix_caching: bool = False,
         home_devices: bool = False,
-        budget: RowBudget | None = None,
     ) -> "PagedKVCache":
         """A cache in the model's dtype and device; attention=None follows the model's backend.
-        Without a budget, the model's own capacity's (budget.model_budget), if it has one.
         Without num_blocks, the pool holds max_num_seqs sequences of max_position_embeddings tokens
-        at their worst (rows.worst_case_lifetime_blocks, each row capped by the budget if any)."""
+        at their worst (rows.worst_case_lifetime_blocks)."""
+        return cls._for_model(
+            model,
+            block_size,
+            num_blocks,
+            max_num_seqs,
+            shuffle_seed,
+            attention,
+            shared_tails,
+            blocks_per_device,
+            device_of_expert,
+            enable_prefix_caching,
+            home_devices,
+        )
+
+    @classmethod
+    def _for_model(
+        cls,
+        model,
+        block_size,
+        num_blocks,
+        max_num_seqs,
+        shuffle_seed,
+        attention,
+        shared_tails,
+        blocks_per_device,
+        device_of_expert,
+        enable_prefix_caching,
+        home_devices,
+        part: ManagerPart | None = None,
+        row_cap: int | None = None,
+        **own,
+    ) -> "PagedKVCache":
+        """for_model's work. A subclass's for_model adds the part its manager will hold (checked
+        with the others), the most tokens one of its rows holds (row_cap, which sizes the pool) and
+        its constructor's own keywords."""
         config = model.config
-        budget = budget if budget is not None else model_budget(config)
         if attention is None:
             attention = "triton" if model.backend == "triton" else "batched"
         parameter = next(model.parameters())
@@ -337,8 +363,9 @@ class PagedKVCache:
             device_of_expert,
             enable_prefix_caching,
             home_devices,
-            budget,
             max_num_seqs,
+            part,
+            row_cap,
         )
         return cls(
             config,
@@ -353,15 +380,14 @@ class PagedKVCache:
             options.device_of_expert,
             enable_prefix_caching,
             home_devices,
-            budget,
             checked=True,
+            **own,
         )
 
     # ----- verb 1: bookkeeping and store ----------------------------------------------------------
-    def append_kv(self, layer: int, seq_ids, experts, positions, k, v, scores=None) -> AppendedRows:
-        """Raises ValueError (bad shapes or order) or OutOfBlocksError (pool short) before anything
-        is stored or allocated. scores (n,): each pair's router probability, which a budget's
-        router_score policy reads (ones when left out)."""
+    def _check_pairs(self, seq_ids, experts, positions, k, v):
+        """append_kv's arguments of shape: ValueError unless k, v are (n, Hkv, Dh) and seq_ids,
+        experts, positions n integers each, which it returns as (n,) int64 CPU tensors."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         n = k.shape[0]
         if k.shape != (n, Hkv, Dh) or v.shape != k.shape:
@@ -374,16 +400,15 @@ class PagedKVCache:
                 f"seq_ids, experts and positions must be (n,) = ({n},); got "
                 f"{tuple(seq_ids.shape)}, {tuple(experts.shape)}, {tuple(positions.shape)}"
             )
-        if self.manager.budget is not None:
-            scores = (
-                torch.ones(n, dtype=torch.float64)
-                if scores is None
-                else torch.as_tensor(scores).cpu().reshape(-1)
-            )
-            if scores.shape != (n,):
-                raise ValueError(f"scores must be (n,) = ({n},); got {tuple(scores.shape)}")
-            return self._append_with_budget(layer, seq_ids, experts, positions, k, v, scores)
+        return seq_ids, experts, positions
+
+    def append_kv(self, layer: int, seq_ids, experts, positions, k, v, scores=None) -> AppendedRows:
+        """Raises ValueError (bad shapes or order) or OutOfBlocksError (pool short) before anything
+        is stored or allocated. scores (n,): each pair's router probability, which the model hands
+        every cache and this one does not read."""
+        seq_ids, experts, positions = self._check_pairs(seq_ids, experts, positions, k, v)
         manager, key = self.manager, (seq_ids.tolist(), experts.tolist(), positions.tolist())
+        n = k.shape[0]
         appended = self._append_planned(self.plan, layer, key, positions, k, v)
         if appended is not None:
             return appended
@@ -455,55 +480,6 @@ class PagedKVCache:
             appended,
             self._padding(appended.context_lens),
         )
-
-    def _append_with_budget(self, layer, seq_ids, experts, positions, k, v, scores) -> AppendedRows:
-        """append_kv for a cache with a budget. The pairs a row has room for are appended now, as
-        without a budget (the same operations, so a budget no row reaches changes no bit); the rest
-        wait for `attend`, which places them one per row at a time (WaitingPairs)."""
-        manager = self.manager
-        new_seqs = sorted(set(seq_ids.tolist()).difference(manager.sequences))
-        for s in new_seqs:
-            manager.add_sequence(s)
-        try:
-            pair_rows = manager.rows(seq_ids, layer, experts)  # (n,)
-            rows, pair_row, num_new = torch.unique(pair_rows, return_inverse=True, return_counts=True)
-            order = torch.argsort(pair_rows, stable=True)  # (n,) grouped by row
-            first = torch.cumsum(num_new, 0) - num_new  # (m,) into order
-            self._check_positions(pair_rows[order], positions[order], rows, first)
-            rank = torch.empty_like(order)
-            rank[order] = torch.arange(order.numel()) - first[pair_row[order]]  # (n,) i-th of its row
-            room = manager.budget.limit_of_rows(rows) - manager.row_tokens[rows]  # (m,)
-            fits = rank < room[pair_row]  # (n,)
-            now = fits.nonzero().squeeze(1)  # (f,) in call order
-            fit_rows, fit_pair_row, fit_new = torch.unique(
-                pair_rows[now], return_inverse=True, return_counts=True
-            )
-            old = manager.row_tokens[fit_rows]  # (r,)
-            allocation = manager.allocate_slots(fit_rows, fit_new, rows_are_distinct=True)  # may raise
-        except Exception:
-            for s in new_seqs:  # as it was
-                manager.free(s)
-            raise
-        pair_index = old[fit_pair_row] + rank[now]  # (f,) index in its row
-        manager.budget.record(pair_rows[now], pair_index, positions[now], scores[now])
-        last = torch.zeros(fit_rows.numel(), dtype=torch.int64).scatter_reduce_(
-            0, fit_pair_row, positions[now], "amax", include_self=False
-        )  # (r,)
-        manager.note_positions(fit_rows, last)
-        slots = torch.empty(now.numel(), dtype=torch.int64)
-        slots[torch.argsort(pair_rows[now], stable=True)] = allocation.slot_mapping  # row after row -> pairs
-        self._store(k[now], v[now], slots)
-        waiting = []
-        late = rank - room[pair_row]  # (n,) >= 0: waits
-        for wave in range(int(late.max()) + 1 if not bool(fits.all()) else 0):
-            pairs = (late == wave).nonzero().squeeze(1)  # (w,) one per row
-            waiting.append(
-                WaitingPairs(pairs, pair_rows[pairs], positions[pairs], scores[pairs], k[pairs], v[pairs])
-            )
-        if fit_rows.numel() == now.numel():  # each pair its own row: rows in pair order (a decode)
-            fit_rows, fit_new, fit_pair_row = pair_rows[now], torch.ones_like(now), torch.arange(now.numel())
-        context_lens = manager.row_tokens[fit_rows]
-        return AppendedRows(fit_rows, fit_new, context_lens, fit_pair_row, pair_index, now, waiting)
 
     def _append_planned(self, plan, layer, key, positions, k, v) -> AppendedRows | None:
         """append_kv of the plan's pairs at the next layer; None (nothing changed) where the plan does
@@ -577,58 +553,9 @@ class PagedKVCache:
     def attend(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
         """Each pair's query q (n, H, Dh) over the keys its row holds up to and including its own
         token. Returns (n, H, Dh)."""
-        if appended.pairs is not None:
-            return self._attend_with_budget(appended, q)
         if q.shape[0] != appended.pair_row.numel():
             raise ValueError(f"q has {q.shape[0]} queries for {appended.pair_row.numel()} appended pairs")
         return self._attend_rows(appended, q)
-
-    def _attend_with_budget(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
-        """attend for a cache with a budget: the pairs appended by append_kv, then each wave of
-        waiting pairs placed (KVCacheManager.allocate_within_budget) and attended in turn. A refused
-        pair's output stays zero: it adds nothing to its token's gated sum (budget.py)."""
-        n = appended.pairs.numel() + sum(wave.pairs.numel() for wave in appended.waiting)
-        if q.shape[0] != n:
-            raise ValueError(f"q has {q.shape[0]} queries for {n} appended pairs")
-        out = q.new_zeros(q.shape)  # (n, H, Dh)
-        self._attend_budgeted_group(appended, appended.pairs, q, out)
-        for wave in appended.waiting:  # after the last wave's attention: it may overwrite a key
-            slots, accepted = self.manager.allocate_within_budget(wave.rows, wave.positions, wave.scores)
-            self._store(wave.k[accepted], wave.v[accepted], slots)
-            rows = wave.rows[accepted]  # (a,) one pair each
-            lens = self.manager.row_tokens[rows]
-            # the newcomer sees its whole row: every slot holds an earlier position, or its own
-            placed = AppendedRows(rows, torch.ones_like(rows), lens, torch.arange(rows.numel()), lens - 1)
-            self._attend_budgeted_group(placed, wave.pairs[accepted], q, out)
-        return out
-
-    def _attend_budgeted_group(
-        self, appended: AppendedRows, pairs: torch.Tensor, q: torch.Tensor, out
-    ) -> None:
-        """out[pairs] = attention of those pairs (the path without a budget); under heavy_hitter their
-        rows' slots also receive the attention probabilities (H2O's accumulated attention)."""
-        if not pairs.numel():
-            return
-        out[pairs] = self._attend_rows(appended, q[pairs])
-        if self.manager.budget.policy == "heavy_hitter":
-            self.manager.budget.add_attention(appended.rows, self._attention_received(appended, q[pairs]))
-
-    def _attention_received(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
-        """(m, Lmax) the probability each slot of each row received from the call's queries, summed
-        over queries and heads. The fused attention does not return its probabilities, so they are
-        computed beside it: the outputs stay exactly those of the path without a budget."""
-        H, Dh = q.shape[1], q.shape[2]
-        compute = score_dtype(q.dtype)
-        keys, _, valid = self._gather_rows(
-            appended.rows, appended.context_lens, compute
-        )  # (m, Lmax, Hkv, Dh)
-        keys = keys[appended.pair_row].repeat_interleave(H // keys.shape[2], dim=2)  # (n, Lmax, H, Dh)
-        logits = torch.einsum("nhd,nlhd->nhl", q.to(compute), keys) / Dh**0.5  # (n, H, Lmax)
-        slot = torch.arange(keys.shape[1], device=keys.device)
-        visible = valid[appended.pair_row] & (slot[None, :] <= appended.pair_index[:, None].to(keys.device))
-        probs = torch.softmax(logits.masked_fill(~visible[:, None, :], -torch.inf), dim=-1)  # (n, H, Lmax)
-        received = torch.zeros(appended.rows.numel(), keys.shape[1], dtype=compute, device=keys.device)
-        return received.index_add_(0, appended.pair_row.to(keys.device), probs.sum(1)).cpu()  # (m, Lmax)
 
     def _attend_rows(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
         if self.attention == "reference":

@@ -7,7 +7,7 @@ from functools import lru_cache
 import torch
 
 from ..analysis import heldout_text
-from ..cache import PagedKVCache
+from ..cache import BudgetedPagedKVCache
 from ..cache.budget import RowBudget
 from ..checkpoint import load_default_model
 from ..prompts import encode
@@ -40,7 +40,7 @@ def _exercise_10_refused(max_tokens: int) -> int:
     max_tokens per row: the paged cache's own count."""
     model = load_default_model()
     tokens = torch.tensor(encode(exercise_10_text()))
-    cache = PagedKVCache.for_model(model, max_num_seqs=1, budget=RowBudget(max_tokens, "drop"))
+    cache = BudgetedPagedKVCache.for_model(model, max_num_seqs=1, budget=RowBudget(max_tokens, "drop"))
     with torch.inference_mode():
         model.forward_cached(tokens, torch.zeros_like(tokens), torch.arange(len(tokens)), cache)
     return cache.manager.budget.num_refused

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..cache.block_pool import OutOfBlocksError
-from ..cache.paged import PagedKVCache
+from ..cache.budget_paged import make_paged_cache
 from ..model import MoEKVTransformer
 from ..profiling import phase
 from ..prompts import check_batch, check_prompt, check_sampling_params
@@ -147,7 +147,7 @@ class LLMEngine:
         self.model = model
         self.config = model.config
         # every option of the cache is checked there, once, before its pool is allocated
-        self.cache = PagedKVCache.for_model(
+        self.cache = make_paged_cache(
             model,
             block_size,
             num_blocks,

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moekv_ref.attention import attend_by_position
-from moekv_ref.cache import KVCacheManager, PagedKVCache, PrefixCache
+from moekv_ref.cache import BudgetedPagedKVCache, KVCacheManager, PrefixCache
 from moekv_ref.cache.budget import BUDGET_POLICIES, SCORE_TIE, RowBudget
 from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.generate import generate
@@ -124,7 +124,7 @@ def test_each_policy_equals_the_plain_reference_and_the_recompute(mode, policy, 
         reference = _decode_one_at_a_time(model, plain, sequences)
         recompute = model(sequences, budget=budget).logits
         for attention in ("batched", "reference"):
-            paged = PagedKVCache.for_model(
+            paged = BudgetedPagedKVCache.for_model(
                 model, block_size=2, attention=attention, budget=budget, shuffle_seed=1
             )
             logits = prefill_then_decode(model, paged, sequences, prefill=9)
@@ -177,9 +177,9 @@ def test_an_evicted_token_s_kv_never_reaches_an_output(policy, monkeypatch):
     budget = RowBudget(3, policy, num_sinks=1)
     with torch.inference_mode():
         clean = prefill_then_decode(
-            model, PagedKVCache.for_model(model, block_size=2, budget=budget), sequences, prefill=11
+            model, BudgetedPagedKVCache.for_model(model, block_size=2, budget=budget), sequences, prefill=11
         )
-    cache = PagedKVCache.for_model(model, block_size=2, budget=budget)
+    cache = BudgetedPagedKVCache.for_model(model, block_size=2, budget=budget)
     allocate = cache.manager.allocate_within_budget
 
     def poisoning(rows, positions, scores):
@@ -216,10 +216,10 @@ def test_an_evicted_token_s_kv_never_reaches_an_output(policy, monkeypatch):
     seed=st.integers(0, 1000),
 )
 def test_no_row_ever_holds_more_than_its_budget(policy, limits, block_size, chunks, seed):
-    """Random chunks of random routing through PagedKVCache: after every call every row holds at most
+    """Random chunks of random routing through BudgetedPagedKVCache: after every call every row holds at most
     its layer's B tokens in at most ceil(B / P) blocks, and the manager's invariants hold."""
     config = small_config("expert")
-    cache = PagedKVCache(
+    cache = BudgetedPagedKVCache(
         config,
         num_blocks=400,
         block_size=block_size,
@@ -343,15 +343,15 @@ def test_combinations_that_cannot_work_are_refused_with_their_reason():
     with pytest.raises(ValueError, match="neither shared tails nor prefix caching"):
         KVCacheManager(2, 5, 4, 100, budget=RowBudget(4), prefix_cache=PrefixCache())
     with pytest.raises(ValueError, match="neither shared tails nor prefix caching"):
-        PagedKVCache.for_model(model, budget=RowBudget(4), shared_tails=True)
+        BudgetedPagedKVCache.for_model(model, budget=RowBudget(4), shared_tails=True)
     with pytest.raises(ValueError, match="router_score' needs routed attention"):
-        PagedKVCache.for_model(model, budget=RowBudget(4, "router_score"))
+        BudgetedPagedKVCache.for_model(model, budget=RowBudget(4, "router_score"))
     with pytest.raises(ValueError, match="router_score' needs routed attention"):
         model(torch.zeros(1, 3, dtype=torch.int64), budget=RowBudget(4, "router_score"))
     with pytest.raises(ValueError, match="one per layer"):
-        PagedKVCache.for_model(model, budget=RowBudget([4, 4, 4]))
+        BudgetedPagedKVCache.for_model(model, budget=RowBudget([4, 4, 4]))
     with pytest.raises(ValueError, match="budget=4 is an int; allowed: a RowBudget"):
-        PagedKVCache.for_model(model, budget=4)
+        BudgetedPagedKVCache.for_model(model, budget=4)
     for bad, match in (
         ((0,), "max_tokens=0"),
         ((2.5,), "max_tokens=2.5"),

@@ -10,7 +10,7 @@ import torch
 from helpers import random_model, random_prompts, small_config
 
 from moekv_ref.analysis import BUDGET_MAP_CODES, budget_map
-from moekv_ref.cache import PagedKVCache
+from moekv_ref.cache import BudgetedPagedKVCache
 from moekv_ref.cache.budget import BUDGET_POLICIES, RowBudget
 from moekv_ref.checkpoint import load_default_model
 from moekv_ref.course.exercise_10 import exercise_10_text
@@ -26,7 +26,7 @@ def one_token_at_a_time(model, tokens: torch.Tensor, budget: RowBudget) -> torch
     """(L, E, T) codes from a paged cache fed the tokens one decode step each."""
     config = model.config
     L, E, T = config.num_hidden_layers, config.num_attention_experts, len(tokens)
-    cache = PagedKVCache.for_model(model, block_size=4, max_num_seqs=1, budget=budget)
+    cache = BudgetedPagedKVCache.for_model(model, block_size=4, max_num_seqs=1, budget=budget)
     manager = cache.manager
     routed = torch.zeros(L, E, T, dtype=torch.bool)
     accepted = torch.zeros(L, E, T, dtype=torch.bool)

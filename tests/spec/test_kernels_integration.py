@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from helpers import prefill_then_decode, random_model, random_prompts, small_config  # noqa: E402
 
 import moekv_kernels  # noqa: E402
-from moekv_ref.cache import PagedKVCache  # noqa: E402
+from moekv_ref.cache import BudgetedPagedKVCache, PagedKVCache  # noqa: E402
 from moekv_ref.cache.budget import RowBudget  # noqa: E402
 from moekv_ref.generate import generate  # noqa: E402
 from moekv_ref.sampling import SamplingParams  # noqa: E402
@@ -133,7 +133,7 @@ def test_a_budgeted_cache_attends_full_rows_on_the_kernel(monkeypatch):
         logits = {
             attention: prefill_then_decode(
                 model,
-                PagedKVCache.for_model(
+                BudgetedPagedKVCache.for_model(
                     model, block_size=2, attention=attention, budget=RowBudget(3, "window", num_sinks=1)
                 ),
                 sequences,
