@@ -57,6 +57,8 @@ def test_make_paged_cache_picks_the_class_by_the_budget_and_the_model_s_capacity
     implied = make_paged_cache(capacity, block_size=2)
     assert type(implied) is BudgetedPagedKVCache
     assert repr(implied.manager.budget) == repr(model_budget(capacity.config).fresh())
+    exact = PagedKVCache.for_model(capacity, block_size=2)  # the plain class never caps a row
+    assert type(exact) is PagedKVCache and exact.manager.budget is None
     with pytest.raises(ValueError, match="budget=4 is an int; allowed: a RowBudget"):
         make_paged_cache(plain_model, budget=4)
     with pytest.raises(ValueError, match="budget=None is not allowed for a model without attention_capacity"):

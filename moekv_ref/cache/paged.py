@@ -310,7 +310,8 @@ class PagedKVCache:
     ) -> "PagedKVCache":
         """A cache in the model's dtype and device; attention=None follows the model's backend.
         Without num_blocks, the pool holds max_num_seqs sequences of max_position_embeddings tokens
-        at their worst (rows.worst_case_lifetime_blocks)."""
+        at their worst (rows.worst_case_lifetime_blocks). Exact whatever the model's
+        attention_capacity: every routed token stays in its row."""
         return cls._for_model(
             model,
             block_size,
