@@ -5,6 +5,8 @@ demand.py        blocks a request needs: worst case of a step, of a lifetime, an
 memory.py        ModelShape (the model's routing facts) and MemoryView (read-only memory facts, the cache's shape)
 swap.py          SwapSpace: host block ids of sequences preempted by swap; BlockCopy
 admission.py     admission policies: predicted, optimistic
+reservation.py   reservation policies: what a step sets aside before the routers decide; worst_case
+optimistic_reservation.py  the optimistic reservation: expected blocks, a step that runs short retried
 victims.py       victim policies: newest_first, sequence_lru, expert_lru, pressure_aware, and
                  oracle and belady for trace replay (sim/runner.py)
 batching.py      BatchingPolicy; continuous batching on the paged pool (continuous_paged)
@@ -21,7 +23,9 @@ from .baseline_batching import ContinuousReserved, StaticBatching
 from .batching import BatchingPolicy, ContinuousBatching
 from .engine import EngineStats, LLMEngine, RequestEvent, StepRecord, generate_with_engine
 from .memory import MemoryView, ModelShape
+from .optimistic_reservation import OptimisticReservation
 from .request import Request, RequestOutput, RequestStatus
+from .reservation import ReservationPolicy, WorstCaseReservation
 from .scheduler import POLICIES, PREEMPTION_MODES, Scheduler, SchedulerConfig, SchedulerOutput
 from .swap import BlockCopy, SwapSpace
 from .victims import NewestFirst, VictimPolicy
@@ -38,6 +42,7 @@ __all__ = [
     "ModelShape",
     "NewestFirst",
     "OptimisticAdmission",
+    "OptimisticReservation",
     "POLICIES",
     "PREEMPTION_MODES",
     "PredictedAdmission",
@@ -45,6 +50,7 @@ __all__ = [
     "RequestEvent",
     "RequestOutput",
     "RequestStatus",
+    "ReservationPolicy",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
@@ -52,5 +58,6 @@ __all__ = [
     "StepRecord",
     "SwapSpace",
     "VictimPolicy",
+    "WorstCaseReservation",
     "generate_with_engine",
 ]

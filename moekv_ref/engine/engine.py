@@ -293,7 +293,7 @@ class LLMEngine:
         start = time.perf_counter()
         step = self.step_count
         used_before = self.memory.num_used_blocks
-        retry = None  # optimistic reservation: how to try again a step that ran short
+        retry = None  # a reservation that retries: how to try again a step that ran short
         while True:
             num_running, scheduled_used = len(self.scheduler.running), used_before
             before = Snapshot(self.scheduler)
@@ -336,7 +336,8 @@ class LLMEngine:
                     self._fail_running(error, decision, step, start, running_scheduled, used_scheduled)
                     raise
                 short = isinstance(error, OutOfBlocksError) and error.shortfall is not None
-                if not short or self.scheduler.config.reservation != "optimistic":
+                reservation = self.scheduler.reservation
+                if not short or not reservation.retries:
                     self._fail_running(error, decision, step, start, running_scheduled, used_scheduled)
                     raise
                 # a layer found its device full: the step starts over, scheduling included, with
@@ -344,7 +345,7 @@ class LLMEngine:
                 before.restore()
                 self._counts["retries"] += 1
                 self._counts["thrown_away_tokens"] += decision.num_scheduled_tokens
-                retry = self.scheduler.retry(decision, error, retry)
+                retry = reservation.retry(decision, error, retry)
 
     def _commit(
         self, step, decision, start, num_running, scheduled_used, done, used_blocks, num_generated

@@ -3,7 +3,8 @@
 One step, in order (vLLM v1's loop, with MoE-aware memory checks):
 
  1. Running requests, oldest first, get their pending tokens (a prefill chunk, or one decode token)
-    within the token budget, reserving the *worst case* of blocks those tokens can open (demand.py).
+    within the token budget, reserving what the reservation policy sets aside for them (by default
+    the *worst case* of blocks those tokens can open: demand.py).
     While that does not fit, the victim policy picks a running request not yet scheduled this step
     (the newest, by default), preempted by recompute or by swap (possibly the request itself).
  2. If nothing was preempted: the batching policy admits waiting requests, preempted ones first
@@ -57,13 +58,16 @@ from .demand import (
     worst_case_step_blocks_per_device,
 )
 from .memory import MemoryView, ModelShape
+from .optimistic_reservation import OptimisticReservation
 from .request import Request, RequestStatus
+from .reservation import ReservationPolicy, Retry, WorstCaseReservation
 from .swap import COPY, BlockCopy, SwapSpace
 from .victims import VICTIM_POLICIES, RowEviction, Shortage, VictimPolicy
 
 POLICIES = ("static", "continuous_reserved", "continuous_paged")
 PREEMPTION_MODES = ("recompute", "swap")
-RESERVATIONS = ("worst_case", "optimistic")
+RESERVATION_POLICIES = {"worst_case": WorstCaseReservation, "optimistic": OptimisticReservation}
+RESERVATIONS = tuple(RESERVATION_POLICIES)
 
 
 @dataclass(frozen=True)
@@ -77,12 +81,9 @@ class SchedulerConfig:
     admission: str | AdmissionPolicy | None = None
     preemption_mode: str = "recompute"
     victim: str | VictimPolicy = "newest_first"
-    # worst_case: a step reserves what its tokens could take at most (demand.py), so it never runs
-    # short; optimistic: a decode token reserves nothing and a prefill chunk what the predictor
-    # expects, and a step that runs short is undone and scheduled again (`Scheduler.retry`; the
-    # engine and the trace runner retry): with half its admissions if it had any, else with the
-    # missing blocks freed first by the victim policy. continuous_paged only.
-    reservation: str = "worst_case"
+    # what a step sets aside before the routers decide (reservation.py): worst_case, what its tokens
+    # could take at most, or a policy that may run short (optimistic), continuous_paged only
+    reservation: str | ReservationPolicy = "worst_case"
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -91,16 +92,16 @@ class SchedulerConfig:
             ("policy", POLICIES, BatchingPolicy),
             ("admission", tuple(ADMISSIONS), AdmissionPolicy),
             ("preemption_mode", PREEMPTION_MODES, None),
-            ("reservation", RESERVATIONS, None),
+            ("reservation", RESERVATIONS, ReservationPolicy),
             ("victim", tuple(VICTIM_POLICIES), VictimPolicy),
         ):
             value = getattr(self, name)
             if (value is None and name == "admission") or (kind and isinstance(value, kind)):
                 continue
             check_choice(name, value, allowed, f", or a policy object ({kind.__name__})" if kind else "")
-        if self.reservation == "optimistic" and self.policy != "continuous_paged":
+        if self.make_reservation_policy().retries and self.policy != "continuous_paged":
             raise ValueError(
-                f"reservation='optimistic' applies to policy='continuous_paged' only, not "
+                f"reservation={self.reservation!r} applies to policy='continuous_paged' only, not "
                 f"policy={self.policy!r} (whose admission reserves whole lifetimes)"
             )
         if self.admission is not None and self.policy != "continuous_paged":
@@ -120,6 +121,11 @@ class SchedulerConfig:
 
     def make_victim_policy(self) -> VictimPolicy:
         return self.victim if isinstance(self.victim, VictimPolicy) else VICTIM_POLICIES[self.victim]()
+
+    def make_reservation_policy(self) -> ReservationPolicy:
+        if isinstance(self.reservation, ReservationPolicy):
+            return self.reservation
+        return RESERVATION_POLICIES[self.reservation]()
 
 
 def check_swap_space(num_swap_blocks, preemption_mode: str) -> int:
@@ -142,16 +148,6 @@ class ScheduledRequest:
     num_tokens: int  # tokens this step runs for it
     reserved_blocks: int  # worst case those tokens can take from the pool (summed over devices)
     samples: bool = True  # the tokens end its pending ones: the step samples its next token
-
-
-@dataclass(frozen=True)
-class Retry:
-    """How to schedule a step again after a try ran short (optimistic reservation, `Scheduler.retry`):
-    free `shortfall` (D,) blocks beyond those free now, by the victim policy, and admit at most
-    `max_admissions` requests."""
-
-    shortfall: torch.Tensor
-    max_admissions: int
 
 
 @dataclass(frozen=True)
@@ -213,7 +209,7 @@ class Scheduler(Stateful):
         "num_dead_rows_freed",
     )
     # the manager holds the prefix cache, shared tails and budget; the memory view holds nothing
-    PARTS = ("manager", "swap_space", "predictor", "batching", "victims")
+    PARTS = ("manager", "swap_space", "predictor", "batching", "victims", "reservation")
 
     def __init__(
         self,
@@ -267,12 +263,7 @@ class Scheduler(Stateful):
                 "tails and prefix caching share blocks between rows; use a victim that preempts "
                 "whole sequences (newest_first, sequence_lru, pressure_aware)"
             )
-        # optimistic reservation spreads a prefill chunk's expected blocks over the devices by their
-        # share of the experts, where rows live on their experts' devices and no budget caps them
-        experts_on = None if memory.max_row_tokens is not None else manager.placement.experts_per_device()
-        self.expert_share = (
-            None if experts_on is None else experts_on.sum(0).double() / experts_on.sum()
-        )  # (D,)
+        self.reservation = config.make_reservation_policy()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stalled: dict[int, Request] = {}  # request id -> request whose rows were evicted, in order
@@ -368,11 +359,14 @@ class Scheduler(Stateful):
     # ----- one step ---------------------------------------------------------------------------------
     def schedule(self, step: int, retry: Retry | None = None) -> SchedulerOutput:
         """One step's decisions; an exception gets a note naming the request being decided on (the
-        engine undoes the partial decisions: undo.py). retry: under optimistic reservation, how to
-        try again a step whose earlier try ran short (`retry`)."""
+        engine undoes the partial decisions: undo.py). retry: how to try again a step whose earlier
+        try ran short (given only where the policy `retries`)."""
         self.current = None
-        if retry is not None and self.config.reservation != "optimistic":
-            raise ValueError("a retry is given only to schedule a step again under reservation='optimistic'")
+        if retry is not None and not self.reservation.retries:
+            raise ValueError(
+                f"a retry is given only to schedule a step again under a reservation that retries, "
+                f"not reservation={self.reservation.name!r}"
+            )
         try:
             return self._schedule(step, retry)
         except BaseException as error:
@@ -471,31 +465,16 @@ class Scheduler(Stateful):
         self.current = request
 
     def may_run_short(self) -> bool:
-        """Under optimistic reservation: whether the next step could find a device full, that is,
-        whether a request may join it or the worst case of every running request's next tokens
-        exceeds some device's free blocks. False: no try of the next step needs undoing (the
-        trace runner then takes no snapshot)."""
-        if self.config.reservation != "optimistic":
-            return False
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
-            return True
-        budget = self.config.max_num_batched_tokens
-        planned = [min(r.num_pending_tokens, budget) for r in self.running]
-        return bool(self.running) and not self.fits(self.worst_case_step_blocks(self.running, planned).sum(0))
-
-    def retry(self, out: SchedulerOutput, error, previous: Retry | None) -> Retry:
-        """How to schedule the step again after the try that decided `out` ran short (an
-        OutOfBlocksError with its shortfall). A try that admitted or resumed k requests is retried
-        with at most k // 2 of them (at least one when nothing else runs: a request alone fits),
-        since dropping joiners may be enough and preempting running requests to make room for new
-        ones would thrash; a try that admitted none is retried admitting none, with its shortfall
-        added to the tries' so far, which the victim policy frees first."""
-        joined = len(out.admitted) + len(out.resumed)
-        shortfall = torch.zeros_like(error.shortfall) if previous is None else previous.shortfall
-        if joined:
-            alone = joined == len(out.scheduled)  # nothing else ran in the try
-            return Retry(shortfall, max(joined // 2, 1 if alone else 0))
-        return Retry(shortfall + error.shortfall, 0)
+        """Whether the next step could find a device full, as the reservation policy says (the trace
+        runner takes a snapshot only then)."""
+        may_join = bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+        return self.reservation.may_run_short(
+            self.running,
+            may_join,
+            self.worst_case_step_blocks,
+            self.memory,
+            self.config.max_num_batched_tokens,
+        )
 
     # ----- the step's reservation: a (D,) vector, D = 1 for one pool ------------------------------
     def fits(self, demand: torch.Tensor) -> bool:
@@ -549,35 +528,15 @@ class Scheduler(Stateful):
 
     def step_blocks_many(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
         """`step_blocks` in one pass, (m, D) (per-request tensor calls cost more than a small model's
-        decode forward). A swapped request grows from the rows it saved; a stalled one restarts empty.
-        Under optimistic reservation a decode token reserves nothing (its blocks are found as the
-        routers decide) and a prefill or recompute chunk the blocks the predictor expects of it,
-        spread over the devices by their share of the experts (the worst case where rows live on
-        their sequence's home device)."""
-        if self.config.reservation != "optimistic":
-            return self.worst_case_step_blocks(requests, num_tokens)
-        needs = torch.zeros(len(requests), self.num_devices, dtype=torch.int64)
-        chunks = [
-            i for i, (r, n) in enumerate(zip(requests, num_tokens)) if n > 1 or r.num_computed_tokens == 0
-        ]
-        if not chunks:
-            return needs
-        if self.expert_share is None:
-            needs[chunks] = self.worst_case_step_blocks(
-                [requests[i] for i in chunks], [num_tokens[i] for i in chunks]
-            )
-            return needs
-        for i in chunks:
-            done = requests[i].num_computed_tokens
-            expected = self.predictor.predict(done + num_tokens[i]) - (
-                self.predictor.predict(done) if done else 0
-            )
-            needs[i] = torch.ceil(self.expert_share * max(expected, 0)).to(torch.int64)
-        return needs
+        decode forward): what the policy sets aside, from the worst case."""
+        return self.reservation.step_needs(
+            requests, num_tokens, self.worst_case_step_blocks, self.memory, self.predictor
+        )
 
     def worst_case_step_blocks(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
         """(m, D) the most blocks each request's next num_tokens[i] tokens can take on each device,
-        from every row's count: demand.py's bounds, as notebook 04 teaches them (`worst_case_need`)."""
+        from every row's count: demand.py's bounds, as notebook 04 teaches them (`worst_case_need`).
+        A swapped request grows from the rows it saved; a stalled one restarts empty."""
         memory = self.memory
         resident = [r.request_id for r in requests if not r.swapped]
         counts = memory.token_counts(resident)  # (h, L, E)

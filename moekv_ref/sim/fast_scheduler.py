@@ -17,6 +17,11 @@ step; this class reads the same numbers from smaller tables:
     all at once      when every running request's planned tokens fit together (most decode steps), one
                      check schedules them all, instead of one check per request
 
+The reservation policy (engine/reservation.py) is handed the worst case as the scheduler's
+`worst_case_step_blocks`, which this class overrides: the first three apply under either policy
+(worst_case reserves it; optimistic reads it to decide whether a step may run short, and for a
+prefill chunk where it cannot spread the expected blocks over the experts' devices).
+
 Each is tested against the plain Scheduler, decision by decision over whole runs and on random
 states, and broken on purpose to show the tests would see it (tests/spec/test_sim_fast_paths.py).
 """

@@ -362,7 +362,7 @@ class TraceRunner:
             hits = torch.cat([hits, chunk_hits])
             per_layer = per_layer + chunk_per_layer
             positions += chunk_positions
-        if self.setup.reservation == "optimistic":
+        if self.scheduler.reservation.retries:
             self._raise_at_the_first_short_layer(rows, hits)
         allocation = manager.allocate_slots(
             rows, hits, rows_are_distinct=True, with_slots=cached, one_each=bool(decode.all())
@@ -394,12 +394,12 @@ class TraceRunner:
             )
 
     def _step(self, step: int):
-        """Schedule and append one step: (SchedulerOutput, (L,) experts chosen per layer). Under
-        optimistic reservation an append that runs short is undone with the scheduling before it
-        (engine/undo.py, as LLMEngine.step does) and the step scheduled again as Scheduler.retry
-        says (fewer admissions, or the missing blocks freed first)."""
+        """Schedule and append one step: (SchedulerOutput, (L,) experts chosen per layer). Under a
+        reservation policy that retries (optimistic) an append that runs short is undone with the
+        scheduling before it (engine/undo.py, as LLMEngine.step does) and the step scheduled again
+        as the policy's `retry` says (fewer admissions, or the missing blocks freed first)."""
         scheduler = self.scheduler
-        if self.setup.reservation != "optimistic":
+        if not scheduler.reservation.retries:
             out = scheduler.schedule(step)
             return out, self.append(out.scheduled)
         retry = None
@@ -418,7 +418,7 @@ class TraceRunner:
                 self.thrown_away_tokens += out.num_scheduled_tokens
                 if self.cost is not None:  # the layers run before the fault cost their time
                     self.thrown_away_seconds += self.step_seconds(out) * self.failed_fraction
-                retry = scheduler.retry(out, error, retry)
+                retry = scheduler.reservation.retry(out, error, retry)
 
     def step_seconds(self, out) -> float:
         """A step's fixed cost, each decode token or prefill / recompute chunk over its context, and

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import moekv_ref.engine.scheduler as scheduler_module
+from moekv_ref.cache.block_pool import OutOfBlocksError
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
 from moekv_ref.engine.admission import predicted_peak
 from moekv_ref.engine.demand import (
@@ -22,9 +23,12 @@ from moekv_ref.engine.demand import (
     worst_case_step_blocks_per_device,
 )
 from moekv_ref.engine.memory import ModelShape
+from moekv_ref.engine.optimistic_reservation import OptimisticReservation
 from moekv_ref.engine.request import Request, RequestStatus
+from moekv_ref.engine.reservation import Retry, WorstCaseReservation
 from moekv_ref.engine.scheduler import Scheduler, SchedulerConfig
 from moekv_ref.engine.swap import SWAP_IN, SWAP_OUT
+from moekv_ref.engine.undo import Snapshot
 from moekv_ref.engine.victims import Shortage, VictimPolicy
 from moekv_ref.sampling import SamplingParams
 from moekv_ref.sim.fast_scheduler import FastScheduler
@@ -407,9 +411,122 @@ def test_static_batch_is_padded_by_the_policy_and_admits_only_when_done(schedule
     [
         ({"policy": "static", "admission": "optimistic"}, "applies to policy='continuous_paged' only"),
         ({"victim": "random"}, "victim='random' is not one of"),
+        ({"policy": "static", "reservation": "optimistic"}, "applies to policy='continuous_paged' only"),
+        (
+            {"policy": "static", "reservation": OptimisticReservation()},
+            "applies to policy='continuous_paged' only",
+        ),
+        ({"reservation": "lucky"}, "reservation='lucky' is not one of"),
         ({"policy": object()}, "policy=<object"),
     ],
 )
 def test_options_that_do_not_apply_or_do_not_exist_are_refused(config, match):
     with pytest.raises(ValueError, match=match):
         SchedulerConfig(**config)
+
+
+# ----- reservation policies (reservation.py, optimistic_reservation.py) -----------------------------
+
+
+def scheduled(out):
+    return [(s.request.request_id, s.num_tokens, s.reserved_blocks) for s in out.scheduled]
+
+
+@pytest.mark.parametrize("reservation", ["worst_case", WorstCaseReservation()])
+def test_worst_case_reservation_reserves_every_steps_worst_case_and_never_retries(
+    scheduler_class, reservation
+):
+    """The default, by name or as an object: a 3-token prompt reserves its worst case, 8 blocks
+    (test_optimistic_admission_admits_while_the_step_worst_case_fits), a decode token 4 (the two
+    empty rows of each layer may open a block); no step may run short, so none is retried."""
+    scheduler = make_scheduler(scheduler_class, 20, admission="optimistic", reservation=reservation)
+    assert isinstance(scheduler.reservation, WorstCaseReservation) and not scheduler.reservation.retries
+    for i in range(3):
+        add(scheduler, i, prompt_len=3, max_new_tokens=4)
+    assert not scheduler.may_run_short()  # a request may join, yet the step's worst case is reserved
+    out = scheduler.schedule(0)
+    assert scheduled(out) == [(0, 3, 8), (1, 3, 8)] and ids(scheduler.waiting) == [2]
+    run_forward(scheduler, out)
+    out = scheduler.schedule(1)
+    assert scheduled(out) == [(0, 1, 4), (1, 1, 4)] and not out.admitted  # 4 + 4 + 8 > 12 free
+    with pytest.raises(ValueError, match="reservation='worst_case' never runs short"):
+        scheduler.reservation.retry(out, OutOfBlocksError("short", torch.tensor([1])), None)
+    with pytest.raises(ValueError, match="not reservation='worst_case'"):
+        scheduler.schedule(2, Retry(torch.tensor([1]), 0))
+
+
+def run_short_step(scheduler, step, experts):
+    """Schedule and run a step, as LLMEngine.step does under a reservation that retries: a forward
+    that runs short undoes the step, which is scheduled again as the policy's `retry` says.
+    Returns the tries' outputs and the retries given; a step still short after 4 tries fails."""
+    outs, retries, retry = [], [], None
+    for _ in range(4):
+        before = Snapshot(scheduler)
+        out = scheduler.schedule(step, retry)
+        outs.append(out)
+        try:
+            run_forward(scheduler, out, experts)
+            return outs, retries
+        except OutOfBlocksError as error:
+            before.restore()
+            retry = scheduler.reservation.retry(out, error, retry)
+            retries.append(retry)
+    raise AssertionError(f"step {step} still ran short after {len(outs)} tries: {retries}")
+
+
+def test_optimistic_reservation_reserves_a_prompts_expected_blocks_and_nothing_for_decode_tokens(
+    scheduler_class,
+):
+    """A prompt reserves what the predictor expects of it (before any observation it assumes k_max
+    experts a token: 8 blocks for 3 tokens, the worst case here), a decode token nothing: the decode
+    step of requests 0 and 1 leaves room to admit request 2, which worst-case reservation refuses
+    (test_worst_case_reservation_reserves_every_steps_worst_case_and_never_retries). One device
+    holding every expert: the expected blocks go to it whole."""
+    scheduler = make_scheduler(scheduler_class, 20, admission="optimistic", reservation="optimistic")
+    assert isinstance(scheduler.reservation, OptimisticReservation) and scheduler.reservation.retries
+    for i in range(3):
+        add(scheduler, i, prompt_len=3, max_new_tokens=4)
+    assert scheduler.predictor.predict(3) == 8
+    out = scheduler.schedule(0)
+    assert scheduled(out) == [(0, 3, 8), (1, 3, 8)]  # a third 8 would make 24 > 20
+    run_forward(scheduler, out)
+    out = scheduler.schedule(1)
+    assert scheduled(out) == [(0, 1, 0), (1, 1, 0), (2, 3, 8)] and ids(out.admitted) == [2]
+
+
+def test_an_optimistic_step_that_admitted_and_ran_short_is_retried_without_its_joiner(scheduler_class):
+    """Requests 0 and 1 hold 8 of 16 blocks; the decode step reserves nothing and admits request 2
+    (its prompt's expected 8 fit the 8 free). The routers send every token to the empty experts 2
+    and 3: 4 blocks each, 12 > 8, so the step runs short. It had admitted one request beside
+    others: retried admitting none (1 // 2), and the two decodes then fit."""
+    scheduler = make_scheduler(scheduler_class, 16, admission="optimistic", reservation="optimistic")
+    for i in range(3):
+        add(scheduler, i, prompt_len=3, max_new_tokens=4)
+    run_forward(scheduler, scheduler.schedule(0))
+    assert scheduler.may_run_short()  # request 2 may join the next step
+    outs, retries = run_short_step(scheduler, 1, EXPERTS_23)
+    assert [scheduled(out) for out in outs] == [[(0, 1, 0), (1, 1, 0), (2, 3, 8)], [(0, 1, 0), (1, 1, 0)]]
+    assert [(r.shortfall.tolist(), r.max_admissions) for r in retries] == [([0], 0)]
+    assert ids(scheduler.waiting) == [2] and ids(scheduler.running) == [0, 1]
+    assert int(scheduler.memory.num_free_blocks_per_device[0]) == 0
+
+
+def test_an_optimistic_step_that_admitted_none_and_ran_short_frees_its_shortfall_first(scheduler_class):
+    """Two requests (max_num_seqs=2) fill 16 blocks as their rows of experts 0-1, then 2-3, grow;
+    their sixth tokens go back to experts 0 and 1, whose rows are full: each needs 4 blocks and none
+    is free. The step admitted none: retried with the shortfall (4: the first request's append) freed
+    first by the victim policy, which preempts the newest; the oldest then runs alone."""
+    scheduler = make_scheduler(
+        scheduler_class, 16, admission="optimistic", reservation="optimistic", max_num_seqs=2
+    )
+    for i in range(2):
+        add(scheduler, i, prompt_len=3, max_new_tokens=4)
+    for step, experts in enumerate([EXPERTS_01, EXPERTS_01, EXPERTS_23]):
+        outs, retries = run_short_step(scheduler, step, experts)
+        assert len(outs) == 1
+    assert int(scheduler.memory.num_free_blocks_per_device[0]) == 0
+    assert scheduler.may_run_short()  # the decodes' worst case (8) exceeds the free blocks (0)
+    outs, retries = run_short_step(scheduler, 3, EXPERTS_01)
+    assert [scheduled(out) for out in outs] == [[(0, 1, 0), (1, 1, 0)], [(0, 1, 0)]]
+    assert [(r.shortfall.tolist(), r.max_admissions) for r in retries] == [([4], 0)]
+    assert ids(outs[1].preempted) == [1] and ids(scheduler.waiting) == [1]
