@@ -20,8 +20,10 @@ from helpers import random_model, small_config
 from moekv_ref import ModelConfig, get_config
 from moekv_ref.backends import require_backend
 from moekv_ref.cache import KVCacheManager, PagedKVCache, RowPlacement
+from moekv_ref.cache.block_pool import BlockPool
+from moekv_ref.cache.budget import RowBudget
 from moekv_ref.checkpoint import load_checkpoint, save_checkpoint
-from moekv_ref.engine import LLMEngine, generate_with_engine
+from moekv_ref.engine import LLMEngine, SchedulerConfig, generate_with_engine
 from moekv_ref.generate import generate
 from moekv_ref.placement import coactivation_counts, devices_touched, place_experts, place_layers
 from moekv_ref.sampling import SamplingParams
@@ -253,6 +255,26 @@ KEYWORD_CASES = [
         lambda: place_experts(8, 2, stratgy="round_robin"),
         "unknown keyword stratgy='round_robin' for place_experts; allowed: num_experts, num_devices, strategy, "
         "coactivation",
+    ),
+    (
+        "KVCacheManager(num_block=8)",
+        lambda: KVCacheManager(2, 4, 4, num_block=8),
+        "unknown keyword num_block=8 for KVCacheManager; allowed: num_layers, num_experts, block_size, num_blocks",
+    ),
+    (
+        "BlockPool(blocks=8)",
+        lambda: BlockPool(blocks=8),
+        "unknown keyword blocks=8 for BlockPool; allowed: num_blocks, shuffle_seed, blocks_per_device, checked",
+    ),
+    (
+        "SchedulerConfig(max_seqs=4)",
+        lambda: SchedulerConfig(max_seqs=4),
+        "unknown keyword max_seqs=4 for SchedulerConfig; allowed: max_num_seqs, max_num_batched_tokens,",
+    ),
+    (
+        "RowBudget(32, sinks=2)",
+        lambda: RowBudget(32, sinks=2),
+        "unknown keyword sinks=2 for RowBudget; allowed: max_tokens, policy, num_sinks",
     ),
     (
         "load_checkpoint(device='cuda')",

@@ -42,6 +42,7 @@ from ..validation import (
     check_ids,
     check_int,
     check_seed,
+    known_keywords,
     preview,
     shown,
 )
@@ -102,6 +103,7 @@ class BlockPool(Stateful):
         "num_evicted_cached_blocks",
     )
 
+    @known_keywords
     @torch.inference_mode(False)  # kept across steps: never inference tensors (module docstring)
     def __init__(
         self,

@@ -53,7 +53,16 @@ import math
 
 import torch
 
-from ..validation import MAX_INT32, check_choice, check_fits_memory, check_int, memory_of, number, shown
+from ..validation import (
+    MAX_INT32,
+    check_choice,
+    check_fits_memory,
+    check_int,
+    known_keywords,
+    memory_of,
+    number,
+    shown,
+)
 from .kv_cache_manager import ManagerPart
 
 BUDGET_POLICIES = ("drop", "window", "heavy_hitter", "router_score")
@@ -79,6 +88,7 @@ class RowBudget(ManagerPart):
 
     STATE = ("slot_position", "slot_score", "num_refused", "num_evicted")
 
+    @known_keywords
     def __init__(self, max_tokens, policy: str = "window", num_sinks: int | None = None):
         self.policy = check_choice("policy", policy, BUDGET_POLICIES)
         if isinstance(max_tokens, (list, tuple)):

@@ -69,6 +69,7 @@ from ..validation import (
     check_ids,
     check_int,
     check_seed,
+    known_keywords,
     shown,
 )
 from .block_pool import BlockPool, OutOfBlocksError, check_pool_size
@@ -286,6 +287,7 @@ class KVCacheManager(Stateful):
     )
     PARTS = ("pool", "tails", "prefix_cache", "budget")
 
+    @known_keywords
     def __init__(
         self,
         num_layers: int,

@@ -45,7 +45,7 @@ import torch
 from ..cache.block_pool import check_pool_fits
 from ..cache.kv_cache_manager import KVCacheManager
 from ..state import Stateful
-from ..validation import MAX_BLOCKS, MAX_INT32, check_choice, check_int
+from ..validation import MAX_BLOCKS, MAX_INT32, check_choice, check_int, known_keywords
 from .admission import ADMISSIONS, AdmissionPolicy
 from .baseline_batching import ContinuousReserved, StaticBatching
 from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
@@ -70,6 +70,7 @@ RESERVATION_POLICIES = {"worst_case": WorstCaseReservation, "optimistic": Optimi
 RESERVATIONS = tuple(RESERVATION_POLICIES)
 
 
+@known_keywords
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The scheduler's limits and policies, each given by name or as a policy object; admission
