@@ -70,40 +70,10 @@ class BudgetedPagedKVCache(PagedKVCache):
     RowBudget given is a setting: the manager keeps a fresh copy of it (RowBudget.fresh), so one
     can build many caches. A budget combines with neither shared tails nor prefix caching."""
 
-    @known_keywords
-    def __init__(
-        self,
-        config: ModelConfig,
-        num_blocks: int,
-        block_size: int = 16,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        shuffle_seed: int | None = None,
-        attention: str = "batched",
-        shared_tails: bool = False,
-        blocks_per_device=None,
-        device_of_expert=None,
-        enable_prefix_caching: bool = False,
-        home_devices: bool = False,
-        checked: bool = False,
-        budget: RowBudget | None = None,
-    ):
+    def __init__(self, config: ModelConfig, *args, budget: RowBudget | None = None, **options):
+        """PagedKVCache's arguments (the base checks their names), and the budget."""
         self.budget = checked_budget(budget, config)
-        super().__init__(
-            config,
-            num_blocks,
-            block_size,
-            dtype,
-            device,
-            shuffle_seed,
-            attention,
-            shared_tails,
-            blocks_per_device,
-            device_of_expert,
-            enable_prefix_caching,
-            home_devices,
-            checked,
-        )
+        super().__init__(config, *args, **options)
 
     def manager_part(self, config: ModelConfig) -> RowBudget:
         """The manager's own copy of the budget, its rows no longer than the model's positions."""

@@ -103,23 +103,8 @@ class CountingKVCacheManager(KVCacheManager):
 
     can_swap = False  # a swap copies a sequence's blocks by id
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_experts: int,
-        block_size: int,
-        num_blocks: int | None = None,
-        shuffle_seed: int | None = None,
-        initial_num_seqs: int = 4,
-        initial_blocks_per_row: int = 4,
-        blocks_per_device=None,
-        device_of_expert=None,
-        home_devices: bool = False,
-        tails=None,
-        prefix_cache=None,
-        budget=None,
-        checked: bool = False,
-    ):
+    def __init__(self, *args, tails=None, prefix_cache=None, budget=None, **options):
+        """KVCacheManager's arguments (the base checks their names), less the parts it refuses."""
         for role, part in (("tails", tails), ("prefix_cache", prefix_cache), ("budget", budget)):
             if part is not None:
                 raise ValueError(
@@ -127,19 +112,7 @@ class CountingKVCacheManager(KVCacheManager):
                     f"budget: each reads or places block ids, which it does not keep; allowed: None, "
                     f"or {LISTS_IDS}"
                 )
-        super().__init__(
-            num_layers,
-            num_experts,
-            block_size,
-            num_blocks,
-            shuffle_seed,
-            initial_num_seqs,
-            initial_blocks_per_row,
-            blocks_per_device,
-            device_of_expert,
-            home_devices,
-            checked=checked,
-        )
+        super().__init__(*args, **options)
 
     # ----- the seams of KVCacheManager ------------------------------------------------------------
     def _make_pool(self, num_blocks: int | None, shuffle_seed: int | None, blocks_per_device) -> BlockPool:
