@@ -40,7 +40,7 @@ def test_notebook_04_names_the_pools_that_refuse_its_requests():
     from moekv_ref.checkpoint import load_default_model
     from moekv_ref.demo_workload import demo_workload
     from moekv_ref.engine.engine import LLMEngine
-    from moekv_ref.engine.scheduler import SchedulerConfig
+    from moekv_ref.engine.scheduler_config import SchedulerConfig
 
     model = load_default_model("threshold")
     workload = demo_workload(12, 0.5, 0)

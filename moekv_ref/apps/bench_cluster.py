@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from ..config import get_config
 from ..costs import cluster_cost_model
-from ..engine.scheduler import RESERVATIONS
+from ..engine.scheduler_config import RESERVATIONS
 from ..engine.victims import VICTIM_POLICIES
 from ..jsonout import write
 from ..sim.cluster import BLOCK_SIZE, MODEL, cluster_placement, pool_blocks

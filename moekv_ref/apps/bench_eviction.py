@@ -40,7 +40,7 @@ from ..costs import CostModel, crossover_context, fit_cost_model, projected_gpu_
 from ..engine.demand import worst_case_lifetime_blocks_per_device
 from ..engine.engine import LLMEngine
 from ..engine.model_runner import ModelRunner
-from ..engine.scheduler import SchedulerConfig
+from ..engine.scheduler_config import SchedulerConfig
 from ..engine.swap import SwapSpace
 from ..engine.workload import few_shot_workload, make_workload, run_workload
 from ..jsonout import dump

@@ -11,7 +11,12 @@ victims.py       victim policies: newest_first, sequence_lru, expert_lru, pressu
                  oracle and belady for trace replay (sim/runner.py)
 batching.py      BatchingPolicy; continuous batching on the paged pool (continuous_paged)
 baseline_batching.py  the benchmark's baselines as batching policies: continuous_reserved, static
+scheduler_config.py  SchedulerConfig: the scheduler's limits and policies; the swap space's rule
+scheduler_output.py  SchedulerOutput: what one step decided
 scheduler.py     Scheduler: the paged loop over integers (reserve per device, preempt, admit)
+fits_alone.py    the refusal of a request that might not fit the pool even alone
+prefix_caching_scheduler.py  PrefixCachingScheduler: the Scheduler, starting from cached prefixes
+scheduler_factory.py  make_scheduler: the one place that chooses the scheduler's class
 model_runner.py  ModelRunner: the swap copies, then one forward_cached over the flat batch
 undo.py          Snapshot: the scheduler's state, restored in place when a step raises
 engine.py        LLMEngine (add_request / step / abort_request / generate), generate_with_engine
@@ -24,9 +29,13 @@ from .batching import BatchingPolicy, ContinuousBatching
 from .engine import EngineStats, LLMEngine, RequestEvent, StepRecord, generate_with_engine
 from .memory import MemoryView, ModelShape
 from .optimistic_reservation import OptimisticReservation
+from .prefix_caching_scheduler import PrefixCachingScheduler
 from .request import Request, RequestOutput, RequestStatus
 from .reservation import ReservationPolicy, WorstCaseReservation
-from .scheduler import POLICIES, PREEMPTION_MODES, Scheduler, SchedulerConfig, SchedulerOutput
+from .scheduler import Scheduler
+from .scheduler_config import POLICIES, PREEMPTION_MODES, SchedulerConfig
+from .scheduler_factory import make_scheduler
+from .scheduler_output import SchedulerOutput
 from .swap import BlockCopy, SwapSpace
 from .victims import NewestFirst, VictimPolicy
 
@@ -46,6 +55,7 @@ __all__ = [
     "POLICIES",
     "PREEMPTION_MODES",
     "PredictedAdmission",
+    "PrefixCachingScheduler",
     "Request",
     "RequestEvent",
     "RequestOutput",
@@ -60,4 +70,5 @@ __all__ = [
     "VictimPolicy",
     "WorstCaseReservation",
     "generate_with_engine",
+    "make_scheduler",
 ]

@@ -40,7 +40,6 @@ class AdmissionStep:
         self.predictor: DemandPredictor = scheduler.predictor
         self.max_num_seqs: int = scheduler.config.max_num_seqs
         self.victims = scheduler.victims  # its `admits` may veto too
-        self._hits = {}  # request id -> the prefix hit step_fits chose it starts from
 
     @property
     def head(self) -> Request | None:
@@ -66,28 +65,12 @@ class AdmissionStep:
     def step_fits(self, request: Request) -> bool:
         """Would the request's next tokens (and its swap-in) fit every device beside the step's
         reservation?"""
-        scheduler = self._scheduler
-        scheduler.deciding_on(request)
-        memory, request_id = scheduler.memory, request.request_id
-        need = scheduler.step_blocks(request, min(request.num_pending_tokens, self.token_budget))
-        hit = scheduler.prefix_hit(request)
-        if hit is not None:
-            hit_need = scheduler.hit_step_blocks(
-                hit, min(request.num_tokens - hit.num_tokens, self.token_budget)
-            )
-            if scheduler.fits(self.reserved + hit_need):
-                self._hits[request.request_id] = hit
-                return True
-            # the hit holds more free blocks than it saves now (cached-free blocks it shares, copy
-            # sources pinned while it is applied): start from nothing if that fits
-            return scheduler.fits(self.reserved + need)
-        if request_id in scheduler.stalled:  # its dead rows go when it starts
-            need = need - memory.blocks_held_per_device(request_id)
-        return scheduler.fits(self.reserved + memory.swapped_blocks_per_device(request_id) + need)
+        self._scheduler.deciding_on(request)
+        return self._scheduler.head_fits(request, self.reserved, self.token_budget)
 
     def start_next(self) -> Request:
         """Start the head of the line, scheduling and reserving its next tokens within budget."""
-        request = self._scheduler.start_head(self._out, self._hits.pop(self.head.request_id, None))
+        request = self._scheduler.start_head(self._out)
         num_tokens = min(request.num_pending_tokens, self.token_budget)
         if num_tokens > 0:
             need = self._scheduler.step_blocks(request, num_tokens)

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..cache.block_pool import OutOfBlocksError
-from ..cache.budget_paged import make_paged_cache
+from ..cache.factory import make_paged_cache
 from ..model import MoEKVTransformer
 from ..profiling import phase
 from ..prompts import check_batch, check_prompt, check_sampling_params
@@ -40,7 +40,8 @@ from .demand import worst_case_lifetime_blocks
 from .memory import ModelShape
 from .model_runner import ModelRunner
 from .request import Request, RequestOutput, RequestStatus
-from .scheduler import Scheduler, SchedulerConfig, check_swap_space
+from .scheduler_config import SchedulerConfig, check_swap_space
+from .scheduler_factory import make_scheduler
 from .undo import Snapshot
 
 _COUNTED_AS = {"length": "finished", "aborted": "aborted", "error": "failed"}  # by finish_reason
@@ -164,12 +165,8 @@ class LLMEngine:
         self.blocks_per_device = self.cache.manager.blocks_per_device.tolist()  # D ints
         manager = self.cache.manager
         self.device_of_expert = manager.placement.expert_devices  # (L, E); None: by sequence
-        self.scheduler = Scheduler(
-            scheduler_config,
-            self.cache.manager,
-            ModelShape.from_config(self.config),
-            num_swap_blocks,
-            checked=True,
+        self.scheduler = make_scheduler(
+            scheduler_config, self.cache.manager, ModelShape.from_config(self.config), num_swap_blocks
         )
         self.memory = self.scheduler.memory  # read-only: the pool and the swap space
         self.predictor = self.scheduler.predictor
@@ -522,7 +519,7 @@ class LLMEngine:
         return [outputs[i] for i in ids]
 
     def prefix_cache_stats(self) -> dict | None:
-        prefix = self.cache.manager.prefix_cache
+        prefix = getattr(self.cache.manager, "prefix_cache", None)  # a PrefixCachingKVCacheManager's
         if prefix is None:
             return None
         return {

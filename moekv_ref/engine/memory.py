@@ -2,7 +2,7 @@
 
 ModelShape holds what the scheduler must know of the model beyond its cache: how many experts a
 token is routed to, and how many positions it has. The cache's own facts (layers, experts, block
-size, a row budget's largest B) are read from its manager, once, by the MemoryView, so there is no
+size, the most tokens a row of each layer keeps) are read from its manager, once, by the MemoryView, so there is no
 second copy to disagree with it.
 
 MemoryView is a read-only window onto the block manager and the swap space (per device as (D,)
@@ -36,6 +36,15 @@ class ModelShape:
         return cls(k_max, k_min, config.max_position_embeddings)
 
 
+def layer_limits(manager) -> list[int] | None:
+    """The most tokens a row of each layer keeps (None: no cap), as the manager answers it; a
+    manager that does not answer it yet holds its row budget as a part."""
+    if hasattr(manager, "layer_limits"):
+        return manager.layer_limits
+    budget = getattr(manager, "budget", None)
+    return None if budget is None else budget.layer_limits.tolist()
+
+
 class MemoryView:
     def __init__(self, manager: KVCacheManager, shape: ModelShape, swap_space: SwapSpace | None = None):
         self._manager = manager
@@ -45,8 +54,9 @@ class MemoryView:
         self.num_layers = manager.num_layers  # L
         self.num_experts = manager.num_experts  # E
         self.block_size = manager.block_size  # P
-        budget = manager.budget
-        self.max_row_tokens = None if budget is None else budget.largest(manager.num_layers)  # B, None: none
+        # the most tokens a row of each layer keeps (None: no cap), and their largest B
+        self.layer_limits = layer_limits(manager)
+        self.max_row_tokens = None if self.layer_limits is None else max(self.layer_limits)
 
     # ----- the pool ---------------------------------------------------------------------------------
 

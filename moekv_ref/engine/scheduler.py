@@ -22,172 +22,41 @@ re-running the whole sequence (K/V at layer l depend on every earlier layer), so
 layer's share costs a whole recompute. A victims.RowEviction shows why: its request *stalls* at the
 head of the line, to be recomputed whole, while its other rows stay in the pool as dead weight,
 freed first when their device is short, when nothing runs, and when it resumes (only where the
-block manager `can_evict_rows`: plain pages, no shared tails, no prefix caching).
+block manager `can_evict_rows`).
 
 The pool has D devices (one pool: D = 1) and a step must fit every device: the reservation is a (D,)
 vector and the victim policy is told which device is short (victims.Shortage). Only
-continuous_paged runs several devices. With prefix caching a request holding nothing may start from
-a cached prefix (`prefix_hit`), reserving its remaining tokens' worst case plus the free blocks the
-hit takes.
+continuous_paged runs several devices.
 
 The scheduler sees integers only (the block manager and memory.ModelShape), never K/V; its decisions
 leave `schedule()` in one SchedulerOutput, whose block copies the runner performs, in order, before
-the forward.
+the forward. Which scheduler class serves a manager is chosen in scheduler_factory.py.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.block_pool import check_pool_fits
 from ..cache.kv_cache_manager import KVCacheManager
 from ..state import Stateful
-from ..validation import MAX_BLOCKS, MAX_INT32, check_choice, check_int, known_keywords
-from .admission import ADMISSIONS, AdmissionPolicy
-from .baseline_batching import ContinuousReserved, StaticBatching
-from .batching import AdmissionStep, BatchingPolicy, ContinuousBatching
+from .batching import AdmissionStep, ContinuousBatching
 from .demand import (
     DemandPredictor,
     blocks_held_per_device,
-    min_lifetime_blocks,
     step_need,
     worst_case_lifetime_blocks_per_device,
     worst_case_step_blocks_per_device,
 )
+from .fits_alone import check_fits_alone
 from .memory import MemoryView, ModelShape
-from .optimistic_reservation import OptimisticReservation
 from .request import Request, RequestStatus
-from .reservation import ReservationPolicy, Retry, WorstCaseReservation
-from .swap import COPY, BlockCopy, SwapSpace
-from .victims import VICTIM_POLICIES, RowEviction, Shortage, VictimPolicy
-
-POLICIES = ("static", "continuous_reserved", "continuous_paged")
-PREEMPTION_MODES = ("recompute", "swap")
-RESERVATION_POLICIES = {"worst_case": WorstCaseReservation, "optimistic": OptimisticReservation}
-RESERVATIONS = tuple(RESERVATION_POLICIES)
-
-
-@known_keywords
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """The scheduler's limits and policies, each given by name or as a policy object; admission
-    (default "predicted") applies to continuous_paged only."""
-
-    max_num_seqs: int = 16  # sequences running at once
-    max_num_batched_tokens: int = 256  # tokens in one forward (prefill chunks + decode tokens)
-    policy: str | BatchingPolicy = "continuous_paged"
-    admission: str | AdmissionPolicy | None = None
-    preemption_mode: str = "recompute"
-    victim: str | VictimPolicy = "newest_first"
-    # what a step sets aside before the routers decide (reservation.py): worst_case, what its tokens
-    # could take at most, or a policy that may run short (optimistic), continuous_paged only
-    reservation: str | ReservationPolicy = "worst_case"
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            object.__setattr__(self, name, check_int(name, getattr(self, name), 1, MAX_INT32))
-        for name, allowed, kind in (
-            ("policy", POLICIES, BatchingPolicy),
-            ("admission", tuple(ADMISSIONS), AdmissionPolicy),
-            ("preemption_mode", PREEMPTION_MODES, None),
-            ("reservation", RESERVATIONS, ReservationPolicy),
-            ("victim", tuple(VICTIM_POLICIES), VictimPolicy),
-        ):
-            value = getattr(self, name)
-            if (value is None and name == "admission") or (kind and isinstance(value, kind)):
-                continue
-            check_choice(name, value, allowed, f", or a policy object ({kind.__name__})" if kind else "")
-        if self.make_reservation_policy().retries and self.policy != "continuous_paged":
-            raise ValueError(
-                f"reservation={self.reservation!r} applies to policy='continuous_paged' only, not "
-                f"policy={self.policy!r} (whose admission reserves whole lifetimes)"
-            )
-        if self.admission is not None and self.policy != "continuous_paged":
-            raise ValueError(
-                f"admission={self.admission!r} applies to policy='continuous_paged' only, "
-                f"not policy={self.policy!r} (which has its own admission rule)"
-            )
-
-    def make_batching_policy(self) -> BatchingPolicy:
-        """A fresh policy object for a name; a policy object is used as given."""
-        if isinstance(self.policy, BatchingPolicy):
-            return self.policy
-        if self.policy != "continuous_paged":
-            return StaticBatching() if self.policy == "static" else ContinuousReserved()
-        admission = self.admission or "predicted"
-        return ContinuousBatching(ADMISSIONS[admission]() if isinstance(admission, str) else admission)
-
-    def make_victim_policy(self) -> VictimPolicy:
-        return self.victim if isinstance(self.victim, VictimPolicy) else VICTIM_POLICIES[self.victim]()
-
-    def make_reservation_policy(self) -> ReservationPolicy:
-        if isinstance(self.reservation, ReservationPolicy):
-            return self.reservation
-        return RESERVATION_POLICIES[self.reservation]()
-
-
-def check_swap_space(num_swap_blocks, preemption_mode: str) -> int:
-    """The swap space's blocks: an integer in [0, MAX_BLOCKS], more than 0 exactly when preempting by
-    swap (the engine and the scheduler's one rule)."""
-    num_swap_blocks = check_int("num_swap_blocks", num_swap_blocks, 0, MAX_BLOCKS, "0: no swap space")
-    if num_swap_blocks and preemption_mode != "swap":
-        raise ValueError(
-            f"num_swap_blocks={num_swap_blocks} applies to preemption_mode='swap', not {preemption_mode!r}"
-        )
-    if preemption_mode == "swap" and not num_swap_blocks:
-        raise ValueError("preemption_mode='swap' needs a swap space: give the engine num_swap_blocks > 0")
-    check_pool_fits(num_swap_blocks)
-    return num_swap_blocks
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_tokens: int  # tokens this step runs for it
-    reserved_blocks: int  # worst case those tokens can take from the pool (summed over devices)
-    samples: bool = True  # the tokens end its pending ones: the step samples its next token
-
-
-@dataclass(frozen=True)
-class EvictionRecord:
-    """One victim taken off at `step` while `short_device` was short (mode "recompute", "swap" or
-    "rows"), and the blocks that freed on each device."""
-
-    step: int
-    request_id: int
-    mode: str
-    short_device: int
-    freed: list[int]  # (D,)
-
-
-@dataclass
-class SchedulerOutput:
-    """What one `schedule` decided: the runner performs `block_copies`, in order, then runs
-    `scheduled`; the engine records the rest."""
-
-    step: int
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    block_copies: list[BlockCopy] = field(default_factory=list)  # swap-outs and swap-ins, in order
-    admitted: list[Request] = field(default_factory=list)  # first time running
-    resumed: list[Request] = field(default_factory=list)  # running again after a preemption
-    preempted: list[Request] = field(default_factory=list)
-    swapped_out: list[Request] = field(default_factory=list)  # preempted by swap (a SWAP_OUT copy each)
-    swapped_in: list[Request] = field(default_factory=list)  # resumed from swap (a SWAP_IN copy each)
-    prefix_copied: list[Request] = field(default_factory=list)  # started from a hit with COPY block copies
-    freed: list[int] = field(default_factory=list)  # sequences whose blocks went back
-    events: list[tuple[str, Request]] = field(default_factory=list)  # admitted/resumed/preempted, in order
-    evictions: list[EvictionRecord] = field(default_factory=list)  # every victim chosen, in order
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def reserved_blocks(self) -> int:
-        return sum(s.reserved_blocks for s in self.scheduled)
+from .reservation import Retry
+from .scheduler_config import SchedulerConfig, check_scheduler_arguments
+from .scheduler_output import EvictionRecord, ScheduledRequest, SchedulerOutput
+from .swap import SwapSpace
+from .victims import RowEviction, Shortage
 
 
 class Scheduler(Stateful):
@@ -195,11 +64,7 @@ class Scheduler(Stateful):
     `running` (RUNNING), or is FINISHED and in neither; only a swap-PREEMPTED request holds swap
     blocks, and it holds no pool blocks."""
 
-    STATE = (
-        "waiting",
-        "running",
-        "stalled",
-        "current",
+    COUNTERS = (
         "num_preemptions",
         "num_recomputed_tokens",
         "num_swapped_out_blocks",
@@ -209,59 +74,33 @@ class Scheduler(Stateful):
         "num_evicted_rows",
         "num_dead_rows_freed",
     )
-    # the manager holds the prefix cache, shared tails and budget; the memory view holds nothing
+    STATE = ("waiting", "running", "stalled", "current", *COUNTERS)
+    # the manager holds its own parts; the memory view holds nothing
     PARTS = ("manager", "swap_space", "predictor", "batching", "victims", "reservation")
 
     def __init__(
-        self,
-        config: SchedulerConfig,
-        manager: KVCacheManager,
-        shape: ModelShape,
-        num_swap_blocks: int = 0,
-        checked: bool = False,
+        self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape, num_swap_blocks: int = 0
     ):
-        """checked=True: the caller (the engine) checked num_swap_blocks with check_swap_space; the
-        rules comparing the config with the manager are checked here, where the two meet."""
-        if not isinstance(config, SchedulerConfig):
-            raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
-        if not isinstance(shape, ModelShape):
-            raise ValueError(f"shape must be a ModelShape, got {type(shape).__name__}")
-        if not isinstance(manager, KVCacheManager):
-            raise ValueError(f"manager must be a KVCacheManager, got {type(manager).__name__}")
-        if not checked:
-            num_swap_blocks = check_swap_space(num_swap_blocks, config.preemption_mode)
-        if num_swap_blocks and not manager.can_swap:
-            raise ValueError(
-                f"num_swap_blocks={num_swap_blocks}: a swap copies a sequence's blocks by id, which "
-                f"this manager ({type(manager).__name__}) does not list; allowed: num_swap_blocks=0, "
-                "or a KVCacheManager, which lists them"
-            )
+        """The rules comparing the config with the manager are checked here, where the two meet."""
+        num_swap_blocks = check_scheduler_arguments(config, manager, shape, num_swap_blocks)
         self.config = config
         self.manager = manager
         self.swap_space = SwapSpace(manager, num_swap_blocks, checked=True) if num_swap_blocks else None
-        self.prefix_cache = manager.prefix_cache  # None: no prefix caching
-        self.memory = MemoryView(manager, shape, self.swap_space)
-        self.num_devices = self.memory.num_devices
+        self.memory = memory = MemoryView(manager, shape, self.swap_space)
+        self.num_devices = memory.num_devices
         self.shape = shape
-        memory = self.memory
         self.predictor = DemandPredictor(
             memory.num_layers, memory.num_experts, shape.k_max, memory.block_size, memory.max_row_tokens
         )
         self.batching = config.make_batching_policy()
         # by name: continuous_reserved is a ContinuousBatching too, with an admission of its own
-        paged = self.batching.name == ContinuousBatching.name
-        if self.prefix_cache is not None and not paged:
-            raise ValueError(
-                f"prefix caching works with policy='continuous_paged' only, not {config.policy!r}: "
-                "a hit takes blocks at admission, which only that policy's step check counts"
-            )
-        if self.num_devices > 1 and not paged:
+        if self.num_devices > 1 and self.batching.name != ContinuousBatching.name:
             raise ValueError(f"per-device pools run policy='continuous_paged' only, not {config.policy!r}")
         self.victims = config.make_victim_policy()
         if self.victims.evicts_rows and not manager.can_evict_rows:
             raise ValueError(
-                f"victim={self.victims.name!r} drops single rows, which this cache cannot: shared "
-                "tails and prefix caching share blocks between rows; use a victim that preempts "
+                f"victim={self.victims.name!r} drops single rows, which this cache cannot: "
+                f"{type(manager).__name__} shares blocks between rows; use a victim that preempts "
                 "whole sequences (newest_first, sequence_lru, pressure_aware)"
             )
         self.reservation = config.make_reservation_policy()
@@ -269,14 +108,8 @@ class Scheduler(Stateful):
         self.running: list[Request] = []
         self.stalled: dict[int, Request] = {}  # request id -> request whose rows were evicted, in order
         self.current: Request | None = None  # the request schedule() was deciding on
-        self.num_preemptions = 0
-        self.num_recomputed_tokens = 0
-        self.num_swapped_out_blocks = 0
-        self.num_evictions = 0
-        self.freed_on_short_device = 0
-        self.num_row_evictions = 0
-        self.num_evicted_rows = 0
-        self.num_dead_rows_freed = 0
+        for name in self.COUNTERS:
+            setattr(self, name, 0)
 
     def save(self) -> tuple:
         """Stateful.save, with every unfinished request's state (engine/undo.py)."""
@@ -296,59 +129,8 @@ class Scheduler(Stateful):
     def check_fits_alone(self, prompt_len: int, max_new_tokens: int, request_id: int = 0) -> None:
         """ValueError if a request of this shape might not fit the pool even alone: preemption frees
         only *other* sequences' memory, so once admitted it could never finish. request_id: whose
-        rows' devices to check (with home devices they depend on it)."""
-        shape = self.shape
-        memory = self.memory
-        num_blocks = memory.num_blocks
-        num_tokens = prompt_len + max_new_tokens - 1
-        worst = self.max_blocks_alone(num_tokens)
-        if worst <= num_blocks:
-            self._check_fits_each_device(prompt_len, max_new_tokens, request_id)
-            return
-        budget = self.manager.budget  # a row budget lowers the fewest blocks as it lowers the most
-        limits = None if budget is None else budget.layer_limits.tolist()
-        least = min_lifetime_blocks(num_tokens, memory.num_layers, shape.k_min, memory.block_size, limits)
-        verdict = "can never fit" if least > num_blocks else "may not fit even alone"
-        prompt_worst = self.max_blocks_alone(prompt_len)
-        if prompt_worst > num_blocks:
-            fix = (
-                f"the prompt alone may need {prompt_worst}: give the pool at least {worst} blocks "
-                "or shorten the prompt"
-            )
-        else:
-            longest = max(
-                t for t in range(prompt_len, num_tokens + 1) if self.max_blocks_alone(t) <= num_blocks
-            )
-            fix = (
-                f"lower max_new_tokens to at most {longest - prompt_len + 1}, or give the pool at least "
-                f"{worst} blocks"
-            )
-        raise ValueError(
-            f"request of {prompt_len} prompt tokens + max_new_tokens={max_new_tokens} {verdict} in the "
-            f"pool of {num_blocks} blocks: it needs at least {least} and up to {worst} blocks "
-            f"({memory.num_layers} layers, up to {shape.k_max} experts per token, "
-            f"block size {memory.block_size}); {fix}"
-        )
-
-    def _check_fits_each_device(self, prompt_len: int, max_new_tokens: int, request_id: int) -> None:
-        shape, memory = self.shape, self.memory
-        worst = worst_case_lifetime_blocks_per_device(
-            torch.tensor([prompt_len + max_new_tokens - 1]),
-            shape.k_max,
-            memory.block_size,
-            memory.placement.of_sequences([request_id]),
-            self.num_devices,
-            memory.max_row_tokens,
-        )[0]  # (D,)
-        over = (worst > memory.blocks_per_device).nonzero().squeeze(1)
-        if over.numel():
-            d = int(over[0])
-            raise ValueError(
-                f"request of {prompt_len} prompt tokens + max_new_tokens={max_new_tokens} may not "
-                f"fit device {d} even alone: its rows there may need up to {int(worst[d])} blocks, "
-                f"the device has {int(memory.blocks_per_device[d])}; lower max_new_tokens or give "
-                f"device {d} at least {int(worst[d])} blocks"
-            )
+        rows' devices to check (with home devices they depend on it). fits_alone.py."""
+        check_fits_alone(self.memory, self.max_blocks_alone, prompt_len, max_new_tokens, request_id)
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -389,14 +171,13 @@ class Scheduler(Stateful):
             if shortfall is None
             else self.memory.num_free_blocks_per_device + shortfall
         )  # (D,)
-        # every running request's need, in one call; a request the budget cuts short is asked again
+        # every running request's need, in one call; one the step's token limit cuts short is asked again
         planned = [min(r.num_pending_tokens, token_budget) for r in self.running]
         needs = self.step_blocks_many(self.running, planned)  # (m, D)
         reserved, token_budget = self.schedule_running(out, planned, needs, base, token_budget, shortfall)
         max_admissions = None if retry is None else retry.max_admissions
-        if (
-            not out.preempted and max_admissions != 0
-        ):  # a step that had to preempt admits none: it would thrash
+        # a step that had to preempt admits none: it would thrash
+        if not out.preempted and max_admissions != 0:
             if not self.running:
                 self._free_dead_rows(None)
             self.batching.admit(AdmissionStep(self, out, token_budget, reserved, max_admissions))
@@ -430,28 +211,7 @@ class Scheduler(Stateful):
                 if shortfall is not None and i == 0 and len(candidates) == 1:
                     reserved = torch.zeros_like(reserved)  # the oldest alone fits (check_fits_alone)
                     continue
-                free_before = self.memory.num_free_blocks_per_device  # (D,)
-                choice = self.victims.choose_victim(tuple(candidates), self.memory, shortage)
-                victim = choice.request if isinstance(choice, RowEviction) else choice
-                if not any(victim is c for c in candidates):
-                    raise RuntimeError(
-                        f"victim policy {self.victims!r} chose request "
-                        f"{getattr(victim, 'request_id', victim)!r}, not one of the candidates"
-                    )
-                if isinstance(choice, RowEviction):
-                    self._evict_rows(choice, out)
-                else:
-                    self._preempt(victim, out)
-                freed = self.memory.num_free_blocks_per_device - free_before  # (D,)
-                self.num_evictions += 1
-                self.freed_on_short_device += int(freed[device])
-                mode = (
-                    "rows" if isinstance(choice, RowEviction) else "swap" if victim.swapped else "recompute"
-                )
-                out.evictions.append(
-                    EvictionRecord(out.step, victim.request_id, mode, device, freed.tolist())
-                )
-                if victim is request:
+                if self._take_victim(candidates, device, shortage, out) is request:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue  # it was the victim: running[i] is the next one
@@ -460,6 +220,28 @@ class Scheduler(Stateful):
             token_budget -= num_tokens
             i += 1
         return reserved, token_budget
+
+    def _take_victim(self, candidates: list[Request], device: int, shortage: Shortage, out) -> Request:
+        """The victim policy's choice among the candidates, preempted or its rows evicted, and
+        recorded in `out.evictions`; returns the victim."""
+        free_before = self.memory.num_free_blocks_per_device  # (D,)
+        choice = self.victims.choose_victim(tuple(candidates), self.memory, shortage)
+        victim = choice.request if isinstance(choice, RowEviction) else choice
+        if not any(victim is c for c in candidates):
+            raise RuntimeError(
+                f"victim policy {self.victims!r} chose request "
+                f"{getattr(victim, 'request_id', victim)!r}, not one of the candidates"
+            )
+        if isinstance(choice, RowEviction):
+            self._evict_rows(choice, out)
+        else:
+            self._preempt(victim, out)
+        freed = self.memory.num_free_blocks_per_device - free_before  # (D,)
+        self.num_evictions += 1
+        self.freed_on_short_device += int(freed[device])
+        mode = "rows" if isinstance(choice, RowEviction) else "swap" if victim.swapped else "recompute"
+        out.evictions.append(EvictionRecord(out.step, victim.request_id, mode, device, freed.tolist()))
+        return victim
 
     def deciding_on(self, request: Request) -> None:
         """The request the step is deciding on, named in the note of an exception raised meanwhile."""
@@ -492,10 +274,18 @@ class Scheduler(Stateful):
             ScheduledRequest(request, num_tokens, blocks, samples=num_tokens == request.num_pending_tokens)
         )
 
-    def start_head(self, out: SchedulerOutput, hit=None) -> Request:
+    def head_fits(self, request: Request, reserved: torch.Tensor, token_budget: int) -> bool:
+        """Would the head of the waiting line's next tokens (and its swap-in) fit every device beside
+        the step's `reserved`?"""
+        request_id = request.request_id
+        need = self.step_blocks(request, min(request.num_pending_tokens, token_budget))
+        if request_id in self.stalled:  # its dead rows go when it starts
+            need = need - self.memory.blocks_held_per_device(request_id)
+        return self.fits(reserved + self.memory.swapped_blocks_per_device(request_id) + need)
+
+    def start_head(self, out: SchedulerOutput) -> Request:
         """The head of the waiting line starts running: swapped back in, or a stalled one without
-        its dead rows, or from the prefix `hit` (its full blocks shared, the ones straddling its end
-        copied)."""
+        its dead rows."""
         request = self.current = self.waiting.popleft()
         if self.stalled.pop(request.request_id, None) is not None:
             self.manager.free(request.request_id)
@@ -503,13 +293,6 @@ class Scheduler(Stateful):
             out.block_copies.append(self.swap_space.swap_in(request.request_id))
             out.swapped_in.append(request)
             request.leave_swap_space()
-        elif self.prefix_cache is not None and not self.memory.holds(request.request_id):
-            copies = self.prefix_cache.start_sequence(request.request_id, request.num_tokens, hit)
-            if hit is not None:
-                request.start_from_prefix(hit)
-                if copies[0].numel():
-                    out.block_copies.append(BlockCopy(COPY, *copies))
-                    out.prefix_copied.append(request)
         if request.status is RequestStatus.PREEMPTED:
             out.resumed.append(request)
             out.events.append(("resumed", request))
@@ -567,29 +350,7 @@ class Scheduler(Stateful):
         lifetime = worst_case_lifetime_blocks_per_device(torch.tensor(totals), K, P, devices, D, C)  # (m, D)
         return step_need(step, lifetime, held)
 
-    # ----- prefix caching ------------------------------------------------------------------------------
-    def prefix_hit(self, request: Request):
-        """The PrefixHit a request holding nothing (not swapped) would start from."""
-        if self.prefix_cache is None or request.swapped or self.memory.holds(request.request_id):
-            return None
-        return self.prefix_cache.hit_for(request.all_token_ids, request.request_id)
-
-    def hit_step_blocks(self, hit, num_tokens: int) -> torch.Tensor:
-        """(D,) step_blocks for a request starting from `hit`, plus the free blocks it takes (the idle
-        cached blocks it shares, its copies); at most what starting from nothing and computing the
-        hit's tokens and these in one step would need, but never less than what applying the hit
-        holds at once (its copies' sources stay pinned until the copies are taken). The cap holds
-        for every routing: each row ends with as many blocks either way, and the blocks the hit
-        lends it that other requests hold are ones it does not take from the free pool."""
-        L = self.memory.num_layers
-        E = self.memory.num_experts
-        counts = hit.row_counts.view(1, L, E)  # (1, L, E)
-        devices = hit.row_devices.view(1, L, E)
-        total = hit.num_tokens + num_tokens
-        with_hit = self.worst_case_need(counts, [num_tokens], [total], devices)[0] + hit.free_taken_per_device
-        from_nothing = self.worst_case_need(torch.zeros_like(counts), [total], [total], devices)[0]
-        return torch.maximum(torch.minimum(with_hit, from_nothing), hit.free_taken_per_device)
-
+    # ----- victims ----------------------------------------------------------------------------------
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         seq_id = request.request_id
@@ -669,11 +430,7 @@ class Scheduler(Stateful):
                 self.finish(request, out.step, "error", failed[request.request_id])
                 finished.append(request)
                 continue
-            if self.prefix_cache is not None and self.memory.holds(request.request_id):
-                # its computed tokens' blocks become findable (prefix_cache.py)
-                self.prefix_cache.cache_computed_blocks(
-                    request.request_id, request.all_token_ids[: request.num_computed_tokens]
-                )
+            self.tokens_computed(request)
             if not item.samples:
                 continue  # a prefill chunk: more of it next step
             request.append_output(int(sampled_token_ids[request.request_id]))
@@ -681,6 +438,9 @@ class Scheduler(Stateful):
                 self.finish(request, out.step)
                 finished.append(request)
         return finished
+
+    def tokens_computed(self, request: Request) -> None:
+        """The step computed some of the request's tokens (counted already); nothing more to do here."""
 
     def finish(self, request: Request, step: int, reason: str = "length", error: str | None = None) -> None:
         """The request leaves, from any unfinished state; its device and swap blocks go back now."""
@@ -711,7 +471,3 @@ class Scheduler(Stateful):
             if request.status is RequestStatus.RUNNING and self.memory.holds(request.request_id):
                 self.manager.free(request.request_id)
                 self._forget_computed(request)
-        for request in out.prefix_copied:  # its copies of straddling blocks may be incomplete
-            if request.status is RequestStatus.RUNNING and self.memory.holds(request.request_id):
-                self.manager.free(request.request_id)
-                request.forget_computed(recomputed=False)  # nothing of its own was computed

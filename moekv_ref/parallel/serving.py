@@ -22,7 +22,8 @@ from ..cache.kv_cache_manager import KVCacheManager
 from ..engine.memory import ModelShape
 from ..engine.model_runner import flatten_batch
 from ..engine.request import Request, RequestOutput
-from ..engine.scheduler import Scheduler, SchedulerConfig
+from ..engine.scheduler_config import SchedulerConfig
+from ..engine.scheduler_factory import make_scheduler
 from ..sampling import SamplingParams, sample_rows
 from .launcher import WorkerContext
 from .programs import ModelSpec
@@ -85,7 +86,7 @@ def follow_ranks(mirror: KVCacheManager, reports: list[torch.Tensor]) -> set[int
                 f"{[s for s, g in zip(seq_ids, gained) if (g < 0).any()]} hold fewer tokens on the ranks"
             )
         grown = mirror.index.sequence_rows(torch.tensor([mirror.seq_index(s) for s in seq_ids]))  # (m, L*E)
-        mirror.allocate_slots(grown.reshape(-1), gained.reshape(-1), with_slots=False)
+        mirror.grow_rows(grown.reshape(-1), gained.reshape(-1))
     reported = torch.stack([report[0, 1] for report in reports])  # (R,)
     if not torch.equal(reported, mirror.num_free_blocks_per_device):
         raise RuntimeError(
@@ -123,7 +124,7 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
             device_of_expert=spec.attention_ranks if by_expert else None,
             home_devices=not by_expert,
         )
-        scheduler = Scheduler(
+        scheduler = make_scheduler(
             SchedulerConfig(
                 spec.max_num_seqs,
                 spec.max_num_batched_tokens,

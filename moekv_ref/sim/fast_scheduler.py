@@ -33,7 +33,8 @@ import torch
 from ..cache.rows import ceil_div, worst_case_lifetime_blocks
 from ..engine.demand import decode_step_blocks_per_device, step_need
 from ..engine.request import Request
-from ..engine.scheduler import Scheduler, SchedulerOutput
+from ..engine.scheduler import Scheduler
+from ..engine.scheduler_output import SchedulerOutput
 
 
 class FastScheduler(Scheduler):
@@ -41,8 +42,8 @@ class FastScheduler(Scheduler):
 
     STATE = (*Scheduler.STATE, "_fresh_needs")
 
-    def __init__(self, config, manager, shape, num_swap_blocks: int = 0, checked: bool = False):
-        super().__init__(config, manager, shape, num_swap_blocks, checked)
+    def __init__(self, config, manager, shape, num_swap_blocks: int = 0):
+        super().__init__(config, manager, shape, num_swap_blocks)
         # the experts of each (layer, device), where rows live on their experts' devices and no
         # budget caps them: what a decode token's worst case reads beside open_rows; None otherwise
         self._experts_on = (

@@ -397,7 +397,7 @@ def test_with_home_devices_policies_read_each_sequences_devices_not_device_zero(
     hit for sequence 1 lies on device 1 only."""
     from moekv_ref.cache import PrefixCache
     from moekv_ref.engine.memory import MemoryView, ModelShape
-    from moekv_ref.engine.scheduler import Scheduler
+    from moekv_ref.engine.scheduler_factory import make_scheduler
 
     manager = KVCacheManager(1, 2, 1, blocks_per_device=[6, 6], home_devices=True)
     for seq_id in (0, 1):
@@ -413,7 +413,7 @@ def test_with_home_devices_policies_read_each_sequences_devices_not_device_zero(
     assert memory.placement.of_sequences([5])[0].unique().tolist() == [1]  # but one for every row
 
     cached = KVCacheManager(1, 2, 2, blocks_per_device=[8, 8], home_devices=True, prefix_cache=PrefixCache())
-    scheduler = Scheduler(SchedulerConfig(), cached, ModelShape(k_max=1, k_min=1, max_num_positions=64))
+    scheduler = make_scheduler(SchedulerConfig(), cached, ModelShape(k_max=1, k_min=1, max_num_positions=64))
     cached.add_sequence(3)  # home 1: the producer
     rows = cached.rows([3, 3], 0, [0, 1])
     allocation = cached.allocate_slots(rows, torch.tensor([2, 2]))

@@ -8,7 +8,7 @@ from helpers import random_model, small_config
 from moekv_ref.cache.paged import PagedKVCache
 from moekv_ref.engine.model_runner import ModelRunner, flatten_batch
 from moekv_ref.engine.request import Request
-from moekv_ref.engine.scheduler import ScheduledRequest, SchedulerOutput
+from moekv_ref.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from moekv_ref.engine.swap import SWAP_IN, SWAP_OUT, BlockCopy
 from moekv_ref.sampling import SamplingParams
 

@@ -26,7 +26,8 @@ from moekv_ref.engine.memory import ModelShape
 from moekv_ref.engine.optimistic_reservation import OptimisticReservation
 from moekv_ref.engine.request import Request, RequestStatus
 from moekv_ref.engine.reservation import Retry, WorstCaseReservation
-from moekv_ref.engine.scheduler import Scheduler, SchedulerConfig
+from moekv_ref.engine.scheduler import Scheduler
+from moekv_ref.engine.scheduler_config import SchedulerConfig
 from moekv_ref.engine.swap import SWAP_IN, SWAP_OUT
 from moekv_ref.engine.undo import Snapshot
 from moekv_ref.engine.victims import Shortage, VictimPolicy

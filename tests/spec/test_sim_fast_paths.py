@@ -53,7 +53,8 @@ from moekv_ref.cache.rows import ceil_div, ragged_arange, stable_order
 from moekv_ref.cache.shared_tail_manager import SharedTails
 from moekv_ref.costs import CostModel
 from moekv_ref.engine.memory import ModelShape
-from moekv_ref.engine.scheduler import Scheduler, SchedulerConfig
+from moekv_ref.engine.scheduler import Scheduler
+from moekv_ref.engine.scheduler_config import SchedulerConfig
 from moekv_ref.sim.counting import CountingBlockPool, CountingKVCacheManager
 from moekv_ref.sim.fast_scheduler import FastScheduler
 from moekv_ref.sim.runner import RunnerSetup, TraceRunner
