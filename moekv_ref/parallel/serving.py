@@ -86,7 +86,7 @@ def follow_ranks(mirror: KVCacheManager, reports: list[torch.Tensor]) -> set[int
                 f"{[s for s, g in zip(seq_ids, gained) if (g < 0).any()]} hold fewer tokens on the ranks"
             )
         grown = mirror.index.sequence_rows(torch.tensor([mirror.seq_index(s) for s in seq_ids]))  # (m, L*E)
-        mirror.grow_rows(grown.reshape(-1), gained.reshape(-1))
+        mirror.allocate_slots(grown.reshape(-1), gained.reshape(-1), with_slots=False)
     reported = torch.stack([report[0, 1] for report in reports])  # (R,)
     if not torch.equal(reported, mirror.num_free_blocks_per_device):
         raise RuntimeError(
