@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from .cache import BudgetedPagedKVCache, ContiguousKVCache, PagedKVCache, make_paged_cache
+from .cache import ContiguousKVCache, PagedKVCache, make_paged_cache
 from .engine.demand import min_lifetime_blocks, worst_case_lifetime_blocks_per_device
 from .model import MoEKVTransformer
 from .prompts import check_batch
@@ -24,7 +24,7 @@ from .validation import check_callable, check_choice, check_flag, check_keywords
 
 CACHE_KINDS = ["none", "contiguous", "paged"]
 # what cache_options may name (model left out): the paged cache's options and its budget
-PAGED_OPTIONS = keywords_of(BudgetedPagedKVCache.for_model)[1:]
+PAGED_OPTIONS = keywords_of(make_paged_cache)[1:]
 
 
 def generate(
@@ -101,14 +101,14 @@ def check_pool_holds_batch(kv_cache: PagedKVCache, prompts, per_prompt, cache_op
     K = config.num_attention_experts_per_tok
     P = manager.block_size
     num_tokens = torch.tensor([len(p) + q.max_new_tokens - 1 for p, q in zip(prompts, per_prompt)])  # (B,)
-    budget = manager.budget
+    limits = manager.layer_limits  # a budgeted manager's B of each layer; None: no cap
     worst = worst_case_lifetime_blocks_per_device(
         num_tokens,
         K,
         P,
         manager.placement.of_sequences(range(len(prompts))),  # (B, L, E)
         manager.num_devices,
-        None if budget is None else budget.largest(L),
+        None if limits is None else max(limits),
     ).sum(0)  # (D,)
     have = manager.blocks_per_device  # (D,)
     if bool((worst <= have).all()):

@@ -53,6 +53,7 @@ import math
 
 import torch
 
+from ..state import Stateful
 from ..validation import (
     MAX_INT32,
     check_choice,
@@ -63,19 +64,18 @@ from ..validation import (
     number,
     shown,
 )
-from .kv_cache_manager import ManagerPart
 
 BUDGET_POLICIES = ("drop", "window", "heavy_hitter", "router_score")
 DEFAULT_SINKS = 4  # StreamingLLM's attention sinks
 
 
-class RowBudget(ManagerPart):
+class RowBudget(Stateful):
     """At most `max_tokens` tokens per row (an int, or one int per layer), `policy` at a full row.
 
-    A part a KVCacheManager is built with (`KVCacheManager(..., budget=RowBudget(64, "window"))`),
-    as it is built with shared tails or a prefix cache: the manager keeps its block tables and
-    counts and asks the part where a newcomer goes (`choose`); the part keeps what the policies read
-    (`record`, `add_attention`) and nothing else. `attend_with_budget` runs the same rules over a
+    What a BudgetedKVCacheManager is built with (budgeted_manager.py,
+    `BudgetedKVCacheManager(..., budget=RowBudget(64, "window"))`): the manager keeps its block
+    tables and counts and asks the budget where a newcomer goes (`choose`); the budget keeps what the
+    policies read (`record`, `add_attention`) and nothing else. `attend_with_budget` runs the same rules over a
     whole padded batch, the recompute a budgeted cache must equal, which the model reaches through
     `recompute_attention`.
 
@@ -161,9 +161,7 @@ class RowBudget(ManagerPart):
                 "every token's router probability is 1; use 'drop' for a capacity"
             )
 
-    # ----- the part's life in a manager --------------------------------------------------------
-    role = "budget"
-
+    # ----- its life in a manager -----------------------------------------------------------------
     def slots_of_rows(self, num_blocks: int, block_size: int, num_layers: int) -> int:
         """S: the largest B, lowered to the most tokens a row can hold (max_row_tokens, and the
         pool's num_blocks * block_size slots)."""

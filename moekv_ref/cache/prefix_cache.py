@@ -43,7 +43,6 @@ import torch
 
 from ..state import Stateful
 from .block_pool import OutOfBlocksError
-from .kv_cache_manager import KVCacheManager, ManagerPart
 from .rows import ceil_div, ragged_arange
 
 DIGEST_BYTES = 16
@@ -90,23 +89,22 @@ class PrefixCacheStats(Stateful):
     num_cow_blocks: int = 0  # straddling blocks copied
 
 
-class PrefixCache(ManagerPart):
-    """A KVCacheManager's part (`prefix_cache=PrefixCache()`, one per manager): full blocks outlive
-    their sequences and are found again by prefix. block_positions (N, P), the position of the
-    token at each slot, tells which chunks a block spans. Invariants (`assert_consistent`): a block
-    listed by several rows is full in each, at the same (layer, expert) and column; keys and cached
-    blocks match one to one; ref_cnt == the rows listing a block."""
+class PrefixCache(Stateful):
+    """The prefix index of one PrefixCachingKVCacheManager (prefix_caching_manager.py), which builds it
+    and owns its blocks: full blocks outlive their sequences and are found again by prefix. It asks
+    the manager for every change to a block (`mark_cached`, `uncache`, `reuse`, `release`).
+    block_positions (N, P), the position of the token at each slot, tells which chunks a block
+    spans. Invariants (`assert_consistent`): a block listed by several rows is full in each, at the
+    same (layer, expert) and column; keys and cached blocks match one to one; ref_cnt == the rows
+    listing a block."""
 
     STATE = ("block_positions", "_block_of_key", "_keys_of_block", "_chunk_counts", "_seq_state")
     PARTS = ("stats",)
 
-    role = "prefix_cache"
-
-    def bytes_needed(self, num_rows: int, num_blocks: int, block_size: int, num_layers: int) -> int:
-        return 8 * num_blocks * block_size  # block_positions
-
-    def attach(self, manager: KVCacheManager) -> None:
-        self.manager, self.chunk_size, num_blocks = manager, manager.block_size, manager.num_blocks
+    def __init__(self, manager):
+        self.manager = manager
+        self.chunk_size = manager.block_size
+        num_blocks = manager.num_blocks
         self.block_positions = torch.full((num_blocks, manager.block_size), -1, dtype=torch.int64)  # (N, P)
         self._block_of_key: dict[tuple[int, int, int, bytes], int] = {}  # (device, row, column, key)
         self._keys_of_block: dict[int, list[tuple[int, int, int, bytes]]] = {}
@@ -114,7 +112,6 @@ class PrefixCache(ManagerPart):
         self.max_chunk_records = max(64, num_blocks)
         # per held sequence: [chain keys, chunks recorded, full blocks registered per row (L*E,)]
         self._seq_state: dict[int, list] = {}
-        manager.pool.listen_for_evictions(self._forget_blocks)
         self.stats = PrefixCacheStats()
 
     def record_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
@@ -184,9 +181,9 @@ class PrefixCache(ManagerPart):
         state[2] = torch.where(todo, through, registered_through)
         newly_cached = sorted(set(newly_cached))
         if newly_cached:
-            m.pool.mark_cached(torch.tensor(newly_cached, dtype=torch.int64))
+            m.mark_cached(torch.tensor(newly_cached, dtype=torch.int64))
         if orphans:
-            m.pool.uncache(torch.tensor(orphans, dtype=torch.int64))
+            m.uncache(torch.tensor(orphans, dtype=torch.int64))
         return len(newly_cached)
 
     def _record_chunks(self, rows, keys, first: int, end: int) -> None:
@@ -207,7 +204,8 @@ class PrefixCache(ManagerPart):
         while len(self._chunk_counts) > self.max_chunk_records:
             self._chunk_counts.popitem(last=False)
 
-    def _forget_blocks(self, blocks: list[int]) -> None:
+    def forget_blocks(self, blocks: list[int]) -> None:
+        """Evicted cached-free blocks: their keys go with them."""
         for block in blocks:
             for key in self._keys_of_block.pop(block, []):
                 del self._block_of_key[key]
@@ -329,17 +327,17 @@ class PrefixCache(ManagerPart):
                 f"the hit's {int(copies[d])} copies on device {d} need blocks; "
                 f"{int(available[d])} are free there beside the blocks it reuses"
             )
-        m.pool.reuse(hit.shared)
-        m.pool.reuse(hit.cow_source)  # pinned: the copies' allocation cannot evict them
+        m.reuse(hit.shared)
+        m.reuse(hit.cow_source)  # pinned: the copies' allocation cannot evict them
         try:
             rows, destination = m.start_from_blocks(
                 seq_id, hit.row_counts, hit.shared_rows, hit.shared_columns, hit.shared, hit.cow_rows
             )
         except OutOfBlocksError:
-            m.pool.free(hit.shared)  # its reuse undone: as before the call
+            m.release(hit.shared)  # its reuse undone: as before the call
             raise
         finally:
-            m.pool.free(hit.cow_source)
+            m.release(hit.cow_source)
         self.block_positions[destination] = self.block_positions[hit.cow_source]
         held = (hit.row_counts > 0).nonzero().squeeze(1)  # (h,)
         last_slot = m.slot_of(rows[held], hit.row_counts[held] - 1)  # (h,)

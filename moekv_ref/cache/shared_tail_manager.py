@@ -1,4 +1,5 @@
-"""Paged rows whose partly filled tails share blocks: waste < P slots per sequence, not per row.
+"""SharedTailKVCacheManager: a KVCacheManager (kv_cache_manager.py) whose rows' partly filled
+tails share blocks: waste < P slots per sequence, not per row.
 
 With plain pages every row wastes the unused end of its last block, and fine-grained experts make
 rows short (E = 64, top-8, 16 layers: ~32 tokens per row on average), so at a block size a GPU reads
@@ -27,25 +28,30 @@ from __future__ import annotations
 
 import torch
 
-from .kv_cache_manager import KVCacheManager, ManagerPart, Moves, SlotAllocation
+from ..validation import check_ids
+from .kv_cache_manager import KVCacheManager, Moves
 
 
-class SharedTails(ManagerPart):
-    """A KVCacheManager's part (`tails=SharedTails()`, one per manager): it owns the tail state,
-    and the manager hands it the calls that differ."""
+class SharedTailKVCacheManager(KVCacheManager):
+    """KVCacheManager whose rows keep their last n % P tokens in their sequence's tail blocks
+    (module docstring). Takes the plain manager's arguments. It frees no single rows (a row's tail
+    lives outside its table), so no victim that evicts rows works with it."""
 
-    role = "tails"
+    STATE = (
+        *KVCacheManager.STATE,
+        "tail_slots",
+        "slot_row",
+        "slot_position",
+        "tail_blocks",
+        "free_tail_slots",
+    )
+    can_evict_rows = False
 
-    def bytes_needed(self, num_rows: int, num_blocks: int, block_size: int, num_layers: int) -> int:
-        return 8 * block_size * (num_rows + 2 * num_blocks)  # tail_slots, slot_row, slot_position
-
-    STATE = ("tail_slots", "slot_row", "slot_position", "tail_blocks", "free_tail_slots")
-
-    def attach(self, manager: KVCacheManager) -> None:
-        self.manager = manager
-        P, num_slots = manager.block_size, manager.num_blocks * manager.block_size
-        num_rows = manager.row_tokens.numel()
-        self.tail_slots = torch.full((num_rows, P), -1, dtype=torch.int64)  # (R, P) -1 = none
+    def __init__(self, *args, **options):
+        super().__init__(*args, **options)
+        P = self.block_size
+        num_slots = self.num_blocks * P
+        self.tail_slots = torch.full((self.row_tokens.numel(), P), -1, dtype=torch.int64)  # (R, P) -1 = none
         # who uses each slot of a tail block: the row and the position in its tail (-1: nobody)
         self.slot_row = torch.full((num_slots,), -1, dtype=torch.int64)  # (N*P,)
         self.slot_position = torch.full((num_slots,), -1, dtype=torch.int64)
@@ -53,63 +59,96 @@ class SharedTails(ManagerPart):
         self.tail_blocks: dict[int, list[int]] = {}  # group -> its tail block ids
         self.free_tail_slots: dict[int, list[int]] = {}  # group -> free slots (a stack)
 
-    def blocks(self) -> torch.Tensor:
+    def _bytes_beside_tables(self, num_layers: int, num_rows: int, options) -> int:
+        # tail_slots (R, P), slot_row and slot_position (N * P,) each
+        return 8 * options.block_size * (num_rows + 2 * options.num_blocks)
+
+    def tail_blocks_all(self) -> torch.Tensor:
         """Every tail block, of all sequences (owned outside the block tables)."""
         return torch.tensor([b for blocks in self.tail_blocks.values() for b in blocks], dtype=torch.int64)
 
     def groups_of_sequence(self, index: int) -> range:
-        D = self.manager.num_devices
+        D = self.num_devices
         return range(index * D, (index + 1) * D)
 
     def group_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        m = self.manager
-        return (rows // m.rows_per_seq) * m.num_devices + m.row_device[rows]
+        return (rows // self.rows_per_seq) * self.num_devices + self.row_device[rows]
 
-    def blocks_of_sequence(self, index: int) -> list[int]:
+    def tail_blocks_of_slot(self, index: int) -> list[int]:
         return [b for g in self.groups_of_sequence(index) for b in self.tail_blocks[g]]
 
-    def add_sequence(self, index: int) -> None:
+    # ----- what differs from plain pages ----------------------------------------------------------
+    def add_sequence(self, seq_id: int) -> int:
+        index = super().add_sequence(seq_id)
         for g in self.groups_of_sequence(index):
-            self.tail_blocks[g], self.free_tail_slots[g] = [], []
+            self.tail_blocks[g] = []
+            self.free_tail_slots[g] = []
+        return index
 
-    def num_blocks_needed_per_device(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> torch.Tensor:
+    def num_used_columns(self, rows=slice(None)) -> torch.Tensor:
+        """A row's table lists its full blocks only: n // P."""
+        return self.row_tokens[rows] // self.block_size
+
+    def blocks_of_sequence(self, seq_id: int, by_device: bool = False) -> torch.Tensor:
+        """KVCacheManager.blocks_of_sequence, then the sequence's tail blocks."""
+        tails = torch.tensor(self.tail_blocks_of_slot(self.seq_index(seq_id)), dtype=torch.int64)
+        return torch.cat([super().blocks_of_sequence(seq_id, by_device), tails])
+
+    def blocks_held_per_device(self, seq_ids) -> torch.Tensor:
+        """(m, D) blocks each sequence owns on each device, tail blocks too; zeros if not held."""
+        held = torch.zeros(len(seq_ids), self.num_devices, dtype=torch.int64)
+        for i, s in enumerate(seq_ids):
+            if self.holds(s):
+                held[i] = torch.bincount(
+                    self.pool.device_of_blocks(self.blocks_of_sequence(s)), minlength=self.num_devices
+                )
+        return held
+
+    def blocks_needed_per_device(self, rows, num_new_tokens) -> torch.Tensor:
         """(D,) the rows' new full blocks and each tail group's new tail blocks, per device."""
-        m, P, D = self.manager, self.manager.block_size, self.manager.num_devices
-        old = m.row_tokens[rows]
+        rows = check_ids(rows, "rows")
+        num_new_tokens = check_ids(num_new_tokens, "num_new_tokens")
+        P = self.block_size
+        old = self.row_tokens[rows]
         new = old + num_new_tokens
-        need = torch.zeros(D, dtype=torch.int64).index_add_(0, m.row_device[rows], new // P - old // P)
+        need = torch.zeros(self.num_devices, dtype=torch.int64).index_add_(
+            0, self.row_device[rows], new // P - old // P
+        )
         group_of_row = self.group_of_rows(rows)
         for group in group_of_row.unique().tolist():
-            mine, held = group_of_row == group, len(self.tail_blocks[group])
+            mine = group_of_row == group
+            held = len(self.tail_blocks[group])
             tail_tokens = held * P - len(self.free_tail_slots[group])
             tail_tokens += int((new[mine] % P - old[mine] % P).sum())
-            need[group % D] += max(0, -(-tail_tokens // P) - held)
+            need[group % self.num_devices] += max(0, -(-tail_tokens // P) - held)
         return need
 
-    # ----- allocate / slots / free ----------------------------------------------------------------
-    def allocate_slots(
-        self, rows: torch.Tensor, num_new_tokens: torch.Tensor, with_slots: bool
-    ) -> SlotAllocation:
-        """KVCacheManager.allocate_slots with shared tails, rows checked."""
-        m, P, D = self.manager, self.manager.block_size, self.manager.num_devices
-        m.raise_short(self.num_blocks_needed_per_device(rows, num_new_tokens), rows.numel(), num_new_tokens)
-        old = m.row_tokens[rows]
+    def _grow(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> Moves:
+        """KVCacheManager._grow with shared tails: promotions, new tail slots, compaction; returns
+        the K/V copies they need, in order."""
+        P = self.block_size
+        D = self.num_devices
+        self.raise_short(self.blocks_needed_per_device(rows, num_new_tokens), rows.numel(), num_new_tokens)
+        old = self.row_tokens[rows]
         new = old + num_new_tokens
         groups = self.group_of_rows(rows)
         each_row = list(zip(rows.tolist(), groups.tolist(), old.tolist(), new.tolist()))
-        promotion_src, promotion_dst = [], []
+        promotion_src = []
+        promotion_dst = []
         # 1. promotions: rows whose tail fills up get fresh full blocks; their old tail moves there
         for row, group, n_old, n_new in each_row:
-            first, last = n_old // P, n_new // P
+            first = n_old // P
+            last = n_new // P
             if last == first:
                 continue
-            block_ids = m.pool.allocate(last - first, device=group % D)
-            m.place_blocks(torch.full((last - first,), row), torch.arange(first, last), block_ids)
+            block_ids = self.pool.allocate(last - first, device=group % D)
+            self.place_blocks(torch.full((last - first,), row), torch.arange(first, last), block_ids)
             tail = self.tail_slots[row, : n_old % P].clone()
             if tail.numel():
                 promotion_src.append(tail)
                 promotion_dst.append(block_ids[0] * P + torch.arange(tail.numel()))
-                self.slot_row[tail] = self.slot_position[tail] = -1
+                self.slot_row[tail] = -1
+                self.slot_position[tail] = -1
                 self.free_tail_slots[group].extend(tail.tolist()[::-1])
                 self.tail_slots[row] = -1
         # 2. new tail tokens take free tail slots of their group (new tail blocks when none)
@@ -118,24 +157,27 @@ class SharedTails(ManagerPart):
             for position in range(kept, n_new % P):
                 slot = self._take_tail_slot(group)
                 self.tail_slots[row, position] = slot
-                self.slot_row[slot], self.slot_position[slot] = row, position
-        m.set_row_tokens(rows, new)
+                self.slot_row[slot] = row
+                self.slot_position[slot] = position
+        self.set_row_tokens(rows, new)
+        self.last_appended.index_fill_(0, rows[num_new_tokens > 0], self.clock)
         moves: Moves = [(torch.cat(promotion_src), torch.cat(promotion_dst))] if promotion_src else []
         # 3. compaction: give back tail blocks while a whole block's worth of tail slots is free
         for group in groups.unique().tolist():
             moves += self._compact(group)
-        return SlotAllocation(m.slots(rows, old, num_new_tokens) if with_slots else None, moves)
+        return moves
 
     def _take_tail_slot(self, group: int) -> int:
-        P, free = self.manager.block_size, self.free_tail_slots[group]
+        P = self.block_size
+        free = self.free_tail_slots[group]
         if not free:
-            block = int(self.manager.pool.allocate(1, device=group % self.manager.num_devices)[0])
+            block = int(self.pool.allocate(1, device=group % self.num_devices)[0])
             self.tail_blocks[group].append(block)
             free.extend(range(block * P + P - 1, block * P - 1, -1))
         return free.pop()
 
     def _compact(self, group: int) -> Moves:
-        P = self.manager.block_size
+        P = self.block_size
         moves: Moves = []
         while len(self.free_tail_slots[group]) >= P:
             blocks = self.tail_blocks[group]
@@ -153,33 +195,51 @@ class SharedTails(ManagerPart):
                 self.slot_row[sources] = self.slot_position[sources] = -1
                 moves.append((sources, destinations))
             blocks.remove(victim)
-            self.manager.pool.free(torch.tensor([victim]))
+            self.pool.free(torch.tensor([victim]))
         return moves
 
     def slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        m, P = self.manager, self.manager.block_size
-        full = (m.row_tokens[row] // P) * P  # tokens in blocks
+        """A token in a full block: its table's slot; a tail token: its tail slot."""
+        P = self.block_size
+        full = (self.row_tokens[row] // P) * P  # tokens in blocks
         in_table = token < full
         column = torch.where(in_table, token // P, 0)
-        body = m.block_tables[row, column].to(torch.int64) * P + token % P
+        body = self.block_tables[row, column].to(torch.int64) * P + token % P
         tail = self.tail_slots[row, torch.where(in_table, 0, token - full)]
         return torch.where(in_table, body, tail)
 
-    def free(self, index: int, rows: torch.Tensor) -> None:
-        """Forget the freed sequence's tails (the manager returned its tail blocks)."""
-        P = self.manager.block_size
-        self.tail_slots[rows] = -1
-        for block in self.blocks_of_sequence(index):
+    def free(self, seq_id: int) -> None:
+        """KVCacheManager.free (which returns the tail blocks too), then the tails forgotten."""
+        index = self.seq_index(seq_id)
+        P = self.block_size
+        for block in self.tail_blocks_of_slot(index):
             slots = slice(block * P, (block + 1) * P)
-            self.slot_row[slots] = self.slot_position[slots] = -1
-        self.add_sequence(index)
+            self.slot_row[slots] = -1
+            self.slot_position[slots] = -1
+        super().free(seq_id)
+        self.tail_slots[index * self.rows_per_seq : (index + 1) * self.rows_per_seq] = -1
+        for g in self.groups_of_sequence(index):
+            self.tail_blocks[g] = []
+            self.free_tail_slots[g] = []
 
-    def grow_rows(self, num_rows: int) -> None:
-        extra = torch.full((num_rows - len(self.tail_slots), self.manager.block_size), -1)
+    def free_rows(self, rows) -> int:
+        # rows' tails live outside the block tables: they would have to be compacted too
+        raise NotImplementedError("a manager with shared tails does not free single rows")
+
+    @torch.inference_mode(False)
+    def _grow_rows(self) -> None:
+        super()._grow_rows()
+        extra = torch.full((self.row_tokens.numel() - len(self.tail_slots), self.block_size), -1)
         self.tail_slots = torch.cat([self.tail_slots, extra])
 
+    def _blocks_outside_tables(self) -> torch.Tensor:
+        return self.tail_blocks_all()
+
     def assert_consistent(self) -> None:
-        m, P = self.manager, self.manager.block_size
+        """KVCacheManager's invariants, and the tails' (module docstring)."""
+        super().assert_consistent()
+        m = self
+        P = self.block_size
         valid = torch.arange(P) < (m.row_tokens % P)[:, None]  # (R, P)
         assert (self.tail_slots[~valid] == -1).all(), "a tail slot past a row's tail is set"
         used = self.tail_slots[valid]
@@ -205,7 +265,3 @@ class SharedTails(ManagerPart):
             assert len(blocks) == -(-mine.numel() // P), (
                 f"tail group {index} holds {len(blocks)} tail blocks for {mine.numel()} tail tokens"
             )
-
-
-def manager_with_shared_tails(*args, **kwargs) -> KVCacheManager:
-    return KVCacheManager(*args, tails=SharedTails(), **kwargs)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..cache.block_pool import BlockPool, check_pool_fits
+from ..cache.block_pool import BlockPool
 from ..cache.kv_cache_manager import KVCacheManager
 from ..state import Stateful
 from ..validation import MAX_BLOCKS, check_int
@@ -50,13 +50,10 @@ class SwapSpace(Stateful):
     STATE = ("swapped",)  # its SwappedSequence records are never changed in place
     PARTS = ("pool",)
 
-    def __init__(self, manager: KVCacheManager, num_blocks: int, checked: bool = False):
-        """checked=True: the caller (the scheduler) checked num_blocks (check_swap_space)."""
-        if not checked:
-            num_blocks = check_int("swap space num_blocks", num_blocks, 1, MAX_BLOCKS, "host blocks")
-            check_pool_fits(num_blocks)
+    def __init__(self, manager: KVCacheManager, num_blocks: int):
+        num_blocks = check_int("swap space num_blocks", num_blocks, 1, MAX_BLOCKS, "host blocks")
         self.manager = manager
-        self.pool = BlockPool(num_blocks, checked=True)
+        self.pool = BlockPool(num_blocks)
         self.swapped: dict[int, SwappedSequence] = {}
 
     def can_swap_out(self, seq_id: int) -> bool:
@@ -68,8 +65,8 @@ class SwapSpace(Stateful):
         device_blocks = self.manager.blocks_of_sequence(seq_id)  # (b,)
         counts = self.manager.token_counts([seq_id])[0].reshape(-1)  # (L*E,)
         host_blocks = self.pool.allocate(device_blocks.numel())  # may raise
-        prefix = self.manager.prefix_cache  # its slots' positions travel too
-        budget = self.manager.budget  # and what a budget's policy reads
+        prefix = getattr(self.manager, "prefix_cache", None)  # its slots' positions travel too
+        budget = getattr(self.manager, "budget", None)  # and what a budget's policy reads
         rows = self.manager.index.sequence_rows(torch.tensor([self.manager.seq_index(seq_id)]))[0]  # (L*E,)
         self.swapped[seq_id] = SwappedSequence(
             host_blocks,

@@ -3,7 +3,7 @@
 
 The simulator writes no K/V, and where no prefix cache or swap space is on, no scheduling decision
 reads a block id: the scheduler asks for counts (free blocks per device, each slot's open_rows and
-count_blocks, each row's tokens). The plain manager still writes every new block's id into its
+count_blocks below, each row's tokens). The plain manager still writes every new block's id into its
 block tables (rows of up to 512 entries at 64 experts, scattered over hundreds of megabytes) and
 every block's reference count, only to read them back when a sequence finishes. These two classes
 keep the counts alone:
@@ -19,11 +19,10 @@ keep the counts alone:
 Every count, and so every decision, is the plain manager's. The trace runner builds it unless a
 prefix cache, a swap space or RunnerSetup.list_block_ids asks for ids: a step then takes 55-60% of
 the time at 64 experts, 1.7-1.8x at the fine shape (24 layers, 64 experts top-8 on 64 devices) in
-two side-by-side runs of 1,000 requests. What needs an id (slots, a sequence's block list, the
-block owners, placing or restoring blocks, a swap space, shared tails, prefix caching, a row
-budget) is refused by name, changing nothing. tests/spec/test_sim_fast_paths.py runs the runner with
-both managers on random traces and compares every step, and miscounts a block on purpose to show
-the comparison sees it.
+two side-by-side runs of 1,000 requests. What needs an id (slots, a sequence's block list, the block
+owners, placing or restoring blocks, a swap space) is refused by name, changing nothing.
+tests/spec/test_sim_fast_paths.py runs the runner with both managers on random traces and compares
+every step, and miscounts a block on purpose to show the comparison sees it.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import torch
 
 from ..cache.block_pool import BlockPool
 from ..cache.kv_cache_manager import KVCacheManager, SlotAllocation
-from ..validation import shown
+from ..cache.rows import ceil_div
 
 NO_IDS = torch.zeros(0, dtype=torch.int64)  # what a counting manager's _take_blocks hands back
 LISTS_IDS = "a KVCacheManager (cache/kv_cache_manager.py), which lists them"
@@ -49,7 +48,6 @@ class CountingBlockPool(BlockPool):
         and restored with a step) exist as in any pool."""
         self._free_stack = torch.empty(0, dtype=torch.int64)
         self.ref_cnt = torch.zeros(0, dtype=torch.int32)
-        self.is_cached = torch.zeros(0, dtype=torch.bool)
 
     def allocate_per_device(self, num_blocks: torch.Tensor) -> None:
         """num_blocks (D,) blocks of each device counted as lent; OutOfBlocksError, changing
@@ -97,29 +95,105 @@ class CountingBlockPool(BlockPool):
 
 
 class CountingKVCacheManager(KVCacheManager):
-    """KVCacheManager counting each row's blocks without listing them (module docstring). Takes the
-    plain manager's arguments; tails, prefix_cache and budget are refused, since each reads or
-    places block ids."""
+    """KVCacheManager counting each row's blocks without listing them (module docstring), with three
+    tables over sequence slots that follow row_tokens, so that a scheduler reads a decode step's
+    worst case without touching every row of every running sequence (sim/fast_scheduler.py):
 
+        open_rows       (S, L, D)  int32  rows of each (layer, device) whose last block is full or
+                                          which are empty: the next token there opens a block
+        open_per_device (S, D)     int64  open_rows summed over the layers
+        count_blocks    (S, D)     int64  ceil(n / P) summed over the rows on each device
+
+    Takes the plain manager's arguments."""
+
+    STATE = (*KVCacheManager.STATE, "open_rows", "open_per_device", "count_blocks")
     can_swap = False  # a swap copies a sequence's blocks by id
 
-    def __init__(self, *args, tails=None, prefix_cache=None, budget=None, **options):
-        """KVCacheManager's arguments (the base checks their names), less the parts it refuses."""
-        for role, part in (("tails", tails), ("prefix_cache", prefix_cache), ("budget", budget)):
-            if part is not None:
-                raise ValueError(
-                    f"{role}={shown(part)}: a {type(self).__name__} takes no tails, prefix_cache or "
-                    f"budget: each reads or places block ids, which it does not keep; allowed: None, "
-                    f"or {LISTS_IDS}"
-                )
+    def __init__(self, *args, **options):
         super().__init__(*args, **options)
+        num_seqs = self.slot_held.numel()
+        D = self.num_devices
+        self.open_rows = torch.zeros(num_seqs, self.num_layers, D, dtype=torch.int32)  # (S, L, D)
+        self.open_per_device = torch.zeros(num_seqs, D, dtype=torch.int64)  # (S, D)
+        self.count_blocks = torch.zeros(num_seqs, D, dtype=torch.int64)  # (S, D)
 
     # ----- the seams of KVCacheManager ------------------------------------------------------------
-    def _make_pool(self, num_blocks: int | None, shuffle_seed: int | None, blocks_per_device) -> BlockPool:
-        return CountingBlockPool(num_blocks, shuffle_seed, blocks_per_device, checked=True)
+    def _bytes_beside_tables(self, num_layers: int, num_rows: int, options) -> int:
+        num_seqs = options.initial_num_seqs
+        return num_seqs * len(options.blocks_per_device) * (4 * num_layers + 16)  # the slot tables
+
+    def _make_pool(self, options) -> BlockPool:
+        return CountingBlockPool(None, options.shuffle_seed, options.blocks_per_device)
 
     def _initial_table_width(self, initial_blocks_per_row: int) -> int:
         return 0  # no entries, ever
+
+    def add_sequence(self, seq_id: int) -> int:
+        """KVCacheManager.add_sequence; every row of the slot is empty: all open."""
+        index = super().add_sequence(seq_id)
+        devices = self.placement.of_sequences([int(seq_id)])[0]  # (L, E)
+        self.open_rows[index] = torch.zeros(
+            self.num_layers, self.num_devices, dtype=torch.int32
+        ).scatter_add_(1, devices, torch.ones_like(devices, dtype=torch.int32))
+        self.open_per_device[index] = self.open_rows[index].sum(0)
+        return index
+
+    def set_row_tokens(self, rows, counts) -> None:
+        """KVCacheManager.set_row_tokens, the slot tables following: over the few rows whose range
+        reaches a multiple of P (`_crossing`); a freed sequence's slot zeroed at once."""
+        if isinstance(rows, slice):
+            super().set_row_tokens(rows, counts)
+            index = rows.start // self.rows_per_seq
+            self.open_rows[index] = 0
+            self.open_per_device[index] = 0
+            self.count_blocks[index] = 0
+            return
+        old = self.row_tokens[rows]  # (m,)
+        super().set_row_tokens(rows, counts)
+        crossing = self._crossing(old, counts)
+        P = self.block_size
+        L = self.num_layers
+        E = self.num_experts
+        D = self.num_devices
+        rows = rows[crossing]
+        old = old[crossing]
+        new = counts[crossing]
+        device = self.row_device[rows]
+        where = (rows // E) * D + device  # (slot * L + layer) * D + device
+        opened = ((new & (P - 1)) == 0).to(torch.int32) - ((old & (P - 1)) == 0).to(torch.int32)
+        self.open_rows.view(-1).index_add_(0, where, opened)
+        slot_device = (rows // (L * E)) * D + device
+        self.open_per_device.view(-1).index_add_(0, slot_device, opened.to(torch.int64))
+        self.count_blocks.view(-1).index_add_(0, slot_device, ceil_div(new, P) - ceil_div(old, P))
+
+    def _crossing(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """(c,) the indices i where a row going from old[i] to new[i] tokens may change its block
+        count or whether its next token opens a block: where the range between them reaches a
+        multiple of P (a superset: a few rows that change neither are counted with 0). A decode
+        step moves each row by one token, so about 2 rows in P; the rest only change row_tokens
+        (a step of the simulator moves tens of thousands of rows)."""
+        shift = self.block_size.bit_length() - 1  # P is a power of two
+        low = torch.minimum(old, new)
+        high = torch.maximum(old, new)
+        return ((low - 1) >> shift).ne_(high >> shift).nonzero().squeeze(1)
+
+    @torch.inference_mode(False)
+    def _grow_rows(self) -> None:
+        super()._grow_rows()
+        for name in ("open_rows", "open_per_device", "count_blocks"):  # over slots
+            old = getattr(self, name)
+            setattr(self, name, torch.cat([old, torch.zeros_like(old)]))
+
+    def blocks_held_per_device(self, seq_ids) -> torch.Tensor:
+        """(m, D) count_blocks of each sequence; zeros if not held."""
+        held = torch.zeros(len(seq_ids), self.num_devices, dtype=torch.int64)
+        for i, s in enumerate(seq_ids):
+            if self.holds(s):
+                held[i] = self.count_blocks[self.seq_index(s)]
+        return held
+
+    def num_blocks_of_sequence(self, seq_id: int) -> int:
+        return int(self.count_blocks[self.seq_index(seq_id)].sum())
 
     def _take_blocks(
         self,
@@ -130,7 +204,7 @@ class CountingKVCacheManager(KVCacheManager):
         num_rows: int,
     ) -> torch.Tensor:
         """The needed blocks counted as lent on their rows' devices, per device; no ids (an empty
-        tensor, so allocate_slots lists none). OutOfBlocksError, changing nothing, when short."""
+        tensor, so no table entry is written). OutOfBlocksError, changing nothing, when short."""
         per_device = self._sum_needed_per_device(device, needed.to(torch.int64), num_rows, num_new_tokens)
         self.pool.allocate_per_device(per_device)
         return NO_IDS
@@ -147,31 +221,40 @@ class CountingKVCacheManager(KVCacheManager):
         self.pool.free_per_device(per_device)
         return int(per_row.sum())
 
-    def _assert_blocks_consistent(self) -> None:
-        """No ids to check: the pool lends, per device, the blocks the held rows count."""
+    def assert_consistent(self) -> None:
+        """KVCacheManager's invariants over counts, the slot tables', and the pool lending, per
+        device, the blocks the held rows count (no ids to check)."""
+        self.pool.assert_consistent()
+        self._assert_counts_consistent()
         slots = sorted(self._seq_index.values())
         counted = self.count_blocks[slots].sum(0)  # (D,) zeros when nothing is held
         lent = self.blocks_per_device - self.num_free_blocks_per_device
         assert torch.equal(counted, lent), (
             f"the pool lends {lent.tolist()} blocks per device, the held rows count {counted.tolist()}"
         )
+        if not slots:
+            return
+        rows = self.index.sequence_rows(torch.tensor(slots))  # (h, L*E)
+        counts = self.row_tokens[rows].view(-1, self.num_layers, self.num_experts)  # (h, L, E)
+        devices = self.row_device[rows].view(-1, self.num_layers, self.num_experts)  # (h, L, E)
+        opened = ((counts % self.block_size) == 0).to(torch.int32)
+        expected = torch.zeros(len(slots), self.num_layers, self.num_devices, dtype=torch.int32)
+        assert torch.equal(self.open_rows[slots], expected.scatter_add_(2, devices, opened)), (
+            "open_rows does not follow row_tokens"
+        )
+        assert torch.equal(self.open_per_device[slots], expected.sum(1).to(torch.int64)), (
+            "open_per_device does not follow row_tokens"
+        )
+        blocks = torch.zeros(len(slots), self.num_layers, self.num_devices, dtype=torch.int64)
+        blocks.scatter_add_(2, devices, ceil_div(counts, self.block_size))
+        assert torch.equal(self.count_blocks[slots], blocks.sum(1)), "count_blocks does not follow row_tokens"
 
     # ----- what needs a block id, refused ---------------------------------------------------------
-    def allocate_slots(
-        self,
-        rows: torch.Tensor,
-        num_new_tokens: torch.Tensor,
-        rows_are_distinct: bool = False,
-        with_slots: bool = True,
-        one_each: bool = False,
-    ) -> SlotAllocation:
-        """KVCacheManager.allocate_slots with with_slots=False only: there are no slots."""
-        if with_slots:
-            raise ValueError(
-                f"allocate_slots: a {type(self).__name__} has no slots; allowed: with_slots=False, "
-                f"or {LISTS_IDS}"
-            )
-        return super().allocate_slots(rows, num_new_tokens, rows_are_distinct, False, one_each)
+    def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> SlotAllocation:
+        """There are no slots: grow_rows counts an append."""
+        raise ValueError(
+            f"allocate_slots: a {type(self).__name__} has no slots; allowed: grow_rows, or {LISTS_IDS}"
+        )
 
     def _refuse_ids(self, call: str) -> NoReturn:
         raise ValueError(
@@ -190,17 +273,6 @@ class CountingKVCacheManager(KVCacheManager):
 
     def place_blocks(self, rows: torch.Tensor, columns: torch.Tensor, block_ids: torch.Tensor) -> None:
         self._refuse_ids("place_blocks")
-
-    def start_from_blocks(
-        self,
-        seq_id: int,
-        row_counts: torch.Tensor,
-        shared_rows: torch.Tensor,
-        shared_columns: torch.Tensor,
-        shared_blocks: torch.Tensor,
-        copied_rows: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._refuse_ids("start_from_blocks")
 
     def restore_sequence(self, seq_id: int, token_counts: torch.Tensor, last_appended: torch.Tensor):
         self._refuse_ids("restore_sequence")

@@ -87,7 +87,7 @@ class CountingPagedDesign(RowTokens):
 
 class ManagerPagedDesign:
     """Plain per-row pages through the real KVCacheManager, one `allocate_slots` a step (real block
-    ids from the real free block queue). manager_class=manager_with_shared_tails drives the real
+    ids from the real free block queue). manager_class=SharedTailKVCacheManager drives the real
     shared-tail bookkeeping (a Python loop over rows: for tests, too slow for the benchmarks)."""
 
     def __init__(
@@ -108,7 +108,7 @@ class ManagerPagedDesign:
             num_experts,
             block_size,
             num_blocks,
-            shuffle_seed,
+            shuffle_seed=shuffle_seed,
             initial_num_seqs=max(1, num_sequences),
         )
         self._row_base = torch.zeros(num_sequences, dtype=torch.int64)  # trace seq -> first manager row
@@ -121,9 +121,7 @@ class ManagerPagedDesign:
         return self._row_base[rows // self.rows_per_seq] + rows % self.rows_per_seq
 
     def append(self, rows: torch.Tensor, num_new: torch.Tensor) -> None:
-        self.manager.allocate_slots(
-            self._manager_rows(rows), num_new, rows_are_distinct=True, with_slots=False
-        )
+        self.manager.grow_rows(self._manager_rows(rows), num_new)
 
     def release(self, seqs) -> None:
         for seq in torch.as_tensor(seqs).reshape(-1).tolist():

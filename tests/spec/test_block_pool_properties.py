@@ -15,7 +15,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from moekv_ref.cache import BlockPool, KVCacheManager, OutOfBlocksError, manager_with_shared_tails
+from moekv_ref.cache import BlockPool, KVCacheManager, OutOfBlocksError, SharedTailKVCacheManager
 
 L, E = 2, 3
 
@@ -44,12 +44,12 @@ def snapshot(manager):
         manager.row_tokens.clone(),
         dict(manager._seq_index),
     )
-    if manager.tails is not None:
+    if isinstance(manager, SharedTailKVCacheManager):
         state += (
-            manager.tails.tail_slots.clone(),
-            manager.tails.slot_row.clone(),
-            {k: list(v) for k, v in manager.tails.tail_blocks.items()},
-            {k: list(v) for k, v in manager.tails.free_tail_slots.items()},
+            manager.tail_slots.clone(),
+            manager.slot_row.clone(),
+            {k: list(v) for k, v in manager.tail_blocks.items()},
+            {k: list(v) for k, v in manager.free_tail_slots.items()},
         )
     return state
 
@@ -98,14 +98,14 @@ def on_two_devices(manager_class, **placement):
 
 MANAGERS = {
     "plain": (KVCacheManager, plain_blocks),
-    "shared_tail": (manager_with_shared_tails, shared_tail_blocks),
+    "shared_tail": (SharedTailKVCacheManager, shared_tail_blocks),
     "plain_by_expert": (on_two_devices(KVCacheManager, device_of_expert=PLACEMENT), plain_blocks),
     "shared_tail_by_expert": (
-        on_two_devices(manager_with_shared_tails, device_of_expert=PLACEMENT),
+        on_two_devices(SharedTailKVCacheManager, device_of_expert=PLACEMENT),
         shared_tail_blocks_on(lambda seq, expert: PLACEMENT[expert]),
     ),
     "shared_tail_by_home": (
-        on_two_devices(manager_with_shared_tails, home_devices=True),
+        on_two_devices(SharedTailKVCacheManager, home_devices=True),
         shared_tail_blocks_on(lambda seq, expert: seq % 2),
     ),
 }

@@ -19,9 +19,9 @@ from moekv_ref.cache import (
     BlockPool,
     KVCacheManager,
     OutOfBlocksError,
-    PrefixCache,
+    PrefixCachingKVCacheManager,
     RowPlacement,
-    manager_with_shared_tails,
+    SharedTailKVCacheManager,
 )
 from moekv_ref.engine import LLMEngine, ModelShape, SchedulerConfig
 from moekv_ref.engine.scheduler import Scheduler
@@ -249,8 +249,8 @@ def test_expert_lru_is_refused_where_rows_cannot_be_evicted():
     policy that drops single rows when it is built, not at its first eviction."""
     shape = ModelShape(k_max=2, k_min=2, max_num_positions=64)
     for manager in (
-        KVCacheManager(2, 3, 4, 64, prefix_cache=PrefixCache()),
-        manager_with_shared_tails(2, 3, 4, 64),
+        PrefixCachingKVCacheManager(2, 3, 4, 64),
+        SharedTailKVCacheManager(2, 3, 4, 64),
     ):
         with pytest.raises(
             ValueError, match="victim='expert_lru' drops single rows, which this cache cannot"
@@ -302,7 +302,7 @@ def test_manager_free_rows_refuses_shared_tails_and_bad_rows():
     manager.assert_consistent()
     with pytest.raises(ValueError, match="not all rows"):
         manager.free_rows(torch.tensor([2 * 4]))
-    shared = manager_with_shared_tails(2, 4, 2, 10)
+    shared = SharedTailKVCacheManager(2, 4, 2, 10)
     shared.add_sequence(1)
     with pytest.raises(NotImplementedError):
         shared.free_rows(torch.tensor([0]))
@@ -395,7 +395,6 @@ def test_with_home_devices_policies_read_each_sequences_devices_not_device_zero(
     row on short device 1, expert_lru must take one of sequence 1's rows (home 1), not give up for
     want of rows there, as it would reading an all-zeros placement; and the reservation of a prefix
     hit for sequence 1 lies on device 1 only."""
-    from moekv_ref.cache import PrefixCache
     from moekv_ref.engine.memory import MemoryView, ModelShape
     from moekv_ref.engine.scheduler_factory import make_scheduler
 
@@ -412,7 +411,7 @@ def test_with_home_devices_policies_read_each_sequences_devices_not_device_zero(
     assert memory.placement.expert_devices is None  # there is no device per expert to answer with
     assert memory.placement.of_sequences([5])[0].unique().tolist() == [1]  # but one for every row
 
-    cached = KVCacheManager(1, 2, 2, blocks_per_device=[8, 8], home_devices=True, prefix_cache=PrefixCache())
+    cached = PrefixCachingKVCacheManager(1, 2, 2, blocks_per_device=[8, 8], home_devices=True)
     scheduler = make_scheduler(SchedulerConfig(), cached, ModelShape(k_max=1, k_min=1, max_num_positions=64))
     cached.add_sequence(3)  # home 1: the producer
     rows = cached.rows([3, 3], 0, [0, 1])

@@ -8,9 +8,11 @@ from helpers import alone_tokens, random_model, random_prompts, small_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moekv_ref.cache.block_pool import BlockPool, OutOfBlocksError
+from moekv_ref.cache.block_pool import OutOfBlocksError
+from moekv_ref.cache.caching_block_pool import CachingBlockPool
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
-from moekv_ref.cache.prefix_cache import PrefixCache, chain_keys
+from moekv_ref.cache.prefix_caching_manager import PrefixCachingKVCacheManager
+from moekv_ref.cache.prefix_cache import chain_keys
 from moekv_ref.checkpoint import load_default_model
 from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.engine.undo import Snapshot
@@ -58,7 +60,7 @@ def test_chain_keys_are_a_chain_of_the_whole_prefix():
 
 def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
     # one layer, two experts, blocks of 2 slots (chunks of 2 tokens), 8 blocks handed out 0, 1, 2, ...
-    manager = KVCacheManager(1, 2, 2, 8, prefix_cache=PrefixCache())
+    manager = PrefixCachingKVCacheManager(1, 2, 2, 8)
     producer = [10, 11, 12, 13, 14, 15, 16, 17]
     route = [[[0]], [[0]], [[1]], [[0]], [[1]], [[1]], [[0]], [[1]]]  # token t -> expert, top-1
     append_tokens(manager, 0, 0, route)
@@ -108,7 +110,7 @@ def test_hit_copy_on_write_and_lru_eviction_exact_blocks():
 def test_partial_tail_is_copied_never_shared():
     # the producer is still running: expert 0's second block (1) holds only position 3, a partial
     # tail it will append to. A request needing that entry gets a copy of block 1, not block 1.
-    manager = KVCacheManager(1, 2, 2, 8, prefix_cache=PrefixCache())
+    manager = PrefixCachingKVCacheManager(1, 2, 2, 8)
     append_tokens(manager, 0, 0, [[[0]], [[0]], [[1]], [[0]], [[1]], [[1]]])
     manager.prefix_cache.cache_computed_blocks(0, [10, 11, 12, 13, 14, 15])
     hit = manager.prefix_cache.find_cached_prefix([10, 11, 12, 13, 14, 99, 98])
@@ -128,7 +130,7 @@ def test_partial_tail_is_copied_never_shared():
 
 
 def test_reuse_and_mark_cached_refuse_bad_blocks():
-    pool = BlockPool(4)
+    pool = CachingBlockPool(4)
     blocks = pool.allocate(2)
     with pytest.raises(ValueError, match="holds no cached prefix"):
         pool.reuse(blocks)
@@ -209,7 +211,7 @@ def test_seeded_programs_hit_copy_and_evict():
 
 def run_program(ops):
     """Run one program, checking after every operation; returns (shared, copied, evicted) blocks."""
-    manager = KVCacheManager(L, E, P, 24, prefix_cache=PrefixCache())
+    manager = PrefixCachingKVCacheManager(L, E, P, 24)
     live = {}  # seq id -> [tokens, computed]
     next_id = 0
     for op in ops:
@@ -442,9 +444,7 @@ def test_bench_comparison_counts_hits_and_saved_work():
 
 def test_cached_free_blocks_count_as_free_not_used():
     """num_free_blocks + num_used_blocks == num_blocks holds with cached-free blocks in the pool."""
-    from moekv_ref.cache.block_pool import BlockPool
-
-    pool = BlockPool(8)
+    pool = CachingBlockPool(8)
     blocks = pool.allocate(3)
     pool.mark_cached(blocks[:2])
     pool.free(blocks)  # two wait in the cached-free queue, one on the stack
@@ -531,7 +531,7 @@ def test_home_devices_two_homes_never_share_a_block_and_each_home_caches_its_own
     sequence s on device s % 2. Sequence 0 (home 0) caches a prefix: sequence 2 (home 0) finds it,
     sequence 1 (home 1) does not, runs it itself and caches its own copy on device 1, which
     sequence 3 (home 1) then finds."""
-    manager = KVCacheManager(1, 2, 2, blocks_per_device=[8, 8], home_devices=True, prefix_cache=PrefixCache())
+    manager = PrefixCachingKVCacheManager(1, 2, 2, blocks_per_device=[8, 8], home_devices=True)
     prefix = manager.prefix_cache
     tokens = [10, 11, 12, 13, 14]
     route = [[[0]], [[0]], [[1]], [[1]]]  # 4 tokens: one full block per expert
@@ -572,9 +572,8 @@ def test_a_short_device_evicts_its_own_cached_blocks_not_another_devices():
     first, so they are the least recently used of the pool: an allocation on device 1 that needs
     more than its plain free blocks must still evict device 1's cached blocks, and device 0's stay
     findable."""
-    manager = KVCacheManager(
-        1, 2, 2, blocks_per_device=[4, 4], device_of_expert=[0, 1], prefix_cache=PrefixCache()
-    )
+    manager = PrefixCachingKVCacheManager(
+        1, 2, 2, blocks_per_device=[4, 4], device_of_expert=[0, 1])
     prefix, pool = manager.prefix_cache, manager.pool
     append_tokens(manager, 0, 0, [[[0]], [[0]], [[0]], [[0]]])  # expert 0: blocks 0, 1
     prefix.cache_computed_blocks(0, [1, 2, 3, 4])
@@ -605,7 +604,7 @@ def test_a_recomputed_prefix_takes_over_the_keys_of_its_idle_copy():
     blocks in use take the keys from the idle blocks that held them, which go back to the plain
     free stack. Else the keys would leave with the idle blocks once they are evicted, and the prefix,
     held all along, could not be found."""
-    manager = KVCacheManager(1, 1, 2, 8, prefix_cache=PrefixCache())
+    manager = PrefixCachingKVCacheManager(1, 1, 2, 8)
     prompt = [10, 11, 12, 13]
     route = [[[0]]] * 4
     append_tokens(manager, 0, 0, route)

@@ -17,7 +17,7 @@ from collections import deque
 import pytest
 import torch
 
-from moekv_ref.cache import BlockPool
+from moekv_ref.cache import BlockPool, CachingBlockPool
 from moekv_ref.checkpoint import load_default_model
 from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.engine.demand import worst_case_lifetime_blocks_per_device
@@ -219,7 +219,7 @@ def test_a_pool_used_inside_inference_mode_is_changed_in_place_outside_it():
     allocation outside it that reaches into a device's cached-free blocks, and a pool built inside
     inference mode used outside it: no tensor of the pool becomes an inference tensor, and every
     call works."""
-    pool = BlockPool(blocks_per_device=[4, 4])
+    pool = CachingBlockPool(blocks_per_device=[4, 4])
     with torch.inference_mode():
         taken = pool.allocate_per_device(torch.tensor([2, 3]))  # one gather, counts updated
     pool.mark_cached(taken[:2])
