@@ -29,6 +29,7 @@ import torch
 
 from ..state import Stateful
 from ..validation import check_ids, check_int, check_seed, known_keywords, preview
+from .invariants import check_pool
 from .options import check_pool_size
 from .rows import stable_order
 
@@ -121,14 +122,9 @@ class BlockPool(Stateful):
     def allocate(self, num_blocks: int, device: int | None = None) -> torch.Tensor:
         """Take `num_blocks` blocks of `device` (left out on a one-device pool only), each with
         ref_cnt 1, in the order handed out; OutOfBlocksError, changing nothing, when short."""
-        device = self._checked_device(device)
-        num_blocks = check_int("num_blocks", num_blocks, 0)
-        self._check_free_on(device, num_blocks)
-        top = int(self._first_blocks[device] + self._num_free[device])
-        block_ids = self._free_stack[top - num_blocks : top].flip(0).clone()
-        self._num_free[device] -= num_blocks
-        self.ref_cnt[block_ids] = 1
-        return block_ids
+        counts = torch.zeros(self.num_devices, dtype=torch.int64)
+        counts[self._checked_device(device)] = check_int("num_blocks", num_blocks, 0)
+        return self.allocate_per_device(counts)
 
     def allocate_per_device(self, num_blocks: torch.Tensor) -> torch.Tensor:
         """num_blocks (D,): `allocate(num_blocks[d], device=d)` for every device at once, the ids
@@ -225,27 +221,14 @@ class BlockPool(Stateful):
             )
         return num_blocks
 
-    def _check_free_on(self, device: int, num_blocks: int) -> None:
-        """OutOfBlocksError when `device` has fewer than num_blocks free blocks."""
-        free_here = int(self.num_free_blocks_per_device[device])
-        if num_blocks <= free_here:
-            return
-        if self.num_devices == 1:
-            raise OutOfBlocksError(
-                f"need {num_blocks} blocks but only {self.num_free_blocks} of {self.num_blocks} are free"
-            )
-        raise OutOfBlocksError(
-            f"device {device} is short: need {num_blocks} blocks, "
-            f"{free_here} of {self._device_sizes[device]} are free"
-        )
-
     def _check_free(self, num_blocks: torch.Tensor) -> None:
         """OutOfBlocksError naming the first device with fewer free blocks than num_blocks (D,)."""
         free = self.num_free_blocks_per_device  # (D,)
         if not bool((num_blocks <= free).all()):
             d = int((num_blocks > free).nonzero()[0])
+            where = "" if self.num_devices == 1 else f"device {d} is short: "
             raise OutOfBlocksError(
-                f"device {d} is short: need {int(num_blocks[d])} blocks, {int(free[d])} of "
+                f"{where}need {int(num_blocks[d])} blocks but only {int(free[d])} of "
                 f"{self._device_sizes[d]} are free"
             )
 
@@ -259,31 +242,6 @@ class BlockPool(Stateful):
             )
         return block_ids
 
-    def _assert_no_inference_tensors(self) -> None:
-        """No tensor of the pool's state is an inference tensor (module docstring)."""
-        inference = [
-            name
-            for name in self.STATE
-            if isinstance(getattr(self, name), torch.Tensor) and getattr(self, name).is_inference()
-        ]
-        assert not inference, (
-            f"{inference} are inference tensors: changed in place outside inference mode, they raise"
-        )
-
     def assert_consistent(self) -> None:
-        """The invariants of the module docstring; AssertionError names the broken one."""
-        self._assert_no_inference_tensors()
-        for d, stack in enumerate(self._stacks()):
-            assert (self._device_of(stack) == d).all(), (
-                f"device {d}'s free stack holds a block of another device"
-            )
-        free = self.free_block_ids()
-        assert int(torch.bincount(free, minlength=self.num_blocks).max()) <= 1, (
-            "a block is in the free queues twice"
-        )
-        assert (self.ref_cnt[free] == 0).all(), "a block in a free queue has owners"
-        assert (self.ref_cnt >= 0).all(), "negative ref_cnt"
-        num_used = int((self.ref_cnt > 0).sum())
-        assert num_used + free.numel() == self.num_blocks, (
-            f"leak: {num_used} used + {free.numel()} free != {self.num_blocks} blocks"
-        )
+        """The invariants of the module docstring (invariants.py); AssertionError names the broken one."""
+        check_pool(self)

@@ -23,7 +23,6 @@ from typing import Callable
 
 import torch
 
-from ..validation import check_int
 from .block_pool import BlockPool
 
 
@@ -64,34 +63,28 @@ class CachingBlockPool(BlockPool):
             queues += [stack.flip(0), torch.tensor(list(cached), dtype=torch.int64)]
         return torch.cat(queues)
 
-    def allocate(self, num_blocks: int, device: int | None = None) -> torch.Tensor:
-        """BlockPool.allocate, evicting the device's cached-free blocks, LRU first, once its stack
-        is empty."""
-        device = self._checked_device(device)
-        num_blocks = check_int("num_blocks", num_blocks, 0)
-        on_stack = int(self._num_free[device])
-        if num_blocks <= on_stack:
-            return super().allocate(num_blocks, device)
-        self._check_free_on(device, num_blocks)
-        from_stack = super().allocate(on_stack, device)
-        queue = self._cached_free[device]
-        evicted = [queue.popitem(last=False)[0] for _ in range(num_blocks - on_stack)]
-        self.is_cached[evicted] = False
-        self.num_evicted_cached_blocks += len(evicted)
-        if self._on_evict is not None:
-            self._on_evict(evicted)
-        self.ref_cnt[evicted] = 1
-        return torch.cat([from_stack, torch.tensor(evicted, dtype=torch.int64)])
-
     def allocate_per_device(self, num_blocks: torch.Tensor) -> torch.Tensor:
-        """BlockPool.allocate_per_device; device by device where one reaches into its cached-free
-        blocks."""
+        """BlockPool.allocate_per_device, each device evicting its cached-free blocks, LRU first,
+        once its stack is empty; the ids device after device, each device's stack ones first."""
         num_blocks = self._checked_counts(num_blocks)
         self._check_free(num_blocks)
-        if bool((num_blocks <= self._num_free).all()):
-            return super().allocate_per_device(num_blocks)
-        parts = [self.allocate(n, device=d) for d, n in enumerate(num_blocks.tolist()) if n]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        on_stack = torch.minimum(num_blocks, self._num_free)  # (D,)
+        from_stack = super().allocate_per_device(on_stack)
+        if bool((on_stack == num_blocks).all()):
+            return from_stack
+        parts = []
+        for d, (stack, n) in enumerate(
+            zip(from_stack.split(on_stack.tolist()), (num_blocks - on_stack).tolist())
+        ):
+            evicted = [self._cached_free[d].popitem(last=False)[0] for _ in range(n)]
+            if evicted:
+                self.is_cached[evicted] = False
+                self.num_evicted_cached_blocks += len(evicted)
+                if self._on_evict is not None:
+                    self._on_evict(evicted)
+                self.ref_cnt[evicted] = 1
+            parts += [stack, torch.tensor(evicted, dtype=torch.int64)]
+        return torch.cat(parts)
 
     def _push(self, released: torch.Tensor) -> None:
         """Released cached blocks join the end of their device's LRU queue; the rest their stack."""

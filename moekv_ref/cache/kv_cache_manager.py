@@ -3,43 +3,36 @@
 Rows are numbered as rows.py says. Everything is a tensor over rows, so that one call serves a whole
 step, for the model's attention (a few rows) and the cache-only simulator (tens of thousands) alike:
 
-    row_tokens      (num_rows,)             int64  tokens stored in the row
-    block_tables    (num_rows, max_blocks)  int32  block ids of the row, in token order
-    last_position   (num_rows,)             int64  position of the row's newest token (-1: none),
-                                                   against which the cache checks token order
-    last_appended   (num_rows,)             int64  the `clock` of the row's last append (-1: none),
-                                                   what an expert-level LRU reads (`row_last_used`)
+    row_tokens      (R,)     int64  tokens stored in the row
+    block_tables    (R, W)   int32  block ids of the row, in token order
+    last_position   (R,)     int64  position of the row's newest token (-1: none), against which
+                                    the cache checks token order
+    last_appended   (R,)     int64  the `clock` of the row's last append (-1: none), what an
+                                    expert-level LRU reads (`row_last_used`)
 
-Token j of a row lives at offset j % P of block block_tables[row, j // P], slot block_id * P +
-offset of the flat pool; entries past a row's ceil(n / P) blocks are padding (`num_blocks`, out of
-range on purpose), never read.
+Token j of a row lives at offset j % P of block block_tables[row, j // P], slot block_id * P + offset
+of the flat pool; entries past a row's ceil(n / P) blocks are padding (`num_blocks`), never read.
 
     row with n = 11 tokens, P = 4:      block_table = [ 7, 2, 9, pad, pad ]
         block 7: t0 t1 t2 t3    block 2: t4 t5 t6 t7    block 9: t8 t9 t10 --   <- the tail
 
-A row grows into a new block when its tokens pass a multiple of P: appending k tokens to a row of
-n takes ceil((n + k) / P) - ceil(n / P) blocks (`blocks_needed_per_device`, `allocate_slots`).
-
-Invariants (`assert_consistent`, driven by property tests): a row of n tokens owns exactly
-ceil(n / P) blocks, of its own device; no block is owned twice; a call that raises changes nothing.
+A row grows into a new block when its tokens pass a multiple of P: appending k tokens to a row of n
+takes ceil((n + k) / P) - ceil(n / P) blocks (`blocks_needed_per_device`, `allocate_slots`).
+Invariants (`assert_consistent`, driven by property tests): a row of n tokens owns exactly ceil(n / P)
+blocks, of its own device; no block is owned twice; a call that raises changes nothing.
 
 Each row takes blocks of one device's range, so memory is short per device. Which device is the
-manager's `placement` (rows.py's RowPlacement), which answers for every row: by expert, each expert
-of each layer on one of D devices (`device_of_expert`, (L, E)); or, with `home_devices`, by sequence,
-every row of sequence s on s % D (a pool sharded by sequence, as expert parallelism's
-kv_with_sequence and replicated_attention placements keep theirs). Options are checked in
-options.py. Managers that add to this one, each a subclass in its own file: prefix caching
-(prefix_caching_manager.py), shared tails (shared_tail_manager.py), a token budget per row
-(budgeted_manager.py), and the simulator's counting manager (sim/counting.py).
+`placement` (rows.py's RowPlacement): by expert (`device_of_expert`, (L, E)), or by sequence
+(`home_devices`: every row of sequence s on s % D, as expert parallelism's kv_with_sequence and
+replicated_attention placements keep theirs). options.py checks the options. Subclasses, each in
+its own file, add prefix caching (prefix_caching_manager.py), shared tails
+(shared_tail_manager.py), a token budget per row (budgeted_manager.py) and the simulator's
+counting (sim/counting.py).
 
-The manager is the only writer of these tables. Whoever else changes a row asks it:
-
-    allocate_slots, grow_rows                appends: with each new token's slot, or without
-    note_positions, extend_rows_in_place     the newest tokens' positions; an append that takes no
-                                             block (decode_plan.py)
-    place_blocks                             table entries a subclass took or shares
-    restore_sequence                         a sequence back from the swap space (engine/swap.py)
-    free, free_rows, start_step              a sequence or single rows let go; the step's clock
+The manager is the only writer of these tables. Whoever else changes a row asks it: allocate_slots
+and grow_rows (appends, with slots or without), note_positions and extend_rows_in_place (the newest
+positions; an append that takes no block), place_blocks (entries a subclass took or shares),
+restore_sequence (back from the swap space), free, free_rows and start_step.
 """
 
 from __future__ import annotations
@@ -51,6 +44,7 @@ import torch
 from ..state import Stateful
 from ..validation import MAX_INT64, check_ids, check_int
 from .block_pool import BlockPool, OutOfBlocksError
+from .invariants import check_block_tables, check_row_counts
 from .options import ManagerOptions, check_manager_options
 from .rows import RowIndex, RowPlacement, ceil_div, ragged_arange, stable_order
 
@@ -110,13 +104,6 @@ class KVCacheManager(Stateful):
             if device_of_expert is None:
                 device_of_expert = torch.zeros(num_layers, num_experts, dtype=torch.int64)
             self.placement = RowPlacement.by_expert(device_of_expert, self.pool.num_devices)
-        # a sequence's L * E rows, device after device (row order within each): `free` hands its
-        # blocks to the pool grouped by device, so the pool has nothing to sort (by sequence, every
-        # row of a sequence is on one device: row order)
-        by_device = torch.zeros(num_layers * num_experts, dtype=torch.int64)
-        if device_of_expert is not None:
-            by_device = device_of_expert.reshape(-1)
-        self._rows_by_device = torch.argsort(by_device, stable=True)
         self.index = RowIndex(num_layers, num_experts)
         self.rows_per_seq = self.index.rows_per_seq
         self.pad = self.pool.num_blocks  # padding in block tables: never a real block
@@ -313,13 +300,10 @@ class KVCacheManager(Stateful):
         needed = self.blocks_needed_per_device(rows, num_new_tokens)  # (D,)
         return bool((needed <= self.num_free_blocks_per_device).all())
 
-    def blocks_of_sequence(self, seq_id: int, by_device: bool = False) -> torch.Tensor:
+    def blocks_of_sequence(self, seq_id: int) -> torch.Tensor:
         """Every block the sequence owns, row by row in token order: what a swap to a CPU pool
-        copies, and what `free` returns. by_device=True: its rows device after device (the blocks
-        grouped by device, as the pool pushes them when freed)."""
-        index = self.seq_index(seq_id)
-        order = self._rows_by_device if by_device else torch.arange(self.rows_per_seq)
-        rows = order + index * self.rows_per_seq  # (L * E,) its rows
+        copies, and what `free` returns."""
+        rows = self.index.sequence_rows(torch.tensor([self.seq_index(seq_id)]))[0]  # (L*E,) its rows
         # each row's used entries only (a row of the simulator's lists a few of its table's columns)
         owner, column = ragged_arange(self.num_used_columns(rows))  # (b,) each
         width = self.block_tables.shape[1]
@@ -417,30 +401,22 @@ class KVCacheManager(Stateful):
     ) -> torch.Tensor:
         """(D,) the needed[i] (int64) blocks of rows on device[i], summed per device;
         OutOfBlocksError (raise_short), changing nothing, where a device has fewer free."""
-        per_device = torch.zeros(self.num_devices, dtype=torch.int64)
-        per_device.index_add_(0, device, needed)  # (D,)
+        per_device = torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, device, needed)
         self.raise_short(per_device, num_rows, num_new_tokens)
         return per_device
 
     def raise_short(self, needed: torch.Tensor, num_rows: int, num_new_tokens) -> None:
-        """OutOfBlocksError naming the pool (or first device) short of the needed (D,) blocks."""
+        """OutOfBlocksError naming the first device short of the needed (D,) blocks, and the
+        blocks missing on each (`shortfall`)."""
         free = self.num_free_blocks_per_device  # (D,)
         if bool((needed <= free).all()):
             return
-        short = (needed > free).nonzero().squeeze(1)
-        tokens, d = int(num_new_tokens.sum()), int(short[0])
-        shortfall = torch.clamp(needed - free, min=0)  # (D,)
-        if self.num_devices == 1:
-            raise OutOfBlocksError(
-                f"appending {tokens} tokens to {num_rows} rows needs "
-                f"{int(needed[0])} blocks; {int(free[0])} are free",
-                shortfall,
-            )
+        d = int((needed > free).nonzero()[0])
+        where = "" if self.num_devices == 1 else f"device {d} is short: "
         raise OutOfBlocksError(
-            f"device {d} is short: appending {tokens} tokens needs "
-            f"{int(needed[d])} blocks there, {int(free[d])} of "
-            f"{int(self.blocks_per_device[d])} are free",
-            shortfall,
+            f"{where}appending {int(num_new_tokens.sum())} tokens to {num_rows} rows needs "
+            f"{int(needed[d])} blocks there, {int(free[d])} of {int(self.blocks_per_device[d])} are free",
+            torch.clamp(needed - free, min=0),
         )
 
     def _check_allocation(self, rows, num_new_tokens) -> tuple[torch.Tensor, torch.Tensor]:
@@ -465,19 +441,16 @@ class KVCacheManager(Stateful):
         tensor operations, whatever the number of rows."""
         if rows.numel() == 0:
             return
-        bounds = torch.aminmax(rows)
-        lowest = int(bounds.min)
-        highest = int(bounds.max)
-        in_range = lowest >= 0 and highest < self.row_tokens.numel()
-        if in_range and bool(self.slot_held[rows // self.rows_per_seq].all()):
+        lowest, highest = (int(bound) for bound in torch.aminmax(rows))
+        if (
+            lowest >= 0
+            and highest < self.row_tokens.numel()
+            and bool(self.slot_held[rows // self.rows_per_seq].all())
+        ):
             return
-        if in_range:
-            bad = int(rows[~self.slot_held[rows // self.rows_per_seq]][0])
-        else:
-            bad = lowest if lowest < 0 else highest
         raise ValueError(
-            f"{call}: rows {rows.tolist()[:8]} are not all rows of sequences the cache holds (row {bad} "
-            "is not); allowed: rows of held sequences (add_sequence first, then rows(seq_ids, layer, experts))"
+            f"{call}: rows {rows.tolist()[:8]} are not all rows of sequences the cache holds; allowed: "
+            "rows of held sequences (add_sequence first, then rows(seq_ids, layer, experts))"
         )
 
     def row_slots(self, row: int) -> torch.Tensor:
@@ -523,8 +496,7 @@ class KVCacheManager(Stateful):
     def _return_sequence_blocks(self, seq_id: int, index: int) -> None:
         """Every block of the sequence (held in slot `index`) back to the pool, its rows not yet
         emptied (`free`)."""
-        blocks = self.blocks_of_sequence(seq_id, by_device=True)
-        self.pool.free(blocks, distinct=True)  # a sequence owns a block once
+        self.pool.free(self.blocks_of_sequence(seq_id), distinct=True)  # a sequence owns a block once
 
     def free_rows(self, rows) -> int:
         """Empty some rows of held sequences (an eviction of single rows: the sequences stay, but
@@ -550,16 +522,16 @@ class KVCacheManager(Stateful):
         its own tables after calling this."""
         num_seqs = self.slot_held.numel()
         extra = num_seqs * self.rows_per_seq
-        for name, fill in (
-            ("row_tokens", 0),
-            ("row_device", 0),
-            ("last_position", -1),
-            ("last_appended", -1),
-            ("block_tables", self.pad),
-        ):
+        fills = {
+            "row_tokens": 0,
+            "row_device": 0,
+            "last_position": -1,
+            "last_appended": -1,
+            "block_tables": self.pad,
+        }
+        for name, fill in fills.items():
             old = getattr(self, name)
-            new = torch.full((extra, *old.shape[1:]), fill, dtype=old.dtype)
-            setattr(self, name, torch.cat([old, new]))
+            setattr(self, name, torch.cat([old, torch.full((extra, *old.shape[1:]), fill, dtype=old.dtype)]))
         self.slot_held = torch.cat([self.slot_held, torch.zeros_like(self.slot_held)])
         self._free_seq_indices = list(range(2 * num_seqs - 1, num_seqs - 1, -1)) + self._free_seq_indices
 
@@ -574,43 +546,7 @@ class KVCacheManager(Stateful):
         self.block_tables = torch.cat([self.block_tables, extra], dim=1)
 
     def assert_consistent(self) -> None:
-        """The invariants of the module docstring; AssertionError names the broken one."""
+        """The invariants of the module docstring (invariants.py); AssertionError names the broken one."""
         self.pool.assert_consistent()
-        self._assert_counts_consistent()
-        self._assert_blocks_consistent()
-
-    def _assert_blocks_consistent(self) -> None:
-        """The invariants over block ids: each row's used table entries list blocks of its device,
-        the rest padding; a block owned once; ref_cnt its owners."""
-        used = self.used_columns()  # (R, W)
-        owned = self.block_tables[used].to(torch.int64)
-        assert (owned < self.num_blocks).all(), "a row's used table entry is padding"
-        # every used entry is a block, so tables with as many set entries as used ones have the
-        # rest padding (one count over the tables, not a pass over the unused entries)
-        assert int(torch.count_nonzero(self.block_tables != self.pad)) == owned.numel(), (
-            "a table entry past a row's blocks is set"
-        )
-        assert torch.equal(self.pool.device_of_blocks(owned), self.device_of_rows(used.nonzero()[:, 0])), (
-            "a row holds a block of another device than its own"
-        )
-        owned = torch.cat([owned, self._blocks_outside_tables()])
-        distinct = owned.unique()
-        self._assert_owned_once(owned, distinct)
-        owners = torch.bincount(owned, minlength=self.num_blocks)
-        assert torch.equal(owners.to(torch.int32), self.pool.ref_cnt), "ref_cnt != number of owners"
-        assert distinct.numel() + self.pool.num_free_blocks == self.num_blocks, "free + owned != total"
-
-    def _blocks_outside_tables(self) -> torch.Tensor:
-        """Blocks a subclass owns outside the rows' tables (none here)."""
-        return torch.zeros(0, dtype=torch.int64)
-
-    def _assert_owned_once(self, owned: torch.Tensor, distinct: torch.Tensor) -> None:
-        assert distinct.numel() == owned.numel(), "a block is owned by two rows (or twice)"
-
-    def _assert_counts_consistent(self) -> None:
-        """The invariants over counts: slots held, and no tokens in a free slot."""
-        live = torch.zeros(self.slot_held.numel(), dtype=torch.bool)
-        live[list(self._seq_index.values())] = True
-        assert torch.equal(self.slot_held, live), "slot_held does not follow the sequences held"
-        idle_rows = (~live).repeat_interleave(self.rows_per_seq)
-        assert (self.row_tokens[idle_rows] == 0).all(), "a free sequence slot holds tokens"
+        check_row_counts(self)
+        check_block_tables(self)

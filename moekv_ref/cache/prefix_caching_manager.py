@@ -20,6 +20,7 @@ import torch
 
 from .block_pool import OutOfBlocksError
 from .caching_block_pool import CachingBlockPool
+from .invariants import check_block_tables, check_row_counts
 from .kv_cache_manager import KVCacheManager
 from .options import ManagerOptions
 from .prefix_cache import PrefixCache
@@ -92,9 +93,10 @@ class PrefixCachingKVCacheManager(KVCacheManager):
     def release(self, block_ids: torch.Tensor) -> None:
         self.pool.free(block_ids)
 
-    def _assert_owned_once(self, owned: torch.Tensor, distinct: torch.Tensor) -> None:
-        """Prefix hits share blocks between sequences' rows; ref_cnt counts them (checked after)."""
-
     def assert_consistent(self) -> None:
-        super().assert_consistent()
+        """KVCacheManager's invariants, a block listed by several rows allowed (prefix hits share
+        blocks; ref_cnt counts them), and the prefix index's."""
+        self.pool.assert_consistent()
+        check_row_counts(self)
+        check_block_tables(self, shared=True)
         self.prefix_cache.assert_consistent()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..validation import check_ids
+from .invariants import check_block_tables, check_row_counts
 from .kv_cache_manager import KVCacheManager, Moves
 
 
@@ -89,10 +90,10 @@ class SharedTailKVCacheManager(KVCacheManager):
         """A row's table lists its full blocks only: n // P."""
         return self.row_tokens[rows] // self.block_size
 
-    def blocks_of_sequence(self, seq_id: int, by_device: bool = False) -> torch.Tensor:
+    def blocks_of_sequence(self, seq_id: int) -> torch.Tensor:
         """KVCacheManager.blocks_of_sequence, then the sequence's tail blocks."""
         tails = torch.tensor(self.tail_blocks_of_slot(self.seq_index(seq_id)), dtype=torch.int64)
-        return torch.cat([super().blocks_of_sequence(seq_id, by_device), tails])
+        return torch.cat([super().blocks_of_sequence(seq_id), tails])
 
     def blocks_held_per_device(self, seq_ids) -> torch.Tensor:
         """(m, D) blocks each sequence owns on each device, tail blocks too; zeros if not held."""
@@ -232,12 +233,11 @@ class SharedTailKVCacheManager(KVCacheManager):
         extra = torch.full((self.row_tokens.numel() - len(self.tail_slots), self.block_size), -1)
         self.tail_slots = torch.cat([self.tail_slots, extra])
 
-    def _blocks_outside_tables(self) -> torch.Tensor:
-        return self.tail_blocks_all()
-
     def assert_consistent(self) -> None:
-        """KVCacheManager's invariants, and the tails' (module docstring)."""
-        super().assert_consistent()
+        """KVCacheManager's invariants, the tail blocks owned too, and the tails' (module docstring)."""
+        self.pool.assert_consistent()
+        check_row_counts(self)
+        check_block_tables(self, also_owned=self.tail_blocks_all())
         m = self
         P = self.block_size
         valid = torch.arange(P) < (m.row_tokens % P)[:, None]  # (R, P)

@@ -32,6 +32,7 @@ from typing import NoReturn
 import torch
 
 from ..cache.block_pool import BlockPool
+from ..cache.invariants import check_no_inference_tensors, check_row_counts
 from ..cache.kv_cache_manager import KVCacheManager, SlotAllocation
 from ..cache.rows import ceil_div
 
@@ -88,7 +89,7 @@ class CountingBlockPool(BlockPool):
 
     def assert_consistent(self) -> None:
         """No inference tensor, and each device's free count within [0, its blocks]."""
-        self._assert_no_inference_tensors()
+        check_no_inference_tensors(self)
         assert bool(((self._num_free >= 0) & (self._num_free <= self.blocks_per_device)).all()), (
             f"free blocks per device {self._num_free.tolist()} outside [0, {self._device_sizes}]"
         )
@@ -225,7 +226,7 @@ class CountingKVCacheManager(KVCacheManager):
         """KVCacheManager's invariants over counts, the slot tables', and the pool lending, per
         device, the blocks the held rows count (no ids to check)."""
         self.pool.assert_consistent()
-        self._assert_counts_consistent()
+        check_row_counts(self)
         slots = sorted(self._seq_index.values())
         counted = self.count_blocks[slots].sum(0)  # (D,) zeros when nothing is held
         lent = self.blocks_per_device - self.num_free_blocks_per_device
@@ -265,7 +266,7 @@ class CountingKVCacheManager(KVCacheManager):
     def slot_of(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         self._refuse_ids("slots")
 
-    def blocks_of_sequence(self, seq_id: int, by_device: bool = False) -> torch.Tensor:
+    def blocks_of_sequence(self, seq_id: int) -> torch.Tensor:
         self._refuse_ids("blocks_of_sequence")
 
     def block_owners(self) -> tuple[torch.Tensor, torch.Tensor]:
