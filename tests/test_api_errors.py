@@ -264,7 +264,7 @@ KEYWORD_CASES = [
     (
         "BlockPool(blocks=8)",
         lambda: BlockPool(blocks=8),
-        "unknown keyword blocks=8 for BlockPool; allowed: num_blocks, shuffle_seed, blocks_per_device, checked",
+        "unknown keyword blocks=8 for BlockPool; allowed: num_blocks, shuffle_seed, blocks_per_device, options",
     ),
     (
         "SchedulerConfig(max_seqs=4)",

@@ -12,6 +12,7 @@ from them.
 """
 
 import math
+import sys
 import os
 import tempfile
 from pathlib import Path
@@ -38,10 +39,17 @@ from moekv_ref.apps import (
     train,
 )
 from moekv_ref.apps.cli import main
-from moekv_ref.cache import KVCacheManager, PagedKVCache, PrefixCache, SharedTails
+from moekv_ref.cache import (
+    BudgetedKVCacheManager,
+    CachingBlockPool,
+    KVCacheManager,
+    PagedKVCache,
+    PrefixCachingKVCacheManager,
+    SharedTailKVCacheManager,
+)
 from moekv_ref.cache.block_pool import BlockPool
 from moekv_ref.cache.budget import RowBudget
-from moekv_ref.cache.kv_cache_manager import checked_placement
+from moekv_ref.cache.options import checked_placement
 from moekv_ref.config import ModelConfig
 from moekv_ref.engine import LLMEngine, SchedulerConfig, generate_with_engine
 from moekv_ref.engine.workload import make_workload
@@ -459,11 +467,15 @@ CASES = [
     ("BlockPool.free(float array)", lambda: pool_in_use().free(np.array([1.0])), "has dtype torch.float64"),
     ("BlockPool.incref([1.5])", lambda: pool_in_use().incref([1.5]), "block_ids[0]=1.5 is a float"),
     (
-        "BlockPool.mark_cached(float)",
-        lambda: pool_in_use().mark_cached(torch.tensor([2.0])),
+        "CachingBlockPool.mark_cached(float)",
+        lambda: caching_pool_in_use().mark_cached(torch.tensor([2.0])),
         "has dtype torch.float32",
     ),
-    ("BlockPool.reuse(float)", lambda: pool_in_use().reuse(torch.tensor([2.0])), "has dtype torch.float32"),
+    (
+        "CachingBlockPool.reuse(float)",
+        lambda: caching_pool_in_use().reuse(torch.tensor([2.0])),
+        "has dtype torch.float32",
+    ),
     (
         "BlockPool.allocate(2.0)",
         lambda: pool_in_use().allocate(2.0),
@@ -568,26 +580,26 @@ CASES = [
         lambda: LLMEngine(MODEL, 90, home_devices=True),
         "home_devices=True needs blocks_per_device",
     ),
-    # a manager's parts: of their kind, or None
+    # a variant is its own class: the plain manager names the option it does not take
     (
         "KVCacheManager tails=True",
         lambda: KVCacheManager(2, 5, 2, 12, tails=True),
-        "tails=True is a bool; allowed: a SharedTails",
-    ),
-    (
-        "KVCacheManager prefix_cache='yes'",
-        lambda: KVCacheManager(2, 5, 2, 12, prefix_cache="yes"),
-        "prefix_cache='yes' is a str; allowed: a PrefixCache",
+        "unknown keyword tails=True for KVCacheManager; allowed: num_layers, num_experts, block_size",
     ),
     (
         "KVCacheManager budget=4",
         lambda: KVCacheManager(2, 5, 2, 12, budget=4),
+        "unknown keyword budget=4 for KVCacheManager",
+    ),
+    (
+        "BudgetedKVCacheManager budget=4",
+        lambda: BudgetedKVCacheManager(2, 5, 2, 12, budget=4),
         "budget=4 is an int; allowed: a RowBudget",
     ),
     (
-        "KVCacheManager tails=PrefixCache()",
-        lambda: KVCacheManager(2, 5, 2, 12, tails=PrefixCache()),
-        "tails=<PrefixCache object> is a PrefixCache; allowed: a SharedTails",
+        "KVCacheManager options= with a keyword",
+        lambda: KVCacheManager(2, 5, 2, 12, options="x", shuffle_seed=1),
+        "options='x' is not allowed with ['shuffle_seed']; allowed: a ManagerOptions",
     ),
     # rows: of sequences the cache holds
     (
@@ -1184,12 +1196,19 @@ def pool_state(pool):
     return pool.free_block_ids(), pool.ref_cnt.clone(), pool.is_cached.clone(), pool.num_free_blocks
 
 
+def caching_pool_in_use():
+    """A CachingBlockPool of 8 blocks, 0..3 in use (block 1 twice)."""
+    pool = CachingBlockPool(8)
+    pool.incref(pool.allocate(4)[1:2])
+    return pool
+
+
 def same_state(a, b):
     return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
 
 
 def test_refused_ids_and_counts_leave_the_pools_unchanged():
-    pool = pool_in_use()
+    pool = caching_pool_in_use()
     before = pool_state(pool)
     for call in (
         lambda: pool.free(torch.tensor([1.7])),
@@ -1310,21 +1329,30 @@ def test_paged_generate_sizes_its_pool_for_the_prompts_given():
     assert paged.tokens == generate(MODEL, prompts, params, cache="contiguous").tokens
 
 
-def test_a_part_belongs_to_one_manager():
-    """A SharedTails, PrefixCache or RowBudget keeps one manager's state: given to a second manager it
-    is refused, naming it, and the first manager keeps it as it was."""
-    for name, make in (
-        ("tails", SharedTails),
-        ("prefix_cache", PrefixCache),
-        ("budget", lambda: RowBudget(4)),
+def test_a_budget_belongs_to_one_manager():
+    """A RowBudget keeps one manager's rows: given to a second manager it is refused, naming it, and
+    the first manager keeps it as it was."""
+    budget = RowBudget(4)
+    first = BudgetedKVCacheManager(2, 5, 2, 12, budget=budget)
+    first.add_sequence(7)
+    with pytest.raises(ValueError, match="budget=.* already belongs to another KVCacheManager"):
+        BudgetedKVCacheManager(2, 5, 2, 12, budget=budget)
+    assert budget.manager is first and first.holds(7)
+    first.assert_consistent()
+
+
+def test_each_variant_manager_takes_the_plain_managers_options():
+    """Prefix caching, shared tails and a budget are managers of their own class; each takes the
+    plain manager's options, checked by the same rules."""
+    for make in (
+        PrefixCachingKVCacheManager,
+        SharedTailKVCacheManager,
+        lambda *args, **options: BudgetedKVCacheManager(*args, budget=RowBudget(4), **options),
     ):
-        part = make()
-        first = KVCacheManager(2, 5, 2, 12, **{name: part})
-        first.add_sequence(7)
-        with pytest.raises(ValueError, match=f"{name}=.* already belongs to another KVCacheManager"):
-            KVCacheManager(2, 5, 2, 12, **{name: part})
-        assert part.manager is first and first.holds(7)
-        first.assert_consistent()
+        manager = make(2, 5, 2, blocks_per_device=[6, 6], device_of_expert=PLACEMENT, shuffle_seed=1)
+        assert manager.num_devices == 2 and manager.num_blocks == 12
+        with pytest.raises(ValueError, match="block_size=3 is not allowed"):
+            make(2, 5, 3, 12)
 
 
 def test_allocate_slots_refuses_rows_of_no_held_sequence_and_changes_nothing():
@@ -1362,11 +1390,9 @@ def test_integers_are_python_or_numpy_ints_everywhere():
 
 def test_each_value_is_checked_once_per_public_entry(monkeypatch):
     """The engine's cache options are checked once, where it builds the cache: the cache, its manager
-    and its pool trust what was checked; a manager built alone checks them itself, once too."""
-    import moekv_ref.cache.block_pool as block_pool
-    import moekv_ref.cache.kv_cache_manager as kv_cache_manager
-    import moekv_ref.cache.paged as paged
-    import moekv_ref.engine.engine as engine_module
+    and its pool trust what was checked (the frozen options object they are given); a manager built
+    alone checks them itself, once too."""
+    import moekv_ref
 
     calls = []
 
@@ -1379,14 +1405,12 @@ def test_each_value_is_checked_once_per_public_entry(monkeypatch):
 
         monkeypatch.setattr(module, name, check)
 
-    for module in (kv_cache_manager, engine_module):
-        counting(module, "check_block_size")
-    for module in (block_pool,):
-        counting(module, "check_blocks_per_device")
-    for module in (kv_cache_manager, block_pool):
-        counting(module, "check_seed")
-    # the cache and the manager check their options with one function, check_manager_options
-    assert not hasattr(paged, "check_block_size") and not hasattr(paged, "check_seed")
+    names = ("check_block_size", "check_blocks_per_device", "check_seed")
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("moekv_ref.") and module is not moekv_ref.validation:
+            for name in names:
+                if hasattr(module, name):
+                    counting(module, name)
     device_engine(shuffle_seed=3)
     assert sorted(calls) == ["check_block_size", "check_blocks_per_device", "check_seed"]
     calls.clear()

@@ -30,7 +30,7 @@ import torch
 from ..state import Stateful
 from ..validation import check_ids, check_int, check_seed, known_keywords, preview
 from .invariants import check_pool
-from .options import check_pool_size
+from .options import ManagerOptions, check_pool_size
 from .rows import stable_order
 
 
@@ -55,10 +55,19 @@ class BlockPool(Stateful):
     @known_keywords
     @torch.inference_mode(False)  # kept across steps: never inference tensors (module docstring)
     def __init__(
-        self, num_blocks: int | None = None, shuffle_seed: int | None = None, blocks_per_device=None
+        self,
+        num_blocks: int | None = None,
+        shuffle_seed: int | None = None,
+        blocks_per_device=None,
+        options: ManagerOptions | None = None,
     ):
-        blocks_per_device = check_pool_size(num_blocks, blocks_per_device)
-        shuffle_seed = check_seed("shuffle_seed", shuffle_seed, len(blocks_per_device), allow_none=True)
+        """options: a manager's ManagerOptions (options.py), its sizes and seed checked, instead."""
+        if options is None:
+            blocks_per_device = check_pool_size(num_blocks, blocks_per_device)
+            shuffle_seed = check_seed("shuffle_seed", shuffle_seed, len(blocks_per_device), allow_none=True)
+        else:
+            blocks_per_device = options.blocks_per_device
+            shuffle_seed = options.shuffle_seed
         num_devices = len(blocks_per_device)
         self.num_blocks = sum(blocks_per_device)
         self._device_sizes = blocks_per_device  # (D,)

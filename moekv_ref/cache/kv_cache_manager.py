@@ -128,7 +128,7 @@ class KVCacheManager(Stateful):
 
     def _make_pool(self, options: ManagerOptions) -> BlockPool:
         """The pool this manager's rows take blocks from."""
-        return BlockPool(None, options.shuffle_seed, options.blocks_per_device)
+        return BlockPool(options=options)
 
     def _initial_table_width(self, initial_blocks_per_row: int) -> int:
         """Columns each row's block table starts with (the tables widen as rows grow)."""

@@ -162,7 +162,11 @@ def check_manager_options(
                 "allowed: a ManagerOptions (cache/options.py) alone, or the keywords it holds"
             )
         return num_layers, num_experts, given
-    check_keywords(where, keywords, MANAGER_KEYWORDS + ("options",))
+    check_keywords(
+        where,
+        keywords,
+        ("num_layers", "num_experts", "block_size", "num_blocks", *MANAGER_KEYWORDS, "options"),
+    )
     block_size = check_block_size(block_size)
     blocks_per_device = keywords.get("blocks_per_device")
     device_of_expert = keywords.get("device_of_expert")

@@ -41,7 +41,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         return 8 * options.num_blocks * options.block_size  # the index's block_positions
 
     def _make_pool(self, options: ManagerOptions) -> CachingBlockPool:
-        return CachingBlockPool(None, options.shuffle_seed, options.blocks_per_device)
+        return CachingBlockPool(options=options)
 
     def _take_blocks(self, rows, device, needed, num_new_tokens, num_rows: int) -> torch.Tensor:
         block_ids = super()._take_blocks(rows, device, needed, num_new_tokens, num_rows)

@@ -124,7 +124,7 @@ class CountingKVCacheManager(KVCacheManager):
         return num_seqs * len(options.blocks_per_device) * (4 * num_layers + 16)  # the slot tables
 
     def _make_pool(self, options) -> BlockPool:
-        return CountingBlockPool(None, options.shuffle_seed, options.blocks_per_device)
+        return CountingBlockPool(options=options)
 
     def _initial_table_width(self, initial_blocks_per_row: int) -> int:
         return 0  # no entries, ever
