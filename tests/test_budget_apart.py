@@ -16,6 +16,7 @@ from helpers import prefill_then_decode, random_model, random_prompts, small_con
 
 from moekv_ref.cache import BudgetedPagedKVCache, PagedKVCache, make_paged_cache
 from moekv_ref.cache.budget import RowBudget, model_budget
+from moekv_ref.cache.budgeted_manager import BudgetedKVCacheManager
 from moekv_ref.model import RowRule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +59,7 @@ def test_make_paged_cache_picks_the_class_by_the_budget_and_the_model_s_capacity
     assert type(implied) is BudgetedPagedKVCache
     assert repr(implied.manager.budget) == repr(model_budget(capacity.config).fresh())
     exact = PagedKVCache.for_model(capacity, block_size=2)  # the plain class never caps a row
-    assert type(exact) is PagedKVCache and exact.manager.budget is None
+    assert type(exact) is PagedKVCache and not isinstance(exact.manager, BudgetedKVCacheManager)
     with pytest.raises(ValueError, match="budget=4 is an int; allowed: a RowBudget"):
         make_paged_cache(plain_model, budget=4)
     with pytest.raises(ValueError, match="budget=None is not allowed for a model without attention_capacity"):

@@ -324,7 +324,7 @@ def build_report(
             "what the model's PagedKVCache uses",
             "paged_shared_tail": "private full blocks, each row's partial tail in tail blocks shared by the "
             "sequence's rows at token granularity (cache/shared_tail_manager.py; the "
-            "model runs it with PagedKVCache(shared_tails=True), torch backend only). "
+            "model runs it with SharedTailPagedKVCache, torch backend only). "
             "Numbers from its count-level model sim/designs.SharedTailDesign, which a "
             "test checks against the real manager step by step",
             "max_concurrent_sequences": "first n sequences started together and run to completion, "

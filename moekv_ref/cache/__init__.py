@@ -16,37 +16,56 @@ and `free(seq_id)`.
     kv_cache_manager.py     block tables and token counts per row (integers only)
     shared_tail_manager.py  SharedTails, a manager's part: rows' partly filled tails share blocks
     prefix_cache.py         PrefixCache, a manager's part: full blocks found again by prefix
-    paged.py                PagedKVCache: K/V pool tensors + a manager; the attention paths
+    cache_options.py        CacheOptions: a paged cache's options, checked once
+    paged.py                PagedKVCache: K/V pool tensors + a manager; the attention paths (the
+                            plain path only; each variant below is a subclass in its own file)
+    decode_plan.py          PlannedPagedKVCache: the dense decode plan, a speed-up
+    prefix_caching_paged.py PrefixCachingPagedKVCache: records each stored token's position
+    shared_tail_paged.py    SharedTailPagedKVCache: rows' tails in shared blocks
     budget.py               RowBudget, a manager's part: at most B tokens a row, a policy at a full
                             row; the budgeted recompute the model runs
-    budget_paged.py         BudgetedPagedKVCache: a PagedKVCache whose rows keep a RowBudget;
-                            make_paged_cache, which picks the class for a model
+    budget_paged.py         BudgetedPagedKVCache: a PagedKVCache whose rows keep a RowBudget
+    factory.py              make_paged_cache: the one place that picks the class for a model
     contiguous.py           ContiguousKVCache: one growing buffer per row, the reference
 """
 
 from .block_pool import BlockPool, OutOfBlocksError
-from .budget_paged import BudgetedPagedKVCache, make_paged_cache
+from .budget_paged import BudgetedPagedKVCache
+from .budgeted_manager import BudgetedKVCacheManager
+from .cache_options import ATTENTION_PATHS, CacheOptions
+from .caching_block_pool import CachingBlockPool
 from .contiguous import ContiguousKVCache
+from .decode_plan import PlannedPagedKVCache
+from .factory import make_paged_cache
 from .kv_cache_manager import KVCacheManager, SlotAllocation
-from .paged import ATTENTION_PATHS, AppendedRows, PagedKVCache
+from .paged import AppendedRows, PagedKVCache
 from .prefix_cache import PrefixCache
+from .prefix_caching_manager import PrefixCachingKVCacheManager
+from .prefix_caching_paged import PrefixCachingPagedKVCache
 from .rows import RowIndex, RowPlacement, ceil_div
-from .shared_tail_manager import SharedTails, manager_with_shared_tails
+from .shared_tail_manager import SharedTailKVCacheManager
+from .shared_tail_paged import SharedTailPagedKVCache
 
 __all__ = [
     "ATTENTION_PATHS",
     "AppendedRows",
     "BlockPool",
     "BudgetedPagedKVCache",
+    "CacheOptions",
     "ContiguousKVCache",
     "KVCacheManager",
     "OutOfBlocksError",
     "PagedKVCache",
+    "PlannedPagedKVCache",
+    "PrefixCachingPagedKVCache",
+    "SharedTailPagedKVCache",
     "PrefixCache",
     "RowIndex",
     "RowPlacement",
-    "manager_with_shared_tails",
-    "SharedTails",
+    "SharedTailKVCacheManager",
+    "PrefixCachingKVCacheManager",
+    "BudgetedKVCacheManager",
+    "CachingBlockPool",
     "SlotAllocation",
     "ceil_div",
     "make_paged_cache",

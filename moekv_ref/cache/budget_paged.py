@@ -10,8 +10,8 @@ cache's own operations (a budget no row reaches changes no bit), and hands `atte
 one per row at a time (KVCacheManager.allocate_within_budget) and attends each wave in turn. A
 refused pair's output is zero: it adds nothing to its token's gated sum.
 
-`make_paged_cache` is the one place that chooses between the two classes: the cache generate, the
-engine and budget_map build for a model.
+factory.make_paged_cache is the one place that chooses the class: the cache generate, the engine and
+budget_map build for a model.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import torch
 
 from ..attention import score_dtype
 from ..config import ModelConfig
-from ..validation import known_keywords
+from ..validation import a_type, shown
 from .budget import RowBudget, model_budget
-from .kv_cache_manager import check_part_kind
+from .budgeted_manager import BudgetedKVCacheManager
+from .cache_options import CacheOptions, check_cache_options, new_manager
 from .paged import AppendedRows, PagedKVCache
 
 
@@ -51,10 +52,18 @@ class BudgetedAppendedRows(AppendedRows):
     waiting: list[WaitingPairs] | None = None  # one wave each
 
 
+def check_budget_kind(budget) -> None:
+    """A budget setting is a RowBudget, or None."""
+    if budget is not None and not isinstance(budget, RowBudget):
+        raise ValueError(
+            f"budget={shown(budget)} is {a_type(budget)}; allowed: a RowBudget (cache/budget.py), or None"
+        )
+
+
 def checked_budget(budget, config: ModelConfig) -> RowBudget:
     """The budget a budgeted cache keeps: `budget`, or the model's own capacity's (model_budget);
     ValueError for another kind, or for None on a model without a capacity."""
-    check_part_kind("budget", budget)
+    check_budget_kind(budget)
     budget = budget if budget is not None else model_budget(config)
     if budget is None:
         raise ValueError(
@@ -68,56 +77,38 @@ class BudgetedPagedKVCache(PagedKVCache):
     """A PagedKVCache whose every (sequence, layer, expert) row keeps at most B tokens, a policy at a
     full row (budget: a RowBudget; None: the model's own capacity's, budget.model_budget). The
     RowBudget given is a setting: the manager keeps a fresh copy of it (RowBudget.fresh), so one
-    can build many caches. A budget combines with neither shared tails nor prefix caching."""
+    can build many caches. A budget combines with neither shared tails nor prefix caching
+    (factory.py says why). BudgetedPagedKVCache(config, num_blocks, block_size, budget=, **settings)
+    and for_model(model, ..., budget=) take the base's settings and the budget."""
 
-    def __init__(self, config: ModelConfig, *args, budget: RowBudget | None = None, **options):
-        """PagedKVCache's arguments (the base checks their names), and the budget."""
-        self.budget = checked_budget(budget, config)
-        super().__init__(config, *args, **options)
+    SETTINGS = (*PagedKVCache.SETTINGS, "budget")
 
-    def manager_part(self, config: ModelConfig) -> RowBudget:
-        """The manager's own copy of the budget, its rows no longer than the model's positions."""
-        return self.budget.fresh(config.max_position_embeddings)
+    budget = property(lambda self: self.options.budget)  # the setting (the manager keeps a copy)
 
     @classmethod
-    @known_keywords
-    def for_model(
-        cls,
-        model,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_num_seqs: int = 8,
-        shuffle_seed: int | None = None,
-        attention: str | None = None,
-        shared_tails: bool = False,
-        blocks_per_device=None,
-        device_of_expert=None,
-        enable_prefix_caching: bool = False,
-        home_devices: bool = False,
-        budget: RowBudget | None = None,
-    ) -> "BudgetedPagedKVCache":
-        """PagedKVCache.for_model with a budget (None: the model's own capacity's). Without
-        num_blocks the pool holds max_num_seqs sequences at their worst, each row capped at its
+    def check_options(
+        cls, config, num_blocks=None, block_size=16, max_num_seqs=None, budget=None, **settings
+    ) -> CacheOptions:
+        """The base's options with the budget, checked for the model, kept in them; its manager's copy
+        checked with the others, and a pool sized for max_num_seqs with each row capped at its
         largest B (rows.worst_case_lifetime_blocks)."""
-        config = model.config
         budget = checked_budget(budget, config)
         budget.check_model(config.num_hidden_layers, config.num_attention_experts)
-        return cls._for_model(
-            model,
-            block_size,
+        return check_cache_options(
+            config,
             num_blocks,
+            block_size,
             max_num_seqs,
-            shuffle_seed,
-            attention,
-            shared_tails,
-            blocks_per_device,
-            device_of_expert,
-            enable_prefix_caching,
-            home_devices,
-            part=budget.fresh(config.max_position_embeddings),
+            settings,
+            cls.__name__,
             row_cap=budget.largest(config.num_hidden_layers),
             budget=budget,
         )
+
+    def make_manager(self, config: ModelConfig, options: CacheOptions):
+        """A manager with its own copy of the budget, its rows no longer than the model's positions."""
+        budget = options.budget.fresh(config.max_position_embeddings)
+        return new_manager(config, options, BudgetedKVCacheManager, budget=budget)
 
     # ----- verb 1: bookkeeping and store ----------------------------------------------------------
     def append_kv(self, layer: int, seq_ids, experts, positions, k, v, scores=None) -> BudgetedAppendedRows:
@@ -153,7 +144,7 @@ class BudgetedPagedKVCache(PagedKVCache):
                 pair_rows[now], return_inverse=True, return_counts=True
             )
             old = manager.row_tokens[fit_rows]  # (r,)
-            allocation = manager.allocate_slots(fit_rows, fit_new, rows_are_distinct=True)  # may raise
+            allocation = manager.allocate_slots(fit_rows, fit_new)  # may raise
         except Exception:
             for s in new_seqs:  # as it was
                 manager.free(s)
@@ -177,7 +168,9 @@ class BudgetedPagedKVCache(PagedKVCache):
         if fit_rows.numel() == now.numel():  # each pair its own row: rows in pair order (a decode)
             fit_rows, fit_new, fit_pair_row = pair_rows[now], torch.ones_like(now), torch.arange(now.numel())
         context_lens = manager.row_tokens[fit_rows]
-        return BudgetedAppendedRows(fit_rows, fit_new, context_lens, fit_pair_row, pair_index, now, waiting)
+        return BudgetedAppendedRows(
+            fit_rows, fit_new, context_lens, fit_pair_row, pair_index, slots=slots, pairs=now, waiting=waiting
+        )
 
     # ----- verb 2: the math -----------------------------------------------------------------------
     def attend(self, appended: BudgetedAppendedRows, q: torch.Tensor) -> torch.Tensor:
@@ -225,13 +218,3 @@ class BudgetedPagedKVCache(PagedKVCache):
         probs = torch.softmax(logits.masked_fill(~visible[:, None, :], -torch.inf), dim=-1)  # (n, H, Lmax)
         received = torch.zeros(appended.rows.numel(), keys.shape[1], dtype=compute, device=keys.device)
         return received.index_add_(0, appended.pair_row.to(keys.device), probs.sum(1)).cpu()  # (m, Lmax)
-
-
-def make_paged_cache(model, *args, budget: RowBudget | None = None, **options) -> PagedKVCache:
-    """The paged cache for a model, the one place that chooses its class: a BudgetedPagedKVCache
-    when a budget is given or the model's own capacity implies one (budget.model_budget), else a
-    PagedKVCache. args, options: for_model's, in its order (an unknown one is named by the
-    for_model it reaches)."""
-    if budget is None and model_budget(model.config) is None:
-        return PagedKVCache.for_model(model, *args, **options)
-    return BudgetedPagedKVCache.for_model(model, *args, budget=budget, **options)

@@ -2,11 +2,12 @@
 
 `append_kv` (bookkeeping and store) and `attend` (the math only) are the contract of
 cache/__init__.py; docs/design.md tells why two verbs, and why blocks are taken here, per layer.
+PagedKVCache is the plain path; each variant is a subclass in its own file, and factory.py picks
+the class for a model (cache/__init__.py lists them).
 
-Memory layout (the Triton kernels read exactly this): key_cache and value_cache (N, P, Hkv, Dh),
-one pool for all layers and experts in the model dtype; block_tables (num_rows, W) int32 and
-context_lens (num_rows,) int32 from the KVCacheManager; slot_mapping (n,) int64, slot = block_id *
-P + offset into key_cache.view(-1, Hkv, Dh).
+Memory layout (the Triton kernels read exactly this): key_cache and value_cache (N, P, Hkv, Dh), one
+pool for all layers and experts in the model dtype; block_tables (num_rows, W) int32 and context_lens
+(num_rows,) int32 from the KVCacheManager; slot = block_id * P + offset into key_cache.view(-1, Hkv, Dh).
 
 A sequence's tokens reach a row in position order (the model keeps token order within each
 expert), so the query at row index i sees keys 0..i; `append_kv` checks that positions increase
@@ -33,28 +34,9 @@ import torch.nn.functional as F
 from ..attention import attend_by_position, score_dtype
 from ..backends import require_backend
 from ..config import ModelConfig
-from ..validation import (
-    MAX_BLOCKS,
-    MAX_INT32,
-    check_choice,
-    check_fits_memory,
-    check_flag,
-    check_int,
-    known_keywords,
-    number,
-)
-from .kv_cache_manager import (
-    PART_KINDS,
-    KVCacheManager,
-    ManagerOptions,
-    ManagerPart,
-    check_manager_options,
-)
-from .prefix_cache import PrefixCache
-from .rows import worst_case_lifetime_blocks
-from .shared_tail_manager import SharedTails
-
-ATTENTION_PATHS = ("reference", "batched", "triton")
+from ..validation import check_keywords
+from .cache_options import CACHE_SETTINGS, CacheOptions, check_cache_options, check_given_options, new_manager
+from .kv_cache_manager import KVCacheManager
 
 
 @dataclass
@@ -67,220 +49,40 @@ class AppendedRows:
     context_lens: torch.Tensor  # (m,) tokens each row holds after the append
     pair_row: torch.Tensor  # (n,) each pair's row, as an index into `rows`
     pair_index: torch.Tensor  # (n,) index of the pair's token in its row: it sees 0..pair_index
-
-
-@dataclass
-class DecodePlan:
-    """A decode append's layer-independent work, for the next layer's append of the same pairs: with
-    one attention expert every layer's row of a sequence holds as many tokens, so the next layer's
-    rows (E further on) take the same columns, offsets, lengths and gather padding; only their block
-    ids differ. Used where the pairs, their sequences' slots and the rows' counts are the planned."""
-
-    layer: int  # the layer it last served
-    key: tuple  # (seq_ids, experts, positions) of the pairs, as lists of ints
-    slots: list  # each pair's sequence slot (manager.seq_slots)
-    rows: torch.Tensor  # (n,) the rows at `layer`
-    old: torch.Tensor  # (n,) tokens each row held before the append
-    column: torch.Tensor  # (n,) block-table column and offset of each new token
-    offset: torch.Tensor
-    appended: AppendedRows  # what attend needs: the same at every layer but the rows
-    padding: tuple  # the gather's (width, valid, padding index): PagedKVCache._padding
-
-    def served(self, layer: int, rows: torch.Tensor) -> None:
-        """The plan now stands at `layer`, whose rows are `rows`."""
-        self.layer = layer
-        self.rows = rows
-
-
-def check_cache_options(
-    config: ModelConfig,
-    num_blocks,
-    block_size,
-    dtype,
-    device,
-    shuffle_seed,
-    attention,
-    shared_tails,
-    blocks_per_device,
-    device_of_expert,
-    enable_prefix_caching,
-    home_devices,
-    max_num_seqs=None,
-    part: ManagerPart | None = None,
-    row_cap: int | None = None,
-) -> ManagerOptions:
-    """Every option of a paged cache (PagedKVCache's arguments), checked once, before anything is
-    built or allocated: what the cache, its manager and its pool would otherwise check, and the
-    bytes they would take. num_blocks=None with max_num_seqs (for_model, the engine): a pool for
-    max_num_seqs sequences of max_position_embeddings tokens at their worst
-    (rows.worst_case_lifetime_blocks, each row capped at row_cap tokens if given). part: a further
-    ManagerPart a subclass builds its manager with (cache_parts), checked with the others."""
-    if not isinstance(config, ModelConfig):
-        raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype={dtype!r} is not allowed; allowed: a floating-point torch dtype")
-    check_choice("attention", attention, ATTENTION_PATHS)
-    for name, flag in (
-        ("enable_prefix_caching", enable_prefix_caching),
-        ("shared_tails", shared_tails),
-    ):
-        check_flag(name, flag)
-    if shared_tails and attention == "triton":
-        raise ValueError(
-            "shared_tails=True cannot use attention='triton': the Triton kernels read a "
-            "row through its block table only, and shared tails live outside it"
-        )
-    L = config.num_hidden_layers
-    E = config.num_attention_experts
-    K = config.num_attention_experts_per_tok
-    sized = ""  # how a pool not given in blocks was sized, for the messages below
-    if num_blocks is None and blocks_per_device is None and max_num_seqs is not None:
-        max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1, MAX_INT32, "sequences the pool holds")
-        sized = (
-            f"num_blocks=None sizes the pool for max_num_seqs={max_num_seqs} sequences of "
-            f"max_position_embeddings={config.max_position_embeddings} tokens at their worst: "
-        )
-
-        def num_blocks(checked_block_size: int) -> int:
-            """The pool for max_num_seqs sequences at their worst, once the block size and the
-            parts are checked."""
-            blocks = max_num_seqs * worst_case_lifetime_blocks(
-                config.max_position_embeddings, L, E, K, checked_block_size, row_cap
-            )
-            if blocks > MAX_BLOCKS:
-                raise ValueError(
-                    f"{sized}{blocks:,} blocks of {checked_block_size}; allowed: at most "
-                    f"{number(MAX_BLOCKS)} blocks (block tables are int32): give num_blocks, or a "
-                    "smaller max_num_seqs"
-                )
-            return blocks
-
-    minimum = L * K  # one token: a block in each of its k rows of every layer
-    options = check_manager_options(
-        L,
-        E,
-        block_size,
-        num_blocks,
-        shuffle_seed,
-        blocks_per_device,
-        device_of_expert,
-        home_devices,
-        **cache_parts(shared_tails, enable_prefix_caching, part),
-        pool_meaning=f"the pool's blocks; one token of one sequence takes {minimum}",
-    )
-    block_size = options.block_size
-    sizes = options.blocks_per_device
-    placement = options.device_of_expert
-    if sum(sizes) < minimum:
-        raise ValueError(
-            f"num_blocks={sum(sizes)} is too small for even one sequence: one "
-            f"token needs {minimum} blocks (num_hidden_layers={L} x "
-            f"num_attention_experts_per_tok={K}); allow at least {minimum}"
-        )
-    # each device must hold one token: a block in each of its experts a token can reach, every
-    # layer (with home devices, all k of them)
-    where = "a sequence homed there" if home_devices else "its experts"
-    for d, n in enumerate(sizes):
-        if placement is None:  # home devices (or one pool): all k of a token's rows may land on d
-            least = minimum
-        else:
-            least = int(torch.clamp((placement == d).sum(1), max=K).sum())
-        if n < least:
-            raise ValueError(
-                f"blocks_per_device[{d}]={n} is too small for even one token of "
-                f"{where}: allow at least {least}"
-            )
-    kv_bytes = 2 * sum(sizes) * block_size * config.num_key_value_heads * config.head_dim * dtype.itemsize
-    check_fits_memory(
-        f"{sized}the K/V of {sum(sizes):,} blocks of {block_size} tokens "
-        f"(num_key_value_heads={config.num_key_value_heads} x head_dim={config.head_dim}, {dtype})",
-        kv_bytes,
-        device,
-        "give num_blocks, or a smaller max_num_seqs" if sized else "ask for fewer blocks",
-    )
-    return options
-
-
-def cache_parts(shared_tails: bool, enable_prefix_caching: bool, part: ManagerPart | None) -> dict:
-    """The parts a cache's manager is built with, by the manager's parameter (PART_KINDS, None where
-    absent): fresh ones for its flags, and `part`, a subclass's own, under its role."""
-    parts = dict.fromkeys(PART_KINDS)
-    parts["tails"] = SharedTails() if shared_tails else None
-    parts["prefix_cache"] = PrefixCache() if enable_prefix_caching else None
-    if part is not None:
-        parts[part.role] = part
-    return parts
+    slots: torch.Tensor | None = None  # (n,) each pair's slot, where its K/V were written
 
 
 class PagedKVCache:
     """append_kv / attend over a paged block pool shared by every (sequence, layer, expert).
 
-    shared_tails: a manager with SharedTails, not with "triton" (its kernels read a row through its
-    block table only); enable_prefix_caching: with a PrefixCache. blocks_per_device (summing to
-    num_blocks) with device_of_expert or home_devices: per-device pools (KVCacheManager).
+    PagedKVCache(config, num_blocks, block_size, **settings): settings are cache_options.py's
+    CACHE_SETTINGS (dtype, device, attention, shuffle_seed, and per-device pools: blocks_per_device
+    with device_of_expert or home_devices), made into a CacheOptions there; or `options=` one made
+    by this class's check_options. A variant builds its own manager (`make_manager`) and makes its
+    own options (`check_options`)."""
 
-    A subclass whose manager holds one more part says which in `manager_part`, and sizes a pool
-    for_model builds through `_for_model`'s part and row_cap."""
+    SETTINGS = CACHE_SETTINGS  # the keywords beside config, num_blocks and block_size
 
-    @known_keywords
     def __init__(
         self,
         config: ModelConfig,
-        num_blocks: int,
+        num_blocks: int | None = None,
         block_size: int = 16,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        shuffle_seed: int | None = None,
-        attention: str = "batched",
-        shared_tails: bool = False,
-        blocks_per_device=None,
-        device_of_expert=None,
-        enable_prefix_caching: bool = False,
-        home_devices: bool = False,
-        checked: bool = False,
+        options: CacheOptions | None = None,
+        **settings,
     ):
-        """checked=True: the caller (for_model, the engine) checked the options with
-        check_cache_options and passes what it returned."""
-        if not checked:
-            options = check_cache_options(
-                config,
-                num_blocks,
-                block_size,
-                dtype,
-                device,
-                shuffle_seed,
-                attention,
-                shared_tails,
-                blocks_per_device,
-                device_of_expert,
-                enable_prefix_caching,
-                home_devices,
-                part=self.manager_part(config),
-            )
-            num_blocks = options.num_blocks
-            block_size = options.block_size
-            shuffle_seed = options.shuffle_seed
-            blocks_per_device = options.blocks_per_device
-            device_of_expert = options.device_of_expert
+        if options is None:
+            options = self.check_options(config, num_blocks, block_size, **settings)
+        else:
+            check_given_options(options, type(self).__name__, num_blocks, settings)
         self.config = config
-        self.attention = attention
-        self.manager = KVCacheManager(
-            config.num_hidden_layers,
-            config.num_attention_experts,
-            block_size,
-            num_blocks,
-            shuffle_seed,
-            blocks_per_device=blocks_per_device,
-            device_of_expert=device_of_expert,
-            home_devices=home_devices,
-            checked=True,
-            **cache_parts(shared_tails, enable_prefix_caching, self.manager_part(config)),
-        )
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.key_cache = torch.zeros(shape, dtype=dtype, device=device)  # (N, P, Hkv, Dh)
-        self.value_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.plan: DecodePlan | None = None  # the last decode append's, for the next layer
-        if attention == "triton":
+        self.options = options
+        self.attention = options.attention
+        self.manager = self.make_manager(config, options)
+        shape = (options.num_blocks, options.block_size, config.num_key_value_heads, config.head_dim)
+        self.key_cache = torch.zeros(shape, dtype=options.dtype, device=options.device)  # (N, P, Hkv, Dh)
+        self.value_cache = torch.zeros(shape, dtype=options.dtype, device=options.device)
+        if self.attention == "triton":
             require_backend("triton")  # triton is installed only where it has wheels (Linux)
             import moekv_kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
 
@@ -288,102 +90,43 @@ class PagedKVCache:
 
     block_size = property(lambda self: self.manager.block_size)
 
-    def manager_part(self, config: ModelConfig) -> ManagerPart | None:
-        """A fresh further part for this cache's manager, beside its flags' (none here)."""
-        return None
+    @classmethod
+    def check_options(
+        cls, config, num_blocks=None, block_size=16, max_num_seqs=None, **settings
+    ) -> CacheOptions:
+        """The CacheOptions a cache of this class takes (cache_options.check_cache_options); a
+        variant adds its manager's part and its own settings."""
+        return check_cache_options(config, num_blocks, block_size, max_num_seqs, settings, cls.__name__)
+
+    def make_manager(self, config: ModelConfig, options: CacheOptions) -> KVCacheManager:
+        """The manager of this cache's rows (a variant builds its own kind)."""
+        return new_manager(config, options)
 
     @classmethod
-    @known_keywords
     def for_model(
-        cls,
-        model,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_num_seqs: int = 8,
-        shuffle_seed: int | None = None,
-        attention: str | None = None,
-        shared_tails: bool = False,
-        blocks_per_device=None,
-        device_of_expert=None,
-        enable_prefix_caching: bool = False,
-        home_devices: bool = False,
-    ) -> "PagedKVCache":
-        """A cache in the model's dtype and device; attention=None follows the model's backend.
-        Without num_blocks, the pool holds max_num_seqs sequences of max_position_embeddings tokens
-        at their worst (rows.worst_case_lifetime_blocks). Exact whatever the model's
-        attention_capacity: every routed token stays in its row."""
-        return cls._for_model(
-            model,
-            block_size,
-            num_blocks,
-            max_num_seqs,
-            shuffle_seed,
-            attention,
-            shared_tails,
-            blocks_per_device,
-            device_of_expert,
-            enable_prefix_caching,
-            home_devices,
-        )
-
-    @classmethod
-    def _for_model(
-        cls,
-        model,
-        block_size,
-        num_blocks,
-        max_num_seqs,
-        shuffle_seed,
-        attention,
-        shared_tails,
-        blocks_per_device,
-        device_of_expert,
-        enable_prefix_caching,
-        home_devices,
-        part: ManagerPart | None = None,
-        row_cap: int | None = None,
-        **own,
-    ) -> "PagedKVCache":
-        """for_model's work. A subclass's for_model adds the part its manager will hold (checked
-        with the others), the most tokens one of its rows holds (row_cap, which sizes the pool) and
-        its constructor's own keywords."""
-        config = model.config
-        if attention is None:
-            attention = "triton" if model.backend == "triton" else "batched"
+        cls, model, block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 8, **settings
+    ):
+        """A cache in the model's dtype and device; attention=None (or left out) follows the model's
+        backend. Without num_blocks, the pool holds max_num_seqs sequences of
+        max_position_embeddings tokens at their worst (rows.worst_case_lifetime_blocks). The plain
+        class is exact whatever the model's attention_capacity: every routed token stays in its row
+        (make_paged_cache gives such a model the capped class)."""
+        allowed = ("model", "block_size", "num_blocks", "max_num_seqs")
+        allowed += tuple(name for name in cls.SETTINGS if name not in ("dtype", "device"))
+        check_keywords(f"{cls.__name__}.for_model", settings, allowed)
+        if settings.get("attention") is None:
+            settings["attention"] = "triton" if model.backend == "triton" else "batched"
         parameter = next(model.parameters())
-        options = check_cache_options(
-            config,
+        options = cls.check_options(
+            model.config,
             num_blocks,
             block_size,
-            parameter.dtype,
-            parameter.device,
-            shuffle_seed,
-            attention,
-            shared_tails,
-            blocks_per_device,
-            device_of_expert,
-            enable_prefix_caching,
-            home_devices,
             max_num_seqs,
-            part,
-            row_cap,
+            dtype=parameter.dtype,
+            device=parameter.device,
+            **settings,
         )
-        return cls(
-            config,
-            options.num_blocks,
-            options.block_size,
-            parameter.dtype,
-            parameter.device,
-            options.shuffle_seed,
-            attention,
-            shared_tails,
-            options.blocks_per_device,
-            options.device_of_expert,
-            enable_prefix_caching,
-            home_devices,
-            checked=True,
-            **own,
-        )
+        return cls(model.config, options=options)
 
     # ----- verb 1: bookkeeping and store ----------------------------------------------------------
     def _check_pairs(self, seq_ids, experts, positions, k, v):
@@ -408,104 +151,44 @@ class PagedKVCache:
         is stored or allocated. scores (n,): each pair's router probability, which the model hands
         every cache and this one does not read."""
         seq_ids, experts, positions = self._check_pairs(seq_ids, experts, positions, k, v)
-        manager, key = self.manager, (seq_ids.tolist(), experts.tolist(), positions.tolist())
-        n = k.shape[0]
-        appended = self._append_planned(self.plan, layer, key, positions, k, v)
-        if appended is not None:
-            return appended
-        self.plan = None
-        new_seqs = sorted(set(key[0]).difference(manager.sequences))  # ascending
+        manager, n = self.manager, k.shape[0]
+        new_seqs = sorted(set(seq_ids.tolist()).difference(manager.sequences))  # ascending
         for s in new_seqs:
             manager.add_sequence(s)
         try:
             pair_rows = manager.rows(seq_ids, layer, experts)  # (n,)
             # decode: each pair the one new token of its own row, in pair order (a set tells it faster than a sort)
-            one_per_row = len(set(pair_rows.tolist())) == n
-            if one_per_row:
+            if len(set(pair_rows.tolist())) == n:
                 rows, pair_row, num_new = pair_rows, torch.arange(n), torch.ones(n, dtype=torch.int64)
+                order, first = None, None
                 self._check_positions(rows, positions, rows, None)
             else:  # the call's rows ascending, each pair's row among them, each row's number of pairs
                 rows, pair_row, num_new = torch.unique(pair_rows, return_inverse=True, return_counts=True)
                 order = torch.argsort(pair_rows, stable=True)  # (n,) grouped by row
-                sorted_rows, sorted_positions = pair_rows[order], positions[order]  # (n,) each
                 first = torch.cumsum(num_new, 0) - num_new  # (m,) into order
-                self._check_positions(sorted_rows, sorted_positions, rows, first)
-            allocation = manager.allocate_slots(rows, num_new, rows_are_distinct=True, one_each=one_per_row)
+                self._check_positions(pair_rows[order], positions[order], rows, first)
+            allocation = manager.allocate_slots(rows, num_new)
         except Exception:
             for s in new_seqs:  # as it was
                 manager.free(s)
             raise
-        self._apply_moves(allocation.moves)
-        if one_per_row:
+        self.copy_slots(allocation.moves)
+        if order is None:  # pair i is row i
             manager.note_positions(rows, positions)
-            slots = allocation.slot_mapping  # (n,) per pair
-        else:
-            manager.note_positions(rows, sorted_positions[first + num_new - 1])
-            slots = torch.empty(n, dtype=torch.int64)
-            slots[order] = allocation.slot_mapping  # (n,) per pair
-        if manager.prefix_cache is not None:
-            manager.prefix_cache.record_positions(slots, positions)  # which chunks each block spans
+            self._store(k, v, allocation.slot_mapping)
+            context_lens = manager.row_tokens[rows]  # (m,)
+            return AppendedRows(
+                rows, num_new, context_lens, pair_row, context_lens - 1, allocation.slot_mapping
+            )
+        manager.note_positions(rows, positions[order][first + num_new - 1])
+        slots = torch.empty(n, dtype=torch.int64)
+        slots[order] = allocation.slot_mapping  # (n,) per pair
         self._store(k, v, slots)
         context_lens = manager.row_tokens[rows]  # (m,)
-        if not one_per_row:
-            rank = torch.empty_like(order)
-            rank[order] = torch.arange(n) - first[pair_row[order]]  # (n,) in the call
-            pair_index = context_lens[pair_row] - num_new[pair_row] + rank
-            return AppendedRows(rows, num_new, context_lens, pair_row, pair_index)
-        appended = AppendedRows(rows, num_new, context_lens, pair_row, context_lens - 1)  # pair i is row i
-        self.plan = self._plan_next_layer(layer, key, rows, appended)
-        return appended
-
-    def _plan_next_layer(self, layer, key, rows, appended: AppendedRows) -> DecodePlan | None:
-        """The decode plan (DecodePlan) the next layer's append of the same pairs follows, or None:
-        with one attention expert and plain pages, when no row took a block (so the next layer's
-        take none either). Measured on a dense model of the embedded model's size (generate, 16
-        sequences, 32-token prompts, 64 new tokens, one thread, CPU time of four runs each):
-        0.26-0.29 s with it, 0.28-0.31 s without, about 7%. tests/spec/test_paged_cache.py breaks the
-        planned slots and sees the logits change."""
-        manager = self.manager
-        if manager.num_experts != 1 or manager.tails is not None:
-            return None
-        column = appended.pair_index // self.block_size
-        offset = appended.pair_index % self.block_size
-        if bool((offset == 0).any()):
-            return None
-        return DecodePlan(
-            layer,
-            key,
-            manager.seq_slots(key[0]),
-            rows,
-            appended.pair_index,
-            column,
-            offset,
-            appended,
-            self._padding(appended.context_lens),
-        )
-
-    def _append_planned(self, plan, layer, key, positions, k, v) -> AppendedRows | None:
-        """append_kv of the plan's pairs at the next layer; None (nothing changed) where the plan does
-        not apply: other pairs or layer, a sequence's slot changed, rows holding other counts."""
-        manager = self.manager
-        if (
-            plan is None
-            or type(layer) is not int
-            or not layer == plan.layer + 1 < manager.num_layers
-            or key != plan.key
-            or manager.seq_slots(key[0]) != plan.slots
-        ):
-            return None
-        rows = plan.rows + manager.num_experts  # the same (sequence, expert)
-        if not torch.equal(manager.row_tokens[rows], plan.old):
-            return None
-        self._check_positions(rows, positions, rows, None)
-        manager.extend_rows_in_place(rows, plan.appended.context_lens, positions)
-        slots = plan.offset.add(manager.block_tables[rows, plan.column], alpha=self.block_size)
-        if manager.prefix_cache is not None:
-            manager.prefix_cache.record_positions(slots, positions)
-        self._store(k, v, slots)
-        plan.served(layer, rows)
-        a = plan.appended  # (dataclasses.replace costs ten times this)
-        return AppendedRows(rows, a.num_new, a.context_lens, a.pair_row, a.pair_index)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(n) - first[pair_row[order]]  # (n,) in the call
+        pair_index = context_lens[pair_row] - num_new[pair_row] + rank
+        return AppendedRows(rows, num_new, context_lens, pair_row, pair_index, slots)
 
     def _check_positions(self, sorted_rows, sorted_positions, rows, first) -> None:
         """Positions must increase within each row, from its last cached one. first (m,): each row's
@@ -527,8 +210,9 @@ class PagedKVCache:
                 f"{None if cached < 0 else cached}): a sequence's tokens must arrive in order"
             )
 
-    def _apply_moves(self, moves) -> None:
-        """Shared tails only: copy K/V between slots, in order, before new tokens are written."""
+    def copy_slots(self, moves) -> None:
+        """Copy K/V between slots, in order, as an allocation asks before its new tokens are written
+        (SlotAllocation.moves: none for plain pages)."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         for source, destination in moves:
             for cache in (self.key_cache, self.value_cache):
@@ -648,36 +332,29 @@ class PagedKVCache:
 
     def _gather_rows(self, rows: torch.Tensor, lens: torch.Tensor, dtype: torch.dtype):
         """keys, values (g, Lmax, Hkv, Dh) in dtype, zeros past a row's end, and valid (g, Lmax).
-        Plain pages gather whole blocks (table padding clamped to a real block), shared tails by
-        slot. index_select and index_fill_ are, on a CPU, 4x and 5x faster than advanced indexing
-        and a broadcast masked_fill (measured at 16 rows of 64 tokens)."""
+        index_select and index_fill_ are, on a CPU, 4x and 5x faster than advanced indexing and a
+        broadcast masked_fill (measured at 16 rows of 64 tokens)."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
-        device = self.key_cache.device
-        if self.manager.tails is not None:
-            slots, valid = self.manager.padded_slots(rows)  # (g, Lmax) each
-            index = slots.reshape(-1).to(device)  # (g * Lmax,) slots
-            pool = (self.key_cache.view(-1, Hkv, Dh), self.value_cache.view(-1, Hkv, Dh))
-            padding = (~valid).view(-1).nonzero().squeeze(1).to(device)  # (g * Lmax - sum(lens),)
-        else:
-            plan = self.plan
-            width, valid, padding = (
-                plan.padding
-                if plan is not None and lens is plan.appended.context_lens
-                else self._padding(lens)
-            )
-            blocks = self.manager.block_tables.index_select(0, rows)[:, :width].clamp(
-                max=self.key_cache.shape[0] - 1
-            )
-            index = blocks.view(-1).to(device)  # (g * width,) int32 ids
-            pool = (self.key_cache, self.value_cache)
+        pool, index, valid, padding = self.gather_index(rows, lens)
         g, max_len = valid.shape
         gathered = []
         for cache in pool:  # keys, then values
             tokens = cache.index_select(0, index).to(dtype).view(g * max_len, Hkv * Dh)  # a fresh copy
             gathered.append(tokens.index_fill_(0, padding, 0.0).view(g, max_len, Hkv, Dh))
-        return gathered[0], gathered[1], valid.to(device)
+        return gathered[0], gathered[1], valid.to(self.key_cache.device)
 
-    def _padding(self, lens: torch.Tensor):
+    def gather_index(self, rows: torch.Tensor, lens: torch.Tensor):
+        """What _gather_rows reads: the pool tensors (keys, values), the index into their first
+        dimension, valid (g, Lmax) and the index of the padding in the gathered (g * Lmax) tokens.
+        Plain pages gather whole blocks, table padding clamped to a real block."""
+        width, valid, padding = self.block_padding(lens)
+        blocks = self.manager.block_tables.index_select(0, rows)[:, :width].clamp(
+            max=self.key_cache.shape[0] - 1
+        )
+        index = blocks.view(-1).to(self.key_cache.device)  # (g * width,) int32 ids
+        return (self.key_cache, self.value_cache), index, valid, padding
+
+    def block_padding(self, lens: torch.Tensor):
         """Blocks of the longest row, valid (g, width * P) and the padding's index, of plain pages."""
         width = -(-int(lens.max()) // self.block_size)
         valid = torch.arange(width * self.block_size) < lens[:, None]

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..cache.block_pool import OutOfBlocksError
-from ..cache.budget_paged import make_paged_cache
+from ..cache.factory import make_paged_cache
 from ..model import MoEKVTransformer
 from ..profiling import phase
 from ..prompts import check_batch, check_prompt, check_sampling_params
@@ -519,7 +519,7 @@ class LLMEngine:
         return [outputs[i] for i in ids]
 
     def prefix_cache_stats(self) -> dict | None:
-        prefix = self.cache.manager.prefix_cache
+        prefix = getattr(self.cache.manager, "prefix_cache", None)  # a PrefixCachingKVCacheManager's
         if prefix is None:
             return None
         return {

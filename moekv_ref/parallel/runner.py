@@ -70,7 +70,9 @@ class ParallelRunner:
         replicated = kv_placement == "replicated_attention"
         self.shard = RankShard(model, comm.rank, None if replicated else attention_ranks, ffn_ranks)
         parameter = next(model.parameters())
-        self.pool = PagedKVCache(config, num_blocks, block_size, parameter.dtype, parameter.device)
+        self.pool = PagedKVCache(
+            config, num_blocks, block_size, dtype=parameter.dtype, device=parameter.device
+        )
         self.attention = PLACEMENT_CLASSES[kv_placement](self.shard, comm, self.pool, attention_ranks)
         self.traffic: dict[int, Counter] = {}
         self.step_seconds: dict[int, float] = {}

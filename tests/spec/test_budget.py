@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moekv_ref.attention import attend_by_position
-from moekv_ref.cache import BudgetedPagedKVCache, KVCacheManager, PrefixCache
+from moekv_ref.cache import BudgetedPagedKVCache, make_paged_cache
 from moekv_ref.cache.budget import BUDGET_POLICIES, SCORE_TIE, RowBudget
+from moekv_ref.cache.budgeted_manager import BudgetedKVCacheManager
 from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
@@ -341,8 +342,12 @@ def test_a_fault_inside_a_budgeted_wave_is_undone_whole(site, policy, at_call, m
 def test_combinations_that_cannot_work_are_refused_with_their_reason():
     model = random_model(small_config("dense"), seed=1)
     with pytest.raises(ValueError, match="neither shared tails nor prefix caching"):
-        KVCacheManager(2, 5, 4, 100, budget=RowBudget(4), prefix_cache=PrefixCache())
+        make_paged_cache(model, budget=RowBudget(4), enable_prefix_caching=True)
     with pytest.raises(ValueError, match="neither shared tails nor prefix caching"):
+        make_paged_cache(model, budget=RowBudget(4), shared_tails=True)
+    with pytest.raises(
+        ValueError, match="unknown keyword shared_tails=True for BudgetedPagedKVCache.for_model"
+    ):
         BudgetedPagedKVCache.for_model(model, budget=RowBudget(4), shared_tails=True)
     with pytest.raises(ValueError, match="router_score' needs routed attention"):
         BudgetedPagedKVCache.for_model(model, budget=RowBudget(4, "router_score"))
@@ -376,7 +381,7 @@ def _feed(manager, row, positions, scores=None):
 
 
 def _manager(policy, max_tokens=4, **options):
-    manager = KVCacheManager(
+    manager = BudgetedKVCacheManager(
         1, 2, block_size=2, num_blocks=8, budget=RowBudget(max_tokens, policy, **options)
     )
     manager.add_sequence(0)

@@ -18,9 +18,10 @@ Paths and what stands in for them:
     every expert       model.swiglu_every_expert     an FFN step of few (token, expert) products: every
                                                      expert on every token, gated
     reference          attention.attend_by_position  the row-by-row path (via paged.py's import)
-    decode slots       allocate_slots(one_each=True)  a decode append's new slots, computed directly in
-                                                     pair order (no sort, no per-token slots)
-(The dense decode plan, PagedKVCache._append_planned, is broken the same way in test_paged_cache.py.)
+    decode slots       KVCacheManager.allocate_slots  a decode append's new slots, its rows in pair order
+                                                     (no sort)
+(The dense decode plan, PlannedPagedKVCache._append_planned, is broken the same way in
+test_paged_cache.py.)
 """
 
 import pytest
@@ -244,46 +245,26 @@ def test_small_ffn_steps_run_every_expert_and_reach_the_logits(models, torch_log
 
 def test_decode_slots_run_in_pair_order_and_reach_the_logits(models, torch_logits, monkeypatch):
     """A decode append (every pair the one new token of its row) is not sorted: append_kv hands
-    allocate_slots its rows in pair order with one_each=True, and allocate_slots computes each new
-    token's slot directly (block * P + offset at the row's old length), never through the general
-    per-token slots, and some decode appends give rows a block (the one-token column). Shifting
-    those direct slots by one, and only those, shows in the logits."""
-    calls, in_general = [], []
-    original_allocate, original_slots = KVCacheManager.allocate_slots, KVCacheManager.slots
+    allocate_slots its rows in pair order, and some decode appends give rows a block. Shifting the
+    slots allocate_slots returns for those appends, and only those, shows in the logits."""
+    calls = []
+    original_allocate = KVCacheManager.allocate_slots
 
-    def recording_allocate(self, rows, num_new_tokens, *args, **kwargs):
+    def recording_allocate(self, rows, num_new_tokens):
         full = bool((self.row_tokens[torch.as_tensor(rows)] % self.block_size == 0).any())  # takes a block
-        before = len(in_general)
-        allocation = original_allocate(self, rows, num_new_tokens, *args, **kwargs)
-        calls.append(
-            (
-                torch.as_tensor(rows).clone(),
-                torch.as_tensor(num_new_tokens).clone(),
-                full,
-                kwargs.get("one_each", False),
-                len(in_general) > before,
-            )
-        )
-        return allocation
-
-    def recording_slots(self, rows, starts, counts):
-        in_general.append(counts.clone())
-        return original_slots(self, rows, starts, counts)
+        calls.append((torch.as_tensor(rows).clone(), torch.as_tensor(num_new_tokens).clone(), full))
+        return original_allocate(self, rows, num_new_tokens)
 
     monkeypatch.setattr(KVCacheManager, "allocate_slots", recording_allocate)
-    monkeypatch.setattr(KVCacheManager, "slots", recording_slots)
     assert (_logits(models["torch"]) - torch_logits).abs().max() == 0  # unbroken: equal
     decode = [call for call in calls if bool((call[1] == 1).all())]
     assert decode, "no append had one new token per row"
-    assert all(one_each and not general for _, _, _, one_each, general in decode), (
-        "a decode append did not take the direct one-token-each slots"
-    )
-    assert any(full for _, _, full, _, _ in decode), "no decode append took a block"
+    assert any(full for _, _, full in decode), "no decode append took a block"
     assert any(bool((rows[1:] < rows[:-1]).any()) for rows, *_ in decode), "decode rows were sorted first"
 
-    def shifted_decode_slots(self, rows, num_new_tokens, *args, **kwargs):
-        allocation = original_allocate(self, rows, num_new_tokens, *args, **kwargs)
-        if kwargs.get("one_each"):  # the direct slots only
+    def shifted_decode_slots(self, rows, num_new_tokens):
+        allocation = original_allocate(self, rows, num_new_tokens)
+        if bool((torch.as_tensor(num_new_tokens) == 1).all()):  # the decode appends' slots only
             allocation.slot_mapping.add_(1)
         return allocation
 

@@ -10,7 +10,16 @@ import pytest
 import torch
 from helpers import max_logit_error, random_model, random_prompts, small_config
 
-from moekv_ref.cache import KVCacheManager, OutOfBlocksError, PagedKVCache, manager_with_shared_tails
+from moekv_ref.cache import (
+    KVCacheManager,
+    OutOfBlocksError,
+    PagedKVCache,
+    PlannedPagedKVCache,
+    PrefixCachingPagedKVCache,
+    SharedTailKVCacheManager,
+    SharedTailPagedKVCache,
+    make_paged_cache,
+)
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
 
@@ -255,20 +264,20 @@ def test_shared_tails_equal_contiguous_and_recompute(mode, routing, dtype, atten
 
 def test_shared_tail_promotion_and_compaction_exact_moves():
     """P = 4, one layer, three experts, one sequence; tail blocks 0 and 1 are handed out in order."""
-    manager = manager_with_shared_tails(num_layers=1, num_experts=3, block_size=4, num_blocks=16)
+    manager = SharedTailKVCacheManager(num_layers=1, num_experts=3, block_size=4, num_blocks=16)
     manager.add_sequence(0)
     rows = torch.cat([manager.rows([0], 0, e) for e in range(3)])
     # 3 + 3 + 1 tail tokens: no full block yet, 7 tail slots in tail blocks 0 and 1 (slots 0..6)
     first = manager.allocate_slots(rows, torch.tensor([3, 3, 1]))
     assert first.moves == [] and first.slot_mapping.tolist() == [0, 1, 2, 3, 4, 5, 6]
-    assert manager.tails.tail_blocks[0] == [0, 1] and manager.tails.tail_slots[rows[2], 0] == 6
+    assert manager.tail_blocks[0] == [0, 1] and manager.tail_slots[rows[2], 0] == 6
     # expert 0's fourth token fills its block: a fresh block (2) takes its 3 tail tokens (slots 0..2
     # -> 8..10); 4 tail tokens remain and 4 slots are free, so the emptiest tail block (0, holding
     # expert 1's token at slot 3) is compacted into block 1 (slot 3 -> 7) and given back.
     allocation = manager.allocate_slots(rows[:1], torch.tensor([1]))
     assert [(s.tolist(), d.tolist()) for s, d in allocation.moves] == [([0, 1, 2], [8, 9, 10]), ([3], [7])]
     assert allocation.slot_mapping.tolist() == [11]  # written straight to block 2
-    assert manager.tails.tail_blocks[0] == [1] and manager.pool.num_free_blocks == 16 - 2
+    assert manager.tail_blocks[0] == [1] and manager.pool.num_free_blocks == 16 - 2
     assert manager.row_slots(int(rows[0])).tolist() == [8, 9, 10, 11]
     assert manager.row_slots(int(rows[1])).tolist() == [7, 4, 5]  # its first tail token moved
     manager.assert_consistent()
@@ -279,7 +288,7 @@ def test_shared_tail_promotion_and_compaction_exact_moves():
 
 @pytest.mark.parametrize("block_size", [2, 4, 16])
 def test_shared_tail_design_equals_the_real_manager(block_size):
-    """The simulator's count-level SharedTailDesign allocates what manager_with_shared_tails does."""
+    """The simulator's count-level SharedTailDesign allocates what SharedTailKVCacheManager does."""
     from moekv_ref.sim import ManagerPagedDesign, SharedTailDesign, replay, synthetic_trace
 
     trace = synthetic_trace(5, num_layers=2, num_experts=8, top_k=3, mean_prompt=12, mean_output=20, seed=6)
@@ -290,7 +299,7 @@ def test_shared_tail_design_equals_the_real_manager(block_size):
         block_size,
         num_blocks=trace.num_slot_appends + 1,
         shuffle_seed=1,
-        manager_class=manager_with_shared_tails,
+        manager_class=SharedTailKVCacheManager,
     )
     counted = SharedTailDesign(5, 2, 8, block_size)
     assert replay(trace, real).allocated_bytes_time_sum == replay(trace, counted).allocated_bytes_time_sum
@@ -310,41 +319,43 @@ def test_attend_of_a_call_with_no_pairs_is_empty():
 
 def test_prefix_caching_and_shared_tails_combine_with_several_devices_not_with_each_other():
     """The paged cache takes prefix caching, and shared tails, over per-device pools, by expert or by
-    home; shared tails with prefix caching do not combine and are refused with the reason."""
-    from moekv_ref.cache import PrefixCache, SharedTails
+    home; shared tails with prefix caching do not combine and are refused with the reason, where the
+    class is chosen (make_paged_cache); shared tails refuse the Triton path when built."""
+    from moekv_ref.cache.prefix_caching_manager import PrefixCachingKVCacheManager
 
     config = small_config("expert", "topk")  # L = 2, E = 5, k = 3
     placement = torch.tensor([0, 0, 1, 1, 1])
-    by_expert = PagedKVCache(
-        config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement, enable_prefix_caching=True
+    by_expert = PrefixCachingPagedKVCache(
+        config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement
     )
-    by_home = PagedKVCache(
-        config, 40, 4, blocks_per_device=[20, 20], home_devices=True, enable_prefix_caching=True
+    by_home = PrefixCachingPagedKVCache(config, 40, 4, blocks_per_device=[20, 20], home_devices=True)
+    assert isinstance(by_expert.manager, PrefixCachingKVCacheManager) and by_expert.manager.num_devices == 2
+    assert by_home.manager.placement.follows_sequence and isinstance(
+        by_home.manager, PrefixCachingKVCacheManager
     )
-    assert by_expert.manager.prefix_cache is not None and by_expert.manager.num_devices == 2
-    assert by_home.manager.placement.follows_sequence and by_home.manager.prefix_cache is not None
     assert torch.equal(by_home.manager.placement.of_sequences([0, 1])[:, 0, 0], torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="no device_of_expert"):
         PagedKVCache(config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement, home_devices=True)
     with pytest.raises(ValueError, match=r"blocks_per_device\[1\]=5 is too small .* homed there"):
         PagedKVCache(config, 25, 4, blocks_per_device=[20, 5], home_devices=True)
-    tails = PagedKVCache(
-        config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement, shared_tails=True
+    tails = SharedTailPagedKVCache(config, 40, 4, blocks_per_device=[20, 20], device_of_expert=placement)
+    assert isinstance(tails.manager, SharedTailKVCacheManager) and tails.manager.num_devices == 2
+    assert not isinstance(
+        PagedKVCache(config, 40, 4).manager, (SharedTailKVCacheManager, PrefixCachingKVCacheManager)
     )
-    assert tails.manager.tails is not None and tails.manager.num_devices == 2
-    assert KVCacheManager(2, 5, 4, blocks_per_device=[20, 20], home_devices=True, tails=SharedTails()).tails
+    model = random_model(config, seed=0)
     with pytest.raises(ValueError, match="shared tails and prefix caching do not combine"):
-        KVCacheManager(2, 5, 4, 40, tails=SharedTails(), prefix_cache=PrefixCache())
-    with pytest.raises(ValueError, match="shared tails and prefix caching do not combine"):
-        PagedKVCache(
-            config,
-            40,
+        make_paged_cache(
+            model,
             4,
+            40,
             blocks_per_device=[20, 20],
             home_devices=True,
             shared_tails=True,
             enable_prefix_caching=True,
         )
+    with pytest.raises(ValueError, match="shared_tails=True cannot use attention='triton'"):
+        SharedTailPagedKVCache(config, 40, 4, attention="triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -378,18 +389,18 @@ def test_shared_tails_on_two_devices_keep_each_devices_tails_apart_exact_ids():
     each row: on one device the two tails would share one tail block; here each device's row gets a
     tail block of its own device. The second token of expert 0 promotes its tail into a full block of
     device 0 (a move of slot 0 to slot 2), and device 0's emptied tail block goes back."""
-    manager = manager_with_shared_tails(1, 2, 2, blocks_per_device=[4, 4], device_of_expert=[0, 1])
+    manager = SharedTailKVCacheManager(1, 2, 2, blocks_per_device=[4, 4], device_of_expert=[0, 1])
     manager.add_sequence(0)
     rows = manager.rows([0, 0], 0, [0, 1])
     first = manager.allocate_slots(rows, torch.tensor([1, 1]))
     assert first.slot_mapping.tolist() == [0, 8] and first.moves == []
-    assert manager.tails.tail_blocks == {0: [0], 1: [4]}  # group = seq slot * D + device
+    assert manager.tail_blocks == {0: [0], 1: [4]}  # group = seq slot * D + device
     assert manager.blocks_needed_per_device(rows[:1], torch.tensor([1])).tolist() == [1, 0]
     second = manager.allocate_slots(rows[:1], torch.tensor([1]))
     assert second.slot_mapping.tolist() == [3] and [(s.tolist(), d.tolist()) for s, d in second.moves] == [
         ([0], [2])
     ]
-    assert manager.tails.tail_blocks == {0: [], 1: [4]} and manager.block_tables[rows[0], 0] == 1
+    assert manager.tail_blocks == {0: [], 1: [4]} and manager.block_tables[rows[0], 0] == 1
     assert manager.num_free_blocks_per_device.tolist() == [3, 3]
     assert manager.blocks_of_sequence(0).tolist() == [1, 4]
     manager.assert_consistent()
@@ -402,9 +413,10 @@ def test_shared_tails_on_two_devices_keep_each_devices_tails_apart_exact_ids():
 
 
 def _dense_decode_run(model, monkeypatch, planned=None):
-    """generate through the paged cache with PagedKVCache._append_planned replaced by `planned`
-    (None: counted only); returns the result and the layers of the appends the plan served."""
-    served, original = [], PagedKVCache._append_planned
+    """generate through the paged cache (a PlannedPagedKVCache: one attention expert) with
+    PlannedPagedKVCache._append_planned replaced by `planned` (None: counted only); returns the result
+    and the layers of the appends the plan served."""
+    served, original = [], PlannedPagedKVCache._append_planned
 
     def counting(self, plan, layer, *args):
         appended = (planned or original)(self, plan, layer, *args)
@@ -412,7 +424,7 @@ def _dense_decode_run(model, monkeypatch, planned=None):
             served.append(layer)
         return appended
 
-    monkeypatch.setattr(PagedKVCache, "_append_planned", counting)
+    monkeypatch.setattr(PlannedPagedKVCache, "_append_planned", counting)
     prompts = random_prompts([5, 9, 3], model.config.vocab_size, seed=6)
     result = generate(
         model,
@@ -436,7 +448,7 @@ def test_a_dense_decode_step_plans_its_bookkeeping_once_and_the_plan_reaches_the
     result, served = _dense_decode_run(model, monkeypatch)
     assert served == [1, 2] * 6
     assert max_logit_error(model, result) <= TOLERANCE[torch.float64]
-    original = PagedKVCache._append_planned
+    original = PlannedPagedKVCache._append_planned
 
     def shifted(self, plan, *args):  # each new token one slot on in its block
         if plan is None:
@@ -462,7 +474,7 @@ def test_a_plan_is_not_used_where_the_next_layers_rows_hold_other_counts():
     q = torch.randn(1, H, Dh, generator=generator, dtype=torch.float64)
     outputs = []
     for plans in (True, False):
-        cache = PagedKVCache(config, num_blocks=16, block_size=4, dtype=torch.float64)
+        cache = PlannedPagedKVCache(config, num_blocks=16, block_size=4, dtype=torch.float64)
         for layer, n in ((0, 5), (1, 6)):  # uneven layers, then one decode token
             cache.append_kv(layer, [0] * n, [0] * n, list(range(n)), kv[0][:n], kv[1][:n])
         one = [torch.tensor([0]), torch.tensor([0]), torch.tensor([6])]
@@ -489,7 +501,7 @@ def test_a_plan_is_not_used_for_a_sequence_freed_since_whose_slot_another_took()
     many tokens. Layer 1's append of sequence 0 must not go to sequence 1's row: the plan checks the
     pairs' slots, and the append registers 0 anew."""
     config = small_config("dense")
-    cache = PagedKVCache(config, num_blocks=16, block_size=4, dtype=torch.float64)
+    cache = PlannedPagedKVCache(config, num_blocks=16, block_size=4, dtype=torch.float64)
     kv = torch.randn(8, config.num_key_value_heads, config.head_dim, dtype=torch.float64)
     for layer in (0, 1):
         cache.append_kv(layer, [0] * 5, [0] * 5, list(range(5)), kv[:5], kv[:5])
@@ -502,3 +514,82 @@ def test_a_plan_is_not_used_for_a_sequence_freed_since_whose_slot_another_took()
     manager.allocate_slots(rows, torch.tensor([5, 5]))
     cache.append_kv(1, torch.tensor([0]), torch.tensor([0]), torch.tensor([5]), kv[:1], kv[:1])
     assert cache.token_counts([1, 0])[:, :, 0].tolist() == [[5, 5], [0, 1]]
+
+
+def _decode_appends(cache, config, generator, steps=6):
+    """Prompts of 5, 9 and 3 tokens, then `steps` decode steps, every layer, through `cache` (one
+    attention expert); returns each call's (slots, attention output)."""
+    Hkv, H, Dh, L = (
+        config.num_key_value_heads,
+        config.num_attention_heads,
+        config.head_dim,
+        config.num_hidden_layers,
+    )
+    lengths = [5, 9, 3]
+    seq_ids = [s for s, n in enumerate(lengths) for _ in range(n)]
+    positions = [p for n in lengths for p in range(n)]
+    calls = []
+    for step in range(steps + 1):
+        n = len(seq_ids)
+        for layer in range(L):
+            k, v = torch.randn(2, n, Hkv, Dh, generator=generator, dtype=torch.float64)
+            q = torch.randn(n, H, Dh, generator=generator, dtype=torch.float64)
+            appended = cache.append_kv(layer, seq_ids, [0] * n, positions, k, v)
+            calls.append((appended.slots.clone(), cache.attend(appended, q)))
+        seq_ids = list(range(len(lengths)))
+        positions = [n + step for n in lengths]
+    return calls
+
+
+def test_the_planned_cache_equals_the_plain_cache_bit_for_bit_and_the_plan_serves(monkeypatch):
+    """PlannedPagedKVCache against PagedKVCache on the same appends (prefills, then decode steps of a
+    dense model, three layers): the same slots, pools, block tables and attention outputs, bit for
+    bit; and the plan served the later layers' decode appends (the other test breaks it and sees the
+    logits change)."""
+    config = small_config("dense", num_hidden_layers=3)
+    plain = PagedKVCache(config, num_blocks=64, block_size=4, dtype=torch.float64, shuffle_seed=2)
+    planned = PlannedPagedKVCache(config, num_blocks=64, block_size=4, dtype=torch.float64, shuffle_seed=2)
+    served, original = [], PlannedPagedKVCache._append_planned
+
+    def counting(self, plan, layer, *args):
+        appended = original(self, plan, layer, *args)
+        served.append(appended is not None)
+        return appended
+
+    monkeypatch.setattr(PlannedPagedKVCache, "_append_planned", counting)
+    expected = _decode_appends(plain, config, torch.Generator().manual_seed(3))
+    got = _decode_appends(planned, config, torch.Generator().manual_seed(3))
+    for (slots, out), (planned_slots, planned_out) in zip(expected, got):
+        assert torch.equal(slots, planned_slots) and torch.equal(out, planned_out)
+    assert torch.equal(plain.key_cache, planned.key_cache) and torch.equal(
+        plain.value_cache, planned.value_cache
+    )
+    assert torch.equal(plain.manager.block_tables, planned.manager.block_tables)
+    assert sum(served) == 6  # the 3 decode steps of 6 that took no block: layers 1 and 2 planned
+
+
+def test_make_paged_cache_picks_the_planned_class_for_one_attention_expert_only():
+    """The factory is the one place that picks a cache's class: the dense decode plan for one
+    attention expert (plain or with prefix caching, whose positions it still records), the plain
+    class for several, shared tails never planned."""
+    from moekv_ref.cache.factory import PlannedPrefixCachingPagedKVCache
+
+    dense = random_model(small_config("dense"), seed=0)
+    routed = random_model(small_config("expert"), seed=0)
+    assert type(make_paged_cache(dense, 4, 64)) is PlannedPagedKVCache
+    assert type(make_paged_cache(routed, 4, 64)) is PagedKVCache
+    assert (
+        type(make_paged_cache(dense, 4, 64, enable_prefix_caching=True)) is PlannedPrefixCachingPagedKVCache
+    )
+    assert type(make_paged_cache(routed, 4, 64, enable_prefix_caching=True)) is PrefixCachingPagedKVCache
+    assert type(make_paged_cache(dense, 4, 64, shared_tails=True)) is SharedTailPagedKVCache
+    # the planned prefix-caching cache records the positions of planned appends too
+    caches = [
+        PrefixCachingPagedKVCache(dense.config, 64, 4, dtype=torch.float64),
+        PlannedPrefixCachingPagedKVCache(dense.config, 64, 4, dtype=torch.float64),
+    ]
+    for cache in caches:
+        _decode_appends(cache, dense.config, torch.Generator().manual_seed(1), steps=5)
+    assert caches[1].plan.layer == dense.config.num_hidden_layers - 1  # the last step's plan served
+    positions = [cache.manager.prefix_cache.block_positions for cache in caches]
+    assert torch.equal(positions[0], positions[1]) and int(positions[0].max()) >= 9
