@@ -46,7 +46,7 @@ def _unwrapped(check):
 
 check_flop_ratio = _unwrapped(exercise_01.check_flop_ratio)
 check_expert_cache_bytes = _unwrapped(exercise_02.check_expert_cache_bytes)
-check_block_size = _unwrapped(exercise_03.check_block_size)
+check_block_size = _unwrapped(exercise_03.check_block_size_answer)
 check_hit_tokens = _unwrapped(exercise_06.check_hit_tokens)
 check_perplexity_ratio = _unwrapped(exercise_09.check_perplexity_ratio)
 check_prompt_reservation = _unwrapped(exercise_11.check_prompt_reservation)

@@ -61,7 +61,7 @@ class BlockPool(Stateful):
         blocks_per_device=None,
         options: ManagerOptions | None = None,
     ):
-        """options: a manager's ManagerOptions (options.py), its sizes and seed checked, instead."""
+        """options: a manager's ManagerOptions (options.py), whose sizes and seed were validated there."""
         if options is None:
             blocks_per_device = check_pool_size(num_blocks, blocks_per_device)
             shuffle_seed = check_seed("shuffle_seed", shuffle_seed, len(blocks_per_device), allow_none=True)
@@ -117,10 +117,10 @@ class BlockPool(Stateful):
 
     def free_block_ids(self) -> torch.Tensor:
         """The free blocks, device by device, in the order handed out."""
-        stacks = self._stacks()
+        stacks = self.free_stacks()
         return torch.cat([stack.flip(0) for stack in stacks]) if stacks else torch.zeros(0, dtype=torch.int64)
 
-    def _stacks(self) -> list[torch.Tensor]:
+    def free_stacks(self) -> list[torch.Tensor]:
         """Each device's free stack, bottom first."""
         return [
             self._free_stack[first : first + n]

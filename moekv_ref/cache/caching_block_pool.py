@@ -59,7 +59,7 @@ class CachingBlockPool(BlockPool):
     def free_block_ids(self) -> torch.Tensor:
         """The free blocks, device by device, in the order handed out: stack, then cached ones."""
         queues = []
-        for stack, cached in zip(self._stacks(), self._cached_free):
+        for stack, cached in zip(self.free_stacks(), self._cached_free):
             queues += [stack.flip(0), torch.tensor(list(cached), dtype=torch.int64)]
         return torch.cat(queues)
 
@@ -136,5 +136,5 @@ class CachingBlockPool(BlockPool):
                 f"device {d}'s cached-free queue holds a block of another device"
             )
             assert self.is_cached[ids].all(), "a block in the cached-free queue is not cached"
-        stacks = torch.cat(self._stacks())
+        stacks = torch.cat(self.free_stacks())
         assert not self.is_cached[stacks].any(), "a cached block is in the plain free stack"

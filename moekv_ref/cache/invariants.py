@@ -24,8 +24,10 @@ def check_pool(pool) -> None:
     """Each block is free (on its own device's stack, or another free queue) or in use (ref_cnt >= 1),
     never both, never twice; none is lost."""
     check_no_inference_tensors(pool)
-    for d, stack in enumerate(pool._stacks()):
-        assert (pool._device_of(stack) == d).all(), f"device {d}'s free stack holds a block of another device"
+    for d, stack in enumerate(pool.free_stacks()):
+        assert (pool.device_of_blocks(stack) == d).all(), (
+            f"device {d}'s free stack holds a block of another device"
+        )
     free = pool.free_block_ids()
     assert int(torch.bincount(free, minlength=pool.num_blocks).max()) <= 1, (
         "a block is in the free queues twice"
@@ -41,7 +43,7 @@ def check_pool(pool) -> None:
 def check_row_counts(manager) -> None:
     """Sequence slots held as the sequences say, and no tokens in a free slot."""
     live = torch.zeros(manager.slot_held.numel(), dtype=torch.bool)
-    live[list(manager._seq_index.values())] = True
+    live[manager.seq_slots(manager.sequences)] = True
     assert torch.equal(manager.slot_held, live), "slot_held does not follow the sequences held"
     idle_rows = (~live).repeat_interleave(manager.rows_per_seq)
     assert (manager.row_tokens[idle_rows] == 0).all(), "a free sequence slot holds tokens"

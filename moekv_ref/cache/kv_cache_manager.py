@@ -25,8 +25,8 @@ Each row takes blocks of one device's range, so memory is short per device. Whic
 `placement` (rows.py's RowPlacement): by expert (`device_of_expert`, (L, E)), or by sequence
 (`home_devices`: every row of sequence s on s % D, as expert parallelism's kv_with_sequence and
 replicated_attention placements keep theirs). options.py checks the options. Subclasses, each in
-its own file, add prefix caching (prefix_caching_manager.py), shared tails
-(shared_tail_manager.py), a token budget per row (budgeted_manager.py) and the simulator's
+its own file, add prefix caching (prefix_caching_manager.py), shared-tail
+rows (shared_tail_manager.py), a cap of B tokens per row (budgeted_manager.py) and the simulator's
 counting (sim/counting.py).
 
 The manager is the only writer of these tables. Whoever else changes a row asks it: allocate_slots
@@ -57,7 +57,7 @@ class SlotAllocation:
 
     # (n,) each new token's slot in key_cache.view(-1, Hkv, Dh), row after row, in token order
     slot_mapping: torch.Tensor
-    # K/V copies to apply, in order, *before* the new tokens are written (shared tails move a row's
+    # K/V copies to apply, in order, *before* the new tokens are written (a shared-tail row moves its
     # tail into its new block); none for plain pages
     moves: Moves = field(default_factory=list)
 
@@ -65,7 +65,7 @@ class SlotAllocation:
 class KVCacheManager(Stateful):
     """Block tables and token counts for every (sequence, layer, expert) row over one BlockPool.
     options: the keywords of options.py (placement, per-device pools, a shuffle seed, first sizes),
-    or options= a ManagerOptions already checked."""
+    or options= a ManagerOptions they were validated into."""
 
     STATE = (
         "row_tokens",
@@ -122,7 +122,7 @@ class KVCacheManager(Stateful):
 
     # ----- what a manager built on this one changes (each a subclass: module docstring) -----------
     def _bytes_beside_tables(self, num_layers: int, num_rows: int, options: ManagerOptions) -> int:
-        """Bytes a subclass keeps beside the tables for num_rows rows with these options (checked
+        """Bytes a subclass keeps beside the tables for num_rows rows with these options (weighed
         against the machine's memory before anything is allocated)."""
         return 0
 
@@ -272,7 +272,7 @@ class KVCacheManager(Stateful):
     def place_blocks(self, rows: torch.Tensor, columns: torch.Tensor, block_ids: torch.Tensor) -> None:
         """Table entries block_ids[i] at column columns[i] of row rows[i], the tables widened first
         where a column lies past them: blocks a part took or shares (prefix hits' shared blocks
-        and copies, shared tails' promoted blocks). The caller counts the rows' tokens."""
+        and copies, a shared-tail row's promoted blocks). The caller counts the rows' tokens."""
         if columns.numel() and int(columns.max()) >= self.block_tables.shape[1]:
             self._grow_tables(int(columns.max()) + 1)
         self.block_tables[rows, columns] = block_ids.to(torch.int32)
@@ -359,7 +359,7 @@ class KVCacheManager(Stateful):
         self._grow(rows, num_new_tokens)
 
     def _grow(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> Moves:
-        """allocate_slots' work over checked rows: each row's new blocks, taken from its device, at
+        """allocate_slots' work over validated rows: each row's new blocks, taken from its device, at
         the columns after its last; the rows' counts and clocks. Returns the K/V copies to apply
         first (none here)."""
         P = self.block_size
@@ -510,7 +510,7 @@ class KVCacheManager(Stateful):
         return num_freed
 
     def _return_row_blocks(self, rows: torch.Tensor) -> int:
-        """The blocks of the rows (distinct, checked) back to the pool, the rows not yet emptied
+        """The blocks of the rows (distinct, validated) back to the pool, the rows not yet emptied
         (`free_rows`); returns how many."""
         blocks = self.block_tables[rows][self.used_columns(rows)].to(torch.int64)
         self.pool.free(blocks)

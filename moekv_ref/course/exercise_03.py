@@ -46,7 +46,7 @@ def solution_block_size() -> int:
 
 
 @wrapped
-def check_block_size(answer) -> str:
+def check_block_size_answer(answer) -> str:
     """Is `answer` the largest block size reaching effective utilization >= 0.96 on the workload?"""
     if answer is None:
         return (

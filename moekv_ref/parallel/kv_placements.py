@@ -45,9 +45,9 @@ class _PlacedAttention:
     """What every placement holds; attention_ranks (L, E): the rank of every attention expert."""
 
     def __init__(
-        self, shard: RankShard, comm: Communicator, pool: PagedKVCache, attention_ranks: torch.Tensor
+        self, shard: RankShard, comm: Communicator, cache: PagedKVCache, attention_ranks: torch.Tensor
     ):
-        self.shard, self.comm, self.pool, self.attention_ranks = shard, comm, pool, attention_ranks
+        self.shard, self.comm, self.cache, self.attention_ranks = shard, comm, cache, attention_ranks
 
     def _dispatch(self, layer: int, h, seq_ids, positions, traffic: Counter):
         """Route the home tokens and send them to their experts' ranks: (plan, received)."""
@@ -83,7 +83,7 @@ class _PlacedAttention:
 class KVWithExpert(_PlacedAttention):
     def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
         plan, received = self._dispatch(layer, h, seq_ids, positions, traffic)
-        return self._experts(layer, h, plan, received, self.pool)[0]
+        return self._experts(layer, h, plan, received, self.cache)[0]
 
 
 class KVWithSequence(_PlacedAttention):
@@ -99,9 +99,9 @@ class KVWithSequence(_PlacedAttention):
         first = _first_of_each(torch.stack([row_rank, row_seq, row_expert], 1))  # distinct rows
         q_rank, q_seq, q_expert = row_rank[first], row_seq[first], row_expert[first]  # (Q,) by rank
         counts, slots = self._cached_rows(layer, q_seq, q_expert)  # (Q,), (T,)
-        slots = slots.to(self.pool.key_cache.device)
+        slots = slots.to(self.cache.key_cache.device)
         kv_flat = torch.stack(
-            [self.pool.key_cache.view(-1, Hkv, Dh)[slots], self.pool.value_cache.view(-1, Hkv, Dh)[slots]],
+            [self.cache.key_cache.view(-1, Hkv, Dh)[slots], self.cache.value_cache.view(-1, Hkv, Dh)[slots]],
             dim=1,
         ).to(h.dtype)  # (T, 2, Hkv, Dh)
         rows_per_rank = torch.bincount(q_rank, minlength=R).tolist()
@@ -142,7 +142,7 @@ class KVWithSequence(_PlacedAttention):
         expect = torch.bincount(row_rank, minlength=R).tolist()
         kv_home = comm.all_to_all(new_kv.to(comm.device), send_back, "kv_new", expect)[0].to(h.device)
         traffic["kv_new_pairs_to_peers"] += int((row_rank != comm.rank).sum())
-        self.pool.append_kv(
+        self.cache.append_kv(
             layer, row_seq, row_expert, positions.cpu()[plan.token[pair]], kv_home[:, 0], kv_home[:, 1]
         )
         return out
@@ -150,7 +150,7 @@ class KVWithSequence(_PlacedAttention):
     def _cached_rows(self, layer: int, seq_ids: torch.Tensor, experts: torch.Tensor):
         """Tokens each (sequence, layer, expert) row holds in the home pool (0 for a sequence the pool
         has not seen), and the slots of all of them, row after row: (Q,), (T,)."""
-        manager = self.pool.manager
+        manager = self.cache.manager
         known = torch.tensor([manager.holds(s) for s in seq_ids.tolist()], dtype=torch.bool)
         rows = manager.rows(seq_ids[known], layer, experts[known])
         counts = torch.zeros(seq_ids.numel(), dtype=torch.int64)
@@ -160,7 +160,7 @@ class KVWithSequence(_PlacedAttention):
 
 class ReplicatedAttention(_PlacedAttention):
     def forward(self, layer: int, h, seq_ids, positions, traffic: Counter) -> torch.Tensor:
-        return self.shard.layers[layer].attention.forward_cached(h, seq_ids, positions, self.pool)[0]
+        return self.shard.layers[layer].attention.forward_cached(h, seq_ids, positions, self.cache)[0]
 
 
 PLACEMENT_CLASSES = dict(zip(KV_PLACEMENTS, (KVWithExpert, KVWithSequence, ReplicatedAttention)))

@@ -137,7 +137,7 @@ def run_specs(context: WorkerContext, specs: list[RunSpec]) -> list[RankResult]:
         result.comm_seconds = comm.seconds_by_step()
         result.step_seconds = dict(runner.step_seconds)
         result.traffic = {step: dict(counts) for step, counts in runner.traffic.items()}
-        held = runner.pool.manager.token_counts(range(len(spec.prompts)))  # (S, L, E)
+        held = runner.cache.manager.token_counts(range(len(spec.prompts)))  # (S, L, E)
         result.kv_tokens_per_expert = held.sum(0).tolist()
         results.append(result)
     return results

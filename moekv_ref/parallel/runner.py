@@ -70,10 +70,10 @@ class ParallelRunner:
         replicated = kv_placement == "replicated_attention"
         self.shard = RankShard(model, comm.rank, None if replicated else attention_ranks, ffn_ranks)
         parameter = next(model.parameters())
-        self.pool = PagedKVCache(
+        self.cache = PagedKVCache(
             config, num_blocks, block_size, dtype=parameter.dtype, device=parameter.device
         )
-        self.attention = PLACEMENT_CLASSES[kv_placement](self.shard, comm, self.pool, attention_ranks)
+        self.attention = PLACEMENT_CLASSES[kv_placement](self.shard, comm, self.cache, attention_ranks)
         self.traffic: dict[int, Counter] = {}
         self.step_seconds: dict[int, float] = {}
 
@@ -118,10 +118,10 @@ class ParallelRunner:
         return combine(self.comm, plan, received, pairs, y, h.shape[0], "ffn_combine")
 
     def pool_usage(self) -> dict[str, int]:
-        manager = self.pool.manager
+        manager = self.cache.manager
         return {
             "num_blocks": manager.num_blocks,
             "used_blocks": manager.num_blocks - manager.num_free_blocks,
             "tokens": int(manager.row_tokens.sum()),
-            "kv_bytes": self.pool.kv_bytes(),
+            "kv_bytes": self.cache.kv_bytes(),
         }

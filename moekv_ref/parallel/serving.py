@@ -86,7 +86,7 @@ def follow_ranks(mirror: KVCacheManager, reports: list[torch.Tensor]) -> set[int
                 f"{[s for s, g in zip(seq_ids, gained) if (g < 0).any()]} hold fewer tokens on the ranks"
             )
         grown = mirror.index.sequence_rows(torch.tensor([mirror.seq_index(s) for s in seq_ids]))  # (m, L*E)
-        mirror.allocate_slots(grown.reshape(-1), gained.reshape(-1), with_slots=False)
+        mirror.grow_rows(grown.reshape(-1), gained.reshape(-1))
     reported = torch.stack([report[0, 1] for report in reports])  # (R,)
     if not torch.equal(reported, mirror.num_free_blocks_per_device):
         raise RuntimeError(
@@ -164,8 +164,8 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
         comm.broadcast(body, 0, "plan")
         tokens, seq_ids, positions, frees = body[:N], body[N : 2 * N], body[2 * N : 3 * N], body[3 * N :]
         for seq_id in frees.tolist():
-            if runner.pool.manager.holds(seq_id):  # a rank may hold none of it
-                runner.pool.free(seq_id)
+            if runner.cache.manager.holds(seq_id):  # a rank may hold none of it
+                runner.cache.free(seq_id)
         # ---- every rank runs its home sequences' tokens
         mine = (seq_ids % R) == rank
         logits = runner.step(step, *(t[mine].to(context.device) for t in (tokens, seq_ids, positions)))
@@ -177,7 +177,7 @@ def serve(context: WorkerContext, spec: ServeSpec) -> ServeResult | None:
         )  # (m_r, 1 + V)
         gathered, _ = comm.all_to_all(rows, [rows.shape[0]] + [0] * (R - 1), "logits")  # to rank 0
         # ---- every rank reports its pool, in integers: free blocks, each sequence's (L, E) tokens
-        manager = runner.pool.manager
+        manager = runner.cache.manager
         held = manager.sequences
         report = torch.zeros(len(held) + 1, 1 + L * E, dtype=torch.int64)
         report[0, :2] = torch.tensor([-1, manager.num_free_blocks])
