@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends import require_backend
 from ..config import ModelConfig
 from ..validation import (
     MAX_BLOCKS,
@@ -149,6 +150,32 @@ def check_cache_options(
         "give num_blocks, or a smaller max_num_seqs" if sized else "ask for fewer blocks",
     )
     return CacheOptions(dtype, device, attention, manager, variant, budget)
+
+
+def settings_for_model(model, where: str, settings: dict, allowed) -> dict:
+    """A for_model's settings (`allowed` names but dtype and device, checked as `where`'s), with the
+    model's dtype and device, and attention=None (or left out) following its backend."""
+    named = ("model", "block_size", "num_blocks", "max_num_seqs")
+    check_keywords(
+        where, settings, named + tuple(name for name in allowed if name not in ("dtype", "device"))
+    )
+    parameter = next(model.parameters())
+    attention = settings.get("attention")
+    if attention is None:
+        attention = "triton" if model.backend == "triton" else "batched"
+    return {**settings, "attention": attention, "dtype": parameter.dtype, "device": parameter.device}
+
+
+def triton_kernels(attention: str):
+    """moekv_kernels where attention="triton" (triton is installed only where it has wheels, Linux;
+    importing the kernels sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads), else
+    None."""
+    if attention != "triton":
+        return None
+    require_backend("triton")
+    import moekv_kernels
+
+    return moekv_kernels
 
 
 def check_given_options(options, variant: str, num_blocks, settings: dict) -> None:

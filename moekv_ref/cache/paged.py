@@ -1,9 +1,8 @@
 """The paged per-expert KV cache: one pool of K/V blocks for every (sequence, layer, expert) row.
 
-`append_kv` (bookkeeping and store) and `attend` (the math only) are the contract of
-cache/__init__.py; docs/design.md tells why two verbs, and why blocks are taken here, per layer.
-PagedKVCache is the plain path; each variant is a subclass in its own file, and factory.py picks
-the class for a model (cache/__init__.py lists them).
+`append_kv` (bookkeeping and store) and `attend` (the math only) are the contract of cache/__init__.py
+(docs/design.md tells why). This is the plain path; each variant is a subclass in its own file, and
+factory.py picks the class for a model (cache/__init__.py lists them).
 
 Memory layout (the Triton kernels read exactly this): key_cache and value_cache (N, P, Hkv, Dh), one
 pool for all layers and experts in the model dtype; block_tables (num_rows, W) int32 and context_lens
@@ -32,10 +31,16 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import attend_by_position, score_dtype
-from ..backends import require_backend
 from ..config import ModelConfig
-from ..validation import check_keywords
-from .cache_options import CACHE_SETTINGS, CacheOptions, check_cache_options, check_given_options, new_manager
+from .cache_options import (
+    CACHE_SETTINGS,
+    CacheOptions,
+    check_cache_options,
+    check_given_options,
+    new_manager,
+    settings_for_model,
+    triton_kernels,
+)
 from .kv_cache_manager import KVCacheManager
 
 
@@ -82,11 +87,7 @@ class PagedKVCache:
         shape = (options.num_blocks, options.block_size, config.num_key_value_heads, config.head_dim)
         self.key_cache = torch.zeros(shape, dtype=options.dtype, device=options.device)  # (N, P, Hkv, Dh)
         self.value_cache = torch.zeros(shape, dtype=options.dtype, device=options.device)
-        if self.attention == "triton":
-            require_backend("triton")  # triton is installed only where it has wheels (Linux)
-            import moekv_kernels  # sets TRITON_INTERPRET=1 when no GPU is visible, before triton loads
-
-            self._kernels = moekv_kernels
+        self._kernels = triton_kernels(self.attention)  # moekv_kernels for "triton", else None
 
     block_size = property(lambda self: self.manager.block_size)
 
@@ -111,21 +112,8 @@ class PagedKVCache:
         max_position_embeddings tokens at their worst (rows.worst_case_lifetime_blocks). The plain
         class is exact whatever the model's attention_capacity: every routed token stays in its row
         (make_paged_cache gives such a model the capped class)."""
-        allowed = ("model", "block_size", "num_blocks", "max_num_seqs")
-        allowed += tuple(name for name in cls.SETTINGS if name not in ("dtype", "device"))
-        check_keywords(f"{cls.__name__}.for_model", settings, allowed)
-        if settings.get("attention") is None:
-            settings["attention"] = "triton" if model.backend == "triton" else "batched"
-        parameter = next(model.parameters())
-        options = cls.check_options(
-            model.config,
-            num_blocks,
-            block_size,
-            max_num_seqs,
-            dtype=parameter.dtype,
-            device=parameter.device,
-            **settings,
-        )
+        settings = settings_for_model(model, f"{cls.__name__}.for_model", settings, cls.SETTINGS)
+        options = cls.check_options(model.config, num_blocks, block_size, max_num_seqs, **settings)
         return cls(model.config, options=options)
 
     # ----- verb 1: bookkeeping and store ----------------------------------------------------------
@@ -173,18 +161,15 @@ class PagedKVCache:
                 manager.free(s)
             raise
         self.copy_slots(allocation.moves)
-        if order is None:  # pair i is row i
-            manager.note_positions(rows, positions)
-            self._store(k, v, allocation.slot_mapping)
-            context_lens = manager.row_tokens[rows]  # (m,)
-            return AppendedRows(
-                rows, num_new, context_lens, pair_row, context_lens - 1, allocation.slot_mapping
-            )
-        manager.note_positions(rows, positions[order][first + num_new - 1])
-        slots = torch.empty(n, dtype=torch.int64)
-        slots[order] = allocation.slot_mapping  # (n,) per pair
+        slots, last = allocation.slot_mapping, positions  # row after row: pair order in a decode
+        if order is not None:  # (n,) per pair; each row's last position
+            slots = torch.empty(n, dtype=torch.int64).index_copy_(0, order, allocation.slot_mapping)
+            last = positions[order][first + num_new - 1]
+        manager.note_positions(rows, last)
         self._store(k, v, slots)
         context_lens = manager.row_tokens[rows]  # (m,)
+        if order is None:  # pair i is row i
+            return AppendedRows(rows, num_new, context_lens, pair_row, context_lens - 1, slots)
         rank = torch.empty_like(order)
         rank[order] = torch.arange(n) - first[pair_row[order]]  # (n,) in the call
         pair_index = context_lens[pair_row] - num_new[pair_row] + rank
@@ -220,19 +205,14 @@ class PagedKVCache:
                 flat[destination.to(cache.device)] = flat[source.to(cache.device)]
 
     def _store(self, k, v, slots) -> None:
-        Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
+        k, v = k.to(self.key_cache.dtype), v.to(self.value_cache.dtype)
         slots = slots.to(self.key_cache.device)
         if self.attention == "triton":
-            self._kernels.store_kv(
-                k.to(self.key_cache.dtype).contiguous(),
-                v.to(self.value_cache.dtype).contiguous(),
-                self.key_cache,
-                self.value_cache,
-                slots,
-            )
-            return
-        self.key_cache.view(-1, Hkv, Dh).index_copy_(0, slots, k.to(self.key_cache.dtype))
-        self.value_cache.view(-1, Hkv, Dh).index_copy_(0, slots, v.to(self.value_cache.dtype))
+            self._kernels.store_kv(k.contiguous(), v.contiguous(), self.key_cache, self.value_cache, slots)
+        else:
+            Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
+            self.key_cache.view(-1, Hkv, Dh).index_copy_(0, slots, k)
+            self.value_cache.view(-1, Hkv, Dh).index_copy_(0, slots, v)
 
     # ----- verb 2: the math -----------------------------------------------------------------------
     def attend(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
@@ -240,9 +220,6 @@ class PagedKVCache:
         token. Returns (n, H, Dh)."""
         if q.shape[0] != appended.pair_row.numel():
             raise ValueError(f"q has {q.shape[0]} queries for {appended.pair_row.numel()} appended pairs")
-        return self._attend_rows(appended, q)
-
-    def _attend_rows(self, appended: AppendedRows, q: torch.Tensor) -> torch.Tensor:
         if self.attention == "reference":
             return self._attend_row_by_row(appended, q)
         if self.attention == "batched" and 0 < appended.rows.numel() == q.shape[0]:
@@ -332,8 +309,8 @@ class PagedKVCache:
 
     def _gather_rows(self, rows: torch.Tensor, lens: torch.Tensor, dtype: torch.dtype):
         """keys, values (g, Lmax, Hkv, Dh) in dtype, zeros past a row's end, and valid (g, Lmax).
-        index_select and index_fill_ are, on a CPU, 4x and 5x faster than advanced indexing and a
-        broadcast masked_fill (measured at 16 rows of 64 tokens)."""
+        index_select and index_fill_ are, on a CPU, 4x and 5x faster than advanced indexing and
+        masked_fill (16 rows of 64 tokens)."""
         Hkv, Dh = self.key_cache.shape[2], self.key_cache.shape[3]
         pool, index, valid, padding = self.gather_index(rows, lens)
         g, max_len = valid.shape
