@@ -80,17 +80,6 @@ class MemoryView:
         """(m, L, E) tokens held per row; zeros for a sequence the pool does not hold."""
         return self._manager.token_counts(seq_ids)
 
-    def open_rows(self, seq_ids: list[int]) -> torch.Tensor | None:
-        """(m, L, D) rows of each (layer, device) whose next token opens a block, of held sequences
-        (the manager's table); None if one is not held."""
-        slots = self._manager.seq_slots(seq_ids)
-        return None if None in slots else self._manager.open_rows[slots]
-
-    def open_per_device(self, seq_ids: list[int]) -> torch.Tensor | None:
-        """(m, D) open_rows summed over the layers (the manager's table); None if one is not held."""
-        slots = self._manager.seq_slots(seq_ids)
-        return None if None in slots else self._manager.open_per_device[slots]
-
     def num_blocks_held(self, seq_id: int) -> int:
         return self._manager.num_blocks_of_sequence(seq_id) if self.holds(seq_id) else 0
 

@@ -3,12 +3,12 @@
 One step, in order (vLLM v1's loop, with MoE-aware memory checks):
 
  1. Running requests, oldest first, get their pending tokens (a prefill chunk, or one decode token)
-    within the token budget, reserving what the reservation policy sets aside for them (by default
-    the *worst case* of blocks those tokens can open: demand.py).
-    While that does not fit, the victim policy picks a running request not yet scheduled this step
-    (the newest, by default), preempted by recompute or by swap (possibly the request itself).
+    within the step's token limit, reserving what the reservation policy sets aside for them (by
+    default the *worst case* of blocks those tokens can open: demand.py). While that does not fit,
+    the victim policy picks a running request not yet scheduled this step (the newest, by default),
+    preempted whole, by recompute or by swap (possibly the request itself).
  2. If nothing was preempted: the batching policy admits waiting requests, preempted ones first
-    (they keep their place in line), within the step's budgets, reservation and admission rule.
+    (they keep their place in line), within the step's limits, reservation and admission rule.
  3. `update_from_output`: tokens counted as computed, sampled tokens appended, requests at their
     last token finished and their blocks freed.
 
@@ -17,25 +17,18 @@ half-way when a layer's experts are full; the whole life's is k_max / k_avg time
 threshold routing needs (what `continuous_reserved` pays). Admission adds a prediction
 (admission.py): the step guarantee alone admits requests certain to be preempted later.
 
-Whole sequences are preempted, never single experts' rows: a row at layer l is rebuilt only by
-re-running the whole sequence (K/V at layer l depend on every earlier layer), so freeing 1/E of a
-layer's share costs a whole recompute. A victims.RowEviction shows why: its request *stalls* at the
-head of the line, to be recomputed whole, while its other rows stay in the pool as dead weight,
-freed first when their device is short, when nothing runs, and when it resumes (only where the
-block manager `can_evict_rows`).
-
 The pool has D devices (one pool: D = 1) and a step must fit every device: the reservation is a (D,)
-vector and the victim policy is told which device is short (victims.Shortage). Only
-continuous_paged runs several devices.
-
-The scheduler sees integers only (the block manager and memory.ModelShape), never K/V; its decisions
-leave `schedule()` in one SchedulerOutput, whose block copies the runner performs, in order, before
-the forward. Which scheduler class serves a manager is chosen in scheduler_factory.py.
+vector and the victim policy is told which device is short (victims.Shortage). The scheduler sees
+integers only (the block manager and memory.ModelShape), never K/V; its decisions leave `schedule()`
+in one SchedulerOutput, whose block copies the runner performs, in order, before the forward. The
+class that serves a manager and a victim policy is chosen in scheduler_factory.py.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 
@@ -56,7 +49,7 @@ from .reservation import Retry
 from .scheduler_config import SchedulerConfig, check_scheduler_arguments
 from .scheduler_output import EvictionRecord, ScheduledRequest, SchedulerOutput
 from .swap import SwapSpace
-from .victims import RowEviction, Shortage
+from .victims import Shortage
 
 
 class Scheduler(Stateful):
@@ -70,22 +63,25 @@ class Scheduler(Stateful):
         "num_swapped_out_blocks",
         "num_evictions",
         "freed_on_short_device",
-        "num_row_evictions",
-        "num_evicted_rows",
-        "num_dead_rows_freed",
     )
-    STATE = ("waiting", "running", "stalled", "current", *COUNTERS)
+    STATE = ("waiting", "running", "current", *COUNTERS)
     # the manager holds its own parts; the memory view holds nothing
     PARTS = ("manager", "swap_space", "predictor", "batching", "victims", "reservation")
+    # it takes whole sequences off, never single rows: no request stalls (row_evicting_scheduler.py)
+    stalled: Mapping[int, Request] = MappingProxyType({})
+    num_row_evictions = 0
+    num_evicted_rows = 0
+    num_dead_rows_freed = 0
 
     def __init__(
         self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape, num_swap_blocks: int = 0
     ):
-        """The rules comparing the config with the manager are checked here, where the two meet."""
+        """ValueError for arguments that do not meet (scheduler_config.check_scheduler_arguments),
+        before anything is built."""
         num_swap_blocks = check_scheduler_arguments(config, manager, shape, num_swap_blocks)
         self.config = config
         self.manager = manager
-        self.swap_space = SwapSpace(manager, num_swap_blocks, checked=True) if num_swap_blocks else None
+        self.swap_space = SwapSpace(manager, num_swap_blocks) if num_swap_blocks else None
         self.memory = memory = MemoryView(manager, shape, self.swap_space)
         self.num_devices = memory.num_devices
         self.shape = shape
@@ -97,23 +93,17 @@ class Scheduler(Stateful):
         if self.num_devices > 1 and self.batching.name != ContinuousBatching.name:
             raise ValueError(f"per-device pools run policy='continuous_paged' only, not {config.policy!r}")
         self.victims = config.make_victim_policy()
-        if self.victims.evicts_rows and not manager.can_evict_rows:
-            raise ValueError(
-                f"victim={self.victims.name!r} drops single rows, which this cache cannot: "
-                f"{type(manager).__name__} shares blocks between rows; use a victim that preempts "
-                "whole sequences (newest_first, sequence_lru, pressure_aware)"
-            )
+        self.check_victims()
         self.reservation = config.make_reservation_policy()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.stalled: dict[int, Request] = {}  # request id -> request whose rows were evicted, in order
         self.current: Request | None = None  # the request schedule() was deciding on
         for name in self.COUNTERS:
             setattr(self, name, 0)
 
     def save(self) -> tuple:
         """Stateful.save, with every unfinished request's state (engine/undo.py)."""
-        requests = {id(r): r for r in (*self.waiting, *self.running, *self.stalled.values())}
+        requests = {id(r): r for r in (*self.waiting, *self.running)}
         return super().save(), [(r, r.save()) for r in requests.values()]
 
     def restore(self, saved: tuple) -> None:
@@ -171,7 +161,7 @@ class Scheduler(Stateful):
             if shortfall is None
             else self.memory.num_free_blocks_per_device + shortfall
         )  # (D,)
-        # every running request's need, in one call; one the step's token limit cuts short is asked again
+        # every running request's need, in one call; one the token limit cuts short is asked again
         planned = [min(r.num_pending_tokens, token_budget) for r in self.running]
         needs = self.step_blocks_many(self.running, planned)  # (m, D)
         reserved, token_budget = self.schedule_running(out, planned, needs, base, token_budget, shortfall)
@@ -179,7 +169,7 @@ class Scheduler(Stateful):
         # a step that had to preempt admits none: it would thrash
         if not out.preempted and max_admissions != 0:
             if not self.running:
-                self._free_dead_rows(None)
+                self.free_idle_blocks(None)
             self.batching.admit(AdmissionStep(self, out, token_budget, reserved, max_admissions))
         return out
 
@@ -194,7 +184,7 @@ class Scheduler(Stateful):
     ) -> tuple[torch.Tensor, int]:
         """Step 1 of the module docstring: the running requests, oldest first, each given its planned
         tokens (needs[i], (D,), reserved for them) while they fit on top of `reserved`, victims
-        preempted until they do. Returns the step's reservation and the token budget left."""
+        preempted until they do. Returns the step's reservation and the tokens it may still run."""
         planned_needs = dict(zip(map(id, self.running), zip(planned, needs)))
         i = 0
         while i < len(self.running) and token_budget > 0:
@@ -205,8 +195,8 @@ class Scheduler(Stateful):
                 need = self.step_blocks(request, num_tokens)
             while not self.fits(reserved + need):
                 device, shortage = self._shortage(reserved + need, need)
-                if self._free_dead_rows(device):
-                    continue  # dead rows went first: look again
+                if self.free_idle_blocks(device):
+                    continue  # blocks no request needs went first: look again
                 candidates = self.running[i:]  # not yet scheduled this step
                 if shortfall is not None and i == 0 and len(candidates) == 1:
                     reserved = torch.zeros_like(reserved)  # the oldest alone fits (check_fits_alone)
@@ -222,26 +212,42 @@ class Scheduler(Stateful):
         return reserved, token_budget
 
     def _take_victim(self, candidates: list[Request], device: int, shortage: Shortage, out) -> Request:
-        """The victim policy's choice among the candidates, preempted or its rows evicted, and
-        recorded in `out.evictions`; returns the victim."""
+        """The victim policy's choice among the candidates, taken off and recorded in
+        `out.evictions`; returns the victim."""
         free_before = self.memory.num_free_blocks_per_device  # (D,)
         choice = self.victims.choose_victim(tuple(candidates), self.memory, shortage)
-        victim = choice.request if isinstance(choice, RowEviction) else choice
+        victim, mode = self.take_off(choice, candidates, out)
+        freed = self.memory.num_free_blocks_per_device - free_before  # (D,)
+        self.num_evictions += 1
+        self.freed_on_short_device += int(freed[device])
+        out.evictions.append(EvictionRecord(out.step, victim.request_id, mode, device, freed.tolist()))
+        return victim
+
+    def take_off(self, choice, candidates: list[Request], out: SchedulerOutput) -> tuple[Request, str]:
+        """Preempt the chosen request; (it, how: "swap" or "recompute")."""
+        self.check_candidate(choice, candidates)
+        self._preempt(choice, out)
+        return choice, "swap" if choice.swapped else "recompute"
+
+    def check_candidate(self, victim, candidates: list[Request]) -> None:
         if not any(victim is c for c in candidates):
             raise RuntimeError(
                 f"victim policy {self.victims!r} chose request "
                 f"{getattr(victim, 'request_id', victim)!r}, not one of the candidates"
             )
-        if isinstance(choice, RowEviction):
-            self._evict_rows(choice, out)
-        else:
-            self._preempt(victim, out)
-        freed = self.memory.num_free_blocks_per_device - free_before  # (D,)
-        self.num_evictions += 1
-        self.freed_on_short_device += int(freed[device])
-        mode = "rows" if isinstance(choice, RowEviction) else "swap" if victim.swapped else "recompute"
-        out.evictions.append(EvictionRecord(out.step, victim.request_id, mode, device, freed.tolist()))
-        return victim
+
+    def check_victims(self) -> None:
+        """Refuse a victim policy that drops single rows (row_evicting_scheduler.py takes them)."""
+        if self.victims.evicts_rows:
+            raise ValueError(
+                f"victim={self.victims.name!r} drops single rows, which a {type(self).__name__} does "
+                "not: build the scheduler with make_scheduler (scheduler_factory.py)"
+            )
+
+    def free_idle_blocks(self, device: int | None) -> bool:
+        """Free blocks that no request needs on `device` (None: every device) before a victim is
+        chosen; whether any was freed. A plain scheduler leaves none."""
+        return False
 
     def deciding_on(self, request: Request) -> None:
         """The request the step is deciding on, named in the note of an exception raised meanwhile."""
@@ -277,18 +283,12 @@ class Scheduler(Stateful):
     def head_fits(self, request: Request, reserved: torch.Tensor, token_budget: int) -> bool:
         """Would the head of the waiting line's next tokens (and its swap-in) fit every device beside
         the step's `reserved`?"""
-        request_id = request.request_id
         need = self.step_blocks(request, min(request.num_pending_tokens, token_budget))
-        if request_id in self.stalled:  # its dead rows go when it starts
-            need = need - self.memory.blocks_held_per_device(request_id)
-        return self.fits(reserved + self.memory.swapped_blocks_per_device(request_id) + need)
+        return self.fits(reserved + self.memory.swapped_blocks_per_device(request.request_id) + need)
 
     def start_head(self, out: SchedulerOutput) -> Request:
-        """The head of the waiting line starts running: swapped back in, or a stalled one without
-        its dead rows."""
+        """The head of the waiting line starts running (swapped back in, if swapped)."""
         request = self.current = self.waiting.popleft()
-        if self.stalled.pop(request.request_id, None) is not None:
-            self.manager.free(request.request_id)
         if request.swapped:
             out.block_copies.append(self.swap_space.swap_in(request.request_id))
             out.swapped_in.append(request)
@@ -319,20 +319,22 @@ class Scheduler(Stateful):
 
     def worst_case_step_blocks(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor:
         """(m, D) the most blocks each request's next num_tokens[i] tokens can take on each device,
-        from every row's count: demand.py's bounds, as notebook 04 teaches them (`worst_case_need`).
-        A swapped request grows from the rows it saved; a stalled one restarts empty."""
+        from every row's count: demand.py's bounds, as notebook 04 teaches them (`worst_case_need`)."""
+        totals = [r.num_computed_tokens + n for r, n in zip(requests, num_tokens)]
+        devices = self.memory.placement.of_sequences([r.request_id for r in requests])  # (m, L, E)
+        return self.worst_case_need(self.row_counts(requests), num_tokens, totals, devices)
+
+    def row_counts(self, requests: list[Request]) -> torch.Tensor:
+        """(m, L, E) tokens each request's rows hold; a swapped one's, the rows it saved."""
         memory = self.memory
         resident = [r.request_id for r in requests if not r.swapped]
         counts = memory.token_counts(resident)  # (h, L, E)
-        if len(resident) < len(requests) or any(r.request_id in self.stalled for r in requests):
-            held, rows = iter(counts), []
-            for request in requests:
-                row = memory.swapped_token_counts(request.request_id) if request.swapped else next(held)
-                rows.append(torch.zeros_like(row) if request.request_id in self.stalled else row)
-            counts = torch.stack(rows)  # (m, L, E)
-        totals = [r.num_computed_tokens + n for r, n in zip(requests, num_tokens)]
-        devices = memory.placement.of_sequences([r.request_id for r in requests])  # (m, L, E)
-        return self.worst_case_need(counts, num_tokens, totals, devices)
+        if len(resident) == len(requests):
+            return counts
+        held = iter(counts)
+        return torch.stack(
+            [memory.swapped_token_counts(r.request_id) if r.swapped else next(held) for r in requests]
+        )
 
     def worst_case_need(
         self, counts: torch.Tensor, num_tokens: list[int], totals: list[int], devices: torch.Tensor
@@ -379,34 +381,6 @@ class Scheduler(Stateful):
     def _forget_computed(self, request: Request) -> None:
         """Its K/V are gone: every token runs again."""
         self.num_recomputed_tokens += request.forget_computed()
-
-    def _evict_rows(self, eviction: RowEviction, out: SchedulerOutput) -> None:
-        """Drop the chosen rows; the request stalls (module docstring)."""
-        request = eviction.request
-        self.num_row_evictions += 1
-        self.num_evicted_rows += self._free_rows(request.request_id, eviction.layer_experts)
-        self.running.remove(request)
-        self.stalled[request.request_id] = request
-        self._forget_computed(request)
-        self._requeue_preempted(request, out)
-
-    def _free_dead_rows(self, device: int | None) -> bool:
-        """Free the rows stalled requests hold on `device` (None: every device), oldest stall first;
-        whether any was freed."""
-        freed = False
-        for request_id in self.stalled:
-            dead = self.memory.token_counts([request_id])[0] > 0  # (L, E)
-            if device is not None:
-                dead &= self.memory.placement.of_sequences([request_id])[0] == device
-            if dead.any():
-                self.num_dead_rows_freed += self._free_rows(request_id, dead.nonzero().tolist())
-                freed = True
-        return freed
-
-    def _free_rows(self, request_id: int, layer_experts) -> int:
-        rows = torch.cat([self.manager.rows([request_id], layer, expert) for layer, expert in layer_experts])
-        self.manager.free_rows(rows)
-        return rows.numel()
 
     # ----- after the forward ----------------------------------------------------------------------
     def update_from_output(
@@ -457,7 +431,6 @@ class Scheduler(Stateful):
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.stalled.pop(seq_id, None)  # a stalled request aborted while it waits
 
     def recover_from_failed_copies(self, out: SchedulerOutput) -> None:
         """The step's block copies raised part-way: every sequence they moved may have incomplete

@@ -1,11 +1,14 @@
-"""The one place that chooses which scheduler class serves a manager (the engine, the trace runner
-and parallel serving all build theirs here).
+"""The one place that chooses which scheduler class serves a manager and a configuration (the
+engine, the trace runner and parallel serving all build theirs here).
 
-    a manager that caches prefixes   PrefixCachingScheduler (prefix_caching_scheduler.py)
-    any other                        the Scheduler (scheduler.py)
+    a manager that caches prefixes         PrefixCachingScheduler (prefix_caching_scheduler.py)
+    a victim policy that drops single rows RowEvictingScheduler (row_evicting_scheduler.py)
+    neither                                the plain class
 
-`base` is the plain class the variant adds to: the engine's Scheduler, or the trace runner's
-FastScheduler (sim/fast_scheduler.py), which decides the same, faster.
+The plain class is the engine's Scheduler (scheduler.py), or the trace runner's FastScheduler
+(sim/fast_scheduler.py), which decides the same, faster; the variants that apply are put before it
+(their methods call on through super()). Prefix caching and row eviction do not combine: a cached
+block is shared between rows, which RowEvictingScheduler refuses when it is built.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from functools import cache
 
 from .memory import ModelShape
 from .prefix_caching_scheduler import PrefixCachingScheduler
+from .row_evicting_scheduler import RowEvictingScheduler
 from .scheduler import Scheduler
 from .scheduler_config import SchedulerConfig
 
@@ -25,16 +29,24 @@ def make_scheduler(
     num_swap_blocks: int = 0,
     base: type[Scheduler] = Scheduler,
 ) -> Scheduler:
-    """The scheduler for `manager`: `base`, with prefix caching where the manager caches prefixes."""
-    if getattr(manager, "prefix_cache", None) is None:
-        return base(config, manager, shape, num_swap_blocks)
-    return prefix_caching(base)(config, manager, shape, num_swap_blocks)
+    """The scheduler for `manager` and `config`: `base`, with the variants they need."""
+    variants = []
+    if getattr(manager, "prefix_cache", None) is not None:
+        variants.append(PrefixCachingScheduler)
+    if isinstance(config, SchedulerConfig) and config.make_victim_policy().evicts_rows:
+        variants.append(RowEvictingScheduler)
+    return scheduler_class(tuple(variants), base)(config, manager, shape, num_swap_blocks)
 
 
 @cache
-def prefix_caching(base: type[Scheduler]) -> type[Scheduler]:
-    """PrefixCachingScheduler over `base` (a Scheduler subclass): its methods first, then base's."""
-    if base is Scheduler:
-        return PrefixCachingScheduler
-    doc = f"{base.__name__}, starting requests from cached prefixes (PrefixCachingScheduler)."
-    return type(f"PrefixCaching{base.__name__}", (PrefixCachingScheduler, base), {"__doc__": doc})
+def scheduler_class(variants: tuple[type[Scheduler], ...], base: type[Scheduler]) -> type[Scheduler]:
+    """`base` with `variants` (Scheduler subclasses) before it; a variant over the Scheduler alone
+    is its own class. The class's STATE lists every one of theirs."""
+    if not variants:
+        return base
+    if len(variants) == 1 and base is Scheduler:
+        return variants[0]
+    name = "".join(v.__name__.removesuffix("Scheduler") for v in variants) + base.__name__
+    state = dict.fromkeys(attribute for cls in (*variants, base) for attribute in cls.STATE)
+    doc = f"{base.__name__} with {', '.join(v.__name__ for v in variants)}."
+    return type(name, (*variants, base), {"__doc__": doc, "STATE": tuple(state)})

@@ -7,7 +7,8 @@ teaches (engine/demand.py's bounds over every row). The simulator replays steps 
 step; this class reads the same numbers from smaller tables:
 
     decode need      a decode step's worst case (every request one token into rows it holds) from
-                     the manager's per-slot tables `open_rows` / `open_per_device` instead of every
+                     the counting manager's per-slot tables `open_rows` / `open_per_device` (where
+                     the trace runner builds a CountingKVCacheManager: sim/counting.py) instead of every
                      row (demand.decode_step_blocks_per_device): bound A is the open rows of each
                      (layer, device), bound B the experts a token can take there, min(k_max, E_d)
     fresh needs      the worst case of a request with nothing computed, held or swapped depends on its
@@ -35,6 +36,7 @@ from ..engine.demand import decode_step_blocks_per_device, step_need
 from ..engine.request import Request
 from ..engine.scheduler import Scheduler
 from ..engine.scheduler_output import SchedulerOutput
+from .counting import CountingKVCacheManager
 
 
 class FastScheduler(Scheduler):
@@ -52,6 +54,8 @@ class FastScheduler(Scheduler):
         # whether a token can open fewer blocks of some (layer, device) than it has rows there
         # (k_max below the experts there): only then does _decode_need read open_rows per layer
         self._caps_bind = self._experts_on is not None and bool((self._experts_on > shape.k_max).any())
+        # the per-slot tables open_rows / open_per_device: the counting manager keeps them
+        self._tables = manager if isinstance(manager, CountingKVCacheManager) else None
         self._fresh_needs: dict[int, torch.Tensor] = {}  # token count -> (1, D)
 
     # ----- all at once ------------------------------------------------------------------------------
@@ -113,21 +117,22 @@ class FastScheduler(Scheduler):
     def _decode_need(self, requests: list[Request], num_tokens: list[int]) -> torch.Tensor | None:
         """The worst case when every request decodes one token into the rows it holds: the same
         (m, D), read from the manager's open_rows (or, where k_max caps no device, their sum over the
-        layers, open_per_device) instead of every row; None where it does not apply (a budget, home
-        devices, a prefill, a swapped or stalled request)."""
+        layers, open_per_device) instead of every row; None where it does not apply (a manager
+        without those tables, a budget, home devices, a prefill, a swapped or stalled request)."""
         if (
             self._experts_on is None
+            or self._tables is None
             or not requests
             or any(n != 1 for n in num_tokens)
             or any(r.swapped or r.request_id in self.stalled for r in requests)
         ):
             return None
-        ids = [r.request_id for r in requests]
-        if not self._caps_bind:  # min(open rows, k_d) is the open rows: their sum over the layers
-            return self.memory.open_per_device(ids)  # (m, D) or None
-        open_rows = self.memory.open_rows(ids)  # (m, L, D)
-        if open_rows is None:
+        slots = self._tables.seq_slots([r.request_id for r in requests])
+        if None in slots:  # one is not held
             return None
+        if not self._caps_bind:  # min(open rows, k_d) is the open rows: their sum over the layers
+            return self._tables.open_per_device[slots]  # (m, D)
+        open_rows = self._tables.open_rows[slots]  # (m, L, D)
         # the lifetime cap of worst_case_need never binds here: one token's worst case (k_d open rows
         # of device d) is a routing the token can take, so held + step is a state some routing
         # reaches, within the lifetime worst case (tests/spec/test_sim_fast_paths.py compares the two)

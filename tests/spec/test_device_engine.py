@@ -24,7 +24,9 @@ from moekv_ref.cache import (
     SharedTailKVCacheManager,
 )
 from moekv_ref.engine import LLMEngine, ModelShape, SchedulerConfig
+from moekv_ref.engine.row_evicting_scheduler import RowEvictingScheduler
 from moekv_ref.engine.scheduler import Scheduler
+from moekv_ref.engine.scheduler_factory import make_scheduler
 from moekv_ref.engine.swap import SwapSpace
 from moekv_ref.engine.victims import ExpertLRU, PressureAware, RowEviction, SequenceLRU, Shortage
 from moekv_ref.generate import generate
@@ -255,8 +257,12 @@ def test_expert_lru_is_refused_where_rows_cannot_be_evicted():
         with pytest.raises(
             ValueError, match="victim='expert_lru' drops single rows, which this cache cannot"
         ):
-            Scheduler(SchedulerConfig(victim="expert_lru"), manager, shape)
-    Scheduler(SchedulerConfig(victim="expert_lru"), KVCacheManager(2, 3, 4, 64), shape)  # plain pages: fine
+            make_scheduler(SchedulerConfig(victim="expert_lru"), manager, shape)
+    plain = make_scheduler(SchedulerConfig(victim="expert_lru"), KVCacheManager(2, 3, 4, 64), shape)
+    assert isinstance(plain, RowEvictingScheduler)  # plain pages: fine
+    # the plain Scheduler takes whole sequences only: it names where a row-evicting one is built
+    with pytest.raises(ValueError, match="victim='expert_lru' drops single rows, which a Scheduler does not"):
+        Scheduler(SchedulerConfig(victim="expert_lru"), KVCacheManager(2, 3, 4, 64), shape)
 
 
 # ----- the per-device pool and manager ---------------------------------------------------------------
@@ -396,7 +402,6 @@ def test_with_home_devices_policies_read_each_sequences_devices_not_device_zero(
     want of rows there, as it would reading an all-zeros placement; and the reservation of a prefix
     hit for sequence 1 lies on device 1 only."""
     from moekv_ref.engine.memory import MemoryView, ModelShape
-    from moekv_ref.engine.scheduler_factory import make_scheduler
 
     manager = KVCacheManager(1, 2, 1, blocks_per_device=[6, 6], home_devices=True)
     for seq_id in (0, 1):
