@@ -27,11 +27,13 @@ from ..config import ModelConfig
 from ..validation import (
     MAX_BLOCKS,
     MAX_INT32,
+    a_type,
     check_choice,
     check_fits_memory,
     check_int,
     check_keywords,
     number,
+    shown,
 )
 from .kv_cache_manager import KVCacheManager
 from .options import ManagerOptions, check_manager_options
@@ -181,10 +183,15 @@ def triton_kernels(attention: str):
 def check_given_options(options, variant: str, num_blocks, settings: dict) -> None:
     """ValueError unless `options`, given to a cache of class `variant`, is a CacheOptions made for
     that class (its check_options), given alone."""
-    if settings or num_blocks is not None or not isinstance(options, CacheOptions):
+    if not isinstance(options, CacheOptions):
         raise ValueError(
-            f"options={options!r} is not allowed with num_blocks or {sorted(settings)}; allowed: a "
-            "CacheOptions (cache_options.py) alone, or the keywords it holds"
+            f"options={shown(options)} is {a_type(options)}; allowed: a CacheOptions ({variant}.check_options)"
+        )
+    also = ([f"num_blocks={shown(num_blocks)}"] if num_blocks is not None else []) + list(settings)
+    if also:
+        raise ValueError(
+            f"options= with {', '.join(also)} is not allowed; allowed: options alone (it holds them), "
+            "or the keywords without options"
         )
     if options.variant != variant:
         raise ValueError(

@@ -593,3 +593,36 @@ def test_make_paged_cache_picks_the_planned_class_for_one_attention_expert_only(
     assert caches[1].plan.layer == dense.config.num_hidden_layers - 1  # the last step's plan served
     positions = [cache.manager.prefix_cache.block_positions for cache in caches]
     assert torch.equal(positions[0], positions[1]) and int(positions[0].max()) >= 9
+
+
+def test_a_cache_takes_its_options_checked_once_or_by_keyword_not_both():
+    """PagedKVCache(config, num_blocks, block_size, **settings) checks the settings into a frozen
+    CacheOptions; options= one made by the class's own check_options builds the same cache, and is
+    refused with anything beside it, in another form, or made for another class."""
+    import dataclasses
+
+    from moekv_ref.cache import CacheOptions
+
+    config = small_config("expert")
+    options = PagedKVCache.check_options(config, 64, 4, dtype=torch.float64, shuffle_seed=3)
+    assert isinstance(options, CacheOptions) and options.num_blocks == 64 and options.block_size == 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.attention = "reference"
+    built = PagedKVCache(config, options=options)
+    by_keyword = PagedKVCache(config, 64, 4, dtype=torch.float64, shuffle_seed=3)
+    assert built.options == by_keyword.options and built.key_cache.dtype == torch.float64
+    assert built.manager.pool.free_block_ids().tolist() == by_keyword.manager.pool.free_block_ids().tolist()
+    with pytest.raises(ValueError, match="options= with num_blocks=64 is not allowed"):
+        PagedKVCache(config, 64, options=options)
+    with pytest.raises(ValueError, match="options= with dtype is not allowed"):
+        PagedKVCache(config, options=options, dtype=torch.float32)
+    with pytest.raises(ValueError, match="options=.* is a dict; allowed: a CacheOptions"):
+        PagedKVCache(config, options={"block_size": 4})
+    with pytest.raises(
+        ValueError, match="options made for PagedKVCache cannot build a SharedTailPagedKVCache"
+    ):
+        SharedTailPagedKVCache(config, options=options)
+    with pytest.raises(
+        ValueError, match="unknown keyword shared_tails=True for PagedKVCache; allowed: config"
+    ):
+        PagedKVCache(config, 64, 4, shared_tails=True)
