@@ -1,13 +1,14 @@
 """The paged cache with a row budget: PagedKVCache whose rows each keep at most B tokens (budget.py).
 
-BudgetedPagedKVCache overrides the two verbs of cache/__init__.py and nothing else; its manager holds
-a RowBudget part, which says where a newcomer at a full row goes (its policy) and keeps what the
-policy reads. The semantics are budget.py's, token by token: a newcomer at a full row sees the row its
+What it adds to PagedKVCache: its manager is a BudgetedKVCacheManager (budgeted_manager.py), whose
+RowBudget says where a newcomer at a full row goes (its policy) and keeps what the policy reads; it
+overrides the two verbs of cache/__init__.py, check_options (the budget) and make_manager. The
+semantics are budget.py's, token by token: a newcomer at a full row sees the row its
 predecessors left (and under heavy_hitter the victim depends on the attention just computed), so one
 call cannot place a prefill chunk's tokens at once. `append_kv` appends what fits, with the plain
 cache's own operations (a budget no row reaches changes no bit), and hands `attend` the rest
 (WaitingPairs); `attend` attends the appended pairs by the plain path, then places the waiting pairs
-one per row at a time (KVCacheManager.allocate_within_budget) and attends each wave in turn. A
+one per row at a time (BudgetedKVCacheManager.allocate_within_budget) and attends each wave in turn. A
 refused pair's output is zero: it adds nothing to its token's gated sum.
 
 factory.make_paged_cache is the one place that chooses the class: the cache generate, the engine and
@@ -175,7 +176,7 @@ class BudgetedPagedKVCache(PagedKVCache):
     # ----- verb 2: the math -----------------------------------------------------------------------
     def attend(self, appended: BudgetedAppendedRows, q: torch.Tensor) -> torch.Tensor:
         """The pairs appended by append_kv, then each wave of waiting pairs placed
-        (KVCacheManager.allocate_within_budget) and attended in turn, each group by the plain
+        (BudgetedKVCacheManager.allocate_within_budget) and attended in turn, each group by the plain
         cache's attend. A refused pair's output stays zero: it adds nothing to its token's gated sum
         (budget.py)."""
         n = appended.pairs.numel() + sum(wave.pairs.numel() for wave in appended.waiting)
