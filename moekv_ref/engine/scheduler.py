@@ -48,7 +48,6 @@ from .request import Request, RequestStatus
 from .reservation import Retry
 from .scheduler_config import SchedulerConfig, check_scheduler_arguments
 from .scheduler_output import EvictionRecord, ScheduledRequest, SchedulerOutput
-from .swap import SwapSpace
 from .victims import Shortage
 
 
@@ -60,7 +59,6 @@ class Scheduler(Stateful):
     COUNTERS = (
         "num_preemptions",
         "num_recomputed_tokens",
-        "num_swapped_out_blocks",
         "num_evictions",
         "freed_on_short_device",
     )
@@ -69,6 +67,7 @@ class Scheduler(Stateful):
     PARTS = ("manager", "swap_space", "predictor", "batching", "victims", "reservation")
     # it takes whole sequences off, never single rows: no request stalls (row_evicting_scheduler.py)
     stalled: Mapping[int, Request] = MappingProxyType({})
+    num_swapped_out_blocks = 0  # nor swaps them out (swapping_scheduler.py)
     num_row_evictions = 0
     num_evicted_rows = 0
     num_dead_rows_freed = 0
@@ -81,7 +80,7 @@ class Scheduler(Stateful):
         num_swap_blocks = check_scheduler_arguments(config, manager, shape, num_swap_blocks)
         self.config = config
         self.manager = manager
-        self.swap_space = SwapSpace(manager, num_swap_blocks) if num_swap_blocks else None
+        self.swap_space = self.make_swap_space(num_swap_blocks)
         self.memory = memory = MemoryView(manager, shape, self.swap_space)
         self.num_devices = memory.num_devices
         self.shape = shape
@@ -100,6 +99,14 @@ class Scheduler(Stateful):
         self.current: Request | None = None  # the request schedule() was deciding on
         for name in self.COUNTERS:
             setattr(self, name, 0)
+
+    def make_swap_space(self, num_swap_blocks: int) -> None:
+        """None: a Scheduler preempts by recompute (a SwappingScheduler swaps)."""
+        if num_swap_blocks:
+            raise ValueError(
+                f"preemption_mode='swap' needs a SwappingScheduler, not a {type(self).__name__}: "
+                "build the scheduler with make_scheduler (scheduler_factory.py)"
+            )
 
     def save(self) -> tuple:
         """Stateful.save, with every unfinished request's state (engine/undo.py)."""
@@ -281,18 +288,14 @@ class Scheduler(Stateful):
         )
 
     def head_fits(self, request: Request, reserved: torch.Tensor, token_budget: int) -> bool:
-        """Would the head of the waiting line's next tokens (and its swap-in) fit every device beside
-        the step's `reserved`?"""
+        """Would the head of the waiting line's next tokens fit every device beside the step's
+        `reserved`?"""
         need = self.step_blocks(request, min(request.num_pending_tokens, token_budget))
-        return self.fits(reserved + self.memory.swapped_blocks_per_device(request.request_id) + need)
+        return self.fits(reserved + need)
 
     def start_head(self, out: SchedulerOutput) -> Request:
-        """The head of the waiting line starts running (swapped back in, if swapped)."""
+        """The head of the waiting line starts running."""
         request = self.current = self.waiting.popleft()
-        if request.swapped:
-            out.block_copies.append(self.swap_space.swap_in(request.request_id))
-            out.swapped_in.append(request)
-            request.leave_swap_space()
         if request.status is RequestStatus.PREEMPTED:
             out.resumed.append(request)
             out.events.append(("resumed", request))
@@ -325,16 +328,8 @@ class Scheduler(Stateful):
         return self.worst_case_need(self.row_counts(requests), num_tokens, totals, devices)
 
     def row_counts(self, requests: list[Request]) -> torch.Tensor:
-        """(m, L, E) tokens each request's rows hold; a swapped one's, the rows it saved."""
-        memory = self.memory
-        resident = [r.request_id for r in requests if not r.swapped]
-        counts = memory.token_counts(resident)  # (h, L, E)
-        if len(resident) == len(requests):
-            return counts
-        held = iter(counts)
-        return torch.stack(
-            [memory.swapped_token_counts(r.request_id) if r.swapped else next(held) for r in requests]
-        )
+        """(m, L, E) tokens each request's rows hold."""
+        return self.memory.token_counts([r.request_id for r in requests])
 
     def worst_case_need(
         self, counts: torch.Tensor, num_tokens: list[int], totals: list[int], devices: torch.Tensor
@@ -354,21 +349,13 @@ class Scheduler(Stateful):
 
     # ----- victims ----------------------------------------------------------------------------------
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """By recompute: forget the K/V, re-run every token later."""
         self.running.remove(request)
-        seq_id = request.request_id
-        holds = self.memory.holds(seq_id)
-        swapped = self.config.preemption_mode == "swap" and holds and self.swap_space.can_swap_out(seq_id)
-        if swapped:
-            copy = self.swap_space.swap_out(seq_id)
-            out.block_copies.append(copy)
-            out.swapped_out.append(request)
-            self.num_swapped_out_blocks += copy.source.numel()
-        else:  # recompute (or the swap space is full): forget the K/V, re-run every token later
-            if holds:
-                self.manager.free(seq_id)
-                out.freed.append(seq_id)
-            self._forget_computed(request)
-        self._requeue_preempted(request, out, swapped)
+        if self.memory.holds(request.request_id):
+            self.manager.free(request.request_id)
+            out.freed.append(request.request_id)
+        self._forget_computed(request)
+        self._requeue_preempted(request, out)
 
     def _requeue_preempted(self, request: Request, out: SchedulerOutput, swapped: bool = False) -> None:
         """Back to the head of the waiting line: a preempted request keeps its place."""
@@ -417,14 +404,12 @@ class Scheduler(Stateful):
         """The step computed some of the request's tokens (counted already); nothing more to do here."""
 
     def finish(self, request: Request, step: int, reason: str = "length", error: str | None = None) -> None:
-        """The request leaves, from any unfinished state; its device and swap blocks go back now."""
+        """The request leaves, from any unfinished state; its blocks go back now."""
         seq_id = request.request_id
         actual_blocks = self.memory.num_blocks_held(seq_id)
         final_token_counts = self.memory.token_counts([seq_id])[0]
         if self.memory.holds(seq_id):
             self.manager.free(seq_id)
-        if request.swapped:
-            self.swap_space.discard(seq_id)
         self.batching.release(request)
         request.finish(step, reason, error, actual_blocks, final_token_counts)
         if request in self.running:
@@ -434,13 +419,4 @@ class Scheduler(Stateful):
 
     def recover_from_failed_copies(self, out: SchedulerOutput) -> None:
         """The step's block copies raised part-way: every sequence they moved may have incomplete
-        K/V, so it drops them and recomputes."""
-        for request in out.swapped_out:
-            if request.swapped:
-                self.swap_space.discard(request.request_id)
-                request.leave_swap_space()
-                self._forget_computed(request)
-        for request in out.swapped_in:
-            if request.status is RequestStatus.RUNNING and self.memory.holds(request.request_id):
-                self.manager.free(request.request_id)
-                self._forget_computed(request)
+        K/V, so it drops them and recomputes. The Scheduler makes no copies; its variants do."""

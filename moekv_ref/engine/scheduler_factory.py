@@ -3,7 +3,8 @@ engine, the trace runner and parallel serving all build theirs here).
 
     a manager that caches prefixes         PrefixCachingScheduler (prefix_caching_scheduler.py)
     a victim policy that drops single rows RowEvictingScheduler (row_evicting_scheduler.py)
-    neither                                the plain class
+    preemption_mode='swap'                 SwappingScheduler (swapping_scheduler.py)
+    none of these                          the plain class
 
 The plain class is the engine's Scheduler (scheduler.py), or the trace runner's FastScheduler
 (sim/fast_scheduler.py), which decides the same, faster; the variants that apply are put before it
@@ -20,6 +21,7 @@ from .prefix_caching_scheduler import PrefixCachingScheduler
 from .row_evicting_scheduler import RowEvictingScheduler
 from .scheduler import Scheduler
 from .scheduler_config import SchedulerConfig
+from .swapping_scheduler import SwappingScheduler
 
 
 def make_scheduler(
@@ -35,6 +37,8 @@ def make_scheduler(
         variants.append(PrefixCachingScheduler)
     if isinstance(config, SchedulerConfig) and config.make_victim_policy().evicts_rows:
         variants.append(RowEvictingScheduler)
+    if isinstance(config, SchedulerConfig) and config.preemption_mode == "swap":
+        variants.append(SwappingScheduler)
     return scheduler_class(tuple(variants), base)(config, manager, shape, num_swap_blocks)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import moekv_ref.engine.scheduler as scheduler_module
+import moekv_ref.engine.scheduler_factory as scheduler_factory
 from moekv_ref.cache.block_pool import OutOfBlocksError
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
 from moekv_ref.engine.admission import predicted_peak
@@ -140,8 +141,11 @@ def scheduler_class(request):
 
 
 def make_scheduler(scheduler_class, num_blocks, num_swap_blocks=0, **config):
+    """scheduler_class with the variants the config asks for (a swap space: SwappingScheduler)."""
     manager = KVCacheManager(NUM_LAYERS, NUM_EXPERTS, BLOCK_SIZE, num_blocks)
-    return scheduler_class(SchedulerConfig(**config), manager, SHAPE, num_swap_blocks)
+    return scheduler_factory.make_scheduler(
+        SchedulerConfig(**config), manager, SHAPE, num_swap_blocks, base=scheduler_class
+    )
 
 
 def add(scheduler, request_id, prompt_len, max_new_tokens):
