@@ -15,6 +15,7 @@ from moekv_ref.analysis import record_model_trace
 from moekv_ref.apps.bench_memory import build_report, compare_designs, format_table
 from moekv_ref.apps.bench_memory import main as bench_main
 from moekv_ref.generate import generate
+from moekv_ref.plots.memory import block_owners
 from moekv_ref.sampling import SamplingParams
 from moekv_ref.sim import (
     CountingPagedDesign,
@@ -201,7 +202,7 @@ def test_block_owners_and_drawings_mid_run():
     stats = replay(trace, paged, max_steps=5)
     replay(trace, first_fit, max_steps=5)
     assert stats.num_steps == 5
-    owner_row, used = paged.manager.block_owners()
+    owner_row, used = block_owners(paged.manager)
     held = owner_row >= 0
     assert int(held.sum()) == paged.manager.pool.num_used_blocks
     assert int(used.sum()) == int(paged.manager.row_tokens.sum())  # every token in one slot

@@ -12,8 +12,8 @@ from them.
 """
 
 import math
-import sys
 import os
+import sys
 import tempfile
 from pathlib import Path
 

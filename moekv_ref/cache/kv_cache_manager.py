@@ -330,17 +330,6 @@ class KVCacheManager(Stateful):
         rows = self.index.sequence_rows(torch.tensor([self._seq_index[int(seq_id)]]))[0]  # (L*E,)
         return self.last_appended[rows].view(self.num_layers, self.num_experts).clone()
 
-    def block_owners(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """For drawing the pool: owner_row (N,) (-1: free) and used_slots (N,) of each block."""
-        P = self.block_size
-        row, column = self.used_columns().nonzero(as_tuple=True)
-        blocks = self.block_tables[row, column].to(torch.int64)
-        owner_row = torch.full((self.num_blocks,), -1, dtype=torch.int64)
-        used_slots = torch.zeros(self.num_blocks, dtype=torch.int64)
-        owner_row[blocks] = row
-        used_slots[blocks] = (self.row_tokens[row] - column * P).clamp(max=P)
-        return owner_row, used_slots
-
     # ----- allocate / slots / free ----------------------------------------------------------------
     def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> SlotAllocation:
         """Make room for num_new_tokens[i] more tokens in the distinct rows[i], rows of sequences the
@@ -369,7 +358,8 @@ class KVCacheManager(Stateful):
         needed = ceil_div(new, P) - held  # (m,) a decode step takes none P - 1 times in P
         growing = needed.nonzero().squeeze(1)  # (c,)
         device = self.row_device.index_select(0, rows[growing])  # (c,)
-        block_ids = self._take_blocks(rows[growing], device, needed[growing], num_new_tokens, rows.numel())
+        appending = f"{int(num_new_tokens.sum())} tokens to {rows.numel()} rows"
+        block_ids = self._take_blocks(device, needed[growing], appending)
         if block_ids.numel():
             # the k-th new block of row i: column ceil(old[i] / P) + k
             owner, k = ragged_arange(needed[growing])  # (total,) each
@@ -378,34 +368,18 @@ class KVCacheManager(Stateful):
         self.last_appended.index_fill_(0, rows[num_new_tokens > 0], self.clock)
         return []
 
-    def _take_blocks(
-        self,
-        rows: torch.Tensor,
-        device: torch.Tensor,
-        needed: torch.Tensor,
-        num_new_tokens: torch.Tensor,
-        num_rows: int,
-    ) -> torch.Tensor:
-        """needed[i] fresh blocks for rows[i], from its device device[i] (row_device[rows], which
-        the caller has), row after row; raises OutOfBlocksError, changing nothing, when short
-        (naming the num_new_tokens appended to num_rows rows)."""
-        per_device = self._sum_needed_per_device(device, needed, num_rows, num_new_tokens)  # (D,)
+    def _take_blocks(self, device: torch.Tensor, needed: torch.Tensor, appending: str) -> torch.Tensor:
+        """needed[i] fresh blocks from device device[i], row after row; OutOfBlocksError, changing
+        nothing, when a device is short (naming what it was `appending`)."""
+        per_device = torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, device, needed)  # (D,)
+        self.raise_short(per_device, appending)
         block_device = torch.repeat_interleave(device, needed)  # (total,)
         block_ids = torch.empty(block_device.numel(), dtype=torch.int64)
         # device after device, each device's in row order
         block_ids[stable_order(block_device)] = self.pool.allocate_per_device(per_device)
         return block_ids
 
-    def _sum_needed_per_device(
-        self, device: torch.Tensor, needed: torch.Tensor, num_rows: int, num_new_tokens: torch.Tensor
-    ) -> torch.Tensor:
-        """(D,) the needed[i] (int64) blocks of rows on device[i], summed per device;
-        OutOfBlocksError (raise_short), changing nothing, where a device has fewer free."""
-        per_device = torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, device, needed)
-        self.raise_short(per_device, num_rows, num_new_tokens)
-        return per_device
-
-    def raise_short(self, needed: torch.Tensor, num_rows: int, num_new_tokens) -> None:
+    def raise_short(self, needed: torch.Tensor, appending: str) -> None:
         """OutOfBlocksError naming the first device short of the needed (D,) blocks, and the
         blocks missing on each (`shortfall`)."""
         free = self.num_free_blocks_per_device  # (D,)
@@ -414,8 +388,8 @@ class KVCacheManager(Stateful):
         d = int((needed > free).nonzero()[0])
         where = "" if self.num_devices == 1 else f"device {d} is short: "
         raise OutOfBlocksError(
-            f"{where}appending {int(num_new_tokens.sum())} tokens to {num_rows} rows needs "
-            f"{int(needed[d])} blocks there, {int(free[d])} of {int(self.blocks_per_device[d])} are free",
+            f"{where}appending {appending} needs {int(needed[d])} blocks there, "
+            f"{int(free[d])} of {int(self.blocks_per_device[d])} are free",
             torch.clamp(needed - free, min=0),
         )
 

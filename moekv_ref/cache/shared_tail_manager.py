@@ -129,7 +129,8 @@ class SharedTailKVCacheManager(KVCacheManager):
         the K/V copies they need, in order."""
         P = self.block_size
         D = self.num_devices
-        self.raise_short(self.blocks_needed_per_device(rows, num_new_tokens), rows.numel(), num_new_tokens)
+        needed = self.blocks_needed_per_device(rows, num_new_tokens)
+        self.raise_short(needed, f"{int(num_new_tokens.sum())} tokens to {rows.numel()} rows")
         old = self.row_tokens[rows]
         new = old + num_new_tokens
         groups = self.group_of_rows(rows)

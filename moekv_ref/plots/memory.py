@@ -5,6 +5,7 @@ function draws on an Axes it is given and computes nothing the package does not 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from ..sim.contiguous_designs import FirstFitDesign
 from ..sim.designs import ManagerPagedDesign
@@ -112,6 +113,18 @@ def draw_first_fit_map(
         )
 
 
+def block_owners(manager) -> tuple[torch.Tensor, torch.Tensor]:
+    """For drawing a manager's pool: owner_row (N,) (-1: free) and used_slots (N,) of each block."""
+    P = manager.block_size
+    row, column = manager.used_columns().nonzero(as_tuple=True)
+    blocks = manager.block_tables[row, column].to(torch.int64)
+    owner_row = torch.full((manager.num_blocks,), -1, dtype=torch.int64)
+    used_slots = torch.zeros(manager.num_blocks, dtype=torch.int64)
+    owner_row[blocks] = row
+    used_slots[blocks] = (manager.row_tokens[row] - column * P).clamp(max=P)
+    return owner_row, used_slots
+
+
 def draw_pool(
     ax,
     design: ManagerPagedDesign,
@@ -125,7 +138,7 @@ def draw_pool(
     from matplotlib.patches import Patch
 
     manager = design.manager
-    owner_row, used_slots = (t.numpy() for t in manager.block_owners())
+    owner_row, used_slots = (t.numpy() for t in block_owners(manager))
     seq, layer, expert = manager.index.split(owner_row)  # -1 rows are masked below
     owners = {"seq": seq, "layer": layer, "expert": expert}[colour_by]
     num_blocks = manager.num_blocks

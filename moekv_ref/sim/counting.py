@@ -196,17 +196,11 @@ class CountingKVCacheManager(KVCacheManager):
     def num_blocks_of_sequence(self, seq_id: int) -> int:
         return int(self.count_blocks[self.seq_index(seq_id)].sum())
 
-    def _take_blocks(
-        self,
-        rows: torch.Tensor,
-        device: torch.Tensor,
-        needed: torch.Tensor,
-        num_new_tokens: torch.Tensor,
-        num_rows: int,
-    ) -> torch.Tensor:
+    def _take_blocks(self, device: torch.Tensor, needed: torch.Tensor, appending: str) -> torch.Tensor:
         """The needed blocks counted as lent on their rows' devices, per device; no ids (an empty
         tensor, so no table entry is written). OutOfBlocksError, changing nothing, when short."""
-        per_device = self._sum_needed_per_device(device, needed.to(torch.int64), num_rows, num_new_tokens)
+        per_device = torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, device, needed)
+        self.raise_short(per_device, appending)
         self.pool.allocate_per_device(per_device)
         return NO_IDS
 
@@ -228,27 +222,28 @@ class CountingKVCacheManager(KVCacheManager):
         self.pool.assert_consistent()
         check_row_counts(self)
         slots = sorted(self._seq_index.values())
+        if slots:
+            rows = self.index.sequence_rows(torch.tensor(slots))  # (h, L*E)
+            counts = self.row_tokens[rows].view(-1, self.num_layers, self.num_experts)  # (h, L, E)
+            devices = self.row_device[rows].view(-1, self.num_layers, self.num_experts)  # (h, L, E)
+            opened = ((counts % self.block_size) == 0).to(torch.int32)
+            expected = torch.zeros(len(slots), self.num_layers, self.num_devices, dtype=torch.int32)
+            assert torch.equal(self.open_rows[slots], expected.scatter_add_(2, devices, opened)), (
+                "open_rows does not follow row_tokens"
+            )
+            assert torch.equal(self.open_per_device[slots], expected.sum(1).to(torch.int64)), (
+                "open_per_device does not follow row_tokens"
+            )
+            blocks = torch.zeros(len(slots), self.num_layers, self.num_devices, dtype=torch.int64)
+            blocks.scatter_add_(2, devices, ceil_div(counts, self.block_size))
+            assert torch.equal(self.count_blocks[slots], blocks.sum(1)), (
+                "count_blocks does not follow row_tokens"
+            )
         counted = self.count_blocks[slots].sum(0)  # (D,) zeros when nothing is held
         lent = self.blocks_per_device - self.num_free_blocks_per_device
         assert torch.equal(counted, lent), (
             f"the pool lends {lent.tolist()} blocks per device, the held rows count {counted.tolist()}"
         )
-        if not slots:
-            return
-        rows = self.index.sequence_rows(torch.tensor(slots))  # (h, L*E)
-        counts = self.row_tokens[rows].view(-1, self.num_layers, self.num_experts)  # (h, L, E)
-        devices = self.row_device[rows].view(-1, self.num_layers, self.num_experts)  # (h, L, E)
-        opened = ((counts % self.block_size) == 0).to(torch.int32)
-        expected = torch.zeros(len(slots), self.num_layers, self.num_devices, dtype=torch.int32)
-        assert torch.equal(self.open_rows[slots], expected.scatter_add_(2, devices, opened)), (
-            "open_rows does not follow row_tokens"
-        )
-        assert torch.equal(self.open_per_device[slots], expected.sum(1).to(torch.int64)), (
-            "open_per_device does not follow row_tokens"
-        )
-        blocks = torch.zeros(len(slots), self.num_layers, self.num_devices, dtype=torch.int64)
-        blocks.scatter_add_(2, devices, ceil_div(counts, self.block_size))
-        assert torch.equal(self.count_blocks[slots], blocks.sum(1)), "count_blocks does not follow row_tokens"
 
     # ----- what needs a block id, refused ---------------------------------------------------------
     def allocate_slots(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> SlotAllocation:
@@ -268,9 +263,6 @@ class CountingKVCacheManager(KVCacheManager):
 
     def blocks_of_sequence(self, seq_id: int) -> torch.Tensor:
         self._refuse_ids("blocks_of_sequence")
-
-    def block_owners(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self._refuse_ids("block_owners")
 
     def place_blocks(self, rows: torch.Tensor, columns: torch.Tensor, block_ids: torch.Tensor) -> None:
         self._refuse_ids("place_blocks")

@@ -13,7 +13,7 @@ times are recorded (sim/workloads.py turns them into TTFT, TPOT and goodput). Un
 reservation a step whose appends find a device short is undone and retried, as the engine does.
 
 Multi-turn sessions (`follows`): a turn arrives a think time after the turn before it finished, and
-with prefix caching (`RunnerSetup.prefix_caching`: the engine's PrefixCache in the manager) it
+with prefix caching (`RunnerSetup.prefix_caching`: the engine's PrefixCachingKVCacheManager) it
 starts from what that turn left in each (layer, expert) row, found by the trace's token ids. The
 runner then records, as paged.py does, the position of every token it appends, and each step
 "samples" the trace's next token, so a request's tokens are the conversation's.
@@ -31,7 +31,7 @@ import torch
 
 from ..cache.block_pool import OutOfBlocksError
 from ..cache.kv_cache_manager import KVCacheManager
-from ..cache.prefix_cache import PrefixCache
+from ..cache.prefix_caching_manager import PrefixCachingKVCacheManager
 from ..cache.rows import ceil_div
 from ..costs import CostModel
 from ..engine.demand import (
@@ -255,6 +255,8 @@ class TraceRunner:
         lists_ids = setup.list_block_ids or setup.prefix_caching or setup.num_host_blocks
         # counting.py: the same counts, no ids, where nothing reads one
         manager_class = KVCacheManager if lists_ids else CountingKVCacheManager
+        if setup.prefix_caching:
+            manager_class = PrefixCachingKVCacheManager
         self.manager = manager_class(
             L,
             E,
@@ -262,7 +264,6 @@ class TraceRunner:
             blocks_per_device=[setup.blocks_per_device] * num_devices,
             device_of_expert=device_of_expert,
             initial_num_seqs=setup.max_num_seqs + 1,
-            prefix_cache=PrefixCache() if setup.prefix_caching else None,
         )
         top_k = trace.is_top_k  # every token used all K: top-k routing
         self.shape = ModelShape(K, K if top_k else 1, int(trace.lengths.max()) + 1)
@@ -352,7 +353,7 @@ class TraceRunner:
             .unbind(1)
         )
         decode = counts == 1  # distinct rows, one slot each: no counting needed
-        cached = manager.prefix_cache is not None  # then each slot's position is recorded
+        cached = isinstance(manager, PrefixCachingKVCacheManager)  # each slot's position is recorded
         rows, per_layer, *positions = self.trace.decode_appends(
             seqs[decode], starts[decode], row_seqs=slots[decode], with_positions=cached
         )
@@ -368,11 +369,11 @@ class TraceRunner:
             positions += chunk_positions
         if self.scheduler.reservation.retries:
             self._raise_at_the_first_short_layer(rows, hits)
-        allocation = manager.allocate_slots(
-            rows, hits, rows_are_distinct=True, with_slots=cached, one_each=bool(decode.all())
-        )
-        if cached:  # which chunks each block spans, as paged.py records them
+        if cached:  # which chunks each block spans, as the paged cache records them
+            allocation = manager.allocate_slots(rows, hits)
             manager.prefix_cache.record_positions(allocation.slot_mapping, torch.cat(positions))
+        else:
+            manager.grow_rows(rows, hits)
         return per_layer
 
     def _raise_at_the_first_short_layer(self, rows: torch.Tensor, hits: torch.Tensor) -> None:
@@ -516,7 +517,9 @@ class TraceRunner:
             torch.tensor(first_token, dtype=torch.float64),
             finish,
             num_output,
-            0 if manager.prefix_cache is None else manager.prefix_cache.stats.num_hit_tokens,
+            manager.prefix_cache.stats.num_hit_tokens
+            if isinstance(manager, PrefixCachingKVCacheManager)
+            else 0,
             copied_blocks,
         )
 

@@ -23,6 +23,7 @@ from moekv_ref.cache.budget import BUDGET_POLICIES, SCORE_TIE, RowBudget
 from moekv_ref.cache.budgeted_manager import BudgetedKVCacheManager
 from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.generate import generate
+from moekv_ref.plots.memory import block_owners
 from moekv_ref.sampling import SamplingParams
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
@@ -193,7 +194,7 @@ def test_an_evicted_token_s_kv_never_reaches_an_output(policy, monkeypatch):
     forward = model.forward_cached
 
     def poison_unheld(*args):
-        owner, used = cache.manager.block_owners()
+        owner, used = block_owners(cache.manager)
         for pool in (cache.key_cache, cache.value_cache):
             pool[owner < 0] = math.nan  # free blocks
             for block in (used < cache.block_size).nonzero().squeeze(1).tolist():
@@ -249,7 +250,7 @@ def test_no_row_ever_holds_more_than_its_budget(policy, limits, block_size, chun
         manager.assert_consistent()
         limit = torch.tensor(limits).repeat_interleave(E).repeat(manager.row_tokens.numel() // (2 * E))
         assert (manager.row_tokens <= limit).all()
-        owner, _ = manager.block_owners()
+        owner, _ = block_owners(manager)
         held = torch.bincount(owner[owner >= 0], minlength=manager.row_tokens.numel())
         assert (held <= (limit + block_size - 1) // block_size).all()
 

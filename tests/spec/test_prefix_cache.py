@@ -10,9 +10,8 @@ from hypothesis import strategies as st
 
 from moekv_ref.cache.block_pool import OutOfBlocksError
 from moekv_ref.cache.caching_block_pool import CachingBlockPool
-from moekv_ref.cache.kv_cache_manager import KVCacheManager
-from moekv_ref.cache.prefix_caching_manager import PrefixCachingKVCacheManager
 from moekv_ref.cache.prefix_cache import chain_keys
+from moekv_ref.cache.prefix_caching_manager import PrefixCachingKVCacheManager
 from moekv_ref.checkpoint import load_default_model
 from moekv_ref.engine import LLMEngine, SchedulerConfig
 from moekv_ref.engine.undo import Snapshot
@@ -572,8 +571,7 @@ def test_a_short_device_evicts_its_own_cached_blocks_not_another_devices():
     first, so they are the least recently used of the pool: an allocation on device 1 that needs
     more than its plain free blocks must still evict device 1's cached blocks, and device 0's stay
     findable."""
-    manager = PrefixCachingKVCacheManager(
-        1, 2, 2, blocks_per_device=[4, 4], device_of_expert=[0, 1])
+    manager = PrefixCachingKVCacheManager(1, 2, 2, blocks_per_device=[4, 4], device_of_expert=[0, 1])
     prefix, pool = manager.prefix_cache, manager.pool
     append_tokens(manager, 0, 0, [[[0]], [[0]], [[0]], [[0]]])  # expert 0: blocks 0, 1
     prefix.cache_computed_blocks(0, [1, 2, 3, 4])

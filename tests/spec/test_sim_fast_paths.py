@@ -6,12 +6,11 @@
                        open_rows and count_blocks (two small tables per sequence slot), or from
                        open_per_device where k_max caps no device, instead of every row; plain: the
                        bounds of demand.py over the rows (Scheduler.worst_case_need)
-    per-slot tables    KVCacheManager.set_row_tokens keeps open_rows and count_blocks following
-                       row_tokens, updating them over the rows that reach a block boundary only
-                       (_crossing); plain: recounted from the rows
+    per-slot tables    CountingKVCacheManager.set_row_tokens keeps open_rows and count_blocks
+                       following row_tokens, updating them over the rows that reach a block
+                       boundary only (_crossing); plain: recounted from the rows
     freeing a sequence BlockPool.free(distinct=True): a sequence's blocks, distinct, skip the sorts
-                       that find repeated ids, and come grouped by device (blocks_of_sequence's
-                       by_device), so the pool has nothing to sort; plain: free() of any order
+                       that find repeated ids; plain: free() of any order
     a fresh request    FastScheduler._fresh_needs: the worst case of a request with nothing computed,
                        held or swapped, read once per token count; plain: read each time
     one pool, all at   FastScheduler.worst_case_need with D = 1 and schedule_running:
@@ -21,8 +20,8 @@
     decode appends     TraceRunner.append: decode items' rows straight from the trace; plain:
                        RoutingTrace.appends (counting rows with bincount)
     ceil_div           a shift for powers of two; plain: the floor division
-    emptying a slot    KVCacheManager.free: a freed sequence's row counts and slot tables zeroed at
-                       once (set_row_tokens on its slice of rows); plain: counted row by row
+    emptying a slot    CountingKVCacheManager.free: a freed sequence's row counts and slot tables
+                       zeroed at once (set_row_tokens on its slice of rows); plain: counted row by row
     a sequence's       KVCacheManager.blocks_of_sequence: each row's used table entries gathered
     blocks             (ragged_arange); plain: the table's first columns, masked
     stable_order       numpy's radix sort for keys below 2**16 (the devices of a step's new
@@ -31,8 +30,8 @@
                        id: blocks counted per row and device, no block tables, a CountingBlockPool
                        that lends by number; plain: every block listed by id in a KVCacheManager
                        (RunnerSetup.list_block_ids)
-    blocks held        KVCacheManager.blocks_held_per_device read from count_blocks; plain: the
-                       devices of the sequence's listed blocks, counted
+    blocks held        CountingKVCacheManager.blocks_held_per_device read from count_blocks; plain:
+                       the devices of the sequence's listed blocks, counted
     fit alone          TraceRunner asks whether a request fits alone once per length; plain: once
                        per request
 
@@ -46,11 +45,8 @@ import torch
 import moekv_ref.cache.rows as rows_module
 import moekv_ref.sim.runner as runner_module
 from moekv_ref.cache.block_pool import BlockPool, OutOfBlocksError
-from moekv_ref.cache.budget import RowBudget
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
-from moekv_ref.cache.prefix_cache import PrefixCache
 from moekv_ref.cache.rows import ceil_div, ragged_arange, stable_order
-from moekv_ref.cache.shared_tail_manager import SharedTails
 from moekv_ref.costs import CostModel
 from moekv_ref.engine.memory import ModelShape
 from moekv_ref.engine.scheduler import Scheduler
@@ -182,20 +178,24 @@ def test_decode_need_equals_the_bound_over_rows_on_random_states(seed, num_devic
     assert fast is not None and torch.equal(fast, plain)
 
 
-def three_filled_sequences(num_layers: int, blocks: int, placement: list[int], most: int, seed: int):
+def three_filled_sequences(
+    num_layers: int, blocks: int, placement: list[int], most: int, seed: int, manager_class=KVCacheManager
+):
     """A manager of 4 experts on two devices of `blocks` blocks (block size 4) holding sequences 0,
     1 and 2, each of their rows given 0 to most - 1 random tokens."""
     generator = torch.Generator().manual_seed(seed)
-    manager = KVCacheManager(num_layers, 4, 4, blocks_per_device=[blocks, blocks], device_of_expert=placement)
+    manager = manager_class(num_layers, 4, 4, blocks_per_device=[blocks, blocks], device_of_expert=placement)
     for seq in range(3):
         manager.add_sequence(seq)
     rows = torch.arange(manager.rows_per_seq * 3)
-    manager.allocate_slots(rows, torch.randint(0, most, (rows.numel(),), generator=generator))
+    manager.grow_rows(rows, torch.randint(0, most, (rows.numel(),), generator=generator))
     return manager
 
 
 def test_manager_tables_follow_row_tokens_and_a_missed_update_is_caught():
-    manager = three_filled_sequences(2, 50, [0, 1, 0, 1], most=9, seed=0)
+    manager = three_filled_sequences(
+        2, 50, [0, 1, 0, 1], most=9, seed=0, manager_class=CountingKVCacheManager
+    )
     manager.free(1)
     manager.assert_consistent()
     for table in (manager.open_rows, manager.open_per_device, manager.count_blocks):  # a missed update
@@ -213,7 +213,7 @@ def test_tables_updated_over_the_crossing_rows_equal_a_recount(block_size, monke
 
     def run() -> None:
         generator = torch.Generator().manual_seed(block_size)
-        manager = KVCacheManager(
+        manager = CountingKVCacheManager(
             3, 4, block_size, blocks_per_device=[400, 400], device_of_expert=[0, 1, 1, 0]
         )
         for seq in range(4):
@@ -224,10 +224,10 @@ def test_tables_updated_over_the_crossing_rows_equal_a_recount(block_size, monke
             rows = rows[torch.randperm(rows.numel(), generator=generator)[: 1 + step % rows.numel()]]
             if step % 3 == 0:
                 counts = torch.ones_like(rows)
-                manager.allocate_slots(rows, counts, rows_are_distinct=True, one_each=True)
+                manager.grow_rows(rows, counts)
             else:
                 counts = torch.randint(0, 2 * block_size + 2, (rows.numel(),), generator=generator)
-                manager.allocate_slots(rows, counts)
+                manager.grow_rows(rows, counts)
             if step % 11 == 10:
                 manager.free_rows(rows[:2])
             if step % 13 == 12:
@@ -236,11 +236,9 @@ def test_tables_updated_over_the_crossing_rows_equal_a_recount(block_size, monke
             manager.assert_consistent()
 
     run()
-    crossing = KVCacheManager._crossing
+    crossing = CountingKVCacheManager._crossing
     monkeypatch.setattr(
-        KVCacheManager,
-        "_crossing",
-        lambda self, old, new, one_each=False: crossing(self, old, new, one_each)[1:],
+        CountingKVCacheManager, "_crossing", lambda self, old, new: crossing(self, old, new)[1:]
     )
     with pytest.raises(AssertionError):  # the tables, or the blocks of the row it missed
         run()
@@ -272,19 +270,14 @@ def test_freeing_distinct_blocks_equals_the_general_free_and_a_sequence_frees_th
     manager.add_sequence(0)
     manager.allocate_slots(torch.arange(4), torch.tensor([5, 0, 9, 3]))
     pool_free = BlockPool.free
-    row_order = manager.blocks_of_sequence(0)
-    grouped = manager.blocks_of_sequence(0, by_device=True)
-    assert torch.equal(
-        grouped, row_order[torch.argsort(manager.pool.device_of_blocks(row_order), stable=True)]
-    )
 
     def spy(self, ids, distinct=False):
-        calls.append((distinct, bool((self.device_of_blocks(ids).diff() >= 0).all())))
+        calls.append(distinct)
         return pool_free(self, ids, distinct)
 
     monkeypatch.setattr(BlockPool, "free", spy)
     manager.free(0)
-    assert calls == [(True, True)]  # distinct, and grouped by device
+    assert calls == [True]  # a sequence's blocks are distinct
     manager.assert_consistent()
 
 
@@ -359,12 +352,11 @@ def test_a_sequences_blocks_gathered_row_by_row_equal_the_masked_table():
     manager = three_filled_sequences(3, 300, [0, 1, 1, 0], most=30, seed=5)
     for seq in range(3):
         start = manager.seq_index(seq) * manager.rows_per_seq
-        for order in (torch.arange(manager.rows_per_seq), manager._rows_by_device):
-            own = order + start
-            masked = manager.block_tables[own][manager.used_columns(own)].to(torch.int64)
-            got = manager.blocks_of_sequence(seq, by_device=order is manager._rows_by_device)
-            assert torch.equal(got, masked)
-            assert got.numel() == manager.num_blocks_of_sequence(seq)
+        own = torch.arange(manager.rows_per_seq) + start
+        masked = manager.block_tables[own][manager.used_columns(own)].to(torch.int64)
+        got = manager.blocks_of_sequence(seq)
+        assert torch.equal(got, masked)
+        assert got.numel() == manager.num_blocks_of_sequence(seq)
 
 
 def test_a_freed_slot_restarts_empty_and_one_left_counting_is_caught(monkeypatch):
@@ -373,28 +365,26 @@ def test_a_freed_slot_restarts_empty_and_one_left_counting_is_caught(monkeypatch
     would be caught there."""
 
     def run():
-        manager = KVCacheManager(2, 4, 4, blocks_per_device=[80, 80], device_of_expert=[0, 1, 0, 1])
+        manager = CountingKVCacheManager(2, 4, 4, blocks_per_device=[80, 80], device_of_expert=[0, 1, 0, 1])
         manager.add_sequence(0)
         slot = manager.seq_index(0)
-        manager.allocate_slots(torch.arange(8), torch.arange(8))
+        manager.grow_rows(torch.arange(8), torch.arange(8))
         manager.free(0)
         rows = slice(slot * manager.rows_per_seq, (slot + 1) * manager.rows_per_seq)
         assert manager.row_tokens[rows].eq(0).all()
         assert manager.add_sequence(1) == slot  # the same slot, reused
-        manager.allocate_slots(
-            torch.arange(8) + slot * manager.rows_per_seq, torch.ones(8, dtype=torch.int64)
-        )
+        manager.grow_rows(torch.arange(8) + slot * manager.rows_per_seq, torch.ones(8, dtype=torch.int64))
         manager.assert_consistent()
 
     run()
-    real = KVCacheManager.set_row_tokens
+    real = CountingKVCacheManager.set_row_tokens
 
     def leaves_blocks(self, rows, counts):
         real(self, rows, counts)
         if isinstance(rows, slice):
             self.count_blocks[rows.start // self.rows_per_seq] += 1
 
-    monkeypatch.setattr(KVCacheManager, "set_row_tokens", leaves_blocks)
+    monkeypatch.setattr(CountingKVCacheManager, "set_row_tokens", leaves_blocks)
     with pytest.raises(AssertionError, match="count_blocks does not follow"):
         run()
 
@@ -495,10 +485,8 @@ def test_a_miscounted_block_changes_the_decisions_or_is_caught(broken, monkeypat
         )
     elif broken == "take_blocks":  # the first row taking blocks takes one more
 
-        def one_more(self, rows, device, needed, num_new_tokens, num_rows):
-            return take_blocks(
-                self, rows, device, needed + (torch.arange(needed.numel()) == 0), num_new_tokens, num_rows
-            )
+        def one_more(self, device, needed, appending):
+            return take_blocks(self, device, needed + (torch.arange(needed.numel()) == 0), appending)
 
         monkeypatch.setattr(CountingKVCacheManager, "_take_blocks", one_more)
     elif broken == "return_row_blocks":  # evicted rows give one block fewer back than they held
@@ -533,22 +521,18 @@ def test_a_counting_manager_refuses_what_needs_a_block_id_and_changes_nothing():
     manager = CountingKVCacheManager(2, 2, 4, blocks_per_device=[20, 20], device_of_expert=[0, 1])
     manager.add_sequence(0)
     rows = torch.arange(4)
-    manager.allocate_slots(rows, torch.tensor([5, 0, 9, 3]), with_slots=False)
+    manager.grow_rows(rows, torch.tensor([5, 0, 9, 3]))
     assert manager.num_free_blocks_per_device.tolist() == [20 - 2 - 3, 20 - 1]  # experts 0 / 1
     names = ("row_tokens", "last_appended", "open_rows", "count_blocks")
     before = [getattr(manager, name).clone() for name in names]
-    with pytest.raises(ValueError, match="CountingKVCacheManager has no slots; allowed: with_slots=False"):
+    with pytest.raises(ValueError, match="CountingKVCacheManager has no slots; allowed: grow_rows"):
         manager.allocate_slots(rows, torch.ones(4, dtype=torch.int64))
     for call in (
         lambda: manager.blocks_of_sequence(0),
         lambda: manager.rows_slots(rows),
-        lambda: manager.block_owners(),
         lambda: manager.place_blocks(rows[:1], torch.tensor([0]), torch.tensor([3])),
         lambda: manager.restore_sequence(
             1, torch.ones(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
-        ),
-        lambda: manager.start_from_blocks(
-            1, torch.full((4,), 5), rows[:0], rows[:0], rows[:0], torch.tensor([0, 1, 2, 3])
         ),
     ):
         with pytest.raises(ValueError, match="counts blocks without listing them; allowed: a KVCacheManager"):
@@ -561,11 +545,9 @@ def test_a_counting_manager_refuses_what_needs_a_block_id_and_changes_nothing():
     manager.free(0)
     assert manager.num_free_blocks_per_device.tolist() == [20, 20]
     manager.assert_consistent()
-    for part in ({"prefix_cache": PrefixCache()}, {"tails": SharedTails()}, {"budget": RowBudget(4)}):
-        with pytest.raises(
-            ValueError, match="a CountingKVCacheManager takes no tails, prefix_cache or budget"
-        ):
-            CountingKVCacheManager(2, 2, 4, num_blocks=8, **part)
+    for option in ("prefix_cache", "tails", "budget"):  # each is a manager class of its own
+        with pytest.raises(ValueError, match=f"unknown keyword {option}=4 for CountingKVCacheManager"):
+            CountingKVCacheManager(2, 2, 4, num_blocks=8, **{option: 4})
 
 
 def test_a_counting_pool_lends_by_number_and_refuses_ids_and_double_frees():
@@ -629,20 +611,23 @@ def test_a_requests_fit_alone_checked_once_per_length_refuses_what_checking_each
 
 
 def test_blocks_held_per_device_read_from_count_blocks_equal_the_listed_blocks_devices():
-    """KVCacheManager.blocks_held_per_device reads count_blocks (no tails); plain: the devices of the
+    """CountingKVCacheManager.blocks_held_per_device reads count_blocks; plain: the devices of the
     sequence's listed blocks, counted. Random appends to three sequences on three devices."""
     generator = torch.Generator().manual_seed(7)
     placement = torch.randint(0, 3, (2, 6), generator=generator)  # (L, E)
     manager = KVCacheManager(2, 6, 4, blocks_per_device=[200, 200, 200], device_of_expert=placement)
+    counting = CountingKVCacheManager(2, 6, 4, blocks_per_device=[200, 200, 200], device_of_expert=placement)
     for seq in (3, 5, 8):
         manager.add_sequence(seq)
+        counting.add_sequence(seq)
     for _ in range(12):
         layer = int(torch.randint(0, 2, (1,), generator=generator))
         experts = torch.randint(0, 6, (3,), generator=generator)
-        manager.allocate_slots(
-            manager.rows([3, 5, 8], layer, experts), torch.randint(0, 9, (3,), generator=generator)
-        )
-    held = manager.blocks_held_per_device([3, 5, 8, 99])
+        counts = torch.randint(0, 9, (3,), generator=generator)
+        manager.grow_rows(manager.rows([3, 5, 8], layer, experts), counts)
+        counting.grow_rows(counting.rows([3, 5, 8], layer, experts), counts)
+    held = counting.blocks_held_per_device([3, 5, 8, 99])
+    assert torch.equal(held, manager.blocks_held_per_device([3, 5, 8, 99]))
     for i, seq in enumerate((3, 5, 8)):
         devices = manager.pool.device_of_blocks(manager.blocks_of_sequence(seq))
         assert held[i].tolist() == torch.bincount(devices, minlength=3).tolist()
