@@ -10,7 +10,7 @@ from helpers import random_model, random_prompts, small_config
 
 from moekv_ref.apps import bench_cluster, bench_serving, bench_simulator
 from moekv_ref.apps.cli import main
-from moekv_ref.cache import BudgetedPagedKVCache, KVCacheManager
+from moekv_ref.cache import BudgetedKVCacheManager, BudgetedPagedKVCache
 from moekv_ref.cache.budget import RowBudget
 from moekv_ref.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from moekv_ref.config import get_config
@@ -184,7 +184,7 @@ def test_a_budget_whose_slots_cannot_fit_is_refused_naming_the_budget():
     row hold 2**31 tokens, and B = 2**31 - 1 slots for each row would take terabytes: refused with a
     message that names max_tokens and says what is allowed."""
     with pytest.raises(ValueError) as error:
-        KVCacheManager(4, 8, 16, 2**27, budget=RowBudget(2**31 - 1))
+        BudgetedKVCacheManager(4, 8, 16, 2**27, budget=RowBudget(2**31 - 1))
     message = str(error.value)
     assert message.startswith("the slot arrays of RowBudget(max_tokens=2147483647, policy='window'")
     assert "allowed: at most this machine's" in message and "max_tokens at most" in message

@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 
 from ..state import Stateful
-from ..validation import check_ids, check_int, check_seed, known_keywords, preview
+from ..validation import check_ids, check_int, check_seed, known_keywords
 from .invariants import check_pool
-from .options import ManagerOptions, check_pool_size
+from .options import ManagerOptions, check_counts_per_device, check_pool_device, check_pool_size
 from .rows import stable_order
 
 
@@ -132,14 +132,14 @@ class BlockPool(Stateful):
         """Take `num_blocks` blocks of `device` (left out on a one-device pool only), each with
         ref_cnt 1, in the order handed out; OutOfBlocksError, changing nothing, when short."""
         counts = torch.zeros(self.num_devices, dtype=torch.int64)
-        counts[self._checked_device(device)] = check_int("num_blocks", num_blocks, 0)
+        counts[check_pool_device(device, self.num_devices)] = check_int("num_blocks", num_blocks, 0)
         return self.allocate_per_device(counts)
 
     def allocate_per_device(self, num_blocks: torch.Tensor) -> torch.Tensor:
         """num_blocks (D,): `allocate(num_blocks[d], device=d)` for every device at once, the ids
         device after device, in one gather from the stacks (the simulator's thousands of blocks a
         step over 64 devices); OutOfBlocksError, changing nothing, when one is short."""
-        num_blocks = self._checked_counts(num_blocks)
+        num_blocks = check_counts_per_device(num_blocks, self.num_devices)
         self._check_free(num_blocks)
         device = torch.repeat_interleave(torch.arange(self.num_devices), num_blocks)  # (n,)
         rank = torch.arange(device.numel()) - (torch.cumsum(num_blocks, 0) - num_blocks)[device]
@@ -209,26 +209,6 @@ class BlockPool(Stateful):
         if self._equal_size is not None:
             return block_ids // self._equal_size
         return torch.searchsorted(self._first_blocks, block_ids, right=True) - 1
-
-    def _checked_device(self, device) -> int:
-        """device as an int in [0, D), or ValueError (TypeError when left out on several devices)."""
-        if device is None:
-            if self.num_devices > 1:
-                raise TypeError(
-                    f"allocate on a pool of {self.num_devices} devices needs a device: "
-                    "allocate(num_blocks, device=d)"
-                )
-            return 0
-        return check_int("device", device, 0, self.num_devices - 1, "a device of this pool")
-
-    def _checked_counts(self, num_blocks) -> torch.Tensor:
-        """num_blocks as (D,) int64 counts >= 0, one per device, or ValueError."""
-        num_blocks = check_ids(num_blocks, "num_blocks")
-        if num_blocks.shape != (self.num_devices,) or bool((num_blocks < 0).any()):
-            raise ValueError(
-                f"num_blocks={preview(num_blocks)} must be ({self.num_devices},) counts >= 0, one per device"
-            )
-        return num_blocks
 
     def _check_free(self, num_blocks: torch.Tensor) -> None:
         """OutOfBlocksError naming the first device with fewer free blocks than num_blocks (D,)."""

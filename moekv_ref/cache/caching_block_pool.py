@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from .block_pool import BlockPool
+from .options import check_counts_per_device, check_pool_device
 
 
 class CachingBlockPool(BlockPool):
@@ -53,7 +54,11 @@ class CachingBlockPool(BlockPool):
 
     def cached_free_block_ids(self, device: int | None = None) -> list[int]:
         """The cached free blocks of `device` (None: all), in eviction order."""
-        queues = self._cached_free if device is None else [self._cached_free[self._checked_device(device)]]
+        queues = (
+            self._cached_free
+            if device is None
+            else [self._cached_free[check_pool_device(device, self.num_devices)]]
+        )
         return [block for queue in queues for block in queue]
 
     def free_block_ids(self) -> torch.Tensor:
@@ -66,7 +71,7 @@ class CachingBlockPool(BlockPool):
     def allocate_per_device(self, num_blocks: torch.Tensor) -> torch.Tensor:
         """BlockPool.allocate_per_device, each device evicting its cached-free blocks, LRU first,
         once its stack is empty; the ids device after device, each device's stack ones first."""
-        num_blocks = self._checked_counts(num_blocks)
+        num_blocks = check_counts_per_device(num_blocks, self.num_devices)
         self._check_free(num_blocks)
         on_stack = torch.minimum(num_blocks, self._num_free)  # (D,)
         from_stack = super().allocate_per_device(on_stack)

@@ -45,7 +45,7 @@ from ..state import Stateful
 from ..validation import MAX_INT64, check_ids, check_int
 from .block_pool import BlockPool, OutOfBlocksError
 from .invariants import check_block_tables, check_row_counts
-from .options import ManagerOptions, check_manager_options
+from .options import ManagerOptions, check_appends, check_manager_options, check_rows_held
 from .rows import RowIndex, RowPlacement, ceil_div, ragged_arange, stable_order
 
 Moves = list[tuple[torch.Tensor, torch.Tensor]]  # (source slots, destination slots), in order
@@ -336,7 +336,7 @@ class KVCacheManager(Stateful):
         cache holds, and count them as stored; returns each new token's slot. Raises ValueError for
         bad rows or counts, and OutOfBlocksError when the pool is short (a scheduler asks
         `can_allocate` first), changing nothing."""
-        rows, num_new_tokens = self._check_allocation(rows, num_new_tokens)
+        rows, num_new_tokens = check_appends(self, rows, num_new_tokens)
         old = self.row_tokens[rows]  # (m,)
         moves = self._grow(rows, num_new_tokens)
         return SlotAllocation(self.slots(rows, old, num_new_tokens), moves)
@@ -344,7 +344,7 @@ class KVCacheManager(Stateful):
     def grow_rows(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> None:
         """allocate_slots without working out the slots: what a caller that writes no K/V (the
         cache-only simulator, a sequence back from the swap space) needs."""
-        rows, num_new_tokens = self._check_allocation(rows, num_new_tokens)
+        rows, num_new_tokens = check_appends(self, rows, num_new_tokens)
         self._grow(rows, num_new_tokens)
 
     def _grow(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> Moves:
@@ -391,40 +391,6 @@ class KVCacheManager(Stateful):
             f"{where}appending {appending} needs {int(needed[d])} blocks there, "
             f"{int(free[d])} of {int(self.blocks_per_device[d])} are free",
             torch.clamp(needed - free, min=0),
-        )
-
-    def _check_allocation(self, rows, num_new_tokens) -> tuple[torch.Tensor, torch.Tensor]:
-        """rows and num_new_tokens as 1-D int64 of equal length: distinct rows of held sequences,
-        counts >= 0; ValueError naming the bad value otherwise."""
-        rows = check_ids(rows, "rows")
-        num_new_tokens = check_ids(num_new_tokens, "num_new_tokens")
-        if rows.shape != num_new_tokens.shape or rows.dim() != 1:
-            raise ValueError(
-                f"rows and num_new_tokens must be 1-D of equal length, got "
-                f"{tuple(rows.shape)} and {tuple(num_new_tokens.shape)}"
-            )
-        if num_new_tokens.numel() and int(num_new_tokens.min()) < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {int(num_new_tokens.min())}")
-        if rows.unique().numel() != rows.numel():
-            raise ValueError("rows must be distinct within one allocate_slots call")
-        self._check_rows_held(rows, "allocate_slots")
-        return rows, num_new_tokens
-
-    def _check_rows_held(self, rows: torch.Tensor, call: str) -> None:
-        """ValueError unless every row id (int64, 1-D) is a row of a sequence the cache holds: a few
-        tensor operations, whatever the number of rows."""
-        if rows.numel() == 0:
-            return
-        lowest, highest = (int(bound) for bound in torch.aminmax(rows))
-        if (
-            lowest >= 0
-            and highest < self.row_tokens.numel()
-            and bool(self.slot_held[rows // self.rows_per_seq].all())
-        ):
-            return
-        raise ValueError(
-            f"{call}: rows {rows.tolist()[:8]} are not all rows of sequences the cache holds; allowed: "
-            "rows of held sequences (add_sequence first, then rows(seq_ids, layer, experts))"
         )
 
     def row_slots(self, row: int) -> torch.Tensor:
@@ -478,7 +444,7 @@ class KVCacheManager(Stateful):
         rows = check_ids(rows, "rows").reshape(-1)
         if rows.unique().numel() != rows.numel():
             raise ValueError("rows must be distinct within one free_rows call")
-        self._check_rows_held(rows, "free_rows")
+        check_rows_held(self, rows, "free_rows")
         num_freed = self._return_row_blocks(rows)
         self._clear_rows(rows)
         return num_freed

@@ -1,4 +1,5 @@
-"""A manager's and a pool's options, checked in one place into one frozen object.
+"""A manager's and a pool's options, checked in one place into one frozen object; and the checks of
+the arguments their calls take.
 
 KVCacheManager(num_layers, num_experts, block_size, num_blocks, **options) and every manager built
 on it take the same keywords, checked here once, before anything is allocated, into a
@@ -30,9 +31,11 @@ from ..validation import (
     check_device_table,
     check_fits_memory,
     check_flag,
+    check_ids,
     check_int,
     check_keywords,
     check_seed,
+    preview,
     shown,
 )
 
@@ -161,6 +164,8 @@ def check_manager_options(
                 f"options={shown(given)} is not allowed with {sorted(set(keywords) - {'options'})}; "
                 "allowed: a ManagerOptions (cache/options.py) alone, or the keywords it holds"
             )
+        # the values were checked; what this manager keeps beside its tables is weighed here
+        check_bookkeeping_fits(num_layers, num_experts, given, extra_bytes)
         return num_layers, num_experts, given
     check_keywords(
         where,
@@ -188,3 +193,58 @@ def check_manager_options(
     )
     check_bookkeeping_fits(num_layers, num_experts, options, extra_bytes)
     return num_layers, num_experts, options
+
+
+# ----- the arguments of a pool's and a manager's calls ------------------------------------------------
+def check_pool_device(device, num_devices: int) -> int:
+    """device as an int in [0, D), or ValueError (TypeError when left out on several devices)."""
+    if device is None:
+        if num_devices > 1:
+            raise TypeError(
+                f"allocate on a pool of {num_devices} devices needs a device: allocate(num_blocks, device=d)"
+            )
+        return 0
+    return check_int("device", device, 0, num_devices - 1, "a device of this pool")
+
+
+def check_counts_per_device(num_blocks, num_devices: int) -> torch.Tensor:
+    """num_blocks as (D,) int64 counts >= 0, one per device, or ValueError."""
+    num_blocks = check_ids(num_blocks, "num_blocks")
+    if num_blocks.shape != (num_devices,) or bool((num_blocks < 0).any()):
+        raise ValueError(
+            f"num_blocks={preview(num_blocks)} must be ({num_devices},) counts >= 0, one per device"
+        )
+    return num_blocks
+
+
+def check_appends(manager, rows, num_new_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows and num_new_tokens of an append as 1-D int64 of equal length: distinct rows of sequences
+    the manager holds, counts >= 0; ValueError naming the bad value otherwise."""
+    rows = check_ids(rows, "rows")
+    num_new_tokens = check_ids(num_new_tokens, "num_new_tokens")
+    if rows.shape != num_new_tokens.shape or rows.dim() != 1:
+        raise ValueError(
+            f"rows and num_new_tokens must be 1-D of equal length, got "
+            f"{tuple(rows.shape)} and {tuple(num_new_tokens.shape)}"
+        )
+    if num_new_tokens.numel() and int(num_new_tokens.min()) < 0:
+        raise ValueError(f"num_new_tokens must be >= 0, got {int(num_new_tokens.min())}")
+    if rows.unique().numel() != rows.numel():
+        raise ValueError("rows must be distinct within one allocate_slots call")
+    check_rows_held(manager, rows, "allocate_slots")
+    return rows, num_new_tokens
+
+
+def check_rows_held(manager, rows: torch.Tensor, call: str) -> None:
+    """ValueError unless every row id (int64, 1-D) is a row of a sequence the manager holds: a few
+    tensor operations, whatever the number of rows."""
+    if rows.numel() == 0:
+        return
+    lowest, highest = (int(bound) for bound in torch.aminmax(rows))
+    in_range = lowest >= 0 and highest < manager.row_tokens.numel()
+    if in_range and bool(manager.slot_held[rows // manager.rows_per_seq].all()):
+        return
+    raise ValueError(
+        f"{call}: rows {rows.tolist()[:8]} are not all rows of sequences the cache holds; allowed: "
+        "rows of held sequences (add_sequence first, then rows(seq_ids, layer, experts))"
+    )

@@ -96,7 +96,7 @@ class PagedKVCache:
         cls, config, num_blocks=None, block_size=16, max_num_seqs=None, **settings
     ) -> CacheOptions:
         """The CacheOptions a cache of this class takes (cache_options.check_cache_options); a
-        variant adds its own settings (a budget) and refusals (shared tails: no "triton")."""
+        variant adds its own settings (a row cap) and refusals (shared-tail rows: no "triton")."""
         return check_cache_options(config, num_blocks, block_size, max_num_seqs, settings, cls.__name__)
 
     def make_manager(self, config: ModelConfig, options: CacheOptions) -> KVCacheManager:

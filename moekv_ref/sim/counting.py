@@ -34,6 +34,7 @@ import torch
 from ..cache.block_pool import BlockPool
 from ..cache.invariants import check_no_inference_tensors, check_row_counts
 from ..cache.kv_cache_manager import KVCacheManager, SlotAllocation
+from ..cache.options import check_counts_per_device
 from ..cache.rows import ceil_div
 
 NO_IDS = torch.zeros(0, dtype=torch.int64)  # what a counting manager's _take_blocks hands back
@@ -53,14 +54,14 @@ class CountingBlockPool(BlockPool):
     def allocate_per_device(self, num_blocks: torch.Tensor) -> None:
         """num_blocks (D,) blocks of each device counted as lent; OutOfBlocksError, changing
         nothing, when one is short."""
-        num_blocks = self._checked_counts(num_blocks)
+        num_blocks = check_counts_per_device(num_blocks, self.num_devices)
         self._check_free(num_blocks)
         self._num_free -= num_blocks
 
     def free_per_device(self, num_blocks: torch.Tensor) -> None:
         """num_blocks (D,) blocks back on each device. ValueError, pool unchanged, when more come
         back to a device than it has lent."""
-        num_blocks = self._checked_counts(num_blocks)
+        num_blocks = check_counts_per_device(num_blocks, self.num_devices)
         lent = self.blocks_per_device - self._num_free  # (D,)
         if not bool((num_blocks <= lent).all()):
             d = int((num_blocks > lent).nonzero()[0])
