@@ -7,7 +7,8 @@ costs a whole recompute. A RowEviction shows why: its request *stalls* at the he
 be recomputed whole, while its other rows stay in the pool as dead weight, freed first when their
 device is short, when nothing runs, and when it resumes. Its worst case restarts from empty rows.
 
-Only a manager that `can_evict_rows` runs it (plain pages: no block shared between rows).
+Only a manager that `can_evict_rows` runs it (plain pages: no block shared between rows), as
+scheduler_config.check_scheduler_arguments says.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import torch
 from .request import Request
 from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput
-from .victims import RowEviction
+from .victims import RowEviction, check_victim
 
 
 class RowEvictingScheduler(Scheduler):
     """Scheduler, taking single rows off a victim and stalling it (module docstring)."""
 
     STATE = (*Scheduler.STATE, "stalled", "num_row_evictions", "num_evicted_rows", "num_dead_rows_freed")
+    takes_rows = True
 
     def __init__(self, config, manager, shape, num_swap_blocks: int = 0):
         super().__init__(config, manager, shape, num_swap_blocks)
@@ -32,21 +34,12 @@ class RowEvictingScheduler(Scheduler):
         self.num_evicted_rows = 0
         self.num_dead_rows_freed = 0
 
-    def check_victims(self) -> None:
-        """A victim policy that drops single rows needs a manager whose rows share no block."""
-        if self.victims.evicts_rows and not self.manager.can_evict_rows:
-            raise ValueError(
-                f"victim={self.victims.name!r} drops single rows, which this cache cannot: "
-                f"{type(self.manager).__name__} shares blocks between rows; use a victim that "
-                "preempts whole sequences (newest_first, sequence_lru, pressure_aware)"
-            )
-
     def take_off(self, choice, candidates: list[Request], out: SchedulerOutput) -> tuple[Request, str]:
         """Scheduler.take_off; a RowEviction drops the chosen rows and the request stalls."""
         if not isinstance(choice, RowEviction):
             return super().take_off(choice, candidates, out)
         request = choice.request
-        self.check_candidate(request, candidates)
+        check_victim(self.victims, request, candidates)
         self.num_row_evictions += 1
         self.num_evicted_rows += self._free_rows(request.request_id, choice.layer_experts)
         self.running.remove(request)

@@ -34,7 +34,7 @@ import torch
 
 from ..cache.kv_cache_manager import KVCacheManager
 from ..state import Stateful
-from .batching import AdmissionStep, ContinuousBatching
+from .batching import AdmissionStep
 from .demand import (
     DemandPredictor,
     blocks_held_per_device,
@@ -48,20 +48,14 @@ from .request import Request, RequestStatus
 from .reservation import Retry
 from .scheduler_config import SchedulerConfig, check_scheduler_arguments
 from .scheduler_output import EvictionRecord, ScheduledRequest, SchedulerOutput
-from .victims import Shortage
+from .victims import Shortage, check_victim
 
 
 class Scheduler(Stateful):
     """Between steps every request is in exactly one of `waiting` (WAITING or PREEMPTED) and
-    `running` (RUNNING), or is FINISHED and in neither; only a swap-PREEMPTED request holds swap
-    blocks, and it holds no pool blocks."""
+    `running` (RUNNING), or is FINISHED and in neither."""
 
-    COUNTERS = (
-        "num_preemptions",
-        "num_recomputed_tokens",
-        "num_evictions",
-        "freed_on_short_device",
-    )
+    COUNTERS = ("num_preemptions", "num_recomputed_tokens", "num_evictions", "freed_on_short_device")
     STATE = ("waiting", "running", "current", *COUNTERS)
     # the manager holds its own parts; the memory view holds nothing
     PARTS = ("manager", "swap_space", "predictor", "batching", "victims", "reservation")
@@ -71,13 +65,15 @@ class Scheduler(Stateful):
     num_row_evictions = 0
     num_evicted_rows = 0
     num_dead_rows_freed = 0
+    takes_rows = False  # True: serves a victim policy that drops rows (check_scheduler_arguments)
+    swaps = False  # True: serves preemption_mode='swap'
 
     def __init__(
         self, config: SchedulerConfig, manager: KVCacheManager, shape: ModelShape, num_swap_blocks: int = 0
     ):
-        """ValueError for arguments that do not meet (scheduler_config.check_scheduler_arguments),
-        before anything is built."""
-        num_swap_blocks = check_scheduler_arguments(config, manager, shape, num_swap_blocks)
+        """ValueError, before anything is built, for arguments that do not meet
+        (scheduler_config.check_scheduler_arguments)."""
+        num_swap_blocks = check_scheduler_arguments(type(self), config, manager, shape, num_swap_blocks)
         self.config = config
         self.manager = manager
         self.swap_space = self.make_swap_space(num_swap_blocks)
@@ -88,11 +84,7 @@ class Scheduler(Stateful):
             memory.num_layers, memory.num_experts, shape.k_max, memory.block_size, memory.max_row_tokens
         )
         self.batching = config.make_batching_policy()
-        # by name: continuous_reserved is a ContinuousBatching too, with an admission of its own
-        if self.num_devices > 1 and self.batching.name != ContinuousBatching.name:
-            raise ValueError(f"per-device pools run policy='continuous_paged' only, not {config.policy!r}")
         self.victims = config.make_victim_policy()
-        self.check_victims()
         self.reservation = config.make_reservation_policy()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -102,11 +94,6 @@ class Scheduler(Stateful):
 
     def make_swap_space(self, num_swap_blocks: int) -> None:
         """None: a Scheduler preempts by recompute (a SwappingScheduler swaps)."""
-        if num_swap_blocks:
-            raise ValueError(
-                f"preemption_mode='swap' needs a SwappingScheduler, not a {type(self).__name__}: "
-                "build the scheduler with make_scheduler (scheduler_factory.py)"
-            )
 
     def save(self) -> tuple:
         """Stateful.save, with every unfinished request's state (engine/undo.py)."""
@@ -124,9 +111,8 @@ class Scheduler(Stateful):
         return self.batching.max_blocks_alone(num_cached_tokens, self.memory)
 
     def check_fits_alone(self, prompt_len: int, max_new_tokens: int, request_id: int = 0) -> None:
-        """ValueError if a request of this shape might not fit the pool even alone: preemption frees
-        only *other* sequences' memory, so once admitted it could never finish. request_id: whose
-        rows' devices to check (with home devices they depend on it). fits_alone.py."""
+        """ValueError if a request of this shape might not fit the pool even alone (fits_alone.py).
+        request_id: whose rows' devices to check (with home devices they depend on it)."""
         check_fits_alone(self.memory, self.max_blocks_alone, prompt_len, max_new_tokens, request_id)
 
     def add_request(self, request: Request) -> None:
@@ -232,24 +218,9 @@ class Scheduler(Stateful):
 
     def take_off(self, choice, candidates: list[Request], out: SchedulerOutput) -> tuple[Request, str]:
         """Preempt the chosen request; (it, how: "swap" or "recompute")."""
-        self.check_candidate(choice, candidates)
+        check_victim(self.victims, choice, candidates)
         self._preempt(choice, out)
         return choice, "swap" if choice.swapped else "recompute"
-
-    def check_candidate(self, victim, candidates: list[Request]) -> None:
-        if not any(victim is c for c in candidates):
-            raise RuntimeError(
-                f"victim policy {self.victims!r} chose request "
-                f"{getattr(victim, 'request_id', victim)!r}, not one of the candidates"
-            )
-
-    def check_victims(self) -> None:
-        """Refuse a victim policy that drops single rows (row_evicting_scheduler.py takes them)."""
-        if self.victims.evicts_rows:
-            raise ValueError(
-                f"victim={self.victims.name!r} drops single rows, which a {type(self).__name__} does "
-                "not: build the scheduler with make_scheduler (scheduler_factory.py)"
-            )
 
     def free_idle_blocks(self, device: int | None) -> bool:
         """Free blocks that no request needs on `device` (None: every device) before a victim is

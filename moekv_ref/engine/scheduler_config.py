@@ -81,9 +81,10 @@ class SchedulerConfig:
         return RESERVATION_POLICIES[self.reservation]()
 
 
-def check_scheduler_arguments(config, manager, shape, num_swap_blocks) -> int:
-    """A scheduler's arguments' types, and its swap space's blocks (check_swap_space) where its
-    manager can swap; returns those blocks."""
+def check_scheduler_arguments(scheduler_class, config, manager, shape, num_swap_blocks) -> int:
+    """A scheduler's arguments' types; its swap space's blocks (check_swap_space) where its manager
+    can swap, which it returns; and the rules where the config meets the manager, and the class: a
+    Scheduler refuses what only a variant serves (scheduler_factory.make_scheduler builds it)."""
     for name, value, kind in (
         ("config", config, SchedulerConfig),
         ("shape", shape, ModelShape),
@@ -98,6 +99,25 @@ def check_scheduler_arguments(config, manager, shape, num_swap_blocks) -> int:
             f"this manager ({type(manager).__name__}) does not list; allowed: num_swap_blocks=0, "
             "or a KVCacheManager, which lists them"
         )
+    # by name: continuous_reserved is a ContinuousBatching too, with an admission of its own
+    if manager.num_devices > 1 and config.make_batching_policy().name != ContinuousBatching.name:
+        raise ValueError(f"per-device pools run policy='continuous_paged' only, not {config.policy!r}")
+    victim = config.make_victim_policy()
+    if victim.evicts_rows and not manager.can_evict_rows:
+        raise ValueError(
+            f"victim={victim.name!r} drops single rows, which this cache cannot: "
+            f"{type(manager).__name__} shares blocks between rows; use a victim that preempts "
+            "whole sequences (newest_first, sequence_lru, pressure_aware)"
+        )
+    for what, needed, served in (
+        (f"victim={victim.name!r} drops single rows", victim.evicts_rows, scheduler_class.takes_rows),
+        ("preemption_mode='swap' swaps", num_swap_blocks > 0, scheduler_class.swaps),
+    ):
+        if needed and not served:
+            raise ValueError(
+                f"{what}, which a {scheduler_class.__name__} does not: build the scheduler with "
+                "make_scheduler (scheduler_factory.py)"
+            )
     return num_swap_blocks
 
 

@@ -18,9 +18,11 @@ from .swap import SwapSpace
 
 
 class SwappingScheduler(Scheduler):
-    """Scheduler, preempting by swap where the swap space has room (module docstring)."""
+    """Scheduler, preempting by swap where the swap space has room (module docstring). Only a
+    swap-PREEMPTED request holds swap blocks, and it holds no pool blocks."""
 
     STATE = (*Scheduler.STATE, "num_swapped_out_blocks")
+    swaps = True
 
     def __init__(self, config, manager, shape, num_swap_blocks: int = 0):
         super().__init__(config, manager, shape, num_swap_blocks)

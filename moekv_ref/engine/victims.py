@@ -32,6 +32,15 @@ class Shortage:
     request_need: int = 0
 
 
+def check_victim(policy: "VictimPolicy", victim, candidates: Sequence[Request]) -> None:
+    """RuntimeError where the victim `policy` chose is not one of the candidates."""
+    if not any(victim is c for c in candidates):
+        raise RuntimeError(
+            f"victim policy {policy!r} chose request "
+            f"{getattr(victim, 'request_id', victim)!r}, not one of the candidates"
+        )
+
+
 def shortage_of(need) -> Shortage:
     """A Shortage, or an int read as device 0 (for a policy called by hand)."""
     return need if isinstance(need, Shortage) else Shortage(0, int(need))

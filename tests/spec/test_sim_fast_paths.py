@@ -49,6 +49,7 @@ from moekv_ref.cache.kv_cache_manager import KVCacheManager
 from moekv_ref.cache.rows import ceil_div, ragged_arange, stable_order
 from moekv_ref.costs import CostModel
 from moekv_ref.engine.memory import ModelShape
+from moekv_ref.engine.row_evicting_scheduler import RowEvictingScheduler
 from moekv_ref.engine.scheduler import Scheduler
 from moekv_ref.engine.scheduler_config import SchedulerConfig
 from moekv_ref.sim.counting import CountingBlockPool, CountingKVCacheManager
@@ -102,11 +103,14 @@ def test_the_fast_scheduler_makes_the_plain_schedulers_decisions(
     events, victims, blocks in use per device at every step and retries."""
     blocks = 160 // num_devices
     fast_runner = random_runner(seed, policy, blocks, num_devices, reservation)
-    assert type(fast_runner.scheduler) is FastScheduler
+    # the runner builds FastScheduler (under expert_lru with RowEvictingScheduler before it)
+    fast_class = type(fast_runner.scheduler)
+    assert fast_class is FastScheduler or fast_class.__mro__[1:3] == (RowEvictingScheduler, FastScheduler)
     fast_stats = fast_runner.run()
     monkeypatch.setattr(runner_module, "FastScheduler", Scheduler)  # the runner builds the plain one
     plain_runner = random_runner(seed, policy, blocks, num_devices, reservation)
-    assert type(plain_runner.scheduler) is Scheduler
+    plain_class = type(plain_runner.scheduler)
+    assert plain_class is (RowEvictingScheduler if policy == "expert_lru" else Scheduler)
     plain_stats = plain_runner.run()
     assert fast_stats.evictions, "no eviction happened: the comparison would not test victims"
     assert fast_stats.events == plain_stats.events
