@@ -1098,7 +1098,7 @@ def test_readme_is_a_front_door():
     demo's and the tests'), the notebooks, the findings, the files of one decode token, the API,
     then links; the benchmarks' tables live in docs/results.md."""
     readme = README.read_text(encoding="utf-8")
-    assert len(readme.splitlines()) <= 200
+    assert len(readme.splitlines()) <= 215  # the front door, with the map of each option's class
     order = [
         "Python 3.11 or newer and PyTorch basics",
         "No GPU is\nneeded",
