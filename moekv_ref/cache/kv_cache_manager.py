@@ -45,7 +45,13 @@ from ..state import Stateful
 from ..validation import MAX_INT64, check_ids, check_int
 from .block_pool import BlockPool, OutOfBlocksError
 from .invariants import check_block_tables, check_row_counts
-from .options import ManagerOptions, check_appends, check_manager_options, check_rows_held
+from .options import (
+    ManagerOptions,
+    check_appends,
+    check_distinct_rows,
+    check_manager_options,
+    check_rows_held,
+)
 from .rows import RowIndex, RowPlacement, ceil_div, ragged_arange, stable_order
 
 Moves = list[tuple[torch.Tensor, torch.Tensor]]  # (source slots, destination slots), in order
@@ -358,8 +364,7 @@ class KVCacheManager(Stateful):
         needed = ceil_div(new, P) - held  # (m,) a decode step takes none P - 1 times in P
         growing = needed.nonzero().squeeze(1)  # (c,)
         device = self.row_device.index_select(0, rows[growing])  # (c,)
-        appending = f"{int(num_new_tokens.sum())} tokens to {rows.numel()} rows"
-        block_ids = self._take_blocks(device, needed[growing], appending)
+        block_ids = self._take_blocks(device, needed[growing], lambda: f"{int(num_new_tokens.sum())} tokens")
         if block_ids.numel():
             # the k-th new block of row i: column ceil(old[i] / P) + k
             owner, k = ragged_arange(needed[growing])  # (total,) each
@@ -368,9 +373,9 @@ class KVCacheManager(Stateful):
         self.last_appended.index_fill_(0, rows[num_new_tokens > 0], self.clock)
         return []
 
-    def _take_blocks(self, device: torch.Tensor, needed: torch.Tensor, appending: str) -> torch.Tensor:
+    def _take_blocks(self, device: torch.Tensor, needed: torch.Tensor, appending) -> torch.Tensor:
         """needed[i] fresh blocks from device device[i], row after row; OutOfBlocksError, changing
-        nothing, when a device is short (naming what it was `appending`)."""
+        nothing, when a device is short (naming what it was `appending()`)."""
         per_device = torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, device, needed)  # (D,)
         self.raise_short(per_device, appending)
         block_device = torch.repeat_interleave(device, needed)  # (total,)
@@ -379,7 +384,7 @@ class KVCacheManager(Stateful):
         block_ids[stable_order(block_device)] = self.pool.allocate_per_device(per_device)
         return block_ids
 
-    def raise_short(self, needed: torch.Tensor, appending: str) -> None:
+    def raise_short(self, needed: torch.Tensor, appending) -> None:
         """OutOfBlocksError naming the first device short of the needed (D,) blocks, and the
         blocks missing on each (`shortfall`)."""
         free = self.num_free_blocks_per_device  # (D,)
@@ -388,7 +393,7 @@ class KVCacheManager(Stateful):
         d = int((needed > free).nonzero()[0])
         where = "" if self.num_devices == 1 else f"device {d} is short: "
         raise OutOfBlocksError(
-            f"{where}appending {appending} needs {int(needed[d])} blocks there, "
+            f"{where}appending {appending()} needs {int(needed[d])} blocks there, "
             f"{int(free[d])} of {int(self.blocks_per_device[d])} are free",
             torch.clamp(needed - free, min=0),
         )
@@ -442,9 +447,8 @@ class KVCacheManager(Stateful):
         """Empty some rows of held sequences (an eviction of single rows: the sequences stay, but
         cannot attend over them until rebuilt); returns how many blocks went back to the pool."""
         rows = check_ids(rows, "rows").reshape(-1)
-        if rows.unique().numel() != rows.numel():
-            raise ValueError("rows must be distinct within one free_rows call")
         check_rows_held(self, rows, "free_rows")
+        check_distinct_rows(self, rows, "free_rows")
         num_freed = self._return_row_blocks(rows)
         self._clear_rows(rows)
         return num_freed

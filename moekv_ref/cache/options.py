@@ -229,10 +229,17 @@ def check_appends(manager, rows, num_new_tokens) -> tuple[torch.Tensor, torch.Te
         )
     if num_new_tokens.numel() and int(num_new_tokens.min()) < 0:
         raise ValueError(f"num_new_tokens must be >= 0, got {int(num_new_tokens.min())}")
-    if rows.unique().numel() != rows.numel():
-        raise ValueError("rows must be distinct within one allocate_slots call")
     check_rows_held(manager, rows, "allocate_slots")
+    check_distinct_rows(manager, rows, "allocate_slots")
     return rows, num_new_tokens
+
+
+def check_distinct_rows(manager, rows: torch.Tensor, call: str) -> None:
+    """ValueError unless the rows (held rows, 1-D) are distinct: one mark per row of the manager,
+    not a sort (an append of the simulator lists tens of thousands)."""
+    marked = torch.zeros(manager.row_tokens.numel(), dtype=torch.bool).index_fill_(0, rows, True)
+    if int(marked.sum()) != rows.numel():
+        raise ValueError(f"rows must be distinct within one {call} call")
 
 
 def check_rows_held(manager, rows: torch.Tensor, call: str) -> None:

@@ -43,7 +43,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
     def _make_pool(self, options: ManagerOptions) -> CachingBlockPool:
         return CachingBlockPool(options=options)
 
-    def _take_blocks(self, device: torch.Tensor, needed: torch.Tensor, appending: str) -> torch.Tensor:
+    def _take_blocks(self, device: torch.Tensor, needed: torch.Tensor, appending) -> torch.Tensor:
         block_ids = super()._take_blocks(device, needed, appending)
         self.prefix_cache.clear_positions(block_ids)  # their slots hold no position yet
         return block_ids
@@ -72,7 +72,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         try:
             copied = rows[copied_rows]
             fresh = self._take_blocks(
-                self.row_device[copied], one_each, f"the copies of {one_each.numel()} rows"
+                self.row_device[copied], one_each, lambda: f"the copies of {one_each.numel()} rows"
             )
         except OutOfBlocksError:
             self.free(seq_id)

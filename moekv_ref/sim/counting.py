@@ -141,8 +141,8 @@ class CountingKVCacheManager(KVCacheManager):
         return index
 
     def set_row_tokens(self, rows, counts) -> None:
-        """KVCacheManager.set_row_tokens, the slot tables following: over the few rows whose range
-        reaches a multiple of P (`_crossing`); a freed sequence's slot zeroed at once."""
+        """KVCacheManager.set_row_tokens, the slot tables following (`_count`); a freed sequence's
+        slot zeroed at once."""
         if isinstance(rows, slice):
             super().set_row_tokens(rows, counts)
             index = rows.start // self.rows_per_seq
@@ -151,16 +151,34 @@ class CountingKVCacheManager(KVCacheManager):
             self.count_blocks[index] = 0
             return
         old = self.row_tokens[rows]  # (m,)
-        super().set_row_tokens(rows, counts)
         crossing = self._crossing(old, counts)
+        self._count(rows, old, counts, crossing, self.row_device[rows[crossing]])
+
+    def _grow(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> list:
+        """KVCacheManager._grow worked out over the few rows whose range reaches a multiple of P
+        (`_crossing`: about 2 rows in P at a decode step), the only ones that can take a block or
+        change a slot table; the rest only change row_tokens."""
+        P = self.block_size
+        old = self.row_tokens.index_select(0, rows)  # (m,)
+        new = old + num_new_tokens
+        crossing = self._crossing(old, new)  # (c,)
+        device = self.row_device.index_select(0, rows[crossing])  # (c,)
+        needed = ceil_div(new[crossing], P) - ceil_div(old[crossing], P)  # (c,)
+        self._take_blocks(device, needed, lambda: f"{int(num_new_tokens.sum())} tokens")
+        self._count(rows, old, new, crossing, device)
+        self.last_appended.index_fill_(0, rows[num_new_tokens > 0], self.clock)
+        return []
+
+    def _count(self, rows, old, new, crossing, device) -> None:
+        """row_tokens[rows] = new, and the slot tables over the crossing rows (on `device`)."""
         P = self.block_size
         L = self.num_layers
         E = self.num_experts
         D = self.num_devices
+        self.row_tokens.index_copy_(0, rows, new)
         rows = rows[crossing]
         old = old[crossing]
-        new = counts[crossing]
-        device = self.row_device[rows]
+        new = new[crossing]
         where = (rows // E) * D + device  # (slot * L + layer) * D + device
         opened = ((new & (P - 1)) == 0).to(torch.int32) - ((old & (P - 1)) == 0).to(torch.int32)
         self.open_rows.view(-1).index_add_(0, where, opened)
@@ -197,7 +215,7 @@ class CountingKVCacheManager(KVCacheManager):
     def num_blocks_of_sequence(self, seq_id: int) -> int:
         return int(self.count_blocks[self.seq_index(seq_id)].sum())
 
-    def _take_blocks(self, device: torch.Tensor, needed: torch.Tensor, appending: str) -> torch.Tensor:
+    def _take_blocks(self, device: torch.Tensor, needed: torch.Tensor, appending) -> torch.Tensor:
         """The needed blocks counted as lent on their rows' devices, per device; no ids (an empty
         tensor, so no table entry is written). OutOfBlocksError, changing nothing, when short."""
         per_device = torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, device, needed)
