@@ -51,7 +51,7 @@ def generate(
     check_choice("cache", cache, CACHE_KINDS)
     if cache_options and cache != "paged":
         raise ValueError(f"{sorted(cache_options)} apply to cache='paged' only, not cache={cache!r}")
-    check_flag("record_logits", record_logits)  # the cache's own flags: PagedKVCache checks them
+    check_flag("record_logits", record_logits)  # the cache's own flags: make_paged_cache checks them
     check_callable("on_token", on_token, "(prompt index, token)")
     config = model.config
     prompts, per_prompt = map(list, zip(*check_batch(prompts, params, config, "params")))

@@ -3,8 +3,9 @@
 A public entry (a constructor or function a user calls: LLMEngine, generate, PagedKVCache,
 KVCacheManager, BlockPool, ModelConfig, SamplingParams, ...) checks each argument once, with the
 function here for its kind, before it changes or allocates anything. What it builds inside, it
-builds with `checked=True`, and the inner constructor trusts it: the engine checks block_size, and
-the cache and the manager it builds do not check it again. docs/design.md ("Validation") tables
+hands the frozen options object its checks made (cache/options.py's ManagerOptions,
+cache/cache_options.py's CacheOptions), and the inner constructor trusts it: the engine checks
+block_size, and the cache and the manager it builds do not check it again. docs/design.md ("Validation") tables
 which function checks what, and where.
 
 An integer is a Python int or a numpy integer (numbers.Integral), never a bool (True is not 1) and

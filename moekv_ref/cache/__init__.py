@@ -12,18 +12,24 @@ and `free(seq_id)`.
 
     rows.py                 how a (sequence, layer, expert) row is numbered, and on which device
                             it lives (RowPlacement); ceil_div
-    block_pool.py           the free block queues (per device) and reference counts
-    kv_cache_manager.py     block tables and token counts per row (integers only)
-    shared_tail_manager.py  SharedTails, a manager's part: rows' partly filled tails share blocks
-    prefix_cache.py         PrefixCache, a manager's part: full blocks found again by prefix
+    options.py              ManagerOptions: a manager's and a pool's options, and their calls'
+                            arguments, checked once
+    block_pool.py           the free block stacks (per device) and reference counts
+    kv_cache_manager.py     block tables and token counts per row (integers only; the plain path)
+    invariants.py           the pool's and the manager's invariants, as the property tests check them
+    caching_block_pool.py   CachingBlockPool: free blocks that keep a known prefix, in LRU queues
+    prefix_cache.py         PrefixCache: the index from token prefixes to blocks
+    prefix_caching_manager.py  PrefixCachingKVCacheManager: full blocks found again by prefix
+    shared_tail_manager.py  SharedTailKVCacheManager: rows' partly filled tails share blocks
+    budgeted_manager.py     BudgetedKVCacheManager: at most B tokens a row (a RowBudget)
     cache_options.py        CacheOptions: a paged cache's options, checked once
     paged.py                PagedKVCache: K/V pool tensors + a manager; the attention paths (the
                             plain path only; each variant below is a subclass in its own file)
     decode_plan.py          PlannedPagedKVCache: the dense decode plan, a speed-up
     prefix_caching_paged.py PrefixCachingPagedKVCache: records each stored token's position
     shared_tail_paged.py    SharedTailPagedKVCache: rows' tails in shared blocks
-    budget.py               RowBudget, a manager's part: at most B tokens a row, a policy at a full
-                            row; the budgeted recompute the model runs
+    budget.py               RowBudget: at most B tokens a row, a policy at a full row; the
+                            budgeted recompute the model runs
     budget_paged.py         BudgetedPagedKVCache: a PagedKVCache whose rows keep a RowBudget
     factory.py              make_paged_cache: the one place that picks the class for a model
     contiguous.py           ContiguousKVCache: one growing buffer per row, the reference

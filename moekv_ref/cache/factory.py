@@ -7,8 +7,9 @@
 
 and, on a model with one attention expert, the plain and prefix-caching caches follow the dense
 decode plan (PlannedPagedKVCache, decode_plan.py). The combinations that cannot work are refused
-here, with their reason, before anything is built. generate, the engine and parallel serving build
-their caches here; each class's own constructor and for_model stay public.
+here, with their reason, before anything is built. generate and the engine build their caches here
+(each rank of parallel serving builds a plain PagedKVCache); each class's own constructor and
+for_model stay public.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import torch
 
 from ..cache.block_pool import OutOfBlocksError
 from ..cache.factory import make_paged_cache
+from ..cache.prefix_caching_manager import PrefixCachingKVCacheManager
 from ..model import MoEKVTransformer
 from ..profiling import phase
 from ..prompts import check_batch, check_prompt, check_sampling_params
@@ -519,9 +520,9 @@ class LLMEngine:
         return [outputs[i] for i in ids]
 
     def prefix_cache_stats(self) -> dict | None:
-        prefix = getattr(self.cache.manager, "prefix_cache", None)  # a PrefixCachingKVCacheManager's
-        if prefix is None:
+        if not isinstance(self.cache.manager, PrefixCachingKVCacheManager):
             return None
+        prefix = self.cache.manager.prefix_cache
         return {
             **dataclasses.asdict(prefix.stats),
             "num_evicted_cached_blocks": self.cache.manager.pool.num_evicted_cached_blocks,

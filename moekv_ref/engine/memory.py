@@ -37,12 +37,8 @@ class ModelShape:
 
 
 def layer_limits(manager) -> list[int] | None:
-    """The most tokens a row of each layer keeps (None: no cap), as the manager answers it; a
-    manager that does not answer it yet holds its row budget as a part."""
-    if hasattr(manager, "layer_limits"):
-        return manager.layer_limits
-    budget = getattr(manager, "budget", None)
-    return None if budget is None else budget.layer_limits.tolist()
+    """The most tokens a row of each layer keeps (None: no cap), as the manager answers it."""
+    return manager.layer_limits
 
 
 class MemoryView:

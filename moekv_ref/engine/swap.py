@@ -15,7 +15,9 @@ from typing import NamedTuple
 import torch
 
 from ..cache.block_pool import BlockPool
+from ..cache.budgeted_manager import BudgetedKVCacheManager
 from ..cache.kv_cache_manager import KVCacheManager
+from ..cache.prefix_caching_manager import PrefixCachingKVCacheManager
 from ..state import Stateful
 from ..validation import MAX_BLOCKS, check_int
 
@@ -65,8 +67,9 @@ class SwapSpace(Stateful):
         device_blocks = self.manager.blocks_of_sequence(seq_id)  # (b,)
         counts = self.manager.token_counts([seq_id])[0].reshape(-1)  # (L*E,)
         host_blocks = self.pool.allocate(device_blocks.numel())  # may raise
-        prefix = getattr(self.manager, "prefix_cache", None)  # its slots' positions travel too
-        budget = getattr(self.manager, "budget", None)  # and what a budget's policy reads
+        # a prefix cache's slot positions travel too, and what a budget's policy reads
+        prefix = self.manager.prefix_cache if isinstance(self.manager, PrefixCachingKVCacheManager) else None
+        budget = self.manager.budget if isinstance(self.manager, BudgetedKVCacheManager) else None
         rows = self.manager.index.sequence_rows(torch.tensor([self.manager.seq_index(seq_id)]))[0]  # (L*E,)
         self.swapped[seq_id] = SwappedSequence(
             host_blocks,
