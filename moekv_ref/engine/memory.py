@@ -36,11 +36,6 @@ class ModelShape:
         return cls(k_max, k_min, config.max_position_embeddings)
 
 
-def layer_limits(manager) -> list[int] | None:
-    """The most tokens a row of each layer keeps (None: no cap), as the manager answers it."""
-    return manager.layer_limits
-
-
 class MemoryView:
     def __init__(self, manager: KVCacheManager, shape: ModelShape, swap_space: SwapSpace | None = None):
         self._manager = manager
@@ -51,7 +46,7 @@ class MemoryView:
         self.num_experts = manager.num_experts  # E
         self.block_size = manager.block_size  # P
         # the most tokens a row of each layer keeps (None: no cap), and their largest B
-        self.layer_limits = layer_limits(manager)
+        self.layer_limits = manager.layer_limits
         self.max_row_tokens = None if self.layer_limits is None else max(self.layer_limits)
 
     # ----- the pool ---------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from ..cache.prefix_caching_manager import PrefixCachingKVCacheManager
 from .memory import ModelShape
 from .prefix_caching_scheduler import PrefixCachingScheduler
 from .row_evicting_scheduler import RowEvictingScheduler
@@ -33,7 +34,7 @@ def make_scheduler(
 ) -> Scheduler:
     """The scheduler for `manager` and `config`: `base`, with the variants they need."""
     variants = []
-    if getattr(manager, "prefix_cache", None) is not None:
+    if isinstance(manager, PrefixCachingKVCacheManager):
         variants.append(PrefixCachingScheduler)
     if isinstance(config, SchedulerConfig) and config.make_victim_policy().evicts_rows:
         variants.append(RowEvictingScheduler)

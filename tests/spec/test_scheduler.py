@@ -27,11 +27,13 @@ from moekv_ref.engine.memory import ModelShape
 from moekv_ref.engine.optimistic_reservation import OptimisticReservation
 from moekv_ref.engine.request import Request, RequestStatus
 from moekv_ref.engine.reservation import Retry, WorstCaseReservation
+from moekv_ref.engine.row_evicting_scheduler import RowEvictingScheduler
 from moekv_ref.engine.scheduler import Scheduler
 from moekv_ref.engine.scheduler_config import SchedulerConfig
+from moekv_ref.engine.scheduler_output import SchedulerOutput
 from moekv_ref.engine.swap import SWAP_IN, SWAP_OUT
 from moekv_ref.engine.undo import Snapshot
-from moekv_ref.engine.victims import Shortage, VictimPolicy
+from moekv_ref.engine.victims import RowEviction, Shortage, VictimPolicy
 from moekv_ref.sampling import SamplingParams
 from moekv_ref.sim.fast_scheduler import FastScheduler
 
@@ -375,6 +377,40 @@ def test_a_victim_outside_the_candidates_is_an_error(scheduler_class):
         run_forward(scheduler, scheduler.schedule(step), experts)
     with pytest.raises(RuntimeError, match="chose request 99, not one of the candidates"):
         scheduler.schedule(3)
+
+
+class DropFirstRow(VictimPolicy):
+    """Drops row (layer 0, expert 0) of the newest candidate (a victim policy that evicts rows)."""
+
+    evicts_rows = True
+
+    def choose_victim(self, candidates, memory, need):
+        return RowEviction(candidates[-1], ((0, 0),))
+
+
+def test_a_row_eviction_stalls_its_request_which_restarts_from_empty_rows(scheduler_class):
+    """make_scheduler builds a RowEvictingScheduler for a victim policy that drops rows. The
+    request stalls at the head of the line, its other rows dead weight in the pool, and its worst
+    case restarts from empty rows (it is recomputed whole), the same as a request holding nothing;
+    when it starts again its dead rows go first."""
+    scheduler = make_scheduler(scheduler_class, 40, admission="optimistic", victim=DropFirstRow())
+    assert isinstance(scheduler, RowEvictingScheduler) and isinstance(scheduler, scheduler_class)
+    request = add(scheduler, 0, prompt_len=6, max_new_tokens=4)
+    run_forward(scheduler, scheduler.schedule(0))  # 6 tokens into experts 0 and 1 of both layers
+    out = SchedulerOutput(1)
+    choice = scheduler.victims.choose_victim([request], scheduler.memory, 1)
+    assert scheduler.take_off(choice, [request], out) == (request, "rows")
+    assert scheduler.stalled == {0: request} and list(scheduler.waiting) == [request]
+    held = scheduler.memory.token_counts([0])[0]  # (L, E): the three rows left
+    assert held.tolist() == [[0, 6, 0, 0], [6, 6, 0, 0]] and request.num_computed_tokens == 0
+    pending = request.num_pending_tokens  # its prompt and its sampled token, all to recompute
+    fresh = Request(1, [7] * pending, SamplingParams(max_new_tokens=4, temperature=0))
+    stalled_need = scheduler.worst_case_step_blocks([request], [pending])
+    assert torch.equal(stalled_need, scheduler.worst_case_step_blocks([fresh], [pending]))
+    out = scheduler.schedule(1)
+    assert ids(out.resumed) == [0] and not scheduler.stalled  # its dead rows went as it started
+    assert scheduler.memory.token_counts([0]).sum() == 0  # nothing computed yet this step
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [(0, pending)] == [(0, 7)]
 
 
 def test_continuous_reserved_admits_while_lifetime_reservations_fit(scheduler_class):
