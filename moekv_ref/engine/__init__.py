@@ -13,9 +13,12 @@ batching.py      BatchingPolicy; continuous batching on the paged pool (continuo
 baseline_batching.py  the benchmark's baselines as batching policies: continuous_reserved, static
 scheduler_config.py  SchedulerConfig: the scheduler's limits and policies; the swap space's rule
 scheduler_output.py  SchedulerOutput: what one step decided
-scheduler.py     Scheduler: the paged loop over integers (reserve per device, preempt, admit)
+scheduler.py     Scheduler: the paged loop over integers (reserve per device, preempt whole
+                 sequences by recompute, admit)
 fits_alone.py    the refusal of a request that might not fit the pool even alone
 prefix_caching_scheduler.py  PrefixCachingScheduler: the Scheduler, starting from cached prefixes
+row_evicting_scheduler.py    RowEvictingScheduler: the Scheduler, dropping single rows (stalls)
+swapping_scheduler.py        SwappingScheduler: the Scheduler, preempting by swap
 scheduler_factory.py  make_scheduler: the one place that chooses the scheduler's class
 model_runner.py  ModelRunner: the swap copies, then one forward_cached over the flat batch
 undo.py          Snapshot: the scheduler's state, restored in place when a step raises
@@ -32,11 +35,13 @@ from .optimistic_reservation import OptimisticReservation
 from .prefix_caching_scheduler import PrefixCachingScheduler
 from .request import Request, RequestOutput, RequestStatus
 from .reservation import ReservationPolicy, WorstCaseReservation
+from .row_evicting_scheduler import RowEvictingScheduler
 from .scheduler import Scheduler
 from .scheduler_config import POLICIES, PREEMPTION_MODES, SchedulerConfig
 from .scheduler_factory import make_scheduler
 from .scheduler_output import SchedulerOutput
 from .swap import BlockCopy, SwapSpace
+from .swapping_scheduler import SwappingScheduler
 from .victims import NewestFirst, VictimPolicy
 
 __all__ = [
@@ -61,12 +66,14 @@ __all__ = [
     "RequestOutput",
     "RequestStatus",
     "ReservationPolicy",
+    "RowEvictingScheduler",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
     "StaticBatching",
     "StepRecord",
     "SwapSpace",
+    "SwappingScheduler",
     "VictimPolicy",
     "WorstCaseReservation",
     "generate_with_engine",

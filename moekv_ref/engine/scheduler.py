@@ -6,7 +6,7 @@ One step, in order (vLLM v1's loop, with MoE-aware memory checks):
     within the step's token limit, reserving what the reservation policy sets aside for them (by
     default the *worst case* of blocks those tokens can open: demand.py). While that does not fit,
     the victim policy picks a running request not yet scheduled this step (the newest, by default),
-    preempted whole, by recompute or by swap (possibly the request itself).
+    preempted whole by recompute (possibly the request itself; swapping_scheduler.py swaps).
  2. If nothing was preempted: the batching policy admits waiting requests, preempted ones first
     (they keep their place in line), within the step's limits, reservation and admission rule.
  3. `update_from_output`: tokens counted as computed, sampled tokens appended, requests at their
