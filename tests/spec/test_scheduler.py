@@ -12,6 +12,7 @@ import moekv_ref.engine.scheduler as scheduler_module
 import moekv_ref.engine.scheduler_factory as scheduler_factory
 from moekv_ref.cache.block_pool import OutOfBlocksError
 from moekv_ref.cache.kv_cache_manager import KVCacheManager
+from moekv_ref.cache.prefix_caching_manager import PrefixCachingKVCacheManager
 from moekv_ref.engine.admission import predicted_peak
 from moekv_ref.engine.demand import (
     DemandPredictor,
@@ -25,6 +26,7 @@ from moekv_ref.engine.demand import (
 )
 from moekv_ref.engine.memory import ModelShape
 from moekv_ref.engine.optimistic_reservation import OptimisticReservation
+from moekv_ref.engine.prefix_caching_scheduler import PrefixCachingScheduler
 from moekv_ref.engine.request import Request, RequestStatus
 from moekv_ref.engine.reservation import Retry, WorstCaseReservation
 from moekv_ref.engine.row_evicting_scheduler import RowEvictingScheduler
@@ -32,6 +34,7 @@ from moekv_ref.engine.scheduler import Scheduler
 from moekv_ref.engine.scheduler_config import SchedulerConfig
 from moekv_ref.engine.scheduler_output import SchedulerOutput
 from moekv_ref.engine.swap import SWAP_IN, SWAP_OUT
+from moekv_ref.engine.swapping_scheduler import SwappingScheduler
 from moekv_ref.engine.undo import Snapshot
 from moekv_ref.engine.victims import RowEviction, Shortage, VictimPolicy
 from moekv_ref.sampling import SamplingParams
@@ -464,6 +467,30 @@ def test_static_batch_is_padded_by_the_policy_and_admits_only_when_done(schedule
 def test_options_that_do_not_apply_or_do_not_exist_are_refused(config, match):
     with pytest.raises(ValueError, match=match):
         SchedulerConfig(**config)
+
+
+def test_make_scheduler_puts_the_variants_a_manager_and_config_need_before_the_plain_class():
+    """scheduler_factory.make_scheduler is the one place that picks a scheduler's class: the plain
+    one (Scheduler, or the trace runner's FastScheduler) alone, or with the variants before it, whose
+    STATE lists every class's; a pair that cannot combine is refused with its reason."""
+    plain = KVCacheManager(NUM_LAYERS, NUM_EXPERTS, BLOCK_SIZE, 40)
+    cached = PrefixCachingKVCacheManager(NUM_LAYERS, NUM_EXPERTS, BLOCK_SIZE, 40)
+    build = scheduler_factory.make_scheduler
+    assert type(build(SchedulerConfig(), plain, SHAPE)) is Scheduler
+    assert type(build(SchedulerConfig(), plain, SHAPE, base=FastScheduler)) is FastScheduler
+    assert type(build(SchedulerConfig(), cached, SHAPE)) is PrefixCachingScheduler
+    swap = SchedulerConfig(preemption_mode="swap", victim="expert_lru")
+    both = type(build(swap, plain, SHAPE, 8, base=FastScheduler))
+    assert both.__mro__[1:4] == (RowEvictingScheduler, SwappingScheduler, FastScheduler)
+    assert {"stalled", "num_swapped_out_blocks", "_fresh_needs"} <= set(both.STATE)
+    assert len(both.STATE) == len(set(both.STATE))
+    fast_cached = type(build(SchedulerConfig(), cached, SHAPE, base=FastScheduler))
+    assert fast_cached.__mro__[1:3] == (PrefixCachingScheduler, FastScheduler)
+    assert {"_hit", "_fresh_needs"} <= set(fast_cached.STATE)
+    with pytest.raises(ValueError, match="drops single rows, which this cache cannot"):
+        build(SchedulerConfig(victim="expert_lru"), cached, SHAPE)  # cached blocks are shared
+    with pytest.raises(ValueError, match="preemption_mode='swap' swaps, which a Scheduler does not"):
+        Scheduler(SchedulerConfig(preemption_mode="swap"), plain, SHAPE, 8)
 
 
 # ----- reservation policies (reservation.py, optimistic_reservation.py) -----------------------------
