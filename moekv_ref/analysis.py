@@ -16,7 +16,7 @@ import torch
 from torch.nn.functional import one_hot
 
 from .cache import BudgetedPagedKVCache, ContiguousKVCache
-from .cache.budget import RowBudget
+from .cache.budget import RowBudget, check_budget_kind
 from .generate import generate
 from .prompts import encode
 from .sampling import SamplingParams
@@ -242,8 +242,7 @@ def budget_map(model, tokens, layer: int, budget: RowBudget) -> tuple[torch.Tens
     (`model(tokens, budget=...)`, whose routing is then the pairs the rows accepted), which the tests
     hold equal to the cache. From layer 1 on, the routing itself is the one under the budget: a token
     refused or evicted below changes the hidden states that later routers see."""
-    if budget is not None and not isinstance(budget, RowBudget):
-        raise ValueError(f"budget={budget!r} is not allowed; allowed: a RowBudget (moekv_ref.cache.budget)")
+    check_budget_kind(budget)
     if budget is None:
         raise ValueError("budget=None: budget_map needs a RowBudget (moekv_ref.cache.budget)")
     config = model.config

@@ -56,6 +56,7 @@ import torch
 from ..state import Stateful
 from ..validation import (
     MAX_INT32,
+    a_type,
     check_choice,
     check_fits_memory,
     check_int,
@@ -276,6 +277,14 @@ class RowBudget(Stateful):
         # a row of n tokens fills exactly its slots 0 .. n - 1 (a row below its budget never lost one)
         filled = torch.arange(self.num_slots)[None, :] < manager.row_tokens[:, None]  # (R, S)
         assert torch.equal(self.slot_position >= 0, filled), "a row's slot positions do not match its count"
+
+
+def check_budget_kind(budget) -> None:
+    """A budget setting is a RowBudget, or None: ValueError naming the value otherwise."""
+    if budget is not None and not isinstance(budget, RowBudget):
+        raise ValueError(
+            f"budget={shown(budget)} is {a_type(budget)}; allowed: a RowBudget (cache/budget.py), or None"
+        )
 
 
 def model_budget(config) -> RowBudget | None:

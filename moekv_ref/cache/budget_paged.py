@@ -23,8 +23,7 @@ import torch
 
 from ..attention import score_dtype
 from ..config import ModelConfig
-from ..validation import a_type, shown
-from .budget import RowBudget, model_budget
+from .budget import RowBudget, check_budget_kind, model_budget
 from .budgeted_manager import BudgetedKVCacheManager
 from .cache_options import CacheOptions, check_cache_options, new_manager
 from .paged import AppendedRows, PagedKVCache
@@ -51,14 +50,6 @@ class BudgetedAppendedRows(AppendedRows):
 
     pairs: torch.Tensor | None = None  # (f,) indices into the call of the pairs appended now
     waiting: list[WaitingPairs] | None = None  # one wave each
-
-
-def check_budget_kind(budget) -> None:
-    """A budget setting is a RowBudget, or None."""
-    if budget is not None and not isinstance(budget, RowBudget):
-        raise ValueError(
-            f"budget={shown(budget)} is {a_type(budget)}; allowed: a RowBudget (cache/budget.py), or None"
-        )
 
 
 def checked_budget(budget, config: ModelConfig) -> RowBudget:

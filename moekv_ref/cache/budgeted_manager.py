@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import torch
 
-from ..validation import a_type, check_ids, shown
-from .budget import RowBudget
+from ..validation import check_ids, shown
+from .budget import RowBudget, check_budget_kind
 from .kv_cache_manager import KVCacheManager
 from .options import ManagerOptions
 
 
 def check_budget(budget, num_layers, num_experts) -> RowBudget:
     """A RowBudget no other manager holds, which the model can have; ValueError otherwise."""
-    if not isinstance(budget, RowBudget):
-        raise ValueError(
-            f"budget={shown(budget)} is {a_type(budget)}; allowed: a RowBudget (cache/budget.py)"
-        )
+    check_budget_kind(budget)
+    if budget is None:
+        raise ValueError("budget=None is not allowed; allowed: a RowBudget (cache/budget.py)")
     if budget.manager is not None:
         raise ValueError(
             f"budget={shown(budget)} already belongs to another KVCacheManager: a budget keeps one "

@@ -15,8 +15,8 @@ for_model stay public.
 from __future__ import annotations
 
 from ..validation import check_flag, known_keywords
-from .budget import RowBudget, model_budget
-from .budget_paged import BudgetedPagedKVCache, check_budget_kind
+from .budget import RowBudget, check_budget_kind, model_budget
+from .budget_paged import BudgetedPagedKVCache
 from .decode_plan import PlannedPagedKVCache
 from .paged import PagedKVCache
 from .prefix_caching_paged import PrefixCachingPagedKVCache
