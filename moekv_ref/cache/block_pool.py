@@ -140,7 +140,7 @@ class BlockPool(Stateful):
         device after device, in one gather from the stacks (the simulator's thousands of blocks a
         step over 64 devices); OutOfBlocksError, changing nothing, when one is short."""
         num_blocks = check_counts_per_device(num_blocks, self.num_devices)
-        self._check_free(num_blocks)
+        self.check_free(num_blocks)
         device = torch.repeat_interleave(torch.arange(self.num_devices), num_blocks)  # (n,)
         rank = torch.arange(device.numel()) - (torch.cumsum(num_blocks, 0) - num_blocks)[device]
         top = self._first_blocks + self._num_free  # (D,)
@@ -210,15 +210,17 @@ class BlockPool(Stateful):
             return block_ids // self._equal_size
         return torch.searchsorted(self._first_blocks, block_ids, right=True) - 1
 
-    def _check_free(self, num_blocks: torch.Tensor) -> None:
-        """OutOfBlocksError naming the first device with fewer free blocks than num_blocks (D,)."""
+    def check_free(self, num_blocks: torch.Tensor) -> None:
+        """OutOfBlocksError naming the first device with fewer free blocks than num_blocks (D,), and
+        the blocks missing on each (`shortfall`)."""
         free = self.num_free_blocks_per_device  # (D,)
         if not bool((num_blocks <= free).all()):
             d = int((num_blocks > free).nonzero()[0])
             where = "" if self.num_devices == 1 else f"device {d} is short: "
             raise OutOfBlocksError(
                 f"{where}need {int(num_blocks[d])} blocks but only {int(free[d])} of "
-                f"{self._device_sizes[d]} are free"
+                f"{self._device_sizes[d]} are free",
+                torch.clamp(num_blocks - free, min=0),
             )
 
     def _checked_ids(self, block_ids) -> torch.Tensor:

@@ -72,7 +72,7 @@ class CachingBlockPool(BlockPool):
         """BlockPool.allocate_per_device, each device evicting its cached-free blocks, LRU first,
         once its stack is empty; the ids device after device, each device's stack ones first."""
         num_blocks = check_counts_per_device(num_blocks, self.num_devices)
-        self._check_free(num_blocks)
+        self.check_free(num_blocks)
         on_stack = torch.minimum(num_blocks, self._num_free)  # (D,)
         from_stack = super().allocate_per_device(on_stack)
         if bool((on_stack == num_blocks).all()):

@@ -363,40 +363,25 @@ class KVCacheManager(Stateful):
         held = ceil_div(old, P)  # (m,) blocks each holds: its first new block's column
         needed = ceil_div(new, P) - held  # (m,) a decode step takes none P - 1 times in P
         growing = needed.nonzero().squeeze(1)  # (c,)
-        device = self.row_device.index_select(0, rows[growing])  # (c,)
-        block_ids = self._take_blocks(device, needed[growing], lambda: f"{int(num_new_tokens.sum())} tokens")
-        if block_ids.numel():
-            # the k-th new block of row i: column ceil(old[i] / P) + k
-            owner, k = ragged_arange(needed[growing])  # (total,) each
-            self.place_blocks(rows[growing][owner], k + held[growing][owner], block_ids)
+        if growing.numel():
+            owners = rows[growing]
+            block_ids = self._take_blocks(self.row_device[owners], needed[growing])  # may raise
+            if block_ids.numel():
+                # the k-th new block of row i: column ceil(old[i] / P) + k
+                owner, k = ragged_arange(needed[growing])  # (total,) each
+                self.place_blocks(owners[owner], k + held[growing][owner], block_ids)
         self.set_row_tokens(rows, new)
         self.last_appended.index_fill_(0, rows[num_new_tokens > 0], self.clock)
         return []
 
-    def _take_blocks(self, device: torch.Tensor, needed: torch.Tensor, appending) -> torch.Tensor:
-        """needed[i] fresh blocks from device device[i], row after row; OutOfBlocksError, changing
-        nothing, when a device is short (naming what it was `appending()`)."""
+    def _take_blocks(self, device: torch.Tensor, needed: torch.Tensor) -> torch.Tensor:
+        """needed[i] fresh blocks from device device[i], row after row; OutOfBlocksError (the pool's,
+        with the blocks missing on each device), changing nothing, when a device is short."""
         per_device = torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, device, needed)  # (D,)
-        self.raise_short(per_device, appending)
-        block_device = torch.repeat_interleave(device, needed)  # (total,)
-        block_ids = torch.empty(block_device.numel(), dtype=torch.int64)
-        # device after device, each device's in row order
-        block_ids[stable_order(block_device)] = self.pool.allocate_per_device(per_device)
+        order = stable_order(torch.repeat_interleave(device, needed))  # the new blocks, device after device
+        block_ids = torch.empty(order.numel(), dtype=torch.int64)
+        block_ids[order] = self.pool.allocate_per_device(per_device)  # each device's in row order
         return block_ids
-
-    def raise_short(self, needed: torch.Tensor, appending) -> None:
-        """OutOfBlocksError naming the first device short of the needed (D,) blocks, and the
-        blocks missing on each (`shortfall`)."""
-        free = self.num_free_blocks_per_device  # (D,)
-        if bool((needed <= free).all()):
-            return
-        d = int((needed > free).nonzero()[0])
-        where = "" if self.num_devices == 1 else f"device {d} is short: "
-        raise OutOfBlocksError(
-            f"{where}appending {appending()} needs {int(needed[d])} blocks there, "
-            f"{int(free[d])} of {int(self.blocks_per_device[d])} are free",
-            torch.clamp(needed - free, min=0),
-        )
 
     def row_slots(self, row: int) -> torch.Tensor:
         return self.rows_slots(torch.tensor([int(row)]))

@@ -238,7 +238,7 @@ def check_distinct_rows(manager, rows: torch.Tensor, call: str) -> None:
     """ValueError unless the rows (held rows, 1-D) are distinct: one mark per row of the manager,
     not a sort (an append of the simulator lists tens of thousands)."""
     marked = torch.zeros(manager.row_tokens.numel(), dtype=torch.bool).index_fill_(0, rows, True)
-    if int(marked.sum()) != rows.numel():
+    if int(marked.count_nonzero()) != rows.numel():
         raise ValueError(f"rows must be distinct within one {call} call")
 
 

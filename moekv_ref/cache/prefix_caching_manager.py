@@ -43,8 +43,8 @@ class PrefixCachingKVCacheManager(KVCacheManager):
     def _make_pool(self, options: ManagerOptions) -> CachingBlockPool:
         return CachingBlockPool(options=options)
 
-    def _take_blocks(self, device: torch.Tensor, needed: torch.Tensor, appending) -> torch.Tensor:
-        block_ids = super()._take_blocks(device, needed, appending)
+    def _take_blocks(self, device: torch.Tensor, needed: torch.Tensor) -> torch.Tensor:
+        block_ids = super()._take_blocks(device, needed)
         self.prefix_cache.clear_positions(block_ids)  # their slots hold no position yet
         return block_ids
 
@@ -71,9 +71,7 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         rows = self.index.sequence_rows(torch.tensor([index]))[0]  # (L*E,)
         try:
             copied = rows[copied_rows]
-            fresh = self._take_blocks(
-                self.row_device[copied], one_each, lambda: f"the copies of {one_each.numel()} rows"
-            )
+            fresh = self._take_blocks(self.row_device[copied], one_each)
         except OutOfBlocksError:
             self.free(seq_id)
             raise

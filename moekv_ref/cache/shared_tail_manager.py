@@ -130,7 +130,7 @@ class SharedTailKVCacheManager(KVCacheManager):
         P = self.block_size
         D = self.num_devices
         needed = self.blocks_needed_per_device(rows, num_new_tokens)
-        self.raise_short(needed, lambda: f"{int(num_new_tokens.sum())} tokens")
+        self.pool.check_free(needed)
         old = self.row_tokens[rows]
         new = old + num_new_tokens
         groups = self.group_of_rows(rows)

@@ -55,7 +55,7 @@ class CountingBlockPool(BlockPool):
         """num_blocks (D,) blocks of each device counted as lent; OutOfBlocksError, changing
         nothing, when one is short."""
         num_blocks = check_counts_per_device(num_blocks, self.num_devices)
-        self._check_free(num_blocks)
+        self.check_free(num_blocks)
         self._num_free -= num_blocks
 
     def free_per_device(self, num_blocks: torch.Tensor) -> None:
@@ -141,8 +141,8 @@ class CountingKVCacheManager(KVCacheManager):
         return index
 
     def set_row_tokens(self, rows, counts) -> None:
-        """KVCacheManager.set_row_tokens, the slot tables following (`_count`); a freed sequence's
-        slot zeroed at once."""
+        """KVCacheManager.set_row_tokens, the slot tables following over the rows that reach a
+        multiple of P (`_crossing`); a freed sequence's slot zeroed at once."""
         if isinstance(rows, slice):
             super().set_row_tokens(rows, counts)
             index = rows.start // self.rows_per_seq
@@ -151,34 +151,56 @@ class CountingKVCacheManager(KVCacheManager):
             self.count_blocks[index] = 0
             return
         old = self.row_tokens[rows]  # (m,)
-        crossing = self._crossing(old, counts)
-        self._count(rows, old, counts, crossing, self.row_device[rows[crossing]])
+        crossing = self._crossing(old, counts)  # (c,)
+        self.row_tokens.index_copy_(0, rows, counts)
+        moved = rows[crossing]
+        self._count(moved, old[crossing], counts[crossing], self.row_device[moved])
+
+    def grow_trace_rows(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> None:
+        """grow_rows for the trace runner's appends, without grow_rows' checks of the rows: the runner
+        builds them from its trace, one per (held sequence, layer, expert) and so distinct (checking
+        that took a third of a step at 64 experts: a mark over every row of the manager). The
+        runner's comparisons with the plain manager (tests/spec/test_sim_fast_paths.py) hold it."""
+        self._grow(rows, num_new_tokens)
+
+    def grow_decode_rows(self, rows: torch.Tensor) -> None:
+        """grow_trace_rows with one token for each row (a step where every request decodes): a row
+        then crosses a block boundary where its new count is 0 or 1 modulo P, one test per row."""
+        P = self.block_size
+        new = self.row_tokens.index_select(0, rows).add_(1)  # (m,)
+        crossing = (new & (P - 1)).le_(1).nonzero().squeeze(1)  # (c,)
+        self._grow_crossing(rows, new, crossing, new[crossing] - 1)
+        self.last_appended.index_fill_(0, rows, self.clock)
 
     def _grow(self, rows: torch.Tensor, num_new_tokens: torch.Tensor) -> list:
         """KVCacheManager._grow worked out over the few rows whose range reaches a multiple of P
-        (`_crossing`: about 2 rows in P at a decode step), the only ones that can take a block or
-        change a slot table; the rest only change row_tokens."""
-        P = self.block_size
+        (about 2 rows in P at a decode step), the only ones that can take a block or change a slot
+        table; the rest only change row_tokens."""
+        shift = self.block_size.bit_length() - 1  # P is a power of two
         old = self.row_tokens.index_select(0, rows)  # (m,)
         new = old + num_new_tokens
-        crossing = self._crossing(old, new)  # (c,)
-        device = self.row_device.index_select(0, rows[crossing])  # (c,)
-        needed = ceil_div(new[crossing], P) - ceil_div(old[crossing], P)  # (c,)
-        self._take_blocks(device, needed, lambda: f"{int(num_new_tokens.sum())} tokens")
-        self._count(rows, old, new, crossing, device)
+        crossing = ((old - 1) >> shift).ne_(new >> shift).nonzero().squeeze(1)  # (c,) _crossing, new >= old
+        self._grow_crossing(rows, new, crossing, old[crossing])
         self.last_appended.index_fill_(0, rows[num_new_tokens > 0], self.clock)
         return []
 
-    def _count(self, rows, old, new, crossing, device) -> None:
-        """row_tokens[rows] = new, and the slot tables over the crossing rows (on `device`)."""
+    def _grow_crossing(self, rows, new, crossing, old_crossing) -> None:
+        """The rows now hold `new`; the crossing ones (holding old_crossing before) take their blocks,
+        and the slot tables follow them. OutOfBlocksError, changing nothing, when a device is short."""
+        P = self.block_size
+        moved = rows[crossing]
+        device = self.row_device.index_select(0, moved)  # (c,)
+        new_crossing = new[crossing]
+        self._take_blocks(device, ceil_div(new_crossing, P) - ceil_div(old_crossing, P))
+        self.row_tokens.index_copy_(0, rows, new)
+        self._count(moved, old_crossing, new_crossing, device)
+
+    def _count(self, rows, old, new, device) -> None:
+        """The slot tables, rows (on `device`) going from old to new tokens."""
         P = self.block_size
         L = self.num_layers
         E = self.num_experts
         D = self.num_devices
-        self.row_tokens.index_copy_(0, rows, new)
-        rows = rows[crossing]
-        old = old[crossing]
-        new = new[crossing]
         where = (rows // E) * D + device  # (slot * L + layer) * D + device
         opened = ((new & (P - 1)) == 0).to(torch.int32) - ((old & (P - 1)) == 0).to(torch.int32)
         self.open_rows.view(-1).index_add_(0, where, opened)
@@ -215,11 +237,10 @@ class CountingKVCacheManager(KVCacheManager):
     def num_blocks_of_sequence(self, seq_id: int) -> int:
         return int(self.count_blocks[self.seq_index(seq_id)].sum())
 
-    def _take_blocks(self, device: torch.Tensor, needed: torch.Tensor, appending) -> torch.Tensor:
+    def _take_blocks(self, device: torch.Tensor, needed: torch.Tensor) -> torch.Tensor:
         """The needed blocks counted as lent on their rows' devices, per device; no ids (an empty
         tensor, so no table entry is written). OutOfBlocksError, changing nothing, when short."""
         per_device = torch.zeros(self.num_devices, dtype=torch.int64).index_add_(0, device, needed)
-        self.raise_short(per_device, appending)
         self.pool.allocate_per_device(per_device)
         return NO_IDS
 

@@ -372,6 +372,10 @@ class TraceRunner:
         if cached:  # which chunks each block spans, as the paged cache records them
             allocation = manager.allocate_slots(rows, hits)
             manager.prefix_cache.record_positions(allocation.slot_mapping, torch.cat(positions))
+        elif isinstance(manager, CountingKVCacheManager) and bool(decode.all()):
+            manager.grow_decode_rows(rows)  # the trace's rows (distinct, held), one token each
+        elif isinstance(manager, CountingKVCacheManager):
+            manager.grow_trace_rows(rows, hits)
         else:
             manager.grow_rows(rows, hits)
         return per_layer

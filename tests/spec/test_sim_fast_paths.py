@@ -212,8 +212,9 @@ def test_manager_tables_follow_row_tokens_and_a_missed_update_is_caught():
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_tables_updated_over_the_crossing_rows_equal_a_recount(block_size, monkeypatch):
     """Random appends (one token each and several), frees of sequences and of single rows: after
-    each, open_rows and count_blocks equal their recount from row_tokens (assert_consistent). A
-    _crossing that misses one row breaks the same run."""
+    each, open_rows and count_blocks equal their recount from row_tokens (assert_consistent), by
+    each of the counting manager's appends (grow_rows, grow_trace_rows, grow_decode_rows). An update
+    that misses one crossing row breaks the same run."""
 
     def run() -> None:
         generator = torch.Generator().manual_seed(block_size)
@@ -227,8 +228,10 @@ def test_tables_updated_over_the_crossing_rows_equal_a_recount(block_size, monke
             rows = torch.arange(slot * manager.rows_per_seq, (slot + 1) * manager.rows_per_seq)
             rows = rows[torch.randperm(rows.numel(), generator=generator)[: 1 + step % rows.numel()]]
             if step % 3 == 0:
-                counts = torch.ones_like(rows)
-                manager.grow_rows(rows, counts)
+                manager.grow_decode_rows(rows)  # one token each
+            elif step % 3 == 1:
+                counts = torch.randint(0, 2 * block_size + 2, (rows.numel(),), generator=generator)
+                manager.grow_trace_rows(rows, counts)
             else:
                 counts = torch.randint(0, 2 * block_size + 2, (rows.numel(),), generator=generator)
                 manager.grow_rows(rows, counts)
@@ -240,9 +243,11 @@ def test_tables_updated_over_the_crossing_rows_equal_a_recount(block_size, monke
             manager.assert_consistent()
 
     run()
-    crossing = CountingKVCacheManager._crossing
+    count = CountingKVCacheManager._count  # the slot tables' update misses one crossing row
     monkeypatch.setattr(
-        CountingKVCacheManager, "_crossing", lambda self, old, new: crossing(self, old, new)[1:]
+        CountingKVCacheManager,
+        "_count",
+        lambda self, rows, old, new, device: count(self, rows[1:], old[1:], new[1:], device[1:]),
     )
     with pytest.raises(AssertionError):  # the tables, or the blocks of the row it missed
         run()
@@ -489,8 +494,8 @@ def test_a_miscounted_block_changes_the_decisions_or_is_caught(broken, monkeypat
         )
     elif broken == "take_blocks":  # the first row taking blocks takes one more
 
-        def one_more(self, device, needed, appending):
-            return take_blocks(self, device, needed + (torch.arange(needed.numel()) == 0), appending)
+        def one_more(self, device, needed):
+            return take_blocks(self, device, needed + (torch.arange(needed.numel()) == 0))
 
         monkeypatch.setattr(CountingKVCacheManager, "_take_blocks", one_more)
     elif broken == "return_row_blocks":  # evicted rows give one block fewer back than they held
