@@ -141,10 +141,12 @@ class BlockPool(Stateful):
         step over 64 devices); OutOfBlocksError, changing nothing, when one is short."""
         num_blocks = check_counts_per_device(num_blocks, self.num_devices)
         self.check_free(num_blocks)
-        device = torch.repeat_interleave(torch.arange(self.num_devices), num_blocks)  # (n,)
-        rank = torch.arange(device.numel()) - (torch.cumsum(num_blocks, 0) - num_blocks)[device]
-        top = self._first_blocks + self._num_free  # (D,)
-        block_ids = self._free_stack[top[device] - 1 - rank]  # popped from the end, as allocate does
+        # device d's k-th block is its stack's top - k; the n blocks' positions, device after device:
+        # each device's top, less the blocks handed out before it, repeated, less 0, 1, 2, ...
+        total = int(num_blocks.sum())
+        top = self._first_blocks + self._num_free - 1 + torch.cumsum(num_blocks, 0) - num_blocks  # (D,)
+        position = torch.repeat_interleave(top, num_blocks, output_size=total) - torch.arange(total)  # (n,)
+        block_ids = self._free_stack[position]  # popped from the end, as allocate does
         self._num_free -= num_blocks
         self.ref_cnt[block_ids] = 1
         return block_ids

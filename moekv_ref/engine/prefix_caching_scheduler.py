@@ -67,7 +67,7 @@ class PrefixCachingScheduler(Scheduler):
         hit = self.prefix_hit(request)
         if hit is not None:
             need = self.hit_step_blocks(hit, min(request.num_tokens - hit.num_tokens, token_budget))
-            if self.fits(reserved + need):
+            if self.fits((reserved + need).tolist()):
                 self._hit = (request.request_id, hit)
                 return True
             # the hit holds more free blocks than it saves now (cached-free blocks it shares, copy

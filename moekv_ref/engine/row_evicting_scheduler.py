@@ -81,7 +81,7 @@ class RowEvictingScheduler(Scheduler):
             return super().head_fits(request, reserved, token_budget)
         need = self.step_blocks(request, min(request.num_pending_tokens, token_budget))
         need = need - self.memory.blocks_held_per_device(request.request_id)
-        return self.fits(reserved + need)
+        return self.fits((reserved + need).tolist())
 
     def start_head(self, out: SchedulerOutput) -> Request:
         """Scheduler.start_head; a stalled one without its dead rows."""

@@ -178,31 +178,34 @@ class Scheduler(Stateful):
         """Step 1 of the module docstring: the running requests, oldest first, each given its planned
         tokens (needs[i], (D,), reserved for them) while they fit on top of `reserved`, victims
         preempted until they do. Returns the step's reservation and the tokens it may still run."""
-        planned_needs = dict(zip(map(id, self.running), zip(planned, needs)))
+        # integers per device, not tensors: a decode step asks this once per running request
+        planned_needs = dict(zip(map(id, self.running), zip(planned, needs.tolist())))
+        reserved = reserved.tolist()
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.current = self.running[i]
             num_tokens = min(request.num_pending_tokens, token_budget)
             planned, need = planned_needs[id(request)]
             if planned != num_tokens:
-                need = self.step_blocks(request, num_tokens)
-            while not self.fits(reserved + need):
-                device, shortage = self._shortage(reserved + need, need)
-                if self.free_idle_blocks(device):
-                    continue  # blocks no request needs went first: look again
+                need = self.step_blocks(request, num_tokens).tolist()
+            demand = [r + n for r, n in zip(reserved, need)]
+            while not self.fits(demand):
+                device, shortage = self._shortage(torch.tensor(demand), torch.tensor(need))
+                freed_idle = self.free_idle_blocks(device)  # blocks no request needs go first
                 candidates = self.running[i:]  # not yet scheduled this step
-                if shortfall is not None and i == 0 and len(candidates) == 1:
-                    reserved = torch.zeros_like(reserved)  # the oldest alone fits (check_fits_alone)
+                if not freed_idle and shortfall is not None and i == 0 and len(candidates) == 1:
+                    demand = list(need)  # the oldest alone fits (check_fits_alone)
                     continue
-                if self._take_victim(candidates, device, shortage, out) is request:
+                victim = None if freed_idle else self._take_victim(candidates, device, shortage, out)
+                if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue  # it was the victim: running[i] is the next one
-            self.schedule_tokens(out, request, num_tokens, int(need.sum()))
-            reserved = reserved + need
+            self.schedule_tokens(out, request, num_tokens, sum(need))
+            reserved = demand
             token_budget -= num_tokens
             i += 1
-        return reserved, token_budget
+        return torch.tensor(reserved, dtype=torch.int64), token_budget
 
     def _take_victim(self, candidates: list[Request], device: int, shortage: Shortage, out) -> Request:
         """The victim policy's choice among the candidates, taken off and recorded in
@@ -244,8 +247,9 @@ class Scheduler(Stateful):
         )
 
     # ----- the step's reservation: a (D,) vector, D = 1 for one pool ------------------------------
-    def fits(self, demand: torch.Tensor) -> bool:
-        return bool((demand <= self.memory.num_free_blocks_per_device).all())
+    def fits(self, demand: list[int]) -> bool:
+        """Whether demand[d] blocks fit device d's free blocks, on every device."""
+        return all(d <= f for d, f in zip(demand, self.memory.num_free_blocks_per_device.tolist()))
 
     def _shortage(self, demand: torch.Tensor, need: torch.Tensor) -> tuple[int, Shortage]:
         """The device short by the most blocks, and a Shortage naming it for the victim policy."""
@@ -262,7 +266,7 @@ class Scheduler(Stateful):
         """Would the head of the waiting line's next tokens fit every device beside the step's
         `reserved`?"""
         need = self.step_blocks(request, min(request.num_pending_tokens, token_budget))
-        return self.fits(reserved + need)
+        return self.fits((reserved + need).tolist())
 
     def start_head(self, out: SchedulerOutput) -> Request:
         """The head of the waiting line starts running."""

@@ -345,7 +345,8 @@ def test_ragged_arange_numbers_each_owners_entries():
 
 def test_stable_order_is_the_stable_argsort_and_takes_numpys_radix_sort(monkeypatch):
     """Many ties (64 devices over 3,000 keys), so an unstable sort would differ; keys past 2**16 go
-    to torch's sort. A numpy argsort that reverses its answer breaks the small keys only."""
+    to torch's sort, as do a few keys. A numpy argsort that reverses its answer breaks the many
+    small keys only."""
     generator = torch.Generator().manual_seed(4)
     small = torch.randint(0, 64, (3000,), generator=generator)
     large = torch.randint(0, 2**20, (3000,), generator=generator) % 7 * 2**17
@@ -355,6 +356,7 @@ def test_stable_order_is_the_stable_argsort_and_takes_numpys_radix_sort(monkeypa
     monkeypatch.setattr(rows_module.np, "argsort", lambda a, kind: real(a, kind=kind)[::-1].copy())
     assert not torch.equal(stable_order(small), torch.argsort(small, stable=True))
     assert torch.equal(stable_order(large), torch.argsort(large, stable=True))
+    assert torch.equal(stable_order(small[:100]), torch.argsort(small[:100], stable=True))  # torch's
 
 
 def test_a_sequences_blocks_gathered_row_by_row_equal_the_masked_table():
