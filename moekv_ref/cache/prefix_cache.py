@@ -117,10 +117,6 @@ class PrefixCache(Stateful):
     def record_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         self.block_positions.view(-1)[slots] = positions
 
-    def clear_positions(self, block_ids: torch.Tensor) -> None:
-        """Fresh blocks: their slots hold no position yet."""
-        self.block_positions[block_ids] = -1
-
     def restore_positions(self, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Blocks back from the swap space hold the positions (b, P) they held before."""
         self.block_positions[block_ids] = positions

@@ -5,7 +5,7 @@ What it adds to the plain manager:
 - its pool is a CachingBlockPool (caching_block_pool.py): freed blocks that hold a known prefix wait
   in an LRU queue instead of the free stack;
 - it keeps a PrefixCache (prefix_cache.py), the index from token prefixes to blocks, told of every
-  fresh block (whose slots hold no position yet), every freed sequence and every evicted block;
+  freed sequence and every evicted block;
 - a new sequence may start from shared and copied blocks (`start_from_blocks`, a prefix hit);
 - the block changes the index asks for (`mark_cached`, `uncache`, `reuse`, `release`), so that only
   the manager changes its pool.
@@ -42,11 +42,6 @@ class PrefixCachingKVCacheManager(KVCacheManager):
 
     def _make_pool(self, options: ManagerOptions) -> CachingBlockPool:
         return CachingBlockPool(options=options)
-
-    def _take_blocks(self, device: torch.Tensor, needed: torch.Tensor) -> torch.Tensor:
-        block_ids = super()._take_blocks(device, needed)
-        self.prefix_cache.clear_positions(block_ids)  # their slots hold no position yet
-        return block_ids
 
     def free(self, seq_id: int) -> None:
         super().free(seq_id)

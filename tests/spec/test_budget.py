@@ -424,3 +424,32 @@ def test_heavy_hitter_keeps_the_most_attended_and_the_newest_half():
     assert manager.budget.kept_positions([row]) == [[1, 2, 3, 4]]
     assert _feed(manager, row, [5]) == [1]  # newest 4 and 3; token 1 (0.7 < 0.9) leaves
     assert manager.budget.kept_positions([row]) == [[2, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("policy", BUDGET_POLICIES)
+def test_a_budgeted_manager_counts_the_blocks_an_append_takes_up_to_each_rows_budget(policy):
+    """blocks_needed_per_device (what can_allocate asks) equals the blocks allocate_within_budget
+    then takes, on random one-token appends to rows of per-layer budgets: a full row keeps its
+    blocks (its newcomer replaces a token, or is refused), so it needs none however many tokens
+    arrive."""
+    generator = torch.Generator().manual_seed(len(policy))
+    manager = BudgetedKVCacheManager(
+        2, 4, 4, blocks_per_device=[60, 60], device_of_expert=[0, 1, 1, 0], budget=RowBudget([5, 8], policy)
+    )
+    for seq in range(3):
+        manager.add_sequence(seq)
+    full_rows_seen = 0
+    for step in range(60):
+        layer = step % 2
+        rows = manager.rows([0, 1, 2], layer, torch.randint(0, 4, (3,), generator=generator))
+        positions = manager.last_position[rows] + 1
+        scores = torch.rand(3, generator=generator, dtype=torch.float64)
+        limits = torch.tensor([5, 8])[layer]
+        full_rows_seen += int((manager.row_tokens[rows] == limits).sum())
+        needed = manager.blocks_needed_per_device(rows, torch.ones(3, dtype=torch.int64))  # (D,)
+        free = manager.num_free_blocks_per_device
+        manager.allocate_within_budget(rows, positions, scores)
+        assert torch.equal(free - manager.num_free_blocks_per_device, needed)
+        assert manager.can_allocate(rows, torch.full((3,), 10))  # past the budget: the budget's blocks
+        manager.assert_consistent()
+    assert full_rows_seen > 0  # the budget bound
