@@ -1,5 +1,6 @@
-"""Optimistic reservation: a step reserves what its tokens are expected to take, not the most they
-could, and a step that runs short is undone and scheduled again.
+"""OptimisticReservation: a ReservationPolicy (reservation.py) that, instead of WorstCaseReservation's
+most a step's tokens could take, reserves what they are expected to take, and answers a step that
+runs short with a Retry: the step is undone and scheduled again.
 
 A decode token reserves nothing (its blocks are found as the routers decide) and a prefill or
 recompute chunk the blocks the predictor expects of it, spread over the devices by their share of
