@@ -123,7 +123,7 @@ def test_bad_input_leaves_everything_unchanged():
     rows = manager.rows([0], 1, 2)
     assert manager.blocks_needed_per_device(rows, torch.tensor([16])).tolist() == [4]
     assert not manager.can_allocate(rows, torch.tensor([16]))
-    with pytest.raises(OutOfBlocksError, match="needs 4 blocks there, 3 of 6 are free"):
+    with pytest.raises(OutOfBlocksError, match="need 4 blocks but only 3 of 6 are free"):
         manager.allocate_slots(rows, torch.tensor([16]))
     assert unchanged()
     with pytest.raises(ValueError, match="distinct"):
