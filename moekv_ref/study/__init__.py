@@ -1,0 +1,6 @@
+"""A study of KV budgets on a task where context matters: recall of values assigned far back.
+
+recall_task.py builds the windows and scores them, train_fast.py trains the one model code through a
+fused causal attention (with an optional sliding window); the program apps/study_pilot.py checks
+that dense attention learns the task before any budget is compared on it.
+"""
