@@ -19,6 +19,7 @@ the command again continues where it stopped (`--fresh` starts over).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import platform
@@ -33,7 +34,7 @@ from .. import jsonout
 from ..config import get_config
 from ..model import MoEKVTransformer
 from ..study import recall_task
-from ..study.recall_task import FULL, SHORT, Scores, batch, make_windows
+from ..study.recall_task import DRILL, FULL, SHORT, Scores, batch, make_windows
 from ..study.train_fast import fast_forward, train
 from . import options
 from .capacity import DENSE
@@ -84,32 +85,40 @@ def run_pilot(args) -> dict:
     train_bytes, valid_bytes = stdlib_corpus()
     torch.manual_seed(args.seed)
     model = MoEKVTransformer(dense_config())
-    total = args.short_steps + args.steps
+    stages = [
+        (args.drill_steps, DRILL, args.short_batch_size),
+        (args.short_steps, SHORT, args.short_batch_size),
+    ]
+    stages.append((args.steps, FULL, args.batch_size))
+    total = sum(steps for steps, _, _ in stages)
+
+    def stage_of(step):
+        """(spec, batch size, index of the step in its stage) of a step."""
+        for steps, spec, size in stages:
+            if step < steps:
+                return spec, size, step
+            step -= steps
+        raise ValueError(f"step={step} is past the plan")
 
     def next_batch(step):
-        if step < args.short_steps:
-            count, spec, first = args.short_batch_size, SHORT, step * args.short_batch_size
-        else:
-            count, spec, first = args.batch_size, FULL, (step - args.short_steps) * args.batch_size
-        x, y, _, _ = batch(make_windows(train_bytes, "train", args.seed, first, count, spec))
-        return x, y
+        spec, count, index = stage_of(step)
+        x, y, probe, _ = batch(make_windows(train_bytes, "train", args.seed, index * count, count, spec))
+        return x, y, 1 + (args.probe_weight - 1) * probe.double()
 
     done = torch.load(state_path, weights_only=True)["step"] if state_path.exists() else 0
     timing = results.get("training", {"seconds": 0.0, "bytes": 0})
     plans = results.setdefault("plans", [])  # a resumed run given other step counts: when, and what
-    if not plans or (plans[-1]["short_steps"], plans[-1]["steps"]) != (args.short_steps, args.steps):
-        plans.append({"from_step": int(done), "short_steps": args.short_steps, "steps": args.steps})
+    plan = {k: getattr(args, k) for k in ("drill_steps", "short_steps", "steps", "probe_weight")}
+    if not plans or {k: plans[-1].get(k) for k in plan} != plan:
+        plans.append({"from_step": int(done), **plan})
     bar = tqdm(total=total, initial=min(done, total), desc="train dense", unit="step")
     last = [time.time()]
 
     def on_step(step, loss):
         now = time.time()
         timing["seconds"] += now - last[0]
-        timing["bytes"] += (
-            SHORT.window * args.short_batch_size
-            if step <= args.short_steps
-            else FULL.window * args.batch_size
-        )
+        spec, count, _ = stage_of(step - 1)
+        timing["bytes"] += spec.window * count
         last[0] = now
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
@@ -179,14 +188,19 @@ def report(args, results, probes) -> dict:
             "corpus": "CPython stdlib top-level *.py (apps/train.py): train files / every 20th file held out",
         },
         "curriculum": {
-            "short_steps": args.short_steps,
-            "short_batch_size": args.short_batch_size,
-            "short_spec": {
-                "window": SHORT.window,
-                "assignments_per_window": list(SHORT.num_assignments),
-                "distances": list(SHORT.distances),
-            },
-            "steps": args.steps,
+            "stages": [
+                {"name": name, "steps": steps, "batch_size": size, **dataclasses.asdict(spec)}
+                for name, (steps, spec, size) in zip(
+                    ("drill", "short", "full"),
+                    [
+                        (args.drill_steps, DRILL, args.short_batch_size),
+                        (args.short_steps, SHORT, args.short_batch_size),
+                        (args.steps, FULL, args.batch_size),
+                    ],
+                )
+            ],
+            "probe_weight": args.probe_weight,
+            "probe_weight_rule": "training loss: mean over targets weighted 1, the asserts' value bytes probe_weight",
             "batch_size": args.batch_size,
             "lr": args.lr,
             "seed": args.seed,
@@ -218,9 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path("figures") / "study_recall_pilot.json")
     parser.add_argument("--runs", type=Path, default=Path("runs") / "study_recall_pilot")
-    parser.add_argument("--short-steps", type=int, default=600)
+    parser.add_argument("--drill-steps", type=int, default=2000)
+    parser.add_argument("--short-steps", type=int, default=400)
     parser.add_argument("--short-batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--probe-weight", type=float, default=4.0)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -232,8 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """Every count, and --json (written after the training), checked before anything runs."""
-    for name in ("short_steps", "steps", "short_batch_size", "batch_size", "probe_windows"):
-        least = 0 if name == "short_steps" else 1
+    for name in ("drill_steps", "short_steps", "steps", "short_batch_size", "batch_size", "probe_windows"):
+        least = 0 if name in ("drill_steps", "short_steps") else 1
         if getattr(args, name) < least:
             raise ValueError(
                 f"--{name.replace('_', '-')}={getattr(args, name)} is not allowed; allowed: >= {least}"

@@ -56,17 +56,22 @@ ASSERT_LENGTH = len(assert_line("_v00", "abc"))
 
 @dataclass(frozen=True)
 class RecallSpec:
-    """The shape of a task's windows. FULL is the task; SHORT, a quarter of its length with shorter
-    distances, is a curriculum's first stage."""
+    """The shape of a task's windows. FULL is the task; DRILL and SHORT, a quarter of its length with
+    shorter distances, are a curriculum's first stages."""
 
     window: int = 1024
     num_assignments: tuple[int, int] = (6, 8)  # m, both ends included
     assign_end: int = 700  # every assignment's value lies before this byte
     assert_start: int = 1024 - 300  # every assert's value lies at or after this byte
     distances: tuple[int, int] = (300, 1000)  # first value byte to its assert's, both ends included
+    stacked: bool = False  # whether several lines may go in at one line start (one after another)
 
 
 FULL = RecallSpec()
+# a curriculum's drill: as many assignments as 256 bytes hold, stacked, next to little corpus text
+DRILL = RecallSpec(
+    window=256, num_assignments=(5, 7), assign_end=128, assert_start=128, distances=(20, 250), stacked=True
+)
 SHORT = RecallSpec(window=256, num_assignments=(2, 3), assign_end=150, assert_start=176, distances=(40, 250))
 
 
@@ -120,10 +125,18 @@ def make_window(
         # asserts, at p + m * ASSIGN_LENGTH + j * ASSERT_LENGTH + ASSERT_VALUE_OFFSET
         early = [p for p in starts if p + (m - 1) * ASSIGN_LENGTH + ASSIGN_VALUE_OFFSET < spec.assign_end]
         late = [p for p in starts if p + m * ASSIGN_LENGTH + ASSERT_VALUE_OFFSET >= spec.assert_start]
-        if len(early) < m or len(late) < m or max(early) >= min(late):
-            continue
-        assign_at = sorted(rng.sample(early, m))
-        assert_at = sorted(rng.sample(late, m))
+        if spec.stacked:
+            if not early or not late:
+                continue
+            assign_at = sorted(rng.choices(early, k=m))
+            assert_at = sorted(rng.choices(late, k=m))
+            if assign_at[-1] > assert_at[0]:
+                continue
+        else:
+            if len(early) < m or len(late) < m or max(early) >= min(late):
+                continue
+            assign_at = sorted(rng.sample(early, m))
+            assert_at = sorted(rng.sample(late, m))
         assign_positions = [p + k * ASSIGN_LENGTH + ASSIGN_VALUE_OFFSET for k, p in enumerate(assign_at)]
         slot_positions = [
             p + m * ASSIGN_LENGTH + j * ASSERT_LENGTH + ASSERT_VALUE_OFFSET for j, p in enumerate(assert_at)

@@ -111,12 +111,13 @@ def train(
     save_every: int = 50,
     on_step=None,
 ) -> int:
-    """Train model in place for num_steps. next_batch(step) -> (x, y) (B, T) int64 must depend on the
-    step alone, so that a resumed run sees the batches it would have. With state_path, the model,
-    optimizer and step are saved there every save_every steps and at the end, and a run finding the
-    file continues from it. balance_loss(routing) -> scalar, if given, is added for every router,
-    times balance_weight (apps/train.py's load_balancing_loss). on_step(step, loss) after every step.
-    Returns the steps taken in all."""
+    """Train model in place for num_steps. next_batch(step) -> (x, y) (B, T) int64, or (x, y, weights)
+    with each target's weight (B, T), must depend on the step alone, so that a resumed run sees the
+    batches it would have. With state_path, the model, optimizer and step are saved there every
+    save_every steps and at the end, and a run finding the file continues from it.
+    balance_loss(routing) -> scalar, if given, is added for every router, times balance_weight
+    (apps/train.py's load_balancing_loss). on_step(step, loss) after every step. Returns the steps
+    taken in all."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     step = 0
     if state_path is not None and Path(state_path).exists():
@@ -135,9 +136,13 @@ def train(
     while step < num_steps:
         for group in optimizer.param_groups:  # warm-up then cosine, as apps/train.py's fit
             group["lr"] = lr * min(1.0, step / warmup) * 0.5 * (1 + math.cos(math.pi * step / num_steps))
-        x, y = next_batch(step)
+        x, y, *weights = next_batch(step)
         output = fast_forward(model, x)
-        loss = F.cross_entropy(output.logits.flatten(0, 1), y.flatten())
+        if weights:  # each target's weight (B, T): a weighted mean
+            nats = F.cross_entropy(output.logits.flatten(0, 1), y.flatten(), reduction="none")
+            loss = (nats * weights[0].flatten()).sum() / weights[0].sum()
+        else:
+            loss = F.cross_entropy(output.logits.flatten(0, 1), y.flatten())
         total = loss
         if balance_loss is not None:
             total = loss + balance_weight * sum(

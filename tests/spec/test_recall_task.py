@@ -18,13 +18,14 @@ from moekv_ref.study.recall_task import (
     ASSERT_VALUE_OFFSET,
     ASSIGN_LENGTH,
     ASSIGN_VALUE_OFFSET,
+    DRILL,
     FULL,
     SHORT,
     Scores,
     batch,
     make_windows,
 )
-from moekv_ref.study.train_fast import attention_mask, fast_forward
+from moekv_ref.study.train_fast import attention_mask, fast_forward, train
 
 NUM_WINDOWS = 60
 
@@ -39,7 +40,7 @@ def windows(splits):
     """Windows of both splits and both shapes, with the source each was drawn from."""
     train, valid = splits
     drawn = []
-    for spec in (FULL, SHORT):
+    for spec in (FULL, SHORT, DRILL):
         drawn += [(w, train, spec) for w in make_windows(train, "train", 3, 0, NUM_WINDOWS, spec)]
         drawn += [(w, valid, spec) for w in make_windows(valid, "validation", 3, 0, 12, spec, exclude=train)]
     return drawn
@@ -221,11 +222,12 @@ def test_the_pilot_writes_its_numbers_and_resumes(tmp_path):
     from moekv_ref.apps import study_pilot
 
     out = tmp_path / "figures" / "pilot.json"
-    argv = ["--json", str(out), "--runs", str(tmp_path / "runs"), "--short-steps", "1", "--steps", "1"]
+    argv = ["--json", str(out), "--runs", str(tmp_path / "runs"), "--drill-steps", "1", "--short-steps", "1"]
+    argv += ["--steps", "1"]
     argv += ["--short-batch-size", "2", "--batch-size", "1", "--probe-windows", "2", "--windows", "4", "2048"]
     assert study_pilot.main(argv) == 0
     first = json.loads(out.read_text())
-    assert first["training"]["bytes"] == 2 * SHORT.window + FULL.window
+    assert first["training"]["bytes"] == 2 * DRILL.window + 2 * SHORT.window + FULL.window
     assert [r["window"] for r in first["window_sweep"]] == [4, 2048]
     assert first["window_sweep"][1]["retrieval_accuracy"] == first["full_attention"]["retrieval_accuracy"]
     assert first["full_attention"]["probe_bytes"] == 3 * first["full_attention"]["probe_values"]
@@ -234,3 +236,18 @@ def test_the_pilot_writes_its_numbers_and_resumes(tmp_path):
     assert json.loads(out.read_text())["training"] == first["training"]
     with pytest.raises(SystemExit):
         study_pilot.main([*argv, "--steps", "0"])
+
+
+def test_weighted_training_weighs_the_targets():
+    """Weights of one train as no weights; other weights train otherwise."""
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(5))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    heavier = torch.ones(y.shape, dtype=torch.float64)
+    heavier[:, -3:] = 4
+    trained = []
+    for batch_of in (lambda s: (x, y), lambda s: (x, y, torch.ones(y.shape)), lambda s: (x, y, heavier)):
+        model = model_of("dense").float()
+        train(model, batch_of, 2, warmup=1)
+        trained.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(trained[0], trained[1])
+    assert not torch.allclose(trained[0], trained[2])
