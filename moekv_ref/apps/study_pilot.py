@@ -142,6 +142,8 @@ def run_pilot(args) -> dict:
         model.eval()
     bar.close()
     results["training"] = timing
+    if done < total:  # the model changed: what was measured of it before is stale
+        results.pop("probes_sha256", None)
     results_path.write_text(json.dumps(results))
 
     probes = make_windows(valid_bytes, "validation", args.seed, 0, args.probe_windows, exclude=train_bytes)
