@@ -128,7 +128,7 @@ def run_pilot(args) -> dict:
         bar.set_postfix(loss=f"{loss:.3f}")
         if step % 25 == 0:
             results["training"] = timing
-            results_path.write_text(json.dumps(results))
+            jsonout.write(results_path, results)
 
     if done < total:
         train(
@@ -148,7 +148,7 @@ def run_pilot(args) -> dict:
     results["training"] = timing
     if done < total:  # the model changed: what was measured of it before is stale
         results.pop("probes_sha256", None)
-    results_path.write_text(json.dumps(results))
+    jsonout.write(results_path, results)
 
     probes = make_windows(valid_bytes, "validation", args.seed, 0, args.probe_windows, exclude=train_bytes)
     fingerprint = hashlib.sha256(b"".join(bytes(w.tokens.tolist()) for w in probes)).hexdigest()
@@ -165,7 +165,7 @@ def run_pilot(args) -> dict:
         summary = evaluate(model, probes, w, bar=bar)
         summary["seconds"] = time.time() - start
         measured[str(w)] = summary
-        results_path.write_text(json.dumps(results))
+        jsonout.write(results_path, results)
     bar.close()
     return report(args, results, probes)
 
