@@ -233,7 +233,9 @@ def test_the_pilot_writes_its_numbers_and_resumes(tmp_path):
     assert first["full_attention"]["probe_bytes"] == 3 * first["full_attention"]["probe_values"]
     assert first["commit"] and first["gate"]["threshold"] == 0.9
     assert study_pilot.main(argv) == 0  # resumed: nothing trained or measured again
-    assert json.loads(out.read_text())["training"] == first["training"]
+    second = json.loads(out.read_text())
+    assert second["training"] == first["training"]
+    assert second["measure_seconds"] == first["measure_seconds"]
     with pytest.raises(SystemExit):
         study_pilot.main([*argv, "--steps", "0"])
 
