@@ -4,8 +4,9 @@
    moekv_kernels/report.py pick their hardware from it by name.
 2. One decode step under expert parallelism: `measured_shape_bytes` is the wire format of
    parallel/dispatch.py and parallel/kv_placements.py as arithmetic (a test checks it against the
-   Communicator's counts); `project_step` takes the counts in expectation (uniform routing) and sums
-   per-rank rooflines and link time: an upper bound, nothing overlaps (notebook 07, section 5).
+   Communicator's counts); `project_step` takes the counts in expectation (uniform routing) and adds
+   up ideal per-rank components (roofline compute, HBM reads, link time) with nothing overlapped:
+   neither an upper nor a lower bound on a real step (notebook 07, section 5).
    DeepSeek-V3's latent attention is counted absorbed (against the 576-value latent), its shared
    expert and three dense first layers left out, as in the preset.
 3. Recompute or swap (sim/runner.py): a preempted sequence of c tokens in b blocks comes back by a
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from .config import BYTES_PER_DTYPE, ModelConfig, get_config
-from .validation import MAX_INT32, check_int
+from .validation import MAX_INT32, check_int, check_real
 
 
 # ===== 1. the hardware table ================================================================================
@@ -62,6 +63,9 @@ class Link:
     name: str
     bytes_per_s: float  # one direction, per GPU
     source: str
+    # what one collective (an all-to-all dispatch or combine) costs beyond its bytes: launch and
+    # synchronisation, the alpha of alpha + bytes / bandwidth (None: no published figure here)
+    seconds_per_collective: float | None = None
 
 
 GPUS = {
@@ -120,7 +124,11 @@ LINKS = {
         "NVLink, intranode",
         153e9,
         "DeepEP README (deepseek-ai/DeepEP): 153 GB/s measured "
-        "intranode dispatch on H800 (about 160 GB/s the NVLink maximum there)",
+        "intranode dispatch on H800 (about 160 GB/s the NVLink maximum there); per collective 10 us: "
+        "NCCL all-to-all (nccl-tests alltoall_perf) over the 8 Hopper GPUs (H20) of one NVLink node "
+        "takes 10.3-11.1 us per call from 128 B to 4 KiB, where bytes cost next to nothing (a user's "
+        "measurement, github.com/deepseek-ai/DeepEP/issues/303)",
+        10e-6,
     ),
     "rdma": Link(
         "RDMA, internode",
@@ -149,6 +157,78 @@ def pick(choices: dict, name: str, what: str):
 
 # ===== 2. one decode step under expert parallelism: bytes, FLOPs, HBM reads -> time =========================
 INT64_BYTES = 8
+WEIGHT_BYTES = 2  # bfloat16 weights and activations, as served
+
+
+def activated_experts(num_experts: int, k: int, num_tokens):
+    """Expected experts of one layer that a batch of num_tokens tokens activates when each token
+    picks k of num_experts uniformly (top-k routing, no capacity): E * (1 - (1 - k/E)^n). n = 1
+    activates k; from n of a few times E / k on, all of them (within 1e-6 from n = 48 at E=8, k=2)."""
+    return num_experts * (1.0 - (1.0 - k / num_experts) ** num_tokens)
+
+
+def parameter_split(config: ModelConfig, tied_embeddings: bool = False) -> dict[str, int]:
+    """Parameters of `config`, from its shapes, by how a decode step reads them:
+
+    - always_read: read in full by every step: the LM head, each layer's norms and routers, and
+      attention when it is dense (or its K/V projection, when the attention experts share one);
+    - embedding: the input table, of which a step gathers only its tokens' rows (0 when tied to
+      the LM head, which is then counted once, in always_read);
+    - attention_experts, ffn_experts: every routed expert of all layers; a step reads those its
+      tokens activate (`activated_experts`). An attention expert holds q and o (H heads of Dh) and,
+      unless shared, its own k and v (Hkv heads); an FFN expert its gate, up (D x F each) and down.
+
+    JetMoE-8B (preset jetmoe-8b, tied embeddings as its config.json has them): attention experts
+    24 x 8 x 2 x 2048 x 2048 = 1.61 B, FFN experts 24 x 8 x 3 x 2048 x 5632 = 6.64 B, always read
+    0.27 B (the shared K/V projection 0.20 B, the tied LM head 0.066 B, routers and norms): 8.52 B in
+    all, 2.33 B active at top-2 of 8 (the paper: 8 B and 2.2 B). The expert-attention counterpart
+    jetmoe-8b-expert-kv gives each attention expert its own k and v: 3.22 B of attention experts,
+    9.93 B in all. Biases (JetMoE's: D per MoE layer) are left out; DeepSeek-V3's latent attention
+    counts q, o and the latent projection only, as in `step_flops_and_reads`."""
+    if not isinstance(tied_embeddings, bool):
+        raise ValueError(f"tied_embeddings={tied_embeddings!r} must be True or False")
+    L, D, V = config.num_hidden_layers, config.hidden_size, config.vocab_size
+    H, Hkv, Dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    Ea, Ef, F = config.num_attention_experts, config.num_local_experts, config.moe_intermediate_size
+    query_output = 2 * D * H * Dh
+    if config.kv_lora_rank > 0:  # MLA: one latent projection, shared by the heads
+        key_value = D * (config.kv_lora_rank + config.qk_rope_head_dim)
+    else:
+        key_value = 2 * D * Hkv * Dh
+    norms = L * 2 * D + D  # two per layer and the final one
+    ffn_router = L * D * Ef
+    if config.attention_mode == "dense":
+        attention_dense = L * (query_output + key_value)
+        attention_router = 0
+        attention_experts = 0
+    elif config.shared_kv:
+        attention_dense = L * key_value
+        attention_router = L * D * Ea
+        attention_experts = L * Ea * query_output
+    else:
+        attention_dense = 0
+        attention_router = L * D * Ea
+        attention_experts = L * Ea * (query_output + key_value)
+    return {
+        "always_read": V * D + norms + ffn_router + attention_router + attention_dense,
+        "embedding": 0 if tied_embeddings else V * D,
+        "attention_experts": attention_experts,
+        "ffn_experts": L * Ef * 3 * D * F,
+    }
+
+
+def check_even_split(config: ModelConfig, kv_placement: str, world_size: int) -> None:
+    """Expert parallelism over world_size ranks places E / R experts of each sharded kind per rank."""
+    sharded = [config.num_local_experts] + [config.num_attention_experts] * (
+        kv_placement != "replicated_attention"
+    )
+    if any(experts % world_size for experts in sharded):
+        # expected_remote_ranks spreads E // R experts per rank: with fewer experts than ranks it would
+        # project no traffic at all, and with an uneven split the wrong traffic
+        raise ValueError(
+            f"world_size={world_size} does not split {config.name}'s {sharded} experts per layer "
+            f"evenly: at least one expert per rank, the same number on each"
+        )
 
 
 def measured_shape_bytes(
@@ -241,7 +321,7 @@ def step_flops_and_reads(
     copies = world_size if kv_placement == "replicated_attention" else 1
     attention_weight_reads = L * Ea * expert_weight_bytes * copies
     # FFN experts: each expert that gets a token reads its weights once
-    active = Ef * (1 - (1 - Kf / Ef) ** num_seqs)
+    active = activated_experts(Ef, Kf, num_seqs)
     expert_flops = L * num_seqs * Kf * 3 * 2 * D * F
     expert_reads = L * active * 3 * D * F * b
     return {
@@ -281,7 +361,10 @@ def project_step(
     accelerator: str = "H100",
     interconnect: str = "nvlink",
 ) -> StepProjection:
-    """Decode step time (ms) of num_seqs sequences at `context`, balanced over world_size ranks."""
+    """Decode step time (ms) of num_seqs sequences at `context`, balanced over world_size ranks: a
+    no-overlap sum of ideal per-component times (roofline compute, HBM reads, link time), neither an
+    upper nor a lower bound on a real step (it leaves out per-collective latency and load imbalance,
+    and overlaps nothing that a real step overlaps)."""
     gpu, link = (
         pick(ACCELERATORS, accelerator, "accelerator"),
         pick(INTERCONNECTS, interconnect, "interconnect"),
@@ -296,16 +379,7 @@ def project_step(
             f"{config.name} has dense attention: its KV placement is data-parallel attention, "
             f"kv_placement='replicated_attention', not {kv_placement!r}"
         )
-    sharded = [config.num_local_experts] + [config.num_attention_experts] * (
-        kv_placement != "replicated_attention"
-    )
-    if any(experts % world_size for experts in sharded):
-        # expected_remote_ranks spreads E // R experts per rank: with fewer experts than ranks it would
-        # project no traffic at all, and with an uneven split the wrong traffic
-        raise ValueError(
-            f"world_size={world_size} does not split {config.name}'s {sharded} experts per layer "
-            f"evenly: at least one expert per rank, the same number on each"
-        )
+    check_even_split(config, kv_placement, world_size)
     traffic = expected_traffic(config, kv_placement, world_size, num_seqs, context)
     b = BYTES_PER_DTYPE[config.kv_cache_dtype]
     moved = measured_shape_bytes(config, kv_placement, world_size, traffic, b)
@@ -356,9 +430,30 @@ def real_shape_projections(
 
 # ===== 3. recompute or swap =================================================================================
 @dataclass(frozen=True)
+class ExpertReads:
+    """One kind of routed experts (attention or FFN): reading every expert of the kind, all layers,
+    takes `seconds` (on the slowest GPU: its share); a step reads the fraction its tokens activate."""
+
+    seconds: float
+    num_experts: int  # E, per layer
+    experts_per_token: int  # k
+
+    def step_seconds(self, num_tokens: int) -> float:
+        return (
+            self.seconds
+            * activated_experts(self.num_experts, self.experts_per_token, num_tokens)
+            / (self.num_experts)
+        )
+
+
+@dataclass(frozen=True)
 class CostModel:
+    """What a step costs: `step_fixed_seconds(n)` for a step of n tokens, plus each token's
+    `decode_seconds` or `recompute_seconds`, plus its swaps. Models that leave the new fields at
+    their defaults (fitted ones, projected single-GPU ones) charge seconds_per_step per step."""
+
     name: str
-    seconds_per_step: float  # fixed cost of one forward, whatever it computes
+    seconds_per_step: float  # fixed cost of one forward (the weights every step reads), whatever it computes
     seconds_per_token: float  # per token computed (prefill, recompute or decode)
     seconds_per_token_pair: float  # per (query, earlier key) pair of one sequence, all layers
     swap_bytes_per_second: float  # host link, each direction
@@ -368,6 +463,46 @@ class CostModel:
     # per earlier token one decode token reads K/V of (all layers); a decode token over context c
     # takes c * max(pair compute, this read): memory-bound on a GPU (0: compute only, as fitted here)
     seconds_per_context_read: float = 0.0
+    # each step of at least one token: collectives_per_step collectives (dispatch and combine of each
+    # routed layer) of seconds_per_collective each, and link_seconds_per_token of bytes per token
+    seconds_per_collective: float = 0.0
+    collectives_per_step: int = 0
+    link_seconds_per_token: float = 0.0
+    # the routed experts' weights, read as far as a step's tokens activate them (ExpertReads)
+    expert_reads: tuple = ()
+
+    def step_fixed_seconds(self, num_tokens: int) -> float:
+        """What a step of num_tokens tokens costs beyond each token's compute and attention: the
+        always-read weights (seconds_per_step), the activated experts' weights, the collectives and
+        the link bytes of num_tokens tokens. A step of no tokens reads no expert and sends nothing."""
+        num_tokens = check_int("num_tokens", num_tokens, 0, MAX_INT32)
+        if num_tokens == 0:
+            return self.seconds_per_step
+        seconds = self.seconds_per_step + self.collectives_per_step * self.seconds_per_collective
+        seconds += num_tokens * self.link_seconds_per_token
+        for reads in self.expert_reads:
+            seconds += reads.step_seconds(num_tokens)
+        return seconds
+
+    def scaled(self, factor: float) -> "CostModel":
+        """The same model with every time term multiplied by factor (rates divided by it, bytes and
+        counts kept): does a result hold when every step, token, swap and collective costs factor
+        times as much?"""
+        factor = check_real("factor", factor, 0, low_open=True, meaning="what every time is multiplied by")
+        return replace(
+            self,
+            name=f"{self.name}, every time x {factor:g}",
+            seconds_per_step=self.seconds_per_step * factor,
+            seconds_per_token=self.seconds_per_token * factor,
+            seconds_per_token_pair=self.seconds_per_token_pair * factor,
+            swap_bytes_per_second=self.swap_bytes_per_second / factor,
+            seconds_per_block=self.seconds_per_block * factor,
+            seconds_per_swap=self.seconds_per_swap * factor,
+            seconds_per_context_read=self.seconds_per_context_read * factor,
+            seconds_per_collective=self.seconds_per_collective * factor,
+            link_seconds_per_token=self.link_seconds_per_token * factor,
+            expert_reads=tuple(replace(reads, seconds=reads.seconds * factor) for reads in self.expert_reads),
+        )
 
     def recompute_seconds(self, context):  # context, num_blocks: an int or a tensor
         return context * self.seconds_per_token + context * (context + 1) / 2 * self.seconds_per_token_pair
@@ -430,17 +565,29 @@ def cluster_cost_model(
     host_link: str = "pcie_gen5_x16",
     mfu: float = 0.5,
 ) -> CostModel:
-    """`projected_gpu_cost_model` for `config` served by num_devices GPUs together, by expert
-    parallelism: a step's compute and weight reads split evenly over them, communication and load
-    imbalance left out. A lower bound on step time (notebook 07 adds the links); swaps stay per GPU.
-    A decode token reads, per earlier token, L * k * k / E K/V entries (in each of its k experts, the
-    k / E of the context routed there) at the GPU's HBM bandwidth."""
+    """`config` served by num_devices GPUs together by expert parallelism over NVLink (each GPU holds
+    E / D experts of every layer, of both kinds, and their rows' blocks: kv_with_expert), every term
+    an ideal per-component time, nothing overlapped, load imbalance left out. Per step:
+
+    - the always-read weights (`parameter_split`: LM head, norms, routers, shared K/V), split over the
+      D GPUs; and the routed experts' weights of each kind as far as the step's n tokens activate
+      them (`activated_experts`), each GPU reading its share: with even placement, total / D;
+    - for D > 1, a dispatch and a combine all-to-all for each routed layer of each kind (attention
+      and FFN experts: 4 L of them), each the link's per-collective latency plus its bytes
+      (`expected_traffic` and `measured_shape_bytes` for one token, per GPU, over the link's
+      bandwidth). D = 1 has no collectives.
+
+    Per token: 2 * active_params FLOPs at `mfu` of peak, split over the D GPUs. A decode token
+    reads, per earlier token, L * k * k / E K/V entries (in each of its k experts, the k / E of the
+    context routed there) at the GPU's HBM bandwidth. Swaps stay per GPU."""
     num_devices = check_int("num_devices", num_devices, 1, MAX_INT32)
     if config.shared_kv:
         raise ValueError(
             f"{config.name}'s attention experts share K/V (shared_kv=True): this model reads "
             "per-expert caches; use its expert-attention counterpart"
         )
+    kv_placement = "kv_with_expert" if config.attention_mode == "expert" else "replicated_attention"
+    check_even_split(config, kv_placement, num_devices)
     one = projected_gpu_cost_model(
         active_params,
         config.kv_bytes_per_entry(),
@@ -454,17 +601,49 @@ def cluster_cost_model(
         host_link,
         mfu,
     )
-    name = f"{config.name} on {num_devices} x {accelerator} (projected, compute split evenly, links left out)"
+    gpu, link = pick(ACCELERATORS, accelerator, "accelerator"), INTERCONNECTS["nvlink"]
     L, E, K = config.num_hidden_layers, config.num_attention_experts, config.num_attention_experts_per_tok
     read_bytes = L * K * K / E * config.kv_bytes_per_entry()  # per context token
-    gpu = pick(ACCELERATORS, accelerator, "accelerator")
+
+    split = parameter_split(config)
+    expert_reads = []
+    routed_kinds = 0  # kinds of routed layers whose experts are spread over the GPUs
+    for kind, experts, k in (
+        ("attention_experts", E, K),
+        ("ffn_experts", config.num_local_experts, config.num_experts_per_tok),
+    ):
+        if split[kind] > 0:
+            all_layers = gpu.read_seconds(WEIGHT_BYTES * split[kind]) / num_devices
+            expert_reads.append(ExpertReads(all_layers, experts, k))
+            routed_kinds += 1
+    # one token's dispatch and combine bytes, all layers, summed over the GPUs it leaves and comes back
+    # to: counted for 2**20 tokens, as measured_shape_bytes counts whole (token, rank) pairs
+    tokens = 2**20
+    traffic = expected_traffic(config, kv_placement, num_devices, tokens, 0)
+    moved = measured_shape_bytes(config, kv_placement, num_devices, traffic, WEIGHT_BYTES)
+    token_bytes = sum(moved[name] for name in moved if name != "split_sizes") / tokens  # DeepEP sends none
+    collectives = 0 if num_devices == 1 else 2 * L * routed_kinds
+    links = (
+        "no collectives (one GPU)"
+        if collectives == 0
+        else f"{collectives} NVLink collectives a step, {link.seconds_per_collective * 1e6:g} us each plus its bytes"
+    )
+    name = (
+        f"{config.name} on {num_devices} x {accelerator} (projected: compute split evenly; HBM reads of "
+        f"the always-read weights and of the experts a step activates; {links}; nothing overlapped, "
+        "load imbalance left out)"
+    )
     return replace(
         one,
         name=name,
-        seconds_per_step=one.seconds_per_step / num_devices,
+        seconds_per_step=gpu.read_seconds(WEIGHT_BYTES * split["always_read"]) / num_devices,
         seconds_per_token=one.seconds_per_token / num_devices,
         seconds_per_token_pair=one.seconds_per_token_pair / num_devices,
         seconds_per_context_read=gpu.read_seconds(read_bytes) / num_devices,
+        seconds_per_collective=link.seconds_per_collective,
+        collectives_per_step=collectives,
+        link_seconds_per_token=token_bytes / num_devices / link.bytes_per_s,
+        expert_reads=tuple(expert_reads),
     )
 
 
