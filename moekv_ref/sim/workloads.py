@@ -36,7 +36,7 @@ import torch
 
 from ..costs import CostModel, projected_gpu_cost_model
 from ..placement import place_layers
-from ..validation import MAX_INT32, check_choice, check_int, check_real
+from ..validation import MAX_INT32, check_choice, check_int, check_real, check_seed
 from .traces import topic_trace
 
 ARRIVALS = ("poisson", "gamma")
@@ -134,10 +134,59 @@ def sample_lengths(
         drawn.append(value.round().clamp(min=1).to(torch.int64))
     prompts, outputs = drawn
     if max_tokens is not None:
-        total = prompts + outputs
-        over = total > max_tokens
-        prompts = torch.where(over, (prompts * max_tokens // total).clamp(min=1), prompts)
-        outputs = torch.where(over, (max_tokens - prompts).clamp(min=1), outputs)
+        prompts, outputs = cut_to_fit(prompts, outputs, max_tokens)
+    return prompts, outputs
+
+
+def cut_to_fit(
+    prompts: torch.Tensor, outputs: torch.Tensor, max_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompts, outputs) (S,) int64 with each request whose prompt + output exceeds max_tokens cut to
+    fit: the prompt keeps its share of max_tokens (at least 1), the output the rest (at least 1)."""
+    total = prompts + outputs
+    over = total > max_tokens
+    prompts = torch.where(over, (prompts * max_tokens // total).clamp(min=1), prompts)
+    outputs = torch.where(over, (max_tokens - prompts).clamp(min=1), outputs)
+    return prompts, outputs
+
+
+# A decode-heavy workload's log-normal sigmas: settings, not published numbers (no published trace has
+# this shape; reasoning models' long answers to short questions are the case it stands for)
+DECODE_HEAVY_PROMPT_SIGMA = 0.3
+DECODE_HEAVY_OUTPUT_SIGMA = 0.5
+
+
+def decode_heavy_lengths(
+    num_requests: int,
+    seed: int = 0,
+    max_tokens: int | None = None,
+    mean_prompt: float = 200,
+    mean_output: float = 3000,
+    prompt_sigma: float = DECODE_HEAVY_PROMPT_SIGMA,
+    output_sigma: float = DECODE_HEAVY_OUTPUT_SIGMA,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompts, outputs), (S,) int64 each, >= 1: short prompts and long outputs, where decoding, not
+    prefill, fills the steps. Each is log-normal with the given mean (before any cut) and sigma (the
+    log's standard deviation: settings, DECODE_HEAVY_*_SIGMA); with max_tokens, a request's
+    prompt + output is cut to fit as `sample_lengths` cuts it (the prompt keeps its share), which
+    lowers the outputs' mean where mean_output nears max_tokens."""
+    num_requests = check_int("num_requests", num_requests, 1, MAX_INT32)
+    seed = check_seed("seed", seed)
+    if max_tokens is not None:
+        max_tokens = check_int("max_tokens", max_tokens, 2, MAX_INT32, meaning="prompt + output tokens")
+    for name, value in (("mean_prompt", mean_prompt), ("mean_output", mean_output)):
+        check_real(name, value, 1, meaning="tokens")
+    for name, value in (("prompt_sigma", prompt_sigma), ("output_sigma", output_sigma)):
+        check_real(name, value, 0, 5, meaning="the log-normal's sigma")
+    generator = torch.Generator().manual_seed(seed)
+    drawn = []
+    for mean, sigma in ((mean_prompt, prompt_sigma), (mean_output, output_sigma)):
+        mu = math.log(mean) - sigma**2 / 2  # the log-normal's mean is exp(mu + sigma^2 / 2)
+        normal = torch.randn(num_requests, generator=generator, dtype=torch.float64)
+        drawn.append(torch.exp(mu + sigma * normal).round().clamp(min=1).to(torch.int64))
+    prompts, outputs = drawn
+    if max_tokens is not None:
+        prompts, outputs = cut_to_fit(prompts, outputs, max_tokens)
     return prompts, outputs
 
 
@@ -196,6 +245,31 @@ def session_arrivals(
     return times
 
 
+def request_latencies(
+    arrival: torch.Tensor, first_token: torch.Tensor, finish: torch.Tensor, num_output: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(TTFT, TPOT), (S,) float64 seconds each, as DistServe defines them, NaN for a request never
+    served (finish NaN): TTFT is the first token's time minus the arrival; TPOT the time from the
+    first token to the finish over the output tokens after the first (0 for a one-token output)."""
+    served = ~torch.isnan(finish)
+    ttft = first_token - arrival
+    decode = finish - first_token
+    tokens = num_output.to(torch.float64)
+    tpot = torch.where(tokens > 1, decode / (tokens - 1).clamp(min=1), torch.zeros_like(decode))
+    nan = torch.full_like(ttft, float("nan"))
+    return torch.where(served, ttft, nan), torch.where(served, tpot, nan)
+
+
+def meets_slos(ttft: torch.Tensor, tpot: torch.Tensor, ttft_slo: float, tpot_slo: float) -> torch.Tensor:
+    """(S,) bool: the requests good under both SLOs; a NaN latency (never served) is never good."""
+    return (ttft <= ttft_slo) & (tpot <= tpot_slo)
+
+
+def latency_quantile(x: torch.Tensor, q: float) -> float:
+    """The q-quantile of x (torch's linear interpolation), NaN for no values."""
+    return float(torch.quantile(x, q)) if x.numel() else float("nan")
+
+
 def latency_summary(
     arrival: torch.Tensor,
     first_token: torch.Tensor,
@@ -209,24 +283,19 @@ def latency_summary(
     p50 and p99 over served requests, SLO attainment over all, and good requests per second over the
     run (first arrival to last finish)."""
     served = ~torch.isnan(finish)
-    ttft = (first_token - arrival)[served]
-    decode = (finish - first_token)[served]
-    tokens = num_output[served].to(torch.float64)
-    tpot = torch.where(tokens > 1, decode / (tokens - 1).clamp(min=1), torch.zeros_like(decode))
-    good = (ttft <= ttft_slo) & (tpot <= tpot_slo)
+    every_ttft, every_tpot = request_latencies(arrival, first_token, finish, num_output)
+    ttft = every_ttft[served]
+    tpot = every_tpot[served]
+    good = meets_slos(ttft, tpot, ttft_slo, tpot_slo)
     arrived = arrival[~torch.isnan(arrival)]  # NaN: a session's turn that never arrived
     span = float(finish[served].max() - arrived.min()) if served.any() else float("nan")
-
-    def quantile(x: torch.Tensor, q: float) -> float:
-        return float(torch.quantile(x, q)) if x.numel() else float("nan")
-
     return {
         "served": int(served.sum()),
         "requests": int(arrival.numel()),
-        "ttft_p50_s": quantile(ttft, 0.5),
-        "ttft_p99_s": quantile(ttft, 0.99),
-        "tpot_p50_s": quantile(tpot, 0.5),
-        "tpot_p99_s": quantile(tpot, 0.99),
+        "ttft_p50_s": latency_quantile(ttft, 0.5),
+        "ttft_p99_s": latency_quantile(ttft, 0.99),
+        "tpot_p50_s": latency_quantile(tpot, 0.5),
+        "tpot_p99_s": latency_quantile(tpot, 0.99),
         "ttft_slo_s": ttft_slo,
         "tpot_slo_s": tpot_slo,
         "slo_attainment": float(good.sum()) / max(1, arrival.numel()),
