@@ -12,11 +12,16 @@
 3. Recompute or swap (sim/runner.py): a preempted sequence of c tokens in b blocks comes back by a
    prefill of c tokens (quadratic in attention) or by copying its blocks out and in (linear in b,
    tail padding included); `crossover_context` finds the context from which swap wins. Constants are
-   fitted to this machine (`fit_cost_model`) or derived from the table (`projected_gpu_cost_model`).
+   fitted to this machine (`fit_cost_model`) or derived from the table (`projected_gpu_cost_model`;
+   `cluster_cost_model` for D GPUs serving by expert parallelism, whose step of n tokens,
+   `CostModel.step_fixed_seconds(n)`, reads the experts those tokens activate on the busiest GPU and
+   pays a latency plus bytes for each dispatch and combine). `CostModel.scaled(f)` multiplies every
+   time by f, to check whether a result holds when everything costs f times as much.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, replace
 
@@ -165,6 +170,50 @@ def activated_experts(num_experts: int, k: int, num_tokens):
     picks k of num_experts uniformly (top-k routing, no capacity): E * (1 - (1 - k/E)^n). n = 1
     activates k; from n of a few times E / k on, all of them (within 1e-6 from n = 48 at E=8, k=2)."""
     return num_experts * (1.0 - (1.0 - k / num_experts) ** num_tokens)
+
+
+@functools.lru_cache(maxsize=65536)
+def busiest_gpu_experts(num_experts: int, k: int, num_devices: int, num_tokens: int) -> float:
+    """Expected activated experts of one layer on the busiest of num_devices GPUs, each holding
+    E / D of them, when num_tokens tokens each pick k of E uniformly: a step waits for that GPU.
+    D = 1: `activated_experts`; D = E (one expert a GPU): 1 from the first token on, where the
+    mean over the GPUs, activated_experts / D, is k / E of that.
+
+    Exact, not sampled: the number a of activated experts is a Markov chain over the tokens (a new
+    token adds j of its k picks among the E - a still idle, hypergeometrically); given a, every
+    a-subset of the experts is as likely, so the chance that no GPU holds j or more of them is the
+    share of a-subsets with fewer than j on each: [x^a] (sum_{i<j} C(E/D, i) x^i)^D / C(E, a)."""
+    if num_devices == 1:
+        return activated_experts(num_experts, k, num_tokens)
+    E = num_experts
+    step = torch.zeros(E + 1, E + 1, dtype=torch.float64)  # step[a, a + j]: a token adds j
+    for a in range(E + 1):
+        for j in range(max(0, k - a), min(k, E - a) + 1):
+            step[a, a + j] = math.comb(E - a, j) * math.comb(a, k - j) / math.comb(E, k)
+    active = torch.linalg.matrix_power(step, num_tokens)[0].tolist()  # P(a activated), a = 0..E
+    busiest = _busiest_given_active(E, num_devices)
+    return min(sum(p * most for p, most in zip(active, busiest)), E // num_devices)  # no rounding past all
+
+
+@functools.lru_cache(maxsize=64)
+def _busiest_given_active(num_experts: int, num_devices: int) -> list[float]:
+    """E[the most activated experts on one GPU | a of them activated], for a = 0..E."""
+    E, per_gpu = num_experts, num_experts // num_devices
+    expected = [0.0] * (E + 1)
+    for j in range(1, per_gpu + 1):  # E[max] = sum over j of P(max >= j)
+        one_gpu = [math.comb(per_gpu, i) for i in range(j)]  # ways a GPU holds i < j activated
+        all_gpus = [1]
+        for _ in range(num_devices):
+            product = [0] * min(len(all_gpus) + len(one_gpu) - 1, E + 1)
+            for x, a in enumerate(all_gpus):
+                for y, b in enumerate(one_gpu):
+                    if x + y <= E:
+                        product[x + y] += a * b
+            all_gpus = product
+        for a in range(E + 1):
+            below = all_gpus[a] if a < len(all_gpus) else 0
+            expected[a] += 1 - below / math.comb(E, a)
+    return expected
 
 
 def parameter_split(config: ModelConfig, tied_embeddings: bool = False) -> dict[str, int]:
@@ -431,19 +480,31 @@ def real_shape_projections(
 # ===== 3. recompute or swap =================================================================================
 @dataclass(frozen=True)
 class ExpertReads:
-    """One kind of routed experts (attention or FFN): reading every expert of the kind, all layers,
-    takes `seconds` (on the slowest GPU: its share); a step reads the fraction its tokens activate."""
+    """One kind of routed experts (attention or FFN), spread evenly over num_devices GPUs: reading
+    one GPU's share of them, all layers, takes `seconds`; a step reads, in each layer, the experts
+    its tokens activate on the busiest GPU (`busiest_gpu_experts`; on one GPU, all it activates)."""
 
     seconds: float
     num_experts: int  # E, per layer
     experts_per_token: int  # k
+    num_devices: int = 1  # D: each GPU holds E / D experts of every layer
+
+    def __post_init__(self):
+        check_real("seconds", self.seconds, 0)
+        check_int("num_experts", self.num_experts, 1, MAX_INT32)
+        check_int("experts_per_token", self.experts_per_token, 1, self.num_experts, meaning="k <= E")
+        check_int("num_devices", self.num_devices, 1, self.num_experts, meaning="at most one GPU an expert")
+        if self.num_experts % self.num_devices:
+            raise ValueError(
+                f"num_devices={self.num_devices} is not allowed; allowed: a divisor of "
+                f"num_experts={self.num_experts} (the same number of experts on every GPU)"
+            )
 
     def step_seconds(self, num_tokens: int) -> float:
-        return (
-            self.seconds
-            * activated_experts(self.num_experts, self.experts_per_token, num_tokens)
-            / (self.num_experts)
-        )
+        if num_tokens == 0:
+            return 0.0
+        busiest = busiest_gpu_experts(self.num_experts, self.experts_per_token, self.num_devices, num_tokens)
+        return self.seconds * busiest / (self.num_experts // self.num_devices)
 
 
 @dataclass(frozen=True)
@@ -571,7 +632,10 @@ def cluster_cost_model(
 
     - the always-read weights (`parameter_split`: LM head, norms, routers, shared K/V), split over the
       D GPUs; and the routed experts' weights of each kind as far as the step's n tokens activate
-      them (`activated_experts`), each GPU reading its share: with even placement, total / D;
+      them, each GPU reading its activated experts of its E / D, the step waiting for the busiest
+      (`busiest_gpu_experts`): on one GPU the activated fraction (`activated_experts` / E), on 8
+      GPUs of 8 experts one expert a layer from the first token on; all of them, total / D, once
+      a batch activates every expert;
     - for D > 1, a dispatch and a combine all-to-all for each routed layer of each kind (attention
       and FFN experts: 4 L of them), each the link's per-collective latency plus its bytes
       (`expected_traffic` and `measured_shape_bytes` for one token, per GPU, over the link's
@@ -613,8 +677,8 @@ def cluster_cost_model(
         ("ffn_experts", config.num_local_experts, config.num_experts_per_tok),
     ):
         if split[kind] > 0:
-            all_layers = gpu.read_seconds(WEIGHT_BYTES * split[kind]) / num_devices
-            expert_reads.append(ExpertReads(all_layers, experts, k))
+            one_gpu_share = gpu.read_seconds(WEIGHT_BYTES * split[kind]) / num_devices
+            expert_reads.append(ExpertReads(one_gpu_share, experts, k, num_devices))
             routed_kinds += 1
     # one token's dispatch and combine bytes, all layers, summed over the GPUs it leaves and comes back
     # to: counted for 2**20 tokens, as measured_shape_bytes counts whole (token, rank) pairs
@@ -630,7 +694,8 @@ def cluster_cost_model(
     )
     name = (
         f"{config.name} on {num_devices} x {accelerator} (projected: compute split evenly; HBM reads of "
-        f"the always-read weights and of the experts a step activates; {links}; nothing overlapped, "
+        f"the always-read weights and of the experts a step activates on the busiest GPU; {links}; "
+        "nothing overlapped, "
         "load imbalance left out)"
     )
     return replace(
