@@ -18,9 +18,10 @@ last ones a draining one. So:
 - `working_set_blocks` is the most-used device's blocks in use, in the steady window of a run at a
   rate with memory that never binds: the memory that load needs, so a study can give each GPU
   multiples of it.
-- `scaled_tpot_slo` is a TPOT SLO scaled to the modelled step time (DistServe's 0.1 s is 20 times
-  the p99 TPOT of the cluster model, so it never binds); TTFT keeps DistServe's 0.25 s (TTFT_SLO):
-  it binds through queueing, which grows without bound once the rate passes capacity.
+- `scaled_tpot_slo` is a TPOT SLO scaled to the modelled step time, between an idle system's step
+  and a saturated one's (DistServe's 0.1 s is 20 times the p99 TPOT of the cluster model, so it
+  never binds); TTFT keeps DistServe's 0.25 s (TTFT_SLO): it binds through queueing, which grows
+  without bound once the rate passes capacity.
 
 Memory that never binds (`ample_blocks_per_device`): every running request can hold at most its
 worst case (each of its tokens' k experts placed on one device, every row's last block partly
@@ -56,7 +57,7 @@ from .workloads import arrival_times, latency_quantile, meets_slos, request_late
 # DistServe's chatbot TTFT SLO (Zhong et al., OSDI 2024, Table 1): kept, since queueing past capacity
 # makes TTFT grow without bound, so it binds under overload whatever the step time
 TTFT_SLO = 0.25
-# A TPOT SLO of this fraction of the modelled step time of a saturated steady batch (`scaled_tpot_slo`)
+# A TPOT SLO this fraction of the way from an idle system's step to a saturated one's (`scaled_tpot_slo`)
 TPOT_SLO_FACTOR = 0.8
 WARMUP = 0.1  # the share of arrivals left out at the start of a run
 COOLDOWN = 0.1  # and at its end
@@ -360,16 +361,19 @@ def saturated_step_seconds(
     cost: CostModel, prompts: torch.Tensor, outputs: torch.Tensor, batch_size: int
 ) -> float:
     """The modelled time of one step of a steady batch of batch_size decoding requests of these
-    lengths ((S,) prompt and output tokens): the step's fixed cost plus batch_size times the work
-    per decode token, which is the workload's decode work (each decode token over its context) and
-    its prefill work (each prompt once, the requests replacing finished ones) over its decode
-    tokens. TPOT (the time from the first token to the last over the tokens after the first) is
-    the mean time of the steps a request decodes in, so a request decoding in such a batch sees this."""
+    lengths ((S,) prompt and output tokens): CostModel.step_fixed_seconds of the step's tokens plus
+    batch_size times the work per decode token, which is the workload's decode work (each decode
+    token over its context) and its prefill work (each prompt once: the requests replacing the
+    finished ones) over its decode tokens. The step's tokens are batch_size decode tokens and the
+    prompt tokens that come with them (batch_size times all prompt tokens over all decode tokens).
+    TPOT (the time from the first token to the last over the tokens after the first) is the mean
+    time of the steps a request decodes in, so a request decoding in such a batch sees this."""
     _check_cost(cost)
     prompts, outputs = _check_lengths(prompts, outputs)
     batch_size = check_int("batch_size", batch_size, 1, MAX_INT32, meaning="requests decoding together")
     decode_tokens = (outputs - 1).clamp(min=0)  # the first output token comes from the prefill
-    if int(decode_tokens.sum()) == 0:
+    num_decode = float(decode_tokens.sum())
+    if num_decode == 0:
         raise ValueError("outputs are all 1 token: no decode step to scale a TPOT SLO to")
     prompts = prompts.to(torch.float64)
     # a request's decode tokens see contexts prompt .. prompt + output - 2: decode_seconds is affine
@@ -377,10 +381,8 @@ def saturated_step_seconds(
     mean_context = prompts + (decode_tokens.to(torch.float64) - 1).clamp(min=0) / 2
     decode = float((decode_tokens * cost.decode_seconds(mean_context)).sum())
     prefill = float(cost.recompute_seconds(prompts).sum())
-    per_token = (decode + prefill) / float(decode_tokens.sum())
-    # the step's fixed cost: CostModel.seconds_per_step (a cost per step that does not depend on the
-    # tokens it computes)
-    return cost.seconds_per_step + batch_size * per_token
+    step_tokens = round(batch_size * (1 + float(prompts.sum()) / num_decode))
+    return cost.step_fixed_seconds(step_tokens) + batch_size * (decode + prefill) / num_decode
 
 
 def scaled_tpot_slo(
@@ -390,18 +392,26 @@ def scaled_tpot_slo(
     batch_size: int,
     factor: float = TPOT_SLO_FACTOR,
 ) -> float:
-    """A TPOT SLO of factor times `saturated_step_seconds` (batch_size: the batch the system holds
-    when saturated, max_num_seqs where memory does not bind it, else the batch memory allows).
+    """A TPOT SLO `factor` of the way from the step of one decoding request to the step of a
+    saturated batch (`saturated_step_seconds` at 1 and at batch_size: the batch the system holds
+    when saturated, max_num_seqs where memory does not bind it, else the batch memory allows):
+    idle + factor * (saturated - idle), factor in (0, 1).
 
     Why it binds when overloaded and is met at low load: past capacity the waiting line never
-    empties, the batch stays full, and every step costs about saturated_step_seconds, above the SLO
-    for factor < 1. At low load the batch holds few requests and a step costs the fixed cost plus
-    a few tokens' work, far below it. Between, a step costs fixed + b * w for a mean batch b, and
-    Little's law gives b = rate * (steps a request runs) * (fixed + b * w): while the fixed cost is
-    small against a full batch's work, b stays small until the rate nears capacity, so the SLO
-    starts to bind close to load 1.0 (how close, the factor sets: lower binds earlier)."""
-    check_real("factor", factor, 0, low_open=True, meaning="the SLO over the saturated step time")
-    return factor * saturated_step_seconds(cost, prompts, outputs, batch_size)
+    empties, the batch stays full, and every step costs about the saturated step, above the SLO
+    for factor < 1. At low load a request decodes in a batch of a few, each step about the idle
+    step, below the SLO for factor > 0, however large the step's fixed cost. A step's time grows
+    about linearly with its batch, so a request misses the SLO when the batch it decoded in was,
+    on average over its life, more than about `factor` full: by Little's law (batch = rate x time
+    in the system) that happens as the rate nears capacity, the nearer the larger the fixed cost
+    is against a full batch's work. (DistServe's 0.1 s is about 20 times the p99 TPOT of bench
+    cluster's runs: it binds at no load.)"""
+    check_real(
+        "factor", factor, 0, 1, low_open=True, high_open=True, meaning="of the way from idle to saturated"
+    )
+    idle = saturated_step_seconds(cost, prompts, outputs, 1)
+    saturated = saturated_step_seconds(cost, prompts, outputs, batch_size)
+    return idle + factor * (saturated - idle)
 
 
 def trace_lengths(trace: RoutingTrace) -> tuple[torch.Tensor, torch.Tensor]:

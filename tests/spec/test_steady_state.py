@@ -389,31 +389,47 @@ def test_bad_working_set_inputs_are_named(cluster):
 
 
 # ----- scaled_tpot_slo ---------------------------------------------------------------------------------------
-def test_the_saturated_step_by_hand():
+def test_the_saturated_step_and_the_slo_by_hand():
     cost = CostModel("hand", 1e-3, 1e-5, 1e-8, float("inf"), 0.0, 0.0, 1)
     # one request of 100 prompt tokens and 11 generated: 10 decode tokens over contexts 100..109,
     # and its prompt's prefill, per decode token
-    decode = 10 * 1e-5 + sum(range(100, 110)) * 1e-8
-    prefill = 100 * 1e-5 + 100 * 101 / 2 * 1e-8
-    expected = 1e-3 + 32 * (decode + prefill) / 10
-    step = saturated_step_seconds(cost, torch.tensor([100]), torch.tensor([11]), 32)
-    assert step == pytest.approx(expected)
-    slo = scaled_tpot_slo(cost, torch.tensor([100]), torch.tensor([11]), 32, factor=0.5)
-    assert slo == pytest.approx(0.5 * expected)
+    per_token = (10 * 1e-5 + sum(range(100, 110)) * 1e-8 + 100 * 1e-5 + 100 * 101 / 2 * 1e-8) / 10
+    prompts = torch.tensor([100])
+    outputs = torch.tensor([11])
+    assert saturated_step_seconds(cost, prompts, outputs, 32) == pytest.approx(1e-3 + 32 * per_token)
+    idle = 1e-3 + per_token
+    slo = scaled_tpot_slo(cost, prompts, outputs, 32, factor=0.5)
+    assert slo == pytest.approx(idle + 0.5 * 31 * per_token)
+
+
+def test_the_saturated_step_pays_the_fixed_cost_of_its_tokens():
+    """CostModel.step_fixed_seconds: 4 collectives of 1 ms and 1 us of link per token; a batch of 32
+    decoding requests of 100 prompt and 11 output tokens carries 32 decode and 320 prompt tokens."""
+    plain = CostModel("hand", 1e-3, 1e-5, 1e-8, float("inf"), 0.0, 0.0, 1)
+    linked = replace(plain, seconds_per_collective=1e-3, collectives_per_step=4, link_seconds_per_token=1e-6)
+    prompts = torch.tensor([100])
+    outputs = torch.tensor([11])
+    extra = saturated_step_seconds(linked, prompts, outputs, 32) - saturated_step_seconds(
+        plain, prompts, outputs, 32
+    )
+    assert extra == pytest.approx(4e-3 + 352 * 1e-6)
 
 
 def test_the_scaled_tpot_slo_binds_when_saturated_and_is_met_at_low_load(cluster, cluster_capacity):
     trace, placement, setup, cost = cluster
+    # the fixed cost a step is charged: the cluster model's seconds_per_step alone (its collectives,
+    # link and expert reads left out), so that the SLO and the runner's steps agree whether or not
+    # the runner charges CostModel.step_fixed_seconds
+    cost = replace(cost, collectives_per_step=0, link_seconds_per_token=0.0, expert_reads=())
     prompts, outputs = trace_lengths(trace)
     slo = scaled_tpot_slo(cost, prompts, outputs, setup.max_num_seqs)
-    result = cluster_capacity
     # saturated: everything waiting at t = 0, the batch full
-    ample = replace(setup, blocks_per_device=result["blocks_per_device"])
+    ample = replace(setup, blocks_per_device=cluster_capacity["blocks_per_device"])
     stats = TraceRunner(trace, placement, ample, "sequence_lru", cost).run(100_000)
     window = steady_window(stats.arrival_seconds)
     saturated = window_attainment(*latency_arrays([stats]), 1e9, slo, window)
     assert saturated["tpot_p50_s"] > slo and saturated["attainment"] < 0.5
-    low = working_set(trace, placement, setup, cost, 0.3 * result["requests_per_s"], seed=0)
+    low = working_set(trace, placement, setup, cost, 0.3 * cluster_capacity["requests_per_s"], seed=0)
     assert low["tpot_p99_s"] < slo
 
 
@@ -425,6 +441,8 @@ def test_bad_slo_inputs_are_named():
         saturated_step_seconds(cost, torch.tensor([5]), torch.tensor([4]), 0)
     with pytest.raises(ValueError, match="factor=0 is not allowed"):
         scaled_tpot_slo(cost, torch.tensor([5]), torch.tensor([4]), 8, factor=0)
+    with pytest.raises(ValueError, match="factor=1 is not allowed"):
+        scaled_tpot_slo(cost, torch.tensor([5]), torch.tensor([4]), 8, factor=1)
     with pytest.raises(ValueError, match="prompts holds 0"):
         saturated_step_seconds(cost, torch.tensor([0]), torch.tensor([4]), 8)
 
