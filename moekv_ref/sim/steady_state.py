@@ -159,7 +159,8 @@ def goodput_by_bisection(
     rate tried if it still meets, a lower bound). Then bisection between the highest passing and
     the lowest failing rate until they are within rel_tol of the passing one (status "converged")
     or max_evals evaluations are spent ("max_evals"). The goodput is always a rate that passed,
-    never one merely evaluated last. Returns {"goodput", "bracket": [passing, failing],
+    never one merely evaluated last. Returns {"goodput", "bracket": [passing, failing] (failing None
+    where none failed),
     "evaluations": [[rate, attainment], ...] in order, "target", "doublings", "status"}."""
     check_callable("attainment_at", attainment_at, "a rate in requests per second", allow_none=False)
     check_real("low", low, 0, low_open=True, meaning="requests per second")
@@ -203,7 +204,7 @@ def goodput_by_bisection(
     while passes(hi):
         lo = hi
         if doublings == max_doublings or len(evaluations) == max_evals:
-            return result(lo, [lo, math.inf], "meets_at_high")
+            return result(lo, [lo, None], "meets_at_high")  # no failing rate found
         hi *= 2
         doublings += 1
     while hi - lo > rel_tol * lo:
@@ -243,6 +244,7 @@ def _ample_run(trace, device_of_expert, setup, cost, arrivals) -> tuple[RunnerSt
     blocks = ample_blocks_per_device(trace, device_of_expert, setup)
     ample = replace(setup, blocks_per_device=blocks)
     finished = []
+    # the victim policy never acts (nothing is preempted): any would do
     runner = TraceRunner(trace, device_of_expert, ample, "sequence_lru", cost, arrivals=arrivals)
     stats = runner.run(MAX_STEPS, on_step=finished.append)
     if (
