@@ -18,7 +18,12 @@ Latency, as DistServe (Zhong et al., OSDI 2024) defines it: TTFT is a request's 
 minus its arrival; TPOT the mean time per output token after the first; a request is good when it
 meets both SLOs, SLO attainment is the share of good requests, and goodput the highest request
 rate whose attainment reaches a target (90% there). `latency_summary` gives one run's attainment
-and good requests per second; bench cluster sweeps the rate to find goodput.
+and good requests per second; bench cluster sweeps the rate to find goodput. `request_latencies`
+and `meets_slos` are the per-request definitions it reads, as sim/steady_state.py's measurement over
+a run's steady window does.
+
+A decode-heavy workload (`decode_heavy_lengths`): short prompts, long log-normal outputs (its sigmas
+are settings, not published numbers), where decoding fills the steps.
 
 A skewed workload (`skewed_workload`, bench eviction's and notebooks 05 and 11's): a topic trace whose
 popular topic's experts the co-activation placement puts together on one device, which fills first;
