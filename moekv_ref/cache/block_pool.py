@@ -38,11 +38,13 @@ class OutOfBlocksError(RuntimeError):
     """The pool has fewer free blocks than a request needs. Not a bug: a scheduler checks
     `can_allocate` first and preempts a sequence when memory is short, or (optimistic reservation)
     undoes the step and retries it with `shortfall` more blocks freed: (D,) blocks missing per
-    device, where the manager knows them (None otherwise)."""
+    device, where the manager knows them (None otherwise); `layer`: the layer whose append ran
+    short, where a paged cache's append_kv raised it (None otherwise)."""
 
-    def __init__(self, message: str, shortfall=None):
+    def __init__(self, message: str, shortfall=None, layer: int | None = None):
         super().__init__(message)
         self.shortfall = shortfall
+        self.layer = layer
 
 
 class BlockPool(Stateful):

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..attention import attend_by_position, score_dtype
 from ..config import ModelConfig
+from .block_pool import OutOfBlocksError
 from .cache_options import (
     CACHE_SETTINGS,
     CacheOptions,
@@ -156,9 +157,11 @@ class PagedKVCache:
                 first = torch.cumsum(num_new, 0) - num_new  # (m,) into order
                 self._check_positions(pair_rows[order], positions[order], rows, first)
             allocation = manager.allocate_slots(rows, num_new)
-        except Exception:
+        except Exception as error:
             for s in new_seqs:  # as it was
                 manager.free(s)
+            if isinstance(error, OutOfBlocksError):  # which layer ran short
+                raise OutOfBlocksError(str(error), error.shortfall, layer) from error
             raise
         self.copy_slots(allocation.moves)
         slots, last = allocation.slot_mapping, positions  # row after row: pair order in a decode

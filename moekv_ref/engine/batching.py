@@ -71,7 +71,7 @@ class AdmissionStep:
     def start_next(self) -> Request:
         """Start the head of the line, scheduling and reserving its next tokens within budget."""
         request = self._scheduler.start_head(self._out)
-        num_tokens = min(request.num_pending_tokens, self.token_budget)
+        num_tokens = self._scheduler.reservation.chunk_tokens(request, self.token_budget)
         if num_tokens > 0:
             need = self._scheduler.step_blocks(request, num_tokens)
             self._scheduler.schedule_tokens(self._out, request, num_tokens, int(need.sum()))

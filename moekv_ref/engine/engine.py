@@ -90,6 +90,8 @@ class EngineStats:
     num_failed_steps: int = 0  # steps that raised (anywhere) and were undone
     num_retries: int = 0  # tries of a step undone for lack of blocks (optimistic reservation)
     num_thrown_away_tokens: int = 0  # tokens those tries had scheduled (their forwards thrown away)
+    num_repairs: int = 0  # chunks dropped from a step a layer found short (calibrated reservation)
+    num_thrown_away_token_layers: int = 0  # tokens x layers those chunks had run, the short one included
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -195,6 +197,8 @@ class LLMEngine:
                 "peak_used",
                 "retries",
                 "thrown_away_tokens",
+                "repairs",
+                "thrown_away_token_layers",
             ),
             0,
         )
@@ -316,12 +320,14 @@ class LLMEngine:
                     or decision.block_copies
                     or used_scheduled != used_before
                 )
-                commit = functools.partial(
-                    self._commit, step, decision, start, running_scheduled, used_scheduled
-                )
                 stage = "copying"
                 self.runner.copy_blocks(decision.block_copies)
                 stage = "running"
+                commit = functools.partial(
+                    self._commit, step, decision, start, running_scheduled, used_scheduled
+                )
+                if self.scheduler.reservation.repairs:
+                    return self._run_repairing(step, decision, None if moved else before, start)
                 # _run ends the step (commit) inside its protected region: no line of it runs after
                 return self._run(decision, None if moved else before, commit)
             except BaseException as error:
@@ -344,6 +350,41 @@ class LLMEngine:
                 self._counts["retries"] += 1
                 self._counts["thrown_away_tokens"] += decision.num_scheduled_tokens
                 retry = reservation.retry(decision, error, retry)
+
+    def _run_repairing(self, step, decision, before_forward: Snapshot | None, start):
+        """_run, under a reservation that repairs: while a layer finds a device short (_run undoes
+        the forward), the chunk scheduled last leaves the step (`_repair`) and the forward runs again
+        without it."""
+        while True:
+            commit = functools.partial(
+                self._commit,
+                step,
+                decision,
+                start,
+                len(self.scheduler.running),
+                self.memory.num_used_blocks,
+            )
+            try:
+                return self._run(decision, before_forward, commit)
+            except OutOfBlocksError as error:
+                if error.shortfall is None:
+                    raise
+                self._repair(decision, error)
+                before_forward = None  # the state moved: _run takes a new snapshot
+
+    def _repair(self, decision, error: OutOfBlocksError) -> None:
+        """Scheduler.repair drops the chunk scheduled last from `decision`, whose forward found the
+        devices short by error.shortfall at error.layer; counted in token-layers (layers 0 up to
+        the short one). A GPU engine would mask the chunk's tokens from that layer on and finish
+        the forward in one pass; this reference runs the forward again without it, which leaves
+        the same state (nothing of the others depends on it: attention is per sequence, routing
+        per token) at the cost of CPU time alone."""
+        index = self.scheduler.chunk_to_drop(decision)
+        num_tokens = 0 if index is None else decision.scheduled[index].num_tokens
+        self.scheduler.repair(decision, error.shortfall)  # RuntimeError where there is no chunk
+        layers = self.memory.num_layers if error.layer is None else error.layer + 1
+        self._counts["repairs"] += 1
+        self._counts["thrown_away_token_layers"] += num_tokens * layers
 
     def _commit(
         self, step, decision, start, num_running, scheduled_used, done, used_blocks, num_generated
@@ -568,6 +609,8 @@ class LLMEngine:
             num_failed_steps=counts["failed_steps"],
             num_retries=counts["retries"],
             num_thrown_away_tokens=counts["thrown_away_tokens"],
+            num_repairs=counts["repairs"],
+            num_thrown_away_token_layers=counts["thrown_away_token_layers"],
         )
 
 

@@ -57,7 +57,7 @@ class OptimisticReservation(ReservationPolicy):
             return True
         if not running:
             return False
-        planned = [min(r.num_pending_tokens, token_budget) for r in running]
+        planned = [self.chunk_tokens(r, token_budget) for r in running]
         worst = worst_case(running, planned).sum(0)  # (D,)
         return not bool((worst <= memory.num_free_blocks_per_device).all())
 

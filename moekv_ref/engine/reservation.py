@@ -1,9 +1,12 @@
 """Reservation policies: how many blocks a step sets aside for its tokens before the routers decide.
 
     step_needs(requests, num_tokens, worst_case, memory, predictor) -> (m, D) blocks per device
+    chunk_tokens(request, token_budget) -> int the tokens a request may run this step
     may_run_short(running, may_join, worst_case, memory, token_budget) -> bool
     retries                                    whether a step that ran short is scheduled again
     retry(out, error, previous) -> Retry       how (asked only of a policy that retries)
+    repairs                                    whether a step that ran short drops chunks instead
+    start_step() / note_fault(shortfall)       a step begins / a layer ran short by (D,) blocks
 
 `worst_case(requests, num_tokens)` is the scheduler's worst case of those tokens (m, D): what a step
 could take at most, whatever the routers decide (demand.py's bounds over every row).
@@ -12,6 +15,10 @@ could take at most, whatever the routers decide (demand.py's bounds over every r
                  so no forward ever runs short
     optimistic   optimistic_reservation.py: decode tokens reserve nothing and a prefill chunk what
                  the predictor expects; a step that runs short is undone and scheduled again
+    calibrated   calibrated_reservation.py: decode tokens reserve their worst case, a prefill chunk
+                 a quantile of its blocks per device; a layer that runs short drops the chunk
+                 scheduled last and the forward goes on for the others (Scheduler.repair)
+    clairvoyant  sim/clairvoyant.py, trace replay only: exactly the blocks the trace will take
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ class ReservationPolicy(Stateful):
 
     name = "reservation"
     retries = False  # whether a step may run short, to be undone and scheduled again
+    repairs = False  # whether a step may run short, to drop its last chunks and go on (Scheduler.repair)
 
     def step_needs(
         self,
@@ -56,6 +64,18 @@ class ReservationPolicy(Stateful):
     ) -> torch.Tensor:
         """(m, D) the blocks the step reserves for the next num_tokens[i] tokens of requests[i]."""
         raise NotImplementedError
+
+    def chunk_tokens(self, request: Request, token_budget: int) -> int:
+        """The tokens `request` may run this step within the step's remaining `token_budget`: all
+        its pending ones that fit (a policy may cap prefill chunks)."""
+        return min(request.num_pending_tokens, token_budget)
+
+    def start_step(self) -> None:
+        """A step's scheduling begins (a policy that adapts across steps updates here)."""
+
+    def note_fault(self, shortfall: torch.Tensor) -> None:
+        """A layer of the step found devices short by shortfall (D,) blocks (a policy that repairs
+        is told, once per chunk dropped)."""
 
     def may_run_short(
         self,

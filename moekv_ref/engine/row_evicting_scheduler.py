@@ -79,7 +79,7 @@ class RowEvictingScheduler(Scheduler):
         """Scheduler.head_fits; a stalled request's dead rows go when it starts."""
         if request.request_id not in self.stalled:
             return super().head_fits(request, reserved, token_budget)
-        need = self.step_blocks(request, min(request.num_pending_tokens, token_budget))
+        need = self.step_blocks(request, self.reservation.chunk_tokens(request, token_budget))
         need = need - self.memory.blocks_held_per_device(request.request_id)
         return self.fits((reserved + need).tolist())
 

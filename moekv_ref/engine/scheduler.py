@@ -51,11 +51,23 @@ from .scheduler_output import EvictionRecord, ScheduledRequest, SchedulerOutput
 from .victims import Shortage, check_victim
 
 
+def is_decode(item: ScheduledRequest) -> bool:
+    """One token of a request that has computed some: a decode (or its last prompt token's)."""
+    return item.num_tokens == 1 and item.request.num_computed_tokens > 0
+
+
 class Scheduler(Stateful):
     """Between steps every request is in exactly one of `waiting` (WAITING or PREEMPTED) and
     `running` (RUNNING), or is FINISHED and in neither."""
 
-    COUNTERS = ("num_preemptions", "num_recomputed_tokens", "num_evictions", "freed_on_short_device")
+    COUNTERS = (
+        "num_preemptions",
+        "num_recomputed_tokens",
+        "num_evictions",
+        "freed_on_short_device",
+        "num_repairs",
+        "num_repaired_tokens",
+    )
     STATE = ("waiting", "running", "current", *COUNTERS)
     # the manager holds its own parts; the memory view holds nothing
     PARTS = ("manager", "swap_space", "predictor", "batching", "victims", "reservation")
@@ -145,6 +157,7 @@ class Scheduler(Stateful):
     def _schedule(self, step: int, retry: Retry | None) -> SchedulerOutput:
         out = SchedulerOutput(step)
         self.manager.start_step(step)  # the rows this step appends remember it
+        self.reservation.start_step()
         token_budget = self.config.max_num_batched_tokens
         # a retry short of blocks reserves every block free now plus the shortfall: victims go until
         # that many are free
@@ -155,7 +168,7 @@ class Scheduler(Stateful):
             else self.memory.num_free_blocks_per_device + shortfall
         )  # (D,)
         # every running request's need, in one call; one the token limit cuts short is asked again
-        planned = [min(r.num_pending_tokens, token_budget) for r in self.running]
+        planned = [self.reservation.chunk_tokens(r, token_budget) for r in self.running]
         needs = self.step_blocks_many(self.running, planned)  # (m, D)
         reserved, token_budget = self.schedule_running(out, planned, needs, base, token_budget, shortfall)
         max_admissions = None if retry is None else retry.max_admissions
@@ -184,7 +197,7 @@ class Scheduler(Stateful):
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.current = self.running[i]
-            num_tokens = min(request.num_pending_tokens, token_budget)
+            num_tokens = self.reservation.chunk_tokens(request, token_budget)
             planned, need = planned_needs[id(request)]
             if planned != num_tokens:
                 need = self.step_blocks(request, num_tokens).tolist()
@@ -265,7 +278,7 @@ class Scheduler(Stateful):
     def head_fits(self, request: Request, reserved: torch.Tensor, token_budget: int) -> bool:
         """Would the head of the waiting line's next tokens fit every device beside the step's
         `reserved`?"""
-        need = self.step_blocks(request, min(request.num_pending_tokens, token_budget))
+        need = self.step_blocks(request, self.reservation.chunk_tokens(request, token_budget))
         return self.fits((reserved + need).tolist())
 
     def start_head(self, out: SchedulerOutput) -> Request:
@@ -343,6 +356,32 @@ class Scheduler(Stateful):
     def _forget_computed(self, request: Request) -> None:
         """Its K/V are gone: every token runs again."""
         self.num_recomputed_tokens += request.forget_computed()
+
+    # ----- a step that ran short -------------------------------------------------------------------
+    def repair(self, out: SchedulerOutput, shortfall: torch.Tensor) -> Request:
+        """Under a reservation that `repairs`: a layer of the step `out` found devices short by
+        `shortfall` (D,) blocks. The chunk scheduled last (the newest to join the step) leaves it,
+        preempted by recompute (its blocks freed, back to the head of the waiting line), and the
+        forward goes on for the others: nothing of theirs depends on it (attention is per
+        sequence, routing per token). Returns it. RuntimeError where the step has no chunk: a
+        decode token reserves its worst case, so only a chunk's reservation can fall short."""
+        index = self.chunk_to_drop(out)
+        if not self.reservation.repairs or index is None:
+            raise RuntimeError(
+                f"step {out.step} ran short with no chunk to drop (reservation="
+                f"{self.reservation.name!r}): only a chunk's reservation can fall short"
+            )
+        item = out.scheduled.pop(index)
+        self.reservation.note_fault(shortfall)
+        self.num_repairs += 1
+        self.num_repaired_tokens += item.num_tokens
+        self._preempt(item.request, out)
+        return item.request
+
+    def chunk_to_drop(self, out: SchedulerOutput) -> int | None:
+        """The index in `out.scheduled` of the chunk `repair` drops: the last one (None: none)."""
+        chunks = [i for i, item in enumerate(out.scheduled) if not is_decode(item)]
+        return chunks[-1] if chunks else None
 
     # ----- after the forward ----------------------------------------------------------------------
     def update_from_output(

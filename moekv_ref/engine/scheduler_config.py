@@ -11,6 +11,7 @@ from ..validation import MAX_BLOCKS, MAX_INT32, check_choice, check_int, known_k
 from .admission import ADMISSIONS, AdmissionPolicy
 from .baseline_batching import ContinuousReserved, StaticBatching
 from .batching import BatchingPolicy, ContinuousBatching
+from .calibrated_reservation import CalibratedReservation
 from .memory import ModelShape
 from .optimistic_reservation import OptimisticReservation
 from .reservation import ReservationPolicy, WorstCaseReservation
@@ -18,7 +19,11 @@ from .victims import VICTIM_POLICIES, VictimPolicy
 
 POLICIES = ("static", "continuous_reserved", "continuous_paged")
 PREEMPTION_MODES = ("recompute", "swap")
-RESERVATION_POLICIES = {"worst_case": WorstCaseReservation, "optimistic": OptimisticReservation}
+RESERVATION_POLICIES = {
+    "worst_case": WorstCaseReservation,
+    "optimistic": OptimisticReservation,
+    "calibrated": CalibratedReservation,
+}
 RESERVATIONS = tuple(RESERVATION_POLICIES)
 
 
@@ -35,7 +40,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     victim: str | VictimPolicy = "newest_first"
     # what a step sets aside before the routers decide (reservation.py): worst_case, what its tokens
-    # could take at most, or a policy that may run short (optimistic), continuous_paged only
+    # could take at most, or a policy that may run short (optimistic, calibrated), continuous_paged only
     reservation: str | ReservationPolicy = "worst_case"
 
     def __post_init__(self):
@@ -52,7 +57,14 @@ class SchedulerConfig:
             if (value is None and name == "admission") or (kind and isinstance(value, kind)):
                 continue
             check_choice(name, value, allowed, f", or a policy object ({kind.__name__})" if kind else "")
-        if self.make_reservation_policy().retries and self.policy != "continuous_paged":
+        reservation = self.make_reservation_policy()
+        if reservation.repairs and self.preemption_mode != "recompute":
+            raise ValueError(
+                f"reservation={reservation.name!r} drops a chunk from a step that ran short by "
+                f"recompute, not preemption_mode={self.preemption_mode!r}: a swap-out would have "
+                "to copy blocks the forward has already started to fill"
+            )
+        if (reservation.retries or reservation.repairs) and self.policy != "continuous_paged":
             raise ValueError(
                 f"reservation={self.reservation!r} applies to policy='continuous_paged' only, not "
                 f"policy={self.policy!r} (whose admission reserves whole lifetimes)"

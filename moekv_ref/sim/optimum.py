@@ -157,8 +157,8 @@ def search_optimum(
             if not out.scheduled and not out.block_copies:
                 counts["dead"] += 1  # every request waits: the engine raises here
                 return
-            seconds += runner.step_seconds(out)
-            entries = runner.append(out.scheduled)
+            entries = runner.append(out)
+            seconds += runner.step_seconds(out)  # after the append, which reads the step's hot device
             done = scheduler.update_from_output(
                 out, {item.request.request_id: 0 for item in out.scheduled}, entries
             )

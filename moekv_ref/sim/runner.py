@@ -42,6 +42,7 @@ from ..engine.demand import (
 )
 from ..engine.memory import ModelShape
 from ..engine.request import Request
+from ..engine.reservation import ReservationPolicy
 from ..engine.scheduler_config import SchedulerConfig
 from ..engine.scheduler_factory import make_scheduler
 from ..engine.scheduler_output import EvictionRecord
@@ -50,6 +51,7 @@ from ..engine.undo import Snapshot
 from ..engine.victims import VICTIM_POLICIES, OfflinePolicy, VictimPolicy
 from ..sampling import SamplingParams
 from ..validation import MAX_BLOCKS, check_device_table, check_int, number
+from .clairvoyant import ClairvoyantReservation
 from .counting import CountingKVCacheManager
 from .fast_scheduler import FastScheduler
 from .traces import RoutingTrace
@@ -65,7 +67,10 @@ class RunnerSetup:
     max_num_batched_tokens: int = 4096  # tokens of one step (prefills, recomputes, decodes)
     num_host_blocks: int = 0  # host swap space, in blocks (0: preemption by recompute)
     admission: str = "optimistic"  # the scheduler's admission policy (admission.py)
-    reservation: str = "worst_case"  # or "optimistic": a step that runs short is undone and retried
+    # "worst_case", "optimistic" (a step that runs short is undone and retried), "calibrated" (the
+    # chunk scheduled last leaves a step that runs short), "clairvoyant" (exactly what the trace will
+    # take: sim/clairvoyant.py), or a ReservationPolicy object, used as given (one run's)
+    reservation: str | ReservationPolicy = "worst_case"
     prefix_caching: bool = False  # the manager keeps full blocks findable by prefix (cache/prefix_cache.py)
     # True: the manager lists every row's block ids, as the engine's does. False: it lists them only
     # where a prefix cache or swap space reads them, and otherwise counts blocks per row and device
@@ -99,6 +104,9 @@ class RunnerStats:
     thrown_away_seconds: float = (
         0.0  # modelled time of those tries (their layers up to the fault), in `seconds`
     )
+    num_repairs: int = 0  # chunks dropped from a step a layer found short (calibrated reservation)
+    thrown_away_token_layers: int = 0  # tokens x layers those chunks had run (up to the short layer)
+    num_faulted_steps: int = 0  # steps in which a layer ran short (retried or repaired)
     arrival_seconds: torch.Tensor | None = None
     first_token_seconds: torch.Tensor | None = None  # the end of the step that sampled its first token
     finish_seconds: torch.Tensor | None = None
@@ -134,6 +142,9 @@ class RunnerStats:
             "retries": self.num_retries,
             "thrown_away_tokens": self.thrown_away_tokens,
             "thrown_away_seconds": self.thrown_away_seconds,
+            "repairs": self.num_repairs,
+            "thrown_away_token_layers": self.thrown_away_token_layers,
+            "faulted_steps": self.num_faulted_steps,
             "freed_on_short_device_per_eviction": self.freed_per_eviction,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_copied_blocks": self.prefix_copied_blocks,
@@ -279,12 +290,20 @@ class TraceRunner:
                 "nothing, which a prefix hit breaks: use an online policy with prefix_caching"
             )
         self.policy = policy
+        reservation = setup.reservation
+        if reservation == "clairvoyant":
+            if setup.prefix_caching or setup.num_host_blocks:
+                raise ValueError(
+                    "reservation='clairvoyant' reads each request's blocks as if it started from "
+                    "nothing and never swapped: not with prefix_caching or num_host_blocks"
+                )
+            reservation = ClairvoyantReservation(self.future)
         config = SchedulerConfig(
             max_num_seqs=setup.max_num_seqs,
             max_num_batched_tokens=setup.max_num_batched_tokens,
             admission=setup.admission,
             victim=policy,
-            reservation=setup.reservation,
+            reservation=reservation,
             preemption_mode="swap" if setup.num_host_blocks else "recompute",
         )
         # the engine's Scheduler with the simulator's speed-ups, deciding the same (fast_scheduler.py)
@@ -294,7 +313,10 @@ class TraceRunner:
         self.num_refused = 0
         self.num_retries = 0
         self.thrown_away_tokens = 0
-        self.thrown_away_seconds = 0.0  # modelled time of the tries undone
+        self.thrown_away_seconds = 0.0  # modelled time of the tries undone, and of the chunks dropped
+        self.thrown_away_token_layers = 0
+        self.num_faulted_steps = 0
+        self.hot_load = 1.0  # of the step being appended (_hot_load)
         self.failed_fraction = 1.0
         self.arrivals = (
             torch.zeros(trace.num_sequences, dtype=torch.float64) if arrivals is None else arrivals
@@ -333,14 +355,60 @@ class TraceRunner:
                 self.pending.append((float(self.arrivals[s]), s, request))
         heapq.heapify(self.pending)
 
-    def append(self, scheduled) -> torch.Tensor:
+    def append(self, out) -> torch.Tensor:
         """The model's part of a step (blocks only, as PagedKVCache.append_kv allocates them); (L,)
-        experts chosen per layer over the step's tokens, for the demand predictor."""
+        experts chosen per layer over the step's tokens, for the demand predictor. Under a
+        reservation that retries, OutOfBlocksError at the first layer some device cannot serve
+        (`_first_short_layer`); under one that repairs, the chunks scheduled last leave the step
+        (`_repair`) until every layer fits, and the others' appends go on."""
+        manager = self.manager
+        reservation = self.scheduler.reservation
+        while True:
+            added = self._add_sequences(out.scheduled)
+            rows, hits, per_layer, positions, decode_all = self._routed_rows(out.scheduled)
+            short = (
+                self._first_short_layer(rows, hits) if reservation.retries or reservation.repairs else None
+            )
+            if short is None:
+                break
+            layer, shortfall = short
+            if reservation.retries:
+                self.failed_fraction = (
+                    layer + 1
+                ) / manager.num_layers  # of the forward, run before the fault
+                raise OutOfBlocksError(f"layer {layer} is short of blocks", shortfall)
+            for seq in reversed(added):  # not held, as the engine's undo of the forward leaves them
+                manager.free(seq)
+            self._repair(out, layer, shortfall)
+        if isinstance(
+            manager, PrefixCachingKVCacheManager
+        ):  # which chunks each block spans, as paged.py records them
+            allocation = manager.allocate_slots(rows, hits)
+            manager.prefix_cache.record_positions(allocation.slot_mapping, torch.cat(positions))
+        elif isinstance(manager, CountingKVCacheManager) and decode_all:
+            manager.grow_decode_rows(rows)  # the trace's rows (distinct, held), one token each
+        elif isinstance(manager, CountingKVCacheManager):
+            manager.grow_trace_rows(rows, hits)
+        else:
+            manager.grow_rows(rows, hits)
+        return per_layer
+
+    def _add_sequences(self, scheduled) -> list[int]:
+        """The scheduled sequences the manager does not hold yet, added in ascending order (as
+        append_kv adds them); returns them."""
+        added = []
+        for seq in sorted(item.request.request_id for item in scheduled):
+            if not self.manager.holds(seq):
+                self.manager.add_sequence(seq)
+                added.append(seq)
+        return added
+
+    def _routed_rows(self, scheduled) -> tuple:
+        """The rows the trace routes the scheduled tokens to: (rows (a,), tokens each (a,), (L,)
+        experts chosen per layer, each slot's position where a prefix cache records them, whether
+        every item is one decode token)."""
         manager = self.manager
         ids = [item.request.request_id for item in scheduled]
-        for seq in sorted(ids):  # as append_kv adds them: ascending
-            if not manager.holds(seq):
-                manager.add_sequence(seq)
         seqs, starts, counts, slots = (
             torch.tensor(  # (m,) each
                 [
@@ -358,7 +426,8 @@ class TraceRunner:
             seqs[decode], starts[decode], row_seqs=slots[decode], with_positions=cached
         )
         hits = torch.ones_like(rows)
-        if not bool(decode.all()):
+        decode_all = bool(decode.all())
+        if not decode_all:
             chunk = ~decode  # prefills and recomputes: rows of other sequences
             chunk_rows, chunk_hits, chunk_per_layer, *chunk_positions = self.trace.appends(
                 seqs[chunk], starts[chunk], counts[chunk], row_seqs=slots[chunk], with_positions=cached
@@ -367,22 +436,22 @@ class TraceRunner:
             hits = torch.cat([hits, chunk_hits])
             per_layer = per_layer + chunk_per_layer
             positions += chunk_positions
-        if self.scheduler.reservation.retries:
-            self._raise_at_the_first_short_layer(rows, hits)
-        if cached:  # which chunks each block spans, as the paged cache records them
-            allocation = manager.allocate_slots(rows, hits)
-            manager.prefix_cache.record_positions(allocation.slot_mapping, torch.cat(positions))
-        elif isinstance(manager, CountingKVCacheManager) and bool(decode.all()):
-            manager.grow_decode_rows(rows)  # the trace's rows (distinct, held), one token each
-        elif isinstance(manager, CountingKVCacheManager):
-            manager.grow_trace_rows(rows, hits)
-        else:
-            manager.grow_rows(rows, hits)
-        return per_layer
+        self.hot_load = self._hot_load(rows, hits)
+        return rows, hits, per_layer, positions, decode_all
 
-    def _raise_at_the_first_short_layer(self, rows: torch.Tensor, hits: torch.Tensor) -> None:
-        """OutOfBlocksError as the engine's forward raises it: layer by layer, each layer's rows
-        allocated at once, the first layer some device cannot serve, and the blocks it lacks there."""
+    def _hot_load(self, rows: torch.Tensor, hits: torch.Tensor) -> float:
+        """D x the busiest device's share of the step's (token, layer, expert) entries: 1 when the
+        routing spreads them evenly (or D = 1), up to D when one device takes them all."""
+        D = self.manager.num_devices
+        if D == 1 or not rows.numel():
+            return 1.0
+        per_device = torch.zeros(D, dtype=torch.int64).index_add_(0, self.manager.device_of_rows(rows), hits)
+        return D * float(per_device.max()) / max(1, int(per_device.sum()))
+
+    def _first_short_layer(self, rows: torch.Tensor, hits: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """Where the engine's forward would find a device short, allocating layer by layer, each
+        layer's rows at once: (the first layer some device cannot serve, the blocks (D,) it lacks
+        there), or None."""
         manager = self.manager
         L = manager.num_layers
         E = manager.num_experts
@@ -395,22 +464,36 @@ class TraceRunner:
         taken = per_layer.cumsum(0)  # (L, D)
         free = manager.num_free_blocks_per_device  # (D,)
         short = (taken > free).any(1).nonzero().squeeze(1)
-        if short.numel():
-            layer = int(short[0])
-            self.failed_fraction = (layer + 1) / L  # of the forward, run before the fault
-            raise OutOfBlocksError(
-                f"layer {layer} is short of blocks", torch.clamp(taken[layer] - free, min=0)
-            )
+        if not short.numel():
+            return None
+        layer = int(short[0])
+        return layer, torch.clamp(taken[layer] - free, min=0)
+
+    def _repair(self, out, layer: int, shortfall: torch.Tensor) -> None:
+        """Scheduler.repair drops the chunk scheduled last; it had run layers 0..layer, thrown away:
+        counted in token-layers and in modelled seconds (its share of those layers' compute)."""
+        index = self.scheduler.chunk_to_drop(out)
+        item = None if index is None else out.scheduled[index]
+        start, n = (0, 0) if item is None else (item.request.num_computed_tokens, item.num_tokens)
+        self.scheduler.repair(out, shortfall)  # RuntimeError where there is no chunk
+        self.thrown_away_token_layers += n * (layer + 1)
+        if self.cost is not None:
+            chunk = float(self.cost.recompute_seconds(start + n) - self.cost.recompute_seconds(start))
+            self.thrown_away_seconds += chunk * self.hot_load * (layer + 1) / self.manager.num_layers
 
     def _step(self, step: int):
         """Schedule and append one step: (SchedulerOutput, (L,) experts chosen per layer). Under a
         reservation policy that retries (optimistic) an append that runs short is undone with the
         scheduling before it (engine/undo.py, as LLMEngine.step does) and the step scheduled again
-        as the policy's `retry` says (fewer admissions, or the missing blocks freed first)."""
+        as the policy's `retry` says (fewer admissions, or the missing blocks freed first). Under
+        one that repairs (calibrated), `append` drops chunks from the step instead."""
         scheduler = self.scheduler
         if not scheduler.reservation.retries:
             out = scheduler.schedule(step)
-            return out, self.append(out.scheduled)
+            repairs = scheduler.num_repairs
+            per_layer = self.append(out)
+            self.num_faulted_steps += scheduler.num_repairs > repairs
+            return out, per_layer
         retry = None
         while True:
             # a snapshot only where a try can fail: most steps' worst case fits, and copying every
@@ -418,7 +501,9 @@ class TraceRunner:
             before = Snapshot(scheduler) if retry is not None or scheduler.may_run_short() else None
             out = scheduler.schedule(step, retry)
             try:
-                return out, self.append(out.scheduled)
+                per_layer = self.append(out)
+                self.num_faulted_steps += retry is not None
+                return out, per_layer
             except OutOfBlocksError as error:
                 if before is None:
                     raise RuntimeError(f"step {step} ran short although its worst case fit") from error
@@ -430,16 +515,22 @@ class TraceRunner:
                 retry = scheduler.reservation.retry(out, error, retry)
 
     def step_seconds(self, out) -> float:
-        """A step's fixed cost, each decode token or prefill / recompute chunk over its context, and
-        its swaps (each direction half of a swap)."""
-        cost, seconds = self.cost, self.cost.seconds_per_step
+        """A step's fixed cost at its token count (CostModel.step_fixed_seconds: weights, and the
+        collectives where several devices serve it), each decode token or prefill / recompute chunk
+        over its context, times the hot device's load (`hot_load`: the cost model splits that work
+        evenly, and the step waits for the busiest device), and its swaps (each direction half of a
+        swap)."""
+        cost = self.cost
+        seconds = cost.step_fixed_seconds(out.num_scheduled_tokens)
+        work = 0.0
         for item in out.scheduled:
             start, n = item.request.num_computed_tokens, item.num_tokens
-            seconds += float(
+            work += float(
                 cost.decode_seconds(start)
                 if n == 1 and start > 0
                 else cost.recompute_seconds(start + n) - cost.recompute_seconds(start)
             )
+        seconds += work * self.hot_load
         for copy in out.block_copies:
             if copy.direction != COPY:  # a prefix hit's copies stay within one device's memory
                 seconds += float(cost.swap_seconds(copy.source.numel())) / 2
@@ -517,6 +608,9 @@ class TraceRunner:
             self.num_retries,
             self.thrown_away_tokens,
             self.thrown_away_seconds,
+            scheduler.num_repairs,
+            self.thrown_away_token_layers,
+            self.num_faulted_steps,
             self.arrivals.clone(),
             torch.tensor(first_token, dtype=torch.float64),
             finish,

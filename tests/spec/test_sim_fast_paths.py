@@ -172,7 +172,7 @@ def test_decode_need_equals_the_bound_over_rows_on_random_states(seed, num_devic
     scheduler = runner.scheduler
     for _ in range(int(torch.randint(1, 12, (1,), generator=generator))):  # a few random steps
         out = scheduler.schedule(0)
-        runner.append(out.scheduled)
+        runner.append(out)
         scheduler.update_from_output(out, {item.request.request_id: 0 for item in out.scheduled})
     requests = list(scheduler.running)
     assert requests and all(r.num_pending_tokens == 1 for r in requests)
@@ -407,9 +407,8 @@ def test_the_runner_fails_at_the_first_short_layer_with_that_layers_shortfall():
     setup = RunnerSetup(blocks_per_device=5, block_size=1, max_num_seqs=1, reservation="optimistic")
     runner = TraceRunner(trace, [0, 0], setup, "sequence_lru", FREE)
     runner.manager.add_sequence(0)
-    with pytest.raises(OutOfBlocksError, match="layer 1") as raised:
-        runner._raise_at_the_first_short_layer(torch.arange(6), torch.full((6,), 2))
-    assert raised.value.shortfall.tolist() == [3]
+    layer, shortfall = runner._first_short_layer(torch.arange(6), torch.full((6,), 2))
+    assert (layer, shortfall.tolist()) == (1, [3])
 
 
 def test_a_fresh_requests_need_read_once_per_token_count_makes_the_decisions_of_reading_it_each_time(

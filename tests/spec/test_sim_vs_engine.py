@@ -15,6 +15,7 @@ from helpers import random_model, random_workload, small_config
 from moekv_ref.analysis import record_model_trace
 from moekv_ref.costs import CostModel
 from moekv_ref.engine import LLMEngine, SchedulerConfig
+from moekv_ref.engine.calibrated_reservation import CalibratedReservation
 from moekv_ref.generate import generate
 from moekv_ref.sampling import SamplingParams
 from moekv_ref.sim.runner import RunnerSetup, TraceRunner, simulate
@@ -141,6 +142,48 @@ def test_under_optimistic_reservation_the_runner_retries_as_the_engine_does(mode
     )
     assert stats.num_retries > 0  # the retry path ran
     assert stats.num_steps < engines["worst_case"].step_count  # fewer steps than worst-case reservation
+
+
+@pytest.mark.parametrize("victim", ["newest_first", "pressure_aware"])
+def test_under_calibrated_reservation_the_runner_repairs_as_the_engine_does(model, workload, victim):
+    """Decode tokens reserve their worst case, chunks (of at most 4 tokens) a quantile low enough
+    that layers run short; each time, the chunk scheduled last leaves the step and the forward goes
+    on for the others. The runner (checking layer by layer before it appends) and the engine (whose
+    forward raises at the short layer and runs again without the chunk) drop the same chunks, take
+    the same victims, hold the same blocks after every step and throw away the same token-layers;
+    the engine's tokens are those of worst-case reservation."""
+    prompts, output_lens, trace = workload
+
+    def calibrated():  # a fresh policy for each run: it learns from the requests it serves
+        return CalibratedReservation(q=0.05, max_chunk_tokens=4, min_observed=2)
+
+    setup = RunnerSetup(
+        BLOCKS_PER_DEVICE,
+        BLOCK_SIZE,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        admission="optimistic",
+        reservation=calibrated(),
+    )
+    stats = simulate(trace, PLACEMENT, setup, victim, FLAT)
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in output_lens]
+    engines = {}
+    for name, reservation in (("calibrated", calibrated()), ("worst_case", "worst_case")):
+        engines[name] = engine_on_pools(model, victim=victim, admission="optimistic", reservation=reservation)
+    outputs = {name: engine.generate(prompts, params) for name, engine in engines.items()}
+    engine = engines["calibrated"]
+    assert [o.token_ids for o in outputs["calibrated"]] == [o.token_ids for o in outputs["worst_case"]]
+    events = [(e.step, e.request_id, e.kind) for e in engine.events if e.kind in DECISIONS]
+    assert stats.events == events
+    assert stats.num_steps == engine.step_count
+    assert stats.used_blocks.tolist() == torch.stack(engine.device_timeline).tolist()
+    engine_stats = engine.stats()
+    assert (stats.num_repairs, stats.thrown_away_token_layers) == (
+        engine_stats.num_repairs,
+        engine_stats.num_thrown_away_token_layers,
+    )
+    assert stats.num_repairs > 0 and stats.num_retries == 0  # the repair path ran, no step was undone
+    assert stats.recomputed_tokens == engine_stats.num_recomputed_tokens
 
 
 @pytest.mark.parametrize(

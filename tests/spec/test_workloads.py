@@ -283,9 +283,10 @@ def test_bench_cluster_writes_its_json(tmp_path):
     import json
 
     result = json.loads(path.read_text())
-    assert len(result["runs"]) == 2 and {r["reservation"] for r in result["runs"]} == {
+    assert len(result["runs"]) == 3 and {r["reservation"] for r in result["runs"]} == {
         "worst_case",
         "optimistic",
+        "calibrated",
     }
     assert all(r["served"] + r["refused"] == 12 for r in result["runs"])
     assert not math.isnan(result["runs"][0]["ttft_p50_s"])

@@ -1,0 +1,179 @@
+"""Calibrated reservation (engine/calibrated_reservation.py) and the clairvoyant bound
+(sim/clairvoyant.py): what each reserves, measured against what the trace's routing then takes.
+
+The trace runner's TraceFuture knows the blocks each request holds after each of its tokens, so
+the blocks a chunk really opens on each device are held[c + n] - held[c]: the yardstick for both.
+The simulator = engine equivalence under calibrated reservation, repairs included, is in
+test_sim_vs_engine.py."""
+
+import pytest
+import torch
+
+from moekv_ref.costs import CostModel
+from moekv_ref.engine.calibrated_reservation import CalibratedReservation
+from moekv_ref.engine.scheduler_config import SchedulerConfig
+from moekv_ref.sim.runner import RunnerSetup, TraceRunner
+from moekv_ref.sim.workloads import skewed_workload
+
+FREE = CostModel("free", 0.0, 0.0, 0.0, float("inf"), 0.0, 0.0, 1)
+
+
+def skewed_runner(reservation, blocks_per_device: int, seed: int, max_chunk: int = 64) -> TraceRunner:
+    """96 requests of a topic trace (8 layers, 16 experts top-2, skew 1.5) on 4 devices, placed by
+    co-activation, so that the popular topic's device fills first."""
+    trace, _, placement = skewed_workload(96, mean_prompt=160, mean_output=32, seed=seed)
+    setup = RunnerSetup(
+        blocks_per_device,
+        block_size=16,
+        max_num_seqs=32,
+        max_num_batched_tokens=max_chunk * 4,
+        admission="optimistic",
+        reservation=reservation,
+    )
+    return TraceRunner(trace, placement, setup, "newest_first", FREE)
+
+
+def record_chunks(runner: TraceRunner, policy: CalibratedReservation) -> list:
+    """(reserved (D,), taken (D,)) of every chunk the policy's quantile was asked for."""
+    records = []
+    quantile = policy.quantile_blocks
+
+    def recording(requests, num_tokens, memory, predictor):
+        reserved = quantile(requests, num_tokens, memory, predictor)
+        for request, n, row in zip(requests, num_tokens, reserved):
+            held = runner.future.held(request.request_id)
+            done = request.num_computed_tokens
+            records.append((row, held[done + n] - held[done]))
+        return reserved
+
+    policy.quantile_blocks = recording
+    return records
+
+
+@pytest.mark.parametrize("q,most", [(0.9, 0.13), (0.99, 0.025)])
+def test_a_chunk_takes_more_than_its_quantile_about_as_often_as_q_allows(q, most):
+    """Over three seeds' runs (thousands of (chunk, device) pairs), a chunk's blocks on a device
+    exceed what calibrated(q) reserved there in at most `most` of the pairs (1 - q plus a margin
+    for a prior learned on the fly), and the reservation stays near what is taken: at most 1.5x in
+    all (worst-case reservation sets aside several times more)."""
+    exceeded, pairs, reserved_sum, taken_sum = 0, 0, 0.0, 0.0
+    for seed in range(3):
+        policy = CalibratedReservation(q=q, max_chunk_tokens=64)
+        runner = skewed_runner(policy, blocks_per_device=4000, seed=seed)
+        records = record_chunks(runner, policy)
+        runner.run()
+        reserved = torch.stack([r for r, _ in records]).double()  # (chunks, D)
+        taken = torch.stack([t for _, t in records]).double()
+        exceeded += int((taken > reserved).sum())
+        pairs += taken.numel()
+        reserved_sum += float(reserved.sum())
+        taken_sum += float(taken.sum())
+    assert pairs > 2000
+    assert exceeded / pairs <= most
+    assert exceeded > 0  # the quantile is a quantile, not the worst case
+    assert 1.0 < reserved_sum / taken_sum <= 1.5
+
+
+def test_the_clairvoyant_bound_reserves_exactly_what_every_step_takes():
+    """Under reservation='clairvoyant' every step's appends take, device by device summed, exactly
+    the blocks the step reserved for them: no step runs short, and no block set aside goes unused."""
+    runner = skewed_runner("clairvoyant", blocks_per_device=900, seed=0)
+    append = runner.append
+    steps = []
+
+    def checking(out):
+        free = runner.manager.num_free_blocks_per_device.clone()
+        result = append(out)
+        taken = int((free - runner.manager.num_free_blocks_per_device).sum())
+        steps.append((out.reserved_blocks, taken))
+        return result
+
+    runner.append = checking
+    stats = runner.run()
+    assert stats.num_finished == 96 and stats.num_evictions > 0  # memory bound: victims acted
+    assert all(reserved == taken for reserved, taken in steps)
+    assert stats.num_repairs == stats.num_retries == 0
+
+
+def test_decode_tokens_reserve_their_worst_case_and_chunks_their_cap():
+    """A decode token's need is the scheduler's worst case (so no decode runs short), and no item of
+    any step runs more than max_chunk_tokens tokens."""
+    policy = CalibratedReservation(q=0.9, max_chunk_tokens=24)
+    runner = skewed_runner(policy, blocks_per_device=300, seed=1, max_chunk=64)
+    scheduler = runner.scheduler
+    step_needs = policy.step_needs
+    checked = []
+
+    def checking(requests, num_tokens, worst_case, memory, predictor):
+        needs = step_needs(requests, num_tokens, worst_case, memory, predictor)
+        for i, (request, n) in enumerate(zip(requests, num_tokens)):
+            if n == 1 and request.num_computed_tokens > 0:
+                assert needs[i].tolist() == worst_case([request], [1])[0].tolist()
+                checked.append(i)
+        return needs
+
+    policy.step_needs = checking
+    sizes = []
+    schedule = scheduler.schedule
+
+    def recording(step, retry=None):
+        out = schedule(step, retry)
+        sizes.extend(item.num_tokens for item in out.scheduled)
+        return out
+
+    scheduler.schedule = recording
+    runner.run()
+    assert checked and max(sizes) == 24
+
+
+def test_the_headroom_rises_by_a_fault_and_decays_each_step():
+    policy = CalibratedReservation(headroom_decay=0.5)
+    policy.note_fault(torch.tensor([0, 8]))
+    policy.note_fault(torch.tensor([2, 0]))
+    assert policy.headroom.tolist() == [2.0, 8.0]
+    policy.start_step()
+    policy.start_step()
+    assert policy.headroom.tolist() == [0.5, 2.0]
+
+
+def test_before_enough_requests_are_measured_a_chunk_reserves_its_worst_case():
+    """The prior is learned from the requests served: until min_observed are measured, a chunk
+    reserves the worst case, and the first chunks therefore never run short."""
+    policy = CalibratedReservation(q=0.5, min_observed=10**6)  # never enough
+    runner = skewed_runner(policy, blocks_per_device=300, seed=2)
+    asked = []
+    quantile = policy.quantile_blocks
+    policy.quantile_blocks = lambda *args: asked.append(1) or quantile(*args)
+    stats = runner.run()
+    assert not asked and stats.num_repairs == 0
+
+
+@pytest.mark.parametrize(
+    "keywords,named",
+    [
+        ({"q": 1.0}, "q=1.0"),
+        ({"q": 0}, "q=0"),
+        ({"max_chunk_tokens": 0}, "max_chunk_tokens=0"),
+        ({"headroom_decay": 1.0}, "headroom_decay=1.0"),
+        ({"min_observed": 0}, "min_observed=0"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(keywords, named):
+    with pytest.raises(ValueError, match=named):
+        CalibratedReservation(**keywords)
+
+
+def test_what_cannot_combine_is_refused():
+    with pytest.raises(ValueError, match="preemption_mode='swap'"):
+        SchedulerConfig(reservation="calibrated", preemption_mode="swap")
+    with pytest.raises(ValueError, match="continuous_paged"):
+        SchedulerConfig(reservation="calibrated", policy="static")
+    trace, _, placement = skewed_workload(8, seed=0)
+    with pytest.raises(ValueError, match="clairvoyant"):
+        TraceRunner(
+            trace,
+            placement,
+            RunnerSetup(300, prefix_caching=True, reservation="clairvoyant"),
+            "newest_first",
+            FREE,
+        )
