@@ -628,10 +628,11 @@ def cluster_cost_model(
 ) -> CostModel:
     """`config` served by num_devices GPUs together by expert parallelism over NVLink (each GPU holds
     E / D experts of every layer, of both kinds, and their rows' blocks: kv_with_expert), every term
-    an ideal per-component time, nothing overlapped, load imbalance left out. Per step:
+    an ideal per-component time, nothing overlapped, load imbalance left to the caller (the trace
+    runner multiplies a step's token work by its busiest device's load). Per step:
 
-    - the always-read weights (`parameter_split`: LM head, norms, routers, shared K/V), split over the
-      D GPUs; and the routed experts' weights of each kind as far as the step's n tokens activate
+    - the always-read weights (`parameter_split`: LM head, norms, routers, shared K/V), which every
+      GPU holds a copy of and reads whole; and the routed experts' weights of each kind as far as the step's n tokens activate
       them, each GPU reading its activated experts of its E / D, the step waiting for the busiest
       (`busiest_gpu_experts`): on one GPU the activated fraction (`activated_experts` / E), on 8
       GPUs of 8 experts one expert a layer from the first token on; all of them, total / D, once
@@ -696,12 +697,12 @@ def cluster_cost_model(
         f"{config.name} on {num_devices} x {accelerator} (projected: compute split evenly; HBM reads of "
         f"the always-read weights and of the experts a step activates on the busiest GPU; {links}; "
         "nothing overlapped, "
-        "load imbalance left out)"
+        "load imbalance left to the caller)"
     )
     return replace(
         one,
         name=name,
-        seconds_per_step=gpu.read_seconds(WEIGHT_BYTES * split["always_read"]) / num_devices,
+        seconds_per_step=gpu.read_seconds(WEIGHT_BYTES * split["always_read"]),  # each GPU its copy
         seconds_per_token=one.seconds_per_token / num_devices,
         seconds_per_token_pair=one.seconds_per_token_pair / num_devices,
         seconds_per_context_read=gpu.read_seconds(read_bytes) / num_devices,

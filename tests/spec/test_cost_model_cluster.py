@@ -122,6 +122,16 @@ def test_a_step_of_256_tokens_reads_all_the_weights():
     assert cost.step_fixed_seconds(256) / gpu.read_seconds(2 * ACTIVE) == pytest.approx(4.5, rel=0.02)
 
 
+@pytest.mark.parametrize("num_devices", [2, 4, 8])
+def test_every_gpu_reads_its_own_copy_of_the_always_read_weights(num_devices):
+    """Expert parallelism spreads the experts, not the LM head, norms and routers: each GPU holds
+    them and reads them whole each step, so their time is one GPU's read at any D."""
+    split = parameter_split(CONFIG)
+    one_read = GPUS["H200"].read_seconds(WEIGHT_BYTES * split["always_read"])
+    assert cluster(num_devices).seconds_per_step == pytest.approx(one_read, rel=1e-12)
+    assert cluster(num_devices).seconds_per_step == cluster(1).seconds_per_step
+
+
 # ----- the parameter split ---------------------------------------------------------------------------------
 def test_parameter_split_matches_the_published_model_sizes():
     """JetMoE-8B (tied embeddings, as its config.json has them): 8 B total, 2.2 B active (Shen et al.,
