@@ -238,15 +238,22 @@ def ample_blocks_per_device(trace: RoutingTrace, device_of_expert, setup: Runner
     return blocks
 
 
-def _ample_run(trace, device_of_expert, setup, cost, arrivals) -> tuple[RunnerStats, list[int], int]:
-    """One run with memory that never binds: (stats, finished after each step, blocks per device);
+def _ample_run(trace, device_of_expert, setup, cost, arrivals) -> tuple[RunnerStats, list, list, int]:
+    """One run with memory that never binds: (stats, finished after each step, each step's hot load
+    (the runner's: D x the busiest device's share of the step's work), blocks per device);
     RuntimeError if anything was refused, preempted or retried all the same."""
     blocks = ample_blocks_per_device(trace, device_of_expert, setup)
     ample = replace(setup, blocks_per_device=blocks)
     finished = []
     # the victim policy never acts (nothing is preempted): any would do
     runner = TraceRunner(trace, device_of_expert, ample, "sequence_lru", cost, arrivals=arrivals)
-    stats = runner.run(MAX_STEPS, on_step=finished.append)
+    hot_loads = []
+
+    def after_step(num_finished: int) -> None:
+        finished.append(num_finished)
+        hot_loads.append(runner.hot_load)
+
+    stats = runner.run(MAX_STEPS, on_step=after_step)
     if (
         stats.num_refused
         or stats.num_victim_sequences
@@ -258,20 +265,20 @@ def _ample_run(trace, device_of_expert, setup, cost, arrivals) -> tuple[RunnerSt
             f"{stats.num_refused}, preempted {stats.num_victim_sequences}, retried {stats.num_retries} "
             f"and finished {stats.num_finished} of {trace.num_sequences} requests"
         )
-    return stats, finished, blocks
+    return stats, finished, hot_loads, blocks
 
 
 def capacity(trace: RoutingTrace, device_of_expert, setup: RunnerSetup, cost: CostModel) -> dict:
     """The modelled capacity (`capacity_rate`) and how it was measured: requests per second between
     the 10% and 90% completion points of a run with every request waiting at t = 0 and memory that
     never binds. Also: the blocks per device given, the completion points (their ranks and
-    seconds), the mean running over the steps between them, and saturated_until, the share of
+    seconds), the mean running and hot load over the steps between them, and saturated_until, the share of
     requests finished when the last one was admitted (the batch can stay full only until then: a
     window ending past it counts some of the drain, so give the trace many more requests than
     max_num_seqs)."""
     _check_cost(cost)
     started = time.perf_counter()
-    stats, finished, blocks = _ample_run(trace, device_of_expert, setup, cost, arrivals=None)
+    stats, finished, hot_loads, blocks = _ample_run(trace, device_of_expert, setup, cost, arrivals=None)
     wall = time.perf_counter() - started
     n = trace.num_sequences
     times = torch.sort(stats.finish_seconds).values  # (n,) completion times
@@ -292,6 +299,8 @@ def capacity(trace: RoutingTrace, device_of_expert, setup: RunnerSetup, cost: Co
         "completions": [first, last],
         "completion_seconds": [float(times[first - 1]), float(times[last - 1])],
         "mean_running_in_window": float(stats.num_running[steps].double().mean()) if steps.any() else 0.0,
+        # the work's multiplier a saturated step pays (`scaled_tpot_slo`'s hot_load)
+        "hot_load_in_window": float(torch.tensor(hot_loads)[steps].mean()) if steps.any() else 1.0,
         "max_num_seqs": setup.max_num_seqs,
         "saturated_until": (finished[max(admitted)] / n) if admitted else 0.0,
         "modelled_seconds": stats.seconds,
@@ -319,15 +328,15 @@ def working_set(
     rate (seeded by seed), memory that never binds; the steady window's steps are those from the
     admission of its first request to the admission of its last (with memory that never binds, a
     request waits only for a free one of max_num_seqs); over them, the mean of the most-used
-    device's blocks in use (per step, the fullest device), each device's mean, the mean running,
-    and the window's latencies (TTFT and TPOT p50 and p99)."""
+    device's blocks in use (per step, the fullest device), each device's mean, the mean running
+    and hot load, and the window's latencies (TTFT and TPOT p50 and p99)."""
     _check_cost(cost)
     check_real("rate", rate, 0, low_open=True, meaning="requests per second")
     seed = check_seed("seed", seed)
     started = time.perf_counter()
     arrival = arrival_times(trace.num_sequences, rate, "poisson", seed=seed)
     window = steady_window(arrival, warmup, cooldown)
-    stats, _, blocks = _ample_run(trace, device_of_expert, setup, cost, arrivals=arrival)
+    stats, _, hot_loads, blocks = _ample_run(trace, device_of_expert, setup, cost, arrivals=arrival)
     wall = time.perf_counter() - started
     admitted = [step for step, request, kind in stats.events if kind == "admitted" and bool(window[request])]
     steps = slice(min(admitted), max(admitted) + 1)
@@ -342,6 +351,7 @@ def working_set(
         "blocks": float(used.max(1).values.mean()),
         "blocks_per_device_mean": used.mean(0).tolist(),
         "mean_running": float(stats.num_running[steps].double().mean()),
+        "hot_load": float(torch.tensor(hot_loads)[steps].mean()),
         "steps": used.shape[0],
         "rate": rate,
         "ample_blocks_per_device": blocks,
@@ -360,7 +370,7 @@ def working_set_blocks(
 
 
 def saturated_step_seconds(
-    cost: CostModel, prompts: torch.Tensor, outputs: torch.Tensor, batch_size: int
+    cost: CostModel, prompts: torch.Tensor, outputs: torch.Tensor, batch_size: int, hot_load: float = 1.0
 ) -> float:
     """The modelled time of one step of a steady batch of batch_size decoding requests of these
     lengths ((S,) prompt and output tokens): CostModel.step_fixed_seconds of the step's tokens plus
@@ -368,11 +378,15 @@ def saturated_step_seconds(
     token over its context) and its prefill work (each prompt once: the requests replacing the
     finished ones) over its decode tokens. The step's tokens are batch_size decode tokens and the
     prompt tokens that come with them (batch_size times all prompt tokens over all decode tokens).
+    hot_load: what the step's work is multiplied by, as the trace runner multiplies it: the busiest
+    device's share of the step's (token, layer, expert) entries times D (1: spread evenly; the
+    cost model splits the work evenly and a step waits for its busiest device).
     TPOT (the time from the first token to the last over the tokens after the first) is the mean
     time of the steps a request decodes in, so a request decoding in such a batch sees this."""
     _check_cost(cost)
     prompts, outputs = _check_lengths(prompts, outputs)
     batch_size = check_int("batch_size", batch_size, 1, MAX_INT32, meaning="requests decoding together")
+    check_real("hot_load", hot_load, 1, meaning="D x the busiest device's share of a step's work")
     decode_tokens = (outputs - 1).clamp(min=0)  # the first output token comes from the prefill
     num_decode = float(decode_tokens.sum())
     if num_decode == 0:
@@ -384,7 +398,7 @@ def saturated_step_seconds(
     decode = float((decode_tokens * cost.decode_seconds(mean_context)).sum())
     prefill = float(cost.recompute_seconds(prompts).sum())
     step_tokens = round(batch_size * (1 + float(prompts.sum()) / num_decode))
-    return cost.step_fixed_seconds(step_tokens) + batch_size * (decode + prefill) / num_decode
+    return cost.step_fixed_seconds(step_tokens) + hot_load * batch_size * (decode + prefill) / num_decode
 
 
 def scaled_tpot_slo(
@@ -393,11 +407,13 @@ def scaled_tpot_slo(
     outputs: torch.Tensor,
     batch_size: int,
     factor: float = TPOT_SLO_FACTOR,
+    hot_load: float = 1.0,
 ) -> float:
     """A TPOT SLO `factor` of the way from the step of one decoding request to the step of a
     saturated batch (`saturated_step_seconds` at 1 and at batch_size: the batch the system holds
     when saturated, max_num_seqs where memory does not bind it, else the batch memory allows):
-    idle + factor * (saturated - idle), factor in (0, 1).
+    idle + factor * (saturated - idle), factor in (0, 1); hot_load as `saturated_step_seconds` takes it
+    (a saturated run's mean, or 1 for routing spread evenly).
 
     Why it binds when overloaded and is met at low load: past capacity the waiting line never
     empties, the batch stays full, and every step costs about the saturated step, above the SLO
@@ -411,8 +427,8 @@ def scaled_tpot_slo(
     check_real(
         "factor", factor, 0, 1, low_open=True, high_open=True, meaning="of the way from idle to saturated"
     )
-    idle = saturated_step_seconds(cost, prompts, outputs, 1)
-    saturated = saturated_step_seconds(cost, prompts, outputs, batch_size)
+    idle = saturated_step_seconds(cost, prompts, outputs, 1, hot_load)
+    saturated = saturated_step_seconds(cost, prompts, outputs, batch_size, hot_load)
     return idle + factor * (saturated - idle)
 
 

@@ -336,6 +336,8 @@ def test_capacity_is_measured_with_the_batch_full(cluster, cluster_capacity):
     trace, placement, setup, cost = cluster
     result = cluster_capacity
     assert result["mean_running_in_window"] > 0.9 * setup.max_num_seqs  # saturated
+    # topic routing leans on some devices: the busiest does more than its even share
+    assert 1 < result["hot_load_in_window"] <= DEVICES
     assert 0 < result["saturated_until"] <= 1
     # at half capacity the batch is not full
     low = working_set(trace, placement, setup, cost, 0.5 * result["requests_per_s"], seed=1)
@@ -400,6 +402,12 @@ def test_the_saturated_step_and_the_slo_by_hand():
     idle = 1e-3 + per_token
     slo = scaled_tpot_slo(cost, prompts, outputs, 32, factor=0.5)
     assert slo == pytest.approx(idle + 0.5 * 31 * per_token)
+    # the busiest device doing 1.5 times its share: the work, not the fixed cost, takes 1.5 times as long
+    hot = saturated_step_seconds(cost, prompts, outputs, 32, hot_load=1.5)
+    assert hot == pytest.approx(1e-3 + 1.5 * 32 * per_token)
+    assert scaled_tpot_slo(cost, prompts, outputs, 32, 0.5, 1.5) == pytest.approx(
+        1e-3 + 1.5 * (1 + 15.5) * per_token
+    )
 
 
 def test_the_saturated_step_pays_the_fixed_cost_of_its_tokens():
@@ -417,9 +425,9 @@ def test_the_saturated_step_pays_the_fixed_cost_of_its_tokens():
 
 def test_the_scaled_tpot_slo_binds_when_saturated_and_is_met_at_low_load(cluster, cluster_capacity):
     trace, placement, setup, cost = cluster
-    # the fixed cost a step is charged: the cluster model's seconds_per_step alone (its collectives,
-    # link and expert reads left out), so that the SLO and the runner's steps agree whether or not
-    # the runner charges CostModel.step_fixed_seconds
+    # the cluster model without its collectives, link and expert reads: with them a step's fixed
+    # cost (1.5 ms) drowns a batch of 8's work (10 us a request), idle and saturated steps differ by
+    # 8%, and the SLO between them cannot tell a low load from a saturated one
     cost = replace(cost, collectives_per_step=0, link_seconds_per_token=0.0, expert_reads=())
     prompts, outputs = trace_lengths(trace)
     slo = scaled_tpot_slo(cost, prompts, outputs, setup.max_num_seqs)
@@ -443,6 +451,8 @@ def test_bad_slo_inputs_are_named():
         scaled_tpot_slo(cost, torch.tensor([5]), torch.tensor([4]), 8, factor=0)
     with pytest.raises(ValueError, match="factor=1 is not allowed"):
         scaled_tpot_slo(cost, torch.tensor([5]), torch.tensor([4]), 8, factor=1)
+    with pytest.raises(ValueError, match="hot_load=0.5 is not allowed"):
+        saturated_step_seconds(cost, torch.tensor([5]), torch.tensor([4]), 8, hot_load=0.5)
     with pytest.raises(ValueError, match="prompts holds 0"):
         saturated_step_seconds(cost, torch.tensor([0]), torch.tensor([4]), 8)
 
