@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+from pathlib import Path
 
 from .paths import output_path
 
@@ -38,3 +40,24 @@ def dump(value, handle, **options) -> None:
 def write(path, value, **options) -> None:
     """dumps(value) (and a final newline) written to the file at path, its missing folders made."""
     output_path(path).write_text(dumps(value, **options) + "\n")
+
+
+def source_commit() -> str:
+    """The short commit of the checkout this package runs from, with -dirty where tracked files have
+    changes ("unknown" outside a git checkout): what a result file records, so that a reader can
+    tell which code produced it."""
+    where = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=where, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=where,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("-dirty" if status.strip() else "")

@@ -4,7 +4,8 @@ generate       generate from a prompt with the embedded model and report its per
 routing-stats  what the embedded model's routers learned (load, entropy, character preferences)
 demo           serve a stream of requests through a small pool: continuous batching, preemption
 bench          benchmarks: `bench memory`, `bench serving`, `bench eviction`, `bench parallel`, `bench step`,
-               `bench peer`, `bench cluster`, `bench simulator` (the simulator's own speed)
+               `bench peer`, `bench cluster`, `bench simulator` (the simulator's own speed),
+               `bench reservation` (reservation strategies in steady state)
 train-family   train dense and expert-attention variants the same way and measure them (about an hour)
 capacity       train variants at 512 bytes and measure what per-row KV budgets cost in quality
 figures        regenerate every PNG in figures/ from the package
@@ -34,6 +35,7 @@ from . import (
     bench_memory,
     bench_parallel,
     bench_peer,
+    bench_reservation,
     bench_serving,
     bench_simulator,
     bench_step,
@@ -280,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
             bench_simulator,
             bench_simulator.main,
             "the simulator's own speed: beside another checkout, or at scale",
+        ),
+        (
+            "reservation",
+            bench_reservation,
+            bench_reservation.main,
+            "reservation strategies in steady state: goodput against the clairvoyant bound",
         ),
     ]
     for name, module, run, help_text in benchmarks:

@@ -27,7 +27,6 @@ import dataclasses
 import hashlib
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -53,18 +52,6 @@ def dense_config():
     return get_config("tiny", max_position_embeddings=FULL.window, **DENSE)
 
 
-def git_commit() -> str:
-    """The short commit, with -dirty where tracked files have changes."""
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    status = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-    )
-    return head + ("-dirty" if status.stdout.strip() else "")
-
-
-@torch.no_grad()
 def evaluate(model, windows, window: int | None, batch_size: int = 8, bar=None) -> dict:
     """Scores.summary() of model on windows, attention restricted to `window` bytes (None: all)."""
     scores = Scores()
@@ -180,7 +167,7 @@ def report(args, results, probes) -> dict:
     distances = [d for w in probes for d in w.distances]
     timing = results["training"]
     return {
-        "commit": git_commit(),
+        "commit": jsonout.source_commit(),
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": THREADS},
         "task": {
             "window": FULL.window,
