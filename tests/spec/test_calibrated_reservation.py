@@ -8,10 +8,19 @@ test_sim_vs_engine.py."""
 
 import pytest
 import torch
+from helpers import random_model, small_config
 
+from moekv_ref.cache.block_pool import OutOfBlocksError
+from moekv_ref.cache.kv_cache_manager import KVCacheManager
+from moekv_ref.cache.paged import PagedKVCache
 from moekv_ref.costs import CostModel
+from moekv_ref.engine import LLMEngine
 from moekv_ref.engine.calibrated_reservation import CalibratedReservation
+from moekv_ref.engine.memory import ModelShape
+from moekv_ref.engine.request import Request, RequestStatus
+from moekv_ref.engine.scheduler import Scheduler
 from moekv_ref.engine.scheduler_config import SchedulerConfig
+from moekv_ref.sampling import SamplingParams
 from moekv_ref.sim.runner import RunnerSetup, TraceRunner
 from moekv_ref.sim.workloads import skewed_workload
 
@@ -177,3 +186,95 @@ def test_what_cannot_combine_is_refused():
             "newest_first",
             FREE,
         )
+
+
+# ----- the repair, on the scheduler alone -------------------------------------------------------------
+def scheduler_with_three_prompts(reservation):
+    """A Scheduler on one pool of 2 layers x 4 experts, three prompts of 6, 5 and 4 tokens
+    admitted in one step (optimistic admission: all fit)."""
+    manager = KVCacheManager(2, 4, 4, 200)
+    config = SchedulerConfig(max_num_seqs=8, admission="optimistic", reservation=reservation)
+    scheduler = Scheduler(config, manager, ModelShape(2, 2, 64))
+    for request_id, prompt_len in enumerate((6, 5, 4)):
+        scheduler.add_request(Request(request_id, [7] * prompt_len, SamplingParams(max_new_tokens=3)))
+    return scheduler
+
+
+def test_a_repair_preempts_the_chunk_scheduled_last_and_keeps_the_others():
+    policy = CalibratedReservation(headroom_decay=0.5)
+    scheduler = scheduler_with_three_prompts(policy)
+    out = scheduler.schedule(0)
+    assert [item.request.request_id for item in out.scheduled] == [0, 1, 2]
+    dropped = scheduler.repair(out, torch.tensor([3]))
+    assert dropped.request_id == 2 and dropped.status is RequestStatus.PREEMPTED
+    assert [item.request.request_id for item in out.scheduled] == [0, 1]  # the others go on
+    assert scheduler.waiting[0] is dropped and dropped not in scheduler.running
+    assert out.events[-1] == ("preempted", dropped)
+    assert policy.headroom.tolist() == [3.0]  # the fault raised the headroom
+    assert (scheduler.num_repairs, scheduler.num_repaired_tokens) == (1, 4)
+
+
+def test_a_step_of_decode_tokens_alone_has_nothing_to_drop():
+    """Decode tokens reserve their worst case, so only a chunk can run short: a repair asked of a
+    step without one is a broken invariant, raised, with nothing changed."""
+    scheduler = scheduler_with_three_prompts(CalibratedReservation())
+    out = scheduler.schedule(0)
+    out.scheduled = [item for item in out.scheduled if False]  # no chunk left
+    with pytest.raises(RuntimeError, match="no chunk to drop"):
+        scheduler.repair(out, torch.tensor([1]))
+    assert scheduler.num_repairs == 0 and len(scheduler.running) == 3
+    worst = scheduler_with_three_prompts("worst_case")
+    out = worst.schedule(0)
+    with pytest.raises(RuntimeError, match="no chunk to drop"):  # nor does a policy that never runs short
+        worst.repair(out, torch.tensor([1]))
+
+
+def test_the_runner_charges_a_step_for_its_busiest_device():
+    """The cost model splits a step's token work evenly over the devices; the step waits for the one
+    with the most entries: D x its share, 1 when even, D when one device takes everything."""
+    trace, _, placement = skewed_workload(4, seed=0)
+    runner = TraceRunner(trace, placement, RunnerSetup(900), "newest_first", FREE)
+    manager = runner.manager
+    manager.add_sequence(0)
+    rows = manager.index.sequence_rows(torch.tensor([manager.seq_index(0)]))[0]  # (L * E,)
+    devices = manager.device_of_rows(rows)
+    on_device = [int(rows[(devices == d).nonzero()[0]]) for d in range(4)]  # a row on each device
+    even = torch.tensor(on_device)
+    assert runner._hot_load(even, torch.ones(4, dtype=torch.int64)) == 1.0
+    one = torch.tensor([on_device[0]] * 2)
+    assert runner._hot_load(one, torch.tensor([3, 5])) == 4.0
+    lopsided = torch.tensor(on_device[:2])
+    assert runner._hot_load(lopsided, torch.tensor([3, 1])) == 4 * 3 / 4
+
+
+def test_the_paged_cache_names_the_layer_whose_append_ran_short():
+    """The engine counts a dropped chunk's thrown-away work up to the short layer, which the paged
+    cache's append_kv names on the OutOfBlocksError it raises (nothing stored or allocated)."""
+    config = small_config("expert", "topk", num_hidden_layers=3)
+    cache = PagedKVCache(config, num_blocks=9, block_size=4)
+    k = torch.zeros(28, config.num_key_value_heads, config.head_dim)
+    positions = torch.arange(28)
+    seqs = torch.zeros(28, dtype=torch.int64)
+    cache.append_kv(0, seqs, torch.zeros(28, dtype=torch.int64), positions, k, k)  # 7 of 9 blocks
+    with pytest.raises(OutOfBlocksError) as raised:  # 3 rows of 3, 3 and 2 tokens: 3 blocks
+        cache.append_kv(1, seqs[:8], torch.arange(8) % 3, positions[:8], k[:8], k[:8])
+    assert raised.value.layer == 1 and raised.value.shortfall.tolist() == [1]
+    assert cache.manager.num_free_blocks == 2
+
+
+def test_a_repair_in_the_engine_counts_the_layers_run_up_to_the_short_one():
+    """LLMEngine's repair: the chunk scheduled last leaves the step and its tokens x (short layer +
+    1) are counted thrown away (layer 1 of 3: two layers' work)."""
+    model = random_model(small_config("expert", "topk", num_hidden_layers=3), seed=0)
+    engine = LLMEngine(
+        model,
+        block_size=4,
+        num_blocks=200,
+        scheduler_config=SchedulerConfig(admission="optimistic", reservation=CalibratedReservation()),
+    )
+    for prompt_len in (6, 5):
+        engine.add_request([3] * prompt_len, SamplingParams(max_new_tokens=2))
+    decision = engine.scheduler.schedule(0)
+    engine._repair(decision, OutOfBlocksError("short", torch.tensor([1]), layer=1))
+    stats = engine.stats()
+    assert (stats.num_repairs, stats.num_thrown_away_token_layers) == (1, 5 * 2)
