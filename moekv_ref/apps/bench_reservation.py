@@ -84,6 +84,8 @@ from ..sim.steady_state import (
 )
 from ..sim.workloads import arrival_times
 from ..stats import mean_ci95
+from ..validation import check_int
+from . import options
 from .bench_cluster import ACTIVE_PARAMS, cluster_workload
 
 STRATEGIES = ("worst_case", "optimistic", "calibrated", "clairvoyant")
@@ -308,7 +310,11 @@ def build_parser(parser=None):
     parser.add_argument(
         "--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES, help="(default: all four)"
     )
-    parser.add_argument("--json", default="figures/reservation_study.json", help="results, kept as tasks end")
+    parser.add_argument(
+        "--json",
+        default="runs/reservation_study.json",
+        help="results, kept as tasks end (default %(default)s)",
+    )
     parser.add_argument(
         "--allow-dirty",
         action="store_true",
@@ -319,9 +325,8 @@ def build_parser(parser=None):
 
 def check_args(args) -> None:
     for name, low, high in (("seeds", 1, 100), ("requests", 100, 100_000), ("workers", 1, 64)):
-        value = getattr(args, name)
-        if not low <= value <= high:
-            raise ValueError(f"--{name}={value} is not allowed; allowed: an integer in [{low}, {high}]")
+        check_int(f"--{name}", getattr(args, name), low, high)
+    options.output_file("--json", args.json, parents_made=True)
 
 
 def main(args) -> int:
