@@ -12,6 +12,10 @@ One step, in order (vLLM v1's loop, with MoE-aware memory checks):
  3. `update_from_output`: tokens counted as computed, sampled tokens appended, requests at their
     last token finished and their blocks freed.
 
+Under a reservation that may run short (reservation.py), a layer can find a device full during the
+forward: the engine then either undoes the step and schedules it again (`retry`, optimistic) or
+asks `repair` to take the chunk scheduled last out of the step (calibrated), and runs on.
+
 Only the next step's worst case is reserved, because a forward runs every layer and cannot stop
 half-way when a layer's experts are full; the whole life's is k_max / k_avg times more than
 threshold routing needs (what `continuous_reserved` pays). Admission adds a prediction
