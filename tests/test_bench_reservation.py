@@ -2,6 +2,7 @@
 computes from them, its intervals are Student-t intervals, and a result never comes from a tree with
 uncommitted changes."""
 
+import json
 import math
 import random
 
@@ -20,8 +21,9 @@ def synthetic_result(ratios: dict, faults: float = 0.001, thrown: float = 0.005,
             for strategy in bench_reservation.STRATEGIES:
                 bound = 10.0 + seed
                 ratio = 1.0 if strategy == "clairvoyant" else ratios[strategy](seed)
-                tasks[bench_reservation.task_key(strategy, memory, seed)] = {
+                tasks[bench_reservation.task_key(strategy, "newest_first", memory, seed)] = {
                     "strategy": strategy,
+                    "victim": "newest_first",
                     "memory": memory,
                     "seed": seed,
                     "goodput_per_gpu": bound * ratio,
@@ -75,7 +77,9 @@ def test_a_study_missing_seeds_is_marked_incomplete():
     result = synthetic_result(
         {"worst_case": steady(0.7), "optimistic": steady(0.8), "calibrated": steady(0.98)}
     )
-    del result["tasks"][bench_reservation.task_key("optimistic", bench_reservation.MEMORY[0], 3)]
+    del result["tasks"][
+        bench_reservation.task_key("optimistic", "newest_first", bench_reservation.MEMORY[0], 3)
+    ]
     rows = bench_reservation.summarize(result)
     assert not rows[f"{bench_reservation.MEMORY[0]:g}"]["complete"]
     assert rows[f"{bench_reservation.MEMORY[0]:g}"]["strategies"]["optimistic"]["n"] == 9
@@ -113,9 +117,72 @@ def test_a_tree_with_uncommitted_changes_gives_no_result(tmp_path, monkeypatch):
         (["--requests", "99"], "--requests=99"),
         (["--workers", "0"], "--workers=0"),
         (["--json", "/dev/null/x.json"], "/dev/null"),
+        (["--topic-s", "-1"], "--topic-s=-1"),
+        (["--time-scale", "0"], "--time-scale=0"),
     ],
 )
 def test_bad_options_are_refused_by_name(argv, named):
     args = cli.build_parser().parse_args(["bench", "reservation", *argv])
     with pytest.raises(ValueError, match=named):
         bench_reservation.check_args(args)
+
+
+def victims_result(gains: dict, seeds: int = 10) -> dict:
+    """Calibrated-reservation tasks whose goodput is newest_first's (10 + seed) times gains[victim](seed)."""
+    tasks = {}
+    for memory in bench_reservation.MEMORY:
+        for seed in range(seeds):
+            for victim in ("newest_first", *gains):
+                gain = 1.0 if victim == "newest_first" else gains[victim](seed)
+                tasks[bench_reservation.task_key("calibrated", victim, memory, seed)] = {
+                    "strategy": "calibrated",
+                    "victim": victim,
+                    "memory": memory,
+                    "seed": seed,
+                    "goodput_per_gpu": (10.0 + seed) * gain,
+                }
+    design = {"strategies": ["calibrated"], "victims": ["newest_first", *gains]}
+    return {"tasks": tasks, "seeds": seeds, "design": design}
+
+
+@pytest.mark.parametrize(
+    "gains,gains_10,within_3",
+    [
+        ({"pressure_aware": steady(1.15), "expert_lru": steady(0.9)}, True, False),
+        ({"pressure_aware": steady(1.08), "expert_lru": steady(0.9)}, False, False),
+        ({"pressure_aware": steady(1.02), "expert_lru": steady(0.99)}, False, True),
+        ({"pressure_aware": lambda seed: 1.12 + (0.2 if seed % 2 else -0.2)}, False, False),  # CI holds 1
+    ],
+    ids=["gains", "too-little", "all-within", "interval"],
+)
+def test_the_victims_verdict_pieces_are_the_stated_ones(gains, gains_10, within_3):
+    for row in bench_reservation.summarize_victims(victims_result(gains)).values():
+        assert row["best_device_aware_gains_10_percent"] is gains_10
+        assert row["all_within_3_percent"] is within_3
+        assert all(ratio["n"] == 10 for ratio in row["over_newest_first"].values())
+
+
+def test_a_file_from_before_victims_were_named_resumes_as_newest_firsts(tmp_path, monkeypatch):
+    """Tasks keyed strategy|memory|seed read as newest_first's, so that a run given that file takes up
+    only the missing tasks; a file of another setting is refused."""
+    old = synthetic_result({"worst_case": steady(0.7), "optimistic": steady(0.8), "calibrated": steady(0.98)})
+    old["tasks"] = {
+        f"{t['strategy']}|{t['memory']:g}|{t['seed']}": {k: v for k, v in t.items() if k != "victim"}
+        for t in old["tasks"].values()
+    }
+    keyed = bench_reservation.keyed_by_victim(old["tasks"])
+    assert set(keyed) == {
+        bench_reservation.task_key(t["strategy"], "newest_first", t["memory"], t["seed"])
+        for t in keyed.values()
+    }
+    assert len(keyed) == len(old["tasks"])
+    monkeypatch.setattr(jsonout, "source_commit", lambda: "abc1234")
+    path = tmp_path / "study.json"
+    path.write_text(
+        json.dumps(
+            {"requests": 2000, "seeds": 10, "design": {"workload": "azure_conversation_2023"}, "tasks": {}}
+        )
+    )
+    args = cli.build_parser().parse_args(["bench", "reservation", "--json", str(path), "--topic-s", "0"])
+    with pytest.raises(ValueError, match="holds a study of"):
+        bench_reservation.main(args)

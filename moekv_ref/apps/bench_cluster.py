@@ -50,6 +50,7 @@ from ..sim.traces import conversation_lengths, conversation_turns, topic_trace
 from ..sim.workloads import (
     ARRIVALS,
     arrival_times,
+    decode_heavy_lengths,
     latency_summary,
     length_workloads,
     round_robin,
@@ -80,6 +81,8 @@ MAX_DEVICES = 1024  # the most GPUs a sweep takes (groups of 8 are simulated one
 THINK_SECONDS = 5.0  # the mean pause between a turn's end and the next turn (not published: a setting)
 WORKLOAD = "azure_conversation_2023"  # the sweep's published lengths
 QUICK_REQUESTS = 40  # --quick's requests (or sessions)
+TOPIC_S = 1.5  # the topic trace's skew (sim/traces.py's default)
+DECODE_HEAVY = "decode_heavy"  # a workload of short prompts and long outputs (cluster_workload)
 # The options left out, as each program reads them (the parser's defaults are None, so that an option
 # given to a program that does not read it can be told apart from one left out, and refused)
 DEFAULTS = {
@@ -109,14 +112,16 @@ READ_BY = {
 }
 
 
-def model_trace(lengths: tuple, seed: int, name: str):
-    """A topic routing trace of MODEL's shape over sequences of the given (prompts, outputs)."""
+def model_trace(lengths: tuple, seed: int, name: str, topic_s: float = TOPIC_S):
+    """A topic routing trace of MODEL's shape over sequences of the given (prompts, outputs), its
+    topics' popularity Zipf with exponent topic_s (0: every topic alike)."""
     config = get_config(MODEL)
     trace, _ = topic_trace(
         lengths[0].numel(),
         config.num_hidden_layers,
         config.num_attention_experts,
         config.num_attention_experts_per_tok,
+        topic_s=topic_s,
         kv_bytes_per_slot=config.kv_bytes_per_entry(),
         seed=seed,
         name=name,
@@ -125,10 +130,15 @@ def model_trace(lengths: tuple, seed: int, name: str):
     return trace
 
 
-def cluster_workload(num_requests: int, workload: str, seed: int):
-    """The routing trace (MODEL's shape, lengths of `workload` cut to 4,096 tokens)."""
+def cluster_workload(num_requests: int, workload: str, seed: int, topic_s: float = TOPIC_S):
+    """The routing trace (MODEL's shape, lengths of `workload` cut to 4,096 tokens; DECODE_HEAVY:
+    sim/workloads.py's decode_heavy_lengths, short prompts and long outputs)."""
     max_tokens = get_config(MODEL).max_position_embeddings
-    return model_trace(sample_lengths(workload, num_requests, seed, max_tokens=max_tokens), seed, workload)
+    if workload == DECODE_HEAVY:
+        lengths = decode_heavy_lengths(num_requests, seed, max_tokens=max_tokens)
+    else:
+        lengths = sample_lengths(workload, num_requests, seed, max_tokens=max_tokens)
+    return model_trace(lengths, seed, workload, topic_s)
 
 
 def session_workload(num_sessions: int, seed: int) -> tuple:

@@ -43,7 +43,17 @@ Design (one skew: the topic trace's topic_s = 1.5):
   interval, n stated.
 - Victim: newest_first (vLLM's rule) for all.
 
-Each (strategy, memory, seed) is one task: its four loads and its bisection, in a process of its
+(V) Victims where they can act: `--strategies calibrated --victims newest_first pressure_aware
+    expert_lru --topic-s S` (S in 0 and 1.5, one file each) compares them paired by seed; the
+    verdict (PREREGISTERED's "victims") needs both files. sequence_lru is not run: every running
+    sequence is used at every step, so its least recently used is a tie, broken as newest_first
+    picks (engine/victims.py).
+
+Spot checks beside the main comparison: `--topic-s` (the routing skew), `--workload decode_heavy`
+(prompts of about 200 tokens, outputs log-normal with a mean of 3,000), and `--time-scale 3` or
+`10` (every modelled time multiplied: does the ranking hold?), each into its own --json file.
+
+Each (strategy, victim, memory, seed) is one task: its four loads and its bisection, in a process of its
 own (the standard library's process pool, --workers at once). Finished tasks are kept in the JSON
 as they end, and a run given the same file takes up only the missing ones. The JSON records the
 commit the runs came from; a tree with uncommitted changes is refused unless --allow-dirty (for
@@ -84,9 +94,9 @@ from ..sim.steady_state import (
 )
 from ..sim.workloads import arrival_times
 from ..stats import mean_ci95
-from ..validation import check_int
+from ..validation import check_int, check_real
 from . import options
-from .bench_cluster import ACTIVE_PARAMS, cluster_workload
+from .bench_cluster import ACTIVE_PARAMS, DECODE_HEAVY, TOPIC_S, cluster_workload
 
 STRATEGIES = ("worst_case", "optimistic", "calibrated", "clairvoyant")
 LOADS = (0.5, 0.7, 0.85, 0.95)  # utilization of the modelled capacity
@@ -115,13 +125,17 @@ PREREGISTERED = {
     "seeds": SEEDS,
     "requests_per_run": REQUESTS,
     "stated_at_commit": "the commit that added this program",
+    "victims": "(V) under calibrated reservation, at topic_s >= 1.5 the best device-aware victim "
+    "(pressure_aware or expert_lru) beats newest_first by at least 10% in goodput (paired 95% CI of "
+    "the ratio above 1), and at topic_s = 0 every victim is within 3%; if not, the claims that the "
+    "victim matters go",
 }
 
 
 @cache
-def trace_of(seed: int, num_requests: int):
+def trace_of(seed: int, num_requests: int, workload: str, topic_s: float):
     """The routing trace of a seed (cached per process: every task of a seed reads it)."""
-    return cluster_workload(num_requests, WORKLOAD, seed)
+    return cluster_workload(num_requests, workload, seed, topic_s)
 
 
 def base_setup(blocks_per_device: int) -> RunnerSetup:
@@ -134,8 +148,10 @@ def base_setup(blocks_per_device: int) -> RunnerSetup:
     )
 
 
-def cost_model():
-    return cluster_cost_model(get_config(MODEL), ACTIVE_PARAMS, NUM_DEVICES, BLOCK_SIZE)
+def cost_model(time_scale: float = 1.0):
+    """The cluster's cost model, every time multiplied by time_scale (the robustness check)."""
+    cost = cluster_cost_model(get_config(MODEL), ACTIVE_PARAMS, NUM_DEVICES, BLOCK_SIZE)
+    return cost if time_scale == 1 else cost.scaled(time_scale)
 
 
 def reservation_of(strategy: str):
@@ -145,11 +161,11 @@ def reservation_of(strategy: str):
     return strategy
 
 
-def calibrate(num_requests: int) -> dict:
+def calibrate(settings: dict) -> dict:
     """Seed 0's capacity (load 1.0), working set at MEMORY_LOAD and the TPOT SLO: the study's scales."""
-    trace = trace_of(0, num_requests)
+    trace = trace_of(0, settings["requests"], settings["workload"], settings["topic_s"])
     placement = cluster_placement(NUM_DEVICES)
-    cost = cost_model()
+    cost = cost_model(settings["time_scale"])
     setup = base_setup(1)
     full = capacity(trace, placement, setup, cost)
     rate = full["requests_per_s"] * MEMORY_LOAD
@@ -167,13 +183,16 @@ def calibrate(num_requests: int) -> dict:
     }
 
 
-def run_at(strategy: str, blocks: int, seed: int, rate: float, scales: dict, num_requests: int) -> dict:
+def run_at(
+    strategy: str, victim: str, blocks: int, seed: int, rate: float, settings: dict, scales: dict
+) -> dict:
     """One run: the window's attainment and what the reservation cost."""
-    trace = trace_of(seed, num_requests)
+    trace = trace_of(seed, settings["requests"], settings["workload"], settings["topic_s"])
     setup = replace(base_setup(blocks), reservation=reservation_of(strategy))
     arrival = arrival_times(trace.num_sequences, rate, "poisson", seed=seed)
     started = time.perf_counter()
-    runner = TraceRunner(trace, cluster_placement(NUM_DEVICES), setup, VICTIM, cost_model(), arrivals=arrival)
+    cost = cost_model(settings["time_scale"])
+    runner = TraceRunner(trace, cluster_placement(NUM_DEVICES), setup, victim, cost, arrivals=arrival)
     stats = runner.run(10_000_000)
     window = steady_window(arrival)
     measured = window_attainment(*latency_arrays([stats]), scales["ttft_slo_s"], scales["tpot_slo_s"], window)
@@ -194,16 +213,16 @@ def run_at(strategy: str, blocks: int, seed: int, rate: float, scales: dict, num
     }
 
 
-def task(strategy: str, memory: float, seed: int, scales: dict, num_requests: int) -> dict:
-    """One (strategy, memory, seed): attainment at each load, then goodput by bisection (the loads'
-    runs reused where the bisection asks for their rates)."""
+def task(strategy: str, victim: str, memory: float, seed: int, settings: dict, scales: dict) -> dict:
+    """One (strategy, victim, memory, seed): attainment at each load, then goodput by bisection (the
+    loads' runs reused where the bisection asks for their rates)."""
     blocks = max(1, round(memory * scales["working_set_blocks"]))
     rate_of_load = scales["capacity_requests_per_s"]
     runs = {}
 
     def attainment_at(rate: float) -> float:
         if rate not in runs:
-            runs[rate] = run_at(strategy, blocks, seed, rate, scales, num_requests)
+            runs[rate] = run_at(strategy, victim, blocks, seed, rate, settings, scales)
         return runs[rate]["attainment"]
 
     loads = {}
@@ -223,6 +242,7 @@ def task(strategy: str, memory: float, seed: int, scales: dict, num_requests: in
     steps = sum(r["steps"] for r in every)
     return {
         "strategy": strategy,
+        "victim": victim,
         "memory": memory,
         "blocks_per_device": blocks,
         "seed": seed,
@@ -241,8 +261,17 @@ def one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def task_key(strategy: str, memory: float, seed: int) -> str:
-    return f"{strategy}|{memory:g}|{seed}"
+def task_key(strategy: str, victim: str, memory: float, seed: int) -> str:
+    return f"{strategy}|{victim}|{memory:g}|{seed}"
+
+
+def keyed_by_victim(tasks: dict) -> dict:
+    """Tasks keyed as task_key keys them (a file written before tasks named their victim ran
+    newest_first)."""
+    return {
+        task_key(t["strategy"], t.get("victim", VICTIM), t["memory"], t["seed"]): {"victim": VICTIM, **t}
+        for t in tasks.values()
+    }
 
 
 def paired(values: dict, over: dict) -> dict:
@@ -256,7 +285,7 @@ def summarize(result: dict) -> dict:
     """Per memory: each strategy's goodput per GPU (mean over seeds), the paired ratios to
     clairvoyant and calibrated's to worst case, the fault and thrown-away fractions, and the verdict
     of (R) as PREREGISTERED says."""
-    tasks = result["tasks"].values()
+    tasks = [t for t in result["tasks"].values() if t.get("victim", VICTIM) == VICTIM]
     summary = {}
     for memory in MEMORY:
         per = {
@@ -302,6 +331,41 @@ def summarize(result: dict) -> dict:
     return summary
 
 
+def summarize_victims(result: dict) -> dict:
+    """Per memory and strategy, each victim policy's goodput against newest_first's, paired by seed:
+    the ratio's mean and 95% interval, n, and the verdict's pieces at this file's skew (V): whether
+    the best device-aware policy (pressure_aware, expert_lru) gains at least 10% with an interval
+    above 1, and whether every policy is within 3% of newest_first."""
+    victims = result.get("design", {}).get("victims", [VICTIM])
+    summary = {}
+    for memory in MEMORY:
+        for strategy in result.get("design", {}).get("strategies", STRATEGIES):
+            per = {
+                victim: {
+                    t["seed"]: t["goodput_per_gpu"]
+                    for t in result["tasks"].values()
+                    if (t["strategy"], t.get("victim", VICTIM), t["memory"]) == (strategy, victim, memory)
+                }
+                for victim in victims
+            }
+            if VICTIM not in per or not per[VICTIM]:
+                continue
+            ratios = {victim: paired(per[victim], per[VICTIM]) for victim in victims if victim != VICTIM}
+            aware = [ratios[v] for v in ("pressure_aware", "expert_lru") if v in ratios]
+            best = max(aware, key=lambda r: r["mean"], default=None)
+            summary[f"{memory:g}|{strategy}"] = {
+                "over_newest_first": ratios,
+                "best_device_aware_gains_10_percent": None
+                if best is None
+                else bool(best["mean"] >= 1.10 and best["ci95"][0] > 1.0),
+                "all_within_3_percent": all(abs(r["mean"] - 1) <= 0.03 for r in ratios.values()),
+            }
+    return summary
+
+
+ONLINE_VICTIMS = ("newest_first", "sequence_lru", "pressure_aware", "expert_lru")
+
+
 def build_parser(parser=None):
     parser = parser or argparse.ArgumentParser(prog="python -m moekv_ref bench reservation")
     parser.add_argument("--seeds", type=int, default=SEEDS, help=f"seeds 0..N-1 (default {SEEDS})")
@@ -309,6 +373,23 @@ def build_parser(parser=None):
     parser.add_argument("--workers", type=int, default=2, help="processes at once (default 2)")
     parser.add_argument(
         "--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES, help="(default: all four)"
+    )
+    parser.add_argument(
+        "--victims",
+        nargs="+",
+        default=[VICTIM],
+        choices=ONLINE_VICTIMS,
+        help=f"victim policies (default {VICTIM}; sequence_lru picks as newest_first does)",
+    )
+    parser.add_argument("--topic-s", type=float, default=TOPIC_S, help=f"routing skew (default {TOPIC_S})")
+    parser.add_argument(
+        "--workload", default=WORKLOAD, choices=(WORKLOAD, DECODE_HEAVY), help="request lengths"
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="every modelled time multiplied by this (robustness: 3, 10)",
     )
     parser.add_argument(
         "--json",
@@ -326,7 +407,21 @@ def build_parser(parser=None):
 def check_args(args) -> None:
     for name, low, high in (("seeds", 1, 100), ("requests", 100, 100_000), ("workers", 1, 64)):
         check_int(f"--{name}", getattr(args, name), low, high)
+    check_real("--topic-s", args.topic_s, 0, 4, meaning="the topics' Zipf exponent")
+    check_real(
+        "--time-scale", args.time_scale, 0.01, 1000, meaning="what every modelled time is multiplied by"
+    )
     options.output_file("--json", args.json, parents_made=True)
+
+
+def settings_of(args) -> dict:
+    return {
+        "requests": args.requests,
+        "seeds": args.seeds,
+        "workload": args.workload,
+        "topic_s": args.topic_s,
+        "time_scale": args.time_scale,
+    }
 
 
 def main(args) -> int:
@@ -339,12 +434,16 @@ def main(args) -> int:
         )
     path = Path(args.json)
     result = json.loads(path.read_text()) if path.exists() else {}
-    settings = {"requests": args.requests, "seeds": args.seeds}
-    if result and {k: result.get(k) for k in settings} != settings:
-        raise ValueError(
-            f"{path} holds a study of { ({k: result.get(k) for k in settings}) }, not {settings}"
-        )
-    if not result:
+    settings = settings_of(args)
+    if result:
+        held = {name: result.get(name, result.get("design", {}).get(name)) for name in settings}
+        held["workload"] = held["workload"] or WORKLOAD  # files from before these options held
+        held["topic_s"] = TOPIC_S if held["topic_s"] is None else held["topic_s"]
+        held["time_scale"] = 1.0 if held["time_scale"] is None else held["time_scale"]
+        if held != settings:
+            raise ValueError(f"{path} holds a study of {held}, not {settings}: give another --json")
+        result["tasks"] = keyed_by_victim(result["tasks"])
+    else:
         started = time.perf_counter()
         result = {
             **settings,
@@ -352,7 +451,6 @@ def main(args) -> int:
             "design": {
                 "model": MODEL,
                 "devices": NUM_DEVICES,
-                "workload": WORKLOAD,
                 "loads": LOADS,
                 "memory_multiples": MEMORY,
                 "memory_load": MEMORY_LOAD,
@@ -360,45 +458,59 @@ def main(args) -> int:
                 "max_chunk_tokens": MAX_CHUNK_TOKENS,
                 "max_num_seqs": MAX_NUM_SEQS,
                 "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-                "victim": VICTIM,
                 "warmup_cooldown": [0.1, 0.1],
-                "topic_s": 1.5,
             },
-            "scales": calibrate(args.requests),
+            "scales": calibrate(settings),
             "tasks": {},
             "commits": [],
         }
         result["scales"]["wall_seconds"] = time.perf_counter() - started
+    result["design"]["strategies"] = sorted(
+        set(result["design"].get("strategies", [])) | set(args.strategies)
+    )
+    result["design"]["victims"] = sorted(set(result["design"].get("victims", [VICTIM])) | set(args.victims))
     if commit not in result["commits"]:
         result["commits"].append(commit)
     todo = [
-        (strategy, memory, seed)
+        (strategy, victim, memory, seed)
         for seed in range(args.seeds)
         for memory in MEMORY
+        for victim in args.victims
         for strategy in args.strategies
-        if task_key(strategy, memory, seed) not in result["tasks"]
+        if task_key(strategy, victim, memory, seed) not in result["tasks"]
     ]
     print(
         f"capacity {result['scales']['capacity_requests_per_s']:.1f} requests/s, working set "
         f"{result['scales']['working_set_blocks']:.0f} blocks a GPU at load {MEMORY_LOAD}, TPOT SLO "
-        f"{result['scales']['tpot_slo_s'] * 1e3:.1f} ms; {len(todo)} tasks to run"
+        f"{result['scales']['tpot_slo_s'] * 1e3:.1f} ms; {len(todo)} tasks to run",
+        flush=True,
     )
     jsonout.write(path, result, indent=1)
     # spawned, not forked: a process forked from one whose torch has started its threads can hang
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(args.workers, mp_context=spawn, initializer=one_thread) as pool:
-        futures = {pool.submit(task, *key, result["scales"], args.requests): key for key in todo}
+        futures = {pool.submit(task, *key, settings, result["scales"]): key for key in todo}
         for future in tqdm(as_completed(futures), total=len(futures), desc="tasks"):
             done = future.result()
             done["commit"] = commit
             result["tasks"][task_key(*futures[future])] = done
             result["summary"] = summarize(result)
+            result["victims_summary"] = summarize_victims(result)
             jsonout.write(path, result, indent=1)
     print_summary(result)
     return 0
 
 
 def print_summary(result: dict) -> None:
+    for key, row in summarize_victims(result).items():
+        memory, strategy = key.split("|")
+        for victim, ratio in row["over_newest_first"].items():
+            print(
+                f"memory {memory} x working set, {strategy}: {victim} x newest_first {ratio['mean']:.3f} "
+                f"[{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}] (n={ratio['n']})"
+            )
+    if "clairvoyant" not in result["design"]["strategies"]:
+        return
     for memory, row in summarize(result).items():
         print(f"memory {memory} x working set: gate binds {row['gate_binds']}, (R) passes {row['R_passes']}")
         for strategy, numbers in row["strategies"].items():
