@@ -10,6 +10,7 @@ import pytest
 
 from moekv_ref import jsonout
 from moekv_ref.apps import bench_reservation, cli
+from moekv_ref.plots.reservation import goodput_by_strategy, plot_reservation
 from moekv_ref.stats import mean_ci95, t_quantile_975
 
 
@@ -186,3 +187,26 @@ def test_a_file_from_before_victims_were_named_resumes_as_newest_firsts(tmp_path
     args = cli.build_parser().parse_args(["bench", "reservation", "--json", str(path), "--topic-s", "0"])
     with pytest.raises(ValueError, match="holds a study of"):
         bench_reservation.main(args)
+
+
+def test_the_tables_and_the_figure_read_the_same_numbers_as_the_summary():
+    result = synthetic_result(
+        {"worst_case": steady(0.7), "optimistic": steady(0.8), "calibrated": steady(0.98)}
+    )
+    for t in result["tasks"].values():
+        t["loads"] = {str(load): {"attainment": 1.0 - load / 2} for load in bench_reservation.LOADS}
+    result["scales"] = {"working_set_blocks": 1000.0}
+    result["design"] = {"memory_multiples": list(bench_reservation.MEMORY)}
+    text = bench_reservation.markdown_tables(result)
+    calibrated = bench_reservation.summarize(result)["1"]["strategies"]["calibrated"]
+    ratio = calibrated["over_clairvoyant"]
+    assert (
+        f"| 1 x (1k blocks) | calibrated | 10 | {calibrated['goodput_per_gpu_mean']:.2f} | {ratio['mean']:.3f} "
+        f"[{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}] | 0.10% | 0.50% |" in text
+    )
+    assert "| 0.5 x | clairvoyant | 0.750 | 0.650 | 0.575 | 0.525 |" in text
+    figure = plot_reservation(result)
+    bars = [patch.get_height() for patch in figure.axes[1].patches]
+    assert bars == pytest.approx(
+        [goodput_by_strategy(result, 1.0)[s]["mean"] for s in bench_reservation.STRATEGIES]
+    )

@@ -520,3 +520,45 @@ def print_summary(result: dict) -> None:
                 f"x clairvoyant {ratio['mean']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}] "
                 f"faults {numbers['fault_step_fraction_max']:.4f} thrown {numbers['thrown_away_fraction_max']:.4f}"
             )
+
+
+def markdown_tables(result: dict) -> str:
+    """The study's tables as docs/results.md quotes them (a test holds the text to the JSON): per
+    memory setting, each strategy's goodput per GPU and its ratio to clairvoyant's, paired by seed,
+    with the faults and the time thrown away; then SLO attainment at each load."""
+    lines = [
+        "| KV per GPU | strategy | n | goodput per GPU (req/s) | x clairvoyant, mean [95% CI] "
+        "| steps with a fault (max) | time thrown away (max) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    blocks = result["scales"]["working_set_blocks"]
+    summary = summarize(result)
+    for memory in MEMORY:
+        row = summary[f"{memory:g}"]
+        for strategy, numbers in row["strategies"].items():
+            if not numbers["n"]:
+                continue
+            ratio = numbers["over_clairvoyant"]
+            lines.append(
+                f"| {memory:g} x ({memory * blocks / 1e3:.0f}k blocks) | {strategy} | {numbers['n']} | "
+                f"{numbers['goodput_per_gpu_mean']:.2f} | {ratio['mean']:.3f} [{ratio['ci95'][0]:.3f}, "
+                f"{ratio['ci95'][1]:.3f}] | {numbers['fault_step_fraction_max']:.2%} | "
+                f"{numbers['thrown_away_fraction_max']:.2%} |"
+            )
+    lines += [
+        "",
+        "| KV per GPU | strategy | " + " | ".join(f"load {load:g}" for load in LOADS) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in LOADS) + " |",
+    ]
+    for memory in MEMORY:
+        for strategy in STRATEGIES:
+            chosen = [
+                t
+                for t in result["tasks"].values()
+                if (t["strategy"], t.get("victim", VICTIM), t["memory"]) == (strategy, VICTIM, memory)
+            ]
+            if not chosen:
+                continue
+            cells = [statistics.fmean(t["loads"][str(load)]["attainment"] for t in chosen) for load in LOADS]
+            lines.append(f"| {memory:g} x | {strategy} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+    return "\n".join(lines)

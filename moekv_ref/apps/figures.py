@@ -6,6 +6,7 @@ Each figure is drawn by the same package functions the notebooks call, from a fr
     bench_memory_*.png, bench_memory.json  the memory designs of `bench memory` (03)
     demo_serving_*.png                     the serving demo's runs (04)
     capacity_frontier.png                  from figures/capacity.json (`capacity` trains and measures: 10)
+    reservation_study.png                  from figures/reservation_study.json (`bench reservation`)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..checkpoint import load_default_model
 from ..generate import generate
 from ..jsonout import dumps
 from ..plots.capacity import plot_capacity
+from ..plots.reservation import plot_reservation
 from ..plots.routing import plot_cache_sizes, plot_routing
 from ..sampling import SamplingParams
 from . import bench_memory, demo, options
@@ -76,6 +78,10 @@ def make_figures(directory: Path = Path("figures"), quick: bool = False) -> list
     if study.exists():
         paths.append(directory / "capacity_frontier.png")
         plot_capacity(json.loads(study.read_text())).savefig(paths[-1], dpi=110)
+    study = directory / "reservation_study.json"  # hours of simulation: redrawn from its JSON
+    if study.exists():
+        paths.append(directory / "reservation_study.png")
+        plot_reservation(json.loads(study.read_text())).savefig(paths[-1], dpi=110)
     return paths
 
 
