@@ -182,7 +182,11 @@ def row_blocks(held: torch.Tensor, expected: torch.Tensor, n: torch.Tensor, P: i
 
     with P(X >= t) = gammainc(t, lambda), the regularized lower incomplete gamma function."""
     room = (-held) % P  # (m, L, E) free slots in the last block (0: empty or full)
-    j = torch.arange(1, int(n.max()) // P + 3, dtype=torch.float64)  # (J,): X <= n opens at most n / P + 1
+    # X <= n opens at most n / P + 1 blocks; past lambda + 12 sqrt(lambda) + 12 the tail is below
+    # 1e-12 (a Poisson's), so the sum stops there
+    top = float(expected.max()) if expected.numel() else 0.0
+    reach = min(int(n.max()), int(top + 12 * top**0.5 + 12))
+    j = torch.arange(1, reach // P + 3, dtype=torch.float64)  # (J,)
     t = room.unsqueeze(-1).double() + (j - 1) * P + 1  # (m, L, E, J)
     tail = torch.special.gammainc(t, expected.unsqueeze(-1).expand_as(t))
     first = tail.sum(-1)

@@ -28,8 +28,6 @@ Integer arithmetic on tensors only. Dimension legend: m sequences, L layers, E e
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..cache.rows import ceil_div, worst_case_lifetime_blocks  # noqa: F401 (the pool's bound, used here)
@@ -80,6 +78,7 @@ class DemandPredictor(Stateful):
         self.max_row_tokens = max_row_tokens  # a row budget caps every prediction's worst case
         self.num_entries = torch.zeros(num_layers, dtype=torch.float64)  # (L,) routed (token, expert)
         self.num_tokens = 0
+        self._worst: dict[int, int] = {}  # token count -> one layer's worst case (a pure function's)
 
     def observe(self, entries_per_layer: torch.Tensor, num_tokens: int) -> None:
         self.num_entries += entries_per_layer  # (L,) over a step's tokens, into float64
@@ -94,14 +93,26 @@ class DemandPredictor(Stateful):
     def predict(self, num_tokens: int) -> int:
         """Predicted blocks for `num_tokens` cached tokens (capped: for short sequences the tail
         bound alone could exceed E * ceil(T / P))."""
+        return int(self.predict_many([num_tokens])[0])
+
+    def predict_many(self, num_tokens: list[int]) -> torch.Tensor:
+        """`predict` of each of num_tokens at once, (k,) int64 (an admission check asks it of every
+        running request each time)."""
         P = self.block_size
-        entries = self.k_avg * num_tokens  # (L,)
+        tokens = torch.tensor(num_tokens, dtype=torch.float64)
+        entries = self.k_avg[None, :] * tokens[:, None]  # (k, L)
         rows = torch.clamp(entries, max=self.num_experts)
-        per_layer = entries / P + rows * (P - 1) / P
-        worst = worst_case_lifetime_blocks(
-            num_tokens, 1, self.num_experts, self.k_max, P, self.max_row_tokens
-        )
-        return int(sum(min(math.ceil(x - 1e-9), worst) for x in per_layer.tolist()))
+        per_layer = torch.ceil(entries / P + rows * (P - 1) / P - 1e-9)
+        worst = torch.tensor([self._worst_layer(t) for t in num_tokens], dtype=torch.float64)  # (k,)
+        return torch.minimum(per_layer, worst[:, None]).sum(1).to(torch.int64)
+
+    def _worst_layer(self, num_tokens: int) -> int:
+        """One layer's worst case for num_tokens cached tokens (rows.py), remembered per count."""
+        if num_tokens not in self._worst:
+            self._worst[num_tokens] = worst_case_lifetime_blocks(
+                num_tokens, 1, self.num_experts, self.k_max, self.block_size, self.max_row_tokens
+            )
+        return self._worst[num_tokens]
 
 
 def worst_case_step_blocks(

@@ -14,11 +14,13 @@ from .batching import BatchingPolicy, ContinuousBatching
 from .calibrated_reservation import CalibratedReservation
 from .memory import ModelShape
 from .optimistic_reservation import OptimisticReservation
+from .per_device_admission import PerDevicePredictedAdmission
 from .reservation import ReservationPolicy, WorstCaseReservation
 from .victims import VICTIM_POLICIES, VictimPolicy
 
 POLICIES = ("static", "continuous_reserved", "continuous_paged")
 PREEMPTION_MODES = ("recompute", "swap")
+ADMISSION_POLICIES = {**ADMISSIONS, PerDevicePredictedAdmission.name: PerDevicePredictedAdmission}
 RESERVATION_POLICIES = {
     "worst_case": WorstCaseReservation,
     "optimistic": OptimisticReservation,
@@ -48,7 +50,7 @@ class SchedulerConfig:
             object.__setattr__(self, name, check_int(name, getattr(self, name), 1, MAX_INT32))
         for name, allowed, kind in (
             ("policy", POLICIES, BatchingPolicy),
-            ("admission", tuple(ADMISSIONS), AdmissionPolicy),
+            ("admission", tuple(ADMISSION_POLICIES), AdmissionPolicy),
             ("preemption_mode", PREEMPTION_MODES, None),
             ("reservation", RESERVATIONS, ReservationPolicy),
             ("victim", tuple(VICTIM_POLICIES), VictimPolicy),
@@ -82,7 +84,9 @@ class SchedulerConfig:
         if self.policy != "continuous_paged":
             return StaticBatching() if self.policy == "static" else ContinuousReserved()
         admission = self.admission or "predicted"
-        return ContinuousBatching(ADMISSIONS[admission]() if isinstance(admission, str) else admission)
+        return ContinuousBatching(
+            ADMISSION_POLICIES[admission]() if isinstance(admission, str) else admission
+        )
 
     def make_victim_policy(self) -> VictimPolicy:
         return self.victim if isinstance(self.victim, VictimPolicy) else VICTIM_POLICIES[self.victim]()
