@@ -28,6 +28,8 @@ Integer arithmetic on tensors only. Dimension legend: m sequences, L layers, E e
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from ..cache.rows import ceil_div, worst_case_lifetime_blocks  # noqa: F401 (the pool's bound, used here)
@@ -78,7 +80,6 @@ class DemandPredictor(Stateful):
         self.max_row_tokens = max_row_tokens  # a row budget caps every prediction's worst case
         self.num_entries = torch.zeros(num_layers, dtype=torch.float64)  # (L,) routed (token, expert)
         self.num_tokens = 0
-        self._worst: dict[int, int] = {}  # token count -> one layer's worst case (a pure function's)
 
     def observe(self, entries_per_layer: torch.Tensor, num_tokens: int) -> None:
         self.num_entries += entries_per_layer  # (L,) over a step's tokens, into float64
@@ -103,16 +104,23 @@ class DemandPredictor(Stateful):
         entries = self.k_avg[None, :] * tokens[:, None]  # (k, L)
         rows = torch.clamp(entries, max=self.num_experts)
         per_layer = torch.ceil(entries / P + rows * (P - 1) / P - 1e-9)
-        worst = torch.tensor([self._worst_layer(t) for t in num_tokens], dtype=torch.float64)  # (k,)
+        worst = torch.tensor(
+            [
+                one_layer_worst_case(t, self.num_experts, self.k_max, P, self.max_row_tokens)
+                for t in num_tokens
+            ],
+            dtype=torch.float64,
+        )  # (k,)
         return torch.minimum(per_layer, worst[:, None]).sum(1).to(torch.int64)
 
-    def _worst_layer(self, num_tokens: int) -> int:
-        """One layer's worst case for num_tokens cached tokens (rows.py), remembered per count."""
-        if num_tokens not in self._worst:
-            self._worst[num_tokens] = worst_case_lifetime_blocks(
-                num_tokens, 1, self.num_experts, self.k_max, self.block_size, self.max_row_tokens
-            )
-        return self._worst[num_tokens]
+
+@cache
+def one_layer_worst_case(
+    num_tokens: int, num_experts: int, k_max: int, block_size: int, max_row_tokens
+) -> int:
+    """rows.py's worst case of one layer for num_tokens cached tokens (remembered: a pure function the
+    predictor asks of every running request's length at every admission check)."""
+    return worst_case_lifetime_blocks(num_tokens, 1, num_experts, k_max, block_size, max_row_tokens)
 
 
 def worst_case_step_blocks(

@@ -35,7 +35,7 @@ def goodput_by_strategy(result: dict, memory: float) -> dict:
 
 def plot_reservation(result: dict) -> Figure:
     memories = result["design"]["memory_multiples"]
-    fig = Figure(figsize=(4.2 * len(memories), 3.6))
+    fig = Figure(figsize=(5.2 * len(memories), 3.8))
     axes = fig.subplots(1, len(memories), sharey=True, squeeze=False)[0]
     blocks = result["scales"]["working_set_blocks"]
     for ax, memory in zip(axes, memories):
@@ -47,10 +47,10 @@ def plot_reservation(result: dict) -> Figure:
         ax.bar(names, means, color=[COLORS[name] for name in names], yerr=[low, high], capsize=4)
         n = min((rows[name]["n"] for name in names), default=0)
         ax.set_title(
-            f"KV per GPU {memory:g} x working set ({memory * blocks / 1e3:.0f}k blocks), n={n}", fontsize=9
+            f"KV per GPU {memory:g} x working set ({memory * blocks / 1e3:.0f}k blocks), n={n}", fontsize=10
         )
         ax.tick_params(axis="x", labelrotation=20)
     axes[0].set_ylabel("goodput per GPU (requests/s)")
-    fig.suptitle("Reservation strategies on 8 simulated H200s (mean over seeds, 95% interval)", fontsize=10)
+    fig.suptitle("Reservation strategies on 8 simulated H200s (mean over seeds, 95% interval)", fontsize=11)
     fig.tight_layout()
     return fig
