@@ -569,3 +569,22 @@ def markdown_tables(result: dict) -> str:
             cells = [statistics.fmean(t["loads"][str(load)]["attainment"] for t in chosen) for load in LOADS]
             lines.append(f"| {memory:g} x | {strategy} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
     return "\n".join(lines)
+
+
+def headline(result: dict, memory: float = MEMORY[0]) -> str:
+    """One sentence of the study's numbers at one memory setting, as the README quotes it (a test
+    holds the README to it): each strategy's mean goodput per GPU, and calibrated's paired ratio to
+    clairvoyant with its interval, with n."""
+    row = summarize(result)[f"{memory:g}"]
+    numbers = row["strategies"]
+    n = min(numbers[s]["n"] for s in STRATEGIES)
+    goodputs = ", ".join(
+        f"{s.replace('_', ' ')} {numbers[s]['goodput_per_gpu_mean']:.2f}" for s in STRATEGIES
+    )
+    ratio = numbers["calibrated"]["over_clairvoyant"]
+    blocks = memory * result["scales"]["working_set_blocks"]
+    return (
+        f"with {memory:g}x the working set ({blocks / 1e3:.0f}k blocks a GPU) and n = {n} seeds, goodput "
+        f"per GPU is {goodputs} requests/s; calibrated reaches {ratio['mean']:.3f} "
+        f"[{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}] of clairvoyant's"
+    )
