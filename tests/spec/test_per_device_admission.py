@@ -80,3 +80,4 @@ def test_a_device_the_routing_fills_first_refuses_what_the_sum_lets_in():
     assert decisions["predicted"] == [1] and decisions["predicted_per_device"] == []
     device_0, device_1 = decisions["predicted_per_device peak"]
     assert device_0 > 20 >= device_1 and decisions["predicted summed"] <= 40
+    assert device_1 == 0  # the waiting request split as the running ones are: all on device 0
