@@ -33,7 +33,7 @@ Measured against what the trace then took (tests/spec/test_calibrated_reservatio
 of a skewed topic trace on 4 devices, three seeds): a chunk exceeds its q = 0.9 quantile on 3.1% of
 (chunk, device) pairs and its q = 0.99 quantile on 0.13%, reserving 1.26x and 1.45x what it takes
 (the Poisson's spread is a binomial's or more: conservative); on bench cluster's 8 GPUs, 7.2% and
-0.91%, at 1.17x and 1.31x, where the worst case sets aside about 4x.
+0.91%, at 1.17x and 1.31x (300 requests, 0.5 GiB a GPU).
 
 The headroom per device rises by the blocks a layer lacked each time one runs short (`note_fault`)
 and decays by `headroom_decay` a step: after a fault the next chunks reserve more, for a while.
