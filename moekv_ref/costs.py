@@ -632,11 +632,11 @@ def cluster_cost_model(
     runner multiplies a step's token work by its busiest device's load). Per step:
 
     - the always-read weights (`parameter_split`: LM head, norms, routers, shared K/V), which every
-      GPU holds a copy of and reads whole; and the routed experts' weights of each kind as far as the step's n tokens activate
-      them, each GPU reading its activated experts of its E / D, the step waiting for the busiest
-      (`busiest_gpu_experts`): on one GPU the activated fraction (`activated_experts` / E), on 8
-      GPUs of 8 experts one expert a layer from the first token on; all of them, total / D, once
-      a batch activates every expert;
+      GPU holds a copy of and reads whole; and the routed experts' weights of each kind as far as
+      the step's n tokens activate them, each GPU reading its activated experts of its E / D, the
+      step waiting for the busiest (`busiest_gpu_experts`): on one GPU the activated fraction
+      (`activated_experts` / E), on 8 GPUs of 8 experts one expert a layer from the first token
+      on; all of them, total / D, once a batch activates every expert;
     - for D > 1, a dispatch and a combine all-to-all for each routed layer of each kind (attention
       and FFN experts: 4 L of them), each the link's per-collective latency plus its bytes
       (`expected_traffic` and `measured_shape_bytes` for one token, per GPU, over the link's
