@@ -84,6 +84,7 @@ def test_a_study_missing_seeds_is_marked_incomplete():
     rows = bench_reservation.summarize(result)
     assert not rows[f"{bench_reservation.MEMORY[0]:g}"]["complete"]
     assert rows[f"{bench_reservation.MEMORY[0]:g}"]["strategies"]["optimistic"]["n"] == 9
+    assert rows[f"{bench_reservation.MEMORY[0]:g}"]["strategies"]["worst_case"]["n"] == 9  # the paired seeds
 
 
 def test_the_t_quantile_matches_the_table_and_the_interval_covers_as_it_should():

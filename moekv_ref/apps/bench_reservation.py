@@ -80,6 +80,7 @@ from .. import jsonout
 from ..config import get_config
 from ..costs import cluster_cost_model
 from ..engine.calibrated_reservation import CalibratedReservation
+from ..plots.reservation import paired_seeds
 from ..sim.cluster import BLOCK_SIZE, MODEL, cluster_placement
 from ..sim.runner import RunnerSetup, TraceRunner
 from ..sim.steady_state import (
@@ -294,18 +295,16 @@ def summarize(result: dict) -> dict:
     tasks = [t for t in result["tasks"].values() if t.get("victim", VICTIM) == VICTIM]
     summary = {}
     for memory in MEMORY:
+        seeds = paired_seeds(tasks, memory)
+        tasks_here = [t for t in tasks if t["memory"] == memory and t["seed"] in seeds]
         per = {
-            strategy: {
-                t["seed"]: t["goodput_per_gpu"]
-                for t in tasks
-                if t["strategy"] == strategy and t["memory"] == memory
-            }
+            strategy: {t["seed"]: t["goodput_per_gpu"] for t in tasks_here if t["strategy"] == strategy}
             for strategy in STRATEGIES
         }
         bound = per["clairvoyant"]
         rows = {}
         for strategy in STRATEGIES:
-            chosen = [t for t in tasks if t["strategy"] == strategy and t["memory"] == memory]
+            chosen = [t for t in tasks_here if t["strategy"] == strategy]
             rows[strategy] = {
                 "n": len(per[strategy]),
                 "goodput_per_gpu_mean": statistics.fmean(per[strategy].values())
@@ -332,7 +331,8 @@ def summarize(result: dict) -> dict:
             "calibrated_over_worst_case": calibrated_over_worst,
             "gate_binds": gate,
             "R_passes": passes if gate else None,
-            "complete": all(rows[s]["n"] == result["seeds"] for s in STRATEGIES),
+            "seeds": sorted(seeds),
+            "complete": len(seeds) == result["seeds"],
         }
     return summary
 
@@ -558,11 +558,11 @@ def markdown_tables(result: dict) -> str:
         "| --- | --- | " + " | ".join("---" for _ in LOADS) + " |",
     ]
     for memory in MEMORY:
+        mains = [t for t in result["tasks"].values() if t.get("victim", VICTIM) == VICTIM]
+        seeds = paired_seeds(mains, memory)
         for strategy in STRATEGIES:
             chosen = [
-                t
-                for t in result["tasks"].values()
-                if (t["strategy"], t.get("victim", VICTIM), t["memory"]) == (strategy, VICTIM, memory)
+                t for t in mains if (t["strategy"], t["memory"]) == (strategy, memory) and t["seed"] in seeds
             ]
             if not chosen:
                 continue
