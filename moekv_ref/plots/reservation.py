@@ -16,17 +16,24 @@ COLORS = {
 }
 
 
+def paired_seeds(tasks, memory: float) -> set:
+    """The seeds every strategy has run at this memory: means and ratios are over them alone, so that
+    an unfinished study compares like with like."""
+    by_strategy = [{t["seed"] for t in tasks if t["strategy"] == s and t["memory"] == memory} for s in COLORS]
+    return set.intersection(*by_strategy)
+
+
 def goodput_by_strategy(result: dict, memory: float) -> dict:
-    """strategy -> stats.mean_ci95 of its goodput per GPU over seeds, at one memory setting
-    (newest_first's tasks: the main comparison)."""
+    """strategy -> stats.mean_ci95 of its goodput per GPU over the paired seeds, at one memory
+    setting (newest_first's tasks: the main comparison)."""
+    mains = [t for t in result["tasks"].values() if t.get("victim", "newest_first") == "newest_first"]
+    seeds = paired_seeds(mains, memory)
     rows = {}
     for strategy in COLORS:
         values = [
             t["goodput_per_gpu"]
-            for t in result["tasks"].values()
-            if t["strategy"] == strategy
-            and t["memory"] == memory
-            and t.get("victim", "newest_first") == "newest_first"
+            for t in mains
+            if t["strategy"] == strategy and t["memory"] == memory and t["seed"] in seeds
         ]
         if values:
             rows[strategy] = mean_ci95(values)
