@@ -588,3 +588,16 @@ def headline(result: dict, memory: float = MEMORY[0]) -> str:
         f"per GPU is {goodputs} requests/s; calibrated reaches {ratio['mean']:.3f} "
         f"[{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}] of clairvoyant's"
     )
+
+
+def status_line(result: dict) -> str:
+    """Where the study stands, as docs/results.md says it: the paired seeds so far of each memory
+    setting, of how many, and the commits the runs came from."""
+    summary = summarize(result)
+    done = ", ".join(f"{len(summary[f'{m:g}']['seeds'])} at {m:g}x" for m in MEMORY)
+    finished = all(summary[f"{m:g}"]["complete"] for m in MEMORY)
+    where = "complete" if finished else "unfinished"
+    return (
+        f"The study is {where}: paired seeds {done}, of {result['seeds']} stated; the runs came from "
+        f"commit {', '.join(result['commits'])}."
+    )
