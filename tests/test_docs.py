@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from moekv_ref.apps import bench_reservation
 from moekv_ref.config import PRESETS, get_config
 from moekv_ref.jsonout import dumps, strict_json
 
@@ -1020,16 +1021,7 @@ def findings_phrases() -> list[str]:
     prefix = eviction[0]["prefix_cache"]
     topk = prefix["routings"]["topk"]
     assert topk["outputs_equal"]  # "with the same outputs"
-    cluster = _figure("bench_cluster.json")
-    (devices,) = {r["devices"] for r in cluster["runs"]}
-    by_setting = {}
-    for run in cluster["runs"]:
-        key = (run["gib_per_device"], run["rate"], run["reservation"])
-        by_setting.setdefault(key, {})[run["policy"]] = run["good_requests_per_s"]
-    spread, (gib, rate, _) = max((max(g.values()) / min(g.values()), key) for key, g in by_setting.items())
-    optimistic = max(by_setting[gib, rate, "optimistic"].values())
-    worst_case = max(by_setting[gib, rate, "worst_case"].values())
-    assert optimistic < worst_case  # "serves fewer requests within their latency targets"
+    study = _figure("reservation_study.json")
     family = _figure("family.json")["variants"]
     gaps = ", ".join(
         f"{family['expert_topk']['bits_per_byte_mean'] - family[name]['bits_per_byte_mean']:.2f}"
@@ -1066,9 +1058,9 @@ def findings_phrases() -> list[str]:
         f"{prefix['num_requests']} requests whose first {prefix['shared_len']} of {prefix['prompt_len']} tokens",
         f"skip {topk['token_hit_rate']:.1%} of their prompt tokens",
         f"serve {topk['tokens_per_second_ratio']:.2f}x the tokens/s",
-        f"`bench cluster`, {devices} GPUs",
-        f"({optimistic:.1f} against {worst_case:.1f} a second at {gib:g} GiB per GPU and {rate:g} requests/s)",
-        f"by up to {spread:.1f}x",
+        f"`bench reservation`, {study['design']['devices']} GPUs",
+        f"{study['requests']:,} requests a run",
+        bench_reservation.headline(study),
         f"by {gaps} and {flops:.2f} bits per byte",
         f"newest 16 tokens costs the routed model {capacity['expert_topk', 'window', 16]:.3f} against "
         f"{capacity['expert_topk', 'none', None]:.3f} bits per byte",
@@ -1164,3 +1156,15 @@ def test_every_link_to_a_section_names_a_heading():
             if linked.suffix == ".md" and anchor not in _page_anchors(linked):
                 unknown.append(f"{page.name}: {target}")
     assert not unknown, unknown
+
+
+def test_the_reservation_study_in_the_results_is_its_json():
+    """docs/results.md's reservation section: its status line and tables are bench_reservation's of
+    the committed JSON, whose runs all came from a commit with no uncommitted changes."""
+    study = _figure("reservation_study.json")
+    text = RESULTS.read_text(encoding="utf-8")
+    assert bench_reservation.status_line(study) in text
+    assert bench_reservation.markdown_tables(study) in text
+    assert study["commits"] and not any(commit.endswith("-dirty") for commit in study["commits"])
+    assert all(task["commit"] in study["commits"] for task in study["tasks"].values())
+    assert (ROOT / "figures" / "reservation_study.png").exists()
