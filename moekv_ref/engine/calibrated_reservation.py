@@ -97,7 +97,8 @@ class CalibratedReservation(ReservationPolicy):
             i for i, (r, n) in enumerate(zip(requests, num_tokens)) if n > 1 or r.num_computed_tokens == 0
         ]
         needs = torch.zeros(len(requests), memory.num_devices, dtype=torch.int64)
-        decodes = [i for i in range(len(requests)) if i not in set(chunks)]
+        chunk_set = set(chunks)
+        decodes = [i for i in range(len(requests)) if i not in chunk_set]
         if decodes:
             needs[decodes] = worst_case([requests[i] for i in decodes], [num_tokens[i] for i in decodes])
         if not chunks:
