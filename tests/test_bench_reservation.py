@@ -211,3 +211,13 @@ def test_the_tables_and_the_figure_read_the_same_numbers_as_the_summary():
     assert bars == pytest.approx(
         [goodput_by_strategy(result, 1.0)[s]["mean"] for s in bench_reservation.STRATEGIES]
     )
+
+
+def test_tasks_run_before_the_crossing_are_read_again_from_their_bisection():
+    evaluations = [[20.0, 1.0], [200.0, 0.0], [110.0, 1.0], [155.0, 0.5], [132.5, 0.7], [121.25, 0.95]]
+    old = {"goodput": {"goodput": 121.25, "evaluations": evaluations}, "goodput_per_gpu": 121.25 / 8}
+    (migrated,) = bench_reservation.with_interpolated_goodput({"k": old}).values()
+    # the crossing of 0.9 between 121.25 (0.95) and 132.5 (0.7): a fifth of the way
+    assert migrated["goodput_per_gpu"] == pytest.approx((121.25 + 0.2 * 11.25) / 8)
+    assert migrated["bracket_low_per_gpu"] == 121.25 / 8
+    assert bench_reservation.with_interpolated_goodput({"k": migrated}) == {"k": migrated}

@@ -1060,7 +1060,7 @@ def findings_phrases() -> list[str]:
         f"serve {topk['tokens_per_second_ratio']:.2f}x the tokens/s",
         f"`bench reservation`, {study['design']['devices']} GPUs",
         f"{study['requests']:,} requests a run",
-        bench_reservation.headline(study),
+        bench_reservation.headline(study, 0.5),
         f"by {gaps} and {flops:.2f} bits per byte",
         f"newest 16 tokens costs the routed model {capacity['expert_topk', 'window', 16]:.3f} against "
         f"{capacity['expert_topk', 'none', None]:.3f} bits per byte",

@@ -218,6 +218,27 @@ def goodput_by_bisection(
     return result(lo, [lo, hi], "converged")
 
 
+def interpolated_goodput(evaluations: list, target: float = 0.9) -> float:
+    """The rate where attainment crosses `target`, read by a straight line between the highest
+    passing rate and the lowest failing rate above it among `evaluations` ([[rate, attainment], ...],
+    as goodput_by_bisection returns them). The bisection's own goodput is the bracket's low end, so
+    two policies a bracket apart differ by a whole tolerance even when their attainments at the
+    bracket's ends are close; the crossing resolves them within the bracket. With no failing rate
+    above the highest passing one, that rate; with none passing, 0."""
+    check_real("target", target, 0, 1, low_open=True, meaning="the attainment a rate must reach")
+    passing = [rate for rate, attainment in evaluations if attainment >= target]
+    if not passing:
+        return 0.0
+    lo = max(passing)
+    above = [(rate, attainment) for rate, attainment in evaluations if rate > lo and attainment < target]
+    if not above:
+        return float(lo)
+    hi, hi_attainment = min(above)
+    lo_attainment = max(attainment for rate, attainment in evaluations if rate == lo)
+    fraction = (lo_attainment - target) / (lo_attainment - hi_attainment)
+    return float(lo + fraction * (hi - lo))
+
+
 def ample_blocks_per_device(trace: RoutingTrace, device_of_expert, setup: RunnerSetup) -> int:
     """Blocks per device that never bind (module docstring): setup.max_num_seqs times the most
     blocks the longest request of the trace can hold on any one device."""

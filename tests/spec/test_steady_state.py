@@ -17,6 +17,7 @@ from moekv_ref.sim.steady_state import (
     capacity,
     capacity_rate,
     goodput_by_bisection,
+    interpolated_goodput,
     latency_arrays,
     saturated_step_seconds,
     scaled_tpot_slo,
@@ -246,6 +247,28 @@ def test_bisection_on_a_smooth_attainment_meets_its_target():
     result = goodput_by_bisection(attainment, 1.0, 200.0, target=0.9, rel_tol=0.001, max_evals=30)
     assert result["goodput"] == pytest.approx(40.0 * 9**-0.25, rel=0.001)
     assert attainment(result["goodput"]) >= 0.9
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_crossing_within_the_last_bracket_finds_a_straight_attainment_exactly(seed):
+    generator = torch.Generator().manual_seed(seed)
+    crossing = float(20 + 60 * torch.rand(1, generator=generator))
+    slope = float(0.002 + 0.02 * torch.rand(1, generator=generator))
+
+    def attainment(rate: float) -> float:  # a straight line through 0.9 at the crossing, clipped
+        return min(1.0, max(0.0, 0.9 - slope * (rate - crossing)))
+
+    result = goodput_by_bisection(attainment, 10.0, 100.0, target=0.9, rel_tol=0.05, max_evals=12)
+    lo, hi = result["bracket"]
+    assert result["goodput"] == lo < crossing < hi  # the bisection's answer is a whole bracket low
+    assert interpolated_goodput(result["evaluations"], 0.9) == pytest.approx(crossing, rel=1e-9)
+
+
+def test_the_crossing_without_a_failing_or_a_passing_rate():
+    assert interpolated_goodput([[10.0, 1.0], [40.0, 0.95]], 0.9) == 40.0  # nothing failed above
+    assert interpolated_goodput([[10.0, 0.5], [40.0, 0.0]], 0.9) == 0.0  # nothing passed
+    # a failing rate below the highest passing one is not a bracket end
+    assert interpolated_goodput([[10.0, 0.8], [20.0, 1.0], [30.0, 0.0]], 0.9) == pytest.approx(21.0)
 
 
 def test_a_rate_too_high_to_fail_doubles_and_says_so():
