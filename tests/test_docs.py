@@ -426,7 +426,7 @@ def cluster_rows(result: dict) -> list[str]:
     """docs/results.md's `bench cluster` table rows, from figures/bench_cluster.json."""
     return [
         f"| {r['gib_per_device']:g} | {r['rate']:g} | {r['reservation']} | {r['policy']} | {r['slo_attainment']:.3f} "
-        f"| {r['good_requests_per_s']:.1f} | {r['ttft_p99_s']:.3f} | {r['mean_used_fraction']:.2f} "
+        f"| {r['ttft_p99_s']:.3f} | {r['mean_used_fraction']:.2f} "
         f"| {r['victim_sequences']} | {r['retries']} | {r['thrown_away_tokens']} |"
         for r in result["runs"]
     ]
@@ -446,7 +446,7 @@ def group_rows(result: dict) -> list[str]:
     """docs/results.md's table of clusters of several groups, from figures/bench_cluster_groups.json."""
     return [
         f"| {r['devices']} ({r['groups']}) | {r['reservation']} | {r['policy']} | {r['slo_attainment']:.3f} "
-        f"| {r['good_requests_per_s'] / r['groups']:.1f} | {r['ttft_p99_s']:.3f} | {r['victim_sequences']} "
+        f"| {r['ttft_p99_s']:.3f} | {r['victim_sequences']} "
         f"| {r['thrown_away_tokens']} |"
         for r in result["runs"]
     ]
@@ -473,34 +473,27 @@ def test_results_groups_of_gpus_are_what_their_json_says():
     }
     for run in runs:
         if run["devices"] == 8:
-            assert (
-                run["good_requests_per_s"] == single[run["reservation"], run["policy"]]["good_requests_per_s"]
-            )
+            assert run["slo_attainment"] == single[run["reservation"], run["policy"]]["slo_attainment"]
     means = {r["devices"]: f"{r['prompt_tokens'] / r['requests']:,.0f}" for r in runs}
     assert f"({means[16]} and {means[64]} prompt tokens on average, against {means[8]})" in prose
     worst = [r for r in runs if r["reservation"] == "worst_case"]
     assert all(abs(r["slo_attainment"] - (1 - r["refused"] / r["requests"])) < 1e-9 for r in worst)
     shares = [f"{r['slo_attainment']:.3f}" for r in worst[::3]]  # one a cluster: the victims tie
     assert f"({shares[0]}, {shares[1]} and {shares[2]};" in prose
-    best_share = []
+    leaders, bests = [], []
     for devices in (8, 16, 64):
         optimistic = {
-            r["policy"]: r["good_requests_per_s"] / r["groups"]
+            r["policy"]: r["slo_attainment"]
             for r in runs
             if r["devices"] == devices and r["reservation"] == "optimistic"
         }
-        best = max(optimistic, key=optimistic.get)
-        worst_case = next(r["good_requests_per_s"] / r["groups"] for r in worst if r["devices"] == devices)
-        best_share.append(f"{round(100 * optimistic[best] / worst_case)}%")
-        gain = optimistic[best] / optimistic["sequence_lru"] - 1
-        if devices == 8:
-            assert best == "sequence_lru" and "`sequence_lru` at 8 GPUs" in prose
-        else:
-            assert (
-                f"`{best}` at {devices} ({optimistic[best]:.1f} " in prose
-                and f"+{round(100 * gain)}%)" in prose
-            )
-    assert f"serves {best_share[0]}, {best_share[1]} and {best_share[2]} of worst-case" in prose
+        leaders.append(max(optimistic, key=optimistic.get))
+        bests.append(max(optimistic.values()))
+        worst_case = next(r["slo_attainment"] for r in worst if r["devices"] == devices)
+        assert bests[-1] <= worst_case
+    assert leaders == ["sequence_lru", "pressure_aware", "pressure_aware"]
+    assert "(`sequence_lru` first at 8 GPUs, `pressure_aware` at 16 and 64)" in prose
+    assert f"({bests[0]:.3f}, {bests[1]:.3f} and {bests[2]:.3f})" in prose
 
 
 def test_results_cluster_tables_are_what_their_json_says():
@@ -525,17 +518,23 @@ def test_results_cluster_tables_are_what_their_json_says():
     )
     for line in re.findall(r"(\d+\.\d+)x faster", prose):
         assert any(f"{r['speedup']:.2f}" == line for r in speed["shapes"]), line
-    # the widest spread between victims at one setting (optimistic reservation: worst-case ones tie)
-    by_setting = {}
-    for run in cluster["runs"]:
-        key = (run["gib_per_device"], run["rate"], run["reservation"])
-        by_setting.setdefault(key, {})[run["policy"]] = run["good_requests_per_s"]
-    spread, (gib, rate, _), best, worst = max(
-        (max(g.values()) / min(g.values()), key, max(g, key=g.get), min(g, key=g.get))
-        for key, g in by_setting.items()
+    # the victims' attainments under optimistic reservation, and how their order changes
+    attain = {
+        (r["gib_per_device"], r["rate"], r["reservation"], r["policy"]): r["slo_attainment"]
+        for r in cluster["runs"]
+    }
+    assert (
+        f"`sequence_lru` {attain[0.5, 150.0, 'optimistic', 'sequence_lru']:.3f} against "
+        f"{attain[0.5, 150.0, 'optimistic', 'expert_lru']:.3f} for the other two"
+        in prose
+        and attain[0.5, 150.0, "optimistic", "expert_lru"]
+        == attain[0.5, 150.0, "optimistic", "pressure_aware"]
     )
-    assert f"by up to {spread:.1f}x in good requests/s ({gib:g} GiB per GPU, {rate:g} requests/s: " in prose
-    assert f"`{best}` {by_setting[(gib, rate, 'optimistic')][best]:.1f} against `{worst}`" in prose
+    at_300 = {
+        p: attain[0.5, 300.0, "optimistic", p] for p in ("sequence_lru", "pressure_aware", "expert_lru")
+    }
+    assert max(at_300, key=at_300.get) == "pressure_aware"
+    assert f"`pressure_aware` leads with {at_300['pressure_aware']:.3f}" in prose
     coarse, fine = speed["shapes"]
     assert f"{fine['speedup']:.2f}x faster at the fine-grained shape and {coarse['speedup']:.2f}x" in prose
     assert f"the old code took {fine['against']['wall_seconds']:.1f} s at the fine shape" in prose
@@ -563,31 +562,28 @@ def test_results_cluster_tables_are_what_their_json_says():
     assert f"{min(thrown):.1f} to {max(thrown):.1f} million tokens" in prose
     needed = cluster["requests"] * (cluster["prompt_tokens_mean"] + cluster["output_tokens_mean"]) / 1e6
     assert f"the {needed:.1f} million the requests need" in prose
-    good = {(r["gib_per_device"], r["rate"], r["policy"]): r["good_requests_per_s"] for r in short}
-    assert round(good[0.5, 300.0, "pressure_aware"] / good[0.5, 300.0, "sequence_lru"]) == 4  # "serves 4x"
     seed1 = json.loads((ROOT / "figures" / "bench_cluster_seed1.json").read_text(encoding="utf-8"))
     other = {
-        (r["gib_per_device"], r["rate"], r["reservation"], r["policy"]): r["good_requests_per_s"]
+        (r["gib_per_device"], r["rate"], r["reservation"], r["policy"]): r["slo_attainment"]
         for r in seed1["runs"]
     }
+    tie = other[0.5, 150.0, "optimistic", "sequence_lru"]
     assert (
-        f"{other[0.5, 300.0, 'optimistic', 'pressure_aware']:.1f} against "
-        f"{other[0.5, 300.0, 'optimistic', 'sequence_lru']:.1f}"
-    ) in prose
-    assert (
-        f"{other[0.5, 150.0, 'optimistic', 'sequence_lru']:.1f} against "
-        f"{other[0.5, 150.0, 'worst_case', 'sequence_lru']:.1f} good requests/s"
-    ) in prose
+        tie
+        == other[0.5, 150.0, "optimistic", "pressure_aware"]
+        == max(other[0.5, 150.0, "optimistic", p] for p in ("sequence_lru", "pressure_aware", "expert_lru"))
+    )
+    assert f"`sequence_lru` and `pressure_aware` tie at {tie:.3f} at 150" in prose
     bursty = json.loads((ROOT / "figures" / "bench_cluster_gamma.json").read_text(encoding="utf-8"))
     from moekv_ref.apps.bench_cluster import GAMMA_CV
 
     assert GAMMA_CV == 2 and {r["arrivals"] for r in bursty["runs"]} == {"gamma"}
     assert "a coefficient of variation of 2" in prose
     assert all(r["victim_sequences"] == 0 for r in bursty["runs"] if r["reservation"] == "worst_case")
-    gamma = {(r["rate"], r["reservation"], r["policy"]): r["good_requests_per_s"] for r in bursty["runs"]}
+    gamma = {(r["rate"], r["reservation"], r["policy"]): r["slo_attainment"] for r in bursty["runs"]}
     assert (
-        f"{gamma[150.0, 'optimistic', 'expert_lru']:.1f} against "
-        f"{gamma[150.0, 'optimistic', 'sequence_lru']:.1f} good requests/s"
+        f"`expert_lru` leads at 150 requests/s ({gamma[150.0, 'optimistic', 'expert_lru']:.3f} against "
+        f"{gamma[150.0, 'optimistic', 'sequence_lru']:.3f})"
     ) in prose
     assert (
         max(gamma[k] for k in gamma if k[:2] == (150.0, "optimistic"))
@@ -652,9 +648,10 @@ def test_results_sessions_table_and_ranges_are_what_their_json_says():
     p50 = [1 - p["ttft_p50_ratio"] for p in pairs]
     p99 = [1 - p["ttft_p99_ratio"] for p in pairs]
     assert f"move TTFT p50 by {percent_range(p50)} and p99 by at most {round(100 * max(p99))}%" in flat
-    assert all(
-        p["good_requests_per_s_on"] == pytest.approx(p["good_requests_per_s_off"], rel=1e-3) for p in pairs
-    )
+    for result in seeds:  # "and SLO attainment not at all": each run with the cache on beside its run off
+        for off, on in zip(result["runs"][0::2], result["runs"][1::2]):
+            assert not off["prefix_caching"] and on["prefix_caching"]
+            assert on["slo_attainment"] == off["slo_attainment"]
     refused = [
         r["refused"] / result["turns"]
         for result in seeds
@@ -814,11 +811,10 @@ def _notebook_texts(name: str) -> tuple[str, str, str]:
 
 
 def test_notebook_11_states_the_workloads_its_json_and_code_ran():
-    """Notebook 11 states each workload in words before its table or figure: the cluster's model,
-    GPUs, pools, requests, lengths, rates and SLOs (figures/bench_cluster.json and bench cluster's
-    code), the simulator-speed runs (figures/bench_cluster_speed.json, bench_cluster_scale.json) and
+    """Notebook 11 states each workload in words before its table or figure: the cluster study's model,
+    GPUs, requests, lengths, memory, SLOs and stated test (figures/reservation_study.json and bench
+    reservation's code), the simulator-speed runs (figures/bench_cluster_speed.json, bench_cluster_scale.json) and
     the exercise's cluster; every number there is the JSON's or the code's."""
-    from moekv_ref.apps.bench_cluster import ATTAINMENT_TARGET
     from moekv_ref.apps.bench_simulator import SCALE_ROUTINGS, SPEED_MAX_NUM_SEQS
     from moekv_ref.course.exercise_11 import (
         EXERCISE_11_DEVICES,
@@ -852,51 +848,62 @@ def test_notebook_11_states_the_workloads_its_json_and_code_ran():
     E = config.num_attention_experts
     k = config.num_attention_experts_per_tok
 
-    cluster = json.loads((ROOT / "figures" / "bench_cluster.json").read_text(encoding="utf-8"))
-    runs = cluster["runs"]
+    from moekv_ref.apps import bench_reservation
+
+    study = _figure("reservation_study.json")
+    design = study["design"]
     text = markdown.split("## 2.", 1)[1].split("## 3.", 1)[0]
-    assert f"`{cluster['model']}`" in text and cluster["model"] == MODEL
+    assert f"`{design['model']}`" in text and design["model"] == MODEL
     assert f"L = {L} layers, E = {E} attention experts, top-{k}" in text
     assert f"{config.kv_bytes_per_entry() // 1024} KiB per (token, layer, expert) entry" in text
-    (devices,) = {r["devices"] for r in runs}
-    assert f"{devices} H200 GPUs, one expert of every layer per GPU" in text and devices == E
-    gibs = sorted({r["gib_per_device"] for r in runs})
-    blocks = sorted({r["blocks_per_device"] for r in runs})
-    assert blocks == [pool_blocks(g) for g in gibs]
-    assert f"{gibs[0]:g} or {gibs[1]:g} GiB" in text
-    assert f"{blocks[0]:,} or {blocks[1]:,} blocks of {BLOCK_SIZE} tokens" in text
-    assert f"the requests**: {cluster['requests']}, with" in text
     assert (
-        "Azure LLM inference trace of 2023 (conversation)" in text
-        and "2023, conversation" in (cluster["workload_source"])
+        f"{design['devices']} H200 GPUs, one expert of every layer per GPU" in text and design["devices"] == E
+    )
+    assert f"the requests**: {study['requests']:,} a run" in text
+    assert (
+        study["workload"] == "azure_conversation_2023"
+        and "Azure LLM inference trace of 2023 (conversation)" in text
     )
     assert f"cut to {config.max_position_embeddings:,} tokens" in text
+    assert f"at most {design['max_num_seqs']} run at once" in text
+    assert f"the victim `{bench_reservation.VICTIM}`" in text
     assert (
-        f"{cluster['prompt_tokens_mean']:,.0f} prompt and {cluster['output_tokens_mean']:,.0f} output tokens"
-        in text
+        design["admission"] == "predicted_per_device" and "admits by the predicted peak on every GPU" in text
     )
-    assert {r["arrivals"] for r in runs} == {"poisson"} and "as a Poisson process" in text
-    rates = sorted({r["rate"] for r in runs})
-    assert f"{rates[0]:g} or {rates[1]:g} requests per second" in text
-    assert f"at most {cluster['max_num_seqs']} run at once" in text
-    assert (
-        f"TTFT is at most {cluster['ttft_slo_s']:g} s and its TPOT at most {cluster['tpot_slo_s']:g} s"
-        in text
-    )
-    assert f"at which {ATTAINMENT_TARGET:.0%} are good" in text
-
+    assert f"the fullest GPU uses at {design['memory_load']:g} of capacity" in text
+    assert f"TTFT at most {study['scales']['ttft_slo_s']:g} s" in text
+    assert f"at least {bench_reservation.TARGET:.0%} are good" in text
+    warmup, cooldown = design["warmup_cooldown"]
+    assert warmup == cooldown and f"the first and last {warmup:.0%} of arrivals" in text
+    assert "at most 80%" in study["preregistered"]["gate"] and "at most 80% of the bound" in text
+    assert "above 0.95" in study["preregistered"]["pass"] and "the interval's low end above 0.95" in text
+    assert "under 1% of steps" in text and "under 2% of the modelled time" in text
+    # every number of the reading is one the JSON's summary gives, as its table prints it
     reading = text.split("Reading it.", 1)[1]
-    assert E // k == 4 and "four times its expected share" in reading
-    assert max(r["mean_used_fraction"] for r in runs if r["reservation"] == "worst_case") < 0.5
-    assert "the pools stay under half full" in reading
-    short = [r for r in runs if r["reservation"] == "optimistic" and r["retries"]]
-    assert round(100 * min(r["mean_used_fraction"] for r in short)) == 70 and "about 70%" in reading
-    needed = cluster["requests"] * (cluster["prompt_tokens_mean"] + cluster["output_tokens_mean"])
-    assert all(r["thrown_away_tokens"] > needed for r in short)  # "more tokens than the requests need"
-    settings = {(r["gib_per_device"], r["rate"]) for r in runs}
-    busy = {(r["gib_per_device"], r["rate"]) for r in runs if r["victim_sequences"] or r["retries"]}
-    (quiet,) = settings - busy
-    assert f"({quiet[0]:g} GiB at {quiet[1]:g} requests per second), nothing matters" in reading
+    printed = set()
+    for memory, row in study["summary"].items():
+        printed.add(memory)
+        for numbers in row["strategies"].values():
+            ratio = numbers["over_clairvoyant"]
+            if numbers["n"] >= 2:
+                printed |= {f"{numbers['goodput_per_gpu_mean']:.2f}", f"{ratio['mean']:.3f}"}
+                printed |= {f"{bound:.3f}" for bound in ratio["ci95"]}
+                printed |= {
+                    f"{numbers['fault_step_fraction_max']:.2%}",
+                    f"{numbers['thrown_away_fraction_max']:.2%}",
+                }
+                printed.add(str(numbers["n"]))
+    quoted = re.findall(r"\d+(?:\.\d+)?%?", reading.replace("at most 0.80 of the bound", ""))
+    assert quoted and set(quoted) <= printed, set(quoted) - printed
+    section1 = markdown.split("## 1.", 1)[1].split("## 2.", 1)[0]
+    assert (
+        f"at most {bench_reservation.MAX_CHUNK_TOKENS:,} tokens a quantile (q = {bench_reservation.QUANTILE:g})"
+        in section1
+    )
+    assert (
+        design["quantile"] == bench_reservation.QUANTILE
+        and design["max_chunk_tokens"] == bench_reservation.MAX_CHUNK_TOKENS
+    )
 
     speed = json.loads((ROOT / "figures" / "bench_cluster_speed.json").read_text(encoding="utf-8"))
     scale = json.loads((ROOT / "figures" / "bench_cluster_scale.json").read_text(encoding="utf-8"))
@@ -934,7 +941,6 @@ def test_notebook_11_states_the_workloads_its_json_and_code_ran():
         f"{EXERCISE_11_GIB_PER_DEVICE:g} GiB of KV memory per GPU is "
         f"{pool_blocks(EXERCISE_11_GIB_PER_DEVICE):,} blocks"
     ) in text
-    assert EXERCISE_11_GIB_PER_DEVICE in gibs
 
     # section 1's workload: the numbers the prose gives that the printed line does not are the code's
     assert "mean_prompt=32, mean_output=128, topic_s=1.5" in code and "max_num_seqs=16" in code

@@ -1,12 +1,10 @@
-"""The reservation study (apps/bench_reservation.py) as a figure: each strategy's goodput per GPU,
-its mean over seeds with the 95% interval of the mean, one panel per KV memory setting. Drawn from
-figures/reservation_study.json by `python -m moekv_ref figures`."""
+"""The reservation study (apps/bench_reservation.py) as a figure: each strategy's goodput over the
+clairvoyant bound's, paired by seed, with its 95% interval, one panel per KV memory setting. Drawn
+from figures/reservation_study.json by `python -m moekv_ref figures`."""
 
 from __future__ import annotations
 
 from matplotlib.figure import Figure
-
-from ..stats import mean_ci95
 
 COLORS = {
     "worst_case": "#7f7f7f",
@@ -23,41 +21,33 @@ def paired_seeds(tasks, memory: float) -> set:
     return set.intersection(*by_strategy)
 
 
-def goodput_by_strategy(result: dict, memory: float) -> dict:
-    """strategy -> stats.mean_ci95 of its goodput per GPU over the paired seeds, at one memory
-    setting (newest_first's tasks: the main comparison)."""
-    mains = [t for t in result["tasks"].values() if t.get("victim", "newest_first") == "newest_first"]
-    seeds = paired_seeds(mains, memory)
-    rows = {}
-    for strategy in COLORS:
-        values = [
-            t["goodput_per_gpu"]
-            for t in mains
-            if t["strategy"] == strategy and t["memory"] == memory and t["seed"] in seeds
-        ]
-        if values:
-            rows[strategy] = mean_ci95(values)
-    return rows
-
-
 def plot_reservation(result: dict) -> Figure:
+    """One panel per KV memory setting: each strategy's goodput over clairvoyant's, paired by seed
+    (the JSON's summary: the mean of per-seed ratios and its 95% interval), with the study's two
+    lines: the gate (worst case at most 0.80 of the bound) and the pass mark (0.95)."""
     memories = result["design"]["memory_multiples"]
-    fig = Figure(figsize=(5.2 * len(memories), 3.8))
+    fig = Figure(figsize=(4.4 * len(memories), 3.8))
     axes = fig.subplots(1, len(memories), sharey=True, squeeze=False)[0]
     blocks = result["scales"]["working_set_blocks"]
     for ax, memory in zip(axes, memories):
-        rows = goodput_by_strategy(result, memory)
-        names = list(rows)
-        means = [rows[name]["mean"] for name in names]
-        low = [rows[name]["mean"] - rows[name]["ci95"][0] if rows[name]["n"] > 1 else 0 for name in names]
-        high = [rows[name]["ci95"][1] - rows[name]["mean"] if rows[name]["n"] > 1 else 0 for name in names]
+        rows = result["summary"][f"{memory:g}"]["strategies"]
+        names = [name for name in COLORS if rows.get(name, {}).get("n", 0) >= 2]
+        ratios = [rows[name]["over_clairvoyant"] for name in names]
+        means = [r["mean"] for r in ratios]
+        low = [r["mean"] - r["ci95"][0] for r in ratios]
+        high = [r["ci95"][1] - r["mean"] for r in ratios]
         ax.bar(names, means, color=[COLORS[name] for name in names], yerr=[low, high], capsize=4)
+        ax.axhline(0.95, color="black", linewidth=1, linestyle="--", label="pass mark 0.95")
+        ax.axhline(0.80, color="grey", linewidth=1, linestyle=":", label="gate 0.80")
         n = min((rows[name]["n"] for name in names), default=0)
-        ax.set_title(
-            f"KV per GPU {memory:g} x working set ({memory * blocks / 1e3:.0f}k blocks), n={n}", fontsize=10
-        )
+        if not names:
+            ax.text(0.5, 0.5, "not run yet", transform=ax.transAxes, ha="center", fontsize=10)
+            ax.set_xticks([])
+        ax.set_title(f"KV {memory:g} x working set ({memory * blocks / 1e3:.0f}k blocks), n={n}", fontsize=10)
         ax.tick_params(axis="x", labelrotation=20)
-    axes[0].set_ylabel("goodput per GPU (requests/s)")
+    axes[0].set_ylim(0.6, 1.05)
+    axes[0].set_ylabel("goodput / clairvoyant's (paired)")
+    axes[0].legend(fontsize=10, loc="lower left")
     fig.suptitle("Reservation strategies on 8 simulated H200s (mean over seeds, 95% interval)", fontsize=11)
     fig.tight_layout()
     return fig

@@ -18,7 +18,8 @@ Latency, as DistServe (Zhong et al., OSDI 2024) defines it: TTFT is a request's 
 minus its arrival; TPOT the mean time per output token after the first; a request is good when it
 meets both SLOs, SLO attainment is the share of good requests, and goodput the highest request
 rate whose attainment reaches a target (90% there). `latency_summary` gives one run's attainment
-and good requests per second; bench cluster sweeps the rate to find goodput. `request_latencies`
+(never good requests over the run's length: refusing work shortens the run and would raise it);
+bench cluster sweeps the rate to find goodput. `request_latencies`
 and `meets_slos` are the per-request definitions it reads, as sim/steady_state.py's measurement over
 a run's steady window does.
 
@@ -285,15 +286,13 @@ def latency_summary(
 ) -> dict:
     """Per request (S,) arrival, first token and finish seconds (NaN: never served; an arrival NaN:
     a session's turn that never came, its turn before refused) and output tokens: TTFT and TPOT at
-    p50 and p99 over served requests, SLO attainment over all, and good requests per second over the
-    run (first arrival to last finish)."""
+    p50 and p99 over served requests, and SLO attainment over all (a request never served counts as
+    not good)."""
     served = ~torch.isnan(finish)
     every_ttft, every_tpot = request_latencies(arrival, first_token, finish, num_output)
     ttft = every_ttft[served]
     tpot = every_tpot[served]
     good = meets_slos(ttft, tpot, ttft_slo, tpot_slo)
-    arrived = arrival[~torch.isnan(arrival)]  # NaN: a session's turn that never arrived
-    span = float(finish[served].max() - arrived.min()) if served.any() else float("nan")
     return {
         "served": int(served.sum()),
         "requests": int(arrival.numel()),
@@ -304,7 +303,6 @@ def latency_summary(
         "ttft_slo_s": ttft_slo,
         "tpot_slo_s": tpot_slo,
         "slo_attainment": float(good.sum()) / max(1, arrival.numel()),
-        "good_requests_per_s": float(good.sum()) / span if span > 0 else float("nan"),
     }
 
 
