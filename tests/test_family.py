@@ -18,8 +18,9 @@ from moekv_ref.apps.family import (
     train_family,
     variant_config,
 )
-from moekv_ref.apps.train import fit, load_corpus
+from moekv_ref.apps.train import load_corpus
 from moekv_ref.model import MoEKVTransformer
+from moekv_ref.training import fit, random_windows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,14 +75,18 @@ def test_the_matched_variants_match_what_they_say_at_the_training_context():
 
 def test_an_interrupted_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path):
     train_data, _ = load_corpus()
-    options = dict(batch_size=2, context=16, seed=3, num_steps=5, save_every=2)
+    options = dict(num_steps=5, save_every=2)
 
     def fresh():
         torch.manual_seed(3)
         return MoEKVTransformer(variant_config("dense"))
 
+    def data():  # a fresh data order, as a new process would have: the state file restores it
+        generator = torch.Generator().manual_seed(3)
+        return {"next_batch": random_windows(train_data, 2, 16, generator), "generator": generator}
+
     whole = fresh()
-    fit(whole, train_data, **options)
+    fit(whole, **data(), **options)
 
     def crash(step, loss):
         if step == 3:
@@ -89,10 +94,10 @@ def test_an_interrupted_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_p
 
     state = tmp_path / "state.pt"
     with pytest.raises(KeyboardInterrupt):
-        fit(fresh(), train_data, state_path=state, on_step=crash, **options)
+        fit(fresh(), **data(), state_path=state, on_step=crash, **options)
     assert torch.load(state, weights_only=True)["step"] == 2
     resumed = fresh()  # a new process: initial weights, then the state file
-    fit(resumed, train_data, state_path=state, **options)
+    fit(resumed, **data(), state_path=state, **options)
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
 

@@ -1,6 +1,6 @@
 """`python -m moekv_ref capacity`: what a per-row KV budget costs in quality, dense and routed.
 
-Four configurations of the one model code, trained alike (apps/train.py's recipe, the same token
+Four configurations of the one model code, trained alike (training.py's loop, the same token
 budget, seeds 0, 1, 2) at a context of 512 bytes, the model's limit, so that budgets bind:
 
     dense                 one attention expert, 2 heads of 32: plain attention
@@ -46,9 +46,10 @@ from ..jsonout import dumps
 from ..model import MoEKVTransformer
 from ..plots.capacity import frontier_rows, plot_capacity
 from ..plots.tables import text_table
+from ..training import random_windows
 from . import family, options
 from .family import run_name
-from .train import batches, load_corpus
+from .train import load_corpus
 
 CONTEXT = 512
 CAPACITY = 128  # 512 tokens x 2 experts / 8 experts: top-2's mean row
@@ -95,7 +96,7 @@ def settings(config: ModelConfig) -> list[tuple[str, int | None, float | None]]:
 
 def heldout_windows(valid_data: torch.Tensor, num_windows: int = NUM_WINDOWS, context: int = CONTEXT):
     """(x, y) fixed held-out windows, the same for every model."""
-    return next(batches(valid_data, num_windows, context, torch.Generator().manual_seed(1234)))
+    return random_windows(valid_data, num_windows, context, torch.Generator().manual_seed(1234))(0)
 
 
 def attention_flops(config: ModelConfig, accepted: torch.Tensor, budget_tokens: int | None) -> float:

@@ -46,8 +46,9 @@ from ..jsonout import dumps
 from ..model import MoEKVTransformer
 from ..plots.tables import text_table
 from ..sampling import SamplingParams
+from ..training import fit, random_windows
 from . import options
-from .train import batches, fit, load_corpus
+from .train import load_corpus
 
 DENSE = dict(attention_mode="dense", num_attention_experts=1, num_attention_experts_per_tok=1)
 VARIANTS = {
@@ -101,8 +102,7 @@ def attention_flops_per_token(
 @torch.no_grad()
 def heldout_bits_per_byte(model, valid_data: torch.Tensor, context: int, num_windows: int = 32) -> float:
     """Mean next-byte loss over fixed validation windows, in bits per byte."""
-    generator = torch.Generator().manual_seed(1234)
-    x, y = next(batches(valid_data, num_windows, context, generator))
+    x, y = random_windows(valid_data, num_windows, context, torch.Generator().manual_seed(1234))(0)
     losses = []
     for i in range(0, num_windows, 8):
         logits = model(x[i : i + 8]).logits
@@ -114,8 +114,7 @@ def heldout_bits_per_byte(model, valid_data: torch.Tensor, context: int, num_win
 def cache_measurements(model, valid_data: torch.Tensor, context: int) -> dict:
     """Prefill 8 held-out windows into the paged cache and read what it holds: KV bytes per token
     (entries x bytes per entry / tokens) and entries per token per layer."""
-    generator = torch.Generator().manual_seed(99)
-    x, _ = next(batches(valid_data, 8, context, generator))
+    x, _ = random_windows(valid_data, 8, context, torch.Generator().manual_seed(99))(0)
     prompts = [row.tolist() for row in x]
     counts = generate(
         model, prompts, SamplingParams(max_new_tokens=1, temperature=0.0), cache="paged"
@@ -186,13 +185,12 @@ def train_run(
             bar.set_postfix(run=f"{name}/{seed}", loss=f"{loss:.2f}", refresh=False)
         last[0] = step
 
+    generator = torch.Generator().manual_seed(seed)  # the data order, saved with the state
     fit(
         model,
-        train_data,
-        batch_size=batch_size,
-        context=context,
-        seed=seed,
+        random_windows(train_data, batch_size, context, generator),
         num_steps=steps,
+        generator=generator,
         state_path=state,
         on_step=on_step,
     )

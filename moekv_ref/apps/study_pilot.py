@@ -38,10 +38,11 @@ from ..config import get_config
 from ..model import MoEKVTransformer
 from ..study import recall_task
 from ..study.recall_task import DRILL, FULL, SHORT, Scores, batch, make_windows
-from ..study.train_fast import fast_forward, train
+from ..study.train_fast import fast_forward
+from ..training import fit
 from . import options
 from .capacity import DENSE
-from .train import load_balancing_loss, stdlib_corpus
+from .train import stdlib_corpus
 
 WINDOWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 GATE = 0.9
@@ -118,12 +119,12 @@ def run_pilot(args) -> dict:
             jsonout.write(results_path, results)
 
     if done < total:
-        train(
+        fit(
             model,
             next_batch,
-            total,
+            num_steps=total,
+            forward=fast_forward,
             lr=args.lr,
-            balance_loss=load_balancing_loss,
             state_path=state_path,
             save_every=25,
             on_step=on_step,

@@ -1,4 +1,4 @@
-"""A fast recompute forward and training loop for the one model code (model.py's modules).
+"""A fast recompute forward for the one model code (model.py's modules).
 
 model.py's `forward` builds a (B, E, 1, T, T) boolean mask for every layer and hands it to
 scaled_dot_product_attention, which then takes its unfused path. `fast_forward` computes the same
@@ -8,15 +8,10 @@ and no mask, PyTorch's fused kernel; routed attention keeps the routing mask. `w
 every query to the W most recent positions, itself included (a causal sliding window), in the same
 fused call's mask.
 
-`train` runs apps/train.py's recipe (AdamW, 100 warm-up steps then a cosine decay, the
-load-balancing loss the caller gives on every router, gradient clipping at 1) on the batches the
-caller gives (recall windows), resumable from a state file.
+Training goes through the one loop, training.py's `fit`, given `forward=fast_forward`.
 """
 
 from __future__ import annotations
-
-import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -96,67 +91,3 @@ def fast_forward(model: MoEKVTransformer, tokens: torch.Tensor, window: int | No
         attention_routing.append(r_attn)
         ffn_routing.append(r_ffn)
     return ModelOutput(model.lm_head(model.norm(x)), attention_routing, ffn_routing)
-
-
-def train(
-    model: MoEKVTransformer,
-    next_batch,
-    num_steps: int,
-    *,
-    lr: float = 3e-3,
-    balance_loss=None,
-    balance_weight: float = 0.01,
-    warmup: int = 100,
-    state_path: Path | None = None,
-    save_every: int = 50,
-    on_step=None,
-) -> int:
-    """Train model in place for num_steps. next_batch(step) -> (x, y) (B, T) int64, or (x, y, weights)
-    with each target's weight (B, T), must depend on the step alone, so that a resumed run sees the
-    batches it would have. With state_path, the model, optimizer and step are saved there every
-    save_every steps and at the end, and a run finding the file continues from it.
-    balance_loss(routing) -> scalar, if given, is added for every router, times balance_weight
-    (apps/train.py's load_balancing_loss). on_step(step, loss) after every step. Returns the steps
-    taken in all."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
-    step = 0
-    if state_path is not None and Path(state_path).exists():
-        state = torch.load(state_path, weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = int(state["step"])
-
-    def save():
-        if state_path is not None:
-            tmp = Path(str(state_path) + ".tmp")
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
-            tmp.replace(state_path)
-
-    model.train()
-    while step < num_steps:
-        for group in optimizer.param_groups:  # warm-up then cosine, as apps/train.py's fit
-            group["lr"] = lr * min(1.0, step / warmup) * 0.5 * (1 + math.cos(math.pi * step / num_steps))
-        x, y, *weights = next_batch(step)
-        output = fast_forward(model, x)
-        if weights:  # each target's weight (B, T): a weighted mean
-            nats = F.cross_entropy(output.logits.flatten(0, 1), y.flatten(), reduction="none")
-            loss = (nats * weights[0].flatten()).sum() / weights[0].sum()
-        else:
-            loss = F.cross_entropy(output.logits.flatten(0, 1), y.flatten())
-        total = loss
-        if balance_loss is not None:
-            total = loss + balance_weight * sum(
-                balance_loss(r) for r in output.attention_routing + output.ffn_routing
-            )
-        optimizer.zero_grad(set_to_none=True)
-        total.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        if on_step is not None:
-            on_step(step, loss.item())
-        if step % save_every == 0:
-            save()
-    save()
-    model.eval()
-    return step

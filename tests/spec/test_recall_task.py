@@ -25,7 +25,8 @@ from moekv_ref.study.recall_task import (
     batch,
     make_windows,
 )
-from moekv_ref.study.train_fast import attention_mask, fast_forward, train
+from moekv_ref.study.train_fast import attention_mask, fast_forward
+from moekv_ref.training import fit
 
 NUM_WINDOWS = 60
 
@@ -249,7 +250,7 @@ def test_weighted_training_weighs_the_targets():
     trained = []
     for batch_of in (lambda s: (x, y), lambda s: (x, y, torch.ones(y.shape)), lambda s: (x, y, heavier)):
         model = model_of("dense").float()
-        train(model, batch_of, 2, warmup=1)
+        fit(model, batch_of, num_steps=2, forward=fast_forward, warmup=1, balance_weight=0.0)
         trained.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(trained[0], trained[1])
     assert not torch.allclose(trained[0], trained[2])
