@@ -228,3 +228,26 @@ def test_tasks_run_before_the_crossing_are_read_again_from_their_bisection():
     assert migrated["goodput_per_gpu"] == pytest.approx((121.25 + 0.2 * 11.25) / 8)
     assert migrated["bracket_low_per_gpu"] == 121.25 / 8
     assert bench_reservation.with_interpolated_goodput({"k": migrated}) == {"k": migrated}
+
+
+def test_a_strategy_not_run_at_a_memory_is_left_out_of_its_pairing_and_its_sentences():
+    result = synthetic_result(
+        {"worst_case": steady(0.7), "optimistic": steady(0.8), "calibrated": steady(0.94)}
+    )
+    tight = bench_reservation.MEMORY[0]
+    for key in [
+        k for k, t in result["tasks"].items() if t["strategy"] == "optimistic" and t["memory"] == tight
+    ]:
+        del result["tasks"][key]
+    del result["tasks"][bench_reservation.task_key("calibrated", "newest_first", tight, 9)]
+    result["scales"] = {"working_set_blocks": 1000.0}
+    row = bench_reservation.summarize(result)[f"{tight:g}"]
+    assert row["seeds"] == list(range(9))  # the three run there, paired; optimistic not waited for
+    assert row["strategies"]["optimistic"]["n"] == 0 and row["strategies"]["worst_case"]["n"] == 9
+    headline = bench_reservation.headline(result, tight)
+    assert "n = 9 seeds" in headline and "optimistic" not in headline and "worst case 9.79," in headline
+    verdict = bench_reservation.verdict(result, tight)
+    assert "the stated gate (at most 0.80) holds" in verdict
+    assert "calibrated's interval does not clear 0.95" in verdict and verdict.endswith(
+        "the stated test fails"
+    )

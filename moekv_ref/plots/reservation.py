@@ -15,10 +15,10 @@ COLORS = {
 
 
 def paired_seeds(tasks, memory: float) -> set:
-    """The seeds every strategy has run at this memory: means and ratios are over them alone, so that
-    an unfinished study compares like with like."""
+    """The seeds every strategy run at this memory has run: means and ratios are over them alone, so
+    that an unfinished study compares like with like (a strategy not run there at all is left out)."""
     by_strategy = [{t["seed"] for t in tasks if t["strategy"] == s and t["memory"] == memory} for s in COLORS]
-    return set.intersection(*by_strategy)
+    return set.intersection(*[seeds for seeds in by_strategy if seeds] or [set()])
 
 
 def plot_reservation(result: dict) -> Figure:
