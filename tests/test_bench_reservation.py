@@ -207,7 +207,7 @@ def test_the_tables_and_the_figure_read_the_same_numbers_as_the_summary():
     )
     assert "| 0.5 x | clairvoyant | 0.750 | 0.650 | 0.575 | 0.525 |" in text
     result["summary"] = bench_reservation.summarize(result)
-    figure = plot_reservation(result)
+    figure = plot_reservation(result, bench_reservation.GATE, bench_reservation.PASS_MARK)
     panel = bench_reservation.MEMORY.index(1.0)
     bars = [patch.get_height() for patch in figure.axes[panel].patches]
     rows = result["summary"]["1"]["strategies"]

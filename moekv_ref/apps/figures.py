@@ -24,7 +24,7 @@ from ..plots.capacity import plot_capacity
 from ..plots.reservation import plot_reservation
 from ..plots.routing import plot_cache_sizes, plot_routing
 from ..sampling import SamplingParams
-from . import bench_memory, demo, options
+from . import bench_memory, bench_reservation, demo, options
 
 
 def make_figures(directory: Path = Path("figures"), quick: bool = False) -> list[Path]:
@@ -81,7 +81,10 @@ def make_figures(directory: Path = Path("figures"), quick: bool = False) -> list
     study = directory / "reservation_study.json"  # hours of simulation: redrawn from its JSON
     if study.exists():
         paths.append(directory / "reservation_study.png")
-        plot_reservation(json.loads(study.read_text())).savefig(paths[-1], dpi=110)
+        figure = plot_reservation(
+            json.loads(study.read_text()), bench_reservation.GATE, bench_reservation.PASS_MARK
+        )
+        figure.savefig(paths[-1], dpi=110)
     return paths
 
 

@@ -21,10 +21,11 @@ def paired_seeds(tasks, memory: float) -> set:
     return set.intersection(*[seeds for seeds in by_strategy if seeds] or [set()])
 
 
-def plot_reservation(result: dict) -> Figure:
+def plot_reservation(result: dict, gate: float, pass_mark: float) -> Figure:
     """One panel per KV memory setting: each strategy's goodput over clairvoyant's, paired by seed
     (the JSON's summary: the mean of per-seed ratios and its 95% interval), with the study's two
-    lines: the gate (worst case at most 0.80 of the bound) and the pass mark (0.95)."""
+    lines: the gate (worst case at most `gate` of the bound) and the pass mark (bench_reservation's
+    GATE and PASS_MARK)."""
     memories = result["design"]["memory_multiples"]
     fig = Figure(figsize=(4.4 * len(memories), 3.8))
     axes = fig.subplots(1, len(memories), sharey=True, squeeze=False)[0]
@@ -37,8 +38,8 @@ def plot_reservation(result: dict) -> Figure:
         low = [r["mean"] - r["ci95"][0] for r in ratios]
         high = [r["ci95"][1] - r["mean"] for r in ratios]
         ax.bar(names, means, color=[COLORS[name] for name in names], yerr=[low, high], capsize=4)
-        ax.axhline(0.95, color="black", linewidth=1, linestyle="--", label="pass mark 0.95")
-        ax.axhline(0.80, color="grey", linewidth=1, linestyle=":", label="gate 0.80")
+        ax.axhline(pass_mark, color="black", linewidth=1, linestyle="--", label=f"pass mark {pass_mark:.2f}")
+        ax.axhline(gate, color="grey", linewidth=1, linestyle=":", label=f"gate {gate:.2f}")
         n = min((rows[name]["n"] for name in names), default=0)
         if not names:
             ax.text(0.5, 0.5, "not run yet", transform=ax.transAxes, ha="center", fontsize=10)
