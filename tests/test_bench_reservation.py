@@ -206,6 +206,12 @@ def test_the_tables_and_the_figure_read_the_same_numbers_as_the_summary():
         f"[{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}] | 0.10% | 0.50% |" in text
     )
     assert "| 0.5 x | clairvoyant | 0.750 | 0.650 | 0.575 | 0.525 |" in text
+    over_worst = bench_reservation.summarize(result)["1"]["calibrated_over_worst_case"]
+    assert over_worst["mean"] == pytest.approx(0.98 / 0.7, rel=1e-3)
+    assert (
+        f"| 1 x | 10 | {over_worst['mean']:.3f} [{over_worst['ci95'][0]:.3f}, {over_worst['ci95'][1]:.3f}] "
+        "| yes | passes |" in text
+    )
     result["summary"] = bench_reservation.summarize(result)
     figure = plot_reservation(result, bench_reservation.GATE, bench_reservation.PASS_MARK)
     panel = bench_reservation.MEMORY.index(1.0)
@@ -250,4 +256,28 @@ def test_a_strategy_not_run_at_a_memory_is_left_out_of_its_pairing_and_its_sente
     assert "the stated gate (at most 0.80) holds" in verdict
     assert "calibrated's interval does not clear 0.95" in verdict and verdict.endswith(
         "the stated test fails"
+    )
+
+
+def test_the_victims_table_is_the_paired_ratio_to_newest_first():
+    result = synthetic_result(
+        {"worst_case": steady(0.7), "optimistic": steady(0.8), "calibrated": steady(0.98)}
+    )
+    for key, t in victims_result({"pressure_aware": steady(1.15)})["tasks"].items():
+        if t["victim"] == "pressure_aware":
+            result["tasks"][key] = {**t, "fault_step_fraction": 0.0, "thrown_away_fraction": 0.0}
+    result["design"] = {
+        "strategies": list(bench_reservation.STRATEGIES),
+        "victims": ["newest_first", "pressure_aware"],
+    }
+    for t in result["tasks"].values():
+        t["loads"] = {str(load): {"attainment": 1.0} for load in bench_reservation.LOADS}
+    result["scales"] = {"working_set_blocks": 1000.0}
+    text = bench_reservation.markdown_tables(result)
+    ratio = bench_reservation.summarize_victims(result)["1|calibrated"]["over_newest_first"]["pressure_aware"]
+    # newest_first's calibrated goodput is 0.98 x the bound's, pressure_aware's 1.15 x (10 + seed)
+    assert ratio["mean"] == pytest.approx(1.15 / 0.98, rel=1e-3)
+    assert (
+        f"| 1 x, calibrated | pressure_aware | 10 | {ratio['mean']:.3f} [{ratio['ci95'][0]:.3f}, "
+        f"{ratio['ci95'][1]:.3f}] |" in text
     )

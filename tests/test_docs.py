@@ -1066,7 +1066,8 @@ def findings_phrases() -> list[str]:
         f"serve {topk['tokens_per_second_ratio']:.2f}x the tokens/s",
         f"`bench reservation`, {study['design']['devices']} GPUs",
         f"{study['requests']:,} requests a run",
-        bench_reservation.headline(study, 0.5),
+        bench_reservation.headline(study, 0.125),
+        bench_reservation.verdict(study, 0.125),
         f"by {gaps} and {flops:.2f} bits per byte",
         f"newest 16 tokens costs the routed model {capacity['expert_topk', 'window', 16]:.3f} against "
         f"{capacity['expert_topk', 'none', None]:.3f} bits per byte",
@@ -1174,3 +1175,9 @@ def test_the_reservation_study_in_the_results_is_its_json():
     assert study["commits"] and not any(commit.endswith("-dirty") for commit in study["commits"])
     assert all(task["commit"] in study["commits"] for task in study["tasks"].values())
     assert (ROOT / "figures" / "reservation_study.png").exists()
+    # every number of its reading is one its tables print (or the quantile the design states)
+    reading = text.split("What it says.", 1)[1].split("Not run yet", 1)[0]
+    tables = bench_reservation.markdown_tables(study)
+    allowed = set(re.findall(r"\d+(?:\.\d+)?%?", tables)) | {f"{study['design']['quantile']:g}"}
+    quoted = re.findall(r"\d+(?:\.\d+)?%?", reading)
+    assert quoted and set(quoted) <= allowed, set(quoted) - allowed

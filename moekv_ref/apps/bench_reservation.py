@@ -563,7 +563,8 @@ def print_summary(result: dict) -> None:
 def markdown_tables(result: dict) -> str:
     """The study's tables as docs/results.md quotes them (a test holds the text to the JSON): per
     memory setting, each strategy's goodput per GPU and its ratio to clairvoyant's, paired by seed,
-    with the faults and the time thrown away; then SLO attainment at each load."""
+    with the faults and the time thrown away; calibrated's ratio to worst case and (R)'s verdict;
+    then SLO attainment at each load."""
     lines = [
         "| KV per GPU | strategy | n | goodput per GPU (req/s) | x clairvoyant, mean [95% CI] "
         "| steps with a fault (max) | time thrown away (max) |",
@@ -582,6 +583,33 @@ def markdown_tables(result: dict) -> str:
                 f"{numbers['goodput_per_gpu_mean']:.2f} | {ratio['mean']:.3f} [{ratio['ci95'][0]:.3f}, "
                 f"{ratio['ci95'][1]:.3f}] | {numbers['fault_step_fraction_max']:.2%} | "
                 f"{numbers['thrown_away_fraction_max']:.2%} |"
+            )
+    lines += ["", "| KV per GPU | n | calibrated / worst case, mean [95% CI] | gate open | stated test |"]
+    lines.append("| --- | --- | --- | --- | --- |")
+    for memory in MEMORY:
+        row = summary[f"{memory:g}"]
+        ratio = row["calibrated_over_worst_case"]
+        if ratio["n"] < 2:
+            continue
+        test = {True: "passes", False: "fails", None: "no verdict"}[row["R_passes"]]
+        lines.append(
+            f"| {memory:g} x | {ratio['n']} | {ratio['mean']:.3f} [{ratio['ci95'][0]:.3f}, "
+            f"{ratio['ci95'][1]:.3f}] | {'yes' if row['gate_binds'] else 'no'} | {test} |"
+        )
+    victims = [
+        (key, victim, ratio)
+        for key, row in summarize_victims(result).items()
+        for victim, ratio in row["over_newest_first"].items()
+        if ratio["n"] >= 2
+    ]
+    if victims:
+        lines += ["", "| KV per GPU, reservation | victim | n | goodput / newest_first's, mean [95% CI] |"]
+        lines.append("| --- | --- | --- | --- |")
+        for key, victim, ratio in victims:
+            memory, strategy = key.split("|")
+            lines.append(
+                f"| {memory} x, {strategy} | {victim} | {ratio['n']} | {ratio['mean']:.3f} "
+                f"[{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}] |"
             )
     lines += [
         "",

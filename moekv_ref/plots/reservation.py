@@ -27,7 +27,7 @@ def plot_reservation(result: dict, gate: float, pass_mark: float) -> Figure:
     lines: the gate (worst case at most `gate` of the bound) and the pass mark (bench_reservation's
     GATE and PASS_MARK)."""
     memories = result["design"]["memory_multiples"]
-    fig = Figure(figsize=(4.4 * len(memories), 3.8))
+    fig = Figure(figsize=(4.4 * len(memories), 4.2))
     axes = fig.subplots(1, len(memories), sharey=True, squeeze=False)[0]
     blocks = result["scales"]["working_set_blocks"]
     for ax, memory in zip(axes, memories):
@@ -48,7 +48,8 @@ def plot_reservation(result: dict, gate: float, pass_mark: float) -> Figure:
         ax.tick_params(axis="x", labelrotation=20)
     axes[0].set_ylim(0.6, 1.05)
     axes[0].set_ylabel("goodput / clairvoyant's (paired)")
-    axes[0].legend(fontsize=10, loc="lower left")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=10, loc="lower center", ncol=2)  # below the panels: bars fill them
     fig.suptitle("Reservation strategies on 8 simulated H200s (mean over seeds, 95% interval)", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig
