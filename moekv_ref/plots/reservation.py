@@ -27,7 +27,7 @@ def plot_reservation(result: dict, gate: float, pass_mark: float) -> Figure:
     lines: the gate (worst case at most `gate` of the bound) and the pass mark (bench_reservation's
     GATE and PASS_MARK)."""
     memories = result["design"]["memory_multiples"]
-    fig = Figure(figsize=(4.4 * len(memories), 4.2))
+    fig = Figure(figsize=(3.3 * len(memories), 4.2))  # three panels within a notebook's 1,000 px
     axes = fig.subplots(1, len(memories), sharey=True, squeeze=False)[0]
     blocks = result["scales"]["working_set_blocks"]
     for ax, memory in zip(axes, memories):
@@ -44,7 +44,9 @@ def plot_reservation(result: dict, gate: float, pass_mark: float) -> Figure:
         if not names:
             ax.text(0.5, 0.5, "not run yet", transform=ax.transAxes, ha="center", fontsize=10)
             ax.set_xticks([])
-        ax.set_title(f"KV {memory:g} x working set ({memory * blocks / 1e3:.0f}k blocks), n={n}", fontsize=10)
+        ax.set_title(
+            f"{memory:g} x working set\n({memory * blocks / 1e3:.0f}k blocks a GPU), n={n}", fontsize=10
+        )
         ax.tick_params(axis="x", labelrotation=20)
     axes[0].set_ylim(0.6, 1.05)
     axes[0].set_ylabel("goodput / clairvoyant's (paired)")
