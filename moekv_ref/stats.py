@@ -1,4 +1,5 @@
-"""The statistics a study reports: a mean over seeds with its Student-t 95% interval.
+"""The statistics a study reports: a mean over seeds with its sample standard deviation and
+Student-t 95% interval, and comparisons paired by seed (a ratio, or a difference with its t-test).
 
 Python's statistics module and torch have no inverse CDF of Student's t, so its 0.975 quantile
 comes from the standard table for 1 to 30 degrees of freedom and, beyond, from the Cornish-Fisher
@@ -43,3 +44,38 @@ def mean_ci95(values) -> dict:
     sd = statistics.stdev(values)
     half = t_quantile_975(n - 1) * sd / math.sqrt(n)
     return {"n": n, "mean": mean, "sd": sd, "ci95": [mean - half, mean + half]}
+
+
+def paired_ratio(values: dict, over: dict) -> dict:
+    """Per-seed ratios values[s] / over[s] (seed -> number), over the seeds in both with over[s] > 0:
+    their mean with its Student-t 95% interval (mean_ci95), n stated."""
+    seeds = sorted(s for s in values if s in over and over[s] > 0)
+    return mean_ci95([values[s] / over[s] for s in seeds])
+
+
+def paired_difference(values: dict, over: dict) -> dict:
+    """The paired test where seeds share data: the per-seed differences values[s] - over[s] (seed ->
+    number, the seeds in both), their mean with its Student-t 95% interval (mean_ci95), n stated.
+    The difference is told apart from zero, a two-sided paired t-test at 5%, when the interval
+    leaves zero out (sign_of)."""
+    seeds = sorted(s for s in values if s in over)
+    return mean_ci95([values[s] - over[s] for s in seeds])
+
+
+def sign_of(summary: dict) -> int:
+    """+1 when a summary's 95% interval lies above zero, -1 when below, 0 when it holds zero or is
+    not defined (fewer than two values)."""
+    low, high = summary["ci95"]
+    if low > 0:
+        return 1
+    if high < 0:
+        return -1
+    return 0
+
+
+def mean_sd_text(summary: dict, digits: int = 3) -> str:
+    """ "mean ± s.d." as the tables print a mean_ci95 summary (the sample s.d.; the mean alone for
+    one value)."""
+    if summary["n"] < 2:
+        return f"{summary['mean']:.{digits}f}"
+    return f"{summary['mean']:.{digits}f} ± {summary['sd']:.{digits}f}"

@@ -121,6 +121,7 @@ def test_a_tree_with_uncommitted_changes_gives_no_result(tmp_path, monkeypatch):
         (["--json", "/dev/null/x.json"], "/dev/null"),
         (["--topic-s", "-1"], "--topic-s=-1"),
         (["--time-scale", "0"], "--time-scale=0"),
+        (["--memory", "0.25"], "--memory=0.25"),
     ],
 )
 def test_bad_options_are_refused_by_name(argv, named):

@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import prefill_then_decode, random_model, random_prompts, small_config
 
+from moekv_ref import jsonout
 from moekv_ref.apps import capacity
 from moekv_ref.cache import make_paged_cache
 from moekv_ref.cache.budget import RowBudget, model_budget
@@ -151,7 +152,8 @@ def test_the_results_quote_the_committed_study():
         return table[variant, policy, tokens] - table[variant, "none", None]
 
     beside = study["against_dense"]
-    assert beside and all(row["verdict"] == "loses" for row in beside)
+    assert beside and all(row["verdict"] == "loses" and row["difference_ci95"][0] > 0 for row in beside)
+    assert not gaps_told_apart(study)  # "three seeds cannot tell this price from none"
     best = min((r for r in beside if round(r["kv_bytes_per_token"]) == 512), key=lambda r: r["bits_per_byte"])
     gaps = study["train_inference_gap"]
     quoted = [
@@ -168,7 +170,11 @@ def test_the_results_quote_the_committed_study():
         f"loses {cost('expert_topk', 'drop', 16):.3f}",
         f"it is {table['expert_topk_capacity', 'none', None] - table['expert_topk', 'none', None]:.3f} worse",
         f"a gap of {gaps['expert_topk_capacity']['gap_mean']:.3f}",
-        f"costs {gaps['expert_choice']['gap_mean']:.3f} ± {gaps['expert_choice']['gap_std']:.3f} bits per byte",
+        f"costs {gaps['expert_choice']['gap_mean']:.3f} bits per byte on average",
+        "({:+.3f}, {:+.3f}, {:+.3f})".format(*gaps["expert_choice"]["gap"]),
+        "the paired 95% interval, [{:.3f}, {:.3f}] (n = {})".format(
+            *gaps["expert_choice"]["gap_ci95"], gaps["expert_choice"]["n"]
+        ),
         f"Training took {study['train_seconds_total'] / 60:.0f} minutes",
         f"measuring {study['measure_seconds_total'] / 60:.0f} minutes",
     ]
@@ -188,3 +194,40 @@ def test_the_engine_serves_a_model_with_a_capacity_as_generate_does():
     assert [o.token_ids for o in outputs] == generate(
         model, prompts, params, cache="paged", block_size=2
     ).tokens
+
+
+def gaps_told_apart(study: dict) -> bool:
+    return study["train_inference_gap"]["expert_choice"]["told_apart_from_zero"]
+
+
+def test_the_committed_summaries_are_what_the_code_makes_of_the_committed_runs():
+    """figures/capacity.json's table, gaps, verdicts and frontiers equal capacity.summaries() of its
+    own runs: a summary rule changed without re-reading the runs fails here."""
+    study = json.loads((Path(__file__).resolve().parents[1] / "figures" / "capacity.json").read_text())
+    fresh = json.loads(jsonout.dumps(capacity.summaries(study["runs"], list(study["variants"]))))
+    for key, value in fresh.items():
+        assert study[key] == value, key
+
+
+def test_a_routed_point_beside_dense_is_judged_by_the_paired_t_test():
+    """Seeds spread far more than the variants differ, but the routed point is 0.05 worse on every
+    seed: "loses" (twice the larger spread would have said "ties"); with the sign flipping on one
+    seed of three it "ties"; 0.05 better on every seed "beats"."""
+    base = [2.5, 3.0, 3.5]
+
+    def table(offsets):
+        return [
+            dict(variant="dense", policy="window", budget_tokens=8, kv_bytes_per_token=100.0,
+                 bits_per_byte_mean=3.0, bits_per_byte=base, seeds=[0, 1, 2]),
+            dict(variant="routed", policy="window", budget_tokens=2, kv_bytes_per_token=100.0,
+                 bits_per_byte_mean=3.0 + sum(offsets) / 3,
+                 bits_per_byte=[b + o for b, o in zip(base, offsets)], seeds=[0, 1, 2]),
+        ]  # fmt: skip
+
+    def verdict(offsets):
+        (row,) = capacity.against_dense(table(offsets), ["dense", "routed"])
+        return row["verdict"]
+
+    assert verdict([0.05, 0.051, 0.049]) == "loses"
+    assert verdict([-0.05, -0.051, -0.049]) == "beats"
+    assert verdict([0.2, 0.15, -0.05]) == "ties"

@@ -42,10 +42,11 @@ from tqdm import tqdm
 
 from ..cache.budget import BUDGET_POLICIES, RowBudget, model_budget
 from ..config import ModelConfig
-from ..jsonout import dumps
+from ..jsonout import dumps, source_commit
 from ..model import MoEKVTransformer
 from ..plots.capacity import frontier_rows, plot_capacity
 from ..plots.tables import text_table
+from ..stats import mean_ci95, mean_sd_text, paired_difference, sign_of
 from ..training import random_windows
 from . import family, options
 from .family import run_name
@@ -183,7 +184,8 @@ def measure_run(name: str, seed: int, steps: int, batch_size: int, runs: Path, x
 
 
 def summarize(rows: list[dict], variants) -> list[dict]:
-    """One row per (variant, policy, budget): mean and population spread over seeds."""
+    """One row per (variant, policy, budget): bits per byte over seeds (mean, sample s.d., Student-t
+    95% interval, and each seed's), and the means of the costs."""
     table = []
     for name in variants:
         for policy, tokens, fraction in settings(variant_config(name)):
@@ -191,14 +193,16 @@ def summarize(rows: list[dict], variants) -> list[dict]:
                 r for r in rows if (r["variant"], r["policy"], r["budget_tokens"]) == (name, policy, tokens)
             ]
             bpb = [r["bits_per_byte"] for r in runs]
+            spread = mean_ci95(bpb)
             table.append(
                 {
                     "variant": name,
                     "policy": policy,
                     "budget_tokens": tokens,
                     "fraction": fraction,
-                    "bits_per_byte_mean": statistics.mean(bpb),
-                    "bits_per_byte_std": statistics.pstdev(bpb),
+                    "bits_per_byte_mean": spread["mean"],
+                    "bits_per_byte_sd": spread["sd"],
+                    "bits_per_byte_ci95": spread["ci95"],
                     "bits_per_byte": bpb,
                     "seeds": [r["seed"] for r in runs],
                     **{
@@ -213,7 +217,9 @@ def summarize(rows: list[dict], variants) -> list[dict]:
 def train_inference_gaps(rows: list[dict], variants) -> dict:
     """For each variant trained with a capacity: bits per byte under the budget its caches decode with
     (budget.model_budget: drop, or router_score for expert choice) minus under its training rule (no
-    budget), per seed, with their mean and spread. Token choice's drop is causal, so its gap is 0."""
+    budget), per seed, with their mean, sample s.d. and Student-t 95% interval (paired by seed: the
+    gap is told apart from zero when the interval leaves it out), n stated. Token choice's drop is
+    causal, so its gap is 0."""
     gaps = {}
     for name in variants:
         budget = model_budget(variant_config(name))
@@ -228,21 +234,25 @@ def train_inference_gaps(rows: list[dict], variants) -> dict:
             if r["variant"] == name
             and (r["policy"], r["budget_tokens"]) == (budget.policy, budget.max_tokens)
         }
-        gap = [causal[s] - per_seed[s] for s in sorted(per_seed)]
+        gap = paired_difference(causal, per_seed)
         gaps[name] = {
             "decoding_policy": budget.policy,
             "budget_tokens": budget.max_tokens,
-            "gap": gap,
-            "gap_mean": statistics.mean(gap),
-            "gap_std": statistics.pstdev(gap),
+            "gap": [causal[s] - per_seed[s] for s in sorted(per_seed)],
+            "gap_mean": gap["mean"],
+            "gap_sd": gap["sd"],
+            "gap_ci95": gap["ci95"],
+            "n": gap["n"],
+            "told_apart_from_zero": sign_of(gap) != 0,
         }
     return gaps
 
 
 def against_dense(table: list[dict], variants) -> list[dict]:
     """Each routed variant's frontier point beside the best dense setting holding no more KV bytes per
-    token: the difference in bits per byte, and a verdict: "beats" or "loses" when it exceeds twice
-    the larger spread over seeds of the two, else "ties"."""
+    token: the difference in bits per byte, paired by seed (the seeds share their data), with its
+    Student-t 95% interval, and a verdict from that paired t-test: "beats" when the interval lies
+    below zero, "loses" above, else "ties"."""
     dense = [r for r in table if r["variant"] == "dense"]
     rows = []
     for name in variants:
@@ -256,9 +266,11 @@ def against_dense(table: list[dict], variants) -> list[dict]:
             )
             if rival is None:
                 continue
-            difference = point["bits_per_byte_mean"] - rival["bits_per_byte_mean"]
-            noise = 2 * max(point["bits_per_byte_std"], rival["bits_per_byte_std"])
-            verdict = "ties" if abs(difference) <= noise else "beats" if difference < 0 else "loses"
+            difference = paired_difference(
+                dict(zip(point["seeds"], point["bits_per_byte"])),
+                dict(zip(rival["seeds"], rival["bits_per_byte"])),
+            )
+            verdict = {-1: "beats", 0: "ties", 1: "loses"}[sign_of(difference)]
             rows.append(
                 {
                     "variant": name,
@@ -270,11 +282,27 @@ def against_dense(table: list[dict], variants) -> list[dict]:
                     "dense_budget_tokens": rival["budget_tokens"],
                     "dense_kv_bytes_per_token": rival["kv_bytes_per_token"],
                     "dense_bits_per_byte": rival["bits_per_byte_mean"],
-                    "difference": difference,
+                    "difference": difference["mean"],
+                    "difference_ci95": difference["ci95"],
+                    "n": difference["n"],
                     "verdict": verdict,
                 }
             )
     return rows
+
+
+def summaries(rows: list[dict], variants) -> dict:
+    """What the study reports, all from its runs: the table, the train-inference gaps, the frontier
+    points against dense attention, the frontiers."""
+    table = summarize(rows, variants)
+    return {
+        "table": table,
+        "train_inference_gap": train_inference_gaps(rows, variants),
+        "against_dense": against_dense(table, variants),
+        "frontier": {
+            name: [(r["policy"], r["budget_tokens"]) for r in frontier_rows(table, name)] for name in variants
+        },
+    }
 
 
 def capacity_study(
@@ -300,7 +328,6 @@ def capacity_study(
         for seed in seeds:
             for name in variants:
                 rows.extend(measure_run(name, seed, steps, batch_size, runs, x, y, bar))
-    table = summarize(rows, variants)
     study = {
         "budget": {
             "steps": steps,
@@ -317,17 +344,23 @@ def capacity_study(
         "measure_seconds_total": round(sum(r["seconds"] for r in rows), 1),
         "wall_seconds_this_call": round(time.time() - start, 1),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread, torch {torch.__version__}",
-        "table": table,
-        "train_inference_gap": train_inference_gaps(rows, variants),
-        "against_dense": against_dense(table, variants),
-        "frontier": {
-            name: [(r["policy"], r["budget_tokens"]) for r in frontier_rows(table, name)] for name in variants
-        },
+        **summaries(rows, variants),
+        "commit": source_commit(),  # this call's code (runs resumed from runs/ may be older)
         "runs": rows,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(dumps(study, indent=1) + "\n")
     return study
+
+
+def row_spread(row: dict) -> dict:
+    """A table row's bits per byte as stats.mean_ci95 names them."""
+    return {
+        "n": len(row["bits_per_byte"]),
+        "mean": row["bits_per_byte_mean"],
+        "sd": row["bits_per_byte_sd"],
+        "ci95": row["bits_per_byte_ci95"],
+    }
 
 
 def format_table(study: dict) -> str:
@@ -338,7 +371,7 @@ def format_table(study: dict) -> str:
             r["policy"],
             "-" if r["budget_tokens"] is None else r["budget_tokens"],
             "-" if r["fraction"] is None else f"{r['fraction']:g}",
-            f"{r['bits_per_byte_mean']:.3f} ± {r['bits_per_byte_std']:.3f}",
+            mean_sd_text(row_spread(r)),
             round(r["kv_bytes_per_token"]),
             round(r["pool_bytes_per_token"]),
             f"{r['attention_flops_per_token'] / 1e3:.0f}k",
@@ -352,7 +385,7 @@ def format_table(study: dict) -> str:
             "policy",
             "B",
             "of mean row",
-            f"bits/byte ({n} seeds)",
+            f"bits/byte (mean ± s.d., {n} seeds)",
             "KV B/token held",
             "pool B/token",
             "attn FLOPs/token",
@@ -362,8 +395,8 @@ def format_table(study: dict) -> str:
 
 
 def readme_table(study: dict) -> str:
-    """docs/results.md's table: per variant and policy, bits per byte (mean ± spread over seeds) with no
-    budget and at each fraction of the mean row, each with the KV bytes per token held there."""
+    """docs/results.md's table: per variant and policy, bits per byte (mean ± sample s.d. over seeds)
+    with no budget and at each fraction of the mean row, each with the KV bytes per token held there."""
     fractions = study["budget"]["fractions"]
     header = (
         "| variant | policy | no budget | "
@@ -373,7 +406,7 @@ def readme_table(study: dict) -> str:
     lines = [header, "|" + " --- |" * (3 + len(fractions))]
 
     def cell(r):
-        return f"{r['bits_per_byte_mean']:.3f} ± {r['bits_per_byte_std']:.3f} ({round(r['kv_bytes_per_token'])} B)"
+        return f"{mean_sd_text(row_spread(r))} ({round(r['kv_bytes_per_token'])} B)"
 
     for name in study["variants"]:
         none = next(r for r in study["table"] if r["variant"] == name and r["policy"] == "none")

@@ -42,10 +42,11 @@ from tqdm import tqdm
 
 from ..config import ModelConfig, get_config
 from ..generate import generate
-from ..jsonout import dumps
+from ..jsonout import dumps, source_commit
 from ..model import MoEKVTransformer
 from ..plots.tables import text_table
 from ..sampling import SamplingParams
+from ..stats import mean_ci95, mean_sd_text, paired_difference
 from ..training import fit, random_windows
 from . import options
 from .train import load_corpus
@@ -250,18 +251,21 @@ def train_runs(
 def summarize(
     results: list[dict], measured: dict, speeds: dict, context: int, variants=tuple(VARIANTS)
 ) -> dict:
-    """Per variant: bits per byte over seeds (mean, population spread, each), KV bytes, FLOPs,
-    parameters, decode tokens/s."""
+    """Per variant: bits per byte over seeds (mean, sample s.d., Student-t 95% interval, each seed's),
+    KV bytes, FLOPs, parameters, decode tokens/s."""
     table = {}
     for name in variants:
         description = VARIANTS[name][1]
         config = variant_config(name)
         bpb = [r["bits_per_byte"] for r in results if r["variant"] == name]
+        spread = mean_ci95(bpb)
         table[name] = {
             "description": description,
-            "bits_per_byte_mean": statistics.mean(bpb),
-            "bits_per_byte_std": statistics.pstdev(bpb),
+            "bits_per_byte_mean": spread["mean"],
+            "bits_per_byte_sd": spread["sd"],
+            "bits_per_byte_ci95": spread["ci95"],
             "bits_per_byte": bpb,
+            "seeds": [r["seed"] for r in results if r["variant"] == name],
             "kv_bytes_per_token_config": config.kv_bytes_per_token,
             "kv_bytes_per_token_measured": measured[name]["kv_bytes_per_token"],
             "experts_per_token_measured": measured[name]["experts_per_token"],
@@ -311,6 +315,7 @@ def train_family(
         "wall_seconds_this_call": round(time.time() - start, 1),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread, torch {torch.__version__}",
         "variants": summarize(results, measured, speeds, context, variants),
+        "commit": source_commit(),  # this call's code (runs resumed from runs/ may be older)
         "runs": results,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -318,17 +323,46 @@ def train_family(
     return family
 
 
+def spread_of(variant: dict) -> dict:
+    """A variant's bits per byte as stats.mean_ci95 names them."""
+    return {
+        "n": len(variant["bits_per_byte"]),
+        "mean": variant["bits_per_byte_mean"],
+        "sd": variant["bits_per_byte_sd"],
+        "ci95": variant["bits_per_byte_ci95"],
+    }
+
+
+def differences(family: dict, base: str = "expert_topk") -> dict:
+    """base's bits per byte minus each other variant's, paired by seed (the seeds share their data:
+    stats.paired_difference), with the 95% interval of the paired t-test, n stated."""
+    per_seed = {
+        name: dict(zip(v["seeds"], v["bits_per_byte"])) for name, v in family["variants"].items()
+    }
+    return {
+        name: paired_difference(per_seed[base], per_seed[name]) for name in per_seed if name != base
+    }
+
+
+def format_differences(family: dict, base: str = "expert_topk") -> str:
+    """differences() as notebook 09 prints them (two decimals: what reproduces)."""
+    lines = [f"{base} minus each variant, bits per byte, paired by seed: mean [95% interval]"]
+    for name, d in differences(family, base).items():
+        lines.append(f"  {name:<20} {d['mean']:+.2f} [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}]  n = {d['n']}")
+    return "\n".join(lines)
+
+
 def format_table(family: dict) -> str:
     """The variants as the notebook and the command print them (rounded to what reproduces)."""
     rows = [
         [
             name,
-            f"{v['bits_per_byte_mean']:.3f} ± {v['bits_per_byte_std']:.3f}",
+            mean_sd_text(spread_of(v)),
             v["kv_bytes_per_token_config"],
             round(v["kv_bytes_per_token_measured"]),
             f"{v['attention_flops_per_token'] / 1e3:.0f}k",
             f"{v['parameters'] / 1e6:.2f}M",
-            round(v["decode_tokens_per_second"], -1),
+            int(round(v["decode_tokens_per_second"], -1)),  # tens: what reproduces, with no ".0"
         ]
         for name, v in family["variants"].items()
     ]
@@ -336,7 +370,7 @@ def format_table(family: dict) -> str:
     return text_table(
         [
             "variant",
-            f"bits/byte ({n} seed{'s' if n > 1 else ''})",
+            f"bits/byte (mean ± s.d., {n} seeds)" if n > 1 else "bits/byte (1 seed)",
             "KV B/token (config)",
             "KV B/token (held)",
             "attn FLOPs/token",

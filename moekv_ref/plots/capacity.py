@@ -52,8 +52,8 @@ def frontier_rows(table: list[dict], variant: str) -> list[dict]:
 
 
 def plot_capacity(study: dict, costs=("kv", "flops"), variants=None, width: float = 9.5) -> Figure:
-    """One panel per cost: each setting's mean bits per byte over seeds (error bar: one standard
-    deviation) against that cost, colour by variant, marker by policy (a star: no budget); on the KV
+    """One panel per cost: each setting's mean bits per byte over seeds (error bar: one sample
+    standard deviation) against that cost, colour by variant, marker by policy (a star: no budget); on the KV
     panel, each variant's frontier as a line. Lower and further left is better."""
     for cost in costs:
         if cost not in COSTS:
@@ -70,7 +70,7 @@ def plot_capacity(study: dict, costs=("kv", "flops"), variants=None, width: floa
             ax.errorbar(
                 row[key] * scale,
                 row["bits_per_byte_mean"],
-                yerr=row["bits_per_byte_std"],
+                yerr=row["bits_per_byte_sd"],
                 fmt=MARKERS[row["policy"]],
                 ms=9 if row["policy"] == "none" else 5,
                 capsize=2,

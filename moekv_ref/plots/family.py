@@ -23,7 +23,7 @@ LABEL_OFFSETS = {"dense_kv_matched": (6, -16)}  # points: below, where it would 
 
 
 def plot_family(family: dict, costs=("kv", "flops"), width: float = 9.5) -> Figure:
-    """One panel per cost: every variant's mean bits per byte over seeds (error bar: the spread, one
+    """One panel per cost: every variant's mean bits per byte over seeds (error bar: one sample
     standard deviation) against that cost. Lower is better on y."""
     for cost in costs:
         if cost not in COSTS:
@@ -37,7 +37,7 @@ def plot_family(family: dict, costs=("kv", "flops"), width: float = 9.5) -> Figu
             ax.errorbar(
                 v[key] * scale,
                 v["bits_per_byte_mean"],
-                yerr=v["bits_per_byte_std"],
+                yerr=v["bits_per_byte_sd"],
                 fmt="o",
                 ms=7,
                 capsize=4,
