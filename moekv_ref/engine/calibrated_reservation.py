@@ -78,7 +78,7 @@ class CalibratedReservation(ReservationPolicy):
         self.share_sum = None  # (D,) float64: the measured requests' shares, summed
         self.share_sq_sum = None  # (D,) float64: and their squares
         self.num_observed = 0
-        self.observed: set[int] = set()  # request ids measured
+        self.observed: set[int] = set()  # ids of the requests in flight that were measured
 
     def chunk_tokens(self, request, token_budget: int) -> int:
         return min(request.num_pending_tokens, token_budget, self.max_chunk_tokens)
@@ -166,6 +166,10 @@ class CalibratedReservation(ReservationPolicy):
         self.share_sq_sum = self.share_sq_sum + (shares**2).sum(0)
         self.num_observed += int(kept.sum())
         self.observed = self.observed | {r.request_id for r, k in zip(new, kept.tolist()) if k}
+
+    def release(self, request) -> None:
+        # a finished request never comes back: its id goes (its share stays in the prior's sums)
+        self.observed = self.observed - {request.request_id}
 
     @staticmethod
     def _rows(requests, memory) -> tuple[torch.Tensor, torch.Tensor]:

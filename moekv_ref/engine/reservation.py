@@ -7,6 +7,7 @@
     retry(out, error, previous) -> Retry       how (asked only of a policy that retries)
     repairs                                    whether a step that ran short drops chunks instead
     start_step() / note_fault(shortfall)       a step begins / a layer ran short by (D,) blocks
+    release(request)                           a request left (what a policy kept of it goes)
 
 `worst_case(requests, num_tokens)` is the scheduler's worst case of those tokens (m, D): what a step
 could take at most, whatever the routers decide (demand.py's bounds over every row).
@@ -76,6 +77,11 @@ class ReservationPolicy(Stateful):
     def note_fault(self, shortfall: torch.Tensor) -> None:
         """A layer of the step found devices short by shortfall (D,) blocks (a policy that repairs
         is told, once per chunk dropped)."""
+
+    def release(self, request: Request) -> None:
+        """`request` has left the scheduler for good (Scheduler.finish): a policy that keeps
+        something per request forgets it here, so that what it keeps stays bounded by the requests
+        in flight."""
 
     def may_run_short(
         self,

@@ -429,6 +429,7 @@ class Scheduler(Stateful):
         if self.memory.holds(seq_id):
             self.manager.free(seq_id)
         self.batching.release(request)
+        self.reservation.release(request)
         request.finish(step, reason, error, actual_blocks, final_token_counts)
         if request in self.running:
             self.running.remove(request)

@@ -157,6 +157,27 @@ def test_before_enough_requests_are_measured_a_chunk_reserves_its_worst_case():
     assert not asked and stats.num_repairs == 0
 
 
+def test_what_the_policy_keeps_per_request_goes_when_the_request_does():
+    """The ids of measured requests are kept only while they are in flight (Scheduler.finish tells
+    the policy), so a server that runs for days keeps no more than its live requests; their shares
+    stay in the prior. In the trace runner and in the engine alike."""
+    policy = CalibratedReservation(min_observed=4)
+    runner = skewed_runner(policy, blocks_per_device=300, seed=2)
+    stats = runner.run()
+    assert stats.num_finished + stats.num_refused == 96 and policy.num_observed >= stats.num_finished > 0
+    assert policy.observed == set()
+    model = random_model(small_config("expert", "topk", num_hidden_layers=2), seed=0)
+    engine = LLMEngine(
+        model,
+        block_size=4,
+        num_blocks=200,
+        scheduler_config=SchedulerConfig(admission="optimistic", reservation=CalibratedReservation()),
+    )
+    outputs = engine.generate([[3] * 6, [5] * 9, [7] * 4], SamplingParams(max_new_tokens=3))
+    calibrated = engine.scheduler.reservation
+    assert len(outputs) == 3 and calibrated.num_observed == 3 and calibrated.observed == set()
+
+
 @pytest.mark.parametrize(
     "keywords,named",
     [
