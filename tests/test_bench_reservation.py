@@ -282,3 +282,23 @@ def test_the_victims_table_is_the_paired_ratio_to_newest_first():
         f"| 1 x, calibrated | pressure_aware | 10 | {ratio['mean']:.3f} [{ratio['ci95'][0]:.3f}, "
         f"{ratio['ci95'][1]:.3f}] |" in text
     )
+
+
+@pytest.mark.parametrize(
+    "gains,topic_s,ends",
+    [
+        ({"pressure_aware": steady(0.95), "expert_lru": steady(1.01)}, 1.5, "short of the stated gain of 10%: (V) fails"),
+        ({"pressure_aware": steady(0.95), "expert_lru": steady(1.01)}, 0.0, "short of the stated gain of 10%"),
+        ({"pressure_aware": steady(1.15), "expert_lru": steady(1.01)}, 1.5, "the stated gain of 10% holds"),
+    ],
+    ids=["fails", "other-skew", "holds"],
+)
+def test_the_victims_sentence_names_the_best_device_aware_victim_and_its_verdict(gains, topic_s, ends):
+    result = {**victims_result(gains), "topic_s": topic_s}
+    sentence = bench_reservation.victims_verdict(result, 0.125)
+    best = max(gains, key=lambda victim: gains[victim](0))
+    ratio = bench_reservation.summarize_victims(result)["0.125|calibrated"]["over_newest_first"][best]
+    assert sentence.startswith(f"at topic_s {topic_s:g}, the best device-aware victim, {best}, reaches")
+    assert f"{ratio['mean']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}]" in sentence
+    assert sentence.endswith(ends)
+    assert "no verdict" in bench_reservation.victims_verdict({**result, "tasks": {}}, 0.125)

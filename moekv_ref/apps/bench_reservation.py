@@ -677,6 +677,29 @@ def verdict(result: dict, memory: float) -> str:
     )
 
 
+def victims_verdict(result: dict, memory: float, strategy: str = "calibrated") -> str:
+    """What (V) says in this file (one skew) at one memory setting, as the README quotes it: the best
+    device-aware victim's goodput over newest_first's, paired by seed, against the stated gain of
+    10% (with the interval above 1). At a skew of 1.5 or more a shortfall decides (V): it fails."""
+    row = summarize_victims(result).get(f"{memory:g}|{strategy}")
+    aware = {} if row is None else row["over_newest_first"]
+    aware = {v: r for v, r in aware.items() if v in ("pressure_aware", "expert_lru") and r["n"] >= 2}
+    if not aware:
+        return f"no device-aware victim has run at {memory:g}x on two seeds or more: (V) has no verdict"
+    best, ratio = max(aware.items(), key=lambda item: item[1]["mean"])
+    gains = row["best_device_aware_gains_10_percent"]
+    text = (
+        f"at topic_s {result['topic_s']:g}, the best device-aware victim, {best}, reaches "
+        f"{ratio['mean']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}] of newest_first's goodput "
+        f"(n = {ratio['n']})"
+    )
+    if gains:
+        return f"{text}: the stated gain of 10% holds"
+    if result["topic_s"] >= 1.5:
+        return f"{text}, short of the stated gain of 10%: (V) fails"
+    return f"{text}, short of the stated gain of 10%"
+
+
 def status_line(result: dict) -> str:
     """Where the study stands, as docs/results.md says it: the paired seeds so far of each memory
     setting, of how many, and the commits the runs came from."""
