@@ -302,3 +302,25 @@ def test_the_victims_sentence_names_the_best_device_aware_victim_and_its_verdict
     assert f"{ratio['mean']:.3f} [{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}]" in sentence
     assert sentence.endswith(ends)
     assert "no verdict" in bench_reservation.victims_verdict({**result, "tasks": {}}, 0.125)
+
+
+def test_the_robustness_table_ranks_by_the_paired_interval():
+    """Calibrated 1.2x worst case on every seed ranks first; 0.9x ranks worst case first; a ratio
+    whose sign flips with the seed is not told apart. Only memories where both ran appear."""
+    rows = {}
+    for scale, gain in ((1, steady(1.2)), (3, steady(0.9)), (10, lambda seed: 1.0 + (0.2 if seed % 2 else -0.2))):
+        result = synthetic_result(
+            {
+                "worst_case": steady(0.7),
+                "optimistic": steady(0.8),
+                "calibrated": lambda seed, g=gain: 0.7 * g(seed),
+            }
+        )
+        for key in [k for k, t in result["tasks"].items() if t["memory"] != 0.125]:
+            del result["tasks"][key]
+        rows[scale] = result
+    table = bench_reservation.robustness_table(rows).splitlines()
+    assert len(table) == 2 + 3
+    assert table[2].startswith("| x1 | 0.125 x | 10 |") and table[2].endswith("| calibrated first |")
+    assert table[3].startswith("| x3 |") and table[3].endswith("| worst case first |")
+    assert table[4].startswith("| x10 |") and table[4].endswith("| not told apart |")
