@@ -65,3 +65,27 @@ def test_a_budget_makes_the_reservation_exact_and_small():
     assert report["same_tokens_in_every_budgeted_design"]
     assert report["budget"] == {"max_tokens": 4, "policy": "window", "num_sinks": 3}  # one slot moves
     assert all(0 < row["mean_used_fraction"] <= 1 for row in report["designs"].values())
+
+
+def test_the_budget_s_cost_in_quality_is_measured_beside_its_speed(monkeypatch):
+    """budget_quality: held-out bits per byte under the budget against the exact cache, per window
+    length; a budget no row can reach costs nothing (the recompute's float order aside), a binding
+    one is measured as capacity.measure measures it."""
+    import torch
+
+    from moekv_ref.apps import bench_serving
+    from moekv_ref.apps.capacity import heldout_windows, measure
+    from moekv_ref.apps.train import load_corpus
+
+    monkeypatch.setattr(bench_serving, "QUALITY_CONTEXTS", (24, 48))
+    model = random_model(small_config("expert", "threshold", vocab_size=256), seed=0, dtype=torch.float32)
+    tight = RowBudget(3, "window")
+    quality = bench_serving.budget_quality(model, tight, num_windows=2)
+    assert set(quality) == {"24", "48"}
+    x, y = heldout_windows(load_corpus()[1], 2, 48)
+    with torch.no_grad():
+        expected = measure(model, x, y, tight)["bits_per_byte"]
+    assert quality["48"]["bits_per_byte_budget"] == expected
+    assert abs(quality["48"]["cost_bits_per_byte"]) > 1e-3
+    loose = bench_serving.budget_quality(model, RowBudget(48, "window"), num_windows=2)
+    assert all(abs(q["cost_bits_per_byte"]) < 1e-5 for q in loose.values())

@@ -21,8 +21,11 @@ With `--budget B`, the two continuous designs run again with a row budget (cache
 (sequence, layer, expert) row holds at most B tokens, so a request's largest cache is bounded whatever
 its length or routing, and the reserved design's lifetime reservation shrinks to that exact bound.
 A budget changes what the model sees (the policy evicts or refuses), so those rows' tokens are
-compared among themselves, not with the exact cache's. mean_used_fraction: the pool's blocks in use
-after each step, averaged over steps.
+compared among themselves, not with the exact cache's; what it costs the model is measured beside
+them (`budget_quality`): held-out bits per byte with the exact cache and under the budget, on 16
+windows of validation files (never trained on) of 128 bytes, the embedded model's training windows,
+and of 512.
+mean_used_fraction: the pool's blocks in use after each step, averaged over steps.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from ..model import MoEKVTransformer
 from ..paths import output_path
 from ..validation import MAX_INT32, MAX_SERVING_REQUESTS
 from . import options
+from .capacity import NUM_WINDOWS, heldout_windows, measure
+from .train import load_corpus
 
 DESIGNS = ("static", "continuous_reserved", "continuous_paged")
 
@@ -184,6 +189,31 @@ def run_serving_benchmark(
     return report
 
 
+# windows of 128 bytes, the embedded model's training windows (its checkpoint's metadata), and of
+# 512, the capacity study's and the longest the model takes, longer than it was trained on
+QUALITY_CONTEXTS = (128, 512)
+
+
+def budget_quality(model: MoEKVTransformer, budget: RowBudget, num_windows: int = NUM_WINDOWS) -> dict:
+    """What the budget costs the model beside what it buys in tokens/s: held-out bits per byte
+    with the exact cache and under the budget (capacity.measure: the budgeted recompute, which the
+    tests hold equal to the paged cache), on held-out windows of each QUALITY_CONTEXTS length."""
+    _, valid_data = load_corpus()
+    rows = {}
+    for context in QUALITY_CONTEXTS:
+        x, y = heldout_windows(valid_data, num_windows, context)
+        with torch.no_grad():
+            exact = measure(model, x, y, None)["bits_per_byte"]
+            budgeted = measure(model, x, y, budget)["bits_per_byte"]
+        rows[str(context)] = {
+            "windows": int(x.shape[0]),
+            "bits_per_byte_exact": exact,
+            "bits_per_byte_budget": budgeted,
+            "cost_bits_per_byte": budgeted - exact,
+        }
+    return rows
+
+
 def format_serving_report(report: dict) -> str:
     budget = report["memory_budget"]
     lines = [
@@ -213,6 +243,12 @@ def format_serving_report(report: dict) -> str:
         lines.append(
             f"budget: at most {b['max_tokens']} tokens per (sequence, layer, expert) row, policy {b['policy']}; "
             f"same tokens in every budgeted design: {report['same_tokens_in_every_budgeted_design']}"
+        )
+    for context, q in report.get("quality", {}).items():
+        lines.append(
+            f"what the budget costs the model on {q['windows']} held-out windows of {context} bytes: "
+            f"{q['bits_per_byte_budget']:.3f} bits per byte against {q['bits_per_byte_exact']:.3f} with "
+            f"the exact cache ({q['cost_bits_per_byte']:+.3f})"
         )
     return "\n".join(lines)
 
@@ -294,6 +330,8 @@ def main(args) -> int:
     policy = "window" if args.budget_policy is None else args.budget_policy
     budget = None if args.budget is None else RowBudget(args.budget, policy)
     report = run_serving_benchmark(model, block_size=args.block_size, seed=args.seed, budget=budget, **sizes)
+    if budget is not None:
+        report["quality"] = budget_quality(model, budget)
     print(format_serving_report(report))
     if args.json:
         with open(output_path(args.json), "w") as handle:
