@@ -37,7 +37,7 @@ from ..checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from ..config import get_config
 from ..engine import LLMEngine, SchedulerConfig
 from ..engine.workload import make_workload, run_workload
-from ..jsonout import dump
+from ..jsonout import dump, source_commit
 from ..model import MoEKVTransformer
 from ..paths import output_path
 from ..validation import MAX_INT32, MAX_SERVING_REQUESTS
@@ -332,6 +332,7 @@ def main(args) -> int:
     report = run_serving_benchmark(model, block_size=args.block_size, seed=args.seed, budget=budget, **sizes)
     if budget is not None:
         report["quality"] = budget_quality(model, budget)
+    report["commit"] = source_commit()  # the code that ran (-dirty: with uncommitted changes)
     print(format_serving_report(report))
     if args.json:
         with open(output_path(args.json), "w") as handle:
