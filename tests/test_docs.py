@@ -1173,6 +1173,28 @@ def test_every_link_to_a_section_names_a_heading():
     assert not unknown, unknown
 
 
+def test_the_robustness_check_in_the_results_is_its_json():
+    """docs/results.md's x3 / x10 table is robustness_table of the three committed studies (each run
+    from a clean commit, at the step-time scale its name says), and every number of the prose under
+    it is one the table prints."""
+    studies = {1: _figure("reservation_study.json")}
+    for scale in (3, 10):
+        study = _figure(f"reservation_study_x{scale}.json")
+        assert study["time_scale"] == scale and study["scales"]["cost_model"].endswith(f"x {scale}")
+        assert study["commits"] and not any(commit.endswith("-dirty") for commit in study["commits"])
+        assert all(task["commit"] in study["commits"] for task in study["tasks"].values())
+        studies[scale] = study
+    text = RESULTS.read_text(encoding="utf-8")
+    table = bench_reservation.robustness_table(studies)
+    assert table in text
+    section = text.split("### Robustness: every step time x3 and x10", 1)[1].split("\n## ", 1)[0]
+    prose = section.split(table, 1)[1]
+    quoted = set(re.findall(r"\d+\.\d+", prose))
+    assert quoted and quoted <= set(re.findall(r"\d+\.\d+", table)), quoted
+    for scale in (3, 10):
+        assert f"--time-scale {scale} --json figures/reservation_study_x{scale}.json" in text
+
+
 def test_the_reservation_study_in_the_results_is_its_json():
     """docs/results.md's reservation section: its status line and tables are bench_reservation's of
     the committed JSON, whose runs all came from a commit with no uncommitted changes."""
