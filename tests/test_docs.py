@@ -387,6 +387,14 @@ def test_results_serving_budget_table_is_what_its_json_says():
         1,
     )
     assert measured["same_tokens_in_every_budgeted_design"]
+    quality = measured["quality"]  # what the budget costs the model, beside its tokens/s
+    short, long = quality["128"], quality["512"]
+    assert (
+        f"the window gives {short['bits_per_byte_budget']:.3f} bits per byte against "
+        f"{short['bits_per_byte_exact']:.3f} with the exact cache ({short['cost_bits_per_byte']:+.3f})" in prose
+    )
+    assert f"{long['bits_per_byte_budget']:.3f} against {long['bits_per_byte_exact']:.3f}: the window helps" in prose
+    assert long["cost_bits_per_byte"] < 0 and not measured["commit"].endswith("-dirty")
 
 
 def test_every_committed_json_is_strict_json():

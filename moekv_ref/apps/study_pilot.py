@@ -9,8 +9,12 @@ cosine schedule: --drill-steps on DRILL windows (256 bytes, 5-7 assignments stac
 corpus text, 20-250 bytes back), --short-steps on SHORT windows (256 bytes, 2-3 assignments 40-250
 bytes back), then --steps on the task's own FULL windows, the asserts' value bytes weighted
 --probe-weight in the mean loss. Plain next-byte training (weight 1), and a weight of 4 after 1,600
-drill steps, retrieved at chance on this machine's budget; the defaults are the recipe that passed
-(figures/study_recall_pilot.json: 600 full steps, then continued to 1,600, its "plans"). Then,
+drill steps, retrieved at chance on this machine's budget. The defaults, run fresh from a clean
+commit as one schedule (figures/study_recall_pilot.json, its "plans"), do not pass the gate:
+retrieval 0.243 with full attention. An earlier run from an uncommitted tree passed (0.996) with
+600 full steps first and then continued to 1,600 under a second schedule (the JSON of commit
+8504aef, which records 73ec8b4-dirty); that recipe has not been reproduced from a commit, so the
+gate stands unpassed. Then,
 on --probe-windows validation windows (held-out files, never trained on): retrieval accuracy of the
 asserts' value bytes with a 95% interval, bits per byte on every other byte and on the corpus's
 own bytes, with full causal attention and with attention restricted to a sliding window of W bytes
