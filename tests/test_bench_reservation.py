@@ -287,8 +287,16 @@ def test_the_victims_table_is_the_paired_ratio_to_newest_first():
 @pytest.mark.parametrize(
     "gains,topic_s,ends",
     [
-        ({"pressure_aware": steady(0.95), "expert_lru": steady(1.01)}, 1.5, "short of the stated gain of 10%: (V) fails"),
-        ({"pressure_aware": steady(0.95), "expert_lru": steady(1.01)}, 0.0, "short of the stated gain of 10%"),
+        (
+            {"pressure_aware": steady(0.95), "expert_lru": steady(1.01)},
+            1.5,
+            "short of the stated gain of 10%: (V) fails",
+        ),
+        (
+            {"pressure_aware": steady(0.95), "expert_lru": steady(1.01)},
+            0.0,
+            "short of the stated gain of 10%",
+        ),
         ({"pressure_aware": steady(1.15), "expert_lru": steady(1.01)}, 1.5, "the stated gain of 10% holds"),
     ],
     ids=["fails", "other-skew", "holds"],
@@ -308,7 +316,11 @@ def test_the_robustness_table_ranks_by_the_paired_interval():
     """Calibrated 1.2x worst case on every seed ranks first; 0.9x ranks worst case first; a ratio
     whose sign flips with the seed is not told apart. Only memories where both ran appear."""
     rows = {}
-    for scale, gain in ((1, steady(1.2)), (3, steady(0.9)), (10, lambda seed: 1.0 + (0.2 if seed % 2 else -0.2))):
+    for scale, gain in (
+        (1, steady(1.2)),
+        (3, steady(0.9)),
+        (10, lambda seed: 1.0 + (0.2 if seed % 2 else -0.2)),
+    ):
         result = synthetic_result(
             {
                 "worst_case": steady(0.7),

@@ -391,9 +391,13 @@ def test_results_serving_budget_table_is_what_its_json_says():
     short, long = quality["128"], quality["512"]
     assert (
         f"the window gives {short['bits_per_byte_budget']:.3f} bits per byte against "
-        f"{short['bits_per_byte_exact']:.3f} with the exact cache ({short['cost_bits_per_byte']:+.3f})" in prose
+        f"{short['bits_per_byte_exact']:.3f} with the exact cache ({short['cost_bits_per_byte']:+.3f})"
+        in prose
     )
-    assert f"{long['bits_per_byte_budget']:.3f} against {long['bits_per_byte_exact']:.3f}: the window helps" in prose
+    assert (
+        f"{long['bits_per_byte_budget']:.3f} against {long['bits_per_byte_exact']:.3f}: the window helps"
+        in prose
+    )
     assert long["cost_bits_per_byte"] < 0 and not measured["commit"].endswith("-dirty")
 
 

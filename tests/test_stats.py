@@ -22,7 +22,9 @@ def test_the_paired_difference_is_the_t_interval_of_the_per_seed_differences():
     result = paired_difference(a, b)
     assert result["n"] == 5
     assert result["mean"] == pytest.approx(statistics.fmean(d), abs=1e-12)
-    assert result["ci95"] == pytest.approx([statistics.fmean(d) - half, statistics.fmean(d) + half], abs=1e-12)
+    assert result["ci95"] == pytest.approx(
+        [statistics.fmean(d) - half, statistics.fmean(d) + half], abs=1e-12
+    )
     ratio = paired_ratio(a, b)
     assert ratio["mean"] == pytest.approx(statistics.fmean(a[s] / b[s] for s in range(5)), abs=1e-12)
 
@@ -33,7 +35,9 @@ def test_pairing_sees_a_small_steady_difference_that_the_spread_across_seeds_hid
     rng = random.Random(11)
     base = {seed: 3.0 + rng.gauss(0, 0.5) for seed in range(3)}
     worse = {seed: value + 0.1 + rng.gauss(0, 0.005) for seed, value in base.items()}
-    assert abs(statistics.fmean(worse.values()) - statistics.fmean(base.values())) < 2 * statistics.stdev(base.values())
+    assert abs(statistics.fmean(worse.values()) - statistics.fmean(base.values())) < 2 * statistics.stdev(
+        base.values()
+    )
     assert sign_of(paired_difference(worse, base)) == 1
     assert sign_of(paired_difference(base, worse)) == -1
 

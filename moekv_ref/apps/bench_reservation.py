@@ -379,7 +379,9 @@ def summarize_victims(result: dict) -> dict:
             }
             if VICTIM not in per or not per[VICTIM]:
                 continue
-            ratios = {victim: paired_ratio(per[victim], per[VICTIM]) for victim in victims if victim != VICTIM}
+            ratios = {
+                victim: paired_ratio(per[victim], per[VICTIM]) for victim in victims if victim != VICTIM
+            }
             aware = [ratios[v] for v in ("pressure_aware", "expert_lru") if v in ratios]
             best = max(aware, key=lambda r: r["mean"], default=None)
             summary[f"{memory:g}|{strategy}"] = {

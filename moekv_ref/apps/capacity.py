@@ -353,16 +353,6 @@ def capacity_study(
     return study
 
 
-def row_spread(row: dict) -> dict:
-    """A table row's bits per byte as stats.mean_ci95 names them."""
-    return {
-        "n": len(row["bits_per_byte"]),
-        "mean": row["bits_per_byte_mean"],
-        "sd": row["bits_per_byte_sd"],
-        "ci95": row["bits_per_byte_ci95"],
-    }
-
-
 def format_table(study: dict) -> str:
     """The table as the command and the notebook print it (rounded to what reproduces)."""
     rows = [
@@ -371,7 +361,7 @@ def format_table(study: dict) -> str:
             r["policy"],
             "-" if r["budget_tokens"] is None else r["budget_tokens"],
             "-" if r["fraction"] is None else f"{r['fraction']:g}",
-            mean_sd_text(row_spread(r)),
+            mean_sd_text(family.spread_of(r)),
             round(r["kv_bytes_per_token"]),
             round(r["pool_bytes_per_token"]),
             f"{r['attention_flops_per_token'] / 1e3:.0f}k",
@@ -406,7 +396,7 @@ def readme_table(study: dict) -> str:
     lines = [header, "|" + " --- |" * (3 + len(fractions))]
 
     def cell(r):
-        return f"{mean_sd_text(row_spread(r))} ({round(r['kv_bytes_per_token'])} B)"
+        return f"{mean_sd_text(family.spread_of(r))} ({round(r['kv_bytes_per_token'])} B)"
 
     for name in study["variants"]:
         none = next(r for r in study["table"] if r["variant"] == name and r["policy"] == "none")

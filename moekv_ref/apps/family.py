@@ -323,32 +323,31 @@ def train_family(
     return family
 
 
-def spread_of(variant: dict) -> dict:
-    """A variant's bits per byte as stats.mean_ci95 names them."""
+def spread_of(row: dict) -> dict:
+    """A table row's bits per byte over seeds (a variant's here, a setting's in apps/capacity.py) as
+    stats.mean_ci95 names them."""
     return {
-        "n": len(variant["bits_per_byte"]),
-        "mean": variant["bits_per_byte_mean"],
-        "sd": variant["bits_per_byte_sd"],
-        "ci95": variant["bits_per_byte_ci95"],
+        "n": len(row["bits_per_byte"]),
+        "mean": row["bits_per_byte_mean"],
+        "sd": row["bits_per_byte_sd"],
+        "ci95": row["bits_per_byte_ci95"],
     }
 
 
 def differences(family: dict, base: str = "expert_topk") -> dict:
     """base's bits per byte minus each other variant's, paired by seed (the seeds share their data:
     stats.paired_difference), with the 95% interval of the paired t-test, n stated."""
-    per_seed = {
-        name: dict(zip(v["seeds"], v["bits_per_byte"])) for name, v in family["variants"].items()
-    }
-    return {
-        name: paired_difference(per_seed[base], per_seed[name]) for name in per_seed if name != base
-    }
+    per_seed = {name: dict(zip(v["seeds"], v["bits_per_byte"])) for name, v in family["variants"].items()}
+    return {name: paired_difference(per_seed[base], per_seed[name]) for name in per_seed if name != base}
 
 
 def format_differences(family: dict, base: str = "expert_topk") -> str:
     """differences() as notebook 09 prints them (two decimals: what reproduces)."""
     lines = [f"{base} minus each variant, bits per byte, paired by seed: mean [95% interval]"]
     for name, d in differences(family, base).items():
-        lines.append(f"  {name:<20} {d['mean']:+.2f} [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}]  n = {d['n']}")
+        lines.append(
+            f"  {name:<20} {d['mean']:+.2f} [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}]  n = {d['n']}"
+        )
     return "\n".join(lines)
 
 

@@ -157,6 +157,17 @@ def test_before_enough_requests_are_measured_a_chunk_reserves_its_worst_case():
     assert not asked and stats.num_repairs == 0
 
 
+def calibrated_engine(num_hidden_layers: int) -> LLMEngine:
+    """A random top-2 expert model's engine under calibrated reservation, 200 blocks of 4."""
+    model = random_model(small_config("expert", "topk", num_hidden_layers=num_hidden_layers), seed=0)
+    return LLMEngine(
+        model,
+        block_size=4,
+        num_blocks=200,
+        scheduler_config=SchedulerConfig(admission="optimistic", reservation=CalibratedReservation()),
+    )
+
+
 def test_what_the_policy_keeps_per_request_goes_when_the_request_does():
     """The ids of measured requests are kept only while they are in flight (Scheduler.finish tells
     the policy), so a server that runs for days keeps no more than its live requests; their shares
@@ -166,13 +177,7 @@ def test_what_the_policy_keeps_per_request_goes_when_the_request_does():
     stats = runner.run()
     assert stats.num_finished + stats.num_refused == 96 and policy.num_observed >= stats.num_finished > 0
     assert policy.observed == set()
-    model = random_model(small_config("expert", "topk", num_hidden_layers=2), seed=0)
-    engine = LLMEngine(
-        model,
-        block_size=4,
-        num_blocks=200,
-        scheduler_config=SchedulerConfig(admission="optimistic", reservation=CalibratedReservation()),
-    )
+    engine = calibrated_engine(num_hidden_layers=2)
     outputs = engine.generate([[3] * 6, [5] * 9, [7] * 4], SamplingParams(max_new_tokens=3))
     calibrated = engine.scheduler.reservation
     assert len(outputs) == 3 and calibrated.num_observed == 3 and calibrated.observed == set()
@@ -286,13 +291,7 @@ def test_the_paged_cache_names_the_layer_whose_append_ran_short():
 def test_a_repair_in_the_engine_counts_the_layers_run_up_to_the_short_one():
     """LLMEngine's repair: the chunk scheduled last leaves the step and its tokens x (short layer +
     1) are counted thrown away (layer 1 of 3: two layers' work)."""
-    model = random_model(small_config("expert", "topk", num_hidden_layers=3), seed=0)
-    engine = LLMEngine(
-        model,
-        block_size=4,
-        num_blocks=200,
-        scheduler_config=SchedulerConfig(admission="optimistic", reservation=CalibratedReservation()),
-    )
+    engine = calibrated_engine(num_hidden_layers=3)
     for prompt_len in (6, 5):
         engine.add_request([3] * prompt_len, SamplingParams(max_new_tokens=2))
     decision = engine.scheduler.schedule(0)
