@@ -557,6 +557,7 @@ def test_results_cluster_tables_are_what_their_json_says():
     assert (scale["layers"], scale["experts"], scale["top_k"], scale["devices"]) == SPEED_SHAPES[1][:4]
     assert scale["distinct_routings"] == SCALE_ROUTINGS == 32768 and "a bank of 32,768 routings" in prose
     assert f"{scale['requests']:,} requests on the fine-grained shape" in prose
+    assert f"run from commit {scale['commit']}" in prose and not scale["commit"].endswith("-dirty")
     assert scale["finished"] == scale["requests"] and "every request finished" in prose
     assert f"took {scale['total_seconds'] / 60:.1f} minutes" in prose
     assert f"{scale['trace_seconds']:.1f} s for the trace, {scale['setup_seconds']:.1f} s to set" in prose
